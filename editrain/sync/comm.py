@@ -1,0 +1,174 @@
+"""The communication path of the sync engine.
+
+All cross-replica collectives (on the *sync* group) and the engine's own shard-group
+statistics run here, on one dedicated thread with a FIFO of jobs. Why a thread:
+
+* the forward pass keeps computing unit ``u`` while the collectives of unit ``u + 1`` are in
+  flight (gloo collectives release the GIL; on CUDA the jobs run on a side stream);
+* one FIFO per process group keeps the collective order identical on every rank.
+
+FSDP2 issues its own shard-group collectives from the main thread, so the engine uses a
+*private* duplicate of the shard group here: two threads never share one process group.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+# torch >= 2.10 renamed all_gather_into_tensor; keep working on both sides of the rename.
+_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+LinkDelay = Callable[[int], float]
+"""Simulated slow link: bytes of one message -> seconds of extra wall time."""
+
+
+@dataclass
+class CommStats:
+    """Counters of what went over the wire; reset by the engine after each sync."""
+
+    sync_collectives: int = 0
+    """Collectives on the sync group (cross-replica traffic)."""
+    shard_collectives: int = 0
+    """Collectives on the engine's private shard group."""
+    bytes_sent: int = 0
+    """Bytes this rank contributed to cross-replica collectives."""
+    max_message_bytes: int = 0
+    """Largest single cross-replica message."""
+    comm_time_s: float = 0.0
+    """Wall time spent inside collectives (including simulated link delay)."""
+    link_delay_s: float = 0.0
+    """Part of ``comm_time_s`` that is simulated link delay."""
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def snapshot(self) -> dict[str, Any]:
+        """Plain-data copy of the counters."""
+        with self._lock:
+            return {
+                "sync_collectives": self.sync_collectives,
+                "shard_collectives": self.shard_collectives,
+                "bytes_sent": self.bytes_sent,
+                "max_message_bytes": self.max_message_bytes,
+                "comm_time_s": self.comm_time_s,
+                "link_delay_s": self.link_delay_s,
+            }
+
+    def reset(self) -> None:
+        """Zero every counter."""
+        with self._lock:
+            self.sync_collectives = self.shard_collectives = 0
+            self.bytes_sent = self.max_message_bytes = 0
+            self.comm_time_s = self.link_delay_s = 0.0
+
+
+class CommPath:
+    """A FIFO thread that runs collective jobs for the sync engine.
+
+    Args:
+        sync_group: process group of this rank's sync group (its ``R`` peers), or None if R=1.
+        shard_group: a *private* process group over this rank's replica, or None if S=1.
+        device: device of the tensors the jobs touch (selects the side stream on CUDA).
+        link_delay: optional simulated link cost per cross-replica message.
+    """
+
+    def __init__(
+        self,
+        sync_group: dist.ProcessGroup | None,
+        shard_group: dist.ProcessGroup | None,
+        device: torch.device,
+        link_delay: LinkDelay | None = None,
+    ) -> None:
+        self.sync_group = sync_group
+        self.shard_group = shard_group
+        self.sync_size = dist.get_world_size(sync_group) if sync_group is not None else 1
+        self.shard_size = dist.get_world_size(shard_group) if shard_group is not None else 1
+        self.device = device
+        self.link_delay = link_delay
+        self.stats = CommStats()
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="editrain-comm")
+        self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+
+    # ------------------------------------------------------------------ jobs
+    def submit(self, fn: Callable[..., Any], *args: Any) -> Future:
+        """Queue ``fn(*args)`` behind every job submitted before it."""
+        if self._stream is None:
+            return self._pool.submit(fn, *args)
+        # The job reads tensors the main stream wrote: order it after them.
+        ready = torch.cuda.current_stream(self.device).record_event()
+        return self._pool.submit(self._run_on_side_stream, ready, fn, *args)
+
+    def run(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """Queue ``fn(*args)`` and wait for its result (blocking)."""
+        return self.submit(fn, *args).result()
+
+    def _run_on_side_stream(self, ready: Any, fn: Callable[..., Any], *args: Any) -> Any:
+        assert self._stream is not None
+        with torch.cuda.stream(self._stream):
+            self._stream.wait_event(ready)
+            out = fn(*args)
+        # Results are consumed by the main stream right after the future resolves.
+        self._stream.synchronize()
+        return out
+
+    def close(self) -> None:
+        """Finish queued jobs and stop the thread."""
+        self._pool.shutdown(wait=True)
+
+    # ------------------------------------------------------------------ collectives
+    # The methods below are called from inside jobs, i.e. on the communication thread.
+    def _delay(self, nbytes: int) -> float:
+        if self.link_delay is None:
+            return 0.0
+        seconds = self.link_delay(nbytes)
+        if seconds > 0:
+            time.sleep(seconds)
+        return seconds
+
+    @contextlib.contextmanager
+    def _timed_sync(self, nbytes: int):
+        t0 = time.perf_counter()
+        delay = self._delay(nbytes)
+        yield
+        elapsed = time.perf_counter() - t0
+        with self.stats._lock:
+            self.stats.sync_collectives += 1
+            self.stats.bytes_sent += nbytes
+            self.stats.max_message_bytes = max(self.stats.max_message_bytes, nbytes)
+            self.stats.comm_time_s += elapsed
+            self.stats.link_delay_s += delay
+
+    def all_reduce_sync(self, tensor: torch.Tensor) -> None:
+        """In-place sum over the sync group (cross-replica)."""
+        if self.sync_size == 1:
+            return
+        with self._timed_sync(tensor.numel() * tensor.element_size()):
+            dist.all_reduce(tensor, group=self.sync_group)
+
+    def all_gather_sync(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Gather ``tensor`` from every replica: result shape ``[R, *tensor.shape]``."""
+        if self.sync_size == 1:
+            return tensor.unsqueeze(0).clone()
+        # Flat output: gloo wants [R * n], not [R, n].
+        out = torch.empty(self.sync_size * tensor.numel(), dtype=tensor.dtype,
+                          device=tensor.device)
+        with self._timed_sync(tensor.numel() * tensor.element_size()):
+            _all_gather_flat(out, tensor.reshape(-1).contiguous(), group=self.sync_group)
+        return out.view(self.sync_size, *tensor.shape)
+
+    def all_reduce_shard(self, tensor: torch.Tensor, op: dist.ReduceOp = dist.ReduceOp.SUM) -> None:
+        """In-place reduction over this replica's ranks (fast intra-replica link)."""
+        if self.shard_size == 1:
+            return
+        t0 = time.perf_counter()
+        dist.all_reduce(tensor, op=op, group=self.shard_group)
+        with self.stats._lock:
+            self.stats.shard_collectives += 1
+            self.stats.comm_time_s += time.perf_counter() - t0

@@ -1,0 +1,168 @@
+"""Configuration of the sync engine: one dataclass per concern, named as in the reference.
+
+``SyncConfig`` is what the engine consumes. Its fields that are ``None`` mean "the method's
+default" and are filled in by :func:`SyncConfig.resolve`; the per-method defaults live in
+:mod:`editrain.sync.methods` so that one table says what each method is.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields, replace
+from typing import Any
+
+METHODS = ("sync", "post_local_sgd", "diloco", "edit", "aedit")
+REDUCERS = ("linear", "gta")
+CONSENSUS = ("sum", "count")
+SPARSIFICATION = ("magnitude", "random", "rescaled_random")
+
+
+def _check(cond: bool, option: str, msg: str) -> None:
+    if not cond:
+        raise ValueError(f"{option}: {msg}")
+
+
+@dataclass
+class GTAConfig:
+    """Optional GTA reducer (sparsification + sign consensus) over pseudo-gradients."""
+
+    reducer: str | None = None
+    """Reducer: none/"linear" (weighted mean) or "gta"."""
+    consensus_method: str = "sum"
+    """GTA sign consensus: "sum" (sign of the weighted sum) or "count" (majority of signs)."""
+    sparsification_method: str | None = None
+    """GTA sparsification: none, "magnitude", "random" or "rescaled_random"."""
+    normalize: bool = True
+    """GTA: divide by the summed weights of the replicas that kept each entry."""
+    density: float = 1.0
+    """GTA: fraction of entries kept by sparsification, in (0, 1]."""
+    int8_mask: bool = False
+    """GTA: keep masks as int8 to save memory (no numeric change)."""
+
+    def __post_init__(self) -> None:
+        if self.reducer is not None:
+            _check(self.reducer in REDUCERS, "sync.gta.reducer",
+                   f"unknown reducer {self.reducer!r}; allowed: none, {', '.join(REDUCERS)}")
+        _check(self.consensus_method in CONSENSUS, "sync.gta.consensus_method",
+               f"unknown method {self.consensus_method!r}; allowed: {', '.join(CONSENSUS)}")
+        if self.sparsification_method is not None:
+            _check(self.sparsification_method in SPARSIFICATION,
+                   "sync.gta.sparsification_method",
+                   f"unknown method {self.sparsification_method!r}; allowed: none, "
+                   f"{', '.join(SPARSIFICATION)}")
+        _check(0.0 < self.density <= 1.0, "sync.gta.density",
+               f"must be in (0, 1], got {self.density}")
+
+
+@dataclass
+class SyncConfig:
+    """The training method and every local-SGD option (names follow the EDiT reference)."""
+
+    method: str = "edit"
+    """Method: sync (HSDP), post_local_sgd, diloco, edit (layer-wise) or aedit (time-based)."""
+    local_sgd_sync_interval: int | None = None
+    """H: inner steps between syncs (edit, diloco, post_local_sgd). Default per method."""
+    local_sgd_warmup_steps: int = 0
+    """Synchronous (HSDP) steps before the local phase starts; anchors are created after them."""
+    outer_optim_class: str | None = None
+    """Outer optimizer over the anchors: "sgd", "adam", "adamw", "agd", a dotted class path, or
+    "none" for plain model averaging. Default per method."""
+    outer_optim_kwargs: dict[str, Any] | None = None
+    """Keyword arguments of the outer optimizer (default for sgd: lr 0.7, momentum 0.9,
+    nesterov)."""
+    cpu_offload: bool = False
+    """Keep anchors and outer optimizer state in CPU memory between syncs."""
+    prefetch_depth: int = 1
+    """Layer-wise sync: how many units ahead the collectives run (0 = no overlap)."""
+    layerwise: bool | None = None
+    """Sync unit by unit during the next forward (True) or all at once at the step boundary."""
+    clip_pseudo_grad: float | None = None
+    """Clip each unit's reduced pseudo-gradient to this norm (0 or none: off)."""
+    pseudo_gradnorm_reduce: bool | None = None
+    """Weight replicas by softmax(-norm / T) of their pseudo-gradient norms, per unit."""
+    weight_softmax_temperature: float = 1.0
+    """T of the pseudo-gradient norm softmax (> 0)."""
+    skip_anomaly: bool | None = None
+    """Exclude replicas whose pseudo-gradient norm is an EWMA outlier, per unit."""
+    ewma_alpha: float = 0.02
+    """Anomaly detector: EWMA smoothing factor in (0, 1]."""
+    ewma_warmup_steps: int = 120
+    """Anomaly detector: syncs observed before it may flag anything."""
+    ewma_threshold: float = 3.0
+    """Anomaly detector: z-score threshold (> 0)."""
+    local_sgd_sync_time: float = 600.0
+    """A-EDiT: wall-clock seconds between syncs."""
+    min_total_global_steps: int = 1
+    """A-EDiT: skip a sync (and restart clocks) when replicas did fewer steps in total."""
+    use_step_weight: bool = True
+    """A-EDiT: mix step-count weights (steps since the last sync) into the replica weights."""
+    step_weight_ratio: float = 0.5
+    """A-EDiT: share r of the step weights in (1 - r) * w + r * s, in [0, 1]."""
+    gta: GTAConfig = field(default_factory=GTAConfig)
+    """GTA reducer options."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.gta, dict):
+            self.gta = GTAConfig(**self.gta)
+        _check(self.method in METHODS, "sync.method",
+               f"unknown method {self.method!r}; allowed: {', '.join(METHODS)}")
+        if self.local_sgd_sync_interval is not None:
+            _check(self.local_sgd_sync_interval >= 1, "sync.local_sgd_sync_interval",
+                   f"must be >= 1, got {self.local_sgd_sync_interval}")
+        _check(self.local_sgd_warmup_steps >= 0, "sync.local_sgd_warmup_steps",
+               f"must be >= 0, got {self.local_sgd_warmup_steps}")
+        _check(self.prefetch_depth >= 0, "sync.prefetch_depth",
+               f"must be >= 0, got {self.prefetch_depth}")
+        if self.clip_pseudo_grad is not None:
+            _check(self.clip_pseudo_grad >= 0, "sync.clip_pseudo_grad",
+                   f"must be > 0 (or 0/none to disable), got {self.clip_pseudo_grad}")
+        _check(self.weight_softmax_temperature > 0, "sync.weight_softmax_temperature",
+               f"must be > 0, got {self.weight_softmax_temperature}")
+        _check(0.0 < self.ewma_alpha <= 1.0, "sync.ewma_alpha",
+               f"must be in (0, 1], got {self.ewma_alpha}")
+        _check(self.ewma_warmup_steps >= 0, "sync.ewma_warmup_steps",
+               f"must be >= 0, got {self.ewma_warmup_steps}")
+        _check(self.ewma_threshold > 0, "sync.ewma_threshold",
+               f"must be > 0, got {self.ewma_threshold}")
+        _check(self.local_sgd_sync_time > 0, "sync.local_sgd_sync_time",
+               f"must be > 0 seconds, got {self.local_sgd_sync_time}")
+        _check(self.min_total_global_steps >= 0, "sync.min_total_global_steps",
+               f"must be >= 0, got {self.min_total_global_steps}")
+        _check(0.0 <= self.step_weight_ratio <= 1.0, "sync.step_weight_ratio",
+               f"must be in [0, 1], got {self.step_weight_ratio}")
+        if self.outer_optim_kwargs is not None:
+            _check(isinstance(self.outer_optim_kwargs, dict), "sync.outer_optim_kwargs",
+                   "must be a table, e.g. {lr = 0.7, momentum = 0.9, nesterov = true}")
+
+    # ------------------------------------------------------------------ derived views
+    @property
+    def use_async(self) -> bool:
+        """A-EDiT's time-based trigger (the reference's ``use_async``)."""
+        return self.method == "aedit"
+
+    @property
+    def is_local_sgd(self) -> bool:
+        """Whether the run ever leaves synchronous training."""
+        return self.method != "sync"
+
+    @property
+    def penalty_enabled(self) -> bool:
+        """Whether per-unit statistics are needed (any penalty part is on)."""
+        return bool(self.skip_anomaly or self.pseudo_gradnorm_reduce)
+
+    def resolve(self) -> SyncConfig:
+        """A copy with every per-method default filled in (see ``methods.METHOD_DEFAULTS``)."""
+        from editrain.sync.methods import METHOD_DEFAULTS
+
+        defaults = METHOD_DEFAULTS[self.method]
+        updates = {
+            f.name: defaults[f.name]
+            for f in fields(self)
+            if getattr(self, f.name) is None and f.name in defaults
+        }
+        out = replace(self, **updates)
+        if out.outer_optim_kwargs is None:
+            out.outer_optim_kwargs = (
+                {"lr": 0.7, "momentum": 0.9, "nesterov": True}
+                if out.outer_optim_class == "sgd" else {}
+            )
+        return out

@@ -1,0 +1,178 @@
+"""Per-unit outer state: the fp32 anchor of this rank's shard and the outer optimizer over it.
+
+A *unit* is a group of parameters sharded together by FSDP2 (one transformer block, or the
+root: embeddings, final norm, head). The anchor ``A`` is the flat fp32 concatenation of this
+rank's local shards as of the last sync, so a unit's cross-replica traffic is one message of
+``1/S`` of the unit.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+OuterFactory = Callable[[list[torch.Tensor]], torch.optim.Optimizer]
+
+_OUTER_NAMES = {
+    "sgd": "torch.optim.SGD",
+    "adam": "torch.optim.Adam",
+    "adamw": "torch.optim.AdamW",
+    "agd": "editrain.optim.AGD",
+}
+
+
+def resolve_optimizer_class(name: str | type | None) -> type | None:
+    """Map an outer optimizer name (or class, or dotted path) to a class; None/"none" -> None.
+
+    Args:
+        name: "sgd", "adam", "adamw", "agd", "none", a dotted path such as
+            "torch.optim.RMSprop", or an ``Optimizer`` subclass.
+    """
+    if name is None or (isinstance(name, str) and name.lower() == "none"):
+        return None
+    if isinstance(name, type):
+        if not issubclass(name, torch.optim.Optimizer):
+            raise ValueError(f"sync.outer_optim_class: {name} is not a torch.optim.Optimizer")
+        return name
+    path = _OUTER_NAMES.get(name.lower(), name)
+    module_name, _, attr = path.rpartition(".")
+    try:
+        cls = getattr(importlib.import_module(module_name), attr) if module_name else None
+    except (ImportError, AttributeError):
+        cls = None
+    if not isinstance(cls, type) or not issubclass(cls, torch.optim.Optimizer):
+        raise ValueError(
+            f"sync.outer_optim_class: unknown optimizer {name!r}; allowed: none, "
+            f"{', '.join(_OUTER_NAMES)} or a dotted path to a torch.optim.Optimizer subclass"
+        )
+    return cls
+
+
+def local_view(p: torch.Tensor) -> torch.Tensor:
+    """This rank's local shard of a parameter (the tensor FSDP2 all-gathers from)."""
+    return p.to_local() if isinstance(p, DTensor) else p.data
+
+
+class SyncUnit:
+    """Anchor, outer optimizer and the sync arithmetic of one unit on one rank.
+
+    Args:
+        index: position of the unit in forward order (0 = root).
+        name: human-readable name for metrics.
+        params: the unit's parameters (FSDP2 ``DTensor``s or plain tensors).
+        outer_cls: outer optimizer class, or None for plain averaging (``A <- A - delta``).
+        outer_kwargs: its keyword arguments.
+        cpu_offload: keep the anchor and outer state in CPU memory.
+    """
+
+    def __init__(
+        self,
+        index: int,
+        name: str,
+        params: Sequence[nn.Parameter],
+        outer_cls: type | None,
+        outer_kwargs: dict[str, Any],
+        cpu_offload: bool,
+    ) -> None:
+        self.index = index
+        self.name = name
+        self.params = list(params)
+        self.outer_cls = outer_cls
+        self.outer_kwargs = dict(outer_kwargs)
+        self.cpu_offload = cpu_offload
+        self.numels = [local_view(p).numel() for p in self.params]
+        self.numel = sum(self.numels)
+        self.anchor: torch.Tensor | None = None
+        self.outer: torch.optim.Optimizer | None = None
+
+    # ------------------------------------------------------------------ state
+    @property
+    def device(self) -> torch.device:
+        """Device of the live parameters."""
+        return local_view(self.params[0]).device if self.params else torch.device("cpu")
+
+    def flat_params(self) -> torch.Tensor:
+        """fp32 flat copy of the live local shards, on the parameters' device."""
+        if not self.params:
+            return torch.zeros(0, dtype=torch.float32)
+        return torch.cat([local_view(p).detach().reshape(-1).float() for p in self.params])
+
+    def create_anchor(self) -> None:
+        """``A = theta`` (end of warm-up) and a fresh outer optimizer over ``A``."""
+        flat = self.flat_params()  # torch.cat: always a fresh tensor, never a view
+        if self.cpu_offload:
+            flat = flat.cpu()
+            if torch.cuda.is_available():
+                flat = flat.pin_memory()  # faster host<->device copies at each sync
+        self.anchor = flat
+        self.outer = self.outer_cls([self.anchor], **self.outer_kwargs) if self.outer_cls else None
+
+    def pseudo_grad(self) -> torch.Tensor:
+        """``delta = A - theta`` on the parameters' device (fp32, flat)."""
+        assert self.anchor is not None, "pseudo_grad() before create_anchor()"
+        theta = self.flat_params()
+        return self.anchor.to(theta.device, non_blocking=True) - theta
+
+    @torch.no_grad()
+    def outer_step(self, reduced: torch.Tensor) -> None:
+        """Apply the reduced pseudo-gradient to the anchor (outer step or plain averaging)."""
+        assert self.anchor is not None
+        reduced = reduced.to(self.anchor.device)
+        if self.outer is None:
+            self.anchor.sub_(reduced)
+            return
+        self.anchor.grad = reduced
+        self.outer.step()
+        self.anchor.grad = None
+
+    @torch.no_grad()
+    def write_back(self) -> None:
+        """``theta <- A``: copy the anchor into the live local shards (no autograd)."""
+        assert self.anchor is not None
+        src = self.anchor.to(self.device, non_blocking=True)
+        offset = 0
+        for p, n in zip(self.params, self.numels):
+            local = local_view(p)
+            local.copy_(src[offset:offset + n].view_as(local))
+            offset += n
+
+    def extra_bytes(self) -> dict[str, int]:
+        """Bytes held by the anchor and outer state, split by device type."""
+        out: dict[str, int] = {}
+        tensors: list[torch.Tensor] = [] if self.anchor is None else [self.anchor]
+        if self.outer is not None:
+            for state in self.outer.state.values():
+                tensors += [v for v in state.values() if torch.is_tensor(v) and v.dim() > 0]
+        for t in tensors:
+            out[t.device.type] = out.get(t.device.type, 0) + t.numel() * t.element_size()
+        return out
+
+    # ------------------------------------------------------------------ checkpoint
+    def state_dict(self) -> dict[str, Any]:
+        """Anchor and outer optimizer state (tensors stay on their device)."""
+        return {
+            "anchor": self.anchor,
+            "outer": self.outer.state_dict() if self.outer is not None else None,
+        }
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        """Restore anchor and outer state saved by :meth:`state_dict`."""
+        if sd.get("anchor") is None:
+            self.anchor, self.outer = None, None
+            return
+        anchor = sd["anchor"]
+        if anchor.numel() != self.numel:
+            raise ValueError(
+                f"unit {self.name}: checkpoint anchor has {anchor.numel()} elements, "
+                f"this shard has {self.numel}"
+            )
+        self.create_anchor()
+        assert self.anchor is not None
+        self.anchor.copy_(anchor)
+        if self.outer is not None and sd.get("outer") is not None:
+            self.outer.load_state_dict(sd["outer"])
