@@ -47,6 +47,8 @@ class CommStats:
     """Wall time spent inside collectives (including simulated link delay)."""
     link_delay_s: float = 0.0
     """Part of ``comm_time_s`` that is simulated link delay."""
+    lifetime_sync_collectives: int = 0
+    """Cross-replica collectives since the engine started (never reset)."""
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def snapshot(self) -> dict[str, Any]:
@@ -140,6 +142,7 @@ class CommPath:
         elapsed = time.perf_counter() - t0
         with self.stats._lock:
             self.stats.sync_collectives += 1
+            self.stats.lifetime_sync_collectives += 1
             self.stats.bytes_sent += nbytes
             self.stats.max_message_bytes = max(self.stats.max_message_bytes, nbytes)
             self.stats.comm_time_s += elapsed

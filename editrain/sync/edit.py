@@ -160,6 +160,7 @@ class EDiT:
         self.steps_since_sync = 0
         self.num_syncs = 0
         self.num_skipped_syncs = 0
+        self.num_syncs_forced = 0
         self._pending_counts: torch.Tensor | None = None
         self._pending = False
         self._clock_start = time.perf_counter()
@@ -223,12 +224,22 @@ class EDiT:
         else:
             self._run_blocking(counts)
 
-    def finish(self) -> None:
-        """Run a sync that is armed but not yet started, so every replica holds the global
-        model (call before evaluation of the final model or at the end of training)."""
+    def finish(self, force: bool = False) -> None:
+        """Run a sync that is armed but not yet started (call before evaluating the global
+        model). With ``force``, also sync replicas that trained since the last sync although
+        no sync is due (the end of training), so that every replica holds the global model.
+        Every rank must call it at the same point."""
         self._drain_round()
         if self._pending:
             self._run_blocking(self._pending_counts)
+        elif force and self.config.is_local_sgd and not self.in_warmup:
+            # A-EDiT replicas may differ in steps_since_sync: they all rendezvous to decide.
+            counts = self._rendezvous(allow_skip=False) if self.config.use_async else None
+            if (counts is None and not self.steps_since_sync) or (
+                    counts is not None and float(counts.sum()) == 0):
+                return
+            self.num_syncs_forced += 1
+            self._run_blocking(counts)
 
     def close(self) -> None:
         """Remove every hook and stop the communication thread."""
@@ -433,13 +444,13 @@ class EDiT:
         self.comm.run(self.comm.all_reduce_shard, t, dist.ReduceOp.MAX)
         return float(t)
 
-    def _rendezvous(self) -> torch.Tensor | None:
+    def _rendezvous(self, allow_skip: bool = True) -> torch.Tensor | None:
         """A-EDiT: gather every replica's steps since the last sync; None when skipped."""
         t0 = time.perf_counter()
         mine = torch.tensor([self.steps_since_sync], dtype=torch.float64, device=self.device)
         counts = self.comm.run(self.comm.all_gather_sync, mine).reshape(-1).cpu()
         self._rendezvous_wait_s += time.perf_counter() - t0
-        if float(counts.sum()) < self.config.min_total_global_steps:
+        if allow_skip and float(counts.sum()) < self.config.min_total_global_steps:
             self.num_skipped_syncs += 1
             self._clock_start = time.perf_counter()
             return None

@@ -134,7 +134,12 @@ class SyncUnit:
     def write_back(self) -> None:
         """``theta <- A``: copy the anchor into the live local shards (no autograd)."""
         assert self.anchor is not None
-        src = self.anchor.to(self.device, non_blocking=True)
+        self.load_flat(self.anchor)
+
+    @torch.no_grad()
+    def load_flat(self, flat: torch.Tensor) -> None:
+        """Copy a flat fp32 vector (this shard's layout) into the live local shards."""
+        src = flat.to(self.device, non_blocking=True)
         offset = 0
         for p, n in zip(self.params, self.numels):
             local = local_view(p)

@@ -1,0 +1,129 @@
+"""Command line: ``editrain train | plot | bench | options``.
+
+``editrain train`` without torchrun spawns local workers through torch's elastic launcher;
+under torchrun it joins the existing process group.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from pathlib import Path
+
+from editrain.config import ConfigError, describe_options, load_config, parse_overrides
+
+log = logging.getLogger("editrain")
+
+TRAIN_HELP = """\
+Train a model. Any option can be set in a TOML file (--config) and overridden on the
+command line as --section.key=value (or --section.key value). Sections: model, data,
+train, optim, dist, sync, sim, checkpoint. `editrain options` lists every option.
+
+shorthands:
+  --steps N           train.steps          --method NAME   sync.method
+  --nproc N           dist.nproc           --shard-size S  dist.shard_size
+  --seed N            train.seed           --run-dir DIR   run directory
+  --resume PATH       resume a run         --max-restarts  dist.max_restarts
+  --quiet             no progress bar      --overwrite     reuse a run directory
+
+methods: sync, post_local_sgd, diloco, edit (default), aedit
+
+examples:
+  editrain train                                   # 2 replicas x 2 shards on the CPU
+  editrain train --method diloco --steps 300
+  editrain train --sim.link_bandwidth 20MB/s --sync.prefetch_depth 2
+  torchrun --nnodes 2 --nproc-per-node 8 -m editrain train --config my.toml
+"""
+
+
+def under_torchrun() -> bool:
+    """Whether this process was started by torchrun (or another launcher that set RANK)."""
+    return "TORCHELASTIC_RUN_ID" in os.environ or (
+        "RANK" in os.environ and "WORLD_SIZE" in os.environ)
+
+
+def cmd_train(args: argparse.Namespace, extra: list[str]) -> int:
+    from editrain import launch
+
+    overrides, rest = parse_overrides(extra)
+    if rest:
+        raise ConfigError(f"unexpected argument(s) {' '.join(rest)}; options look like "
+                          "--train.steps=100 (see `editrain train --help`)")
+    cfg = load_config(args.config, overrides)
+    if under_torchrun():
+        launch.run_under_torchrun(cfg)
+    else:
+        launch.run_local(cfg)
+    return 0
+
+
+def cmd_plot(args: argparse.Namespace, extra: list[str]) -> int:
+    from editrain.metrics import plot_runs
+
+    if extra:
+        raise ConfigError(f"plot: unexpected argument(s) {' '.join(extra)}")
+    for d in args.run_dirs:
+        if not (Path(d) / "metrics.jsonl").is_file():
+            raise ConfigError(f"plot: {d} holds no metrics.jsonl")
+    for p in plot_runs(args.run_dirs, args.out):
+        print(p)
+    return 0
+
+
+def cmd_options(args: argparse.Namespace, extra: list[str]) -> int:
+    for name, tp, default, doc in describe_options():
+        print(f"--{name}  ({tp}, default {default!r})\n      {doc}")
+    return 0
+
+
+def cmd_bench(args: argparse.Namespace, extra: list[str]) -> int:
+    from editrain.bench import run_scenario
+
+    run_scenario(args.scenario, quick=args.quick, out_dir=args.out, extra=extra)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="editrain",
+        description="Communication-efficient LLM training with EDiT / A-EDiT local SGD on "
+                    "FSDP2 (plus synchronous, Post-Local SGD and DiLoCo baselines).",
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    p = sub.add_parser("train", help="train a model (local workers or under torchrun)",
+                       description=TRAIN_HELP, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--config", metavar="FILE.toml", help="TOML file with any of the sections")
+    p.set_defaults(func=cmd_train)
+    p = sub.add_parser("plot", help="loss-vs-tokens and loss-vs-time PNGs of runs",
+                       description="Draw loss curves of one or more run directories.")
+    p.add_argument("run_dirs", nargs="+", metavar="RUN_DIR")
+    p.add_argument("--out", help="output directory (default: the first run directory)")
+    p.set_defaults(func=cmd_plot)
+    p = sub.add_parser("options", help="list every configuration option with its default",
+                       description="List every option, its type, default and meaning.")
+    p.set_defaults(func=cmd_options)
+    p = sub.add_parser("bench", help="run a benchmark scenario side by side",
+                       description="Run the methods side by side on one scenario and write "
+                                   "results.json, a Markdown table and plots.")
+    p.add_argument("scenario", help="convergence, bandwidth, stragglers, spikes, memory, overlap")
+    p.add_argument("--quick", action="store_true", help="tiny settings (minutes on 2 cores)")
+    p.add_argument("--out", help="results directory (default bench_results/<scenario>)")
+    p.set_defaults(func=cmd_bench)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    try:
+        return args.func(args, extra)
+    except (ConfigError, FileNotFoundError, ValueError) as e:
+        print(f"editrain: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

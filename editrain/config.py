@@ -1,0 +1,534 @@
+"""Run configuration: dataclasses per section, TOML files, ``--section.key=value`` overrides.
+
+Every field carries a one-line docstring (it becomes ``--help`` text and the generated
+configuration reference). Every value is validated before any process starts, with a
+message that names the option and what is allowed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import tomllib
+
+from editrain.sync.config import SyncConfig
+
+
+class ConfigError(ValueError):
+    """A configuration value (or combination) that cannot work."""
+
+
+def _req(cond: bool, option: str, msg: str) -> None:
+    if not cond:
+        raise ConfigError(f"{option}: {msg}")
+
+
+@dataclass
+class ModelSection:
+    """Model shape."""
+
+    preset: str = "small"
+    """Named shape: tiny, small, 350m, 1b, 3b, 7b."""
+    dim: int | None = None
+    """Override the preset's hidden size."""
+    n_layers: int | None = None
+    """Override the preset's number of transformer blocks."""
+    n_heads: int | None = None
+    """Override the preset's number of attention heads."""
+    n_kv_heads: int | None = None
+    """Override the preset's number of key/value heads (grouped-query attention)."""
+    ffn_hidden: int | None = None
+    """Override the preset's SwiGLU hidden size."""
+    max_seq_len: int | None = None
+    """Override the preset's maximum sequence length."""
+    tie_embeddings: bool | None = None
+    """Override whether the LM head shares the embedding matrix."""
+
+    def overrides(self) -> dict[str, Any]:
+        """The preset overrides that were set."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+                if f.name != "preset" and getattr(self, f.name) is not None}
+
+
+@dataclass
+class DataSection:
+    """Corpus and tokenizer."""
+
+    path: str = "default"
+    """Corpus: "default" (the running Python's standard library and pydoc topics), a text
+    file, a directory, a .jsonl file (field "text") or a .parquet file."""
+    tokenizer: str | None = None
+    """A tokenizer.json to use instead of training a byte-level BPE on the corpus."""
+    vocab_size: int = 8192
+    """Vocabulary size of the trained BPE tokenizer (>= 257)."""
+    val_fraction: float = 0.01
+    """Share of documents held out for validation, in (0, 0.5)."""
+    max_bytes: int | None = 8_000_000
+    """Read at most this many bytes of the corpus (none: all of it)."""
+    cache_dir: str = "~/.cache/editrain"
+    """Where tokenised corpora and tokenizers are cached, keyed by content."""
+
+
+@dataclass
+class TrainSection:
+    """The inner training loop."""
+
+    steps: int = 200
+    """Inner optimizer steps per replica (the token budget of this many synchronous steps)."""
+    batch_size: int = 8
+    """Sequences per micro-batch, per rank."""
+    seq_len: int = 64
+    """Tokens per training sequence."""
+    gradient_accumulation_steps: int = 1
+    """Micro-batches per inner optimizer step."""
+    lr: float = 3e-3
+    """Peak learning rate of the inner optimizer."""
+    min_lr_ratio: float = 0.1
+    """Final learning rate of the cosine schedule, as a fraction of lr."""
+    warmup_steps: int = 20
+    """Linear learning-rate warm-up steps."""
+    weight_decay: float = 0.1
+    """Decoupled weight decay of the inner optimizer."""
+    beta1: float = 0.9
+    """Inner optimizer first-moment coefficient."""
+    beta2: float = 0.95
+    """Inner optimizer second-moment coefficient."""
+    grad_clip: float = 1.0
+    """Clip the gradient norm to this value (0: off)."""
+    eval_every: int = 50
+    """Evaluate validation loss about every this many steps (at the next sync for local SGD)."""
+    eval_batches: int = 8
+    """Validation batches per evaluation."""
+    log_every: int = 1
+    """Write a metrics row every this many steps."""
+    seed: int = 0
+    """Seed of model init, data order and every random choice."""
+    precision: str = "fp32"
+    """Compute precision: fp32 or bf16 (parameters and anchors stay fp32)."""
+
+
+@dataclass
+class OptimSection:
+    """Inner optimizer."""
+
+    name: str = "adamw"
+    """Inner optimizer: adamw, agd or sgd."""
+    momentum: float = 0.9
+    """SGD momentum."""
+    agd_delta: float = 1e-14
+    """AGD auto-switch threshold delta."""
+    sam: str | None = None
+    """Wrap the inner optimizer with sharpness-aware minimisation: none or wsam."""
+    rho: float = 0.05
+    """WSAM neighbourhood size."""
+    gamma: float = 0.9
+    """WSAM sharpness weight (alpha = gamma / (1 - gamma))."""
+    adaptive: bool = False
+    """WSAM: scale the perturbation by |p| (adaptive SAM)."""
+    decouple: bool = True
+    """WSAM: apply the sharpness term separately from the base optimizer step."""
+
+
+@dataclass
+class DistSection:
+    """Processes and topology."""
+
+    nproc: int = 4
+    """Local worker processes started by `editrain train` (ignored under torchrun)."""
+    shard_size: int = 2
+    """Ranks per replica (FSDP2 shard group); must divide the world size."""
+    backend: str = "auto"
+    """Process group backend: auto (nccl on CUDA, gloo on CPU), gloo or nccl."""
+    device: str = "auto"
+    """Device type: auto, cpu or cuda."""
+    max_restarts: int = 0
+    """Restart all local workers this many times when one fails (torch elastic)."""
+    threads_per_proc: int = 0
+    """Intra-op threads per worker (0: cores / local processes, at least 1)."""
+
+
+@dataclass
+class SimSection:
+    """Simulated cluster heterogeneity (all off by default)."""
+
+    link_bandwidth: str | None = None
+    """Cross-replica link bandwidth, e.g. 100MB/s or 1Gbit/s (none: unlimited)."""
+    link_latency: str | None = None
+    """Cross-replica link latency per message, e.g. 5ms."""
+    straggler: list[str] = field(default_factory=list)
+    """Slow replicas: REPLICA=FACTOR or REPLICA=FACTOR@FROM-TO (steps)."""
+    random_stall: str | None = None
+    """Random stalls: PROB,SECONDS (each step of each replica stalls with probability PROB)."""
+    corrupt_replica: list[str] = field(default_factory=list)
+    """Corrupt a replica's update at a sync: REPLICA@SYNC or REPLICA@SYNC:SCALE."""
+
+
+@dataclass
+class CheckpointSection:
+    """Checkpoints."""
+
+    every: int = 0
+    """Save a checkpoint every this many steps (0: only at the end if `final` is set)."""
+    keep: int = 2
+    """Keep this many most recent checkpoints."""
+    final: bool = True
+    """Save a checkpoint at the end of the run."""
+
+
+@dataclass
+class Config:
+    """A complete run configuration."""
+
+    model: ModelSection = field(default_factory=ModelSection)
+    data: DataSection = field(default_factory=DataSection)
+    train: TrainSection = field(default_factory=TrainSection)
+    optim: OptimSection = field(default_factory=OptimSection)
+    dist: DistSection = field(default_factory=DistSection)
+    sync: SyncConfig = field(default_factory=SyncConfig)
+    sim: SimSection = field(default_factory=SimSection)
+    checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
+    run_dir: str | None = None
+    """Run directory (default runs/<timestamp>)."""
+    overwrite: bool = False
+    """Allow writing into a run directory that holds a different run."""
+    quiet: bool = False
+    """No progress bar; log only warnings and the final summary."""
+    resume: str | None = None
+    """Resume from a run directory (its latest complete checkpoint) or a checkpoint path."""
+
+
+SECTIONS = ("model", "data", "train", "optim", "dist", "sync", "sim", "checkpoint")
+SHORTHANDS = {
+    "--steps": "train.steps",
+    "--nproc": "dist.nproc",
+    "--shard-size": "dist.shard_size",
+    "--method": "sync.method",
+    "--seed": "train.seed",
+    "--run-dir": "run_dir",
+    "--resume": "resume",
+    "--max-restarts": "dist.max_restarts",
+}
+FLAGS = {"--quiet": "quiet", "--overwrite": "overwrite"}
+
+
+# ---------------------------------------------------------------------------- parsing
+def _coerce(value: Any, tp: Any, option: str) -> Any:
+    """Check/convert ``value`` against a field's annotated type."""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None or (isinstance(value, str) and value.lower() == "none"
+                             and type(None) in args):
+            return None
+        errors = []
+        for a in args:
+            if a is type(None):
+                continue
+            try:
+                return _coerce(value, a, option)
+            except ConfigError as e:
+                errors.append(str(e))
+        raise ConfigError(errors[0] if errors else f"{option}: bad value {value!r}")
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "false", "1", "0", "yes", "no"):
+            return value.lower() in ("true", "1", "yes")
+        raise ConfigError(f"{option}: expected true or false, got {value!r}")
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{option}: expected an integer, got {value!r}")
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise ConfigError(f"{option}: expected a number, got {value!r}")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{option}: expected a string, got {value!r}")
+        return value
+    if origin is list:
+        if isinstance(value, str):
+            value = [v for v in value.split(",") if v] if value else []
+        if not isinstance(value, list):
+            raise ConfigError(f"{option}: expected a list, got {value!r}")
+        (item,) = typing.get_args(tp)
+        return [_coerce(v, item, option) for v in value]
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{option}: expected a table such as {{lr = 0.7}}, got {value!r}")
+        return dict(value)
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(value, dict):
+            raise ConfigError(f"{option}: expected a table, got {value!r}")
+        return value
+    return value
+
+
+def _parse_scalar(text: str) -> Any:
+    """Parse a CLI value as TOML (numbers, booleans, lists, inline tables), else a string."""
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        return text
+
+
+def _set_path(raw: dict[str, Any], dotted: str, value: Any) -> None:
+    parts = dotted.split(".")
+    node = raw
+    for p in parts[:-1]:
+        node = node.setdefault(p, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"--{dotted}: {p} is not a section")
+    node[parts[-1]] = value
+
+
+def _build(cls: type, raw: dict[str, Any], prefix: str) -> Any:
+    """Instantiate dataclass ``cls`` from nested dict ``raw``, validating keys and types."""
+    fmap = {f.name: f for f in dataclasses.fields(cls)}
+    hints = typing.get_type_hints(cls)
+    kwargs: dict[str, Any] = {}
+    for key, value in raw.items():
+        option = f"{prefix}{key}"
+        if key not in fmap:
+            close = [k for k in fmap if k.startswith(key[:3])]
+            hint = f" (did you mean {', '.join(close)}?)" if close else ""
+            raise ConfigError(
+                f"unknown option {option!r}{hint}; allowed in "
+                f"[{prefix.rstrip('.') or 'top level'}]: {', '.join(fmap)}"
+            )
+        tp = hints[key]
+        value = _coerce(value, tp, option)
+        if dataclasses.is_dataclass(tp) and isinstance(value, dict):
+            value = _build(tp, value, option + ".")
+        kwargs[key] = value
+    try:
+        return cls(**kwargs)
+    except ConfigError:
+        raise
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+
+
+def parse_overrides(argv: list[str]) -> tuple[dict[str, Any], list[str]]:
+    """Turn ``--section.key=value`` / ``--section.key value`` / shorthands into a nested dict.
+
+    Returns the nested overrides and the arguments that were not options (positional).
+    """
+    raw: dict[str, Any] = {}
+    rest: list[str] = []
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        i += 1
+        if not arg.startswith("--"):
+            rest.append(arg)
+            continue
+        name, eq, value = arg.partition("=")
+        if name in FLAGS:
+            _set_path(raw, FLAGS[name], True if not eq else _parse_scalar(value))
+            continue
+        dotted = SHORTHANDS.get(name, name[2:].replace("-", "_"))
+        if not eq:
+            if i >= len(argv):
+                raise ConfigError(f"{name}: missing value")
+            value = argv[i]
+            i += 1
+        _set_path(raw, dotted, _parse_scalar(value))
+    return raw, rest
+
+
+def _merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for k, v in over.items():
+        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None = None) -> Config:
+    """Build a validated :class:`Config` from an optional TOML file and CLI overrides."""
+    raw: dict[str, Any] = {}
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"--config: file not found: {p}")
+        try:
+            raw = tomllib.loads(p.read_text())
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"--config: {p} is not valid TOML: {e}") from None
+    raw = _merge(raw, overrides or {})
+    cfg = _build(Config, raw, "")
+    validate(cfg)
+    return cfg
+
+
+# ---------------------------------------------------------------------------- validation
+_PRESET_NAMES = ("tiny", "small", "350m", "1b", "3b", "7b")
+
+
+def validate(cfg: Config) -> None:
+    """Cross-field and range checks that do not need a process group."""
+    t, d, s = cfg.train, cfg.dist, cfg.sync
+    for name in ("steps", "batch_size", "seq_len", "gradient_accumulation_steps", "eval_every",
+                 "eval_batches", "log_every"):
+        _req(getattr(t, name) > 0, f"train.{name}", f"must be > 0, got {getattr(t, name)}")
+    _req(t.lr > 0, "train.lr", f"must be > 0, got {t.lr}")
+    _req(0 <= t.min_lr_ratio <= 1, "train.min_lr_ratio", f"must be in [0, 1], got {t.min_lr_ratio}")
+    _req(t.warmup_steps >= 0, "train.warmup_steps", f"must be >= 0, got {t.warmup_steps}")
+    _req(t.weight_decay >= 0, "train.weight_decay", f"must be >= 0, got {t.weight_decay}")
+    _req(t.grad_clip >= 0, "train.grad_clip", f"must be >= 0, got {t.grad_clip}")
+    for b in ("beta1", "beta2"):
+        _req(0 <= getattr(t, b) < 1, f"train.{b}", f"must be in [0, 1), got {getattr(t, b)}")
+    _req(t.precision in ("fp32", "bf16"), "train.precision",
+         f"allowed: fp32, bf16; got {t.precision!r}")
+    _req(cfg.optim.name in ("adamw", "agd", "sgd"), "optim.name",
+         f"allowed: adamw, agd, sgd; got {cfg.optim.name!r}")
+    _req(cfg.optim.sam in (None, "none", "wsam"), "optim.sam",
+         f"allowed: none, wsam; got {cfg.optim.sam!r}")
+    _req(cfg.optim.rho > 0, "optim.rho", f"must be > 0, got {cfg.optim.rho}")
+    _req(0 <= cfg.optim.gamma < 1, "optim.gamma", f"must be in [0, 1), got {cfg.optim.gamma}")
+    _req(cfg.model.preset in _PRESET_NAMES, "model.preset",
+         f"unknown preset {cfg.model.preset!r}; allowed: {', '.join(_PRESET_NAMES)}")
+    _req(d.nproc >= 1, "dist.nproc", f"must be >= 1, got {d.nproc}")
+    _req(d.shard_size >= 1, "dist.shard_size", f"must be >= 1, got {d.shard_size}")
+    _req(d.backend in ("auto", "gloo", "nccl"), "dist.backend",
+         f"allowed: auto, gloo, nccl; got {d.backend!r}")
+    _req(d.device in ("auto", "cpu", "cuda"), "dist.device",
+         f"allowed: auto, cpu, cuda; got {d.device!r}")
+    _req(d.max_restarts >= 0, "dist.max_restarts", f"must be >= 0, got {d.max_restarts}")
+    _req(d.threads_per_proc >= 0, "dist.threads_per_proc",
+         f"must be >= 0, got {d.threads_per_proc}")
+    _req(cfg.data.vocab_size >= 257, "data.vocab_size",
+         f"must be >= 257 (256 bytes + end-of-text), got {cfg.data.vocab_size}")
+    _req(0 < cfg.data.val_fraction < 0.5, "data.val_fraction",
+         f"must be in (0, 0.5), got {cfg.data.val_fraction}")
+    if cfg.data.max_bytes is not None:
+        _req(cfg.data.max_bytes > 0, "data.max_bytes", f"must be > 0, got {cfg.data.max_bytes}")
+    _req(cfg.checkpoint.every >= 0, "checkpoint.every", f"must be >= 0, got {cfg.checkpoint.every}")
+    _req(cfg.checkpoint.keep >= 1, "checkpoint.keep", f"must be >= 1, got {cfg.checkpoint.keep}")
+    if s.is_local_sgd:
+        _req(s.local_sgd_warmup_steps < t.steps, "sync.local_sgd_warmup_steps",
+             f"must be smaller than train.steps ({t.steps}), got {s.local_sgd_warmup_steps}")
+    # Parse the simulation specs now so that typos fail before any process starts.
+    from editrain import sim
+
+    sim.parse_sim(cfg.sim)
+    mcfg = model_config(cfg)
+    _req(t.seq_len <= mcfg.max_seq_len, "train.seq_len",
+         f"{t.seq_len} exceeds the model's maximum sequence length {mcfg.max_seq_len} "
+         f"(raise model.max_seq_len or lower train.seq_len)")
+
+
+def model_config(cfg: Config, vocab_size: int | None = None):
+    """The model's :class:`~editrain.models.LlamaConfig` from the preset and its overrides."""
+    from editrain.models import preset_config
+
+    try:
+        return preset_config(cfg.model.preset, vocab_size=vocab_size or cfg.data.vocab_size,
+                             **cfg.model.overrides())
+    except ValueError as e:
+        raise ConfigError(f"model: {e}") from None
+
+
+def validate_world(cfg: Config, world_size: int) -> None:
+    """Checks that need the world size (known before spawning, or from torchrun's env)."""
+    d = cfg.dist
+    if world_size % d.shard_size != 0:
+        divisors = [k for k in range(1, world_size + 1) if world_size % k == 0]
+        raise ConfigError(
+            f"dist.shard_size={d.shard_size} does not divide the world size {world_size}; "
+            f"allowed values: {', '.join(map(str, divisors))}"
+        )
+
+
+# ---------------------------------------------------------------------------- output
+def to_dict(obj: Any) -> Any:
+    """Plain nested dict of a config (None values kept)."""
+    return dataclasses.asdict(obj)
+
+
+def _toml_value(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, int | float):
+        return repr(v)
+    if isinstance(v, str):
+        return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    if isinstance(v, list):
+        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+    if isinstance(v, dict):
+        return "{" + ", ".join(f"{k} = {_toml_value(x)}" for k, x in v.items()
+                                if x is not None) + "}"
+    raise TypeError(f"cannot write {v!r} as TOML")
+
+
+def dumps_toml(data: dict[str, Any]) -> str:
+    """Serialise a nested dict of plain values as TOML (``None`` values are omitted)."""
+    lines: list[str] = []
+    tables: list[tuple[str, dict[str, Any]]] = []
+    for k, v in data.items():
+        if isinstance(v, dict) and k in SECTIONS + ("gta",):
+            tables.append((k, v))
+        elif v is not None:
+            lines.append(f"{k} = {_toml_value(v)}")
+
+    def emit(name: str, table: dict[str, Any]) -> None:
+        lines.append("")
+        lines.append(f"[{name}]")
+        subs = []
+        for k, v in table.items():
+            if isinstance(v, dict) and k == "gta":
+                subs.append((f"{name}.{k}", v))
+            elif v is not None:
+                lines.append(f"{k} = {_toml_value(v)}")
+        for sub_name, sub in subs:
+            emit(sub_name, sub)
+
+    for name, table in tables:
+        emit(name, table)
+    return "\n".join(lines).lstrip("\n") + "\n"
+
+
+
+# ---------------------------------------------------------------------------- documentation
+def field_docs(cls: type) -> dict[str, str]:
+    """The one-line docstrings written under each field of a config dataclass."""
+    import ast
+    import inspect
+    import textwrap
+
+    tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
+    body = tree.body[0].body  # type: ignore[attr-defined]
+    docs: dict[str, str] = {}
+    for prev, node in zip(body, body[1:]):
+        if (isinstance(prev, ast.AnnAssign) and isinstance(prev.target, ast.Name)
+                and isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant)
+                and isinstance(node.value.value, str)):
+            docs[prev.target.id] = " ".join(node.value.value.split())
+    return docs
+
+
+def describe_options() -> list[tuple[str, str, Any, str]]:
+    """``(option, type, default, help)`` for every configurable key, in section order."""
+    out: list[tuple[str, str, Any, str]] = []
+
+    def walk(cls: type, prefix: str) -> None:
+        docs = field_docs(cls)
+        hints = typing.get_type_hints(cls)
+        defaults = cls()
+        for f in dataclasses.fields(cls):
+            tp = hints[f.name]
+            if dataclasses.is_dataclass(tp):
+                walk(tp, f"{prefix}{f.name}.")
+                continue
+            tname = getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
+            out.append((prefix + f.name, str(tname), getattr(defaults, f.name),
+                        docs.get(f.name, "")))
+
+    walk(Config, "")
+    return out

@@ -1,0 +1,364 @@
+"""Deterministic per-rank streams of fixed-length training sequences.
+
+The token array is cut into ``N = (len(tokens) - 1) // seq_len`` windows that
+do not overlap; window ``i`` covers ``tokens[i*seq_len : (i+1)*seq_len + 1]``
+(the extra token provides the last target). Every epoch ``e`` shuffles the
+window ids with ``np.random.default_rng([seed, e])`` and rank ``r`` of ``W``
+reads ``perm[r::W]``, so ranks are disjoint within an epoch and together cover
+every window. Nothing random is kept in the state: the permutation is
+recomputed from ``(seed, epoch)``, which is what makes the state tiny and the
+resume exact.
+
+Elastic resume: :meth:`SequenceStream.repartition` moves a partially consumed
+epoch from ``W_old`` ranks to ``W_new`` ranks. Each repartition appends one
+*layout* ``[W_old, [consumed count of old rank 0, 1, ...]]`` to the state.
+Replaying the layouts in order over the permutation reconstructs which windows
+are already used; the new ranks then stride over what is left. Layouts are
+dropped at the next epoch boundary, where the new world size takes over.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+__all__ = ["SequenceStream", "val_batches"]
+
+
+def _num_windows(tokens: np.ndarray, seq_len: int) -> int:
+    if not isinstance(seq_len, (int, np.integer)) or seq_len < 1:
+        raise ValueError(f"train.seq_len must be a positive int, got {seq_len!r}")
+    if np.ndim(tokens) != 1:
+        raise ValueError(f"tokens must be a 1-D array, got shape {np.shape(tokens)}")
+    return max(0, (len(tokens) - 1) // int(seq_len))
+
+
+def _gather(tokens: np.ndarray, window_ids: np.ndarray, seq_len: int) -> torch.Tensor:
+    """Rows ``tokens[i*seq_len : i*seq_len + seq_len + 1]`` for each window id, as int64."""
+    idx = np.asarray(window_ids, dtype=np.int64)[:, None] * seq_len + np.arange(seq_len + 1)
+    # Fancy indexing copies out of the memmap; int64 is what embedding and
+    # cross-entropy expect, and the on-disk dtype is unsigned (not torch-friendly).
+    return torch.from_numpy(np.asarray(tokens[idx]).astype(np.int64))
+
+
+def _check_rank(rank: int, world_size: int) -> None:
+    if world_size < 1 or not (0 <= rank < world_size):
+        raise ValueError(f"need 0 <= rank < world_size, got rank={rank}, world_size={world_size}")
+
+
+def _normalise_layouts(layouts) -> list[list]:
+    """Validate layouts and convert them to plain ``[int, [int, ...]]`` lists."""
+    out = []
+    for layout in layouts:
+        world, counts = layout
+        counts = [int(c) for c in counts]
+        if int(world) != len(counts) or any(c < 0 for c in counts):
+            raise ValueError(f"malformed consumed layout {layout!r}")
+        out.append([int(world), counts])
+    return out
+
+
+class SequenceStream:
+    """Infinite, resumable stream of training windows for one rank.
+
+    Args:
+        tokens: 1-D array of token ids (e.g. ``TokenData.train``).
+        seq_len: Tokens per input sequence; each row has ``seq_len + 1`` ids.
+        rank: This rank's index in ``[0, world_size)``.
+        world_size: Number of ranks that share the data.
+        seed: Shuffle seed; all ranks must use the same value.
+
+    Raises:
+        ValueError: Fewer windows than ranks (message names ``train.seq_len``).
+    """
+
+    def __init__(self, tokens: np.ndarray, seq_len: int, rank: int, world_size: int, seed: int):
+        _check_rank(rank, world_size)
+        self.tokens = tokens
+        self.seq_len = int(seq_len)
+        self.rank = int(rank)
+        self.world_size = int(world_size)
+        self.seed = int(seed)
+        self.num_windows = _num_windows(tokens, seq_len)
+        if self.num_windows < self.world_size:
+            raise ValueError(
+                f"corpus too small: {len(tokens)} tokens give {self.num_windows} windows of "
+                f"train.seq_len={self.seq_len}, fewer than world size {self.world_size}; "
+                "use more data or a smaller train.seq_len"
+            )
+        self.epoch = 0
+        self.position = 0
+        # Layouts of earlier world sizes that consumed part of the current epoch.
+        self._layouts: list[list] = []
+        self._share: np.ndarray | None = None
+
+    # -- epoch bookkeeping -------------------------------------------------
+
+    def _permutation(self, epoch: int) -> np.ndarray:
+        # A list seed hashes both numbers, so nearby (seed, epoch) pairs still
+        # give unrelated permutations.
+        return np.random.default_rng([self.seed, epoch]).permutation(self.num_windows)
+
+    @staticmethod
+    def _remaining_positions(num_windows: int, layouts: list[list]) -> np.ndarray:
+        """Permutation positions not consumed by ``layouts``, in order."""
+        used = np.zeros(num_windows, dtype=bool)
+        for world, counts in layouts:
+            remaining = np.flatnonzero(~used)
+            for r, count in enumerate(counts):
+                used[remaining[r::world][:count]] = True
+        return np.flatnonzero(~used)
+
+    def _current_share(self) -> np.ndarray:
+        if self._share is None:
+            perm = self._permutation(self.epoch)
+            if self._layouts:
+                positions = self._remaining_positions(self.num_windows, self._layouts)
+                self._share = perm[positions[self.rank :: self.world_size]]
+            else:
+                self._share = perm[self.rank :: self.world_size]
+        return self._share
+
+    @property
+    def share_size(self) -> int:
+        """Number of windows this rank reads in the current epoch."""
+        return len(self._current_share())
+
+    # -- reading -----------------------------------------------------------
+
+    def next_window_ids(self, count: int) -> np.ndarray:
+        """Advance the stream by ``count`` windows and return their ids.
+
+        Args:
+            count: Number of windows to take.
+
+        Returns:
+            int64 array of window ids, crossing epoch boundaries as needed.
+        """
+        taken: list[np.ndarray] = []
+        need = int(count)
+        while need > 0:
+            share = self._current_share()
+            if self.position >= len(share):
+                # Rollover is lazy (on the next read), so a state saved right
+                # after the last window still says "this epoch, all consumed".
+                self.epoch += 1
+                self.position = 0
+                self._layouts = []
+                self._share = None
+                continue
+            take = min(need, len(share) - self.position)
+            taken.append(share[self.position : self.position + take])
+            self.position += take
+            need -= take
+        if not taken:
+            return np.zeros(0, dtype=np.int64)
+        return np.concatenate(taken).astype(np.int64)
+
+    def next_batch(self, batch_size: int) -> torch.Tensor:
+        """Return the next ``batch_size`` windows.
+
+        Args:
+            batch_size: Rows in the batch.
+
+        Returns:
+            ``torch.LongTensor`` of shape ``[batch_size, seq_len + 1]``; inputs
+            are ``[:, :-1]`` and targets ``[:, 1:]``.
+        """
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be positive, got {batch_size}")
+        return _gather(self.tokens, self.next_window_ids(batch_size), self.seq_len)
+
+    # -- state -------------------------------------------------------------
+
+    def state_dict(self) -> dict:
+        """Small, JSON-friendly state for checkpointing.
+
+        Returns:
+            Dict with ints ``epoch``, ``position``, ``rank``, ``world_size``,
+            ``seed``, ``num_windows``, ``seq_len`` and ``consumed_layouts``
+            (list of ``[world_size, [count per rank]]``, empty unless this
+            epoch was repartitioned).
+        """
+        return {
+            "epoch": self.epoch,
+            "position": self.position,
+            "rank": self.rank,
+            "world_size": self.world_size,
+            "seed": self.seed,
+            "num_windows": self.num_windows,
+            "seq_len": self.seq_len,
+            "consumed_layouts": [[w, list(c)] for w, c in self._layouts],
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore a state saved by :meth:`state_dict` of a compatible stream.
+
+        Args:
+            state: The saved state.
+
+        Raises:
+            ValueError: seed, num_windows, seq_len, world_size or rank differ
+                (use :meth:`repartition` when the world size changed), or the
+                position is out of range.
+        """
+        for key in ("seed", "num_windows", "world_size", "rank", "seq_len"):
+            if key not in state:
+                if key == "seq_len":
+                    continue  # optional: num_windows already guards most mismatches
+                raise ValueError(f"data stream state lacks {key!r}")
+            if int(state[key]) != getattr(self, key):
+                raise ValueError(
+                    f"data stream state mismatch: saved {key}={state[key]}, current "
+                    f"{key}={getattr(self, key)}"
+                    + (
+                        "; use SequenceStream.repartition for a new world size"
+                        if key in ("world_size", "rank")
+                        else ""
+                    )
+                )
+        epoch = int(state["epoch"])
+        layouts = _normalise_layouts(state.get("consumed_layouts", []))
+        if epoch < 0:
+            raise ValueError(f"invalid epoch {epoch} in data stream state")
+        self.epoch, self._layouts, self._share = epoch, layouts, None
+        position = int(state["position"])
+        if not (0 <= position <= self.share_size):
+            raise ValueError(
+                f"invalid position {position} in data stream state (share has {self.share_size})"
+            )
+        self.position = position
+
+    # -- elastic resume ----------------------------------------------------
+
+    @classmethod
+    def repartition(
+        cls,
+        tokens: np.ndarray,
+        seq_len: int,
+        seed: int,
+        old_states: list[dict],
+        new_rank: int,
+        new_world_size: int,
+    ) -> SequenceStream:
+        """Build rank ``new_rank``'s stream after the world size changed.
+
+        The current epoch is the minimum epoch ``E`` over ``old_states``. Old
+        ranks still in ``E`` contributed their ``position`` consumed windows;
+        old ranks already past ``E`` (their share was one window shorter, so
+        they rolled over first) count as having consumed their whole ``E``
+        share, and whatever they read in the next epoch is forgotten, so those
+        few windows are seen again in epoch ``E + 1``. The windows of ``E`` not
+        yet consumed are then dealt to the new ranks in permutation order,
+        strided by ``new_world_size``; from epoch ``E + 1`` on it is a normal
+        stream with the new world size.
+
+        Args:
+            tokens: The same token array the old streams used.
+            seq_len: The same sequence length.
+            seed: The same seed.
+            old_states: ``state_dict()`` of every old rank (any order).
+            new_rank: Rank of the stream to build.
+            new_world_size: New number of ranks.
+
+        Returns:
+            A stream whose :meth:`state_dict` round-trips exactly.
+
+        Raises:
+            ValueError: The states are incomplete or inconsistent with the
+                arguments.
+        """
+        stream = cls(tokens, seq_len, new_rank, new_world_size, seed)
+        if not old_states:
+            raise ValueError("repartition needs the state of every old rank, got none")
+        old_world = int(old_states[0]["world_size"])
+        ranks = sorted(int(s["rank"]) for s in old_states)
+        if ranks != list(range(old_world)):
+            raise ValueError(
+                f"repartition needs exactly one state per old rank 0..{old_world - 1}, got ranks {ranks}"
+            )
+        for s in old_states:
+            for key, want in (
+                ("world_size", old_world),
+                ("seed", stream.seed),
+                ("num_windows", stream.num_windows),
+            ):
+                if int(s[key]) != want:
+                    raise ValueError(
+                        f"old data stream state of rank {s['rank']} has {key}={s[key]}, expected {want}"
+                    )
+        epoch = min(int(s["epoch"]) for s in old_states)
+        at_epoch = [s for s in old_states if int(s["epoch"]) == epoch]
+        layouts = _normalise_layouts(at_epoch[0].get("consumed_layouts", []))
+        for s in at_epoch[1:]:
+            if _normalise_layouts(s.get("consumed_layouts", [])) != layouts:
+                raise ValueError("old ranks in the same epoch disagree on consumed_layouts")
+        # Windows left for the old ranks to stride over in epoch E.
+        left = stream.num_windows - sum(sum(c) for _, c in layouts)
+        counts = [0] * old_world
+        for s in old_states:
+            r = int(s["rank"])
+            share_len = len(range(r, left, old_world))
+            if int(s["epoch"]) == epoch:
+                pos = int(s["position"])
+                if not (0 <= pos <= share_len):
+                    raise ValueError(
+                        f"old rank {r} has position {pos} beyond its share {share_len}"
+                    )
+                counts[r] = pos
+            else:
+                counts[r] = share_len
+        if any(counts):
+            # An all-zero layout removes nothing, so it is left out.
+            layouts.append([old_world, counts])
+        stream.epoch = epoch
+        stream._layouts = layouts
+        stream._share = None
+        return stream
+
+
+def val_batches(
+    tokens: np.ndarray,
+    seq_len: int,
+    batch_size: int,
+    max_batches: int,
+    rank: int,
+    world_size: int,
+) -> list[torch.Tensor]:
+    """Fixed validation batches for one rank.
+
+    Rank ``r`` gets windows ``r, r + W, r + 2W, ...`` from the start of
+    ``tokens``, the same count on every rank (so all ranks run the same number
+    of eval steps with the same shapes), at most ``max_batches * batch_size``.
+    The last batch may be smaller than ``batch_size``.
+
+    Args:
+        tokens: 1-D validation token ids (e.g. ``TokenData.val``).
+        seq_len: Tokens per input sequence.
+        batch_size: Rows per batch.
+        max_batches: Upper bound on the number of batches.
+        rank: This rank.
+        world_size: Number of ranks.
+
+    Returns:
+        List of ``torch.LongTensor`` of shape ``[rows, seq_len + 1]``.
+
+    Raises:
+        ValueError: The split has fewer windows than ranks.
+    """
+    _check_rank(rank, world_size)
+    if batch_size < 1 or max_batches < 1:
+        raise ValueError(
+            f"batch_size and max_batches must be positive, got {batch_size}, {max_batches}"
+        )
+    n = _num_windows(tokens, seq_len)
+    per_rank = min(n // world_size, batch_size * max_batches)
+    if per_rank == 0:
+        raise ValueError(
+            f"validation split too small: {len(tokens)} tokens give {n} windows of "
+            f"train.seq_len={seq_len} for {world_size} ranks; raise data.val_fraction"
+        )
+    ids = rank + world_size * np.arange(per_rank, dtype=np.int64)
+    return [
+        _gather(tokens, ids[i : i + batch_size], seq_len) for i in range(0, per_rank, batch_size)
+    ]

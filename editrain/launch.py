@@ -1,0 +1,130 @@
+"""Starting workers: locally through torch's elastic launcher, or joining a torchrun job.
+
+The run directory is prepared here, before any process group exists: a directory holding a
+different run is refused unless ``--overwrite``; the resolved configuration is written to
+``RUN_DIR/config.toml``; the corpus is tokenised once in the parent so workers reuse it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import shutil
+import socket
+import time
+import uuid
+from pathlib import Path
+
+from editrain.config import Config, ConfigError, dumps_toml, to_dict, validate_world
+
+log = logging.getLogger("editrain")
+
+RUN_FILES = ("config.toml", "metrics.jsonl", "loss_vs_tokens.png", "loss_vs_time.png", "tb",
+             "checkpoints", "summary.json")
+
+
+def default_run_dir() -> Path:
+    """``runs/<timestamp>`` (a short random suffix keeps parallel runs apart)."""
+    return Path("runs") / (time.strftime("%Y%m%d-%H%M%S") + "-" + uuid.uuid4().hex[:4])
+
+
+def resolved(cfg: Config) -> Config:
+    """A copy with the method's defaults filled in, as it will run."""
+    return dataclasses.replace(cfg, sync=cfg.sync.resolve())
+
+
+def prepare_run_dir(cfg: Config, run_dir: Path) -> None:
+    """Create ``run_dir``; refuse to mix two runs; write ``config.toml``."""
+    existing = [n for n in RUN_FILES if (run_dir / n).exists()]
+    if existing and not cfg.resume:
+        if not cfg.overwrite:
+            raise ConfigError(
+                f"--run-dir: {run_dir} already holds a run ({', '.join(existing)}); choose "
+                "another directory, resume it with --resume, or pass --overwrite to replace it"
+            )
+        for name in existing:
+            path = run_dir / name
+            shutil.rmtree(path) if path.is_dir() else path.unlink()
+        log.warning("--overwrite: removed %s from %s", ", ".join(existing), run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    data = to_dict(resolved(cfg))
+    data["run_dir"] = str(run_dir)
+    tmp = run_dir / "config.toml.tmp"
+    tmp.write_text(dumps_toml(data))
+    os.replace(tmp, run_dir / "config.toml")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _pretokenise(cfg: Config) -> None:
+    from editrain.data import prepare_tokens
+
+    t0 = time.perf_counter()
+    data = prepare_tokens(cfg.data.path, Path(cfg.data.cache_dir).expanduser(),
+                          cfg.data.vocab_size, cfg.data.tokenizer, cfg.data.val_fraction,
+                          cfg.data.max_bytes)
+    how = "reused cache" if data.reused else f"built in {time.perf_counter() - t0:.1f} s"
+    if not cfg.quiet:
+        log.info("data: %d train / %d val tokens, vocab %d (%s: %s)", len(data.train),
+                 len(data.val), data.vocab_size, how, data.cache_dir)
+
+
+def run_local(cfg: Config) -> dict:
+    """Spawn ``dist.nproc`` local workers with torch elastic (restarts from torch)."""
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    from editrain.metrics import plot_runs
+    from editrain.train import run_worker
+
+    nproc = cfg.dist.nproc
+    validate_world(cfg, nproc)
+    run_dir = Path(cfg.run_dir) if cfg.run_dir else default_run_dir()
+    cfg = dataclasses.replace(cfg, run_dir=str(run_dir))
+    prepare_run_dir(cfg, run_dir)
+    _pretokenise(cfg)
+    threads = cfg.dist.threads_per_proc or max(1, (os.cpu_count() or 1) // nproc)
+    os.environ.setdefault("OMP_NUM_THREADS", str(threads))
+    launch_cfg = LaunchConfig(
+        min_nodes=1, max_nodes=1, nproc_per_node=nproc,
+        run_id=f"editrain-{uuid.uuid4().hex[:8]}",
+        rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{_free_port()}",
+        rdzv_configs={"is_host": True},
+        max_restarts=cfg.dist.max_restarts, start_method="spawn", monitor_interval=0.5,
+        local_addr="127.0.0.1",  # a laptop run is not reachable from the network
+    )
+    if not cfg.quiet:
+        log.info("run directory: %s; %d local workers (%d threads each)", run_dir, nproc,
+                 threads)
+    results = elastic_launch(launch_cfg, run_worker)(cfg, str(run_dir))
+    for path in plot_runs([run_dir]):
+        if not cfg.quiet:
+            log.info("plot: %s", path)
+    return results.get(0, {}) if isinstance(results, dict) else {}
+
+
+def run_under_torchrun(cfg: Config) -> dict:
+    """Join a torchrun job: rank 0 prepares the run directory, everyone trains."""
+    from editrain.train import run_worker
+
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID", "torchrun")
+    run_dir = Path(cfg.run_dir) if cfg.run_dir else Path("runs") / run_id
+    cfg = dataclasses.replace(cfg, run_dir=str(run_dir))
+    validate_world(cfg, int(os.environ["WORLD_SIZE"]))
+    if int(os.environ.get("RANK", "0")) == 0:
+        prepare_run_dir(cfg, run_dir)
+    else:
+        # Wait for rank 0 to create the directory (it writes config.toml last).
+        deadline = time.monotonic() + 300
+        while not (run_dir / "config.toml").exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+    summary = run_worker(cfg, str(run_dir))
+    if int(os.environ.get("RANK", "0")) == 0:
+        from editrain.metrics import plot_runs
+
+        plot_runs([run_dir])
+    return summary

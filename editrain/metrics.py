@@ -1,0 +1,148 @@
+"""The run's public record: ``metrics.jsonl`` (one JSON object per logged step), optional
+TensorBoard event files, and loss plots.
+
+Stable field names of a step row: ``step``, ``tokens`` (cumulative, all ranks), ``loss``,
+``val_loss`` (when computed), ``lr``, ``tokens_per_s``, ``step_time_s``, ``wall_time_s``.
+Later fields only add to these.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+METRICS_FILE = "metrics.jsonl"
+
+
+def _clean(v: Any) -> Any:
+    """JSON-safe value: NaN/Inf become null (a broken replica must not break the file)."""
+    if isinstance(v, float) and not math.isfinite(v):
+        return None
+    if isinstance(v, dict):
+        return {k: _clean(x) for k, x in v.items()}
+    if isinstance(v, list | tuple):
+        return [_clean(x) for x in v]
+    return v
+
+
+class MetricsWriter:
+    """Appends rows to ``RUN_DIR/metrics.jsonl`` (and TensorBoard if installed).
+
+    Args:
+        run_dir: the run directory.
+        enabled: False on every rank but the logging rank.
+        tensorboard: also write TensorBoard events when ``tensorboard`` is importable.
+    """
+
+    def __init__(self, run_dir: str | Path, enabled: bool = True, tensorboard: bool = True):
+        self.path = Path(run_dir) / METRICS_FILE
+        self.enabled = enabled
+        self._file = open(self.path, "a", encoding="utf-8") if enabled else None  # noqa: SIM115
+        self._tb = None
+        if enabled and tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+
+                self._tb = SummaryWriter(str(Path(run_dir) / "tb"))
+            except Exception:  # tensorboard is an optional extra
+                self._tb = None
+
+    def write(self, row: dict[str, Any]) -> None:
+        """Append one row; flushed immediately so a crash loses at most this row."""
+        if self._file is None:
+            return
+        self._file.write(json.dumps(_clean(row), separators=(",", ":")) + "\n")
+        self._file.flush()
+        os.fsync(self._file.fileno())
+        if self._tb is not None and "step" in row:
+            for k, v in row.items():
+                if isinstance(v, int | float) and not isinstance(v, bool) and k != "step":
+                    self._tb.add_scalar(k, v, row["step"])
+
+    def close(self) -> None:
+        """Close the files."""
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+        if self._tb is not None:
+            self._tb.close()
+            self._tb = None
+
+
+def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
+    """All rows of a run's ``metrics.jsonl`` (a truncated last line is ignored)."""
+    path = Path(run_dir) / METRICS_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: no metrics file (is {run_dir} a run directory?)")
+    rows = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return rows
+
+
+def _label(run_dir: Path) -> str:
+    cfg = run_dir / "config.toml"
+    if cfg.is_file():
+        import tomllib
+
+        method = tomllib.loads(cfg.read_text()).get("sync", {}).get("method")
+        if method:
+            return f"{run_dir.name} ({method})"
+    return run_dir.name
+
+
+def plot_runs(run_dirs: Sequence[str | Path], out_dir: str | Path | None = None) -> list[Path]:
+    """Draw loss-vs-tokens and loss-vs-time PNGs for one or more runs.
+
+    Args:
+        run_dirs: run directories to compare.
+        out_dir: where to write the PNGs (default: the first run directory).
+
+    Returns:
+        The written files.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    dirs = [Path(d) for d in run_dirs]
+    out = Path(out_dir) if out_dir is not None else dirs[0]
+    out.mkdir(parents=True, exist_ok=True)
+    written = []
+    for x_key, x_label, name in (("tokens", "tokens (all replicas)", "loss_vs_tokens.png"),
+                                 ("wall_time_s", "wall time (s)", "loss_vs_time.png")):
+        fig, ax = plt.subplots(figsize=(7, 4.5))
+        for d in dirs:
+            rows = read_metrics(d)
+            label = _label(d)
+            tr = [(r[x_key], r["loss"]) for r in rows if r.get("loss") is not None and x_key in r]
+            va = [(r[x_key], r["val_loss"]) for r in rows
+                  if r.get("val_loss") is not None and x_key in r]
+            if tr:
+                line, = ax.plot(*zip(*tr), alpha=0.35, linewidth=1)
+                color = line.get_color()
+            else:
+                color = None
+            if va:
+                ax.plot(*zip(*va), marker="o", markersize=3, color=color,
+                        label=f"{label} val")
+            elif tr:
+                line.set_label(f"{label} train")
+        ax.set_xlabel(x_label)
+        ax.set_ylabel("loss")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        path = out / name
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        written.append(path)
+    return written

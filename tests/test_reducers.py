@@ -1,0 +1,447 @@
+"""Tests for editrain.sync.reducers with R replicas simulated in one process.
+
+Each replica's ``reduce`` runs in its own Python thread; a barrier-based fake
+all-reduce sums the R tensors in place, the way a real sync group would.
+Expected values come from hand calculations or from a float64 single-process
+GTA reference written here from the algorithm spec (section 7).
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+
+import pytest
+import torch
+
+from editrain.sync.reducers import GTAReducer, MeanReducer, Reducer, build_reducer
+
+# ---------------------------------------------------------------------------
+# fake sync group
+# ---------------------------------------------------------------------------
+
+
+class FakeSyncGroup:
+    """In-process stand-in for a sync group of ``world`` ranks.
+
+    ``all_reduce_for(rank)`` returns that rank's in-place sum. Every rank must issue
+    the same collectives in the same order, exactly as with torch.distributed; a
+    mismatch breaks the barrier (timeout) instead of hanging the test run.
+    """
+
+    def __init__(self, world: int, timeout: float = 20.0) -> None:
+        self.world = world
+        self.barrier = threading.Barrier(world, timeout=timeout)
+        self.slots: list[torch.Tensor | None] = [None] * world
+        self.log: list[list[tuple[tuple[int, ...], torch.dtype]]] = [[] for _ in range(world)]
+
+    def all_reduce_for(self, rank: int):
+        def all_reduce(t: torch.Tensor) -> None:
+            self.log[rank].append((tuple(t.shape), t.dtype))
+            self.slots[rank] = t
+            self.barrier.wait()
+            shapes = {tuple(s.shape) for s in self.slots}
+            if len(shapes) != 1:
+                self.barrier.abort()
+                raise RuntimeError(f"mismatched all-reduce shapes {shapes}")
+            # Same summation order on every rank, so every rank gets identical bits.
+            total = self.slots[0].clone()
+            for other in self.slots[1:]:
+                total += other
+            # Nobody may reuse its slot before everyone has read all of them.
+            self.barrier.wait()
+            t.copy_(total)
+
+        return all_reduce
+
+
+def run_replicas(reducer, deltas, weights, generators=None):
+    """Run ``reducer.reduce`` on every replica concurrently.
+
+    Returns (results, log) where log[r] lists the (shape, dtype) of rank r's collectives.
+    """
+    world = len(deltas)
+    group = FakeSyncGroup(world)
+    results: list[torch.Tensor | None] = [None] * world
+    errors: list[BaseException] = []
+
+    def worker(rank: int) -> None:
+        try:
+            gen = generators[rank] if generators is not None else None
+            results[rank] = reducer.reduce(
+                deltas[rank], weights[rank], group.all_reduce_for(rank), generator=gen
+            )
+        except BaseException as exc:  # surfaced in the main thread below
+            errors.append(exc)
+            group.barrier.abort()
+
+    threads = [threading.Thread(target=worker, args=(r,)) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    return results, group.log
+
+
+def assert_all_same(results):
+    for r in results[1:]:
+        assert torch.equal(r, results[0])
+
+
+# ---------------------------------------------------------------------------
+# single-process GTA reference (float64)
+# ---------------------------------------------------------------------------
+
+
+def gta_reference(deltas, weights, keeps, *, consensus, normalize, rescale=None):
+    """Section 7 on all replicas at once.
+
+    keeps[j] is replica j's bool sparsification mask (all True for no sparsification);
+    rescale is the density for rescaled_random.
+    """
+    xs = []
+    for d, w, keep in zip(deltas, weights, keeps):
+        if w == 0:
+            xs.append(torch.zeros(d.numel(), dtype=torch.float64))
+            continue
+        s = torch.where(keep, d.double().reshape(-1), 0.0)
+        if rescale is not None:
+            s = s / rescale
+        xs.append(w * s)
+    if consensus == "sum":
+        vote = sum(xs)
+    else:
+        vote = sum(torch.sign(x) for x in xs)
+    plus = vote >= 0
+    masks = [((x > 0) & plus) | ((x < 0) & ~plus) for x in xs]
+    num = sum(x * m for x, m in zip(xs, masks))
+    if not normalize:
+        return num
+    div = sum(w * m.double() for w, m in zip(weights, masks))
+    div = torch.where(div < 1e-8, 1.0, div)
+    return num / div
+
+
+def topk_keep(delta, density):
+    """Magnitude mask by sorting: the ceil(density * n) largest |delta| (no ties in test data)."""
+    flat = delta.reshape(-1)
+    k = math.ceil(round(density * flat.numel(), 9))
+    order = torch.argsort(flat.abs(), descending=True)
+    keep = torch.zeros(flat.numel(), dtype=torch.bool)
+    keep[order[:k]] = True
+    return keep
+
+
+def random_keep(seed, n, density):
+    """The documented random mask: torch.rand(n, generator) < density."""
+    return torch.rand(n, generator=torch.Generator().manual_seed(seed)) < density
+
+
+def rand_deltas(world, n, seed, dtype=torch.float32):
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randn(n, generator=gen, dtype=torch.float64).to(dtype) for _ in range(world)]
+
+
+# ---------------------------------------------------------------------------
+# MeanReducer
+# ---------------------------------------------------------------------------
+
+
+def test_mean_reducer_is_the_weighted_sum_with_one_collective():
+    deltas = rand_deltas(3, 17, seed=0)
+    weights = [0.2, 0.3, 0.5]
+    results, log = run_replicas(MeanReducer(), deltas, weights)
+    assert_all_same(results)
+    expected = sum(w * d.double() for w, d in zip(weights, deltas))
+    torch.testing.assert_close(results[0].double(), expected, rtol=1e-6, atol=1e-6)
+    assert results[0].dtype == torch.float32
+    assert log == [[((17,), torch.float32)]] * 3
+    assert MeanReducer.collectives_per_call == 1
+
+
+def test_mean_reducer_hand_values_and_excluded_replica():
+    deltas = [
+        torch.tensor([1.0, 2.0], dtype=torch.float64),
+        torch.tensor([3.0, -4.0], dtype=torch.float64),
+        torch.tensor([math.nan, math.inf], dtype=torch.float64),  # excluded
+    ]
+    results, _ = run_replicas(MeanReducer(), deltas, [0.25, 0.75, 0.0])
+    assert_all_same(results)
+    # 0.25 * [1, 2] + 0.75 * [3, -4] = [2.5, -2.5]; the NaN replica contributes nothing.
+    assert results[0].tolist() == [2.5, -2.5]
+
+
+# ---------------------------------------------------------------------------
+# GTAReducer: hand-made cases
+# ---------------------------------------------------------------------------
+
+# Three replicas, four entries, weights 0.5 / 0.25 / 0.25. Weighted x = w * d:
+#   x0 = [ 2.00,  0.5, -1.0,  0.00]
+#   x1 = [-0.25,  0.5,  0.5,  0.75]
+#   x2 = [-0.25, -1.0,  0.5, -0.25]
+# sum   of x:     [1.5, 0, 0, 0.5]  -> elected [+, + (tie), + (tie), +]
+# count of signs: [-1, +1, +1, 0]   -> elected [-, +, +, + (tie)]
+# Entry 0 is where the two consensus methods disagree.
+HAND_DELTAS = [
+    [4.0, 1.0, -2.0, 0.0],
+    [-1.0, 2.0, 2.0, 3.0],
+    [-1.0, -4.0, 2.0, -1.0],
+]
+HAND_WEIGHTS = [0.5, 0.25, 0.25]
+# Agreeing entries per column (sum): {x0}, {x0, x1}, {x1, x2}, {x1} (x0 is 0, dropped)
+#   numerator  [2, 1, 1, 0.75]; divisor [0.5, 0.75, 0.5, 0.25]
+# count changes only column 0: {x1, x2} -> numerator -0.5, divisor 0.5.
+HAND_EXPECTED = {
+    ("sum", True): [4.0, 4.0 / 3.0, 2.0, 3.0],
+    ("sum", False): [2.0, 1.0, 1.0, 0.75],
+    ("count", True): [-1.0, 4.0 / 3.0, 2.0, 3.0],
+    ("count", False): [-0.5, 1.0, 1.0, 0.75],
+}
+
+
+@pytest.mark.parametrize(("consensus", "normalize"), list(HAND_EXPECTED))
+@pytest.mark.parametrize("int8_mask", [False, True])
+def test_gta_hand_values(consensus, normalize, int8_mask):
+    reducer = GTAReducer(consensus_method=consensus, normalize=normalize, int8_mask=int8_mask)
+    deltas = [torch.tensor(d, dtype=torch.float64) for d in HAND_DELTAS]
+    results, log = run_replicas(reducer, deltas, HAND_WEIGHTS)
+    assert_all_same(results)
+    expected = torch.tensor(HAND_EXPECTED[(consensus, normalize)], dtype=torch.float64)
+    torch.testing.assert_close(results[0], expected, rtol=1e-15, atol=0)
+    # Two collectives: the sign election, then numerator (+ divisor) packed in one.
+    second = ((2, 4) if normalize else (1, 4), torch.float64)
+    assert log == [[((4,), torch.float64), second]] * 3
+
+
+def test_gta_hand_values_float32():
+    reducer = GTAReducer(consensus_method="count")
+    deltas = [torch.tensor(d, dtype=torch.float32) for d in HAND_DELTAS]
+    results, _ = run_replicas(reducer, deltas, HAND_WEIGHTS)
+    assert_all_same(results)
+    assert results[0].dtype == torch.float32
+    expected = torch.tensor(HAND_EXPECTED[("count", True)], dtype=torch.float32)
+    torch.testing.assert_close(results[0], expected)
+
+
+@pytest.mark.parametrize("consensus", ["sum", "count"])
+def test_gta_excluded_replica_contributes_nothing(consensus):
+    # Replica 2 is excluded (weight 0) and holds garbage. Had its delta been used,
+    # its NaN would poison entry 0 and its -100s would flip the count vote on entry 1.
+    deltas = [
+        torch.tensor([1.0, -2.0, 3.0, 0.0], dtype=torch.float64),
+        torch.tensor([3.0, 2.0, -1.0, 4.0], dtype=torch.float64),
+        torch.tensor([math.nan, -100.0, -100.0, -100.0], dtype=torch.float64),
+    ]
+    weights = [0.5, 0.5, 0.0]
+    # x0 = [0.5, -1, 1.5, 0], x1 = [1.5, 1, -0.5, 2]: every vote is + (ties included).
+    # Kept: {x0, x1}, {x1}, {x0}, {x1} -> numerator [2, 1, 1.5, 2], divisor [1, .5, .5, .5].
+    results, _ = run_replicas(GTAReducer(consensus_method=consensus), deltas, weights)
+    assert_all_same(results)
+    assert results[0].tolist() == [2.0, 2.0, 3.0, 4.0]
+
+    plain = GTAReducer(consensus_method=consensus, normalize=False)
+    results, _ = run_replicas(plain, deltas, weights)
+    assert results[0].tolist() == [2.0, 1.0, 1.5, 2.0]
+
+
+def test_gta_entries_nobody_keeps_stay_zero():
+    deltas = [torch.tensor([0.0, 1.0], dtype=torch.float64)] * 2
+    results, _ = run_replicas(GTAReducer(), deltas, [0.5, 0.5])
+    # Entry 0: divisor 0 -> replaced by 1, result 0 rather than 0/0 = NaN.
+    assert results[0].tolist() == [0.0, 1.0]
+
+
+# ---------------------------------------------------------------------------
+# GTAReducer: sparsification (density < 1) really synchronises (defect 1)
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("consensus", ["sum", "count"])
+@pytest.mark.parametrize("normalize", [True, False])
+def test_gta_magnitude_sparsification_is_reduced(consensus, normalize):
+    world, n, density = 3, 37, 0.5  # keeps ceil(18.5) = 19 entries per replica
+    deltas = rand_deltas(world, n, seed=1)
+    weights = [0.5, 0.3, 0.2]
+    reducer = GTAReducer(
+        consensus_method=consensus,
+        sparsification_method="magnitude",
+        density=density,
+        normalize=normalize,
+    )
+    results, log = run_replicas(reducer, deltas, weights)
+
+    assert_all_same(results)
+    keeps = [topk_keep(d, density) for d in deltas]
+    assert all(int(k.sum()) == 19 for k in keeps)
+    expected = gta_reference(deltas, weights, keeps, consensus=consensus, normalize=normalize)
+    torch.testing.assert_close(results[0].double(), expected, rtol=1e-6, atol=1e-6)
+    # The reference implementation returned each replica's own sparsified delta.
+    for d, k in zip(deltas, keeps):
+        assert not torch.allclose(results[0], torch.where(k, d, 0.0))
+    assert len(log[0]) == 2
+
+
+@pytest.mark.parametrize("method", ["random", "rescaled_random"])
+@pytest.mark.parametrize("consensus", ["sum", "count"])
+def test_gta_random_sparsification_is_reduced(method, consensus):
+    world, n, density = 4, 50, 0.4
+    deltas = rand_deltas(world, n, seed=2)
+    weights = [0.1, 0.2, 0.3, 0.4]
+    seeds = [100 + r for r in range(world)]
+    gens = [torch.Generator().manual_seed(s) for s in seeds]
+    reducer = GTAReducer(consensus_method=consensus, sparsification_method=method, density=density)
+    results, _ = run_replicas(reducer, deltas, weights, generators=gens)
+
+    assert_all_same(results)
+    keeps = [random_keep(s, n, density) for s in seeds]
+    expected = gta_reference(
+        deltas,
+        weights,
+        keeps,
+        consensus=consensus,
+        normalize=True,
+        rescale=density if method == "rescaled_random" else None,
+    )
+    torch.testing.assert_close(results[0].double(), expected, rtol=1e-6, atol=1e-6)
+    # Entries kept by no replica are exactly zero.
+    dropped = ~torch.stack(keeps).any(0)
+    assert dropped.any() and torch.all(results[0][dropped] == 0)
+
+
+def test_gta_random_mask_follows_the_generator():
+    deltas = rand_deltas(2, 64, seed=3)
+    reducer = GTAReducer(sparsification_method="random", density=0.5)
+
+    def go(seeds):
+        gens = [torch.Generator().manual_seed(s) for s in seeds]
+        return run_replicas(reducer, deltas, [0.5, 0.5], generators=gens)[0][0]
+
+    assert torch.equal(go([1, 2]), go([1, 2]))
+    assert not torch.equal(go([1, 2]), go([3, 4]))
+
+
+@pytest.mark.parametrize(
+    ("density", "kept"),
+    [(0.07, 7), (0.55, 55), (0.123, 13), (0.001, 1), (1.0, 100)],
+)
+def test_gta_magnitude_keep_count_on_one_replica(density, kept):
+    # ceil(density * 100): 0.07 * 100 is 7.000000000000001 in binary and must keep 7, not 8.
+    gen = torch.Generator().manual_seed(5)
+    magnitudes = torch.randperm(100, generator=gen).double() + 1.0  # distinct, no ties
+    signs = torch.where(torch.rand(100, generator=gen) < 0.5, -1.0, 1.0).double()
+    delta = magnitudes * signs
+    reducer = GTAReducer(sparsification_method="magnitude", density=density)
+    # One replica: the sum over the group is the tensor itself.
+    got = reducer.reduce(delta, 1.0, lambda t: None)
+    # With one replica and normalize, the result is the sparsified delta itself:
+    # the entries of magnitude > 100 - kept survive.
+    expected = torch.where(magnitudes > 100 - kept, delta, 0.0)
+    assert int((got != 0).sum()) == kept
+    assert torch.equal(got, expected)
+
+
+def test_gta_single_replica_rescaled_random():
+    delta = torch.arange(1.0, 21.0, dtype=torch.float64)
+    reducer = GTAReducer(sparsification_method="rescaled_random", density=0.5)
+    got = reducer.reduce(delta, 0.7, lambda t: None, generator=torch.Generator().manual_seed(9))
+    keep = random_keep(9, 20, 0.5)
+    # normalize divides w * d / density by w: d / density on kept entries.
+    torch.testing.assert_close(got, torch.where(keep, delta / 0.5, 0.0), rtol=1e-15, atol=0)
+
+
+def test_gta_int8_mask_changes_no_value():
+    deltas = rand_deltas(3, 40, seed=4)
+    weights = [0.6, 0.0, 0.4]
+    out = {}
+    for int8 in (False, True):
+        reducer = GTAReducer(
+            consensus_method="count",
+            sparsification_method="magnitude",
+            density=0.6,
+            int8_mask=int8,
+        )
+        out[int8] = run_replicas(reducer, deltas, weights)[0][0]
+    assert torch.equal(out[False], out[True])
+
+
+def test_reducers_keep_shape_and_leave_delta_untouched():
+    deltas = [torch.randn(3, 5, generator=torch.Generator().manual_seed(r)) for r in range(2)]
+    originals = [d.clone() for d in deltas]
+    for reducer in (
+        MeanReducer(),
+        GTAReducer(),
+        GTAReducer(sparsification_method="rescaled_random", density=0.5),
+    ):
+        results, _ = run_replicas(reducer, deltas, [0.5, 0.5])
+        assert results[0].shape == (3, 5)
+        for d, o in zip(deltas, originals):
+            assert torch.equal(d, o)
+
+
+# ---------------------------------------------------------------------------
+# construction and validation
+# ---------------------------------------------------------------------------
+
+
+def test_build_reducer():
+    for name in (None, "linear", "mean"):
+        assert isinstance(build_reducer(name), MeanReducer)
+    # GTA options at their defaults (or None) are fine with the mean reducer.
+    assert isinstance(
+        build_reducer(None, consensus_method=None, sparsification_method=None, density=1.0),
+        MeanReducer,
+    )
+    gta = build_reducer(
+        "gta",
+        consensus_method="count",
+        sparsification_method="magnitude",
+        density=0.25,
+        normalize=False,
+        int8_mask=True,
+    )
+    assert isinstance(gta, GTAReducer) and isinstance(gta, Reducer)
+    assert (gta.consensus_method, gta.sparsification_method, gta.density) == (
+        "count",
+        "magnitude",
+        0.25,
+    )
+    assert (gta.normalize, gta.int8_mask) == (False, True)
+    assert GTAReducer.collectives_per_call == 2
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "name"),
+    [
+        ({"consensus_method": "max"}, "consensus_method"),
+        ({"consensus_method": None}, "consensus_method"),
+        ({"sparsification_method": "topk"}, "sparsification_method"),
+        ({"sparsification_method": "magnitude", "density": 0.0}, "density"),
+        ({"sparsification_method": "magnitude", "density": 1.5}, "density"),
+        ({"sparsification_method": "random", "density": math.nan}, "density"),
+        ({"sparsification_method": "random", "density": "0.5"}, "density"),
+        ({"density": 0.5}, "density"),  # density without a sparsification method
+    ],
+)
+def test_gta_validation(kwargs, name):
+    with pytest.raises(ValueError, match=name):
+        GTAReducer(**kwargs)
+    with pytest.raises(ValueError, match=name):
+        build_reducer("gta", **kwargs)
+
+
+def test_build_reducer_validation():
+    with pytest.raises(ValueError, match="reducer"):
+        build_reducer("ties")
+    with pytest.raises(ValueError, match="reducer='gta'"):
+        build_reducer("mean", sparsification_method="magnitude", density=0.5)
+    with pytest.raises(TypeError, match="dencity"):
+        build_reducer("gta", dencity=0.5)
+
+
+@pytest.mark.parametrize("weight", [-0.1, math.nan, math.inf])
+@pytest.mark.parametrize("reducer", [MeanReducer(), GTAReducer()])
+def test_bad_weight_is_rejected(reducer, weight):
+    with pytest.raises(ValueError, match="weight"):
+        reducer.reduce(torch.ones(3), weight, lambda t: None)
