@@ -34,20 +34,44 @@ def resolved(cfg: Config) -> Config:
     return dataclasses.replace(cfg, sync=cfg.sync.resolve())
 
 
+def check_run_dir(cfg: Config, run_dir: Path) -> list[str]:
+    """Refuse a ``run_dir`` holding another run (unless ``--overwrite`` or ``--resume``);
+    returns the run files that ``prepare_run_dir`` will replace. Touches nothing."""
+    existing = [n for n in RUN_FILES if (run_dir / n).exists()]
+    if existing and not cfg.resume and not cfg.overwrite:
+        raise ConfigError(
+            f"--run-dir: {run_dir} already holds a run ({', '.join(existing)}); choose "
+            "another directory, resume it with --resume, or pass --overwrite to replace it"
+        )
+    return existing
+
+
+def choose_run_dir(cfg: Config, default) -> Path:
+    """``--run-dir``; else, when resuming a run directory, that directory; else a new one."""
+    if cfg.run_dir:
+        return Path(cfg.run_dir)
+    if cfg.resume:
+        from editrain.checkpoint import CKPT_DIR, MARKER
+
+        p = Path(cfg.resume)
+        if (p / MARKER).is_file() and p.parent.name == CKPT_DIR:
+            return p.parent.parent
+        if (p / CKPT_DIR).is_dir():
+            return p
+    return default()
+
+
 def prepare_run_dir(cfg: Config, run_dir: Path) -> None:
     """Create ``run_dir``; refuse to mix two runs; write ``config.toml``."""
-    existing = [n for n in RUN_FILES if (run_dir / n).exists()]
+    existing = check_run_dir(cfg, run_dir)
     if existing and not cfg.resume:
-        if not cfg.overwrite:
-            raise ConfigError(
-                f"--run-dir: {run_dir} already holds a run ({', '.join(existing)}); choose "
-                "another directory, resume it with --resume, or pass --overwrite to replace it"
-            )
         for name in existing:
             path = run_dir / name
             shutil.rmtree(path) if path.is_dir() else path.unlink()
         log.warning("--overwrite: removed %s from %s", ", ".join(existing), run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
+    if cfg.resume and (run_dir / "config.toml").exists():
+        return  # the run's own record of its configuration stays as it was
     data = to_dict(resolved(cfg))
     data["run_dir"] = str(run_dir)
     tmp = run_dir / "config.toml.tmp"
@@ -62,12 +86,16 @@ def _free_port() -> int:
 
 
 def _pretokenise(cfg: Config) -> None:
-    from editrain.data import prepare_tokens
+    from editrain.data import SequenceStream, prepare_tokens, val_batches
 
     t0 = time.perf_counter()
     data = prepare_tokens(cfg.data.path, Path(cfg.data.cache_dir).expanduser(),
                           cfg.data.vocab_size, cfg.data.tokenizer, cfg.data.val_fraction,
                           cfg.data.max_bytes)
+    # The windows every worker will cut; a too-small corpus fails here, not in the workers.
+    t = cfg.train
+    SequenceStream(data.train, t.seq_len, 0, cfg.dist.nproc, t.seed)
+    val_batches(data.val, t.seq_len, t.batch_size, t.eval_batches, 0, cfg.dist.shard_size)
     how = "reused cache" if data.reused else f"built in {time.perf_counter() - t0:.1f} s"
     if not cfg.quiet:
         log.info("data: %d train / %d val tokens, vocab %d (%s: %s)", len(data.train),
@@ -85,8 +113,10 @@ def run_local(cfg: Config) -> dict:
     validate_world(cfg, nproc)
     run_dir = Path(cfg.run_dir) if cfg.run_dir else default_run_dir()
     cfg = dataclasses.replace(cfg, run_dir=str(run_dir))
-    prepare_run_dir(cfg, run_dir)
+    # Nothing is written before the data is known to be usable.
+    check_run_dir(cfg, run_dir)
     _pretokenise(cfg)
+    prepare_run_dir(cfg, run_dir)
     threads = cfg.dist.threads_per_proc or max(1, (os.cpu_count() or 1) // nproc)
     os.environ.setdefault("OMP_NUM_THREADS", str(threads))
     launch_cfg = LaunchConfig(
@@ -112,7 +142,7 @@ def run_under_torchrun(cfg: Config) -> dict:
     from editrain.train import run_worker
 
     run_id = os.environ.get("TORCHELASTIC_RUN_ID", "torchrun")
-    run_dir = Path(cfg.run_dir) if cfg.run_dir else Path("runs") / run_id
+    run_dir = choose_run_dir(cfg, lambda: Path("runs") / run_id)
     cfg = dataclasses.replace(cfg, run_dir=str(run_dir))
     validate_world(cfg, int(os.environ["WORLD_SIZE"]))
     if int(os.environ.get("RANK", "0")) == 0:

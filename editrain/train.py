@@ -7,6 +7,8 @@ validation loss. The method itself lives in :mod:`editrain.sync`; this file only
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import logging
 import math
 import os
@@ -18,9 +20,17 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-from editrain.config import Config, model_config, validate_world
+from editrain.checkpoint import (
+    list_checkpoints,
+    load_checkpoint,
+    resolve_resume,
+    rng_state,
+    save_checkpoint,
+    set_rng_state,
+)
+from editrain.config import Config, model_config, to_dict, validate_world
 from editrain.data import SequenceStream, prepare_tokens, val_batches
-from editrain.metrics import MetricsWriter
+from editrain.metrics import MetricsWriter, read_metrics
 from editrain.models import Llama, causal_lm_loss, num_parameters
 from editrain.optim import build_optimizer, wrap_sam
 from editrain.sim import ComputeSlowdown, check_replicas, parse_sim
@@ -42,7 +52,7 @@ def shard_model(model: torch.nn.Module, blocks: list[torch.nn.Module], info: Mes
     fully_shard(model, mesh=info.shard_mesh, mp_policy=mp)
 
 
-def lr_at(step: int, cfg: Config) -> float:
+def lr_at(step: float, cfg: Config) -> float:
     """Linear warm-up then cosine decay to ``min_lr_ratio * lr`` over ``train.steps``."""
     t = cfg.train
     if step < t.warmup_steps:
@@ -100,10 +110,35 @@ class Trainer:
         self.slowdown = ComputeSlowdown(self.plan, info.replica, t.seed)
         self.shard_group = info.mesh.get_group(SHARD_DIM)
         self.tokens_per_step = t.batch_size * t.seq_len * t.gradient_accumulation_steps
-        self.metrics = MetricsWriter(self.run_dir, enabled=self.is_logger)
+        self.aedit = cfg.sync.use_async
+        if self.aedit:
+            self.engine.extra_due = self._aedit_budget_due
         self.step = 0
+        self.next_eval = t.eval_every
+        self.next_ckpt = cfg.checkpoint.every
+        self.last_eval = 0
+        self.finished = False
+        self.wall_offset = 0.0
+        self.resumed_from: Path | None = None
+        self.replay_until: int | None = None
+        ckpt = self._checkpoint_to_resume()
+        if ckpt is not None:
+            self._resume(ckpt)
+        self.metrics = MetricsWriter(self.run_dir, enabled=self.is_logger)
         self.wall_start = time.perf_counter()
-        self.next_eval = 0
+
+    def _checkpoint_to_resume(self) -> Path | None:
+        """``--resume``, or the latest checkpoint of this run after a worker restart."""
+        if self.cfg.resume:
+            return resolve_resume(self.cfg.resume)
+        if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
+            found = list_checkpoints(self.run_dir)
+            if self.is_logger:
+                log.warning("worker restart %s: %s", os.environ["TORCHELASTIC_RESTART_COUNT"],
+                            f"resuming from {found[-1]}" if found else "no checkpoint yet, "
+                            "starting over")
+            return found[-1] if found else None
+        return None
 
     # ------------------------------------------------------------------ building
     def _build_optimizer(self) -> torch.optim.Optimizer:
@@ -140,40 +175,56 @@ class Trainer:
         """Run to the end of the budget; returns the final summary."""
         cfg = self.cfg
         self._log_start()
-        progress = self._progress()
-        final_val = self.evaluate()
-        self.metrics.write({"step": 0, "tokens": 0, "val_loss": final_val,
-                            "wall_time_s": 0.0})
-        self.next_eval = cfg.train.eval_every
-        last_eval = 0
+        progress = self._progress_bar()
+        final_val = float("nan")
+        if self.resumed_from is None:
+            final_val = self.evaluate()
+            self._write({"step": 0, "tokens": 0, "val_loss": final_val, "wall_time_s": 0.0})
         try:
-            while self.step < cfg.train.steps:
+            while not self._budget_done():
                 row = self.train_step()
-                if self._eval_due():
+                point = self._sync_point()  # progress at a sync boundary, else None
+                if self.aedit and point is not None and point >= cfg.train.steps:
+                    self.engine.finish()  # the last sync of the run
+                    self.finished = True
+                    row["tokens"] = self._tokens()
+                if point is not None and point >= self.next_eval:
                     self.engine.finish()
                     row["val_loss"] = final_val = self.evaluate()
-                    last_eval = self.step
-                    while self.next_eval <= self.step:
+                    self.last_eval = self.step
+                    while self.next_eval <= point:
                         self.next_eval += cfg.train.eval_every
+                syncs = self.engine.pop_sync_log()
+                if syncs:
+                    row["sync"] = syncs[-1]
                 if self.step % cfg.train.log_every == 0 or "val_loss" in row or "sync" in row:
-                    self.metrics.write(row)
+                    self._write(row)
+                if (cfg.checkpoint.every and point is not None and point >= self.next_ckpt
+                        and not self._budget_done()):
+                    self.save()
+                    while self.next_ckpt <= point:
+                        self.next_ckpt += cfg.checkpoint.every
                 if progress is not None:
-                    progress.update(self._task, advance=1,
+                    progress.update(self._task, completed=min(self._progress_steps(),
+                                                              cfg.train.steps),
                                     info=f"loss {row['loss']:.3f}  val {final_val:.3f}")
             # Every replica ends on the global model, even mid-window.
             self.engine.finish(force=True)
-            if last_eval != self.step or self.engine.num_syncs_forced:
+            if self.last_eval != self.step or self.engine.num_syncs_forced:
                 final_val = self.evaluate()
-                self.metrics.write({"step": self.step, "tokens": self._tokens(),
-                                    "val_loss": final_val,
-                                    "wall_time_s": time.perf_counter() - self.wall_start})
+                self._write({"step": self.step, "tokens": self._tokens(), "val_loss": final_val,
+                             "wall_time_s": self._wall()})
+            if cfg.checkpoint.final or cfg.checkpoint.every:
+                self.save()
         finally:
             if progress is not None:
                 progress.stop()
         summary = {"steps": self.step, "tokens": self._tokens(), "final_val_loss": final_val,
-                   "wall_time_s": time.perf_counter() - self.wall_start,
-                   "num_syncs": self.engine.num_syncs}
+                   "wall_time_s": self._wall(), "num_syncs": self.engine.num_syncs,
+                   "num_params": self.num_params, "method": cfg.sync.method,
+                   "replicas": self.info.topo.num_replicas, "shard_size": self.info.topo.shard_size}
         if self.is_logger:
+            (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
             log.warning("done: %d steps, %d tokens, val loss %.4f, %.1f s, %d syncs",
                         summary["steps"], summary["tokens"], final_val, summary["wall_time_s"],
                         summary["num_syncs"])
@@ -183,7 +234,7 @@ class Trainer:
         """One inner step: micro-batches, (warm-up) gradient averaging, optimizer, sync."""
         cfg, t = self.cfg, self.cfg.train
         t0 = time.perf_counter()
-        lr = lr_at(self.step, cfg)
+        lr = lr_at(self._progress_steps(), cfg)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         batches = [self.stream.next_batch(t.batch_size).to(self.info.device)
@@ -200,6 +251,7 @@ class Trainer:
             return total
 
         self.model.train()
+        wait0 = self._sync_wait()
         if cfg.optim.sam in (None, "none"):
             loss = closure()
             if t.grad_clip > 0:
@@ -208,8 +260,9 @@ class Trainer:
         else:
             loss = self.optimizer.step(closure)
         self.optimizer.zero_grad(set_to_none=True)
-        compute_s = time.perf_counter() - t0
-        self.slowdown.after_compute(self.step, compute_s)
+        compute_s = time.perf_counter() - t0 - (self._sync_wait() - wait0)
+        stall_s = self.slowdown.after_compute(self.step, compute_s)
+        t1 = time.perf_counter()
         self.engine.step()
         self.step += 1
 
@@ -224,12 +277,15 @@ class Trainer:
             "lr": lr,
             "tokens_per_s": self.tokens_per_step * self.info.topo.world_size / step_time,
             "step_time_s": step_time,
-            "wall_time_s": time.perf_counter() - self.wall_start,
+            "wall_time_s": self._wall(),
             "compute_s": compute_s,
+            "sync_wait_s": self._sync_wait() - wait0,
+            "boundary_s": time.perf_counter() - t1,
         }
-        syncs = self.engine.pop_sync_log()
-        if syncs:
-            row["sync"] = syncs[-1]
+        if stall_s:
+            row["sim_stall_s"] = stall_s
+        if self.aedit:
+            row["replica_step"] = self.step
         return row
 
     @torch.no_grad()
@@ -247,17 +303,153 @@ class Trainer:
             dist.all_reduce(total, group=self.shard_group)
         return float(total[0] / total[1])
 
+    # ------------------------------------------------------------------ progress
+    def _progress_steps(self) -> float:
+        """Progress in synchronous-step equivalents (replica-steps of all replicas / R).
+
+        Equal to the step count for every method but A-EDiT, whose replicas run at their own
+        pace: there it is exact at syncs and estimated in between from this replica's steps,
+        scaled by the share of all steps it did in the last window.
+        """
+        e, r = self.engine, self.info.topo.num_replicas
+        if not self.aedit or e.in_warmup:
+            return float(self.step)
+        counts = e.last_window_counts
+        mine = counts[self.info.replica] if counts else 0.0
+        scale = sum(counts) / mine if counts and mine > 0 else float(r)
+        return (e.synced_replica_steps + e.steps_since_sync * scale) / r
+
+    def _sync_point(self) -> float | None:
+        """Progress if this step boundary is a sync point (identical on every rank), else None.
+
+        Evaluations, checkpoints and the end of an A-EDiT run happen only at such points, so
+        every replica takes them at the same place with the same (global) model.
+        """
+        e, r = self.engine, self.info.topo.num_replicas
+        if not self.cfg.sync.is_local_sgd or e.in_warmup:
+            return float(self.step)
+        if e.sync_pending:
+            if self.aedit:
+                assert e.pending_counts is not None
+                return (e.synced_replica_steps + float(sum(e.pending_counts))) / r
+            return float(self.step)
+        if e.steps_since_sync == 0:
+            return e.synced_replica_steps / r if self.aedit else float(self.step)
+        return None
+
+    def _budget_done(self) -> bool:
+        if self.aedit:
+            return self.finished
+        return self.step >= self.cfg.train.steps
+
+    def _aedit_budget_due(self, elapsed_s: float) -> bool:
+        """A-EDiT: sync now if the whole cluster has probably used up the token budget."""
+        e, r = self.engine, self.info.topo.num_replicas
+        if e.last_window_counts and e.last_window_s > 0:
+            rate = sum(e.last_window_counts) / e.last_window_s
+            estimate = e.synced_replica_steps + rate * elapsed_s
+        else:
+            estimate = e.synced_replica_steps + e.steps_since_sync * r
+        return estimate >= self.cfg.train.steps * r
+
+    # ------------------------------------------------------------------ checkpoints
+    def _meta(self) -> dict[str, Any]:
+        return {
+            "model": dataclasses.asdict(model_config(self.cfg, self.data.vocab_size)),
+            "method": self.cfg.sync.method,
+            "vocab_size": self.data.vocab_size,
+            "num_units": len(self.engine.units),
+            "topology": [self.info.topo.num_replicas, self.info.topo.shard_size],
+            "has_anchor": any(u.anchor is not None for u in self.engine.units),
+            "config": to_dict(self.cfg),
+        }
+
+    def save(self) -> None:
+        """Write a checkpoint (collective; no effect on training)."""
+        label = int(round(self._progress_steps())) if self.aedit else self.step
+        rank_state = {
+            "step": self.step,
+            "next_eval": self.next_eval,
+            "next_ckpt": self.next_ckpt,
+            "last_eval": self.last_eval,
+            "finished": self.finished,
+            "wall_time_s": self._wall(),
+            "data": self.stream.state_dict(),
+            "rng": rng_state(),
+            "sim_rng": list(self.slowdown.rng.getstate()[1]),
+            "engine": self.engine.state_dict(include_units=False),
+        }
+        saved = save_checkpoint(self.run_dir, label, model=self.model, optimizer=self.optimizer,
+                                engine=self.engine, replica=self.info.replica,
+                                rank_state=rank_state, meta=self._meta(),
+                                keep=self.cfg.checkpoint.keep)
+        if self.is_logger:
+            log.warning("checkpoint %s: %.1f MiB in %.2f s", saved.path, saved.bytes / 2**20,
+                        saved.seconds)
+            self._write({"event": "checkpoint", "step": self.step, "path": str(saved.path),
+                         "bytes": saved.bytes, "save_time_s": saved.seconds})
+
+    def _resume(self, ckpt: Path) -> None:
+        state, marker = load_checkpoint(ckpt, model=self.model, optimizer=self.optimizer,
+                                        engine=self.engine, replica=self.info.replica,
+                                        rank=self.info.rank, meta=self._meta())
+        self.resumed_from = ckpt
+        if self.is_logger:
+            self.replay_until = _last_logged_step(self.run_dir)
+        if state is not None:  # same topology: exact
+            self.step = state["step"]
+            self.next_eval, self.next_ckpt = state["next_eval"], state["next_ckpt"]
+            self.last_eval, self.finished = state["last_eval"], state["finished"]
+            self.wall_offset = state["wall_time_s"]
+            self.stream.load_state_dict(state["data"])
+            set_rng_state(state["rng"])
+            rs = self.slowdown.rng.getstate()
+            self.slowdown.rng.setstate((rs[0], tuple(state["sim_rng"]), rs[2]))
+            self.engine.load_state_dict(state["engine"])
+            if self.is_logger:
+                log.warning("resumed exactly from %s at step %d", ckpt, self.step)
+            return
+        # Elastic: different number of replicas or shards.
+        old = [json.loads(p.read_text()) for p in sorted(ckpt.glob("rank_*.json"))]
+        first = old[0]
+        t = self.cfg.train
+        self.step = first["step"] if not self.aedit else int(round(
+            first["engine"]["synced_replica_steps"] / max(1, marker["topology"][0])))
+        self.next_eval, self.next_ckpt = first["next_eval"], first["next_ckpt"]
+        self.last_eval, self.wall_offset = first["last_eval"], first["wall_time_s"]
+        self.stream = SequenceStream.repartition(
+            self.data.train, t.seq_len, t.seed, [o["data"] for o in old],
+            self.info.rank, self.info.topo.world_size)
+        engine_state = dict(first["engine"], global_step=self.step)
+        self.engine.load_state_dict(engine_state, elastic=True)
+        if self.is_logger:
+            old_r, old_s = marker["topology"]
+            log.warning(
+                "elastic resume from %s: %dx%d -> %dx%d (replicas x shards). Carried over: "
+                "the global model (anchors), outer optimizer state, anomaly detectors of "
+                "replicas 0..%d, replica 0's inner optimizer state, step %d and the data "
+                "epoch (the unread rest of it is re-partitioned). Reset: every replica's "
+                "local progress since the last sync, the sync clock.",
+                ckpt, old_r, old_s, self.info.topo.num_replicas, self.info.topo.shard_size,
+                min(old_r, self.info.topo.num_replicas) - 1, self.step)
+
     # ------------------------------------------------------------------ helpers
-    def _eval_due(self) -> bool:
-        if self.step < self.next_eval:
-            return False
-        if not self.cfg.sync.is_local_sgd:
-            return True
-        # Local SGD: evaluate the global model, i.e. right at a sync.
-        return self.engine.sync_pending or self.engine.steps_since_sync == 0
+    def _write(self, row: dict[str, Any]) -> None:
+        if self.replay_until is not None and row.get("step", 0) <= self.replay_until \
+                and "event" not in row:
+            row["replayed"] = True
+        self.metrics.write(row)
+
+    def _wall(self) -> float:
+        return self.wall_offset + time.perf_counter() - self.wall_start
+
+    def _sync_wait(self) -> float:
+        return self.engine.total_wait_s
 
     def _tokens(self) -> int:
-        return self.step * self.tokens_per_step * self.info.topo.world_size
+        per_replica_step = self.tokens_per_step * self.info.topo.shard_size
+        return int(round(self._progress_steps() * self.info.topo.num_replicas
+                         * per_replica_step))
 
     def _log_start(self) -> None:
         if not self.is_logger:
@@ -271,14 +463,16 @@ class Trainer:
             ", ".join(f"{k} {v / 2**20:.2f} MiB" for k, v in mem.items()) or "none yet",
         )
 
-    def _progress(self):
+    def _progress_bar(self):
         if self.quiet:
             return None
         from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
-        progress = Progress(TextColumn("[bold]train"), BarColumn(), TextColumn("{task.completed}/"
-                            "{task.total}"), TimeRemainingColumn(), TextColumn("{task.fields[info]}"))
-        self._task = progress.add_task("train", total=self.cfg.train.steps, info="")
+        progress = Progress(TextColumn("[bold]train"), BarColumn(),
+                            TextColumn("{task.completed:.0f}/{task.total}"),
+                            TimeRemainingColumn(), TextColumn("{task.fields[info]}"))
+        self._task = progress.add_task("train", total=self.cfg.train.steps,
+                                       completed=self._progress_steps(), info="")
         progress.start()
         return progress
 
@@ -286,6 +480,16 @@ class Trainer:
         """Release hooks, threads and files."""
         self.engine.close()
         self.metrics.close()
+
+
+def _last_logged_step(run_dir: Path) -> int | None:
+    """The highest step already in ``metrics.jsonl`` (rows up to it are replays)."""
+    try:
+        rows = read_metrics(run_dir)
+    except FileNotFoundError:
+        return None
+    steps = [r["step"] for r in rows if "step" in r and "event" not in r]
+    return max(steps) if steps else None
 
 
 def run_worker(cfg: Config, run_dir: str | Path) -> dict[str, Any]:

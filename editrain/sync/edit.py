@@ -161,6 +161,16 @@ class EDiT:
         self.num_syncs = 0
         self.num_skipped_syncs = 0
         self.num_syncs_forced = 0
+        self.total_wait_s = 0.0
+        """Seconds the caller's thread waited for sync jobs, since the start (metrics)."""
+        # A-EDiT book-keeping: replica-steps known at the last sync (all replicas), and the
+        # last window's per-replica steps and length, from which progress can be estimated.
+        self.synced_replica_steps = 0.0
+        self.last_window_counts: list[float] | None = None
+        self.last_window_s = 0.0
+        self.extra_due: Callable[[float], bool] | None = None
+        """Optional extra trigger, asked with the agreed elapsed time (A-EDiT's end of budget).
+        It must answer identically on every rank of a replica."""
         self._pending_counts: torch.Tensor | None = None
         self._pending = False
         self._clock_start = time.perf_counter()
@@ -213,8 +223,12 @@ class EDiT:
                 self._create_anchors()
             return
         self.steps_since_sync += 1
-        elapsed = self._agreed_elapsed() if getattr(self.trigger, "needs_clock", False) else 0.0
-        if not self.trigger.due(self.replica, self.steps_since_sync, elapsed):
+        needs_clock = getattr(self.trigger, "needs_clock", False) or self.extra_due is not None
+        elapsed = self._agreed_elapsed() if needs_clock else 0.0
+        due = self.trigger.due(self.replica, self.steps_since_sync, elapsed)
+        if not due and self.extra_due is not None:
+            due = self.extra_due(elapsed)
+        if not due:
             return
         counts = self._rendezvous() if cfg.use_async else None
         if cfg.use_async and counts is None:
@@ -248,6 +262,11 @@ class EDiT:
             h.remove()
         self._handles.clear()
         self.comm.close()
+
+    @property
+    def pending_counts(self) -> list[float] | None:
+        """A-EDiT: every replica's steps in the window of the armed sync (None otherwise)."""
+        return None if self._pending_counts is None else self._pending_counts.tolist()
 
     @property
     def sync_pending(self) -> bool:
@@ -302,7 +321,9 @@ class EDiT:
             while rnd.waited <= u:
                 rnd.submitted[rnd.waited].result()  # re-raises a failed job's exception
                 rnd.waited += 1
-        rnd.wait_s += time.perf_counter() - t0
+        waited = time.perf_counter() - t0
+        rnd.wait_s += waited
+        self.total_wait_s += waited
         if rnd.waited == len(self.units):
             self._end_round()
 
@@ -320,6 +341,10 @@ class EDiT:
         assert rnd is not None
         self._round = None
         self.num_syncs += 1
+        if rnd.step_counts is not None:
+            self.synced_replica_steps += float(rnd.step_counts.sum())
+            self.last_window_counts = rnd.step_counts.tolist()
+            self.last_window_s = time.perf_counter() - self._clock_start
         self.steps_since_sync = 0
         self._pending_counts = None
         self._clock_start = time.perf_counter()
@@ -434,6 +459,7 @@ class EDiT:
     def _create_anchors(self) -> None:
         for unit in self.units:
             unit.create_anchor()
+        self.synced_replica_steps = float(self.global_step * self.num_replicas)
         self.steps_since_sync = 0
         self._clock_start = time.perf_counter()
 
@@ -457,38 +483,65 @@ class EDiT:
         return counts
 
     # ================================================================== checkpoint
-    def state_dict(self) -> dict[str, Any]:
-        """Everything the engine needs to continue exactly (side-effect free)."""
+    def state_dict(self, include_units: bool = True) -> dict[str, Any]:
+        """Everything the engine needs to continue exactly (side-effect free).
+
+        Args:
+            include_units: include anchors and outer optimizer states (tensors); without
+                them the result is plain JSON-able data (counters, clocks, detectors).
+        """
         self._drain_round()
-        return {
+        sd: dict[str, Any] = {
             "global_step": self.global_step,
             "steps_since_sync": self.steps_since_sync,
             "num_syncs": self.num_syncs,
             "num_skipped_syncs": self.num_skipped_syncs,
+            "num_syncs_forced": self.num_syncs_forced,
             "pending": self._pending,
             "pending_counts": None if self._pending_counts is None
             else self._pending_counts.tolist(),
             "elapsed_s": time.perf_counter() - self._clock_start,
-            "units": [u.state_dict() for u in self.units],
+            "synced_replica_steps": self.synced_replica_steps,
+            "last_window_counts": self.last_window_counts,
+            "last_window_s": self.last_window_s,
             "detectors": self.detectors.state_dict() if self.detectors is not None else None,
         }
+        if include_units:
+            sd["units"] = [u.state_dict() for u in self.units]
+        return sd
 
-    def load_state_dict(self, sd: dict[str, Any]) -> None:
-        """Restore a state saved by :meth:`state_dict` on the same topology."""
-        if len(sd["units"]) != len(self.units):
+    def load_state_dict(self, sd: dict[str, Any], elastic: bool = False) -> None:
+        """Restore a state saved by :meth:`state_dict`.
+
+        Args:
+            sd: the saved state (with or without ``units``).
+            elastic: the topology changed: keep the step count, sync count and the detectors
+                of replicas that still exist; restart the local phase (no pending sync,
+                clocks and step counts since the last sync reset).
+        """
+        if "units" in sd and len(sd["units"]) != len(self.units):
             raise ValueError(
                 f"checkpoint has {len(sd['units'])} sync units, the model has {len(self.units)}"
             )
         self.global_step = int(sd["global_step"])
-        self.steps_since_sync = int(sd["steps_since_sync"])
         self.num_syncs = int(sd["num_syncs"])
         self.num_skipped_syncs = int(sd.get("num_skipped_syncs", 0))
-        self._pending = bool(sd["pending"])
-        counts = sd.get("pending_counts")
-        self._pending_counts = None if counts is None else torch.tensor(counts,
-                                                                         dtype=torch.float64)
-        self._clock_start = time.perf_counter() - float(sd.get("elapsed_s", 0.0))
-        for unit, usd in zip(self.units, sd["units"]):
+        self.num_syncs_forced = int(sd.get("num_syncs_forced", 0))
+        self.synced_replica_steps = float(sd.get("synced_replica_steps", 0.0))
+        if elastic:
+            self.steps_since_sync, self._pending, self._pending_counts = 0, False, None
+            self._clock_start = time.perf_counter()
+            self.last_window_counts, self.last_window_s = None, 0.0
+        else:
+            self.steps_since_sync = int(sd["steps_since_sync"])
+            self._pending = bool(sd["pending"])
+            counts = sd.get("pending_counts")
+            self._pending_counts = (None if counts is None
+                                    else torch.tensor(counts, dtype=torch.float64))
+            self._clock_start = time.perf_counter() - float(sd.get("elapsed_s", 0.0))
+            self.last_window_counts = sd.get("last_window_counts")
+            self.last_window_s = float(sd.get("last_window_s", 0.0))
+        for unit, usd in zip(self.units, sd.get("units", [])):
             unit.load_state_dict(usd)
         if self.detectors is not None and sd.get("detectors") is not None:
             self.detectors.load_state_dict(sd["detectors"], allow_resize=True)
