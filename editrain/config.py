@@ -166,6 +166,9 @@ class SimSection:
     """Random stalls: PROB,SECONDS (each step of each replica stalls with probability PROB)."""
     corrupt_replica: list[str] = field(default_factory=list)
     """Corrupt a replica's update at a sync: REPLICA@SYNC or REPLICA@SYNC:SCALE."""
+    step_schedule: list[int] = field(default_factory=list)
+    """A-EDiT: replica r syncs after step_schedule[r] steps instead of on the clock
+    (reproducible experiments and tests)."""
 
 
 @dataclass
@@ -217,9 +220,19 @@ FLAGS = {"--quiet": "quiet", "--overwrite": "overwrite"}
 
 
 # ---------------------------------------------------------------------------- parsing
+class _CliText(str):
+    """A command-line value as typed, plus its TOML reading in ``parsed``. String options
+    take the text (``--run-dir 2024-01-01`` stays a string); others take ``parsed``."""
+
+    parsed: Any
+
+
 def _coerce(value: Any, tp: Any, option: str) -> Any:
     """Check/convert ``value`` against a field's annotated type."""
     origin = typing.get_origin(tp)
+    if isinstance(value, _CliText) and origin not in (typing.Union, types.UnionType):
+        as_text = tp is str or (origin is list and not isinstance(value.parsed, list))
+        value = str(value) if as_text else value.parsed
     if origin in (typing.Union, types.UnionType):
         args = typing.get_args(tp)
         if value is None or (isinstance(value, str) and value.lower() == "none"
@@ -273,9 +286,12 @@ def _coerce(value: Any, tp: Any, option: str) -> Any:
 def _parse_scalar(text: str) -> Any:
     """Parse a CLI value as TOML (numbers, booleans, lists, inline tables), else a string."""
     try:
-        return tomllib.loads(f"v = {text}")["v"]
+        parsed = tomllib.loads(f"v = {text}")["v"]
     except tomllib.TOMLDecodeError:
         return text
+    out = _CliText(text)
+    out.parsed = parsed
+    return out
 
 
 def _set_path(raw: dict[str, Any], dotted: str, value: Any) -> None:
@@ -418,6 +434,10 @@ def validate(cfg: Config) -> None:
     from editrain import sim
 
     sim.parse_sim(cfg.sim)
+    if cfg.sim.step_schedule:
+        _req(s.method == "aedit", "sim.step_schedule", "only applies to sync.method=aedit")
+        _req(min(cfg.sim.step_schedule) >= 1, "sim.step_schedule",
+             f"steps per window must be >= 1, got {cfg.sim.step_schedule}")
     mcfg = model_config(cfg)
     _req(t.seq_len <= mcfg.max_seq_len, "train.seq_len",
          f"{t.seq_len} exceeds the model's maximum sequence length {mcfg.max_seq_len} "

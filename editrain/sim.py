@@ -70,6 +70,8 @@ class SimPlan:
     stall_seconds: float = 0.0
     corrupt: dict[int, tuple[int, float]] = field(default_factory=dict)
     """sync index -> (replica, scale of its pseudo-gradient)."""
+    step_schedule: list[int] = field(default_factory=list)
+    """A-EDiT forced steps per window, per replica."""
 
     def link_delay(self, nbytes: int) -> float:
         """Seconds one cross-replica message of ``nbytes`` costs on the simulated link."""
@@ -86,7 +88,7 @@ class SimPlan:
 
 def parse_sim(sim: Any) -> SimPlan:
     """Validate and parse a ``SimSection`` (raises ``ValueError`` naming the option)."""
-    plan = SimPlan()
+    plan = SimPlan(step_schedule=list(getattr(sim, "step_schedule", [])))
     if sim.link_bandwidth:
         plan.bandwidth = parse_bandwidth(sim.link_bandwidth)
     if sim.link_latency:
@@ -118,6 +120,10 @@ def parse_sim(sim: Any) -> SimPlan:
 
 def check_replicas(plan: SimPlan, num_replicas: int) -> None:
     """Reject replica indices that do not exist in this topology."""
+    if sim_schedule_len := len(getattr(plan, "step_schedule", [])):
+        if sim_schedule_len != num_replicas:
+            raise ValueError(f"sim.step_schedule: needs one entry per replica "
+                             f"({num_replicas}), got {sim_schedule_len}")
     for s in plan.stragglers:
         if s.replica >= num_replicas:
             raise ValueError(f"sim.straggler: replica {s.replica} does not exist "

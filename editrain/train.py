@@ -34,7 +34,7 @@ from editrain.metrics import MetricsWriter, read_metrics
 from editrain.models import Llama, causal_lm_loss, num_parameters
 from editrain.optim import build_optimizer, wrap_sam
 from editrain.sim import ComputeSlowdown, check_replicas, parse_sim
-from editrain.sync import EDiT
+from editrain.sync import EDiT, StepScheduleTrigger
 from editrain.topology import SHARD_DIM, MeshInfo, init_mesh
 
 log = logging.getLogger("editrain")
@@ -105,6 +105,7 @@ class Trainer:
             self.model, info.mesh, cfg.sync, blocks=blocks,
             link_delay=self.plan.link_delay if self.plan.has_link else None,
             before_sync=self._corrupt if self.plan.corrupt else None,
+            trigger=StepScheduleTrigger(cfg.sim.step_schedule) if cfg.sim.step_schedule else None,
             seed=t.seed,
         )
         self.slowdown = ComputeSlowdown(self.plan, info.replica, t.seed)
