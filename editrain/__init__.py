@@ -1,3 +1,91 @@
-"""editrain: EDiT / A-EDiT local-SGD training for large language models on FSDP2."""
+"""editrain: EDiT / A-EDiT local-SGD training for large language models on FSDP2.
+
+The library API, for your own model and training loop (see ``docs/api.md``)::
+
+    import editrain
+
+    info = editrain.init_mesh(shard_size=8)                # ("sync", "shard") DeviceMesh
+    editrain.parallelize(model, info)                      # FSDP2: one unit per block + root
+    with editrain.edit(model, info, editrain.SyncConfig(method="edit")) as engine:
+        ...  # forward, backward, engine.after_backward(), opt.step(), engine.step()
+
+The names below are imported on first use, so ``import editrain`` stays cheap (the command
+line imports only what it needs).
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
+
+_EXPORTS = {
+    "EDiT": "editrain.sync.edit",
+    "GTAConfig": "editrain.sync.config",
+    "LocalSGDConfig": "editrain.api",
+    "MeshInfo": "editrain.topology",
+    "OuterOptimizerConfig": "editrain.api",
+    "SyncConfig": "editrain.sync.config",
+    "edit": "editrain.api",
+    "engine_state_dict": "editrain.api",
+    "engine_state_template": "editrain.api",
+    "find_blocks": "editrain.units",
+    "init_mesh": "editrain.topology",
+    "load_engine_state_dict": "editrain.api",
+    "parallelize": "editrain.api",
+    "sync_config_from_reference": "editrain.api",
+}
+
+__all__ = [
+    "EDiT",
+    "GTAConfig",
+    "LocalSGDConfig",
+    "MeshInfo",
+    "OuterOptimizerConfig",
+    "SyncConfig",
+    "__version__",
+    "edit",
+    "engine_state_dict",
+    "engine_state_template",
+    "find_blocks",
+    "init_mesh",
+    "load_engine_state_dict",
+    "parallelize",
+    "sync_config_from_reference",
+]
+
+if TYPE_CHECKING:  # static analysers and IDEs see the real names
+    from editrain.api import (
+        LocalSGDConfig,
+        OuterOptimizerConfig,
+        edit,
+        engine_state_dict,
+        engine_state_template,
+        load_engine_state_dict,
+        parallelize,
+        sync_config_from_reference,
+    )
+    from editrain.sync.config import GTAConfig, SyncConfig
+    from editrain.sync.edit import EDiT
+    from editrain.topology import MeshInfo, init_mesh
+    from editrain.units import find_blocks
+
+
+def __getattr__(name: str) -> Any:
+    """Import a public name on first access (PEP 562).
+
+    Args:
+        name: the attribute looked up on the ``editrain`` package.
+    """
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'editrain' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    """Public names plus the module's own attributes."""
+    return sorted(set(globals()) | set(_EXPORTS))

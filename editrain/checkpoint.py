@@ -273,7 +273,8 @@ class Saved:
 
 def save_checkpoint(run_dir: str | Path, step: int, *, model: torch.nn.Module,
                     optimizer: torch.optim.Optimizer, engine: Any, replica: int,
-                    rank_state: dict[str, Any], meta: dict[str, Any], keep: int) -> Saved:
+                    rank_state: dict[str, Any], meta: dict[str, Any], keep: int,
+                    before_commit: Any = None) -> Saved:
     """Collective: every rank of the world calls it at the same point of training.
 
     Args:
@@ -284,6 +285,8 @@ def save_checkpoint(run_dir: str | Path, step: int, *, model: torch.nn.Module,
         rank_state: this rank's plain-data state (data position, RNG, counters).
         meta: plain data describing the run (topology, config), stored in the marker.
         keep: how many complete checkpoints to keep.
+        before_commit: optional callable run after the data is written and before the
+            checkpoint is marked complete (fault-injection tests kill a worker there).
     """
     t0 = time.perf_counter()
     rank = dist.get_rank()
@@ -305,6 +308,8 @@ def save_checkpoint(run_dir: str | Path, step: int, *, model: torch.nn.Module,
     }
     dcp.save(state, checkpoint_id=str(tmp))
     (tmp / f"rank_{rank:05d}.json").write_text(json.dumps(rank_state))
+    if before_commit is not None:
+        before_commit()
     dist.barrier()
     if rank == 0:
         marker = dict(meta, step=step, saved_at=time.time(),

@@ -166,6 +166,9 @@ class SimSection:
     """Random stalls: PROB,SECONDS (each step of each replica stalls with probability PROB)."""
     corrupt_replica: list[str] = field(default_factory=list)
     """Corrupt a replica's update at a sync: REPLICA@SYNC or REPLICA@SYNC:SCALE."""
+    fail: str | None = None
+    """Kill a worker on the first attempt: RANK@STEP (abrupt exit after that step) or
+    RANK@STEP:checkpoint (exit in the middle of writing that step's checkpoint)."""
     step_schedule: list[int] = field(default_factory=list)
     """A-EDiT: replica r syncs after step_schedule[r] steps instead of on the clock
     (reproducible experiments and tests)."""
@@ -220,19 +223,9 @@ FLAGS = {"--quiet": "quiet", "--overwrite": "overwrite"}
 
 
 # ---------------------------------------------------------------------------- parsing
-class _CliText(str):
-    """A command-line value as typed, plus its TOML reading in ``parsed``. String options
-    take the text (``--run-dir 2024-01-01`` stays a string); others take ``parsed``."""
-
-    parsed: Any
-
-
 def _coerce(value: Any, tp: Any, option: str) -> Any:
     """Check/convert ``value`` against a field's annotated type."""
     origin = typing.get_origin(tp)
-    if isinstance(value, _CliText) and origin not in (typing.Union, types.UnionType):
-        as_text = tp is str or (origin is list and not isinstance(value.parsed, list))
-        value = str(value) if as_text else value.parsed
     if origin in (typing.Union, types.UnionType):
         args = typing.get_args(tp)
         if value is None or (isinstance(value, str) and value.lower() == "none"
@@ -266,11 +259,11 @@ def _coerce(value: Any, tp: Any, option: str) -> Any:
             raise ConfigError(f"{option}: expected a string, got {value!r}")
         return value
     if origin is list:
-        if isinstance(value, str):
-            value = [v for v in value.split(",") if v] if value else []
+        (item,) = typing.get_args(tp)
+        if isinstance(value, str):  # "a,b" from the command line; items typed like values
+            value = [v if item is str else _parse_scalar(v) for v in value.split(",") if v]
         if not isinstance(value, list):
             raise ConfigError(f"{option}: expected a list, got {value!r}")
-        (item,) = typing.get_args(tp)
         return [_coerce(v, item, option) for v in value]
     if origin is dict:
         if not isinstance(value, dict):
@@ -286,12 +279,30 @@ def _coerce(value: Any, tp: Any, option: str) -> Any:
 def _parse_scalar(text: str) -> Any:
     """Parse a CLI value as TOML (numbers, booleans, lists, inline tables), else a string."""
     try:
-        parsed = tomllib.loads(f"v = {text}")["v"]
+        return tomllib.loads(f"v = {text}")["v"]
     except tomllib.TOMLDecodeError:
         return text
-    out = _CliText(text)
-    out.parsed = parsed
-    return out
+
+
+def _is_text_option(dotted: str) -> bool:
+    """Whether ``dotted`` names a string (or list-of-strings) option of :class:`Config`."""
+    tp: Any = Config
+    for part in dotted.split("."):
+        if not dataclasses.is_dataclass(tp):
+            return False
+        tp = typing.get_type_hints(tp).get(part)
+    args = (typing.get_args(tp) if typing.get_origin(tp) in (typing.Union, types.UnionType)
+            else (tp,))
+    return any(a is str or a == list[str] for a in args)
+
+
+def _parse_value(dotted: str, text: str) -> Any:
+    """A CLI value for option ``dotted``: TOML, except that a string option keeps the text as
+    typed (``--run-dir 2024-01-01`` or ``--sim.link_latency 0.005`` are not a date/number)."""
+    value = _parse_scalar(text)
+    if not isinstance(value, str | list) and _is_text_option(dotted):
+        return text
+    return value
 
 
 def _set_path(raw: dict[str, Any], dotted: str, value: Any) -> None:
@@ -355,7 +366,7 @@ def parse_overrides(argv: list[str]) -> tuple[dict[str, Any], list[str]]:
                 raise ConfigError(f"{name}: missing value")
             value = argv[i]
             i += 1
-        _set_path(raw, dotted, _parse_scalar(value))
+        _set_path(raw, dotted, _parse_value(dotted, value))
     return raw, rest
 
 
@@ -433,7 +444,10 @@ def validate(cfg: Config) -> None:
     # Parse the simulation specs now so that typos fail before any process starts.
     from editrain import sim
 
-    sim.parse_sim(cfg.sim)
+    try:
+        sim.parse_sim(cfg.sim)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     if cfg.sim.step_schedule:
         _req(s.method == "aedit", "sim.step_schedule", "only applies to sync.method=aedit")
         _req(min(cfg.sim.step_schedule) >= 1, "sim.step_schedule",
@@ -488,14 +502,19 @@ def _toml_value(v: Any) -> str:
 
 
 def dumps_toml(data: dict[str, Any]) -> str:
-    """Serialise a nested dict of plain values as TOML (``None`` values are omitted)."""
+    """Serialise a nested dict of plain values as TOML.
+
+    TOML has no null: an option set to ``None`` is written as ``"none"`` (which
+    :func:`load_config` reads back as ``None``; omitting it would bring back a non-None
+    default such as ``data.max_bytes``). ``None`` inside inline tables is omitted.
+    """
     lines: list[str] = []
     tables: list[tuple[str, dict[str, Any]]] = []
     for k, v in data.items():
         if isinstance(v, dict) and k in SECTIONS + ("gta",):
             tables.append((k, v))
-        elif v is not None:
-            lines.append(f"{k} = {_toml_value(v)}")
+        else:
+            lines.append(f"{k} = {_toml_value('none' if v is None else v)}")
 
     def emit(name: str, table: dict[str, Any]) -> None:
         lines.append("")
@@ -504,8 +523,8 @@ def dumps_toml(data: dict[str, Any]) -> str:
         for k, v in table.items():
             if isinstance(v, dict) and k == "gta":
                 subs.append((f"{name}.{k}", v))
-            elif v is not None:
-                lines.append(f"{k} = {_toml_value(v)}")
+            else:
+                lines.append(f"{k} = {_toml_value('none' if v is None else v)}")
         for sub_name, sub in subs:
             emit(sub_name, sub)
 

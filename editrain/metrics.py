@@ -29,6 +29,18 @@ def _clean(v: Any) -> Any:
     return v
 
 
+def _drop_partial_line(path: Path) -> None:
+    """A writer killed mid-row leaves a line without its newline; cut it off before
+    appending, so the next row does not fuse with it."""
+    if not path.is_file() or path.stat().st_size == 0:
+        return
+    with open(path, "rb+") as f:
+        data = f.read()
+        if data.endswith(b"\n"):
+            return
+        f.truncate(data.rfind(b"\n") + 1)
+
+
 class MetricsWriter:
     """Appends rows to ``RUN_DIR/metrics.jsonl`` (and TensorBoard if installed).
 
@@ -41,6 +53,8 @@ class MetricsWriter:
     def __init__(self, run_dir: str | Path, enabled: bool = True, tensorboard: bool = True):
         self.path = Path(run_dir) / METRICS_FILE
         self.enabled = enabled
+        if enabled:
+            _drop_partial_line(self.path)
         self._file = open(self.path, "a", encoding="utf-8") if enabled else None  # noqa: SIM115
         self._tb = None
         if enabled and tensorboard:

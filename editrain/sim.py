@@ -72,6 +72,17 @@ class SimPlan:
     """sync index -> (replica, scale of its pseudo-gradient)."""
     step_schedule: list[int] = field(default_factory=list)
     """A-EDiT forced steps per window, per replica."""
+    fail: tuple[int, int, str] | None = None
+    """(rank, step, "step" | "checkpoint"): where a worker dies on the first attempt."""
+
+    def maybe_fail(self, rank: int, step: int, phase: str) -> None:
+        """Exit this process abruptly (no cleanup, like a crash) if the plan says so.
+        Only on the first attempt, so that a restarted run can finish."""
+        import os
+
+        if (self.fail is not None and self.fail == (rank, step, phase)
+                and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) == 0):
+            os._exit(17)
 
     def link_delay(self, nbytes: int) -> float:
         """Seconds one cross-replica message of ``nbytes`` costs on the simulated link."""
@@ -109,6 +120,11 @@ def parse_sim(sim: Any) -> SimPlan:
             raise _err("random_stall", sim.random_stall, "PROB,SECONDS with PROB in [0, 1]")
         plan.stall_prob = float(m.group(1))
         plan.stall_seconds = parse_duration(m.group(2), "random_stall")
+    if getattr(sim, "fail", None):
+        m = re.fullmatch(r"(\d+)@(\d+)(?::(step|checkpoint))?", sim.fail.strip())
+        if not m:
+            raise _err("fail", sim.fail, "RANK@STEP or RANK@STEP:checkpoint, e.g. 1@15")
+        plan.fail = (int(m.group(1)), int(m.group(2)), m.group(3) or "step")
     for spec in sim.corrupt_replica:
         m = re.fullmatch(r"(\d+)@(\d+)(?::(-?" + _NUM[1:-1] + r"))?", spec.strip())
         if not m:

@@ -117,6 +117,21 @@ class MeshInfo:
         return self.mesh[SYNC_DIM]
 
 
+def _attempt_store(timeout: timedelta) -> dist.Store | None:
+    """A store namespaced by restart attempt, under torch elastic's agent-hosted store.
+
+    After a worker failure torch elastic restarts every worker against the *same* agent
+    store; without a per-attempt namespace the new workers read the dead attempt's gloo
+    addresses and fail to connect. Returns None outside torch elastic.
+    """
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                          is_master=False, timeout=timeout)
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return dist.PrefixStore(f"editrain/attempt_{attempt}", store)
+
+
 def init_mesh(
     shard_size: int,
     backend: str | None = None,
@@ -135,10 +150,13 @@ def init_mesh(
     """
     device_type = device_type or default_device_type()
     if not dist.is_initialized():
-        dist.init_process_group(
-            backend=backend or default_backend(device_type),
-            timeout=timedelta(seconds=timeout_s),
-        )
+        timeout = timedelta(seconds=timeout_s)
+        store = _attempt_store(timeout)
+        extra = {} if store is None else {
+            "store": store, "rank": int(os.environ["RANK"]),
+            "world_size": int(os.environ["WORLD_SIZE"])}
+        dist.init_process_group(backend=backend or default_backend(device_type),
+                                timeout=timeout, **extra)
     world, rank = dist.get_world_size(), dist.get_rank()
     topo = Topology(world, shard_size)
     if device_type == "cuda":

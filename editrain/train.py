@@ -266,6 +266,7 @@ class Trainer:
         t1 = time.perf_counter()
         self.engine.step()
         self.step += 1
+        self.plan.maybe_fail(self.info.rank, self.step, "step")
 
         if self.info.topo.shard_size > 1:
             dist.all_reduce(loss, group=self.shard_group)
@@ -383,7 +384,9 @@ class Trainer:
         saved = save_checkpoint(self.run_dir, label, model=self.model, optimizer=self.optimizer,
                                 engine=self.engine, replica=self.info.replica,
                                 rank_state=rank_state, meta=self._meta(),
-                                keep=self.cfg.checkpoint.keep)
+                                keep=self.cfg.checkpoint.keep,
+                                before_commit=lambda: self.plan.maybe_fail(
+                                    self.info.rank, self.step, "checkpoint"))
         if self.is_logger:
             log.warning("checkpoint %s: %.1f MiB in %.2f s", saved.path, saved.bytes / 2**20,
                         saved.seconds)

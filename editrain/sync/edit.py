@@ -462,6 +462,8 @@ class EDiT:
         self.synced_replica_steps = float(self.global_step * self.num_replicas)
         self.steps_since_sync = 0
         self._clock_start = time.perf_counter()
+        # The sync log's counters describe syncs: warm-up gradient traffic is not sync traffic.
+        self.comm.stats.reset()
 
     def _agreed_elapsed(self) -> float:
         """Wall time since the clocks started, max over this replica's ranks."""

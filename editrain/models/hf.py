@@ -1,0 +1,186 @@
+"""Hugging Face adapter: train a ``transformers`` causal LM from a ``config.json``.
+
+The model is built from scratch with ``AutoModelForCausalLM.from_config`` (no weights are
+downloaded) and wrapped so that it looks like editrain's own Llama to the trainer:
+``model(tokens)`` returns logits ``[B, T, V]`` and ``model.blocks()`` lists the transformer
+blocks (found by :func:`editrain.units.find_blocks`, e.g. ``model.model.layers``).
+
+``transformers`` is an optional dependency: ``pip install 'editrain[hf]'``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from editrain.units import find_blocks
+
+INSTALL_HINT = "pip install 'editrain[hf]' (or pip install transformers)"
+
+
+def transformers_available() -> bool:
+    """Whether the ``transformers`` package can be imported (without importing it)."""
+    return importlib.util.find_spec("transformers") is not None
+
+
+def config_path(path: str | Path) -> Path:
+    """The ``config.json`` named by ``path`` (the file itself, or a directory holding one).
+
+    Args:
+        path: a JSON file or a model directory.
+
+    Raises:
+        FileNotFoundError: neither exists.
+    """
+    p = Path(path).expanduser()
+    if p.is_dir():
+        p = p / "config.json"
+    if not p.is_file():
+        raise FileNotFoundError(f"model.hf_config: file not found: {p}")
+    return p
+
+
+def read_hf_config(path: str | Path) -> dict[str, Any]:
+    """The raw contents of a Hugging Face ``config.json`` (plain JSON, no transformers import).
+
+    Args:
+        path: the file, or a directory holding ``config.json``.
+
+    Raises:
+        FileNotFoundError: the file is missing.
+        ValueError: it is not a JSON object with a ``model_type``.
+    """
+    p = config_path(path)
+    try:
+        data = json.loads(p.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"model.hf_config: {p} is not valid JSON: {e}") from None
+    if not isinstance(data, dict) or not isinstance(data.get("model_type"), str):
+        raise ValueError(f"model.hf_config: {p} has no \"model_type\" (e.g. \"llama\"); it must "
+                         "be a Hugging Face config.json")
+    return data
+
+
+def check_hf_config(path: str | Path, seq_len: int | None = None) -> None:
+    """Validate ``model.hf_config`` before any process starts (cheap: transformers is only
+    looked up, not imported).
+
+    Args:
+        path: the ``config.json`` (or a directory holding one).
+        seq_len: the training sequence length, checked against ``max_position_embeddings``.
+
+    Raises:
+        FileNotFoundError: the file is missing.
+        ValueError: bad JSON, no ``model_type``, a too-long ``seq_len``, or ``transformers``
+            is not installed.
+    """
+    data = read_hf_config(path)
+    if not transformers_available():
+        raise ValueError(f"model.hf_config needs the transformers package: {INSTALL_HINT}")
+    limit = data.get("max_position_embeddings")
+    if seq_len is not None and isinstance(limit, int) and seq_len > limit:
+        raise ValueError(f"train.seq_len: {seq_len} exceeds max_position_embeddings {limit} of "
+                         f"model.hf_config {path} (raise it there or lower train.seq_len)")
+
+
+def check_vocab(hf_vocab_size: int, tokenizer_vocab_size: int, path: str | Path = "") -> None:
+    """The model's embedding table must cover every token id the tokenizer can produce.
+
+    Args:
+        hf_vocab_size: ``vocab_size`` of the Hugging Face config.
+        tokenizer_vocab_size: the tokenizer's vocabulary size.
+        path: the config file, for the message.
+
+    Raises:
+        ValueError: the model's vocabulary is smaller than the tokenizer's.
+    """
+    if hf_vocab_size < tokenizer_vocab_size:
+        raise ValueError(
+            f"model.hf_config: vocab_size {hf_vocab_size} in {path or 'the config'} is smaller "
+            f"than the tokenizer's vocabulary ({tokenizer_vocab_size}); set vocab_size to at "
+            f"least {tokenizer_vocab_size}, or lower data.vocab_size"
+        )
+
+
+class HFCausalLM(nn.Module):
+    """A Hugging Face causal LM seen through editrain's model interface.
+
+    Args:
+        hf_model: a ``transformers`` model whose output has ``.logits`` (any
+            ``AutoModelForCausalLM`` model). Its parameters keep their Hugging Face names
+            under the ``hf.`` prefix.
+    """
+
+    def __init__(self, hf_model: nn.Module) -> None:
+        super().__init__()
+        self.hf = hf_model
+        self._blocks = find_blocks(hf_model)
+
+    @property
+    def config(self) -> Any:
+        """The wrapped model's ``transformers`` config."""
+        return self.hf.config
+
+    def blocks(self) -> list[nn.Module]:
+        """The transformer blocks in forward order (e.g. ``hf.model.layers``)."""
+        return list(self._blocks)
+
+    def forward(self, tokens: Tensor) -> Tensor:
+        """Next-token logits.
+
+        Args:
+            tokens: token ids ``[B, T]`` (int64).
+
+        Returns:
+            Logits ``[B, T, V]`` (V is the config's ``vocab_size``).
+        """
+        # No KV cache: this is training, a cache only costs memory.
+        return self.hf(input_ids=tokens, use_cache=False).logits
+
+    @classmethod
+    def from_config_file(cls, path: str | Path, tokenizer_vocab_size: int | None = None,
+                         seed: int = 0) -> HFCausalLM:
+        """Build a freshly initialised model from a ``config.json`` (identical on every rank).
+
+        Args:
+            path: the config file (or a directory holding ``config.json``).
+            tokenizer_vocab_size: when given, checked against the config's ``vocab_size``.
+            seed: seed of the initial weights; the global RNG state is left untouched.
+
+        Raises:
+            ImportError: ``transformers`` is not installed.
+            ValueError: a bad config, or a vocabulary smaller than the tokenizer's.
+        """
+        data = read_hf_config(path)
+        try:
+            from transformers import AutoConfig, AutoModelForCausalLM
+        except ImportError as e:
+            raise ImportError(f"model.hf_config needs the transformers package: "
+                              f"{INSTALL_HINT}") from e
+        data = dict(data)
+        model_type = data.pop("model_type")
+        hf_config = AutoConfig.for_model(model_type, **data)
+        if tokenizer_vocab_size is not None:
+            check_vocab(int(hf_config.vocab_size), tokenizer_vocab_size, path)
+        # Every replica must start from the same weights: seed a private RNG fork.
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            hf_model = AutoModelForCausalLM.from_config(hf_config)
+        # Parameters (and so anchors) stay fp32; bf16 compute comes from FSDP2's policy.
+        return cls(hf_model.float())
+
+
+__all__ = [
+    "HFCausalLM",
+    "INSTALL_HINT",
+    "check_hf_config",
+    "check_vocab",
+    "config_path",
+    "read_hf_config",
+    "transformers_available",
+]
