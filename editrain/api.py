@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from editrain.checkpoint import (
     CheckpointError,
@@ -289,6 +289,10 @@ def edit(
             raise TypeError(f"config must be a SyncConfig or a LocalSGDConfig, got "
                             f"{type(config).__name__}")
         sync = config if config is not None else SyncConfig()
+    if isinstance(model, FSDPModule):
+        # A forward under no_grad leaves the root unsharded (no backward reshards it); the
+        # engine must capture the sharded DTensor parameters, never the temporary ones.
+        model.reshard()
     return EDiT(model, _device_mesh(mesh), sync, blocks=find_blocks(model, blocks),
                 **engine_kwargs)
 

@@ -47,14 +47,12 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.tensor import DTensor
 
+from editrain.errors import CheckpointError
+
 log = logging.getLogger("editrain")
 
 MARKER = "editrain.json"
 CKPT_DIR = "checkpoints"
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint that is missing, incomplete, corrupt or incompatible."""
 
 
 # ---------------------------------------------------------------------------- safe loading
@@ -330,13 +328,51 @@ def _base(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
     return getattr(optimizer, "base_optimizer", optimizer)
 
 
+def run_meta(cfg: Any, vocab_size: int, topology: tuple[int, int] | None = None
+             ) -> dict[str, Any]:
+    """What a checkpoint records about the run that wrote it (compared on resume)."""
+    import dataclasses
+
+    from editrain.config import model_config, to_dict
+
+    if getattr(cfg.model, "hf_config", None):
+        model = json.loads(Path(cfg.model.hf_config).read_text())
+        model.pop("transformers_version", None)
+        num_units = int(model.get("num_hidden_layers", model.get("n_layer", 0))) + 1
+    else:
+        model = dataclasses.asdict(model_config(cfg, vocab_size=vocab_size))
+        num_units = model["n_layers"] + 1
+    return {
+        "model": model,
+        "method": cfg.sync.method,
+        "vocab_size": vocab_size,
+        "num_units": num_units,
+        "topology": list(topology) if topology else None,
+        "config": to_dict(cfg),
+    }
+
+
+def preflight_resume(resume: str | Path, cfg: Any, vocab_size: int) -> Path:
+    """Find the checkpoint and check it fits this run, before any worker starts."""
+    ckpt = resolve_resume(resume)
+    problems = check_compatible(read_marker(ckpt), run_meta(cfg, vocab_size))
+    if problems:
+        raise CheckpointError(f"cannot resume from {ckpt}:\n  " + "\n  ".join(problems))
+    return ckpt
+
+
 def check_compatible(marker: dict[str, Any], meta: dict[str, Any]) -> list[str]:
     """Differences that make a checkpoint unusable for this run (model shape, method)."""
     problems = []
-    for key in ("model", "method", "vocab_size", "num_units"):
+    for key in ("method", "vocab_size", "num_units"):
         old, new = marker.get(key), meta.get(key)
         if old != new:
             problems.append(f"{key}: checkpoint has {old!r}, this run has {new!r}")
+    old_model, new_model = marker.get("model") or {}, meta.get("model") or {}
+    for key in sorted(set(old_model) | set(new_model)):
+        if old_model.get(key) != new_model.get(key):
+            problems.append(f"model.{key}: checkpoint has {old_model.get(key)!r}, "
+                            f"this run has {new_model.get(key)!r}")
     return problems
 
 
@@ -356,7 +392,7 @@ def load_checkpoint(ckpt: Path, *, model: torch.nn.Module, optimizer: torch.opti
     marker = read_marker(ckpt)
     problems = check_compatible(marker, meta)
     if problems:
-        raise CheckpointError(f"cannot resume from {ckpt}: " + "; ".join(problems))
+        raise CheckpointError(f"cannot resume from {ckpt}:\n  " + "\n  ".join(problems))
     same = marker.get("topology") == meta.get("topology")
     src = replica if same else 0
     device = engine.device

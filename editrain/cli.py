@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 from editrain.config import ConfigError, describe_options, load_config, parse_overrides
+from editrain.errors import CheckpointError
 
 log = logging.getLogger("editrain")
 
@@ -120,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     args, extra = parser.parse_known_args(argv)
     try:
         return args.func(args, extra)
-    except (ConfigError, FileNotFoundError, ValueError) as e:
+    except (ConfigError, FileNotFoundError, ValueError, CheckpointError) as e:
         print(f"editrain: error: {e}", file=sys.stderr)
         return 2
 

@@ -48,11 +48,13 @@ class ModelSection:
     """Override the preset's maximum sequence length."""
     tie_embeddings: bool | None = None
     """Override whether the LM head shares the embedding matrix."""
+    hf_config: str | None = None
+    """A Hugging Face config.json: train that model from scratch instead (needs transformers)."""
 
     def overrides(self) -> dict[str, Any]:
         """The preset overrides that were set."""
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
-                if f.name != "preset" and getattr(self, f.name) is not None}
+                if f.name not in ("preset", "hf_config") and getattr(self, f.name) is not None}
 
 
 @dataclass
@@ -452,10 +454,27 @@ def validate(cfg: Config) -> None:
         _req(s.method == "aedit", "sim.step_schedule", "only applies to sync.method=aedit")
         _req(min(cfg.sim.step_schedule) >= 1, "sim.step_schedule",
              f"steps per window must be >= 1, got {cfg.sim.step_schedule}")
-    mcfg = model_config(cfg)
-    _req(t.seq_len <= mcfg.max_seq_len, "train.seq_len",
-         f"{t.seq_len} exceeds the model's maximum sequence length {mcfg.max_seq_len} "
-         f"(raise model.max_seq_len or lower train.seq_len)")
+    if cfg.model.hf_config is not None:
+        _validate_hf(cfg)
+    else:
+        mcfg = model_config(cfg)
+        _req(t.seq_len <= mcfg.max_seq_len, "train.seq_len",
+             f"{t.seq_len} exceeds the model's maximum sequence length {mcfg.max_seq_len} "
+             f"(raise model.max_seq_len or lower train.seq_len)")
+
+
+def _validate_hf(cfg: Config) -> None:
+    """``model.hf_config``: the file exists and is a config.json, transformers is installed,
+    the sequence length fits, and no preset override is set alongside it."""
+    from editrain.models.hf import check_hf_config
+
+    shape = sorted(cfg.model.overrides())
+    _req(not shape, "model.hf_config", f"the model shape comes from the config file; remove "
+         f"{', '.join('model.' + k for k in shape)}")
+    try:
+        check_hf_config(cfg.model.hf_config, cfg.train.seq_len)
+    except (ValueError, FileNotFoundError) as e:
+        raise ConfigError(str(e)) from None
 
 
 def model_config(cfg: Config, vocab_size: int | None = None):
@@ -478,6 +497,13 @@ def validate_world(cfg: Config, world_size: int) -> None:
             f"dist.shard_size={d.shard_size} does not divide the world size {world_size}; "
             f"allowed values: {', '.join(map(str, divisors))}"
         )
+    # Replica indices in sim.* must exist (checked here, before any worker starts).
+    from editrain import sim
+
+    try:
+        sim.check_replicas(sim.parse_sim(cfg.sim), world_size // d.shard_size)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
 
 
 # ---------------------------------------------------------------------------- output

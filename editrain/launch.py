@@ -85,7 +85,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _pretokenise(cfg: Config) -> None:
+def _pretokenise(cfg: Config) -> int:
     from editrain.data import SequenceStream, prepare_tokens, val_batches
 
     t0 = time.perf_counter()
@@ -100,6 +100,7 @@ def _pretokenise(cfg: Config) -> None:
     if not cfg.quiet:
         log.info("data: %d train / %d val tokens, vocab %d (%s: %s)", len(data.train),
                  len(data.val), data.vocab_size, how, data.cache_dir)
+    return data.vocab_size
 
 
 def run_local(cfg: Config) -> dict:
@@ -111,11 +112,15 @@ def run_local(cfg: Config) -> dict:
 
     nproc = cfg.dist.nproc
     validate_world(cfg, nproc)
-    run_dir = Path(cfg.run_dir) if cfg.run_dir else default_run_dir()
+    run_dir = choose_run_dir(cfg, default_run_dir)
     cfg = dataclasses.replace(cfg, run_dir=str(run_dir))
-    # Nothing is written before the data is known to be usable.
+    # Nothing is written before the data and the checkpoint to resume are known to be usable.
     check_run_dir(cfg, run_dir)
-    _pretokenise(cfg)
+    vocab = _pretokenise(cfg)
+    if cfg.resume:
+        from editrain.checkpoint import preflight_resume
+
+        preflight_resume(cfg.resume, cfg, vocab)
     prepare_run_dir(cfg, run_dir)
     threads = cfg.dist.threads_per_proc or max(1, (os.cpu_count() or 1) // nproc)
     os.environ.setdefault("OMP_NUM_THREADS", str(threads))

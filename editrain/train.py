@@ -7,7 +7,6 @@ validation loss. The method itself lives in :mod:`editrain.sync`; this file only
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import math
@@ -25,10 +24,11 @@ from editrain.checkpoint import (
     load_checkpoint,
     resolve_resume,
     rng_state,
+    run_meta,
     save_checkpoint,
     set_rng_state,
 )
-from editrain.config import Config, model_config, to_dict, validate_world
+from editrain.config import Config, model_config, validate_world
 from editrain.data import SequenceStream, prepare_tokens, val_batches
 from editrain.metrics import MetricsWriter, read_metrics
 from editrain.models import Llama, causal_lm_loss, num_parameters
@@ -90,13 +90,24 @@ class Trainer:
         t = cfg.train
         self.stream = SequenceStream(self.data.train, t.seq_len, info.rank,
                                      info.topo.world_size, t.seed)
-        # The whole replica evaluates the same windows, so no cross-replica traffic is needed.
-        self.val = val_batches(self.data.val, t.seq_len, t.batch_size, t.eval_batches,
+        # Every replica evaluates the same eval_batches x batch_size windows (split over its
+        # shards), so no cross-replica traffic is needed and the value does not depend on the
+        # topology (an elastic resume continues the same curve).
+        per_rank = max(1, t.eval_batches * t.batch_size // info.topo.shard_size)
+        val_bs = math.gcd(t.batch_size, per_rank)
+        self.val = val_batches(self.data.val, t.seq_len, val_bs, per_rank // val_bs,
                                info.shard, info.topo.shard_size)
 
         # ---- model, sharding, optimizers, sync engine
-        mcfg = model_config(cfg, vocab_size=self.data.vocab_size)
-        self.model = Llama(mcfg, seed=t.seed).to(info.device)
+        if cfg.model.hf_config:
+            from editrain.models.hf import HFCausalLM
+
+            self.model = HFCausalLM.from_config_file(
+                cfg.model.hf_config, tokenizer_vocab_size=self.data.vocab_size, seed=t.seed,
+            ).to(info.device)
+        else:
+            mcfg = model_config(cfg, vocab_size=self.data.vocab_size)
+            self.model = Llama(mcfg, seed=t.seed).to(info.device)
         self.num_params = num_parameters(self.model)
         blocks = self.model.blocks()
         shard_model(self.model, blocks, info, t.precision)
@@ -112,7 +123,9 @@ class Trainer:
         self.shard_group = info.mesh.get_group(SHARD_DIM)
         self.tokens_per_step = t.batch_size * t.seq_len * t.gradient_accumulation_steps
         self.aedit = cfg.sync.use_async
-        if self.aedit:
+        if self.aedit and not cfg.sim.step_schedule:
+            # With a forced step schedule the run stays deterministic: it simply ends at the
+            # first sync that reaches the budget.
             self.engine.extra_due = self._aedit_budget_due
         self.step = 0
         self.next_eval = t.eval_every
@@ -121,6 +134,7 @@ class Trainer:
         self.finished = False
         self.wall_offset = 0.0
         self.resumed_from: Path | None = None
+        self.elastic = False
         self.replay_until: int | None = None
         ckpt = self._checkpoint_to_resume()
         if ckpt is not None:
@@ -181,6 +195,11 @@ class Trainer:
         if self.resumed_from is None:
             final_val = self.evaluate()
             self._write({"step": 0, "tokens": 0, "val_loss": final_val, "wall_time_s": 0.0})
+        elif self.elastic:
+            # The global model on the new topology: this loss should continue the curve.
+            final_val = self.evaluate()
+            self._write({"event": "elastic_resume", "step": self.step, "tokens": self._tokens(),
+                         "val_loss": final_val, "wall_time_s": self._wall()})
         try:
             while not self._budget_done():
                 row = self.train_step()
@@ -202,9 +221,9 @@ class Trainer:
                     self._write(row)
                 if (cfg.checkpoint.every and point is not None and point >= self.next_ckpt
                         and not self._budget_done()):
-                    self.save()
-                    while self.next_ckpt <= point:
+                    while self.next_ckpt <= point:  # advanced first: saved state is "after"
                         self.next_ckpt += cfg.checkpoint.every
+                    self.save()
                 if progress is not None:
                     progress.update(self._task, completed=min(self._progress_steps(),
                                                               cfg.train.steps),
@@ -356,18 +375,17 @@ class Trainer:
 
     # ------------------------------------------------------------------ checkpoints
     def _meta(self) -> dict[str, Any]:
-        return {
-            "model": dataclasses.asdict(model_config(self.cfg, self.data.vocab_size)),
-            "method": self.cfg.sync.method,
-            "vocab_size": self.data.vocab_size,
-            "num_units": len(self.engine.units),
-            "topology": [self.info.topo.num_replicas, self.info.topo.shard_size],
-            "has_anchor": any(u.anchor is not None for u in self.engine.units),
-            "config": to_dict(self.cfg),
-        }
+        topo = (self.info.topo.num_replicas, self.info.topo.shard_size)
+        meta = run_meta(self.cfg, self.data.vocab_size, topo)
+        meta["has_anchor"] = any(u.anchor is not None for u in self.engine.units)
+        return meta
 
     def save(self) -> None:
         """Write a checkpoint (collective; no effect on training)."""
+        # An armed layer-wise sync is run now rather than in the next forward: the same
+        # jobs in the same order (so training is unchanged), and the anchors saved are the
+        # global model of this step, which an elastic resume starts from.
+        self.engine.finish()
         label = int(round(self._progress_steps())) if self.aedit else self.step
         rank_state = {
             "step": self.step,
@@ -414,6 +432,7 @@ class Trainer:
                 log.warning("resumed exactly from %s at step %d", ckpt, self.step)
             return
         # Elastic: different number of replicas or shards.
+        self.elastic = True
         old = [json.loads(p.read_text()) for p in sorted(ckpt.glob("rank_*.json"))]
         first = old[0]
         t = self.cfg.train
@@ -463,7 +482,8 @@ class Trainer:
             "editrain: %s on %d replicas x %d shards (%s, %s); model %s with %.2fM parameters; "
             "outer state per rank: %s",
             self.cfg.sync.method, topo.num_replicas, topo.shard_size, self.info.device.type,
-            dist.get_backend(), self.cfg.model.preset, self.num_params / 1e6,
+            dist.get_backend(), self.cfg.model.hf_config or self.cfg.model.preset,
+            self.num_params / 1e6,
             ", ".join(f"{k} {v / 2**20:.2f} MiB" for k, v in mem.items()) or "none yet",
         )
 

@@ -35,6 +35,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.autograd.profiler import record_function
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule
 
 from editrain.sync.comm import CommPath, LinkDelay
 from editrain.sync.config import SyncConfig
@@ -183,6 +184,7 @@ class EDiT:
             self._handles.append(
                 block.register_forward_pre_hook(self._make_block_hook(u), prepend=True)
             )
+        _reshard(model)  # anchors must be taken from the shards, not a gathered copy
         if cfg.is_local_sgd and cfg.local_sgd_warmup_steps == 0:
             self._create_anchors()
 
@@ -291,6 +293,9 @@ class EDiT:
         if not self._pending or not module.training:
             return
         self._pending = False
+        # FSDP2 keeps the root unit gathered after a forward without backward (evaluation);
+        # reshard so the next all-gather reads the synced shards, not a stale full copy.
+        _reshard(module)
         self._start_round(self._pending_counts)
         self._advance(0)
 
@@ -333,6 +338,7 @@ class EDiT:
 
     def _run_blocking(self, step_counts: torch.Tensor | None) -> None:
         self._pending = False
+        _reshard(self.model)
         self._start_round(step_counts)
         self._advance(len(self.units) - 1)
 
@@ -547,6 +553,12 @@ class EDiT:
             unit.load_state_dict(usd)
         if self.detectors is not None and sd.get("detectors") is not None:
             self.detectors.load_state_dict(sd["detectors"], allow_resize=True)
+
+
+def _reshard(module: nn.Module) -> None:
+    """Free FSDP2's gathered parameters of ``module`` (a no-op for plain modules)."""
+    if isinstance(module, FSDPModule):
+        module.reshard()
 
 
 def _gta_kwargs(cfg: SyncConfig) -> dict[str, Any]:

@@ -1,0 +1,180 @@
+"""Convergence: validation loss against tokens for every method at an equal token budget.
+
+Every method trains the same model on the same data with the same seeds and the same
+number of tokens; the table gives the mean and spread of the final validation loss over
+seeds, the plot the validation loss against tokens (mean over seeds).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from editrain.bench.common import (
+    Bench,
+    md_table,
+    mean_std,
+    median,
+    pyplot,
+    save_figure,
+    val_curve,
+)
+
+NAME = "convergence"
+METHODS = ("sync", "post_local_sgd", "diloco", "edit", "aedit")
+DESCRIPTION = (
+    "Validation loss against tokens for synchronous training (`sync`), Post-Local SGD, "
+    "DiLoCo, EDiT and A-EDiT at an equal token budget, on the same model, data, seeds and "
+    "simulated cluster (no link or straggler simulation)."
+)
+
+
+def _aedit_period(edit_run: Any, interval: int) -> float:
+    """A-EDiT's sync period: ``H`` times the median step time of the EDiT run without a
+    sync in it, so that A-EDiT syncs about as often as EDiT does."""
+    step = median(r.get("step_time_s") for r in edit_run.rows if "sync" not in r) if edit_run \
+        else None
+    return round(max(0.2, interval * (step or 0.1)), 3)
+
+
+def run(bench: Bench) -> dict[str, Any]:
+    """Run the scenario; returns the record written to ``results.json``."""
+    steps = bench.pick(12, 120, 300)
+    interval = bench.pick(4, 10, 20)
+    seeds = int(bench.flags.get("seeds") or bench.pick(1, 1, 3))
+    common = {"train": {"steps": steps, "eval_every": interval,
+                        "warmup_steps": bench.pick(2, 10, 30)}}
+    local = {"sync": {"local_sgd_sync_interval": interval}}
+    bench.check(common, local)
+
+    runs: dict[str, list[Any]] = {m: [] for m in METHODS}
+    periods = []
+    for seed in range(seeds):
+        edit_run = None
+        for method in METHODS:
+            layers: list[dict[str, Any]] = [common, {"train": {"seed": seed},
+                                                     "sync": {"method": method}}]
+            if method != "sync":
+                layers.append(local)
+            if method == "aedit":
+                period = _aedit_period(edit_run, interval)
+                periods.append(period)
+                layers.append({"sync": {"local_sgd_sync_time": period}})
+            r = bench.train(f"{method}-seed{seed}", *layers)
+            runs[method].append(r)
+            if method == "edit" and r.ok:
+                edit_run = r
+
+    results: dict[str, Any] = {}
+    table_rows = []
+    for method in METHODS:
+        ok = [r for r in runs[method] if r.ok]
+        stats = mean_std(r.final_val_loss for r in ok)
+        wall = mean_std(r.summary.get("wall_time_s") for r in ok)
+        tokens = ok[0].summary.get("tokens") if ok else None
+        curve = _mean_curve([val_curve(r) for r in ok])
+        results[method] = {
+            "final_val_loss": stats,
+            "final_val_loss_per_seed": [r.final_val_loss for r in runs[method]],
+            "tokens": tokens,
+            "wall_time_s": wall["mean"],
+            "tokens_per_s": (tokens / wall["mean"]) if tokens and wall["mean"] else None,
+            "num_syncs": median(r.summary.get("num_syncs") for r in ok),
+            "curve_tokens": [c[0] for c in curve],
+            "curve_val_loss": [c[1] for c in curve],
+            "failed_seeds": [i for i, r in enumerate(runs[method]) if not r.ok],
+        }
+        table_rows.append([method, "1" if method == "sync" else (
+            f"~{interval} (time: {periods[0]:.2f} s)" if method == "aedit" and periods
+            else str(interval)), stats["mean"], stats["std"], stats["min"], stats["max"],
+            f"{stats['n']}/{seeds}", tokens, wall["mean"], results[method]["num_syncs"]])
+
+    table = md_table(["method", "H", "final val loss (mean)", "std", "min", "max", "seeds ok",
+                      "tokens", "wall s (mean)", "syncs"], table_rows)
+    plots = [_plot(bench, results)]
+    findings = _findings(results, seeds)
+    targets = [_target(results, seeds)]
+    notes = [
+        f"{steps} inner steps per replica for every method (equal tokens), "
+        f"H = {interval} for the local-SGD methods, validation every {interval} steps "
+        "(at syncs for local SGD), 2 replicas.",
+        f"Seeds: {seeds} (seeds 0..{seeds - 1}; seed sets model init and data order)."
+        + (" Quick/tiny sizes use one seed: the spread is not measured there."
+           if seeds == 1 else ""),
+        "A-EDiT syncs on a wall-clock period set to H times the median step time of the "
+        "EDiT run of the same seed" + (f" ({', '.join(f'{p:.2f}' for p in periods)} s)"
+                                       if periods else "") + ".",
+        "The curve of each method is the mean over seeds of its validation losses, "
+        "interpolated on the evaluation points of its first seed.",
+    ]
+    settings = {"steps": steps, "sync_interval": interval, "seeds": seeds,
+                "aedit_sync_time_s": periods}
+    return bench.finish(settings=settings, methods=METHODS, results=results,
+                        tables=[("Final validation loss at equal tokens", table)],
+                        targets=targets, findings=findings, notes=notes, plots=plots,
+                        description=DESCRIPTION)
+
+
+def _target(results: dict[str, Any], seeds: int) -> dict[str, Any]:
+    """edit no worse than diloco, within the seed spread (0.5% of diloco's with one seed)."""
+    e, d = results["edit"]["final_val_loss"], results["diloco"]["final_val_loss"]
+    name = ("edit reaches a final validation loss no worse than diloco (mean over seeds, "
+            "within the seed spread; within 0.5% with one seed)")
+    if e["mean"] is None or d["mean"] is None:
+        return {"name": name, "met": None, "detail": "a run failed"}
+    tol = max(e["std"] or 0.0, d["std"] or 0.0) if seeds > 1 else 0.005 * d["mean"]
+    return {"name": name, "met": e["mean"] <= d["mean"] + tol,
+            "detail": f"edit {e['mean']:.4f} vs diloco {d['mean']:.4f}, tolerance {tol:.4f}"}
+
+
+def _mean_curve(curves: list[list[tuple[float, float, float]]]) -> list[tuple[float, float]]:
+    """Mean validation loss over seeds on the first curve's token points."""
+    import numpy as np
+
+    curves = [c for c in curves if c]
+    if not curves:
+        return []
+    grid = np.array([c[0] for c in curves[0]])
+    ys = [np.interp(grid, [p[0] for p in c], [p[2] for p in c]) for c in curves]
+    mean = np.mean(ys, axis=0)
+    return [(float(x), float(y)) for x, y in zip(grid, mean)]
+
+
+def _plot(bench: Bench, results: dict[str, Any]):
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for method, res in results.items():
+        if res["curve_tokens"]:
+            ax.plot(res["curve_tokens"], res["curve_val_loss"], marker="o", markersize=3,
+                    label=method)
+    ax.set_xlabel("tokens (all replicas)")
+    ax.set_ylabel("validation loss (mean over seeds)")
+    ax.set_title("convergence at equal tokens")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    return save_figure(fig, bench.out_dir / "val_loss_vs_tokens.png")
+
+
+def _findings(results: dict[str, Any], seeds: int) -> list[str]:
+    means = {m: r["final_val_loss"]["mean"] for m, r in results.items()
+             if r["final_val_loss"]["mean"] is not None}
+    out = []
+    if means:
+        order = sorted(means, key=means.get)
+        out.append("Final validation loss, best first: "
+                   + ", ".join(f"{m} {means[m]:.4f}" for m in order) + ".")
+    spread = max((r["final_val_loss"]["std"] or 0.0) for r in results.values())
+    for a, b in (("edit", "diloco"), ("edit", "sync"), ("aedit", "edit")):
+        if a in means and b in means:
+            d = means[a] - means[b]
+            verdict = "better" if d < 0 else "worse"
+            within = (f"; within the seed spread ({spread:.4f})" if seeds > 1 and
+                      abs(d) <= spread else "")
+            out.append(f"{a} is {abs(d):.4f} {verdict} than {b}{within}.")
+    ref = results["sync"]["tokens"]
+    got = results["aedit"]["tokens"]
+    if ref and got and got != ref:
+        out.append(f"aedit processed {got:,} tokens instead of {ref:,} ({got / ref - 1:+.1%}): "
+                   "A-EDiT ends at the sync where its estimate of the token budget runs out.")
+    if seeds == 1:
+        out.append("One seed only: differences this small may be noise.")
+    return out

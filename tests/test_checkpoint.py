@@ -1,0 +1,183 @@
+"""Checkpoints: exact resume, elastic resume, restart after a worker dies, bad input.
+
+These run the real CLI in subprocesses (torch elastic launcher, gloo, FSDP2), tiny model.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from editrain.checkpoint import SafeFileSystemReader, list_checkpoints
+from editrain.errors import CheckpointError
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _base_args(cache: Path) -> list[str]:
+    return ["--model.preset", "tiny", "--data.max_bytes", "400000", "--data.vocab_size", "512",
+            "--data.cache_dir", str(cache), "--train.batch_size", "4", "--train.seq_len", "32",
+            "--train.eval_batches", "2", "--quiet"]
+
+
+def train(cache: Path, run_dir: Path, *args: str, check: bool = True
+          ) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "editrain", "train", *_base_args(cache), "--run-dir",
+           str(run_dir), *args]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=400, env=env)
+    if check and out.returncode != 0:
+        raise AssertionError(f"train failed ({out.returncode}):\n{out.stderr[-4000:]}")
+    return out
+
+
+def rows(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def step_losses(run_dir: Path) -> dict[int, float]:
+    return {r["step"]: r["loss"] for r in rows(run_dir)
+            if "loss" in r and "event" not in r and not r.get("replayed")}
+
+
+def final_val(run_dir: Path) -> float:
+    return json.loads((run_dir / "summary.json").read_text())["final_val_loss"]
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("cache")
+
+
+METHODS = {
+    # method: (topology args, extra args). Local-SGD methods checkpoint at the first sync
+    # point at or after each multiple of checkpoint.every.
+    "sync": (["--nproc", "2", "--shard-size", "1"], []),
+    "diloco": (["--nproc", "2", "--shard-size", "1"], ["--sync.local_sgd_sync_interval", "4"]),
+    "edit": (["--nproc", "4", "--shard-size", "2"],
+             ["--sync.local_sgd_sync_interval", "3", "--sync.ewma_warmup_steps", "1",
+              "--sync.clip_pseudo_grad", "0.5", "--sync.local_sgd_warmup_steps", "2"]),
+    "aedit": (["--nproc", "4", "--shard-size", "2"],
+              ["--sim.step_schedule=[2,3]", "--sync.ewma_warmup_steps", "1"]),
+}
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("method", list(METHODS))
+def test_exact_resume_is_bitwise(cache: Path, tmp_path: Path, method: str) -> None:
+    topo, extra = METHODS[method]
+    full = tmp_path / "full"
+    args = [*topo, "--method", method, "--steps", "12", "--checkpoint.every", "6",
+            "--checkpoint.keep", "5", "--train.eval_every", "6", *extra]
+    train(cache, full, *args)
+    ckpts = list_checkpoints(full)
+    assert len(ckpts) >= 2, ckpts
+    first = ckpts[0]  # mid-run (for A-EDiT the label is the progress at a sync)
+    resumed = tmp_path / "resumed"
+    train(cache, resumed, *args, "--resume", str(first))
+    a, b = step_losses(full), step_losses(resumed)
+    assert b, "resumed run logged no steps"
+    for step, loss in b.items():
+        assert loss == a[step], (method, step, loss, a[step])  # bitwise
+    assert final_val(resumed) == final_val(full)
+
+
+@pytest.mark.timeout(900)
+def test_elastic_resume_changes_topology(cache: Path, tmp_path: Path) -> None:
+    src = tmp_path / "src"
+    common = ["--method", "edit", "--steps", "20", "--sync.local_sgd_sync_interval", "5",
+              "--train.eval_every", "10"]
+    train(cache, src, "--nproc", "4", "--shard-size", "2", "--checkpoint.every", "10", *common)
+    ckpt = src / "checkpoints" / "step_00000010"
+    before = {r["step"]: r for r in rows(src) if "event" not in r}
+    for nproc, shard in (("4", "1"), ("2", "2")):
+        dst = tmp_path / f"to_{nproc}x{shard}"
+        out = train(cache, dst, "--nproc", nproc, "--shard-size", shard, "--resume", str(ckpt),
+                    *common)
+        assert "elastic resume" in out.stderr + out.stdout
+        resume_row = next(r for r in rows(dst) if r.get("event") == "elastic_resume")
+        # The global model is carried over exactly: same validation loss up to reduction order.
+        assert resume_row["val_loss"] == pytest.approx(before[10]["val_loss"], abs=2e-3)
+        first = step_losses(dst)[11]
+        assert abs(first - before[10]["loss"]) < 0.5, (first, before[10]["loss"])
+        assert final_val(dst) < before[10]["val_loss"] + 0.05
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("where", ["step", "checkpoint"])
+def test_restart_after_worker_dies(cache: Path, tmp_path: Path, where: str) -> None:
+    common = ["--method", "edit", "--steps", "24", "--sync.local_sgd_sync_interval", "4",
+              "--checkpoint.every", "8", "--train.eval_every", "8", "--nproc", "4",
+              "--shard-size", "2"]
+    clean = tmp_path / "clean"
+    train(cache, clean, *common)
+    crashed = tmp_path / "crashed"
+    fail = "1@13" if where == "step" else "1@16:checkpoint"
+    out = train(cache, crashed, *common, "--max-restarts", "1", "--sim.fail", fail)
+    assert "worker restart 1" in out.stderr + out.stdout
+    # Killed while writing step 16's checkpoint: the previous one (step 8) was used.
+    expected = "step_00000008"
+    assert f"resuming from {crashed / 'checkpoints' / expected}" in out.stderr + out.stdout
+    assert final_val(crashed) == final_val(clean)  # bitwise: the restart is invisible
+    logged = [r for r in rows(crashed) if "loss" in r and "event" not in r]
+    fresh = [r["step"] for r in logged if not r.get("replayed")]
+    replayed = [r["step"] for r in logged if r.get("replayed")]
+    assert sorted(set(fresh)) == list(range(1, 25)), "gaps in the metrics file"
+    assert len(fresh) == len(set(fresh)), "unmarked duplicate rows"
+    assert replayed and min(replayed) == 9
+    assert not any(p.name.endswith(".tmp") for p in (crashed / "checkpoints").iterdir())
+
+
+@pytest.mark.timeout(600)
+def test_bad_resume_inputs_are_reported(cache: Path, tmp_path: Path) -> None:
+    src = tmp_path / "src"
+    common = ["--nproc", "2", "--shard-size", "1", "--steps", "4"]
+    train(cache, src, *common, "--method", "diloco", "--sync.local_sgd_sync_interval", "2")
+    ckpt = list_checkpoints(src)[-1]
+
+    out = train(cache, tmp_path / "b1", *common, "--method", "edit", "--resume", str(ckpt),
+                check=False)
+    assert out.returncode != 0 and "method: checkpoint has 'diloco'" in out.stderr
+
+    out = train(cache, tmp_path / "b2", *common, "--method", "diloco", "--model.dim", "32",
+                "--model.n_heads", "4", "--resume", str(ckpt), check=False)
+    assert out.returncode != 0 and "model.dim: checkpoint has 64, this run has 32" in out.stderr
+
+    out = train(cache, tmp_path / "b3", *common, "--resume", str(tmp_path / "nope"),
+                check=False)
+    assert out.returncode != 0 and "--resume" in out.stderr
+
+    # An unfinished checkpoint (no marker) is refused, never used.
+    partial = tmp_path / "partial" / "checkpoints" / "step_00000002"
+    shutil.copytree(ckpt, partial)
+    (partial / "editrain.json").unlink()
+    out = train(cache, tmp_path / "b4", *common, "--method", "diloco", "--resume",
+                str(partial), check=False)
+    assert out.returncode != 0 and "incomplete" in out.stderr
+
+    # Corrupt tensor data is reported as such.
+    broken = tmp_path / "broken"
+    shutil.copytree(src, broken)
+    for f in (broken / "checkpoints" / ckpt.name).glob("*.distcp"):
+        f.write_bytes(b"garbage")
+    out = train(cache, tmp_path / "b5", *common, "--method", "diloco", "--resume",
+                str(broken), check=False)
+    assert out.returncode != 0 and "cannot read checkpoint data" in out.stderr
+
+
+class _Evil:
+    def __reduce__(self):
+        return (os.system, ("echo pwned > /dev/null",))
+
+
+def test_metadata_loading_refuses_arbitrary_objects(tmp_path: Path) -> None:
+    (tmp_path / ".metadata").write_bytes(pickle.dumps(_Evil()))
+    with pytest.raises(CheckpointError, match="refusing to unpickle"):
+        SafeFileSystemReader(tmp_path).read_metadata()
