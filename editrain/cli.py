@@ -53,6 +53,8 @@ def cmd_train(args: argparse.Namespace, extra: list[str]) -> int:
         raise ConfigError(f"unexpected argument(s) {' '.join(rest)}; options look like "
                           "--train.steps=100 (see `editrain train --help`)")
     cfg = load_config(args.config, overrides)
+    if cfg.quiet:
+        logging.getLogger().setLevel(logging.WARNING)
     if under_torchrun():
         launch.run_under_torchrun(cfg)
     else:
@@ -121,6 +123,9 @@ def main(argv: list[str] | None = None) -> int:
     args, extra = parser.parse_known_args(argv)
     try:
         return args.func(args, extra)
+    except BrokenPipeError:  # `editrain options | head`
+        sys.stderr.close()
+        return 0
     except (ConfigError, FileNotFoundError, ValueError, CheckpointError) as e:
         print(f"editrain: error: {e}", file=sys.stderr)
         return 2

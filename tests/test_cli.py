@@ -1,0 +1,417 @@
+"""The command line, end to end: ``editrain train`` in a subprocess on the embedded corpus,
+``plot``, ``options``, help texts, the token cache, and bad input rejected before any worker
+starts."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from editrain import cli
+from editrain.config import ConfigError, describe_options, load_config
+
+BIN = Path(sys.executable).with_name("editrain")
+COMMAND = [str(BIN)] if BIN.exists() else [sys.executable, "-m", "editrain"]
+STABLE_FIELDS = ("step", "tokens", "loss", "lr", "tokens_per_s", "step_time_s", "wall_time_s")
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def tiny(cache_dir: Path) -> list[str]:
+    """Settings that make a run take seconds on 2 cores."""
+    return ["--model.preset", "tiny", "--data.max_bytes", "300000", "--data.vocab_size", "512",
+            "--data.cache_dir", str(cache_dir)]
+
+
+def editrain(*args: str, timeout: float = 280) -> tuple[subprocess.CompletedProcess, float]:
+    """Run the console script; returns the finished process and its wall time (the CPU time
+    it and everything it started used is in ``proc.cpu_s``)."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "TORCHELASTIC_RUN_ID",
+                        "MASTER_ADDR", "MASTER_PORT")}
+    t0, cpu0 = time.monotonic(), children_cpu_s()
+    proc = subprocess.run(COMMAND + list(args), capture_output=True, text=True, env=env,
+                          timeout=timeout)
+    proc.cpu_s = children_cpu_s() - cpu0  # type: ignore[attr-defined]
+    return proc, time.monotonic() - t0
+
+
+def children_cpu_s() -> float:
+    """CPU seconds used so far by finished child processes and their own children."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def assert_fast(proc: subprocess.CompletedProcess, elapsed: float) -> None:
+    """A rejected run ends within 15 s and never starts workers. Starting 4 workers costs
+    them over 10 CPU seconds (each imports torch); wall time is only trusted as far as the
+    machine is not overloaded by other jobs (the limit grows with the load average)."""
+    assert proc.cpu_s < 10, f"used {proc.cpu_s:.1f} CPU s: workers were started?"
+    load = os.getloadavg()[0] / (os.cpu_count() or 1)
+    assert elapsed < 15 * max(1.0, load), f"took {elapsed:.1f} s (load {load:.1f} per core)"
+    assert "torch.distributed.elastic" not in proc.stderr and "Traceback" not in proc.stderr
+
+
+def explain(proc: subprocess.CompletedProcess) -> str:
+    return f"exit {proc.returncode}\n--- stdout\n{proc.stdout[-3000:]}\n--- stderr\n" \
+           f"{proc.stderr[-3000:]}"
+
+
+def rows_of(run_dir: Path) -> list[dict]:
+    """Step and evaluation rows of ``metrics.jsonl`` (event rows left out)."""
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in rows if "event" not in r]
+
+
+def cache_entries(cache_dir: Path) -> dict[str, dict[str, int]]:
+    """Cache entries (not lock files) and the modification times of their files."""
+    return {e.name: {f.name: f.stat().st_mtime_ns for f in e.iterdir()}
+            for e in cache_dir.iterdir() if e.is_dir()}
+
+
+def error_line(stderr: str) -> str:
+    """The one ``editrain: error: ...`` line (other lines may be progress logs)."""
+    lines = [line for line in stderr.splitlines() if line.startswith("editrain: error: ")]
+    assert len(lines) == 1, stderr
+    return lines[0]
+
+
+def assert_png(path: Path) -> None:
+    assert path.is_file(), path
+    data = path.read_bytes()
+    assert data.startswith(PNG_MAGIC) and len(data) > 2000, path
+
+
+# ---------------------------------------------------------------------------- fixtures
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("token-cache")
+
+
+@pytest.fixture(scope="module")
+def edit_run(tmp_path_factory, cache_dir):
+    """The default method, 2 replicas x 2 shards, 40 steps with an evaluation every 10."""
+    run_dir = tmp_path_factory.mktemp("runs") / "edit"
+    proc, elapsed = editrain("train", *tiny(cache_dir), "--nproc", "4", "--shard-size", "2",
+                             "--steps", "40", "--train.eval_every", "10",
+                             "--train.warmup_steps", "5", "--quiet", "--run-dir", str(run_dir))
+    return run_dir, proc, elapsed, cache_entries(cache_dir)
+
+
+@pytest.fixture(scope="module")
+def diloco_run(tmp_path_factory, cache_dir, edit_run):
+    """DiLoCo, shorter, with the progress output on (so the launcher reports the cache)."""
+    run_dir = tmp_path_factory.mktemp("runs") / "diloco"
+    proc, elapsed = editrain("train", *tiny(cache_dir), "--method", "diloco", "--nproc", "4",
+                             "--shard-size", "2", "--steps", "20", "--train.eval_every", "10",
+                             "--sync.local_sgd_sync_interval", "5", "--run-dir", str(run_dir))
+    return run_dir, proc, elapsed, cache_entries(cache_dir)
+
+
+# ---------------------------------------------------------------------------- training runs
+@pytest.mark.timeout(300)
+def test_train_end_to_end(edit_run):
+    run_dir, proc, _elapsed, _ = edit_run
+    assert proc.returncode == 0, explain(proc)
+    assert "Traceback" not in proc.stderr
+    for name in ("config.toml", "metrics.jsonl"):
+        assert (run_dir / name).is_file(), name
+    assert_png(run_dir / "loss_vs_tokens.png")
+    assert_png(run_dir / "loss_vs_time.png")
+
+    cfg = load_config(run_dir / "config.toml")
+    assert cfg.train.steps == 40 and cfg.model.preset == "tiny" and cfg.sync.method == "edit"
+    assert (cfg.dist.nproc, cfg.dist.shard_size) == (4, 2)
+    assert Path(cfg.run_dir) == run_dir
+
+    rows = rows_of(run_dir)
+    train_rows = [r for r in rows if "loss" in r]
+    assert [r["step"] for r in train_rows] == list(range(1, 41))  # log_every 1
+    tokens_per_step = 8 * 64 * 4  # batch x seq_len x world size
+    for r in train_rows:
+        for key in STABLE_FIELDS:
+            assert isinstance(r[key], int | float), (key, r)
+        assert r["tokens"] == r["step"] * tokens_per_step
+        assert 0 < r["lr"] <= 3e-3 + 1e-12
+        assert r["tokens_per_s"] > 0 and r["step_time_s"] > 0 and r["wall_time_s"] > 0
+    walls = [r["wall_time_s"] for r in train_rows]
+    assert walls == sorted(walls)
+
+    evals = [r for r in rows if r.get("val_loss") is not None]
+    assert [r["step"] for r in evals] == [0, 10, 20, 30, 40]
+    for r in evals:
+        assert {"step", "tokens", "val_loss", "wall_time_s"} <= r.keys()
+    first, last = evals[0]["val_loss"], evals[-1]["val_loss"]
+    assert first == pytest.approx(6.24, abs=0.1)  # about log(512) at the start
+    assert last < first - 0.5, [r["val_loss"] for r in evals]
+
+
+@pytest.mark.timeout(300)
+def test_train_diloco_and_cache_reuse(edit_run, diloco_run, cache_dir):
+    run_dir, proc, _elapsed, entries_after = diloco_run
+    assert proc.returncode == 0, explain(proc)
+    assert load_config(run_dir / "config.toml").sync.method == "diloco"
+    rows = rows_of(run_dir)
+    assert max(r["step"] for r in rows) == 20
+    evals = [r["val_loss"] for r in rows if r.get("val_loss") is not None]
+    assert len(evals) >= 2 and evals[-1] < evals[0]
+    assert_png(run_dir / "loss_vs_tokens.png")
+    # The same corpus settings: the second run reused the first run's token cache.
+    entries_before = edit_run[3]
+    assert len(entries_before) == 1
+    assert entries_after == entries_before  # same entry, files untouched
+    assert "reused cache" in proc.stderr
+
+
+@pytest.mark.timeout(300)
+def test_train_sync_method_single_replica(tmp_path, cache_dir, edit_run):
+    """The synchronous baseline on one replica of two shards (R = 1)."""
+    run_dir = tmp_path / "sync"
+    proc, _ = editrain("train", *tiny(cache_dir), "--method", "sync", "--nproc", "2",
+                       "--shard-size", "2", "--steps", "10", "--train.eval_every", "5",
+                       "--quiet", "--run-dir", str(run_dir))
+    assert proc.returncode == 0, explain(proc)
+    rows = rows_of(run_dir)
+    train_rows = [r for r in rows if "loss" in r]
+    assert [r["step"] for r in train_rows] == list(range(1, 11))
+    assert train_rows[-1]["tokens"] == 10 * 8 * 64 * 2
+    assert [r["step"] for r in rows if r.get("val_loss") is not None] == [0, 5, 10]
+    assert load_config(run_dir / "config.toml").sync.method == "sync"
+    assert len(cache_entries(cache_dir)) == 1
+
+
+# ---------------------------------------------------------------------------- plot
+@pytest.mark.timeout(300)
+def test_plot_command(edit_run, diloco_run, tmp_path):
+    out = tmp_path / "plots"
+    proc, _ = editrain("plot", str(edit_run[0]), str(diloco_run[0]), "--out", str(out))
+    assert proc.returncode == 0, explain(proc)
+    for name in ("loss_vs_tokens.png", "loss_vs_time.png"):
+        assert_png(out / name)
+        assert str(out / name) in proc.stdout
+
+
+def test_plot_into_the_run_directory(edit_run):
+    run_dir = edit_run[0]
+    for name in ("loss_vs_tokens.png", "loss_vs_time.png"):
+        (run_dir / name).unlink()
+    assert cli.main(["plot", str(run_dir)]) == 0
+    assert_png(run_dir / "loss_vs_tokens.png")
+    assert_png(run_dir / "loss_vs_time.png")
+
+
+def test_plot_without_metrics(tmp_path, capsys):
+    assert cli.main(["plot", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "metrics.jsonl" in err and str(tmp_path) in err
+
+
+# ---------------------------------------------------------------------------- help and options
+@pytest.mark.parametrize("args, words", [
+    (["--help"], ["train", "plot", "options", "bench", "EDiT"]),
+    (["train", "--help"], ["--config", "--steps", "--nproc", "--shard-size", "--method",
+                           "--seed", "--run-dir", "--quiet", "--overwrite", "diloco", "aedit",
+                           "--section.key=value", "torchrun", "editrain options"]),
+    (["plot", "--help"], ["RUN_DIR", "--out"]),
+])
+def test_help(args, words):
+    proc, _ = editrain(*args, timeout=60)
+    assert proc.returncode == 0, explain(proc)
+    for w in words:
+        assert w in proc.stdout, w
+
+
+def test_options_lists_every_option():
+    proc, _ = editrain("options", timeout=60)
+    assert proc.returncode == 0, explain(proc)
+    for name, _tp, _default, doc in describe_options():
+        assert f"--{name} " in proc.stdout, name
+        assert doc in proc.stdout, name
+
+
+def test_no_command_is_a_usage_error(capsys):
+    with pytest.raises(SystemExit) as info:
+        cli.main([])
+    assert info.value.code == 2
+    assert "COMMAND" in capsys.readouterr().err
+
+
+def test_train_rejects_positional_arguments(capsys):
+    assert cli.main(["train", "--steps", "3", "stray"]) == 2
+    err = capsys.readouterr().err
+    assert "stray" in err and "--train.steps=100" in err
+
+
+# ---------------------------------------------------------------------------- bad input
+def bad_input_cases(tmp: Path) -> dict[str, tuple[list[str], list[str]]]:
+    """name -> (extra arguments, words the error must contain)."""
+    (tmp / "empty.txt").write_text("")
+    (tmp / "blank.txt").write_text("\n\n   \n")
+    (tmp / "short.txt").write_text("just a few words")
+    (tmp / "emptydir").mkdir()
+    return {
+        "unknown_key": (["--train.bogus", "3"], ["train.bogus", "steps", "lr"]),
+        "unknown_section": (["--trian.steps", "3"], ["trian", "train"]),
+        "wrong_type": (["--train.steps", "abc"], ["train.steps", "integer"]),
+        "wrong_type_float": (["--train.lr", "fast"], ["train.lr", "number"]),
+        "shard_size": (["--nproc", "4", "--shard-size", "3"],
+                       ["dist.shard_size", "1, 2, 4"]),
+        "steps_zero": (["--steps", "0"], ["train.steps", "> 0"]),
+        "batch_negative": (["--train.batch_size", "-2"], ["train.batch_size", "> 0"]),
+        "lr_zero": (["--train.lr", "0"], ["train.lr", "> 0"]),
+        "lr_negative": (["--train.lr=-1e-3"], ["train.lr", "> 0"]),
+        "missing_data": (["--data.path", str(tmp / "missing.txt")],
+                         ["data.path", "missing.txt"]),
+        "empty_corpus": (["--data.path", str(tmp / "empty.txt")], ["data.path", "no text"]),
+        "empty_dir": (["--data.path", str(tmp / "emptydir")], ["data.path", "no text"]),
+        "blank_corpus": (["--data.path", str(tmp / "blank.txt")],
+                         ["corpus too small", "train.seq_len"]),
+        "tiny_corpus": (["--data.path", str(tmp / "short.txt")], ["train.seq_len"]),
+        "seq_len": (["--train.seq_len", "1000"], ["train.seq_len", "256", "model.max_seq_len"]),
+        "method": (["--method", "fedavg"], ["sync.method", "diloco", "edit"]),
+        "density": (["--sync.gta.density=0"], ["sync.gta.density", "(0, 1]"]),
+        "straggler": (["--sim.straggler", "9=2"], ["sim.straggler", "replica 9"]),
+        "corrupt": (["--sim.corrupt_replica", "2@1"], ["sim.corrupt_replica", "replica 2"]),
+        "config_file": (["--config", str(tmp / "none.toml")], ["--config", "none.toml"]),
+    }
+
+
+BAD_INPUTS = ["unknown_key", "unknown_section", "wrong_type", "wrong_type_float", "shard_size",
+              "steps_zero", "batch_negative", "lr_zero", "lr_negative", "missing_data",
+              "empty_corpus", "empty_dir", "blank_corpus", "tiny_corpus", "seq_len", "method",
+              "density", "straggler", "corrupt", "config_file"]
+
+
+def test_bad_input_case_list_is_complete(tmp_path):
+    assert sorted(bad_input_cases(tmp_path)) == sorted(BAD_INPUTS)
+
+
+# The issue's list, each through the real console script; the rest in-process (fast).
+SUBPROCESS_CASES = ["unknown_key", "wrong_type", "shard_size", "steps_zero", "batch_negative",
+                    "lr_zero", "missing_data", "empty_corpus", "seq_len"]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("name", SUBPROCESS_CASES)
+def test_bad_input_fails_fast_on_the_command_line(name, tmp_path):
+    args, words = bad_input_cases(tmp_path)[name]
+    run_dir = tmp_path / "run"
+    proc, elapsed = editrain("train", *tiny(tmp_path / "cache"), "--nproc", "4",
+                             "--shard-size", "2", "--steps", "5", "--quiet",
+                             "--run-dir", str(run_dir), *args, timeout=100)
+    assert proc.returncode == 2, explain(proc)
+    assert_fast(proc, elapsed)
+    err = error_line(proc.stderr)
+    for w in words:
+        assert w in err, (w, proc.stderr)
+    assert "Traceback" not in proc.stderr
+    assert not run_dir.exists(), "a rejected run must not leave a run directory behind"
+
+
+@pytest.fixture
+def no_workers(monkeypatch):
+    """Make starting workers a test failure, so "rejected before any process group" holds."""
+    import torch.distributed.launcher.api as launcher_api
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("workers were started for an invalid configuration")
+
+    monkeypatch.setattr(launcher_api, "elastic_launch", refuse)
+    for key in ("RANK", "WORLD_SIZE", "TORCHELASTIC_RUN_ID"):
+        monkeypatch.delenv(key, raising=False)
+
+
+@pytest.mark.parametrize("name", BAD_INPUTS)
+def test_bad_input_fails_before_any_worker(name, tmp_path, capsys, no_workers):
+    args, words = bad_input_cases(tmp_path)[name]
+    run_dir = tmp_path / "run"
+    code = cli.main(["train", *tiny(tmp_path / "cache"), "--nproc", "4", "--shard-size", "2",
+                     "--steps", "5", "--quiet", "--run-dir", str(run_dir), *args])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    line = error_line(err)
+    for w in words:
+        assert w in line, (w, err)
+    assert not run_dir.exists()
+
+
+# ---------------------------------------------------------------------------- run directories
+def make_old_run(run_dir: Path) -> dict[str, str]:
+    run_dir.mkdir(parents=True)
+    files = {"config.toml": 'run_dir = "old"\n', "metrics.jsonl": '{"step": 1, "loss": 3.0}\n',
+             "notes.txt": "someone's notes\n"}
+    for name, text in files.items():
+        (run_dir / name).write_text(text)
+    return files
+
+
+def contents(run_dir: Path) -> dict[str, str]:
+    return {p.name: p.read_text() for p in run_dir.iterdir() if p.is_file()}
+
+
+@pytest.mark.timeout(120)
+def test_existing_run_is_refused_on_the_command_line(tmp_path):
+    run_dir = tmp_path / "run"
+    before = make_old_run(run_dir)
+    proc, elapsed = editrain("train", *tiny(tmp_path / "cache"), "--steps", "5", "--quiet",
+                             "--run-dir", str(run_dir), timeout=100)
+    assert proc.returncode == 2, explain(proc)
+    assert_fast(proc, elapsed)
+    err = error_line(proc.stderr)
+    for w in ("--run-dir", str(run_dir), "--overwrite", "--resume"):
+        assert w in err, w
+    assert contents(run_dir) == before  # nothing deleted or rewritten
+
+
+def test_existing_run_is_refused_before_any_worker(tmp_path, capsys, no_workers):
+    run_dir = tmp_path / "run"
+    before = make_old_run(run_dir)
+    code = cli.main(["train", *tiny(tmp_path / "cache"), "--steps", "5",
+                     "--run-dir", str(run_dir)])
+    assert code == 2
+    assert "--overwrite" in capsys.readouterr().err
+    assert contents(run_dir) == before
+    assert not (tmp_path / "cache").exists()  # refused before even reading the corpus
+
+
+def test_directory_without_a_run_is_used(tmp_path):
+    from editrain.launch import prepare_run_dir
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "notes.txt").write_text("keep me\n")
+    cfg = load_config(None, {"run_dir": str(run_dir)})
+    prepare_run_dir(cfg, run_dir)
+    assert (run_dir / "notes.txt").read_text() == "keep me\n"
+    assert load_config(run_dir / "config.toml").run_dir == str(run_dir)
+
+
+def test_overwrite_replaces_only_the_run_and_says_so(tmp_path, caplog):
+    from editrain.launch import check_run_dir, prepare_run_dir
+
+    run_dir = tmp_path / "run"
+    make_old_run(run_dir)
+    (run_dir / "tb").mkdir()
+    (run_dir / "tb" / "events").write_text("x")
+    cfg = load_config(None, {"run_dir": str(run_dir), "train": {"steps": 7}})
+    with pytest.raises(ConfigError, match="--overwrite"):
+        check_run_dir(cfg, run_dir)
+    with pytest.raises(ConfigError, match="--overwrite"):
+        prepare_run_dir(cfg, run_dir)
+    assert (run_dir / "metrics.jsonl").exists() and (run_dir / "tb" / "events").exists()
+
+    cfg = load_config(None, {"run_dir": str(run_dir), "train": {"steps": 7}, "overwrite": True})
+    with caplog.at_level(logging.WARNING, logger="editrain"):
+        prepare_run_dir(cfg, run_dir)
+    assert not (run_dir / "metrics.jsonl").exists() and not (run_dir / "tb").exists()
+    assert (run_dir / "notes.txt").read_text() == "someone's notes\n"  # not part of the run
+    assert load_config(run_dir / "config.toml").train.steps == 7
+    warned = " ".join(r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING)
+    assert "--overwrite" in warned and "metrics.jsonl" in warned  # never silently

@@ -1,0 +1,539 @@
+"""Configuration: TOML files, command-line overrides, validation errors, TOML output and the
+option surface (a frozen list, so options only change on purpose)."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+import tomllib
+
+from editrain.config import (
+    FLAGS,
+    SHORTHANDS,
+    Config,
+    ConfigError,
+    describe_options,
+    dumps_toml,
+    load_config,
+    parse_overrides,
+    to_dict,
+    validate_world,
+)
+from editrain.sync.config import GTAConfig
+
+
+def cli(*argv: str) -> Config:
+    """``load_config`` from command-line style arguments only."""
+    overrides, rest = parse_overrides(list(argv))
+    assert rest == []
+    return load_config(None, overrides)
+
+
+def write(tmp_path: Path, text: str, name: str = "run.toml") -> Path:
+    path = tmp_path / name
+    path.write_text(text)
+    return path
+
+
+def none_as_text(table: dict) -> dict:
+    """A config table as TOML holds it: no null, so ``None`` is the string "none"."""
+    return {k: "none" if v is None else v for k, v in table.items()}
+
+
+# ---------------------------------------------------------------------------- loading
+def test_defaults_are_valid():
+    cfg = load_config()
+    assert cfg == Config()
+    assert cfg.train.steps == 200
+    assert cfg.dist.nproc == 4 and cfg.dist.shard_size == 2
+    assert cfg.sync.method == "edit"
+    assert cfg.quiet is False and cfg.overwrite is False and cfg.run_dir is None
+
+
+def test_toml_file_sets_every_kind_of_value(tmp_path):
+    path = write(tmp_path, """
+quiet = true
+run_dir = "runs/a"
+
+[model]
+preset = "tiny"
+dim = 96
+
+[train]
+steps = 50
+lr = 0.01
+batch_size = 4
+
+[data]
+max_bytes = 300000
+
+[sync]
+method = "diloco"
+outer_optim_kwargs = {lr = 0.5, momentum = 0.8, nesterov = true}
+
+[sync.gta]
+reducer = "gta"
+density = 0.25
+
+[sim]
+straggler = ["1=2", "0=3@10-20"]
+""")
+    cfg = load_config(path)
+    assert cfg.quiet is True and cfg.run_dir == "runs/a"
+    assert cfg.model.preset == "tiny" and cfg.model.dim == 96
+    assert (cfg.train.steps, cfg.train.lr, cfg.train.batch_size) == (50, 0.01, 4)
+    assert cfg.data.max_bytes == 300000
+    assert cfg.sync.method == "diloco"
+    assert cfg.sync.outer_optim_kwargs == {"lr": 0.5, "momentum": 0.8, "nesterov": True}
+    assert isinstance(cfg.sync.gta, GTAConfig)
+    assert cfg.sync.gta.reducer == "gta" and cfg.sync.gta.density == 0.25
+    assert cfg.sim.straggler == ["1=2", "0=3@10-20"]
+    # Untouched options keep their defaults.
+    assert cfg.train.seq_len == 64 and cfg.sync.gta.consensus_method == "sum"
+
+
+def test_integer_is_accepted_for_a_float_option(tmp_path):
+    cfg = load_config(write(tmp_path, "[train]\nlr = 1\n"))
+    assert cfg.train.lr == 1.0 and isinstance(cfg.train.lr, float)
+
+
+@pytest.mark.parametrize("argv", [["--train.steps=200"], ["--train.steps", "200"],
+                                  ["--steps", "200"], ["--steps=200"]])
+def test_cli_overrides_the_file(tmp_path, argv):
+    path = write(tmp_path, "[train]\nsteps = 50\nlr = 0.01\n")
+    overrides, rest = parse_overrides(argv)
+    assert overrides == {"train": {"steps": 200}} and rest == []
+    cfg = load_config(path, overrides)
+    assert cfg.train.steps == 200
+    assert cfg.train.lr == 0.01  # from the file, not overridden
+
+
+def test_later_cli_value_wins():
+    assert cli("--train.steps=10", "--steps", "20").train.steps == 20
+
+
+def test_shorthands():
+    overrides, rest = parse_overrides([
+        "--steps", "7", "--nproc", "2", "--shard-size", "1", "--method", "diloco",
+        "--seed", "3", "--run-dir", "out/run", "--quiet", "--overwrite",
+    ])
+    assert rest == []
+    assert overrides == {
+        "train": {"steps": 7, "seed": 3},
+        "dist": {"nproc": 2, "shard_size": 1},
+        "sync": {"method": "diloco"},
+        "run_dir": "out/run",
+        "quiet": True,
+        "overwrite": True,
+    }
+    cfg = load_config(None, overrides)
+    assert (cfg.train.steps, cfg.train.seed) == (7, 3)
+    assert (cfg.dist.nproc, cfg.dist.shard_size) == (2, 1)
+    assert cfg.sync.method == "diloco"
+    assert cfg.run_dir == "out/run" and cfg.quiet and cfg.overwrite
+
+
+def test_flags_take_an_explicit_value():
+    assert cli("--quiet=false").quiet is False
+    assert cli("--quiet=true").quiet is True
+    cfg = cli("--quiet", "--dist.max_restarts", "2")
+    assert cfg.quiet is True and cfg.dist.max_restarts == 2
+
+
+def test_dashes_in_option_names_become_underscores():
+    cfg = cli("--train.batch-size", "3", "--max-restarts", "1")
+    assert cfg.train.batch_size == 3 and cfg.dist.max_restarts == 1
+
+
+def test_positional_arguments_are_returned():
+    overrides, rest = parse_overrides(["extra", "--steps", "5", "more"])
+    assert overrides == {"train": {"steps": 5}}
+    assert rest == ["extra", "more"]
+
+
+def test_inline_table_option():
+    cfg = cli("--sync.outer_optim_kwargs={lr=0.5, momentum=0.8, nesterov=true}")
+    assert cfg.sync.outer_optim_kwargs == {"lr": 0.5, "momentum": 0.8, "nesterov": True}
+    cfg = cli("--sync.outer_optim_kwargs", "{lr = 0.5}")
+    assert cfg.sync.outer_optim_kwargs == {"lr": 0.5}
+
+
+def test_nested_section_option():
+    cfg = cli("--sync.gta.density=0.5", "--sync.gta.reducer", "gta")
+    assert isinstance(cfg.sync.gta, GTAConfig)
+    assert cfg.sync.gta.density == 0.5 and cfg.sync.gta.reducer == "gta"
+    assert cfg.sync.gta.consensus_method == "sum"
+
+
+def test_nested_override_merges_with_file(tmp_path):
+    path = write(tmp_path, "[sync.gta]\nreducer = \"gta\"\ndensity = 0.3\n")
+    cfg = load_config(path, parse_overrides(["--sync.gta.density=0.5"])[0])
+    assert cfg.sync.gta.reducer == "gta" and cfg.sync.gta.density == 0.5
+
+
+def test_none_and_lists_from_the_command_line():
+    cfg = cli("--data.max_bytes", "none", "--sim.straggler", "1=2,0=3@5-10",
+              "--sim.corrupt_replica", "1@3")
+    assert cfg.data.max_bytes is None
+    assert cfg.sim.straggler == ["1=2", "0=3@5-10"]
+    assert cfg.sim.corrupt_replica == ["1@3"]
+    cfg = cli("--sim.straggler", '["1=2", "0=3"]')
+    assert cfg.sim.straggler == ["1=2", "0=3"]
+    cfg = cli("--sim.straggler", "1=2")
+    assert cfg.sim.straggler == ["1=2"]
+
+
+@pytest.mark.parametrize("text", ["3,5", "[3, 5]", "3,5,"])
+def test_list_of_integers_from_the_command_line(text):
+    cfg = cli("--method", "aedit", "--sim.step_schedule", text)
+    assert cfg.sim.step_schedule == [3, 5]
+
+
+@pytest.mark.parametrize("argv, get, expected", [
+    (["--run-dir", "123"], lambda c: c.run_dir, "123"),
+    (["--run-dir", "2024-01-01"], lambda c: c.run_dir, "2024-01-01"),
+    (["--run-dir", "1_000"], lambda c: c.run_dir, "1_000"),
+    (["--sim.link_latency", "0.005"], lambda c: c.sim.link_latency, "0.005"),
+    (["--data.path=true"], lambda c: c.data.path, "true"),
+])
+def test_text_options_keep_the_text_as_typed(argv, get, expected):
+    """A string option must not be turned into a number, date or boolean first."""
+    assert get(cli(*argv)) == expected
+
+
+# ---------------------------------------------------------------------------- bad input
+def expect_error(*names: str, argv=(), path=None):
+    with pytest.raises(ConfigError) as info:
+        overrides, _ = parse_overrides(list(argv))
+        load_config(path, overrides)
+    msg = str(info.value)
+    for name in names:
+        assert name in msg, f"{name!r} not in {msg!r}"
+    return msg
+
+
+def test_config_error_is_a_value_error():
+    assert issubclass(ConfigError, ValueError)
+
+
+@pytest.mark.parametrize("argv, names", [
+    (["--train.bogus", "3"], ["train.bogus", "steps", "batch_size", "lr"]),
+    (["--bogus", "3"], ["bogus", "model", "train", "run_dir"]),
+    (["--sync.gta.bogus=1"], ["sync.gta.bogus", "density"]),
+    (["--optimizer.name", "adamw"], ["optimizer", "optim"]),
+    (["--train.stepz=3"], ["train.stepz", "steps"]),
+])
+def test_unknown_option(argv, names):
+    msg = expect_error(*names, argv=argv)
+    assert "unknown option" in msg
+
+
+def test_unknown_option_in_file(tmp_path):
+    expect_error("data.vocab", "vocab_size", path=write(tmp_path, "[data]\nvocab = 3\n"))
+
+
+@pytest.mark.parametrize("argv, names", [
+    (["--train.steps", "abc"], ["train.steps", "integer"]),
+    (["--train.steps", "1.5"], ["train.steps", "integer"]),
+    (["--train.steps", "true"], ["train.steps", "integer"]),
+    (["--train.lr", "fast"], ["train.lr", "number"]),
+    (["--quiet=maybe"], ["quiet", "true or false"]),
+    (["--sync.cpu_offload", "7"], ["sync.cpu_offload", "true or false"]),
+    (["--sync.outer_optim_kwargs", "3"], ["sync.outer_optim_kwargs", "table"]),
+    (["--sync.gta", "3"], ["sync.gta", "table"]),
+    (["--train", "3"], ["train", "table"]),
+    (["--train.precision", "[1]"], ["train.precision", "string"]),
+])
+def test_wrong_type(argv, names):
+    expect_error(*names, argv=argv)
+
+
+def test_wrong_type_in_file(tmp_path):
+    expect_error("train.steps", "integer", path=write(tmp_path, '[train]\nsteps = "ten"\n'))
+
+
+@pytest.mark.parametrize("option", ["train.steps", "train.batch_size", "train.seq_len",
+                                    "train.gradient_accumulation_steps", "train.eval_every",
+                                    "train.log_every"])
+@pytest.mark.parametrize("value", ["0", "-1"])
+def test_non_positive_counts(option, value):
+    msg = expect_error(option, argv=[f"--{option}={value}"])
+    assert "> 0" in msg
+
+
+@pytest.mark.parametrize("value", ["0", "-0.001", "0.0"])
+def test_non_positive_lr(value):
+    expect_error("train.lr", "> 0", argv=["--train.lr", value])
+
+
+@pytest.mark.parametrize("argv, names", [
+    (["--model.preset", "huge"], ["model.preset", "tiny", "small", "7b"]),
+    (["--optim.name", "lion"], ["optim.name", "adamw", "agd", "sgd"]),
+    (["--optim.sam", "sam"], ["optim.sam", "wsam"]),
+    (["--method", "fedavg"], ["sync.method", "sync", "diloco", "edit", "aedit"]),
+    (["--train.precision", "fp16"], ["train.precision", "fp32", "bf16"]),
+    (["--dist.backend", "mpi"], ["dist.backend", "gloo", "nccl"]),
+    (["--dist.device", "tpu"], ["dist.device", "cpu", "cuda"]),
+    (["--sync.gta.density=0"], ["sync.gta.density", "(0, 1]"]),
+    (["--sync.gta.density=1.5"], ["sync.gta.density", "(0, 1]"]),
+    (["--sync.gta.reducer", "median"], ["sync.gta.reducer", "linear", "gta"]),
+    (["--sync.local_sgd_sync_interval", "0"], ["sync.local_sgd_sync_interval", ">= 1"]),
+    (["--data.vocab_size", "100"], ["data.vocab_size", "257"]),
+    (["--data.val_fraction", "0.7"], ["data.val_fraction", "(0, 0.5)"]),
+    (["--data.max_bytes", "0"], ["data.max_bytes", "> 0"]),
+    (["--train.beta2", "1"], ["train.beta2", "[0, 1)"]),
+    (["--train.warmup_steps", "-1"], ["train.warmup_steps", ">= 0"]),
+    (["--dist.nproc", "0"], ["dist.nproc", ">= 1"]),
+    (["--shard-size", "0"], ["dist.shard_size", ">= 1"]),
+    (["--checkpoint.keep", "0"], ["checkpoint.keep", ">= 1"]),
+    (["--sim.straggler", "1=x"], ["sim.straggler", "REPLICA=FACTOR"]),
+    (["--sim.link_bandwidth", "fast"], ["sim.link_bandwidth", "100MB/s"]),
+    (["--steps", "10", "--sync.local_sgd_warmup_steps", "10"],
+     ["sync.local_sgd_warmup_steps", "train.steps"]),
+])
+def test_bad_values_name_the_option_and_what_is_allowed(argv, names):
+    expect_error(*names, argv=argv)
+
+
+def test_seq_len_larger_than_the_model_maximum():
+    msg = expect_error("train.seq_len", "model.max_seq_len",
+                       argv=["--model.preset", "tiny", "--train.seq_len", "1000"])
+    assert "256" in msg  # the tiny preset's maximum
+    # Raising the model's maximum makes the same length valid.
+    cfg = cli("--model.preset", "tiny", "--train.seq_len", "1000", "--model.max_seq_len", "1024")
+    assert cfg.train.seq_len == 1000
+
+
+@pytest.mark.parametrize("world, shard, allowed", [(4, 3, "1, 2, 4"), (6, 4, "1, 2, 3, 6"),
+                                                   (3, 2, "1, 3")])
+def test_shard_size_must_divide_the_world_size(world, shard, allowed):
+    cfg = cli("--nproc", str(world), "--shard-size", str(shard))  # valid on its own
+    with pytest.raises(ConfigError) as info:
+        validate_world(cfg, world)
+    msg = str(info.value)
+    assert "dist.shard_size" in msg and str(world) in msg and allowed in msg
+
+
+@pytest.mark.parametrize("world, shard", [(4, 1), (4, 2), (4, 4), (8, 2), (1, 1)])
+def test_shard_size_dividing_the_world_size_is_accepted(world, shard):
+    validate_world(cli("--shard-size", str(shard)), world)
+
+
+@pytest.mark.parametrize("sim, names", [
+    ({"straggler": ["2=3"]}, ["sim.straggler", "replica 2", "2 replicas"]),
+    ({"corrupt_replica": ["5@1"]}, ["sim.corrupt_replica", "replica 5"]),
+])
+def test_simulated_replicas_must_exist(sim, names):
+    cfg = load_config(None, {"sim": sim})  # valid until the world size is known
+    with pytest.raises(ConfigError) as info:
+        validate_world(cfg, 4)  # 2 replicas x 2 shards
+    for name in names:
+        assert name in str(info.value)
+    validate_world(load_config(None, {"sim": sim, "dist": {"shard_size": 1}}), 8)
+
+
+def test_missing_config_file(tmp_path):
+    expect_error("--config", "not found", path=tmp_path / "nope.toml")
+
+
+def test_invalid_toml_file(tmp_path):
+    expect_error("--config", "TOML", path=write(tmp_path, "[train\nsteps = 3\n"))
+
+
+def test_flag_without_value_at_the_end():
+    with pytest.raises(ConfigError, match="--train.steps"):
+        parse_overrides(["--train.steps"])
+
+
+# ---------------------------------------------------------------------------- TOML output
+def busy_config() -> Config:
+    """A configuration touching every kind of value (nested, inline table, lists, None)."""
+    return cli(
+        "--model.preset", "tiny", "--model.dim", "96", "--model.tie_embeddings", "false",
+        "--data.max_bytes", "none", "--data.path", 'some "quoted" dir\\x',
+        "--train.steps", "30", "--train.lr", "1e-4", "--optim.agd_delta", "1e-14",
+        "--method", "diloco", "--sync.outer_optim_kwargs", "{lr=0.5, momentum=0.8, nesterov=true}",
+        "--sync.gta.reducer", "gta", "--sync.gta.density", "0.5",
+        "--sim.straggler", "1=2,0=3@5-10", "--sim.link_latency", "5ms",
+        "--run-dir", "runs/x", "--quiet",
+    )
+
+
+def test_dumps_toml_parses_back_to_the_same_values():
+    cfg = busy_config()
+    data = to_dict(cfg)
+    text = dumps_toml(data)
+    assert text.isascii()
+    parsed = tomllib.loads(text)
+    for section in ("model", "data", "train", "optim", "dist", "sim", "checkpoint"):
+        assert parsed[section] == none_as_text(data[section]), section
+    assert parsed["sync"]["gta"] == none_as_text(data["sync"]["gta"])
+    sync = {k: v for k, v in data["sync"].items() if k != "gta"}
+    assert {k: v for k, v in parsed["sync"].items() if k != "gta"} == none_as_text(sync)
+    assert parsed["data"]["max_bytes"] == "none" and parsed["resume"] == "none"
+    assert parsed["run_dir"] == "runs/x" and parsed["quiet"] is True
+    assert parsed["sync"]["outer_optim_kwargs"] == {"lr": 0.5, "momentum": 0.8, "nesterov": True}
+    assert parsed["data"]["path"] == 'some "quoted" dir\\x'
+    assert parsed["train"]["lr"] == 1e-4 and parsed["optim"]["agd_delta"] == 1e-14
+
+
+@pytest.mark.parametrize("make", [Config, busy_config])
+def test_dumps_toml_round_trips_through_load_config(tmp_path, make):
+    cfg = make()
+    path = write(tmp_path, dumps_toml(to_dict(cfg)), "config.toml")
+    again = load_config(path)
+    assert to_dict(again) == to_dict(cfg)
+    assert again == cfg
+
+
+def test_run_dir_config_toml_loads_back(tmp_path):
+    """What the launcher writes into the run directory is a loadable configuration."""
+    from editrain.launch import prepare_run_dir, resolved
+
+    run_dir = tmp_path / "run"
+    cfg = dataclasses.replace(busy_config(), run_dir=str(run_dir))
+    prepare_run_dir(cfg, run_dir)
+    loaded = load_config(run_dir / "config.toml")
+    assert loaded == resolved(cfg)
+    # The method's defaults were filled in, so the file says exactly what ran.
+    assert loaded.sync.local_sgd_sync_interval is not None
+    assert loaded.sync.outer_optim_kwargs == {"lr": 0.5, "momentum": 0.8, "nesterov": True}
+
+
+# ---------------------------------------------------------------------------- option surface
+FROZEN_OPTIONS = [
+    "model.preset",
+    "model.dim",
+    "model.n_layers",
+    "model.n_heads",
+    "model.n_kv_heads",
+    "model.ffn_hidden",
+    "model.max_seq_len",
+    "model.tie_embeddings",
+    "model.hf_config",
+    "data.path",
+    "data.tokenizer",
+    "data.vocab_size",
+    "data.val_fraction",
+    "data.max_bytes",
+    "data.cache_dir",
+    "train.steps",
+    "train.batch_size",
+    "train.seq_len",
+    "train.gradient_accumulation_steps",
+    "train.lr",
+    "train.min_lr_ratio",
+    "train.warmup_steps",
+    "train.weight_decay",
+    "train.beta1",
+    "train.beta2",
+    "train.grad_clip",
+    "train.eval_every",
+    "train.eval_batches",
+    "train.log_every",
+    "train.seed",
+    "train.precision",
+    "optim.name",
+    "optim.momentum",
+    "optim.agd_delta",
+    "optim.sam",
+    "optim.rho",
+    "optim.gamma",
+    "optim.adaptive",
+    "optim.decouple",
+    "dist.nproc",
+    "dist.shard_size",
+    "dist.backend",
+    "dist.device",
+    "dist.max_restarts",
+    "dist.threads_per_proc",
+    "sync.method",
+    "sync.local_sgd_sync_interval",
+    "sync.local_sgd_warmup_steps",
+    "sync.outer_optim_class",
+    "sync.outer_optim_kwargs",
+    "sync.cpu_offload",
+    "sync.prefetch_depth",
+    "sync.layerwise",
+    "sync.clip_pseudo_grad",
+    "sync.pseudo_gradnorm_reduce",
+    "sync.weight_softmax_temperature",
+    "sync.skip_anomaly",
+    "sync.ewma_alpha",
+    "sync.ewma_warmup_steps",
+    "sync.ewma_threshold",
+    "sync.local_sgd_sync_time",
+    "sync.min_total_global_steps",
+    "sync.use_step_weight",
+    "sync.step_weight_ratio",
+    "sync.gta.reducer",
+    "sync.gta.consensus_method",
+    "sync.gta.sparsification_method",
+    "sync.gta.normalize",
+    "sync.gta.density",
+    "sync.gta.int8_mask",
+    "sim.link_bandwidth",
+    "sim.link_latency",
+    "sim.straggler",
+    "sim.random_stall",
+    "sim.corrupt_replica",
+    "sim.fail",
+    "sim.step_schedule",
+    "checkpoint.every",
+    "checkpoint.keep",
+    "checkpoint.final",
+    "run_dir",
+    "overwrite",
+    "quiet",
+    "resume",
+]
+
+FROZEN_SHORTHANDS = {
+    "--steps": "train.steps",
+    "--nproc": "dist.nproc",
+    "--shard-size": "dist.shard_size",
+    "--method": "sync.method",
+    "--seed": "train.seed",
+    "--run-dir": "run_dir",
+    "--resume": "resume",
+    "--max-restarts": "dist.max_restarts",
+}
+
+FROZEN_FLAGS = {"--quiet": "quiet", "--overwrite": "overwrite"}
+
+
+def test_no_new_options():
+    """The option surface changes only on purpose: update this list in the same change."""
+    names = [name for name, *_ in describe_options()]
+    assert names == FROZEN_OPTIONS
+
+
+def test_no_new_shorthands():
+    assert SHORTHANDS == FROZEN_SHORTHANDS
+    assert FLAGS == FROZEN_FLAGS
+    for target in list(SHORTHANDS.values()) + list(FLAGS.values()):
+        assert target in FROZEN_OPTIONS
+
+
+def test_every_option_has_help_text():
+    for name, tp, _default, doc in describe_options():
+        assert doc.strip(), f"{name} has no help text"
+        assert tp, name
+        assert doc.isascii(), name
+
+
+def test_every_option_is_settable_to_its_default():
+    """describe_options and the parser agree: each listed option is accepted by name."""
+    for name, _tp, default, _doc in describe_options():
+        if default is None:
+            continue
+        overrides: dict = {}
+        node = overrides
+        *parents, leaf = name.split(".")
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[leaf] = default
+        assert load_config(None, overrides) == Config(), name
+

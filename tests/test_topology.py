@@ -1,0 +1,151 @@
+"""Rank arithmetic of the ("sync", "shard") mesh, and the mesh itself on 4 gloo processes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from editrain.topology import SHARD_DIM, SYNC_DIM, Topology, init_mesh, topology_of
+from tests._dist import run_workers
+
+
+# ---------------------------------------------------------------------------- pure arithmetic
+def test_two_replicas_of_two_shards():
+    t = Topology(world_size=4, shard_size=2)
+    assert t.num_replicas == 2
+    assert [t.replica_of(r) for r in range(4)] == [0, 0, 1, 1]
+    assert [t.shard_of(r) for r in range(4)] == [0, 1, 0, 1]
+    assert t.replica_ranks(0) == [0, 1] and t.replica_ranks(1) == [2, 3]
+    assert t.sync_ranks(0) == [0, 2] and t.sync_ranks(1) == [1, 3]
+    assert [t.rank_of(r, s) for r in range(2) for s in range(2)] == [0, 1, 2, 3]
+
+
+def test_no_sharding():
+    t = Topology(4, 1)
+    assert t.num_replicas == 4
+    assert [t.replica_of(r) for r in range(4)] == [0, 1, 2, 3]
+    assert [t.shard_of(r) for r in range(4)] == [0, 0, 0, 0]
+    assert [t.replica_ranks(r) for r in range(4)] == [[0], [1], [2], [3]]
+    assert t.sync_ranks(0) == [0, 1, 2, 3]
+
+
+def test_one_replica():
+    t = Topology(4, 4)
+    assert t.num_replicas == 1
+    assert [t.replica_of(r) for r in range(4)] == [0, 0, 0, 0]
+    assert [t.shard_of(r) for r in range(4)] == [0, 1, 2, 3]
+    assert t.replica_ranks(0) == [0, 1, 2, 3]
+    assert [t.sync_ranks(s) for s in range(4)] == [[0], [1], [2], [3]]
+
+
+@pytest.mark.parametrize("world, shard", [(1, 1), (4, 1), (4, 2), (4, 4), (6, 3), (8, 2),
+                                          (12, 4)])
+def test_rank_arithmetic_is_consistent(world, shard):
+    t = Topology(world, shard)
+    assert t.num_replicas * t.shard_size == world
+    seen = []
+    for rank in range(world):
+        r, s = t.replica_of(rank), t.shard_of(rank)
+        assert 0 <= r < t.num_replicas and 0 <= s < shard
+        assert rank == r * shard + s == t.rank_of(r, s)
+        assert rank in t.replica_ranks(r) and rank in t.sync_ranks(s)
+        seen.append((r, s))
+    assert len(set(seen)) == world
+    # Replica groups and sync groups each partition the world.
+    rows = sorted(x for r in range(t.num_replicas) for x in t.replica_ranks(r))
+    cols = sorted(x for s in range(shard) for x in t.sync_ranks(s))
+    assert rows == cols == list(range(world))
+    # A replica group and a sync group meet in exactly one rank.
+    for r in range(t.num_replicas):
+        for s in range(shard):
+            assert set(t.replica_ranks(r)) & set(t.sync_ranks(s)) == {t.rank_of(r, s)}
+
+
+@pytest.mark.parametrize("world, shard, allowed", [(4, 3, "[1, 2, 4]"), (4, 8, "[1, 2, 4]"),
+                                                   (6, 4, "[1, 2, 3, 6]"), (4, 0, "[1, 2, 4]"),
+                                                   (5, 2, "[1, 5]")])
+def test_shard_size_must_divide_the_world(world, shard, allowed):
+    with pytest.raises(ValueError) as info:
+        Topology(world, shard)
+    msg = str(info.value)
+    assert "dist.shard_size" in msg and str(world) in msg and allowed in msg
+
+
+def test_world_size_must_be_positive():
+    with pytest.raises(ValueError, match="world size"):
+        Topology(0, 1)
+
+
+def test_topology_is_immutable():
+    t = Topology(4, 2)
+    with pytest.raises(AttributeError):
+        t.shard_size = 1  # type: ignore[misc]
+
+
+# ---------------------------------------------------------------------------- real mesh
+def _mesh_worker(rank: int, world: int, shard_size: int) -> dict:
+    info = init_mesh(shard_size=shard_size, backend="gloo", device_type="cpu")
+    mesh = info.mesh
+    shard_group = mesh.get_group(SHARD_DIM)
+    sync_group = mesh.get_group(SYNC_DIM)
+    # Collectives on each sub-group reach exactly the ranks the arithmetic predicts.
+    t = torch.tensor([float(rank)])
+    dist.all_reduce(t, group=shard_group)
+    u = torch.tensor([float(rank)])
+    dist.all_reduce(u, group=sync_group)
+    try:
+        topology_of(mesh)
+        wrong_names_error = None
+    except ValueError as e:  # pragma: no cover - reported to the test
+        wrong_names_error = str(e)
+    from torch.distributed.device_mesh import init_device_mesh
+
+    other = init_device_mesh("cpu", (world // shard_size, shard_size),
+                             mesh_dim_names=("dp", "tp"))
+    try:
+        topology_of(other)
+        bad_mesh_error = ""
+    except ValueError as e:
+        bad_mesh_error = str(e)
+    return {
+        "rank": info.rank,
+        "dim_names": tuple(mesh.mesh_dim_names),
+        "shape": tuple(mesh.shape),
+        "coordinate": tuple(mesh.get_coordinate()),
+        "replica": info.replica,
+        "shard": info.shard,
+        "shard_mesh_size": info.shard_mesh.size(),
+        "sync_mesh_size": info.sync_mesh.size(),
+        "shard_group_ranks": dist.get_process_group_ranks(shard_group),
+        "sync_group_ranks": dist.get_process_group_ranks(sync_group),
+        "shard_sum": float(t.item()),
+        "sync_sum": float(u.item()),
+        "topo": info.topo,
+        "topology_of": topology_of(mesh),
+        "wrong_names_error": wrong_names_error,
+        "bad_mesh_error": bad_mesh_error,
+        "device": str(info.device),
+    }
+
+
+@pytest.mark.timeout(120)
+def test_init_mesh_on_four_processes():
+    out = run_workers(_mesh_worker, 4, 2)
+    expected = Topology(4, 2)
+    for rank, o in enumerate(out):
+        assert o["rank"] == rank
+        assert o["dim_names"] == ("sync", "shard")
+        assert o["shape"] == (2, 2)
+        assert o["shard_mesh_size"] == 2 and o["sync_mesh_size"] == 2
+        assert o["topo"] == expected and o["topology_of"] == expected
+        assert o["replica"] == rank // 2 and o["shard"] == rank % 2
+        assert rank == o["replica"] * 2 + o["shard"]
+        assert o["coordinate"] == (o["replica"], o["shard"])
+        assert o["shard_group_ranks"] == expected.replica_ranks(o["replica"])
+        assert o["sync_group_ranks"] == expected.sync_ranks(o["shard"])
+        assert o["shard_sum"] == sum(expected.replica_ranks(o["replica"]))
+        assert o["sync_sum"] == sum(expected.sync_ranks(o["shard"]))
+        assert o["wrong_names_error"] is None
+        assert "('sync', 'shard')" in o["bad_mesh_error"] and "init_mesh" in o["bad_mesh_error"]
+        assert o["device"] == "cpu"
