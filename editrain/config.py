@@ -8,13 +8,12 @@ message that names the option and what is allowed.
 from __future__ import annotations
 
 import dataclasses
+import tomllib
 import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
-
-import tomllib
 
 from editrain.sync.config import SyncConfig
 

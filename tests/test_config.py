@@ -4,10 +4,10 @@ option surface (a frozen list, so options only change on purpose)."""
 from __future__ import annotations
 
 import dataclasses
+import tomllib
 from pathlib import Path
 
 import pytest
-import tomllib
 
 from editrain.config import (
     FLAGS,

@@ -92,6 +92,7 @@ def run(bench: Bench) -> dict[str, Any]:
                       "tokens", "wall s (mean)", "syncs"], table_rows)
     plots = [_plot(bench, results)]
     findings = _findings(results, seeds)
+    shortfalls = [f for f in findings if f.startswith(("edit ", "aedit ")) and "got worse" in f]
     targets = [_target(results, seeds)]
     notes = [
         f"{steps} inner steps per replica for every method (equal tokens), "
@@ -111,7 +112,7 @@ def run(bench: Bench) -> dict[str, Any]:
     return bench.finish(settings=settings, methods=METHODS, results=results,
                         tables=[("Final validation loss at equal tokens", table)],
                         targets=targets, findings=findings, notes=notes, plots=plots,
-                        description=DESCRIPTION)
+                        description=DESCRIPTION, shortfalls=shortfalls)
 
 
 def _target(results: dict[str, Any], seeds: int) -> dict[str, Any]:
@@ -170,6 +171,14 @@ def _findings(results: dict[str, Any], seeds: int) -> list[str]:
             within = (f"; within the seed spread ({spread:.4f})" if seeds > 1 and
                       abs(d) <= spread else "")
             out.append(f"{a} is {abs(d):.4f} {verdict} than {b}{within}.")
+    for m, r in results.items():
+        curve = list(zip(r["curve_tokens"], r["curve_val_loss"]))
+        if len(curve) >= 3:
+            best_tokens, best = min(curve, key=lambda p: p[1])
+            if curve[-1][1] > best + 0.02:
+                out.append(f"{m} ends {curve[-1][1] - best:.3f} above its best validation loss "
+                           f"({best:.4f} at {best_tokens:,.0f} tokens): it got worse while "
+                           "training went on.")
     ref = results["sync"]["tokens"]
     got = results["aedit"]["tokens"]
     if ref and got and got != ref:
