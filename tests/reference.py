@@ -25,8 +25,8 @@ MODEL = dict(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hid
 SEQ, BATCH = 16, 2
 
 
-def make_model() -> Llama:
-    return Llama(LlamaConfig(**MODEL), seed=0)
+def make_model(n_layers: int = 2) -> Llama:
+    return Llama(LlamaConfig(**{**MODEL, "n_layers": n_layers}), seed=0)
 
 
 def batch(global_rank: int, step: int, micro: int) -> torch.Tensor:
@@ -105,13 +105,93 @@ class RefConfig:
     clip: float = 0.0
     schedule: list[int] | None = None  # A-EDiT forced steps per window, per replica
     step_weight_ratio: float = 0.5
-    corrupt: dict = field(default_factory=dict)  # sync index -> (replica, scale)
+    corrupt: dict = field(default_factory=dict)  # sync index -> (replica(s), scale)
+    n_layers: int = 2
+    gta: dict | None = None  # consensus, sparsification, normalize, density (section 7)
+    anchors_at_start: bool = False  # defect 4 of the reference implementation (for tests)
+    finish_force: bool = False  # end with a sync even mid-window (engine.finish(force=True))
+
+
+# ---------------------------------------------------------------------------- GTA
+def keep_count(density: float, numel: int) -> int:
+    """ceil(density * numel) entries, at least one (exact for products like 0.5 * n)."""
+    if numel == 0:
+        return 0
+    return min(numel, max(1, math.ceil(density * numel - 1e-9)))
+
+
+def shard_view(t: torch.Tensor, S: int, s: int) -> torch.Tensor:
+    """Rank ``s``'s piece of a parameter under FSDP2 (torch.chunk along dim 0)."""
+    chunks = torch.chunk(t, S, dim=0)
+    return chunks[s] if s < len(chunks) else t[0:0]
+
+
+def magnitude_masks(delta: list[torch.Tensor], S: int, density: float) -> list[torch.Tensor]:
+    """Top-``density`` by |x| on every rank's local shard of the unit, as FSDP2 lays it out:
+    rank ``s`` holds the concatenation of chunk ``s`` of each parameter. The selection uses
+    the fp32 pseudo-gradient, as the engine does."""
+    masks = [torch.zeros(d.shape, dtype=torch.bool) for d in delta]
+    for s in range(S):
+        flat = torch.cat([shard_view(d, S, s).reshape(-1) for d in delta]).float().abs()
+        keep = torch.zeros(flat.numel(), dtype=torch.bool)
+        keep[torch.topk(flat, keep_count(density, flat.numel())).indices] = True
+        off = 0
+        for m in masks:
+            view = shard_view(m, S, s)
+            view.copy_(keep[off:off + view.numel()].view_as(view))
+            off += view.numel()
+    return masks
+
+
+def ref_gta(deltas: list[list[torch.Tensor]], w: list[float], keep: list[int], S: int,
+            gta: dict) -> list[torch.Tensor]:
+    """Section 7 over one unit: ``deltas[i]`` are replica i's per-parameter float64 deltas."""
+    R = len(deltas)
+    sparse = gta.get("sparsification")
+    density = gta.get("density", 1.0)
+    xs = []
+    for i in range(R):
+        if i not in keep:
+            xs.append([torch.zeros_like(d) for d in deltas[i]])
+            continue
+        d = deltas[i]
+        if sparse == "magnitude" and density < 1.0:
+            d = [x * m for x, m in zip(d, magnitude_masks(d, S, density))]
+        elif sparse is not None:
+            raise ValueError(f"reference GTA has no {sparse!r} sparsification")
+        xs.append([w[i] * x for x in d])
+    out = []
+    for k in range(len(deltas[0])):
+        xk = [xs[i][k] for i in range(R)]
+        if gta.get("consensus", "sum") == "sum":
+            elect = sum(xk)
+        else:
+            elect = sum(torch.sign(x) for x in xk)
+        pos = elect >= 0
+        masks = [torch.where(pos, x > 0, x < 0) for x in xk]
+        num = sum(x * m for x, m in zip(xk, masks))
+        if gta.get("normalize", True):
+            div = sum(w[i] * masks[i].double() for i in range(R))
+            num = num / torch.where(div < 1e-8, torch.ones_like(div), div)
+        out.append(num)
+    return out
 
 
 def run_reference(cfg: RefConfig) -> list[dict[str, torch.Tensor]]:
     """Train R replicas for ``cfg.steps`` inner steps (or windows); return each replica's
     final parameters after a final sync if one is pending."""
-    base = make_model()
+    # One thread, like the distributed workers: the tiny model gains nothing from more, and
+    # spinning OpenMP threads are very slow on a loaded machine.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return _simulate(cfg)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _simulate(cfg: RefConfig) -> list[dict[str, torch.Tensor]]:
+    base = make_model(cfg.n_layers)
     reps = [copy.deepcopy(base) for _ in range(cfg.R)]
     opts = [make_inner(m.parameters(), cfg.inner) for m in reps]
     n_units = len(units_of(base))
@@ -143,11 +223,12 @@ def run_reference(cfg: RefConfig) -> list[dict[str, torch.Tensor]]:
         nonlocal n_sync
         assert anchors is not None
         if n_sync in cfg.corrupt:
-            r, scale = cfg.corrupt[n_sync]
+            bad, scale = cfg.corrupt[n_sync]
             with torch.no_grad():
-                for p, a in zip([p for u in units_of(reps[r]) for p in u],
-                                [a for u in anchors for a in u]):
-                    p.copy_(a + scale * (p - a))
+                for r in _replicas(bad):
+                    for p, a in zip([p for u in units_of(reps[r]) for p in u],
+                                    [a for u in anchors for a in u]):
+                        p.copy_(a + scale * (p - a))
         for u in range(n_units):
             thetas = [units_of(reps[i])[u] for i in range(cfg.R)]
             deltas = [[a.double() - t.detach().double() for a, t in zip(anchors[u], th)]
@@ -184,7 +265,11 @@ def run_reference(cfg: RefConfig) -> list[dict[str, torch.Tensor]]:
                         w[i] = (1 - cfg.step_weight_ratio) * w[i] + cfg.step_weight_ratio * s
             with torch.no_grad():
                 if keep:
-                    red = [sum(w[i] * deltas[i][k] for i in keep) for k in range(len(anchors[u]))]
+                    if cfg.gta is not None:
+                        red = ref_gta(deltas, w, keep, cfg.S, cfg.gta)
+                    else:
+                        red = [sum(w[i] * deltas[i][k] for i in keep)
+                               for k in range(len(anchors[u]))]
                     if cfg.clip:
                         n = math.sqrt(sum(float((r * r).sum()) for r in red))
                         c = min(1.0, cfg.clip / (n + 1e-6))
@@ -203,7 +288,7 @@ def run_reference(cfg: RefConfig) -> list[dict[str, torch.Tensor]]:
                         p.copy_(a)
         n_sync += 1
 
-    if not cfg.sync and cfg.warmup == 0:
+    if not cfg.sync and (cfg.warmup == 0 or cfg.anchors_at_start):
         make_anchors()
 
     t = 0
@@ -224,7 +309,7 @@ def run_reference(cfg: RefConfig) -> list[dict[str, torch.Tensor]]:
                 opts[i].step()
                 steps[i] += 1
             t += 1
-            if not cfg.sync and t == cfg.warmup:
+            if not cfg.sync and t == cfg.warmup and not cfg.anchors_at_start:
                 make_anchors()
             continue
         if cfg.schedule is None:
@@ -252,61 +337,230 @@ def run_reference(cfg: RefConfig) -> list[dict[str, torch.Tensor]]:
             t += 1  # t counts windows here
     if pending:
         do_sync(pending_counts)
+    elif cfg.finish_force and not cfg.sync and any(since):
+        do_sync(None)
     return [{n: p.detach().clone() for n, p in m.named_parameters()} for m in reps]
 
 
+def _replicas(bad: int | tuple | list) -> list[int]:
+    return list(bad) if isinstance(bad, (tuple, list)) else [bad]
+
+
 # ---------------------------------------------------------------------------- distributed
-def dist_worker(rank: int, world: int, S: int, sync_kwargs: dict, steps: int, accum: int,
-                inner: str, schedule: list[int] | None = None,
-                corrupt: dict | None = None) -> dict[str, Any]:
-    """One rank of a distributed run with the same data and model as the reference."""
+def run_case(info: Any, rank: int, case: dict[str, Any]) -> dict[str, Any]:
+    """One distributed run on an existing mesh, with the same data and model as the reference.
+
+    ``case`` keys: ``sync`` (SyncConfig keyword arguments), ``steps`` (inner steps, or
+    A-EDiT windows with ``schedule``), and optionally ``accum`` (1), ``inner`` ("adamw"),
+    ``schedule`` (steps per window for each replica), ``corrupt`` (sync index ->
+    (replica or tuple of replicas, scale): their pseudo-gradients are multiplied by
+    ``scale`` just before that sync), ``link_delay`` (seconds per cross-replica message),
+    ``n_layers`` (2), ``finish_force`` (False) and ``eval_forward`` (False: if True, an
+    extra eval-mode forward runs after every step, which must not start a pending sync).
+
+    Returns the final full parameters and the sync log, plus per-step probes: ``between``
+    (cross-replica collectives of each local-phase step that ran no sync, counted from
+    before the forward to after ``engine.step()``), ``warm`` (the same for warm-up steps),
+    ``anchor_none`` (whether every unit's anchor is None, before the first step and after
+    each step) and ``anchor_diff`` (max |anchor - local shard| over units, None while there
+    are no anchors).
+    """
     from torch.distributed.fsdp import fully_shard
 
     from editrain.sync import EDiT, StepScheduleTrigger, SyncConfig
-    from editrain.topology import init_mesh
+    from editrain.sync.outer import local_view
 
-    info = init_mesh(shard_size=S)
-    model = make_model()
+    model = make_model(case.get("n_layers", 2))
     for block in model.layers:
         fully_shard(block, mesh=info.shard_mesh)
     fully_shard(model, mesh=info.shard_mesh)
-    opt = make_inner(model.parameters(), inner)
+    opt = make_inner(model.parameters(), case.get("inner", "adamw"))
+    corrupt = case.get("corrupt") or {}
+    schedule = case.get("schedule")
+    accum = case.get("accum", 1)
 
     def before_sync(n: int) -> None:
-        if corrupt and n in corrupt and corrupt[n][0] == info.replica:
-            from editrain.sync.outer import local_view
+        if n in corrupt and info.replica in _replicas(corrupt[n][0]):
             scale = corrupt[n][1]
             with torch.no_grad():
                 for unit in engine.units:
-                    delta = unit.pseudo_grad()
-                    flat = unit.anchor - scale * delta
+                    flat = unit.anchor.to(unit.device) - scale * unit.pseudo_grad()
                     off = 0
                     for p, k in zip(unit.params, unit.numels):
                         local_view(p).copy_(flat[off:off + k].view_as(local_view(p)))
                         off += k
 
-    trigger = StepScheduleTrigger(schedule) if schedule else None
-    engine = EDiT(model, info.mesh, SyncConfig(**sync_kwargs), blocks=model.layers,
-                  trigger=trigger, before_sync=before_sync)
-    between: list[int] = []  # cross-replica collectives issued by each step outside syncs
-    steps_done = 0
-    n_steps = steps if schedule is None else steps * schedule[info.replica]
-    for _ in range(n_steps):
+    delay = float(case.get("link_delay", 0.0))
+    engine = EDiT(model, info.mesh, SyncConfig(**case["sync"]), blocks=model.layers,
+                  trigger=StepScheduleTrigger(schedule) if schedule else None,
+                  before_sync=before_sync,
+                  link_delay=(lambda nbytes: delay) if delay else None)
+
+    def anchor_probe() -> tuple[bool, float | None]:
+        if all(u.anchor is None for u in engine.units):
+            return True, None
+        diff = max(float((u.anchor.to(u.device) - u.flat_params()).abs().max())
+                   for u in engine.units if u.numel)
+        return False, diff
+
+    none0, diff0 = anchor_probe()
+    anchor_none, anchor_diff = [none0], [diff0]
+    between: list[int] = []
+    warm_colls: list[int] = []
+    eval_pending: list[bool] = []
+    n_steps = case["steps"] if schedule is None else case["steps"] * schedule[info.replica]
+    for step in range(n_steps):
         before, syncs_before = engine.comm.stats.lifetime_sync_collectives, engine.num_syncs
         warm = engine.in_warmup
         for m in range(accum):
-            (loss_on(model, batch(rank, steps_done, m)) / accum).backward()
+            (loss_on(model, batch(rank, step, m)) / accum).backward()
         engine.after_backward()
         opt.step()
         opt.zero_grad()
         engine.step()
-        if engine.num_syncs == syncs_before and not warm:
-            between.append(engine.comm.stats.lifetime_sync_collectives - before)
-        steps_done += 1
-    engine.finish()
-    log = engine.pop_sync_log()
-    params = {n: p.full_tensor().detach().clone() for n, p in model.named_parameters()}
-    out = {"params": params, "log": log, "replica": info.replica,
-           "num_syncs": engine.num_syncs, "between": between}
+        colls = engine.comm.stats.lifetime_sync_collectives - before
+        if warm:
+            warm_colls.append(colls)
+        elif engine.num_syncs == syncs_before:
+            between.append(colls)
+        none, diff = anchor_probe()
+        anchor_none.append(none)
+        anchor_diff.append(diff)
+        if case.get("eval_forward"):
+            pending = engine.sync_pending
+            model.eval()
+            with torch.no_grad():
+                loss_on(model, batch(rank, step, 0))
+            model.train()
+            assert engine.sync_pending == pending, "an eval forward changed the pending sync"
+            eval_pending.append(pending)
+    syncs_before_finish = engine.num_syncs
+    engine.finish(force=case.get("finish_force", False))
+    out = {
+        "params": {n: p.full_tensor().detach().clone() for n, p in model.named_parameters()},
+        "log": engine.pop_sync_log(),
+        "replica": info.replica,
+        "num_syncs": engine.num_syncs,
+        "syncs_before_finish": syncs_before_finish,
+        "num_skipped_syncs": engine.num_skipped_syncs,
+        "num_syncs_forced": engine.num_syncs_forced,
+        "between": between,
+        "warm": warm_colls,
+        "anchor_none": anchor_none,
+        "anchor_diff": anchor_diff,
+        "unit_numels": [u.numel for u in engine.units],
+        "eval_pending": eval_pending,
+    }
     engine.close()
     return out
+
+
+def multi_worker(rank: int, world: int, S: int, cases: list[dict[str, Any]]) -> list[dict]:
+    """One rank of several distributed runs in one process group (one spawn): a fresh model
+    and engine per case, on one ``(R, S)`` mesh. Returns one result per case."""
+    from editrain.topology import init_mesh
+
+    info = init_mesh(shard_size=S)
+    return [run_case(info, rank, case) for case in cases]
+
+
+def dist_worker(rank: int, world: int, S: int, sync_kwargs: dict, steps: int, accum: int,
+                inner: str, schedule: list[int] | None = None,
+                corrupt: dict | None = None) -> dict[str, Any]:
+    """One rank of a single distributed run (see :func:`run_case`)."""
+    case = dict(sync=sync_kwargs, steps=steps, accum=accum, inner=inner, schedule=schedule,
+                corrupt=corrupt)
+    return multi_worker(rank, world, S, [case])[0]
+
+
+def run_cases(world: int, S: int, cases: dict[str, dict[str, Any]]) -> dict[str, list[dict]]:
+    """Run every case on one spawned ``world``-process group with shard size ``S``; return
+    ``{name: [result of rank 0, rank 1, ...]}``."""
+    from tests._dist import run_workers
+
+    names = list(cases)
+    outs = run_workers(multi_worker, world, S, [cases[n] for n in names])
+    return {n: [outs[r][i] for r in range(world)] for i, n in enumerate(names)}
+
+
+# ---------------------------------------------------------------------------- glue
+_METHOD_PENALTY = {"edit": True, "aedit": True}
+
+
+def ref_config(case: dict[str, Any], R: int, S: int, **overrides: Any) -> RefConfig:
+    """The reference configuration of a distributed ``case`` (see :func:`run_case`), with
+    each method's defaults written out here (independently of ``editrain.sync.methods``)."""
+    sk = dict(case["sync"])
+    method = sk.get("method", "edit")
+    penalty = _METHOD_PENALTY.get(method, False)
+    outer = None if method == "post_local_sgd" else "sgd"
+    outer_kwargs = sk.get("outer_optim_kwargs") or {"lr": 0.7, "momentum": 0.9, "nesterov": True}
+    gta = sk.get("gta")
+    if gta is not None and not isinstance(gta, dict):
+        gta = vars(gta)
+    ref_gta_cfg = None
+    if gta and gta.get("reducer") == "gta":
+        ref_gta_cfg = {"consensus": gta.get("consensus_method", "sum"),
+                       "sparsification": gta.get("sparsification_method"),
+                       "normalize": gta.get("normalize", True),
+                       "density": gta.get("density", 1.0)}
+    clip = sk.get("clip_pseudo_grad")
+    kw: dict[str, Any] = dict(
+        R=R, S=S, steps=case["steps"],
+        H=sk.get("local_sgd_sync_interval") or 10,
+        warmup=sk.get("local_sgd_warmup_steps", 0),
+        accum=case.get("accum", 1),
+        inner=case.get("inner", "adamw"),
+        outer=outer,
+        outer_kwargs=dict(outer_kwargs),
+        sync=method == "sync",
+        softmax=penalty if sk.get("pseudo_gradnorm_reduce") is None
+        else bool(sk["pseudo_gradnorm_reduce"]),
+        temperature=sk.get("weight_softmax_temperature", 1.0),
+        skip_anomaly=penalty if sk.get("skip_anomaly") is None else bool(sk["skip_anomaly"]),
+        ewma=(sk.get("ewma_alpha", 0.02), sk.get("ewma_warmup_steps", 120),
+              sk.get("ewma_threshold", 3.0)),
+        clip=(10.0 if penalty else 0.0) if clip is None else float(clip),
+        schedule=case.get("schedule"),
+        step_weight_ratio=(sk.get("step_weight_ratio", 0.5)
+                           if sk.get("use_step_weight", True) else 0.0),
+        corrupt=dict(case.get("corrupt") or {}),
+        n_layers=case.get("n_layers", 2),
+        gta=ref_gta_cfg,
+        finish_force=bool(case.get("finish_force", False)),
+    )
+    kw.update(overrides)
+    return RefConfig(**kw)
+
+
+_REF_CACHE: dict[str, list[dict[str, torch.Tensor]]] = {}
+
+
+def reference(cfg: RefConfig) -> list[dict[str, torch.Tensor]]:
+    """:func:`run_reference`, memoised on the configuration."""
+    key = repr(cfg)
+    if key not in _REF_CACHE:
+        _REF_CACHE[key] = run_reference(cfg)
+    return _REF_CACHE[key]
+
+
+def max_diff(outs: list[dict], ref: list[dict[str, torch.Tensor]]) -> float:
+    """Largest |distributed - reference| over every rank's full parameters."""
+    return _worst(float((p - ref[o["replica"]][name]).abs().max())
+                  for o in outs for name, p in o["params"].items())
+
+
+def max_diff_runs(a: list[dict], b: list[dict]) -> float:
+    """Largest |a - b| between two distributed runs, rank by rank."""
+    return _worst(float((x["params"][n] - y["params"][n]).abs().max())
+                  for x, y in zip(a, b) for n in x["params"])
+
+
+def _worst(diffs: Any) -> float:
+    """max() that turns any NaN into +inf (a plain max() can silently drop a NaN)."""
+    worst = 0.0
+    for d in diffs:
+        if not math.isfinite(d):
+            return math.inf
+        worst = max(worst, d)
+    return worst
