@@ -411,8 +411,9 @@ def load_checkpoint(ckpt: Path, *, model: torch.nn.Module, optimizer: torch.opti
         dcp.load(state, storage_reader=SafeFileSystemReader(ckpt))
     except CheckpointError:
         raise
-    except Exception as e:  # corrupt or truncated files: say so, never continue silently
-        raise CheckpointError(f"{ckpt}: cannot read checkpoint data: {e}") from e
+    except (Exception, dcp.CheckpointException) as e:  # DCP's is a BaseException
+        # Corrupt or truncated files: say so, never continue silently.
+        raise CheckpointError(f"{ckpt}: cannot read checkpoint data: {e!r}") from e
     set_model_state_dict(model, state[f"replica{src}"]["model"], options=opts)
     set_optimizer_state_dict(model, _base(optimizer), state[f"replica{src}"]["optim"],
                              options=opts)
