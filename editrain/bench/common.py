@@ -156,6 +156,14 @@ def machine_info() -> dict[str, Any]:
     return info
 
 
+def _load() -> float | None:
+    """1-minute load average (None where the platform has none)."""
+    try:
+        return round(os.getloadavg()[0], 2)
+    except OSError:
+        return None
+
+
 def _git_commit() -> str | None:
     """Read-only ``git rev-parse`` of the source tree editrain is imported from."""
     import editrain
@@ -215,6 +223,8 @@ class Run:
     launch_s: float = 0.0
     """Wall time of the whole ``run_local`` call (process start-up included)."""
     error: str | None = None
+    load_before: float | None = None
+    """The machine's 1-minute load average just before the run started."""
 
     @property
     def ok(self) -> bool:
@@ -291,6 +301,7 @@ class Bench:
     def __init__(self, scenario: str, mode: str, out_dir: Path,
                  user_overrides: dict[str, Any] | None = None, command: str = "",
                  flags: dict[str, Any] | None = None) -> None:
+        """Set up the results directory and record the machine."""
         if mode not in MODES:
             raise ValueError(f"unknown benchmark mode {mode!r}; allowed: {', '.join(MODES)}")
         self.scenario = scenario
@@ -348,15 +359,17 @@ class Bench:
         overrides = self.options(*layers)
         cfg = load_config(None, merge(overrides, {"run_dir": str(run_dir), "overwrite": True,
                                                   "quiet": True}))
+        load = _load()
         t0 = time.perf_counter()
         error = None
         try:
             run_local(cfg)
-        except (ConfigError, KeyboardInterrupt):
+        except ConfigError:
             raise
         except Exception as e:  # a failed worker must not lose the other runs' results
             error = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e) else ''}"
         run = read_run(label, run_dir, overrides, time.perf_counter() - t0, error)
+        run.load_before = load
         self.runs[label] = run
         if run.ok:
             val = run.final_val_loss
@@ -374,7 +387,7 @@ class Bench:
                targets: Sequence[dict[str, Any]] = (), findings: Sequence[str] = (),
                notes: Sequence[str] = (), plots: Sequence[Path] = (),
                description: str = "", skipped: str | None = None,
-               shortfalls: Sequence[str] = ()) -> dict[str, Any]:
+               shortfalls: Sequence[str] = (), size_caveat: bool = True) -> dict[str, Any]:
         """Write ``results.json`` and ``table.md``; print the tables; return the record.
 
         Args:
@@ -385,6 +398,8 @@ class Bench:
             targets: ``{"name", "met" (True/False/None), "detail"}`` checks.
             findings: plain sentences generated from the numbers.
             shortfalls: sentences about where editrain falls short (beyond unmet targets).
+            size_caveat: whether quick / tiny numbers differ in kind from the full size's
+                (the report then says so).
             notes: how the numbers were measured (definitions, caveats).
             plots: PNG files written into the results directory.
             description: one paragraph: what the scenario measures.
@@ -408,14 +423,19 @@ class Bench:
             "targets": list(targets),
             "findings": list(findings),
             "shortfalls": list(shortfalls),
+            "size_caveat": size_caveat,
             "notes": list(notes),
             "plots": [p.name for p in plots],
             "runs": {
                 label: {"run_dir": str(r.run_dir), "ok": r.ok, "error": r.error,
-                        "launch_s": r.launch_s, "summary": r.summary}
+                        "launch_s": r.launch_s, "load_before": r.load_before,
+                        "summary": r.summary}
                 for label, r in self.runs.items()
             },
         }
+        loads = finite(r.load_before for r in self.runs.values())
+        if loads:
+            record["machine"]["load_during_runs"] = [min(loads), max(loads)]
         if skipped is not None:
             record["skipped"] = skipped
         try:
@@ -438,7 +458,18 @@ class Bench:
             lines += [record["description"], ""]
         lines += [f"Command: `{record['command']}`", "",
                   f"Machine: {describe_machine(record['machine'])}", "",
-                  f"Elapsed: {record['elapsed_s']:.0f} s, started {record['started']}.", ""]
+                  f"Elapsed: {record['elapsed_s']:.0f} s, started {record['started']}."]
+        loads = record["machine"].get("load_during_runs")
+        if loads:
+            lines[-1] += (f" Load average (1 min) before each run: {loads[0]:.1f} to "
+                          f"{loads[1]:.1f} on {record['machine'].get('usable_cpus')} CPUs"
+                          + ("; timings are only comparable on a quiet machine."
+                             if loads[1] > 0.5 * (record["machine"].get("usable_cpus") or 1)
+                             else "."))
+        lines.append("")
+        if record.get("user_overrides"):
+            lines += ["Options given on the command line (applied to every run, over the "
+                      f"scenario's own): `{json.dumps(record['user_overrides'])}`", ""]
         if record.get("skipped"):
             lines += [f"**Skipped:** {record['skipped']}", ""]
         for title, table in tables:
@@ -623,7 +654,10 @@ def pyplot():
 
 
 def save_figure(fig: Any, path: Path) -> Path:
-    """Save and close a figure."""
+    """Save and close a figure (a legend on every axis that has labelled artists)."""
+    for ax in fig.axes:
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     pyplot().close(fig)

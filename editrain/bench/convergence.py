@@ -141,6 +141,7 @@ def _mean_curve(curves: list[list[tuple[float, float, float]]]) -> list[tuple[fl
 
 
 def _plot(bench: Bench, results: dict[str, Any]):
+    """Validation loss against tokens (mean over seeds), one line per method."""
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for method, res in results.items():
@@ -151,11 +152,11 @@ def _plot(bench: Bench, results: dict[str, Any]):
     ax.set_ylabel("validation loss (mean over seeds)")
     ax.set_title("convergence at equal tokens")
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
     return save_figure(fig, bench.out_dir / "val_loss_vs_tokens.png")
 
 
 def _findings(results: dict[str, Any], seeds: int) -> list[str]:
+    """Plain sentences comparing the methods, generated from the numbers."""
     means = {m: r["final_val_loss"]["mean"] for m, r in results.items()
              if r["final_val_loss"]["mean"] is not None}
     out = []

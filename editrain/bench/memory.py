@@ -33,6 +33,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
 
 
 def _free_port() -> int:
+    """A TCP port on the loopback interface that is free right now."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -123,6 +124,9 @@ def run(bench: Bench) -> dict[str, Any]:
     """Run the scenario; returns the record written to ``results.json``."""
     import time
 
+    if bench.user_overrides:
+        bench.log("note: training options from the command line do not apply here (no "
+                  "training runs; the presets' own shapes are measured)")
     shard_sizes = bench.pick((1, 2), (1, 2, 4), (1, 2, 4))
     presets = bench.pick(["tiny"], ["tiny", "small"], ["tiny", "small"])
     measured: dict[int, list[list[dict[str, Any]]]] = {}
@@ -200,11 +204,13 @@ def run(bench: Bench) -> dict[str, Any]:
     settings = {"shard_sizes": list(shard_sizes), "presets": presets, "errors": errors}
     return bench.finish(settings=settings, methods=list(VARIANTS), results=results,
                         tables=[("Outer state per rank", table)], targets=targets,
-                        findings=findings, notes=notes, plots=plots, description=DESCRIPTION)
+                        findings=findings, notes=notes, plots=plots, description=DESCRIPTION,
+                        size_caveat=False)
 
 
 def _per_rank(measured: list[list[dict[str, Any]]] | None, preset: str,
               variant: str) -> dict[str, Any] | None:
+    """Largest / smallest extra bytes over ranks of one preset and variant."""
     if not measured:
         return None
     rows = [r for rank_rows in measured for r in rank_rows
@@ -223,6 +229,7 @@ def _per_rank(measured: list[list[dict[str, Any]]] | None, preset: str,
 
 def _judge(results: dict[str, Any], presets: list[str],
            shard_sizes: tuple[int, ...]) -> tuple[list[dict[str, Any]], list[str]]:
+    """The target check (edit = full copy / S) and the findings."""
     checks, findings = [], []
     for preset in presets:
         for s in shard_sizes:
@@ -247,6 +254,7 @@ def _judge(results: dict[str, Any], presets: list[str],
 
 def _plot(bench: Bench, results: dict[str, Any], presets: list[str],
           shard_sizes: tuple[int, ...]):
+    """MiB per rank against the shard size, one panel per preset."""
     plt = pyplot()
     fig, axes = plt.subplots(1, len(presets), figsize=(5 * len(presets), 4), squeeze=False)
     for ax, preset in zip(axes[0], presets):
@@ -254,8 +262,12 @@ def _plot(bench: Bench, results: dict[str, Any], presets: list[str],
         xs = list(shard_sizes)
         edit = [results[preset]["by_shard"].get(str(s), {}).get("edit_bytes_per_rank")
                 for s in xs]
+        offload = [results[preset]["by_shard"].get(str(s), {}).get(
+            "edit_cpu_offload_bytes_per_rank") for s in xs]
         ax.plot(xs, [float("nan") if v is None else v / 2**20 for v in edit], marker="o",
-                label="edit (sharded)")
+                label="edit (sharded), on the parameters' device")
+        ax.plot(xs, [float("nan") if v is None else v / 2**20 for v in offload], marker="x",
+                linestyle="none", markersize=9, label="edit + cpu_offload (offloaded)")
         if full:
             ax.plot(xs, [full / 2**20] * len(xs), linestyle="--", color="gray",
                     label="DiLoCo-style full copy")
@@ -265,7 +277,7 @@ def _plot(bench: Bench, results: dict[str, Any], presets: list[str],
         ax.set_xticks(xs, [str(s) for s in xs])
         ax.set_xlabel("shard size S")
         ax.set_ylabel("MiB per rank")
+        ax.set_ylim(bottom=0)
         ax.set_title(preset)
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
     return save_figure(fig, bench.out_dir / "outer_state_per_rank.png")

@@ -46,7 +46,8 @@ def _demote(table_md: str, results_dir: Path, out_dir: Path, drop: Sequence[str]
     for line in lines:
         if line.startswith("#"):
             skipping = line.strip() in _SHOWN_ELSEWHERE
-        if skipping or line.startswith(("Command: ", "Machine: ")) or (line and line in drop):
+        if skipping or line.startswith(("Command: ", "Machine: ", "**Skipped:**")) \
+                or (line and line in drop):
             continue
         if not line and out and not out[-1]:
             continue  # no double blank lines where a line was dropped
@@ -58,19 +59,21 @@ def _demote(table_md: str, results_dir: Path, out_dir: Path, drop: Sequence[str]
 
 
 def _relative(target: Path, start: Path) -> str:
+    """The path of ``target`` relative to ``start``, with forward slashes."""
     try:
         return Path(os.path.relpath(target.resolve(), start.resolve())).as_posix()
     except ValueError:  # another drive (Windows)
         return target.resolve().as_posix()
 
 
-def shows(record: dict[str, Any]) -> str:
-    """One paragraph: what the scenario shows, from its description and findings."""
+def shows(record: dict[str, Any]) -> list[str]:
+    """What the scenario shows: its description, then one line per finding."""
     if record.get("skipped"):
-        return f"Nothing: {record['skipped']}."
-    parts = [record.get("description", "").strip()]
-    parts += record.get("findings", [])
-    return " ".join(p for p in parts if p)
+        reason = record["skipped"].removeprefix("skipped: ")
+        return [f"Nothing: the scenario was skipped ({reason})."]
+    lines = [record.get("description", "").strip(), ""]
+    lines += [f"- {f}" for f in record.get("findings", [])]
+    return lines
 
 
 def falls_short(record: dict[str, Any]) -> list[str]:
@@ -85,7 +88,8 @@ def falls_short(record: dict[str, Any]) -> list[str]:
     for label, r in record.get("runs", {}).items():
         if not r.get("ok"):
             out.append(f"Run `{label}` failed: {r.get('error')}.")
-    if record.get("mode") != "full":
+    if record.get("mode") != "full" and record.get("size_caveat", True) \
+            and not record.get("skipped"):
         out.append(f"These are {record.get('mode')}-size numbers (tiny model, little data, "
                    "short runs); the full size is the reference.")
     return out
@@ -141,7 +145,7 @@ def write_benchmarks_md(results_dirs: Sequence[str | Path],
         lines += [f"## {record['scenario']}", "",
                   f"Command: `{record.get('command', '?')}`", "",
                   f"Machine: {describe_machine(record.get('machine', {}))}", "",
-                  f"**What it shows.** {shows(record)}", ""]
+                  "**What it shows.**", ""] + shows(record) + [""]
         short = falls_short(record)
         lines += ["**Where editrain falls short.**", ""]
         lines += [f"- {s}" for s in short] if short else \

@@ -46,6 +46,10 @@ def run(bench: Bench) -> dict[str, Any]:
     corrupt = {"sim": {"corrupt_replica": [f"1@{k}:{SCALE:g}" for k in corrupt_at]}}
     for v in variants:
         bench.check(common, VARIANTS[v], corrupt)
+    # What the runs really use (options given on the command line win).
+    alpha = bench.setting("sync.ewma_alpha", common)
+    warmup = bench.setting("sync.ewma_warmup_steps", common)
+    threshold = bench.setting("sync.ewma_threshold", common)
 
     clean: dict[str, Run] = {}
     bad: dict[str, Run] = {}
@@ -68,9 +72,10 @@ def run(bench: Bench) -> dict[str, Any]:
         f"{', '.join(map(str, corrupt_at))} (0-based sync index; sync k ends step "
         f"(k + 1) x H).",
         f"Anomaly detector: `sync.ewma_warmup_steps = {warmup}` syncs, "
-        f"`sync.ewma_alpha = {alpha}`, threshold 3 (default). The default alpha 0.02 is "
-        "meant for warm-ups of ~100 syncs: its EWMA mean starts at 0, so after a 5-sync "
-        "warm-up every norm would still look far above the mean.",
+        f"`sync.ewma_alpha = {alpha}`, `sync.ewma_threshold = {threshold}`. The default "
+        "alpha 0.02 is meant for warm-ups of ~100 syncs: its EWMA mean starts at 0 and "
+        "needs ~1/alpha syncs to reach the norms' level, so with a 5-sync warm-up it flags "
+        "clean syncs too (false alarms).",
         "Peak increase: the largest (corrupted - clean) validation loss over the evaluations "
         "from the first corrupted sync on, at equal steps; relative = over the clean loss "
         "there. Jump: validation loss right after a corrupted sync minus right before it "
@@ -91,6 +96,7 @@ def run(bench: Bench) -> dict[str, Any]:
 
 
 def _evals_by_step(run: Run | None) -> dict[int, float]:
+    """Validation loss by step of a run (empty for a missing or failed run)."""
     if run is None or not run.ok:
         return {}
     return {int(r["step"]): float(r["val_loss"]) for r in run.evals
@@ -99,6 +105,7 @@ def _evals_by_step(run: Run | None) -> dict[int, float]:
 
 def _measure(clean: Run | None, bad: Run, corrupt_at: list[int],
              interval: int) -> dict[str, Any]:
+    """Peak increase over the clean run, jumps at corrupted syncs, detector flags."""
     c, b = _evals_by_step(clean), _evals_by_step(bad)
     first = (min(corrupt_at) + 1) * interval
     diffs = {s: b[s] - c[s] for s in b if s in c and s >= first}
@@ -139,6 +146,7 @@ def _measure(clean: Run | None, bad: Run, corrupt_at: list[int],
 
 
 def _table(results: dict[str, Any], variants: tuple[str, ...]) -> str:
+    """The Markdown table: one row per variant."""
     rows = []
     for v in variants:
         e = results[v]
@@ -154,6 +162,7 @@ def _table(results: dict[str, Any], variants: tuple[str, ...]) -> str:
 
 def _judge(results: dict[str, Any],
            variants: tuple[str, ...]) -> tuple[list[dict[str, Any]], list[str]]:
+    """The target check (edit's peak < 25% of diloco's) and the findings."""
     d, e = results["diloco"]["peak_increase"], results["edit"]["peak_increase"]
     if d is None or e is None:
         met, detail = None, "a run failed"
@@ -176,6 +185,7 @@ def _judge(results: dict[str, Any],
 
 def _plot(bench: Bench, clean: dict[str, Run], bad: dict[str, Run], corrupt_at: list[int],
           interval: int):
+    """Validation loss against steps, corrupted (solid) and clean (dashed) runs."""
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(7.5, 4.5))
     for v, r in bad.items():
@@ -191,5 +201,4 @@ def _plot(bench: Bench, clean: dict[str, Run], bad: dict[str, Run], corrupt_at: 
     ax.set_xlabel("step (red: corrupted syncs)")
     ax.set_ylabel("validation loss")
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
     return save_figure(fig, bench.out_dir / "val_loss_spikes.png")
