@@ -110,7 +110,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("bench", help="run a benchmark scenario side by side",
                        description="Run the methods side by side on one scenario and write "
                                    "results.json, a Markdown table and plots.")
-    p.add_argument("scenario", help="convergence, bandwidth, stragglers, spikes, memory, overlap")
+    p.add_argument("scenario", help="convergence, bandwidth, stragglers, spikes, memory, "
+                   "overlap, peers, all, or report (writes docs/benchmarks.md); further "
+                   "options: --tiny (smoke-test size), --seeds N, --path FILE (report), and "
+                   "any --section.key=value applied to every run")
     p.add_argument("--quick", action="store_true", help="tiny settings (minutes on 2 cores)")
     p.add_argument("--out", help="results directory (default bench_results/<scenario>)")
     p.set_defaults(func=cmd_bench)

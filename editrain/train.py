@@ -271,7 +271,7 @@ class Trainer:
             return total
 
         self.model.train()
-        wait0 = self._sync_wait()
+        wait0, grad0 = self._sync_wait(), self.engine.total_grad_sync_s
         if cfg.optim.sam in (None, "none"):
             loss = closure()
             if t.grad_clip > 0:
@@ -280,7 +280,8 @@ class Trainer:
         else:
             loss = self.optimizer.step(closure)
         self.optimizer.zero_grad(set_to_none=True)
-        compute_s = time.perf_counter() - t0 - (self._sync_wait() - wait0)
+        grad_sync_s = self.engine.total_grad_sync_s - grad0
+        compute_s = time.perf_counter() - t0 - (self._sync_wait() - wait0) - grad_sync_s
         stall_s = self.slowdown.after_compute(self.step, compute_s)
         t1 = time.perf_counter()
         self.engine.step()
@@ -301,6 +302,7 @@ class Trainer:
             "wall_time_s": self._wall(),
             "compute_s": compute_s,
             "sync_wait_s": self._sync_wait() - wait0,
+            "grad_sync_s": grad_sync_s,
             "boundary_s": time.perf_counter() - t1,
         }
         if stall_s:

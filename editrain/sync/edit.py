@@ -164,6 +164,8 @@ class EDiT:
         self.num_syncs_forced = 0
         self.total_wait_s = 0.0
         """Seconds the caller's thread waited for sync jobs, since the start (metrics)."""
+        self.total_grad_sync_s = 0.0
+        """Seconds spent averaging gradients across replicas (warm-up / sync method)."""
         # A-EDiT book-keeping: replica-steps known at the last sync (all replicas), and the
         # last window's per-replica steps and length, from which progress can be estimated.
         self.synced_replica_steps = 0.0
@@ -210,8 +212,10 @@ class EDiT:
         """
         if not self.in_warmup or self.num_replicas == 1:
             return
+        t0 = time.perf_counter()
         with record_function("editrain::grad_allreduce"):
             self.comm.run(self._grad_allreduce_job)
+        self.total_grad_sync_s += time.perf_counter() - t0
 
     def step(self) -> None:
         """Call once after each inner ``optimizer.step()``: counts and triggers syncs."""
