@@ -17,8 +17,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+from editrain.api import parallelize
 from editrain.checkpoint import (
     list_checkpoints,
     load_checkpoint,
@@ -35,21 +35,9 @@ from editrain.models import Llama, causal_lm_loss, num_parameters
 from editrain.optim import build_optimizer, wrap_sam
 from editrain.sim import ComputeSlowdown, check_replicas, parse_sim
 from editrain.sync import EDiT, StepScheduleTrigger
-from editrain.topology import SHARD_DIM, MeshInfo, init_mesh
+from editrain.topology import SHARD_DIM, init_mesh
 
 log = logging.getLogger("editrain")
-
-
-def shard_model(model: torch.nn.Module, blocks: list[torch.nn.Module], info: MeshInfo,
-                precision: str) -> None:
-    """FSDP2: one ``fully_shard`` unit per block plus the root, on the ``"shard"`` sub-mesh."""
-    mp = MixedPrecisionPolicy(
-        param_dtype=torch.bfloat16 if precision == "bf16" else None,
-        reduce_dtype=torch.float32,
-    )
-    for block in blocks:
-        fully_shard(block, mesh=info.shard_mesh, mp_policy=mp)
-    fully_shard(model, mesh=info.shard_mesh, mp_policy=mp)
 
 
 def lr_at(step: float, cfg: Config) -> float:
@@ -109,8 +97,8 @@ class Trainer:
             mcfg = model_config(cfg, vocab_size=self.data.vocab_size)
             self.model = Llama(mcfg, seed=t.seed).to(info.device)
         self.num_params = num_parameters(self.model)
-        blocks = self.model.blocks()
-        shard_model(self.model, blocks, info, t.precision)
+        # FSDP2: one unit per block plus the root, on the "shard" sub-mesh.
+        blocks = parallelize(self.model, info, self.model.blocks(), t.precision)
         self.optimizer = self._build_optimizer()
         self.engine = EDiT(
             self.model, info.mesh, cfg.sync, blocks=blocks,
@@ -479,6 +467,15 @@ class Trainer:
     def _log_start(self) -> None:
         if not self.is_logger:
             return
+        sc = self.engine.config
+        if sc.skip_anomaly and (1 - sc.ewma_alpha) ** sc.ewma_warmup_steps > 0.5:
+            # The detector's EWMA mean starts at 0 (as specified); with a short warm-up and a
+            # small alpha it is still far below the norms when it starts judging them.
+            log.warning("sync.ewma_alpha=%g with sync.ewma_warmup_steps=%d: the anomaly "
+                        "detector's mean reaches only %.0f%% of the norms' level by the end of "
+                        "its warm-up, so clean syncs may be flagged; raise either option",
+                        sc.ewma_alpha, sc.ewma_warmup_steps,
+                        100 * (1 - (1 - sc.ewma_alpha) ** sc.ewma_warmup_steps))
         topo, mem = self.info.topo, self.engine.extra_memory()
         log.warning(
             "editrain: %s on %d replicas x %d shards (%s, %s); model %s with %.2fM parameters; "

@@ -64,6 +64,16 @@ def _runs_ok(saved: dict) -> None:
 
 # ---------------------------------------------------------------------------- smoke tests
 @pytest.mark.timeout(600)
+def test_optimizers_smoke(tmp_path, cache):
+    """AdamW, AGD and AdamW + WSAM each end with a finite validation loss."""
+    saved, _ = _run("optimizers", tmp_path, cache)
+    _runs_ok(saved)
+    assert saved["methods"] == ["adamw", "agd", "adamw+wsam"]
+    for m in saved["methods"]:
+        assert _num(saved["results"][m]["final_val_loss"]["mean"]), m
+
+
+@pytest.mark.timeout(600)
 def test_convergence_smoke(tmp_path, cache):
     """Every method has a final validation loss and a curve."""
     saved, out = _run("convergence", tmp_path, cache)

@@ -11,6 +11,7 @@ stragglers  tokens/s and loss with a 2x straggler or random stalls (sync, edit, 
 spikes      validation-loss spikes from corrupted replicas (diloco, edit, edit ablations)
 memory      extra bytes per rank of the outer state (full copy vs sharded vs offloaded)
 overlap     forward wait at a layer-wise sync vs prefetch depth (edit vs diloco)
+optimizers  AdamW vs AGD vs AdamW + WSAM as inner optimizers, equal steps, 3 seeds
 peers       torchft's DiLoCo side by side (skipped when torchft is not installed)
 all         every scenario above
 report      assemble docs/benchmarks.md from the results directories
@@ -29,7 +30,8 @@ from typing import Any
 
 from editrain.config import ConfigError
 
-SCENARIOS = ("convergence", "bandwidth", "stragglers", "spikes", "memory", "overlap", "peers")
+SCENARIOS = ("convergence", "bandwidth", "stragglers", "spikes", "memory", "overlap",
+             "optimizers", "peers")
 """Scenario names in the order ``all`` runs them (and the report lists them)."""
 
 TINY_ENV = "EDITRAIN_BENCH_TINY"
