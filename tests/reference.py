@@ -486,6 +486,24 @@ def run_cases(world: int, S: int, cases: dict[str, dict[str, Any]]) -> dict[str,
 # ---------------------------------------------------------------------------- glue
 _METHOD_PENALTY = {"edit": True, "aedit": True}
 
+def topology_runs(topologies: dict[tuple[int, int], dict[str, dict[str, Any]]]):
+    """``get(R, S)``: every case of that topology, from one spawn per topology (cached; a
+    failed spawn is remembered so later tests report it instead of spawning again)."""
+    cache: dict[tuple[int, int], dict | BaseException] = {}
+
+    def get(R: int, S: int) -> dict[str, list[dict]]:
+        if (R, S) not in cache:
+            try:
+                cache[(R, S)] = run_cases(R * S, S, topologies[(R, S)])
+            except Exception as exc:
+                cache[(R, S)] = exc
+        got = cache[(R, S)]
+        if isinstance(got, BaseException):
+            raise RuntimeError(f"the {R}x{S} spawn failed") from got
+        return got
+
+    return get
+
 
 def ref_config(case: dict[str, Any], R: int, S: int, **overrides: Any) -> RefConfig:
     """The reference configuration of a distributed ``case`` (see :func:`run_case`), with

@@ -12,7 +12,7 @@ import math
 import pytest
 import torch
 
-from tests.reference import max_diff, max_diff_runs, ref_config, reference, run_cases
+from tests.reference import max_diff, max_diff_runs, ref_config, reference, topology_runs
 
 TOL = 1e-5
 
@@ -75,20 +75,7 @@ TOPOLOGIES = {(2, 2): CASES_2X2, (4, 1): CASES_4X1, (1, 4): CASES_1X4}
 @pytest.fixture(scope="module")
 def runs():
     """``runs(R, S)``: results of every case of that topology (one spawn per topology)."""
-    cache: dict[tuple[int, int], dict | BaseException] = {}
-
-    def get(R: int, S: int) -> dict[str, list[dict]]:
-        if (R, S) not in cache:
-            try:
-                cache[(R, S)] = run_cases(R * S, S, TOPOLOGIES[(R, S)])
-            except Exception as exc:  # spawn once: later tests report the same failure
-                cache[(R, S)] = exc
-        got = cache[(R, S)]
-        if isinstance(got, BaseException):
-            raise RuntimeError(f"the {R}x{S} spawn failed") from got
-        return got
-
-    return get
+    return topology_runs(TOPOLOGIES)
 
 
 def _ref(R: int, S: int, name: str, **overrides):
