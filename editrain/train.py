@@ -205,6 +205,8 @@ class Trainer:
                 syncs = self.engine.pop_sync_log()
                 if syncs:
                     row["sync"] = syncs[-1]
+                    if self.is_logger and not cfg.quiet:
+                        log.warning("%s", sync_summary(syncs[-1]))
                 if self.step % cfg.train.log_every == 0 or "val_loss" in row or "sync" in row:
                     self._write(row)
                 if (cfg.checkpoint.every and point is not None and point >= self.next_ckpt
@@ -503,6 +505,25 @@ class Trainer:
         """Release hooks, threads and files."""
         self.engine.close()
         self.metrics.close()
+
+
+def sync_summary(entry: dict[str, Any]) -> str:
+    """One compact log line for a finished sync (the full record is in metrics.jsonl)."""
+    parts = [f"sync {entry['sync']} @step {entry['step']}: waited {entry['wait_s'] * 1e3:.0f} ms, "
+             f"comm {entry['comm_time_s'] * 1e3:.0f} ms, {entry['bytes_sent'] / 2**20:.2f} MiB sent"]
+    if entry.get("replica_steps"):
+        parts.append("steps " + "/".join(f"{s:g}" for s in entry["replica_steps"]))
+    weights = entry.get("weights")
+    if weights:  # [R][L]: show each replica's mean weight over units
+        parts.append("weights " + " ".join(f"{sum(w) / len(w):.2f}" for w in weights))
+    outlier = entry.get("outlier")
+    if outlier:
+        flagged = [f"r{r}:{sum(row)}" for r, row in enumerate(outlier) if any(row)]
+        parts.append("outliers " + (" ".join(flagged) if flagged else "none"))
+    clip = [c for c in entry.get("clip", []) if c == c]  # drop NaN (skipped units)
+    if clip and min(clip) < 1.0:
+        parts.append(f"clipped {sum(c < 1.0 for c in clip)} units (min x{min(clip):.2f})")
+    return "; ".join(parts)
 
 
 def _last_logged_step(run_dir: Path) -> int | None:

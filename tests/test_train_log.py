@@ -1,0 +1,22 @@
+"""The compact per-sync log line."""
+
+from editrain.train import sync_summary
+
+
+def test_sync_summary_names_weights_outliers_and_clipping() -> None:
+    entry = {"sync": 3, "step": 40, "wait_s": 0.012, "comm_time_s": 0.05,
+             "bytes_sent": 2 * 2**20, "replica_steps": [3.0, 5.0],
+             "weights": [[0.0, 0.5], [1.0, 0.5]], "outlier": [[True, False], [False, False]],
+             "clip": [1.0, 0.25]}
+    line = sync_summary(entry)
+    assert line.startswith("sync 3 @step 40: waited 12 ms, comm 50 ms, 2.00 MiB sent")
+    assert "steps 3/5" in line
+    assert "weights 0.25 0.75" in line
+    assert "outliers r0:1" in line
+    assert "clipped 1 units (min x0.25)" in line
+
+
+def test_sync_summary_without_penalty_fields() -> None:
+    line = sync_summary({"sync": 0, "step": 10, "wait_s": 0.0, "comm_time_s": 0.001,
+                         "bytes_sent": 0})
+    assert line == "sync 0 @step 10: waited 0 ms, comm 1 ms, 0.00 MiB sent"
