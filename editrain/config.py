@@ -511,7 +511,8 @@ def to_dict(obj: Any) -> Any:
     return dataclasses.asdict(obj)
 
 
-def _toml_value(v: Any) -> str:
+def toml_value(v: Any) -> str:
+    """One value written as TOML (``None`` has no TOML form)."""
     if isinstance(v, bool):
         return "true" if v else "false"
     if isinstance(v, int | float):
@@ -519,9 +520,9 @@ def _toml_value(v: Any) -> str:
     if isinstance(v, str):
         return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
     if isinstance(v, list):
-        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+        return "[" + ", ".join(toml_value(x) for x in v) + "]"
     if isinstance(v, dict):
-        return "{" + ", ".join(f"{k} = {_toml_value(x)}" for k, x in v.items()
+        return "{" + ", ".join(f"{k} = {toml_value(x)}" for k, x in v.items()
                                 if x is not None) + "}"
     raise TypeError(f"cannot write {v!r} as TOML")
 
@@ -539,7 +540,7 @@ def dumps_toml(data: dict[str, Any]) -> str:
         if isinstance(v, dict) and k in SECTIONS + ("gta",):
             tables.append((k, v))
         else:
-            lines.append(f"{k} = {_toml_value('none' if v is None else v)}")
+            lines.append(f"{k} = {toml_value('none' if v is None else v)}")
 
     def emit(name: str, table: dict[str, Any]) -> None:
         lines.append("")
@@ -549,7 +550,7 @@ def dumps_toml(data: dict[str, Any]) -> str:
             if isinstance(v, dict) and k == "gta":
                 subs.append((f"{name}.{k}", v))
             else:
-                lines.append(f"{k} = {_toml_value('none' if v is None else v)}")
+                lines.append(f"{k} = {toml_value('none' if v is None else v)}")
         for sub_name, sub in subs:
             emit(sub_name, sub)
 

@@ -18,7 +18,7 @@ import typing
 from pathlib import Path
 from typing import Any
 
-from editrain.config import Config, describe_options
+from editrain.config import Config, describe_options, toml_value
 from editrain.sync.config import METHODS
 from editrain.sync.methods import METHOD_DEFAULTS
 
@@ -67,17 +67,7 @@ def used_by(option: str) -> tuple[str, ...]:
 
 def _value(v: Any) -> str:
     """A default as it would be written in TOML (``none`` for None)."""
-    if v is None:
-        return "none"
-    if isinstance(v, bool):
-        return "true" if v else "false"
-    if isinstance(v, str):
-        return f'"{v}"'
-    if isinstance(v, dict):
-        return "{" + ", ".join(f"{k} = {_value(x)}" for k, x in v.items()) + "}"
-    if isinstance(v, list):
-        return "[" + ", ".join(_value(x) for x in v) + "]"
-    return repr(v)
+    return "none" if v is None else toml_value(v)
 
 
 def _default(option: str, default: Any) -> str:
