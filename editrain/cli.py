@@ -1,4 +1,4 @@
-"""Command line: ``editrain train | plot | bench | options``.
+"""Command line: ``editrain train | data | plot | bench | options``.
 
 ``editrain train`` without torchrun spawns local workers through torch's elastic launcher;
 under torchrun it joins the existing process group.
@@ -62,6 +62,23 @@ def cmd_train(args: argparse.Namespace, extra: list[str]) -> int:
     return 0
 
 
+def cmd_data(args: argparse.Namespace, extra: list[str]) -> int:
+    import json
+
+    from editrain.corpus import describe_data, format_data, prepare_data
+
+    overrides, rest = parse_overrides(extra)
+    if rest:
+        raise ConfigError(f"data: unexpected argument(s) {' '.join(rest)}; options look like "
+                          "--data.path=corpus.jsonl")
+    cfg = load_config(args.config, overrides)
+    if args.json:
+        logging.getLogger().setLevel(logging.WARNING)  # stdout carries the JSON only
+    info = describe_data(prepare_data(cfg))
+    print(json.dumps(info, indent=1) if args.json else format_data(info))
+    return 0
+
+
 def cmd_plot(args: argparse.Namespace, extra: list[str]) -> int:
     from editrain.metrics import plot_runs
 
@@ -99,6 +116,16 @@ def build_parser() -> argparse.ArgumentParser:
                        description=TRAIN_HELP, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--config", metavar="FILE.toml", help="TOML file with any of the sections")
     p.set_defaults(func=cmd_train)
+    p = sub.add_parser("data", help="tokenise the corpus into the cache and show its splits",
+                       description="Build (or reuse) the token cache of the configured corpus "
+                                   "ahead of a job, so one node tokenises and the others reuse "
+                                   "it, and print the splits: documents, tokens, kinds, the "
+                                   "share of validation 32-token windows found in train.bin and "
+                                   "the cache path. Takes the same --config and --data.* "
+                                   "options as train.")
+    p.add_argument("--config", metavar="FILE.toml", help="TOML file with any of the sections")
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.set_defaults(func=cmd_data)
     p = sub.add_parser("plot", help="loss-vs-tokens and loss-vs-time PNGs of runs",
                        description="Draw loss curves of one or more run directories.")
     p.add_argument("run_dirs", nargs="+", metavar="RUN_DIR")

@@ -68,7 +68,12 @@ class DataSection:
     vocab_size: int = 8192
     """Vocabulary size of the trained BPE tokenizer (>= 257)."""
     val_fraction: float = 0.01
-    """Share of documents held out for validation, in (0, 0.5)."""
+    """Share of the corpus (bytes) held out for validation, in (0, 0.5); whole documents,
+    near-duplicate families kept on one side."""
+    val_tokens: int = 65_536
+    """Hold out at least this many validation tokens (at most 30% of the corpus)."""
+    split_seed: int = 0
+    """Seed of the choice of validation documents."""
     max_bytes: int | None = 8_000_000
     """Read at most this many bytes of the corpus (none: all of it)."""
     cache_dir: str = "~/.cache/editrain"
@@ -103,8 +108,8 @@ class TrainSection:
     """Clip the gradient norm to this value (0: off)."""
     eval_every: int = 50
     """Evaluate validation loss about every this many steps (at the next sync for local SGD)."""
-    eval_batches: int = 8
-    """Validation batches per evaluation."""
+    eval_tokens: int = 0
+    """Evaluate on about this many validation tokens, spread over the split (0: all of it)."""
     log_every: int = 1
     """Write a metrics row every this many steps."""
     seed: int = 0
@@ -403,7 +408,7 @@ def validate(cfg: Config) -> None:
     """Cross-field and range checks that do not need a process group."""
     t, d, s = cfg.train, cfg.dist, cfg.sync
     for name in ("steps", "batch_size", "seq_len", "gradient_accumulation_steps", "eval_every",
-                 "eval_batches", "log_every"):
+                 "log_every"):
         _req(getattr(t, name) > 0, f"train.{name}", f"must be > 0, got {getattr(t, name)}")
     _req(t.lr > 0, "train.lr", f"must be > 0, got {t.lr}")
     _req(0 <= t.min_lr_ratio <= 1, "train.min_lr_ratio", f"must be in [0, 1], got {t.min_lr_ratio}")
@@ -435,6 +440,9 @@ def validate(cfg: Config) -> None:
          f"must be >= 257 (256 bytes + end-of-text), got {cfg.data.vocab_size}")
     _req(0 < cfg.data.val_fraction < 0.5, "data.val_fraction",
          f"must be in (0, 0.5), got {cfg.data.val_fraction}")
+    _req(cfg.data.val_tokens >= 0, "data.val_tokens", f"must be >= 0, got {cfg.data.val_tokens}")
+    _req(t.eval_tokens >= 0, "train.eval_tokens", f"must be >= 0 (0: the whole split), got "
+         f"{t.eval_tokens}")
     if cfg.data.max_bytes is not None:
         _req(cfg.data.max_bytes > 0, "data.max_bytes", f"must be > 0, got {cfg.data.max_bytes}")
     _req(cfg.checkpoint.every >= 0, "checkpoint.every", f"must be >= 0, got {cfg.checkpoint.every}")

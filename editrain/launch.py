@@ -17,6 +17,7 @@ import uuid
 from pathlib import Path
 
 from editrain.config import Config, ConfigError, dumps_toml, to_dict, validate_world
+from editrain.corpus import prepare_data
 
 log = logging.getLogger("editrain")
 
@@ -86,16 +87,14 @@ def _free_port() -> int:
 
 
 def _pretokenise(cfg: Config) -> int:
-    from editrain.data import SequenceStream, prepare_tokens, val_batches
+    from editrain.data import SequenceStream, eval_batches
 
     t0 = time.perf_counter()
-    data = prepare_tokens(cfg.data.path, Path(cfg.data.cache_dir).expanduser(),
-                          cfg.data.vocab_size, cfg.data.tokenizer, cfg.data.val_fraction,
-                          cfg.data.max_bytes)
+    data = prepare_data(cfg)
     # The windows every worker will cut; a too-small corpus fails here, not in the workers.
     t = cfg.train
     SequenceStream(data.train, t.seq_len, 0, cfg.dist.nproc, t.seed)
-    val_batches(data.val, t.seq_len, t.batch_size, t.eval_batches, 0, cfg.dist.shard_size)
+    eval_batches(data.val[: 2 * t.seq_len + 2], t.seq_len, t.batch_size, 0, cfg.dist.nproc)
     how = "reused cache" if data.reused else f"built in {time.perf_counter() - t0:.1f} s"
     if not cfg.quiet:
         log.info("data: %d train / %d val tokens, vocab %d (%s: %s)", len(data.train),

@@ -1,9 +1,15 @@
 """The run's public record: ``metrics.jsonl`` (one JSON object per logged step), optional
 TensorBoard event files, and loss plots.
 
-Stable field names of a step row: ``step``, ``tokens`` (cumulative, all ranks), ``loss``,
-``val_loss`` (when computed), ``lr``, ``tokens_per_s``, ``step_time_s``, ``wall_time_s``.
-Later fields only add to these.
+Stable field names of a step row: ``step``, ``tokens`` (cumulative, all ranks), ``loss``
+(mean over all ranks of that step's training loss; for A-EDiT, whose replicas are at
+different steps, over the ranks of replica 0 except on sync rows), ``val_loss`` (when
+computed, with ``val_tokens`` evaluated and ``eval_time_s``), ``lr``, ``tokens_per_s``,
+``step_time_s``, ``wall_time_s``, ``train_time_s`` (wall time minus evaluation and
+checkpoint time). Later fields only add to these.
+
+Besides that global record, every rank writes ``ranks/rank{RANK}.jsonl`` (:class:`RankLog`):
+one line per step with its own timings, so benchmarks can report every replica.
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 METRICS_FILE = "metrics.jsonl"
+RANKS_DIR = "ranks"
 
 
 def _clean(v: Any) -> Any:
@@ -85,6 +92,58 @@ class MetricsWriter:
         if self._tb is not None:
             self._tb.close()
             self._tb = None
+
+
+class RankLog:
+    """Appends this rank's per-step rows to ``RUN_DIR/ranks/rank{RANK}.jsonl``.
+
+    Rows are buffered (a step must not wait on the disk) and flushed every ``flush_every``
+    rows and on :meth:`close`.
+
+    Args:
+        run_dir: the run directory.
+        rank: this process's global rank.
+        flush_every: rows between flushes.
+    """
+
+    def __init__(self, run_dir: str | Path, rank: int, flush_every: int = 50) -> None:
+        folder = Path(run_dir) / RANKS_DIR
+        folder.mkdir(parents=True, exist_ok=True)
+        self.path = folder / f"rank{rank}.jsonl"
+        _drop_partial_line(self.path)
+        self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115
+        self._pending = 0
+        self.flush_every = flush_every
+
+    def write(self, row: dict[str, Any]) -> None:
+        """Append one row."""
+        if self._file is None:
+            return
+        self._file.write(json.dumps(_clean(row), separators=(",", ":")) + "\n")
+        self._pending += 1
+        if self._pending >= self.flush_every:
+            self._file.flush()
+            self._pending = 0
+
+    def close(self) -> None:
+        """Flush and close."""
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+
+def read_rank_logs(run_dir: str | Path) -> dict[int, list[dict[str, Any]]]:
+    """Rows of every ``ranks/rank{RANK}.jsonl`` of a run, by rank (empty if none)."""
+    out: dict[int, list[dict[str, Any]]] = {}
+    for path in sorted((Path(run_dir) / RANKS_DIR).glob("rank*.jsonl")):
+        rows = []
+        for line in path.read_text(encoding="utf-8").splitlines():
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue
+        out[int(path.stem.removeprefix("rank"))] = rows
+    return out
 
 
 def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:

@@ -29,8 +29,9 @@ from editrain.checkpoint import (
     set_rng_state,
 )
 from editrain.config import Config, model_config, validate_world
-from editrain.data import SequenceStream, prepare_tokens, val_batches
-from editrain.metrics import MetricsWriter, read_metrics
+from editrain.corpus import prepare_data
+from editrain.data import SequenceStream, eval_batches
+from editrain.metrics import MetricsWriter, RankLog, read_metrics
 from editrain.models import Llama, causal_lm_loss, num_parameters
 from editrain.optim import build_optimizer, wrap_sam
 from editrain.sim import ComputeSlowdown, check_replicas, parse_sim
@@ -70,21 +71,14 @@ class Trainer:
         self.is_logger = info.rank == 0
         self.quiet = cfg.quiet or not self.is_logger
 
-        # ---- data: every rank reads a disjoint stream; validation is the same everywhere
-        self.data = prepare_tokens(
-            cfg.data.path, Path(cfg.data.cache_dir).expanduser(), cfg.data.vocab_size,
-            cfg.data.tokenizer, cfg.data.val_fraction, cfg.data.max_bytes,
-        )
+        # ---- data: every rank reads a disjoint stream; evaluation covers the whole
+        # validation split, shared out over all ranks (see evaluate()).
+        self.data = prepare_data(cfg)
         t = cfg.train
         self.stream = SequenceStream(self.data.train, t.seq_len, info.rank,
                                      info.topo.world_size, t.seed)
-        # Every replica evaluates the same eval_batches x batch_size windows (split over its
-        # shards), so no cross-replica traffic is needed and the value does not depend on the
-        # topology (an elastic resume continues the same curve).
-        per_rank = max(1, t.eval_batches * t.batch_size // info.topo.shard_size)
-        val_bs = math.gcd(t.batch_size, per_rank)
-        self.val = val_batches(self.data.val, t.seq_len, val_bs, per_rank // val_bs,
-                               info.shard, info.topo.shard_size)
+        self.val = eval_batches(self.data.val, t.seq_len, t.batch_size, info.rank,
+                                info.topo.world_size, t.eval_tokens)
 
         # ---- model, sharding, optimizers, sync engine
         if cfg.model.hf_config:
@@ -116,6 +110,7 @@ class Trainer:
             # first sync that reaches the budget.
             self.engine.extra_due = self._aedit_budget_due
         self.step = 0
+        self.val_tokens = 0
         self.next_eval = t.eval_every
         self.next_ckpt = cfg.checkpoint.every
         self.last_eval = 0
@@ -128,6 +123,8 @@ class Trainer:
         if ckpt is not None:
             self._resume(ckpt)
         self.metrics = MetricsWriter(self.run_dir, enabled=self.is_logger)
+        self.rank_log = RankLog(self.run_dir, info.rank)
+        self.off_train_s = 0.0  # evaluation and checkpoint time, kept out of train_time_s
         self.wall_start = time.perf_counter()
 
     def _checkpoint_to_resume(self) -> Path | None:
@@ -181,13 +178,15 @@ class Trainer:
         progress = self._progress_bar()
         final_val = float("nan")
         if self.resumed_from is None:
-            final_val = self.evaluate()
-            self._write({"step": 0, "tokens": 0, "val_loss": final_val, "wall_time_s": 0.0})
+            ev = self.evaluate()
+            final_val = ev["val_loss"]
+            self._write({"step": 0, "tokens": 0, **ev, "wall_time_s": 0.0})
         elif self.elastic:
             # The global model on the new topology: this loss should continue the curve.
-            final_val = self.evaluate()
+            ev = self.evaluate()
+            final_val = ev["val_loss"]
             self._write({"event": "elastic_resume", "step": self.step, "tokens": self._tokens(),
-                         "val_loss": final_val, "wall_time_s": self._wall()})
+                         **ev, "wall_time_s": self._wall()})
         try:
             while not self._budget_done():
                 row = self.train_step()
@@ -198,7 +197,8 @@ class Trainer:
                     row["tokens"] = self._tokens()
                 if point is not None and point >= self.next_eval:
                     self.engine.finish()
-                    row["val_loss"] = final_val = self.evaluate()
+                    row.update(self.evaluate())
+                    final_val = row["val_loss"]
                     self.last_eval = self.step
                     while self.next_eval <= point:
                         self.next_eval += cfg.train.eval_every
@@ -208,6 +208,11 @@ class Trainer:
                     if self.is_logger and not cfg.quiet:
                         log.warning("%s", sync_summary(syncs[-1]))
                 if self.step % cfg.train.log_every == 0 or "val_loss" in row or "sync" in row:
+                    # Every rank takes this branch at the same point (equal steps, or the
+                    # same sync for A-EDiT), so the loss reduction lines up.
+                    row["loss"] = self._mean_loss(row["loss"], everyone=not self.aedit
+                                                  or "sync" in row)
+                    row["train_time_s"] = self._wall() - self.off_train_s
                     self._write(row)
                 if (cfg.checkpoint.every and point is not None and point >= self.next_ckpt
                         and not self._budget_done()):
@@ -221,16 +226,19 @@ class Trainer:
             # Every replica ends on the global model, even mid-window.
             self.engine.finish(force=True)
             if self.last_eval != self.step or self.engine.num_syncs_forced:
-                final_val = self.evaluate()
-                self._write({"step": self.step, "tokens": self._tokens(), "val_loss": final_val,
+                ev = self.evaluate()
+                final_val = ev["val_loss"]
+                self._write({"step": self.step, "tokens": self._tokens(), **ev,
                              "wall_time_s": self._wall()})
             if cfg.checkpoint.final or cfg.checkpoint.every:
                 self.save()
         finally:
             if progress is not None:
                 progress.stop()
+            self.rank_log.close()
         summary = {"steps": self.step, "tokens": self._tokens(), "final_val_loss": final_val,
-                   "wall_time_s": self._wall(), "num_syncs": self.engine.num_syncs,
+                   "val_tokens": self.val_tokens, "wall_time_s": self._wall(),
+                   "train_time_s": self._wall() - self.off_train_s, "num_syncs": self.engine.num_syncs,
                    "num_params": self.num_params, "method": cfg.sync.method,
                    "replicas": self.info.topo.num_replicas, "shard_size": self.info.topo.shard_size}
         if self.is_logger:
@@ -278,14 +286,18 @@ class Trainer:
         self.step += 1
         self.plan.maybe_fail(self.info.rank, self.step, "step")
 
-        if self.info.topo.shard_size > 1:
-            dist.all_reduce(loss, group=self.shard_group)
-            loss = loss / self.info.topo.shard_size
         step_time = time.perf_counter() - t0
+        mine = {"rank": self.info.rank, "replica": self.info.replica, "shard": self.info.shard,
+                "step": self.step, "tokens": self.step * self.tokens_per_step,
+                "loss": float(loss), "wall_time_s": self._wall(), "step_time_s": step_time, "compute_s": compute_s,
+                "sync_wait_s": self._sync_wait() - wait0, "grad_sync_s": grad_sync_s}
+        if stall_s:
+            mine["sim_stall_s"] = stall_s
+        self.rank_log.write(mine)
         row: dict[str, Any] = {
             "step": self.step,
             "tokens": self._tokens(),
-            "loss": float(loss),
+            "loss": float(loss),  # this rank's; averaged when the row is logged
             "lr": lr,
             "tokens_per_s": self.tokens_per_step * self.info.topo.world_size / step_time,
             "step_time_s": step_time,
@@ -301,20 +313,46 @@ class Trainer:
             row["replica_step"] = self.step
         return row
 
+    def _mean_loss(self, loss: float, everyone: bool) -> float:
+        """Mean of ``loss`` over all ranks (``everyone``) or over this replica's ranks."""
+        group = None if everyone else self.shard_group
+        size = self.info.topo.world_size if everyone else self.info.topo.shard_size
+        if size == 1:
+            return loss
+        t = torch.tensor([loss], dtype=torch.float64, device=self.info.device)
+        dist.all_reduce(t, group=group)
+        return float(t[0]) / size
+
     @torch.no_grad()
-    def evaluate(self) -> float:
-        """Mean validation loss of this replica's model over the fixed validation windows."""
+    def evaluate(self) -> dict[str, float]:
+        """Validation loss over the whole validation split (or ``train.eval_tokens``).
+
+        The split's windows are shared out over all ranks of all replicas and the sums
+        all-reduced, so each evaluation costs 1/world of the split per rank. At a sync
+        boundary (where the trainer evaluates) every replica holds the global model, so this
+        is the global model's loss; evaluated between syncs it would be the mean over
+        replicas of their local models' losses on their shares.
+
+        Returns:
+            ``val_loss``, ``val_tokens`` (targets evaluated) and ``eval_time_s``.
+        """
+        t0 = time.perf_counter()
         self.model.eval()
         total = torch.zeros(2, dtype=torch.float64, device=self.info.device)
-        for x in self.val:
-            x = x.to(self.info.device)
+        for batch in self.val:
+            x = batch.tokens.to(self.info.device)
             loss = causal_lm_loss(self.model(x[:, :-1]), x[:, 1:])
-            total += torch.tensor([float(loss) * x.shape[0], x.shape[0]], dtype=torch.float64,
-                                  device=self.info.device)
+            # Padding passes (targets == 0) keep the forward count equal on every rank.
+            total[0] += loss.double() * batch.targets
+            total[1] += batch.targets
         self.model.train()
-        if self.info.topo.shard_size > 1:
-            dist.all_reduce(total, group=self.shard_group)
-        return float(total[0] / total[1])
+        if self.info.topo.world_size > 1:
+            dist.all_reduce(total)
+        self.val_tokens = int(total[1])
+        elapsed = time.perf_counter() - t0
+        self.off_train_s += elapsed
+        return {"val_loss": float(total[0] / total[1]), "val_tokens": self.val_tokens,
+                "eval_time_s": elapsed}
 
     # ------------------------------------------------------------------ progress
     def _progress_steps(self) -> float:
@@ -378,6 +416,7 @@ class Trainer:
         # jobs in the same order (so training is unchanged), and the anchors saved are the
         # global model of this step, which an elastic resume starts from.
         self.engine.finish()
+        t_save = time.perf_counter()
         label = int(round(self._progress_steps())) if self.aedit else self.step
         rank_state = {
             "step": self.step,
@@ -402,6 +441,7 @@ class Trainer:
                         saved.seconds)
             self._write({"event": "checkpoint", "step": self.step, "path": str(saved.path),
                          "bytes": saved.bytes, "save_time_s": saved.seconds})
+        self.off_train_s += time.perf_counter() - t_save
 
     def _resume(self, ckpt: Path) -> None:
         state, marker = load_checkpoint(ckpt, model=self.model, optimizer=self.optimizer,

@@ -17,6 +17,8 @@ import pytest
 
 from editrain import cli
 from editrain.config import ConfigError, describe_options, load_config
+from editrain.data import prepare_tokens
+from editrain.metrics import read_rank_logs
 
 BIN = Path(sys.executable).with_name("editrain")
 COMMAND = [str(BIN)] if BIN.exists() else [sys.executable, "-m", "editrain"]
@@ -27,7 +29,7 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 def tiny(cache_dir: Path) -> list[str]:
     """Settings that make a run take seconds on 2 cores."""
     return ["--model.preset", "tiny", "--data.max_bytes", "300000", "--data.vocab_size", "512",
-            "--data.cache_dir", str(cache_dir)]
+            "--data.val_tokens", "8192", "--data.cache_dir", str(cache_dir)]
 
 
 def editrain(*args: str, timeout: float = 280) -> tuple[subprocess.CompletedProcess, float]:
@@ -117,7 +119,7 @@ def diloco_run(tmp_path_factory, cache_dir, edit_run):
 
 # ---------------------------------------------------------------------------- training runs
 @pytest.mark.timeout(300)
-def test_train_end_to_end(edit_run):
+def test_train_end_to_end(edit_run, cache_dir):
     run_dir, proc, _elapsed, _ = edit_run
     assert proc.returncode == 0, explain(proc)
     assert "Traceback" not in proc.stderr
@@ -146,8 +148,23 @@ def test_train_end_to_end(edit_run):
 
     evals = [r for r in rows if r.get("val_loss") is not None]
     assert [r["step"] for r in evals] == [0, 10, 20, 30, 40]
+    # Every evaluation covers the whole validation split: each token but the first is
+    # predicted once, shared out over the 4 ranks.
+    val = prepare_tokens("default", cache_dir, 512, max_bytes=300_000, val_tokens=8192).val
     for r in evals:
-        assert {"step", "tokens", "val_loss", "wall_time_s"} <= r.keys()
+        assert {"step", "tokens", "val_loss", "wall_time_s", "eval_time_s"} <= r.keys()
+        assert r["val_tokens"] == len(val) - 1 and r["eval_time_s"] > 0
+    # The logged loss is the mean over all ranks, which read different data.
+    ranks = read_rank_logs(run_dir)
+    assert sorted(ranks) == [0, 1, 2, 3]
+    for rank, rank_rows in ranks.items():
+        assert [r["step"] for r in rank_rows] == list(range(1, 41))
+        assert {r["replica"] for r in rank_rows} == {rank // 2}
+    for r in train_rows:
+        losses = [ranks[k][r["step"] - 1]["loss"] for k in range(4)]
+        assert len(set(losses)) > 1  # different data on different ranks
+        assert r["loss"] == pytest.approx(sum(losses) / 4, rel=1e-6)
+        assert 0 < r["train_time_s"] <= r["wall_time_s"]
     first, last = evals[0]["val_loss"], evals[-1]["val_loss"]
     assert first == pytest.approx(6.24, abs=0.1)  # about log(512) at the start
     assert last < first - 0.5, [r["val_loss"] for r in evals]

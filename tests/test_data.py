@@ -24,13 +24,16 @@ from editrain.data import (
     EOS_TOKEN,
     SequenceStream,
     eos_id,
+    eval_batches,
     iter_documents,
+    iter_records,
     load_tokenizer,
     prepare_tokens,
     resolve_sources,
     source_fingerprint,
     train_bpe_tokenizer,
     val_batches,
+    window_overlap,
 )
 from editrain.data.sources import _stdlib_files
 
@@ -267,46 +270,166 @@ def test_prepare_tokens_validation(tmp_path):
     assert not any(tmp_path.iterdir())  # nothing was built for invalid settings
 
 
-def test_val_split_takes_whole_documents_across_corpus(tmp_path):
-    docs = [f"document number {i:03d} " + "lorem ipsum " * 20 for i in range(40)]
+def _decode_docs(data, arr) -> list[str]:
+    """Split a token file at EOS and decode each document."""
+    tok = load_tokenizer(data.tokenizer_path)
+    ids = np.asarray(arr).tolist()
+    assert ids[-1] == data.eos_id  # every document is terminated by EOS
+    out, cur = [], []
+    for t in ids:
+        if t == data.eos_id:
+            out.append(tok.decode(cur))
+            cur = []
+        else:
+            cur.append(t)
+    return out
+
+
+def test_val_split_takes_whole_documents(tmp_path):
+    docs = [f"document number {i:03d} " + f"lorem ipsum {i} dolor " * 20 for i in range(40)]
     # A literal separator string inside a document must stay text, or it would
     # split the document in two.
     docs[3] += " <|endoftext|> is just text here"
     path = tmp_path / "docs.jsonl"
     path.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs), encoding="utf-8")
-    data = prepare_tokens(str(path), tmp_path / "cache", vocab_size=300, val_fraction=0.1)
-    assert data.meta["split"] == "documents" and data.meta["val_documents"] == 4
-    tok = load_tokenizer(data.tokenizer_path)
-
-    def split_docs(arr):
-        ids = np.asarray(arr).tolist()
-        assert ids[-1] == data.eos_id  # every document is terminated by EOS
-        out, cur = [], []
-        for t in ids:
-            if t == data.eos_id:
-                out.append(tok.decode(cur))
-                cur = []
-            else:
-                cur.append(t)
-        return out
-
-    # Evenly spaced indices: beginning, middle and end of the corpus.
-    val_idx = [5, 15, 25, 35]
-    assert split_docs(data.val) == [docs[i] for i in val_idx]
-    assert split_docs(data.train) == [d for i, d in enumerate(docs) if i not in val_idx]
+    data = prepare_tokens(str(path), tmp_path / "cache", vocab_size=300, val_fraction=0.1,
+                          val_tokens=0)
+    assert data.meta["split"] == "documents"
+    val, train = _decode_docs(data, data.val), _decode_docs(data, data.train)
+    # About 10% of the bytes, whole documents, each side in corpus order, nothing lost.
+    assert 3 <= len(val) <= 5 and data.meta["val_documents"] == len(val)
+    assert sorted(val + train) == sorted(docs)
+    assert val == [d for d in docs if d in set(val)]
+    assert train == [d for d in docs if d not in set(val)]
+    listed = json.loads((data.cache_dir / "val_documents.json").read_text())
+    assert [docs[int(name.rsplit(":", 1)[1]) - 1] for name, _, _ in listed] == val
+    # A different split seed holds out different documents.
+    other = prepare_tokens(str(path), tmp_path / "cache", vocab_size=300, val_fraction=0.1,
+                           val_tokens=0, split_seed=1)
+    assert _decode_docs(other, other.val) != val
 
 
-def test_single_document_falls_back_to_token_split(tmp_path):
+def test_val_tokens_floor_and_cap(tmp_path):
+    docs = [f"doc {i} " + " ".join(f"w{i}x{j}" for j in range(60)) for i in range(100)]
+    path = tmp_path / "docs.jsonl"
+    path.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs), encoding="utf-8")
+    small = prepare_tokens(str(path), tmp_path / "c", vocab_size=300, val_fraction=0.01,
+                           val_tokens=3000)
+    assert len(small.val) >= 3000 > 0.01 * (len(small.train) + len(small.val))
+    # A floor larger than the corpus is capped at 30% of it (by bytes).
+    capped = prepare_tokens(str(path), tmp_path / "c", vocab_size=300, val_fraction=0.01,
+                            val_tokens=10**9)
+    share = len(capped.val) / (len(capped.train) + len(capped.val))
+    assert 0.15 < share < 0.4
+
+
+def test_exact_duplicates_dropped_and_near_duplicates_grouped(tmp_path):
+    base = " ".join(f"token{j}" for j in range(300))
+    docs = []
+    for i in range(30):
+        docs.append(f"unique document {i} " + " ".join(f"u{i}v{j}" for j in range(150)))
+    for i in range(6):  # near copies of one text: one word changed each
+        docs.append(base.replace("token7 ", f"variant{i} "))
+    docs.append(docs[0])  # an exact duplicate
+    path = tmp_path / "docs.jsonl"
+    path.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs), encoding="utf-8")
+    for seed in range(4):
+        data = prepare_tokens(str(path), tmp_path / "cache", vocab_size=300, val_fraction=0.2,
+                              val_tokens=0, split_seed=seed)
+        assert data.meta["kinds"]["duplicates_dropped"] == 1
+        val, train = _decode_docs(data, data.val), _decode_docs(data, data.train)
+        assert len(val) + len(train) == len(docs) - 1
+        near_in_val = sum(d.startswith("token0") for d in val)
+        assert near_in_val in (0, 6), f"seed {seed}: near-duplicates split {near_in_val}/6"
+        assert data.meta["near_duplicate_merges"] >= 5
+
+
+def test_single_document_falls_back_to_tail_split(tmp_path):
     text = "".join(f"line {i}: the quick brown fox\n" for i in range(2000))
     path = tmp_path / "one.txt"
     path.write_text(text, encoding="utf-8")
-    data = prepare_tokens(str(path), tmp_path / "cache", vocab_size=300, val_fraction=0.1)
-    assert data.meta["split"] == "tokens"
-    total = len(data.train) + len(data.val)
-    assert len(data.val) == int(np.ceil(0.1 * total))
-    tok = load_tokenizer(data.tokenizer_path)
-    joined = np.concatenate([np.asarray(data.train), np.asarray(data.val)]).tolist()
-    assert tok.decode(joined) == text  # split is a cut of one stream, nothing lost
+    data = prepare_tokens(str(path), tmp_path / "cache", vocab_size=300, val_fraction=0.1,
+                          val_tokens=0)
+    assert data.meta["split"] == "tail"
+    (train,), (val,) = _decode_docs(data, data.train), _decode_docs(data, data.val)
+    assert train + val == text  # a cut of the one document, at a line break, nothing lost
+    assert val.startswith("line ") and train.endswith("\n")
+    assert abs(len(val) / len(text) - 0.1) < 0.01
+
+
+def test_tokenizer_trained_on_train_split_only(tmp_path, monkeypatch):
+    seen: list[str] = []
+    real = dataset_mod.train_bpe_tokenizer
+
+    def spy(docs, vocab_size):
+        docs = list(docs)
+        seen.extend(docs)
+        return real(docs, vocab_size)
+
+    monkeypatch.setattr(dataset_mod, "train_bpe_tokenizer", spy)
+    data = prepare_tokens("default", tmp_path, vocab_size=300, max_bytes=SMALL, val_tokens=2000)
+    val_docs = _decode_docs(data, data.val)
+    assert val_docs and seen
+    trained_on = set(seen)
+    assert not any(d in trained_on for d in val_docs)
+    assert data.meta["tokenizer_trained_on"] == "train"
+
+
+def test_cache_key_changes_with_content_at_equal_size(tmp_path):
+    path = tmp_path / "corpus.txt"
+    path.write_text("alpha beta gamma\n" * 50, encoding="utf-8")
+    refs = resolve_sources(str(path))
+    before = source_fingerprint(refs, None)
+    st = path.stat()
+    path.write_text("alpha beta delta\n" * 50, encoding="utf-8")  # same size
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))  # and the same mtime
+    assert path.stat().st_size == st.st_size
+    assert source_fingerprint(refs, None) != before
+
+
+@pytest.fixture(scope="module")
+def default_corpus(tmp_path_factory):
+    """The default run's corpus, as ``editrain train`` builds it (about 10 s)."""
+    from editrain.config import Config
+
+    d = Config().data
+    return prepare_tokens(d.path, tmp_path_factory.mktemp("default-cache"), d.vocab_size,
+                          None, d.val_fraction, d.max_bytes, val_tokens=d.val_tokens,
+                          split_seed=d.split_seed)
+
+
+def test_default_corpus_split_is_clean(default_corpus):
+    """The acceptance of the honest yardstick: the default split leaks little, keeps
+    families on one side, is large enough and has prose and code on both sides."""
+    from editrain.config import Config
+
+    data, d = default_corpus, Config().data
+    assert data.meta["split"] == "documents"
+    assert len(data.val) >= 65_536
+    # Measured independently of the value recorded at build time.
+    overlap = window_overlap(np.asarray(data.val), np.asarray(data.train), 32)
+    assert overlap <= 0.15, f"{overlap:.1%} of val 32-token windows occur in train.bin"
+    assert overlap == pytest.approx(data.meta["val_train_overlap_32"], abs=1e-6)
+    listed = json.loads((data.cache_dir / "val_documents.json").read_text())
+    val_names = {name for name, _, _ in listed}
+    val_families = {family for _, family, _ in listed}
+    train_families = {doc.family for doc in iter_records(resolve_sources(d.path), d.max_bytes)
+                      if doc.name not in val_names}
+    assert not val_families & train_families
+    kinds = data.meta["kinds"]
+    assert set(kinds["val"]) == set(kinds["train"]) == {"code", "prose"}
+    # The corpus samples the whole library, not an alphabetical prefix.
+    tops = sorted({name.split("/")[0] for name, _, _ in listed if name.startswith("stdlib:")})
+    assert len(tops) >= 3
+
+
+def test_window_overlap_counts_verbatim_windows():
+    train = np.arange(100)
+    val = np.concatenate([np.arange(10, 20), np.arange(500, 505)])  # 15 tokens
+    # windows of 4: 12 in all; those inside 10..19 (7 of them) occur in train.
+    assert window_overlap(val, train, 4) == pytest.approx(7 / 12)
+    assert window_overlap(val[:3], train, 4) == 0.0
+    assert window_overlap(np.arange(500, 540), train, 4) == 0.0
 
 
 def _prepare_in_child(cache_root, barrier, queue):
@@ -521,3 +644,33 @@ def test_val_batches_deterministic():
     assert sum(s[0] for s in shapes[0]) == 33 and shapes[0][-1] == (1, 11)
     with pytest.raises(ValueError, match="too small"):
         val_batches(_tokens(21), 10, 4, 2, rank=0, world_size=3)
+
+
+@pytest.mark.parametrize("n_tokens", [2, 11, 101, 1000, 1001])
+@pytest.mark.parametrize("world", [1, 2, 3])
+@pytest.mark.parametrize("batch", [1, 4])
+def test_eval_batches_cover_every_target_once(n_tokens, world, batch):
+    tokens = np.arange(n_tokens, dtype=np.int64)  # token value == position
+    shares = [eval_batches(tokens, 10, batch, r, world) for r in range(world)]
+    # Equal number of forward passes on every rank (a sharded forward is a collective).
+    assert len({len(s) for s in shares}) == 1
+    targets = []
+    for share in shares:
+        for b in share:
+            assert b.tokens.shape[0] <= batch and b.tokens.dtype == torch.int64
+            if b.targets:
+                assert b.targets == b.tokens[:, 1:].numel()
+                targets += b.tokens[:, 1:].flatten().tolist()
+    # Every token but the first is a target exactly once: the whole split.
+    assert sorted(targets) == list(range(1, n_tokens))
+    assert sum(b.targets for s in shares for b in s) == n_tokens - 1
+
+
+def test_eval_batches_cap_spreads_over_split():
+    tokens = np.arange(10_001)
+    batches = eval_batches(tokens, 10, 8, 0, 1, max_tokens=200)
+    starts = sorted(int(x) for b in batches for x in b.tokens[:, 0])
+    assert sum(b.targets for b in batches) == 200
+    assert starts[0] < 1000 and starts[-1] > 9000  # not a prefix
+    with pytest.raises(ValueError, match="too small"):
+        eval_batches(np.arange(1), 10, 4, 0, 1)

@@ -66,7 +66,7 @@ def test_multi_node_script_single_node(tmp_path):
     _run(["bash", str(EXAMPLES / "multi_node.sh"), "--steps", "12", "--quiet",
           "--model.preset", "tiny", "--data.path", str(corpus), "--data.vocab_size", "300",
           "--data.cache_dir", str(tmp_path / "cache"), "--train.seq_len", "32",
-          "--train.batch_size", "4", "--train.eval_batches", "2", "--train.warmup_steps", "2",
+          "--train.batch_size", "4", "--train.eval_tokens", "1024", "--train.warmup_steps", "2",
           "--sync.local_sgd_sync_interval", "3", "--checkpoint.final", "false",
           "--run-dir", str(run)],
          NNODES="1", NPROC_PER_NODE="4", SHARD_SIZE="2", MASTER_PORT=str(free_port()),

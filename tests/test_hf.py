@@ -86,7 +86,7 @@ def test_train_hf_llama_end_to_end(tmp_path):
            "--nproc", "4", "--shard-size", "2", "--steps", "30", "--quiet",
            "--data.path", str(corpus), "--data.vocab_size", "300",
            "--data.cache_dir", str(tmp_path / "cache"),
-           "--train.seq_len", "32", "--train.batch_size", "8", "--train.eval_batches", "2",
+           "--train.seq_len", "32", "--train.batch_size", "8", "--train.eval_tokens", "1024",
            "--train.eval_every", "10", "--train.warmup_steps", "2",
            "--sync.local_sgd_sync_interval", "5", "--checkpoint.final", "false",
            "--run-dir", str(run)]

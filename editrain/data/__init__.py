@@ -5,13 +5,23 @@ only, never on other ``editrain`` packages or ``torch.distributed`` (ranks and
 world size are plain ints passed in by the caller).
 """
 
-from .dataset import FORMAT_VERSION, TokenData, prepare_tokens, token_dtype
-from .sampler import SequenceStream, val_batches
+from .dataset import (
+    DEFAULT_VAL_TOKENS,
+    FORMAT_VERSION,
+    OVERLAP_WINDOW,
+    TokenData,
+    prepare_tokens,
+    token_dtype,
+)
+from .overlap import window_overlap
+from .sampler import EvalBatch, SequenceStream, eval_batches, val_batches
 from .sources import (
     DEFAULT_SOURCE,
     TEXT_EXTENSIONS,
+    Document,
     SourceRef,
     iter_documents,
+    iter_records,
     resolve_sources,
     source_fingerprint,
 )
@@ -28,6 +38,13 @@ from .tokenizer import (
 
 __all__ = [
     "DEFAULT_SOURCE",
+    "DEFAULT_VAL_TOKENS",
+    "Document",
+    "EvalBatch",
+    "OVERLAP_WINDOW",
+    "eval_batches",
+    "iter_records",
+    "window_overlap",
     "EOS_FALLBACK_TOKENS",
     "EOS_TOKEN",
     "FORMAT_VERSION",

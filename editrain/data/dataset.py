@@ -7,6 +7,12 @@ lives in ``cache_root/<key>/`` where ``key`` hashes everything that changes
 the result, and it counts as complete only once ``meta.json`` exists, which is
 written last, so a crash mid-build never leaves an entry that looks usable.
 
+Building an entry: the validation split is decided on the text first, by whole
+documents with families and near-duplicates kept on one side
+(:mod:`editrain.data.split`); the BPE tokenizer is then trained on the training
+side only; both sides are tokenised; the share of validation 32-token windows that
+also occur in training is measured and recorded in ``meta.json``.
+
 Layout of the token files: each document's tokens are followed by one EOS
 token, and the documents of a split are concatenated, so the files are flat
 1-D arrays of ``uint16`` (vocab <= 65535) or ``uint32`` ids.
@@ -18,7 +24,6 @@ import fcntl
 import hashlib
 import json
 import logging
-import math
 import os
 import shutil
 import time
@@ -28,7 +33,9 @@ from pathlib import Path
 
 import numpy as np
 
-from .sources import iter_documents, resolve_sources, source_fingerprint
+from .overlap import window_overlap
+from .sources import iter_records, resolve_sources, source_fingerprint
+from .split import MAX_VAL_SHARE, NEAR_DUP_JACCARD, SplitPlan, describe_document, plan_split
 from .tokenizer import (
     MIN_VOCAB_SIZE,
     eos_id,
@@ -38,13 +45,21 @@ from .tokenizer import (
     train_bpe_tokenizer,
 )
 
-__all__ = ["FORMAT_VERSION", "TokenData", "prepare_tokens", "token_dtype"]
+__all__ = [
+    "DEFAULT_VAL_TOKENS",
+    "FORMAT_VERSION",
+    "OVERLAP_WINDOW",
+    "VAL_DOCUMENTS_FILE",
+    "TokenData",
+    "prepare_tokens",
+    "token_dtype",
+]
 
 log = logging.getLogger(__name__)
 
 # Bump whenever the bytes written for the same inputs would change (split rule,
 # separator placement, tokenizer recipe), so stale entries are not reused.
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 
 # Documents are encoded in groups of about this many characters: large enough
 # for encode_batch to use several threads, small enough to bound memory.
@@ -54,8 +69,19 @@ _ENCODE_BATCH_CHARS = 4 << 20
 # Tokens at a cut may differ from encoding the whole string; that only changes
 # how the text is segmented, never the text itself.
 _MAX_PIECE_CHARS = 1 << 20
-# Tokens copied per step when splitting the stream into train/val.
-_COPY_CHUNK = 1 << 24
+# The validation floor is in tokens but the split is planned in bytes before the
+# tokenizer exists: plan with this guess, then re-plan with the measured ratio if short.
+_BYTES_PER_TOKEN_GUESS = 3.2
+_SPLIT_ATTEMPTS = 3
+
+OVERLAP_WINDOW = 32
+"""Window length (tokens) of the val/train overlap recorded in ``meta.json``."""
+
+VAL_DOCUMENTS_FILE = "val_documents.json"
+"""Cache entry file listing ``[name, family, kind]`` of every validation document."""
+
+DEFAULT_VAL_TOKENS = 65_536
+"""Default floor of the validation split, in tokens (``data.val_tokens``)."""
 
 
 def token_dtype(vocab_size: int) -> np.dtype:
@@ -97,7 +123,8 @@ class TokenData:
     meta: dict = field(default_factory=dict)
 
 
-def _validate(vocab_size: int, val_fraction: float, tokenizer_path: str | None) -> None:
+def _validate(vocab_size: int, val_fraction: float, val_tokens: int,
+              tokenizer_path: str | None) -> None:
     # numpy integers are accepted too (configs are sometimes built from arrays).
     if tokenizer_path is None and (
         not isinstance(vocab_size, (int, np.integer)) or vocab_size < MIN_VOCAB_SIZE
@@ -108,13 +135,15 @@ def _validate(vocab_size: int, val_fraction: float, tokenizer_path: str | None) 
         )
     if not (0.0 < float(val_fraction) < 0.5):
         raise ValueError(f"data.val_fraction must be in (0, 0.5), got {val_fraction!r}")
+    if not isinstance(val_tokens, (int, np.integer)) or val_tokens < 0:
+        raise ValueError(f"data.val_tokens must be an int >= 0, got {val_tokens!r}")
 
 
 def _cache_key(
     fingerprint: str,
     tokenizer_identity: list,
     max_bytes: int | None,
-    val_fraction: float,
+    split: dict,
     text_field: str,
     eos_token: str | None,
 ) -> str:
@@ -124,7 +153,7 @@ def _cache_key(
             "source": fingerprint,
             "tokenizer": tokenizer_identity,
             "max_bytes": max_bytes,
-            "val_fraction": float(val_fraction),
+            "split": split,
             "text_field": text_field,
             "eos_token": eos_token,
         },
@@ -238,67 +267,21 @@ def _encode_to_file(tok, docs: Iterable[str], eos: int, dtype: np.dtype, out) ->
     return lengths
 
 
-def _choose_val_documents(lengths: np.ndarray, val_fraction: float) -> np.ndarray | None:
-    """Boolean mask of validation documents, or None to fall back to a token split.
-
-    ``k = max(1, round(n * f))`` documents at evenly spaced indices form the
-    validation set, so it samples the whole corpus (beginning, middle, end)
-    and is identical on every build. When there are too few documents for
-    that to come near the requested fraction (a single big text file, or a few
-    files of very different size) the caller splits the token stream instead.
-    """
-    n = len(lengths)
-    if n < 2:
-        return None
-    k = max(1, round(n * val_fraction))
-    idx = ((np.arange(k) + 0.5) * n / k).astype(np.int64)
-    mask = np.zeros(n, dtype=bool)
-    mask[idx] = True
-    if lengths[mask].sum() > 2 * val_fraction * lengths.sum():
-        return None
-    return mask
+def _split_texts(refs, max_bytes: int | None, plan: SplitPlan, side: int) -> Iterator[str]:
+    """The texts of one side of ``plan`` (0: training, 1: validation), in corpus order."""
+    for i, doc in enumerate(iter_records(refs, max_bytes)):
+        text = plan.parts(i, doc.text)[side]
+        if text:
+            yield text
 
 
-def _copy_range(src: np.ndarray, start: int, end: int, out) -> None:
-    for s in range(start, end, _COPY_CHUNK):
-        np.asarray(src[s : min(end, s + _COPY_CHUNK)]).tofile(out)
-
-
-def _split_to_files(
-    all_path: Path, dtype: np.dtype, lengths: np.ndarray, val_fraction: float, entry: Path
-) -> dict:
-    """Write ``train.bin`` and ``val.bin`` from the full stream; return split stats."""
-    total = int(lengths.sum())
-    stream = np.memmap(all_path, dtype=dtype, mode="r", shape=(total,))
-    mask = _choose_val_documents(lengths, val_fraction)
-    tmp = {s: entry / f"{s}.bin.tmp.{os.getpid()}" for s in ("train", "val")}
-    with open(tmp["train"], "wb") as f_train, open(tmp["val"], "wb") as f_val:
-        if mask is None:
-            # Tail split: the val set is the last ceil(f * total) tokens; f < 0.5
-            # keeps the train part non-empty.
-            n_val = max(1, math.ceil(val_fraction * total))
-            _copy_range(stream, 0, total - n_val, f_train)
-            _copy_range(stream, total - n_val, total, f_val)
-            stats = {"split": "tokens", "val_documents": 0}
-        else:
-            offsets = np.concatenate([[0], np.cumsum(lengths)])
-            # Copy maximal runs of consecutive documents of the same split,
-            # so the loop runs per run, not per document.
-            change = np.flatnonzero(mask[1:] != mask[:-1]) + 1
-            bounds = np.concatenate([[0], change, [len(lengths)]])
-            for a, b in zip(bounds[:-1], bounds[1:]):
-                out = f_val if mask[a] else f_train
-                _copy_range(stream, int(offsets[a]), int(offsets[b]), out)
-            stats = {"split": "documents", "val_documents": int(mask.sum())}
-        for fh in (f_train, f_val):
-            fh.flush()
-            os.fsync(fh.fileno())
-    del stream
-    sizes = {s: tmp[s].stat().st_size // dtype.itemsize for s in tmp}
-    for s in ("train", "val"):
-        os.replace(tmp[s], entry / f"{s}.bin")
-    stats.update(train_tokens=int(sizes["train"]), val_tokens=int(sizes["val"]))
-    return stats
+def _encode_split(tok, texts: Iterable[str], eos: int, dtype: np.dtype, path: Path) -> int:
+    """Encode ``texts`` into ``path`` (durably); return the number of tokens written."""
+    with open(path, "wb") as out:
+        n = int(sum(_encode_to_file(tok, texts, eos, dtype, out)))
+        out.flush()
+        os.fsync(out.fileno())
+    return n
 
 
 def _build_entry(
@@ -307,7 +290,7 @@ def _build_entry(
     source_spec,
     vocab_size: int,
     tokenizer_path: str | None,
-    val_fraction: float,
+    split: dict,
     max_bytes: int | None,
     eos_token: str | None,
     key: str,
@@ -318,33 +301,57 @@ def _build_entry(
         shutil.rmtree(entry)
     entry.mkdir(parents=True)
 
+    # Pass 1: what the split needs of every document (sizes, families, kinds, MinHash).
+    infos = [describe_document(doc) for doc in iter_records(refs, max_bytes)]
+    val_tokens = split["val_tokens"]
+    bytes_per_token = _BYTES_PER_TOKEN_GUESS
     tok_file = entry / "tokenizer.json"
+    tmp = {s: entry / f"{s}.bin.tmp.{os.getpid()}" for s in ("train", "val")}
+    for attempt in range(_SPLIT_ATTEMPTS):
+        plan = plan_split(infos, split["val_fraction"], int(val_tokens * bytes_per_token),
+                          split["seed"])
+        if tokenizer_path is not None:
+            tok = load_tokenizer(tokenizer_path)
+        else:
+            # Trained on the training side only: validation text must stay unseen, down
+            # to which byte pairs got merged.
+            log.info("training byte-level BPE tokenizer (vocab_size=%d)", vocab_size)
+            tok = train_bpe_tokenizer(_split_texts(refs, max_bytes, plan, 0), vocab_size)
+        eos = eos_id(tok, eos_token)
+        vsize = tokenizer_vocab_size(tok)
+        dtype = token_dtype(vsize)
+        # Text that happens to contain "<|endoftext|>" must stay text: separators
+        # are only the ones inserted between documents here.
+        tok.encode_special_tokens = True
+        log.info("tokenising corpus into %s", entry)
+        n_val = _encode_split(tok, _split_texts(refs, max_bytes, plan, 1), eos, dtype, tmp["val"])
+        val_bytes = plan.stats.get("val_bytes", 0)
+        if n_val >= val_tokens or plan.stats.get("capped") or n_val == 0:
+            break
+        # The floor is in tokens, the plan in bytes: retry once the ratio is measured.
+        bytes_per_token = 1.05 * val_bytes / n_val
+        log.info("validation split has %d < data.val_tokens=%d tokens; re-planning "
+                 "(attempt %d)", n_val, val_tokens, attempt + 2)
+    n_train = _encode_split(tok, _split_texts(refs, max_bytes, plan, 0), eos, dtype, tmp["train"])
+    if n_train == 0 or n_val == 0:
+        raise ValueError(f"data.path: the corpus is too small to split ({n_train} training, "
+                         f"{n_val} validation tokens)")
     if tokenizer_path is not None:
-        tok = load_tokenizer(tokenizer_path)
         # Copy the user's bytes verbatim so the entry's file hashes the same.
         _atomic_write_bytes(tok_file, Path(tokenizer_path).expanduser().read_bytes())
     else:
-        log.info("training byte-level BPE tokenizer (vocab_size=%d)", vocab_size)
-        tok = train_bpe_tokenizer(iter_documents(refs, max_bytes), vocab_size)
         _atomic_write_bytes(tok_file, tok.to_str().encode("utf-8"))
-
-    eos = eos_id(tok, eos_token)
-    vsize = tokenizer_vocab_size(tok)
-    dtype = token_dtype(vsize)
-    # Text that happens to contain "<|endoftext|>" must stay text: separators
-    # are only the ones inserted between documents here.
-    tok.encode_special_tokens = True
-
-    all_path = entry / f"all.bin.tmp.{os.getpid()}"
-    log.info("tokenising corpus into %s", entry)
-    with open(all_path, "wb") as out:
-        lengths = np.asarray(
-            _encode_to_file(tok, iter_documents(refs, max_bytes), eos, dtype, out), dtype=np.int64
-        )
-    try:
-        stats = _split_to_files(all_path, dtype, lengths, val_fraction, entry)
-    finally:
-        all_path.unlink(missing_ok=True)
+    for s in ("train", "val"):
+        os.replace(tmp[s], entry / f"{s}.bin")
+    # Which documents were held out, so anyone can check the split (and tests do).
+    val_docs = [[d.name, d.family, d.kind] for i, d in enumerate(iter_records(refs, max_bytes))
+                if plan.parts(i, d.text)[1]]
+    _atomic_write_bytes(entry / VAL_DOCUMENTS_FILE,
+                        json.dumps(val_docs, ensure_ascii=True).encode("ascii"))
+    train = np.memmap(entry / "train.bin", dtype=dtype, mode="r", shape=(n_train,))
+    val = np.memmap(entry / "val.bin", dtype=dtype, mode="r", shape=(n_val,))
+    overlap = window_overlap(val, train, OVERLAP_WINDOW)
+    del train, val
 
     meta = {
         "format": FORMAT_VERSION,
@@ -354,25 +361,33 @@ def _build_entry(
             for s in ([source_spec] if isinstance(source_spec, (str, os.PathLike)) else source_spec)
         ],
         "max_bytes": max_bytes,
-        "val_fraction": float(val_fraction),
+        "val_fraction": float(split["val_fraction"]),
+        "requested_val_tokens": int(val_tokens),
+        "split_seed": int(split["seed"]),
         "tokenizer": "user" if tokenizer_path is not None else "bpe",
+        "tokenizer_trained_on": None if tokenizer_path is not None else "train",
         "requested_vocab_size": vocab_size,
         "vocab_size": vsize,
         "eos_id": eos,
         "dtype": dtype.name,
-        "documents": int(len(lengths)),
+        "documents": len(infos),
+        "split": plan.mode,
+        "groups": plan.groups,
+        "near_duplicate_merges": plan.near_dup_merges,
+        "val_documents": int(plan.val.sum()),
+        "train_tokens": n_train,
+        "val_tokens": n_val,
+        f"val_train_overlap_{OVERLAP_WINDOW}": round(overlap, 6),
+        "kinds": plan.stats,
         "build_seconds": round(time.monotonic() - t0, 3),
-        **stats,
     }
     _fsync_dir(entry)
     # meta.json last: its presence is what marks the entry complete.
     _atomic_write_bytes(entry / "meta.json", json.dumps(meta, indent=1).encode("ascii"))
     _fsync_dir(entry)
     log.info(
-        "token cache built: %d train / %d val tokens in %.1fs",
-        stats["train_tokens"],
-        stats["val_tokens"],
-        meta["build_seconds"],
+        "token cache built: %d train / %d val tokens (%.1f%% of val %d-token windows seen in "
+        "train) in %.1fs", n_train, n_val, 100 * overlap, OVERLAP_WINDOW, meta["build_seconds"],
     )
 
 
@@ -384,6 +399,8 @@ def prepare_tokens(
     val_fraction: float = 0.01,
     max_bytes: int | None = None,
     *,
+    val_tokens: int = DEFAULT_VAL_TOKENS,
+    split_seed: int = 0,
     text_field: str = "text",
     eos_token: str | None = None,
 ) -> TokenData:
@@ -395,10 +412,11 @@ def prepare_tokens(
     shared file system; on multi-node jobs use a per-node ``cache_root`` or
     build once before launching.)
 
-    The validation split takes whole documents at evenly spaced indices (about
-    ``val_fraction`` of them, at least one). If the corpus has too few
-    documents for that (e.g. one big text file), the last ``val_fraction`` of
-    the token stream is used instead; ``meta["split"]`` records which.
+    The validation split holds out whole documents, families and near-duplicates
+    together, stratified by kind: ``max(val_fraction of the bytes, val_tokens)``, at
+    most 30% of the corpus (see :mod:`editrain.data.split`). If the corpus has too
+    few documents for that (e.g. one big text file), its last bytes are used
+    instead; ``meta["split"]`` records which (``"documents"`` or ``"tail"``).
 
     Args:
         source: ``data.path`` spec: ``"default"``, file/directory paths, or a list.
@@ -407,6 +425,8 @@ def prepare_tokens(
         tokenizer_path: Optional user ``tokenizer.json`` (``data.tokenizer``)
             used instead of training a BPE.
         val_fraction: Share of the corpus held out for validation, in (0, 0.5).
+        val_tokens: Floor of the validation split in tokens (``data.val_tokens``).
+        split_seed: Seed of the choice of validation documents (``data.split_seed``).
         max_bytes: Only read this many bytes of text (for small runs/tests).
         text_field: Field/column holding the text in jsonl/parquet sources.
         eos_token: Name of the document separator in a user tokenizer;
@@ -420,7 +440,10 @@ def prepare_tokens(
             a user tokenizer without an end-of-text token.
         FileNotFoundError: A ``data.path`` or ``data.tokenizer`` path is missing.
     """
-    _validate(vocab_size, val_fraction, tokenizer_path)
+    _validate(vocab_size, val_fraction, val_tokens, tokenizer_path)
+    split = {"val_fraction": float(val_fraction), "val_tokens": int(val_tokens),
+             "seed": int(split_seed), "near_dup_jaccard": NEAR_DUP_JACCARD,
+             "max_val_share": MAX_VAL_SHARE, "bytes_per_token_guess": _BYTES_PER_TOKEN_GUESS}
     vocab_size = int(vocab_size)
     if tokenizer_path is not None:
         tokenizer_path = os.fspath(tokenizer_path)
@@ -436,7 +459,7 @@ def prepare_tokens(
         source_fingerprint(refs, max_bytes),
         tok_identity,
         max_bytes,
-        val_fraction,
+        split,
         text_field,
         eos_token,
     )
@@ -464,7 +487,7 @@ def prepare_tokens(
                 source,
                 vocab_size,
                 tokenizer_path,
-                val_fraction,
+                split,
                 max_bytes,
                 eos_token,
                 key,

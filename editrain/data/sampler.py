@@ -19,10 +19,12 @@ dropped at the next epoch boundary, where the new world size takes over.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 import torch
 
-__all__ = ["SequenceStream", "val_batches"]
+__all__ = ["EvalBatch", "SequenceStream", "eval_batches", "val_batches"]
 
 
 def _num_windows(tokens: np.ndarray, seq_len: int) -> int:
@@ -317,6 +319,84 @@ class SequenceStream:
         return stream
 
 
+class EvalBatch(NamedTuple):
+    """One forward pass of an evaluation.
+
+    Args:
+        tokens: ``int64[rows, length + 1]`` (inputs and shifted targets).
+        targets: Number of target tokens that count; 0 for the padding passes that keep
+            every rank's number of forwards equal (FSDP all-gathers in each forward).
+    """
+
+    tokens: torch.Tensor
+    targets: int
+
+
+def eval_batches(
+    tokens: np.ndarray,
+    seq_len: int,
+    batch_size: int,
+    rank: int,
+    world_size: int,
+    max_tokens: int = 0,
+) -> list[EvalBatch]:
+    """This rank's share of an evaluation over the whole validation split.
+
+    The split is cut into windows of ``seq_len`` targets that do not overlap,
+    ``tokens[i*seq_len : (i+1)*seq_len + 1]``, plus one shorter window for the
+    remainder, so every token but the first is predicted exactly once:
+    ``len(tokens) - 1`` targets in all. Window ``i`` goes to rank ``i % world_size``.
+    Every rank gets the same number of forward passes (ranks with less work get
+    padding passes with ``targets == 0``), because a sharded model's forward is a
+    collective.
+
+    Args:
+        tokens: 1-D validation token ids (e.g. ``TokenData.val``).
+        seq_len: Targets per window.
+        batch_size: Windows per forward pass.
+        rank: This rank.
+        world_size: Number of ranks sharing the evaluation.
+        max_tokens: If > 0, evaluate about this many targets only (``train.eval_tokens``):
+            whole windows spread evenly over the split, not a prefix.
+
+    Returns:
+        The rank's :class:`EvalBatch` list; equally long on every rank.
+
+    Raises:
+        ValueError: The split has fewer than 2 tokens, or a bad size.
+    """
+    _check_rank(rank, world_size)
+    if batch_size < 1 or max_tokens < 0:
+        raise ValueError(f"batch_size must be positive and max_tokens >= 0, got "
+                         f"{batch_size}, {max_tokens}")
+    full = _num_windows(tokens, seq_len)
+    rest = len(tokens) - 1 - full * seq_len
+    if full == 0 and rest <= 0:
+        raise ValueError(f"validation split too small: {len(tokens)} tokens")
+    ids = np.arange(full, dtype=np.int64)
+    if 0 < max_tokens < len(tokens) - 1:
+        k = max(1, min(full, -(-max_tokens // seq_len)))
+        ids = ((np.arange(k) + 0.5) * full / k).astype(np.int64)
+        rest = 0
+    per_rank = [ids[r::world_size] for r in range(world_size)]
+    tail_rank = len(ids) % world_size  # the remainder window continues the round robin
+    passes = [-(-len(w) // batch_size) + int(rest > 0 and r == tail_rank)
+              for r, w in enumerate(per_rank)]
+    mine = per_rank[rank]
+    out = [EvalBatch(_gather(tokens, mine[i : i + batch_size], seq_len),
+                     len(mine[i : i + batch_size]) * seq_len)
+           for i in range(0, len(mine), batch_size)]
+    if rest > 0 and rank == tail_rank:
+        start = full * seq_len
+        tail = np.asarray(tokens[start : start + rest + 1]).astype(np.int64)
+        out.append(EvalBatch(torch.from_numpy(tail)[None, :], rest))
+    pad = out[0].tokens if out else _gather(tokens, ids[:1], seq_len) if len(ids) else None
+    if pad is None:  # no full window at all: pad with the remainder's shape
+        pad = torch.from_numpy(np.asarray(tokens[: rest + 1]).astype(np.int64))[None, :]
+    out += [EvalBatch(pad, 0)] * (max(passes) - len(out))
+    return out
+
+
 def val_batches(
     tokens: np.ndarray,
     seq_len: int,
@@ -325,12 +405,11 @@ def val_batches(
     rank: int,
     world_size: int,
 ) -> list[torch.Tensor]:
-    """Fixed validation batches for one rank.
+    """Fixed windows from the start of the validation split (kept for scripts that
+    want a quick, fixed sample; the trainer evaluates with :func:`eval_batches`).
 
     Rank ``r`` gets windows ``r, r + W, r + 2W, ...`` from the start of
-    ``tokens``, the same count on every rank (so all ranks run the same number
-    of eval steps with the same shapes), at most ``max_batches * batch_size``.
-    The last batch may be smaller than ``batch_size``.
+    ``tokens``, the same count on every rank, at most ``max_batches * batch_size``.
 
     Args:
         tokens: 1-D validation token ids (e.g. ``TokenData.val``).
@@ -356,7 +435,7 @@ def val_batches(
     if per_rank == 0:
         raise ValueError(
             f"validation split too small: {len(tokens)} tokens give {n} windows of "
-            f"train.seq_len={seq_len} for {world_size} ranks; raise data.val_fraction"
+            f"train.seq_len={seq_len} for {world_size} ranks; raise data.val_tokens"
         )
     ids = rank + world_size * np.arange(per_rank, dtype=np.int64)
     return [

@@ -1,0 +1,73 @@
+"""The configured corpus: the token cache of a :class:`~editrain.config.Config`, and its report.
+
+One call, :func:`prepare_data`, is shared by the launcher (which tokenises once before
+spawning workers), every worker and ``editrain data``; :func:`describe_data` is what
+``editrain data`` prints.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from editrain.config import Config
+from editrain.data import OVERLAP_WINDOW, TokenData, prepare_tokens
+
+__all__ = ["describe_data", "format_data", "prepare_data"]
+
+
+def prepare_data(cfg: Config) -> TokenData:
+    """Build (or reuse) the token cache that ``cfg.data`` describes."""
+    d = cfg.data
+    return prepare_tokens(
+        d.path, Path(d.cache_dir).expanduser(), d.vocab_size, d.tokenizer, d.val_fraction,
+        d.max_bytes, val_tokens=d.val_tokens, split_seed=d.split_seed,
+    )
+
+
+def describe_data(data: TokenData) -> dict[str, Any]:
+    """The splits of a prepared corpus, as plain data (what ``editrain data --json`` prints).
+
+    Returns:
+        ``cache_dir``, ``reused``, ``vocab_size``, ``split`` (documents or tail),
+        ``documents``, per split its ``tokens``, ``documents`` and bytes/documents per kind,
+        the share of validation windows seen in training (``val_train_overlap``) and the
+        window length, and whether the tokenizer was trained on the training split only.
+    """
+    meta = data.meta
+    kinds = meta.get("kinds", {})
+    return {
+        "cache_dir": str(data.cache_dir),
+        "reused": data.reused,
+        "vocab_size": data.vocab_size,
+        "tokenizer": meta.get("tokenizer"),
+        "tokenizer_trained_on": meta.get("tokenizer_trained_on"),
+        "split": meta.get("split"),
+        "documents": meta.get("documents"),
+        "duplicates_dropped": kinds.get("duplicates_dropped", 0),
+        "groups": meta.get("groups"),
+        "train": {"tokens": int(len(data.train)), "kinds": kinds.get("train", {})},
+        "val": {"tokens": int(len(data.val)), "documents": meta.get("val_documents"),
+                "kinds": kinds.get("val", {})},
+        "overlap_window": OVERLAP_WINDOW,
+        "val_train_overlap": meta.get(f"val_train_overlap_{OVERLAP_WINDOW}"),
+    }
+
+
+def format_data(info: dict[str, Any]) -> str:
+    """Human-readable lines of :func:`describe_data`'s result."""
+    lines = [f"cache:     {info['cache_dir']} ({'reused' if info['reused'] else 'built'})",
+             f"tokenizer: {info['tokenizer']}, vocab {info['vocab_size']}"
+             + (f", trained on the {info['tokenizer_trained_on']} split"
+                if info["tokenizer_trained_on"] else ""),
+             f"documents: {info['documents']} ({info['duplicates_dropped']} exact duplicates "
+             f"dropped, {info['groups']} families), split by {info['split']}"]
+    for side in ("train", "val"):
+        kinds = ", ".join(f"{k} {v['documents']} docs / {v['bytes'] / 1e6:.2f} MB"
+                          for k, v in info[side]["kinds"].items())
+        lines.append(f"{side + ':':<10} {info[side]['tokens']:>10,} tokens"
+                     + (f"  ({kinds})" if kinds else ""))
+    if info["val_train_overlap"] is not None:
+        lines.append(f"overlap:   {100 * info['val_train_overlap']:.1f}% of validation "
+                     f"{info['overlap_window']}-token windows occur in train.bin")
+    return "\n".join(lines)
