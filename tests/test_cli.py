@@ -432,3 +432,25 @@ def test_overwrite_replaces_only_the_run_and_says_so(tmp_path, caplog):
     assert load_config(run_dir / "config.toml").train.steps == 7
     warned = " ".join(r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING)
     assert "--overwrite" in warned and "metrics.jsonl" in warned  # never silently
+
+
+@pytest.mark.timeout(120)
+def test_data_command_prepares_cache_and_reports_split(tmp_path):
+    cache = tmp_path / "cache"
+    args = ["--data.max_bytes", "200000", "--data.vocab_size", "300", "--data.val_tokens",
+            "4096", "--data.cache_dir", str(cache)]
+    proc, _ = editrain("data", "--json", *args)
+    assert proc.returncode == 0, explain(proc)
+    info = json.loads(proc.stdout)
+    assert not info["reused"] and Path(info["cache_dir"]).parent == cache
+    assert info["train"]["tokens"] > 0 and info["val"]["tokens"] >= 4096
+    assert info["tokenizer_trained_on"] == "train" and info["split"] == "documents"
+    assert 0 <= info["val_train_overlap"] <= 1 and info["overlap_window"] == 32
+    assert set(info["val"]["kinds"]) <= {"code", "prose"} and info["val"]["kinds"]
+    # A second call reuses the entry; the human-readable report names the cache.
+    proc, _ = editrain("data", *args)
+    assert proc.returncode == 0, explain(proc)
+    assert "(reused)" in proc.stdout and info["cache_dir"] in proc.stdout
+    assert "occur in train.bin" in proc.stdout
+    proc, _ = editrain("data", "--data.val_tokens", "-1", "--data.cache_dir", str(cache))
+    assert proc.returncode == 2 and "data.val_tokens" in error_line(proc.stderr)
