@@ -27,6 +27,7 @@ _EXPORTS = {
     "MeshInfo": "editrain.topology",
     "OuterOptimizerConfig": "editrain.api",
     "SyncConfig": "editrain.sync.config",
+    "SyncEngine": "editrain.sync.edit",
     "edit": "editrain.api",
     "engine_state_dict": "editrain.api",
     "engine_state_template": "editrain.api",
@@ -44,6 +45,7 @@ __all__ = [
     "MeshInfo",
     "OuterOptimizerConfig",
     "SyncConfig",
+    "SyncEngine",
     "__version__",
     "edit",
     "engine_state_dict",
@@ -67,7 +69,7 @@ if TYPE_CHECKING:  # static analysers and IDEs see the real names
         sync_config_from_reference,
     )
     from editrain.sync.config import GTAConfig, SyncConfig
-    from editrain.sync.edit import EDiT
+    from editrain.sync.edit import EDiT, SyncEngine
     from editrain.topology import MeshInfo, init_mesh
     from editrain.units import find_blocks
 

@@ -21,27 +21,20 @@ saved alongside the user's own ``torch.distributed.checkpoint`` state dict
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
-from editrain.checkpoint import (
-    CheckpointError,
-    SafeFileSystemReader,
-    _global_template,
-    global_state,
-    load_global_state,
-)
+from editrain.checkpoint import saved_tensors
+from editrain.errors import CheckpointError
 from editrain.sync.config import GTAConfig, SyncConfig
-from editrain.sync.edit import EDiT
+from editrain.sync.edit import EDiT, SyncEngine
 from editrain.sync.outer import resolve_optimizer_class
 from editrain.topology import SHARD_DIM, MeshInfo, init_mesh
 from editrain.units import find_blocks
@@ -248,8 +241,8 @@ def edit(
     outer_optim_config: OuterOptimizerConfig | None = None,
     gta_config: GTAConfig | None = None,
     **engine_kwargs: Any,
-) -> EDiT:
-    """Build the :class:`EDiT` engine from a :class:`SyncConfig` or the reference's classes.
+) -> SyncEngine:
+    """Build the :class:`SyncEngine` from a :class:`SyncConfig` or the reference's classes.
 
     Args:
         model: the root module, already sharded (see :func:`parallelize`).
@@ -262,7 +255,7 @@ def edit(
             ``LocalSGDConfig`` only).
         gta_config: the reference's ``GTAConfig`` (with a ``LocalSGDConfig`` only; put it
             in ``SyncConfig.gta`` otherwise).
-        **engine_kwargs: passed on to :class:`EDiT` (``link_delay``, ``trigger``,
+        **engine_kwargs: passed on to :class:`SyncEngine` (``link_delay``, ``trigger``,
             ``before_sync``, ``seed``).
 
     Returns:
@@ -293,22 +286,19 @@ def edit(
         # A forward under no_grad leaves the root unsharded (no backward reshards it); the
         # engine must capture the sharded DTensor parameters, never the temporary ones.
         model.reshard()
-    return EDiT(model, _device_mesh(mesh), sync, blocks=find_blocks(model, blocks),
-                **engine_kwargs)
+    return SyncEngine(model, _device_mesh(mesh), sync, blocks=find_blocks(model, blocks),
+                      **engine_kwargs)
 
 
 # ================================================================== checkpoints
 
 
-def _rank_key() -> str:
-    return f"rank{dist.get_rank():05d}"
+def _check_model(engine: SyncEngine, model: nn.Module) -> None:
+    if model is not engine.model:
+        raise ValueError("model: pass the model the engine was built on")
 
 
-def _json_tensor(obj: Any) -> torch.Tensor:
-    return torch.frombuffer(bytearray(json.dumps(obj).encode()), dtype=torch.uint8).clone()
-
-
-def engine_state_dict(engine: EDiT, model: nn.Module) -> dict[str, Any]:
+def engine_state_dict(engine: SyncEngine, model: nn.Module) -> dict[str, Any]:
     """The engine's state as tensors for ``torch.distributed.checkpoint``, to save.
 
     Put the result under one key of your own DCP state dict (``"editrain"`` unless you
@@ -316,37 +306,21 @@ def engine_state_dict(engine: EDiT, model: nn.Module) -> dict[str, Any]:
     rank. The anchors and outer optimizer state are laid out like the parameters
     (``DTensor``) and identical on every replica, so DCP stores them once; the plain
     counters (steps, sync clock, anomaly detectors) are one small tensor per rank under a
-    per-rank key.
+    per-rank key. The same as ``engine.state_dict()``.
 
     Args:
         engine: the running engine.
         model: the sharded model the engine was built on.
 
     Returns:
-        ``{"global": {"anchor": ..., "outer": ...}, "ranks": {"rankNNNNN": uint8 JSON}}``.
+        The engine's tree (layout: :mod:`editrain.sync.state`).
     """
-    return {
-        "global": global_state(engine, model, engine.device),
-        "ranks": {_rank_key(): _json_tensor(engine.state_dict(include_units=False))},
-    }
-
-
-def _prune(tree: dict[str, Any], prefix: str, keys: set[str]) -> dict[str, Any]:
-    """Drop the leaves of ``tree`` whose flattened DCP key is not in ``keys``."""
-    out: dict[str, Any] = {}
-    for k, v in tree.items():
-        name = f"{prefix}.{k}"
-        if isinstance(v, dict):
-            sub = _prune(v, name, keys)
-            if sub:
-                out[k] = sub
-        elif name in keys:
-            out[k] = v
-    return out
+    _check_model(engine, model)
+    return engine.state_dict()
 
 
 def engine_state_template(
-    engine: EDiT,
+    engine: SyncEngine,
     model: nn.Module,
     checkpoint_id: str | os.PathLike,
     key: str = "editrain",
@@ -359,75 +333,40 @@ def engine_state_template(
     saving, load, then call :func:`load_engine_state_dict`.
 
     Args:
-        engine: the freshly built engine (same model, method and topology as at saving).
+        engine: the freshly built engine (same model and method as at saving).
         model: the sharded model.
         checkpoint_id: the checkpoint directory written by ``dcp.save``.
         key: the key of your DCP state dict that holds the engine state.
 
     Raises:
-        CheckpointError: the checkpoint holds no engine state under ``key``, or none for
-            this rank (a different topology).
+        CheckpointError: the checkpoint holds no engine state under ``key``.
     """
-    metadata = SafeFileSystemReader(checkpoint_id).read_metadata()
-    keys = set(metadata.state_dict_metadata)
-    mine = f"{key}.ranks.{_rank_key()}"
-    if mine not in keys:
-        found = sorted(k for k in keys if k.startswith(f"{key}.ranks."))
-        raise CheckpointError(
-            f"{checkpoint_id}: no editrain state for {_rank_key()} under {key!r} "
-            f"(found {len(found)} rank entries); the engine state is restored on the same "
-            "topology only"
-        )
-    # Which outer-state entries exist, and whether each is per element or a scalar.
-    fqns = {id(p): n for n, p in model.named_parameters()}
-    layouts: dict[str, dict[str, str]] = {}
-    for unit in engine.units:
-        if not unit.params:
-            continue
-        vec = f"{key}.global.outer.{fqns[id(unit.params[0])]}."
-        sca = f"{key}.global.outer.unit{unit.index}."
-        kinds = {k[len(vec):]: "vector" for k in keys if k.startswith(vec)}
-        kinds.update({k[len(sca):]: "scalar" for k in keys if k.startswith(sca)})
-        layouts[str(unit.index)] = kinds
-    # The checkpoint module's layout (this topology), pruned to what the checkpoint has.
-    template = _global_template(engine, model, engine.device, layouts)
-    size = metadata.state_dict_metadata[mine].size  # type: ignore[union-attr]
-    return {
-        "global": _prune(template, f"{key}.global", keys),
-        "ranks": {_rank_key(): torch.zeros(tuple(size), dtype=torch.uint8)},
-    }
+    _check_model(engine, model)
+    saved = saved_tensors(checkpoint_id, key)
+    try:
+        return engine.state_dict_template(saved)
+    except ValueError as e:
+        raise CheckpointError(f"{checkpoint_id}: no editrain engine state under {key!r} "
+                              f"({len(saved)} tensors found there): {e}") from None
 
 
-def load_engine_state_dict(engine: EDiT, model: nn.Module, state: dict[str, Any]) -> None:
+def load_engine_state_dict(engine: SyncEngine, model: nn.Module, state: dict[str, Any]) -> bool:
     """Restore the engine from a state loaded into :func:`engine_state_template`'s tensors.
 
-    Call it after ``dcp.load`` (and after restoring the model and optimizer); training then
-    continues exactly as if it had never stopped.
+    Call it after ``dcp.load`` and after restoring the model and optimizer. On the topology
+    that saved it training continues exactly as if it had never stopped; on another one
+    every replica restarts from the global model (see ``SyncEngine.load_state_dict``).
 
     Args:
         engine: the freshly built engine.
         model: the sharded model.
         state: the ``key`` entry of the loaded DCP state dict.
+
+    Returns:
+        Whether the topology changed (an elastic resume).
     """
-    raw = state["ranks"][_rank_key()]
-    plain = json.loads(bytes(raw.cpu().numpy().tobytes()).decode())
-    gstate = state.get("global", {})
-    anchors = gstate.get("anchor", {})
-    if anchors:
-        layouts: dict[str, dict[str, str]] = {}
-        fqns = {id(p): n for n, p in model.named_parameters()}
-        outer = gstate.get("outer", {})
-        for unit in engine.units:
-            if not unit.params:
-                continue
-            kinds = {k: "vector" for k in outer.get(fqns[id(unit.params[0])], {})}
-            kinds.update({k: "scalar" for k in outer.get(f"unit{unit.index}", {})})
-            layouts[str(unit.index)] = kinds
-        load_global_state(engine, model, {"anchor": anchors, "outer": outer}, layouts)
-    else:
-        for unit in engine.units:  # saved during warm-up: no anchors yet
-            unit.load_state_dict({"anchor": None})
-    engine.load_state_dict(plain)
+    _check_model(engine, model)
+    return engine.load_state_dict(state)
 
 
 __all__ = [
@@ -437,6 +376,7 @@ __all__ = [
     "MeshInfo",
     "OuterOptimizerConfig",
     "SyncConfig",
+    "SyncEngine",
     "edit",
     "engine_state_dict",
     "engine_state_template",

@@ -4,15 +4,16 @@ Layout of one checkpoint directory ``RUN_DIR/checkpoints/step_00000100/``::
 
     .metadata, __*.distcp     DCP tensor data (every rank writes its own shards)
     rank_00000.json ...       per-rank plain data: data position, RNG states, counters
-    editrain.json             topology, config, step, save time; written LAST = "complete"
+    editrain.json             format, topology, config, step, save time; written LAST = "complete"
 
 What the tensors hold, under stable keys:
 
 * ``replica{i}.model`` / ``replica{i}.optim``: replica ``i``'s live parameters and inner
   optimizer state (replicas differ between syncs, so each is saved);
-* ``global.anchor.<fqn>`` / ``global.outer.<fqn>.<state>``: the anchors (the global model)
-  and the outer optimizer state, identical on every replica, saved once, as DTensors laid
-  out like the parameters, so that they re-shard to any topology (elastic resume).
+* ``engine.*``: the sync engine's own state, exactly as its ``state_dict()`` returns it and
+  read back through its ``state_dict_template()`` / ``load_state_dict()``. The engine lays
+  it out so that it re-shards to any topology (elastic resume); this module does not look
+  inside.
 
 A checkpoint is written into ``step_X.tmp`` and renamed when every rank is done; a directory
 without ``editrain.json`` is never loaded. Loading unpickles nothing but DCP's own metadata
@@ -37,7 +38,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
-from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -45,7 +46,6 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
-from torch.distributed.tensor import DTensor
 
 from editrain.errors import CheckpointError
 
@@ -53,6 +53,10 @@ log = logging.getLogger("editrain")
 
 MARKER = "editrain.json"
 CKPT_DIR = "checkpoints"
+FORMAT = 2
+"""Checkpoint format, stored in the marker. 1 (no ``format`` field) kept the engine's tensors
+under ``global.*``; 2 stores the engine's own state dict under ``engine``."""
+ENGINE_KEY = "engine"
 
 
 # ---------------------------------------------------------------------------- safe loading
@@ -156,107 +160,26 @@ def set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state(tensor(state["cuda"]))
 
 
-# ---------------------------------------------------------------------------- tensors
-def _param_fqns(model: torch.nn.Module) -> dict[int, str]:
-    return {id(p): n for n, p in model.named_parameters()}
+# ---------------------------------------------------------------------------- metadata
+def saved_tensors(checkpoint_id: str | os.PathLike, key: str) -> dict[str, torch.Tensor]:
+    """What a DCP checkpoint holds under ``key``: each tensor's flattened key (without the
+    leading ``key.``) -> an empty tensor on the meta device with the saved shape and dtype.
 
+    This is what a state's owner needs to build the tensors ``dcp.load`` fills, when what
+    was saved depends on when it was saved (see ``SyncEngine.state_dict_template``).
 
-def _as_param_layout(flat: torch.Tensor, unit: Any, device: torch.device,
-                     fqns: dict[int, str]) -> dict[str, torch.Tensor]:
-    """Split a unit's flat local vector into per-parameter tensors laid out like the
-    parameters (DTensors on the shard mesh), so DCP can re-shard them."""
-    out: dict[str, torch.Tensor] = {}
-    offset = 0
-    flat = flat.to(device)
-    for p, n in zip(unit.params, unit.numels):
-        local_shape = p.to_local().shape if isinstance(p, DTensor) else p.shape
-        piece = flat[offset:offset + n].view(local_shape)
-        offset += n
-        if isinstance(p, DTensor):
-            piece = DTensor.from_local(piece, p.device_mesh, p.placements, run_check=False,
-                                       shape=p.shape, stride=p.stride())
-        out[fqns[id(p)]] = piece
-    return out
-
-
-def _from_param_layout(tensors: dict[str, torch.Tensor], unit: Any,
-                       fqns: dict[int, str]) -> torch.Tensor:
-    parts = []
-    for p in unit.params:
-        t = tensors[fqns[id(p)]]
-        t = t.to_local() if isinstance(t, DTensor) else t
-        parts.append(t.reshape(-1).float())
-    return torch.cat(parts) if parts else torch.zeros(0)
-
-
-def _outer_layout(unit: Any) -> dict[str, str]:
-    """Kinds of the outer optimizer's state entries: "vector" (per element) or "scalar"."""
-    if unit.outer is None or not unit.outer.state:
-        return {}
-    state = next(iter(unit.outer.state.values()))
-    return {k: ("vector" if torch.is_tensor(v) and v.numel() == unit.numel and v.dim() > 0
-                else "scalar") for k, v in state.items()}
-
-
-def global_state(engine: Any, model: torch.nn.Module, device: torch.device) -> dict[str, Any]:
-    """Anchors and outer state in parameter layout (identical on every replica)."""
-    fqns = _param_fqns(model)
-    out: dict[str, Any] = {"anchor": {}, "outer": {}}
-    for unit in engine.units:
-        if unit.anchor is None:
-            continue
-        out["anchor"].update(_as_param_layout(unit.anchor, unit, device, fqns))
-        if unit.outer is None or not unit.outer.state:
-            continue
-        state = unit.outer.state[unit.anchor]
-        for key, kind in _outer_layout(unit).items():
-            if kind == "vector":
-                for fqn, t in _as_param_layout(state[key], unit, device, fqns).items():
-                    out["outer"].setdefault(fqn, {})[key] = t
-            else:
-                v = state[key]
-                out["outer"].setdefault(f"unit{unit.index}", {})[key] = (
-                    v.detach().clone() if torch.is_tensor(v) else torch.tensor(v))
-    return out
-
-
-def load_global_state(engine: Any, model: torch.nn.Module, gstate: dict[str, Any],
-                      layouts: dict[str, dict[str, str]]) -> None:
-    """Rebuild anchors and outer state from :func:`global_state` tensors (any topology)."""
-    fqns = _param_fqns(model)
-    for unit in engine.units:
-        if not unit.params or fqns[id(unit.params[0])] not in gstate["anchor"]:
-            continue
-        anchor = _from_param_layout(gstate["anchor"], unit, fqns)
-        unit.load_state_dict({"anchor": anchor, "outer": None})
-        layout = layouts.get(str(unit.index), {})
-        if unit.outer is None or not layout:
-            continue
-        state: dict[str, Any] = {}
-        for key, kind in layout.items():
-            if kind == "vector":
-                per_param = {fqns[id(p)]: gstate["outer"][fqns[id(p)]][key] for p in unit.params}
-                state[key] = _from_param_layout(per_param, unit, fqns).to(unit.anchor.device)
-            else:
-                state[key] = gstate["outer"][f"unit{unit.index}"][key].clone()
-        unit.outer.state[unit.anchor] = state
-
-
-def _global_template(engine: Any, model: torch.nn.Module, device: torch.device,
-                     layouts: dict[str, dict[str, str]]) -> dict[str, Any]:
-    """Empty tensors with the current topology's layout, for DCP to load into."""
-    fqns = _param_fqns(model)
-    out: dict[str, Any] = {"anchor": {}, "outer": {}}
-    for unit in engine.units:
-        zeros = torch.zeros(unit.numel, dtype=torch.float32)
-        out["anchor"].update(_as_param_layout(zeros, unit, device, fqns))
-        for key, kind in layouts.get(str(unit.index), {}).items():
-            if kind == "vector":
-                for fqn, t in _as_param_layout(zeros.clone(), unit, device, fqns).items():
-                    out["outer"].setdefault(fqn, {})[key] = t
-            else:
-                out["outer"].setdefault(f"unit{unit.index}", {})[key] = torch.zeros(())
-    return out
+    Args:
+        checkpoint_id: the checkpoint directory.
+        key: the top-level key of the state dict that holds the state.
+    """
+    metadata = SafeFileSystemReader(checkpoint_id).read_metadata()
+    prefix = f"{key}."
+    return {
+        name[len(prefix):]: torch.empty(tuple(md.size), dtype=md.properties.dtype,
+                                        device="meta")
+        for name, md in metadata.state_dict_metadata.items()
+        if name.startswith(prefix) and isinstance(md, TensorStorageMetadata)
+    }
 
 
 # ---------------------------------------------------------------------------- save / load
@@ -278,7 +201,8 @@ def save_checkpoint(run_dir: str | Path, step: int, *, model: torch.nn.Module,
     Args:
         run_dir: the run directory.
         step: the label (the step or progress counter the checkpoint is taken at).
-        model, optimizer, engine: the live objects.
+        model, optimizer: the live model and inner optimizer.
+        engine: the sync engine (anything with ``state_dict()``; see :func:`load_checkpoint`).
         replica: this rank's replica index.
         rank_state: this rank's plain-data state (data position, RNG, counters).
         meta: plain data describing the run (topology, config), stored in the marker.
@@ -296,13 +220,12 @@ def save_checkpoint(run_dir: str | Path, step: int, *, model: torch.nn.Module,
             shutil.rmtree(tmp)  # a previous attempt that died half-way
         tmp.mkdir(parents=True)
     dist.barrier()
-    device = engine.device
     state = {
         f"replica{replica}": {
             "model": get_model_state_dict(model),
             "optim": get_optimizer_state_dict(model, _base(optimizer)),
         },
-        "global": global_state(engine, model, device),
+        ENGINE_KEY: engine.state_dict(),
     }
     dcp.save(state, checkpoint_id=str(tmp))
     (tmp / f"rank_{rank:05d}.json").write_text(json.dumps(rank_state))
@@ -310,8 +233,7 @@ def save_checkpoint(run_dir: str | Path, step: int, *, model: torch.nn.Module,
         before_commit()
     dist.barrier()
     if rank == 0:
-        marker = dict(meta, step=step, saved_at=time.time(),
-                      outer_layouts={str(u.index): _outer_layout(u) for u in engine.units})
+        marker = dict(meta, step=step, saved_at=time.time())
         (tmp / MARKER).write_text(json.dumps(marker, indent=1))
         if final.exists():
             shutil.rmtree(final)
@@ -343,6 +265,7 @@ def run_meta(cfg: Any, vocab_size: int, topology: tuple[int, int] | None = None
         model = dataclasses.asdict(model_config(cfg, vocab_size=vocab_size))
         num_units = model["n_layers"] + 1
     return {
+        "format": FORMAT,
         "model": model,
         "method": cfg.sync.method,
         "vocab_size": vocab_size,
@@ -364,6 +287,9 @@ def preflight_resume(resume: str | Path, cfg: Any, vocab_size: int) -> Path:
 def check_compatible(marker: dict[str, Any], meta: dict[str, Any]) -> list[str]:
     """Differences that make a checkpoint unusable for this run (model shape, method)."""
     problems = []
+    if marker.get("format", 1) != meta.get("format", FORMAT):
+        problems.append(f"format: checkpoint has format {marker.get('format', 1)}, this "
+                        f"editrain reads format {meta.get('format', FORMAT)} (start a new run)")
     for key in ("method", "vocab_size", "num_units"):
         old, new = marker.get(key), meta.get(key)
         if old != new:
@@ -382,9 +308,20 @@ def load_checkpoint(ckpt: Path, *, model: torch.nn.Module, optimizer: torch.opti
     """Load a checkpoint into the live objects.
 
     Same topology: everything is restored exactly and this rank's plain state is returned.
-    Different topology (elastic): every replica starts from the anchors (the global model)
-    with replica 0's inner optimizer state; outer state is re-sharded; the returned rank
-    state is None (the caller re-partitions the data and resets local counters).
+    Different topology (elastic): every replica gets replica 0's parameters and inner
+    optimizer state, then the engine restores its own state, re-sharded, and restarts every
+    replica from the global model; the returned rank state is None (the caller
+    re-partitions the data and resets local counters).
+
+    Args:
+        ckpt: a complete checkpoint directory.
+        model, optimizer: the live model and inner optimizer, built as for training.
+        engine: the sync engine: ``state_dict_template(saved)`` gives the tensors to load
+            its state into (``saved`` from :func:`saved_tensors`), ``load_state_dict(state)``
+            restores it.
+        replica: this rank's replica index.
+        rank: this rank.
+        meta: :func:`run_meta` of this run.
 
     Returns:
         ``(rank_state or None, marker)``.
@@ -395,19 +332,15 @@ def load_checkpoint(ckpt: Path, *, model: torch.nn.Module, optimizer: torch.opti
         raise CheckpointError(f"cannot resume from {ckpt}:\n  " + "\n  ".join(problems))
     same = marker.get("topology") == meta.get("topology")
     src = replica if same else 0
-    device = engine.device
-    layouts = marker.get("outer_layouts", {})
     opts = StateDictOptions(strict=True)
-    state: dict[str, Any] = {
-        f"replica{src}": {
-            "model": get_model_state_dict(model),
-            "optim": get_optimizer_state_dict(model, _base(optimizer)),
-        },
-    }
-    has_anchor = bool(marker.get("has_anchor"))
-    if has_anchor:
-        state["global"] = _global_template(engine, model, device, layouts)
     try:
+        state: dict[str, Any] = {
+            f"replica{src}": {
+                "model": get_model_state_dict(model),
+                "optim": get_optimizer_state_dict(model, _base(optimizer)),
+            },
+            ENGINE_KEY: engine.state_dict_template(saved_tensors(ckpt, ENGINE_KEY)),
+        }
         dcp.load(state, storage_reader=SafeFileSystemReader(ckpt))
     except CheckpointError:
         raise
@@ -417,15 +350,10 @@ def load_checkpoint(ckpt: Path, *, model: torch.nn.Module, optimizer: torch.opti
     set_model_state_dict(model, state[f"replica{src}"]["model"], options=opts)
     set_optimizer_state_dict(model, _base(optimizer), state[f"replica{src}"]["optim"],
                              options=opts)
-    if has_anchor:
-        load_global_state(engine, model, state["global"], layouts)
+    if engine.load_state_dict(state[ENGINE_KEY]) != (not same):
+        raise CheckpointError(f"{ckpt}: the engine state and the marker disagree on the "
+                              "topology that saved the checkpoint")
     if not same:
-        if has_anchor:
-            # Elastic: every replica restarts from the global model (the anchors).
-            with torch.no_grad():
-                for unit in engine.units:
-                    if unit.anchor is not None:
-                        unit.write_back()
         return None, marker
     path = ckpt / f"rank_{rank:05d}.json"
     try:

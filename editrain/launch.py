@@ -11,13 +11,13 @@ import dataclasses
 import logging
 import os
 import shutil
-import socket
 import time
 import uuid
 from pathlib import Path
 
 from editrain.config import Config, ConfigError, dumps_toml, to_dict, validate_world
 from editrain.corpus import prepare_data
+from editrain.spawn import LOOPBACK, free_port
 
 log = logging.getLogger("editrain")
 
@@ -80,12 +80,6 @@ def prepare_run_dir(cfg: Config, run_dir: Path) -> None:
     os.replace(tmp, run_dir / "config.toml")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _pretokenise(cfg: Config) -> int:
     from editrain.data import SequenceStream, eval_batches
 
@@ -126,10 +120,10 @@ def run_local(cfg: Config) -> dict:
     launch_cfg = LaunchConfig(
         min_nodes=1, max_nodes=1, nproc_per_node=nproc,
         run_id=f"editrain-{uuid.uuid4().hex[:8]}",
-        rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{_free_port()}",
+        rdzv_backend="c10d", rdzv_endpoint=f"{LOOPBACK}:{free_port()}",
         rdzv_configs={"is_host": True},
         max_restarts=cfg.dist.max_restarts, start_method="spawn", monitor_interval=0.5,
-        local_addr="127.0.0.1",  # a laptop run is not reachable from the network
+        local_addr=LOOPBACK,  # a laptop run is not reachable from the network
     )
     if not cfg.quiet:
         log.info("run directory: %s; %d local workers (%d threads each)", run_dir, nproc,

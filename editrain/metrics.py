@@ -1,5 +1,7 @@
-"""The run's public record: ``metrics.jsonl`` (one JSON object per logged step), optional
-TensorBoard event files, and loss plots.
+"""The run's record: ``metrics.jsonl``, per-rank step logs, TensorBoard files, loss plots.
+
+``metrics.jsonl`` holds one JSON object per logged step; TensorBoard event files are
+optional.
 
 Stable field names of a step row: ``step``, ``tokens`` (cumulative, all ranks), ``loss``
 (mean over all ranks of that step's training loss; for A-EDiT, whose replicas are at

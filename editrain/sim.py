@@ -1,5 +1,4 @@
-"""Heterogeneity simulation on one machine: a slow inter-replica link, stragglers, random
-stalls and corrupted replicas.
+"""Heterogeneity simulation on one machine: slow link, stragglers, stalls, corrupted replicas.
 
 * The link model delays the *communication path* only (the engine's comm thread), so a
   method that overlaps communication with compute really hides it.

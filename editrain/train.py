@@ -35,7 +35,7 @@ from editrain.metrics import MetricsWriter, RankLog, read_metrics
 from editrain.models import Llama, causal_lm_loss, num_parameters
 from editrain.optim import build_optimizer, wrap_sam
 from editrain.sim import ComputeSlowdown, check_replicas, parse_sim
-from editrain.sync import EDiT, StepScheduleTrigger
+from editrain.sync import StepScheduleTrigger, SyncEngine
 from editrain.topology import SHARD_DIM, init_mesh
 
 log = logging.getLogger("editrain")
@@ -94,7 +94,7 @@ class Trainer:
         # FSDP2: one unit per block plus the root, on the "shard" sub-mesh.
         blocks = parallelize(self.model, info, self.model.blocks(), t.precision)
         self.optimizer = self._build_optimizer()
-        self.engine = EDiT(
+        self.engine = SyncEngine(
             self.model, info.mesh, cfg.sync, blocks=blocks,
             link_delay=self.plan.link_delay if self.plan.has_link else None,
             before_sync=self._corrupt if self.plan.corrupt else None,
@@ -406,9 +406,7 @@ class Trainer:
     # ------------------------------------------------------------------ checkpoints
     def _meta(self) -> dict[str, Any]:
         topo = (self.info.topo.num_replicas, self.info.topo.shard_size)
-        meta = run_meta(self.cfg, self.data.vocab_size, topo)
-        meta["has_anchor"] = any(u.anchor is not None for u in self.engine.units)
-        return meta
+        return run_meta(self.cfg, self.data.vocab_size, topo)
 
     def save(self) -> None:
         """Write a checkpoint (collective; no effect on training)."""
@@ -428,8 +426,7 @@ class Trainer:
             "data": self.stream.state_dict(),
             "rng": rng_state(),
             "sim_rng": list(self.slowdown.rng.getstate()[1]),
-            "engine": self.engine.state_dict(include_units=False),
-        }
+        }  # the engine's own state is saved by save_checkpoint (engine.state_dict())
         saved = save_checkpoint(self.run_dir, label, model=self.model, optimizer=self.optimizer,
                                 engine=self.engine, replica=self.info.replica,
                                 rank_state=rank_state, meta=self._meta(),
@@ -459,7 +456,6 @@ class Trainer:
             set_rng_state(state["rng"])
             rs = self.slowdown.rng.getstate()
             self.slowdown.rng.setstate((rs[0], tuple(state["sim_rng"]), rs[2]))
-            self.engine.load_state_dict(state["engine"])
             if self.is_logger:
                 log.warning("resumed exactly from %s at step %d", ckpt, self.step)
             return
@@ -468,15 +464,13 @@ class Trainer:
         old = [json.loads(p.read_text()) for p in sorted(ckpt.glob("rank_*.json"))]
         first = old[0]
         t = self.cfg.train
-        self.step = first["step"] if not self.aedit else int(round(
-            first["engine"]["synced_replica_steps"] / max(1, marker["topology"][0])))
+        # The engine restarted every replica at one step (A-EDiT: the mean of the last sync).
+        self.step = self.engine.global_step
         self.next_eval, self.next_ckpt = first["next_eval"], first["next_ckpt"]
         self.last_eval, self.wall_offset = first["last_eval"], first["wall_time_s"]
         self.stream = SequenceStream.repartition(
             self.data.train, t.seq_len, t.seed, [o["data"] for o in old],
             self.info.rank, self.info.topo.world_size)
-        engine_state = dict(first["engine"], global_step=self.step)
-        self.engine.load_state_dict(engine_state, elastic=True)
         if self.is_logger:
             old_r, old_s = marker["topology"]
             log.warning(

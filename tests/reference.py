@@ -367,7 +367,7 @@ def run_case(info: Any, rank: int, case: dict[str, Any]) -> dict[str, Any]:
     """
     from torch.distributed.fsdp import fully_shard
 
-    from editrain.sync import EDiT, StepScheduleTrigger, SyncConfig
+    from editrain.sync import StepScheduleTrigger, SyncConfig, SyncEngine
     from editrain.sync.outer import local_view
 
     model = make_model(case.get("n_layers", 2))
@@ -391,7 +391,7 @@ def run_case(info: Any, rank: int, case: dict[str, Any]) -> dict[str, Any]:
                         off += k
 
     delay = float(case.get("link_delay", 0.0))
-    engine = EDiT(model, info.mesh, SyncConfig(**case["sync"]), blocks=model.layers,
+    engine = SyncEngine(model, info.mesh, SyncConfig(**case["sync"]), blocks=model.layers,
                   trigger=StepScheduleTrigger(schedule) if schedule else None,
                   before_sync=before_sync,
                   link_delay=(lambda nbytes: delay) if delay else None)
@@ -476,10 +476,10 @@ def dist_worker(rank: int, world: int, S: int, sync_kwargs: dict, steps: int, ac
 def run_cases(world: int, S: int, cases: dict[str, dict[str, Any]]) -> dict[str, list[dict]]:
     """Run every case on one spawned ``world``-process group with shard size ``S``; return
     ``{name: [result of rank 0, rank 1, ...]}``."""
-    from tests._dist import run_workers
+    from editrain.spawn import run_ranks
 
     names = list(cases)
-    outs = run_workers(multi_worker, world, S, [cases[n] for n in names])
+    outs = run_ranks(multi_worker, world, S, [cases[n] for n in names])
     return {n: [outs[r][i] for r in range(world)] for i, n in enumerate(names)}
 
 

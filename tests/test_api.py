@@ -13,9 +13,9 @@ from torch import nn
 import editrain
 from editrain.api import LocalSGDConfig, OuterOptimizerConfig, edit, sync_config_from_reference
 from editrain.config import field_docs
+from editrain.spawn import run_ranks
 from editrain.sync.config import GTAConfig, SyncConfig
 from editrain.units import BLOCK_PATHS, find_blocks
-from tests._dist import run_workers
 
 
 # ----------------------------------------------------------------------------- models
@@ -327,7 +327,7 @@ def _dcp_worker(rank: int, world: int, ckpt: str) -> dict:
 
 
 def test_engine_state_in_user_dcp_checkpoint_resumes_bitwise(tmp_path):
-    results = run_workers(_dcp_worker, 2, str(tmp_path / "ckpt"))
+    results = run_ranks(_dcp_worker, 2, str(tmp_path / "ckpt"))
     for r in results:
         assert r["pending"], "the save point should have a layer-wise sync armed"
         assert r["outer_keys"] == ["momentum_buffer"]

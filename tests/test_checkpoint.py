@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from editrain.checkpoint import SafeFileSystemReader, list_checkpoints
+from editrain.checkpoint import FORMAT, SafeFileSystemReader, check_compatible, list_checkpoints
 from editrain.errors import CheckpointError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -69,7 +69,7 @@ METHODS = {
 }
 
 
-@pytest.mark.timeout(900)
+@pytest.mark.slow
 @pytest.mark.parametrize("method", list(METHODS))
 def test_exact_resume_is_bitwise(cache: Path, tmp_path: Path, method: str) -> None:
     topo, extra = METHODS[method]
@@ -89,7 +89,7 @@ def test_exact_resume_is_bitwise(cache: Path, tmp_path: Path, method: str) -> No
     assert final_val(resumed) == final_val(full)
 
 
-@pytest.mark.timeout(900)
+@pytest.mark.slow
 def test_elastic_resume_changes_topology(cache: Path, tmp_path: Path) -> None:
     src = tmp_path / "src"
     common = ["--method", "edit", "--steps", "20", "--sync.local_sgd_sync_interval", "5",
@@ -122,7 +122,7 @@ def clean_run(cache: Path, tmp_path_factory) -> Path:
     return run
 
 
-@pytest.mark.timeout(900)
+@pytest.mark.slow
 @pytest.mark.parametrize("where", ["step", "checkpoint"])
 def test_restart_after_worker_dies(cache: Path, tmp_path: Path, clean_run: Path,
                                    where: str) -> None:
@@ -143,7 +143,7 @@ def test_restart_after_worker_dies(cache: Path, tmp_path: Path, clean_run: Path,
     assert not any(p.name.endswith(".tmp") for p in (crashed / "checkpoints").iterdir())
 
 
-@pytest.mark.timeout(600)
+@pytest.mark.slow
 def test_bad_resume_inputs_are_reported(cache: Path, tmp_path: Path) -> None:
     src = tmp_path / "src"
     common = ["--nproc", "2", "--shard-size", "1", "--steps", "4"]
@@ -189,3 +189,12 @@ def test_metadata_loading_refuses_arbitrary_objects(tmp_path: Path) -> None:
     (tmp_path / ".metadata").write_bytes(pickle.dumps(_Evil()))
     with pytest.raises(CheckpointError, match="refusing to unpickle"):
         SafeFileSystemReader(tmp_path).read_metadata()
+
+
+def test_checkpoints_of_another_format_are_refused():
+    """Format 1 kept the engine's tensors under ``global.*``; this version cannot read them."""
+    meta = {"format": FORMAT, "method": "edit", "vocab_size": 512, "num_units": 3, "model": {}}
+    assert check_compatible(dict(meta), meta) == []
+    old = {k: v for k, v in meta.items() if k != "format"}
+    problems = check_compatible(old, meta)
+    assert len(problems) == 1 and "format: checkpoint has format 1" in problems[0]

@@ -118,7 +118,7 @@ def diloco_run(tmp_path_factory, cache_dir, edit_run):
 
 
 # ---------------------------------------------------------------------------- training runs
-@pytest.mark.timeout(300)
+@pytest.mark.slow
 def test_train_end_to_end(edit_run, cache_dir):
     run_dir, proc, _elapsed, _ = edit_run
     assert proc.returncode == 0, explain(proc)
@@ -170,7 +170,7 @@ def test_train_end_to_end(edit_run, cache_dir):
     assert last < first - 0.5, [r["val_loss"] for r in evals]
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.slow
 def test_train_diloco_and_cache_reuse(edit_run, diloco_run, cache_dir):
     run_dir, proc, _elapsed, entries_after = diloco_run
     assert proc.returncode == 0, explain(proc)
@@ -187,7 +187,7 @@ def test_train_diloco_and_cache_reuse(edit_run, diloco_run, cache_dir):
     assert "reused cache" in proc.stderr
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.slow
 def test_train_sync_method_single_replica(tmp_path, cache_dir, edit_run):
     """The synchronous baseline on one replica of two shards (R = 1)."""
     run_dir = tmp_path / "sync"
@@ -205,7 +205,7 @@ def test_train_sync_method_single_replica(tmp_path, cache_dir, edit_run):
 
 
 # ---------------------------------------------------------------------------- plot
-@pytest.mark.timeout(300)
+@pytest.mark.slow
 def test_plot_command(edit_run, diloco_run, tmp_path):
     out = tmp_path / "plots"
     proc, _ = editrain("plot", str(edit_run[0]), str(diloco_run[0]), "--out", str(out))
@@ -215,6 +215,7 @@ def test_plot_command(edit_run, diloco_run, tmp_path):
         assert str(out / name) in proc.stdout
 
 
+@pytest.mark.slow
 def test_plot_into_the_run_directory(edit_run):
     run_dir = edit_run[0]
     for name in ("loss_vs_tokens.png", "loss_vs_time.png"):
@@ -315,7 +316,6 @@ SUBPROCESS_CASES = ["unknown_key", "wrong_type", "shard_size", "steps_zero", "ba
                     "lr_zero", "missing_data", "empty_corpus", "seq_len"]
 
 
-@pytest.mark.timeout(120)
 @pytest.mark.parametrize("name", SUBPROCESS_CASES)
 def test_bad_input_fails_fast_on_the_command_line(name, tmp_path):
     args, words = bad_input_cases(tmp_path)[name]
@@ -373,7 +373,6 @@ def contents(run_dir: Path) -> dict[str, str]:
     return {p.name: p.read_text() for p in run_dir.iterdir() if p.is_file()}
 
 
-@pytest.mark.timeout(120)
 def test_existing_run_is_refused_on_the_command_line(tmp_path):
     run_dir = tmp_path / "run"
     before = make_old_run(run_dir)
@@ -434,7 +433,6 @@ def test_overwrite_replaces_only_the_run_and_says_so(tmp_path, caplog):
     assert "--overwrite" in warned and "metrics.jsonl" in warned  # never silently
 
 
-@pytest.mark.timeout(120)
 def test_data_command_prepares_cache_and_reports_split(tmp_path):
     cache = tmp_path / "cache"
     args = ["--data.max_bytes", "200000", "--data.vocab_size", "300", "--data.val_tokens",

@@ -14,6 +14,9 @@ import torch
 
 from tests.reference import max_diff, max_diff_runs, ref_config, reference, topology_runs
 
+# Every test reads the runs of one spawn per topology (about 30 s in all): slow.
+pytestmark = pytest.mark.slow
+
 TOL = 1e-5
 
 PEN_OFF = dict(pseudo_gradnorm_reduce=False, skip_anomaly=False, clip_pseudo_grad=0.0)

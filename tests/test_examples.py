@@ -13,7 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from tests._dist import free_port
+from editrain.spawn import free_port
+
+# Each example is a 4-process torchrun job (about 10 s each): slow.
+pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"

@@ -78,6 +78,7 @@ def test_hf_config_validation(tmp_path):
     assert ok.model.hf_config == str(cfg)
 
 
+@pytest.mark.slow
 def test_train_hf_llama_end_to_end(tmp_path):
     cfg = write_config(tmp_path / "config.json")
     corpus = write_corpus(tmp_path / "corpus.txt")

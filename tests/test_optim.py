@@ -9,15 +9,13 @@ from __future__ import annotations
 
 import io
 import math
-import socket
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 
 from editrain.optim import AGD, WSAM, WeightedSAM, build_optimizer, wrap_sam
+from editrain.spawn import run_ranks
 
 # ============================================================================ references
 # Everything below is written directly from docs/optimizers.md (AGD, WSAM) and from the
@@ -553,12 +551,6 @@ FSDP_AGD = dict(lr=0.02, delta=1e-2, weight_decay=0.01)
 FSDP_OUT = 3  # odd, so the last layer's rows shard unevenly over 2 ranks
 
 
-def _free_port():
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _mse_closure(model, opt, x, y):
     def closure():
         opt.zero_grad()
@@ -569,55 +561,46 @@ def _mse_closure(model, opt, x, y):
     return closure
 
 
-def _fsdp_worker(rank, port, out_path, init_state, x, y, steps):
+def _fsdp_worker(rank, world, init_state, x, y, steps):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    # The default process group (gloo, 2 ranks) is set up by run_ranks.
+    mesh = init_device_mesh("cpu", (world,))
+    model = _make_mlp(torch.float32, out=FSDP_OUT)
+    model.load_state_dict(init_state)
+    for layer in model:
+        if isinstance(layer, nn.Linear):
+            fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    # Each rank gets half of the same global batch; FSDP2 averages the gradients.
+    x_local, y_local = x.chunk(2)[rank], y.chunk(2)[rank]
+
+    # Without norm_group the norm would silently be per-shard: it must fail fast.
+    unreduced = WSAM(model, AGD(model.parameters(), **FSDP_AGD), **FSDP_HYPER)
     try:
-        mesh = init_device_mesh("cpu", (2,))
-        model = _make_mlp(torch.float32, out=FSDP_OUT)
-        model.load_state_dict(init_state)
-        for layer in model:
-            if isinstance(layer, nn.Linear):
-                fully_shard(layer, mesh=mesh)
-        fully_shard(model, mesh=mesh)
-        # Each rank gets half of the same global batch; FSDP2 averages the gradients.
-        x_local, y_local = x.chunk(2)[rank], y.chunk(2)[rank]
+        unreduced.step(_mse_closure(model, unreduced, x_local, y_local))
+        norm_group_error = ""
+    except RuntimeError as exc:
+        norm_group_error = str(exc)
 
-        # Without norm_group the norm would silently be per-shard: it must fail fast.
-        unreduced = WSAM(model, AGD(model.parameters(), **FSDP_AGD), **FSDP_HYPER)
-        try:
-            unreduced.step(_mse_closure(model, unreduced, x_local, y_local))
-            norm_group_error = ""
-        except RuntimeError as exc:
-            norm_group_error = str(exc)
-
-        opt = WSAM(
-            model, AGD(model.parameters(), **FSDP_AGD), norm_group=mesh.get_group(), **FSDP_HYPER
-        )
-        closure = _mse_closure(model, opt, x_local, y_local)
-        for _ in range(steps):
-            opt.step(closure)
-        full = [p.full_tensor().detach().clone() for p in model.parameters()]
-        if rank == 0:
-            torch.save({"params": full, "norm_group_error": norm_group_error}, out_path)
-    finally:
-        dist.destroy_process_group()
+    opt = WSAM(
+        model, AGD(model.parameters(), **FSDP_AGD), norm_group=mesh.get_group(), **FSDP_HYPER
+    )
+    closure = _mse_closure(model, opt, x_local, y_local)
+    for _ in range(steps):
+        opt.step(closure)
+    full = [p.full_tensor().detach().clone() for p in model.parameters()]
+    return {"params": full, "norm_group_error": norm_group_error}
 
 
-@pytest.mark.timeout(120)
-def test_fsdp2_wsam_agd_matches_single_process(tmp_path):
+def test_fsdp2_wsam_agd_matches_single_process():
     steps = 3
     x, y = _data(seed=7, n=8, dtype=torch.float32, out=FSDP_OUT)
     init_state = {
         k: v.clone() for k, v in _make_mlp(torch.float32, seed=2, out=FSDP_OUT).state_dict().items()
     }
-    out_path = str(tmp_path / "fsdp.pt")
-    mp.spawn(
-        _fsdp_worker, args=(_free_port(), out_path, init_state, x, y, steps), nprocs=2, join=True
-    )
-    result = torch.load(out_path, weights_only=True)
+    result = run_ranks(_fsdp_worker, 2, init_state, x, y, steps)[0]
     assert "norm_group" in result["norm_group_error"]
 
     model = _make_mlp(torch.float32, out=FSDP_OUT)

@@ -14,6 +14,9 @@ import torch
 
 from tests.reference import max_diff, max_diff_runs, ref_config, reference, topology_runs
 
+# Every test reads the runs of one spawn per topology (about 25 s in all): slow.
+pytestmark = pytest.mark.slow
+
 TOL = 1e-5
 
 # alpha 0.5 lets the detector's mean reach the real norm level within its two-sync warm-up,

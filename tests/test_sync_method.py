@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from editrain.config import load_config
+from editrain.spawn import run_ranks
 from editrain.train import lr_at
-from tests._dist import run_workers
 from tests.reference import batch, loss_on, make_inner, make_model
 
 WORLD, SHARD = 4, 2
@@ -27,7 +27,7 @@ def _sync_worker(rank: int, world: int, shard: int, cases: dict) -> dict:
     method, the inner optimizer, ``STEPS`` steps on this rank's batches."""
     from torch.distributed.fsdp import fully_shard
 
-    from editrain.sync import EDiT, SyncConfig
+    from editrain.sync import SyncConfig, SyncEngine
     from editrain.topology import init_mesh
 
     info = init_mesh(shard_size=shard, backend="gloo", device_type="cpu")
@@ -38,7 +38,7 @@ def _sync_worker(rank: int, world: int, shard: int, cases: dict) -> dict:
             fully_shard(block, mesh=info.shard_mesh)
         fully_shard(model, mesh=info.shard_mesh)
         opt = make_inner(model.parameters(), case["inner"])
-        engine = EDiT(model, info.mesh, SyncConfig(method="sync"), blocks=model.layers)
+        engine = SyncEngine(model, info.mesh, SyncConfig(method="sync"), blocks=model.layers)
         accum = case["accum"]
         for step in range(STEPS):
             for micro in range(accum):
@@ -72,10 +72,9 @@ def _single_process(inner: str, accum: int) -> dict[str, torch.Tensor]:
 
 @pytest.fixture(scope="module")
 def distributed() -> list[dict]:
-    return run_workers(_sync_worker, WORLD, SHARD, CASES)
+    return run_ranks(_sync_worker, WORLD, SHARD, CASES)
 
 
-@pytest.mark.timeout(240)
 @pytest.mark.parametrize("name", list(CASES))
 def test_sync_equals_one_process_on_the_global_batch(distributed, name):
     case = CASES[name]
@@ -92,7 +91,6 @@ def test_sync_equals_one_process_on_the_global_batch(distributed, name):
                                        msg=lambda m, n=n, r=rank: f"rank {r}, {n}: {m}")
 
 
-@pytest.mark.timeout(240)
 def test_sync_replicas_stay_identical(distributed):
     for name in CASES:
         first = distributed[0][name]["params"]

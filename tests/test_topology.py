@@ -6,8 +6,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from editrain.spawn import run_ranks
 from editrain.topology import SHARD_DIM, SYNC_DIM, Topology, init_mesh, topology_of
-from tests._dist import run_workers
 
 
 # ---------------------------------------------------------------------------- pure arithmetic
@@ -129,9 +129,8 @@ def _mesh_worker(rank: int, world: int, shard_size: int) -> dict:
     }
 
 
-@pytest.mark.timeout(120)
 def test_init_mesh_on_four_processes():
-    out = run_workers(_mesh_worker, 4, 2)
+    out = run_ranks(_mesh_worker, 4, 2)
     expected = Topology(4, 2)
     for rank, o in enumerate(out):
         assert o["rank"] == rank

@@ -5,7 +5,7 @@ Usable with any training loop and any model with a list of blocks; imports nothi
 """
 
 from editrain.sync.config import METHODS, GTAConfig, SyncConfig
-from editrain.sync.edit import EDiT, find_root_params
+from editrain.sync.edit import EDiT, SyncEngine, find_root_params
 from editrain.sync.triggers import IntervalTrigger, StepScheduleTrigger, SyncTrigger, TimeTrigger
 
 __all__ = [
@@ -15,6 +15,7 @@ __all__ = [
     "METHODS",
     "StepScheduleTrigger",
     "SyncConfig",
+    "SyncEngine",
     "SyncTrigger",
     "TimeTrigger",
     "find_root_params",

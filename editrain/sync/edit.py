@@ -1,9 +1,10 @@
-"""The EDiT engine: local SGD with layer-wise sync in the forward pass, on top of FSDP2.
+"""The sync engine: local SGD with layer-wise sync in the forward pass, on top of FSDP2.
 
-One engine serves every method (see :mod:`editrain.sync.methods`). The user's loop stays
-plain::
+One engine, :class:`SyncEngine`, serves every method (sync, post_local_sgd, diloco, edit,
+aedit; see :mod:`editrain.sync.methods`); ``EDiT`` is its original name, kept as an alias.
+The user's loop stays plain::
 
-    engine = EDiT(model, mesh, SyncConfig(method="edit"), blocks=model.layers)
+    engine = SyncEngine(model, mesh, SyncConfig(method="edit"), blocks=model.layers)
     for batch in data:
         loss_fn(model(batch)).backward()
         engine.after_backward()        # warm-up: average gradients over the sync group too
@@ -19,13 +20,16 @@ and waits only for its own unit. The hooks are registered *after* ``fully_shard`
 ``prepend=True``, so they run before FSDP2 all-gathers the unit: the all-gather already sees
 the new global parameters. DiLoCo and Post-Local SGD run the very same jobs, all at once, at
 the step boundary.
+
+The engine owns all of its state: ``state_dict()`` / ``load_state_dict()`` give and take it
+as a DCP-ready tree whose layout lives in :mod:`editrain.sync.state`.
 """
 
 from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
@@ -42,6 +46,7 @@ from editrain.sync.config import SyncConfig
 from editrain.sync.outer import SyncUnit, local_view, resolve_optimizer_class
 from editrain.sync.penalty import DetectorBank, clip_coefficient, compute_weights, finite_mask
 from editrain.sync.reducers import build_reducer
+from editrain.sync.state import StateLayout
 from editrain.sync.triggers import IntervalTrigger, SyncTrigger, TimeTrigger
 from editrain.topology import SHARD_DIM, SYNC_DIM, topology_of
 
@@ -80,7 +85,7 @@ def find_root_params(model: nn.Module, blocks: Sequence[nn.Module]) -> list[nn.P
     return out
 
 
-class EDiT:
+class SyncEngine:
     """Local-SGD engine (EDiT, A-EDiT, DiLoCo, Post-Local SGD, synchronous) for FSDP2 models.
 
     Construct it *after* ``fully_shard`` has been applied to every block and to the root
@@ -94,7 +99,9 @@ class EDiT:
         link_delay: optional simulated cost of a cross-replica message (see ``editrain.sim``).
         trigger: override of the sync trigger (tests use a fixed step schedule).
         before_sync: optional hook called just before each sync (fault injection).
-        seed: seeds the random sparsification of the GTA reducer.
+        seed: seeds the random sparsification of the GTA reducer (saved with the state:
+            the engine's only randomness is derived from it, the sync index, the unit and the
+            rank).
     """
 
     def __init__(
@@ -120,7 +127,7 @@ class EDiT:
         self.before_sync = before_sync
         blocks = list(blocks)
         if not blocks:
-            raise ValueError("EDiT needs at least one block (sync unit) in `blocks`")
+            raise ValueError("the sync engine needs at least one block (sync unit) in `blocks`")
 
         # Units in forward order: the root first (its all-gather happens first).
         outer_cls = resolve_optimizer_class(cfg.outer_optim_class)
@@ -131,6 +138,8 @@ class EDiT:
             for i, (n, ps) in enumerate(zip(names, unit_params))
         ]
         self.device = self.units[0].device
+        self._layout = StateLayout(self.units, model, self.rank,
+                                   (self.topo.num_replicas, self.topo.shard_size))
 
         # Process groups: the mesh's sync group, and a private copy of this rank's shard group
         # for the engine's statistics (FSDP2 owns the mesh's shard group in the main thread).
@@ -156,7 +165,7 @@ class EDiT:
             assert cfg.local_sgd_sync_interval is not None
             self.trigger = IntervalTrigger(cfg.local_sgd_sync_interval)
 
-        # Counters (all saved in checkpoints).
+        # Counters (all saved by state_dict()).
         self.global_step = 0
         self.steps_since_sync = 0
         self.num_syncs = 0
@@ -191,7 +200,7 @@ class EDiT:
             self._create_anchors()
 
     # ================================================================== public loop API
-    def __enter__(self) -> EDiT:
+    def __enter__(self) -> SyncEngine:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -494,16 +503,69 @@ class EDiT:
             return None
         return counts
 
-    # ================================================================== checkpoint
-    def state_dict(self, include_units: bool = True) -> dict[str, Any]:
-        """Everything the engine needs to continue exactly (side-effect free).
+    # ================================================================== state
+    @property
+    def has_anchors(self) -> bool:
+        """Whether the anchors exist (the local phase has begun)."""
+        return any(u.anchor is not None for u in self.units)
 
-        Args:
-            include_units: include anchors and outer optimizer states (tensors); without
-                them the result is plain JSON-able data (counters, clocks, detectors).
+    def state_dict(self) -> dict[str, Any]:
+        """Everything the engine owns, as a tree that ``torch.distributed.checkpoint`` saves.
+
+        Anchors and outer optimizer state are laid out like the parameters (DTensors) and
+        are identical on every replica, so DCP stores them once and re-shards them to any
+        topology; counters, sync clock, anomaly detectors and the RNG seed are this rank's
+        plain data under a per-rank key (see :mod:`editrain.sync.state`). Every rank calls
+        it; an unfinished sync is completed first (the same jobs it would run anyway). Like
+        ``nn.Module.state_dict()``, the per-element tensors are views of the live state:
+        save them before training on.
         """
         self._drain_round()
-        sd: dict[str, Any] = {
+        return self._layout.pack([u.state_dict() for u in self.units], self._plain_state())
+
+    def state_dict_template(self, saved: Mapping[str, torch.Tensor]) -> dict[str, Any]:
+        """Empty tensors shaped for this topology, for ``dcp.load`` to fill with a saved state.
+
+        Args:
+            saved: what the checkpoint holds under the key the state was saved at:
+                flattened key (as DCP writes it, without that key) -> a tensor of the
+                saved shape and dtype (the meta device will do); see
+                :func:`editrain.checkpoint.saved_tensors`.
+
+        Raises:
+            ValueError: ``saved`` holds no engine state.
+        """
+        return self._layout.template(saved)
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> bool:
+        """Restore a state saved by :meth:`state_dict` and loaded into its template.
+
+        On the topology that saved it, training continues exactly. On another one (a
+        different number of replicas or shards: elastic) every replica restarts from the
+        anchors, which are written into the live parameters; step and sync counts and the
+        detectors of replicas that still exist are kept; the local phase restarts (no
+        pending sync, clocks reset). Call it after restoring the model's parameters.
+
+        Args:
+            state: the tree from :meth:`state_dict_template`, filled by ``dcp.load``.
+
+        Returns:
+            Whether the topology changed (an elastic resume).
+        """
+        unit_states, plain, elastic = self._layout.unpack(state)
+        for unit, unit_state in zip(self.units, unit_states):
+            unit.load_state_dict(unit_state)
+        self._load_plain(plain, elastic)
+        if elastic:
+            with torch.no_grad():
+                for unit in self.units:
+                    if unit.anchor is not None:
+                        unit.write_back()
+        return elastic
+
+    def _plain_state(self) -> dict[str, Any]:
+        """Counters, clock, detectors and RNG seed of this rank (JSON-able)."""
+        return {
             "global_step": self.global_step,
             "steps_since_sync": self.steps_since_sync,
             "num_syncs": self.num_syncs,
@@ -517,46 +579,40 @@ class EDiT:
             "last_window_counts": self.last_window_counts,
             "last_window_s": self.last_window_s,
             "detectors": self.detectors.state_dict() if self.detectors is not None else None,
+            "rng": {"seed": self.seed},
         }
-        if include_units:
-            sd["units"] = [u.state_dict() for u in self.units]
-        return sd
 
-    def load_state_dict(self, sd: dict[str, Any], elastic: bool = False) -> None:
-        """Restore a state saved by :meth:`state_dict`.
-
-        Args:
-            sd: the saved state (with or without ``units``).
-            elastic: the topology changed: keep the step count, sync count and the detectors
-                of replicas that still exist; restart the local phase (no pending sync,
-                clocks and step counts since the last sync reset).
-        """
-        if "units" in sd and len(sd["units"]) != len(self.units):
-            raise ValueError(
-                f"checkpoint has {len(sd['units'])} sync units, the model has {len(self.units)}"
-            )
-        self.global_step = int(sd["global_step"])
+    def _load_plain(self, sd: dict[str, Any], elastic: bool) -> None:
         self.num_syncs = int(sd["num_syncs"])
-        self.num_skipped_syncs = int(sd.get("num_skipped_syncs", 0))
-        self.num_syncs_forced = int(sd.get("num_syncs_forced", 0))
-        self.synced_replica_steps = float(sd.get("synced_replica_steps", 0.0))
+        self.num_skipped_syncs = int(sd["num_skipped_syncs"])
+        self.num_syncs_forced = int(sd["num_syncs_forced"])
+        self.synced_replica_steps = float(sd["synced_replica_steps"])
+        self.seed = int(sd["rng"]["seed"])
         if elastic:
+            # A-EDiT replicas were at different steps: all restart at the mean step of the
+            # last sync. Every other method keeps the (common) step count.
+            old_replicas = max(1, int(sd["topology"][0]))
+            self.global_step = (int(round(self.synced_replica_steps / old_replicas))
+                                if self.config.use_async else int(sd["global_step"]))
             self.steps_since_sync, self._pending, self._pending_counts = 0, False, None
             self._clock_start = time.perf_counter()
             self.last_window_counts, self.last_window_s = None, 0.0
         else:
+            self.global_step = int(sd["global_step"])
             self.steps_since_sync = int(sd["steps_since_sync"])
             self._pending = bool(sd["pending"])
-            counts = sd.get("pending_counts")
+            counts = sd["pending_counts"]
             self._pending_counts = (None if counts is None
                                     else torch.tensor(counts, dtype=torch.float64))
-            self._clock_start = time.perf_counter() - float(sd.get("elapsed_s", 0.0))
-            self.last_window_counts = sd.get("last_window_counts")
-            self.last_window_s = float(sd.get("last_window_s", 0.0))
-        for unit, usd in zip(self.units, sd.get("units", [])):
-            unit.load_state_dict(usd)
-        if self.detectors is not None and sd.get("detectors") is not None:
+            self._clock_start = time.perf_counter() - float(sd["elapsed_s"])
+            self.last_window_counts = sd["last_window_counts"]
+            self.last_window_s = float(sd["last_window_s"])
+        if self.detectors is not None and sd["detectors"] is not None:
             self.detectors.load_state_dict(sd["detectors"], allow_resize=True)
+
+
+EDiT = SyncEngine
+"""The engine's original name (the paper's method), kept for existing code: the same class."""
 
 
 def _reshard(module: nn.Module) -> None:
@@ -586,4 +642,4 @@ def _mix(*values: int) -> int:
     return h & 0x7FFFFFFFFFFFFFFF
 
 
-__all__ = ["EDiT", "find_root_params", "SHARD_DIM"]
+__all__ = ["EDiT", "SHARD_DIM", "SyncEngine", "find_root_params"]

@@ -159,17 +159,42 @@ class SyncUnit:
 
     # ------------------------------------------------------------------ checkpoint
     def state_dict(self) -> dict[str, Any]:
-        """Anchor and outer optimizer state (tensors stay on their device)."""
-        return {
-            "anchor": self.anchor,
-            "outer": self.outer.state_dict() if self.outer is not None else None,
-        }
+        """This rank's state of the unit as flat entries: ``anchor`` and ``outer.<key>``.
+
+        Per-element entries are 1-D tensors of :attr:`numel` elements (this shard's layout);
+        scalars are 0-d tensors or Python numbers. Empty before the anchor exists. The
+        tensors are the live ones, not copies.
+        """
+        if self.anchor is None:
+            return {}
+        out: dict[str, Any] = {"anchor": self.anchor}
+        if self.outer is not None:
+            for key, value in self.outer.state.get(self.anchor, {}).items():
+                out[f"outer.{key}"] = value
+        # Error-feedback buffers (a later issue) go here as one more per-element entry,
+        # e.g. "error_feedback": editrain.sync.state lays out every 1-D entry like the
+        # parameters, so checkpoints and elastic resumes carry it with no other change
+        # (load_state_dict must then accept the entry).
+        return out
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
-        """Restore anchor and outer state saved by :meth:`state_dict`."""
-        if sd.get("anchor") is None:
+        """Restore a state saved by :meth:`state_dict` (empty: no anchor yet).
+
+        Args:
+            sd: the flat entries.
+
+        Raises:
+            ValueError: an anchor of another size, outer state without an outer optimizer,
+                or an entry this unit does not know.
+        """
+        if not sd:
             self.anchor, self.outer = None, None
             return
+        unknown = [k for k in sd if k != "anchor" and not k.startswith("outer.")]
+        if unknown:
+            raise ValueError(f"unit {self.name}: unknown state entries {unknown}")
+        if "anchor" not in sd:
+            raise ValueError(f"unit {self.name}: state without an anchor ({', '.join(sd)})")
         anchor = sd["anchor"]
         if anchor.numel() != self.numel:
             raise ValueError(
@@ -178,6 +203,14 @@ class SyncUnit:
             )
         self.create_anchor()
         assert self.anchor is not None
-        self.anchor.copy_(anchor)
-        if self.outer is not None and sd.get("outer") is not None:
-            self.outer.load_state_dict(sd["outer"])
+        self.anchor.copy_(anchor.reshape(-1))
+        outer = {k[len("outer."):]: v for k, v in sd.items() if k.startswith("outer.")}
+        if not outer:
+            return
+        if self.outer is None:
+            raise ValueError(f"unit {self.name}: the checkpoint has outer optimizer state "
+                             f"({', '.join(outer)}) but no outer optimizer is configured")
+        self.outer.state[self.anchor] = {
+            k: v.to(self.anchor.device) if torch.is_tensor(v) and v.dim() > 0 else v
+            for k, v in outer.items()
+        }

@@ -1,0 +1,210 @@
+"""The sync engine's checkpoint layout: its state as a topology-independent, DCP-ready tree.
+
+The engine (:class:`editrain.sync.edit.SyncEngine`) owns this layout; callers only save the
+tree its ``state_dict()`` returns and hand back what DCP loaded. Keys, as DCP flattens them,
+relative to wherever the caller puts the tree::
+
+    params.<fqn>.<entry>    per-element state of a unit, cut into the pieces of the
+                            parameter ``<fqn>`` and laid out like it (a DTensor on the shard
+                            mesh). Identical on every replica, so DCP stores it once and
+                            re-shards it to any number of replicas or shards. Entries:
+                            ``anchor``, ``outer.<key>`` (the outer optimizer's per-element
+                            state, e.g. ``outer.momentum_buffer``); error-feedback buffers
+                            will be one more entry here.
+    units.<index>.<entry>   per-unit scalar tensors (e.g. ``outer.step``), identical everywhere
+    ranks.rank<NNNNN>       one rank's plain state (counters, detectors, RNG seed, topology) as
+                            a uint8 tensor of JSON: nothing in the tree is pickled
+
+Python numbers in a unit's state (an optimizer may keep its step as an ``int``) travel in the
+per-rank JSON, so they come back with their type.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from editrain.sync.outer import SyncUnit, local_view
+
+VERSION = 2
+"""Layout version, stored in every rank's plain state (1 was the layout before the engine
+owned its state: ``global.anchor.<fqn>`` / ``global.outer.<fqn>.<key>``)."""
+
+
+def rank_key(rank: int) -> str:
+    """The key of a rank's plain state under ``ranks``."""
+    return f"rank{rank:05d}"
+
+
+def json_tensor(obj: Any) -> torch.Tensor:
+    """Plain data as a uint8 tensor of its JSON text (DCP saves tensors without pickling)."""
+    return torch.frombuffer(bytearray(json.dumps(obj).encode()), dtype=torch.uint8).clone()
+
+
+def from_json_tensor(t: torch.Tensor) -> Any:
+    """Inverse of :func:`json_tensor`."""
+    return json.loads(bytes(t.cpu().numpy().tobytes()).decode())
+
+
+class StateLayout:
+    """Packs the units' flat state and the engine's plain state into the tree (and back).
+
+    Args:
+        units: the engine's units, in forward order.
+        model: the root module (it names the parameters).
+        rank: this process's global rank.
+        topology: ``(replicas, shard_size)`` of the running job.
+    """
+
+    def __init__(self, units: Sequence[SyncUnit], model: nn.Module, rank: int,
+                 topology: tuple[int, int]) -> None:
+        names = {id(p): n for n, p in model.named_parameters()}
+        self.units = list(units)
+        self.fqns = [[names[id(p)] for p in u.params] for u in self.units]
+        self.rank = rank
+        self.topology = tuple(topology)
+
+    # ------------------------------------------------------------------ parameter layout
+    def _to_params(self, flat: torch.Tensor, u: int) -> dict[str, torch.Tensor]:
+        """Cut unit ``u``'s flat local vector into per-parameter tensors laid out like the
+        parameters (DTensors on the shard mesh), so that DCP can re-shard them."""
+        unit = self.units[u]
+        device = unit.device
+        flat = flat.to(device)
+        out: dict[str, torch.Tensor] = {}
+        offset = 0
+        for p, n, fqn in zip(unit.params, unit.numels, self.fqns[u]):
+            piece = flat[offset:offset + n].view(local_view(p).shape)
+            offset += n
+            if isinstance(p, DTensor):
+                piece = DTensor.from_local(piece, p.device_mesh, p.placements, run_check=False,
+                                           shape=p.shape, stride=p.stride())
+            out[fqn] = piece
+        return out
+
+    def _from_params(self, tensors: Mapping[str, torch.Tensor], u: int) -> torch.Tensor:
+        """Inverse of :meth:`_to_params`: this rank's flat vector of unit ``u``."""
+        parts = []
+        for fqn in self.fqns[u]:
+            t = tensors[fqn]
+            t = t.to_local() if isinstance(t, DTensor) else t
+            parts.append(t.reshape(-1))
+        return torch.cat(parts)
+
+    # ------------------------------------------------------------------ save
+    def pack(self, unit_states: Sequence[Mapping[str, Any]], plain: dict[str, Any]
+             ) -> dict[str, Any]:
+        """The tree to save.
+
+        Args:
+            unit_states: each unit's :meth:`SyncUnit.state_dict` (flat tensors by entry).
+            plain: the engine's JSON-able state of this rank.
+        """
+        params: dict[str, dict[str, torch.Tensor]] = {}
+        scalars: dict[str, dict[str, torch.Tensor]] = {}
+        numbers: dict[str, dict[str, Any]] = {}
+        for u, state in enumerate(unit_states):
+            unit = self.units[u]
+            for entry, value in state.items():
+                if torch.is_tensor(value) and value.dim() > 0:
+                    if value.numel() != unit.numel:
+                        raise ValueError(f"unit {unit.name}: state {entry!r} has "
+                                         f"{value.numel()} elements, the unit {unit.numel}; "
+                                         "it cannot be laid out like the parameters")
+                    for fqn, piece in self._to_params(value.detach(), u).items():
+                        params.setdefault(fqn, {})[entry] = piece
+                elif torch.is_tensor(value):
+                    scalars.setdefault(str(u), {})[entry] = value.detach().clone()
+                else:
+                    numbers.setdefault(str(u), {})[entry] = value
+        plain = dict(plain, version=VERSION, topology=list(self.topology),
+                     stateful_units=[u for u, s in enumerate(unit_states) if s],
+                     unit_numbers=numbers)
+        tree: dict[str, Any] = {"ranks": {rank_key(self.rank): json_tensor(plain)}}
+        if params:
+            tree["params"] = params
+        if scalars:
+            tree["units"] = scalars
+        return tree
+
+    # ------------------------------------------------------------------ load
+    def template(self, saved: Mapping[str, torch.Tensor]) -> dict[str, Any]:
+        """Empty tensors in this topology's layout for what ``saved`` holds (for ``dcp.load``).
+
+        Args:
+            saved: flattened key -> a tensor with the saved shape and dtype (the meta device
+                will do), for every tensor a checkpoint holds under the tree.
+
+        Raises:
+            ValueError: ``saved`` holds no engine state.
+        """
+        params: dict[str, dict[str, torch.Tensor]] = {}
+        for u, fqns in enumerate(self.fqns):
+            if not fqns:
+                continue
+            prefix = f"params.{fqns[0]}."
+            for key, like in saved.items():
+                if not key.startswith(prefix):
+                    continue
+                entry = key[len(prefix):]
+                zeros = torch.zeros(self.units[u].numel, dtype=like.dtype)
+                for fqn, piece in self._to_params(zeros, u).items():
+                    params.setdefault(fqn, {})[entry] = piece
+        scalars: dict[str, dict[str, torch.Tensor]] = {}
+        for key, like in saved.items():
+            if key.startswith("units."):
+                _, u, entry = key.split(".", 2)
+                scalars.setdefault(u, {})[entry] = torch.zeros(like.shape, dtype=like.dtype)
+        ranks = {}
+        for name in {rank_key(self.rank), rank_key(0)}:
+            like = saved.get(f"ranks.{name}")
+            if like is not None:
+                ranks[name] = torch.zeros(like.shape, dtype=torch.uint8)
+        if rank_key(0) not in ranks:
+            raise ValueError("the saved state holds no sync engine state (no ranks.rank00000)")
+        tree: dict[str, Any] = {"ranks": ranks}
+        if params:
+            tree["params"] = params
+        if scalars:
+            tree["units"] = scalars
+        return tree
+
+    def unpack(self, tree: Mapping[str, Any]
+               ) -> tuple[list[dict[str, Any]], dict[str, Any], bool]:
+        """Each unit's flat state, the plain state to restore, and whether the topology changed.
+
+        On the saving topology the plain state is this rank's own; on another one (elastic)
+        it is rank 0's, and the caller restarts the local phase.
+
+        Raises:
+            ValueError: a layout version or a number of units this code does not read.
+        """
+        ranks = tree["ranks"]
+        first = from_json_tensor(ranks[rank_key(0)])
+        if first.get("version") != VERSION:
+            raise ValueError(f"sync engine state version {first.get('version')!r}; this "
+                             f"editrain reads version {VERSION}")
+        elastic = tuple(first["topology"]) != self.topology or rank_key(self.rank) not in ranks
+        plain = first if elastic else from_json_tensor(ranks[rank_key(self.rank)])
+        params = tree.get("params", {})
+        scalars = tree.get("units", {})
+        stateful = set(plain["stateful_units"])
+        if stateful and max(stateful) >= len(self.units):
+            raise ValueError(f"the saved state has more than {len(self.units)} sync units")
+        states: list[dict[str, Any]] = []
+        for u, fqns in enumerate(self.fqns):
+            state: dict[str, Any] = {}
+            if fqns:
+                for entry in params.get(fqns[0], {}):
+                    state[entry] = self._from_params({f: params[f][entry] for f in fqns}, u)
+            elif u in stateful:
+                state["anchor"] = torch.zeros(0)  # a unit without parameters of its own
+            state.update(scalars.get(str(u), {}))
+            state.update(plain["unit_numbers"].get(str(u), {}))
+            states.append(state)
+        return states, plain, elastic
