@@ -138,8 +138,11 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Run the methods side by side on one scenario and write "
                                    "results.json, a Markdown table and plots.")
     p.add_argument("scenario", help="convergence, bandwidth, stragglers, spikes, memory, "
-                   "overlap, peers, all, or report (writes docs/benchmarks.md); further "
-                   "options: --tiny (smoke-test size), --seeds N, --path FILE (report), and "
+                   "overlap, optimizers, peers, all, or report (writes docs/benchmarks.md); "
+                   "further options: --full (the credible size: minutes to hours), --tiny "
+                   "(smoke-test size), --repeats N (interleaved repeats; default 1 tiny, 3 "
+                   "quick, 5 full), --seeds N, --path FILE and --readme FILE (report: also "
+                   "rewrite the README's headline between its bench-headline markers), and "
                    "any --section.key=value applied to every run")
     p.add_argument("--quick", action="store_true", help="tiny settings (minutes on 2 cores)")
     p.add_argument("--out", help="results directory (default bench_results/<scenario>)")

@@ -21,8 +21,8 @@ from editrain.spawn import LOOPBACK, free_port
 
 log = logging.getLogger("editrain")
 
-RUN_FILES = ("config.toml", "metrics.jsonl", "loss_vs_tokens.png", "loss_vs_time.png", "tb",
-             "checkpoints", "summary.json")
+RUN_FILES = ("config.toml", "metrics.jsonl", "ranks", "loss_vs_tokens.png", "loss_vs_time.png",
+             "tb", "checkpoints", "summary.json")
 
 
 def default_run_dir() -> Path:

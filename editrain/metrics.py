@@ -5,7 +5,7 @@ optional.
 
 Stable field names of a step row: ``step``, ``tokens`` (cumulative, all ranks), ``loss``
 (mean over all ranks of that step's training loss; for A-EDiT, whose replicas are at
-different steps, over the ranks of replica 0 except on sync rows), ``val_loss`` (when
+different steps, over the ranks of the logging replica), ``val_loss`` (when
 computed, with ``val_tokens`` evaluated and ``eval_time_s``), ``lr``, ``tokens_per_s``,
 ``step_time_s``, ``wall_time_s``, ``train_time_s`` (wall time minus evaluation and
 checkpoint time). Later fields only add to these.

@@ -77,8 +77,15 @@ class Trainer:
         t = cfg.train
         self.stream = SequenceStream(self.data.train, t.seq_len, info.rank,
                                      info.topo.world_size, t.seed)
-        self.val = eval_batches(self.data.val, t.seq_len, t.batch_size, info.rank,
-                                info.topo.world_size, t.eval_tokens)
+        # Lock-step methods share the evaluation out over every rank of every replica. An
+        # A-EDiT replica may already wait in its next rendezvous (a blocking cross-replica
+        # collective) when another evaluates, so there each replica evaluates the whole
+        # split over its own ranks, with no cross-replica collective.
+        self.eval_everyone = not cfg.sync.use_async
+        eval_rank, eval_world = ((info.rank, info.topo.world_size) if self.eval_everyone
+                                 else (info.shard, info.topo.shard_size))
+        self.val = eval_batches(self.data.val, t.seq_len, t.batch_size, eval_rank, eval_world,
+                                t.eval_tokens)
 
         # ---- model, sharding, optimizers, sync engine
         if cfg.model.hf_config:
@@ -208,10 +215,13 @@ class Trainer:
                     if self.is_logger and not cfg.quiet:
                         log.warning("%s", sync_summary(syncs[-1]))
                 if self.step % cfg.train.log_every == 0 or "val_loss" in row or "sync" in row:
-                    # Every rank takes this branch at the same point (equal steps, or the
-                    # same sync for A-EDiT), so the loss reduction lines up.
-                    row["loss"] = self._mean_loss(row["loss"], everyone=not self.aedit
-                                                  or "sync" in row)
+                    # Every rank of a replica takes this branch at the same step; for the
+                    # lock-step methods so does every rank of every replica. A-EDiT's
+                    # replicas are at different steps and any replica may enter its next
+                    # rendezvous (a blocking cross-replica collective) inside step(): a
+                    # world-wide reduction here could interleave with it and deadlock, so
+                    # A-EDiT logs its replica's mean.
+                    row["loss"] = self._mean_loss(row["loss"], everyone=not self.aedit)
                     row["train_time_s"] = self._wall() - self.off_train_s
                     self._write(row)
                 if (cfg.checkpoint.every and point is not None and point >= self.next_ckpt
@@ -328,7 +338,8 @@ class Trainer:
         """Validation loss over the whole validation split (or ``train.eval_tokens``).
 
         The split's windows are shared out over all ranks of all replicas and the sums
-        all-reduced, so each evaluation costs 1/world of the split per rank. At a sync
+        all-reduced, so each evaluation costs 1/world of the split per rank (for A-EDiT,
+        over the ranks of each replica: see ``__init__``). At a sync
         boundary (where the trainer evaluates) every replica holds the global model, so this
         is the global model's loss; evaluated between syncs it would be the mean over
         replicas of their local models' losses on their shares.
@@ -346,8 +357,10 @@ class Trainer:
             total[0] += loss.double() * batch.targets
             total[1] += batch.targets
         self.model.train()
-        if self.info.topo.world_size > 1:
+        if self.eval_everyone and self.info.topo.world_size > 1:
             dist.all_reduce(total)
+        elif not self.eval_everyone and self.info.topo.shard_size > 1:
+            dist.all_reduce(total, group=self.shard_group)
         self.val_tokens = int(total[1])
         elapsed = time.perf_counter() - t0
         self.off_train_s += elapsed

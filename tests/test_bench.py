@@ -1,9 +1,12 @@
-"""Benchmark scenarios: a smoke test per scenario at the tiny size (every method produces
-numbers, the result files exist), plus the pure helpers (throughput window, argument
-splitting, the report) on synthetic data.
+"""Benchmark scenarios: a smoke test per scenario at the tiny size, plus the pure helpers
+(throughput window, per-rank logs, utilisation, measured limits, statistics, argument
+splitting, the report and the README headline) on synthetic data.
 
-The smoke tests start real training jobs (a dozen or so steps each); the timing numbers
-they produce mean nothing on a busy machine, only their presence is checked.
+The smoke tests start real training jobs (a dozen or so steps each). Timings on a busy
+machine mean little, so they check properties that hold whatever the load and that a
+broken scenario would violate: finite losses, losses that went down, per-replica rows for
+every replica, utilisations of at most 1, measured limits above 0, the right number of
+repeats, measurement errors flagged where the numbers call for it.
 """
 
 from __future__ import annotations
@@ -15,15 +18,21 @@ from pathlib import Path
 import pytest
 
 from editrain.bench import SCENARIOS, run_scenario
-from editrain.bench.common import (
-    Bench,
-    Run,
-    md_table,
-    merge,
-    split_extra,
+from editrain.bench.limits import plan_solo_runs, solo_sim
+from editrain.bench.measures import (
+    UTILISATION_TOLERANCE,
+    rank_window,
+    replica_stats,
     steady_throughput,
+    utilisation_errors,
 )
-from editrain.config import ConfigError
+from editrain.bench.options import merge, split_extra
+from editrain.bench.results import render_page
+from editrain.bench.runner import Bench
+from editrain.bench.runs import Run, read_rank_steps, read_run
+from editrain.bench.stats import beyond_spread, paired_differences, spread
+from editrain.bench.tables import md_table
+from editrain.config import ConfigError, load_config
 
 
 def _num(v) -> bool:
@@ -44,78 +53,146 @@ def _run(name: str, tmp_path: Path, cache: str) -> tuple[dict, Path]:
                           extra=["--data.cache_dir", cache], tiny=True)
     assert (out / "results.json").is_file() and (out / "table.md").is_file()
     saved = json.loads((out / "results.json").read_text())
-    assert saved["scenario"] == name and saved["mode"] == "tiny"
+    assert record == saved  # what the call returns is exactly what was written
+    assert (out / "table.md").read_text() == render_page(saved)
+    assert saved["scenario"] == name and saved["mode"] == "tiny" and saved["format"] == 2
     assert saved["machine"]["cpu_count"] >= 1 and saved["machine"]["torch"]
     assert saved["command"].startswith(f"editrain bench {name} --quick")
     assert "--tiny" in saved["command"]
+    assert saved["tables"] and all(t["markdown"].startswith("|") for t in saved["tables"])
     table = (out / "table.md").read_text()
     assert "Command: `editrain bench" in table and "Machine:" in table
+    for t in saved["tables"]:
+        assert t["markdown"].strip() in table
     for plot in saved["plots"]:
         assert (out / plot).is_file() and (out / plot).stat().st_size > 0
-    assert record["results"] == saved["results"] or record["scenario"] == name
     return saved, out
 
 
-def _runs_ok(saved: dict) -> None:
-    """Every training run of the scenario finished."""
+def _runs_ok(saved: dict, count: int | None = None) -> None:
+    """Every training run of the scenario finished (and there were ``count`` of them)."""
     failed = {k: v["error"] for k, v in saved["runs"].items() if not v["ok"]}
     assert not failed, failed
+    if count is not None:
+        assert len(saved["runs"]) == count, sorted(saved["runs"])
+
+
+def _check_replicas(replicas: list[dict], expected: int = 2) -> None:
+    """Per-replica rows for every replica, speeds > 0, utilisations in (0, 1]."""
+    assert len(replicas) == expected, replicas
+    for r in replicas:
+        assert r["tokens_per_s"]["n"] == 1 and r["tokens_per_s"]["median"] > 0, r
+        u = r["utilisation"]
+        assert u["n"] == 1 and 0 < u["max"] <= 1 + UTILISATION_TOLERANCE, r
 
 
 # ---------------------------------------------------------------------------- smoke tests
 @pytest.mark.timeout(600)
 def test_optimizers_smoke(tmp_path, cache):
-    """AdamW, AGD and AdamW + WSAM each end with a finite validation loss."""
+    """AdamW, AGD and AdamW + WSAM each end with a finite, positive validation loss."""
     saved, _ = _run("optimizers", tmp_path, cache)
     _runs_ok(saved)
     assert saved["methods"] == ["adamw", "agd", "adamw+wsam"]
     for m in saved["methods"]:
-        assert _num(saved["results"][m]["final_val_loss"]["mean"]), m
+        loss = saved["results"][m]["final_val_loss"]
+        assert _num(loss["mean"]) and loss["mean"] > 0 and loss["n"] >= 1, m
+
+
+@pytest.mark.timeout(600)
+def test_default_smoke(tmp_path, cache):
+    """The default run learns, evaluates the whole (tiny-size: capped) split and reports
+    the split it evaluated on."""
+    saved, _ = _run("default", tmp_path, cache)
+    _runs_ok(saved, count=1)
+    res = saved["results"]["default"]
+    assert res["ok"] and res["steps"] == 4 and res["evaluations"] >= 2  # start and end
+    assert _num(res["initial_val_loss"]) and res["final_val_loss"] < res["initial_val_loss"]
+    assert res["val_tokens"] == 2048  # train.eval_tokens caps the tiny size
+    assert 0 < res["train_time_s"] < res["wall_time_s"] and res["eval_time_s"] > 0
+    split = res["split"]
+    assert split["tokenizer_trained_on"] == "train" and 0 <= split["val_train_overlap"] <= 1
+    assert split["val_tokens"] >= 4096
 
 
 @pytest.mark.timeout(600)
 def test_convergence_smoke(tmp_path, cache):
-    """Every method has a final validation loss and a curve."""
-    saved, out = _run("convergence", tmp_path, cache)
-    _runs_ok(saved)
-    assert saved["methods"] == ["sync", "post_local_sgd", "diloco", "edit", "aedit"]
-    for m in saved["methods"]:
+    """Every method learns (final < initial validation loss), has a curve and paired
+    differences against diloco and sync."""
+    saved, _ = _run("convergence", tmp_path, cache)
+    methods = ["sync", "post_local_sgd", "diloco", "edit", "aedit"]
+    _runs_ok(saved, count=len(methods))
+    assert saved["methods"] == methods and saved["settings"]["seeds"] == 1
+    for m in methods:
         res = saved["results"][m]
-        assert _num(res["final_val_loss"]["mean"]), m
-        assert res["final_val_loss"]["n"] == 1 and res["curve_tokens"], m
-    assert saved["settings"]["seeds"] == 1
-    assert saved["targets"] and "met" in saved["targets"][0]
+        assert _num(res["final_val_loss"]["mean"]) and res["final_val_loss"]["n"] == 1, m
+        assert _num(res["initial_val_loss"]) and res["final_val_loss"]["mean"] < \
+            res["initial_val_loss"], m
+        assert len(res["curve_tokens"]) >= 2 and all(map(_num, res["curve_val_loss"])), m
+        for ref in ("diloco", "sync"):
+            d = res[f"paired_vs_{ref}"]
+            assert d["n"] == 1 and d["mean"] == pytest.approx(
+                res["final_val_loss"]["mean"] - saved["results"][ref]["final_val_loss"]["mean"])
+    assert saved["results"]["diloco"]["paired_vs_diloco"]["mean"] == 0
+    assert saved["targets"] and saved["targets"][0]["met"] in (True, False)
+    assert any("Paired differences" in t["title"] for t in saved["tables"])
 
 
 @pytest.mark.timeout(600)
 def test_bandwidth_smoke(tmp_path, cache):
-    """Every method has a throughput at every link; local SGD a time split."""
+    """Every method has a throughput, a ratio to the ceiling and per-replica rows at every
+    link; local SGD a time split; one repeat of each run at the tiny size."""
     saved, _ = _run("bandwidth", tmp_path, cache)
-    _runs_ok(saved)
+    links = saved["settings"]["links"]
+    _runs_ok(saved, count=1 + 3 * len(links))
+    assert saved["repeats"] == 1 and saved["settings"]["repeats"] == 1
+    assert not saved["measurement_errors"]
     res = saved["results"]
-    assert _num(res["ceiling"]["tokens_per_s"]) and res["ceiling"]["tokens_per_s"] > 0
+    assert res["ceiling"]["tokens_per_s"]["n"] == 1 and res["ceiling"]["tokens_per_s"]["median"] > 0
     for m in ("sync", "diloco", "edit"):
-        assert set(res[m]) == set(saved["settings"]["links"])
+        assert set(res[m]) == set(links)
         for link, e in res[m].items():
-            assert _num(e["tokens_per_s"]) and e["tokens_per_s"] > 0, (m, link)
-            assert _num(e["vs_ceiling"]), (m, link)
+            assert e["tokens_per_s"]["median"] > 0 and e["tokens_per_s"]["n"] == 1, (m, link)
+            assert _num(e["vs_ceiling"]["median"]) and e["vs_ceiling"]["median"] > 0, (m, link)
+            _check_replicas(e["replicas"])
     for m in ("diloco", "edit"):  # local SGD: the sync metrics are split out
         for e in res[m].values():
-            assert _num(e["comm_time_s_per_step"]) and _num(e["wait_s_per_step"])
+            assert _num(e["comm_time_s_per_step"]["median"])
+            assert _num(e["wait_s_per_step"]["median"])
+    for link in links:  # one repeat: no verdict on the spread
+        assert [c["beyond_spread"] for c in res["comparisons"][link]] == [None] * 3
 
 
 @pytest.mark.timeout(600)
 def test_stragglers_smoke(tmp_path, cache):
-    """Every method has a throughput, a fraction of the limit and a loss."""
+    """The limit is measured (one solo run per replica, the straggler's slower), every
+    method has a throughput, a fraction of the limit, a loss and per-replica rows with
+    utilisation <= 1; a fraction above 1 is flagged as a measurement error."""
     saved, _ = _run("stragglers", tmp_path, cache)
-    _runs_ok(saved)
+    _runs_ok(saved, count=2 + 3)  # 2 solo runs + 3 methods, 1 repeat
+    assert saved["repeats"] == 1
     for case in saved["settings"]["cases"]:
         e = saved["results"][case]
-        assert _num(e["limit"]["tokens_per_s"])
+        limit = e["limit"]
+        assert limit["tokens_per_s"]["n"] == 1 and limit["tokens_per_s"]["median"] > 0
+        solo = [s["median"] for s in limit["per_replica"]]
+        assert len(solo) == 2 and all(s > 0 for s in solo)
+        assert limit["tokens_per_s"]["median"] == pytest.approx(sum(solo))
+        assert solo[1] < 0.9 * solo[0]  # replica 1's 2x slowdown was applied to its solo run
+        for util in limit["solo_utilisation"].values():
+            assert 0 < util["median"] <= 1 + UTILISATION_TOLERANCE
         for m in ("sync", "edit", "aedit"):
-            assert _num(e[m]["tokens_per_s"]) and _num(e[m]["fraction_of_limit"]), (case, m)
-            assert _num(e[m]["final_val_loss"]), (case, m)
-        assert sum(e["aedit"]["replica_steps"]) > 0
+            x = e[m]
+            assert x["tokens_per_s"]["median"] > 0 and x["fraction_of_limit"]["n"] == 1, (case, m)
+            assert _num(x["final_val_loss"]["median"]), (case, m)
+            assert x["per_replica_rows"] == [2], (case, m)
+            _check_replicas(x["replicas"])
+            flagged = any(f"{m} repeat 1:" in err and "measured limit" in err
+                          for err in e["errors"])
+            assert flagged == (x["fraction_of_limit"]["median"] > 1.0), (case, m)
+        assert sum(e["aedit"]["replica_steps"][0]) > 0
+        # The straggler computes about twice as long per step: busier than replica 0.
+        assert e["sync"]["replicas"][1]["utilisation"]["median"] > \
+            e["sync"]["replicas"][0]["utilisation"]["median"]
 
 
 @pytest.mark.timeout(600)
@@ -129,6 +206,7 @@ def test_spikes_smoke(tmp_path, cache):
         assert _num(e["max_jump"]), v
     # edit's detector looked at the corrupted replica at the corrupted sync
     assert saved["results"]["edit"]["corrupted_units"] > 0
+    assert saved["headline"] and "diloco" in saved["headline"][0]
 
 
 @pytest.mark.timeout(600)
@@ -159,13 +237,38 @@ def test_overlap_smoke(tmp_path, cache):
 
 
 def test_peers_without_torchft(tmp_path, monkeypatch):
-    """Without torchft the scenario is skipped, not failed."""
+    """Without torchft the scenario is skipped, with that reason, not failed."""
     import editrain.bench.peers as peers
 
     monkeypatch.setattr(peers, "torchft_version", lambda: None)
     saved, _ = _run("peers", tmp_path, str(tmp_path))
     assert saved["skipped"].startswith("skipped: torchft not installed")
     assert saved["results"]["torchft-diloco"]["status"] == "skipped"
+    assert not saved["runs"]
+
+
+@pytest.mark.timeout(600)
+def test_peers_with_torchft(tmp_path, cache):
+    """torchft's DiLoCo really runs next to editrain's diloco and edit: same start, same
+    syncs, and editrain's diloco ends where torchft's does."""
+    pytest.importorskip("torchft", reason="torchft not installed (pip install torchft)")
+    saved, out = _run("peers", tmp_path, cache)
+    _runs_ok(saved, count=3)
+    assert "skipped" not in saved and saved["repeats"] == 1
+    assert not saved["measurement_errors"]
+    res = saved["results"]
+    steps, h = saved["settings"]["steps"], saved["settings"]["sync_interval"]
+    for system in ("torchft-diloco", "diloco", "edit"):
+        e = res[system]
+        assert _num(e["final_val_loss"]["median"]), system
+        assert e["final_val_loss"]["median"] < e["initial_val_loss"]["median"], system
+        assert e["tokens_per_s"]["median"] > 0 and e["num_syncs"] == steps // h, system
+        _check_replicas(e["replicas"])
+    assert res["initial_val_loss_gap"] < 1e-3  # the same model on the same windows
+    finals = res["torchft-diloco"]["replica_final_val_loss"][0]
+    assert len(finals) == 2 and finals[0] == pytest.approx(finals[1])  # the global model
+    assert saved["targets"][0]["met"] is True  # editrain's diloco = torchft's DiLoCo
+    assert (out / "runs" / "torchft-diloco-r0" / "ranks" / "rank1.jsonl").is_file()
 
 
 # ---------------------------------------------------------------------------- helpers
@@ -210,17 +313,154 @@ def test_steady_throughput_counts_whole_sync_cycles():
     assert w["tokens_per_s"] == pytest.approx(1000.0)
 
 
+def _rank_rows(rank: int, replica: int, steps: int, compute: float, stall: float,
+               wait: float, per_step: int = 50) -> list[dict]:
+    """Per-rank rows as the trainer writes them (every step: compute, stall, then wait)."""
+    rows, wall = [], 0.0
+    for step in range(1, steps + 1):
+        step_time = compute + stall + wait
+        wall += step_time + 0.001  # a little time between steps (metric writes)
+        row = {"rank": rank, "replica": replica, "shard": 0, "step": step,
+               "tokens": step * per_step, "wall_time_s": wall, "step_time_s": step_time,
+               "compute_s": compute, "sync_wait_s": wait, "grad_sync_s": 0.0}
+        if stall:
+            row["sim_stall_s"] = stall
+        rows.append(row)
+    return rows
+
+
+def test_rank_logs_are_read_per_replica(tmp_path):
+    """A hand-made run directory: per-rank files are read (partial lines, events and
+    replayed rows dropped, a re-run's rows replacing the old ones), grouped by replica,
+    and turned into per-replica tokens/s and utilisation."""
+    run_dir = tmp_path / "run"
+    (run_dir / "ranks").mkdir(parents=True)
+    fast = _rank_rows(0, 0, 10, compute=0.1, stall=0.0, wait=0.1)
+    slow = _rank_rows(1, 1, 10, compute=0.1, stall=0.1, wait=0.0)
+    stale = _rank_rows(1, 1, 3, compute=9.0, stall=0.0, wait=0.0)  # an earlier attempt
+    lines0 = [json.dumps(r) for r in fast] + [json.dumps({"event": "x", "step": 3,
+                                                          "wall_time_s": 1.0})]
+    lines1 = [json.dumps(r) for r in stale] + [json.dumps(r) for r in slow]
+    lines1 += [json.dumps(dict(slow[-1], step=11, replayed=True)), '{"rank": 1, "st']
+    (run_dir / "ranks" / "rank0.jsonl").write_text("\n".join(lines0) + "\n")
+    (run_dir / "ranks" / "rank1.jsonl").write_text("\n".join(lines1))
+    (run_dir / "ranks" / "notes.txt").write_text("not a rank file")
+
+    ranks = read_rank_steps(run_dir)
+    assert sorted(ranks) == [0, 1]
+    assert [r["step"] for r in ranks[0]] == list(range(1, 11))
+    assert [r["compute_s"] for r in ranks[1]] == [0.1] * 10  # the stale attempt is gone
+    run = read_run("hand", run_dir, {})
+    assert run.error and run.replicas() == {0: [0], 1: [1]}  # no summary.json: not ok
+
+    reps = replica_stats(run, skip=2)
+    assert [r["replica"] for r in reps] == [0, 1]
+    for r, busy in zip(reps, (0.1, 0.2)):
+        seconds = 8 * (0.2 + 0.001)
+        assert r["steps"] == 8 and r["seconds"] == pytest.approx(seconds)
+        assert r["tokens_per_s"] == pytest.approx(8 * 50 / seconds)
+        assert r["utilisation"] == pytest.approx(8 * busy / seconds)  # stall counts as compute
+        assert r["utilisation"] <= 1
+    assert utilisation_errors(reps) == []
+    # Rows whose compute exceeds the wall time between them are a logging error: flagged.
+    broken = _rank_rows(0, 0, 5, compute=0.1, stall=0.0, wait=0.0)
+    for r in broken:
+        r["compute_s"] = 0.5
+    w = rank_window(broken, skip=1)
+    assert w["utilisation"] > 1
+    assert utilisation_errors([{"replica": 0, "max_rank_utilisation": w["utilisation"]}])
+    assert read_rank_steps(tmp_path / "nothing") == {}
+
+
+def test_solo_runs_map_each_replica_onto_replica_zero(tmp_path):
+    """A straggler's solo run is slowed like the straggler; identical replicas share one."""
+    base = {"dist": {"nproc": 2, "shard_size": 1}, "train": {"steps": 20},
+            "sim": {"straggler": ["1=2", "0=1.5@3-9"], "link_bandwidth": "5MB/s",
+                    "corrupt_replica": ["1@2"]}}
+    cfg = load_config(None, base)
+    assert solo_sim(cfg.sim, 1)["straggler"] == ["0=2"]
+    assert solo_sim(cfg.sim, 0)["straggler"] == ["0=1.5@3-9"]
+    assert solo_sim(cfg.sim, 0)["link_bandwidth"] is None
+    assert solo_sim(cfg.sim, 1)["corrupt_replica"] == []
+    plan = plan_solo_runs(cfg)
+    assert len(plan.layers) == 2 and plan.replica_keys[0] != plan.replica_keys[1]
+    assert sorted(plan.labels.values()) == ["solo-replica0", "solo-replica1"]
+    for layer in plan.layers.values():
+        assert layer["dist"]["nproc"] == 1 and layer["dist"]["threads_per_proc"] >= 1
+        assert layer["sync"]["local_sgd_sync_interval"] > 20  # no sync inside the run
+        solo = load_config(None, merge(base, layer))  # a valid single-replica run
+        assert solo.dist.nproc == solo.dist.shard_size == 1
+    stall = load_config(None, merge(base, {"sim": {"straggler": [], "corrupt_replica": [],
+                                                   "random_stall": "0.1,0.2"}}))
+    shared = plan_solo_runs(stall)
+    assert len(shared.layers) == 1 and list(shared.labels.values()) == ["solo-replicas0+1"]
+    assert shared.sims[shared.replica_keys[0]]["random_stall"] == "0.1,0.2"
+
+
+def test_spread_and_paired_differences():
+    """Medians and ranges over repeats; a verdict only with >= 2 repeats."""
+    a, b = spread([3.0, 1.0, 2.0, None, float("nan")]), spread([5.0, 4.0, 6.0])
+    assert (a["median"], a["min"], a["max"], a["n"]) == (2.0, 1.0, 3.0, 3)
+    assert beyond_spread(a, b) is True
+    assert beyond_spread(a, spread([2.5, 7.0])) is False
+    assert beyond_spread(spread([1.0]), spread([9.0])) is None
+    same = spread([6.3072, 6.3072])  # deterministic runs: no spread, float noise only
+    assert beyond_spread(same, spread([6.30720003] * 2)) is True
+    assert beyond_spread(same, spread([6.30720003] * 2), tolerance=1e-6 * 6.3) is False
+    assert spread([])["median"] is None
+    d = paired_differences([1.0, 2.0, None], [0.5, 1.0, 3.0])
+    assert d["values"] == [0.5, 1.0] and d["mean"] == pytest.approx(0.75)
+    assert d["same_sign"] is True
+    assert paired_differences([1.0, 0.0], [0.0, 1.0])["same_sign"] is False
+
+
 def test_split_extra_and_merge():
     """Bench flags and training options are told apart; merge is deep."""
     flags, over = split_extra(["--tiny", "--seeds", "3", "--model.preset=small",
-                               "--path", "x.md", "--train.steps", "5"])
-    assert flags == {"tiny": True, "seeds": 3, "path": "x.md"}
+                               "--path", "x.md", "--train.steps", "5", "--repeats=2",
+                               "--readme", "README.md", "--full"])
+    assert flags == {"tiny": True, "seeds": 3, "path": "x.md", "repeats": 2,
+                     "readme": "README.md", "full": True}
     assert over == {"model": {"preset": "small"}, "train": {"steps": 5}}
-    with pytest.raises(ConfigError):
-        split_extra(["stray"])
-    with pytest.raises(ConfigError):
-        split_extra(["--seeds", "0"])
+    for bad in (["stray"], ["--seeds", "0"], ["--repeats", "x"], ["--readme"]):
+        with pytest.raises(ConfigError):
+            split_extra(bad)
     assert merge({"a": {"b": 1, "c": 2}}, {"a": {"c": 3}}, None) == {"a": {"b": 1, "c": 3}}
+
+
+def test_repeats_per_size(tmp_path):
+    """1 repeat tiny, 3 quick, 5 full; --repeats overrides."""
+    sizes = {m: Bench("x", m, tmp_path / m).repeats for m in ("tiny", "quick", "full")}
+    assert sizes == {"tiny": 1, "quick": 3, "full": 5}
+    assert Bench("x", "quick", tmp_path / "r", flags={"repeats": 7}).repeats == 7
+
+
+def test_run_child_kills_a_hang_and_reports_failures(tmp_path):
+    """A child past its time limit is killed with everything it started; a failing child
+    is reported with its exit status and last line."""
+    import sys
+    import time
+
+    from editrain.bench.runner import run_child
+
+    t0 = time.monotonic()
+    sleeper = [sys.executable, "-c", "import subprocess, sys, time; subprocess.Popen("
+               "[sys.executable, '-c', 'import time; time.sleep(60)']); time.sleep(60)"]
+    error = run_child(sleeper, tmp_path / "hang.log", timeout_s=2)
+    assert error and "did not finish within 2 s" in error and time.monotonic() - t0 < 30
+    error = run_child([sys.executable, "-c", "print('first'); print('boom'); raise "
+                       "SystemExit(3)"], tmp_path / "fail.log", timeout_s=60)
+    assert error == "exit status 3: boom"
+    assert run_child([sys.executable, "-c", "pass"], tmp_path / "ok.log", timeout_s=60) is None
+
+
+def test_solo_layer_wins_over_user_options(tmp_path):
+    """The user's options beat a scenario's layers, but not a solo run's ``last`` layer."""
+    bench = Bench("x", "tiny", tmp_path, user_overrides={"dist": {"nproc": 4},
+                                                        "train": {"steps": 7}})
+    opts = bench.options({"dist": {"nproc": 2}}, last={"dist": {"nproc": 1}})
+    assert opts["dist"]["nproc"] == 1 and opts["train"]["steps"] == 7
+    assert bench.options({"dist": {"nproc": 2}})["dist"]["nproc"] == 4
 
 
 def test_unknown_scenario_and_bad_option_fail_before_running(tmp_path):
@@ -228,6 +468,7 @@ def test_unknown_scenario_and_bad_option_fail_before_running(tmp_path):
     from editrain.cli import main
 
     assert main(["bench", "nonsense", "--out", str(tmp_path / "x")]) == 2
+    assert main(["bench", "convergence", "--quick", "--full", "--out", str(tmp_path / "z")]) == 2
     assert main(["bench", "convergence", "--tiny", "--out", str(tmp_path / "y"),
                  "--train.no_such_option", "1"]) == 2
     assert not (tmp_path / "y" / "runs").exists()
@@ -235,25 +476,94 @@ def test_unknown_scenario_and_bad_option_fail_before_running(tmp_path):
                               "overlap", "peers"}
 
 
-def test_report_assembles_tables(tmp_path):
-    """The report holds every section, its command, targets and plots."""
-    from editrain.bench.report import write_benchmarks_md
-
+def _fake_results(tmp_path: Path) -> list[Path]:
+    """Two scenarios' results directories written by Bench.finish, without table.md."""
     dirs = []
     for name, met in (("memory", True), ("spikes", False)):
         bench = Bench(name, "quick", tmp_path / name, command=f"editrain bench {name} --quick")
         (tmp_path / name / "plot.png").write_bytes(b"png")
-        bench.finish(settings={}, methods=["edit"], results={"edit": {"x": 1.0}},
+        results = {"edit": {"x": 1.0, "peak_increase": 0.016},
+                   "diloco": {"peak_increase": 2.36}}
+        bench.finish(settings={"scale": 20.0, "corrupt_syncs": [8, 12, 16]},
+                     methods=["edit"], results=results,
                      tables=[("Numbers", md_table(["method", "x"], [["edit", 1.0]]))],
                      targets=[{"name": f"{name} target", "met": met, "detail": "d"}],
                      findings=[f"{name} finding"], notes=["how"],
-                     plots=[tmp_path / name / "plot.png"], description=f"{name} measures.")
+                     plots=[tmp_path / name / "plot.png"], description=f"{name} measures.",
+                     headline=[f"{name} headline 1.23"] if name == "spikes" else ())
+        (tmp_path / name / "table.md").unlink()  # the report needs results.json only
         dirs.append(tmp_path / name)
-    path = write_benchmarks_md(dirs, path=tmp_path / "docs" / "benchmarks.md")
+    return dirs
+
+
+def test_report_assembles_tables_from_results_json(tmp_path):
+    """The report holds every section, its command, tables, targets, notes and plots, all
+    from results.json."""
+    from editrain.bench.report import write_benchmarks_md
+
+    path = write_benchmarks_md(_fake_results(tmp_path), path=tmp_path / "docs" / "benchmarks.md")
     text = path.read_text()
-    assert "## memory" in text and "## spikes" in text
+    assert "## memory" in text and "## spikes" in text and "## In short" in text
     assert "`editrain bench spikes --quick`" in text
     assert "Target not met: spikes target" in text
-    assert "memory finding" in text and "| edit | 1 |" in text
+    assert "spikes headline 1.23" in text  # the summary comes from the record
+    assert "memory target: yes" in text  # no headline: the targets stand in
+    assert "memory finding" in text and "| edit | 1 |" in text and "- how" in text
     assert "](../memory/plot.png)" in text  # image links point at the results directory
+    assert "earlier run" not in text and "hand-written" not in text
     assert text.isascii()
+
+
+def test_report_flags_measurement_errors(tmp_path):
+    """A measurement error is stated as such at the top and in its section."""
+    from editrain.bench.report import write_benchmarks_md
+
+    bench = Bench("stragglers", "quick", tmp_path / "s", command="editrain bench stragglers")
+    bench.finish(settings={}, methods=["aedit"], results={}, tables=[],
+                 errors=["straggler: aedit repeat 1: 1.040x the measured limit"],
+                 headline=["must not appear"])
+    text = write_benchmarks_md([tmp_path / "s"], path=tmp_path / "b.md").read_text()
+    assert "| measurement error |" in text
+    assert text.count("MEASUREMENT ERROR (not a result)") >= 2
+    assert "1.040x the measured limit" in text
+
+
+def test_readme_headline(tmp_path):
+    """The README headline is regenerated between its markers from the records; without
+    markers the report fails with a clear error and changes nothing."""
+    from editrain.bench.report import readme_headline, write_readme_headline
+    from editrain.cli import main
+
+    dirs = _fake_results(tmp_path)
+    readme = tmp_path / "README.md"
+    readme.write_text("# x\n\n<!-- bench-headline -->\nold 9.99\n<!-- /bench-headline -->\n\nend\n")
+    sentence = write_readme_headline(readme, dirs)
+    text = readme.read_text()
+    assert "old 9.99" not in text and text.endswith("<!-- /bench-headline -->\n\nend\n")
+    assert "DiLoCo's validation loss jumps by 2.36 while EDiT's moves by 0.016" in sentence
+    assert " ".join(text.split("<!-- bench-headline -->")[1].split()).startswith(
+        " ".join(sentence.split()))
+    strag = {"scenario": "stragglers", "format": 2, "mode": "quick", "repeats": 3,
+             "results": {"straggler": {"errors": [],
+                                       "aedit": {"fraction_of_limit": spread([0.9, 0.95, 0.97])},
+                                       "sync": {"fraction_of_limit": spread([0.5, 0.6, 0.55])}}}}
+    assert "A-EDiT reaches 0.95 [0.9-0.97]x" in readme_headline([strag])
+    strag["results"]["straggler"]["errors"] = ["aedit repeat 1: 1.04x the measured limit"]
+    assert "measurement error" in readme_headline([strag]) and "0.95" not in \
+        readme_headline([strag])
+    with pytest.raises(ConfigError):
+        readme_headline([{"scenario": "memory", "results": {}}])
+
+    root = tmp_path / "root"
+    root.mkdir()
+    for d in dirs:
+        d.rename(root / d.name)
+    bare = tmp_path / "BARE.md"
+    bare.write_text("no markers here\n")
+    page = tmp_path / "page.md"
+    assert main(["bench", "report", "--out", str(root), "--path", str(page),
+                 "--readme", str(bare)]) == 2
+    assert bare.read_text() == "no markers here\n" and not page.exists()
+    assert main(["bench", "report", "--out", str(root), "--path", str(page),
+                 "--readme", str(readme)]) == 0
+    assert page.is_file() and "DiLoCo's validation loss jumps" in readme.read_text()

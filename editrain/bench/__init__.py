@@ -1,24 +1,46 @@
 """Benchmark scenarios: the methods side by side on one simulated cluster.
 
-``editrain bench SCENARIO [--quick] [--out DIR] [--tiny] [--section.key=value ...]`` runs
-one scenario and writes ``results.json``, ``table.md`` and PNG plots into the results
-directory (default ``bench_results/<scenario>``). Scenarios:
+``editrain bench SCENARIO [--quick | --full | --tiny] [--out DIR] [--section.key=value ...]``
+runs one scenario and writes ``results.json``, ``table.md`` and PNG plots into the results
+directory (default ``bench_results/<scenario>``). Timed comparisons repeat every run,
+interleaved (1 time tiny, 3 quick, 5 full; ``--repeats N``). Scenarios:
 
 ========== ==============================================================================
-convergence validation loss vs tokens of sync, post_local_sgd, diloco, edit, aedit
+default     `editrain train` with every option at its default: validation loss over the
+            whole held-out split, time, throughput (the README's quick-start figures)
+convergence validation loss vs tokens of sync, post_local_sgd, diloco, edit, aedit (full:
+            tiny preset, 2,000 steps, 3 seeds, paired differences; about an hour)
 bandwidth   tokens/s of sync, diloco, edit as the simulated link gets slower
 stragglers  tokens/s and loss with a 2x straggler or random stalls (sync, edit, aedit)
+            against the measured limit (each replica's solo speed)
 spikes      validation-loss spikes from corrupted replicas (diloco, edit, edit ablations)
 memory      extra bytes per rank of the outer state (full copy vs sharded vs offloaded)
 overlap     forward wait at a layer-wise sync vs prefetch depth (edit vs diloco)
 optimizers  AdamW vs AGD vs AdamW + WSAM as inner optimizers, equal steps, 3 seeds
-peers       torchft's DiLoCo side by side (skipped when torchft is not installed)
+peers       torchft's DiLoCo next to diloco and edit (skipped when torchft is missing)
 all         every scenario above
-report      assemble docs/benchmarks.md from the results directories
+report      docs/benchmarks.md from the results (``--readme FILE``: its headline too)
 ========== ==============================================================================
 
-One module per scenario (each has ``NAME``, ``DESCRIPTION`` and ``run(bench)``), the shared
-runner in :mod:`editrain.bench.common`, the report in :mod:`editrain.bench.report`.
+One module per scenario (each has ``NAME``, ``DESCRIPTION`` and ``run(bench)``); the shared
+machinery, one job per module:
+
+=============== ========================================================================
+``options``     sizes, the options every run shares, the bench command line
+``machine``     the machine record (CPUs, versions, load, commit)
+``runner``      :class:`~editrain.bench.runner.Bench`: running and repeating the runs,
+                writing the record
+``runs``        a finished run read back (``metrics.jsonl``, ``ranks/rank{RANK}.jsonl``)
+``measures``    numbers of one run: throughput, per-replica speed and utilisation
+``limits``      measured limits: each replica's solo speed
+``stats``       medians, spreads, paired differences over repeats and seeds
+``tables``      Markdown tables
+``results``     ``results.json`` and ``table.md``
+``plots``       matplotlib set-up
+``report``      ``docs/benchmarks.md`` and the README headline from the results
+=============== ========================================================================
+
+``torchft_peer`` is the torchft DiLoCo worker the ``peers`` scenario starts.
 """
 
 from __future__ import annotations
@@ -30,8 +52,8 @@ from typing import Any
 
 from editrain.config import ConfigError
 
-SCENARIOS = ("convergence", "bandwidth", "stragglers", "spikes", "memory", "overlap",
-             "optimizers", "peers")
+SCENARIOS = ("default", "convergence", "bandwidth", "stragglers", "spikes", "memory",
+             "overlap", "optimizers", "peers")
 """Scenario names in the order ``all`` runs them (and the report lists them)."""
 
 TINY_ENV = "EDITRAIN_BENCH_TINY"
@@ -56,33 +78,48 @@ def run_scenario(name: str, quick: bool = False, out_dir: str | None = None,
         out_dir: results directory (default ``bench_results/<scenario>``; for ``all`` and
             ``report`` the directory holding one sub-directory per scenario, default
             ``bench_results``).
-        extra: further command-line arguments: ``--tiny`` (smoke-test size), ``--seeds N``,
-            ``--path FILE`` (report), and training options applied to every run
-            (``--model.preset small``...).
+        extra: further command-line arguments: ``--tiny`` (smoke-test size), ``--full``
+            (the full size, also the default without ``--quick``), ``--seeds N``,
+            ``--repeats N``, ``--path FILE`` and ``--readme FILE`` (report), and training
+            options applied to every run (``--model.preset small``...).
         tiny: the smoke-test size (overrides ``quick``); also ``EDITRAIN_BENCH_TINY=1``.
 
     Returns:
         The record written to ``results.json`` (``all``: scenario -> record; ``report``:
         ``{"path": ...}``).
     """
-    from editrain.bench.common import DEFAULT_ROOT, Bench, command_line, split_extra
+    from editrain.bench.options import DEFAULT_ROOT, command_line, split_extra
+    from editrain.bench.runner import Bench
 
     extra = list(extra or [])
     flags, overrides = split_extra(extra)
     tiny = tiny or bool(flags.get("tiny")) or os.environ.get(TINY_ENV, "") not in ("", "0")
+    if flags.get("full") and (quick or tiny):
+        raise ConfigError("bench: --full contradicts --quick / --tiny; give one size")
     mode = "tiny" if tiny else ("quick" if quick else "full")
     root = Path(out_dir) if out_dir is not None else DEFAULT_ROOT
 
     if name == "report":
-        from editrain.bench.report import write_benchmarks_md
+        from editrain.bench.report import (
+            check_readme,
+            write_benchmarks_md,
+            write_readme_headline,
+        )
 
         dirs = [root / s for s in SCENARIOS if (root / s / "results.json").is_file()]
         if not dirs:
             raise ConfigError(f"bench report: no results.json under {root}/<scenario>/; run "
                               "`editrain bench all` (or single scenarios) first")
+        if flags.get("readme"):
+            check_readme(flags["readme"])  # no markers: fail before writing anything
         path = write_benchmarks_md(dirs, path=flags.get("path", "docs/benchmarks.md"))
         print(f"wrote {path} from {len(dirs)} scenario(s)")
-        return {"path": str(path)}
+        out_report: dict[str, Any] = {"path": str(path)}
+        if flags.get("readme"):
+            sentence = write_readme_headline(flags["readme"], dirs)
+            print(f"wrote the headline of {flags['readme']}: {sentence}")
+            out_report["readme"] = flags["readme"]
+        return out_report
     if name == "all":
         out: dict[str, Any] = {}
         for scenario in SCENARIOS:

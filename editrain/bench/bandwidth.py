@@ -10,15 +10,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from editrain.bench.common import (
-    Bench,
-    cell,
-    md_table,
-    pyplot,
-    ratio,
-    save_figure,
-    steady_throughput,
-)
+from editrain.bench.measures import replica_stats, steady_throughput, utilisation_errors
+from editrain.bench.plots import pyplot, save_figure
+from editrain.bench.runner import Bench, repeat_label
+from editrain.bench.runs import Run
+from editrain.bench.stats import beyond_spread, spread
+from editrain.bench.tables import cell, md_table, ratio, spread_cell, verdict_cell
 
 NAME = "bandwidth"
 METHODS = ("sync", "diloco", "edit")
@@ -29,6 +26,8 @@ DESCRIPTION = (
     "waiting for the sync and communication hidden behind computation."
 )
 UNLIMITED = "unlimited"
+COMPARISONS = (("edit", "diloco"), ("edit", "sync"), ("diloco", "sync"))
+"""Pairs whose tokens/s are compared against the spread of the repeats, at every link."""
 
 
 def _links(bench: Bench) -> list[tuple[str | None, str | None]]:
@@ -51,6 +50,8 @@ def run(bench: Bench) -> dict[str, Any]:
     sync_steps = bench.pick(8, 24, 30)
     skip = bench.pick(2, 4, 4)
     links = _links(bench)
+    names = [link_name(*x) for x in links]
+    repeats = bench.repeats
 
     def layers(method: str, steps: int, bw: str | None, lat: str | None) -> list[dict]:
         """The options of one run of ``method`` on a link."""
@@ -67,46 +68,66 @@ def run(bench: Bench) -> dict[str, Any]:
     bench.check(*ceiling_layers)
     for method in METHODS:
         bench.check(*layers(method, sync_steps, *links[-1]))
+    bench.plan(repeats * (1 + len(links) * len(METHODS)))
 
-    ceiling_runs = [bench.train("ceiling", *ceiling_layers)]
-    # Link-major order: a change of the machine's load during the scenario then hits every
-    # method at about the same links instead of one method's whole sweep.
-    runs: dict[tuple[str, str], Any] = {}
-    for bw, lat in links:
-        for method in METHODS:
-            steps = sync_steps if method == "sync" else local_steps
-            name = link_name(bw, lat)
-            runs[method, name] = bench.train(f"{method}-{name.replace('/', '')}",
-                                             *layers(method, steps, bw, lat))
-    if bench.mode != "tiny":  # the ceiling again at the end: did the machine's speed drift?
-        ceiling_runs.append(bench.train("ceiling-end", *ceiling_layers))
-    windows = [steady_throughput(r, skip) for r in ceiling_runs if r.ok]
-    speeds = [w["tokens_per_s"] for w in windows if w.get("tokens_per_s")]
-    steps_s = [w["step_time_s"] for w in windows if w.get("step_time_s")]
-    ceil_tps = sum(speeds) / len(speeds) if speeds else None
-    ceil_step = sum(steps_s) / len(steps_s) if steps_s else None
-    drift = speeds[-1] / speeds[0] - 1.0 if len(speeds) == 2 else None
-    results: dict[str, Any] = {"ceiling": {"tokens_per_s": ceil_tps, "step_time_s": ceil_step,
-                                           "runs_tokens_per_s": speeds, "drift": drift}}
+    # Interleaved repeats, link-major inside each: a change of the machine's load during the
+    # scenario then hits every method at about the same links and repeats.
+    ceiling_runs: list[Run] = []
+    runs: dict[tuple[str, str], list[Run]] = {(m, n): [] for m in METHODS for n in names}
+    for rep in range(repeats):
+        ceiling_runs.append(bench.train(repeat_label("ceiling", rep), *ceiling_layers,
+                                        title=f"ceiling repeat {rep + 1}"))
+        for (bw, lat), name in zip(links, names):
+            for method in METHODS:
+                steps = sync_steps if method == "sync" else local_steps
+                runs[method, name].append(bench.train(
+                    repeat_label(f"{method}-{name.replace('/', '')}", rep),
+                    *layers(method, steps, bw, lat), title=f"{method} {name} repeat {rep + 1}"))
+
+    windows = [steady_throughput(r, skip) if r.ok else {} for r in ceiling_runs]
+    ceil_tps = [w.get("tokens_per_s") for w in windows]
+    ceil_step = [w.get("step_time_s") for w in windows]
+    results: dict[str, Any] = {"ceiling": {"tokens_per_s": spread(ceil_tps),
+                                           "step_time_s": spread(ceil_step),
+                                           "per_repeat": ceil_tps}}
+    errors: list[str] = []
     for method in METHODS:
-        results[method] = {link_name(*x): _entry(method, runs[method, link_name(*x)], skip,
-                                                 ceil_tps, ceil_step) for x in links}
-        base = results[method].get(UNLIMITED, {}).get("tokens_per_s")
-        for entry in results[method].values():
-            entry["vs_unlimited"] = ratio(entry["tokens_per_s"], base)
+        results[method] = {n: _entry(method, runs[method, n], skip, ceil_tps, ceil_step)
+                           for n in names}
+        base = [e.get("tokens_per_s") for e in results[method].get(UNLIMITED, {})
+                .get("windows", [])]
+        for n, entry in results[method].items():
+            speeds = [w.get("tokens_per_s") for w in entry["windows"]]
+            entry["vs_unlimited"] = spread(ratio(s, b) for s, b in zip(speeds, base))
+            errors += [f"{method} {n}: {e}" for e in entry.pop("utilisation_errors")]
+    results["comparisons"] = {
+        n: [{"a": a, "b": b, "difference": _diff(results[a][n]["tokens_per_s"],
+                                                   results[b][n]["tokens_per_s"]),
+             "beyond_spread": beyond_spread(results[a][n]["tokens_per_s"],
+                                            results[b][n]["tokens_per_s"])}
+            for a, b in COMPARISONS] for n in names}
 
-    names = [link_name(*x) for x in links]
-    table = _table(results, names)
+    tables = [("Throughput against link speed", _table(results, names)),
+              ("Differences against the spread of the repeats", _comparison_table(results,
+                                                                                  names))]
     targets, findings, shortfalls = _judge(results, names, interval)
-    if drift is not None and abs(drift) > 0.1:
-        findings.append(f"The ceiling measured at the end differs by {drift:+.0%} from the one "
-                        "at the start: the machine's speed changed during the scenario, so "
-                        "ratios between runs carry that much noise.")
+    ceiling = results["ceiling"]["tokens_per_s"]
+    if ceiling["n"] >= 2 and ceiling["min"]:
+        drift = ceiling["max"] / ceiling["min"] - 1.0
+        if drift > 0.1:
+            findings.append(f"The no-communication ceiling varied by {drift:.0%} between "
+                            "repeats: the machine's speed changed during the scenario, so "
+                            "differences below that are noise.")
     plots = [_plot_throughput(bench, results, names), _plot_split(bench, results, names)]
     notes = [
         f"2 replicas; `edit` and `diloco` sync every H = {interval} steps and train "
         f"{local_steps} steps; `sync` trains {sync_steps} steps (every step is alike). "
         "Evaluation only at the end, outside the measured window.",
+        f"{repeats} interleaved repeat(s): in each, the ceiling, then link by link sync, "
+        "diloco, edit. Tables give the median over repeats and [min-max]; ratios are taken "
+        "within a repeat (against that repeat's ceiling or unlimited-link run). A "
+        "difference is 'beyond spread' when the two min-max ranges do not overlap (n/a with "
+        "one repeat).",
         "Throughput: tokens added between two rows of metrics.jsonl divided by the wall time "
         "between them. For local SGD the window runs from the first to the last sync that "
         f"happened inside a training step after step {skip} (whole sync cycles, so each "
@@ -114,50 +135,78 @@ def run(bench: Bench) -> dict[str, Any]:
         f"{skip} to the end.",
         f"Ceiling: `edit` with H = {local_steps + 1} > steps on an unlimited link, i.e. no "
         "communication during training at all (the final sync after the last step is not "
-        "timed); run first and (except at the tiny size) again last, the mean of both is "
-        "the reference"
-        + (f"; the machine's speed drifted by {drift:+.0%} between them" if drift is not None
-           else "") + ". Runs go link by link (sync, diloco, edit at each link), so a drift "
-        "of the machine's load spreads over all methods.",
+        "timed), measured in every repeat.",
         "Per step: wait = sum of the syncs' `wait_s` (the training thread blocked), comm = "
         "sum of `comm_time_s` (time inside collectives on the communication thread, "
         "including simulated link delay, partly hidden behind computation for `edit`), "
         "divided by the steps of the window. Overhead vs ceiling = step time - ceiling step "
         "time.",
-        "`sync`: the gradient all-reduce runs inside `after_backward()`; the metrics hold no "
-        "sync entries and `compute_s` includes it, so its wait and comm columns are n/a and "
-        "its communication cost shows only as overhead vs the ceiling.",
+        "`sync`: the gradient all-reduce runs inside `after_backward()`; its wait column is "
+        "the per-step `grad_sync_s`, and it has no comm or link-delay columns.",
+        "Per replica (from `ranks/rank{RANK}.jsonl`): utilisation = (compute_s + "
+        "sim_stall_s) / wall time from the replica's step "
+        f"{skip} to its last step; it cannot exceed 1 by construction.",
         "The link model sleeps latency + bytes / bandwidth per cross-replica message on the "
         "communication thread; the shard group (intra-replica) is not slowed.",
     ]
     settings = {"sync_interval": interval, "local_steps": local_steps, "sync_steps": sync_steps,
-                "links": names, "skip_steps": skip}
+                "links": names, "skip_steps": skip, "repeats": repeats}
     return bench.finish(settings=settings, methods=("ceiling",) + METHODS, results=results,
-                        tables=[("Throughput against link speed", table)], targets=targets,
-                        findings=findings, notes=notes, plots=plots, description=DESCRIPTION,
-                        shortfalls=shortfalls)
+                        tables=tables, targets=targets, findings=findings, notes=notes,
+                        plots=plots, description=DESCRIPTION, shortfalls=shortfalls,
+                        errors=errors, repeats=repeats,
+                        headline=_headline(results, names, interval, repeats))
 
 
-def _entry(method: str, r: Any, skip: int, ceil_tps: float | None,
-           ceil_step: float | None) -> dict[str, Any]:
-    """The numbers of one run."""
-    w = steady_throughput(r, skip) if r.ok else {}
-    step = w.get("step_time_s")
+def _entry(method: str, runs: list[Run], skip: int, ceil_tps: list[float | None],
+           ceil_step: list[float | None]) -> dict[str, Any]:
+    """The numbers of one method on one link, over its repeats."""
+    windows = [steady_throughput(r, skip) if r.ok else {} for r in runs]
+    steps = [w.get("step_time_s") for w in windows]
+    per_replica = [replica_stats(r, skip) if r.ok else [] for r in runs]
+    count = max((len(p) for p in per_replica), default=0)
+
+    def over_repeats(key: str) -> dict[str, Any]:
+        """The spread of a window field over the repeats."""
+        return spread(w.get(key) for w in windows)
+
     return {
-        "tokens_per_s": w.get("tokens_per_s"),
-        "step_time_s": step,
-        "vs_ceiling": ratio(w.get("tokens_per_s"), ceil_tps),
-        "overhead_vs_ceiling_s_per_step": (step - ceil_step) if step is not None
-        and ceil_step is not None else None,
-        "wait_s_per_step": w.get("wait_s_per_step") if method != "sync"
-        else w.get("grad_sync_s_per_step"),
-        "comm_time_s_per_step": w.get("comm_time_s_per_step") if method != "sync" else None,
-        "link_delay_s_per_step": w.get("link_delay_s_per_step") if method != "sync" else None,
-        "compute_s_per_step": w.get("compute_s_per_step"),
-        "window": w,
-        "load_before": r.load_before,
-        "error": r.error,
+        "tokens_per_s": over_repeats("tokens_per_s"),
+        "step_time_s": over_repeats("step_time_s"),
+        "vs_ceiling": spread(ratio(w.get("tokens_per_s"), c)
+                             for w, c in zip(windows, ceil_tps)),
+        "overhead_vs_ceiling_s_per_step": spread(
+            s - c for s, c in zip(steps, ceil_step) if s is not None and c is not None),
+        "wait_s_per_step": over_repeats("wait_s_per_step" if method != "sync"
+                                 else "grad_sync_s_per_step"),
+        "comm_time_s_per_step": (over_repeats("comm_time_s_per_step")
+                                 if method != "sync" else None),
+        "link_delay_s_per_step": (over_repeats("link_delay_s_per_step")
+                                  if method != "sync" else None),
+        "compute_s_per_step": over_repeats("compute_s_per_step"),
+        "replicas": [{"replica": i,
+                      "tokens_per_s": spread(p[i]["tokens_per_s"] for p in per_replica
+                                             if len(p) > i),
+                      "utilisation": spread(p[i]["utilisation"] for p in per_replica
+                                            if len(p) > i)} for i in range(count)],
+        "utilisation_errors": [e for p in per_replica for e in utilisation_errors(p)],
+        "windows": windows,
+        "load_before": [r.load_before for r in runs],
+        "runs": [r.label for r in runs],
+        "errors": [r.error for r in runs if r.error],
     }
+
+
+def _diff(a: dict[str, Any], b: dict[str, Any]) -> float | None:
+    """Difference of two spreads' medians."""
+    if a.get("median") is None or b.get("median") is None:
+        return None
+    return a["median"] - b["median"]
+
+
+def _med(s: dict[str, Any] | None) -> float | None:
+    """The median of a spread (None for a missing one)."""
+    return None if not s else s.get("median")
 
 
 def _ms(v: float | None) -> float | None:
@@ -168,28 +217,40 @@ def _ms(v: float | None) -> float | None:
 def _table(results: dict[str, Any], names: list[str]) -> str:
     """The Markdown table: one row per method and link, plus the ceiling."""
     c = results["ceiling"]
-    rows: list[list[Any]] = [["ceiling (no comm)", UNLIMITED, c["tokens_per_s"], None, 1.0,
-                              _ms(c["step_time_s"]), None, None, None, None]]
+    rows: list[list[Any]] = [["ceiling (no comm)", UNLIMITED, spread_cell(c["tokens_per_s"]),
+                              None, "1", spread_cell(c["step_time_s"], 1000), None, None, None,
+                              None, None]]
     for method in METHODS:
         for name in names:
             e = results[method][name]
-            rows.append([method, name, e["tokens_per_s"], e["vs_unlimited"], e["vs_ceiling"],
-                         _ms(e["step_time_s"]), _ms(e["overhead_vs_ceiling_s_per_step"]),
-                         _ms(e["wait_s_per_step"]), _ms(e["comm_time_s_per_step"]),
-                         _ms(e["link_delay_s_per_step"])])
+            util = "/".join(cell(r["utilisation"]["median"]) for r in e["replicas"]) or None
+            rows.append([method, name, spread_cell(e["tokens_per_s"]),
+                         spread_cell(e["vs_unlimited"]), spread_cell(e["vs_ceiling"]),
+                         spread_cell(e["step_time_s"], 1000),
+                         spread_cell(e["overhead_vs_ceiling_s_per_step"], 1000),
+                         spread_cell(e["wait_s_per_step"], 1000),
+                         spread_cell(e["comm_time_s_per_step"], 1000),
+                         spread_cell(e["link_delay_s_per_step"], 1000), util])
     return md_table(["method", "link", "tokens/s", "x unlimited", "x ceiling", "step ms",
                      "overhead vs ceiling ms/step", "wait ms/step", "comm ms/step",
-                     "link delay ms/step"], rows)
+                     "link delay ms/step", "utilisation per replica (median)"], rows)
+
+
+def _comparison_table(results: dict[str, Any], names: list[str]) -> str:
+    """tokens/s differences between methods at each link, against the spread."""
+    rows = [[n, f"{c['a']} - {c['b']}", c["difference"], verdict_cell(c["beyond_spread"])]
+            for n in names for c in results["comparisons"][n]]
+    return md_table(["link", "tokens/s difference (medians)", "value", "beyond spread"], rows)
 
 
 def _judge(results: dict[str, Any], names: list[str],
            interval: int) -> tuple[list[dict[str, Any]], list[str], list[str]]:
-    """The target check, the findings and the shortfalls, from the numbers."""
+    """The target check, the findings and the shortfalls, from the medians."""
     slow = [n for n in names if n != UNLIMITED]
     checked = []
     for n in slow:
-        s = results["sync"][n]["vs_unlimited"]
-        e = results["edit"][n]["vs_unlimited"]
+        s = _med(results["sync"][n]["vs_unlimited"])
+        e = _med(results["edit"][n]["vs_unlimited"])
         if s is not None and s < 0.5:
             checked.append((n, s, e))
     if UNLIMITED not in names:
@@ -200,27 +261,32 @@ def _judge(results: dict[str, Any], names: list[str],
         met = any(e is not None and e >= 0.9 for _, _, e in checked)
         detail = "; ".join(f"{n}: sync {cell(s)}x, edit {cell(e)}x" for n, s, e in checked)
     targets = [{"name": f"edit (H = {interval}) keeps >= 0.9x of its unlimited-link throughput "
-                        "at a link where sync falls below 0.5x", "met": met,
-                "detail": detail}]
+                        "at a link where sync falls below 0.5x (medians over repeats)",
+                "met": met, "detail": detail}]
     findings, shortfalls = [], []
     for n, s, e in checked:
         if e is None or e < 0.9:
             shortfalls.append(f"{n}: edit keeps only {cell(e)}x of its unlimited-link "
                               f"throughput (sync {cell(s)}x).")
     for n in names:
-        parts = [f"{m} {cell(results[m][n]['tokens_per_s'])} tok/s"
-                 f" ({cell(results[m][n]['vs_ceiling'])}x ceiling)" for m in METHODS]
+        parts = [f"{m} {spread_cell(results[m][n]['tokens_per_s'])} tok/s"
+                 f" ({cell(_med(results[m][n]['vs_ceiling']))}x ceiling)" for m in METHODS]
         findings.append(f"{n}: " + ", ".join(parts) + ".")
+        for c in results["comparisons"][n]:
+            if c["beyond_spread"] is not None and c["difference"] is not None:
+                findings.append(f"{n}: {c['a']} - {c['b']} = {c['difference']:+,.0f} tok/s, "
+                                + ("beyond" if c["beyond_spread"] else "within")
+                                + " the spread of the repeats.")
     for n in slow:
         e, d = results["edit"][n], results["diloco"][n]
-        if e["wait_s_per_step"] is not None and d["wait_s_per_step"] is not None \
-                and e["comm_time_s_per_step"]:
-            hidden = 1.0 - e["wait_s_per_step"] / e["comm_time_s_per_step"]
+        ew, ec, dw = _med(e["wait_s_per_step"]), _med(e["comm_time_s_per_step"]), \
+            _med(d["wait_s_per_step"])
+        if ew is not None and dw is not None and ec:
+            hidden = 1.0 - ew / ec
             findings.append(
-                f"{n}: edit waits {cell(_ms(e['wait_s_per_step']))} ms/step for "
-                f"{cell(_ms(e['comm_time_s_per_step']))} ms/step of communication "
-                f"({max(0.0, hidden):.0%} hidden behind the forward); diloco blocks "
-                f"{cell(_ms(d['wait_s_per_step']))} ms/step.")
+                f"{n}: edit waits {cell(_ms(ew))} ms/step for {cell(_ms(ec))} ms/step of "
+                f"communication ({max(0.0, hidden):.0%} hidden behind the forward); diloco "
+                f"blocks {cell(_ms(dw))} ms/step.")
             if hidden < 0.5:
                 shortfalls.append(
                     f"{n}: edit hides only {max(0.0, hidden):.0%} of its sync communication "
@@ -229,49 +295,64 @@ def _judge(results: dict[str, Any], names: list[str],
     return targets, findings, shortfalls
 
 
+def _headline(results: dict[str, Any], names: list[str], interval: int,
+              repeats: int) -> list[str]:
+    """The report's summary sentence: x unlimited per method at every slowed link."""
+    slow = [n for n in names if n != UNLIMITED]
+    if not slow or UNLIMITED not in names:
+        return []
+    parts = "; ".join(f"{m} " + " / ".join(spread_cell(results[m][n]["vs_unlimited"])
+                                           for n in slow) for m in METHODS)
+    return [f"Throughput kept against an unlimited link at {' / '.join(slow)} (H = {interval}, "
+            f"median [min-max] of {repeats} repeat(s)): {parts}."]
+
+
 def _plot_throughput(bench: Bench, results: dict[str, Any], names: list[str]):
-    """tokens/s against the link, one line per method, the ceiling dashed."""
+    """tokens/s against the link (median, min-max bars), one line per method."""
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(7, 4.5))
     xs = list(range(len(names)))
     for method in METHODS:
-        ys = [results[method][n]["tokens_per_s"] for n in names]
-        ax.plot(xs, [float("nan") if y is None else y for y in ys], marker="o", label=method)
-    c = results["ceiling"]["tokens_per_s"]
+        spreads = [results[method][n]["tokens_per_s"] for n in names]
+        ys = [float("nan") if s["median"] is None else s["median"] for s in spreads]
+        lo = [0.0 if s["median"] is None else s["median"] - s["min"] for s in spreads]
+        hi = [0.0 if s["median"] is None else s["max"] - s["median"] for s in spreads]
+        ax.errorbar(xs, ys, yerr=[lo, hi], marker="o", capsize=3, label=method)
+    c = _med(results["ceiling"]["tokens_per_s"])
     if c:
         ax.axhline(c, color="gray", linestyle="--", label="ceiling (no communication)")
     ax.set_xticks(xs, names)
     ax.set_xlabel("simulated inter-replica link")
-    ax.set_ylabel("tokens/s (cluster)")
+    ax.set_ylabel("tokens/s (cluster; median, min-max)")
     ax.set_ylim(bottom=0)
     ax.grid(alpha=0.3)
     return save_figure(fig, bench.out_dir / "throughput_vs_link.png")
 
 
 def _plot_split(bench: Bench, results: dict[str, Any], names: list[str]):
-    """Stacked ms/step: ceiling step time, waiting for syncs, other overhead; dots: comm."""
+    """Stacked ms/step (medians): ceiling step time, waiting for syncs, other overhead;
+    triangles: communication time."""
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(max(7, 1.1 * len(names) * len(METHODS)), 4.5))
-    base = _ms(results["ceiling"]["step_time_s"]) or 0.0
+    base = _ms(_med(results["ceiling"]["step_time_s"])) or 0.0
     xs: list[str] = []
     comm_labelled = False
     for i, (method, name) in enumerate((m, n) for m in METHODS for n in names):
         e = results[method][name]
-        step = _ms(e["step_time_s"]) or 0.0
-        wait = _ms(e["wait_s_per_step"]) or 0.0
-        if method == "sync" and e["wait_s_per_step"] is None:
-            wait = max(0.0, step - base)  # not in the metrics: the whole excess
+        step = _ms(_med(e["step_time_s"])) or 0.0
+        wait = _ms(_med(e["wait_s_per_step"])) or 0.0
         other = max(0.0, step - base - wait)
         ax.bar(i, base, color="#9bbbd4", label="compute (ceiling step)" if i == 0 else None)
         ax.bar(i, wait, bottom=base, color="#d46a6a", label="waiting for sync" if i == 0
                else None)
         ax.bar(i, other, bottom=base + wait, color="#e0c070", label="other" if i == 0 else None)
-        if e["comm_time_s_per_step"] is not None:
-            ax.plot(i, _ms(e["comm_time_s_per_step"]), "k^",
-                    label=None if comm_labelled else "communication (incl. hidden)")
+        comm = _med(e["comm_time_s_per_step"])
+        if comm is not None:
+            ax.plot(i, _ms(comm), "k^", label=None if comm_labelled
+                    else "communication (incl. hidden)")
             comm_labelled = True
         xs.append(f"{method}\n{name}")
     ax.set_xticks(range(len(xs)), xs, fontsize=7)
-    ax.set_ylabel("ms per step")
+    ax.set_ylabel("ms per step (medians)")
     ax.grid(alpha=0.3, axis="y")
     return save_figure(fig, bench.out_dir / "time_split.png")

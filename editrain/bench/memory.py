@@ -4,20 +4,19 @@ DiLoCo as published keeps a full copy of the model (the anchor) and of the outer
 optimizer's state on every worker. editrain keeps both per FSDP2 shard, so a rank holds
 ``1 / S`` of them, and ``cpu_offload`` moves them off the accelerator. The numbers here are
 real allocations: each shard size is a spawned gloo process group in which the model is
-built, ``fully_shard``-ed on the ``"shard"`` mesh dimension, wrapped in
-:class:`editrain.sync.EDiT`, trained for one step and synced once; then
+built with the public API a user calls (``editrain.parallelize``: FSDP2 on the ``"shard"``
+mesh dimension; ``editrain.edit``: the :class:`~editrain.sync.SyncEngine`), trained for one step and synced once; then
 ``engine.extra_memory()`` counts the bytes of the anchor and outer-state tensors.
 """
 
 from __future__ import annotations
 
-import os
-import socket
-import tempfile
-from pathlib import Path
 from typing import Any
 
-from editrain.bench.common import Bench, fmt_bytes, md_table, pyplot, save_figure
+from editrain.bench.plots import pyplot, save_figure
+from editrain.bench.runner import Bench
+from editrain.bench.tables import fmt_bytes, md_table
+from editrain.spawn import run_ranks
 
 NAME = "memory"
 DESCRIPTION = (
@@ -32,57 +31,27 @@ VARIANTS: dict[str, dict[str, Any]] = {
 }
 
 
-def _free_port() -> int:
-    """A TCP port on the loopback interface that is free right now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _entry(rank: int, world: int, port: int, out_dir: str, presets: list[str]) -> None:
-    """Spawned process: join the gloo group, measure, write ``RANK.json``."""
-    import json
-
-    import torch
-    import torch.distributed as dist
-
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        rows = measure_rank(presets)
-        (Path(out_dir) / f"{rank}.json").write_text(json.dumps(rows))
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
-
-
 def measure_rank(presets: list[str]) -> list[dict[str, Any]]:
     """On every rank of an initialised process group (1 replica x world shards): build,
     shard, sync once and count the outer state, for every preset and variant."""
     import torch
-    from torch.distributed.fsdp import fully_shard
 
+    import editrain
     from editrain.models import Llama, causal_lm_loss, preset_config
-    from editrain.sync import EDiT
-    from editrain.sync.config import SyncConfig
     from editrain.sync.outer import local_view
-    from editrain.topology import init_mesh
 
-    info = init_mesh(shard_size=torch.distributed.get_world_size(), backend="gloo",
-                     device_type="cpu")
+    info = editrain.init_mesh(shard_size=torch.distributed.get_world_size(), backend="gloo",
+                              device_type="cpu")
     out = []
     for preset in presets:
         mcfg = preset_config(preset)
         for variant, sync_kwargs in VARIANTS.items():
+            # Built the way a user builds it: the public parallelize() and edit().
             model = Llama(mcfg, seed=0)
-            blocks = model.blocks()
-            for block in blocks:
-                fully_shard(block, mesh=info.shard_mesh)
-            fully_shard(model, mesh=info.shard_mesh)
-            engine = EDiT(model, info.mesh, SyncConfig(local_sgd_sync_interval=1,
-                                                       **sync_kwargs), blocks=blocks)
+            blocks = editrain.parallelize(model, info, model.blocks())
+            engine = editrain.edit(model, info, editrain.SyncConfig(local_sgd_sync_interval=1,
+                                                                    **sync_kwargs),
+                                   blocks=blocks)
             opt = torch.optim.SGD(model.parameters(), lr=1e-3)
             gen = torch.Generator().manual_seed(0)
             x = torch.randint(0, mcfg.vocab_size, (2, 17), generator=gen)
@@ -108,16 +77,14 @@ def measure_rank(presets: list[str]) -> list[dict[str, Any]]:
     return out
 
 
+def _measure(rank: int, world: int, presets: list[str]) -> list[dict[str, Any]]:
+    """Spawned rank: :func:`measure_rank` (the signature :func:`run_ranks` calls)."""
+    return measure_rank(presets)
+
+
 def _spawn(world: int, presets: list[str]) -> list[list[dict[str, Any]]]:
     """Run :func:`measure_rank` on ``world`` spawned processes; every rank's rows."""
-    import json
-
-    import torch.multiprocessing as mp
-
-    with tempfile.TemporaryDirectory() as tmp:
-        mp.start_processes(_entry, args=(world, _free_port(), tmp, presets), nprocs=world,
-                           join=True, start_method="spawn")
-        return [json.loads((Path(tmp) / f"{r}.json").read_text()) for r in range(world)]
+    return run_ranks(_measure, world, presets)
 
 
 def run(bench: Bench) -> dict[str, Any]:

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from editrain.bench.common import Bench, cell, md_table, mean_std
+from editrain.bench.runner import Bench
+from editrain.bench.stats import mean_std
+from editrain.bench.tables import cell, md_table
 
 NAME = "optimizers"
 DESCRIPTION = (

@@ -10,7 +10,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from editrain.bench.common import Bench, Run, cell, md_table, median, pyplot, save_figure
+from editrain.bench.plots import pyplot, save_figure
+from editrain.bench.runner import Bench
+from editrain.bench.runs import Run
+from editrain.bench.stats import median
+from editrain.bench.tables import cell, md_table
 
 NAME = "overlap"
 DESCRIPTION = (

@@ -1,22 +1,53 @@
-"""Peers: other implementations of the same methods, side by side with editrain.
+"""Peers: torchft's DiLoCo side by side with editrain's ``diloco`` and ``edit``.
 
-Today the only peer is torchft's DiLoCo (``torchft.local_sgd.DiLoCo``). torchft needs its
-own lighthouse/manager processes and is an optional dependency; when it is not importable
-the scenario is skipped with a clear message and a ``results.json`` that says so.
+torchft (``pip install torchft``, or the ``peers`` extra) is driven for real: the scenario
+starts a torchft lighthouse on localhost and one worker process per replica group
+(:mod:`editrain.bench.torchft_peer`: a ``torchft.Manager`` over
+``torchft.process_group.ProcessGroupGloo`` and ``torchft.local_sgd.DiLoCo``), with a
+timeout so that a hang fails the run instead of blocking. The three systems train the same
+model (editrain's ``Llama``, same preset and seed), on the same data (editrain's token
+cache and per-replica streams, same seed), with the same H, inner AdamW settings and
+learning-rate schedule and the same outer optimizer (editrain's default for ``diloco``:
+Nesterov SGD, lr 0.7, momentum 0.9); 2 replicas x 1 process. Every repeat runs the three
+in turn (interleaved). When torchft is not importable the scenario is skipped, with that
+reason in ``results.json``.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
 from typing import Any
 
-from editrain.bench.common import Bench, md_table
+from editrain.bench.machine import load_average
+from editrain.bench.measures import replica_stats, steady_throughput, utilisation_errors
+from editrain.bench.runner import Bench, child_env, repeat_label
+from editrain.bench.runs import Run, read_run
+from editrain.bench.stats import beyond_spread, median, spread
+from editrain.bench.tables import md_table, spread_cell, verdict_cell
+from editrain.config import ConfigError
 
 NAME = "peers"
+SYSTEMS = ("torchft-diloco", "diloco", "edit")
 DESCRIPTION = (
-    "torchft's DiLoCo next to editrain's `diloco` and `edit` on the same model and data "
-    "(optional: needs the `torchft` package)."
+    "torchft's DiLoCo (`torchft.local_sgd.DiLoCo` with a lighthouse and one manager per "
+    "replica group over gloo) next to editrain's `diloco` and `edit`: same model, data, "
+    "seed, H, inner AdamW and outer Nesterov SGD; final validation loss over the "
+    "validation split and tokens per second (optional: needs the `torchft` package)."
 )
+COMPARISONS = (("diloco", "torchft-diloco"), ("edit", "torchft-diloco"), ("edit", "diloco"))
+"""Pairs compared on final validation loss and tokens/s against the spread of repeats."""
+SAME_START_TOLERANCE = 1e-3
+"""Largest allowed difference of the initial validation losses (same model and data)."""
+SAME_RESULT_TOLERANCE = 1e-3
+"""editrain's ``diloco`` and torchft's DiLoCo compute the same algorithm: their final
+validation losses must agree to this (relative) tolerance, up to floating-point order."""
 
 
 def torchft_version() -> str | None:
@@ -35,15 +66,346 @@ def run(bench: Bench) -> dict[str, Any]:
     """Run the scenario (or record why it was skipped)."""
     found = torchft_version()
     if found is None:
-        reason = "skipped: torchft not installed (pip install torchft to compare with it)"
-    else:
-        reason = (f"skipped: torchft {found} is installed, but editrain's benchmark does not "
-                  "drive it yet (its DiLoCo needs a torchft Manager and lighthouse per "
-                  "replica group; not wired up or verified here)")
+        return _skip(bench, "skipped: torchft not installed (pip install torchft, or "
+                            "pip install 'editrain[peers]', to compare with it)")
+    interval = bench.pick(4, 16, 20)
+    steps = bench.pick(8, 96, 200)
+    skip = bench.pick(2, 4, 4)
+    repeats = bench.repeats
+    timeout_s = bench.pick(300, 900, 3600)
+    common = {"train": {"steps": steps, "eval_every": steps,
+                        "warmup_steps": min(10, steps // 4)},
+              "sync": {"local_sgd_sync_interval": interval}}
+    layers = {s: [common, {"sync": {"method": "diloco" if s == "torchft-diloco" else s}}]
+              for s in SYSTEMS}
+    for s in SYSTEMS:
+        bench.check(*layers[s])
+    cfg = bench.config(*layers["torchft-diloco"])
+    h = cfg.sync.resolve().local_sgd_sync_interval
+    if cfg.train.steps % h:
+        raise ConfigError(f"bench peers: train.steps ({cfg.train.steps}) must be a multiple "
+                          f"of sync.local_sgd_sync_interval ({h}), so that every system ends "
+                          "on a sync")
+    if cfg.dist.shard_size != 1:
+        raise ConfigError("bench peers: torchft's side runs one process per replica group; "
+                          f"use dist.shard_size=1 (got {cfg.dist.shard_size})")
+    replicas = cfg.dist.nproc
+    threads = cfg.dist.threads_per_proc or max(1, (os.cpu_count() or 1) // replicas)
+    bench.plan(repeats * len(SYSTEMS))
+
+    runs: dict[str, list[Run]] = {s: [] for s in SYSTEMS}
+    for rep in range(repeats):
+        for system in SYSTEMS:
+            label = repeat_label(system, rep)
+            title = f"{system} repeat {rep + 1}"
+            if system == "torchft-diloco":
+                runs[system].append(run_torchft(bench, label, bench.options(*layers[system]),
+                                                replicas, threads, timeout_s, title))
+            else:
+                runs[system].append(bench.train(label, *layers[system], title=title))
+
+    results, errors = _results(runs, skip)
+    tables = [("torchft DiLoCo and editrain", _table(results)),
+              ("Differences against the spread of the repeats", _comparison_table(results))]
+    findings = _findings(results, repeats, steps, h)
+    targets = [_target(results)]
+    outer = cfg.sync.resolve()
+    notes = [
+        f"2 replicas x 1 process, {steps} steps, H = {h}, the {cfg.model.preset} preset, "
+        f"seed {cfg.train.seed}, inner {cfg.optim.name} (lr {cfg.train.lr}, betas "
+        f"{cfg.train.beta1}/{cfg.train.beta2}, weight decay {cfg.train.weight_decay}, "
+        f"gradient clipping {cfg.train.grad_clip}, editrain's warm-up + cosine schedule), "
+        f"outer {outer.outer_optim_class} {json.dumps(outer.outer_optim_kwargs)} for all "
+        f"three; {threads} thread(s) per process.",
+        "torchft side: a `torchft.coordination.LighthouseServer` (min_replicas = 2, "
+        "join_timeout_ms = 100) per run, one `torchft.Manager` per replica group "
+        "(use_async_quorum = False, init_sync = False: both replicas build the same model "
+        "from the seed) over `ProcessGroupGloo`, `torchft.local_sgd.DiLoCo(sync_every = H)` "
+        f"around the inner optimizer; worker processes time out after {timeout_s} s.",
+        "Validation loss: over the whole validation split"
+        + (" (tiny size: about 2,048 tokens of it)" if bench.mode == "tiny" else "")
+        + ", the same windows for every system (editrain.data.eval_batches), at step 0 "
+        "(the same initial model: the three must agree) and after the last sync (the "
+        "global model).",
+        "Throughput: tokens between two rows of metrics.jsonl over the wall time between "
+        f"them, from the first to the last sync inside a training step after step {skip} "
+        "(whole sync cycles); torchft's sync (quorum, all-reduce of the pseudo-gradients, "
+        "outer step) runs inside the inner optimizer's step and is timed there.",
+        f"{repeats} interleaved repeat(s) (torchft-diloco, diloco, edit; again); median "
+        "[min-max]. A difference is 'beyond spread' when the min-max ranges do not overlap.",
+    ]
+    settings = {"steps": steps, "sync_interval": h, "repeats": repeats, "torchft": found,
+                "threads_per_process": threads, "timeout_s": timeout_s, "skip_steps": skip}
+    return bench.finish(settings=settings, methods=SYSTEMS, results=results, tables=tables,
+                        targets=targets, findings=findings, notes=notes,
+                        shortfalls=_shortfalls(results),
+                        description=DESCRIPTION, errors=errors, repeats=repeats,
+                        headline=_headline(results, repeats))
+
+
+def _skip(bench: Bench, reason: str) -> dict[str, Any]:
+    """Record a skipped scenario."""
     bench.log(reason)
     table = md_table(["peer", "status"], [["torchft DiLoCo", reason]])
-    return bench.finish(settings={"torchft": found}, methods=["torchft-diloco"],
+    return bench.finish(settings={"torchft": None}, methods=["torchft-diloco"],
                         results={"torchft-diloco": {"status": "skipped", "reason": reason}},
                         tables=[("Peers", table)],
                         notes=["A skipped peer is not a failure of editrain's benchmarks."],
                         description=DESCRIPTION, skipped=reason)
+
+
+def run_torchft(bench: Bench, label: str, options: dict[str, Any], replicas: int,
+                threads: int, timeout_s: float, title: str) -> Run:
+    """One torchft DiLoCo run: a lighthouse here, one worker process per replica group.
+
+    Args:
+        bench: the scenario's bench (the run is recorded there).
+        label: the run's label (its directory under ``runs/``).
+        options: the nested training options (those of editrain's ``diloco`` run).
+        replicas: replica groups (one process each).
+        threads: intra-op threads per worker.
+        timeout_s: the whole run's time limit; also torchft's collective timeout.
+        title: the progress line's name of the run.
+
+    Returns:
+        The run read back like an editrain run; ``error`` set when a worker failed or the
+        time limit was hit (the workers are killed then).
+    """
+    run_dir = bench.out_dir / "runs" / label
+    if run_dir.exists():
+        shutil.rmtree(run_dir)
+    run_dir.mkdir(parents=True)
+    env = child_env(threads)
+    load = load_average()
+    bench.announce(title)
+    t0 = time.perf_counter()
+    procs: list[subprocess.Popen] = []
+    logs = [open(run_dir / "lighthouse.log", "w")]  # noqa: SIM115 (closed below)
+    error = None
+    try:
+        # The lighthouse in its own process: its log goes to a file, a crash stays there.
+        procs.append(subprocess.Popen(
+            [sys.executable, "-c", _LIGHTHOUSE, str(run_dir / "lighthouse.addr"),
+             str(replicas)], stdout=logs[0], stderr=subprocess.STDOUT, env=env))
+        address = _lighthouse_address(run_dir / "lighthouse.addr", procs[0], timeout_s)
+        for r in range(replicas):
+            spec = {"options": options, "replica": r, "replicas": replicas,
+                    "lighthouse": address, "run_dir": str(run_dir),
+                    "threads": threads, "timeout_s": timeout_s}
+            spec_path = run_dir / f"spec{r}.json"
+            spec_path.write_text(json.dumps(spec, indent=1))
+            logs.append(open(run_dir / f"worker{r}.log", "w"))  # noqa: SIM115 (closed below)
+            procs.append(subprocess.Popen(
+                [sys.executable, "-m", "editrain.bench.torchft_peer", "--spec", str(spec_path)],
+                stdout=logs[-1], stderr=subprocess.STDOUT, env=env))
+        error = _wait(procs[1:], run_dir, timeout_s)
+    except RuntimeError as e:  # the lighthouse did not come up
+        error = str(e)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        for f in logs:
+            f.close()
+    run = read_run(label, run_dir, options, time.perf_counter() - t0, error)
+    return bench.record_run(run, load, title)
+
+
+_LIGHTHOUSE = """
+import os, sys, time
+from torchft.coordination import LighthouseServer
+server = LighthouseServer(bind="[::]:0", min_replicas=int(sys.argv[2]), join_timeout_ms=100)
+with open(sys.argv[1] + ".tmp", "w") as f:
+    f.write(server.address())
+os.replace(sys.argv[1] + ".tmp", sys.argv[1])
+while True:
+    time.sleep(60)
+"""
+"""The lighthouse process: starts a ``LighthouseServer`` on a free port, writes its address
+to the file named by its first argument, and serves until it is killed."""
+
+
+def _lighthouse_address(path: Path, proc: subprocess.Popen, timeout_s: float) -> str:
+    """Wait for the lighthouse process to write its address.
+
+    Raises:
+        RuntimeError: it exited or did not answer within ``timeout_s``.
+    """
+    deadline = time.monotonic() + min(timeout_s, 120.0)
+    while time.monotonic() < deadline:
+        if path.is_file():
+            return path.read_text().strip()
+        if proc.poll() is not None:
+            raise RuntimeError(f"the torchft lighthouse exited with status {proc.returncode} "
+                               f"(see {path.parent / 'lighthouse.log'})")
+        time.sleep(0.1)
+    raise RuntimeError("the torchft lighthouse did not start within "
+                       f"{min(timeout_s, 120.0):.0f} s")
+
+
+def _wait(procs: list[subprocess.Popen], run_dir: Path, timeout_s: float) -> str | None:
+    """Wait for the workers; the error (first failed worker, or the time limit) or None."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        codes = [p.poll() for p in procs]
+        for r, code in enumerate(codes):
+            if code not in (None, 0):
+                lines = (run_dir / f"worker{r}.log").read_text(errors="replace").splitlines()
+                last = next((x for x in reversed(lines) if x.strip()), "")
+                return f"torchft worker {r} exited with status {code}: {last.strip()}"
+        if all(code == 0 for code in codes):
+            return None
+        time.sleep(0.2)
+    return f"torchft workers did not finish within {timeout_s:.0f} s (killed)"
+
+
+def _results(runs: dict[str, list[Run]], skip: int) -> tuple[dict[str, Any], list[str]]:
+    """Every system's spreads, the comparisons and the measurement errors."""
+    results: dict[str, Any] = {}
+    errors: list[str] = []
+    for system, reps in runs.items():
+        windows = [steady_throughput(r, skip) if r.ok else {} for r in reps]
+        per_replica = [replica_stats(r, skip) if r.ok else [] for r in reps]
+        count = max((len(p) for p in per_replica), default=0)
+        errors += [f"{system} repeat {k + 1}: {e}" for k, p in enumerate(per_replica)
+                   for e in utilisation_errors(p)]
+        results[system] = {
+            "final_val_loss": spread(r.final_val_loss for r in reps),
+            "initial_val_loss": spread(r.initial_val_loss for r in reps),
+            "val_tokens": median(r.summary.get("val_tokens") for r in reps),
+            "tokens_per_s": spread(w.get("tokens_per_s") for w in windows),
+            "num_syncs": median(r.summary.get("num_syncs") for r in reps),
+            "replicas": [{"replica": i,
+                          "tokens_per_s": spread(p[i]["tokens_per_s"] for p in per_replica
+                                                 if len(p) > i),
+                          "utilisation": spread(p[i]["utilisation"] for p in per_replica
+                                                if len(p) > i)} for i in range(count)],
+            "windows": windows,
+            "runs": [r.label for r in reps],
+            "errors": [r.error for r in reps if r.error],
+        }
+    replica_losses = [_replica_final_losses(r) for r in runs["torchft-diloco"] if r.ok]
+    results["torchft-diloco"]["replica_final_val_loss"] = replica_losses
+    starts = [results[s]["initial_val_loss"]["median"] for s in runs]
+    gap = (max(starts) - min(starts)) if all(v is not None for v in starts) else None
+    results["initial_val_loss_gap"] = gap
+    if gap is not None and gap > SAME_START_TOLERANCE:
+        errors.append(f"the systems start from different validation losses (gap {gap:.4g}): "
+                      "they did not train the same model on the same data")
+    results["comparisons"] = [
+        {"a": a, "b": b, "metric": metric,
+         "difference": _diff(results[a][metric], results[b][metric]),
+         "beyond_spread": beyond_spread(results[a][metric], results[b][metric],
+                                        _tolerance(metric, results[b][metric]))}
+        for a, b in COMPARISONS for metric in ("final_val_loss", "tokens_per_s")]
+    return results, errors
+
+
+def _target(results: dict[str, Any]) -> dict[str, Any]:
+    """editrain's diloco reproduces torchft's DiLoCo: equal final losses in every repeat."""
+    name = (f"editrain's diloco ends at torchft DiLoCo's final validation loss (relative "
+            f"difference <= {SAME_RESULT_TOLERANCE:g} in every repeat: same algorithm, model "
+            "and data)")
+    ours = results["diloco"]["final_val_loss"]["values"]
+    theirs = results["torchft-diloco"]["final_val_loss"]["values"]
+    if not ours or len(ours) != len(theirs):
+        return {"name": name, "met": None, "detail": "a run failed"}
+    gaps = [abs(a - b) / abs(b) for a, b in zip(ours, theirs)]
+    return {"name": name, "met": max(gaps) <= SAME_RESULT_TOLERANCE,
+            "detail": f"largest relative difference {max(gaps):.2g}"}
+
+
+def _tolerance(metric: str, reference: dict[str, Any]) -> float:
+    """Gap below which two results count as equal: losses of deterministic runs (spread 0)
+    to a relative 1e-6 (floating-point summation order), throughput exactly."""
+    if metric != "final_val_loss" or reference.get("median") is None:
+        return 0.0
+    return 1e-6 * abs(reference["median"])
+
+
+def _shortfalls(results: dict[str, Any]) -> list[str]:
+    """editrain's systems slower than torchft's DiLoCo, or ending at a higher loss."""
+    out = []
+    ref = results["torchft-diloco"]
+    for c in results["comparisons"]:
+        if c["b"] != "torchft-diloco" or c["difference"] is None or c["beyond_spread"] is False:
+            continue
+        if c["metric"] == "tokens_per_s" and c["difference"] < 0:
+            out.append(f"{c['a']} runs at {spread_cell(results[c['a']]['tokens_per_s'])} "
+                       f"tok/s, torchft's DiLoCo at {spread_cell(ref['tokens_per_s'])} "
+                       f"({-c['difference'] / ref['tokens_per_s']['median']:.0%} slower) on "
+                       "the same model, data and machine"
+                       + (" (one repeat: the spread is not known)." if c["beyond_spread"]
+                          is None else "."))
+        if c["metric"] == "final_val_loss" and c["difference"] > _tolerance(c["metric"], ref):
+            out.append(f"{c['a']} ends at a validation loss {c['difference']:.4g} above "
+                       "torchft's DiLoCo.")
+    return out
+
+
+def _replica_final_losses(run: Run) -> list[float]:
+    """The final validation loss each torchft replica computed (equal: the global model)."""
+    out = []
+    for path in sorted(run.run_dir.glob("replica*.json")):
+        value = json.loads(path.read_text()).get("final_val_loss")
+        if isinstance(value, int | float):
+            out.append(float(value))
+    return out
+
+
+def _diff(a: dict[str, Any], b: dict[str, Any]) -> float | None:
+    """Difference of two spreads' medians."""
+    if a.get("median") is None or b.get("median") is None:
+        return None
+    return a["median"] - b["median"]
+
+
+def _table(results: dict[str, Any]) -> str:
+    """One row per system."""
+    rows = []
+    for s in SYSTEMS:
+        e = results[s]
+        rows.append([s, spread_cell(e["final_val_loss"]), spread_cell(e["initial_val_loss"]),
+                     spread_cell(e["tokens_per_s"]), e["num_syncs"], e["val_tokens"],
+                     "/".join(spread_cell(r["utilisation"]) for r in e["replicas"]) or None])
+    return md_table(["system", "final val loss", "initial val loss", "tokens/s", "syncs",
+                     "val tokens", "utilisation per replica"], rows)
+
+
+def _comparison_table(results: dict[str, Any]) -> str:
+    """Differences of medians and whether they exceed the spread."""
+    rows = [[f"{c['a']} - {c['b']}", c["metric"], c["difference"],
+             verdict_cell(c["beyond_spread"])] for c in results["comparisons"]]
+    return md_table(["pair", "metric", "difference (medians)", "beyond spread"], rows)
+
+
+def _findings(results: dict[str, Any], repeats: int, steps: int, h: int) -> list[str]:
+    """Plain sentences from the numbers."""
+    out = []
+    gap = results["initial_val_loss_gap"]
+    if gap is not None:
+        out.append(f"All three start from the same validation loss (largest gap {gap:.2g}): "
+                   "same model, same validation windows.")
+    syncs = results["torchft-diloco"]["num_syncs"]
+    if syncs is not None:
+        out.append(f"torchft committed {syncs:.0f} of the {steps // h} syncs (median over "
+                   "repeats).")
+    for c in results["comparisons"]:
+        if c["difference"] is None:
+            continue
+        verdict = ("" if c["beyond_spread"] is None else
+                   (", beyond" if c["beyond_spread"] else ", within")
+                   + f" the spread of {repeats} repeats")
+        value = (f"{c['difference']:+.4g}" if c["metric"] == "final_val_loss"
+                 else f"{c['difference']:+,.0f} tok/s")
+        out.append(f"{c['a']} - {c['b']}: {c['metric']} {value}{verdict}.")
+    return out
+
+
+def _headline(results: dict[str, Any], repeats: int) -> list[str]:
+    """The report's summary sentence."""
+    parts = "; ".join(f"{s} {spread_cell(results[s]['final_val_loss'])} at "
+                      f"{spread_cell(results[s]['tokens_per_s'])} tok/s" for s in SYSTEMS)
+    return [f"Final validation loss and throughput, median [min-max] of {repeats} "
+            f"repeat(s): {parts}."]

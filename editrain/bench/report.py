@@ -1,61 +1,47 @@
-"""``docs/benchmarks.md``: every scenario's table with its command, machine, what it shows
-and where editrain falls short, generated from the scenarios' ``results.json`` /
-``table.md`` (``editrain bench report``)."""
+"""``docs/benchmarks.md`` and the README headline, generated from ``results.json`` records.
+
+``editrain bench report [--out RESULTS_ROOT] [--path PAGE] [--readme README.md]`` reads
+``RESULTS_ROOT/<scenario>/results.json`` (default ``bench_results``; the committed results
+are under ``docs/benchmarks``).
+
+Every number on the page comes from a record: the summary, each scenario's tables (stored
+in the record), targets, findings, shortfalls and notes. Nothing is typed by hand and
+nothing refers to an earlier run; re-run a scenario and the report again to change a
+number. Measurement errors a scenario flagged (e.g. a fraction of a measured limit above
+1) are shown at the top of the page and of their section, never as results.
+"""
 
 from __future__ import annotations
 
-import json
 import os
 import re
+import textwrap
 import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from editrain.bench.common import (
-    RESULTS_FILE,
-    TABLE_FILE,
-    describe_machine,
-    md_table,
-    target_word,
-)
+from editrain.bench.machine import describe_machine
+from editrain.bench.results import TABLE_FILE, load_record, record_tables, target_word
+from editrain.bench.tables import md_table, spread_cell
+from editrain.config import ConfigError
+
+HEADLINE_START = "<!-- bench-headline -->"
+HEADLINE_END = "<!-- /bench-headline -->"
+"""The markers around the README's generated headline sentence."""
 
 _IMAGE = re.compile(r"!\[([^\]]*)\]\(([^)]+)\)")
 
 
 def load_result(results_dir: str | Path) -> tuple[dict[str, Any], str]:
-    """A scenario's ``results.json`` record and ``table.md`` text."""
+    """A scenario's ``results.json`` record and its ``table.md`` text ('' when absent).
+
+    Args:
+        results_dir: the scenario's results directory.
+    """
     d = Path(results_dir)
-    record = json.loads((d / RESULTS_FILE).read_text())
     table = (d / TABLE_FILE).read_text() if (d / TABLE_FILE).is_file() else ""
-    return record, table
-
-
-_SHOWN_ELSEWHERE = ("## Targets", "## Findings", "## Shortfalls")
-
-
-def _demote(table_md: str, results_dir: Path, out_dir: Path, drop: Sequence[str] = ()) -> str:
-    """Drop the page title, the lines in ``drop`` and the sections the report states in
-    its own words; push headings one level down; re-point image links at the results
-    directory."""
-    lines = table_md.splitlines()
-    if lines and lines[0].startswith("# "):
-        lines = lines[1:]
-    out: list[str] = []
-    skipping = False
-    for line in lines:
-        if line.startswith("#"):
-            skipping = line.strip() in _SHOWN_ELSEWHERE
-        if skipping or line.startswith(("Command: ", "Machine: ", "**Skipped:**")) \
-                or (line and line in drop):
-            continue
-        if not line and out and not out[-1]:
-            continue  # no double blank lines where a line was dropped
-        if line.startswith("#"):
-            line = "#" + line
-        out.append(_IMAGE.sub(lambda m: f"![{m.group(1)}]("
-                              f"{_relative(results_dir / m.group(2), out_dir)})", line))
-    return "\n".join(out).strip("\n")
+    return load_record(d), table
 
 
 def _relative(target: Path, start: Path) -> str:
@@ -77,8 +63,9 @@ def shows(record: dict[str, Any]) -> list[str]:
 
 
 def falls_short(record: dict[str, Any]) -> list[str]:
-    """Unmet or unevaluated targets, stated shortfalls and failed runs."""
-    out = []
+    """Unmet or unevaluated targets, stated shortfalls, measurement errors, failed runs."""
+    out = [f"Measurement error (not a result): {e}." for e in
+           record.get("measurement_errors", [])]
     for t in record.get("targets", []):
         if t.get("met") is False:
             out.append(f"Target not met: {t['name']} ({t.get('detail', '')}).")
@@ -95,13 +82,79 @@ def falls_short(record: dict[str, Any]) -> list[str]:
     return out
 
 
+def in_short(record: dict[str, Any]) -> list[str]:
+    """The scenario's lines in the page's summary: its headline sentences, or its targets."""
+    if record.get("skipped"):
+        return [f"skipped ({record['skipped'].removeprefix('skipped: ')})"]
+    lines = [f"MEASUREMENT ERROR (not a result): {e}" for e in
+             record.get("measurement_errors", [])]
+    lines += list(record.get("headline", []))
+    if not record.get("headline"):
+        lines += [f"{t['name']}: {target_word(t.get('met'))}"
+                  + (f" ({t['detail']})" if t.get("detail") else "")
+                  for t in record.get("targets", [])]
+    return lines
+
+
+def _section(results_dir: Path, record: dict[str, Any], table_md: str,
+             out_dir: Path) -> list[str]:
+    """One scenario's section: command, machine, what it shows, shortfalls, its tables,
+    how it was measured, plots."""
+    lines = [f"## {record['scenario']}", "",
+             f"Command: `{record.get('command', '?')}`", "",
+             f"Machine: {describe_machine(record.get('machine', {}))}; {record.get('mode')} "
+             f"size, {record.get('elapsed_s', 0):.0f} s, started {record.get('started')}"
+             + (f", {record['repeats']} interleaved repeat(s) of every timed run"
+                if record.get("repeats") else "") + ".", ""]
+    for error in record.get("measurement_errors", []):
+        lines += [f"**MEASUREMENT ERROR (not a result):** {error}", ""]
+    if _stale(record):
+        lines += [f"**Old methodology:** {STALE_NOTE}", ""]
+    lines += ["**What it shows.**", ""] + shows(record) + [""]
+    short = falls_short(record)
+    lines += ["**Where editrain falls short.**", ""]
+    lines += [f"- {s}" for s in short] if short else \
+        ["- Nothing measured here: every target was met."]
+    lines.append("")
+    tables = record_tables(record)
+    if not tables and table_md:  # a format-1 record: its tables only exist in table.md
+        tables = [("", _strip_page(table_md))]
+    for title, table in tables:
+        if title:
+            lines += [f"### {title}", ""]
+        lines += [table.rstrip("\n"), ""]
+    if record.get("notes"):
+        lines += ["### How it was measured", ""] + [f"- {n}" for n in record["notes"]] + [""]
+    for plot in record.get("plots", []):
+        lines += [f"![{plot}]({_relative(results_dir / plot, out_dir)})", ""]
+    return lines
+
+
+STALE_NOTE = (
+    "this result predates results format 2: its validation losses were measured on the "
+    "first 4,096 tokens of a leaky validation split, limits were computed rather than "
+    "measured and runs were not repeated. Kept for reference until the scenario is re-run "
+    "with its command.")
+"""What the report says of a record in the old (format 1) methodology."""
+
+
+def _stale(record: dict[str, Any]) -> bool:
+    """Whether ``record`` was measured with the old methodology (results format 1)."""
+    return int(record.get("format", 1)) < 2
+
+
+def _strip_page(table_md: str) -> str:
+    """The tables of an old ``table.md`` page (its Markdown tables only)."""
+    return "\n".join(line for line in table_md.splitlines() if line.startswith("|"))
+
+
 def write_benchmarks_md(results_dirs: Sequence[str | Path],
                         path: str | Path = "docs/benchmarks.md") -> Path:
     """Assemble the scenarios' results into one Markdown page.
 
     Args:
-        results_dirs: results directories of scenarios (each with ``results.json`` and
-            ``table.md``), in the order they should appear.
+        results_dirs: results directories of scenarios (each with ``results.json``), in
+            the order they should appear.
         path: the page to write.
 
     Returns:
@@ -109,11 +162,7 @@ def write_benchmarks_md(results_dirs: Sequence[str | Path],
     """
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
-    loaded = []
-    for d in results_dirs:
-        record, table = load_result(d)
-        loaded.append((Path(d), record, table))
-
+    loaded = [(Path(d), *load_result(d)) for d in results_dirs]
     summary_rows = []
     for _d, record, _ in loaded:
         targets = record.get("targets", [])
@@ -121,40 +170,167 @@ def write_benchmarks_md(results_dirs: Sequence[str | Path],
         summary_rows.append([
             f"[{record['scenario']}](#{record['scenario']})", record.get("mode"),
             "skipped" if record.get("skipped") else
-            (f"{met}/{len(targets)} met" if targets else "no target"),
-            "; ".join(f"{t['name']}: {target_word(t.get('met'))}" for t in targets) or "-",
+            ("measurement error" if record.get("measurement_errors") else
+             (f"{met}/{len(targets)} met" if targets else "no target")),
+            ("(old methodology, re-run pending) " if _stale(record) else "")
+            + ("<br>".join(in_short(record)) or "-"),
             f"{record.get('elapsed_s', 0):.0f} s",
         ])
     lines = [
         "# Benchmarks",
         "",
         f"Generated by `editrain bench report` on {time.strftime('%Y-%m-%d %H:%M')} from "
-        f"{len(loaded)} results director{'y' if len(loaded) == 1 else 'ies'}. Every section "
-        "gives the command that produced it, the machine, what the numbers show, where "
-        "editrain falls short, and the scenario's own table (`table.md` in its results "
-        "directory; the raw numbers and every run's metrics are next to it in "
-        "`results.json` and `runs/`). Re-run a scenario with its command, then "
-        "`editrain bench report`.",
+        f"{len(loaded)} results director{'y' if len(loaded) == 1 else 'ies'}; every number "
+        "below comes from their `results.json`. Each section gives the command that "
+        "produced it, the machine, what the numbers show, where editrain falls short, the "
+        "scenario's tables and how they were measured (the raw numbers and every run's "
+        "metrics are in the results directory: `results.json` and `runs/`). Re-run a "
+        "scenario with its command, then `editrain bench report`.",
         "",
-        "## Summary",
+        "## In short",
         "",
-        md_table(["scenario", "size", "targets", "detail", "elapsed"], summary_rows).rstrip(),
+        md_table(["scenario", "size", "targets", "result", "elapsed"], summary_rows).rstrip(),
         "",
     ]
     for d, record, table in loaded:
-        lines += [f"## {record['scenario']}", "",
-                  f"Command: `{record.get('command', '?')}`", "",
-                  f"Machine: {describe_machine(record.get('machine', {}))}", "",
-                  "**What it shows.**", ""] + shows(record) + [""]
-        short = falls_short(record)
-        lines += ["**Where editrain falls short.**", ""]
-        lines += [f"- {s}" for s in short] if short else \
-            ["- Nothing measured here: every target was met."]
-        lines.append("")
-        if table:
-            lines += [_demote(table, d, out.parent, drop=[record.get("description", "")]), ""]
+        lines += _section(d, record, table, out.parent)
     out.write_text("\n".join(lines).rstrip("\n") + "\n")
     return out
 
 
-__all__ = ["falls_short", "load_result", "shows", "write_benchmarks_md"]
+# ---------------------------------------------------------------------------- README
+def readme_headline(records: Sequence[dict[str, Any]]) -> str:
+    """The README's headline sentence, from the scenarios' records.
+
+    Uses the ``default`` record (the validation loss of the default ``editrain train``
+    run over the whole held-out split), the ``spikes`` record (peak validation-loss increase of DiLoCo and EDiT with a
+    corrupted replica), the ``stragglers`` record (A-EDiT's and synchronous training's
+    fraction of the measured limit with a 2x straggler; left out when that case has a
+    measurement error or the record predates measured limits) and the ``peers`` record
+    (whether editrain's DiLoCo reproduces torchft's).
+
+    Args:
+        records: the loaded ``results.json`` records.
+
+    Returns:
+        The sentence.
+
+    Raises:
+        ConfigError: no record yields a clause.
+    """
+    # Only results measured with the current methodology make the headline.
+    by_name = {r.get("scenario"): r for r in records if not _stale(r)}
+    clauses = []
+    default = by_name.get("default")
+    if default and not default.get("skipped"):
+        clauses += list(default.get("headline", []))
+    spikes = by_name.get("spikes")
+    if spikes and not spikes.get("skipped"):
+        res, st = spikes.get("results", {}), spikes.get("settings", {})
+        d = res.get("diloco", {}).get("peak_increase")
+        e = res.get("edit", {}).get("peak_increase")
+        if d is not None and e is not None:
+            clauses.append(f"with one replica's pseudo-gradient corrupted "
+                           f"x{st.get('scale', 0):g} at {len(st.get('corrupt_syncs', []))} "
+                           f"syncs, DiLoCo's validation loss jumps by {d:.3g} while EDiT's "
+                           f"moves by {e:.2g}")
+    strag = by_name.get("stragglers")
+    case = (strag or {}).get("results", {}).get("straggler")
+    if strag and strag.get("format", 1) >= 2 and case:
+        if case.get("errors"):
+            clauses.append("the 2x-straggler throughput measurement was flagged as a "
+                           "measurement error (see `docs/benchmarks.md`), so no figure is "
+                           "given for it")
+        else:
+            a = case["aedit"]["fraction_of_limit"]
+            s = case["sync"]["fraction_of_limit"]
+            if a.get("median") is not None and s.get("median") is not None:
+                n = strag.get("repeats") or 1
+                clauses.append(f"with a 2x straggler A-EDiT reaches {spread_cell(a)}x the "
+                               "measured sum of the replicas' solo speeds, synchronous "
+                               f"training {spread_cell(s)}x "
+                               + (f"(median [min-max] of {n} repeats)" if n > 1
+                                  else "(one run each)"))
+    peers = by_name.get("peers")
+    if peers and not peers.get("skipped"):
+        target = next(iter(peers.get("targets", [])), None)
+        if target and target.get("met"):
+            clauses.append("editrain's DiLoCo ends at torchft DiLoCo's validation loss on "
+                           f"the same model and data ({target.get('detail')})")
+    if not clauses:
+        raise ConfigError("bench report --readme: none of the default, spikes, stragglers "
+                          "(measured limits) or peers results yields a headline; run them "
+                          "first")
+    used = [r for r in by_name.values()
+            if r.get("scenario") in ("default", "spikes", "stragglers", "peers")]
+    machine = used[0].get("machine", {})
+    sizes = sorted({r.get("mode") for r in used} - {None})
+    text = (f"Measured on one {machine.get('usable_cpus', '?')}-core "
+            f"{'GPU' if machine.get('cuda') else 'CPU'} machine (`docs/benchmarks.md`, "
+            f"{'/'.join(sizes)} size, with the commands): " + "; ".join(clauses) + ".")
+    return text
+
+
+def replace_headline(text: str, sentence: str, name: str = "README.md") -> str:
+    """``text`` with the part between the headline markers replaced by ``sentence``.
+
+    Args:
+        text: the README's text.
+        sentence: the new headline (wrapped at 92 columns).
+        name: the file's name, for the error message.
+
+    Raises:
+        ConfigError: the markers are missing, out of order or repeated.
+    """
+    start, end = text.count(HEADLINE_START), text.count(HEADLINE_END)
+    if start != 1 or end != 1 or text.index(HEADLINE_START) > text.index(HEADLINE_END):
+        raise ConfigError(
+            f"{name}: expected exactly one '{HEADLINE_START}' followed by one "
+            f"'{HEADLINE_END}' (found {start} and {end}); put them around the headline "
+            "sentence that `editrain bench report --readme` should regenerate")
+    head, rest = text.split(HEADLINE_START, 1)
+    _, tail = rest.split(HEADLINE_END, 1)
+    body = textwrap.fill(sentence, width=92, break_on_hyphens=False)
+    return f"{head}{HEADLINE_START}\n{body}\n{HEADLINE_END}{tail}"
+
+
+def write_readme_headline(readme: str | Path, results_dirs: Sequence[str | Path]) -> str:
+    """Regenerate the headline between the markers of a README from results directories.
+
+    Args:
+        readme: the README file.
+        results_dirs: scenario results directories (each with ``results.json``).
+
+    Returns:
+        The sentence written.
+
+    Raises:
+        ConfigError: the README has no markers, or no record yields a headline.
+        FileNotFoundError: the README does not exist.
+    """
+    path = Path(readme)
+    text = check_readme(path)
+    sentence = readme_headline([load_record(d) for d in results_dirs])
+    path.write_text(replace_headline(text, sentence, path.name))
+    return sentence
+
+
+def check_readme(readme: str | Path) -> str:
+    """A README's text, after checking that it has the headline markers.
+
+    Args:
+        readme: the README file.
+
+    Raises:
+        ConfigError: no markers (or not exactly one pair, in order).
+        FileNotFoundError: the README does not exist.
+    """
+    path = Path(readme)
+    text = path.read_text()
+    replace_headline(text, "", path.name)
+    return text
+
+
+__all__ = ["HEADLINE_END", "HEADLINE_START", "check_readme", "falls_short", "in_short",
+           "load_result", "readme_headline", "replace_headline", "shows",
+           "write_benchmarks_md", "write_readme_headline"]

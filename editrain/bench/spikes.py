@@ -11,7 +11,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from editrain.bench.common import Bench, Run, cell, md_table, pyplot, save_figure
+from editrain.bench.plots import pyplot, save_figure
+from editrain.bench.runner import Bench
+from editrain.bench.runs import Run
+from editrain.bench.tables import cell, md_table
 
 NAME = "spikes"
 DESCRIPTION = (
@@ -92,7 +95,12 @@ def run(bench: Bench) -> dict[str, Any]:
                 "variants": {v: VARIANTS[v] for v in variants}}
     return bench.finish(settings=settings, methods=variants, results=results,
                         tables=[("Validation-loss spikes", table)], targets=targets,
-                        findings=findings, notes=notes, plots=plots, description=DESCRIPTION)
+                        findings=findings, notes=notes, plots=plots, description=DESCRIPTION,
+                        headline=[f"Replica 1's pseudo-gradient x{SCALE:g} at syncs "
+                                  f"{', '.join(map(str, corrupt_at))}: peak validation-loss "
+                                  "increase over a clean run "
+                                  + ", ".join(f"{v} {cell(results[v]['peak_increase'])}"
+                                              for v in variants) + "."])
 
 
 def _evals_by_step(run: Run | None) -> dict[int, float]:

@@ -1,0 +1,164 @@
+"""Numbers measured on one run: throughput, per-replica speed and utilisation, curves."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from editrain.bench.runs import Run
+from editrain.bench.stats import finite
+
+UTILISATION_TOLERANCE = 1e-6
+"""Rounding slack when checking that a utilisation is at most 1."""
+
+
+def steady_throughput(run: Run, skip: int = 3) -> dict[str, Any]:
+    """Tokens per second of the whole cluster over the steady part of a run.
+
+    The window runs from the first timed sync after step ``skip`` to the last timed sync
+    (so it holds whole sync cycles: every method pays for exactly its share of syncs),
+    or, when the run has fewer than two timed syncs (synchronous training, a run without
+    syncs), from step ``skip`` to the last step. Throughput is the tokens added in the
+    window divided by the wall time between its two rows of ``metrics.jsonl``
+    (``wall_time_s``: compute, sync waits, blocking collectives, simulated stalls, metric
+    writes; scenarios that measure speed evaluate only at the end, so no evaluation falls
+    inside the window).
+
+    Args:
+        run: the run.
+        skip: steps left out at the start (start-up, allocator warm-up).
+
+    Returns:
+        ``tokens_per_s``, ``seconds``, ``tokens``, ``from_step``, ``to_step``, ``steps``,
+        ``syncs`` and the per-step sums of the sync entries inside the window
+        (``wait_s``, ``comm_time_s``, ``link_delay_s``, ``sync_time_s``); empty when the
+        run has too few rows.
+    """
+    rows = run.rows
+    if len(rows) < 2:
+        return {}
+    syncs = [i for i, _ in run.timed_syncs() if rows[i]["step"] > skip]
+    if len(syncs) >= 2:
+        a, b = syncs[0], syncs[-1]
+    else:
+        a = next((i for i, r in enumerate(rows) if r["step"] >= skip), 0)
+        b = len(rows) - 1
+        if a >= b:
+            a = 0
+    ra, rb = rows[a], rows[b]
+    seconds = rb["wall_time_s"] - ra["wall_time_s"]
+    tokens = rb["tokens"] - ra["tokens"]
+    steps = rb["step"] - ra["step"]
+    out: dict[str, Any] = {
+        "tokens_per_s": tokens / seconds if seconds > 0 else None,
+        "seconds": seconds, "tokens": tokens, "from_step": ra["step"], "to_step": rb["step"],
+        "steps": steps, "step_time_s": seconds / steps if steps else None,
+    }
+    inside = [s for i, s in run.timed_syncs() if a < i <= b]
+    out["syncs"] = len(inside)
+    for key in ("wait_s", "comm_time_s", "link_delay_s", "sync_time_s"):
+        total = sum(finite(s.get(key) for s in inside))
+        out[key + "_per_step"] = total / steps if steps else None
+    window = rows[a + 1:b + 1]
+    out["compute_s_per_step"] = (sum(finite(r.get("compute_s") for r in window)) / steps
+                                 if steps else None)
+    if any("grad_sync_s" in r for r in window):
+        out["grad_sync_s_per_step"] = sum(finite(r.get("grad_sync_s") for r in window)) / steps
+    return out
+
+
+def rank_window(rows: list[dict[str, Any]], skip: int) -> dict[str, Any]:
+    """Speed and utilisation of one rank from its per-rank rows.
+
+    The window runs from the end of this rank's step ``skip`` (its first row with
+    ``step >= skip``) to its last row. Utilisation is the time the rank spent computing,
+    simulated slowdowns and stalls included (they emulate slower compute), over the wall
+    time of the window: ``sum(compute_s + sim_stall_s) / (wall_time_s[last] -
+    wall_time_s[first])``. Every step's compute and stall lie inside its own
+    ``step_time_s``, and the steps of the window lie inside the window's wall time, so the
+    utilisation cannot exceed 1; a value above 1 means the logs are wrong.
+
+    Args:
+        rows: the rank's step rows in step order.
+        skip: steps left out at the start.
+
+    Returns:
+        ``tokens_per_s``, ``utilisation``, ``seconds``, ``tokens``, ``steps``,
+        ``compute_s``, ``stall_s``, ``sync_wait_s``, ``grad_sync_s`` (sums over the
+        window), ``from_step``, ``to_step``; empty with fewer than 2 rows.
+    """
+    if len(rows) < 2:
+        return {}
+    a = next((i for i, r in enumerate(rows) if r["step"] >= skip), 0)
+    if a >= len(rows) - 1:
+        a = 0
+    first, last, window = rows[a], rows[-1], rows[a + 1:]
+    seconds = last["wall_time_s"] - first["wall_time_s"]
+    compute = sum(finite(r.get("compute_s") for r in window))
+    stall = sum(finite(r.get("sim_stall_s") for r in window))
+    tokens = last.get("tokens", 0) - first.get("tokens", 0)
+    return {
+        "tokens_per_s": tokens / seconds if seconds > 0 else None,
+        "utilisation": (compute + stall) / seconds if seconds > 0 else None,
+        "seconds": seconds, "tokens": tokens, "steps": last["step"] - first["step"],
+        "compute_s": compute, "stall_s": stall,
+        "sync_wait_s": sum(finite(r.get("sync_wait_s") for r in window)),
+        "grad_sync_s": sum(finite(r.get("grad_sync_s") for r in window)),
+        "from_step": first["step"], "to_step": last["step"],
+    }
+
+
+def replica_stats(run: Run, skip: int = 3) -> list[dict[str, Any]]:
+    """Per-replica tokens/s and utilisation of a run, from its per-rank logs.
+
+    A replica's tokens/s is the sum of its ranks' (each rank counts its own tokens); its
+    utilisation the mean over its ranks (they compute in lock-step). See
+    :func:`rank_window` for the window and the definitions.
+
+    Args:
+        run: the run (its ``ranks`` read from ``ranks/rank{RANK}.jsonl``).
+        skip: steps left out at the start.
+
+    Returns:
+        One dict per replica, in replica order: ``replica``, ``ranks``, ``steps`` (this
+        replica's steps in the window), ``tokens_per_s``, ``utilisation``,
+        ``compute_s``, ``stall_s``, ``sync_wait_s``, ``seconds``; empty when the run has no
+        per-rank logs.
+    """
+    out = []
+    for replica, ranks in sorted(run.replicas().items()):
+        windows = [w for w in (rank_window(run.ranks[r], skip) for r in ranks) if w]
+        if not windows:
+            continue
+        speeds = finite(w["tokens_per_s"] for w in windows)
+        utils = finite(w["utilisation"] for w in windows)
+        out.append({
+            "replica": replica, "ranks": ranks, "steps": windows[0]["steps"],
+            "tokens_per_s": sum(speeds) if len(speeds) == len(windows) else None,
+            "utilisation": sum(utils) / len(utils) if utils else None,
+            "max_rank_utilisation": max(utils) if utils else None,
+            "compute_s": windows[0]["compute_s"], "stall_s": windows[0]["stall_s"],
+            "sync_wait_s": windows[0]["sync_wait_s"], "seconds": windows[0]["seconds"],
+        })
+    return out
+
+
+def utilisation_errors(replicas: list[dict[str, Any]]) -> list[str]:
+    """Descriptions of the replicas whose utilisation (of any rank) exceeds 1."""
+    return [f"replica {r['replica']}: utilisation {r['max_rank_utilisation']:.4f} > 1"
+            for r in replicas if r.get("max_rank_utilisation") is not None
+            and r["max_rank_utilisation"] > 1 + UTILISATION_TOLERANCE]
+
+
+def val_curve(run: Run) -> list[tuple[float, float, float]]:
+    """``(tokens, wall_time_s, val_loss)`` of every evaluation, in token order."""
+    out = []
+    for r in run.evals:
+        v = r.get("val_loss")
+        if isinstance(v, int | float) and math.isfinite(v):
+            out.append((float(r.get("tokens", 0)), float(r.get("wall_time_s", 0.0)), float(v)))
+    return sorted(out)
+
+
+__all__ = ["UTILISATION_TOLERANCE", "rank_window", "replica_stats", "steady_throughput",
+           "utilisation_errors", "val_curve"]

@@ -1,0 +1,164 @@
+"""Benchmark sizes, the training options every run shares, and the bench command line.
+
+Sizes. Every scenario has three:
+
+* ``tiny``: smoke-test settings (a handful of steps, one seed, one repeat, fewer variants),
+  used by ``tests/test_bench.py``; ``--tiny`` on the command line or
+  ``EDITRAIN_BENCH_TINY=1``.
+* ``quick`` (``--quick``): the tiny model preset on ~1.5 MB of the default corpus, a few
+  minutes per scenario on 2 cores, 3 interleaved repeats where timings are compared.
+* ``full``: the small preset on the default corpus size (``convergence``: the tiny preset
+  for 2,000 steps), 5 interleaved repeats; takes much longer.
+
+Topology. Training runs use 2 replicas x 1 shard (``dist.nproc=2``, ``dist.shard_size=1``):
+one process per core on the 2-core reference machine, so wall-clock numbers are not
+distorted by two processes sharing one core. Any option can be overridden for every run of
+a scenario by appending it to the command, e.g. ``editrain bench convergence --quick
+--dist.nproc 4 --dist.shard_size 2``; the overrides are recorded in ``results.json``.
+"""
+
+from __future__ import annotations
+
+import shlex
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from editrain.config import ConfigError, parse_overrides
+
+MODES = ("tiny", "quick", "full")
+"""The benchmark sizes, smallest first."""
+
+REPEATS = {"tiny": 1, "quick": 3, "full": 5}
+"""Interleaved repeats of every timed run, per size (``--repeats N`` overrides)."""
+
+DEFAULT_ROOT = Path("bench_results")
+"""Where results go without ``--out``: one sub-directory per scenario."""
+
+SIZE_FLAGS = {"--tiny": "tiny", "--full": "full"}
+"""Bench flags without a value: a size (``--quick`` is the CLI's own flag; no size flag
+means the full size)."""
+
+VALUE_FLAGS = {"--seeds": int, "--repeats": int, "--path": str, "--readme": str}
+"""Bench flags with a value, and the value's type (everything else is a training option)."""
+
+
+def base_overrides(mode: str) -> dict[str, Any]:
+    """Training options shared by every run of every scenario in ``mode``.
+
+    Args:
+        mode: ``tiny``, ``quick`` or ``full``.
+
+    Returns:
+        Nested option dict (``{"model": {...}, "train": {...}, ...}``).
+
+    Raises:
+        ValueError: an unknown mode.
+    """
+    if mode not in MODES:
+        raise ValueError(f"unknown benchmark mode {mode!r}; allowed: {', '.join(MODES)}")
+    small_data = {"max_bytes": 1_500_000, "vocab_size": 2048, "val_fraction": 0.03}
+    return {
+        "model": {"preset": "small" if mode == "full" else "tiny"},
+        "data": {} if mode == "full" else dict(small_data),
+        # Evaluations cover the whole validation split, except at the smoke-test size.
+        "train": {"batch_size": 8, "seq_len": 64, "eval_tokens": 2048 if mode == "tiny" else 0},
+        "dist": {"nproc": 2, "shard_size": 1},
+        "checkpoint": {"final": False, "every": 0},
+    }
+
+
+def merge(*layers: dict[str, Any] | None) -> dict[str, Any]:
+    """Deep merge of nested option dicts; later layers win.
+
+    Args:
+        layers: option dicts (None is skipped).
+
+    Returns:
+        A new dict; the inputs are not changed.
+    """
+    out: dict[str, Any] = {}
+    for layer in layers:
+        for k, v in (layer or {}).items():
+            if isinstance(v, dict) and isinstance(out.get(k), dict):
+                out[k] = merge(out[k], v)
+            else:
+                out[k] = v
+    return out
+
+
+def split_extra(extra: Sequence[str]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Split the command line's extra arguments into bench flags and training overrides.
+
+    Bench flags: ``--tiny`` and ``--full`` (sizes; no flag and no ``--quick`` means
+    full), ``--seeds N`` (convergence, optimizers), ``--repeats N`` (timed scenarios),
+    ``--path FILE`` and ``--readme FILE`` (report). The rest must be training options
+    (``--section.key=value``), applied to every run.
+
+    Args:
+        extra: the arguments after ``editrain bench SCENARIO [--quick] [--out DIR]``.
+
+    Returns:
+        ``(flags, overrides)``.
+
+    Raises:
+        ConfigError: an argument that is neither, a missing value, or a count below 1.
+    """
+    flags: dict[str, Any] = {}
+    rest: list[str] = []
+    args = list(extra)
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        name, eq, value = arg.partition("=")
+        if name in SIZE_FLAGS:
+            flags[SIZE_FLAGS[name]] = True
+        elif name in VALUE_FLAGS:
+            if not eq:
+                if i + 1 >= len(args):
+                    raise ConfigError(f"bench {name}: missing value")
+                i += 1
+                value = args[i]
+            flags[name[2:]] = _flag_value(name, value)
+        else:
+            rest.append(arg)
+        i += 1
+    overrides, positional = parse_overrides(rest)
+    if positional:
+        raise ConfigError(f"bench: unexpected argument(s) {' '.join(positional)}; training "
+                          "options look like --train.steps=100")
+    return flags, overrides
+
+
+def _flag_value(name: str, value: str) -> Any:
+    """A bench flag's value converted to its type (counts must be >= 1)."""
+    if VALUE_FLAGS[name] is str:
+        return value
+    try:
+        number = int(value)
+    except ValueError:
+        raise ConfigError(f"bench {name}: expected an integer, got {value!r}") from None
+    if number < 1:
+        raise ConfigError(f"bench {name}: must be >= 1, got {number}")
+    return number
+
+
+def command_line(scenario: str, quick: bool, out_dir: str | None, extra: Sequence[str]) -> str:
+    """The ``editrain bench`` command equivalent to a call of ``run_scenario``.
+
+    Args:
+        scenario: the scenario name.
+        quick: whether ``--quick`` was given.
+        out_dir: the ``--out`` directory (None: not given).
+        extra: the further arguments, as given.
+    """
+    argv = ["editrain", "bench", scenario]
+    if quick:
+        argv.append("--quick")
+    if out_dir is not None:
+        argv += ["--out", str(out_dir)]
+    return shlex.join(argv + list(extra))
+
+
+__all__ = ["DEFAULT_ROOT", "MODES", "REPEATS", "SIZE_FLAGS", "VALUE_FLAGS", "base_overrides",
+           "command_line", "merge", "split_extra"]

@@ -1,0 +1,125 @@
+"""A scenario's record: ``results.json`` (every number) and ``table.md`` (its page)."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+from editrain.bench.machine import describe_machine
+
+RESULTS_FILE = "results.json"
+TABLE_FILE = "table.md"
+FORMAT = 2
+"""Version of the record layout: 2 stores the tables, repeats and measurement errors."""
+
+
+def target_word(met: bool | None) -> str:
+    """``yes`` / ``no`` / ``not evaluated``."""
+    return "not evaluated" if met is None else ("yes" if met else "no")
+
+
+def clean_json(v: Any) -> Any:
+    """JSON-safe copy: non-finite floats become null, paths and tuples plain values, keys
+    strings."""
+    if isinstance(v, float):
+        return v if math.isfinite(v) else None
+    if isinstance(v, dict):
+        return {str(k): clean_json(x) for k, x in v.items()}
+    if isinstance(v, list | tuple):
+        return [clean_json(x) for x in v]
+    if isinstance(v, Path):
+        return str(v)
+    return v
+
+
+def load_record(results_dir: str | Path) -> dict[str, Any]:
+    """A scenario's ``results.json`` record.
+
+    Args:
+        results_dir: the scenario's results directory.
+    """
+    return json.loads((Path(results_dir) / RESULTS_FILE).read_text())
+
+
+def record_tables(record: dict[str, Any]) -> list[tuple[str, str]]:
+    """The ``(title, markdown)`` tables stored in a record (none in format-1 records)."""
+    return [(t.get("title", ""), t.get("markdown", "")) for t in record.get("tables", [])]
+
+
+def render_page(record: dict[str, Any]) -> str:
+    """The ``table.md`` page of a scenario, from its record alone.
+
+    Args:
+        record: the scenario's record (as written to ``results.json``).
+    """
+    lines = [f"# Benchmark: {record['scenario']} ({record['mode']})", ""]
+    if record.get("description"):
+        lines += [record["description"], ""]
+    machine = record.get("machine", {})
+    lines += [f"Command: `{record.get('command', '?')}`", "",
+              f"Machine: {describe_machine(machine)}", "",
+              f"Elapsed: {record.get('elapsed_s', 0):.0f} s, started {record.get('started')}."]
+    loads = machine.get("load_during_runs")
+    if loads:
+        busy = loads[1] > 0.5 * (machine.get("usable_cpus") or 1)
+        lines[-1] += (f" Load average (1 min) before each run: {loads[0]:.1f} to "
+                      f"{loads[1]:.1f} on {machine.get('usable_cpus')} CPUs"
+                      + ("; timings are only comparable on a quiet machine." if busy else "."))
+    if record.get("repeats"):
+        lines[-1] += (f" Timed runs repeated {record['repeats']} time(s), interleaved; "
+                      "tables give the median and [min-max].")
+    lines.append("")
+    for error in record.get("measurement_errors", []):
+        lines += [f"**MEASUREMENT ERROR (not a result):** {error}", ""]
+    if record.get("user_overrides"):
+        lines += ["Options given on the command line (applied to every run, over the "
+                  f"scenario's own): `{json.dumps(record['user_overrides'])}`", ""]
+    if record.get("skipped"):
+        lines += [f"**Skipped:** {record['skipped']}", ""]
+    for title, table in record_tables(record):
+        if title:
+            lines += [f"## {title}", ""]
+        lines += [table.rstrip("\n"), ""]
+    if record.get("targets"):
+        lines += ["## Targets", ""]
+        for t in record["targets"]:
+            lines.append(f"- {t['name']}: **{target_word(t.get('met'))}**"
+                         + (f" ({t['detail']})" if t.get("detail") else ""))
+        lines.append("")
+    if record.get("findings"):
+        lines += ["## Findings", ""] + [f"- {f}" for f in record["findings"]] + [""]
+    if record.get("shortfalls"):
+        lines += ["## Shortfalls", ""] + [f"- {f}" for f in record["shortfalls"]] + [""]
+    if record.get("notes"):
+        lines += ["## How it was measured", ""] + [f"- {n}" for n in record["notes"]] + [""]
+    if record.get("plots"):
+        lines += ["## Plots", ""] + [f"![{p}]({p})" for p in record["plots"]] + [""]
+    failed = [label for label, r in record.get("runs", {}).items() if not r.get("ok")]
+    if failed:
+        lines += ["## Failed runs", ""]
+        lines += [f"- `{label}`: {record['runs'][label].get('error')}" for label in failed]
+        lines.append("")
+    return "\n".join(lines)
+
+
+def write_record(out_dir: Path, record: dict[str, Any]) -> str:
+    """Write ``results.json`` and ``table.md`` into ``out_dir``.
+
+    Args:
+        out_dir: the results directory.
+        record: the record (made JSON-safe here).
+
+    Returns:
+        The page written to ``table.md``.
+    """
+    record = clean_json(record)
+    (out_dir / RESULTS_FILE).write_text(json.dumps(record, indent=1) + "\n")
+    page = render_page(record)
+    (out_dir / TABLE_FILE).write_text(page)
+    return page
+
+
+__all__ = ["FORMAT", "RESULTS_FILE", "TABLE_FILE", "clean_json", "load_record",
+           "record_tables", "render_page", "target_word", "write_record"]

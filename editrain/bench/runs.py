@@ -1,0 +1,178 @@
+"""A finished training run read back from its run directory (global and per-rank logs).
+
+A run directory written by ``editrain train`` holds ``metrics.jsonl`` (rank 0: one global
+row per step, evaluations, sync entries), ``summary.json``, ``config.toml`` and, from every
+rank, ``ranks/rank{RANK}.jsonl``: one line per step of that rank with ``rank``,
+``replica``, ``shard``, ``step`` (this replica's step count), ``tokens`` (this rank's
+cumulative tokens), ``wall_time_s``, ``step_time_s``, ``compute_s``, ``sync_wait_s``,
+``grad_sync_s`` and ``sim_stall_s`` when a simulated stall or slowdown happened.
+Evaluation time is in no row's ``step_time_s``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from editrain.metrics import RANKS_DIR
+
+
+@dataclass
+class Run:
+    """One finished (or failed) training run and what the scenarios read from it."""
+
+    label: str
+    run_dir: Path
+    overrides: dict[str, Any]
+    rows: list[dict[str, Any]] = field(default_factory=list)
+    """Step rows of ``metrics.jsonl`` (those with a training loss), in step order."""
+    evals: list[dict[str, Any]] = field(default_factory=list)
+    """Rows holding a validation loss (including the step-0 and final evaluations)."""
+    ranks: dict[int, list[dict[str, Any]]] = field(default_factory=dict)
+    """Per-rank step rows from ``ranks/rank{RANK}.jsonl``, by rank, in step order (empty
+    when the trainer wrote none)."""
+    summary: dict[str, Any] = field(default_factory=dict)
+    config: dict[str, Any] = field(default_factory=dict)
+    """The resolved configuration the run wrote to ``config.toml``."""
+    launch_s: float = 0.0
+    """Wall time of the whole launch (process start-up included)."""
+    error: str | None = None
+    load_before: float | None = None
+    """The machine's 1-minute load average just before the run started."""
+
+    @property
+    def ok(self) -> bool:
+        """Whether the run finished and wrote its summary."""
+        return self.error is None and bool(self.summary)
+
+    @property
+    def layerwise(self) -> bool:
+        """Whether the method syncs unit by unit in the next forward."""
+        value = self.config.get("sync", {}).get("layerwise")
+        return value is True or (isinstance(value, str) and value.lower() == "true")
+
+    @property
+    def final_val_loss(self) -> float | None:
+        """The run's final validation loss (None when it failed or diverged)."""
+        v = self.summary.get("final_val_loss")
+        return v if isinstance(v, int | float) and math.isfinite(v) else None
+
+    @property
+    def initial_val_loss(self) -> float | None:
+        """The validation loss of the initial model (the step-0 evaluation), if logged."""
+        for r in self.evals:
+            v = r.get("val_loss")
+            if r.get("step") == 0 and isinstance(v, int | float) and math.isfinite(v):
+                return float(v)
+        return None
+
+    def replicas(self) -> dict[int, list[int]]:
+        """Replica index -> the ranks that logged for it (from the per-rank files)."""
+        out: dict[int, list[int]] = {}
+        for rank, rows in sorted(self.ranks.items()):
+            replica = rows[0].get("replica", rank) if rows else rank
+            out.setdefault(int(replica), []).append(rank)
+        return out
+
+    def timed_syncs(self) -> list[tuple[int, dict[str, Any]]]:
+        """``(row index, sync entry)`` of the syncs whose time is inside the step rows.
+
+        A blocking sync (``sync``, ``post_local_sgd``, ``diloco``) runs inside the step that
+        triggers it. A layer-wise sync runs in the forward of the *next* step (its entry's
+        ``step`` is the row's step - 1); when an evaluation or the end of the run comes
+        first, ``finish()`` runs it between two steps instead, outside every row's
+        ``step_time_s`` and ``wall_time_s`` (entry ``step`` == row ``step``): such syncs
+        are left out here.
+        """
+        out = []
+        for i, r in enumerate(self.rows):
+            s = r.get("sync")
+            if not isinstance(s, dict):
+                continue
+            if self.layerwise and s.get("step") == r.get("step"):
+                continue
+            out.append((i, s))
+        return out
+
+
+def read_rank_steps(run_dir: str | Path) -> dict[int, list[dict[str, Any]]]:
+    """The per-rank step rows of a run directory (``ranks/rank{RANK}.jsonl``), cleaned.
+
+    Reads the files with ``editrain.metrics.read_rank_logs`` and keeps the step rows: rows
+    without a ``step`` and a ``wall_time_s`` (events) and replayed rows of a resumed run
+    are left out, and a later attempt's rows replace an earlier one's (:func:`latest_rows`).
+
+    Args:
+        run_dir: the run directory.
+
+    Returns:
+        rank -> rows in step order; empty when the directory has no per-rank files.
+    """
+    from editrain.metrics import read_rank_logs
+
+    out: dict[int, list[dict[str, Any]]] = {}
+    if not (Path(run_dir) / RANKS_DIR).is_dir():
+        return out
+    for rank, raw in read_rank_logs(run_dir).items():
+        rows = [r for r in raw if isinstance(r, dict) and "step" in r and "wall_time_s" in r
+                and "event" not in r and not r.get("replayed")]
+        out[int(rows[0].get("rank", rank)) if rows else rank] = latest_rows(rows)
+    return out
+
+
+def latest_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One row per step, the last one written, in step order.
+
+    A file appended to by a later attempt (a restarted worker going back to its last
+    checkpoint, or a second run into the same directory) has steps that go back; the later
+    attempt's rows replace the earlier ones from the step it restarted at.
+
+    Args:
+        rows: rows in file order.
+    """
+    kept: list[dict[str, Any]] = []
+    for row in rows:
+        while kept and kept[-1]["step"] >= row["step"]:
+            kept.pop()
+        kept.append(row)
+    return kept
+
+
+def read_run(label: str, run_dir: Path, overrides: dict[str, Any], launch_s: float = 0.0,
+             error: str | None = None) -> Run:
+    """Load whatever a run directory holds into a :class:`Run`.
+
+    Args:
+        label: the run's name inside its scenario.
+        run_dir: the run directory.
+        overrides: the training options the run was started with (for the record).
+        launch_s: wall time of the launch call.
+        error: why the launch failed, if it did.
+
+    Returns:
+        The run; ``error`` is set when there is no ``summary.json``.
+    """
+    import tomllib
+
+    from editrain.metrics import read_metrics
+
+    run = Run(label=label, run_dir=run_dir, overrides=overrides, launch_s=launch_s, error=error)
+    if (run_dir / "metrics.jsonl").is_file():
+        rows = [r for r in read_metrics(run_dir) if "event" not in r and not r.get("replayed")]
+        run.rows = sorted((r for r in rows if r.get("loss") is not None and "step" in r),
+                          key=lambda r: r["step"])
+        run.evals = [r for r in rows if r.get("val_loss") is not None]
+    run.ranks = read_rank_steps(run_dir)
+    if (run_dir / "summary.json").is_file():
+        run.summary = json.loads((run_dir / "summary.json").read_text())
+    if (run_dir / "config.toml").is_file():
+        run.config = tomllib.loads((run_dir / "config.toml").read_text())
+    if run.error is None and not run.summary:
+        run.error = "no summary.json (the run did not finish)"
+    return run
+
+
+__all__ = ["Run", "latest_rows", "read_rank_steps", "read_run"]

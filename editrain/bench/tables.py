@@ -1,0 +1,79 @@
+"""Markdown tables and the text of numbers in them."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+
+def md_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    """A Markdown table (cells formatted with :func:`cell`).
+
+    Args:
+        headers: column titles; the first column is left-aligned, the others right-aligned.
+        rows: one sequence of cell values per row.
+    """
+    head = "| " + " | ".join(headers) + " |"
+    sep = "|" + "|".join("---" if i == 0 else "---:" for i in range(len(headers))) + "|"
+    body = ["| " + " | ".join(cell(c) for c in row) + " |" for row in rows]
+    return "\n".join([head, sep, *body]) + "\n"
+
+
+def cell(v: Any) -> str:
+    """Table cell text: ``n/a`` for missing numbers, 4 significant digits otherwise."""
+    if v is None:
+        return "n/a"
+    if isinstance(v, bool):
+        return "yes" if v else "no"
+    if isinstance(v, int):
+        return f"{v:,}"
+    if isinstance(v, float):
+        if not math.isfinite(v):
+            return "n/a"
+        if v == 0:
+            return "0"
+        if abs(v) >= 1000:
+            return f"{v:,.0f}"
+        return f"{v:.4g}"
+    return str(v)
+
+
+def spread_cell(s: dict[str, Any] | None, scale: float = 1.0) -> str:
+    """``median [min-max]`` of a ``stats.spread`` record (only the median for one repeat).
+
+    Args:
+        s: the spread (``median``, ``min``, ``max``, ``n``).
+        scale: multiply the numbers by this (e.g. 1000 for seconds shown as ms).
+    """
+    if not s or s.get("median") is None:
+        return "n/a"
+    text = cell(s["median"] * scale)
+    if s.get("n", 0) < 2:
+        return text
+    return f"{text} [{cell(s['min'] * scale)}-{cell(s['max'] * scale)}]"
+
+
+def verdict_cell(beyond: bool | None) -> str:
+    """``yes`` / ``no`` / ``n/a (1 repeat)`` for a "beyond spread" column."""
+    return "n/a (1 repeat)" if beyond is None else ("yes" if beyond else "no")
+
+
+def ratio(a: float | None, b: float | None) -> float | None:
+    """``a / b`` when both are known and ``b`` is not zero."""
+    if a is None or b is None or b == 0:
+        return None
+    return a / b
+
+
+def fmt_bytes(n: float | None) -> str:
+    """``12.3 MiB`` style."""
+    if n is None:
+        return "n/a"
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{n:.0f} B"
+
+
+__all__ = ["cell", "fmt_bytes", "md_table", "ratio", "spread_cell", "verdict_cell"]

@@ -1,0 +1,218 @@
+"""One replica group of torchft's DiLoCo on editrain's model and data (a peers worker).
+
+``python -m editrain.bench.torchft_peer --spec SPEC.json`` trains replica ``replica`` of
+``replicas`` with ``torchft.local_sgd.DiLoCo`` around a ``torchft.Manager`` (one process
+per replica group, gloo through ``torchft.process_group.ProcessGroupGloo``), joined to the
+lighthouse at ``lighthouse``. Everything else is editrain's, taken from the same
+configuration an ``editrain train`` run of ``diloco`` would use: the ``Llama`` of the
+preset and seed, the token cache, the replica's ``SequenceStream`` (rank = replica, world
+= replicas, the same seed), the inner optimizer and learning-rate schedule, gradient
+clipping, H (``sync.local_sgd_sync_interval``) and the outer optimizer of
+``sync.resolve()``. The validation loss is computed over the same windows as editrain's
+trainer (``editrain.data.eval_batches``), at the start and at the end.
+
+The run directory gets what the bench reads from an editrain run: ``ranks/rank{R}.jsonl``
+(every replica), and from replica 0 ``metrics.jsonl`` and ``summary.json``; each replica
+also writes ``replica{R}.json`` with its own final numbers.
+
+SPEC.json holds ``options`` (nested training options, as for ``load_config``),
+``replica``, ``replicas``, ``lighthouse`` (address), ``run_dir``, ``threads`` and
+``timeout_s`` (torchft's collective and quorum timeout).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+class _Lines:
+    """Appends JSON lines to a file, flushed after every line."""
+
+    def __init__(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self._file = open(path, "a", encoding="utf-8")  # noqa: SIM115 (closed in close())
+
+    def write(self, row: dict[str, Any]) -> None:
+        """Append one row."""
+        self._file.write(json.dumps(row, separators=(",", ":")) + "\n")
+        self._file.flush()
+
+    def close(self) -> None:
+        """Close the file."""
+        self._file.close()
+
+
+@torch.no_grad()
+def evaluate(model: torch.nn.Module, batches: list[Any]) -> dict[str, float]:
+    """Validation loss over ``batches`` (``EvalBatch`` list), weighted by targets, as
+    editrain's trainer computes it.
+
+    Args:
+        model: the model.
+        batches: the evaluation batches of ``editrain.data.eval_batches``.
+
+    Returns:
+        ``val_loss``, ``val_tokens`` and ``eval_time_s``.
+    """
+    from editrain.models import causal_lm_loss
+
+    t0 = time.perf_counter()
+    model.eval()
+    total = torch.zeros(2, dtype=torch.float64)
+    for batch in batches:
+        x = batch.tokens
+        loss = causal_lm_loss(model(x[:, :-1]), x[:, 1:])
+        total[0] += loss.double() * batch.targets
+        total[1] += batch.targets
+    model.train()
+    return {"val_loss": float(total[0] / total[1]), "val_tokens": int(total[1]),
+            "eval_time_s": time.perf_counter() - t0}
+
+
+def train_replica(spec: dict[str, Any]) -> dict[str, Any]:
+    """Train one replica group with torchft's DiLoCo and write its logs.
+
+    Args:
+        spec: see the module docstring.
+
+    Returns:
+        This replica's result (also written to ``replica{R}.json``).
+    """
+    from torchft import Manager, ProcessGroupGloo
+    from torchft.local_sgd import DiLoCo
+
+    from editrain.config import load_config, model_config
+    from editrain.corpus import prepare_data
+    from editrain.data import SequenceStream, eval_batches
+    from editrain.models import Llama, causal_lm_loss
+    from editrain.optim import build_optimizer
+    from editrain.sync.outer import resolve_optimizer_class
+    from editrain.train import lr_at
+
+    cfg = load_config(None, spec["options"])
+    replica, replicas = int(spec["replica"]), int(spec["replicas"])
+    run_dir = Path(spec["run_dir"])
+    torch.set_num_threads(int(spec["threads"]))
+    t, sync = cfg.train, cfg.sync.resolve()
+    if t.steps % sync.local_sgd_sync_interval:
+        raise ValueError(f"train.steps ({t.steps}) must be a multiple of H "
+                         f"({sync.local_sgd_sync_interval}) so that the run ends on a sync")
+
+    data = prepare_data(cfg)
+    stream = SequenceStream(data.train, t.seq_len, replica, replicas, t.seed)
+    val = eval_batches(data.val, t.seq_len, t.batch_size, 0, 1, t.eval_tokens)
+    model = Llama(model_config(cfg, vocab_size=data.vocab_size), seed=t.seed)
+    inner = build_optimizer(cfg.optim.name, model.parameters(), lr=t.lr,
+                            betas=(t.beta1, t.beta2), weight_decay=t.weight_decay)
+    outer_cls = resolve_optimizer_class(sync.outer_optim_class)
+    outer = outer_cls(model.parameters(), **(sync.outer_optim_kwargs or {}))
+
+    timeout = timedelta(seconds=float(spec["timeout_s"]))
+    store = torch.distributed.TCPStore("localhost", 0, is_master=True, wait_for_workers=False)
+    manager = Manager(
+        pg=ProcessGroupGloo(timeout=timeout),
+        load_state_dict=lambda sd: model.load_state_dict(sd["model"]),
+        state_dict=lambda: {"model": model.state_dict()},
+        min_replica_size=replicas, use_async_quorum=False, init_sync=False,
+        replica_id=f"editrain_peer_{replica}", store_addr="localhost", store_port=store.port,
+        rank=0, world_size=1, lighthouse_addr=spec["lighthouse"], timeout=timeout,
+        quorum_timeout=timeout, connect_timeout=timeout,
+    )
+    rank_log = _Lines(run_dir / "ranks" / f"rank{replica}.jsonl")
+    metrics = _Lines(run_dir / "metrics.jsonl") if replica == 0 else None
+    per_step = t.batch_size * t.seq_len * t.gradient_accumulation_steps
+    initial = evaluate(model, val)
+    if metrics is not None:
+        metrics.write({"step": 0, "tokens": 0, **initial, "wall_time_s": 0.0})
+    start = time.perf_counter()
+    try:
+        with DiLoCo(manager, [model], inner, outer, sync_every=sync.local_sgd_sync_interval,
+                    backup_device=torch.device("cpu"), pin_memory=False):
+            for step in range(t.steps):
+                t0 = time.perf_counter()
+                for group in inner.param_groups:
+                    group["lr"] = lr_at(step, cfg)
+                total = 0.0
+                inner.zero_grad(set_to_none=True)
+                for _ in range(t.gradient_accumulation_steps):
+                    x = stream.next_batch(t.batch_size)
+                    loss = causal_lm_loss(model(x[:, :-1]), x[:, 1:])
+                    (loss / t.gradient_accumulation_steps).backward()
+                    total += float(loss) / t.gradient_accumulation_steps
+                if t.grad_clip > 0:
+                    torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip)
+                syncs_before = manager.current_step()
+                t1 = time.perf_counter()
+                inner.step()  # DiLoCo's post-step hook syncs every H steps, inside this call
+                opt_s = time.perf_counter() - t1
+                synced = (step + 1) % sync.local_sgd_sync_interval == 0
+                step_time = time.perf_counter() - t0
+                sync_s = opt_s if synced else 0.0
+                wall = time.perf_counter() - start
+                rank_log.write({"rank": replica, "replica": replica, "shard": 0,
+                                "step": step + 1, "tokens": (step + 1) * per_step,
+                                "wall_time_s": wall, "step_time_s": step_time,
+                                "compute_s": step_time - sync_s, "sync_wait_s": sync_s,
+                                "grad_sync_s": 0.0})
+                if metrics is not None:
+                    row: dict[str, Any] = {
+                        "step": step + 1, "tokens": (step + 1) * per_step * replicas,
+                        "loss": total, "lr": lr_at(step, cfg), "wall_time_s": wall,
+                        "step_time_s": step_time, "compute_s": step_time - sync_s}
+                    if synced:
+                        # Blocking: quorum, all-reduce of the pseudo-gradients, outer step.
+                        row["sync"] = {"step": step + 1, "sync": syncs_before,
+                                       "wait_s": sync_s, "sync_time_s": sync_s,
+                                       "committed": manager.current_step() > syncs_before}
+                    metrics.write(row)
+        train_s = time.perf_counter() - start
+        final = evaluate(model, val)  # after the last sync: the global model
+        if metrics is not None:
+            metrics.write({"step": t.steps, "tokens": t.steps * per_step * replicas, **final,
+                           "wall_time_s": time.perf_counter() - start})
+    finally:
+        rank_log.close()
+        if metrics is not None:
+            metrics.close()
+    result = {"replica": replica, "initial_val_loss": initial["val_loss"],
+              "final_val_loss": final["val_loss"], "val_tokens": final["val_tokens"],
+              "num_syncs": manager.current_step(), "train_time_s": train_s,
+              "steps": t.steps}
+    summary = {"steps": t.steps, "tokens": t.steps * per_step * replicas,
+               "final_val_loss": final["val_loss"], "val_tokens": final["val_tokens"],
+               "wall_time_s": time.perf_counter() - start, "train_time_s": train_s,
+               "num_syncs": manager.current_step(), "method": "torchft-diloco",
+               "replicas": replicas, "shard_size": 1}
+    (run_dir / f"replica{replica}.json").write_text(json.dumps(result, indent=1))
+    if replica == 0:
+        (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+    manager.shutdown(wait=False)
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Command-line entry point: ``--spec SPEC.json``.
+
+    Args:
+        argv: the arguments (default: ``sys.argv[1:]``).
+
+    Returns:
+        The exit status (0: trained and wrote its logs).
+    """
+    parser = argparse.ArgumentParser(description="one torchft DiLoCo replica group on "
+                                                 "editrain's model and data")
+    parser.add_argument("--spec", required=True, help="JSON file (see the module docstring)")
+    args = parser.parse_args(argv)
+    train_replica(json.loads(Path(args.spec).read_text()))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
