@@ -45,14 +45,19 @@ def under_torchrun() -> bool:
         "RANK" in os.environ and "WORLD_SIZE" in os.environ)
 
 
+def config_from_args(args: argparse.Namespace, extra: list[str], command: str):
+    """The validated configuration of ``--config FILE`` and ``--section.key=value`` options."""
+    overrides, rest = parse_overrides(extra)
+    if rest:
+        raise ConfigError(f"{command}: unexpected argument(s) {' '.join(rest)}; options look "
+                          f"like --train.steps=100 (see `editrain {command} --help`)")
+    return load_config(args.config, overrides)
+
+
 def cmd_train(args: argparse.Namespace, extra: list[str]) -> int:
     from editrain import launch
 
-    overrides, rest = parse_overrides(extra)
-    if rest:
-        raise ConfigError(f"unexpected argument(s) {' '.join(rest)}; options look like "
-                          "--train.steps=100 (see `editrain train --help`)")
-    cfg = load_config(args.config, overrides)
+    cfg = config_from_args(args, extra, "train")
     if cfg.quiet:
         logging.getLogger().setLevel(logging.WARNING)
     if under_torchrun():
@@ -67,11 +72,7 @@ def cmd_data(args: argparse.Namespace, extra: list[str]) -> int:
 
     from editrain.corpus import describe_data, format_data, prepare_data
 
-    overrides, rest = parse_overrides(extra)
-    if rest:
-        raise ConfigError(f"data: unexpected argument(s) {' '.join(rest)}; options look like "
-                          "--data.path=corpus.jsonl")
-    cfg = load_config(args.config, overrides)
+    cfg = config_from_args(args, extra, "data")
     if args.json:
         logging.getLogger().setLevel(logging.WARNING)  # stdout carries the JSON only
     info = describe_data(prepare_data(cfg))

@@ -134,25 +134,8 @@ class RankLog:
             self._file = None
 
 
-def read_rank_logs(run_dir: str | Path) -> dict[int, list[dict[str, Any]]]:
-    """Rows of every ``ranks/rank{RANK}.jsonl`` of a run, by rank (empty if none)."""
-    out: dict[int, list[dict[str, Any]]] = {}
-    for path in sorted((Path(run_dir) / RANKS_DIR).glob("rank*.jsonl")):
-        rows = []
-        for line in path.read_text(encoding="utf-8").splitlines():
-            try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError:
-                continue
-        out[int(path.stem.removeprefix("rank"))] = rows
-    return out
-
-
-def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
-    """All rows of a run's ``metrics.jsonl`` (a truncated last line is ignored)."""
-    path = Path(run_dir) / METRICS_FILE
-    if not path.is_file():
-        raise FileNotFoundError(f"{path}: no metrics file (is {run_dir} a run directory?)")
+def _read_jsonl(path: Path) -> list[dict[str, Any]]:
+    """The rows of a JSON-lines file; a line cut off by a killed writer is skipped."""
     rows = []
     for line in path.read_text(encoding="utf-8").splitlines():
         try:
@@ -160,6 +143,20 @@ def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
         except json.JSONDecodeError:
             continue
     return rows
+
+
+def read_rank_logs(run_dir: str | Path) -> dict[int, list[dict[str, Any]]]:
+    """Rows of every ``ranks/rank{RANK}.jsonl`` of a run, by rank (empty if none)."""
+    return {int(path.stem.removeprefix("rank")): _read_jsonl(path)
+            for path in sorted((Path(run_dir) / RANKS_DIR).glob("rank*.jsonl"))}
+
+
+def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
+    """All rows of a run's ``metrics.jsonl`` (a truncated last line is ignored)."""
+    path = Path(run_dir) / METRICS_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: no metrics file (is {run_dir} a run directory?)")
+    return _read_jsonl(path)
 
 
 def _label(run_dir: Path) -> str:
