@@ -123,6 +123,7 @@ class Trainer:
         self.last_eval = 0
         self.finished = False
         self.wall_offset = 0.0
+        self.off_train_s = 0.0  # evaluation and checkpoint time, kept out of train_time_s
         self.resumed_from: Path | None = None
         self.elastic = False
         self.replay_until: int | None = None
@@ -131,7 +132,6 @@ class Trainer:
             self._resume(ckpt)
         self.metrics = MetricsWriter(self.run_dir, enabled=self.is_logger)
         self.rank_log = RankLog(self.run_dir, info.rank)
-        self.off_train_s = 0.0  # evaluation and checkpoint time, kept out of train_time_s
         self.wall_start = time.perf_counter()
 
     def _checkpoint_to_resume(self) -> Path | None:
@@ -248,7 +248,8 @@ class Trainer:
             self.rank_log.close()
         summary = {"steps": self.step, "tokens": self._tokens(), "final_val_loss": final_val,
                    "val_tokens": self.val_tokens, "wall_time_s": self._wall(),
-                   "train_time_s": self._wall() - self.off_train_s, "num_syncs": self.engine.num_syncs,
+                   "train_time_s": self._wall() - self.off_train_s,
+                   "num_syncs": self.engine.num_syncs,
                    "num_params": self.num_params, "method": cfg.sync.method,
                    "replicas": self.info.topo.num_replicas, "shard_size": self.info.topo.shard_size}
         if self.is_logger:
@@ -299,8 +300,9 @@ class Trainer:
         step_time = time.perf_counter() - t0
         mine = {"rank": self.info.rank, "replica": self.info.replica, "shard": self.info.shard,
                 "step": self.step, "tokens": self.step * self.tokens_per_step,
-                "loss": float(loss), "wall_time_s": self._wall(), "step_time_s": step_time, "compute_s": compute_s,
-                "sync_wait_s": self._sync_wait() - wait0, "grad_sync_s": grad_sync_s}
+                "loss": float(loss), "wall_time_s": self._wall(), "step_time_s": step_time,
+                "compute_s": compute_s, "sync_wait_s": self._sync_wait() - wait0,
+                "grad_sync_s": grad_sync_s}
         if stall_s:
             mine["sim_stall_s"] = stall_s
         self.rank_log.write(mine)
@@ -436,6 +438,7 @@ class Trainer:
             "last_eval": self.last_eval,
             "finished": self.finished,
             "wall_time_s": self._wall(),
+            "off_train_s": self.off_train_s,
             "data": self.stream.state_dict(),
             "rng": rng_state(),
             "sim_rng": list(self.slowdown.rng.getstate()[1]),
@@ -465,6 +468,7 @@ class Trainer:
             self.next_eval, self.next_ckpt = state["next_eval"], state["next_ckpt"]
             self.last_eval, self.finished = state["last_eval"], state["finished"]
             self.wall_offset = state["wall_time_s"]
+            self.off_train_s = state.get("off_train_s", 0.0)
             self.stream.load_state_dict(state["data"])
             set_rng_state(state["rng"])
             rs = self.slowdown.rng.getstate()
@@ -481,6 +485,7 @@ class Trainer:
         self.step = self.engine.global_step
         self.next_eval, self.next_ckpt = first["next_eval"], first["next_ckpt"]
         self.last_eval, self.wall_offset = first["last_eval"], first["wall_time_s"]
+        self.off_train_s = first.get("off_train_s", 0.0)
         self.stream = SequenceStream.repartition(
             self.data.train, t.seq_len, t.seed, [o["data"] for o in old],
             self.info.rank, self.info.topo.world_size)
