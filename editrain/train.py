@@ -172,10 +172,7 @@ class Trainer:
         target = self.plan.corrupt.get(sync_index)
         if target is None or target[0] != self.info.replica:
             return
-        with torch.no_grad():
-            for unit in self.engine.units:
-                if unit.anchor is not None:
-                    unit.load_flat(unit.anchor.to(unit.device) - target[1] * unit.pseudo_grad())
+        self.engine.scale_pseudo_gradients(target[1])
 
     # ------------------------------------------------------------------ the loop
     def train(self) -> dict[str, Any]:

@@ -293,6 +293,15 @@ class SyncEngine:
         out, self._sync_log = self._sync_log, []
         return out
 
+    @torch.no_grad()
+    def scale_pseudo_gradients(self, factor: float) -> None:
+        """Fault injection: multiply this rank's pseudo-gradients by ``factor`` (the local
+        model becomes ``anchor - factor * (anchor - theta)``), e.g. from a ``before_sync``
+        callback, to show what the penalty does with a corrupted replica."""
+        for unit in self.units:
+            if unit.anchor is not None:
+                unit.load_flat(unit.anchor.to(unit.device) - factor * unit.pseudo_grad())
+
     def extra_memory(self) -> dict[str, int]:
         """Bytes of anchors + outer state on this rank, by device type."""
         total: dict[str, int] = {}
