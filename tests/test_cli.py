@@ -8,6 +8,7 @@ import json
 import logging
 import os
 import resource
+import signal
 import subprocess
 import sys
 import time
@@ -39,8 +40,17 @@ def editrain(*args: str, timeout: float = 280) -> tuple[subprocess.CompletedProc
            if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "TORCHELASTIC_RUN_ID",
                         "MASTER_ADDR", "MASTER_PORT")}
     t0, cpu0 = time.monotonic(), children_cpu_s()
-    proc = subprocess.run(COMMAND + list(args), capture_output=True, text=True, env=env,
-                          timeout=timeout)
+    # Its own session: a run that hangs is killed with every worker it started, so a
+    # failed test leaves no process behind.
+    with subprocess.Popen(COMMAND + list(args), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                          text=True, env=env, start_new_session=True) as popen:
+        try:
+            out, err = popen.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(popen.pid, signal.SIGKILL)
+            popen.communicate()
+            raise
+    proc = subprocess.CompletedProcess(popen.args, popen.returncode, out, err)
     proc.cpu_s = children_cpu_s() - cpu0  # type: ignore[attr-defined]
     return proc, time.monotonic() - t0
 
@@ -202,6 +212,25 @@ def test_train_sync_method_single_replica(tmp_path, cache_dir, edit_run):
     assert [r["step"] for r in rows if r.get("val_loss") is not None] == [0, 5, 10]
     assert load_config(run_dir / "config.toml").sync.method == "sync"
     assert len(cache_entries(cache_dir)) == 1
+
+
+@pytest.mark.slow
+def test_aedit_fast_replica_never_deadlocks_with_logging(tmp_path, cache_dir):
+    """Replica 0 syncs after every step, replica 1 after three: replica 0 enters its next
+    rendezvous (a blocking cross-replica collective) in the same step that finished a sync,
+    while replica 1 logs that sync and evaluates. Logging and evaluation must then use no
+    cross-replica collective, or the two replicas wait for each other forever."""
+    run_dir = tmp_path / "aedit"
+    proc, _ = editrain("train", *tiny(cache_dir), "--method", "aedit", "--nproc", "2",
+                       "--shard-size", "1", "--steps", "12", "--train.eval_every", "4",
+                       "--sim.step_schedule", "[1, 3]", "--sync.min_total_global_steps", "1",
+                       "--train.warmup_steps", "2", "--quiet", "--run-dir", str(run_dir),
+                       timeout=100)
+    assert proc.returncode == 0, explain(proc)
+    rows = rows_of(run_dir)
+    assert sum("sync" in r for r in rows) >= 3
+    evals = [r for r in rows if r.get("val_loss") is not None]
+    assert len(evals) >= 3 and all(r["val_tokens"] == evals[0]["val_tokens"] for r in evals)
 
 
 # ---------------------------------------------------------------------------- plot
