@@ -203,11 +203,12 @@ def readme_headline(records: Sequence[dict[str, Any]]) -> str:
     """The README's headline sentence, from the scenarios' records.
 
     Uses the ``default`` record (the validation loss of the default ``editrain train``
-    run over the whole held-out split), the ``spikes`` record (peak validation-loss increase of DiLoCo and EDiT with a
+    run over the whole held-out split), the ``convergence`` record (EDiT against DiLoCo
+    and synchronous training, paired by seed), the ``spikes`` record (peak validation-loss increase of DiLoCo and EDiT with a
     corrupted replica), the ``stragglers`` record (A-EDiT's and synchronous training's
     fraction of the measured limit with a 2x straggler; left out when that case has a
     measurement error or the record predates measured limits) and the ``peers`` record
-    (whether editrain's DiLoCo reproduces torchft's).
+    (whether editrain's DiLoCo reproduces torchft's, and at what speed).
 
     Args:
         records: the loaded ``results.json`` records.
@@ -251,18 +252,36 @@ def readme_headline(records: Sequence[dict[str, Any]]) -> str:
                                f"training {spread_cell(s)}x "
                                + (f"(median [min-max] of {n} repeats)" if n > 1
                                   else "(one run each)"))
+    conv = by_name.get("convergence")
+    res = (conv or {}).get("results", {})
+    vs_d = res.get("edit", {}).get("paired_vs_diloco") or {}
+    vs_s = res.get("edit", {}).get("paired_vs_sync") or {}
+    if conv and vs_d.get("mean") is not None and vs_s.get("mean") is not None:
+        st = conv.get("settings", {})
+        clauses.append(
+            f"after {st.get('steps')} steps ({st.get('seeds')} seeds, paired by seed) EDiT's "
+            f"validation loss is {vs_d['mean']:+.3f} +- {vs_d.get('std') or 0:.3f} against "
+            f"DiLoCo's but {vs_s['mean']:+.3f} +- {vs_s.get('std') or 0:.3f} against "
+            "synchronous training's")
     peers = by_name.get("peers")
     if peers and not peers.get("skipped"):
         target = next(iter(peers.get("targets", [])), None)
+        speed = {k: (peers.get("results", {}).get(k, {}).get("tokens_per_s") or {})
+                 .get("median") for k in ("torchft-diloco", "diloco")}
         if target and target.get("met"):
-            clauses.append("editrain's DiLoCo ends at torchft DiLoCo's validation loss on "
-                           f"the same model and data ({target.get('detail')})")
+            clause = ("editrain's DiLoCo ends at torchft DiLoCo's validation loss on the same "
+                      f"model and data ({target.get('detail')})")
+            if speed["torchft-diloco"] and speed["diloco"]:
+                clause += (f" but runs at {speed['diloco'] / speed['torchft-diloco']:.2f}x "
+                           "torchft's tokens/s (median of the repeats)")
+            clauses.append(clause)
     if not clauses:
         raise ConfigError("bench report --readme: none of the default, spikes, stragglers "
                           "(measured limits) or peers results yields a headline; run them "
                           "first")
     used = [r for r in by_name.values()
-            if r.get("scenario") in ("default", "spikes", "stragglers", "peers")]
+            if r.get("scenario") in ("default", "convergence", "spikes", "stragglers",
+                                     "peers")]
     machine = used[0].get("machine", {})
     sizes = sorted({r.get("mode") for r in used} - {None})
     text = (f"Measured on one {machine.get('usable_cpus', '?')}-core "
