@@ -441,6 +441,8 @@ def validate(cfg: Config) -> None:
     _req(0 < cfg.data.val_fraction < 0.5, "data.val_fraction",
          f"must be in (0, 0.5), got {cfg.data.val_fraction}")
     _req(cfg.data.val_tokens >= 0, "data.val_tokens", f"must be >= 0, got {cfg.data.val_tokens}")
+    _req(cfg.data.split_seed >= 0, "data.split_seed",
+         f"must be >= 0, got {cfg.data.split_seed}")
     _req(t.eval_tokens >= 0, "train.eval_tokens", f"must be >= 0 (0: the whole split), got "
          f"{t.eval_tokens}")
     if cfg.data.max_bytes is not None:

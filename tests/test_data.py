@@ -263,6 +263,10 @@ def test_prepare_tokens_validation(tmp_path):
     for bad in (0.0, 0.5, -0.1):
         with pytest.raises(ValueError, match=r"data\.val_fraction"):
             prepare_tokens("default", tmp_path, val_fraction=bad)
+    with pytest.raises(ValueError, match=r"data\.val_tokens"):
+        prepare_tokens("default", tmp_path, val_tokens=-1)
+    with pytest.raises(ValueError, match=r"data\.split_seed"):
+        prepare_tokens("default", tmp_path, split_seed=-1)
     with pytest.raises(FileNotFoundError, match=r"data\.path"):
         prepare_tokens(str(tmp_path / "missing"), tmp_path)
     with pytest.raises(FileNotFoundError, match=r"data\.tokenizer"):

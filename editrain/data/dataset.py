@@ -123,7 +123,7 @@ class TokenData:
     meta: dict = field(default_factory=dict)
 
 
-def _validate(vocab_size: int, val_fraction: float, val_tokens: int,
+def _validate(vocab_size: int, val_fraction: float, val_tokens: int, split_seed: int,
               tokenizer_path: str | None) -> None:
     # numpy integers are accepted too (configs are sometimes built from arrays).
     if tokenizer_path is None and (
@@ -137,6 +137,8 @@ def _validate(vocab_size: int, val_fraction: float, val_tokens: int,
         raise ValueError(f"data.val_fraction must be in (0, 0.5), got {val_fraction!r}")
     if not isinstance(val_tokens, (int, np.integer)) or val_tokens < 0:
         raise ValueError(f"data.val_tokens must be an int >= 0, got {val_tokens!r}")
+    if not isinstance(split_seed, (int, np.integer)) or split_seed < 0:
+        raise ValueError(f"data.split_seed must be an int >= 0, got {split_seed!r}")
 
 
 def _cache_key(
@@ -440,7 +442,7 @@ def prepare_tokens(
             a user tokenizer without an end-of-text token.
         FileNotFoundError: A ``data.path`` or ``data.tokenizer`` path is missing.
     """
-    _validate(vocab_size, val_fraction, val_tokens, tokenizer_path)
+    _validate(vocab_size, val_fraction, val_tokens, split_seed, tokenizer_path)
     split = {"val_fraction": float(val_fraction), "val_tokens": int(val_tokens),
              "seed": int(split_seed), "near_dup_jaccard": NEAR_DUP_JACCARD,
              "max_val_share": MAX_VAL_SHARE, "bytes_per_token_guess": _BYTES_PER_TOKEN_GUESS}
