@@ -196,8 +196,15 @@ def parallelize(
     mesh: DeviceMesh | MeshInfo,
     blocks: Sequence[nn.Module] | str | None = None,
     precision: str | MixedPrecisionPolicy = "fp32",
+    split_root: bool = True,
 ) -> list[nn.Module]:
     """Shard ``model`` with FSDP2 the way EDiT needs: one unit per block, plus the root.
+
+    With ``split_root`` every ``nn.Embedding`` and ``nn.Linear`` outside the blocks whose
+    parameters no other module uses (the token embeddings and an untied output head) is a
+    unit of its own too, so the root unit no longer carries most of the bytes: the engine
+    syncs each such unit separately, and a layer-wise sync waits for the output head only
+    when the forward reaches it.
 
     Works for any model with a list of blocks (see :func:`editrain.find_blocks`). Call it
     once, with the same initial weights on every rank, before building the optimizer.
@@ -209,6 +216,7 @@ def parallelize(
         blocks: the blocks, their attribute path, or None to find them.
         precision: "fp32", "bf16" (bf16 compute, fp32 parameters and gradient reduction) or
             an explicit ``MixedPrecisionPolicy``.
+        split_root: shard embeddings and output head as units of their own.
 
     Returns:
         The blocks, in forward order (pass them on to :func:`edit`).
@@ -227,8 +235,38 @@ def parallelize(
     shard_mesh = _device_mesh(mesh)[SHARD_DIM]
     for block in found:
         fully_shard(block, mesh=shard_mesh, mp_policy=mp)
+    if split_root:
+        for module in root_leaf_units(model, found):
+            fully_shard(module, mesh=shard_mesh, mp_policy=mp)
     fully_shard(model, mesh=shard_mesh, mp_policy=mp)
     return found
+
+
+def root_leaf_units(model: nn.Module, blocks: Sequence[nn.Module]) -> list[nn.Module]:
+    """The ``nn.Embedding`` and ``nn.Linear`` modules outside ``blocks`` whose parameters
+    no other module shares, in ``model.modules()`` order: what
+    ``parallelize(split_root=True)`` shards as units of their own. Tied embeddings stay in
+    the root: a model whose ``config`` says ``tie_embeddings`` or ``tie_word_embeddings``
+    (editrain's Llama, Hugging Face models) may read the embedding matrix outside the
+    embedding's own forward, where FSDP2 has resharded it."""
+    config = getattr(model, "config", None)
+    tied = bool(getattr(config, "tie_embeddings", False)
+                or getattr(config, "tie_word_embeddings", False))
+    in_blocks = {id(m) for b in blocks for m in b.modules()}
+    users: dict[int, int] = {}
+    for m in model.modules():
+        for p in m.parameters(recurse=False):
+            users[id(p)] = users.get(id(p), 0) + 1
+    out = []
+    for m in model.modules():
+        if id(m) in in_blocks or not isinstance(m, (nn.Embedding, nn.Linear)):
+            continue
+        if tied and isinstance(m, nn.Embedding):
+            continue
+        params = list(m.parameters(recurse=False))
+        if params and all(users[id(p)] == 1 for p in params):
+            out.append(m)
+    return out
 
 
 def edit(

@@ -6,15 +6,36 @@
   in lock-step as a real slow node would).
 * Corruption scales one replica's pseudo-gradient just before a sync (a learning-rate burst or
   a bad-data step), to produce loss spikes on purpose.
+
+The link model
+--------------
+A message of ``n`` bytes costs ``latency + n / bandwidth`` seconds. :meth:`SimPlan.link_delay`
+prices each message on its own; :class:`SharedLink` models one node's *uplink*, shared by
+every rank (process) of that replica: the ranks reserve the link first come, first served
+through a small state file (``fcntl.flock`` + the system-wide ``time.monotonic`` clock), so
+a node with S ranks does not get S times the bandwidth, and overlapping transfers queue
+behind each other. Each caller sleeps until its own bytes have left and arrived. Limits:
+
+* only the sending side is modelled (a full-duplex link: a node's downlink is free, and
+  receiving does not queue behind sending);
+* FIFO per node, in the order the reservations take the lock (no fair sharing, no
+  priorities); latency is added after the transfer and does not occupy the link;
+* replicas do not congest one another (no shared core network or switch);
+* no transport overhead (headers, acks, slow start, retransmissions): payload bytes only.
 """
 
 from __future__ import annotations
 
+import fcntl
+import math
+import os
 import random
 import re
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from pathlib import Path
+from typing import Any, NamedTuple
 
 _UNITS = {
     "b/s": 1.0, "kb/s": 1e3, "mb/s": 1e6, "gb/s": 1e9,
@@ -94,6 +115,110 @@ class SimPlan:
     def has_link(self) -> bool:
         """Whether a link model is configured."""
         return self.bandwidth is not None or self.latency > 0
+
+    def shared_link(self, path: str | os.PathLike[str]) -> SharedLink | None:
+        """The uplink of one replica (node), shared by all of its ranks; ``None`` when no
+        link is configured.
+
+        Every rank of replica ``R`` must build it with the *same* ``path`` and other
+        replicas with other paths; the trainer uses ``<run_dir>/.link/replica<R>.state``.
+        Pass the result as the engine's ``link_delay`` instead of :meth:`link_delay`, which
+        prices each rank's messages independently (S ranks then get S times the bandwidth).
+        """
+        if not self.has_link:
+            return None
+        return SharedLink(path, self.bandwidth, self.latency)
+
+
+class Reservation(NamedTuple):
+    """One message's slot on a :class:`SharedLink`, in the link's clock."""
+
+    now: float
+    """When it was asked for."""
+    start: float
+    """When its first byte leaves (``now`` unless the link was busy)."""
+    end: float
+    """When its last byte has left; the link is busy until then."""
+
+
+def _boot_id() -> str:
+    # time.monotonic restarts at a reboot: a state file written before one is stale.
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        return ""
+
+
+class SharedLink:
+    """One node's uplink, shared by every process of the node (see the module docstring).
+
+    Calling it reserves the link for ``nbytes`` behind every earlier reservation (FIFO) and
+    returns the seconds the caller must sleep until its message has been transmitted and
+    has arrived: ``(end - now) + latency``. The state (the time the link is busy until) is
+    a small file read and rewritten under an exclusive ``fcntl.flock``; a missing, empty
+    or unreadable file, or one from another boot, means an idle link. The file is opened
+    afresh at each call, so forked processes and threads each hold their own lock.
+
+    Args:
+        path: the state file, the same for all ranks of one replica, one per replica
+            (created with its parent directories if missing).
+        bandwidth: bytes per second, or ``None`` for an infinitely fast link (latency only).
+        latency: seconds added to every message; it does not occupy the link.
+        clock: the time source; it must be shared by all processes of the node
+            (``time.monotonic`` is, on Linux). Injectable for tests.
+    """
+
+    def __init__(self, path: str | os.PathLike[str], bandwidth: float | None,
+                 latency: float, clock: Callable[[], float] = time.monotonic) -> None:
+        if bandwidth is not None and not bandwidth > 0:
+            raise ValueError(f"SharedLink: bandwidth must be positive or None, got {bandwidth!r}")
+        if not latency >= 0:
+            raise ValueError(f"SharedLink: latency must be >= 0, got {latency!r}")
+        self.path = Path(path)
+        self.bandwidth = bandwidth
+        self.latency = float(latency)
+        self.clock = clock
+        self._boot = _boot_id()
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        os.close(os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644))
+
+    def __repr__(self) -> str:
+        return (f"SharedLink({str(self.path)!r}, bandwidth={self.bandwidth!r}, "
+                f"latency={self.latency!r})")
+
+    def _parse(self, data: bytes) -> float:
+        try:
+            fields = data.decode("ascii").split()
+            busy_until = float(fields[0])
+        except (UnicodeDecodeError, IndexError, ValueError):
+            return 0.0
+        if not math.isfinite(busy_until) or (len(fields) > 1 and fields[1] != self._boot):
+            return 0.0
+        return busy_until
+
+    def reserve(self, nbytes: int) -> Reservation:
+        """Book the link for ``nbytes`` after every earlier reservation of the node."""
+        duration = nbytes / self.bandwidth if self.bandwidth else 0.0
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            now = self.clock()
+            busy_until = self._parse(os.pread(fd, 256, 0))
+            start = max(now, busy_until)
+            end = start + duration
+            if end != busy_until:
+                data = f"{end!r} {self._boot}\n".encode("ascii")
+                os.ftruncate(fd, 0)
+                os.pwrite(fd, data, 0)
+        finally:
+            os.close(fd)  # also releases the lock
+        return Reservation(now, start, end)
+
+    def __call__(self, nbytes: int) -> float:
+        """Reserve the link for a message of ``nbytes``; the seconds to sleep until it has
+        arrived (queueing + transmission + latency)."""
+        r = self.reserve(nbytes)
+        return (r.end - r.now) + self.latency
 
 
 def parse_sim(sim: Any) -> SimPlan:

@@ -7,6 +7,7 @@ validation loss. The method itself lives in :mod:`editrain.sync`; this file only
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -98,12 +99,16 @@ class Trainer:
             mcfg = model_config(cfg, vocab_size=self.data.vocab_size)
             self.model = Llama(mcfg, seed=t.seed).to(info.device)
         self.num_params = num_parameters(self.model)
-        # FSDP2: one unit per block plus the root, on the "shard" sub-mesh.
-        blocks = parallelize(self.model, info, self.model.blocks(), t.precision)
+        # FSDP2: one unit per block, embeddings and output head (sync.split_root) plus the
+        # root, on the "shard" sub-mesh.
+        blocks = parallelize(self.model, info, self.model.blocks(), t.precision,
+                             split_root=cfg.sync.split_root)
         self.optimizer = self._build_optimizer()
+        # The simulated link is one FIFO per replica, shared by the replica's ranks.
+        link = self.plan.shared_link(self.run_dir / ".link" / f"replica{info.replica}.state")
         self.engine = SyncEngine(
             self.model, info.mesh, cfg.sync, blocks=blocks,
-            link_delay=self.plan.link_delay if self.plan.has_link else None,
+            link_delay=link,
             before_sync=self._corrupt if self.plan.corrupt else None,
             trigger=StepScheduleTrigger(cfg.sim.step_schedule) if cfg.sim.step_schedule else None,
             seed=t.seed,
@@ -341,21 +346,25 @@ class Trainer:
         over the ranks of each replica: see ``__init__``). At a sync
         boundary (where the trainer evaluates) every replica holds the global model, so this
         is the global model's loss; evaluated between syncs it would be the mean over
-        replicas of their local models' losses on their shares.
+        replicas of their local models' losses on their shares. Streaming runs (delayed
+        outer updates or fragments) evaluate the anchors, the global model, swapped in for
+        the evaluation.
 
         Returns:
             ``val_loss``, ``val_tokens`` (targets evaluated) and ``eval_time_s``.
         """
         t0 = time.perf_counter()
-        self.model.eval()
+        streaming = self.cfg.sync.streaming and self.engine.has_anchors
         total = torch.zeros(2, dtype=torch.float64, device=self.info.device)
-        for batch in self.val:
-            x = batch.tokens.to(self.info.device)
-            loss = causal_lm_loss(self.model(x[:, :-1]), x[:, 1:])
-            # Padding passes (targets == 0) keep the forward count equal on every rank.
-            total[0] += loss.double() * batch.targets
-            total[1] += batch.targets
-        self.model.train()
+        with self.engine.global_model() if streaming else contextlib.nullcontext():
+            self.model.eval()
+            for batch in self.val:
+                x = batch.tokens.to(self.info.device)
+                loss = causal_lm_loss(self.model(x[:, :-1]), x[:, 1:])
+                # Padding passes (targets == 0) keep the forward count equal on every rank.
+                total[0] += loss.double() * batch.targets
+                total[1] += batch.targets
+            self.model.train()
         if self.eval_everyone and self.info.topo.world_size > 1:
             dist.all_reduce(total)
         elif not self.eval_everyone and self.info.topo.shard_size > 1:
@@ -389,7 +398,9 @@ class Trainer:
         every replica takes them at the same place with the same (global) model.
         """
         e, r = self.engine, self.info.topo.num_replicas
-        if not self.cfg.sync.is_local_sgd or e.in_warmup:
+        if not self.cfg.sync.is_local_sgd or e.in_warmup or self.cfg.sync.streaming:
+            # Streaming: replicas are in lock-step but never all hold the global model;
+            # evaluation uses the anchors (see evaluate()).
             return float(self.step)
         if e.sync_pending:
             if self.aedit:
@@ -558,8 +569,13 @@ class Trainer:
 
 def sync_summary(entry: dict[str, Any]) -> str:
     """One compact log line for a finished sync (the full record is in metrics.jsonl)."""
-    parts = [f"sync {entry['sync']} @step {entry['step']}: waited {entry['wait_s'] * 1e3:.0f} ms, "
+    head = f"sync {entry['sync']}"
+    if "fragment" in entry:
+        head += f" (fragment {entry['fragment']}, launched @step {entry['launch_step']})"
+    parts = [f"{head} @step {entry['step']}: waited {entry['wait_s'] * 1e3:.0f} ms, "
              f"comm {entry['comm_time_s'] * 1e3:.0f} ms, {entry['bytes_sent'] / 2**20:.2f} MiB sent"]
+    if entry.get("hidden") is not None:
+        parts.append(f"{entry['hidden']:.0%} hidden")
     if entry.get("replica_steps"):
         parts.append("steps " + "/".join(f"{s:g}" for s in entry["replica_steps"]))
     weights = entry.get("weights")

@@ -1,7 +1,10 @@
-"""Single-process reference simulator of the algorithm (edit-algorithm.md section 5).
+"""Single-process reference simulator of the algorithm (edit-algorithm.md section 5) and of
+its streaming options (docs/streaming.md: fragments, delayed outer updates, quantised
+pseudo-gradients with error feedback).
 
 R model replicas live in one process, unsharded. Every formula is written out plainly, in
-float64 where it matters, with no code shared with ``editrain.sync`` except the model.
+float64 where it matters (in fp32 where the engine's arithmetic decides a quantisation),
+with no code shared with ``editrain.sync``: only the model comes from ``editrain``.
 The distributed engine with R x S processes must match it.
 
 Also holds the shared pieces of the distributed-vs-reference tests: the tiny model, the
@@ -25,8 +28,9 @@ MODEL = dict(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hid
 SEQ, BATCH = 16, 2
 
 
-def make_model(n_layers: int = 2) -> Llama:
-    return Llama(LlamaConfig(**{**MODEL, "n_layers": n_layers}), seed=0)
+def make_model(n_layers: int = 2, tied: bool = True) -> Llama:
+    """The tiny Llama; ``tied=False`` gives it an ``output`` head of its own."""
+    return Llama(LlamaConfig(**{**MODEL, "n_layers": n_layers, "tie_embeddings": tied}), seed=0)
 
 
 def batch(global_rank: int, step: int, micro: int) -> torch.Tensor:
@@ -44,10 +48,20 @@ def make_inner(params, name: str) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params, lr=3e-3, weight_decay=0.01)
 
 
-def units_of(model: Llama) -> list[list[nn.Parameter]]:
-    in_blocks = {id(p) for b in model.layers for p in b.parameters()}
-    root = [p for p in model.parameters() if id(p) not in in_blocks]
-    return [root] + [list(b.parameters()) for b in model.layers]
+def units_of(model: Llama, split_root: bool = False) -> list[list[nn.Parameter]]:
+    """The sync units (docs/streaming.md section 1): ``[root, block0, ...]``, or with
+    ``split_root`` and untied embeddings ``[root, tok_embeddings, block0, ..., output]``: the
+    root first (every parameter outside the separately sharded modules, i.e. the final norm),
+    then those modules in ``model.modules()`` order. Tied embeddings stay in the root (the
+    root's forward uses ``tok_embeddings.weight`` as the output head, which FSDP2 cannot
+    serve from another unit), so with them ``split_root`` changes nothing."""
+    own = list(model.layers)
+    if split_root and model.output is not None:
+        own += [model.tok_embeddings, model.output]
+    own_ids = {id(m) for m in own}
+    separate = {id(p) for m in own for p in m.parameters()}
+    root = [p for p in model.parameters() if id(p) not in separate]
+    return [root] + [list(m.parameters()) for m in model.modules() if id(m) in own_ids]
 
 
 # ---------------------------------------------------------------------------- detector
@@ -110,6 +124,124 @@ class RefConfig:
     gta: dict | None = None  # consensus, sparsification, normalize, density (section 7)
     anchors_at_start: bool = False  # defect 4 of the reference implementation (for tests)
     finish_force: bool = False  # end with a sync even mid-window (engine.finish(force=True))
+    # streaming (docs/streaming.md); the defaults are the sync of before
+    tau: int = 0  # overlap_steps: inner steps between a round's launch and its merge
+    fragments: int = 1  # P: unit u belongs to fragment u mod P
+    merge: str = "blend"  # "blend" | "keep_local" (tau > 0)
+    alpha: float = 0.0  # merge_alpha (blend)
+    comm_dtype: str = "fp32"  # "fp32" | "bf16" | "int8" | "int4"
+    error_feedback: bool = True  # quantised comm_dtype only
+    split_root: bool = False  # tok_embeddings (and an untied output) are units of their own
+    tied: bool = True  # tied embeddings (False: the model has an ``output`` head)
+
+
+# ---------------------------------------------------------------------------- streaming
+COMM_DTYPES = ("fp32", "bf16", "int8", "int4")
+MERGES = ("blend", "keep_local")
+QBLOCK = 128  # values per quantisation block (one fp32 scale each)
+_QMAX = {"int8": 127.0, "int4": 7.0}
+
+
+def fragment_launches(k: int, H: int, P: int) -> list[int]:
+    """The fragments launched after inner step ``k`` of the local phase (section 2):
+    ``k >= 1 and k mod H == ((f + 1) * H // P) mod H``."""
+    if k < 1:
+        return []
+    return [f for f in range(P) if k % H == ((f + 1) * H // P) % H]
+
+
+def fragment_units(n_units: int, P: int, f: int) -> list[int]:
+    """The units of fragment ``f``: unit ``u`` belongs to fragment ``u mod P``."""
+    return [u for u in range(n_units) if u % P == f]
+
+
+def quantize(x: torch.Tensor, comm_dtype: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``Q(x)`` of a flat fp32 shard (section 4): ``(codes, scales)``. bf16: the bf16 cast and
+    no scales. int8 / int4: integer codes (int8 storage) and one fp32 scale per block of
+    ``QBLOCK`` consecutive values (the last block may be shorter)."""
+    if comm_dtype == "bf16":
+        return x.to(torch.bfloat16), None
+    qmax = _QMAX[comm_dtype]
+    n = x.numel()
+    blocks = torch.cat([x, x.new_zeros((-n) % QBLOCK)]).view(-1, QBLOCK)
+    s = blocks.abs().amax(dim=1) / qmax
+    s = torch.where(s == 0, torch.ones_like(s), s)
+    q = torch.round(blocks / s[:, None]).clamp(-qmax, qmax)
+    return q.to(torch.int8).reshape(-1)[:n], s
+
+
+def dequantize(codes: torch.Tensor, scales: torch.Tensor | None, comm_dtype: str) -> torch.Tensor:
+    """``D(c)``, fp32."""
+    if comm_dtype == "bf16":
+        return codes.float()
+    assert scales is not None
+    return codes.float() * scales.repeat_interleave(QBLOCK)[:codes.numel()]
+
+
+def encode(delta: torch.Tensor, e: torch.Tensor | None,
+           comm_dtype: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One included replica's message on one shard: ``x = delta + e`` (no ``e``: no error
+    feedback), ``c = Q(x)``; returns ``(D(c), x - D(c))`` (the new ``e``; None without)."""
+    x = delta + e if e is not None else delta
+    d = dequantize(*quantize(x, comm_dtype), comm_dtype)
+    return d, (x - d if e is not None else None)
+
+
+def shard_flat(ts: list[torch.Tensor], S: int, s: int) -> torch.Tensor:
+    """Rank ``s``'s flat local shard of a unit: its pieces of the parameters, concatenated."""
+    return torch.cat([shard_view(t, S, s).reshape(-1) for t in ts])
+
+
+def quantised_reduce(deltas: list[list[torch.Tensor]], w: list[float], keep: list[int], S: int,
+                     comm_dtype: str, ef: dict[tuple[Any, int, int], torch.Tensor] | None,
+                     unit: Any = 0) -> list[torch.Tensor]:
+    """Section 4 over one unit: ``deltas[r]`` are replica r's fp32 per-parameter
+    pseudo-gradients. On every shard rank ``s``, each included replica encodes ``x = Δ + e``
+    (``e = ef[(unit, r, s)]``, zeros at first; ``ef=None``: no error feedback) and an
+    excluded one sends ``Q(0)`` and keeps its ``e``; then ``Δ̄ = Δ̄ + w_r · D(c_r)`` in fp32,
+    in replica order. Returns ``Δ̄`` per parameter (fp32, full shapes)."""
+    red = [torch.zeros_like(d) for d in deltas[0]]
+    for s in range(S):
+        acc: torch.Tensor | None = None
+        for r in range(len(deltas)):
+            x = shard_flat(deltas[r], S, s)
+            if r in keep:
+                e = None
+                if ef is not None:
+                    e = ef.get((unit, r, s))
+                    e = torch.zeros_like(x) if e is None else e
+                d, e = encode(x, e, comm_dtype)
+                if ef is not None:
+                    assert e is not None
+                    ef[(unit, r, s)] = e
+            else:
+                d = dequantize(*quantize(torch.zeros_like(x), comm_dtype), comm_dtype)
+            if acc is None:
+                acc = torch.zeros_like(d)
+            acc = acc + w[r] * d
+        assert acc is not None
+        off = 0
+        for t in red:
+            view = shard_view(t, S, s)
+            view.copy_(acc[off:off + view.numel()].view_as(view))
+            off += view.numel()
+    return red
+
+
+def _check_streaming(cfg: RefConfig, n_units: int) -> None:
+    if cfg.comm_dtype not in COMM_DTYPES:
+        raise ValueError(f"comm_dtype must be one of {COMM_DTYPES}, got {cfg.comm_dtype!r}")
+    if cfg.merge not in MERGES:
+        raise ValueError(f"merge must be one of {MERGES}, got {cfg.merge!r}")
+    if not 1 <= cfg.fragments <= min(cfg.H, n_units):
+        raise ValueError(f"fragments must be in [1, min(H, units)] = [1, "
+                         f"{min(cfg.H, n_units)}], got {cfg.fragments}")
+    if not 0 <= cfg.tau < cfg.H:
+        raise ValueError(f"tau must be in [0, H) = [0, {cfg.H}), got {cfg.tau}")
+    if cfg.comm_dtype != "fp32" and cfg.gta is not None:
+        raise NotImplementedError("quantised comm_dtype is for the linear reducer only")
+    if cfg.schedule is not None and (cfg.tau > 0 or cfg.fragments > 1):
+        raise NotImplementedError("the reference has no streaming A-EDiT schedule")
 
 
 # ---------------------------------------------------------------------------- GTA
@@ -191,20 +323,31 @@ def run_reference(cfg: RefConfig) -> list[dict[str, torch.Tensor]]:
 
 
 def _simulate(cfg: RefConfig) -> list[dict[str, torch.Tensor]]:
-    base = make_model(cfg.n_layers)
+    base = make_model(cfg.n_layers, cfg.tied)
     reps = [copy.deepcopy(base) for _ in range(cfg.R)]
     opts = [make_inner(m.parameters(), cfg.inner) for m in reps]
-    n_units = len(units_of(base))
+    uparams = [units_of(m, cfg.split_root) for m in reps]  # [replica][unit] -> params
+    n_units = len(uparams[0])
+    _check_streaming(cfg, n_units)
+    P = cfg.fragments
+    streaming = cfg.tau > 0 or P > 1
+    quantised = cfg.comm_dtype != "fp32"
+    all_units = list(range(n_units))
+    frags = [fragment_units(n_units, P, f) for f in range(P)]
     anchors: list[list[torch.Tensor]] | None = None
     outers: list[torch.optim.Optimizer | None] = []
     dets = [[RefDetector(*cfg.ewma) for _ in range(cfg.R)] for _ in range(n_units)]
+    # error feedback: (unit, replica, shard rank) -> flat fp32 residual, zeros at the start
+    ef: dict[tuple[int, int, int], torch.Tensor] = {}
+    # rounds in flight (tau > 0), in launch order: (merge step, units, theta0[replica][j])
+    inflight: list[tuple[int, list[int], list[list[list[torch.Tensor]]]]] = []
     steps = [0] * cfg.R  # per replica global step
-    since = [0] * cfg.R
+    k = 0  # inner steps since the local phase began
     n_sync = 0
 
     def make_anchors():
         nonlocal anchors, outers
-        anchors = [[p.detach().clone() for p in u] for u in units_of(reps[0])]
+        anchors = [[p.detach().clone() for p in u] for u in uparams[0]]
         outers = [
             (getattr(torch.optim, {"sgd": "SGD"}[cfg.outer])(a, **cfg.outer_kwargs)
              if cfg.outer else None)
@@ -219,18 +362,25 @@ def _simulate(cfg: RefConfig) -> list[dict[str, torch.Tensor]]:
                 (loss_on(m, batch(i * cfg.S + s, t, mi)) / (cfg.S * cfg.accum)).backward()
         return [p.grad.clone() for p in m.parameters()]
 
-    def do_sync(counts: list[int] | None) -> None:
+    def launch(units: list[int], counts: list[int] | None, tau: int) -> None:
+        """One round over ``units`` (section 5 on those units only), its outer step
+        included; with ``tau == 0`` every replica takes the new anchors now, otherwise the
+        round is merged after inner step ``k + tau``."""
         nonlocal n_sync
         assert anchors is not None
         if n_sync in cfg.corrupt:
             bad, scale = cfg.corrupt[n_sync]
             with torch.no_grad():
                 for r in _replicas(bad):
-                    for p, a in zip([p for u in units_of(reps[r]) for p in u],
+                    for p, a in zip([p for u in uparams[r] for p in u],
                                     [a for u in anchors for a in u]):
                         p.copy_(a + scale * (p - a))
-        for u in range(n_units):
-            thetas = [units_of(reps[i])[u] for i in range(cfg.R)]
+        theta0: list[list[list[torch.Tensor]]] = [[] for _ in range(cfg.R)]
+        for u in units:
+            thetas = [uparams[i][u] for i in range(cfg.R)]
+            if tau > 0:
+                for i in range(cfg.R):
+                    theta0[i].append([t.detach().clone() for t in thetas[i]])
             deltas = [[a.double() - t.detach().double() for a, t in zip(anchors[u], th)]
                       for th in thetas]
             norms = [math.sqrt(sum(float((d * d).sum()) for d in dl)) for dl in deltas]
@@ -265,13 +415,18 @@ def _simulate(cfg: RefConfig) -> list[dict[str, torch.Tensor]]:
                         w[i] = (1 - cfg.step_weight_ratio) * w[i] + cfg.step_weight_ratio * s
             with torch.no_grad():
                 if keep:
-                    if cfg.gta is not None:
+                    if quantised:
+                        d32 = [[a.float() - t.detach().float() for a, t in zip(anchors[u], th)]
+                               for th in thetas]
+                        red = quantised_reduce(d32, w, keep, cfg.S, cfg.comm_dtype,
+                                               ef if cfg.error_feedback else None, u)
+                    elif cfg.gta is not None:
                         red = ref_gta(deltas, w, keep, cfg.S, cfg.gta)
                     else:
                         red = [sum(w[i] * deltas[i][k] for i in keep)
                                for k in range(len(anchors[u]))]
                     if cfg.clip:
-                        n = math.sqrt(sum(float((r * r).sum()) for r in red))
+                        n = math.sqrt(sum(float((r.double() * r.double()).sum()) for r in red))
                         c = min(1.0, cfg.clip / (n + 1e-6))
                         red = [r * c for r in red]
                     if outers[u] is None:
@@ -283,21 +438,37 @@ def _simulate(cfg: RefConfig) -> list[dict[str, torch.Tensor]]:
                         outers[u].step()
                         for a in anchors[u]:
                             a.grad = None
-                for i in range(cfg.R):
-                    for p, a in zip(units_of(reps[i])[u], anchors[u]):
-                        p.copy_(a)
+                if tau == 0:
+                    for i in range(cfg.R):
+                        for p, a in zip(uparams[i][u], anchors[u]):
+                            p.copy_(a)
+        if tau > 0:
+            inflight.append((k + tau, list(units), theta0))
         n_sync += 1
+
+    def merge(rnd: tuple[int, list[int], list[list[list[torch.Tensor]]]]) -> None:
+        """Section 3: blend ``θ ← lerp(Ã, θ, α)`` or keep_local ``θ ← Ã + (θ − θ⁰)``."""
+        assert anchors is not None
+        _, units, theta0 = rnd
+        with torch.no_grad():
+            for j, u in enumerate(units):
+                for i in range(cfg.R):
+                    for p, a, p0 in zip(uparams[i][u], anchors[u], theta0[i][j]):
+                        if cfg.merge == "blend":
+                            p.copy_(torch.lerp(a, p.detach(), cfg.alpha))
+                        else:
+                            p.copy_(a + (p.detach() - p0))
 
     if not cfg.sync and (cfg.warmup == 0 or cfg.anchors_at_start):
         make_anchors()
 
     t = 0
     total = cfg.steps
-    pending = False
+    pending = False  # A-EDiT: a window ended, sync before the next one
     pending_counts: list[int] | None = None
     while t < total:
         if pending:
-            do_sync(pending_counts)
+            launch(all_units, pending_counts, 0)
             pending = False
         warm = cfg.sync or t < cfg.warmup
         if warm:
@@ -319,11 +490,15 @@ def _simulate(cfg: RefConfig) -> list[dict[str, torch.Tensor]]:
                     p.grad = gg
                 opts[i].step()
                 steps[i] += 1
-                since[i] += 1
             t += 1
-            if since[0] >= cfg.H:
-                pending, pending_counts = True, None
-                since = [0] * cfg.R
+            k += 1
+            # after inner step k: merge the rounds due now, then launch the fragments due
+            # (a round with tau = 0 is synced at once: nothing runs before the next forward)
+            for rnd in [r for r in inflight if r[0] == k]:
+                merge(rnd)
+                inflight.remove(rnd)
+            for f in fragment_launches(k, cfg.H, P):
+                launch(frags[f], None, cfg.tau)
         else:
             # One A-EDiT window: replica i does schedule[i] steps, then all sync.
             for i in range(cfg.R):
@@ -336,9 +511,17 @@ def _simulate(cfg: RefConfig) -> list[dict[str, torch.Tensor]]:
             pending, pending_counts = True, list(cfg.schedule)
             t += 1  # t counts windows here
     if pending:
-        do_sync(pending_counts)
-    elif cfg.finish_force and not cfg.sync and any(since):
-        do_sync(None)
+        launch(all_units, pending_counts, 0)
+    elif streaming:
+        # finish(): rounds in flight are merged at once; with force, one more round over
+        # every unit with tau = 0 so that all replicas end on the same model
+        for rnd in inflight:
+            merge(rnd)
+        inflight.clear()
+        if cfg.finish_force and not cfg.sync and k >= 1:
+            launch(all_units, None, 0)
+    elif cfg.finish_force and not cfg.sync and k % cfg.H != 0:
+        launch(all_units, None, 0)
     return [{n: p.detach().clone() for n, p in m.named_parameters()} for m in reps]
 
 
@@ -355,8 +538,12 @@ def run_case(info: Any, rank: int, case: dict[str, Any]) -> dict[str, Any]:
     ``schedule`` (steps per window for each replica), ``corrupt`` (sync index ->
     (replica or tuple of replicas, scale): their pseudo-gradients are multiplied by
     ``scale`` just before that sync), ``link_delay`` (seconds per cross-replica message),
-    ``n_layers`` (2), ``finish_force`` (False) and ``eval_forward`` (False: if True, an
-    extra eval-mode forward runs after every step, which must not start a pending sync).
+    ``n_layers`` (2), ``finish_force`` (False), ``eval_forward`` (False: if True, an
+    extra eval-mode forward runs after every step, which must not start a pending sync),
+    ``tied`` (True: tied embeddings; False gives the model an ``output`` head) and
+    ``split_root`` (False: if True and the embeddings are untied, ``tok_embeddings`` and
+    ``output`` are sharded as units of their own, docs/streaming.md section 1; tied
+    embeddings stay in the root, as in :func:`units_of`).
 
     Returns the final full parameters and the sync log, plus per-step probes: ``between``
     (cross-replica collectives of each local-phase step that ran no sync, counted from
@@ -370,9 +557,12 @@ def run_case(info: Any, rank: int, case: dict[str, Any]) -> dict[str, Any]:
     from editrain.sync import StepScheduleTrigger, SyncConfig, SyncEngine
     from editrain.sync.outer import local_view
 
-    model = make_model(case.get("n_layers", 2))
+    model = make_model(case.get("n_layers", 2), tied=case.get("tied", True))
     for block in model.layers:
         fully_shard(block, mesh=info.shard_mesh)
+    if case.get("split_root", False) and model.output is not None:
+        fully_shard(model.tok_embeddings, mesh=info.shard_mesh)
+        fully_shard(model.output, mesh=info.shard_mesh)
     fully_shard(model, mesh=info.shard_mesh)
     opt = make_inner(model.parameters(), case.get("inner", "adamw"))
     corrupt = case.get("corrupt") or {}
@@ -546,6 +736,14 @@ def ref_config(case: dict[str, Any], R: int, S: int, **overrides: Any) -> RefCon
         n_layers=case.get("n_layers", 2),
         gta=ref_gta_cfg,
         finish_force=bool(case.get("finish_force", False)),
+        tau=sk.get("overlap_steps", 0),
+        fragments=sk.get("fragments", 1),
+        merge=sk.get("merge", "blend"),
+        alpha=float(sk.get("merge_alpha", 0.0)),
+        comm_dtype=sk.get("comm_dtype", "fp32"),
+        error_feedback=bool(sk.get("error_feedback", True)),
+        split_root=bool(case.get("split_root", False)),
+        tied=bool(case.get("tied", True)),
     )
     kw.update(overrides)
     return RefConfig(**kw)

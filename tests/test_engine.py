@@ -208,16 +208,21 @@ def test_sync_log_metrics(runs, R, S):
             log = o["log"]
             L = len(o["unit_numels"])
             assert len(log) == o["num_syncs"] >= 3
-            largest = 4 * max(o["unit_numels"])
-            stats = 8 * L if name == "edit_on" else 0  # float64 norm per unit, all-gathered
+            # Bytes transmitted by a ring: all-reduce 2 (R - 1) / R of the message, all-gather
+            # (R - 1) times it (docs/streaming.md section 5).
+            largest = 2 * (R - 1) * 4 * max(o["unit_numels"]) // R
+            stats = (R - 1) * 8 * L if name == "edit_on" else 0  # float64 norm per unit
             for i, e in enumerate(log):
                 assert e["sync"] == i and e["units"] == L
                 assert e["bytes_sent"] > 0
                 # each unit's fp32 shard once, plus the batched statistics: nothing else
-                assert e["bytes_sent"] == 4 * sum(o["unit_numels"]) + stats, (name, i)
+                sent = sum(2 * (R - 1) * 4 * n // R for n in o["unit_numels"])
+                assert e["bytes_sent"] == sent + stats, (name, i)
                 assert 0 < e["max_message_bytes"] <= largest
                 assert e["max_message_bytes"] == largest
-                for key in ("wait_s", "comm_time_s", "sync_time_s"):
+                assert e["hidden"] is None or 0.0 <= e["hidden"] <= 1.0
+                assert e["work_s"] > 0
+                for key in ("wait_s", "comm_time_s", "sync_time_s", "work_s"):
                     assert math.isfinite(e[key]) and e[key] >= 0.0, key
                 assert e["link_delay_s"] == 0.0
             if name == "edit_on":

@@ -1,7 +1,11 @@
-"""Heterogeneity simulation: parsing of the ``sim.*`` options, the link cost model and the
-compute slowdown (with ``time.sleep`` mocked)."""
+"""Heterogeneity simulation: parsing of the ``sim.*`` options, the link cost model (the
+node-shared link with a fake clock and across processes) and the compute slowdown (with
+``time.sleep`` mocked)."""
 
 from __future__ import annotations
+
+import multiprocessing
+import time
 
 import pytest
 
@@ -9,6 +13,7 @@ from editrain import sim
 from editrain.config import ConfigError, SimSection, load_config
 from editrain.sim import (
     ComputeSlowdown,
+    SharedLink,
     SimPlan,
     Straggler,
     check_replicas,
@@ -91,6 +96,141 @@ def test_nothing_configured():
     assert not plan.has_link
     assert plan.link_delay(12345) == 0.0
     assert plan.stragglers == [] and plan.stall_prob == 0.0 and plan.corrupt == {}
+
+
+# ---------------------------------------------------------------------------- shared link
+MB = 1_000_000
+
+
+class FakeClock:
+    def __init__(self, t: float = 1000.0) -> None:
+        self.t = t
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def test_shared_link_queues_back_to_back_messages(tmp_path):
+    clock = FakeClock()
+    link = SharedLink(tmp_path / "r0.state", bandwidth=MB, latency=0.01, clock=clock)
+    assert link(MB) == pytest.approx(1.01)
+    assert link(MB) == pytest.approx(2.01)  # waits for the first to leave
+    r = link.reserve(MB // 2)
+    assert (r.now, r.start, r.end) == pytest.approx((1000.0, 1002.0, 1002.5))
+
+
+def test_shared_link_after_it_went_idle(tmp_path):
+    clock = FakeClock()
+    link = SharedLink(tmp_path / "r0.state", bandwidth=MB, latency=0.01, clock=clock)
+    assert link(MB) == pytest.approx(1.01)
+    clock.t += 0.25  # still busy for 0.75 s
+    assert link(MB) == pytest.approx(1.76)
+    clock.t += 10.0  # idle again
+    assert link(MB) == pytest.approx(1.01)
+    assert link(0) == pytest.approx(1.01)  # an empty message still queues behind
+    clock.t += 1.0
+    assert link(0) == pytest.approx(0.01)
+
+
+def test_shared_link_is_shared_through_the_file(tmp_path):
+    clock = FakeClock()
+    path = tmp_path / "deep" / "dir" / "replica0.state"  # parents are created
+    a = SharedLink(path, bandwidth=MB, latency=0.0, clock=clock)
+    b = SharedLink(str(path), bandwidth=MB, latency=0.0, clock=clock)
+    other = SharedLink(tmp_path / "replica1.state", bandwidth=MB, latency=0.0, clock=clock)
+    assert path.exists()
+    assert a(MB) == pytest.approx(1.0)
+    assert b(MB) == pytest.approx(2.0)
+    assert other(MB) == pytest.approx(1.0)  # another replica's link is free
+    assert a(2 * MB) == pytest.approx(4.0)
+
+
+def test_shared_link_without_bandwidth_costs_latency_only(tmp_path):
+    link = SharedLink(tmp_path / "r0.state", bandwidth=None, latency=0.005, clock=FakeClock())
+    assert [link(n) for n in (0, MB, 10**12)] == pytest.approx([0.005] * 3)
+    free = SharedLink(tmp_path / "r1.state", bandwidth=None, latency=0.0, clock=FakeClock())
+    assert free(10**12) == 0.0
+
+
+@pytest.mark.parametrize("content", [b"", b"garbage", b"\xff\xfe\x00", b"nan", b"inf",
+                                     b"   ", b"1e400", b"5000.0 some-other-boot\n"])
+def test_shared_link_treats_a_bad_state_file_as_idle(tmp_path, content):
+    path = tmp_path / "r0.state"
+    path.write_bytes(content)
+    link = SharedLink(path, bandwidth=MB, latency=0.01, clock=FakeClock())
+    assert link(MB) == pytest.approx(1.01)
+    assert link(MB) == pytest.approx(2.01)  # and the file is usable afterwards
+
+
+def test_shared_link_past_busy_until_is_idle(tmp_path):
+    clock = FakeClock()
+    link = SharedLink(tmp_path / "r0.state", bandwidth=MB, latency=0.0, clock=clock)
+    link(MB)
+    later = SharedLink(tmp_path / "r0.state", bandwidth=MB, latency=0.0,
+                       clock=FakeClock(clock.t + 100))
+    assert later(MB) == pytest.approx(1.0)
+
+
+def test_shared_link_rejects_bad_arguments(tmp_path):
+    with pytest.raises(ValueError, match="bandwidth"):
+        SharedLink(tmp_path / "s", bandwidth=0, latency=0.0)
+    with pytest.raises(ValueError, match="latency"):
+        SharedLink(tmp_path / "s", bandwidth=MB, latency=-1.0)
+
+
+def test_plan_shared_link(tmp_path):
+    assert plan_of().shared_link(tmp_path / "x.state") is None
+    plan = plan_of(link_bandwidth="1MB/s", link_latency="5ms")
+    link = plan.shared_link(tmp_path / ".link" / "replica0.state")
+    assert isinstance(link, SharedLink)
+    assert (link.bandwidth, link.latency) == (1e6, pytest.approx(5e-3))
+    assert (tmp_path / ".link" / "replica0.state").exists()
+    lat = plan_of(link_latency="2ms").shared_link(tmp_path / "lat.state")
+    assert lat is not None and lat.bandwidth is None and lat(MB) == pytest.approx(2e-3)
+
+
+def _reserve_many(path, bandwidth, nbytes, count, barrier, results):
+    link = SharedLink(path, bandwidth=bandwidth, latency=0.0)
+    barrier.wait(timeout=30)
+    results.put([tuple(link.reserve(nbytes)) for _ in range(count)])
+
+
+def test_shared_link_serialises_processes(tmp_path):
+    """Two ranks of one node ask for the link at the same moment with the real clock:
+    their transfers are laid end to end, never side by side."""
+    if "fork" not in multiprocessing.get_all_start_methods():
+        pytest.skip("needs the fork start method")
+    ctx = multiprocessing.get_context("fork")
+    bandwidth, nbytes, count, procs = 10 * MB, MB // 4, 4, 2  # 0.8 s of link time in all
+    path = tmp_path / ".link" / "replica0.state"
+    barrier, results = ctx.Barrier(procs), ctx.Queue()
+    workers = [ctx.Process(target=_reserve_many,
+                           args=(path, bandwidth, nbytes, count, barrier, results))
+               for _ in range(procs)]
+    for w in workers:
+        w.start()
+    slots = [s for _ in workers for s in results.get(timeout=60)]
+    for w in workers:
+        w.join(timeout=30)
+        assert w.exitcode == 0
+    assert len(slots) == procs * count
+    slots.sort(key=lambda s: s[1])
+    for (_, _, prev_end), (_, start, _) in zip(slots, slots[1:]):
+        assert start >= prev_end - 1e-9  # no two transfers overlap
+    for now, start, end in slots:
+        assert start >= now and end - start == pytest.approx(nbytes / bandwidth)
+    total = procs * count * nbytes / bandwidth
+    assert slots[-1][2] - slots[0][1] >= total * 0.95
+
+
+def test_shared_link_real_sleep_is_serialised(tmp_path):
+    """Sleeping what two back-to-back calls return takes the sum of their transfers."""
+    link = SharedLink(tmp_path / "r0.state", bandwidth=10 * MB, latency=0.0)
+    t0 = time.monotonic()
+    first, second = link(MB), link(MB)  # 0.1 s each
+    assert first == pytest.approx(0.1, abs=0.05) and second == pytest.approx(0.2, abs=0.05)
+    time.sleep(second)
+    assert time.monotonic() - t0 >= 0.19
 
 
 # ---------------------------------------------------------------------------- stragglers

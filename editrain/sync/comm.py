@@ -28,7 +28,8 @@ import torch.distributed as dist
 _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 LinkDelay = Callable[[int], float]
-"""Simulated slow link: bytes of one message -> seconds of extra wall time."""
+"""Simulated slow link: bytes this rank transmits for one message -> seconds to wait before
+the collective (see :class:`editrain.sim.SharedLink`)."""
 
 
 @dataclass
@@ -40,9 +41,10 @@ class CommStats:
     shard_collectives: int = 0
     """Collectives on the engine's private shard group."""
     bytes_sent: int = 0
-    """Bytes this rank contributed to cross-replica collectives."""
+    """Bytes this rank transmitted in cross-replica collectives (ring algorithms: an
+    all-reduce of N bytes sends 2 (R - 1) / R * N, an all-gather (R - 1) * N)."""
     max_message_bytes: int = 0
-    """Largest single cross-replica message."""
+    """Largest single cross-replica message (bytes transmitted)."""
     comm_time_s: float = 0.0
     """Wall time spent inside collectives (including simulated link delay)."""
     link_delay_s: float = 0.0
@@ -70,6 +72,22 @@ class CommStats:
             self.bytes_sent = self.max_message_bytes = 0
             self.comm_time_s = self.link_delay_s = 0.0
 
+    def add_sync(self, nbytes: int, seconds: float, delay: float) -> None:
+        """Count one cross-replica collective."""
+        with self._lock:
+            self.sync_collectives += 1
+            self.lifetime_sync_collectives += 1
+            self.bytes_sent += nbytes
+            self.max_message_bytes = max(self.max_message_bytes, nbytes)
+            self.comm_time_s += seconds
+            self.link_delay_s += delay
+
+    def add_shard(self, seconds: float) -> None:
+        """Count one collective on the private shard group."""
+        with self._lock:
+            self.shard_collectives += 1
+            self.comm_time_s += seconds
+
 
 class CommPath:
     """A FIFO thread that runs collective jobs for the sync engine.
@@ -95,27 +113,45 @@ class CommPath:
         self.device = device
         self.link_delay = link_delay
         self.stats = CommStats()
+        """Counters since the last reset (and lifetime totals)."""
+        self._sink: CommStats | None = None  # the running job's own counters (comm thread)
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="editrain-comm")
         self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
 
     # ------------------------------------------------------------------ jobs
-    def submit(self, fn: Callable[..., Any], *args: Any) -> Future:
-        """Queue ``fn(*args)`` behind every job submitted before it."""
+    def submit(self, fn: Callable[..., Any], *args: Any, stats: CommStats | None = None
+               ) -> Future:
+        """Queue ``fn(*args)`` behind every job submitted before it.
+
+        Args:
+            fn: the job; it runs on the communication thread.
+            *args: its arguments.
+            stats: extra counters for this job's collectives (e.g. one sync round's), on
+                top of :attr:`stats`.
+        """
         if self._stream is None:
-            return self._pool.submit(fn, *args)
+            return self._pool.submit(self._run_counted, stats, fn, *args)
         # The job reads tensors the main stream wrote: order it after them.
         ready = torch.cuda.current_stream(self.device).record_event()
-        return self._pool.submit(self._run_on_side_stream, ready, fn, *args)
+        return self._pool.submit(self._run_on_side_stream, ready, stats, fn, *args)
+
+    def _run_counted(self, stats: CommStats | None, fn: Callable[..., Any], *args: Any) -> Any:
+        self._sink = stats
+        try:
+            return fn(*args)
+        finally:
+            self._sink = None
 
     def run(self, fn: Callable[..., Any], *args: Any) -> Any:
         """Queue ``fn(*args)`` and wait for its result (blocking)."""
         return self.submit(fn, *args).result()
 
-    def _run_on_side_stream(self, ready: Any, fn: Callable[..., Any], *args: Any) -> Any:
+    def _run_on_side_stream(self, ready: Any, stats: CommStats | None,
+                            fn: Callable[..., Any], *args: Any) -> Any:
         assert self._stream is not None
         with torch.cuda.stream(self._stream):
             self._stream.wait_event(ready)
-            out = fn(*args)
+            out = self._run_counted(stats, fn, *args)
         # Results are consumed by the main stream right after the future resolves.
         self._stream.synchronize()
         return out
@@ -140,19 +176,17 @@ class CommPath:
         delay = self._delay(nbytes)
         yield
         elapsed = time.perf_counter() - t0
-        with self.stats._lock:
-            self.stats.sync_collectives += 1
-            self.stats.lifetime_sync_collectives += 1
-            self.stats.bytes_sent += nbytes
-            self.stats.max_message_bytes = max(self.stats.max_message_bytes, nbytes)
-            self.stats.comm_time_s += elapsed
-            self.stats.link_delay_s += delay
+        for stats in (self.stats, self._sink):
+            if stats is not None:
+                stats.add_sync(nbytes, elapsed, delay)
 
     def all_reduce_sync(self, tensor: torch.Tensor) -> None:
         """In-place sum over the sync group (cross-replica)."""
         if self.sync_size == 1:
             return
-        with self._timed_sync(tensor.numel() * tensor.element_size()):
+        r = self.sync_size
+        nbytes = tensor.numel() * tensor.element_size()
+        with self._timed_sync(2 * (r - 1) * nbytes // r):
             dist.all_reduce(tensor, group=self.sync_group)
 
     def all_gather_sync(self, tensor: torch.Tensor) -> torch.Tensor:
@@ -162,7 +196,8 @@ class CommPath:
         # Flat output: gloo wants [R * n], not [R, n].
         out = torch.empty(self.sync_size * tensor.numel(), dtype=tensor.dtype,
                           device=tensor.device)
-        with self._timed_sync(tensor.numel() * tensor.element_size()):
+        nbytes = tensor.numel() * tensor.element_size()
+        with self._timed_sync((self.sync_size - 1) * nbytes):
             _all_gather_flat(out, tensor.reshape(-1).contiguous(), group=self.sync_group)
         return out.view(self.sync_size, *tensor.shape)
 
@@ -172,6 +207,7 @@ class CommPath:
             return
         t0 = time.perf_counter()
         dist.all_reduce(tensor, op=op, group=self.shard_group)
-        with self.stats._lock:
-            self.stats.shard_collectives += 1
-            self.stats.comm_time_s += time.perf_counter() - t0
+        elapsed = time.perf_counter() - t0
+        for stats in (self.stats, self._sink):
+            if stats is not None:
+                stats.add_shard(elapsed)

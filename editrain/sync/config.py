@@ -14,6 +14,8 @@ METHODS = ("sync", "post_local_sgd", "diloco", "edit", "aedit")
 REDUCERS = ("linear", "gta")
 CONSENSUS = ("sum", "count")
 SPARSIFICATION = ("magnitude", "random", "rescaled_random")
+MERGES = ("blend", "keep_local")
+COMM_DTYPES = ("fp32", "bf16", "int8", "int4")
 
 
 def _check(cond: bool, option: str, msg: str) -> None:
@@ -97,6 +99,25 @@ class SyncConfig:
     """A-EDiT: mix step-count weights (steps since the last sync) into the replica weights."""
     step_weight_ratio: float = 0.5
     """A-EDiT: share r of the step weights in (1 - r) * w + r * s, in [0, 1]."""
+    overlap_steps: int = 0
+    """Streaming: inner steps a fragment's reduction runs behind training before its outer
+    update is merged (tau; 0 = the sync of before, waited for in the next forward)."""
+    fragments: int = 1
+    """Streaming: number of fragments (units strided over depth) that sync at staggered
+    steps, H / fragments apart; 1 = every unit at once."""
+    merge: str = "blend"
+    """Streaming (overlap_steps > 0): "blend" (theta <- lerp(global, theta, merge_alpha)) or
+    "keep_local" (theta <- global + local progress since the launch)."""
+    merge_alpha: float = 0.0
+    """Streaming, merge = "blend": share of the local parameters kept, in [0, 1]."""
+    comm_dtype: str = "fp32"
+    """Pseudo-gradients on the wire: fp32 (all-reduce), bf16, int8 or int4 (per-128-value
+    scales, gathered and summed in fp32)."""
+    error_feedback: bool = True
+    """Quantised comm_dtype: add each round's quantisation residual to the next
+    pseudo-gradient."""
+    split_root: bool = True
+    """Trainer: shard embeddings and output head as units of their own (sync units too)."""
     gta: GTAConfig = field(default_factory=GTAConfig)
     """GTA reducer options."""
 
@@ -132,6 +153,32 @@ class SyncConfig:
         if self.outer_optim_kwargs is not None:
             _check(isinstance(self.outer_optim_kwargs, dict), "sync.outer_optim_kwargs",
                    "must be a table, e.g. {lr = 0.7, momentum = 0.9, nesterov = true}")
+        self._check_streaming()
+
+    def _check_streaming(self) -> None:
+        _check(isinstance(self.overlap_steps, int) and self.overlap_steps >= 0,
+               "sync.overlap_steps", f"must be an integer >= 0, got {self.overlap_steps!r}")
+        _check(isinstance(self.fragments, int) and self.fragments >= 1, "sync.fragments",
+               f"must be an integer >= 1, got {self.fragments!r}")
+        _check(self.merge in MERGES, "sync.merge",
+               f"unknown rule {self.merge!r}; allowed: {', '.join(MERGES)}")
+        _check(isinstance(self.merge_alpha, (int, float)) and 0.0 <= self.merge_alpha <= 1.0,
+               "sync.merge_alpha", f"must be in [0, 1], got {self.merge_alpha!r}")
+        _check(self.comm_dtype in COMM_DTYPES, "sync.comm_dtype",
+               f"unknown dtype {self.comm_dtype!r}; allowed: {', '.join(COMM_DTYPES)}")
+        streaming = self.overlap_steps > 0 or self.fragments > 1
+        if self.method == "sync":
+            _check(not streaming and self.comm_dtype == "fp32", "sync.method",
+                   "sync (HSDP) averages gradients every step: overlap_steps, fragments and "
+                   "comm_dtype apply to the local-SGD methods only")
+        if self.method == "aedit":
+            _check(not streaming, "sync.method",
+                   "aedit syncs on a wall-clock schedule: overlap_steps > 0 and fragments > 1 "
+                   "are not available for it yet (use edit or diloco)")
+        if self.comm_dtype != "fp32":
+            _check(self.gta.reducer in (None, "linear"), "sync.comm_dtype",
+                   f"{self.comm_dtype} needs the linear reducer (sync.gta.reducer = "
+                   f"{self.gta.reducer!r} sends fp32 only)")
 
     # ------------------------------------------------------------------ derived views
     @property
@@ -143,6 +190,12 @@ class SyncConfig:
     def is_local_sgd(self) -> bool:
         """Whether the run ever leaves synchronous training."""
         return self.method != "sync"
+
+    @property
+    def streaming(self) -> bool:
+        """Whether replicas may hold different models at every step boundary (delayed
+        outer updates or staggered fragments)."""
+        return self.overlap_steps > 0 or self.fragments > 1
 
     @property
     def penalty_enabled(self) -> bool:
@@ -165,4 +218,10 @@ class SyncConfig:
                 {"lr": 0.7, "momentum": 0.9, "nesterov": True}
                 if out.outer_optim_class == "sgd" else {}
             )
+        h = out.local_sgd_sync_interval
+        if out.is_local_sgd and h is not None and not out.use_async:
+            _check(out.overlap_steps < h, "sync.overlap_steps",
+                   f"must be < local_sgd_sync_interval ({h}), got {out.overlap_steps}")
+            _check(out.fragments <= h, "sync.fragments",
+                   f"must be <= local_sgd_sync_interval ({h}), got {out.fragments}")
         return out

@@ -21,15 +21,24 @@ and waits only for its own unit. The hooks are registered *after* ``fully_shard`
 the new global parameters. DiLoCo and Post-Local SGD run the very same jobs, all at once, at
 the step boundary.
 
+Streaming (``overlap_steps``, ``fragments``, ``comm_dtype``; formulas in
+``docs/streaming.md``): the units are split into fragments that take turns; a fragment's
+*round* either runs in the next forward as above (``overlap_steps = 0``) or is launched at a
+step boundary (parameters snapshotted, every job queued at once) and merged into the live
+parameters ``overlap_steps`` inner steps later, in the forward pre-hooks again. Quantised
+pseudo-gradients are gathered and summed in fp32, with error feedback.
+
 The engine owns all of its state: ``state_dict()`` / ``load_state_dict()`` give and take it
 as a DCP-ready tree whose layout lives in :mod:`editrain.sync.state`.
 """
 
 from __future__ import annotations
 
+import bisect
+import contextlib
 import math
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
@@ -41,13 +50,14 @@ from torch.autograd.profiler import record_function
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 
-from editrain.sync.comm import CommPath, LinkDelay
+from editrain.sync import quant
+from editrain.sync.comm import CommPath, CommStats, LinkDelay
 from editrain.sync.config import SyncConfig
 from editrain.sync.outer import SyncUnit, local_view, resolve_optimizer_class
 from editrain.sync.penalty import DetectorBank, clip_coefficient, compute_weights, finite_mask
 from editrain.sync.reducers import build_reducer
 from editrain.sync.state import StateLayout
-from editrain.sync.triggers import IntervalTrigger, SyncTrigger, TimeTrigger
+from editrain.sync.triggers import FragmentSchedule, IntervalTrigger, SyncTrigger, TimeTrigger
 from editrain.topology import SHARD_DIM, SYNC_DIM, topology_of
 
 BeforeSyncHook = Callable[[int], None]
@@ -56,21 +66,63 @@ BeforeSyncHook = Callable[[int], None]
 
 @dataclass
 class _Round:
-    """Book-keeping of one sync in flight."""
+    """Book-keeping of one sync (of one fragment's units) in flight."""
 
     index: int
     step_counts: torch.Tensor | None
+    units: list[int]
+    """The round's units, in forward order."""
+    fragment: int = 0
+    delayed: bool = False
+    """Launched at a step boundary and merged ``overlap_steps`` steps later."""
+    launch_step: int = 0
+    apply_at: int = 0
+    """Delayed rounds: the global step after which the merge is due."""
     submitted: list[Future] = field(default_factory=list)
     stats: Future | None = None
     waited: int = 0
+    """Positions of ``units`` waited for (and, if delayed, merged)."""
     wait_s: float = 0.0
     started: float = field(default_factory=time.perf_counter)
+    comm: CommStats = field(default_factory=CommStats)
+    work_s: float = 0.0
+    """Wall time of the round's jobs on the communication thread."""
     # Filled by the statistics job (identical on every rank).
     norms: torch.Tensor | None = None
     weights: torch.Tensor | None = None
     outlier: torch.Tensor | None = None
     z: torch.Tensor | None = None
     clip: list[float] = field(default_factory=list)
+
+    def position(self, u: int) -> int:
+        """Number of the round's units with index ``<= u``."""
+        return bisect.bisect_right(self.units, u)
+
+
+def unit_modules(model: nn.Module, blocks: Sequence[nn.Module]) -> list[tuple[str, nn.Module]]:
+    """The modules that are sync units besides the root, in ``model.modules()`` order:
+    every block, and every FSDP2 unit outside the blocks that contains no block (e.g. the
+    embeddings and output head sharded on their own; see ``docs/streaming.md``)."""
+    in_blocks = {id(m) for b in blocks for m in b.modules()}
+    block_ids = {id(b): i for i, b in enumerate(blocks)}
+    extra: list[nn.Module] = []
+    for m in model.modules():
+        if m is model or id(m) in in_blocks or not isinstance(m, FSDPModule):
+            continue
+        if any(id(x) in block_ids for x in m.modules()):
+            continue  # a container of blocks (e.g. an inner model) is not a unit
+        if any(m in set(e.modules()) for e in extra):
+            continue  # nested inside another unit
+        extra.append(m)
+    names = {id(m): n for n, m in model.named_modules()}
+    chosen = {id(m) for m in extra} | set(block_ids)
+    out = []
+    for m in model.modules():
+        if id(m) in block_ids:
+            out.append((f"block{block_ids[id(m)]}", m))
+        elif id(m) in chosen:
+            out.append((names[id(m)], m))
+    return out
 
 
 def find_root_params(model: nn.Module, blocks: Sequence[nn.Module]) -> list[nn.Parameter]:
@@ -129,15 +181,31 @@ class SyncEngine:
         if not blocks:
             raise ValueError("the sync engine needs at least one block (sync unit) in `blocks`")
 
-        # Units in forward order: the root first (its all-gather happens first).
+        # Units in forward order: the root first (its all-gather happens first), then every
+        # block and every other separately sharded module (embeddings, output head).
         outer_cls = resolve_optimizer_class(cfg.outer_optim_class)
-        unit_params = [find_root_params(model, blocks)] + [list(b.parameters()) for b in blocks]
-        names = ["root"] + [f"block{i}" for i in range(len(blocks))]
+        modules = unit_modules(model, blocks)
+        root = find_root_params(model, [m for _, m in modules])
+        # The root is a unit when it holds parameters (with split_root it may hold none).
+        entries = ([("root", root)] if root else []) + [(n, list(m.parameters()))
+                                                         for n, m in modules]
+        self._first_module_unit = 1 if root else 0
+        feedback = cfg.comm_dtype != "fp32" and cfg.error_feedback
         self.units = [
-            SyncUnit(i, n, ps, outer_cls, cfg.outer_optim_kwargs or {}, cfg.cpu_offload)
-            for i, (n, ps) in enumerate(zip(names, unit_params))
+            SyncUnit(i, n, ps, outer_cls, cfg.outer_optim_kwargs or {}, cfg.cpu_offload,
+                     error_feedback=feedback)
+            for i, (n, ps) in enumerate(entries)
         ]
-        self.device = self.units[0].device
+        names = [n for n, _ in entries]
+        self.device = next((u.device for u in self.units if u.params), self.units[0].device)
+        if cfg.fragments > len(self.units):
+            raise ValueError(f"sync.fragments: must be <= the number of sync units "
+                             f"({len(self.units)}: {', '.join(names)}), got {cfg.fragments}")
+        self.fragments = [list(range(f, len(self.units), cfg.fragments))
+                          for f in range(cfg.fragments)]
+        """Fragment ``f``'s units: every ``P``-th unit from ``f`` (strided over depth)."""
+        self.schedule = (FragmentSchedule(cfg.local_sgd_sync_interval, cfg.fragments)
+                         if cfg.streaming else None)
         self._layout = StateLayout(self.units, model, self.rank,
                                    (self.topo.num_replicas, self.topo.shard_size))
 
@@ -185,15 +253,25 @@ class SyncEngine:
         It must answer identically on every rank of a replica."""
         self._pending_counts: torch.Tensor | None = None
         self._pending = False
+        self._pending_fragment = 0
         self._clock_start = time.perf_counter()
         self._round: _Round | None = None
+        """The round whose units the current forward waits for (or that runs blocking)."""
+        self._inflight: list[_Round] = []
+        """Delayed rounds launched and not yet merged, in launch order."""
+        self._merge_next: _Round | None = None
+        """A delayed round due: merged unit by unit in the next training forward."""
+        self._next_index = 0
+        self._starting: list[int] | None = None
         self._sync_log: list[dict[str, Any]] = []
         self._rendezvous_wait_s = 0.0
+        self._rendezvous_comm = CommStats()
+        """A-EDiT: traffic of the rendezvous, counted with the sync that follows it."""
 
         self._handles = [model.register_forward_pre_hook(self._root_pre_hook, prepend=True)]
-        for u, block in enumerate(blocks, start=1):
+        for u, (_, module) in enumerate(modules, start=self._first_module_unit):
             self._handles.append(
-                block.register_forward_pre_hook(self._make_block_hook(u), prepend=True)
+                module.register_forward_pre_hook(self._make_block_hook(u), prepend=True)
             )
         _reshard(model)  # anchors must be taken from the shards, not a gathered copy
         if cfg.is_local_sgd and cfg.local_sgd_warmup_steps == 0:
@@ -238,6 +316,9 @@ class SyncEngine:
                 self._create_anchors()
             return
         self.steps_since_sync += 1
+        if self.schedule is not None:
+            self._streaming_step()
+            return
         needs_clock = getattr(self.trigger, "needs_clock", False) or self.extra_due is not None
         elapsed = self._agreed_elapsed() if needs_clock else 0.0
         due = self.trigger.due(self.replica, self.steps_since_sync, elapsed)
@@ -253,26 +334,76 @@ class SyncEngine:
         else:
             self._run_blocking(counts)
 
+    def _streaming_step(self) -> None:
+        """Merge the delayed round that is due, then launch the fragments due now."""
+        cfg = self.config
+        assert self.schedule is not None
+        if self._inflight and self._inflight[0].apply_at == self.global_step:
+            rnd = self._inflight.pop(0)
+            if cfg.layerwise:
+                self._merge_next = rnd
+            else:
+                self._round = rnd
+                self._drain_round()
+        for f in self.schedule.launches(self.global_step - cfg.local_sgd_warmup_steps):
+            if cfg.overlap_steps > 0:
+                self._launch(f)
+            elif cfg.layerwise:
+                self._pending, self._pending_fragment = True, f
+            else:
+                self._run_blocking(None, self.fragments[f])
+
+    def _launch(self, fragment: int) -> None:
+        """Start a delayed round: snapshot the fragment's parameters, queue all its jobs."""
+        units = self.fragments[fragment]
+        self._call_before_sync(units)
+        for u in units:
+            self.units[u].launch = self.units[u].flat_params()
+        rnd = self._new_round(None, units, fragment)
+        rnd.delayed = True
+        rnd.apply_at = self.global_step + self.config.overlap_steps
+        rnd.submitted = [self.comm.submit(self._unit_job, rnd, i, stats=rnd.comm)
+                         for i in range(len(units))]
+        self._inflight.append(rnd)
+
     def finish(self, force: bool = False) -> None:
-        """Run a sync that is armed but not yet started (call before evaluating the global
-        model). With ``force``, also sync replicas that trained since the last sync although
-        no sync is due (the end of training), so that every replica holds the global model.
+        """Run a sync that is armed but not yet started, and merge a delayed round that is
+        due (call before evaluating or saving: the same arithmetic as in the next forward).
+        With ``force``, also sync replicas that trained since the last sync although no
+        sync is due (the end of training), so that every replica holds the global model:
+        with streaming, rounds in flight are merged at once and every unit syncs once more.
         Every rank must call it at the same point."""
         self._drain_round()
-        if self._pending:
-            self._run_blocking(self._pending_counts)
-        elif force and self.config.is_local_sgd and not self.in_warmup:
-            # A-EDiT replicas may differ in steps_since_sync: they all rendezvous to decide.
-            counts = self._rendezvous(allow_skip=False) if self.config.use_async else None
-            if (counts is None and not self.steps_since_sync) or (
-                    counts is not None and float(counts.sum()) == 0):
-                return
-            self.num_syncs_forced += 1
-            self._run_blocking(counts)
+        if self._merge_next is not None:
+            self._round, self._merge_next = self._merge_next, None
+            self._drain_round()
+        was_pending = self._pending
+        if was_pending:
+            self._run_blocking(self._pending_counts, self.fragments[self._pending_fragment])
+        if not force or not self.config.is_local_sgd or self.in_warmup:
+            return
+        if self.schedule is not None:
+            while self._inflight:
+                self._round = self._inflight.pop(0)
+                self._drain_round()
+            if self.global_step > self.config.local_sgd_warmup_steps:
+                self.num_syncs_forced += 1
+                self._run_blocking(None, list(range(len(self.units))))
+            return
+        if was_pending:
+            return
+        # A-EDiT replicas may differ in steps_since_sync: they all rendezvous to decide.
+        counts = self._rendezvous(allow_skip=False) if self.config.use_async else None
+        if (counts is None and not self.steps_since_sync) or (
+                counts is not None and float(counts.sum()) == 0):
+            return
+        self.num_syncs_forced += 1
+        self._run_blocking(counts)
 
     def close(self) -> None:
         """Remove every hook and stop the communication thread."""
         self._drain_round()
+        self._wait_inflight()
         for h in self._handles:
             h.remove()
         self._handles.clear()
@@ -285,8 +416,13 @@ class SyncEngine:
 
     @property
     def sync_pending(self) -> bool:
-        """Whether the next training forward will run a layer-wise sync."""
-        return self._pending
+        """Whether the next training forward will run a layer-wise sync (or merge one)."""
+        return self._pending or self._merge_next is not None
+
+    @property
+    def rounds_in_flight(self) -> int:
+        """Delayed rounds launched and not yet merged."""
+        return len(self._inflight) + (self._merge_next is not None)
 
     def pop_sync_log(self) -> list[dict[str, Any]]:
         """Metrics of the syncs finished since the last call (one dict per sync)."""
@@ -297,29 +433,59 @@ class SyncEngine:
     def scale_pseudo_gradients(self, factor: float) -> None:
         """Fault injection: multiply this rank's pseudo-gradients by ``factor`` (the local
         model becomes ``anchor - factor * (anchor - theta)``), e.g. from a ``before_sync``
-        callback, to show what the penalty does with a corrupted replica."""
-        for unit in self.units:
+        callback (then only the units of the sync that starts), to show what the penalty
+        does with a corrupted replica."""
+        units = self._starting if self._starting is not None else range(len(self.units))
+        for u in units:
+            unit = self.units[u]
             if unit.anchor is not None:
                 unit.load_flat(unit.anchor.to(unit.device) - factor * unit.pseudo_grad())
 
     def extra_memory(self) -> dict[str, int]:
-        """Bytes of anchors + outer state on this rank, by device type."""
+        """Bytes of anchors + outer state (+ error feedback) on this rank, by device type."""
         total: dict[str, int] = {}
         for unit in self.units:
             for k, v in unit.extra_bytes().items():
                 total[k] = total.get(k, 0) + v
         return total
 
+    @contextlib.contextmanager
+    def global_model(self) -> Iterator[None]:
+        """Inside the block the live parameters are the anchors (the global model as of the
+        latest reductions; reductions in flight are waited for, not merged); afterwards
+        they are exactly what they were. For evaluating a streaming run, whose replicas
+        never hold the same model between syncs. Every rank must enter it."""
+        self._drain_round()
+        self._wait_inflight()
+        _reshard(self.model)
+        saved = [u.flat_params() if u.anchor is not None else None for u in self.units]
+        try:
+            with torch.no_grad():
+                for unit in self.units:
+                    if unit.anchor is not None:
+                        unit.write_back()
+            yield
+        finally:
+            _reshard(self.model)
+            with torch.no_grad():
+                for unit, flat in zip(self.units, saved):
+                    if flat is not None:
+                        unit.load_flat(flat)
+
     # ================================================================== hooks
     def _root_pre_hook(self, module: nn.Module, args: Any) -> None:
-        if not self._pending or not module.training:
+        if not module.training or not self.sync_pending:
             return
-        self._pending = False
         # FSDP2 keeps the root unit gathered after a forward without backward (evaluation);
         # reshard so the next all-gather reads the synced shards, not a stale full copy.
         _reshard(module)
-        self._start_round(self._pending_counts)
-        self._advance(0)
+        if self._pending:
+            self._pending = False
+            self._start_round(self._pending_counts, self.fragments[self._pending_fragment],
+                              self._pending_fragment)
+        else:
+            self._round, self._merge_next = self._merge_next, None
+        self._advance(self._first_module_unit - 1)  # the root unit (-1: there is none)
 
     def _make_block_hook(self, u: int) -> Callable[[nn.Module, Any], None]:
         def hook(module: nn.Module, args: Any) -> None:
@@ -328,41 +494,72 @@ class SyncEngine:
         return hook
 
     # ================================================================== rounds
-    def _start_round(self, step_counts: torch.Tensor | None) -> None:
+    def _call_before_sync(self, units: list[int]) -> None:
         if self.before_sync is not None:
-            self.before_sync(self.num_syncs)
-        rnd = _Round(index=self.num_syncs, step_counts=step_counts)
-        self._round = rnd
+            self._starting = units
+            try:
+                self.before_sync(self._next_index)
+            finally:
+                self._starting = None
+
+    def _new_round(self, step_counts: torch.Tensor | None, units: list[int],
+                   fragment: int) -> _Round:
+        rnd = _Round(index=self._next_index, step_counts=step_counts, units=list(units),
+                     fragment=fragment, launch_step=self.global_step,
+                     comm=self._rendezvous_comm)
+        self._rendezvous_comm = CommStats()
+        self._next_index += 1
         if self.config.penalty_enabled or step_counts is not None:
-            rnd.stats = self.comm.submit(self._stats_job, rnd)
+            rnd.stats = self.comm.submit(self._stats_job, rnd, stats=rnd.comm)
+        return rnd
+
+    def _start_round(self, step_counts: torch.Tensor | None, units: list[int],
+                     fragment: int = 0) -> None:
+        self._call_before_sync(units)
+        self._round = self._new_round(step_counts, units, fragment)
 
     def _advance(self, u: int) -> None:
-        """Queue units up to ``u + prefetch_depth``, then wait for unit ``u``."""
+        """Queue the round's units up to ``prefetch_depth`` past unit ``u``, then wait for
+        (and, if delayed, merge) every unit of the round up to ``u``."""
         rnd = self._round
         assert rnd is not None
-        last = min(len(self.units) - 1, u + self.config.prefetch_depth)
-        while len(rnd.submitted) <= last:
-            rnd.submitted.append(self.comm.submit(self._unit_job, rnd, len(rnd.submitted)))
-        t0 = time.perf_counter()
-        with record_function("editrain::sync::wait"):
-            while rnd.waited <= u:
+        upto = rnd.position(u)
+        last = min(len(rnd.units), upto + self.config.prefetch_depth)
+        while len(rnd.submitted) < last:
+            rnd.submitted.append(
+                self.comm.submit(self._unit_job, rnd, len(rnd.submitted), stats=rnd.comm))
+        while rnd.waited < upto:
+            t0 = time.perf_counter()
+            with record_function("editrain::sync::wait"):
                 rnd.submitted[rnd.waited].result()  # re-raises a failed job's exception
-                rnd.waited += 1
-        waited = time.perf_counter() - t0
-        rnd.wait_s += waited
-        self.total_wait_s += waited
-        if rnd.waited == len(self.units):
+            waited = time.perf_counter() - t0
+            rnd.wait_s += waited
+            self.total_wait_s += waited
+            if rnd.delayed:
+                self.units[rnd.units[rnd.waited]].merge(self.config.merge,
+                                                        self.config.merge_alpha)
+            rnd.waited += 1
+        if rnd.waited == len(rnd.units):
             self._end_round()
 
     def _drain_round(self) -> None:
         if self._round is not None:
             self._advance(len(self.units) - 1)
 
-    def _run_blocking(self, step_counts: torch.Tensor | None) -> None:
+    def _wait_inflight(self) -> None:
+        """Wait for the jobs of every delayed round (no merge: that stays on schedule)."""
+        for rnd in self._inflight + ([self._merge_next] if self._merge_next else []):
+            for fut in [rnd.stats, *rnd.submitted]:
+                if fut is not None:
+                    fut.result()
+
+    def _run_blocking(self, step_counts: torch.Tensor | None,
+                      units: list[int] | None = None) -> None:
         self._pending = False
         _reshard(self.model)
-        self._start_round(step_counts)
-        self._advance(len(self.units) - 1)
+        self._start_round(step_counts, list(range(len(self.units))) if units is None else units,
+                          self._pending_fragment)
+        self._drain_round()
 
     def _end_round(self) -> None:
         rnd = self._round
@@ -376,18 +573,25 @@ class SyncEngine:
         self.steps_since_sync = 0
         self._pending_counts = None
         self._clock_start = time.perf_counter()
-        stats = self.comm.stats.snapshot()
-        self.comm.stats.reset()
+        self._sync_log.append(self._log_entry(rnd))
+
+    def _log_entry(self, rnd: _Round) -> dict[str, Any]:
+        stats = rnd.comm.snapshot()
         entry: dict[str, Any] = {
             "sync": rnd.index,
             "step": self.global_step,
-            "units": len(self.units),
+            "units": len(rnd.units),
             "wait_s": rnd.wait_s,
             "sync_time_s": time.perf_counter() - rnd.started,
             "rendezvous_wait_s": self._rendezvous_wait_s,
             **stats,
+            "work_s": rnd.work_s,
+            "hidden": (max(0.0, 1.0 - rnd.wait_s / rnd.work_s) if rnd.work_s > 0 else None),
         }
         self._rendezvous_wait_s = 0.0
+        if self.schedule is not None:
+            entry["fragment"] = rnd.fragment
+            entry["launch_step"] = rnd.launch_step
         if rnd.step_counts is not None:
             entry["replica_steps"] = rnd.step_counts.tolist()
         if rnd.norms is not None:
@@ -400,7 +604,7 @@ class SyncEngine:
             entry["z"] = [[None if math.isnan(v) else v for v in row] for row in rnd.z.tolist()]
         if rnd.clip:
             entry["clip"] = rnd.clip
-        self._sync_log.append(entry)
+        return entry
 
     # ================================================================== jobs (comm thread)
     def _grad_allreduce_job(self) -> None:
@@ -420,20 +624,26 @@ class SyncEngine:
                 g.copy_(flat[offset:offset + g.numel()].view_as(g))
                 offset += g.numel()
 
+    def _pseudo_grad(self, rnd: _Round, u: int) -> torch.Tensor:
+        unit = self.units[u]
+        return unit.pseudo_grad(unit.launch if rnd.delayed else None)
+
     @torch.no_grad()
     def _stats_job(self, rnd: _Round) -> None:
-        """Batched statistics: one shard all-reduce, one sync all-gather, for all units."""
+        """Batched statistics of the round's units: one shard all-reduce, one sync
+        all-gather."""
+        t0 = time.perf_counter()
         cfg = self.config
         with record_function("editrain::sync::stats"):
             sq = torch.stack([
-                u.pseudo_grad().double().square().sum() if u.numel else
+                self._pseudo_grad(rnd, u).double().square().sum() if self.units[u].numel else
                 torch.zeros((), dtype=torch.float64, device=self.device)
-                for u in self.units
+                for u in rnd.units
             ])
             self.comm.all_reduce_shard(sq)
-            norms = self.comm.all_gather_sync(sq).sqrt().cpu()  # [R, L]
+            norms = self.comm.all_gather_sync(sq).sqrt().cpu()  # [R, units of the round]
         if self.detectors is not None:
-            included, outlier, z = self.detectors.observe(norms)
+            included, outlier, z = self.detectors.observe(norms, rnd.units)
             rnd.outlier, rnd.z = outlier, z
         else:
             included = finite_mask(norms)
@@ -445,10 +655,19 @@ class SyncEngine:
             step_counts=rnd.step_counts if cfg.use_step_weight else None,
             step_weight_ratio=cfg.step_weight_ratio,
         )
+        rnd.work_s += time.perf_counter() - t0
 
     @torch.no_grad()
-    def _unit_job(self, rnd: _Round, u: int) -> None:
-        """Steps 1, 6-9 of the sync of one unit on this rank."""
+    def _unit_job(self, rnd: _Round, i: int) -> None:
+        """Steps 1, 6-9 of the sync of the round's ``i``-th unit on this rank."""
+        t0 = time.perf_counter()
+        try:
+            self._sync_unit(rnd, i)
+        finally:
+            rnd.work_s += time.perf_counter() - t0
+
+    def _sync_unit(self, rnd: _Round, i: int) -> None:
+        u = rnd.units[i]
         unit = self.units[u]
         if unit.anchor is None:
             raise RuntimeError("sync before anchors exist (warm-up not finished)")
@@ -456,23 +675,33 @@ class SyncEngine:
             if rnd.stats is not None:
                 rnd.stats.result()
             if rnd.weights is not None:
-                column = rnd.weights[:, u]
+                column = rnd.weights[:, i]
                 weight = float(column[self.replica])
                 if float(column.sum()) == 0.0:
-                    # Nobody is trustworthy for this unit: keep the anchor, drop local progress.
-                    unit.write_back()
+                    # Nobody is trustworthy for this unit: keep the anchor, drop local
+                    # progress (a delayed round merges it as usual).
+                    if not rnd.delayed:
+                        unit.write_back()
                     rnd.clip.append(float("nan"))
                     return
+                weights = column.tolist()
             else:
                 weight = 1.0 / self.num_replicas
-            delta = unit.pseudo_grad()
+                weights = [weight] * self.num_replicas
+            delta = self._pseudo_grad(rnd, u)
+            if rnd.delayed and self.config.merge != "keep_local":
+                unit.launch = None  # only keep_local needs the snapshot at the merge
             if weight == 0.0:
                 delta.zero_()  # an excluded replica sends zeros (even if its delta is NaN)
-            gen = None
-            if self.config.gta.sparsification_method in ("random", "rescaled_random"):
-                gen = torch.Generator(device=delta.device)
-                gen.manual_seed(_mix(self.seed, rnd.index, u, self.rank))
-            reduced = self.reducer.reduce(delta, weight, self.comm.all_reduce_sync, generator=gen)
+            if self.config.comm_dtype == "fp32":
+                gen = None
+                if self.config.gta.sparsification_method in ("random", "rescaled_random"):
+                    gen = torch.Generator(device=delta.device)
+                    gen.manual_seed(_mix(self.seed, rnd.index, u, self.rank))
+                reduced = self.reducer.reduce(delta, weight, self.comm.all_reduce_sync,
+                                              generator=gen)
+            else:
+                reduced = self._quantised_reduce(unit, delta, weight, weights)
             if self.config.clip_pseudo_grad:
                 sq = reduced.double().square().sum().reshape(1)
                 self.comm.all_reduce_shard(sq)
@@ -481,7 +710,26 @@ class SyncEngine:
                     reduced.mul_(coef)
                 rnd.clip.append(coef)
             unit.outer_step(reduced)
-            unit.write_back()
+            if not rnd.delayed:
+                unit.write_back()
+
+    def _quantised_reduce(self, unit: SyncUnit, delta: torch.Tensor, weight: float,
+                          weights: list[float]) -> torch.Tensor:
+        """Gather every replica's quantised ``delta (+ error feedback)``, sum the decoded
+        values weighted, in fp32, in replica order (``docs/streaming.md`` section 4)."""
+        dtype = self.config.comm_dtype
+        if weight == 0.0:
+            message, _ = quant.encode(delta, dtype)  # delta was zeroed: Q(0)
+        else:
+            x = delta if unit.error is None else delta + unit.error.to(delta.device)
+            message, decoded = quant.encode(x, dtype)
+            if unit.error is not None:
+                unit.error.copy_((x - decoded).to(unit.error.device))
+        gathered = self.comm.all_gather_sync(message)
+        out = torch.zeros_like(delta)
+        for r, w in enumerate(weights):
+            out.add_(quant.decode(gathered[r], delta.numel(), dtype).mul_(w))
+        return out
 
     # ================================================================== helpers
     def _create_anchors(self) -> None:
@@ -504,7 +752,8 @@ class SyncEngine:
         """A-EDiT: gather every replica's steps since the last sync; None when skipped."""
         t0 = time.perf_counter()
         mine = torch.tensor([self.steps_since_sync], dtype=torch.float64, device=self.device)
-        counts = self.comm.run(self.comm.all_gather_sync, mine).reshape(-1).cpu()
+        counts = self.comm.submit(self.comm.all_gather_sync, mine,
+                                  stats=self._rendezvous_comm).result().reshape(-1).cpu()
         self._rendezvous_wait_s += time.perf_counter() - t0
         if allow_skip and float(counts.sum()) < self.config.min_total_global_steps:
             self.num_skipped_syncs += 1
@@ -527,9 +776,11 @@ class SyncEngine:
         plain data under a per-rank key (see :mod:`editrain.sync.state`). Every rank calls
         it; an unfinished sync is completed first (the same jobs it would run anyway). Like
         ``nn.Module.state_dict()``, the per-element tensors are views of the live state:
-        save them before training on.
+        save them before training on. Delayed rounds in flight are waited for (not merged:
+        that stays on schedule) and saved with the launch snapshots they still need.
         """
         self._drain_round()
+        self._wait_inflight()
         return self._layout.pack([u.state_dict() for u in self.units], self._plain_state())
 
     def state_dict_template(self, saved: Mapping[str, torch.Tensor]) -> dict[str, Any]:
@@ -580,7 +831,11 @@ class SyncEngine:
             "num_syncs": self.num_syncs,
             "num_skipped_syncs": self.num_skipped_syncs,
             "num_syncs_forced": self.num_syncs_forced,
+            "next_index": self._next_index,
+            "inflight": [_round_state(r) for r in self._inflight],
+            "merge_next": None if self._merge_next is None else _round_state(self._merge_next),
             "pending": self._pending,
+            "pending_fragment": self._pending_fragment,
             "pending_counts": None if self._pending_counts is None
             else self._pending_counts.tolist(),
             "elapsed_s": time.perf_counter() - self._clock_start,
@@ -595,6 +850,8 @@ class SyncEngine:
         self.num_syncs = int(sd["num_syncs"])
         self.num_skipped_syncs = int(sd["num_skipped_syncs"])
         self.num_syncs_forced = int(sd["num_syncs_forced"])
+        self._next_index = int(sd.get("next_index", self.num_syncs))
+        self._inflight, self._merge_next = [], None
         self.synced_replica_steps = float(sd["synced_replica_steps"])
         self.seed = int(sd["rng"]["seed"])
         if elastic:
@@ -604,12 +861,19 @@ class SyncEngine:
             self.global_step = (int(round(self.synced_replica_steps / old_replicas))
                                 if self.config.use_async else int(sd["global_step"]))
             self.steps_since_sync, self._pending, self._pending_counts = 0, False, None
+            self._next_index = self.num_syncs  # rounds in flight are dropped
+            for unit in self.units:
+                unit.launch = None
             self._clock_start = time.perf_counter()
             self.last_window_counts, self.last_window_s = None, 0.0
         else:
             self.global_step = int(sd["global_step"])
             self.steps_since_sync = int(sd["steps_since_sync"])
             self._pending = bool(sd["pending"])
+            self._pending_fragment = int(sd.get("pending_fragment", 0))
+            self._inflight = [_round_from_state(r) for r in sd.get("inflight", [])]
+            if sd.get("merge_next") is not None:
+                self._merge_next = _round_from_state(sd["merge_next"])
             counts = sd["pending_counts"]
             self._pending_counts = (None if counts is None
                                     else torch.tensor(counts, dtype=torch.float64))
@@ -622,6 +886,43 @@ class SyncEngine:
 
 EDiT = SyncEngine
 """The engine's original name (the paper's method), kept for existing code: the same class."""
+
+
+def _round_state(rnd: _Round) -> dict[str, Any]:
+    """A delayed round whose jobs are done, as plain data (its merge is still to come)."""
+    return {
+        "index": rnd.index, "fragment": rnd.fragment, "units": rnd.units,
+        "launch_step": rnd.launch_step, "apply_at": rnd.apply_at,
+        "wait_s": rnd.wait_s, "work_s": rnd.work_s, "comm": rnd.comm.snapshot(),
+        "norms": None if rnd.norms is None else rnd.norms.tolist(),
+        "weights": None if rnd.weights is None else rnd.weights.tolist(),
+        "outlier": None if rnd.outlier is None else rnd.outlier.tolist(),
+        "z": None if rnd.z is None else [[None if math.isnan(v) else v for v in row]
+                                         for row in rnd.z.tolist()],
+        "clip": rnd.clip,
+    }
+
+
+def _round_from_state(sd: dict[str, Any]) -> _Round:
+    """Inverse of :func:`_round_state`: a delayed round with completed jobs."""
+    rnd = _Round(index=int(sd["index"]), step_counts=None, units=list(sd["units"]),
+                 fragment=int(sd["fragment"]), delayed=True,
+                 launch_step=int(sd["launch_step"]), apply_at=int(sd["apply_at"]),
+                 wait_s=float(sd["wait_s"]), work_s=float(sd["work_s"]), clip=list(sd["clip"]))
+    for key, value in sd["comm"].items():
+        setattr(rnd.comm, key, value)
+    for key, dtype in (("norms", torch.float64), ("weights", torch.float64),
+                       ("outlier", torch.bool)):
+        if sd[key] is not None:
+            setattr(rnd, key, torch.tensor(sd[key], dtype=dtype))
+    if sd["z"] is not None:
+        rnd.z = torch.tensor([[math.nan if v is None else v for v in row] for row in sd["z"]],
+                             dtype=torch.float64)
+    for _ in rnd.units:
+        done: Future = Future()
+        done.set_result(None)
+        rnd.submitted.append(done)
+    return rnd
 
 
 def _reshard(module: nn.Module) -> None:
@@ -651,4 +952,4 @@ def _mix(*values: int) -> int:
     return h & 0x7FFFFFFFFFFFFFFF
 
 
-__all__ = ["EDiT", "SHARD_DIM", "SyncEngine", "find_root_params"]
+__all__ = ["EDiT", "SHARD_DIM", "SyncEngine", "find_root_params", "unit_modules"]

@@ -68,6 +68,7 @@ class SyncUnit:
         outer_cls: outer optimizer class, or None for plain averaging (``A <- A - delta``).
         outer_kwargs: its keyword arguments.
         cpu_offload: keep the anchor and outer state in CPU memory.
+        error_feedback: keep an error-feedback buffer (quantised pseudo-gradients).
     """
 
     def __init__(
@@ -78,6 +79,7 @@ class SyncUnit:
         outer_cls: type | None,
         outer_kwargs: dict[str, Any],
         cpu_offload: bool,
+        error_feedback: bool = False,
     ) -> None:
         self.index = index
         self.name = name
@@ -87,8 +89,13 @@ class SyncUnit:
         self.cpu_offload = cpu_offload
         self.numels = [local_view(p).numel() for p in self.params]
         self.numel = sum(self.numels)
+        self.error_feedback = error_feedback
         self.anchor: torch.Tensor | None = None
         self.outer: torch.optim.Optimizer | None = None
+        self.error: torch.Tensor | None = None
+        """This replica's quantisation residual, added to the next pseudo-gradient."""
+        self.launch: torch.Tensor | None = None
+        """The live parameters when this unit's delayed sync was launched (until merged)."""
 
     # ------------------------------------------------------------------ state
     @property
@@ -111,12 +118,39 @@ class SyncUnit:
                 flat = flat.pin_memory()  # faster host<->device copies at each sync
         self.anchor = flat
         self.outer = self.outer_cls([self.anchor], **self.outer_kwargs) if self.outer_cls else None
+        self.error = torch.zeros_like(flat) if self.error_feedback else None
+        self.launch = None
 
-    def pseudo_grad(self) -> torch.Tensor:
-        """``delta = A - theta`` on the parameters' device (fp32, flat)."""
+    def pseudo_grad(self, theta: torch.Tensor | None = None) -> torch.Tensor:
+        """``delta = A - theta`` on the parameters' device (fp32, flat).
+
+        Args:
+            theta: flat parameters to use instead of the live ones (a snapshot).
+        """
         assert self.anchor is not None, "pseudo_grad() before create_anchor()"
-        theta = self.flat_params()
+        if theta is None:
+            theta = self.flat_params()
         return self.anchor.to(theta.device, non_blocking=True) - theta
+
+    @torch.no_grad()
+    def merge(self, rule: str, alpha: float) -> None:
+        """Merge the (new) anchor into the live parameters after a delayed sync.
+
+        Args:
+            rule: "blend" (``theta <- lerp(A, theta, alpha)``) or "keep_local"
+                (``theta <- A + (theta - theta_at_launch)``).
+            alpha: the blend's share of the live parameters.
+        """
+        assert self.anchor is not None
+        anchor = self.anchor.to(self.device, non_blocking=True)
+        if rule == "keep_local":
+            assert self.launch is not None, "keep_local merge without a launch snapshot"
+            self.load_flat(self.flat_params().sub_(self.launch).add_(anchor))
+        elif alpha == 0.0:
+            self.load_flat(anchor)
+        else:
+            self.load_flat(torch.lerp(anchor, self.flat_params(), alpha))
+        self.launch = None
 
     @torch.no_grad()
     def outer_step(self, reduced: torch.Tensor) -> None:
@@ -147,9 +181,10 @@ class SyncUnit:
             offset += n
 
     def extra_bytes(self) -> dict[str, int]:
-        """Bytes held by the anchor and outer state, split by device type."""
+        """Bytes held by the anchor, outer state, error feedback and launch snapshot, split
+        by device type."""
         out: dict[str, int] = {}
-        tensors: list[torch.Tensor] = [] if self.anchor is None else [self.anchor]
+        tensors = [t for t in (self.anchor, self.error, self.launch) if t is not None]
         if self.outer is not None:
             for state in self.outer.state.values():
                 tensors += [v for v in state.values() if torch.is_tensor(v) and v.dim() > 0]
@@ -171,10 +206,11 @@ class SyncUnit:
         if self.outer is not None:
             for key, value in self.outer.state.get(self.anchor, {}).items():
                 out[f"outer.{key}"] = value
-        # Error-feedback buffers (a later issue) go here as one more per-element entry,
-        # e.g. "error_feedback": editrain.sync.state lays out every 1-D entry like the
-        # parameters, so checkpoints and elastic resumes carry it with no other change
-        # (load_state_dict must then accept the entry).
+        # This replica's own entries (every other entry is identical on all replicas).
+        if self.error is not None:
+            out["replica.error_feedback"] = self.error
+        if self.launch is not None:
+            out["replica.launch"] = self.launch
         return out
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
@@ -190,7 +226,8 @@ class SyncUnit:
         if not sd:
             self.anchor, self.outer = None, None
             return
-        unknown = [k for k in sd if k != "anchor" and not k.startswith("outer.")]
+        known = ("anchor", "replica.error_feedback", "replica.launch")
+        unknown = [k for k in sd if k not in known and not k.startswith("outer.")]
         if unknown:
             raise ValueError(f"unit {self.name}: unknown state entries {unknown}")
         if "anchor" not in sd:
@@ -204,6 +241,10 @@ class SyncUnit:
         self.create_anchor()
         assert self.anchor is not None
         self.anchor.copy_(anchor.reshape(-1))
+        if self.error is not None and "replica.error_feedback" in sd:
+            self.error.copy_(sd["replica.error_feedback"].reshape(-1))
+        if "replica.launch" in sd:
+            self.launch = sd["replica.launch"].reshape(-1).to(self.device).float().clone()
         outer = {k[len("outer."):]: v for k, v in sd.items() if k.startswith("outer.")}
         if not outer:
             return

@@ -279,7 +279,8 @@ class DetectorBank:
         """
         return self._detectors[unit][replica]
 
-    def observe(self, norms: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    def observe(self, norms: Tensor, units: list[int] | None = None
+                ) -> tuple[Tensor, Tensor, Tensor]:
         """Judge and learn one sync's norms.
 
         Non-finite norms are excluded and never fed to their detector (also
@@ -289,6 +290,8 @@ class DetectorBank:
         Args:
             norms: ``[R, L]`` pseudo-gradient norms (replicas x units), float32
                 or float64, on any device.
+            units: the units the ``L`` columns belong to (a fragment's sync); None: all
+                units, in order.
 
         Returns:
             ``(included, outlier, z)``, each ``[R, L]`` on the CPU:
@@ -297,13 +300,14 @@ class DetectorBank:
             those were not judged (they are still excluded); ``z`` (float64)
             is the z-score before the update, NaN for non-finite norms.
         """
-        if norms.dim() != 2 or tuple(norms.shape) != (self.num_replicas, self.num_units):
+        units = list(range(self.num_units)) if units is None else list(units)
+        if norms.dim() != 2 or tuple(norms.shape) != (self.num_replicas, len(units)):
             raise ValueError(
-                f"expected norms of shape [R, L] = [{self.num_replicas}, {self.num_units}], "
+                f"expected norms of shape [R, L] = [{self.num_replicas}, {len(units)}], "
                 f"got {tuple(norms.shape)}"
             )
         values = norms.detach().to(device="cpu", dtype=torch.float64).tolist()
-        shape = (self.num_replicas, self.num_units)
+        shape = (self.num_replicas, len(units))
         included = torch.zeros(shape, dtype=torch.bool)
         outlier = torch.zeros(shape, dtype=torch.bool)
         z = torch.full(shape, math.nan, dtype=torch.float64)
@@ -311,7 +315,7 @@ class DetectorBank:
             for u, v in enumerate(row):
                 if not math.isfinite(v):
                     continue
-                flagged, z_ru = self._detectors[u][r].observe(v)
+                flagged, z_ru = self._detectors[units[u]][r].observe(v)
                 outlier[r, u] = flagged
                 included[r, u] = not flagged
                 z[r, u] = z_ru

@@ -9,8 +9,13 @@ relative to wherever the caller puts the tree::
                             mesh). Identical on every replica, so DCP stores it once and
                             re-shards it to any number of replicas or shards. Entries:
                             ``anchor``, ``outer.<key>`` (the outer optimizer's per-element
-                            state, e.g. ``outer.momentum_buffer``); error-feedback buffers
-                            will be one more entry here.
+                            state, e.g. ``outer.momentum_buffer``).
+    replicas.<r>.<fqn>.<entry>
+                            per-element state of replica ``r`` only, laid out the same way:
+                            ``error_feedback`` (quantisation residual) and ``launch`` (the
+                            parameters when a delayed sync in flight was launched). Kept
+                            when the number of replicas is unchanged (``launch``: only on
+                            the saving topology), dropped otherwise.
     units.<index>.<entry>   per-unit scalar tensors (e.g. ``outer.step``), identical everywhere
     ranks.rank<NNNNN>       one rank's plain state (counters, detectors, RNG seed, topology) as
                             a uint8 tensor of JSON: nothing in the tree is pickled
@@ -34,6 +39,10 @@ from editrain.sync.outer import SyncUnit, local_view
 VERSION = 2
 """Layout version, stored in every rank's plain state (1 was the layout before the engine
 owned its state: ``global.anchor.<fqn>`` / ``global.outer.<fqn>.<key>``)."""
+
+
+_OWN = "replica."
+"""Prefix of a unit's per-replica entries (see :meth:`SyncUnit.state_dict`)."""
 
 
 def rank_key(rank: int) -> str:
@@ -68,6 +77,7 @@ class StateLayout:
         self.fqns = [[names[id(p)] for p in u.params] for u in self.units]
         self.rank = rank
         self.topology = tuple(topology)
+        self.replica = rank // self.topology[1]
 
     # ------------------------------------------------------------------ parameter layout
     def _to_params(self, flat: torch.Tensor, u: int) -> dict[str, torch.Tensor]:
@@ -106,6 +116,7 @@ class StateLayout:
             plain: the engine's JSON-able state of this rank.
         """
         params: dict[str, dict[str, torch.Tensor]] = {}
+        own: dict[str, dict[str, torch.Tensor]] = {}
         scalars: dict[str, dict[str, torch.Tensor]] = {}
         numbers: dict[str, dict[str, Any]] = {}
         for u, state in enumerate(unit_states):
@@ -116,18 +127,23 @@ class StateLayout:
                         raise ValueError(f"unit {unit.name}: state {entry!r} has "
                                          f"{value.numel()} elements, the unit {unit.numel}; "
                                          "it cannot be laid out like the parameters")
+                    target, name = ((own, entry[len(_OWN):]) if entry.startswith(_OWN)
+                                    else (params, entry))
                     for fqn, piece in self._to_params(value.detach(), u).items():
-                        params.setdefault(fqn, {})[entry] = piece
+                        target.setdefault(fqn, {})[name] = piece
                 elif torch.is_tensor(value):
                     scalars.setdefault(str(u), {})[entry] = value.detach().clone()
                 else:
                     numbers.setdefault(str(u), {})[entry] = value
         plain = dict(plain, version=VERSION, topology=list(self.topology),
                      stateful_units=[u for u, s in enumerate(unit_states) if s],
+                     unit_names=[u.name for u in self.units],
                      unit_numbers=numbers)
         tree: dict[str, Any] = {"ranks": {rank_key(self.rank): json_tensor(plain)}}
         if params:
             tree["params"] = params
+        if own:
+            tree["replicas"] = {str(self.replica): own}
         if scalars:
             tree["units"] = scalars
         return tree
@@ -144,17 +160,19 @@ class StateLayout:
             ValueError: ``saved`` holds no engine state.
         """
         params: dict[str, dict[str, torch.Tensor]] = {}
+        own: dict[str, dict[str, torch.Tensor]] = {}
         for u, fqns in enumerate(self.fqns):
             if not fqns:
                 continue
-            prefix = f"params.{fqns[0]}."
-            for key, like in saved.items():
-                if not key.startswith(prefix):
-                    continue
-                entry = key[len(prefix):]
-                zeros = torch.zeros(self.units[u].numel, dtype=like.dtype)
-                for fqn, piece in self._to_params(zeros, u).items():
-                    params.setdefault(fqn, {})[entry] = piece
+            for target, prefix in ((params, f"params.{fqns[0]}."),
+                                   (own, f"replicas.{self.replica}.{fqns[0]}.")):
+                for key, like in saved.items():
+                    if not key.startswith(prefix):
+                        continue
+                    entry = key[len(prefix):]
+                    zeros = torch.zeros(self.units[u].numel, dtype=like.dtype)
+                    for fqn, piece in self._to_params(zeros, u).items():
+                        target.setdefault(fqn, {})[entry] = piece
         scalars: dict[str, dict[str, torch.Tensor]] = {}
         for key, like in saved.items():
             if key.startswith("units."):
@@ -170,6 +188,8 @@ class StateLayout:
         tree: dict[str, Any] = {"ranks": ranks}
         if params:
             tree["params"] = params
+        if own:
+            tree["replicas"] = {str(self.replica): own}
         if scalars:
             tree["units"] = scalars
         return tree
@@ -192,7 +212,17 @@ class StateLayout:
         elastic = tuple(first["topology"]) != self.topology or rank_key(self.rank) not in ranks
         plain = first if elastic else from_json_tensor(ranks[rank_key(self.rank)])
         params = tree.get("params", {})
+        own = tree.get("replicas", {}).get(str(self.replica), {})
+        if first["topology"][0] != self.topology[0]:
+            own = {}  # another number of replicas: residuals of replicas that are gone
         scalars = tree.get("units", {})
+        names = [u.name for u in self.units]
+        saved_names = first.get("unit_names", names)
+        if saved_names != names:
+            raise ValueError(
+                f"the checkpoint's sync units are {saved_names}, this model's are {names}: "
+                "it was sharded differently (sync.split_root shards embeddings and output "
+                "head as units of their own; resume with the setting it was saved with)")
         stateful = set(plain["stateful_units"])
         if stateful and max(stateful) >= len(self.units):
             raise ValueError(f"the saved state has more than {len(self.units)} sync units")
@@ -202,6 +232,11 @@ class StateLayout:
             if fqns:
                 for entry in params.get(fqns[0], {}):
                     state[entry] = self._from_params({f: params[f][entry] for f in fqns}, u)
+                for entry in own.get(fqns[0], {}):
+                    if entry == "launch" and elastic:
+                        continue  # rounds in flight are not carried across topologies
+                    state[_OWN + entry] = self._from_params({f: own[f][entry] for f in fqns},
+                                                            u)
             elif u in stateful:
                 state["anchor"] = torch.zeros(0)  # a unit without parameters of its own
             state.update(scalars.get(str(u), {}))

@@ -77,3 +77,29 @@ class StepScheduleTrigger:
 
     def due(self, replica: int, steps_since_sync: int, elapsed_s: float) -> bool:
         return steps_since_sync >= self.steps[replica % len(self.steps)]
+
+
+class FragmentSchedule:
+    """Streaming: which fragments launch their sync after local inner step ``k``.
+
+    Fragment ``f`` of ``P`` launches when ``k >= 1`` and ``k mod H == ((f + 1) * H // P) mod
+    H``: the fragments take turns, ``H / P`` steps apart, and each syncs every ``H`` steps
+    (with ``P = 1``: after ``k = H, 2H, ...``, like :class:`IntervalTrigger`).
+
+    Args:
+        interval: H.
+        fragments: P, at most H.
+    """
+
+    def __init__(self, interval: int, fragments: int) -> None:
+        if not 1 <= fragments <= interval:
+            raise ValueError(f"sync.fragments must be in [1, local_sgd_sync_interval = "
+                             f"{interval}], got {fragments}")
+        self.interval = interval
+        self.offsets = [((f + 1) * interval // fragments) % interval for f in range(fragments)]
+
+    def launches(self, k: int) -> list[int]:
+        """Fragments that launch after local step ``k`` (1-based), in fragment order."""
+        if k < 1:
+            return []
+        return [f for f, off in enumerate(self.offsets) if k % self.interval == off]
