@@ -66,6 +66,13 @@ METHODS = {
               "--sync.clip_pseudo_grad", "0.5", "--sync.local_sgd_warmup_steps", "2"]),
     "aedit": (["--nproc", "2", "--shard-size", "1"],
               ["--sim.step_schedule=[2,3]", "--sync.ewma_warmup_steps", "1"]),
+    # Streaming: at the step-6 save one fragment's round is in flight (launched at step 6,
+    # merged at 8) with its launch snapshot, and int8 error feedback is mid-stream.
+    "edit_streaming": (["--nproc", "4", "--shard-size", "2"],
+                       ["--sync.local_sgd_sync_interval", "4", "--sync.fragments", "2",
+                        "--sync.overlap_steps", "2", "--sync.merge", "keep_local",
+                        "--sync.comm_dtype", "int8", "--sync.ewma_warmup_steps", "1",
+                        "--model.tie_embeddings", "false"]),
 }
 
 
@@ -74,7 +81,7 @@ METHODS = {
 def test_exact_resume_is_bitwise(cache: Path, tmp_path: Path, method: str) -> None:
     topo, extra = METHODS[method]
     full = tmp_path / "full"
-    args = [*topo, "--method", method, "--steps", "12", "--checkpoint.every", "6",
+    args = [*topo, "--method", method.split("_")[0], "--steps", "12", "--checkpoint.every", "6",
             "--checkpoint.keep", "5", "--train.eval_every", "6", *extra]
     train(cache, full, *args)
     ckpts = list_checkpoints(full)
