@@ -541,7 +541,9 @@ def run_case(info: Any, rank: int, case: dict[str, Any]) -> dict[str, Any]:
     ``n_layers`` (2), ``finish_force`` (False), ``eval_forward`` (False: if True, an
     extra eval-mode forward runs after every step, which must not start a pending sync),
     ``tied`` (True: tied embeddings; False gives the model an ``output`` head) and
-    ``split_root`` (False: if True and the embeddings are untied, ``tok_embeddings`` and
+    ``world_allreduce`` (False: if True, an all-reduce on the world group after every
+    step, as a training loop that logs a mean loss does), ``split_root`` (False: if True
+    and the embeddings are untied, ``tok_embeddings`` and
     ``output`` are sharded as units of their own, docs/streaming.md section 1; tied
     embeddings stay in the root, as in :func:`units_of`).
 
@@ -616,6 +618,12 @@ def run_case(info: Any, rank: int, case: dict[str, Any]) -> dict[str, Any]:
         none, diff = anchor_probe()
         anchor_none.append(none)
         anchor_diff.append(diff)
+        if case.get("world_allreduce"):
+            # The caller's own collective on the world group at every step boundary, while
+            # a delayed sync's collectives may be in flight on the communication thread.
+            import torch.distributed as dist
+
+            dist.all_reduce(torch.ones(1))
         if case.get("eval_forward"):
             pending = engine.sync_pending
             model.eval()

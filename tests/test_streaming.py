@@ -49,7 +49,13 @@ CASES = {
     "bytes_fp32": _case("diloco", 8, fragments=2),
     "bytes_int8": _case("diloco", 8, fragments=2, comm_dtype="int8"),
 }
-TOPOLOGIES = {(2, 2): CASES}
+# 2 replicas x 1 shard: the mesh's sync group spans the world, which the caller also uses
+# (here after every step) while a delayed round's collectives run on the engine's thread.
+CASES_2X1 = {
+    "world_allreduce": dict(_case("edit", 12, overlap_steps=3, fragments=2,
+                                  comm_dtype="int8", **PEN_ON), world_allreduce=True),
+}
+TOPOLOGIES = {(2, 2): CASES, (2, 1): CASES_2X1}
 
 
 @pytest.fixture(scope="module")
@@ -119,3 +125,13 @@ def test_quantisation_changes_the_result(runs):
     got = runs(2, 2)
     a, b = got["bytes_fp32"][0]["params"], got["bytes_int8"][0]["params"]
     assert max(float((a[k] - b[k]).abs().max()) for k in a) > 1e-6
+
+
+def test_caller_collectives_never_collide_with_delayed_rounds(runs):
+    """Regression: the engine once ran its cross-replica collectives on the mesh's sync
+    group, which is the world group for S = 1; a loss all-reduce in the training loop
+    while a delayed round was in flight then deadlocked."""
+    outs = runs(2, 1)["world_allreduce"]
+    diff = max_diff(outs, reference(ref_config(CASES_2X1["world_allreduce"], 2, 1)))
+    assert diff < TOL
+    assert len(outs[0]["log"]) >= 4

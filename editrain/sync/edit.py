@@ -58,7 +58,7 @@ from editrain.sync.penalty import DetectorBank, clip_coefficient, compute_weight
 from editrain.sync.reducers import build_reducer
 from editrain.sync.state import StateLayout
 from editrain.sync.triggers import FragmentSchedule, IntervalTrigger, SyncTrigger, TimeTrigger
-from editrain.topology import SHARD_DIM, SYNC_DIM, topology_of
+from editrain.topology import SHARD_DIM, topology_of
 
 BeforeSyncHook = Callable[[int], None]
 """Called on every rank, in the main thread, just before sync number ``n`` starts."""
@@ -209,9 +209,16 @@ class SyncEngine:
         self._layout = StateLayout(self.units, model, self.rank,
                                    (self.topo.num_replicas, self.topo.shard_size))
 
-        # Process groups: the mesh's sync group, and a private copy of this rank's shard group
-        # for the engine's statistics (FSDP2 owns the mesh's shard group in the main thread).
-        sync_group = mesh.get_group(SYNC_DIM) if self.topo.num_replicas > 1 else None
+        # Process groups of the communication thread: private copies of this rank's sync
+        # group and shard group. The main thread owns the mesh's groups (FSDP2 on the shard
+        # group; the caller's own collectives, e.g. a loss all-reduce, on the world group,
+        # which the mesh may reuse as its sync group), and a delayed sync's collectives run
+        # while the main thread trains: two threads must never share a process group.
+        sync_group = None
+        if self.topo.num_replicas > 1:
+            sync_group, _ = dist.new_subgroups_by_enumeration(
+                [self.topo.sync_ranks(s) for s in range(self.topo.shard_size)]
+            )
         shard_group = None
         if self.topo.shard_size > 1:
             shard_group, _ = dist.new_subgroups_by_enumeration(
