@@ -143,23 +143,25 @@ def test_bandwidth_smoke(tmp_path, cache):
     link; local SGD a time split; one repeat of each run at the tiny size."""
     saved, _ = _run("bandwidth", tmp_path, cache)
     links = saved["settings"]["links"]
-    _runs_ok(saved, count=1 + 3 * len(links))
+    _runs_ok(saved, count=1 + 4 * len(links))
     assert saved["repeats"] == 1 and saved["settings"]["repeats"] == 1
     assert not saved["measurement_errors"]
     res = saved["results"]
     assert res["ceiling"]["tokens_per_s"]["n"] == 1 and res["ceiling"]["tokens_per_s"]["median"] > 0
-    for m in ("sync", "diloco", "edit"):
+    for m in ("sync", "diloco", "edit", "edit-streaming"):
         assert set(res[m]) == set(links)
         for link, e in res[m].items():
             assert e["tokens_per_s"]["median"] > 0 and e["tokens_per_s"]["n"] == 1, (m, link)
             assert _num(e["vs_ceiling"]["median"]) and e["vs_ceiling"]["median"] > 0, (m, link)
             _check_replicas(e["replicas"])
-    for m in ("diloco", "edit"):  # local SGD: the sync metrics are split out
+    for m in ("diloco", "edit", "edit-streaming"):  # local SGD: the sync metrics split out
         for e in res[m].values():
             assert _num(e["comm_time_s_per_step"]["median"])
             assert _num(e["wait_s_per_step"]["median"])
     for link in links:  # one repeat: no verdict on the spread
-        assert [c["beyond_spread"] for c in res["comparisons"][link]] == [None] * 3
+        assert [c["beyond_spread"] for c in res["comparisons"][link]] == [None] * 5
+    # the streaming target is judged (tiny size: no unlimited run, so no verdict)
+    assert len(saved["targets"]) == 1
 
 
 @pytest.mark.timeout(600)

@@ -19,14 +19,27 @@ from editrain.bench.stats import mean_std, median, paired_differences
 from editrain.bench.tables import md_table
 
 NAME = "convergence"
-METHODS = ("sync", "post_local_sgd", "diloco", "edit", "aedit")
+STREAMING = {"overlap_steps": 4, "fragments": 3, "comm_dtype": "int8"}
+"""Streaming settings (the tiny preset has 3 sync units: root, 2 blocks)."""
+VARIANTS: dict[str, dict[str, Any]] = {
+    "sync": {"method": "sync"},
+    "post_local_sgd": {"method": "post_local_sgd"},
+    "diloco": {"method": "diloco"},
+    "edit": {"method": "edit"},
+    "aedit": {"method": "aedit"},
+    "edit-streaming": {"method": "edit", **STREAMING, "merge": "keep_local"},
+    "edit-streaming-blend": {"method": "edit", **STREAMING, "merge": "blend"},
+}
+"""Each variant's sync options: the five methods, then streaming EDiT with either merge
+rule (docs/streaming.md section 3)."""
+METHODS = tuple(VARIANTS)
 DESCRIPTION = (
     "Validation loss against tokens for synchronous training (`sync`), Post-Local SGD, "
     "DiLoCo, EDiT and A-EDiT at an equal token budget, on the same model, data, seeds and "
     "simulated cluster (no link or straggler simulation), with per-seed paired differences "
     "against `diloco` and `sync`."
 )
-REFERENCES = ("diloco", "sync")
+REFERENCES = ("diloco", "sync", "edit")
 """Methods every other method is compared with, seed by seed."""
 
 
@@ -44,25 +57,27 @@ def run(bench: Bench) -> dict[str, Any]:
     interval = bench.pick(4, 10, 50)
     eval_every = bench.pick(4, 10, 100)
     seeds = int(bench.flags.get("seeds") or bench.pick(1, 1, 3))
+    # The tiny size runs the five methods only (the streaming variants need H > 4 steps).
+    variants = [m for m in METHODS if bench.mode != "tiny" or "-" not in m]
     common = {"train": {"steps": steps, "eval_every": eval_every,
                         "warmup_steps": bench.pick(2, 10, 100)},
               # The tiny preset at every size: a credible number of steps fits in an hour.
               "model": {"preset": "tiny"}}
     local = {"sync": {"local_sgd_sync_interval": interval}}
     bench.check(common, local)
-    total = seeds * len(METHODS)
+    total = seeds * len(variants)
     bench.plan(total)
     if bench.mode == "full":
-        bench.log(f"{total} runs of {steps} steps ({len(METHODS)} methods x {seeds} seeds, "
+        bench.log(f"{total} runs of {steps} steps ({len(variants)} methods x {seeds} seeds, "
                   "tiny preset): this may take about an hour or more on 2 cores")
 
-    runs: dict[str, list[Any]] = {m: [] for m in METHODS}
+    runs: dict[str, list[Any]] = {m: [] for m in variants}
     periods = []
     for seed in range(seeds):
         edit_run = None
-        for method in METHODS:
+        for method in variants:
             layers: list[dict[str, Any]] = [common, {"train": {"seed": seed},
-                                                     "sync": {"method": method}}]
+                                                     "sync": dict(VARIANTS[method])}]
             if method != "sync":
                 layers.append(local)
             if method == "aedit":
@@ -76,7 +91,7 @@ def run(bench: Bench) -> dict[str, Any]:
 
     results: dict[str, Any] = {}
     table_rows = []
-    for method in METHODS:
+    for method in variants:
         ok = [r for r in runs[method] if r.ok]
         stats = mean_std(r.final_val_loss for r in ok)
         wall = mean_std(r.summary.get("wall_time_s") for r in ok)
@@ -99,7 +114,7 @@ def run(bench: Bench) -> dict[str, Any]:
             f"~{interval} (time: {periods[0]:.2f} s)" if method == "aedit" and periods
             else str(interval)), _mean_pm(stats), stats["min"], stats["max"],
             f"{stats['n']}/{seeds}", tokens, wall["mean"], results[method]["num_syncs"]])
-    for method in METHODS:
+    for method in variants:
         for ref in REFERENCES:
             results[method][f"paired_vs_{ref}"] = paired_differences(
                 results[method]["final_val_loss_per_seed"],
@@ -131,10 +146,15 @@ def run(bench: Bench) -> dict[str, Any]:
                                        if periods else "") + ".",
         "The curve of each method is the mean over seeds of its validation losses, "
         "interpolated on the evaluation points of its first seed.",
+        "edit-streaming: edit with " + ", ".join(f"{k} {v}" for k, v in STREAMING.items())
+        + " and merge keep_local (edit-streaming-blend: merge blend, merge_alpha 0); with "
+        "fragments or delayed updates the replicas never all hold one model, so these "
+        "variants are evaluated on the anchors (the global model), docs/streaming.md.",
     ]
     settings = {"steps": steps, "sync_interval": interval, "eval_every": eval_every,
                 "seeds": seeds, "aedit_sync_time_s": periods}
-    return bench.finish(settings=settings, methods=METHODS, results=results, tables=tables,
+    return bench.finish(settings=settings, methods=tuple(variants), results=results,
+                        tables=tables,
                         targets=targets, findings=findings, notes=notes, plots=plots,
                         description=DESCRIPTION, shortfalls=shortfalls,
                         headline=_headline(results, seeds, steps))
@@ -152,7 +172,7 @@ def _mean_pm(stats: dict[str, Any]) -> str:
 def _paired_table(results: dict[str, Any], seeds: int) -> str:
     """Per method and reference: mean +- std of the per-seed differences, the values."""
     rows = []
-    for method in METHODS:
+    for method in results:
         for ref in REFERENCES:
             if method == ref:
                 continue
@@ -166,14 +186,20 @@ def _paired_table(results: dict[str, Any], seeds: int) -> str:
 
 def _headline(results: dict[str, Any], seeds: int, steps: int) -> list[str]:
     """The report's summary sentence: final losses and edit's paired differences."""
-    means = {m: results[m]["final_val_loss"] for m in METHODS}
+    means = {m: results[m]["final_val_loss"] for m in results}
     if any(v["mean"] is None for v in means.values()):
         return []
-    losses = ", ".join(f"{m} {_mean_pm(means[m])}" for m in METHODS)
+    losses = ", ".join(f"{m} {_mean_pm(means[m])}" for m in results)
     e = results["edit"]
-    return [f"Final validation loss after {steps} steps ({seeds} seed(s)): {losses}; edit - "
-            f"diloco per seed {_mean_pm(e['paired_vs_diloco'])}, edit - sync "
-            f"{_mean_pm(e['paired_vs_sync'])}."]
+    out = [f"Final validation loss after {steps} steps ({seeds} seed(s)): {losses}; edit - "
+           f"diloco per seed {_mean_pm(e['paired_vs_diloco'])}, edit - sync "
+           f"{_mean_pm(e['paired_vs_sync'])}."]
+    if "edit-streaming" in results:
+        s = results["edit-streaming"]
+        out.append(f"Streaming EDiT ({', '.join(f'{k} {v}' for k, v in STREAMING.items())}, "
+                   f"keep_local): edit-streaming - edit per seed {_mean_pm(s['paired_vs_edit'])}"
+                   f", edit-streaming - diloco {_mean_pm(s['paired_vs_diloco'])}.")
+    return out
 
 
 def _target(results: dict[str, Any], seeds: int) -> dict[str, Any]:
@@ -228,8 +254,10 @@ def _findings(results: dict[str, Any], seeds: int) -> list[str]:
         order = sorted(means, key=means.get)
         out.append("Final validation loss, best first: "
                    + ", ".join(f"{m} {means[m]:.4f}" for m in order) + ".")
-    for a in ("edit", "aedit"):
+    for a in ("edit", "aedit", "edit-streaming", "edit-streaming-blend"):
         for ref in REFERENCES:
+            if a not in results or a == ref:
+                continue
             d = results[a][f"paired_vs_{ref}"]
             if d["mean"] is None:
                 continue
