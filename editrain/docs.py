@@ -50,6 +50,13 @@ USED_BY: dict[str, tuple[str, ...]] = {
     "sync.gta.normalize": _LOCAL_SGD,
     "sync.gta.density": _LOCAL_SGD,
     "sync.gta.int8_mask": _LOCAL_SGD,
+    "sync.overlap_steps": ("post_local_sgd", "diloco", "edit"),
+    "sync.fragments": ("post_local_sgd", "diloco", "edit"),
+    "sync.merge": ("post_local_sgd", "diloco", "edit"),
+    "sync.merge_alpha": ("post_local_sgd", "diloco", "edit"),
+    "sync.comm_dtype": _LOCAL_SGD,
+    "sync.error_feedback": _LOCAL_SGD,
+    "sync.split_root": _LOCAL_SGD,
     "sim.step_schedule": ("aedit",),
 }
 """Options that only some methods read; every other option applies to all methods. Each

@@ -207,7 +207,9 @@ def readme_headline(records: Sequence[dict[str, Any]]) -> str:
     and synchronous training, paired by seed), the ``spikes`` record (peak validation-loss increase of DiLoCo and EDiT with a
     corrupted replica), the ``stragglers`` record (A-EDiT's and synchronous training's
     fraction of the measured limit with a 2x straggler; left out when that case has a
-    measurement error or the record predates measured limits) and the ``peers`` record
+    measurement error or the record predates measured limits), the ``bandwidth`` record
+    (streaming EDiT's and synchronous training's throughput at 5 MB/s against an unlimited
+    link) and the ``peers`` record
     (whether editrain's DiLoCo reproduces torchft's, and at what speed).
 
     Args:
@@ -252,6 +254,21 @@ def readme_headline(records: Sequence[dict[str, Any]]) -> str:
                                f"training {spread_cell(s)}x "
                                + (f"(median [min-max] of {n} repeats)" if n > 1
                                   else "(one run each)"))
+    bw = by_name.get("bandwidth")
+    bw_res = (bw or {}).get("results", {})
+    link = "5MB/s+5ms"
+    stream = (bw_res.get("edit-streaming") or {}).get(link) or {}
+    sync_bw = (bw_res.get("sync") or {}).get(link) or {}
+    if bw and (stream.get("vs_unlimited") or {}).get("median") is not None and \
+            (sync_bw.get("vs_unlimited") or {}).get("median") is not None:
+        exposed = (stream.get("exposed") or {}).get("median")
+        clauses.append(
+            f"on a simulated 5 MB/s + 5 ms link between 2 replicas (H = "
+            f"{bw.get('settings', {}).get('sync_interval')}) streaming EDiT keeps "
+            f"{spread_cell(stream['vs_unlimited'])}x of its unlimited-link throughput, "
+            f"synchronous training {spread_cell(sync_bw['vs_unlimited'])}x"
+            + (f", with {exposed:.0%} of its communication time exposed" if exposed is not None
+               else ""))
     conv = by_name.get("convergence")
     res = (conv or {}).get("results", {})
     vs_d = res.get("edit", {}).get("paired_vs_diloco") or {}
@@ -263,6 +280,10 @@ def readme_headline(records: Sequence[dict[str, Any]]) -> str:
             f"validation loss is {vs_d['mean']:+.3f} +- {vs_d.get('std') or 0:.3f} against "
             f"DiLoCo's but {vs_s['mean']:+.3f} +- {vs_s.get('std') or 0:.3f} against "
             "synchronous training's")
+        vs_e = res.get("edit-streaming", {}).get("paired_vs_edit") or {}
+        if vs_e.get("mean") is not None:
+            clauses.append(f"streaming EDiT's is {vs_e['mean']:+.3f} +- "
+                           f"{vs_e.get('std') or 0:.3f} against EDiT's")
     peers = by_name.get("peers")
     if peers and not peers.get("skipped"):
         target = next(iter(peers.get("targets", [])), None)
@@ -281,7 +302,7 @@ def readme_headline(records: Sequence[dict[str, Any]]) -> str:
                           "first")
     used = [r for r in by_name.values()
             if r.get("scenario") in ("default", "convergence", "spikes", "stragglers",
-                                     "peers")]
+                                     "bandwidth", "peers")]
     machine = used[0].get("machine", {})
     sizes = sorted({r.get("mode") for r in used} - {None})
     text = (f"Measured on one {machine.get('usable_cpus', '?')}-core "

@@ -345,6 +345,12 @@ class SyncEngine:
         """Merge the delayed round that is due, then launch the fragments due now."""
         cfg = self.config
         assert self.schedule is not None
+        if self._merge_next is not None:  # no training forward took it: merge it now
+            self._round, self._merge_next = self._merge_next, None
+            self._drain_round()
+        if self._pending:  # likewise for an armed round (every fragment launches in turn)
+            self._run_blocking(None, self.fragments[self._pending_fragment],
+                               self._pending_fragment)
         if self._inflight and self._inflight[0].apply_at == self.global_step:
             rnd = self._inflight.pop(0)
             if cfg.layerwise:
@@ -358,7 +364,7 @@ class SyncEngine:
             elif cfg.layerwise:
                 self._pending, self._pending_fragment = True, f
             else:
-                self._run_blocking(None, self.fragments[f])
+                self._run_blocking(None, self.fragments[f], f)
 
     def _launch(self, fragment: int) -> None:
         """Start a delayed round: snapshot the fragment's parameters, queue all its jobs."""
@@ -366,9 +372,8 @@ class SyncEngine:
         self._call_before_sync(units)
         for u in units:
             self.units[u].launch = self.units[u].flat_params()
-        rnd = self._new_round(None, units, fragment)
-        rnd.delayed = True
-        rnd.apply_at = self.global_step + self.config.overlap_steps
+        rnd = self._new_round(None, units, fragment,
+                              apply_at=self.global_step + self.config.overlap_steps)
         rnd.submitted = [self.comm.submit(self._unit_job, rnd, i, stats=rnd.comm)
                          for i in range(len(units))]
         self._inflight.append(rnd)
@@ -386,7 +391,8 @@ class SyncEngine:
             self._drain_round()
         was_pending = self._pending
         if was_pending:
-            self._run_blocking(self._pending_counts, self.fragments[self._pending_fragment])
+            self._run_blocking(self._pending_counts, self.fragments[self._pending_fragment],
+                               self._pending_fragment)
         if not force or not self.config.is_local_sgd or self.in_warmup:
             return
         if self.schedule is not None:
@@ -510,9 +516,12 @@ class SyncEngine:
                 self._starting = None
 
     def _new_round(self, step_counts: torch.Tensor | None, units: list[int],
-                   fragment: int) -> _Round:
+                   fragment: int, apply_at: int | None = None) -> _Round:
+        """A round of ``units``; delayed (merged after step ``apply_at``) when given. Its
+        statistics job is queued at once."""
         rnd = _Round(index=self._next_index, step_counts=step_counts, units=list(units),
                      fragment=fragment, launch_step=self.global_step,
+                     delayed=apply_at is not None, apply_at=apply_at or 0,
                      comm=self._rendezvous_comm)
         self._rendezvous_comm = CommStats()
         self._next_index += 1
@@ -561,11 +570,11 @@ class SyncEngine:
                     fut.result()
 
     def _run_blocking(self, step_counts: torch.Tensor | None,
-                      units: list[int] | None = None) -> None:
+                      units: list[int] | None = None, fragment: int = 0) -> None:
         self._pending = False
         _reshard(self.model)
         self._start_round(step_counts, list(range(len(self.units))) if units is None else units,
-                          self._pending_fragment)
+                          fragment)
         self._drain_round()
 
     def _end_round(self) -> None:
