@@ -45,6 +45,9 @@ CASES = {
     "int8_offload": _case("diloco", 9, comm_dtype="int8", cpu_offload=True),
     "int4_noef": _case("diloco", 9, comm_dtype="int4", error_feedback=False),
     "bf16": _case("edit", 9, overlap_steps=2, comm_dtype="bf16", **PEN_OFF),
+    # A-EDiT's step weights with quantised pseudo-gradients (forced step schedule)
+    "aedit_int8": dict(sync=dict(method="aedit", comm_dtype="int8", **PEN_ON), steps=3,
+                       schedule=[2, 3], finish_force=False, **UNTIED),
     # the same run in fp32 and int8, for the bytes on the wire
     "bytes_fp32": _case("diloco", 8, fragments=2),
     "bytes_int8": _case("diloco", 8, fragments=2, comm_dtype="int8"),

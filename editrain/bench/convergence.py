@@ -29,9 +29,11 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "aedit": {"method": "aedit"},
     "edit-streaming": {"method": "edit", **STREAMING, "merge": "keep_local"},
     "edit-streaming-blend": {"method": "edit", **STREAMING, "merge": "blend"},
+    "edit-streaming-int4": {"method": "edit", **STREAMING, "merge": "keep_local",
+                            "comm_dtype": "int4"},
 }
 """Each variant's sync options: the five methods, then streaming EDiT with either merge
-rule (docs/streaming.md section 3)."""
+rule (docs/streaming.md section 3), and with 4-bit pseudo-gradients."""
 METHODS = tuple(VARIANTS)
 DESCRIPTION = (
     "Validation loss against tokens for synchronous training (`sync`), Post-Local SGD, "
@@ -147,7 +149,8 @@ def run(bench: Bench) -> dict[str, Any]:
         "The curve of each method is the mean over seeds of its validation losses, "
         "interpolated on the evaluation points of its first seed.",
         "edit-streaming: edit with " + ", ".join(f"{k} {v}" for k, v in STREAMING.items())
-        + " and merge keep_local (edit-streaming-blend: merge blend, merge_alpha 0); with "
+        + " and merge keep_local (edit-streaming-blend: merge blend, merge_alpha 0; "
+        "edit-streaming-int4: comm_dtype int4); with "
         "fragments or delayed updates the replicas never all hold one model, so these "
         "variants are evaluated on the anchors (the global model), docs/streaming.md.",
     ]
