@@ -222,7 +222,11 @@ def readme_headline(records: Sequence[dict[str, Any]]) -> str:
         ConfigError: no record yields a clause.
     """
     # Only results measured with the current methodology make the headline.
-    by_name = {r.get("scenario"): r for r in records if not _stale(r)}
+    # One record per scenario: the largest size wins (e.g. a quick convergence run of extra
+    # variants beside the full one).
+    size = {"tiny": 0, "quick": 1, "full": 2}
+    fresh = sorted((r for r in records if not _stale(r)), key=lambda r: size.get(r.get("mode"), 0))
+    by_name = {r.get("scenario"): r for r in fresh}
     clauses = []
     default = by_name.get("default")
     if default and not default.get("skipped"):
@@ -280,9 +284,14 @@ def readme_headline(records: Sequence[dict[str, Any]]) -> str:
             f"validation loss is {vs_d['mean']:+.3f} +- {vs_d.get('std') or 0:.3f} against "
             f"DiLoCo's but {vs_s['mean']:+.3f} +- {vs_s.get('std') or 0:.3f} against "
             "synchronous training's")
-        vs_e = res.get("edit-streaming", {}).get("paired_vs_edit") or {}
+    streaming = next((r for r in reversed(fresh) if r.get("scenario") == "convergence"
+                      and "edit-streaming" in r.get("results", {})), None)
+    if streaming:
+        st = streaming.get("settings", {})
+        vs_e = streaming["results"]["edit-streaming"].get("paired_vs_edit") or {}
         if vs_e.get("mean") is not None:
-            clauses.append(f"streaming EDiT's is {vs_e['mean']:+.3f} +- "
+            clauses.append(f"streaming EDiT's validation loss after {st.get('steps')} steps "
+                           f"({st.get('seeds')} seeds) is {vs_e['mean']:+.3f} +- "
                            f"{vs_e.get('std') or 0:.3f} against EDiT's")
     peers = by_name.get("peers")
     if peers and not peers.get("skipped"):
