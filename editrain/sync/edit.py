@@ -55,6 +55,7 @@ from editrain.sync.comm import CommPath, CommStats, LinkDelay
 from editrain.sync.config import SyncConfig
 from editrain.sync.outer import SyncUnit, local_view, resolve_optimizer_class
 from editrain.sync.penalty import DetectorBank, clip_coefficient, compute_weights, finite_mask
+from editrain.sync.progress import Progress
 from editrain.sync.reducers import build_reducer
 from editrain.sync.state import StateLayout
 from editrain.sync.triggers import FragmentSchedule, IntervalTrigger, SyncTrigger, TimeTrigger
@@ -85,6 +86,8 @@ class _Round:
     wait_s: float = 0.0
     started: float = field(default_factory=time.perf_counter)
     comm: CommStats = field(default_factory=CommStats)
+    windows: list[float] | None = None
+    """A-EDiT: every replica's agreed elapsed time when it entered the rendezvous."""
     work_s: float = 0.0
     """Wall time of the round's jobs on the communication thread."""
     # Filled by the statistics job (identical on every rank).
@@ -154,6 +157,8 @@ class SyncEngine:
         seed: seeds the random sparsification of the GTA reducer (saved with the state:
             the engine's only randomness is derived from it, the sync index, the unit and the
             rank).
+        clock: seconds of a monotonic clock for A-EDiT's time trigger and budget (default
+            ``time.perf_counter``; tests inject their own). Metrics use real time.
     """
 
     def __init__(
@@ -167,6 +172,7 @@ class SyncEngine:
         trigger: SyncTrigger | None = None,
         before_sync: BeforeSyncHook | None = None,
         seed: int = 0,
+        clock: Callable[[], float] | None = None,
     ) -> None:
         self.config = cfg = config.resolve()
         self.model = model
@@ -177,6 +183,7 @@ class SyncEngine:
         self.num_replicas = self.topo.num_replicas
         self.seed = seed
         self.before_sync = before_sync
+        self.clock = clock or time.perf_counter
         blocks = list(blocks)
         if not blocks:
             raise ValueError("the sync engine needs at least one block (sync unit) in `blocks`")
@@ -250,18 +257,13 @@ class SyncEngine:
         """Seconds the caller's thread waited for sync jobs, since the start (metrics)."""
         self.total_grad_sync_s = 0.0
         """Seconds spent averaging gradients across replicas (warm-up / sync method)."""
-        # A-EDiT book-keeping: replica-steps known at the last sync (all replicas), and the
-        # last window's per-replica steps and length, from which progress can be estimated.
-        self.synced_replica_steps = 0.0
-        self.last_window_counts: list[float] | None = None
-        self.last_window_s = 0.0
-        self.extra_due: Callable[[float], bool] | None = None
-        """Optional extra trigger, asked with the agreed elapsed time (A-EDiT's end of budget).
-        It must answer identically on every rank of a replica."""
+        self.progress = Progress(self.num_replicas)
+        """A-EDiT's progress and budget (:mod:`editrain.sync.progress`)."""
+        self._pending_windows: list[float] | None = None
         self._pending_counts: torch.Tensor | None = None
         self._pending = False
         self._pending_fragment = 0
-        self._clock_start = time.perf_counter()
+        self._clock_start = self.clock()
         self._round: _Round | None = None
         """The round whose units the current forward waits for (or that runs blocking)."""
         self._inflight: list[_Round] = []
@@ -290,6 +292,60 @@ class SyncEngine:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+    # A-EDiT's book-keeping, kept under its former names.
+    @property
+    def synced_replica_steps(self) -> float:
+        """Replica-steps of all replicas up to the last sync."""
+        return self.progress.synced_replica_steps
+
+    @property
+    def last_window_counts(self) -> list[float] | None:
+        """Each replica's steps in the last sync's window."""
+        return self.progress.last_window_counts
+
+    @property
+    def last_window_s(self) -> float:
+        """Length of the last window (gathered: identical on every rank)."""
+        return self.progress.last_window_s
+
+    def set_budget(self, steps: float | None) -> None:
+        """A-EDiT: the run's budget in synchronous-step equivalents (``train.steps``). With
+        the time trigger, a replica then also enters the rendezvous once the cluster has
+        probably used it up; :attr:`budget_spent` says when a sync has reached it."""
+        self.progress.budget = steps
+
+    @property
+    def budget_spent(self) -> bool:
+        """Whether a finished sync reached the budget (agreed: from gathered counts)."""
+        return self.progress.spent
+
+    @property
+    def progress_steps(self) -> float:
+        """Progress in synchronous-step equivalents: the step count for every method but
+        A-EDiT, whose replicas run at their own pace (exact at syncs, estimated between)."""
+        if not self.config.use_async or self.in_warmup:
+            return float(self.global_step)
+        return self.progress.estimate(self.replica, self.steps_since_sync)
+
+    def sync_point(self) -> float | None:
+        """Progress if this step boundary is a sync point (identical on every rank), else
+        None. Evaluations, checkpoints and the end of an A-EDiT run belong there, so every
+        replica takes them at the same place with the same (global) model. Streaming runs
+        are in lock-step but never all hold one model: every step is a point (they
+        evaluate the anchors)."""
+        cfg = self.config
+        if not cfg.is_local_sgd or self.in_warmup or cfg.streaming:
+            return float(self.global_step)
+        if self._pending:
+            if cfg.use_async:
+                assert self._pending_counts is not None
+                return self.progress.at_sync(self._pending_counts.tolist())
+            return float(self.global_step)
+        if self.steps_since_sync == 0:
+            return (self.progress.synced_replica_steps / self.num_replicas if cfg.use_async
+                    else float(self.global_step))
+        return None
 
     @property
     def in_warmup(self) -> bool:
@@ -326,14 +382,16 @@ class SyncEngine:
         if self.schedule is not None:
             self._streaming_step()
             return
-        needs_clock = getattr(self.trigger, "needs_clock", False) or self.extra_due is not None
+        needs_clock = getattr(self.trigger, "needs_clock", False)
         elapsed = self._agreed_elapsed() if needs_clock else 0.0
         due = self.trigger.due(self.replica, self.steps_since_sync, elapsed)
-        if not due and self.extra_due is not None:
-            due = self.extra_due(elapsed)
+        if not due and needs_clock and cfg.use_async:
+            # The budget's end (agreed: the elapsed time within the replica, the rate from
+            # the gathered last window).
+            due = self.progress.budget_due(elapsed, self.steps_since_sync)
         if not due:
             return
-        counts = self._rendezvous() if cfg.use_async else None
+        counts = self._rendezvous(elapsed) if cfg.use_async else None
         if cfg.use_async and counts is None:
             return  # skipped: too few steps in total; clocks restarted
         if cfg.layerwise:
@@ -406,7 +464,8 @@ class SyncEngine:
         if was_pending:
             return
         # A-EDiT replicas may differ in steps_since_sync: they all rendezvous to decide.
-        counts = self._rendezvous(allow_skip=False) if self.config.use_async else None
+        counts = (self._rendezvous(self._agreed_elapsed(), allow_skip=False)
+                  if self.config.use_async else None)
         if (counts is None and not self.steps_since_sync) or (
                 counts is not None and float(counts.sum()) == 0):
             return
@@ -522,7 +581,8 @@ class SyncEngine:
         rnd = _Round(index=self._next_index, step_counts=step_counts, units=list(units),
                      fragment=fragment, launch_step=self.global_step,
                      delayed=apply_at is not None, apply_at=apply_at or 0,
-                     comm=self._rendezvous_comm)
+                     comm=self._rendezvous_comm,
+                     windows=self._pending_windows if step_counts is not None else None)
         self._rendezvous_comm = CommStats()
         self._next_index += 1
         if self.config.penalty_enabled or step_counts is not None:
@@ -583,12 +643,10 @@ class SyncEngine:
         self._round = None
         self.num_syncs += 1
         if rnd.step_counts is not None:
-            self.synced_replica_steps += float(rnd.step_counts.sum())
-            self.last_window_counts = rnd.step_counts.tolist()
-            self.last_window_s = time.perf_counter() - self._clock_start
+            self.progress.record_sync(rnd.step_counts.tolist(), rnd.windows or [])
         self.steps_since_sync = 0
         self._pending_counts = None
-        self._clock_start = time.perf_counter()
+        self._clock_start = self.clock()
         self._sync_log.append(self._log_entry(rnd))
 
     def _log_entry(self, rnd: _Round) -> dict[str, Any]:
@@ -751,30 +809,34 @@ class SyncEngine:
     def _create_anchors(self) -> None:
         for unit in self.units:
             unit.create_anchor()
-        self.synced_replica_steps = float(self.global_step * self.num_replicas)
+        self.progress.start(self.global_step)
         self.steps_since_sync = 0
-        self._clock_start = time.perf_counter()
+        self._clock_start = self.clock()
         # The sync log's counters describe syncs: warm-up gradient traffic is not sync traffic.
         self.comm.stats.reset()
 
     def _agreed_elapsed(self) -> float:
         """Wall time since the clocks started, max over this replica's ranks."""
-        t = torch.tensor([time.perf_counter() - self._clock_start], dtype=torch.float64,
+        t = torch.tensor([self.clock() - self._clock_start], dtype=torch.float64,
                          device=self.device)
         self.comm.run(self.comm.all_reduce_shard, t, dist.ReduceOp.MAX)
         return float(t)
 
-    def _rendezvous(self, allow_skip: bool = True) -> torch.Tensor | None:
-        """A-EDiT: gather every replica's steps since the last sync; None when skipped."""
+    def _rendezvous(self, elapsed: float, allow_skip: bool = True) -> torch.Tensor | None:
+        """A-EDiT: gather every replica's steps since the last sync and its agreed elapsed
+        time; the counts, or None when skipped (too few steps in total)."""
         t0 = time.perf_counter()
-        mine = torch.tensor([self.steps_since_sync], dtype=torch.float64, device=self.device)
-        counts = self.comm.submit(self.comm.all_gather_sync, mine,
-                                  stats=self._rendezvous_comm).result().reshape(-1).cpu()
+        mine = torch.tensor([self.steps_since_sync, elapsed], dtype=torch.float64,
+                            device=self.device)
+        got = self.comm.submit(self.comm.all_gather_sync, mine,
+                               stats=self._rendezvous_comm).result().cpu()  # [R, 2]
         self._rendezvous_wait_s += time.perf_counter() - t0
+        counts = got[:, 0].contiguous()
         if allow_skip and float(counts.sum()) < self.config.min_total_global_steps:
             self.num_skipped_syncs += 1
-            self._clock_start = time.perf_counter()
+            self._clock_start = self.clock()
             return None
+        self._pending_windows = got[:, 1].tolist()
         return counts
 
     # ================================================================== state
@@ -854,10 +916,9 @@ class SyncEngine:
             "pending_fragment": self._pending_fragment,
             "pending_counts": None if self._pending_counts is None
             else self._pending_counts.tolist(),
-            "elapsed_s": time.perf_counter() - self._clock_start,
-            "synced_replica_steps": self.synced_replica_steps,
-            "last_window_counts": self.last_window_counts,
-            "last_window_s": self.last_window_s,
+            "elapsed_s": self.clock() - self._clock_start,
+            "pending_windows": self._pending_windows,
+            **self.progress.state_dict(),
             "detectors": self.detectors.state_dict() if self.detectors is not None else None,
             "rng": {"seed": self.seed},
         }
@@ -868,7 +929,7 @@ class SyncEngine:
         self.num_syncs_forced = int(sd["num_syncs_forced"])
         self._next_index = int(sd.get("next_index", self.num_syncs))
         self._inflight, self._merge_next = [], None
-        self.synced_replica_steps = float(sd["synced_replica_steps"])
+        self.progress.load_state_dict(sd)
         self.seed = int(sd["rng"]["seed"])
         if elastic:
             # A-EDiT replicas were at different steps: all restart at the mean step of the
@@ -880,8 +941,8 @@ class SyncEngine:
             self._next_index = self.num_syncs  # rounds in flight are dropped
             for unit in self.units:
                 unit.launch = None
-            self._clock_start = time.perf_counter()
-            self.last_window_counts, self.last_window_s = None, 0.0
+            self._clock_start = self.clock()
+            self.progress.last_window_counts, self.progress.last_window_s = None, 0.0
         else:
             self.global_step = int(sd["global_step"])
             self.steps_since_sync = int(sd["steps_since_sync"])
@@ -893,9 +954,8 @@ class SyncEngine:
             counts = sd["pending_counts"]
             self._pending_counts = (None if counts is None
                                     else torch.tensor(counts, dtype=torch.float64))
-            self._clock_start = time.perf_counter() - float(sd["elapsed_s"])
-            self.last_window_counts = sd["last_window_counts"]
-            self.last_window_s = float(sd["last_window_s"])
+            self._clock_start = self.clock() - float(sd["elapsed_s"])
+            self._pending_windows = sd.get("pending_windows")
         if self.detectors is not None and sd["detectors"] is not None:
             self.detectors.load_state_dict(sd["detectors"], allow_resize=True)
 

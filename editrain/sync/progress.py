@@ -1,0 +1,89 @@
+"""A-EDiT's progress: how far the cluster is through its budget, and when to stop.
+
+Replicas run at their own pace, so progress is counted in *replica-steps* (inner steps of
+one replica) and reported in synchronous-step equivalents (replica-steps of all replicas
+divided by ``R``). It is known exactly at each sync, whose rendezvous gathers every
+replica's steps since the last sync and the length of its window; in between, a replica
+estimates it from its own steps, scaled by its share of all steps in the last window.
+
+Every quantity a decision depends on is either gathered (identical on every rank) or the
+elapsed time agreed within the replica, so the ranks of a replica always decide alike.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class Progress:
+    """Replica-steps known at the last sync, the last window, and the budget.
+
+    Args:
+        num_replicas: ``R``.
+        budget: total progress to reach, in synchronous-step equivalents (the trainer's
+            ``train.steps``); None: no budget (the loop decides when to stop).
+    """
+
+    num_replicas: int
+    budget: float | None = None
+    synced_replica_steps: float = 0.0
+    """Replica-steps of all replicas up to the last sync (exact)."""
+    last_window_counts: list[float] | None = None
+    """Each replica's steps in the last sync's window (gathered)."""
+    last_window_s: float = 0.0
+    """Length of the last window: the longest of the replicas' agreed elapsed times
+    (gathered, so identical on every rank)."""
+    spent: bool = field(default=False)
+    """Whether a sync has reached the budget (decided from gathered counts: agreed)."""
+
+    def start(self, global_step: int) -> None:
+        """The local phase starts with every replica at ``global_step``."""
+        self.synced_replica_steps = float(global_step * self.num_replicas)
+
+    def estimate(self, replica: int, steps_since_sync: int) -> float:
+        """Progress now, as seen from ``replica``: exact at a sync, estimated between."""
+        counts = self.last_window_counts
+        mine = counts[replica] if counts and replica < len(counts) else 0.0
+        scale = sum(counts) / mine if counts and mine > 0 else float(self.num_replicas)
+        return (self.synced_replica_steps + steps_since_sync * scale) / self.num_replicas
+
+    def at_sync(self, counts: list[float]) -> float:
+        """Exact progress once a sync with these gathered step counts is done."""
+        return (self.synced_replica_steps + sum(counts)) / self.num_replicas
+
+    def record_sync(self, counts: list[float], windows_s: list[float]) -> None:
+        """Account for a finished sync (identical arguments on every rank)."""
+        self.synced_replica_steps += float(sum(counts))
+        self.last_window_counts = [float(c) for c in counts]
+        self.last_window_s = float(max(windows_s)) if windows_s else 0.0
+        if self.budget is not None and self.synced_replica_steps / self.num_replicas \
+                >= self.budget:
+            self.spent = True
+
+    def budget_due(self, elapsed_s: float, steps_since_sync: int) -> bool:
+        """Whether the cluster has probably used up the budget ``elapsed_s`` seconds into
+        the window (the replica's agreed elapsed time): then it enters the rendezvous even
+        before its time trigger, and the sync that follows decides exactly."""
+        if self.budget is None:
+            return False
+        if self.last_window_counts and self.last_window_s > 0:
+            rate = sum(self.last_window_counts) / self.last_window_s
+            estimate = self.synced_replica_steps + rate * elapsed_s
+        else:
+            estimate = self.synced_replica_steps + steps_since_sync * self.num_replicas
+        return estimate >= self.budget * self.num_replicas
+
+    def state_dict(self) -> dict[str, Any]:
+        """Plain data."""
+        return {"synced_replica_steps": self.synced_replica_steps,
+                "last_window_counts": self.last_window_counts,
+                "last_window_s": self.last_window_s, "spent": self.spent}
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        """Inverse of :meth:`state_dict`."""
+        self.synced_replica_steps = float(sd["synced_replica_steps"])
+        self.last_window_counts = sd.get("last_window_counts")
+        self.last_window_s = float(sd.get("last_window_s", 0.0))
+        self.spent = bool(sd.get("spent", False))
