@@ -488,9 +488,9 @@ class Trainer:
         return self.engine.total_wait_s
 
     def _tokens(self) -> int:
-        per_replica_step = self.tokens_per_step * self.info.topo.shard_size
-        return int(round(self._progress_steps() * self.info.topo.num_replicas
-                         * per_replica_step))
+        # A-EDiT after an elastic resume counts progress in the first topology's steps.
+        ranks = self.engine.tokens_scale if self.aedit else self.info.topo.world_size
+        return int(round(self._progress_steps() * ranks * self.tokens_per_step))
 
     def _log_start(self) -> None:
         if not self.is_logger:

@@ -257,7 +257,7 @@ class SyncEngine:
         """Seconds the caller's thread waited for sync jobs, since the start (metrics)."""
         self.total_grad_sync_s = 0.0
         """Seconds spent averaging gradients across replicas (warm-up / sync method)."""
-        self.progress = Progress(self.num_replicas)
+        self.progress = Progress(self.num_replicas, self.topo.shard_size)
         """A-EDiT's progress and budget (:mod:`editrain.sync.progress`)."""
         self._pending_windows: list[float] | None = None
         self._pending_counts: torch.Tensor | None = None
@@ -319,6 +319,13 @@ class SyncEngine:
     def budget_spent(self) -> bool:
         """Whether a finished sync reached the budget (agreed: from gathered counts)."""
         return self.progress.spent
+
+    @property
+    def tokens_scale(self) -> float:
+        """Ranks whose per-rank tokens make one synchronous step of progress (``R * S`` of
+        the topology the budget is counted in; see :mod:`editrain.sync.progress`)."""
+        r, s = self.progress.reference or (self.num_replicas, self.topo.shard_size)
+        return float(r * s)
 
     @property
     def progress_steps(self) -> float:
@@ -932,11 +939,16 @@ class SyncEngine:
         self.progress.load_state_dict(sd)
         self.seed = int(sd["rng"]["seed"])
         if elastic:
-            # A-EDiT replicas were at different steps: all restart at the mean step of the
-            # last sync. Every other method keeps the (common) step count.
-            old_replicas = max(1, int(sd["topology"][0]))
-            self.global_step = (int(round(self.synced_replica_steps / old_replicas))
-                                if self.config.use_async else int(sd["global_step"]))
+            # A-EDiT replicas were at different steps: the replica-steps done are converted
+            # to this topology at equal tokens, and every replica restarts at their mean (the
+            # budget and the schedule stay counted in the run's first topology). Every other
+            # method keeps the (common) step count.
+            old = (max(1, int(sd["topology"][0])), max(1, int(sd["topology"][1])))
+            if self.config.use_async:
+                self.progress.rescale(old)
+                self.global_step = int(round(self.synced_replica_steps / self.num_replicas))
+            else:
+                self.global_step = int(sd["global_step"])
             self.steps_since_sync, self._pending, self._pending_counts = 0, False, None
             self._next_index = self.num_syncs  # rounds in flight are dropped
             for unit in self.units:
