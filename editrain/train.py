@@ -538,6 +538,8 @@ def sync_summary(entry: dict[str, Any]) -> str:
     head = f"sync {entry['sync']}"
     if "fragment" in entry:
         head += f" (fragment {entry['fragment']}, launched @step {entry['launch_step']})"
+    elif "launch_step" in entry:
+        head += f" (launched @step {entry['launch_step']})"
     parts = [f"{head} @step {entry['step']}: waited {entry['wait_s'] * 1e3:.0f} ms, "
              f"comm {entry['comm_time_s'] * 1e3:.0f} ms, {entry['bytes_sent'] / 2**20:.2f} MiB sent"]
     if entry.get("hidden") is not None:

@@ -109,3 +109,29 @@ def test_budget_end_is_agreed_by_every_rank():
     for o in outs[1:]:
         assert o["synced"] == outs[0]["synced"] and o["points"][-1] == outs[0]["points"][-1]
     assert outs[0]["points"][-1] >= 12
+
+
+NONBLOCKING = dict(overlap_steps=2, merge="keep_local")
+
+
+def test_nonblocking_skip_carries_the_steps_to_the_next_sync():
+    """Non-blocking: a window with too few steps in total is skipped (nothing reduced or
+    merged) and its steps count towards the next sync (defect 7)."""
+    outs = _run(2, 1, [1.0, 1.0], dict(local_sgd_sync_time=2.0, min_total_global_steps=7,
+                                       **NONBLOCKING, **PEN_OFF), steps=40, max_syncs=2)
+    for o in outs:
+        # windows of 2 + 2 steps are skipped; the next one carries them: 4 + 4 >= 7
+        assert o["num_syncs"] == 2 and o["skipped"] == 2
+        assert [e["replica_steps"] for e in o["log"]] == [[4.0, 4.0], [4.0, 4.0]]
+        # merged two steps after each launch
+        assert all(e["step"] - e["launch_step"] == 2 for e in o["log"])
+
+
+def test_nonblocking_budget_end_is_agreed_by_every_rank():
+    dts = [1.0, 1.3, 2.0, 2.6]
+    outs = _run(4, 2, dts, dict(local_sgd_sync_time=3.0, **NONBLOCKING, **PEN_OFF), steps=80,
+                budget=12)
+    assert all(o["stopped_at"] is not None for o in outs)
+    assert len({o["stopped_at"][1:] for o in outs}) == 1
+    assert all(o["stopped_at"][2] for o in outs)
+    assert len({o["synced"] for o in outs}) == 1 and outs[0]["points"][-1] >= 12

@@ -88,6 +88,12 @@ class _Round:
     comm: CommStats = field(default_factory=CommStats)
     windows: list[float] | None = None
     """A-EDiT: every replica's agreed elapsed time when it entered the rendezvous."""
+    rendezvous: Future | None = None
+    """Non-blocking A-EDiT: the job gathering the step counts (the round's first job)."""
+    skipped: bool = False
+    """Non-blocking A-EDiT: too few steps in total; nothing is reduced or merged."""
+    my_steps: int = 0
+    """Non-blocking A-EDiT: this replica's steps up to its snapshot."""
     work_s: float = 0.0
     """Wall time of the round's jobs on the communication thread."""
     # Filled by the statistics job (identical on every rank).
@@ -212,7 +218,10 @@ class SyncEngine:
                           for f in range(cfg.fragments)]
         """Fragment ``f``'s units: every ``P``-th unit from ``f`` (strided over depth)."""
         self.schedule = (FragmentSchedule(cfg.local_sgd_sync_interval, cfg.fragments)
-                         if cfg.streaming else None)
+                         if cfg.streaming and not cfg.use_async else None)
+        self.nonblocking = cfg.use_async and cfg.overlap_steps > 0
+        """A-EDiT's non-blocking sync: the rendezvous and the reduction run behind
+        ``overlap_steps`` inner steps, then the round is merged (``docs/streaming.md``)."""
         self._layout = StateLayout(self.units, model, self.rank,
                                    (self.topo.num_replicas, self.topo.shard_size))
 
@@ -271,6 +280,7 @@ class SyncEngine:
         self._merge_next: _Round | None = None
         """A delayed round due: merged unit by unit in the next training forward."""
         self._next_index = 0
+        self._last_sync_step = -1
         self._starting: list[int] | None = None
         self._sync_log: list[dict[str, Any]] = []
         self._rendezvous_wait_s = 0.0
@@ -342,6 +352,10 @@ class SyncEngine:
         are in lock-step but never all hold one model: every step is a point (they
         evaluate the anchors)."""
         cfg = self.config
+        if self.nonblocking and not self.in_warmup:
+            if self._last_sync_step == self.global_step:
+                return self.progress.synced_replica_steps * self.progress.unit
+            return None
         if not cfg.is_local_sgd or self.in_warmup or cfg.streaming:
             return float(self.global_step)
         if self._pending:
@@ -389,6 +403,9 @@ class SyncEngine:
         if self.schedule is not None:
             self._streaming_step()
             return
+        if self.nonblocking:
+            self._nonblocking_step()
+            return
         needs_clock = getattr(self.trigger, "needs_clock", False)
         elapsed = self._agreed_elapsed() if needs_clock else 0.0
         due = self.trigger.due(self.replica, self.steps_since_sync, elapsed)
@@ -431,6 +448,57 @@ class SyncEngine:
             else:
                 self._run_blocking(None, self.fragments[f], f)
 
+    def _nonblocking_step(self) -> None:
+        """A-EDiT, non-blocking: merge the round that is due, then launch one if this
+        replica's trigger (or the budget's end) says so and none is in flight."""
+        cfg = self.config
+        # The due round is merged here, at the step boundary (not in the next forward), so
+        # that a launch at this very step snapshots the merged model.
+        if self._inflight and self._inflight[0].apply_at == self.global_step:
+            self._round = self._inflight.pop(0)
+            self._drain_round()
+        if self._inflight:
+            return  # one round in flight at a time: the k-th launches of all replicas pair up
+        needs_clock = getattr(self.trigger, "needs_clock", False)
+        elapsed = self._agreed_elapsed() if needs_clock else 0.0
+        due = self.trigger.due(self.replica, self.steps_since_sync, elapsed)
+        if not due and needs_clock:
+            due = self.progress.budget_due(elapsed, self.steps_since_sync)
+        if not due:
+            return
+        units = list(range(len(self.units)))
+        self._call_before_sync(units)
+        for u in units:
+            self.units[u].launch = self.units[u].flat_params()
+        mine = torch.tensor([self.steps_since_sync, elapsed], dtype=torch.float64,
+                            device=self.device)
+        rnd = _Round(index=self._next_index, step_counts=None, units=units,
+                     launch_step=self.global_step, delayed=True,
+                     apply_at=self.global_step + cfg.overlap_steps, comm=self._rendezvous_comm)
+        self._rendezvous_comm = CommStats()
+        self._next_index += 1
+        rnd.my_steps = self.steps_since_sync
+        rnd.rendezvous = self.comm.submit(self._rendezvous_job, rnd, mine, stats=rnd.comm)
+        rnd.stats = self.comm.submit(self._stats_job, rnd, stats=rnd.comm)
+        rnd.submitted = [self.comm.submit(self._unit_job, rnd, i, stats=rnd.comm)
+                         for i in range(len(units))]
+        self._inflight.append(rnd)
+        # This replica's next window starts at its snapshot: later steps count towards it.
+        self.steps_since_sync = 0
+        self._clock_start = self.clock()
+
+    @torch.no_grad()
+    def _rendezvous_job(self, rnd: _Round, mine: torch.Tensor) -> None:
+        """Non-blocking A-EDiT: gather every replica's steps up to its snapshot and its
+        window length (the same numbers :meth:`_rendezvous` gathers, in the round)."""
+        got = self.comm.all_gather_sync(mine).cpu()  # [R, 2]
+        counts = got[:, 0].contiguous()
+        rnd.windows = got[:, 1].tolist()
+        if float(counts.sum()) < self.config.min_total_global_steps:
+            rnd.skipped = True
+        else:
+            rnd.step_counts = counts
+
     def _launch(self, fragment: int) -> None:
         """Start a delayed round: snapshot the fragment's parameters, queue all its jobs."""
         units = self.fragments[fragment]
@@ -470,6 +538,9 @@ class SyncEngine:
             return
         if was_pending:
             return
+        while self._inflight:  # non-blocking A-EDiT: every replica launched the same rounds
+            self._round = self._inflight.pop(0)
+            self._drain_round()
         # A-EDiT replicas may differ in steps_since_sync: they all rendezvous to decide.
         counts = (self._rendezvous(self._agreed_elapsed(), allow_skip=False)
                   if self.config.use_async else None)
@@ -619,8 +690,11 @@ class SyncEngine:
             rnd.wait_s += waited
             self.total_wait_s += waited
             if rnd.delayed:
-                self.units[rnd.units[rnd.waited]].merge(self.config.merge,
-                                                        self.config.merge_alpha)
+                unit = self.units[rnd.units[rnd.waited]]
+                if rnd.skipped:
+                    unit.launch = None  # nothing was reduced: the local model stays
+                else:
+                    unit.merge(self.config.merge, self.config.merge_alpha)
             rnd.waited += 1
         if rnd.waited == len(rnd.units):
             self._end_round()
@@ -632,7 +706,7 @@ class SyncEngine:
     def _wait_inflight(self) -> None:
         """Wait for the jobs of every delayed round (no merge: that stays on schedule)."""
         for rnd in self._inflight + ([self._merge_next] if self._merge_next else []):
-            for fut in [rnd.stats, *rnd.submitted]:
+            for fut in [rnd.rendezvous, rnd.stats, *rnd.submitted]:
                 if fut is not None:
                     fut.result()
 
@@ -648,12 +722,20 @@ class SyncEngine:
         rnd = self._round
         assert rnd is not None
         self._round = None
+        if rnd.skipped:
+            # Too few steps in total: the steps up to the snapshot count towards the next
+            # sync (defect 7), whose window already started at the snapshot.
+            self.num_skipped_syncs += 1
+            self.steps_since_sync += rnd.my_steps
+            return
         self.num_syncs += 1
+        self._last_sync_step = self.global_step
         if rnd.step_counts is not None:
             self.progress.record_sync(rnd.step_counts.tolist(), rnd.windows or [])
-        self.steps_since_sync = 0
+        if not (self.nonblocking and rnd.delayed):  # (non-blocking: reset at the launch)
+            self.steps_since_sync = 0
+            self._clock_start = self.clock()
         self._pending_counts = None
-        self._clock_start = self.clock()
         self._sync_log.append(self._log_entry(rnd))
 
     def _log_entry(self, rnd: _Round) -> dict[str, Any]:
@@ -672,6 +754,7 @@ class SyncEngine:
         self._rendezvous_wait_s = 0.0
         if self.schedule is not None:
             entry["fragment"] = rnd.fragment
+        if rnd.delayed:
             entry["launch_step"] = rnd.launch_step
         if rnd.step_counts is not None:
             entry["replica_steps"] = rnd.step_counts.tolist()
@@ -715,6 +798,8 @@ class SyncEngine:
         all-gather."""
         t0 = time.perf_counter()
         cfg = self.config
+        if rnd.skipped:
+            return
         with record_function("editrain::sync::stats"):
             sq = torch.stack([
                 self._pseudo_grad(rnd, u).double().square().sum() if self.units[u].numel else
@@ -755,6 +840,8 @@ class SyncEngine:
         with record_function("editrain::sync::unit"):
             if rnd.stats is not None:
                 rnd.stats.result()
+            if rnd.skipped:
+                return
             if rnd.weights is not None:
                 column = rnd.weights[:, i]
                 weight = float(column[self.replica])
@@ -988,6 +1075,8 @@ def _round_state(rnd: _Round) -> dict[str, Any]:
         "z": None if rnd.z is None else [[None if math.isnan(v) else v for v in row]
                                          for row in rnd.z.tolist()],
         "clip": rnd.clip,
+        "step_counts": None if rnd.step_counts is None else rnd.step_counts.tolist(),
+        "windows": rnd.windows, "skipped": rnd.skipped, "my_steps": rnd.my_steps,
     }
 
 
@@ -996,7 +1085,11 @@ def _round_from_state(sd: dict[str, Any]) -> _Round:
     rnd = _Round(index=int(sd["index"]), step_counts=None, units=list(sd["units"]),
                  fragment=int(sd["fragment"]), delayed=True,
                  launch_step=int(sd["launch_step"]), apply_at=int(sd["apply_at"]),
-                 wait_s=float(sd["wait_s"]), work_s=float(sd["work_s"]), clip=list(sd["clip"]))
+                 wait_s=float(sd["wait_s"]), work_s=float(sd["work_s"]), clip=list(sd["clip"]),
+                 windows=sd.get("windows"), skipped=bool(sd.get("skipped", False)),
+                 my_steps=int(sd.get("my_steps", 0)))
+    if sd.get("step_counts") is not None:
+        rnd.step_counts = torch.tensor(sd["step_counts"], dtype=torch.float64)
     for key, value in sd["comm"].items():
         setattr(rnd.comm, key, value)
     for key, dtype in (("norms", torch.float64), ("weights", torch.float64),
