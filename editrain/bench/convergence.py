@@ -31,6 +31,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "edit-streaming-blend": {"method": "edit", **STREAMING, "merge": "blend"},
     "edit-streaming-int4": {"method": "edit", **STREAMING, "merge": "keep_local",
                             "comm_dtype": "int4"},
+    "aedit-nonblocking": {"method": "aedit", "overlap_steps": 2, "merge": "keep_local"},
 }
 """Each variant's sync options: the five methods, then streaming EDiT with either merge
 rule (docs/streaming.md section 3), and with 4-bit pseudo-gradients."""
@@ -80,11 +81,12 @@ def run(bench: Bench) -> dict[str, Any]:
         for method in variants:
             layers: list[dict[str, Any]] = [common, {"train": {"seed": seed},
                                                      "sync": dict(VARIANTS[method])}]
-            if method != "sync":
+            if VARIANTS[method]["method"] != "sync":
                 layers.append(local)
-            if method == "aedit":
+            if VARIANTS[method]["method"] == "aedit":
                 period = _aedit_period(edit_run, interval)
-                periods.append(period)
+                if method == "aedit":
+                    periods.append(period)
                 layers.append({"sync": {"local_sgd_sync_time": period}})
             r = bench.train(f"{method}-seed{seed}", *layers, title=f"{method} seed {seed}")
             runs[method].append(r)
@@ -257,7 +259,8 @@ def _findings(results: dict[str, Any], seeds: int) -> list[str]:
         order = sorted(means, key=means.get)
         out.append("Final validation loss, best first: "
                    + ", ".join(f"{m} {means[m]:.4f}" for m in order) + ".")
-    for a in ("edit", "aedit", "edit-streaming", "edit-streaming-blend"):
+    for a in ("edit", "aedit", "aedit-nonblocking", "edit-streaming", "edit-streaming-blend",
+              "edit-streaming-int4"):
         for ref in REFERENCES:
             if a not in results or a == ref:
                 continue
