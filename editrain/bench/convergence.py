@@ -19,8 +19,9 @@ from editrain.bench.stats import mean_std, median, paired_differences
 from editrain.bench.tables import md_table
 
 NAME = "convergence"
-STREAMING = {"overlap_steps": 4, "fragments": 3, "comm_dtype": "int8"}
-"""Streaming settings (the tiny preset has 3 sync units: root, 2 blocks)."""
+STREAMING = {"fragments": 3, "comm_dtype": "int8"}
+"""Streaming settings (the tiny preset has 3 sync units: root, 2 blocks); overlap_steps is
+H / 8 (at least 1), the share of the bandwidth scenario's 4 of 32."""
 VARIANTS: dict[str, dict[str, Any]] = {
     "sync": {"method": "sync"},
     "post_local_sgd": {"method": "post_local_sgd"},
@@ -79,8 +80,10 @@ def run(bench: Bench) -> dict[str, Any]:
     for seed in range(seeds):
         edit_run = None
         for method in variants:
-            layers: list[dict[str, Any]] = [common, {"train": {"seed": seed},
-                                                     "sync": dict(VARIANTS[method])}]
+            sync = dict(VARIANTS[method])
+            if "fragments" in sync:
+                sync["overlap_steps"] = max(1, interval // 8)
+            layers: list[dict[str, Any]] = [common, {"train": {"seed": seed}, "sync": sync}]
             if VARIANTS[method]["method"] != "sync":
                 layers.append(local)
             if VARIANTS[method]["method"] == "aedit":
@@ -150,7 +153,8 @@ def run(bench: Bench) -> dict[str, Any]:
                                        if periods else "") + ".",
         "The curve of each method is the mean over seeds of its validation losses, "
         "interpolated on the evaluation points of its first seed.",
-        "edit-streaming: edit with " + ", ".join(f"{k} {v}" for k, v in STREAMING.items())
+        "edit-streaming: edit with overlap_steps " + str(max(1, interval // 8)) + ", "
+        + ", ".join(f"{k} {v}" for k, v in STREAMING.items())
         + " and merge keep_local (edit-streaming-blend: merge blend, merge_alpha 0; "
         "edit-streaming-int4: comm_dtype int4); with "
         "fragments or delayed updates the replicas never all hold one model, so these "
@@ -201,7 +205,8 @@ def _headline(results: dict[str, Any], seeds: int, steps: int) -> list[str]:
            f"{_mean_pm(e['paired_vs_sync'])}."]
     if "edit-streaming" in results:
         s = results["edit-streaming"]
-        out.append(f"Streaming EDiT ({', '.join(f'{k} {v}' for k, v in STREAMING.items())}, "
+        out.append(f"Streaming EDiT (overlap_steps H/8, "
+                   f"{', '.join(f'{k} {v}' for k, v in STREAMING.items())}, "
                    f"keep_local): edit-streaming - edit per seed {_mean_pm(s['paired_vs_edit'])}"
                    f", edit-streaming - diloco {_mean_pm(s['paired_vs_diloco'])}.")
     return out
