@@ -457,8 +457,10 @@ class SyncEngine:
         if self._inflight and self._inflight[0].apply_at == self.global_step:
             self._round = self._inflight.pop(0)
             self._drain_round()
-        if self._inflight:
-            return  # one round in flight at a time: the k-th launches of all replicas pair up
+        if self._inflight or self.progress.spent:
+            # One round in flight at a time: the k-th launches of all replicas pair up. Once
+            # a sync has spent the budget (agreed) nobody launches again: the run ends there.
+            return
         needs_clock = getattr(self.trigger, "needs_clock", False)
         elapsed = self._agreed_elapsed() if needs_clock else 0.0
         due = self.trigger.due(self.replica, self.steps_since_sync, elapsed)
