@@ -117,10 +117,11 @@ class Trainer:
         self.shard_group = info.mesh.get_group(SHARD_DIM)
         self.tokens_per_step = t.batch_size * t.seq_len * t.gradient_accumulation_steps
         self.aedit = cfg.sync.use_async
-        if self.aedit and not cfg.sim.step_schedule:
-            # With a forced step schedule the run stays deterministic: it simply ends at the
-            # first sync that reaches the budget.
-            self.engine.extra_due = self._aedit_budget_due
+        if self.aedit:
+            # The engine knows the budget: with the time trigger a replica also enters the
+            # rendezvous once the cluster has probably used it up. (A forced step schedule
+            # stays deterministic: the run ends at the first sync that reaches it.)
+            self.engine.set_budget(cfg.train.steps)
         self.step = 0
         self.val_tokens = 0
         self.next_eval = t.eval_every
@@ -377,54 +378,19 @@ class Trainer:
 
     # ------------------------------------------------------------------ progress
     def _progress_steps(self) -> float:
-        """Progress in synchronous-step equivalents (replica-steps of all replicas / R).
-
-        Equal to the step count for every method but A-EDiT, whose replicas run at their own
-        pace: there it is exact at syncs and estimated in between from this replica's steps,
-        scaled by the share of all steps it did in the last window.
-        """
-        e, r = self.engine, self.info.topo.num_replicas
-        if not self.aedit or e.in_warmup:
-            return float(self.step)
-        counts = e.last_window_counts
-        mine = counts[self.info.replica] if counts else 0.0
-        scale = sum(counts) / mine if counts and mine > 0 else float(r)
-        return (e.synced_replica_steps + e.steps_since_sync * scale) / r
+        """Progress in synchronous-step equivalents (the engine's; see
+        ``SyncEngine.progress_steps``)."""
+        return self.engine.progress_steps
 
     def _sync_point(self) -> float | None:
-        """Progress if this step boundary is a sync point (identical on every rank), else None.
-
-        Evaluations, checkpoints and the end of an A-EDiT run happen only at such points, so
-        every replica takes them at the same place with the same (global) model.
-        """
-        e, r = self.engine, self.info.topo.num_replicas
-        if not self.cfg.sync.is_local_sgd or e.in_warmup or self.cfg.sync.streaming:
-            # Streaming: replicas are in lock-step but never all hold the global model;
-            # evaluation uses the anchors (see evaluate()).
-            return float(self.step)
-        if e.sync_pending:
-            if self.aedit:
-                assert e.pending_counts is not None
-                return (e.synced_replica_steps + float(sum(e.pending_counts))) / r
-            return float(self.step)
-        if e.steps_since_sync == 0:
-            return e.synced_replica_steps / r if self.aedit else float(self.step)
-        return None
+        """Progress if this step boundary is a sync point, else None (the engine decides;
+        see ``SyncEngine.sync_point``)."""
+        return self.engine.sync_point()
 
     def _budget_done(self) -> bool:
         if self.aedit:
             return self.finished
         return self.step >= self.cfg.train.steps
-
-    def _aedit_budget_due(self, elapsed_s: float) -> bool:
-        """A-EDiT: sync now if the whole cluster has probably used up the token budget."""
-        e, r = self.engine, self.info.topo.num_replicas
-        if e.last_window_counts and e.last_window_s > 0:
-            rate = sum(e.last_window_counts) / e.last_window_s
-            estimate = e.synced_replica_steps + rate * elapsed_s
-        else:
-            estimate = e.synced_replica_steps + e.steps_since_sync * r
-        return estimate >= self.cfg.train.steps * r
 
     # ------------------------------------------------------------------ checkpoints
     def _meta(self) -> dict[str, Any]:
@@ -522,9 +488,9 @@ class Trainer:
         return self.engine.total_wait_s
 
     def _tokens(self) -> int:
-        per_replica_step = self.tokens_per_step * self.info.topo.shard_size
-        return int(round(self._progress_steps() * self.info.topo.num_replicas
-                         * per_replica_step))
+        # A-EDiT after an elastic resume counts progress in the first topology's steps.
+        ranks = self.engine.tokens_scale if self.aedit else self.info.topo.world_size
+        return int(round(self._progress_steps() * ranks * self.tokens_per_step))
 
     def _log_start(self) -> None:
         if not self.is_logger:
@@ -572,6 +538,8 @@ def sync_summary(entry: dict[str, Any]) -> str:
     head = f"sync {entry['sync']}"
     if "fragment" in entry:
         head += f" (fragment {entry['fragment']}, launched @step {entry['launch_step']})"
+    elif "launch_step" in entry:
+        head += f" (launched @step {entry['launch_step']})"
     parts = [f"{head} @step {entry['step']}: waited {entry['wait_s'] * 1e3:.0f} ms, "
              f"comm {entry['comm_time_s'] * 1e3:.0f} ms, {entry['bytes_sent'] / 2**20:.2f} MiB sent"]
     if entry.get("hidden") is not None:

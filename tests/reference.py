@@ -240,8 +240,10 @@ def _check_streaming(cfg: RefConfig, n_units: int) -> None:
         raise ValueError(f"tau must be in [0, H) = [0, {cfg.H}), got {cfg.tau}")
     if cfg.comm_dtype != "fp32" and cfg.gta is not None:
         raise NotImplementedError("quantised comm_dtype is for the linear reducer only")
-    if cfg.schedule is not None and (cfg.tau > 0 or cfg.fragments > 1):
-        raise NotImplementedError("the reference has no streaming A-EDiT schedule")
+    if cfg.schedule is not None and cfg.fragments > 1:
+        raise NotImplementedError("A-EDiT syncs every unit at once (fragments = 1)")
+    if cfg.schedule is not None and cfg.tau > 0 and min(cfg.schedule) <= cfg.tau:
+        raise NotImplementedError("non-blocking A-EDiT here needs schedule[i] > tau")
 
 
 # ---------------------------------------------------------------------------- GTA
@@ -446,13 +448,14 @@ def _simulate(cfg: RefConfig) -> list[dict[str, torch.Tensor]]:
             inflight.append((k + tau, list(units), theta0))
         n_sync += 1
 
-    def merge(rnd: tuple[int, list[int], list[list[list[torch.Tensor]]]]) -> None:
+    def merge(rnd: tuple[int, list[int], list[list[list[torch.Tensor]]]],
+              replicas: list[int] | None = None) -> None:
         """Section 3: blend ``θ ← lerp(Ã, θ, α)`` or keep_local ``θ ← Ã + (θ − θ⁰)``."""
         assert anchors is not None
         _, units, theta0 = rnd
         with torch.no_grad():
             for j, u in enumerate(units):
-                for i in range(cfg.R):
+                for i in (range(cfg.R) if replicas is None else replicas):
                     for p, a, p0 in zip(uparams[i][u], anchors[u], theta0[i][j]):
                         if cfg.merge == "blend":
                             p.copy_(torch.lerp(a, p.detach(), cfg.alpha))
@@ -499,6 +502,25 @@ def _simulate(cfg: RefConfig) -> list[dict[str, torch.Tensor]]:
                 inflight.remove(rnd)
             for f in fragment_launches(k, cfg.H, P):
                 launch(frags[f], None, cfg.tau)
+        elif cfg.tau > 0:
+            # Non-blocking A-EDiT: replica i launches after every schedule[i] of its own
+            # steps (snapshot, rendezvous and reduction behind training) and merges that
+            # round tau of its own steps later; the steps after a launch count towards the
+            # next window.
+            for i in range(cfg.R):
+                for j in range(cfg.schedule[i]):
+                    if j == cfg.tau and inflight:
+                        merge(inflight[0], replicas=[i])
+                    g = grads_of(i, steps[i])
+                    for p, gg in zip(reps[i].parameters(), g):
+                        p.grad = gg
+                    opts[i].step()
+                    steps[i] += 1
+                if cfg.schedule[i] == cfg.tau and inflight:
+                    merge(inflight[0], replicas=[i])
+            inflight.clear()
+            launch(all_units, list(cfg.schedule), cfg.tau)
+            t += 1  # t counts windows here
         else:
             # One A-EDiT window: replica i does schedule[i] steps, then all sync.
             for i in range(cfg.R):
@@ -512,6 +534,12 @@ def _simulate(cfg: RefConfig) -> list[dict[str, torch.Tensor]]:
             t += 1  # t counts windows here
     if pending:
         launch(all_units, pending_counts, 0)
+    elif cfg.schedule is not None and cfg.tau > 0:
+        # finish(force): the round in flight is merged at once; every replica then has 0
+        # steps since its snapshot, so no further sync
+        for rnd in inflight:
+            merge(rnd)
+        inflight.clear()
     elif streaming:
         # finish(): rounds in flight are merged at once; with force, one more round over
         # every unit with tau = 0 so that all replicas end on the same model

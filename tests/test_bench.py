@@ -170,7 +170,7 @@ def test_stragglers_smoke(tmp_path, cache):
     method has a throughput, a fraction of the limit, a loss and per-replica rows with
     utilisation <= 1; a fraction above 1 is flagged as a measurement error."""
     saved, _ = _run("stragglers", tmp_path, cache)
-    _runs_ok(saved, count=2 + 3)  # 2 solo runs + 3 methods, 1 repeat
+    _runs_ok(saved, count=2 + 4)  # 2 solo runs + 4 methods, 1 repeat
     assert saved["repeats"] == 1
     for case in saved["settings"]["cases"]:
         e = saved["results"][case]

@@ -205,3 +205,34 @@ def test_checkpoints_of_another_format_are_refused():
     old = {k: v for k, v in meta.items() if k != "format"}
     problems = check_compatible(old, meta)
     assert len(problems) == 1 and "format: checkpoint has format 1" in problems[0]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("src_nproc,dst_nproc", [("2", "1"), ("1", "2")])
+def test_aedit_elastic_resume_keeps_the_token_budget_and_schedule(
+        cache: Path, tmp_path: Path, src_nproc: str, dst_nproc: str) -> None:
+    """A-EDiT onto another number of replicas: the budget stays the first run's tokens and
+    the learning rate continues where the schedule is at the checkpoint's token count."""
+    schedule = {"1": "[3]", "2": "[2,3]"}
+    common = ["--method", "aedit", "--steps", "16", "--shard-size", "1",
+              "--sync.ewma_warmup_steps", "1", "--train.eval_every", "8"]
+    src = tmp_path / "src"
+    train(cache, src, "--nproc", src_nproc, f"--sim.step_schedule={schedule[src_nproc]}",
+          "--checkpoint.every", "8", *common)
+    budget = json.loads((src / "summary.json").read_text())["tokens"]
+    ckpt = list_checkpoints(src)[0]
+    saved = next(r for r in rows(src) if r.get("event") == "checkpoint")
+    at_save = max((r for r in rows(src) if "event" not in r and r["step"] <= saved["step"]),
+                  key=lambda r: r["step"])
+    after = [r for r in rows(src) if "event" not in r and r["step"] > saved["step"]
+             and "lr" in r]
+    dst = tmp_path / "dst"
+    train(cache, dst, "--nproc", dst_nproc, f"--sim.step_schedule={schedule[dst_nproc]}",
+          "--resume", str(ckpt), *common)
+    resumed = next(r for r in rows(dst) if r.get("event") == "elastic_resume")
+    assert resumed["tokens"] == at_save["tokens"]  # no token lost or invented
+    first = next(r for r in rows(dst) if "event" not in r and "lr" in r)
+    assert first["lr"] == pytest.approx(after[0]["lr"], rel=1e-9)
+    total = json.loads((dst / "summary.json").read_text())["tokens"]
+    window = 3 * 4 * 32 * int(max(src_nproc, dst_nproc))  # one window of the slowest case
+    assert budget - window <= total <= budget + window, (budget, total)

@@ -78,7 +78,7 @@ def test_error_feedback_telescopes():
     ({"merge_alpha": 1.5}, "sync.merge_alpha"),
     ({"comm_dtype": "fp8"}, "sync.comm_dtype"),
     ({"method": "sync", "fragments": 2}, "sync.method"),
-    ({"method": "aedit", "overlap_steps": 1}, "sync.method"),
+    ({"method": "aedit", "fragments": 2}, "sync.fragments"),
     ({"comm_dtype": "int8", "gta": {"reducer": "gta"}}, "sync.comm_dtype"),
 ])
 def test_streaming_options_are_validated(kwargs, option):

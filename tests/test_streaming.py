@@ -48,6 +48,13 @@ CASES = {
     # A-EDiT's step weights with quantised pseudo-gradients (forced step schedule)
     "aedit_int8": dict(sync=dict(method="aedit", comm_dtype="int8", **PEN_ON), steps=3,
                        schedule=[2, 3], finish_force=False, **UNTIED),
+    # non-blocking A-EDiT: rendezvous and reduction behind 1 or 2 of each replica's steps
+    "aedit_nb1": dict(sync=dict(method="aedit", overlap_steps=1, merge="keep_local",
+                                **PEN_ON), steps=3, schedule=[3, 5], finish_force=True,
+                      **UNTIED),
+    "aedit_nb2_int8": dict(sync=dict(method="aedit", overlap_steps=2, merge="keep_local",
+                                     comm_dtype="int8", **PEN_OFF), steps=3, schedule=[4, 3],
+                           finish_force=True, **UNTIED),
     # the same run in fp32 and int8, for the bytes on the wire
     "bytes_fp32": _case("diloco", 8, fragments=2),
     "bytes_int8": _case("diloco", 8, fragments=2, comm_dtype="int8"),

@@ -19,8 +19,9 @@ from editrain.bench.stats import mean_std, median, paired_differences
 from editrain.bench.tables import md_table
 
 NAME = "convergence"
-STREAMING = {"overlap_steps": 4, "fragments": 3, "comm_dtype": "int8"}
-"""Streaming settings (the tiny preset has 3 sync units: root, 2 blocks)."""
+STREAMING = {"fragments": 3, "comm_dtype": "int8"}
+"""Streaming settings (the tiny preset has 3 sync units: root, 2 blocks); overlap_steps is
+H / 8 (at least 1), the share of the bandwidth scenario's 4 of 32."""
 VARIANTS: dict[str, dict[str, Any]] = {
     "sync": {"method": "sync"},
     "post_local_sgd": {"method": "post_local_sgd"},
@@ -31,6 +32,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "edit-streaming-blend": {"method": "edit", **STREAMING, "merge": "blend"},
     "edit-streaming-int4": {"method": "edit", **STREAMING, "merge": "keep_local",
                             "comm_dtype": "int4"},
+    "aedit-nonblocking": {"method": "aedit", "overlap_steps": 2, "merge": "keep_local"},
 }
 """Each variant's sync options: the five methods, then streaming EDiT with either merge
 rule (docs/streaming.md section 3), and with 4-bit pseudo-gradients."""
@@ -78,13 +80,16 @@ def run(bench: Bench) -> dict[str, Any]:
     for seed in range(seeds):
         edit_run = None
         for method in variants:
-            layers: list[dict[str, Any]] = [common, {"train": {"seed": seed},
-                                                     "sync": dict(VARIANTS[method])}]
-            if method != "sync":
+            sync = dict(VARIANTS[method])
+            if "fragments" in sync:
+                sync["overlap_steps"] = max(1, interval // 8)
+            layers: list[dict[str, Any]] = [common, {"train": {"seed": seed}, "sync": sync}]
+            if VARIANTS[method]["method"] != "sync":
                 layers.append(local)
-            if method == "aedit":
+            if VARIANTS[method]["method"] == "aedit":
                 period = _aedit_period(edit_run, interval)
-                periods.append(period)
+                if method == "aedit":
+                    periods.append(period)
                 layers.append({"sync": {"local_sgd_sync_time": period}})
             r = bench.train(f"{method}-seed{seed}", *layers, title=f"{method} seed {seed}")
             runs[method].append(r)
@@ -148,7 +153,8 @@ def run(bench: Bench) -> dict[str, Any]:
                                        if periods else "") + ".",
         "The curve of each method is the mean over seeds of its validation losses, "
         "interpolated on the evaluation points of its first seed.",
-        "edit-streaming: edit with " + ", ".join(f"{k} {v}" for k, v in STREAMING.items())
+        "edit-streaming: edit with overlap_steps " + str(max(1, interval // 8)) + ", "
+        + ", ".join(f"{k} {v}" for k, v in STREAMING.items())
         + " and merge keep_local (edit-streaming-blend: merge blend, merge_alpha 0; "
         "edit-streaming-int4: comm_dtype int4); with "
         "fragments or delayed updates the replicas never all hold one model, so these "
@@ -199,7 +205,8 @@ def _headline(results: dict[str, Any], seeds: int, steps: int) -> list[str]:
            f"{_mean_pm(e['paired_vs_sync'])}."]
     if "edit-streaming" in results:
         s = results["edit-streaming"]
-        out.append(f"Streaming EDiT ({', '.join(f'{k} {v}' for k, v in STREAMING.items())}, "
+        out.append(f"Streaming EDiT (overlap_steps H/8, "
+                   f"{', '.join(f'{k} {v}' for k, v in STREAMING.items())}, "
                    f"keep_local): edit-streaming - edit per seed {_mean_pm(s['paired_vs_edit'])}"
                    f", edit-streaming - diloco {_mean_pm(s['paired_vs_diloco'])}.")
     return out
@@ -257,7 +264,8 @@ def _findings(results: dict[str, Any], seeds: int) -> list[str]:
         order = sorted(means, key=means.get)
         out.append("Final validation loss, best first: "
                    + ", ".join(f"{m} {means[m]:.4f}" for m in order) + ".")
-    for a in ("edit", "aedit", "edit-streaming", "edit-streaming-blend"):
+    for a in ("edit", "aedit", "aedit-nonblocking", "edit-streaming", "edit-streaming-blend",
+              "edit-streaming-int4"):
         for ref in REFERENCES:
             if a not in results or a == ref:
                 continue

@@ -101,7 +101,8 @@ class SyncConfig:
     """A-EDiT: share r of the step weights in (1 - r) * w + r * s, in [0, 1]."""
     overlap_steps: int = 0
     """Streaming: inner steps a fragment's reduction runs behind training before its outer
-    update is merged (tau; 0 = the sync of before, waited for in the next forward)."""
+    update is merged (tau; 0 = the sync of before, waited for in the next forward). A-EDiT:
+    > 0 makes the sync non-blocking (the rendezvous runs behind training too)."""
     fragments: int = 1
     """Streaming: number of fragments (units strided over depth) that sync at staggered
     steps, H / fragments apart; 1 = every unit at once."""
@@ -172,9 +173,9 @@ class SyncConfig:
                    "sync (HSDP) averages gradients every step: overlap_steps, fragments and "
                    "comm_dtype apply to the local-SGD methods only")
         if self.method == "aedit":
-            _check(not streaming, "sync.method",
-                   "aedit syncs on a wall-clock schedule: overlap_steps > 0 and fragments > 1 "
-                   "are not available for it yet (use edit or diloco)")
+            _check(self.fragments == 1, "sync.fragments",
+                   "aedit syncs every unit at once (on a wall-clock schedule): fragments must "
+                   "be 1 (overlap_steps > 0 makes its sync non-blocking)")
         if self.comm_dtype != "fp32":
             _check(self.gta.reducer in (None, "linear"), "sync.comm_dtype",
                    f"{self.comm_dtype} needs the linear reducer (sync.gta.reducer = "

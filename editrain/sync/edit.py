@@ -55,6 +55,7 @@ from editrain.sync.comm import CommPath, CommStats, LinkDelay
 from editrain.sync.config import SyncConfig
 from editrain.sync.outer import SyncUnit, local_view, resolve_optimizer_class
 from editrain.sync.penalty import DetectorBank, clip_coefficient, compute_weights, finite_mask
+from editrain.sync.progress import Progress
 from editrain.sync.reducers import build_reducer
 from editrain.sync.state import StateLayout
 from editrain.sync.triggers import FragmentSchedule, IntervalTrigger, SyncTrigger, TimeTrigger
@@ -85,6 +86,14 @@ class _Round:
     wait_s: float = 0.0
     started: float = field(default_factory=time.perf_counter)
     comm: CommStats = field(default_factory=CommStats)
+    windows: list[float] | None = None
+    """A-EDiT: every replica's agreed elapsed time when it entered the rendezvous."""
+    rendezvous: Future | None = None
+    """Non-blocking A-EDiT: the job gathering the step counts (the round's first job)."""
+    skipped: bool = False
+    """Non-blocking A-EDiT: too few steps in total; nothing is reduced or merged."""
+    my_steps: int = 0
+    """Non-blocking A-EDiT: this replica's steps up to its snapshot."""
     work_s: float = 0.0
     """Wall time of the round's jobs on the communication thread."""
     # Filled by the statistics job (identical on every rank).
@@ -154,6 +163,8 @@ class SyncEngine:
         seed: seeds the random sparsification of the GTA reducer (saved with the state:
             the engine's only randomness is derived from it, the sync index, the unit and the
             rank).
+        clock: seconds of a monotonic clock for A-EDiT's time trigger and budget (default
+            ``time.perf_counter``; tests inject their own). Metrics use real time.
     """
 
     def __init__(
@@ -167,6 +178,7 @@ class SyncEngine:
         trigger: SyncTrigger | None = None,
         before_sync: BeforeSyncHook | None = None,
         seed: int = 0,
+        clock: Callable[[], float] | None = None,
     ) -> None:
         self.config = cfg = config.resolve()
         self.model = model
@@ -177,6 +189,7 @@ class SyncEngine:
         self.num_replicas = self.topo.num_replicas
         self.seed = seed
         self.before_sync = before_sync
+        self.clock = clock or time.perf_counter
         blocks = list(blocks)
         if not blocks:
             raise ValueError("the sync engine needs at least one block (sync unit) in `blocks`")
@@ -205,7 +218,10 @@ class SyncEngine:
                           for f in range(cfg.fragments)]
         """Fragment ``f``'s units: every ``P``-th unit from ``f`` (strided over depth)."""
         self.schedule = (FragmentSchedule(cfg.local_sgd_sync_interval, cfg.fragments)
-                         if cfg.streaming else None)
+                         if cfg.streaming and not cfg.use_async else None)
+        self.nonblocking = cfg.use_async and cfg.overlap_steps > 0
+        """A-EDiT's non-blocking sync: the rendezvous and the reduction run behind
+        ``overlap_steps`` inner steps, then the round is merged (``docs/streaming.md``)."""
         self._layout = StateLayout(self.units, model, self.rank,
                                    (self.topo.num_replicas, self.topo.shard_size))
 
@@ -250,18 +266,13 @@ class SyncEngine:
         """Seconds the caller's thread waited for sync jobs, since the start (metrics)."""
         self.total_grad_sync_s = 0.0
         """Seconds spent averaging gradients across replicas (warm-up / sync method)."""
-        # A-EDiT book-keeping: replica-steps known at the last sync (all replicas), and the
-        # last window's per-replica steps and length, from which progress can be estimated.
-        self.synced_replica_steps = 0.0
-        self.last_window_counts: list[float] | None = None
-        self.last_window_s = 0.0
-        self.extra_due: Callable[[float], bool] | None = None
-        """Optional extra trigger, asked with the agreed elapsed time (A-EDiT's end of budget).
-        It must answer identically on every rank of a replica."""
+        self.progress = Progress(self.num_replicas, self.topo.shard_size)
+        """A-EDiT's progress and budget (:mod:`editrain.sync.progress`)."""
+        self._pending_windows: list[float] | None = None
         self._pending_counts: torch.Tensor | None = None
         self._pending = False
         self._pending_fragment = 0
-        self._clock_start = time.perf_counter()
+        self._clock_start = self.clock()
         self._round: _Round | None = None
         """The round whose units the current forward waits for (or that runs blocking)."""
         self._inflight: list[_Round] = []
@@ -269,6 +280,7 @@ class SyncEngine:
         self._merge_next: _Round | None = None
         """A delayed round due: merged unit by unit in the next training forward."""
         self._next_index = 0
+        self._last_sync_step = -1
         self._starting: list[int] | None = None
         self._sync_log: list[dict[str, Any]] = []
         self._rendezvous_wait_s = 0.0
@@ -290,6 +302,71 @@ class SyncEngine:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+    # A-EDiT's book-keeping, kept under its former names.
+    @property
+    def synced_replica_steps(self) -> float:
+        """Replica-steps of all replicas up to the last sync."""
+        return self.progress.synced_replica_steps
+
+    @property
+    def last_window_counts(self) -> list[float] | None:
+        """Each replica's steps in the last sync's window."""
+        return self.progress.last_window_counts
+
+    @property
+    def last_window_s(self) -> float:
+        """Length of the last window (gathered: identical on every rank)."""
+        return self.progress.last_window_s
+
+    def set_budget(self, steps: float | None) -> None:
+        """A-EDiT: the run's budget in synchronous-step equivalents (``train.steps``). With
+        the time trigger, a replica then also enters the rendezvous once the cluster has
+        probably used it up; :attr:`budget_spent` says when a sync has reached it."""
+        self.progress.budget = steps
+
+    @property
+    def budget_spent(self) -> bool:
+        """Whether a finished sync reached the budget (agreed: from gathered counts)."""
+        return self.progress.spent
+
+    @property
+    def tokens_scale(self) -> float:
+        """Ranks whose per-rank tokens make one synchronous step of progress (``R * S`` of
+        the topology the budget is counted in; see :mod:`editrain.sync.progress`)."""
+        r, s = self.progress.reference or (self.num_replicas, self.topo.shard_size)
+        return float(r * s)
+
+    @property
+    def progress_steps(self) -> float:
+        """Progress in synchronous-step equivalents: the step count for every method but
+        A-EDiT, whose replicas run at their own pace (exact at syncs, estimated between)."""
+        if not self.config.use_async or self.in_warmup:
+            return float(self.global_step)
+        return self.progress.estimate(self.replica, self.steps_since_sync)
+
+    def sync_point(self) -> float | None:
+        """Progress if this step boundary is a sync point (identical on every rank), else
+        None. Evaluations, checkpoints and the end of an A-EDiT run belong there, so every
+        replica takes them at the same place with the same (global) model. Streaming runs
+        are in lock-step but never all hold one model: every step is a point (they
+        evaluate the anchors)."""
+        cfg = self.config
+        if self.nonblocking and not self.in_warmup:
+            if self._last_sync_step == self.global_step:
+                return self.progress.synced_replica_steps * self.progress.unit
+            return None
+        if not cfg.is_local_sgd or self.in_warmup or cfg.streaming:
+            return float(self.global_step)
+        if self._pending:
+            if cfg.use_async:
+                assert self._pending_counts is not None
+                return self.progress.at_sync(self._pending_counts.tolist())
+            return float(self.global_step)
+        if self.steps_since_sync == 0:
+            return (self.progress.synced_replica_steps / self.num_replicas if cfg.use_async
+                    else float(self.global_step))
+        return None
 
     @property
     def in_warmup(self) -> bool:
@@ -326,14 +403,19 @@ class SyncEngine:
         if self.schedule is not None:
             self._streaming_step()
             return
-        needs_clock = getattr(self.trigger, "needs_clock", False) or self.extra_due is not None
+        if self.nonblocking:
+            self._nonblocking_step()
+            return
+        needs_clock = getattr(self.trigger, "needs_clock", False)
         elapsed = self._agreed_elapsed() if needs_clock else 0.0
         due = self.trigger.due(self.replica, self.steps_since_sync, elapsed)
-        if not due and self.extra_due is not None:
-            due = self.extra_due(elapsed)
+        if not due and needs_clock and cfg.use_async:
+            # The budget's end (agreed: the elapsed time within the replica, the rate from
+            # the gathered last window).
+            due = self.progress.budget_due(elapsed, self.steps_since_sync)
         if not due:
             return
-        counts = self._rendezvous() if cfg.use_async else None
+        counts = self._rendezvous(elapsed) if cfg.use_async else None
         if cfg.use_async and counts is None:
             return  # skipped: too few steps in total; clocks restarted
         if cfg.layerwise:
@@ -365,6 +447,59 @@ class SyncEngine:
                 self._pending, self._pending_fragment = True, f
             else:
                 self._run_blocking(None, self.fragments[f], f)
+
+    def _nonblocking_step(self) -> None:
+        """A-EDiT, non-blocking: merge the round that is due, then launch one if this
+        replica's trigger (or the budget's end) says so and none is in flight."""
+        cfg = self.config
+        # The due round is merged here, at the step boundary (not in the next forward), so
+        # that a launch at this very step snapshots the merged model.
+        if self._inflight and self._inflight[0].apply_at == self.global_step:
+            self._round = self._inflight.pop(0)
+            self._drain_round()
+        if self._inflight or self.progress.spent:
+            # One round in flight at a time: the k-th launches of all replicas pair up. Once
+            # a sync has spent the budget (agreed) nobody launches again: the run ends there.
+            return
+        needs_clock = getattr(self.trigger, "needs_clock", False)
+        elapsed = self._agreed_elapsed() if needs_clock else 0.0
+        due = self.trigger.due(self.replica, self.steps_since_sync, elapsed)
+        if not due and needs_clock:
+            due = self.progress.budget_due(elapsed, self.steps_since_sync)
+        if not due:
+            return
+        units = list(range(len(self.units)))
+        self._call_before_sync(units)
+        for u in units:
+            self.units[u].launch = self.units[u].flat_params()
+        mine = torch.tensor([self.steps_since_sync, elapsed], dtype=torch.float64,
+                            device=self.device)
+        rnd = _Round(index=self._next_index, step_counts=None, units=units,
+                     launch_step=self.global_step, delayed=True,
+                     apply_at=self.global_step + cfg.overlap_steps, comm=self._rendezvous_comm)
+        self._rendezvous_comm = CommStats()
+        self._next_index += 1
+        rnd.my_steps = self.steps_since_sync
+        rnd.rendezvous = self.comm.submit(self._rendezvous_job, rnd, mine, stats=rnd.comm)
+        rnd.stats = self.comm.submit(self._stats_job, rnd, stats=rnd.comm)
+        rnd.submitted = [self.comm.submit(self._unit_job, rnd, i, stats=rnd.comm)
+                         for i in range(len(units))]
+        self._inflight.append(rnd)
+        # This replica's next window starts at its snapshot: later steps count towards it.
+        self.steps_since_sync = 0
+        self._clock_start = self.clock()
+
+    @torch.no_grad()
+    def _rendezvous_job(self, rnd: _Round, mine: torch.Tensor) -> None:
+        """Non-blocking A-EDiT: gather every replica's steps up to its snapshot and its
+        window length (the same numbers :meth:`_rendezvous` gathers, in the round)."""
+        got = self.comm.all_gather_sync(mine).cpu()  # [R, 2]
+        counts = got[:, 0].contiguous()
+        rnd.windows = got[:, 1].tolist()
+        if float(counts.sum()) < self.config.min_total_global_steps:
+            rnd.skipped = True
+        else:
+            rnd.step_counts = counts
 
     def _launch(self, fragment: int) -> None:
         """Start a delayed round: snapshot the fragment's parameters, queue all its jobs."""
@@ -405,8 +540,12 @@ class SyncEngine:
             return
         if was_pending:
             return
+        while self._inflight:  # non-blocking A-EDiT: every replica launched the same rounds
+            self._round = self._inflight.pop(0)
+            self._drain_round()
         # A-EDiT replicas may differ in steps_since_sync: they all rendezvous to decide.
-        counts = self._rendezvous(allow_skip=False) if self.config.use_async else None
+        counts = (self._rendezvous(self._agreed_elapsed(), allow_skip=False)
+                  if self.config.use_async else None)
         if (counts is None and not self.steps_since_sync) or (
                 counts is not None and float(counts.sum()) == 0):
             return
@@ -522,7 +661,8 @@ class SyncEngine:
         rnd = _Round(index=self._next_index, step_counts=step_counts, units=list(units),
                      fragment=fragment, launch_step=self.global_step,
                      delayed=apply_at is not None, apply_at=apply_at or 0,
-                     comm=self._rendezvous_comm)
+                     comm=self._rendezvous_comm,
+                     windows=self._pending_windows if step_counts is not None else None)
         self._rendezvous_comm = CommStats()
         self._next_index += 1
         if self.config.penalty_enabled or step_counts is not None:
@@ -552,8 +692,11 @@ class SyncEngine:
             rnd.wait_s += waited
             self.total_wait_s += waited
             if rnd.delayed:
-                self.units[rnd.units[rnd.waited]].merge(self.config.merge,
-                                                        self.config.merge_alpha)
+                unit = self.units[rnd.units[rnd.waited]]
+                if rnd.skipped:
+                    unit.launch = None  # nothing was reduced: the local model stays
+                else:
+                    unit.merge(self.config.merge, self.config.merge_alpha)
             rnd.waited += 1
         if rnd.waited == len(rnd.units):
             self._end_round()
@@ -565,7 +708,7 @@ class SyncEngine:
     def _wait_inflight(self) -> None:
         """Wait for the jobs of every delayed round (no merge: that stays on schedule)."""
         for rnd in self._inflight + ([self._merge_next] if self._merge_next else []):
-            for fut in [rnd.stats, *rnd.submitted]:
+            for fut in [rnd.rendezvous, rnd.stats, *rnd.submitted]:
                 if fut is not None:
                     fut.result()
 
@@ -581,14 +724,20 @@ class SyncEngine:
         rnd = self._round
         assert rnd is not None
         self._round = None
+        if rnd.skipped:
+            # Too few steps in total: the steps up to the snapshot count towards the next
+            # sync (defect 7), whose window already started at the snapshot.
+            self.num_skipped_syncs += 1
+            self.steps_since_sync += rnd.my_steps
+            return
         self.num_syncs += 1
+        self._last_sync_step = self.global_step
         if rnd.step_counts is not None:
-            self.synced_replica_steps += float(rnd.step_counts.sum())
-            self.last_window_counts = rnd.step_counts.tolist()
-            self.last_window_s = time.perf_counter() - self._clock_start
-        self.steps_since_sync = 0
+            self.progress.record_sync(rnd.step_counts.tolist(), rnd.windows or [])
+        if not (self.nonblocking and rnd.delayed):  # (non-blocking: reset at the launch)
+            self.steps_since_sync = 0
+            self._clock_start = self.clock()
         self._pending_counts = None
-        self._clock_start = time.perf_counter()
         self._sync_log.append(self._log_entry(rnd))
 
     def _log_entry(self, rnd: _Round) -> dict[str, Any]:
@@ -607,6 +756,7 @@ class SyncEngine:
         self._rendezvous_wait_s = 0.0
         if self.schedule is not None:
             entry["fragment"] = rnd.fragment
+        if rnd.delayed:
             entry["launch_step"] = rnd.launch_step
         if rnd.step_counts is not None:
             entry["replica_steps"] = rnd.step_counts.tolist()
@@ -650,6 +800,8 @@ class SyncEngine:
         all-gather."""
         t0 = time.perf_counter()
         cfg = self.config
+        if rnd.skipped:
+            return
         with record_function("editrain::sync::stats"):
             sq = torch.stack([
                 self._pseudo_grad(rnd, u).double().square().sum() if self.units[u].numel else
@@ -690,6 +842,8 @@ class SyncEngine:
         with record_function("editrain::sync::unit"):
             if rnd.stats is not None:
                 rnd.stats.result()
+            if rnd.skipped:
+                return
             if rnd.weights is not None:
                 column = rnd.weights[:, i]
                 weight = float(column[self.replica])
@@ -751,30 +905,34 @@ class SyncEngine:
     def _create_anchors(self) -> None:
         for unit in self.units:
             unit.create_anchor()
-        self.synced_replica_steps = float(self.global_step * self.num_replicas)
+        self.progress.start(self.global_step)
         self.steps_since_sync = 0
-        self._clock_start = time.perf_counter()
+        self._clock_start = self.clock()
         # The sync log's counters describe syncs: warm-up gradient traffic is not sync traffic.
         self.comm.stats.reset()
 
     def _agreed_elapsed(self) -> float:
         """Wall time since the clocks started, max over this replica's ranks."""
-        t = torch.tensor([time.perf_counter() - self._clock_start], dtype=torch.float64,
+        t = torch.tensor([self.clock() - self._clock_start], dtype=torch.float64,
                          device=self.device)
         self.comm.run(self.comm.all_reduce_shard, t, dist.ReduceOp.MAX)
         return float(t)
 
-    def _rendezvous(self, allow_skip: bool = True) -> torch.Tensor | None:
-        """A-EDiT: gather every replica's steps since the last sync; None when skipped."""
+    def _rendezvous(self, elapsed: float, allow_skip: bool = True) -> torch.Tensor | None:
+        """A-EDiT: gather every replica's steps since the last sync and its agreed elapsed
+        time; the counts, or None when skipped (too few steps in total)."""
         t0 = time.perf_counter()
-        mine = torch.tensor([self.steps_since_sync], dtype=torch.float64, device=self.device)
-        counts = self.comm.submit(self.comm.all_gather_sync, mine,
-                                  stats=self._rendezvous_comm).result().reshape(-1).cpu()
+        mine = torch.tensor([self.steps_since_sync, elapsed], dtype=torch.float64,
+                            device=self.device)
+        got = self.comm.submit(self.comm.all_gather_sync, mine,
+                               stats=self._rendezvous_comm).result().cpu()  # [R, 2]
         self._rendezvous_wait_s += time.perf_counter() - t0
+        counts = got[:, 0].contiguous()
         if allow_skip and float(counts.sum()) < self.config.min_total_global_steps:
             self.num_skipped_syncs += 1
-            self._clock_start = time.perf_counter()
+            self._clock_start = self.clock()
             return None
+        self._pending_windows = got[:, 1].tolist()
         return counts
 
     # ================================================================== state
@@ -854,10 +1012,9 @@ class SyncEngine:
             "pending_fragment": self._pending_fragment,
             "pending_counts": None if self._pending_counts is None
             else self._pending_counts.tolist(),
-            "elapsed_s": time.perf_counter() - self._clock_start,
-            "synced_replica_steps": self.synced_replica_steps,
-            "last_window_counts": self.last_window_counts,
-            "last_window_s": self.last_window_s,
+            "elapsed_s": self.clock() - self._clock_start,
+            "pending_windows": self._pending_windows,
+            **self.progress.state_dict(),
             "detectors": self.detectors.state_dict() if self.detectors is not None else None,
             "rng": {"seed": self.seed},
         }
@@ -868,20 +1025,25 @@ class SyncEngine:
         self.num_syncs_forced = int(sd["num_syncs_forced"])
         self._next_index = int(sd.get("next_index", self.num_syncs))
         self._inflight, self._merge_next = [], None
-        self.synced_replica_steps = float(sd["synced_replica_steps"])
+        self.progress.load_state_dict(sd)
         self.seed = int(sd["rng"]["seed"])
         if elastic:
-            # A-EDiT replicas were at different steps: all restart at the mean step of the
-            # last sync. Every other method keeps the (common) step count.
-            old_replicas = max(1, int(sd["topology"][0]))
-            self.global_step = (int(round(self.synced_replica_steps / old_replicas))
-                                if self.config.use_async else int(sd["global_step"]))
+            # A-EDiT replicas were at different steps: the replica-steps done are converted
+            # to this topology at equal tokens, and every replica restarts at their mean (the
+            # budget and the schedule stay counted in the run's first topology). Every other
+            # method keeps the (common) step count.
+            old = (max(1, int(sd["topology"][0])), max(1, int(sd["topology"][1])))
+            if self.config.use_async:
+                self.progress.rescale(old)
+                self.global_step = int(round(self.synced_replica_steps / self.num_replicas))
+            else:
+                self.global_step = int(sd["global_step"])
             self.steps_since_sync, self._pending, self._pending_counts = 0, False, None
             self._next_index = self.num_syncs  # rounds in flight are dropped
             for unit in self.units:
                 unit.launch = None
-            self._clock_start = time.perf_counter()
-            self.last_window_counts, self.last_window_s = None, 0.0
+            self._clock_start = self.clock()
+            self.progress.last_window_counts, self.progress.last_window_s = None, 0.0
         else:
             self.global_step = int(sd["global_step"])
             self.steps_since_sync = int(sd["steps_since_sync"])
@@ -893,9 +1055,8 @@ class SyncEngine:
             counts = sd["pending_counts"]
             self._pending_counts = (None if counts is None
                                     else torch.tensor(counts, dtype=torch.float64))
-            self._clock_start = time.perf_counter() - float(sd["elapsed_s"])
-            self.last_window_counts = sd["last_window_counts"]
-            self.last_window_s = float(sd["last_window_s"])
+            self._clock_start = self.clock() - float(sd["elapsed_s"])
+            self._pending_windows = sd.get("pending_windows")
         if self.detectors is not None and sd["detectors"] is not None:
             self.detectors.load_state_dict(sd["detectors"], allow_resize=True)
 
@@ -916,6 +1077,8 @@ def _round_state(rnd: _Round) -> dict[str, Any]:
         "z": None if rnd.z is None else [[None if math.isnan(v) else v for v in row]
                                          for row in rnd.z.tolist()],
         "clip": rnd.clip,
+        "step_counts": None if rnd.step_counts is None else rnd.step_counts.tolist(),
+        "windows": rnd.windows, "skipped": rnd.skipped, "my_steps": rnd.my_steps,
     }
 
 
@@ -924,7 +1087,11 @@ def _round_from_state(sd: dict[str, Any]) -> _Round:
     rnd = _Round(index=int(sd["index"]), step_counts=None, units=list(sd["units"]),
                  fragment=int(sd["fragment"]), delayed=True,
                  launch_step=int(sd["launch_step"]), apply_at=int(sd["apply_at"]),
-                 wait_s=float(sd["wait_s"]), work_s=float(sd["work_s"]), clip=list(sd["clip"]))
+                 wait_s=float(sd["wait_s"]), work_s=float(sd["work_s"]), clip=list(sd["clip"]),
+                 windows=sd.get("windows"), skipped=bool(sd.get("skipped", False)),
+                 my_steps=int(sd.get("my_steps", 0)))
+    if sd.get("step_counts") is not None:
+        rnd.step_counts = torch.tensor(sd["step_counts"], dtype=torch.float64)
     for key, value in sd["comm"].items():
         setattr(rnd.comm, key, value)
     for key, dtype in (("norms", torch.float64), ("weights", torch.float64),

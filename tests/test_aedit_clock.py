@@ -1,0 +1,137 @@
+"""A-EDiT's time trigger, skipped syncs and end of budget, with an injected clock.
+
+Each rank's clock advances by a fixed amount per inner step (its "speed"), so the tests
+need no sleeping and are deterministic: replica 0 takes 1 s per step, replica 1 (a 2x
+straggler) 2 s, and the ranks of one replica may even disagree about the time.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.reference import batch, loss_on, make_model
+
+pytestmark = pytest.mark.slow
+
+
+def _worker(rank: int, world: int, S: int, dts: list[float], sync: dict, steps: int,
+            budget: float | None, max_syncs: int | None) -> dict:
+    from torch.distributed.fsdp import fully_shard
+
+    from editrain.sync import SyncConfig, SyncEngine
+    from editrain.topology import init_mesh
+
+    info = init_mesh(shard_size=S)
+    model = make_model()
+    for block in model.layers:
+        fully_shard(block, mesh=info.shard_mesh)
+    fully_shard(model, mesh=info.shard_mesh)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    now = [0.0]
+    engine = SyncEngine(model, info.mesh, SyncConfig(method="aedit", **sync),
+                        blocks=model.layers, clock=lambda: now[0])
+    engine.set_budget(budget)
+    stopped_at = None
+    points = []
+    for step in range(steps):
+        if max_syncs is not None and engine.num_syncs >= max_syncs:
+            break  # replicas do different numbers of steps: stop after a sync, together
+        loss_on(model, batch(rank, step, 0)).backward()
+        engine.after_backward()
+        opt.step()
+        opt.zero_grad()
+        now[0] += dts[rank]
+        engine.step()
+        point = engine.sync_point()
+        engine.finish()  # an armed sync runs now (the arithmetic of the next forward)
+        if point is not None:
+            points.append(round(point, 6))
+        if budget is not None and point is not None and point >= budget:
+            stopped_at = (engine.global_step, engine.num_syncs, engine.budget_spent)
+            break
+    engine.finish()
+    out = {"log": engine.pop_sync_log(), "num_syncs": engine.num_syncs,
+           "skipped": engine.num_skipped_syncs, "stopped_at": stopped_at,
+           "replica": info.replica, "points": points,
+           "synced": engine.synced_replica_steps, "window_s": engine.last_window_s}
+    engine.close()
+    return out
+
+
+def _run(world: int, S: int, dts: list[float], sync: dict, steps: int,
+         budget: float | None = None, max_syncs: int | None = None) -> list[dict]:
+    from editrain.spawn import run_ranks
+
+    return run_ranks(_worker, world, S, dts, sync, steps, budget, max_syncs)
+
+
+PEN_OFF = dict(pseudo_gradnorm_reduce=False, skip_anomaly=False, clip_pseudo_grad=0.0)
+
+
+def test_time_trigger_gathers_each_replicas_steps():
+    # T = 4 s: replica 0 (1 s/step) is due after 4 steps, replica 1 (2 s/step) after 2.
+    outs = _run(2, 1, [1.0, 2.0], dict(local_sgd_sync_time=4.0, **PEN_OFF), steps=20,
+                max_syncs=2)
+    r0 = next(o for o in outs if o["replica"] == 0)
+    r1 = next(o for o in outs if o["replica"] == 1)
+    assert r0["num_syncs"] == r1["num_syncs"] == 2
+    for o in outs:
+        assert [e["replica_steps"] for e in o["log"]] == [[4.0, 2.0], [4.0, 2.0]]
+    # the window is the longer of the replicas' agreed elapsed times: identical everywhere
+    assert r0["window_s"] == r1["window_s"] == 4.0
+    assert r0["synced"] == r1["synced"] == 12.0
+
+
+def test_too_few_steps_skip_the_sync_and_restart_the_clocks():
+    outs = _run(2, 1, [1.0, 1.0], dict(local_sgd_sync_time=2.0, min_total_global_steps=100,
+                                       **PEN_OFF), steps=6)
+    for o in outs:
+        # due after steps 2, 4 and 6 (clocks restart after each skip): all skipped
+        assert o["num_syncs"] == 0 and o["skipped"] == 3
+
+
+def test_budget_end_is_agreed_by_every_rank():
+    """2 replicas x 2 shards whose ranks' clocks disagree (rank 1 runs 30% fast, rank 3
+    is a straggler's fast shard): the budget's end is decided from gathered counts and
+    agreed elapsed times, so every rank stops at the same sync, with no hang."""
+    dts = [1.0, 1.3, 2.0, 2.6]
+    outs = _run(4, 2, dts, dict(local_sgd_sync_time=3.0, **PEN_OFF), steps=60, budget=12)
+    assert all(o["stopped_at"] is not None for o in outs)
+    stops = {o["stopped_at"][1:] for o in outs}  # (sync, budget spent): one for everyone
+    assert len(stops) == 1, stops
+    (syncs, spent), = stops
+    assert spent and syncs >= 2
+    # the ranks of a replica stop at the same step; the straggler at fewer steps
+    steps = {o["replica"]: {x["stopped_at"][0] for x in outs if x["replica"] == o["replica"]}
+             for o in outs}
+    assert all(len(v) == 1 for v in steps.values()) and max(steps[1]) < max(steps[0]), steps
+    for o in outs[1:]:
+        assert o["synced"] == outs[0]["synced"] and o["points"][-1] == outs[0]["points"][-1]
+    assert outs[0]["points"][-1] >= 12
+
+
+NONBLOCKING = dict(overlap_steps=2, merge="keep_local")
+
+
+def test_nonblocking_skip_carries_the_steps_to_the_next_sync():
+    """Non-blocking: a window with too few steps in total is skipped (nothing reduced or
+    merged) and its steps count towards the next sync (defect 7)."""
+    outs = _run(2, 1, [1.0, 1.0], dict(local_sgd_sync_time=2.0, min_total_global_steps=7,
+                                       **NONBLOCKING, **PEN_OFF), steps=40, max_syncs=2)
+    for o in outs:
+        # windows of 2 + 2 steps are skipped; the next one carries them: 4 + 4 >= 7
+        assert o["num_syncs"] == 2 and o["skipped"] == 2
+        assert [e["replica_steps"] for e in o["log"]] == [[4.0, 4.0], [4.0, 4.0]]
+        # merged two steps after each launch
+        assert all(e["step"] - e["launch_step"] == 2 for e in o["log"])
+
+
+def test_nonblocking_budget_end_is_agreed_by_every_rank():
+    dts = [1.0, 1.3, 2.0, 2.6]
+    outs = _run(4, 2, dts, dict(local_sgd_sync_time=3.0, **NONBLOCKING, **PEN_OFF), steps=80,
+                budget=12)
+    assert all(o["stopped_at"] is not None for o in outs)
+    assert len({o["stopped_at"][1:] for o in outs}) == 1
+    assert all(o["stopped_at"][2] for o in outs)
+    assert len({o["synced"] for o in outs}) == 1 and outs[0]["points"][-1] >= 12
