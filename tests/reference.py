@@ -127,7 +127,7 @@ class RefConfig:
     # streaming (docs/streaming.md); the defaults are the sync of before
     tau: int = 0  # overlap_steps: inner steps between a round's launch and its merge
     fragments: int = 1  # P: unit u belongs to fragment u mod P
-    merge: str = "blend"  # "blend" | "keep_local" (tau > 0)
+    merge: str = "keep_local"  # "keep_local" | "blend" (tau > 0), as the engine
     alpha: float = 0.0  # merge_alpha (blend)
     comm_dtype: str = "fp32"  # "fp32" | "bf16" | "int8" | "int4"
     error_feedback: bool = True  # quantised comm_dtype only
@@ -774,7 +774,7 @@ def ref_config(case: dict[str, Any], R: int, S: int, **overrides: Any) -> RefCon
         finish_force=bool(case.get("finish_force", False)),
         tau=sk.get("overlap_steps", 0),
         fragments=sk.get("fragments", 1),
-        merge=sk.get("merge", "blend"),
+        merge=sk.get("merge", "keep_local"),  # the engine's default
         alpha=float(sk.get("merge_alpha", 0.0)),
         comm_dtype=sk.get("comm_dtype", "fp32"),
         error_feedback=bool(sk.get("error_feedback", True)),
