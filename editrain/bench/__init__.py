@@ -106,7 +106,12 @@ def run_scenario(name: str, quick: bool = False, out_dir: str | None = None,
             write_readme_headline,
         )
 
-        dirs = [root / s for s in SCENARIOS if (root / s / "results.json").is_file()]
+        # Each scenario's directory, then its extra runs (``<scenario>-<label>``, e.g. a
+        # quick convergence run of more variants beside the full one).
+        dirs = []
+        for s in SCENARIOS:
+            dirs += [d for d in [root / s, *sorted(root.glob(f"{s}-*"))]
+                     if (d / "results.json").is_file()]
         if not dirs:
             raise ConfigError(f"bench report: no results.json under {root}/<scenario>/; run "
                               "`editrain bench all` (or single scenarios) first")
