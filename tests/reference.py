@@ -127,7 +127,7 @@ class RefConfig:
     # streaming (docs/streaming.md); the defaults are the sync of before
     tau: int = 0  # overlap_steps: inner steps between a round's launch and its merge
     fragments: int = 1  # P: unit u belongs to fragment u mod P
-    merge: str = "keep_local"  # "keep_local" | "blend" (tau > 0), as the engine
+    merge: str = "blend"  # "blend" | "keep_local" (tau > 0); ref_config maps the engine default
     alpha: float = 0.0  # merge_alpha (blend)
     comm_dtype: str = "fp32"  # "fp32" | "bf16" | "int8" | "int4"
     error_feedback: bool = True  # quantised comm_dtype only

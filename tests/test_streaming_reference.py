@@ -49,7 +49,7 @@ def unit_names(split_root: bool, tied: bool, n_layers: int = 2) -> list[list[str
 def test_new_fields_default_to_the_sync_of_before():
     cfg = RefConfig(R=2, S=1, steps=1)
     assert (cfg.tau, cfg.fragments, cfg.merge, cfg.alpha, cfg.comm_dtype, cfg.error_feedback,
-            cfg.split_root, cfg.tied) == (0, 1, "keep_local", 0.0, "fp32", True, False, True)
+            cfg.split_root, cfg.tied) == (0, 1, "blend", 0.0, "fp32", True, False, True)
     case = dict(sync=dict(method="edit", local_sgd_sync_interval=4), steps=8)
     got = ref_config(case, 2, 2)
     assert (got.tau, got.fragments, got.merge, got.alpha, got.comm_dtype, got.error_feedback,
