@@ -120,11 +120,114 @@ def test_nonblocking_skip_carries_the_steps_to_the_next_sync():
     outs = _run(2, 1, [1.0, 1.0], dict(local_sgd_sync_time=2.0, min_total_global_steps=7,
                                        **NONBLOCKING, **PEN_OFF), steps=40, max_syncs=2)
     for o in outs:
-        # windows of 2 + 2 steps are skipped; the next one carries them: 4 + 4 >= 7
-        assert o["num_syncs"] == 2 and o["skipped"] == 2
-        assert [e["replica_steps"] for e in o["log"]] == [[4.0, 4.0], [4.0, 4.0]]
-        # merged two steps after each launch
-        assert all(e["step"] - e["launch_step"] == 2 for e in o["log"])
+        # launched at step 2 (2 + 2 < 7 steps: skipped); the clock restarts at that round's
+        # merge (>= 2 steps later), so the next window has >= 4 + the 2 carried steps
+        assert o["num_syncs"] == 2 and o["skipped"] == 1
+        first, second = o["log"]
+        mine = o["replica"]
+        assert first["replica_steps"][mine] == first["launch_step"] >= 6
+        assert second["replica_steps"][mine] == second["launch_step"] - first["launch_step"]
+        # merged no earlier than two steps after each launch
+        assert all(e["step"] - e["launch_step"] >= 2 for e in o["log"])
+
+
+def _gated_worker(rank: int, world: int, dts: list[float], sync: dict, steps: int,
+                  gate: str, lead: int) -> dict:
+    """Replica 1's launches are held (in its before-sync hook) until replica 0 has trained
+    ``lead`` steps past its own launch of the same round: replica 0 can only keep going if
+    its sync never waits for replica 1."""
+    import json
+    import os
+    import time
+
+    from torch.distributed.fsdp import fully_shard
+
+    from editrain.sync import SyncConfig, SyncEngine
+    from editrain.topology import init_mesh
+
+    info = init_mesh(shard_size=1)
+    model = make_model()
+    for block in model.layers:
+        fully_shard(block, mesh=info.shard_mesh)
+    fully_shard(model, mesh=info.shard_mesh)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    now = [0.0]
+    seen = {"step": 0, "launches": {}}
+    gating = [True]
+
+    def publish() -> None:
+        tmp = f"{gate}.tmp"
+        with open(tmp, "w") as f:
+            json.dump(seen, f)
+        os.replace(tmp, gate)
+
+    def hold(n: int) -> None:
+        if not gating:
+            return  # (the final forced sync)
+        if rank == 0:
+            seen["launches"][str(n)] = engine.global_step
+            publish()
+            return
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            try:
+                with open(gate) as f:
+                    lead_state = json.load(f)
+            except (OSError, ValueError):
+                lead_state = {"step": 0, "launches": {}}
+            launched = lead_state["launches"].get(str(n))
+            if launched is not None and lead_state["step"] >= launched + lead:
+                return
+            time.sleep(0.005)
+        raise TimeoutError("replica 0 stopped training: it waited for replica 1")
+
+    engine = SyncEngine(model, info.mesh, SyncConfig(method="aedit", **sync),
+                        blocks=model.layers, clock=lambda: now[0], before_sync=hold)
+    for step in range(steps):
+        if engine.num_syncs >= 2:
+            break
+        loss_on(model, batch(rank, step, 0)).backward()
+        engine.after_backward()
+        opt.step()
+        opt.zero_grad()
+        now[0] += dts[rank]
+        engine.step()
+        if rank == 0:
+            seen["step"] = engine.global_step
+            publish()
+    out = {"log": engine.pop_sync_log(), "replica": info.replica,
+           "window_s": engine.last_window_s}
+    gating.clear()
+    engine.finish(force=True)
+    engine.close()
+    return out
+
+
+def test_nonblocking_fast_replica_trains_on_until_the_round_is_done(tmp_path):
+    """The fast replica posts its round and trains on; the round completes only when the
+    held straggler posts, ``lead`` steps later, and it is merged at the first step boundary
+    after that (with the exact-tau merge replica 0 would wait for replica 1 forever). Its
+    clock restarts at the merge, and each window's length covers launch to launch."""
+    from editrain.spawn import run_ranks
+
+    lead = 6
+    outs = run_ranks(_gated_worker, 2, [1.0, 2.0],
+                     dict(local_sgd_sync_time=4.0, **NONBLOCKING, **PEN_OFF), 200,
+                     str(tmp_path / "gate.json"), lead)
+    fast = next(o for o in outs if o["replica"] == 0)
+    slow = next(o for o in outs if o["replica"] == 1)
+    assert len(fast["log"]) == len(slow["log"]) == 2
+    first, second = fast["log"]
+    assert first["launch_step"] == 4  # T = 4 s at 1 s per step
+    assert first["step"] - first["launch_step"] > lead  # trained on while held
+    assert second["launch_step"] == first["step"] + 4  # the clock restarted at the merge
+    for e, f in zip(fast["log"], slow["log"]):
+        assert e["replica_steps"] == f["replica_steps"]
+    assert first["replica_steps"] == [4.0, 2.0]
+    counts = second["replica_steps"]
+    assert counts[0] == second["launch_step"] - first["launch_step"]
+    # windows launch to launch, in each replica's clock: 1 s and 2 s per step
+    assert fast["window_s"] == slow["window_s"] == max(counts[0] * 1.0, counts[1] * 2.0)
 
 
 def test_nonblocking_budget_end_is_agreed_by_every_rank():

@@ -255,6 +255,13 @@ class SyncEngine:
         else:
             assert cfg.local_sgd_sync_interval is not None
             self.trigger = IntervalTrigger(cfg.local_sgd_sync_interval)
+        self._needs_clock = bool(getattr(self.trigger, "needs_clock", False))
+        self.merge_when_done = self.nonblocking and self._needs_clock
+        """Non-blocking A-EDiT on the wall clock: a round is merged at the first step
+        boundary, ``overlap_steps`` or more after its launch, at which it is complete on
+        every rank of the replica (never waited for); the clock restarts there. With a
+        deterministic trigger (a fixed step schedule) it is merged exactly
+        ``overlap_steps`` steps after its launch, waiting if need be."""
 
         # Counters (all saved by state_dict()).
         self.global_step = 0
@@ -273,6 +280,10 @@ class SyncEngine:
         self._pending = False
         self._pending_fragment = 0
         self._clock_start = self.clock()
+        self._launch_clock = self._clock_start
+        self._window_offset = 0.0
+        """Non-blocking A-EDiT, merge when done: seconds from the last launch to the merge
+        (agreed within the replica), which the next window's length includes."""
         self._round: _Round | None = None
         """The round whose units the current forward waits for (or that runs blocking)."""
         self._inflight: list[_Round] = []
@@ -406,7 +417,7 @@ class SyncEngine:
         if self.nonblocking:
             self._nonblocking_step()
             return
-        needs_clock = getattr(self.trigger, "needs_clock", False)
+        needs_clock = self._needs_clock
         elapsed = self._agreed_elapsed() if needs_clock else 0.0
         due = self.trigger.due(self.replica, self.steps_since_sync, elapsed)
         if not due and needs_clock and cfg.use_async:
@@ -454,25 +465,26 @@ class SyncEngine:
         cfg = self.config
         # The due round is merged here, at the step boundary (not in the next forward), so
         # that a launch at this very step snapshots the merged model.
-        if self._inflight and self._inflight[0].apply_at == self.global_step:
+        if (self._inflight and self.global_step >= self._inflight[0].apply_at
+                and self._ready_to_merge(self._inflight[0])):
             self._round = self._inflight.pop(0)
             self._drain_round()
         if self._inflight or self.progress.spent:
             # One round in flight at a time: the k-th launches of all replicas pair up. Once
             # a sync has spent the budget (agreed) nobody launches again: the run ends there.
             return
-        needs_clock = getattr(self.trigger, "needs_clock", False)
-        elapsed = self._agreed_elapsed() if needs_clock else 0.0
+        elapsed = self._agreed_elapsed() if self._needs_clock else 0.0
+        window = elapsed + self._window_offset  # since the last launch (agreed)
         due = self.trigger.due(self.replica, self.steps_since_sync, elapsed)
-        if not due and needs_clock:
-            due = self.progress.budget_due(elapsed, self.steps_since_sync)
+        if not due and self._needs_clock:
+            due = self.progress.budget_due(window, self.steps_since_sync)
         if not due:
             return
         units = list(range(len(self.units)))
         self._call_before_sync(units)
         for u in units:
             self.units[u].launch = self.units[u].flat_params()
-        mine = torch.tensor([self.steps_since_sync, elapsed], dtype=torch.float64,
+        mine = torch.tensor([self.steps_since_sync, window], dtype=torch.float64,
                             device=self.device)
         rnd = _Round(index=self._next_index, step_counts=None, units=units,
                      launch_step=self.global_step, delayed=True,
@@ -487,7 +499,35 @@ class SyncEngine:
         self._inflight.append(rnd)
         # This replica's next window starts at its snapshot: later steps count towards it.
         self.steps_since_sync = 0
-        self._clock_start = self.clock()
+        self._launch_clock = self.clock()
+        self._window_offset = 0.0
+        if not self.merge_when_done:
+            self._clock_start = self._launch_clock
+
+    def _ready_to_merge(self, rnd: _Round) -> bool:
+        """Whether to merge ``rnd`` now (its ``apply_at`` reached). Exact schedule: always
+        (the merge waits if need be). Merge when done: only if every job of the round is
+        done on every rank of the replica; then the clock restarts here, so that every
+        replica's next window starts when the round completed (within a step), whichever
+        replica posted last, instead of drifting apart by a step per round."""
+        if not self.merge_when_done:
+            return True
+        pending = any(f is not None and not f.done()
+                      for f in (rnd.rendezvous, rnd.stats, *rnd.submitted))
+        now = self.clock()
+        flags = torch.tensor([float(pending), now - self._launch_clock], dtype=torch.float64,
+                             device=self.device)
+        if self.topo.shard_size > 1:
+            # The main thread's own shard group (the communication thread has a private
+            # one): the ranks of a replica merge at the same step boundary.
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX,
+                            group=self.mesh.get_group(SHARD_DIM))
+        pending_any, since_launch = flags.tolist()
+        if pending_any:
+            return False
+        self._window_offset = since_launch
+        self._clock_start = now
+        return True
 
     @torch.no_grad()
     def _rendezvous_job(self, rnd: _Round, mine: torch.Tensor) -> None:
@@ -726,9 +766,12 @@ class SyncEngine:
         self._round = None
         if rnd.skipped:
             # Too few steps in total: the steps up to the snapshot count towards the next
-            # sync (defect 7), whose window already started at the snapshot.
+            # sync (defect 7), whose window already started at the snapshot; so does the
+            # time they took.
             self.num_skipped_syncs += 1
             self.steps_since_sync += rnd.my_steps
+            if rnd.windows:
+                self._window_offset += rnd.windows[self.replica]
             return
         self.num_syncs += 1
         self._last_sync_step = self.global_step
@@ -907,7 +950,8 @@ class SyncEngine:
             unit.create_anchor()
         self.progress.start(self.global_step)
         self.steps_since_sync = 0
-        self._clock_start = self.clock()
+        self._clock_start = self._launch_clock = self.clock()
+        self._window_offset = 0.0
         # The sync log's counters describe syncs: warm-up gradient traffic is not sync traffic.
         self.comm.stats.reset()
 
@@ -1013,6 +1057,8 @@ class SyncEngine:
             "pending_counts": None if self._pending_counts is None
             else self._pending_counts.tolist(),
             "elapsed_s": self.clock() - self._clock_start,
+            "since_launch_s": self.clock() - self._launch_clock,
+            "window_offset_s": self._window_offset,
             "pending_windows": self._pending_windows,
             **self.progress.state_dict(),
             "detectors": self.detectors.state_dict() if self.detectors is not None else None,
@@ -1042,7 +1088,8 @@ class SyncEngine:
             self._next_index = self.num_syncs  # rounds in flight are dropped
             for unit in self.units:
                 unit.launch = None
-            self._clock_start = self.clock()
+            self._clock_start = self._launch_clock = self.clock()
+            self._window_offset = 0.0
             self.progress.last_window_counts, self.progress.last_window_s = None, 0.0
         else:
             self.global_step = int(sd["global_step"])
@@ -1055,7 +1102,10 @@ class SyncEngine:
             counts = sd["pending_counts"]
             self._pending_counts = (None if counts is None
                                     else torch.tensor(counts, dtype=torch.float64))
-            self._clock_start = self.clock() - float(sd["elapsed_s"])
+            now = self.clock()
+            self._clock_start = now - float(sd["elapsed_s"])
+            self._launch_clock = now - float(sd.get("since_launch_s", sd["elapsed_s"]))
+            self._window_offset = float(sd.get("window_offset_s", 0.0))
             self._pending_windows = sd.get("pending_windows")
         if self.detectors is not None and sd["detectors"] is not None:
             self.detectors.load_state_dict(sd["detectors"], allow_resize=True)
