@@ -178,6 +178,10 @@ class SimSection:
     step_schedule: list[int] = field(default_factory=list)
     """A-EDiT: replica r syncs after step_schedule[r] steps instead of on the clock
     (reproducible experiments and tests)."""
+    replica_offset: int = 0
+    """Replica r of this run is replica r + replica_offset of the simulated cluster (its
+    stragglers and random-stall stream): a single-replica run then measures one replica of
+    a larger simulated run alone (the benchmarks' solo runs)."""
 
 
 @dataclass
@@ -459,6 +463,8 @@ def validate(cfg: Config) -> None:
         sim.parse_sim(cfg.sim)
     except ValueError as e:
         raise ConfigError(str(e)) from None
+    _req(cfg.sim.replica_offset >= 0, "sim.replica_offset",
+         f"must be >= 0, got {cfg.sim.replica_offset}")
     if cfg.sim.step_schedule:
         _req(s.method == "aedit", "sim.step_schedule", "only applies to sync.method=aedit")
         _req(min(cfg.sim.step_schedule) >= 1, "sim.step_schedule",
@@ -510,7 +516,8 @@ def validate_world(cfg: Config, world_size: int) -> None:
     from editrain import sim
 
     try:
-        sim.check_replicas(sim.parse_sim(cfg.sim), world_size // d.shard_size)
+        sim.check_replicas(sim.parse_sim(cfg.sim),
+                           world_size // d.shard_size + cfg.sim.replica_offset)
     except ValueError as e:
         raise ConfigError(str(e)) from None
 

@@ -68,7 +68,7 @@ class Trainer:
         device_type = None if cfg.dist.device == "auto" else cfg.dist.device
         backend = None if cfg.dist.backend == "auto" else cfg.dist.backend
         self.info = info = init_mesh(cfg.dist.shard_size, backend=backend, device_type=device_type)
-        check_replicas(self.plan, info.topo.num_replicas)
+        check_replicas(self.plan, info.topo.num_replicas + cfg.sim.replica_offset)
         self.is_logger = info.rank == 0
         self.quiet = cfg.quiet or not self.is_logger
 
@@ -113,7 +113,8 @@ class Trainer:
             trigger=StepScheduleTrigger(cfg.sim.step_schedule) if cfg.sim.step_schedule else None,
             seed=t.seed,
         )
-        self.slowdown = ComputeSlowdown(self.plan, info.replica, t.seed)
+        self.slowdown = ComputeSlowdown(self.plan, info.replica + cfg.sim.replica_offset,
+                                        t.seed)
         self.shard_group = info.mesh.get_group(SHARD_DIM)
         self.tokens_per_step = t.batch_size * t.seq_len * t.gradient_accumulation_steps
         self.aedit = cfg.sync.use_async

@@ -32,7 +32,7 @@ from editrain.bench.runner import Bench
 from editrain.bench.runs import Run, read_rank_steps, read_run
 from editrain.bench.stats import beyond_spread, paired_differences, spread
 from editrain.bench.tables import md_table
-from editrain.config import ConfigError, load_config
+from editrain.config import ConfigError, load_config, validate_world
 
 
 def _num(v) -> bool:
@@ -375,14 +375,16 @@ def test_rank_logs_are_read_per_replica(tmp_path):
     assert read_rank_steps(tmp_path / "nothing") == {}
 
 
-def test_solo_runs_map_each_replica_onto_replica_zero(tmp_path):
-    """A straggler's solo run is slowed like the straggler; identical replicas share one."""
+def test_solo_runs_simulate_one_replica_each(tmp_path):
+    """A straggler's solo run is slowed like the straggler (it simulates that replica);
+    every replica has its own solo run, with its own random-stall stream."""
     base = {"dist": {"nproc": 2, "shard_size": 1}, "train": {"steps": 20},
             "sim": {"straggler": ["1=2", "0=1.5@3-9"], "link_bandwidth": "5MB/s",
                     "corrupt_replica": ["1@2"]}}
     cfg = load_config(None, base)
-    assert solo_sim(cfg.sim, 1)["straggler"] == ["0=2"]
+    assert solo_sim(cfg.sim, 1)["straggler"] == ["1=2"]
     assert solo_sim(cfg.sim, 0)["straggler"] == ["0=1.5@3-9"]
+    assert [solo_sim(cfg.sim, r)["replica_offset"] for r in (0, 1)] == [0, 1]
     assert solo_sim(cfg.sim, 0)["link_bandwidth"] is None
     assert solo_sim(cfg.sim, 1)["corrupt_replica"] == []
     plan = plan_solo_runs(cfg)
@@ -393,11 +395,13 @@ def test_solo_runs_map_each_replica_onto_replica_zero(tmp_path):
         assert layer["sync"]["local_sgd_sync_interval"] > 20  # no sync inside the run
         solo = load_config(None, merge(base, layer))  # a valid single-replica run
         assert solo.dist.nproc == solo.dist.shard_size == 1
+        validate_world(solo, 1)  # replica indices up to the offset exist
     stall = load_config(None, merge(base, {"sim": {"straggler": [], "corrupt_replica": [],
                                                    "random_stall": "0.1,0.2"}}))
-    shared = plan_solo_runs(stall)
-    assert len(shared.layers) == 1 and list(shared.labels.values()) == ["solo-replicas0+1"]
-    assert shared.sims[shared.replica_keys[0]]["random_stall"] == "0.1,0.2"
+    own = plan_solo_runs(stall)
+    assert list(own.labels.values()) == ["solo-replica0", "solo-replica1"]
+    assert [own.sims[k]["random_stall"] for k in own.replica_keys] == ["0.1,0.2"] * 2
+    assert [own.sims[k]["replica_offset"] for k in own.replica_keys] == [0, 1]
 
 
 def test_spread_and_paired_differences():

@@ -493,6 +493,7 @@ FROZEN_OPTIONS = [
     "sim.corrupt_replica",
     "sim.fail",
     "sim.step_schedule",
+    "sim.replica_offset",
     "checkpoint.every",
     "checkpoint.keep",
     "checkpoint.final",

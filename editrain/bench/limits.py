@@ -1,18 +1,18 @@
-"""Measured speed limits: each replica's solo speed, run alone with its own simulation.
+"""Measured speed limits: every replica's solo speed, all run at once, none communicating.
 
 The physical limit of a cluster of replicas that never wait for each other is the sum of
-the replicas' solo speeds. Each solo run is a single replica (``dist.nproc =
-dist.shard_size``) with the same simulated slowdown that replica has in the compared runs
-(replica ``r``'s straggler factor is mapped onto replica 0 of the solo run; random stalls
-keep their settings), the same threads per process and the same steps, and no
-communication at all (``edit`` with a sync interval longer than the run). Replicas whose
-simulation is identical share one solo run. Solo runs are started by the scenario,
+the replicas' speeds when each trains alone, never communicating, while the others do the
+same on the same machine (so the limit includes the contention for cores and memory that
+the compared runs have too). Each solo run is a single replica (``dist.nproc =
+dist.shard_size``) that simulates replica ``r`` of the compared runs (``sim.replica_offset
+= r``: its straggler factor and its own random-stall stream), with the same threads per
+process and the same steps, and no communication at all (``edit`` with a sync interval
+longer than the run). The solo runs of one repeat are started together, as separate jobs,
 interleaved with the method runs of every repeat.
 """
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass, field
 from typing import Any
@@ -47,34 +47,28 @@ def solo_sim(sim: Any, replica: int) -> dict[str, Any]:
         replica: the replica to measure.
 
     Returns:
-        ``sim`` options: that replica's stragglers mapped onto replica 0, the random
-        stalls unchanged; no link (a solo replica has no cross-replica traffic), no
-        corruption, failure or forced A-EDiT schedule.
+        ``sim`` options: that replica's stragglers and the random stalls, seen from replica
+        ``replica`` (``replica_offset``: the same straggler indices, its own stall stream);
+        no link (a solo replica has no cross-replica traffic), no corruption, failure or
+        forced A-EDiT schedule.
     """
     from editrain.sim import parse_sim
 
-    plan = parse_sim(sim)
-    stragglers = []
-    for s in plan.stragglers:
-        if s.replica != replica:
-            continue
-        spec = f"0={s.factor:g}"
-        if s.start or s.stop is not None:
-            spec += f"@{s.start}-{s.stop}"
-        stragglers.append(spec)
-    return {"straggler": stragglers, "random_stall": sim.random_stall,
+    simulated = sim.replica_offset + replica
+    mine = [spec for spec, s in zip(sim.straggler, parse_sim(sim).stragglers)
+            if s.replica == simulated]
+    return {"straggler": mine, "random_stall": sim.random_stall,
+            "replica_offset": simulated,
             "link_bandwidth": None, "link_latency": None, "corrupt_replica": [],
             "fail": None, "step_schedule": []}
 
 
 def plan_solo_runs(cfg: Any) -> SoloPlan:
-    """The solo runs that measure every replica of a run configured as ``cfg``.
+    """The solo runs that measure every replica of a run configured as ``cfg``: one per
+    replica (each replica's random stalls are its own stream, so none are shared).
 
     Args:
         cfg: the compared runs' validated configuration (``Bench.config(...)``).
-
-    Returns:
-        The plan; one solo run per distinct simulation.
     """
     shard = cfg.dist.shard_size
     replicas = cfg.dist.nproc // shard
@@ -82,20 +76,15 @@ def plan_solo_runs(cfg: Any) -> SoloPlan:
     plan = SoloPlan(replica_keys=[])
     for replica in range(replicas):
         sim = solo_sim(cfg.sim, replica)
-        key = json.dumps(sim, sort_keys=True)
+        key = f"replica{replica}"
         plan.replica_keys.append(key)
-        if key in plan.layers:
-            continue
         plan.sims[key] = sim
+        plan.labels[key] = f"solo-replica{replica}"
         plan.layers[key] = {
             "dist": {"nproc": shard, "shard_size": shard, "threads_per_proc": threads},
             "sim": sim,
             "sync": {"method": "edit", "local_sgd_sync_interval": cfg.train.steps + 1},
         }
-    for key in plan.layers:
-        members = plan.replicas_of(key)
-        plan.labels[key] = ("solo-replica" if len(members) == 1 else "solo-replicas") \
-            + "+".join(map(str, members))
     return plan
 
 

@@ -22,6 +22,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -194,6 +195,41 @@ class Bench:
         Raises:
             ConfigError: the options are invalid (checked before anything starts).
         """
+        job = self._prepare(label, layers, last)
+        load = load_average()
+        self.announce(title or label)
+        t0 = time.perf_counter()
+        error = run_child(*job[1:], self.run_timeout_s)
+        return self.record_run(read_run(label, job[0], self.options(*layers, last=last),
+                                        time.perf_counter() - t0, error), load, title)
+
+    def train_together(self, jobs: Sequence[tuple[str, tuple, dict[str, Any] | None, str]]
+                       ) -> list[Run]:
+        """Run several training jobs at the same time (each its own ``editrain train``),
+        e.g. replicas' solo runs that must share the machine as the replicas do.
+
+        Args:
+            jobs: ``(label, layers, last, title)`` per job, as for :meth:`train`.
+
+        Returns:
+            The runs, in the order of ``jobs``.
+        """
+        prepared = [self._prepare(label, layers, last) for label, layers, last, _ in jobs]
+        load = load_average()
+        self.announce(" + ".join(title for *_, title in jobs) + " (at once)")
+        t0 = time.perf_counter()
+        with ThreadPoolExecutor(max_workers=len(jobs)) as pool:
+            errors = list(pool.map(lambda job: run_child(*job[1:], self.run_timeout_s),
+                                   prepared))
+        elapsed = time.perf_counter() - t0
+        return [self.record_run(read_run(label, job[0], self.options(*layers, last=last),
+                                         elapsed, error), load, title)
+                for (label, layers, last, title), job, error in zip(jobs, prepared, errors)]
+
+    def _prepare(self, label: str, layers: tuple, last: dict[str, Any] | None
+                 ) -> tuple[Path, list[str], Path]:
+        """Validate a job's options and write its configuration: ``(run directory, argv,
+        log path)``."""
         from editrain.config import dumps_toml, to_dict
 
         run_dir = self.out_dir / "runs" / label
@@ -205,14 +241,8 @@ class Bench:
         config_path = run_dir.parent / f"{label}.toml"
         config_path.parent.mkdir(parents=True, exist_ok=True)
         config_path.write_text(dumps_toml(to_dict(cfg)))
-        load = load_average()
-        self.announce(title or label)
-        t0 = time.perf_counter()
-        error = run_child([sys.executable, "-m", "editrain", "train", "--config",
-                           str(config_path)], run_dir.parent / f"{label}.log",
-                          self.run_timeout_s)
-        return self.record_run(read_run(label, run_dir, overrides, time.perf_counter() - t0,
-                                        error), load, title)
+        return (run_dir, [sys.executable, "-m", "editrain", "train", "--config",
+                          str(config_path)], run_dir.parent / f"{label}.log")
 
     def announce(self, title: str) -> None:
         """Log ``run k/N TITLE ...`` for the run about to start."""

@@ -6,8 +6,8 @@ Two replicas; in the ``straggler`` case replica 1 computes 2x slower (``sim.stra
 ``edit`` at every sync, ``aedit`` syncs on a wall-clock period so that each replica
 contributes the steps it managed. Each method is reported as a fraction of the measured
 limit: the sum of the replicas' solo speeds, each measured in its own single-replica run
-with that replica's simulation (:mod:`editrain.bench.limits`), interleaved with the method
-runs of every repeat. Per replica, the utilisation (time computing, simulated slowdown
+with that replica's simulation, all of a repeat's solo runs at once
+(:mod:`editrain.bench.limits`), interleaved with the method runs of every repeat. Per replica, the utilisation (time computing, simulated slowdown
 included, over wall time) comes from the per-rank logs.
 """
 
@@ -32,8 +32,9 @@ DESCRIPTION = (
     "(`--sim.random_stall 0.1,0.2`): tokens per second of the cluster and validation loss "
     "for `sync`, `edit`, `aedit` and non-blocking `aedit` (`aedit-nb`) at an equal token "
     "budget, each as a fraction of the "
-    "measured limit (the sum of the replicas' solo speeds, each replica run alone with its "
-    "own simulated slowdown), with every replica's utilisation."
+    "measured limit (the sum of the replicas' solo speeds, each replica run without "
+    "communication, with its own simulated slowdown, all at once), with every replica's "
+    "utilisation."
 )
 CASES = {
     "straggler": {"sim": {"straggler": ["1=2"]}},
@@ -72,10 +73,13 @@ def run(bench: Bench) -> dict[str, Any]:
         for rep in range(repeats):  # interleaved: solo runs, edit, sync, aedit; again
             # The solo layer goes over the user's options too: whatever they change, a
             # solo run stays one replica without communication, slowed like its replica.
-            solos = {key: bench.train(repeat_label(f"{case}-{plan.labels[key]}", rep),
-                                      common, CASES[case], last=layer,
-                                      title=f"{case} {plan.labels[key]} repeat {rep + 1}")
-                     for key, layer in plan.layers.items()}
+            # Every replica's solo run at once: the replicas share the machine in the
+            # compared runs too.
+            keys = list(plan.layers)
+            solos = dict(zip(keys, bench.train_together([
+                (repeat_label(f"{case}-{plan.labels[key]}", rep), (common, CASES[case]),
+                 plan.layers[key], f"{case} {plan.labels[key]} repeat {rep + 1}")
+                for key in keys])))
             limits.append(measured_limit(plan, solos, skip))
             for method in ("edit", "sync", "aedit", "aedit-nb"):  # edit first: A-EDiT's period
                 sync = ({"method": "aedit", **NONBLOCKING} if method == "aedit-nb"
@@ -106,7 +110,8 @@ def run(bench: Bench) -> dict[str, Any]:
         "at the end.",
         f"`aedit-nb`: aedit with {', '.join(f'{k} {v}' for k, v in NONBLOCKING.items())}: a "
         "replica whose clock fires posts its rendezvous and reduction and trains on; the "
-        "result is merged 2 of its steps later.",
+        "round is merged at the first step boundary, 2 or more of its steps later, at which "
+        "it is complete, and the replica's clock restarts there.",
         f"{repeats} interleaved repeat(s): in each, the solo runs, then edit, sync, aedit, "
         "aedit-nb. "
         "Tables give the median over repeats and [min-max]; a difference is 'beyond "
@@ -117,11 +122,12 @@ def run(bench: Bench) -> dict[str, Any]:
         "steps.",
         "Measured limit = sum over replicas of the replica's solo tokens/s, measured in the "
         "same repeat: a single-replica run (nproc = shard size, the same threads per "
-        "process, no communication: `edit` with H > steps) with that replica's simulation "
-        "(replica r's straggler factor mapped onto replica 0; random stalls unchanged, "
-        "drawn from replica 0's random stream). Replicas with identical simulations share "
-        "one solo run. A fraction of the limit above 1 is a measurement error and is "
-        "flagged as such, never reported as a result.",
+        "process, no communication: `edit` with H > steps) that simulates replica r "
+        "(`sim.replica_offset = r`: its straggler factor and its own random-stall stream); "
+        "the solo runs of all replicas run at the same time, as separate jobs, so that the "
+        "limit includes the contention for the machine's cores that the compared runs "
+        "have. A fraction of the limit above 1 is a measurement error and is flagged as "
+        "such, never reported as a result.",
         "Per replica (from `ranks/rank{RANK}.jsonl`): tokens/s of the replica's ranks from "
         f"their step {skip} to their last step; utilisation = (compute_s + sim_stall_s) / "
         "wall time over the same window, the time the replica computed (a simulated "
