@@ -81,9 +81,10 @@ class RefDetector:
 
     def update(self, v: float) -> None:
         self.count += 1
+        a = max(self.alpha, 1 / self.count)  # equal weights until count reaches 1 / alpha
         d = v - self.mean
-        self.mean += self.alpha * d
-        self.var = (1 - self.alpha) * (self.var + self.alpha * d * (v - self.mean))
+        self.mean += a * d
+        self.var = (1 - a) * (self.var + a * d * (v - self.mean))
         self.window.append(self.z(v))
         self.window = self.window[-self.warmup:] if self.warmup else []
 
@@ -573,7 +574,8 @@ def run_case(info: Any, rank: int, case: dict[str, Any]) -> dict[str, Any]:
     step, as a training loop that logs a mean loss does), ``split_root`` (False: if True
     and the embeddings are untied, ``tok_embeddings`` and
     ``output`` are sharded as units of their own, docs/streaming.md section 1; tied
-    embeddings stay in the root, as in :func:`units_of`).
+    embeddings stay in the root, as in :func:`units_of`), ``trace`` (False: if True, the
+    result's ``trace`` lists the communication thread's collectives in issue order).
 
     Returns the final full parameters and the sync log, plus per-step probes: ``between``
     (cross-replica collectives of each local-phase step that ran no sync, counted from
@@ -615,6 +617,8 @@ def run_case(info: Any, rank: int, case: dict[str, Any]) -> dict[str, Any]:
                   trigger=StepScheduleTrigger(schedule) if schedule else None,
                   before_sync=before_sync,
                   link_delay=(lambda nbytes: delay) if delay else None)
+    if case.get("trace"):
+        engine.comm.trace = []  # every collective of the communication thread, in order
 
     def anchor_probe() -> tuple[bool, float | None]:
         if all(u.anchor is None for u in engine.units):
@@ -676,6 +680,7 @@ def run_case(info: Any, rank: int, case: dict[str, Any]) -> dict[str, Any]:
         "anchor_diff": anchor_diff,
         "unit_numels": [u.numel for u in engine.units],
         "eval_pending": eval_pending,
+        "trace": engine.comm.trace,
     }
     engine.close()
     return out

@@ -149,3 +149,71 @@ def test_every_module_names_its_job_in_one_line(path: Path):
     assert len(lines) == 1 or not lines[1].strip(), (
         f"{path}: the job should fit the first line, followed by a blank line")
     assert len(first) <= 97, f"{path}: first line too long ({len(first)} characters)"
+
+
+def framework_patches(source: str, here: str) -> list[str]:
+    """Monkey-patching of imported third-party modules: assignments to, ``setattr`` or
+    ``delattr`` on an attribute reached from an imported non-editrain module (``torch.x.y =
+    ...``), and uses of FSDP1 (``FullyShardedDataParallel``), whose internals the reference
+    implementation patched (reference defect 10)."""
+    tree = ast.parse(source)
+    imported: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                if not alias.name.startswith("editrain"):
+                    imported.add(alias.asname or alias.name.split(".")[0])
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level \
+                and not node.module.startswith("editrain"):
+            for alias in node.names:
+                imported.add(alias.asname or alias.name)
+    found = []
+
+    def foreign(target: ast.AST) -> bool:
+        dotted = _dotted(target)
+        return dotted is not None and dotted.split(".")[0] in imported
+
+    for node in ast.walk(tree):
+        targets = []
+        if isinstance(node, (ast.Assign, ast.AugAssign, ast.AnnAssign, ast.Delete)):
+            targets = node.targets if isinstance(node, (ast.Assign, ast.Delete)) \
+                else [node.target]
+        for t in targets:
+            if isinstance(t, ast.Attribute) and foreign(t.value):
+                found.append(f"{here}:{node.lineno}: assigns {_dotted(t)}")
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) \
+                and node.func.id in ("setattr", "delattr") and node.args \
+                and foreign(node.args[0]):
+            found.append(f"{here}:{node.lineno}: {node.func.id} on {_dotted(node.args[0])}")
+        if isinstance(node, (ast.Name, ast.Attribute)):
+            name = node.id if isinstance(node, ast.Name) else node.attr
+            if name == "FullyShardedDataParallel":
+                found.append(f"{here}:{node.lineno}: FSDP1 (FullyShardedDataParallel)")
+        if isinstance(node, ast.alias) and node.name.endswith("FullyShardedDataParallel"):
+            found.append(f"{here}: imports FSDP1")
+    return found
+
+
+def test_no_framework_internals_are_patched():
+    """Reference defect 10: the reference patched FSDP1's private internals for two torch
+    versions; editrain uses FSDP2's public API, DeviceMesh, DCP and module hooks only."""
+    offenders = [use for path in _modules()
+                 for use in framework_patches(path.read_text(), _module_name(path))]
+    assert not offenders, "framework patched:\n  " + "\n  ".join(offenders)
+
+
+def test_the_patch_check_finds_what_it_should():
+    source = ("import torch\n"
+              "import torch.distributed as dist\n"
+              "from torch.distributed import fsdp\n"
+              "from torch.distributed.fsdp import FullyShardedDataParallel\n"
+              "from editrain.sync import edit\n"
+              "torch.nn.Module.forward = None\n"
+              "dist.all_reduce = print\n"
+              "setattr(fsdp, 'fully_shard', None)\n"
+              "edit.DEFAULT = 1\n"
+              "x = type('X', (), {})()\n"
+              "x.y = 2\n")
+    found = framework_patches(source, "editrain.probe")
+    assert len(found) == 4, found  # the FSDP1 import and 3 patches; not editrain's or x's
+    assert not any("edit.DEFAULT" in f or "x.y" in f for f in found)

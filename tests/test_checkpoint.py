@@ -97,6 +97,23 @@ def test_exact_resume_is_bitwise(cache: Path, tmp_path: Path, method: str) -> No
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("method", ["edit", "edit_streaming"])
+def test_saving_checkpoints_changes_nothing(cache: Path, tmp_path: Path, method: str) -> None:
+    """A run that saves every 3 steps (and at the end) and one that never saves are
+    bitwise equal: saving waits for rounds in flight and copies state, it never syncs,
+    merges or steps anything (reference defect 5)."""
+    topo, extra = METHODS[method]
+    args = [*topo, "--method", method.split("_")[0], "--steps", "12",
+            "--train.eval_every", "6", *extra]
+    saving, silent = tmp_path / "saving", tmp_path / "silent"
+    train(cache, saving, *args, "--checkpoint.every", "3", "--checkpoint.keep", "10")
+    train(cache, silent, *args, "--checkpoint.every", "0", "--checkpoint.final", "false")
+    assert len(list_checkpoints(saving)) >= 4 and not list_checkpoints(silent)
+    assert step_losses(saving) == step_losses(silent)  # bitwise, every step
+    assert final_val(saving) == final_val(silent)
+
+
+@pytest.mark.slow
 def test_elastic_resume_changes_topology(cache: Path, tmp_path: Path) -> None:
     src = tmp_path / "src"
     common = ["--method", "edit", "--steps", "20", "--sync.local_sgd_sync_interval", "5",

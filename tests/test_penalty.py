@@ -59,9 +59,10 @@ def reference_observe(values, alpha, warmup, threshold):
         flagged = count >= warmup and z > threshold * max(1.0, pstd(window))
         fed = mean + threshold * math.sqrt(var) if flagged else v
         count += 1
+        a = max(alpha, 1.0 / count)  # started from the first observations
         d = fed - mean
-        mean = mean + alpha * d
-        var = (1 - alpha) * (var + alpha * d * (fed - mean))
+        mean = mean + a * d
+        var = (1 - a) * (var + a * d * (fed - mean))
         window.append(z_of(fed))
         window = window[-warmup:] if warmup > 0 else []
         out.append((flagged, z))
@@ -86,31 +87,46 @@ def test_detector_hand_values():
     # warmup 1: only the first value is in warm-up, and the window holds the last z-score.
     det = EWMADetector(alpha=0.5, warmup=1, threshold=5.0)
     assert det.observe(2.0) == (False, 0.0)
-    # d = 2, mean = 1, var = 0.5 * (0 + 0.5 * 2 * 1) = 0.5; window gets (2 - 1) / sqrt(0.5).
-    assert det.mean == 1.0 and det.var == 0.5 and det.count == 1
+    # The first update starts the statistics from the value: rate 1, mean 2, var 0.
+    assert det.mean == 2.0 and det.var == 0.0 and det.count == 1
+    assert list(det.window) == [0.0]  # var == 0: z is 0
+
+    # z before the update is 0 (var == 0) -> accepted. Rate max(0.5, 1/2) = 0.5:
+    # d = 2, mean = 3, var = 0.5 * (0 + 0.5 * 2 * 1) = 0.5; window gets 1 / sqrt(0.5).
+    assert det.observe(4.0) == (False, 0.0)
+    assert det.mean == 3.0 and det.var == 0.5 and det.count == 2
     assert list(det.window) == pytest.approx([math.sqrt(2.0)], rel=1e-15)
 
-    # z before the update: (4 - 1) / sqrt(0.5) = 3 sqrt(2) < 5 -> accepted.
-    flagged, z = det.observe(4.0)
-    assert not flagged
-    assert z == pytest.approx(3.0 * math.sqrt(2.0), rel=1e-15)
-    # d = 3, mean = 2.5, var = 0.5 * (0.5 + 0.5 * 3 * 1.5) = 1.375.
-    assert det.mean == 2.5 and det.var == 1.375 and det.count == 2
-    w2 = 1.5 / math.sqrt(1.375)
-    assert list(det.window) == pytest.approx([w2], rel=1e-15)
-
-    # z(10) = 7.5 / sqrt(1.375) = 6.40 > 5 * max(1, std(window) = 0) -> outlier.
+    # z(10) = 7 / sqrt(0.5) = 9.9 > 5 * max(1, std(window) = 0) -> outlier.
     flagged, z = det.observe(10.0)
     assert flagged
-    assert z == pytest.approx(7.5 / math.sqrt(1.375), rel=1e-15)
-    # Winsorised feed: v = 2.5 + 5 sqrt(1.375), so d = 5 sqrt(1.375),
-    # mean = 2.5 + 2.5 sqrt(1.375), var = 0.5 * (1.375 + 0.25 d^2) = 0.5 * 1.375 * 7.25.
-    assert det.mean == pytest.approx(2.5 + 2.5 * math.sqrt(1.375), rel=1e-15)
-    assert det.var == pytest.approx(0.5 * 1.375 * (1.0 + 6.25), rel=1e-15)
-    assert det.var == pytest.approx(4.984375, rel=1e-15)
+    assert z == pytest.approx(7.0 * math.sqrt(2.0), rel=1e-15)
+    # Winsorised feed: v = 3 + 5 sqrt(0.5), d = 5 sqrt(0.5), rate 0.5 (1/3 < 0.5):
+    # mean = 3 + 2.5 sqrt(0.5), var = 0.5 * (0.5 + 0.5 * d * d / 2) = 1.8125.
+    assert det.mean == pytest.approx(3.0 + 2.5 * math.sqrt(0.5), rel=1e-15)
+    assert det.var == pytest.approx(1.8125, rel=1e-15)
     assert det.count == 3
-    # z of the fed value under the new statistics: 2.5 sqrt(1.375) / sqrt(4.984375).
-    assert det.window[-1] == pytest.approx(2.5 / math.sqrt(3.625), rel=1e-14)
+    # z of the fed value under the new statistics: 2.5 sqrt(0.5) / sqrt(1.8125).
+    assert det.window[-1] == pytest.approx(2.5 * math.sqrt(0.5) / math.sqrt(1.8125), rel=1e-14)
+
+
+def test_detector_starts_from_its_first_observations():
+    """Norms around 1 with spread 0.05: started from 0 (the rule before), the first norms'
+    distance to 0 kept the std estimate far too large at the end of warm-up; started from
+    the first observations it is the spread of the norms."""
+    gen = torch.Generator().manual_seed(7)
+    values = (1.0 + 0.05 * torch.randn(120, generator=gen, dtype=torch.float64)).tolist()
+    det = EWMADetector(alpha=0.02, warmup=120, threshold=3.0)
+    for v in values:
+        det.observe(v)
+    assert det.mean == pytest.approx(1.0, abs=0.02)
+    assert 0.035 < math.sqrt(det.var) < 0.065, math.sqrt(det.var)
+    # equal weights while count < 1 / alpha: exactly the running mean and the West
+    # variance of the first observations
+    first = EWMADetector(alpha=0.02, warmup=120, threshold=3.0)
+    for v in values[:10]:
+        first.update(v)
+    assert first.mean == pytest.approx(sum(values[:10]) / 10, rel=1e-14)
 
 
 def test_detector_warmup_window_holds_zeros_until_count_reaches_warmup():
@@ -118,8 +134,8 @@ def test_detector_warmup_window_holds_zeros_until_count_reaches_warmup():
     assert det.observe(2.0) == (False, 0.0)
     # count = 1 < warmup: z is 0 and even a large value is not flagged.
     assert det.observe(4.0) == (False, 0.0)
-    # The second update ends with count == warmup, so its z-score is real.
-    assert list(det.window) == pytest.approx([0.0, 1.5 / math.sqrt(1.375)], rel=1e-15)
+    # The second update ends with count == warmup, so its z-score is real: mean 3, var 0.5.
+    assert list(det.window) == pytest.approx([0.0, math.sqrt(2.0)], rel=1e-15)
     # The window keeps only the last `warmup` z-scores.
     det.observe(2.6)
     assert len(det.window) == 2

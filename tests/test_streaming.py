@@ -31,17 +31,19 @@ def _case(method: str, steps: int, H: int = 4, finish_force: bool = True, **sync
 
 CASES = {
     # tau = 0, P = 1, fp32 with the split root: the layer-wise sync of before, per unit
-    "plain": _case("edit", 9, **PEN_ON),
+    "plain": dict(_case("edit", 9, **PEN_ON), trace=True),
     # one fragment in flight at a time (tau < H / P)
     "t1_p2": _case("edit", 11, overlap_steps=1, fragments=2, **PEN_ON),
     "t2_keep": _case("diloco", 11, overlap_steps=2, merge="keep_local"),
     "blend_half": _case("edit", 10, overlap_steps=1, merge_alpha=0.5, **PEN_OFF),
     # several fragments in flight at once (tau >= H / P), staggered every step
-    "t3_p4": _case("edit", 12, overlap_steps=3, fragments=4, merge="keep_local", **PEN_ON),
+    "t3_p4": dict(_case("edit", 12, overlap_steps=3, fragments=4, merge="keep_local",
+                        **PEN_ON), trace=True),
     # fragments with the synchronous (tau = 0) layer-wise sync, no forced end
     "p2_sync": _case("edit", 8, fragments=2, finish_force=False, **PEN_ON),
     # quantised pseudo-gradients with and without error feedback
-    "int8": _case("edit", 11, overlap_steps=1, fragments=2, comm_dtype="int8", **PEN_ON),
+    "int8": dict(_case("edit", 11, overlap_steps=1, fragments=2, comm_dtype="int8",
+                       **PEN_ON), trace=True),
     "int8_offload": _case("diloco", 9, comm_dtype="int8", cpu_offload=True),
     "int4_noef": _case("diloco", 9, comm_dtype="int4", error_feedback=False),
     "bf16": _case("edit", 9, overlap_steps=2, comm_dtype="bf16", **PEN_OFF),
@@ -51,7 +53,7 @@ CASES = {
     # non-blocking A-EDiT: rendezvous and reduction behind 1 or 2 of each replica's steps
     "aedit_nb1": dict(sync=dict(method="aedit", overlap_steps=1, merge="keep_local",
                                 **PEN_ON), steps=3, schedule=[3, 5], finish_force=True,
-                      **UNTIED),
+                      trace=True, **UNTIED),
     "aedit_nb2_int8": dict(sync=dict(method="aedit", overlap_steps=2, merge="keep_local",
                                      comm_dtype="int8", **PEN_OFF), steps=3, schedule=[4, 3],
                            finish_force=True, **UNTIED),
@@ -145,3 +147,38 @@ def test_caller_collectives_never_collide_with_delayed_rounds(runs):
     diff = max_diff(outs, reference(ref_config(CASES_2X1["world_allreduce"], 2, 1)))
     assert diff < TOL
     assert len(outs[0]["log"]) >= 4
+
+
+def order_mismatches(traces: list[list[tuple]], R: int, S: int) -> list[str]:
+    """Where ranks that share a group issued different collective sequences: ranks of one
+    sync group (same shard index) must issue identical sequences; ranks of one replica the
+    same kinds in the same order and identical shard-group collectives."""
+    bad = []
+    for r in range(R):
+        for s in range(S):
+            rank = r * S + s
+            twin = s  # replica 0's rank with the same shard index
+            if traces[rank] != traces[twin]:
+                bad.append(f"rank {rank} vs rank {twin} (sync group {s})")
+            head = r * S  # the replica's first rank
+            kinds = [(g, op) for g, op, *_ in traces[rank]]
+            if kinds != [(g, op) for g, op, *_ in traces[head]] or (
+                    [e for e in traces[rank] if e[0] == "shard"]
+                    != [e for e in traces[head] if e[0] == "shard"]):
+                bad.append(f"rank {rank} vs rank {head} (replica {r})")
+    return bad
+
+
+@pytest.mark.parametrize("name", [n for n, c in CASES.items() if c.get("trace")])
+def test_every_rank_issues_the_same_collectives_in_the_same_order(runs, name):
+    """The rule NCCL needs (docs/architecture.md, "Collective order"): the communication
+    thread's collectives form the same sequence on every rank of a group."""
+    traces = [o["trace"] for o in runs(2, 2)[name]]
+    assert all(len(t) > 10 for t in traces)
+    assert {g for t in traces for g, *_ in t} == {"sync", "shard"}
+    assert order_mismatches(traces, 2, 2) == []
+    # the check sees a swap of two collectives on one rank
+    swapped = [list(t) for t in traces]
+    i = next(k for k in range(len(swapped[3]) - 1) if swapped[3][k] != swapped[3][k + 1])
+    swapped[3][i], swapped[3][i + 1] = swapped[3][i + 1], swapped[3][i]
+    assert order_mismatches(swapped, 2, 2) != []

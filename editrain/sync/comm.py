@@ -9,6 +9,9 @@ statistics run here, on one dedicated thread with a FIFO of jobs. Why a thread:
 
 FSDP2 issues its own shard-group collectives from the main thread, so the engine uses a
 *private* duplicate of the shard group here: two threads never share one process group.
+On CUDA those private groups are gloo groups by default (tensors staged through pinned
+host buffers), so NCCL only ever sees the main thread's collectives, in program order:
+see ``docs/architecture.md``, "Collective order".
 """
 
 from __future__ import annotations
@@ -97,6 +100,8 @@ class CommPath:
         shard_group: a *private* process group over this rank's replica, or None if S=1.
         device: device of the tensors the jobs touch (selects the side stream on CUDA).
         link_delay: optional simulated link cost per cross-replica message.
+        stage_on_host: the groups are CPU groups (gloo) while the tensors live on an
+            accelerator: every collective copies through a (pinned) host buffer.
     """
 
     def __init__(
@@ -105,6 +110,7 @@ class CommPath:
         shard_group: dist.ProcessGroup | None,
         device: torch.device,
         link_delay: LinkDelay | None = None,
+        stage_on_host: bool = False,
     ) -> None:
         self.sync_group = sync_group
         self.shard_group = shard_group
@@ -117,6 +123,10 @@ class CommPath:
         self._sink: CommStats | None = None  # the running job's own counters (comm thread)
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="editrain-comm")
         self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self.stage_on_host = stage_on_host
+        self.trace: list[tuple[str, str, int, str]] | None = None
+        """Set to a list to record every collective issued, in order, as ``(group, op,
+        numel, dtype)`` (tests check that every rank issues the same sequence)."""
 
     # ------------------------------------------------------------------ jobs
     def submit(self, fn: Callable[..., Any], *args: Any, stats: CommStats | None = None
@@ -180,14 +190,31 @@ class CommPath:
             if stats is not None:
                 stats.add_sync(nbytes, elapsed, delay)
 
+    def _issue(self, group: str, op: str, tensor: torch.Tensor) -> None:
+        if self.trace is not None:
+            self.trace.append((group, op, tensor.numel(), str(tensor.dtype)))
+
+    @contextlib.contextmanager
+    def _wire(self, tensor: torch.Tensor):
+        """The tensor a collective runs on: ``tensor`` itself, or with host staging a
+        (pinned) CPU copy whose result is copied back into ``tensor`` afterwards."""
+        if not self.stage_on_host or tensor.device.type == "cpu":
+            yield tensor
+            return
+        host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+        host.copy_(tensor)
+        yield host
+        tensor.copy_(host)
+
     def all_reduce_sync(self, tensor: torch.Tensor) -> None:
         """In-place sum over the sync group (cross-replica)."""
         if self.sync_size == 1:
             return
         r = self.sync_size
         nbytes = tensor.numel() * tensor.element_size()
-        with self._timed_sync(2 * (r - 1) * nbytes // r):
-            dist.all_reduce(tensor, group=self.sync_group)
+        self._issue("sync", "all_reduce", tensor)
+        with self._timed_sync(2 * (r - 1) * nbytes // r), self._wire(tensor) as wire:
+            dist.all_reduce(wire, group=self.sync_group)
 
     def all_gather_sync(self, tensor: torch.Tensor) -> torch.Tensor:
         """Gather ``tensor`` from every replica: result shape ``[R, *tensor.shape]``."""
@@ -197,8 +224,10 @@ class CommPath:
         out = torch.empty(self.sync_size * tensor.numel(), dtype=tensor.dtype,
                           device=tensor.device)
         nbytes = tensor.numel() * tensor.element_size()
-        with self._timed_sync((self.sync_size - 1) * nbytes):
-            _all_gather_flat(out, tensor.reshape(-1).contiguous(), group=self.sync_group)
+        self._issue("sync", "all_gather", tensor)
+        with self._timed_sync((self.sync_size - 1) * nbytes), self._wire(out) as wire_out, \
+                self._wire(tensor.reshape(-1).contiguous()) as wire_in:
+            _all_gather_flat(wire_out, wire_in, group=self.sync_group)
         return out.view(self.sync_size, *tensor.shape)
 
     def all_reduce_shard(self, tensor: torch.Tensor, op: dist.ReduceOp = dist.ReduceOp.SUM) -> None:
@@ -206,7 +235,9 @@ class CommPath:
         if self.shard_size == 1:
             return
         t0 = time.perf_counter()
-        dist.all_reduce(tensor, op=op, group=self.shard_group)
+        self._issue("shard", f"all_reduce_{op}", tensor)
+        with self._wire(tensor) as wire:
+            dist.all_reduce(wire, op=op, group=self.shard_group)
         elapsed = time.perf_counter() - t0
         for stats in (self.stats, self._sink):
             if stats is not None:

@@ -134,6 +134,42 @@ def unit_modules(model: nn.Module, blocks: Sequence[nn.Module]) -> list[tuple[st
     return out
 
 
+COMM_BACKENDS = ("auto", "gloo", "nccl", "default")
+
+
+def comm_group_backend(choice: str) -> str | None:
+    """The backend of the engine's private groups for ``comm_backend`` (None: the default
+    process group's)."""
+    if choice not in COMM_BACKENDS:
+        raise ValueError(f"comm_backend: allowed {', '.join(COMM_BACKENDS)}; got {choice!r}")
+    if choice == "default":
+        return None
+    return "gloo" if choice == "auto" else choice
+
+
+def check_sharding(model: nn.Module, blocks: Sequence[nn.Module], shard_size: int) -> None:
+    """The layout the layer-wise sync relies on: either every block *and* the root are FSDP2
+    units of their own (``fully_shard`` on each block, then on the root), or nothing is
+    sharded and a replica is one process (``shard_size == 1``).
+
+    Raises:
+        ValueError: naming the offending block(s) and how to shard them.
+    """
+    root_sharded = isinstance(model, FSDPModule)
+    names = {id(m): n for n, m in model.named_modules()}
+    plain = [f"{i} ({names.get(id(b), '?')})" for i, b in enumerate(blocks)
+             if not isinstance(b, FSDPModule)]
+    how = ("call fully_shard(block, mesh=shard_mesh) on every block, then "
+           "fully_shard(model, mesh=shard_mesh) on the root (editrain.parallelize does both)")
+    if root_sharded and plain:
+        raise ValueError(f"block(s) {', '.join(plain)} are not FSDP2 units of their own: the "
+                         f"layer-wise sync needs one unit per block; {how}")
+    if not root_sharded and len(plain) < len(blocks):
+        raise ValueError(f"the blocks are FSDP2 units but the root module is not: {how}")
+    if not root_sharded and shard_size > 1:
+        raise ValueError(f"a replica has {shard_size} ranks but the model is not sharded: {how}")
+
+
 def find_root_params(model: nn.Module, blocks: Sequence[nn.Module]) -> list[nn.Parameter]:
     """Parameters of ``model`` that belong to none of ``blocks`` (the root unit)."""
     in_blocks = {id(p) for b in blocks for p in b.parameters()}
@@ -160,6 +196,13 @@ class SyncEngine:
         link_delay: optional simulated cost of a cross-replica message (see ``editrain.sim``).
         trigger: override of the sync trigger (tests use a fixed step schedule).
         before_sync: optional hook called just before each sync (fault injection).
+        comm_backend: backend of the engine's private process groups (the communication
+            thread's cross-replica and statistics collectives): "auto" (gloo: on CUDA the
+            tensors are staged through pinned host memory, so the thread never shares NCCL
+            with FSDP2's collectives on the main thread; see ``docs/architecture.md``),
+            "gloo", or "nccl" (faster on fast links; NCCL then runs two threads'
+            collectives concurrently, which is only safe where the GPU can run both
+            kernels at once), or "default" (the default process group's backend).
         seed: seeds the random sparsification of the GTA reducer (saved with the state:
             the engine's only randomness is derived from it, the sync index, the unit and the
             rank).
@@ -179,6 +222,7 @@ class SyncEngine:
         before_sync: BeforeSyncHook | None = None,
         seed: int = 0,
         clock: Callable[[], float] | None = None,
+        comm_backend: str = "auto",
     ) -> None:
         self.config = cfg = config.resolve()
         self.model = model
@@ -196,6 +240,7 @@ class SyncEngine:
 
         # Units in forward order: the root first (its all-gather happens first), then every
         # block and every other separately sharded module (embeddings, output head).
+        check_sharding(model, blocks, self.topo.shard_size)
         outer_cls = resolve_optimizer_class(cfg.outer_optim_class)
         modules = unit_modules(model, blocks)
         root = find_root_params(model, [m for _, m in modules])
@@ -230,17 +275,20 @@ class SyncEngine:
         # group; the caller's own collectives, e.g. a loss all-reduce, on the world group,
         # which the mesh may reuse as its sync group), and a delayed sync's collectives run
         # while the main thread trains: two threads must never share a process group.
+        backend = comm_group_backend(comm_backend)
         sync_group = None
         if self.topo.num_replicas > 1:
             sync_group, _ = dist.new_subgroups_by_enumeration(
-                [self.topo.sync_ranks(s) for s in range(self.topo.shard_size)]
+                [self.topo.sync_ranks(s) for s in range(self.topo.shard_size)], backend=backend
             )
         shard_group = None
         if self.topo.shard_size > 1:
             shard_group, _ = dist.new_subgroups_by_enumeration(
-                [self.topo.replica_ranks(r) for r in range(self.topo.num_replicas)]
+                [self.topo.replica_ranks(r) for r in range(self.topo.num_replicas)],
+                backend=backend
             )
-        self.comm = CommPath(sync_group, shard_group, self.device, link_delay)
+        self.comm = CommPath(sync_group, shard_group, self.device, link_delay,
+                             stage_on_host=backend == "gloo" and self.device.type != "cpu")
 
         self.reducer = build_reducer(cfg.gta.reducer, **_gta_kwargs(cfg))
         self.detectors = (
@@ -946,6 +994,7 @@ class SyncEngine:
 
     # ================================================================== helpers
     def _create_anchors(self) -> None:
+        self._check_replicas_agree()
         for unit in self.units:
             unit.create_anchor()
         self.progress.start(self.global_step)
@@ -954,6 +1003,32 @@ class SyncEngine:
         self._window_offset = 0.0
         # The sync log's counters describe syncs: warm-up gradient traffic is not sync traffic.
         self.comm.stats.reset()
+
+    @torch.no_grad()
+    def _check_replicas_agree(self) -> None:
+        """The local phase must start from one model on every replica (the anchors are
+        taken from each replica's own parameters): compare a checksum of every unit's
+        shard (sum and sum of squares, float64) across replicas, agreed over the replica's
+        ranks, and fail on every rank alike if they differ (e.g. different seeds)."""
+        if self.num_replicas == 1:
+            return
+        sums = torch.zeros(len(self.units), 2, dtype=torch.float64, device=self.device)
+        for i, unit in enumerate(self.units):
+            if unit.numel:
+                flat = unit.flat_params().double()
+                sums[i, 0], sums[i, 1] = flat.sum(), flat.square().sum()
+        got = self.comm.run(self.comm.all_gather_sync, sums).cpu()  # [R, units, 2]
+        scale = got[0].abs().clamp_min(1e-12)
+        differs = ((got - got[0]).abs() > 1e-6 * scale).any(dim=2).any(dim=0)  # [units]
+        agreed = differs.to(torch.float64).to(self.device)
+        self.comm.run(self.comm.all_reduce_shard, agreed, dist.ReduceOp.MAX)
+        bad = [self.units[i].name for i, d in enumerate(agreed.tolist()) if d]
+        if bad:
+            raise RuntimeError(
+                f"replicas start the local phase from different parameters (units "
+                f"{', '.join(bad)}): every replica must hold the same model when local SGD "
+                f"begins; initialise every replica with the same seed or load the same "
+                f"checkpoint")
 
     def _agreed_elapsed(self) -> float:
         """Wall time since the clocks started, max over this replica's ranks."""

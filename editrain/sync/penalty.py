@@ -110,6 +110,15 @@ class EWMADetector:
 
     # -- statistics ---------------------------------------------------------
 
+    @property
+    def rate(self) -> float:
+        """The weight of the latest update: ``max(alpha, 1 / count)``. The first update
+        sets ``mean`` to the value and ``var`` to 0, and until ``count`` reaches
+        ``1 / alpha`` every observation weighs the same (running mean and variance): the
+        statistics start from the first observations, not from 0, whose distance to the
+        first norms would inflate ``var`` for hundreds of syncs."""
+        return max(self.alpha, 1.0 / self.count) if self.count else self.alpha
+
     def z(self, v: float) -> float:
         """z-score of ``v`` under the current statistics.
 
@@ -144,10 +153,11 @@ class EWMADetector:
         if not math.isfinite(v):
             raise ValueError(f"EWMADetector.update needs a finite value, got {v!r}")
         self.count += 1
+        a = self.rate
         d = v - self.mean
-        self.mean += self.alpha * d
+        self.mean += a * d
         # West's incremental EW variance: uses both the old (d) and new (v - mean) residual.
-        self.var = (1.0 - self.alpha) * (self.var + self.alpha * d * (v - self.mean))
+        self.var = (1.0 - a) * (self.var + a * d * (v - self.mean))
         self.window.append(self.z(v))
 
     def is_outlier(self, v: float) -> bool:
