@@ -496,15 +496,6 @@ class Trainer:
     def _log_start(self) -> None:
         if not self.is_logger:
             return
-        sc = self.engine.config
-        if sc.skip_anomaly and (1 - sc.ewma_alpha) ** sc.ewma_warmup_steps > 0.5:
-            # The detector's EWMA mean starts at 0 (as specified); with a short warm-up and a
-            # small alpha it is still far below the norms when it starts judging them.
-            log.warning("sync.ewma_alpha=%g with sync.ewma_warmup_steps=%d: the anomaly "
-                        "detector's mean reaches only %.0f%% of the norms' level by the end of "
-                        "its warm-up, so clean syncs may be flagged; raise either option",
-                        sc.ewma_alpha, sc.ewma_warmup_steps,
-                        100 * (1 - (1 - sc.ewma_alpha) ** sc.ewma_warmup_steps))
         topo, mem = self.info.topo, self.engine.extra_memory()
         log.warning(
             "editrain: %s on %d replicas x %d shards (%s, %s); model %s with %.2fM parameters; "

@@ -75,10 +75,9 @@ def run(bench: Bench) -> dict[str, Any]:
         f"{', '.join(map(str, corrupt_at))} (0-based sync index; sync k ends step "
         f"(k + 1) x H).",
         f"Anomaly detector: `sync.ewma_warmup_steps = {warmup}` syncs, "
-        f"`sync.ewma_alpha = {alpha}`, `sync.ewma_threshold = {threshold}`. The default "
-        "alpha 0.02 is meant for warm-ups of ~100 syncs: its EWMA mean starts at 0 and "
-        "needs ~1/alpha syncs to reach the norms' level, so with a 5-sync warm-up it flags "
-        "clean syncs too (false alarms).",
+        f"`sync.ewma_alpha = {alpha}`, `sync.ewma_threshold = {threshold}` (the "
+        "detector's statistics start from its first observations; a short warm-up sees "
+        "few of them).",
         "Peak increase: the largest (corrupted - clean) validation loss over the evaluations "
         "from the first corrupted sync on, at equal steps; relative = over the clean loss "
         "there. Jump: validation loss right after a corrupted sync minus right before it "

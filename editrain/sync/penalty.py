@@ -69,8 +69,10 @@ def _population_std(values: deque[float] | list[float]) -> float:
 class EWMADetector:
     """Online EWMA anomaly detector for one (unit, replica) norm series.
 
-    Follows edit-algorithm.md section 6. The state is ``mean`` and ``var``
-    (exponentially weighted, both start at 0), the number of updates ``count``
+    Follows edit-algorithm.md section 6, except that ``mean`` and ``var`` start from
+    the first observations instead of 0 (see :attr:`rate`; a start at 0 left the
+    standard deviation several times too large after warm-up). The state is ``mean``
+    and ``var`` (exponentially weighted), the number of updates ``count``
     and ``window``, the z-scores of the last ``warmup`` updates. While
     ``count < warmup`` nothing is flagged and ``z`` is 0.
 
