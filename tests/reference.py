@@ -570,7 +570,9 @@ def run_case(info: Any, rank: int, case: dict[str, Any]) -> dict[str, Any]:
     ``n_layers`` (2), ``finish_force`` (False), ``eval_forward`` (False: if True, an
     extra eval-mode forward runs after every step, which must not start a pending sync),
     ``tied`` (True: tied embeddings; False gives the model an ``output`` head) and
-    ``world_allreduce`` (False: if True, an all-reduce on the world group after every
+    ``unsharded`` (False: if True, no ``fully_shard`` at all: plain parameters, shard size
+    1; the engine's units are the root, the blocks and, with ``split_root``, the untied
+    embeddings and head), ``world_allreduce`` (False: if True, an all-reduce on the world group after every
     step, as a training loop that logs a mean loss does), ``split_root`` (False: if True
     and the embeddings are untied, ``tok_embeddings`` and
     ``output`` are sharded as units of their own, docs/streaming.md section 1; tied
@@ -590,12 +592,13 @@ def run_case(info: Any, rank: int, case: dict[str, Any]) -> dict[str, Any]:
     from editrain.sync.outer import local_view
 
     model = make_model(case.get("n_layers", 2), tied=case.get("tied", True))
-    for block in model.layers:
-        fully_shard(block, mesh=info.shard_mesh)
-    if case.get("split_root", False) and model.output is not None:
-        fully_shard(model.tok_embeddings, mesh=info.shard_mesh)
-        fully_shard(model.output, mesh=info.shard_mesh)
-    fully_shard(model, mesh=info.shard_mesh)
+    if not case.get("unsharded"):
+        for block in model.layers:
+            fully_shard(block, mesh=info.shard_mesh)
+        if case.get("split_root", False) and model.output is not None:
+            fully_shard(model.tok_embeddings, mesh=info.shard_mesh)
+            fully_shard(model.output, mesh=info.shard_mesh)
+        fully_shard(model, mesh=info.shard_mesh)
     opt = make_inner(model.parameters(), case.get("inner", "adamw"))
     corrupt = case.get("corrupt") or {}
     schedule = case.get("schedule")
@@ -667,7 +670,8 @@ def run_case(info: Any, rank: int, case: dict[str, Any]) -> dict[str, Any]:
     syncs_before_finish = engine.num_syncs
     engine.finish(force=case.get("finish_force", False))
     out = {
-        "params": {n: p.full_tensor().detach().clone() for n, p in model.named_parameters()},
+        "params": {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
+                   for n, p in model.named_parameters()},
         "log": engine.pop_sync_log(),
         "replica": info.replica,
         "num_syncs": engine.num_syncs,

@@ -335,3 +335,31 @@ def test_engine_state_in_user_dcp_checkpoint_resumes_bitwise(tmp_path):
         assert r["same_params"]
         assert r["syncs"][0] == r["syncs"][1] >= 3
     assert results[0]["tail"] != results[1]["tail"]  # replicas really trained apart
+
+
+def _parallelize_worker(rank: int, world: int) -> dict[str, bool]:
+    from torch.distributed.tensor import DTensor
+
+    import editrain
+    from editrain.models import Llama, preset_config
+
+    info = editrain.init_mesh(shard_size=1, backend="gloo", device_type="cpu")
+
+    def sharded(**kwargs) -> bool:
+        model = Llama(preset_config("tiny"), seed=0)
+        editrain.parallelize(model, info, model.blocks(), **kwargs)
+        kinds = {isinstance(p, DTensor) for p in model.parameters()}
+        assert len(kinds) == 1  # all or nothing
+        return kinds.pop()
+
+    return {"fp32": sharded(), "bf16": sharded(precision="bf16"),
+            "forced": sharded(shard=True), "refused": sharded(shard=False, precision="bf16")}
+
+
+def test_one_process_replica_is_left_unsharded():
+    """Shard size 1 in fp32: plain parameters (no FSDP2 tax); bf16 keeps FSDP2 for its
+    mixed-precision casting; ``shard`` overrides the choice."""
+    from editrain.spawn import run_ranks
+
+    out, = run_ranks(_parallelize_worker, 1)
+    assert out == {"fp32": False, "bf16": True, "forced": True, "refused": False}

@@ -108,13 +108,46 @@ class _Round:
         return bisect.bisect_right(self.units, u)
 
 
-def unit_modules(model: nn.Module, blocks: Sequence[nn.Module]) -> list[tuple[str, nn.Module]]:
+def root_leaf_units(model: nn.Module, blocks: Sequence[nn.Module]) -> list[nn.Module]:
+    """The ``nn.Embedding`` and ``nn.Linear`` modules outside ``blocks`` whose parameters
+    no other module shares, in ``model.modules()`` order: what
+    ``editrain.parallelize(split_root=True)`` shards as units of their own (and the
+    engine syncs as units of their own in an unsharded model). Tied embeddings stay in
+    the root: a model whose ``config`` says ``tie_embeddings`` or ``tie_word_embeddings``
+    (editrain's Llama, Hugging Face models) may read the embedding matrix outside the
+    embedding's own forward, where FSDP2 has resharded it."""
+    config = getattr(model, "config", None)
+    tied = bool(getattr(config, "tie_embeddings", False)
+                or getattr(config, "tie_word_embeddings", False))
+    in_blocks = {id(m) for b in blocks for m in b.modules()}
+    users: dict[int, int] = {}
+    for m in model.modules():
+        for p in m.parameters(recurse=False):
+            users[id(p)] = users.get(id(p), 0) + 1
+    out = []
+    for m in model.modules():
+        if id(m) in in_blocks or not isinstance(m, (nn.Embedding, nn.Linear)):
+            continue
+        if tied and isinstance(m, nn.Embedding):
+            continue
+        params = list(m.parameters(recurse=False))
+        if params and all(users[id(p)] == 1 for p in params):
+            out.append(m)
+    return out
+
+
+def unit_modules(model: nn.Module, blocks: Sequence[nn.Module], split_root: bool = True
+                 ) -> list[tuple[str, nn.Module]]:
     """The modules that are sync units besides the root, in ``model.modules()`` order:
     every block, and every FSDP2 unit outside the blocks that contains no block (e.g. the
-    embeddings and output head sharded on their own; see ``docs/streaming.md``)."""
+    embeddings and output head sharded on their own; see ``docs/streaming.md``). In an
+    unsharded model (nothing is an FSDP2 unit) with ``split_root``, the modules
+    :func:`root_leaf_units` names, so that the units match the sharded layout's."""
     in_blocks = {id(m) for b in blocks for m in b.modules()}
     block_ids = {id(b): i for i, b in enumerate(blocks)}
     extra: list[nn.Module] = []
+    if not isinstance(model, FSDPModule) and split_root:
+        extra = root_leaf_units(model, blocks)
     for m in model.modules():
         if m is model or id(m) in in_blocks or not isinstance(m, FSDPModule):
             continue
@@ -242,7 +275,7 @@ class SyncEngine:
         # block and every other separately sharded module (embeddings, output head).
         check_sharding(model, blocks, self.topo.shard_size)
         outer_cls = resolve_optimizer_class(cfg.outer_optim_class)
-        modules = unit_modules(model, blocks)
+        modules = unit_modules(model, blocks, cfg.split_root)
         root = find_root_params(model, [m for _, m in modules])
         # The root is a unit when it holds parameters (with split_root it may hold none).
         entries = ([("root", root)] if root else []) + [(n, list(m.parameters()))
