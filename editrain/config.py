@@ -156,6 +156,10 @@ class DistSection:
     """Restart all local workers this many times when one fails (torch elastic)."""
     threads_per_proc: int = 0
     """Intra-op threads per worker (0: cores / local processes, at least 1)."""
+    comm_backend: str = "auto"
+    """Backend of the sync engine's own cross-replica and statistics groups: auto (gloo;
+    on CUDA staged through pinned host memory, so NCCL only ever runs the main thread's
+    collectives: docs/architecture.md), gloo, nccl or default (the process group's)."""
 
 
 @dataclass
@@ -438,6 +442,10 @@ def validate(cfg: Config) -> None:
     _req(d.device in ("auto", "cpu", "cuda"), "dist.device",
          f"allowed: auto, cpu, cuda; got {d.device!r}")
     _req(d.max_restarts >= 0, "dist.max_restarts", f"must be >= 0, got {d.max_restarts}")
+    from editrain.sync.edit import COMM_BACKENDS
+
+    _req(d.comm_backend in COMM_BACKENDS, "dist.comm_backend",
+         f"allowed: {', '.join(COMM_BACKENDS)}; got {d.comm_backend!r}")
     _req(d.threads_per_proc >= 0, "dist.threads_per_proc",
          f"must be >= 0, got {d.threads_per_proc}")
     _req(cfg.data.vocab_size >= 257, "data.vocab_size",

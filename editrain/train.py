@@ -112,6 +112,7 @@ class Trainer:
             before_sync=self._corrupt if self.plan.corrupt else None,
             trigger=StepScheduleTrigger(cfg.sim.step_schedule) if cfg.sim.step_schedule else None,
             seed=t.seed,
+            comm_backend=cfg.dist.comm_backend,
         )
         self.slowdown = ComputeSlowdown(self.plan, info.replica + cfg.sim.replica_offset,
                                         t.seed)

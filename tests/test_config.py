@@ -454,6 +454,7 @@ FROZEN_OPTIONS = [
     "dist.device",
     "dist.max_restarts",
     "dist.threads_per_proc",
+    "dist.comm_backend",
     "sync.method",
     "sync.local_sgd_sync_interval",
     "sync.local_sgd_warmup_steps",
