@@ -17,11 +17,15 @@ __all__ = ["describe_data", "format_data", "prepare_data"]
 
 
 def prepare_data(cfg: Config) -> TokenData:
-    """Build (or reuse) the token cache that ``cfg.data`` describes."""
+    """Build (or reuse) the token cache that ``cfg.data`` describes (a progress bar on a
+    terminal when the build is slow, unless ``cfg.quiet``)."""
     d = cfg.data
     return prepare_tokens(
         d.path, Path(d.cache_dir).expanduser(), d.vocab_size, d.tokenizer, d.val_fraction,
         d.max_bytes, val_tokens=d.val_tokens, split_seed=d.split_seed,
+        # getattr: configurations without these options read the defaults.
+        text_field=getattr(d, "text_field", "text"), eos=getattr(d, "eos", "append"),
+        progress=not cfg.quiet,
     )
 
 

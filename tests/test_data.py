@@ -125,7 +125,7 @@ def test_directory_source_sorted(tmp_path):
 
 
 def test_text_file_is_one_document_and_fingerprint_tracks_changes(tmp_path):
-    path = tmp_path / "corpus.data"
+    path = tmp_path / "corpus.txt"
     path.write_text("line one\nline two\n", encoding="utf-8")
     refs = resolve_sources(str(path))
     assert refs[0].kind == "text"

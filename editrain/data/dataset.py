@@ -13,9 +13,14 @@ documents with families and near-duplicates kept on one side
 side only; both sides are tokenised; the share of validation 32-token windows that
 also occur in training is measured and recorded in ``meta.json``.
 
-Layout of the token files: each document's tokens are followed by one EOS
-token, and the documents of a split are concatenated, so the files are flat
-1-D arrays of ``uint16`` (vocab <= 65535) or ``uint32`` ids.
+Layout of the token files: the documents of a split are concatenated, separated as
+``data.eos`` says (``EOS_POLICIES``: by default one EOS token after every document), so
+the files are flat 1-D arrays of ``uint16`` (vocab <= 65535) or ``uint32`` ids.
+
+Documents are streamed through every pass, so corpora larger than memory can be tokenised:
+what stays in memory is the split's metadata, about 1 KB per document (its MinHash
+signature, digest, family; :mod:`editrain.data.split`). A slow build shows its progress on a
+terminal (:mod:`editrain.data.progress`).
 """
 
 from __future__ import annotations
@@ -34,7 +39,8 @@ from pathlib import Path
 import numpy as np
 
 from .overlap import window_overlap
-from .sources import iter_records, resolve_sources, source_fingerprint
+from .progress import BuildProgress
+from .sources import Document, iter_records, parse_sources, resolve_sources, source_fingerprint
 from .split import MAX_VAL_SHARE, NEAR_DUP_JACCARD, SplitPlan, describe_document, plan_split
 from .tokenizer import (
     MIN_VOCAB_SIZE,
@@ -47,10 +53,12 @@ from .tokenizer import (
 
 __all__ = [
     "DEFAULT_VAL_TOKENS",
+    "EOS_POLICIES",
     "FORMAT_VERSION",
     "OVERLAP_WINDOW",
     "VAL_DOCUMENTS_FILE",
     "TokenData",
+    "check_data_options",
     "prepare_tokens",
     "token_dtype",
 ]
@@ -82,6 +90,11 @@ VAL_DOCUMENTS_FILE = "val_documents.json"
 
 DEFAULT_VAL_TOKENS = 65_536
 """Default floor of the validation split, in tokens (``data.val_tokens``)."""
+
+EOS_POLICIES = ("append", "prepend", "none")
+"""Values of ``data.eos``: where the end-of-text token goes. ``append``: after every
+document; ``prepend``: before every document; ``none``: documents are concatenated without
+a separator."""
 
 
 def token_dtype(vocab_size: int) -> np.dtype:
@@ -123,8 +136,44 @@ class TokenData:
     meta: dict = field(default_factory=dict)
 
 
+def _check_eos(eos: str) -> None:
+    if eos not in EOS_POLICIES:
+        raise ValueError(f"data.eos: must be one of {', '.join(EOS_POLICIES)} (end-of-text "
+                         f"token after every document, before it, or no separator), got {eos!r}")
+
+
+def check_data_options(path: str | list[str], text_field: str = "text",
+                       eos: str = "append") -> None:
+    """Check ``data.path``, ``data.text_field`` and ``data.eos`` without reading any data.
+
+    Cheap enough for configuration validation before any process starts: the ``eos`` value,
+    the form of every ``data.path`` entry, that paths exist and are of a supported kind, that
+    glob patterns match, that ``hf:`` specs are well formed and that the optional packages
+    needed are installed (see :func:`editrain.data.sources.parse_sources`). Whether a record
+    source really has ``text_field``, or a Hugging Face dataset can be loaded, is only known
+    once it is opened (:func:`prepare_tokens`).
+
+    Args:
+        path: The ``data.path`` spec.
+        text_field: The ``data.text_field`` option.
+        eos: The ``data.eos`` option.
+
+    Raises:
+        ValueError: The message starts with the option's name (``data.path:``,
+            ``data.text_field:``, ``data.eos:``) and says what is allowed.
+    """
+    _check_eos(eos)
+    try:
+        parse_sources(path, text_field)
+    except (OSError, ImportError) as exc:
+        # A missing path or package (their messages name data.path), or an unreadable file.
+        message = str(exc)
+        raise ValueError(message if message.startswith("data.") else f"data.path: {message}"
+                         ) from exc
+
+
 def _validate(vocab_size: int, val_fraction: float, val_tokens: int, split_seed: int,
-              tokenizer_path: str | None) -> None:
+              tokenizer_path: str | None, eos: str) -> None:
     # numpy integers are accepted too (configs are sometimes built from arrays).
     if tokenizer_path is None and (
         not isinstance(vocab_size, (int, np.integer)) or vocab_size < MIN_VOCAB_SIZE
@@ -139,6 +188,7 @@ def _validate(vocab_size: int, val_fraction: float, val_tokens: int, split_seed:
         raise ValueError(f"data.val_tokens must be an int >= 0, got {val_tokens!r}")
     if not isinstance(split_seed, (int, np.integer)) or split_seed < 0:
         raise ValueError(f"data.split_seed must be an int >= 0, got {split_seed!r}")
+    _check_eos(eos)
 
 
 def _cache_key(
@@ -148,6 +198,7 @@ def _cache_key(
     split: dict,
     text_field: str,
     eos_token: str | None,
+    eos: str,
 ) -> str:
     blob = json.dumps(
         {
@@ -158,6 +209,7 @@ def _cache_key(
             "split": split,
             "text_field": text_field,
             "eos_token": eos_token,
+            "eos": eos,
         },
         sort_keys=True,
         ensure_ascii=True,
@@ -232,55 +284,60 @@ def _pieces(doc: str) -> Iterator[str]:
     yield doc[start:]
 
 
-def _encode_to_file(tok, docs: Iterable[str], eos: int, dtype: np.dtype, out) -> list[int]:
-    """Encode ``docs`` (each followed by EOS) into ``out``; return tokens per document."""
-    lengths: list[int] = []
+def _encode_to_file(tok, docs: Iterable[str], eos: int, policy: str, dtype: np.dtype,
+                    out) -> int:
+    """Encode ``docs`` into ``out``, separated by ``eos`` as ``policy`` (one of
+    ``EOS_POLICIES``) says; return the number of tokens written."""
+    before, after = policy == "prepend", policy == "append"
+    written = 0
     batch: list[str] = []
-    owners: list[int] = []  # document index of each piece in ``batch``
-    ends: list[bool] = []  # whether the piece is the last one of its document
+    firsts: list[bool] = []  # whether the piece is the first one of its document
+    lasts: list[bool] = []  # whether the piece is the last one of its document
     batch_chars = 0
 
     def flush() -> None:
-        nonlocal batch, owners, ends, batch_chars
+        nonlocal batch, firsts, lasts, batch_chars, written
         if not batch:
             return
         flat: list[int] = []
         for i, enc in enumerate(tok.encode_batch_fast(batch)):
+            if before and firsts[i]:
+                flat.append(eos)
             flat.extend(enc.ids)
-            lengths[owners[i]] += len(enc.ids) + int(ends[i])
-            if ends[i]:
+            if after and lasts[i]:
                 flat.append(eos)
         np.asarray(flat, dtype=dtype).tofile(out)
-        batch, owners, ends, batch_chars = [], [], [], 0
+        written += len(flat)
+        batch, firsts, lasts, batch_chars = [], [], [], 0
 
-    for doc_index, doc in enumerate(docs):
-        lengths.append(0)
+    for doc in docs:
         pieces = list(_pieces(doc))
         for j, piece in enumerate(pieces):
             batch.append(piece)
-            owners.append(doc_index)
-            ends.append(j == len(pieces) - 1)
+            firsts.append(j == 0)
+            lasts.append(j == len(pieces) - 1)
             batch_chars += len(piece)
-            # Flushing may happen mid-document; ``ends`` tells flush() where
-            # the EOS separators go.
+            # Flushing may happen mid-document; ``firsts``/``lasts`` tell flush() where
+            # the separators go.
             if batch_chars >= _ENCODE_BATCH_CHARS:
                 flush()
     flush()
-    return lengths
+    return written
 
 
-def _split_texts(refs, max_bytes: int | None, plan: SplitPlan, side: int) -> Iterator[str]:
+def _split_texts(docs: Iterable[Document], plan: SplitPlan, side: int) -> Iterator[str]:
     """The texts of one side of ``plan`` (0: training, 1: validation), in corpus order."""
-    for i, doc in enumerate(iter_records(refs, max_bytes)):
+    for i, doc in enumerate(docs):
         text = plan.parts(i, doc.text)[side]
         if text:
             yield text
 
 
-def _encode_split(tok, texts: Iterable[str], eos: int, dtype: np.dtype, path: Path) -> int:
+def _encode_split(tok, texts: Iterable[str], eos: int, policy: str, dtype: np.dtype,
+                  path: Path) -> int:
     """Encode ``texts`` into ``path`` (durably); return the number of tokens written."""
     with open(path, "wb") as out:
-        n = int(sum(_encode_to_file(tok, texts, eos, dtype, out)))
+        n = _encode_to_file(tok, texts, eos, policy, dtype, out)
         out.flush()
         os.fsync(out.fileno())
     return n
@@ -295,7 +352,9 @@ def _build_entry(
     split: dict,
     max_bytes: int | None,
     eos_token: str | None,
+    eos_policy: str,
     key: str,
+    bar: BuildProgress,
 ) -> None:
     t0 = time.monotonic()
     if entry.exists():
@@ -303,8 +362,12 @@ def _build_entry(
         shutil.rmtree(entry)
     entry.mkdir(parents=True)
 
+    def corpus(label: str) -> Iterator[Document]:
+        """One pass over the corpus's documents, shown by the progress bar."""
+        return bar.track(iter_records(refs, max_bytes), f"data: {label}")
+
     # Pass 1: what the split needs of every document (sizes, families, kinds, MinHash).
-    infos = [describe_document(doc) for doc in iter_records(refs, max_bytes)]
+    infos = [describe_document(doc) for doc in corpus("reading documents")]
     val_tokens = split["val_tokens"]
     bytes_per_token = _BYTES_PER_TOKEN_GUESS
     tok_file = entry / "tokenizer.json"
@@ -318,7 +381,8 @@ def _build_entry(
             # Trained on the training side only: validation text must stay unseen, down
             # to which byte pairs got merged.
             log.info("training byte-level BPE tokenizer (vocab_size=%d)", vocab_size)
-            tok = train_bpe_tokenizer(_split_texts(refs, max_bytes, plan, 0), vocab_size)
+            tok = train_bpe_tokenizer(_split_texts(corpus("training tokenizer"), plan, 0),
+                                      vocab_size)
         eos = eos_id(tok, eos_token)
         vsize = tokenizer_vocab_size(tok)
         dtype = token_dtype(vsize)
@@ -326,7 +390,8 @@ def _build_entry(
         # are only the ones inserted between documents here.
         tok.encode_special_tokens = True
         log.info("tokenising corpus into %s", entry)
-        n_val = _encode_split(tok, _split_texts(refs, max_bytes, plan, 1), eos, dtype, tmp["val"])
+        n_val = _encode_split(tok, _split_texts(corpus("tokenising validation"), plan, 1), eos,
+                              eos_policy, dtype, tmp["val"])
         val_bytes = plan.stats.get("val_bytes", 0)
         if n_val >= val_tokens or plan.stats.get("capped") or n_val == 0:
             break
@@ -334,7 +399,8 @@ def _build_entry(
         bytes_per_token = 1.05 * val_bytes / n_val
         log.info("validation split has %d < data.val_tokens=%d tokens; re-planning "
                  "(attempt %d)", n_val, val_tokens, attempt + 2)
-    n_train = _encode_split(tok, _split_texts(refs, max_bytes, plan, 0), eos, dtype, tmp["train"])
+    n_train = _encode_split(tok, _split_texts(corpus("tokenising training"), plan, 0), eos,
+                            eos_policy, dtype, tmp["train"])
     if n_train == 0 or n_val == 0:
         raise ValueError(f"data.path: the corpus is too small to split ({n_train} training, "
                          f"{n_val} validation tokens)")
@@ -346,7 +412,8 @@ def _build_entry(
     for s in ("train", "val"):
         os.replace(tmp[s], entry / f"{s}.bin")
     # Which documents were held out, so anyone can check the split (and tests do).
-    val_docs = [[d.name, d.family, d.kind] for i, d in enumerate(iter_records(refs, max_bytes))
+    val_docs = [[d.name, d.family, d.kind]
+                for i, d in enumerate(corpus("listing validation documents"))
                 if plan.parts(i, d.text)[1]]
     _atomic_write_bytes(entry / VAL_DOCUMENTS_FILE,
                         json.dumps(val_docs, ensure_ascii=True).encode("ascii"))
@@ -371,6 +438,7 @@ def _build_entry(
         "requested_vocab_size": vocab_size,
         "vocab_size": vsize,
         "eos_id": eos,
+        "eos": eos_policy,
         "dtype": dtype.name,
         "documents": len(infos),
         "split": plan.mode,
@@ -405,6 +473,8 @@ def prepare_tokens(
     split_seed: int = 0,
     text_field: str = "text",
     eos_token: str | None = None,
+    eos: str = "append",
+    progress: bool = True,
 ) -> TokenData:
     """Return the tokenised train/val split of ``source``, building it if needed.
 
@@ -421,7 +491,9 @@ def prepare_tokens(
     instead; ``meta["split"]`` records which (``"documents"`` or ``"tail"``).
 
     Args:
-        source: ``data.path`` spec: ``"default"``, file/directory paths, or a list.
+        source: ``data.path`` spec: ``"default"``, files, directories, glob patterns,
+            ``hf:`` datasets, ``save_to_disk`` directories, or a list of those (see
+            :func:`editrain.data.sources.parse_sources`).
         cache_root: Directory holding cache entries (created if missing).
         vocab_size: Target BPE vocabulary size; ignored with ``tokenizer_path``.
         tokenizer_path: Optional user ``tokenizer.json`` (``data.tokenizer``)
@@ -430,19 +502,26 @@ def prepare_tokens(
         val_tokens: Floor of the validation split in tokens (``data.val_tokens``).
         split_seed: Seed of the choice of validation documents (``data.split_seed``).
         max_bytes: Only read this many bytes of text (for small runs/tests).
-        text_field: Field/column holding the text in jsonl/parquet sources.
+        text_field: Field/column holding the text of ``.jsonl``/``.json``/``.parquet``
+            files and Hugging Face datasets (``data.text_field``).
         eos_token: Name of the document separator in a user tokenizer;
             ``None`` auto-detects (see :func:`editrain.data.tokenizer.eos_id`).
+        eos: Where the separator goes (``data.eos``, one of ``EOS_POLICIES``):
+            ``"append"`` after every document, ``"prepend"`` before it, ``"none"`` nowhere.
+        progress: Show a progress bar on stderr when a build is slow and stderr is a
+            terminal; False keeps it quiet.
 
     Returns:
         A :class:`TokenData` with memory-mapped splits.
 
     Raises:
-        ValueError: Invalid ``vocab_size``/``val_fraction``, empty corpus, or
-            a user tokenizer without an end-of-text token.
+        ValueError: Invalid ``vocab_size``/``val_fraction``/``eos``, a ``data.path``
+            entry that is unsupported or cannot be loaded, a missing ``text_field``, an
+            empty corpus, or a user tokenizer without an end-of-text token.
         FileNotFoundError: A ``data.path`` or ``data.tokenizer`` path is missing.
+        ImportError: A source needs ``pyarrow`` or ``datasets``, which is not installed.
     """
-    _validate(vocab_size, val_fraction, val_tokens, split_seed, tokenizer_path)
+    _validate(vocab_size, val_fraction, val_tokens, split_seed, tokenizer_path, eos)
     split = {"val_fraction": float(val_fraction), "val_tokens": int(val_tokens),
              "seed": int(split_seed), "near_dup_jaccard": NEAR_DUP_JACCARD,
              "max_val_share": MAX_VAL_SHARE, "bytes_per_token_guess": _BYTES_PER_TOKEN_GUESS}
@@ -464,6 +543,7 @@ def prepare_tokens(
         split,
         text_field,
         eos_token,
+        eos,
     )
     root = Path(cache_root).expanduser()
     root.mkdir(parents=True, exist_ok=True)
@@ -483,17 +563,20 @@ def prepare_tokens(
             data = _open_entry(entry, reused=True)
             if data is not None:
                 return data  # another process built it while we waited
-            _build_entry(
-                entry,
-                refs,
-                source,
-                vocab_size,
-                tokenizer_path,
-                split,
-                max_bytes,
-                eos_token,
-                key,
-            )
+            with BuildProgress(progress) as bar:
+                _build_entry(
+                    entry,
+                    refs,
+                    source,
+                    vocab_size,
+                    tokenizer_path,
+                    split,
+                    max_bytes,
+                    eos_token,
+                    eos,
+                    key,
+                    bar,
+                )
         finally:
             fcntl.flock(lock.fileno(), fcntl.LOCK_UN)
     data = _open_entry(entry, reused=False)

@@ -1,10 +1,13 @@
 """Document sources: where the training text comes from.
 
 A *source spec* is what the user writes in the ``data.path`` option: the word
-``"default"`` (the embedded corpus described below), a path to a file, or a
-path to a directory, or a list of those. :func:`resolve_sources` turns the spec
-into validated :class:`SourceRef` objects up front, so a typo fails before any
-expensive work starts; :func:`iter_documents` then streams the documents.
+``"default"`` (the embedded corpus described below), a text file, a ``.jsonl`` /
+``.json`` / ``.parquet`` file of records, a directory of text files, a glob pattern of
+those, a Hugging Face dataset (``hf:NAME[:CONFIG][@SPLIT]``, or a ``save_to_disk``
+directory; see :mod:`editrain.data.hf`), or a list of any of these.
+:func:`parse_sources` checks a spec without reading data (for configuration checks);
+:func:`resolve_sources` also opens the record sources, so a typo or a missing text field
+fails before any expensive work starts; :func:`iter_documents` then streams the documents.
 
 Every document comes as a :class:`Document` record that also names its *family*
 (documents that are likely to share text: the files of one package, one
@@ -21,6 +24,7 @@ the whole library (prose included), not an alphabetical prefix.
 
 from __future__ import annotations
 
+import glob
 import hashlib
 import json
 import os
@@ -30,13 +34,31 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from .hf import (
+    HF_PREFIX,
+    check_saved_split,
+    check_text_column,
+    hf_label,
+    hf_rows,
+    load_hf,
+    loaded_identity,
+    parse_hf_spec,
+    require_datasets,
+    saved_dataset_kind,
+    saved_split_dir,
+)
+from .optional import require
+
 __all__ = [
     "CODE_EXTENSIONS",
     "DEFAULT_SOURCE",
     "DEFAULT_SHUFFLE_SEED",
+    "HF_FAMILY_ROWS",
+    "SUPPORTED_SOURCES",
     "TEXT_EXTENSIONS",
     "Document",
     "SourceRef",
+    "parse_sources",
     "resolve_sources",
     "iter_documents",
     "iter_records",
@@ -45,12 +67,30 @@ __all__ = [
 
 DEFAULT_SOURCE = "default"
 
-# Extensions picked up when a directory is given. Anything else in the
-# directory (binaries, images, caches) is ignored rather than decoded.
+# Extensions of text files: read whole as one document when named in data.path, and the
+# files picked up when a directory is given. Anything else in a directory (binaries,
+# images, caches) is ignored rather than decoded.
 TEXT_EXTENSIONS = (".txt", ".md", ".py", ".rst", ".text")
 # Extensions whose documents count as source code (everything else is prose) when
 # the split stratifies by kind.
 CODE_EXTENSIONS = (".py",)
+
+SUPPORTED_SOURCES = (
+    "'default' (the Python standard library and pydoc topics)",
+    f"text files ({', '.join(TEXT_EXTENSIONS)})",
+    "directories of such files",
+    ".jsonl and .json files (JSON Lines, or a JSON list of records)",
+    ".parquet files",
+    "Hugging Face datasets as hf:NAME[:CONFIG][@SPLIT]",
+    "save_to_disk directories (DIR, or DIR@SPLIT for a DatasetDict)",
+    "glob patterns of files and directories",
+)
+"""What a ``data.path`` entry may be (listed by the errors of unsupported entries)."""
+
+HF_FAMILY_ROWS = 32
+"""Rows of a Hugging Face dataset that form one family: neighbouring rows often come from
+one source text (many datasets store a paragraph or a line per row), so they stay on one
+side of the validation split."""
 
 # Seed of the default corpus's document shuffle. Fixed, so every rank, node and
 # later run reads the same documents in the same order.
@@ -68,7 +108,12 @@ _STDLIB_SKIP_DIRS = frozenset(
      "pydoc_data"}
 )
 
-_KINDS = ("default", "text", "dir", "jsonl", "parquet")
+_KINDS = ("default", "text", "dir", "jsonl", "json", "parquet", "hf", "hf_disk")
+# Kinds whose documents are the rows of a table or the records of a file.
+_ROW_KINDS = ("jsonl", "json", "parquet", "hf", "hf_disk")
+_GLOB_CHARS = frozenset("*?[")
+# Rows read per batch from parquet files and datasets: bounded memory, few round trips.
+_ROW_BATCH = 1024
 
 
 @dataclass(frozen=True)
@@ -78,10 +123,11 @@ class Document:
     Args:
         text: The document's text.
         name: A stable identifier (``stdlib:email/parser.py``, ``pydoc:assert``,
-            ``/data/x.jsonl:12``), unique within a corpus.
+            ``/data/x.jsonl:12``, ``hf:wikitext:wikitext-2-raw-v1@train:7``), unique
+            within a corpus.
         family: Documents likely to share text have the same family (one stdlib
-            package, one directory, one file); a family is never split between
-            train and validation.
+            package, one directory, one file, a block of ``HF_FAMILY_ROWS`` dataset
+            rows); a family is never split between train and validation.
         kind: ``"code"`` or ``"prose"``; the split is stratified by kind.
     """
 
@@ -102,19 +148,38 @@ class SourceRef:
     Args:
         kind: One of ``"default"``, ``"text"`` (a whole file is one document),
             ``"dir"`` (every text file below it is one document), ``"jsonl"``
-            (one JSON object per line) or ``"parquet"`` (one row per document).
+            (one JSON object per line), ``"json"`` (a JSON list of objects),
+            ``"parquet"`` (one row per document), ``"hf"`` (a dataset opened by
+            ``datasets.load_dataset``) or ``"hf_disk"`` (a ``save_to_disk`` directory).
         path: Absolute path of the file or directory; ``None`` for the default
-            corpus.
-        text_field: Field (jsonl) or column (parquet) that holds the text.
+            corpus and ``hf`` sources.
+        text_field: Field (json/jsonl) or column (parquet, datasets) that holds the text.
+        name: ``hf``: the dataset name (or local data directory) for ``load_dataset``.
+        config: ``hf``: the dataset configuration, or None.
+        split: ``hf``: the split; ``hf_disk``: the split of a saved ``DatasetDict``
+            (None for a saved ``Dataset``).
     """
 
     kind: str
     path: Path | None = None
     text_field: str = "text"
+    name: str | None = None
+    config: str | None = None
+    split: str | None = None
 
     def __post_init__(self) -> None:
         if self.kind not in _KINDS:
             raise ValueError(f"unknown source kind {self.kind!r}; expected one of {_KINDS}")
+
+    @property
+    def label(self) -> str:
+        """How ``data.path`` names this source: ``default``, the path (``@SPLIT`` added
+        for a saved ``DatasetDict``) or ``hf:NAME[:CONFIG]@SPLIT``."""
+        if self.kind == "default":
+            return DEFAULT_SOURCE
+        if self.kind == "hf":
+            return hf_label(self.name, self.config, self.split)
+        return str(self.path) + (f"@{self.split}" if self.split else "")
 
 
 def _stdlib_dir() -> Path:
@@ -181,85 +246,179 @@ def _default_documents() -> Iterator[Document]:
         yield Document(text, name, family, _kind_of(name))
 
 
-def _dir_files(root: Path) -> list[Path]:
-    """Text files below ``root`` sorted by relative path; hidden entries skipped."""
-    found: list[tuple[str, Path]] = []
+def _walk_files(root: Path, extensions: tuple[str, ...] | None) -> Iterator[tuple[str, Path]]:
+    """``(relative posix path, path)`` of the files below ``root`` whose names end with one
+    of ``extensions`` (None: every file), in file-system order; hidden entries skipped."""
     for dirpath, dirnames, filenames in os.walk(root):
         # Hidden directories are skipped so that a .git or .venv inside a data
         # directory does not silently become training data.
         dirnames[:] = [d for d in dirnames if not d.startswith(".")]
         for name in filenames:
-            if name.startswith(".") or not name.lower().endswith(TEXT_EXTENSIONS):
+            if name.startswith(".") or (extensions and not name.lower().endswith(extensions)):
                 continue
             full = Path(dirpath) / name
-            found.append((full.relative_to(root).as_posix(), full))
-    found.sort(key=lambda item: item[0])
-    return [p for _, p in found]
+            yield full.relative_to(root).as_posix(), full
 
 
-def _require_pyarrow():
-    try:
-        import pyarrow.parquet as pq
-    except ImportError as exc:
-        raise ImportError(
-            'reading .parquet files needs pyarrow; install it with pip install "editrain[parquet]"'
-        ) from exc
-    return pq
+def _dir_files(root: Path, extensions: tuple[str, ...] | None = TEXT_EXTENSIONS) -> list[Path]:
+    """The files of :func:`_walk_files`, sorted by relative path (independent of the file
+    system's listing order)."""
+    return [p for _, p in sorted(_walk_files(root, extensions), key=lambda item: item[0])]
 
 
-def _classify(path: Path, text_field: str) -> SourceRef:
+def _require_pyarrow(load: bool = True):
+    return require("pyarrow.parquet", "parquet", "reading .parquet files", load=load)
+
+
+def _is_glob(entry: str) -> bool:
+    # An existing path is taken literally even if its name holds glob characters.
+    return (entry != DEFAULT_SOURCE and not entry.startswith(HF_PREFIX)
+            and not _GLOB_CHARS.isdisjoint(entry) and not Path(entry).expanduser().exists())
+
+
+def _expand(spec: str | os.PathLike | Iterable[str]) -> list[str]:
+    """The entries of a ``data.path`` spec, each glob pattern replaced by its sorted matches
+    (``**`` matches any depth)."""
+    if isinstance(spec, (str, os.PathLike)):
+        entries = [spec]
+    elif isinstance(spec, Iterable):
+        entries = list(spec)
+    else:
+        raise ValueError(f"data.path: must be a string or a list of strings, got {spec!r}")
+    if not entries:
+        raise ValueError("data.path: empty; give 'default' or at least one file, directory, "
+                         "glob pattern or hf: dataset")
+    out: list[str] = []
+    for entry in entries:
+        if isinstance(entry, os.PathLike):
+            entry = os.fspath(entry)
+        if not isinstance(entry, str) or not entry.strip():
+            raise ValueError(f"data.path: entries must be non-empty strings, got {entry!r}")
+        if not _is_glob(entry):
+            out.append(entry)
+            continue
+        matches = sorted(glob.glob(os.path.expanduser(entry), recursive=True))
+        if not matches:
+            raise ValueError(f"data.path: the glob pattern {entry!r} matches no file or "
+                             f"directory")
+        out.extend(matches)
+    return out
+
+
+def _json_is_list(path: Path) -> bool:
+    """Whether a ``.json`` file holds one JSON list (otherwise it is read as JSON Lines)."""
+    with open(path, "rb") as fh:
+        while chunk := fh.read(1 << 12):
+            head = chunk.lstrip()
+            if head:
+                return head.startswith(b"[")
+    return False
+
+
+def _classify(entry: str, text_field: str) -> SourceRef:
+    """The :class:`SourceRef` of one glob-free entry, judged by its form, its extension or
+    the files of its directory; no data is read."""
+    if entry == DEFAULT_SOURCE:
+        return SourceRef("default", None, text_field)
+    if entry.startswith(HF_PREFIX):
+        name, config, split = parse_hf_spec(entry)
+        require_datasets(load=False)
+        return SourceRef("hf", None, text_field, name=name, config=config, split=split)
+    full = path = Path(entry).expanduser().absolute()
+    split = None
+    if not path.exists() and "@" in path.name:
+        # DIR@SPLIT: one split of a saved DatasetDict.
+        base, _, split = str(path).rpartition("@")
+        path = Path(base)
+    saved = saved_dataset_kind(path) if path.is_dir() else None
+    if saved is not None:
+        require_datasets(load=False)
+        return SourceRef("hf_disk", path, text_field, split=check_saved_split(path, saved, split))
+    if split is not None or not path.exists():
+        hint = " ('@SPLIT' only follows a save_to_disk directory)" if split is not None else ""
+        raise FileNotFoundError(f"data.path: {str(full)!r} does not exist{hint}")
     if path.is_dir():
+        if next(_walk_files(path, TEXT_EXTENSIONS), None) is None:
+            raise ValueError(f"data.path: {str(path)!r} contains no text: no files with "
+                             f"extensions {', '.join(TEXT_EXTENSIONS)}, and it is not a "
+                             f"save_to_disk directory")
         return SourceRef("dir", path, text_field)
     suffix = path.suffix.lower()
-    if suffix == ".jsonl":
+    if suffix in TEXT_EXTENSIONS:
+        return SourceRef("text", path, text_field)
+    if suffix == ".jsonl" or (suffix == ".json" and not _json_is_list(path)):
         return SourceRef("jsonl", path, text_field)
+    if suffix == ".json":
+        return SourceRef("json", path, text_field)
     if suffix == ".parquet":
-        # Fail at resolve time rather than in the middle of tokenisation.
-        _require_pyarrow()
+        # Fail while checking the options rather than in the middle of tokenisation.
+        _require_pyarrow(load=False)
         return SourceRef("parquet", path, text_field)
-    return SourceRef("text", path, text_field)
+    raise ValueError(f"data.path: {str(path)!r} is not a supported source (extension "
+                     f"{suffix or 'none'}); supported: {'; '.join(SUPPORTED_SOURCES)}")
+
+
+def parse_sources(spec: str | Iterable[str], text_field: str = "text") -> list[SourceRef]:
+    """Check a ``data.path`` spec without reading any data.
+
+    Checks the form of every entry, that paths exist and are of a supported kind, that
+    glob patterns match, that ``hf:`` specs are well formed and that the optional packages
+    the sources need are installed. A single string is one entry (it is not split on
+    commas, since paths may contain them); pass a list for several. Paths have ``~``
+    expanded and are made absolute.
+
+    Args:
+        spec: ``"default"``, a path, a glob pattern, an ``hf:`` spec, a ``save_to_disk``
+            directory (``DIR@SPLIT`` for a split of a ``DatasetDict``), or a list of those
+            (see ``SUPPORTED_SOURCES``).
+        text_field: Field/column holding the text of record sources (``data.text_field``).
+
+    Returns:
+        One :class:`SourceRef` per distinct source in the given order, glob matches
+        sorted; a source named twice (say by a path and a pattern) is read once.
+
+    Raises:
+        FileNotFoundError: A path does not exist (the message starts with ``data.path:``).
+        ValueError: An empty spec, a pattern matching nothing, an unsupported file, a
+            directory without text, a malformed ``hf:`` spec or a missing split (messages
+            start with ``data.path:``), or an empty ``text_field`` (``data.text_field:``).
+        ImportError: ``pyarrow`` or ``datasets`` is needed but not installed.
+    """
+    if not isinstance(text_field, str) or not text_field:
+        raise ValueError(f"data.text_field: must be a non-empty string naming the field "
+                         f"(.jsonl/.json) or column (.parquet, Hugging Face datasets) that "
+                         f"holds the text, got {text_field!r}")
+    return list(dict.fromkeys(_classify(entry, text_field) for entry in _expand(spec)))
 
 
 def resolve_sources(spec: str | Iterable[str], text_field: str = "text") -> list[SourceRef]:
-    """Turn a ``data.path`` spec into validated sources.
+    """Turn a ``data.path`` spec into validated sources, ready to read.
 
-    A single string is one source (it is not split on commas, since paths may
-    contain them); pass a list for several. ``"default"`` selects the embedded
-    stdlib corpus. Paths have ``~`` expanded and are made absolute.
+    Does what :func:`parse_sources` does, then opens every record source (``.jsonl``,
+    ``.json``, ``.parquet``, Hugging Face datasets) and reads its first record, so a
+    missing text field or a dataset that cannot be loaded fails before any expensive work.
 
     Args:
-        spec: ``"default"``, a file or directory path, or a list of those.
-        text_field: Field/column holding the text in ``.jsonl``/``.parquet``.
+        spec: As for :func:`parse_sources`.
+        text_field: Field/column holding the text of record sources.
 
     Returns:
-        One :class:`SourceRef` per entry, in the given order.
+        The sources of :func:`parse_sources`.
 
     Raises:
-        FileNotFoundError: A path does not exist (the message names ``data.path``).
-        ValueError: The spec is empty, or a directory holds no text files.
-        ImportError: A ``.parquet`` source is given but pyarrow is missing.
+        FileNotFoundError, ValueError, ImportError: As for :func:`parse_sources`; also
+            ``ValueError`` for a record source without ``text_field`` (the message starts
+            with ``data.text_field:``, names the source and lists its fields) or a dataset
+            that cannot be loaded (not cached and no network, for instance).
     """
-    entries = [spec] if isinstance(spec, (str, os.PathLike)) else list(spec)
-    if not entries:
-        raise ValueError("data.path is empty; give 'default' or at least one file or directory")
-    refs: list[SourceRef] = []
-    for entry in entries:
-        entry = os.fspath(entry)
-        if not isinstance(entry, str) or not entry.strip():
-            raise ValueError(f"data.path entries must be non-empty strings, got {entry!r}")
-        if entry == DEFAULT_SOURCE:
-            refs.append(SourceRef("default", None, text_field))
-            continue
-        path = Path(entry).expanduser().absolute()
-        if not path.exists():
-            raise FileNotFoundError(f"data.path: {str(path)!r} does not exist")
-        ref = _classify(path, text_field)
-        if ref.kind == "dir" and not _dir_files(path):
-            raise ValueError(
-                f"data.path {str(path)!r} contains no text: no files with extensions "
-                f"{', '.join(TEXT_EXTENSIONS)}"
-            )
-        refs.append(ref)
+    refs = parse_sources(spec, text_field)
+    for ref in refs:
+        if ref.kind in _ROW_KINDS:
+            rows = _rows(ref)
+            try:
+                next(rows, None)
+            finally:
+                rows.close()
     return refs
 
 
@@ -277,37 +436,80 @@ def _dir_family(rel: str) -> str:
     return parent if parent else rel
 
 
-def _jsonl_documents(path: Path, field: str) -> Iterator[tuple[int, str]]:
+def _record_text(record: object, field: str, where: str) -> object:
+    """The ``field`` of one JSON record (its type is checked by the caller)."""
+    if not isinstance(record, dict):
+        raise ValueError(f"data.path: {where}: expected a JSON object, got "
+                         f"{type(record).__name__}")
+    if field not in record:
+        raise ValueError(f"data.text_field: {where}: the JSON object has no {field!r} field; "
+                         f"its fields: {', '.join(record) or 'none'}")
+    return record[field]
+
+
+def _jsonl_rows(path: Path, field: str) -> Iterator[tuple[int, object]]:
+    """``(line number, text)`` of a JSON Lines file, read line by line."""
     with open(path, encoding="utf-8") as fh:
         for lineno, line in enumerate(fh, start=1):
             if not line.strip():
                 continue  # tolerate blank lines, common at the end of files
             try:
-                obj = json.loads(line)
+                record = json.loads(line)
             except json.JSONDecodeError as exc:
-                raise ValueError(f"{path}:{lineno}: invalid JSON ({exc.msg})") from exc
-            if not isinstance(obj, dict) or field not in obj:
-                raise ValueError(f"{path}:{lineno}: JSON object has no {field!r} field")
-            text = obj[field]
-            if not isinstance(text, str):
-                raise ValueError(
-                    f"{path}:{lineno}: field {field!r} must be a string, got {type(text).__name__}"
-                )
-            yield lineno, text
+                raise ValueError(f"data.path: {path}:{lineno}: invalid JSON ({exc.msg})") from exc
+            yield lineno, _record_text(record, field, f"{path}:{lineno}")
 
 
-def _parquet_documents(path: Path, field: str) -> Iterator[tuple[int, str]]:
+def _json_rows(path: Path, field: str) -> Iterator[tuple[int, object]]:
+    """``(index, text)`` of a ``.json`` file holding a list of records. The file is parsed
+    whole: corpora larger than memory belong in JSON Lines."""
+    try:
+        with open(path, encoding="utf-8") as fh:
+            records = json.load(fh)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"data.path: {path}: invalid JSON ({exc.msg}, line {exc.lineno})"
+                         ) from exc
+    for index, record in enumerate(records):
+        yield index, _record_text(record, field, f"{path}[{index}]")
+
+
+def _parquet_rows(path: Path, field: str) -> Iterator[tuple[int, object]]:
+    """``(row number, text)`` of a parquet file's non-null ``field`` values."""
     pq = _require_pyarrow()
     pf = pq.ParquetFile(path)
-    if field not in pf.schema_arrow.names:
-        raise ValueError(f"{path}: parquet file has no {field!r} column")
-    # Record batches keep memory bounded for files larger than RAM.
+    names = pf.schema_arrow.names
+    if field not in names:
+        raise ValueError(f"data.text_field: {path} has no column {field!r}; its columns: "
+                         f"{', '.join(names) or 'none'}")
+    # Small record batches of one column keep memory bounded for files larger than RAM.
     row = 0
-    for batch in pf.iter_batches(columns=[field]):
+    for batch in pf.iter_batches(batch_size=_ROW_BATCH, columns=[field]):
         for text in batch.column(0).to_pylist():
             row += 1
             if text is not None:
                 yield row, text
+
+
+def _open_dataset(ref: SourceRef):
+    """The ``datasets.Dataset`` of an ``hf``/``hf_disk`` source, its text column checked."""
+    if ref.kind == "hf":
+        ds = load_hf(ref.label, name=ref.name, config=ref.config, split=ref.split)
+    else:
+        ds = load_hf(ref.label, split=ref.split, saved=ref.path)
+    check_text_column(ds, ref.text_field, ref.label)
+    return ds
+
+
+def _rows(ref: SourceRef) -> Iterator[tuple[int, object]]:
+    """``(row, text)`` of a record source (one of ``_ROW_KINDS``); rows with a null text
+    are left out, the row numbers say where each text is."""
+    if ref.kind == "jsonl":
+        return _jsonl_rows(ref.path, ref.text_field)
+    if ref.kind == "json":
+        return _json_rows(ref.path, ref.text_field)
+    if ref.kind == "parquet":
+        return _parquet_rows(ref.path, ref.text_field)
+    return hf_rows(_open_dataset(ref), ref.text_field, _ROW_BATCH)
 
 
 def _ref_documents(ref: SourceRef) -> Iterator[Document]:
@@ -322,13 +524,19 @@ def _ref_documents(ref: SourceRef) -> Iterator[Document]:
             yield Document(_read_text_file(path), f"{ref.path}/{rel}",
                            f"{ref.path}/{_dir_family(rel)}", _kind_of(rel))
     else:
-        rows = (_jsonl_documents if ref.kind == "jsonl" else _parquet_documents)(
-            ref.path, ref.text_field)
-        # Rows of a jsonl/parquet file carry no structure to group them by: each row
-        # is its own family (near-duplicates are still grouped by content).
-        for row, text in rows:
-            name = f"{ref.path}:{row}"
-            yield Document(text, name, name, "prose")
+        # The rows of a file carry no structure to group them by: each is its own family
+        # (near-duplicates are still grouped by content). Dataset rows are grouped in
+        # blocks of neighbours (see HF_FAMILY_ROWS).
+        block = HF_FAMILY_ROWS if ref.kind in ("hf", "hf_disk") else 1
+        label = ref.label
+        for row, text in _rows(ref):
+            name = f"{label}:{row}"
+            if not isinstance(text, str):
+                raise ValueError(f"data.text_field: {name}: {ref.text_field!r} holds "
+                                 f"{type(text).__name__}, not text")
+            first = row - row % block
+            family = name if block == 1 else f"{label}:rows {first}-{first + block - 1}"
+            yield Document(text, name, family, "prose")
 
 
 def _truncate_utf8(text: str, max_len: int) -> str:
@@ -382,8 +590,8 @@ def iter_records(refs: list[SourceRef], max_bytes: int | None = None) -> Iterato
         if capped:
             break
     if count == 0:
-        names = ", ".join(DEFAULT_SOURCE if r.path is None else str(r.path) for r in refs)
-        raise ValueError(f"data.path ({names}) contains no text")
+        names = ", ".join(r.label for r in refs)
+        raise ValueError(f"data.path: {names} contains no text")
 
 
 # Files up to this size are hashed whole; larger ones by samples (see _content_digest).
@@ -416,6 +624,11 @@ def _file_entry(path: Path, name: str, with_mtime: bool = True) -> list:
     return entry
 
 
+def _tree_entries(root: Path, extensions: tuple[str, ...] | None) -> list[list]:
+    """:func:`_file_entry` of every file of :func:`_dir_files`, named relative to ``root``."""
+    return [_file_entry(p, p.relative_to(root).as_posix()) for p in _dir_files(root, extensions)]
+
+
 def source_fingerprint(refs: list[SourceRef], max_bytes: int | None = None) -> str:
     """Content identity of ``refs`` for cache keys.
 
@@ -423,7 +636,9 @@ def source_fingerprint(refs: list[SourceRef], max_bytes: int | None = None) -> s
     sha256 of its contents (sampled for files above 64 MB, whose mtime is then
     included too), and the cap. For the default corpus it covers the Python version,
     the stdlib directory, every file's contents and the pydoc topics, so editing a
-    file, even at equal size, gives a new fingerprint.
+    file, even at equal size, gives a new fingerprint. A ``save_to_disk`` directory is
+    hashed like any directory (all its files); a dataset opened by ``load_dataset`` by its
+    fingerprint, row count and cache files (see :func:`editrain.data.hf.loaded_identity`).
 
     Args:
         refs: Sources from :func:`resolve_sources`.
@@ -444,8 +659,12 @@ def source_fingerprint(refs: list[SourceRef], max_bytes: int | None = None) -> s
             files = [_file_entry(p, rel, with_mtime=False) for rel, p in _stdlib_files()]
             parts.append(["default", sys.version, str(root), topics_hash, files])
         elif ref.kind == "dir":
-            files = [_file_entry(p, p.relative_to(ref.path).as_posix()) for p in _dir_files(ref.path)]
-            parts.append(["dir", str(ref.path), files])
+            parts.append(["dir", str(ref.path), _tree_entries(ref.path, TEXT_EXTENSIONS)])
+        elif ref.kind == "hf":
+            parts.append(["hf", ref.label, ref.text_field, loaded_identity(_open_dataset(ref))])
+        elif ref.kind == "hf_disk":
+            parts.append(["hf_disk", ref.label, ref.text_field,
+                          _tree_entries(saved_split_dir(ref.path, ref.split), None)])
         else:
             parts.append([ref.kind, ref.text_field, _file_entry(ref.path, str(ref.path))])
     blob = json.dumps(parts, ensure_ascii=True, separators=(",", ":"))

@@ -1,0 +1,350 @@
+"""Tests for the data sources of issue #16 item 6: lists and glob patterns, Hugging Face
+datasets (``hf:`` specs and ``save_to_disk`` directories), ``text_field``, the EOS policy,
+unsupported files, the cheap option checks and the build's progress bar.
+
+Every dataset is built inside the test (nothing is downloaded); corpora are a few KB.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import random
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from editrain.data import (
+    HF_FAMILY_ROWS,
+    check_data_options,
+    iter_documents,
+    iter_records,
+    parse_sources,
+    prepare_tokens,
+    resolve_sources,
+    source_fingerprint,
+)
+from editrain.data.progress import BuildProgress
+from editrain.data.sources import Document
+
+ROOT = Path(__file__).resolve().parents[1]
+WORDS = ("alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron "
+         "pi rho sigma tau upsilon phi chi psi omega river stone cloud light").split()
+
+
+def _texts(n: int, seed: int = 0, words: int = 60) -> list[str]:
+    """``n`` distinct pseudo-random documents."""
+    rng = random.Random(seed)
+    return [f"doc {i}: " + " ".join(rng.choice(WORDS) for _ in range(words)) for i in range(n)]
+
+
+def _write(path: Path, text: str = "some text\n") -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text, encoding="utf-8")
+    return path
+
+
+@pytest.fixture
+def hf_datasets():
+    """The ``datasets`` module with its progress bars off (skips without the hf extra)."""
+    datasets = pytest.importorskip("datasets")
+    datasets.disable_progress_bars()
+    yield datasets
+    datasets.enable_progress_bars()
+
+
+# ------------------------------------------------------------- lists and globs
+
+
+def test_list_and_globs_are_sorted_and_deduplicated(tmp_path):
+    for rel in ("b.txt", "a.txt", "notes.md", "sub/c.txt", "sub/deep/d.txt", "sub/skip.md"):
+        _write(tmp_path / rel, rel)
+    spec = [str(tmp_path / "b.txt"), str(tmp_path / "*.txt"), str(tmp_path / "sub/**/*.txt"),
+            str(tmp_path / "a.txt")]
+    refs = resolve_sources(spec)
+    # The literal b.txt first, then the matches of each pattern sorted; a.txt and b.txt
+    # are named twice but read once.
+    assert [r.path.relative_to(tmp_path).as_posix() for r in refs] == [
+        "b.txt", "a.txt", "sub/c.txt", "sub/deep/d.txt"]
+    assert list(iter_documents(refs)) == ["b.txt", "a.txt", "sub/c.txt", "sub/deep/d.txt"]
+    # A new file matching a pattern is new data.
+    before = source_fingerprint(refs)
+    _write(tmp_path / "c.txt", "c")
+    assert source_fingerprint(resolve_sources(spec)) != before
+
+
+def test_relative_glob_and_mixed_list(tmp_path, monkeypatch):
+    _write(tmp_path / "one.txt", "one")
+    _write(tmp_path / "two.jsonl", json.dumps({"text": "two"}) + "\n")
+    monkeypatch.chdir(tmp_path)
+    refs = resolve_sources(["*.txt", "two.jsonl"])
+    assert [r.kind for r in refs] == ["text", "jsonl"]
+    assert refs[0].path == tmp_path / "one.txt"  # made absolute
+    assert list(iter_documents(refs)) == ["one", "two"]
+
+
+def test_glob_matching_nothing_names_option_and_pattern(tmp_path):
+    pattern = str(tmp_path / "nothing-*.txt")
+    with pytest.raises(ValueError, match=r"^data\.path: .*nothing-\*\.txt.*matches no file"):
+        resolve_sources(["default", pattern])
+
+
+# ------------------------------------------------------------ unsupported files
+
+
+def test_unknown_extension_is_rejected_with_the_supported_kinds(tmp_path):
+    path = _write(tmp_path / "table.csv", "a,b\n1,2\n")
+    with pytest.raises(ValueError, match=r"^data\.path: .*table\.csv.*\.csv") as info:
+        resolve_sources(str(path))
+    message = str(info.value)
+    for kind in (".txt", ".md", ".jsonl", ".json", ".parquet", "hf:NAME", "save_to_disk",
+                 "glob"):
+        assert kind in message
+    # A file named in a pattern's matches is judged the same way.
+    with pytest.raises(ValueError, match=r"table\.csv.*not a supported source"):
+        resolve_sources(str(tmp_path / "*"))
+
+
+def test_json_file_as_list_or_json_lines(tmp_path):
+    listed = _write(tmp_path / "list.json",
+                    json.dumps([{"body": "first"}, {"body": "second", "id": 2}], indent=1))
+    lines = _write(tmp_path / "lines.json", '{"body": "third"}\n{"body": "fourth"}\n')
+    refs = resolve_sources([str(listed), str(lines)], text_field="body")
+    assert [r.kind for r in refs] == ["json", "jsonl"]
+    docs = list(iter_records(refs))
+    assert [d.text for d in docs] == ["first", "second", "third", "fourth"]
+    assert docs[0].name == f"{listed}:0" and docs[2].name == f"{lines}:1"
+
+
+# ------------------------------------------------------------------ text_field
+
+
+def test_missing_text_field_names_option_source_and_fields(tmp_path, hf_datasets):
+    jsonl = _write(tmp_path / "x.jsonl", json.dumps({"body": "a", "id": 1}) + "\n")
+    with pytest.raises(ValueError, match=r"^data\.text_field: .*x\.jsonl:1.*'text'.*body, id"):
+        resolve_sources(str(jsonl))  # found when resolving, before any tokenisation
+    listed = _write(tmp_path / "x.json", json.dumps([{"body": "a"}]))
+    with pytest.raises(ValueError, match=r"^data\.text_field: .*x\.json\[0\].*'text'.*body"):
+        resolve_sources(str(listed))
+    parquet = tmp_path / "x.parquet"
+    hf_datasets.Dataset.from_dict({"body": ["a"], "n": [1]}).to_parquet(str(parquet))
+    with pytest.raises(ValueError, match=r"^data\.text_field: .*x\.parquet.*'text'.*body, n"):
+        resolve_sources(str(parquet))
+    saved = tmp_path / "saved"
+    hf_datasets.Dataset.from_dict({"body": ["a"], "n": [1]}).save_to_disk(str(saved))
+    with pytest.raises(ValueError, match=r"^data\.text_field: .*saved has no column 'text'; "
+                                         r"its columns: body, n"):
+        resolve_sources(str(saved))
+    with pytest.raises(ValueError, match=r"^data\.text_field: column 'n' .*not text"):
+        resolve_sources(str(saved), text_field="n")
+    # The right field reads every kind.
+    refs = resolve_sources([str(jsonl), str(listed), str(parquet), str(saved)], text_field="body")
+    assert list(iter_documents(refs)) == ["a"] * 4
+
+
+# ----------------------------------------------------------- save_to_disk dirs
+
+
+def test_saved_dataset_is_read_row_by_row(tmp_path, hf_datasets):
+    texts = _texts(70)
+    texts[3] = None  # null rows are skipped, empty ones too
+    texts[4] = ""
+    path = tmp_path / "saved"
+    hf_datasets.Dataset.from_dict({"text": texts, "id": list(range(70))}).save_to_disk(str(path))
+    (ref,) = resolve_sources(str(path))
+    assert (ref.kind, ref.split, ref.label) == ("hf_disk", None, str(path))
+    docs = list(iter_records([ref]))
+    assert [d.text for d in docs] == [t for t in texts if t]
+    assert docs[0].name == f"{path}:0" and docs[-1].name == f"{path}:69"
+    # Neighbouring rows form one family, so the split keeps them on one side.
+    assert docs[0].family == docs[3].family == f"{path}:rows 0-{HF_FAMILY_ROWS - 1}"
+    assert docs[-1].family != docs[0].family
+    assert docs[0].kind == "prose"
+
+    before = source_fingerprint([ref])
+    assert source_fingerprint(resolve_sources(str(path))) == before
+    shutil.rmtree(path)
+    texts[0] = "changed"
+    hf_datasets.Dataset.from_dict({"text": texts, "id": list(range(70))}).save_to_disk(str(path))
+    assert source_fingerprint([ref]) != before
+
+
+def test_saved_dataset_dict_split(tmp_path, hf_datasets):
+    dd = hf_datasets.DatasetDict({
+        "train": hf_datasets.Dataset.from_dict({"text": ["t0", "t1"]}),
+        "validation": hf_datasets.Dataset.from_dict({"text": ["v0"]}),
+    })
+    path = tmp_path / "dd"
+    dd.save_to_disk(str(path))
+    (train,) = resolve_sources(str(path))  # train by default
+    (val,) = resolve_sources(f"{path}@validation")
+    assert (train.kind, train.split, val.split) == ("hf_disk", "train", "validation")
+    assert list(iter_documents([train])) == ["t0", "t1"]
+    docs = list(iter_records([val]))
+    assert [(d.text, d.name) for d in docs] == [("v0", f"{path}@validation:0")]
+    assert source_fingerprint([train]) != source_fingerprint([val])
+    with pytest.raises(ValueError, match=r"^data\.path: .*no split 'test'; its splits: "
+                                         r"train, validation"):
+        resolve_sources(f"{path}@test")
+    hf_datasets.Dataset.from_dict({"text": ["x"]}).save_to_disk(str(tmp_path / "single"))
+    with pytest.raises(ValueError, match=r"^data\.path: .*single saved Dataset.*'@train'"):
+        resolve_sources(f"{tmp_path / 'single'}@train")
+    with pytest.raises(FileNotFoundError, match=r"^data\.path: .*nope@train.*save_to_disk"):
+        resolve_sources(str(tmp_path / "nope@train"))
+
+
+def test_prepare_tokens_on_a_saved_dataset_with_text_field(tmp_path, hf_datasets):
+    n = 200
+    path = tmp_path / "saved"
+    hf_datasets.Dataset.from_dict({"body": _texts(n, words=40)}).save_to_disk(str(path))
+    data = prepare_tokens(str(path), tmp_path / "cache", vocab_size=300, val_fraction=0.2,
+                          val_tokens=64, text_field="body", progress=False)
+    assert data.meta["documents"] == n and data.meta["split"] == "documents"
+    names = [name for name, _, _ in
+             json.loads((data.cache_dir / "val_documents.json").read_text())]
+    rows = {int(name.rsplit(":", 1)[1]) for name in names}
+    # Validation holds whole blocks of neighbouring rows.
+    blocks = {r // HF_FAMILY_ROWS for r in rows}
+    assert rows and rows == {r for r in range(n) if r // HF_FAMILY_ROWS in blocks}
+
+
+# ------------------------------------------------------------------- hf: specs
+
+
+def test_hf_spec_loads_a_local_dataset_offline(tmp_path, monkeypatch, hf_datasets):
+    """``hf:NAME`` with a local data directory: ``load_dataset`` reads it without a network,
+    into the Hugging Face cache (a temporary one here)."""
+    monkeypatch.setattr(hf_datasets.config, "HF_DATASETS_CACHE", tmp_path / "hf-cache")
+    monkeypatch.setattr(hf_datasets.config, "HF_HUB_OFFLINE", True)
+    local = tmp_path / "local"
+    rows = [{"text": t} for t in _texts(5)]
+    _write(local / "train.jsonl", "".join(json.dumps(r) + "\n" for r in rows))
+    (ref,) = resolve_sources(f"hf:{local}")
+    assert (ref.kind, ref.name, ref.config, ref.split) == ("hf", str(local), None, "train")
+    docs = list(iter_records([ref]))
+    assert [d.text for d in docs] == [r["text"] for r in rows]
+    assert docs[1].name == f"hf:{local}@train:1"
+    assert (tmp_path / "hf-cache").is_dir()
+    before = source_fingerprint([ref])
+    assert source_fingerprint([ref]) == before
+    _write(local / "train.jsonl", json.dumps({"text": "other"}) + "\n")
+    assert source_fingerprint([ref]) != before
+    with pytest.raises(ValueError, match=r"^data\.text_field: hf:.*@train has no column 'body'"):
+        resolve_sources(f"hf:{local}", text_field="body")
+
+
+def test_hf_dataset_not_cached_offline_is_a_one_line_error(tmp_path):
+    """Through the CLI, with an empty HF_HOME and no network: one line, no traceback."""
+    pytest.importorskip("datasets")
+    env = dict(os.environ, HF_HOME=str(tmp_path / "hf-home"), HF_HUB_OFFLINE="1",
+               HF_DATASETS_OFFLINE="1", PYTHONPATH=str(ROOT))
+    env.pop("HF_DATASETS_CACHE", None)
+    proc = subprocess.run(
+        [sys.executable, "-m", "editrain", "data", "--data.path", "hf:nobody/not-cached:cfg@train",
+         "--data.cache_dir", str(tmp_path / "cache")],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=100)
+    assert proc.returncode == 2, proc.stderr
+    assert "Traceback" not in proc.stderr
+    line = proc.stderr.strip().splitlines()[-1]
+    assert line.startswith("editrain: error: data.path: cannot load hf:nobody/not-cached:cfg@train")
+    assert str(tmp_path / "hf-home") in line  # where the cache was looked for
+
+
+def test_hf_spec_syntax_and_missing_package(monkeypatch):
+    assert parse_sources("hf:org/name:cfg@train[:10%]")[0].split == "train[:10%]"
+    for bad in ("hf:", "hf:name:", "hf:name@", "hf::cfg", "hf:a name"):
+        with pytest.raises(ValueError, match=r"^data\.path: .*hf:NAME:CONFIG@SPLIT"):
+            parse_sources(bad)
+    monkeypatch.setitem(sys.modules, "datasets", None)  # as if it were not installed
+    with pytest.raises(ImportError, match=r'^data\.path: .*pip install "editrain\[hf\]"'):
+        parse_sources("hf:org/name")
+
+
+# --------------------------------------------------------------- the EOS policy
+
+
+def test_eos_policy_changes_tokens_and_cache_key(tmp_path):
+    corpus = _write(tmp_path / "c.jsonl", "".join(json.dumps({"text": t}) + "\n"
+                                                  for t in _texts(40)))
+    built = {policy: prepare_tokens(str(corpus), tmp_path / "cache", vocab_size=300,
+                                    val_fraction=0.2, val_tokens=64, eos=policy, progress=False)
+             for policy in ("append", "none", "prepend")}
+    assert len({d.cache_dir for d in built.values()}) == 3
+    append, none, prepend = built["append"], built["none"], built["prepend"]
+    assert append.meta["split"] == "documents" and append.meta["eos"] == "append"
+    n_docs = append.meta["documents"]
+
+    def tokens(d):
+        return np.concatenate([np.asarray(d.train), np.asarray(d.val)])
+
+    # One separator per document, or none at all.
+    assert len(tokens(append)) - len(tokens(none)) == n_docs == 40
+    assert int((tokens(none) == none.eos_id).sum()) == 0
+    assert int((tokens(append) == append.eos_id).sum()) == n_docs
+    assert len(tokens(prepend)) == len(tokens(append))
+    assert int(prepend.train[0]) == prepend.eos_id and int(append.train[-1]) == append.eos_id
+    assert int(append.train[0]) != append.eos_id
+    # Without separators the documents' tokens are the same, just not separated.
+    assert np.array_equal(tokens(none), tokens(append)[tokens(append) != append.eos_id])
+    with pytest.raises(ValueError, match=r"^data\.eos: must be one of append, prepend, none"):
+        prepare_tokens(str(corpus), tmp_path / "cache", vocab_size=300, eos="after")
+
+
+# ---------------------------------------------------------- check_data_options
+
+
+def test_check_data_options_messages(tmp_path, monkeypatch):
+    good = _write(tmp_path / "a.txt")
+    check_data_options("default")
+    check_data_options([str(good), str(tmp_path / "*.txt"), "hf:org/name:cfg@test"], "body",
+                       "none")  # an hf: spec is not loaded here, so no network is needed
+    cases = [
+        ((str(good), "text", "sometimes"), "data.eos: ", ["append", "prepend", "none"]),
+        ((str(good), "", "append"), "data.text_field: ", ["non-empty string"]),
+        ((str(tmp_path / "missing.txt"), "text", "append"), "data.path: ", ["missing.txt",
+                                                                             "does not exist"]),
+        ((str(tmp_path / "*.md"), "text", "append"), "data.path: ", ["*.md", "matches no"]),
+        ((str(_write(tmp_path / "x.bin")), "text", "append"), "data.path: ", ["x.bin",
+                                                                                 ".parquet"]),
+        (("hf:", "text", "append"), "data.path: ", ["hf:NAME"]),
+        (([], "text", "append"), "data.path: ", ["empty"]),
+        ((3, "text", "append"), "data.path: ", ["string or a list"]),
+    ]
+    for args, prefix, words in cases:
+        with pytest.raises(ValueError) as info:
+            check_data_options(*args)
+        message = str(info.value)
+        assert message.startswith(prefix), message
+        assert all(w in message for w in words), message
+    monkeypatch.setitem(sys.modules, "datasets", None)
+    with pytest.raises(ValueError, match=r'^data\.path: .*pip install "editrain\[hf\]"'):
+        check_data_options("hf:org/name")
+
+
+# ----------------------------------------------------------------- progress bar
+
+
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_progress_bar_only_on_a_terminal(monkeypatch):
+    docs = [Document(t, str(i), str(i), "prose") for i, t in enumerate(_texts(5))]
+    for enabled, stream, drawn in ((True, _Terminal(), True), (False, _Terminal(), False),
+                                   (True, io.StringIO(), False)):
+        monkeypatch.setattr(sys, "stderr", stream)
+        with BuildProgress(enabled, delay=0.0) as bar:
+            assert list(bar.track(iter(docs), "data: reading documents")) == docs
+        assert ("data: reading documents" in stream.getvalue()) == drawn
+    # A quick build stays silent even on a terminal.
+    stream = _Terminal()
+    monkeypatch.setattr(sys, "stderr", stream)
+    with BuildProgress(True) as bar:
+        list(bar.track(iter(docs), "data: reading documents"))
+    assert stream.getvalue() == ""
