@@ -60,9 +60,16 @@ class ModelSection:
 class DataSection:
     """Corpus and tokenizer."""
 
-    path: str = "default"
+    path: str | list[str] = "default"
     """Corpus: "default" (the running Python's standard library and pydoc topics), a text
-    file, a directory, a .jsonl file (field "text") or a .parquet file."""
+    file, a directory, a .jsonl/.json/.parquet file, a glob, hf:NAME[:CONFIG][@SPLIT] (a
+    Hugging Face dataset in the local cache), a save_to_disk directory[@SPLIT], or a list
+    of these."""
+    text_field: str = "text"
+    """Field or column holding the text in .jsonl, .json, .parquet and datasets."""
+    eos: str = "append"
+    """End-of-text token between documents: append (after each), prepend (before each) or
+    none (documents concatenated)."""
     tokenizer: str | None = None
     """A tokenizer.json to use instead of training a byte-level BPE on the corpus."""
     vocab_size: int = 8192
@@ -448,6 +455,12 @@ def validate(cfg: Config) -> None:
          f"allowed: {', '.join(COMM_BACKENDS)}; got {d.comm_backend!r}")
     _req(d.threads_per_proc >= 0, "dist.threads_per_proc",
          f"must be >= 0, got {d.threads_per_proc}")
+    from editrain.data import check_data_options
+
+    try:
+        check_data_options(cfg.data.path, cfg.data.text_field, cfg.data.eos)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     _req(cfg.data.vocab_size >= 257, "data.vocab_size",
          f"must be >= 257 (256 bytes + end-of-text), got {cfg.data.vocab_size}")
     _req(0 < cfg.data.val_fraction < 0.5, "data.val_fraction",

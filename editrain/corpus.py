@@ -23,8 +23,7 @@ def prepare_data(cfg: Config) -> TokenData:
     return prepare_tokens(
         d.path, Path(d.cache_dir).expanduser(), d.vocab_size, d.tokenizer, d.val_fraction,
         d.max_bytes, val_tokens=d.val_tokens, split_seed=d.split_seed,
-        # getattr: configurations without these options read the defaults.
-        text_field=getattr(d, "text_field", "text"), eos=getattr(d, "eos", "append"),
+        text_field=d.text_field, eos=d.eos,
         progress=not cfg.quiet,
     )
 

@@ -196,7 +196,7 @@ def test_list_of_integers_from_the_command_line(text):
     (["--run-dir", "2024-01-01"], lambda c: c.run_dir, "2024-01-01"),
     (["--run-dir", "1_000"], lambda c: c.run_dir, "1_000"),
     (["--sim.link_latency", "0.005"], lambda c: c.sim.link_latency, "0.005"),
-    (["--data.path=true"], lambda c: c.data.path, "true"),
+    (["--data.text_field=true"], lambda c: c.data.text_field, "true"),
 ])
 def test_text_options_keep_the_text_as_typed(argv, get, expected):
     """A string option must not be turned into a number, date or boolean first."""
@@ -355,7 +355,7 @@ def busy_config() -> Config:
     """A configuration touching every kind of value (nested, inline table, lists, None)."""
     return cli(
         "--model.preset", "tiny", "--model.dim", "96", "--model.tie_embeddings", "false",
-        "--data.max_bytes", "none", "--data.path", 'some "quoted" dir\\x',
+        "--data.max_bytes", "none", "--data.text_field", 'some "quoted" dir\\x',
         "--train.steps", "30", "--train.lr", "1e-4", "--optim.agd_delta", "1e-14",
         "--method", "diloco", "--sync.outer_optim_kwargs", "{lr=0.5, momentum=0.8, nesterov=true}",
         "--sync.gta.reducer", "gta", "--sync.gta.density", "0.5",
@@ -378,7 +378,7 @@ def test_dumps_toml_parses_back_to_the_same_values():
     assert parsed["data"]["max_bytes"] == "none" and parsed["resume"] == "none"
     assert parsed["run_dir"] == "runs/x" and parsed["quiet"] is True
     assert parsed["sync"]["outer_optim_kwargs"] == {"lr": 0.5, "momentum": 0.8, "nesterov": True}
-    assert parsed["data"]["path"] == 'some "quoted" dir\\x'
+    assert parsed["data"]["text_field"] == 'some "quoted" dir\\x'
     assert parsed["train"]["lr"] == 1e-4 and parsed["optim"]["agd_delta"] == 1e-14
 
 
@@ -417,6 +417,8 @@ FROZEN_OPTIONS = [
     "model.tie_embeddings",
     "model.hf_config",
     "data.path",
+    "data.text_field",
+    "data.eos",
     "data.tokenizer",
     "data.vocab_size",
     "data.val_fraction",
