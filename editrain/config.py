@@ -27,6 +27,28 @@ def _req(cond: bool, option: str, msg: str) -> None:
         raise ConfigError(f"{option}: {msg}")
 
 
+PRESETS = ("tiny", "small", "350m", "1b", "3b", "7b")
+PRECISIONS = ("fp32", "bf16")
+OPTIMIZERS = ("adamw", "agd", "sgd")
+SAMS = ("none", "wsam")
+BACKENDS = ("auto", "gloo", "nccl")
+DEVICES = ("auto", "cpu", "cuda")
+
+
+def _positive(section: Any, prefix: str, names: tuple[str, ...], least: int = 1) -> None:
+    for name in names:
+        value = getattr(section, name)
+        _req(value >= least, f"{prefix}.{name}", f"must be {'> 0' if least == 1 else '>= 0'}"
+             f", got {value}")
+
+
+def cuda_device_count() -> int:
+    """CUDA devices this process can use (respects CUDA_VISIBLE_DEVICES); tests replace it."""
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
 @dataclass
 class ModelSection:
     """Model shape."""
@@ -49,6 +71,11 @@ class ModelSection:
     """Override whether the LM head shares the embedding matrix."""
     hf_config: str | None = None
     """A Hugging Face config.json: train that model from scratch instead (needs transformers)."""
+
+    def validate(self) -> None:
+        """The preset exists (shape overrides are checked with the preset's config)."""
+        _req(self.preset in PRESETS, "model.preset",
+             f"unknown preset {self.preset!r}; allowed: {', '.join(PRESETS)}")
 
     def overrides(self) -> dict[str, Any]:
         """The preset overrides that were set."""
@@ -85,6 +112,22 @@ class DataSection:
     """Read at most this many bytes of the corpus (none: all of it)."""
     cache_dir: str = "~/.cache/editrain"
     """Where tokenised corpora and tokenizers are cached, keyed by content."""
+
+    def validate(self) -> None:
+        """Sources exist and are of a supported kind, options in range (no data is read)."""
+        from editrain.data import check_data_options
+
+        try:
+            check_data_options(self.path, self.text_field, self.eos)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        _req(self.vocab_size >= 257, "data.vocab_size",
+             f"must be >= 257 (256 bytes + end-of-text), got {self.vocab_size}")
+        _req(0 < self.val_fraction < 0.5, "data.val_fraction",
+             f"must be in (0, 0.5), got {self.val_fraction}")
+        _positive(self, "data", ("val_tokens", "split_seed"), least=0)
+        if self.max_bytes is not None:
+            _req(self.max_bytes > 0, "data.max_bytes", f"must be > 0, got {self.max_bytes}")
 
 
 @dataclass
@@ -124,6 +167,23 @@ class TrainSection:
     precision: str = "fp32"
     """Compute precision: fp32 or bf16 (parameters and anchors stay fp32)."""
 
+    def validate(self) -> None:
+        """Counts positive, rates and coefficients in range."""
+        _positive(self, "train", ("steps", "batch_size", "seq_len",
+                                  "gradient_accumulation_steps", "eval_every", "log_every"))
+        _positive(self, "train", ("warmup_steps", "eval_tokens"), least=0)
+        _req(self.lr > 0, "train.lr", f"must be > 0, got {self.lr}")
+        _req(0 <= self.min_lr_ratio <= 1, "train.min_lr_ratio",
+             f"must be in [0, 1], got {self.min_lr_ratio}")
+        _req(self.weight_decay >= 0, "train.weight_decay",
+             f"must be >= 0, got {self.weight_decay}")
+        _req(self.grad_clip >= 0, "train.grad_clip", f"must be >= 0, got {self.grad_clip}")
+        for b in ("beta1", "beta2"):
+            _req(0 <= getattr(self, b) < 1, f"train.{b}",
+                 f"must be in [0, 1), got {getattr(self, b)}")
+        _req(self.precision in PRECISIONS, "train.precision",
+             f"allowed: {', '.join(PRECISIONS)}; got {self.precision!r}")
+
 
 @dataclass
 class OptimSection:
@@ -146,6 +206,15 @@ class OptimSection:
     decouple: bool = True
     """WSAM: apply the sharpness term separately from the base optimizer step."""
 
+    def validate(self) -> None:
+        """A known optimizer and SAM wrapper, WSAM coefficients in range."""
+        _req(self.name in OPTIMIZERS, "optim.name",
+             f"allowed: {', '.join(OPTIMIZERS)}; got {self.name!r}")
+        _req(self.sam is None or self.sam in SAMS, "optim.sam",
+             f"allowed: {', '.join(SAMS)}; got {self.sam!r}")
+        _req(self.rho > 0, "optim.rho", f"must be > 0, got {self.rho}")
+        _req(0 <= self.gamma < 1, "optim.gamma", f"must be in [0, 1), got {self.gamma}")
+
 
 @dataclass
 class DistSection:
@@ -167,6 +236,34 @@ class DistSection:
     """Backend of the sync engine's own cross-replica and statistics groups: auto (gloo;
     on CUDA staged through pinned host memory, so NCCL only ever runs the main thread's
     collectives: docs/architecture.md), gloo, nccl or default (the process group's)."""
+
+    def validate(self) -> None:
+        """Known backends and devices, and the devices they need: nccl and cuda need as
+        many CUDA devices as local processes (``dist.nproc``, or torchrun's
+        ``LOCAL_WORLD_SIZE``)."""
+        import os
+
+        from editrain.sync.edit import COMM_BACKENDS
+
+        for name in ("nproc", "shard_size"):
+            _req(getattr(self, name) >= 1, f"dist.{name}",
+                 f"must be >= 1, got {getattr(self, name)}")
+        _positive(self, "dist", ("max_restarts", "threads_per_proc"), least=0)
+        for name, allowed in (("backend", BACKENDS), ("device", DEVICES),
+                              ("comm_backend", COMM_BACKENDS)):
+            value = getattr(self, name)
+            _req(value in allowed, f"dist.{name}",
+                 f"allowed: {', '.join(allowed)}; got {value!r}")
+        needs = [f"dist.{n}={v}" for n, v in (("backend", self.backend),
+                                              ("device", self.device),
+                                              ("comm_backend", self.comm_backend))
+                 if v in ("nccl", "cuda")]
+        if needs:
+            local = int(os.environ.get("LOCAL_WORLD_SIZE", self.nproc))
+            have = cuda_device_count()
+            _req(have >= local, needs[0],
+                 f"needs CUDA with one device per local process ({local}), but this machine "
+                 f"has {have}; use gloo / cpu (or auto) here")
 
 
 @dataclass
@@ -194,6 +291,19 @@ class SimSection:
     stragglers and random-stall stream): a single-replica run then measures one replica of
     a larger simulated run alone (the benchmarks' solo runs)."""
 
+    def validate(self) -> None:
+        """Every spec parses (typos fail before any process starts)."""
+        from editrain import sim
+
+        try:
+            sim.parse_sim(self)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        _positive(self, "sim", ("replica_offset",), least=0)
+        if self.step_schedule:
+            _req(min(self.step_schedule) >= 1, "sim.step_schedule",
+                 f"steps per window must be >= 1, got {self.step_schedule}")
+
 
 @dataclass
 class CheckpointSection:
@@ -205,6 +315,11 @@ class CheckpointSection:
     """Keep this many most recent checkpoints."""
     final: bool = True
     """Save a checkpoint at the end of the run."""
+
+    def validate(self) -> None:
+        """Intervals and counts in range."""
+        _positive(self, "checkpoint", ("every",), least=0)
+        _req(self.keep >= 1, "checkpoint.keep", f"must be >= 1, got {self.keep}")
 
 
 @dataclass
@@ -416,80 +531,25 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None
 
 
 # ---------------------------------------------------------------------------- validation
-_PRESET_NAMES = ("tiny", "small", "350m", "1b", "3b", "7b")
-
-
 def validate(cfg: Config) -> None:
-    """Cross-field and range checks that do not need a process group."""
-    t, d, s = cfg.train, cfg.dist, cfg.sync
-    for name in ("steps", "batch_size", "seq_len", "gradient_accumulation_steps", "eval_every",
-                 "log_every"):
-        _req(getattr(t, name) > 0, f"train.{name}", f"must be > 0, got {getattr(t, name)}")
-    _req(t.lr > 0, "train.lr", f"must be > 0, got {t.lr}")
-    _req(0 <= t.min_lr_ratio <= 1, "train.min_lr_ratio", f"must be in [0, 1], got {t.min_lr_ratio}")
-    _req(t.warmup_steps >= 0, "train.warmup_steps", f"must be >= 0, got {t.warmup_steps}")
-    _req(t.weight_decay >= 0, "train.weight_decay", f"must be >= 0, got {t.weight_decay}")
-    _req(t.grad_clip >= 0, "train.grad_clip", f"must be >= 0, got {t.grad_clip}")
-    for b in ("beta1", "beta2"):
-        _req(0 <= getattr(t, b) < 1, f"train.{b}", f"must be in [0, 1), got {getattr(t, b)}")
-    _req(t.precision in ("fp32", "bf16"), "train.precision",
-         f"allowed: fp32, bf16; got {t.precision!r}")
-    _req(cfg.optim.name in ("adamw", "agd", "sgd"), "optim.name",
-         f"allowed: adamw, agd, sgd; got {cfg.optim.name!r}")
-    _req(cfg.optim.sam in (None, "none", "wsam"), "optim.sam",
-         f"allowed: none, wsam; got {cfg.optim.sam!r}")
-    _req(cfg.optim.rho > 0, "optim.rho", f"must be > 0, got {cfg.optim.rho}")
-    _req(0 <= cfg.optim.gamma < 1, "optim.gamma", f"must be in [0, 1), got {cfg.optim.gamma}")
-    _req(cfg.model.preset in _PRESET_NAMES, "model.preset",
-         f"unknown preset {cfg.model.preset!r}; allowed: {', '.join(_PRESET_NAMES)}")
-    _req(d.nproc >= 1, "dist.nproc", f"must be >= 1, got {d.nproc}")
-    _req(d.shard_size >= 1, "dist.shard_size", f"must be >= 1, got {d.shard_size}")
-    _req(d.backend in ("auto", "gloo", "nccl"), "dist.backend",
-         f"allowed: auto, gloo, nccl; got {d.backend!r}")
-    _req(d.device in ("auto", "cpu", "cuda"), "dist.device",
-         f"allowed: auto, cpu, cuda; got {d.device!r}")
-    _req(d.max_restarts >= 0, "dist.max_restarts", f"must be >= 0, got {d.max_restarts}")
-    from editrain.sync.edit import COMM_BACKENDS
+    """Every section's own checks (floats finite first), then the checks that span
+    sections; nothing here needs a process group."""
+    from editrain.sync.config import check_finite
 
-    _req(d.comm_backend in COMM_BACKENDS, "dist.comm_backend",
-         f"allowed: {', '.join(COMM_BACKENDS)}; got {d.comm_backend!r}")
-    _req(d.threads_per_proc >= 0, "dist.threads_per_proc",
-         f"must be >= 0, got {d.threads_per_proc}")
-    from editrain.data import check_data_options
-
-    try:
-        check_data_options(cfg.data.path, cfg.data.text_field, cfg.data.eos)
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
-    _req(cfg.data.vocab_size >= 257, "data.vocab_size",
-         f"must be >= 257 (256 bytes + end-of-text), got {cfg.data.vocab_size}")
-    _req(0 < cfg.data.val_fraction < 0.5, "data.val_fraction",
-         f"must be in (0, 0.5), got {cfg.data.val_fraction}")
-    _req(cfg.data.val_tokens >= 0, "data.val_tokens", f"must be >= 0, got {cfg.data.val_tokens}")
-    _req(cfg.data.split_seed >= 0, "data.split_seed",
-         f"must be >= 0, got {cfg.data.split_seed}")
-    _req(t.eval_tokens >= 0, "train.eval_tokens", f"must be >= 0 (0: the whole split), got "
-         f"{t.eval_tokens}")
-    if cfg.data.max_bytes is not None:
-        _req(cfg.data.max_bytes > 0, "data.max_bytes", f"must be > 0, got {cfg.data.max_bytes}")
-    _req(cfg.checkpoint.every >= 0, "checkpoint.every", f"must be >= 0, got {cfg.checkpoint.every}")
-    _req(cfg.checkpoint.keep >= 1, "checkpoint.keep", f"must be >= 1, got {cfg.checkpoint.keep}")
+    for name in SECTIONS:
+        section = getattr(cfg, name)
+        try:
+            check_finite(section, name)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        if hasattr(section, "validate"):
+            section.validate()
+    t, s = cfg.train, cfg.sync
     if s.is_local_sgd:
         _req(s.local_sgd_warmup_steps < t.steps, "sync.local_sgd_warmup_steps",
              f"must be smaller than train.steps ({t.steps}), got {s.local_sgd_warmup_steps}")
-    # Parse the simulation specs now so that typos fail before any process starts.
-    from editrain import sim
-
-    try:
-        sim.parse_sim(cfg.sim)
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
-    _req(cfg.sim.replica_offset >= 0, "sim.replica_offset",
-         f"must be >= 0, got {cfg.sim.replica_offset}")
     if cfg.sim.step_schedule:
         _req(s.method == "aedit", "sim.step_schedule", "only applies to sync.method=aedit")
-        _req(min(cfg.sim.step_schedule) >= 1, "sim.step_schedule",
-             f"steps per window must be >= 1, got {cfg.sim.step_schedule}")
     if cfg.model.hf_config is not None:
         _validate_hf(cfg)
     else:

@@ -303,6 +303,7 @@ def bad_input_cases(tmp: Path) -> dict[str, tuple[list[str], list[str]]]:
     (tmp / "blank.txt").write_text("\n\n   \n")
     (tmp / "short.txt").write_text("just a few words")
     (tmp / "emptydir").mkdir()
+    (tmp / "weights.bin").write_bytes(b"\x00\x01")
     return {
         "unknown_key": (["--train.bogus", "3"], ["train.bogus", "steps", "lr"]),
         "unknown_section": (["--trian.steps", "3"], ["trian", "train"]),
@@ -327,13 +328,40 @@ def bad_input_cases(tmp: Path) -> dict[str, tuple[list[str], list[str]]]:
         "straggler": (["--sim.straggler", "9=2"], ["sim.straggler", "replica 9"]),
         "corrupt": (["--sim.corrupt_replica", "2@1"], ["sim.corrupt_replica", "replica 2"]),
         "config_file": (["--config", str(tmp / "none.toml")], ["--config", "none.toml"]),
+        # floats must be finite (inf and nan parse as floats)
+        "lr_inf": (["--train.lr=inf"], ["train.lr", "finite"]),
+        "lr_nan": (["--train.lr=nan"], ["train.lr", "finite"]),
+        "threshold_minus_inf": (["--sync.ewma_threshold=-inf"],
+                                ["sync.ewma_threshold", "finite"]),
+        # the outer optimizer: an Optimizer subclass, its keyword arguments checked by torch
+        "outer_function": (["--sync.outer_optim_class=os.system"],
+                           ["sync.outer_optim_class", "torch.optim.Optimizer subclass"]),
+        "outer_not_optimizer": (["--sync.outer_optim_class=collections:OrderedDict"],
+                                ["sync.outer_optim_class", "package.module:Class"]),
+        "outer_lr": (["--sync.outer_optim_kwargs={lr=-1}"],
+                     ["sync.outer_optim_kwargs", "Invalid learning rate"]),
+        "outer_keyword": (["--sync.outer_optim_kwargs={bogus=1}"],
+                          ["sync.outer_optim_kwargs", "bogus"]),
+        # devices this machine does not have (the tests run without CUDA)
+        "nccl": (["--dist.backend=nccl"], ["dist.backend=nccl", "CUDA", "has 0"]),
+        "cuda": (["--dist.device=cuda"], ["dist.device=cuda", "CUDA", "has 0"]),
+        "comm_backend": (["--dist.comm_backend=mpi"], ["dist.comm_backend", "gloo, nccl"]),
+        # data sources
+        "data_extension": (["--data.path", str(tmp / "weights.bin")],
+                           ["data.path", "not a supported source", ".txt", "hf:NAME"]),
+        "data_glob": (["--data.path", str(tmp / "*.nothing")],
+                      ["data.path", "matches no file"]),
+        "data_eos": (["--data.eos=maybe"], ["data.eos", "append, prepend, none"]),
     }
 
 
 BAD_INPUTS = ["unknown_key", "unknown_section", "wrong_type", "wrong_type_float", "shard_size",
               "steps_zero", "batch_negative", "lr_zero", "lr_negative", "missing_data",
               "empty_corpus", "empty_dir", "blank_corpus", "tiny_corpus", "seq_len", "method",
-              "density", "straggler", "corrupt", "config_file"]
+              "density", "straggler", "corrupt", "config_file", "lr_inf", "lr_nan",
+              "threshold_minus_inf", "outer_function", "outer_not_optimizer", "outer_lr",
+              "outer_keyword", "nccl", "cuda", "comm_backend", "data_extension", "data_glob",
+              "data_eos"]
 
 
 def test_bad_input_case_list_is_complete(tmp_path):
@@ -342,7 +370,8 @@ def test_bad_input_case_list_is_complete(tmp_path):
 
 # The list, each through the real console script; the rest in-process (fast).
 SUBPROCESS_CASES = ["unknown_key", "wrong_type", "shard_size", "steps_zero", "batch_negative",
-                    "lr_zero", "missing_data", "empty_corpus", "seq_len"]
+                    "lr_zero", "missing_data", "empty_corpus", "seq_len", "lr_inf",
+                    "outer_function", "outer_lr", "nccl"]
 
 
 @pytest.mark.parametrize("name", SUBPROCESS_CASES)

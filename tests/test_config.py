@@ -21,7 +21,7 @@ from editrain.config import (
     to_dict,
     validate_world,
 )
-from editrain.sync.config import GTAConfig
+from editrain.sync.config import GTAConfig, SyncConfig
 
 
 def cli(*argv: str) -> Config:
@@ -553,3 +553,41 @@ def test_every_option_is_settable_to_its_default():
         node[leaf] = default
         assert load_config(None, overrides) == Config(), name
 
+
+
+def test_cuda_backends_need_a_device_per_local_process(monkeypatch):
+    import editrain.config as config
+
+    monkeypatch.setattr(config, "cuda_device_count", lambda: 4)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    assert cli("--dist.backend=nccl", "--nproc", "4").dist.backend == "nccl"
+    with pytest.raises(ConfigError, match=r"dist.device=cuda: .*local process \(8\).*has 4"):
+        cli("--dist.device=cuda", "--nproc", "8")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")  # under torchrun: its local processes
+    assert cli("--dist.device=cuda", "--nproc", "8").dist.device == "cuda"
+
+
+def test_outer_optimizer_defaults_follow_the_docs():
+    import warnings
+
+    import torch
+
+    from editrain.api import LocalSGDConfig, OuterOptimizerConfig, sync_config_from_reference
+
+    def resolved(outer) -> dict:
+        return sync_config_from_reference(LocalSGDConfig(), outer).resolve().outer_optim_kwargs
+
+    # SGD however it is named, without kwargs: the documented Nesterov SGD; without lr: 0.7
+    assert resolved(OuterOptimizerConfig(torch.optim.SGD)) == {"lr": 0.7}
+    assert SyncConfig(method="edit").resolve().outer_optim_kwargs == {
+        "lr": 0.7, "momentum": 0.9, "nesterov": True}
+    assert SyncConfig(method="edit", outer_optim_class="torch.optim:SGD",
+                      outer_optim_kwargs={"momentum": 0.5}).resolve().outer_optim_kwargs == {
+        "lr": 0.7, "momentum": 0.5}
+    # another optimizer without lr: torch's default applies, and a warning says so
+    with pytest.warns(UserWarning, match=r"no lr for the outer Adam: its own default lr"):
+        SyncConfig(method="edit", outer_optim_class="adam").resolve()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        SyncConfig(method="edit", outer_optim_class="adam",
+                   outer_optim_kwargs={"lr": 0.1}).resolve()

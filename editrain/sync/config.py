@@ -7,6 +7,7 @@ default" and are filled in by :func:`SyncConfig.resolve`; the per-method default
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
@@ -21,6 +22,15 @@ COMM_DTYPES = ("fp32", "bf16", "int8", "int4")
 def _check(cond: bool, option: str, msg: str) -> None:
     if not cond:
         raise ValueError(f"{option}: {msg}")
+
+
+def check_finite(section: Any, prefix: str) -> None:
+    """Every float option of a config dataclass is a finite number (``inf`` and ``nan``
+    parse as floats, and would train on silently, e.g. ``train.lr = inf``)."""
+    for f in fields(section):
+        value = getattr(section, f.name)
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ValueError(f"{prefix}.{f.name}: must be a finite number, got {value}")
 
 
 @dataclass
@@ -41,6 +51,7 @@ class GTAConfig:
     """GTA: keep masks as int8 to save memory (no numeric change)."""
 
     def __post_init__(self) -> None:
+        check_finite(self, "sync.gta")
         if self.reducer is not None:
             _check(self.reducer in REDUCERS, "sync.gta.reducer",
                    f"unknown reducer {self.reducer!r}; allowed: none, {', '.join(REDUCERS)}")
@@ -126,6 +137,7 @@ class SyncConfig:
     def __post_init__(self) -> None:
         if isinstance(self.gta, dict):
             self.gta = GTAConfig(**self.gta)
+        check_finite(self, "sync")
         _check(self.method in METHODS, "sync.method",
                f"unknown method {self.method!r}; allowed: {', '.join(METHODS)}")
         if self.local_sgd_sync_interval is not None:
@@ -155,7 +167,20 @@ class SyncConfig:
         if self.outer_optim_kwargs is not None:
             _check(isinstance(self.outer_optim_kwargs, dict), "sync.outer_optim_kwargs",
                    "must be a table, e.g. {lr = 0.7, momentum = 0.9, nesterov = true}")
+        self._check_outer()
         self._check_streaming()
+
+    def _check_outer(self) -> None:
+        """The outer optimizer exists and accepts its keyword arguments (constructed once on
+        a dummy parameter), for the method's default class too."""
+        from editrain.sync.methods import METHOD_DEFAULTS
+        from editrain.sync.outer import check_outer, outer_kwargs, resolve_optimizer_class
+
+        name = self.outer_optim_class
+        if name is None:
+            name = METHOD_DEFAULTS[self.method].get("outer_optim_class")
+        cls = resolve_optimizer_class(name)
+        check_outer(cls, outer_kwargs(cls, self.outer_optim_kwargs))
 
     def _check_streaming(self) -> None:
         _check(isinstance(self.overlap_steps, int) and self.overlap_steps >= 0,
@@ -215,11 +240,10 @@ class SyncConfig:
             if getattr(self, f.name) is None and f.name in defaults
         }
         out = replace(self, **updates)
-        if out.outer_optim_kwargs is None:
-            out.outer_optim_kwargs = (
-                {"lr": 0.7, "momentum": 0.9, "nesterov": True}
-                if out.outer_optim_class == "sgd" else {}
-            )
+        from editrain.sync.outer import outer_kwargs, resolve_optimizer_class
+
+        out.outer_optim_kwargs = outer_kwargs(resolve_optimizer_class(out.outer_optim_class),
+                                              out.outer_optim_kwargs)
         h = out.local_sgd_sync_interval
         if out.is_local_sgd and h is not None and not out.use_async:
             _check(out.overlap_steps < h, "sync.overlap_steps",

@@ -9,6 +9,7 @@ rank's local shards as of the last sync, so a unit's cross-replica traffic is on
 from __future__ import annotations
 
 import importlib
+import re
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -17,6 +18,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 OuterFactory = Callable[[list[torch.Tensor]], torch.optim.Optimizer]
+
+_DOTTED = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)+")
 
 _OUTER_NAMES = {
     "sgd": "torch.optim.SGD",
@@ -39,18 +42,62 @@ def resolve_optimizer_class(name: str | type | None) -> type | None:
         if not issubclass(name, torch.optim.Optimizer):
             raise ValueError(f"sync.outer_optim_class: {name} is not a torch.optim.Optimizer")
         return name
-    path = _OUTER_NAMES.get(name.lower(), name)
+    path = _OUTER_NAMES.get(name.lower(), name).replace(":", ".")  # module:Class too
     module_name, _, attr = path.rpartition(".")
-    try:
-        cls = getattr(importlib.import_module(module_name), attr) if module_name else None
-    except (ImportError, AttributeError):
-        cls = None
+    cls = None
+    if _DOTTED.fullmatch(path) and module_name:  # never import what is not a dotted name
+        try:
+            cls = getattr(importlib.import_module(module_name), attr)
+        except (ImportError, AttributeError):
+            cls = None
     if not isinstance(cls, type) or not issubclass(cls, torch.optim.Optimizer):
         raise ValueError(
             f"sync.outer_optim_class: unknown optimizer {name!r}; allowed: none, "
-            f"{', '.join(_OUTER_NAMES)} or a dotted path to a torch.optim.Optimizer subclass"
+            f"{', '.join(_OUTER_NAMES)} or a torch.optim.Optimizer subclass as "
+            f"package.module.Class or package.module:Class"
         )
     return cls
+
+
+OUTER_SGD_DEFAULTS = {"lr": 0.7, "momentum": 0.9, "nesterov": True}
+"""The documented outer optimizer: Nesterov SGD, lr 0.7, momentum 0.9 (DiLoCo, EDiT)."""
+
+
+def outer_kwargs(cls: type | None, given: dict[str, Any] | None) -> dict[str, Any]:
+    """The outer optimizer's keyword arguments with the documented defaults filled in: for
+    SGD (however it was named) ``OUTER_SGD_DEFAULTS`` when none are given, and lr 0.7 when
+    the given ones have no lr; for any other optimizer without an lr a warning says that
+    torch's own default applies."""
+    if cls is None:
+        return dict(given or {})
+    if cls is torch.optim.SGD:
+        if given is None:
+            return dict(OUTER_SGD_DEFAULTS)
+        return {"lr": OUTER_SGD_DEFAULTS["lr"], **given}
+    given = dict(given or {})
+    if "lr" not in given:
+        import inspect
+        import warnings
+
+        default = inspect.signature(cls).parameters.get("lr")
+        shown = "none" if default is None else default.default
+        warnings.warn(f"sync.outer_optim_kwargs has no lr for the outer {cls.__name__}: "
+                      f"its own default lr ({shown}) applies, far from the documented outer "
+                      f"lr {OUTER_SGD_DEFAULTS['lr']} of Nesterov SGD; set it explicitly",
+                      UserWarning, stacklevel=3)
+    return given
+
+
+def check_outer(cls: type | None, kwargs: dict[str, Any]) -> None:
+    """Construct the outer optimizer on a dummy parameter: its own checks of ``kwargs``
+    (e.g. a negative lr, an unknown keyword) fail here, before any work starts."""
+    if cls is None:
+        return
+    try:
+        cls([torch.zeros(1, requires_grad=True)], **kwargs)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"sync.outer_optim_kwargs: {cls.__name__} rejects {kwargs}: {e}"
+                         ) from None
 
 
 def local_view(p: torch.Tensor) -> torch.Tensor:
