@@ -4,8 +4,8 @@
 optional.
 
 Stable field names of a step row: ``step``, ``tokens`` (cumulative, all ranks), ``loss``
-(mean over all ranks of that step's training loss; for A-EDiT, whose replicas are at
-different steps, over the ranks of the logging replica), ``val_loss`` (when
+(that step's training loss: the mean over all ranks while training is synchronous, over
+the logging replica's ranks in the local phase), ``val_loss`` (when
 computed, with ``val_tokens`` evaluated and ``eval_time_s``), ``lr``, ``tokens_per_s``,
 ``step_time_s``, ``wall_time_s``, ``train_time_s`` (wall time minus evaluation and
 checkpoint time). Later fields only add to these.

@@ -220,13 +220,16 @@ class Trainer:
                     if self.is_logger and not cfg.quiet:
                         log.warning("%s", sync_summary(syncs[-1]))
                 if self.step % cfg.train.log_every == 0 or "val_loss" in row or "sync" in row:
-                    # Every rank of a replica takes this branch at the same step; for the
-                    # lock-step methods so does every rank of every replica. A-EDiT's
-                    # replicas are at different steps and any replica may enter its next
-                    # rendezvous (a blocking cross-replica collective) inside step(): a
-                    # world-wide reduction here could interleave with it and deadlock, so
-                    # A-EDiT logs its replica's mean.
-                    row["loss"] = self._mean_loss(row["loss"], everyone=not self.aedit)
+                    # Every rank of a replica takes this branch at the same step. While
+                    # training is synchronous (warm-up, the sync method) the logged loss is
+                    # the mean over all ranks; in the local phase it is the logging
+                    # replica's mean: a world-wide reduction at every logged step would put
+                    # a cross-replica round trip on the slow link into every step and hold
+                    # every replica to the slowest one's pace (and for A-EDiT, whose
+                    # replicas are at different steps, it could interleave with a
+                    # rendezvous and deadlock).
+                    row["loss"] = self._mean_loss(row["loss"],
+                                                  everyone=self.engine.in_warmup)
                     row["train_time_s"] = self._wall() - self.off_train_s
                     self._write(row)
                 if (cfg.checkpoint.every and point is not None and point >= self.next_ckpt

@@ -164,7 +164,8 @@ def test_train_end_to_end(edit_run, cache_dir):
     for r in evals:
         assert {"step", "tokens", "val_loss", "wall_time_s", "eval_time_s"} <= r.keys()
         assert r["val_tokens"] == len(val) - 1 and r["eval_time_s"] > 0
-    # The logged loss is the mean over all ranks, which read different data.
+    # The logged loss (edit: the local phase from step 1) is the mean over the logging
+    # replica's ranks, which read different data; no cross-replica reduction per step.
     ranks = read_rank_logs(run_dir)
     assert sorted(ranks) == [0, 1, 2, 3]
     for rank, rank_rows in ranks.items():
@@ -173,7 +174,7 @@ def test_train_end_to_end(edit_run, cache_dir):
     for r in train_rows:
         losses = [ranks[k][r["step"] - 1]["loss"] for k in range(4)]
         assert len(set(losses)) > 1  # different data on different ranks
-        assert r["loss"] == pytest.approx(sum(losses) / 4, rel=1e-6)
+        assert r["loss"] == pytest.approx(sum(losses[:2]) / 2, rel=1e-6)  # replica 0
         assert 0 < r["train_time_s"] <= r["wall_time_s"]
     first, last = evals[0]["val_loss"], evals[-1]["val_loss"]
     assert first == pytest.approx(6.24, abs=0.1)  # about log(512) at the start
