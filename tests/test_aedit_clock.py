@@ -15,11 +15,10 @@ from tests.reference import batch, loss_on, make_model
 pytestmark = pytest.mark.slow
 
 
-def _worker(rank: int, world: int, S: int, dts: list[float], sync: dict, steps: int,
-            budget: float | None, max_syncs: int | None) -> dict:
+def _sharded(S: int):
+    """The mesh, the test model sharded per block and root, and its inner optimizer."""
     from torch.distributed.fsdp import fully_shard
 
-    from editrain.sync import SyncConfig, SyncEngine
     from editrain.topology import init_mesh
 
     info = init_mesh(shard_size=S)
@@ -27,7 +26,14 @@ def _worker(rank: int, world: int, S: int, dts: list[float], sync: dict, steps: 
     for block in model.layers:
         fully_shard(block, mesh=info.shard_mesh)
     fully_shard(model, mesh=info.shard_mesh)
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    return info, model, torch.optim.AdamW(model.parameters(), lr=3e-3)
+
+
+def _worker(rank: int, world: int, S: int, dts: list[float], sync: dict, steps: int,
+            budget: float | None, max_syncs: int | None) -> dict:
+    from editrain.sync import SyncConfig, SyncEngine
+
+    info, model, opt = _sharded(S)
     now = [0.0]
     engine = SyncEngine(model, info.mesh, SyncConfig(method="aedit", **sync),
                         blocks=model.layers, clock=lambda: now[0])
@@ -140,17 +146,9 @@ def _gated_worker(rank: int, world: int, dts: list[float], sync: dict, steps: in
     import os
     import time
 
-    from torch.distributed.fsdp import fully_shard
-
     from editrain.sync import SyncConfig, SyncEngine
-    from editrain.topology import init_mesh
 
-    info = init_mesh(shard_size=1)
-    model = make_model()
-    for block in model.layers:
-        fully_shard(block, mesh=info.shard_mesh)
-    fully_shard(model, mesh=info.shard_mesh)
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    info, model, opt = _sharded(1)
     now = [0.0]
     seen = {"step": 0, "launches": {}}
     gating = [True]
