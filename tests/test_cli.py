@@ -353,6 +353,9 @@ def bad_input_cases(tmp: Path) -> dict[str, tuple[list[str], list[str]]]:
         "data_glob": (["--data.path", str(tmp / "*.nothing")],
                       ["data.path", "matches no file"]),
         "data_eos": (["--data.eos=maybe"], ["data.eos", "append, prepend, none"]),
+        # needs the method's default H (10): checked before the corpus or a run directory
+        "overlap_steps": (["--sync.overlap_steps=10"],
+                          ["sync.overlap_steps", "< local_sgd_sync_interval (10)"]),
     }
 
 
@@ -362,7 +365,7 @@ BAD_INPUTS = ["unknown_key", "unknown_section", "wrong_type", "wrong_type_float"
               "density", "straggler", "corrupt", "config_file", "lr_inf", "lr_nan",
               "threshold_minus_inf", "outer_function", "outer_not_optimizer", "outer_lr",
               "outer_keyword", "nccl", "cuda", "comm_backend", "data_extension", "data_glob",
-              "data_eos"]
+              "data_eos", "overlap_steps"]
 
 
 def test_bad_input_case_list_is_complete(tmp_path):

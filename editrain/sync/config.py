@@ -194,6 +194,16 @@ class SyncConfig:
         _check(self.comm_dtype in COMM_DTYPES, "sync.comm_dtype",
                f"unknown dtype {self.comm_dtype!r}; allowed: {', '.join(COMM_DTYPES)}")
         streaming = self.overlap_steps > 0 or self.fragments > 1
+        from editrain.sync.methods import METHOD_DEFAULTS
+
+        # Checked here, at construction, not in resolve(): before any data or run directory.
+        h = self.local_sgd_sync_interval or METHOD_DEFAULTS[self.method].get(
+            "local_sgd_sync_interval")
+        if self.is_local_sgd and h is not None and not self.use_async:
+            _check(self.overlap_steps < h, "sync.overlap_steps",
+                   f"must be < local_sgd_sync_interval ({h}), got {self.overlap_steps}")
+            _check(self.fragments <= h, "sync.fragments",
+                   f"must be <= local_sgd_sync_interval ({h}), got {self.fragments}")
         if self.method == "sync":
             _check(not streaming and self.comm_dtype == "fp32", "sync.method",
                    "sync (HSDP) averages gradients every step: overlap_steps, fragments and "
@@ -244,10 +254,4 @@ class SyncConfig:
 
         out.outer_optim_kwargs = outer_kwargs(resolve_optimizer_class(out.outer_optim_class),
                                               out.outer_optim_kwargs)
-        h = out.local_sgd_sync_interval
-        if out.is_local_sgd and h is not None and not out.use_async:
-            _check(out.overlap_steps < h, "sync.overlap_steps",
-                   f"must be < local_sgd_sync_interval ({h}), got {out.overlap_steps}")
-            _check(out.fragments <= h, "sync.fragments",
-                   f"must be <= local_sgd_sync_interval ({h}), got {out.fragments}")
         return out
