@@ -29,6 +29,14 @@ def _sharded(S: int):
     return info, model, torch.optim.AdamW(model.parameters(), lr=3e-3)
 
 
+def _train_step(model, opt, engine, rank: int, step: int) -> None:
+    """One inner step on this rank's batch, up to (not including) ``engine.step()``."""
+    loss_on(model, batch(rank, step, 0)).backward()
+    engine.after_backward()
+    opt.step()
+    opt.zero_grad()
+
+
 def _worker(rank: int, world: int, S: int, dts: list[float], sync: dict, steps: int,
             budget: float | None, max_syncs: int | None) -> dict:
     from editrain.sync import SyncConfig, SyncEngine
@@ -43,10 +51,7 @@ def _worker(rank: int, world: int, S: int, dts: list[float], sync: dict, steps: 
     for step in range(steps):
         if max_syncs is not None and engine.num_syncs >= max_syncs:
             break  # replicas do different numbers of steps: stop after a sync, together
-        loss_on(model, batch(rank, step, 0)).backward()
-        engine.after_backward()
-        opt.step()
-        opt.zero_grad()
+        _train_step(model, opt, engine, rank, step)
         now[0] += dts[rank]
         engine.step()
         point = engine.sync_point()
@@ -184,10 +189,7 @@ def _gated_worker(rank: int, world: int, dts: list[float], sync: dict, steps: in
     for step in range(steps):
         if engine.num_syncs >= 2:
             break
-        loss_on(model, batch(rank, step, 0)).backward()
-        engine.after_backward()
-        opt.step()
-        opt.zero_grad()
+        _train_step(model, opt, engine, rank, step)
         now[0] += dts[rank]
         engine.step()
         if rank == 0:
