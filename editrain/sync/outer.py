@@ -9,7 +9,9 @@ rank's local shards as of the last sync, so a unit's cross-replica traffic is on
 from __future__ import annotations
 
 import importlib
+import inspect
 import re
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -76,9 +78,6 @@ def outer_kwargs(cls: type | None, given: dict[str, Any] | None) -> dict[str, An
         return {"lr": OUTER_SGD_DEFAULTS["lr"], **given}
     given = dict(given or {})
     if "lr" not in given:
-        import inspect
-        import warnings
-
         default = inspect.signature(cls).parameters.get("lr")
         shown = "none" if default is None else default.default
         warnings.warn(f"sync.outer_optim_kwargs has no lr for the outer {cls.__name__}: "
