@@ -565,11 +565,21 @@ def _last_logged_step(run_dir: Path) -> int | None:
     return max(steps) if steps else None
 
 
+def worker_threads(cfg: Config) -> int:
+    """Intra-op threads of one worker: ``dist.threads_per_proc`` if set, else what the
+    user (or torchrun, which sets 1 unless told otherwise) put in ``OMP_NUM_THREADS``, else
+    the machine's cores shared out over the local processes."""
+    if cfg.dist.threads_per_proc:
+        return cfg.dist.threads_per_proc
+    omp = os.environ.get("OMP_NUM_THREADS", "").strip()
+    if omp.isdigit() and int(omp) > 0:
+        return int(omp)
+    return max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+
+
 def run_worker(cfg: Config, run_dir: str | Path) -> dict[str, Any]:
     """Entry point of one worker process (spawned by the launcher or by torchrun)."""
-    threads = cfg.dist.threads_per_proc or max(
-        1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
-    torch.set_num_threads(threads)
+    torch.set_num_threads(worker_threads(cfg))
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     trainer = Trainer(cfg, Path(run_dir))
     try:

@@ -148,3 +148,24 @@ def test_init_mesh_on_four_processes():
         assert o["wrong_names_error"] is None
         assert "('sync', 'shard')" in o["bad_mesh_error"] and "init_mesh" in o["bad_mesh_error"]
         assert o["device"] == "cpu"
+
+
+def test_worker_threads_respect_the_user_then_torchrun_then_cores(monkeypatch):
+    """dist.threads_per_proc wins; then OMP_NUM_THREADS (torchrun sets 1); then cores
+    shared out over the local processes."""
+    from editrain.config import Config
+    from editrain.train import worker_threads
+
+    cfg = Config()
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    assert worker_threads(cfg) == 1
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    assert worker_threads(cfg) == 3
+    monkeypatch.delenv("OMP_NUM_THREADS")
+    monkeypatch.setattr("os.cpu_count", lambda: 8)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    assert worker_threads(cfg) == 2
+    cfg.dist.threads_per_proc = 5
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    assert worker_threads(cfg) == 5
