@@ -102,6 +102,9 @@ class CommPath:
         link_delay: optional simulated link cost per cross-replica message.
         stage_on_host: the groups are CPU groups (gloo) while the tensors live on an
             accelerator: every collective copies through a (pinned) host buffer.
+        cross: the fault-tolerant mode's cross-replica group (a
+            :class:`editrain.sync.ft.TorchftGroup`): cross-replica collectives go through
+            it, over the replicas of the current quorum, instead of ``sync_group``.
     """
 
     def __init__(
@@ -111,10 +114,12 @@ class CommPath:
         device: torch.device,
         link_delay: LinkDelay | None = None,
         stage_on_host: bool = False,
+        cross: Any = None,
     ) -> None:
         self.sync_group = sync_group
         self.shard_group = shard_group
-        self.sync_size = dist.get_world_size(sync_group) if sync_group is not None else 1
+        self.cross = cross
+        self._sync_size = dist.get_world_size(sync_group) if sync_group is not None else 1
         self.shard_size = dist.get_world_size(shard_group) if shard_group is not None else 1
         self.device = device
         self.link_delay = link_delay
@@ -127,6 +132,12 @@ class CommPath:
         self.trace: list[tuple[str, str, int, str]] | None = None
         """Set to a list to record every collective issued, in order, as ``(group, op,
         numel, dtype)`` (tests check that every rank issues the same sequence)."""
+
+    @property
+    def sync_size(self) -> int:
+        """Replicas this rank's cross-replica collectives span (the fault-tolerant mode:
+        the current quorum's)."""
+        return self.cross.size if self.cross is not None else self._sync_size
 
     # ------------------------------------------------------------------ jobs
     def submit(self, fn: Callable[..., Any], *args: Any, stats: CommStats | None = None
@@ -195,10 +206,12 @@ class CommPath:
             self.trace.append((group, op, tensor.numel(), str(tensor.dtype)))
 
     @contextlib.contextmanager
-    def _wire(self, tensor: torch.Tensor):
+    def _wire(self, tensor: torch.Tensor, cross: bool = False):
         """The tensor a collective runs on: ``tensor`` itself, or with host staging a
-        (pinned) CPU copy whose result is copied back into ``tensor`` afterwards."""
-        if not self.stage_on_host or tensor.device.type == "cpu":
+        (pinned) CPU copy whose result is copied back into ``tensor`` afterwards (always
+        for the fault-tolerant mode's cross-replica group, a gloo group)."""
+        staged = self.stage_on_host or (cross and self.cross is not None)
+        if not staged or tensor.device.type == "cpu":
             yield tensor
             return
         host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
@@ -213,8 +226,11 @@ class CommPath:
         r = self.sync_size
         nbytes = tensor.numel() * tensor.element_size()
         self._issue("sync", "all_reduce", tensor)
-        with self._timed_sync(2 * (r - 1) * nbytes // r), self._wire(tensor) as wire:
-            dist.all_reduce(wire, group=self.sync_group)
+        with self._timed_sync(2 * (r - 1) * nbytes // r), self._wire(tensor, True) as wire:
+            if self.cross is not None:
+                self.cross.all_reduce(wire)
+            else:
+                dist.all_reduce(wire, group=self.sync_group)
 
     def all_gather_sync(self, tensor: torch.Tensor) -> torch.Tensor:
         """Gather ``tensor`` from every replica: result shape ``[R, *tensor.shape]``."""
@@ -225,9 +241,13 @@ class CommPath:
                           device=tensor.device)
         nbytes = tensor.numel() * tensor.element_size()
         self._issue("sync", "all_gather", tensor)
-        with self._timed_sync((self.sync_size - 1) * nbytes), self._wire(out) as wire_out, \
-                self._wire(tensor.reshape(-1).contiguous()) as wire_in:
-            _all_gather_flat(wire_out, wire_in, group=self.sync_group)
+        with self._timed_sync((self.sync_size - 1) * nbytes), \
+                self._wire(out, True) as wire_out, \
+                self._wire(tensor.reshape(-1).contiguous(), True) as wire_in:
+            if self.cross is not None:
+                self.cross.all_gather(wire_out, wire_in)
+            else:
+                _all_gather_flat(wire_out, wire_in, group=self.sync_group)
         return out.view(self.sync_size, *tensor.shape)
 
     def all_reduce_shard(self, tensor: torch.Tensor, op: dist.ReduceOp = dist.ReduceOp.SUM) -> None:

@@ -53,6 +53,7 @@ from torch.distributed.fsdp import FSDPModule
 from editrain.sync import quant
 from editrain.sync.comm import CommPath, CommStats, LinkDelay
 from editrain.sync.config import SyncConfig
+from editrain.sync.ft_round import FaultTolerantSync
 from editrain.sync.outer import SyncUnit, local_view, resolve_optimizer_class
 from editrain.sync.penalty import DetectorBank, clip_coefficient, compute_weights, finite_mask
 from editrain.sync.progress import Progress
@@ -102,6 +103,14 @@ class _Round:
     outlier: torch.Tensor | None = None
     z: torch.Tensor | None = None
     clip: list[float] = field(default_factory=list)
+    # The fault-tolerant mode (sync/ft_round.py).
+    members: list[int] | None = None
+    """Replica ids of the quorum, in the order of its collectives."""
+    contributes: list[bool] | None = None
+    """Per member: whether it sends a pseudo-gradient (a healed replica does not)."""
+    tentative: dict[int, torch.Tensor | None] | None = None
+    """Reduced pseudo-gradients by position, applied only once the round commits (None:
+    nobody was trusted for that unit)."""
 
     def position(self, u: int) -> int:
         """Number of the round's units with index ``<= u``."""
@@ -241,6 +250,10 @@ class SyncEngine:
             rank).
         clock: seconds of a monotonic clock for A-EDiT's time trigger and budget (default
             ``time.perf_counter``; tests inject their own). Metrics use real time.
+        cross_replica: the fault-tolerant mode: a :class:`editrain.sync.ft.TorchftGroup`
+            through which every cross-replica collective goes (``mesh`` is then this
+            replica's own ``(1, S)`` mesh); syncs run as all-or-nothing rounds over the
+            replicas present (:mod:`editrain.sync.ft_round`).
     """
 
     def __init__(
@@ -256,6 +269,7 @@ class SyncEngine:
         seed: int = 0,
         clock: Callable[[], float] | None = None,
         comm_backend: str = "auto",
+        cross_replica: Any = None,
     ) -> None:
         self.config = cfg = config.resolve()
         self.model = model
@@ -264,6 +278,9 @@ class SyncEngine:
         self.rank = dist.get_rank()
         self.replica = self.topo.replica_of(self.rank)
         self.num_replicas = self.topo.num_replicas
+        if cross_replica is not None:
+            check_fault_tolerant(cfg, self.topo.num_replicas)
+            self.replica, self.num_replicas = cross_replica.replica, cross_replica.replicas
         self.seed = seed
         self.before_sync = before_sync
         self.clock = clock or time.perf_counter
@@ -321,7 +338,8 @@ class SyncEngine:
                 backend=backend
             )
         self.comm = CommPath(sync_group, shard_group, self.device, link_delay,
-                             stage_on_host=backend == "gloo" and self.device.type != "cpu")
+                             stage_on_host=backend == "gloo" and self.device.type != "cpu",
+                             cross=cross_replica)
 
         self.reducer = build_reducer(cfg.gta.reducer, **_gta_kwargs(cfg))
         self.detectors = (
@@ -378,6 +396,9 @@ class SyncEngine:
         self._rendezvous_wait_s = 0.0
         self._rendezvous_comm = CommStats()
         """A-EDiT: traffic of the rendezvous, counted with the sync that follows it."""
+
+        self.ft = None if cross_replica is None else FaultTolerantSync(self, cross_replica)
+        """The fault-tolerant rounds (None in the plain mode)."""
 
         self._handles = [model.register_forward_pre_hook(self._root_pre_hook, prepend=True)]
         for u, (_, module) in enumerate(modules, start=self._first_module_unit):
@@ -510,6 +531,9 @@ class SyncEngine:
         counts = self._rendezvous(elapsed) if cfg.use_async else None
         if cfg.use_async and counts is None:
             return  # skipped: too few steps in total; clocks restarted
+        if self.ft is not None:
+            self.ft.run()
+            return
         if cfg.layerwise:
             self._pending, self._pending_counts = True, counts
         else:
@@ -661,6 +685,12 @@ class SyncEngine:
             return
         if was_pending:
             return
+        if self.ft is not None:
+            # Replicas run rounds at the same steps: one more unless one just ran.
+            if self.ft.last_round_step != self.global_step:
+                self.num_syncs_forced += 1
+                self.ft.run()
+            return
         while self._inflight:  # non-blocking A-EDiT: every replica launched the same rounds
             self._round = self._inflight.pop(0)
             self._drain_round()
@@ -672,6 +702,16 @@ class SyncEngine:
             return
         self.num_syncs_forced += 1
         self._run_blocking(counts)
+
+    def join(self) -> bool:
+        """The fault-tolerant mode: take part in the next quorum before training (every
+        replica at its start, and a replica that restarted). A replica behind the others
+        heals there: it receives the global state from a healthy peer and holds the global
+        model afterwards. Returns whether that round committed; False without fault
+        tolerance (nothing to do)."""
+        if self.ft is None:
+            return False
+        return self.ft.run(contribute=False)
 
     def close(self) -> None:
         """Remove every hook and stop the communication thread."""
@@ -934,6 +974,8 @@ class SyncEngine:
             ])
             self.comm.all_reduce_shard(sq)
             norms = self.comm.all_gather_sync(sq).sqrt().cpu()  # [R, units of the round]
+            if rnd.members is not None:
+                norms = _by_replica(norms, rnd, self.num_replicas)
         if self.detectors is not None:
             included, outlier, z = self.detectors.observe(norms, rnd.units)
             rnd.outlier, rnd.z = outlier, z
@@ -974,11 +1016,19 @@ class SyncEngine:
                 if float(column.sum()) == 0.0:
                     # Nobody is trustworthy for this unit: keep the anchor, drop local
                     # progress (a delayed round merges it as usual).
-                    if not rnd.delayed:
+                    if rnd.tentative is not None:
+                        rnd.tentative[i] = None
+                    elif not rnd.delayed:
                         unit.write_back()
                     rnd.clip.append(float("nan"))
                     return
                 weights = column.tolist()
+                if rnd.members is not None:  # in the order of the quorum's collectives
+                    weights = [weights[m] for m in rnd.members]
+            elif rnd.contributes is not None:
+                share = 1.0 / sum(rnd.contributes)
+                weights = [share if c else 0.0 for c in rnd.contributes]
+                weight = weights[rnd.members.index(self.replica)] if rnd.members else 0.0
             else:
                 weight = 1.0 / self.num_replicas
                 weights = [weight] * self.num_replicas
@@ -1003,6 +1053,9 @@ class SyncEngine:
                 if coef < 1.0:
                     reduced.mul_(coef)
                 rnd.clip.append(coef)
+            if rnd.tentative is not None:
+                rnd.tentative[i] = reduced  # applied once the round commits
+                return
             unit.outer_step(reduced)
             if not rnd.delayed:
                 unit.write_back()
@@ -1043,8 +1096,8 @@ class SyncEngine:
         taken from each replica's own parameters): compare a checksum of every unit's
         shard (sum and sum of squares, float64) across replicas, agreed over the replica's
         ranks, and fail on every rank alike if they differ (e.g. different seeds)."""
-        if self.num_replicas == 1:
-            return
+        if self.comm.sync_size == 1:
+            return  # (the fault-tolerant mode: a joining replica heals instead)
         sums = torch.zeros(len(self.units), 2, dtype=torch.float64, device=self.device)
         for i, unit in enumerate(self.units):
             if unit.numel:
@@ -1264,6 +1317,38 @@ def _round_from_state(sd: dict[str, Any]) -> _Round:
         done.set_result(None)
         rnd.submitted.append(done)
     return rnd
+
+
+def _by_replica(norms: torch.Tensor, rnd: _Round, replicas: int) -> torch.Tensor:
+    """The quorum's ``[members, L]`` norms laid out by replica id (``[replicas, L]``), NaN
+    for replicas absent or not contributing: the penalty excludes them."""
+    out = torch.full((replicas, norms.shape[1]), float("nan"), dtype=norms.dtype)
+    assert rnd.members is not None and rnd.contributes is not None
+    for row, (member, contributes) in enumerate(zip(rnd.members, rnd.contributes)):
+        if contributes:
+            out[member] = norms[row]
+    return out
+
+
+def check_fault_tolerant(cfg: SyncConfig, replicas_in_world: int) -> None:
+    """The fault-tolerant mode's limits: one replica per job, blocking local-SGD rounds."""
+    problems = []
+    if replicas_in_world != 1:
+        problems.append(f"the mesh must be this replica's own (1 replica, got "
+                        f"{replicas_in_world})")
+    if not cfg.is_local_sgd:
+        problems.append(f"sync.method={cfg.method} is synchronous (needs every replica "
+                        f"at every step)")
+    elif cfg.local_sgd_warmup_steps:
+        problems.append("sync.local_sgd_warmup_steps must be 0 (warm-up averages gradients "
+                        "at every step)")
+    if cfg.use_async:
+        problems.append("A-EDiT (sync.use_async) is not supported yet")
+    if cfg.streaming:
+        problems.append("streaming (sync.fragments > 1 or sync.overlap_steps > 0) is not "
+                        "supported yet")
+    if problems:
+        raise ValueError("dist.fault_tolerance=torchft: " + "; ".join(problems))
 
 
 def _reshard(module: nn.Module) -> None:

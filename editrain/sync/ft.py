@@ -1,0 +1,215 @@
+"""Fault-tolerant cross-replica communication through torchft (``dist.fault_tolerance``).
+
+In the fault-tolerant mode every replica is a job of its own (one torch.distributed world
+of ``S`` ranks: its FSDP2 shard group), and the replicas meet only through torchft: a
+*lighthouse* forms a quorum of the replicas present at each sync, every replica group runs
+a torchft ``Manager``, and the ranks with the same shard index across the quorum share a
+reconfigurable gloo process group. A replica that dies drops out of the next quorum; one
+that (re)joins is behind in committed syncs, so the quorum tells it to *heal*: it receives
+the global state (anchors, outer optimizer, counters, the trainer's state) from a healthy
+peer, rank by rank over HTTP, with nothing read from disk.
+
+This module is the only one in editrain that imports torchft. :class:`TorchftGroup` offers
+what the engine's communication path needs (sum all-reduce, all-gather, the quorum's size
+and this replica's place in it) plus the round protocol: :meth:`TorchftGroup.begin`
+before a sync, :meth:`TorchftGroup.commit` after it. A collective that fails (a replica left
+mid-sync) raises :class:`QuorumError`; the round is then not committed and nothing of it is
+applied (see ``docs/fault_tolerance.md``).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.distributed_c10d import AllgatherOptions
+
+log = logging.getLogger("editrain")
+
+LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"
+"""torchft's variable for the lighthouse address (``http://host:port``)."""
+REPLICA_ENV = "EDITRAIN_FT_REPLICA"
+"""This replica group's index (0 .. dist.replicas - 1), set by ``editrain train --ft``."""
+
+
+class QuorumError(RuntimeError):
+    """A cross-replica collective failed: a replica left during the sync."""
+
+
+@dataclass(frozen=True)
+class Quorum:
+    """The replicas of one sync."""
+
+    size: int
+    """Replicas in the quorum."""
+    rank: int
+    """This replica's position among them (ordered by replica id)."""
+    quorum_id: int
+    healed: bool
+    """This replica was behind and has just loaded the global state from a peer."""
+
+
+def torchft_available() -> bool:
+    """Whether torchft can be imported (the ``editrain[ft]`` extra)."""
+    try:
+        import torchft  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def start_lighthouse(min_replicas: int, join_timeout_s: float, heartbeat_timeout_s: float,
+                     bind: str = "[::]:0") -> Any:
+    """Start a torchft lighthouse in this process; ``.address()`` gives its URL and
+    ``.shutdown()`` stops it.
+
+    Args:
+        min_replicas: replicas a quorum needs at least.
+        join_timeout_s: how long a quorum waits for replicas that are alive (heartbeating)
+            but not yet at the sync; a rejoining replica waits for the others' next sync.
+        heartbeat_timeout_s: a replica silent for this long is considered dead.
+        bind: address to listen on.
+    """
+    from torchft.coordination import LighthouseServer
+
+    return LighthouseServer(bind=bind, min_replicas=min_replicas,
+                            join_timeout_ms=int(join_timeout_s * 1000),
+                            heartbeat_timeout_ms=int(heartbeat_timeout_s * 1000))
+
+
+class TorchftGroup:
+    """This rank's view of the replicas through a torchft ``Manager``.
+
+    Args:
+        replica: this replica group's index (stable across restarts; names it to torchft).
+        replicas: how many replica groups the run has (``dist.replicas``): replica ids are
+            ``0 .. replicas - 1``; a quorum may hold fewer.
+        group_rank: this rank's index inside its replica group (its shard index).
+        group_size: ranks per replica group.
+        lighthouse: the lighthouse address (default: ``$TORCHFT_LIGHTHOUSE``).
+        min_replicas: the quorum needs at least this many replicas to commit a sync.
+        timeout_s: collectives, commit votes and state transfer fail after this long.
+        quorum_timeout_s: how long a replica may wait for a quorum (a rejoining replica
+            waits for the others' next sync: longer than a sync interval).
+        store_addr / store_port: this replica group's TCPStore (default: torchrun's
+            ``MASTER_ADDR`` / ``MASTER_PORT``).
+    """
+
+    def __init__(self, replica: int, replicas: int, group_rank: int, group_size: int, *,
+                 lighthouse: str | None = None, min_replicas: int = 1,
+                 timeout_s: float = 60.0, quorum_timeout_s: float = 600.0,
+                 store_addr: str | None = None, store_port: int | None = None) -> None:
+        from torchft.manager import Manager
+        from torchft.process_group import ProcessGroupGloo
+
+        if not 0 <= replica < replicas:
+            raise ValueError(f"replica id {replica} outside 0..{replicas - 1}")
+        self.replica = replica
+        self.replicas = replicas
+        self._state_fns: dict[str, tuple[Callable[[], Any], Callable[[Any], None]]] = {}
+        self._healed = False
+        self.pg = ProcessGroupGloo(timeout=timedelta(seconds=timeout_s))
+        """The reconfigurable cross-replica group (gloo; on CUDA the engine stages through
+        host memory, like its default private groups)."""
+        self.manager = Manager(
+            pg=self.pg, load_state_dict=None, state_dict=None, min_replica_size=min_replicas,
+            use_async_quorum=False, timeout=timedelta(seconds=timeout_s),
+            quorum_timeout=timedelta(seconds=quorum_timeout_s),
+            rank=group_rank, world_size=group_size,
+            store_addr=store_addr or os.environ["MASTER_ADDR"],
+            store_port=store_port or int(os.environ["MASTER_PORT"]),
+            lighthouse_addr=lighthouse or os.environ.get(LIGHTHOUSE_ENV),
+            replica_id=f"editrain_replica_{replica}",
+            # Replicas start from one seed (the engine compares checksums at the start);
+            # a replica that restarts later heals instead.
+            init_sync=False,
+        )
+        self.quorum: Quorum | None = None
+        self.quorums = 0
+        """Quorums formed by this rank (metrics)."""
+
+    # ------------------------------------------------------------------ state transfer
+    def register_state(self, key: str, state_dict: Callable[[], Any],
+                       load_state_dict: Callable[[Any], None]) -> None:
+        """What a healthy replica sends a healing one under ``key`` (this rank's share of
+        it: the peer with the same shard index sends it), and how to take it in. The
+        functions run on the main thread's behalf while it waits in :meth:`begin`."""
+        self._state_fns[key] = (state_dict, load_state_dict)
+
+        def load(sd: Any, fn: Callable[[Any], None] = load_state_dict) -> None:
+            fn(sd)
+            self._healed = True
+
+        self.manager.register_state_dict_fn(key, load, state_dict)
+
+    # ------------------------------------------------------------------ rounds
+    def begin(self) -> Quorum:
+        """Form the quorum of this sync (blocks until the lighthouse has it) and heal this
+        replica first if it is behind. Call on every rank of the replica, on the main
+        thread.
+
+        Raises:
+            QuorumError: the process group could not be set up or healing failed.
+        """
+        self._healed = False
+        self.manager.start_quorum()
+        err = self.manager.errored()
+        if err is not None:
+            raise QuorumError(f"torchft quorum failed: {err.original_exception}")
+        rank = self.manager.participating_rank()
+        if rank is None:
+            raise QuorumError("this replica is not part of the quorum")
+        self.quorums += 1
+        self.quorum = Quorum(size=self.manager.num_participants(), rank=rank,
+                             quorum_id=self.quorums, healed=self._healed)
+        return self.quorum
+
+    def commit(self) -> bool:
+        """Whether this replica group may apply the sync: no collective failed on any of
+        its ranks and the quorum has enough replicas. A replica that did not commit while
+        others did is behind afterwards and heals at the next sync."""
+        return bool(self.manager.should_commit())
+
+    def report_error(self, exc: Exception) -> None:
+        """Mark this round failed on this rank (its commit vote becomes no)."""
+        self.manager.report_error(exc)
+
+    @property
+    def committed_syncs(self) -> int:
+        """Syncs this replica has committed (torchft's step; healing adopts the peer's)."""
+        return int(self.manager.current_step())
+
+    # ------------------------------------------------------------------ collectives
+    @property
+    def size(self) -> int:
+        """Replicas in the current quorum."""
+        return 1 if self.quorum is None else self.quorum.size
+
+    def _wait(self, work: Any, what: str) -> None:
+        try:
+            work.wait()
+        except Exception as exc:  # gloo reports a vanished peer as a RuntimeError
+            self.report_error(exc)
+            raise QuorumError(f"cross-replica {what} failed (a replica left?): {exc}") from exc
+
+    def all_reduce(self, tensor: torch.Tensor) -> None:
+        """In-place sum over the quorum (CPU tensor)."""
+        opts = dist.AllreduceOptions()
+        opts.reduceOp = dist.ReduceOp.SUM
+        self._wait(self.pg.allreduce([tensor], opts), "all-reduce")
+
+    def all_gather(self, out: torch.Tensor, tensor: torch.Tensor) -> None:
+        """Gather the flat ``tensor`` of every member into ``out`` (``[size * n]``, CPU)."""
+        rows = list(out.view(self.size, -1).unbind(0))
+        self._wait(self.pg.allgather([rows], [tensor.reshape(-1)], AllgatherOptions()),
+                   "all-gather")
+
+    def shutdown(self) -> None:
+        """Stop the manager (and its checkpoint server)."""
+        self.manager.shutdown(wait=False)

@@ -1,0 +1,177 @@
+"""The fault-tolerant sync round (``dist.fault_tolerance = "torchft"``).
+
+A round is all-or-nothing on every replica:
+
+1. **Quorum** (:meth:`TorchftGroup.begin`): the lighthouse forms the quorum of the replicas
+   at this sync. A replica that is behind in committed syncs (it restarted, or missed a
+   commit) first *heals*: it loads the global state from a healthy peer (the engine's
+   anchors, outer optimizer, detectors and counters; the trainer's step, data position and
+   inner optimizer) and writes the anchors into its parameters.
+2. **Rendezvous**: one all-gather of ``(replica id, contributes, steps since sync)`` over
+   the quorum. A healed replica contributes nothing this round (its pseudo-gradient is
+   zero by construction); it still takes part in every collective, with weight 0.
+3. **Statistics and reductions**, unit by unit, as in the plain engine: the penalty's
+   norms are laid out over all ``dist.replicas`` replica ids (absent or non-contributing
+   ones are NaN, hence excluded: the weights renormalise over the contributors), the
+   pseudo-gradients summed with those weights. Nothing is applied yet.
+4. **Commit** (:meth:`TorchftGroup.commit`): only if no collective failed on any rank of
+   this replica and the quorum is large enough are the outer steps applied and the new
+   anchors written into the parameters. Otherwise the round is dropped whole: anchors and
+   outer state stay, local training goes on and the steps count towards the next sync. A
+   replica that did not commit while others did is one sync behind and heals at the next
+   round, so every replica holds the same global model again.
+
+The round is blocking (its reductions are not overlapped with the next forward): an outer
+update may only be applied once the whole round is known to have succeeded everywhere.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from editrain.sync.ft import QuorumError, TorchftGroup
+
+if TYPE_CHECKING:
+    from editrain.sync.edit import SyncEngine, _Round
+
+
+class FaultTolerantSync:
+    """Runs the engine's syncs as fault-tolerant rounds over a :class:`TorchftGroup`.
+
+    Args:
+        engine: the engine whose units, statistics and reductions the rounds use.
+        group: the cross-replica group (also the engine's ``comm.cross``).
+    """
+
+    def __init__(self, engine: SyncEngine, group: TorchftGroup) -> None:
+        self.engine = engine
+        self.group = group
+        self.members: list[int] | None = None
+        """Replica ids of the last quorum."""
+        self.failed_rounds = 0
+        self.heals = 0
+        self.last_round_step = -1
+        """Global step of the last round attempted (committed or not)."""
+        group.register_state("engine", self.state_dict, self.load_state_dict)
+
+    # ------------------------------------------------------------------ rounds
+    @torch.no_grad()
+    def run(self, contribute: bool = True) -> bool:
+        """One round at this step boundary; returns whether it was committed.
+
+        Args:
+            contribute: this replica has trained since its last sync (False: joining).
+        """
+        from editrain.sync.edit import _Round
+
+        eng = self.engine
+        t0 = time.perf_counter()
+        self.last_round_step = eng.global_step
+        quorum = self.group.begin()  # may heal this replica (load_state_dict below)
+        quorum_wait = time.perf_counter() - t0
+        contribute = contribute and not quorum.healed and eng.steps_since_sync > 0
+        rnd = _Round(index=eng._next_index, step_counts=None,
+                     units=list(range(len(eng.units))))
+        rnd.tentative = {}
+        error: str | None = None
+        try:
+            eng.comm.run(self._jobs, rnd, contribute)
+        except QuorumError as exc:
+            error = str(exc).splitlines()[0][:200]
+        committed = self.group.commit()
+        if committed and error is None:
+            self._apply(rnd)
+        else:
+            self.failed_rounds += 1
+        previous, self.members = self.members, rnd.members
+        entry = eng._log_entry(rnd)
+        entry.update({
+            "committed": committed and error is None,
+            "quorum_size": quorum.size,
+            "members": rnd.members,
+            "contributors": [m for m, c in zip(rnd.members or [], rnd.contributes or []) if c],
+            "joined": sorted(set(rnd.members or []) - set(previous or [])) if previous else [],
+            "left": sorted(set(previous or []) - set(rnd.members or [])) if previous else [],
+            "healed": quorum.healed,
+            "quorum_wait_s": quorum_wait,
+            "committed_syncs": self.group.committed_syncs,
+        })
+        if error is not None:
+            entry["error"] = error
+        eng._sync_log.append(entry)
+        eng._next_index += 1
+        return bool(entry["committed"])
+
+    def _jobs(self, rnd: _Round, contribute: bool) -> None:
+        """The round's collectives, in order, on the communication thread; the first
+        failure ends the round (later collectives would run on a broken group)."""
+        eng = self.engine
+        mine = torch.tensor([eng.replica, float(contribute), eng.steps_since_sync],
+                            dtype=torch.float64, device=eng.device)
+        got = eng.comm.all_gather_sync(mine).cpu()  # [quorum, 3]
+        rnd.members = [int(r) for r in got[:, 0].tolist()]
+        rnd.contributes = [bool(c) for c in got[:, 1].tolist()]
+        if not any(rnd.contributes):
+            rnd.units = []  # nobody trained since the last sync (a start or a join)
+            return
+        if eng.config.penalty_enabled:
+            eng._stats_job(rnd)
+        for i in range(len(rnd.units)):
+            eng._sync_unit(rnd, i)
+
+    def _apply(self, rnd: _Round) -> None:
+        """Committed: the outer steps, then the new anchors into the parameters."""
+        eng = self.engine
+        assert rnd.tentative is not None
+        for i, u in enumerate(rnd.units):
+            unit = eng.units[u]
+            reduced = rnd.tentative.get(i)
+            if reduced is not None:
+                unit.outer_step(reduced)
+            unit.write_back()  # (no reduction: nobody was trusted, the anchor stays)
+        if rnd.units:
+            eng.num_syncs += 1
+            eng._last_sync_step = eng.global_step
+            eng.steps_since_sync = 0
+            eng._clock_start = eng.clock()
+
+    # ------------------------------------------------------------------ healing
+    def state_dict(self) -> dict[str, Any]:
+        """What a healthy replica sends a healing one: this rank's share of the global
+        state (anchors, outer optimizer state) and the counters, as plain CPU tensors and
+        numbers (a copy: the sender trains on while the receiver reads)."""
+        eng = self.engine
+        units = []
+        for unit in eng.units:
+            sd = {k: (v.detach().to("cpu", copy=True) if torch.is_tensor(v) else v)
+                  for k, v in unit.state_dict().items() if not k.startswith("replica.")}
+            units.append(sd)
+        return {
+            "units": units,
+            "global_step": eng.global_step,
+            "num_syncs": eng.num_syncs,
+            "next_index": eng._next_index,
+            "detectors": eng.detectors.state_dict() if eng.detectors is not None else None,
+            "seed": eng.seed,
+        }
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        """Take a peer's state and restart from the global model: anchors into the
+        parameters, no local progress (this replica's own error feedback restarts at 0)."""
+        eng = self.engine
+        for unit, unit_sd in zip(eng.units, sd["units"]):
+            unit.load_state_dict(unit_sd)
+            unit.write_back()
+        eng.global_step = int(sd["global_step"])
+        eng.num_syncs = int(sd["num_syncs"])
+        eng._next_index = int(sd["next_index"])
+        eng.seed = int(sd["seed"])
+        if eng.detectors is not None and sd["detectors"] is not None:
+            eng.detectors.load_state_dict(sd["detectors"])
+        eng.steps_since_sync = 0
+        eng._last_sync_step = eng.global_step
+        eng._clock_start = eng.clock()
+        self.heals += 1

@@ -1,0 +1,137 @@
+"""Workers of the fault-tolerance tests: replica groups as separate process trees meeting
+through a torchft lighthouse (``dist.fault_tolerance = "torchft"`` at the engine level)."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tests.reference import batch, loss_on, make_inner, make_model
+
+
+def ft_rank(rank: int, S: int, case: dict[str, Any], replica: int, R: int, lighthouse: str,
+            attempt: int) -> dict[str, Any]:
+    """One rank of replica group ``replica``: train ``case["steps"]`` steps with the engine
+    in the fault-tolerant mode; ``case["die"] = (replica, step)`` kills that group's first
+    attempt right after that step. Returns the final parameters and, for every round, the
+    sync log entry and the parameters right after it."""
+    from torch.distributed.fsdp import fully_shard
+
+    from editrain.sync import SyncConfig, SyncEngine
+    from editrain.sync.ft import TorchftGroup
+    from editrain.topology import init_mesh
+
+    info = init_mesh(shard_size=S)
+    group = TorchftGroup(replica, R, rank, S, lighthouse=lighthouse,
+                         min_replicas=case.get("min_replicas", 1), timeout_s=20,
+                         quorum_timeout_s=120)
+    model = make_model()
+    if S > 1:
+        for block in model.layers:
+            fully_shard(block, mesh=info.shard_mesh)
+        fully_shard(model, mesh=info.shard_mesh)
+    opt = make_inner(model.parameters(), case.get("inner", "adamw"))
+    messages = []
+    in_sync = case.get("die_in_sync")  # (replica, sync index, cross-replica message number)
+
+    def link(nbytes: int) -> float:
+        """Called before every cross-replica message: kills the group inside a sync."""
+        if in_sync and attempt == 0 and replica == in_sync[0] \
+                and engine._next_index == in_sync[1]:
+            messages.append(nbytes)
+            if len(messages) == in_sync[2]:
+                os._exit(17)
+        return 0.0
+
+    engine = SyncEngine(model, info.mesh, SyncConfig(**case["sync"]), blocks=model.layers,
+                        cross_replica=group, link_delay=link)
+    rounds: list[dict[str, Any]] = []
+
+    def full() -> dict[str, torch.Tensor]:
+        return {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
+                for n, p in model.named_parameters()}
+
+    def record() -> None:
+        for entry in engine.pop_sync_log():
+            rounds.append({**entry, "global_step": engine.global_step, "params": full()})
+
+    engine.join()
+    record()
+    steps_seen = [engine.global_step]
+    die = case.get("die")
+    pace = float(case.get("step_sleep", 0.0))
+    while engine.global_step < case["steps"]:
+        step = engine.global_step
+        loss_on(model, batch(replica * S + rank, step, 0)).backward()
+        opt.step()
+        opt.zero_grad()
+        engine.step()
+        record()
+        steps_seen.append(engine.global_step)
+        if die is not None and attempt == 0 and replica == die[0] and engine.global_step == die[1]:
+            os._exit(17)  # the whole group dies (S = 1), mid local phase
+        if pace:
+            time.sleep(pace)
+    engine.finish(force=True)
+    record()
+    out = {"params": full(), "rounds": rounds, "replica": replica, "steps_seen": steps_seen,
+           "heals": engine.ft.heals, "failed_rounds": engine.ft.failed_rounds,
+           "num_syncs": engine.num_syncs}
+    engine.close()
+    group.shutdown()
+    return out
+
+
+def _group_main(S: int, case: dict[str, Any], replica: int, R: int, lighthouse: str,
+                attempt: int, out_dir: str) -> None:
+    from editrain.spawn import run_ranks
+
+    outs = run_ranks(ft_rank, S, case, replica, R, lighthouse, attempt)
+    torch.save(outs, Path(out_dir) / f"replica{replica}_attempt{attempt}.pt")
+
+
+def run_groups(R: int, S: int, case: dict[str, Any], out_dir: Path,
+               restart_delay_s: float = 0.0, timeout_s: float = 240.0) -> dict[int, list]:
+    """Run ``R`` replica groups of ``S`` ranks, each its own process tree, around one
+    lighthouse in this process; a group that dies is started again (attempt 1) after
+    ``restart_delay_s``. Returns ``{replica: per-rank results of its last attempt}``."""
+    from editrain.sync.ft import start_lighthouse
+
+    lighthouse = start_lighthouse(min_replicas=case.get("min_replicas", 1),
+                                  join_timeout_s=case.get("join_timeout_s", 60.0),
+                                  heartbeat_timeout_s=case.get("heartbeat_timeout_s", 2.0))
+    ctx = mp.get_context("spawn")
+    procs: dict[int, Any] = {}
+    attempts = dict.fromkeys(range(R), 0)
+    try:
+        for r in range(R):
+            procs[r] = ctx.Process(target=_group_main, args=(S, case, r, R, lighthouse.address(),
+                                                             0, str(out_dir)))
+            procs[r].start()
+        deadline = time.monotonic() + timeout_s
+        while any(p.is_alive() for p in procs.values()) and time.monotonic() < deadline:
+            for r, p in procs.items():
+                if not p.is_alive() and p.exitcode != 0 and attempts[r] == 0:
+                    time.sleep(restart_delay_s)
+                    attempts[r] = 1
+                    procs[r] = ctx.Process(target=_group_main, args=(
+                        S, case, r, R, lighthouse.address(), 1, str(out_dir)))
+                    procs[r].start()
+                    break
+            time.sleep(0.05)
+        for p in procs.values():
+            if p.is_alive():
+                p.kill()
+                raise TimeoutError(f"replica groups still running after {timeout_s} s")
+        failed = {r: p.exitcode for r, p in procs.items() if p.exitcode != 0}
+        if failed:
+            raise RuntimeError(f"replica groups failed (exit codes {failed})")
+    finally:
+        lighthouse.shutdown()
+    return {r: torch.load(out_dir / f"replica{r}_attempt{attempts[r]}.pt", weights_only=False)
+            for r in range(R)}
