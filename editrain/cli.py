@@ -28,6 +28,8 @@ shorthands:
   --seed N            train.seed           --run-dir DIR   run directory
   --resume PATH       resume a run         --max-restarts  dist.max_restarts
   --quiet             no progress bar      --overwrite     reuse a run directory
+  --ft                dist.fault_tolerance=torchft: replicas as separate jobs that
+                      survive a replica's death (pip install 'editrain[ft]')
 
 methods: sync, post_local_sgd, diloco, edit (default), aedit
 
@@ -35,6 +37,7 @@ examples:
   editrain train                                   # 2 replicas x 2 shards on the CPU
   editrain train --method diloco --steps 300
   editrain train --sim.link_bandwidth 20MB/s --sync.prefetch_depth 2
+  editrain train --ft --nproc 3 --shard-size 1 --sim.fail 2@40   # replica 2 dies, rejoins
   torchrun --nnodes 2 --nproc-per-node 8 -m editrain train --config my.toml
 """
 

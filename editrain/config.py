@@ -33,6 +33,7 @@ OPTIMIZERS = ("adamw", "agd", "sgd")
 SAMS = ("none", "wsam")
 BACKENDS = ("auto", "gloo", "nccl")
 DEVICES = ("auto", "cpu", "cuda")
+FAULT_TOLERANCE = ("none", "torchft")
 
 
 def _positive(section: Any, prefix: str, names: tuple[str, ...], least: int = 1) -> None:
@@ -236,6 +237,30 @@ class DistSection:
     """Backend of the sync engine's own cross-replica and statistics groups: auto (gloo;
     on CUDA staged through pinned host memory, so NCCL only ever runs the main thread's
     collectives: docs/architecture.md), gloo, nccl or default (the process group's)."""
+    fault_tolerance: str = "none"
+    """none (one torch.distributed job; a dead worker stops it) or torchft (every replica a
+    job of its own meeting through a torchft lighthouse: a replica can die and rejoin
+    while the others train on; docs/fault_tolerance.md). `editrain train --ft` sets it."""
+    ft_replicas: int = 0
+    """torchft: replica groups in the run (0: dist.nproc / dist.shard_size, the local
+    launcher's groups). Under torchrun each group is its own job: set it, with
+    ft_replica_id and ft_lighthouse."""
+    ft_replica_id: int = -1
+    """torchft: this job's replica group, 0 .. ft_replicas - 1 (-1: $EDITRAIN_FT_REPLICA,
+    which `editrain train --ft` sets)."""
+    ft_lighthouse: str = ""
+    """torchft: lighthouse address, http://HOST:PORT ("": $TORCHFT_LIGHTHOUSE, or a
+    lighthouse `editrain train --ft` starts)."""
+    ft_min_replicas: int = 1
+    """torchft: a sync commits only with at least this many replicas present."""
+    ft_heartbeat_timeout_s: float = 5.0
+    """torchft: a replica silent for this long is dropped from the next quorum."""
+    ft_join_timeout_s: float = 60.0
+    """torchft: how long a quorum waits for replicas that are alive but not yet at the
+    sync (also how long a lone restarted replica waits for the others)."""
+    ft_timeout_s: float = 60.0
+    """torchft: cross-replica collectives, commit votes and state transfers fail after
+    this long."""
 
     def validate(self) -> None:
         """Known backends and devices, and the devices they need: nccl and cuda need as
@@ -248,7 +273,20 @@ class DistSection:
         for name in ("nproc", "shard_size"):
             _req(getattr(self, name) >= 1, f"dist.{name}",
                  f"must be >= 1, got {getattr(self, name)}")
-        _positive(self, "dist", ("max_restarts", "threads_per_proc"), least=0)
+        _positive(self, "dist", ("max_restarts", "threads_per_proc", "ft_replicas"), least=0)
+        _req(self.fault_tolerance in FAULT_TOLERANCE, "dist.fault_tolerance",
+             f"allowed: {', '.join(FAULT_TOLERANCE)}; got {self.fault_tolerance!r}")
+        _req(self.ft_replica_id >= -1, "dist.ft_replica_id",
+             f"must be >= 0 (or -1: from $EDITRAIN_FT_REPLICA), got {self.ft_replica_id}")
+        _positive(self, "dist", ("ft_min_replicas",), least=1)
+        for name in ("ft_heartbeat_timeout_s", "ft_join_timeout_s", "ft_timeout_s"):
+            _req(getattr(self, name) > 0, f"dist.{name}",
+                 f"must be > 0 seconds, got {getattr(self, name)}")
+        if self.fault_tolerance == "torchft":
+            from editrain.sync.ft import torchft_available
+
+            _req(torchft_available(), "dist.fault_tolerance",
+                 "torchft is not installed; pip install 'editrain[ft]' (or torchft)")
         for name, allowed in (("backend", BACKENDS), ("device", DEVICES),
                               ("comm_backend", COMM_BACKENDS)):
             value = getattr(self, name)
@@ -282,7 +320,10 @@ class SimSection:
     """Corrupt a replica's update at a sync: REPLICA@SYNC or REPLICA@SYNC:SCALE."""
     fail: str | None = None
     """Kill a worker on the first attempt: RANK@STEP (abrupt exit after that step) or
-    RANK@STEP:checkpoint (exit in the middle of writing that step's checkpoint)."""
+    RANK@STEP:checkpoint (exit in the middle of writing that step's checkpoint). With
+    --ft the worker's whole replica group dies and restarts after sim.fail_restart_s."""
+    fail_restart_s: float = 0.0
+    """--ft: seconds before a replica group killed by sim.fail is started again."""
     step_schedule: list[int] = field(default_factory=list)
     """A-EDiT: replica r syncs after step_schedule[r] steps instead of on the clock
     (reproducible experiments and tests)."""
@@ -355,7 +396,11 @@ SHORTHANDS = {
     "--resume": "resume",
     "--max-restarts": "dist.max_restarts",
 }
-FLAGS = {"--quiet": "quiet", "--overwrite": "overwrite"}
+FLAGS: dict[str, str | tuple[str, Any]] = {
+    "--quiet": "quiet", "--overwrite": "overwrite",
+    "--ft": ("dist.fault_tolerance", "torchft"),
+}
+"""Flags without a value: the option they set to True, or (option, value)."""
 
 
 # ---------------------------------------------------------------------------- parsing
@@ -493,6 +538,12 @@ def parse_overrides(argv: list[str]) -> tuple[dict[str, Any], list[str]]:
             rest.append(arg)
             continue
         name, eq, value = arg.partition("=")
+        if name in FLAGS and isinstance(FLAGS[name], tuple):
+            path, fixed = FLAGS[name]
+            _set_path(raw, path, fixed)
+            if eq:
+                raise ConfigError(f"{name} takes no value (it sets {path}={fixed})")
+            continue
         if name in FLAGS:
             _set_path(raw, FLAGS[name], True if not eq else _parse_scalar(value))
             continue
@@ -550,6 +601,15 @@ def validate(cfg: Config) -> None:
              f"must be smaller than train.steps ({t.steps}), got {s.local_sgd_warmup_steps}")
     if cfg.sim.step_schedule:
         _req(s.method == "aedit", "sim.step_schedule", "only applies to sync.method=aedit")
+    _req(cfg.sim.fail_restart_s >= 0, "sim.fail_restart_s",
+         f"must be >= 0 seconds, got {cfg.sim.fail_restart_s}")
+    if cfg.dist.fault_tolerance == "torchft":
+        from editrain.sync.edit import check_fault_tolerant
+
+        try:
+            check_fault_tolerant(s.resolve(), 1)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
     if cfg.model.hf_config is not None:
         _validate_hf(cfg)
     else:

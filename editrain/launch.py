@@ -14,6 +14,7 @@ import shutil
 import time
 import uuid
 from pathlib import Path
+from typing import Any
 
 from editrain.config import Config, ConfigError, dumps_toml, to_dict, validate_world
 from editrain.corpus import prepare_data
@@ -97,11 +98,9 @@ def _pretokenise(cfg: Config) -> int:
 
 
 def run_local(cfg: Config) -> dict:
-    """Spawn ``dist.nproc`` local workers with torch elastic (restarts from torch)."""
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
-
+    """Spawn ``dist.nproc`` local workers with torch elastic (restarts from torch); with
+    ``dist.fault_tolerance = torchft`` one job per replica group around a lighthouse."""
     from editrain.metrics import plot_runs
-    from editrain.train import run_worker
 
     nproc = cfg.dist.nproc
     validate_world(cfg, nproc)
@@ -117,22 +116,48 @@ def run_local(cfg: Config) -> dict:
     prepare_run_dir(cfg, run_dir)
     threads = cfg.dist.threads_per_proc or max(1, (os.cpu_count() or 1) // nproc)
     os.environ.setdefault("OMP_NUM_THREADS", str(threads))
+    if not cfg.quiet:
+        log.info("run directory: %s; %d local workers (%d threads each)", run_dir, nproc,
+                 threads)
+    if cfg.dist.fault_tolerance == "torchft":
+        from editrain.fault import run_ft
+
+        summary = run_ft(cfg, run_dir)
+        plotted = [run_dir / f"replica{r}" for r in range(nproc // cfg.dist.shard_size)]
+        plotted = [p for p in plotted if (p / "metrics.jsonl").exists()]
+    else:
+        results = _elastic(cfg, nproc, cfg.dist.max_restarts)
+        summary = results.get(0, {}) if isinstance(results, dict) else {}
+        plotted = [run_dir]
+    for path in plot_runs(plotted):
+        if not cfg.quiet:
+            log.info("plot: %s", path)
+    return summary
+
+
+def run_group(cfg: Config) -> dict:
+    """One replica group of a fault-tolerant run (``cfg.run_dir`` prepared): a torch
+    elastic job of ``dist.shard_size`` workers, never restarted by torch (the launcher
+    restarts the whole group, which then heals from its peers)."""
+    results = _elastic(cfg, cfg.dist.shard_size, 0)
+    return results.get(0, {}) if isinstance(results, dict) else {}
+
+
+def _elastic(cfg: Config, nproc: int, max_restarts: int) -> Any:
+    """``nproc`` local workers running :func:`editrain.train.run_worker` under torch elastic."""
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    from editrain.train import run_worker
+
     launch_cfg = LaunchConfig(
         min_nodes=1, max_nodes=1, nproc_per_node=nproc,
         run_id=f"editrain-{uuid.uuid4().hex[:8]}",
         rdzv_backend="c10d", rdzv_endpoint=f"{LOOPBACK}:{free_port()}",
         rdzv_configs={"is_host": True},
-        max_restarts=cfg.dist.max_restarts, start_method="spawn", monitor_interval=0.5,
+        max_restarts=max_restarts, start_method="spawn", monitor_interval=0.5,
         local_addr=LOOPBACK,  # a laptop run is not reachable from the network
     )
-    if not cfg.quiet:
-        log.info("run directory: %s; %d local workers (%d threads each)", run_dir, nproc,
-                 threads)
-    results = elastic_launch(launch_cfg, run_worker)(cfg, str(run_dir))
-    for path in plot_runs([run_dir]):
-        if not cfg.quiet:
-            log.info("plot: %s", path)
-    return results.get(0, {}) if isinstance(results, dict) else {}
+    return elastic_launch(launch_cfg, run_worker)(cfg, cfg.run_dir)
 
 
 def run_under_torchrun(cfg: Config) -> dict:

@@ -101,7 +101,8 @@ class SimPlan:
         import os
 
         if (self.fail is not None and self.fail == (rank, step, phase)
-                and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) == 0):
+                and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) == 0
+                and int(os.environ.get("EDITRAIN_FT_ATTEMPT", "0")) == 0):
             os._exit(17)
 
     def link_delay(self, nbytes: int) -> float:

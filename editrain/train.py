@@ -68,16 +68,29 @@ class Trainer:
         device_type = None if cfg.dist.device == "auto" else cfg.dist.device
         backend = None if cfg.dist.backend == "auto" else cfg.dist.backend
         self.info = info = init_mesh(cfg.dist.shard_size, backend=backend, device_type=device_type)
-        check_replicas(self.plan, info.topo.num_replicas + cfg.sim.replica_offset)
+        # The fault-tolerant mode: this job is one replica group of several (its world is
+        # the group's ranks); every other mode: the world holds every replica.
+        self.ft = cfg.dist.fault_tolerance == "torchft"
+        if self.ft:
+            from editrain.fault import ft_identity
+
+            self.replica, self.replicas = ft_identity(cfg, info.topo.shard_size)
+            self.run_dir = self.run_dir / f"replica{self.replica}"
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+        else:
+            self.replica, self.replicas = info.replica, info.topo.num_replicas
+        self.global_rank = self.replica * info.topo.shard_size + info.shard
+        self.global_world = self.replicas * info.topo.shard_size
+        check_replicas(self.plan, self.replicas + cfg.sim.replica_offset)
         self.is_logger = info.rank == 0
-        self.quiet = cfg.quiet or not self.is_logger
+        self.quiet = cfg.quiet or not self.is_logger or (self.ft and self.replica != 0)
 
         # ---- data: every rank reads a disjoint stream; evaluation covers the whole
         # validation split, shared out over all ranks (see evaluate()).
         self.data = prepare_data(cfg)
         t = cfg.train
-        self.stream = SequenceStream(self.data.train, t.seq_len, info.rank,
-                                     info.topo.world_size, t.seed)
+        self.stream = SequenceStream(self.data.train, t.seq_len, self.global_rank,
+                                     self.global_world, t.seed)
         # Lock-step methods share the evaluation out over every rank of every replica. An
         # A-EDiT replica may already wait in its next rendezvous (a blocking cross-replica
         # collective) when another evaluates, so there each replica evaluates the whole
@@ -105,7 +118,13 @@ class Trainer:
                              split_root=cfg.sync.split_root)
         self.optimizer = self._build_optimizer()
         # The simulated link is one FIFO per replica, shared by the replica's ranks.
-        link = self.plan.shared_link(self.run_dir / ".link" / f"replica{info.replica}.state")
+        link = self.plan.shared_link(self.run_dir / ".link" / f"replica{self.replica}.state")
+        self.ft_group = None
+        if self.ft:
+            from editrain.fault import make_group
+
+            self.ft_group = make_group(cfg, self.replica, self.replicas, info.shard,
+                                       info.topo.shard_size)
         self.engine = SyncEngine(
             self.model, info.mesh, cfg.sync, blocks=blocks,
             link_delay=link,
@@ -113,8 +132,12 @@ class Trainer:
             trigger=StepScheduleTrigger(cfg.sim.step_schedule) if cfg.sim.step_schedule else None,
             seed=t.seed,
             comm_backend=cfg.dist.comm_backend,
+            cross_replica=self.ft_group,
         )
-        self.slowdown = ComputeSlowdown(self.plan, info.replica + cfg.sim.replica_offset,
+        if self.ft_group is not None:
+            # What a healthy replica sends one that (re)joins, besides the engine's state.
+            self.ft_group.register_state("trainer", self._ft_state, self._load_ft_state)
+        self.slowdown = ComputeSlowdown(self.plan, self.replica + cfg.sim.replica_offset,
                                         t.seed)
         self.shard_group = info.mesh.get_group(SHARD_DIM)
         self.tokens_per_step = t.batch_size * t.seq_len * t.gradient_accumulation_steps
@@ -125,6 +148,9 @@ class Trainer:
             # stays deterministic: the run ends at the first sync that reaches it.)
             self.engine.set_budget(cfg.train.steps)
         self.step = 0
+        self.steps_run = 0
+        """Inner steps this process ran (a healed replica adopts its peers' step count)."""
+        self.healed_at: int | None = None
         self.val_tokens = 0
         self.next_eval = t.eval_every
         self.next_ckpt = cfg.checkpoint.every
@@ -178,7 +204,7 @@ class Trainer:
     def _corrupt(self, sync_index: int) -> None:
         """Fault injection: scale this replica's pseudo-gradient before sync ``sync_index``."""
         target = self.plan.corrupt.get(sync_index)
-        if target is None or target[0] != self.info.replica:
+        if target is None or target[0] != self.replica:
             return
         self.engine.scale_pseudo_gradients(target[1])
 
@@ -187,9 +213,13 @@ class Trainer:
         """Run to the end of the budget; returns the final summary."""
         cfg = self.cfg
         self._log_start()
+        if self.ft:
+            self._ft_join()
         progress = self._progress_bar()
         final_val = float("nan")
-        if self.resumed_from is None:
+        if self.healed_at is not None:
+            pass  # joined a running job: its curve goes on from the peers' step
+        elif self.resumed_from is None:
             ev = self.evaluate()
             final_val = ev["val_loss"]
             self._write({"step": 0, "tokens": 0, **ev, "wall_time_s": 0.0})
@@ -259,7 +289,13 @@ class Trainer:
                    "train_time_s": self._wall() - self.off_train_s,
                    "num_syncs": self.engine.num_syncs,
                    "num_params": self.num_params, "method": cfg.sync.method,
-                   "replicas": self.info.topo.num_replicas, "shard_size": self.info.topo.shard_size}
+                   "replicas": self.replicas, "shard_size": self.info.topo.shard_size,
+                   "steps_run": self.steps_run,
+                   "tokens_processed": self.steps_run * self.info.topo.world_size
+                   * self.tokens_per_step}
+        if self.ft:
+            summary.update(replica=self.replica, healed_at=self.healed_at,
+                           failed_syncs=self.engine.ft.failed_rounds)
         if self.is_logger:
             (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
             log.warning("done: %d steps, %d tokens, val loss %.4f, %.1f s, %d syncs",
@@ -303,10 +339,11 @@ class Trainer:
         t1 = time.perf_counter()
         self.engine.step()
         self.step += 1
-        self.plan.maybe_fail(self.info.rank, self.step, "step")
+        self.steps_run += 1
+        self.plan.maybe_fail(self.global_rank, self.step, "step")
 
         step_time = time.perf_counter() - t0
-        mine = {"rank": self.info.rank, "replica": self.info.replica, "shard": self.info.shard,
+        mine = {"rank": self.global_rank, "replica": self.replica, "shard": self.info.shard,
                 "step": self.step, "tokens": self.step * self.tokens_per_step,
                 "loss": float(loss), "wall_time_s": self._wall(), "step_time_s": step_time,
                 "compute_s": compute_s, "sync_wait_s": self._sync_wait() - wait0,
@@ -319,7 +356,7 @@ class Trainer:
             "tokens": self._tokens(),
             "loss": float(loss),  # this rank's; averaged when the row is logged
             "lr": lr,
-            "tokens_per_s": self.tokens_per_step * self.info.topo.world_size / step_time,
+            "tokens_per_s": self.tokens_per_step * self.global_world / step_time,
             "step_time_s": step_time,
             "wall_time_s": self._wall(),
             "compute_s": compute_s,
@@ -427,7 +464,7 @@ class Trainer:
                                 rank_state=rank_state, meta=self._meta(),
                                 keep=self.cfg.checkpoint.keep,
                                 before_commit=lambda: self.plan.maybe_fail(
-                                    self.info.rank, self.step, "checkpoint"))
+                                    self.global_rank, self.step, "checkpoint"))
         if self.is_logger:
             log.warning("checkpoint %s: %.1f MiB in %.2f s", saved.path, saved.bytes / 2**20,
                         saved.seconds)
@@ -467,7 +504,7 @@ class Trainer:
         self.off_train_s = first.get("off_train_s", 0.0)
         self.stream = SequenceStream.repartition(
             self.data.train, t.seq_len, t.seed, [o["data"] for o in old],
-            self.info.rank, self.info.topo.world_size)
+            self.global_rank, self.global_world)
         if self.is_logger:
             old_r, old_s = marker["topology"]
             log.warning(
@@ -494,7 +531,7 @@ class Trainer:
 
     def _tokens(self) -> int:
         # A-EDiT after an elastic resume counts progress in the first topology's steps.
-        ranks = self.engine.tokens_scale if self.aedit else self.info.topo.world_size
+        ranks = self.engine.tokens_scale if self.aedit else self.global_world
         return int(round(self._progress_steps() * ranks * self.tokens_per_step))
 
     def _log_start(self) -> None:
@@ -502,10 +539,12 @@ class Trainer:
             return
         topo, mem = self.info.topo, self.engine.extra_memory()
         log.warning(
-            "editrain: %s on %d replicas x %d shards (%s, %s); model %s with %.2fM parameters; "
-            "outer state per rank: %s",
-            self.cfg.sync.method, topo.num_replicas, topo.shard_size, self.info.device.type,
-            dist.get_backend(), self.cfg.model.hf_config or self.cfg.model.preset,
+            "editrain: %s on %d replicas x %d shards (%s, %s%s); model %s with %.2fM "
+            "parameters; outer state per rank: %s",
+            self.cfg.sync.method, self.replicas, topo.shard_size, self.info.device.type,
+            dist.get_backend(),
+            f"; fault-tolerant, this is replica {self.replica}" if self.ft else "",
+            self.cfg.model.hf_config or self.cfg.model.preset,
             self.num_params / 1e6,
             ", ".join(f"{k} {v / 2**20:.2f} MiB" for k, v in mem.items()) or "none yet",
         )
@@ -527,6 +566,50 @@ class Trainer:
         """Release hooks, threads and files."""
         self.engine.close()
         self.metrics.close()
+        if self.ft_group is not None:
+            self.ft_group.shutdown()
+
+    # ------------------------------------------------------------------ fault tolerance
+    def _ft_join(self) -> None:
+        """Take part in the first quorum; a replica that restarts heals there (the global
+        model, outer and inner optimizer state, step and data position from a peer)."""
+        self.engine.join(timeout_s=max(600.0, 2 * self.cfg.dist.ft_join_timeout_s))
+        syncs = self.engine.pop_sync_log()
+        if self.healed_at is not None:
+            # Evaluations and checkpoints the peers already took are not repeated here.
+            every = self.cfg.train.eval_every
+            while every and self.next_eval <= self.step:
+                self.next_eval += every
+            every = self.cfg.checkpoint.every
+            while every and self.next_ckpt <= self.step:
+                self.next_ckpt += every
+        if self.healed_at is not None and self.is_logger:
+            log.warning("replica %d joined the running job at step %d (healed from a peer)",
+                        self.replica, self.step)
+            self._write({"event": "ft_join", "step": self.step, "tokens": self._tokens(),
+                         "replica": self.replica, "wall_time_s": self._wall(),
+                         "sync": syncs[-1] if syncs else None})
+
+    def _ft_state(self) -> dict[str, Any]:
+        """The trainer's share of what a healing replica receives (see ``_ft_join``)."""
+        from editrain.fault import local_optimizer_state
+
+        return {"step": self.engine.global_step, "next_eval": self.next_eval,
+                "next_ckpt": self.next_ckpt, "last_eval": self.last_eval,
+                "data": self.stream.state_dict(),
+                "optimizer": local_optimizer_state(self.optimizer)}
+
+    def _load_ft_state(self, sd: dict[str, Any]) -> None:
+        from editrain.fault import load_local_optimizer_state
+
+        self.step = int(sd["step"])
+        self.next_eval, self.next_ckpt = sd["next_eval"], sd["next_ckpt"]
+        self.last_eval = sd["last_eval"]
+        data = dict(sd["data"], rank=self.stream.rank)  # the peer's position, our share
+        data["position"] = min(int(data["position"]), self.stream.share_size)
+        self.stream.load_state_dict(data)
+        load_local_optimizer_state(self.optimizer, sd["optimizer"])
+        self.healed_at = self.step
 
 
 def sync_summary(entry: dict[str, Any]) -> str:

@@ -108,6 +108,8 @@ class _Round:
     """Replica ids of the quorum, in the order of its collectives."""
     contributes: list[bool] | None = None
     """Per member: whether it sends a pseudo-gradient (a healed replica does not)."""
+    fresh: bool = False
+    """No member of the quorum has committed a round yet (the job is starting)."""
     tentative: dict[int, torch.Tensor | None] | None = None
     """Reduced pseudo-gradients by position, applied only once the round commits (None:
     nobody was trusted for that unit)."""
@@ -703,15 +705,16 @@ class SyncEngine:
         self.num_syncs_forced += 1
         self._run_blocking(counts)
 
-    def join(self) -> bool:
-        """The fault-tolerant mode: take part in the next quorum before training (every
-        replica at its start, and a replica that restarted). A replica behind the others
-        heals there: it receives the global state from a healthy peer and holds the global
-        model afterwards. Returns whether that round committed; False without fault
-        tolerance (nothing to do)."""
+    def join(self, start_quorum: int | None = None, timeout_s: float = 600.0) -> bool:
+        """The fault-tolerant mode: take part in the quorum before training (every replica
+        at its start, and a replica that restarted). A replica behind the others heals
+        there: it receives the global state from a healthy peer and holds the global model
+        afterwards. At a fresh start the first round waits for ``start_quorum`` replicas
+        (default: all). Returns True once joined; False without fault tolerance."""
         if self.ft is None:
             return False
-        return self.ft.run(contribute=False)
+        need = self.num_replicas if start_quorum is None else start_quorum
+        return self.ft.join(need, timeout_s)
 
     def close(self) -> None:
         """Remove every hook and stop the communication thread."""

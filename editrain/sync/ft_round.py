@@ -58,12 +58,27 @@ class FaultTolerantSync:
         group.register_state("engine", self.state_dict, self.load_state_dict)
 
     # ------------------------------------------------------------------ rounds
+    def join(self, start_quorum: int, timeout_s: float = 600.0) -> bool:
+        """Join the job: rounds without a contribution until one commits. At a fresh
+        start (no replica of the quorum has committed a sync yet) a round commits only
+        with ``start_quorum`` replicas present, so replicas that start at different speeds
+        all begin together instead of the first ones training alone and the others healing
+        from them. A replica that (re)joins a running job heals in its first round."""
+        deadline = time.monotonic() + timeout_s
+        while not self.run(contribute=False, start_quorum=start_quorum):
+            if time.monotonic() > deadline:
+                raise QuorumError(f"no quorum of {start_quorum} replicas within {timeout_s:.0f} s "
+                                  f"(dist.ft_join_timeout_s); are all replica groups running?")
+            time.sleep(0.2)
+        return True
+
     @torch.no_grad()
-    def run(self, contribute: bool = True) -> bool:
+    def run(self, contribute: bool = True, start_quorum: int = 0) -> bool:
         """One round at this step boundary; returns whether it was committed.
 
         Args:
             contribute: this replica has trained since its last sync (False: joining).
+            start_quorum: replicas required at a fresh start (see :meth:`join`).
         """
         from editrain.sync.edit import _Round
 
@@ -79,6 +94,10 @@ class FaultTolerantSync:
         error: str | None = None
         try:
             eng.comm.run(self._jobs, rnd, contribute)
+            if start_quorum and rnd.fresh and len(rnd.members or []) < start_quorum:
+                error = (f"waiting for every replica at the start: {len(rnd.members or [])} "
+                         f"of {start_quorum} present")
+                self.group.report_error(RuntimeError(error))  # every member votes no
         except QuorumError as exc:
             error = str(exc).splitlines()[0][:200]
         committed = self.group.commit()
@@ -102,18 +121,23 @@ class FaultTolerantSync:
         if error is not None:
             entry["error"] = error
         eng._sync_log.append(entry)
-        eng._next_index += 1
+        eng._next_index = rnd.index + 1
         return bool(entry["committed"])
 
     def _jobs(self, rnd: _Round, contribute: bool) -> None:
         """The round's collectives, in order, on the communication thread; the first
         failure ends the round (later collectives would run on a broken group)."""
         eng = self.engine
-        mine = torch.tensor([eng.replica, float(contribute), eng.steps_since_sync],
+        mine = torch.tensor([eng.replica, float(contribute), eng.steps_since_sync,
+                             self.group.committed_syncs, eng._next_index],
                             dtype=torch.float64, device=eng.device)
-        got = eng.comm.all_gather_sync(mine).cpu()  # [quorum, 3]
+        got = eng.comm.all_gather_sync(mine).cpu()  # [quorum, 5]
         rnd.members = [int(r) for r in got[:, 0].tolist()]
         rnd.contributes = [bool(c) for c in got[:, 1].tolist()]
+        rnd.fresh = float(got[:, 3].max()) == 0  # nobody has committed a round yet
+        # One index for the round on every member (a replica that missed rounds, or
+        # retried its start more often, catches up): it seeds GTA's random choices.
+        rnd.index = int(got[:, 4].max())
         if not any(rnd.contributes):
             rnd.units = []  # nobody trained since the last sync (a start or a join)
             return
