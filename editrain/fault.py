@@ -145,7 +145,26 @@ def run_ft(cfg: Config, run_dir: Path) -> dict[str, Any]:
     try:
         for r in range(replicas):
             start(r)
+        finished_at: float | None = None
         while any(p.is_alive() for p in procs.values()):
+            # A restarted group that has not rejoined when every other group is done never
+            # will (there is nobody left to heal from): stop it after a grace period.
+            done = [s for s, p in procs.items() if not p.is_alive() and p.exitcode == 0]
+            late = [s for s, p in procs.items() if p.is_alive() and attempts[s] > 0]
+            if done and len(done) + len(late) == len(procs) and late:
+                finished_at = finished_at or time.perf_counter()
+                if time.perf_counter() - finished_at > d.ft_heartbeat_timeout_s + 5:
+                    for s in late:
+                        if not (run_dir / f"replica{s}" / "summary.json").exists():
+                            log.warning("replica group %d restarted too late: the others "
+                                        "finished before it could rejoin; stopping it", s)
+                            procs[s].kill()
+                            procs[s].join()
+                            events.append({"event": "stopped_late", "replica": s,
+                                           "attempt": attempts[s],
+                                           "time_s": time.perf_counter() - t0})
+                            procs.pop(s)
+                    continue
             for r, p in list(procs.items()):
                 if p.is_alive() or p.exitcode == 0 or p.exitcode is None:
                     continue

@@ -15,17 +15,21 @@ EDIT = {"method": "edit", "local_sgd_sync_interval": 2, "local_sgd_warmup_steps"
 
 
 @pytest.mark.timeout(300)
-def test_no_failure_equals_the_reference(tmp_path):
-    """3 replica groups x 1 rank, edit with the penalty and clipping: the same model as the
-    reference simulator (which is what the plain mode matches)."""
-    case = {"sync": EDIT, "steps": 6}
-    outs = run_groups(3, 1, case, tmp_path)
-    ref = reference(ref_config(case, R=3, S=1))
+@pytest.mark.parametrize("R,S,method", [(3, 1, "edit"), (2, 2, "edit"), (3, 1, "diloco")])
+def test_no_failure_equals_the_reference(tmp_path, R, S, method):
+    """R replica groups x S ranks (FSDP2 inside a group), edit with the penalty and
+    clipping or diloco: the same model as the reference simulator (which is what the plain
+    mode matches), every replica on one model after the last sync."""
+    case = {"sync": {**EDIT, "method": method}, "steps": 6}
+    outs = run_groups(R, S, case, tmp_path)
+    ref = reference(ref_config(case, R=R, S=S))
     for r, ranks in outs.items():
-        for name, p in ranks[0]["params"].items():
-            assert float((p - ref[r][name]).abs().max()) < 1e-5, (r, name)
+        for out in ranks:
+            for name, p in out["params"].items():
+                assert float((p - ref[r][name]).abs().max()) < 1e-5, (r, name)
+                assert torch.equal(p, outs[0][0]["params"][name])
         committed = [e for e in ranks[0]["rounds"] if e["committed"] and e["units"]]
-        assert len(committed) == 3 and all(e["quorum_size"] == 3 for e in committed)
+        assert len(committed) == 3 and all(e["quorum_size"] == R for e in committed)
 
 
 @pytest.mark.timeout(300)
@@ -92,3 +96,44 @@ def test_a_replica_dying_inside_a_sync_fails_that_round_on_every_survivor(tmp_pa
         for name, p in out["params"].items():
             assert torch.equal(p, survivors[0]["params"][name]), name
     assert outs[2][0]["heals"] == 1
+
+
+@pytest.mark.timeout(400)
+def test_cli_ft_run_survives_a_dead_replica_group(tmp_path):
+    """`editrain train --ft` with sim.fail: replica 2's group dies after step 12 and is
+    restarted; the others never go back a step, sync without it, and every replica ends
+    with the same validation loss; the run's summary records the death and the restart."""
+    import json
+
+    from tests.test_checkpoint import train
+
+    run = tmp_path / "run"
+    # Every step stalls 0.25 s so that the others are still training when the restarted
+    # group (a new process tree: several seconds) is ready.
+    train(tmp_path / "cache", run, "--ft", "--nproc", "3", "--shard-size", "1", "--steps",
+          "60", "--sync.local_sgd_sync_interval", "4", "--sim.fail", "2@10",
+          "--sim.random_stall", "1.0,0.25", "--dist.ft_heartbeat_timeout_s", "2",
+          "--train.eval_every", "20")
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["finished_replicas"] == 3
+    events = [(e["event"], e["replica"], e["attempt"]) for e in summary["events"]]
+    assert ("died", 2, 0) in events and ("start", 2, 1) in events
+    groups = summary["per_replica"]
+    losses = {g["final_val_loss"] for g in groups.values()}
+    assert len(losses) == 1
+    assert groups["0"]["steps_run"] == groups["1"]["steps_run"] == 60
+    assert groups["2"]["healed_at"] is not None and groups["2"]["healed_at"] > 10
+    assert groups["2"]["steps_run"] == 60 - groups["2"]["healed_at"]
+    rows = [json.loads(line) for line in (run / "replica0" / "metrics.jsonl").open()]
+    steps = [r["step"] for r in rows if "loss" in r and "event" not in r]
+    assert steps == sorted(steps) and steps[-1] == 60
+    syncs = [r["sync"] for r in rows if r.get("sync")]
+    assert any(s["left"] == [2] and s["committed"] and s["quorum_size"] == 2 for s in syncs)
+    assert any(s["joined"] == [2] and s["committed"] for s in syncs)
+    assert all("quorum_size" in s for s in syncs)
+    # Replica 2's metrics: its first attempt's rows, then the restart's join and its rows.
+    rows2 = [json.loads(line) for line in (run / "replica2" / "metrics.jsonl").open()]
+    joins = [i for i, r in enumerate(rows2) if r.get("event") == "ft_join"]
+    assert len(joins) == 1 and rows2[joins[0]]["step"] == groups["2"]["healed_at"]
+    after = [r["step"] for r in rows2[joins[0] + 1:] if "loss" in r and "event" not in r]
+    assert after[0] > groups["2"]["healed_at"] and after[-1] == 60
