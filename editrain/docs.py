@@ -125,7 +125,7 @@ BAD_INPUTS = (
     "--sync.outer_optim_class=os.system", "--sync.outer_optim_kwargs={lr=-1}",
     "--sync.outer_optim_kwargs={bogus=1}", "--sync.gta.density=0",
     "--sync.ewma_threshold=-inf", "--sync.fragments=0", "--sync.comm_dtype=fp8",
-    "--sim.straggler=1:2", "--checkpoint.keep=0",
+    "--sim.straggler=1:2", "--checkpoint.keep=0", "--dist.fault_tolerance=always",
 )
 """Bad inputs whose messages ``docs/configuration.md`` lists (produced by the validation
 itself, so the page cannot drift from the code)."""

@@ -356,6 +356,18 @@ def bad_input_cases(tmp: Path) -> dict[str, tuple[list[str], list[str]]]:
         # needs the method's default H (10): checked before the corpus or a run directory
         "overlap_steps": (["--sync.overlap_steps=10"],
                           ["sync.overlap_steps", "< local_sgd_sync_interval (10)"]),
+        # the fault-tolerant mode
+        "ft_mode": (["--dist.fault_tolerance=always"],
+                    ["dist.fault_tolerance", "none, torchft"]),
+        "ft_aedit": (["--ft", "--method", "aedit"],
+                     ["dist.fault_tolerance=torchft", "A-EDiT"]),
+        "ft_sync": (["--ft", "--method", "sync"],
+                    ["dist.fault_tolerance=torchft", "synchronous"]),
+        "ft_streaming": (["--ft", "--sync.fragments=2"],
+                         ["dist.fault_tolerance=torchft", "streaming"]),
+        "ft_flag_value": (["--ft=yes"], ["--ft", "takes no value"]),
+        "ft_timeout": (["--dist.ft_heartbeat_timeout_s=0"],
+                       ["dist.ft_heartbeat_timeout_s", "> 0"]),
     }
 
 
@@ -365,7 +377,8 @@ BAD_INPUTS = ["unknown_key", "unknown_section", "wrong_type", "wrong_type_float"
               "density", "straggler", "corrupt", "config_file", "lr_inf", "lr_nan",
               "threshold_minus_inf", "outer_function", "outer_not_optimizer", "outer_lr",
               "outer_keyword", "nccl", "cuda", "comm_backend", "data_extension", "data_glob",
-              "data_eos", "overlap_steps"]
+              "data_eos", "overlap_steps", "ft_mode", "ft_aedit", "ft_sync", "ft_streaming",
+              "ft_flag_value", "ft_timeout"]
 
 
 def test_bad_input_case_list_is_complete(tmp_path):

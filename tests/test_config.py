@@ -457,6 +457,14 @@ FROZEN_OPTIONS = [
     "dist.max_restarts",
     "dist.threads_per_proc",
     "dist.comm_backend",
+    "dist.fault_tolerance",
+    "dist.ft_replicas",
+    "dist.ft_replica_id",
+    "dist.ft_lighthouse",
+    "dist.ft_min_replicas",
+    "dist.ft_heartbeat_timeout_s",
+    "dist.ft_join_timeout_s",
+    "dist.ft_timeout_s",
     "sync.method",
     "sync.local_sgd_sync_interval",
     "sync.local_sgd_warmup_steps",
@@ -495,6 +503,7 @@ FROZEN_OPTIONS = [
     "sim.random_stall",
     "sim.corrupt_replica",
     "sim.fail",
+    "sim.fail_restart_s",
     "sim.step_schedule",
     "sim.replica_offset",
     "checkpoint.every",
@@ -517,7 +526,8 @@ FROZEN_SHORTHANDS = {
     "--max-restarts": "dist.max_restarts",
 }
 
-FROZEN_FLAGS = {"--quiet": "quiet", "--overwrite": "overwrite"}
+FROZEN_FLAGS = {"--quiet": "quiet", "--overwrite": "overwrite",
+                "--ft": ("dist.fault_tolerance", "torchft")}
 
 
 def test_no_new_options():
@@ -530,6 +540,8 @@ def test_no_new_shorthands():
     assert SHORTHANDS == FROZEN_SHORTHANDS
     assert FLAGS == FROZEN_FLAGS
     for target in list(SHORTHANDS.values()) + list(FLAGS.values()):
+        if isinstance(target, tuple):
+            target = target[0]
         assert target in FROZEN_OPTIONS
 
 
