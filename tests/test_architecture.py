@@ -217,3 +217,16 @@ def test_the_patch_check_finds_what_it_should():
     found = framework_patches(source, "editrain.probe")
     assert len(found) == 4, found  # the FSDP1 import and 3 patches; not editrain's or x's
     assert not any("edit.DEFAULT" in f or "x.y" in f for f in found)
+
+
+def test_only_sync_ft_imports_torchft_inside_the_engine():
+    """The fault-tolerant mode's one door: no module of editrain/sync but ft.py imports
+    torchft (at the top or inside a function)."""
+    importers = []
+    for path in sorted((PACKAGE / "sync").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                     else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            if any(n == "torchft" or n.startswith("torchft.") for n in names):
+                importers.append(path.name)
+    assert set(importers) == {"ft.py"}, importers

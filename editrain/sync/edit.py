@@ -67,7 +67,7 @@ BeforeSyncHook = Callable[[int], None]
 
 
 @dataclass
-class _Round:
+class SyncRound:
     """Book-keeping of one sync (of one fragment's units) in flight."""
 
     index: int
@@ -385,11 +385,11 @@ class SyncEngine:
         self._window_offset = 0.0
         """Non-blocking A-EDiT, merge when done: seconds from the last launch to the merge
         (agreed within the replica), which the next window's length includes."""
-        self._round: _Round | None = None
+        self._round: SyncRound | None = None
         """The round whose units the current forward waits for (or that runs blocking)."""
-        self._inflight: list[_Round] = []
+        self._inflight: list[SyncRound] = []
         """Delayed rounds launched and not yet merged, in launch order."""
-        self._merge_next: _Round | None = None
+        self._merge_next: SyncRound | None = None
         """A delayed round due: merged unit by unit in the next training forward."""
         self._next_index = 0
         self._last_sync_step = -1
@@ -593,14 +593,14 @@ class SyncEngine:
             self.units[u].launch = self.units[u].flat_params()
         mine = torch.tensor([self.steps_since_sync, window], dtype=torch.float64,
                             device=self.device)
-        rnd = _Round(index=self._next_index, step_counts=None, units=units,
+        rnd = SyncRound(index=self._next_index, step_counts=None, units=units,
                      launch_step=self.global_step, delayed=True,
                      apply_at=self.global_step + cfg.overlap_steps, comm=self._rendezvous_comm)
         self._rendezvous_comm = CommStats()
         self._next_index += 1
         rnd.my_steps = self.steps_since_sync
         rnd.rendezvous = self.comm.submit(self._rendezvous_job, rnd, mine, stats=rnd.comm)
-        rnd.stats = self.comm.submit(self._stats_job, rnd, stats=rnd.comm)
+        rnd.stats = self.comm.submit(self.round_statistics, rnd, stats=rnd.comm)
         rnd.submitted = [self.comm.submit(self._unit_job, rnd, i, stats=rnd.comm)
                          for i in range(len(units))]
         self._inflight.append(rnd)
@@ -611,7 +611,7 @@ class SyncEngine:
         if not self.merge_when_done:
             self._clock_start = self._launch_clock
 
-    def _ready_to_merge(self, rnd: _Round) -> bool:
+    def _ready_to_merge(self, rnd: SyncRound) -> bool:
         """Whether to merge ``rnd`` now (its ``apply_at`` reached). Exact schedule: always
         (the merge waits if need be). Merge when done: only if every job of the round is
         done on every rank of the replica; then the clock restarts here, so that every
@@ -637,7 +637,7 @@ class SyncEngine:
         return True
 
     @torch.no_grad()
-    def _rendezvous_job(self, rnd: _Round, mine: torch.Tensor) -> None:
+    def _rendezvous_job(self, rnd: SyncRound, mine: torch.Tensor) -> None:
         """Non-blocking A-EDiT: gather every replica's steps up to its snapshot and its
         window length (the same numbers :meth:`_rendezvous` gathers, in the round)."""
         got = self.comm.all_gather_sync(mine).cpu()  # [R, 2]
@@ -819,10 +819,10 @@ class SyncEngine:
                 self._starting = None
 
     def _new_round(self, step_counts: torch.Tensor | None, units: list[int],
-                   fragment: int, apply_at: int | None = None) -> _Round:
+                   fragment: int, apply_at: int | None = None) -> SyncRound:
         """A round of ``units``; delayed (merged after step ``apply_at``) when given. Its
         statistics job is queued at once."""
-        rnd = _Round(index=self._next_index, step_counts=step_counts, units=list(units),
+        rnd = SyncRound(index=self._next_index, step_counts=step_counts, units=list(units),
                      fragment=fragment, launch_step=self.global_step,
                      delayed=apply_at is not None, apply_at=apply_at or 0,
                      comm=self._rendezvous_comm,
@@ -830,7 +830,7 @@ class SyncEngine:
         self._rendezvous_comm = CommStats()
         self._next_index += 1
         if self.config.penalty_enabled or step_counts is not None:
-            rnd.stats = self.comm.submit(self._stats_job, rnd, stats=rnd.comm)
+            rnd.stats = self.comm.submit(self.round_statistics, rnd, stats=rnd.comm)
         return rnd
 
     def _start_round(self, step_counts: torch.Tensor | None, units: list[int],
@@ -905,9 +905,10 @@ class SyncEngine:
             self.steps_since_sync = 0
             self._clock_start = self.clock()
         self._pending_counts = None
-        self._sync_log.append(self._log_entry(rnd))
+        self._sync_log.append(self.round_log_entry(rnd))
 
-    def _log_entry(self, rnd: _Round) -> dict[str, Any]:
+    def round_log_entry(self, rnd: SyncRound) -> dict[str, Any]:
+        """The sync log's record of a finished round (``metrics.jsonl``'s ``sync``)."""
         stats = rnd.comm.snapshot()
         entry: dict[str, Any] = {
             "sync": rnd.index,
@@ -957,12 +958,12 @@ class SyncEngine:
                 g.copy_(flat[offset:offset + g.numel()].view_as(g))
                 offset += g.numel()
 
-    def _pseudo_grad(self, rnd: _Round, u: int) -> torch.Tensor:
+    def _pseudo_grad(self, rnd: SyncRound, u: int) -> torch.Tensor:
         unit = self.units[u]
         return unit.pseudo_grad(unit.launch if rnd.delayed else None)
 
     @torch.no_grad()
-    def _stats_job(self, rnd: _Round) -> None:
+    def round_statistics(self, rnd: SyncRound) -> None:
         """Batched statistics of the round's units: one shard all-reduce, one sync
         all-gather."""
         t0 = time.perf_counter()
@@ -995,15 +996,18 @@ class SyncEngine:
         rnd.work_s += time.perf_counter() - t0
 
     @torch.no_grad()
-    def _unit_job(self, rnd: _Round, i: int) -> None:
+    def _unit_job(self, rnd: SyncRound, i: int) -> None:
         """Steps 1, 6-9 of the sync of the round's ``i``-th unit on this rank."""
         t0 = time.perf_counter()
         try:
-            self._sync_unit(rnd, i)
+            self.reduce_unit(rnd, i)
         finally:
             rnd.work_s += time.perf_counter() - t0
 
-    def _sync_unit(self, rnd: _Round, i: int) -> None:
+    def reduce_unit(self, rnd: SyncRound, i: int) -> None:
+        """Sync the round's ``i``-th unit: weights, reduction (plain, GTA or quantised),
+        clipping, then the outer step and write-back (or, for a round that must commit
+        first, the reduced pseudo-gradient kept in ``rnd.tentative``). Comm thread."""
         u = rnd.units[i]
         unit = self.units[u]
         if unit.anchor is None:
@@ -1080,6 +1084,58 @@ class SyncEngine:
         for r, w in enumerate(weights):
             out.add_(quant.decode(gathered[r], delta.numel(), dtype).mul_(w))
         return out
+
+    # ================================================================== rounds run outside
+    # the step hooks (the fault-tolerant mode, sync/ft_round.py)
+    def new_round(self) -> SyncRound:
+        """A round over every unit, numbered next; its jobs are the caller's to run."""
+        return SyncRound(index=self._next_index, step_counts=None,
+                         units=list(range(len(self.units))))
+
+    def end_round(self, rnd: SyncRound, applied: bool, record: Mapping[str, Any]) -> None:
+        """Book-keeping after such a round: when its outer steps were applied (and it had
+        units) it counts as a sync and the next window starts; its log entry, with
+        ``record`` added, goes to the sync log."""
+        if applied and rnd.units:
+            self.num_syncs += 1
+            self._last_sync_step = self.global_step
+            self.steps_since_sync = 0
+            self._clock_start = self.clock()
+        entry = self.round_log_entry(rnd)
+        entry.update(record)
+        self._sync_log.append(entry)
+        self._next_index = rnd.index + 1
+
+    def peer_state(self) -> dict[str, Any]:
+        """What this rank sends a replica that heals (the fault-tolerant mode): its share
+        of the global state (anchors, outer optimizer state) and the counters, as CPU
+        copies (the sender trains on while the receiver reads). Replica-own entries (error
+        feedback, launch snapshots) stay here."""
+        units = [{k: (v.detach().to("cpu", copy=True) if torch.is_tensor(v) else v)
+                  for k, v in unit.state_dict().items() if not k.startswith("replica.")}
+                 for unit in self.units]
+        return {"units": units, "global_step": self.global_step, "num_syncs": self.num_syncs,
+                "next_index": self._next_index, "seed": self.seed,
+                "detectors": self.detectors.state_dict() if self.detectors is not None
+                else None}
+
+    def adopt_peer_state(self, sd: Mapping[str, Any]) -> None:
+        """Take :meth:`peer_state` of a healthy replica and restart from the global model:
+        anchors into the parameters, no local progress, this replica's own error feedback
+        back to zero."""
+        with torch.no_grad():
+            for unit, unit_sd in zip(self.units, sd["units"]):
+                unit.load_state_dict(unit_sd)
+                unit.write_back()
+        self.global_step = int(sd["global_step"])
+        self.num_syncs = int(sd["num_syncs"])
+        self._next_index = int(sd["next_index"])
+        self.seed = int(sd["seed"])
+        if self.detectors is not None and sd["detectors"] is not None:
+            self.detectors.load_state_dict(sd["detectors"])
+        self.steps_since_sync = 0
+        self._last_sync_step = self.global_step
+        self._clock_start = self.clock()
 
     # ================================================================== helpers
     def _create_anchors(self) -> None:
@@ -1279,7 +1335,7 @@ EDiT = SyncEngine
 """The engine's original name (the paper's method), kept for existing code: the same class."""
 
 
-def _round_state(rnd: _Round) -> dict[str, Any]:
+def _round_state(rnd: SyncRound) -> dict[str, Any]:
     """A delayed round whose jobs are done, as plain data (its merge is still to come)."""
     return {
         "index": rnd.index, "fragment": rnd.fragment, "units": rnd.units,
@@ -1296,9 +1352,9 @@ def _round_state(rnd: _Round) -> dict[str, Any]:
     }
 
 
-def _round_from_state(sd: dict[str, Any]) -> _Round:
+def _round_from_state(sd: dict[str, Any]) -> SyncRound:
     """Inverse of :func:`_round_state`: a delayed round with completed jobs."""
-    rnd = _Round(index=int(sd["index"]), step_counts=None, units=list(sd["units"]),
+    rnd = SyncRound(index=int(sd["index"]), step_counts=None, units=list(sd["units"]),
                  fragment=int(sd["fragment"]), delayed=True,
                  launch_step=int(sd["launch_step"]), apply_at=int(sd["apply_at"]),
                  wait_s=float(sd["wait_s"]), work_s=float(sd["work_s"]), clip=list(sd["clip"]),
@@ -1322,7 +1378,7 @@ def _round_from_state(sd: dict[str, Any]) -> _Round:
     return rnd
 
 
-def _by_replica(norms: torch.Tensor, rnd: _Round, replicas: int) -> torch.Tensor:
+def _by_replica(norms: torch.Tensor, rnd: SyncRound, replicas: int) -> torch.Tensor:
     """The quorum's ``[members, L]`` norms laid out by replica id (``[replicas, L]``), NaN
     for replicas absent or not contributing: the penalty excludes them."""
     out = torch.full((replicas, norms.shape[1]), float("nan"), dtype=norms.dtype)

@@ -35,7 +35,7 @@ import torch
 from editrain.sync.ft import QuorumError, TorchftGroup
 
 if TYPE_CHECKING:
-    from editrain.sync.edit import SyncEngine, _Round
+    from editrain.sync.edit import SyncEngine, SyncRound
 
 
 class FaultTolerantSync:
@@ -55,9 +55,12 @@ class FaultTolerantSync:
         self.heals = 0
         self.last_round_step = -1
         """Global step of the last round attempted (committed or not)."""
-        group.register_state("engine", self.state_dict, self.load_state_dict)
+        group.register_state("engine", engine.peer_state, self._adopt)
 
-    # ------------------------------------------------------------------ rounds
+    def _adopt(self, sd: dict[str, Any]) -> None:
+        self.engine.adopt_peer_state(sd)
+        self.heals += 1
+
     def join(self, start_quorum: int, timeout_s: float = 600.0) -> bool:
         """Join the job: rounds without a contribution until one commits. At a fresh
         start (no replica of the quorum has committed a sync yet) a round commits only
@@ -67,8 +70,9 @@ class FaultTolerantSync:
         deadline = time.monotonic() + timeout_s
         while not self.run(contribute=False, start_quorum=start_quorum):
             if time.monotonic() > deadline:
-                raise QuorumError(f"no quorum of {start_quorum} replicas within {timeout_s:.0f} s "
-                                  f"(dist.ft_join_timeout_s); are all replica groups running?")
+                raise QuorumError(f"no quorum of {start_quorum} replicas within "
+                                  f"{timeout_s:.0f} s (dist.ft_join_timeout_s); are all "
+                                  f"replica groups running?")
             time.sleep(0.2)
         return True
 
@@ -80,16 +84,13 @@ class FaultTolerantSync:
             contribute: this replica has trained since its last sync (False: joining).
             start_quorum: replicas required at a fresh start (see :meth:`join`).
         """
-        from editrain.sync.edit import _Round
-
         eng = self.engine
         t0 = time.perf_counter()
         self.last_round_step = eng.global_step
-        quorum = self.group.begin()  # may heal this replica (load_state_dict below)
+        quorum = self.group.begin()  # may heal this replica (engine.adopt_peer_state)
         quorum_wait = time.perf_counter() - t0
         contribute = contribute and not quorum.healed and eng.steps_since_sync > 0
-        rnd = _Round(index=eng._next_index, step_counts=None,
-                     units=list(range(len(eng.units))))
+        rnd = eng.new_round()
         rnd.tentative = {}
         error: str | None = None
         try:
@@ -100,36 +101,35 @@ class FaultTolerantSync:
                 self.group.report_error(RuntimeError(error))  # every member votes no
         except QuorumError as exc:
             error = str(exc).splitlines()[0][:200]
-        committed = self.group.commit()
-        if committed and error is None:
+        committed = self.group.commit() and error is None
+        if committed:
             self._apply(rnd)
         else:
             self.failed_rounds += 1
         previous, self.members = self.members, rnd.members
-        entry = eng._log_entry(rnd)
-        entry.update({
-            "committed": committed and error is None,
+        members = rnd.members or []
+        record: dict[str, Any] = {
+            "committed": committed,
             "quorum_size": quorum.size,
             "members": rnd.members,
-            "contributors": [m for m, c in zip(rnd.members or [], rnd.contributes or []) if c],
-            "joined": sorted(set(rnd.members or []) - set(previous or [])) if previous else [],
-            "left": sorted(set(previous or []) - set(rnd.members or [])) if previous else [],
+            "contributors": [m for m, c in zip(members, rnd.contributes or []) if c],
+            "joined": sorted(set(members) - set(previous)) if previous else [],
+            "left": sorted(set(previous) - set(members)) if previous else [],
             "healed": quorum.healed,
             "quorum_wait_s": quorum_wait,
             "committed_syncs": self.group.committed_syncs,
-        })
+        }
         if error is not None:
-            entry["error"] = error
-        eng._sync_log.append(entry)
-        eng._next_index = rnd.index + 1
-        return bool(entry["committed"])
+            record["error"] = error
+        eng.end_round(rnd, committed, record)
+        return committed
 
-    def _jobs(self, rnd: _Round, contribute: bool) -> None:
+    def _jobs(self, rnd: SyncRound, contribute: bool) -> None:
         """The round's collectives, in order, on the communication thread; the first
         failure ends the round (later collectives would run on a broken group)."""
         eng = self.engine
         mine = torch.tensor([eng.replica, float(contribute), eng.steps_since_sync,
-                             self.group.committed_syncs, eng._next_index],
+                             self.group.committed_syncs, rnd.index],
                             dtype=torch.float64, device=eng.device)
         got = eng.comm.all_gather_sync(mine).cpu()  # [quorum, 5]
         rnd.members = [int(r) for r in got[:, 0].tolist()]
@@ -142,11 +142,11 @@ class FaultTolerantSync:
             rnd.units = []  # nobody trained since the last sync (a start or a join)
             return
         if eng.config.penalty_enabled:
-            eng._stats_job(rnd)
+            eng.round_statistics(rnd)
         for i in range(len(rnd.units)):
-            eng._sync_unit(rnd, i)
+            eng.reduce_unit(rnd, i)
 
-    def _apply(self, rnd: _Round) -> None:
+    def _apply(self, rnd: SyncRound) -> None:
         """Committed: the outer steps, then the new anchors into the parameters."""
         eng = self.engine
         assert rnd.tentative is not None
@@ -156,46 +156,3 @@ class FaultTolerantSync:
             if reduced is not None:
                 unit.outer_step(reduced)
             unit.write_back()  # (no reduction: nobody was trusted, the anchor stays)
-        if rnd.units:
-            eng.num_syncs += 1
-            eng._last_sync_step = eng.global_step
-            eng.steps_since_sync = 0
-            eng._clock_start = eng.clock()
-
-    # ------------------------------------------------------------------ healing
-    def state_dict(self) -> dict[str, Any]:
-        """What a healthy replica sends a healing one: this rank's share of the global
-        state (anchors, outer optimizer state) and the counters, as plain CPU tensors and
-        numbers (a copy: the sender trains on while the receiver reads)."""
-        eng = self.engine
-        units = []
-        for unit in eng.units:
-            sd = {k: (v.detach().to("cpu", copy=True) if torch.is_tensor(v) else v)
-                  for k, v in unit.state_dict().items() if not k.startswith("replica.")}
-            units.append(sd)
-        return {
-            "units": units,
-            "global_step": eng.global_step,
-            "num_syncs": eng.num_syncs,
-            "next_index": eng._next_index,
-            "detectors": eng.detectors.state_dict() if eng.detectors is not None else None,
-            "seed": eng.seed,
-        }
-
-    def load_state_dict(self, sd: dict[str, Any]) -> None:
-        """Take a peer's state and restart from the global model: anchors into the
-        parameters, no local progress (this replica's own error feedback restarts at 0)."""
-        eng = self.engine
-        for unit, unit_sd in zip(eng.units, sd["units"]):
-            unit.load_state_dict(unit_sd)
-            unit.write_back()
-        eng.global_step = int(sd["global_step"])
-        eng.num_syncs = int(sd["num_syncs"])
-        eng._next_index = int(sd["next_index"])
-        eng.seed = int(sd["seed"])
-        if eng.detectors is not None and sd["detectors"] is not None:
-            eng.detectors.load_state_dict(sd["detectors"])
-        eng.steps_since_sync = 0
-        eng._last_sync_step = eng.global_step
-        eng._clock_start = eng.clock()
-        self.heals += 1
