@@ -656,9 +656,11 @@ def validate_world(cfg: Config, world_size: int) -> None:
     # Replica indices in sim.* must exist (checked here, before any worker starts).
     from editrain import sim
 
+    replicas = world_size // d.shard_size
+    if d.fault_tolerance == "torchft" and d.ft_replicas:
+        replicas = d.ft_replicas  # this job is one replica group of several
     try:
-        sim.check_replicas(sim.parse_sim(cfg.sim),
-                           world_size // d.shard_size + cfg.sim.replica_offset)
+        sim.check_replicas(sim.parse_sim(cfg.sim), replicas + cfg.sim.replica_offset)
     except ValueError as e:
         raise ConfigError(str(e)) from None
 

@@ -188,7 +188,11 @@ def run_ft(cfg: Config, run_dir: Path) -> dict[str, Any]:
                 p.kill()
         if lighthouse is not None:
             lighthouse.shutdown()
-    return _summarise(run_dir, replicas, events, time.perf_counter() - t0)
+    summary = _summarise(run_dir, replicas, events, time.perf_counter() - t0)
+    if not summary["finished_replicas"]:
+        raise RuntimeError("every replica group failed (see the errors above); nothing "
+                           "finished")
+    return summary
 
 
 def _summarise(run_dir: Path, replicas: int, events: list[dict[str, Any]],

@@ -129,7 +129,7 @@ def run_local(cfg: Config) -> dict:
         results = _elastic(cfg, nproc, cfg.dist.max_restarts)
         summary = results.get(0, {}) if isinstance(results, dict) else {}
         plotted = [run_dir]
-    for path in plot_runs(plotted):
+    for path in plot_runs(plotted) if plotted else []:
         if not cfg.quiet:
             log.info("plot: %s", path)
     return summary

@@ -22,7 +22,7 @@ def ft_rank(rank: int, S: int, case: dict[str, Any], replica: int, R: int, light
     sync log entry and the parameters right after it."""
     from torch.distributed.fsdp import fully_shard
 
-    from editrain.sync import SyncConfig, SyncEngine
+    from editrain.sync import StepScheduleTrigger, SyncConfig, SyncEngine
     from editrain.sync.ft import TorchftGroup
     from editrain.topology import init_mesh
 
@@ -36,6 +36,8 @@ def ft_rank(rank: int, S: int, case: dict[str, Any], replica: int, R: int, light
             fully_shard(block, mesh=info.shard_mesh)
         fully_shard(model, mesh=info.shard_mesh)
     opt = make_inner(model.parameters(), case.get("inner", "adamw"))
+    schedule = case.get("schedule")  # A-EDiT: steps per window of each replica
+    total = case["steps"] * (schedule[replica] if schedule else 1)
     messages = []
     in_sync = case.get("die_in_sync")  # (replica, sync index, cross-replica message number)
 
@@ -49,7 +51,8 @@ def ft_rank(rank: int, S: int, case: dict[str, Any], replica: int, R: int, light
         return 0.0
 
     engine = SyncEngine(model, info.mesh, SyncConfig(**case["sync"]), blocks=model.layers,
-                        cross_replica=group, link_delay=link)
+                        cross_replica=group, link_delay=link,
+                        trigger=StepScheduleTrigger(schedule) if schedule else None)
     rounds: list[dict[str, Any]] = []
 
     def full() -> dict[str, torch.Tensor]:
@@ -65,7 +68,7 @@ def ft_rank(rank: int, S: int, case: dict[str, Any], replica: int, R: int, light
     steps_seen = [engine.global_step]
     die = case.get("die")
     pace = float(case.get("step_sleep", 0.0))
-    while engine.global_step < case["steps"]:
+    while engine.global_step < total:
         step = engine.global_step
         loss_on(model, batch(replica * S + rank, step, 0)).backward()
         opt.step()

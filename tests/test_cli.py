@@ -359,8 +359,8 @@ def bad_input_cases(tmp: Path) -> dict[str, tuple[list[str], list[str]]]:
         # the fault-tolerant mode
         "ft_mode": (["--dist.fault_tolerance=always"],
                     ["dist.fault_tolerance", "none, torchft"]),
-        "ft_aedit": (["--ft", "--method", "aedit"],
-                     ["dist.fault_tolerance=torchft", "A-EDiT"]),
+        "ft_aedit": (["--ft", "--method", "aedit", "--sync.overlap_steps=1"],
+                     ["dist.fault_tolerance=torchft", "non-blocking A-EDiT"]),
         "ft_sync": (["--ft", "--method", "sync"],
                     ["dist.fault_tolerance=torchft", "synchronous"]),
         "ft_streaming": (["--ft", "--sync.fragments=2"],

@@ -33,6 +33,22 @@ def test_no_failure_equals_the_reference(tmp_path, R, S, method):
 
 
 @pytest.mark.timeout(300)
+def test_aedit_forced_schedule_equals_the_reference(tmp_path):
+    """A-EDiT (blocking) through quorum rounds: replicas at different paces (forced
+    schedule 2/3/4 steps per window), step weights from the gathered counts, penalty on:
+    the reference simulator's model on every replica."""
+    case = {"sync": {"method": "aedit", "local_sgd_warmup_steps": 0,
+                     "min_total_global_steps": 1}, "steps": 3, "schedule": [2, 3, 4]}
+    outs = run_groups(3, 1, case, tmp_path)
+    ref = reference(ref_config(case, R=3, S=1))
+    for r, ranks in outs.items():
+        for name, p in ranks[0]["params"].items():
+            assert float((p - ref[r][name]).abs().max()) < 1e-5, (r, name)
+        synced = [e for e in ranks[0]["rounds"] if e["committed"] and e["units"]]
+        assert [e["replica_steps"] for e in synced] == [[2.0, 3.0, 4.0]] * 3
+
+
+@pytest.mark.timeout(300)
 def test_a_replica_dies_the_others_keep_syncing_and_it_rejoins(tmp_path):
     """Replica 2 dies after step 5 (mid local phase) and restarts at once: replicas 0 and 1
     never restart and never go back a step; they sync as a quorum of 2 while it is gone;

@@ -530,12 +530,12 @@ class SyncEngine:
             due = self.progress.budget_due(elapsed, self.steps_since_sync)
         if not due:
             return
+        if self.ft is not None:
+            self.ft.run(elapsed=elapsed if cfg.use_async else None)
+            return
         counts = self._rendezvous(elapsed) if cfg.use_async else None
         if cfg.use_async and counts is None:
             return  # skipped: too few steps in total; clocks restarted
-        if self.ft is not None:
-            self.ft.run()
-            return
         if cfg.layerwise:
             self._pending, self._pending_counts = True, counts
         else:
@@ -688,10 +688,12 @@ class SyncEngine:
         if was_pending:
             return
         if self.ft is not None:
-            # Replicas run rounds at the same steps: one more unless one just ran.
-            if self.ft.last_round_step != self.global_step:
-                self.num_syncs_forced += 1
-                self.ft.run()
+            # Every replica runs one last round (A-EDiT replicas are at different steps);
+            # replicas that have not trained since their last sync contribute nothing.
+            syncs = self.num_syncs
+            self.ft.run(elapsed=self._agreed_elapsed() if self.config.use_async else None,
+                        allow_skip=False)
+            self.num_syncs_forced += self.num_syncs - syncs
             return
         while self._inflight:  # non-blocking A-EDiT: every replica launched the same rounds
             self._round = self._inflight.pop(0)
@@ -1096,11 +1098,18 @@ class SyncEngine:
         """Book-keeping after such a round: when its outer steps were applied (and it had
         units) it counts as a sync and the next window starts; its log entry, with
         ``record`` added, goes to the sync log."""
-        if applied and rnd.units:
+        if rnd.skipped:  # A-EDiT: too few steps in total; they count towards the next
+            self.num_skipped_syncs += 1
+            self._clock_start = self.clock()
+        elif not rnd.units and not self.steps_since_sync:
+            self._clock_start = self.clock()  # joined: this replica's window starts now
+        elif applied and rnd.units:
             self.num_syncs += 1
             self._last_sync_step = self.global_step
             self.steps_since_sync = 0
             self._clock_start = self.clock()
+            if rnd.step_counts is not None:
+                self.progress.record_sync(rnd.step_counts.tolist(), rnd.windows or [])
         entry = self.round_log_entry(rnd)
         entry.update(record)
         self._sync_log.append(entry)
@@ -1116,6 +1125,7 @@ class SyncEngine:
                  for unit in self.units]
         return {"units": units, "global_step": self.global_step, "num_syncs": self.num_syncs,
                 "next_index": self._next_index, "seed": self.seed,
+                "progress": self.progress.state_dict(),
                 "detectors": self.detectors.state_dict() if self.detectors is not None
                 else None}
 
@@ -1131,6 +1141,7 @@ class SyncEngine:
         self.num_syncs = int(sd["num_syncs"])
         self._next_index = int(sd["next_index"])
         self.seed = int(sd["seed"])
+        self.progress.load_state_dict(sd["progress"])
         if self.detectors is not None and sd["detectors"] is not None:
             self.detectors.load_state_dict(sd["detectors"])
         self.steps_since_sync = 0
@@ -1401,11 +1412,9 @@ def check_fault_tolerant(cfg: SyncConfig, replicas_in_world: int) -> None:
     elif cfg.local_sgd_warmup_steps:
         problems.append("sync.local_sgd_warmup_steps must be 0 (warm-up averages gradients "
                         "at every step)")
-    if cfg.use_async:
-        problems.append("A-EDiT (sync.use_async) is not supported yet")
     if cfg.streaming:
-        problems.append("streaming (sync.fragments > 1 or sync.overlap_steps > 0) is not "
-                        "supported yet")
+        problems.append("streaming and non-blocking A-EDiT (sync.fragments > 1 or "
+                        "sync.overlap_steps > 0) are not supported yet")
     if problems:
         raise ValueError("dist.fault_tolerance=torchft: " + "; ".join(problems))
 

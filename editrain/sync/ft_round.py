@@ -77,12 +77,17 @@ class FaultTolerantSync:
         return True
 
     @torch.no_grad()
-    def run(self, contribute: bool = True, start_quorum: int = 0) -> bool:
+    def run(self, contribute: bool = True, start_quorum: int = 0,
+            elapsed: float | None = None, allow_skip: bool = True) -> bool:
         """One round at this step boundary; returns whether it was committed.
 
         Args:
             contribute: this replica has trained since its last sync (False: joining).
             start_quorum: replicas required at a fresh start (see :meth:`join`).
+            elapsed: A-EDiT: this replica's agreed time since its last sync; the round
+                then gathers every member's steps and window (step weights, progress)
+                and is skipped when they add up to fewer than
+                ``sync.min_total_global_steps`` (unless not ``allow_skip``).
         """
         eng = self.engine
         t0 = time.perf_counter()
@@ -94,7 +99,7 @@ class FaultTolerantSync:
         rnd.tentative = {}
         error: str | None = None
         try:
-            eng.comm.run(self._jobs, rnd, contribute)
+            eng.comm.run(self._jobs, rnd, contribute, elapsed, allow_skip)
             if start_quorum and rnd.fresh and len(rnd.members or []) < start_quorum:
                 error = (f"waiting for every replica at the start: {len(rnd.members or [])} "
                          f"of {start_quorum} present")
@@ -124,24 +129,38 @@ class FaultTolerantSync:
         eng.end_round(rnd, committed, record)
         return committed
 
-    def _jobs(self, rnd: SyncRound, contribute: bool) -> None:
+    def _jobs(self, rnd: SyncRound, contribute: bool, elapsed: float | None,
+              allow_skip: bool) -> None:
         """The round's collectives, in order, on the communication thread; the first
         failure ends the round (later collectives would run on a broken group)."""
         eng = self.engine
         mine = torch.tensor([eng.replica, float(contribute), eng.steps_since_sync,
-                             self.group.committed_syncs, rnd.index],
+                             self.group.committed_syncs, rnd.index, elapsed or 0.0],
                             dtype=torch.float64, device=eng.device)
-        got = eng.comm.all_gather_sync(mine).cpu()  # [quorum, 5]
+        got = eng.comm.all_gather_sync(mine).cpu()  # [quorum, 6]
         rnd.members = [int(r) for r in got[:, 0].tolist()]
         rnd.contributes = [bool(c) for c in got[:, 1].tolist()]
         rnd.fresh = float(got[:, 3].max()) == 0  # nobody has committed a round yet
         # One index for the round on every member (a replica that missed rounds, or
         # retried its start more often, catches up): it seeds GTA's random choices.
         rnd.index = int(got[:, 4].max())
+        if elapsed is not None:
+            # A-EDiT: steps and windows by replica id (0 for absent or joining replicas).
+            counts = torch.zeros(eng.num_replicas, dtype=torch.float64)
+            windows = [0.0] * eng.num_replicas
+            for row, member in enumerate(rnd.members):
+                if rnd.contributes[row]:
+                    counts[member] = got[row, 2]
+                    windows[member] = float(got[row, 5])
+            rnd.step_counts, rnd.windows = counts, windows
+            if allow_skip and any(rnd.contributes) and \
+                    float(counts.sum()) < eng.config.min_total_global_steps:
+                rnd.skipped, rnd.units = True, []
+                return
         if not any(rnd.contributes):
             rnd.units = []  # nobody trained since the last sync (a start or a join)
             return
-        if eng.config.penalty_enabled:
+        if eng.config.penalty_enabled or rnd.step_counts is not None:
             eng.round_statistics(rnd)
         for i in range(len(rnd.units)):
             eng.reduce_unit(rnd, i)
