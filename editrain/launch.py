@@ -40,6 +40,9 @@ def check_run_dir(cfg: Config, run_dir: Path) -> list[str]:
     """Refuse a ``run_dir`` holding another run (unless ``--overwrite`` or ``--resume``);
     returns the run files that ``prepare_run_dir`` will replace. Touches nothing."""
     existing = [n for n in RUN_FILES if (run_dir / n).exists()]
+    # A fault-tolerant run's replica groups write into replica0/, replica1/, ...
+    existing += sorted(p.name for p in run_dir.glob("replica*")
+                       if p.is_dir() and p.name[len("replica"):].isdigit())
     if existing and not cfg.resume and not cfg.overwrite:
         raise ConfigError(
             f"--run-dir: {run_dir} already holds a run ({', '.join(existing)}); choose "
@@ -112,7 +115,13 @@ def run_local(cfg: Config) -> dict:
     if cfg.resume:
         from editrain.checkpoint import preflight_resume
 
-        preflight_resume(cfg.resume, cfg, vocab)
+        if cfg.dist.fault_tolerance == "torchft":
+            from editrain.train import replica_run_dir
+
+            for r in range(nproc // cfg.dist.shard_size):
+                preflight_resume(replica_run_dir(cfg.resume, r), cfg, vocab)
+        else:
+            preflight_resume(cfg.resume, cfg, vocab)
     prepare_run_dir(cfg, run_dir)
     threads = cfg.dist.threads_per_proc or max(1, (os.cpu_count() or 1) // nproc)
     os.environ.setdefault("OMP_NUM_THREADS", str(threads))

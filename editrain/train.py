@@ -169,9 +169,15 @@ class Trainer:
         self.wall_start = time.perf_counter()
 
     def _checkpoint_to_resume(self) -> Path | None:
-        """``--resume``, or the latest checkpoint of this run after a worker restart."""
+        """``--resume``, or the latest checkpoint of this run after a worker restart. In
+        the fault-tolerant mode each replica group resumes its own checkpoint
+        (``RUN_DIR/replica{r}``), and a group the launcher restarted reads nothing: it
+        heals from a live peer."""
+        if self.ft and int(os.environ.get("EDITRAIN_FT_ATTEMPT", "0")) > 0:
+            return None
         if self.cfg.resume:
-            return resolve_resume(self.cfg.resume)
+            return resolve_resume(replica_run_dir(self.cfg.resume, self.replica)
+                                  if self.ft else self.cfg.resume)
         if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
             found = list_checkpoints(self.run_dir)
             if self.is_logger:
@@ -458,7 +464,9 @@ class Trainer:
             "data": self.stream.state_dict(),
             "rng": rng_state(),
             "sim_rng": list(self.slowdown.rng.getstate()[1]),
-        }  # the engine's own state is saved by save_checkpoint (engine.state_dict())
+        }
+        if self.ft_group is not None:  # torchft's count of committed syncs: a group that
+            rank_state["ft_committed"] = self.ft_group.committed_syncs  # resumes behind heals  # the engine's own state is saved by save_checkpoint (engine.state_dict())
         saved = save_checkpoint(self.run_dir, label, model=self.model, optimizer=self.optimizer,
                                 engine=self.engine, replica=self.info.replica,
                                 rank_state=rank_state, meta=self._meta(),
@@ -489,6 +497,8 @@ class Trainer:
             set_rng_state(state["rng"])
             rs = self.slowdown.rng.getstate()
             self.slowdown.rng.setstate((rs[0], tuple(state["sim_rng"]), rs[2]))
+            if self.ft_group is not None and "ft_committed" in state:
+                self.ft_group.committed_syncs = int(state["ft_committed"])
             if self.is_logger:
                 log.warning("resumed exactly from %s at step %d", ckpt, self.step)
             return
@@ -573,7 +583,11 @@ class Trainer:
     def _ft_join(self) -> None:
         """Take part in the first quorum; a replica that restarts heals there (the global
         model, outer and inner optimizer state, step and data position from a peer)."""
-        self.engine.join(timeout_s=max(600.0, 2 * self.cfg.dist.ft_join_timeout_s))
+        # A group the launcher restarted rejoins a running job (one peer to heal from is
+        # enough); any other start, a resume included, waits for every replica group.
+        rejoining = int(os.environ.get("EDITRAIN_FT_ATTEMPT", "0")) > 0
+        self.engine.join(start_quorum=min(2, self.replicas) if rejoining else None,
+                         timeout_s=max(600.0, 2 * self.cfg.dist.ft_join_timeout_s))
         syncs = self.engine.pop_sync_log()
         if self.healed_at is not None:
             # Evaluations and checkpoints the peers already took are not repeated here.
@@ -636,6 +650,13 @@ def sync_summary(entry: dict[str, Any]) -> str:
     if clip and min(clip) < 1.0:
         parts.append(f"clipped {sum(c < 1.0 for c in clip)} units (min x{min(clip):.2f})")
     return "; ".join(parts)
+
+
+def replica_run_dir(path: str | Path, replica: int) -> Path:
+    """A fault-tolerant run's directory of replica group ``replica`` (``path`` itself if it
+    is not a fault-tolerant run directory, e.g. a checkpoint path)."""
+    sub = Path(path) / f"replica{replica}"
+    return sub if sub.is_dir() else Path(path)
 
 
 def _last_logged_step(run_dir: Path) -> int | None:

@@ -63,7 +63,7 @@ def ft_rank(rank: int, S: int, case: dict[str, Any], replica: int, R: int, light
         for entry in engine.pop_sync_log():
             rounds.append({**entry, "global_step": engine.global_step, "params": full()})
 
-    engine.join()
+    engine.join(start_quorum=2 if attempt else None)
     record()
     steps_seen = [engine.global_step]
     die = case.get("die")

@@ -363,8 +363,9 @@ def bad_input_cases(tmp: Path) -> dict[str, tuple[list[str], list[str]]]:
                      ["dist.fault_tolerance=torchft", "non-blocking A-EDiT"]),
         "ft_sync": (["--ft", "--method", "sync"],
                     ["dist.fault_tolerance=torchft", "synchronous"]),
-        "ft_streaming": (["--ft", "--sync.fragments=2"],
-                         ["dist.fault_tolerance=torchft", "streaming"]),
+        "ft_streaming": (["--ft", "--sync.fragments=2", "--sync.overlap_steps=6"],
+                         ["dist.fault_tolerance=torchft", "local_sgd_sync_interval // "
+                          "fragments = 5"]),
         "ft_flag_value": (["--ft=yes"], ["--ft", "takes no value"]),
         "ft_timeout": (["--dist.ft_heartbeat_timeout_s=0"],
                        ["dist.ft_heartbeat_timeout_s", "> 0"]),

@@ -33,6 +33,27 @@ def test_no_failure_equals_the_reference(tmp_path, R, S, method):
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.parametrize("streaming", [
+    {"fragments": 2, "overlap_steps": 1},                        # delayed, keep_local
+    {"fragments": 2, "overlap_steps": 2, "comm_dtype": "int8"},   # delayed, quantised
+    {"fragments": 2, "overlap_steps": 0},                        # fragments, blocking
+])
+def test_streaming_equals_the_reference(tmp_path, streaming):
+    """Streaming EDiT through quorum rounds (one round in flight at a time: launched with
+    its quorum, reduced in the background, committed and merged overlap_steps later),
+    3 replica groups, penalty on, a final forced sync: the reference simulator's model."""
+    case = {"sync": {**EDIT, "local_sgd_sync_interval": 4, **streaming}, "steps": 10,
+            "finish_force": True}
+    outs = run_groups(3, 1, case, tmp_path)
+    ref = reference(ref_config(case, R=3, S=1))
+    for r, ranks in outs.items():
+        for name, p in ranks[0]["params"].items():
+            assert float((p - ref[r][name]).abs().max()) < 1e-5, (r, name)
+        synced = [e for e in ranks[0]["rounds"] if e["committed"] and e["units"]]
+        assert {e["fragment"] for e in synced} == {-1, 0, 1}  # -1: the final, every unit
+
+
+@pytest.mark.timeout(300)
 def test_aedit_forced_schedule_equals_the_reference(tmp_path):
     """A-EDiT (blocking) through quorum rounds: replicas at different paces (forced
     schedule 2/3/4 steps per window), step weights from the gathered counts, penalty on:
@@ -153,3 +174,53 @@ def test_cli_ft_run_survives_a_dead_replica_group(tmp_path):
     assert len(joins) == 1 and rows2[joins[0]]["step"] == groups["2"]["healed_at"]
     after = [r["step"] for r in rows2[joins[0] + 1:] if "loss" in r and "event" not in r]
     assert after[0] > groups["2"]["healed_at"] and after[-1] == 60
+
+
+@pytest.mark.timeout(300)
+def test_streaming_round_in_flight_when_a_replica_dies(tmp_path):
+    """Streaming (2 fragments, rounds merged a step after their launch): replica 2 dies in
+    the background reductions of a delayed round; the survivors drop that round at its
+    merge (their local models stay), go on syncing, and all three end on one model."""
+    sync = {**EDIT, "local_sgd_sync_interval": 4, "fragments": 2, "overlap_steps": 1}
+    case = {"sync": sync, "steps": 40, "die_in_sync": (2, 3, 3), "step_sleep": 0.25,
+            "heartbeat_timeout_s": 1.5}
+    outs = run_groups(3, 1, case, tmp_path)
+    for r in (0, 1):
+        out = outs[r][0]
+        failed = [e for e in out["rounds"] if not e["committed"] and e["units"]]
+        assert failed and "error" in failed[0] and failed[0]["launch_step"] == 6
+        steps = out["steps_seen"]
+        assert all(b == a + 1 for a, b in zip(steps, steps[1:]))
+        later = [e for e in out["rounds"] if e["committed"] and e["units"]
+                 and e["sync"] > failed[0]["sync"]]
+        assert later and later[0]["members"] == [0, 1]
+    assert outs[2][0]["heals"] == 1
+    for out in (outs[1][0], outs[2][0]):
+        for name, p in out["params"].items():
+            assert torch.equal(p, outs[0][0]["params"][name]), name
+
+
+@pytest.mark.timeout(400)
+def test_cli_ft_run_resumes_from_its_checkpoints(tmp_path):
+    """`--ft --resume RUN_DIR`: every replica group resumes from its own latest checkpoint
+    (torchft's committed-sync count restored) and the run continues to the new budget,
+    one validation loss everywhere."""
+    import json
+
+    from tests.test_checkpoint import train
+
+    run = tmp_path / "run"
+    args = ["--ft", "--nproc", "2", "--shard-size", "1", "--sync.local_sgd_sync_interval",
+            "4", "--checkpoint.every", "8", "--train.eval_every", "8"]
+    train(tmp_path / "cache", run, *args, "--steps", "16")
+    first = json.loads((run / "summary.json").read_text())
+    assert first["steps"] == 16
+    train(tmp_path / "cache", run, *args, "--steps", "24", "--resume", str(run))
+    summary = json.loads((run / "summary.json").read_text())
+    groups = summary["per_replica"]
+    assert summary["finished_replicas"] == 2
+    assert {g["steps"] for g in groups.values()} == {24}
+    assert {g["steps_run"] for g in groups.values()} == {8}  # only the new steps ran
+    assert len({g["final_val_loss"] for g in groups.values()}) == 1
+    for r in range(2):
+        assert (run / f"replica{r}" / "checkpoints" / "step_00000024").is_dir()

@@ -108,8 +108,9 @@ class SyncRound:
     """Replica ids of the quorum, in the order of its collectives."""
     contributes: list[bool] | None = None
     """Per member: whether it sends a pseudo-gradient (a healed replica does not)."""
-    fresh: bool = False
-    """No member of the quorum has committed a round yet (the job is starting)."""
+    quorum: Any = None
+    """The fault-tolerant mode, delayed rounds: the quorum it was launched in."""
+    quorum_wait_s: float = 0.0
     tentative: dict[int, torch.Tensor | None] | None = None
     """Reduced pseudo-gradients by position, applied only once the round commits (None:
     nobody was trusted for that unit)."""
@@ -515,6 +516,10 @@ class SyncEngine:
                 self._create_anchors()
             return
         self.steps_since_sync += 1
+        if self.schedule is not None and self.ft is not None:
+            self.ft.streaming_step(self.schedule.launches(
+                self.global_step - cfg.local_sgd_warmup_steps))
+            return
         if self.schedule is not None:
             self._streaming_step()
             return
@@ -677,6 +682,16 @@ class SyncEngine:
                                self._pending_fragment)
         if not force or not self.config.is_local_sgd or self.in_warmup:
             return
+        if self.ft is not None:
+            # Every replica runs one last round (A-EDiT replicas are at different steps);
+            # replicas that have not trained since their last sync contribute nothing.
+            # Streaming: the round in flight is merged first, then every unit syncs.
+            syncs = self.num_syncs
+            self.ft.merge_inflight()
+            self.ft.run(elapsed=self._agreed_elapsed() if self.config.use_async else None,
+                        allow_skip=False)
+            self.num_syncs_forced += self.num_syncs - syncs
+            return
         if self.schedule is not None:
             while self._inflight:
                 self._round = self._inflight.pop(0)
@@ -686,14 +701,6 @@ class SyncEngine:
                 self._run_blocking(None, list(range(len(self.units))))
             return
         if was_pending:
-            return
-        if self.ft is not None:
-            # Every replica runs one last round (A-EDiT replicas are at different steps);
-            # replicas that have not trained since their last sync contribute nothing.
-            syncs = self.num_syncs
-            self.ft.run(elapsed=self._agreed_elapsed() if self.config.use_async else None,
-                        allow_skip=False)
-            self.num_syncs_forced += self.num_syncs - syncs
             return
         while self._inflight:  # non-blocking A-EDiT: every replica launched the same rounds
             self._round = self._inflight.pop(0)
@@ -711,8 +718,9 @@ class SyncEngine:
         """The fault-tolerant mode: take part in the quorum before training (every replica
         at its start, and a replica that restarted). A replica behind the others heals
         there: it receives the global state from a healthy peer and holds the global model
-        afterwards. At a fresh start the first round waits for ``start_quorum`` replicas
-        (default: all). Returns True once joined; False without fault tolerance."""
+        afterwards. The first round needs ``start_quorum`` replicas (default: all, for a
+        start or a resume; a replica rejoining a running job passes 2). Returns True once
+        joined; False without fault tolerance."""
         if self.ft is None:
             return False
         need = self.num_replicas if start_quorum is None else start_quorum
@@ -1089,10 +1097,14 @@ class SyncEngine:
 
     # ================================================================== rounds run outside
     # the step hooks (the fault-tolerant mode, sync/ft_round.py)
-    def new_round(self) -> SyncRound:
-        """A round over every unit, numbered next; its jobs are the caller's to run."""
+    def new_round(self, units: Sequence[int] | None = None, fragment: int = 0,
+                  apply_at: int | None = None) -> SyncRound:
+        """A round over ``units`` (default: all), numbered next, delayed (merged after step
+        ``apply_at``) when given; its jobs are the caller's to run."""
         return SyncRound(index=self._next_index, step_counts=None,
-                         units=list(range(len(self.units))))
+                         units=list(range(len(self.units))) if units is None else list(units),
+                         fragment=fragment, launch_step=self.global_step,
+                         delayed=apply_at is not None, apply_at=apply_at or 0)
 
     def end_round(self, rnd: SyncRound, applied: bool, record: Mapping[str, Any]) -> None:
         """Book-keeping after such a round: when its outer steps were applied (and it had
@@ -1112,6 +1124,8 @@ class SyncEngine:
                 self.progress.record_sync(rnd.step_counts.tolist(), rnd.windows or [])
         entry = self.round_log_entry(rnd)
         entry.update(record)
+        if self.schedule is not None:
+            entry["fragment"] = rnd.fragment
         self._sync_log.append(entry)
         self._next_index = rnd.index + 1
 
@@ -1230,6 +1244,8 @@ class SyncEngine:
         """
         self._drain_round()
         self._wait_inflight()
+        if self.ft is not None:
+            self.ft.wait_inflight()
         return self._layout.pack([u.state_dict() for u in self.units], self._plain_state())
 
     def state_dict_template(self, saved: Mapping[str, torch.Tensor]) -> dict[str, Any]:
@@ -1412,9 +1428,14 @@ def check_fault_tolerant(cfg: SyncConfig, replicas_in_world: int) -> None:
     elif cfg.local_sgd_warmup_steps:
         problems.append("sync.local_sgd_warmup_steps must be 0 (warm-up averages gradients "
                         "at every step)")
-    if cfg.streaming:
-        problems.append("streaming and non-blocking A-EDiT (sync.fragments > 1 or "
-                        "sync.overlap_steps > 0) are not supported yet")
+    if cfg.use_async and cfg.overlap_steps > 0:
+        problems.append("non-blocking A-EDiT (sync.overlap_steps > 0) is not supported yet")
+    elif cfg.streaming and cfg.is_local_sgd and cfg.local_sgd_sync_interval:
+        gap = cfg.local_sgd_sync_interval // cfg.fragments
+        if cfg.overlap_steps > gap:
+            problems.append(f"sync.overlap_steps must be <= local_sgd_sync_interval // "
+                            f"fragments = {gap} (one round in flight at a time), got "
+                            f"{cfg.overlap_steps}")
     if problems:
         raise ValueError("dist.fault_tolerance=torchft: " + "; ".join(problems))
 

@@ -182,8 +182,14 @@ class TorchftGroup:
 
     @property
     def committed_syncs(self) -> int:
-        """Syncs this replica has committed (torchft's step; healing adopts the peer's)."""
+        """Syncs this replica has committed (torchft's step; healing adopts the peer's).
+        Saved with checkpoints: a group that resumes behind the others heals."""
         return int(self.manager.current_step())
+
+    @committed_syncs.setter
+    def committed_syncs(self, value: int) -> None:
+        self.manager.load_state_dict({"step": int(value),
+                                      "batches_committed": self.manager.batches_committed()})
 
     # ------------------------------------------------------------------ collectives
     @property

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from editrain.sync.ft import QuorumError, TorchftGroup
+from editrain.sync.ft import Quorum, QuorumError, TorchftGroup
 
 if TYPE_CHECKING:
     from editrain.sync.edit import SyncEngine, SyncRound
@@ -55,6 +55,8 @@ class FaultTolerantSync:
         self.heals = 0
         self.last_round_step = -1
         """Global step of the last round attempted (committed or not)."""
+        self.inflight: SyncRound | None = None
+        """Streaming: the delayed round launched and not yet merged (one at a time)."""
         group.register_state("engine", engine.peer_state, self._adopt)
 
     def _adopt(self, sd: dict[str, Any]) -> None:
@@ -62,11 +64,13 @@ class FaultTolerantSync:
         self.heals += 1
 
     def join(self, start_quorum: int, timeout_s: float = 600.0) -> bool:
-        """Join the job: rounds without a contribution until one commits. At a fresh
-        start (no replica of the quorum has committed a sync yet) a round commits only
-        with ``start_quorum`` replicas present, so replicas that start at different speeds
-        all begin together instead of the first ones training alone and the others healing
-        from them. A replica that (re)joins a running job heals in its first round."""
+        """Join the job: rounds without a contribution until one commits, which needs
+        ``start_quorum`` replicas in the quorum. At a start or a resume that is every
+        replica, so replicas that start at different speeds begin together instead of the
+        first ones training alone (a lighthouse that has seen no quorum yet forms one from
+        whoever is there) and the others healing from them, or worse, two halves training
+        apart. A replica that rejoins a running job needs one peer (it heals from it in
+        that round)."""
         deadline = time.monotonic() + timeout_s
         while not self.run(contribute=False, start_quorum=start_quorum):
             if time.monotonic() > deadline:
@@ -78,39 +82,59 @@ class FaultTolerantSync:
 
     @torch.no_grad()
     def run(self, contribute: bool = True, start_quorum: int = 0,
-            elapsed: float | None = None, allow_skip: bool = True) -> bool:
+            elapsed: float | None = None, allow_skip: bool = True,
+            units: list[int] | None = None, fragment: int = 0) -> bool:
         """One round at this step boundary; returns whether it was committed.
 
         Args:
             contribute: this replica has trained since its last sync (False: joining).
-            start_quorum: replicas required at a fresh start (see :meth:`join`).
+            start_quorum: replicas this round needs to commit (see :meth:`join`).
             elapsed: A-EDiT: this replica's agreed time since its last sync; the round
                 then gathers every member's steps and window (step weights, progress)
                 and is skipped when they add up to fewer than
                 ``sync.min_total_global_steps`` (unless not ``allow_skip``).
+            units / fragment: streaming: the fragment's units (default: all).
         """
+        rnd, quorum, contribute = self._begin(contribute, units, fragment)
+        error: str | None = None
+        try:
+            self.engine.comm.run(self._jobs, rnd, contribute, elapsed, allow_skip)
+            if start_quorum and len(rnd.members or []) < start_quorum:
+                error = (f"joining: waiting for {start_quorum} replicas in the quorum, "
+                         f"{len(rnd.members or [])} present")
+                self.group.report_error(RuntimeError(error))  # every member votes no
+        except QuorumError as exc:
+            error = str(exc).splitlines()[0][:200]
+        return self._end(rnd, quorum, error)
+
+    def _begin(self, contribute: bool, units: list[int] | None, fragment: int,
+               apply_at: int | None = None) -> tuple[SyncRound, Quorum, bool]:
+        """Quorum (and healing), then a fresh round of ``units``."""
         eng = self.engine
         t0 = time.perf_counter()
         self.last_round_step = eng.global_step
         quorum = self.group.begin()  # may heal this replica (engine.adopt_peer_state)
-        quorum_wait = time.perf_counter() - t0
-        contribute = contribute and not quorum.healed and eng.steps_since_sync > 0
-        rnd = eng.new_round()
+        # Something to send: local steps since the last sync, or with streaming (merges
+        # keep local progress: the parameters are not the anchors) anything but a heal.
+        trained = eng.steps_since_sync > 0 or eng.schedule is not None
+        contribute = contribute and not quorum.healed and trained
+        rnd = eng.new_round(units, fragment, apply_at)
+        rnd.fragment = fragment if units is not None else -1  # -1: every unit
         rnd.tentative = {}
-        error: str | None = None
-        try:
-            eng.comm.run(self._jobs, rnd, contribute, elapsed, allow_skip)
-            if start_quorum and rnd.fresh and len(rnd.members or []) < start_quorum:
-                error = (f"waiting for every replica at the start: {len(rnd.members or [])} "
-                         f"of {start_quorum} present")
-                self.group.report_error(RuntimeError(error))  # every member votes no
-        except QuorumError as exc:
-            error = str(exc).splitlines()[0][:200]
+        rnd.quorum_wait_s = time.perf_counter() - t0
+        return rnd, quorum, contribute
+
+    def _end(self, rnd: SyncRound, quorum: Quorum, error: str | None) -> bool:
+        """The commit vote, then the outer steps (and merges) or nothing; the log entry."""
+        eng = self.engine
         committed = self.group.commit() and error is None
         if committed:
             self._apply(rnd)
         else:
             self.failed_rounds += 1
+        if rnd.delayed:  # merged, or dropped (the local model stays): snapshots go
+            for unit in eng.units:
+                unit.launch = None
         previous, self.members = self.members, rnd.members
         members = rnd.members or []
         record: dict[str, Any] = {
@@ -121,7 +145,7 @@ class FaultTolerantSync:
             "joined": sorted(set(members) - set(previous)) if previous else [],
             "left": sorted(set(previous) - set(members)) if previous else [],
             "healed": quorum.healed,
-            "quorum_wait_s": quorum_wait,
+            "quorum_wait_s": rnd.quorum_wait_s,
             "committed_syncs": self.group.committed_syncs,
         }
         if error is not None:
@@ -129,18 +153,68 @@ class FaultTolerantSync:
         eng.end_round(rnd, committed, record)
         return committed
 
+    # ------------------------------------------------------------------ streaming
+    def streaming_step(self, launches: list[int]) -> None:
+        """Streaming at a step boundary: merge the round in flight if due, then run the
+        fragments due now, delayed (``sync.overlap_steps > 0``: quorum now, reductions in
+        the background, commit and merge ``overlap_steps`` later) or blocking."""
+        eng = self.engine
+        if self.inflight is not None and eng.global_step >= self.inflight.apply_at:
+            self.merge_inflight()
+        tau = eng.config.overlap_steps
+        for f in launches:
+            units = eng.fragments[f]
+            if tau == 0:
+                self.run(units=units, fragment=f)
+                continue
+            self.merge_inflight()  # (never in flight here: overlap_steps <= H / P)
+            rnd, quorum, contribute = self._begin(True, units, f, eng.global_step + tau)
+            with torch.no_grad():
+                for u in units:
+                    eng.units[u].launch = eng.units[u].flat_params()
+            rnd.quorum = quorum
+            rnd.rendezvous = eng.comm.submit(self._jobs, rnd, contribute, None, True)
+            self.inflight = rnd
+
+    def merge_inflight(self) -> None:
+        """Wait for the delayed round in flight, vote, and merge it (or drop it)."""
+        rnd, self.inflight = self.inflight, None
+        if rnd is None:
+            return
+        error = None
+        try:
+            rnd.rendezvous.result()
+        except QuorumError as exc:
+            error = str(exc).splitlines()[0][:200]
+        self._end(rnd, rnd.quorum, error)
+
+    def wait_inflight(self) -> None:
+        """Wait for the jobs of the round in flight (no merge: that stays on schedule)."""
+        if self.inflight is not None:
+            try:
+                self.inflight.rendezvous.result()
+            except QuorumError:
+                pass  # the vote at the merge drops it
+
     def _jobs(self, rnd: SyncRound, contribute: bool, elapsed: float | None,
               allow_skip: bool) -> None:
         """The round's collectives, in order, on the communication thread; the first
         failure ends the round (later collectives would run on a broken group)."""
         eng = self.engine
         mine = torch.tensor([eng.replica, float(contribute), eng.steps_since_sync,
-                             self.group.committed_syncs, rnd.index, elapsed or 0.0],
-                            dtype=torch.float64, device=eng.device)
-        got = eng.comm.all_gather_sync(mine).cpu()  # [quorum, 6]
+                             self.group.committed_syncs, rnd.index, elapsed or 0.0,
+                             rnd.fragment], dtype=torch.float64, device=eng.device)
+        got = eng.comm.all_gather_sync(mine).cpu()  # [quorum, 7]
+        # The round's units: a streaming fragment's, which a joining replica (whose round
+        # covers every unit) learns here; -1 everywhere: every unit.
+        fragment = int(got[:, 6].max())
+        if fragment != rnd.fragment:
+            if rnd.fragment != -1 or contribute:
+                raise QuorumError(f"rounds disagree on their units (fragment {rnd.fragment} "
+                                  f"here, {fragment} elsewhere)")
+            rnd.fragment, rnd.units = fragment, list(eng.fragments[fragment])
         rnd.members = [int(r) for r in got[:, 0].tolist()]
         rnd.contributes = [bool(c) for c in got[:, 1].tolist()]
-        rnd.fresh = float(got[:, 3].max()) == 0  # nobody has committed a round yet
         # One index for the round on every member (a replica that missed rounds, or
         # retried its start more often, catches up): it seeds GTA's random choices.
         rnd.index = int(got[:, 4].max())
@@ -166,7 +240,8 @@ class FaultTolerantSync:
             eng.reduce_unit(rnd, i)
 
     def _apply(self, rnd: SyncRound) -> None:
-        """Committed: the outer steps, then the new anchors into the parameters."""
+        """Committed: the outer steps, then the new anchors into the parameters (a delayed
+        round: merged with the progress made since its launch, ``sync.merge``)."""
         eng = self.engine
         assert rnd.tentative is not None
         for i, u in enumerate(rnd.units):
@@ -174,4 +249,8 @@ class FaultTolerantSync:
             reduced = rnd.tentative.get(i)
             if reduced is not None:
                 unit.outer_step(reduced)
-            unit.write_back()  # (no reduction: nobody was trusted, the anchor stays)
+            # (no reduction: nobody was trusted, the anchor stays)
+            if rnd.delayed:
+                unit.merge(eng.config.merge, eng.config.merge_alpha)
+            else:
+                unit.write_back()
