@@ -95,10 +95,10 @@ class FaultTolerantSync:
                 ``sync.min_total_global_steps`` (unless not ``allow_skip``).
             units / fragment: streaming: the fragment's units (default: all).
         """
-        rnd, quorum, contribute = self._begin(contribute, units, fragment)
-        error: str | None = None
+        rnd, quorum, contribute, error = self._begin(contribute, units, fragment)
         try:
-            self.engine.comm.run(self._jobs, rnd, contribute, elapsed, allow_skip)
+            if error is None:
+                self.engine.comm.run(self._jobs, rnd, contribute, elapsed, allow_skip)
             if start_quorum and len(rnd.members or []) < start_quorum:
                 error = (f"joining: waiting for {start_quorum} replicas in the quorum, "
                          f"{len(rnd.members or [])} present")
@@ -108,12 +108,19 @@ class FaultTolerantSync:
         return self._end(rnd, quorum, error)
 
     def _begin(self, contribute: bool, units: list[int] | None, fragment: int,
-               apply_at: int | None = None) -> tuple[SyncRound, Quorum, bool]:
-        """Quorum (and healing), then a fresh round of ``units``."""
+               apply_at: int | None = None
+               ) -> tuple[SyncRound, Quorum, bool, str | None]:
+        """Quorum (and healing), then a new round of ``units``; the error if the quorum
+        could not be formed (the round then only votes no)."""
         eng = self.engine
         t0 = time.perf_counter()
         self.last_round_step = eng.global_step
-        quorum = self.group.begin()  # may heal this replica (engine.adopt_peer_state)
+        error = None
+        try:
+            quorum = self.group.begin()  # may heal this replica (engine.adopt_peer_state)
+        except QuorumError as exc:
+            quorum = Quorum(size=0, rank=-1, quorum_id=-1, healed=False)
+            error = str(exc).splitlines()[0][:200]
         # Something to send: local steps since the last sync, or with streaming (merges
         # keep local progress: the parameters are not the anchors) anything but a heal.
         trained = eng.steps_since_sync > 0 or eng.schedule is not None
@@ -122,7 +129,7 @@ class FaultTolerantSync:
         rnd.fragment = fragment if units is not None else -1  # -1: every unit
         rnd.tentative = {}
         rnd.quorum_wait_s = time.perf_counter() - t0
-        return rnd, quorum, contribute
+        return rnd, quorum, contribute, error
 
     def _end(self, rnd: SyncRound, quorum: Quorum, error: str | None) -> bool:
         """The commit vote, then the outer steps (and merges) or nothing; the log entry."""
@@ -168,7 +175,11 @@ class FaultTolerantSync:
                 self.run(units=units, fragment=f)
                 continue
             self.merge_inflight()  # (never in flight here: overlap_steps <= H / P)
-            rnd, quorum, contribute = self._begin(True, units, f, eng.global_step + tau)
+            rnd, quorum, contribute, error = self._begin(True, units, f,
+                                                         eng.global_step + tau)
+            if error is not None:
+                self._end(rnd, quorum, error)  # votes no: nothing launched
+                continue
             with torch.no_grad():
                 for u in units:
                     eng.units[u].launch = eng.units[u].flat_params()
