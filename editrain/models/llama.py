@@ -360,16 +360,18 @@ class Attention(nn.Module):
             Output of shape ``[B, T, D]``.
         """
         b, t, _ = x.shape
-        q = self.wq(x).view(b, t, self.n_heads, self.head_dim).transpose(1, 2)  # [B, H, T, E]
-        k = self.wk(x).view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)  # [B, K, T, E]
-        v = self.wv(x).view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)  # [B, K, T, E]
+        # Heads by the projections' widths: under tensor parallelism a rank holds H / T
+        # query and K / T key/value heads (editrain.models.tensor_parallel).
+        q = self.wq(x).view(b, t, -1, self.head_dim).transpose(1, 2)  # [B, H, T, E]
+        k = self.wk(x).view(b, t, -1, self.head_dim).transpose(1, 2)  # [B, K, T, E]
+        v = self.wv(x).view(b, t, -1, self.head_dim).transpose(1, 2)  # [B, K, T, E]
         # RoPE is applied before repeating k so the rotation runs on K heads, not H.
         q = apply_rope(q, cos, sin)
         k = apply_rope(k, cos, sin)
         k = self._repeat_kv(k)
         v = self._repeat_kv(v)
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # [B, H, T, E]
-        out = out.transpose(1, 2).reshape(b, t, self.n_heads * self.head_dim)  # [B, T, H*E]
+        out = out.transpose(1, 2).reshape(b, t, -1)  # [B, T, H*E]
         return self.wo(out)
 
 

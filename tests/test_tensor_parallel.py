@@ -1,0 +1,91 @@
+"""Tensor parallelism of the built-in Llama: the split model computes what the whole one
+does (gloo, 2 processes)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from editrain.spawn import run_ranks
+from tests.reference import MODEL, batch, loss_on, make_model
+
+
+def _tp_worker(rank: int, world: int) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from editrain.models.tensor_parallel import tensor_parallel
+
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+    whole, split = make_model(), make_model()
+    tensor_parallel(split.layers, mesh)
+    x = batch(0, 0, 0)  # every tp rank reads the same batch
+    out = {}
+    for name, model in (("whole", whole), ("split", split)):
+        loss = loss_on(model, x)
+        loss.backward()
+        grads = {}
+        for n, p in model.named_parameters():
+            g = p.grad
+            grads[n] = g.full_tensor() if hasattr(g, "full_tensor") else g
+        out[name] = {"loss": float(loss), "grads": grads,
+                     "local": {n: tuple((p.to_local() if hasattr(p, "to_local") else p).shape)
+                               for n, p in model.named_parameters()}}
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_llama_split_over_two_ranks_equals_the_whole_model():
+    outs = run_ranks(_tp_worker, 2)
+    for out in outs:
+        assert abs(out["whole"]["loss"] - out["split"]["loss"]) < 1e-5
+        for n, g in out["whole"]["grads"].items():
+            assert float((g - out["split"]["grads"][n]).abs().max()) < 1e-5, n
+        local = out["split"]["local"]
+        # column-wise: half the output rows; row-wise: half the input columns
+        assert local["layers.0.attention.wq.weight"][0] == MODEL["dim"] // 2
+        assert local["layers.0.attention.wo.weight"][1] == MODEL["dim"] // 2
+        assert local["layers.0.feed_forward.w2.weight"][1] == MODEL["ffn_hidden"] // 2
+        assert local["layers.0.attention_norm.weight"] == (MODEL["dim"],)  # replicated
+
+
+def test_tp_size_must_divide_the_heads():
+    from editrain.models.tensor_parallel import check_tensor_parallel
+
+    model = make_model()  # 4 query heads, 2 key/value heads
+    check_tensor_parallel(model.layers, 2)
+    with pytest.raises(ValueError, match="tp_size=4 must divide .* key/value heads \\(2\\)"):
+        check_tensor_parallel(model.layers, 4)
+
+
+def test_unknown_block_layout_is_refused_with_its_layers():
+    from torch import nn
+
+    from editrain.models.tensor_parallel import check_tensor_parallel
+
+    block = nn.Sequential(nn.Linear(4, 4))
+    with pytest.raises(ValueError, match="neither editrain's Llama layout"):
+        check_tensor_parallel([block], 2)
+
+
+def _hf_tp_worker(rank: int, world: int, config_path: str) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from editrain.models.hf import HFCausalLM
+    from editrain.models.tensor_parallel import tensor_parallel
+
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+    whole = HFCausalLM.from_config_file(config_path, seed=3)
+    split = HFCausalLM.from_config_file(config_path, seed=3)
+    tensor_parallel(split.blocks(), mesh)
+    x = torch.randint(300, (2, 9), generator=torch.Generator().manual_seed(0))
+    return {"whole": whole(x).detach(), "split": split(x).detach()}
+
+
+@pytest.mark.timeout(120)
+def test_hugging_face_llama_gets_the_same_plan(tmp_path):
+    pytest.importorskip("transformers")
+    from tests.test_hf import write_config
+
+    cfg = write_config(tmp_path / "config.json")
+    for out in run_ranks(_hf_tp_worker, 2, str(cfg)):
+        assert float((out["whole"] - out["split"]).abs().max()) < 1e-5
