@@ -26,6 +26,7 @@ _EXPORTS = {
     "LocalSGDConfig": "editrain.api",
     "MeshInfo": "editrain.topology",
     "OuterOptimizerConfig": "editrain.api",
+    "StatefulPostLocalSGDOptimizer": "editrain.ddp",
     "SyncConfig": "editrain.sync.config",
     "SyncEngine": "editrain.sync.edit",
     "edit": "editrain.api",
@@ -44,6 +45,7 @@ __all__ = [
     "LocalSGDConfig",
     "MeshInfo",
     "OuterOptimizerConfig",
+    "StatefulPostLocalSGDOptimizer",
     "SyncConfig",
     "SyncEngine",
     "__version__",
@@ -68,6 +70,7 @@ if TYPE_CHECKING:  # static analysers and IDEs see the real names
         parallelize,
         sync_config_from_reference,
     )
+    from editrain.ddp import StatefulPostLocalSGDOptimizer
     from editrain.sync.config import GTAConfig, SyncConfig
     from editrain.sync.edit import EDiT, SyncEngine
     from editrain.topology import MeshInfo, init_mesh

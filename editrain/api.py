@@ -272,7 +272,10 @@ def edit(
     """Build the :class:`SyncEngine` from a :class:`SyncConfig` or the reference's classes.
 
     Args:
-        model: the root module, already sharded (see :func:`parallelize`).
+        model: the root module, already sharded (see :func:`parallelize`), or unsharded
+            with a full copy on every rank of a replica, e.g. wrapped in
+            ``DistributedDataParallel`` over the replica's group (``docs/api.md``, "The
+            DDP path").
         mesh: the ``("sync", "shard")`` mesh or its :class:`MeshInfo`.
         config: a :class:`SyncConfig` (any method), a :class:`LocalSGDConfig`, or None
             (the default ``SyncConfig()``: EDiT with its recommended settings).

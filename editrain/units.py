@@ -5,6 +5,7 @@ parameter outside the blocks: embeddings, final norm, LM head). FSDP2 shards alo
 units. This module finds the blocks by looking at well-known attribute paths; it never
 guesses from parameter names. When the model is of a shape it does not know, pass the
 blocks explicitly (a list of modules, or the dotted path of the attribute that holds them).
+A ``DistributedDataParallel`` wrapper is looked through: its blocks are its ``.module``'s.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 
 BLOCK_PATHS: tuple[str, ...] = (
     "layers",                # editrain's Llama, torchtitan models
@@ -22,6 +24,13 @@ BLOCK_PATHS: tuple[str, ...] = (
     "transformer.blocks",    # MPT
 )
 """Attribute paths searched in this order by :func:`find_blocks`, after ``model.blocks()``."""
+
+
+def unwrap_ddp(model: nn.Module) -> nn.Module:
+    """The module a ``DistributedDataParallel`` wrapper holds (``model.module``), or
+    ``model`` itself when it is not one: the module whose attributes name the blocks and
+    whose parameter names (without DDP's ``module.`` prefix) the engine's state uses."""
+    return model.module if isinstance(model, DistributedDataParallel) else model
 
 
 def _resolve_path(model: nn.Module, path: str) -> object | None:
@@ -80,7 +89,8 @@ def find_blocks(
     ...). The first that holds a non-empty list of modules wins.
 
     Args:
-        model: the root module (before or after ``fully_shard``).
+        model: the root module (before or after ``fully_shard``), or a
+            ``DistributedDataParallel`` wrapper: the search then runs on its ``.module``.
         blocks: an explicit list of block modules, or the dotted attribute path of the
             container that holds them (e.g. ``"backbone.stages"``); None to search.
 
@@ -91,6 +101,7 @@ def find_blocks(
         ValueError: no blocks were found (the message names every path that was tried),
             or explicit blocks that are not distinct, non-overlapping submodules.
     """
+    model = unwrap_ddp(model)
     if isinstance(blocks, str):
         found = _as_block_list(_resolve_path(model, blocks))
         if found is None:
@@ -121,4 +132,4 @@ def find_blocks(
     )
 
 
-__all__ = ["BLOCK_PATHS", "find_blocks"]
+__all__ = ["BLOCK_PATHS", "find_blocks", "unwrap_ddp"]

@@ -57,6 +57,13 @@ def test_custom_loop():
     _check_learned(_run(TORCHRUN + [str(EXAMPLES / "custom_loop.py"), "--tiny"]))
 
 
+def test_ddp(tmp_path):
+    """2 replicas x 2 DDP ranks with the optimizer wrapper; each rank saves its state."""
+    _check_learned(_run(TORCHRUN + [str(EXAMPLES / "ddp.py"), "--tiny",
+                                    "--save", str(tmp_path)]))
+    assert sorted(p.name for p in tmp_path.iterdir()) == [f"rank{r}.pt" for r in range(4)]
+
+
 @pytest.mark.skipif(importlib.util.find_spec("transformers") is None,
                     reason="transformers is not installed (pip install -e '.[hf]')")
 def test_hf_llama():

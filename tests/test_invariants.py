@@ -1,6 +1,6 @@
 """The engine's invariants, checked before any sync runs: every block is an FSDP2 unit of
-its own (or nothing is sharded and a replica is one process), and every replica starts the
-local phase from the same parameters."""
+its own (or nothing is sharded: every rank of a replica holds a full copy, the DDP path),
+and every replica starts the local phase from the same parameters."""
 
 from __future__ import annotations
 
@@ -43,7 +43,7 @@ def test_each_block_must_be_its_own_fsdp_unit():
     for out in run_ranks(_sharding_worker, 2):
         assert "block(s) 0 (layers.0), 1 (layers.1) are not FSDP2 units" in out["root only"]
         assert "the root module is not" in out["blocks only"]
-        assert "a replica has 2 ranks but the model is not sharded" in out["nothing"]
+        assert out["nothing"] is None  # full copies on the replica's ranks (the DDP path)
         assert out["both"] is None
 
 

@@ -126,6 +126,7 @@ class CommPath:
         self.stats = CommStats()
         """Counters since the last reset (and lifetime totals)."""
         self._sink: CommStats | None = None  # the running job's own counters (comm thread)
+        self._thread_id: int | None = None  # the communication thread, once it has run a job
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="editrain-comm")
         self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self.stage_on_host = stage_on_host
@@ -157,6 +158,7 @@ class CommPath:
         return self._pool.submit(self._run_on_side_stream, ready, stats, fn, *args)
 
     def _run_counted(self, stats: CommStats | None, fn: Callable[..., Any], *args: Any) -> Any:
+        self._thread_id = threading.get_ident()  # the pool's one thread (see call())
         self._sink = stats
         try:
             return fn(*args)
@@ -166,6 +168,15 @@ class CommPath:
     def run(self, fn: Callable[..., Any], *args: Any) -> Any:
         """Queue ``fn(*args)`` and wait for its result (blocking)."""
         return self.submit(fn, *args).result()
+
+    def call(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """``fn(*args)`` on the communication thread: at once when called from inside a job
+        (already there, in FIFO order), else queued behind every job submitted before it and
+        waited for (:meth:`run`). For code that runs on either thread, e.g. writing an
+        all-gathered unit into the parameters (see :class:`editrain.sync.outer.SyncUnit`)."""
+        if threading.get_ident() == self._thread_id:
+            return fn(*args)
+        return self.run(fn, *args)
 
     def _run_on_side_stream(self, ready: Any, stats: CommStats | None,
                             fn: Callable[..., Any], *args: Any) -> Any:
@@ -262,3 +273,22 @@ class CommPath:
         for stats in (self.stats, self._sink):
             if stats is not None:
                 stats.add_shard(elapsed)
+
+    def all_gather_shard(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Gather ``tensor`` (the same size on every rank) from every rank of this replica,
+        over the fast intra-replica link: a flat result of ``S * tensor.numel()`` elements in
+        shard order. Counted as a shard collective (no cross-replica bytes)."""
+        if self.shard_size == 1:
+            return tensor.reshape(-1).clone()
+        out = torch.empty(self.shard_size * tensor.numel(), dtype=tensor.dtype,
+                          device=tensor.device)
+        t0 = time.perf_counter()
+        self._issue("shard", "all_gather", tensor)
+        with self._wire(out) as wire_out, \
+                self._wire(tensor.reshape(-1).contiguous()) as wire_in:
+            _all_gather_flat(wire_out, wire_in, group=self.shard_group)
+        elapsed = time.perf_counter() - t0
+        for stats in (self.stats, self._sink):
+            if stats is not None:
+                stats.add_shard(elapsed)
+        return out

@@ -49,6 +49,8 @@ from torch import nn
 from torch.autograd.profiler import record_function
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
+from torch.nn.parallel import DistributedDataParallel
 
 from editrain.sync import quant
 from editrain.sync.comm import CommPath, CommStats, LinkDelay
@@ -61,6 +63,7 @@ from editrain.sync.reducers import build_reducer
 from editrain.sync.state import StateLayout
 from editrain.sync.triggers import FragmentSchedule, IntervalTrigger, SyncTrigger, TimeTrigger
 from editrain.topology import SHARD_DIM, topology_of
+from editrain.units import unwrap_ddp
 
 BeforeSyncHook = Callable[[int], None]
 """Called on every rank, in the main thread, just before sync number ``n`` starts."""
@@ -195,7 +198,9 @@ def comm_group_backend(choice: str) -> str | None:
 def check_sharding(model: nn.Module, blocks: Sequence[nn.Module], shard_size: int) -> None:
     """The layout the layer-wise sync relies on: either every block *and* the root are FSDP2
     units of their own (``fully_shard`` on each block, then on the root), or nothing is
-    sharded and a replica is one process (``shard_size == 1``).
+    sharded: a replica is one process, or each of its ranks holds a full copy of plain
+    (non-DTensor) parameters, kept identical by the caller (e.g. ``DistributedDataParallel``
+    over the replica's group).
 
     Raises:
         ValueError: naming the offending block(s) and how to shard them.
@@ -211,8 +216,29 @@ def check_sharding(model: nn.Module, blocks: Sequence[nn.Module], shard_size: in
                          f"layer-wise sync needs one unit per block; {how}")
     if not root_sharded and len(plain) < len(blocks):
         raise ValueError(f"the blocks are FSDP2 units but the root module is not: {how}")
-    if not root_sharded and shard_size > 1:
-        raise ValueError(f"a replica has {shard_size} ranks but the model is not sharded: {how}")
+    if not root_sharded and shard_size > 1 and any(isinstance(p, DTensor)
+                                                   for p in model.parameters()):
+        raise ValueError(f"a replica has {shard_size} ranks and the model has DTensor "
+                         f"parameters but is not sharded by FSDP2: {how}")
+
+
+def check_replica_wrapper(model: nn.Module, replica_ranks: Sequence[int]) -> None:
+    """A ``DistributedDataParallel`` wrapper must average gradients over this rank's replica
+    (``mesh.get_group("shard")``) and nothing wider: over the world it would keep every
+    replica in step, and the local phase would not be local.
+
+    Raises:
+        ValueError: the wrapper's process group is not the replica's ranks.
+    """
+    if not isinstance(model, DistributedDataParallel):
+        return
+    ranks = sorted(dist.get_process_group_ranks(model.process_group))
+    if ranks != sorted(replica_ranks):
+        raise ValueError(
+            f"the DistributedDataParallel wrapper averages gradients over ranks {ranks}, "
+            f"but this rank's replica is ranks {sorted(replica_ranks)}: wrap the model over "
+            "the replica's own group, DistributedDataParallel(model, "
+            "process_group=mesh.get_group('shard')) (info.shard_mesh.get_group())")
 
 
 def find_root_params(model: nn.Module, blocks: Sequence[nn.Module]) -> list[nn.Parameter]:
@@ -234,7 +260,10 @@ class SyncEngine:
     module, with the same initial parameters on every replica.
 
     Args:
-        model: the root module (it must be a unit of its own under FSDP2).
+        model: the root module (it must be a unit of its own under FSDP2), or an unsharded
+            module whose full copy every rank of a replica holds, e.g. one wrapped in
+            ``DistributedDataParallel`` over the replica's group (each rank then syncs a
+            ``1/S`` slice of every unit and the replica all-gathers it).
         mesh: the ``("sync", "shard")`` DeviceMesh (see :func:`editrain.init_mesh`).
         config: the method and its options (``None`` fields take the method's defaults).
         blocks: the model's blocks in forward order (one sync unit each).
@@ -293,6 +322,8 @@ class SyncEngine:
 
         # Units in forward order: the root first (its all-gather happens first), then every
         # block and every other separately sharded module (embeddings, output head).
+        check_replica_wrapper(model, self.topo.replica_ranks(self.replica))
+        model = unwrap_ddp(model)  # hooks, units and state names: the wrapped module's
         check_sharding(model, blocks, self.topo.shard_size)
         outer_cls = resolve_optimizer_class(cfg.outer_optim_class)
         modules = unit_modules(model, blocks, cfg.split_root)
@@ -302,9 +333,15 @@ class SyncEngine:
                                                          for n, m in modules]
         self._first_module_unit = 1 if root else 0
         feedback = cfg.comm_dtype != "fp32" and cfg.error_feedback
+        # Full copies on the S ranks of a replica (DDP): each rank syncs a 1/S slice of every
+        # unit, and the replica all-gathers the slices on the communication thread.
+        part = None
+        if self.topo.shard_size > 1 and not isinstance(model, FSDPModule):
+            part = (self.topo.shard_of(self.rank), self.topo.shard_size)
+        gather = (lambda t: self.comm.call(self.comm.all_gather_shard, t)) if part else None
         self.units = [
             SyncUnit(i, n, ps, outer_cls, cfg.outer_optim_kwargs or {}, cfg.cpu_offload,
-                     error_feedback=feedback)
+                     error_feedback=feedback, part=part, gather=gather)
             for i, (n, ps) in enumerate(entries)
         ]
         names = [n for n, _ in entries]
@@ -961,8 +998,10 @@ class SyncEngine:
             if not grads:
                 continue
             flat = torch.cat([g.reshape(-1) for g in grads])
-            self.comm.all_reduce_sync(flat)
-            flat.div_(self.num_replicas)
+            piece = unit.own_part(flat)  # full copies: this rank's slice, then all-gathered
+            self.comm.all_reduce_sync(piece)
+            piece.div_(self.num_replicas)
+            flat = unit.assemble(piece)
             offset = 0
             for g in grads:
                 g.copy_(flat[offset:offset + g.numel()].view_as(g))

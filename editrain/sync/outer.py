@@ -4,6 +4,12 @@ A *unit* is a group of parameters sharded together by FSDP2 (one transformer blo
 root: embeddings, final norm, head). The anchor ``A`` is the flat fp32 concatenation of this
 rank's local shards as of the last sync, so a unit's cross-replica traffic is one message of
 ``1/S`` of the unit.
+
+When every rank of a replica holds a full copy of the model (DDP, ``S > 1``), a unit is
+given a *part*: this rank then owns one contiguous ``1/S`` slice of the unit's flat
+parameters, and the anchor, the outer state and the error feedback exist for that slice
+only. Writing the slice back all-gathers every rank's slice over the replica and writes the
+whole unit into the parameters, so all copies stay identical.
 """
 
 from __future__ import annotations
@@ -115,6 +121,13 @@ class SyncUnit:
         outer_kwargs: its keyword arguments.
         cpu_offload: keep the anchor and outer state in CPU memory.
         error_feedback: keep an error-feedback buffer (quantised pseudo-gradients).
+        part: ``(i, S)``: the parameters are a full copy held by each of ``S`` ranks, of
+            which this rank is the ``i``-th; it syncs the ``i``-th contiguous slice of the
+            flat unit (``ceil(n / S)`` elements, fewer or none at the end). None: the whole
+            local tensors (FSDP2 shards, or a one-process replica's parameters).
+        gather: with ``part``, the all-gather over the replica's ``S`` ranks (same-size
+            tensors in, their flat concatenation in shard order out), called wherever the
+            live parameters are written (a collective of the replica).
     """
 
     def __init__(
@@ -126,6 +139,8 @@ class SyncUnit:
         outer_kwargs: dict[str, Any],
         cpu_offload: bool,
         error_feedback: bool = False,
+        part: tuple[int, int] | None = None,
+        gather: Callable[[torch.Tensor], torch.Tensor] | None = None,
     ) -> None:
         self.index = index
         self.name = name
@@ -134,7 +149,32 @@ class SyncUnit:
         self.outer_kwargs = dict(outer_kwargs)
         self.cpu_offload = cpu_offload
         self.numels = [local_view(p).numel() for p in self.params]
-        self.numel = sum(self.numels)
+        self.full_numel = sum(self.numels)
+        """Elements of the unit's local tensors (all of them, with or without a part)."""
+        if part is not None and gather is None:
+            raise ValueError(f"unit {name}: a part needs the replica's all-gather")
+        self.part = part
+        self.gather = gather
+        self.chunk = self.full_numel
+        """Elements of every rank's slice before the end is cut off (the gather's size)."""
+        lo, hi = 0, self.full_numel
+        if part is not None:
+            mine, count = part
+            self.chunk = -(-self.full_numel // count)
+            lo = min(self.full_numel, mine * self.chunk)
+            hi = min(self.full_numel, lo + self.chunk)
+        self.span = (lo, hi)
+        """This rank's elements ``[lo, hi)`` of the flat unit."""
+        self.numel = hi - lo
+        """Elements this rank syncs: the anchor's size."""
+        # (parameter index, first, end) of the span, in the parameters' order
+        self._pieces: list[tuple[int, int, int]] = []
+        offset = 0
+        for i, n in enumerate(self.numels):
+            first, end = max(lo - offset, 0), min(hi - offset, n)
+            if first < end:
+                self._pieces.append((i, first, end))
+            offset += n
         self.error_feedback = error_feedback
         self.anchor: torch.Tensor | None = None
         self.outer: torch.optim.Optimizer | None = None
@@ -150,10 +190,32 @@ class SyncUnit:
         return local_view(self.params[0]).device if self.params else torch.device("cpu")
 
     def flat_params(self) -> torch.Tensor:
-        """fp32 flat copy of the live local shards, on the parameters' device."""
+        """fp32 flat copy of the live local shards (with a part: of this rank's slice), on
+        the parameters' device."""
         if not self.params:
             return torch.zeros(0, dtype=torch.float32)
-        return torch.cat([local_view(p).detach().reshape(-1).float() for p in self.params])
+        if self.part is None:
+            return torch.cat([local_view(p).detach().reshape(-1).float() for p in self.params])
+        if not self._pieces:
+            return torch.zeros(0, dtype=torch.float32, device=self.device)
+        return torch.cat([local_view(self.params[i]).detach().reshape(-1)[a:b].float()
+                          for i, a, b in self._pieces])
+
+    def own_part(self, full: torch.Tensor) -> torch.Tensor:
+        """This rank's slice (a view) of a flat vector of the whole unit; without a part,
+        ``full`` itself."""
+        return full if self.part is None else full[self.span[0]:self.span[1]]
+
+    def assemble(self, piece: torch.Tensor) -> torch.Tensor:
+        """The flat vector of the whole unit from every rank's slice ``piece`` (all-gathered
+        over the replica: every rank of it must call this at the same point); without a
+        part, ``piece`` itself."""
+        if self.part is None:
+            return piece
+        assert self.gather is not None
+        if piece.numel() < self.chunk:  # the last slices are short: pad to one size
+            piece = torch.cat([piece, piece.new_zeros(self.chunk - piece.numel())])
+        return self.gather(piece)[:self.full_numel]
 
     def create_anchor(self) -> None:
         """``A = theta`` (end of warm-up) and a fresh outer optimizer over ``A``."""
@@ -218,8 +280,10 @@ class SyncUnit:
 
     @torch.no_grad()
     def load_flat(self, flat: torch.Tensor) -> None:
-        """Copy a flat fp32 vector (this shard's layout) into the live local shards."""
-        src = flat.to(self.device, non_blocking=True)
+        """Copy a flat fp32 vector (this shard's layout) into the live local shards. With a
+        part, ``flat`` is this rank's slice: the slices of the replica are all-gathered
+        (:meth:`assemble`) and the whole unit is written, on every rank of the replica."""
+        src = self.assemble(flat.to(self.device, non_blocking=True))
         offset = 0
         for p, n in zip(self.params, self.numels):
             local = local_view(p)

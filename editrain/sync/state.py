@@ -22,6 +22,11 @@ relative to wherever the caller puts the tree::
 
 Python numbers in a unit's state (an optimizer may keep its step as an ``int``) travel in the
 per-rank JSON, so they come back with their type.
+
+When the ranks of a replica hold full copies (DDP) and each syncs a slice of every unit
+(``SyncUnit.part``), the slices are all-gathered over the replica at saving (every rank must
+call ``state_dict()``), so the tree holds whole plain tensors laid out like the parameters,
+the same as an unsharded model's; at loading each rank takes its own slice again.
 """
 
 from __future__ import annotations
@@ -129,7 +134,9 @@ class StateLayout:
                                          "it cannot be laid out like the parameters")
                     target, name = ((own, entry[len(_OWN):]) if entry.startswith(_OWN)
                                     else (params, entry))
-                    for fqn, piece in self._to_params(value.detach(), u).items():
+                    # Slices (full copies, DDP): the whole unit, gathered over the replica.
+                    full = unit.assemble(value.detach().to(unit.device))
+                    for fqn, piece in self._to_params(full, u).items():
                         target.setdefault(fqn, {})[name] = piece
                 elif torch.is_tensor(value):
                     scalars.setdefault(str(u), {})[entry] = value.detach().clone()
@@ -170,7 +177,7 @@ class StateLayout:
                     if not key.startswith(prefix):
                         continue
                     entry = key[len(prefix):]
-                    zeros = torch.zeros(self.units[u].numel, dtype=like.dtype)
+                    zeros = torch.zeros(self.units[u].full_numel, dtype=like.dtype)
                     for fqn, piece in self._to_params(zeros, u).items():
                         target.setdefault(fqn, {})[entry] = piece
         scalars: dict[str, dict[str, torch.Tensor]] = {}
@@ -205,7 +212,13 @@ class StateLayout:
             ValueError: a layout version or a number of units this code does not read.
         """
         ranks = tree["ranks"]
-        first = from_json_tensor(ranks[rank_key(0)])
+        # A tree saved by one rank without DCP (torch.save of its own state_dict()) holds
+        # that rank's entry only: it stands in for rank 0's.
+        head = ranks.get(rank_key(0), ranks.get(rank_key(self.rank)))
+        if head is None:
+            raise ValueError(f"the state holds neither rank 0's nor this rank's "
+                             f"({self.rank}) plain state: it was saved by another rank")
+        first = from_json_tensor(head)
         if first.get("version") != VERSION:
             raise ValueError(f"sync engine state version {first.get('version')!r}; this "
                              f"editrain reads version {VERSION}")
@@ -230,13 +243,15 @@ class StateLayout:
         for u, fqns in enumerate(self.fqns):
             state: dict[str, Any] = {}
             if fqns:
+                unit = self.units[u]
                 for entry in params.get(fqns[0], {}):
-                    state[entry] = self._from_params({f: params[f][entry] for f in fqns}, u)
+                    state[entry] = unit.own_part(
+                        self._from_params({f: params[f][entry] for f in fqns}, u))
                 for entry in own.get(fqns[0], {}):
                     if entry == "launch" and elastic:
                         continue  # rounds in flight are not carried across topologies
-                    state[_OWN + entry] = self._from_params({f: own[f][entry] for f in fqns},
-                                                            u)
+                    state[_OWN + entry] = unit.own_part(
+                        self._from_params({f: own[f][entry] for f in fqns}, u))
             elif u in stateful:
                 state["anchor"] = torch.zeros(0)  # a unit without parameters of its own
             state.update(scalars.get(str(u), {}))
