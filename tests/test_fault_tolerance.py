@@ -14,6 +14,18 @@ from tests.ft_workers import run_groups  # noqa: E402
 EDIT = {"method": "edit", "local_sgd_sync_interval": 2, "local_sgd_warmup_steps": 0}
 
 
+def _synced(outs: dict, case: dict, R: int, S: int = 1) -> list[list[dict]]:
+    """Assert every rank's final parameters equal the reference simulator's to 1e-5;
+    return each replica's committed rounds that synced units (from its first rank)."""
+    ref = reference(ref_config(case, R=R, S=S))
+    for r, ranks in outs.items():
+        for out in ranks:
+            for name, p in out["params"].items():
+                assert float((p - ref[r][name]).abs().max()) < 1e-5, (r, name)
+    return [[e for e in outs[r][0]["rounds"] if e["committed"] and e["units"]]
+            for r in sorted(outs)]
+
+
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("R,S,method", [(3, 1, "edit"), (2, 2, "edit"), (3, 1, "diloco")])
 def test_no_failure_equals_the_reference(tmp_path, R, S, method):
@@ -22,14 +34,12 @@ def test_no_failure_equals_the_reference(tmp_path, R, S, method):
     mode matches), every replica on one model after the last sync."""
     case = {"sync": {**EDIT, "method": method}, "steps": 6}
     outs = run_groups(R, S, case, tmp_path)
-    ref = reference(ref_config(case, R=R, S=S))
-    for r, ranks in outs.items():
+    for committed in _synced(outs, case, R, S):
+        assert len(committed) == 3 and all(e["quorum_size"] == R for e in committed)
+    for ranks in outs.values():
         for out in ranks:
             for name, p in out["params"].items():
-                assert float((p - ref[r][name]).abs().max()) < 1e-5, (r, name)
                 assert torch.equal(p, outs[0][0]["params"][name])
-        committed = [e for e in ranks[0]["rounds"] if e["committed"] and e["units"]]
-        assert len(committed) == 3 and all(e["quorum_size"] == R for e in committed)
 
 
 @pytest.mark.timeout(300)
@@ -44,12 +54,7 @@ def test_streaming_equals_the_reference(tmp_path, streaming):
     3 replica groups, penalty on, a final forced sync: the reference simulator's model."""
     case = {"sync": {**EDIT, "local_sgd_sync_interval": 4, **streaming}, "steps": 10,
             "finish_force": True}
-    outs = run_groups(3, 1, case, tmp_path)
-    ref = reference(ref_config(case, R=3, S=1))
-    for r, ranks in outs.items():
-        for name, p in ranks[0]["params"].items():
-            assert float((p - ref[r][name]).abs().max()) < 1e-5, (r, name)
-        synced = [e for e in ranks[0]["rounds"] if e["committed"] and e["units"]]
+    for synced in _synced(run_groups(3, 1, case, tmp_path), case, 3):
         assert {e["fragment"] for e in synced} == {-1, 0, 1}  # -1: the final, every unit
 
 
@@ -60,12 +65,7 @@ def test_aedit_forced_schedule_equals_the_reference(tmp_path):
     the reference simulator's model on every replica."""
     case = {"sync": {"method": "aedit", "local_sgd_warmup_steps": 0,
                      "min_total_global_steps": 1}, "steps": 3, "schedule": [2, 3, 4]}
-    outs = run_groups(3, 1, case, tmp_path)
-    ref = reference(ref_config(case, R=3, S=1))
-    for r, ranks in outs.items():
-        for name, p in ranks[0]["params"].items():
-            assert float((p - ref[r][name]).abs().max()) < 1e-5, (r, name)
-        synced = [e for e in ranks[0]["rounds"] if e["committed"] and e["units"]]
+    for synced in _synced(run_groups(3, 1, case, tmp_path), case, 3):
         assert [e["replica_steps"] for e in synced] == [[2.0, 3.0, 4.0]] * 3
 
 
