@@ -602,6 +602,7 @@ class Trainer:
                         self.replica, self.step)
             self._write({"event": "ft_join", "step": self.step, "tokens": self._tokens(),
                          "replica": self.replica, "wall_time_s": self._wall(),
+                         "unix_time": time.time(),
                          "sync": syncs[-1] if syncs else None})
 
     def _ft_state(self) -> dict[str, Any]:

@@ -574,3 +574,27 @@ def test_readme_headline(tmp_path):
     assert main(["bench", "report", "--out", str(root), "--path", str(page),
                  "--readme", str(readme)]) == 0
     assert page.is_file() and "DiLoCo's validation loss jumps" in readme.read_text()
+
+
+@pytest.mark.timeout(600)
+def test_faults_smoke(tmp_path, cache):
+    """The four runs finish; the no-failure runs of the two modes train the same model;
+    a failure costs useful tokens (ft) or redone steps (restart); the cost table is there."""
+    pytest.importorskip("torchft", reason="torchft not installed (pip install torchft)")
+    saved, out = _run("faults", tmp_path, cache)
+    _runs_ok(saved, count=4)
+    res = saved["results"]
+    rep = res["per_repeat"][0]
+    for system in ("ft", "ft-fail", "plain", "restart-fail"):
+        e = rep[system]
+        assert _num(e["final_val_loss"]) and _num(e["wall_s"]) and e["wall_s"] > 0, system
+        assert e["useful_tokens"] > 0, system
+    # The same algorithm, blocking quorum rounds or layer-wise: the same final model.
+    assert abs(rep["ft"]["final_val_loss"] - rep["plain"]["final_val_loss"]) < 1e-3
+    assert rep["ft-fail"]["useful_tokens"] < rep["ft"]["useful_tokens"]
+    assert rep["restart-fail"]["useful_tokens"] == rep["plain"]["useful_tokens"]
+    settings = saved["settings"]
+    fail_at, every = int(settings["fail"].split()[-1]), settings["checkpoint_every"]
+    assert rep["restart-fail"]["redone_steps"] == fail_at - fail_at // every * every
+    assert [t["title"] for t in saved["tables"]] == ["One failure", "Cost of the failure"]
+    assert (out / "runs" / "ft-fail-r0" / "replica1" / "metrics.jsonl").is_file()

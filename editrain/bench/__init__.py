@@ -18,6 +18,8 @@ memory      extra bytes per rank of the outer state (full copy vs sharded vs off
 overlap     forward wait at a layer-wise sync vs prefetch depth (edit vs diloco)
 optimizers  AdamW vs AGD vs AdamW + WSAM as inner optimizers, equal steps, 3 seeds
 peers       torchft's DiLoCo next to diloco and edit (skipped when torchft is missing)
+faults      one replica killed mid-run: --ft (the others train on, it heals) against
+            restart-from-checkpoint; useful throughput and time lost
 all         every scenario above
 report      docs/benchmarks.md from the results (``--readme FILE``: its headline too)
 ========== ==============================================================================
@@ -53,7 +55,7 @@ from typing import Any
 from editrain.config import ConfigError
 
 SCENARIOS = ("default", "convergence", "bandwidth", "stragglers", "spikes", "memory",
-             "overlap", "optimizers", "peers")
+             "overlap", "optimizers", "peers", "faults")
 """Scenario names in the order ``all`` runs them (and the report lists them)."""
 
 TINY_ENV = "EDITRAIN_BENCH_TINY"

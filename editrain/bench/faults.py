@@ -1,0 +1,260 @@
+"""Faults: one replica dies mid-run; the fault-tolerant mode against restart-from-checkpoint.
+
+Four runs per repeat, interleaved, all ``edit`` on 2 replicas x 1 process with the same
+step budget: ``ft`` (``--ft``, no failure), ``ft-fail`` (``--ft``, replica 1 killed after
+step F and started again: it heals from replica 0, which never stops), ``plain`` (the
+plain mode, no failure) and ``restart-fail`` (the plain mode, the same kill, torch elastic
+restarts every worker from the last checkpoint: ``--max-restarts 1``). What a failure costs
+is measured against the no-failure run of the same mode in the same repeat:
+
+* **useful tokens**: tokens that went into the final model. The step budget for every
+  replica in the plain mode (steps redone after the restart count once); in the
+  fault-tolerant mode each replica group's steps of its last attempt, plus the dead
+  attempt's steps up to its last sync (later ones died with it).
+* **useful throughput** = useful tokens / wall time of the whole launch; its loss against
+  the no-failure run of the same mode, and the time lost (extra wall time).
+* The issue's check, "the fault-tolerant mode loses at most the dead replica's share of
+  the window": the loss of useful throughput of ``ft-fail`` against ``ft`` compared with
+  the dead replica's share, ``downtime / wall time / replicas`` (downtime: from its death,
+  as the launcher saw it, to its rejoin, the ``ft_join`` row's time).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from editrain.bench.runner import Bench, repeat_label
+from editrain.bench.runs import Run
+from editrain.bench.stats import spread
+from editrain.bench.tables import md_table, spread_cell
+
+NAME = "faults"
+SYSTEMS = ("ft", "ft-fail", "plain", "restart-fail")
+DESCRIPTION = (
+    "One replica dies mid-run: the fault-tolerant mode (`--ft`, torchft; the others train "
+    "on, the dead one restarts and heals from a live peer) against restart-from-checkpoint "
+    "(`--max-restarts 1`: every worker restarts from the last checkpoint); useful tokens, "
+    "useful throughput, time lost and final validation loss, against the no-failure run of "
+    "the same mode (optional: needs the `torchft` package)."
+)
+REPLICAS = 2
+
+
+def run(bench: Bench) -> dict[str, Any]:
+    """Run the scenario (or record why it was skipped)."""
+    from editrain.sync.ft import torchft_available
+
+    if not torchft_available():
+        reason = "skipped: torchft not installed (pip install 'editrain[ft]')"
+        bench.log(reason)
+        return bench.finish(settings={}, methods=list(SYSTEMS),
+                            results={"status": "skipped", "reason": reason},
+                            tables=[("Faults", md_table(["scenario", "status"],
+                                                        [["faults", reason]]))],
+                            description=DESCRIPTION, skipped=reason)
+    steps = bench.pick(24, 150, 400)
+    interval = bench.pick(4, 10, 10)
+    fail_at = steps // 3 + interval // 2  # mid-window: the dead replica loses local steps
+    ckpt_every = bench.pick(8, 50, 100)
+    restart_s = bench.pick(0.0, 2.0, 5.0)
+    common = {"train": {"steps": steps, "eval_every": steps},
+              "sync": {"method": "edit", "local_sgd_sync_interval": interval,
+                       "local_sgd_warmup_steps": 0},
+              "dist": {"nproc": REPLICAS, "shard_size": 1, "ft_heartbeat_timeout_s": 2.0}}
+    fail = {"sim": {"fail": f"{REPLICAS - 1}@{fail_at}", "fail_restart_s": restart_s}}
+    layers = {
+        "ft": [common, {"dist": {"fault_tolerance": "torchft"}}],
+        "ft-fail": [common, {"dist": {"fault_tolerance": "torchft"}}, fail],
+        "plain": [common],
+        "restart-fail": [common, fail, {"dist": {"max_restarts": 1},
+                                        "checkpoint": {"every": ckpt_every}}],
+    }
+    for s in SYSTEMS:
+        bench.check(*layers[s])
+    bench.plan(bench.repeats * len(SYSTEMS))
+    runs: dict[str, list[Run]] = {s: [] for s in SYSTEMS}
+    for rep in range(bench.repeats):
+        for s in SYSTEMS:
+            runs[s].append(bench.train(repeat_label(s, rep), *layers[s],
+                                       title=f"{s} repeat {rep + 1}"))
+    per_repeat = [_measure({s: runs[s][i] for s in SYSTEMS}, fail_at, interval, ckpt_every)
+                  for i in range(bench.repeats)]
+    results = _summarise(per_repeat)
+    target = _target(results)
+    settings = {"replicas": REPLICAS, "steps": steps, "sync_interval": interval,
+                "fail": f"replica {REPLICAS - 1} after step {fail_at}",
+                "restart_delay_s": restart_s, "checkpoint_every": ckpt_every,
+                "repeats": bench.repeats}
+    notes = [
+        f"{REPLICAS} replicas x 1 process, edit, {steps} steps, H = {interval}; replica "
+        f"{REPLICAS - 1} is killed (abrupt exit of its processes) right after step {fail_at} "
+        f"(mid-window); `ft-fail` restarts its group {restart_s:g} s later, `restart-fail` "
+        f"restarts every worker from the last checkpoint (every {ckpt_every} steps; "
+        "checkpoint and evaluation time are inside the wall time, as a user pays them).",
+        "Wall time: the whole launch (process start-up included), measured by the bench.",
+        "Useful tokens: tokens that went into the final model (see the module docstring of "
+        "editrain/bench/faults.py); a run's tokens per step per rank from its batch size, "
+        "sequence length and accumulation.",
+        "Dead replica's share: its downtime (launcher's death record to the rejoined "
+        "group's `ft_join` row) / the ft-fail run's wall time / replicas.",
+        f"{bench.repeats} interleaved repeat(s); median [min-max] of per-repeat values; "
+        "ratios are taken within a repeat.",
+    ]
+    return bench.finish(settings=settings, methods=list(SYSTEMS), results=results,
+                        tables=[("One failure", _table(results)),
+                                ("Cost of the failure", _cost_table(results))],
+                        targets=[target], findings=_findings(results), notes=notes,
+                        description=DESCRIPTION, repeats=bench.repeats,
+                        headline=_headline(results))
+
+
+# ---------------------------------------------------------------------------- measures
+def _tokens_per_rank_step(run: Run) -> int:
+    t = run.config.get("train", {})
+    return int(t.get("batch_size", 0) * t.get("seq_len", 0)
+               * t.get("gradient_accumulation_steps", 1))
+
+
+def _ft_numbers(run: Run, fail_at: int | None, interval: int) -> dict[str, Any]:
+    """Useful tokens, final loss and the dead replica's downtime of a ``--ft`` run."""
+    s = run.summary
+    per_step = _tokens_per_rank_step(run)
+    useful = sum(g.get("tokens_processed", 0) for g in s.get("per_replica", {}).values())
+    out: dict[str, Any] = {"final_val_loss": s.get("final_val_loss"),
+                           "heals": sum(g.get("healed_at") is not None
+                                        for g in s.get("per_replica", {}).values())}
+    if fail_at is not None:
+        # The dead attempt's steps up to its last sync are in the model; later ones died.
+        useful += (fail_at // interval) * interval * per_step
+        died = [e for e in s.get("events", []) if e["event"] == "died"]
+        joined = None
+        for r, _ in s.get("per_replica", {}).items():
+            path = run.run_dir / f"replica{r}" / "metrics.jsonl"
+            for line in path.read_text().splitlines() if path.is_file() else []:
+                row = json.loads(line)
+                if row.get("event") == "ft_join" and "unix_time" in row:
+                    joined = row["unix_time"]
+        if died and joined is not None:
+            out["downtime_s"] = joined - died[0]["unix_time"]
+    out["useful_tokens"] = useful
+    return out
+
+
+def _plain_numbers(run: Run) -> dict[str, Any]:
+    s = run.summary
+    return {"final_val_loss": s.get("final_val_loss"),
+            "useful_tokens": int(s.get("steps", 0)) * REPLICAS * _tokens_per_rank_step(run)}
+
+
+def _measure(runs: dict[str, Run], fail_at: int, interval: int, ckpt_every: int
+             ) -> dict[str, dict[str, Any]]:
+    """One repeat's numbers per system, with ratios against its own no-failure run."""
+    out: dict[str, dict[str, Any]] = {}
+    for s, run in runs.items():
+        if not run.ok:
+            out[s] = {"error": run.error}
+            continue
+        nums = (_ft_numbers(run, fail_at if s == "ft-fail" else None, interval)
+                if s.startswith("ft") else _plain_numbers(run))
+        nums["wall_s"] = run.launch_s
+        nums["useful_tokens_per_s"] = nums["useful_tokens"] / run.launch_s
+        out[s] = nums
+    for failed, clean in (("ft-fail", "ft"), ("restart-fail", "plain")):
+        a, b = out.get(failed, {}), out.get(clean, {})
+        if "wall_s" in a and "wall_s" in b:
+            a["time_lost_s"] = a["wall_s"] - b["wall_s"]
+            a["throughput_loss"] = 1.0 - a["useful_tokens_per_s"] / b["useful_tokens_per_s"]
+    ftf = out.get("ft-fail", {})
+    if "downtime_s" in ftf:
+        ftf["dead_share"] = ftf["downtime_s"] / ftf["wall_s"] / REPLICAS
+    rf = out.get("restart-fail", {})
+    if "wall_s" in rf:
+        rf["redone_steps"] = fail_at - (fail_at // ckpt_every) * ckpt_every
+    return out
+
+
+def _summarise(per_repeat: list[dict[str, dict[str, Any]]]) -> dict[str, Any]:
+    keys = ("wall_s", "useful_tokens", "useful_tokens_per_s", "final_val_loss",
+            "time_lost_s", "throughput_loss", "downtime_s", "dead_share", "redone_steps")
+    results: dict[str, Any] = {"per_repeat": per_repeat}
+    for s in SYSTEMS:
+        rows = [rep.get(s, {}) for rep in per_repeat]
+        results[s] = {k: spread(r.get(k) for r in rows) for k in keys
+                      if any(k in r for r in rows)}
+        errors = [r["error"] for r in rows if "error" in r]
+        if errors:
+            results[s]["errors"] = errors
+    # The check, repeat by repeat: the loss against the dead replica's share.
+    checks = [(rep["ft-fail"]["throughput_loss"], rep["ft-fail"]["dead_share"])
+              for rep in per_repeat
+              if "throughput_loss" in rep.get("ft-fail", {})
+              and "dead_share" in rep.get("ft-fail", {})]
+    results["ft_check"] = {"loss_minus_share": spread(a - b for a, b in checks),
+                           "held": sum(a <= b for a, b in checks), "repeats": len(checks)}
+    return results
+
+
+# ---------------------------------------------------------------------------- output
+def _get(results: dict[str, Any], s: str, k: str) -> dict[str, Any] | None:
+    return results.get(s, {}).get(k)
+
+
+def _table(results: dict[str, Any]) -> str:
+    rows = []
+    for s in SYSTEMS:
+        rows.append([s, spread_cell(_get(results, s, "wall_s")),
+                     spread_cell(_get(results, s, "useful_tokens")),
+                     spread_cell(_get(results, s, "useful_tokens_per_s")),
+                     spread_cell(_get(results, s, "final_val_loss"))])
+    return md_table(["run", "wall time (s)", "useful tokens", "useful tokens/s",
+                     "final val loss"], rows)
+
+
+def _cost_table(results: dict[str, Any]) -> str:
+    rows = []
+    for s, clean in (("ft-fail", "ft"), ("restart-fail", "plain")):
+        rows.append([f"{s} vs {clean}", spread_cell(_get(results, s, "time_lost_s")),
+                     spread_cell(_get(results, s, "throughput_loss"), 100),
+                     spread_cell(_get(results, s, "dead_share"), 100),
+                     spread_cell(_get(results, s, "downtime_s")),
+                     spread_cell(_get(results, s, "redone_steps"))])
+    return md_table(["failure", "time lost (s)", "useful throughput lost (%)",
+                     "dead replica's share (%)", "downtime (s)", "steps redone"], rows)
+
+
+def _target(results: dict[str, Any]) -> dict[str, Any]:
+    check = results["ft_check"]
+    n, held = check["repeats"], check["held"]
+    diff = check["loss_minus_share"]
+    if not n:
+        return {"name": "ft loses at most the dead replica's share", "met": None,
+                "detail": "not evaluated: no repeat with both numbers"}
+    return {"name": "ft loses at most the dead replica's share of the window",
+            "met": held == n,
+            "detail": f"held in {held} of {n} repeats; useful throughput lost minus the "
+                      f"dead replica's share: {spread_cell(diff, 100)} percentage points"}
+
+
+def _findings(results: dict[str, Any]) -> list[str]:
+    out = []
+    ft, rs = results.get("ft-fail", {}), results.get("restart-fail", {})
+    if ft.get("throughput_loss") and rs.get("throughput_loss"):
+        out.append(f"With one replica killed, the fault-tolerant mode lost "
+                   f"{ft['throughput_loss']['median'] * 100:.1f}% of its useful throughput "
+                   f"(median) and restart-from-checkpoint "
+                   f"{rs['throughput_loss']['median'] * 100:.1f}%, each against its own "
+                   "no-failure run.")
+    if ft.get("time_lost_s") and rs.get("time_lost_s"):
+        out.append(f"Time lost: {ft['time_lost_s']['median']:.1f} s (ft) vs "
+                   f"{rs['time_lost_s']['median']:.1f} s (restart), median.")
+    return out
+
+
+def _headline(results: dict[str, Any]) -> list[str]:
+    ft, rs = results.get("ft-fail", {}), results.get("restart-fail", {})
+    if not (ft.get("throughput_loss") and rs.get("throughput_loss")):
+        return []
+    return [f"one replica killed: --ft keeps {100 - ft['throughput_loss']['median'] * 100:.0f}%"
+            f" of its useful throughput, restart-from-checkpoint "
+            f"{100 - rs['throughput_loss']['median'] * 100:.0f}%"]
