@@ -350,7 +350,8 @@ class Trainer:
 
         step_time = time.perf_counter() - t0
         mine = {"rank": self.global_rank, "replica": self.replica, "shard": self.info.shard,
-                "step": self.step, "tokens": self.step * self.tokens_per_step,
+                "step": self.step, "unix_time": time.time(),
+                "tokens": self.step * self.tokens_per_step,
                 "loss": float(loss), "wall_time_s": self._wall(), "step_time_s": step_time,
                 "compute_s": compute_s, "sync_wait_s": self._sync_wait() - wait0,
                 "grad_sync_s": grad_sync_s}
