@@ -146,11 +146,12 @@ def test_cli_ft_run_survives_a_dead_replica_group(tmp_path):
 
     run = tmp_path / "run"
     # Every step stalls 0.25 s so that the others are still training when the restarted
-    # group (a new process tree: several seconds) is ready.
+    # group is ready; it stays down 4 s (two heartbeat timeouts), so the survivors sync at
+    # least once as a quorum of two however fast the machine restarts it.
     train(tmp_path / "cache", run, "--ft", "--nproc", "3", "--shard-size", "1", "--steps",
           "60", "--sync.local_sgd_sync_interval", "4", "--sim.fail", "2@10",
-          "--sim.random_stall", "1.0,0.25", "--dist.ft_heartbeat_timeout_s", "2",
-          "--train.eval_every", "20")
+          "--sim.fail_restart_s", "4", "--sim.random_stall", "1.0,0.25",
+          "--dist.ft_heartbeat_timeout_s", "2", "--train.eval_every", "20")
     summary = json.loads((run / "summary.json").read_text())
     assert summary["finished_replicas"] == 3
     events = [(e["event"], e["replica"], e["attempt"]) for e in summary["events"]]
