@@ -36,7 +36,7 @@ from editrain.errors import CheckpointError
 from editrain.sync.config import GTAConfig, SyncConfig
 from editrain.sync.edit import EDiT, SyncEngine, root_leaf_units
 from editrain.sync.outer import resolve_optimizer_class
-from editrain.topology import SHARD_DIM, MeshInfo, init_mesh
+from editrain.topology import SHARD_DIM, TP_DIM, MeshInfo, init_mesh
 from editrain.units import find_blocks
 
 # ================================================================== reference-style config
@@ -201,6 +201,10 @@ def parallelize(
 ) -> list[nn.Module]:
     """Shard ``model`` with FSDP2 the way EDiT needs: one unit per block, plus the root.
 
+    On a ``("sync", "shard", "tp")`` mesh the blocks are first split over ``tp`` by
+    :func:`editrain.models.tensor_parallel.tensor_parallel` (the built-in Llama and Hugging
+    Face Llama-family blocks); FSDP2 then shards over ``shard`` as usual.
+
     A replica of one process (shard size 1) in fp32 is left unsharded by default: its
     parameters stay ordinary tensors, so a step costs what a bare training loop costs
     (FSDP2 on one rank only adds work: ~20% on forward and backward and a 2x slower
@@ -219,8 +223,8 @@ def parallelize(
 
     Args:
         model: the root module; its parameters become ``DTensor`` shards.
-        mesh: the ``("sync", "shard")`` mesh or the :class:`MeshInfo` of :func:`init_mesh`;
-            sharding runs over the ``"shard"`` dimension only.
+        mesh: the ``("sync", "shard")`` or ``("sync", "shard", "tp")`` mesh, or the
+            :class:`MeshInfo` of :func:`init_mesh`; FSDP2 shards over ``"shard"`` only.
         blocks: the blocks, their attribute path, or None to find them.
         precision: "fp32", "bf16" (bf16 compute, fp32 parameters and gradient reduction) or
             an explicit ``MixedPrecisionPolicy``.
@@ -242,7 +246,13 @@ def parallelize(
         raise ValueError(f"precision: allowed fp32, bf16 or a MixedPrecisionPolicy; "
                          f"got {precision!r}")
     found = find_blocks(model, blocks)
-    shard_mesh = _device_mesh(mesh)[SHARD_DIM]
+    device_mesh = _device_mesh(mesh)
+    if TP_DIM in (device_mesh.mesh_dim_names or ()):
+        # Tensor parallelism first (over "tp"); FSDP2 then shards the DTensors over "shard".
+        from editrain.models.tensor_parallel import tensor_parallel
+
+        tensor_parallel(found, device_mesh[TP_DIM])
+    shard_mesh = device_mesh[SHARD_DIM]
     if shard is None:
         shard = shard_mesh.size() > 1 or mp.param_dtype is not None
     if not shard:

@@ -169,3 +169,26 @@ def test_worker_threads_respect_the_user_then_torchrun_then_cores(monkeypatch):
     cfg.dist.threads_per_proc = 5
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     assert worker_threads(cfg) == 5
+
+
+def test_three_d_rank_arithmetic():
+    """("sync", "shard", "tp"): tp innermost; a replica is S x T ranks, a sync group the
+    ranks at one position of every replica; tp peers share a data rank."""
+    t = Topology(8, 2, 2)
+    assert (t.num_replicas, t.replica_size, t.shape) == (2, 4, (2, 2, 2))
+    coords = [(t.replica_of(r), t.shard_of(r), t.tp_of(r)) for r in range(8)]
+    assert coords == [(r, s, p) for r in range(2) for s in range(2) for p in range(2)]
+    assert all(t.rank_of(*c) == r for r, c in enumerate(coords))
+    assert t.replica_ranks(1) == [4, 5, 6, 7]
+    assert t.sync_ranks(3) == [3, 7] and [t.position_of(r) for r in (3, 7)] == [3, 3]
+    assert [t.data_rank(r) for r in range(8)] == [0, 0, 1, 1, 2, 2, 3, 3]
+    assert t.data_world == 4
+    assert Topology(4, 2).shape == (2, 2)  # tp 1: the 2-D mesh
+
+
+def test_tp_size_must_divide():
+    with pytest.raises(ValueError, match=r"dist.tp_size=3 must divide the world size 8"):
+        Topology(8, 1, 3)
+    with pytest.raises(ValueError,
+                       match=r"dist.shard_size=3 must divide world size / dist.tp_size = 4"):
+        Topology(8, 3, 2)

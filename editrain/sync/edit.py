@@ -56,7 +56,7 @@ from editrain.sync import quant
 from editrain.sync.comm import CommPath, CommStats, LinkDelay
 from editrain.sync.config import SyncConfig
 from editrain.sync.ft_round import FaultTolerantSync
-from editrain.sync.outer import SyncUnit, local_view, resolve_optimizer_class
+from editrain.sync.outer import SyncUnit, copies_in_replica, local_view, resolve_optimizer_class
 from editrain.sync.penalty import DetectorBank, clip_coefficient, compute_weights, finite_mask
 from editrain.sync.progress import Progress
 from editrain.sync.reducers import build_reducer
@@ -325,6 +325,11 @@ class SyncEngine:
         check_replica_wrapper(model, self.topo.replica_ranks(self.replica))
         model = unwrap_ddp(model)  # hooks, units and state names: the wrapped module's
         check_sharding(model, blocks, self.topo.shard_size)
+        if self.topo.tp_size > 1 and self.topo.shard_size > 1 and not isinstance(model,
+                                                                                  FSDPModule):
+            raise ValueError(f"tensor parallelism (tp_size={self.topo.tp_size}) with "
+                             f"{self.topo.shard_size} shards per replica needs FSDP2 over "
+                             "'shard' (editrain.parallelize); the DDP path takes tp_size 1")
         outer_cls = resolve_optimizer_class(cfg.outer_optim_class)
         modules = unit_modules(model, blocks, cfg.split_root)
         root = find_root_params(model, [m for _, m in modules])
@@ -339,9 +344,13 @@ class SyncEngine:
         if self.topo.shard_size > 1 and not isinstance(model, FSDPModule):
             part = (self.topo.shard_of(self.rank), self.topo.shard_size)
         gather = (lambda t: self.comm.call(self.comm.all_gather_shard, t)) if part else None
+        # Under tensor parallelism a replica's ranks hold some pieces twice or more (norms,
+        # embeddings, row-wise biases on every tp peer): statistics count them once.
+        size = self.topo.replica_size
         self.units = [
             SyncUnit(i, n, ps, outer_cls, cfg.outer_optim_kwargs or {}, cfg.cpu_offload,
-                     error_feedback=feedback, part=part, gather=gather)
+                     error_feedback=feedback, part=part, gather=gather,
+                     copies=None if part else [copies_in_replica(p, size) for p in ps])
             for i, (n, ps) in enumerate(entries)
         ]
         names = [n for n, _ in entries]
@@ -357,8 +366,7 @@ class SyncEngine:
         self.nonblocking = cfg.use_async and cfg.overlap_steps > 0
         """A-EDiT's non-blocking sync: the rendezvous and the reduction run behind
         ``overlap_steps`` inner steps, then the round is merged (``docs/streaming.md``)."""
-        self._layout = StateLayout(self.units, model, self.rank,
-                                   (self.topo.num_replicas, self.topo.shard_size))
+        self._layout = StateLayout(self.units, model, self.rank, self.topo.shape)
 
         # Process groups of the communication thread: private copies of this rank's sync
         # group and shard group. The main thread owns the mesh's groups (FSDP2 on the shard
@@ -366,17 +374,25 @@ class SyncEngine:
         # which the mesh may reuse as its sync group), and a delayed sync's collectives run
         # while the main thread trains: two threads must never share a process group.
         backend = comm_group_backend(comm_backend)
+        # The "shard group" of the engine is the whole replica (S x T ranks with tensor
+        # parallelism): every statistic is summed over it.
         sync_group = None
         if self.topo.num_replicas > 1:
             sync_group, _ = dist.new_subgroups_by_enumeration(
-                [self.topo.sync_ranks(s) for s in range(self.topo.shard_size)], backend=backend
-            )
-        shard_group = None
-        if self.topo.shard_size > 1:
-            shard_group, _ = dist.new_subgroups_by_enumeration(
-                [self.topo.replica_ranks(r) for r in range(self.topo.num_replicas)],
+                [self.topo.sync_ranks(i) for i in range(self.topo.replica_size)],
                 backend=backend
             )
+        shard_group = None
+        replica_groups = [self.topo.replica_ranks(r) for r in range(self.topo.num_replicas)]
+        if self.topo.replica_size > 1:
+            shard_group, _ = dist.new_subgroups_by_enumeration(replica_groups, backend=backend)
+        self._replica_group = None
+        """The main thread's group over this replica's ranks (the mesh's shard group
+        without tensor parallelism)."""
+        if self.topo.tp_size > 1:
+            self._replica_group, _ = dist.new_subgroups_by_enumeration(replica_groups)
+        elif self.topo.shard_size > 1:
+            self._replica_group = self.mesh.get_group(SHARD_DIM)
         self.comm = CommPath(sync_group, shard_group, self.device, link_delay,
                              stage_on_host=backend == "gloo" and self.device.type != "cpu",
                              cross=cross_replica)
@@ -666,11 +682,10 @@ class SyncEngine:
         now = self.clock()
         flags = torch.tensor([float(pending), now - self._launch_clock], dtype=torch.float64,
                              device=self.device)
-        if self.topo.shard_size > 1:
-            # The main thread's own shard group (the communication thread has a private
+        if self._replica_group is not None:
+            # The main thread's own replica group (the communication thread has a private
             # one): the ranks of a replica merge at the same step boundary.
-            dist.all_reduce(flags, op=dist.ReduceOp.MAX,
-                            group=self.mesh.get_group(SHARD_DIM))
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self._replica_group)
         pending_any, since_launch = flags.tolist()
         if pending_any:
             return False
@@ -1021,8 +1036,8 @@ class SyncEngine:
             return
         with record_function("editrain::sync::stats"):
             sq = torch.stack([
-                self._pseudo_grad(rnd, u).double().square().sum() if self.units[u].numel else
-                torch.zeros((), dtype=torch.float64, device=self.device)
+                self.units[u].square_sum(self._pseudo_grad(rnd, u)) if self.units[u].numel
+                else torch.zeros((), dtype=torch.float64, device=self.device)
                 for u in rnd.units
             ])
             self.comm.all_reduce_shard(sq)
@@ -1093,17 +1108,26 @@ class SyncEngine:
                 unit.launch = None  # only keep_local needs the snapshot at the merge
             if weight == 0.0:
                 delta.zero_()  # an excluded replica sends zeros (even if its delta is NaN)
-            if self.config.comm_dtype == "fp32":
-                gen = None
-                if self.config.gta.sparsification_method in ("random", "rescaled_random"):
-                    gen = torch.Generator(device=delta.device)
-                    gen.manual_seed(_mix(self.seed, rnd.index, u, self.rank))
-                reduced = self.reducer.reduce(delta, weight, self.comm.all_reduce_sync,
-                                              generator=gen)
+            if unit.segments is None:
+                reduced = self._reduce(rnd, u, delta, weight, weights, unit.error, self.rank)
             else:
-                reduced = self._quantised_reduce(unit, delta, weight, weights)
+                # Tensor parallelism: the pieces tp peers hold alike are reduced apart from
+                # the rest, with the same random draws and magnitude ranks on every peer,
+                # so that their copies stay identical.
+                reduced = torch.empty_like(delta)
+                alike = self.rank - self.topo.tp_of(self.rank)  # the same on tp peers
+                tags = (alike, self.topo.world_size), (self.rank,)
+                for index, tag in zip(unit.segments, tags):
+                    if not index.numel():
+                        continue
+                    error = None if unit.error is None else unit.error[index.to(
+                        unit.error.device)]
+                    part = self._reduce(rnd, u, delta[index], weight, weights, error, *tag)
+                    reduced[index] = part
+                    if error is not None:
+                        unit.error[index.to(unit.error.device)] = error
             if self.config.clip_pseudo_grad:
-                sq = reduced.double().square().sum().reshape(1)
+                sq = unit.square_sum(reduced).reshape(1)
                 self.comm.all_reduce_shard(sq)
                 coef = float(clip_coefficient(float(sq.sqrt()), self.config.clip_pseudo_grad))
                 if coef < 1.0:
@@ -1116,18 +1140,32 @@ class SyncEngine:
             if not rnd.delayed:
                 unit.write_back()
 
-    def _quantised_reduce(self, unit: SyncUnit, delta: torch.Tensor, weight: float,
-                          weights: list[float]) -> torch.Tensor:
+    def _reduce(self, rnd: SyncRound, u: int, delta: torch.Tensor, weight: float,
+                weights: list[float], error: torch.Tensor | None, *tag: int) -> torch.Tensor:
+        """The cross-replica reduction of one pseudo-gradient vector: the reducer (plain
+        or GTA; random draws seeded by the engine's seed, the round, the unit and ``tag``)
+        or, with a quantised ``comm_dtype``, :meth:`_quantised_reduce`."""
+        if self.config.comm_dtype != "fp32":
+            return self._quantised_reduce(delta, weight, weights, error)
+        gen = None
+        if self.config.gta.sparsification_method in ("random", "rescaled_random"):
+            gen = torch.Generator(device=delta.device)
+            gen.manual_seed(_mix(self.seed, rnd.index, u, *tag))
+        return self.reducer.reduce(delta, weight, self.comm.all_reduce_sync, generator=gen)
+
+    def _quantised_reduce(self, delta: torch.Tensor, weight: float, weights: list[float],
+                          error: torch.Tensor | None) -> torch.Tensor:
         """Gather every replica's quantised ``delta (+ error feedback)``, sum the decoded
-        values weighted, in fp32, in replica order (``docs/streaming.md`` section 4)."""
+        values weighted, in fp32, in replica order (``docs/streaming.md`` section 4).
+        ``error`` (this replica's residual, if kept) is updated in place."""
         dtype = self.config.comm_dtype
         if weight == 0.0:
             message, _ = quant.encode(delta, dtype)  # delta was zeroed: Q(0)
         else:
-            x = delta if unit.error is None else delta + unit.error.to(delta.device)
+            x = delta if error is None else delta + error.to(delta.device)
             message, decoded = quant.encode(x, dtype)
-            if unit.error is not None:
-                unit.error.copy_((x - decoded).to(unit.error.device))
+            if error is not None:
+                error.copy_((x - decoded).to(error.device))
         gathered = self.comm.all_gather_sync(message)
         out = torch.zeros_like(delta)
         for r, w in enumerate(weights):

@@ -110,6 +110,21 @@ def local_view(p: torch.Tensor) -> torch.Tensor:
     return p.to_local() if isinstance(p, DTensor) else p.data
 
 
+def copies_in_replica(p: torch.Tensor, replica_size: int) -> int:
+    """How many of a replica's ``replica_size`` ranks hold ``p``'s local tensor alike: the
+    ranks divided by the pieces ``p`` is cut into (its ``Shard`` placements, FSDP2's
+    strided ones over tensor-parallel shards included: whatever is not replicated). A plain
+    tensor is held whole by every rank (a one-process replica, or tensor parallelism
+    leaving a norm or an embedding replicated); FSDP2 over the whole replica cuts it into
+    as many pieces as ranks."""
+    pieces = 1
+    if isinstance(p, DTensor):
+        for dim, placement in enumerate(p.placements):
+            if not placement.is_replicate():
+                pieces *= p.device_mesh.size(dim)
+    return max(1, replica_size // pieces)
+
+
 class SyncUnit:
     """Anchor, outer optimizer and the sync arithmetic of one unit on one rank.
 
@@ -128,6 +143,10 @@ class SyncUnit:
         gather: with ``part``, the all-gather over the replica's ``S`` ranks (same-size
             tensors in, their flat concatenation in shard order out), called wherever the
             live parameters are written (a collective of the replica).
+        copies: per parameter, how many ranks of the replica hold this rank's local
+            tensor alike (see :func:`copies_in_replica`; more than 1 under tensor
+            parallelism): statistics summed over the replica count each piece once, and
+            the reductions treat the pieces held alike apart (:attr:`segments`).
     """
 
     def __init__(
@@ -141,6 +160,7 @@ class SyncUnit:
         error_feedback: bool = False,
         part: tuple[int, int] | None = None,
         gather: Callable[[torch.Tensor], torch.Tensor] | None = None,
+        copies: Sequence[int] | None = None,
     ) -> None:
         self.index = index
         self.name = name
@@ -175,6 +195,19 @@ class SyncUnit:
             if first < end:
                 self._pieces.append((i, first, end))
             offset += n
+        self.copies: list[int] | None = None
+        """Per parameter, the replica's ranks holding its local tensor alike; None when
+        every piece is held once."""
+        self.segments: tuple[torch.Tensor, torch.Tensor] | None = None
+        """Indices (into the flat unit) of the elements held alike by several ranks, and
+        of the others; None when every piece is held once."""
+        if copies is not None and any(c > 1 for c in copies):
+            if part is not None:
+                raise ValueError(f"unit {name}: a part and copies exclude each other")
+            self.copies = list(copies)
+            alike = torch.cat([torch.full((n,), c > 1) for n, c in zip(self.numels, copies)])
+            self.segments = (alike.nonzero().flatten().to(self.device),
+                             (~alike).nonzero().flatten().to(self.device))
         self.error_feedback = error_feedback
         self.anchor: torch.Tensor | None = None
         self.outer: torch.optim.Optimizer | None = None
@@ -188,6 +221,16 @@ class SyncUnit:
     def device(self) -> torch.device:
         """Device of the live parameters."""
         return local_view(self.params[0]).device if self.params else torch.device("cpu")
+
+    def square_sum(self, flat: torch.Tensor) -> torch.Tensor:
+        """float64 sum of squares of a flat unit vector, each element divided by the number
+        of the replica's ranks holding it alike (summed over the replica: each counted
+        once)."""
+        sq = flat.double().square()
+        if self.copies is None:
+            return sq.sum()
+        return torch.stack([piece.sum() / c
+                            for piece, c in zip(sq.split(self.numels), self.copies)]).sum()
 
     def flat_params(self) -> torch.Tensor:
         """fp32 flat copy of the live local shards (with a part: of this rank's slice), on

@@ -32,6 +32,7 @@ the same as an unsharded model's; at loading each rank takes its own slice again
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -72,17 +73,18 @@ class StateLayout:
         units: the engine's units, in forward order.
         model: the root module (it names the parameters).
         rank: this process's global rank.
-        topology: ``(replicas, shard_size)`` of the running job.
+        topology: ``(replicas, shard_size)`` of the running job, or ``(replicas,
+            shard_size, tp_size)`` with tensor parallelism.
     """
 
     def __init__(self, units: Sequence[SyncUnit], model: nn.Module, rank: int,
-                 topology: tuple[int, int]) -> None:
+                 topology: tuple[int, ...]) -> None:
         names = {id(p): n for n, p in model.named_parameters()}
         self.units = list(units)
         self.fqns = [[names[id(p)] for p in u.params] for u in self.units]
         self.rank = rank
         self.topology = tuple(topology)
-        self.replica = rank // self.topology[1]
+        self.replica = rank // math.prod(self.topology[1:])
 
     # ------------------------------------------------------------------ parameter layout
     def _to_params(self, flat: torch.Tensor, u: int) -> dict[str, torch.Tensor]:
