@@ -250,7 +250,7 @@ def _base(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
     return getattr(optimizer, "base_optimizer", optimizer)
 
 
-def run_meta(cfg: Any, vocab_size: int, topology: tuple[int, int] | None = None
+def run_meta(cfg: Any, vocab_size: int, topology: tuple[int, ...] | None = None
              ) -> dict[str, Any]:
     """What a checkpoint records about the run that wrote it (compared on resume)."""
     import dataclasses
@@ -271,6 +271,7 @@ def run_meta(cfg: Any, vocab_size: int, topology: tuple[int, int] | None = None
         "vocab_size": vocab_size,
         "num_units": num_units,
         "topology": list(topology) if topology else None,
+        "tp_size": int(getattr(getattr(cfg, "dist", None), "tp_size", 1)),
         "config": to_dict(cfg),
     }
 
@@ -284,6 +285,11 @@ def preflight_resume(resume: str | Path, cfg: Any, vocab_size: int) -> Path:
     return ckpt
 
 
+def _tp_size(topology: list[int] | None) -> int:
+    """The tp size of a ``(replicas, shards[, tp])`` topology."""
+    return int(topology[2]) if topology and len(topology) > 2 else 1
+
+
 def check_compatible(marker: dict[str, Any], meta: dict[str, Any]) -> list[str]:
     """Differences that make a checkpoint unusable for this run (model shape, method)."""
     problems = []
@@ -294,6 +300,12 @@ def check_compatible(marker: dict[str, Any], meta: dict[str, Any]) -> list[str]:
         old, new = marker.get(key), meta.get(key)
         if old != new:
             problems.append(f"{key}: checkpoint has {old!r}, this run has {new!r}")
+    old_tp = marker.get("tp_size", _tp_size(marker.get("topology")))
+    new_tp = meta.get("tp_size", _tp_size(meta.get("topology")))
+    if old_tp != new_tp:
+        problems.append(f"dist.tp_size: checkpoint has {old_tp}, this run has {new_tp} (a "
+                        "checkpoint resumes with the tp size it was saved with; replicas "
+                        "and shards may change)")
     old_model, new_model = marker.get("model") or {}, meta.get("model") or {}
     for key in sorted(set(old_model) | set(new_model)):
         if old_model.get(key) != new_model.get(key):

@@ -224,7 +224,12 @@ class DistSection:
     nproc: int = 4
     """Local worker processes started by `editrain train` (ignored under torchrun)."""
     shard_size: int = 2
-    """Ranks per replica (FSDP2 shard group); must divide the world size."""
+    """FSDP2 ranks per replica (the shard group); shard_size x tp_size must divide the
+    world size."""
+    tp_size: int = 1
+    """Tensor-parallel ranks per shard (Megatron split of every block over a "tp" mesh
+    dimension; a replica is shard_size x tp_size ranks); must divide the model's query and
+    key/value heads. 1: no tensor parallelism."""
     backend: str = "auto"
     """Process group backend: auto (nccl on CUDA, gloo on CPU), gloo or nccl."""
     device: str = "auto"
@@ -270,7 +275,7 @@ class DistSection:
 
         from editrain.sync.edit import COMM_BACKENDS
 
-        for name in ("nproc", "shard_size"):
+        for name in ("nproc", "shard_size", "tp_size"):
             _req(getattr(self, name) >= 1, f"dist.{name}",
                  f"must be >= 1, got {getattr(self, name)}")
         _positive(self, "dist", ("max_restarts", "threads_per_proc", "ft_replicas"), least=0)
@@ -390,6 +395,7 @@ SHORTHANDS = {
     "--steps": "train.steps",
     "--nproc": "dist.nproc",
     "--shard-size": "dist.shard_size",
+    "--tp-size": "dist.tp_size",
     "--method": "sync.method",
     "--seed": "train.seed",
     "--run-dir": "run_dir",
@@ -603,6 +609,14 @@ def validate(cfg: Config) -> None:
         _req(s.method == "aedit", "sim.step_schedule", "only applies to sync.method=aedit")
     _req(cfg.sim.fail_restart_s >= 0, "sim.fail_restart_s",
          f"must be >= 0 seconds, got {cfg.sim.fail_restart_s}")
+    if cfg.dist.tp_size > 1:
+        _req(cfg.dist.fault_tolerance == "none", "dist.tp_size",
+             "tensor parallelism is not available with dist.fault_tolerance=torchft yet; "
+             f"use dist.tp_size=1 there, got {cfg.dist.tp_size}")
+        heads = _heads(cfg)
+        _req(all(h % cfg.dist.tp_size == 0 for h in heads), "dist.tp_size",
+             f"must divide the model's query heads ({heads[0]}) and key/value heads "
+             f"({heads[1]}), got {cfg.dist.tp_size}")
     if cfg.dist.fault_tolerance == "torchft":
         from editrain.sync.edit import check_fault_tolerant
 
@@ -617,6 +631,18 @@ def validate(cfg: Config) -> None:
         _req(t.seq_len <= mcfg.max_seq_len, "train.seq_len",
              f"{t.seq_len} exceeds the model's maximum sequence length {mcfg.max_seq_len} "
              f"(raise model.max_seq_len or lower train.seq_len)")
+
+
+def _heads(cfg: Config) -> tuple[int, int]:
+    """(query heads, key/value heads) of the configured model."""
+    if cfg.model.hf_config is not None:
+        from editrain.models.hf import read_hf_config
+
+        data = read_hf_config(cfg.model.hf_config)
+        q = int(data.get("num_attention_heads") or 1)
+        return q, int(data.get("num_key_value_heads") or q)
+    mcfg = model_config(cfg)
+    return mcfg.n_heads, mcfg.n_kv_heads or mcfg.n_heads
 
 
 def _validate_hf(cfg: Config) -> None:
@@ -647,16 +673,25 @@ def model_config(cfg: Config, vocab_size: int | None = None):
 def validate_world(cfg: Config, world_size: int) -> None:
     """Checks that need the world size (known before spawning, or from torchrun's env)."""
     d = cfg.dist
-    if world_size % d.shard_size != 0:
+    if world_size % d.tp_size != 0:
         divisors = [k for k in range(1, world_size + 1) if world_size % k == 0]
         raise ConfigError(
-            f"dist.shard_size={d.shard_size} does not divide the world size {world_size}; "
+            f"dist.tp_size={d.tp_size} does not divide the world size {world_size}; "
+            f"allowed values: {', '.join(map(str, divisors))}"
+        )
+    per_tp = world_size // d.tp_size
+    if per_tp % d.shard_size != 0:
+        divisors = [k for k in range(1, per_tp + 1) if per_tp % k == 0]
+        what = (f"the world size {world_size}" if d.tp_size == 1 else
+                f"world size / dist.tp_size = {per_tp}")
+        raise ConfigError(
+            f"dist.shard_size={d.shard_size} does not divide {what}; "
             f"allowed values: {', '.join(map(str, divisors))}"
         )
     # Replica indices in sim.* must exist (checked here, before any worker starts).
     from editrain import sim
 
-    replicas = world_size // d.shard_size
+    replicas = world_size // (d.shard_size * d.tp_size)
     if d.fault_tolerance == "torchft" and d.ft_replicas:
         replicas = d.ft_replicas  # this job is one replica group of several
     try:

@@ -35,6 +35,7 @@ from editrain.data import SequenceStream, eval_batches
 from editrain.metrics import MetricsWriter, RankLog, read_metrics
 from editrain.models import Llama, causal_lm_loss, num_parameters
 from editrain.optim import build_optimizer, wrap_sam
+from editrain.optim.wsam import global_norm
 from editrain.sim import ComputeSlowdown, check_replicas, parse_sim
 from editrain.sync import StepScheduleTrigger, SyncEngine
 from editrain.topology import SHARD_DIM, init_mesh
@@ -67,7 +68,8 @@ class Trainer:
         self.plan = parse_sim(cfg.sim)
         device_type = None if cfg.dist.device == "auto" else cfg.dist.device
         backend = None if cfg.dist.backend == "auto" else cfg.dist.backend
-        self.info = info = init_mesh(cfg.dist.shard_size, backend=backend, device_type=device_type)
+        self.info = info = init_mesh(cfg.dist.shard_size, backend=backend, device_type=device_type,
+                                     tp_size=cfg.dist.tp_size)
         # The fault-tolerant mode: this job is one replica group of several (its world is
         # the group's ranks); every other mode: the world holds every replica.
         self.ft = cfg.dist.fault_tolerance == "torchft"
@@ -79,6 +81,7 @@ class Trainer:
             self.run_dir.mkdir(parents=True, exist_ok=True)
         else:
             self.replica, self.replicas = info.replica, info.topo.num_replicas
+        # Data ranks: the tp peers of a shard read the same batches.
         self.global_rank = self.replica * info.topo.shard_size + info.shard
         self.global_world = self.replicas * info.topo.shard_size
         check_replicas(self.plan, self.replicas + cfg.sim.replica_offset)
@@ -96,7 +99,7 @@ class Trainer:
         # collective) when another evaluates, so there each replica evaluates the whole
         # split over its own ranks, with no cross-replica collective.
         self.eval_everyone = not cfg.sync.use_async
-        eval_rank, eval_world = ((info.rank, info.topo.world_size) if self.eval_everyone
+        eval_rank, eval_world = ((self.global_rank, self.global_world) if self.eval_everyone
                                  else (info.shard, info.topo.shard_size))
         self.val = eval_batches(self.data.val, t.seq_len, t.batch_size, eval_rank, eval_world,
                                 t.eval_tokens)
@@ -116,6 +119,12 @@ class Trainer:
         # root, on the "shard" sub-mesh.
         blocks = parallelize(self.model, info, self.model.blocks(), t.precision,
                              split_root=cfg.sync.split_root)
+        self.replica_group = info.mesh.get_group(SHARD_DIM) if info.topo.shard_size > 1 else None
+        """The ranks holding one model copy between them (with tensor parallelism: the
+        replica's shard x tp ranks): gradient norms are summed over them."""
+        if info.topo.tp_size > 1:
+            self.replica_group, _ = dist.new_subgroups_by_enumeration(
+                [info.topo.replica_ranks(r) for r in range(info.topo.num_replicas)])
         self.optimizer = self._build_optimizer()
         # The simulated link is one FIFO per replica, shared by the replica's ranks.
         link = self.plan.shared_link(self.run_dir / ".link" / f"replica{self.replica}.state")
@@ -204,8 +213,7 @@ class Trainer:
             return opt
         return wrap_sam(o.sam, opt, rho=o.rho, gamma=o.gamma, adaptive=o.adaptive,
                         decouple=o.decouple, max_norm=t.grad_clip or None,
-                        norm_group=self.info.mesh.get_group(SHARD_DIM)
-                        if cfg.dist.shard_size > 1 else None)
+                        norm_group=self.replica_group)
 
     def _corrupt(self, sync_index: int) -> None:
         """Fault injection: scale this replica's pseudo-gradient before sync ``sync_index``."""
@@ -296,8 +304,9 @@ class Trainer:
                    "num_syncs": self.engine.num_syncs,
                    "num_params": self.num_params, "method": cfg.sync.method,
                    "replicas": self.replicas, "shard_size": self.info.topo.shard_size,
+                   "tp_size": self.info.topo.tp_size,
                    "steps_run": self.steps_run,
-                   "tokens_processed": self.steps_run * self.info.topo.world_size
+                   "tokens_processed": self.steps_run * self.info.topo.data_world
                    * self.tokens_per_step}
         if self.ft:
             summary.update(replica=self.replica, healed_at=self.healed_at,
@@ -334,7 +343,7 @@ class Trainer:
         if cfg.optim.sam in (None, "none"):
             loss = closure()
             if t.grad_clip > 0:
-                torch.nn.utils.clip_grad_norm_(self.model.parameters(), t.grad_clip)
+                self._clip_gradients(t.grad_clip)
             self.optimizer.step()
         else:
             loss = self.optimizer.step(closure)
@@ -350,6 +359,7 @@ class Trainer:
 
         step_time = time.perf_counter() - t0
         mine = {"rank": self.global_rank, "replica": self.replica, "shard": self.info.shard,
+                **({"tp": self.info.tp} if self.info.topo.tp_size > 1 else {}),
                 "step": self.step, "unix_time": time.time(),
                 "tokens": self.step * self.tokens_per_step,
                 "loss": float(loss), "wall_time_s": self._wall(), "step_time_s": step_time,
@@ -377,13 +387,28 @@ class Trainer:
             row["replica_step"] = self.step
         return row
 
+    def _clip_gradients(self, max_norm: float) -> None:
+        """``train.grad_clip``: torch's clipping, or under tensor parallelism the norm over
+        the replica's shard x tp ranks with every piece counted once
+        (:func:`editrain.optim.wsam.global_norm`: the tensors split over different meshes
+        there are beyond ``clip_grad_norm_``)."""
+        if self.info.topo.tp_size == 1:
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
+            return
+        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+        coef = (max_norm / (global_norm(grads, self.replica_group) + 1e-6)).clamp(max=1.0)
+        for g in grads:
+            g.mul_(coef.to(g.dtype))
+
     def _mean_loss(self, loss: float, everyone: bool) -> float:
-        """Mean of ``loss`` over all ranks (``everyone``) or over this replica's ranks."""
+        """Mean of ``loss`` over all data ranks (``everyone``) or over this replica's."""
         group = None if everyone else self.shard_group
-        size = self.info.topo.world_size if everyone else self.info.topo.shard_size
+        size = self.global_world if everyone else self.info.topo.shard_size
         if size == 1:
             return loss
-        t = torch.tensor([loss], dtype=torch.float64, device=self.info.device)
+        # tp peers hold the same loss: only the first of them counts
+        t = torch.tensor([loss if not everyone or self.info.tp == 0 else 0.0],
+                         dtype=torch.float64, device=self.info.device)
         dist.all_reduce(t, group=group)
         return float(t[0]) / size
 
@@ -416,6 +441,8 @@ class Trainer:
                 total[1] += batch.targets
             self.model.train()
         if self.eval_everyone and self.info.topo.world_size > 1:
+            if self.info.tp:
+                total.zero_()  # tp peers evaluated the same windows: the first counts
             dist.all_reduce(total)
         elif not self.eval_everyone and self.info.topo.shard_size > 1:
             dist.all_reduce(total, group=self.shard_group)
@@ -443,8 +470,7 @@ class Trainer:
 
     # ------------------------------------------------------------------ checkpoints
     def _meta(self) -> dict[str, Any]:
-        topo = (self.info.topo.num_replicas, self.info.topo.shard_size)
-        return run_meta(self.cfg, self.data.vocab_size, topo)
+        return run_meta(self.cfg, self.data.vocab_size, self.info.topo.shape)
 
     def save(self) -> None:
         """Write a checkpoint (collective; no effect on training)."""
@@ -466,8 +492,11 @@ class Trainer:
             "rng": rng_state(),
             "sim_rng": list(self.slowdown.rng.getstate()[1]),
         }
+        if self.info.topo.tp_size > 1:
+            rank_state["tp"] = self.info.tp
         if self.ft_group is not None:  # torchft's count of committed syncs: a group that
-            rank_state["ft_committed"] = self.ft_group.committed_syncs  # resumes behind heals  # the engine's own state is saved by save_checkpoint (engine.state_dict())
+            rank_state["ft_committed"] = self.ft_group.committed_syncs  # resumes behind heals
+        # (the engine's own state is saved by save_checkpoint: engine.state_dict())
         saved = save_checkpoint(self.run_dir, label, model=self.model, optimizer=self.optimizer,
                                 engine=self.engine, replica=self.info.replica,
                                 rank_state=rank_state, meta=self._meta(),
@@ -506,6 +535,7 @@ class Trainer:
         # Elastic: different number of replicas or shards.
         self.elastic = True
         old = [json.loads(p.read_text()) for p in sorted(ckpt.glob("rank_*.json"))]
+        old = [o for o in old if not o.get("tp")]  # tp peers saved the same data position
         first = old[0]
         t = self.cfg.train
         # The engine restarted every replica at one step (A-EDiT: the mean of the last sync).
@@ -517,7 +547,7 @@ class Trainer:
             self.data.train, t.seq_len, t.seed, [o["data"] for o in old],
             self.global_rank, self.global_world)
         if self.is_logger:
-            old_r, old_s = marker["topology"]
+            old_r, old_s = marker["topology"][:2]
             log.warning(
                 "elastic resume from %s: %dx%d -> %dx%d (replicas x shards). Carried over: "
                 "the global model (anchors), outer optimizer state, anomaly detectors of "
@@ -550,9 +580,10 @@ class Trainer:
             return
         topo, mem = self.info.topo, self.engine.extra_memory()
         log.warning(
-            "editrain: %s on %d replicas x %d shards (%s, %s%s); model %s with %.2fM "
+            "editrain: %s on %d replicas x %d shards%s (%s, %s%s); model %s with %.2fM "
             "parameters; outer state per rank: %s",
-            self.cfg.sync.method, self.replicas, topo.shard_size, self.info.device.type,
+            self.cfg.sync.method, self.replicas, topo.shard_size,
+            f" x {topo.tp_size} tp" if topo.tp_size > 1 else "", self.info.device.type,
             dist.get_backend(),
             f"; fault-tolerant, this is replica {self.replica}" if self.ft else "",
             self.cfg.model.hf_config or self.cfg.model.preset,

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# GPU smoke test: training, syncs (plain, streaming int8, non-blocking A-EDiT) and a
-# checkpoint round trip on CUDA/NCCL with one process per GPU, in bf16.
+# GPU smoke test: training, syncs (plain, streaming int8, non-blocking A-EDiT, tensor
+# parallelism on two or more GPUs) and checkpoint round trips on CUDA/NCCL with one process
+# per GPU, in bf16.
 #
 #   bash scripts/gpu_smoke.sh            # every visible GPU (respects CUDA_VISIBLE_DEVICES)
 #   NGPU=2 OUT=/tmp/smoke bash scripts/gpu_smoke.sh
@@ -45,6 +46,13 @@ run streaming --method edit --steps 24 --sync.local_sgd_sync_interval 8 \
     --sync.overlap_steps 2 --sync.fragments 2 --sync.comm_dtype int8
 run aedit-nb --method aedit --steps 24 --sync.local_sgd_sync_time 0.5 --sync.overlap_steps 2 \
     --sync.merge keep_local
+if [ "$NGPU" -ge 2 ] && [ $((NGPU % 2)) -eq 0 ]; then
+    # Tensor parallelism inside each replica: tp pairs, FSDP2 over what is left, NCCL.
+    run tensor-parallel --method edit --steps 20 --sync.local_sgd_sync_interval 5 \
+        --shard-size 1 --dist.tp_size 2 --train.grad_clip 1.0 --checkpoint.every 10
+    run tensor-parallel-resumed --method edit --steps 30 --sync.local_sgd_sync_interval 5 \
+        --shard-size 1 --dist.tp_size 2 --train.grad_clip 1.0 --resume "$OUT/tensor-parallel"
+fi
 python -c "import torch; print('gpu_smoke: ok on', torch.cuda.device_count(), 'x',
 torch.cuda.get_device_name(0), 'torch', torch.__version__)"
 echo "runs in $OUT"

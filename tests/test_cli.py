@@ -369,6 +369,13 @@ def bad_input_cases(tmp: Path) -> dict[str, tuple[list[str], list[str]]]:
         "ft_flag_value": (["--ft=yes"], ["--ft", "takes no value"]),
         "ft_timeout": (["--dist.ft_heartbeat_timeout_s=0"],
                        ["dist.ft_heartbeat_timeout_s", "> 0"]),
+        # tensor parallelism (the tiny preset has 4 query and 2 key/value heads)
+        "tp_heads": (["--model.preset", "tiny", "--nproc", "4", "--shard-size", "1",
+                      "--tp-size", "4"],
+                     ["dist.tp_size", "query heads (4)", "key/value heads (2)"]),
+        "tp_world": (["--model.preset", "tiny", "--nproc", "3", "--shard-size", "1",
+                      "--tp-size", "2"], ["dist.tp_size=2", "world size 3", "1, 3"]),
+        "tp_ft": (["--ft", "--tp-size", "2"], ["dist.tp_size", "fault_tolerance=torchft"]),
     }
 
 
@@ -379,7 +386,7 @@ BAD_INPUTS = ["unknown_key", "unknown_section", "wrong_type", "wrong_type_float"
               "threshold_minus_inf", "outer_function", "outer_not_optimizer", "outer_lr",
               "outer_keyword", "nccl", "cuda", "comm_backend", "data_extension", "data_glob",
               "data_eos", "overlap_steps", "ft_mode", "ft_aedit", "ft_sync", "ft_streaming",
-              "ft_flag_value", "ft_timeout"]
+              "ft_flag_value", "ft_timeout", "tp_heads", "tp_world", "tp_ft"]
 
 
 def test_bad_input_case_list_is_complete(tmp_path):

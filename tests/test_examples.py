@@ -64,6 +64,11 @@ def test_ddp(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == [f"rank{r}.pt" for r in range(4)]
 
 
+def test_tensor_parallel():
+    """2 replicas x 1 shard x 2 tp ranks."""
+    _check_learned(_run(TORCHRUN + [str(EXAMPLES / "tensor_parallel.py"), "--tiny"]))
+
+
 @pytest.mark.skipif(importlib.util.find_spec("transformers") is None,
                     reason="transformers is not installed (pip install -e '.[hf]')")
 def test_hf_llama():

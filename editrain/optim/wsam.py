@@ -29,10 +29,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor, Partial, Shard
+from torch.distributed.tensor import DTensor, Partial
 from torch.optim import Optimizer
 
-__all__ = ["WSAM", "WeightedSAM"]
+__all__ = ["WSAM", "WeightedSAM", "global_norm"]
 
 # Added to the gradient norm before dividing by it when clipping; the same guard as
 # torch.nn.utils.clip_grad_norm_ so clipping behaves like the usual trainer clipping.
@@ -65,7 +65,7 @@ def _shard_count(t: DTensor) -> int:
                 "WSAM got a gradient with a Partial placement; the closure must finish the "
                 "gradient reduction (e.g. FSDP2 backward) before returning"
             )
-        if isinstance(placement, Shard):
+        if not placement.is_replicate():  # Shard, and FSDP2's strided shards over tp
             count *= t.device_mesh.size(mesh_dim)
     return count
 
@@ -329,63 +329,83 @@ class WSAM(Optimizer):
     def _global_norm(
         self, tensors: Iterator[torch.Tensor] | Iterable[torch.Tensor]
     ) -> torch.Tensor:
-        """L2 norm over all ``tensors`` as one vector, across shards.
+        """L2 norm over all ``tensors`` as one vector, across shards (see
+        :func:`global_norm`)."""
+        return global_norm(tensors, self.norm_group)
 
-        Sharded ``DTensor``s contribute the sum of squares of their local shard, which is
-        all-reduced over ``norm_group``; plain tensors and fully replicated ``DTensor``s
-        contribute their full sum of squares once, without reduction, so they are not
-        counted once per rank.
-        """
-        sharded: list[torch.Tensor] = []
-        whole: list[torch.Tensor] = []
-        for t in tensors:
-            if isinstance(t, DTensor):
-                shards = _shard_count(t)
-                local = t.to_local()
-                if shards > 1:
-                    self._check_norm_group(shards)
-                    sharded.append(self._sum_sq(local))
-                    continue
-                whole.append(self._sum_sq(local))
-            else:
-                whole.append(self._sum_sq(t))
-        partials = sharded + whole
-        if not partials:
-            raise RuntimeError("WSAM found no gradients after the closure")
-        dtype = torch.float64 if any(s.dtype == torch.float64 for s in partials) else torch.float32
-        device = partials[0].device
 
-        total_sharded = torch.zeros((), dtype=dtype, device=device)
-        if sharded:
-            total_sharded = torch.stack([s.to(dtype) for s in sharded]).sum()
-        if self.norm_group is not None:
-            # Every rank of the group must join the collective, even one that happens to
-            # hold no sharded gradient, or the others would hang.
-            dist.all_reduce(total_sharded, op=dist.ReduceOp.SUM, group=self.norm_group)
-        total = total_sharded
-        if whole:
-            total = total + torch.stack([s.to(dtype) for s in whole]).sum()
-        return total.sqrt()
+def _sum_sq(t: torch.Tensor) -> torch.Tensor:
+    # Accumulate in at least float32 so bf16 gradients do not lose the norm.
+    dtype = torch.promote_types(t.dtype, torch.float32)
+    return torch.linalg.vector_norm(t, dtype=dtype).square()
 
-    @staticmethod
-    def _sum_sq(t: torch.Tensor) -> torch.Tensor:
-        # Accumulate in at least float32 so bf16 gradients do not lose the norm.
-        dtype = torch.promote_types(t.dtype, torch.float32)
-        return torch.linalg.vector_norm(t, dtype=dtype).square()
 
-    def _check_norm_group(self, shards: int) -> None:
-        if self.norm_group is None:
-            raise RuntimeError(
-                f"WSAM got DTensor gradients sharded over {shards} ranks but norm_group is "
-                "None; pass the shard process group (e.g. mesh.get_group()) as norm_group "
-                "so the gradient norm covers the whole model"
-            )
-        group_size = dist.get_world_size(self.norm_group)
-        if group_size != shards:
-            raise RuntimeError(
-                f"norm_group has {group_size} ranks but the gradients are sharded over "
-                f"{shards}; norm_group must be exactly the group the parameters are sharded over"
-            )
+def global_norm(tensors: Iterable[torch.Tensor],
+                norm_group: dist.ProcessGroup | None) -> torch.Tensor:
+    """L2 norm over all ``tensors`` (gradients) as one vector, across the ranks that hold
+    one model copy between them.
+
+    Sharded ``DTensor``s contribute the sum of squares of their local shard, all-reduced
+    over ``norm_group``, the ranks the parameters are spread over (the FSDP2 shard group;
+    with tensor parallelism the replica's shard x tp ranks). A tensor cut into fewer pieces
+    than the group has ranks (with tensor parallelism: a norm weight sharded by FSDP2 only,
+    held alike by the tp peers) is counted once: its sum is scaled by pieces / ranks.
+    Plain tensors and fully replicated ``DTensor``s contribute their full sum of squares
+    once, without reduction.
+
+    Raises:
+        RuntimeError: sharded gradients without a ``norm_group``, or a group whose size is
+            not a multiple of their pieces.
+    """
+    sharded: list[torch.Tensor] = []
+    whole: list[torch.Tensor] = []
+    for t in tensors:
+        if isinstance(t, DTensor):
+            shards = _shard_count(t)
+            local = t.to_local()
+            if shards > 1:
+                ranks = _check_norm_group(norm_group, shards)
+                sq = _sum_sq(local)
+                sharded.append(sq if shards == ranks else sq * (shards / ranks))
+                continue
+            whole.append(_sum_sq(local))
+        else:
+            whole.append(_sum_sq(t))
+    partials = sharded + whole
+    if not partials:
+        raise RuntimeError("WSAM found no gradients after the closure")
+    dtype = torch.float64 if any(s.dtype == torch.float64 for s in partials) else torch.float32
+    device = partials[0].device
+
+    total_sharded = torch.zeros((), dtype=dtype, device=device)
+    if sharded:
+        total_sharded = torch.stack([s.to(dtype) for s in sharded]).sum()
+    if norm_group is not None:
+        # Every rank of the group must join the collective, even one that happens to
+        # hold no sharded gradient, or the others would hang.
+        dist.all_reduce(total_sharded, op=dist.ReduceOp.SUM, group=norm_group)
+    total = total_sharded
+    if whole:
+        total = total + torch.stack([s.to(dtype) for s in whole]).sum()
+    return total.sqrt()
+
+
+def _check_norm_group(norm_group: dist.ProcessGroup | None, shards: int) -> int:
+    """The ranks of ``norm_group``, checked against gradients cut into ``shards`` pieces."""
+    if norm_group is None:
+        raise RuntimeError(
+            f"WSAM got DTensor gradients sharded over {shards} ranks but norm_group is "
+            "None; pass the shard process group (e.g. mesh.get_group()) as norm_group "
+            "so the gradient norm covers the whole model"
+        )
+    group_size = dist.get_world_size(norm_group)
+    if group_size % shards:
+        raise RuntimeError(
+            f"norm_group has {group_size} ranks but the gradients are sharded over "
+            f"{shards}; norm_group must be the ranks the parameters are spread over "
+            "(a multiple of their pieces)"
+        )
+    return group_size
 
 
 WeightedSAM = WSAM
