@@ -15,14 +15,19 @@ from tests.reference import batch, loss_on, make_model
 pytestmark = pytest.mark.slow
 
 
-def _sharded(S: int):
-    """The mesh, the test model sharded per block and root, and its inner optimizer."""
+def _sharded(S: int, T: int = 1):
+    """The mesh, the test model sharded per block and root (split over tp first when
+    ``T > 1``), and its inner optimizer."""
     from torch.distributed.fsdp import fully_shard
 
+    import editrain
     from editrain.topology import init_mesh
 
-    info = init_mesh(shard_size=S)
+    info = init_mesh(shard_size=S, tp_size=T)
     model = make_model()
+    if T > 1:
+        editrain.parallelize(model, info)
+        return info, model, torch.optim.AdamW(model.parameters(), lr=3e-3)
     for block in model.layers:
         fully_shard(block, mesh=info.shard_mesh)
     fully_shard(model, mesh=info.shard_mesh)
@@ -38,10 +43,10 @@ def _train_step(model, opt, engine, rank: int, step: int) -> None:
 
 
 def _worker(rank: int, world: int, S: int, dts: list[float], sync: dict, steps: int,
-            budget: float | None, max_syncs: int | None) -> dict:
+            budget: float | None, max_syncs: int | None, T: int) -> dict:
     from editrain.sync import SyncConfig, SyncEngine
 
-    info, model, opt = _sharded(S)
+    info, model, opt = _sharded(S, T)
     now = [0.0]
     engine = SyncEngine(model, info.mesh, SyncConfig(method="aedit", **sync),
                         blocks=model.layers, clock=lambda: now[0])
@@ -51,7 +56,7 @@ def _worker(rank: int, world: int, S: int, dts: list[float], sync: dict, steps: 
     for step in range(steps):
         if max_syncs is not None and engine.num_syncs >= max_syncs:
             break  # replicas do different numbers of steps: stop after a sync, together
-        _train_step(model, opt, engine, rank, step)
+        _train_step(model, opt, engine, info.topo.data_rank(rank), step)
         now[0] += dts[rank]
         engine.step()
         point = engine.sync_point()
@@ -71,10 +76,10 @@ def _worker(rank: int, world: int, S: int, dts: list[float], sync: dict, steps: 
 
 
 def _run(world: int, S: int, dts: list[float], sync: dict, steps: int,
-         budget: float | None = None, max_syncs: int | None = None) -> list[dict]:
+         budget: float | None = None, max_syncs: int | None = None, T: int = 1) -> list[dict]:
     from editrain.spawn import run_ranks
 
-    return run_ranks(_worker, world, S, dts, sync, steps, budget, max_syncs)
+    return run_ranks(_worker, world, S, dts, sync, steps, budget, max_syncs, T)
 
 
 PEN_OFF = dict(pseudo_gradnorm_reduce=False, skip_anomaly=False, clip_pseudo_grad=0.0)
@@ -102,12 +107,16 @@ def test_too_few_steps_skip_the_sync_and_restart_the_clocks():
         assert o["num_syncs"] == 0 and o["skipped"] == 3
 
 
-def test_budget_end_is_agreed_by_every_rank():
-    """2 replicas x 2 shards whose ranks' clocks disagree (rank 1 runs 30% fast, rank 3
-    is a straggler's fast shard): the budget's end is decided from gathered counts and
-    agreed elapsed times, so every rank stops at the same sync, with no hang."""
-    dts = [1.0, 1.3, 2.0, 2.6]
-    outs = _run(4, 2, dts, dict(local_sgd_sync_time=3.0, **PEN_OFF), steps=60, budget=12)
+@pytest.mark.parametrize("S,T", [(2, 1), (1, 2)])
+def test_budget_end_is_agreed_by_every_rank(S, T):
+    """2 replicas x 2 ranks (2 shards, or 2 tp ranks) whose ranks' clocks disagree: on its
+    own clock rank 1 would be due after 2 steps, rank 0 after 3; replica 1 is a straggler
+    whose ranks disagree too. The ranks of a replica agree on the elapsed time, and the
+    budget's end is decided from gathered counts, so every rank stops at the same sync,
+    with no hang (without the agreement over the tp ranks this fails)."""
+    dts = [1.0, 1.6, 3.0, 3.9]
+    outs = _run(4, S, dts, dict(local_sgd_sync_time=3.0, **PEN_OFF), steps=60, budget=12,
+                T=T)
     assert all(o["stopped_at"] is not None for o in outs)
     stops = {o["stopped_at"][1:] for o in outs}  # (sync, budget spent): one for everyone
     assert len(stops) == 1, stops
@@ -189,7 +198,7 @@ def _gated_worker(rank: int, world: int, dts: list[float], sync: dict, steps: in
     for step in range(steps):
         if engine.num_syncs >= 2:
             break
-        _train_step(model, opt, engine, rank, step)
+        _train_step(model, opt, engine, info.topo.data_rank(rank), step)
         now[0] += dts[rank]
         engine.step()
         if rank == 0:
@@ -230,10 +239,11 @@ def test_nonblocking_fast_replica_trains_on_until_the_round_is_done(tmp_path):
     assert fast["window_s"] == slow["window_s"] == max(counts[0] * 1.0, counts[1] * 2.0)
 
 
-def test_nonblocking_budget_end_is_agreed_by_every_rank():
-    dts = [1.0, 1.3, 2.0, 2.6]
-    outs = _run(4, 2, dts, dict(local_sgd_sync_time=3.0, **NONBLOCKING, **PEN_OFF), steps=80,
-                budget=12)
+@pytest.mark.parametrize("S,T", [(2, 1), (1, 2)])
+def test_nonblocking_budget_end_is_agreed_by_every_rank(S, T):
+    dts = [1.0, 1.6, 3.0, 3.9]
+    outs = _run(4, S, dts, dict(local_sgd_sync_time=3.0, **NONBLOCKING, **PEN_OFF), steps=80,
+                budget=12, T=T)
     assert all(o["stopped_at"] is not None for o in outs)
     assert len({o["stopped_at"][1:] for o in outs}) == 1
     assert all(o["stopped_at"][2] for o in outs)
