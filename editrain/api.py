@@ -286,7 +286,8 @@ def edit(
             with a full copy on every rank of a replica, e.g. wrapped in
             ``DistributedDataParallel`` over the replica's group (``docs/api.md``, "The
             DDP path").
-        mesh: the ``("sync", "shard")`` mesh or its :class:`MeshInfo`.
+        mesh: the ``("sync", "shard")`` or ``("sync", "shard", "tp")`` mesh, or its
+            :class:`MeshInfo`.
         config: a :class:`SyncConfig` (any method), a :class:`LocalSGDConfig`, or None
             (the default ``SyncConfig()``: EDiT with its recommended settings).
         blocks: the blocks, their attribute path, or None to find them.
