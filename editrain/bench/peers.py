@@ -121,7 +121,11 @@ def run(bench: Bench) -> dict[str, Any]:
         "join_timeout_ms = 100) per run, one `torchft.Manager` per replica group "
         "(use_async_quorum = False, init_sync = False: both replicas build the same model "
         "from the seed) over `ProcessGroupGloo`, `torchft.local_sgd.DiLoCo(sync_every = H)` "
-        f"around the inner optimizer; worker processes time out after {timeout_s} s.",
+        f"around the inner optimizer; worker processes time out after {timeout_s} s. Its "
+        "workers are set up as editrain's are: the same intra-op threads and the same "
+        "malloc settings (`editrain.train.keep_freed_memory`: freed memory kept for the "
+        "next step instead of page-faulted in again), so that the comparison is of the "
+        "training loops and syncs, not of the processes' heap layouts.",
         "Validation loss: over the whole validation split"
         + (" (tiny size: about 2,048 tokens of it)" if bench.mode == "tiny" else "")
         + ", the same windows for every system (editrain.data.eval_batches), at step 0 "
