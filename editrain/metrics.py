@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -53,15 +54,26 @@ def _drop_partial_line(path: Path) -> None:
 class MetricsWriter:
     """Appends rows to ``RUN_DIR/metrics.jsonl`` (and TensorBoard if installed).
 
+    Every row is flushed to the operating system at once, so a worker that crashes or is
+    killed loses at most the row it was writing. ``fsync`` (what only a crash of the machine
+    itself needs) runs at most every ``fsync_every_s`` seconds and on :meth:`close`: on a
+    busy disk one ``fsync`` costs from 0.2 to several milliseconds, which at every step put
+    up to a quarter of a small model's step time on the logging rank, and through the
+    syncs on every replica.
+
     Args:
         run_dir: the run directory.
         enabled: False on every rank but the logging rank.
         tensorboard: also write TensorBoard events when ``tensorboard`` is importable.
+        fsync_every_s: least seconds between two ``fsync`` calls (0: after every row).
     """
 
-    def __init__(self, run_dir: str | Path, enabled: bool = True, tensorboard: bool = True):
+    def __init__(self, run_dir: str | Path, enabled: bool = True, tensorboard: bool = True,
+                 fsync_every_s: float = 30.0):
         self.path = Path(run_dir) / METRICS_FILE
         self.enabled = enabled
+        self.fsync_every_s = fsync_every_s
+        self._last_fsync = time.monotonic()
         if enabled:
             _drop_partial_line(self.path)
         self._file = open(self.path, "a", encoding="utf-8") if enabled else None  # noqa: SIM115
@@ -75,12 +87,16 @@ class MetricsWriter:
                 self._tb = None
 
     def write(self, row: dict[str, Any]) -> None:
-        """Append one row; flushed immediately so a crash loses at most this row."""
+        """Append one row; flushed immediately so a crash loses at most this row (synced to
+        the disk every ``fsync_every_s``)."""
         if self._file is None:
             return
         self._file.write(json.dumps(_clean(row), separators=(",", ":")) + "\n")
         self._file.flush()
-        os.fsync(self._file.fileno())
+        now = time.monotonic()
+        if now - self._last_fsync >= self.fsync_every_s:
+            os.fsync(self._file.fileno())
+            self._last_fsync = now
         if self._tb is not None and "step" in row:
             for k, v in row.items():
                 if isinstance(v, int | float) and not isinstance(v, bool) and k != "step":
@@ -89,6 +105,8 @@ class MetricsWriter:
     def close(self) -> None:
         """Close the files."""
         if self._file is not None:
+            self._file.flush()
+            os.fsync(self._file.fileno())
             self._file.close()
             self._file = None
         if self._tb is not None:

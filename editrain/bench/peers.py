@@ -108,7 +108,7 @@ def run(bench: Bench) -> dict[str, Any]:
     tables = [("torchft DiLoCo and editrain", _table(results)),
               ("Differences against the spread of the repeats", _comparison_table(results))]
     findings = _findings(results, repeats, steps, h)
-    targets = [_target(results)]
+    targets = [_target(results), _speed_target(results)]
     outer = cfg.sync.resolve()
     notes = [
         f"2 replicas x 1 process, {steps} steps, H = {h}, the {cfg.model.preset} preset, "
@@ -121,7 +121,11 @@ def run(bench: Bench) -> dict[str, Any]:
         "join_timeout_ms = 100) per run, one `torchft.Manager` per replica group "
         "(use_async_quorum = False, init_sync = False: both replicas build the same model "
         "from the seed) over `ProcessGroupGloo`, `torchft.local_sgd.DiLoCo(sync_every = H)` "
-        f"around the inner optimizer; worker processes time out after {timeout_s} s.",
+        f"around the inner optimizer; worker processes time out after {timeout_s} s. Its "
+        "workers are set up as editrain's are: the same intra-op threads and the same "
+        "malloc settings (`editrain.train.keep_freed_memory`: freed memory kept for the "
+        "next step instead of page-faulted in again), so that the comparison is of the "
+        "training loops and syncs, not of the processes' heap layouts.",
         "Validation loss: over the whole validation split"
         + (" (tiny size: about 2,048 tokens of it)" if bench.mode == "tiny" else "")
         + ", the same windows for every system (editrain.data.eval_batches), at step 0 "
@@ -293,6 +297,7 @@ def _results(runs: dict[str, list[Run]], skip: int) -> tuple[dict[str, Any], lis
     if gap is not None and gap > SAME_START_TOLERANCE:
         errors.append(f"the systems start from different validation losses (gap {gap:.4g}): "
                       "they did not train the same model on the same data")
+    results["speed_ratios"] = _speed_ratios(results)
     results["comparisons"] = [
         {"a": a, "b": b, "metric": metric,
          "difference": _diff(results[a][metric], results[b][metric]),
@@ -314,6 +319,39 @@ def _target(results: dict[str, Any]) -> dict[str, Any]:
     gaps = [abs(a - b) / abs(b) for a, b in zip(ours, theirs)]
     return {"name": name, "met": max(gaps) <= SAME_RESULT_TOLERANCE,
             "detail": f"largest relative difference {max(gaps):.2g}"}
+
+
+def _speed_target(results: dict[str, Any]) -> dict[str, Any]:
+    """editrain's diloco and edit train at least as fast as torchft's DiLoCo (medians)."""
+    name = ("editrain's diloco and edit reach at least torchft DiLoCo's tokens/s (ratio of "
+            "the medians over repeats >= 1.0)")
+    ratios = results["speed_ratios"]
+    if any(r["median_ratio"] is None for r in ratios.values()):
+        return {"name": name, "met": None, "detail": "a run failed"}
+    return {"name": name, "met": all(r["median_ratio"] >= 1.0 for r in ratios.values()),
+            "detail": "; ".join(f"{s} {r['median_ratio']:.3f}x (paired repeats "
+                                f"{_range(r['paired'])})" for s, r in ratios.items())}
+
+
+def _range(values: list[float]) -> str:
+    """``min-max`` of ratios, or ``-`` when there are none."""
+    return f"{min(values):.3f}-{max(values):.3f}" if values else "-"
+
+
+def _speed_ratios(results: dict[str, Any]) -> dict[str, Any]:
+    """tokens/s of editrain's systems over torchft DiLoCo's: the ratio of the medians, and
+    the ratio within every repeat (the runs of one repeat run back to back)."""
+    ref = results["torchft-diloco"]["tokens_per_s"]
+    out = {}
+    for system in ("diloco", "edit"):
+        mine = results[system]["tokens_per_s"]
+        paired = [a["tokens_per_s"] / b["tokens_per_s"]
+                  for a, b in zip(results[system]["windows"], results["torchft-diloco"]["windows"])
+                  if a.get("tokens_per_s") and b.get("tokens_per_s")]
+        ratio = (mine["median"] / ref["median"]
+                 if mine.get("median") and ref.get("median") else None)
+        out[system] = {"median_ratio": ratio, "paired": paired}
+    return out
 
 
 def _tolerance(metric: str, reference: dict[str, Any]) -> float:
@@ -391,6 +429,10 @@ def _findings(results: dict[str, Any], repeats: int, steps: int, h: int) -> list
     if syncs is not None:
         out.append(f"torchft committed {syncs:.0f} of the {steps // h} syncs (median over "
                    "repeats).")
+    for system, r in results["speed_ratios"].items():
+        if r["median_ratio"] is not None:
+            out.append(f"{system} runs at {r['median_ratio']:.3f}x torchft DiLoCo's tokens/s "
+                       f"(ratio of medians; within each repeat {_range(r['paired'])}).")
     for c in results["comparisons"]:
         if c["difference"] is None:
             continue

@@ -296,14 +296,25 @@ def readme_headline(records: Sequence[dict[str, Any]]) -> str:
     peers = by_name.get("peers")
     if peers and not peers.get("skipped"):
         target = next(iter(peers.get("targets", [])), None)
-        speed = {k: (peers.get("results", {}).get(k, {}).get("tokens_per_s") or {})
-                 .get("median") for k in ("torchft-diloco", "diloco")}
         if target and target.get("met"):
             clause = ("editrain's DiLoCo ends at torchft DiLoCo's validation loss on the same "
                       f"model and data ({target.get('detail')})")
-            if speed["torchft-diloco"] and speed["diloco"]:
-                clause += (f" but runs at {speed['diloco'] / speed['torchft-diloco']:.2f}x "
-                           "torchft's tokens/s (median of the repeats)")
+            # Every peers record of that size (e.g. one per H), in H order, largest first.
+            same = [r for r in fresh if r.get("scenario") == "peers" and not r.get("skipped")
+                    and r.get("mode") == peers.get("mode")]
+            ratios = []
+            for r in sorted(same, key=lambda r: -(r.get("settings", {}).get("sync_interval")
+                                                  or 0)):
+                speed = {k: (r.get("results", {}).get(k, {}).get("tokens_per_s") or {})
+                         .get("median") for k in ("torchft-diloco", "diloco")}
+                if speed["torchft-diloco"] and speed["diloco"]:
+                    ratios.append((speed["diloco"] / speed["torchft-diloco"],
+                                   r.get("settings", {}).get("sync_interval")))
+            if ratios:
+                clause += (" and runs at " if all(x >= 1.0 for x, _ in ratios) else " but runs at ")
+                clause += " and ".join(f"{x:.2f}x" + (f" (H = {h})" if len(ratios) > 1 else "")
+                                       for x, h in ratios)
+                clause += " torchft's tokens/s (median of the repeats)"
             clauses.append(clause)
     if not clauses:
         raise ConfigError("bench report --readme: none of the default, spikes, stragglers "

@@ -8,8 +8,10 @@ configuration an ``editrain train`` run of ``diloco`` would use: the ``Llama`` o
 preset and seed, the token cache, the replica's ``SequenceStream`` (rank = replica, world
 = replicas, the same seed), the inner optimizer and learning-rate schedule, gradient
 clipping, H (``sync.local_sgd_sync_interval``) and the outer optimizer of
-``sync.resolve()``. The validation loss is computed over the same windows as editrain's
-trainer (``editrain.data.eval_batches``), at the start and at the end.
+``sync.resolve()``; the process is set up as editrain's workers are (intra-op threads,
+``editrain.train.keep_freed_memory``). The validation loss is computed over the same
+windows as editrain's trainer (``editrain.data.eval_batches``), at the start and at the
+end.
 
 The run directory gets what the bench reads from an editrain run: ``ranks/rank{R}.jsonl``
 (every replica), and from replica 0 ``metrics.jsonl`` and ``summary.json``; each replica
@@ -94,12 +96,13 @@ def train_replica(spec: dict[str, Any]) -> dict[str, Any]:
     from editrain.models import Llama, causal_lm_loss
     from editrain.optim import build_optimizer
     from editrain.sync.outer import resolve_optimizer_class
-    from editrain.train import lr_at
+    from editrain.train import keep_freed_memory, lr_at
 
     cfg = load_config(None, spec["options"])
     replica, replicas = int(spec["replica"]), int(spec["replicas"])
     run_dir = Path(spec["run_dir"])
     torch.set_num_threads(int(spec["threads"]))
+    keep_freed_memory()  # the process set up as editrain's workers are (run_worker)
     t, sync = cfg.train, cfg.sync.resolve()
     if t.steps % sync.local_sgd_sync_interval:
         raise ValueError(f"train.steps ({t.steps}) must be a multiple of H "
