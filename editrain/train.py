@@ -99,8 +99,9 @@ class Trainer:
         # collective) when another evaluates, so there each replica evaluates the whole
         # split over its own ranks, with no cross-replica collective.
         self.eval_everyone = not cfg.sync.use_async
-        eval_rank, eval_world = ((self.global_rank, self.global_world) if self.eval_everyone
-                                 else (info.shard, info.topo.shard_size))
+        # (over this job's world: in the fault-tolerant mode a replica group's own ranks)
+        eval_rank, eval_world = ((info.topo.data_rank(info.rank), info.topo.data_world)
+                                 if self.eval_everyone else (info.shard, info.topo.shard_size))
         self.val = eval_batches(self.data.val, t.seq_len, t.batch_size, eval_rank, eval_world,
                                 t.eval_tokens)
 
@@ -403,7 +404,7 @@ class Trainer:
     def _mean_loss(self, loss: float, everyone: bool) -> float:
         """Mean of ``loss`` over all data ranks (``everyone``) or over this replica's."""
         group = None if everyone else self.shard_group
-        size = self.global_world if everyone else self.info.topo.shard_size
+        size = self.info.topo.data_world if everyone else self.info.topo.shard_size
         if size == 1:
             return loss
         # tp peers hold the same loss: only the first of them counts
