@@ -672,26 +672,17 @@ def model_config(cfg: Config, vocab_size: int | None = None):
 
 def validate_world(cfg: Config, world_size: int) -> None:
     """Checks that need the world size (known before spawning, or from torchrun's env)."""
+    from editrain.topology import Topology
+
     d = cfg.dist
-    if world_size % d.tp_size != 0:
-        divisors = [k for k in range(1, world_size + 1) if world_size % k == 0]
-        raise ConfigError(
-            f"dist.tp_size={d.tp_size} does not divide the world size {world_size}; "
-            f"allowed values: {', '.join(map(str, divisors))}"
-        )
-    per_tp = world_size // d.tp_size
-    if per_tp % d.shard_size != 0:
-        divisors = [k for k in range(1, per_tp + 1) if per_tp % k == 0]
-        what = (f"the world size {world_size}" if d.tp_size == 1 else
-                f"world size / dist.tp_size = {per_tp}")
-        raise ConfigError(
-            f"dist.shard_size={d.shard_size} does not divide {what}; "
-            f"allowed values: {', '.join(map(str, divisors))}"
-        )
+    try:  # the mesh's own rank arithmetic says what divides what
+        topo = Topology(world_size, d.shard_size, d.tp_size)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     # Replica indices in sim.* must exist (checked here, before any worker starts).
     from editrain import sim
 
-    replicas = world_size // (d.shard_size * d.tp_size)
+    replicas = topo.num_replicas
     if d.fault_tolerance == "torchft" and d.ft_replicas:
         replicas = d.ft_replicas  # this job is one replica group of several
     try:
