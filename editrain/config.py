@@ -259,7 +259,11 @@ class DistSection:
     ft_min_replicas: int = 1
     """torchft: a sync commits only with at least this many replicas present."""
     ft_heartbeat_timeout_s: float = 5.0
-    """torchft: a replica silent for this long is dropped from the next quorum."""
+    """torchft: a replica silent for this long is dropped from the next quorum (the
+    survivors' next sync waits at most this long after a replica dies)."""
+    ft_heartbeat_interval_s: float = 0.1
+    """torchft: how often each replica group tells the lighthouse it is alive, and how
+    often the lighthouse re-checks a pending quorum (at most half the heartbeat timeout)."""
     ft_join_timeout_s: float = 60.0
     """torchft: how long a quorum waits for replicas that are alive but not yet at the
     sync (also how long a lone restarted replica waits for the others)."""
@@ -284,9 +288,15 @@ class DistSection:
         _req(self.ft_replica_id >= -1, "dist.ft_replica_id",
              f"must be >= 0 (or -1: from $EDITRAIN_FT_REPLICA), got {self.ft_replica_id}")
         _positive(self, "dist", ("ft_min_replicas",), least=1)
-        for name in ("ft_heartbeat_timeout_s", "ft_join_timeout_s", "ft_timeout_s"):
+        for name in ("ft_heartbeat_timeout_s", "ft_heartbeat_interval_s", "ft_join_timeout_s",
+                     "ft_timeout_s"):
             _req(getattr(self, name) > 0, f"dist.{name}",
                  f"must be > 0 seconds, got {getattr(self, name)}")
+        _req(self.ft_heartbeat_interval_s * 2 <= self.ft_heartbeat_timeout_s,
+             "dist.ft_heartbeat_interval_s",
+             f"must be at most half of dist.ft_heartbeat_timeout_s "
+             f"({self.ft_heartbeat_timeout_s:g} s: a live replica must get two heartbeats "
+             f"in), got {self.ft_heartbeat_interval_s:g}")
         if self.fault_tolerance == "torchft":
             from editrain.sync.ft import torchft_available
 

@@ -64,7 +64,8 @@ def make_group(cfg: Config, replica: int, replicas: int, group_rank: int, group_
     return TorchftGroup(replica, replicas, group_rank, group_size,
                         lighthouse=d.ft_lighthouse or os.environ.get(LIGHTHOUSE_ENV),
                         min_replicas=d.ft_min_replicas, timeout_s=d.ft_timeout_s,
-                        quorum_timeout_s=max(600.0, 2 * d.ft_join_timeout_s))
+                        quorum_timeout_s=max(600.0, 2 * d.ft_join_timeout_s),
+                        heartbeat_interval_s=d.ft_heartbeat_interval_s)
 
 
 # ---------------------------------------------------------------------------- state
@@ -134,7 +135,8 @@ def run_ft(cfg: Config, run_dir: Path) -> dict[str, Any]:
     address = d.ft_lighthouse
     if not address:
         lighthouse = start_lighthouse(d.ft_min_replicas, d.ft_join_timeout_s,
-                                      d.ft_heartbeat_timeout_s)
+                                      d.ft_heartbeat_timeout_s,
+                                      tick_s=d.ft_heartbeat_interval_s)
         address = lighthouse.address()
     cfg = dataclasses.replace(cfg, dist=dataclasses.replace(d, ft_replicas=replicas,
                                                             fault_tolerance="torchft"))

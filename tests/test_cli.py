@@ -369,6 +369,9 @@ def bad_input_cases(tmp: Path) -> dict[str, tuple[list[str], list[str]]]:
         "ft_flag_value": (["--ft=yes"], ["--ft", "takes no value"]),
         "ft_timeout": (["--dist.ft_heartbeat_timeout_s=0"],
                        ["dist.ft_heartbeat_timeout_s", "> 0"]),
+        "ft_heartbeat": (["--dist.ft_heartbeat_timeout_s=0.5",
+                          "--dist.ft_heartbeat_interval_s=0.3"],
+                         ["dist.ft_heartbeat_interval_s", "half", "0.5 s"]),
         # tensor parallelism (the tiny preset has 4 query and 2 key/value heads)
         "tp_heads": (["--model.preset", "tiny", "--nproc", "4", "--shard-size", "1",
                       "--tp-size", "4"],
@@ -386,7 +389,7 @@ BAD_INPUTS = ["unknown_key", "unknown_section", "wrong_type", "wrong_type_float"
               "threshold_minus_inf", "outer_function", "outer_not_optimizer", "outer_lr",
               "outer_keyword", "nccl", "cuda", "comm_backend", "data_extension", "data_glob",
               "data_eos", "overlap_steps", "ft_mode", "ft_aedit", "ft_sync", "ft_streaming",
-              "ft_flag_value", "ft_timeout", "tp_heads", "tp_world", "tp_ft"]
+              "ft_flag_value", "ft_timeout", "ft_heartbeat", "tp_heads", "tp_world", "tp_ft"]
 
 
 def test_bad_input_case_list_is_complete(tmp_path):

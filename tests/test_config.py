@@ -464,6 +464,7 @@ FROZEN_OPTIONS = [
     "dist.ft_lighthouse",
     "dist.ft_min_replicas",
     "dist.ft_heartbeat_timeout_s",
+    "dist.ft_heartbeat_interval_s",
     "dist.ft_join_timeout_s",
     "dist.ft_timeout_s",
     "sync.method",

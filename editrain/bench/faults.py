@@ -69,12 +69,16 @@ def run(bench: Bench) -> dict[str, Any]:
     fail_at = steps // 3 + interval // 2  # mid-window: the dead replica loses local steps
     ckpt_every = bench.pick(8, 100, 200)
     restart_s = 0.0  # both modes restart the dead processes at once (torch elastic does)
-    heartbeat_s = 0.5
+    # Failure detection: the lighthouse drops a replica whose heartbeats (every 50 ms)
+    # stopped for 0.25 s; heartbeats come from torchft's native threads, not the training
+    # loop, so a busy live replica keeps sending them.
+    heartbeat_s, beat_every_s = 0.25, 0.05
     common = {"train": {"steps": steps, "eval_every": steps},
               "sync": {"method": "edit", "local_sgd_sync_interval": interval,
                        "local_sgd_warmup_steps": 0},
               "dist": {"nproc": REPLICAS, "shard_size": 1,
-                       "ft_heartbeat_timeout_s": heartbeat_s}}
+                       "ft_heartbeat_timeout_s": heartbeat_s,
+                       "ft_heartbeat_interval_s": beat_every_s}}
     fail = {"sim": {"fail": f"{REPLICAS - 1}@{fail_at}", "fail_restart_s": restart_s}}
     layers = {
         "ft": [common, {"dist": {"fault_tolerance": "torchft"}}],
@@ -96,7 +100,7 @@ def run(bench: Bench) -> dict[str, Any]:
     results = _summarise(per_repeat)
     target = _target(results)
     settings = {"replicas": REPLICAS, "steps": steps, "sync_interval": interval,
-                "heartbeat_timeout_s": heartbeat_s,
+                "heartbeat_timeout_s": heartbeat_s, "heartbeat_interval_s": beat_every_s,
                 "fail": f"replica {REPLICAS - 1} after step {fail_at}",
                 "restart_delay_s": restart_s, "checkpoint_every": ckpt_every,
                 "repeats": bench.repeats}
@@ -108,7 +112,8 @@ def run(bench: Bench) -> dict[str, Any]:
         f"restarts every worker from the last checkpoint (every {ckpt_every} steps; "
         "checkpoint and evaluation time are inside the wall time, as a user pays them). "
         f"The lighthouse drops a silent replica after {heartbeat_s:g} s "
-        "(dist.ft_heartbeat_timeout_s): a survivor that reaches its next sync sooner waits "
+        f"(dist.ft_heartbeat_timeout_s; heartbeats every {beat_every_s:g} s, "
+        "dist.ft_heartbeat_interval_s): a survivor that reaches its next sync sooner waits "
         "there for the rest of that time.",
         "Wall time: the whole launch (process start-up included), measured by the bench.",
         "Useful tokens: tokens that went into the final model (see the module docstring of "

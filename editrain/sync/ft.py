@@ -65,7 +65,7 @@ def torchft_available() -> bool:
 
 
 def start_lighthouse(min_replicas: int, join_timeout_s: float, heartbeat_timeout_s: float,
-                     bind: str = "[::]:0") -> Any:
+                     tick_s: float = 0.1, bind: str = "[::]:0") -> Any:
     """Start a torchft lighthouse in this process; ``.address()`` gives its URL and
     ``.shutdown()`` stops it.
 
@@ -74,13 +74,16 @@ def start_lighthouse(min_replicas: int, join_timeout_s: float, heartbeat_timeout
         join_timeout_s: how long a quorum waits for replicas that are alive (heartbeating)
             but not yet at the sync; a rejoining replica waits for the others' next sync.
         heartbeat_timeout_s: a replica silent for this long is considered dead.
+        tick_s: how often a pending quorum is re-checked (so a quorum that waits for a
+            dead replica forms at most this long after its heartbeat timed out).
         bind: address to listen on.
     """
     from torchft.coordination import LighthouseServer
 
     return LighthouseServer(bind=bind, min_replicas=min_replicas,
                             join_timeout_ms=int(join_timeout_s * 1000),
-                            heartbeat_timeout_ms=int(heartbeat_timeout_s * 1000))
+                            heartbeat_timeout_ms=int(heartbeat_timeout_s * 1000),
+                            quorum_tick_ms=max(1, int(tick_s * 1000)))
 
 
 class TorchftGroup:
@@ -97,6 +100,7 @@ class TorchftGroup:
         timeout_s: collectives, commit votes and state transfer fail after this long.
         quorum_timeout_s: how long a replica may wait for a quorum (a rejoining replica
             waits for the others' next sync: longer than a sync interval).
+        heartbeat_interval_s: how often this group tells the lighthouse it is alive.
         store_addr / store_port: this replica group's TCPStore (default: torchrun's
             ``MASTER_ADDR`` / ``MASTER_PORT``).
     """
@@ -104,7 +108,7 @@ class TorchftGroup:
     def __init__(self, replica: int, replicas: int, group_rank: int, group_size: int, *,
                  lighthouse: str | None = None, min_replicas: int = 1,
                  timeout_s: float = 60.0, quorum_timeout_s: float = 600.0,
-                 store_addr: str | None = None, store_port: int | None = None) -> None:
+                 heartbeat_interval_s: float = 0.1, store_addr: str | None = None, store_port: int | None = None) -> None:
         from torchft.manager import Manager
         from torchft.process_group import ProcessGroupGloo
 
@@ -121,6 +125,7 @@ class TorchftGroup:
             pg=self.pg, load_state_dict=None, state_dict=None, min_replica_size=min_replicas,
             use_async_quorum=False, timeout=timedelta(seconds=timeout_s),
             quorum_timeout=timedelta(seconds=quorum_timeout_s),
+            heartbeat_interval=timedelta(seconds=heartbeat_interval_s),
             rank=group_rank, world_size=group_size,
             store_addr=store_addr or os.environ["MASTER_ADDR"],
             store_port=store_port or int(os.environ["MASTER_PORT"]),
