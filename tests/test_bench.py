@@ -14,11 +14,12 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from editrain.bench import SCENARIOS, run_scenario
-from editrain.bench.limits import plan_solo_runs, solo_sim
+from editrain.bench.limits import matched_limit, plan_solo_runs, solo_sim
 from editrain.bench.measures import (
     UTILISATION_TOLERANCE,
     rank_window,
@@ -389,10 +390,12 @@ def test_solo_runs_simulate_one_replica_each(tmp_path):
     assert solo_sim(cfg.sim, 1)["corrupt_replica"] == []
     plan = plan_solo_runs(cfg)
     assert len(plan.layers) == 2 and plan.replica_keys[0] != plan.replica_keys[1]
+    # A solo run covers any replica's share of the budget (20 steps x 2 replicas).
+    assert {layer["train"]["steps"] for layer in plan.layers.values()} == {40}
     assert sorted(plan.labels.values()) == ["solo-replica0", "solo-replica1"]
     for layer in plan.layers.values():
         assert layer["dist"]["nproc"] == 1 and layer["dist"]["threads_per_proc"] >= 1
-        assert layer["sync"]["local_sgd_sync_interval"] > 20  # no sync inside the run
+        assert layer["sync"]["local_sgd_sync_interval"] > 40  # no sync inside the run
         solo = load_config(None, merge(base, layer))  # a valid single-replica run
         assert solo.dist.nproc == solo.dist.shard_size == 1
         validate_world(solo, 1)  # replica indices up to the offset exist
@@ -402,6 +405,49 @@ def test_solo_runs_simulate_one_replica_each(tmp_path):
     assert list(own.labels.values()) == ["solo-replica0", "solo-replica1"]
     assert [own.sims[k]["random_stall"] for k in own.replica_keys] == ["0.1,0.2"] * 2
     assert [own.sims[k]["replica_offset"] for k in own.replica_keys] == [0, 1]
+
+
+def _timed_rows(replica: int, step_s: list[float], tokens: int = 100) -> list[dict[str, Any]]:
+    """Per-rank rows of a replica whose step k took ``step_s[k - 1]`` seconds."""
+    rows, clock = [], 0.0
+    for k, dt in enumerate(step_s, start=1):
+        clock += dt
+        rows.append({"rank": replica, "replica": replica, "step": k, "tokens": k * tokens,
+                     "wall_time_s": clock, "step_time_s": dt, "compute_s": dt})
+    return rows
+
+
+def test_matched_limit_takes_each_replica_over_its_own_steps():
+    """The limit of a run is each replica's solo speed over the steps that replica trained
+    in the run: the stalls of those steps (drawn per step) are in it, not those of the
+    solo run's other steps."""
+    cfg = load_config(None, {"dist": {"nproc": 2, "shard_size": 1}, "train": {"steps": 6},
+                             "sim": {"random_stall": "0.1,0.2"}})
+    plan = plan_solo_runs(cfg)
+    # Solo runs: 0.1 s a step, replica 0 stalls at step 3, replica 1 at step 9.
+    solo = {0: [0.1] * 12, 1: [0.1] * 12}
+    solo[0][2] += 0.2
+    solo[1][8] += 0.2
+    solos = {key: Run(key, Path("."), {}, summary={"ok": True},
+                      ranks={0: _timed_rows(0, solo[r])})
+             for r, key in enumerate(plan.replica_keys)}
+    # The compared run: replica 0 trained 8 steps (its stall at 3 included), replica 1 only
+    # 4 (its stall at 9 never came), each slowed by a fifth.
+    run = Run("aedit", Path("."), {}, summary={"ok": True},
+              ranks={0: _timed_rows(0, [x * 1.2 for x in solo[0][:8]]),
+                     1: _timed_rows(1, [x * 1.2 for x in solo[1][:4]])})
+    got = matched_limit(plan, solos, run, skip=1)
+    assert got["steps"] == [[1, 8], [1, 4]]
+    assert got["per_replica"][0] == pytest.approx(700 / 0.9)  # steps 2-8: 0.7 s + a stall
+    assert got["per_replica"][1] == pytest.approx(300 / 0.3)  # steps 2-4: no stall
+    assert got["tokens_per_s"] == pytest.approx(700 / 0.9 + 1000)
+    stats = replica_stats(run, skip=1)
+    assert [s["tokens_per_s"] / g for s, g in zip(stats, got["per_replica"])] == \
+        pytest.approx([1 / 1.2, 1 / 1.2])
+    # Steps the solo run never reached: no limit rather than a wrong one.
+    short = dict(solos, **{plan.replica_keys[1]: Run("s", Path("."), {}, summary={"ok": True},
+                                                     ranks={0: _timed_rows(1, [0.1] * 3)})})
+    assert matched_limit(plan, short, run, skip=1)["tokens_per_s"] is None
 
 
 def test_spread_and_paired_differences():

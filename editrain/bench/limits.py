@@ -6,9 +6,19 @@ same on the same machine (so the limit includes the contention for cores and mem
 the compared runs have too). Each solo run is a single replica (``dist.nproc =
 dist.shard_size``) that simulates replica ``r`` of the compared runs (``sim.replica_offset
 = r``: its straggler factor and its own random-stall stream), with the same threads per
-process and the same steps, and no communication at all (``edit`` with a sync interval
-longer than the run). The solo runs of one repeat are started together, as separate jobs,
-interleaved with the method runs of every repeat.
+process, and no communication at all (``edit`` with a sync interval longer than the
+run). The solo runs of one repeat are started together, as separate jobs, interleaved with
+the method runs of every repeat.
+
+A compared run's limit is taken over the same steps (:func:`matched_limit`): each replica's
+solo speed between the steps that replica ran in the compared run's window. A simulated
+slowdown is drawn per step from the replica's own stream (a random stall at step k is the
+same in every run that simulates that replica), so over the same steps a solo run has
+exactly the stalls the replica had; over other steps it would not (with stalls of p = 0.1
+a stretch of 70 to 120 steps holds 4% to 14% stalled steps: a limit over the solo run's own
+steps was off by up to 7% from the replica's share of the same process). A solo run
+therefore trains as many steps as the whole budget (``train.steps x replicas``), enough
+for any replica's share.
 """
 
 from __future__ import annotations
@@ -72,6 +82,7 @@ def plan_solo_runs(cfg: Any) -> SoloPlan:
     """
     shard = cfg.dist.shard_size
     replicas = cfg.dist.nproc // shard
+    steps = cfg.train.steps * replicas  # any replica's share of the budget fits
     threads = cfg.dist.threads_per_proc or max(1, (os.cpu_count() or 1) // cfg.dist.nproc)
     plan = SoloPlan(replica_keys=[])
     for replica in range(replicas):
@@ -83,7 +94,8 @@ def plan_solo_runs(cfg: Any) -> SoloPlan:
         plan.layers[key] = {
             "dist": {"nproc": shard, "shard_size": shard, "threads_per_proc": threads},
             "sim": sim,
-            "sync": {"method": "edit", "local_sgd_sync_interval": cfg.train.steps + 1},
+            "sync": {"method": "edit", "local_sgd_sync_interval": steps + 1},
+            "train": {"steps": steps, "eval_every": steps},
         }
     return plan
 
@@ -126,4 +138,57 @@ def measured_limit(plan: SoloPlan, solo_runs: dict[str, Run], skip: int) -> dict
             "utilisation": {plan.labels[k]: s["utilisation"] for k, s in speeds.items()}}
 
 
-__all__ = ["SoloPlan", "measured_limit", "plan_solo_runs", "solo_sim", "solo_speed"]
+def _rank_tokens_per_s(rows: list[dict[str, Any]], first: int, last: int) -> float | None:
+    """One rank's tokens/s from the end of its step ``first`` to the end of step ``last``
+    (None when either row is missing)."""
+    at = {r["step"]: r for r in rows}
+    a, b = at.get(first), at.get(last)
+    if a is None or b is None or b["wall_time_s"] <= a["wall_time_s"]:
+        return None
+    return (b["tokens"] - a["tokens"]) / (b["wall_time_s"] - a["wall_time_s"])
+
+
+def solo_speed_over(run: Run, first: int, last: int) -> float | None:
+    """A solo run's tokens/s (its ranks' sum) over its steps ``first + 1 .. last``."""
+    if not run.ok or not run.ranks:
+        return None
+    speeds = [_rank_tokens_per_s(rows, first, last) for rows in run.ranks.values()]
+    return sum(speeds) if speeds and all(v is not None for v in speeds) else None
+
+
+def matched_limit(plan: SoloPlan, solo_runs: dict[str, Run], run: Run,
+                  skip: int) -> dict[str, Any]:
+    """The limit of one compared run, over the same steps: the sum over replicas of the
+    replica's solo tokens/s over the steps it trained in ``run`` (its per-rank window, from
+    its step ``skip`` to its last step; :func:`editrain.bench.measures.rank_window`).
+
+    Args:
+        plan: the solo plan.
+        solo_runs: solo key -> the same repeat's solo run.
+        run: the compared run.
+        skip: steps left out at the start.
+
+    Returns:
+        ``tokens_per_s`` (None when a replica's steps are missing from its solo run),
+        ``per_replica`` (each replica's solo tokens/s over its steps) and ``steps`` (each
+        replica's ``[first, last]``).
+    """
+    per_replica: list[float | None] = []
+    steps: list[list[int] | None] = []
+    stats = {s["replica"]: s for s in replica_stats(run, skip)} if run.ok else {}
+    for replica, key in enumerate(plan.replica_keys):
+        window = stats.get(replica)
+        if window is None:
+            per_replica.append(None)
+            steps.append(None)
+            continue
+        first, last = window["from_step"], window["to_step"]
+        steps.append([first, last])
+        per_replica.append(solo_speed_over(solo_runs[key], first, last))
+    total = sum(per_replica) if per_replica and all(v is not None for v in per_replica) \
+        else None
+    return {"tokens_per_s": total, "per_replica": per_replica, "steps": steps}
+
+
+__all__ = ["SoloPlan", "matched_limit", "measured_limit", "plan_solo_runs", "solo_sim",
+           "solo_speed", "solo_speed_over"]

@@ -141,6 +141,7 @@ def replica_stats(run: Run, skip: int = 3) -> list[dict[str, Any]]:
             "max_rank_utilisation": max(utils) if utils else None,
             "compute_s": windows[0]["compute_s"], "stall_s": windows[0]["stall_s"],
             "sync_wait_s": windows[0]["sync_wait_s"], "seconds": windows[0]["seconds"],
+            "from_step": windows[0]["from_step"], "to_step": windows[0]["to_step"],
         })
     return out
 

@@ -6,16 +6,18 @@ Two replicas; in the ``straggler`` case replica 1 computes 2x slower (``sim.stra
 ``edit`` at every sync, ``aedit`` syncs on a wall-clock period so that each replica
 contributes the steps it managed. Each method is reported as a fraction of the measured
 limit: the sum of the replicas' solo speeds, each measured in its own single-replica run
-with that replica's simulation, all of a repeat's solo runs at once
-(:mod:`editrain.bench.limits`), interleaved with the method runs of every repeat. Per replica, the utilisation (time computing, simulated slowdown
-included, over wall time) comes from the per-rank logs.
+with that replica's simulation, all of a repeat's solo runs at once, over the same steps the
+replica trained in the compared run (so with the same simulated stalls;
+:mod:`editrain.bench.limits`), interleaved with the method runs of every repeat. Per
+replica, the utilisation (time computing, simulated slowdown included, over wall time)
+comes from the per-rank logs.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from editrain.bench.limits import SoloPlan, measured_limit, plan_solo_runs
+from editrain.bench.limits import SoloPlan, matched_limit, measured_limit, plan_solo_runs
 from editrain.bench.measures import replica_stats, steady_throughput, utilisation_errors
 from editrain.bench.plots import pyplot, save_figure
 from editrain.bench.runner import Bench, repeat_label
@@ -70,6 +72,7 @@ def run(bench: Bench) -> dict[str, Any]:
         plan = solo_plans[case]
         runs: dict[str, list[Run]] = {m: [] for m in METHODS}
         limits = []
+        matched: dict[str, list[dict[str, Any]]] = {m: [] for m in METHODS}
         for rep in range(repeats):  # interleaved: solo runs, edit, sync, aedit; again
             # The solo layer goes over the user's options too: whatever they change, a
             # solo run stays one replica without communication, slowed like its replica.
@@ -92,7 +95,8 @@ def run(bench: Bench) -> dict[str, Any]:
                                             "min_total_global_steps": 2}})
                 runs[method].append(bench.train(repeat_label(f"{case}-{method}", rep), *layers,
                                                 title=f"{case} {method} repeat {rep + 1}"))
-        results[case] = _case_results(runs, limits, plan, skip)
+                matched[method].append(matched_limit(plan, solos, runs[method][-1], skip))
+        results[case] = _case_results(runs, limits, matched, plan, skip)
         errors += [f"{case}: {e}" for e in results[case]["errors"]]
 
     tables = [("Throughput as a fraction of the measured limit", _table(results, cases)),
@@ -120,14 +124,16 @@ def run(bench: Bench) -> dict[str, Any]:
         f"them, from the first to the last sync inside a training step after step {skip} "
         f"(`sync` and solo runs: from step {skip} to the end). Tokens count every replica's "
         "steps.",
-        "Measured limit = sum over replicas of the replica's solo tokens/s, measured in the "
-        "same repeat: a single-replica run (nproc = shard size, the same threads per "
-        "process, no communication: `edit` with H > steps) that simulates replica r "
-        "(`sim.replica_offset = r`: its straggler factor and its own random-stall stream); "
-        "the solo runs of all replicas run at the same time, as separate jobs, so that the "
-        "limit includes the contention for the machine's cores that the compared runs "
-        "have. A fraction of the limit above 1 is a measurement error and is flagged as "
-        "such, never reported as a result.",
+        "Measured limit of a run = sum over replicas of the replica's solo tokens/s over "
+        "the same steps it trained in that run (its per-rank window below), measured in "
+        "the same repeat: a single-replica run (nproc = shard size, the same threads per "
+        "process, no communication: `edit` with H > steps, as many steps as the whole "
+        "budget) that simulates replica r (`sim.replica_offset = r`: its straggler factor "
+        "and its own random-stall stream, drawn per step, so the same steps have the same "
+        "stalls); the solo runs of all replicas run at the same time, as separate jobs, so "
+        "that the limit includes the contention for the machine's cores that the compared "
+        "runs have. A fraction of the limit above 1 is a measurement error and is flagged "
+        "as such, never reported as a result.",
         "Per replica (from `ranks/rank{RANK}.jsonl`): tokens/s of the replica's ranks from "
         f"their step {skip} to their last step; utilisation = (compute_s + sim_stall_s) / "
         "wall time over the same window, the time the replica computed (a simulated "
@@ -155,14 +161,16 @@ def _period(edit_run: Run | None, interval: int) -> float:
     return round(max(0.2, interval * (step or 0.1)), 3)
 
 
-def _case_results(runs: dict[str, list[Run]], limits: list[dict[str, Any]], plan: SoloPlan,
+def _case_results(runs: dict[str, list[Run]], limits: list[dict[str, Any]],
+                  matched: dict[str, list[dict[str, Any]]], plan: SoloPlan,
                   skip: int) -> dict[str, Any]:
-    """The numbers of one case: the limit, every method's spreads, the comparisons."""
-    limit_values = [x["tokens_per_s"] for x in limits]
+    """The numbers of one case: the solo runs, every method's spreads against its limit over
+    the same steps, the comparisons."""
+    solo_values = [x["tokens_per_s"] for x in limits]
     entry: dict[str, Any] = {
         "limit": {
-            "tokens_per_s": spread(limit_values),
-            "per_repeat": limit_values,
+            "tokens_per_s": spread(solo_values),
+            "per_repeat": solo_values,
             "per_replica": [spread(x["per_replica"][i] for x in limits)
                             for i in range(len(plan.replica_keys))],
             "solo_runs": [plan.labels[k] for k in plan.replica_keys],
@@ -176,12 +184,20 @@ def _case_results(runs: dict[str, list[Run]], limits: list[dict[str, Any]], plan
         reps = runs[method]
         windows = [steady_throughput(r, skip) if r.ok else {} for r in reps]
         speeds = [w.get("tokens_per_s") for w in windows]
+        limit_values = [x["tokens_per_s"] for x in matched[method]]
         fractions = [ratio(s, lim) for s, lim in zip(speeds, limit_values)]
         per_replica = [replica_stats(r, skip) if r.ok else [] for r in reps]
         count = max((len(p) for p in per_replica), default=0)
         replicas = [{"replica": i,
                      "tokens_per_s": spread(p[i]["tokens_per_s"] for p in per_replica
                                             if len(p) > i),
+                     "solo_tokens_per_s": spread(x["per_replica"][i] for x in matched[method]
+                                                 if len(x["per_replica"]) > i),
+                     "x_solo": spread(ratio(p[i]["tokens_per_s"], x["per_replica"][i])
+                                      for p, x in zip(per_replica, matched[method])
+                                      if len(p) > i and len(x["per_replica"]) > i),
+                     "steps": [x["steps"][i] for x in matched[method]
+                               if len(x["steps"]) > i],
                      "utilisation": spread(p[i]["utilisation"] for p in per_replica
                                            if len(p) > i)}
                     for i in range(count)]
@@ -193,6 +209,8 @@ def _case_results(runs: dict[str, list[Run]], limits: list[dict[str, Any]], plan
         entry["errors"] += errors
         entry[method] = {
             "tokens_per_s": spread(speeds),
+            "limit_tokens_per_s": spread(limit_values),
+            "limit_per_repeat": limit_values,
             "fraction_of_limit": spread(fractions),
             "fraction_above_1": any(f is not None and f > 1.0 for f in fractions),
             "final_val_loss": spread(r.final_val_loss for r in reps),
@@ -252,17 +270,17 @@ def _table(results: dict[str, Any], cases: tuple[str, ...]) -> str:
     rows = []
     for case in cases:
         e = results[case]
-        rows.append([case, "measured limit (sum of solo speeds)",
-                     spread_cell(e["limit"]["tokens_per_s"]), "1", None, None, None, None])
         for m in METHODS:
             x = e[m]
             steps = x["replica_steps"][0] if x["replica_steps"] else None
-            rows.append([case, m, spread_cell(x["tokens_per_s"]), _fraction_cell(x),
+            rows.append([case, m, spread_cell(x["tokens_per_s"]),
+                         spread_cell(x["limit_tokens_per_s"]), _fraction_cell(x),
                          spread_cell(x["final_val_loss"]), spread_cell(x["wall_time_s"]),
                          x["num_syncs"],
                          "/".join(f"{s:.0f}" for s in steps) if steps else None])
-    return md_table(["case", "method", "tokens/s", "x limit", "final val loss", "wall s",
-                     "syncs", "A-EDiT steps per replica (repeat 1)"], rows)
+    return md_table(["case", "method", "tokens/s", "measured limit (solo speeds, same steps)",
+                     "x limit", "final val loss", "wall s", "syncs",
+                     "A-EDiT steps per replica (repeat 1)"], rows)
 
 
 def _replica_table(results: dict[str, Any], cases: tuple[str, ...]) -> str:
@@ -272,16 +290,20 @@ def _replica_table(results: dict[str, Any], cases: tuple[str, ...]) -> str:
         e = results[case]
         for i, solo in enumerate(e["limit"]["per_replica"]):
             label = e["limit"]["solo_runs"][i]
-            rows.append([case, f"solo ({label})", i, spread_cell(solo),
-                         spread_cell(e["limit"]["solo_utilisation"][label])])
+            rows.append([case, f"{label} (all its steps)", i, spread_cell(solo), None, None,
+                         None, spread_cell(e["limit"]["solo_utilisation"][label])])
         for m in METHODS:
             reps = e[m]["replicas"]
             if not reps:
-                rows.append([case, m, "all", "n/a (no per-rank logs)", None])
+                rows.append([case, m, "all", "n/a (no per-rank logs)", None, None, None, None])
             for r in reps:
+                steps = r["steps"][0] if r["steps"] else None
                 rows.append([case, m, r["replica"], spread_cell(r["tokens_per_s"]),
+                             spread_cell(r["solo_tokens_per_s"]), spread_cell(r["x_solo"]),
+                             f"{steps[0] + 1}-{steps[1]}" if steps else None,
                              spread_cell(r["utilisation"])])
-    return md_table(["case", "run", "replica", "tokens/s", "utilisation"], rows)
+    return md_table(["case", "run", "replica", "tokens/s", "solo tokens/s, same steps",
+                     "x solo", "steps (repeat 1)", "utilisation"], rows)
 
 
 def _comparison_table(results: dict[str, Any], cases: tuple[str, ...]) -> str:
