@@ -655,3 +655,69 @@ def test_faults_smoke(tmp_path, cache):
     assert rep["restart-fail"]["redone_steps"] == fail_at - fail_at // every * every
     assert [t["title"] for t in saved["tables"]] == ["One failure", "Cost of the failure"]
     assert (out / "runs" / "ft-fail-r0" / "replica1" / "metrics.jsonl").is_file()
+
+
+def _write_rows(path: Path, replica: int, steps: list[int], times: list[float]) -> None:
+    """One rank's per-step rows: step ``steps[i]`` ended at ``times[i]`` (unix time)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    rows, prev = [], times[0] - 0.1
+    for step, t in zip(steps, times):
+        rows.append({"rank": 0, "replica": replica, "step": step, "unix_time": t,
+                     "step_time_s": round(t - prev, 6)})
+        prev = t
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def test_faults_window_gives_the_survivor_its_credit(tmp_path):
+    """The window ends when the first rank of any run has finished its budget: a survivor
+    that runs faster alone is credited with its extra steps (a window as long as the
+    no-failure run capped it at the budget); per-replica losses and the dead replica's
+    share come out of the rank logs, the death record and the ft_join row."""
+    from editrain.bench import faults
+
+    config = {"train": {"batch_size": 2, "seq_len": 5}}  # 10 tokens per rank step
+    t0 = 1000.0
+    # No failure: both replicas 12 steps of 0.1 s.
+    ft = tmp_path / "ft"
+    for r in (0, 1):
+        _write_rows(ft / f"replica{r}" / "ranks" / "rank0.jsonl", r, list(range(1, 13)),
+                    [t0 + 0.1 * k for k in range(1, 13)])
+    # Replica 1 dies after step 6 (its last sync at 4), rejoins at 0.92 s and heals to
+    # step 10; the survivor runs 0.08 s steps once alone and is done at 1.08 s.
+    ff = tmp_path / "ft-fail"
+    survivor = [t0 + 0.1 * k for k in range(1, 7)] + [t0 + 0.6 + 0.08 * k for k in range(1, 7)]
+    _write_rows(ff / "replica0" / "ranks" / "rank0.jsonl", 0, list(range(1, 13)), survivor)
+    _write_rows(ff / "replica1" / "ranks" / "rank0.jsonl", 1, list(range(1, 7)) + [11, 12],
+                [t0 + 0.1 * k for k in range(1, 7)] + [t0 + 1.0, t0 + 1.08])
+    (ff / "replica1" / "metrics.jsonl").write_text(
+        json.dumps({"event": "ft_join", "step": 10, "unix_time": t0 + 0.92}) + "\n")
+    runs = {
+        "ft": Run("ft", ft, {}, summary={"per_replica": {"0": {"tokens_processed": 120},
+                                                          "1": {"tokens_processed": 120}}},
+                  config=config, launch_s=2.0),
+        "ft-fail": Run("ft-fail", ff, {}, config=config, launch_s=2.0, summary={
+            "per_replica": {"0": {"tokens_processed": 120},
+                            "1": {"tokens_processed": 20, "healed_at": 10}},
+            "events": [{"event": "died", "unix_time": t0 + 0.6}]}),
+        "plain": Run("plain", tmp_path / "p", {}, error="not run"),
+        "restart-fail": Run("restart-fail", tmp_path / "r", {}, error="not run"),
+    }
+    got = faults._measure(runs, fail_at=6, interval=4, ckpt_every=8)
+    e = got["ft-fail"]
+    assert e["window_s"] == pytest.approx(1.08)  # the survivor of ft-fail is done first
+    # In W: the no-failure replicas did 10 steps each; the survivor 12, the dead replica
+    # its 4 synced steps and 2 after healing.
+    assert got["ft"]["window_tokens_by_replica"] == {0: 100, 1: 100}
+    assert e["window_tokens_by_replica"] == {0: 120, 1: 60}
+    assert e["survivor_window_loss"] == pytest.approx(-0.2)
+    assert e["dead_window_loss"] == pytest.approx(0.4)
+    assert e["window_loss"] == pytest.approx(0.1)
+    # Share: downtime 0.32 s plus 2 unsynced steps at 0.1 s, over W and 2 replicas.
+    assert e["downtime_s"] == pytest.approx(0.32)
+    assert e["dead_share"] == pytest.approx(0.52 / 1.08 / 2)
+    assert e["useful_tokens"] == 120 + 20 + 4 * 10
+    assert got["plain"] == {"error": "not run"}
+    summary = faults._summarise([got])
+    assert summary["ft_check"]["held"] == 1
+    target = faults._target(summary)
+    assert target["met"] is True and "held in 1 of 1" in target["detail"]
