@@ -247,8 +247,8 @@ class DistSection:
     job of its own meeting through a torchft lighthouse: a replica can die and rejoin
     while the others train on; docs/fault_tolerance.md). `editrain train --ft` sets it."""
     ft_replicas: int = 0
-    """torchft: replica groups in the run (0: dist.nproc / dist.shard_size, the local
-    launcher's groups). Under torchrun each group is its own job: set it, with
+    """torchft: replica groups in the run (0: dist.nproc / (shard_size x tp_size), the
+    local launcher's groups). Under torchrun each group is its own job: set it, with
     ft_replica_id and ft_lighthouse."""
     ft_replica_id: int = -1
     """torchft: this job's replica group, 0 .. ft_replicas - 1 (-1: $EDITRAIN_FT_REPLICA,
@@ -270,6 +270,12 @@ class DistSection:
     ft_timeout_s: float = 60.0
     """torchft: cross-replica collectives, commit votes and state transfers fail after
     this long."""
+
+    @property
+    def replica_size(self) -> int:
+        """Ranks of one replica (``shard_size x tp_size``): with ``--ft``, one replica
+        group's job."""
+        return self.shard_size * self.tp_size
 
     def validate(self) -> None:
         """Known backends and devices, and the devices they need: nccl and cuda need as
@@ -620,9 +626,6 @@ def validate(cfg: Config) -> None:
     _req(cfg.sim.fail_restart_s >= 0, "sim.fail_restart_s",
          f"must be >= 0 seconds, got {cfg.sim.fail_restart_s}")
     if cfg.dist.tp_size > 1:
-        _req(cfg.dist.fault_tolerance == "none", "dist.tp_size",
-             "tensor parallelism is not available with dist.fault_tolerance=torchft yet; "
-             f"use dist.tp_size=1 there, got {cfg.dist.tp_size}")
         heads = _heads(cfg)
         _req(all(h % cfg.dist.tp_size == 0 for h in heads), "dist.tp_size",
              f"must divide the model's query heads ({heads[0]}) and key/value heads "

@@ -39,10 +39,10 @@ def ft_identity(cfg: Config, group_size: int) -> tuple[int, int]:
 
     Args:
         cfg: the run's configuration (``dist.ft_replica_id``, ``dist.ft_replicas``).
-        group_size: ranks of this job (``dist.shard_size``).
+        group_size: ranks of this job (``shard_size x tp_size``).
     """
     d = cfg.dist
-    replicas = d.ft_replicas or d.nproc // d.shard_size
+    replicas = d.ft_replicas or d.nproc // d.replica_size
     replica = d.ft_replica_id
     if replica < 0:
         if REPLICA_ENV not in os.environ:
@@ -104,7 +104,7 @@ def load_local_optimizer_state(optimizer: torch.optim.Optimizer, sd: dict[str, A
 
 # ---------------------------------------------------------------------------- launcher
 def _group_main(cfg: Config, replica: int, attempt: int, lighthouse: str) -> None:
-    """One replica group: a torch elastic job of ``dist.shard_size`` local workers, or with
+    """One replica group: a torch elastic job of ``shard_size x tp_size`` local workers, or with
     one worker that worker itself, in this process (one interpreter start-up less: a
     restarted replica is back sooner)."""
     from editrain.launch import run_group
@@ -115,7 +115,7 @@ def _group_main(cfg: Config, replica: int, attempt: int, lighthouse: str) -> Non
     os.environ[ATTEMPT_ENV] = str(attempt)
     os.environ[LIGHTHOUSE_ENV] = lighthouse
     os.environ.setdefault("RUST_LOG", "warn")  # torchft's servers log every quorum at info
-    if cfg.dist.shard_size > 1:
+    if cfg.dist.replica_size > 1:
         run_group(cfg)
         return
     os.environ.update(MASTER_ADDR=LOOPBACK, MASTER_PORT=str(free_port()), RANK="0",
@@ -130,7 +130,7 @@ def run_ft(cfg: Config, run_dir: Path) -> dict[str, Any]:
     from editrain.sync.ft import start_lighthouse
 
     d = cfg.dist
-    replicas = d.nproc // d.shard_size
+    replicas = d.nproc // d.replica_size
     lighthouse = None
     address = d.ft_lighthouse
     if not address:

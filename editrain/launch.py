@@ -118,7 +118,7 @@ def run_local(cfg: Config) -> dict:
         if cfg.dist.fault_tolerance == "torchft":
             from editrain.train import replica_run_dir
 
-            for r in range(nproc // cfg.dist.shard_size):
+            for r in range(nproc // cfg.dist.replica_size):
                 preflight_resume(replica_run_dir(cfg.resume, r), cfg, vocab)
         else:
             preflight_resume(cfg.resume, cfg, vocab)
@@ -132,7 +132,7 @@ def run_local(cfg: Config) -> dict:
         from editrain.fault import run_ft
 
         summary = run_ft(cfg, run_dir)
-        plotted = [run_dir / f"replica{r}" for r in range(nproc // cfg.dist.shard_size)]
+        plotted = [run_dir / f"replica{r}" for r in range(nproc // cfg.dist.replica_size)]
         plotted = [p for p in plotted if (p / "metrics.jsonl").exists()]
     else:
         results = _elastic(cfg, nproc, cfg.dist.max_restarts)
@@ -146,9 +146,9 @@ def run_local(cfg: Config) -> dict:
 
 def run_group(cfg: Config) -> dict:
     """One replica group of a fault-tolerant run (``cfg.run_dir`` prepared): a torch
-    elastic job of ``dist.shard_size`` workers, never restarted by torch (the launcher
-    restarts the whole group, which then heals from its peers)."""
-    results = _elastic(cfg, cfg.dist.shard_size, 0)
+    elastic job of ``shard_size x tp_size`` workers, never restarted by torch (the
+    launcher restarts the whole group, which then heals from its peers)."""
+    results = _elastic(cfg, cfg.dist.replica_size, 0)
     return results.get(0, {}) if isinstance(results, dict) else {}
 
 

@@ -76,7 +76,7 @@ class Trainer:
         if self.ft:
             from editrain.fault import ft_identity
 
-            self.replica, self.replicas = ft_identity(cfg, info.topo.shard_size)
+            self.replica, self.replicas = ft_identity(cfg, info.topo.replica_size)
             self.run_dir = self.run_dir / f"replica{self.replica}"
             self.run_dir.mkdir(parents=True, exist_ok=True)
         else:
@@ -133,8 +133,10 @@ class Trainer:
         if self.ft:
             from editrain.fault import make_group
 
-            self.ft_group = make_group(cfg, self.replica, self.replicas, info.shard,
-                                       info.topo.shard_size)
+            # This job is the replica group: a rank's place in it is its rank (with tensor
+            # parallelism, shard x tp positions; the peer in the same place sends its state).
+            self.ft_group = make_group(cfg, self.replica, self.replicas, info.rank,
+                                       info.topo.replica_size)
         self.engine = SyncEngine(
             self.model, info.mesh, cfg.sync, blocks=blocks,
             link_delay=link,

@@ -378,7 +378,6 @@ def bad_input_cases(tmp: Path) -> dict[str, tuple[list[str], list[str]]]:
                      ["dist.tp_size", "query heads (4)", "key/value heads (2)"]),
         "tp_world": (["--model.preset", "tiny", "--nproc", "3", "--shard-size", "1",
                       "--tp-size", "2"], ["dist.tp_size=2", "world size 3", "1, 3"]),
-        "tp_ft": (["--ft", "--tp-size", "2"], ["dist.tp_size", "fault_tolerance=torchft"]),
     }
 
 
@@ -389,7 +388,7 @@ BAD_INPUTS = ["unknown_key", "unknown_section", "wrong_type", "wrong_type_float"
               "threshold_minus_inf", "outer_function", "outer_not_optimizer", "outer_lr",
               "outer_keyword", "nccl", "cuda", "comm_backend", "data_extension", "data_glob",
               "data_eos", "overlap_steps", "ft_mode", "ft_aedit", "ft_sync", "ft_streaming",
-              "ft_flag_value", "ft_timeout", "ft_heartbeat", "tp_heads", "tp_world", "tp_ft"]
+              "ft_flag_value", "ft_timeout", "ft_heartbeat", "tp_heads", "tp_world"]
 
 
 def test_bad_input_case_list_is_complete(tmp_path):

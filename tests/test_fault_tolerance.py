@@ -177,6 +177,46 @@ def test_cli_ft_run_survives_a_dead_replica_group(tmp_path):
     assert after[0] > groups["2"]["healed_at"] and after[-1] == 60
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_cli_ft_with_tensor_parallel_groups(tmp_path):
+    """Replica groups of 1 shard x 2 tensor-parallel ranks: without a failure `--ft` trains
+    the model of the plain mode (the same anchors: every group's final validation loss
+    equals the plain run's); with replica 1's group killed after step 6 and restarted,
+    each tp rank heals from the rank in its own place of the live group, and both groups
+    end on one model."""
+    import json
+
+    from tests.test_checkpoint import final_val, step_losses, train
+
+    args = ["--nproc", "4", "--shard-size", "1", "--tp-size", "2", "--steps", "16",
+            "--sync.local_sgd_sync_interval", "4", "--train.eval_every", "16",
+            "--dist.ft_heartbeat_timeout_s", "1", "--dist.ft_heartbeat_interval_s", "0.2"]
+    plain, ft, fail = tmp_path / "plain", tmp_path / "ft", tmp_path / "fail"
+    cache = tmp_path / "cache"
+    train(cache, plain, *args)
+    train(cache, ft, "--ft", *args)
+    summary = json.loads((ft / "summary.json").read_text())
+    assert summary["finished_replicas"] == 2 and summary["replicas"] == 2
+    for g in summary["per_replica"].values():
+        assert g["final_val_loss"] == pytest.approx(final_val(plain), abs=1e-5)
+        assert g["tp_size"] == 2 and g["steps_run"] == 16
+    # The plain run logs the mean over both replicas' losses; each group its own.
+    per_group = [step_losses(ft / f"replica{r}") for r in (0, 1)]
+    for step, loss in step_losses(plain).items():
+        assert (per_group[0][step] + per_group[1][step]) / 2 == pytest.approx(loss, abs=1e-5)
+
+    # Every step stalls 0.2 s so that replica 0 still trains when replica 1 is back.
+    train(cache, fail, "--ft", *args, "--sim.fail", "1@6", "--sim.fail_restart_s", "1",
+          "--sim.random_stall", "1.0,0.2")
+    summary = json.loads((fail / "summary.json").read_text())
+    events = [(e["event"], e["replica"], e["attempt"]) for e in summary["events"]]
+    assert ("died", 1, 0) in events and ("start", 1, 1) in events
+    groups = summary["per_replica"]
+    assert groups["0"]["steps_run"] == 16 and groups["1"]["healed_at"] > 6
+    assert groups["0"]["final_val_loss"] == groups["1"]["final_val_loss"]
+
+
 @pytest.mark.timeout(300)
 def test_streaming_round_in_flight_when_a_replica_dies(tmp_path):
     """Streaming (2 fragments, rounds merged a step after their launch): replica 2 dies in

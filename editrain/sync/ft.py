@@ -93,7 +93,7 @@ class TorchftGroup:
         replica: this replica group's index (stable across restarts; names it to torchft).
         replicas: how many replica groups the run has (``dist.replicas``): replica ids are
             ``0 .. replicas - 1``; a quorum may hold fewer.
-        group_rank: this rank's index inside its replica group (its shard index).
+        group_rank: this rank's index inside its replica group (its rank in the group's job).
         group_size: ranks per replica group.
         lighthouse: the lighthouse address (default: ``$TORCHFT_LIGHTHOUSE``).
         min_replicas: the quorum needs at least this many replicas to commit a sync.
@@ -143,7 +143,7 @@ class TorchftGroup:
     def register_state(self, key: str, state_dict: Callable[[], Any],
                        load_state_dict: Callable[[Any], None]) -> None:
         """What a healthy replica sends a healing one under ``key`` (this rank's share of
-        it: the peer with the same shard index sends it), and how to take it in. The
+        it: the peer in the same place of its replica group sends it), and how to take it in. The
         functions run on the main thread's behalf while it waits in :meth:`begin`."""
         self._state_fns[key] = (state_dict, load_state_dict)
 
