@@ -30,8 +30,8 @@ is measured against the no-failure run of the same mode in the same repeat:
   rejoin, the ``ft_join`` row's time) plus its steps since its last sync (done, then lost
   with it; at the no-failure run's step time). The downtime-only share is reported too.
   The check is on the median over repeats of the per-repeat difference, as every target
-  of the suite; how many repeats held on their own is reported with it (a run's speed
-  varies by about 2% from run to run on a busy 2-core machine, as much as the margin).
+  of the suite; how many repeats held on their own is reported with it (on a busy 2-core
+  machine a run's speed varies from run to run by as much as the margin, or more).
 """
 
 from __future__ import annotations
