@@ -27,7 +27,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from editrain.bench.measures import replica_stats, steady_throughput
+from editrain.bench.measures import rank_window, replica_stats, steady_throughput
 from editrain.bench.runs import Run
 
 
@@ -138,22 +138,21 @@ def measured_limit(plan: SoloPlan, solo_runs: dict[str, Run], skip: int) -> dict
             "utilisation": {plan.labels[k]: s["utilisation"] for k, s in speeds.items()}}
 
 
-def _rank_tokens_per_s(rows: list[dict[str, Any]], first: int, last: int) -> float | None:
-    """One rank's tokens/s from the end of its step ``first`` to the end of step ``last``
-    (None when either row is missing)."""
-    at = {r["step"]: r for r in rows}
-    a, b = at.get(first), at.get(last)
-    if a is None or b is None or b["wall_time_s"] <= a["wall_time_s"]:
-        return None
-    return (b["tokens"] - a["tokens"]) / (b["wall_time_s"] - a["wall_time_s"])
-
-
 def solo_speed_over(run: Run, first: int, last: int) -> float | None:
-    """A solo run's tokens/s (its ranks' sum) over its steps ``first + 1 .. last``."""
+    """A solo run's tokens/s (its ranks' sum) from the end of its step ``first`` to the end
+    of step ``last`` (None when a rank lacks either step)."""
     if not run.ok or not run.ranks:
         return None
-    speeds = [_rank_tokens_per_s(rows, first, last) for rows in run.ranks.values()]
-    return sum(speeds) if speeds and all(v is not None for v in speeds) else None
+    total = 0.0
+    for rows in run.ranks.values():
+        span = [r for r in rows if first <= r["step"] <= last]
+        if not span or span[0]["step"] != first or span[-1]["step"] != last:
+            return None
+        speed = rank_window(span, skip=first).get("tokens_per_s")
+        if speed is None:
+            return None
+        total += speed
+    return total
 
 
 def matched_limit(plan: SoloPlan, solo_runs: dict[str, Run], run: Run,
