@@ -201,7 +201,7 @@ class Trainer:
 
     # ------------------------------------------------------------------ building
     def _build_optimizer(self) -> torch.optim.Optimizer:
-        cfg, o, t = self.cfg, self.cfg.optim, self.cfg.train
+        o, t = self.cfg.optim, self.cfg.train
         params = list(self.model.parameters())
         if o.name == "adamw":
             opt = build_optimizer("adamw", params, lr=t.lr, betas=(t.beta1, t.beta2),

@@ -19,7 +19,13 @@ from typing import Any
 import pytest
 
 from editrain.bench import SCENARIOS, run_scenario
-from editrain.bench.limits import matched_limit, plan_solo_runs, solo_sim
+from editrain.bench.limits import (
+    bracketed_limit,
+    matched_limit,
+    measured_limit,
+    plan_solo_runs,
+    solo_sim,
+)
 from editrain.bench.measures import (
     UTILISATION_TOLERANCE,
     rank_window,
@@ -167,19 +173,30 @@ def test_bandwidth_smoke(tmp_path, cache):
 
 @pytest.mark.timeout(600)
 def test_stragglers_smoke(tmp_path, cache):
-    """The limit is measured (one solo run per replica, the straggler's slower), every
-    method has a throughput, a fraction of the limit, a loss and per-replica rows with
-    utilisation <= 1; a fraction above 1 is flagged as a measurement error."""
+    """The limit is measured (one solo run per replica, the straggler's slower) in a round
+    of solo runs before and after every pair of methods; every method has a throughput, a
+    limit that is the mean of its two brackets, a fraction of the limit, a loss and
+    per-replica rows with utilisation <= 1; a fraction above 1 is flagged as a measurement
+    error."""
     saved, _ = _run("stragglers", tmp_path, cache)
-    _runs_ok(saved, count=2 + 4)  # 2 solo runs + 4 methods, 1 repeat
+    _runs_ok(saved, count=3 * 2 + 4)  # 3 rounds of 2 solo runs + 4 methods, 1 repeat
     assert saved["repeats"] == 1
     for case in saved["settings"]["cases"]:
         e = saved["results"][case]
         limit = e["limit"]
-        assert limit["tokens_per_s"]["n"] == 1 and limit["tokens_per_s"]["median"] > 0
+        assert limit["tokens_per_s"]["n"] == 3 and limit["tokens_per_s"]["median"] > 0
+        assert sorted(saved["runs"]) == sorted(
+            [f"{case}-solo-replica{r}-r{n}" for r in (0, 1) for n in range(3)]
+            + [f"{case}-{m}-r0" for m in ("sync", "edit", "aedit", "aedit-nb")])
         solo = [s["median"] for s in limit["per_replica"]]
         assert len(solo) == 2 and all(s > 0 for s in solo)
-        assert limit["tokens_per_s"]["median"] == pytest.approx(sum(solo))
+        assert len(limit["per_round"]) == 3 and all(v > 0 for v in limit["per_round"])
+        for m in ("sync", "edit", "aedit", "aedit-nb"):
+            (before, after), = e[m]["limit_brackets"]  # 1 repeat: one pair of brackets
+            assert before > 0 and after > 0, (case, m)
+            assert e[m]["limit_tokens_per_s"]["median"] == pytest.approx((before + after) / 2)
+            assert e[m]["limit_drift"]["median"] == pytest.approx(
+                abs(before - after) / ((before + after) / 2))
         assert solo[1] < 0.9 * solo[0]  # replica 1's 2x slowdown was applied to its solo run
         for util in limit["solo_utilisation"].values():
             assert 0 < util["median"] <= 1 + UTILISATION_TOLERANCE
@@ -392,6 +409,10 @@ def test_solo_runs_simulate_one_replica_each(tmp_path):
     assert len(plan.layers) == 2 and plan.replica_keys[0] != plan.replica_keys[1]
     # A solo run covers any replica's share of the budget (20 steps x 2 replicas).
     assert {layer["train"]["steps"] for layer in plan.layers.values()} == {40}
+    longer = plan_solo_runs(cfg, margin=1.25)  # room for A-EDiT's steps past the budget
+    assert {layer["train"]["steps"] for layer in longer.layers.values()} == {50}
+    with pytest.raises(ValueError, match="margin must be >= 1"):
+        plan_solo_runs(cfg, margin=0.5)
     assert sorted(plan.labels.values()) == ["solo-replica0", "solo-replica1"]
     for layer in plan.layers.values():
         assert layer["dist"]["nproc"] == 1 and layer["dist"]["threads_per_proc"] >= 1
@@ -448,6 +469,81 @@ def test_matched_limit_takes_each_replica_over_its_own_steps():
     short = dict(solos, **{plan.replica_keys[1]: Run("s", Path("."), {}, summary={"ok": True},
                                                      ranks={0: _timed_rows(1, [0.1] * 3)})})
     assert matched_limit(plan, short, run, skip=1)["tokens_per_s"] is None
+
+
+def test_bracketed_limit_is_the_mean_of_the_solo_runs_around_a_run():
+    """A run's limit is, per replica, the mean of its speed over the run's steps in the
+    solo runs just before and just after it; the brackets' difference is its drift."""
+    cfg = load_config(None, {"dist": {"nproc": 2, "shard_size": 1}, "train": {"steps": 6}})
+    plan = plan_solo_runs(cfg)
+
+    def solos(step_s: float) -> dict[str, Run]:
+        return {key: Run(key, Path("."), {}, summary={"ok": True},
+                         ranks={0: _timed_rows(r, [step_s * (r + 1)] * 12)})
+                for r, key in enumerate(plan.replica_keys)}
+
+    run = Run("aedit", Path("."), {}, summary={"ok": True},
+              ranks={0: _timed_rows(0, [0.2] * 8), 1: _timed_rows(1, [0.4] * 4)})
+    before, after = solos(0.1), solos(0.125)  # the machine got 20% slower between them
+    got = bracketed_limit(plan, [before, after], run, skip=1)
+    assert got["per_replica"] == pytest.approx([(1000 + 800) / 2, (500 + 400) / 2])
+    assert got["tokens_per_s"] == pytest.approx(900 + 450)
+    assert got["brackets"] == pytest.approx([1500, 1200])
+    assert got["drift"] == pytest.approx(300 / 1350)
+    assert got["steps"] == [[1, 8], [1, 4]]
+    one = bracketed_limit(plan, [before], run, skip=1)  # one bracket: that limit, no drift
+    assert one["tokens_per_s"] == pytest.approx(1500) and one["drift"] == 0.0
+    short = dict(after, **{plan.replica_keys[1]: Run("s", Path("."), {}, summary={"ok": True},
+                                                     ranks={0: _timed_rows(1, [0.1] * 3)})})
+    missing = bracketed_limit(plan, [before, short], run, skip=1)
+    assert missing["tokens_per_s"] is None and missing["per_replica"][1] is None
+    assert missing["per_replica"][0] == pytest.approx(900) and missing["drift"] is None
+
+
+def test_stragglers_leave_out_repeats_measured_on_an_unsteady_machine():
+    """A repeat whose two bracketing limits differ by more than MAX_DRIFT is left out of the
+    fractions of the limit (whatever the compared run did), listed as such, and a target
+    needs a majority of steady repeats."""
+    from editrain.bench import stragglers
+
+    cfg = load_config(None, {"dist": {"nproc": 2, "shard_size": 1}, "train": {"steps": 10}})
+    plan = plan_solo_runs(cfg)
+
+    def solos(step_s: float) -> dict[str, Run]:
+        return {key: Run(key, Path("."), {}, summary={"ok": True},
+                         ranks={0: _timed_rows(r, [step_s] * 20)})
+                for r, key in enumerate(plan.replica_keys)}
+
+    def compared(label: str) -> Run:  # 2 replicas x 100 tokens every 0.1 s: 2,000 tokens/s
+        rows = [{"step": k, "tokens": 200 * k, "wall_time_s": 0.1 * k} for k in range(1, 11)]
+        return Run(label, Path("."), {}, rows=rows,
+                   summary={"ok": True, "final_val_loss": 5.0, "wall_time_s": 1.0},
+                   ranks={r: _timed_rows(r, [0.1] * 10) for r in (0, 1)})
+
+    rounds = [solos(0.08), solos(0.08), solos(0.06)]  # the machine sped up by a third
+    runs = {m: [compared(f"{m}-r0"), compared(f"{m}-r1")] for m in stragglers.METHODS}
+    matched = {m: [bracketed_limit(plan, rounds[k:k + 2], runs[m][k], skip=1)
+                   for k in range(2)] for m in stragglers.METHODS}
+    limits = [measured_limit(plan, r, skip=1) for r in rounds]
+    res = stragglers._case_results(runs, limits, matched, plan, skip=1)
+    for m in stragglers.METHODS:
+        x = res[m]
+        assert x["fraction_of_limit"]["values"] == pytest.approx([2000 / 2500]), m
+        assert x["unsteady_repeats"] == [2]
+        assert x["limit_drift_per_repeat"] == pytest.approx([0.0, (2 * 5000 / 3 - 2500)
+                                                             / ((2500 + 2 * 5000 / 3) / 2)])
+        assert x["replicas"][0]["x_solo"]["values"] == pytest.approx([1000 / 1250])
+        assert "repeat(s) 2 left out: unsteady" in stragglers._fraction_cell(x)
+    assert not res["errors"]
+    targets, findings = stragglers._judge({"stall": res}, ("stall",), repeats=2)
+    assert [t["met"] for t in targets] == [None, None]  # 1 steady repeat of 2: no verdict
+    assert any("fewer than 2 steady repeats: not evaluated" in f for f in findings)
+    # Both repeats steady: judged (0.8 of the limit: below both targets).
+    steady = {m: [bracketed_limit(plan, rounds[:2], r, skip=1) for r in runs[m]]
+              for m in stragglers.METHODS}
+    res = stragglers._case_results(runs, limits, steady, plan, skip=1)
+    targets, _ = stragglers._judge({"stall": res}, ("stall",), repeats=2)
+    assert [t["met"] for t in targets] == [False, False]
 
 
 def test_spread_and_paired_differences():

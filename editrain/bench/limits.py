@@ -7,8 +7,8 @@ the compared runs have too). Each solo run is a single replica (``dist.nproc =
 dist.shard_size``) that simulates replica ``r`` of the compared runs (``sim.replica_offset
 = r``: its straggler factor and its own random-stall stream), with the same threads per
 process, and no communication at all (``edit`` with a sync interval longer than the
-run). The solo runs of one repeat are started together, as separate jobs, interleaved with
-the method runs of every repeat.
+run). The solo runs of one round are started together, as separate jobs; rounds are
+interleaved with the compared runs.
 
 A compared run's limit is taken over the same steps (:func:`matched_limit`): each replica's
 solo speed between the steps that replica ran in the compared run's window. A simulated
@@ -17,13 +17,23 @@ same in every run that simulates that replica), so over the same steps a solo ru
 exactly the stalls the replica had; over other steps it would not (with stalls of p = 0.1
 a stretch of 70 to 120 steps holds 4% to 14% stalled steps: a limit over the solo run's own
 steps was off by up to 7% from the replica's share of the same process). A solo run
-therefore trains as many steps as the whole budget (``train.steps x replicas``), enough
-for any replica's share.
+therefore trains at least as many steps as the whole budget (``train.steps x replicas``),
+enough for any replica's share.
+
+The machine's speed drifts while a benchmark runs (on a shared 2-vCPU host a 5 s window of
+the same work varies by +-10%, and a replica's step time by up to 1.5x between runs a
+minute apart), so a limit measured once per repeat can be off by more than the gap it is
+meant to show. A compared run's limit is therefore bracketed (:func:`bracketed_limit`):
+solo runs are measured just before and just after every pair of compared runs, and the
+limit is the mean of the two, each over the same steps; how far the two brackets differ
+is recorded with it (``drift``), the size of the error a single solo measurement had.
 """
 
 from __future__ import annotations
 
+import math
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -73,16 +83,22 @@ def solo_sim(sim: Any, replica: int) -> dict[str, Any]:
             "fail": None, "step_schedule": []}
 
 
-def plan_solo_runs(cfg: Any) -> SoloPlan:
+def plan_solo_runs(cfg: Any, margin: float = 1.0) -> SoloPlan:
     """The solo runs that measure every replica of a run configured as ``cfg``: one per
     replica (each replica's random stalls are its own stream, so none are shared).
 
     Args:
         cfg: the compared runs' validated configuration (``Bench.config(...)``).
+        margin: a solo run trains ``margin x train.steps x replicas`` steps. 1 covers any
+            replica's share of the budget; A-EDiT can overshoot it by up to a sync period
+            of steps (a replica trains on until the last sync ends), which matters when the
+            period is long next to the budget (tiny runs).
     """
+    if margin < 1.0:
+        raise ValueError(f"solo-run margin must be >= 1 (got {margin})")
     shard = cfg.dist.shard_size
     replicas = cfg.dist.nproc // shard
-    steps = cfg.train.steps * replicas  # any replica's share of the budget fits
+    steps = math.ceil(margin * cfg.train.steps * replicas)  # any replica's share fits
     threads = cfg.dist.threads_per_proc or max(1, (os.cpu_count() or 1) // cfg.dist.nproc)
     plan = SoloPlan(replica_keys=[])
     for replica in range(replicas):
@@ -189,5 +205,36 @@ def matched_limit(plan: SoloPlan, solo_runs: dict[str, Run], run: Run,
     return {"tokens_per_s": total, "per_replica": per_replica, "steps": steps}
 
 
-__all__ = ["SoloPlan", "matched_limit", "measured_limit", "plan_solo_runs", "solo_sim",
+def bracketed_limit(plan: SoloPlan, brackets: Sequence[dict[str, Run]], run: Run,
+                    skip: int) -> dict[str, Any]:
+    """The limit of one compared run from the solo runs around it: per replica, the mean of
+    its solo speeds over the same steps (:func:`matched_limit`) in every bracket.
+
+    Args:
+        plan: the solo plan.
+        brackets: the solo runs measured just before and just after ``run`` (solo key ->
+            run, one mapping per bracket).
+        run: the compared run.
+        skip: steps left out at the start.
+
+    Returns:
+        As :func:`matched_limit` (None where a bracket lacks a replica's steps), plus
+        ``brackets`` (each bracket's limit) and ``drift`` (their range over their mean).
+    """
+    each = [matched_limit(plan, solos, run, skip) for solos in brackets]
+    per_replica: list[float | None] = []
+    for replica in range(len(plan.replica_keys)):
+        values = [x["per_replica"][replica] for x in each]
+        per_replica.append(sum(values) / len(values)
+                           if values and all(v is not None for v in values) else None)
+    total = sum(per_replica) if per_replica and all(v is not None for v in per_replica) \
+        else None
+    totals = [x["tokens_per_s"] for x in each]
+    drift = ((max(totals) - min(totals)) / (sum(totals) / len(totals))
+             if totals and all(t is not None for t in totals) else None)
+    return {"tokens_per_s": total, "per_replica": per_replica,
+            "steps": each[0]["steps"] if each else [], "brackets": totals, "drift": drift}
+
+
+__all__ = ["SoloPlan", "bracketed_limit", "matched_limit", "measured_limit", "plan_solo_runs", "solo_sim",
            "solo_speed", "solo_speed_over"]

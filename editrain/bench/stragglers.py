@@ -6,9 +6,9 @@ Two replicas; in the ``straggler`` case replica 1 computes 2x slower (``sim.stra
 ``edit`` at every sync, ``aedit`` syncs on a wall-clock period so that each replica
 contributes the steps it managed. Each method is reported as a fraction of the measured
 limit: the sum of the replicas' solo speeds, each measured in its own single-replica run
-with that replica's simulation, all of a repeat's solo runs at once, over the same steps the
-replica trained in the compared run (so with the same simulated stalls;
-:mod:`editrain.bench.limits`), interleaved with the method runs of every repeat. Per
+with that replica's simulation, a round's solo runs all at once, over the same steps the
+replica trained in the compared run (so with the same simulated stalls), the mean of the
+rounds just before and just after the compared run (:mod:`editrain.bench.limits`). Per
 replica, the utilisation (time computing, simulated slowdown included, over wall time)
 comes from the per-rank logs.
 """
@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from editrain.bench.limits import SoloPlan, matched_limit, measured_limit, plan_solo_runs
+from editrain.bench.limits import SoloPlan, bracketed_limit, measured_limit, plan_solo_runs
 from editrain.bench.measures import replica_stats, steady_throughput, utilisation_errors
 from editrain.bench.plots import pyplot, save_figure
 from editrain.bench.runner import Bench, repeat_label
@@ -27,6 +27,9 @@ from editrain.bench.tables import cell, md_table, ratio, spread_cell, verdict_ce
 
 NAME = "stragglers"
 METHODS = ("sync", "edit", "aedit", "aedit-nb")
+GROUPS = (("edit", "sync"), ("aedit", "aedit-nb"))
+"""Run order within a repeat: each pair between two rounds of solo runs (edit first: it
+times A-EDiT's period)."""
 NONBLOCKING = {"overlap_steps": 2, "merge": "keep_local"}
 """``aedit-nb``: A-EDiT with its sync behind 2 of each replica's steps (non-blocking)."""
 DESCRIPTION = (
@@ -42,6 +45,10 @@ CASES = {
     "straggler": {"sim": {"straggler": ["1=2"]}},
     "stall": {"sim": {"random_stall": "0.1,0.2"}},
 }
+MAX_DRIFT = 0.10
+"""A repeat whose two bracketing limits differ by more than this (over their mean) is left
+out of the fractions of the limit: the machine's speed changed under it by more than the
+effects measured. The rule looks at the solo runs only, never at the compared run."""
 COMPARISONS = (("aedit-nb", "aedit"), ("aedit-nb", "edit"), ("aedit", "edit"),
                ("aedit", "sync"), ("edit", "sync"))
 """Pairs whose fractions of the limit are compared against the spread of the repeats."""
@@ -58,12 +65,17 @@ def run(bench: Bench) -> dict[str, Any]:
                         "warmup_steps": min(10, steps // 4)},
               "sync": {"local_sgd_sync_interval": interval}}
     solo_plans: dict[str, SoloPlan] = {}
+    plan_margin = bench.pick(2.0, 1.25, 1.25)
     for case in cases:
         bench.check(common, CASES[case], {"sync": {"method": "aedit"}})
-        solo_plans[case] = plan_solo_runs(bench.config(common, CASES[case]))
+        # tiny: A-EDiT's shortest period (0.2 s) is most of the budget, and a replica's
+        # steps past the budget's last sync can pass its share: longer solo runs.
+        solo_plans[case] = plan_solo_runs(bench.config(common, CASES[case]),
+                                          margin=plan_margin)
         for layer in solo_plans[case].layers.values():
             bench.check(common, CASES[case], last=layer)
-    bench.plan(repeats * sum(len(METHODS) + len(p.layers) for p in solo_plans.values()))
+    bench.plan(sum(repeats * len(METHODS) + (len(GROUPS) * repeats + 1) * len(p.layers)
+                   for p in solo_plans.values()))
 
     results: dict[str, Any] = {}
     periods: dict[str, float] = {}
@@ -71,31 +83,28 @@ def run(bench: Bench) -> dict[str, Any]:
     for case in cases:
         plan = solo_plans[case]
         runs: dict[str, list[Run]] = {m: [] for m in METHODS}
-        limits = []
+        rounds = [_solo_round(bench, plan, case, common, 0)]
+        limits = [measured_limit(plan, rounds[-1], skip)]
         matched: dict[str, list[dict[str, Any]]] = {m: [] for m in METHODS}
-        for rep in range(repeats):  # interleaved: solo runs, edit, sync, aedit; again
-            # The solo layer goes over the user's options too: whatever they change, a
-            # solo run stays one replica without communication, slowed like its replica.
-            # Every replica's solo run at once: the replicas share the machine in the
-            # compared runs too.
-            keys = list(plan.layers)
-            solos = dict(zip(keys, bench.train_together([
-                (repeat_label(f"{case}-{plan.labels[key]}", rep), (common, CASES[case]),
-                 plan.layers[key], f"{case} {plan.labels[key]} repeat {rep + 1}")
-                for key in keys])))
-            limits.append(measured_limit(plan, solos, skip))
-            for method in ("edit", "sync", "aedit", "aedit-nb"):  # edit first: A-EDiT's period
-                sync = ({"method": "aedit", **NONBLOCKING} if method == "aedit-nb"
-                        else {"method": method})
-                layers: list[dict[str, Any]] = [common, CASES[case], {"sync": sync}]
-                if sync["method"] == "aedit":
-                    if case not in periods:  # timed once, then fixed for every repeat
-                        periods[case] = _period(runs["edit"][0], interval)
-                    layers.append({"sync": {"local_sgd_sync_time": periods[case],
-                                            "min_total_global_steps": 2}})
-                runs[method].append(bench.train(repeat_label(f"{case}-{method}", rep), *layers,
-                                                title=f"{case} {method} repeat {rep + 1}"))
-                matched[method].append(matched_limit(plan, solos, runs[method][-1], skip))
+        for rep in range(repeats):  # interleaved: solos, edit, sync, solos, aedit, aedit-nb
+            for group in GROUPS:
+                for method in group:
+                    sync = ({"method": "aedit", **NONBLOCKING} if method == "aedit-nb"
+                            else {"method": method})
+                    layers: list[dict[str, Any]] = [common, CASES[case], {"sync": sync}]
+                    if sync["method"] == "aedit":
+                        if case not in periods:  # timed once, then fixed for every repeat
+                            periods[case] = _period(runs["edit"][0], interval)
+                        layers.append({"sync": {"local_sgd_sync_time": periods[case],
+                                                "min_total_global_steps": 2}})
+                    runs[method].append(bench.train(repeat_label(f"{case}-{method}", rep),
+                                                    *layers,
+                                                    title=f"{case} {method} repeat {rep + 1}"))
+                rounds.append(_solo_round(bench, plan, case, common, len(rounds)))
+                limits.append(measured_limit(plan, rounds[-1], skip))
+                for method in group:  # the solo runs just before and just after the pair
+                    matched[method].append(bracketed_limit(plan, rounds[-2:],
+                                                           runs[method][-1], skip))
         results[case] = _case_results(runs, limits, matched, plan, skip)
         errors += [f"{case}: {e}" for e in results[case]["errors"]]
 
@@ -116,8 +125,9 @@ def run(bench: Bench) -> dict[str, Any]:
         "replica whose clock fires posts its rendezvous and reduction and trains on; the "
         "round is merged at the first step boundary, 2 or more of its steps later, at which "
         "it is complete, and the replica's clock restarts there.",
-        f"{repeats} interleaved repeat(s): in each, the solo runs, then edit, sync, aedit, "
-        "aedit-nb. "
+        f"{repeats} interleaved repeat(s): in each, edit and sync, the solo runs, aedit "
+        "and aedit-nb, the solo runs (one round of solo runs before the first repeat): "
+        "every compared run lies between two rounds of solo runs. "
         "Tables give the median over repeats and [min-max]; a difference is 'beyond "
         "spread' when the two min-max ranges do not overlap (n/a with one repeat).",
         "Throughput: tokens between two rows of metrics.jsonl over the wall time between "
@@ -125,14 +135,18 @@ def run(bench: Bench) -> dict[str, Any]:
         f"(`sync` and solo runs: from step {skip} to the end). Tokens count every replica's "
         "steps.",
         "Measured limit of a run = sum over replicas of the replica's solo tokens/s over "
-        "the same steps it trained in that run (its per-rank window below), measured in "
-        "the same repeat: a single-replica run (nproc = shard size, the same threads per "
-        "process, no communication: `edit` with H > steps, as many steps as the whole "
-        "budget) that simulates replica r (`sim.replica_offset = r`: its straggler factor "
+        "the same steps it trained in that run (its per-rank window below), the mean of "
+        "the solo runs just before and just after the run's pair (the machine's speed "
+        "drifts; `limit drift` = the two brackets' difference over their mean, the error "
+        "one solo measurement would have had): a single-replica run (nproc = shard size, the same threads per "
+        "process, no communication: `edit` with H > steps, "
+        f"{plan_margin}x as many steps as the whole budget) that simulates replica r (`sim.replica_offset = r`: its straggler factor "
         "and its own random-stall stream, drawn per step, so the same steps have the same "
         "stalls); the solo runs of all replicas run at the same time, as separate jobs, so "
         "that the limit includes the contention for the machine's cores that the compared "
-        "runs have. A fraction of the limit above 1 is a measurement error and is flagged "
+        f"runs have. A repeat whose two brackets differ by more than {MAX_DRIFT:.0%} is "
+        "left out of that method's fractions (the machine was not steady; the rule looks "
+        "at the solo runs only), and a target needs a majority of steady repeats. A fraction of the limit above 1 is a measurement error and is flagged "
         "as such, never reported as a result.",
         "Per replica (from `ranks/rank{RANK}.jsonl`): tokens/s of the replica's ranks from "
         f"their step {skip} to their last step; utilisation = (compute_s + sim_stall_s) / "
@@ -143,6 +157,7 @@ def run(bench: Bench) -> dict[str, Any]:
     ]
     settings = {"steps": steps, "sync_interval": interval, "cases": list(cases),
                 "aedit_sync_time_s": periods, "skip_steps": skip, "repeats": repeats,
+                "solo_steps_margin": plan_margin, "run_order": [list(g) for g in GROUPS],
                 "case_options": {c: CASES[c] for c in cases},
                 "solo_runs": {c: {p.labels[k]: {"replicas": p.replicas_of(k), "sim": p.sims[k]}
                                   for k in p.layers} for c, p in solo_plans.items()}}
@@ -150,6 +165,17 @@ def run(bench: Bench) -> dict[str, Any]:
                         targets=targets, findings=findings, notes=notes, plots=plots,
                         description=DESCRIPTION, errors=errors, repeats=repeats,
                         headline=_headline(results, cases, repeats))
+
+
+def _solo_round(bench: Bench, plan: SoloPlan, case: str, common: dict[str, Any],
+                n: int) -> dict[str, Run]:
+    """Round ``n`` of solo runs: every replica's, at once (the replicas share the machine in
+    the compared runs too). The solo layer goes over the user's options too: whatever they
+    change, a solo run stays one replica without communication, slowed like its replica."""
+    keys = list(plan.layers)
+    return dict(zip(keys, bench.train_together([
+        (repeat_label(f"{case}-{plan.labels[key]}", n), (common, CASES[case]),
+         plan.layers[key], f"{case} {plan.labels[key]} round {n + 1}") for key in keys])))
 
 
 def _period(edit_run: Run | None, interval: int) -> float:
@@ -170,7 +196,7 @@ def _case_results(runs: dict[str, list[Run]], limits: list[dict[str, Any]],
     entry: dict[str, Any] = {
         "limit": {
             "tokens_per_s": spread(solo_values),
-            "per_repeat": solo_values,
+            "per_round": solo_values,
             "per_replica": [spread(x["per_replica"][i] for x in limits)
                             for i in range(len(plan.replica_keys))],
             "solo_runs": [plan.labels[k] for k in plan.replica_keys],
@@ -184,17 +210,22 @@ def _case_results(runs: dict[str, list[Run]], limits: list[dict[str, Any]],
         reps = runs[method]
         windows = [steady_throughput(r, skip) if r.ok else {} for r in reps]
         speeds = [w.get("tokens_per_s") for w in windows]
+        steady = [x["drift"] is not None and x["drift"] <= MAX_DRIFT
+                  for x in matched[method]]
         limit_values = [x["tokens_per_s"] for x in matched[method]]
-        fractions = [ratio(s, lim) for s, lim in zip(speeds, limit_values)]
+        used = [x if ok else {**x, "tokens_per_s": None,
+                              "per_replica": [None] * len(x["per_replica"])}
+                for x, ok in zip(matched[method], steady)]
+        fractions = [ratio(s, x["tokens_per_s"]) for s, x in zip(speeds, used)]
         per_replica = [replica_stats(r, skip) if r.ok else [] for r in reps]
         count = max((len(p) for p in per_replica), default=0)
         replicas = [{"replica": i,
                      "tokens_per_s": spread(p[i]["tokens_per_s"] for p in per_replica
                                             if len(p) > i),
-                     "solo_tokens_per_s": spread(x["per_replica"][i] for x in matched[method]
+                     "solo_tokens_per_s": spread(x["per_replica"][i] for x in used
                                                  if len(x["per_replica"]) > i),
                      "x_solo": spread(ratio(p[i]["tokens_per_s"], x["per_replica"][i])
-                                      for p, x in zip(per_replica, matched[method])
+                                      for p, x in zip(per_replica, used)
                                       if len(p) > i and len(x["per_replica"]) > i),
                      "steps": [x["steps"][i] for x in matched[method]
                                if len(x["steps"]) > i],
@@ -209,8 +240,12 @@ def _case_results(runs: dict[str, list[Run]], limits: list[dict[str, Any]],
         entry["errors"] += errors
         entry[method] = {
             "tokens_per_s": spread(speeds),
-            "limit_tokens_per_s": spread(limit_values),
+            "limit_tokens_per_s": spread(x["tokens_per_s"] for x in used),
             "limit_per_repeat": limit_values,
+            "limit_brackets": [x["brackets"] for x in matched[method]],
+            "limit_drift": spread(x["drift"] for x in matched[method]),
+            "limit_drift_per_repeat": [x["drift"] for x in matched[method]],
+            "unsteady_repeats": [k + 1 for k, ok in enumerate(steady) if not ok],
             "fraction_of_limit": spread(fractions),
             "fraction_above_1": any(f is not None and f > 1.0 for f in fractions),
             "final_val_loss": spread(r.final_val_loss for r in reps),
@@ -262,6 +297,8 @@ def _replica_steps(run: Run) -> list[float] | None:
 def _fraction_cell(x: dict[str, Any]) -> str:
     """The x-limit cell: the spread, marked when any repeat was above 1."""
     text = spread_cell(x["fraction_of_limit"])
+    if x["unsteady_repeats"]:
+        text += f" (repeat(s) {', '.join(map(str, x['unsteady_repeats']))} left out: unsteady)"
     return text + " **MEASUREMENT ERROR: > 1**" if x["fraction_above_1"] else text
 
 
@@ -274,12 +311,13 @@ def _table(results: dict[str, Any], cases: tuple[str, ...]) -> str:
             x = e[m]
             steps = x["replica_steps"][0] if x["replica_steps"] else None
             rows.append([case, m, spread_cell(x["tokens_per_s"]),
-                         spread_cell(x["limit_tokens_per_s"]), _fraction_cell(x),
+                         spread_cell(x["limit_tokens_per_s"]), spread_cell(x["limit_drift"]),
+                         _fraction_cell(x),
                          spread_cell(x["final_val_loss"]), spread_cell(x["wall_time_s"]),
                          x["num_syncs"],
                          "/".join(f"{s:.0f}" for s in steps) if steps else None])
     return md_table(["case", "method", "tokens/s", "measured limit (solo speeds, same steps)",
-                     "x limit", "final val loss", "wall s", "syncs",
+                     "limit drift (before vs after)", "x limit", "final val loss", "wall s", "syncs",
                      "A-EDiT steps per replica (repeat 1)"], rows)
 
 
@@ -320,10 +358,13 @@ def _judge(results: dict[str, Any], cases: tuple[str, ...],
            repeats: int) -> tuple[list[dict[str, Any]], list[str]]:
     """The target checks (aedit >= 0.9x of the measured limit) and the findings."""
     targets, findings = [], []
+    enough = repeats // 2 + 1  # a majority of the repeats measured on a steady machine
     for case in cases:
         e = results[case]
         nb, ed = e["aedit-nb"], e["edit"]
         f_nb = nb["fraction_of_limit"]["median"]
+        if nb["fraction_of_limit"]["n"] < enough:
+            f_nb = None
         speedup = ratio(nb["tokens_per_s"]["median"], ed["tokens_per_s"]["median"])
         met_nb = None if f_nb is None or speedup is None else (
             f_nb >= 0.95 and (case != "straggler" or speedup >= 1.4))
@@ -335,12 +376,27 @@ def _judge(results: dict[str, Any], cases: tuple[str, ...],
             "detail": f"aedit-nb {spread_cell(nb['fraction_of_limit'])}x of the limit, "
                       f"{cell(speedup)}x edit's tokens/s"})
         f = e["aedit"]["fraction_of_limit"]["median"]
+        if e["aedit"]["fraction_of_limit"]["n"] < enough:
+            f = None
         detail = ", ".join(f"{m} {spread_cell(e[m]['fraction_of_limit'])}x" for m in METHODS)
         met = None if f is None else f >= 0.9
         if e["errors"]:
             met, detail = None, "measurement error, see the top of the page; " + detail
         targets.append({"name": f"{case}: aedit reaches >= 0.9x of the measured limit "
                                 "(median over repeats)", "met": met, "detail": detail})
+        drifts = spread(d for group in GROUPS  # one pair of brackets per group
+                        for d in e[group[0]]["limit_drift_per_repeat"])
+        left_out = {m: e[m]["unsteady_repeats"] for m in METHODS if e[m]["unsteady_repeats"]}
+        findings.append(
+            f"{case}: the machine's speed between the two rounds of solo runs around a pair "
+            f"of runs changed by {spread_cell(drifts)} (limit drift, median [min-max]); "
+            + ("left out as unsteady (> " + f"{MAX_DRIFT:.0%}): "
+               + "; ".join(f"{m} repeat(s) {', '.join(map(str, r))}"
+                           for m, r in left_out.items()) if left_out
+               else f"no repeat above {MAX_DRIFT:.0%}")
+            + (f"; fewer than {enough} steady repeats: not evaluated"
+               if min(e[m]["fraction_of_limit"]["n"] for m in ("aedit", "aedit-nb")) < enough
+               else "") + ".")
         a = e["aedit"]
         if a["rendezvous_wait_s_per_sync"] is not None and a["wait_s_per_sync"] is not None:
             findings.append(
