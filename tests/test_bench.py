@@ -178,6 +178,8 @@ def test_stragglers_smoke(tmp_path, cache):
     limit that is the mean of its two brackets, a fraction of the limit, a loss and
     per-replica rows with utilisation <= 1; a fraction above 1 is flagged as a measurement
     error."""
+    from editrain.bench import stragglers
+
     saved, _ = _run("stragglers", tmp_path, cache)
     _runs_ok(saved, count=3 * 2 + 4)  # 3 rounds of 2 solo runs + 4 methods, 1 repeat
     assert saved["repeats"] == 1
@@ -194,22 +196,27 @@ def test_stragglers_smoke(tmp_path, cache):
         for m in ("sync", "edit", "aedit", "aedit-nb"):
             (before, after), = e[m]["limit_brackets"]  # 1 repeat: one pair of brackets
             assert before > 0 and after > 0, (case, m)
-            assert e[m]["limit_tokens_per_s"]["median"] == pytest.approx((before + after) / 2)
-            assert e[m]["limit_drift"]["median"] == pytest.approx(
-                abs(before - after) / ((before + after) / 2))
+            drift = abs(before - after) / ((before + after) / 2)
+            assert e[m]["limit_drift"]["median"] == pytest.approx(drift)
+            if drift <= stragglers.MAX_DRIFT:
+                assert e[m]["limit_tokens_per_s"]["median"] == \
+                    pytest.approx((before + after) / 2)
+                assert e[m]["unsteady_repeats"] == [] and e[m]["fraction_of_limit"]["n"] == 1
+            else:  # the machine's speed changed under the pair: left out, not judged
+                assert e[m]["unsteady_repeats"] == [1] and e[m]["fraction_of_limit"]["n"] == 0
         assert solo[1] < 0.9 * solo[0]  # replica 1's 2x slowdown was applied to its solo run
         for util in limit["solo_utilisation"].values():
             assert 0 < util["median"] <= 1 + UTILISATION_TOLERANCE
         for m in ("sync", "edit", "aedit"):
             x = e[m]
-            assert x["tokens_per_s"]["median"] > 0 and x["fraction_of_limit"]["n"] == 1, (case, m)
+            assert x["tokens_per_s"]["median"] > 0, (case, m)
             assert _num(x["final_val_loss"]["median"]), (case, m)
             assert x["per_replica_rows"] == [2], (case, m)
             _check_replicas(x["replicas"])
             # (startswith: "aedit repeat 1: ..." must not count as edit's)
             flagged = any(err.startswith(f"{m} repeat 1:") and "measured limit" in err
                           for err in e["errors"])
-            assert flagged == (x["fraction_of_limit"]["median"] > 1.0), (case, m)
+            assert flagged == ((x["fraction_of_limit"]["median"] or 0.0) > 1.0), (case, m)
         assert sum(e["aedit"]["replica_steps"][0]) > 0
         # The straggler computes about twice as long per step: busier than replica 0.
         assert e["sync"]["replicas"][1]["utilisation"]["median"] > \
