@@ -3,7 +3,8 @@ replica (gloo).
 
 Every case trains the tiny Llama split over ``tp`` (and sharded by FSDP2 over ``shard``
 when S > 1) and must equal the single-process reference simulator, which knows nothing of
-tensor parallelism, to ~1e-5: the penalty's norms and the clipping are reduced over the
+tensor parallelism, to ~1e-5 (but for isolated elements of float noise:
+``tests.reference.reference_mismatches``): the penalty's norms and the clipping are reduced over the
 whole replica with every tp-replicated piece counted once. After every sync the pieces tp
 peers hold alike (norms, embeddings) must be bitwise equal on them, with GTA and quantised
 communication too (their choices are made alike on tp peers).
@@ -18,7 +19,15 @@ from torch.distributed.tensor import DTensor, Replicate
 import editrain
 from editrain.spawn import run_ranks
 from editrain.topology import init_mesh
-from tests.reference import batch, loss_on, make_inner, make_model, max_diff, ref_config, reference
+from tests.reference import (
+    batch,
+    loss_on,
+    make_inner,
+    make_model,
+    ref_config,
+    reference,
+    reference_mismatches,
+)
 
 TOL = 1e-5
 PEN_ON = dict(pseudo_gradnorm_reduce=True, weight_softmax_temperature=0.02, skip_anomaly=True,
@@ -123,8 +132,8 @@ def _check(runs: list[dict], name: str, R: int, S: int, T: int) -> None:
     _check_alike(outs, T)
     if name in CASES:
         ref = reference(ref_config(CASES[name], R, S))
-        diff = max_diff(outs, ref)
-        assert diff < TOL, f"{name}: max |engine - reference| = {diff:.3g}"
+        bad = reference_mismatches(outs, ref, TOL)
+        assert not bad, f"{name}: engine vs reference: {bad}"
 
 
 @pytest.fixture(scope="module")
