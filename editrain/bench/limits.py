@@ -236,5 +236,5 @@ def bracketed_limit(plan: SoloPlan, brackets: Sequence[dict[str, Run]], run: Run
             "steps": each[0]["steps"] if each else [], "brackets": totals, "drift": drift}
 
 
-__all__ = ["SoloPlan", "bracketed_limit", "matched_limit", "measured_limit", "plan_solo_runs", "solo_sim",
-           "solo_speed", "solo_speed_over"]
+__all__ = ["SoloPlan", "bracketed_limit", "matched_limit", "measured_limit", "plan_solo_runs",
+           "solo_sim", "solo_speed", "solo_speed_over"]

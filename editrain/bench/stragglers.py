@@ -138,15 +138,17 @@ def run(bench: Bench) -> dict[str, Any]:
         "the same steps it trained in that run (its per-rank window below), the mean of "
         "the solo runs just before and just after the run's pair (the machine's speed "
         "drifts; `limit drift` = the two brackets' difference over their mean, the error "
-        "one solo measurement would have had): a single-replica run (nproc = shard size, the same threads per "
-        "process, no communication: `edit` with H > steps, "
-        f"{plan_margin}x as many steps as the whole budget) that simulates replica r (`sim.replica_offset = r`: its straggler factor "
+        "one solo measurement would have had): a single-replica run (nproc = shard size, "
+        "the same threads per process, no communication: `edit` with H > steps, "
+        f"{plan_margin}x as many steps as the whole budget) that simulates replica r "
+        "(`sim.replica_offset = r`: its straggler factor "
         "and its own random-stall stream, drawn per step, so the same steps have the same "
         "stalls); the solo runs of all replicas run at the same time, as separate jobs, so "
         "that the limit includes the contention for the machine's cores that the compared "
         f"runs have. A repeat whose two brackets differ by more than {MAX_DRIFT:.0%} is "
         "left out of that method's fractions (the machine was not steady; the rule looks "
-        "at the solo runs only), and a target needs a majority of steady repeats. A fraction of the limit above 1 is a measurement error and is flagged "
+        "at the solo runs only), and a target needs a majority of steady repeats. A "
+        "fraction of the limit above 1 is a measurement error and is flagged "
         "as such, never reported as a result.",
         "Per replica (from `ranks/rank{RANK}.jsonl`): tokens/s of the replica's ranks from "
         f"their step {skip} to their last step; utilisation = (compute_s + sim_stall_s) / "
@@ -317,8 +319,8 @@ def _table(results: dict[str, Any], cases: tuple[str, ...]) -> str:
                          x["num_syncs"],
                          "/".join(f"{s:.0f}" for s in steps) if steps else None])
     return md_table(["case", "method", "tokens/s", "measured limit (solo speeds, same steps)",
-                     "limit drift (before vs after)", "x limit", "final val loss", "wall s", "syncs",
-                     "A-EDiT steps per replica (repeat 1)"], rows)
+                     "limit drift (before vs after)", "x limit", "final val loss", "wall s",
+                     "syncs", "A-EDiT steps per replica (repeat 1)"], rows)
 
 
 def _replica_table(results: dict[str, Any], cases: tuple[str, ...]) -> str:
