@@ -68,7 +68,25 @@ def ft_rank(rank: int, S: int, case: dict[str, Any], replica: int, R: int, light
     steps_seen = [engine.global_step]
     die = case.get("die")
     pace = float(case.get("step_sleep", 0.0))
-    while engine.global_step < total:
+    # A survivor of a death trains on past ``total`` until the restarted group has joined
+    # (bounded): on a loaded machine its restart can take longer than the survivors' last
+    # steps, and it then has nobody left to heal from (the CLI's launcher stops such a
+    # group; these tests are about the rejoin, so they wait for it).
+    dead = (die or in_sync or (None,))[0]
+    awaiting = attempt == 0 and dead is not None and replica != dead
+
+    def rejoined() -> bool:
+        """A committed round with the dead replica after one without it."""
+        gone = False
+        for e in rounds:
+            if dead not in (e["members"] or []):
+                gone = True
+            elif gone and e["committed"]:
+                return True
+        return False
+
+    while engine.global_step < total or (awaiting and not rejoined()
+                                         and engine.global_step < total + 2000):
         step = engine.global_step
         loss_on(model, batch(replica * S + rank, step, 0)).backward()
         opt.step()
