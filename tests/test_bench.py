@@ -53,11 +53,12 @@ def cache(tmp_path_factory) -> str:
     return str(tmp_path_factory.mktemp("bench-cache"))
 
 
-def _run(name: str, tmp_path: Path, cache: str) -> tuple[dict, Path]:
+def _run(name: str, tmp_path: Path, cache: str,
+         extra: tuple[str, ...] = ()) -> tuple[dict, Path]:
     """Run a scenario at the tiny size; check the files every scenario writes."""
     out = tmp_path / name
     record = run_scenario(name, quick=True, out_dir=str(out),
-                          extra=["--data.cache_dir", cache], tiny=True)
+                          extra=["--data.cache_dir", cache, *extra], tiny=True)
     assert (out / "results.json").is_file() and (out / "table.md").is_file()
     saved = json.loads((out / "results.json").read_text())
     assert record == saved  # what the call returns is exactly what was written
@@ -180,9 +181,11 @@ def test_stragglers_smoke(tmp_path, cache):
     error."""
     from editrain.bench import stragglers
 
-    saved, _ = _run("stragglers", tmp_path, cache)
+    # A budget from the command line sets the scenario's (tiny: 16 steps).
+    saved, _ = _run("stragglers", tmp_path, cache, ("--train.steps", "20"))
     _runs_ok(saved, count=3 * 2 + 4)  # 3 rounds of 2 solo runs + 4 methods, 1 repeat
     assert saved["repeats"] == 1
+    assert saved["settings"]["steps"] == 20 and "20 steps of budget" in saved["notes"][0]
     for case in saved["settings"]["cases"]:
         e = saved["results"][case]
         limit = e["limit"]
