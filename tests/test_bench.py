@@ -707,6 +707,10 @@ def test_readme_headline(tmp_path):
                                        "aedit": {"fraction_of_limit": spread([0.9, 0.95, 0.97])},
                                        "sync": {"fraction_of_limit": spread([0.5, 0.6, 0.55])}}}}
     assert "A-EDiT reaches 0.95 [0.9-0.97]x" in readme_headline([strag])
+    strag["results"]["straggler"]["aedit-nb"] = {"fraction_of_limit": spread([0.97, 0.99])}
+    assert ("non-blocking A-EDiT reaches 0.98 [0.97-0.99]x the measured sum of the replicas' "
+            "solo speeds, blocking A-EDiT 0.95 [0.9-0.97]x, synchronous training 0.55 "
+            "[0.5-0.6]x") in readme_headline([strag])
     strag["results"]["straggler"]["errors"] = ["aedit repeat 1: 1.04x the measured limit"]
     assert "measurement error" in readme_headline([strag]) and "0.95" not in \
         readme_headline([strag])

@@ -27,6 +27,14 @@ meant to show. A compared run's limit is therefore bracketed (:func:`bracketed_l
 solo runs are measured just before and just after every pair of compared runs, and the
 limit is the mean of the two, each over the same steps; how far the two brackets differ
 is recorded with it (``drift``), the size of the error a single solo measurement had.
+
+The limit assumes that every replica computes all the time, as the solo runs of a round
+do. A replica that waits leaves what the processes share (memory bandwidth, caches, a
+sibling hyperthread) to the others, and they then compute faster than their solo speed
+beside a busy neighbour: on the 2-vCPU development host the straggler's solo run alone
+went 1% to 6% (median 3%) faster than beside the fast replica's solo run (an ad-hoc probe,
+4 interleaved rounds). A method whose replicas idle (``sync``, ``edit``) can therefore come
+out slightly above its limit by this effect; one whose replicas never wait cannot.
 """
 
 from __future__ import annotations

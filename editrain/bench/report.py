@@ -205,8 +205,8 @@ def readme_headline(records: Sequence[dict[str, Any]]) -> str:
     Uses the ``default`` record (the validation loss of the default ``editrain train``
     run over the whole held-out split), the ``convergence`` record (EDiT against DiLoCo
     and synchronous training, paired by seed), the ``spikes`` record (peak validation-loss increase of DiLoCo and EDiT with a
-    corrupted replica), the ``stragglers`` record (A-EDiT's and synchronous training's
-    fraction of the measured limit with a 2x straggler; left out when that case has a
+    corrupted replica), the ``stragglers`` record (non-blocking and blocking A-EDiT's and
+    synchronous training's fraction of the measured limit with a 2x straggler; left out when that case has a
     measurement error or the record predates measured limits), the ``bandwidth`` record
     (streaming EDiT's and synchronous training's throughput at 5 MB/s against an unlimited
     link) and the ``peers`` record
@@ -251,11 +251,16 @@ def readme_headline(records: Sequence[dict[str, Any]]) -> str:
         else:
             a = case["aedit"]["fraction_of_limit"]
             s = case["sync"]["fraction_of_limit"]
+            nb = (case.get("aedit-nb") or {}).get("fraction_of_limit") or {}
             if a.get("median") is not None and s.get("median") is not None:
                 n = strag.get("repeats") or 1
-                clauses.append(f"with a 2x straggler A-EDiT reaches {spread_cell(a)}x the "
-                               "measured sum of the replicas' solo speeds, synchronous "
-                               f"training {spread_cell(s)}x "
+                lead = (f"non-blocking A-EDiT reaches {spread_cell(nb)}x the measured sum "
+                        f"of the replicas' solo speeds, blocking A-EDiT {spread_cell(a)}x"
+                        if nb.get("median") is not None else
+                        f"A-EDiT reaches {spread_cell(a)}x the measured sum of the "
+                        "replicas' solo speeds")
+                clauses.append(f"with a 2x straggler {lead}, synchronous training "
+                               f"{spread_cell(s)}x "
                                + (f"(median [min-max] of {n} repeats)" if n > 1
                                   else "(one run each)"))
     bw = by_name.get("bandwidth")
