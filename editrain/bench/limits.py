@@ -34,7 +34,8 @@ sibling hyperthread) to the others, and they then compute faster than their solo
 beside a busy neighbour: on the 2-vCPU development host the straggler's solo run alone
 went 1% to 6% (median 3%) faster than beside the fast replica's solo run (an ad-hoc probe,
 4 interleaved rounds). A method whose replicas idle (``sync``, ``edit``) can therefore come
-out slightly above its limit by this effect; one whose replicas never wait cannot.
+out slightly above its limit by this effect; one whose replicas rarely wait gains little
+from it.
 """
 
 from __future__ import annotations

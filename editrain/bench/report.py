@@ -204,13 +204,13 @@ def readme_headline(records: Sequence[dict[str, Any]]) -> str:
 
     Uses the ``default`` record (the validation loss of the default ``editrain train``
     run over the whole held-out split), the ``convergence`` record (EDiT against DiLoCo
-    and synchronous training, paired by seed), the ``spikes`` record (peak validation-loss increase of DiLoCo and EDiT with a
-    corrupted replica), the ``stragglers`` record (non-blocking and blocking A-EDiT's and
-    synchronous training's fraction of the measured limit with a 2x straggler; left out when that case has a
-    measurement error or the record predates measured limits), the ``bandwidth`` record
-    (streaming EDiT's and synchronous training's throughput at 5 MB/s against an unlimited
-    link) and the ``peers`` record
-    (whether editrain's DiLoCo reproduces torchft's, and at what speed).
+    and synchronous training, paired by seed), the ``spikes`` record (peak validation-loss
+    increase of DiLoCo and EDiT with a corrupted replica), the ``stragglers`` record
+    (non-blocking and blocking A-EDiT's and synchronous training's fraction of the
+    measured limit with a 2x straggler; left out when that case has a measurement error or
+    the record predates measured limits), the ``bandwidth`` record (streaming EDiT's and
+    synchronous training's throughput at 5 MB/s against an unlimited link) and the
+    ``peers`` record (whether editrain's DiLoCo reproduces torchft's, and at what speed).
 
     Args:
         records: the loaded ``results.json`` records.
