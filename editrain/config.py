@@ -15,11 +15,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from editrain.errors import ConfigError
 from editrain.sync.config import SyncConfig
-
-
-class ConfigError(ValueError):
-    """A configuration value (or combination) that cannot work."""
 
 
 def _req(cond: bool, option: str, msg: str) -> None:
