@@ -107,13 +107,14 @@ def checkpoint_root(run_dir: str | Path) -> Path:
 
 
 def list_checkpoints(run_dir: str | Path) -> list[Path]:
-    """Complete checkpoints of a run, oldest first."""
+    """Complete checkpoints of a run's current timeline (``checkpoints/step_*``; those set
+    aside in ``checkpoints/abandoned/`` are not listed), oldest first (by step)."""
     root = checkpoint_root(run_dir)
     if not root.is_dir():
         return []
     done = [p for p in root.iterdir() if p.is_dir() and p.name.startswith("step_")
-            and not p.name.endswith(".tmp") and (p / MARKER).is_file()]
-    return sorted(done, key=lambda p: p.name)
+            and p.name[len("step_"):].isdigit() and (p / MARKER).is_file()]
+    return sorted(done, key=lambda p: int(p.name[len("step_"):]))
 
 
 def resolve_resume(path: str | Path) -> Path:
@@ -195,7 +196,8 @@ class Saved:
 def save_checkpoint(run_dir: str | Path, step: int, *, model: torch.nn.Module,
                     optimizer: torch.optim.Optimizer, engine: Any, replica: int,
                     rank_state: dict[str, Any], meta: dict[str, Any], keep: int,
-                    before_commit: Any = None) -> Saved:
+                    before_commit: Any = None, lineage: dict[str, Any] | None = None
+                    ) -> Saved:
     """Collective: every rank of the world calls it at the same point of training.
 
     Args:
@@ -206,9 +208,13 @@ def save_checkpoint(run_dir: str | Path, step: int, *, model: torch.nn.Module,
         replica: this rank's replica index.
         rank_state: this rank's plain-data state (data position, RNG, counters).
         meta: plain data describing the run (topology, config), stored in the marker.
-        keep: how many complete checkpoints to keep.
+        keep: how many complete checkpoints of the current timeline to keep (the one
+            resumed from is never deleted by this job; see :func:`rotate`).
         before_commit: optional callable run after the data is written and before the
             checkpoint is marked complete (fault-injection tests kill a worker there).
+        lineage: the job's ``run_id``, ``branch`` and ``resumed_from``
+            (:func:`editrain.rundir.lineage_of`), stored in the marker; rotation deletes
+            only checkpoints of this branch.
     """
     t0 = time.perf_counter()
     rank = dist.get_rank()
@@ -233,16 +239,55 @@ def save_checkpoint(run_dir: str | Path, step: int, *, model: torch.nn.Module,
         before_commit()
     dist.barrier()
     if rank == 0:
-        marker = dict(meta, step=step, saved_at=time.time())
+        lineage = lineage or {}
+        marker = dict(meta, step=step, saved_at=time.time(), run_id=lineage.get("run_id"),
+                      branch=lineage.get("branch"))
         (tmp / MARKER).write_text(json.dumps(marker, indent=1))
+        # A checkpoint of the same label (the final one at a periodic one's step) is
+        # replaced only once the new one is complete on disk.
+        old = final.with_name(final.name + ".old")
         if final.exists():
-            shutil.rmtree(final)
+            if old.exists():
+                shutil.rmtree(old)
+            os.replace(final, old)
         os.replace(tmp, final)
-        for old in list_checkpoints(run_dir)[:-keep]:
-            shutil.rmtree(old, ignore_errors=True)
+        if old.exists():
+            shutil.rmtree(old)
+        rotate(run_dir, keep, final, lineage)
     dist.barrier()
     size = sum(f.stat().st_size for f in final.iterdir() if f.is_file())
     return Saved(final, time.perf_counter() - t0, size)
+
+
+def rotate(run_dir: str | Path, keep: int, written: Path,
+           lineage: dict[str, Any] | None = None) -> list[Path]:
+    """Delete the oldest checkpoints of the current timeline beyond ``keep``.
+
+    Only checkpoints whose marker names the current branch (``lineage["branch"]``; None for
+    a library user's run without a record) are candidates, ordered by step; the one just
+    ``written`` and the one this job resumed from are never deleted.
+
+    Returns:
+        The deleted checkpoint directories.
+    """
+    lineage = lineage or {}
+    branch = lineage.get("branch")
+    protected = {written.resolve()}
+    if lineage.get("resumed_from"):
+        protected.add(Path(lineage["resumed_from"]).resolve())
+    mine = []
+    for ckpt in list_checkpoints(run_dir):
+        try:
+            marker = read_marker(ckpt)
+        except CheckpointError:
+            continue  # not ours to judge: leave it
+        if marker.get("branch") == branch:
+            mine.append((int(marker.get("step", -1)), ckpt))
+    mine.sort(key=lambda sc: sc[0])
+    doomed = [c for _, c in mine[:-keep] if c.resolve() not in protected] if keep else []
+    for ckpt in doomed:
+        shutil.rmtree(ckpt, ignore_errors=True)
+    return doomed
 
 
 def _base(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:

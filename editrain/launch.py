@@ -1,8 +1,11 @@
 """Starting workers: locally through torch's elastic launcher, or joining a torchrun job.
 
-The run directory is prepared here, before any process group exists: a directory holding a
-different run is refused unless ``--overwrite``; the resolved configuration is written to
-``RUN_DIR/config.toml``; the corpus is tokenised once in the parent so workers reuse it.
+The run directory is prepared here, before any process group exists (see
+:mod:`editrain.rundir`): a directory holding a different run is refused unless
+``--overwrite``, a directory another job is using is refused, and the job holds the
+directory's lock until it ends; the run record (identity, timeline) and the resolved
+configuration (``RUN_DIR/config.toml``) are written; the corpus is tokenised once in the
+parent so workers reuse it.
 """
 
 from __future__ import annotations
@@ -10,20 +13,19 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-import shutil
 import time
 import uuid
 from pathlib import Path
 from typing import Any
 
-from editrain.config import Config, ConfigError, dumps_toml, to_dict, validate_world
+from editrain import rundir
+from editrain.config import Config, dumps_toml, to_dict, validate_world
 from editrain.corpus import prepare_data
 from editrain.spawn import LOOPBACK, free_port
 
 log = logging.getLogger("editrain")
 
-RUN_FILES = ("config.toml", "metrics.jsonl", "ranks", "loss_vs_tokens.png", "loss_vs_time.png",
-             "tb", "checkpoints", "summary.json")
+RUN_FILES = rundir.RUN_FILES
 
 
 def default_run_dir() -> Path:
@@ -36,19 +38,28 @@ def resolved(cfg: Config) -> Config:
     return dataclasses.replace(cfg, sync=cfg.sync.resolve())
 
 
-def check_run_dir(cfg: Config, run_dir: Path) -> list[str]:
-    """Refuse a ``run_dir`` holding another run (unless ``--overwrite`` or ``--resume``);
-    returns the run files that ``prepare_run_dir`` will replace. Touches nothing."""
-    existing = [n for n in RUN_FILES if (run_dir / n).exists()]
-    # A fault-tolerant run's replica groups write into replica0/, replica1/, ...
-    existing += sorted(p.name for p in run_dir.glob("replica*")
-                       if p.is_dir() and p.name[len("replica"):].isdigit())
-    if existing and not cfg.resume and not cfg.overwrite:
-        raise ConfigError(
-            f"--run-dir: {run_dir} already holds a run ({', '.join(existing)}); choose "
-            "another directory, resume it with --resume, or pass --overwrite to replace it"
-        )
-    return existing
+def resume_checkpoints(cfg: Config) -> list[Path]:
+    """The checkpoint(s) ``--resume`` names: one, or one per replica group of a
+    fault-tolerant run (``RUN_DIR/replica{r}``); empty without ``--resume``."""
+    from editrain.checkpoint import resolve_resume
+
+    if not cfg.resume:
+        return []
+    if cfg.dist.fault_tolerance != "torchft":
+        return [resolve_resume(cfg.resume)]
+    groups = max(1, cfg.dist.nproc // cfg.dist.replica_size)
+    out = []
+    for r in range(groups):
+        sub = Path(cfg.resume) / f"replica{r}"
+        out.append(resolve_resume(sub if sub.is_dir() else cfg.resume))
+    return out
+
+
+def check_run_dir(cfg: Config, run_dir: Path) -> rundir.Claim:
+    """Whether this job may use ``run_dir`` (:func:`editrain.rundir.check`): a directory
+    holding a run is refused unless this job resumes that same run or ``--overwrite`` is
+    given, and ``--overwrite`` never removes what editrain did not write. Touches nothing."""
+    return rundir.check(run_dir, overwrite=cfg.overwrite, resume=resume_checkpoints(cfg))
 
 
 def choose_run_dir(cfg: Config, default) -> Path:
@@ -61,27 +72,43 @@ def choose_run_dir(cfg: Config, default) -> Path:
         p = Path(cfg.resume)
         if (p / MARKER).is_file() and p.parent.name == CKPT_DIR:
             return p.parent.parent
-        if (p / CKPT_DIR).is_dir():
+        if (p / CKPT_DIR).is_dir() or (p / rundir.RECORD).is_file():
             return p
     return default()
 
 
-def prepare_run_dir(cfg: Config, run_dir: Path) -> None:
-    """Create ``run_dir``; refuse to mix two runs; write ``config.toml``."""
-    existing = check_run_dir(cfg, run_dir)
-    if existing and not cfg.resume:
-        for name in existing:
-            path = run_dir / name
-            shutil.rmtree(path) if path.is_dir() else path.unlink()
-        log.warning("--overwrite: removed %s from %s", ", ".join(existing), run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    if cfg.resume and (run_dir / "config.toml").exists():
-        return  # the run's own record of its configuration stays as it was
-    data = to_dict(resolved(cfg))
-    data["run_dir"] = str(run_dir)
-    tmp = run_dir / "config.toml.tmp"
-    tmp.write_text(dumps_toml(data))
-    os.replace(tmp, run_dir / "config.toml")
+def prepare_run_dir(cfg: Config, run_dir: Path, lock: rundir.RunLock | None = None
+                    ) -> rundir.RunRecord:
+    """Make ``run_dir`` this job's: checked again under the directory's lock, the old run
+    replaced if ``--overwrite``, a timeline abandoned by resuming an older checkpoint set
+    aside, the run record and ``config.toml`` written.
+
+    Args:
+        cfg: the configuration.
+        run_dir: the run directory (created if missing).
+        lock: the job's lock on ``run_dir``, held by the caller for the whole job; without
+            one, the directory is locked while it is prepared.
+
+    Returns:
+        The run record of this job.
+    """
+    own = lock is None
+    lock = lock or rundir.RunLock(run_dir)
+    try:
+        if not lock.held:
+            lock.acquire()
+        record = rundir.claim(check_run_dir(cfg, run_dir))
+        if cfg.resume and (run_dir / "config.toml").exists():
+            return record  # the run's own record of its configuration stays as it was
+        data = to_dict(resolved(cfg))
+        data["run_dir"] = str(run_dir)
+        tmp = run_dir / "config.toml.tmp"
+        tmp.write_text(dumps_toml(data))
+        os.replace(tmp, run_dir / "config.toml")
+        return record
+    finally:
+        if own:
+            lock.release()
 
 
 def _pretokenise(cfg: Config) -> int:
@@ -103,12 +130,25 @@ def _pretokenise(cfg: Config) -> int:
 def run_local(cfg: Config) -> dict:
     """Spawn ``dist.nproc`` local workers with torch elastic (restarts from torch); with
     ``dist.fault_tolerance = torchft`` one job per replica group around a lighthouse."""
+    validate_world(cfg, cfg.dist.nproc)
+    run_dir = choose_run_dir(cfg, default_run_dir)
+    cfg = dataclasses.replace(cfg, run_dir=str(run_dir))
+    # The job holds the directory's lock until it ends. A directory editrain has used
+    # before is locked at once, so a second job on it is refused before any work.
+    lock = rundir.RunLock(run_dir)
+    if (run_dir / rundir.LOCK).exists():
+        lock.acquire()
+    try:
+        return _run_local(cfg, run_dir, lock)
+    finally:
+        lock.release()
+
+
+def _run_local(cfg: Config, run_dir: Path, lock: rundir.RunLock) -> dict:
+    """:func:`run_local` once the run directory is chosen (and locked if it was used)."""
     from editrain.metrics import plot_runs
 
     nproc = cfg.dist.nproc
-    validate_world(cfg, nproc)
-    run_dir = choose_run_dir(cfg, default_run_dir)
-    cfg = dataclasses.replace(cfg, run_dir=str(run_dir))
     # Nothing is written before the data and the checkpoint to resume are known to be usable.
     check_run_dir(cfg, run_dir)
     vocab = _pretokenise(cfg)
@@ -122,7 +162,7 @@ def run_local(cfg: Config) -> dict:
                 preflight_resume(replica_run_dir(cfg.resume, r), cfg, vocab)
         else:
             preflight_resume(cfg.resume, cfg, vocab)
-    prepare_run_dir(cfg, run_dir)
+    prepare_run_dir(cfg, run_dir, lock)
     threads = cfg.dist.threads_per_proc or max(1, (os.cpu_count() or 1) // nproc)
     os.environ.setdefault("OMP_NUM_THREADS", str(threads))
     if not cfg.quiet:
@@ -177,14 +217,27 @@ def run_under_torchrun(cfg: Config) -> dict:
     run_dir = choose_run_dir(cfg, lambda: Path("runs") / run_id)
     cfg = dataclasses.replace(cfg, run_dir=str(run_dir))
     validate_world(cfg, int(os.environ["WORLD_SIZE"]))
+    lock = rundir.RunLock(run_dir)
     if int(os.environ.get("RANK", "0")) == 0:
-        prepare_run_dir(cfg, run_dir)
+        # Rank 0 holds the directory's lock for the job. After a restart by torchrun the
+        # directory is this job's already (its record is there): it resumes it as is.
+        lock.acquire()
+        restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
+        if not (restarted and rundir.read_record(run_dir) is not None):
+            try:
+                prepare_run_dir(cfg, run_dir, lock)
+            except BaseException:
+                lock.release()
+                raise
     else:
         # Wait for rank 0 to create the directory (it writes config.toml last).
         deadline = time.monotonic() + 300
         while not (run_dir / "config.toml").exists() and time.monotonic() < deadline:
             time.sleep(0.1)
-    summary = run_worker(cfg, str(run_dir))
+    try:
+        summary = run_worker(cfg, str(run_dir))
+    finally:
+        lock.release()
     if int(os.environ.get("RANK", "0")) == 0:
         from editrain.metrics import plot_runs
 

@@ -36,6 +36,7 @@ from editrain.metrics import MetricsWriter, RankLog, read_metrics
 from editrain.models import Llama, causal_lm_loss, num_parameters
 from editrain.optim import build_optimizer, wrap_sam
 from editrain.optim.wsam import global_norm
+from editrain.rundir import lineage_of
 from editrain.sim import ComputeSlowdown, check_replicas, parse_sim
 from editrain.sync import StepScheduleTrigger, SyncEngine
 from editrain.topology import SHARD_DIM, init_mesh
@@ -171,6 +172,9 @@ class Trainer:
         self.wall_offset = 0.0
         self.off_train_s = 0.0  # evaluation and checkpoint time, kept out of train_time_s
         self.resumed_from: Path | None = None
+        self.lineage = lineage_of(self.run_dir)
+        """This job's run id, timeline and start checkpoint (the launcher's run record;
+        None without one): stored in checkpoints, and rotation keeps to the timeline."""
         self.elastic = False
         self.replay_until: int | None = None
         ckpt = self._checkpoint_to_resume()
@@ -503,7 +507,7 @@ class Trainer:
         saved = save_checkpoint(self.run_dir, label, model=self.model, optimizer=self.optimizer,
                                 engine=self.engine, replica=self.info.replica,
                                 rank_state=rank_state, meta=self._meta(),
-                                keep=self.cfg.checkpoint.keep,
+                                keep=self.cfg.checkpoint.keep, lineage=self.lineage,
                                 before_commit=lambda: self.plan.maybe_fail(
                                     self.global_rank, self.step, "checkpoint"))
         if self.is_logger:

@@ -500,13 +500,14 @@ def test_overwrite_replaces_only_the_run_and_says_so(tmp_path, caplog):
     run_dir = tmp_path / "run"
     make_old_run(run_dir)
     (run_dir / "tb").mkdir()
-    (run_dir / "tb" / "events").write_text("x")
+    (run_dir / "tb" / "events.out.tfevents.1").write_text("x")  # what TensorBoard writes
     cfg = load_config(None, {"run_dir": str(run_dir), "train": {"steps": 7}})
     with pytest.raises(ConfigError, match="--overwrite"):
         check_run_dir(cfg, run_dir)
     with pytest.raises(ConfigError, match="--overwrite"):
         prepare_run_dir(cfg, run_dir)
-    assert (run_dir / "metrics.jsonl").exists() and (run_dir / "tb" / "events").exists()
+    assert (run_dir / "metrics.jsonl").exists()
+    assert (run_dir / "tb" / "events.out.tfevents.1").exists()
 
     cfg = load_config(None, {"run_dir": str(run_dir), "train": {"steps": 7}, "overwrite": True})
     with caplog.at_level(logging.WARNING, logger="editrain"):
