@@ -9,7 +9,8 @@ starts) holds:
   older checkpoint than the run's newest starts another, whose parent is the checkpoint
   resumed from. Every checkpoint's marker carries ``run_id`` and ``branch``, and rotation
   only ever deletes checkpoints of the current branch (see :mod:`editrain.checkpoint`);
-* ``resumed_from``: the checkpoint the current job started from (never rotated away by it);
+* ``resumed_from``: the checkpoint(s) the current job started from (one per replica group
+  in the fault-tolerant mode; never rotated away by it);
 * ``owned``: the entries of the directory editrain created, so ``--overwrite`` removes
   those and nothing else;
 * ``history``: one line per job (branch, start, what it resumed from, what it set aside).
@@ -74,7 +75,7 @@ class RunRecord:
 
     run_id: str
     branch: str
-    resumed_from: str | None = None
+    resumed_from: list[str] = field(default_factory=list)
     owned: list[str] = field(default_factory=list)
     history: list[dict[str, Any]] = field(default_factory=list)
 
@@ -98,7 +99,7 @@ def read_record(run_dir: str | Path) -> RunRecord | None:
     try:
         data = json.loads(path.read_text())
         return RunRecord(run_id=str(data["run_id"]), branch=str(data["branch"]),
-                         resumed_from=data.get("resumed_from"),
+                         resumed_from=[str(p) for p in data.get("resumed_from") or []],
                          owned=[str(n) for n in data.get("owned", [])],
                          history=list(data.get("history", [])))
     except (OSError, ValueError, KeyError, TypeError) as e:
@@ -362,7 +363,7 @@ def claim(c: Claim) -> RunRecord:
         continues = (branch is not None and record is not None and branch == record.branch
                      and not newer)
         rec = RunRecord(run_id=run_id, branch=branch if continues else new_id(),
-                        resumed_from=str(c.resume[0].resolve()))
+                        resumed_from=[str(p.resolve()) for p in c.resume])
         event.update(resumed_from=str(c.resume[0]), from_step=step,
                      from_branch=branch)
         if newer:
@@ -377,7 +378,24 @@ def claim(c: Claim) -> RunRecord:
     rec.history = (list(record.history) if record is not None else []) + [event]
     run_dir.mkdir(parents=True, exist_ok=True)
     write_record(run_dir, rec)
+    if c.resume and rec.branch != (record.branch if record is not None else None):
+        # Readers of metrics.jsonl see where the new timeline starts (rows up to the last
+        # step logged before are marked "replayed" by the trainer).
+        _append_event(run_dir / "metrics.jsonl",
+                      {"event": "timeline", "step": event["from_step"], **event})
     return rec
+
+
+def _append_event(path: Path, row: dict[str, Any]) -> None:
+    """Append one row to an existing ``metrics.jsonl`` (no worker runs yet)."""
+    if not path.is_file():
+        return
+    with open(path, "rb+") as f:
+        data = f.read()
+        if data and not data.endswith(b"\n"):  # a writer killed mid-row
+            f.truncate(data.rfind(b"\n") + 1)
+        f.seek(0, os.SEEK_END)
+        f.write((json.dumps(row) + "\n").encode())
 
 
 def _checkpoint_roots(run_dir: Path) -> set[Path]:

@@ -64,7 +64,7 @@ def test_rotation_deletes_only_the_current_timeline_oldest_first_by_step(tmp_pat
     other = [fake_ckpt(run, s, "old") for s in (40, 60)]      # another timeline
     start = fake_ckpt(run, 20, "B")                           # resumed from
     mine = [fake_ckpt(run, s, "B") for s in (30, 50, 100_000_000)]  # names sort wrongly
-    gone = rotate(run, 1, mine[-1], {"branch": "B", "resumed_from": str(start)})
+    gone = rotate(run, 1, mine[-1], {"branch": "B", "resumed_from": [str(start)]})
     assert gone == mine[:2]
     assert all(p.exists() for p in (*other, start, mine[-1]))
     # keep 2: the newest two of the timeline stay, here the resumed-from one among them
@@ -95,19 +95,21 @@ def test_resuming_an_older_checkpoint_starts_a_new_timeline_and_sets_the_later_a
 
     record2 = prepare_run_dir(cfg_for(run, resume=str(ckpts[0])), run)
     assert record2.run_id == record.run_id and record2.branch != record.branch
-    assert record2.resumed_from == str(ckpts[0].resolve())
+    assert record2.resumed_from == [str(ckpts[0].resolve())]
     aside = run / "checkpoints" / "abandoned" / record.branch
     assert sorted(p.name for p in aside.iterdir()) == [ckpts[1].name, ckpts[2].name]
     assert list_checkpoints(run) == [ckpts[0]]
     assert resolve_resume(run) == ckpts[0]  # --resume RUN never picks the abandoned ones
     last = rundir.read_record(run).history[-1]
     assert last["branch"] == record2.branch and len(last["set_aside"]) == 2
-    assert (run / "metrics.jsonl").read_text() == '{"step": 6}\n'  # kept, appended to
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert rows[0] == {"step": 6}  # kept; the new timeline's start is appended
+    assert rows[1]["event"] == "timeline" and rows[1]["from_step"] == 2
 
     # Resuming the newest checkpoint of the current timeline continues it.
     newest = fake_ckpt(run, 8, record2.branch, record.run_id)
     record3 = prepare_run_dir(cfg_for(run, resume=str(run)), run)
-    assert record3.branch == record2.branch and record3.resumed_from == str(newest.resolve())
+    assert record3.branch == record2.branch and record3.resumed_from == [str(newest.resolve())]
     assert rundir.lineage_of(run)["branch"] == record2.branch
     assert rundir.lineage_of(run / "replica0")["branch"] == record2.branch
 
