@@ -40,6 +40,14 @@ def _positive(section: Any, prefix: str, names: tuple[str, ...], least: int = 1)
              f", got {value}")
 
 
+SEED_MAX = 2**63 - 1
+"""Largest seed: torch, numpy and the data order take a seed as a non-negative int64."""
+
+
+def _seed(value: int, option: str) -> None:
+    _req(0 <= value <= SEED_MAX, option, f"must be in [0, 2^63 - 1] ({SEED_MAX}), got {value}")
+
+
 def cuda_device_count() -> int:
     """CUDA devices this process can use (respects CUDA_VISIBLE_DEVICES); tests replace it."""
     import torch
@@ -105,7 +113,7 @@ class DataSection:
     val_tokens: int = 65_536
     """Hold out at least this many validation tokens (at most 30% of the corpus)."""
     split_seed: int = 0
-    """Seed of the choice of validation documents."""
+    """Seed of the choice of validation documents (0 to 2^63 - 1)."""
     max_bytes: int | None = 8_000_000
     """Read at most this many bytes of the corpus (none: all of it)."""
     cache_dir: str = "~/.cache/editrain"
@@ -123,7 +131,8 @@ class DataSection:
              f"must be >= 257 (256 bytes + end-of-text), got {self.vocab_size}")
         _req(0 < self.val_fraction < 0.5, "data.val_fraction",
              f"must be in (0, 0.5), got {self.val_fraction}")
-        _positive(self, "data", ("val_tokens", "split_seed"), least=0)
+        _positive(self, "data", ("val_tokens",), least=0)
+        _seed(self.split_seed, "data.split_seed")
         if self.max_bytes is not None:
             _req(self.max_bytes > 0, "data.max_bytes", f"must be > 0, got {self.max_bytes}")
 
@@ -161,7 +170,7 @@ class TrainSection:
     log_every: int = 1
     """Write a metrics row every this many steps."""
     seed: int = 0
-    """Seed of model init, data order and every random choice."""
+    """Seed of model init, data order and every random choice (0 to 2^63 - 1)."""
     precision: str = "fp32"
     """Compute precision: fp32 or bf16 (parameters and anchors stay fp32)."""
 
@@ -170,6 +179,7 @@ class TrainSection:
         _positive(self, "train", ("steps", "batch_size", "seq_len",
                                   "gradient_accumulation_steps", "eval_every", "log_every"))
         _positive(self, "train", ("warmup_steps", "eval_tokens"), least=0)
+        _seed(self.seed, "train.seed")
         _req(self.lr > 0, "train.lr", f"must be > 0, got {self.lr}")
         _req(0 <= self.min_lr_ratio <= 1, "train.min_lr_ratio",
              f"must be in [0, 1], got {self.min_lr_ratio}")
@@ -327,21 +337,28 @@ class SimSection:
     """Simulated cluster heterogeneity (all off by default)."""
 
     link_bandwidth: str | None = None
-    """Cross-replica link bandwidth, e.g. 100MB/s or 1Gbit/s (none: unlimited)."""
+    """Cross-replica link bandwidth, e.g. 100MB/s or 1Gbit/s, from 1B/s to 1PB/s (none:
+    unlimited)."""
     link_latency: str | None = None
-    """Cross-replica link latency per message, e.g. 5ms."""
+    """Cross-replica link latency per message, e.g. 5ms, from 0 to 3600 s."""
     straggler: list[str] = field(default_factory=list)
-    """Slow replicas: REPLICA=FACTOR or REPLICA=FACTOR@FROM-TO (steps)."""
+    """Slow replicas: REPLICA=FACTOR or REPLICA=FACTOR@FROM-TO (steps), FACTOR from 1 to
+    1000."""
     random_stall: str | None = None
-    """Random stalls: PROB,SECONDS (each step of each replica stalls with probability PROB)."""
+    """Random stalls: PROB,SECONDS (each step of each replica stalls with probability PROB
+    in [0, 1] for SECONDS, from 0 to 3600)."""
     corrupt_replica: list[str] = field(default_factory=list)
-    """Corrupt a replica's update at a sync: REPLICA@SYNC or REPLICA@SYNC:SCALE."""
+    """Corrupt a replica's update at a sync: REPLICA@SYNC or REPLICA@SYNC:SCALE (SCALE from
+    -1e6 to 1e6, default 30)."""
     fail: str | None = None
     """Kill a worker on the first attempt: RANK@STEP (abrupt exit after that step) or
-    RANK@STEP:checkpoint (exit in the middle of writing that step's checkpoint). With
-    --ft the worker's whole replica group dies and restarts after sim.fail_restart_s."""
+    RANK@STEP:checkpoint (exit in the middle of writing that step's checkpoint). RANK is a
+    data rank, replica x dist.shard_size + shard (tensor-parallel peers die with it), STEP
+    from 1 to train.steps. With --ft the worker's whole replica group dies and restarts
+    after sim.fail_restart_s."""
     fail_restart_s: float = 0.0
-    """--ft: seconds before a replica group killed by sim.fail is started again."""
+    """--ft: seconds before a replica group killed by sim.fail is started again (0 to
+    3600)."""
     step_schedule: list[int] = field(default_factory=list)
     """A-EDiT: replica r syncs after step_schedule[r] steps instead of on the clock
     (reproducible experiments and tests)."""
@@ -602,8 +619,9 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None
 
 # ---------------------------------------------------------------------------- validation
 def validate(cfg: Config) -> None:
-    """Every section's own checks (floats finite first), then the checks that span
-    sections; nothing here needs a process group."""
+    """Every section's own checks (first: every number finite and within int64, also
+    inside tables and lists), then the checks that span sections; nothing here needs a
+    process group."""
     from editrain.sync.config import check_finite
 
     for name in SECTIONS:
@@ -620,8 +638,15 @@ def validate(cfg: Config) -> None:
              f"must be smaller than train.steps ({t.steps}), got {s.local_sgd_warmup_steps}")
     if cfg.sim.step_schedule:
         _req(s.method == "aedit", "sim.step_schedule", "only applies to sync.method=aedit")
-    _req(cfg.sim.fail_restart_s >= 0, "sim.fail_restart_s",
-         f"must be >= 0 seconds, got {cfg.sim.fail_restart_s}")
+    _req(0 <= cfg.sim.fail_restart_s <= 3600, "sim.fail_restart_s",
+         f"must be in [0, 3600] seconds, got {cfg.sim.fail_restart_s}")
+    from editrain.sim import parse_sim
+
+    fail = parse_sim(cfg.sim).fail  # (rank, step, phase); parsed in SimSection.validate
+    if fail is not None:
+        _req(1 <= fail[1] <= t.steps, "sim.fail",
+             f"step {fail[1]} never comes: STEP must be in [1, train.steps = {t.steps}] "
+             f"(the worker dies after that step), got {cfg.sim.fail!r}")
     if cfg.dist.tp_size > 1:
         heads = _heads(cfg)
         _req(all(h % cfg.dist.tp_size == 0 for h in heads), "dist.tp_size",
@@ -641,6 +666,49 @@ def validate(cfg: Config) -> None:
         _req(t.seq_len <= mcfg.max_seq_len, "train.seq_len",
              f"{t.seq_len} exceeds the model's maximum sequence length {mcfg.max_seq_len} "
              f"(raise model.max_seq_len or lower train.seq_len)")
+    if s.is_local_sgd and s.fragments > 1:
+        units = sync_units(cfg)
+        blocks = [n for n in units if n.startswith("block")]
+        named = ", ".join(units)
+        if len(blocks) > 2:  # a deep model's blocks as block0 .. blockN-1
+            named = named.replace(", ".join(blocks), f"{blocks[0]} .. {blocks[-1]}")
+        _req(s.fragments <= len(units), "sync.fragments",
+             f"must be <= the number of sync units of the model ({len(units)}: {named}), "
+             f"got {s.fragments}")
+
+
+def sync_units(cfg: Config) -> list[str]:
+    """The names of the model's sync units, as the sync engine counts them: the root (when
+    it holds parameters), every transformer block and, with ``sync.split_root``, the
+    embeddings and an untied output head. The model is built on the meta device (no
+    memory, no weights) and counted with the engine's own functions.
+
+    Args:
+        cfg: a configuration whose model section is valid.
+
+    Returns:
+        One name per unit, in the engine's order ("root", "block0", ...).
+    """
+    import torch
+
+    from editrain.sync.edit import find_root_params, unit_modules
+
+    with torch.device("meta"):
+        if cfg.model.hf_config is not None:
+            from transformers import AutoConfig, AutoModelForCausalLM
+
+            from editrain.models.hf import HFCausalLM, read_hf_config
+
+            data = dict(read_hf_config(cfg.model.hf_config))
+            hf_config = AutoConfig.for_model(data.pop("model_type"), **data)
+            model = HFCausalLM(AutoModelForCausalLM.from_config(hf_config))
+        else:
+            from editrain.models import Llama
+
+            model = Llama(model_config(cfg))
+    modules = unit_modules(model, model.blocks(), cfg.sync.split_root)
+    root = find_root_params(model, [m for _, m in modules])
+    return (["root"] if root else []) + [n for n, _ in modules]
 
 
 def _heads(cfg: Config) -> tuple[int, int]:
@@ -695,10 +763,18 @@ def validate_world(cfg: Config, world_size: int) -> None:
     replicas = topo.num_replicas
     if d.fault_tolerance == "torchft" and d.ft_replicas:
         replicas = d.ft_replicas  # this job is one replica group of several
+    plan = sim.parse_sim(cfg.sim)
     try:
-        sim.check_replicas(sim.parse_sim(cfg.sim), replicas + cfg.sim.replica_offset)
+        sim.check_replicas(plan, replicas + cfg.sim.replica_offset)
     except ValueError as e:
         raise ConfigError(str(e)) from None
+    if plan.fail is not None:
+        # A worker dies by its data rank (replica x shard_size + shard; tp peers share it).
+        data_ranks = replicas * d.shard_size
+        _req(plan.fail[0] < data_ranks, "sim.fail",
+             f"rank {plan.fail[0]} does not exist: RANK is a data rank, replica x "
+             f"dist.shard_size + shard, from 0 to {data_ranks - 1} ({replicas} replicas x "
+             f"{d.shard_size} shards), got {cfg.sim.fail!r}")
 
 
 # ---------------------------------------------------------------------------- output

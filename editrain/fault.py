@@ -227,5 +227,7 @@ def _summarise(run_dir: Path, replicas: int, events: list[dict[str, Any]],
         "events": events,
         "per_replica": groups,
     }
-    (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+    from editrain.metrics import to_json  # strict JSON: a NaN loss is written null
+
+    (run_dir / "summary.json").write_text(to_json(summary, indent=1))
     return summary

@@ -112,14 +112,18 @@ def prepare_run_dir(cfg: Config, run_dir: Path, lock: rundir.RunLock | None = No
 
 
 def _pretokenise(cfg: Config) -> int:
-    from editrain.data import SequenceStream, eval_batches
+    from editrain.data import SequenceStream, check_batch_size, eval_batches
 
     t0 = time.perf_counter()
     data = prepare_data(cfg)
-    # The windows every worker will cut; a too-small corpus fails here, not in the workers.
+    # The windows every worker will cut; a too-small corpus or a batch larger than a
+    # rank's share (the sampler would loop over epochs to fill it) fails here, not in the
+    # workers. Data ranks: every replica's shards (tensor-parallel peers read alike).
     t = cfg.train
-    SequenceStream(data.train, t.seq_len, 0, cfg.dist.nproc, t.seed)
-    eval_batches(data.val[: 2 * t.seq_len + 2], t.seq_len, t.batch_size, 0, cfg.dist.nproc)
+    data_world = cfg.dist.nproc // cfg.dist.tp_size
+    SequenceStream(data.train, t.seq_len, 0, data_world, t.seed)
+    check_batch_size(data.train, t.seq_len, t.batch_size, data_world)
+    eval_batches(data.val[: 2 * t.seq_len + 2], t.seq_len, t.batch_size, 0, data_world)
     how = "reused cache" if data.reused else f"built in {time.perf_counter() - t0:.1f} s"
     if not cfg.quiet:
         log.info("data: %d train / %d val tokens, vocab %d (%s: %s)", len(data.train),

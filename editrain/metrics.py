@@ -39,6 +39,26 @@ def _clean(v: Any) -> Any:
     return v
 
 
+def to_json(obj: Any, **kwargs: Any) -> str:
+    """Strict JSON text of run output (``metrics.jsonl`` rows, ``summary.json``, benchmark
+    results): a NaN or infinite number is written as ``null``, never as the bare ``NaN`` /
+    ``Infinity`` that Python's ``json`` writes by default and strict parsers reject.
+
+    Args:
+        obj: plain data (dicts, lists, numbers, strings, None).
+        **kwargs: passed on to :func:`json.dumps` (``indent``, ``separators``...).
+
+    Returns:
+        The JSON text.
+
+    Raises:
+        ValueError: a non-finite number the cleaning cannot reach (``allow_nan`` is off,
+            so invalid JSON is never written).
+        TypeError: an object that JSON cannot hold.
+    """
+    return json.dumps(_clean(obj), allow_nan=False, **kwargs)
+
+
 def _drop_partial_line(path: Path) -> None:
     """A writer killed mid-row leaves a line without its newline; cut it off before
     appending, so the next row does not fuse with it."""
@@ -91,7 +111,7 @@ class MetricsWriter:
         the disk every ``fsync_every_s``)."""
         if self._file is None:
             return
-        self._file.write(json.dumps(_clean(row), separators=(",", ":")) + "\n")
+        self._file.write(to_json(row, separators=(",", ":")) + "\n")
         self._file.flush()
         now = time.monotonic()
         if now - self._last_fsync >= self.fsync_every_s:
@@ -139,7 +159,7 @@ class RankLog:
         """Append one row."""
         if self._file is None:
             return
-        self._file.write(json.dumps(_clean(row), separators=(",", ":")) + "\n")
+        self._file.write(to_json(row, separators=(",", ":")) + "\n")
         self._pending += 1
         if self._pending >= self.flush_every:
             self._file.flush()

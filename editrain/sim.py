@@ -45,24 +45,71 @@ _TIME_UNITS = {"s": 1.0, "ms": 1e-3, "us": 1e-6}
 _NUM = r"([0-9]*\.?[0-9]+(?:e-?[0-9]+)?)"
 
 
+MIN_BANDWIDTH = 1.0
+"""Slowest simulated link, bytes per second (8bit/s)."""
+MAX_BANDWIDTH = 1e15
+"""Fastest simulated link, bytes per second (1PB/s; above it the link costs nothing)."""
+MAX_SECONDS = 3600.0
+"""Longest simulated latency or stall (one hour): more would only hang the run."""
+MAX_FACTOR = 1000.0
+"""Largest straggler slowdown factor."""
+MAX_SCALE = 1e6
+"""Largest magnitude of a corrupt_replica scale (the default is 30)."""
+MAX_INDEX = 2**63 - 1
+"""Largest replica, rank, step or sync index in a spec (an int64)."""
+
+
 def _err(option: str, value: Any, allowed: str) -> ValueError:
     return ValueError(f"sim.{option}: cannot parse {value!r}; expected {allowed}")
 
 
+def _index(text: str, option: str, spec: str) -> int:
+    """An integer field of a spec (replica, rank, step, sync), at most :data:`MAX_INDEX`."""
+    value = int(text)
+    if value > MAX_INDEX:
+        raise ValueError(f"sim.{option}: {value} in {spec!r} is too large (at most 2^63 - 1)")
+    return value
+
+
 def parse_bandwidth(text: str) -> float:
-    """``"100MB/s"`` -> bytes per second."""
+    """``"100MB/s"`` -> bytes per second, between :data:`MIN_BANDWIDTH` and
+    :data:`MAX_BANDWIDTH`.
+
+    Args:
+        text: a positive number and a unit: B/s, kB/s, MB/s, GB/s or bit/s, kbit/s, Mbit/s,
+            Gbit/s (case-insensitive).
+
+    Raises:
+        ValueError: naming ``sim.link_bandwidth`` and what is allowed.
+    """
     m = re.fullmatch(_NUM + r"\s*([a-zA-Z]+/s)", text.strip())
     if not m or m.group(2).lower() not in _UNITS or float(m.group(1)) <= 0:
         raise _err("link_bandwidth", text, "a positive rate such as 100MB/s, 1Gbit/s, 500kB/s")
-    return float(m.group(1)) * _UNITS[m.group(2).lower()]
+    rate = float(m.group(1)) * _UNITS[m.group(2).lower()]
+    if not MIN_BANDWIDTH <= rate <= MAX_BANDWIDTH:  # also inf (1e999MB/s)
+        raise ValueError(f"sim.link_bandwidth: {text.strip()!r} is out of range; allowed "
+                         f"from 1B/s (8bit/s) to 1e15B/s (1PB/s)")
+    return rate
 
 
 def parse_duration(text: str, option: str = "link_latency") -> float:
-    """``"5ms"`` -> seconds."""
+    """``"5ms"`` -> seconds, at most :data:`MAX_SECONDS`.
+
+    Args:
+        text: a number >= 0 with an optional unit s, ms or us (seconds by default).
+        option: the ``sim`` option named in errors.
+
+    Raises:
+        ValueError: naming ``sim.<option>`` and what is allowed.
+    """
     m = re.fullmatch(_NUM + r"\s*(s|ms|us)?", text.strip())
     if not m:
         raise _err(option, text, "a duration such as 5ms, 0.2s, 300us")
-    return float(m.group(1)) * _TIME_UNITS[m.group(2) or "s"]
+    seconds = float(m.group(1)) * _TIME_UNITS[m.group(2) or "s"]
+    if not seconds <= MAX_SECONDS:  # also inf (1e999s)
+        raise ValueError(f"sim.{option}: {text.strip()!r} is out of range; allowed from 0 "
+                         f"to {MAX_SECONDS:g} s")
+    return seconds
 
 
 @dataclass
@@ -234,11 +281,16 @@ def parse_sim(sim: Any) -> SimPlan:
         if not m or float(m.group(2)) < 1:
             raise _err("straggler", spec, "REPLICA=FACTOR (FACTOR >= 1) or "
                        "REPLICA=FACTOR@FROM-TO, e.g. 1=2 or 0=3@100-200")
-        start = int(m.group(3)) if m.group(3) else 0
-        stop = int(m.group(4)) if m.group(4) else None
+        factor = float(m.group(2))
+        if not factor <= MAX_FACTOR:  # also inf (1e999)
+            raise ValueError(f"sim.straggler: factor {m.group(2)} in {spec.strip()!r} is out "
+                             f"of range; allowed from 1 to {MAX_FACTOR:g}")
+        start = _index(m.group(3), "straggler", spec) if m.group(3) else 0
+        stop = _index(m.group(4), "straggler", spec) if m.group(4) else None
         if stop is not None and stop <= start:
             raise _err("straggler", spec, "FROM < TO")
-        plan.stragglers.append(Straggler(int(m.group(1)), float(m.group(2)), start, stop))
+        plan.stragglers.append(Straggler(_index(m.group(1), "straggler", spec), factor, start,
+                                         stop))
     if sim.random_stall:
         m = re.fullmatch(_NUM + r"\s*,\s*(.+)", sim.random_stall.strip())
         if not m or not 0 <= float(m.group(1)) <= 1:
@@ -249,13 +301,19 @@ def parse_sim(sim: Any) -> SimPlan:
         m = re.fullmatch(r"(\d+)@(\d+)(?::(step|checkpoint))?", sim.fail.strip())
         if not m:
             raise _err("fail", sim.fail, "RANK@STEP or RANK@STEP:checkpoint, e.g. 1@15")
-        plan.fail = (int(m.group(1)), int(m.group(2)), m.group(3) or "step")
+        plan.fail = (_index(m.group(1), "fail", sim.fail), _index(m.group(2), "fail", sim.fail),
+                     m.group(3) or "step")
     for spec in sim.corrupt_replica:
         m = re.fullmatch(r"(\d+)@(\d+)(?::(-?" + _NUM[1:-1] + r"))?", spec.strip())
         if not m:
             raise _err("corrupt_replica", spec, "REPLICA@SYNC or REPLICA@SYNC:SCALE, "
                        "e.g. 1@20 or 1@20:50")
-        plan.corrupt[int(m.group(2))] = (int(m.group(1)), float(m.group(3) or 30.0))
+        scale = float(m.group(3) or 30.0)
+        if not abs(scale) <= MAX_SCALE:  # also inf (1e999)
+            raise ValueError(f"sim.corrupt_replica: scale {m.group(3)} in {spec.strip()!r} is "
+                             f"out of range; allowed from -{MAX_SCALE:g} to {MAX_SCALE:g}")
+        plan.corrupt[_index(m.group(2), "corrupt_replica", spec)] = (
+            _index(m.group(1), "corrupt_replica", spec), scale)
     return plan
 
 

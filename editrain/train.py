@@ -319,7 +319,9 @@ class Trainer:
             summary.update(replica=self.replica, healed_at=self.healed_at,
                            failed_syncs=self.engine.ft.failed_rounds)
         if self.is_logger:
-            (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+            from editrain.metrics import to_json  # strict JSON: a NaN loss is written null
+
+            (self.run_dir / "summary.json").write_text(to_json(summary, indent=1))
             log.warning("done: %d steps, %d tokens, val loss %.4f, %.1f s, %d syncs",
                         summary["steps"], summary["tokens"], final_val, summary["wall_time_s"],
                         summary["num_syncs"])

@@ -336,9 +336,11 @@ def bad_input_cases(tmp: Path) -> dict[str, tuple[list[str], list[str]]]:
                                 ["sync.ewma_threshold", "finite"]),
         # the outer optimizer: an Optimizer subclass, its keyword arguments checked by torch
         "outer_function": (["--sync.outer_optim_class=os.system"],
-                           ["sync.outer_optim_class", "torch.optim.Optimizer subclass"]),
+                           ["sync.outer_optim_class", "refused 'os.system'", "torch.optim"]),
         "outer_not_optimizer": (["--sync.outer_optim_class=collections:OrderedDict"],
-                                ["sync.outer_optim_class", "package.module:Class"]),
+                                ["sync.outer_optim_class", "refused", "Python API"]),
+        "outer_unknown": (["--sync.outer_optim_class=torch.optim.NoSuchOptimizer"],
+                          ["sync.outer_optim_class", "unknown optimizer", "package.module:Class"]),
         "outer_lr": (["--sync.outer_optim_kwargs={lr=-1}"],
                      ["sync.outer_optim_kwargs", "Invalid learning rate"]),
         "outer_keyword": (["--sync.outer_optim_kwargs={bogus=1}"],
@@ -378,6 +380,53 @@ def bad_input_cases(tmp: Path) -> dict[str, tuple[list[str], list[str]]]:
                      ["dist.tp_size", "query heads (4)", "key/value heads (2)"]),
         "tp_world": (["--model.preset", "tiny", "--nproc", "3", "--shard-size", "1",
                       "--tp-size", "2"], ["dist.tp_size=2", "world size 3", "1, 3"]),
+        # issue #30: sizes checked against the corpus (a huge batch looped forever in the
+        # sampler), integers that fit an int64, seeds in [0, 2^63 - 1]
+        "batch_huge": (["--train.batch_size", "99999999999999999999"],
+                       ["train.batch_size", "at most 2^63 - 1"]),
+        "batch_corpus": (["--data.max_bytes", "60000", "--train.batch_size", "100000"],
+                         ["train.batch_size", "at most", "for this corpus and 4 data ranks",
+                          "train.seq_len=64"]),
+        "seed_negative": (["--seed", "-1"], ["train.seed", "[0, 2^63 - 1]", "got -1"]),
+        "seed_huge": (["--seed", "9223372036854775808"], ["train.seed", "at most 2^63 - 1"]),
+        "split_seed_huge": (["--data.split_seed", "18446744073709551616"],
+                            ["data.split_seed", "at most 2^63 - 1"]),
+        # numbers inside tables and lists: finite, in range
+        "outer_kwargs_nan": (["--sync.outer_optim_kwargs", "{lr = nan}"],
+                             ["sync.outer_optim_kwargs.lr", "finite", "nan"]),
+        "outer_kwargs_inf_list": (["--sync.outer_optim_class=adam",
+                                   "--sync.outer_optim_kwargs={lr = 0.1, betas = [0.9, inf]}"],
+                                  ["sync.outer_optim_kwargs.betas[1]", "finite"]),
+        "outer_kwargs_momentum": (["--sync.outer_optim_kwargs={momentum = 1.5}"],
+                                  ["sync.outer_optim_kwargs.momentum", "[0, 1)"]),
+        "outer_kwargs_lr_zero": (["--sync.outer_optim_kwargs={lr = 0}"],
+                                 ["sync.outer_optim_kwargs.lr", "> 0"]),
+        "step_schedule_huge": (["--method", "aedit", "--sim.step_schedule",
+                                "1,99999999999999999999"],
+                               ["sim.step_schedule[1]", "at most 2^63 - 1"]),
+        # every number of a sim.* spec finite and in its documented range
+        "straggler_inf": (["--sim.straggler", "1=1e999"], ["sim.straggler", "from 1 to 1000"]),
+        "straggler_step_huge": (["--sim.straggler", "1=2@0-99999999999999999999"],
+                                ["sim.straggler", "at most 2^63 - 1"]),
+        "latency_inf": (["--sim.link_latency", "1e999s"], ["sim.link_latency", "0 to 3600 s"]),
+        "latency_huge": (["--sim.link_latency", "1e9"], ["sim.link_latency", "0 to 3600 s"]),
+        "bandwidth_inf": (["--sim.link_bandwidth", "1e999MB/s"],
+                          ["sim.link_bandwidth", "1PB/s"]),
+        "bandwidth_tiny": (["--sim.link_bandwidth", "1e-300MB/s"],
+                           ["sim.link_bandwidth", "1B/s"]),
+        "stall_inf": (["--sim.random_stall", "0.5,1e999"], ["sim.random_stall", "3600"]),
+        "corrupt_scale_inf": (["--sim.corrupt_replica", "1@2:1e999"],
+                              ["sim.corrupt_replica", "out of range"]),
+        "fail_restart_huge": (["--sim.fail_restart_s=1e9"], ["sim.fail_restart_s", "3600"]),
+        # sim.fail: a data rank that exists (4 workers, 2 shards: ranks 0..3), a step that comes
+        "fail_rank": (["--sim.fail", "4@2"], ["sim.fail", "rank 4", "from 0 to 3"]),
+        "fail_rank_ft": (["--ft", "--nproc", "3", "--shard-size", "1", "--sim.fail", "3@2"],
+                         ["sim.fail", "rank 3", "from 0 to 2", "3 replicas"]),
+        "fail_step": (["--sim.fail", "1@6"], ["sim.fail", "step 6", "train.steps = 5"]),
+        "fail_step_zero": (["--sim.fail", "1@0:checkpoint"], ["sim.fail", "step 0"]),
+        # more fragments than the model has sync units (tiny: root and 2 blocks)
+        "fragments_units": (["--model.preset", "tiny", "--sync.fragments", "4"],
+                            ["sync.fragments", "sync units", "(3: root, block0, block1)"]),
     }
 
 
@@ -388,7 +437,14 @@ BAD_INPUTS = ["unknown_key", "unknown_section", "wrong_type", "wrong_type_float"
               "threshold_minus_inf", "outer_function", "outer_not_optimizer", "outer_lr",
               "outer_keyword", "nccl", "cuda", "comm_backend", "data_extension", "data_glob",
               "data_eos", "overlap_steps", "ft_mode", "ft_aedit", "ft_sync", "ft_streaming",
-              "ft_flag_value", "ft_timeout", "ft_heartbeat", "tp_heads", "tp_world"]
+              "ft_flag_value", "ft_timeout", "ft_heartbeat", "tp_heads", "tp_world",
+              "outer_unknown", "batch_huge", "batch_corpus", "seed_negative", "seed_huge",
+              "split_seed_huge", "outer_kwargs_nan", "outer_kwargs_inf_list",
+              "outer_kwargs_momentum", "outer_kwargs_lr_zero", "step_schedule_huge",
+              "straggler_inf", "straggler_step_huge", "latency_inf", "latency_huge",
+              "bandwidth_inf", "bandwidth_tiny", "stall_inf", "corrupt_scale_inf",
+              "fail_restart_huge", "fail_rank", "fail_rank_ft", "fail_step", "fail_step_zero",
+              "fragments_units"]
 
 
 def test_bad_input_case_list_is_complete(tmp_path):
@@ -398,7 +454,11 @@ def test_bad_input_case_list_is_complete(tmp_path):
 # The issue's list, each through the real console script; the rest in-process (fast).
 SUBPROCESS_CASES = ["unknown_key", "wrong_type", "shard_size", "steps_zero", "batch_negative",
                     "lr_zero", "missing_data", "empty_corpus", "seq_len", "lr_inf",
-                    "outer_function", "outer_lr", "nccl"]
+                    "outer_function", "outer_lr", "nccl",
+                    # issue #30: a batch size that hung the sampler (this test's timeout
+                    # turns a regression into a failure), a seed the workers rejected
+                    # with a traceback, a NaN outer lr that trained to NaN and exited 0
+                    "batch_huge", "seed_negative", "outer_kwargs_nan"]
 
 
 @pytest.mark.parametrize("name", SUBPROCESS_CASES)
@@ -440,6 +500,64 @@ def test_bad_input_fails_before_any_worker(name, tmp_path, capsys, no_workers):
     assert code == 2, err
     line = error_line(err)
     for w in words:
+        assert w in line, (w, err)
+    assert not run_dir.exists()
+
+
+@pytest.mark.parametrize("how", ["cli", "toml"])
+def test_outer_optimizer_name_never_imports_a_module(how, tmp_path, capsys, monkeypatch,
+                                                     no_workers):
+    """A config must not make editrain run code: a module named as the outer optimizer is
+    refused before it is imported (its import-time code would create the sentinel)."""
+    sentinel = tmp_path / "imported.flag"
+    (tmp_path / "evil_optim_mod.py").write_text(
+        "import pathlib\n"
+        f"pathlib.Path({str(sentinel)!r}).write_text('ran')\n"
+        "import torch\n"
+        "class Opt(torch.optim.SGD):\n"
+        "    pass\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "evil_optim_mod", raising=False)
+    if how == "cli":
+        args = ["--sync.outer_optim_class", "evil_optim_mod.Opt"]
+    else:
+        config = tmp_path / "run.toml"
+        config.write_text('[sync]\nouter_optim_class = "evil_optim_mod:Opt"\n')
+        args = ["--config", str(config)]
+    run_dir = tmp_path / "run"
+    code = cli.main(["train", *tiny(tmp_path / "cache"), "--steps", "5", "--quiet",
+                     "--run-dir", str(run_dir), *args])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    line = error_line(err)
+    assert "sync.outer_optim_class" in line and "refused" in line and "Python API" in line
+    assert not sentinel.exists(), "the named module was imported (its code ran)"
+    assert "evil_optim_mod" not in sys.modules
+    assert not run_dir.exists()
+
+
+def test_corrupted_token_cache_is_refused_before_any_worker(tmp_path, capsys, no_workers):
+    """A token cache file damaged in place (same size, ids beyond the vocabulary) fails
+    with one line naming the file and how to rebuild it, not inside the workers."""
+    cache = tmp_path / "cache"
+    args = [*tiny(cache), "--data.max_bytes", "60000"]
+    from editrain.config import parse_overrides
+    from editrain.corpus import prepare_data
+
+    data = prepare_data(load_config(None, parse_overrides([*args, "--quiet"])[0]))
+    train_bin = data.cache_dir / "train.bin"
+    size = train_bin.stat().st_size
+    with open(train_bin, "r+b") as f:  # one id of 65535 in a 512-token vocabulary
+        f.seek(100)
+        f.write(b"\xff\xff")
+    assert train_bin.stat().st_size == size
+    run_dir = tmp_path / "run"
+    code = cli.main(["train", *args, "--steps", "5", "--quiet", "--run-dir", str(run_dir)])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    line = error_line(err)
+    for w in ("data.cache_dir", str(train_bin), "corrupted", "65535", "512",
+              f"delete {data.cache_dir}"):
         assert w in line, (w, err)
     assert not run_dir.exists()
 

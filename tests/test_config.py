@@ -284,7 +284,7 @@ def test_non_positive_lr(value):
     (["--data.val_fraction", "0.7"], ["data.val_fraction", "(0, 0.5)"]),
     (["--data.max_bytes", "0"], ["data.max_bytes", "> 0"]),
     (["--data.val_tokens", "-1"], ["data.val_tokens", ">= 0"]),
-    (["--data.split_seed", "-3"], ["data.split_seed", ">= 0"]),
+    (["--data.split_seed", "-3"], ["data.split_seed", "[0, 2^63 - 1]"]),
     (["--train.eval_tokens", "-5"], ["train.eval_tokens", ">= 0"]),
     (["--train.beta2", "1"], ["train.beta2", "[0, 1)"]),
     (["--train.warmup_steps", "-1"], ["train.warmup_steps", ">= 0"]),
@@ -606,3 +606,163 @@ def test_outer_optimizer_defaults_follow_the_docs():
         warnings.simplefilter("error")
         SyncConfig(method="edit", outer_optim_class="adam",
                    outer_optim_kwargs={"lr": 0.1}).resolve()
+
+
+# ---------------------------------------------------------------------------- issue #30
+@pytest.mark.parametrize("value, ok", [(0, True), (2**63 - 1, True), (-1, False),
+                                       (2**63, False)])
+@pytest.mark.parametrize("option", ["train.seed", "data.split_seed"])
+def test_seeds_are_non_negative_int64(option, value, ok):
+    if ok:
+        cli(f"--{option}={value}")
+    else:
+        expect_error(option, "2^63 - 1", argv=[f"--{option}={value}"])
+
+
+def test_numbers_inside_tables_and_lists_are_checked():
+    from editrain.sync.config import check_number
+
+    check_number({"lr": 0.1, "betas": [0.9, 0.99], "nesterov": True, "name": "x"}, "opt")
+    for value, where in (({"lr": float("nan")}, "opt.lr"),
+                         ({"betas": [0.9, float("-inf")]}, r"opt.betas\[1\]"),
+                         ({"a": {"b": 2**63}}, "opt.a.b"),
+                         ([1, -(2**63) - 1], r"opt\[1\]")):
+        with pytest.raises(ValueError, match=where):
+            check_number(value, "opt")
+    check_number([2**63 - 1, -(2**63)], "opt")  # the int64 range itself is fine
+
+
+@pytest.mark.parametrize("kwargs, names", [
+    ("{lr = nan}", ["sync.outer_optim_kwargs.lr", "finite"]),
+    ("{lr = inf}", ["sync.outer_optim_kwargs.lr", "finite"]),
+    ("{lr = 0}", ["sync.outer_optim_kwargs.lr", "> 0"]),
+    ("{lr = 0.7, momentum = 1.0}", ["sync.outer_optim_kwargs.momentum", "[0, 1)"]),
+    ("{lr = 0.7, dampening = 2}", ["sync.outer_optim_kwargs.dampening", "[0, 1]"]),
+    ("{lr = 99999999999999999999}", ["sync.outer_optim_kwargs.lr", "2^63 - 1"]),
+])
+def test_outer_optimizer_arguments_are_finite_and_in_range(kwargs, names):
+    expect_error(*names, argv=["--sync.outer_optim_kwargs", kwargs])
+
+
+def test_outer_optimizer_arguments_in_range_are_accepted():
+    cfg = cli("--sync.outer_optim_kwargs", "{lr = 0.7, momentum = 0.9, nesterov = true}")
+    assert cfg.sync.outer_optim_kwargs == {"lr": 0.7, "momentum": 0.9, "nesterov": True}
+
+
+def test_outer_optimizer_names_import_only_optimizer_packages(tmp_path, monkeypatch):
+    import sys
+
+    import torch
+
+    from editrain.optim import AGD
+    from editrain.sync.outer import resolve_optimizer_class
+
+    assert resolve_optimizer_class("torch.optim.RMSprop") is torch.optim.RMSprop
+    assert resolve_optimizer_class("torch.optim:Adagrad") is torch.optim.Adagrad
+    assert resolve_optimizer_class("editrain.optim.AGD") is AGD
+    sentinel = tmp_path / "ran"
+    (tmp_path / "side_effect_optim.py").write_text(
+        f"import pathlib\npathlib.Path({str(sentinel)!r}).touch()\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    for name in ("side_effect_optim.Opt", "side_effect_optim:Opt", "torch.optimx.Opt"):
+        with pytest.raises(ValueError, match="refused.*SyncConfig\\(outer_optim_class="):
+            resolve_optimizer_class(name)
+    assert not sentinel.exists() and "side_effect_optim" not in sys.modules
+
+    # The way to use another optimizer: the class itself, through the Python API.
+    class Mine(torch.optim.SGD):
+        pass
+
+    cfg = SyncConfig(outer_optim_class=Mine, outer_optim_kwargs={"lr": 0.7})
+    assert cfg.resolve().outer_optim_class is Mine
+
+
+@pytest.mark.parametrize("overrides, units", [
+    ({"model": {"preset": "tiny"}}, ["root", "block0", "block1"]),
+    ({"model": {"preset": "1b"}}, ["root", "tok_embeddings"] + [f"block{i}" for i in range(16)]
+     + ["output"]),
+    ({"model": {"preset": "1b"}, "sync": {"split_root": False}},
+     ["root"] + [f"block{i}" for i in range(16)]),
+    ({"model": {"preset": "tiny", "n_layers": 5, "tie_embeddings": False}},
+     ["root", "tok_embeddings"] + [f"block{i}" for i in range(5)] + ["output"]),
+])
+def test_sync_units_are_counted_as_the_engine_counts_them(overrides, units):
+    from editrain.config import sync_units
+
+    assert sync_units(load_config(None, overrides)) == units
+
+
+def test_fragments_at_most_the_sync_units():
+    cli("--model.preset", "tiny", "--sync.fragments", "3")
+    msg = expect_error("sync.fragments", "(3: root, block0, block1)", "got 4",
+                       argv=["--model.preset", "tiny", "--sync.fragments", "4"])
+    assert "sync units" in msg
+    # a deep model's blocks are shortened in the message
+    msg = expect_error("sync.fragments", "root, tok_embeddings, block0 .. block15, output",
+                       argv=["--model.preset", "1b", "--sync.local_sgd_sync_interval", "40",
+                             "--sync.fragments", "20"])
+    assert "(19:" in msg
+
+
+def test_fragments_of_a_hugging_face_model(tmp_path):
+    pytest.importorskip("transformers")
+    import json
+
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({
+        "model_type": "llama", "hidden_size": 32, "intermediate_size": 64,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "vocab_size": 320, "max_position_embeddings": 64, "tie_word_embeddings": False}))
+    base = {"model": {"hf_config": str(path)}}
+    load_config(None, {**base, "sync": {"fragments": 5}})
+    with pytest.raises(ConfigError, match=r"sync.fragments: .*\(5: root, "
+                                          r"hf.model.embed_tokens, block0, block1, hf.lm_head\)"):
+        load_config(None, {**base, "sync": {"fragments": 6}})
+
+
+@pytest.mark.parametrize("spec, world, ft, ok", [
+    ("3@5", 4, False, True), ("4@5", 4, False, False),     # 2 replicas x 2 shards
+    ("2@5", 3, True, True), ("3@5", 3, True, False),       # --ft: 3 replica groups of 1
+])
+def test_sim_fail_rank_must_exist(spec, world, ft, ok):
+    shard = 1 if ft else 2
+    overrides = {"sim": {"fail": spec}, "train": {"steps": 10},
+                 "dist": {"nproc": world, "shard_size": shard}}
+    if ft:
+        pytest.importorskip("torchft")
+        overrides["dist"]["fault_tolerance"] = "torchft"
+    cfg = load_config(None, overrides)
+    if ok:
+        validate_world(cfg, world)
+    else:
+        with pytest.raises(ConfigError, match=rf"sim.fail: rank {spec[0]} does not exist.*"
+                                              rf"from 0 to {world - 1}"):
+            validate_world(cfg, world)
+
+
+def test_sim_fail_rank_with_torchft_under_torchrun():
+    """Under torchrun each replica group is a job of its own (its world: one group's
+    ranks); RANK counts the data ranks of every group (dist.ft_replicas of them)."""
+    pytest.importorskip("torchft")
+    cfg = load_config(None, {"sim": {"fail": "5@3"}, "dist": {
+        "fault_tolerance": "torchft", "ft_replicas": 3, "shard_size": 2}})
+    validate_world(cfg, 2)  # 3 groups x 2 shards: ranks 0..5
+    cfg = load_config(None, {"sim": {"fail": "6@3"}, "dist": {
+        "fault_tolerance": "torchft", "ft_replicas": 3, "shard_size": 2}})
+    with pytest.raises(ConfigError, match="from 0 to 5"):
+        validate_world(cfg, 2)
+
+
+@pytest.mark.parametrize("spec, ok", [("0@1", True), ("0@10", True), ("0@10:checkpoint", True),
+                                      ("0@0", False), ("0@11", False)])
+def test_sim_fail_step_must_come(spec, ok):
+    argv = ["--steps", "10", "--sim.fail", spec]
+    if ok:
+        cli(*argv)
+    else:
+        expect_error("sim.fail", "train.steps = 10", argv=argv)
+
+
+def test_fail_restart_is_bounded():
+    cli("--sim.fail_restart_s", "3600")
+    expect_error("sim.fail_restart_s", "[0, 3600]", argv=["--sim.fail_restart_s", "3601"])

@@ -678,3 +678,49 @@ def test_eval_batches_cap_spreads_over_split():
     assert starts[0] < 1000 and starts[-1] > 9000  # not a prefix
     with pytest.raises(ValueError, match="too small"):
         eval_batches(np.arange(1), 10, 4, 0, 1)
+
+
+# ---------------------------------------------------------------------------- issue #30
+def test_corrupted_entry_of_equal_size_is_refused(tmp_path):
+    """A token file changed in place (same size, an id beyond the vocabulary) is not
+    trusted: reusing it fails with the file named and how to rebuild it."""
+    first = prepare_tokens("default", tmp_path, vocab_size=300, max_bytes=60_000)
+    assert int(np.max(first.val)) < first.vocab_size
+    path = first.cache_dir / "val.bin"
+    del first
+    with open(path, "r+b") as fh:
+        fh.seek(6)
+        fh.write(np.array([1000], dtype=np.uint16).tobytes())
+    with pytest.raises(ValueError) as info:
+        prepare_tokens("default", tmp_path, vocab_size=300, max_bytes=60_000)
+    msg = str(info.value)
+    for words in ("data.cache_dir", str(path), "corrupted", "token id 1000",
+                  "vocabulary size 300", f"delete {path.parent}"):
+        assert words in msg, (words, msg)
+
+
+def test_check_token_ids_reads_in_chunks(monkeypatch, tmp_path):
+    from editrain.data.dataset import check_token_ids
+
+    monkeypatch.setattr(dataset_mod, "_ID_CHUNK", 7)
+    tokens = np.arange(50, dtype=np.uint16)
+    check_token_ids(tokens, 50, tmp_path / "train.bin")
+    check_token_ids(tokens[:0], 50, tmp_path / "train.bin")  # an empty file holds no id
+    tokens[43] = 50  # in the last chunk but one
+    with pytest.raises(ValueError, match="token id 50 >= vocabulary size 50"):
+        check_token_ids(tokens, 50, tmp_path / "train.bin")
+
+
+def test_check_batch_size_against_the_share_of_a_rank():
+    from editrain.data import check_batch_size
+
+    tokens = _tokens(1001)  # 100 windows of 10
+    assert check_batch_size(tokens, 10, 33, 3) == 33  # shares of 34, 33, 33
+    with pytest.raises(ValueError) as info:
+        check_batch_size(tokens, 10, 34, 3)
+    msg = str(info.value)
+    for words in ("train.batch_size", "at most 33", "3 data ranks", "1001 training tokens",
+                  "100 windows of train.seq_len=10", "got 34"):
+        assert words in msg, (words, msg)
+    with pytest.raises(ValueError, match="at most 33"):
+        check_batch_size(tokens, 10, 10**20, 3)  # what made the sampler loop forever

@@ -394,3 +394,63 @@ def test_straggler_and_stall_combine(sleeps):
     slow = ComputeSlowdown(plan_of(straggler=["0=2"], random_stall="1,0.5"), replica=0, seed=0)
     assert slow.after_compute(0, 0.25) == pytest.approx(0.75)
     assert sleeps == pytest.approx([0.75])
+
+
+# ---------------------------------------------------------------------------- ranges (#30)
+@pytest.mark.parametrize("text", ["1e999MB/s", "2e6GB/s", "1e16B/s",
+                                  "0.5B/s", "1e-300MB/s", "1bit/s"])
+def test_parse_bandwidth_range(text):
+    with pytest.raises(ValueError, match=r"sim.link_bandwidth: .*out of range.*1B/s.*1PB/s"):
+        parse_bandwidth(text)
+
+
+def test_parse_bandwidth_range_limits_are_accepted():
+    assert parse_bandwidth("8bit/s") == sim.MIN_BANDWIDTH
+    assert parse_bandwidth("1e6GB/s") == sim.MAX_BANDWIDTH
+
+
+@pytest.mark.parametrize("text", ["1e999", "1e999s", "3601", "1e9ms", "2e10us"])
+def test_parse_duration_range(text):
+    with pytest.raises(ValueError, match=r"sim.link_latency: .*0 to 3600 s"):
+        parse_duration(text)
+    with pytest.raises(ValueError, match=r"sim.random_stall: .*0 to 3600 s"):
+        parse_duration(text, "random_stall")
+    assert parse_duration("3600") == sim.MAX_SECONDS
+
+
+@pytest.mark.parametrize("spec, match", [
+    ("1=1e999", "from 1 to 1000"), ("1=1001", "from 1 to 1000"),
+    ("1=2@0-99999999999999999999", r"at most 2\^63 - 1"),
+    ("99999999999999999999=2", r"at most 2\^63 - 1"),
+])
+def test_straggler_range(spec, match):
+    with pytest.raises(ValueError, match=rf"sim.straggler: .*{match}"):
+        plan_of(straggler=[spec])
+    assert plan_of(straggler=["0=1000@0-9223372036854775807"]).stragglers[0].factor == 1000
+
+
+@pytest.mark.parametrize("spec", ["0.5,1e999", "0.5,3601s", "1,1e7ms"])
+def test_random_stall_range(spec):
+    with pytest.raises(ValueError, match=r"sim.random_stall: .*3600"):
+        plan_of(random_stall=spec)
+
+
+@pytest.mark.parametrize("spec", ["1@2:1e999", "1@2:-1e999", "1@2:2e6"])
+def test_corrupt_scale_range(spec):
+    with pytest.raises(ValueError, match=r"sim.corrupt_replica: .*out of range"):
+        plan_of(corrupt_replica=[spec])
+    assert plan_of(corrupt_replica=["1@2:-1e6"]).corrupt == {2: (1, -1e6)}
+
+
+@pytest.mark.parametrize("spec", ["1@99999999999999999999", "99999999999999999999@3"])
+def test_fail_indices_fit_an_int64(spec):
+    with pytest.raises(ValueError, match=r"sim.fail: .*at most 2\^63 - 1"):
+        plan_of(fail=spec)
+
+
+def test_sim_ranges_reach_the_config_check():
+    """SimSection.validate (before any process) reports them as one-line ConfigErrors."""
+    with pytest.raises(ConfigError, match="sim.straggler: factor 1e999"):
+        load_config(None, {"sim": {"straggler": ["1=1e999"]}})
+    with pytest.raises(ConfigError, match="sim.link_latency"):
+        load_config(None, {"sim": {"link_latency": "1e999s"}})

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from editrain.bench.machine import describe_machine
+from editrain.metrics import to_json
 
 RESULTS_FILE = "results.json"
 TABLE_FILE = "table.md"
@@ -115,7 +116,7 @@ def write_record(out_dir: Path, record: dict[str, Any]) -> str:
         The page written to ``table.md``.
     """
     record = clean_json(record)
-    (out_dir / RESULTS_FILE).write_text(json.dumps(record, indent=1) + "\n")
+    (out_dir / RESULTS_FILE).write_text(to_json(record, indent=1) + "\n")
     page = render_page(record)
     (out_dir / TABLE_FILE).write_text(page)
     return page

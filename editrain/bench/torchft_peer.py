@@ -33,6 +33,8 @@ from typing import Any
 
 import torch
 
+from editrain.metrics import to_json
+
 
 class _Lines:
     """Appends JSON lines to a file, flushed after every line."""
@@ -43,7 +45,7 @@ class _Lines:
 
     def write(self, row: dict[str, Any]) -> None:
         """Append one row."""
-        self._file.write(json.dumps(row, separators=(",", ":")) + "\n")
+        self._file.write(to_json(row, separators=(",", ":")) + "\n")
         self._file.flush()
 
     def close(self) -> None:
@@ -193,9 +195,9 @@ def train_replica(spec: dict[str, Any]) -> dict[str, Any]:
                "wall_time_s": time.perf_counter() - start, "train_time_s": train_s,
                "num_syncs": manager.current_step(), "method": "torchft-diloco",
                "replicas": replicas, "shard_size": 1}
-    (run_dir / f"replica{replica}.json").write_text(json.dumps(result, indent=1))
+    (run_dir / f"replica{replica}.json").write_text(to_json(result, indent=1))
     if replica == 0:
-        (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+        (run_dir / "summary.json").write_text(to_json(summary, indent=1))
     manager.shutdown(wait=False)
     return result
 

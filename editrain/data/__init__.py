@@ -17,7 +17,7 @@ from .dataset import (
     token_dtype,
 )
 from .overlap import window_overlap
-from .sampler import EvalBatch, SequenceStream, eval_batches, val_batches
+from .sampler import EvalBatch, SequenceStream, check_batch_size, eval_batches, val_batches
 from .sources import (
     DEFAULT_SOURCE,
     HF_FAMILY_ROWS,
@@ -62,6 +62,7 @@ __all__ = [
     "SequenceStream",
     "SourceRef",
     "TokenData",
+    "check_batch_size",
     "check_data_options",
     "eos_id",
     "iter_documents",

@@ -59,6 +59,7 @@ __all__ = [
     "VAL_DOCUMENTS_FILE",
     "TokenData",
     "check_data_options",
+    "check_token_ids",
     "prepare_tokens",
     "token_dtype",
 ]
@@ -219,6 +220,33 @@ def _cache_key(
     return hashlib.sha256(blob.encode("ascii")).hexdigest()[:32]
 
 
+_ID_CHUNK = 1 << 26
+"""Tokens read at a time when a cache file is scanned for ids out of range."""
+
+
+def check_token_ids(tokens: np.ndarray, vocab_size: int, path: Path) -> None:
+    """Every id of a cached token file is below the vocabulary size.
+
+    A file damaged in place (same size, other bytes) would otherwise index past the
+    embedding inside the workers. One pass of numpy's ``max`` over the memory map, in
+    chunks so that memory stays flat.
+
+    Args:
+        tokens: the memory-mapped token ids.
+        vocab_size: the tokenizer's vocabulary size recorded in ``meta.json``.
+        path: the file, named in the error.
+
+    Raises:
+        ValueError: naming the file and saying to delete its cache entry.
+    """
+    top = max((int(tokens[i:i + _ID_CHUNK].max()) for i in range(0, len(tokens), _ID_CHUNK)),
+              default=0)
+    if top >= vocab_size:
+        raise ValueError(
+            f"data.cache_dir: the token cache file {path} is corrupted (token id {top} >= "
+            f"vocabulary size {vocab_size}); delete {path.parent} to rebuild it")
+
+
 def _open_entry(entry: Path, reused: bool) -> TokenData | None:
     """Memory-map a complete entry, or return None if it is missing or broken."""
     meta_path = entry / "meta.json"
@@ -241,6 +269,9 @@ def _open_entry(entry: Path, reused: bool) -> TokenData | None:
     tok_path = entry / "tokenizer.json"
     if not tok_path.is_file():
         return None
+    if reused:  # what we just wrote is trusted; a file found on disk is checked
+        for split, tokens in arrays.items():
+            check_token_ids(tokens, int(meta["vocab_size"]), entry / f"{split}.bin")
     return TokenData(
         train=arrays["train"],
         val=arrays["val"],

@@ -24,7 +24,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-__all__ = ["EvalBatch", "SequenceStream", "eval_batches", "val_batches"]
+__all__ = ["EvalBatch", "SequenceStream", "check_batch_size", "eval_batches", "val_batches"]
 
 
 def _num_windows(tokens: np.ndarray, seq_len: int) -> int:
@@ -317,6 +317,39 @@ class SequenceStream:
         stream._layouts = layouts
         stream._share = None
         return stream
+
+
+def check_batch_size(tokens: np.ndarray, seq_len: int, batch_size: int,
+                     world_size: int) -> int:
+    """Check that every rank can draw a batch of distinct windows from one epoch's share.
+
+    A rank's share of an epoch is ``num_windows // world_size`` windows (or one more).
+    :meth:`SequenceStream.next_batch` crosses epochs to fill a larger batch, repeating
+    windows inside it, and for an absurd ``batch_size`` never returns; the launcher calls
+    this first so such a value fails with one line instead.
+
+    Args:
+        tokens: the training token ids.
+        seq_len: tokens per sequence (``train.seq_len``).
+        batch_size: sequences per micro-batch and rank (``train.batch_size``).
+        world_size: data-parallel ranks that share the corpus.
+
+    Returns:
+        The largest batch size allowed (windows of the smallest share).
+
+    Raises:
+        ValueError: naming ``train.batch_size`` and the largest value allowed.
+    """
+    _check_rank(0, world_size)
+    windows = _num_windows(tokens, seq_len)
+    most = windows // world_size
+    if not 1 <= batch_size <= most:
+        raise ValueError(
+            f"train.batch_size: at most {most} for this corpus and {world_size} data ranks "
+            f"({len(tokens)} training tokens give {windows} windows of train.seq_len="
+            f"{seq_len}), got {batch_size}; lower train.batch_size or train.seq_len, or use "
+            "more data")
+    return most
 
 
 class EvalBatch(NamedTuple):

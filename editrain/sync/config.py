@@ -24,13 +24,77 @@ def _check(cond: bool, option: str, msg: str) -> None:
         raise ValueError(f"{option}: {msg}")
 
 
+INT_MAX = 2**63 - 1
+"""The largest integer any option takes: torch and numpy hold counts, steps and seeds as
+int64, and a larger one overflows there (inside the workers) or never ends a loop."""
+
+
+def check_number(value: Any, option: str) -> None:
+    """A number, or every number inside a table or list, is finite and fits an int64.
+
+    Args:
+        value: an option's value; dicts and lists are walked (``nan`` inside
+            ``sync.outer_optim_kwargs`` would otherwise train to NaN silently).
+        option: the option's dotted name; items are named ``option.key`` / ``option[i]``.
+
+    Raises:
+        ValueError: naming the option (or the item) and what is allowed.
+    """
+    if isinstance(value, bool):
+        return
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ValueError(f"{option}: must be a finite number, got {value}")
+    if isinstance(value, int) and value > INT_MAX:
+        raise ValueError(f"{option}: must be at most 2^63 - 1 ({INT_MAX}), got {value}")
+    if isinstance(value, int) and value < -INT_MAX - 1:
+        raise ValueError(f"{option}: must be at least -2^63, got {value}")
+    if isinstance(value, dict):
+        for k, v in value.items():
+            check_number(v, f"{option}.{k}")
+    elif isinstance(value, list | tuple):
+        for i, v in enumerate(value):
+            check_number(v, f"{option}[{i}]")
+
+
 def check_finite(section: Any, prefix: str) -> None:
-    """Every float option of a config dataclass is a finite number (``inf`` and ``nan``
-    parse as floats, and would train on silently, e.g. ``train.lr = inf``)."""
+    """Every number of a config dataclass, also inside its tables and lists, is finite
+    (``inf`` and ``nan`` parse as floats, and would train on silently, e.g. ``train.lr =
+    inf``) and fits an int64 (see :func:`check_number`).
+
+    Args:
+        section: a config dataclass instance (nested dataclasses are left to their own
+            checks).
+        prefix: the section's name, e.g. ``"train"``.
+    """
     for f in fields(section):
-        value = getattr(section, f.name)
-        if isinstance(value, float) and not math.isfinite(value):
-            raise ValueError(f"{prefix}.{f.name}: must be a finite number, got {value}")
+        check_number(getattr(section, f.name), f"{prefix}.{f.name}")
+
+
+OUTER_KWARG_RANGES: dict[str, tuple[Any, str]] = {
+    "lr": (lambda v: v > 0, "must be > 0 (0 never moves the global model)"),
+    "momentum": (lambda v: 0 <= v < 1, "must be in [0, 1)"),
+    "dampening": (lambda v: 0 <= v <= 1, "must be in [0, 1]"),
+    "weight_decay": (lambda v: v >= 0, "must be >= 0"),
+}
+"""Ranges of outer optimizer arguments that torch's own checks leave open (it accepts lr 0
+and a momentum of 1 or more, which diverges)."""
+
+
+def check_outer_kwargs(kwargs: dict[str, Any]) -> None:
+    """The outer optimizer's numeric arguments are in range (see
+    :data:`OUTER_KWARG_RANGES`; every number was already checked to be finite).
+
+    Args:
+        kwargs: ``sync.outer_optim_kwargs`` as given.
+
+    Raises:
+        ValueError: naming ``sync.outer_optim_kwargs.KEY`` and the allowed range.
+    """
+    for key, value in kwargs.items():
+        if key in OUTER_KWARG_RANGES and isinstance(value, int | float) and not isinstance(
+                value, bool):
+            ok, allowed = OUTER_KWARG_RANGES[key]
+            _check(ok(value), f"sync.outer_optim_kwargs.{key}", f"{allowed}, got {value}")
 
 
 @dataclass
@@ -77,8 +141,9 @@ class SyncConfig:
     local_sgd_warmup_steps: int = 0
     """Synchronous (HSDP) steps before the local phase starts; anchors are created after them."""
     outer_optim_class: str | None = None
-    """Outer optimizer over the anchors: "sgd", "adam", "adamw", "agd", a dotted class path, or
-    "none" for plain model averaging. Default per method."""
+    """Outer optimizer over the anchors: "sgd", "adam", "adamw", "agd", a dotted class path in
+    torch.optim or editrain.optim (no other module is imported: pass another class itself
+    through the Python API), or "none" for plain model averaging. Default per method."""
     outer_optim_kwargs: dict[str, Any] | None = None
     """Keyword arguments of the outer optimizer (default for sgd: lr 0.7, momentum 0.9,
     nesterov)."""
@@ -181,6 +246,8 @@ class SyncConfig:
             name = METHOD_DEFAULTS[self.method].get("outer_optim_class")
         cls = resolve_optimizer_class(name)
         check_outer(cls, outer_kwargs(cls, self.outer_optim_kwargs))
+        if cls is not None:
+            check_outer_kwargs(self.outer_optim_kwargs or {})
 
     def _check_streaming(self) -> None:
         _check(isinstance(self.overlap_steps, int) and self.overlap_steps >= 0,

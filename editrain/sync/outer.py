@@ -37,12 +37,19 @@ _OUTER_NAMES = {
 }
 
 
+OPTIMIZER_MODULES = ("torch.optim", "editrain.optim")
+"""The only modules (and their submodules) a dotted optimizer name may come from."""
+
+
 def resolve_optimizer_class(name: str | type | None) -> type | None:
     """Map an outer optimizer name (or class, or dotted path) to a class; None/"none" -> None.
 
+    A name never imports a module outside :data:`OPTIMIZER_MODULES` (a config file must not
+    make us run code); any other optimizer is passed as the class itself.
+
     Args:
-        name: "sgd", "adam", "adamw", "agd", "none", a dotted path such as
-            "torch.optim.RMSprop", or an ``Optimizer`` subclass.
+        name: "sgd", "adam", "adamw", "agd", "none", a dotted path in ``torch.optim`` or
+            ``editrain.optim`` such as "torch.optim.RMSprop", or an ``Optimizer`` subclass.
     """
     if name is None or (isinstance(name, str) and name.lower() == "none"):
         return None
@@ -52,6 +59,16 @@ def resolve_optimizer_class(name: str | type | None) -> type | None:
         return name
     path = _OUTER_NAMES.get(name.lower(), name).replace(":", ".")  # module:Class too
     module_name, _, attr = path.rpartition(".")
+    # A name comes from a config file or the command line: importing any other module
+    # would run its import-time code. Only the optimizer packages are imported by name.
+    if _DOTTED.fullmatch(path) and not any(module_name == m or module_name.startswith(m + ".")
+                                           for m in OPTIMIZER_MODULES):
+        raise ValueError(
+            f"sync.outer_optim_class: refused {name!r} (a name never imports a module "
+            f"outside {' and '.join(OPTIMIZER_MODULES)}); allowed: none, "
+            f"{', '.join(_OUTER_NAMES)} or a class of {' or '.join(OPTIMIZER_MODULES)} "
+            f"(e.g. torch.optim.RMSprop); pass another optimizer class itself through the "
+            f"Python API, e.g. SyncConfig(outer_optim_class=MyOptimizer)")
     cls = None
     if _DOTTED.fullmatch(path) and module_name:  # never import what is not a dotted name
         try:
@@ -61,8 +78,8 @@ def resolve_optimizer_class(name: str | type | None) -> type | None:
     if not isinstance(cls, type) or not issubclass(cls, torch.optim.Optimizer):
         raise ValueError(
             f"sync.outer_optim_class: unknown optimizer {name!r}; allowed: none, "
-            f"{', '.join(_OUTER_NAMES)} or a torch.optim.Optimizer subclass as "
-            f"package.module.Class or package.module:Class"
+            f"{', '.join(_OUTER_NAMES)} or a torch.optim.Optimizer subclass of "
+            f"{' or '.join(OPTIMIZER_MODULES)} as package.module.Class or package.module:Class"
         )
     return cls
 
