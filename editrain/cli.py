@@ -1,4 +1,4 @@
-"""Command line: ``editrain train | data | plot | bench | options``.
+"""Command line: ``editrain train | data | plot | bench | plan | options``.
 
 ``editrain train`` without torchrun spawns local workers through torch's elastic launcher;
 under torchrun it joins the existing process group.
@@ -151,6 +151,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quick", action="store_true", help="tiny settings (minutes on 2 cores)")
     p.add_argument("--out", help="results directory (default bench_results/<scenario>)")
     p.set_defaults(func=cmd_bench)
+    from editrain.plan.cli import add_plan_parser
+
+    add_plan_parser(sub)
     return parser
 
 

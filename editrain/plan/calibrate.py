@@ -1,0 +1,292 @@
+"""Calibration: the compute speed and the link's effective bandwidth and latency, fitted to
+what a run measured.
+
+From each run directory (``metrics.jsonl``, ``ranks/rank{RANK}.jsonl``, ``config.toml``):
+
+* compute per step: the median ``compute_s`` of the steps after the first ``skip``
+  (the replica-internal collectives are inside it);
+* the step overhead: the window's ``train_time_s`` minus its compute, sync waits and
+  gradient syncs, per step (data loading, logging, the step boundary);
+* the replicas' speeds: each replica's median ``compute_s`` over the fastest one's
+  (a straggler spread);
+* the link: every sync row gives ``comm_time_s`` (seconds inside the round's collectives),
+  ``sync_collectives`` and ``bytes_sent`` (this rank's bytes; a node sends its ``S``
+  ranks' bytes over its one link). A least-squares fit of
+  ``comm_time_s = collectives * latency + node_bytes / bandwidth`` (both >= 0) over all
+  the runs' rounds gives the effective latency per collective and bandwidth. When every
+  round has the same bytes and collectives (one setting), the two cannot be told apart:
+  the latency is then taken as given (``latency_s``, default 0) and the bandwidth fitted.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from editrain.errors import ConfigError
+from editrain.plan.inputs import GBIT, Cluster, MethodSpec, ModelSpec
+
+
+@dataclass
+class RunSample:
+    """What one run directory contributes to a calibration."""
+
+    run_dir: str
+    method: MethodSpec
+    model: ModelSpec
+    replicas: int
+    shard_size: int
+    compute_s: float
+    """Median compute seconds per step of the fastest replica."""
+    overhead_s: float
+    """Seconds per step outside compute, sync waits and gradient syncs."""
+    factors: list[float]
+    """Each replica's median compute over the fastest one's."""
+    syncs: list[tuple[float, float, float]]
+    """``(collectives, node bytes, comm_time_s)`` per sync round."""
+    sim: dict[str, Any] = field(default_factory=dict)
+    """The run's ``[sim]`` options (the simulated link, for comparison)."""
+
+
+@dataclass
+class Calibration:
+    """The fitted numbers.
+
+    Attributes:
+        step_time_s: compute seconds per step of the fastest replica (median over runs).
+        step_overhead_s: seconds per step outside compute and communication.
+        bandwidth_bytes_per_s: effective link bandwidth (None: no sync rounds to fit).
+        latency_s: effective latency per collective.
+        straggler_spread: slowest replica's compute over the fastest's, minus 1.
+        residual_rms_s: root-mean-square error of the link fit per round.
+        rounds: sync rounds fitted.
+        latency_fitted: whether the latency was fitted (False: taken as given).
+        samples: the runs.
+    """
+
+    step_time_s: float
+    step_overhead_s: float
+    bandwidth_bytes_per_s: float | None
+    latency_s: float
+    straggler_spread: float
+    residual_rms_s: float
+    rounds: int
+    latency_fitted: bool
+    samples: list[RunSample]
+
+    def cluster(self, **changes: Any) -> Cluster:
+        """The calibrated cluster: one replica per node (the runs' layout), the measured
+        step time and overhead, the fitted link (``latency_per = "collective"``: the
+        latency was fitted per collective).
+
+        Args:
+            changes: fields to replace (e.g. ``straggler_spread``).
+        """
+        first = self.samples[0]
+        gbps = (self.bandwidth_bytes_per_s / GBIT if self.bandwidth_bytes_per_s
+                else 1e6)  # no rounds measured: an unlimited link
+        data: dict[str, Any] = dict(
+            nodes=first.replicas, gpus_per_node=first.shard_size * first.method.tp,
+            inter_node_gbps=gbps, inter_node_latency_ms=self.latency_s * 1000.0,
+            latency_per="collective", step_time_s=self.step_time_s,
+            step_overhead_s=self.step_overhead_s, straggler_spread=self.straggler_spread)
+        data.update(changes)
+        return Cluster(**data)
+
+    def to_toml(self) -> str:
+        """The calibrated ``[cluster]`` table (and the first run's ``[model]``) as TOML."""
+        c = self.cluster()
+        m = self.samples[0].model
+        lines = ["# calibrated by `editrain plan --calibrate` from "
+                 + ", ".join(s.run_dir for s in self.samples), "[cluster]"]
+        for key in ("nodes", "gpus_per_node", "inter_node_gbps", "inter_node_latency_ms",
+                    "latency_per", "step_time_s", "step_overhead_s", "straggler_spread"):
+            lines.append(f"{key} = {_toml_value(getattr(c, key))}")
+        lines += ["", "[model]"]
+        for key in ("preset", "vocab_size", "tie_embeddings", "seq_len", "batch_size", "dtype"):
+            v = getattr(m, key)
+            if v is not None:
+                lines.append(f"{key} = {_toml_value(v)}")
+        return "\n".join(lines) + "\n"
+
+
+def _toml_value(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, str):
+        return f'"{v}"'
+    if isinstance(v, float):
+        return repr(v)
+    return str(v)
+
+
+def _read_jsonl(path: Path) -> list[dict[str, Any]]:
+    import json
+
+    rows = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return rows
+
+
+def _get(cfg: dict[str, Any], section: str, key: str, default: Any) -> Any:
+    v = cfg.get(section, {}).get(key, default)
+    return default if v == "none" else v
+
+
+def read_run(run_dir: str | Path, skip: int = 4) -> RunSample:
+    """One run directory's measurements.
+
+    Args:
+        run_dir: a directory written by ``editrain train``.
+        skip: steps left out at the start (start-up, allocator warm-up).
+
+    Raises:
+        ConfigError: not a run directory, or too few steps.
+    """
+    d = Path(run_dir)
+    if not (d / "metrics.jsonl").is_file() or not (d / "config.toml").is_file():
+        raise ConfigError(f"plan --calibrate: {d} is not a run directory (no metrics.jsonl "
+                          "and config.toml)")
+    cfg = tomllib.loads((d / "config.toml").read_text())
+    rows = [r for r in _read_jsonl(d / "metrics.jsonl")
+            if "event" not in r and not r.get("replayed") and r.get("loss") is not None
+            and "step" in r]
+    rows.sort(key=lambda r: r["step"])
+    window = [r for r in rows if r["step"] > skip]
+    if len(window) < 2:
+        raise ConfigError(f"plan --calibrate: {d} has {len(rows)} steps; it needs more than "
+                          f"{skip + 2}")
+    S = int(_get(cfg, "dist", "shard_size", 1))
+    tp = int(_get(cfg, "dist", "tp_size", 1))
+    nproc = int(_get(cfg, "dist", "nproc", S * tp))
+    replicas = max(1, nproc // (S * tp))
+    sync = cfg.get("sync", {})
+    method_name = sync.get("method", "edit")
+    method = MethodSpec(
+        method=method_name, H=int(_get(cfg, "sync", "local_sgd_sync_interval", 32) or 32),
+        fragments=int(sync.get("fragments", 1)), overlap=int(sync.get("overlap_steps", 0)),
+        codec=sync.get("comm_dtype", "fp32") if method_name not in (
+            "sync", "post_local_sgd") else "fp32",
+        error_feedback=bool(sync.get("error_feedback", True)),
+        cpu_offload=bool(sync.get("cpu_offload", False)),
+        layerwise=_bool(sync.get("layerwise", method_name in ("edit", "aedit"))),
+        shard_size=S, tp=tp, ft=_get(cfg, "dist", "fault_tolerance", "none") == "torchft")
+    train = cfg.get("train", {})
+    model = ModelSpec(
+        preset=_get(cfg, "model", "preset", "small"),
+        vocab_size=_get(cfg, "data", "vocab_size", None),
+        tie_embeddings=_opt_bool(_get(cfg, "model", "tie_embeddings", None)),
+        seq_len=int(train.get("seq_len", 64)),
+        batch_size=int(train.get("batch_size", 8)) * S
+        * int(train.get("gradient_accumulation_steps", 1)),
+        dtype=train.get("precision", "fp32") if train.get("precision") in ("fp32", "bf16")
+        else "fp32")
+
+    # Per-replica compute from the per-rank logs (the global rows are one replica's).
+    per_replica: dict[int, list[float]] = {}
+    ranks_dir = d / "ranks"
+    if ranks_dir.is_dir():
+        for path in sorted(ranks_dir.glob("rank*.jsonl")):
+            for r in _read_jsonl(path):
+                if r.get("step", 0) > skip and isinstance(r.get("compute_s"), int | float):
+                    value = r["compute_s"] + (r.get("sim_stall_s") or 0.0)
+                    per_replica.setdefault(int(r.get("replica", 0)), []).append(value)
+    medians = sorted(statistics.median(v) for v in per_replica.values() if v)
+    if not medians:
+        medians = [statistics.median(r["compute_s"] for r in window if "compute_s" in r)]
+    fastest = medians[0]
+    a, b = window[0], window[-1]
+    clock = "train_time_s" if "train_time_s" in a and "train_time_s" in b else "wall_time_s"
+    steps = b["step"] - a["step"]
+    inside = window[1:]
+    spent = sum((r.get("compute_s") or 0.0) + (r.get("sync_wait_s") or 0.0)
+                + (r.get("grad_sync_s") or 0.0) for r in inside)
+    overhead = max(0.0, (b[clock] - a[clock] - spent) / steps) if steps else 0.0
+    syncs = []
+    for r in rows:
+        s = r.get("sync")
+        if isinstance(s, dict) and s.get("comm_time_s") is not None \
+                and s.get("bytes_sent") is not None:
+            syncs.append((float(s.get("sync_collectives") or 1), float(s["bytes_sent"]) * S,
+                          float(s["comm_time_s"])))
+    return RunSample(str(d), method, model, replicas, S, fastest, overhead,
+                     [m / fastest for m in medians], syncs, dict(cfg.get("sim", {})))
+
+
+def _bool(v: Any) -> bool:
+    return v is True or (isinstance(v, str) and v.lower() == "true")
+
+
+def _opt_bool(v: Any) -> bool | None:
+    if v is None:
+        return None
+    return _bool(v)
+
+
+def fit_link(rounds: list[tuple[float, float, float]], latency_s: float | None = None
+             ) -> tuple[float | None, float, float, bool]:
+    """Least-squares fit of ``seconds = collectives * latency + bytes / bandwidth``.
+
+    Args:
+        rounds: ``(collectives, bytes, seconds)`` per round.
+        latency_s: the latency to assume when the rounds cannot separate it (None: 0).
+
+    Returns:
+        ``(bandwidth bytes/s or None, latency s, rms residual s, latency fitted)``.
+    """
+    if not rounds:
+        return None, latency_s or 0.0, 0.0, False
+    scc = sum(c * c for c, _, _ in rounds)
+    sxx = sum(x * x for _, x, _ in rounds)
+    scx = sum(c * x for c, x, _ in rounds)
+    scy = sum(c * y for c, _, y in rounds)
+    sxy = sum(x * y for _, x, y in rounds)
+    det = scc * sxx - scx * scx
+    fitted = False
+    # Relative determinant: near 0 when every round has the same bytes per collective.
+    if det > 1e-6 * scc * sxx:
+        lat = (scy * sxx - sxy * scx) / det
+        inv_bw = (scc * sxy - scx * scy) / det
+        fitted = lat >= 0 and inv_bw > 0
+    if not fitted:
+        lat = latency_s or 0.0
+        inv_bw = max(sxy - lat * scx, 0.0) / sxx if sxx else 0.0
+    bw = 1.0 / inv_bw if inv_bw > 0 else None
+    rms = math.sqrt(sum((y - c * lat - x * inv_bw) ** 2 for c, x, y in rounds) / len(rounds))
+    return bw, lat, rms, fitted
+
+
+def calibrate(run_dirs: list[str | Path], skip: int = 4, latency_s: float | None = None
+              ) -> Calibration:
+    """Fit compute speed, overhead, stragglers and the link from one or more runs.
+
+    Args:
+        run_dirs: run directories (same machine and model; settings may differ).
+        skip: steps left out at the start of each run.
+        latency_s: latency to assume when the rounds cannot separate it.
+
+    Raises:
+        ConfigError: no run directories or an unreadable one.
+    """
+    if not run_dirs:
+        raise ConfigError("plan --calibrate: give at least one run directory")
+    samples = [read_run(d, skip) for d in run_dirs]
+    rounds = [r for s in samples for r in s.syncs]
+    bw, lat, rms, fitted = fit_link(rounds, latency_s)
+    spread = max(max(s.factors) for s in samples) - 1.0
+    return Calibration(
+        step_time_s=statistics.median(s.compute_s for s in samples),
+        step_overhead_s=statistics.median(s.overhead_s for s in samples),
+        bandwidth_bytes_per_s=bw, latency_s=lat, straggler_spread=spread,
+        residual_rms_s=rms, rounds=len(rounds), latency_fitted=fitted, samples=samples)
+
+
+__all__ = ["Calibration", "RunSample", "calibrate", "fit_link", "read_run"]

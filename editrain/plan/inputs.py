@@ -1,0 +1,433 @@
+"""What a plan is asked about: a cluster, a model and method settings, validated.
+
+A plan file is TOML with three kinds of tables (every field is documented below):
+
+.. code-block:: toml
+
+    [cluster]
+    nodes = 8
+    gpus_per_node = 8
+    gpu_peak_tflops = 989          # dense bf16 per GPU
+    mfu = 0.4                      # or step_time_s = 0.25 (measured compute per step)
+    gpu_memory_gb = 80
+    inter_node_gbps = 100          # Gbit/s per node, each way
+    inter_node_latency_ms = 0.05
+    straggler_spread = 0.1         # the slowest replica computes 10% slower
+
+    [model]
+    preset = "1b"                  # or hf_config = "config.json", or params + layers
+    seq_len = 2048
+    batch_size = 64                # sequences per replica per step
+
+    [[method]]
+    method = "edit"
+    H = 128
+
+Every value is checked before anything is computed; a bad one raises
+:class:`~editrain.errors.ConfigError` whose message starts with the field's dotted name
+(``cluster.inter_node_gbps: must be > 0, got 0``), which the CLI prints as one line.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from editrain.errors import ConfigError
+
+METHODS = ("sync", "post_local_sgd", "diloco", "edit", "aedit")
+CODECS = ("fp32", "bf16", "int8", "int4", "fp4")
+DTYPES = ("fp32", "bf16")
+LATENCY_MODES = ("hop", "collective")
+GBIT = 1e9 / 8
+"""Bytes per second in one Gbit/s."""
+
+
+def _fail(option: str, msg: str) -> ConfigError:
+    return ConfigError(f"{option}: {msg}")
+
+
+def _number(value: Any, option: str) -> float:
+    """A finite real number (bools are not numbers here)."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise _fail(option, f"must be a number, got {value!r}")
+    if not math.isfinite(value):
+        raise _fail(option, f"must be finite, got {value!r}")
+    return float(value)
+
+
+def _positive(value: Any, option: str) -> float:
+    v = _number(value, option)
+    if v <= 0:
+        raise _fail(option, f"must be > 0, got {value!r}")
+    return v
+
+
+def _non_negative(value: Any, option: str) -> float:
+    v = _number(value, option)
+    if v < 0:
+        raise _fail(option, f"must be >= 0, got {value!r}")
+    return v
+
+
+def _count(value: Any, option: str, least: int = 1) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise _fail(option, f"must be an integer, got {value!r}")
+    if value < least:
+        raise _fail(option, f"must be >= {least}, got {value!r}")
+    return value
+
+
+def _choice(value: Any, option: str, allowed: tuple[str, ...]) -> str:
+    if value not in allowed:
+        raise _fail(option, f"must be one of {', '.join(allowed)}, got {value!r}")
+    return value
+
+
+@dataclass
+class Cluster:
+    """The machines: how many, how fast they compute, how fast they talk.
+
+    A *node* is one machine with ``gpus_per_node`` GPUs; its inter-node link is shared by
+    all of them (the simulated link of ``editrain.sim`` works the same way).
+    """
+
+    nodes: int
+    """Number of nodes."""
+    gpus_per_node: int
+    """GPUs (ranks) per node."""
+    inter_node_gbps: float
+    """Inter-node bandwidth per node, Gbit/s, each way (full duplex)."""
+    gpu_peak_tflops: float | None = None
+    """Peak dense TFLOP/s of one GPU in the training precision (with ``mfu``)."""
+    mfu: float | None = None
+    """Model FLOPs utilisation in (0, 1]: the share of the peak the compute reaches."""
+    step_time_s: float | None = None
+    """Measured compute seconds of one training step of one replica (instead of peak and
+    MFU); it holds the replica-internal collectives (FSDP2, tp) already."""
+    step_overhead_s: float = 0.0
+    """Seconds per step outside compute and communication (data loading, logging, the
+    step boundary); calibration measures it."""
+    gpu_memory_gb: float | None = None
+    """Memory of one GPU, GiB; when given, a plan that does not fit fails."""
+    intra_node_gbps: float = 1600.0
+    """Intra-node bandwidth per GPU, Gbit/s (NVLink; FSDP2 and tp collectives)."""
+    intra_node_latency_us: float = 5.0
+    """Latency of one intra-node collective step, microseconds."""
+    inter_node_latency_ms: float = 0.0
+    """Latency of one inter-node message, milliseconds."""
+    latency_per: str = "hop"
+    """How latency adds up: ``hop`` (ring: one latency per ring step, 2 (R - 1) for an
+    all-reduce) or ``collective`` (one per collective, as ``editrain.sim`` charges)."""
+    straggler_spread: float = 0.0
+    """Per-replica slowdown spread: replica speeds are spaced evenly between 1 and
+    1 + spread times the nominal step time (0.1: the slowest is 10% slower)."""
+    stall_prob: float = 0.0
+    """Probability that a replica stalls in a step (random stalls, independent)."""
+    stall_s: float = 0.0
+    """Seconds one stall lasts."""
+    ft_quorum_ms: float = 20.0
+    """Milliseconds a torchft quorum costs per sync round (``ft = true`` methods)."""
+
+    def __post_init__(self) -> None:
+        _count(self.nodes, "cluster.nodes")
+        _count(self.gpus_per_node, "cluster.gpus_per_node")
+        _positive(self.inter_node_gbps, "cluster.inter_node_gbps")
+        _positive(self.intra_node_gbps, "cluster.intra_node_gbps")
+        _non_negative(self.inter_node_latency_ms, "cluster.inter_node_latency_ms")
+        _non_negative(self.intra_node_latency_us, "cluster.intra_node_latency_us")
+        _non_negative(self.step_overhead_s, "cluster.step_overhead_s")
+        _choice(self.latency_per, "cluster.latency_per", LATENCY_MODES)
+        _non_negative(self.straggler_spread, "cluster.straggler_spread")
+        p = _non_negative(self.stall_prob, "cluster.stall_prob")
+        if p > 1:
+            raise _fail("cluster.stall_prob", f"must be <= 1, got {self.stall_prob!r}")
+        _non_negative(self.stall_s, "cluster.stall_s")
+        _non_negative(self.ft_quorum_ms, "cluster.ft_quorum_ms")
+        if self.gpu_memory_gb is not None:
+            _positive(self.gpu_memory_gb, "cluster.gpu_memory_gb")
+        if self.step_time_s is not None:
+            _positive(self.step_time_s, "cluster.step_time_s")
+        else:
+            if self.gpu_peak_tflops is None:
+                raise _fail("cluster.gpu_peak_tflops", "missing: give gpu_peak_tflops and "
+                            "mfu, or a measured step_time_s")
+            if self.mfu is None:
+                raise _fail("cluster.mfu", "missing: give mfu (with gpu_peak_tflops) or a "
+                            "measured step_time_s")
+        if self.gpu_peak_tflops is not None:
+            _positive(self.gpu_peak_tflops, "cluster.gpu_peak_tflops")
+        if self.mfu is not None:
+            m = _positive(self.mfu, "cluster.mfu")
+            if m > 1:
+                raise _fail("cluster.mfu", f"must be <= 1 (a share of the peak), got {m!r}")
+
+    @property
+    def gpus(self) -> int:
+        """GPUs in the whole cluster."""
+        return self.nodes * self.gpus_per_node
+
+    @property
+    def inter_bytes_per_s(self) -> float:
+        """Inter-node bandwidth per node, bytes per second."""
+        return self.inter_node_gbps * GBIT
+
+    @property
+    def inter_latency_s(self) -> float:
+        """Inter-node latency, seconds."""
+        return self.inter_node_latency_ms / 1000.0
+
+    def with_(self, **changes: Any) -> Cluster:
+        """A copy with fields replaced (validated again)."""
+        return dataclasses.replace(self, **changes)
+
+
+@dataclass
+class ModelSpec:
+    """The model and the batch. Give ``preset`` (an editrain preset: tiny, small, 350m,
+    1b, 3b, 7b), ``hf_config`` (a Hugging Face ``config.json``) or ``params`` and
+    ``layers`` (with ``dim`` for activations)."""
+
+    preset: str | None = None
+    """An editrain model preset."""
+    hf_config: str | None = None
+    """Path of a Hugging Face ``config.json`` (llama-like fields are read)."""
+    params: float | None = None
+    """Parameter count (with ``layers``; the blocks hold them, split evenly)."""
+    layers: int | None = None
+    """Transformer blocks."""
+    dim: int | None = None
+    """Model width (activations, attention FLOPs); default from ``params`` and ``layers``."""
+    vocab_size: int | None = None
+    """Vocabulary (presets: their own, or what editrain's tokenizer gives)."""
+    heads: int | None = None
+    """Attention heads (activation memory)."""
+    seq_len: int = 2048
+    """Tokens per sequence."""
+    batch_size: int = 32
+    """Sequences per replica per optimizer step (all of its data-parallel ranks)."""
+    micro_batch: int | None = None
+    """Sequences per GPU per forward (gradient accumulation); default: all of them."""
+    dtype: str = "bf16"
+    """Training precision of parameters and gradients (fp32 or bf16; optimizer state is
+    fp32 either way)."""
+    tie_embeddings: bool | None = None
+    """Presets: override whether the output projection reuses the embedding."""
+    activation_checkpointing: bool = False
+    """Recompute activations in the backward (one layer's kept, 4/3 of the compute)."""
+
+    def __post_init__(self) -> None:
+        given = [n for n in ("preset", "hf_config", "params") if getattr(self, n) is not None]
+        if len(given) != 1:
+            raise _fail("model", "give exactly one of preset, hf_config or params (with "
+                        f"layers); got {', '.join(given) or 'none'}")
+        if self.preset is not None:
+            from editrain.config import PRESETS
+
+            _choice(self.preset, "model.preset", PRESETS)
+        if self.hf_config is not None and not Path(self.hf_config).exists():
+            raise _fail("model.hf_config", f"file not found: {self.hf_config}")
+        if self.params is not None:
+            _positive(self.params, "model.params")
+            if self.layers is None:
+                raise _fail("model.layers", "missing: params needs layers")
+        for name in ("layers", "dim", "vocab_size", "heads", "micro_batch"):
+            if getattr(self, name) is not None:
+                _count(getattr(self, name), f"model.{name}")
+        _count(self.seq_len, "model.seq_len")
+        _count(self.batch_size, "model.batch_size")
+        _choice(self.dtype, "model.dtype", DTYPES)
+
+
+@dataclass
+class MethodSpec:
+    """One method setting to plan (the ``sync`` options of ``editrain train``)."""
+
+    method: str = "edit"
+    """sync, post_local_sgd, diloco, edit or aedit."""
+    name: str | None = None
+    """Label in the table (default: built from the settings)."""
+    H: int = 32
+    """Inner steps per round (``sync.local_sgd_sync_interval``)."""
+    fragments: int = 1
+    """Fragments that take turns (``sync.fragments``)."""
+    overlap: int = 0
+    """Inner steps a round runs behind (``sync.overlap_steps``)."""
+    codec: str = "fp32"
+    """Wire format of pseudo-gradients (``sync.comm_dtype``; fp4 for planning only)."""
+    error_feedback: bool = True
+    """Error feedback buffers with a low-precision codec (``sync.error_feedback``)."""
+    cpu_offload: bool = False
+    """Anchors and outer state in host memory (``sync.cpu_offload``)."""
+    layerwise: bool | None = None
+    """Sync unit by unit in the next forward (default: edit and aedit yes, others no)."""
+    prefetch_depth: int = 1
+    """Units whose reduction may run ahead of the forward (``sync.prefetch_depth``)."""
+    shard_size: int | None = None
+    """GPUs per replica's FSDP2 group (default: one node's GPUs, over tp)."""
+    tp: int = 1
+    """Tensor-parallel degree inside a replica."""
+    sync_time_s: float | None = None
+    """aedit: seconds per window (default: H nominal step times)."""
+    ft: bool = False
+    """torchft fault-tolerant rounds (``--ft``): blocking, with a quorum per round."""
+    eager: bool = False
+    """Planning only (no editrain method): a round may take a whole inner phase, as with
+    the Eager Updates paper's one-outer-step eager overlap."""
+    grad_overlap: bool = False
+    """sync: reduce each unit's gradient during the backward (DDP-style); editrain's sync
+    reduces after the backward (false)."""
+
+    def __post_init__(self) -> None:
+        p = "method"
+        _choice(self.method, f"{p}.method", METHODS)
+        _count(self.H, f"{p}.H")
+        _count(self.fragments, f"{p}.fragments")
+        _count(self.overlap, f"{p}.overlap", least=0)
+        _choice(self.codec, f"{p}.codec", CODECS)
+        _count(self.prefetch_depth, f"{p}.prefetch_depth", least=0)
+        _count(self.tp, f"{p}.tp")
+        if self.shard_size is not None:
+            _count(self.shard_size, f"{p}.shard_size")
+        if self.sync_time_s is not None:
+            _positive(self.sync_time_s, f"{p}.sync_time_s")
+        if self.fragments > self.H:
+            raise _fail(f"{p}.fragments", f"must be <= H ({self.H}), got {self.fragments}")
+        if self.overlap >= self.H and not self.eager:
+            raise _fail(f"{p}.overlap", f"must be < H ({self.H}), got {self.overlap}")
+        if self.method == "aedit" and self.fragments != 1:
+            raise _fail(f"{p}.fragments", "aedit syncs every unit at once: must be 1")
+        if self.method in ("sync", "post_local_sgd") and self.codec != "fp32":
+            raise _fail(f"{p}.codec", f"{self.method} reduces in fp32 only, got {self.codec}")
+        if self.layerwise is None:
+            self.layerwise = self.method in ("edit", "aedit") and not self.ft
+
+    @property
+    def label(self) -> str:
+        """The table's name for this setting."""
+        if self.name:
+            return self.name
+        if self.method == "sync":
+            return "sync"
+        parts = [self.method, f"H={self.H}"]
+        if self.fragments > 1:
+            parts.append(f"P={self.fragments}")
+        if self.eager:
+            parts.append("eager")
+        elif self.overlap:
+            parts.append(f"tau={self.overlap}")
+        if self.codec != "fp32":
+            parts.append(self.codec)
+        if self.ft:
+            parts.append("ft")
+        return " ".join(parts)
+
+    @property
+    def local(self) -> bool:
+        """Whether the method syncs every H steps (not every step)."""
+        return self.method != "sync"
+
+
+def _build(cls: type, data: dict[str, Any], section: str) -> Any:
+    """``cls(**data)`` with unknown keys named (one line)."""
+    if not isinstance(data, dict):
+        raise _fail(section, f"must be a table, got {data!r}")
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - names)
+    if unknown:
+        raise _fail(f"{section}.{unknown[0]}", f"unknown field; allowed: {', '.join(sorted(names))}")
+    required = [f.name for f in dataclasses.fields(cls)
+                if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+    for name in required:
+        if name not in data:
+            raise _fail(f"{section}.{name}", "missing (required)")
+    try:
+        return cls(**data)
+    except TypeError as e:  # a wrong value type that __post_init__ did not catch
+        raise _fail(section, str(e)) from None
+
+
+def parse_method(spec: str) -> dict[str, Any]:
+    """A method setting from the command line: ``edit``, ``edit:H=64,fragments=4,codec=int8``.
+
+    Args:
+        spec: the method name, then optional ``key=value`` pairs after a colon.
+
+    Returns:
+        The fields of a :class:`MethodSpec` (values parsed as TOML scalars, bare words as
+        strings).
+    """
+    name, _, rest = spec.partition(":")
+    out: dict[str, Any] = {"method": name.strip()}
+    for item in filter(None, (x.strip() for x in rest.split(","))):
+        key, eq, value = item.partition("=")
+        if not eq:
+            raise _fail("method", f"expected key=value in {spec!r}, got {item!r}")
+        out[key.strip()] = _scalar(value.strip())
+    return out
+
+
+def _scalar(text: str) -> Any:
+    """A TOML scalar (``4``, ``0.5``, ``true``), or the text itself."""
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        return text
+
+
+@dataclass
+class PlanInputs:
+    """Everything one plan needs."""
+
+    cluster: Cluster
+    model: ModelSpec
+    methods: list[MethodSpec] = field(default_factory=list)
+
+
+def load_inputs(path: str | Path | None = None, overrides: dict[str, dict[str, Any]] | None = None,
+                methods: list[str] | None = None) -> PlanInputs:
+    """Read a plan file and apply command-line values over it.
+
+    Args:
+        path: a TOML file with ``[cluster]``, ``[model]`` and ``[[method]]`` tables.
+        overrides: ``{"cluster": {...}, "model": {...}}`` applied over the file.
+        methods: method specs (:func:`parse_method`) replacing the file's ``[[method]]``.
+
+    Raises:
+        ConfigError: naming the field of the first bad value.
+    """
+    data: dict[str, Any] = {}
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"plan: file not found: {p}")
+        try:
+            data = tomllib.loads(p.read_text())
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"plan: {p} is not valid TOML: {e}") from None
+    unknown = sorted(set(data) - {"cluster", "model", "method"})
+    if unknown:
+        raise _fail(unknown[0], "unknown table; allowed: cluster, model, method")
+    overrides = overrides or {}
+    cluster_data = {**data.get("cluster", {}), **overrides.get("cluster", {})}
+    if not cluster_data:
+        raise _fail("cluster", "missing: give a [cluster] table (see `editrain plan --help`)")
+    model_data = {**data.get("model", {}), **overrides.get("model", {})}
+    if not model_data:
+        model_data = {"preset": "1b"}
+    cluster = _build(Cluster, cluster_data, "cluster")
+    model = _build(ModelSpec, model_data, "model")
+    specs = [parse_method(m) for m in methods] if methods else data.get("method", [])
+    if isinstance(specs, dict):
+        specs = [specs]
+    if not specs:
+        specs = [{"method": m} for m in ("sync", "diloco", "edit")]
+    return PlanInputs(cluster, model, [_build(MethodSpec, s, "method") for s in specs])
+
+
+__all__ = ["CODECS", "Cluster", "GBIT", "METHODS", "MethodSpec", "ModelSpec", "PlanInputs",
+           "load_inputs", "parse_method"]

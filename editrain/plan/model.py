@@ -1,0 +1,750 @@
+"""The job model: step time, exposed communication, bytes and memory of one setting.
+
+Everything here is arithmetic on the inputs of :mod:`editrain.plan.inputs` (no torch, no
+training). ``docs/planning.md`` writes the model down with its assumptions and limits;
+the pieces, bottom up:
+
+* :class:`Shape`: the model's sync units (root, embeddings, blocks, output) with their
+  parameter counts and their share of the forward's FLOPs.
+* link costs: :func:`ring_allreduce_s` and :func:`allgather_s` (bandwidth and latency per
+  message, the bytes a ring transmits), :func:`expected_max_stall_s` for random stalls.
+* :func:`timeline`: one replica's clock over a few rounds of H steps, with the rounds'
+  jobs queued FIFO on its node's link, merged after ``overlap`` steps (or in the next
+  forward, unit by unit, for a layer-wise sync) and waited for when not done.
+* :func:`predict`: the whole setting: layout (replicas x shards x tp), compute per step,
+  replica-internal collectives, the cross-replica rounds, stragglers, memory per rank.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from functools import lru_cache
+from typing import Any
+
+from editrain.errors import ConfigError
+from editrain.plan.inputs import Cluster, MethodSpec, ModelSpec
+
+GIB = 2**30
+BLOCK = 128
+"""Values per fp32 scale of the int8 / int4 / fp4 codecs (as in ``editrain.sync.quant``)."""
+DTYPE_BYTES = {"fp32": 4, "bf16": 2}
+CODEC_BITS = {"fp32": 32, "bf16": 16, "int8": 8, "int4": 4, "fp4": 4}
+CYCLES = 5
+"""Rounds of H steps the timeline runs; the first is left out (the link starts idle)."""
+
+
+# --------------------------------------------------------------------------- model shape
+@dataclass
+class Shape:
+    """The model as the planner needs it.
+
+    Args:
+        units: ``(name, parameters)`` per sync unit, in sync order (root first).
+        fwd_share: each unit's share of the forward's FLOPs (sums to 1).
+        dim: model width.
+        layers: transformer blocks.
+        heads: attention heads.
+        vocab: vocabulary size.
+        tied: whether the output projection reuses the embedding (in the root unit).
+    """
+
+    units: list[tuple[str, int]]
+    fwd_share: list[float]
+    dim: int
+    layers: int
+    heads: int
+    vocab: int
+    tied: bool
+
+    @property
+    def params(self) -> int:
+        """All parameters."""
+        return sum(n for _, n in self.units)
+
+    @property
+    def matmul_params(self) -> int:
+        """Parameters used in matrix products (all but an untied input embedding)."""
+        emb = sum(n for name, n in self.units if name == "tok_embeddings")
+        return self.params - emb
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """Training FLOPs per token: 6 per matmul parameter plus attention's
+        ``12 * layers * dim * seq_len`` (forward and backward, no causal halving)."""
+        return 6.0 * self.matmul_params + 12.0 * self.layers * self.dim * seq_len
+
+
+def _block_params(dim: int, heads: int, kv_heads: int, ffn: int) -> int:
+    head_dim = dim // heads
+    attn = 2 * dim * dim + 2 * dim * kv_heads * head_dim
+    return attn + 3 * dim * ffn + 2 * dim
+
+
+def _llama_shape(dim: int, layers: int, heads: int, kv_heads: int, ffn: int, vocab: int,
+                 tied: bool) -> Shape:
+    block = _block_params(dim, heads, kv_heads, ffn)
+    emb = vocab * dim
+    units: list[tuple[str, int]] = [("root", dim + (emb if tied else 0))]
+    if not tied:
+        units.append(("tok_embeddings", emb))
+    units += [(f"block{i}", block) for i in range(layers)]
+    if not tied:
+        units.append(("output", emb))
+    # Forward FLOPs per token: 2 per matmul parameter; the output projection sits in the
+    # root when tied, in `output` otherwise; the embedding lookup costs nothing.
+    flops = {name: 2.0 * n for name, n in units}
+    flops["root"] = 2.0 * emb if tied else 0.0
+    if not tied:
+        flops["tok_embeddings"] = 0.0
+    total = sum(flops.values()) or 1.0
+    return Shape(units, [flops[name] / total for name, _ in units], dim, layers, heads,
+                 vocab, tied)
+
+
+def model_shape(spec: ModelSpec) -> Shape:
+    """The :class:`Shape` of a model spec (a preset, a Hugging Face config or counts).
+
+    Args:
+        spec: the model.
+
+    Raises:
+        ConfigError: an unreadable Hugging Face config.
+    """
+    if spec.preset is not None:
+        from editrain.models.llama import PRESETS
+
+        p = dict(PRESETS[spec.preset])
+        return _llama_shape(p["dim"], p["n_layers"], p["n_heads"], p["n_kv_heads"],
+                            p["ffn_hidden"], spec.vocab_size or p["vocab_size"],
+                            bool(p.get("tie_embeddings", True)) if spec.tie_embeddings is None
+                            else spec.tie_embeddings)
+    if spec.hf_config is not None:
+        try:
+            c = json.loads(open(spec.hf_config).read())
+            dim, layers = int(c["hidden_size"]), int(c["num_hidden_layers"])
+            heads = int(c["num_attention_heads"])
+            return _llama_shape(dim, layers, heads,
+                                int(c.get("num_key_value_heads", heads)),
+                                int(c["intermediate_size"]),
+                                spec.vocab_size or int(c["vocab_size"]),
+                                bool(c.get("tie_word_embeddings", False)))
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise ConfigError(f"model.hf_config: cannot read {spec.hf_config}: {e}") from None
+    assert spec.params is not None and spec.layers is not None  # checked by ModelSpec
+    layers = spec.layers
+    dim = spec.dim or max(64, int(round(math.sqrt(spec.params / (12.0 * layers)) / 64) * 64))
+    vocab = spec.vocab_size or 0
+    emb = vocab * dim
+    block = int((spec.params - 2 * emb - dim) / layers)
+    if block <= 0:
+        raise ConfigError(f"model.params: {spec.params:g} leaves nothing for the blocks "
+                          f"after two {vocab} x {dim} embeddings")
+    units: list[tuple[str, int]] = [("root", dim)]
+    shares = [0.0]
+    if emb:
+        units.append(("tok_embeddings", emb))
+        shares.append(0.0)
+    units += [(f"block{i}", block) for i in range(layers)]
+    shares += [float(block)] * layers
+    if emb:
+        units.append(("output", emb))
+        shares.append(float(emb))
+    total = sum(shares)
+    return Shape(units, [s / total for s in shares], dim, layers,
+                 spec.heads or max(1, dim // 128), vocab, False)
+
+
+# --------------------------------------------------------------------------- link costs
+def ring_allreduce_s(nbytes: float, ranks: int, bytes_per_s: float, latency_s: float,
+                     per: str = "hop") -> float:
+    """Seconds of a ring all-reduce of ``nbytes`` over ``ranks`` members.
+
+    Each member transmits ``2 (ranks - 1) / ranks * nbytes`` in ``2 (ranks - 1)`` steps;
+    ``per = "collective"`` charges the latency once instead of per step.
+
+    Args:
+        nbytes: bytes of the reduced buffer.
+        ranks: members of the ring.
+        bytes_per_s: bandwidth of a member's link.
+        latency_s: latency of one message.
+        per: ``hop`` or ``collective``.
+    """
+    if ranks <= 1:
+        return 0.0
+    hops = 2 * (ranks - 1) if per == "hop" else 1
+    return hops * latency_s + 2.0 * (ranks - 1) / ranks * nbytes / bytes_per_s
+
+
+def allgather_s(nbytes_each: float, ranks: int, bytes_per_s: float, latency_s: float,
+                per: str = "hop") -> float:
+    """Seconds of a ring all-gather where every member contributes ``nbytes_each``:
+    ``(ranks - 1)`` steps, ``(ranks - 1) * nbytes_each`` transmitted per member.
+
+    Args:
+        nbytes_each: bytes each member contributes.
+        ranks: members.
+        bytes_per_s: bandwidth of a member's link.
+        latency_s: latency of one message.
+        per: ``hop`` or ``collective``.
+    """
+    if ranks <= 1:
+        return 0.0
+    hops = ranks - 1 if per == "hop" else 1
+    return hops * latency_s + (ranks - 1) * nbytes_each / bytes_per_s
+
+
+def payload_bytes(n: float, codec: str) -> float:
+    """Bytes of ``n`` values on the wire: fp32 4, bf16 2, int8 1, int4 and fp4 1/2 per
+    value, plus one fp32 scale per :data:`BLOCK` values for the integer / fp4 codecs."""
+    if codec in ("fp32", "bf16"):
+        return n * CODEC_BITS[codec] / 8
+    return math.ceil(n * CODEC_BITS[codec] / 8) + 4.0 * math.ceil(n / BLOCK)
+
+
+def expected_max_stall_s(steps: int, replicas: int, prob: float, seconds: float) -> float:
+    """Expected stall time of the most-stalled of ``replicas`` replicas over ``steps``
+    steps, each step stalling with probability ``prob`` for ``seconds`` (independent):
+    ``seconds * E[max of replicas Binomial(steps, prob)]``.
+
+    Args:
+        steps: steps in the window.
+        replicas: replicas that wait for each other.
+        prob: stall probability per step.
+        seconds: seconds per stall.
+    """
+    if prob <= 0 or seconds <= 0 or steps <= 0:
+        return 0.0
+    return seconds * _expected_max_binomial(steps, replicas, prob)
+
+
+@lru_cache(maxsize=4096)
+def _expected_max_binomial(n: int, r: int, p: float) -> float:
+    if p >= 1:
+        return float(n)
+    # E[max] = sum over k >= 0 of P(max > k) = sum (1 - F(k)^r); the pmf by recurrence
+    # in logs (n can be thousands).
+    total, cdf = 0.0, 0.0
+    log_pmf = n * math.log1p(-p)
+    ratio = math.log(p) - math.log1p(-p)
+    for k in range(n):
+        cdf = min(1.0, cdf + math.exp(log_pmf))
+        total += 1.0 - cdf ** r
+        if 1.0 - cdf ** r < 1e-12:
+            break
+        log_pmf += math.log(n - k) - math.log(k + 1) + ratio
+    return total
+
+
+# --------------------------------------------------------------------------- timeline
+@dataclass
+class Round:
+    """One fragment's round: its jobs on the link and how it is merged.
+
+    Args:
+        fragment: the fragment index.
+        offset: launched after inner steps ``k >= 1`` with ``k mod H == offset``.
+        jobs: ``(unit index or -1 for a unit-less job, seconds on the link)`` in order.
+    """
+
+    fragment: int
+    offset: int
+    jobs: list[tuple[int, float]]
+
+
+@dataclass
+class Timeline:
+    """What :func:`timeline` measured over the steady rounds."""
+
+    wall_per_step_s: float
+    wait_per_step_s: float
+    link_busy_per_step_s: float
+    rounds_in_flight_max: int
+
+
+def timeline(step_s: float, fwd_s: list[float], rounds: list[Round], H: int, overlap: int,
+             layerwise: bool, eager: bool = False, cycles: int = CYCLES) -> Timeline:
+    """One replica's clock over ``cycles`` rounds of ``H`` steps (the first left out).
+
+    Each step takes ``step_s``. After step ``k`` the rounds whose offset matches are
+    launched: their jobs queue on the node's link behind every earlier job (FIFO; a job
+    holds the link for its whole duration, latency included, as a rank's communication
+    thread does). A round is merged ``overlap`` steps later (``eager``: ``H`` steps later,
+    just before its next launch) at the step boundary, waiting for its last job; a
+    layer-wise round is merged in the next forward instead: unit ``u``'s forward
+    (``fwd_s[u]``) starts when its job is done. ``overlap = 0`` without layer-wise: the
+    training thread waits at the launch (a blocking sync).
+
+    Args:
+        step_s: seconds per step without communication.
+        fwd_s: forward seconds per unit (in sync order; their sum is the forward).
+        rounds: the rounds, one per fragment.
+        H: steps per round of each fragment.
+        overlap: steps a round runs behind.
+        layerwise: merge in the next forward, unit by unit.
+        eager: a round may take a whole inner phase.
+        cycles: rounds of H steps to run.
+
+    Returns:
+        Per-step averages over the steady cycles.
+    """
+    by_offset: dict[int, list[Round]] = {}
+    for r in rounds:
+        by_offset.setdefault(r.offset % H, []).append(r)
+    delay = H if eager else overlap
+    clock = link_free = waited = busy = 0.0
+    boundary: dict[int, list[dict[int, float]]] = {}
+    forward: dict[int, list[dict[int, float]]] = {}
+    in_flight = peak = 0
+    mark = (0.0, 0.0, 0.0)
+    fwd_total = sum(fwd_s)
+    # Only steps where something happens are visited; the others just add step_s.
+    last = cycles * H
+    events = {k for r in rounds for k in range(r.offset % H or H, last + 1, H)}
+    events |= {k + delay + d for k in list(events) for d in (0, 1)}
+    events = sorted(k for k in events | {H, last} if 1 <= k <= last)
+    prev = 0
+    for k in events:
+        clock += (k - prev - 1) * step_s
+        prev = k
+        due = forward.pop(k, [])
+        if due:
+            arrival: dict[int, float] = {}
+            for d in due:
+                arrival.update(d)
+            t = max(clock, arrival.get(-1, clock))
+            for u, f in enumerate(fwd_s):
+                if u in arrival:
+                    t = max(t, arrival[u])
+                t += f
+            wait = t - (clock + fwd_total)
+            clock += wait
+            waited += wait
+            in_flight -= len(due)
+        clock += step_s
+        for done in boundary.pop(k, []):
+            wait = max(0.0, max(done.values()) - clock)
+            clock += wait
+            waited += wait
+            in_flight -= 1
+        for r in by_offset.get(k % H, []):
+            arrival = {}
+            for unit, seconds in r.jobs:
+                start = max(clock, link_free)
+                link_free = start + seconds
+                busy += seconds
+                arrival[unit] = max(arrival.get(unit, 0.0), link_free)
+            if not arrival:
+                continue
+            in_flight += 1
+            peak = max(peak, in_flight)
+            if not layerwise and delay == 0:  # blocking
+                wait = max(arrival.values()) - clock
+                clock += wait
+                waited += wait
+                in_flight -= 1
+            elif layerwise and not eager:
+                forward.setdefault(k + delay + 1, []).append(arrival)
+            else:
+                boundary.setdefault(k + delay, []).append(arrival)
+        if k == H:
+            mark = (clock, waited, busy)
+    steps = (cycles - 1) * H
+    return Timeline((clock - mark[0]) / steps, (waited - mark[1]) / steps,
+                    (busy - mark[2]) / steps, peak)
+
+
+def layerwise_exposure_s(fwd_s: list[float], jobs: list[tuple[int, float]]) -> float:
+    """Exposed seconds of one layer-wise round started at a step boundary on an idle link:
+    the next forward waits for each unit's job (used for A-EDiT's blocking sync).
+
+    Args:
+        fwd_s: forward seconds per unit.
+        jobs: ``(unit, seconds)`` in order on the link (unit -1: before every unit).
+    """
+    t_link, arrival = 0.0, {}
+    for unit, seconds in jobs:
+        t_link += seconds
+        arrival[unit] = t_link
+    first = arrival.get(-1, 0.0)
+    t = 0.0
+    for u, f in enumerate(fwd_s):
+        t = max(t, arrival.get(u, 0.0), first)
+        t += f
+    return max(0.0, t - sum(fwd_s))
+
+
+# --------------------------------------------------------------------------- prediction
+@dataclass
+class Layout:
+    """How the cluster's GPUs are split for a method."""
+
+    replicas: int
+    shard_size: int
+    tp: int
+
+    @property
+    def gpus_per_replica(self) -> int:
+        """GPUs of one replica."""
+        return self.shard_size * self.tp
+
+
+def layout(cluster: Cluster, method: MethodSpec) -> Layout:
+    """Replicas x shards x tp of a setting on a cluster.
+
+    Raises:
+        ConfigError: the GPUs do not split evenly.
+    """
+    tp = method.tp
+    shard = method.shard_size or max(1, cluster.gpus_per_node // tp)
+    per_replica = shard * tp
+    if cluster.gpus % per_replica:
+        raise ConfigError(f"method.shard_size: {cluster.gpus} GPUs do not split into "
+                          f"replicas of {shard} x tp {tp} GPUs")
+    return Layout(cluster.gpus // per_replica, shard, tp)
+
+
+@dataclass
+class Memory:
+    """Bytes per GPU (rank) of one setting, by kind; ``host`` is offloaded CPU memory."""
+
+    parts: dict[str, float]
+    host: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def gpu_bytes(self) -> float:
+        """Bytes on the GPU."""
+        return sum(self.parts.values())
+
+    @property
+    def host_bytes(self) -> float:
+        """Bytes in host memory (offloaded state)."""
+        return sum(self.host.values())
+
+
+def memory_per_rank(shape: Shape, spec: ModelSpec, method: MethodSpec, lay: Layout) -> Memory:
+    """Memory of one GPU: parameters, gradients and AdamW state (sharded over the replica's
+    ``shard_size x tp`` GPUs), the outer state (anchor, outer momentum, error feedback,
+    in-flight snapshots), a round's gather buffer and the activations.
+
+    Args:
+        shape: the model's shape.
+        spec: the model spec (batch, sequence, precision, checkpointing).
+        method: the setting.
+        lay: the layout.
+    """
+    n = shape.params / lay.gpus_per_replica
+    b = DTYPE_BYTES[spec.dtype]
+    parts = {"parameters": n * b, "gradients": n * b,
+             # AdamW's two moments, plus an fp32 master copy when training in bf16.
+             "optimizer": n * (8 + (4 if spec.dtype == "bf16" else 0))}
+    outer: dict[str, float] = {}
+    if method.method in ("diloco", "edit", "aedit"):
+        outer["anchor"] = 4 * n
+        outer["outer_momentum"] = 4 * n
+    if method.codec not in ("fp32",) and method.error_feedback and method.local:
+        outer["error_feedback"] = 4 * n
+    if method.eager:
+        outer["previous_delta"] = 4 * n
+    if method.local and (method.overlap or method.eager):
+        delay = method.H if method.eager else method.overlap
+        in_flight = min(method.fragments, math.floor(delay * method.fragments / method.H) + 1)
+        parts["snapshots"] = 4 * n * in_flight / method.fragments
+    if method.cpu_offload:
+        host = outer
+    else:
+        parts.update(outer)
+        host = {}
+    if method.local and method.method != "post_local_sgd":
+        largest = max(c for _, c in shape.units) / lay.gpus_per_replica
+        if method.codec == "fp32":
+            parts["round_buffer"] = 4 * largest
+        else:
+            parts["round_buffer"] = payload_bytes(largest, method.codec) * lay.replicas \
+                + 4 * largest
+    micro = spec.micro_batch or max(1, math.ceil(spec.batch_size / lay.shard_size))
+    s, d = spec.seq_len, shape.dim
+    scale = 2 if spec.dtype == "fp32" else 1
+    # Activations of one layer, bf16, no recomputation: s*b*d*(34 + 5*heads*s/d) bytes
+    # (Korthikanti et al. 2022), split by tp; with checkpointing only each layer's input
+    # is kept, plus one layer's full set during its backward.
+    per_layer = s * micro * d * (34 + 5 * shape.heads * s / d) * scale / lay.tp
+    if spec.activation_checkpointing:
+        acts = shape.layers * 2 * s * micro * d * scale / lay.tp + per_layer
+    else:
+        acts = shape.layers * per_layer
+    parts["activations"] = acts
+    parts["logits"] = s * micro * shape.vocab * 8 / lay.tp
+    return Memory(parts, host)
+
+
+@dataclass
+class Prediction:
+    """The plan of one setting."""
+
+    label: str
+    method: MethodSpec
+    layout: Layout
+    compute_s: float
+    """Compute seconds per step of a replica at nominal speed (intra-replica collectives'
+    exposed time included)."""
+    wall_per_step_s: float
+    """Mean wall seconds per step (cluster tokens per step over cluster tokens/s)."""
+    tokens_per_s: float
+    """Tokens per second of the whole cluster."""
+    utilisation: float
+    """Compute time over wall time, mean over replicas (slowdowns count as compute)."""
+    exposed_comm_s: float
+    """Seconds per step the training thread waits for cross-replica communication."""
+    straggler_wait_s: float
+    """Seconds per step a replica waits for slower replicas (mean over replicas)."""
+    bytes_per_round: float
+    """Bytes a node sends per round of H steps (per step for sync)."""
+    round_link_s: float
+    """Seconds the node's link is busy per round."""
+    memory: Memory
+    staleness_steps: float = 0.0
+    """Steps between a round's launch and its merge (overlap / eager / non-blocking)."""
+    notes: list[str] = field(default_factory=list)
+
+    def row(self) -> dict[str, Any]:
+        """A flat dict of the numbers (for JSON and tables)."""
+        return {"label": self.label, "method": self.method.method,
+                "replicas": self.layout.replicas, "shard_size": self.layout.shard_size,
+                "tp": self.layout.tp, "compute_s": self.compute_s,
+                "wall_per_step_s": self.wall_per_step_s, "tokens_per_s": self.tokens_per_s,
+                "utilisation": self.utilisation, "exposed_comm_s": self.exposed_comm_s,
+                "straggler_wait_s": self.straggler_wait_s,
+                "bytes_per_round": self.bytes_per_round, "round_link_s": self.round_link_s,
+                "gpu_memory_bytes": self.memory.gpu_bytes,
+                "host_memory_bytes": self.memory.host_bytes,
+                "staleness_steps": self.staleness_steps}
+
+
+def replica_factors(cluster: Cluster, replicas: int) -> list[float]:
+    """Per-replica slowdown factors, evenly spaced in ``[1, 1 + straggler_spread]``."""
+    if replicas == 1:
+        return [1.0]
+    return [1.0 + cluster.straggler_spread * i / (replicas - 1) for i in range(replicas)]
+
+
+def compute_step_s(cluster: Cluster, shape: Shape, spec: ModelSpec, lay: Layout,
+                   method: MethodSpec | None = None) -> tuple[float, float]:
+    """Compute seconds per step of one replica at nominal speed, and the exposed seconds
+    of its replica-internal collectives (FSDP2 all-gathers and reduce-scatter, tp
+    all-reduces) inside that figure.
+
+    With a measured ``cluster.step_time_s`` that is the answer (it holds the collectives).
+    Otherwise ``tokens * flops_per_token / (gpus * peak * mfu)`` plus the collectives:
+    FSDP2 moves ``3 (S - 1) / S`` of the replica's parameter bytes per rank per
+    micro-batch pass, overlapped with compute except for the first unit's gather; tp
+    all-reduces ``4`` activations per layer per micro-batch, not overlapped.
+
+    Args:
+        cluster: the cluster.
+        shape: the model's shape.
+        spec: the model spec.
+        lay: the layout.
+        method: unused, for symmetry.
+    """
+    if cluster.step_time_s is not None:
+        return cluster.step_time_s, 0.0
+    assert cluster.gpu_peak_tflops is not None and cluster.mfu is not None
+    tokens = spec.batch_size * spec.seq_len
+    flops = tokens * shape.flops_per_token(spec.seq_len)
+    if spec.activation_checkpointing:
+        flops *= 4.0 / 3.0
+    compute = flops / (lay.gpus_per_replica * cluster.gpu_peak_tflops * 1e12 * cluster.mfu)
+    b = DTYPE_BYTES[spec.dtype]
+    micro = spec.micro_batch or max(1, math.ceil(spec.batch_size / lay.shard_size))
+    passes = max(1, math.ceil(spec.batch_size / lay.shard_size / micro))
+    exposed = 0.0
+    if lay.shard_size > 1:
+        nbytes = shape.params / lay.tp * b
+        if lay.gpus_per_replica <= cluster.gpus_per_node:
+            bw = cluster.intra_node_gbps * 1e9 / 8
+            lat = cluster.intra_node_latency_us * 1e-6
+            share = 1
+        else:  # the replica spans nodes: its shards share each node's link
+            bw, lat, share = cluster.inter_bytes_per_s, cluster.inter_latency_s, \
+                cluster.gpus_per_node
+        one = allgather_s(nbytes / lay.shard_size * share, lay.shard_size, bw, lat,
+                          cluster.latency_per)
+        fsdp = one * (2 * passes + 1)
+        exposed += max(fsdp / len(shape.units), fsdp - compute)
+    if lay.tp > 1:
+        bw = cluster.intra_node_gbps * 1e9 / 8
+        act = micro * spec.seq_len * shape.dim * b
+        exposed += 4 * shape.layers * passes * ring_allreduce_s(
+            act, lay.tp, bw, cluster.intra_node_latency_us * 1e-6, cluster.latency_per)
+    return compute + exposed, exposed
+
+
+def _unit_job_s(cluster: Cluster, method: MethodSpec, params: float, R: int,
+                dtype_bytes: int) -> tuple[float, float]:
+    """(seconds on the node's link, bytes the node sends) of one unit's cross-replica
+    reduction: an fp32 (sync: training dtype) ring all-reduce, or an all-gather of the
+    codec's payload. The node's ``shard x tp`` ranks each send their shard's part over
+    the one link, so the node sends the whole unit's bytes."""
+    bw, lat, per = cluster.inter_bytes_per_s, cluster.inter_latency_s, cluster.latency_per
+    if R <= 1:
+        return 0.0, 0.0
+    if method.codec == "fp32" or method.method in ("sync", "post_local_sgd"):
+        b = dtype_bytes if method.method == "sync" else 4
+        nbytes = params * b
+        return ring_allreduce_s(nbytes, R, bw, lat, per), 2.0 * (R - 1) / R * nbytes
+    payload = payload_bytes(params, method.codec)
+    return allgather_s(payload, R, bw, lat, per), (R - 1) * payload
+
+
+def _small_collective_s(cluster: Cluster, R: int) -> float:
+    """One small all-gather over the replicas (statistics, rendezvous): latency only."""
+    return allgather_s(0.0, R, cluster.inter_bytes_per_s, cluster.inter_latency_s,
+                       cluster.latency_per)
+
+
+def _rounds(cluster: Cluster, shape: Shape, method: MethodSpec, R: int, dtype_bytes: int
+            ) -> tuple[list[Round], float, float]:
+    """The rounds of a local method (one per fragment), the bytes a node sends per H steps
+    and the link seconds per H steps."""
+    P, H = method.fragments, method.H
+    rounds, total_bytes, total_s = [], 0.0, 0.0
+    for f in range(P):
+        jobs: list[tuple[int, float]] = []
+        if method.ft:
+            jobs.append((-1, cluster.ft_quorum_ms / 1000.0 + _small_collective_s(cluster, R)))
+        if method.method != "post_local_sgd" and R > 1:
+            jobs.append((-1, _small_collective_s(cluster, R)))  # the statistics
+        for u, (_, n) in enumerate(shape.units):
+            if u % P != f:
+                continue
+            seconds, nbytes = _unit_job_s(cluster, method, n, R, dtype_bytes)
+            jobs.append((u, seconds))
+            total_bytes += nbytes
+        total_s += sum(s for _, s in jobs)
+        rounds.append(Round(f, ((f + 1) * H // P) % H, jobs))
+    return rounds, total_bytes, total_s
+
+
+def predict(cluster: Cluster, spec: ModelSpec, method: MethodSpec,
+            shape: Shape | None = None, check_memory: bool = True) -> Prediction:
+    """Plan one setting on one cluster.
+
+    Args:
+        cluster: the cluster.
+        spec: the model.
+        method: the setting.
+        shape: the model's shape (computed from ``spec`` when not given).
+        check_memory: fail when the setting does not fit ``cluster.gpu_memory_gb``.
+
+    Raises:
+        ConfigError: the layout does not split, the fragments exceed the units, or the
+            setting does not fit a GPU's memory.
+    """
+    shape = shape or model_shape(spec)
+    lay = layout(cluster, method)
+    R = lay.replicas
+    if method.fragments > len(shape.units):
+        raise ConfigError(f"method.fragments: {method.fragments} is more than the model's "
+                          f"{len(shape.units)} sync units")
+    mem = memory_per_rank(shape, spec, method, lay)
+    if check_memory and cluster.gpu_memory_gb is not None \
+            and mem.gpu_bytes > cluster.gpu_memory_gb * GIB:
+        top = max(mem.parts, key=mem.parts.get)  # type: ignore[arg-type]
+        raise ConfigError(
+            f"cluster.gpu_memory_gb: {spec.preset or 'the model'} with {method.label} needs "
+            f"{mem.gpu_bytes / GIB:.1f} GiB per GPU (most: {top} "
+            f"{mem.parts[top] / GIB:.1f} GiB), more than the {cluster.gpu_memory_gb:g} GiB "
+            "of a GPU; use more shards, tp, micro_batch or activation_checkpointing")
+    compute, _intra = compute_step_s(cluster, shape, spec, lay)
+    tokens_step = spec.batch_size * spec.seq_len  # per replica
+    factors = replica_factors(cluster, R)
+    over = cluster.step_overhead_s
+    p, s = cluster.stall_prob, cluster.stall_s
+    fwd = [compute / 3.0 * w for w in shape.fwd_share]
+    db = DTYPE_BYTES[spec.dtype]
+    notes: list[str] = []
+    mean_busy_step = compute * sum(factors) / R + p * s  # per step, mean over replicas
+
+    if method.method == "sync":
+        jobs = [(u, _unit_job_s(cluster, method, n, R, db)[0])
+                for u, (_, n) in enumerate(shape.units)]
+        nbytes = sum(_unit_job_s(cluster, method, n, R, db)[1] for _, n in shape.units)
+        link = sum(x for _, x in jobs)
+        if method.grad_overlap:
+            # Units' backwards run last to first (2x their forward); each reduction starts
+            # when its unit's backward is done and the link is free.
+            t, link_free = 0.0, 0.0
+            for u in reversed(range(len(shape.units))):
+                t += 2 * fwd[u]
+                link_free = max(link_free, t) + jobs[u][1]
+            exposed = max(0.0, link_free - t)
+        else:
+            exposed = link
+        pace = compute * max(factors) + over + expected_max_stall_s(1, R, p, s)
+        wall = pace + exposed
+        return Prediction(method.label, method, lay, compute, wall, R * tokens_step / wall,
+                          mean_busy_step / wall, exposed, pace - over - mean_busy_step,
+                          nbytes, link, mem, notes=notes)
+
+    rounds, round_bytes, round_s = _rounds(cluster, shape, method, R, db)
+    H = method.H
+    if method.method == "aedit":
+        return _predict_aedit(cluster, method, lay, compute, factors, fwd, rounds,
+                              round_bytes, round_s, tokens_step, mem)
+
+    pace = compute * max(factors) + over + expected_max_stall_s(H, R, p, s) / H
+    tl = timeline(pace, fwd, rounds, H, method.overlap, bool(method.layerwise), method.eager)
+    wall = tl.wall_per_step_s
+    stale = float(H if method.eager else method.overlap)
+    if tl.link_busy_per_step_s > pace * 1.0001 and (method.overlap or method.eager):
+        notes.append("link-bound: the rounds need the link longer than the compute takes")
+    return Prediction(method.label, method, lay, compute, wall, R * tokens_step / wall,
+                      mean_busy_step / wall, tl.wait_per_step_s,
+                      pace - over - mean_busy_step, round_bytes, round_s, mem, stale, notes)
+
+
+def _predict_aedit(cluster: Cluster, method: MethodSpec, lay: Layout, compute: float,
+                   factors: list[float], fwd: list[float], rounds: list[Round],
+                   round_bytes: float, round_s: float, tokens_step: int,
+                   mem: Memory) -> Prediction:
+    """A-EDiT: every replica trains for the same wall-clock window, so a slow replica does
+    fewer steps instead of holding the others back.
+
+    Blocking: replica ``i`` runs ``ceil(W / t_i)`` steps (the trigger is checked at step
+    boundaries), the rendezvous waits for the last one to finish its step, then the
+    layer-wise sync's exposed part. Non-blocking (``overlap > 0``): no replica waits; the
+    round is merged when done, at least ``overlap`` steps after its launch."""
+    R = lay.replicas
+    over, p, s = cluster.step_overhead_s, cluster.stall_prob, cluster.stall_s
+    t_i = [compute * f + over + p * s for f in factors]
+    W = method.sync_time_s or method.H * (compute + over)
+    n_i = [max(1, math.ceil(W / t)) for t in t_i]
+    rv = _small_collective_s(cluster, R)
+    jobs = [j for r in rounds for j in r.jobs]
+    if method.overlap > 0:
+        tokens_per_s = sum(tokens_step / t for t in t_i)
+        busy = [(compute * f + p * s) / t for f, t in zip(factors, t_i)]
+        ends = [n * t for n, t in zip(n_i, t_i)]
+        # The round completes after the last replica posts and the link has carried it.
+        stale = max(method.overlap, (max(ends) - min(ends) + rv + round_s) / min(t_i))
+        wall = R * tokens_step / tokens_per_s
+        return Prediction(method.label, method, lay, compute, wall, tokens_per_s,
+                          sum(busy) / R, 0.0, 0.0, round_bytes, round_s + rv, mem,
+                          float(stale))
+    end = max(n * t for n, t in zip(n_i, t_i))
+    exposed = rv + layerwise_exposure_s(fwd, jobs)
+    cycle = end + exposed
+    steps = sum(n_i)
+    tokens_per_s = steps * tokens_step / cycle
+    busy = [n * (compute * f + p * s) / cycle for n, f in zip(n_i, factors)]
+    waits = [(end - n * t) / (n) for n, t in zip(n_i, t_i)]
+    wall = R * tokens_step / tokens_per_s
+    return Prediction(method.label, method, lay, compute, wall, tokens_per_s, sum(busy) / R,
+                      exposed * R / steps, sum(waits) / R, round_bytes, round_s + rv, mem)
+
+
+__all__ = ["CODEC_BITS", "Layout", "Memory", "Prediction", "Round", "Shape", "Timeline",
+           "allgather_s", "compute_step_s", "expected_max_stall_s", "layerwise_exposure_s",
+           "layout", "memory_per_rank", "model_shape", "payload_bytes", "predict",
+           "replica_factors", "ring_allreduce_s", "timeline"]

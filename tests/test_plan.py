@@ -1,0 +1,449 @@
+"""The planner: the job model's pieces against hand-computed cases, the inputs'
+validation, the search, the calibration on a synthetic run with known parameters, and
+``editrain plan`` end to end (no training anywhere: every test here takes milliseconds)."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from editrain.cli import main
+from editrain.errors import ConfigError
+from editrain.plan.calibrate import calibrate, fit_link
+from editrain.plan.inputs import GBIT, Cluster, MethodSpec, ModelSpec, load_inputs, parse_method
+from editrain.plan.model import (
+    Round,
+    allgather_s,
+    expected_max_stall_s,
+    layerwise_exposure_s,
+    memory_per_rank,
+    model_shape,
+    payload_bytes,
+    predict,
+    replica_factors,
+    ring_allreduce_s,
+    timeline,
+)
+from editrain.plan.search import bandwidth_for, candidates, search_target
+
+
+def cluster(**kw) -> Cluster:
+    base = dict(nodes=2, gpus_per_node=1, inter_node_gbps=8.0, step_time_s=0.1)
+    return Cluster(**{**base, **kw})
+
+
+# ---------------------------------------------------------------------------- link costs
+def test_ring_allreduce_by_hand():
+    # 8 ranks, 1 GB, 10 GB/s, 1 ms: 2 * 7 hops of latency + 2 * 7/8 of the bytes.
+    assert ring_allreduce_s(1e9, 8, 1e10, 1e-3) == pytest.approx(14e-3 + 0.175)
+    assert ring_allreduce_s(1e9, 8, 1e10, 1e-3, per="collective") == pytest.approx(1e-3 + 0.175)
+    assert ring_allreduce_s(1e9, 1, 1e10, 1e-3) == 0.0
+    # Two ranks: each sends the whole buffer once (as docs/streaming.md section 5 counts).
+    assert ring_allreduce_s(4e6, 2, 1e6, 0.0) == pytest.approx(4.0)
+
+
+def test_allgather_by_hand():
+    assert allgather_s(1e8, 4, 1e9, 5e-4) == pytest.approx(3 * 5e-4 + 0.3)
+    assert allgather_s(1e8, 4, 1e9, 5e-4, per="collective") == pytest.approx(5e-4 + 0.3)
+
+
+def test_payload_bytes_match_the_engine_codecs():
+    from editrain.sync.quant import payload_bytes as engine_bytes
+
+    for n in (1, 127, 128, 129, 1000, 65536):
+        for codec in ("fp32", "bf16", "int8", "int4"):
+            assert payload_bytes(n, codec) == engine_bytes(n, codec), (n, codec)
+    assert payload_bytes(256, "fp4") == 128 + 8
+
+
+def test_expected_max_stall_by_hand():
+    # One step, two replicas, p = 0.5: P(at least one stalls) = 0.75.
+    assert expected_max_stall_s(1, 2, 0.5, 1.0) == pytest.approx(0.75)
+    # One replica: the mean of Binomial(10, 0.3) stalls.
+    assert expected_max_stall_s(10, 1, 0.3, 2.0) == pytest.approx(2.0 * 3.0)
+    assert expected_max_stall_s(10, 4, 0.0, 2.0) == 0.0
+    # The most-stalled of many replicas stalls more than the mean.
+    assert expected_max_stall_s(16, 8, 0.1, 1.0) > 1.6
+
+
+# ---------------------------------------------------------------------------- shape
+def test_preset_shape_counts_the_models_parameters():
+    from editrain.models import Llama, num_parameters, preset_config
+
+    for preset, vocab, tied in (("tiny", 512, None), ("small", 2048, False)):
+        spec = ModelSpec(preset=preset, vocab_size=vocab, tie_embeddings=tied)
+        shape = model_shape(spec)
+        kw = {"vocab_size": vocab} | ({} if tied is None else {"tie_embeddings": tied})
+        assert shape.params == num_parameters(Llama(preset_config(preset, **kw)))
+        assert sum(shape.fwd_share) == pytest.approx(1.0)
+    untied = model_shape(ModelSpec(preset="tiny", tie_embeddings=False))
+    assert [n for n, _ in untied.units] == ["root", "tok_embeddings", "block0", "block1",
+                                            "output"]
+
+
+def test_counts_shape_and_flops():
+    shape = model_shape(ModelSpec(params=1e9, layers=20, dim=2048))
+    assert shape.params == pytest.approx(1e9, rel=1e-6)
+    assert len(shape.units) == 21  # root + 20 blocks
+    # 6 N + 12 L d s
+    assert shape.flops_per_token(1024) == pytest.approx(6 * shape.params + 12 * 20 * 2048 * 1024)
+
+
+# ---------------------------------------------------------------------------- timeline
+def test_timeline_blocking_round():
+    # H = 4 steps of 1 s, then a blocking 2 s round: 6 s per 4 steps.
+    tl = timeline(1.0, [0.2], [Round(0, 0, [(0, 2.0)])], H=4, overlap=0, layerwise=False)
+    assert tl.wall_per_step_s == pytest.approx(1.5)
+    assert tl.wait_per_step_s == pytest.approx(0.5)
+    assert tl.link_busy_per_step_s == pytest.approx(0.5)
+
+
+def test_timeline_overlap_hides_what_fits():
+    hidden = timeline(1.0, [0.2], [Round(0, 0, [(0, 1.5)])], H=4, overlap=2, layerwise=False)
+    assert hidden.wait_per_step_s == pytest.approx(0.0)
+    # 3 s of communication behind 2 s of compute: 1 s exposed per round.
+    exposed = timeline(1.0, [0.2], [Round(0, 0, [(0, 3.0)])], H=4, overlap=2,
+                       layerwise=False)
+    assert exposed.wait_per_step_s == pytest.approx(0.25)
+    assert exposed.wall_per_step_s == pytest.approx(1.25)
+
+
+def test_timeline_layerwise_waits_unit_by_unit():
+    # Forward 0.5 s per unit; unit 0's reduction takes 0.2 s, unit 1's another 0.2 s: the
+    # forward of unit 0 starts at 0.2 and ends at 0.7, unit 1 (done at 0.4) runs to 1.2.
+    tl = timeline(1.5, [0.5, 0.5], [Round(0, 0, [(0, 0.2), (1, 0.2)])], H=4, overlap=0,
+                  layerwise=True)
+    assert tl.wait_per_step_s == pytest.approx(0.2 / 4)
+    assert layerwise_exposure_s([0.5, 0.5], [(0, 0.2), (1, 0.2)]) == pytest.approx(0.2)
+    # A statistics job (-1) is waited for before the first unit.
+    assert layerwise_exposure_s([0.5, 0.5], [(-1, 0.3), (0, 0.0), (1, 0.0)]) == \
+        pytest.approx(0.3)
+
+
+def test_timeline_fragments_share_the_link_fifo():
+    # Two fragments, H = 4, launched after steps 2 and 4, 3 s each, overlap 1: each round
+    # is waited for 2 s at its merge (the link is idle 1 s of every 4).
+    rounds = [Round(0, 2, [(0, 3.0)]), Round(1, 0, [(1, 3.0)])]
+    tl = timeline(1.0, [0.1, 0.1], rounds, H=4, overlap=1, layerwise=False)
+    assert tl.wall_per_step_s == pytest.approx(2.0)
+    # Four fragments, H = 8, overlap 4: rounds queue behind each other and the link
+    # (3 s per 2 steps of 1 s) sets the pace.
+    rounds = [Round(f, 2 * (f + 1) % 8, [(f, 3.0)]) for f in range(4)]
+    tl = timeline(1.0, [0.1] * 4, rounds, H=8, overlap=4, layerwise=False, cycles=12)
+    assert tl.wall_per_step_s == pytest.approx(1.5, rel=0.02)
+    assert tl.link_busy_per_step_s == pytest.approx(1.5, rel=0.02)
+    assert tl.rounds_in_flight_max >= 2
+
+
+def test_timeline_eager_hides_a_whole_round():
+    tl = timeline(1.0, [0.1], [Round(0, 0, [(0, 3.9)])], H=4, overlap=0, layerwise=False,
+                  eager=True)
+    assert tl.wait_per_step_s == pytest.approx(0.0)
+
+
+# ---------------------------------------------------------------------------- predict
+def test_sync_step_by_hand():
+    c = cluster(inter_node_gbps=8.0)  # 1e9 B/s
+    m = ModelSpec(params=1e8, layers=4, dim=512, dtype="bf16", batch_size=4, seq_len=128)
+    p = predict(c, m, MethodSpec(method="sync"))
+    # Two replicas: each node sends the bf16 gradients once: 2e8 B at 1e9 B/s.
+    assert p.exposed_comm_s == pytest.approx(0.2, rel=1e-3)
+    assert p.wall_per_step_s == pytest.approx(0.3, rel=1e-3)
+    assert p.utilisation == pytest.approx(1 / 3, rel=1e-3)
+    assert p.tokens_per_s == pytest.approx(2 * 4 * 128 / 0.3, rel=1e-3)
+    assert p.bytes_per_round == pytest.approx(2e8, rel=1e-3)
+    # Reducing during the backward hides most of it (the last unit's stays).
+    overlapped = predict(c, m, MethodSpec(method="sync", grad_overlap=True))
+    assert overlapped.exposed_comm_s < 0.2
+    # The bandwidth for 50%: 0.1 s of communication.
+    assert bandwidth_for(c, m, MethodSpec(method="sync"), 0.5) == \
+        pytest.approx(8.0 * 2, rel=0.01)
+
+
+def test_diloco_round_by_hand():
+    c = cluster(inter_node_gbps=8.0, inter_node_latency_ms=10.0, latency_per="collective")
+    m = ModelSpec(params=1e8, layers=4, dim=512)
+    p = predict(c, m, MethodSpec(method="diloco", H=10))
+    # fp32 all-reduce of 4e8 B (5 units, 5 collectives + 1 statistics) every 10 steps.
+    round_s = 4e8 / 1e9 + 6 * 0.01
+    assert p.round_link_s == pytest.approx(round_s, rel=1e-3)
+    assert p.wall_per_step_s == pytest.approx(0.1 + round_s / 10, rel=1e-3)
+    assert p.exposed_comm_s == pytest.approx(round_s / 10, rel=1e-3)
+    int8 = predict(c, m, MethodSpec(method="diloco", H=10, codec="int8"))
+    assert int8.bytes_per_round == pytest.approx(payload_bytes(1e8 / 4, "int8") * 4, rel=1e-2)
+
+
+def test_stragglers_hold_back_blocking_methods_not_aedit():
+    c = cluster(straggler_spread=1.0, inter_node_gbps=1e5)  # replica 1 is 2x slower
+    assert replica_factors(c, 2) == [1.0, 2.0]
+    m = ModelSpec(params=1e7, layers=2, dim=256)
+    edit = predict(c, m, MethodSpec(method="edit", H=16))
+    # Both replicas run at the slow one's pace: (1 + 2) / 2 of 2 busy.
+    assert edit.utilisation == pytest.approx(0.75, rel=0.01)
+    blocking = predict(c, m, MethodSpec(method="aedit", H=16))
+    # Window 1.6 s: 16 steps and 8 steps, both done at 1.6 s.
+    assert blocking.utilisation == pytest.approx(1.0, rel=0.01)
+    assert blocking.tokens_per_s == pytest.approx(edit.tokens_per_s * 1.5, rel=0.01)
+    nb = predict(c, m, MethodSpec(method="aedit", H=16, overlap=2))
+    assert nb.exposed_comm_s == 0 and nb.utilisation == pytest.approx(1.0)
+
+
+def test_memory_per_rank():
+    m = ModelSpec(params=8e8, layers=8, dim=1024, batch_size=8, seq_len=128)
+    c = cluster(nodes=1, gpus_per_node=8)
+    from editrain.plan.model import layout
+
+    lay = layout(c, MethodSpec(method="edit"))
+    assert (lay.replicas, lay.shard_size) == (1, 8)
+    n = 1e8  # parameters per GPU
+    edit = memory_per_rank(model_shape(m), m, MethodSpec(method="edit"), lay)
+    assert edit.parts["anchor"] == pytest.approx(4 * n, rel=1e-3)
+    assert edit.parts["outer_momentum"] == pytest.approx(4 * n, rel=1e-3)
+    assert "error_feedback" not in edit.parts
+    sync = memory_per_rank(model_shape(m), m, MethodSpec(method="sync"), lay)
+    assert "anchor" not in sync.parts
+    int8 = memory_per_rank(model_shape(m), m, MethodSpec(method="edit", codec="int8"), lay)
+    assert int8.parts["error_feedback"] == pytest.approx(4 * n, rel=1e-3)
+    off = memory_per_rank(model_shape(m), m, MethodSpec(method="edit", cpu_offload=True), lay)
+    assert "anchor" not in off.parts and off.host["anchor"] == pytest.approx(4 * n, rel=1e-3)
+    assert off.gpu_bytes < edit.gpu_bytes
+
+
+def test_compute_from_flops_and_mfu():
+    c = Cluster(nodes=1, gpus_per_node=1, inter_node_gbps=1, gpu_peak_tflops=100, mfu=0.5)
+    m = ModelSpec(params=1e9, layers=16, dim=2048, batch_size=4, seq_len=1024)
+    p = predict(c, m, MethodSpec(method="sync"))
+    flops = 4 * 1024 * model_shape(m).flops_per_token(1024)
+    assert p.compute_s == pytest.approx(flops / 50e12)
+
+
+# ---------------------------------------------------------------------------- inputs
+@pytest.mark.parametrize("change, message", [
+    ({"inter_node_gbps": 0}, "cluster.inter_node_gbps: must be > 0, got 0"),
+    ({"inter_node_gbps": -1.0}, "cluster.inter_node_gbps: must be > 0, got -1.0"),
+    ({"mfu": 1.5, "gpu_peak_tflops": 10, "step_time_s": None},
+     "cluster.mfu: must be <= 1 (a share of the peak), got 1.5"),
+    ({"step_time_s": None}, "cluster.gpu_peak_tflops: missing"),
+    ({"nodes": 0}, "cluster.nodes: must be >= 1, got 0"),
+    ({"stall_prob": 2.0}, "cluster.stall_prob: must be <= 1"),
+    ({"latency_per": "x"}, "cluster.latency_per: must be one of hop, collective"),
+    ({"inter_node_gbps": "fast"}, "cluster.inter_node_gbps: must be a number"),
+])
+def test_bad_cluster_names_the_field(change, message):
+    with pytest.raises(ConfigError) as e:
+        cluster(**change)
+    assert str(e.value).startswith(message)
+    assert "\n" not in str(e.value)
+
+
+def test_plan_file_errors(tmp_path):
+    path = tmp_path / "p.toml"
+    path.write_text("[cluster]\nnodes = 2\ngpus_per_node = 8\n")
+    with pytest.raises(ConfigError, match=r"^cluster.inter_node_gbps: missing"):
+        load_inputs(path)
+    path.write_text("[cluster]\nnodes = 2\ngpus_per_node = 8\ninter_node_gbps = 1\n"
+                    "step_time_s = 1\nspeed = 3\n")
+    with pytest.raises(ConfigError, match=r"^cluster.speed: unknown field"):
+        load_inputs(path)
+    with pytest.raises(ConfigError, match=r"^method.codec: must be one of"):
+        load_inputs(None, {"cluster": {"nodes": 2, "gpus_per_node": 1, "inter_node_gbps": 1,
+                                       "step_time_s": 1}}, ["edit:codec=int3"])
+    with pytest.raises(ConfigError, match=r"^model: give exactly one"):
+        ModelSpec(preset="1b", params=1e9, layers=2)
+    with pytest.raises(ConfigError, match=r"^method.overlap: must be < H"):
+        MethodSpec(H=4, overlap=4)
+
+
+def test_parse_method():
+    assert parse_method("edit:H=64,fragments=4,codec=int8,ft=true") == {
+        "method": "edit", "H": 64, "fragments": 4, "codec": "int8", "ft": True}
+    assert MethodSpec(**parse_method("edit:H=64,fragments=4,overlap=1,codec=int8")).label == \
+        "edit H=64 P=4 tau=1 int8"
+
+
+def test_model_that_does_not_fit_names_the_field():
+    c = cluster(gpu_memory_gb=16.0, nodes=1, gpus_per_node=8)
+    m = ModelSpec(preset="7b", batch_size=8, seq_len=2048)
+    with pytest.raises(ConfigError, match=r"^cluster.gpu_memory_gb: 7b with edit H=32 needs"):
+        predict(c, m, MethodSpec(method="edit"))
+
+
+# ---------------------------------------------------------------------------- search
+def test_search_finds_the_cheapest_setting_in_order():
+    c = cluster(inter_node_gbps=0.5, nodes=4)
+    m = ModelSpec(params=2e8, layers=8, dim=1024)
+    res = search_target(c, m, [MethodSpec(method="edit")], 0.95)["edit"]
+    hit = res["found"]
+    assert hit is not None and hit.utilisation >= 0.95
+    shape = model_shape(m)
+    for cand in candidates(MethodSpec(method="edit"), len(shape.units)):
+        if cand.label == hit.label:
+            break
+        assert predict(c, m, cand, shape).utilisation < 0.95, cand.label
+    with pytest.raises(ConfigError, match="--target"):
+        search_target(c, m, [MethodSpec()], 1.5)
+
+
+def test_bandwidth_for_is_monotone():
+    c = cluster()
+    m = ModelSpec(params=1e9, layers=24, dim=2048, dtype="bf16")
+    meth = MethodSpec(method="diloco", H=100, fragments=8, overlap=1, codec="fp4")
+    needs = [bandwidth_for(c, m, meth, u) for u in (0.5, 0.8, 0.95)]
+    assert needs[0] < needs[1] < needs[2]
+
+
+# ---------------------------------------------------------------------------- calibration
+def write_synthetic_run(path, compute_s=0.05, overhead_s=0.004, latency_s=0.005,
+                        bandwidth=2e6, slow=1.5, steps=40, H=4):
+    """A run directory as ``editrain train`` writes it, from known parameters: rounds of
+    varying size (fragments of unequal units) on a link of ``bandwidth`` and
+    ``latency_s`` per collective, replica 1 ``slow`` times slower."""
+    (path / "ranks").mkdir(parents=True)
+    (path / "config.toml").write_text(
+        '[model]\npreset = "tiny"\n[data]\nvocab_size = 512\n'
+        "[train]\nbatch_size = 8\nseq_len = 64\n"
+        '[dist]\nnproc = 2\nshard_size = 1\n[sync]\nmethod = "edit"\n'
+        "local_sgd_sync_interval = 4\nfragments = 2\noverlap_steps = 1\n"
+        '[sim]\nlink_bandwidth = "2MB/s"\nlink_latency = "5ms"\n')
+    rows, ranks = [], {0: [], 1: []}
+    t = train = 0.0
+    for step in range(1, steps + 1):
+        sync = None
+        wait = 0.0
+        if step % (H // 2) == 0:
+            nbytes = 10_000 + 37_000 * (step % 3) + 1000 * step
+            coll = 2 + step % 2
+            sync = {"sync": step, "step": step, "bytes_sent": nbytes, "sync_collectives": coll,
+                    "comm_time_s": coll * latency_s + nbytes / bandwidth, "wait_s": 0.0}
+        dt = compute_s + wait + overhead_s
+        t += dt
+        train += dt
+        row = {"step": step, "tokens": 1024 * step, "loss": 5.0, "compute_s": compute_s,
+               "sync_wait_s": wait, "grad_sync_s": 0.0, "step_time_s": compute_s + wait,
+               "wall_time_s": t, "train_time_s": train}
+        if sync:
+            row["sync"] = sync
+        rows.append(row)
+        for r in (0, 1):
+            ranks[r].append({"rank": r, "replica": r, "step": step, "wall_time_s": t,
+                             "compute_s": compute_s * (slow if r else 1.0)})
+    (path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    for r, lines in ranks.items():
+        (path / "ranks" / f"rank{r}.jsonl").write_text(
+            "".join(json.dumps(x) + "\n" for x in lines))
+
+
+def test_calibration_recovers_known_parameters(tmp_path):
+    write_synthetic_run(tmp_path / "run")
+    cal = calibrate([tmp_path / "run"])
+    assert cal.step_time_s == pytest.approx(0.05)
+    assert cal.step_overhead_s == pytest.approx(0.004, abs=1e-9)
+    assert cal.bandwidth_bytes_per_s == pytest.approx(2e6, rel=1e-6)
+    assert cal.latency_s == pytest.approx(0.005, rel=1e-6)
+    assert cal.latency_fitted and cal.residual_rms_s < 1e-9
+    assert cal.straggler_spread == pytest.approx(0.5)
+    c = cal.cluster()
+    assert (c.nodes, c.gpus_per_node, c.latency_per) == (2, 1, "collective")
+    assert c.inter_bytes_per_s == pytest.approx(2e6, rel=1e-6)
+    s = cal.samples[0]
+    assert (s.method.method, s.method.H, s.method.fragments, s.method.overlap) == \
+        ("edit", 4, 2, 1)
+    assert (s.model.preset, s.model.vocab_size, s.model.batch_size) == ("tiny", 512, 8)
+    assert "inter_node_gbps = " in cal.to_toml()
+
+
+def test_fit_link_with_one_kind_of_round_assumes_the_latency():
+    rounds = [(3.0, 1e6, 3 * 0.01 + 1e6 / 5e6)] * 4
+    bw, lat, rms, fitted = fit_link(rounds, latency_s=0.01)
+    assert not fitted and lat == 0.01 and bw == pytest.approx(5e6)
+    bw0, lat0, _, _ = fit_link(rounds)
+    assert lat0 == 0.0 and bw0 < 5e6  # the latency is folded into the bandwidth
+
+
+def test_calibrate_rejects_a_non_run(tmp_path):
+    with pytest.raises(ConfigError, match="not a run directory"):
+        calibrate([tmp_path])
+
+
+# ---------------------------------------------------------------------------- CLI
+PLAN_TOML = """\
+[cluster]
+nodes = 4
+gpus_per_node = 8
+gpu_peak_tflops = 989
+mfu = 0.4
+gpu_memory_gb = 80
+inter_node_gbps = 10
+inter_node_latency_ms = 0.05
+straggler_spread = 0.1
+
+[model]
+preset = "1b"
+seq_len = 2048
+batch_size = 32
+micro_batch = 1
+
+[[method]]
+method = "sync"
+
+[[method]]
+method = "edit"
+H = 128
+"""
+
+
+def test_cli_end_to_end(tmp_path, capsys):
+    path = tmp_path / "c.toml"
+    path.write_text(PLAN_TOML)
+    out = tmp_path / "out"
+    assert main(["plan", str(path), "--out", str(out), "--target", "0.9"]) == 0
+    text = capsys.readouterr().out
+    assert "| sync | 4x8x1 |" in text and "| edit H=128 | 4x8x1 |" in text
+    assert "Cheapest setting reaching utilisation 0.9" in text
+    assert (out / "utilisation_vs_bandwidth.png").stat().st_size > 1000
+    record = json.loads((out / "plan.json").read_text())
+    sync, edit = record["predictions"]
+    assert edit["utilisation"] > sync["utilisation"]
+    assert record["search"]["edit"]["found"]["utilisation"] >= 0.9
+    # Command-line values override the file; --method replaces its methods.
+    assert main(["plan", str(path), "--out", str(out), "--no-plot", "--json",
+                 "--cluster.inter_node_gbps=400", "--method", "edit:H=32,codec=int4"]) == 0
+    record = json.loads(capsys.readouterr().out)
+    assert record["cluster"]["inter_node_gbps"] == 400
+    assert [p["label"] for p in record["predictions"]] == ["edit H=32 int4"]
+
+
+def test_cli_bad_cluster_is_one_line(tmp_path, capsys):
+    path = tmp_path / "c.toml"
+    path.write_text(PLAN_TOML.replace("inter_node_gbps = 10", "inter_node_gbps = 0"))
+    assert main(["plan", str(path), "--out", str(tmp_path / "o"), "--no-plot"]) == 2
+    err = capsys.readouterr().err
+    assert err == "editrain: error: cluster.inter_node_gbps: must be > 0, got 0\n"
+    path.write_text(PLAN_TOML.replace("mfu = 0.4", "mfu = 1.2"))
+    assert main(["plan", str(path), "--out", str(tmp_path / "o"), "--no-plot"]) == 2
+    assert capsys.readouterr().err.startswith("editrain: error: cluster.mfu: must be <= 1")
+    path.write_text(PLAN_TOML.replace("micro_batch = 1", "micro_batch = 32"))
+    assert main(["plan", str(path), "--out", str(tmp_path / "o"), "--no-plot"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("editrain: error: cluster.gpu_memory_gb:") and err.count("\n") == 1
+    assert main(["plan", str(path), "--bogus=1", "--no-plot"]) == 2
+    assert "unexpected argument" in capsys.readouterr().err
+
+
+def test_cli_calibrate(tmp_path, capsys):
+    write_synthetic_run(tmp_path / "run")
+    out = tmp_path / "out"
+    assert main(["plan", "--calibrate", str(tmp_path / "run"), "--out", str(out),
+                 "--no-plot", "--json"]) == 0
+    record = json.loads(capsys.readouterr().out)
+    assert "2.000 MB/s" in record["calibration"]
+    assert record["predictions"][0]["label"] == "run (as run)"
+    assert main(["plan", "--calibrate", str(tmp_path / "run"), "--out", str(out),
+                 "--no-plot", "--method", "diloco:H=8",
+                 f"--cluster.inter_node_gbps={1e6 / GBIT}"]) == 0
+    text = capsys.readouterr().out
+    assert "| diloco H=8 | 2x1x1 |" in text
+    assert math.isfinite(json.loads((out / "plan.json").read_text())["predictions"][0][
+        "tokens_per_s"])
