@@ -447,3 +447,22 @@ def test_cli_calibrate(tmp_path, capsys):
     assert "| diloco H=8 | 2x1x1 |" in text
     assert math.isfinite(json.loads((out / "plan.json").read_text())["predictions"][0][
         "tokens_per_s"])
+
+
+# ---------------------------------------------------------------------------- docs
+def test_planning_md_holds_the_current_tables():
+    from pathlib import Path
+
+    from editrain.plan.published import edit_scale_table_md, published_table_md
+
+    text = (Path(__file__).resolve().parent.parent / "docs" / "planning.md").read_text()
+    assert published_table_md() in text, "regenerate the published table in docs/planning.md"
+    assert edit_scale_table_md() in text, "regenerate the EDiT-scale table in docs/planning.md"
+
+
+def test_published_data_parallel_row_within_20_percent():
+    from editrain.plan.published import published_table
+
+    dp = published_table()[0]
+    assert dp["row"] == "1B data-parallel"
+    assert all(0.95 < r < 1.2 for r in dp["ratio"][:4]), dp["ratio"]

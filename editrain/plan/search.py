@@ -19,7 +19,7 @@ from editrain.errors import ConfigError
 from editrain.plan.inputs import Cluster, MethodSpec, ModelSpec
 from editrain.plan.model import Prediction, Shape, model_shape, predict
 
-H_GRID = (8, 16, 32, 64, 128, 256, 512, 1024)
+H_GRID = (2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 OVERLAP_GRID = (0, 1, 2, 4, 8)
 CODEC_ORDER = ("fp32", "bf16", "int8", "int4")
 FRAGMENT_GRID = (1, 2, 4, 8, 16)
@@ -42,7 +42,8 @@ def candidates(base: MethodSpec, n_units: int, h_grid: Iterable[int] = H_GRID,
     out = []
     for H in h_grid:
         for tau in overlap_grid:
-            if tau >= H:
+            # aedit's overlap picks the kind (blocking or not): the search keeps it.
+            if tau >= H or (base.method == "aedit" and (tau > 0) != (base.overlap > 0)):
                 continue
             for codec in codecs:
                 for P in fragment_grid:
