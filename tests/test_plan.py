@@ -166,9 +166,12 @@ def test_diloco_round_by_hand():
     c = cluster(inter_node_gbps=8.0, inter_node_latency_ms=10.0, latency_per="collective")
     m = ModelSpec(params=1e8, layers=4, dim=512)
     p = predict(c, m, MethodSpec(method="diloco", H=10))
-    # fp32 all-reduce of 4e8 B (5 units, 5 collectives + 1 statistics) every 10 steps.
-    round_s = 4e8 / 1e9 + 6 * 0.01
+    # fp32 all-reduce of 4e8 B (5 units: 5 collectives) every 10 steps.
+    round_s = 4e8 / 1e9 + 5 * 0.01
     assert p.round_link_s == pytest.approx(round_s, rel=1e-3)
+    # edit adds one statistics all-gather per round.
+    edit = predict(c, m, MethodSpec(method="edit", H=10))
+    assert edit.round_link_s == pytest.approx(round_s + 0.01, rel=1e-3)
     assert p.wall_per_step_s == pytest.approx(0.1 + round_s / 10, rel=1e-3)
     assert p.exposed_comm_s == pytest.approx(round_s / 10, rel=1e-3)
     int8 = predict(c, m, MethodSpec(method="diloco", H=10, codec="int8"))
@@ -296,7 +299,8 @@ def test_bandwidth_for_is_monotone():
 
 # ---------------------------------------------------------------------------- calibration
 def write_synthetic_run(path, compute_s=0.05, overhead_s=0.004, latency_s=0.005,
-                        bandwidth=2e6, slow=1.5, steps=40, H=4):
+                        bandwidth=2e6, slow=1.5, steps=40, H=4, own_latency_s=0.0,
+                        own_bandwidth=None):
     """A run directory as ``editrain train`` writes it, from known parameters: rounds of
     varying size (fragments of unequal units) on a link of ``bandwidth`` and
     ``latency_s`` per collective, replica 1 ``slow`` times slower."""
@@ -315,8 +319,10 @@ def write_synthetic_run(path, compute_s=0.05, overhead_s=0.004, latency_s=0.005,
         if step % (H // 2) == 0:
             nbytes = 10_000 + 37_000 * (step % 3) + 1000 * step
             coll = 2 + step % 2
+            delay = coll * latency_s + nbytes / bandwidth
+            own = coll * own_latency_s + (nbytes / own_bandwidth if own_bandwidth else 0.0)
             sync = {"sync": step, "step": step, "bytes_sent": nbytes, "sync_collectives": coll,
-                    "comm_time_s": coll * latency_s + nbytes / bandwidth, "wait_s": 0.0}
+                    "comm_time_s": delay + own, "link_delay_s": delay, "wait_s": 0.0}
         dt = compute_s + wait + overhead_s
         t += dt
         train += dt
@@ -352,6 +358,19 @@ def test_calibration_recovers_known_parameters(tmp_path):
         ("edit", 4, 2, 1)
     assert (s.model.preset, s.model.vocab_size, s.model.batch_size) == ("tiny", 512, 8)
     assert "inter_node_gbps = " in cal.to_toml()
+
+
+def test_calibration_separates_the_machines_own_cost(tmp_path):
+    write_synthetic_run(tmp_path / "run", own_latency_s=0.001, own_bandwidth=8e6)
+    cal = calibrate([tmp_path / "run"])
+    assert cal.bandwidth_bytes_per_s == pytest.approx(1 / (1 / 2e6 + 1 / 8e6), rel=1e-6)
+    assert cal.latency_s == pytest.approx(0.006, rel=1e-6)
+    assert cal.own_bandwidth_bytes_per_s == pytest.approx(8e6, rel=1e-6)
+    assert cal.own_latency_s == pytest.approx(0.001, rel=1e-6)
+    # Another simulated link on the same machine: its costs plus the machine's own.
+    link = cal.with_link(1e6, 0.005)
+    assert link["inter_node_gbps"] * GBIT == pytest.approx(1 / (1 / 1e6 + 1 / 8e6), rel=1e-6)
+    assert link["inter_node_latency_ms"] == pytest.approx(6.0)
 
 
 def test_fit_link_with_one_kind_of_round_assumes_the_latency():
@@ -466,3 +485,35 @@ def test_published_data_parallel_row_within_20_percent():
     dp = published_table()[0]
     assert dp["row"] == "1B data-parallel"
     assert all(0.95 < r < 1.2 for r in dp["ratio"][:4]), dp["ratio"]
+
+
+# ---------------------------------------------------------------------------- bench plan
+def test_bench_plan_judges_the_median_over_held_out_settings():
+    from editrain.bench.plan import _judge
+
+    def row(ratio, diff):
+        return {"ok": True, "tokens_ratio": ratio, "utilisation_diff": diff,
+                "predicted": {"tokens_per_s": 100.0 * ratio, "utilisation": 0.5 + diff,
+                              "exposed_comm_s": 0.01},
+                "measured": {"tokens_per_s": 100.0, "utilisation": 0.5,
+                             "exposed_comm_s": 0.01}}
+
+    targets, findings, headline = _judge({"a": row(1.05, 0.01), "b": row(0.97, -0.03),
+                                          "c": row(1.4, 0.2)})
+    assert [t["met"] for t in targets] == [True, True]  # medians 0.05 and 0.03
+    assert any("c (1.400x)" in f for f in findings)
+    assert headline and "within 5.0%" in headline[0]
+    targets, _, _ = _judge({"a": row(1.2, 0.1), "b": row(0.8, 0.01), "c": row(1.0, 0.07)})
+    assert [t["met"] for t in targets] == [False, False]
+
+
+def test_bench_plan_utilisation_covers_the_throughput_window(tmp_path):
+    from editrain.bench.plan import _window_utilisation
+    from editrain.bench.runs import Run
+
+    rows = [{"step": s, "wall_time_s": 0.1 * s + (0.3 if s > 8 else 0.0),
+             "compute_s": 0.05} for s in range(1, 17)]
+    run = Run("x", tmp_path, {}, ranks={0: rows, 1: rows})
+    # Steps 5..12: 8 steps of 0.05 s compute in 0.8 s + 0.3 s of waiting.
+    got = _window_utilisation(run, {"from_step": 4, "to_step": 12}, 4, False)
+    assert got == [pytest.approx(0.4 / 1.1)] * 2

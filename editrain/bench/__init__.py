@@ -20,6 +20,8 @@ optimizers  AdamW vs AGD vs AdamW + WSAM as inner optimizers, equal steps, 3 see
 peers       torchft's DiLoCo next to diloco and edit (skipped when torchft is missing)
 faults      one replica killed mid-run: --ft (the others train on, it heals) against
             restart-from-checkpoint; useful throughput and time lost
+plan        `editrain plan --calibrate` on some runs predicts held-out settings:
+            predicted vs measured tokens/s, utilisation and exposed communication
 all         every scenario above
 report      docs/benchmarks.md from the results (``--readme FILE``: its headline too)
 ========== ==============================================================================
@@ -55,7 +57,7 @@ from typing import Any
 from editrain.config import ConfigError
 
 SCENARIOS = ("default", "convergence", "bandwidth", "stragglers", "spikes", "memory",
-             "overlap", "optimizers", "peers", "faults")
+             "overlap", "optimizers", "peers", "faults", "plan")
 """Scenario names in the order ``all`` runs them (and the report lists them)."""
 
 TINY_ENV = "EDITRAIN_BENCH_TINY"

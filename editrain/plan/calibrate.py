@@ -3,12 +3,14 @@ what a run measured.
 
 From each run directory (``metrics.jsonl``, ``ranks/rank{RANK}.jsonl``, ``config.toml``):
 
-* compute per step: the median ``compute_s`` of the steps after the first ``skip``
-  (the replica-internal collectives are inside it);
-* the step overhead: the window's ``train_time_s`` minus its compute, sync waits and
-  gradient syncs, per step (data loading, logging, the step boundary);
-* the replicas' speeds: each replica's median ``compute_s`` over the fastest one's
-  (a straggler spread);
+* compute per step: the mean ``compute_s`` of the fastest replica's steps after the first
+  ``skip`` (the replica-internal collectives are inside it; the mean, since a loaded
+  machine's step times have a long tail that the throughput pays for);
+* the step overhead: the median over steps without a sync of the ``train_time_s`` advance
+  minus the step's compute, sync wait and gradient sync (data loading, logging, the step
+  boundary);
+* the replicas' speeds: each replica's mean busy time (``compute_s`` plus a simulated
+  slowdown) over the fastest one's (a straggler spread);
 * the link: every sync row gives ``comm_time_s`` (seconds inside the round's collectives),
   ``sync_collectives`` and ``bytes_sent`` (this rank's bytes; a node sends its ``S``
   ranks' bytes over its one link). A least-squares fit of
@@ -41,13 +43,17 @@ class RunSample:
     replicas: int
     shard_size: int
     compute_s: float
-    """Median compute seconds per step of the fastest replica."""
+    """Mean compute seconds per step of the fastest replica."""
     overhead_s: float
     """Seconds per step outside compute, sync waits and gradient syncs."""
     factors: list[float]
-    """Each replica's median compute over the fastest one's."""
+    """Each replica's mean busy time (compute + simulated slowdown) over the fastest one's
+    mean compute."""
     syncs: list[tuple[float, float, float]]
     """``(collectives, node bytes, comm_time_s)`` per sync round."""
+    link_delays: list[float] = field(default_factory=list)
+    """The simulated link's share of each round's ``comm_time_s`` (``link_delay_s``; 0
+    without a simulated link)."""
     sim: dict[str, Any] = field(default_factory=dict)
     """The run's ``[sim]`` options (the simulated link, for comparison)."""
 
@@ -66,6 +72,9 @@ class Calibration:
         rounds: sync rounds fitted.
         latency_fitted: whether the latency was fitted (False: taken as given).
         samples: the runs.
+        own_bandwidth_bytes_per_s: the machine's own per-byte cost beyond a simulated
+            link (``comm_time_s - link_delay_s``), as a bandwidth; None without one.
+        own_latency_s: the machine's own cost per collective beyond a simulated link.
     """
 
     step_time_s: float
@@ -77,6 +86,26 @@ class Calibration:
     rounds: int
     latency_fitted: bool
     samples: list[RunSample]
+    own_bandwidth_bytes_per_s: float | None = None
+    own_latency_s: float = 0.0
+
+    def with_link(self, bandwidth_bytes_per_s: float | None, latency_s: float) -> dict[str, Any]:
+        """Cluster fields for another simulated link on the same machine: the link's
+        per-byte and per-collective costs plus the machine's own (fitted beyond the
+        simulated link of the calibration runs).
+
+        Args:
+            bandwidth_bytes_per_s: the simulated link's bandwidth (None: unlimited).
+            latency_s: its latency per message.
+
+        Returns:
+            ``inter_node_gbps`` and ``inter_node_latency_ms`` for :meth:`cluster`.
+        """
+        per_byte = (1.0 / bandwidth_bytes_per_s if bandwidth_bytes_per_s else 0.0) + (
+            1.0 / self.own_bandwidth_bytes_per_s if self.own_bandwidth_bytes_per_s else 0.0)
+        gbps = 1.0 / per_byte / GBIT if per_byte > 0 else 1e6
+        return {"inter_node_gbps": gbps,
+                "inter_node_latency_ms": (latency_s + self.own_latency_s) * 1000.0}
 
     def cluster(self, **changes: Any) -> Cluster:
         """The calibrated cluster: one replica per node (the runs' layout), the measured
@@ -141,6 +170,58 @@ def _get(cfg: dict[str, Any], section: str, key: str, default: Any) -> Any:
     return default if v == "none" else v
 
 
+def _replicas(cfg: dict[str, Any]) -> int:
+    S = int(_get(cfg, "dist", "shard_size", 1))
+    tp = int(_get(cfg, "dist", "tp_size", 1))
+    return max(1, int(_get(cfg, "dist", "nproc", S * tp)) // (S * tp))
+
+
+def read_config(run_dir: str | Path) -> tuple[MethodSpec, ModelSpec]:
+    """The method setting and the model of a run, from its ``config.toml`` only.
+
+    Args:
+        run_dir: a directory written by ``editrain train``.
+
+    Raises:
+        ConfigError: no ``config.toml``.
+    """
+    path = Path(run_dir) / "config.toml"
+    if not path.is_file():
+        raise ConfigError(f"plan: {run_dir} holds no config.toml")
+    return _settings(tomllib.loads(path.read_text()))
+
+
+def _settings(cfg: dict[str, Any]) -> tuple[MethodSpec, ModelSpec]:
+    """The :class:`MethodSpec` and :class:`ModelSpec` of a run's resolved configuration."""
+    S = int(_get(cfg, "dist", "shard_size", 1))
+    tp = int(_get(cfg, "dist", "tp_size", 1))
+    sync = cfg.get("sync", {})
+    method_name = sync.get("method", "edit")
+    method = MethodSpec(
+        method=method_name, H=int(_get(cfg, "sync", "local_sgd_sync_interval", 32) or 32),
+        fragments=int(sync.get("fragments", 1)), overlap=int(sync.get("overlap_steps", 0)),
+        codec=sync.get("comm_dtype", "fp32") if method_name not in (
+            "sync", "post_local_sgd") else "fp32",
+        error_feedback=bool(sync.get("error_feedback", True)),
+        cpu_offload=bool(sync.get("cpu_offload", False)),
+        layerwise=_bool(sync.get("layerwise", method_name in ("edit", "aedit"))),
+        sync_time_s=float(sync["local_sgd_sync_time"]) if method_name == "aedit"
+        and isinstance(sync.get("local_sgd_sync_time"), int | float) else None,
+        shard_size=S, tp=tp, ft=_get(cfg, "dist", "fault_tolerance", "none") == "torchft")
+    train = cfg.get("train", {})
+    model = ModelSpec(
+        preset=_get(cfg, "model", "preset", "small"),
+        vocab_size=_get(cfg, "data", "vocab_size", None),
+        tie_embeddings=_opt_bool(_get(cfg, "model", "tie_embeddings", None)),
+        seq_len=int(train.get("seq_len", 64)),
+        batch_size=int(train.get("batch_size", 8)) * S
+        * int(train.get("gradient_accumulation_steps", 1)),
+        dtype=train.get("precision", "fp32") if train.get("precision") in ("fp32", "bf16")
+        else "fp32")
+
+    return method, model
+
+
 def read_run(run_dir: str | Path, skip: int = 4) -> RunSample:
     """One run directory's measurements.
 
@@ -164,61 +245,48 @@ def read_run(run_dir: str | Path, skip: int = 4) -> RunSample:
     if len(window) < 2:
         raise ConfigError(f"plan --calibrate: {d} has {len(rows)} steps; it needs more than "
                           f"{skip + 2}")
-    S = int(_get(cfg, "dist", "shard_size", 1))
-    tp = int(_get(cfg, "dist", "tp_size", 1))
-    nproc = int(_get(cfg, "dist", "nproc", S * tp))
-    replicas = max(1, nproc // (S * tp))
-    sync = cfg.get("sync", {})
-    method_name = sync.get("method", "edit")
-    method = MethodSpec(
-        method=method_name, H=int(_get(cfg, "sync", "local_sgd_sync_interval", 32) or 32),
-        fragments=int(sync.get("fragments", 1)), overlap=int(sync.get("overlap_steps", 0)),
-        codec=sync.get("comm_dtype", "fp32") if method_name not in (
-            "sync", "post_local_sgd") else "fp32",
-        error_feedback=bool(sync.get("error_feedback", True)),
-        cpu_offload=bool(sync.get("cpu_offload", False)),
-        layerwise=_bool(sync.get("layerwise", method_name in ("edit", "aedit"))),
-        shard_size=S, tp=tp, ft=_get(cfg, "dist", "fault_tolerance", "none") == "torchft")
-    train = cfg.get("train", {})
-    model = ModelSpec(
-        preset=_get(cfg, "model", "preset", "small"),
-        vocab_size=_get(cfg, "data", "vocab_size", None),
-        tie_embeddings=_opt_bool(_get(cfg, "model", "tie_embeddings", None)),
-        seq_len=int(train.get("seq_len", 64)),
-        batch_size=int(train.get("batch_size", 8)) * S
-        * int(train.get("gradient_accumulation_steps", 1)),
-        dtype=train.get("precision", "fp32") if train.get("precision") in ("fp32", "bf16")
-        else "fp32")
+    method, model = _settings(cfg)
+    S, replicas = method.shard_size or 1, _replicas(cfg)
 
     # Per-replica compute from the per-rank logs (the global rows are one replica's).
-    per_replica: dict[int, list[float]] = {}
+    # Per replica: (compute, compute + simulated slowdown) per step. Means, not medians:
+    # throughput is set by the total time, and a shared machine's step times have a long
+    # tail.
+    per_replica: dict[int, list[tuple[float, float]]] = {}
     ranks_dir = d / "ranks"
     if ranks_dir.is_dir():
         for path in sorted(ranks_dir.glob("rank*.jsonl")):
             for r in _read_jsonl(path):
                 if r.get("step", 0) > skip and isinstance(r.get("compute_s"), int | float):
-                    value = r["compute_s"] + (r.get("sim_stall_s") or 0.0)
-                    per_replica.setdefault(int(r.get("replica", 0)), []).append(value)
-    medians = sorted(statistics.median(v) for v in per_replica.values() if v)
-    if not medians:
-        medians = [statistics.median(r["compute_s"] for r in window if "compute_s" in r)]
-    fastest = medians[0]
-    a, b = window[0], window[-1]
-    clock = "train_time_s" if "train_time_s" in a and "train_time_s" in b else "wall_time_s"
-    steps = b["step"] - a["step"]
-    inside = window[1:]
-    spent = sum((r.get("compute_s") or 0.0) + (r.get("sync_wait_s") or 0.0)
-                + (r.get("grad_sync_s") or 0.0) for r in inside)
-    overhead = max(0.0, (b[clock] - a[clock] - spent) / steps) if steps else 0.0
-    syncs = []
+                    c = r["compute_s"]
+                    per_replica.setdefault(int(r.get("replica", 0)), []).append(
+                        (c, c + (r.get("sim_stall_s") or 0.0)))
+    if not per_replica:
+        per_replica = {0: [(r["compute_s"], r["compute_s"]) for r in window
+                           if "compute_s" in r]}
+    means = sorted((statistics.fmean(b for _, b in v), statistics.fmean(c for c, _ in v))
+                   for v in per_replica.values() if v)
+    # The fastest replica's own compute (its random stalls, if any, are the model's to add).
+    fastest = means[0][1]
+    medians = [busy for busy, _ in means]
+    # Overhead: per step, the clock's advance minus compute and waits; the median over
+    # steps without a sync (a sync run by finish() after the last step is in the clock
+    # but in no row's wait).
+    clock = "train_time_s" if all("train_time_s" in r for r in window) else "wall_time_s"
+    gaps = [b[clock] - a[clock] - (b.get("compute_s") or 0.0) - (b.get("sync_wait_s") or 0.0)
+            - (b.get("grad_sync_s") or 0.0) for a, b in zip(window, window[1:])
+            if b["step"] == a["step"] + 1 and "sync" not in b]
+    overhead = max(0.0, statistics.median(gaps)) if gaps else 0.0
+    syncs, delays = [], []
     for r in rows:
         s = r.get("sync")
         if isinstance(s, dict) and s.get("comm_time_s") is not None \
                 and s.get("bytes_sent") is not None:
             syncs.append((float(s.get("sync_collectives") or 1), float(s["bytes_sent"]) * S,
                           float(s["comm_time_s"])))
+            delays.append(float(s.get("link_delay_s") or 0.0))
     return RunSample(str(d), method, model, replicas, S, fastest, overhead,
-                     [m / fastest for m in medians], syncs, dict(cfg.get("sim", {})))
+                     [m / fastest for m in medians], syncs, delays, dict(cfg.get("sim", {})))
 
 
 def _bool(v: Any) -> bool:
@@ -281,12 +349,18 @@ def calibrate(run_dirs: list[str | Path], skip: int = 4, latency_s: float | None
     samples = [read_run(d, skip) for d in run_dirs]
     rounds = [r for s in samples for r in s.syncs]
     bw, lat, rms, fitted = fit_link(rounds, latency_s)
+    own_bw, own_lat = None, 0.0
+    delays = [x for s in samples for x in s.link_delays]
+    if any(delays):
+        own = [(c, x, y - dl) for (c, x, y), dl in zip(rounds, delays)]
+        own_bw, own_lat, _, _ = fit_link(own)
     spread = max(max(s.factors) for s in samples) - 1.0
     return Calibration(
         step_time_s=statistics.median(s.compute_s for s in samples),
         step_overhead_s=statistics.median(s.overhead_s for s in samples),
         bandwidth_bytes_per_s=bw, latency_s=lat, straggler_spread=spread,
-        residual_rms_s=rms, rounds=len(rounds), latency_fitted=fitted, samples=samples)
+        residual_rms_s=rms, rounds=len(rounds), latency_fitted=fitted, samples=samples,
+        own_bandwidth_bytes_per_s=own_bw, own_latency_s=own_lat)
 
 
-__all__ = ["Calibration", "RunSample", "calibrate", "fit_link", "read_run"]
+__all__ = ["Calibration", "RunSample", "calibrate", "fit_link", "read_config", "read_run"]

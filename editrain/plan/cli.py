@@ -161,6 +161,11 @@ def _calibrated_inputs(args: argparse.Namespace, overrides: dict[str, dict[str, 
              + f", latency {cal.latency_s * 1000:.2f} ms per collective "
              + ("(fitted)" if cal.latency_fitted else "(assumed: the rounds cannot separate "
                 "it)") + f", rms error {cal.residual_rms_s * 1000:.2f} ms per round"]
+    if cal.own_bandwidth_bytes_per_s or cal.own_latency_s:
+        own = cal.own_bandwidth_bytes_per_s
+        lines.append("  beyond the simulated link, the machine's own cost: "
+                     + (f"{own / 1e6:.3f} MB/s" if own else "no per-byte cost")
+                     + f", {cal.own_latency_s * 1000:.2f} ms per collective")
     for s in cal.samples:
         if s.sim.get("link_bandwidth") not in (None, "none", ""):
             lines.append(f"  ({s.run_dir}: simulated link {s.sim.get('link_bandwidth')} + "

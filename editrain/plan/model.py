@@ -613,8 +613,9 @@ def _rounds(cluster: Cluster, shape: Shape, method: MethodSpec, R: int, dtype_by
         jobs: list[tuple[int, float]] = []
         if method.ft:
             jobs.append((-1, cluster.ft_quorum_ms / 1000.0 + _small_collective_s(cluster, R)))
-        if method.method != "post_local_sgd" and R > 1:
-            jobs.append((-1, _small_collective_s(cluster, R)))  # the statistics
+        if method.method in ("edit", "aedit") and R > 1:
+            # EDiT's pseudo-gradient statistics (norms for the weights and the detector).
+            jobs.append((-1, _small_collective_s(cluster, R)))
         for u, (_, n) in enumerate(shape.units):
             if u % P != f:
                 continue

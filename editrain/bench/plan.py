@@ -1,0 +1,455 @@
+"""Plan: the planner's predictions against measured runs on held-out settings.
+
+Three groups of runs, each with its own hardware: the simulated 5 MB/s + 5 ms link, a 2x
+straggler, random stalls. A group's calibration runs give ``editrain plan --calibrate``
+the compute per step, the step overhead, the replicas' speeds and the machine's own
+communication cost beyond the simulated link; its held-out runs (other methods, H, links,
+overlap, fragments, codecs, A-EDiT) are predicted by ``editrain.plan`` from their settings
+alone, then measured: tokens/s, utilisation and the communication the training thread
+waited for.
+"""
+
+from __future__ import annotations
+
+import statistics
+from typing import Any
+
+from editrain.bench.measures import replica_stats, steady_throughput
+from editrain.bench.plots import pyplot, save_figure
+from editrain.bench.runner import Bench
+from editrain.bench.runs import Run
+from editrain.bench.tables import cell, md_table
+
+NAME = "plan"
+DESCRIPTION = (
+    "`editrain plan --calibrate` on a few runs (on the simulated 5 MB/s + 5 ms link; with a "
+    "2x straggler; with random stalls) predicts runs it did not see (other methods, H, "
+    "links, overlap, fragments, codecs, A-EDiT) from their settings alone: predicted "
+    "against measured tokens/s, utilisation and exposed communication."
+)
+CAL_LINK = ("5MB/s", "5ms")
+STRAGGLER = {"straggler": ["1=2"]}
+STALL = {"random_stall": "0.1,0.2"}
+
+Spec = tuple[dict[str, Any], "tuple[str, str] | None", dict[str, Any]]
+CAL_FP32: Spec = ({"method": "edit"}, CAL_LINK, {})
+CAL_INT8: Spec = ({"method": "edit", "fragments": 4, "comm_dtype": "int8"}, CAL_LINK, {})
+CAL_STRAGGLER: Spec = ({"method": "edit"}, None, STRAGGLER)
+CAL_STALL: Spec = ({"method": "edit"}, None, STALL)
+# Per group, in the order they run: ("cal", label, spec) calibration runs and ("held",
+# label, spec) held-out runs; a run is (sync options, (bandwidth, latency) or None for an
+# unlimited link, sim options). A group's hardware is its calibration runs' (on this shared
+# machine a replica that sleeps, a simulated straggler or stall, frees a core for the
+# other); every held-out run lies between two calibration runs, whose mean compute speed
+# it is predicted with (the machine's speed drifts), while the link is fitted on all of
+# the group's calibration runs.
+GROUPS: dict[str, list[tuple[str, str, Spec]]] = {
+    "link": [
+        ("cal", "cal-edit-fp32", CAL_FP32),
+        ("held", "diloco-20MBs", ({"method": "diloco"}, ("20MB/s", "5ms"), {})),
+        ("held", "edit-1MBs", ({"method": "edit"}, ("1MB/s", "5ms"), {})),
+        ("cal", "cal-edit-P4-int8", CAL_INT8),
+        ("held", "edit-tau2-P4-int8-1MBs", ({"method": "edit", "overlap_steps": 2,
+                                             "fragments": 4, "comm_dtype": "int8"},
+                                            ("1MB/s", "5ms"), {})),
+        ("held", "edit-tau4-P4-int4-5MBs", ({"method": "edit", "overlap_steps": 4,
+                                             "fragments": 4, "comm_dtype": "int4"},
+                                            CAL_LINK, {})),
+        ("held", "sync-20MBs", ({"method": "sync"}, ("20MB/s", "5ms"), {})),
+        ("cal", "cal-edit-fp32-again", CAL_FP32),
+    ],
+    "straggler": [
+        ("cal", "cal-edit-straggler2x", CAL_STRAGGLER),
+        ("held", "aedit-straggler2x", ({"method": "aedit"}, None, STRAGGLER)),
+        ("held", "aedit-nb-straggler2x", ({"method": "aedit", "overlap_steps": 2}, None,
+                                          STRAGGLER)),
+        ("cal", "cal-edit-straggler2x-again", CAL_STRAGGLER),
+    ],
+    "stall": [
+        ("cal", "cal-edit-stalls", CAL_STALL),
+        ("held", "sync-stalls", ({"method": "sync"}, None, STALL)),
+        ("held", "diloco-H4-stalls", ({"method": "diloco", "local_sgd_sync_interval": 4},
+                                      None, STALL)),
+        ("cal", "cal-edit-stalls-again", CAL_STALL),
+    ],
+}
+TINY = {"link": ("cal-edit-fp32", "diloco-20MBs", "cal-edit-fp32-again"),
+        "straggler": ("cal-edit-straggler2x", "aedit-straggler2x")}
+
+
+def run(bench: Bench) -> dict[str, Any]:
+    """Run the scenario; returns the record written to ``results.json``."""
+    from editrain.plan.calibrate import calibrate
+
+    interval = bench.pick(8, 16, 16)
+    steps = bench.pick(24, 128, 256)
+    sync_steps = bench.pick(10, 32, 64)
+    skip = bench.pick(2, 4, 4)
+    groups = {g: [x for x in seq if bench.mode != "tiny" or x[1] in TINY[g]]
+              for g, seq in GROUPS.items() if bench.mode != "tiny" or g in TINY}
+    # The tiny preset has three units when tied: too few for four fragments.
+    model = {} if bench.mode == "full" else {"model": {"tie_embeddings": False}}
+
+    def layers(sync: dict[str, Any], link: tuple[str, str] | None,
+               sim: dict[str, Any]) -> list[dict[str, Any]]:
+        # sync pays the link at every step: fewer steps on a slow link.
+        n = sync_steps if sync["method"] == "sync" and link else steps
+        bw, lat = link if link else (None, None)
+        first: dict[str, Any] = {
+            "train": {"steps": n, "eval_every": n, "warmup_steps": min(10, n // 4)},
+            "sync": {}, "sim": {"link_bandwidth": bw, "link_latency": lat, **sim}, **model}
+        if sync["method"] != "sync":
+            first["sync"]["local_sgd_sync_interval"] = interval
+        if sync["method"] == "aedit":
+            first["sync"]["min_total_global_steps"] = 2
+        return [first, {"sync": dict(sync)}]
+
+    for seq in groups.values():
+        for _, _, (sync, link, sim) in seq:
+            bench.check(*layers({**sync, "local_sgd_sync_time": 1.0}
+                                if sync["method"] == "aedit" else sync, link, sim))
+    bench.plan(sum(len(seq) for seq in groups.values()))
+
+    results: dict[str, Any] = {"groups": {}}
+    held_rows: dict[str, dict[str, Any]] = {}
+    in_sample: dict[str, dict[str, Any]] = {}
+    cals: dict[str, Any] = {}
+    for group, seq in groups.items():
+        done: list[tuple[str, str, Spec, Run]] = []
+        last_cal = None
+        for kind, label, (sync, link, sim) in seq:
+            if sync["method"] == "aedit" and last_cal is not None:
+                # A-EDiT's window: H steps of the fast replica, as the stragglers benchmark.
+                c = calibrate([last_cal.run_dir], skip=skip)
+                sync = {**sync, "local_sgd_sync_time":
+                        round(interval * (c.step_time_s + c.step_overhead_s), 4)}
+            r = bench.train(label, *layers(sync, link, sim), title=f"{group}: {label}")
+            done.append((kind, label, (sync, link, sim), r))
+            if kind == "cal" and r.ok:
+                last_cal = r
+        straggler = bool(seq[0][2][2].get("straggler"))
+        got = group_rows(done, skip, straggler)
+        if got is None:
+            results["groups"][group] = {"error": "no calibration run finished"}
+            continue
+        whole, held, own = got
+        cals[group] = whole
+        for row in [*held.values(), *own.values()]:
+            row["group"] = group
+        held_rows.update(held)
+        in_sample.update(own)
+        results["groups"][group] = {"calibration": _calibration_record(whole),
+                                    "straggler": straggler}
+    results["held_out"] = held_rows
+    results["in_sample"] = in_sample
+    if not any(e.get("ok") for e in held_rows.values()):
+        return bench.finish(settings={}, methods=[], results=results, tables=[],
+                            description=DESCRIPTION, skipped="skipped: no held-out run "
+                            "could be predicted")
+    targets, findings, headline = _judge(held_rows)
+    tables = [("Predicted against measured, held-out settings", _table(held_rows)),
+              ("Predicted against measured, the calibration runs themselves",
+               _table(in_sample)),
+              ("Calibration per group (all of its calibration runs)", _cal_table(cals))]
+    plots = [_plot(bench, held_rows)]
+    notes = [
+        ("The tiny preset with untied embeddings (5 sync units). " if bench.mode != "full"
+         else "The small preset. ")
+        + f"2 replicas x 1 shard; local methods sync every H = {interval} steps (unless the "
+        f"label says otherwise) and train {steps} steps, `sync` on a simulated link "
+        f"{sync_steps}; "
+        "A-EDiT's window is H x the step time (compute + overhead) of the fast replica in "
+        "the calibration run before it. Evaluation only at the end. One run per setting.",
+        "Groups, each its own hardware: `link` (the simulated 5 MB/s + 5 ms link; "
+        "calibration: edit fp32 and edit int8 with 4 fragments), `straggler` (replica 1 2x "
+        "slower, unlimited link; calibration: edit), `stall` (random stalls, probability "
+        "0.1 per step of 0.2 s, unlimited link; calibration: edit). Held-out runs differ in "
+        "method, H, fragments, overlap, codec or link. On this shared 2-core machine a "
+        "replica that sleeps (a simulated straggler or stall) frees a core for the other, "
+        "so how fast each replica computes is part of the group's hardware.",
+        "Every held-out run lies between two calibration runs of its group; it is "
+        "predicted with their mean compute speed, overhead and spread (the machine's speed "
+        "drifts with its load) and with the link fitted on all of the group's calibration "
+        "runs. 'calibrated on' names them.",
+        "Calibration (`editrain.plan.calibrate`): compute per step = median `compute_s` of "
+        f"the fastest replica after step {skip}; overhead = the median over steps without a "
+        "sync of the `train_time_s` advance minus compute and waits; straggler spread = "
+        "the slow replica's median busy time (compute + simulated slowdown) over the fast "
+        "one's, minus 1 (used in the straggler group only); the machine's own "
+        "communication cost = a least-squares fit of `comm_time_s - link_delay_s` (the "
+        "simulated link's share, logged per sync) against collectives and bytes per round.",
+        "Prediction: `editrain.plan.predict` on a cluster of 2 nodes x 1 GPU with the "
+        "calibrated step time, overhead and spread, the run's simulated link plus the "
+        "machine's own cost per collective and per byte (`latency_per = collective`: the "
+        "simulated link charges its latency per collective), and the run's stall "
+        "probability and length; the method, H, fragments, overlap, codec and A-EDiT "
+        "window read from the run's `config.toml`. Nothing measured in a held-out run "
+        "enters its prediction.",
+        "Measured: tokens/s over whole sync cycles after step "
+        f"{skip} (`editrain.bench.measures.steady_throughput`, as in the bandwidth "
+        "benchmark); utilisation = (compute_s + sim_stall_s) / wall time per rank, mean "
+        "over the ranks, over the same whole sync cycles (A-EDiT, whose replicas count "
+        "their steps apart: from each rank's step 4 to its end, `replica_stats`); exposed "
+        "communication = the syncs' `wait_s` per step (`sync`: `grad_sync_s`).",
+    ]
+    settings = {"sync_interval": interval, "steps": steps, "sync_steps": sync_steps,
+                "skip": skip, "groups": {g: [f"{k} {label}" for k, label, _ in seq]
+                                         for g, seq in groups.items()}}
+    return bench.finish(settings=settings, methods=list(held_rows), results=results,
+                        tables=tables, targets=targets, findings=findings, notes=notes,
+                        plots=plots, description=DESCRIPTION, headline=headline)
+
+
+def group_rows(done: list[tuple[str, str, Spec, Run]], skip: int, straggler: bool
+               ) -> tuple[Any, dict[str, Any], dict[str, Any]] | None:
+    """Predict every run of a group from its calibration runs and compare.
+
+    Args:
+        done: ``(kind, label, spec, run)`` in the order the runs ran (``kind``: ``cal`` or
+            ``held``).
+        skip: steps left out at the start of each run.
+        straggler: whether the group's spread is the replicas' (a straggler group).
+
+    Returns:
+        ``(calibration on all of the group's calibration runs, held-out rows, calibration
+        runs' own rows)``, or None when no calibration run finished.
+    """
+    import dataclasses
+
+    from editrain.plan.calibrate import calibrate
+
+    cal_runs = [(i, r) for i, (kind, _, _, r) in enumerate(done) if kind == "cal" and r.ok]
+    if not cal_runs:
+        return None
+    whole = calibrate([r.run_dir for _, r in cal_runs], skip=skip)
+    held: dict[str, Any] = {}
+    own: dict[str, Any] = {}
+    for i, (kind, label, (_sync, link, sim), r) in enumerate(done):
+        # The calibration runs just before and after (the run itself for a calibration
+        # run): their compute speed, overhead and spread; the link from the whole group.
+        near = [r] if kind == "cal" else (
+            [x for j, x in cal_runs if j < i][-1:] + [x for j, x in cal_runs if j > i][:1])
+        out = held if kind == "held" else own
+        if not r.ok or not near:
+            out[label] = {"ok": False, "error": r.error,
+                          "link": "+".join(link) if link else "unlimited"}
+            continue
+        local = calibrate([x.run_dir for x in near], skip=skip)
+        cal = dataclasses.replace(local, own_bandwidth_bytes_per_s=whole.own_bandwidth_bytes_per_s,
+                                  own_latency_s=whole.own_latency_s)
+        out[label] = _compare(cal, r, link, sim, skip, straggler)
+        out[label]["calibrated_on"] = [x.label for x in near]
+    return whole, held, own
+
+
+def _parse_link(link: tuple[str, str] | None) -> tuple[float | None, float]:
+    from editrain.sim import parse_bandwidth, parse_duration
+
+    if not link:
+        return None, 0.0
+    return parse_bandwidth(link[0]), parse_duration(link[1])
+
+
+def _predict(cal: Any, run_dir: Any, link: tuple[str, str] | None, sim: dict[str, Any],
+             straggler: bool, step_time_s: float | None = None) -> Any:
+    """The planner's prediction of one run from its settings and the calibration (the
+    run's own metrics are not read, only its ``config.toml``)."""
+    from editrain.plan.calibrate import read_config
+    from editrain.plan.model import predict
+
+    method, model = read_config(run_dir)
+    bw, lat = _parse_link(link)
+    spread = cal.straggler_spread if straggler else 0.0
+    prob, seconds = 0.0, 0.0
+    if sim.get("random_stall"):
+        p, s = sim["random_stall"].split(",")
+        prob, seconds = float(p), float(s)
+    cluster = cal.cluster(**cal.with_link(bw, lat), straggler_spread=spread,
+                          stall_prob=prob, stall_s=seconds,
+                          step_time_s=step_time_s or cal.step_time_s)
+    return predict(cluster, model, method)
+
+
+def _compare(cal: Any, run: Run, link: tuple[str, str] | None, sim: dict[str, Any],
+             skip: int, straggler: bool = False) -> dict[str, Any]:
+    """Predicted and measured numbers of one run."""
+    entry: dict[str, Any] = {"link": "+".join(link) if link else "unlimited", "sim": sim,
+                             "ok": run.ok, "error": run.error}
+    if not run.ok:
+        return entry
+    pred = _predict(cal, run.run_dir, link, sim, straggler)
+    window = steady_throughput(run, skip)
+    utils = _window_utilisation(run, window, skip, pred.method.method == "aedit")
+    is_sync = pred.method.method == "sync"
+    wait = window.get("grad_sync_s_per_step" if is_sync else "wait_s_per_step")
+    measured = {"tokens_per_s": window.get("tokens_per_s"),
+                "utilisation": statistics.fmean(utils) if utils else None,
+                "exposed_comm_s": wait, "step_time_s": window.get("step_time_s")}
+    from editrain.plan.calibrate import read_run
+
+    own_compute = read_run(run.run_dir, skip).compute_s
+    # A diagnostic, not the prediction: the same with this run's own mean compute per
+    # step, i.e. the model's error without the machine's drift between runs.
+    matched = _predict(cal, run.run_dir, link, sim, straggler, own_compute)
+    entry.update({
+        "setting": pred.label,
+        # For reading the errors only (not used by the prediction): how fast this run
+        # computed against the calibration it was predicted with.
+        "compute_s": {"calibrated": cal.step_time_s, "measured": own_compute},
+        "compute_matched": {"tokens_per_s": matched.tokens_per_s,
+                            "utilisation": matched.utilisation},
+        "predicted": {"tokens_per_s": pred.tokens_per_s, "utilisation": pred.utilisation,
+                      "exposed_comm_s": pred.exposed_comm_s,
+                      "step_time_s": pred.wall_per_step_s,
+                      "bytes_per_round": pred.bytes_per_round},
+        "measured": measured,
+        "tokens_ratio": (pred.tokens_per_s / measured["tokens_per_s"]
+                         if measured["tokens_per_s"] else None),
+        "utilisation_diff": (pred.utilisation - measured["utilisation"]
+                             if measured["utilisation"] is not None else None),
+    })
+    return entry
+
+
+def _window_utilisation(run: Run, window: dict[str, Any], skip: int,
+                        per_replica_steps: bool) -> list[float]:
+    """Each rank's busy time (compute + simulated slowdown) over its wall time in the
+    steady window of whole sync cycles, so that tokens/s and utilisation cover the same
+    steps. A-EDiT's replicas count their steps apart: there, each rank's window from its
+    step ``skip`` to its end (``replica_stats``)."""
+    if per_replica_steps or not window:
+        return [r["utilisation"] for r in replica_stats(run, skip)
+                if r.get("utilisation") is not None]
+    lo, hi = window["from_step"], window["to_step"]
+    out = []
+    for rows in run.ranks.values():
+        by_step = {r["step"]: r for r in rows}
+        if lo not in by_step or hi not in by_step:
+            continue
+        seconds = by_step[hi]["wall_time_s"] - by_step[lo]["wall_time_s"]
+        busy = sum((r.get("compute_s") or 0.0) + (r.get("sim_stall_s") or 0.0)
+                   for r in rows if lo < r["step"] <= hi)
+        if seconds > 0:
+            out.append(busy / seconds)
+    return out
+
+
+def _calibration_record(cal: Any) -> dict[str, Any]:
+    return {"step_time_s": cal.step_time_s, "step_overhead_s": cal.step_overhead_s,
+            "bandwidth_bytes_per_s": cal.bandwidth_bytes_per_s, "latency_s": cal.latency_s,
+            "own_bandwidth_bytes_per_s": cal.own_bandwidth_bytes_per_s,
+            "own_latency_s": cal.own_latency_s, "straggler_spread": cal.straggler_spread,
+            "residual_rms_s": cal.residual_rms_s, "rounds": cal.rounds,
+            "runs": [s.run_dir for s in cal.samples]}
+
+
+def _ms(v: float | None) -> float | None:
+    return None if v is None else v * 1000.0
+
+
+def _table(rows: dict[str, dict[str, Any]]) -> str:
+    out = []
+    for label, e in rows.items():
+        if not e.get("ok"):
+            out.append([label, e["link"], *[None] * 10])
+            continue
+        p, m = e["predicted"], e["measured"]
+        out.append([label, e["link"], p["tokens_per_s"], m["tokens_per_s"], e["tokens_ratio"],
+                    p["utilisation"], m["utilisation"], e["utilisation_diff"],
+                    _ms(p["exposed_comm_s"]), _ms(m["exposed_comm_s"]),
+                    f"{_ms(e['compute_s']['calibrated']):.1f} / "
+                    f"{_ms(e['compute_s']['measured']):.1f}",
+                    e["compute_matched"]["tokens_per_s"] / m["tokens_per_s"]
+                    if m["tokens_per_s"] else None])
+    return md_table(["run", "link", "tokens/s predicted", "measured", "ratio",
+                     "utilisation predicted", "measured", "difference",
+                     "exposed comm ms/step predicted", "measured",
+                     "compute ms/step calibrated / this run (not used)",
+                     "ratio with this run's compute (diagnostic)"], out)
+
+
+def _cal_table(cals: dict[str, Any]) -> str:
+    rows = []
+    for group, cal in cals.items():
+        own = cal.own_bandwidth_bytes_per_s
+        rows.append([group, _ms(cal.step_time_s), _ms(cal.step_overhead_s),
+                     cal.straggler_spread,
+                     None if not cal.bandwidth_bytes_per_s else cal.bandwidth_bytes_per_s / 1e6,
+                     _ms(cal.latency_s), None if not own else own / 1e6,
+                     _ms(cal.own_latency_s), _ms(cal.residual_rms_s), cal.rounds])
+    return md_table(["group", "compute ms/step", "overhead ms/step", "straggler spread",
+                     "link MB/s (fit, simulated link included)", "latency ms/collective",
+                     "machine's own per-byte cost as MB/s", "machine's own ms/collective",
+                     "fit rms ms/round", "rounds fitted"], rows)
+
+
+def _judge(rows: dict[str, dict[str, Any]]) -> tuple[list[dict[str, Any]], list[str], list[str]]:
+    ok = {k: e for k, e in rows.items() if e.get("ok") and e.get("tokens_ratio")}
+    errs = [abs(e["tokens_ratio"] - 1) for e in ok.values()]
+    udiff = [abs(e["utilisation_diff"]) for e in ok.values()
+             if e.get("utilisation_diff") is not None]
+    med_t = statistics.median(errs) if errs else None
+    med_u = statistics.median(udiff) if udiff else None
+    targets = [
+        {"name": "held-out tokens/s predicted within 10% of measured (median over the "
+                 "held-out settings)", "met": None if med_t is None else med_t <= 0.10,
+         "detail": f"median error {cell(med_t)}, worst {cell(max(errs) if errs else None)} "
+                   f"over {len(errs)} setting(s)"},
+        {"name": "held-out utilisation predicted within 0.05 of measured (median over the "
+                 "held-out settings)", "met": None if med_u is None else med_u <= 0.05,
+         "detail": f"median |difference| {cell(med_u)}, worst "
+                   f"{cell(max(udiff) if udiff else None)}"},
+    ]
+    findings = [
+        f"{k}: predicted {e['predicted']['tokens_per_s']:,.0f} tok/s, measured "
+        f"{e['measured']['tokens_per_s']:,.0f} ({e['tokens_ratio']:.3f}x); utilisation "
+        f"{e['predicted']['utilisation']:.3f} vs {e['measured']['utilisation']:.3f}; exposed "
+        f"{cell(_ms(e['predicted']['exposed_comm_s']))} vs "
+        f"{cell(_ms(e['measured']['exposed_comm_s']))} ms/step."
+        for k, e in ok.items() if e["measured"]["utilisation"] is not None]
+    matched = [abs(e["compute_matched"]["tokens_per_s"] / e["measured"]["tokens_per_s"] - 1)
+               for e in ok.values() if e.get("compute_matched")]
+    if matched:
+        drift = [abs(e["compute_s"]["measured"] / e["compute_s"]["calibrated"] - 1)
+                 for e in ok.values() if e.get("compute_s")]
+        findings.append(
+            "The machine's drift: a held-out run computed "
+            f"{statistics.median(drift):.0%} (median; worst {max(drift):.0%}) faster or "
+            "slower per step than the calibration runs around it (the machine is shared). "
+            "Predicted with each run's own mean compute per step instead (a diagnostic of "
+            "the communication, overlap and straggler model alone, not a prediction), "
+            f"tokens/s are within {statistics.median(matched):.1%} (median; worst "
+            f"{max(matched):.1%}).")
+    bad = [k for k, e in ok.items() if abs(e["tokens_ratio"] - 1) > 0.10]
+    if bad:
+        findings.append("Off by more than 10% in tokens/s: " + ", ".join(
+            f"{k} ({ok[k]['tokens_ratio']:.3f}x)" for k in bad) + ".")
+    headline = ([f"Held-out tokens/s predicted within {med_t:.1%} of measured (median of "
+                 f"{len(errs)} settings, worst {max(errs):.1%}); utilisation within "
+                 f"{cell(med_u)} (median, worst {cell(max(udiff))})."]
+                if errs and udiff else [])
+    return targets, findings, headline
+
+
+def _plot(bench: Bench, rows: dict[str, dict[str, Any]]):
+    """Predicted against measured tokens/s, one point per held-out run."""
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(6, 5))
+    pts = [(e["measured"]["tokens_per_s"], e["predicted"]["tokens_per_s"], k)
+           for k, e in rows.items() if e.get("ok") and e["measured"]["tokens_per_s"]]
+    for x, y, k in pts:
+        ax.scatter([x], [y], label=k)
+    if pts:
+        hi = 1.1 * max(max(x, y) for x, y, _ in pts)
+        ax.plot([0, hi], [0, hi], color="gray", linestyle="--", label="predicted = measured")
+        ax.fill_between([0, hi], [0, 0.9 * hi], [0, 1.1 * hi], color="gray", alpha=0.15,
+                        label="within 10%")
+        ax.set_xlim(0, hi)
+        ax.set_ylim(0, hi)
+    ax.set_xlabel("measured tokens/s")
+    ax.set_ylabel("predicted tokens/s")
+    ax.grid(alpha=0.3)
+    return save_figure(fig, bench.out_dir / "predicted_vs_measured.png")
+
+
+__all__ = ["DESCRIPTION", "GROUPS", "NAME", "run"]
