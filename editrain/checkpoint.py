@@ -2,43 +2,63 @@
 
 Layout of one checkpoint directory ``RUN_DIR/checkpoints/step_00000100/``::
 
-    .metadata, __*.distcp     DCP tensor data (every rank writes its own shards)
-    rank_00000.json ...       per-rank plain data: data position, RNG states, counters
-    editrain.json             format, topology, config, step, save time; written LAST = "complete"
+    .metadata, __*.distcp     DCP: tensors only (every rank writes its own shards)
+    rank_00000.json ...       per-rank plain data: data position, RNG states, counters, and
+                              (``optim``) the non-tensor state of its replica's optimizer
+    editrain.json             format, topology, config, data identity, step, save time;
+                              written LAST = "complete"
 
 What the tensors hold, under stable keys:
 
-* ``replica{i}.model`` / ``replica{i}.optim``: replica ``i``'s live parameters and inner
-  optimizer state (replicas differ between syncs, so each is saved);
+* ``replica{i}.model`` / ``replica{i}.optim``: replica ``i``'s live parameters and the
+  tensors of its inner optimizer state (replicas differ between syncs, so each is saved).
+  The optimizer's ``param_groups`` (learning rate, betas, ...) and any non-tensor state
+  value are in the ``optim`` entry of the rank JSON instead, as typed JSON;
 * ``engine.*``: the sync engine's own state, exactly as its ``state_dict()`` returns it and
   read back through its ``state_dict_template()`` / ``load_state_dict()``. The engine lays
   it out so that it re-shards to any topology (elastic resume); this module does not look
-  inside.
+  inside, it only checks that the tree holds tensors only.
 
 A checkpoint is written into ``step_X.tmp`` and renamed when every rank is done; a directory
-without ``editrain.json`` is never loaded. Loading unpickles nothing but DCP's own metadata
-classes (a restricted unpickler) and tensors (``weights_only``); editrain's own state is JSON.
+without ``editrain.json`` is never loaded.
+
+What loading trusts: nothing in the files is run. ``.metadata`` is unpickled with an
+allowlist of the classes DCP metadata is made of and checked field by field; tensors are
+read by DCP with ``torch.load(weights_only=True)``; a non-tensor ("bytes") DCP item, which
+DCP would unpickle with full pickle, is refused. The one exception is format 2, which
+stored ``param_groups`` as such items: those items alone are decoded, with
+``torch.load(weights_only=True)``, and kept only if they are plain data (see
+:mod:`editrain.safe_load`). editrain's own state is JSON. Before any worker starts,
+:func:`preflight_resume` checks that the files are complete (every item within its file,
+every rank's JSON readable) and that this run fits the checkpoint (model, method, sequence
+length, the token stream the saved data positions index).
 """
 
 from __future__ import annotations
 
 import base64
-import io
+import hashlib
 import json
 import logging
+import math
 import os
-import pickle
+import re
 import shutil
 import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader
-from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    Metadata,
+    TensorStorageMetadata,
+)
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -48,56 +68,30 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from editrain.errors import CheckpointError
+from editrain.safe_load import (
+    SafeFileSystemReader,
+    SafeLoadPlanner,
+    check_storage,
+    read_bytes_item,
+    read_metadata,
+)
 
 log = logging.getLogger("editrain")
 
 MARKER = "editrain.json"
 CKPT_DIR = "checkpoints"
-FORMAT = 2
+FORMAT = 3
 """Checkpoint format, stored in the marker. 1 (no ``format`` field) kept the engine's tensors
-under ``global.*``; 2 stores the engine's own state dict under ``engine``."""
+under ``global.*``; 2 stores the engine's own state dict under ``engine``; 3 keeps the
+optimizer's non-tensor state (``param_groups``) out of DCP, in the rank JSON, so that DCP
+holds tensors only."""
+READ_FORMATS = (2, 3)
+"""Formats this editrain resumes (2: its ``param_groups`` items are decoded safely)."""
 ENGINE_KEY = "engine"
-
-
-# ---------------------------------------------------------------------------- safe loading
-_ALLOWED_PREFIXES = ("torch.distributed.checkpoint.", "torch.distributed.tensor.")
-_ALLOWED = {("collections", "OrderedDict"), ("torch", "Size"), ("builtins", "set"),
-            ("builtins", "frozenset"), ("torch._utils", "_rebuild_tensor_v2"),
-            ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"),
-            ("pathlib", "PurePosixPath"), ("pathlib", "WindowsPath"),
-            ("pathlib", "PureWindowsPath"), ("pathlib", "Path")}
-
-
-class _RestrictedUnpickler(pickle.Unpickler):
-    """Unpickles DCP metadata only: its own dataclasses, dtypes, sizes. Nothing that runs
-    code of the checkpoint author's choosing."""
-
-    def find_class(self, module: str, name: str) -> Any:
-        if module.startswith(_ALLOWED_PREFIXES) or (module, name) in _ALLOWED:
-            return super().find_class(module, name)
-        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
-            return getattr(torch, name)
-        if module == "torch" and name in ("device", "layout", "memory_format"):
-            return getattr(torch, name)
-        raise CheckpointError(f"refusing to unpickle {module}.{name} from checkpoint metadata")
-
-
-class SafeFileSystemReader(FileSystemReader):
-    """``FileSystemReader`` whose metadata goes through a restricted unpickler."""
-
-    def __init__(self, path: str | os.PathLike) -> None:
-        super().__init__(path)
-        self._dir = Path(path)
-
-    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        data = (self._dir / ".metadata").read_bytes()
-        metadata = _RestrictedUnpickler(io.BytesIO(data)).load()
-        if not isinstance(metadata, Metadata):
-            raise CheckpointError(f"{self._dir}: .metadata is not DCP metadata")
-        if getattr(metadata, "storage_meta", None) is None:
-            metadata.storage_meta = StorageMeta()
-        metadata.storage_meta.load_id = self.load_id
-        return metadata
+OPTIM_KEY = "optim"
+"""The rank JSON's entry for the non-tensor state of the rank's replica's optimizer."""
+_LEGACY_BYTES = re.compile(r"replica\d+\.optim\.param_groups\..+")
+"""The non-tensor DCP items format 2 wrote (and the only ones loading decodes)."""
 
 
 # ---------------------------------------------------------------------------- discovery
@@ -173,7 +167,11 @@ def saved_tensors(checkpoint_id: str | os.PathLike, key: str) -> dict[str, torch
         checkpoint_id: the checkpoint directory.
         key: the top-level key of the state dict that holds the state.
     """
-    metadata = SafeFileSystemReader(checkpoint_id).read_metadata()
+    return _tensors_under(read_metadata(checkpoint_id), key)
+
+
+def _tensors_under(metadata: Metadata, key: str) -> dict[str, torch.Tensor]:
+    """:func:`saved_tensors` of metadata already read."""
     prefix = f"{key}."
     return {
         name[len(prefix):]: torch.empty(tuple(md.size), dtype=md.properties.dtype,
@@ -181,6 +179,107 @@ def saved_tensors(checkpoint_id: str | os.PathLike, key: str) -> dict[str, torch
         for name, md in metadata.state_dict_metadata.items()
         if name.startswith(prefix) and isinstance(md, TensorStorageMetadata)
     }
+
+
+# ---------------------------------------------------------------------------- plain JSON
+# The optimizer's non-tensor state goes to JSON with its Python types kept: ``betas`` is a
+# tuple, a non-finite float is a float, dict keys may be ints. Every JSON object is a tag
+# (``{"tuple": [...]}``, ``{"dict": {...}}`` with string keys, ``{"items": [[k, v], ...]}``
+# with others, ``{"float": "inf"}``), so decoding is unambiguous and builds nothing else.
+def to_typed_json(value: Any, where: str = "value") -> Any:
+    """``value`` (None, bool, int, float, str, and lists, tuples and dicts of them) as JSON
+    data that :func:`from_typed_json` turns back into an equal value of the same types.
+
+    Args:
+        value: the plain data.
+        where: what to name in an error.
+
+    Raises:
+        TypeError: ``value`` holds anything else (a tensor, an object).
+    """
+    if value is None or isinstance(value, (bool, int, str)):
+        return value
+    if isinstance(value, float):
+        return value if math.isfinite(value) else {"float": repr(value)}
+    if isinstance(value, list):
+        return [to_typed_json(v, where) for v in value]
+    if isinstance(value, tuple):
+        return {"tuple": [to_typed_json(v, where) for v in value]}
+    if isinstance(value, Mapping) and all(isinstance(k, str) for k in value):
+        return {"dict": {k: to_typed_json(v, f"{where}.{k}") for k, v in value.items()}}
+    if isinstance(value, Mapping):
+        return {"items": [[to_typed_json(k, where), to_typed_json(v, f"{where}.{k}")]
+                          for k, v in value.items()]}
+    raise TypeError(f"{where}: a {type(value).__name__} cannot be stored as plain data")
+
+
+def from_typed_json(data: Any) -> Any:
+    """Inverse of :func:`to_typed_json`.
+
+    Args:
+        data: parsed JSON.
+
+    Raises:
+        ValueError: ``data`` is not what :func:`to_typed_json` writes.
+    """
+    if data is None or isinstance(data, (bool, int, float, str)):
+        return data
+    if isinstance(data, list):
+        return [from_typed_json(v) for v in data]
+    if isinstance(data, dict) and len(data) == 1:
+        (tag, body), = data.items()
+        if tag == "tuple" and isinstance(body, list):
+            return tuple(from_typed_json(v) for v in body)
+        if tag == "dict" and isinstance(body, dict):
+            return {k: from_typed_json(v) for k, v in body.items()}
+        if tag == "items" and isinstance(body, list) and all(
+                isinstance(kv, list) and len(kv) == 2 for kv in body):
+            return {from_typed_json(k): from_typed_json(v) for k, v in body}
+        if tag == "float" and body in ("inf", "-inf", "nan"):
+            return float(body)
+    raise ValueError(f"not typed JSON: {str(data)[:80]}")
+
+
+def _split_optim(state: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """An optimizer state dict (``get_optimizer_state_dict``) as (its tensors, for DCP;
+    everything else: ``param_groups``, non-tensor per-parameter values, for JSON)."""
+    tensors: dict[str, Any] = {"state": {}}
+    plain: dict[str, Any] = {"state": {}}
+    for key, value in state.items():
+        if key != "state":
+            plain[key] = value
+            continue
+        for fqn, entries in value.items():
+            for name, v in entries.items():
+                side = tensors if torch.is_tensor(v) else plain
+                side["state"].setdefault(fqn, {})[name] = v
+    return tensors, plain
+
+
+def _merge_optim(tensors: dict[str, Any], plain: Mapping[str, Any]) -> dict[str, Any]:
+    """Inverse of :func:`_split_optim`."""
+    merged = dict(tensors, state={k: dict(v) for k, v in tensors.get("state", {}).items()})
+    for key, value in plain.items():
+        if key != "state":
+            merged[key] = value
+            continue
+        for fqn, entries in value.items():
+            merged["state"].setdefault(fqn, {}).update(entries)
+    return merged
+
+
+def _require_tensors(tree: Any, where: str) -> None:
+    """Every leaf of a tree DCP will save is a tensor (DCP pickles anything else, and
+    loading refuses pickled items)."""
+    if isinstance(tree, Mapping):
+        for key, value in tree.items():
+            _require_tensors(value, f"{where}.{key}")
+    elif isinstance(tree, (list, tuple)):
+        for i, value in enumerate(tree):
+            _require_tensors(value, f"{where}.{i}")
+    elif not torch.is_tensor(tree):
+        raise TypeError(f"checkpoint: {where} is a {type(tree).__name__}; DCP items must be "
+                        "tensors (plain data belongs in the rank JSON)")
 
 
 # ---------------------------------------------------------------------------- save / load
@@ -226,15 +325,21 @@ def save_checkpoint(run_dir: str | Path, step: int, *, model: torch.nn.Module,
             shutil.rmtree(tmp)  # a previous attempt that died half-way
         tmp.mkdir(parents=True)
     dist.barrier()
+    # The model's state dict first: it reshards FSDP modules, whose registered parameters
+    # are then the ones the optimizer holds (the optimizer's state dict maps them by id).
+    model_state = get_model_state_dict(model)
+    optim, optim_plain = _split_optim(get_optimizer_state_dict(model, _base(optimizer)))
     state = {
-        f"replica{replica}": {
-            "model": get_model_state_dict(model),
-            "optim": get_optimizer_state_dict(model, _base(optimizer)),
-        },
+        f"replica{replica}": {"model": model_state, "optim": optim},
         ENGINE_KEY: engine.state_dict(),
     }
+    _require_tensors(state, "state")
     dcp.save(state, checkpoint_id=str(tmp))
-    (tmp / f"rank_{rank:05d}.json").write_text(json.dumps(rank_state))
+    if OPTIM_KEY in rank_state:
+        raise ValueError(f"rank_state may not use the key {OPTIM_KEY!r} (the optimizer's)")
+    own = dict(rank_state)
+    own[OPTIM_KEY] = to_typed_json(optim_plain, "optimizer state")
+    (tmp / f"rank_{rank:05d}.json").write_text(json.dumps(own))
     if before_commit is not None:
         before_commit()
     dist.barrier()
@@ -295,9 +400,52 @@ def _base(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
     return getattr(optimizer, "base_optimizer", optimizer)
 
 
-def run_meta(cfg: Any, vocab_size: int, topology: tuple[int, ...] | None = None
-             ) -> dict[str, Any]:
-    """What a checkpoint records about the run that wrote it (compared on resume)."""
+_STREAM_IDS: dict[tuple, dict[str, Any]] = {}
+"""Token stream identities of memory-mapped splits, by file (computed once per process)."""
+_FULL_DIGEST_BYTES = 64 << 20
+_SAMPLE_BYTES = 1 << 20
+
+
+def stream_identity(tokens: np.ndarray) -> dict[str, Any]:
+    """What identifies a train split's token stream, which a saved data position indexes.
+
+    Args:
+        tokens: the split (``TokenData.train``).
+
+    Returns:
+        ``tokens`` (the count) and ``sha256``: of all its bytes up to 64 MiB, else of 1 MiB
+        samples at 65 evenly spaced offsets (a bounded read at every start; another corpus
+        or tokenizer changes the tokens everywhere, so samples see it).
+    """
+    raw = np.ascontiguousarray(tokens).reshape(-1).view(np.uint8)
+    filename = getattr(tokens, "filename", None)
+    key = (str(filename), getattr(tokens, "offset", 0), raw.nbytes, str(tokens.dtype))
+    if filename is not None and key in _STREAM_IDS:
+        return _STREAM_IDS[key]
+    h = hashlib.sha256(f"{tokens.dtype.str}:{len(tokens)}".encode())
+    if raw.nbytes <= _FULL_DIGEST_BYTES:
+        h.update(raw)
+    else:
+        for i in range(65):
+            start = (raw.nbytes - _SAMPLE_BYTES) * i // 64
+            h.update(raw[start:start + _SAMPLE_BYTES])
+    identity = {"tokens": int(len(tokens)), "sha256": h.hexdigest()}
+    if filename is not None:
+        _STREAM_IDS[key] = identity
+    return identity
+
+
+def run_meta(cfg: Any, vocab_size: int, topology: tuple[int, ...] | None = None,
+             data: Any = None) -> dict[str, Any]:
+    """What a checkpoint records about the run that wrote it (compared on resume).
+
+    Args:
+        cfg: the run's configuration.
+        vocab_size: the tokenizer's vocabulary size.
+        topology: ``(replicas, shards[, tp])`` of the job, or None (not known yet).
+        data: the prepared corpus (``TokenData``), or None: then the token stream is not
+            recorded (nor compared).
+    """
     import dataclasses
 
     from editrain.config import model_config, to_dict
@@ -317,17 +465,118 @@ def run_meta(cfg: Any, vocab_size: int, topology: tuple[int, ...] | None = None
         "num_units": num_units,
         "topology": list(topology) if topology else None,
         "tp_size": int(getattr(getattr(cfg, "dist", None), "tp_size", 1)),
+        "seq_len": int(cfg.train.seq_len),
+        "train_seed": int(cfg.train.seed),
+        "train_data": stream_identity(data.train) if data is not None else None,
         "config": to_dict(cfg),
     }
 
 
-def preflight_resume(resume: str | Path, cfg: Any, vocab_size: int) -> Path:
-    """Find the checkpoint and check it fits this run, before any worker starts."""
+def preflight_resume(resume: str | Path, cfg: Any, vocab_size: int, data: Any = None) -> Path:
+    """Find the checkpoint and check it fits this run and is complete, before any worker
+    starts: the marker against this run (:func:`check_compatible`), then the files
+    (:func:`check_files`).
+
+    Args:
+        resume: ``--resume`` (a run directory or a checkpoint directory).
+        cfg: this run's configuration.
+        vocab_size: its tokenizer's vocabulary size.
+        data: its prepared corpus (``TokenData``), to compare the token stream; None skips
+            that comparison.
+
+    Returns:
+        The checkpoint directory.
+
+    Raises:
+        CheckpointError: the first problem found, in one line naming the file or option
+            (several incompatibilities: one line each).
+    """
     ckpt = resolve_resume(resume)
-    problems = check_compatible(read_marker(ckpt), run_meta(cfg, vocab_size))
+    marker = read_marker(ckpt)
+    problems = check_compatible(marker, run_meta(cfg, vocab_size, data=data))
     if problems:
-        raise CheckpointError(f"cannot resume from {ckpt}:\n  " + "\n  ".join(problems))
+        raise _incompatible(ckpt, problems)
+    check_files(ckpt, marker)
     return ckpt
+
+
+def _incompatible(ckpt: Path, problems: list[str]) -> CheckpointError:
+    if len(problems) == 1:
+        return CheckpointError(f"cannot resume from {ckpt}: {problems[0]}")
+    return CheckpointError(f"cannot resume from {ckpt}:\n  " + "\n  ".join(problems))
+
+
+def _decodable(marker: dict[str, Any]) -> Callable[[str], bool] | None:
+    """Which non-tensor DCP items loading may decode (safely): format 2's
+    ``param_groups``; none in later formats."""
+    if marker.get("format", 1) == 2:
+        return lambda fqn: _LEGACY_BYTES.fullmatch(fqn) is not None
+    return None
+
+
+def _check_items(ckpt: Path, marker: dict[str, Any], metadata: Metadata) -> None:
+    """Refuse non-tensor items that loading would not decode, and check the storage."""
+    decodable = _decodable(marker) or (lambda fqn: False)
+    for fqn, item in metadata.state_dict_metadata.items():
+        if isinstance(item, BytesStorageMetadata) and not decodable(fqn):
+            raise CheckpointError(
+                f"{ckpt / '.metadata'}: refusing non-tensor item {fqn}: editrain's format "
+                f"{marker.get('format', 1)} checkpoints hold tensors only there, and reading "
+                "it would unpickle it")
+    check_storage(ckpt, metadata)
+
+
+def _read_rank_json(path: Path, fmt: int) -> dict[str, Any]:
+    """A rank's plain state, and (format 3 on) its optimizer entry checked decodable."""
+    try:
+        state = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{path}: missing or corrupt rank state: {e}") from None
+    if not isinstance(state, dict):
+        raise CheckpointError(f"{path}: corrupt rank state: not a JSON object")
+    if fmt >= 3:
+        try:
+            optim = from_typed_json(state[OPTIM_KEY])
+            if not isinstance(optim, dict) or not isinstance(optim.get("param_groups"), list):
+                raise ValueError("no param_groups")
+        except (KeyError, ValueError, TypeError) as e:
+            raise CheckpointError(f"{path}: corrupt rank state: its {OPTIM_KEY!r} entry (the "
+                                  f"optimizer's param_groups) is missing or malformed ({e})"
+                                  ) from None
+        state[OPTIM_KEY] = optim
+    return state
+
+
+def check_files(ckpt: Path, marker: dict[str, Any] | None = None) -> None:
+    """Check that a complete checkpoint's files are there, whole and safe to load.
+
+    ``.metadata`` unpickles with the allowlist; it holds no non-tensor item that loading
+    would refuse (format 2's ``param_groups`` items are decoded now, safely); every item
+    lies within its ``.distcp`` file; the JSON of every rank of the saving topology parses.
+
+    Args:
+        ckpt: the checkpoint directory.
+        marker: its :func:`read_marker` (read when None).
+
+    Raises:
+        CheckpointError: the first problem, in one line naming the file.
+    """
+    marker = read_marker(ckpt) if marker is None else marker
+    fmt = int(marker.get("format", 1))
+    metadata = read_metadata(ckpt)
+    _check_items(ckpt, marker, metadata)
+    for fqn, item in metadata.state_dict_metadata.items():
+        if isinstance(item, BytesStorageMetadata):
+            read_bytes_item(ckpt, metadata, fqn)  # refuses anything but plain data
+    topology = marker.get("topology")
+    if topology:
+        ranks = range(math.prod(int(n) for n in topology))
+    else:  # a marker without a topology: whatever ranks wrote, rank 0 at least
+        found = sorted(int(p.stem[len("rank_"):]) for p in ckpt.glob("rank_*.json")
+                       if p.stem[len("rank_"):].isdigit())
+        ranks = found or [0]
+    for r in ranks:
+        _read_rank_json(ckpt / f"rank_{r:05d}.json", fmt)
 
 
 def _tp_size(topology: list[int] | None) -> int:
@@ -336,11 +585,23 @@ def _tp_size(topology: list[int] | None) -> int:
 
 
 def check_compatible(marker: dict[str, Any], meta: dict[str, Any]) -> list[str]:
-    """Differences that make a checkpoint unusable for this run (model shape, method)."""
+    """Differences that make a checkpoint unusable for this run: format, model shape,
+    method, tp size, and what the saved data positions index (sequence length, data seed,
+    the train split's tokens). A field the marker lacks (an older editrain's) is not
+    compared.
+
+    Args:
+        marker: the checkpoint's :func:`read_marker`.
+        meta: this run's :func:`run_meta`.
+
+    Returns:
+        One line per problem, each naming the option.
+    """
     problems = []
-    if marker.get("format", 1) != meta.get("format", FORMAT):
+    if marker.get("format", 1) not in READ_FORMATS:
         problems.append(f"format: checkpoint has format {marker.get('format', 1)}, this "
-                        f"editrain reads format {meta.get('format', FORMAT)} (start a new run)")
+                        f"editrain reads formats {', '.join(map(str, READ_FORMATS))} (start "
+                        "a new run)")
     for key in ("method", "vocab_size", "num_units"):
         old, new = marker.get(key), meta.get(key)
         if old != new:
@@ -356,6 +617,31 @@ def check_compatible(marker: dict[str, Any], meta: dict[str, Any]) -> list[str]:
         if old_model.get(key) != new_model.get(key):
             problems.append(f"model.{key}: checkpoint has {old_model.get(key)!r}, "
                             f"this run has {new_model.get(key)!r}")
+    problems += _stream_problems(marker, meta)
+    return problems
+
+
+def _stream_problems(marker: dict[str, Any], meta: dict[str, Any]) -> list[str]:
+    """The saved data positions index windows of ``seq_len`` tokens of the train split in
+    an order drawn from the seed: a resume needs all three unchanged (exact and elastic)."""
+    problems = []
+    old, new = marker.get("seq_len"), meta.get("seq_len")
+    if old is not None and new is not None and old != new:
+        problems.append(f"train.seq_len: checkpoint has {old}, this run has {new} (the saved "
+                        "data positions count windows of the checkpoint's length)")
+    old, new = marker.get("train_seed"), meta.get("train_seed")
+    if old is not None and new is not None and old != new:
+        problems.append(f"train.seed: checkpoint has {old}, this run has {new} (the saved "
+                        "data positions follow the order that seed shuffles)")
+    old, new = marker.get("train_data") or {}, meta.get("train_data") or {}
+    if old and new and (old.get("tokens"), old.get("sha256")) != (new.get("tokens"),
+                                                                   new.get("sha256")):
+        what = (f"{old.get('tokens')} tokens, this run's {new.get('tokens')}"
+                if old.get("tokens") != new.get("tokens") else
+                f"{old.get('tokens')} tokens, as does this run's, but other ones")
+        problems.append(f"data: the checkpoint's train split has {what} (another data.path, "
+                        "data.max_bytes, data.tokenizer, data.vocab_size or split setting); "
+                        "its saved data positions would index another token stream")
     return problems
 
 
@@ -382,38 +668,60 @@ def load_checkpoint(ckpt: Path, *, model: torch.nn.Module, optimizer: torch.opti
 
     Returns:
         ``(rank_state or None, marker)``.
+
+    Raises:
+        CheckpointError: the checkpoint does not fit this run, or its files are incomplete,
+            corrupt, or hold a non-tensor DCP item that loading would have to unpickle
+            (only format 2's ``param_groups`` items are decoded, safely).
     """
     marker = read_marker(ckpt)
     problems = check_compatible(marker, meta)
     if problems:
-        raise CheckpointError(f"cannot resume from {ckpt}:\n  " + "\n  ".join(problems))
+        raise _incompatible(ckpt, problems)
+    fmt = int(marker.get("format", 1))
+    # Checked here too: a restart after a worker died resumes without the preflight.
+    metadata = read_metadata(ckpt)
+    _check_items(ckpt, marker, metadata)
     same = marker.get("topology") == meta.get("topology")
     src = replica if same else 0
+    # Format 3: the optimizer's non-tensor state is in the JSON of a rank of the replica
+    # read (elastic: replica 0, whose rank 0 is the saving job's rank 0).
+    own = _read_rank_json(ckpt / f"rank_{rank if same else 0:05d}.json", fmt)
+    model_state = get_model_state_dict(model)  # first: see save_checkpoint
+    live = get_optimizer_state_dict(model, _base(optimizer))
+    optim = _split_optim(live)[0] if fmt >= 3 else live
     opts = StateDictOptions(strict=True)
     try:
         state: dict[str, Any] = {
-            f"replica{src}": {
-                "model": get_model_state_dict(model),
-                "optim": get_optimizer_state_dict(model, _base(optimizer)),
-            },
-            ENGINE_KEY: engine.state_dict_template(saved_tensors(ckpt, ENGINE_KEY)),
+            f"replica{src}": {"model": model_state, "optim": optim},
+            ENGINE_KEY: engine.state_dict_template(_tensors_under(metadata, ENGINE_KEY)),
         }
-        dcp.load(state, storage_reader=SafeFileSystemReader(ckpt))
+        dcp.load(state, storage_reader=SafeFileSystemReader(ckpt),
+                 planner=SafeLoadPlanner(_decodable(marker)))
     except CheckpointError:
         raise
-    except (Exception, dcp.CheckpointException) as e:  # DCP's is a BaseException
+    except dcp.CheckpointException as e:  # a BaseException, holding each rank's failure
+        for failure in e.failures.values():
+            if isinstance(failure[0], CheckpointError):
+                raise CheckpointError(str(failure[0])) from None
+        raise CheckpointError(f"{ckpt}: cannot read checkpoint data: {e!r}") from e
+    except Exception as e:
         # Corrupt or truncated files: say so, never continue silently.
         raise CheckpointError(f"{ckpt}: cannot read checkpoint data: {e!r}") from e
+    optim = state[f"replica{src}"]["optim"]
+    if fmt >= 3:
+        optim = _merge_optim(optim, own[OPTIM_KEY])
     set_model_state_dict(model, state[f"replica{src}"]["model"], options=opts)
-    set_optimizer_state_dict(model, _base(optimizer), state[f"replica{src}"]["optim"],
-                             options=opts)
+    set_optimizer_state_dict(model, _base(optimizer), optim, options=opts)
+    if optimizer is not _base(optimizer):
+        # Loading replaced the base optimizer's param_groups list, which a wrapper (WSAM)
+        # shares with it (the LR schedule writes the wrapper's): its own load_state_dict
+        # shares them again. The state is the one just loaded, so nothing else changes.
+        optimizer.load_state_dict(_base(optimizer).state_dict())
     if engine.load_state_dict(state[ENGINE_KEY]) != (not same):
         raise CheckpointError(f"{ckpt}: the engine state and the marker disagree on the "
                               "topology that saved the checkpoint")
     if not same:
         return None, marker
-    path = ckpt / f"rank_{rank:05d}.json"
-    try:
-        return json.loads(path.read_text()), marker
-    except (OSError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"{ckpt}: missing or corrupt {path.name}: {e}") from None
+    own.pop(OPTIM_KEY, None)
+    return own, marker

@@ -111,7 +111,7 @@ def prepare_run_dir(cfg: Config, run_dir: Path, lock: rundir.RunLock | None = No
             lock.release()
 
 
-def _pretokenise(cfg: Config) -> int:
+def _pretokenise(cfg: Config) -> Any:
     from editrain.data import SequenceStream, check_batch_size, eval_batches
 
     t0 = time.perf_counter()
@@ -128,7 +128,7 @@ def _pretokenise(cfg: Config) -> int:
     if not cfg.quiet:
         log.info("data: %d train / %d val tokens, vocab %d (%s: %s)", len(data.train),
                  len(data.val), data.vocab_size, how, data.cache_dir)
-    return data.vocab_size
+    return data  # the resume preflight compares its token stream with the checkpoint's
 
 
 def run_local(cfg: Config) -> dict:
@@ -155,7 +155,7 @@ def _run_local(cfg: Config, run_dir: Path, lock: rundir.RunLock) -> dict:
     nproc = cfg.dist.nproc
     # Nothing is written before the data and the checkpoint to resume are known to be usable.
     check_run_dir(cfg, run_dir)
-    vocab = _pretokenise(cfg)
+    data = _pretokenise(cfg)
     if cfg.resume:
         from editrain.checkpoint import preflight_resume
 
@@ -163,9 +163,9 @@ def _run_local(cfg: Config, run_dir: Path, lock: rundir.RunLock) -> dict:
             from editrain.train import replica_run_dir
 
             for r in range(nproc // cfg.dist.replica_size):
-                preflight_resume(replica_run_dir(cfg.resume, r), cfg, vocab)
+                preflight_resume(replica_run_dir(cfg.resume, r), cfg, data.vocab_size, data)
         else:
-            preflight_resume(cfg.resume, cfg, vocab)
+            preflight_resume(cfg.resume, cfg, data.vocab_size, data)
     prepare_run_dir(cfg, run_dir, lock)
     threads = cfg.dist.threads_per_proc or max(1, (os.cpu_count() or 1) // nproc)
     os.environ.setdefault("OMP_NUM_THREADS", str(threads))

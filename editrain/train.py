@@ -479,7 +479,7 @@ class Trainer:
 
     # ------------------------------------------------------------------ checkpoints
     def _meta(self) -> dict[str, Any]:
-        return run_meta(self.cfg, self.data.vocab_size, self.info.topo.shape)
+        return run_meta(self.cfg, self.data.vocab_size, self.info.topo.shape, data=self.data)
 
     def save(self) -> None:
         """Write a checkpoint (collective; no effect on training)."""
