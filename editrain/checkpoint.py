@@ -370,7 +370,7 @@ def rotate(run_dir: str | Path, keep: int, written: Path,
 
     Only checkpoints whose marker names the current branch (``lineage["branch"]``; None for
     a library user's run without a record) are candidates, ordered by step; the one just
-    ``written`` and the one this job resumed from are never deleted.
+    ``written`` and the one(s) this job resumed from are never deleted.
 
     Returns:
         The deleted checkpoint directories.
@@ -378,8 +378,7 @@ def rotate(run_dir: str | Path, keep: int, written: Path,
     lineage = lineage or {}
     branch = lineage.get("branch")
     protected = {written.resolve()}
-    if lineage.get("resumed_from"):
-        protected.add(Path(lineage["resumed_from"]).resolve())
+    protected |= {Path(p).resolve() for p in lineage.get("resumed_from") or []}
     mine = []
     for ckpt in list_checkpoints(run_dir):
         try:
