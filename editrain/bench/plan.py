@@ -171,11 +171,11 @@ def run(bench: Bench) -> dict[str, Any]:
         "predicted with their mean compute speed, overhead and spread (the machine's speed "
         "drifts with its load) and with the link fitted on all of the group's calibration "
         "runs. 'calibrated on' names them.",
-        "Calibration (`editrain.plan.calibrate`): compute per step = median `compute_s` of "
+        "Calibration (`editrain.plan.calibrate`): compute per step = mean `compute_s` of "
         f"the fastest replica after step {skip}; overhead = the median over steps without a "
         "sync of the `train_time_s` advance minus compute and waits; straggler spread = "
-        "the slow replica's median busy time (compute + simulated slowdown) over the fast "
-        "one's, minus 1 (used in the straggler group only); the machine's own "
+        "the slow replica's mean busy time (compute + simulated slowdown) over the fast "
+        "one's mean compute, minus 1 (used in the straggler group only); the machine's own "
         "communication cost = a least-squares fit of `comm_time_s - link_delay_s` (the "
         "simulated link's share, logged per sync) against collectives and bytes per round.",
         "Prediction: `editrain.plan.predict` on a cluster of 2 nodes x 1 GPU with the "

@@ -339,7 +339,8 @@ def _build(cls: type, data: dict[str, Any], section: str) -> Any:
     names = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(data) - names)
     if unknown:
-        raise _fail(f"{section}.{unknown[0]}", f"unknown field; allowed: {', '.join(sorted(names))}")
+        raise _fail(f"{section}.{unknown[0]}",
+                    f"unknown field; allowed: {', '.join(sorted(names))}")
     required = [f.name for f in dataclasses.fields(cls)
                 if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
     for name in required:
