@@ -1,5 +1,4 @@
-"""Calibration: the compute speed and the link's effective bandwidth and latency, fitted to
-what a run measured.
+"""Calibration: compute speed and the link's bandwidth and latency, fitted to measured runs.
 
 From each run directory (``metrics.jsonl``, ``ranks/rank{RANK}.jsonl``, ``config.toml``):
 

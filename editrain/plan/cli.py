@@ -1,5 +1,6 @@
-"""``editrain plan``: the command line around the job model (table, plot, search,
-calibration). Nothing here trains; a plan takes well under a second."""
+"""``editrain plan``: the command line around the job model (table, plot, search, calibration).
+
+Nothing here trains; a plan takes well under a second."""
 
 from __future__ import annotations
 
@@ -55,7 +56,7 @@ def add_plan_parser(sub: Any) -> None:
 
 def _overrides(extra: list[str]) -> dict[str, dict[str, Any]]:
     """``--cluster.x=v`` / ``--model.x v`` options into ``{"cluster": {...}, ...}``."""
-    from editrain.plan.inputs import _scalar
+    from editrain.plan.inputs import parse_scalar
 
     out: dict[str, dict[str, Any]] = {}
     i = 0
@@ -72,7 +73,7 @@ def _overrides(extra: list[str]) -> dict[str, dict[str, Any]]:
                 raise ConfigError(f"{name}: missing value (write {name}=VALUE)")
             value = extra[i]
             i += 1
-        out.setdefault(section, {})[key.replace("-", "_")] = _scalar(value)
+        out.setdefault(section, {})[key.replace("-", "_")] = parse_scalar(value)
     return out
 
 

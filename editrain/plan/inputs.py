@@ -368,11 +368,11 @@ def parse_method(spec: str) -> dict[str, Any]:
         key, eq, value = item.partition("=")
         if not eq:
             raise _fail("method", f"expected key=value in {spec!r}, got {item!r}")
-        out[key.strip()] = _scalar(value.strip())
+        out[key.strip()] = parse_scalar(value.strip())
     return out
 
 
-def _scalar(text: str) -> Any:
+def parse_scalar(text: str) -> Any:
     """A TOML scalar (``4``, ``0.5``, ``true``), or the text itself."""
     try:
         return tomllib.loads(f"v = {text}")["v"]

@@ -1,5 +1,4 @@
-"""Searches over the job model: the cheapest setting for a target utilisation, and the
-bandwidth a setting needs for a utilisation.
+"""Searches over the job model: the cheapest setting for a target, the bandwidth it needs.
 
 "Cheapest" orders settings by what they cost the training, not the cluster: first the
 fewest inner steps per round (``H``: the loss grows with it), then the least overlap
