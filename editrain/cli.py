@@ -7,13 +7,17 @@ under torchrun it joins the existing process group.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
+import signal
 import sys
+import threading
 from pathlib import Path
 
 from editrain.config import ConfigError, describe_options, load_config, parse_overrides
 from editrain.errors import CheckpointError
+from editrain.spawn import Interrupted, LaunchError, raise_interrupted
 
 log = logging.getLogger("editrain")
 
@@ -158,9 +162,28 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The ``editrain`` command; returns its exit code.
+
+    Whatever fails comes back as one ``editrain: error: ...`` line: exit code 2 for bad
+    input or files (also when only a worker could see it: the line names the rank and where
+    its traceback is), 1 for a worker that crashed or died. Ctrl-C, SIGTERM and SIGHUP stop
+    every worker and end with ``editrain: interrupted`` (130) or ``editrain: stopped by
+    SIGTERM`` (143; SIGHUP: 129).
+
+    Args:
+        argv: the arguments (default: ``sys.argv[1:]``).
+    """
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
+    # SIGTERM and SIGHUP become an exception, as Ctrl-C does, so that a launcher stops its
+    # workers on the way out. Not under torchrun (torchrun is the launcher there), and not
+    # where the signal is ignored (nohup).
+    restore = {}
+    if not under_torchrun() and threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGTERM, getattr(signal, "SIGHUP", None)):
+            if sig is not None and signal.getsignal(sig) is signal.SIG_DFL:
+                restore[sig] = signal.signal(sig, raise_interrupted)
     try:
         return args.func(args, extra)
     except BrokenPipeError:  # `editrain options | head`
@@ -169,6 +192,17 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, FileNotFoundError, ValueError, CheckpointError) as e:
         print(f"editrain: error: {e}", file=sys.stderr)
         return 2
+    except LaunchError as e:
+        print(f"editrain: error: {e}", file=sys.stderr)
+        return e.exit_code
+    except (Interrupted, KeyboardInterrupt) as e:
+        stopped = e if isinstance(e, Interrupted) else Interrupted(signal.SIGINT)
+        with contextlib.suppress(OSError):  # a terminal that hung up (SIGHUP)
+            print(f"editrain: {stopped}", file=sys.stderr)
+        return stopped.exit_code
+    finally:
+        for sig, handler in restore.items():
+            signal.signal(sig, handler)
 
 
 if __name__ == "__main__":

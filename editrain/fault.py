@@ -19,6 +19,7 @@ import json
 import logging
 import multiprocessing as mp
 import os
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -106,27 +107,80 @@ def load_local_optimizer_state(optimizer: torch.optim.Optimizer, sd: dict[str, A
 def _group_main(cfg: Config, replica: int, attempt: int, lighthouse: str) -> None:
     """One replica group: a torch elastic job of ``shard_size x tp_size`` local workers, or with
     one worker that worker itself, in this process (one interpreter start-up less: a
-    restarted replica is back sooner)."""
-    from editrain.launch import run_group
-    from editrain.spawn import LOOPBACK, free_port
+    restarted replica is back sooner).
+
+    The group dies with the launcher (also one killed with SIGKILL; its workers die with it
+    in turn); Ctrl-C or SIGTERM stop it in order and quietly (the launcher reports the
+    interrupt; exit code 128 + the signal's number). A failure is said in one line on
+    stderr and the process exits with 2 for an error editrain reports, 1 otherwise; the
+    tracebacks are in ``RUN_DIR/replica{replica}/logs/`` (see
+    :func:`editrain.launch.logs_dir`).
+
+    Args:
+        cfg: the run's configuration (``run_dir`` prepared).
+        replica: this group's replica id.
+        attempt: how many times this group was started before.
+        lighthouse: the torchft lighthouse's address.
+    """
+    from editrain.launch import logs_dir, run_group
+    from editrain.spawn import (
+        LOOPBACK,
+        USER_ERRORS,
+        Interrupted,
+        LaunchError,
+        die_with_parent,
+        free_port,
+        interrupts_raise,
+        one_line,
+    )
     from editrain.train import run_worker
 
+    die_with_parent()
     os.environ[REPLICA_ENV] = str(replica)
     os.environ[ATTEMPT_ENV] = str(attempt)
     os.environ[LIGHTHOUSE_ENV] = lighthouse
     os.environ.setdefault("RUST_LOG", "warn")  # torchft's servers log every quorum at info
-    if cfg.dist.replica_size > 1:
-        run_group(cfg)
+    try:
+        interrupts_raise()  # inside the try: a Ctrl-C held back while starting comes now
+        if cfg.dist.replica_size > 1:
+            run_group(cfg)
+            return
+        os.environ.update(MASTER_ADDR=LOOPBACK, MASTER_PORT=str(free_port()), RANK="0",
+                          WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
+        run_worker(cfg, cfg.run_dir)
         return
-    os.environ.update(MASTER_ADDR=LOOPBACK, MASTER_PORT=str(free_port()), RANK="0",
-                      WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
-    run_worker(cfg, cfg.run_dir)
+    except Interrupted as e:
+        sys.exit(e.exit_code)
+    except LaunchError as e:
+        line, code = str(e), e.exit_code
+    except Exception as e:  # the group's one worker ran here; run_worker logged the traceback
+        name = type(e).__name__
+        what = str(e) if name in USER_ERRORS else f"{name}: {e}"
+        line = (f"rank 0: {one_line(what)} (traceback: "
+                f"{logs_dir(cfg, cfg.run_dir) / 'rank0.log'})")
+        code = 2 if name in USER_ERRORS else 1
+    print(f"editrain: replica group {replica} failed: {line}", file=sys.stderr, flush=True)
+    sys.exit(code)
 
 
 def run_ft(cfg: Config, run_dir: Path) -> dict[str, Any]:
     """``editrain train --ft``: a lighthouse here, one process tree per replica group, a
     group that dies started again (after ``sim.fail_restart_s``) as long as the others
-    still train. Returns the run's summary (also written to ``summary.json``)."""
+    still train. Returns the run's summary (also written to ``summary.json``).
+
+    A group says why it failed in one line (see :func:`_group_main`). On Ctrl-C or SIGTERM
+    here (``KeyboardInterrupt`` / :class:`editrain.spawn.Interrupted`), or any error, the
+    groups still running are stopped on the way out: SIGTERM, SIGKILL after 10 s (a
+    group's workers die with their group).
+
+    Args:
+        cfg: the run's configuration.
+        run_dir: the prepared run directory.
+
+    Raises:
+        LaunchError: every replica group failed.
+    """
+    from editrain.spawn import LaunchError, children_start_with_sigint_blocked
     from editrain.sync.ft import start_lighthouse
 
     d = cfg.dist
@@ -149,7 +203,8 @@ def run_ft(cfg: Config, run_dir: Path) -> dict[str, Any]:
     def start(r: int) -> None:
         procs[r] = ctx.Process(target=_group_main, args=(cfg, r, attempts[r], address),
                                name=f"editrain-replica{r}")
-        procs[r].start()
+        with children_start_with_sigint_blocked():  # no traceback on a Ctrl-C while it boots
+            procs[r].start()
         events.append({"event": "start", "replica": r, "attempt": attempts[r],
                        "time_s": time.perf_counter() - t0, "unix_time": time.time()})
 
@@ -195,15 +250,24 @@ def run_ft(cfg: Config, run_dir: Path) -> dict[str, Any]:
                 start(r)
             time.sleep(0.1)
     finally:
+        # Interrupted or failed: the groups still alive stop in order (their workers with
+        # them) within a few seconds, else they are killed (their workers die with them).
         for p in procs.values():
+            if p.is_alive():
+                p.terminate()
+        deadline = time.monotonic() + 10
+        for p in procs.values():
+            p.join(max(0.0, deadline - time.monotonic()))
             if p.is_alive():
                 p.kill()
         if lighthouse is not None:
             lighthouse.shutdown()
     summary = _summarise(run_dir, replicas, events, time.perf_counter() - t0)
     if not summary["finished_replicas"]:
-        raise RuntimeError("every replica group failed (see the errors above); nothing "
-                           "finished")
+        codes = [e["exit_code"] for e in events if e["event"] == "died"]
+        raise LaunchError("every replica group failed (each one's reason is above; the "
+                          f"tracebacks are in {run_dir}/replica*/logs/); nothing finished",
+                          2 if codes and all(c == 2 for c in codes) else 1)
     return summary
 
 

@@ -10,18 +10,33 @@ parent so workers reuse it.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
+import signal
+import threading
 import time
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+
+from torch.distributed.elastic.multiprocessing import LogsDest, LogsSpecs
 
 from editrain import rundir
 from editrain.config import Config, dumps_toml, to_dict, validate_world
 from editrain.corpus import prepare_data
-from editrain.spawn import LOOPBACK, free_port
+from editrain.spawn import (
+    LOOPBACK,
+    USER_ERRORS,
+    Interrupted,
+    LaunchError,
+    children_start_with_sigint_blocked,
+    free_port,
+    one_line,
+    read_error_file,
+)
 
 log = logging.getLogger("editrain")
 
@@ -196,21 +211,249 @@ def run_group(cfg: Config) -> dict:
     return results.get(0, {}) if isinstance(results, dict) else {}
 
 
+LOGS = "logs"
+"""The run's log directory (``RUN_DIR/logs``, per replica group ``RUN_DIR/replica{r}/logs``):
+``rank{R}.log`` (the traceback of a worker's error, see :func:`editrain.spawn.errors_logged`),
+``rank{R}.error.json`` (torch elastic's error file of the worker's latest attempt) and
+``launcher.log`` (torch elastic's own log, kept off the terminal)."""
+
+LAUNCHER_LOG = "launcher.log"
+PORT_TRIES = 3
+"""Rendezvous ports tried before a launch gives up (a free port can be taken by another
+process between :func:`editrain.spawn.free_port` and the bind)."""
+
+TORCH_LAUNCH_LOGGERS = ("torch.distributed.elastic", "torch.distributed.launcher",
+                        "torch.multiprocessing")
+
+
+def logs_dir(cfg: Config, run_dir: str | Path) -> Path:
+    """Where a job's logs go (see :data:`LOGS`).
+
+    Args:
+        cfg: the run's configuration (a fault-tolerant run's replica group writes into its
+            own ``replica{r}`` directory, as its trainer does).
+        run_dir: the run directory.
+    """
+    base = Path(run_dir)
+    if cfg.dist.fault_tolerance == "torchft":
+        from editrain.sync.ft import REPLICA_ENV
+
+        replica = cfg.dist.ft_replica_id
+        if replica < 0 and os.environ.get(REPLICA_ENV, "").isdigit():
+            replica = int(os.environ[REPLICA_ENV])
+        if replica >= 0:
+            base = base / f"replica{replica}"
+    return base / LOGS
+
+
+class RunLogs(LogsSpecs):
+    """torch elastic's log layout for editrain: every worker's output stays on the terminal
+    (progress, warnings); its error file is ``LOGS/rank{RANK}.error.json``, flat in the
+    run's ``logs`` directory and removed when a new attempt starts (so a file there belongs
+    to the latest attempt).
+
+    Args:
+        log_dir: the run's logs directory (:func:`logs_dir`).
+    """
+
+    def __init__(self, log_dir: Path) -> None:
+        super().__init__(log_dir=str(log_dir))
+        self.error_files: dict[int, Path] = {}
+        """Global rank -> error file of the current attempt."""
+
+    @property
+    def root_log_dir(self) -> str:
+        """The logs directory."""
+        return str(self._root_log_dir)
+
+    def reify(self, envs: dict[int, dict[str, str]]) -> LogsDest:
+        """Error files of one attempt, keyed by local rank; sets ``TORCHELASTIC_ERROR_FILE``
+        in each worker's environment.
+
+        Args:
+            envs: each local rank's environment, as torch elastic's agent made it.
+        """
+        root = Path(self._root_log_dir)
+        root.mkdir(parents=True, exist_ok=True)
+        attempt = int(next(iter(envs.values()), {}).get("TORCHELASTIC_RESTART_COUNT", "0"))
+        if attempt and self.error_files:
+            # The agent restarts the workers after a failure (--max-restarts): say why in
+            # one line, as torch's own multi-line report stays in launcher.log.
+            cause = _describe(None, self.error_files, root)
+            log.warning("worker restart %d after a failure: %s", attempt, cause.args[0])
+        files = {}
+        self.error_files = {}
+        for local_rank, env in envs.items():
+            rank = int(env.get("RANK", local_rank))
+            path = root / f"rank{rank}.error.json"
+            path.unlink(missing_ok=True)  # left by an earlier attempt or run
+            env["TORCHELASTIC_ERROR_FILE"] = str(path)
+            files[local_rank] = str(path)
+            self.error_files[rank] = path
+        console = dict.fromkeys(envs, "")  # "": the worker's stream stays the terminal's
+        return LogsDest(stdouts=console, stderrs=dict(console), error_files=files)
+
+
+@contextlib.contextmanager
+def _torch_logs_to(path: Path) -> Iterator[None]:
+    """Send torch elastic's log records (its multi-line failure reports with tracebacks,
+    'Closing process ...') to ``path`` instead of the terminal, for the block."""
+    handler = logging.FileHandler(path, delay=True)  # a file only when torch logs
+    handler.setFormatter(logging.Formatter(
+        "%(asctime)s pid %(process)d %(name)s %(levelname)s: %(message)s"))
+    saved = []
+    for name in TORCH_LAUNCH_LOGGERS:
+        logger = logging.getLogger(name)
+        saved.append((logger, logger.propagate))
+        logger.addHandler(handler)
+        logger.propagate = False
+    try:
+        yield
+    finally:
+        for logger, propagate in saved:
+            logger.removeHandler(handler)
+            logger.propagate = propagate
+        handler.close()
+
+
+@contextlib.contextmanager
+def _signal_handlers_kept() -> Iterator[None]:
+    """Restore this process's signal handlers after the block: torch elastic installs its
+    own for SIGTERM, SIGHUP and SIGQUIT when it starts workers and leaves them there."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    sigs = [s for s in (signal.SIGINT, signal.SIGTERM, getattr(signal, "SIGHUP", None),
+                        getattr(signal, "SIGQUIT", None)) if s is not None]
+    saved = {s: signal.getsignal(s) for s in sigs}
+    try:
+        yield
+    finally:
+        for s, handler in saved.items():
+            if handler is not None:
+                signal.signal(s, handler)
+
+
+def _describe(reported: tuple[int, Any] | None, error_files: dict[int, Path],
+              logs: Path) -> LaunchError:
+    """One line for a failed attempt: the first failing worker, its error, where its
+    traceback is.
+
+    torch elastic reports the failure it saw first (``reported``: global rank and its
+    ``ProcessFailure``); when another rank's error file holds an error editrain raises on
+    purpose (a corrupt checkpoint, say) while the reported one does not, that one is named:
+    the reported failure is then most likely a consequence (a collective that lost its
+    peer).
+    """
+    errors = {r: e for r, p in sorted(error_files.items())
+              if (e := read_error_file(p)) is not None}
+    rank = reported[0] if reported else None
+    if rank is None or errors.get(rank, ("", ""))[0] not in USER_ERRORS:
+        user = [r for r, (name, _) in errors.items() if name in USER_ERRORS]
+        if user:
+            rank = user[0]
+        elif rank is None and errors:
+            rank = next(iter(errors))
+    if rank is None:
+        return LaunchError(f"a worker died without a Python error (torch elastic's log: "
+                           f"{logs / LAUNCHER_LOG})")
+    if rank in errors:
+        name, message = errors[rank]
+        where = logs / f"rank{rank}.log"
+        where = where if where.exists() else error_files[rank]
+        if name in USER_ERRORS:
+            return LaunchError(f"rank {rank}: {one_line(message)} (traceback: {where})", 2)
+        what = f"{name}: {message}" if name else message
+        return LaunchError(f"rank {rank} failed: {one_line(what)} (traceback: {where})")
+    failure = reported[1] if reported else None
+    code = getattr(failure, "exitcode", None)
+    if isinstance(code, int) and code < 0:
+        try:
+            how = f"was killed by {signal.Signals(-code).name}"
+        except ValueError:
+            how = f"was killed by signal {-code}"
+    else:
+        how = f"exited with code {code}"
+    return LaunchError(f"rank {rank} {how} without a Python error (torch elastic's log: "
+                       f"{logs / LAUNCHER_LOG})")
+
+
+def _address_in_use(e: BaseException) -> bool:
+    """Whether a rendezvous failed because its port was taken."""
+    text = f"{e} {e.__cause__}"
+    return "EADDRINUSE" in text or "address already in use" in text.lower()
+
+
 def _elastic(cfg: Config, nproc: int, max_restarts: int) -> Any:
-    """``nproc`` local workers running :func:`editrain.train.run_worker` under torch elastic."""
+    """``nproc`` local workers running :func:`editrain.train.run_worker` under torch elastic.
+
+    The rendezvous listens on a free loopback port (a local job, like ``torchrun
+    --standalone``: ``MASTER_ADDR`` / ``MASTER_PORT`` in the environment are not used; they
+    belong to multi-node jobs, which run under torchrun); a port taken between choosing and
+    binding it is replaced, :data:`PORT_TRIES` times in all.
+
+    Args:
+        cfg: the run's configuration (``run_dir`` prepared).
+        nproc: the number of workers.
+        max_restarts: how often torch elastic restarts them all after a failure.
+
+    Raises:
+        LaunchError: a worker failed (one line naming the rank and its error or exit code;
+            the traceback is in :func:`logs_dir`), or no rendezvous port could be bound.
+        Interrupted: Ctrl-C (SIGINT), SIGTERM or SIGHUP; every worker has been stopped.
+    """
+    from torch.distributed.elastic.multiprocessing import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     from editrain.train import run_worker
 
-    launch_cfg = LaunchConfig(
-        min_nodes=1, max_nodes=1, nproc_per_node=nproc,
-        run_id=f"editrain-{uuid.uuid4().hex[:8]}",
-        rdzv_backend="c10d", rdzv_endpoint=f"{LOOPBACK}:{free_port()}",
-        rdzv_configs={"is_host": True},
-        max_restarts=max_restarts, start_method="spawn", monitor_interval=0.5,
-        local_addr=LOOPBACK,  # a laptop run is not reachable from the network
-    )
-    return elastic_launch(launch_cfg, run_worker)(cfg, cfg.run_dir)
+    logs = logs_dir(cfg, cfg.run_dir)
+    logs.mkdir(parents=True, exist_ok=True)
+    specs = RunLogs(logs)
+    # torch's agent turns these signals into its own exception (and forwards them to the
+    # workers); a signal for which this process already raises Interrupted (the command
+    # line, a replica group) keeps that handler: it stops the workers on the way out too.
+    # SIGINT stays KeyboardInterrupt (or Interrupted): the agent then stops the workers
+    # with SIGTERM, which ends even one still starting (its own handler would forward
+    # SIGINT, which a starting worker holds blocked).
+    in_main = threading.current_thread() is threading.main_thread()
+    to_handle = ",".join(name for name in ("SIGTERM", "SIGHUP", "SIGQUIT")
+                         if hasattr(signal, name) and (not in_main or signal.getsignal(
+                             getattr(signal, name)) is signal.SIG_DFL))
+    taken = []
+    for _ in range(PORT_TRIES):
+        port = free_port()
+        launch_cfg = LaunchConfig(
+            min_nodes=1, max_nodes=1, nproc_per_node=nproc,
+            run_id=f"editrain-{uuid.uuid4().hex[:8]}",
+            rdzv_backend="c10d", rdzv_endpoint=f"{LOOPBACK}:{port}",
+            rdzv_configs={"is_host": True},
+            max_restarts=max_restarts, start_method="spawn", monitor_interval=0.5,
+            local_addr=LOOPBACK,  # a laptop run is not reachable from the network
+            logs_specs=specs, signals_to_handle=to_handle,
+        )
+        try:
+            with (_torch_logs_to(logs / LAUNCHER_LOG), _signal_handlers_kept(),
+                  children_start_with_sigint_blocked()):
+                return elastic_launch(launch_cfg, run_worker)(cfg, cfg.run_dir)
+        except RendezvousConnectionError as e:
+            if not _address_in_use(e):
+                raise LaunchError(f"cannot start the rendezvous on {LOOPBACK}:{port}: "
+                                  f"{one_line(str(e.__cause__ or e))}") from None
+            log.debug("rendezvous port %d was taken; trying another", port)
+            taken.append(port)
+        except ChildFailedError as e:
+            reported = e.get_first_failure()
+            raise _describe(reported, specs.error_files, logs) from None
+        except SignalException as e:
+            raise Interrupted(e.sigval) from None
+        except KeyboardInterrupt:
+            raise Interrupted(signal.SIGINT) from None
+    raise LaunchError(f"cannot start the rendezvous: the free ports chosen for it "
+                      f"({', '.join(map(str, taken))} on {LOOPBACK}) were taken by other "
+                      f"processes before it could listen, {PORT_TRIES} times")
 
 
 def run_under_torchrun(cfg: Config) -> dict:

@@ -1,35 +1,290 @@
-"""Local multi-process helpers: a free loopback port, and a function run on N spawned ranks.
+"""Local multi-process helpers: a free loopback port, a function run on N spawned ranks, and
+the process hygiene of editrain's launchers and workers.
 
 ``free_port`` is what the launcher's rendezvous, the tests and the benchmarks bind to;
 ``run_ranks`` runs ``fn(rank, world_size, *args)`` in ``world_size`` freshly spawned processes
 that share a default process group, and returns what each rank's call returned::
 
     results = run_ranks(measure, 4, "tiny")   # [measure(0, 4, "tiny"), ..., measure(3, ...)]
+
+Process hygiene (used by :mod:`editrain.launch`, :mod:`editrain.fault` and
+:func:`editrain.train.run_worker`):
+
+* a worker dies with the process that started it, also when that one is killed with SIGKILL
+  (:func:`die_with_parent`);
+* Ctrl-C reaches every process of the terminal's process group at once; workers end on it
+  without a ``KeyboardInterrupt`` traceback (:func:`sigint_ends_quietly`), also while they
+  are still starting (:func:`children_start_with_sigint_blocked`), and the launcher reports
+  it in one line (:class:`Interrupted`);
+* an exception in a worker is written with its traceback to ``logs/rank{RANK}.log`` of the
+  run (:func:`errors_logged`) and comes back from the launcher as one line
+  (:class:`LaunchError`).
 """
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
+import signal
 import socket
+import sys
 import tempfile
-from collections.abc import Callable
+import threading
+import time
+import traceback
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 LOOPBACK = "127.0.0.1"
 
+USER_ERRORS = frozenset({"ConfigError", "RunDirError", "CheckpointError", "FileNotFoundError",
+                         "ValueError"})
+"""Names of the exceptions the command line reports as an error in the user's input or files
+(exit code 2; ``cli.main`` catches the same types). A worker's exception is known to the
+launcher by its name only (torch elastic's error file), hence names."""
+
+PEER_GRACE_S = 2.0
+"""How long a worker whose error is not one of :data:`USER_ERRORS` waits before it exits.
+Such an error is often the consequence of a peer's death (a collective that lost its
+peer); the wait lets the launcher see the peer's death first and name it as the cause."""
+
+
+class LaunchError(RuntimeError):
+    """A job that failed after its workers started, or could not start them, said in one
+    line.
+
+    Args:
+        message: the line (without the ``editrain: error:`` prefix).
+        exit_code: what the command exits with: 2 for an error editrain reports (a corrupt
+            checkpoint, a bad setting only a worker could see), 1 for a crash.
+    """
+
+    def __init__(self, message: str, exit_code: int = 1) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+class Interrupted(BaseException):
+    """The job was stopped by a signal (Ctrl-C, SIGTERM, SIGHUP) and its workers with it.
+
+    A ``BaseException``, like ``KeyboardInterrupt``, so that no ``except Exception`` on the
+    way up swallows it.
+
+    Args:
+        signum: the signal received.
+    """
+
+    def __init__(self, signum: int) -> None:
+        self.signum = int(signum)
+        name = signal.Signals(self.signum).name
+        super().__init__("interrupted" if self.signum == signal.SIGINT else f"stopped by {name}")
+
+    @property
+    def exit_code(self) -> int:
+        """``128 + signum``, what a shell reports for a process ended by that signal."""
+        return 128 + self.signum
+
+
+def raise_interrupted(signum: int, frame: Any) -> None:
+    """A signal handler that raises :class:`Interrupted` (in the main thread).
+
+    Args:
+        signum: the signal received.
+        frame: the interrupted frame (unused).
+    """
+    raise Interrupted(signum)
+
+
+def _raise_interrupted_once(signum: int, frame: Any) -> None:
+    # A handler that does nothing rather than SIG_IGN: a signal that arrived meanwhile is
+    # still handled by Python, which would print that it was 'ignored due to race condition'.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, _do_nothing)
+    raise Interrupted(signum)
+
+
+def _do_nothing(signum: int, frame: Any) -> None:
+    pass
+
 
 def free_port() -> int:
     """A TCP port on the loopback interface that is free right now.
 
-    Another process may take it before it is bound again, which is rare enough for local
-    jobs; a rendezvous that fails on it reports the port.
+    Another process may take it before it is bound again; the launcher's rendezvous then
+    tries another port (see :func:`editrain.launch._elastic`).
     """
     with socket.socket() as s:
         s.bind((LOOPBACK, 0))
         return s.getsockname()[1]
 
 
+# ---------------------------------------------------------------------------- hygiene
+def die_with_parent(sig: int | None = None) -> None:
+    """Have the kernel send ``sig`` to this process when its parent dies (Linux
+    ``prctl(PR_SET_PDEATHSIG)``; nothing elsewhere).
+
+    Call it first thing in a process started by editrain's launcher: a launcher killed with
+    SIGKILL cannot stop its workers, and they would otherwise train on alone until a
+    collective times out. The kernel watches the *thread* that started this process; the
+    launchers start their workers from their main thread, which lives as long as they do.
+    If the parent died before this call, this process was already handed to another parent
+    and no signal would come: then ``sig`` is sent now (the parent's pid is known in a
+    process started by ``multiprocessing``; under torchrun the check is skipped).
+
+    Args:
+        sig: the signal; SIGKILL by default (nothing is left to report to).
+    """
+    if not sys.platform.startswith("linux"):
+        return
+    sig = signal.SIGKILL if sig is None else sig
+    import ctypes
+    import multiprocessing
+
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return
+    pr_set_pdeathsig = 1  # <linux/prctl.h>
+    args = [ctypes.c_ulong(v) for v in (int(sig), 0, 0, 0)]  # prctl reads unsigned longs
+    if prctl(ctypes.c_int(pr_set_pdeathsig), *args) != 0:
+        return
+    parent = multiprocessing.parent_process()
+    if parent is not None and os.getppid() != parent.pid:
+        os.kill(os.getpid(), sig)
+
+
+def sigint_ends_quietly() -> None:
+    """SIGINT ends this process at once, as SIGTERM does, without a ``KeyboardInterrupt``
+    traceback; SIGINT is unblocked (see :func:`children_start_with_sigint_blocked`).
+
+    For a worker or a replica group: Ctrl-C reaches them together with their launcher,
+    which reports the interrupt once and stops whatever is left. A SIGINT this process
+    inherited as ignored (its launcher ignores it: started in the background) stays
+    ignored. Only in the main thread (signal handlers can only be set there).
+    """
+    if threading.current_thread() is not threading.main_thread():
+        return
+    if signal.getsignal(signal.SIGINT) is not signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+    if hasattr(signal, "pthread_sigmask"):
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+
+
+def interrupts_raise() -> None:
+    """SIGINT and SIGTERM raise :class:`Interrupted` in this process, and SIGINT is
+    unblocked (see :func:`children_start_with_sigint_blocked`).
+
+    For a process that must stop in order when its launcher is interrupted: a replica
+    group of a fault-tolerant run, whose torch elastic agent then stops its workers and
+    whose semaphores are released on the way out (a process killed outright leaves them
+    to the launcher's resource tracker, which warns about them). Only the first signal
+    raises: later ones are ignored, so that they cannot cut the stopping short (the
+    launcher kills a group that takes too long). A signal inherited as ignored stays
+    ignored. Only in the main thread.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        return
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        if signal.getsignal(sig) is not signal.SIG_IGN:
+            signal.signal(sig, _raise_interrupted_once)
+    if hasattr(signal, "pthread_sigmask"):
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+
+
+@contextlib.contextmanager
+def children_start_with_sigint_blocked() -> Iterator[None]:
+    """Processes started from this thread inside the block begin with SIGINT blocked.
+
+    A spawned worker spends seconds importing torch before it can call
+    :func:`sigint_ends_quietly`; a Ctrl-C in that time would print a ``KeyboardInterrupt``
+    traceback from each of them. Blocked, the signal waits until the worker unblocks it and
+    then ends it quietly. The signal mask is per thread and inherited by child processes;
+    this process still receives SIGINT through a helper thread that keeps it unblocked
+    (Python runs the handler in the main thread either way, after at most the current
+    blocking call). Nothing outside the main thread or without ``pthread_sigmask``.
+    """
+    if (not hasattr(signal, "pthread_sigmask")
+            or threading.current_thread() is not threading.main_thread()):
+        yield
+        return
+    done = threading.Event()
+    helper = threading.Thread(target=done.wait, name="editrain-sigint", daemon=True)
+    helper.start()
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+        done.set()
+
+
+@contextlib.contextmanager
+def errors_logged(log_dir: Path, rank: int, world_size: int) -> Iterator[None]:
+    """Write an exception raised inside the block, with its traceback, to
+    ``log_dir/rank{rank}.log`` (appended: one section per failure) and raise it again.
+
+    An error not in :data:`USER_ERRORS` in a job of several ranks waits
+    :data:`PEER_GRACE_S` before it is raised (see there).
+
+    Args:
+        log_dir: the run's ``logs`` directory (created if missing).
+        rank: this process's global rank.
+        world_size: the number of ranks of the job.
+    """
+    try:
+        yield
+    except Exception as e:
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        header = (f"--- {time.strftime('%Y-%m-%d %H:%M:%S')} rank {rank} (pid {os.getpid()}, "
+                  f"attempt {attempt}): {type(e).__name__}\n")
+        try:
+            log_dir.mkdir(parents=True, exist_ok=True)
+            with open(log_dir / f"rank{rank}.log", "a") as f:
+                f.write(header + traceback.format_exc() + "\n")
+        except OSError:
+            pass  # the error itself still reaches the launcher through torch's error file
+        if type(e).__name__ not in USER_ERRORS and world_size > 1:
+            time.sleep(PEER_GRACE_S)
+        raise
+
+
+def read_error_file(path: str | os.PathLike[str]) -> tuple[str, str] | None:
+    """``(exception type name, message)`` from a torch elastic error file (written by
+    ``torch.distributed.elastic.multiprocessing.errors.record`` when a worker raised);
+    None when there is no such file or it cannot be read.
+
+    Args:
+        path: the file (``TORCHELASTIC_ERROR_FILE`` of the worker).
+    """
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        return None
+    message = data.get("message") if isinstance(data, dict) else None
+    if isinstance(message, dict):
+        message = message.get("message")
+    if not isinstance(message, str):
+        return None
+    name, sep, text = message.partition(": ")
+    if not sep or not name.isidentifier():
+        return "", message
+    return name, text
+
+
+def one_line(text: str, limit: int = 400) -> str:
+    """``text`` on one line (line breaks become spaces), cut to ``limit`` characters.
+
+    Args:
+        text: any message.
+        limit: the most characters kept (the rest becomes ``...``).
+    """
+    flat = " ".join(part.strip() for part in text.strip().splitlines() if part.strip())
+    return flat if len(flat) <= limit else flat[: limit - 3].rstrip() + "..."
+
+
+# ---------------------------------------------------------------------------- run_ranks
 def _rank_entry(rank: int, fn: Callable[..., Any], world_size: int, port: int, backend: str,
                 out_dir: str, args: tuple) -> None:
     """One spawned rank: join the process group, run ``fn``, save its result."""

@@ -773,14 +773,31 @@ def keep_freed_memory() -> bool:
 
 
 def run_worker(cfg: Config, run_dir: str | Path) -> dict[str, Any]:
-    """Entry point of one worker process (spawned by the launcher or by torchrun)."""
+    """Entry point of one worker process (spawned by the launcher or by torchrun).
+
+    The process dies with the process that started it, also one killed with SIGKILL, and
+    ends quietly on SIGINT (the launcher reports it once); an exception is written with
+    its traceback to ``logs/rank{RANK}.log`` of the run and raised again, for the launcher
+    to report in one line (see :mod:`editrain.spawn`).
+
+    Args:
+        cfg: the validated configuration.
+        run_dir: the run directory (prepared by the launcher).
+    """
+    from editrain.launch import logs_dir
+    from editrain.spawn import die_with_parent, errors_logged, sigint_ends_quietly
+
+    die_with_parent()
+    sigint_ends_quietly()
     torch.set_num_threads(worker_threads(cfg))
     keep_freed_memory()
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
-    trainer = Trainer(cfg, Path(run_dir))
-    try:
-        return trainer.train()
-    finally:
-        trainer.close()
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    with errors_logged(logs_dir(cfg, run_dir), int(os.environ.get("RANK", "0")),
+                       int(os.environ.get("WORLD_SIZE", "1"))):
+        trainer = Trainer(cfg, Path(run_dir))
+        try:
+            return trainer.train()
+        finally:
+            trainer.close()
+            if dist.is_initialized():
+                dist.destroy_process_group()

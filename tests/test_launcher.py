@@ -1,0 +1,392 @@
+"""Launcher hygiene, through the console script: a worker's error comes back as one line
+(tracebacks kept in ``RUN_DIR/logs/``), Ctrl-C / SIGTERM stop every worker, a launcher killed
+with SIGKILL takes its workers with it, and a rendezvous port taken in the meantime is
+replaced."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from editrain import cli, launch
+from editrain.spawn import LOOPBACK, USER_ERRORS, one_line, read_error_file
+from tests.test_cli import COMMAND, editrain, explain, tiny
+
+SMALL = ("--nproc", "2", "--shard-size", "1", "--quiet")
+GONE_WITHIN_S = 5.0
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("token-cache")
+
+
+# ---------------------------------------------------------------------------- helpers
+def one_error_line(stderr: str) -> str:
+    """The one ``editrain: error: ...`` line of a failed run, with nothing of torch elastic's
+    report or a traceback around it."""
+    lines = [line for line in stderr.splitlines() if line.startswith("editrain: error: ")]
+    assert len(lines) == 1, stderr
+    assert "Traceback" not in stderr and "torch.distributed.elastic" not in stderr, stderr
+    assert "ChildFailedError" not in stderr, stderr
+    return lines[0]
+
+
+def stat_of(pid: int) -> tuple[int, str] | None:
+    """``(parent pid, state)`` of a process from ``/proc``; None when it is gone."""
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = text.rsplit(")", 1)[1].split()  # the name, in parentheses, may hold spaces
+    return int(fields[1]), fields[0]
+
+
+def descendants(pid: int) -> list[int]:
+    """Every living process below ``pid`` (children, grandchildren, ...)."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit() and (st := stat_of(int(entry.name))) is not None:
+            children.setdefault(st[0], []).append(int(entry.name))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+    except OSError:
+        return ""
+
+
+def alive(pids: list[int]) -> list[int]:
+    """The processes of ``pids`` still running (a zombie has ended)."""
+    return [p for p in pids if (st := stat_of(p)) is not None and st[1] != "Z"]
+
+
+def wait_until_gone(pids: list[int], timeout: float = GONE_WITHIN_S) -> list[int]:
+    deadline = time.monotonic() + timeout
+    while alive(pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return alive(pids)
+
+
+def start_run(cache_dir: Path, run_dir: Path, *args: str) -> subprocess.Popen:
+    """A long run of the console script in its own session (a terminal's process group:
+    ``killpg`` reaches the launcher and every process it started, as Ctrl-C does)."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "TORCHELASTIC_RUN_ID",
+                        "MASTER_ADDR", "MASTER_PORT")}
+    return subprocess.Popen([*COMMAND, "train", *tiny(cache_dir), *SMALL, "--steps", "100000",
+                             "--run-dir", str(run_dir), *args],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                            start_new_session=True)
+
+
+def wait_for(proc: subprocess.Popen, ready, what: str, timeout: float = 100) -> None:
+    deadline = time.monotonic() + timeout
+    while not ready():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            os.killpg(proc.pid, signal.SIGKILL)
+            out, err = proc.communicate()
+            pytest.fail(f"never saw {what} (exit {proc.returncode})\n{err[-3000:]}")
+        time.sleep(0.02)
+
+
+def finish(proc: subprocess.Popen, timeout: float = 60) -> tuple[int, str]:
+    try:
+        _, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        _, err = proc.communicate()
+        pytest.fail(f"the launcher did not end within {timeout} s after the signal\n{err}")
+    return proc.returncode, err
+
+
+def training(run_dir: Path, ranks: int = 2):
+    """Whether every worker has logged a step."""
+    return lambda: all((run_dir / "ranks" / f"rank{r}.jsonl").exists() for r in range(ranks))
+
+
+def booting(proc: subprocess.Popen, n: int = 2):
+    """Whether ``n`` worker processes exist (spawned, likely still importing torch)."""
+    return lambda: sum("spawn_main" in cmdline(p) for p in descendants(proc.pid)) >= n
+
+
+# ---------------------------------------------------------------------------- worker errors
+@pytest.fixture(scope="module")
+def checkpointed(tmp_path_factory, cache_dir) -> Path:
+    run_dir = tmp_path_factory.mktemp("runs") / "ckpt"
+    proc, _ = editrain("train", *tiny(cache_dir), *SMALL, "--steps", "4",
+                       "--checkpoint.every", "2", "--run-dir", str(run_dir), timeout=120)
+    assert proc.returncode == 0, explain(proc)
+    return run_dir
+
+
+@pytest.mark.slow
+def test_a_worker_error_is_one_line_exit_2_with_the_traceback_in_logs(checkpointed, cache_dir):
+    """A checkpoint whose tensor data was overwritten in the middle (same size: the checks
+    before launch cannot see it) fails inside the workers while loading."""
+    ckpt = sorted((checkpointed / "checkpoints").glob("step_*"))[-1]
+    data = ckpt / "__1_0.distcp"
+    raw = bytearray(data.read_bytes())
+    mid = len(raw) // 2
+    raw[mid - len(raw) // 4: mid + len(raw) // 4] = bytes(2 * (len(raw) // 4))
+    data.write_bytes(bytes(raw))
+
+    proc, _ = editrain("train", *tiny(cache_dir), *SMALL, "--steps", "6",
+                       "--resume", str(checkpointed), timeout=120)
+    assert proc.returncode == 2, explain(proc)
+    line = one_error_line(proc.stderr)
+    assert "cannot read checkpoint data" in line and str(ckpt) in line, line
+    assert len(proc.stderr.strip().splitlines()) <= 2, proc.stderr
+    rank = int(line.split("rank ", 1)[1].split(":", 1)[0])
+    log = Path(line.rsplit("(traceback: ", 1)[1].rstrip(")"))
+    assert log == checkpointed / "logs" / f"rank{rank}.log", line
+    text = log.read_text()
+    assert "Traceback (most recent call last)" in text and "CheckpointError" in text
+    assert (checkpointed / "logs" / f"rank{rank}.error.json").is_file()
+
+
+@pytest.mark.slow
+def test_a_worker_that_dies_is_named_with_its_exit_code(tmp_path, cache_dir):
+    """``sim.fail`` ends rank 1 abruptly (``os._exit(17)``, like a crash): rank 0 then
+    loses its peer; the line names rank 1, not rank 0's consequential error."""
+    run_dir = tmp_path / "run"
+    proc, _ = editrain("train", *tiny(cache_dir), *SMALL, "--steps", "4", "--sim.fail", "1@2",
+                       "--run-dir", str(run_dir), timeout=120)
+    assert proc.returncode == 1, explain(proc)
+    line = one_error_line(proc.stderr)
+    assert "rank 1 exited with code 17" in line, line
+    assert str(run_dir / "logs" / "launcher.log") in line
+    assert "exitcode: 17" in (run_dir / "logs" / "launcher.log").read_text()
+
+
+# ---------------------------------------------------------------------------- signals
+@pytest.mark.slow
+def test_ctrl_c_while_the_workers_start_stops_everything_quietly(tmp_path, cache_dir):
+    """SIGINT to the whole process group, as a terminal sends it, while the workers are
+    still importing torch: no KeyboardInterrupt traceback from any of them."""
+    proc = start_run(cache_dir, tmp_path / "run")
+    wait_for(proc, booting(proc), "the workers")
+    workers = descendants(proc.pid)
+    os.killpg(proc.pid, signal.SIGINT)
+    code, err = finish(proc)
+    assert code == 130, err
+    assert err.strip().splitlines()[-1] == "editrain: interrupted", err
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err, err
+    assert not wait_until_gone(workers), [cmdline(p) for p in alive(workers)]
+
+
+@pytest.mark.slow
+def test_ctrl_c_while_training_stops_everything_quietly(tmp_path, cache_dir):
+    run_dir = tmp_path / "run"
+    proc = start_run(cache_dir, run_dir)
+    wait_for(proc, training(run_dir), "training")
+    workers = descendants(proc.pid)
+    os.killpg(proc.pid, signal.SIGINT)
+    code, err = finish(proc)
+    assert code == 130, err
+    assert err.strip().splitlines()[-1] == "editrain: interrupted", err
+    assert "Traceback" not in err, err
+    assert not wait_until_gone(workers), [cmdline(p) for p in alive(workers)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sig, code, line", [
+    (signal.SIGINT, 130, "editrain: interrupted"),
+    (signal.SIGTERM, 143, "editrain: stopped by SIGTERM"),
+])
+def test_a_signal_to_the_launcher_alone_stops_its_workers(tmp_path, cache_dir, sig, code,
+                                                         line):
+    run_dir = tmp_path / "run"
+    proc = start_run(cache_dir, run_dir)
+    wait_for(proc, training(run_dir), "training")
+    workers = descendants(proc.pid)
+    os.kill(proc.pid, sig)
+    got, err = finish(proc)
+    assert got == code, err
+    assert err.strip().splitlines()[-1] == line, err
+    assert "Traceback" not in err, err
+    assert not wait_until_gone(workers), [cmdline(p) for p in alive(workers)]
+
+
+def kill_launcher(proc: subprocess.Popen, below: list[int], timeout: float) -> list[int]:
+    """SIGKILL the launcher; the processes of ``below`` still alive ``timeout`` s later
+    (killed then, so that nothing is left behind for the rest of the suite)."""
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=30)  # not communicate(): orphans would hold its pipes open
+    proc.stdout.close()
+    proc.stderr.close()
+    left = wait_until_gone(below, timeout)
+    for p in left:
+        os.kill(p, signal.SIGKILL)
+    return left
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("when", ["starting", "training"])
+def test_workers_die_with_a_launcher_killed_with_sigkill(tmp_path, cache_dir, when):
+    """While the workers start, the launcher may die before they can ask to die with it:
+    they find out once started. While they train: the kernel ends them."""
+    run_dir = tmp_path / "run"
+    proc = start_run(cache_dir, run_dir)
+    if when == "starting":
+        wait_for(proc, booting(proc), "the workers")
+    else:
+        wait_for(proc, training(run_dir), "training")
+    workers = [p for p in descendants(proc.pid) if "spawn_main" in cmdline(p)]
+    assert len(workers) == 2, [cmdline(p) for p in descendants(proc.pid)]
+    # A starting worker first finishes importing torch (seconds on a loaded machine).
+    left = kill_launcher(proc, workers, 60 if when == "starting" else GONE_WITHIN_S)
+    assert not left, "workers outlived their launcher"
+
+
+@pytest.mark.slow
+def test_ft_workers_die_with_a_launcher_killed_with_sigkill(tmp_path, cache_dir):
+    """The fault-tolerant launcher -> one process per replica group -> its workers: all of
+    them die with the launcher."""
+    pytest.importorskip("torchft")
+    run_dir = tmp_path / "run"
+    proc = start_run(cache_dir, run_dir, "--ft", "--nproc", "4", "--shard-size", "2")
+    wait_for(proc, lambda: all(training(run_dir / f"replica{r}")() for r in (0, 1)),
+             "both replica groups training", timeout=110)
+    below = descendants(proc.pid)
+    assert sum("spawn_main" in cmdline(p) for p in below) >= 6, [cmdline(p) for p in below]
+    left = kill_launcher(proc, below, GONE_WITHIN_S)
+    assert not left, "replica groups or workers outlived their launcher"
+
+
+@pytest.mark.slow
+def test_ft_ctrl_c_stops_every_group_in_order_and_quietly(tmp_path, cache_dir):
+    """Ctrl-C reaches the fault-tolerant launcher, its replica groups and their workers at
+    once: the groups stop their workers in order (nothing left for the resource tracker to
+    warn about) and only the launcher says something."""
+    pytest.importorskip("torchft")
+    run_dir = tmp_path / "run"
+    proc = start_run(cache_dir, run_dir, "--ft", "--nproc", "4", "--shard-size", "2")
+    wait_for(proc, lambda: all(training(run_dir / f"replica{r}")() for r in (0, 1)),
+             "both replica groups training", timeout=110)
+    below = descendants(proc.pid)
+    os.killpg(proc.pid, signal.SIGINT)
+    code, err = finish(proc)
+    assert code == 130, err
+    assert err.strip().splitlines()[-1] == "editrain: interrupted", err
+    for noise in ("Traceback", "Logging error", "race condition", "leaked", "failed"):
+        assert noise not in err, err
+    assert not wait_until_gone(below), [cmdline(p) for p in alive(below)]
+
+
+# ---------------------------------------------------------------------------- the port
+@pytest.fixture
+def taken_port():
+    """A loopback port some other process listens on."""
+    with socket.socket() as s:
+        s.bind((LOOPBACK, 0))
+        s.listen()
+        yield s.getsockname()[1]
+
+
+@pytest.fixture
+def in_process(monkeypatch):
+    """Running the command in this process: its environment changes are undone after."""
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "TORCHELASTIC_RUN_ID"):
+        monkeypatch.delenv(key, raising=False)
+    for key in ("OMP_NUM_THREADS", "TORCHELASTIC_SIGNALS_TO_HANDLE"):
+        monkeypatch.setenv(key, os.environ.get(key, ""))
+        monkeypatch.delenv(key)
+
+
+def test_a_port_taken_every_time_fails_in_one_line(tmp_path, cache_dir, taken_port,
+                                                   monkeypatch, capsys, in_process):
+    calls = []
+    monkeypatch.setattr(launch, "free_port", lambda: calls.append(taken_port) or taken_port)
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    code = cli.main(["train", *tiny(cache_dir), *SMALL, "--steps", "2",
+                     "--run-dir", str(tmp_path / "run")])
+    err = capsys.readouterr().err
+    assert code == 1, err
+    line = one_error_line(err)
+    assert str(taken_port) in line and "rendezvous" in line, line
+    assert len(calls) == launch.PORT_TRIES
+    assert {s: signal.getsignal(s) for s in handlers} == handlers  # left as they were
+
+
+@pytest.mark.slow
+def test_a_taken_port_is_replaced(tmp_path, cache_dir, taken_port, monkeypatch, capsys,
+                                  in_process):
+    from editrain.spawn import free_port
+
+    ports = iter([taken_port])
+    monkeypatch.setattr(launch, "free_port", lambda: next(ports, None) or free_port())
+    run_dir = tmp_path / "run"
+    code = cli.main(["train", *tiny(cache_dir), *SMALL, "--steps", "2", "--run-dir",
+                     str(run_dir)])
+    assert code == 0, capsys.readouterr().err
+    assert next(ports, None) is None  # the taken port was tried
+    assert (run_dir / "summary.json").is_file()
+
+
+# ---------------------------------------------------------------------------- the line
+def error_file(path: Path, name: str, message: str) -> Path:
+    """An error file as torch elastic's ``record`` writes it."""
+    path.write_text(json.dumps({"message": {"message": f"{name}: {message}", "extraInfo": {
+        "py_callstack": "Traceback ...", "timestamp": "0"}}}))
+    return path
+
+
+def test_the_line_prefers_an_editrain_error_over_a_lost_peer(tmp_path):
+    files = {0: error_file(tmp_path / "rank0.error.json", "RuntimeError",
+                           "Connection closed by peer"),
+             1: error_file(tmp_path / "rank1.error.json", "CheckpointError",
+                           "step_2: cannot read\n  its data")}
+    reported = (0, SimpleNamespace(exitcode=1))
+    e = launch._describe(reported, files, tmp_path)
+    assert e.exit_code == 2
+    assert str(e) == f"rank 1: step_2: cannot read its data (traceback: {files[1]})"
+    (tmp_path / "rank1.log").write_text("Traceback ...")
+    assert f"(traceback: {tmp_path / 'rank1.log'})" in str(launch._describe(reported, files,
+                                                                           tmp_path))
+
+
+def test_the_line_of_a_crash_a_signal_and_an_unexpected_error(tmp_path):
+    files = {0: tmp_path / "rank0.error.json", 1: tmp_path / "rank1.error.json"}
+    e = launch._describe((1, SimpleNamespace(exitcode=-9)), files, tmp_path)
+    assert e.exit_code == 1 and str(e).startswith("rank 1 was killed by SIGKILL"), e
+    e = launch._describe((0, SimpleNamespace(exitcode=17)), files, tmp_path)
+    assert str(e).startswith("rank 0 exited with code 17"), e
+    error_file(files[0], "ZeroDivisionError", "division by zero")
+    e = launch._describe((0, SimpleNamespace(exitcode=1)), files, tmp_path)
+    assert e.exit_code == 1 and str(e).startswith("rank 0 failed: ZeroDivisionError: "), e
+
+
+def test_error_files_are_per_rank_and_never_stale(tmp_path):
+    specs = launch.RunLogs(tmp_path)
+    (tmp_path / "rank1.error.json").write_text("{}")  # an earlier run's
+    envs = {0: {"RANK": "0"}, 1: {"RANK": "1"}}
+    dest = specs.reify(envs)
+    assert dest.error_files == {r: str(tmp_path / f"rank{r}.error.json") for r in (0, 1)}
+    assert envs[1]["TORCHELASTIC_ERROR_FILE"] == str(tmp_path / "rank1.error.json")
+    assert not (tmp_path / "rank1.error.json").exists()
+    assert dest.stdouts == {0: "", 1: ""} and dest.stderrs == {0: "", 1: ""}  # the terminal
+
+
+def test_read_error_file_and_one_line(tmp_path):
+    assert read_error_file(tmp_path / "missing.json") is None
+    assert read_error_file(error_file(tmp_path / "e.json", "ConfigError", "a: b")) == (
+        "ConfigError", "a: b")
+    assert "ConfigError" in USER_ERRORS and "RuntimeError" not in USER_ERRORS
+    assert one_line("a\n  b\n\n c ") == "a b c"
+    assert one_line("x" * 500, 20) == "x" * 17 + "..."
