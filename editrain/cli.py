@@ -43,6 +43,9 @@ examples:
   editrain train --sim.link_bandwidth 20MB/s --sync.prefetch_depth 2
   editrain train --ft --nproc 3 --shard-size 1 --sim.fail 2@40   # replica 2 dies, rejoins
   torchrun --nnodes 2 --nproc-per-node 8 -m editrain train --config my.toml
+
+exit status: 0 done; 2 bad input or an editrain error in a worker (one line; the worker's
+traceback in RUN_DIR/logs/); 1 a worker crashed; 130 Ctrl-C; 143 SIGTERM.
 """
 
 

@@ -29,9 +29,9 @@ from editrain.checkpoint import (
     save_checkpoint,
     set_rng_state,
 )
-from editrain.config import Config, model_config, validate_world
+from editrain.config import Config, ConfigError, model_config, validate_world
 from editrain.corpus import prepare_data
-from editrain.data import SequenceStream, eval_batches
+from editrain.data import SequenceStream, check_batch_size, eval_batches
 from editrain.metrics import MetricsWriter, RankLog, read_metrics
 from editrain.models import Llama, causal_lm_loss, num_parameters
 from editrain.optim import build_optimizer, wrap_sam
@@ -93,6 +93,12 @@ class Trainer:
         # validation split, shared out over all ranks (see evaluate()).
         self.data = prepare_data(cfg)
         t = cfg.train
+        # (The local launcher checked this already; under torchrun this is the first look
+        # at the corpus, and an absurd batch size would loop in the sampler.)
+        try:
+            check_batch_size(self.data.train, t.seq_len, t.batch_size, self.global_world)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
         self.stream = SequenceStream(self.data.train, t.seq_len, self.global_rank,
                                      self.global_world, t.seed)
         # Lock-step methods share the evaluation out over every rank of every replica. An
