@@ -242,3 +242,20 @@ def test_cli_refuses_a_second_job_and_another_runs_directory(cache_dir, tmp_path
             if p.is_file() and p.name != rundir.LOCK} == b_files
     assert {p: p.read_bytes() for p in a.rglob("*")
             if p.is_file() and p.name != rundir.LOCK} == snapshot
+
+
+def test_cli_overwrite_never_deletes_a_users_files(cache_dir, tmp_path):
+    """Finding 10 through the console script: --overwrite used to delete checkpoints/,
+    ranks/ and tb/ recursively whoever wrote them."""
+    run = tmp_path / "run"
+    (run / "tb").mkdir(parents=True)
+    (run / "tb" / "my_plots.ipynb").write_text("mine")
+    (run / "checkpoints").mkdir()
+    (run / "checkpoints" / "README").write_text("my notes on these checkpoints")
+    (run / "metrics.jsonl").write_text('{"step": 1}\n')
+    proc = train(cache_dir, run, "--steps", "2", "--overwrite")
+    assert proc.returncode == 2, explain(proc)
+    line = error_line(proc.stderr)
+    assert "--overwrite" in line and "tb, checkpoints" in line and "did not write" in line
+    assert (run / "tb" / "my_plots.ipynb").read_text() == "mine"
+    assert (run / "checkpoints" / "README").exists() and (run / "metrics.jsonl").exists()
