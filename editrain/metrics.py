@@ -172,7 +172,7 @@ class RankLog:
             self._file = None
 
 
-def _read_jsonl(path: Path) -> list[dict[str, Any]]:
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
     """The rows of a JSON-lines file; a line cut off by a killed writer is skipped."""
     rows = []
     for line in path.read_text(encoding="utf-8").splitlines():
@@ -185,7 +185,7 @@ def _read_jsonl(path: Path) -> list[dict[str, Any]]:
 
 def read_rank_logs(run_dir: str | Path) -> dict[int, list[dict[str, Any]]]:
     """Rows of every ``ranks/rank{RANK}.jsonl`` of a run, by rank (empty if none)."""
-    return {int(path.stem.removeprefix("rank")): _read_jsonl(path)
+    return {int(path.stem.removeprefix("rank")): read_jsonl(path)
             for path in sorted((Path(run_dir) / RANKS_DIR).glob("rank*.jsonl"))}
 
 
@@ -194,7 +194,7 @@ def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
     path = Path(run_dir) / METRICS_FILE
     if not path.is_file():
         raise FileNotFoundError(f"{path}: no metrics file (is {run_dir} a run directory?)")
-    return _read_jsonl(path)
+    return read_jsonl(path)
 
 
 def _label(run_dir: Path) -> str:

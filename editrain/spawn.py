@@ -1,5 +1,4 @@
-"""Local multi-process helpers: a free loopback port, a function run on N spawned ranks, and
-the process hygiene of editrain's launchers and workers.
+"""Local processes: a free port, a function run on N spawned ranks, launcher/worker hygiene.
 
 ``free_port`` is what the launcher's rendezvous, the tests and the benchmarks bind to;
 ``run_ranks`` runs ``fn(rank, world_size, *args)`` in ``world_size`` freshly spawned processes

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from editrain.errors import ConfigError
+from editrain.metrics import read_jsonl
 from editrain.plan.inputs import GBIT, Cluster, MethodSpec, ModelSpec
 
 
@@ -152,18 +153,6 @@ def _toml_value(v: Any) -> str:
     return str(v)
 
 
-def _read_jsonl(path: Path) -> list[dict[str, Any]]:
-    import json
-
-    rows = []
-    for line in path.read_text(encoding="utf-8").splitlines():
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue
-    return rows
-
-
 def _get(cfg: dict[str, Any], section: str, key: str, default: Any) -> Any:
     v = cfg.get(section, {}).get(key, default)
     return default if v == "none" else v
@@ -236,7 +225,7 @@ def read_run(run_dir: str | Path, skip: int = 4) -> RunSample:
         raise ConfigError(f"plan --calibrate: {d} is not a run directory (no metrics.jsonl "
                           "and config.toml)")
     cfg = tomllib.loads((d / "config.toml").read_text())
-    rows = [r for r in _read_jsonl(d / "metrics.jsonl")
+    rows = [r for r in read_jsonl(d / "metrics.jsonl")
             if "event" not in r and not r.get("replayed") and r.get("loss") is not None
             and "step" in r]
     rows.sort(key=lambda r: r["step"])
@@ -255,7 +244,7 @@ def read_run(run_dir: str | Path, skip: int = 4) -> RunSample:
     ranks_dir = d / "ranks"
     if ranks_dir.is_dir():
         for path in sorted(ranks_dir.glob("rank*.jsonl")):
-            for r in _read_jsonl(path):
+            for r in read_jsonl(path):
                 if r.get("step", 0) > skip and isinstance(r.get("compute_s"), int | float):
                     c = r["compute_s"]
                     per_replica.setdefault(int(r.get("replica", 0)), []).append(
