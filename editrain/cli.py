@@ -201,7 +201,9 @@ def main(argv: list[str] | None = None) -> int:
     except (Interrupted, KeyboardInterrupt) as e:
         stopped = e if isinstance(e, Interrupted) else Interrupted(signal.SIGINT)
         with contextlib.suppress(OSError):  # a terminal that hung up (SIGHUP)
-            print(f"editrain: {stopped}", file=sys.stderr)
+            # On a line of its own: after the terminal's "^C", or after a worker that was
+            # stopped while it wrote to the shared stderr.
+            print(f"\neditrain: {stopped}", file=sys.stderr)
         return stopped.exit_code
     finally:
         for sig, handler in restore.items():
