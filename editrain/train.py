@@ -323,7 +323,7 @@ class Trainer:
                    * self.tokens_per_step}
         if self.ft:
             summary.update(replica=self.replica, healed_at=self.healed_at,
-                           failed_syncs=self.engine.ft.failed_rounds)
+                           failed_syncs=self.engine.failed_rounds)
         if self.is_logger:
             from editrain.metrics import to_json  # strict JSON: a NaN loss is written null
 

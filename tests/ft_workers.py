@@ -101,7 +101,7 @@ def ft_rank(rank: int, S: int, case: dict[str, Any], replica: int, R: int, light
     engine.finish(force=True)
     record()
     out = {"params": full(), "rounds": rounds, "replica": replica, "steps_seen": steps_seen,
-           "heals": engine.ft.heals, "failed_rounds": engine.ft.failed_rounds,
+           "heals": engine.heals, "failed_rounds": engine.failed_rounds,
            "num_syncs": engine.num_syncs}
     engine.close()
     group.shutdown()

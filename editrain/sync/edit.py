@@ -798,9 +798,14 @@ class SyncEngine:
         return self._pending or self._merge_next is not None
 
     @property
-    def rounds_in_flight(self) -> int:
-        """Delayed rounds launched and not yet merged."""
-        return len(self._inflight) + (self._merge_next is not None)
+    def failed_rounds(self) -> int:
+        """The fault-tolerant mode: rounds that did not commit (0 otherwise)."""
+        return 0 if self.ft is None else self.ft.failed_rounds
+
+    @property
+    def heals(self) -> int:
+        """The fault-tolerant mode: times this replica took the global state from a peer."""
+        return 0 if self.ft is None else self.ft.heals
 
     def pop_sync_log(self) -> list[dict[str, Any]]:
         """Metrics of the syncs finished since the last call (one dict per sync)."""
