@@ -34,8 +34,9 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from editrain.checkpoint import saved_tensors
 from editrain.errors import CheckpointError
 from editrain.sync.config import GTAConfig, SyncConfig
-from editrain.sync.edit import EDiT, SyncEngine, root_leaf_units
+from editrain.sync.edit import EDiT, SyncEngine
 from editrain.sync.outer import resolve_optimizer_class
+from editrain.sync.setup import root_leaf_units
 from editrain.topology import SHARD_DIM, TP_DIM, MeshInfo, init_mesh
 from editrain.units import find_blocks
 

@@ -290,7 +290,7 @@ class DistSection:
         ``LOCAL_WORLD_SIZE``)."""
         import os
 
-        from editrain.sync.edit import COMM_BACKENDS
+        from editrain.sync.setup import COMM_BACKENDS
 
         for name in ("nproc", "shard_size", "tp_size"):
             _req(getattr(self, name) >= 1, f"dist.{name}",
@@ -653,7 +653,7 @@ def validate(cfg: Config) -> None:
              f"must divide the model's query heads ({heads[0]}) and key/value heads "
              f"({heads[1]}), got {cfg.dist.tp_size}")
     if cfg.dist.fault_tolerance == "torchft":
-        from editrain.sync.edit import check_fault_tolerant
+        from editrain.sync.setup import check_fault_tolerant
 
         try:
             check_fault_tolerant(s.resolve(), 1)
@@ -691,7 +691,7 @@ def sync_units(cfg: Config) -> list[str]:
     """
     import torch
 
-    from editrain.sync.edit import find_root_params, unit_modules
+    from editrain.sync.setup import find_root_params, unit_modules
 
     with torch.device("meta"):
         if cfg.model.hf_config is not None:

@@ -92,10 +92,6 @@ class Topology:
         """Index of a global rank inside its replica (``shard * T + tp``)."""
         return rank % self.replica_size
 
-    def rank_of(self, replica: int, shard: int, tp: int = 0) -> int:
-        """Global rank of ``(replica, shard, tp)``."""
-        return (replica * self.shard_size + shard) * self.tp_size + tp
-
     def replica_ranks(self, replica: int) -> list[int]:
         """The ``S * T`` global ranks of one replica."""
         return [replica * self.replica_size + i for i in range(self.replica_size)]

@@ -11,6 +11,11 @@ from editrain.topology import SHARD_DIM, SYNC_DIM, Topology, init_mesh, topology
 
 
 # ---------------------------------------------------------------------------- pure arithmetic
+def rank_at(t: Topology, replica: int, shard: int, tp: int = 0) -> int:
+    """The global rank at ``(replica, shard, tp)``: tp innermost, then shard, then replica."""
+    return (replica * t.shard_size + shard) * t.tp_size + tp
+
+
 def test_two_replicas_of_two_shards():
     t = Topology(world_size=4, shard_size=2)
     assert t.num_replicas == 2
@@ -18,7 +23,7 @@ def test_two_replicas_of_two_shards():
     assert [t.shard_of(r) for r in range(4)] == [0, 1, 0, 1]
     assert t.replica_ranks(0) == [0, 1] and t.replica_ranks(1) == [2, 3]
     assert t.sync_ranks(0) == [0, 2] and t.sync_ranks(1) == [1, 3]
-    assert [t.rank_of(r, s) for r in range(2) for s in range(2)] == [0, 1, 2, 3]
+    assert [rank_at(t, r, s) for r in range(2) for s in range(2)] == [0, 1, 2, 3]
 
 
 def test_no_sharding():
@@ -48,7 +53,7 @@ def test_rank_arithmetic_is_consistent(world, shard):
     for rank in range(world):
         r, s = t.replica_of(rank), t.shard_of(rank)
         assert 0 <= r < t.num_replicas and 0 <= s < shard
-        assert rank == r * shard + s == t.rank_of(r, s)
+        assert rank == r * shard + s == rank_at(t, r, s)
         assert rank in t.replica_ranks(r) and rank in t.sync_ranks(s)
         seen.append((r, s))
     assert len(set(seen)) == world
@@ -59,7 +64,7 @@ def test_rank_arithmetic_is_consistent(world, shard):
     # A replica group and a sync group meet in exactly one rank.
     for r in range(t.num_replicas):
         for s in range(shard):
-            assert set(t.replica_ranks(r)) & set(t.sync_ranks(s)) == {t.rank_of(r, s)}
+            assert set(t.replica_ranks(r)) & set(t.sync_ranks(s)) == {rank_at(t, r, s)}
 
 
 @pytest.mark.parametrize("world, shard, allowed", [(4, 3, "[1, 2, 4]"), (4, 8, "[1, 2, 4]"),
@@ -195,7 +200,7 @@ def test_three_d_rank_arithmetic():
     assert (t.num_replicas, t.replica_size, t.shape) == (2, 4, (2, 2, 2))
     coords = [(t.replica_of(r), t.shard_of(r), t.tp_of(r)) for r in range(8)]
     assert coords == [(r, s, p) for r in range(2) for s in range(2) for p in range(2)]
-    assert all(t.rank_of(*c) == r for r, c in enumerate(coords))
+    assert all(rank_at(t, *c) == r for r, c in enumerate(coords))
     assert t.replica_ranks(1) == [4, 5, 6, 7]
     assert t.sync_ranks(3) == [3, 7] and [t.position_of(r) for r in (3, 7)] == [3, 3]
     assert [t.data_rank(r) for r in range(8)] == [0, 0, 1, 1, 2, 2, 3, 3]

@@ -5,7 +5,8 @@ Usable with any training loop and any model with a list of blocks; imports nothi
 """
 
 from editrain.sync.config import METHODS, GTAConfig, SyncConfig
-from editrain.sync.edit import EDiT, SyncEngine, find_root_params
+from editrain.sync.edit import EDiT, SyncEngine
+from editrain.sync.setup import find_root_params
 from editrain.sync.triggers import IntervalTrigger, StepScheduleTrigger, SyncTrigger, TimeTrigger
 
 __all__ = [

@@ -23,6 +23,15 @@ A round is all-or-nothing on every replica:
 
 The round is blocking (its reductions are not overlapped with the next forward): an outer
 update may only be applied once the whole round is known to have succeeded everywhere.
+With streaming fragments and ``overlap_steps > 0`` the quorum is taken at the launch, the
+reductions run behind the next steps, and the vote and the merge come at the merge.
+
+This is a schedule (:class:`FaultTolerantSchedule`) over the same parts as every other: the
+round (:class:`~editrain.sync.round.SyncRound`, closed by the engine's one book-keeping),
+the reduction (:mod:`editrain.sync.reduction`) and the rendezvous
+(:meth:`editrain.sync.clock.SyncClock.exchange`); torchft's Manager supplies the
+cross-replica group (the engine's communication path sends through it), the quorum and
+the vote.
 """
 
 from __future__ import annotations
@@ -33,13 +42,17 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from editrain.sync.ft import Quorum, QuorumError, TorchftGroup
+from editrain.sync.round import SyncRound
+from editrain.sync.schedules import BlockingSchedule
+from editrain.sync.triggers import FragmentSchedule
 
 if TYPE_CHECKING:
-    from editrain.sync.edit import SyncEngine, SyncRound
+    from editrain.sync.edit import SyncEngine
 
 
-class FaultTolerantSync:
-    """Runs the engine's syncs as fault-tolerant rounds over a :class:`TorchftGroup`.
+class FaultTolerantSchedule(BlockingSchedule):
+    """Runs the engine's syncs as fault-tolerant rounds over a :class:`TorchftGroup`:
+    blocking rounds of every unit when the trigger fires, or streaming fragments.
 
     Args:
         engine: the engine whose units, statistics and reductions the rounds use.
@@ -47,8 +60,14 @@ class FaultTolerantSync:
     """
 
     def __init__(self, engine: SyncEngine, group: TorchftGroup) -> None:
-        self.engine = engine
+        super().__init__(engine)
         self.group = group
+        cfg = engine.config
+        self.streaming: FragmentSchedule | None = None
+        """Streaming fragments (``sync.fragments``, ``sync.overlap_steps``), or None."""
+        if cfg.streaming and not cfg.use_async:
+            assert cfg.local_sgd_sync_interval is not None
+            self.streaming = FragmentSchedule(cfg.local_sgd_sync_interval, cfg.fragments)
         self.members: list[int] | None = None
         """Replica ids of the last quorum."""
         self.failed_rounds = 0
@@ -58,6 +77,27 @@ class FaultTolerantSync:
         self.inflight: SyncRound | None = None
         """Streaming: the delayed round launched and not yet merged (one at a time)."""
         group.register_state("engine", engine.peer_state, self._adopt)
+
+    def step(self) -> None:
+        eng = self.engine
+        if self.streaming is not None:
+            self.streaming_step(self.streaming.launches(
+                eng.global_step - eng.config.local_sgd_warmup_steps))
+            return
+        due, elapsed = self.due()
+        if due:
+            self.run(elapsed=elapsed if eng.config.use_async else None)
+
+    def finish(self, force: bool, ran_armed: bool) -> None:
+        # Every replica runs one last round (A-EDiT replicas are at different steps);
+        # replicas that have not trained since their last sync contribute nothing.
+        # Streaming: the round in flight is merged first, then every unit syncs.
+        eng = self.engine
+        syncs = eng.num_syncs
+        self.merge_inflight()
+        self.run(elapsed=eng.clock.elapsed() if eng.config.use_async else None,
+                 allow_skip=False)
+        eng.num_syncs_forced += eng.num_syncs - syncs
 
     def _adopt(self, sd: dict[str, Any]) -> None:
         self.engine.adopt_peer_state(sd)
@@ -123,9 +163,10 @@ class FaultTolerantSync:
             error = str(exc).splitlines()[0][:200]
         # Something to send: local steps since the last sync, or with streaming (merges
         # keep local progress: the parameters are not the anchors) anything but a heal.
-        trained = eng.steps_since_sync > 0 or eng.schedule is not None
+        trained = eng.steps_since_sync > 0 or self.streaming is not None
         contribute = contribute and not quorum.healed and trained
-        rnd = eng.new_round(units, fragment, apply_at)
+        rnd = eng.open_round(None, range(len(eng.units)) if units is None else units,
+                             fragment, apply_at, statistics=False, numbered=False)
         rnd.fragment = fragment if units is not None else -1  # -1: every unit
         rnd.tentative = {}
         rnd.quorum_wait_s = time.perf_counter() - t0
@@ -157,7 +198,7 @@ class FaultTolerantSync:
         }
         if error is not None:
             record["error"] = error
-        eng.end_round(rnd, committed, record)
+        eng.close_round(rnd, committed, record)
         return committed
 
     # ------------------------------------------------------------------ streaming
@@ -212,10 +253,9 @@ class FaultTolerantSync:
         """The round's collectives, in order, on the communication thread; the first
         failure ends the round (later collectives would run on a broken group)."""
         eng = self.engine
-        mine = torch.tensor([eng.replica, float(contribute), eng.steps_since_sync,
-                             self.group.committed_syncs, rnd.index, elapsed or 0.0,
-                             rnd.fragment], dtype=torch.float64, device=eng.device)
-        got = eng.comm.all_gather_sync(mine).cpu()  # [quorum, 7]
+        got = eng.clock.exchange([eng.replica, float(contribute), eng.steps_since_sync,
+                                  self.group.committed_syncs, rnd.index, elapsed or 0.0,
+                                  rnd.fragment])  # [quorum, 7]
         # The round's units: a streaming fragment's, which a joining replica (whose round
         # covers every unit) learns here; -1 everywhere: every unit.
         fragment = int(got[:, 6].max())
@@ -238,17 +278,16 @@ class FaultTolerantSync:
                     counts[member] = got[row, 2]
                     windows[member] = float(got[row, 5])
             rnd.step_counts, rnd.windows = counts, windows
-            if allow_skip and any(rnd.contributes) and \
-                    float(counts.sum()) < eng.config.min_total_global_steps:
+            if allow_skip and any(rnd.contributes) and eng.clock.too_few(counts):
                 rnd.skipped, rnd.units = True, []
                 return
         if not any(rnd.contributes):
             rnd.units = []  # nobody trained since the last sync (a start or a join)
             return
         if eng.config.penalty_enabled or rnd.step_counts is not None:
-            eng.round_statistics(rnd)
+            eng.reduction.statistics(rnd)
         for i in range(len(rnd.units)):
-            eng.reduce_unit(rnd, i)
+            eng.reduction.reduce_unit(rnd, i)
 
     def _apply(self, rnd: SyncRound) -> None:
         """Committed: the outer steps, then the new anchors into the parameters (a delayed

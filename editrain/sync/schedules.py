@@ -1,0 +1,252 @@
+"""When rounds launch and merge: one schedule object per kind of sync, behind one interface.
+
+A schedule decides, at each step boundary of the local phase, whether a round starts (and
+of which units), when a delayed round merges, and what the last sync at the end of
+training does. It never runs a collective itself: it asks the engine
+(:class:`editrain.sync.edit.SyncEngine`) to arm a round for the next forward, run one now,
+launch one in the background or merge one, and the engine's hooks and the shared
+reduction (:mod:`editrain.sync.reduction`) do the rest. ``docs/architecture.md`` ("How to
+add a schedule") walks through writing one.
+
+- :class:`BlockingSchedule`: every ``H`` steps (or ``T`` seconds, A-EDiT), layer-wise in the
+  next forward or at once at the step boundary (DiLoCo, Post-Local SGD).
+- :class:`StreamingSchedule`: fragments that take turns, merged ``overlap_steps`` later
+  (``docs/streaming.md``).
+- :class:`NonBlockingSchedule`: A-EDiT whose rendezvous and reduction run behind the next
+  ``overlap_steps`` inner steps.
+- The fault-tolerant mode's schedule is in :mod:`editrain.sync.ft_round`.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+
+from editrain.sync.round import SyncRound
+from editrain.sync.triggers import FragmentSchedule
+
+if TYPE_CHECKING:
+    from editrain.sync.edit import SyncEngine
+
+
+class Schedule:
+    """The interface: :meth:`step` at each step boundary of the local phase, :meth:`finish`
+    at the end of training, :meth:`sync_point` to place evaluations and checkpoints.
+
+    Args:
+        engine: the engine whose rounds this schedule starts.
+    """
+
+    def __init__(self, engine: SyncEngine) -> None:
+        self.engine = engine
+        self.needs_clock = bool(getattr(engine.trigger, "needs_clock", False))
+        """Whether the trigger reads the (agreed) wall clock: A-EDiT's time trigger."""
+
+    def step(self) -> None:
+        """A step boundary of the local phase (the step is counted): start, merge or arm
+        rounds as due."""
+        raise NotImplementedError
+
+    def finish(self, force: bool, ran_armed: bool) -> None:
+        """The end of training (``force``): a last sync so that every replica holds the
+        global model. Called after the engine ran what was armed (``ran_armed``) and
+        merged what was due."""
+        raise NotImplementedError
+
+    def sync_point(self) -> float | None:
+        """Progress if this step boundary of the local phase is a sync point (identical on
+        every rank), else None (see :meth:`SyncEngine.sync_point`)."""
+        raise NotImplementedError
+
+    def due(self, since_window: float = 0.0) -> tuple[bool, float]:
+        """Whether this replica's trigger (or, with the time trigger, the budget's end)
+        says a round is due, and the agreed elapsed time it read (0 without a clock).
+        ``since_window``: seconds of the window before the clock's start (non-blocking)."""
+        eng = self.engine
+        elapsed = eng.clock.elapsed() if self.needs_clock else 0.0
+        due = eng.trigger.due(eng.replica, eng.steps_since_sync, elapsed)
+        if not due and self.needs_clock and eng.config.use_async:
+            # The budget's end (agreed: the elapsed time within the replica, the rate from
+            # the gathered last window).
+            due = eng.progress.budget_due(elapsed + since_window, eng.steps_since_sync)
+        return due, elapsed
+
+    def rendezvous(self, elapsed: float, allow_skip: bool = True) -> torch.Tensor | None:
+        """A-EDiT's blocking rendezvous; a skipped round is counted."""
+        counts = self.engine.clock.rendezvous(self.engine.steps_since_sync, elapsed,
+                                              allow_skip)
+        if counts is None:
+            self.engine.num_skipped_syncs += 1
+        return counts
+
+
+class BlockingSchedule(Schedule):
+    """Every ``H`` inner steps, or every ``T`` seconds with A-EDiT's rendezvous first: a
+    round of every unit, layer-wise in the next training forward (``edit``, ``aedit``) or
+    at once at the step boundary (``diloco``, ``post_local_sgd``)."""
+
+    def step(self) -> None:
+        eng = self.engine
+        due, elapsed = self.due()
+        if not due:
+            return
+        counts = self.rendezvous(elapsed) if eng.config.use_async else None
+        if eng.config.use_async and counts is None:
+            return  # skipped: too few steps in total; clocks restarted
+        if eng.config.layerwise:
+            eng.arm(counts)
+        else:
+            eng.run_now(counts)
+
+    def finish(self, force: bool, ran_armed: bool) -> None:
+        eng = self.engine
+        if ran_armed:
+            return
+        while eng.inflight:  # non-blocking A-EDiT: every replica launched the same rounds
+            eng.merge_now(eng.inflight.pop(0))
+        # A-EDiT replicas may differ in steps_since_sync: they all rendezvous to decide.
+        counts = (self.rendezvous(eng.clock.elapsed(), allow_skip=False)
+                  if eng.config.use_async else None)
+        if (counts is None and not eng.steps_since_sync) or (
+                counts is not None and float(counts.sum()) == 0):
+            return
+        eng.num_syncs_forced += 1
+        eng.run_now(counts)
+
+    def sync_point(self) -> float | None:
+        eng = self.engine
+        if eng.config.streaming:
+            return float(eng.global_step)
+        if eng.armed:
+            if eng.config.use_async:
+                return eng.progress.at_sync(eng.pending_counts)
+            return float(eng.global_step)
+        if eng.steps_since_sync == 0:
+            return (eng.progress.synced_replica_steps / eng.num_replicas
+                    if eng.config.use_async else float(eng.global_step))
+        return None
+
+
+class StreamingSchedule(Schedule):
+    """Fragments that take turns (fragment ``f`` every ``H`` steps, staggered by
+    ``H / P``), each round merged ``overlap_steps`` steps after its launch, or run in the
+    next forward (``overlap_steps = 0``)."""
+
+    def __init__(self, engine: SyncEngine) -> None:
+        super().__init__(engine)
+        cfg = engine.config
+        assert cfg.local_sgd_sync_interval is not None
+        self.fragments = FragmentSchedule(cfg.local_sgd_sync_interval, cfg.fragments)
+
+    def launches(self) -> list[int]:
+        """The fragments due at this step boundary."""
+        eng = self.engine
+        return self.fragments.launches(eng.global_step - eng.config.local_sgd_warmup_steps)
+
+    def step(self) -> None:
+        """Merge the delayed round that is due, then launch the fragments due now."""
+        eng = self.engine
+        cfg = eng.config
+        eng.settle()  # what no training forward took: merged or run now
+        if eng.inflight and eng.inflight[0].apply_at == eng.global_step:
+            rnd = eng.inflight.pop(0)
+            if cfg.layerwise:
+                eng.merge_in_next_forward(rnd)
+            else:
+                eng.merge_now(rnd)
+        for f in self.launches():
+            if cfg.overlap_steps > 0:
+                eng.launch(eng.fragments[f], f, apply_at=eng.global_step + cfg.overlap_steps)
+            elif cfg.layerwise:
+                eng.arm(None, f)
+            else:
+                eng.run_now(None, eng.fragments[f], f)
+
+    def finish(self, force: bool, ran_armed: bool) -> None:
+        eng = self.engine
+        while eng.inflight:
+            eng.merge_now(eng.inflight.pop(0))
+        if eng.global_step > eng.config.local_sgd_warmup_steps:
+            eng.num_syncs_forced += 1
+            eng.run_now(None, list(range(len(eng.units))))
+
+    def sync_point(self) -> float | None:
+        # In lock-step, but never all holding one model: every step is a point (evaluate
+        # the anchors).
+        return float(self.engine.global_step)
+
+
+class NonBlockingSchedule(BlockingSchedule):
+    """A-EDiT, non-blocking: a replica snapshots its model when its trigger fires and
+    trains on; the rendezvous and the reduction run behind the next ``overlap_steps``
+    inner steps, then the round is merged (``docs/streaming.md``). One round in flight at a
+    time: the k-th launches of all replicas pair up.
+
+    On the wall clock a round is merged at the first step boundary, ``overlap_steps`` or
+    more after its launch, at which it is complete on every rank of the replica (never
+    waited for); the clock restarts there. With a deterministic trigger (a fixed step
+    schedule) it is merged exactly ``overlap_steps`` steps after its launch, waiting if
+    need be."""
+
+    def __init__(self, engine: SyncEngine) -> None:
+        super().__init__(engine)
+        self.merge_when_done = self.needs_clock
+
+    def step(self) -> None:
+        eng = self.engine
+        cfg = eng.config
+        clock = eng.clock
+        # The due round is merged here, at the step boundary (not in the next forward), so
+        # that a launch at this very step snapshots the merged model.
+        if (eng.inflight and eng.global_step >= eng.inflight[0].apply_at
+                and self.ready_to_merge(eng.inflight[0])):
+            eng.merge_now(eng.inflight.pop(0))
+        if eng.inflight or eng.progress.spent:
+            # Once a sync has spent the budget (agreed) nobody launches again: the run
+            # ends there.
+            return
+        due, elapsed = self.due(since_window=clock.window_offset)
+        if not due:
+            return
+        window = elapsed + clock.window_offset  # since the last launch (agreed)
+        units = list(range(len(eng.units)))
+        eng.launch(units, 0, apply_at=eng.global_step + cfg.overlap_steps,
+                   rendezvous=[eng.steps_since_sync, window])
+        # This replica's next window starts at its snapshot: later steps count towards it.
+        eng.steps_since_sync = 0
+        clock.launch = clock.now()
+        clock.window_offset = 0.0
+        if not self.merge_when_done:
+            clock.start = clock.launch
+
+    def ready_to_merge(self, rnd: SyncRound) -> bool:
+        """Whether to merge ``rnd`` now (its ``apply_at`` reached). Exact schedule: always
+        (the merge waits if need be). Merge when done: only if every job of the round is
+        done on every rank of the replica; then the clock restarts here, so that every
+        replica's next window starts when the round completed (within a step), whichever
+        replica posted last, instead of drifting apart by a step per round."""
+        if not self.merge_when_done:
+            return True
+        eng = self.engine
+        pending = not rnd.done()
+        now = eng.clock.now()
+        flags = torch.tensor([float(pending), now - eng.clock.launch], dtype=torch.float64,
+                             device=eng.device)
+        if eng.groups.replica_main is not None:
+            # The main thread's own replica group (the communication thread has a private
+            # one): the ranks of a replica merge at the same step boundary.
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=eng.groups.replica_main)
+        pending_any, since_launch = flags.tolist()
+        if pending_any:
+            return False
+        eng.clock.window_offset = since_launch
+        eng.clock.start = now
+        return True
+
+    def sync_point(self) -> float | None:
+        eng = self.engine
+        if eng.last_sync_step == eng.global_step:
+            return eng.progress.synced_replica_steps * eng.progress.unit
+        return None
