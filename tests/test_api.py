@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+from typing import Any
 
 import pytest
 import torch
@@ -335,6 +336,45 @@ def test_engine_state_in_user_dcp_checkpoint_resumes_bitwise(tmp_path):
         assert r["same_params"]
         assert r["syncs"][0] == r["syncs"][1] >= 3
     assert results[0]["tail"] != results[1]["tail"]  # replicas really trained apart
+
+
+def _attach_worker(rank: int, world: int) -> dict[str, Any]:
+    """The same run twice: the loop calls after_backward() and step(), or the engine is
+    attached to the optimizer and the loop calls neither."""
+    info = editrain.init_mesh(shard_size=1, backend="gloo", device_type="cpu")
+    config = SyncConfig(method="edit", local_sgd_sync_interval=2, local_sgd_warmup_steps=2)
+    out: dict[str, Any] = {}
+    for attached in (False, True):
+        torch.manual_seed(0)
+        model = TitanStyle(dim=8, n=2)
+        editrain.parallelize(model, info)
+        opt = torch.optim.AdamW(model.parameters(), lr=0.05)
+        engine = editrain.edit(model, info, config)
+        handles = engine.attach(opt) if attached else []
+        for step in range(7):
+            x = _batch(step, rank)
+            nn.functional.cross_entropy(model(x[:, :-1]).flatten(0, 1),
+                                        x[:, 1:].flatten()).backward()
+            if not attached:
+                engine.after_backward()
+            opt.step()
+            opt.zero_grad()
+            if not attached:
+                engine.step()
+        engine.finish(force=True)
+        out[f"attached={attached}"] = ([p.detach().clone() for p in model.parameters()],
+                                       engine.num_syncs, engine.global_step)
+        for h in handles:
+            h.remove()
+        engine.close()
+    return out
+
+
+def test_an_engine_attached_to_the_optimizer_trains_like_the_explicit_loop():
+    for r in run_ranks(_attach_worker, 2):
+        plain, attached = r["attached=False"], r["attached=True"]
+        assert plain[1:] == attached[1:] == (3, 7)
+        assert all(torch.equal(a, b) for a, b in zip(plain[0], attached[0]))
 
 
 def _parallelize_worker(rank: int, world: int) -> dict[str, bool]:

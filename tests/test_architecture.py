@@ -230,3 +230,60 @@ def test_only_sync_ft_imports_torchft_inside_the_engine():
             if any(n == "torchft" or n.startswith("torchft.") for n in names):
                 importers.append(path.name)
     assert set(importers) == {"ft.py"}, importers
+
+
+# ----------------------------------------------------------------------------- the layers doc
+ARCHITECTURE = PACKAGE.parent / "docs" / "architecture.md"
+
+
+def layer_entries(text: str) -> list[tuple[int, str]]:
+    """The ``(line, path)`` entries of the layers block of ``docs/architecture.md`` (the
+    fenced block after ``<!-- layers -->``): each line starts with one or more paths under
+    ``editrain/`` (``sync/edit.py``, or ``bench/`` for a whole package) before its
+    description."""
+    block = text.split("<!-- layers -->", 1)[1].split("```", 2)[1]
+    out = []
+    for number, line in enumerate(block.splitlines()[1:]):
+        for token in line.split():
+            if not (token.endswith(".py") or token.endswith("/")):
+                break
+            out.append((number, token))
+    return out
+
+
+def _entry_of(module: Path, entries: list[tuple[int, str]]) -> tuple[int, str] | None:
+    """The most specific entry covering ``module`` (its file, else its closest package)."""
+    rel = module.relative_to(PACKAGE).as_posix()
+    best = None
+    for line, path in entries:
+        if rel == path or (path.endswith("/") and rel.startswith(path)):
+            if best is None or len(path) > len(best[1]):
+                best = (line, path)
+    return best
+
+
+def test_the_layers_doc_lists_every_module_and_only_modules_that_exist():
+    entries = layer_entries(ARCHITECTURE.read_text())
+    missing = [p for _, p in entries if not (PACKAGE / p).exists()]
+    assert not missing, f"docs/architecture.md lists what editrain/ does not have: {missing}"
+    paths = [p for _, p in entries]
+    assert len(paths) == len(set(paths)), "a path is listed twice"
+    unlisted = [m.relative_to(PACKAGE).as_posix() for m in sorted(PACKAGE.rglob("*.py"))
+                if _entry_of(m, entries) is None]
+    assert not unlisted, f"modules docs/architecture.md does not list: {unlisted}"
+
+
+def test_imports_point_down_the_layers_doc():
+    """A module imports only modules of its own line of the layers block or below it."""
+    from tests.test_imports import import_graph, module_name
+
+    entries = layer_entries(ARCHITECTURE.read_text())
+    where = {module_name(m): _entry_of(m, entries) for m in PACKAGE.rglob("*.py")}
+    upward = []
+    for module, imported in import_graph().items():
+        for other in imported:
+            a, b = where[module], where[other]
+            if a is not None and b is not None and b[0] < a[0]:
+                upward.append(f"{module} ({a[1]}) imports {other} ({b[1]})")
+    assert not upward, "imports that point up docs/architecture.md's layers: " + "; ".join(
+        sorted(upward))

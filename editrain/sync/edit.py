@@ -340,6 +340,21 @@ class SyncEngine:
         self.steps_since_sync += 1
         self.schedule.step()
 
+    def attach(self, optimizer: torch.optim.Optimizer, average_gradients: bool = True
+               ) -> list[Any]:
+        """Drive the engine from ``optimizer.step()`` so the loop need not call it: a step
+        pre-hook runs :meth:`after_backward` (with ``average_gradients``) and a step
+        post-hook runs :meth:`step`. Clip gradients yourself? During warm-up they are then
+        clipped before the cross-replica average: call :meth:`after_backward` before
+        clipping and attach with ``average_gradients=False``. Returns the hooks' handles
+        (``handle.remove()`` detaches)."""
+        handles = []
+        if average_gradients:
+            handles.append(optimizer.register_step_pre_hook(
+                lambda opt, args, kwargs: self.after_backward()))
+        handles.append(optimizer.register_step_post_hook(lambda opt, args, kwargs: self.step()))
+        return handles
+
     def finish(self, force: bool = False) -> None:
         """Run a sync that is armed but not yet started, and merge a delayed round that is
         due (call before evaluating or saving: the same arithmetic as in the next forward).
@@ -471,8 +486,9 @@ class SyncEngine:
         self._call_before_sync(units)
         for u in units:
             self.units[u].launch = self.units[u].flat_params()
+        # (with a rendezvous, the statistics job is queued after it: it needs the counts)
         rnd = self.open_round(None, units, fragment, apply_at=apply_at,
-                              statistics=rendezvous is None)
+                              statistics=None if rendezvous is None else False)
         if rendezvous is not None:
             rnd.my_steps = self.steps_since_sync
             rnd.rendezvous = self.comm.submit(self.clock.round_rendezvous, rnd, rendezvous,
