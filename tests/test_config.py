@@ -571,9 +571,9 @@ def test_every_option_is_settable_to_its_default():
 
 
 def test_cuda_backends_need_a_device_per_local_process(monkeypatch):
-    import editrain.config as config
+    from editrain.config import validation
 
-    monkeypatch.setattr(config, "cuda_device_count", lambda: 4)
+    monkeypatch.setattr(validation, "cuda_device_count", lambda: 4)
     monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
     assert cli("--dist.backend=nccl", "--nproc", "4").dist.backend == "nccl"
     with pytest.raises(ConfigError, match=r"dist.device=cuda: .*local process \(8\).*has 4"):
