@@ -17,7 +17,6 @@ from typing import Any
 
 import torch
 
-from editrain import sim
 from editrain.config.model import heads, model_config, sync_units
 from editrain.config.schema import (
     BACKENDS,
@@ -41,6 +40,7 @@ from editrain.config.schema import (
 from editrain.data import check_data_options
 from editrain.errors import as_config_error, require
 from editrain.models.hf import check_hf_config
+from editrain.sim import check_replicas, parse_sim
 from editrain.sync.config import check_finite
 from editrain.sync.edit import COMM_BACKENDS, check_fault_tolerant
 from editrain.sync.ft import torchft_available
@@ -155,7 +155,7 @@ def check_dist(d: DistSection) -> None:
 def check_sim(s: SimSection) -> None:
     """Every spec parses (typos fail before any process starts)."""
     with as_config_error():
-        sim.parse_sim(s)
+        parse_sim(s)
     _counts(s, "sim", ("replica_offset",), least=0)
     if s.step_schedule:
         require(min(s.step_schedule) >= 1, "sim.step_schedule",
@@ -193,7 +193,7 @@ def validate(cfg: Config) -> None:
         require(s.method == "aedit", "sim.step_schedule", "only applies to sync.method=aedit")
     require(0 <= cfg.sim.fail_restart_s <= 3600, "sim.fail_restart_s",
             f"must be in [0, 3600] seconds, got {cfg.sim.fail_restart_s}")
-    fail = sim.parse_sim(cfg.sim).fail  # (rank, step, phase); parsed in check_sim
+    fail = parse_sim(cfg.sim).fail  # (rank, step, phase); parsed in check_sim
     if fail is not None:
         require(1 <= fail[1] <= t.steps, "sim.fail",
                 f"step {fail[1]} never comes: STEP must be in [1, train.steps = {t.steps}] "
@@ -243,9 +243,9 @@ def validate_world(cfg: Config, world_size: int) -> None:
     replicas = topo.num_replicas
     if d.fault_tolerance == "torchft" and d.ft_replicas:
         replicas = d.ft_replicas  # this job is one replica group of several
-    plan = sim.parse_sim(cfg.sim)
+    plan = parse_sim(cfg.sim)
     with as_config_error():
-        sim.check_replicas(plan, replicas + cfg.sim.replica_offset)
+        check_replicas(plan, replicas + cfg.sim.replica_offset)
     if plan.fail is not None:
         # A worker dies by its data rank (replica x shard_size + shard; tp peers share it).
         data_ranks = replicas * d.shard_size

@@ -12,6 +12,8 @@ from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 from editrain.errors import as_config_error, require
+from editrain.sync.methods import METHOD_DEFAULTS
+from editrain.sync.outer import check_outer, outer_kwargs, resolve_optimizer_class
 
 METHODS = ("sync", "post_local_sgd", "diloco", "edit", "aedit")
 REDUCERS = ("linear", "gta")
@@ -114,16 +116,16 @@ class GTAConfig:
         check_finite(self, "sync.gta")
         if self.reducer is not None:
             require(self.reducer in REDUCERS, "sync.gta.reducer",
-                   f"unknown reducer {self.reducer!r}; allowed: none, {', '.join(REDUCERS)}")
+                    f"unknown reducer {self.reducer!r}; allowed: none, {', '.join(REDUCERS)}")
         require(self.consensus_method in CONSENSUS, "sync.gta.consensus_method",
-               f"unknown method {self.consensus_method!r}; allowed: {', '.join(CONSENSUS)}")
+                f"unknown method {self.consensus_method!r}; allowed: {', '.join(CONSENSUS)}")
         if self.sparsification_method is not None:
             require(self.sparsification_method in SPARSIFICATION,
-                   "sync.gta.sparsification_method",
-                   f"unknown method {self.sparsification_method!r}; allowed: none, "
-                   f"{', '.join(SPARSIFICATION)}")
+                    "sync.gta.sparsification_method",
+                    f"unknown method {self.sparsification_method!r}; allowed: none, "
+                    f"{', '.join(SPARSIFICATION)}")
         require(0.0 < self.density <= 1.0, "sync.gta.density",
-               f"must be in (0, 1], got {self.density}")
+                f"must be in (0, 1], got {self.density}")
 
 
 @dataclass
@@ -200,43 +202,40 @@ class SyncConfig:
             self.gta = GTAConfig(**self.gta)
         check_finite(self, "sync")
         require(self.method in METHODS, "sync.method",
-               f"unknown method {self.method!r}; allowed: {', '.join(METHODS)}")
+                f"unknown method {self.method!r}; allowed: {', '.join(METHODS)}")
         if self.local_sgd_sync_interval is not None:
             require(self.local_sgd_sync_interval >= 1, "sync.local_sgd_sync_interval",
-                   f"must be >= 1, got {self.local_sgd_sync_interval}")
+                    f"must be >= 1, got {self.local_sgd_sync_interval}")
         require(self.local_sgd_warmup_steps >= 0, "sync.local_sgd_warmup_steps",
-               f"must be >= 0, got {self.local_sgd_warmup_steps}")
+                f"must be >= 0, got {self.local_sgd_warmup_steps}")
         require(self.prefetch_depth >= 0, "sync.prefetch_depth",
-               f"must be >= 0, got {self.prefetch_depth}")
+                f"must be >= 0, got {self.prefetch_depth}")
         if self.clip_pseudo_grad is not None:
             require(self.clip_pseudo_grad >= 0, "sync.clip_pseudo_grad",
-                   f"must be > 0 (or 0/none to disable), got {self.clip_pseudo_grad}")
+                    f"must be > 0 (or 0/none to disable), got {self.clip_pseudo_grad}")
         require(self.weight_softmax_temperature > 0, "sync.weight_softmax_temperature",
-               f"must be > 0, got {self.weight_softmax_temperature}")
+                f"must be > 0, got {self.weight_softmax_temperature}")
         require(0.0 < self.ewma_alpha <= 1.0, "sync.ewma_alpha",
-               f"must be in (0, 1], got {self.ewma_alpha}")
+                f"must be in (0, 1], got {self.ewma_alpha}")
         require(self.ewma_warmup_steps >= 0, "sync.ewma_warmup_steps",
-               f"must be >= 0, got {self.ewma_warmup_steps}")
+                f"must be >= 0, got {self.ewma_warmup_steps}")
         require(self.ewma_threshold > 0, "sync.ewma_threshold",
-               f"must be > 0, got {self.ewma_threshold}")
+                f"must be > 0, got {self.ewma_threshold}")
         require(self.local_sgd_sync_time > 0, "sync.local_sgd_sync_time",
-               f"must be > 0 seconds, got {self.local_sgd_sync_time}")
+                f"must be > 0 seconds, got {self.local_sgd_sync_time}")
         require(self.min_total_global_steps >= 0, "sync.min_total_global_steps",
-               f"must be >= 0, got {self.min_total_global_steps}")
+                f"must be >= 0, got {self.min_total_global_steps}")
         require(0.0 <= self.step_weight_ratio <= 1.0, "sync.step_weight_ratio",
-               f"must be in [0, 1], got {self.step_weight_ratio}")
+                f"must be in [0, 1], got {self.step_weight_ratio}")
         if self.outer_optim_kwargs is not None:
             require(isinstance(self.outer_optim_kwargs, dict), "sync.outer_optim_kwargs",
-                   "must be a table, e.g. {lr = 0.7, momentum = 0.9, nesterov = true}")
+                    "must be a table, e.g. {lr = 0.7, momentum = 0.9, nesterov = true}")
         self._check_outer()
         self._check_streaming()
 
     def _check_outer(self) -> None:
         """The outer optimizer exists and accepts its keyword arguments (constructed once on
         a dummy parameter), for the method's default class too."""
-        from editrain.sync.methods import METHOD_DEFAULTS
-        from editrain.sync.outer import check_outer, outer_kwargs, resolve_optimizer_class
-
         name = self.outer_optim_class
         if name is None:
             name = METHOD_DEFAULTS[self.method].get("outer_optim_class")
@@ -248,38 +247,36 @@ class SyncConfig:
 
     def _check_streaming(self) -> None:
         require(isinstance(self.overlap_steps, int) and self.overlap_steps >= 0,
-               "sync.overlap_steps", f"must be an integer >= 0, got {self.overlap_steps!r}")
+                "sync.overlap_steps", f"must be an integer >= 0, got {self.overlap_steps!r}")
         require(isinstance(self.fragments, int) and self.fragments >= 1, "sync.fragments",
-               f"must be an integer >= 1, got {self.fragments!r}")
+                f"must be an integer >= 1, got {self.fragments!r}")
         require(self.merge in MERGES, "sync.merge",
-               f"unknown rule {self.merge!r}; allowed: {', '.join(MERGES)}")
+                f"unknown rule {self.merge!r}; allowed: {', '.join(MERGES)}")
         require(isinstance(self.merge_alpha, (int, float)) and 0.0 <= self.merge_alpha <= 1.0,
-               "sync.merge_alpha", f"must be in [0, 1], got {self.merge_alpha!r}")
+                "sync.merge_alpha", f"must be in [0, 1], got {self.merge_alpha!r}")
         require(self.comm_dtype in COMM_DTYPES, "sync.comm_dtype",
-               f"unknown dtype {self.comm_dtype!r}; allowed: {', '.join(COMM_DTYPES)}")
+                f"unknown dtype {self.comm_dtype!r}; allowed: {', '.join(COMM_DTYPES)}")
         streaming = self.overlap_steps > 0 or self.fragments > 1
-        from editrain.sync.methods import METHOD_DEFAULTS
-
         # Checked here, at construction, not in resolve(): before any data or run directory.
         h = self.local_sgd_sync_interval or METHOD_DEFAULTS[self.method].get(
             "local_sgd_sync_interval")
         if self.is_local_sgd and h is not None and not self.use_async:
             require(self.overlap_steps < h, "sync.overlap_steps",
-                   f"must be < local_sgd_sync_interval ({h}), got {self.overlap_steps}")
+                    f"must be < local_sgd_sync_interval ({h}), got {self.overlap_steps}")
             require(self.fragments <= h, "sync.fragments",
-                   f"must be <= local_sgd_sync_interval ({h}), got {self.fragments}")
+                    f"must be <= local_sgd_sync_interval ({h}), got {self.fragments}")
         if self.method == "sync":
             require(not streaming and self.comm_dtype == "fp32", "sync.method",
-                   "sync (HSDP) averages gradients every step: overlap_steps, fragments and "
-                   "comm_dtype apply to the local-SGD methods only")
+                    "sync (HSDP) averages gradients every step: overlap_steps, fragments and "
+                    "comm_dtype apply to the local-SGD methods only")
         if self.method == "aedit":
             require(self.fragments == 1, "sync.fragments",
-                   "aedit syncs every unit at once (on a wall-clock schedule): fragments must "
-                   "be 1 (overlap_steps > 0 makes its sync non-blocking)")
+                    "aedit syncs every unit at once (on a wall-clock schedule): fragments must "
+                    "be 1 (overlap_steps > 0 makes its sync non-blocking)")
         if self.comm_dtype != "fp32":
             require(self.gta.reducer in (None, "linear"), "sync.comm_dtype",
-                   f"{self.comm_dtype} needs the linear reducer (sync.gta.reducer = "
-                   f"{self.gta.reducer!r} sends fp32 only)")
+                    f"{self.comm_dtype} needs the linear reducer (sync.gta.reducer = "
+                    f"{self.gta.reducer!r} sends fp32 only)")
 
     # ------------------------------------------------------------------ derived views
     @property
@@ -305,8 +302,6 @@ class SyncConfig:
 
     def resolve(self) -> SyncConfig:
         """A copy with every per-method default filled in (see ``methods.METHOD_DEFAULTS``)."""
-        from editrain.sync.methods import METHOD_DEFAULTS
-
         defaults = METHOD_DEFAULTS[self.method]
         updates = {
             f.name: defaults[f.name]
@@ -314,8 +309,6 @@ class SyncConfig:
             if getattr(self, f.name) is None and f.name in defaults
         }
         out = replace(self, **updates)
-        from editrain.sync.outer import outer_kwargs, resolve_optimizer_class
-
         out.outer_optim_kwargs = outer_kwargs(resolve_optimizer_class(out.outer_optim_class),
                                               out.outer_optim_kwargs)
         return out
