@@ -179,6 +179,12 @@ def render_configuration() -> str:
         "implementation. A default of `none` on a `sync` option means the method decides: the",
         "per-method values are listed. *Methods* names the methods that read the option.",
         "",
+        "Example files to start from, each loaded and checked by `tests/test_example_configs.py`:",
+        "`examples/configs/default.toml` (every main option at its default),",
+        "`slow_link.toml` (streaming EDiT over a simulated slow link), `stragglers.toml`",
+        "(A-EDiT with a simulated straggler), `fault_tolerant.toml` (`dist.fault_tolerance =",
+        "torchft`) and `tensor_parallel.toml` (`dist.tp_size = 2`).",
+        "",
         "Regenerate this page with `python -m editrain.docs` after changing a config class",
         "(`tests/test_docs.py` fails while it is out of date).",
     ]
@@ -194,9 +200,10 @@ def render_configuration() -> str:
             lines.append(f"| `{option}` | `{_cell(tp)}` | {_cell(_default(option, default))} "
                          f"| {who} | {_cell(doc)} |")
     lines += ["", "## Bad input", "",
-              "Every value is checked before any process starts, each section by its own",
-              "`validate()`: `editrain train` then prints one line naming the option and what",
-              "is allowed, exits with status 2, and writes nothing (no run directory). Numbers",
+              "Every value is checked before any process starts, each section by its own checks",
+              "(`editrain/config/validation.py`; `sync` by `SyncConfig` itself): `editrain train`",
+              "then prints one line naming the option and what is allowed, exits with status 2,",
+              "and writes nothing (no run directory). Numbers",
               "must be finite, also inside tables and lists (`sync.outer_optim_kwargs`), and",
               "integers at most 2^63 - 1; seeds are in [0, 2^63 - 1]; the outer optimizer is",
               "constructed once on a dummy parameter, so torch's own checks of its arguments",

@@ -571,9 +571,9 @@ def test_every_option_is_settable_to_its_default():
 
 
 def test_cuda_backends_need_a_device_per_local_process(monkeypatch):
-    import editrain.config as config
+    from editrain.config import validation
 
-    monkeypatch.setattr(config, "cuda_device_count", lambda: 4)
+    monkeypatch.setattr(validation, "cuda_device_count", lambda: 4)
     monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
     assert cli("--dist.backend=nccl", "--nproc", "4").dist.backend == "nccl"
     with pytest.raises(ConfigError, match=r"dist.device=cuda: .*local process \(8\).*has 4"):
@@ -766,3 +766,57 @@ def test_sim_fail_step_must_come(spec, ok):
 def test_fail_restart_is_bounded():
     cli("--sim.fail_restart_s", "3600")
     expect_error("sim.fail_restart_s", "[0, 3600]", argv=["--sim.fail_restart_s", "3601"])
+
+
+# ---------------------------------------------------------------------------- one error type
+@pytest.mark.parametrize("make, option", [
+    (lambda: SyncConfig(method="fedavg"), "sync.method"),
+    (lambda: SyncConfig(outer_optim_class="os.system"), "sync.outer_optim_class"),
+    (lambda: SyncConfig(outer_optim_kwargs={"lr": float("nan")}), "sync.outer_optim_kwargs.lr"),
+    (lambda: SyncConfig(outer_optim_kwargs={"bogus": 1}), "sync.outer_optim_kwargs"),
+    (lambda: GTAConfig(density=0), "sync.gta.density"),
+])
+def test_sync_config_raises_config_error(make, option):
+    """The sync section built through the Python API fails like the rest of the config:
+    ConfigError (still a ValueError), naming the option."""
+    with pytest.raises(ConfigError, match=rf"^{option}: "):
+        make()
+
+
+def test_config_modules_raise_no_bare_value_error():
+    """One error type: the configuration modules raise ConfigError only (through
+    ``editrain.errors.require``), and a lower layer's ValueError is converted by
+    ``as_config_error`` instead of by hand (no ``except ValueError`` of their own)."""
+    import ast
+
+    root = Path(__file__).resolve().parents[1] / "editrain"
+    paths = sorted((root / "config").glob("*.py")) + [root / "sync" / "config.py"]
+    offenders = []
+    for path in paths:
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = []
+            if isinstance(node, ast.Raise) and isinstance(node.exc, ast.Call):
+                names = [getattr(node.exc.func, "id", "")]
+            elif isinstance(node, ast.ExceptHandler) and node.type is not None:
+                types = node.type.elts if isinstance(node.type, ast.Tuple) else [node.type]
+                names = [getattr(t, "id", "") for t in types]
+            if "ValueError" in names:
+                offenders.append(f"{path.relative_to(root)}:{node.lineno}")
+    assert not offenders, offenders
+
+
+def test_require_and_as_config_error():
+    from editrain.errors import as_config_error, require
+
+    require(True, "train.lr", "must be > 0, got 1")
+    with pytest.raises(ConfigError, match=r"^train.lr: must be > 0, got 0$"):
+        require(False, "train.lr", "must be > 0, got 0")
+    with pytest.raises(ConfigError, match=r"^model: dim \(66\)"):
+        with as_config_error(prefix="model: "):
+            raise ValueError("dim (66) must be divisible by n_heads (4)")
+    with pytest.raises(ConfigError, match=r"^data.path: gone$"):
+        with as_config_error(FileNotFoundError):
+            raise FileNotFoundError("data.path: gone")
+    with pytest.raises(KeyError):  # anything else passes through
+        with as_config_error():
+            raise KeyError("x")

@@ -449,7 +449,7 @@ def test_fail_indices_fit_an_int64(spec):
 
 
 def test_sim_ranges_reach_the_config_check():
-    """SimSection.validate (before any process) reports them as one-line ConfigErrors."""
+    """The sim section's checks (before any process) report them as one-line ConfigErrors."""
     with pytest.raises(ConfigError, match="sim.straggler: factor 1e999"):
         load_config(None, {"sim": {"straggler": ["1=1e999"]}})
     with pytest.raises(ConfigError, match="sim.link_latency"):

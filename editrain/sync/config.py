@@ -11,17 +11,16 @@ import math
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
+from editrain.errors import as_config_error, require
+from editrain.sync.methods import METHOD_DEFAULTS
+from editrain.sync.outer import check_outer, outer_kwargs, resolve_optimizer_class
+
 METHODS = ("sync", "post_local_sgd", "diloco", "edit", "aedit")
 REDUCERS = ("linear", "gta")
 CONSENSUS = ("sum", "count")
 SPARSIFICATION = ("magnitude", "random", "rescaled_random")
 MERGES = ("blend", "keep_local")
 COMM_DTYPES = ("fp32", "bf16", "int8", "int4")
-
-
-def _check(cond: bool, option: str, msg: str) -> None:
-    if not cond:
-        raise ValueError(f"{option}: {msg}")
 
 
 INT_MAX = 2**63 - 1
@@ -38,16 +37,15 @@ def check_number(value: Any, option: str) -> None:
         option: the option's dotted name; items are named ``option.key`` / ``option[i]``.
 
     Raises:
-        ValueError: naming the option (or the item) and what is allowed.
+        ConfigError: naming the option (or the item) and what is allowed.
     """
     if isinstance(value, bool):
         return
-    if isinstance(value, float) and not math.isfinite(value):
-        raise ValueError(f"{option}: must be a finite number, got {value}")
-    if isinstance(value, int) and value > INT_MAX:
-        raise ValueError(f"{option}: must be at most 2^63 - 1 ({INT_MAX}), got {value}")
-    if isinstance(value, int) and value < -INT_MAX - 1:
-        raise ValueError(f"{option}: must be at least -2^63, got {value}")
+    if isinstance(value, float):
+        require(math.isfinite(value), option, f"must be a finite number, got {value}")
+    if isinstance(value, int):
+        require(value <= INT_MAX, option, f"must be at most 2^63 - 1 ({INT_MAX}), got {value}")
+        require(value >= -INT_MAX - 1, option, f"must be at least -2^63, got {value}")
     if isinstance(value, dict):
         for k, v in value.items():
             check_number(v, f"{option}.{k}")
@@ -88,13 +86,13 @@ def check_outer_kwargs(kwargs: dict[str, Any]) -> None:
         kwargs: ``sync.outer_optim_kwargs`` as given.
 
     Raises:
-        ValueError: naming ``sync.outer_optim_kwargs.KEY`` and the allowed range.
+        ConfigError: naming ``sync.outer_optim_kwargs.KEY`` and the allowed range.
     """
     for key, value in kwargs.items():
         if key in OUTER_KWARG_RANGES and isinstance(value, int | float) and not isinstance(
                 value, bool):
             ok, allowed = OUTER_KWARG_RANGES[key]
-            _check(ok(value), f"sync.outer_optim_kwargs.{key}", f"{allowed}, got {value}")
+            require(ok(value), f"sync.outer_optim_kwargs.{key}", f"{allowed}, got {value}")
 
 
 @dataclass
@@ -117,17 +115,17 @@ class GTAConfig:
     def __post_init__(self) -> None:
         check_finite(self, "sync.gta")
         if self.reducer is not None:
-            _check(self.reducer in REDUCERS, "sync.gta.reducer",
-                   f"unknown reducer {self.reducer!r}; allowed: none, {', '.join(REDUCERS)}")
-        _check(self.consensus_method in CONSENSUS, "sync.gta.consensus_method",
-               f"unknown method {self.consensus_method!r}; allowed: {', '.join(CONSENSUS)}")
+            require(self.reducer in REDUCERS, "sync.gta.reducer",
+                    f"unknown reducer {self.reducer!r}; allowed: none, {', '.join(REDUCERS)}")
+        require(self.consensus_method in CONSENSUS, "sync.gta.consensus_method",
+                f"unknown method {self.consensus_method!r}; allowed: {', '.join(CONSENSUS)}")
         if self.sparsification_method is not None:
-            _check(self.sparsification_method in SPARSIFICATION,
-                   "sync.gta.sparsification_method",
-                   f"unknown method {self.sparsification_method!r}; allowed: none, "
-                   f"{', '.join(SPARSIFICATION)}")
-        _check(0.0 < self.density <= 1.0, "sync.gta.density",
-               f"must be in (0, 1], got {self.density}")
+            require(self.sparsification_method in SPARSIFICATION,
+                    "sync.gta.sparsification_method",
+                    f"unknown method {self.sparsification_method!r}; allowed: none, "
+                    f"{', '.join(SPARSIFICATION)}")
+        require(0.0 < self.density <= 1.0, "sync.gta.density",
+                f"must be in (0, 1], got {self.density}")
 
 
 @dataclass
@@ -203,86 +201,82 @@ class SyncConfig:
         if isinstance(self.gta, dict):
             self.gta = GTAConfig(**self.gta)
         check_finite(self, "sync")
-        _check(self.method in METHODS, "sync.method",
-               f"unknown method {self.method!r}; allowed: {', '.join(METHODS)}")
+        require(self.method in METHODS, "sync.method",
+                f"unknown method {self.method!r}; allowed: {', '.join(METHODS)}")
         if self.local_sgd_sync_interval is not None:
-            _check(self.local_sgd_sync_interval >= 1, "sync.local_sgd_sync_interval",
-                   f"must be >= 1, got {self.local_sgd_sync_interval}")
-        _check(self.local_sgd_warmup_steps >= 0, "sync.local_sgd_warmup_steps",
-               f"must be >= 0, got {self.local_sgd_warmup_steps}")
-        _check(self.prefetch_depth >= 0, "sync.prefetch_depth",
-               f"must be >= 0, got {self.prefetch_depth}")
+            require(self.local_sgd_sync_interval >= 1, "sync.local_sgd_sync_interval",
+                    f"must be >= 1, got {self.local_sgd_sync_interval}")
+        require(self.local_sgd_warmup_steps >= 0, "sync.local_sgd_warmup_steps",
+                f"must be >= 0, got {self.local_sgd_warmup_steps}")
+        require(self.prefetch_depth >= 0, "sync.prefetch_depth",
+                f"must be >= 0, got {self.prefetch_depth}")
         if self.clip_pseudo_grad is not None:
-            _check(self.clip_pseudo_grad >= 0, "sync.clip_pseudo_grad",
-                   f"must be > 0 (or 0/none to disable), got {self.clip_pseudo_grad}")
-        _check(self.weight_softmax_temperature > 0, "sync.weight_softmax_temperature",
-               f"must be > 0, got {self.weight_softmax_temperature}")
-        _check(0.0 < self.ewma_alpha <= 1.0, "sync.ewma_alpha",
-               f"must be in (0, 1], got {self.ewma_alpha}")
-        _check(self.ewma_warmup_steps >= 0, "sync.ewma_warmup_steps",
-               f"must be >= 0, got {self.ewma_warmup_steps}")
-        _check(self.ewma_threshold > 0, "sync.ewma_threshold",
-               f"must be > 0, got {self.ewma_threshold}")
-        _check(self.local_sgd_sync_time > 0, "sync.local_sgd_sync_time",
-               f"must be > 0 seconds, got {self.local_sgd_sync_time}")
-        _check(self.min_total_global_steps >= 0, "sync.min_total_global_steps",
-               f"must be >= 0, got {self.min_total_global_steps}")
-        _check(0.0 <= self.step_weight_ratio <= 1.0, "sync.step_weight_ratio",
-               f"must be in [0, 1], got {self.step_weight_ratio}")
+            require(self.clip_pseudo_grad >= 0, "sync.clip_pseudo_grad",
+                    f"must be > 0 (or 0/none to disable), got {self.clip_pseudo_grad}")
+        require(self.weight_softmax_temperature > 0, "sync.weight_softmax_temperature",
+                f"must be > 0, got {self.weight_softmax_temperature}")
+        require(0.0 < self.ewma_alpha <= 1.0, "sync.ewma_alpha",
+                f"must be in (0, 1], got {self.ewma_alpha}")
+        require(self.ewma_warmup_steps >= 0, "sync.ewma_warmup_steps",
+                f"must be >= 0, got {self.ewma_warmup_steps}")
+        require(self.ewma_threshold > 0, "sync.ewma_threshold",
+                f"must be > 0, got {self.ewma_threshold}")
+        require(self.local_sgd_sync_time > 0, "sync.local_sgd_sync_time",
+                f"must be > 0 seconds, got {self.local_sgd_sync_time}")
+        require(self.min_total_global_steps >= 0, "sync.min_total_global_steps",
+                f"must be >= 0, got {self.min_total_global_steps}")
+        require(0.0 <= self.step_weight_ratio <= 1.0, "sync.step_weight_ratio",
+                f"must be in [0, 1], got {self.step_weight_ratio}")
         if self.outer_optim_kwargs is not None:
-            _check(isinstance(self.outer_optim_kwargs, dict), "sync.outer_optim_kwargs",
-                   "must be a table, e.g. {lr = 0.7, momentum = 0.9, nesterov = true}")
+            require(isinstance(self.outer_optim_kwargs, dict), "sync.outer_optim_kwargs",
+                    "must be a table, e.g. {lr = 0.7, momentum = 0.9, nesterov = true}")
         self._check_outer()
         self._check_streaming()
 
     def _check_outer(self) -> None:
         """The outer optimizer exists and accepts its keyword arguments (constructed once on
         a dummy parameter), for the method's default class too."""
-        from editrain.sync.methods import METHOD_DEFAULTS
-        from editrain.sync.outer import check_outer, outer_kwargs, resolve_optimizer_class
-
         name = self.outer_optim_class
         if name is None:
             name = METHOD_DEFAULTS[self.method].get("outer_optim_class")
-        cls = resolve_optimizer_class(name)
-        check_outer(cls, outer_kwargs(cls, self.outer_optim_kwargs))
+        with as_config_error():  # the optimizer module's own checks name the option
+            cls = resolve_optimizer_class(name)
+            check_outer(cls, outer_kwargs(cls, self.outer_optim_kwargs))
         if cls is not None:
             check_outer_kwargs(self.outer_optim_kwargs or {})
 
     def _check_streaming(self) -> None:
-        _check(isinstance(self.overlap_steps, int) and self.overlap_steps >= 0,
-               "sync.overlap_steps", f"must be an integer >= 0, got {self.overlap_steps!r}")
-        _check(isinstance(self.fragments, int) and self.fragments >= 1, "sync.fragments",
-               f"must be an integer >= 1, got {self.fragments!r}")
-        _check(self.merge in MERGES, "sync.merge",
-               f"unknown rule {self.merge!r}; allowed: {', '.join(MERGES)}")
-        _check(isinstance(self.merge_alpha, (int, float)) and 0.0 <= self.merge_alpha <= 1.0,
-               "sync.merge_alpha", f"must be in [0, 1], got {self.merge_alpha!r}")
-        _check(self.comm_dtype in COMM_DTYPES, "sync.comm_dtype",
-               f"unknown dtype {self.comm_dtype!r}; allowed: {', '.join(COMM_DTYPES)}")
+        require(isinstance(self.overlap_steps, int) and self.overlap_steps >= 0,
+                "sync.overlap_steps", f"must be an integer >= 0, got {self.overlap_steps!r}")
+        require(isinstance(self.fragments, int) and self.fragments >= 1, "sync.fragments",
+                f"must be an integer >= 1, got {self.fragments!r}")
+        require(self.merge in MERGES, "sync.merge",
+                f"unknown rule {self.merge!r}; allowed: {', '.join(MERGES)}")
+        require(isinstance(self.merge_alpha, (int, float)) and 0.0 <= self.merge_alpha <= 1.0,
+                "sync.merge_alpha", f"must be in [0, 1], got {self.merge_alpha!r}")
+        require(self.comm_dtype in COMM_DTYPES, "sync.comm_dtype",
+                f"unknown dtype {self.comm_dtype!r}; allowed: {', '.join(COMM_DTYPES)}")
         streaming = self.overlap_steps > 0 or self.fragments > 1
-        from editrain.sync.methods import METHOD_DEFAULTS
-
         # Checked here, at construction, not in resolve(): before any data or run directory.
         h = self.local_sgd_sync_interval or METHOD_DEFAULTS[self.method].get(
             "local_sgd_sync_interval")
         if self.is_local_sgd and h is not None and not self.use_async:
-            _check(self.overlap_steps < h, "sync.overlap_steps",
-                   f"must be < local_sgd_sync_interval ({h}), got {self.overlap_steps}")
-            _check(self.fragments <= h, "sync.fragments",
-                   f"must be <= local_sgd_sync_interval ({h}), got {self.fragments}")
+            require(self.overlap_steps < h, "sync.overlap_steps",
+                    f"must be < local_sgd_sync_interval ({h}), got {self.overlap_steps}")
+            require(self.fragments <= h, "sync.fragments",
+                    f"must be <= local_sgd_sync_interval ({h}), got {self.fragments}")
         if self.method == "sync":
-            _check(not streaming and self.comm_dtype == "fp32", "sync.method",
-                   "sync (HSDP) averages gradients every step: overlap_steps, fragments and "
-                   "comm_dtype apply to the local-SGD methods only")
+            require(not streaming and self.comm_dtype == "fp32", "sync.method",
+                    "sync (HSDP) averages gradients every step: overlap_steps, fragments and "
+                    "comm_dtype apply to the local-SGD methods only")
         if self.method == "aedit":
-            _check(self.fragments == 1, "sync.fragments",
-                   "aedit syncs every unit at once (on a wall-clock schedule): fragments must "
-                   "be 1 (overlap_steps > 0 makes its sync non-blocking)")
+            require(self.fragments == 1, "sync.fragments",
+                    "aedit syncs every unit at once (on a wall-clock schedule): fragments must "
+                    "be 1 (overlap_steps > 0 makes its sync non-blocking)")
         if self.comm_dtype != "fp32":
-            _check(self.gta.reducer in (None, "linear"), "sync.comm_dtype",
-                   f"{self.comm_dtype} needs the linear reducer (sync.gta.reducer = "
-                   f"{self.gta.reducer!r} sends fp32 only)")
+            require(self.gta.reducer in (None, "linear"), "sync.comm_dtype",
+                    f"{self.comm_dtype} needs the linear reducer (sync.gta.reducer = "
+                    f"{self.gta.reducer!r} sends fp32 only)")
 
     # ------------------------------------------------------------------ derived views
     @property
@@ -308,8 +302,6 @@ class SyncConfig:
 
     def resolve(self) -> SyncConfig:
         """A copy with every per-method default filled in (see ``methods.METHOD_DEFAULTS``)."""
-        from editrain.sync.methods import METHOD_DEFAULTS
-
         defaults = METHOD_DEFAULTS[self.method]
         updates = {
             f.name: defaults[f.name]
@@ -317,8 +309,6 @@ class SyncConfig:
             if getattr(self, f.name) is None and f.name in defaults
         }
         out = replace(self, **updates)
-        from editrain.sync.outer import outer_kwargs, resolve_optimizer_class
-
         out.outer_optim_kwargs = outer_kwargs(resolve_optimizer_class(out.outer_optim_class),
                                               out.outer_optim_kwargs)
         return out

@@ -1,0 +1,102 @@
+"""Command-line options: ``--section.key=value``, ``--section.key value``, shorthands and flags.
+
+:func:`parse_overrides` turns them into the nested dict that
+:func:`editrain.config.toml_io.load_config` lays over the TOML file. A value is read as TOML
+(numbers, booleans, lists, inline tables), except for a string option, which keeps the text
+as typed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from typing import Any
+
+from editrain.config.schema import Config
+from editrain.config.toml_io import parse_scalar
+from editrain.errors import require
+
+SHORTHANDS = {
+    "--steps": "train.steps",
+    "--nproc": "dist.nproc",
+    "--shard-size": "dist.shard_size",
+    "--tp-size": "dist.tp_size",
+    "--method": "sync.method",
+    "--seed": "train.seed",
+    "--run-dir": "run_dir",
+    "--resume": "resume",
+    "--max-restarts": "dist.max_restarts",
+}
+"""Short names of frequent options: ``--steps 300`` is ``--train.steps 300``."""
+FLAGS: dict[str, str | tuple[str, Any]] = {
+    "--quiet": "quiet", "--overwrite": "overwrite",
+    "--ft": ("dist.fault_tolerance", "torchft"),
+}
+"""Flags without a value: the option they set to True, or (option, value)."""
+
+
+def _is_text_option(dotted: str) -> bool:
+    """Whether ``dotted`` names a string (or list-of-strings) option of :class:`Config`."""
+    tp: Any = Config
+    for part in dotted.split("."):
+        if not dataclasses.is_dataclass(tp):
+            return False
+        tp = typing.get_type_hints(tp).get(part)
+    args = (typing.get_args(tp) if typing.get_origin(tp) in (typing.Union, types.UnionType)
+            else (tp,))
+    return any(a is str or a == list[str] for a in args)
+
+
+def _parse_value(dotted: str, text: str) -> Any:
+    """A CLI value for option ``dotted``: TOML, except that a string option keeps the text as
+    typed (``--run-dir 2024-01-01`` or ``--sim.link_latency 0.005`` are not a date/number)."""
+    value = parse_scalar(text)
+    if not isinstance(value, str | list) and _is_text_option(dotted):
+        return text
+    return value
+
+
+def _set_path(raw: dict[str, Any], dotted: str, value: Any) -> None:
+    """Set ``raw[a][b][c] = value`` for ``dotted`` = ``a.b.c``."""
+    parts = dotted.split(".")
+    node = raw
+    for p in parts[:-1]:
+        node = node.setdefault(p, {})
+        require(isinstance(node, dict), f"--{dotted}", f"{p} is not a section")
+    node[parts[-1]] = value
+
+
+def parse_overrides(argv: list[str]) -> tuple[dict[str, Any], list[str]]:
+    """Turn ``--section.key=value`` / ``--section.key value`` / shorthands into a nested dict.
+
+    Returns the nested overrides and the arguments that were not options (positional).
+
+    Raises:
+        ConfigError: an option without its value, or a value given to a fixed flag.
+    """
+    raw: dict[str, Any] = {}
+    rest: list[str] = []
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        i += 1
+        if not arg.startswith("--"):
+            rest.append(arg)
+            continue
+        name, eq, value = arg.partition("=")
+        if name in FLAGS and isinstance(FLAGS[name], tuple):
+            path, fixed = FLAGS[name]
+            _set_path(raw, path, fixed)
+            require(not eq, name, f"takes no value (it sets {path}={fixed})")
+            continue
+        if name in FLAGS:
+            _set_path(raw, FLAGS[name], True if not eq else parse_scalar(value))
+            continue
+        dotted = SHORTHANDS.get(name, name[2:].replace("-", "_"))
+        if not eq:
+            require(i < len(argv), name, "missing value")
+            value = argv[i]
+            i += 1
+        _set_path(raw, dotted, _parse_value(dotted, value))
+    return raw, rest

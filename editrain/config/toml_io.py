@@ -1,0 +1,176 @@
+"""TOML in and out: a :class:`Config` from a file and overrides, and a config written as TOML.
+
+:func:`load_config` reads the file, merges the command-line overrides (nested dicts from
+:func:`editrain.config.overrides.parse_overrides`) over it, builds the dataclasses with
+every key and type checked against the schema, and validates the result.
+:func:`dumps_toml` writes what :func:`load_config` reads back (the run directory's
+``config.toml``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+import types
+import typing
+from pathlib import Path
+from typing import Any
+
+from editrain.config.schema import SECTIONS, Config
+from editrain.config.validation import validate
+from editrain.errors import ConfigError, require
+
+
+def parse_scalar(text: str) -> Any:
+    """Parse a CLI value as TOML (numbers, booleans, lists, inline tables), else a string."""
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        return text
+
+
+def _coerce(value: Any, tp: Any, option: str) -> Any:
+    """Check/convert ``value`` against a field's annotated type."""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None or (isinstance(value, str) and value.lower() == "none"
+                             and type(None) in args):
+            return None
+        errors = []
+        for a in args:
+            if a is type(None):
+                continue
+            try:
+                return _coerce(value, a, option)
+            except ConfigError as e:
+                errors.append(str(e))
+        raise ConfigError(errors[0] if errors else f"{option}: bad value {value!r}")
+    if tp is bool:
+        if isinstance(value, str):
+            words = ("true", "false", "1", "0", "yes", "no")
+            require(value.lower() in words, option, f"expected true or false, got {value!r}")
+            return value.lower() in ("true", "1", "yes")
+        require(isinstance(value, bool), option, f"expected true or false, got {value!r}")
+        return value
+    if tp is int:
+        require(isinstance(value, int) and not isinstance(value, bool), option,
+                f"expected an integer, got {value!r}")
+        return value
+    if tp is float:
+        require(isinstance(value, int | float) and not isinstance(value, bool), option,
+                f"expected a number, got {value!r}")
+        return float(value)
+    if tp is str:
+        require(isinstance(value, str), option, f"expected a string, got {value!r}")
+        return value
+    if origin is list:
+        (item,) = typing.get_args(tp)
+        if isinstance(value, str):  # "a,b" from the command line; items typed like values
+            value = [v if item is str else parse_scalar(v) for v in value.split(",") if v]
+        require(isinstance(value, list), option, f"expected a list, got {value!r}")
+        return [_coerce(v, item, option) for v in value]
+    if origin is dict:
+        require(isinstance(value, dict), option,
+                f"expected a table such as {{lr = 0.7}}, got {value!r}")
+        return dict(value)
+    if dataclasses.is_dataclass(tp):
+        require(isinstance(value, dict), option, f"expected a table, got {value!r}")
+    return value
+
+
+def _build(cls: type, raw: dict[str, Any], prefix: str) -> Any:
+    """Instantiate dataclass ``cls`` from nested dict ``raw``, validating keys and types."""
+    fmap = {f.name: f for f in dataclasses.fields(cls)}
+    hints = typing.get_type_hints(cls)
+    kwargs: dict[str, Any] = {}
+    for key, value in raw.items():
+        option = f"{prefix}{key}"
+        if key not in fmap:
+            close = [k for k in fmap if k.startswith(key[:3])]
+            hint = f" (did you mean {', '.join(close)}?)" if close else ""
+            raise ConfigError(f"unknown option {option!r}{hint}; allowed in "
+                              f"[{prefix.rstrip('.') or 'top level'}]: {', '.join(fmap)}")
+        tp = hints[key]
+        value = _coerce(value, tp, option)
+        if dataclasses.is_dataclass(tp) and isinstance(value, dict):
+            value = _build(tp, value, option + ".")
+        kwargs[key] = value
+    return cls(**kwargs)  # SyncConfig and GTAConfig check themselves (ConfigError)
+
+
+def _merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    """``over`` laid over ``base``, table by table (a nested override keeps its siblings)."""
+    out = dict(base)
+    for k, v in over.items():
+        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None = None) -> Config:
+    """Build a validated :class:`Config` from an optional TOML file and CLI overrides."""
+    raw: dict[str, Any] = {}
+    if path is not None:
+        p = Path(path)
+        require(p.is_file(), "--config", f"file not found: {p}")
+        try:
+            raw = tomllib.loads(p.read_text())
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"--config: {p} is not valid TOML: {e}") from None
+    raw = _merge(raw, overrides or {})
+    cfg = _build(Config, raw, "")
+    validate(cfg)
+    return cfg
+
+
+def to_dict(obj: Any) -> Any:
+    """Plain nested dict of a config (None values kept)."""
+    return dataclasses.asdict(obj)
+
+
+def toml_value(v: Any) -> str:
+    """One value written as TOML (``None`` has no TOML form)."""
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, int | float):
+        return repr(v)
+    if isinstance(v, str):
+        return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    if isinstance(v, list):
+        return "[" + ", ".join(toml_value(x) for x in v) + "]"
+    if isinstance(v, dict):
+        return "{" + ", ".join(f"{k} = {toml_value(x)}" for k, x in v.items()
+                                if x is not None) + "}"
+    raise TypeError(f"cannot write {v!r} as TOML")
+
+
+def dumps_toml(data: dict[str, Any]) -> str:
+    """Serialise a nested dict of plain values as TOML.
+
+    TOML has no null: an option set to ``None`` is written as ``"none"`` (which
+    :func:`load_config` reads back as ``None``; omitting it would bring back a non-None
+    default such as ``data.max_bytes``). ``None`` inside inline tables is omitted.
+    """
+    lines: list[str] = []
+    tables: list[tuple[str, dict[str, Any]]] = []
+    for k, v in data.items():
+        if isinstance(v, dict) and k in SECTIONS + ("gta",):
+            tables.append((k, v))
+        else:
+            lines.append(f"{k} = {toml_value('none' if v is None else v)}")
+
+    def emit(name: str, table: dict[str, Any]) -> None:
+        lines.append("")
+        lines.append(f"[{name}]")
+        subs = []
+        for k, v in table.items():
+            if isinstance(v, dict) and k == "gta":
+                subs.append((f"{name}.{k}", v))
+            else:
+                lines.append(f"{k} = {toml_value('none' if v is None else v)}")
+        for sub_name, sub in subs:
+            emit(sub_name, sub)
+
+    for name, table in tables:
+        emit(name, table)
+    return "\n".join(lines).lstrip("\n") + "\n"

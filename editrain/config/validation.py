@@ -1,0 +1,255 @@
+"""Checks of a configuration before any process starts: each names the option and what is allowed.
+
+One error type (:class:`~editrain.errors.ConfigError`) and one style: every check is a
+:func:`~editrain.errors.require` of a condition, the option's dotted name and what is
+allowed (with the value given); a lower layer's own check (the data sources, the simulation
+specs, the mesh arithmetic, the Hugging Face config) raises ``ValueError`` naming the option
+and is re-raised as ``ConfigError``. :func:`validate` runs each section's checks, then those
+that span sections; :func:`validate_world` those that need the world size. The ``sync``
+section checks itself when it is constructed (:class:`editrain.sync.config.SyncConfig`).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from editrain.config.model import heads, model_config, sync_units
+from editrain.config.schema import (
+    BACKENDS,
+    DEVICES,
+    FAULT_TOLERANCE,
+    OPTIMIZERS,
+    PRECISIONS,
+    PRESETS,
+    SAMS,
+    SECTIONS,
+    SEED_MAX,
+    CheckpointSection,
+    Config,
+    DataSection,
+    DistSection,
+    ModelSection,
+    OptimSection,
+    SimSection,
+    TrainSection,
+)
+from editrain.data import check_data_options
+from editrain.errors import as_config_error, require
+from editrain.models.hf import check_hf_config
+from editrain.sim import check_replicas, parse_sim
+from editrain.sync.config import check_finite
+from editrain.sync.ft import torchft_available
+from editrain.sync.setup import COMM_BACKENDS, check_fault_tolerant
+from editrain.topology import Topology
+
+
+def cuda_device_count() -> int:
+    """CUDA devices this process can use (respects CUDA_VISIBLE_DEVICES); tests replace it."""
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def _counts(section: Any, prefix: str, names: tuple[str, ...], least: int = 1) -> None:
+    """Each of ``names`` is > 0 (``least=1``) or >= 0 (``least=0``)."""
+    for name in names:
+        value = getattr(section, name)
+        require(value >= least, f"{prefix}.{name}",
+                f"must be {'> 0' if least == 1 else '>= 0'}, got {value}")
+
+
+def _one_of(value: Any, allowed: tuple[str, ...], option: str) -> None:
+    require(value in allowed, option, f"allowed: {', '.join(allowed)}; got {value!r}")
+
+
+def _seed(value: int, option: str) -> None:
+    require(0 <= value <= SEED_MAX, option,
+            f"must be in [0, 2^63 - 1] ({SEED_MAX}), got {value}")
+
+
+# ---------------------------------------------------------------------------- sections
+def check_model(m: ModelSection) -> None:
+    """The preset exists (shape overrides are checked with the preset's config)."""
+    require(m.preset in PRESETS, "model.preset",
+            f"unknown preset {m.preset!r}; allowed: {', '.join(PRESETS)}")
+
+
+def check_data(d: DataSection) -> None:
+    """Sources exist and are of a supported kind, options in range (no data is read)."""
+    with as_config_error():
+        check_data_options(d.path, d.text_field, d.eos)
+    require(d.vocab_size >= 257, "data.vocab_size",
+            f"must be >= 257 (256 bytes + end-of-text), got {d.vocab_size}")
+    require(0 < d.val_fraction < 0.5, "data.val_fraction",
+            f"must be in (0, 0.5), got {d.val_fraction}")
+    _counts(d, "data", ("val_tokens",), least=0)
+    _seed(d.split_seed, "data.split_seed")
+    if d.max_bytes is not None:
+        require(d.max_bytes > 0, "data.max_bytes", f"must be > 0, got {d.max_bytes}")
+
+
+def check_train(t: TrainSection) -> None:
+    """Counts positive, rates and coefficients in range."""
+    _counts(t, "train", ("steps", "batch_size", "seq_len", "gradient_accumulation_steps",
+                         "eval_every", "log_every"))
+    _counts(t, "train", ("warmup_steps", "eval_tokens"), least=0)
+    _seed(t.seed, "train.seed")
+    require(t.lr > 0, "train.lr", f"must be > 0, got {t.lr}")
+    require(0 <= t.min_lr_ratio <= 1, "train.min_lr_ratio",
+            f"must be in [0, 1], got {t.min_lr_ratio}")
+    require(t.weight_decay >= 0, "train.weight_decay", f"must be >= 0, got {t.weight_decay}")
+    require(t.grad_clip >= 0, "train.grad_clip", f"must be >= 0, got {t.grad_clip}")
+    for b in ("beta1", "beta2"):
+        require(0 <= getattr(t, b) < 1, f"train.{b}", f"must be in [0, 1), got {getattr(t, b)}")
+    _one_of(t.precision, PRECISIONS, "train.precision")
+
+
+def check_optim(o: OptimSection) -> None:
+    """A known optimizer and SAM wrapper, WSAM coefficients in range."""
+    _one_of(o.name, OPTIMIZERS, "optim.name")
+    if o.sam is not None:
+        _one_of(o.sam, SAMS, "optim.sam")
+    require(o.rho > 0, "optim.rho", f"must be > 0, got {o.rho}")
+    require(0 <= o.gamma < 1, "optim.gamma", f"must be in [0, 1), got {o.gamma}")
+
+
+def check_dist(d: DistSection) -> None:
+    """Sizes and timeouts in range, known backends and devices, and the devices they need:
+    nccl and cuda need as many CUDA devices as local processes (``dist.nproc``, or
+    torchrun's ``LOCAL_WORLD_SIZE``)."""
+    for name in ("nproc", "shard_size", "tp_size"):
+        require(getattr(d, name) >= 1, f"dist.{name}", f"must be >= 1, got {getattr(d, name)}")
+    _counts(d, "dist", ("max_restarts", "threads_per_proc", "ft_replicas"), least=0)
+    _one_of(d.fault_tolerance, FAULT_TOLERANCE, "dist.fault_tolerance")
+    require(d.ft_replica_id >= -1, "dist.ft_replica_id",
+            f"must be >= 0 (or -1: from $EDITRAIN_FT_REPLICA), got {d.ft_replica_id}")
+    _counts(d, "dist", ("ft_min_replicas",))
+    for name in ("ft_heartbeat_timeout_s", "ft_heartbeat_interval_s", "ft_join_timeout_s",
+                 "ft_timeout_s"):
+        require(getattr(d, name) > 0, f"dist.{name}",
+                f"must be > 0 seconds, got {getattr(d, name)}")
+    require(d.ft_heartbeat_interval_s * 2 <= d.ft_heartbeat_timeout_s,
+            "dist.ft_heartbeat_interval_s",
+            f"must be at most half of dist.ft_heartbeat_timeout_s "
+            f"({d.ft_heartbeat_timeout_s:g} s: a live replica must get two heartbeats "
+            f"in), got {d.ft_heartbeat_interval_s:g}")
+    if d.fault_tolerance == "torchft":
+        require(torchft_available(), "dist.fault_tolerance",
+                "torchft is not installed; pip install 'editrain[ft]' (or torchft)")
+    for name, allowed in (("backend", BACKENDS), ("device", DEVICES),
+                          ("comm_backend", COMM_BACKENDS)):
+        _one_of(getattr(d, name), allowed, f"dist.{name}")
+    needs = [f"dist.{n}={v}" for n, v in (("backend", d.backend), ("device", d.device),
+                                          ("comm_backend", d.comm_backend))
+             if v in ("nccl", "cuda")]
+    if needs:
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", d.nproc))
+        have = cuda_device_count()
+        require(have >= local, needs[0],
+                f"needs CUDA with one device per local process ({local}), but this machine "
+                f"has {have}; use gloo / cpu (or auto) here")
+
+
+def check_sim(s: SimSection) -> None:
+    """Every spec parses (typos fail before any process starts)."""
+    with as_config_error():
+        parse_sim(s)
+    _counts(s, "sim", ("replica_offset",), least=0)
+    if s.step_schedule:
+        require(min(s.step_schedule) >= 1, "sim.step_schedule",
+                f"steps per window must be >= 1, got {s.step_schedule}")
+
+
+def check_checkpoint(c: CheckpointSection) -> None:
+    """Intervals and counts in range."""
+    _counts(c, "checkpoint", ("every",), least=0)
+    require(c.keep >= 1, "checkpoint.keep", f"must be >= 1, got {c.keep}")
+
+
+SECTION_CHECKS: dict[str, Callable[[Any], None]] = {
+    "model": check_model, "data": check_data, "train": check_train, "optim": check_optim,
+    "dist": check_dist, "sim": check_sim, "checkpoint": check_checkpoint,
+}
+"""Each section's own checks (``sync`` checks itself when it is constructed)."""
+
+
+# ---------------------------------------------------------------------------- whole config
+def validate(cfg: Config) -> None:
+    """Every section's own checks (first: every number finite and within int64, also
+    inside tables and lists), then the checks that span sections; nothing here needs a
+    process group."""
+    for name in SECTIONS:
+        section = getattr(cfg, name)
+        check_finite(section, name)
+        if name in SECTION_CHECKS:
+            SECTION_CHECKS[name](section)
+    t, s = cfg.train, cfg.sync
+    if s.is_local_sgd:
+        require(s.local_sgd_warmup_steps < t.steps, "sync.local_sgd_warmup_steps",
+                f"must be smaller than train.steps ({t.steps}), got {s.local_sgd_warmup_steps}")
+    if cfg.sim.step_schedule:
+        require(s.method == "aedit", "sim.step_schedule", "only applies to sync.method=aedit")
+    require(0 <= cfg.sim.fail_restart_s <= 3600, "sim.fail_restart_s",
+            f"must be in [0, 3600] seconds, got {cfg.sim.fail_restart_s}")
+    fail = parse_sim(cfg.sim).fail  # (rank, step, phase); parsed in check_sim
+    if fail is not None:
+        require(1 <= fail[1] <= t.steps, "sim.fail",
+                f"step {fail[1]} never comes: STEP must be in [1, train.steps = {t.steps}] "
+                f"(the worker dies after that step), got {cfg.sim.fail!r}")
+    if cfg.dist.tp_size > 1:
+        q, kv = heads(cfg)
+        require(q % cfg.dist.tp_size == 0 and kv % cfg.dist.tp_size == 0, "dist.tp_size",
+                f"must divide the model's query heads ({q}) and key/value heads ({kv}), "
+                f"got {cfg.dist.tp_size}")
+    if cfg.dist.fault_tolerance == "torchft":
+        with as_config_error():
+            check_fault_tolerant(s.resolve(), 1)
+    if cfg.model.hf_config is not None:
+        _check_hf(cfg)
+    else:
+        mcfg = model_config(cfg)
+        require(t.seq_len <= mcfg.max_seq_len, "train.seq_len",
+                f"{t.seq_len} exceeds the model's maximum sequence length {mcfg.max_seq_len} "
+                f"(raise model.max_seq_len or lower train.seq_len)")
+    if s.is_local_sgd and s.fragments > 1:
+        units = sync_units(cfg)
+        blocks = [n for n in units if n.startswith("block")]
+        named = ", ".join(units)
+        if len(blocks) > 2:  # a deep model's blocks as block0 .. blockN-1
+            named = named.replace(", ".join(blocks), f"{blocks[0]} .. {blocks[-1]}")
+        require(s.fragments <= len(units), "sync.fragments",
+                f"must be <= the number of sync units of the model ({len(units)}: {named}), "
+                f"got {s.fragments}")
+
+
+def _check_hf(cfg: Config) -> None:
+    """``model.hf_config``: the file exists and is a config.json, transformers is installed,
+    the sequence length fits, and no preset override is set alongside it."""
+    shape = sorted(cfg.model.overrides())
+    require(not shape, "model.hf_config", f"the model shape comes from the config file; "
+            f"remove {', '.join('model.' + k for k in shape)}")
+    with as_config_error(FileNotFoundError):
+        check_hf_config(cfg.model.hf_config, cfg.train.seq_len)
+
+
+def validate_world(cfg: Config, world_size: int) -> None:
+    """Checks that need the world size (known before spawning, or from torchrun's env)."""
+    d = cfg.dist
+    with as_config_error():  # the mesh's own rank arithmetic says what divides what
+        topo = Topology(world_size, d.shard_size, d.tp_size)
+    # Replica indices in sim.* must exist (checked here, before any worker starts).
+    replicas = topo.num_replicas
+    if d.fault_tolerance == "torchft" and d.ft_replicas:
+        replicas = d.ft_replicas  # this job is one replica group of several
+    plan = parse_sim(cfg.sim)
+    with as_config_error():
+        check_replicas(plan, replicas + cfg.sim.replica_offset)
+    if plan.fail is not None:
+        # A worker dies by its data rank (replica x shard_size + shard; tp peers share it).
+        data_ranks = replicas * d.shard_size
+        require(plan.fail[0] < data_ranks, "sim.fail",
+                f"rank {plan.fail[0]} does not exist: RANK is a data rank, replica x "
+                f"dist.shard_size + shard, from 0 to {data_ranks - 1} ({replicas} replicas x "
+                f"{d.shard_size} shards), got {cfg.sim.fail!r}")
