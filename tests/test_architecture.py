@@ -240,10 +240,12 @@ def layer_entries(text: str) -> list[tuple[int, str]]:
     """The ``(line, path)`` entries of the layers block of ``docs/architecture.md`` (the
     fenced block after ``<!-- layers -->``): each line starts with one or more paths under
     ``editrain/`` (``sync/edit.py``, or ``bench/`` for a whole package) before its
-    description."""
+    description; indented lines continue a description."""
     block = text.split("<!-- layers -->", 1)[1].split("```", 2)[1]
     out = []
     for number, line in enumerate(block.splitlines()[1:]):
+        if line[:1].isspace():
+            continue  # an indented line continues the description above it
         for token in line.split():
             if not (token.endswith(".py") or token.endswith("/")):
                 break
