@@ -5,8 +5,10 @@ buffers at every step. With glibc's default settings the larger of them are ``mm
 afresh each time (the mmap threshold adapts to the blocks freed so far) and free memory at
 the top of the heap is handed back to the kernel, so a step touches new pages and pays a
 page fault for each (the kernel zeroes them). Measured on the tiny preset, 2 replicas x 1
-process on 2 cores: 1,000 to 4,000 minor page faults per step with the defaults, none with
-these settings, and about 20% less CPU time per step.
+process on 2 cores, through the library API: in most processes 1,000 to 3,000 minor page
+faults and 4 to 7 ms of kernel time per step with the defaults; none and 0.3 to 0.5 ms
+once these settings were applied, in the same processes. Whether a process faults depends
+on its heap's layout, so some never do.
 
 :func:`keep_freed_memory` is called by editrain's workers (``editrain train``) and by
 :func:`editrain.init_mesh`, so a library user's loop runs with the same heap as the
