@@ -22,6 +22,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from editrain import malloc
+
 SYNC_DIM = "sync"
 SHARD_DIM = "shard"
 TP_DIM = "tp"
@@ -189,6 +191,7 @@ def init_mesh(
     device_type: str | None = None,
     timeout_s: float = 600.0,
     tp_size: int = 1,
+    keep_freed_memory: bool = True,
 ) -> MeshInfo:
     """Initialise the default process group (if needed) and the ``("sync", "shard")`` mesh,
     or the ``("sync", "shard", "tp")`` mesh when ``tp_size > 1``.
@@ -201,7 +204,12 @@ def init_mesh(
         device_type: ``"cpu"``, ``"cuda"`` or None to detect.
         timeout_s: collective timeout; a hung peer fails after this long.
         tp_size: tensor-parallel ranks per shard (see :mod:`editrain.models.tensor_parallel`).
+        keep_freed_memory: set glibc's malloc up as ``editrain train`` sets up its workers
+            (:func:`editrain.malloc.keep_freed_memory`: a step's freed buffers are reused
+            by the next instead of being page-faulted in again); False leaves malloc alone.
     """
+    if keep_freed_memory:
+        malloc.keep_freed_memory()
     device_type = device_type or default_device_type()
     if not dist.is_initialized():
         timeout = timedelta(seconds=timeout_s)

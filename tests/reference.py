@@ -1,4 +1,4 @@
-"""Single-process reference simulator of the algorithm (edit-algorithm.md section 5) and of
+"""Single-process reference simulator of the algorithm (docs/algorithm.md section 5) and of
 its streaming options (docs/streaming.md: fragments, delayed outer updates, quantised
 pseudo-gradients with error feedback).
 

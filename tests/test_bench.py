@@ -280,16 +280,17 @@ def test_peers_without_torchft(tmp_path, monkeypatch):
 
 @pytest.mark.timeout(600)
 def test_peers_with_torchft(tmp_path, cache):
-    """torchft's DiLoCo really runs next to editrain's diloco and edit: same start, same
-    syncs, and editrain's diloco ends where torchft's does."""
+    """torchft's DiLoCo really runs next to editrain's diloco and edit, and editrain's
+    diloco through the library API: same start, same syncs, and editrain's diloco ends
+    where torchft's does on both paths."""
     pytest.importorskip("torchft", reason="torchft not installed (pip install torchft)")
     saved, out = _run("peers", tmp_path, cache)
-    _runs_ok(saved, count=3)
+    _runs_ok(saved, count=4)
     assert "skipped" not in saved and saved["repeats"] == 1
     assert not saved["measurement_errors"]
     res = saved["results"]
     steps, h = saved["settings"]["steps"], saved["settings"]["sync_interval"]
-    for system in ("torchft-diloco", "diloco", "edit"):
+    for system in ("torchft-diloco", "diloco", "edit", "diloco-library"):
         e = res[system]
         assert _num(e["final_val_loss"]["median"]), system
         assert e["final_val_loss"]["median"] < e["initial_val_loss"]["median"], system
@@ -300,6 +301,8 @@ def test_peers_with_torchft(tmp_path, cache):
     assert len(finals) == 2 and finals[0] == pytest.approx(finals[1])  # the global model
     assert saved["targets"][0]["met"] is True  # editrain's diloco = torchft's DiLoCo
     assert (out / "runs" / "torchft-diloco-r0" / "ranks" / "rank1.jsonl").is_file()
+    assert (out / "runs" / "diloco-library-r0" / "ranks" / "rank1.jsonl").is_file()
+    assert set(res["speed_ratios"]) == {"diloco", "edit", "diloco-library"}
 
 
 # ---------------------------------------------------------------------------- helpers

@@ -2,7 +2,7 @@
 
 Every topology is spawned once (a module-scoped fixture) and runs all of its cases in that
 one process group; each test then checks the results it needs. The reference simulator and
-the distributed worker live in ``tests/reference.py`` (see edit-algorithm.md sections 3-5).
+the distributed worker live in ``tests/reference.py`` (see docs/algorithm.md sections 3-5).
 """
 
 from __future__ import annotations

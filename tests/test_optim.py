@@ -18,8 +18,9 @@ from editrain.optim import AGD, WSAM, WeightedSAM, build_optimizer, wrap_sam
 from editrain.spawn import run_ranks
 
 # ============================================================================ references
-# Everything below is written directly from docs/optimizers.md (AGD, WSAM) and from the
-# textbook formulas of SGD with momentum and AdamW, in float64, one tensor at a time.
+# Everything below is written directly from the project's specification of AGD and WSAM
+# (../shared/docs/optimizers.md, outside this repository) and from the textbook formulas
+# of SGD with momentum and AdamW, in float64, one tensor at a time.
 
 
 class RefAGD:

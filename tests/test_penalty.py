@@ -1,7 +1,7 @@
 """Tests for editrain.sync.penalty: EWMA detector, detector bank, weights, clipping.
 
 Expected values are worked out by hand or by a small float64 loop written
-here from the algorithm spec (edit-algorithm.md sections 5 and 6), never by
+here from the algorithm spec (docs/algorithm.md sections 5 and 6), never by
 calling the code under test.
 """
 

@@ -1,6 +1,6 @@
 """Penalty acceptance, distributed: softmax weights, anomaly elimination, clipping, GTA,
 NaN/Inf replicas, batched statistics collectives and A-EDiT step weights, all checked
-against the single-process reference (edit-algorithm.md sections 5-8).
+against the single-process reference (docs/algorithm.md sections 5-8).
 
 One spawn per topology runs every case of that topology (module-scoped fixture).
 """

@@ -90,7 +90,13 @@ def test_topology_is_immutable():
 
 # ---------------------------------------------------------------------------- real mesh
 def _mesh_worker(rank: int, world: int, shard_size: int) -> dict:
+    import editrain.malloc
+
+    malloc_calls: list[int] = []
+    editrain.malloc.keep_freed_memory = lambda: malloc_calls.append(1) or True
     info = init_mesh(shard_size=shard_size, backend="gloo", device_type="cpu")
+    init_mesh(shard_size=shard_size, backend="gloo", device_type="cpu",
+              keep_freed_memory=False)
     mesh = info.mesh
     shard_group = mesh.get_group(SHARD_DIM)
     sync_group = mesh.get_group(SYNC_DIM)
@@ -131,6 +137,7 @@ def _mesh_worker(rank: int, world: int, shard_size: int) -> dict:
         "wrong_names_error": wrong_names_error,
         "bad_mesh_error": bad_mesh_error,
         "device": str(info.device),
+        "malloc_calls": len(malloc_calls),
     }
 
 
@@ -153,6 +160,8 @@ def test_init_mesh_on_four_processes():
         assert o["wrong_names_error"] is None
         assert "('sync', 'shard')" in o["bad_mesh_error"] and "init_mesh" in o["bad_mesh_error"]
         assert o["device"] == "cpu"
+        # A library user's process gets the trainer's malloc settings, unless it opts out.
+        assert o["malloc_calls"] == 1
 
 
 def test_worker_threads_respect_the_user_then_torchrun_then_cores(monkeypatch):
@@ -182,10 +191,9 @@ def test_keep_freed_memory_sets_glibc_malloc_unless_the_user_did(monkeypatch):
     import platform
     import sys
 
-    from editrain.train import keep_freed_memory
+    from editrain.malloc import MALLOC_ENV, keep_freed_memory
 
-    for name in ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_",
-                 "MALLOC_MMAP_MAX_"):
+    for name in MALLOC_ENV:
         monkeypatch.delenv(name, raising=False)
     glibc = sys.platform.startswith("linux") and platform.libc_ver()[0] == "glibc"
     assert keep_freed_memory() is glibc

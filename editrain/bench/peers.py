@@ -4,13 +4,16 @@ torchft (``pip install torchft``, or the ``peers`` extra) is driven for real: th
 starts a torchft lighthouse on localhost and one worker process per replica group
 (:mod:`editrain.bench.torchft_peer`: a ``torchft.Manager`` over
 ``torchft.process_group.ProcessGroupGloo`` and ``torchft.local_sgd.DiLoCo``), with a
-timeout so that a hang fails the run instead of blocking. The three systems train the same
+timeout so that a hang fails the run instead of blocking. The four systems train the same
 model (editrain's ``Llama``, same preset and seed), on the same data (editrain's token
 cache and per-replica streams, same seed), with the same H, inner AdamW settings and
 learning-rate schedule and the same outer optimizer (editrain's default for ``diloco``:
-Nesterov SGD, lr 0.7, momentum 0.9); 2 replicas x 1 process. Every repeat runs the three
-in turn (interleaved). When torchft is not importable the scenario is skipped, with that
-reason in ``results.json``.
+Nesterov SGD, lr 0.7, momentum 0.9); 2 replicas x 1 process. editrain's ``diloco`` runs
+twice: through the command line (``editrain train``) and through the public library API
+in the same training loop as torchft's worker (``diloco-library``: ``init_mesh``,
+``parallelize``, ``edit``), so both ways of using editrain are measured. Every repeat runs
+the four in turn (interleaved). When torchft is not importable the scenario is skipped,
+with that reason in ``results.json``.
 """
 
 from __future__ import annotations
@@ -34,14 +37,20 @@ from editrain.bench.tables import md_table, spread_cell, verdict_cell
 from editrain.config import ConfigError
 
 NAME = "peers"
-SYSTEMS = ("torchft-diloco", "diloco", "edit")
+SYSTEMS = ("torchft-diloco", "diloco", "edit", "diloco-library")
+WORKER_SYSTEMS = {"torchft-diloco": "torchft", "diloco-library": "library"}
+"""The systems run by :mod:`editrain.bench.torchft_peer` (its ``system``); the others are
+``editrain train`` runs."""
 DESCRIPTION = (
     "torchft's DiLoCo (`torchft.local_sgd.DiLoCo` with a lighthouse and one manager per "
-    "replica group over gloo) next to editrain's `diloco` and `edit`: same model, data, "
-    "seed, H, inner AdamW and outer Nesterov SGD; final validation loss over the "
-    "validation split and tokens per second (optional: needs the `torchft` package)."
+    "replica group over gloo) next to editrain's `diloco` and `edit` (command line) and "
+    "`diloco` through the library API in the same loop as torchft's (`diloco-library`): "
+    "same model, data, seed, H, inner AdamW and outer Nesterov SGD; final validation loss "
+    "over the validation split and tokens per second (optional: needs the `torchft` "
+    "package)."
 )
-COMPARISONS = (("diloco", "torchft-diloco"), ("edit", "torchft-diloco"), ("edit", "diloco"))
+COMPARISONS = (("diloco", "torchft-diloco"), ("edit", "torchft-diloco"), ("edit", "diloco"),
+               ("diloco-library", "torchft-diloco"), ("diloco-library", "diloco"))
 """Pairs compared on final validation loss and tokens/s against the spread of repeats."""
 SAME_START_TOLERANCE = 1e-3
 """Largest allowed difference of the initial validation losses (same model and data)."""
@@ -76,7 +85,7 @@ def run(bench: Bench) -> dict[str, Any]:
     common = {"train": {"steps": steps, "eval_every": steps,
                         "warmup_steps": min(10, steps // 4)},
               "sync": {"local_sgd_sync_interval": interval}}
-    layers = {s: [common, {"sync": {"method": "diloco" if s == "torchft-diloco" else s}}]
+    layers = {s: [common, {"sync": {"method": "edit" if s == "edit" else "diloco"}}]
               for s in SYSTEMS}
     for s in SYSTEMS:
         bench.check(*layers[s])
@@ -98,9 +107,10 @@ def run(bench: Bench) -> dict[str, Any]:
         for system in SYSTEMS:
             label = repeat_label(system, rep)
             title = f"{system} repeat {rep + 1}"
-            if system == "torchft-diloco":
+            if system in WORKER_SYSTEMS:
                 runs[system].append(run_torchft(bench, label, bench.options(*layers[system]),
-                                                replicas, threads, timeout_s, title))
+                                                replicas, threads, timeout_s, title,
+                                                WORKER_SYSTEMS[system]))
             else:
                 runs[system].append(bench.train(label, *layers[system], title=title))
 
@@ -116,26 +126,32 @@ def run(bench: Bench) -> dict[str, Any]:
         f"{cfg.train.beta1}/{cfg.train.beta2}, weight decay {cfg.train.weight_decay}, "
         f"gradient clipping {cfg.train.grad_clip}, editrain's warm-up + cosine schedule), "
         f"outer {outer.outer_optim_class} {json.dumps(outer.outer_optim_kwargs)} for all "
-        f"three; {threads} thread(s) per process.",
+        f"four; {threads} thread(s) per process.",
         "torchft side: a `torchft.coordination.LighthouseServer` (min_replicas = 2, "
         "join_timeout_ms = 100) per run, one `torchft.Manager` per replica group "
         "(use_async_quorum = False, init_sync = False: both replicas build the same model "
         "from the seed) over `ProcessGroupGloo`, `torchft.local_sgd.DiLoCo(sync_every = H)` "
         f"around the inner optimizer; worker processes time out after {timeout_s} s. Its "
         "workers are set up as editrain's are: the same intra-op threads and the same "
-        "malloc settings (`editrain.train.keep_freed_memory`: freed memory kept for the "
+        "malloc settings (`editrain.malloc.keep_freed_memory`: freed memory kept for the "
         "next step instead of page-faulted in again), so that the comparison is of the "
         "training loops and syncs, not of the processes' heap layouts.",
+        "diloco-library: editrain's diloco through the public API (`editrain.init_mesh("
+        "shard_size=1)`, `editrain.parallelize`, `editrain.edit`, `engine.after_backward()` "
+        "and `engine.step()`) in the same worker loop as torchft's, two processes joined by "
+        "the torchrun variables; `init_mesh` sets malloc up itself, as it does for any "
+        "library user.",
         "Validation loss: over the whole validation split"
         + (" (tiny size: about 2,048 tokens of it)" if bench.mode == "tiny" else "")
         + ", the same windows for every system (editrain.data.eval_batches), at step 0 "
-        "(the same initial model: the three must agree) and after the last sync (the "
+        "(the same initial model: the four must agree) and after the last sync (the "
         "global model).",
         "Throughput: tokens between two rows of metrics.jsonl over the wall time between "
         f"them, from the first to the last sync inside a training step after step {skip} "
         "(whole sync cycles); torchft's sync (quorum, all-reduce of the pseudo-gradients, "
         "outer step) runs inside the inner optimizer's step and is timed there.",
-        f"{repeats} interleaved repeat(s) (torchft-diloco, diloco, edit; again); median "
+        f"{repeats} interleaved repeat(s) (torchft-diloco, diloco, edit, diloco-library; "
+        "again); median "
         "[min-max]. A difference is 'beyond spread' when the min-max ranges do not overlap.",
     ]
     settings = {"steps": steps, "sync_interval": h, "repeats": repeats, "torchft": found,
@@ -159,8 +175,12 @@ def _skip(bench: Bench, reason: str) -> dict[str, Any]:
 
 
 def run_torchft(bench: Bench, label: str, options: dict[str, Any], replicas: int,
-                threads: int, timeout_s: float, title: str) -> Run:
-    """One torchft DiLoCo run: a lighthouse here, one worker process per replica group.
+                threads: int, timeout_s: float, title: str, system: str = "torchft") -> Run:
+    """One run of :mod:`editrain.bench.torchft_peer` workers, one process per replica.
+
+    With ``system = "torchft"`` a lighthouse runs here too and every worker is a torchft
+    replica group; with ``"library"`` the workers are editrain's library path, joined by
+    the ``torchrun`` variables (a free loopback port).
 
     Args:
         bench: the scenario's bench (the run is recorded there).
@@ -168,13 +188,16 @@ def run_torchft(bench: Bench, label: str, options: dict[str, Any], replicas: int
         options: the nested training options (those of editrain's ``diloco`` run).
         replicas: replica groups (one process each).
         threads: intra-op threads per worker.
-        timeout_s: the whole run's time limit; also torchft's collective timeout.
+        timeout_s: the whole run's time limit; also the collective timeout.
         title: the progress line's name of the run.
+        system: the worker's system, "torchft" or "library".
 
     Returns:
         The run read back like an editrain run; ``error`` set when a worker failed or the
         time limit was hit (the workers are killed then).
     """
+    from editrain.spawn import free_port
+
     run_dir = bench.out_dir / "runs" / label
     if run_dir.exists():
         shutil.rmtree(run_dir)
@@ -184,25 +207,35 @@ def run_torchft(bench: Bench, label: str, options: dict[str, Any], replicas: int
     bench.announce(title)
     t0 = time.perf_counter()
     procs: list[subprocess.Popen] = []
-    logs = [open(run_dir / "lighthouse.log", "w")]  # noqa: SIM115 (closed below)
+    logs = []
     error = None
     try:
-        # The lighthouse in its own process: its log goes to a file, a crash stays there.
-        procs.append(subprocess.Popen(
-            [sys.executable, "-c", _LIGHTHOUSE, str(run_dir / "lighthouse.addr"),
-             str(replicas)], stdout=logs[0], stderr=subprocess.STDOUT, env=env))
-        address = _lighthouse_address(run_dir / "lighthouse.addr", procs[0], timeout_s)
+        address = None
+        if system == "torchft":
+            # The lighthouse in its own process: its log goes to a file, a crash stays there.
+            logs.append(open(run_dir / "lighthouse.log", "w"))  # noqa: SIM115 (closed below)
+            procs.append(subprocess.Popen(
+                [sys.executable, "-c", _LIGHTHOUSE, str(run_dir / "lighthouse.addr"),
+                 str(replicas)], stdout=logs[0], stderr=subprocess.STDOUT, env=env))
+            address = _lighthouse_address(run_dir / "lighthouse.addr", procs[0], timeout_s)
+        port = str(free_port())
+        workers = []
         for r in range(replicas):
-            spec = {"options": options, "replica": r, "replicas": replicas,
-                    "lighthouse": address, "run_dir": str(run_dir),
+            spec = {"options": options, "system": system, "replica": r,
+                    "replicas": replicas, "lighthouse": address, "run_dir": str(run_dir),
                     "threads": threads, "timeout_s": timeout_s}
             spec_path = run_dir / f"spec{r}.json"
             spec_path.write_text(json.dumps(spec, indent=1))
+            worker_env = dict(env, MASTER_ADDR="127.0.0.1", MASTER_PORT=port, RANK=str(r),
+                              WORLD_SIZE=str(replicas), LOCAL_RANK=str(r),
+                              LOCAL_WORLD_SIZE=str(replicas))
             logs.append(open(run_dir / f"worker{r}.log", "w"))  # noqa: SIM115 (closed below)
-            procs.append(subprocess.Popen(
+            workers.append(subprocess.Popen(
                 [sys.executable, "-m", "editrain.bench.torchft_peer", "--spec", str(spec_path)],
-                stdout=logs[-1], stderr=subprocess.STDOUT, env=env))
-        error = _wait(procs[1:], run_dir, timeout_s)
+                stdout=logs[-1], stderr=subprocess.STDOUT,
+                env=worker_env if system == "library" else env))
+            procs.append(workers[-1])
+        error = _wait(workers, run_dir, timeout_s)
     except RuntimeError as e:  # the lighthouse did not come up
         error = str(e)
     finally:
@@ -308,23 +341,27 @@ def _results(runs: dict[str, list[Run]], skip: int) -> tuple[dict[str, Any], lis
 
 
 def _target(results: dict[str, Any]) -> dict[str, Any]:
-    """editrain's diloco reproduces torchft's DiLoCo: equal final losses in every repeat."""
-    name = (f"editrain's diloco ends at torchft DiLoCo's final validation loss (relative "
-            f"difference <= {SAME_RESULT_TOLERANCE:g} in every repeat: same algorithm, model "
-            "and data)")
-    ours = results["diloco"]["final_val_loss"]["values"]
+    """editrain's diloco reproduces torchft's DiLoCo, through the command line and the
+    library API alike: equal final losses in every repeat."""
+    name = (f"editrain's diloco (command line and library) ends at torchft DiLoCo's final "
+            f"validation loss (relative difference <= {SAME_RESULT_TOLERANCE:g} in every "
+            "repeat: same algorithm, model and data)")
     theirs = results["torchft-diloco"]["final_val_loss"]["values"]
-    if not ours or len(ours) != len(theirs):
-        return {"name": name, "met": None, "detail": "a run failed"}
-    gaps = [abs(a - b) / abs(b) for a, b in zip(ours, theirs)]
+    gaps = []
+    for system in ("diloco", "diloco-library"):
+        ours = results[system]["final_val_loss"]["values"]
+        if not ours or len(ours) != len(theirs):
+            return {"name": name, "met": None, "detail": "a run failed"}
+        gaps += [abs(a - b) / abs(b) for a, b in zip(ours, theirs)]
     return {"name": name, "met": max(gaps) <= SAME_RESULT_TOLERANCE,
             "detail": f"largest relative difference {max(gaps):.2g}"}
 
 
 def _speed_target(results: dict[str, Any]) -> dict[str, Any]:
-    """editrain's diloco and edit train at least as fast as torchft's DiLoCo (medians)."""
-    name = ("editrain's diloco and edit reach at least torchft DiLoCo's tokens/s (ratio of "
-            "the medians over repeats >= 1.0)")
+    """editrain's diloco (command line and library) and edit train at least as fast as
+    torchft's DiLoCo (medians)."""
+    name = ("editrain's diloco, edit and diloco-library reach at least torchft DiLoCo's "
+            "tokens/s (ratio of the medians over repeats >= 1.0)")
     ratios = results["speed_ratios"]
     if any(r["median_ratio"] is None for r in ratios.values()):
         return {"name": name, "met": None, "detail": "a run failed"}
@@ -343,7 +380,7 @@ def _speed_ratios(results: dict[str, Any]) -> dict[str, Any]:
     the ratio within every repeat (the runs of one repeat run back to back)."""
     ref = results["torchft-diloco"]["tokens_per_s"]
     out = {}
-    for system in ("diloco", "edit"):
+    for system in ("diloco", "edit", "diloco-library"):
         mine = results[system]["tokens_per_s"]
         paired = [a["tokens_per_s"] / b["tokens_per_s"]
                   for a, b in zip(results[system]["windows"], results["torchft-diloco"]["windows"])
@@ -423,7 +460,7 @@ def _findings(results: dict[str, Any], repeats: int, steps: int, h: int) -> list
     out = []
     gap = results["initial_val_loss_gap"]
     if gap is not None:
-        out.append(f"All three start from the same validation loss (largest gap {gap:.2g}): "
+        out.append(f"All four start from the same validation loss (largest gap {gap:.2g}): "
                    "same model, same validation windows.")
     syncs = results["torchft-diloco"]["num_syncs"]
     if syncs is not None:

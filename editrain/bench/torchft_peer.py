@@ -1,25 +1,32 @@
-"""One replica group of torchft's DiLoCo on editrain's model and data (a peers worker).
+"""One peers worker: torchft's DiLoCo, or editrain's public API, on editrain's model and data.
 
 ``python -m editrain.bench.torchft_peer --spec SPEC.json`` trains replica ``replica`` of
-``replicas`` with ``torchft.local_sgd.DiLoCo`` around a ``torchft.Manager`` (one process
-per replica group, gloo through ``torchft.process_group.ProcessGroupGloo``), joined to the
-lighthouse at ``lighthouse``. Everything else is editrain's, taken from the same
-configuration an ``editrain train`` run of ``diloco`` would use: the ``Llama`` of the
-preset and seed, the token cache, the replica's ``SequenceStream`` (rank = replica, world
-= replicas, the same seed), the inner optimizer and learning-rate schedule, gradient
-clipping, H (``sync.local_sgd_sync_interval``) and the outer optimizer of
-``sync.resolve()``; the process is set up as editrain's workers are (intra-op threads,
-``editrain.train.keep_freed_memory``). The validation loss is computed over the same
-windows as editrain's trainer (``editrain.data.eval_batches``), at the start and at the
-end.
+``replicas`` in one process, in one training loop written once for both systems:
+
+- ``system = "torchft"`` (the default): ``torchft.local_sgd.DiLoCo`` around a
+  ``torchft.Manager`` (gloo through ``torchft.process_group.ProcessGroupGloo``), joined to
+  the lighthouse at ``lighthouse``; the process is set up as editrain's workers are
+  (``editrain.malloc.keep_freed_memory``).
+- ``system = "library"``: editrain's ``diloco`` as a library user runs it:
+  ``editrain.init_mesh(shard_size=1)`` (from the ``torchrun`` variables ``RANK``,
+  ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``), ``editrain.parallelize``,
+  ``editrain.edit``, ``engine.after_backward()`` and ``engine.step()`` in this loop.
+
+Everything else is editrain's, taken from the same configuration an ``editrain train`` run
+of ``diloco`` would use: the ``Llama`` of the preset and seed, the token cache, the
+replica's ``SequenceStream`` (rank = replica, world = replicas, the same seed), the inner
+optimizer and learning-rate schedule, gradient clipping, H
+(``sync.local_sgd_sync_interval``) and the outer optimizer of ``sync.resolve()``, with
+``threads`` intra-op threads. The validation loss is computed over the same windows as
+editrain's trainer (``editrain.data.eval_batches``), at the start and at the end.
 
 The run directory gets what the bench reads from an editrain run: ``ranks/rank{R}.jsonl``
 (every replica), and from replica 0 ``metrics.jsonl`` and ``summary.json``; each replica
 also writes ``replica{R}.json`` with its own final numbers.
 
 SPEC.json holds ``options`` (nested training options, as for ``load_config``),
-``replica``, ``replicas``, ``lighthouse`` (address), ``run_dir``, ``threads`` and
-``timeout_s`` (torchft's collective and quorum timeout).
+``system``, ``replica``, ``replicas``, ``lighthouse`` (address; torchft only),
+``run_dir``, ``threads`` and ``timeout_s`` (the collective and quorum timeout).
 """
 
 from __future__ import annotations
@@ -80,8 +87,111 @@ def evaluate(model: torch.nn.Module, batches: list[Any]) -> dict[str, float]:
             "eval_time_s": time.perf_counter() - t0}
 
 
+class _Torchft:
+    """torchft's DiLoCo around the inner optimizer: a ``Manager`` joined to the lighthouse;
+    every H steps ``inner.step()`` also syncs (quorum, all-reduce, outer step)."""
+
+    def __init__(self, spec: dict[str, Any], model: torch.nn.Module,
+                 inner: torch.optim.Optimizer, sync: Any) -> None:
+        from torchft import Manager, ProcessGroupGloo
+        from torchft.local_sgd import DiLoCo
+
+        from editrain.sync.outer import resolve_optimizer_class
+
+        timeout = timedelta(seconds=float(spec["timeout_s"]))
+        outer_cls = resolve_optimizer_class(sync.outer_optim_class)
+        outer = outer_cls(model.parameters(), **(sync.outer_optim_kwargs or {}))
+        # Kept for the whole run: the store's server lives as long as this object does.
+        self.store = store = torch.distributed.TCPStore("localhost", 0, is_master=True,
+                                                        wait_for_workers=False)
+        self.manager = Manager(
+            pg=ProcessGroupGloo(timeout=timeout),
+            load_state_dict=lambda sd: model.load_state_dict(sd["model"]),
+            state_dict=lambda: {"model": model.state_dict()},
+            min_replica_size=int(spec["replicas"]), use_async_quorum=False, init_sync=False,
+            replica_id=f"editrain_peer_{spec['replica']}", store_addr="localhost",
+            store_port=store.port, rank=0, world_size=1, lighthouse_addr=spec["lighthouse"],
+            timeout=timeout, quorum_timeout=timeout, connect_timeout=timeout,
+        )
+        self.inner = inner
+        self.diloco = DiLoCo(self.manager, [model], inner, outer,
+                             sync_every=sync.local_sgd_sync_interval,
+                             backup_device=torch.device("cpu"), pin_memory=False)
+
+    def __enter__(self) -> _Torchft:
+        self.diloco.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.diloco.__exit__(*exc)
+
+    def after_backward(self) -> None:
+        """Nothing: torchft's DiLoCo has no gradient work between syncs."""
+
+    def step(self) -> None:
+        """The inner step; DiLoCo's post-step hook syncs every H steps, inside it."""
+        self.inner.step()
+
+    def syncs(self) -> int:
+        """Committed syncs so far."""
+        return int(self.manager.current_step())
+
+    def finish(self) -> None:
+        """Nothing: the run ends on a sync (steps are a multiple of H)."""
+
+    def close(self) -> None:
+        """Leave the quorum."""
+        self.manager.shutdown(wait=False)
+
+
+class _Library:
+    """editrain's ``diloco`` through its public API in this loop (``editrain.edit``), as a
+    library user writes it: ``engine.after_backward()`` after the backward and
+    ``engine.step()`` after the inner step, which syncs every H steps."""
+
+    def __init__(self, model: torch.nn.Module, info: Any, inner: torch.optim.Optimizer,
+                 sync: Any) -> None:
+        from editrain.api import edit
+
+        self.inner = inner
+        self.engine = edit(model, info, sync)
+
+    def __enter__(self) -> _Library:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        pass
+
+    def after_backward(self) -> None:
+        """The engine's gradient work (none in the local phase)."""
+        self.engine.after_backward()
+
+    def step(self) -> None:
+        """The inner step, then the engine's (a sync every H steps)."""
+        self.inner.step()
+        self.engine.step()
+
+    def syncs(self) -> int:
+        """Syncs so far."""
+        return int(self.engine.num_syncs)
+
+    def finish(self) -> None:
+        """Every replica on the global model (nothing to do after a sync)."""
+        self.engine.finish(force=True)
+
+    def close(self) -> None:
+        """The engine's thread and hooks, then the process group."""
+        self.engine.close()
+        torch.distributed.destroy_process_group()
+
+
+SYSTEMS = {"torchft": "torchft-diloco", "library": "diloco-library"}
+"""The worker's ``system`` values and the method name its summary records."""
+
+
 def train_replica(spec: dict[str, Any]) -> dict[str, Any]:
-    """Train one replica group with torchft's DiLoCo and write its logs.
+    """Train one replica group, with torchft's DiLoCo or editrain's public API, and write
+    its logs.
 
     Args:
         spec: see the module docstring.
@@ -89,22 +199,29 @@ def train_replica(spec: dict[str, Any]) -> dict[str, Any]:
     Returns:
         This replica's result (also written to ``replica{R}.json``).
     """
-    from torchft import Manager, ProcessGroupGloo
-    from torchft.local_sgd import DiLoCo
-
+    import editrain
     from editrain.config import load_config, model_config
     from editrain.corpus import prepare_data
     from editrain.data import SequenceStream, eval_batches
+    from editrain.malloc import keep_freed_memory
     from editrain.models import Llama, causal_lm_loss
     from editrain.optim import build_optimizer
-    from editrain.sync.outer import resolve_optimizer_class
-    from editrain.train import keep_freed_memory, lr_at
+    from editrain.train import lr_at
 
+    system = spec.get("system", "torchft")
+    if system not in SYSTEMS:
+        raise ValueError(f"unknown system {system!r}; allowed: {', '.join(SYSTEMS)}")
     cfg = load_config(None, spec["options"])
     replica, replicas = int(spec["replica"]), int(spec["replicas"])
     run_dir = Path(spec["run_dir"])
     torch.set_num_threads(int(spec["threads"]))
-    keep_freed_memory()  # the process set up as editrain's workers are (run_worker)
+    info = None
+    if system == "library":
+        # What a user's process does first; it also sets malloc up (keep_freed_memory).
+        info = editrain.init_mesh(shard_size=1, backend="gloo", device_type="cpu",
+                                  timeout_s=float(spec["timeout_s"]))
+    else:
+        keep_freed_memory()  # the process set up as editrain's workers are (run_worker)
     t, sync = cfg.train, cfg.sync.resolve()
     if t.steps % sync.local_sgd_sync_interval:
         raise ValueError(f"train.steps ({t.steps}) must be a multiple of H "
@@ -114,22 +231,12 @@ def train_replica(spec: dict[str, Any]) -> dict[str, Any]:
     stream = SequenceStream(data.train, t.seq_len, replica, replicas, t.seed)
     val = eval_batches(data.val, t.seq_len, t.batch_size, 0, 1, t.eval_tokens)
     model = Llama(model_config(cfg, vocab_size=data.vocab_size), seed=t.seed)
+    if info is not None:
+        editrain.parallelize(model, info)  # one-process replicas: the model stays as it is
     inner = build_optimizer(cfg.optim.name, model.parameters(), lr=t.lr,
                             betas=(t.beta1, t.beta2), weight_decay=t.weight_decay)
-    outer_cls = resolve_optimizer_class(sync.outer_optim_class)
-    outer = outer_cls(model.parameters(), **(sync.outer_optim_kwargs or {}))
-
-    timeout = timedelta(seconds=float(spec["timeout_s"]))
-    store = torch.distributed.TCPStore("localhost", 0, is_master=True, wait_for_workers=False)
-    manager = Manager(
-        pg=ProcessGroupGloo(timeout=timeout),
-        load_state_dict=lambda sd: model.load_state_dict(sd["model"]),
-        state_dict=lambda: {"model": model.state_dict()},
-        min_replica_size=replicas, use_async_quorum=False, init_sync=False,
-        replica_id=f"editrain_peer_{replica}", store_addr="localhost", store_port=store.port,
-        rank=0, world_size=1, lighthouse_addr=spec["lighthouse"], timeout=timeout,
-        quorum_timeout=timeout, connect_timeout=timeout,
-    )
+    peer = (_Library(model, info, inner, cfg.sync) if info is not None
+            else _Torchft(spec, model, inner, sync))
     rank_log = _Lines(run_dir / "ranks" / f"rank{replica}.jsonl")
     metrics = _Lines(run_dir / "metrics.jsonl") if replica == 0 else None
     per_step = t.batch_size * t.seq_len * t.gradient_accumulation_steps
@@ -138,8 +245,7 @@ def train_replica(spec: dict[str, Any]) -> dict[str, Any]:
         metrics.write({"step": 0, "tokens": 0, **initial, "wall_time_s": 0.0})
     start = time.perf_counter()
     try:
-        with DiLoCo(manager, [model], inner, outer, sync_every=sync.local_sgd_sync_interval,
-                    backup_device=torch.device("cpu"), pin_memory=False):
+        with peer:
             for step in range(t.steps):
                 t0 = time.perf_counter()
                 for group in inner.param_groups:
@@ -151,11 +257,12 @@ def train_replica(spec: dict[str, Any]) -> dict[str, Any]:
                     loss = causal_lm_loss(model(x[:, :-1]), x[:, 1:])
                     (loss / t.gradient_accumulation_steps).backward()
                     total += float(loss) / t.gradient_accumulation_steps
+                peer.after_backward()
                 if t.grad_clip > 0:
                     torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip)
-                syncs_before = manager.current_step()
+                syncs_before = peer.syncs()
                 t1 = time.perf_counter()
-                inner.step()  # DiLoCo's post-step hook syncs every H steps, inside this call
+                peer.step()  # every H steps the sync runs inside this call
                 opt_s = time.perf_counter() - t1
                 synced = (step + 1) % sync.local_sgd_sync_interval == 0
                 step_time = time.perf_counter() - t0
@@ -172,12 +279,13 @@ def train_replica(spec: dict[str, Any]) -> dict[str, Any]:
                         "loss": total, "lr": lr_at(step, cfg), "wall_time_s": wall,
                         "step_time_s": step_time, "compute_s": step_time - sync_s}
                     if synced:
-                        # Blocking: quorum, all-reduce of the pseudo-gradients, outer step.
+                        # Blocking: (quorum,) all-reduce of the pseudo-gradients, outer step.
                         row["sync"] = {"step": step + 1, "sync": syncs_before,
                                        "wait_s": sync_s, "sync_time_s": sync_s,
-                                       "committed": manager.current_step() > syncs_before}
+                                       "committed": peer.syncs() > syncs_before}
                     metrics.write(row)
         train_s = time.perf_counter() - start
+        peer.finish()
         final = evaluate(model, val)  # after the last sync: the global model
         if metrics is not None:
             metrics.write({"step": t.steps, "tokens": t.steps * per_step * replicas, **final,
@@ -188,17 +296,16 @@ def train_replica(spec: dict[str, Any]) -> dict[str, Any]:
             metrics.close()
     result = {"replica": replica, "initial_val_loss": initial["val_loss"],
               "final_val_loss": final["val_loss"], "val_tokens": final["val_tokens"],
-              "num_syncs": manager.current_step(), "train_time_s": train_s,
-              "steps": t.steps}
+              "num_syncs": peer.syncs(), "train_time_s": train_s, "steps": t.steps}
     summary = {"steps": t.steps, "tokens": t.steps * per_step * replicas,
                "final_val_loss": final["val_loss"], "val_tokens": final["val_tokens"],
                "wall_time_s": time.perf_counter() - start, "train_time_s": train_s,
-               "num_syncs": manager.current_step(), "method": "torchft-diloco",
+               "num_syncs": peer.syncs(), "method": SYSTEMS[system],
                "replicas": replicas, "shard_size": 1}
     (run_dir / f"replica{replica}.json").write_text(to_json(result, indent=1))
     if replica == 0:
         (run_dir / "summary.json").write_text(to_json(summary, indent=1))
-    manager.shutdown(wait=False)
+    peer.close()
     return result
 
 

@@ -2,7 +2,7 @@
 
 Each replica measures the time since its window started with a monotonic clock, agreed
 (the maximum) over the ranks of the replica, so that every rank of a replica decides alike
-(edit-algorithm.md section 8). At the rendezvous every replica contributes one row (at
+(docs/algorithm.md section 8). At the rendezvous every replica contributes one row (at
 least its steps since the last sync and that agreed time); the all-gathered rows are
 identical on every rank, and a round whose steps add up to fewer than
 ``sync.min_total_global_steps`` is skipped.

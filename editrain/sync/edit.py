@@ -310,7 +310,6 @@ class SyncEngine:
         """Whether training is (still) synchronous: gradients are averaged across replicas."""
         return not self.config.is_local_sgd or self.global_step < self.config.local_sgd_warmup_steps
 
-    @torch.no_grad()
     def after_backward(self) -> None:
         """Call after the last micro-batch's backward, before ``optimizer.step()``.
 

@@ -1,7 +1,7 @@
 """Pseudo-gradient penalty: anomaly detection, replica weights and clipping.
 
 This module is the pure-logic half of EDiT's pseudo-gradient penalty
-(edit-algorithm.md, sections 5 and 6). It never talks to
+(docs/algorithm.md, sections 5 and 6). It never talks to
 ``torch.distributed``: the sync engine gathers the ``R x L`` matrix of
 pseudo-gradient norms (replicas x units) once per sync, and every rank then
 calls the functions here with identical inputs, so every rank reaches the same
@@ -69,7 +69,7 @@ def _population_std(values: deque[float] | list[float]) -> float:
 class EWMADetector:
     """Online EWMA anomaly detector for one (unit, replica) norm series.
 
-    Follows edit-algorithm.md section 6, except that ``mean`` and ``var`` start from
+    Follows docs/algorithm.md section 6, except that ``mean`` and ``var`` start from
     the first observations instead of 0 (see :attr:`rate`; a start at 0 left the
     standard deviation several times too large after warm-up). The state is ``mean``
     and ``var`` (exponentially weighted), the number of updates ``count``

@@ -1,6 +1,6 @@
 """Cross-replica reduction of weighted pseudo-gradients.
 
-Implements edit-algorithm.md section 5 step 6 (weighted mean) and section 7 (GTA).
+Implements docs/algorithm.md section 5 step 6 (weighted mean) and section 7 (GTA).
 
 A reducer turns this rank's shard of one unit's pseudo-gradient ``Delta_i``
 and its replica weight ``w_i`` into the reduced pseudo-gradient ``Delta_bar``,
@@ -146,7 +146,7 @@ def _keep_count(density: float, numel: int) -> int:
 class GTAReducer:
     """Sparsify, elect a sign per entry, and merge only agreeing entries.
 
-    Per call, on every rank of the sync group (edit-algorithm.md section 7):
+    Per call, on every rank of the sync group (docs/algorithm.md section 7):
 
     1. Sparsify this rank's ``delta``:
 

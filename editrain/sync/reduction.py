@@ -1,7 +1,7 @@
 """One reduction of a unit across replicas, used by every schedule and the fault-tolerant path.
 
 A round's statistics job computes every replica's pseudo-gradient norms for the round's
-units and the penalty's weights from them (edit-algorithm.md sections 3-5); each unit job
+units and the penalty's weights from them (docs/algorithm.md sections 3-5); each unit job
 then reduces one unit's pseudo-gradient over the sync group (weighted mean, GTA or a
 quantised gather), clips it and applies the outer step (sections 2 and 6). The jobs run on
 the communication thread (:mod:`editrain.sync.comm`).

@@ -1,6 +1,6 @@
 """What the sync engine is built from: its units, the layout checks, its private groups.
 
-A sync *unit* is a group of parameters synced as one (edit-algorithm.md section 1): the
+A sync *unit* is a group of parameters synced as one (docs/algorithm.md section 1): the
 root module's own parameters, every block, and every other separately sharded module. The
 checks here refuse layouts the layer-wise sync cannot serve, before any collective runs.
 """
