@@ -43,7 +43,8 @@ TP_RUN = ["--nproc", "4", "--shard-size", "1", "--tp-size", "2", *COMMON]
 @pytest.fixture(scope="module")
 def runs(cache: Path, tmp_path_factory):
     """``get(*args)``: the directory of a run with these arguments, trained on first use
-    only (every test here reads its runs and writes nothing into them)."""
+    only. The tests read its metrics and summary; the two that resume from its first
+    checkpoint both take the first (a resume moves the later ones aside)."""
     done: dict[tuple[str, ...], Path] = {}
 
     def get(*args: str) -> Path:
