@@ -112,7 +112,10 @@ def _group_main(S: int, case: dict[str, Any], replica: int, R: int, lighthouse: 
                 attempt: int, out_dir: str) -> None:
     from editrain.spawn import run_ranks
 
-    outs = run_ranks(ft_rank, S, case, replica, R, lighthouse, attempt)
+    # A first attempt's ranks fork from this group process (it has imported torch and run
+    # no operation yet); a restart spawns them, see run_groups.
+    outs = run_ranks(ft_rank, S, case, replica, R, lighthouse, attempt,
+                     start_method="fork" if attempt == 0 else "spawn")
     torch.save(outs, Path(out_dir) / f"replica{replica}_attempt{attempt}.pt")
 
 
@@ -121,12 +124,18 @@ def run_groups(R: int, S: int, case: dict[str, Any], out_dir: Path,
     """Run ``R`` replica groups of ``S`` ranks, each its own process tree, around one
     lighthouse in this process; a group that dies is started again (attempt 1) after
     ``restart_delay_s``. Returns ``{replica: per-rank results of its last attempt}``."""
+    from editrain.spawn import START_METHOD_ENV
     from editrain.sync.ft import start_lighthouse
 
     lighthouse = start_lighthouse(min_replicas=case.get("min_replicas", 1),
                                   join_timeout_s=case.get("join_timeout_s", 60.0),
                                   heartbeat_timeout_s=case.get("heartbeat_timeout_s", 2.0))
-    ctx = mp.get_context("spawn")
+    # First attempts start at once (never "fork" here: this process runs the lighthouse's
+    # threads). A restart is spawned: it then takes seconds to start (it imports torch
+    # twice), longer than the lighthouse's heartbeat timeout, as a real restart does; one
+    # back within the timeout is not what these tests are about.
+    ctx = mp.get_context(os.environ.get(START_METHOD_ENV) or "spawn")
+    restart_ctx = mp.get_context("spawn")
     procs: dict[int, Any] = {}
     attempts = dict.fromkeys(range(R), 0)
     try:
@@ -140,7 +149,7 @@ def run_groups(R: int, S: int, case: dict[str, Any], out_dir: Path,
                 if not p.is_alive() and p.exitcode != 0 and attempts[r] == 0:
                     time.sleep(restart_delay_s)
                     attempts[r] = 1
-                    procs[r] = ctx.Process(target=_group_main, args=(
+                    procs[r] = restart_ctx.Process(target=_group_main, args=(
                         S, case, r, R, lighthouse.address(), 1, str(out_dir)))
                     procs[r].start()
                     break

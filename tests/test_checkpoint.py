@@ -76,19 +76,56 @@ METHODS = {
 }
 
 
+SAVING = ("edit", "edit_streaming")
+"""Methods whose 12-step run saves every 3 steps: it is the run that the exact resume
+starts again from its first checkpoint at or after step 6, and the saving run that
+test_saving_checkpoints_changes_nothing compares with a run that never saves."""
+
+
+def run_args(method: str) -> list[str]:
+    """The 12-step run of ``method`` (without its checkpoint settings)."""
+    topo, extra = METHODS[method]
+    return [*topo, "--method", method.split("_")[0], "--steps", "12",
+            "--train.eval_every", "6", *extra]
+
+
+def checkpoint_args(method: str) -> list[str]:
+    every, keep = ("3", "10") if method in SAVING else ("6", "5")
+    return ["--checkpoint.every", every, "--checkpoint.keep", keep]
+
+
+@pytest.fixture(scope="module")
+def full_runs(cache: Path, tmp_path_factory):
+    """``get(method)``: ``(run directory, its checkpoints)`` of ``method``'s 12-step run
+    with checkpoints (run once, on first use). The checkpoints are listed when the run
+    ends: resuming from one of them moves the later ones aside (a new timeline)."""
+    runs: dict[str, tuple[Path, list[Path]]] = {}
+
+    def get(method: str) -> tuple[Path, list[Path]]:
+        if method not in runs:
+            run = tmp_path_factory.mktemp(f"full-{method}") / "full"
+            train(cache, run, *run_args(method), *checkpoint_args(method))
+            runs[method] = run, list_checkpoints(run)
+        return runs[method]
+
+    return get
+
+
+def step_of(ckpt: Path) -> int:
+    return int(ckpt.name.rsplit("_", 1)[1])
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("method", list(METHODS))
-def test_exact_resume_is_bitwise(cache: Path, tmp_path: Path, method: str) -> None:
-    topo, extra = METHODS[method]
-    full = tmp_path / "full"
-    args = [*topo, "--method", method.split("_")[0], "--steps", "12", "--checkpoint.every", "6",
-            "--checkpoint.keep", "5", "--train.eval_every", "6", *extra]
-    train(cache, full, *args)
-    ckpts = list_checkpoints(full)
+def test_exact_resume_is_bitwise(cache: Path, tmp_path: Path, full_runs, method: str) -> None:
+    full, ckpts = full_runs(method)
     assert len(ckpts) >= 2, ckpts
-    first = ckpts[0]  # mid-run (for A-EDiT the label is the progress at a sync)
+    # Mid-run: the first checkpoint of the runs that save every 6 steps (for A-EDiT the
+    # label is the progress at a sync), the same step in the runs that save every 3.
+    first = next(c for c in ckpts if step_of(c) >= 6) if method in SAVING else ckpts[0]
+    assert step_of(first) < 12, ckpts
     resumed = tmp_path / "resumed"
-    train(cache, resumed, *args, "--resume", str(first))
+    train(cache, resumed, *run_args(method), *checkpoint_args(method), "--resume", str(first))
     a, b = step_losses(full), step_losses(resumed)
     assert b, "resumed run logged no steps"
     for step, loss in b.items():
@@ -97,18 +134,16 @@ def test_exact_resume_is_bitwise(cache: Path, tmp_path: Path, method: str) -> No
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("method", ["edit", "edit_streaming"])
-def test_saving_checkpoints_changes_nothing(cache: Path, tmp_path: Path, method: str) -> None:
+@pytest.mark.parametrize("method", SAVING)
+def test_saving_checkpoints_changes_nothing(cache: Path, tmp_path: Path, full_runs,
+                                            method: str) -> None:
     """A run that saves every 3 steps (and at the end) and one that never saves are
     bitwise equal: saving waits for rounds in flight and copies state, it never syncs,
     merges or steps anything (reference defect 5)."""
-    topo, extra = METHODS[method]
-    args = [*topo, "--method", method.split("_")[0], "--steps", "12",
-            "--train.eval_every", "6", *extra]
-    saving, silent = tmp_path / "saving", tmp_path / "silent"
-    train(cache, saving, *args, "--checkpoint.every", "3", "--checkpoint.keep", "10")
-    train(cache, silent, *args, "--checkpoint.every", "0", "--checkpoint.final", "false")
-    assert len(list_checkpoints(saving)) >= 4 and not list_checkpoints(silent)
+    (saving, saved), silent = full_runs(method), tmp_path / "silent"
+    train(cache, silent, *run_args(method), "--checkpoint.every", "0",
+          "--checkpoint.final", "false")
+    assert len(saved) >= 4 and not list_checkpoints(silent)
     assert step_losses(saving) == step_losses(silent)  # bitwise, every step
     assert final_val(saving) == final_val(silent)
 
@@ -167,31 +202,55 @@ def test_restart_after_worker_dies(cache: Path, tmp_path: Path, clean_run: Path,
     assert not any(p.name.endswith(".tmp") for p in (crashed / "checkpoints").iterdir())
 
 
+@pytest.fixture
+def train_here(cache: Path, capsys, monkeypatch):
+    """``train`` for a run that must fail before any worker starts: ``editrain train`` in
+    this process (no second torch import), with starting workers made an error."""
+    import torch.distributed.launcher.api as launcher_api
+
+    from editrain import cli
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("workers were started: the error was not found beforehand")
+
+    monkeypatch.setattr(launcher_api, "elastic_launch", refuse)
+    for key in ("RANK", "WORLD_SIZE", "TORCHELASTIC_RUN_ID"):
+        monkeypatch.delenv(key, raising=False)
+
+    def run(cache: Path, run_dir: Path, *args: str, check: bool = False
+            ) -> subprocess.CompletedProcess:
+        code = cli.main(["train", *_base_args(cache), "--run-dir", str(run_dir), *args])
+        out, err = capsys.readouterr()
+        return subprocess.CompletedProcess(["editrain", "train"], code, out, err)
+
+    return run
+
+
 @pytest.mark.slow
-def test_bad_resume_inputs_are_reported(cache: Path, tmp_path: Path) -> None:
+def test_bad_resume_inputs_are_reported(cache: Path, tmp_path: Path, train_here) -> None:
     src = tmp_path / "src"
     common = ["--nproc", "2", "--shard-size", "1", "--steps", "4"]
     train(cache, src, *common, "--method", "diloco", "--sync.local_sgd_sync_interval", "2")
     ckpt = list_checkpoints(src)[-1]
-
-    out = train(cache, tmp_path / "b1", *common, "--method", "edit", "--resume", str(ckpt),
-                check=False)
+    # Every run below is refused before its workers start (in this process).
+    out = train_here(cache, tmp_path / "b1", *common, "--method", "edit", "--resume", str(ckpt),
+                     check=False)
     assert out.returncode != 0 and "method: checkpoint has 'diloco'" in out.stderr
 
-    out = train(cache, tmp_path / "b2", *common, "--method", "diloco", "--model.dim", "32",
-                "--model.n_heads", "4", "--resume", str(ckpt), check=False)
+    out = train_here(cache, tmp_path / "b2", *common, "--method", "diloco", "--model.dim", "32",
+                     "--model.n_heads", "4", "--resume", str(ckpt), check=False)
     assert out.returncode != 0 and "model.dim: checkpoint has 64, this run has 32" in out.stderr
 
-    out = train(cache, tmp_path / "b3", *common, "--resume", str(tmp_path / "nope"),
-                check=False)
+    out = train_here(cache, tmp_path / "b3", *common, "--resume", str(tmp_path / "nope"),
+                     check=False)
     assert out.returncode != 0 and "--resume" in out.stderr
 
     # An unfinished checkpoint (no marker) is refused, never used.
     partial = tmp_path / "partial" / "checkpoints" / "step_00000002"
     shutil.copytree(ckpt, partial)
     (partial / "editrain.json").unlink()
-    out = train(cache, tmp_path / "b4", *common, "--method", "diloco", "--resume",
-                str(partial), check=False)
+    out = train_here(cache, tmp_path / "b4", *common, "--method", "diloco", "--resume",
+                     str(partial), check=False)
     assert out.returncode != 0 and "incomplete" in out.stderr
 
     # Corrupt tensor data is reported as such.
@@ -199,8 +258,8 @@ def test_bad_resume_inputs_are_reported(cache: Path, tmp_path: Path) -> None:
     shutil.copytree(src, broken)
     for f in (broken / "checkpoints" / ckpt.name).glob("*.distcp"):
         f.write_bytes(b"garbage")
-    out = train(cache, tmp_path / "b5", *common, "--method", "diloco", "--resume",
-                str(broken), check=False)
+    out = train_here(cache, tmp_path / "b5", *common, "--method", "diloco", "--resume",
+                     str(broken), check=False)
     assert out.returncode != 0 and "cannot read checkpoint data" in out.stderr
 
 

@@ -36,6 +36,27 @@ def cache(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("cache")
 
 
+TP_RUN = ["--nproc", "4", "--shard-size", "1", "--tp-size", "2", *COMMON]
+"""The run on a (2, 1, 2) mesh: case 2x1's run with tp, the run the checkpoint tests resume."""
+
+
+@pytest.fixture(scope="module")
+def runs(cache: Path, tmp_path_factory):
+    """``get(*args)``: the directory of a run with these arguments, trained on first use
+    only. The tests read its metrics and summary; the two that resume from its first
+    checkpoint both take the first (a resume moves the later ones aside)."""
+    done: dict[tuple[str, ...], Path] = {}
+
+    def get(*args: str) -> Path:
+        if args not in done:
+            run = tmp_path_factory.mktemp("run") / "run"
+            train(cache, run, *args)
+            done[args] = run
+        return done[args]
+
+    return get
+
+
 def _summary(run: Path) -> dict:
     return json.loads((run / "summary.json").read_text())
 
@@ -43,11 +64,10 @@ def _summary(run: Path) -> dict:
 @pytest.mark.slow
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize("name", list(CASES))
-def test_tp_run_follows_the_run_without_tp(cache: Path, tmp_path: Path, name: str) -> None:
+def test_tp_run_follows_the_run_without_tp(runs, name: str) -> None:
     plain_topo, tp_topo, extra = CASES[name]
-    plain, tp = tmp_path / "plain", tmp_path / "tp"
-    train(cache, plain, *plain_topo, *COMMON, *extra)
-    train(cache, tp, *tp_topo, "--tp-size", "2", *COMMON, *extra)
+    plain = runs(*plain_topo, *COMMON, *extra)
+    tp = runs(*tp_topo, "--tp-size", "2", *COMMON, *extra)
     a, b = step_losses(plain), step_losses(tp)
     assert sorted(a) == sorted(b) == list(range(1, 11))
     worst = max(abs(a[s] - b[s]) for s in a)
@@ -63,12 +83,11 @@ def test_tp_run_follows_the_run_without_tp(cache: Path, tmp_path: Path, name: st
 
 @pytest.mark.slow
 @pytest.mark.timeout(400)
-def test_tp_checkpoint_resumes_bitwise(cache: Path, tmp_path: Path) -> None:
+def test_tp_checkpoint_resumes_bitwise(cache: Path, tmp_path: Path, runs) -> None:
     """Saved mid-run (the first sync point after step 5) on a (2, 1, 2) mesh with the penalty and clipping; the resumed run
     equals the uninterrupted one bitwise. A run with another tp size is refused."""
-    args = ["--nproc", "4", "--shard-size", "1", "--tp-size", "2", *COMMON]
-    full = tmp_path / "full"
-    train(cache, full, *args)
+    args = TP_RUN
+    full = runs(*args)
     first = list_checkpoints(full)[0]
     marker = json.loads((first / "editrain.json").read_text())
     assert marker["topology"] == [2, 1, 2] and marker["tp_size"] == 2
@@ -87,12 +106,12 @@ def test_tp_checkpoint_resumes_bitwise(cache: Path, tmp_path: Path) -> None:
 
 @pytest.mark.slow
 @pytest.mark.timeout(400)
-def test_tp_checkpoint_resumes_elastically_with_tp_fixed(cache: Path, tmp_path: Path) -> None:
+def test_tp_checkpoint_resumes_elastically_with_tp_fixed(cache: Path, tmp_path: Path,
+                                                         runs) -> None:
     """Saved on (2, 1, 2), resumed on (1, 2, 2): DCP re-shards the tp-split and the
     FSDP2-sharded pieces; the global model comes back (the same validation loss up to
     reduction order) and training goes on."""
-    src = tmp_path / "src"
-    train(cache, src, "--nproc", "4", "--shard-size", "1", "--tp-size", "2", *COMMON)
+    src = runs(*TP_RUN)
     first = list_checkpoints(src)[0]
     step = json.loads((first / "editrain.json").read_text())["step"]
     dst = tmp_path / "dst"
