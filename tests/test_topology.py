@@ -154,7 +154,7 @@ def test_worker_threads_respect_the_user_then_torchrun_then_cores(monkeypatch):
     """dist.threads_per_proc wins; then OMP_NUM_THREADS (torchrun sets 1); then cores
     shared out over the local processes."""
     from editrain.config import Config
-    from editrain.train import worker_threads
+    from editrain.runtime import worker_threads
 
     cfg = Config()
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
@@ -177,7 +177,7 @@ def test_keep_freed_memory_sets_glibc_malloc_unless_the_user_did(monkeypatch):
     import platform
     import sys
 
-    from editrain.train import keep_freed_memory
+    from editrain.runtime import keep_freed_memory
 
     for name in ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_",
                  "MALLOC_MMAP_MAX_"):

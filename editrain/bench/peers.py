@@ -123,7 +123,7 @@ def run(bench: Bench) -> dict[str, Any]:
         "from the seed) over `ProcessGroupGloo`, `torchft.local_sgd.DiLoCo(sync_every = H)` "
         f"around the inner optimizer; worker processes time out after {timeout_s} s. Its "
         "workers are set up as editrain's are: the same intra-op threads and the same "
-        "malloc settings (`editrain.train.keep_freed_memory`: freed memory kept for the "
+        "malloc settings (`editrain.runtime.keep_freed_memory`: freed memory kept for the "
         "next step instead of page-faulted in again), so that the comparison is of the "
         "training loops and syncs, not of the processes' heap layouts.",
         "Validation loss: over the whole validation split"

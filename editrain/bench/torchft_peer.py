@@ -9,7 +9,7 @@ preset and seed, the token cache, the replica's ``SequenceStream`` (rank = repli
 = replicas, the same seed), the inner optimizer and learning-rate schedule, gradient
 clipping, H (``sync.local_sgd_sync_interval``) and the outer optimizer of
 ``sync.resolve()``; the process is set up as editrain's workers are (intra-op threads,
-``editrain.train.keep_freed_memory``). The validation loss is computed over the same
+``editrain.runtime.keep_freed_memory``). The validation loss is computed over the same
 windows as editrain's trainer (``editrain.data.eval_batches``), at the start and at the
 end.
 
@@ -97,14 +97,15 @@ def train_replica(spec: dict[str, Any]) -> dict[str, Any]:
     from editrain.data import SequenceStream, eval_batches
     from editrain.models import Llama, causal_lm_loss
     from editrain.optim import build_optimizer
+    from editrain.optim.schedule import lr_at
+    from editrain.runtime import keep_freed_memory
     from editrain.sync.outer import resolve_optimizer_class
-    from editrain.train import keep_freed_memory, lr_at
 
     cfg = load_config(None, spec["options"])
     replica, replicas = int(spec["replica"]), int(spec["replicas"])
     run_dir = Path(spec["run_dir"])
     torch.set_num_threads(int(spec["threads"]))
-    keep_freed_memory()  # the process set up as editrain's workers are (run_worker)
+    keep_freed_memory()  # the process set up as editrain's workers are (setup_process)
     t, sync = cfg.train, cfg.sync.resolve()
     if t.steps % sync.local_sgd_sync_interval:
         raise ValueError(f"train.steps ({t.steps}) must be a multiple of H "
