@@ -230,3 +230,67 @@ def test_only_sync_ft_imports_torchft_inside_the_engine():
             if any(n == "torchft" or n.startswith("torchft.") for n in names):
                 importers.append(path.name)
     assert set(importers) == {"ft.py"}, importers
+
+
+def import_graph() -> dict[str, set[str]]:
+    """Module -> the editrain modules it imports (at the top or inside a function)."""
+    modules = {_module_name(p): p for p in _modules()}
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        deps: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                deps.update(a.name for a in node.names if a.name in modules)
+            elif isinstance(node, ast.ImportFrom):
+                base = _absolute(node.module, node.level, name, path.name == "__init__.py")
+                for alias in node.names:
+                    full = f"{base}.{alias.name}"
+                    deps.add(full if full in modules else base)
+        graph[name] = {d for d in deps if d in modules and d != name}
+    return graph
+
+
+def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+KNOWN_CYCLES = [["editrain.sync.edit", "editrain.sync.ft_round"]]
+"""Cycles the engine rebuild (issue #31) removes; no other may appear."""
+
+
+def test_no_new_import_cycles():
+    cycles = [c for c in import_cycles(import_graph()) if c not in KNOWN_CYCLES]
+    assert not cycles, f"import cycles in editrain/: {cycles}"
+
+
+def test_the_cycle_check_finds_what_it_should():
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}, "e": set()}
+    assert import_cycles(graph) == [["a", "b", "c"]]
