@@ -31,6 +31,7 @@ from editrain import rundir
 from editrain.config import Config, dumps_toml, to_dict, validate_world
 from editrain.corpus import prepare_data
 from editrain.rundir import logs_dir
+from editrain.runtime import worker_threads
 from editrain.spawn import (
     LOOPBACK,
     USER_ERRORS,
@@ -186,7 +187,7 @@ def _run_local(cfg: Config, run_dir: Path, lock: rundir.RunLock) -> dict:
         else:
             preflight_resume(cfg.resume, cfg, data.vocab_size, data)
     prepare_run_dir(cfg, run_dir, lock)
-    threads = cfg.dist.threads_per_proc or max(1, (os.cpu_count() or 1) // nproc)
+    threads = worker_threads(cfg, local_world=nproc)  # the user's OMP_NUM_THREADS stands
     os.environ.setdefault("OMP_NUM_THREADS", str(threads))
     if not cfg.quiet:
         log.info("run directory: %s; %d local workers (%d threads each)", run_dir, nproc,

@@ -26,16 +26,24 @@ MALLOC_ENV = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PA
 """glibc's malloc tuning variables: when the user set any of them, their choice stands."""
 
 
-def worker_threads(cfg: Any) -> int:
+def worker_threads(cfg: Any, local_world: int | None = None) -> int:
     """Intra-op threads of one worker: ``dist.threads_per_proc`` if set, else what the
     user (or torchrun, which sets 1 unless told otherwise) put in ``OMP_NUM_THREADS``, else
-    the machine's cores shared out over the local processes."""
+    the machine's cores shared out over the local processes.
+
+    Args:
+        cfg: the run's configuration.
+        local_world: the processes on this machine (default: ``LOCAL_WORLD_SIZE``, as a
+            worker sees it; the local launcher passes its ``dist.nproc``).
+    """
     if cfg.dist.threads_per_proc:
         return cfg.dist.threads_per_proc
     omp = os.environ.get("OMP_NUM_THREADS", "").strip()
     if omp.isdigit() and int(omp) > 0:
         return int(omp)
-    return max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    if local_world is None:
+        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    return max(1, (os.cpu_count() or 1) // local_world)
 
 
 def keep_freed_memory() -> bool:
