@@ -80,6 +80,8 @@ log = logging.getLogger("editrain")
 
 MARKER = "editrain.json"
 CKPT_DIR = "checkpoints"
+RANK_PREFIX = "rank_"
+"""A rank's plain state is ``rank_{rank:05d}.json`` in the checkpoint (see :func:`rank_file`)."""
 FORMAT = 3
 """Checkpoint format, stored in the marker. 1 (no ``format`` field) kept the engine's tensors
 under ``global.*``; 2 stores the engine's own state dict under ``engine``; 3 keeps the
@@ -126,6 +128,24 @@ def resolve_resume(path: str | Path) -> Path:
                               "finished and cannot be used")
     raise CheckpointError(f"--resume: {p} is neither a run directory with checkpoints nor a "
                           "checkpoint directory")
+
+
+def rank_file(ckpt: Path, rank: int) -> Path:
+    """The file of rank ``rank``'s plain state in checkpoint ``ckpt`` (``rank_00000.json``)."""
+    return ckpt / f"{RANK_PREFIX}{rank:05d}.json"
+
+
+def saved_ranks(ckpt: Path) -> list[int]:
+    """The ranks whose plain state ``ckpt`` holds, in order."""
+    stems = (p.stem[len(RANK_PREFIX):] for p in ckpt.glob(f"{RANK_PREFIX}*.json"))
+    return sorted(int(s) for s in stems if s.isdigit())
+
+
+def rank_states(ckpt: Path) -> list[dict[str, Any]]:
+    """Every saved rank's plain state (as :func:`save_checkpoint` wrote its
+    ``rank_state``, with the optimizer's entry as typed JSON), in rank order: what an
+    elastic resume re-partitions the data positions from."""
+    return [json.loads(rank_file(ckpt, r).read_text()) for r in saved_ranks(ckpt)]
 
 
 def read_marker(ckpt: Path) -> dict[str, Any]:
@@ -339,7 +359,7 @@ def save_checkpoint(run_dir: str | Path, step: int, *, model: torch.nn.Module,
         raise ValueError(f"rank_state may not use the key {OPTIM_KEY!r} (the optimizer's)")
     own = dict(rank_state)
     own[OPTIM_KEY] = to_typed_json(optim_plain, "optimizer state")
-    (tmp / f"rank_{rank:05d}.json").write_text(json.dumps(own))
+    rank_file(tmp, rank).write_text(json.dumps(own))
     if before_commit is not None:
         before_commit()
     dist.barrier()
@@ -571,11 +591,9 @@ def check_files(ckpt: Path, marker: dict[str, Any] | None = None) -> None:
     if topology:
         ranks = range(math.prod(int(n) for n in topology))
     else:  # a marker without a topology: whatever ranks wrote, rank 0 at least
-        found = sorted(int(p.stem[len("rank_"):]) for p in ckpt.glob("rank_*.json")
-                       if p.stem[len("rank_"):].isdigit())
-        ranks = found or [0]
+        ranks = saved_ranks(ckpt) or [0]
     for r in ranks:
-        _read_rank_json(ckpt / f"rank_{r:05d}.json", fmt)
+        _read_rank_json(rank_file(ckpt, r), fmt)
 
 
 def _tp_size(topology: list[int] | None) -> int:
@@ -685,7 +703,7 @@ def load_checkpoint(ckpt: Path, *, model: torch.nn.Module, optimizer: torch.opti
     src = replica if same else 0
     # Format 3: the optimizer's non-tensor state is in the JSON of a rank of the replica
     # read (elastic: replica 0, whose rank 0 is the saving job's rank 0).
-    own = _read_rank_json(ckpt / f"rank_{rank if same else 0:05d}.json", fmt)
+    own = _read_rank_json(rank_file(ckpt, rank if same else 0), fmt)
     model_state = get_model_state_dict(model)  # first: see save_checkpoint
     live = get_optimizer_state_dict(model, _base(optimizer))
     optim = _split_optim(live)[0] if fmt >= 3 else live

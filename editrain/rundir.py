@@ -24,6 +24,9 @@ second job on the same directory is refused. The kernel releases the lock when i
 exits in any way (``kill -9`` included), so a stale lock file from a dead process is
 detected by simply taking the lock. (``flock`` on network file systems may be local to a
 node; a multi-node job takes it on the node of rank 0.)
+
+``RUN_DIR/logs`` (:func:`logs_dir`; per replica group of a fault-tolerant run
+``RUN_DIR/replica{r}/logs``) holds the workers' tracebacks and torch elastic's own log.
 """
 
 from __future__ import annotations
@@ -419,3 +422,30 @@ def _set_aside(ckpts: list[Path], branch: str) -> list[Path]:
         os.replace(p, dest)
         moved.append(dest)
     return moved
+
+
+LOGS = "logs"
+"""The run's log directory (``RUN_DIR/logs``, per replica group ``RUN_DIR/replica{r}/logs``):
+``rank{R}.log`` (the traceback of a worker's error, see :func:`editrain.spawn.errors_logged`),
+``rank{R}.error.json`` (torch elastic's error file of the worker's latest attempt) and
+``launcher.log`` (torch elastic's own log, kept off the terminal)."""
+
+
+def logs_dir(cfg: Any, run_dir: str | Path) -> Path:
+    """Where a job's logs go (see :data:`LOGS`).
+
+    Args:
+        cfg: the run's configuration (a fault-tolerant run's replica group writes into its
+            own ``replica{r}`` directory, as its trainer does).
+        run_dir: the run directory.
+    """
+    base = Path(run_dir)
+    if cfg.dist.fault_tolerance == "torchft":
+        from editrain.sync.ft import REPLICA_ENV
+
+        replica = cfg.dist.ft_replica_id
+        if replica < 0 and os.environ.get(REPLICA_ENV, "").isdigit():
+            replica = int(os.environ[REPLICA_ENV])
+        if replica >= 0:
+            base = base / f"replica{replica}"
+    return base / LOGS

@@ -364,3 +364,75 @@ class ComputeSlowdown:
             time.sleep(extra)
             self.total_s += extra
         return extra
+
+
+class Simulation:
+    """One replica's simulation plan as callbacks the training loop calls at fixed points.
+
+    * :meth:`after_compute`: after a step's forward, backward and optimizer step (the
+      stragglers and stalls sleep here);
+    * :meth:`after_step`: after the step is counted (``sim.fail``'s ``step`` phase);
+    * :meth:`before_checkpoint_commit`: once a checkpoint's files are written, before it
+      is committed (``sim.fail``'s ``checkpoint`` phase);
+    * :meth:`before_sync`: the engine's ``before_sync`` hook (``sim.corrupt_replica``),
+      given through :attr:`sync_hook` once :meth:`attach` named the engine;
+    * :attr:`link`: the replica's simulated uplink, the engine's ``link_delay``.
+
+    Args:
+        plan: the parsed simulation.
+        replica: this rank's replica index (corruption targets it).
+        offset: ``sim.replica_offset``, added to ``replica`` for stragglers and stalls.
+        rank: this rank's data rank (``sim.fail`` targets it).
+        seed: base seed of the stall draws.
+        link_path: the state file of the replica's shared link (see
+            :meth:`SimPlan.shared_link`).
+    """
+
+    def __init__(self, plan: SimPlan, replica: int, offset: int, rank: int, seed: int,
+                 link_path: str | os.PathLike[str]) -> None:
+        self.plan = plan
+        self.replica = replica
+        self.rank = rank
+        self.link = plan.shared_link(link_path)
+        self.slowdown = ComputeSlowdown(plan, replica + offset, seed)
+        self.engine: Any = None
+
+    def attach(self, engine: Any) -> None:
+        """Name the engine whose pseudo-gradients :meth:`before_sync` scales."""
+        self.engine = engine
+
+    @property
+    def sync_hook(self) -> Callable[[int], None] | None:
+        """The engine's ``before_sync`` hook: :meth:`before_sync` when a replica is to be
+        corrupted, else None."""
+        return self.before_sync if self.plan.corrupt else None
+
+    def after_compute(self, step: int, compute_s: float) -> float:
+        """Stragglers and stalls after a step that computed for ``compute_s`` seconds;
+        the seconds slept (see :meth:`ComputeSlowdown.after_compute`)."""
+        return self.slowdown.after_compute(step, compute_s)
+
+    def after_step(self, step: int) -> None:
+        """``sim.fail``: die here if this rank is to fail once it has counted ``step``."""
+        self.plan.maybe_fail(self.rank, step, "step")
+
+    def before_checkpoint_commit(self, step: int) -> None:
+        """``sim.fail`` with ``:checkpoint``: die with the checkpoint of ``step`` written
+        but not committed."""
+        self.plan.maybe_fail(self.rank, step, "checkpoint")
+
+    def before_sync(self, sync_index: int) -> None:
+        """Fault injection: scale this replica's pseudo-gradient before sync ``sync_index``."""
+        target = self.plan.corrupt.get(sync_index)
+        if target is None or target[0] != self.replica:
+            return
+        self.engine.scale_pseudo_gradients(target[1])
+
+    def state_dict(self) -> list[int]:
+        """The stall draws' generator state (what a checkpoint keeps: ``sim_rng``)."""
+        return list(self.slowdown.rng.getstate()[1])
+
+    def load_state_dict(self, state: list[int]) -> None:
+        """Restore :meth:`state_dict`."""
+        rs = self.slowdown.rng.getstate()
+        self.slowdown.rng.setstate((rs[0], tuple(state), rs[2]))

@@ -6,8 +6,7 @@ that share a default process group, and returns what each rank's call returned::
 
     results = run_ranks(measure, 4, "tiny")   # [measure(0, 4, "tiny"), ..., measure(3, ...)]
 
-Process hygiene (used by :mod:`editrain.launch`, :mod:`editrain.fault` and
-:func:`editrain.train.run_worker`):
+Process hygiene (used by :mod:`editrain.launch` and :func:`editrain.runtime.setup_process`):
 
 * a worker dies with the process that started it, also when that one is killed with SIGKILL
   (:func:`die_with_parent`);

@@ -15,7 +15,15 @@ from pathlib import Path
 
 import pytest
 
-from editrain.checkpoint import FORMAT, SafeFileSystemReader, check_compatible, list_checkpoints
+from editrain.checkpoint import (
+    FORMAT,
+    SafeFileSystemReader,
+    check_compatible,
+    list_checkpoints,
+    rank_file,
+    rank_states,
+    saved_ranks,
+)
 from editrain.errors import CheckpointError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -312,3 +320,14 @@ def test_aedit_elastic_resume_keeps_the_token_budget_and_schedule(
     total = json.loads((dst / "summary.json").read_text())["tokens"]
     window = 3 * 4 * 32 * int(max(src_nproc, dst_nproc))  # one window of the slowest case
     assert budget - window <= total <= budget + window, (budget, total)
+
+
+def test_rank_states_are_read_in_rank_order(tmp_path: Path) -> None:
+    """The module that writes the per-rank JSON files names and finds them (an elastic
+    resume re-partitions the data positions from every saved rank's state)."""
+    for r in (2, 0, 10, 1):
+        rank_file(tmp_path, r).write_text(json.dumps({"rank": r}))
+    (tmp_path / "rank_notes.json").write_text("{}")  # not a rank's file
+    assert rank_file(tmp_path, 3).name == "rank_00003.json"
+    assert saved_ranks(tmp_path) == [0, 1, 2, 10]
+    assert [s["rank"] for s in rank_states(tmp_path)] == [0, 1, 2, 10]

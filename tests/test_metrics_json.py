@@ -54,7 +54,7 @@ def test_metrics_and_rank_rows_are_strict_json(tmp_path):
 def test_fault_tolerant_summary_is_strict_json(tmp_path: Path):
     """``editrain train --ft``'s summary.json, here with no finished replica group (its
     final loss is NaN) and with one whose own summary holds a null loss."""
-    from editrain.fault import _summarise
+    from editrain.launch import _summarise
 
     events = [{"event": "died", "replica": 0, "time_s": float("nan")}]
     summary = _summarise(tmp_path, 2, events, float("inf"))

@@ -15,6 +15,7 @@ from editrain.sim import (
     ComputeSlowdown,
     SharedLink,
     SimPlan,
+    Simulation,
     Straggler,
     check_replicas,
     parse_bandwidth,
@@ -394,6 +395,64 @@ def test_straggler_and_stall_combine(sleeps):
     slow = ComputeSlowdown(plan_of(straggler=["0=2"], random_stall="1,0.5"), replica=0, seed=0)
     assert slow.after_compute(0, 0.25) == pytest.approx(0.75)
     assert sleeps == pytest.approx([0.75])
+
+
+# ---------------------------------------------------------------------------- callbacks
+class _Engine:
+    """What :meth:`Simulation.before_sync` calls on the engine."""
+
+    def __init__(self) -> None:
+        self.scaled: list[float] = []
+
+    def scale_pseudo_gradients(self, factor: float) -> None:
+        self.scaled.append(factor)
+
+
+def test_simulation_corrupts_only_its_replica_at_its_sync(tmp_path):
+    plan = plan_of(corrupt_replica=["1@2:50"])
+    engines = []
+    for replica in (0, 1):
+        s = Simulation(plan, replica, offset=0, rank=replica, seed=0, link_path=tmp_path / "l")
+        engines.append(_Engine())
+        s.attach(engines[-1])
+        assert s.sync_hook == s.before_sync
+        for index in range(4):
+            s.sync_hook(index)
+    assert [e.scaled for e in engines] == [[], [50.0]]
+    quiet = Simulation(plan_of(), 0, 0, 0, 0, tmp_path / "l")
+    assert quiet.sync_hook is None and quiet.link is None  # the engine gets no hook, no link
+
+
+def test_simulation_slows_the_offset_replica_and_saves_its_draws(sleeps, tmp_path):
+    """Stragglers and stalls target replica + sim.replica_offset (corruption does not);
+    the stall draws are saved and restored with a checkpoint."""
+    plan = plan_of(straggler=["3=2"], random_stall="0.5,1", link_bandwidth="1MB/s")
+    s = Simulation(plan, replica=1, offset=2, rank=1, seed=7, link_path=tmp_path / "l")
+    assert isinstance(s.link, SharedLink)
+    state = s.state_dict()
+    first = [s.after_compute(t, 0.25) for t in range(20)]
+    assert min(first) == pytest.approx(0.25)  # the straggler's factor 2, every step
+    s.load_state_dict(state)
+    assert [s.after_compute(t, 0.25) for t in range(20)] == first
+    other = Simulation(plan, replica=1, offset=0, rank=1, seed=7, link_path=tmp_path / "l")
+    assert other.after_compute(0, 0.25) in (0.0, 1.0)  # not a straggler
+
+
+def test_simulation_fails_once_at_its_rank_step_and_phase(monkeypatch, tmp_path):
+    exits: list[int] = []
+    monkeypatch.setattr(sim.os, "_exit", exits.append)
+    monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT", raising=False)
+    monkeypatch.delenv("EDITRAIN_FT_ATTEMPT", raising=False)
+    s = Simulation(plan_of(fail="1@3:checkpoint"), 0, 0, rank=1, seed=0,
+                   link_path=tmp_path / "l")
+    s.after_step(3)
+    s.before_checkpoint_commit(2)
+    assert exits == []
+    s.before_checkpoint_commit(3)
+    assert exits == [17]
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")  # a restarted run goes on
+    s.before_checkpoint_commit(3)
+    assert exits == [17]
 
 
 # ---------------------------------------------------------------------------- ranges (#30)

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from editrain.config import load_config
+from editrain.optim.schedule import lr_at
 from editrain.spawn import run_ranks
-from editrain.train import lr_at
 from tests.reference import batch, loss_on, make_inner, make_model
 
 WORLD, SHARD = 4, 2

@@ -168,7 +168,7 @@ def test_worker_threads_respect_the_user_then_torchrun_then_cores(monkeypatch):
     """dist.threads_per_proc wins; then OMP_NUM_THREADS (torchrun sets 1); then cores
     shared out over the local processes."""
     from editrain.config import Config
-    from editrain.train import worker_threads
+    from editrain.runtime import worker_threads
 
     cfg = Config()
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
@@ -180,6 +180,7 @@ def test_worker_threads_respect_the_user_then_torchrun_then_cores(monkeypatch):
     monkeypatch.setattr("os.cpu_count", lambda: 8)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
     assert worker_threads(cfg) == 2
+    assert worker_threads(cfg, local_world=2) == 4  # the local launcher, before spawning
     cfg.dist.threads_per_proc = 5
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     assert worker_threads(cfg) == 5

@@ -1,6 +1,7 @@
-"""The compact per-sync log line, and how metrics.jsonl reaches the disk."""
+"""The compact per-sync log line, how metrics.jsonl reaches the disk, and when the loop
+evaluates and checkpoints next."""
 
-from editrain.train import sync_summary
+from editrain.train import next_after, sync_summary
 
 
 def test_sync_summary_names_weights_outliers_and_clipping() -> None:
@@ -45,3 +46,10 @@ def test_metrics_rows_are_flushed_at_once_and_fsynced_rarely(tmp_path, monkeypat
     assert len(calls) == 3
     every.close()
     assert [r["step"] for r in read_metrics(tmp_path)] == list(range(1, 53))
+
+
+def test_next_evaluation_or_checkpoint_is_past_the_sync_point() -> None:
+    assert next_after(10, 10, 10) == 20  # taken at 10: the next is at 20
+    assert next_after(10, 25.5, 10) == 30  # a sync point past several due ones (A-EDiT)
+    assert next_after(30, 25.5, 10) == 30  # not due yet
+    assert next_after(0, 12, 0) == 0  # never (every 0)

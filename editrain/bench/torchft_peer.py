@@ -206,7 +206,7 @@ def train_replica(spec: dict[str, Any]) -> dict[str, Any]:
     from editrain.malloc import keep_freed_memory
     from editrain.models import Llama, causal_lm_loss
     from editrain.optim import build_optimizer
-    from editrain.train import lr_at
+    from editrain.optim.schedule import lr_at
 
     system = spec.get("system", "torchft")
     if system not in SYSTEMS:

@@ -1,0 +1,80 @@
+"""A rank's model, sharded into sync units, and its sync engine, built from a configuration.
+
+The order is the trainer's: :func:`build_model` (the same seed on every rank, so every
+replica starts from the same weights), :func:`shard_model` (FSDP2 per block and root on the
+``shard`` sub-mesh), the inner optimizer (:mod:`editrain.optim.inner`, over
+:func:`replica_group`), then :func:`build_engine`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from editrain.api import parallelize
+from editrain.config import model_config
+from editrain.models import Llama
+from editrain.sync import StepScheduleTrigger, SyncEngine
+from editrain.topology import SHARD_DIM, MeshInfo
+
+
+def build_model(cfg: Any, vocab_size: int, device: torch.device) -> nn.Module:
+    """The model ``cfg.model`` names, seeded with ``train.seed``, on ``device``: a Hugging
+    Face model from ``model.hf_config``, else the compact Llama of ``model.preset``."""
+    seed = cfg.train.seed
+    if cfg.model.hf_config:
+        from editrain.models.hf import HFCausalLM
+
+        return HFCausalLM.from_config_file(cfg.model.hf_config, tokenizer_vocab_size=vocab_size,
+                                           seed=seed).to(device)
+    return Llama(model_config(cfg, vocab_size=vocab_size), seed=seed).to(device)
+
+
+def shard_model(cfg: Any, model: nn.Module, info: MeshInfo) -> list[nn.Module]:
+    """FSDP2 on the ``shard`` sub-mesh: one unit per block, the embeddings and output head
+    (``sync.split_root``) and the root; returns the units' modules (the engine's blocks)."""
+    return parallelize(model, info, model.blocks(), cfg.train.precision,
+                       split_root=cfg.sync.split_root)
+
+
+def replica_group(info: MeshInfo) -> dist.ProcessGroup | None:
+    """The main thread's group over the ranks holding one model copy between them (with
+    tensor parallelism: the replica's shard x tp ranks; None for a one-rank replica):
+    gradient norms are summed over it."""
+    group = info.mesh.get_group(SHARD_DIM) if info.topo.shard_size > 1 else None
+    if info.topo.tp_size > 1:
+        group, _ = dist.new_subgroups_by_enumeration(
+            [info.topo.replica_ranks(r) for r in range(info.topo.num_replicas)])
+    return group
+
+
+def build_engine(cfg: Any, model: nn.Module, info: MeshInfo, blocks: Sequence[nn.Module], *,
+                 link_delay: Callable[[int], float] | None = None,
+                 before_sync: Callable[[int], None] | None = None,
+                 cross_replica: Any = None) -> SyncEngine:
+    """The sync engine of ``cfg.sync`` over ``model``'s units.
+
+    Args:
+        cfg: the run's configuration (``sync``, ``sim.step_schedule``, ``train``,
+            ``dist.comm_backend``).
+        model, info, blocks: the sharded model, the mesh and the units' modules.
+        link_delay: the simulated cross-replica link (:attr:`editrain.sim.Simulation.link`).
+        before_sync: called with the sync index before each sync (fault injection).
+        cross_replica: the fault-tolerant mode's cross-replica group.
+    """
+    steps = cfg.sim.step_schedule
+    engine = SyncEngine(model, info.mesh, cfg.sync, blocks=blocks, link_delay=link_delay,
+                        before_sync=before_sync,
+                        trigger=StepScheduleTrigger(steps) if steps else None,
+                        seed=cfg.train.seed, comm_backend=cfg.dist.comm_backend,
+                        cross_replica=cross_replica)
+    if cfg.sync.use_async:
+        # The engine knows the budget: with the time trigger a replica also enters the
+        # rendezvous once the cluster has probably used it up. (A forced step schedule
+        # stays deterministic: the run ends at the first sync that reaches it.)
+        engine.set_budget(cfg.train.steps)
+    return engine

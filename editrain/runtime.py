@@ -1,0 +1,65 @@
+"""Process setup of one worker: signals, threads, glibc malloc, logging, device and mesh.
+
+A worker calls :func:`setup_process` first thing (its process dies with its parent, Ctrl-C
+ends it quietly, intra-op threads and malloc are set), then :func:`init_distributed` for
+its device and process groups. Seeding is not global: the model is built from
+``train.seed`` and the data order, the engine and the simulated stalls each draw from
+their own seeded generators.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+import torch
+
+from editrain.malloc import keep_freed_memory
+from editrain.topology import MeshInfo, init_mesh
+
+
+def worker_threads(cfg: Any, local_world: int | None = None) -> int:
+    """Intra-op threads of one worker: ``dist.threads_per_proc`` if set, else what the
+    user (or torchrun, which sets 1 unless told otherwise) put in ``OMP_NUM_THREADS``, else
+    the machine's cores shared out over the local processes.
+
+    Args:
+        cfg: the run's configuration.
+        local_world: the processes on this machine (default: ``LOCAL_WORLD_SIZE``, as a
+            worker sees it; the local launcher passes its ``dist.nproc``).
+    """
+    if cfg.dist.threads_per_proc:
+        return cfg.dist.threads_per_proc
+    omp = os.environ.get("OMP_NUM_THREADS", "").strip()
+    if omp.isdigit() and int(omp) > 0:
+        return int(omp)
+    if local_world is None:
+        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    return max(1, (os.cpu_count() or 1) // local_world)
+
+
+def setup_process(cfg: Any) -> None:
+    """Set up a worker process: it dies with the process that started it (also one killed
+    with SIGKILL), ends quietly on SIGINT, runs :func:`worker_threads` intra-op threads,
+    keeps freed memory (:func:`keep_freed_memory`) and logs warnings as bare lines.
+
+    Args:
+        cfg: the run's configuration (``dist.threads_per_proc``).
+    """
+    from editrain.spawn import die_with_parent, sigint_ends_quietly
+
+    die_with_parent()
+    sigint_ends_quietly()
+    torch.set_num_threads(worker_threads(cfg))
+    keep_freed_memory()
+    logging.basicConfig(level=logging.WARNING, format="%(message)s")
+
+
+def init_distributed(cfg: Any) -> MeshInfo:
+    """The default process group and the mesh of ``cfg.dist`` (``device`` and ``backend``
+    ``"auto"``: chosen from the hardware; see :func:`editrain.topology.init_mesh`)."""
+    d = cfg.dist
+    return init_mesh(d.shard_size, backend=None if d.backend == "auto" else d.backend,
+                     device_type=None if d.device == "auto" else d.device,
+                     tp_size=d.tp_size)
