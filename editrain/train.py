@@ -271,7 +271,10 @@ class Trainer:
         rendezvous and deadlock).
         """
         row["loss"] = self.evaluator.mean_loss(row["loss"], everyone=self.engine.in_warmup)
-        row["train_time_s"] = self._wall() - self.off_train_s
+        # One clock reading for both (after the loss's collective): train time never
+        # exceeds wall time.
+        row["wall_time_s"] = self._wall()
+        row["train_time_s"] = row["wall_time_s"] - self.off_train_s
         self._write(row)
 
     def _begin(self) -> float:
