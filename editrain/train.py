@@ -313,9 +313,10 @@ class Trainer:
     def _summary(self, final_val: float) -> dict[str, Any]:
         """The run's summary (rank 0 writes it to ``summary.json``)."""
         topo = self.info.topo
+        wall = self._wall()
         summary = {"steps": self.step, "tokens": self._tokens(), "final_val_loss": final_val,
-                   "val_tokens": self.val_tokens, "wall_time_s": self._wall(),
-                   "train_time_s": self._wall() - self.off_train_s,
+                   "val_tokens": self.val_tokens, "wall_time_s": wall,
+                   "train_time_s": wall - self.off_train_s,
                    "num_syncs": self.engine.num_syncs,
                    "num_params": self.num_params, "method": self.cfg.sync.method,
                    "replicas": self.replicas, "shard_size": topo.shard_size,
