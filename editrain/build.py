@@ -2,8 +2,8 @@
 
 The order is the trainer's: :func:`build_model` (the same seed on every rank, so every
 replica starts from the same weights), :func:`shard_model` (FSDP2 per block and root on the
-``shard`` sub-mesh), the inner optimizer (:mod:`editrain.optim.inner`, over
-:func:`replica_group`), then :func:`build_engine`.
+``shard`` sub-mesh), then :func:`build_engine` (the inner optimizer,
+:mod:`editrain.optim.inner`, sums gradient norms over the engine's ``replica_group``).
 """
 
 from __future__ import annotations
@@ -12,14 +12,13 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from editrain.api import parallelize
 from editrain.config import model_config
 from editrain.models import Llama
 from editrain.sync import StepScheduleTrigger, SyncEngine
-from editrain.topology import SHARD_DIM, MeshInfo
+from editrain.topology import MeshInfo
 
 
 def build_model(cfg: Any, vocab_size: int, device: torch.device) -> nn.Module:
@@ -39,17 +38,6 @@ def shard_model(cfg: Any, model: nn.Module, info: MeshInfo) -> list[nn.Module]:
     (``sync.split_root``) and the root; returns the units' modules (the engine's blocks)."""
     return parallelize(model, info, model.blocks(), cfg.train.precision,
                        split_root=cfg.sync.split_root)
-
-
-def replica_group(info: MeshInfo) -> dist.ProcessGroup | None:
-    """The main thread's group over the ranks holding one model copy between them (with
-    tensor parallelism: the replica's shard x tp ranks; None for a one-rank replica):
-    gradient norms are summed over it."""
-    group = info.mesh.get_group(SHARD_DIM) if info.topo.shard_size > 1 else None
-    if info.topo.tp_size > 1:
-        group, _ = dist.new_subgroups_by_enumeration(
-            [info.topo.replica_ranks(r) for r in range(info.topo.num_replicas)])
-    return group
 
 
 def build_engine(cfg: Any, model: nn.Module, info: MeshInfo, blocks: Sequence[nn.Module], *,

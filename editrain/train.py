@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from editrain.batches import RankData
-from editrain.build import build_engine, build_model, replica_group, shard_model
+from editrain.build import build_engine, build_model, shard_model
 from editrain.checkpoint import (
     list_checkpoints,
     load_checkpoint,
@@ -84,7 +84,7 @@ class Trainer:
         self.quiet = cfg.quiet or not self.is_logger or (self.ft and self.replica != 0)
         self.aedit = cfg.sync.use_async
 
-        # Components: data, model, optimizer, simulation, engine, evaluation.
+        # Components: data, model, simulation, engine, optimizer, evaluation.
         # (Evaluation over this job's world: in the fault-tolerant mode a replica group's.)
         eval_share = ((info.shard, info.topo.shard_size) if self.aedit else
                       (info.topo.data_rank(info.rank), info.topo.data_world))
@@ -93,8 +93,6 @@ class Trainer:
         self.model = build_model(cfg, self.data.vocab_size, info.device)
         self.num_params = num_parameters(self.model)
         blocks = shard_model(cfg, self.model, info)
-        self.replica_group = replica_group(info)
-        self.optimizer = build_inner_optimizer(cfg, self.model.parameters(), self.replica_group)
         # The simulated link is one FIFO per replica, shared by the replica's ranks.
         self.sim = Simulation(plan, self.replica, cfg.sim.replica_offset, self.global_rank,
                               t.seed, self.run_dir / ".link" / f"replica{self.replica}.state")
@@ -106,6 +104,9 @@ class Trainer:
         self.engine = build_engine(cfg, self.model, info, blocks, link_delay=self.sim.link,
                                    before_sync=self.sim.sync_hook, cross_replica=self.ft_group)
         self.sim.attach(self.engine)
+        # Gradient norms (WSAM, clipping) are summed over the engine's replica group.
+        self.replica_group = self.engine.replica_group
+        self.optimizer = build_inner_optimizer(cfg, self.model.parameters(), self.replica_group)
         if self.ft_group is not None:
             # What a healthy replica sends one that (re)joins, besides the engine's state.
             self.ft_group.register_state("trainer", self._ft_state, self._load_ft_state)

@@ -389,6 +389,13 @@ class SyncEngine:
         self.comm.close()
 
     @property
+    def replica_group(self) -> dist.ProcessGroup | None:
+        """The main thread's group over this replica's ranks (shard x tp), for the
+        caller's own collectives over one model copy (e.g. gradient norms); None for a
+        one-rank replica."""
+        return self.groups.replica_main
+
+    @property
     def armed(self) -> bool:
         """Whether a round is armed: it runs layer-wise in the next training forward."""
         return self._pending
