@@ -19,6 +19,7 @@ add a schedule") walks through writing one.
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from typing import TYPE_CHECKING
 
 import torch
@@ -31,7 +32,7 @@ if TYPE_CHECKING:
     from editrain.sync.edit import SyncEngine
 
 
-class Schedule:
+class Schedule(ABC):
     """The interface: :meth:`step` at each step boundary of the local phase, :meth:`finish`
     at the end of training, :meth:`sync_point` to place evaluations and checkpoints.
 
@@ -44,21 +45,21 @@ class Schedule:
         self.needs_clock = bool(getattr(engine.trigger, "needs_clock", False))
         """Whether the trigger reads the (agreed) wall clock: A-EDiT's time trigger."""
 
+    @abstractmethod
     def step(self) -> None:
         """A step boundary of the local phase (the step is counted): start, merge or arm
         rounds as due."""
-        raise NotImplementedError
 
+    @abstractmethod
     def finish(self, force: bool, ran_armed: bool) -> None:
         """The end of training (``force``): a last sync so that every replica holds the
         global model. Called after the engine ran what was armed (``ran_armed``) and
         merged what was due."""
-        raise NotImplementedError
 
+    @abstractmethod
     def sync_point(self) -> float | None:
         """Progress if this step boundary of the local phase is a sync point (identical on
         every rank), else None (see :meth:`SyncEngine.sync_point`)."""
-        raise NotImplementedError
 
     def due(self, since_window: float = 0.0) -> tuple[bool, float]:
         """Whether this replica's trigger (or, with the time trigger, the budget's end)
