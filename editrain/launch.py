@@ -41,6 +41,7 @@ from editrain.spawn import (
     free_port,
     one_line,
     read_error_file,
+    worker_start_method,
 )
 
 log = logging.getLogger("editrain")
@@ -399,6 +400,11 @@ def _elastic(cfg: Config, nproc: int, max_restarts: int) -> Any:
     to_handle = ",".join(name for name in ("SIGTERM", "SIGHUP", "SIGQUIT")
                          if hasattr(signal, name) and (not in_main or signal.getsignal(
                              getattr(signal, name)) is signal.SIG_DFL))
+    method = worker_start_method()
+    if method == "forkserver":
+        # What a worker imports anyway, imported once by the server (no effect if this
+        # process started its server already: a second job of a replica group).
+        mp.set_forkserver_preload(["editrain.train"])
     taken = []
     for _ in range(PORT_TRIES):
         port = free_port()
@@ -407,7 +413,7 @@ def _elastic(cfg: Config, nproc: int, max_restarts: int) -> Any:
             run_id=f"editrain-{uuid.uuid4().hex[:8]}",
             rdzv_backend="c10d", rdzv_endpoint=f"{LOOPBACK}:{port}",
             rdzv_configs={"is_host": True},
-            max_restarts=max_restarts, start_method="spawn", monitor_interval=0.5,
+            max_restarts=max_restarts, start_method=method, monitor_interval=0.5,
             local_addr=LOOPBACK,  # a laptop run is not reachable from the network
             logs_specs=specs, signals_to_handle=to_handle,
         )

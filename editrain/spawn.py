@@ -120,16 +120,18 @@ def free_port() -> int:
 
 # ---------------------------------------------------------------------------- hygiene
 def die_with_parent(sig: int | None = None) -> None:
-    """Have the kernel send ``sig`` to this process when its parent dies (Linux
-    ``prctl(PR_SET_PDEATHSIG)``; nothing elsewhere).
+    """Have this process receive ``sig`` when the process that started it dies.
 
     Call it first thing in a process started by editrain's launcher: a launcher killed with
     SIGKILL cannot stop its workers, and they would otherwise train on alone until a
-    collective times out. The kernel watches the *thread* that started this process; the
-    launchers start their workers from their main thread, which lives as long as they do.
-    If the parent died before this call, this process was already handed to another parent
-    and no signal would come: then ``sig`` is sent now (the parent's pid is known in a
-    process started by ``multiprocessing``; under torchrun the check is skipped).
+    collective times out. On Linux the kernel sends the signal when the parent *thread*
+    exits (``prctl(PR_SET_PDEATHSIG)``); the launchers start their workers from their main
+    thread, which lives as long as they do. A process started through a fork server
+    (``multiprocessing``'s ``forkserver``) has the server as its kernel parent, and the
+    server outlives the launcher while any worker is alive: such a process watches the
+    launcher itself (:func:`watch_process`). If the launcher died before this call, ``sig``
+    is sent now. Under torchrun (no ``multiprocessing`` parent) only the kernel's signal
+    is set; elsewhere than Linux nothing is done.
 
     Args:
         sig: the signal; SIGKILL by default (nothing is left to report to).
@@ -150,7 +152,60 @@ def die_with_parent(sig: int | None = None) -> None:
         return
     parent = multiprocessing.parent_process()
     if parent is not None and os.getppid() != parent.pid:
-        os.kill(os.getpid(), sig)
+        # A fork server's child, or a spawned process whose parent died already (it was
+        # handed to another parent): either way the process that started it is watched.
+        watch_process(parent.pid, lambda: os.kill(os.getpid(), sig))
+
+
+def watch_process(pid: int, on_exit: Callable[[], None]) -> None:
+    """Call ``on_exit()`` from a daemon thread once process ``pid`` has ended (at once if
+    it has ended already).
+
+    Waits on a pidfd (Linux 5.3+): the thread sleeps in ``poll`` and wakes when the process
+    ends, also while it is a zombie nobody has reaped. Without pidfds it checks every
+    :data:`WATCH_POLL_S` seconds whether ``pid`` still exists.
+
+    Args:
+        pid: the process to watch.
+        on_exit: what to do when it is gone (runs in the watcher thread).
+    """
+    import select
+
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        on_exit()
+        return
+    except (AttributeError, OSError):
+        fd = None
+
+    def wait() -> None:
+        if fd is not None:
+            poller = select.poll()
+            poller.register(fd, select.POLLIN)
+            while not poller.poll():
+                pass
+            os.close(fd)
+        else:
+            while _exists(pid):
+                time.sleep(WATCH_POLL_S)
+        on_exit()
+
+    threading.Thread(target=wait, name=f"editrain-watch-{pid}", daemon=True).start()
+
+
+WATCH_POLL_S = 0.5
+"""How often :func:`watch_process` checks a process where pidfds are not available."""
+
+
+def _exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def sigint_ends_quietly() -> None:
@@ -303,9 +358,39 @@ def _rank_entry(rank: int, fn: Callable[..., Any], world_size: int, port: int, b
 
 
 START_METHOD_ENV = "EDITRAIN_START_METHOD"
-"""Environment variable: how :func:`run_ranks` starts its processes when the call does not
-say (``spawn`` if unset). The test suite sets ``forkserver`` with torch preloaded, so that a
-rank starts in a fraction of a second instead of importing torch again."""
+"""Environment variable: how editrain starts local processes, ``forkserver`` or ``spawn``.
+Read by the launcher (:func:`worker_start_method`; ``forkserver`` if unset, where there is
+one) and by :func:`run_ranks` when the call does not say (``spawn`` if unset). The test
+suite sets ``forkserver`` with torch preloaded, so that a rank starts in a fraction of a
+second instead of importing torch again."""
+
+START_METHODS = ("forkserver", "spawn")
+"""The start methods editrain uses. ``fork`` is not one: a process that has started threads
+(the launcher's rendezvous store, torch's intra-op pool) cannot be forked safely."""
+
+
+def worker_start_method() -> str:
+    """How the launcher starts its workers: :data:`START_METHOD_ENV` if set, else
+    ``forkserver`` where the platform has one, else ``spawn``.
+
+    With ``forkserver`` one server process imports torch and editrain once and every worker
+    of the job (and of its restarts) is forked from it: a job of N local workers imports
+    torch twice (launcher and server) instead of N + 1 times, seconds of CPU each. The
+    server never touches a GPU, so its children start as cleanly as spawned ones.
+
+    Raises:
+        LaunchError: :data:`START_METHOD_ENV` names something else (exit code 2).
+    """
+    import multiprocessing
+
+    method = os.environ.get(START_METHOD_ENV, "").strip()
+    if not method:
+        return "forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else "spawn"
+    if method not in START_METHODS or method not in multiprocessing.get_all_start_methods():
+        allowed = [m for m in START_METHODS if m in multiprocessing.get_all_start_methods()]
+        raise LaunchError(f"{START_METHOD_ENV}={method!r} is not a start method editrain "
+                          f"can use here; allowed: {', '.join(allowed)}", exit_code=2)
+    return method
 
 
 def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any,

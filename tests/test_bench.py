@@ -834,3 +834,29 @@ def test_faults_window_gives_the_survivor_its_credit(tmp_path):
     assert summary["ft_check"]["held"] == 1
     target = faults._target(summary)
     assert target["met"] is True and "held in 1 of 1" in target["detail"]
+
+
+@pytest.mark.timeout(600)
+def test_plan_smoke(tmp_path, cache):
+    """The tiny plan scenario: its calibration runs are fitted, each held-out run is
+    predicted from its settings alone and compared with what it measured."""
+    saved, out = _run("plan", tmp_path, cache)
+    _runs_ok(saved, count=5)
+    res = saved["results"]
+    assert set(res["groups"]) == {"link", "straggler"}
+    for group in res["groups"].values():
+        assert "error" not in group and group["calibration"], group
+    assert set(res["held_out"]) == {"diloco-20MBs", "aedit-straggler2x"}
+    for label, row in res["held_out"].items():
+        assert row["ok"] and row["calibrated_on"], label
+        pred, meas = row["predicted"], row["measured"]
+        assert _num(pred["tokens_per_s"]) and pred["tokens_per_s"] > 0, label
+        assert _num(meas["tokens_per_s"]) and meas["tokens_per_s"] > 0, label
+        assert 0 < pred["utilisation"] <= 1 and 0 < meas["utilisation"] <= 1, label
+        assert row["tokens_ratio"] == pytest.approx(pred["tokens_per_s"] / meas["tokens_per_s"])
+        assert row["utilisation_diff"] == pytest.approx(pred["utilisation"]
+                                                        - meas["utilisation"])
+    # diloco sends one dense round per H steps over the simulated 20 MB/s link.
+    assert res["held_out"]["diloco-20MBs"]["predicted"]["bytes_per_round"] > 0
+    assert [t["title"] for t in saved["tables"]][0].startswith("Predicted against measured")
+    assert saved["targets"]

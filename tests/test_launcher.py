@@ -10,6 +10,8 @@ import os
 import signal
 import socket
 import subprocess
+import sys
+import threading
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -17,9 +19,19 @@ from types import SimpleNamespace
 import pytest
 
 from editrain import cli, launch
-from editrain.spawn import LOOPBACK, USER_ERRORS, one_line, read_error_file
+from editrain.spawn import (
+    LOOPBACK,
+    START_METHOD_ENV,
+    USER_ERRORS,
+    LaunchError,
+    one_line,
+    read_error_file,
+    watch_process,
+    worker_start_method,
+)
 from tests.test_cli import COMMAND, editrain, explain, tiny
 
+ROOT = Path(__file__).resolve().parents[1]
 SMALL = ("--nproc", "2", "--shard-size", "1", "--quiet")
 GONE_WITHIN_S = 5.0
 
@@ -69,6 +81,16 @@ def cmdline(pid: int) -> str:
         return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
     except OSError:
         return ""
+
+
+def started_by_multiprocessing(pid: int) -> bool:
+    """Whether ``pid`` is a process started by ``multiprocessing``: a spawned one, or one
+    forked from a fork server (a child of the server; the server itself is not one)."""
+    line = cmdline(pid)
+    if "spawn_main" in line:
+        return True
+    server = "multiprocessing.forkserver"
+    return server in line and (st := stat_of(pid)) is not None and server in cmdline(st[0])
 
 
 def alive(pids: list[int]) -> list[int]:
@@ -129,8 +151,8 @@ def training(run_dir: Path, ranks: int = 2):
 
 
 def booting(proc: subprocess.Popen, n: int = 2):
-    """Whether ``n`` worker processes exist (spawned, likely still importing torch)."""
-    return lambda: sum("spawn_main" in cmdline(p) for p in descendants(proc.pid)) >= n
+    """Whether ``n`` worker processes exist (started, perhaps still importing torch)."""
+    return lambda: sum(map(started_by_multiprocessing, descendants(proc.pid))) >= n
 
 
 # ---------------------------------------------------------------------------- worker errors
@@ -259,7 +281,7 @@ def test_workers_die_with_a_launcher_killed_with_sigkill(tmp_path, cache_dir, wh
         wait_for(proc, booting(proc), "the workers")
     else:
         wait_for(proc, training(run_dir), "training")
-    workers = [p for p in descendants(proc.pid) if "spawn_main" in cmdline(p)]
+    workers = [p for p in descendants(proc.pid) if started_by_multiprocessing(p)]
     assert len(workers) == 2, [cmdline(p) for p in descendants(proc.pid)]
     # A starting worker first finishes importing torch (seconds on a loaded machine).
     left = kill_launcher(proc, workers, 60 if when == "starting" else GONE_WITHIN_S)
@@ -276,7 +298,7 @@ def test_ft_workers_die_with_a_launcher_killed_with_sigkill(tmp_path, cache_dir)
     wait_for(proc, lambda: all(training(run_dir / f"replica{r}")() for r in (0, 1)),
              "both replica groups training", timeout=110)
     below = descendants(proc.pid)
-    assert sum("spawn_main" in cmdline(p) for p in below) >= 6, [cmdline(p) for p in below]
+    assert sum(map(started_by_multiprocessing, below)) >= 6, [cmdline(p) for p in below]
     left = kill_launcher(proc, below, GONE_WITHIN_S)
     assert not left, "replica groups or workers outlived their launcher"
 
@@ -402,3 +424,68 @@ def test_read_error_file_and_one_line(tmp_path):
     assert "ConfigError" in USER_ERRORS and "RuntimeError" not in USER_ERRORS
     assert one_line("a\n  b\n\n c ") == "a b c"
     assert one_line("x" * 500, 20) == "x" * 17 + "..."
+
+
+# ---------------------------------------------------------------------------- start methods
+FORKED_CHILD = '''
+import multiprocessing, os, sys, time
+from editrain.spawn import die_with_parent
+
+def child(ready):
+    die_with_parent()
+    ready.set()
+    time.sleep(120)
+
+if __name__ == "__main__":
+    ctx = multiprocessing.get_context(sys.argv[1])
+    ready = ctx.Event()
+    p = ctx.Process(target=child, args=(ready,))
+    p.start()
+    assert ready.wait(120)
+    print(p.pid, flush=True)
+    time.sleep(120)
+'''
+
+
+@pytest.mark.parametrize("method", ["forkserver", "spawn"])
+def test_a_child_dies_with_the_process_that_started_it(tmp_path, method):
+    """A fork server's child has the server as its kernel parent, and the server lives as
+    long as any of its children: the child watches the process that started it instead."""
+    script = tmp_path / "launcher.py"
+    script.write_text(FORKED_CHILD)
+    path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    proc = subprocess.Popen([sys.executable, str(script), method], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE,
+                            text=True, env=dict(os.environ, PYTHONPATH=path))
+    child = int(proc.stdout.readline())
+    below = descendants(proc.pid)
+    assert child in below
+    if method == "forkserver":
+        assert stat_of(child)[0] != proc.pid  # the server is the child's parent
+    left = kill_launcher(proc, below, GONE_WITHIN_S)
+    assert not left, [cmdline(p) for p in left]
+
+
+def test_watch_process_calls_back_when_the_process_ends():
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    ended = threading.Event()
+    watch_process(sleeper.pid, ended.set)
+    assert not ended.wait(0.3)
+    sleeper.kill()  # a zombie until reaped below: it has ended all the same
+    assert ended.wait(GONE_WITHIN_S)
+    sleeper.wait()
+    gone = threading.Event()
+    watch_process(sleeper.pid, gone.set)  # ended (and reaped) already: called at once
+    assert gone.is_set()
+
+
+def test_worker_start_method_follows_the_environment(monkeypatch):
+    monkeypatch.delenv(START_METHOD_ENV, raising=False)
+    assert worker_start_method() == "forkserver"
+    monkeypatch.setenv(START_METHOD_ENV, "spawn")
+    assert worker_start_method() == "spawn"
+    monkeypatch.setenv(START_METHOD_ENV, "fork")
+    with pytest.raises(LaunchError, match=f"{START_METHOD_ENV}='fork'.*allowed: forkserver, "
+                                          "spawn") as e:
+        worker_start_method()
+    assert e.value.exit_code == 2
