@@ -76,6 +76,9 @@ def test_error_feedback_telescopes():
     ({"fragments": 0}, "sync.fragments"),
     ({"merge": "avg"}, "sync.merge"),
     ({"merge_alpha": 1.5}, "sync.merge_alpha"),
+    # alpha is refused where it would be ignored: not a blend, or no delayed merge
+    ({"merge_alpha": 0.5, "overlap_steps": 1}, "sync.merge_alpha"),
+    ({"merge_alpha": 0.5, "merge": "blend"}, "sync.merge_alpha"),
     ({"comm_dtype": "fp8"}, "sync.comm_dtype"),
     ({"method": "sync", "fragments": 2}, "sync.method"),
     ({"method": "aedit", "fragments": 2}, "sync.fragments"),
@@ -84,6 +87,15 @@ def test_error_feedback_telescopes():
 def test_streaming_options_are_validated(kwargs, option):
     with pytest.raises(ValueError, match=option.replace(".", r"\.")):
         SyncConfig(**kwargs)
+
+
+def test_merge_alpha_is_accepted_where_it_blends():
+    assert SyncConfig(merge="blend", merge_alpha=0.5, overlap_steps=1).merge_alpha == 0.5
+    assert SyncConfig(merge="blend", merge_alpha=0.0).merge_alpha == 0.0  # theta <- A
+    with pytest.raises(ValueError, match="the merge is 'keep_local'"):
+        SyncConfig(merge_alpha=0.5, overlap_steps=1)
+    with pytest.raises(ValueError, match="with overlap_steps = 0"):
+        SyncConfig(merge="blend", merge_alpha=0.5)
 
 
 @pytest.mark.parametrize("kwargs,option", [

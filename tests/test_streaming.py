@@ -36,7 +36,7 @@ CASES = {
     # one fragment in flight at a time (tau < H / P)
     "t1_p2": _case("edit", 11, overlap_steps=1, fragments=2, **PEN_ON),
     "t2_keep": _case("diloco", 11, overlap_steps=2, merge="keep_local"),
-    "blend_half": _case("edit", 10, overlap_steps=1, merge_alpha=0.5, **PEN_OFF),
+    "blend_half": _case("edit", 10, overlap_steps=1, merge="blend", merge_alpha=0.5, **PEN_OFF),
     # several fragments in flight at once (tau >= H / P), staggered every step
     "t3_p4": dict(_case("edit", 12, overlap_steps=3, fragments=4, merge="keep_local",
                         **PEN_ON), trace=True),

@@ -185,7 +185,9 @@ class SyncConfig:
     the launch) or "blend" (theta <- lerp(global, theta, merge_alpha)); keep_local lost less
     loss in the convergence benchmark."""
     merge_alpha: float = 0.0
-    """Streaming, merge = "blend": share of the local parameters kept, in [0, 1]."""
+    """Streaming, merge = "blend": share of the local parameters kept, in [0, 1]; a value
+    > 0 needs merge = "blend" and overlap_steps > 0 (it is refused where it would be
+    ignored)."""
     comm_dtype: str = "fp32"
     """Pseudo-gradients on the wire: fp32 (all-reduce), bf16, int8 or int4 (per-128-value
     scales, gathered and summed in fp32)."""
@@ -254,6 +256,15 @@ class SyncConfig:
                 f"unknown rule {self.merge!r}; allowed: {', '.join(MERGES)}")
         require(isinstance(self.merge_alpha, (int, float)) and 0.0 <= self.merge_alpha <= 1.0,
                 "sync.merge_alpha", f"must be in [0, 1], got {self.merge_alpha!r}")
+        if self.merge_alpha:
+            # Only a delayed merge blends; anywhere else alpha would be silently ignored.
+            require(self.merge == "blend", "sync.merge_alpha",
+                    f"is the share of the local parameters in merge = 'blend', but the merge "
+                    f"is {self.merge!r}: set sync.merge = 'blend' or merge_alpha = 0")
+            require(self.overlap_steps > 0, "sync.merge_alpha",
+                    f"blends a delayed merge (sync.overlap_steps > 0); with overlap_steps = 0 "
+                    f"the round's global model is taken as it is: set overlap_steps >= 1 or "
+                    f"merge_alpha = 0, got merge_alpha = {self.merge_alpha}")
         require(self.comm_dtype in COMM_DTYPES, "sync.comm_dtype",
                 f"unknown dtype {self.comm_dtype!r}; allowed: {', '.join(COMM_DTYPES)}")
         streaming = self.overlap_steps > 0 or self.fragments > 1
