@@ -176,6 +176,10 @@ def _run_local(cfg: Config, run_dir: Path, lock: rundir.RunLock) -> dict:
     nproc = cfg.dist.nproc
     # Nothing is written before the data and the checkpoint to resume are known to be usable.
     check_run_dir(cfg, run_dir)
+    threads = worker_threads(cfg, local_world=nproc)  # the user's OMP_NUM_THREADS stands
+    os.environ.setdefault("OMP_NUM_THREADS", str(threads))
+    if cfg.dist.fault_tolerance != "torchft":  # there each replica group starts its own
+        start_worker_server()
     data = _pretokenise(cfg)
     if cfg.resume:
         from editrain.checkpoint import preflight_resume
@@ -188,8 +192,6 @@ def _run_local(cfg: Config, run_dir: Path, lock: rundir.RunLock) -> dict:
         else:
             preflight_resume(cfg.resume, cfg, data.vocab_size, data)
     prepare_run_dir(cfg, run_dir, lock)
-    threads = worker_threads(cfg, local_world=nproc)  # the user's OMP_NUM_THREADS stands
-    os.environ.setdefault("OMP_NUM_THREADS", str(threads))
     if not cfg.quiet:
         log.info("run directory: %s; %d local workers (%d threads each)", run_dir, nproc,
                  threads)
@@ -362,6 +364,27 @@ def _address_in_use(e: BaseException) -> bool:
     return "EADDRINUSE" in text or "address already in use" in text.lower()
 
 
+def start_worker_server() -> str:
+    """Start the server the workers will be forked from, if they are (see
+    :func:`editrain.spawn.worker_start_method`), and return the start method.
+
+    Called as soon as a job is known to start workers, so that the server imports torch and
+    editrain while this process still prepares the data and the run directory. The server
+    starts with SIGINT blocked (a Ctrl-C meanwhile cannot print a traceback from it; its
+    children unblock it once they can end quietly). Once running, it is reused by every
+    later job and restart of this process; it exits with this process.
+    """
+    from multiprocessing import forkserver
+
+    method = worker_start_method()
+    if method == "forkserver":
+        # What a worker imports anyway, imported once by the server.
+        mp.set_forkserver_preload(["editrain.train"])
+        with children_start_with_sigint_blocked():
+            forkserver.ensure_running()
+    return method
+
+
 def _elastic(cfg: Config, nproc: int, max_restarts: int) -> Any:
     """``nproc`` local workers running :func:`editrain.train.run_worker` under torch elastic.
 
@@ -400,11 +423,7 @@ def _elastic(cfg: Config, nproc: int, max_restarts: int) -> Any:
     to_handle = ",".join(name for name in ("SIGTERM", "SIGHUP", "SIGQUIT")
                          if hasattr(signal, name) and (not in_main or signal.getsignal(
                              getattr(signal, name)) is signal.SIG_DFL))
-    method = worker_start_method()
-    if method == "forkserver":
-        # What a worker imports anyway, imported once by the server (no effect if this
-        # process started its server already: a second job of a replica group).
-        mp.set_forkserver_preload(["editrain.train"])
+    method = start_worker_server()
     taken = []
     for _ in range(PORT_TRIES):
         port = free_port()
