@@ -11,7 +11,7 @@ import pytest
 
 from editrain.cli import main
 from editrain.errors import ConfigError
-from editrain.plan.calibrate import calibrate, fit_compute, fit_link
+from editrain.plan.calibrate import calibrate, fit_compute, fit_link, peer_lag_s
 from editrain.plan.inputs import GBIT, Cluster, MethodSpec, ModelSpec, load_inputs, parse_method
 from editrain.plan.model import (
     Round,
@@ -480,6 +480,32 @@ def test_rounds_beside_the_compute_slow_only_overlapping_settings():
     nb = predict(c, m, MethodSpec(method="aedit", H=8, overlap=2))
     assert nb.compute_s == pytest.approx(0.102)
     assert nb.tokens_per_s == pytest.approx(2 * m.batch_size * m.seq_len / 0.102)
+
+
+def test_calibration_leaves_out_the_wait_for_a_late_replica(tmp_path):
+    # Rank 1 launches every round 30 ms after rank 0, whose first collective waits for
+    # it: its comm_time_s holds 30 ms that are neither the link's nor the machine's.
+    run = tmp_path / "run"
+    write_synthetic_run(run, own_latency_s=0.001, own_bandwidth=8e6)
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    for r in rows:
+        if "sync" in r:
+            r["sync"]["comm_time_s"] += 0.03
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    for rank in (0, 1):
+        path = run / "ranks" / f"rank{rank}.jsonl"
+        lines = [json.loads(x) for x in path.read_text().splitlines()]
+        for x in lines:
+            x["unix_time"] = 1e9 + x["wall_time_s"] + (0.03 if rank else 0.0)
+        path.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    cal = calibrate([run])  # (unix times of 1e9 s hold about 1e-7 s)
+    assert cal.bandwidth_bytes_per_s == pytest.approx(1 / (1 / 2e6 + 1 / 8e6), rel=1e-4)
+    assert cal.own_bandwidth_bytes_per_s == pytest.approx(8e6, rel=1e-4)
+    assert cal.own_latency_s == pytest.approx(0.001, rel=1e-4)
+    # Rank 0 last: no wait; a missing clock: none assumed.
+    assert peer_lag_s({0: {4: 10.5}, 1: {4: 10.0}}, 4) == 0.0
+    assert peer_lag_s({0: {4: 10.0}, 1: {4: 10.25}, 2: {4: 10.5}}, 4) == 0.5
+    assert peer_lag_s({0: {4: 10.0}}, 4) == 0.0
 
 
 def test_fit_link_with_one_kind_of_round_assumes_the_latency():

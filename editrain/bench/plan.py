@@ -183,7 +183,9 @@ def run(bench: Bench) -> dict[str, Any]:
         "the slow replica's mean busy time (compute + simulated slowdown) over the fast "
         "one's mean compute, minus 1 (used in the straggler group only); the machine's own "
         "communication cost = a least-squares fit of `comm_time_s - link_delay_s` (the "
-        "simulated link's share, logged per sync) against collectives and bytes per round.",
+        "simulated link's share, logged per sync), less the time rank 0 waited in the "
+        "round's first collective for the other replica to launch it (from the rank logs' "
+        "`unix_time`), against collectives and bytes per round.",
         "Prediction: `editrain.plan.predict` on a cluster of 2 nodes x 1 GPU with the "
         "calibrated step time, slowdown per round beside the compute (added for the "
         "settings whose rounds run beside it, none for blocking rounds and sync), "

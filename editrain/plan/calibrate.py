@@ -15,9 +15,10 @@ From each run directory (``metrics.jsonl``, ``ranks/rank{RANK}.jsonl``, ``config
   boundary);
 * the replicas' speeds: each replica's mean busy time (``compute_s`` plus a simulated
   slowdown) over the fastest one's (a straggler spread);
-* the link: every sync row gives ``comm_time_s`` (seconds inside the round's collectives),
-  ``sync_collectives`` and ``bytes_sent`` (this rank's bytes; a node sends its ``S``
-  ranks' bytes over its one link). A least-squares fit of
+* the link: every sync row gives ``comm_time_s`` (seconds inside the round's collectives,
+  less the time the logging rank waited there for ranks that launched the round later:
+  :func:`peer_lag_s`), ``sync_collectives`` and ``bytes_sent`` (this rank's bytes; a node
+  sends its ``S`` ranks' bytes over its one link). A least-squares fit of
   ``comm_time_s = collectives * latency + node_bytes / bandwidth`` (both >= 0) over all
   the runs' rounds gives the effective latency per collective and bandwidth. When every
   round has the same bytes and collectives (one setting), the two cannot be told apart:
@@ -262,9 +263,14 @@ def read_run(run_dir: str | Path, skip: int = 4) -> RunSample:
     # tail.
     per_replica: dict[int, list[tuple[float, float]]] = {}
     ranks_dir = d / "ranks"
+    # Each rank's clock at the end of each step (after the round's launch), for the
+    # logging rank's wait for the others inside a round's first collective.
+    clocks: dict[int, dict[int, float]] = {}
     if ranks_dir.is_dir():
         for path in sorted(ranks_dir.glob("rank*.jsonl")):
             for r in read_jsonl(path):
+                if isinstance(r.get("unix_time"), int | float) and "step" in r:
+                    clocks.setdefault(int(r.get("rank", 0)), {})[r["step"]] = r["unix_time"]
                 if r.get("step", 0) > skip and isinstance(r.get("compute_s"), int | float):
                     c = r["compute_s"]
                     per_replica.setdefault(int(r.get("replica", 0)), []).append(
@@ -305,12 +311,35 @@ def read_run(run_dir: str | Path, skip: int = 4) -> RunSample:
         s = r.get("sync")
         if isinstance(s, dict) and s.get("comm_time_s") is not None \
                 and s.get("bytes_sent") is not None:
+            delay = float(s.get("link_delay_s") or 0.0)
+            # The logging rank (rank 0) waits inside the round's first collective for the
+            # ranks that launched it later; that is no cost of the link or the machine.
+            late = peer_lag_s(clocks, int(s.get("step", r["step"])))
             syncs.append((float(s.get("sync_collectives") or 1), float(s["bytes_sent"]) * S,
-                          float(s["comm_time_s"])))
-            delays.append(float(s.get("link_delay_s") or 0.0))
+                          max(delay, float(s["comm_time_s"]) - late)))
+            delays.append(delay)
     return RunSample(str(d), method, model, replicas, S, fastest, overhead,
                      [m / fastest for m in medians], syncs, delays, dict(cfg.get("sim", {})),
                      quiet, counted / len(means[0][2]))
+
+
+def peer_lag_s(clocks: dict[int, dict[int, float]], step: int) -> float:
+    """Seconds the last rank finished ``step`` after rank 0 (0 when rank 0 was last or a
+    clock is missing): how long rank 0 waits for the others in a round launched there.
+
+    Each rank's ``unix_time`` is written after its step's round was launched (for a
+    blocking round after it was done: then about 0). The ranks' clocks must agree (one
+    machine; across machines their offset enters).
+
+    Args:
+        clocks: ``{rank: {step: unix_time}}`` from the rank logs.
+        step: the round's launch step.
+    """
+    mine = clocks.get(0, {}).get(step)
+    others = [c[step] for rank, c in clocks.items() if rank != 0 and step in c]
+    if mine is None or not others:
+        return 0.0
+    return max(0.0, max(others) - mine)
 
 
 def _bool(v: Any) -> bool:
@@ -430,5 +459,5 @@ def calibrate(run_dirs: list[str | Path], skip: int = 4, latency_s: float | None
         overlap_fit=how)
 
 
-__all__ = ["Calibration", "RunSample", "calibrate", "fit_compute", "fit_link", "read_config",
-           "read_run"]
+__all__ = ["Calibration", "RunSample", "calibrate", "fit_compute", "fit_link", "peer_lag_s",
+           "read_config", "read_run"]
