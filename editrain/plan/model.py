@@ -12,7 +12,9 @@ the pieces, bottom up:
   jobs queued FIFO on its node's link, merged after ``overlap`` steps (or in the next
   forward, unit by unit, for a layer-wise sync) and waited for when not done.
 * :func:`predict`: the whole setting: layout (replicas x shards x tp), compute per step,
-  replica-internal collectives, the cross-replica rounds, stragglers, memory per rank.
+  replica-internal collectives, the communication thread's CPU cost of the rounds that
+  run beside the compute (:func:`overlap_slowdown_s`), the cross-replica rounds,
+  stragglers, memory per rank.
 """
 
 from __future__ import annotations
