@@ -86,7 +86,8 @@ class Calibration:
         latency_fitted: whether the latency was fitted (False: taken as given).
         samples: the runs.
         own_bandwidth_bytes_per_s: the machine's own per-byte cost beyond a simulated
-            link (``comm_time_s - link_delay_s``), as a bandwidth; None without one.
+            link (``comm_time_s - link_delay_s``, less rank 0's wait for late ranks), as a
+            bandwidth; None without one.
         own_latency_s: the machine's own cost per collective beyond a simulated link.
         overlap_cpu_s: compute seconds a round running beside the compute adds (the
             communication thread's CPU work; :func:`fit_compute`).
@@ -261,7 +262,7 @@ def read_run(run_dir: str | Path, skip: int = 4) -> RunSample:
     # Per replica: (compute, compute + simulated slowdown) per step. Means, not medians:
     # throughput is set by the total time, and a shared machine's step times have a long
     # tail.
-    per_replica: dict[int, list[tuple[float, float]]] = {}
+    per_replica: dict[int, list[tuple[float, float, int]]] = {}
     ranks_dir = d / "ranks"
     # Each rank's clock at the end of each step (after the round's launch), for the
     # logging rank's wait for the others inside a round's first collective.
@@ -314,7 +315,9 @@ def read_run(run_dir: str | Path, skip: int = 4) -> RunSample:
             delay = float(s.get("link_delay_s") or 0.0)
             # The logging rank (rank 0) waits inside the round's first collective for the
             # ranks that launched it later; that is no cost of the link or the machine.
-            late = peer_lag_s(clocks, int(s.get("step", r["step"])))
+            # (A-EDiT's replicas count their steps apart: no common step to compare.)
+            late = 0.0 if method.method == "aedit" else peer_lag_s(
+                clocks, int(s.get("step", r["step"])))
             syncs.append((float(s.get("sync_collectives") or 1), float(s["bytes_sent"]) * S,
                           max(delay, float(s["comm_time_s"]) - late)))
             delays.append(delay)
