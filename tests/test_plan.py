@@ -11,7 +11,7 @@ import pytest
 
 from editrain.cli import main
 from editrain.errors import ConfigError
-from editrain.plan.calibrate import calibrate, fit_link
+from editrain.plan.calibrate import calibrate, fit_compute, fit_link, peer_lag_s
 from editrain.plan.inputs import GBIT, Cluster, MethodSpec, ModelSpec, load_inputs, parse_method
 from editrain.plan.model import (
     Round,
@@ -371,6 +371,141 @@ def test_calibration_separates_the_machines_own_cost(tmp_path):
     link = cal.with_link(1e6, 0.005)
     assert link["inter_node_gbps"] * GBIT == pytest.approx(1 / (1 / 1e6 + 1 / 8e6), rel=1e-6)
     assert link["inter_node_latency_ms"] == pytest.approx(6.0)
+
+
+def write_overlap_run(path, fragments=1, H=8, step_s=0.03, cost_s=0.012, steps=40,
+                      overlap=0, method="edit"):
+    """A run (edit: layer-wise) whose rounds slow the compute by ``cost_s`` spread over
+    the steps they run beside (overlap + 1 after the launch); other steps take
+    ``step_s``; both replicas alike; no link."""
+    (path / "ranks").mkdir(parents=True)
+    (path / "config.toml").write_text(
+        '[model]\npreset = "tiny"\n[train]\nbatch_size = 8\nseq_len = 64\n'
+        f'[dist]\nnproc = 2\nshard_size = 1\n[sync]\nmethod = "{method}"\n'
+        f"local_sgd_sync_interval = {H}\nfragments = {fragments}\n"
+        f"overlap_steps = {overlap}\n")
+    launches = [k for k in range(1, steps + 1) if k % (H // fragments) == 0]
+    extra = {k: 0.0 for k in range(1, steps + 1)}
+    for k in launches:
+        for j in range(k + 1, k + overlap + 2):
+            if j in extra:
+                extra[j] += cost_s / (overlap + 1)
+    rows, ranks, t = [], {0: [], 1: []}, 0.0
+    for step in range(1, steps + 1):
+        c = step_s + extra[step]
+        t += c
+        row = {"step": step, "tokens": 1024 * step, "loss": 5.0, "compute_s": c,
+               "sync_wait_s": 0.0, "grad_sync_s": 0.0, "wall_time_s": t, "train_time_s": t}
+        if step - overlap - 1 in launches:  # logged at the merge
+            row["sync"] = {"step": step - overlap - 1, "bytes_sent": 1000,
+                           "sync_collectives": 2, "comm_time_s": 0.001, "wait_s": 0.0}
+        rows.append(row)
+        for r in (0, 1):
+            ranks[r].append({"rank": r, "replica": r, "step": step, "wall_time_s": t,
+                             "compute_s": c})
+    (path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    for r, lines in ranks.items():
+        (path / "ranks" / f"rank{r}.jsonl").write_text(
+            "".join(json.dumps(x) + "\n" for x in lines))
+
+
+def test_calibration_recovers_the_cost_of_rounds_beside_the_compute(tmp_path):
+    # One setting: within the run. Steps 5..40; rounds launched at 8, 16, 24, 32 slow
+    # steps 9, 17, 25, 33 by 12 ms (the one at 40 has no step left): 4 rounds in 36 steps.
+    write_overlap_run(tmp_path / "p1")
+    cal = calibrate([tmp_path / "p1"])
+    s = cal.samples[0]
+    assert s.compute_s == pytest.approx(0.03 + 4 * 0.012 / 36)
+    assert s.quiet_compute_s == pytest.approx(0.03)
+    assert s.rounds_per_step == pytest.approx(4 / 36)
+    assert cal.step_time_s == pytest.approx(0.03)
+    assert cal.overlap_cpu_s == pytest.approx(0.012)
+    assert cal.overlap_fit == "within runs"
+    assert cal.cluster().overlap_cpu_s == pytest.approx(0.012)
+    assert "overlap_cpu_s = 0.01" in cal.to_toml()
+    # Two rates (1 and 4 fragments; the latter with overlap 1, its cost spread over two
+    # steps, so that no step is free of a round): across the settings.
+    write_overlap_run(tmp_path / "p4", fragments=4, overlap=1)
+    two = calibrate([tmp_path / "p1", tmp_path / "p4"])
+    assert two.samples[1].quiet_compute_s is None
+    assert two.overlap_fit == "across settings"
+    assert two.step_time_s == pytest.approx(0.03)
+    assert two.overlap_cpu_s == pytest.approx(0.012)
+    # A blocking setting (diloco) has no round beside the compute: its mean is its step.
+    write_overlap_run(tmp_path / "none", cost_s=0.0, method="diloco")
+    blocking = calibrate([tmp_path / "none"])
+    assert blocking.samples[0].rounds_per_step == 0.0
+    assert (blocking.overlap_cpu_s, blocking.overlap_fit) == (0.0, "none")
+    assert blocking.step_time_s == pytest.approx(0.03)
+
+
+def test_fit_compute_by_hand():
+    assert fit_compute([(0.0, 0.03, 0.03), (0.25, 0.04, None)]) == \
+        pytest.approx((0.03, 0.04, "across settings"))
+    step, cost, how = fit_compute([(0.125, 0.032, 0.03), (0.125, 0.036, 0.032)])
+    assert how == "within runs"
+    assert step == pytest.approx(0.031) and cost == pytest.approx(0.024)  # medians
+    # Compute falling with more rounds is not a cost: none, the median mean.
+    assert fit_compute([(0.0, 0.04, 0.04), (0.25, 0.03, None)]) == \
+        pytest.approx((0.035, 0.0, "none"))
+
+
+def test_rounds_beside_the_compute_slow_only_overlapping_settings():
+    c = cluster(overlap_cpu_s=0.016, inter_node_gbps=1e5)  # a link too fast to matter
+    m = ModelSpec(params=1e7, layers=4, dim=256)
+    plain = cluster(inter_node_gbps=1e5)
+    # Blocking rounds and sync: nothing added.
+    for spec in (MethodSpec(method="diloco", H=8), MethodSpec(method="post_local_sgd", H=8),
+                 MethodSpec(method="sync"),
+                 MethodSpec(method="edit", H=8, layerwise=False)):
+        assert predict(c, m, spec).compute_s == pytest.approx(0.1), spec.label
+        assert predict(c, m, spec).tokens_per_s == \
+            pytest.approx(predict(plain, m, spec).tokens_per_s)
+    # Layer-wise edit: one round per 8 steps, 16 ms: 2 ms per step.
+    edit = predict(c, m, MethodSpec(method="edit", H=8))
+    assert edit.compute_s == pytest.approx(0.102)
+    base = predict(plain, m, MethodSpec(method="edit", H=8))
+    assert edit.wall_per_step_s == pytest.approx(base.wall_per_step_s + 0.002, rel=1e-6)
+    # Utilisation counts the slowdown as compute (as compute_s measures it).
+    assert edit.utilisation == pytest.approx(0.102 / edit.wall_per_step_s)
+    # Four fragments with overlap 2: four rounds per 8 steps: 8 ms per step.
+    frag = predict(c, m, MethodSpec(method="edit", H=8, fragments=4, overlap=2))
+    assert frag.compute_s == pytest.approx(0.108)
+    # diloco overlapped (overlap > 0) pays it; eager too.
+    assert predict(c, m, MethodSpec(method="diloco", H=8, overlap=1)).compute_s == \
+        pytest.approx(0.102)
+    assert predict(c, m, MethodSpec(method="diloco", H=8, eager=True)).compute_s == \
+        pytest.approx(0.102)
+    # A-EDiT: one round per window of H nominal steps, 2 ms per step on each replica.
+    nb = predict(c, m, MethodSpec(method="aedit", H=8, overlap=2))
+    assert nb.compute_s == pytest.approx(0.102)
+    assert nb.tokens_per_s == pytest.approx(2 * m.batch_size * m.seq_len / 0.102)
+
+
+def test_calibration_leaves_out_the_wait_for_a_late_replica(tmp_path):
+    # Rank 1 launches every round 30 ms after rank 0, whose first collective waits for
+    # it: its comm_time_s holds 30 ms that are neither the link's nor the machine's.
+    run = tmp_path / "run"
+    write_synthetic_run(run, own_latency_s=0.001, own_bandwidth=8e6)
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    for r in rows:
+        if "sync" in r:
+            r["sync"]["comm_time_s"] += 0.03
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    for rank in (0, 1):
+        path = run / "ranks" / f"rank{rank}.jsonl"
+        lines = [json.loads(x) for x in path.read_text().splitlines()]
+        for x in lines:
+            x["unix_time"] = 1e9 + x["wall_time_s"] + (0.03 if rank else 0.0)
+        path.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    cal = calibrate([run])  # (unix times of 1e9 s hold about 1e-7 s)
+    assert cal.bandwidth_bytes_per_s == pytest.approx(1 / (1 / 2e6 + 1 / 8e6), rel=1e-4)
+    assert cal.own_bandwidth_bytes_per_s == pytest.approx(8e6, rel=1e-4)
+    assert cal.own_latency_s == pytest.approx(0.001, rel=1e-4)
+    # Rank 0 last: no wait; a missing clock: none assumed.
+    assert peer_lag_s({0: {4: 10.5}, 1: {4: 10.0}}, 4) == 0.0
+    assert peer_lag_s({0: {4: 10.0}, 1: {4: 10.25}, 2: {4: 10.5}}, 4) == 0.5
+    assert peer_lag_s({0: {4: 10.0}}, 4) == 0.0
 
 
 def test_fit_link_with_one_kind_of_round_assumes_the_latency():

@@ -122,7 +122,7 @@ def run(bench: Bench) -> dict[str, Any]:
                 # A-EDiT's window: H steps of the fast replica, as the stragglers benchmark.
                 c = calibrate([last_cal.run_dir], skip=skip)
                 sync = {**sync, "local_sgd_sync_time":
-                        round(interval * (c.step_time_s + c.step_overhead_s), 4)}
+                        round(interval * (c.samples[0].compute_s + c.step_overhead_s), 4)}
             r = bench.train(label, *layers(sync, link, sim), title=f"{group}: {label}")
             done.append((kind, label, (sync, link, sim), r))
             if kind == "cal" and r.ok:
@@ -171,15 +171,25 @@ def run(bench: Bench) -> dict[str, Any]:
         "predicted with their mean compute speed, overhead and spread (the machine's speed "
         "drifts with its load) and with the link fitted on all of the group's calibration "
         "runs. 'calibrated on' names them.",
-        "Calibration (`editrain.plan.calibrate`): compute per step = mean `compute_s` of "
-        f"the fastest replica after step {skip}; overhead = the median over steps without a "
+        "Calibration (`editrain.plan.calibrate`): compute per step = the fastest "
+        f"replica's mean `compute_s` after step {skip}, split into the compute of a step "
+        "with no round beside it and the slowdown per round that runs beside the compute "
+        "(layer-wise, overlapped or fragment rounds; the communication thread's CPU work "
+        "on the shared cores): a least-squares line of the runs' mean compute against "
+        "their rounds per step where the calibration runs launch them at different rates "
+        "(`link`), else within the runs (the steps a round ran beside against the "
+        "others); overhead = the median over steps without a "
         "sync of the `train_time_s` advance minus compute and waits; straggler spread = "
         "the slow replica's mean busy time (compute + simulated slowdown) over the fast "
         "one's mean compute, minus 1 (used in the straggler group only); the machine's own "
         "communication cost = a least-squares fit of `comm_time_s - link_delay_s` (the "
-        "simulated link's share, logged per sync) against collectives and bytes per round.",
+        "simulated link's share, logged per sync), less the time rank 0 waited in the "
+        "round's first collective for the other replica to launch it (from the rank logs' "
+        "`unix_time`), against collectives and bytes per round.",
         "Prediction: `editrain.plan.predict` on a cluster of 2 nodes x 1 GPU with the "
-        "calibrated step time, overhead and spread, the run's simulated link plus the "
+        "calibrated step time, slowdown per round beside the compute (added for the "
+        "settings whose rounds run beside it, none for blocking rounds and sync), "
+        "overhead and spread, the run's simulated link plus the "
         "machine's own cost per collective and per byte (`latency_per = collective`: the "
         "simulated link charges its latency per collective), and the run's stall "
         "probability and length; the method, H, fragments, overlap, codec and A-EDiT "
@@ -253,7 +263,9 @@ def _parse_link(link: tuple[str, str] | None) -> tuple[float | None, float]:
 def _predict(cal: Any, run_dir: Any, link: tuple[str, str] | None, sim: dict[str, Any],
              straggler: bool, step_time_s: float | None = None) -> Any:
     """The planner's prediction of one run from its settings and the calibration (the
-    run's own metrics are not read, only its ``config.toml``)."""
+    run's own metrics are not read, only its ``config.toml``). ``step_time_s``: a
+    measured mean compute per step instead (the diagnostic; it holds the rounds' CPU
+    slowdown already, so none is added)."""
     from editrain.plan.calibrate import read_config
     from editrain.plan.model import predict
 
@@ -266,7 +278,8 @@ def _predict(cal: Any, run_dir: Any, link: tuple[str, str] | None, sim: dict[str
         prob, seconds = float(p), float(s)
     cluster = cal.cluster(**cal.with_link(bw, lat), straggler_spread=spread,
                           stall_prob=prob, stall_s=seconds,
-                          step_time_s=step_time_s or cal.step_time_s)
+                          step_time_s=step_time_s or cal.step_time_s,
+                          overlap_cpu_s=0.0 if step_time_s else cal.overlap_cpu_s)
     return predict(cluster, model, method)
 
 
@@ -295,7 +308,7 @@ def _compare(cal: Any, run: Run, link: tuple[str, str] | None, sim: dict[str, An
         "setting": pred.label,
         # For reading the errors only (not used by the prediction): how fast this run
         # computed against the calibration it was predicted with.
-        "compute_s": {"calibrated": cal.step_time_s, "measured": own_compute},
+        "compute_s": {"calibrated": pred.compute_s, "measured": own_compute},
         "compute_matched": {"tokens_per_s": matched.tokens_per_s,
                             "utilisation": matched.utilisation},
         "predicted": {"tokens_per_s": pred.tokens_per_s, "utilisation": pred.utilisation,
@@ -339,6 +352,7 @@ def _calibration_record(cal: Any) -> dict[str, Any]:
             "bandwidth_bytes_per_s": cal.bandwidth_bytes_per_s, "latency_s": cal.latency_s,
             "own_bandwidth_bytes_per_s": cal.own_bandwidth_bytes_per_s,
             "own_latency_s": cal.own_latency_s, "straggler_spread": cal.straggler_spread,
+            "overlap_cpu_s": cal.overlap_cpu_s, "overlap_fit": cal.overlap_fit,
             "residual_rms_s": cal.residual_rms_s, "rounds": cal.rounds,
             "runs": [s.run_dir for s in cal.samples]}
 
@@ -364,7 +378,7 @@ def _table(rows: dict[str, dict[str, Any]]) -> str:
     return md_table(["run", "link", "tokens/s predicted", "measured", "ratio",
                      "utilisation predicted", "measured", "difference",
                      "exposed comm ms/step predicted", "measured",
-                     "compute ms/step calibrated / this run (not used)",
+                     "compute ms/step predicted / this run (not used)",
                      "ratio with this run's compute (diagnostic)"], out)
 
 
@@ -372,12 +386,15 @@ def _cal_table(cals: dict[str, Any]) -> str:
     rows = []
     for group, cal in cals.items():
         own = cal.own_bandwidth_bytes_per_s
-        rows.append([group, _ms(cal.step_time_s), _ms(cal.step_overhead_s),
-                     cal.straggler_spread,
+        rows.append([group, _ms(cal.step_time_s),
+                     f"{_ms(cal.overlap_cpu_s):.1f} ({cal.overlap_fit})",
+                     _ms(cal.step_overhead_s), cal.straggler_spread,
                      None if not cal.bandwidth_bytes_per_s else cal.bandwidth_bytes_per_s / 1e6,
                      _ms(cal.latency_s), None if not own else own / 1e6,
                      _ms(cal.own_latency_s), _ms(cal.residual_rms_s), cal.rounds])
-    return md_table(["group", "compute ms/step", "overhead ms/step", "straggler spread",
+    return md_table(["group", "compute ms/step (no round beside)",
+                     "ms per round beside the compute (fit)", "overhead ms/step",
+                     "straggler spread",
                      "link MB/s (fit, simulated link included)", "latency ms/collective",
                      "machine's own per-byte cost as MB/s", "machine's own ms/collective",
                      "fit rms ms/round", "rounds fitted"], rows)
@@ -413,9 +430,10 @@ def _judge(rows: dict[str, dict[str, Any]]) -> tuple[list[dict[str, Any]], list[
         drift = [abs(e["compute_s"]["measured"] / e["compute_s"]["calibrated"] - 1)
                  for e in ok.values() if e.get("compute_s")]
         findings.append(
-            "The machine's drift: a held-out run computed "
+            "Compute per step: a held-out run computed "
             f"{statistics.median(drift):.0%} (median; worst {max(drift):.0%}) faster or "
-            "slower per step than the calibration runs around it (the machine is shared). "
+            "slower per step than predicted (the calibration runs around it, plus the "
+            "slowdown of its rounds beside the compute; the machine is shared and drifts). "
             "Predicted with each run's own mean compute per step instead (a diagnostic of "
             "the communication, overlap and straggler model alone, not a prediction), "
             f"tokens/s are within {statistics.median(matched):.1%} (median; worst "

@@ -4,15 +4,21 @@ From each run directory (``metrics.jsonl``, ``ranks/rank{RANK}.jsonl``, ``config
 
 * compute per step: the mean ``compute_s`` of the fastest replica's steps after the first
   ``skip`` (the replica-internal collectives are inside it; the mean, since a loaded
-  machine's step times have a long tail that the throughput pays for);
+  machine's step times have a long tail that the throughput pays for), split into the
+  compute of a step with no round beside it and the slowdown per round that runs beside
+  the compute (the communication thread's CPU work; :func:`fit_compute`): across runs
+  whose settings launch such rounds at different rates, a least-squares line of the
+  runs' mean compute against their rounds per step; with one rate, within the runs, the
+  steps a round ran beside against the others;
 * the step overhead: the median over steps without a sync of the ``train_time_s`` advance
   minus the step's compute, sync wait and gradient sync (data loading, logging, the step
   boundary);
 * the replicas' speeds: each replica's mean busy time (``compute_s`` plus a simulated
   slowdown) over the fastest one's (a straggler spread);
-* the link: every sync row gives ``comm_time_s`` (seconds inside the round's collectives),
-  ``sync_collectives`` and ``bytes_sent`` (this rank's bytes; a node sends its ``S``
-  ranks' bytes over its one link). A least-squares fit of
+* the link: every sync row gives ``comm_time_s`` (seconds inside the round's collectives,
+  less the time the logging rank waited there for ranks that launched the round later:
+  :func:`peer_lag_s`), ``sync_collectives`` and ``bytes_sent`` (this rank's bytes; a node
+  sends its ``S`` ranks' bytes over its one link). A least-squares fit of
   ``comm_time_s = collectives * latency + node_bytes / bandwidth`` (both >= 0) over all
   the runs' rounds gives the effective latency per collective and bandwidth. When every
   round has the same bytes and collectives (one setting), the two cannot be told apart:
@@ -56,6 +62,12 @@ class RunSample:
     without a simulated link)."""
     sim: dict[str, Any] = field(default_factory=dict)
     """The run's ``[sim]`` options (the simulated link, for comparison)."""
+    quiet_compute_s: float | None = None
+    """Mean compute seconds of the fastest replica's steps with no round beside them
+    (None: every step had one)."""
+    rounds_per_step: float = 0.0
+    """Rounds that ran beside the compute per step of the fastest replica (counted in the
+    run; about :attr:`MethodSpec.overlapping_rounds_per_step`)."""
 
 
 @dataclass
@@ -63,7 +75,8 @@ class Calibration:
     """The fitted numbers.
 
     Attributes:
-        step_time_s: compute seconds per step of the fastest replica (median over runs).
+        step_time_s: compute seconds per step of the fastest replica with no round running
+            beside it (:func:`fit_compute`).
         step_overhead_s: seconds per step outside compute and communication.
         bandwidth_bytes_per_s: effective link bandwidth (None: no sync rounds to fit).
         latency_s: effective latency per collective.
@@ -73,8 +86,13 @@ class Calibration:
         latency_fitted: whether the latency was fitted (False: taken as given).
         samples: the runs.
         own_bandwidth_bytes_per_s: the machine's own per-byte cost beyond a simulated
-            link (``comm_time_s - link_delay_s``), as a bandwidth; None without one.
+            link (``comm_time_s - link_delay_s``, less rank 0's wait for late ranks), as a
+            bandwidth; None without one.
         own_latency_s: the machine's own cost per collective beyond a simulated link.
+        overlap_cpu_s: compute seconds a round running beside the compute adds (the
+            communication thread's CPU work; :func:`fit_compute`).
+        overlap_fit: how it was fitted: ``across settings``, ``within runs`` or ``none``
+            (no run had such rounds).
     """
 
     step_time_s: float
@@ -88,6 +106,8 @@ class Calibration:
     samples: list[RunSample]
     own_bandwidth_bytes_per_s: float | None = None
     own_latency_s: float = 0.0
+    overlap_cpu_s: float = 0.0
+    overlap_fit: str = "none"
 
     def with_link(self, bandwidth_bytes_per_s: float | None, latency_s: float) -> dict[str, Any]:
         """Cluster fields for another simulated link on the same machine: the link's
@@ -122,7 +142,8 @@ class Calibration:
             nodes=first.replicas, gpus_per_node=first.shard_size * first.method.tp,
             inter_node_gbps=gbps, inter_node_latency_ms=self.latency_s * 1000.0,
             latency_per="collective", step_time_s=self.step_time_s,
-            step_overhead_s=self.step_overhead_s, straggler_spread=self.straggler_spread)
+            step_overhead_s=self.step_overhead_s, straggler_spread=self.straggler_spread,
+            overlap_cpu_s=self.overlap_cpu_s)
         data.update(changes)
         return Cluster(**data)
 
@@ -133,7 +154,8 @@ class Calibration:
         lines = ["# calibrated by `editrain plan --calibrate` from "
                  + ", ".join(s.run_dir for s in self.samples), "[cluster]"]
         for key in ("nodes", "gpus_per_node", "inter_node_gbps", "inter_node_latency_ms",
-                    "latency_per", "step_time_s", "step_overhead_s", "straggler_spread"):
+                    "latency_per", "step_time_s", "step_overhead_s", "straggler_spread",
+                    "overlap_cpu_s"):
             lines.append(f"{key} = {_toml_value(getattr(c, key))}")
         lines += ["", "[model]"]
         for key in ("preset", "vocab_size", "tie_embeddings", "seq_len", "batch_size", "dtype"):
@@ -240,23 +262,43 @@ def read_run(run_dir: str | Path, skip: int = 4) -> RunSample:
     # Per replica: (compute, compute + simulated slowdown) per step. Means, not medians:
     # throughput is set by the total time, and a shared machine's step times have a long
     # tail.
-    per_replica: dict[int, list[tuple[float, float]]] = {}
+    per_replica: dict[int, list[tuple[float, float, int]]] = {}
     ranks_dir = d / "ranks"
+    # Each rank's clock at the end of each step (after the round's launch), for the
+    # logging rank's wait for the others inside a round's first collective.
+    clocks: dict[int, dict[int, float]] = {}
     if ranks_dir.is_dir():
         for path in sorted(ranks_dir.glob("rank*.jsonl")):
             for r in read_jsonl(path):
+                if isinstance(r.get("unix_time"), int | float) and "step" in r:
+                    clocks.setdefault(int(r.get("rank", 0)), {})[r["step"]] = r["unix_time"]
                 if r.get("step", 0) > skip and isinstance(r.get("compute_s"), int | float):
                     c = r["compute_s"]
                     per_replica.setdefault(int(r.get("replica", 0)), []).append(
-                        (c, c + (r.get("sim_stall_s") or 0.0)))
+                        (c, c + (r.get("sim_stall_s") or 0.0), r["step"]))
     if not per_replica:
-        per_replica = {0: [(r["compute_s"], r["compute_s"]) for r in window
+        per_replica = {0: [(r["compute_s"], r["compute_s"], r["step"]) for r in window
                            if "compute_s" in r]}
-    means = sorted((statistics.fmean(b for _, b in v), statistics.fmean(c for c, _ in v))
-                   for v in per_replica.values() if v)
+    means = sorted((statistics.fmean(b for _, b, _ in v), statistics.fmean(c for c, _, _ in v),
+                    [(k, c) for c, _, k in v]) for v in per_replica.values() if v)
     # The fastest replica's own compute (its random stalls, if any, are the model's to add).
     fastest = means[0][1]
-    medians = [busy for busy, _ in means]
+    medians = [busy for busy, _, _ in means]
+    # Steps a round ran beside: after its launch at step k (the sync row's "step"), steps
+    # k + 1 .. k + n, n the setting's overlapped steps (0: blocking rounds, sync). The
+    # rounds counted are those with such a step among the fastest replica's steps.
+    steps = {k for k, _ in means[0][2]}
+    beside: set[int] = set()
+    counted = 0
+    for r in rows:
+        s = r.get("sync")
+        if method.overlapped_steps and isinstance(s, dict):
+            k = int(s.get("step", r["step"]))
+            mine = steps & set(range(k + 1, k + method.overlapped_steps + 1))
+            counted += bool(mine)
+            beside |= mine
+    quiet_steps = [c for k, c in means[0][2] if k not in beside]
+    quiet = statistics.fmean(quiet_steps) if quiet_steps else None
     # Overhead: per step, the clock's advance minus compute and waits; the median over
     # steps without a sync (a sync run by finish() after the last step is in the clock
     # but in no row's wait).
@@ -270,11 +312,37 @@ def read_run(run_dir: str | Path, skip: int = 4) -> RunSample:
         s = r.get("sync")
         if isinstance(s, dict) and s.get("comm_time_s") is not None \
                 and s.get("bytes_sent") is not None:
+            delay = float(s.get("link_delay_s") or 0.0)
+            # The logging rank (rank 0) waits inside the round's first collective for the
+            # ranks that launched it later; that is no cost of the link or the machine.
+            # (A-EDiT's replicas count their steps apart: no common step to compare.)
+            late = 0.0 if method.method == "aedit" else peer_lag_s(
+                clocks, int(s.get("step", r["step"])))
             syncs.append((float(s.get("sync_collectives") or 1), float(s["bytes_sent"]) * S,
-                          float(s["comm_time_s"])))
-            delays.append(float(s.get("link_delay_s") or 0.0))
+                          max(delay, float(s["comm_time_s"]) - late)))
+            delays.append(delay)
     return RunSample(str(d), method, model, replicas, S, fastest, overhead,
-                     [m / fastest for m in medians], syncs, delays, dict(cfg.get("sim", {})))
+                     [m / fastest for m in medians], syncs, delays, dict(cfg.get("sim", {})),
+                     quiet, counted / len(means[0][2]))
+
+
+def peer_lag_s(clocks: dict[int, dict[int, float]], step: int) -> float:
+    """Seconds the last rank finished ``step`` after rank 0 (0 when rank 0 was last or a
+    clock is missing): how long rank 0 waits for the others in a round launched there.
+
+    Each rank's ``unix_time`` is written after its step's round was launched (for a
+    blocking round after it was done: then about 0). The ranks' clocks must agree (one
+    machine; across machines their offset enters).
+
+    Args:
+        clocks: ``{rank: {step: unix_time}}`` from the rank logs.
+        step: the round's launch step.
+    """
+    mine = clocks.get(0, {}).get(step)
+    others = [c[step] for rank, c in clocks.items() if rank != 0 and step in c]
+    if mine is None or not others:
+        return 0.0
+    return max(0.0, max(others) - mine)
 
 
 def _bool(v: Any) -> bool:
@@ -320,6 +388,46 @@ def fit_link(rounds: list[tuple[float, float, float]], latency_s: float | None =
     return bw, lat, rms, fitted
 
 
+def fit_compute(runs: list[tuple[float, float, float | None]]
+                ) -> tuple[float, float, str]:
+    """Compute per step with no round beside it, and the compute seconds a round running
+    beside the compute adds (the communication thread's CPU work on shared cores).
+
+    Across settings (two or more rates of such rounds among the runs): the least-squares
+    line ``mean compute = step + cost x rounds per step`` over the runs. With one rate,
+    within the runs: the step from the steps with no round beside them (median over the
+    runs), the cost from the rest of the mean, ``(mean - quiet) / rounds per step``
+    (median). A negative cost is taken as 0 (the step is then the median mean).
+
+    Args:
+        runs: ``(rounds per step, mean compute s, mean compute s of the steps with no
+            round beside them or None)`` per run.
+
+    Returns:
+        ``(step s, cost s per round, how: "across settings", "within runs" or "none")``.
+    """
+    if not runs:
+        raise ConfigError("plan --calibrate: no runs to fit the compute on")
+    rates = [x for x, _, _ in runs]
+    means = [y for _, y, _ in runs]
+    if len({round(x, 12) for x in rates}) >= 2:
+        mx, my = statistics.fmean(rates), statistics.fmean(means)
+        sxx = sum((x - mx) ** 2 for x in rates)
+        cost = sum((x - mx) * (y - my) for x, y in zip(rates, means)) / sxx
+        step = my - cost * mx
+        if cost >= 0 and step > 0:
+            return step, cost, "across settings"
+        return statistics.median(means), 0.0, "none"
+    with_rounds = [(x, y, q) for x, y, q in runs if x > 0 and q is not None]
+    if not with_rounds:
+        return statistics.median(means), 0.0, "none"
+    cost = statistics.median((y - q) / x for x, y, q in with_rounds)
+    if cost < 0:
+        return statistics.median(means), 0.0, "none"
+    step = statistics.median(q if q is not None and x > 0 else y for x, y, q in runs)
+    return step, cost, "within runs"
+
+
 def calibrate(run_dirs: list[str | Path], skip: int = 4, latency_s: float | None = None
               ) -> Calibration:
     """Fit compute speed, overhead, stragglers and the link from one or more runs.
@@ -343,12 +451,16 @@ def calibrate(run_dirs: list[str | Path], skip: int = 4, latency_s: float | None
         own = [(c, x, y - dl) for (c, x, y), dl in zip(rounds, delays)]
         own_bw, own_lat, _, _ = fit_link(own)
     spread = max(max(s.factors) for s in samples) - 1.0
+    step, cost, how = fit_compute([(s.rounds_per_step, s.compute_s, s.quiet_compute_s)
+                                   for s in samples])
     return Calibration(
-        step_time_s=statistics.median(s.compute_s for s in samples),
+        step_time_s=step,
         step_overhead_s=statistics.median(s.overhead_s for s in samples),
         bandwidth_bytes_per_s=bw, latency_s=lat, straggler_spread=spread,
         residual_rms_s=rms, rounds=len(rounds), latency_fitted=fitted, samples=samples,
-        own_bandwidth_bytes_per_s=own_bw, own_latency_s=own_lat)
+        own_bandwidth_bytes_per_s=own_bw, own_latency_s=own_lat, overlap_cpu_s=cost,
+        overlap_fit=how)
 
 
-__all__ = ["Calibration", "RunSample", "calibrate", "fit_link", "read_config", "read_run"]
+__all__ = ["Calibration", "RunSample", "calibrate", "fit_compute", "fit_link", "peer_lag_s",
+           "read_config", "read_run"]

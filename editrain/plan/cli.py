@@ -157,6 +157,8 @@ def _calibrated_inputs(args: argparse.Namespace, overrides: dict[str, dict[str, 
     lines = [f"calibrated from {len(cal.samples)} run(s), {cal.rounds} sync round(s):",
              f"  compute per step {cal.step_time_s * 1000:.2f} ms, overhead per step "
              f"{cal.step_overhead_s * 1000:.2f} ms, straggler spread {cal.straggler_spread:.3f}",
+             f"  compute slowdown per round beside the compute {cal.overlap_cpu_s * 1000:.2f} "
+             f"ms (fitted {cal.overlap_fit}; the compute per step above is without it)",
              "  link: " + (f"{bw / 1e6:.3f} MB/s ({bw / GBIT:.4g} Gbit/s)" if bw
                            else "no rounds (unlimited)")
              + f", latency {cal.latency_s * 1000:.2f} ms per collective "
@@ -179,6 +181,8 @@ def _header(inputs: Any, shape: Any) -> str:
     c, m = inputs.cluster, inputs.model
     speed = (f"{c.step_time_s * 1000:.1f} ms compute per step" if c.step_time_s else
              f"{c.gpu_peak_tflops:g} TFLOP/s x MFU {c.mfu:g}")
+    if c.overlap_cpu_s:
+        speed += f" (+ {c.overlap_cpu_s * 1000:.1f} ms per round beside it)"
     return (f"{c.nodes} node(s) x {c.gpus_per_node} GPU(s), {speed}, inter-node "
             f"{c.inter_node_gbps:.4g} Gbit/s + {c.inter_node_latency_ms:g} ms, straggler "
             f"spread {c.straggler_spread:g}; model {m.preset or m.hf_config or 'custom'} "

@@ -130,6 +130,13 @@ class Cluster:
     """Probability that a replica stalls in a step (random stalls, independent)."""
     stall_s: float = 0.0
     """Seconds one stall lasts."""
+    overlap_cpu_s: float = 0.0
+    """Seconds of compute slowdown per sync round that runs beside the compute (layer-wise,
+    ``overlap > 0``, eager, non-blocking aedit; not a blocking round): the communication
+    thread's CPU work (statistics, quantisation, the outer step, the collectives' own
+    copies) taking the cores from the training. 0 on GPUs, whose compute does not share
+    the host's cores with the communication; calibration fits it on a CPU machine
+    (``docs/planning.md``, section Calibration from a run)."""
     ft_quorum_ms: float = 20.0
     """Milliseconds a torchft quorum costs per sync round (``ft = true`` methods)."""
 
@@ -147,6 +154,7 @@ class Cluster:
         if p > 1:
             raise _fail("cluster.stall_prob", f"must be <= 1, got {self.stall_prob!r}")
         _non_negative(self.stall_s, "cluster.stall_s")
+        _non_negative(self.overlap_cpu_s, "cluster.overlap_cpu_s")
         _non_negative(self.ft_quorum_ms, "cluster.ft_quorum_ms")
         if self.gpu_memory_gb is not None:
             _positive(self.gpu_memory_gb, "cluster.gpu_memory_gb")
@@ -330,6 +338,22 @@ class MethodSpec:
     def local(self) -> bool:
         """Whether the method syncs every H steps (not every step)."""
         return self.method != "sync"
+
+    @property
+    def overlapped_steps(self) -> int:
+        """Inner steps a round runs beside after its launch: ``overlap`` (``H`` when eager),
+        plus the forward it is merged in when layer-wise; 0 for a blocking round and for
+        sync (whose gradient reduction waits for nothing to compute)."""
+        if not self.local:
+            return 0
+        steps = self.H if self.eager else self.overlap
+        return steps + (1 if self.layerwise and not self.eager else 0)
+
+    @property
+    def overlapping_rounds_per_step(self) -> float:
+        """Rounds per inner step that run beside the compute (``fragments / H``; 0 when
+        :attr:`overlapped_steps` is 0)."""
+        return self.fragments / self.H if self.overlapped_steps else 0.0
 
 
 def _build(cls: type, data: dict[str, Any], section: str) -> Any:

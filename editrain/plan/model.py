@@ -12,7 +12,9 @@ the pieces, bottom up:
   jobs queued FIFO on its node's link, merged after ``overlap`` steps (or in the next
   forward, unit by unit, for a layer-wise sync) and waited for when not done.
 * :func:`predict`: the whole setting: layout (replicas x shards x tp), compute per step,
-  replica-internal collectives, the cross-replica rounds, stragglers, memory per rank.
+  replica-internal collectives, the communication thread's CPU cost of the rounds that
+  run beside the compute (:func:`overlap_slowdown_s`), the cross-replica rounds,
+  stragglers, memory per rank.
 """
 
 from __future__ import annotations
@@ -487,7 +489,7 @@ class Prediction:
     layout: Layout
     compute_s: float
     """Compute seconds per step of a replica at nominal speed (intra-replica collectives'
-    exposed time included)."""
+    exposed time and the slowdown of the rounds running beside the compute included)."""
     wall_per_step_s: float
     """Mean wall seconds per step (cluster tokens per step over cluster tokens/s)."""
     tokens_per_s: float
@@ -690,47 +692,66 @@ def predict(cluster: Cluster, spec: ModelSpec, method: MethodSpec,
 
     rounds, round_bytes, round_s = _rounds(cluster, shape, method, R, db)
     H = method.H
+    # The communication thread's CPU work slows the compute of the steps its rounds run
+    # beside, on every replica alike; spread over the H steps (docs/planning.md, The
+    # model of one job, Compute).
+    beside = overlap_slowdown_s(cluster, method)
     if method.method == "aedit":
         return _predict_aedit(cluster, method, lay, compute, factors, fwd, rounds,
-                              round_bytes, round_s, tokens_step, mem)
+                              round_bytes, round_s, tokens_step, mem, beside)
 
-    pace = compute * max(factors) + over + expected_max_stall_s(H, R, p, s) / H
+    mean_busy_step += beside
+    pace = compute * max(factors) + beside + over + expected_max_stall_s(H, R, p, s) / H
     tl = timeline(pace, fwd, rounds, H, method.overlap, bool(method.layerwise), method.eager)
     wall = tl.wall_per_step_s
     stale = float(H if method.eager else method.overlap)
     if tl.link_busy_per_step_s > pace * 1.0001 and (method.overlap or method.eager):
         notes.append("link-bound: the rounds need the link longer than the compute takes")
-    return Prediction(method.label, method, lay, compute, wall, R * tokens_step / wall,
-                      mean_busy_step / wall, tl.wait_per_step_s,
+    return Prediction(method.label, method, lay, compute + beside, wall,
+                      R * tokens_step / wall, mean_busy_step / wall, tl.wait_per_step_s,
                       pace - over - mean_busy_step, round_bytes, round_s, mem, stale, notes)
+
+
+def overlap_slowdown_s(cluster: Cluster, method: MethodSpec) -> float:
+    """Compute seconds per step that the rounds running beside the compute add:
+    ``cluster.overlap_cpu_s`` per round, ``fragments / H`` rounds per step
+    (:attr:`MethodSpec.overlapping_rounds_per_step`; 0 for sync and blocking rounds).
+
+    Args:
+        cluster: the cluster (its ``overlap_cpu_s``).
+        method: the setting.
+    """
+    return cluster.overlap_cpu_s * method.overlapping_rounds_per_step
 
 
 def _predict_aedit(cluster: Cluster, method: MethodSpec, lay: Layout, compute: float,
                    factors: list[float], fwd: list[float], rounds: list[Round],
                    round_bytes: float, round_s: float, tokens_step: int,
-                   mem: Memory) -> Prediction:
+                   mem: Memory, beside: float = 0.0) -> Prediction:
     """A-EDiT: every replica trains for the same wall-clock window, so a slow replica does
     fewer steps instead of holding the others back.
 
     Blocking: replica ``i`` runs ``ceil(W / t_i)`` steps (the trigger is checked at step
     boundaries), the rendezvous waits for the last one to finish its step, then the
     layer-wise sync's exposed part. Non-blocking (``overlap > 0``): no replica waits; the
-    round is merged when done, at least ``overlap`` steps after its launch."""
+    round is merged when done, at least ``overlap`` steps after its launch. ``beside``:
+    the compute slowdown per step of the rounds running beside the compute (one per H
+    nominal steps)."""
     R = lay.replicas
     over, p, s = cluster.step_overhead_s, cluster.stall_prob, cluster.stall_s
-    t_i = [compute * f + over + p * s for f in factors]
     W = method.sync_time_s or method.H * (compute + over)
+    t_i = [compute * f + beside + over + p * s for f in factors]
     n_i = [max(1, math.ceil(W / t)) for t in t_i]
     rv = _small_collective_s(cluster, R)
     jobs = [j for r in rounds for j in r.jobs]
     if method.overlap > 0:
         tokens_per_s = sum(tokens_step / t for t in t_i)
-        busy = [(compute * f + p * s) / t for f, t in zip(factors, t_i)]
+        busy = [(compute * f + beside + p * s) / t for f, t in zip(factors, t_i)]
         ends = [n * t for n, t in zip(n_i, t_i)]
         # The round completes after the last replica posts and the link has carried it.
         stale = max(method.overlap, (max(ends) - min(ends) + rv + round_s) / min(t_i))
         wall = R * tokens_step / tokens_per_s
-        return Prediction(method.label, method, lay, compute, wall, tokens_per_s,
+        return Prediction(method.label, method, lay, compute + beside, wall, tokens_per_s,
                           sum(busy) / R, 0.0, 0.0, round_bytes, round_s + rv, mem,
                           float(stale))
     end = max(n * t for n, t in zip(n_i, t_i))
@@ -738,14 +759,15 @@ def _predict_aedit(cluster: Cluster, method: MethodSpec, lay: Layout, compute: f
     cycle = end + exposed
     steps = sum(n_i)
     tokens_per_s = steps * tokens_step / cycle
-    busy = [n * (compute * f + p * s) / cycle for n, f in zip(n_i, factors)]
+    busy = [n * (compute * f + beside + p * s) / cycle for n, f in zip(n_i, factors)]
     waits = [(end - n * t) / (n) for n, t in zip(n_i, t_i)]
     wall = R * tokens_step / tokens_per_s
-    return Prediction(method.label, method, lay, compute, wall, tokens_per_s, sum(busy) / R,
-                      exposed * R / steps, sum(waits) / R, round_bytes, round_s + rv, mem)
+    return Prediction(method.label, method, lay, compute + beside, wall, tokens_per_s,
+                      sum(busy) / R, exposed * R / steps, sum(waits) / R, round_bytes, round_s + rv, mem)
 
 
 __all__ = ["CODEC_BITS", "Layout", "Memory", "Prediction", "Round", "Shape", "Timeline",
            "allgather_s", "compute_step_s", "expected_max_stall_s", "layerwise_exposure_s",
-           "layout", "memory_per_rank", "model_shape", "payload_bytes", "predict",
+           "layout", "memory_per_rank", "model_shape", "overlap_slowdown_s",
+           "payload_bytes", "predict",
            "replica_factors", "ring_allreduce_s", "timeline"]
