@@ -335,10 +335,7 @@ def write_synthetic_run(path, compute_s=0.05, overhead_s=0.004, latency_s=0.005,
         for r in (0, 1):
             ranks[r].append({"rank": r, "replica": r, "step": step, "wall_time_s": t,
                              "compute_s": compute_s * (slow if r else 1.0)})
-    (path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    for r, lines in ranks.items():
-        (path / "ranks" / f"rank{r}.jsonl").write_text(
-            "".join(json.dumps(x) + "\n" for x in lines))
+    write_run_files(path, rows, ranks)
 
 
 def test_calibration_recovers_known_parameters(tmp_path):
@@ -373,6 +370,14 @@ def test_calibration_separates_the_machines_own_cost(tmp_path):
     assert link["inter_node_latency_ms"] == pytest.approx(6.0)
 
 
+def write_run_files(path, rows, ranks) -> None:
+    """A run's ``metrics.jsonl`` (``rows``) and ``ranks/rank{r}.jsonl`` (``ranks[r]``)."""
+    (path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    for r, lines in ranks.items():
+        (path / "ranks" / f"rank{r}.jsonl").write_text(
+            "".join(json.dumps(x) + "\n" for x in lines))
+
+
 def write_overlap_run(path, fragments=1, H=8, step_s=0.03, cost_s=0.012, steps=40,
                       overlap=0, method="edit"):
     """A run (edit: layer-wise) whose rounds slow the compute by ``cost_s`` spread over
@@ -403,10 +408,7 @@ def write_overlap_run(path, fragments=1, H=8, step_s=0.03, cost_s=0.012, steps=4
         for r in (0, 1):
             ranks[r].append({"rank": r, "replica": r, "step": step, "wall_time_s": t,
                              "compute_s": c})
-    (path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    for r, lines in ranks.items():
-        (path / "ranks" / f"rank{r}.jsonl").write_text(
-            "".join(json.dumps(x) + "\n" for x in lines))
+    write_run_files(path, rows, ranks)
 
 
 def test_calibration_recovers_the_cost_of_rounds_beside_the_compute(tmp_path):
