@@ -358,15 +358,20 @@ def _rank_entry(rank: int, fn: Callable[..., Any], world_size: int, port: int, b
 
 
 START_METHOD_ENV = "EDITRAIN_START_METHOD"
-"""Environment variable: how editrain starts local processes, ``forkserver`` or ``spawn``.
-Read by the launcher (:func:`worker_start_method`; ``forkserver`` if unset, where there is
-one) and by :func:`run_ranks` when the call does not say (``spawn`` if unset). The test
-suite sets ``forkserver`` with torch preloaded, so that a rank starts in a fraction of a
-second instead of importing torch again."""
+"""Environment variable: how editrain starts local processes, ``forkserver``, ``spawn`` or
+``fork``. Read by the launcher (:func:`worker_start_method`; ``forkserver`` if unset, where
+there is one) and by :func:`run_ranks` when the call does not say (``spawn`` if unset). The
+test suite sets ``forkserver`` with torch preloaded, so that a rank starts in a fraction of a
+second instead of importing torch again, and ``fork`` for the ``editrain`` commands it runs
+(``tests/cli.py``)."""
 
-START_METHODS = ("forkserver", "spawn")
-"""The start methods editrain uses. ``fork`` is not one: a process that has started threads
-(the launcher's rendezvous store, torch's intra-op pool) cannot be forked safely."""
+START_METHODS = ("forkserver", "spawn", "fork")
+"""The start methods editrain accepts. ``fork`` forks each worker from the launcher itself:
+the fastest start, as the workers import nothing, but the launcher has threads running when
+it forks (torch elastic's rendezvous store), and a fork of a threaded process is only safe
+while no other thread holds a lock the child needs; it also requires that the launcher
+never started an OpenMP pool (one thread per process) nor touched a GPU (editrain's
+launcher never does). Not the default; the test suite uses it for its short runs."""
 
 
 def worker_start_method() -> str:

@@ -1,6 +1,7 @@
 """Checkpoints: exact resume, elastic resume, restart after a worker dies, bad input.
 
-These run the real CLI in subprocesses (torch elastic launcher, gloo, FSDP2), tiny model.
+These run the real CLI (``tests.cli.run_cli``: torch elastic launcher, gloo, FSDP2), tiny
+model.
 """
 
 from __future__ import annotations
@@ -10,7 +11,6 @@ import os
 import pickle
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -25,6 +25,7 @@ from editrain.checkpoint import (
     saved_ranks,
 )
 from editrain.errors import CheckpointError
+from tests.cli import run_cli
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -37,10 +38,8 @@ def _base_args(cache: Path) -> list[str]:
 
 def train(cache: Path, run_dir: Path, *args: str, check: bool = True
           ) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "editrain", "train", *_base_args(cache), "--run-dir",
-           str(run_dir), *args]
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=400, env=env)
+    out = run_cli(["train", *_base_args(cache), "--run-dir", str(run_dir), *args],
+                  env=dict(os.environ, OMP_NUM_THREADS="1"), timeout=400)
     if check and out.returncode != 0:
         raise AssertionError(f"train failed ({out.returncode}):\n{out.stderr[-4000:]}")
     return out

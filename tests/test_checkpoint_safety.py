@@ -16,8 +16,6 @@ import os
 import pickle
 import shlex
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -39,6 +37,7 @@ from editrain.checkpoint import (
 )
 from editrain.errors import CheckpointError
 from editrain.safe_load import METADATA_CLASSES, SafeLoadPlanner, read_metadata
+from tests.cli import run_cli
 
 ROOT = Path(__file__).resolve().parents[1]
 TOK_KEY = "replica0.model.tok_embeddings.weight"
@@ -61,10 +60,8 @@ def cache(tmp_path_factory) -> Path:
 def saved(cache: Path, tmp_path_factory) -> Path:
     """A complete checkpoint written by the CLI (format 3)."""
     run = tmp_path_factory.mktemp("src") / "run"
-    cmd = [sys.executable, "-m", "editrain", "train", *_args(cache), "--steps", "4",
-           "--run-dir", str(run)]
-    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=400,
-                         env=dict(os.environ, OMP_NUM_THREADS="1"))
+    out = run_cli(["train", *_args(cache), "--steps", "4", "--run-dir", str(run)],
+                  env=dict(os.environ, OMP_NUM_THREADS="1"), timeout=400)
     assert out.returncode == 0, out.stderr[-4000:]
     return list_checkpoints(run)[-1]
 
@@ -333,10 +330,8 @@ def test_optimizers_resume_bitwise_with_json_param_groups(cache, tmp_path, optim
     env = dict(os.environ, OMP_NUM_THREADS="1")
 
     def run(run_dir: Path, *extra: str) -> None:
-        cmd = [sys.executable, "-m", "editrain", "train", *common, "--run-dir", str(run_dir),
-               *extra]
-        out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=500,
-                             env=env)
+        out = run_cli(["train", *common, "--run-dir", str(run_dir), *extra], env=env,
+                      timeout=500)
         assert out.returncode == 0, out.stderr[-4000:]
 
     full, resumed = tmp_path / "full", tmp_path / "resumed"

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -14,6 +12,7 @@ import torch
 
 from editrain.config import ConfigError, load_config
 from editrain.models.hf import HFCausalLM, check_hf_config, check_vocab
+from tests.cli import run_cli
 from tests.test_examples import write_corpus
 
 pytest.importorskip(
@@ -83,7 +82,7 @@ def test_train_hf_llama_end_to_end(tmp_path):
     cfg = write_config(tmp_path / "config.json")
     corpus = write_corpus(tmp_path / "corpus.txt")
     run = tmp_path / "run"
-    cmd = [sys.executable, "-m", "editrain", "train", "--model.hf_config", str(cfg),
+    cmd = ["train", "--model.hf_config", str(cfg),
            "--nproc", "4", "--shard-size", "2", "--steps", "30", "--quiet",
            "--data.path", str(corpus), "--data.vocab_size", "300",
            "--data.cache_dir", str(tmp_path / "cache"),
@@ -92,7 +91,7 @@ def test_train_hf_llama_end_to_end(tmp_path):
            "--sync.local_sgd_sync_interval", "5", "--checkpoint.final", "false",
            "--run-dir", str(run)]
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=200)
+    proc = run_cli(cmd, env=env, timeout=200)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     val = [r["val_loss"] for r in rows if "val_loss" in r]

@@ -71,6 +71,12 @@ def run_child(argv: list[str], log_path: Path, timeout_s: float) -> str | None:
         except BaseException:  # interrupted (Ctrl-C, a test's timeout): leave nothing behind
             _kill_session(proc)
             raise
+    return child_failure(code, log_path)
+
+
+def child_failure(code: int, log_path: Path) -> str | None:
+    """Why a child that ended with exit status ``code`` failed (None: it did not): the status
+    and the last line of its output in ``log_path``."""
     if code == 0:
         return None
     lines = log_path.read_text(errors="replace").splitlines()
