@@ -378,9 +378,10 @@ def start_worker_server() -> str:
 
     method = worker_start_method()
     if method == "forkserver":
-        # What a worker imports anyway, imported once by the server. torch imports
-        # torch._dynamo (2.5 s of CPU here) at the first optimizer a process builds.
-        mp.set_forkserver_preload(["editrain.train", "torch._dynamo"])
+        # What a worker (or a replica group of --ft) imports anyway, imported once by the
+        # server. torch imports torch._dynamo (2.5 s of CPU here) at the first optimizer a
+        # process builds.
+        mp.set_forkserver_preload(["editrain.train", "editrain.launch", "torch._dynamo"])
         with children_start_with_sigint_blocked():
             forkserver.ensure_running()
     return method
@@ -520,6 +521,9 @@ def _group_main(cfg: Config, replica: int, attempt: int, lighthouse: str) -> Non
     from editrain.train import run_worker
 
     die_with_parent()
+    # As a new interpreter: warnings as bare lines, not the launcher's handler that a group
+    # forked from it (EDITRAIN_START_METHOD=fork) would inherit.
+    logging.basicConfig(level=logging.WARNING, format="%(message)s", force=True)
     os.environ[REPLICA_ENV] = str(replica)
     os.environ[ATTEMPT_ENV] = str(attempt)
     os.environ[LIGHTHOUSE_ENV] = lighthouse
@@ -577,7 +581,9 @@ def run_ft(cfg: Config, run_dir: Path) -> dict[str, Any]:
         address = lighthouse.address()
     cfg = dataclasses.replace(cfg, dist=dataclasses.replace(d, ft_replicas=replicas,
                                                             fault_tolerance="torchft"))
-    ctx = mp.get_context("spawn")
+    # The groups start as the workers of a local job do: forked from the server that has
+    # imported torch (a restarted group is back sooner), or as EDITRAIN_START_METHOD says.
+    ctx = mp.get_context(start_worker_server())
     procs: dict[int, Any] = {}
     attempts = dict.fromkeys(range(replicas), 0)
     events: list[dict[str, Any]] = []

@@ -10,6 +10,7 @@ their own seeded generators.
 from __future__ import annotations
 
 import logging
+import multiprocessing
 import os
 from typing import Any
 
@@ -53,7 +54,11 @@ def setup_process(cfg: Any) -> None:
     sigint_ends_quietly()
     torch.set_num_threads(worker_threads(cfg))
     keep_freed_memory()
-    logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    # A worker of editrain's launcher starts with no logging set up, also one forked from
+    # the launcher (EDITRAIN_START_METHOD=fork), which would keep the launcher's handler;
+    # under torchrun the worker is the command itself and keeps what it set up.
+    logging.basicConfig(level=logging.WARNING, format="%(message)s",
+                        force=multiprocessing.parent_process() is not None)
 
 
 def init_distributed(cfg: Any) -> MeshInfo:

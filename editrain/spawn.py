@@ -209,18 +209,22 @@ def _exists(pid: int) -> bool:
 
 
 def sigint_ends_quietly() -> None:
-    """SIGINT ends this process at once, as SIGTERM does, without a ``KeyboardInterrupt``
-    traceback; SIGINT is unblocked (see :func:`children_start_with_sigint_blocked`).
+    """SIGINT ends this process at once, as SIGTERM and SIGHUP do, without a
+    ``KeyboardInterrupt`` traceback; SIGINT is unblocked (see
+    :func:`children_start_with_sigint_blocked`).
 
-    For a worker or a replica group: Ctrl-C reaches them together with their launcher,
-    which reports the interrupt once and stops whatever is left. A SIGINT this process
-    inherited as ignored (its launcher ignores it: started in the background) stays
-    ignored. Only in the main thread (signal handlers can only be set there).
+    For a worker: Ctrl-C reaches it together with its launcher, which reports the
+    interrupt once and stops whatever is left. SIGTERM and SIGHUP get their default action
+    back too: a worker forked from its launcher (``EDITRAIN_START_METHOD=fork``) inherits
+    the launcher's handlers, which raise :class:`Interrupted`. A signal this process
+    inherited as ignored (its launcher ignores it: started in the background, ``nohup``)
+    stays ignored. Only in the main thread (signal handlers can only be set there).
     """
     if threading.current_thread() is not threading.main_thread():
         return
-    if signal.getsignal(signal.SIGINT) is not signal.SIG_IGN:
-        signal.signal(signal.SIGINT, signal.SIG_DFL)
+    for sig in (signal.SIGINT, signal.SIGTERM, getattr(signal, "SIGHUP", None)):
+        if sig is not None and signal.getsignal(sig) is not signal.SIG_IGN:
+            signal.signal(sig, signal.SIG_DFL)
     if hasattr(signal, "pthread_sigmask"):
         signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
 

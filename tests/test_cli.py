@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import subprocess
 import sys
 import time
@@ -18,7 +19,7 @@ from editrain import cli
 from editrain.config import ConfigError, describe_options, load_config
 from editrain.data import prepare_tokens
 from editrain.metrics import read_rank_logs
-from tests.cli import run_cli
+from tests.cli import MODE_ENV, run_cli
 
 BIN = Path(sys.executable).with_name("editrain")
 COMMAND = [str(BIN)] if BIN.exists() else [sys.executable, "-m", "editrain"]
@@ -116,6 +117,56 @@ def diloco_run(tmp_path_factory, cache_dir, edit_run):
 
 
 # ---------------------------------------------------------------------------- training runs
+def test_a_forked_command_is_the_command_a_new_interpreter_runs(tmp_path, cache_dir):
+    """The suite runs ``editrain`` as forks of a preloaded server (:mod:`tests.cli`): the
+    same run gives bitwise the same losses, files and messages as the console script in a
+    new interpreter whose workers come from the default fork server; bad input too."""
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    args = [*tiny(cache_dir), "--nproc", "2", "--shard-size", "1", "--steps", "6",
+            "--sync.local_sgd_sync_interval", "3", "--train.eval_every", "3", "--quiet"]
+    runs = {}
+    for name, cli_mode, workers in (("forked", "server", "fork"),
+                                    ("interpreter", "subprocess", None)):
+        run_dir = tmp_path / name
+        os.environ[MODE_ENV] = cli_mode
+        try:
+            proc = run_cli(["train", *args, "--run-dir", str(run_dir)], env=env,
+                           start_method=workers)
+            bad = run_cli(["train", *args, "--train.lr", "-1", "--run-dir", str(run_dir)],
+                          env=env, start_method=workers)
+        finally:
+            del os.environ[MODE_ENV]
+        assert proc.forked == (cli_mode == "server") and proc.returncode == 0, explain(proc)
+        assert bad.returncode == 2 and bad.stdout == "", explain(bad)
+        runs[name] = ([(r["step"], r.get("loss"), r.get("val_loss")) for r in rows_of(run_dir)],
+                      sorted(p.name for p in run_dir.iterdir()),
+                      re.sub(r"[0-9.]+ s\b", "T s", proc.stderr.replace(str(run_dir), "RUN")),
+                      bad.stderr.replace(str(run_dir), "RUN"))
+    assert runs["forked"] == runs["interpreter"]
+
+
+def test_a_forked_command_past_its_timeout_is_killed_with_its_workers(tmp_path, cache_dir):
+    """As ``subprocess.run``: TimeoutExpired, nothing left running, and the next command
+    runs."""
+    def processes() -> set[str]:  # the servers and whatever was forked from them
+        return set(subprocess.run(["pgrep", "-f", "tests.cli_server"], capture_output=True,
+                                  text=True).stdout.split())
+
+    run_cli(["options"], env=dict(os.environ, OMP_NUM_THREADS="1"))  # a server is up
+    before = processes()
+    with pytest.raises(subprocess.TimeoutExpired):
+        run_cli(["train", *tiny(cache_dir), "--nproc", "2", "--shard-size", "1", "--steps",
+                 "100000", "--quiet", "--run-dir", str(tmp_path / "long")],
+                env=dict(os.environ, OMP_NUM_THREADS="1"), timeout=15)
+    assert (tmp_path / "long" / "metrics.jsonl").exists()  # it had started training
+    deadline = time.monotonic() + 10
+    while processes() - before and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert processes() - before == set()
+    proc = run_cli(["options"], env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert proc.returncode == 0 and "local_sgd_sync_interval" in proc.stdout
+
+
 @pytest.mark.slow
 def test_train_end_to_end(edit_run, cache_dir):
     run_dir, proc, _elapsed, _ = edit_run
