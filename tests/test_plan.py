@@ -300,17 +300,18 @@ def test_bandwidth_for_is_monotone():
 # ---------------------------------------------------------------------------- calibration
 def write_synthetic_run(path, compute_s=0.05, overhead_s=0.004, latency_s=0.005,
                         bandwidth=2e6, slow=1.5, steps=40, H=4, own_latency_s=0.0,
-                        own_bandwidth=None):
+                        own_bandwidth=None, simulated=True):
     """A run directory as ``editrain train`` writes it, from known parameters: rounds of
     varying size (fragments of unequal units) on a link of ``bandwidth`` and
-    ``latency_s`` per collective, replica 1 ``slow`` times slower."""
+    ``latency_s`` per collective, replica 1 ``slow`` times slower. ``simulated``: the
+    link is a simulated one (its share logged as ``link_delay_s``), else the machine's."""
     (path / "ranks").mkdir(parents=True)
     (path / "config.toml").write_text(
         '[model]\npreset = "tiny"\n[data]\nvocab_size = 512\n'
         "[train]\nbatch_size = 8\nseq_len = 64\n"
         '[dist]\nnproc = 2\nshard_size = 1\n[sync]\nmethod = "edit"\n'
         "local_sgd_sync_interval = 4\nfragments = 2\noverlap_steps = 1\n"
-        '[sim]\nlink_bandwidth = "2MB/s"\nlink_latency = "5ms"\n')
+        + ('[sim]\nlink_bandwidth = "2MB/s"\nlink_latency = "5ms"\n' if simulated else ""))
     rows, ranks = [], {0: [], 1: []}
     t = train = 0.0
     for step in range(1, steps + 1):
@@ -322,7 +323,8 @@ def write_synthetic_run(path, compute_s=0.05, overhead_s=0.004, latency_s=0.005,
             delay = coll * latency_s + nbytes / bandwidth
             own = coll * own_latency_s + (nbytes / own_bandwidth if own_bandwidth else 0.0)
             sync = {"sync": step, "step": step, "bytes_sent": nbytes, "sync_collectives": coll,
-                    "comm_time_s": delay + own, "link_delay_s": delay, "wait_s": 0.0}
+                    "comm_time_s": delay + own, "link_delay_s": delay if simulated else 0.0,
+                    "wait_s": 0.0}
         dt = compute_s + wait + overhead_s
         t += dt
         train += dt
@@ -368,6 +370,39 @@ def test_calibration_separates_the_machines_own_cost(tmp_path):
     link = cal.with_link(1e6, 0.005)
     assert link["inter_node_gbps"] * GBIT == pytest.approx(1 / (1 / 1e6 + 1 / 8e6), rel=1e-6)
     assert link["inter_node_latency_ms"] == pytest.approx(6.0)
+
+
+def test_bench_plan_groups_on_an_unlimited_link_share_the_machines_own_cost(tmp_path):
+    """The machine's own cost per collective and per byte is fitted where a simulated link
+    separates it (the ``link`` group) and used by a group whose runs cannot (no simulated
+    link): the same machine."""
+    from editrain.bench.plan import group_rows
+    from editrain.bench.runs import read_run as read_bench_run
+
+    write_synthetic_run(tmp_path / "link", own_latency_s=0.001, own_bandwidth=8e6)
+    write_synthetic_run(tmp_path / "plain", latency_s=0.002, bandwidth=5e6, simulated=False)
+    for name in ("link", "plain"):  # finished runs
+        (tmp_path / name / "summary.json").write_text(json.dumps({"steps_run": 40}))
+    run = {name: read_bench_run(name, tmp_path / name, {}, 1.0, None)
+           for name in ("link", "plain")}
+    link = ("2MB/s", "5ms")
+    machine, _, _ = group_rows([("cal", "link", ({}, link, {}), run["link"])], 4, False)
+    assert machine.own_latency_s == pytest.approx(0.001, rel=1e-6)
+    assert machine.own_bandwidth_bytes_per_s == pytest.approx(8e6, rel=1e-6)
+    alone, _, own = group_rows([("cal", "plain", ({}, None, {}), run["plain"])], 4, False)
+    assert (alone.own_bandwidth_bytes_per_s, alone.own_latency_s) == (None, 0.0)
+    shared, _, shared_own = group_rows([("cal", "plain", ({}, None, {}), run["plain"])], 4,
+                                       False, machine)
+    assert shared.own_latency_s == machine.own_latency_s
+    assert shared.own_bandwidth_bytes_per_s == machine.own_bandwidth_bytes_per_s
+    assert shared.latency_s == alone.latency_s  # its own rounds' fit stays its own
+    # On an unlimited link the prediction now charges the machine's cost per collective
+    # and per byte (the link a held-out run of the group is predicted on).
+    assert alone.with_link(None, 0.0)["inter_node_latency_ms"] == 0.0
+    unlimited = shared.with_link(None, 0.0)
+    assert unlimited["inter_node_latency_ms"] == pytest.approx(1.0)
+    assert unlimited["inter_node_gbps"] * GBIT == pytest.approx(8e6, rel=1e-6)
+    assert shared_own["plain"]["ok"] and own["plain"]["ok"]
 
 
 def write_run_files(path, rows, ranks) -> None:

@@ -114,6 +114,7 @@ def run(bench: Bench) -> dict[str, Any]:
     held_rows: dict[str, dict[str, Any]] = {}
     in_sample: dict[str, dict[str, Any]] = {}
     cals: dict[str, Any] = {}
+    machine = None  # the first group whose runs measured the machine's own communication
     for group, seq in groups.items():
         done: list[tuple[str, str, Spec, Run]] = []
         last_cal = None
@@ -128,12 +129,14 @@ def run(bench: Bench) -> dict[str, Any]:
             if kind == "cal" and r.ok:
                 last_cal = r
         straggler = bool(seq[0][2][2].get("straggler"))
-        got = group_rows(done, skip, straggler)
+        got = group_rows(done, skip, straggler, machine)
         if got is None:
             results["groups"][group] = {"error": "no calibration run finished"}
             continue
         whole, held, own = got
         cals[group] = whole
+        if machine is None and (whole.own_bandwidth_bytes_per_s or whole.own_latency_s):
+            machine = whole
         for row in [*held.values(), *own.values()]:
             row["group"] = group
         held_rows.update(held)
@@ -185,7 +188,9 @@ def run(bench: Bench) -> dict[str, Any]:
         "communication cost = a least-squares fit of `comm_time_s - link_delay_s` (the "
         "simulated link's share, logged per sync), less the time rank 0 waited in the "
         "round's first collective for the other replica to launch it (from the rank logs' "
-        "`unix_time`), against collectives and bytes per round.",
+        "`unix_time`), against collectives and bytes per round, fitted on the `link` "
+        "group's calibration runs and used by the other groups too (the machine's, not "
+        "the link's: on an unlimited link their few, alike rounds cannot separate it).",
         "Prediction: `editrain.plan.predict` on a cluster of 2 nodes x 1 GPU with the "
         "calibrated step time, slowdown per round beside the compute (added for the "
         "settings whose rounds run beside it, none for blocking rounds and sync), "
@@ -210,8 +215,8 @@ def run(bench: Bench) -> dict[str, Any]:
                         plots=plots, description=DESCRIPTION, headline=headline)
 
 
-def group_rows(done: list[tuple[str, str, Spec, Run]], skip: int, straggler: bool
-               ) -> tuple[Any, dict[str, Any], dict[str, Any]] | None:
+def group_rows(done: list[tuple[str, str, Spec, Run]], skip: int, straggler: bool,
+               machine: Any = None) -> tuple[Any, dict[str, Any], dict[str, Any]] | None:
     """Predict every run of a group from its calibration runs and compare.
 
     Args:
@@ -219,6 +224,10 @@ def group_rows(done: list[tuple[str, str, Spec, Run]], skip: int, straggler: boo
             ``held``).
         skip: steps left out at the start of each run.
         straggler: whether the group's spread is the replicas' (a straggler group).
+        machine: a calibration whose runs measured the machine's own cost per collective
+            and per byte (the ``link`` group's, whose simulated link separates it from
+            the rest), used where this group's runs cannot: on an unlimited link their
+            rounds are too few and too alike to fit it. None: the group's own.
 
     Returns:
         ``(calibration on all of the group's calibration runs, held-out rows, calibration
@@ -232,6 +241,10 @@ def group_rows(done: list[tuple[str, str, Spec, Run]], skip: int, straggler: boo
     if not cal_runs:
         return None
     whole = calibrate([r.run_dir for _, r in cal_runs], skip=skip)
+    if machine is not None and not (whole.own_bandwidth_bytes_per_s or whole.own_latency_s):
+        whole = dataclasses.replace(whole,
+                                    own_bandwidth_bytes_per_s=machine.own_bandwidth_bytes_per_s,
+                                    own_latency_s=machine.own_latency_s)
     held: dict[str, Any] = {}
     own: dict[str, Any] = {}
     for i, (kind, label, (_sync, link, sim), r) in enumerate(done):
