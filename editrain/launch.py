@@ -364,8 +364,8 @@ def _address_in_use(e: BaseException) -> bool:
     return "EADDRINUSE" in text or "address already in use" in text.lower()
 
 
-def start_worker_server() -> str:
-    """Start the server the workers will be forked from, if they are (see
+def start_worker_server(method: str | None = None) -> str:
+    """Start the server the workers will be forked from, if they are (``method``, default
     :func:`editrain.spawn.worker_start_method`), and return the start method.
 
     Called as soon as a job is known to start workers, so that the server imports torch and
@@ -376,7 +376,7 @@ def start_worker_server() -> str:
     """
     from multiprocessing import forkserver
 
-    method = worker_start_method()
+    method = method or worker_start_method()
     if method == "forkserver":
         # What a worker (or a replica group of --ft) imports anyway, imported once by the
         # server. torch imports torch._dynamo (2.5 s of CPU here) at the first optimizer a
@@ -582,8 +582,14 @@ def run_ft(cfg: Config, run_dir: Path) -> dict[str, Any]:
     cfg = dataclasses.replace(cfg, dist=dataclasses.replace(d, ft_replicas=replicas,
                                                             fault_tolerance="torchft"))
     # The groups start as the workers of a local job do: forked from the server that has
-    # imported torch (a restarted group is back sooner), or as EDITRAIN_START_METHOD says.
-    ctx = mp.get_context(start_worker_server())
+    # imported torch (a restarted group is back sooner), or spawned as EDITRAIN_START_METHOD
+    # says; never forked from this process, which runs the lighthouse (its threads and
+    # sockets must not be shared: a child holding a copy of a connection keeps it open
+    # after the lighthouse closed it).
+    method = worker_start_method()
+    if method == "fork":
+        method = "forkserver" if "forkserver" in mp.get_all_start_methods() else "spawn"
+    ctx = mp.get_context(start_worker_server(method))
     procs: dict[int, Any] = {}
     attempts = dict.fromkeys(range(replicas), 0)
     events: list[dict[str, Any]] = []

@@ -375,7 +375,9 @@ the fastest start, as the workers import nothing, but the launcher has threads r
 it forks (torch elastic's rendezvous store), and a fork of a threaded process is only safe
 while no other thread holds a lock the child needs; it also requires that the launcher
 never started an OpenMP pool (one thread per process) nor touched a GPU (editrain's
-launcher never does). Not the default; the test suite uses it for its short runs."""
+launcher never does). The replica groups of ``--ft`` are never forked from the launcher,
+which runs torchft's lighthouse: they come from the fork server then. Not the default; the
+test suite uses it for its short runs."""
 
 
 def worker_start_method() -> str:
