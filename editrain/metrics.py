@@ -24,6 +24,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from editrain.tracking import open_trackers, standard_metrics
+
 METRICS_FILE = "metrics.jsonl"
 RANKS_DIR = "ranks"
 
@@ -72,7 +74,8 @@ def _drop_partial_line(path: Path) -> None:
 
 
 class MetricsWriter:
-    """Appends rows to ``RUN_DIR/metrics.jsonl`` (and TensorBoard if installed).
+    """Appends rows to ``RUN_DIR/metrics.jsonl`` and hands their scalars to the run's
+    trackers (TensorBoard if installed, W&B if asked for: :mod:`editrain.tracking`).
 
     Every row is flushed to the operating system at once, so a worker that crashes or is
     killed loses at most the row it was writing. ``fsync`` (what only a crash of the machine
@@ -84,12 +87,15 @@ class MetricsWriter:
     Args:
         run_dir: the run directory.
         enabled: False on every rank but the logging rank.
-        tensorboard: also write TensorBoard events when ``tensorboard`` is importable.
+        tensorboard: also write TensorBoard events when ``tensorboard`` is importable (when
+            ``trackers`` is None).
         fsync_every_s: least seconds between two ``fsync`` calls (0: after every row).
+        trackers: the trackers to feed (default: :func:`editrain.tracking.open_trackers`
+            with ``tensorboard``); unused on a rank that does not log.
     """
 
     def __init__(self, run_dir: str | Path, enabled: bool = True, tensorboard: bool = True,
-                 fsync_every_s: float = 30.0):
+                 fsync_every_s: float = 30.0, trackers: list[Any] | None = None):
         self.path = Path(run_dir) / METRICS_FILE
         self.enabled = enabled
         self.fsync_every_s = fsync_every_s
@@ -97,14 +103,10 @@ class MetricsWriter:
         if enabled:
             _drop_partial_line(self.path)
         self._file = open(self.path, "a", encoding="utf-8") if enabled else None  # noqa: SIM115
-        self._tb = None
-        if enabled and tensorboard:
-            try:
-                from torch.utils.tensorboard import SummaryWriter
-
-                self._tb = SummaryWriter(str(Path(run_dir) / "tb"))
-            except Exception:  # tensorboard is an optional extra
-                self._tb = None
+        self._trackers: list[Any] = []
+        if enabled:
+            self._trackers = (open_trackers(run_dir, tensorboard=tensorboard)
+                              if trackers is None else list(trackers))
 
     def write(self, row: dict[str, Any]) -> None:
         """Append one row; flushed immediately so a crash loses at most this row (synced to
@@ -117,21 +119,22 @@ class MetricsWriter:
         if now - self._last_fsync >= self.fsync_every_s:
             os.fsync(self._file.fileno())
             self._last_fsync = now
-        if self._tb is not None and "step" in row:
-            for k, v in row.items():
-                if isinstance(v, int | float) and not isinstance(v, bool) and k != "step":
-                    self._tb.add_scalar(k, v, row["step"])
+        if self._trackers and isinstance(row.get("step"), int):
+            scalars = standard_metrics(row)
+            if scalars:
+                for tracker in self._trackers:
+                    tracker.log(scalars, row["step"])
 
     def close(self) -> None:
-        """Close the files."""
+        """Close the files and the trackers."""
         if self._file is not None:
             self._file.flush()
             os.fsync(self._file.fileno())
             self._file.close()
             self._file = None
-        if self._tb is not None:
-            self._tb.close()
-            self._tb = None
+        trackers, self._trackers = self._trackers, []
+        for tracker in trackers:
+            tracker.close()
 
 
 class RankLog:

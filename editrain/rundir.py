@@ -43,6 +43,7 @@ from pathlib import Path
 from typing import Any
 
 from editrain.errors import CheckpointError, RunDirError
+from editrain.tracking import RUN_ID_FILE
 
 log = logging.getLogger("editrain")
 
@@ -53,7 +54,8 @@ ABANDONED = "abandoned"
 MARKER = "editrain.json"
 
 RUN_FILES = ("config.toml", "metrics.jsonl", "summary.json", "loss_vs_tokens.png",
-             "loss_vs_time.png", "ranks", "tb", "checkpoints", "logs", ".link")
+             "loss_vs_time.png", "ranks", "tb", "checkpoints", "logs", ".link", "wandb",
+             RUN_ID_FILE)
 """Entries of a run directory that editrain writes (besides ``replica{r}/`` of a
 fault-tolerant run, the record and the lock)."""
 

@@ -31,7 +31,7 @@ from editrain.checkpoint import (
     save_checkpoint,
     set_rng_state,
 )
-from editrain.config import Config, validate_world
+from editrain.config import Config, to_dict, validate_world
 from editrain.corpus import prepare_data
 from editrain.evaluation import Evaluator
 from editrain.fault import (
@@ -49,6 +49,7 @@ from editrain.optim.schedule import lr_at, set_lr
 from editrain.rundir import lineage_of, logs_dir
 from editrain.runtime import init_distributed, setup_process
 from editrain.sim import Simulation, check_replicas, parse_sim
+from editrain.tracking import open_trackers
 
 log = logging.getLogger("editrain")
 
@@ -135,7 +136,10 @@ class Trainer:
         ckpt = self._checkpoint_to_resume()
         if ckpt is not None:
             self._resume(ckpt)
-        self.metrics = MetricsWriter(self.run_dir, enabled=self.is_logger)
+        self.metrics = MetricsWriter(self.run_dir, enabled=self.is_logger, trackers=(
+            open_trackers(self.run_dir, wandb=cfg.train.wandb,
+                          wandb_project=cfg.train.wandb_project, config=to_dict(cfg),
+                          quiet=cfg.quiet) if self.is_logger else []))
         self.rank_log = RankLog(self.run_dir, info.rank)
         self.wall_start = time.perf_counter()
 

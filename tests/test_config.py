@@ -440,6 +440,8 @@ FROZEN_OPTIONS = [
     "train.eval_every",
     "train.eval_tokens",
     "train.log_every",
+    "train.wandb",
+    "train.wandb_project",
     "train.seed",
     "train.precision",
     "optim.name",

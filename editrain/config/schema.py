@@ -118,6 +118,11 @@ class TrainSection:
     """Evaluate on about this many validation tokens, spread over the split (0: all of it)."""
     log_every: int = 1
     """Write a metrics row every this many steps."""
+    wandb: str = "off"
+    """Weights & Biases: off, offline (the run in RUN_DIR/wandb; wandb sync uploads it) or
+    online (pip install 'editrain[wandb]'; WANDB_MODE, if set, wins)."""
+    wandb_project: str = "editrain"
+    """The W&B project of the run (WANDB_PROJECT, if set, wins)."""
     seed: int = 0
     """Seed of model init, data order and every random choice (0 to 2^63 - 1)."""
     precision: str = "fp32"

@@ -11,6 +11,7 @@ section checks itself when it is constructed (:class:`editrain.sync.config.SyncC
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from collections.abc import Callable
 from typing import Any
@@ -45,6 +46,7 @@ from editrain.sync.config import check_finite
 from editrain.sync.ft import torchft_available
 from editrain.sync.setup import COMM_BACKENDS, check_fault_tolerant
 from editrain.topology import Topology
+from editrain.tracking import WANDB_MODES
 
 
 def cuda_device_count() -> int:
@@ -104,6 +106,11 @@ def check_train(t: TrainSection) -> None:
     for b in ("beta1", "beta2"):
         require(0 <= getattr(t, b) < 1, f"train.{b}", f"must be in [0, 1), got {getattr(t, b)}")
     _one_of(t.precision, PRECISIONS, "train.precision")
+    _one_of(t.wandb, WANDB_MODES, "train.wandb")
+    if t.wandb != "off":
+        require(importlib.util.find_spec("wandb") is not None, "train.wandb",
+                f"{t.wandb!r} needs the wandb package: pip install 'editrain[wandb]'")
+        require(bool(t.wandb_project.strip()), "train.wandb_project", "must not be empty")
 
 
 def check_optim(o: OptimSection) -> None:
