@@ -521,8 +521,7 @@ def _group_main(cfg: Config, replica: int, attempt: int, lighthouse: str) -> Non
     from editrain.train import run_worker
 
     die_with_parent()
-    # As a new interpreter: warnings as bare lines, not the launcher's handler that a group
-    # forked from it (EDITRAIN_START_METHOD=fork) would inherit.
+    # Warnings as bare lines, whatever this process inherited.
     logging.basicConfig(level=logging.WARNING, format="%(message)s", force=True)
     os.environ[REPLICA_ENV] = str(replica)
     os.environ[ATTEMPT_ENV] = str(attempt)
@@ -583,13 +582,8 @@ def run_ft(cfg: Config, run_dir: Path) -> dict[str, Any]:
                                                             fault_tolerance="torchft"))
     # The groups start as the workers of a local job do: forked from the server that has
     # imported torch (a restarted group is back sooner), or spawned as EDITRAIN_START_METHOD
-    # says; never forked from this process, which runs the lighthouse (its threads and
-    # sockets must not be shared: a child holding a copy of a connection keeps it open
-    # after the lighthouse closed it).
-    method = worker_start_method()
-    if method == "fork":
-        method = "forkserver" if "forkserver" in mp.get_all_start_methods() else "spawn"
-    ctx = mp.get_context(start_worker_server(method))
+    # says; never forked from this process, which runs the lighthouse.
+    ctx = mp.get_context(start_worker_server())
     procs: dict[int, Any] = {}
     attempts = dict.fromkeys(range(replicas), 0)
     events: list[dict[str, Any]] = []

@@ -54,9 +54,9 @@ def setup_process(cfg: Any) -> None:
     sigint_ends_quietly()
     torch.set_num_threads(worker_threads(cfg))
     keep_freed_memory()
-    # A worker of editrain's launcher starts with no logging set up, also one forked from
-    # the launcher (EDITRAIN_START_METHOD=fork), which would keep the launcher's handler;
-    # under torchrun the worker is the command itself and keeps what it set up.
+    # A worker of editrain's launcher starts with its own logging (a process forked from
+    # one with handlers would keep them); under torchrun the worker is the command itself
+    # and keeps what it set up.
     logging.basicConfig(level=logging.WARNING, format="%(message)s",
                         force=multiprocessing.parent_process() is not None)
 

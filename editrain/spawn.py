@@ -215,8 +215,8 @@ def sigint_ends_quietly() -> None:
 
     For a worker: Ctrl-C reaches it together with its launcher, which reports the
     interrupt once and stops whatever is left. SIGTERM and SIGHUP get their default action
-    back too: a worker forked from its launcher (``EDITRAIN_START_METHOD=fork``) inherits
-    the launcher's handlers, which raise :class:`Interrupted`. A signal this process
+    back too (a process forked from one that raises :class:`Interrupted` on them would
+    inherit its handlers). A signal this process
     inherited as ignored (its launcher ignores it: started in the background, ``nohup``)
     stays ignored. Only in the main thread (signal handlers can only be set there).
     """
@@ -362,22 +362,17 @@ def _rank_entry(rank: int, fn: Callable[..., Any], world_size: int, port: int, b
 
 
 START_METHOD_ENV = "EDITRAIN_START_METHOD"
-"""Environment variable: how editrain starts local processes, ``forkserver``, ``spawn`` or
-``fork``. Read by the launcher (:func:`worker_start_method`; ``forkserver`` if unset, where
-there is one) and by :func:`run_ranks` when the call does not say (``spawn`` if unset). The
-test suite sets ``forkserver`` with torch preloaded, so that a rank starts in a fraction of a
-second instead of importing torch again, and ``fork`` for the ``editrain`` commands it runs
-(``tests/cli.py``)."""
+"""Environment variable: how editrain starts local processes, ``forkserver`` or ``spawn``.
+Read by the launcher (:func:`worker_start_method`; ``forkserver`` if unset, where there is
+one) and by :func:`run_ranks` when the call does not say (``spawn`` if unset). The test
+suite sets ``forkserver`` with torch preloaded, so that a rank starts in a fraction of a
+second instead of importing torch again."""
 
-START_METHODS = ("forkserver", "spawn", "fork")
-"""The start methods editrain accepts. ``fork`` forks each worker from the launcher itself:
-the fastest start, as the workers import nothing, but the launcher has threads running when
-it forks (torch elastic's rendezvous store), and a fork of a threaded process is only safe
-while no other thread holds a lock the child needs; it also requires that the launcher
-never started an OpenMP pool (one thread per process) nor touched a GPU (editrain's
-launcher never does). The replica groups of ``--ft`` are never forked from the launcher,
-which runs torchft's lighthouse: they come from the fork server then. Not the default; the
-test suite uses it for its short runs."""
+START_METHODS = ("forkserver", "spawn")
+"""The start methods editrain uses. ``fork`` is not one: a process that has started threads
+(the launcher's rendezvous store, torch's intra-op pool) cannot be forked safely. Tried for
+the test suite's short runs (workers forked from the launcher: 3 s instead of 7 s per
+run), it hung 2 runs out of about 450 (workers waiting forever)."""
 
 
 def worker_start_method() -> str:

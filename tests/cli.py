@@ -3,8 +3,10 @@
 A command runs as a fork of one server process (:mod:`tests.cli_server`) that has imported
 torch and editrain once for the whole session, instead of as a new interpreter: the same
 ``editrain.cli.main`` in a fresh process with the environment, working directory, stdout and
-stderr the test gives it, and its launcher forks its workers. A tiny ``editrain train`` then
-takes about 3 s instead of about 14 s on the 2-core machine.
+stderr the test gives it. Its launcher starts its workers as ``editrain train`` does (from
+its own fork server, which writes to the command's stdout and stderr). A tiny ``editrain
+train`` then takes about 7 s instead of about 15 s on the 2-core machine. (Workers forked
+from the launcher itself took 3 s, but hung 2 runs out of about 450.)
 
 What a new interpreter would read before ``main`` runs cannot change in a fork (thread and
 allocator settings, ``PYTHON*``): a command whose environment differs from the server's in
@@ -28,8 +30,6 @@ import tempfile
 import threading
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
-
-from editrain.spawn import START_METHOD_ENV
 
 ROOT = Path(__file__).resolve().parents[1]
 MODE_ENV = "EDITRAIN_TEST_CLI"
@@ -155,8 +155,8 @@ def _run_subprocess(args: list[str], env: dict[str, str], cwd: Path, timeout: fl
 
 
 def run_cli(args: Sequence[str], *, env: Mapping[str, str] | None = None,
-            cwd: Path | str = ROOT, timeout: float = 280, start_method: str | None = "fork",
-            merged: bool = False) -> subprocess.CompletedProcess:
+            cwd: Path | str = ROOT, timeout: float = 280, merged: bool = False
+            ) -> subprocess.CompletedProcess:
     """Run ``editrain ARGS`` to its end, like ``subprocess.run(..., capture_output=True,
     text=True)``: the result has ``returncode``, ``stdout``, ``stderr``, ``cpu_s`` (CPU
     seconds of the command and every process it started and waited for) and ``forked``
@@ -168,9 +168,6 @@ def run_cli(args: Sequence[str], *, env: Mapping[str, str] | None = None,
         cwd: its working directory.
         timeout: seconds before it is killed with everything it started
             (``subprocess.TimeoutExpired``).
-        start_method: how a forked command's launcher starts its workers
-            (``EDITRAIN_START_METHOD``; ``fork``: they inherit its stdout and stderr and
-            need no import). None: as ``env`` says.
         merged: stderr goes where stdout goes (``stderr`` is None), as ``2>&1``.
     """
     args = [str(a) for a in args]
@@ -183,6 +180,4 @@ def run_cli(args: Sequence[str], *, env: Mapping[str, str] | None = None,
     with _server() as server:
         if not server.can_run(env):
             return _run_subprocess(args, env, Path(cwd), timeout, merged)
-        if start_method is not None:
-            env[START_METHOD_ENV] = start_method
         return server.run(args, env, Path(cwd), timeout, merged)

@@ -5,9 +5,8 @@ An ``editrain train`` started as a new interpreter spends seconds of CPU importi
 the launcher and again in the process its workers come from, more than the tiny runs of the
 suite spend training. Here each command is a fork of this process: a fresh process (its own
 signal handlers, logging, environment, working directory and process group, its own stdout
-and stderr files) that starts with everything imported. Its launcher forks its workers too
-(``EDITRAIN_START_METHOD=fork``), so they inherit its stdout and stderr as a terminal's
-workers would.
+and stderr files) that starts with everything imported. Its launcher starts its workers as
+``editrain train`` does, from a fork server of its own that writes where it writes.
 
 Protocol, one JSON object per line: the client writes ``{"args", "env", "cwd", "stdout",
 "stderr"}`` to this process's stdin; this process answers ``{"pid"}`` once the command's

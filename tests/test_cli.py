@@ -120,20 +120,18 @@ def diloco_run(tmp_path_factory, cache_dir, edit_run):
 def test_a_forked_command_is_the_command_a_new_interpreter_runs(tmp_path, cache_dir):
     """The suite runs ``editrain`` as forks of a preloaded server (:mod:`tests.cli`): the
     same run gives bitwise the same losses, files and messages as the console script in a
-    new interpreter whose workers come from the default fork server; bad input too."""
+    new interpreter; bad input too."""
     env = dict(os.environ, OMP_NUM_THREADS="1")
     args = [*tiny(cache_dir), "--nproc", "2", "--shard-size", "1", "--steps", "6",
             "--sync.local_sgd_sync_interval", "3", "--train.eval_every", "3", "--quiet"]
     runs = {}
-    for name, cli_mode, workers in (("forked", "server", "fork"),
-                                    ("interpreter", "subprocess", None)):
+    for name, cli_mode in (("forked", "server"), ("interpreter", "subprocess")):
         run_dir = tmp_path / name
         os.environ[MODE_ENV] = cli_mode
         try:
-            proc = run_cli(["train", *args, "--run-dir", str(run_dir)], env=env,
-                           start_method=workers)
+            proc = run_cli(["train", *args, "--run-dir", str(run_dir)], env=env)
             bad = run_cli(["train", *args, "--train.lr", "-1", "--run-dir", str(run_dir)],
-                          env=env, start_method=workers)
+                          env=env)
         finally:
             del os.environ[MODE_ENV]
         assert proc.forked == (cli_mode == "server") and proc.returncode == 0, explain(proc)
@@ -148,9 +146,9 @@ def test_a_forked_command_is_the_command_a_new_interpreter_runs(tmp_path, cache_
 def test_a_forked_command_past_its_timeout_is_killed_with_its_workers(tmp_path, cache_dir):
     """As ``subprocess.run``: TimeoutExpired, nothing left running, and the next command
     runs."""
-    def processes() -> set[str]:  # the servers and whatever was forked from them
-        return set(subprocess.run(["pgrep", "-f", "tests.cli_server"], capture_output=True,
-                                  text=True).stdout.split())
+    def processes() -> set[str]:  # the servers, fork servers and what was forked from them
+        return set(subprocess.run(["pgrep", "-f", "tests.cli_server|multiprocessing.forkserver"],
+                                  capture_output=True, text=True).stdout.split())
 
     run_cli(["options"], env=dict(os.environ, OMP_NUM_THREADS="1"))  # a server is up
     before = processes()

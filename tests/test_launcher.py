@@ -484,10 +484,8 @@ def test_worker_start_method_follows_the_environment(monkeypatch):
     assert worker_start_method() == "forkserver"
     monkeypatch.setenv(START_METHOD_ENV, "spawn")
     assert worker_start_method() == "spawn"
-    monkeypatch.setenv(START_METHOD_ENV, " fork ")
-    assert worker_start_method() == "fork"
-    monkeypatch.setenv(START_METHOD_ENV, "thread")
-    with pytest.raises(LaunchError, match=f"{START_METHOD_ENV}='thread'.*allowed: forkserver, "
-                                          "spawn, fork") as e:
+    monkeypatch.setenv(START_METHOD_ENV, "fork")
+    with pytest.raises(LaunchError, match=f"{START_METHOD_ENV}='fork'.*allowed: forkserver, "
+                                          "spawn") as e:
         worker_start_method()
     assert e.value.exit_code == 2
