@@ -364,8 +364,8 @@ def _address_in_use(e: BaseException) -> bool:
     return "EADDRINUSE" in text or "address already in use" in text.lower()
 
 
-def start_worker_server(method: str | None = None) -> str:
-    """Start the server the workers will be forked from, if they are (``method``, default
+def start_worker_server() -> str:
+    """Start the server the workers will be forked from, if they are (see
     :func:`editrain.spawn.worker_start_method`), and return the start method.
 
     Called as soon as a job is known to start workers, so that the server imports torch and
@@ -376,7 +376,7 @@ def start_worker_server(method: str | None = None) -> str:
     """
     from multiprocessing import forkserver
 
-    method = method or worker_start_method()
+    method = worker_start_method()
     if method == "forkserver":
         # What a worker (or a replica group of --ft) imports anyway, imported once by the
         # server. torch imports torch._dynamo (2.5 s of CPU here) at the first optimizer a
