@@ -64,6 +64,9 @@ USED_BY: dict[str, tuple[str, ...]] = {
     "sync.merge_alpha": _LOCAL_SGD,
     "sync.comm_dtype": _LOCAL_SGD,
     "sync.error_feedback": _LOCAL_SGD,
+    "sync.error_decay": _LOCAL_SGD,
+    "sync.topk_chunk": _LOCAL_SGD,
+    "sync.topk_k": _LOCAL_SGD,
     "sync.split_root": _LOCAL_SGD,
     "sim.step_schedule": ("aedit",),
 }
@@ -132,7 +135,8 @@ BAD_INPUTS = (
     "--sync.outer_optim_kwargs={momentum=1.5}", "--sync.outer_optim_class=mymodule.MyOptimizer",
     "--sim.straggler=1=1e999", "--sim.link_latency=1e999s", "--sim.link_bandwidth=1e999MB/s",
     "--sim.random_stall=0.5,1e9", "--sim.fail=9@5", "--sim.fail=1@1000",
-    "--model.preset=tiny --sync.fragments=4",
+    "--model.preset=tiny --sync.fragments=4", "--sync.topk_k=8",
+    "--sync.comm_dtype=topk2 --sync.topk_k=5000",
 )
 """Bad inputs whose messages ``docs/configuration.md`` lists (produced by the validation
 itself, so the page cannot drift from the code). An entry may hold several arguments,

@@ -130,14 +130,18 @@ class RefConfig:
     fragments: int = 1  # P: unit u belongs to fragment u mod P
     merge: str = "blend"  # "blend" | "keep_local" (tau > 0); ref_config maps the engine default
     alpha: float = 0.0  # merge_alpha (blend)
-    comm_dtype: str = "fp32"  # "fp32" | "bf16" | "int8" | "int4"
+    comm_dtype: str = "fp32"  # "fp32" | "bf16" | "int8" | "int4" | "topk2" | "topk1"
     error_feedback: bool = True  # quantised comm_dtype only
+    error_decay: float | None = None  # e <- decay * e + delta (None: the codec's default)
+    topk_chunk: int = 4096  # sparse codecs: values per chunk
+    topk_k: int = 64  # sparse codecs: values kept per full chunk
     split_root: bool = False  # tok_embeddings (and an untied output) are units of their own
     tied: bool = True  # tied embeddings (False: the model has an ``output`` head)
 
 
 # ---------------------------------------------------------------------------- streaming
-COMM_DTYPES = ("fp32", "bf16", "int8", "int4")
+COMM_DTYPES = ("fp32", "bf16", "int8", "int4", "topk2", "topk1")
+TOPK_BITS = {"topk2": 2, "topk1": 1}
 MERGES = ("blend", "keep_local")
 QBLOCK = 128  # values per quantisation block (one fp32 scale each)
 _QMAX = {"int8": 127.0, "int4": 7.0}
@@ -179,13 +183,58 @@ def dequantize(codes: torch.Tensor, scales: torch.Tensor | None, comm_dtype: str
     return codes.float() * scales.repeat_interleave(QBLOCK)[:codes.numel()]
 
 
-def encode(delta: torch.Tensor, e: torch.Tensor | None,
-           comm_dtype: str) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """One included replica's message on one shard: ``x = delta + e`` (no ``e``: no error
-    feedback), ``c = Q(x)``; returns ``(D(c), x - D(c))`` (the new ``e``; None without)."""
-    x = delta + e if e is not None else delta
-    d = dequantize(*quantize(x, comm_dtype), comm_dtype)
+def sparse_decoded(x: torch.Tensor, bits: int, chunk: int, k: int) -> torch.Tensor:
+    """``D(C(x))`` of a sparse codec (section 4b), written out chunk by chunk: in each chunk
+    of ``L`` values keep the ``ceil(k L / chunk)`` (at most ``L``) of largest magnitude
+    (ties: lower index), order them by value (ties: lower index), cut that order into
+    ``2 ** bits`` groups of equal count, and decode each kept value to its group's mean
+    (summed in fp32 in index order); everything else to 0."""
+    out = torch.zeros_like(x)
+    groups = 2 ** bits
+    for start in range(0, x.numel(), chunk):
+        v = x[start:start + chunk]
+        L = v.numel()
+        kept = min(L, math.ceil(k * L / chunk))
+        vals = v.tolist()
+        keep = sorted(sorted(range(L), key=lambda i: (-abs(vals[i]), i))[:kept])
+        by_value = sorted(keep, key=lambda i: (vals[i], i))
+        group = {i: j * groups // kept for j, i in enumerate(by_value)}
+        for g in range(groups):
+            members = [i for i in keep if group[i] == g]  # index order
+            if not members:
+                continue
+            total = torch.zeros((), dtype=torch.float32)
+            for i in members:
+                total = total + v[i]
+            mean = total / float(len(members))
+            for i in members:
+                out[start + i] = mean
+    return out
+
+
+def encode(delta: torch.Tensor, e: torch.Tensor | None, comm_dtype: str,
+           decay: float = 1.0, chunk: int = 4096,
+           k: int = 64) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One included replica's message on one shard: ``x = delta + decay * e`` (no ``e``: no
+    error feedback), ``c = Q(x)``; returns ``(D(c), x - D(c))`` (the new ``e``; None
+    without)."""
+    if e is None:
+        x = delta
+    else:
+        x = delta + e if decay == 1.0 else delta + e * decay
+    if comm_dtype in TOPK_BITS:
+        d = sparse_decoded(x, TOPK_BITS[comm_dtype], chunk, k)
+    else:
+        d = dequantize(*quantize(x, comm_dtype), comm_dtype)
     return d, (x - d if e is not None else None)
+
+
+def ef_decay(cfg: RefConfig) -> float:
+    """The error feedback's decay: the configured one, else 0.95 for the sparse codecs and 1
+    for the others."""
+    if cfg.error_decay is not None:
+        return cfg.error_decay
+    return 0.95 if cfg.comm_dtype in TOPK_BITS else 1.0
 
 
 def shard_flat(ts: list[torch.Tensor], S: int, s: int) -> torch.Tensor:
@@ -195,7 +244,8 @@ def shard_flat(ts: list[torch.Tensor], S: int, s: int) -> torch.Tensor:
 
 def quantised_reduce(deltas: list[list[torch.Tensor]], w: list[float], keep: list[int], S: int,
                      comm_dtype: str, ef: dict[tuple[Any, int, int], torch.Tensor] | None,
-                     unit: Any = 0) -> list[torch.Tensor]:
+                     unit: Any = 0, decay: float = 1.0, chunk: int = 4096,
+                     k: int = 64) -> list[torch.Tensor]:
     """Section 4 over one unit: ``deltas[r]`` are replica r's fp32 per-parameter
     pseudo-gradients. On every shard rank ``s``, each included replica encodes ``x = Δ + e``
     (``e = ef[(unit, r, s)]``, zeros at first; ``ef=None``: no error feedback) and an
@@ -211,10 +261,12 @@ def quantised_reduce(deltas: list[list[torch.Tensor]], w: list[float], keep: lis
                 if ef is not None:
                     e = ef.get((unit, r, s))
                     e = torch.zeros_like(x) if e is None else e
-                d, e = encode(x, e, comm_dtype)
+                d, e = encode(x, e, comm_dtype, decay, chunk, k)
                 if ef is not None:
                     assert e is not None
                     ef[(unit, r, s)] = e
+            elif comm_dtype in TOPK_BITS:
+                d = torch.zeros_like(x)  # a sparse message of zeros decodes to zeros
             else:
                 d = dequantize(*quantize(torch.zeros_like(x), comm_dtype), comm_dtype)
             if acc is None:
@@ -422,7 +474,8 @@ def _simulate(cfg: RefConfig) -> list[dict[str, torch.Tensor]]:
                         d32 = [[a.float() - t.detach().float() for a, t in zip(anchors[u], th)]
                                for th in thetas]
                         red = quantised_reduce(d32, w, keep, cfg.S, cfg.comm_dtype,
-                                               ef if cfg.error_feedback else None, u)
+                                               ef if cfg.error_feedback else None, u,
+                                               ef_decay(cfg), cfg.topk_chunk, cfg.topk_k)
                     elif cfg.gta is not None:
                         red = ref_gta(deltas, w, keep, cfg.S, cfg.gta)
                     else:
@@ -787,6 +840,9 @@ def ref_config(case: dict[str, Any], R: int, S: int, **overrides: Any) -> RefCon
         alpha=float(sk.get("merge_alpha", 0.0)),
         comm_dtype=sk.get("comm_dtype", "fp32"),
         error_feedback=bool(sk.get("error_feedback", True)),
+        error_decay=sk.get("error_decay"),
+        topk_chunk=sk.get("topk_chunk") or 4096,
+        topk_k=sk.get("topk_k") or 64,
         split_root=bool(case.get("split_root", False)),
         tied=bool(case.get("tied", True)),
     )

@@ -74,11 +74,13 @@ METHODS = {
     "aedit": (["--nproc", "2", "--shard-size", "1"],
               ["--sim.step_schedule=[2,3]", "--sync.ewma_warmup_steps", "1"]),
     # Streaming: at the step-6 save one fragment's round is in flight (launched at step 6,
-    # merged at 8) with its launch snapshot, and int8 error feedback is mid-stream.
+    # merged at 8) with its launch snapshot, and the sparse codec's decayed error feedback
+    # is mid-stream (int8's is the same buffer; the golden streaming run covers int8).
     "edit_streaming": (["--nproc", "4", "--shard-size", "2"],
                        ["--sync.local_sgd_sync_interval", "4", "--sync.fragments", "2",
                         "--sync.overlap_steps", "2", "--sync.merge", "keep_local",
-                        "--sync.comm_dtype", "int8", "--sync.ewma_warmup_steps", "1",
+                        "--sync.comm_dtype", "topk2", "--sync.topk_chunk", "512",
+                        "--sync.topk_k", "16", "--sync.ewma_warmup_steps", "1",
                         "--model.tie_embeddings", "false"]),
 }
 

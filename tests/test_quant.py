@@ -1,12 +1,15 @@
-"""The wire format of quantised pseudo-gradients (editrain.sync.quant)."""
+"""The wire format of quantised and sparse pseudo-gradients (editrain.sync.quant, .sparse)."""
 
 from __future__ import annotations
+
+import re
 
 import pytest
 import torch
 
-from editrain.sync import quant
+from editrain.sync import quant, sparse
 from editrain.sync.config import SyncConfig
+from tests.reference import sparse_decoded
 
 
 @pytest.mark.parametrize("dtype", ["bf16", "int8", "int4"])
@@ -106,3 +109,110 @@ def test_streaming_options_checked_against_h(kwargs, option):
     with pytest.raises(ValueError, match=option.replace(".", r"\.")):
         SyncConfig(**kwargs).resolve()
     SyncConfig(local_sgd_sync_interval=4, overlap_steps=3, fragments=4).resolve()
+
+
+# ------------------------------------------------------------------ sparse codecs
+SPARSE = ["topk2", "topk1"]
+
+
+@pytest.mark.parametrize("codec", SPARSE)
+@pytest.mark.parametrize("n,chunk,k", [(1, 4096, 64), (7, 4, 2), (100, 16, 3), (64, 64, 64),
+                                       (5000, 4096, 64), (12_345, 1000, 10)])
+def test_sparse_round_trip_and_size(codec, n, chunk, k):
+    x = torch.randn(n, generator=torch.Generator().manual_seed(n + chunk)) * 3
+    message, decoded = quant.encode(x, codec, chunk, k)
+    assert message.dtype == torch.uint8
+    assert message.numel() == quant.payload_bytes(n, codec, chunk, k)
+    assert torch.equal(quant.decode(message, n, codec, chunk, k), decoded)
+    # Only the kept values are non-zero: k per full chunk, in proportion in the last one.
+    full, tail = divmod(n, chunk)
+    kept = full * min(k, chunk) + (min(tail, -(-k * tail // chunk)) if tail else 0)
+    assert int((decoded != 0).sum()) <= kept
+    assert sparse.kept_values(n, chunk, k) == kept
+
+
+@pytest.mark.parametrize("codec", SPARSE)
+def test_sparse_codec_matches_the_reference_written_apart(codec):
+    """The vectorised codec against tests/reference.py's chunk-by-chunk loops, bitwise, on
+    inputs with ties (repeated magnitudes and exact zeros) and a short last chunk."""
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(3 * 128 + 50, generator=g)
+    x[10:40] = 0.0
+    x[200:260] = torch.tensor([0.5, -0.5] * 30)
+    for chunk, k in ((128, 7), (128, 40), (64, 64), (4096, 64)):
+        _, decoded = quant.encode(x, codec, chunk, k)
+        want = sparse_decoded(x, sparse.BITS[codec], chunk, k)
+        assert torch.equal(decoded, want), (codec, chunk, k)
+
+
+def test_sparse_exact_values():
+    x = torch.tensor([0.0, 3.0, -1.0, 2.0, 0.5, -4.0, 0.0, 0.25])
+    # one chunk of 8 keeps 4 values: 3, -1, 2, -4; each alone in its group with 2 bits
+    _, d2 = quant.encode(x, "topk2", 8, 4)
+    assert d2.tolist() == [0.0, 3.0, -1.0, 2.0, 0.0, -4.0, 0.0, 0.0]
+    # 1 bit: the lower half (-4, -1) sends its mean -2.5, the upper half (2, 3) 2.5
+    _, d1 = quant.encode(x, "topk1", 8, 4)
+    assert d1.tolist() == [0.0, 2.5, -2.5, 2.5, 0.0, -2.5, 0.0, 0.0]
+    # two chunks of 4 keep 2 each: (3, 2) then (-4, 0.5); 1 bit: each its own group
+    _, d = quant.encode(x, "topk1", 4, 2)
+    assert d.tolist() == [0.0, 3.0, 0.0, 2.0, 0.5, -4.0, 0.0, 0.0]
+    # magnitude ties keep the lower index: 0.5 at 0 and 1 of [0.5, -0.5, 0.5]
+    _, d = quant.encode(torch.tensor([0.5, -0.5, 0.5]), "topk2", 3, 2)
+    assert d.tolist() == [0.5, -0.5, 0.0]
+    # a message of zeros decodes to zeros (an excluded replica's)
+    message, d = quant.encode(torch.zeros(300), "topk2", 64, 8)
+    assert not d.any() and not quant.decode(message, 300, "topk2", 64, 8).any()
+
+
+def test_sparse_default_sends_under_a_hundredth_of_fp32():
+    n = 1_000_000
+    assert quant.payload_bytes(n, "topk2") / (4 * n) <= 1 / 100
+    assert quant.payload_bytes(n, "topk1") / (4 * n) <= 1 / 100
+    # positions cost 12 bits at chunk 4096: 64 x (12 + 2) bits + 4 fp32 means per chunk
+    assert quant.payload_bytes(4096, "topk2") == 64 * 12 // 8 + 64 * 2 // 8 + 16
+
+
+@pytest.mark.parametrize("bits", [1, 2, 3, 7, 12, 13])
+def test_pack_bits_round_trip(bits):
+    values = torch.randint(0, 2 ** bits, (1001,), generator=torch.Generator().manual_seed(bits))
+    packed = sparse.pack_bits(values, bits)
+    assert packed.numel() == -(-1001 * bits // 8)
+    assert torch.equal(sparse.unpack_bits(packed, 1001, bits), values)
+
+
+def test_sparse_error_feedback_with_decay_keeps_what_was_not_sent():
+    """e <- x - D(C(x)) with x = delta + decay * e: over rounds every value is sent
+    eventually; the residual holds exactly what the decoded messages left out."""
+    g = torch.Generator().manual_seed(3)
+    e = torch.zeros(512)
+    sent = torch.zeros(512)
+    for _ in range(6):
+        delta = torch.randn(512, generator=g)
+        x = delta + e * 0.95
+        message, decoded = quant.encode(x, "topk2", 128, 8)
+        e = x - decoded
+        unsent = decoded == 0
+        assert torch.equal(e[unsent], x[unsent])  # unsent values stay whole in e
+        assert torch.allclose(decoded + e, x, atol=1e-6)
+        sent += decoded
+    assert int((sent != 0).sum()) > 6 * 4 * 8 * 0.8  # different values each round
+
+
+def test_sparse_options_are_checked():
+    from editrain.errors import ConfigError
+    ok = SyncConfig(method="edit", comm_dtype="topk1", topk_chunk=256, topk_k=4,
+                    error_decay=0.9)
+    assert (ok.sparse_chunk, ok.sparse_k, ok.ef_decay) == (256, 4, 0.9)
+    assert SyncConfig(method="edit", comm_dtype="topk2").ef_decay == 0.95
+    assert SyncConfig(method="edit", comm_dtype="int8").ef_decay == 1.0
+    for kw, words in [
+        (dict(topk_k=3), "sync.topk_k: applies to the sparse codecs"),
+        (dict(comm_dtype="topk2", topk_chunk=0), "sync.topk_chunk: must be an integer >= 1"),
+        (dict(comm_dtype="topk2", topk_k=65, topk_chunk=64), "must be <= sync.topk_chunk (64)"),
+        (dict(comm_dtype="topk2", error_decay=0.0), "sync.error_decay: must be in (0, 1]"),
+        (dict(comm_dtype="int8", error_feedback=False, error_decay=0.5),
+         "sync.error_decay: decays the error feedback"),
+        (dict(error_decay=0.5), "sync.error_decay: decays the error feedback"),
+    ]:
+        with pytest.raises(ConfigError, match=re.escape(words)):
+            SyncConfig(method="edit", **kw)

@@ -58,15 +58,22 @@ CASES = {
     "aedit_nb2_int8": dict(sync=dict(method="aedit", overlap_steps=2, merge="keep_local",
                                      comm_dtype="int8", **PEN_OFF), steps=3, schedule=[4, 3],
                            finish_force=True, **UNTIED),
-    # the same run in fp32 and int8, for the bytes on the wire
+    # sparse 2-bit codes with decayed error feedback, delayed fragments and the penalty
+    "topk2": _case("edit", 11, overlap_steps=1, fragments=2, comm_dtype="topk2",
+                   topk_chunk=256, topk_k=12, **PEN_ON),
+    # the same run in fp32, int8 and the default sparse codec, for the bytes on the wire
     "bytes_fp32": _case("diloco", 8, fragments=2),
     "bytes_int8": _case("diloco", 8, fragments=2, comm_dtype="int8"),
+    "bytes_topk2": _case("diloco", 8, fragments=2, comm_dtype="topk2"),
 }
 # 2 replicas x 1 shard: the mesh's sync group spans the world, which the caller also uses
 # (here after every step) while a delayed round's collectives run on the engine's thread.
 CASES_2X1 = {
     "world_allreduce": dict(_case("edit", 12, overlap_steps=3, fragments=2,
                                   comm_dtype="int8", **PEN_ON), world_allreduce=True),
+    # 1-bit codes, small chunks, a decay of its own, the sync of before
+    "topk1": _case("edit", 9, comm_dtype="topk1", topk_chunk=64, topk_k=6, error_decay=0.8,
+                   **PEN_ON),
 }
 TOPOLOGIES = {(2, 2): CASES, (2, 1): CASES_2X1}
 
@@ -132,12 +139,36 @@ def test_int8_sends_at_most_0_3_of_fp32(runs):
     assert int8 >= 0.25 * fp32  # one byte per value plus a 4-byte scale per 128 values
 
 
+def test_default_sparse_codec_sends_under_a_hundredth_of_fp32(runs):
+    """Counted bytes of every round, statistics included, at the default chunk and k."""
+    got = runs(2, 2)
+    fp32 = sum(e["bytes_sent"] for e in got["bytes_fp32"][0]["log"])
+    topk2 = sum(e["bytes_sent"] for e in got["bytes_topk2"][0]["log"])
+    assert len(got["bytes_fp32"][0]["log"]) == len(got["bytes_topk2"][0]["log"]) >= 4
+    assert topk2 <= fp32 / 100, (topk2, fp32)
+    for e in got["bytes_topk2"][0]["log"]:
+        assert 0 < e["compression"] <= 1 / 100
+    for e in got["bytes_fp32"][0]["log"]:
+        assert e["compression"] == pytest.approx(1.0)
+
+
+def test_staleness_counts_rounds_launched_before_the_merge(runs):
+    # t3_p4: tau = 3 steps, a fragment launched every step: 3 later rounds are launched
+    # before a round merges (fewer at the forced end); tau = 0 merges before the next one.
+    log = runs(2, 2)["t3_p4"][0]["log"]
+    during = [e["staleness"] for e in log if e["step"] < CASES["t3_p4"]["steps"]]
+    assert during and set(during) == {3}
+    assert {e["staleness"] for e in runs(2, 2)["plain"][0]["log"]} == {0}
+
+
 def test_quantisation_changes_the_result(runs):
     """The quantised runs must differ from fp32 (the reference tolerance alone would not
     notice a quantiser that did nothing)."""
     got = runs(2, 2)
-    a, b = got["bytes_fp32"][0]["params"], got["bytes_int8"][0]["params"]
-    assert max(float((a[k] - b[k]).abs().max()) for k in a) > 1e-6
+    a = got["bytes_fp32"][0]["params"]
+    for name in ("bytes_int8", "bytes_topk2"):
+        b = got[name][0]["params"]
+        assert max(float((a[k] - b[k]).abs().max()) for k in a) > 1e-6, name
 
 
 def test_caller_collectives_never_collide_with_delayed_rounds(runs):
@@ -183,3 +214,9 @@ def test_every_rank_issues_the_same_collectives_in_the_same_order(runs, name):
     i = next(k for k in range(len(swapped[3]) - 1) if swapped[3][k] != swapped[3][k + 1])
     swapped[3][i], swapped[3][i + 1] = swapped[3][i + 1], swapped[3][i]
     assert order_mismatches(swapped, 2, 2) != []
+
+
+def test_topk1_on_2x1_matches_reference(runs):
+    outs = runs(2, 1)["topk1"]
+    bad = reference_mismatches(outs, reference(ref_config(CASES_2X1["topk1"], 2, 1)), TOL)
+    assert not bad, bad

@@ -57,6 +57,7 @@ ALIKE_ONLY = {
     "gta_random": _case(8, gta=dict(reducer="gta", sparsification_method="random",
                                     density=0.5)),
     "int8": _case(8, comm_dtype="int8", **PEN_ON),
+    "topk2": _case(8, comm_dtype="topk2", topk_chunk=128, topk_k=8, **PEN_ON),
 }
 
 

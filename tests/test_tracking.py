@@ -46,9 +46,11 @@ def test_a_step_row_with_its_sync_by_hand():
 
 def test_streaming_and_fault_tolerant_rounds_by_hand():
     delayed = {"sync": 5, "step": 12, "units": 1, "launch_step": 10, "fragment": 1,
-               "bytes_sent": 100, "hidden": None, "z": [[0.0], [math.nan]]}
+               "bytes_sent": 100, "hidden": None, "z": [[0.0], [math.nan]],
+               "compression": 0.0078125, "staleness": 1}
     got = standard_metrics({**STEP, "sync": delayed})
     assert got["sync/staleness_steps"] == 2.0 and "comm/hidden" not in got
+    assert got["comm/compression"] == 0.0078125 and got["sync/staleness_rounds"] == 1.0
     assert not any(k.startswith(("ft/", "sync/weight")) for k in got)
     ft = {"step": 12, "units": 3, "bytes_sent": 0, "committed": False, "healed": True,
           "quorum_size": 2, "members": [0, 1]}

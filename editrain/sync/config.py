@@ -12,6 +12,7 @@ from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 from editrain.errors import as_config_error, require
+from editrain.sync import sparse as sparse_codec
 from editrain.sync.methods import METHOD_DEFAULTS
 from editrain.sync.outer import check_outer, outer_kwargs, resolve_optimizer_class
 
@@ -20,7 +21,8 @@ REDUCERS = ("linear", "gta")
 CONSENSUS = ("sum", "count")
 SPARSIFICATION = ("magnitude", "random", "rescaled_random")
 MERGES = ("blend", "keep_local")
-COMM_DTYPES = ("fp32", "bf16", "int8", "int4")
+COMM_DTYPES = ("fp32", "bf16", "int8", "int4", "topk2", "topk1")
+SPARSE_CODECS = tuple(sparse_codec.BITS)
 
 
 INT_MAX = 2**63 - 1
@@ -190,10 +192,19 @@ class SyncConfig:
     ignored)."""
     comm_dtype: str = "fp32"
     """Pseudo-gradients on the wire: fp32 (all-reduce), bf16, int8 or int4 (per-128-value
-    scales, gathered and summed in fp32)."""
+    scales), or sparse: topk2 / topk1 (the topk_k largest of every topk_chunk values, 2 or
+    1 bits each plus packed positions; 1/128 of fp32 by default); all but fp32 are gathered
+    and summed in fp32."""
     error_feedback: bool = True
     """Quantised comm_dtype: add each round's quantisation residual to the next
     pseudo-gradient."""
+    error_decay: float | None = None
+    """Error feedback: e <- decay * e + delta before encoding, in (0, 1]; none: 0.95 for
+    topk2 / topk1 (SparseLoCo's), 1 for bf16 / int8 / int4."""
+    topk_chunk: int | None = None
+    """topk2 / topk1: values per chunk (none: 4096)."""
+    topk_k: int | None = None
+    """topk2 / topk1: values kept per full chunk, 1 .. topk_chunk (none: 64, 1.56%)."""
     split_root: bool = True
     """Trainer: shard embeddings and output head as units of their own (sync units too)."""
     gta: GTAConfig = field(default_factory=GTAConfig)
@@ -288,6 +299,31 @@ class SyncConfig:
             require(self.gta.reducer in (None, "linear"), "sync.comm_dtype",
                     f"{self.comm_dtype} needs the linear reducer (sync.gta.reducer = "
                     f"{self.gta.reducer!r} sends fp32 only)")
+        self._check_codec()
+
+    def _check_codec(self) -> None:
+        """The sparse codecs' and the error feedback's options: in range, and refused where
+        the codec would ignore them."""
+        sparse = self.comm_dtype in SPARSE_CODECS
+        for name in ("topk_chunk", "topk_k"):
+            value = getattr(self, name)
+            if value is None:
+                continue
+            require(sparse, f"sync.{name}",
+                    f"applies to the sparse codecs (sync.comm_dtype = topk2 or topk1), but "
+                    f"comm_dtype is {self.comm_dtype!r}: leave it unset")
+            require(isinstance(value, int) and not isinstance(value, bool) and value >= 1,
+                    f"sync.{name}", f"must be an integer >= 1, got {value!r}")
+        require(self.sparse_k <= self.sparse_chunk, "sync.topk_k",
+                f"must be <= sync.topk_chunk ({self.sparse_chunk}), got {self.sparse_k}")
+        if self.error_decay is not None:
+            require(isinstance(self.error_decay, (int, float))
+                    and not isinstance(self.error_decay, bool)
+                    and 0.0 < self.error_decay <= 1.0, "sync.error_decay",
+                    f"must be in (0, 1], got {self.error_decay!r}")
+            require(self.comm_dtype != "fp32" and self.error_feedback, "sync.error_decay",
+                    "decays the error feedback of a quantised or sparse comm_dtype (with "
+                    "sync.error_feedback = true); it would be ignored here: leave it unset")
 
     # ------------------------------------------------------------------ derived views
     @property
@@ -305,6 +341,23 @@ class SyncConfig:
         """Whether replicas may hold different models at every step boundary (delayed
         outer updates or staggered fragments)."""
         return self.overlap_steps > 0 or self.fragments > 1
+
+    @property
+    def sparse_chunk(self) -> int:
+        """Values per chunk of the sparse codecs."""
+        return sparse_codec.CHUNK if self.topk_chunk is None else self.topk_chunk
+
+    @property
+    def sparse_k(self) -> int:
+        """Values kept per full chunk of the sparse codecs."""
+        return sparse_codec.K if self.topk_k is None else self.topk_k
+
+    @property
+    def ef_decay(self) -> float:
+        """The error feedback's decay (``error_decay``, or the codec's default)."""
+        if self.error_decay is not None:
+            return float(self.error_decay)
+        return sparse_codec.DECAY if self.comm_dtype in SPARSE_CODECS else 1.0
 
     @property
     def penalty_enabled(self) -> bool:

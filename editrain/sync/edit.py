@@ -579,6 +579,8 @@ class SyncEngine:
             self.clock.restart()  # joined: this replica's window starts now
         if record is None and (rnd.skipped or not applied):
             return
+        rnd.staleness = max(0, self._next_index - 1 - rnd.index)
+        rnd.replicas = len(rnd.members) if rnd.members else self.reduction.num_replicas
         entry = rnd.log_entry(self.global_step, self.clock.take_wait(),
                               fragment=self._log_fragments)
         if record is not None:

@@ -5,12 +5,16 @@ values; int8 and int4 keep one fp32 scale per block (``s = max|x_b| / qmax``), b
 none. :func:`encode` packs everything into one ``uint8`` buffer, so one all-gather carries a
 replica's whole message on gloo and NCCL alike; :func:`decode` turns it back into fp32.
 No arithmetic is done in low precision: the sync sums decoded values in fp32 (see
-``docs/streaming.md`` section 4).
+``docs/streaming.md`` section 4). The sparse codecs ``topk2`` and ``topk1`` live in
+:mod:`editrain.sync.sparse`; the functions here dispatch to them (``chunk`` and ``k`` are
+theirs).
 """
 
 from __future__ import annotations
 
 import torch
+
+from editrain.sync import sparse
 
 BLOCK = 128
 """Values per scale."""
@@ -19,8 +23,10 @@ _QMAX = {"int8": 127, "int4": 7}
 _SCALE_BYTES = 4
 
 
-def payload_bytes(n: int, dtype: str) -> int:
+def payload_bytes(n: int, dtype: str, chunk: int = sparse.CHUNK, k: int = sparse.K) -> int:
     """Bytes of the encoded message of ``n`` values (values plus scales)."""
+    if dtype in sparse.BITS:
+        return sparse.payload_bytes(n, dtype, chunk, k)
     if dtype == "fp32":
         return 4 * n
     if dtype == "bf16":
@@ -62,13 +68,17 @@ def dequantize(codes: torch.Tensor, scales: torch.Tensor | None) -> torch.Tensor
     return codes * scales.repeat_interleave(BLOCK)[: codes.numel()]
 
 
-def encode(x: torch.Tensor, dtype: str) -> tuple[torch.Tensor, torch.Tensor]:
+def encode(x: torch.Tensor, dtype: str, chunk: int = sparse.CHUNK, k: int = sparse.K
+           ) -> tuple[torch.Tensor, torch.Tensor]:
     """The wire message of ``x`` (``uint8``, :func:`payload_bytes` long) and ``D(Q(x))``.
 
     Args:
         x: flat fp32 values.
-        dtype: "bf16", "int8" or "int4".
+        dtype: "bf16", "int8", "int4", "topk2" or "topk1".
+        chunk / k: the sparse codecs' values per chunk and values kept per chunk.
     """
+    if dtype in sparse.BITS:
+        return sparse.encode(x, dtype, chunk, k)
     codes, scales = quantize(x, dtype)
     decoded = dequantize(codes, scales)
     if scales is None:
@@ -84,8 +94,11 @@ def encode(x: torch.Tensor, dtype: str) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.cat([values, scales.view(torch.uint8)]), decoded
 
 
-def decode(message: torch.Tensor, n: int, dtype: str) -> torch.Tensor:
+def decode(message: torch.Tensor, n: int, dtype: str, chunk: int = sparse.CHUNK,
+           k: int = sparse.K) -> torch.Tensor:
     """fp32 values of a message from :func:`encode` (``n`` values)."""
+    if dtype in sparse.BITS:
+        return sparse.decode(message, n, dtype, chunk, k)
     if dtype == "bf16":
         return message.view(torch.bfloat16).float()
     blocks = -(-n // BLOCK)

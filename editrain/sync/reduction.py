@@ -205,31 +205,39 @@ class Reduction:
         """The cross-replica reduction of one pseudo-gradient vector: the reducer (plain
         or GTA; random draws seeded by the engine's seed, the round, the unit and ``tag``)
         or, with a quantised ``comm_dtype``, :meth:`_quantised_reduce`."""
+        rnd.values += delta.numel()  # the round's compression: bytes sent per fp32 byte
         if self.config.comm_dtype != "fp32":
-            return self._quantised_reduce(delta, weight, weights, error)
+            return self._quantised_reduce(rnd, delta, weight, weights, error)
         gen = None
         if self.config.gta.sparsification_method in ("random", "rescaled_random"):
             gen = torch.Generator(device=delta.device)
             gen.manual_seed(_mix(self.seed, rnd.index, u, *tag))
         return self.reducer.reduce(delta, weight, self.comm.all_reduce_sync, generator=gen)
 
-    def _quantised_reduce(self, delta: torch.Tensor, weight: float, weights: list[float],
-                          error: torch.Tensor | None) -> torch.Tensor:
-        """Gather every replica's quantised ``delta (+ error feedback)``, sum the decoded
-        values weighted, in fp32, in replica order (``docs/streaming.md`` section 4).
-        ``error`` (this replica's residual, if kept) is updated in place."""
-        dtype = self.config.comm_dtype
+    def _quantised_reduce(self, rnd: SyncRound, delta: torch.Tensor, weight: float,
+                          weights: list[float], error: torch.Tensor | None) -> torch.Tensor:
+        """Gather every replica's quantised (or sparse) ``delta + decay * error``, sum the
+        decoded values weighted, in fp32, in replica order (``docs/streaming.md`` sections
+        4 and 4b). ``error`` (this replica's residual, if kept) is updated in place; the
+        round's compression is counted by :meth:`_reduce`)."""
+        cfg = self.config
+        dtype, chunk, k = cfg.comm_dtype, cfg.sparse_chunk, cfg.sparse_k
         if weight == 0.0:
-            message, _ = quant.encode(delta, dtype)  # delta was zeroed: Q(0)
+            message, _ = quant.encode(delta, dtype, chunk, k)  # delta was zeroed: Q(0)
         else:
-            x = delta if error is None else delta + error.to(delta.device)
-            message, decoded = quant.encode(x, dtype)
+            if error is None:
+                x = delta
+            elif cfg.ef_decay == 1.0:
+                x = delta + error.to(delta.device)
+            else:
+                x = delta + error.to(delta.device) * cfg.ef_decay
+            message, decoded = quant.encode(x, dtype, chunk, k)
             if error is not None:
                 error.copy_((x - decoded).to(error.device))
         gathered = self.comm.all_gather_sync(message)
         out = torch.zeros_like(delta)
         for r, w in enumerate(weights):
-            out.add_(quant.decode(gathered[r], delta.numel(), dtype).mul_(w))
+            out.add_(quant.decode(gathered[r], delta.numel(), dtype, chunk, k).mul_(w))
         return out
 
 

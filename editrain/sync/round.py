@@ -50,6 +50,12 @@ class SyncRound:
     """Non-blocking A-EDiT: this replica's steps up to its snapshot."""
     work_s: float = 0.0
     """Wall time of the round's jobs on the communication thread."""
+    values: int = 0
+    """Pseudo-gradient values this rank reduced in the round (its compression's base)."""
+    replicas: int = 0
+    """Replicas the round reduced over (its compression's base; 0: not known)."""
+    staleness: int = 0
+    """Rounds launched after this one and before its merge."""
     # Filled by the statistics job (identical on every rank).
     norms: torch.Tensor | None = None
     weights: torch.Tensor | None = None
@@ -102,6 +108,8 @@ class SyncRound:
             "hidden": (max(0.0, 1.0 - self.wait_s / self.work_s) if self.work_s > 0
                        else None),
         }
+        entry["compression"] = self.compression(stats["bytes_sent"])
+        entry["staleness"] = self.staleness
         if fragment:
             entry["fragment"] = self.fragment
         if self.delayed:
@@ -120,6 +128,14 @@ class SyncRound:
             entry["clip"] = self.clip
         return entry
 
+    def compression(self, bytes_sent: int) -> float | None:
+        """Bytes this rank sent for the round per byte that a ring all-reduce of its
+        pseudo-gradients in fp32 sends (``2 (R - 1) / R * 4`` per value); statistics and
+        clipping included. None where nothing was reduced."""
+        if not self.values or self.replicas < 2:
+            return None
+        return bytes_sent / (2 * (self.replicas - 1) / self.replicas * 4 * self.values)
+
     def state_dict(self) -> dict[str, Any]:
         """A delayed round whose jobs are done, as plain data (its merge is still to come)."""
         return {
@@ -133,6 +149,7 @@ class SyncRound:
             "clip": self.clip,
             "step_counts": None if self.step_counts is None else self.step_counts.tolist(),
             "windows": self.windows, "skipped": self.skipped, "my_steps": self.my_steps,
+            "values": self.values, "replicas": self.replicas, "staleness": self.staleness,
         }
 
     @classmethod
@@ -143,7 +160,9 @@ class SyncRound:
                   launch_step=int(sd["launch_step"]), apply_at=int(sd["apply_at"]),
                   wait_s=float(sd["wait_s"]), work_s=float(sd["work_s"]),
                   clip=list(sd["clip"]), windows=sd.get("windows"),
-                  skipped=bool(sd.get("skipped", False)), my_steps=int(sd.get("my_steps", 0)))
+                  skipped=bool(sd.get("skipped", False)), my_steps=int(sd.get("my_steps", 0)),
+                  values=int(sd.get("values", 0)), replicas=int(sd.get("replicas", 0)),
+                  staleness=int(sd.get("staleness", 0)))
         if sd.get("step_counts") is not None:
             rnd.step_counts = torch.tensor(sd["step_counts"], dtype=torch.float64)
         for key, value in sd["comm"].items():
