@@ -170,29 +170,49 @@ def test_convergence_smoke(tmp_path, cache):
     assert any("Paired differences" in t["title"] for t in saved["tables"])
 
 
+def test_bandwidth_links_flag_picks_a_subset(tmp_path):
+    from editrain.bench import bandwidth
+    from editrain.bench.runner import Bench
+
+    def links(value):
+        bench = Bench("bandwidth", "quick", tmp_path, flags={"links": value})
+        return [bandwidth.link_name(*x) for x in bandwidth._links(bench)]
+
+    assert links("0.25MB/s+50ms, unlimited") == ["unlimited", "0.25MB/s+50ms"]
+    assert len(links(None)) == 6
+    with pytest.raises(ConfigError, match="unknown link.*2MB/s.*allowed: unlimited"):
+        links("unlimited,2MB/s")
+    with pytest.raises(ConfigError, match="include 'unlimited'"):
+        links("1MB/s+50ms")
+
+
 @pytest.mark.timeout(600)
 def test_bandwidth_smoke(tmp_path, cache):
     """Every method has a throughput, a ratio to the ceiling and per-replica rows at every
     link; local SGD a time split; one repeat of each run at the tiny size."""
     saved, _ = _run("bandwidth", tmp_path, cache)
     links = saved["settings"]["links"]
-    _runs_ok(saved, count=1 + 4 * len(links))
+    _runs_ok(saved, count=1 + 5 * len(links))
     assert saved["repeats"] == 1 and saved["settings"]["repeats"] == 1
     assert not saved["measurement_errors"]
     res = saved["results"]
     assert res["ceiling"]["tokens_per_s"]["n"] == 1 and res["ceiling"]["tokens_per_s"]["median"] > 0
-    for m in ("sync", "diloco", "edit", "edit-streaming"):
+    for m in ("sync", "diloco", "edit", "edit-streaming", "edit-sparse"):
         assert set(res[m]) == set(links)
         for link, e in res[m].items():
             assert e["tokens_per_s"]["median"] > 0 and e["tokens_per_s"]["n"] == 1, (m, link)
             assert _num(e["vs_ceiling"]["median"]) and e["vs_ceiling"]["median"] > 0, (m, link)
             _check_replicas(e["replicas"])
-    for m in ("diloco", "edit", "edit-streaming"):  # local SGD: the sync metrics split out
+    for m in ("diloco", "edit", "edit-streaming", "edit-sparse"):  # the sync metrics split out
         for e in res[m].values():
             assert _num(e["comm_time_s_per_step"]["median"])
             assert _num(e["wait_s_per_step"]["median"])
     for link in links:  # one repeat: no verdict on the spread
-        assert [c["beyond_spread"] for c in res["comparisons"][link]] == [None] * 5
+        assert [c["beyond_spread"] for c in res["comparisons"][link]] == [None] * 6
+    # edit-sparse ran its round behind H - 1 steps with the sparse codec
+    assert saved["settings"]["sparse"] == {"comm_dtype": "topk2", "merge": "keep_local",
+                                           "overlap_steps": saved["settings"]["sync_interval"]
+                                           - 1}
     # the streaming target is judged (tiny size: no unlimited run, so no verdict)
     assert len(saved["targets"]) == 1
 

@@ -84,7 +84,8 @@ def run_scenario(name: str, quick: bool = False, out_dir: str | None = None,
             ``bench_results``).
         extra: further command-line arguments: ``--tiny`` (smoke-test size), ``--full``
             (the full size, also the default without ``--quick``), ``--seeds N``,
-            ``--repeats N``, ``--path FILE`` and ``--readme FILE`` (report), and training
+            ``--repeats N``, ``--links A,B`` (bandwidth), ``--path FILE`` and ``--readme
+            FILE`` (report), and training
             options applied to every run (``--model.preset small``...).
         tiny: the smoke-test size (overrides ``quick``); also ``EDITRAIN_BENCH_TINY=1``.
 
@@ -102,6 +103,9 @@ def run_scenario(name: str, quick: bool = False, out_dir: str | None = None,
         raise ConfigError("bench: --full contradicts --quick / --tiny; give one size")
     mode = "tiny" if tiny else ("quick" if quick else "full")
     root = Path(out_dir) if out_dir is not None else DEFAULT_ROOT
+    if flags.get("links") and name != "bandwidth":
+        raise ConfigError(f"bench --links picks links of the bandwidth scenario; {name} has "
+                          "none")
 
     if name == "report":
         from editrain.bench.report import (

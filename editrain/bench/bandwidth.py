@@ -3,9 +3,11 @@
 ``sync`` (an all-reduce of the gradients every step), ``diloco`` (a blocking sync every H
 steps), ``edit`` (a layer-wise sync every H steps, overlapped with the next forward) and
 ``edit-streaming`` (fragments that take turns, each reduced behind ``overlap_steps`` inner
-steps, in int8) run under links from unlimited down to 1 MB/s; the ceiling is the same
-model and data with no communication at all. A sweep over the streaming options (delay,
-fragments, wire dtype) runs at the 5 MB/s link.
+steps, in int8) and ``edit-sparse`` (the whole round but one step in flight, sparse 2-bit
+pseudo-gradients) run under links from unlimited down to 0.25 MB/s + 50 ms; the ceiling is
+the same model and data with no communication at all. A sweep over the streaming options
+(delay, fragments, wire dtype) runs at the 5 MB/s link. ``--links unlimited,1MB/s+50ms``
+runs a subset of the links (the unlimited one is always needed: the ratios divide by it).
 """
 
 from __future__ import annotations
@@ -18,17 +20,26 @@ from editrain.bench.runner import Bench, repeat_label
 from editrain.bench.runs import Run
 from editrain.bench.stats import beyond_spread, spread
 from editrain.bench.tables import cell, md_table, ratio, spread_cell, verdict_cell
+from editrain.config import ConfigError
 
 NAME = "bandwidth"
 STREAMING = {"overlap_steps": 4, "fragments": 4, "comm_dtype": "int8", "merge": "keep_local"}
 """The streaming settings of ``edit-streaming`` (the sweep shows the alternatives)."""
+SPARSE = {"comm_dtype": "topk2", "merge": "keep_local"}
+"""The settings of ``edit-sparse``, whose ``overlap_steps`` is ``H - 1`` (the most a round
+may stay in flight)."""
 VARIANTS: dict[str, dict[str, Any]] = {
     "sync": {"method": "sync"},
     "diloco": {"method": "diloco"},
     "edit": {"method": "edit"},
     "edit-streaming": {"method": "edit", **STREAMING},
+    "edit-sparse": {"method": "edit", **SPARSE},
 }
 """Each variant's sync options (the rows of the main table)."""
+SLOW_LINKS = (("1MB/s", "50ms"), ("0.25MB/s", "50ms"))
+"""The links of the sparse target (``edit-sparse`` >= 0.95x / 0.90x of its unlimited-link
+speed)."""
+SLOW_TARGETS = {"1MB/s+50ms": 0.95, "0.25MB/s+50ms": 0.90}
 METHODS = tuple(VARIANTS)
 SWEEP_LINK = ("5MB/s", "5ms")
 SWEEP: dict[str, dict[str, Any]] = {
@@ -40,22 +51,41 @@ SWEEP: dict[str, dict[str, Any]] = {
 """Streaming alternatives run at :data:`SWEEP_LINK` only (``edit`` is tau0-P1-fp32 and
 ``edit-streaming`` tau4-P4-int8 of this grid)."""
 DESCRIPTION = (
-    "Tokens per second of the whole cluster for `sync`, `diloco`, `edit` and "
-    "`edit-streaming` as the simulated cross-replica link gets slower (`sim.link_bandwidth` "
+    "Tokens per second of the whole cluster for `sync`, `diloco`, `edit`, "
+    "`edit-streaming` and `edit-sparse` as the simulated cross-replica link gets slower (`sim.link_bandwidth` "
     "+ `sim.link_latency`), against the ceiling of no communication at all, with the time "
     "per step split into computation, waiting for the sync and communication hidden behind "
     "computation, and a sweep over the streaming options at 5 MB/s."
 )
 UNLIMITED = "unlimited"
-COMPARISONS = (("edit-streaming", "edit"), ("edit-streaming", "sync"), ("edit", "diloco"),
+COMPARISONS = (("edit-sparse", "edit-streaming"), ("edit-streaming", "edit"), ("edit-streaming", "sync"), ("edit", "diloco"),
                ("edit", "sync"), ("diloco", "sync"))
 """Pairs whose tokens/s are compared against the spread of the repeats, at every link."""
 
 
 def _links(bench: Bench) -> list[tuple[str | None, str | None]]:
-    """The simulated links to sweep (bandwidth, latency); None: unlimited."""
-    full = [(None, None), ("20MB/s", "5ms"), SWEEP_LINK, ("1MB/s", "5ms")]
-    return bench.pick([SWEEP_LINK], full, full)
+    """The simulated links to sweep (bandwidth, latency); None: unlimited. ``--links``
+    picks a subset by name.
+
+    Raises:
+        ConfigError: ``--links`` names a link this scenario does not have, or leaves out
+            the unlimited one.
+    """
+    full = [(None, None), ("20MB/s", "5ms"), SWEEP_LINK, ("1MB/s", "5ms"), *SLOW_LINKS]
+    links = bench.pick([SWEEP_LINK], full, full)
+    chosen = bench.flags.get("links")
+    if not chosen:
+        return links
+    by_name = {link_name(*x): x for x in full}
+    names = [n.strip() for n in chosen.split(",") if n.strip()]
+    unknown = [n for n in names if n not in by_name]
+    if unknown:
+        raise ConfigError(f"bench --links: unknown link(s) {', '.join(unknown)}; allowed: "
+                          f"{', '.join(by_name)}")
+    if UNLIMITED not in names:
+        raise ConfigError(f"bench --links: include {UNLIMITED!r}; every ratio divides by "
+                          "the unlimited-link run")
+    return [x for x in full if link_name(*x) in names]
 
 
 def link_name(bw: str | None, lat: str | None) -> str:
@@ -74,7 +104,7 @@ def run(bench: Bench) -> dict[str, Any]:
     skip = bench.pick(2, 4, 4)
     links = _links(bench)
     names = [link_name(*x) for x in links]
-    sweep = {} if bench.mode == "tiny" else SWEEP
+    sweep = {} if bench.mode == "tiny" or SWEEP_LINK not in links else SWEEP
     repeats = bench.repeats
 
     # The tiny preset (quick, tiny) has three units when tied: too few for four fragments.
@@ -89,6 +119,8 @@ def run(bench: Bench) -> dict[str, Any]:
              "sim": {"link_bandwidth": bw, "link_latency": lat}, **model}]
         if variant["method"] != "sync":
             out.append({"sync": {"local_sgd_sync_interval": interval}})
+        if variant is VARIANTS["edit-sparse"]:
+            out.append({"sync": {"overlap_steps": interval - 1}})
         return out
 
     def steps_of(variant: dict[str, Any]) -> int:
@@ -215,6 +247,9 @@ def run(bench: Bench) -> dict[str, Any]:
         "ranks: a message waits for the link, occupies it for bytes / bandwidth (bytes a "
         "ring algorithm transmits), then arrives after the latency; the communication "
         "thread sleeps until then. The shard group (intra-replica) is not slowed.",
+        f"`edit-sparse`: {_options_text(SPARSE)}, overlap_steps {interval - 1} (H - 1: the "
+        "round in flight for all but one step of the next round; its bytes are 1/128 of "
+        "fp32 plus the statistics, docs/streaming.md section 4b).",
         f"`edit-streaming`: {_options_text(STREAMING)}. Sweep rows: `edit` with the options "
         f"named tauT-PP-DTYPE (overlap_steps, fragments, comm_dtype), at {sweep_name} only; "
         "'x edit unlimited' divides by the plain `edit` run on the unlimited link of the "
@@ -223,7 +258,8 @@ def run(bench: Bench) -> dict[str, Any]:
     ]
     settings = {"sync_interval": interval, "local_steps": local_steps, "sync_steps": sync_steps,
                 "links": names, "skip_steps": skip, "repeats": repeats,
-                "streaming": STREAMING, "sweep": {k: v for k, v in sweep.items()}}
+                "streaming": STREAMING, "sparse": {**SPARSE, "overlap_steps": interval - 1},
+                "sweep": {k: v for k, v in sweep.items()}}
     return bench.finish(settings=settings, methods=("ceiling",) + METHODS, results=results,
                         tables=tables, targets=targets, findings=findings, notes=notes,
                         plots=plots, description=DESCRIPTION, shortfalls=shortfalls,
@@ -381,6 +417,23 @@ def _judge(results: dict[str, Any], names: list[str],
                       f"{spread_cell(st['exposed'])}"})
         if ok is False:
             shortfalls.append(f"{link}: the streaming target is not met ({targets[-1]['detail']}).")
+    for n, floor in SLOW_TARGETS.items():
+        if UNLIMITED not in names or n not in names:
+            continue
+        sp = results["edit-sparse"][n]
+        keep, exposed = _med(sp["vs_unlimited"]), _med(sp["exposed"])
+        ok = None if keep is None else (keep >= floor and exposed is not None
+                                        and exposed <= 0.05)
+        targets.append({
+            "name": f"edit-sparse keeps >= {floor}x of its unlimited-link throughput at {n}, "
+                    "with exposed communication <= 5% of the communication time (medians "
+                    "over repeats)",
+            "met": ok,
+            "detail": f"edit-sparse {spread_cell(sp['vs_unlimited'])}x, exposed "
+                      f"{spread_cell(sp['exposed'])}; edit-streaming "
+                      f"{spread_cell(results['edit-streaming'][n]['vs_unlimited'])}x"})
+        if ok is False:
+            shortfalls.append(f"{n}: the sparse target is not met ({targets[-1]['detail']}).")
     for n, s, e in checked:
         if e is None or e < 0.9:
             shortfalls.append(f"{n}: edit keeps only {cell(e)}x of its unlimited-link "
@@ -395,13 +448,15 @@ def _judge(results: dict[str, Any], names: list[str],
                                 + ("beyond" if c["beyond_spread"] else "within")
                                 + " the spread of the repeats.")
     for n in slow:
-        st = results["edit-streaming"][n]
-        w, c = _med(st["wait_s_per_step"]), _med(st["comm_time_s_per_step"])
-        if w is not None and c:
-            findings.append(f"{n}: edit-streaming waits {cell(_ms(w))} ms/step for "
-                            f"{cell(_ms(c))} ms/step of communication "
-                            f"({max(0.0, 1 - w / c):.0%} hidden) and keeps "
-                            f"{spread_cell(st['vs_unlimited'])}x of its unlimited-link speed.")
+        for m in ("edit-streaming", "edit-sparse"):
+            st = results[m][n]
+            w, c = _med(st["wait_s_per_step"]), _med(st["comm_time_s_per_step"])
+            if w is not None and c:
+                findings.append(f"{n}: {m} waits {cell(_ms(w))} ms/step for "
+                                f"{cell(_ms(c))} ms/step of communication "
+                                f"({max(0.0, 1 - w / c):.0%} hidden) and keeps "
+                                f"{spread_cell(st['vs_unlimited'])}x of its unlimited-link "
+                                "speed.")
     for n in slow:
         e, d = results["edit"][n], results["diloco"][n]
         ew, ec, dw = _med(e["wait_s_per_step"]), _med(e["comm_time_s_per_step"]), \

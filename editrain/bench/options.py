@@ -39,7 +39,8 @@ SIZE_FLAGS = {"--tiny": "tiny", "--full": "full"}
 """Bench flags without a value: a size (``--quick`` is the CLI's own flag; no size flag
 means the full size)."""
 
-VALUE_FLAGS = {"--seeds": int, "--repeats": int, "--path": str, "--readme": str}
+VALUE_FLAGS = {"--seeds": int, "--repeats": int, "--path": str, "--readme": str,
+               "--links": str}
 """Bench flags with a value, and the value's type (everything else is a training option)."""
 
 
@@ -92,7 +93,8 @@ def split_extra(extra: Sequence[str]) -> tuple[dict[str, Any], dict[str, Any]]:
 
     Bench flags: ``--tiny`` and ``--full`` (sizes; no flag and no ``--quick`` means
     full), ``--seeds N`` (convergence, optimizers), ``--repeats N`` (timed scenarios),
-    ``--path FILE`` and ``--readme FILE`` (report). The rest must be training options
+    ``--links A,B`` (bandwidth: a subset of its links), ``--path FILE`` and ``--readme
+    FILE`` (report). The rest must be training options
     (``--section.key=value``), applied to every run.
 
     Args:
