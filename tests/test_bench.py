@@ -775,6 +775,16 @@ def test_readme_headline(tmp_path):
     assert ("and runs at 1.03x (H = 16) and 1.23x (H = 4) torchft's tokens/s"
             in readme_headline([peers(4, 100.0, 123.0), peers(16, 100.0, 103.0)]))
     assert "but runs at 0.95x torchft's" in readme_headline([peers(16, 100.0, 95.0)])
+    # The slow-link sparse setting (a bandwidth record of its own links) and the real link.
+    slow = {"scenario": "bandwidth", "format": 2, "mode": "quick",
+            "results": {"edit-sparse": {"1MB/s+50ms": {"vs_unlimited": spread([0.97, 0.99])},
+                                        "0.25MB/s+50ms": {"vs_unlimited": spread([0.93])}}}}
+    real = {"scenario": "real_link", "format": 2, "mode": "quick",
+            "headline": ["over a real 1mbit link sparse-topk2 keeps 0.96x"]}
+    got = readme_headline([slow, real])
+    assert ("EDiT keeps 0.98 [0.97-0.99]x at 1 MB/s + 50 ms and 0.93x at 0.25 MB/s + 50 ms of "
+            "its unlimited-link throughput") in got
+    assert "over a real 1mbit link sparse-topk2 keeps 0.96x" in got
 
     root = tmp_path / "root"
     root.mkdir()

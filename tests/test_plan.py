@@ -27,6 +27,7 @@ from editrain.plan.model import (
     timeline,
 )
 from editrain.plan.search import bandwidth_for, candidates, search_target
+from editrain.sync import sparse
 
 
 def cluster(**kw) -> Cluster:
@@ -176,6 +177,11 @@ def test_diloco_round_by_hand():
     assert p.exposed_comm_s == pytest.approx(round_s / 10, rel=1e-3)
     int8 = predict(c, m, MethodSpec(method="diloco", H=10, codec="int8"))
     assert int8.bytes_per_round == pytest.approx(payload_bytes(1e8 / 4, "int8") * 4, rel=1e-2)
+    # the sparse codec: its counted message (editrain.sync.sparse), under 1/100 of fp32
+    topk2 = predict(c, m, MethodSpec(method="diloco", H=10, codec="topk2"))
+    assert topk2.bytes_per_round == pytest.approx(
+        sparse.payload_bytes(int(1e8 / 4), "topk2") * 4, rel=1e-2)
+    assert topk2.bytes_per_round <= p.bytes_per_round / 100
 
 
 def test_stragglers_hold_back_blocking_methods_not_aedit():

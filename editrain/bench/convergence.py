@@ -33,9 +33,13 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "edit-streaming-int4": {"method": "edit", **STREAMING, "merge": "keep_local",
                             "comm_dtype": "int4"},
     "aedit-nonblocking": {"method": "aedit", "overlap_steps": 2, "merge": "keep_local"},
+    "edit-topk2": {"method": "edit", "comm_dtype": "topk2"},
+    "edit-sparse": {"method": "edit", "comm_dtype": "topk2", "merge": "keep_local"},
 }
 """Each variant's sync options: the five methods, then streaming EDiT with either merge
-rule (docs/streaming.md section 3), and with 4-bit pseudo-gradients."""
+rule (docs/streaming.md section 3), with 4-bit pseudo-gradients, and the sparse 2-bit codec
+(docs/streaming.md section 4b) in the sync of the next forward (``edit-topk2``) and with the
+round in flight for ``H - 1`` steps (``edit-sparse``, bench bandwidth's setting)."""
 METHODS = tuple(VARIANTS)
 DESCRIPTION = (
     "Validation loss against tokens for synchronous training (`sync`), Post-Local SGD, "
@@ -43,8 +47,8 @@ DESCRIPTION = (
     "simulated cluster (no link or straggler simulation), with per-seed paired differences "
     "against `diloco` and `sync`."
 )
-REFERENCES = ("diloco", "sync", "edit")
-"""Methods every other method is compared with, seed by seed."""
+REFERENCES = ("diloco", "sync", "edit", "edit-streaming")
+"""Methods every other method is compared with, seed by seed (those that ran)."""
 
 
 def _aedit_period(edit_run: Any, interval: int) -> float:
@@ -83,6 +87,8 @@ def run(bench: Bench) -> dict[str, Any]:
             sync = dict(VARIANTS[method])
             if "fragments" in sync:
                 sync["overlap_steps"] = max(1, interval // 8)
+            if method == "edit-sparse":
+                sync["overlap_steps"] = interval - 1
             layers: list[dict[str, Any]] = [common, {"train": {"seed": seed}, "sync": sync}]
             if VARIANTS[method]["method"] != "sync":
                 layers.append(local)
@@ -122,7 +128,7 @@ def run(bench: Bench) -> dict[str, Any]:
             else str(interval)), _mean_pm(stats), stats["min"], stats["max"],
             f"{stats['n']}/{seeds}", tokens, wall["mean"], results[method]["num_syncs"]])
     for method in variants:
-        for ref in REFERENCES:
+        for ref in (r for r in REFERENCES if r in results):
             results[method][f"paired_vs_{ref}"] = paired_differences(
                 results[method]["final_val_loss_per_seed"],
                 results[ref]["final_val_loss_per_seed"])
@@ -156,7 +162,9 @@ def run(bench: Bench) -> dict[str, Any]:
         "edit-streaming: edit with overlap_steps " + str(max(1, interval // 8)) + ", "
         + ", ".join(f"{k} {v}" for k, v in STREAMING.items())
         + " and merge keep_local (edit-streaming-blend: merge blend, merge_alpha 0; "
-        "edit-streaming-int4: comm_dtype int4); with "
+        "edit-streaming-int4: comm_dtype int4); edit-topk2: edit with comm_dtype topk2 "
+        f"(64 of every 4096 values, 2 bits, error feedback decay 0.95); edit-sparse: the "
+        f"same with merge keep_local and overlap_steps {interval - 1} (H - 1); with "
         "fragments or delayed updates the replicas never all hold one model, so these "
         "variants are evaluated on the anchors (the global model), docs/streaming.md.",
     ]
@@ -183,7 +191,7 @@ def _paired_table(results: dict[str, Any], seeds: int) -> str:
     rows = []
     for method in results:
         for ref in REFERENCES:
-            if method == ref:
+            if method == ref or ref not in results:
                 continue
             d = results[method][f"paired_vs_{ref}"]
             rows.append([method, ref, _mean_pm(d),
@@ -265,9 +273,9 @@ def _findings(results: dict[str, Any], seeds: int) -> list[str]:
         out.append("Final validation loss, best first: "
                    + ", ".join(f"{m} {means[m]:.4f}" for m in order) + ".")
     for a in ("edit", "aedit", "aedit-nonblocking", "edit-streaming", "edit-streaming-blend",
-              "edit-streaming-int4"):
+              "edit-streaming-int4", "edit-topk2", "edit-sparse"):
         for ref in REFERENCES:
-            if a not in results or a == ref:
+            if a not in results or a == ref or ref not in results:
                 continue
             d = results[a][f"paired_vs_{ref}"]
             if d["mean"] is None:

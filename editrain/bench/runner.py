@@ -113,11 +113,13 @@ class Bench:
         user_overrides: training options from the command line, applied to every run last.
         command: the equivalent ``editrain bench`` command (recorded).
         flags: bench-only flags (``seeds``, ``repeats``...).
+        started: when the scenario started (seconds since the epoch; default now), for a
+            record written after runs that something else started.
     """
 
     def __init__(self, scenario: str, mode: str, out_dir: Path,
                  user_overrides: dict[str, Any] | None = None, command: str = "",
-                 flags: dict[str, Any] | None = None) -> None:
+                 flags: dict[str, Any] | None = None, started: float | None = None) -> None:
         """Set up the results directory and record the machine."""
         if mode not in MODES:
             raise ValueError(f"unknown benchmark mode {mode!r}; allowed: {', '.join(MODES)}")
@@ -129,8 +131,9 @@ class Bench:
         self.flags = flags or {}
         self.base = base_overrides(mode)
         self.machine = machine_info()
-        self.started = time.time()
-        self._t0 = time.perf_counter()
+        now = time.time()
+        self.started = now if started is None else started
+        self._t0 = time.perf_counter() - (now - self.started)
         self.runs: dict[str, Run] = {}
         self.run_timeout_s: float = self.pick(240, 1800, 7200)
         """Wall-clock limit of one training run; a run past it is killed and failed."""

@@ -40,7 +40,7 @@ from typing import Any
 from editrain.errors import ConfigError
 
 METHODS = ("sync", "post_local_sgd", "diloco", "edit", "aedit")
-CODECS = ("fp32", "bf16", "int8", "int4", "fp4")
+CODECS = ("fp32", "bf16", "int8", "int4", "fp4", "topk2", "topk1")
 DTYPES = ("fp32", "bf16")
 LATENCY_MODES = ("hop", "collective")
 GBIT = 1e9 / 8

@@ -27,6 +27,7 @@ from typing import Any
 
 from editrain.errors import ConfigError
 from editrain.plan.inputs import Cluster, MethodSpec, ModelSpec
+from editrain.sync import sparse
 
 GIB = 2**30
 BLOCK = 128
@@ -198,7 +199,11 @@ def allgather_s(nbytes_each: float, ranks: int, bytes_per_s: float, latency_s: f
 
 def payload_bytes(n: float, codec: str) -> float:
     """Bytes of ``n`` values on the wire: fp32 4, bf16 2, int8 1, int4 and fp4 1/2 per
-    value, plus one fp32 scale per :data:`BLOCK` values for the integer / fp4 codecs."""
+    value, plus one fp32 scale per :data:`BLOCK` values for the integer / fp4 codecs; the
+    sparse codecs (topk2, topk1) at their default chunk and k, as
+    :func:`editrain.sync.sparse.payload_bytes` counts them."""
+    if codec in sparse.BITS:
+        return float(sparse.payload_bytes(int(math.ceil(n)), codec))
     if codec in ("fp32", "bf16"):
         return n * CODEC_BITS[codec] / 8
     return math.ceil(n * CODEC_BITS[codec] / 8) + 4.0 * math.ceil(n / BLOCK)

@@ -1,0 +1,113 @@
+#!/usr/bin/env bash
+# Two replicas over a real, shaped network link: one network namespace per replica, joined
+# by a veth pair whose both ends are shaped with tc's token bucket (tbf), one torchrun node
+# per namespace (gloo over the veth). Each setting runs on the unshaped link and on the
+# shaped one, interleaved, REPEATS times; the tokens/s ratio (shaped / unshaped, within a
+# repeat) is what the setting keeps of its speed. Needs root (ip netns, tc).
+#
+#   RATE=1mbit REPEATS=3 bash scripts/real_link.sh            # writes OUT/results.json
+#
+# Variables (defaults in brackets):
+#   RATE      the link's rate, both directions, as tc writes it [1mbit]
+#   REPEATS   interleaved repeats [3]
+#   STEPS     training steps per run [128]; H = 32, so 4 syncs
+#   OUT       results directory [real_link_results]
+#   SETTINGS  space-separated names of the settings below [streaming-int8 sparse-topk2]
+#   PYTHON    the interpreter with editrain installed [python]
+#
+# Settings (the model and data are the bench's quick size: tiny preset, untied embeddings,
+# vocabulary 2048, batch 8 x 64 tokens):
+#   streaming-int8  edit, fragments 4, overlap_steps 4, int8 (bench bandwidth's streaming)
+#   sparse-topk2    edit, overlap_steps 31 (H - 1), topk2 (1/128 of fp32 on the wire)
+#   plain-fp32      edit, the layer-wise sync of the next forward, fp32
+set -euo pipefail
+
+RATE=${RATE:-1mbit}
+REPEATS=${REPEATS:-3}
+STEPS=${STEPS:-128}
+OUT=${OUT:-real_link_results}
+SETTINGS=${SETTINGS:-streaming-int8 sparse-topk2}
+PYTHON=${PYTHON:-python}
+NS=(edr_link0 edr_link1)
+DEV=(edr_veth0 edr_veth1)
+ADDR=(10.77.0.1 10.77.0.2)
+PORT=29555
+
+declare -A OPTIONS=(
+    [streaming-int8]="--sync.fragments 4 --sync.overlap_steps 4 --sync.comm_dtype int8 --sync.merge keep_local"
+    [sparse-topk2]="--sync.overlap_steps 31 --sync.comm_dtype topk2 --sync.merge keep_local"
+    [plain-fp32]=""
+)
+COMMON=(--method edit --sync.local_sgd_sync_interval 32 --steps "$STEPS"
+        --train.eval_every "$STEPS" --train.warmup_steps 10 --train.batch_size 8
+        --train.seq_len 64 --model.preset tiny --model.tie_embeddings false
+        --data.max_bytes 1500000 --data.vocab_size 2048 --data.val_fraction 0.03
+        --checkpoint.final false --dist.shard_size 1 --quiet)
+
+for s in $SETTINGS; do
+    [[ -v "OPTIONS[$s]" ]] || { echo "unknown setting $s; known: ${!OPTIONS[*]}" >&2; exit 2; }
+done
+[ "$(id -u)" = 0 ] || { echo "needs root (ip netns, tc)" >&2; exit 2; }
+
+cleanup() {
+    for ns in "${NS[@]}"; do ip netns del "$ns" 2>/dev/null || true; done
+}
+trap cleanup EXIT
+
+setup_link() {
+    cleanup
+    for i in 0 1; do ip netns add "${NS[$i]}"; done
+    ip link add "${DEV[0]}" type veth peer name "${DEV[1]}"
+    for i in 0 1; do
+        ip link set "${DEV[$i]}" netns "${NS[$i]}"
+        ip -n "${NS[$i]}" addr add "${ADDR[$i]}/24" dev "${DEV[$i]}"
+        ip -n "${NS[$i]}" link set "${DEV[$i]}" up
+        ip -n "${NS[$i]}" link set lo up
+    done
+}
+
+shape() {  # shape RATE|none
+    for i in 0 1; do
+        ip netns exec "${NS[$i]}" tc qdisc del dev "${DEV[$i]}" root 2>/dev/null || true
+        if [ "$1" != none ]; then
+            # The bucket holds 32 KB; up to 4 MB may queue (no drops from the shaper).
+            ip netns exec "${NS[$i]}" tc qdisc add dev "${DEV[$i]}" root tbf rate "$1" \
+                burst 32kb limit 4mb
+        fi
+    done
+}
+
+run_pair() {  # run_pair RUN_DIR OPTIONS...
+    local dir=$1; shift
+    local pids=()
+    for i in 0 1; do
+        ip netns exec "${NS[$i]}" env GLOO_SOCKET_IFNAME="${DEV[$i]}" \
+            "$PYTHON" -m torch.distributed.run --nnodes 2 --nproc-per-node 1 \
+            --node-rank "$i" --master-addr "${ADDR[0]}" --master-port "$PORT" \
+            -m editrain train --run-dir "$dir" --overwrite "${COMMON[@]}" "$@" \
+            > "$dir.node$i.log" 2>&1 &
+        pids+=($!)
+    done
+    local rc=0
+    for pid in "${pids[@]}"; do wait "$pid" || rc=$?; done
+    return $rc
+}
+
+STARTED=$(date +%s)
+mkdir -p "$OUT"
+"$PYTHON" -m editrain data "${COMMON[@]}" > "$OUT/data.log" 2>&1  # tokenise once, ahead
+setup_link
+for rep in $(seq 1 "$REPEATS"); do
+    for s in $SETTINGS; do
+        for link in unshaped "$RATE"; do
+            shape "$([ "$link" = unshaped ] && echo none || echo "$link")"
+            dir="$OUT/$s-$link-r$rep"
+            rm -rf "$dir"
+            echo "[real_link] $s on $link, repeat $rep ..."
+            # shellcheck disable=SC2086  # the options are words
+            run_pair "$dir" ${OPTIONS[$s]} || echo "[real_link] $dir failed (see $dir.node*.log)"
+        done
+    done
+done
+"$PYTHON" -m editrain.bench.real_link "$OUT" --rate "$RATE" --repeats "$REPEATS" \
+    --started "$STARTED" --settings $SETTINGS
