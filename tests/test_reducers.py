@@ -1,7 +1,8 @@
 """Tests for editrain.sync.reducers with R replicas simulated in one process.
 
 Each replica's ``reduce`` runs in its own Python thread; a barrier-based fake
-all-reduce sums the R tensors in place, the way a real sync group would.
+all-reduce sums the R tensors in place, and a fake all-gather stacks them in rank order,
+the way a real sync group would.
 Expected values come from hand calculations or from a float64 single-process
 GTA reference written here from the algorithm spec (section 7).
 """
@@ -14,7 +15,15 @@ import threading
 import pytest
 import torch
 
-from editrain.sync.reducers import GTAReducer, MeanReducer, Reducer, build_reducer
+from editrain.sync import reducers
+from editrain.sync.reducers import (
+    GTAReducer,
+    MeanReducer,
+    Reducer,
+    build_reducer,
+    gta_message_bytes,
+)
+from editrain.sync.sparse import pack_bits
 
 # ---------------------------------------------------------------------------
 # fake sync group
@@ -24,9 +33,12 @@ from editrain.sync.reducers import GTAReducer, MeanReducer, Reducer, build_reduc
 class FakeSyncGroup:
     """In-process stand-in for a sync group of ``world`` ranks.
 
-    ``all_reduce_for(rank)`` returns that rank's in-place sum. Every rank must issue
+    ``all_reduce_for(rank)`` returns that rank's in-place sum, ``all_gather_for(rank)``
+    its all-gather (``[world, *shape]``, rows in rank order). Every rank must issue
     the same collectives in the same order, exactly as with torch.distributed; a
-    mismatch breaks the barrier (timeout) instead of hanging the test run.
+    mismatch breaks the barrier (timeout) instead of hanging the test run. ``log[r]``
+    lists rank r's collectives: ``(shape, dtype)`` for an all-reduce,
+    ``("all_gather", shape, dtype)`` for an all-gather.
     """
 
     def __init__(self, world: int, timeout: float = 20.0) -> None:
@@ -54,11 +66,26 @@ class FakeSyncGroup:
 
         return all_reduce
 
+    def all_gather_for(self, rank: int):
+        def all_gather(t: torch.Tensor) -> torch.Tensor:
+            self.log[rank].append(("all_gather", tuple(t.shape), t.dtype))
+            self.slots[rank] = t
+            self.barrier.wait()
+            kinds = {(tuple(s.shape), s.dtype) for s in self.slots}
+            if len(kinds) != 1:
+                self.barrier.abort()
+                raise RuntimeError(f"mismatched all-gather tensors {kinds}")
+            out = torch.stack([s.clone() for s in self.slots])
+            self.barrier.wait()
+            return out
+
+        return all_gather
+
 
 def run_replicas(reducer, deltas, weights, generators=None):
     """Run ``reducer.reduce`` on every replica concurrently.
 
-    Returns (results, log) where log[r] lists the (shape, dtype) of rank r's collectives.
+    Returns (results, log) where log[r] lists rank r's collectives (FakeSyncGroup.log).
     """
     world = len(deltas)
     group = FakeSyncGroup(world)
@@ -69,7 +96,12 @@ def run_replicas(reducer, deltas, weights, generators=None):
         try:
             gen = generators[rank] if generators is not None else None
             results[rank] = reducer.reduce(
-                deltas[rank], weights[rank], group.all_reduce_for(rank), generator=gen
+                deltas[rank],
+                weights[rank],
+                group.all_reduce_for(rank),
+                generator=gen,
+                weights=list(weights),
+                all_gather=group.all_gather_for(rank),
             )
         except BaseException as exc:  # surfaced in the main thread below
             errors.append(exc)
@@ -137,6 +169,11 @@ def topk_keep(delta, density):
 def random_keep(seed, n, density):
     """The documented random mask: torch.rand(n, generator) < density."""
     return torch.rand(n, generator=torch.Generator().manual_seed(seed)) < density
+
+
+def gather_one(t):
+    """The all-gather of a sync group of one replica."""
+    return t.unsqueeze(0).clone()
 
 
 def rand_deltas(world, n, seed, dtype=torch.float32):
@@ -280,7 +317,8 @@ def test_gta_magnitude_sparsification_is_reduced(consensus, normalize):
     # The reference implementation returned each replica's own sparsified delta.
     for d, k in zip(deltas, keeps):
         assert not torch.allclose(results[0], torch.where(k, d, 0.0))
-    assert len(log[0]) == 2
+    # One all-gather of 19 positions of 6 bits (15 bytes) and 19 fp32 values (76 bytes).
+    assert log == [[("all_gather", (15 + 76,), torch.uint8)]] * world
 
 
 @pytest.mark.parametrize("method", ["random", "rescaled_random"])
@@ -334,7 +372,7 @@ def test_gta_magnitude_keep_count_on_one_replica(density, kept):
     delta = magnitudes * signs
     reducer = GTAReducer(sparsification_method="magnitude", density=density)
     # One replica: the sum over the group is the tensor itself.
-    got = reducer.reduce(delta, 1.0, lambda t: None)
+    got = reducer.reduce(delta, 1.0, lambda t: None, weights=[1.0], all_gather=gather_one)
     # With one replica and normalize, the result is the sparsified delta itself:
     # the entries of magnitude > 100 - kept survive.
     expected = torch.where(magnitudes > 100 - kept, delta, 0.0)
@@ -345,7 +383,14 @@ def test_gta_magnitude_keep_count_on_one_replica(density, kept):
 def test_gta_single_replica_rescaled_random():
     delta = torch.arange(1.0, 21.0, dtype=torch.float64)
     reducer = GTAReducer(sparsification_method="rescaled_random", density=0.5)
-    got = reducer.reduce(delta, 0.7, lambda t: None, generator=torch.Generator().manual_seed(9))
+    got = reducer.reduce(
+        delta,
+        0.7,
+        lambda t: None,
+        generator=torch.Generator().manual_seed(9),
+        weights=[0.7],
+        all_gather=gather_one,
+    )
     keep = random_keep(9, 20, 0.5)
     # normalize divides w * d / density by w: d / density on kept entries.
     torch.testing.assert_close(got, torch.where(keep, delta / 0.5, 0.0), rtol=1e-15, atol=0)
@@ -378,6 +423,182 @@ def test_reducers_keep_shape_and_leave_delta_untouched():
         assert results[0].shape == (3, 5)
         for d, o in zip(deltas, originals):
             assert torch.equal(d, o)
+
+
+# ---------------------------------------------------------------------------
+# GTAReducer: the sparse transport (density < 1 gathers compact messages)
+# ---------------------------------------------------------------------------
+
+
+def dense_formulas_fp32(xs, weights, *, consensus, normalize):
+    """Section 7 steps 3-4 on dense fp32 vectors ``xs[j] = w_j * delta_j^sparse``, summed
+    in replica order: what the sparse transport must reproduce bit for bit."""
+    vote = torch.zeros_like(xs[0])
+    for x in xs:
+        vote = vote + (x if consensus == "sum" else torch.sign(x))
+    plus = vote >= 0
+    num = torch.zeros_like(xs[0])
+    div = torch.zeros_like(xs[0])
+    for x, w in zip(xs, weights):
+        m = torch.where(plus, x > 0, x < 0)
+        num = num + x * m
+        div = div + m.float() * w
+    if not normalize:
+        return num
+    return num / torch.where(div < 1e-8, torch.ones_like(div), div)
+
+
+TRANSPORT_N = 301  # positions of 9 bits
+
+
+@pytest.mark.parametrize("method", ["magnitude", "random", "rescaled_random"])
+@pytest.mark.parametrize("consensus", ["sum", "count"])
+@pytest.mark.parametrize("normalize", [True, False])
+def test_gta_sparse_transport_equals_the_dense_formulas(method, consensus, normalize):
+    world, n, density = 4, TRANSPORT_N, 0.3
+    deltas = rand_deltas(world, n, seed=7)
+    deltas[2] = torch.full((n,), math.nan)  # excluded: never read
+    weights = [0.25, 0.45, 0.0, 0.3]
+    seeds = [40 + r for r in range(world)]
+    gens = [torch.Generator().manual_seed(s) for s in seeds]
+    reducer = GTAReducer(consensus_method=consensus, sparsification_method=method,
+                         density=density, normalize=normalize)
+    results, log = run_replicas(reducer, deltas, weights, generators=gens)
+    assert_all_same(results)
+    got = results[0]
+    assert got.dtype == torch.float32 and torch.isfinite(got).all()
+
+    if method == "magnitude":
+        keeps = [topk_keep(d, density) for d in deltas]
+    else:
+        keeps = [random_keep(s, n, density) for s in seeds]
+    rescale = density if method == "rescaled_random" else None
+    # Independent of the reducer: float64 over all replicas at once ...
+    expected = gta_reference(deltas, weights, keeps, consensus=consensus,
+                             normalize=normalize, rescale=rescale)
+    torch.testing.assert_close(got.double(), expected, rtol=1e-6, atol=1e-6)
+    # ... and the dense formulas in fp32, replica order: the same bits.
+    xs = []
+    for d, w, keep in zip(deltas, weights, keeps):
+        s = torch.where(keep, d, 0.0) if w else torch.zeros(n)
+        xs.append((s / density if rescale else s) * w)
+    assert torch.equal(got, dense_formulas_fp32(xs, weights, consensus=consensus,
+                                                normalize=normalize))
+    assert not torch.equal(got, xs[0] / weights[0])  # the replicas really merged
+
+    # Bytes sized by what is kept: 9-bit positions, fp32 values.
+    if method == "magnitude":
+        slots = 91  # ceil(0.3 * 301), the same on every replica, the excluded one too
+        assert log == [[("all_gather", (103 + 4 * slots,), torch.uint8)]] * world
+    else:
+        slots = max(int(keeps[j].sum()) for j in range(world) if weights[j])
+        message = -(-9 * slots // 8) + 4 * slots
+        assert log == [[("all_gather", (1,), torch.int64),
+                        ("all_gather", (message,), torch.uint8)]] * world
+    # ... well under the numel * 4 bytes of a dense fp32 tensor (under half of it).
+    assert 4 * slots + (9 * slots + 7) // 8 < 0.5 * 4 * n
+
+
+def test_gta_messages_hold_packed_positions_then_values():
+    # One replica of 10 entries at density 0.3 keeps the 3 largest |x|: positions 1, 4, 8
+    # (4 bits each, LSB first) then their fp32 values w * delta.
+    delta = torch.tensor([0.1, -5.0, 0.2, 0.3, 4.0, -0.4, 0.5, 0.6, -3.0, 0.7])
+    sent = []
+
+    def gather(t):
+        sent.append(t.clone())
+        return gather_one(t)
+
+    reducer = GTAReducer(sparsification_method="magnitude", density=0.3, normalize=False)
+    got = reducer.reduce(delta, 0.5, lambda t: None, weights=[0.5], all_gather=gather)
+    assert got.tolist() == [0.0, -2.5, 0.0, 0.0, 2.0, 0.0, 0.0, 0.0, -1.5, 0.0]
+    assert len(sent) == 1 and sent[0].dtype == torch.uint8
+    msg = sent[0]
+    assert len(msg) == gta_message_bytes(10, 3) == 2 + 12
+    # 1 | 4 << 4 = 0x41, then 8 in the low nibble of the second byte.
+    assert msg[:2].tolist() == [0x41, 0x08]
+    assert msg[2:].clone().view(torch.float32).tolist() == [-2.5, 2.0, -1.5]
+
+
+def test_gta_excluded_replica_sends_zeros_of_the_same_size():
+    deltas = rand_deltas(3, 50, seed=8)
+    deltas[1] = torch.full((50,), math.inf)
+    group = FakeSyncGroup(3)
+    sent: list[list[torch.Tensor]] = [[] for _ in range(3)]
+    results = [None] * 3
+
+    def worker(rank):
+        inner = group.all_gather_for(rank)
+
+        def gather(t):
+            sent[rank].append(t.clone())
+            return inner(t)
+
+        reducer = GTAReducer(sparsification_method="magnitude", density=0.2)
+        results[rank] = reducer.reduce(deltas[rank], [0.5, 0.0, 0.5][rank],
+                                       group.all_reduce_for(rank),
+                                       weights=[0.5, 0.0, 0.5], all_gather=gather)
+
+    threads = [threading.Thread(target=worker, args=(r,)) for r in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert_all_same(results)
+    # 10 positions of 6 bits (8 bytes) and 10 fp32 values on every replica.
+    assert [len(m) for m, in sent] == [8 + 40] * 3
+    assert not sent[1][0].any() and sent[0][0].any()
+    keeps = [topk_keep(d, 0.2) for d in deltas]
+    expected = gta_reference(deltas, [0.5, 0.0, 0.5], keeps, consensus="sum", normalize=True)
+    torch.testing.assert_close(results[0].double(), expected, rtol=1e-6, atol=1e-6)
+
+
+def test_gta_magnitude_ties_keep_the_lower_positions():
+    # |delta| = 2 at 3 positions, 1 at 5: keeping 5 takes every 2 and the first two 1s.
+    delta = torch.tensor([1.0, -2.0, 1.0, -1.0, 2.0, 1.0, -2.0, 1.0])
+    reducer = GTAReducer(sparsification_method="magnitude", density=5 / 8)
+    got = reducer.reduce(delta, 1.0, lambda t: None, weights=[1.0], all_gather=gather_one)
+    assert got.tolist() == [1.0, -2.0, 1.0, 0.0, 2.0, 0.0, -2.0, 0.0]
+    # Every entry tied: the first k.
+    got = reducer.reduce(torch.full((8,), -3.0), 1.0, lambda t: None, weights=[1.0],
+                         all_gather=gather_one)
+    assert got.tolist() == [-3.0] * 5 + [0.0] * 3
+
+
+def test_gta_random_nobody_keeps_anything():
+    # Both replicas excluded: counts are gathered (both 0) and no message follows.
+    deltas = rand_deltas(2, 20, seed=9)
+    reducer = GTAReducer(sparsification_method="random", density=0.5)
+    gens = [torch.Generator().manual_seed(s) for s in (1, 2)]
+    results, log = run_replicas(reducer, deltas, [0.0, 0.0], generators=gens)
+    assert all(r.tolist() == [0.0] * 20 for r in results)
+    assert log == [[("all_gather", (1,), torch.int64)]] * 2
+    # An excluded replica draws nothing: its generator is untouched.
+    assert torch.equal(gens[0].get_state(), torch.Generator().manual_seed(1).get_state())
+
+
+def test_gta_sparse_positions_pack_block_by_block(monkeypatch):
+    monkeypatch.setattr(reducers, "_PACK_BLOCK", 16)
+    pos = torch.randperm(1000, generator=torch.Generator().manual_seed(3))[:77].sort().values
+    packed = reducers._pack_positions(pos, 10)
+    assert torch.equal(packed, pack_bits(pos, 10))  # the same bytes as one call
+    assert torch.equal(reducers._unpack_positions(packed, 77, 10), pos)
+    # A transport across several blocks still matches the dense formulas.
+    deltas = rand_deltas(2, 200, seed=10)
+    reducer = GTAReducer(sparsification_method="magnitude", density=0.4)
+    results, _ = run_replicas(reducer, deltas, [0.5, 0.5])
+    keeps = [topk_keep(d, 0.4) for d in deltas]
+    expected = gta_reference(deltas, [0.5, 0.5], keeps, consensus="sum", normalize=True)
+    torch.testing.assert_close(results[0].double(), expected, rtol=1e-6, atol=1e-6)
+
+
+def test_gta_sparse_transport_needs_weights_and_all_gather():
+    reducer = GTAReducer(sparsification_method="magnitude", density=0.5)
+    with pytest.raises(ValueError, match="weights and all_gather"):
+        reducer.reduce(torch.ones(4), 1.0, lambda t: None)
+    with pytest.raises(ValueError, match="2 weights for 1 replicas"):
+        reducer.reduce(torch.ones(4), 1.0, lambda t: None, weights=[1.0, 0.0],
+                       all_gather=gather_one)
 
 
 # ---------------------------------------------------------------------------

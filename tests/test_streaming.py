@@ -65,6 +65,11 @@ CASES = {
     "bytes_fp32": _case("diloco", 8, fragments=2),
     "bytes_int8": _case("diloco", 8, fragments=2, comm_dtype="int8"),
     "bytes_topk2": _case("diloco", 8, fragments=2, comm_dtype="topk2"),
+    # ... and with GTA's magnitude sparsification, whose kept values are gathered sparse
+    "bytes_gta05": _case("diloco", 8, fragments=2, gta=dict(
+        reducer="gta", sparsification_method="magnitude", density=0.5)),
+    "bytes_gta01": _case("diloco", 8, fragments=2, gta=dict(
+        reducer="gta", sparsification_method="magnitude", density=0.1)),
 }
 # 2 replicas x 1 shard: the mesh's sync group spans the world, which the caller also uses
 # (here after every step) while a delayed round's collectives run on the engine's thread.
@@ -150,6 +155,24 @@ def test_default_sparse_codec_sends_under_a_hundredth_of_fp32(runs):
         assert 0 < e["compression"] <= 1 / 100
     for e in got["bytes_fp32"][0]["log"]:
         assert e["compression"] == pytest.approx(1.0)
+
+
+def test_gta_magnitude_sends_what_it_keeps(runs):
+    """GTA's sparse transport: every replica's kept values (4 bytes) and positions (at most
+    14 bits in these shards) are all-gathered, so the bytes follow the density instead of
+    3 fp32 all-reduces of the whole shard (3x the mean's bytes)."""
+    got = runs(2, 2)
+    sent = {name: sum(e["bytes_sent"] for e in got[name][0]["log"])
+            for name in ("bytes_fp32", "bytes_gta05", "bytes_gta01")}
+    assert len({len(got[name][0]["log"]) for name in sent}) == 1
+    fp32 = sent["bytes_fp32"]
+    for name, density in (("bytes_gta05", 0.5), ("bytes_gta01", 0.1)):
+        # R = 2: the all-gather of a message counts it once, like the mean's all-reduce.
+        assert density * fp32 < sent[name] <= density * (1 + 14 / 32) * fp32 + 256, (
+            name, sent[name], fp32)
+        for e in got[name][0]["log"]:
+            assert 0 < e["compression"] < density * 1.5
+    assert sent["bytes_gta01"] < 0.15 * fp32
 
 
 def test_staleness_counts_rounds_launched_before_the_merge(runs):

@@ -6,31 +6,39 @@ A reducer turns this rank's shard of one unit's pseudo-gradient ``Delta_i``
 and its replica weight ``w_i`` into the reduced pseudo-gradient ``Delta_bar``,
 identical on every rank of the sync group. The reducers never touch
 ``torch.distributed`` themselves: the sync engine passes an
-:data:`AllReduceSum` callable (an in-place sum over the sync group, issued on
-its communication thread), which keeps the reducers testable in one process.
+:data:`AllReduceSum` callable (an in-place sum over the sync group) and an
+:data:`AllGather` callable (every replica's tensor, in replica order), both
+issued on its communication thread, which keeps the reducers testable in one
+process.
 
 Every rank of a sync group must call :meth:`Reducer.reduce` with the same
-reducer configuration and shard shape, because the collectives it issues are
-matched by order across ranks. An excluded replica (``weight == 0``) still
-issues them, contributing zeros.
+reducer configuration, shard shape and ``weights`` list, because the
+collectives it issues are matched by order across ranks. An excluded replica
+(``weight == 0``) still issues them, contributing zeros.
 
 Available reducers:
 
-- :class:`MeanReducer`: ``sum_j w_j Delta_j``, one collective.
+- :class:`MeanReducer`: ``sum_j w_j Delta_j``, one all-reduce.
 - :class:`GTAReducer`: sparsify, sign consensus, normalised sum (TIES-style
-  merging of the replicas' pseudo-gradients), two collectives.
+  merging of the replicas' pseudo-gradients). Without sparsification two
+  all-reduces; with it (``density < 1``) one all-gather of compact messages
+  (the kept positions, packed, and the kept values), two for the random
+  methods (the kept counts first), the arithmetic done locally.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Protocol, runtime_checkable
 
 import torch
 from torch import Tensor
 
+from editrain.sync.sparse import pack_bits, unpack_bits
+
 __all__ = [
+    "AllGather",
     "AllReduceSum",
     "CONSENSUS_METHODS",
     "GTAReducer",
@@ -39,10 +47,15 @@ __all__ = [
     "Reducer",
     "SPARSIFICATION_METHODS",
     "build_reducer",
+    "gta_message_bytes",
 ]
 
 AllReduceSum = Callable[[Tensor], None]
 """In-place sum of a tensor across the ``R`` ranks of the sync group."""
+
+AllGather = Callable[[Tensor], Tensor]
+"""Every rank's tensor (the same shape on every rank) gathered over the sync group: a new
+tensor ``[R, *shape]`` whose row ``j`` is replica ``j``'s, in the order of ``weights``."""
 
 CONSENSUS_METHODS = ("sum", "count")
 SPARSIFICATION_METHODS = (None, "magnitude", "random", "rescaled_random")
@@ -51,6 +64,10 @@ REDUCERS = (None, "linear", "mean", "gta")
 # Divisors (sum of agreeing weights) below this are replaced by 1 so entries nobody kept
 # stay 0 instead of becoming 0/0.
 _MIN_DIVISOR = 1e-8
+
+# Positions are packed this many at a time (a multiple of 8: every block ends on a byte),
+# which bounds pack_bits' temporaries to a few MB whatever the number of kept values.
+_PACK_BLOCK = 1 << 16
 
 
 @runtime_checkable
@@ -64,6 +81,8 @@ class Reducer(Protocol):
         all_reduce: AllReduceSum,
         *,
         generator: torch.Generator | None = None,
+        weights: Sequence[float] | None = None,
+        all_gather: AllGather | None = None,
     ) -> Tensor:
         """Return the reduced pseudo-gradient shard, the same on every replica.
 
@@ -76,6 +95,10 @@ class Reducer(Protocol):
             all_reduce: in-place sum over the sync group.
             generator: RNG for random sparsification (ignored otherwise); on
                 ``delta``'s device. None uses torch's default generator.
+            weights: every replica's weight, in the order of ``all_gather``'s rows
+                (``weights[j]`` of this replica is ``weight``); needed by reducers that
+                gather (GTA with sparsification).
+            all_gather: gathers a tensor from every replica of the sync group.
 
         Returns:
             A new tensor shaped and typed like ``delta``.
@@ -115,6 +138,8 @@ class MeanReducer:
         all_reduce: AllReduceSum,
         *,
         generator: torch.Generator | None = None,
+        weights: Sequence[float] | None = None,
+        all_gather: AllGather | None = None,
     ) -> Tensor:
         """Weighted sum across the sync group; see :meth:`Reducer.reduce`.
 
@@ -123,6 +148,8 @@ class MeanReducer:
             weight: this replica's weight (0 = excluded).
             all_reduce: in-place sum over the sync group.
             generator: unused.
+            weights: unused.
+            all_gather: unused.
         """
         x = _weighted(delta, _check_weight(weight))
         all_reduce(x)
@@ -143,6 +170,76 @@ def _keep_count(density: float, numel: int) -> int:
     return min(numel, max(1, k))
 
 
+def _position_bits(numel: int) -> int:
+    """Bits of one position in a shard of ``numel`` entries."""
+    return max(1, (numel - 1).bit_length())
+
+
+def gta_message_bytes(numel: int, slots: int, dtype: torch.dtype = torch.float32) -> int:
+    """Bytes of one replica's GTA message: ``slots`` positions in a shard of ``numel``
+    entries, packed ``max(1, ceil(log2(numel)))`` bits each (LSB first, padded to a whole
+    byte), then ``slots`` values of ``dtype`` (4 bytes each in fp32)."""
+    return -(-slots * _position_bits(numel) // 8) + slots * dtype.itemsize
+
+
+def _largest(a: Tensor, k: int) -> Tensor:
+    """Positions (ascending) of the ``k`` largest entries of ``a``; among entries equal to
+    the ``k``-th largest value, the lower positions are kept (independent of topk's
+    internal order)."""
+    n = a.numel()
+    if k >= n:
+        return torch.arange(n, device=a.device)
+    cut = torch.topk(a, k, sorted=False).values.min()
+    keep = a > cut
+    ties = (a == cut).nonzero().reshape(-1)[:k - int(keep.sum())]
+    keep[ties] = True
+    return keep.nonzero().reshape(-1)
+
+
+def _pack_positions(pos: Tensor, bits: int) -> Tensor:
+    """:func:`pack_bits` block by block (the bytes are the same as in one call)."""
+    if pos.numel() <= _PACK_BLOCK:
+        return pack_bits(pos, bits)
+    return torch.cat([pack_bits(pos[i:i + _PACK_BLOCK], bits)
+                      for i in range(0, pos.numel(), _PACK_BLOCK)])
+
+
+def _unpack_positions(packed: Tensor, count: int, bits: int) -> Tensor:
+    """The first ``count`` positions of :func:`_pack_positions`' bytes."""
+    step = _PACK_BLOCK * bits // 8  # bytes of one full block
+    parts = []
+    for start in range(0, count, _PACK_BLOCK):
+        size = min(_PACK_BLOCK, count - start)
+        offset = start // _PACK_BLOCK * step
+        parts.append(unpack_bits(packed[offset:offset + -(-size * bits // 8)], size, bits))
+    if not parts:
+        return torch.zeros(0, dtype=torch.int64, device=packed.device)
+    return torch.cat(parts)
+
+
+def _encode(pos: Tensor, values: Tensor, numel: int, slots: int) -> Tensor:
+    """One replica's message (``uint8``, :func:`gta_message_bytes` long): ``slots``
+    positions packed, then ``slots`` values; slots past ``len(pos)`` hold position 0 and
+    value 0 (a zero is never counted)."""
+    padded_pos = torch.zeros(slots, dtype=torch.int64, device=values.device)
+    padded_pos[:pos.numel()] = pos
+    padded = torch.zeros(slots, dtype=values.dtype, device=values.device)
+    padded[:values.numel()] = values
+    return torch.cat([_pack_positions(padded_pos, _position_bits(numel)),
+                      padded.view(torch.uint8)])
+
+
+def _decode(message: Tensor, count: int, numel: int, slots: int, dtype: torch.dtype
+            ) -> tuple[Tensor, Tensor]:
+    """The first ``count`` positions and values of a message from :func:`_encode`."""
+    bits = _position_bits(numel)
+    index_bytes = -(-slots * bits // 8)
+    pos = _unpack_positions(message[:index_bytes], count, bits)
+    # The values may start at any byte: copy them before viewing them as dtype.
+    raw = message[index_bytes:index_bytes + count * dtype.itemsize].clone()
+    return pos, raw.view(dtype)
+
+
 class GTAReducer:
     """Sparsify, elect a sign per entry, and merge only agreeing entries.
 
@@ -155,8 +252,8 @@ class GTAReducer:
          ``|delta|``. The top-k is taken over *this rank's local shard*, not
          the whole unit (as in the reference implementation, which works on
          FSDP flat shards): it needs no extra collective, and with even
-         sharding each shard keeps the same fraction. Ties at the cut-off are
-         broken by ``torch.topk``;
+         sharding each shard keeps the same fraction. Among entries tied at
+         the cut-off the lower positions are kept;
        - ``"random"``: keep each entry independently with probability
          ``density``; the mask is ``torch.rand(numel, generator) < density``
          over the flattened shard, so it is reproducible from ``generator``
@@ -174,10 +271,27 @@ class GTAReducer:
        the result is ``numerator / divisor``, the weighted mean of the
        agreeing pseudo-gradients; otherwise the result is ``numerator``.
 
-    Collectives per call: 2. The election needs one all-reduce of a
-    ``numel``-sized tensor; the numerator and (with ``normalize``) the
-    divisor are packed into one all-reduce of ``2 * numel`` (``numel``
-    without ``normalize``).
+    Transport. Without sparsification (``density == 1``) steps 3 and 4 run
+    on dense tensors over all-reduces: the election needs one of ``numel``
+    values, the numerator and (with ``normalize``) the divisor are packed
+    into one of ``2 * numel`` (``numel`` without ``normalize``): 2
+    collectives, ``3 * numel`` values through the all-reduce.
+
+    With sparsification (``density < 1``) every replica sends one message of
+    what it kept and every rank gathers them all (``all_gather``), then does
+    steps 3 and 4 itself, summing in replica order in the shard's dtype
+    (fp32 in the engine), with ``weights`` for the divisor: every rank gets
+    the same bits. A message (:func:`gta_message_bytes`, ``uint8``) holds
+    ``slots`` positions packed ``max(1, ceil(log2(numel)))`` bits each, then
+    ``slots`` values of ``x`` (4 bytes each in fp32), positions ascending.
+    ``"magnitude"``: ``slots = ceil(density * numel)`` on every replica, so
+    one all-gather (1 collective); ``"random"`` / ``"rescaled_random"``: the
+    kept counts differ, so every replica's count (one int64) is gathered
+    first and every message is padded to the largest (2 collectives; none
+    more when nobody kept anything). An excluded replica keeps nothing: its
+    message is zeros (position 0, value 0), which never counts. Per replica
+    that is about ``density * numel * (4 + log2(numel) / 8)`` bytes on the
+    all-gather, against ``4 * numel`` through a mean's all-reduce.
 
     Args:
         consensus_method: ``"sum"`` or ``"count"``.
@@ -186,11 +300,13 @@ class GTAReducer:
         normalize: divide by the sum of agreeing weights.
         density: kept fraction in (0, 1]; must be 1 when
             ``sparsification_method`` is None.
-        int8_mask: keep the masks as 1-byte bool tensors instead of tensors of
-            ``delta``'s dtype; saves memory and changes no value.
+        int8_mask: keep the dense path's masks as 1-byte bool tensors instead
+            of tensors of ``delta``'s dtype; saves memory and changes no value
+            (the sparse path's masks are bool, over the kept entries only).
     """
 
     collectives_per_call = 2
+    """Collectives of one call at most (the magnitude transport issues 1)."""
 
     def __init__(
         self,
@@ -227,30 +343,33 @@ class GTAReducer:
         self.density = float(density)
         self.int8_mask = bool(int8_mask)
 
+    @property
+    def sparse(self) -> bool:
+        """Whether the reducer sparsifies (``density < 1``): it then gathers compact
+        messages instead of all-reducing dense tensors."""
+        # density 1 keeps every entry for all three methods.
+        return self.sparsification_method is not None and self.density < 1.0
+
     def _mask_dtype(self, delta: Tensor) -> torch.dtype:
         return torch.bool if self.int8_mask else delta.dtype
 
-    def _sparsify(self, flat: Tensor, generator: torch.Generator | None) -> Tensor:
-        """Sparsified copy of the flattened shard (step 1)."""
-        method = self.sparsification_method
-        if method is None or self.density == 1.0:
-            # density 1 keeps every entry for all three methods; skip the mask work.
-            return flat
-        mask_dtype = self._mask_dtype(flat)
-        if method == "magnitude":
-            k = _keep_count(self.density, flat.numel())
-            keep = torch.zeros(flat.shape, dtype=mask_dtype, device=flat.device)
-            if k > 0:
-                idx = torch.topk(flat.abs(), k, sorted=False).indices
-                keep[idx] = 1
-            return flat * keep
+    def _select(self, flat: Tensor, weight: float, generator: torch.Generator | None
+                ) -> tuple[Tensor, Tensor]:
+        """Steps 1 and 2 on the flattened shard: the kept positions (ascending) and the
+        kept values of ``x = weight * delta_sparse``; nothing for an excluded replica."""
+        if weight == 0.0:
+            return (torch.zeros(0, dtype=torch.int64, device=flat.device),
+                    flat.new_zeros(0))
+        if self.sparsification_method == "magnitude":
+            pos = _largest(flat.abs(), _keep_count(self.density, flat.numel()))
+            return pos, flat[pos] * weight
         draw = torch.rand(flat.shape, generator=generator, dtype=torch.float32, device=flat.device)
-        keep = (draw < self.density).to(mask_dtype)
+        pos = (draw < self.density).nonzero().reshape(-1)
         del draw
-        sparse = flat * keep
-        if method == "rescaled_random":
-            sparse.div_(self.density)
-        return sparse
+        kept = flat[pos]
+        if self.sparsification_method == "rescaled_random":
+            kept.div_(self.density)
+        return pos, kept * weight
 
     def reduce(
         self,
@@ -259,21 +378,40 @@ class GTAReducer:
         all_reduce: AllReduceSum,
         *,
         generator: torch.Generator | None = None,
+        weights: Sequence[float] | None = None,
+        all_gather: AllGather | None = None,
     ) -> Tensor:
         """GTA merge across the sync group; see the class docstring and :meth:`Reducer.reduce`.
 
         Args:
             delta: this rank's shard of the pseudo-gradient.
             weight: this replica's weight (0 = excluded).
-            all_reduce: in-place sum over the sync group; called twice.
+            all_reduce: in-place sum over the sync group; called twice without
+                sparsification, never with it.
             generator: RNG for ``"random"`` / ``"rescaled_random"``.
+            weights: every replica's weight, in ``all_gather``'s row order
+                (required with sparsification).
+            all_gather: gathers from every replica (required with sparsification).
+
+        Raises:
+            ValueError: sparsification without ``weights`` or ``all_gather``, or
+                ``weights`` not one per gathered replica.
         """
         weight = _check_weight(weight)
         flat = delta.detach().reshape(-1)
-        if weight == 0.0:
-            x = torch.zeros_like(flat)
+        if self.sparse and flat.numel():
+            if weights is None or all_gather is None:
+                raise ValueError("GTA with sparsification gathers compact messages: "
+                                 "reduce() needs weights and all_gather")
+            weights = [_check_weight(w) for w in weights]
+            result = self._reduce_sparse(flat, weight, weights, all_gather, generator)
         else:
-            x = self._sparsify(flat, generator) * weight
+            result = self._reduce_dense(flat, weight, all_reduce)
+        return result.reshape(delta.shape)
+
+    def _reduce_dense(self, flat: Tensor, weight: float, all_reduce: AllReduceSum) -> Tensor:
+        """Steps 2-4 on dense tensors, two all-reduces (no sparsification)."""
+        x = _weighted(flat, weight)
 
         # -- collective 1: sign election ------------------------------------
         if self.consensus_method == "sum":
@@ -304,10 +442,54 @@ class GTAReducer:
         if self.normalize:
             divisor = packed[1]
             divisor.masked_fill_(divisor < _MIN_DIVISOR, 1.0)
-            result = packed[0] / divisor
+            return packed[0] / divisor
+        return packed[0].clone()
+
+    def _reduce_sparse(self, flat: Tensor, weight: float, weights: list[float],
+                       all_gather: AllGather, generator: torch.Generator | None) -> Tensor:
+        """Steps 1-4 with the compact transport: gather every replica's kept positions
+        and values, then elect, mask and sum locally in replica order."""
+        n, dtype = flat.numel(), flat.dtype
+        pos, values = self._select(flat, weight, generator)
+        if self.sparsification_method == "magnitude":
+            slots = _keep_count(self.density, n)
+            counts = [slots] * len(weights)
         else:
-            result = packed[0].clone()
-        return result.reshape(delta.shape)
+            mine = torch.tensor([pos.numel()], dtype=torch.int64, device=flat.device)
+            counts = [int(c) for c in all_gather(mine).reshape(-1).tolist()]
+            if len(counts) != len(weights):
+                raise ValueError(f"{len(weights)} weights for {len(counts)} replicas")
+            slots = max(counts)
+            if slots == 0:  # nobody kept anything (every rank knows): nothing to send
+                return torch.zeros_like(flat)
+        gathered = all_gather(_encode(pos, values, n, slots))
+        if gathered.shape[0] != len(weights):
+            raise ValueError(f"{len(weights)} weights for {gathered.shape[0]} replicas")
+        del pos, values
+        # Excluded replicas (weight 0) sent zeros and never count: skip them.
+        parts = [(w, *_decode(gathered[j], counts[j], n, slots, dtype))
+                 for j, w in enumerate(weights) if w > 0.0]
+        del gathered
+
+        # Every sum below adds the replicas' kept entries in replica order; an entry a
+        # replica did not keep adds 0, so it equals the dense formulas summed in that order.
+        elect = torch.zeros_like(flat)
+        for _, p, v in parts:
+            elect.index_add_(0, p, v if self.consensus_method == "sum" else torch.sign(v))
+        positive = elect >= 0  # ties and zeros vote +
+        del elect
+        numerator = torch.zeros_like(flat)
+        divisor = torch.zeros_like(flat) if self.normalize else None
+        for w, p, v in parts:
+            # x_j > 0 where + won, x_j < 0 where - won; a kept 0 never counts.
+            agree = torch.where(positive[p], v > 0, v < 0)
+            numerator.index_add_(0, p, v * agree)
+            if divisor is not None:
+                divisor.index_add_(0, p, agree.to(dtype).mul_(w))
+        if divisor is None:
+            return numerator
+        divisor.masked_fill_(divisor < _MIN_DIVISOR, 1.0)
+        return numerator.div_(divisor)
 
     def __repr__(self) -> str:
         return (

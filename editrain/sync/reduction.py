@@ -203,8 +203,10 @@ class Reduction:
     def _reduce(self, rnd: SyncRound, u: int, delta: torch.Tensor, weight: float,
                 weights: list[float], error: torch.Tensor | None, *tag: int) -> torch.Tensor:
         """The cross-replica reduction of one pseudo-gradient vector: the reducer (plain
-        or GTA; random draws seeded by the engine's seed, the round, the unit and ``tag``)
-        or, with a quantised ``comm_dtype``, :meth:`_quantised_reduce`."""
+        or GTA; random draws seeded by the engine's seed, the round, the unit and ``tag``;
+        a sparsifying GTA gathers compact messages and needs ``weights``, every replica's
+        in the order of the sync group's collectives) or, with a quantised ``comm_dtype``,
+        :meth:`_quantised_reduce`."""
         rnd.values += delta.numel()  # the round's compression: bytes sent per fp32 byte
         if self.config.comm_dtype != "fp32":
             return self._quantised_reduce(rnd, delta, weight, weights, error)
@@ -212,7 +214,8 @@ class Reduction:
         if self.config.gta.sparsification_method in ("random", "rescaled_random"):
             gen = torch.Generator(device=delta.device)
             gen.manual_seed(_mix(self.seed, rnd.index, u, *tag))
-        return self.reducer.reduce(delta, weight, self.comm.all_reduce_sync, generator=gen)
+        return self.reducer.reduce(delta, weight, self.comm.all_reduce_sync, generator=gen,
+                                   weights=weights, all_gather=self.comm.all_gather_sync)
 
     def _quantised_reduce(self, rnd: SyncRound, delta: torch.Tensor, weight: float,
                           weights: list[float], error: torch.Tensor | None) -> torch.Tensor:
