@@ -175,3 +175,32 @@ def test_layout_version_is_checked():
         layout.unpack({"ranks": {"rank00000": json_tensor({"global_step": 3})}})
     with pytest.raises(ValueError, match="no sync engine state"):
         layout.template({})
+
+
+def test_error_feedback_is_kept_per_replica_and_reset_when_the_replica_count_changes():
+    """A sparse or quantised codec's residual belongs to its replica: restored as saved on
+    the same number of replicas (also with another shard size), dropped on another number
+    (its replica may be gone), while the shared anchor always comes back."""
+    from editrain.sync.outer import SyncUnit
+    from editrain.sync.state import StateLayout
+
+    model = nn.Linear(3, 2, bias=False)
+    unit = SyncUnit(0, "root", list(model.parameters()), None, {}, cpu_offload=False,
+                    error_feedback=True)
+    unit.create_anchor()
+    unit.error.copy_(torch.arange(6.0) / 7)
+    tree = StateLayout([unit], model, rank=2, topology=(2, 2)).pack(
+        [unit.state_dict()], {"global_step": 5})
+    assert torch.equal(tree["replicas"]["1"]["weight"]["error_feedback"].reshape(-1),
+                       unit.error)
+    tree["ranks"]["rank00000"] = tree["ranks"].pop("rank00002")  # rank 0's plain state
+    for topology, rank, kept in (((2, 1), 1, True), ((2, 2), 3, True), ((1, 2), 0, False),
+                                 ((4, 1), 1, False)):
+        states, _, elastic = StateLayout([unit], model, rank=rank, topology=topology).unpack(
+            tree)
+        assert elastic  # another topology than the saving one
+        assert torch.equal(states[0]["anchor"], unit.anchor)
+        if kept:
+            assert torch.equal(states[0]["replica.error_feedback"], unit.error), topology
+        else:
+            assert "replica.error_feedback" not in states[0], topology
