@@ -172,6 +172,13 @@ def test_sparse_default_sends_under_a_hundredth_of_fp32():
     assert quant.payload_bytes(4096, "topk2") == 64 * 12 // 8 + 64 * 2 // 8 + 16
 
 
+def test_sparse_codec_keeps_a_nan_visible():
+    x = torch.tensor([1.0, float("nan"), -2.0, 0.5] * 4)
+    message, decoded = quant.encode(x, "topk2", 4, 2)
+    assert decoded.isnan().any()  # not silently dropped
+    assert message.numel() == quant.payload_bytes(16, "topk2", 4, 2)
+
+
 @pytest.mark.parametrize("bits", [1, 2, 3, 7, 12, 13])
 def test_pack_bits_round_trip(bits):
     values = torch.randint(0, 2 ** bits, (1001,), generator=torch.Generator().manual_seed(bits))

@@ -87,11 +87,26 @@ def unpack_bits(packed: torch.Tensor, count: int, bits: int) -> torch.Tensor:
     return (flat.view(count, bits) * weights).sum(dim=1)
 
 
+def _largest(mag: torch.Tensor, kept: int) -> torch.Tensor:
+    """Per row, the positions (ascending) of the ``kept`` largest values; among values
+    equal to the smallest one kept, the lowest positions. A threshold from ``topk`` and a
+    mask: linear in the row length, unlike a full sort."""
+    if kept == mag.shape[1]:
+        return torch.arange(kept, device=mag.device).expand(mag.shape[0], kept).contiguous()
+    threshold = torch.topk(mag, kept, dim=1, sorted=False).values.amin(dim=1, keepdim=True)
+    above = mag > threshold
+    at = mag == threshold
+    room = kept - above.sum(dim=1, keepdim=True)  # ties at the threshold still to keep
+    keep = above | (at & (torch.cumsum(at, dim=1) <= room))
+    return keep.nonzero()[:, 1].view(mag.shape[0], kept)
+
+
 def _select(rows: torch.Tensor, kept: int, groups: int
             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per row: the kept positions (ascending), their group codes and the group means."""
-    order = torch.sort(rows.abs(), dim=1, descending=True, stable=True).indices[:, :kept]
-    pos = torch.sort(order, dim=1).values
+    # NaN counts as the largest magnitude (as a descending sort puts it first): a corrupt
+    # pseudo-gradient stays visible downstream instead of breaking the selection.
+    pos = _largest(torch.nan_to_num(rows.abs(), nan=float("inf")), kept)
     vals = torch.gather(rows, 1, pos)
     by_value = torch.sort(vals, dim=1, stable=True).indices
     rank = torch.empty_like(by_value)
