@@ -88,6 +88,12 @@ def _links(bench: Bench) -> list[tuple[str | None, str | None]]:
     return [x for x in full if link_name(*x) in names]
 
 
+def _rotated(items: list[Any], by: int) -> list[Any]:
+    """``items`` rotated left by ``by`` places."""
+    k = by % len(items) if items else 0
+    return items[k:] + items[:k]
+
+
 def link_name(bw: str | None, lat: str | None) -> str:
     """``20MB/s+5ms`` or ``unlimited``."""
     if bw is None and lat is None:
@@ -141,8 +147,10 @@ def run(bench: Bench) -> dict[str, Any]:
     for rep in range(repeats):
         ceiling_runs.append(bench.train(repeat_label("ceiling", rep), *ceiling_layers,
                                         title=f"ceiling repeat {rep + 1}"))
-        for (bw, lat), name in zip(links, names):
-            for method, variant in VARIANTS.items():
+        # The order of the links and of the methods rotates each repeat: a drift of the
+        # machine's speed within a repeat then does not always land on the same link.
+        for (bw, lat), name in _rotated(list(zip(links, names)), rep):
+            for method, variant in _rotated(list(VARIANTS.items()), rep):
                 runs[method, name].append(bench.train(
                     repeat_label(f"{method}-{name.replace('/', '')}", rep),
                     *layers(variant, steps_of(variant), bw, lat),
@@ -220,9 +228,12 @@ def run(bench: Bench) -> dict[str, Any]:
         + f"2 replicas; the local-SGD variants sync every H = {interval} steps and train "
         f"{local_steps} steps; `sync` trains {sync_steps} steps (every step is alike). "
         "Evaluation only at the end, outside the measured window.",
-        f"{repeats} interleaved repeat(s): in each, the ceiling, then link by link sync, "
-        "diloco, edit. Tables give the median over repeats and [min-max]; ratios are taken "
-        "within a repeat (against that repeat's ceiling or unlimited-link run). A "
+        f"{repeats} interleaved repeat(s): in each, the ceiling, then link by link every "
+        "method; the order of the links and of the methods rotates by one place each "
+        "repeat, so that a drift of the machine's speed within a repeat does not always "
+        "land on the same link or method. Tables give the median over repeats and "
+        "[min-max]; ratios are taken within a repeat (against that repeat's ceiling or "
+        "unlimited-link run). A "
         "difference is 'beyond spread' when the two min-max ranges do not overlap (n/a with "
         "one repeat).",
         "Throughput: tokens added between two rows of metrics.jsonl divided by the wall time "
