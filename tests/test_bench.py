@@ -785,6 +785,12 @@ def test_readme_headline(tmp_path):
     assert ("EDiT keeps 0.98 [0.97-0.99]x at 1 MB/s + 50 ms and 0.93x at 0.25 MB/s + 50 ms of "
             "its unlimited-link throughput") in got
     assert "over a real 1mbit link sparse-topk2 keeps 0.96x" in got
+    conv = {"scenario": "convergence", "format": 2, "mode": "quick",
+            "settings": {"steps": 120, "seeds": 3},
+            "results": {"edit-streaming": {"paired_vs_edit": {"mean": 0.065, "std": 0.012}},
+                        "edit-sparse": {"paired_vs_edit": {"mean": 0.02, "std": 0.01}}}}
+    assert ("streaming EDiT's validation loss after 120 steps (3 seeds) is +0.065 +- 0.012 "
+            "against EDiT's, sparse EDiT's +0.020 +- 0.010") in readme_headline([conv])
 
     root = tmp_path / "root"
     root.mkdir()

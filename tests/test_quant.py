@@ -205,6 +205,20 @@ def test_sparse_error_feedback_with_decay_keeps_what_was_not_sent():
     assert int((sent != 0).sum()) > 6 * 4 * 8 * 0.8  # different values each round
 
 
+def test_sparse_codecs_default_to_plain_outer_sgd():
+    """Without outer_optim_kwargs a sparse codec's outer SGD has no momentum (lr 2); given
+    ones win; the other codecs keep Nesterov SGD's defaults."""
+    got = SyncConfig(method="edit", comm_dtype="topk2").resolve().outer_optim_kwargs
+    assert got == {"lr": 2.0, "momentum": 0.0, "nesterov": False}
+    given = SyncConfig(method="diloco", comm_dtype="topk1",
+                       outer_optim_kwargs={"lr": 0.5, "momentum": 0.9, "nesterov": True})
+    assert given.resolve().outer_optim_kwargs == {"lr": 0.5, "momentum": 0.9, "nesterov": True}
+    assert SyncConfig(method="edit", comm_dtype="int8").resolve().outer_optim_kwargs == {
+        "lr": 0.7, "momentum": 0.9, "nesterov": True}
+    assert SyncConfig(method="post_local_sgd", comm_dtype="topk2").resolve() \
+        .outer_optim_kwargs == {}  # plain averaging: no outer optimizer
+
+
 def test_sparse_options_are_checked():
     from editrain.errors import ConfigError
     ok = SyncConfig(method="edit", comm_dtype="topk1", topk_chunk=256, topk_k=4,

@@ -311,9 +311,14 @@ def readme_headline(records: Sequence[dict[str, Any]]) -> str:
         st = streaming.get("settings", {})
         vs_e = streaming["results"]["edit-streaming"].get("paired_vs_edit") or {}
         if vs_e.get("mean") is not None:
-            clauses.append(f"streaming EDiT's validation loss after {st.get('steps')} steps "
-                           f"({st.get('seeds')} seeds) is {vs_e['mean']:+.3f} +- "
-                           f"{vs_e.get('std') or 0:.3f} against EDiT's")
+            clause = (f"streaming EDiT's validation loss after {st.get('steps')} steps "
+                      f"({st.get('seeds')} seeds) is {vs_e['mean']:+.3f} +- "
+                      f"{vs_e.get('std') or 0:.3f} against EDiT's")
+            sparse = streaming["results"].get("edit-sparse") or {}
+            sp_e = sparse.get("paired_vs_edit") or {}
+            if sp_e.get("mean") is not None:
+                clause += (f", sparse EDiT's {sp_e['mean']:+.3f} +- {sp_e.get('std') or 0:.3f}")
+            clauses.append(clause)
     peers = by_name.get("peers")
     if peers and not peers.get("skipped"):
         target = next(iter(peers.get("targets", [])), None)

@@ -11,6 +11,8 @@ import math
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
+import torch
+
 from editrain.errors import as_config_error, require
 from editrain.sync import sparse as sparse_codec
 from editrain.sync.methods import METHOD_DEFAULTS
@@ -146,7 +148,8 @@ class SyncConfig:
     through the Python API), or "none" for plain model averaging. Default per method."""
     outer_optim_kwargs: dict[str, Any] | None = None
     """Keyword arguments of the outer optimizer (default for sgd: lr 0.7, momentum 0.9,
-    nesterov)."""
+    nesterov; with comm_dtype topk2 / topk1: lr 2, no momentum, the decayed error feedback
+    standing in for it)."""
     cpu_offload: bool = False
     """Keep anchors and outer optimizer state in CPU memory between syncs."""
     prefetch_depth: int = 1
@@ -373,6 +376,9 @@ class SyncConfig:
             if getattr(self, f.name) is None and f.name in defaults
         }
         out = replace(self, **updates)
-        out.outer_optim_kwargs = outer_kwargs(resolve_optimizer_class(out.outer_optim_class),
-                                              out.outer_optim_kwargs)
+        cls = resolve_optimizer_class(out.outer_optim_class)
+        given = out.outer_optim_kwargs
+        if given is None and cls is torch.optim.SGD and out.comm_dtype in SPARSE_CODECS:
+            given = dict(sparse_codec.OUTER_SGD)  # the sparse codecs' recipe (section 4b)
+        out.outer_optim_kwargs = outer_kwargs(cls, given)
         return out
