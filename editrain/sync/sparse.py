@@ -30,9 +30,8 @@ DECAY = 0.95
 """Default error-feedback decay of the sparse codecs (SparseLoCo's beta)."""
 OUTER_SGD = {"lr": 2.0, "momentum": 0.0, "nesterov": False}
 """The outer SGD's keyword arguments with a sparse codec when none are given: no momentum
-(as in SparseLoCo, the decayed error feedback carries what momentum would), lr 2 (the
-best of 1, 2 and 3 in a 120-step quick run; Nesterov SGD at lr 0.7, momentum 0.9 ended
-0.67 higher, docs/streaming.md section 4b)."""
+(as in SparseLoCo, the decayed error feedback carries what momentum would) and lr 2
+(docs/streaming.md section 4b says how it was chosen)."""
 
 
 def chunk_sizes(n: int, chunk: int) -> tuple[int, int]:
