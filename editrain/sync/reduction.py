@@ -222,7 +222,7 @@ class Reduction:
         """Gather every replica's quantised (or sparse) ``delta + decay * error``, sum the
         decoded values weighted, in fp32, in replica order (``docs/streaming.md`` sections
         4 and 4b). ``error`` (this replica's residual, if kept) is updated in place; the
-        round's compression is counted by :meth:`_reduce`)."""
+        round's compression is counted by :meth:`_reduce`."""
         cfg = self.config
         dtype, chunk, k = cfg.comm_dtype, cfg.sparse_chunk, cfg.sparse_k
         if weight == 0.0:
