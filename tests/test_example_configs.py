@@ -24,7 +24,8 @@ NEEDS = {"fault_tolerant.toml": "torchft"}
 
 def test_the_promised_examples_are_shipped():
     assert {f.name for f in FILES} == {"default.toml", "slow_link.toml", "stragglers.toml",
-                                       "fault_tolerant.toml", "tensor_parallel.toml"}
+                                       "fault_tolerant.toml", "tensor_parallel.toml",
+                                       "very_slow_link.toml"}
 
 
 @pytest.mark.parametrize("path", FILES, ids=lambda p: p.stem)
@@ -44,6 +45,9 @@ def test_examples_say_what_they_promise():
     assert slow.sim.link_bandwidth and slow.sim.link_latency
     assert slow.sync.fragments > 1 and slow.sync.overlap_steps > 0
     assert slow.sync.comm_dtype == "int8"
+    sparse = load_config(CONFIGS / "very_slow_link.toml")
+    assert sparse.sync.comm_dtype == "topk2" and sparse.sim.link_bandwidth
+    assert sparse.sync.overlap_steps == sparse.sync.local_sgd_sync_interval - 1
     late = load_config(CONFIGS / "stragglers.toml")
     assert late.sync.method == "aedit" and late.sim.straggler
     tp = load_config(CONFIGS / "tensor_parallel.toml")
