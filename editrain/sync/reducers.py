@@ -35,7 +35,7 @@ from typing import Protocol, runtime_checkable
 import torch
 from torch import Tensor
 
-from editrain.sync.sparse import pack_bits, unpack_bits
+from editrain.sync.sparse import index_bits, largest_positions, pack_bits, unpack_bits
 
 __all__ = [
     "AllGather",
@@ -171,8 +171,8 @@ def _keep_count(density: float, numel: int) -> int:
 
 
 def _position_bits(numel: int) -> int:
-    """Bits of one position in a shard of ``numel`` entries."""
-    return max(1, (numel - 1).bit_length())
+    """Bits of one position in a shard of ``numel`` entries (one chunk of the whole shard)."""
+    return index_bits(numel, numel)
 
 
 def gta_message_bytes(numel: int, slots: int, dtype: torch.dtype = torch.float32) -> int:
@@ -184,16 +184,9 @@ def gta_message_bytes(numel: int, slots: int, dtype: torch.dtype = torch.float32
 
 def _largest(a: Tensor, k: int) -> Tensor:
     """Positions (ascending) of the ``k`` largest entries of ``a``; among entries equal to
-    the ``k``-th largest value, the lower positions are kept (independent of topk's
-    internal order)."""
+    the ``k``-th largest value, the lower positions are kept (the sparse codecs' rule)."""
     n = a.numel()
-    if k >= n:
-        return torch.arange(n, device=a.device)
-    cut = torch.topk(a, k, sorted=False).values.min()
-    keep = a > cut
-    ties = (a == cut).nonzero().reshape(-1)[:k - int(keep.sum())]
-    keep[ties] = True
-    return keep.nonzero().reshape(-1)
+    return largest_positions(a.reshape(1, n), min(k, n)).reshape(-1)
 
 
 def _pack_positions(pos: Tensor, bits: int) -> Tensor:

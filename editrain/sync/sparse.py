@@ -91,7 +91,7 @@ def unpack_bits(packed: torch.Tensor, count: int, bits: int) -> torch.Tensor:
     return (flat.view(count, bits) * weights).sum(dim=1)
 
 
-def _largest(mag: torch.Tensor, kept: int) -> torch.Tensor:
+def largest_positions(mag: torch.Tensor, kept: int) -> torch.Tensor:
     """Per row, the positions (ascending) of the ``kept`` largest values; among values
     equal to the smallest one kept, the lowest positions. A threshold from ``topk`` and a
     mask: linear in the row length, unlike a full sort."""
@@ -110,7 +110,7 @@ def _select(rows: torch.Tensor, kept: int, groups: int
     """Per row: the kept positions (ascending), their group codes and the group means."""
     # NaN counts as the largest magnitude (as a descending sort puts it first): a corrupt
     # pseudo-gradient stays visible downstream instead of breaking the selection.
-    pos = _largest(torch.nan_to_num(rows.abs(), nan=float("inf")), kept)
+    pos = largest_positions(torch.nan_to_num(rows.abs(), nan=float("inf")), kept)
     vals = torch.gather(rows, 1, pos)
     by_value = torch.sort(vals, dim=1, stable=True).indices
     rank = torch.empty_like(by_value)
