@@ -11,7 +11,8 @@
 #   RATE      the link's rate, both directions, as tc writes it [1mbit]
 #   REPEATS   interleaved repeats [3]
 #   STEPS     training steps per run [128]; H = 32, so 4 syncs
-#   OUT       results directory [real_link_results]
+#   OUT       results directory, new or empty [real_link_results]; OVERWRITE=1 replaces
+#             the runs of an earlier call in it
 #   SETTINGS  space-separated names of the settings below [streaming-int8 sparse-topk2]
 #   PYTHON    the interpreter with editrain installed [python]
 #
@@ -48,6 +49,9 @@ for s in $SETTINGS; do
     [[ -v "OPTIONS[$s]" ]] || { echo "unknown setting $s; known: ${!OPTIONS[*]}" >&2; exit 2; }
 done
 [ "$(id -u)" = 0 ] || { echo "needs root (ip netns, tc)" >&2; exit 2; }
+if [ -d "$OUT" ] && [ -n "$(ls -A "$OUT")" ] && [ "${OVERWRITE:-0}" != 1 ]; then
+    echo "OUT=$OUT is not empty; choose a new directory or set OVERWRITE=1" >&2; exit 2
+fi
 
 cleanup() {
     for ns in "${NS[@]}"; do ip netns del "$ns" 2>/dev/null || true; done
@@ -102,7 +106,6 @@ for rep in $(seq 1 "$REPEATS"); do
         for link in unshaped "$RATE"; do
             shape "$([ "$link" = unshaped ] && echo none || echo "$link")"
             dir="$OUT/$s-$link-r$rep"
-            rm -rf "$dir"
             echo "[real_link] $s on $link, repeat $rep ..."
             # shellcheck disable=SC2086  # the options are words
             run_pair "$dir" ${OPTIONS[$s]} || echo "[real_link] $dir failed (see $dir.node*.log)"
