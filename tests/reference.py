@@ -1,6 +1,6 @@
 """Single-process reference simulator of the algorithm (docs/algorithm.md section 5) and of
-its streaming options (docs/streaming.md: fragments, delayed outer updates, quantised
-pseudo-gradients with error feedback).
+its streaming options (docs/streaming.md: fragments, delayed outer updates, the eager merge,
+quantised pseudo-gradients with error feedback).
 
 R model replicas live in one process, unsharded. Every formula is written out plainly, in
 float64 where it matters (in fp32 where the engine's arithmetic decides a quantisation),
@@ -128,7 +128,8 @@ class RefConfig:
     # streaming (docs/streaming.md); the defaults are the sync of before
     tau: int = 0  # overlap_steps: inner steps between a round's launch and its merge
     fragments: int = 1  # P: unit u belongs to fragment u mod P
-    merge: str = "blend"  # "blend" | "keep_local" (tau > 0); ref_config maps the engine default
+    merge: str = "blend"  # "blend" | "keep_local" (tau > 0) | "eager" (tau = H, section 3c);
+    # ref_config maps the engine default
     alpha: float = 0.0  # merge_alpha (blend)
     comm_dtype: str = "fp32"  # "fp32" | "bf16" | "int8" | "int4" | "topk2" | "topk1"
     error_feedback: bool = True  # quantised comm_dtype only
@@ -142,7 +143,7 @@ class RefConfig:
 # ---------------------------------------------------------------------------- streaming
 COMM_DTYPES = ("fp32", "bf16", "int8", "int4", "topk2", "topk1")
 TOPK_BITS = {"topk2": 2, "topk1": 1}
-MERGES = ("blend", "keep_local")
+MERGES = ("blend", "keep_local", "eager")
 QBLOCK = 128  # values per quantisation block (one fp32 scale each)
 _QMAX = {"int8": 127.0, "int4": 7.0}
 
@@ -289,7 +290,17 @@ def _check_streaming(cfg: RefConfig, n_units: int) -> None:
     if not 1 <= cfg.fragments <= min(cfg.H, n_units):
         raise ValueError(f"fragments must be in [1, min(H, units)] = [1, "
                          f"{min(cfg.H, n_units)}], got {cfg.fragments}")
-    if not 0 <= cfg.tau < cfg.H:
+    if cfg.merge == "eager":
+        # section 3c: a whole round in flight (any tau >= 1 with A-EDiT's own trigger)
+        if cfg.sync:
+            raise ValueError("merge = 'eager' delays the outer updates of a local-SGD method")
+        if cfg.alpha != 0:
+            raise ValueError(f"merge = 'eager' needs alpha = 0, got {cfg.alpha}")
+        if cfg.schedule is None and cfg.tau != cfg.H:
+            raise ValueError(f"merge = 'eager' needs tau = H = {cfg.H}, got {cfg.tau}")
+        if cfg.schedule is not None and cfg.tau < 1:
+            raise ValueError(f"merge = 'eager' needs tau >= 1 with A-EDiT, got {cfg.tau}")
+    elif not 0 <= cfg.tau < cfg.H:
         raise ValueError(f"tau must be in [0, H) = [0, {cfg.H}), got {cfg.tau}")
     if cfg.comm_dtype != "fp32" and cfg.gta is not None:
         raise NotImplementedError("quantised comm_dtype is for the linear reducer only")
@@ -364,20 +375,37 @@ def ref_gta(deltas: list[list[torch.Tensor]], w: list[float], keep: list[int], S
     return out
 
 
-def run_reference(cfg: RefConfig) -> list[dict[str, torch.Tensor]]:
+def _outer_step(anchor: list[torch.Tensor], opt: torch.optim.Optimizer | None,
+                update: list[torch.Tensor]) -> None:
+    """``A ← OuterOpt(A, update)`` in fp32, or ``A ← A − update`` for plain averaging."""
+    if opt is None:
+        for a, x in zip(anchor, update):
+            a.sub_(x.float())
+        return
+    for a, x in zip(anchor, update):
+        a.grad = x.float()
+    opt.step()
+    for a in anchor:
+        a.grad = None
+
+
+def run_reference(cfg: RefConfig,
+                  probe: dict[str, Any] | None = None) -> list[dict[str, torch.Tensor]]:
     """Train R replicas for ``cfg.steps`` inner steps (or windows); return each replica's
-    final parameters after a final sync if one is pending."""
+    final parameters after a final sync if one is pending. ``probe`` (for tests of the eager
+    merge): gets ``"own"``, unit -> every replica's own anchor before the consensus."""
     # One thread, like the distributed workers: the tiny model gains nothing from more, and
     # spinning OpenMP threads are very slow on a loaded machine.
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        return _simulate(cfg)
+        return _simulate(cfg, probe)
     finally:
         torch.set_num_threads(threads)
 
 
-def _simulate(cfg: RefConfig) -> list[dict[str, torch.Tensor]]:
+def _simulate(cfg: RefConfig,
+              probe: dict[str, Any] | None = None) -> list[dict[str, torch.Tensor]]:
     base = make_model(cfg.n_layers, cfg.tied)
     reps = [copy.deepcopy(base) for _ in range(cfg.R)]
     opts = [make_inner(m.parameters(), cfg.inner) for m in reps]
@@ -387,27 +415,48 @@ def _simulate(cfg: RefConfig) -> list[dict[str, torch.Tensor]]:
     P = cfg.fragments
     streaming = cfg.tau > 0 or P > 1
     quantised = cfg.comm_dtype != "fp32"
+    eager = cfg.merge == "eager"
     all_units = list(range(n_units))
     frags = [fragment_units(n_units, P, f) for f in range(P)]
     anchors: list[list[torch.Tensor]] | None = None
     outers: list[torch.optim.Optimizer | None] = []
+    # the eager merge (section 3c): every replica has its own anchor and outer optimizer per
+    # unit (own[i][u], own_outers[i][u]; ``anchors`` stays None) and its correction C
+    # (corr[i][u]), all fp32; C is 0 at the start
+    own: list[list[list[torch.Tensor]]] = []
+    own_outers: list[list[torch.optim.Optimizer | None]] = []
+    corr: list[list[list[torch.Tensor]]] = []
     dets = [[RefDetector(*cfg.ewma) for _ in range(cfg.R)] for _ in range(n_units)]
     # error feedback: (unit, replica, shard rank) -> flat fp32 residual, zeros at the start
     ef: dict[tuple[int, int, int], torch.Tensor] = {}
-    # rounds in flight (tau > 0), in launch order: (merge step, units, theta0[replica][j])
-    inflight: list[tuple[int, list[int], list[list[list[torch.Tensor]]]]] = []
+    # rounds in flight (tau > 0), in launch order: (merge step, units, theta0[replica][j]);
+    # eager: (merge step, units, (D[replica][j], I[j])), D and I fp32 per parameter
+    inflight: list[tuple[int, list[int], Any]] = []
     steps = [0] * cfg.R  # per replica global step
     k = 0  # inner steps since the local phase began
     n_sync = 0
 
+    def new_outer(a: list[torch.Tensor]) -> torch.optim.Optimizer | None:
+        return (getattr(torch.optim, {"sgd": "SGD"}[cfg.outer])(a, **cfg.outer_kwargs)
+                if cfg.outer else None)
+
     def make_anchors():
         nonlocal anchors, outers
+        if eager:
+            for i in range(cfg.R):
+                own.append([[p.detach().clone() for p in u] for u in uparams[i]])
+                own_outers.append([new_outer(a) for a in own[i]])
+                corr.append([[torch.zeros_like(a) for a in u] for u in own[i]])
+            return
         anchors = [[p.detach().clone() for p in u] for u in uparams[0]]
-        outers = [
-            (getattr(torch.optim, {"sgd": "SGD"}[cfg.outer])(a, **cfg.outer_kwargs)
-             if cfg.outer else None)
-            for a in anchors
-        ]
+        outers = [new_outer(a) for a in anchors]
+
+    def anchor(i: int, u: int) -> list[torch.Tensor]:
+        """Replica ``i``'s anchor of unit ``u`` (one shared anchor unless eager)."""
+        if eager:
+            return own[i][u]
+        assert anchors is not None
+        return anchors[u]
 
     def grads_of(i: int, t: int) -> list[torch.Tensor]:
         m = reps[i]
@@ -420,24 +469,31 @@ def _simulate(cfg: RefConfig) -> list[dict[str, torch.Tensor]]:
     def launch(units: list[int], counts: list[int] | None, tau: int) -> None:
         """One round over ``units`` (section 5 on those units only), its outer step
         included; with ``tau == 0`` every replica takes the new anchors now, otherwise the
-        round is merged after inner step ``k + tau``."""
+        round is merged after inner step ``k + tau``. Eager (section 3c): each replica
+        steps its own anchor with ``C + D / R`` and restarts from it; with ``tau == 0`` (the
+        end of training) with ``C + I``, then every replica takes the replicas' mean."""
         nonlocal n_sync
-        assert anchors is not None
+        assert anchors is not None or own
         if n_sync in cfg.corrupt:
             bad, scale = cfg.corrupt[n_sync]
             with torch.no_grad():
                 for r in _replicas(bad):
                     for p, a in zip([p for u in uparams[r] for p in u],
-                                    [a for u in anchors for a in u]):
+                                    [a for u in range(n_units) for a in anchor(r, u)]):
                         p.copy_(a + scale * (p - a))
         theta0: list[list[list[torch.Tensor]]] = [[] for _ in range(cfg.R)]
+        sent: list[list[list[torch.Tensor]]] = [[] for _ in range(cfg.R)]  # eager: D[i][j]
+        reduced: list[list[torch.Tensor]] = []  # eager: I[j]
         for u in units:
             thetas = [uparams[i][u] for i in range(cfg.R)]
-            if tau > 0:
+            if tau > 0 and not eager:
                 for i in range(cfg.R):
                     theta0[i].append([t.detach().clone() for t in thetas[i]])
-            deltas = [[a.double() - t.detach().double() for a, t in zip(anchors[u], th)]
-                      for th in thetas]
+            deltas = [[a.double() - t.detach().double() for a, t in zip(anchor(i, u), th)]
+                      for i, th in enumerate(thetas)]
+            # fp32 pseudo-gradients: what a codec encodes, and the eager merge's D
+            d32 = ([[a.float() - t.detach().float() for a, t in zip(anchor(i, u), th)]
+                    for i, th in enumerate(thetas)] if quantised or eager else [])
             norms = [math.sqrt(sum(float((d * d).sum()) for d in dl)) for dl in deltas]
             inc = [math.isfinite(n) for n in norms]
             if cfg.skip_anomaly:
@@ -469,10 +525,9 @@ def _simulate(cfg: RefConfig) -> list[dict[str, torch.Tensor]]:
                         s = counts[i] / tot if tot > 0 else 1.0 / len(keep)
                         w[i] = (1 - cfg.step_weight_ratio) * w[i] + cfg.step_weight_ratio * s
             with torch.no_grad():
+                red = None
                 if keep:
                     if quantised:
-                        d32 = [[a.float() - t.detach().float() for a, t in zip(anchors[u], th)]
-                               for th in thetas]
                         red = quantised_reduce(d32, w, keep, cfg.S, cfg.comm_dtype,
                                                ef if cfg.error_feedback else None, u,
                                                ef_decay(cfg), cfg.topk_chunk, cfg.topk_k)
@@ -480,33 +535,73 @@ def _simulate(cfg: RefConfig) -> list[dict[str, torch.Tensor]]:
                         red = ref_gta(deltas, w, keep, cfg.S, cfg.gta)
                     else:
                         red = [sum(w[i] * deltas[i][k] for i in keep)
-                               for k in range(len(anchors[u]))]
+                               for k in range(len(deltas[0]))]
                     if cfg.clip:
                         n = math.sqrt(sum(float((r.double() * r.double()).sum()) for r in red))
                         c = min(1.0, cfg.clip / (n + 1e-6))
                         red = [r * c for r in red]
-                    if outers[u] is None:
-                        for a, r in zip(anchors[u], red):
-                            a.sub_(r.float())
-                    else:
-                        for a, r in zip(anchors[u], red):
-                            a.grad = r.float()
-                        outers[u].step()
-                        for a in anchors[u]:
-                            a.grad = None
-                if tau == 0:
+                if eager:
+                    got = ([r.float() for r in red] if red is not None
+                           else [torch.zeros_like(d) for d in d32[0]])  # nobody trusted: 0
+                    eager_step(u, d32, got, tau)
                     for i in range(cfg.R):
-                        for p, a in zip(uparams[i][u], anchors[u]):
-                            p.copy_(a)
+                        sent[i].append(d32[i])
+                    reduced.append(got)
+                else:
+                    if red is not None:
+                        _outer_step(anchor(0, u), outers[u], red)
+                    if tau == 0:
+                        for i in range(cfg.R):
+                            for p, a in zip(uparams[i][u], anchor(0, u)):
+                                p.copy_(a)
         if tau > 0:
-            inflight.append((k + tau, list(units), theta0))
+            inflight.append((k + tau, list(units), (sent, reduced) if eager else theta0))
         n_sync += 1
 
-    def merge(rnd: tuple[int, list[int], list[list[list[torch.Tensor]]]],
-              replicas: list[int] | None = None) -> None:
-        """Section 3: blend ``θ ← lerp(Ã, θ, α)`` or keep_local ``θ ← Ã + (θ − θ⁰)``."""
+    def eager_step(u: int, d: list[list[torch.Tensor]], got: list[torch.Tensor],
+                   tau: int) -> None:
+        """Section 3c's outer steps of unit ``u`` at a launch: ``A_i ← OuterOpt_i(A_i, C_i +
+        D_i / R)`` (a replica's own share now, the others' at the merge), ``C_i ← 0``,
+        ``θ_i ← A_i``. With ``tau == 0`` (the final blocking round) the round's ``I`` is
+        known: ``C_i + I`` instead, then every replica takes ``A = (Σ_i A_i) / R``."""
+        for i in range(cfg.R):
+            if tau > 0:
+                update = [c + x / cfg.R for c, x in zip(corr[i][u], d[i])]
+            else:
+                update = [c + x for c, x in zip(corr[i][u], got)]
+            _outer_step(own[i][u], own_outers[i][u], update)
+            for c in corr[i][u]:
+                c.zero_()
+            if tau > 0:
+                for p, a in zip(uparams[i][u], own[i][u]):
+                    p.copy_(a)
+        if tau == 0:
+            if probe is not None:
+                probe.setdefault("own", {})[u] = [[a.clone() for a in own[i][u]]
+                                                  for i in range(cfg.R)]
+            for j in range(len(got)):
+                total = torch.zeros_like(own[0][u][j])
+                for i in range(cfg.R):  # an fp32 all-reduce sum, in replica order
+                    total = total + own[i][u][j]
+                mean = total / cfg.R
+                for i in range(cfg.R):
+                    own[i][u][j].copy_(mean)
+                    uparams[i][u][j].copy_(mean)
+
+    def merge(rnd: tuple[int, list[int], Any], replicas: list[int] | None = None) -> None:
+        """Section 3: blend ``θ ← lerp(Ã, θ, α)`` or keep_local ``θ ← Ã + (θ − θ⁰)``;
+        eager (section 3c): ``C ← C + (I − D / R)``, the live parameters stay."""
+        _, units, payload = rnd
+        if eager:
+            sent, reduced = payload
+            with torch.no_grad():
+                for j, u in enumerate(units):
+                    for i in (range(cfg.R) if replicas is None else replicas):
+                        for c, x, d in zip(corr[i][u], reduced[j], sent[i][j]):
+                            c.copy_(c + (x - d / cfg.R))
+            return
         assert anchors is not None
-        _, units, theta0 = rnd
+        theta0 = payload
         with torch.no_grad():
             for j, u in enumerate(units):
                 for i in (range(cfg.R) if replicas is None else replicas):
@@ -594,13 +689,18 @@ def _simulate(cfg: RefConfig) -> list[dict[str, torch.Tensor]]:
         for rnd in inflight:
             merge(rnd)
         inflight.clear()
+        if eager and cfg.finish_force and own:
+            # eager: the replicas' own anchors still differ and C still waits, so one more
+            # blocking round (every step count 0, D = 0) and the consensus
+            launch(all_units, [0] * cfg.R, 0)
     elif streaming:
         # finish(): rounds in flight are merged at once; with force, one more round over
-        # every unit with tau = 0 so that all replicas end on the same model
+        # every unit with tau = 0 so that all replicas end on the same model (eager: even
+        # with no step since the last launch, as the replicas' anchors still differ)
         for rnd in inflight:
             merge(rnd)
         inflight.clear()
-        if cfg.finish_force and not cfg.sync and k >= 1:
+        if cfg.finish_force and not cfg.sync and (bool(own) if eager else k >= 1):
             launch(all_units, None, 0)
     elif cfg.finish_force and not cfg.sync and k % cfg.H != 0:
         launch(all_units, None, 0)

@@ -170,6 +170,22 @@ def test_convergence_smoke(tmp_path, cache):
     assert any("Paired differences" in t["title"] for t in saved["tables"])
 
 
+def test_convergence_methods_flag_picks_a_subset(tmp_path):
+    from editrain.bench import convergence
+
+    def chosen(value, mode="quick"):
+        return convergence.chosen_variants(
+            Bench("convergence", mode, tmp_path, flags={"methods": value}))
+
+    assert chosen("edit-eager, diloco") == ["diloco", "edit-eager"]  # the scenario's order
+    assert chosen(None) == list(convergence.METHODS)
+    assert "edit-eager" not in chosen(None, "tiny")
+    with pytest.raises(ConfigError, match="unknown variant"):
+        chosen("edit,eager")
+    with pytest.raises(ConfigError, match="--methods picks variants"):
+        run_scenario("bandwidth", quick=True, out_dir=str(tmp_path), extra=["--methods", "edit"])
+
+
 def test_bandwidth_links_flag_picks_a_subset(tmp_path):
     from editrain.bench import bandwidth
     from editrain.bench.runner import Bench
@@ -190,29 +206,37 @@ def test_bandwidth_links_flag_picks_a_subset(tmp_path):
 def test_bandwidth_smoke(tmp_path, cache):
     """Every method has a throughput, a ratio to the ceiling and per-replica rows at every
     link; local SGD a time split; one repeat of each run at the tiny size."""
+    from editrain.bench import bandwidth
+
     saved, _ = _run("bandwidth", tmp_path, cache)
     links = saved["settings"]["links"]
-    _runs_ok(saved, count=1 + 5 * len(links))
+    _runs_ok(saved, count=1 + len(bandwidth.METHODS) * len(links))
     assert saved["repeats"] == 1 and saved["settings"]["repeats"] == 1
     assert not saved["measurement_errors"]
     res = saved["results"]
     assert res["ceiling"]["tokens_per_s"]["n"] == 1 and res["ceiling"]["tokens_per_s"]["median"] > 0
-    for m in ("sync", "diloco", "edit", "edit-streaming", "edit-sparse"):
+    for m in ("sync", "diloco", "edit", "edit-streaming", "edit-sparse", "edit-sparse-eager"):
         assert set(res[m]) == set(links)
         for link, e in res[m].items():
             assert e["tokens_per_s"]["median"] > 0 and e["tokens_per_s"]["n"] == 1, (m, link)
             assert _num(e["vs_ceiling"]["median"]) and e["vs_ceiling"]["median"] > 0, (m, link)
             _check_replicas(e["replicas"])
-    for m in ("diloco", "edit", "edit-streaming", "edit-sparse"):  # the sync metrics split out
+    for m in ("diloco", "edit", "edit-streaming", "edit-sparse",
+              "edit-sparse-eager"):  # the sync metrics split out
         for e in res[m].values():
             assert _num(e["comm_time_s_per_step"]["median"])
             assert _num(e["wait_s_per_step"]["median"])
     for link in links:  # one repeat: no verdict on the spread
-        assert [c["beyond_spread"] for c in res["comparisons"][link]] == [None] * 6
+        assert [c["beyond_spread"] for c in res["comparisons"][link]] == [None] * len(
+            bandwidth.COMPARISONS)
     # edit-sparse ran its round behind H - 1 steps with the sparse codec
     assert saved["settings"]["sparse"] == {"comm_dtype": "topk2", "merge": "keep_local",
                                            "overlap_steps": saved["settings"]["sync_interval"]
                                            - 1}
+    # edit-sparse-eager: the whole round in flight, the eager merge
+    assert saved["settings"]["sparse_eager"] == {
+        "comm_dtype": "topk2", "merge": "eager",
+        "overlap_steps": saved["settings"]["sync_interval"]}
     # the streaming target is judged (tiny size: no unlimited run, so no verdict)
     assert len(saved["targets"]) == 1
 

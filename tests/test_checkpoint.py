@@ -82,6 +82,14 @@ METHODS = {
                         "--sync.comm_dtype", "topk2", "--sync.topk_chunk", "512",
                         "--sync.topk_k", "16", "--sync.ewma_warmup_steps", "1",
                         "--model.tie_embeddings", "false"]),
+    # Eager merges: at the step-6 save both fragments' rounds are in flight (a whole round
+    # each) with their pseudo-gradients and reduced results, and every replica's own
+    # anchors and outer momentum differ.
+    "edit_eager": (["--nproc", "4", "--shard-size", "2"],
+                   ["--sync.local_sgd_sync_interval", "4", "--sync.fragments", "2",
+                    "--sync.overlap_steps", "4", "--sync.merge", "eager",
+                    "--sync.comm_dtype", "int8", "--sync.ewma_warmup_steps", "1",
+                    "--model.tie_embeddings", "false"]),
 }
 
 

@@ -108,6 +108,37 @@ def test_merge_alpha_is_accepted_where_it_blends():
 def test_streaming_options_checked_against_h(kwargs, option):
     with pytest.raises(ValueError, match=option.replace(".", r"\.")):
         SyncConfig(**kwargs).resolve()
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    # the fragment schedule: a whole round in flight, no less and no more
+    ({"local_sgd_sync_interval": 4, "overlap_steps": 3}, "must be local_sgd_sync_interval"),
+    ({"local_sgd_sync_interval": 4, "overlap_steps": 0}, "must be local_sgd_sync_interval"),
+    ({"method": "aedit", "overlap_steps": 0}, "needs a round in flight"),
+    ({"method": "aedit", "overlap_steps": 2, "min_total_global_steps": 5},
+     "sync.min_total_global_steps"),
+    ({"local_sgd_sync_interval": 4, "overlap_steps": 4, "merge_alpha": 0.5},
+     "sync.merge_alpha"),
+])
+def test_eager_merge_is_refused_where_it_cannot_apply(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        SyncConfig(merge="eager", **kwargs)
+
+
+def test_eager_merge_is_accepted_with_a_whole_round_in_flight():
+    cfg = SyncConfig(merge="eager", local_sgd_sync_interval=4, overlap_steps=4, fragments=2)
+    assert cfg.resolve().merge == "eager"
+    assert SyncConfig(method="aedit", merge="eager", overlap_steps=1).streaming
+    with pytest.raises(ValueError, match="= 4 only with sync.merge = 'eager'"):
+        SyncConfig(local_sgd_sync_interval=4, overlap_steps=4)
+
+
+def test_fault_tolerant_mode_refuses_the_eager_merge():
+    from editrain.sync.setup import check_fault_tolerant
+
+    cfg = SyncConfig(merge="eager", local_sgd_sync_interval=4, overlap_steps=4).resolve()
+    with pytest.raises(ValueError, match="merge = 'eager' is not supported"):
+        check_fault_tolerant(cfg, 1)
     SyncConfig(local_sgd_sync_interval=4, overlap_steps=3, fragments=4).resolve()
 
 

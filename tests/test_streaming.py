@@ -61,6 +61,14 @@ CASES = {
     # sparse 2-bit codes with decayed error feedback, delayed fragments and the penalty
     "topk2": _case("edit", 11, overlap_steps=1, fragments=2, comm_dtype="topk2",
                    topk_chunk=256, topk_k=12, **PEN_ON),
+    # eager merges (section 3c): a whole round in flight (tau = H), the own share at once
+    "eager": _case("edit", 11, overlap_steps=4, merge="eager", **PEN_ON),
+    "eager_p2_int8": _case("edit", 11, overlap_steps=4, fragments=2, merge="eager",
+                           comm_dtype="int8", **PEN_ON),
+    "eager_topk2": _case("diloco", 10, overlap_steps=4, fragments=2, merge="eager",
+                         comm_dtype="topk2", topk_chunk=256, topk_k=12),
+    "aedit_eager": dict(sync=dict(method="aedit", overlap_steps=2, merge="eager", **PEN_ON),
+                        steps=3, schedule=[3, 4], finish_force=True, **UNTIED),
     # the same run in fp32, int8 and the default sparse codec, for the bytes on the wire
     "bytes_fp32": _case("diloco", 8, fragments=2),
     "bytes_int8": _case("diloco", 8, fragments=2, comm_dtype="int8"),
@@ -79,6 +87,9 @@ CASES_2X1 = {
     # 1-bit codes, small chunks, a decay of its own, the sync of before
     "topk1": _case("edit", 9, comm_dtype="topk1", topk_chunk=64, topk_k=6, error_decay=0.8,
                    **PEN_ON),
+    # eager merges with two fragments in flight on the world-spanning sync group
+    "eager_p2": dict(_case("edit", 12, overlap_steps=4, fragments=2, merge="eager",
+                           **PEN_ON), world_allreduce=True),
 }
 TOPOLOGIES = {(2, 2): CASES, (2, 1): CASES_2X1}
 
@@ -237,6 +248,25 @@ def test_every_rank_issues_the_same_collectives_in_the_same_order(runs, name):
     i = next(k for k in range(len(swapped[3]) - 1) if swapped[3][k] != swapped[3][k + 1])
     swapped[3][i], swapped[3][i + 1] = swapped[3][i + 1], swapped[3][i]
     assert order_mismatches(swapped, 2, 2) != []
+
+
+@pytest.mark.parametrize("name", ["eager_p2"])
+def test_eager_on_2x1_matches_reference(runs, name):
+    outs = runs(2, 1)[name]
+    bad = reference_mismatches(outs, reference(ref_config(CASES_2X1[name], 2, 1)), TOL)
+    assert not bad, (name, bad)
+
+
+def test_eager_rounds_stay_in_flight_a_whole_round(runs):
+    """Each eager round is merged H steps after its launch (just before its fragment
+    launches again); with two fragments the other fragment launched in between."""
+    for name, stale in (("eager", 0), ("eager_p2_int8", 1)):
+        log = runs(2, 2)[name][0]["log"]
+        steps = CASES[name]["steps"]
+        delayed = [e for e in log if e["step"] < steps]
+        assert len(delayed) >= 1 and all(e["step"] - e["launch_step"] == 4
+                                         for e in delayed), (name, delayed)
+        assert all(e["staleness"] == stale for e in delayed), name
 
 
 def test_topk1_on_2x1_matches_reference(runs):

@@ -1,6 +1,7 @@
 """The reference simulator's streaming options (docs/streaming.md): the fragment schedule,
-the delayed merge, the quantisers with error feedback and the final forced sync. Reference
-only (no engine, no processes): each check follows from the formulas of the page."""
+the delayed and the eager merge, the quantisers with error feedback and the final forced
+sync. Reference only (no engine, no processes): each check follows from the formulas of the
+page."""
 
 from __future__ import annotations
 
@@ -407,6 +408,125 @@ def test_streaming_finish_force_syncs_even_at_a_window_end():
 def test_invalid_streaming_options(kw, exc):
     with pytest.raises(exc):
         run(steps=1, **kw)
+
+
+# ---------------------------------------------------------------------------- eager
+@pytest.mark.parametrize("P, steps", [(1, 10), (2, 10), (2, 9)])
+def test_eager_single_replica_is_a_sync_every_h_steps(P, steps):
+    """R = 1: I = D, so C = C + I - D / R stays 0 and every launch steps the anchor with the
+    round's own D, then restarts from it: a tau = 0 round at the same step (section 3c).
+    Ends mid-window (the final rounds meet), or with P = 2 at a launch (with P > 1 the
+    tau = 0 run syncs at the end too)."""
+    kw = dict(R=1, S=1, H=3, steps=steps, fragments=P, finish_force=True)
+    plain = run(**kw)[0]
+    got = run(tau=3, merge="eager", **kw)[0]
+    assert diff(plain, got) < 1e-6
+    assert diff(plain, run(**{**kw, "finish_force": False, "steps": steps - 1})[0]) > 1e-4
+
+
+def test_eager_single_replica_aedit_is_the_blocking_aedit():
+    """Non-blocking A-EDiT with R = 1 and plain averaging: the eager launch is the blocking
+    round, and the final round (D = 0, C = 0) changes nothing."""
+    kw = dict(R=1, S=1, steps=3, schedule=[3], outer=None, finish_force=True)
+    blocking = run(**kw)[0]
+    got = run(tau=1, merge="eager", **kw)[0]
+    assert diff(blocking, got) < 1e-6
+
+
+def test_eager_replicas_keep_their_own_anchors_until_the_end():
+    """R = 2, plain averaging, equal weights, fp32: each replica restarts from its own anchor
+    (it applied its own share at once), so the replicas differ right after a launch; the
+    final round and the consensus leave them identical, on another model than tau = 0."""
+    kw = dict(S=1, H=3, steps=9, outer=None)
+    apart = run(tau=3, merge="eager", **kw)  # ends right after a launch: theta_m = A_m
+    assert diff(apart[0], apart[1]) > 1e-4
+    a, b = run(tau=3, merge="eager", finish_force=True, **kw)
+    assert equal(a, b)
+    assert all(torch.isfinite(p).all() for p in a.values())
+    plain = run(finish_force=True, **kw)
+    assert equal(plain[0], plain[1])
+    assert diff(a, plain[0]) > 1e-4
+    # with the outer optimizer, the penalty, int8 and two fragments the end is the same
+    a, b = run(H=4, steps=10, tau=4, fragments=2, merge="eager", comm_dtype="int8",
+               finish_force=True, **PEN)
+    assert equal(a, b) and all(torch.isfinite(p).all() for p in a.values())
+
+
+@pytest.mark.parametrize("kw", [dict(H=3, steps=3, tau=3),
+                                dict(steps=1, schedule=[2, 3], tau=1)])
+def test_eager_one_round_then_finish_is_one_plain_round(kw):
+    """Plain averaging, one round then finish(force): A_m = A - D_m / R at the launch,
+    C_m = I - D_m / R at the merge, and the final round (D = 0, I = 0) gives A_m - C_m =
+    A - I on every replica: the plain round's model, with the penalty's weights and
+    clipping (the own share at 1 / R is taken back at the merge)."""
+    base = dict(outer=None, finish_force=True, **PEN)
+    plain = run(**base, **{**kw, "tau": 0})
+    got = run(merge="eager", **base, **kw)
+    assert equal(got[0], got[1])
+    assert max(diff(x, y) for x, y in zip(plain, got)) < 1e-6
+
+
+def test_eager_others_shares_arrive_one_round_later():
+    """Scaling replica 1's parameters before the first round moves replica 0 only from the
+    second launch on: its own share is applied at once, the others' at the merge."""
+    kw = dict(S=1, H=3, tau=3, merge="eager")
+    bad = {0: (1, 3.0)}
+    one, one_bad = run(steps=3, **kw), run(steps=3, corrupt=bad, **kw)
+    assert equal(one[0], one_bad[0]) and diff(one[1], one_bad[1]) > 1e-4
+    two, two_bad = run(steps=6, **kw), run(steps=6, corrupt=bad, **kw)
+    assert diff(two[0], two_bad[0]) > 1e-4
+
+
+@pytest.mark.parametrize("outer", [None, "sgd"])
+def test_eager_feeds_every_replica_the_rounds_results_once(outer):
+    """Section 3c: over a run each replica's outer optimizer is fed D_m / R + (I - D_m / R)
+    per round, i.e. sum_t I(t). Plain averaging: every replica's own anchor ends (before the
+    consensus) on A - sum_t I(t), the same for all; with momentum the timing of the own
+    shares differs, so the anchors differ, and the consensus is their fp32 mean."""
+    probe: dict = {}
+    cfg = RefConfig(R=3, S=1, H=3, steps=8, tau=3, merge="eager", outer=outer,
+                    finish_force=True)
+    out = run_reference(cfg, probe)
+    assert all(equal(out[0], o) for o in out[1:])
+    names = unit_names(False, True)
+    spread = 0.0
+    for u, own in probe["own"].items():
+        for j, n in enumerate(names[u]):
+            mean = (own[0][j] + own[1][j] + own[2][j]) / 3
+            assert float((out[0][n] - mean).abs().max()) < 1e-7
+            spread = max(spread, float((own[0][j] - own[1][j]).abs().max()),
+                         float((own[0][j] - own[2][j]).abs().max()))
+    if outer is None:
+        assert spread < 1e-6
+    else:
+        assert spread > 1e-4
+
+
+def test_eager_aedit_ends_on_one_model():
+    a, b = run(steps=3, schedule=[2, 3], tau=1, merge="eager", finish_force=True, **PEN)
+    assert equal(a, b) and all(torch.isfinite(p).all() for p in a.values())
+    a, b = run(steps=3, schedule=[2, 3], tau=1, merge="eager")
+    assert diff(a, b) > 1e-4
+
+
+@pytest.mark.parametrize("kw", [
+    dict(tau=2),  # not H = 4
+    dict(tau=0),
+    dict(tau=4, alpha=0.5),
+    dict(schedule=[2, 3], tau=0),
+    dict(tau=4, sync=True),
+])
+def test_eager_validation(kw):
+    with pytest.raises(ValueError, match="eager"):
+        run(steps=1, merge="eager", **kw)
+
+
+def test_ref_config_maps_eager():
+    case = dict(sync=dict(method="diloco", local_sgd_sync_interval=8, overlap_steps=8,
+                          merge="eager"), steps=16)
+    got = ref_config(case, 2, 1)
+    assert (got.tau, got.merge, got.alpha) == (8, "eager", 0.0)
+    run_reference(RefConfig(**{**vars(got), "steps": 1}))  # accepted
 
 
 def test_reference_mismatches_allow_isolated_float_noise_only():

@@ -106,6 +106,9 @@ def run_scenario(name: str, quick: bool = False, out_dir: str | None = None,
     if flags.get("links") and name != "bandwidth":
         raise ConfigError(f"bench --links picks links of the bandwidth scenario; {name} has "
                           "none")
+    if flags.get("methods") and name != "convergence":
+        raise ConfigError(f"bench --methods picks variants of the convergence scenario; "
+                          f"{name} runs all of its own")
 
     if name == "report":
         from editrain.bench.report import (

@@ -3,8 +3,9 @@
 ``sync`` (an all-reduce of the gradients every step), ``diloco`` (a blocking sync every H
 steps), ``edit`` (a layer-wise sync every H steps, overlapped with the next forward) and
 ``edit-streaming`` (fragments that take turns, each reduced behind ``overlap_steps`` inner
-steps, in int8) and ``edit-sparse`` (the whole round but one step in flight, sparse 2-bit
-pseudo-gradients) run under links from unlimited down to 0.25 MB/s + 50 ms; the ceiling is
+steps, in int8), ``edit-sparse`` (the whole round but one step in flight, sparse 2-bit
+pseudo-gradients) and ``edit-sparse-eager`` (the same with the whole round in flight and
+the eager merge) run under links from unlimited down to 0.25 MB/s + 50 ms; the ceiling is
 the same model and data with no communication at all. A sweep over the streaming options
 (delay, fragments, wire dtype) runs at the 5 MB/s link. ``--links unlimited,1MB/s+50ms``
 runs a subset of the links (the unlimited one is always needed: the ratios divide by it).
@@ -28,12 +29,16 @@ STREAMING = {"overlap_steps": 4, "fragments": 4, "comm_dtype": "int8", "merge": 
 SPARSE = {"comm_dtype": "topk2", "merge": "keep_local"}
 """The settings of ``edit-sparse``, whose ``overlap_steps`` is ``H - 1`` (the most a round
 may stay in flight)."""
+SPARSE_EAGER = {"comm_dtype": "topk2", "merge": "eager"}
+"""The settings of ``edit-sparse-eager``, whose ``overlap_steps`` is ``H``: the whole round
+in flight, this replica's own share applied at once (docs/streaming.md section 3c)."""
 VARIANTS: dict[str, dict[str, Any]] = {
     "sync": {"method": "sync"},
     "diloco": {"method": "diloco"},
     "edit": {"method": "edit"},
     "edit-streaming": {"method": "edit", **STREAMING},
     "edit-sparse": {"method": "edit", **SPARSE},
+    "edit-sparse-eager": {"method": "edit", **SPARSE_EAGER},
 }
 """Each variant's sync options (the rows of the main table)."""
 SLOW_LINKS = (("1MB/s", "50ms"), ("0.25MB/s", "50ms"))
@@ -52,13 +57,13 @@ SWEEP: dict[str, dict[str, Any]] = {
 ``edit-streaming`` tau4-P4-int8 of this grid)."""
 DESCRIPTION = (
     "Tokens per second of the whole cluster for `sync`, `diloco`, `edit`, "
-    "`edit-streaming` and `edit-sparse` as the simulated cross-replica link gets slower (`sim.link_bandwidth` "
+    "`edit-streaming`, `edit-sparse` and `edit-sparse-eager` as the simulated cross-replica link gets slower (`sim.link_bandwidth` "
     "+ `sim.link_latency`), against the ceiling of no communication at all, with the time "
     "per step split into computation, waiting for the sync and communication hidden behind "
     "computation, and a sweep over the streaming options at 5 MB/s."
 )
 UNLIMITED = "unlimited"
-COMPARISONS = (("edit-sparse", "edit-streaming"), ("edit-streaming", "edit"), ("edit-streaming", "sync"), ("edit", "diloco"),
+COMPARISONS = (("edit-sparse-eager", "edit-sparse"), ("edit-sparse", "edit-streaming"), ("edit-streaming", "edit"), ("edit-streaming", "sync"), ("edit", "diloco"),
                ("edit", "sync"), ("diloco", "sync"))
 """Pairs whose tokens/s are compared against the spread of the repeats, at every link."""
 
@@ -127,6 +132,8 @@ def run(bench: Bench) -> dict[str, Any]:
             out.append({"sync": {"local_sgd_sync_interval": interval}})
         if variant is VARIANTS["edit-sparse"]:
             out.append({"sync": {"overlap_steps": interval - 1}})
+        if variant is VARIANTS["edit-sparse-eager"]:
+            out.append({"sync": {"overlap_steps": interval}})
         return out
 
     def steps_of(variant: dict[str, Any]) -> int:
@@ -261,6 +268,9 @@ def run(bench: Bench) -> dict[str, Any]:
         f"`edit-sparse`: {_options_text(SPARSE)}, overlap_steps {interval - 1} (H - 1: the "
         "round in flight for all but one step of the next round; its bytes are 1/128 of "
         "fp32 plus the statistics, docs/streaming.md section 4b).",
+        f"`edit-sparse-eager`: {_options_text(SPARSE_EAGER)}, overlap_steps {interval} "
+        "(H: the whole round in flight; each replica applies its own pseudo-gradient at "
+        "the launch and the others' one round later, docs/streaming.md section 3c).",
         f"`edit-streaming`: {_options_text(STREAMING)}. Sweep rows: `edit` with the options "
         f"named tauT-PP-DTYPE (overlap_steps, fragments, comm_dtype), at {sweep_name} only; "
         "'x edit unlimited' divides by the plain `edit` run on the unlimited link of the "
@@ -270,6 +280,7 @@ def run(bench: Bench) -> dict[str, Any]:
     settings = {"sync_interval": interval, "local_steps": local_steps, "sync_steps": sync_steps,
                 "links": names, "skip_steps": skip, "repeats": repeats,
                 "streaming": STREAMING, "sparse": {**SPARSE, "overlap_steps": interval - 1},
+                "sparse_eager": {**SPARSE_EAGER, "overlap_steps": interval},
                 "sweep": {k: v for k, v in sweep.items()}}
     return bench.finish(settings=settings, methods=("ceiling",) + METHODS, results=results,
                         tables=tables, targets=targets, findings=findings, notes=notes,
@@ -431,18 +442,23 @@ def _judge(results: dict[str, Any], names: list[str],
     for n, floor in SLOW_TARGETS.items():
         if UNLIMITED not in names or n not in names:
             continue
-        sp = results["edit-sparse"][n]
+        # The best sparse setting (the issue's target is for the best one).
+        best = max(("edit-sparse", "edit-sparse-eager"),
+                   key=lambda m: _med(results[m][n]["vs_unlimited"]) or 0.0)
+        sp = results[best][n]
         keep, exposed = _med(sp["vs_unlimited"]), _med(sp["exposed"])
         ok = None if keep is None else (keep >= floor and exposed is not None
                                         and exposed <= 0.05)
         targets.append({
-            "name": f"edit-sparse keeps >= {floor}x of its unlimited-link throughput at {n}, "
-                    "with exposed communication <= 5% of the communication time (medians "
-                    "over repeats)",
+            "name": f"the best sparse setting (edit-sparse or edit-sparse-eager) keeps >= "
+                    f"{floor}x of its unlimited-link throughput at {n}, with exposed "
+                    "communication <= 5% of the communication time (medians over repeats)",
             "met": ok,
-            "detail": f"edit-sparse {spread_cell(sp['vs_unlimited'])}x, exposed "
-                      f"{spread_cell(sp['exposed'])}; edit-streaming "
-                      f"{spread_cell(results['edit-streaming'][n]['vs_unlimited'])}x"})
+            "detail": f"{best} {spread_cell(sp['vs_unlimited'])}x, exposed "
+                      f"{spread_cell(sp['exposed'])}; "
+                      + ", ".join(f"{m} {spread_cell(results[m][n]['vs_unlimited'])}x"
+                                  for m in ("edit-sparse", "edit-sparse-eager",
+                                            "edit-streaming") if m != best)})
         if ok is False:
             shortfalls.append(f"{n}: the sparse target is not met ({targets[-1]['detail']}).")
     for n, s, e in checked:
@@ -459,7 +475,7 @@ def _judge(results: dict[str, Any], names: list[str],
                                 + ("beyond" if c["beyond_spread"] else "within")
                                 + " the spread of the repeats.")
     for n in slow:
-        for m in ("edit-streaming", "edit-sparse"):
+        for m in ("edit-streaming", "edit-sparse", "edit-sparse-eager"):
             st = results[m][n]
             w, c = _med(st["wait_s_per_step"]), _med(st["comm_time_s_per_step"])
             if w is not None and c:

@@ -17,6 +17,7 @@ from editrain.bench.plots import pyplot, save_figure
 from editrain.bench.runner import Bench
 from editrain.bench.stats import mean_std, median, paired_differences
 from editrain.bench.tables import md_table
+from editrain.config import ConfigError
 
 NAME = "convergence"
 STREAMING = {"fragments": 3, "comm_dtype": "int8"}
@@ -35,11 +36,15 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "aedit-nonblocking": {"method": "aedit", "overlap_steps": 2, "merge": "keep_local"},
     "edit-topk2": {"method": "edit", "comm_dtype": "topk2"},
     "edit-sparse": {"method": "edit", "comm_dtype": "topk2", "merge": "keep_local"},
+    "edit-eager": {"method": "edit", "merge": "eager"},
+    "edit-sparse-eager": {"method": "edit", "comm_dtype": "topk2", "merge": "eager"},
 }
 """Each variant's sync options: the five methods, then streaming EDiT with either merge
 rule (docs/streaming.md section 3), with 4-bit pseudo-gradients, and the sparse 2-bit codec
 (docs/streaming.md section 4b) in the sync of the next forward (``edit-topk2``) and with the
-round in flight for ``H - 1`` steps (``edit-sparse``, bench bandwidth's setting)."""
+round in flight for ``H - 1`` steps (``edit-sparse``, bench bandwidth's setting), and the
+eager merge with the whole round in flight (``overlap_steps = H``, docs/streaming.md
+section 3c) in fp32 (``edit-eager``) and with the sparse codec (``edit-sparse-eager``)."""
 METHODS = tuple(VARIANTS)
 DESCRIPTION = (
     "Validation loss against tokens for synchronous training (`sync`), Post-Local SGD, "
@@ -59,6 +64,24 @@ def _aedit_period(edit_run: Any, interval: int) -> float:
     return round(max(0.2, interval * (step or 0.1)), 3)
 
 
+def chosen_variants(bench: Bench) -> list[str]:
+    """The variants to run: ``--methods A,B`` (in this scenario's order), else every one
+    (the tiny size: the five methods only; the streaming variants need H > 4 steps).
+
+    Raises:
+        ConfigError: ``--methods`` names a variant this scenario does not have.
+    """
+    chosen = bench.flags.get("methods")
+    if not chosen:
+        return [m for m in METHODS if bench.mode != "tiny" or "-" not in m]
+    names = [n.strip() for n in chosen.split(",") if n.strip()]
+    unknown = [n for n in names if n not in VARIANTS]
+    if unknown or not names:
+        raise ConfigError(f"bench --methods: unknown variant(s) {', '.join(unknown) or '(none)'}"
+                          f"; allowed: {', '.join(METHODS)}")
+    return [m for m in METHODS if m in names]
+
+
 def run(bench: Bench) -> dict[str, Any]:
     """Run the scenario; returns the record written to ``results.json``."""
     steps = bench.pick(12, 120, 2000)
@@ -66,7 +89,7 @@ def run(bench: Bench) -> dict[str, Any]:
     eval_every = bench.pick(4, 10, 100)
     seeds = int(bench.flags.get("seeds") or bench.pick(1, 1, 3))
     # The tiny size runs the five methods only (the streaming variants need H > 4 steps).
-    variants = [m for m in METHODS if bench.mode != "tiny" or "-" not in m]
+    variants = chosen_variants(bench)
     common = {"train": {"steps": steps, "eval_every": eval_every,
                         "warmup_steps": bench.pick(2, 10, 100)},
               # The tiny preset at every size: a credible number of steps fits in an hour.
@@ -89,6 +112,8 @@ def run(bench: Bench) -> dict[str, Any]:
                 sync["overlap_steps"] = max(1, interval // 8)
             if method == "edit-sparse":
                 sync["overlap_steps"] = interval - 1
+            if sync.get("merge") == "eager":
+                sync["overlap_steps"] = interval  # a whole round in flight
             layers: list[dict[str, Any]] = [common, {"train": {"seed": seed}, "sync": sync}]
             if VARIANTS[method]["method"] != "sync":
                 layers.append(local)
@@ -164,7 +189,9 @@ def run(bench: Bench) -> dict[str, Any]:
         + " and merge keep_local (edit-streaming-blend: merge blend, merge_alpha 0; "
         "edit-streaming-int4: comm_dtype int4); edit-topk2: edit with comm_dtype topk2 "
         f"(64 of every 4096 values, 2 bits, error feedback decay 0.95); edit-sparse: the "
-        f"same with merge keep_local and overlap_steps {interval - 1} (H - 1); with "
+        f"same with merge keep_local and overlap_steps {interval - 1} (H - 1); "
+        f"edit-eager / edit-sparse-eager: edit in fp32 / topk2 with merge eager and "
+        f"overlap_steps {interval} (H: a whole round in flight); with "
         "fragments or delayed updates the replicas never all hold one model, so these "
         "variants are evaluated on the anchors (the global model), docs/streaming.md.",
     ]
@@ -273,7 +300,8 @@ def _findings(results: dict[str, Any], seeds: int) -> list[str]:
         out.append("Final validation loss, best first: "
                    + ", ".join(f"{m} {means[m]:.4f}" for m in order) + ".")
     for a in ("edit", "aedit", "aedit-nonblocking", "edit-streaming", "edit-streaming-blend",
-              "edit-streaming-int4", "edit-topk2", "edit-sparse"):
+              "edit-streaming-int4", "edit-topk2", "edit-sparse", "edit-eager",
+              "edit-sparse-eager"):
         for ref in REFERENCES:
             if a not in results or a == ref or ref not in results:
                 continue

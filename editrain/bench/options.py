@@ -40,7 +40,7 @@ SIZE_FLAGS = {"--tiny": "tiny", "--full": "full"}
 means the full size)."""
 
 VALUE_FLAGS = {"--seeds": int, "--repeats": int, "--path": str, "--readme": str,
-               "--links": str}
+               "--links": str, "--methods": str}
 """Bench flags with a value, and the value's type (everything else is a training option)."""
 
 
@@ -93,7 +93,8 @@ def split_extra(extra: Sequence[str]) -> tuple[dict[str, Any], dict[str, Any]]:
 
     Bench flags: ``--tiny`` and ``--full`` (sizes; no flag and no ``--quick`` means
     full), ``--seeds N`` (convergence, optimizers), ``--repeats N`` (timed scenarios),
-    ``--links A,B`` (bandwidth: a subset of its links), ``--path FILE`` and ``--readme
+    ``--links A,B`` (bandwidth: a subset of its links), ``--methods A,B`` (convergence: a
+    subset of its variants), ``--path FILE`` and ``--readme
     FILE`` (report). The rest must be training options
     (``--section.key=value``), applied to every run.
 

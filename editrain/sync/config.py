@@ -22,7 +22,7 @@ METHODS = ("sync", "post_local_sgd", "diloco", "edit", "aedit")
 REDUCERS = ("linear", "gta")
 CONSENSUS = ("sum", "count")
 SPARSIFICATION = ("magnitude", "random", "rescaled_random")
-MERGES = ("blend", "keep_local")
+MERGES = ("blend", "keep_local", "eager")
 COMM_DTYPES = ("fp32", "bf16", "int8", "int4", "topk2", "topk1")
 SPARSE_CODECS = tuple(sparse_codec.BITS)
 
@@ -187,8 +187,10 @@ class SyncConfig:
     steps, H / fragments apart; 1 = every unit at once."""
     merge: str = "keep_local"
     """Streaming (overlap_steps > 0): "keep_local" (theta <- global + local progress since
-    the launch) or "blend" (theta <- lerp(global, theta, merge_alpha)); keep_local lost less
-    loss in the convergence benchmark."""
+    the launch), "blend" (theta <- lerp(global, theta, merge_alpha)), or "eager" (a whole
+    round in flight, overlap_steps = H: each replica applies its own pseudo-gradient at once
+    and the others' one round later); keep_local lost less loss than blend in the
+    convergence benchmark."""
     merge_alpha: float = 0.0
     """Streaming, merge = "blend": share of the local parameters kept, in [0, 1]; a value
     > 0 needs merge = "blend" and overlap_steps > 0 (it is refused where it would be
@@ -285,11 +287,30 @@ class SyncConfig:
         # Checked here, at construction, not in resolve(): before any data or run directory.
         h = self.local_sgd_sync_interval or METHOD_DEFAULTS[self.method].get(
             "local_sgd_sync_interval")
+        eager = self.merge == "eager"
         if self.is_local_sgd and h is not None and not self.use_async:
-            require(self.overlap_steps < h, "sync.overlap_steps",
-                    f"must be < local_sgd_sync_interval ({h}), got {self.overlap_steps}")
+            if eager:
+                require(self.overlap_steps == h, "sync.overlap_steps",
+                        f"must be local_sgd_sync_interval ({h}) with sync.merge = 'eager' "
+                        f"(a whole round in flight), got {self.overlap_steps}")
+            else:
+                require(self.overlap_steps < h, "sync.overlap_steps",
+                        f"must be < local_sgd_sync_interval ({h}), got {self.overlap_steps} "
+                        f"(= {h} only with sync.merge = 'eager')")
             require(self.fragments <= h, "sync.fragments",
                     f"must be <= local_sgd_sync_interval ({h}), got {self.fragments}")
+        if eager:
+            require(self.is_local_sgd, "sync.merge",
+                    "'eager' delays outer updates of a local-SGD method; sync (HSDP) has "
+                    "none: use another method or merge = 'keep_local'")
+            require(self.overlap_steps > 0, "sync.merge",
+                    "'eager' needs a round in flight: set sync.overlap_steps (= "
+                    "local_sgd_sync_interval, or >= 1 with aedit)")
+            if self.use_async:
+                require(self.min_total_global_steps <= 1, "sync.min_total_global_steps",
+                        f"must be 0 or 1 with sync.merge = 'eager' (a replica applies its own "
+                        f"pseudo-gradient at launch, so a round cannot be skipped once it "
+                        f"has steps), got {self.min_total_global_steps}")
         if self.method == "sync":
             require(not streaming and self.comm_dtype == "fp32", "sync.method",
                     "sync (HSDP) averages gradients every step: overlap_steps, fragments and "

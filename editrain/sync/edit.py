@@ -458,7 +458,12 @@ class SyncEngine:
         try:
             with torch.no_grad():
                 for unit in self.units:
-                    if unit.anchor is not None:
+                    if unit.anchor is None:
+                        continue
+                    if unit.eager_replicas:
+                        # Eager: each replica's anchor is its own; evaluate their mean.
+                        unit.load_flat(self._replica_mean(unit.anchor))
+                    else:
                         unit.write_back()
             yield
         finally:
@@ -467,6 +472,24 @@ class SyncEngine:
                 for unit, flat in zip(self.units, saved):
                     if flat is not None:
                         unit.load_flat(flat)
+
+    def _replica_mean(self, flat: torch.Tensor) -> torch.Tensor:
+        """``(sum over replicas of flat) / R`` in fp32, on the parameters' device (a
+        cross-replica all-reduce on the communication thread: every rank calls it)."""
+        out = flat.to(self.device, copy=True)
+        self.comm.run(self.comm.all_reduce_sync, out)
+        return out.div_(self.num_replicas)
+
+    @torch.no_grad()
+    def eager_consensus(self) -> None:
+        """The eager merge's end (``docs/streaming.md`` section 3c): every replica's anchor
+        becomes the replicas' mean and the live parameters take it, so that all replicas
+        end on one model. Every rank calls it, after the last round."""
+        reshard(self.model)
+        for unit in self.units:
+            if unit.anchor is not None:
+                unit.anchor.copy_(self._replica_mean(unit.anchor))
+                unit.write_back()
 
     # ================================================================== what schedules ask
     def arm(self, step_counts: torch.Tensor | None, fragment: int = 0) -> None:
@@ -491,7 +514,10 @@ class SyncEngine:
         ``apply_at`` (:meth:`merge_now` or :meth:`merge_in_next_forward`)."""
         self._call_before_sync(units)
         for u in units:
-            self.units[u].launch = self.units[u].flat_params()
+            if self.config.merge == "eager":
+                self.units[u].eager_launch()  # D kept, own share applied, theta <- A
+            else:
+                self.units[u].launch = self.units[u].flat_params()
         # (with a rendezvous, the statistics job is queued after it: it needs the counts)
         rnd = self.open_round(None, units, fragment, apply_at=apply_at,
                               statistics=None if rendezvous is None else False)
@@ -642,7 +668,7 @@ class SyncEngine:
             self.total_wait_s += waited
             if rnd.delayed:
                 unit = self.units[rnd.units[rnd.waited]]
-                if rnd.skipped:
+                if rnd.skipped and not unit.eager_replicas:
                     unit.launch = None  # nothing was reduced: the local model stays
                 else:
                     unit.merge(self.config.merge, self.config.merge_alpha)

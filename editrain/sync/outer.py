@@ -164,6 +164,9 @@ class SyncUnit:
             tensor alike (see :func:`copies_in_replica`; more than 1 under tensor
             parallelism): statistics summed over the replica count each piece once, and
             the reductions treat the pieces held alike apart (:attr:`segments`).
+        eager_replicas: the eager merge (``docs/streaming.md`` section 3c): the number of
+            replicas ``R``; the anchor and outer state are then this replica's own. 0: no
+            eager merge.
     """
 
     def __init__(
@@ -178,8 +181,10 @@ class SyncUnit:
         part: tuple[int, int] | None = None,
         gather: Callable[[torch.Tensor], torch.Tensor] | None = None,
         copies: Sequence[int] | None = None,
+        eager_replicas: int = 0,
     ) -> None:
         self.index = index
+        self.eager_replicas = eager_replicas
         self.name = name
         self.params = list(params)
         self.outer_cls = outer_cls
@@ -231,7 +236,13 @@ class SyncUnit:
         self.error: torch.Tensor | None = None
         """This replica's quantisation residual, added to the next pseudo-gradient."""
         self.launch: torch.Tensor | None = None
-        """The live parameters when this unit's delayed sync was launched (until merged)."""
+        """The live parameters when this unit's delayed sync was launched (until merged);
+        with the eager merge, the round's pseudo-gradient ``D`` instead."""
+        self.incoming: torch.Tensor | None = None
+        """The eager merge: the reduced pseudo-gradient ``I`` of the round in flight, once
+        its reduction is done (until merged)."""
+        self.carry: torch.Tensor | None = None
+        """The eager merge: the correction ``C`` waiting for the next outer step (None: 0)."""
 
     # ------------------------------------------------------------------ state
     @property
@@ -287,7 +298,7 @@ class SyncUnit:
         self.anchor = flat
         self.outer = self.outer_cls([self.anchor], **self.outer_kwargs) if self.outer_cls else None
         self.error = torch.zeros_like(flat) if self.error_feedback else None
-        self.launch = None
+        self.launch = self.incoming = self.carry = None
 
     def pseudo_grad(self, theta: torch.Tensor | None = None) -> torch.Tensor:
         """``delta = A - theta`` on the parameters' device (fp32, flat).
@@ -305,11 +316,15 @@ class SyncUnit:
         """Merge the (new) anchor into the live parameters after a delayed sync.
 
         Args:
-            rule: "blend" (``theta <- lerp(A, theta, alpha)``) or "keep_local"
-                (``theta <- A + (theta - theta_at_launch)``).
+            rule: "blend" (``theta <- lerp(A, theta, alpha)``), "keep_local"
+                (``theta <- A + (theta - theta_at_launch)``) or "eager"
+                (:meth:`eager_merge`).
             alpha: the blend's share of the live parameters.
         """
         assert self.anchor is not None
+        if rule == "eager":
+            self.eager_merge()  # the live parameters stay
+            return
         anchor = self.anchor.to(self.device, non_blocking=True)
         if rule == "keep_local":
             assert self.launch is not None, "keep_local merge without a launch snapshot"
@@ -319,6 +334,43 @@ class SyncUnit:
         else:
             self.load_flat(torch.lerp(anchor, self.flat_params(), alpha))
         self.launch = None
+
+    @torch.no_grad()
+    def eager_launch(self) -> None:
+        """The eager merge's launch (section 3c): ``D = A - theta`` is kept for the round's
+        reduction, the outer step takes ``C + D / R`` (this replica's own share now), and
+        ``theta <- A``. Main thread; the round's jobs read only ``D``."""
+        delta = self.pseudo_grad()
+        self.launch = delta
+        step = delta / self.eager_replicas
+        if self.carry is not None:
+            step = self.carry.to(step.device) + step
+            self.carry = None
+        self.outer_step(step)
+        self.write_back()
+
+    @torch.no_grad()
+    def eager_merge(self) -> None:
+        """The eager merge of the round in flight: ``C <- C + I - D / R`` (the others'
+        shares, and this replica's at its real weight instead of ``1 / R``); the live
+        parameters stay. ``I`` is None when nobody was trusted for the unit (0)."""
+        assert self.launch is not None, "eager merge without a round in flight"
+        corr = -(self.launch / self.eager_replicas)
+        if self.incoming is not None:
+            corr = self.incoming.to(corr.device) + corr
+        if self.carry is not None:
+            corr = self.carry.to(corr.device) + corr
+        self.carry = corr.to(self.anchor.device if self.anchor is not None else corr.device)
+        self.launch = self.incoming = None
+
+    def take_carry(self, reduced: torch.Tensor) -> torch.Tensor:
+        """``reduced + C`` for an outer step that consumes the eager correction (a blocking
+        round: the end of training); ``C`` is reset."""
+        if self.carry is None:
+            return reduced
+        out = self.carry.to(reduced.device) + reduced
+        self.carry = None
+        return out
 
     @torch.no_grad()
     def outer_step(self, reduced: torch.Tensor) -> None:
@@ -354,7 +406,8 @@ class SyncUnit:
         """Bytes held by the anchor, outer state, error feedback and launch snapshot, split
         by device type."""
         out: dict[str, int] = {}
-        tensors = [t for t in (self.anchor, self.error, self.launch) if t is not None]
+        tensors = [t for t in (self.anchor, self.error, self.launch, self.incoming, self.carry)
+                   if t is not None]
         if self.outer is not None:
             for state in self.outer.state.values():
                 tensors += [v for v in state.values() if torch.is_tensor(v) and v.dim() > 0]
@@ -381,6 +434,17 @@ class SyncUnit:
             out["replica.error_feedback"] = self.error
         if self.launch is not None:
             out["replica.launch"] = self.launch
+        if self.eager_replicas:
+            # The eager merge: anchor and outer state are this replica's own (the entries
+            # above are one replica's, for an elastic resume), and so are I and C.
+            for key in [k for k in out if not k.startswith("replica.")]:
+                value = out[key]
+                if torch.is_tensor(value) and value.dim() > 0:
+                    out[f"replica.{key}"] = value
+            if self.incoming is not None:
+                out["replica.incoming"] = self.incoming
+            if self.carry is not None:
+                out["replica.carry"] = self.carry
         return out
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
@@ -396,8 +460,10 @@ class SyncUnit:
         if not sd:
             self.anchor, self.outer = None, None
             return
-        known = ("anchor", "replica.error_feedback", "replica.launch")
-        unknown = [k for k in sd if k not in known and not k.startswith("outer.")]
+        known = ("anchor", "replica.error_feedback", "replica.launch", "replica.anchor",
+                 "replica.incoming", "replica.carry")
+        unknown = [k for k in sd if k not in known and not k.startswith(("outer.",
+                                                                          "replica.outer."))]
         if unknown:
             raise ValueError(f"unit {self.name}: unknown state entries {unknown}")
         if "anchor" not in sd:
@@ -408,14 +474,22 @@ class SyncUnit:
                 f"unit {self.name}: checkpoint anchor has {anchor.numel()} elements, "
                 f"this shard has {self.numel}"
             )
+        own = self.eager_replicas and "replica.anchor" in sd  # this replica's own state
         self.create_anchor()
         assert self.anchor is not None
-        self.anchor.copy_(anchor.reshape(-1))
+        self.anchor.copy_(sd["replica.anchor" if own else "anchor"].reshape(-1))
         if self.error is not None and "replica.error_feedback" in sd:
             self.error.copy_(sd["replica.error_feedback"].reshape(-1))
         if "replica.launch" in sd:
             self.launch = sd["replica.launch"].reshape(-1).to(self.device).float().clone()
+        for key in ("incoming", "carry"):
+            if self.eager_replicas and f"replica.{key}" in sd:
+                setattr(self, key, sd[f"replica.{key}"].reshape(-1).float().clone().to(
+                    self.device if key == "incoming" else self.anchor.device))
         outer = {k[len("outer."):]: v for k, v in sd.items() if k.startswith("outer.")}
+        if own:
+            outer.update({k[len("replica.outer."):]: v for k, v in sd.items()
+                          if k.startswith("replica.outer.")})
         if not outer:
             return
         if self.outer is None:

@@ -84,6 +84,9 @@ class Reduction:
     def pseudo_grad(self, rnd: SyncRound, u: int) -> torch.Tensor:
         """Unit ``u``'s pseudo-gradient in ``rnd`` (a delayed round: from its launch snapshot)."""
         unit = self.units[u]
+        if rnd.delayed and unit.eager_replicas:
+            assert unit.launch is not None
+            return unit.launch  # the eager merge keeps D itself (the anchor moved on)
         return unit.pseudo_grad(unit.launch if rnd.delayed else None)
 
     @torch.no_grad()
@@ -134,6 +137,7 @@ class Reduction:
         first, the reduced pseudo-gradient kept in ``rnd.tentative``). Comm thread."""
         u = rnd.units[i]
         unit = self.units[u]
+        eager = bool(unit.eager_replicas)
         if unit.anchor is None:
             raise RuntimeError("sync before anchors exist (warm-up not finished)")
         with record_function("editrain::sync::unit"):
@@ -149,6 +153,11 @@ class Reduction:
                     # progress (a delayed round merges it as usual).
                     if rnd.tentative is not None:
                         rnd.tentative[i] = None
+                    elif eager and rnd.delayed:
+                        unit.incoming = None  # I = 0: the merge takes the own share back
+                    elif eager:
+                        unit.outer_step(unit.take_carry(torch.zeros_like(unit.anchor)))
+                        unit.write_back()
                     elif not rnd.delayed:
                         unit.write_back()
                     rnd.clip.append(float("nan"))
@@ -164,7 +173,9 @@ class Reduction:
                 weight = 1.0 / self.num_replicas
                 weights = [weight] * self.num_replicas
             delta = self.pseudo_grad(rnd, u)
-            if rnd.delayed and self.config.merge != "keep_local":
+            if rnd.delayed and eager:
+                delta = delta.clone()  # D stays for the merge
+            elif rnd.delayed and self.config.merge != "keep_local":
                 unit.launch = None  # only keep_local needs the snapshot at the merge
             if weight == 0.0:
                 delta.zero_()  # an excluded replica sends zeros (even if its delta is NaN)
@@ -196,6 +207,11 @@ class Reduction:
             if rnd.tentative is not None:
                 rnd.tentative[i] = reduced  # applied once the round commits
                 return
+            if eager and rnd.delayed:
+                unit.incoming = reduced  # I: enters the outer step at the merge (3c)
+                return
+            if eager:
+                reduced = unit.take_carry(reduced)  # a blocking round: C + I now
             unit.outer_step(reduced)
             if not rnd.delayed:
                 unit.write_back()

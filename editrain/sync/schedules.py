@@ -11,7 +11,8 @@ add a schedule") walks through writing one.
 - :class:`BlockingSchedule`: every ``H`` steps (or ``T`` seconds, A-EDiT), layer-wise in the
   next forward or at once at the step boundary (DiLoCo, Post-Local SGD).
 - :class:`StreamingSchedule`: fragments that take turns, merged ``overlap_steps`` later
-  (``docs/streaming.md``).
+  (``docs/streaming.md``); with the eager merge a whole round later, just before the
+  fragment launches again (section 3c).
 - :class:`NonBlockingSchedule`: A-EDiT whose rendezvous and reduction run behind the next
   ``overlap_steps`` inner steps.
 - The fault-tolerant mode's schedule is in :mod:`editrain.sync.ft_round`.
@@ -110,11 +111,14 @@ class BlockingSchedule(Schedule):
         # A-EDiT replicas may differ in steps_since_sync: they all rendezvous to decide.
         counts = (self.rendezvous(eng.clock.elapsed(), allow_skip=False)
                   if eng.config.use_async else None)
-        if (counts is None and not eng.steps_since_sync) or (
-                counts is not None and float(counts.sum()) == 0):
+        eager = eng.config.merge == "eager"  # its last round always runs (C is pending)
+        if not eager and ((counts is None and not eng.steps_since_sync) or (
+                counts is not None and float(counts.sum()) == 0)):
             return
         eng.num_syncs_forced += 1
         eng.run_now(counts)
+        if eager:
+            eng.eager_consensus()
 
     def sync_point(self) -> float | None:
         eng = self.engine
@@ -153,7 +157,7 @@ class StreamingSchedule(Schedule):
         eng.settle()  # what no training forward took: merged or run now
         if eng.inflight and eng.inflight[0].apply_at == eng.global_step:
             rnd = eng.inflight.pop(0)
-            if cfg.layerwise:
+            if cfg.layerwise and cfg.merge != "eager":
                 eng.merge_in_next_forward(rnd)
             else:
                 eng.merge_now(rnd)
@@ -172,6 +176,8 @@ class StreamingSchedule(Schedule):
         if eng.global_step > eng.config.local_sgd_warmup_steps:
             eng.num_syncs_forced += 1
             eng.run_now(None, list(range(len(eng.units))))
+            if eng.config.merge == "eager":
+                eng.eager_consensus()
 
     def sync_point(self) -> float | None:
         # In lock-step, but never all holding one model: every step is a point (evaluate

@@ -165,7 +165,10 @@ def check_fault_tolerant(cfg: SyncConfig, replicas_in_world: int) -> None:
     elif cfg.local_sgd_warmup_steps:
         problems.append("sync.local_sgd_warmup_steps must be 0 (warm-up averages gradients "
                         "at every step)")
-    if cfg.use_async and cfg.overlap_steps > 0:
+    if cfg.merge == "eager":
+        problems.append("sync.merge = 'eager' is not supported yet (per-replica outer state "
+                        "would have to travel with a heal)")
+    elif cfg.use_async and cfg.overlap_steps > 0:
         problems.append("non-blocking A-EDiT (sync.overlap_steps > 0) is not supported yet")
     elif cfg.streaming and cfg.is_local_sgd and cfg.local_sgd_sync_interval:
         gap = cfg.local_sgd_sync_interval // cfg.fragments
@@ -222,7 +225,8 @@ def build_units(model: nn.Module, blocks: Sequence[nn.Module], cfg: SyncConfig, 
     units = [
         SyncUnit(i, n, ps, outer_cls, cfg.outer_optim_kwargs or {}, cfg.cpu_offload,
                  error_feedback=feedback, part=part, gather=gather if part else None,
-                 copies=None if part else [copies_in_replica(p, size) for p in ps])
+                 copies=None if part else [copies_in_replica(p, size) for p in ps],
+                 eager_replicas=topo.num_replicas if cfg.merge == "eager" else 0)
         for i, (n, ps) in enumerate(entries)
     ]
     if cfg.fragments > len(units):

@@ -13,9 +13,11 @@ relative to wherever the caller puts the tree::
     replicas.<r>.<fqn>.<entry>
                             per-element state of replica ``r`` only, laid out the same way:
                             ``error_feedback`` (quantisation residual) and ``launch`` (the
-                            parameters when a delayed sync in flight was launched). Kept
-                            when the number of replicas is unchanged (``launch``: only on
-                            the saving topology), dropped otherwise.
+                            parameters when a delayed sync in flight was launched); with
+                            the eager merge also ``anchor`` and ``outer.<key>`` (each
+                            replica's own), ``incoming`` and ``carry``. Kept when the number
+                            of replicas is unchanged (``launch``, ``incoming``, ``carry``:
+                            only on the saving topology), dropped otherwise.
     units.<index>.<entry>   per-unit scalar tensors (e.g. ``outer.step``), identical everywhere
     ranks.rank<NNNNN>       one rank's plain state (counters, detectors, RNG seed, topology) as
                             a uint8 tensor of JSON: nothing in the tree is pickled
@@ -250,7 +252,7 @@ class StateLayout:
                     state[entry] = unit.own_part(
                         self._from_params({f: params[f][entry] for f in fqns}, u))
                 for entry in own.get(fqns[0], {}):
-                    if entry == "launch" and elastic:
+                    if entry in ("launch", "incoming", "carry") and elastic:
                         continue  # rounds in flight are not carried across topologies
                     state[_OWN + entry] = unit.own_part(
                         self._from_params({f: own[f][entry] for f in fqns}, u))
