@@ -148,11 +148,13 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("bench", help="run a benchmark scenario side by side",
                        description="Run the methods side by side on one scenario and write "
                                    "results.json, a Markdown table and plots.")
-    p.add_argument("scenario", help="convergence, bandwidth, stragglers, spikes, memory, "
-                   "overlap, optimizers, peers, all, or report (writes docs/benchmarks.md); "
+    p.add_argument("scenario", help="default, convergence, tune, bandwidth, stragglers, "
+                   "spikes, memory, overlap, optimizers, peers, faults, plan, all, or report "
+                   "(writes docs/benchmarks.md); "
                    "further options: --full (the credible size: minutes to hours), --tiny "
                    "(smoke-test size), --repeats N (interleaved repeats; default 1 tiny, 3 "
-                   "quick, 5 full), --seeds N, --path FILE and --readme FILE (report: also "
+                   "quick, 5 full), --seeds N, --links A,B (bandwidth), --methods A,B "
+                   "(convergence), --path FILE and --readme FILE (report: also "
                    "rewrite the README's headline between its bench-headline markers), and "
                    "any --section.key=value applied to every run")
     p.add_argument("--quick", action="store_true", help="tiny settings (minutes on 2 cores)")

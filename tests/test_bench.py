@@ -170,6 +170,36 @@ def test_convergence_smoke(tmp_path, cache):
     assert any("Paired differences" in t["title"] for t in saved["tables"])
 
 
+def test_tune_smoke(tmp_path, cache):
+    """The study at the smoke-test size: sync and edit at the base, one warm-up level, the
+    recipe; every row's gap is edit - sync of its own runs, paired."""
+    saved, _ = _run("tune", tmp_path, cache)
+    _runs_ok(saved, count=4)  # sync, edit, edit with warm-up, the recipe
+    rows = {(r["factor"], r["level"]): r for r in saved["results"]["rows"]}
+    assert set(rows) >= {("base", ""), ("warmup", "1")}
+    for r in rows.values():
+        assert r["gap"]["n"] == 1
+        assert r["gap"]["mean"] == pytest.approx(r["edit"]["mean"] - r["sync"]["mean"])
+        assert r["relative_gap"] == pytest.approx(r["gap"]["mean"] / r["sync"]["mean"])
+    assert saved["targets"][0]["met"] in (True, False)
+    assert (tmp_path / "tune" / "gap_by_factor.png").is_file()
+
+
+def test_tune_recipe_takes_each_factors_best_level():
+    from editrain.bench import tune
+
+    def row(gap):
+        return tune._row([5.0 + gap], [5.0])
+
+    grid = {"warmup": [("0", {}), ("12", {}), ("30", {})], "H": [("10", {}), ("5", {})],
+            "tokens": [("1x", {}), ("2x", {})]}
+    rows = {("base", ""): row(0.5), ("warmup", "12"): row(0.2), ("warmup", "30"): row(0.3),
+            ("H", "5"): row(0.7), ("tokens", "2x"): row(0.1)}
+    # warm-up 12 beats the base; H = 5 does not; tokens are not a setting of the method
+    assert tune._recipe(grid, rows) == {"warmup": "12", "H": "10", "tokens": "1x"}
+    assert rows[("warmup", "12")]["relative_gap"] == pytest.approx(0.2 / 5.0)
+
+
 def test_convergence_methods_flag_picks_a_subset(tmp_path):
     from editrain.bench import convergence
 

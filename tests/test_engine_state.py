@@ -204,3 +204,57 @@ def test_error_feedback_is_kept_per_replica_and_reset_when_the_replica_count_cha
             assert torch.equal(states[0]["replica.error_feedback"], unit.error), topology
         else:
             assert "replica.error_feedback" not in states[0], topology
+
+
+def test_eager_state_is_per_replica_and_restored_on_the_same_replica_count():
+    """The eager merge: each replica's own anchor, outer momentum, round in flight (D, I) and
+    correction C are saved under that replica; restored as saved on the saving topology;
+    on another shard size the anchor and momentum stay the replica's own but the round in
+    flight is dropped; on another number of replicas only the shared entries remain."""
+    from editrain.sync.outer import SyncUnit
+    from editrain.sync.state import StateLayout
+
+    model = nn.Linear(3, 2, bias=False)
+    sgd = dict(lr=0.7, momentum=0.9, nesterov=True)
+
+    def make() -> SyncUnit:
+        return SyncUnit(0, "root", list(model.parameters()), torch.optim.SGD, sgd,
+                        cpu_offload=False, eager_replicas=2)
+
+    unit = make()
+    unit.create_anchor()
+    with torch.no_grad():
+        model.weight.copy_(unit.anchor.view(2, 3) - torch.arange(6.0).view(2, 3) / 10)
+    unit.eager_launch()  # D = A - theta; own share applied; theta <- A
+    torch.testing.assert_close(unit.launch, torch.arange(6.0) / 10)
+    unit.incoming = torch.full((6,), 0.25)
+    unit.eager_merge()  # C = I - D / 2
+    torch.testing.assert_close(unit.carry, 0.25 - torch.arange(6.0) / 20)
+    unit.eager_launch()  # a second round in flight: D = 0 (theta == A), C consumed
+    assert unit.carry is None and torch.equal(unit.launch, torch.zeros(6))
+    unit.incoming = torch.full((6,), -1.0)
+    unit.carry = torch.full((6,), 3.0)  # as if a later merge left one (A-EDiT)
+    momentum = unit.outer.state[unit.anchor]["momentum_buffer"]
+    tree = StateLayout([unit], model, rank=2, topology=(2, 2)).pack(
+        [unit.state_dict()], {"global_step": 5})
+    own = tree["replicas"]["1"]["weight"]
+    assert set(own) == {"anchor", "outer.momentum_buffer", "launch", "incoming", "carry"}
+    tree["ranks"]["rank00000"] = tree["ranks"]["rank00002"]  # rank 0's plain state
+    # Another replica's values in the shared entries (DCP keeps one replica's copy).
+    tree["params"]["weight"]["anchor"] = torch.zeros(2, 3)
+    for topology, rank, kept, in_flight in (((2, 2), 2, True, True), ((2, 1), 1, True, False),
+                                            ((4, 1), 1, False, False)):
+        states, _, _ = StateLayout([unit], model, rank=rank, topology=topology).unpack(tree)
+        fresh = make()
+        fresh.load_state_dict(states[0])
+        if kept:
+            assert torch.equal(fresh.anchor, unit.anchor), topology
+            assert torch.equal(fresh.outer.state[fresh.anchor]["momentum_buffer"], momentum)
+        else:
+            assert torch.equal(fresh.anchor, torch.zeros(6)), topology
+        if in_flight:
+            assert torch.equal(fresh.launch, unit.launch)
+            assert torch.equal(fresh.incoming, unit.incoming)
+            assert torch.equal(fresh.carry, unit.carry)
+        else:
+            assert fresh.launch is None and fresh.incoming is None and fresh.carry is None

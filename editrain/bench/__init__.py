@@ -10,6 +10,8 @@ default     `editrain train` with every option at its default: validation loss o
             whole held-out split, time, throughput (the README's quick-start figures)
 convergence validation loss vs tokens of sync, post_local_sgd, diloco, edit, aedit (full:
             tiny preset, 2,000 steps, 3 seeds, paired differences; about an hour)
+tune        what closes EDiT's gap to sync at equal tokens: warm-up, H, outer lr and
+            momentum, inner lr, penalty, tokens, shape, one at a time, then the recipe
 bandwidth   tokens/s of sync, diloco, edit as the simulated link gets slower
 stragglers  tokens/s and loss with a 2x straggler or random stalls (sync, edit, aedit)
             against the measured limit (each replica's solo speed)
@@ -56,7 +58,7 @@ from typing import Any
 
 from editrain.config import ConfigError
 
-SCENARIOS = ("default", "convergence", "bandwidth", "stragglers", "spikes", "memory",
+SCENARIOS = ("default", "convergence", "tune", "bandwidth", "stragglers", "spikes", "memory",
              "overlap", "optimizers", "peers", "faults", "plan")
 """Scenario names in the order ``all`` runs them (and the report lists them)."""
 

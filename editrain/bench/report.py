@@ -291,6 +291,18 @@ def readme_headline(records: Sequence[dict[str, Any]]) -> str:
                     f"{spread_cell(k)}x at " + n.replace("+", " + ").replace(
                         "MB/s", " MB/s").replace("ms", " ms") for n, k in kept)
                 + " of its unlimited-link throughput")
+    eager = next((r for r in reversed(fresh) if r.get("scenario") == "bandwidth"
+                  and "0.25MB/s+50ms" in (r.get("results", {}).get("edit-sparse-eager") or {})),
+                 None)
+    if eager:
+        kept = [(n, (eager["results"]["edit-sparse-eager"].get(n, {}).get("vs_unlimited")
+                     or {})) for n in ("1MB/s+50ms", "0.25MB/s+50ms")]
+        kept = [(n, k) for n, k in kept if k.get("median") is not None]
+        if kept:
+            clauses.append(
+                "with the whole round in flight and the eager merge (sparse 2-bit), "
+                + " and ".join(f"{spread_cell(k)}x at " + n.replace("+", " + ").replace(
+                    "MB/s", " MB/s").replace("ms", " ms") for n, k in kept))
     real = next((r for r in reversed(fresh) if r.get("scenario") == "real_link"), None)
     if real and real.get("headline"):
         clauses += list(real["headline"])
@@ -314,10 +326,12 @@ def readme_headline(records: Sequence[dict[str, Any]]) -> str:
             clause = (f"streaming EDiT's validation loss after {st.get('steps')} steps "
                       f"({st.get('seeds')} seeds) is {vs_e['mean']:+.3f} +- "
                       f"{vs_e.get('std') or 0:.3f} against EDiT's")
-            sparse = streaming["results"].get("edit-sparse") or {}
-            sp_e = sparse.get("paired_vs_edit") or {}
-            if sp_e.get("mean") is not None:
-                clause += (f", sparse EDiT's {sp_e['mean']:+.3f} +- {sp_e.get('std') or 0:.3f}")
+            for variant, what in (("edit-sparse", "sparse EDiT's"),
+                                  ("edit-eager", "eager EDiT's (a whole round in flight)"),
+                                  ("edit-sparse-eager", "sparse eager EDiT's")):
+                sp_e = (streaming["results"].get(variant) or {}).get("paired_vs_edit") or {}
+                if sp_e.get("mean") is not None:
+                    clause += f", {what} {sp_e['mean']:+.3f} +- {sp_e.get('std') or 0:.3f}"
             clauses.append(clause)
     peers = by_name.get("peers")
     if peers and not peers.get("skipped"):

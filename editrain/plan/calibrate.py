@@ -210,6 +210,7 @@ def _settings(cfg: dict[str, Any]) -> tuple[MethodSpec, ModelSpec]:
     method = MethodSpec(
         method=method_name, H=int(_get(cfg, "sync", "local_sgd_sync_interval", 32) or 32),
         fragments=int(sync.get("fragments", 1)), overlap=int(sync.get("overlap_steps", 0)),
+        eager=sync.get("merge") == "eager",
         codec=sync.get("comm_dtype", "fp32") if method_name not in (
             "sync", "post_local_sgd") else "fp32",
         error_feedback=bool(sync.get("error_feedback", True)),

@@ -284,8 +284,8 @@ class MethodSpec:
     ft: bool = False
     """torchft fault-tolerant rounds (``--ft``): blocking, with a quorum per round."""
     eager: bool = False
-    """Planning only (no editrain method): a round may take a whole inner phase, as with
-    the Eager Updates paper's one-outer-step eager overlap."""
+    """The eager merge (``sync.merge = "eager"``, ``docs/streaming.md`` section 3c): a
+    round may take a whole inner phase, the Eager Updates paper's one-outer-step overlap."""
     grad_overlap: bool = False
     """sync: reduce each unit's gradient during the backward (DDP-style); editrain's sync
     reduces after the backward (false)."""
