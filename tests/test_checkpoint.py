@@ -88,6 +88,7 @@ METHODS = {
     "edit_eager": (["--nproc", "4", "--shard-size", "2"],
                    ["--sync.local_sgd_sync_interval", "4", "--sync.fragments", "2",
                     "--sync.overlap_steps", "4", "--sync.merge", "eager",
+                    "--sync.outer_optim_kwargs", "{lr = 0.7, momentum = 0.9, nesterov = true}",
                     "--sync.comm_dtype", "int8", "--sync.ewma_warmup_steps", "1",
                     "--model.tie_embeddings", "false"]),
 }

@@ -128,6 +128,13 @@ def test_eager_merge_is_refused_where_it_cannot_apply(kwargs, message):
 def test_eager_merge_is_accepted_with_a_whole_round_in_flight():
     cfg = SyncConfig(merge="eager", local_sgd_sync_interval=4, overlap_steps=4, fragments=2)
     assert cfg.resolve().merge == "eager"
+    # its outer SGD without momentum unless set; the sparse codecs' recipe wins over it
+    assert cfg.resolve().outer_optim_kwargs == {"lr": 1.0, "momentum": 0.0, "nesterov": False}
+    assert SyncConfig(merge="eager", local_sgd_sync_interval=4, overlap_steps=4,
+                      comm_dtype="topk2").resolve().outer_optim_kwargs["lr"] == 2.0
+    given = {"lr": 0.7, "momentum": 0.9, "nesterov": True}
+    assert SyncConfig(merge="eager", local_sgd_sync_interval=4, overlap_steps=4,
+                      outer_optim_kwargs=given).resolve().outer_optim_kwargs == given
     assert SyncConfig(method="aedit", merge="eager", overlap_steps=1).streaming
     with pytest.raises(ValueError, match="= 4 only with sync.merge = 'eager'"):
         SyncConfig(local_sgd_sync_interval=4, overlap_steps=4)

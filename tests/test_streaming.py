@@ -62,7 +62,8 @@ CASES = {
     "topk2": _case("edit", 11, overlap_steps=1, fragments=2, comm_dtype="topk2",
                    topk_chunk=256, topk_k=12, **PEN_ON),
     # eager merges (section 3c): a whole round in flight (tau = H), the own share at once
-    "eager": _case("edit", 11, overlap_steps=4, merge="eager", **PEN_ON),
+    "eager": _case("edit", 11, overlap_steps=4, merge="eager", **PEN_ON,
+                   outer_optim_kwargs={"lr": 0.7, "momentum": 0.9, "nesterov": True}),
     "eager_p2_int8": _case("edit", 11, overlap_steps=4, fragments=2, merge="eager",
                            comm_dtype="int8", **PEN_ON),
     "eager_topk2": _case("diloco", 10, overlap_steps=4, fragments=2, merge="eager",

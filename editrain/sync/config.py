@@ -23,6 +23,10 @@ REDUCERS = ("linear", "gta")
 CONSENSUS = ("sum", "count")
 SPARSIFICATION = ("magnitude", "random", "rescaled_random")
 MERGES = ("blend", "keep_local", "eager")
+EAGER_OUTER_SGD = {"lr": 1.0, "momentum": 0.0, "nesterov": False}
+"""The eager merge's outer SGD when ``outer_optim_kwargs`` is unset (docs/streaming.md
+section 3c): Nesterov momentum 0.9 on top of the eager proxy oscillated in the convergence
+benchmark; without momentum it ended below plain EDiT."""
 COMM_DTYPES = ("fp32", "bf16", "int8", "int4", "topk2", "topk1")
 SPARSE_CODECS = tuple(sparse_codec.BITS)
 
@@ -149,7 +153,7 @@ class SyncConfig:
     outer_optim_kwargs: dict[str, Any] | None = None
     """Keyword arguments of the outer optimizer (default for sgd: lr 0.7, momentum 0.9,
     nesterov; with comm_dtype topk2 / topk1: lr 2, no momentum, the decayed error feedback
-    standing in for it)."""
+    standing in for it; else with merge = "eager": lr 1, no momentum)."""
     cpu_offload: bool = False
     """Keep anchors and outer optimizer state in CPU memory between syncs."""
     prefetch_depth: int = 1
@@ -401,5 +405,7 @@ class SyncConfig:
         given = out.outer_optim_kwargs
         if given is None and cls is torch.optim.SGD and out.comm_dtype in SPARSE_CODECS:
             given = dict(sparse_codec.OUTER_SGD)  # the sparse codecs' recipe (section 4b)
+        elif given is None and cls is torch.optim.SGD and out.merge == "eager":
+            given = dict(EAGER_OUTER_SGD)  # the eager merge's recipe (section 3c)
         out.outer_optim_kwargs = outer_kwargs(cls, given)
         return out
