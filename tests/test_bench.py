@@ -174,8 +174,13 @@ def test_tune_smoke(tmp_path, cache):
     """The study at the smoke-test size: sync and edit at the base, one warm-up level, the
     recipe; every row's gap is edit - sync of its own runs, paired."""
     saved, _ = _run("tune", tmp_path, cache)
-    _runs_ok(saved, count=4)  # sync, edit, edit with warm-up, the recipe
     rows = {(r["factor"], r["level"]): r for r in saved["results"]["rows"]}
+    moved = saved["results"]["recipe"] != {"warmup": "0"}
+    # sync, edit, edit with warm-up; the recipe runs only where it is not the base
+    _runs_ok(saved, count=3 + moved)
+    recipe = next(r for (f, _), r in rows.items() if f == "recipe")
+    if not moved:
+        assert recipe["edit_per_seed"] == rows[("base", "")]["edit_per_seed"]
     assert set(rows) >= {("base", ""), ("warmup", "1")}
     for r in rows.values():
         assert r["gap"]["n"] == 1
@@ -198,6 +203,23 @@ def test_tune_recipe_takes_each_factors_best_level():
     # warm-up 12 beats the base; H = 5 does not; tokens are not a setting of the method
     assert tune._recipe(grid, rows) == {"warmup": "12", "H": "10", "tokens": "1x"}
     assert rows[("warmup", "12")]["relative_gap"] == pytest.approx(0.2 / 5.0)
+
+
+def test_tune_recipe_composes_the_outer_optimizer_from_both_factors():
+    """The outer lr and momentum are one option table: a recipe with both moved sets both
+    (the later level's table must not silently win whole)."""
+    from editrain.bench import tune
+
+    grid = {"outer_lr": [("0.7", {}), ("0.4", {"sync": {"outer_optim_kwargs": {"lr": 0.4}}})],
+            "outer_momentum": [("0.9", {}), ("0.0", {})],
+            "warmup": [("0", {}), ("30", {"sync": {"local_sgd_warmup_steps": 30}})]}
+    got = tune.recipe_options(grid, {"outer_lr": "0.4", "outer_momentum": "0.0",
+                                     "warmup": "30"})
+    assert got == [{"sync": {"local_sgd_warmup_steps": 30}},
+                   {"sync": {"outer_optim_kwargs": {"lr": 0.4, "momentum": 0.0,
+                                                    "nesterov": False}}}]
+    assert tune.recipe_options(grid, {"outer_lr": "0.7", "outer_momentum": "0.9",
+                                      "warmup": "0"}) == []
 
 
 def test_convergence_methods_flag_picks_a_subset(tmp_path):

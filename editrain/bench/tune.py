@@ -93,8 +93,8 @@ def run(bench: Bench) -> dict[str, Any]:
             bench.check(common, base, layer)
     # Per seed: sync and edit at the base, every other level of every factor, the sync
     # runs of the levels that change sync's run too, and the recipe.
-    per_seed = (2 + sum(len(v) - 1 for v in grid.values())
-                + sum(len(grid[f]) - 1 for f in SYNC_FACTORS if f in grid) + 1)
+    sync_levels = sum(len(grid[f]) - 1 for f in SYNC_FACTORS if f in grid)
+    per_seed = 2 + sum(len(v) - 1 for v in grid.values()) + 2 * sync_levels + 1
     bench.plan(seeds * per_seed)
 
     def train(label: str, seed: int, *layers: dict) -> float | None:
@@ -119,14 +119,21 @@ def run(bench: Bench) -> dict[str, Any]:
 
     rows = {key: _row(edit[key], sync_of[key]) for key in edit}
     recipe = _recipe(grid, rows)
-    recipe_layers = [layer for f, label in recipe.items()
-                     for lab, layer in grid[f] if lab == label and label != grid[f][0][0]]
-    recipe_edit, recipe_sync = [], []
-    for seed in range(seeds):
-        recipe_edit.append(train("edit-recipe", seed, base, *recipe_layers))
-        recipe_sync.append(sync_of[("base", "")][seed])
-    rows[("recipe", "+".join(f"{f}={v}" for f, v in recipe.items()
-                             if v != grid[f][0][0]) or "base")] = _row(recipe_edit, recipe_sync)
+    recipe_layers = recipe_options(grid, recipe)
+    label = "+".join(f"{f}={v}" for f, v in recipe.items() if v != grid[f][0][0]) or "base"
+    if recipe_layers:
+        recipe_edit = [train("edit-recipe", seed, base, *recipe_layers)
+                       for seed in range(seeds)]
+    else:
+        recipe_edit = list(edit[("base", "")])  # no level beat the base: the base's runs
+    rows[("recipe", label)] = _row(recipe_edit, list(sync_of[("base", "")]))
+    # The recipe at every other length and shape, against sync at that length and shape:
+    # does what closes the gap at the base still close it with more tokens, another model?
+    for factor in (f for f in SYNC_FACTORS if f in grid and recipe_layers):
+        for lv, layer in grid[factor][1:]:
+            runs_ = [train(f"edit-recipe-{factor}-{lv}", seed, base, *recipe_layers, layer)
+                     for seed in range(seeds)]
+            rows[(f"recipe, {factor}", lv)] = _row(runs_, sync_of[(factor, lv)])
 
     results = {"rows": [{"factor": f, "level": lv, **row} for (f, lv), row in rows.items()],
                "recipe": recipe}
@@ -154,7 +161,10 @@ def run(bench: Bench) -> dict[str, Any]:
         f"preset, H = {interval}; validation over the whole held-out split at the end.",
         "Each row moves one factor from the base to the level shown, everything else at the "
         "base; sync runs again only where the factor changes its run (tokens, shape). The "
-        "recipe row sets every factor to the level with the smallest mean gap, together.",
+        "recipe row sets every factor to the level with the smallest mean gap, together "
+        "(tokens and shape stay at the base: they are not settings of the method); the "
+        "'recipe, tokens' and 'recipe, shape' rows run the recipe at those lengths and on "
+        "that shape, against sync's runs there.",
         f"Outer optimizer levels are Nesterov SGD (momentum 0: plain SGD) with lr "
         f"{OUTER_LR} / momentum {OUTER_MOMENTUM} unless the row says otherwise; shape "
         f"'blocks' is {', '.join(f'{k} {v}' for k, v in BLOCKS_SHAPE.items())} on the tiny "
@@ -187,6 +197,22 @@ def _row(edit: list[float | None], sync: list[float | None]) -> dict[str, Any]:
             "edit_per_seed": edit, "sync_per_seed": sync}
 
 
+def recipe_options(grid: dict[str, list[tuple[str, dict]]], recipe: dict[str, str]
+                   ) -> list[dict[str, Any]]:
+    """The option layers of a recipe (each factor at its chosen level; nothing for a factor
+    at its base level). The outer learning rate and momentum are one option
+    (``sync.outer_optim_kwargs``), so they are composed into one table here: each level's
+    own table names both, and the later one would otherwise win whole."""
+    layers = [layer for f, label in recipe.items() if f not in ("outer_lr", "outer_momentum")
+              for lab, layer in grid[f] if lab == label and label != grid[f][0][0]]
+    lr = float(recipe.get("outer_lr", OUTER_LR))
+    momentum = float(recipe.get("outer_momentum", OUTER_MOMENTUM))
+    if (lr, momentum) != (OUTER_LR, OUTER_MOMENTUM):
+        layers.append({"sync": {"outer_optim_kwargs": {"lr": lr, "momentum": momentum,
+                                                       "nesterov": momentum > 0}}})
+    return layers
+
+
 def _recipe(grid: dict[str, list[tuple[str, dict]]],
             rows: dict[tuple[str, str], dict[str, Any]]) -> dict[str, str]:
     """Per factor, the level with the smallest mean relative gap (the base's level when no
@@ -214,6 +240,12 @@ def _findings(grid, rows, base_row, recipe_row, recipe_label) -> list[str]:
         out.append(f"{factor}: gap " + ", ".join(parts) + ".")
     out.append(f"Recipe ({recipe_label}): edit - sync = {_pm(recipe_row['gap'])} "
                f"({_pct(recipe_row['relative_gap'])}).")
+    for factor in SYNC_FACTORS:
+        at = [(lv, r) for (f, lv), r in rows.items() if f == f"recipe, {factor}"]
+        if at:
+            out.append(f"The recipe at other {factor}: " + ", ".join(
+                f"{lv} {_pct(r['relative_gap'])} (base setting "
+                f"{_pct(rows[(factor, lv)]['relative_gap'])})" for lv, r in at) + ".")
     return out
 
 
@@ -230,7 +262,15 @@ def _plot(bench: Bench, grid, rows):
         vals = [base["relative_gap"]] + [rows[(factor, lv)]["relative_gap"]
                                          for lv in labels[1:]]
         ax.bar(range(len(labels)), [100 * v if v is not None else 0.0 for v in vals],
-               color=["tab:gray"] + ["tab:blue"] * (len(labels) - 1))
+               color=["tab:gray"] + ["tab:blue"] * (len(labels) - 1), label="one factor")
+        recipe = [r for (f, _), r in rows.items() if f == "recipe"]
+        at = [rows.get((f"recipe, {factor}", lv)) for lv in labels[1:]]
+        if factor in SYNC_FACTORS and recipe and all(at):
+            ys = [recipe[0]["relative_gap"]] + [r["relative_gap"] for r in at]
+            ax.plot(range(len(labels)), [100 * v if v is not None else float("nan")
+                                         for v in ys],
+                    color="tab:green", marker="o", label="recipe")
+            ax.legend(fontsize=7)
         ax.set_xticks(range(len(labels)), labels)
         ax.set_title(factor)
         ax.axhline(2.0, color="tab:red", linestyle="--", linewidth=1)
