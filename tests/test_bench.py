@@ -861,12 +861,28 @@ def test_readme_headline(tmp_path):
     assert ("EDiT keeps 0.98 [0.97-0.99]x at 1 MB/s + 50 ms and 0.93x at 0.25 MB/s + 50 ms of "
             "its unlimited-link throughput") in got
     assert "over a real 1mbit link sparse-topk2 keeps 0.96x" in got
+    # A second bandwidth record of the slow links (with the eager setting): both runs shown.
+    again = {"scenario": "bandwidth", "format": 2, "mode": "quick",
+             "results": {"edit-sparse": {"0.25MB/s+50ms": {"vs_unlimited": spread([1.01])}},
+                         "edit-sparse-eager": {"0.25MB/s+50ms": {
+                             "vs_unlimited": spread([0.87])}}}}
+    got = readme_headline([slow, again])
+    assert "0.93 / 1.01x at 0.25 MB/s + 50 ms (2 runs)" in got, got
+    assert ("with the whole round in flight and the eager merge (sparse 2-bit) it keeps 0.87x "
+            "at 0.25 MB/s + 50 ms") in got
     conv = {"scenario": "convergence", "format": 2, "mode": "quick",
             "settings": {"steps": 120, "seeds": 3},
             "results": {"edit-streaming": {"paired_vs_edit": {"mean": 0.065, "std": 0.012}},
                         "edit-sparse": {"paired_vs_edit": {"mean": 0.02, "std": 0.01}}}}
     assert ("streaming EDiT's validation loss after 120 steps (3 seeds) is +0.065 +- 0.012 "
             "against EDiT's, sparse EDiT's +0.020 +- 0.010") in readme_headline([conv])
+    # A record with the eager variants wins over an older one without.
+    eager = {"scenario": "convergence", "format": 2, "mode": "quick",
+             "settings": {"steps": 120, "seeds": 3},
+             "results": {"edit-streaming": {"paired_vs_edit": {"mean": 0.05, "std": 0.01}},
+                         "edit-eager": {"paired_vs_edit": {"mean": -0.1, "std": 0.02}}}}
+    got = readme_headline([eager, conv])
+    assert "is +0.050 +- 0.010 against EDiT's" in got and "-0.100 +- 0.020" in got, got
 
     root = tmp_path / "root"
     root.mkdir()
