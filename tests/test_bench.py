@@ -205,21 +205,23 @@ def test_tune_recipe_takes_each_factors_best_level():
     assert rows[("warmup", "12")]["relative_gap"] == pytest.approx(0.2 / 5.0)
 
 
-def test_tune_recipe_composes_the_outer_optimizer_from_both_factors():
-    """The outer lr and momentum are one option table: a recipe with both moved sets both
-    (the later level's table must not silently win whole)."""
+def test_tune_recipe_takes_measured_outer_settings_only():
+    """The outer lr and momentum are one factor: the recipe takes a pair that was measured
+    together, and its layers never set one option twice."""
     from editrain.bench import tune
+    from editrain.bench.runner import Bench
 
-    grid = {"outer_lr": [("0.7", {}), ("0.4", {"sync": {"outer_optim_kwargs": {"lr": 0.4}}})],
-            "outer_momentum": [("0.9", {}), ("0.0", {})],
-            "warmup": [("0", {}), ("30", {"sync": {"local_sgd_warmup_steps": 30}})]}
-    got = tune.recipe_options(grid, {"outer_lr": "0.4", "outer_momentum": "0.0",
-                                     "warmup": "30"})
-    assert got == [{"sync": {"local_sgd_warmup_steps": 30}},
-                   {"sync": {"outer_optim_kwargs": {"lr": 0.4, "momentum": 0.0,
-                                                    "nesterov": False}}}]
-    assert tune.recipe_options(grid, {"outer_lr": "0.7", "outer_momentum": "0.9",
-                                      "warmup": "0"}) == []
+    grid = tune.factors(Bench("tune", "quick", Path("unused")), 120, 10)
+    assert "outer" in grid and "outer_lr" not in grid and "outer_momentum" not in grid
+    layers = dict(grid["outer"])
+    assert layers["lr0.7-m0.0"] == {"sync": {"outer_optim_kwargs": {
+        "lr": 0.7, "momentum": 0.0, "nesterov": False}}}
+    recipe = {f: levels[0][0] for f, levels in grid.items()}
+    recipe.update(outer="lr1.0-m0.0", warmup="30")
+    got = tune.recipe_options(grid, recipe)
+    assert got == [{"sync": {"local_sgd_warmup_steps": 30}}, layers["lr1.0-m0.0"]]
+    keys = [k for layer in got for k in layer["sync"]]
+    assert len(keys) == len(set(keys))
 
 
 def test_convergence_methods_flag_picks_a_subset(tmp_path):
