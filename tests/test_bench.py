@@ -885,6 +885,17 @@ def test_readme_headline(tmp_path):
                          "edit-eager": {"paired_vs_edit": {"mean": -0.1, "std": 0.02}}}}
     got = readme_headline([eager, conv])
     assert "is +0.050 +- 0.010 against EDiT's" in got and "-0.100 +- 0.020" in got, got
+    # The tuning study: the gap with the defaults, with the recipe, the recipe at more tokens.
+    tune_rec = {"scenario": "tune", "format": 2, "mode": "quick",
+                "settings": {"steps": 120, "seeds": 2},
+                "results": {"rows": [
+                    {"factor": "base", "level": "", "relative_gap": 0.047},
+                    {"factor": "outer", "level": "lr1.0-m0.0", "relative_gap": 0.0},
+                    {"factor": "recipe", "level": "outer=lr1.0-m0.0", "relative_gap": -0.002},
+                    {"factor": "recipe, tokens", "level": "4x", "relative_gap": 0.03}]}}
+    assert ("a tuning study (120 steps, 2 seeds, paired) takes EDiT's gap to synchronous "
+            "training's validation loss from +4.7% with its defaults to -0.2% with a recipe "
+            "(outer=lr1.0-m0.0); with 4x the tokens it is +3.0%") in readme_headline([tune_rec])
 
     root = tmp_path / "root"
     root.mkdir()

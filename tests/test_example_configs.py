@@ -25,7 +25,7 @@ NEEDS = {"fault_tolerant.toml": "torchft"}
 def test_the_promised_examples_are_shipped():
     assert {f.name for f in FILES} == {"default.toml", "slow_link.toml", "stragglers.toml",
                                        "fault_tolerant.toml", "tensor_parallel.toml",
-                                       "very_slow_link.toml"}
+                                       "very_slow_link.toml", "recipe.toml"}
 
 
 @pytest.mark.parametrize("path", FILES, ids=lambda p: p.stem)
@@ -45,6 +45,11 @@ def test_examples_say_what_they_promise():
     assert slow.sim.link_bandwidth and slow.sim.link_latency
     assert slow.sync.fragments > 1 and slow.sync.overlap_steps > 0
     assert slow.sync.comm_dtype == "int8"
+    recipe = load_config(CONFIGS / "recipe.toml")  # bench tune's recipe (docs/benchmarks.md)
+    assert recipe.sync.method == "edit" and recipe.sync.local_sgd_sync_interval == 20
+    assert recipe.sync.local_sgd_warmup_steps == recipe.train.steps // 4
+    assert recipe.sync.outer_optim_kwargs == {"lr": 1.0, "momentum": 0.0}
+    assert recipe.train.lr == 2 * Config().train.lr
     sparse = load_config(CONFIGS / "very_slow_link.toml")
     assert sparse.sync.comm_dtype == "topk2" and sparse.sim.link_bandwidth
     assert sparse.sync.overlap_steps == sparse.sync.local_sgd_sync_interval - 1

@@ -344,6 +344,23 @@ def readme_headline(records: Sequence[dict[str, Any]]) -> str:
                 if sp_e.get("mean") is not None:
                     clause += f", {what} {sp_e['mean']:+.3f} +- {sp_e.get('std') or 0:.3f}"
             clauses.append(clause)
+    tune = by_name.get("tune")
+    rows = {(r.get("factor"), r.get("level")): r
+            for r in ((tune or {}).get("results") or {}).get("rows", [])}
+    base = rows.get(("base", ""))
+    recipe = next(((lv, r) for (f, lv), r in rows.items() if f == "recipe"), None)
+    if base and recipe and None not in (base.get("relative_gap"),
+                                        recipe[1].get("relative_gap")):
+        longer = [(lv, r["relative_gap"]) for (f, lv), r in rows.items()
+                  if f == "recipe, tokens" and r.get("relative_gap") is not None]
+        st = tune.get("settings", {})
+        clauses.append(
+            f"a tuning study ({st.get('steps')} steps, {st.get('seeds')} seeds, paired) "
+            f"takes EDiT's gap to synchronous training's validation loss from "
+            f"{100 * base['relative_gap']:+.1f}% with its defaults to "
+            f"{100 * recipe[1]['relative_gap']:+.1f}% with a recipe ({recipe[0]})"
+            + ("; with " + ", ".join(f"{lv}" for lv, _ in longer) + " the tokens it is "
+               + ", ".join(f"{100 * g:+.1f}%" for _, g in longer) if longer else ""))
     peers = by_name.get("peers")
     if peers and not peers.get("skipped"):
         target = next(iter(peers.get("targets", [])), None)
@@ -373,7 +390,7 @@ def readme_headline(records: Sequence[dict[str, Any]]) -> str:
                           "first")
     used = [r for r in by_name.values()
             if r.get("scenario") in ("default", "convergence", "spikes", "stragglers",
-                                     "bandwidth", "peers", "real_link")]
+                                     "bandwidth", "peers", "real_link", "tune")]
     machine = used[0].get("machine", {})
     sizes = sorted({r.get("mode") for r in used} - {None})
     text = (f"Measured on one {machine.get('usable_cpus', '?')}-core "
