@@ -305,14 +305,7 @@ class PipelineRunner:
             On the last stage the mean of the microbatches' losses (a detached scalar),
             elsewhere None.
         """
-        self._check(tokens, targets)
-        losses: list[Tensor] = []
-        args = (tokens,) if self.module.is_first else ()
-        self.schedule.step(*args, target=targets if self.module.is_last else None,
-                           losses=losses, return_outputs=False)
-        if not self.module.is_last:
-            return None
-        return torch.stack([loss.detach() for loss in losses]).mean()
+        return self._run(self.schedule.step, tokens, targets)
 
     @torch.no_grad()
     def eval_loss(self, tokens: Tensor | None, targets: Tensor | None) -> Tensor | None:
@@ -322,11 +315,17 @@ class PipelineRunner:
         over the microbatches of their mean losses (the batch's mean loss when the
         microbatches count as many targets), elsewhere None.
         """
+        return self._run(self.schedule.eval, tokens, targets)
+
+    def _run(self, run: Callable[..., object], tokens: Tensor | None,
+             targets: Tensor | None) -> Tensor | None:
+        """One batch through the schedule's ``step`` or ``eval``: the mean of the
+        microbatches' losses on the last stage, None elsewhere."""
         self._check(tokens, targets)
         losses: list[Tensor] = []
         args = (tokens,) if self.module.is_first else ()
-        self.schedule.eval(*args, target=targets if self.module.is_last else None,
-                           losses=losses, return_outputs=False)
+        run(*args, target=targets if self.module.is_last else None, losses=losses,
+            return_outputs=False)
         if not self.module.is_last:
             return None
         return torch.stack([loss.detach() for loss in losses]).mean()
