@@ -138,6 +138,7 @@ class RefConfig:
     topk_k: int = 64  # sparse codecs: values kept per full chunk
     split_root: bool = False  # tok_embeddings (and an untied output) are units of their own
     tied: bool = True  # tied embeddings (False: the model has an ``output`` head)
+    T: int = 1  # tensor-parallel ranks per shard: the codecs' local pieces (S = 1 with T > 1)
 
 
 # ---------------------------------------------------------------------------- streaming
@@ -243,29 +244,84 @@ def shard_flat(ts: list[torch.Tensor], S: int, s: int) -> torch.Tensor:
     return torch.cat([shard_view(t, S, s).reshape(-1) for t in ts])
 
 
+TP_KINDS = {"attention.wq": "col", "attention.wk": "col", "attention.wv": "col",
+            "attention.wo": "row", "feed_forward.w1": "col", "feed_forward.w3": "col",
+            "feed_forward.w2": "row"}
+"""The Megatron split of a block (module path -> column- or row-wise), written here
+independently of editrain's plan: column-wise weights are cut along dim 0, row-wise along
+dim 1; everything else is held whole by every tp rank."""
+
+
+def tp_kinds(model: Llama, split_root: bool = False) -> list[list[str | None]]:
+    """Per unit of :func:`units_of`, per parameter: ``"col"``, ``"row"`` or None
+    (replicated over tp)."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    out = []
+    for params in units_of(model, split_root):
+        kinds = []
+        for p in params:
+            path = names[id(p)].rsplit(".", 1)[0]  # drop ".weight"
+            kinds.append(next((kind for sub, kind in TP_KINDS.items()
+                               if path.endswith("." + sub)), None))
+        out.append(kinds)
+    return out
+
+
+def tp_view(t: torch.Tensor, kind: str | None, T: int, r: int) -> torch.Tensor:
+    """Tensor-parallel rank ``r``'s piece of a parameter of ``kind`` (the whole if None)."""
+    if kind is None:
+        return t
+    return torch.chunk(t, T, dim=0 if kind == "col" else 1)[r]
+
+
+Piece = tuple[Any, list[tuple[int, Any]]]
+
+
+def local_pieces(n_params: int, S: int, T: int = 1,
+                 kinds: list[str | None] | None = None) -> list[Piece]:
+    """The flat tensors one unit's reduction works on, as ``(key, [(param, view), ...])``:
+    without tensor parallelism one per shard rank ``s`` (key ``s``: chunk ``s`` of every
+    parameter, concatenated); with it (``S = 1``) the elements tp peers hold alike (key
+    ``"alike"``: the replicated parameters whole, reduced alike by every tp rank), then per
+    tp rank ``r`` (key ``("tp", r)``) its piece of every split parameter, concatenated in
+    parameter order. Each is encoded from its own start (blocks and chunks cut there)."""
+    if T == 1:
+        return [(s, [(j, lambda t, s=s: shard_view(t, S, s)) for j in range(n_params)])
+                for s in range(S)]
+    if S != 1 or kinds is None:
+        raise NotImplementedError("tensor parallelism here needs S = 1 and the kinds")
+    pieces: list[Piece] = [("alike", [(j, lambda t: t) for j in range(n_params)
+                                      if kinds[j] is None])]
+    for r in range(T):
+        pieces.append((("tp", r), [(j, lambda t, kind=kinds[j], r=r: tp_view(t, kind, T, r))
+                                   for j in range(n_params) if kinds[j] is not None]))
+    return [piece for piece in pieces if piece[1]]
+
+
 def quantised_reduce(deltas: list[list[torch.Tensor]], w: list[float], keep: list[int], S: int,
-                     comm_dtype: str, ef: dict[tuple[Any, int, int], torch.Tensor] | None,
+                     comm_dtype: str, ef: dict[tuple[Any, int, Any], torch.Tensor] | None,
                      unit: Any = 0, decay: float = 1.0, chunk: int = 4096,
-                     k: int = 64) -> list[torch.Tensor]:
+                     k: int = 64, pieces: list[Piece] | None = None) -> list[torch.Tensor]:
     """Section 4 over one unit: ``deltas[r]`` are replica r's fp32 per-parameter
-    pseudo-gradients. On every shard rank ``s``, each included replica encodes ``x = Δ + e``
-    (``e = ef[(unit, r, s)]``, zeros at first; ``ef=None``: no error feedback) and an
-    excluded one sends ``Q(0)`` and keeps its ``e``; then ``Δ̄ = Δ̄ + w_r · D(c_r)`` in fp32,
-    in replica order. Returns ``Δ̄`` per parameter (fp32, full shapes)."""
+    pseudo-gradients. On every local piece (:func:`local_pieces`; default: every shard rank
+    ``s``'s flat shard), each included replica encodes ``x = Δ + e`` (``e = ef[(unit, r,
+    key)]``, zeros at first; ``ef=None``: no error feedback) and an excluded one sends
+    ``Q(0)`` and keeps its ``e``; then ``Δ̄ = Δ̄ + w_r · D(c_r)`` in fp32, in replica order.
+    Returns ``Δ̄`` per parameter (fp32, full shapes)."""
     red = [torch.zeros_like(d) for d in deltas[0]]
-    for s in range(S):
+    for key, views in (pieces if pieces is not None else local_pieces(len(red), S)):
         acc: torch.Tensor | None = None
         for r in range(len(deltas)):
-            x = shard_flat(deltas[r], S, s)
+            x = torch.cat([view(deltas[r][j]).reshape(-1) for j, view in views])
             if r in keep:
                 e = None
                 if ef is not None:
-                    e = ef.get((unit, r, s))
+                    e = ef.get((unit, r, key))
                     e = torch.zeros_like(x) if e is None else e
                 d, e = encode(x, e, comm_dtype, decay, chunk, k)
                 if ef is not None:
                     assert e is not None
-                    ef[(unit, r, s)] = e
+                    ef[(unit, r, key)] = e
             elif comm_dtype in TOPK_BITS:
                 d = torch.zeros_like(x)  # a sparse message of zeros decodes to zeros
             else:
@@ -275,10 +331,10 @@ def quantised_reduce(deltas: list[list[torch.Tensor]], w: list[float], keep: lis
             acc = acc + w[r] * d
         assert acc is not None
         off = 0
-        for t in red:
-            view = shard_view(t, S, s)
-            view.copy_(acc[off:off + view.numel()].view_as(view))
-            off += view.numel()
+        for j, view in views:
+            piece = view(red[j])
+            piece.copy_(acc[off:off + piece.numel()].view_as(piece))
+            off += piece.numel()
     return red
 
 
@@ -411,6 +467,8 @@ def _simulate(cfg: RefConfig,
     opts = [make_inner(m.parameters(), cfg.inner) for m in reps]
     uparams = [units_of(m, cfg.split_root) for m in reps]  # [replica][unit] -> params
     n_units = len(uparams[0])
+    kinds = tp_kinds(base, cfg.split_root) if cfg.T > 1 else [None] * n_units
+    pieces = [local_pieces(len(uparams[0][u]), cfg.S, cfg.T, kinds[u]) for u in range(n_units)]
     _check_streaming(cfg, n_units)
     P = cfg.fragments
     streaming = cfg.tau > 0 or P > 1
@@ -427,8 +485,8 @@ def _simulate(cfg: RefConfig,
     own_outers: list[list[torch.optim.Optimizer | None]] = []
     corr: list[list[list[torch.Tensor]]] = []
     dets = [[RefDetector(*cfg.ewma) for _ in range(cfg.R)] for _ in range(n_units)]
-    # error feedback: (unit, replica, shard rank) -> flat fp32 residual, zeros at the start
-    ef: dict[tuple[int, int, int], torch.Tensor] = {}
+    # error feedback: (unit, replica, piece key) -> flat fp32 residual, zeros at the start
+    ef: dict[tuple[int, int, Any], torch.Tensor] = {}
     # rounds in flight (tau > 0), in launch order: (merge step, units, theta0[replica][j]);
     # eager: (merge step, units, (D[replica][j], I[j])), D and I fp32 per parameter
     inflight: list[tuple[int, list[int], Any]] = []
@@ -530,7 +588,8 @@ def _simulate(cfg: RefConfig,
                     if quantised:
                         red = quantised_reduce(d32, w, keep, cfg.S, cfg.comm_dtype,
                                                ef if cfg.error_feedback else None, u,
-                                               ef_decay(cfg), cfg.topk_chunk, cfg.topk_k)
+                                               ef_decay(cfg), cfg.topk_chunk, cfg.topk_k,
+                                               pieces[u])
                     elif cfg.gta is not None:
                         red = ref_gta(deltas, w, keep, cfg.S, cfg.gta)
                     else:

@@ -5,9 +5,11 @@ Every case trains the tiny Llama split over ``tp`` (and sharded by FSDP2 over ``
 when S > 1) and must equal the single-process reference simulator, which knows nothing of
 tensor parallelism, to ~1e-5 (but for isolated elements of float noise:
 ``tests.reference.reference_mismatches``): the penalty's norms and the clipping are reduced over the
-whole replica with every tp-replicated piece counted once. After every sync the pieces tp
-peers hold alike (norms, embeddings) must be bitwise equal on them, with GTA and quantised
-communication too (their choices are made alike on tp peers).
+whole replica with every tp-replicated piece counted once, and the codecs (int8, the sparse
+top-k ones, under eager merges too) encode the pieces tp peers hold alike apart from each
+rank's pieces of the split weights, which the reference models (``local_pieces``). After
+every sync the pieces tp peers hold alike (norms, embeddings) must be bitwise equal on
+them, with GTA and quantised communication too (their choices are made alike on tp peers).
 """
 
 from __future__ import annotations
@@ -51,16 +53,26 @@ CASES = {
     # eager merges: two fragments, each a whole round in flight
     "eager": _case(10, H=4, tied=False, overlap_steps=4, fragments=2, merge="eager",
                    **PEN_ON),
+    # The codecs: every tp rank encodes the elements tp peers hold alike as one flat tensor
+    # and its own pieces of the split weights as another, each from its own start (blocks and
+    # chunks cut there; the reference's ``local_pieces``), with error feedback per piece.
+    # (int4 differs from int8 only in its range, which the 2x2 cases check; under tp the
+    # matmuls' partial sums reorder float additions, and int4's coarse quantum turns such a
+    # 1-ulp difference into one visible step: 1.5e-4 seen.)
+    "int8": _case(8, comm_dtype="int8", **PEN_ON),
+    "topk2": _case(8, comm_dtype="topk2", topk_chunk=128, topk_k=8, **PEN_ON),
+    "topk1": _case(8, comm_dtype="topk1", topk_chunk=64, topk_k=3, **PEN_ON),
+    # a sparse codec under eager merges, a whole round in flight per fragment
+    "eager_topk2": _case(10, H=4, tied=False, overlap_steps=4, fragments=2, merge="eager",
+                         comm_dtype="topk2", topk_chunk=128, topk_k=8, **PEN_ON),
 }
-# Checked for tp peers staying alike only (their reductions are cut where the pieces held
-# alike end, which the reference does not model).
+# Checked for tp peers staying alike only: GTA's draws and magnitude ranks are cut where
+# the pieces held alike end, which the reference's GTA does not model.
 ALIKE_ONLY = {
     "gta_magnitude": _case(8, gta=dict(reducer="gta", sparsification_method="magnitude",
                                        density=0.5)),
     "gta_random": _case(8, gta=dict(reducer="gta", sparsification_method="random",
                                     density=0.5)),
-    "int8": _case(8, comm_dtype="int8", **PEN_ON),
-    "topk2": _case(8, comm_dtype="topk2", topk_chunk=128, topk_k=8, **PEN_ON),
 }
 
 
@@ -132,14 +144,15 @@ def _check_alike(outs: list[dict], T: int) -> None:
                     assert torch.equal(t, peer["alike"][k][name]), (k, name)
 
 
-def _check(runs: list[dict], name: str, R: int, S: int, T: int) -> None:
+def _check(runs: list[dict], name: str, R: int, S: int, T: int, alike_only: bool = False
+           ) -> None:
     outs = [r[name] for r in runs]
     assert outs[0]["num_syncs"] >= 3
     assert [(o["replica"], o["shard"], o["tp"]) for o in outs] == [
         (r, s, t) for r in range(R) for s in range(S) for t in range(T)]
     _check_alike(outs, T)
-    if name in CASES:
-        ref = reference(ref_config(CASES[name], R, S))
+    if name in CASES and not alike_only:
+        ref = reference(ref_config(CASES[name], R, S, T=T))
         bad = reference_mismatches(outs, ref, TOL)
         assert not bad, f"{name}: engine vs reference: {bad}"
 
@@ -170,4 +183,6 @@ def test_tp_mesh_2x2x2():
     names = ["edit", "gta_magnitude", "int8"]
     runs = run_ranks(_worker, 8, 2, 2, names)
     for name in names:
-        _check(runs, name, 2, 2, 2)
+        # int8 here: FSDP2 shards the tp pieces (strided), a local layout the reference's
+        # codec pieces do not model (they do on 2x1x2); checked for tp peers alike only
+        _check(runs, name, 2, 2, 2, alike_only=name == "int8")
