@@ -45,6 +45,10 @@ STANDARD_METRICS: tuple[tuple[str, str], ...] = (
     ("sync/staleness_rounds", "rounds launched after this one and before its merge (the "
                               "age of the contribution when it entered the outer "
                               "optimizer)"),
+    ("train/loss/replica{r}", "replica r's mean training loss over its steps since its "
+                              "previous round (logged with the round: each replica's own "
+                              "loss, at no extra collective where the round gathers "
+                              "statistics)"),
     ("sync/pseudo_grad_norm/replica{r}", "norm of replica r's pseudo-gradient over the "
                                          "round's units"),
     ("sync/weight/replica{r}", "replica r's weight in the round, mean over its units "
@@ -109,6 +113,9 @@ def _sync_metrics(s: dict[str, Any]) -> dict[str, float]:
     if _number(s.get("step")):
         launch = s.get("launch_step")
         out["sync/staleness_steps"] = float(s["step"] - launch) if _number(launch) else 0.0
+    for r, loss in enumerate(s.get("replica_loss") or []):
+        if _number(loss):
+            out[f"train/loss/replica{r}"] = float(loss)
     for r, per_unit in enumerate(s.get("norms") or []):
         values = [v for v in per_unit if _number(v)]
         if values:

@@ -199,6 +199,7 @@ class Trainer:
         compute_s = time.perf_counter() - t0 - (engine.total_wait_s - wait0) - grad_sync_s
         stall_s = sim.after_compute(self.step, compute_s)
         t1 = time.perf_counter()
+        engine.record_loss(loss)  # each replica's mean loss travels with the next round
         engine.step()
         self.step += 1
         self.steps_run += 1

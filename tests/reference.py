@@ -789,7 +789,9 @@ def run_case(info: Any, rank: int, case: dict[str, Any]) -> dict[str, Any]:
     and the embeddings are untied, ``tok_embeddings`` and
     ``output`` are sharded as units of their own, docs/streaming.md section 1; tied
     embeddings stay in the root, as in :func:`units_of`), ``trace`` (False: if True, the
-    result's ``trace`` lists the communication thread's collectives in issue order).
+    result's ``trace`` lists the communication thread's collectives in issue order),
+    ``record_loss`` (False: if True, each step's loss goes to ``engine.record_loss``; the
+    result's ``losses`` are the rank's step losses either way).
 
     Returns the final full parameters and the sync log, plus per-step probes: ``between``
     (cross-replica collectives of each local-phase step that ran no sync, counted from
@@ -847,15 +849,22 @@ def run_case(info: Any, rank: int, case: dict[str, Any]) -> dict[str, Any]:
     between: list[int] = []
     warm_colls: list[int] = []
     eval_pending: list[bool] = []
+    losses: list[float] = []
     n_steps = case["steps"] if schedule is None else case["steps"] * schedule[info.replica]
     for step in range(n_steps):
         before, syncs_before = engine.comm.stats.lifetime_sync_collectives, engine.num_syncs
         warm = engine.in_warmup
+        total = torch.zeros(())
         for m in range(accum):
-            (loss_on(model, batch(rank, step, m)) / accum).backward()
+            loss = loss_on(model, batch(rank, step, m)) / accum
+            loss.backward()
+            total += loss.detach()
         engine.after_backward()
         opt.step()
         opt.zero_grad()
+        if case.get("record_loss"):
+            engine.record_loss(total)
+        losses.append(float(total))
         engine.step()
         colls = engine.comm.stats.lifetime_sync_collectives - before
         if warm:
@@ -897,6 +906,7 @@ def run_case(info: Any, rank: int, case: dict[str, Any]) -> dict[str, Any]:
         "unit_numels": [u.numel for u in engine.units],
         "eval_pending": eval_pending,
         "trace": engine.comm.trace,
+        "losses": losses,
     }
     engine.close()
     return out

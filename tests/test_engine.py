@@ -59,6 +59,11 @@ CASES_2X2 = {
     "diloco_lr1": _case("diloco", 6, sync=dict(outer_optim_kwargs=LR1)),
     # two warm-up steps, then one local SGD step and no sync (defect 6)
     "local_sgd": _case("edit", 3, H=50, warmup=2, inner="sgd", sync=PEN_OFF),
+    # record_loss: each replica's mean loss travels with the rounds (with the statistics,
+    # or on its own without them); the same runs as "diloco_w1" and "edit_force"
+    "diloco_w1_loss": _case("diloco", 7, warmup=1, record_loss=True),
+    "edit_force_loss": _case("edit", 8, H=3, finish_force=True, sync=PEN_ON,
+                             record_loss=True),
 }
 CASES_4X1 = {
     "pls": _case("post_local_sgd", 6, accum=2, sync=dict(cpu_offload=True)),
@@ -271,3 +276,31 @@ def test_forced_finish_syncs_a_partial_window(runs):
         assert o["num_syncs"] == 3 and o["num_syncs_forced"] == 1
     assert max_diff_runs(outs[:2], outs[2:]) == 0.0
     assert max_diff(outs, _ref(2, 2, "edit_force")) < TOL
+
+
+# ------------------------------------------------------------------------ replica losses
+@pytest.mark.parametrize("name", ["diloco_w1", "edit_force"])
+def test_each_replica_loss_travels_with_its_round(runs, name):
+    """``record_loss``: every round's log entry gives each replica's mean loss over the steps
+    since the previous round (over its shard ranks), and the training is unchanged."""
+    got = runs(2, 2)
+    plain, outs = got[name], got[name + "_loss"]
+    for a, b in zip(plain, outs):  # the same arithmetic, bit for bit
+        assert all(torch.equal(a["params"][n], b["params"][n]) for n in a["params"])
+        assert [e.get("norms") for e in a["log"]] == [e.get("norms") for e in b["log"]]
+        assert "replica_loss" not in str(a["log"])
+    warmup = TOPOLOGIES[(2, 2)][name]["sync"]["local_sgd_warmup_steps"]
+    for o in outs:
+        log = o["log"]
+        assert len(log) >= 3
+        previous = warmup
+        for entry in log:
+            want = []
+            for r in range(2):
+                ranks = [p for p in outs if p["replica"] == r]
+                means = [sum(p["losses"][previous:entry["step"]]) /
+                         (entry["step"] - previous) for p in ranks]
+                want.append(sum(means) / len(means))
+            assert entry["replica_loss"] == pytest.approx(want, rel=1e-12), entry["sync"]
+            previous = entry["step"]
+        assert log[0]["replica_loss"][0] != log[0]["replica_loss"][1]  # each its own

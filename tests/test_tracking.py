@@ -26,7 +26,7 @@ EDIT_SYNC = {"sync": 3, "step": 12, "units": 3, "sync_collectives": 4, "bytes_se
              "norms": [[3.0, 4.0, 0.0], [1.0, 2.0, 2.0]],
              "weights": [[0.25, 0.5, 0.75], [0.75, 0.5, 0.25]],
              "outlier": [[False, True, False], [False, False, True]],
-             "clip": [1.0, 0.5, 0.25]}
+             "clip": [1.0, 0.5, 0.25], "replica_loss": [5.25, None]}
 
 
 def test_a_step_row_with_its_sync_by_hand():
@@ -36,6 +36,7 @@ def test_a_step_row_with_its_sync_by_hand():
         "train/tokens_per_s": 4000.0, "train/step_time_s": 0.25, "train/compute_s": 0.125,
         "train/exposed_comm_s": 0.0625,
         "sync/index": 3.0, "sync/units": 3.0, "sync/staleness_steps": 0.0,
+        "train/loss/replica0": 5.25,  # replica 1's is unknown (None): not logged
         "comm/bytes_sent": 213656.0, "comm/collectives": 4.0, "comm/time_s": 0.5,
         "comm/exposed_s": 0.0625, "comm/hidden": 0.875,
         "sync/pseudo_grad_norm/replica0": 5.0, "sync/pseudo_grad_norm/replica1": 3.0,

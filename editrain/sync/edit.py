@@ -208,6 +208,10 @@ class SyncEngine:
         self._merge_next: SyncRound | None = None
         """A delayed round due: merged unit by unit in the next training forward."""
         self._next_index = 0
+        self._loss_sum: torch.Tensor | None = None
+        """:meth:`record_loss`: this rank's training losses since the last round opened
+        (float64, on the device; None: never called, no loss travels with the rounds)."""
+        self._loss_steps = 0
         self._starting: list[int] | None = None
         self._sync_log: list[dict[str, Any]] = []
         self._log_fragments = cfg.streaming and not cfg.use_async
@@ -323,6 +327,31 @@ class SyncEngine:
         with record_function("editrain::grad_allreduce"):
             self.comm.run(self.reduction.grad_allreduce)
         self.total_grad_sync_s += time.perf_counter() - t0
+
+    def record_loss(self, loss: torch.Tensor | float) -> None:
+        """Optional: this rank's training loss of the step, so that every round also
+        tells each replica's mean training loss since its previous round (the sync log's
+        ``replica_loss``, ``train/loss/replica{r}`` in the trackers) at the cost of one
+        float64 per rank in the round's statistics gather (one small extra gather for a
+        method without statistics). No host synchronisation: the loss is summed on its
+        device. Call it on every rank or on none (the rounds' collectives must match);
+        ``editrain train`` calls it at every step."""
+        value = (loss.detach().to(torch.float64).reshape(()) if isinstance(loss, torch.Tensor)
+                 else torch.tensor(float(loss), dtype=torch.float64))
+        value = value.to(self.device)
+        self._loss_sum = value.clone() if self._loss_sum is None else self._loss_sum + value
+        self._loss_steps += 1
+
+    def _take_loss(self) -> torch.Tensor | None:
+        """The mean of the losses recorded since the last round opened (NaN if none was),
+        and a fresh count; None when :meth:`record_loss` was never called."""
+        if self._loss_sum is None:
+            return None
+        mean = (self._loss_sum / self._loss_steps if self._loss_steps
+                else torch.full((), float("nan"), dtype=torch.float64, device=self.device))
+        self._loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
+        self._loss_steps = 0
+        return mean
 
     def step(self) -> None:
         """Call once after each inner ``optimizer.step()``: counts steps; the schedule
@@ -567,10 +596,14 @@ class SyncEngine:
                         else None)
         if numbered:
             self._next_index += 1
+        rnd.loss = self._take_loss()
+        auto = statistics is None
         if statistics is None:
             statistics = self.config.penalty_enabled or step_counts is not None
         if statistics:
             rnd.stats = self.comm.submit(self.reduction.statistics, rnd, stats=rnd.comm)
+        elif auto and rnd.loss is not None:
+            rnd.stats = self.comm.submit(self.reduction.replica_losses, rnd, stats=rnd.comm)
         return rnd
 
     def close_round(self, rnd: SyncRound, applied: bool = True,
@@ -727,6 +760,7 @@ class SyncEngine:
         self._check_replicas_agree()
         for unit in self.units:
             unit.create_anchor()
+        self._take_loss()  # the first round's losses are the local phase's
         self.progress.start(self.global_step)
         self.steps_since_sync = 0
         self.clock.restart_all()
@@ -839,6 +873,8 @@ class SyncEngine:
             **self.progress.state_dict(),
             "detectors": self.detectors.state_dict() if self.detectors is not None else None,
             "rng": {"seed": self.seed},
+            "loss": None if self._loss_sum is None else {
+                "sum": float(self._loss_sum), "steps": self._loss_steps},
         }
 
     def _load_plain(self, sd: dict[str, Any], elastic: bool) -> None:
@@ -878,6 +914,10 @@ class SyncEngine:
             self._pending_counts = (None if counts is None
                                     else torch.tensor(counts, dtype=torch.float64))
             self.clock.load_state_dict(sd)
+            if sd.get("loss") is not None:
+                self._loss_sum = torch.tensor(float(sd["loss"]["sum"]), dtype=torch.float64,
+                                              device=self.device)
+                self._loss_steps = int(sd["loss"]["steps"])
         if self.detectors is not None and sd["detectors"] is not None:
             self.detectors.load_state_dict(sd["detectors"], allow_resize=True)
 

@@ -286,6 +286,8 @@ class FaultTolerantSchedule(BlockingSchedule):
             return
         if eng.config.penalty_enabled or rnd.step_counts is not None:
             eng.reduction.statistics(rnd)
+        elif rnd.loss is not None:
+            eng.reduction.replica_losses(rnd)
         for i in range(len(rnd.units)):
             eng.reduction.reduce_unit(rnd, i)
 

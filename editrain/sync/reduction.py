@@ -9,6 +9,7 @@ the communication thread (:mod:`editrain.sync.comm`).
 
 from __future__ import annotations
 
+import math
 import time
 from typing import Any
 
@@ -89,10 +90,39 @@ class Reduction:
             return unit.launch  # the eager merge keeps D itself (the anchor moved on)
         return unit.pseudo_grad(unit.launch if rnd.delayed else None)
 
+    def _loss_share(self, rnd: SyncRound) -> list[torch.Tensor]:
+        """This rank's share of its replica's mean loss, as the last statistic: summed over
+        the replica's ranks (tp peers hold the same loss) it gives the replica's mean."""
+        if rnd.loss is None:
+            return []
+        return [rnd.loss.to(self.device) / self.comm.shard_size]
+
+    def _take_losses(self, rnd: SyncRound, gathered: torch.Tensor) -> torch.Tensor:
+        """Split the gathered statistics' last column off into ``rnd.replica_loss``."""
+        if rnd.loss is None:
+            return gathered
+        losses = gathered[:, -1:]
+        if rnd.members is not None:
+            losses = by_replica(losses, rnd, self.num_replicas)
+        rnd.replica_loss = [v if math.isfinite(v) else None for v in losses[:, 0].tolist()]
+        return gathered[:, :-1]
+
+    @torch.no_grad()
+    def replica_losses(self, rnd: SyncRound) -> None:
+        """A method without statistics: only every replica's mean training loss (one shard
+        all-reduce and one sync all-gather of a float64)."""
+        if rnd.skipped:
+            return
+        t0 = time.perf_counter()
+        share = torch.stack(self._loss_share(rnd))
+        self.comm.all_reduce_shard(share)
+        self._take_losses(rnd, self.comm.all_gather_sync(share).cpu())
+        rnd.work_s += time.perf_counter() - t0
+
     @torch.no_grad()
     def statistics(self, rnd: SyncRound) -> None:
-        """Batched statistics of the round's units: one shard all-reduce, one sync
-        all-gather."""
+        """Batched statistics of the round's units (and the replicas' losses, when
+        recorded): one shard all-reduce, one sync all-gather."""
         t0 = time.perf_counter()
         cfg = self.config
         if rnd.skipped:
@@ -102,9 +132,10 @@ class Reduction:
                 self.units[u].square_sum(self.pseudo_grad(rnd, u)) if self.units[u].numel
                 else torch.zeros((), dtype=torch.float64, device=self.device)
                 for u in rnd.units
-            ])
+            ] + self._loss_share(rnd))
             self.comm.all_reduce_shard(sq)
-            norms = self.comm.all_gather_sync(sq).sqrt().cpu()  # [R, units of the round]
+            gathered = self._take_losses(rnd, self.comm.all_gather_sync(sq).cpu())
+            norms = gathered.sqrt()  # [R, units of the round]
             if rnd.members is not None:
                 norms = by_replica(norms, rnd, self.num_replicas)
         if self.detectors is not None:

@@ -56,7 +56,12 @@ class SyncRound:
     """Replicas the round reduced over (its compression's base; 0: not known)."""
     staleness: int = 0
     """Rounds launched after this one and before its merge."""
+    loss: torch.Tensor | None = None
+    """This rank's mean training loss since the previous round (``record_loss``; None: not
+    recorded), gathered by the statistics job into :attr:`replica_loss`."""
     # Filled by the statistics job (identical on every rank).
+    replica_loss: list[float | None] | None = None
+    """Every replica's mean training loss since its previous round (None: unknown)."""
     norms: torch.Tensor | None = None
     weights: torch.Tensor | None = None
     outlier: torch.Tensor | None = None
@@ -116,6 +121,8 @@ class SyncRound:
             entry["launch_step"] = self.launch_step
         if self.step_counts is not None:
             entry["replica_steps"] = self.step_counts.tolist()
+        if self.replica_loss is not None:
+            entry["replica_loss"] = self.replica_loss
         if self.norms is not None:
             entry["norms"] = self.norms.tolist()
         if self.weights is not None:
@@ -150,6 +157,7 @@ class SyncRound:
             "step_counts": None if self.step_counts is None else self.step_counts.tolist(),
             "windows": self.windows, "skipped": self.skipped, "my_steps": self.my_steps,
             "values": self.values, "replicas": self.replicas, "staleness": self.staleness,
+            "replica_loss": self.replica_loss,
         }
 
     @classmethod
@@ -162,7 +170,8 @@ class SyncRound:
                   clip=list(sd["clip"]), windows=sd.get("windows"),
                   skipped=bool(sd.get("skipped", False)), my_steps=int(sd.get("my_steps", 0)),
                   values=int(sd.get("values", 0)), replicas=int(sd.get("replicas", 0)),
-                  staleness=int(sd.get("staleness", 0)))
+                  staleness=int(sd.get("staleness", 0)),
+                  replica_loss=sd.get("replica_loss"))
         if sd.get("step_counts") is not None:
             rnd.step_counts = torch.tensor(sd["step_counts"], dtype=torch.float64)
         for key, value in sd["comm"].items():
