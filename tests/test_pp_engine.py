@@ -177,3 +177,98 @@ def test_streaming_int8_fragments_equal_the_reference(runs):
         assert o["fragments"] == ([[0], [1]] if o["stage"] == 0 else [[0, 2], [1]])
     _check_against_reference(outs, ref_config(CASES["streaming_int8"], R, 1,
                                               fragment_of=PIPELINE_FRAGMENTS))
+
+
+# ---------------------------------------------------------------------------- A-EDiT clock
+def _aedit_worker(rank: int, world: int, dts: list[float], sync: dict, steps: int,
+                  budget: float) -> dict:
+    """A-EDiT on 2 replicas x 2 stages with an injected clock per rank: rank ``i``'s clock
+    advances ``dts[i]`` seconds per inner step, so the stages of one replica disagree about
+    the time. Every rank stops at the first sync point at or past the budget, on its own."""
+    import torch.distributed
+
+    import editrain
+    from editrain.pipeline import PipelineRunner
+    from editrain.sync import SyncConfig
+    from editrain.topology import init_mesh
+
+    info = init_mesh(shard_size=1, pp_size=P)
+    stage = _stage_model(info)
+    opt = make_inner(stage.parameters(), "adamw")
+    now = [0.0]
+    engine = editrain.edit(stage, info, SyncConfig(method="aedit", **sync),
+                           clock=lambda: now[0])
+    engine.set_budget(budget)
+    runner = PipelineRunner(stage, batch_size=BATCH, seq_len=SEQ, n_microbatches=1,
+                            schedule="gpipe", group=info.pp_mesh.get_group())
+    stopped_at, points = None, []
+    pp_group = info.pp_mesh.get_group()
+
+    def state() -> list[float]:
+        counts = engine.pending_counts or []
+        return [engine.global_step, engine.num_syncs, engine.num_skipped_syncs,
+                float(engine.armed), len(engine.inflight), engine.steps_since_sync,
+                sum(counts), *(counts or [-1.0] * R)]
+
+    for step in range(steps):
+        x = batch(info.topo.data_rank(rank), step, 0)
+        runner.train_step(x[:, :-1], x[:, 1:])
+        engine.after_backward()
+        opt.step()
+        opt.zero_grad()
+        now[0] += dts[rank]
+        engine.step()
+        # Every stage of this pipeline must be in the same sync state after every step
+        # (otherwise the next train_step would hang): fail at once, on every stage alike.
+        mine = torch.tensor(state(), dtype=torch.float64)
+        every = [torch.empty_like(mine) for _ in range(P)]
+        torch.distributed.all_gather(every, mine, group=pp_group)
+        if any(not torch.equal(e, every[0]) for e in every):
+            raise AssertionError(f"replica {info.replica}: the stages disagree after step "
+                                 f"{step}: {[e.tolist() for e in every]}")
+        point = engine.sync_point()
+        engine.finish()  # an armed sync runs now (the arithmetic of the next forward)
+        if point is not None:
+            points.append(round(point, 6))
+            if point >= budget:
+                stopped_at = (engine.global_step, engine.num_syncs, engine.budget_spent)
+                break
+    engine.finish()
+    out = {"stopped_at": stopped_at, "points": points, "replica": info.replica,
+           "stage": info.stage, "synced": engine.synced_replica_steps,
+           "steps": [e["replica_steps"] for e in engine.pop_sync_log()]}
+    engine.close()
+    return out
+
+
+@pytest.mark.parametrize("overlap", [0, 2])
+def test_aedit_budget_end_is_agreed_by_every_stage(overlap):
+    """Each rank's clock runs at its own speed: on its own clock, replica 0's stage 1 would
+    be due after 2 steps and its stage 0 after 3; replica 1 is a straggler whose stages
+    disagree too. The elapsed time is agreed over every stage of a replica, so every rank
+    of every stage syncs at the same step boundaries and stops at the same sync, with the
+    same progress (agreed over one stage only, the stages of a replica would sync at
+    different steps and the pipeline would not survive it: after every step the stages
+    compare their sync state, which fails at once)."""
+    from editrain.spawn import run_ranks
+
+    dts = [1.0, 1.6, 3.0, 3.9]  # rank = replica * 2 + stage
+    sync = dict(local_sgd_sync_time=3.0, **PEN_OFF)
+    if overlap:
+        sync.update(overlap_steps=overlap, merge="keep_local")
+    outs = run_ranks(_aedit_worker, R * P, dts, sync, 40, 12.0)
+    assert all(o["stopped_at"] is not None for o in outs), [o["points"] for o in outs]
+    stops = {o["stopped_at"][1:] for o in outs}  # (syncs, budget spent): one for everyone
+    assert len(stops) == 1, stops
+    (syncs, spent), = stops
+    assert spent and syncs >= 2
+    by_replica = {r: {o["stopped_at"][0] for o in outs if o["replica"] == r} for r in range(R)}
+    # the stages of a replica stop at the same step; blocking: the straggler after fewer
+    # steps (non-blocking rounds pair the replicas' k-th launches: no such order)
+    assert all(len(v) == 1 for v in by_replica.values()), by_replica
+    if not overlap:
+        assert max(by_replica[1]) < max(by_replica[0]), by_replica
+    # every rank saw the same rounds (the same gathered step counts) and the same progress
+    assert all(o["steps"] == outs[0]["steps"] and o["points"] == outs[0]["points"]
+               and o["synced"] == outs[0]["synced"] for o in outs)
+    assert outs[0]["points"][-1] >= 12
