@@ -37,7 +37,7 @@ from editrain.sync.config import GTAConfig, SyncConfig
 from editrain.sync.edit import EDiT, SyncEngine
 from editrain.sync.outer import resolve_optimizer_class
 from editrain.sync.setup import root_leaf_units
-from editrain.topology import SHARD_DIM, TP_DIM, MeshInfo, init_mesh
+from editrain.topology import PP_DIM, SHARD_DIM, TP_DIM, MeshInfo, init_mesh
 from editrain.units import find_blocks
 
 # ================================================================== reference-style config
@@ -206,6 +206,11 @@ def parallelize(
     :func:`editrain.models.tensor_parallel.tensor_parallel` (the built-in Llama and Hugging
     Face Llama-family blocks); FSDP2 then shards over ``shard`` as usual.
 
+    With pipeline stages (a ``("sync", "pp", "shard", "tp")`` mesh) pass this rank's stage
+    (e.g. :class:`editrain.pipeline.LlamaStage`) as ``model``: its blocks and its own
+    embeddings or head are sharded over the stage's ``shard`` ranks, and :func:`edit` on
+    it builds the engine of that stage.
+
     A replica of one process (shard size 1) in fp32 is left unsharded by default: its
     parameters stay ordinary tensors, so a step costs what a bare training loop costs
     (FSDP2 on one rank only adds work: ~20% on forward and backward and a 2x slower
@@ -248,8 +253,10 @@ def parallelize(
                          f"got {precision!r}")
     found = find_blocks(model, blocks)
     device_mesh = _device_mesh(mesh)
-    if TP_DIM in (device_mesh.mesh_dim_names or ()):
+    names = device_mesh.mesh_dim_names or ()
+    if TP_DIM in names and (PP_DIM not in names or device_mesh[TP_DIM].size() > 1):
         # Tensor parallelism first (over "tp"); FSDP2 then shards the DTensors over "shard".
+        # (A pipeline mesh always has a "tp" dim: of size 1 it splits nothing.)
         from editrain.models.tensor_parallel import tensor_parallel
 
         tensor_parallel(found, device_mesh[TP_DIM])

@@ -7,8 +7,15 @@ model's own parameter tensors (nothing is copied, and every parameter keeps the 
 in the whole model); :class:`PipelineRunner` drives one rank's stage through a
 ``torch.distributed.pipelining`` schedule (GPipe or 1F1B) so that a training step gives
 every stage's parameters the gradients the unpipelined model's backward of the mean loss
-over the whole batch gives. This module is not yet wired into the sync engine, the mesh or
-the trainer (docs/decisions.md, "Pipeline parallelism").
+over the whole batch gives.
+
+With the sync engine: ``editrain.init_mesh(shard_size, pp_size=P)`` builds the
+``("sync", "pp", "shard", "tp")`` mesh; each rank takes its stage
+(``LlamaStage(model, info.stage, P)``), runs ``editrain.parallelize`` and ``editrain.edit``
+on it (the engine syncs the stage's own units with the same stage of every other replica,
+and agrees A-EDiT's clock over every stage of its replica), and trains with
+``PipelineRunner(stage, ..., group=info.pp_mesh.get_group())``. Not yet wired into the
+trainer, its options or its checkpoints (docs/decisions.md, "Pipeline parallelism").
 
 Stage boundaries carry one activation, the residual stream ``[microbatch, T, dim]``; the
 first stage takes token ids, the last returns logits. The runner gives torch's

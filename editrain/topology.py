@@ -1,15 +1,20 @@
 """Process group and device mesh construction, plus rank arithmetic.
 
 The world of ``W`` ranks is a ``("sync", "shard")`` mesh of shape ``(R, S)``, or with tensor
-parallelism a ``("sync", "shard", "tp")`` mesh of shape ``(R, S, T)``:
+parallelism a ``("sync", "shard", "tp")`` mesh of shape ``(R, S, T)``, or with pipeline
+parallelism a ``("sync", "pp", "shard", "tp")`` mesh of shape ``(R, P, S, T)``:
 
-* a *replica* is the ``S x T`` ranks on fast links that hold one model copy: FSDP2 shards it
-  over ``shard``, tensor parallelism splits its layers over ``tp``;
-* a *sync group* is the ``R`` ranks holding the same piece (the same ``(shard, tp)``
+* a *replica* is the ``P x S x T`` ranks on fast links that hold one model copy: the
+  pipeline splits it into ``P`` stages over ``pp`` (each stage a contiguous run of
+  blocks, :mod:`editrain.pipeline`), FSDP2 shards a stage over ``shard``, tensor
+  parallelism splits its layers over ``tp``;
+* a *sync group* is the ``R`` ranks holding the same piece (the same ``(stage, shard, tp)``
   position) in every replica, on slow links.
 
-``rank = (replica * S + shard) * T + tp`` (tp innermost: tp peers are neighbours, on one
-node). ``R = 1``, ``S = 1`` and ``T = 1`` are all valid; ``T = 1`` is the 2-D mesh.
+``rank = ((replica * P + stage) * S + shard) * T + tp`` (tp innermost: tp peers are
+neighbours, on one node; then shard, then stage). ``R``, ``P``, ``S`` and ``T`` may each be
+1; ``P = T = 1`` is the 2-D mesh, ``P = 1`` the 3-D one (the mesh is 4-D only with pipeline
+stages, so nothing changes without them).
 """
 
 from __future__ import annotations
@@ -27,54 +32,78 @@ from editrain import malloc
 SYNC_DIM = "sync"
 SHARD_DIM = "shard"
 TP_DIM = "tp"
+PP_DIM = "pp"
 
 
 @dataclass(frozen=True)
 class Topology:
-    """Rank arithmetic for a ``(replicas, shard_size, tp_size)`` mesh; pure, no process
-    group needed.
+    """Rank arithmetic for a ``(replicas, pp_size, shard_size, tp_size)`` mesh; pure, no
+    process group needed.
 
     Args:
         world_size: total number of ranks ``W``.
-        shard_size: FSDP2 ranks per replica ``S``.
-        tp_size: tensor-parallel ranks per shard ``T``; ``S * T`` must divide ``W``.
+        shard_size: FSDP2 ranks per stage ``S``.
+        tp_size: tensor-parallel ranks per shard ``T``.
+        pp_size: pipeline stages per replica ``P``; ``P * S * T`` must divide ``W``.
     """
 
     world_size: int
     shard_size: int
     tp_size: int = 1
+    pp_size: int = 1
 
     def __post_init__(self) -> None:
         if self.world_size < 1:
             raise ValueError(f"world size must be >= 1, got {self.world_size}")
         if self.tp_size < 1 or self.world_size % self.tp_size != 0:
-            divisors = [d for d in range(1, self.world_size + 1) if self.world_size % d == 0]
+            divisors = _divisors(self.world_size)
             raise ValueError(
                 f"dist.tp_size={self.tp_size} must divide the world size {self.world_size}; "
                 f"allowed values: {divisors}")
         per_tp = self.world_size // self.tp_size
-        if self.shard_size < 1 or per_tp % self.shard_size != 0:
-            divisors = [d for d in range(1, per_tp + 1) if per_tp % d == 0]
+        if (isinstance(self.pp_size, bool) or not isinstance(self.pp_size, int)
+                or self.pp_size < 1 or per_tp % self.pp_size != 0):
             what = (f"the world size {self.world_size}" if self.tp_size == 1 else
                     f"world size / dist.tp_size = {per_tp}")
+            raise ValueError(
+                f"dist.pp_size={self.pp_size!r} must divide {what}; "
+                f"allowed values: {_divisors(per_tp)}")
+        per_stage = per_tp // self.pp_size
+        if self.shard_size < 1 or per_stage % self.shard_size != 0:
+            divisors = _divisors(per_stage)
+            if self.pp_size > 1:
+                what = (f"world size / (dist.pp_size x dist.tp_size) = {per_stage}"
+                        if self.tp_size > 1 else f"world size / dist.pp_size = {per_stage}")
+            else:
+                what = (f"the world size {self.world_size}" if self.tp_size == 1 else
+                        f"world size / dist.tp_size = {per_tp}")
             raise ValueError(
                 f"dist.shard_size={self.shard_size} must divide {what}; "
                 f"allowed values: {divisors}"
             )
 
     @property
-    def replica_size(self) -> int:
-        """Ranks per replica ``S * T``."""
+    def stage_size(self) -> int:
+        """Ranks per pipeline stage of a replica ``S * T`` (the ranks that hold one
+        stage's units; the whole replica without pipeline parallelism)."""
         return self.shard_size * self.tp_size
 
     @property
+    def replica_size(self) -> int:
+        """Ranks per replica ``P * S * T``."""
+        return self.pp_size * self.stage_size
+
+    @property
     def num_replicas(self) -> int:
-        """Number of replicas ``R = W / (S * T)``."""
+        """Number of replicas ``R = W / (P * S * T)``."""
         return self.world_size // self.replica_size
 
     @property
     def shape(self) -> tuple[int, ...]:
-        """The mesh shape: ``(R, S)``, or ``(R, S, T)`` with tensor parallelism."""
+        """The mesh shape: ``(R, S)``, ``(R, S, T)`` with tensor parallelism, or
+        ``(R, P, S, T)`` with pipeline stages."""
+        if self.pp_size > 1:
+            return (self.num_replicas, self.pp_size, self.shard_size, self.tp_size)
         base = (self.num_replicas, self.shard_size)
         return base if self.tp_size == 1 else (*base, self.tp_size)
 
@@ -82,8 +111,12 @@ class Topology:
         """Replica (sync-dim) index of a global rank."""
         return rank // self.replica_size
 
+    def stage_of(self, rank: int) -> int:
+        """Pipeline stage (pp) index of a global rank inside its replica."""
+        return (rank // self.stage_size) % self.pp_size
+
     def shard_of(self, rank: int) -> int:
-        """Shard (FSDP2) index of a global rank inside its replica."""
+        """Shard (FSDP2) index of a global rank inside its stage."""
         return (rank // self.tp_size) % self.shard_size
 
     def tp_of(self, rank: int) -> int:
@@ -91,26 +124,43 @@ class Topology:
         return rank % self.tp_size
 
     def position_of(self, rank: int) -> int:
-        """Index of a global rank inside its replica (``shard * T + tp``)."""
+        """Index of a global rank inside its replica (``(stage * S + shard) * T + tp``)."""
         return rank % self.replica_size
 
     def replica_ranks(self, replica: int) -> list[int]:
-        """The ``S * T`` global ranks of one replica."""
+        """The ``P * S * T`` global ranks of one replica, every stage."""
         return [replica * self.replica_size + i for i in range(self.replica_size)]
 
+    def stage_ranks(self, replica: int, stage: int = 0) -> list[int]:
+        """The ``S * T`` global ranks of one stage of one replica (the whole replica
+        without pipeline parallelism)."""
+        first = (replica * self.pp_size + stage) * self.stage_size
+        return list(range(first, first + self.stage_size))
+
+    def pp_ranks(self, rank: int) -> list[int]:
+        """The ``P`` global ranks of ``rank``'s pipeline (its replica, shard and tp
+        index; one per stage, in stage order)."""
+        base = self.replica_of(rank) * self.replica_size + rank % self.stage_size
+        return [base + p * self.stage_size for p in range(self.pp_size)]
+
     def sync_ranks(self, position: int) -> list[int]:
-        """The ``R`` global ranks at ``position`` (see :meth:`position_of`) in every
-        replica (a sync group)."""
+        """The ``R`` global ranks at ``position`` (see :meth:`position_of`: the same
+        stage, shard and tp index) in every replica (a sync group)."""
         return [r * self.replica_size + position for r in range(self.num_replicas)]
 
     def data_rank(self, rank: int) -> int:
-        """Data-parallel index of a global rank (tp peers read the same batch)."""
+        """Data-parallel index of a global rank (tp peers and the stages of one pipeline
+        read the same batch)."""
         return self.replica_of(rank) * self.shard_size + self.shard_of(rank)
 
     @property
     def data_world(self) -> int:
         """Data-parallel ranks ``R * S``."""
         return self.num_replicas * self.shard_size
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
 
 
 def default_backend(device_type: str) -> str:
@@ -128,7 +178,8 @@ class MeshInfo:
     """What the rest of editrain needs to know about the running topology.
 
     Attributes:
-        mesh: the ``("sync", "shard")`` DeviceMesh, or ``("sync", "shard", "tp")``.
+        mesh: the ``("sync", "shard")`` DeviceMesh, ``("sync", "shard", "tp")``, or
+            ``("sync", "pp", "shard", "tp")`` with pipeline stages.
         topo: rank arithmetic.
         rank: this process's global rank.
         device: this process's device.
@@ -155,13 +206,26 @@ class MeshInfo:
         return self.topo.tp_of(self.rank)
 
     @property
+    def stage(self) -> int:
+        """This rank's pipeline stage (0 without pipeline parallelism)."""
+        return self.topo.stage_of(self.rank)
+
+    @property
+    def pp_mesh(self) -> DeviceMesh | None:
+        """1-D sub-mesh over this rank's pipeline: one rank per stage, in stage order (what
+        :class:`editrain.pipeline.PipelineRunner` runs over; None without pipeline
+        parallelism)."""
+        return self.mesh[PP_DIM] if self.topo.pp_size > 1 else None
+
+    @property
     def tp_mesh(self) -> DeviceMesh | None:
         """1-D sub-mesh over this rank's tp peers (None without tensor parallelism)."""
         return self.mesh[TP_DIM] if self.topo.tp_size > 1 else None
 
     @property
     def shard_mesh(self) -> DeviceMesh:
-        """1-D sub-mesh over this rank's replica (what FSDP2 shards over)."""
+        """1-D sub-mesh over this rank's shard peers (what FSDP2 shards over: the replica,
+        or with pipeline stages this rank's stage of it, without its tp peers)."""
         return self.mesh[SHARD_DIM]
 
     @property
@@ -192,14 +256,17 @@ def init_mesh(
     timeout_s: float = 600.0,
     tp_size: int = 1,
     keep_freed_memory: bool = True,
+    pp_size: int = 1,
 ) -> MeshInfo:
     """Initialise the default process group (if needed) and the ``("sync", "shard")`` mesh,
-    or the ``("sync", "shard", "tp")`` mesh when ``tp_size > 1``.
+    the ``("sync", "shard", "tp")`` mesh when ``tp_size > 1``, or the
+    ``("sync", "pp", "shard", "tp")`` mesh when ``pp_size > 1`` (whatever ``tp_size``).
 
     Reads the usual ``torchrun`` environment (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``...).
 
     Args:
-        shard_size: ranks per replica; must divide the world size.
+        shard_size: FSDP2 ranks per replica (per stage with ``pp_size > 1``); ``pp_size x
+            shard_size x tp_size`` must divide the world size.
         backend: ``"gloo"``, ``"nccl"`` or None to choose from the device type.
         device_type: ``"cpu"``, ``"cuda"`` or None to detect.
         timeout_s: collective timeout; a hung peer fails after this long.
@@ -207,6 +274,7 @@ def init_mesh(
         keep_freed_memory: set glibc's malloc up as ``editrain train`` sets up its workers
             (:func:`editrain.malloc.keep_freed_memory`: a step's freed buffers are reused
             by the next instead of being page-faulted in again); False leaves malloc alone.
+        pp_size: pipeline stages per replica (see :mod:`editrain.pipeline`).
     """
     if keep_freed_memory:
         malloc.keep_freed_memory()
@@ -220,28 +288,36 @@ def init_mesh(
         dist.init_process_group(backend=backend or default_backend(device_type),
                                 timeout=timeout, **extra)
     world, rank = dist.get_world_size(), dist.get_rank()
-    topo = Topology(world, shard_size, tp_size)
+    topo = Topology(world, shard_size, tp_size, pp_size)
     if device_type == "cuda":
         local_rank = int(os.environ.get("LOCAL_RANK", rank % max(1, torch.cuda.device_count())))
         torch.cuda.set_device(local_rank)
         device = torch.device("cuda", local_rank)
     else:
         device = torch.device(device_type)
-    names = (SYNC_DIM, SHARD_DIM) if tp_size == 1 else (SYNC_DIM, SHARD_DIM, TP_DIM)
+    if pp_size > 1:
+        names: tuple[str, ...] = (SYNC_DIM, PP_DIM, SHARD_DIM, TP_DIM)
+    elif tp_size == 1:
+        names = (SYNC_DIM, SHARD_DIM)
+    else:
+        names = (SYNC_DIM, SHARD_DIM, TP_DIM)
     mesh = init_device_mesh(device_type, topo.shape, mesh_dim_names=names)
     return MeshInfo(mesh=mesh, topo=topo, rank=rank, device=device)
 
 
 def topology_of(mesh: DeviceMesh) -> Topology:
-    """Topology of an existing ``("sync", "shard")`` or ``("sync", "shard", "tp")`` mesh,
-    validating its dim names."""
+    """Topology of an existing ``("sync", "shard")``, ``("sync", "shard", "tp")`` or
+    ``("sync", "pp", "shard", "tp")`` mesh, validating its dim names."""
     names = tuple(mesh.mesh_dim_names or ())
     if names == (SYNC_DIM, SHARD_DIM):
         return Topology(mesh.size(), mesh.size(1))
     if names == (SYNC_DIM, SHARD_DIM, TP_DIM):
         return Topology(mesh.size(), mesh.size(1), mesh.size(2))
+    if names == (SYNC_DIM, PP_DIM, SHARD_DIM, TP_DIM):
+        return Topology(mesh.size(), mesh.size(2), mesh.size(3), mesh.size(1))
     raise ValueError(
-        f"editrain needs a DeviceMesh with mesh_dim_names=('sync', 'shard') or "
-        f"('sync', 'shard', 'tp'), got {mesh.mesh_dim_names}; build it with "
-        "editrain.init_mesh(shard_size=..., tp_size=...)"
+        f"editrain needs a DeviceMesh with mesh_dim_names=('sync', 'shard'), "
+        f"('sync', 'shard', 'tp') or ('sync', 'pp', 'shard', 'tp'), got "
+        f"{mesh.mesh_dim_names}; build it with "
+        "editrain.init_mesh(shard_size=..., tp_size=..., pp_size=...)"
     )

@@ -139,6 +139,9 @@ class RefConfig:
     split_root: bool = False  # tok_embeddings (and an untied output) are units of their own
     tied: bool = True  # tied embeddings (False: the model has an ``output`` head)
     T: int = 1  # tensor-parallel ranks per shard: the codecs' local pieces (S = 1 with T > 1)
+    # unit -> fragment, in the order of :func:`units_of` (None: unit u in fragment u mod P);
+    # pipeline stages stride their own units over the fragments
+    fragment_of: tuple[int, ...] | None = None
 
 
 # ---------------------------------------------------------------------------- streaming
@@ -476,6 +479,9 @@ def _simulate(cfg: RefConfig,
     eager = cfg.merge == "eager"
     all_units = list(range(n_units))
     frags = [fragment_units(n_units, P, f) for f in range(P)]
+    if cfg.fragment_of is not None:
+        assert len(cfg.fragment_of) == n_units, (cfg.fragment_of, n_units)
+        frags = [[u for u in range(n_units) if cfg.fragment_of[u] == f] for f in range(P)]
     anchors: list[list[torch.Tensor]] | None = None
     outers: list[torch.optim.Optimizer | None] = []
     # the eager merge (section 3c): every replica has its own anchor and outer optimizer per

@@ -77,6 +77,114 @@ def test_shard_size_must_divide_the_world(world, shard, allowed):
     assert "dist.shard_size" in msg and str(world) in msg and allowed in msg
 
 
+# ---------------------------------------------------------------------------- pipeline stages
+def pp_rank_at(t: Topology, replica: int, stage: int, shard: int, tp: int) -> int:
+    """The global rank at ``(replica, stage, shard, tp)``: tp innermost, then shard, then
+    stage, then replica."""
+    return ((replica * t.pp_size + stage) * t.shard_size + shard) * t.tp_size + tp
+
+
+def test_two_replicas_of_two_stages():
+    t = Topology(world_size=4, shard_size=1, pp_size=2)
+    assert (t.num_replicas, t.stage_size, t.replica_size, t.shape) == (2, 1, 2, (2, 2, 1, 1))
+    assert [t.replica_of(r) for r in range(4)] == [0, 0, 1, 1]
+    assert [t.stage_of(r) for r in range(4)] == [0, 1, 0, 1]
+    assert [t.shard_of(r) for r in range(4)] == [0, 0, 0, 0]
+    assert t.replica_ranks(1) == [2, 3] and t.stage_ranks(1, 1) == [3]
+    assert t.sync_ranks(0) == [0, 2] and t.sync_ranks(1) == [1, 3]  # per stage
+    assert t.pp_ranks(2) == t.pp_ranks(3) == [2, 3]
+    # both stages of a replica read the same batch
+    assert [t.data_rank(r) for r in range(4)] == [0, 0, 1, 1] and t.data_world == 2
+
+
+@pytest.mark.parametrize("world, P, S, T", [(4, 2, 1, 1), (8, 2, 2, 1), (8, 2, 1, 2),
+                                            (16, 2, 2, 2), (12, 3, 2, 1), (24, 2, 3, 2),
+                                            (6, 3, 1, 2), (4, 4, 1, 1)])
+def test_pipeline_rank_arithmetic_is_consistent(world, P, S, T):
+    t = Topology(world, S, T, P)
+    R = world // (P * S * T)
+    assert t.num_replicas == R and t.replica_size == P * S * T and t.stage_size == S * T
+    assert t.shape == (R, P, S, T)
+    seen = set()
+    for rank in range(world):
+        r, p, s, x = t.replica_of(rank), t.stage_of(rank), t.shard_of(rank), t.tp_of(rank)
+        assert rank == pp_rank_at(t, r, p, s, x)
+        seen.add((r, p, s, x))
+        assert t.position_of(rank) == (p * S + s) * T + x
+        # the sync group: the same (stage, shard, tp) in every replica, in replica order
+        group = t.sync_ranks(t.position_of(rank))
+        assert group == [pp_rank_at(t, q, p, s, x) for q in range(R)]
+        # the stage's ranks, the whole replica, the pipeline through this (shard, tp)
+        assert t.stage_ranks(r, p) == [pp_rank_at(t, r, p, a, b)
+                                       for a in range(S) for b in range(T)]
+        assert rank in t.stage_ranks(r, p) and rank in t.replica_ranks(r)
+        assert t.replica_ranks(r) == [y for q in range(P) for y in t.stage_ranks(r, q)]
+        assert t.pp_ranks(rank) == [pp_rank_at(t, r, q, s, x) for q in range(P)]
+        # every stage and tp peer of one replica-shard reads the same batch
+        assert t.data_rank(rank) == r * S + s
+    assert len(seen) == world
+    assert sorted(y for i in range(t.replica_size) for y in t.sync_ranks(i)) == \
+        list(range(world))
+    assert t.data_world == R * S
+
+
+def test_without_stages_nothing_changes():
+    for world, S, T in [(4, 2, 1), (8, 2, 2), (4, 1, 1)]:
+        a, b = Topology(world, S, T), Topology(world, S, T, 1)
+        assert a == b and a.shape == ((world // (S * T), S) if T == 1
+                                      else (world // (S * T), S, T))
+        assert a.stage_size == a.replica_size == S * T
+        assert all(a.stage_of(r) == 0 and a.stage_ranks(a.replica_of(r)) ==
+                   a.replica_ranks(a.replica_of(r)) for r in range(world))
+
+
+@pytest.mark.parametrize("world, S, T, P, allowed", [
+    (4, 1, 1, 3, "[1, 2, 4]"), (8, 1, 2, 3, "[1, 2, 4]"), (6, 1, 1, 4, "[1, 2, 3, 6]"),
+    (4, 1, 1, 0, "[1, 2, 4]")])
+def test_pp_size_must_divide_the_world(world, S, T, P, allowed):
+    with pytest.raises(ValueError) as info:
+        Topology(world, S, T, P)
+    msg = str(info.value)
+    assert f"dist.pp_size={P}" in msg and allowed in msg, msg
+    assert "tp_size" in msg if T > 1 else str(world) in msg
+
+
+def test_shard_size_must_divide_a_stage():
+    with pytest.raises(ValueError) as info:
+        Topology(8, 3, 1, 2)
+    assert "dist.shard_size=3" in str(info.value) and "[1, 2, 4]" in str(info.value)
+    assert "dist.pp_size" in str(info.value)
+
+
+def _pp_mesh_worker(rank: int, world: int) -> dict:
+    info = init_mesh(shard_size=1, backend="gloo", device_type="cpu", pp_size=2,
+                     keep_freed_memory=False)
+    sums = {}
+    for dim in ("sync", "pp", "shard", "tp"):
+        t = torch.tensor([float(rank)])
+        group = info.mesh.get_group(dim)
+        dist.all_reduce(t, group=group)
+        sums[dim] = (sorted(dist.get_process_group_ranks(group)), float(t))
+    return {"names": tuple(info.mesh.mesh_dim_names), "shape": tuple(info.mesh.shape),
+            "topo": info.topo, "topology_of": topology_of(info.mesh), "stage": info.stage,
+            "replica": info.replica, "pp_mesh": dist.get_process_group_ranks(
+                info.pp_mesh.get_group()), "sums": sums}
+
+
+def test_init_mesh_with_pipeline_stages():
+    out = run_ranks(_pp_mesh_worker, 4)
+    expected = Topology(4, 1, 1, 2)
+    for rank, o in enumerate(out):
+        assert o["names"] == ("sync", "pp", "shard", "tp") and o["shape"] == (2, 2, 1, 1)
+        assert o["topo"] == o["topology_of"] == expected
+        assert (o["replica"], o["stage"]) == divmod(rank, 2)
+        assert o["pp_mesh"] == expected.pp_ranks(rank)
+        assert o["sums"]["pp"] == (expected.pp_ranks(rank), sum(expected.pp_ranks(rank)))
+        sync = expected.sync_ranks(expected.position_of(rank))
+        assert o["sums"]["sync"] == (sync, sum(sync))
+        assert o["sums"]["shard"] == o["sums"]["tp"] == ([rank], rank)
+
+
 def test_world_size_must_be_positive():
     with pytest.raises(ValueError, match="world size"):
         Topology(0, 1)

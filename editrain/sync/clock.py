@@ -1,8 +1,8 @@
 """A-EDiT's clock and rendezvous: one for the blocking, non-blocking and fault-tolerant paths.
 
 Each replica measures the time since its window started with a monotonic clock, agreed
-(the maximum) over the ranks of the replica, so that every rank of a replica decides alike
-(docs/algorithm.md section 8). At the rendezvous every replica contributes one row (at
+(the maximum) over the ranks of the replica, every pipeline stage included, so that every
+rank of a replica decides alike (docs/algorithm.md section 8). At the rendezvous every replica contributes one row (at
 least its steps since the last sync and that agreed time); the all-gathered rows are
 identical on every rank, and a round whose steps add up to fewer than
 ``sync.min_total_global_steps`` is skipped.
@@ -60,14 +60,16 @@ class SyncClock:
         self.window_offset = 0.0
 
     def elapsed(self) -> float:
-        """Seconds since the window started, the maximum over this replica's ranks."""
+        """Seconds since the window started, the maximum over this replica's ranks (every
+        pipeline stage: the stages of a replica step together, so they must sync at the
+        same step boundary)."""
         elapsed = self.now() - self.start
-        if self.comm.shard_size == 1:
+        if self.comm.agree_size == 1:
             # A one-rank replica agrees with itself: no trip through the communication
             # thread at every step (about 30 us, more when the GIL is contended).
             return elapsed
         t = torch.tensor([elapsed], dtype=torch.float64, device=self.device)
-        self.comm.run(self.comm.all_reduce_shard, t, dist.ReduceOp.MAX)
+        self.comm.run(self.comm.all_reduce_replica, t, dist.ReduceOp.MAX)
         return float(t)
 
     def too_few(self, counts: torch.Tensor) -> bool:

@@ -105,6 +105,9 @@ class CommPath:
         cross: the fault-tolerant mode's cross-replica group (a
             :class:`editrain.sync.ft.TorchftGroup`): cross-replica collectives go through
             it, over the replicas of the current quorum, instead of ``sync_group``.
+        agree_group: with pipeline stages, a private group over the whole replica (every
+            stage), for what its ranks must decide alike (:meth:`all_reduce_replica`);
+            None: ``shard_group`` is the whole replica.
     """
 
     def __init__(
@@ -115,12 +118,17 @@ class CommPath:
         link_delay: LinkDelay | None = None,
         stage_on_host: bool = False,
         cross: Any = None,
+        agree_group: dist.ProcessGroup | None = None,
     ) -> None:
         self.sync_group = sync_group
         self.shard_group = shard_group
+        self.agree_group = agree_group
         self.cross = cross
         self._sync_size = dist.get_world_size(sync_group) if sync_group is not None else 1
         self.shard_size = dist.get_world_size(shard_group) if shard_group is not None else 1
+        self.agree_size = (dist.get_world_size(agree_group) if agree_group is not None
+                           else self.shard_size)
+        """Ranks of the whole replica (every pipeline stage)."""
         self.device = device
         self.link_delay = link_delay
         self.stats = CommStats()
@@ -269,6 +277,23 @@ class CommPath:
         self._issue("shard", f"all_reduce_{op}", tensor)
         with self._wire(tensor) as wire:
             dist.all_reduce(wire, op=op, group=self.shard_group)
+        elapsed = time.perf_counter() - t0
+        for stats in (self.stats, self._sink):
+            if stats is not None:
+                stats.add_shard(elapsed)
+
+    def all_reduce_replica(self, tensor: torch.Tensor,
+                           op: dist.ReduceOp = dist.ReduceOp.SUM) -> None:
+        """In-place reduction over the whole replica, every pipeline stage: for what every
+        rank of a replica must decide alike (its stages step together). Without pipeline
+        stages the very :meth:`all_reduce_shard`."""
+        if self.agree_group is None:
+            self.all_reduce_shard(tensor, op)
+            return
+        t0 = time.perf_counter()
+        self._issue("replica", f"all_reduce_{op}", tensor)
+        with self._wire(tensor) as wire:
+            dist.all_reduce(wire, op=op, group=self.agree_group)
         elapsed = time.perf_counter() - t0
         for stats in (self.stats, self._sink):
             if stats is not None:

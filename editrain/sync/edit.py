@@ -150,7 +150,10 @@ class SyncEngine:
 
         # Units in forward order: the root first (its all-gather happens first), then every
         # block and every other separately sharded module (embeddings, output head).
-        check_replica_wrapper(model, self.topo.replica_ranks(self.replica))
+        self.stage = self.topo.stage_of(self.rank)
+        """This rank's pipeline stage (0 without pipeline parallelism): ``model`` is then
+        that stage's module and the engine syncs its units only."""
+        check_replica_wrapper(model, self.topo.stage_ranks(self.replica, self.stage))
         model = unwrap_ddp(model)  # hooks, units and state names: the wrapped module's
         built = build_units(model, blocks, cfg, self.topo, self.rank,
                             lambda t: self.comm.call(self.comm.all_gather_shard, t))
@@ -162,13 +165,15 @@ class SyncEngine:
         self._layout = StateLayout(self.units, model, self.rank, self.topo.shape)
 
         # The communication thread's private groups; the engine's "shard group" is the
-        # whole replica (S x T ranks with tensor parallelism): every statistic is summed
-        # over it.
+        # ranks that hold this rank's units: the whole replica (S x T ranks with tensor
+        # parallelism), or with pipeline stages this rank's stage of it. Every statistic
+        # is summed over it; what every rank of a replica decides alike (A-EDiT's clock,
+        # the start's check) is agreed over the whole replica, every stage.
         backend = comm_group_backend(comm_backend)
         self.groups = private_groups(self.topo, mesh, backend)
         self.comm = CommPath(self.groups.sync, self.groups.replica, self.device, link_delay,
                              stage_on_host=backend == "gloo" and self.device.type != "cpu",
-                             cross=cross_replica)
+                             cross=cross_replica, agree_group=self.groups.agree)
         self.reduction = Reduction(self.units, self.comm, cfg, self.topo, self.rank,
                                    self.replica, self.num_replicas, seed)
         if trigger is not None:
@@ -419,9 +424,9 @@ class SyncEngine:
 
     @property
     def replica_group(self) -> dist.ProcessGroup | None:
-        """The main thread's group over this replica's ranks (shard x tp), for the
-        caller's own collectives over one model copy (e.g. gradient norms); None for a
-        one-rank replica."""
+        """The main thread's group over this replica's ranks (stages x shard x tp), for the
+        caller's own collectives over one model copy (e.g. gradient norms of the whole
+        model, every pipeline stage); None for a one-rank replica."""
         return self.groups.replica_main
 
     @property
@@ -772,7 +777,8 @@ class SyncEngine:
         """The local phase must start from one model on every replica (the anchors are
         taken from each replica's own parameters): compare a checksum of every unit's
         shard (sum and sum of squares, float64) across replicas, agreed over the replica's
-        ranks, and fail on every rank alike if they differ (e.g. different seeds)."""
+        ranks (every pipeline stage), and fail on every rank alike if they differ (e.g.
+        different seeds)."""
         if self.comm.sync_size == 1:
             return  # (the fault-tolerant mode: a joining replica heals instead)
         sums = torch.zeros(len(self.units), 2, dtype=torch.float64, device=self.device)
@@ -786,6 +792,14 @@ class SyncEngine:
         agreed = differs.to(torch.float64).to(self.device)
         self.comm.run(self.comm.all_reduce_shard, agreed, dist.ReduceOp.MAX)
         bad = [self.units[i].name for i, d in enumerate(agreed.tolist()) if d]
+        if self.topo.pp_size > 1:
+            # Another stage's units may differ: every stage of the replica fails alike
+            # (a stage that went on alone would hang in the pipeline).
+            verdict = torch.tensor([float(bool(bad))], dtype=torch.float64,
+                                   device=self.device)
+            self.comm.run(self.comm.all_reduce_replica, verdict, dist.ReduceOp.MAX)
+            if float(verdict) and not bad:
+                bad = ["of another pipeline stage"]
         if bad:
             raise RuntimeError(
                 f"replicas start the local phase from different parameters (units "

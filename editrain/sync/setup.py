@@ -220,8 +220,9 @@ def build_units(model: nn.Module, blocks: Sequence[nn.Module], cfg: SyncConfig, 
     if topo.shard_size > 1 and not isinstance(model, FSDPModule):
         part = (topo.shard_of(rank), topo.shard_size)
     # Under tensor parallelism a replica's ranks hold some pieces twice or more (norms,
-    # embeddings, row-wise biases on every tp peer): statistics count them once.
-    size = topo.replica_size
+    # embeddings, row-wise biases on every tp peer): statistics count them once. Only the
+    # ranks of this rank's pipeline stage hold its units.
+    size = topo.stage_size
     units = [
         SyncUnit(i, n, ps, outer_cls, cfg.outer_optim_kwargs or {}, cfg.cpu_offload,
                  error_feedback=feedback, part=part, gather=gather if part else None,
@@ -243,10 +244,16 @@ class Groups:
     sync: dist.ProcessGroup | None
     """Private copy of this rank's sync group (communication thread); None with 1 replica."""
     replica: dist.ProcessGroup | None
-    """Private group over this rank's whole replica (communication thread: statistics)."""
+    """Private group over the ranks that hold this rank's units (communication thread:
+    statistics, clipping): the whole replica, or with pipeline stages this rank's stage
+    of it (``S x T`` ranks)."""
     replica_main: dist.ProcessGroup | None
-    """The main thread's group over this rank's replica (the mesh's shard group without
-    tensor parallelism)."""
+    """The main thread's group over this rank's whole replica, every stage (the mesh's
+    shard group without tensor or pipeline parallelism)."""
+    agree: dist.ProcessGroup | None = None
+    """With pipeline stages only: a private group over the whole replica, every stage
+    (communication thread: what every rank of a replica must decide alike, e.g. A-EDiT's
+    elapsed time). None otherwise: :attr:`replica` is then the whole replica."""
 
 
 def private_groups(topo: Topology, mesh: DeviceMesh, backend: str | None) -> Groups:
@@ -254,18 +261,28 @@ def private_groups(topo: Topology, mesh: DeviceMesh, backend: str | None) -> Gro
     group. The main thread owns the mesh's groups (FSDP2 on the shard group; the caller's
     own collectives on the world group, which the mesh may reuse as its sync group), and a
     delayed sync's collectives run while the main thread trains: two threads must never
-    share a process group. Every rank creates every group, in the same order."""
+    share a process group. Every rank creates every group, in the same order.
+
+    With pipeline stages the replica's ranks hold different units: statistics are summed
+    over the stage's ranks (:attr:`Groups.replica`), and what every rank of the replica
+    must decide alike is agreed over all of its stages (:attr:`Groups.agree`,
+    :attr:`Groups.replica_main`)."""
     sync_group = None
     if topo.num_replicas > 1:
         sync_group, _ = dist.new_subgroups_by_enumeration(
             [topo.sync_ranks(i) for i in range(topo.replica_size)], backend=backend)
     replica_group = None
+    stage_ranks = [topo.stage_ranks(r, p) for r in range(topo.num_replicas)
+                   for p in range(topo.pp_size)]
+    if topo.stage_size > 1:
+        replica_group, _ = dist.new_subgroups_by_enumeration(stage_ranks, backend=backend)
     replica_ranks = [topo.replica_ranks(r) for r in range(topo.num_replicas)]
-    if topo.replica_size > 1:
-        replica_group, _ = dist.new_subgroups_by_enumeration(replica_ranks, backend=backend)
+    agree = None
+    if topo.pp_size > 1:
+        agree, _ = dist.new_subgroups_by_enumeration(replica_ranks, backend=backend)
     main = None
-    if topo.tp_size > 1:
+    if topo.tp_size > 1 or topo.pp_size > 1:
         main, _ = dist.new_subgroups_by_enumeration(replica_ranks)
     elif topo.shard_size > 1:
         main = mesh.get_group(SHARD_DIM)
-    return Groups(sync_group, replica_group, main)
+    return Groups(sync_group, replica_group, main, agree)
