@@ -471,7 +471,9 @@ def _simulate(cfg: RefConfig,
     uparams = [units_of(m, cfg.split_root) for m in reps]  # [replica][unit] -> params
     n_units = len(uparams[0])
     kinds = tp_kinds(base, cfg.split_root) if cfg.T > 1 else [None] * n_units
-    pieces = [local_pieces(len(uparams[0][u]), cfg.S, cfg.T, kinds[u]) for u in range(n_units)]
+    # what each rank's codec encodes (fp32 rounds need no pieces: any layout sums alike)
+    pieces = ([local_pieces(len(uparams[0][u]), cfg.S, cfg.T, kinds[u])
+               for u in range(n_units)] if cfg.comm_dtype != "fp32" else [None] * n_units)
     _check_streaming(cfg, n_units)
     P = cfg.fragments
     streaming = cfg.tau > 0 or P > 1
