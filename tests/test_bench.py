@@ -1026,3 +1026,33 @@ def test_plan_smoke(tmp_path, cache):
     assert res["held_out"]["diloco-20MBs"]["predicted"]["bytes_per_round"] > 0
     assert [t["title"] for t in saved["tables"]][0].startswith("Predicted against measured")
     assert saved["targets"]
+
+
+def test_slow_link_choice_by_hand():
+    """The lowest loss / speed wins; only variants in both records count; the largest
+    convergence size is used; nothing without both records."""
+    from editrain.bench.report import slow_link_choice
+
+    def speed(m):
+        return {"0.25MB/s+50ms": {"vs_unlimited": {"median": m, "min": m, "max": m, "n": 1}}}
+
+    bw = {"scenario": "bandwidth", "started": "2", "settings": {"sync_interval": 32},
+          "results": {"edit": speed(0.2), "edit-sparse": speed(1.0),
+                      "edit-sparse-eager": speed(0.8), "edit-streaming": speed(0.9)}}
+
+    def conv(mode, losses):
+        return {"scenario": "convergence", "mode": mode, "started": "1",
+                "settings": {"steps": 100, "seeds": 3},
+                "results": {v: {"final_val_loss": {"mean": x}} for v, x in losses.items()}}
+
+    quick = conv("quick", {"edit": 6.0, "edit-sparse": 6.6, "edit-sparse-eager": 5.0})
+    full = conv("full", {"edit": 5.0, "edit-sparse": 5.6, "edit-sparse-eager": 5.2,
+                         "edit-streaming": 1.0})
+    text = slow_link_choice([bw, quick])
+    # 5.0 / 0.8 = 6.25 beats 6.6 / 1.0 and 6.0 / 0.2
+    assert "is edit-sparse-eager's: 0.8x the speed, loss 5.000; then edit-sparse 1x, 6.600, " \
+           "edit 0.2x, 6.000" in text and "after 100 steps" in text
+    text = slow_link_choice([quick, full, bw])  # the full record wins over the quick one
+    assert "is edit-sparse's: 1x the speed, loss 5.600" in text
+    assert "edit-streaming" not in text  # its settings differ between the two scenarios
+    assert slow_link_choice([bw]) is None and slow_link_choice([full]) is None

@@ -199,6 +199,49 @@ def write_benchmarks_md(results_dirs: Sequence[str | Path],
 
 
 # ---------------------------------------------------------------------------- README
+COMPARABLE = ("edit", "edit-sparse", "edit-sparse-eager", "diloco", "sync")
+"""Variants with the same sync options in ``bench bandwidth`` and ``bench convergence``
+(``edit-streaming`` differs: 4 fragments and 4 steps in flight there, 3 fragments and H/8
+steps here), each with its own ``H``: ``overlap_steps`` is ``H - 1`` for ``edit-sparse`` and
+``H`` for ``edit-sparse-eager`` in both."""
+
+
+def slow_link_choice(records: Sequence[dict[str, Any]], link: str = "0.25MB/s+50ms"
+                     ) -> str | None:
+    """The setting to recommend on a slow link: the lowest product of final validation loss
+    (``bench convergence``, equal tokens, the largest size that has the sparse variants)
+    and time per token on ``link`` relative to an unlimited one (``bench bandwidth``, the
+    latest record measuring the sparse variants there), over :data:`COMPARABLE`. None
+    without both records."""
+    bws = [r for r in records if r.get("scenario") == "bandwidth"
+           and all(link in (r.get("results", {}).get(v) or {})
+                   for v in ("edit-sparse", "edit-sparse-eager"))]
+    convs = [r for r in records if r.get("scenario") == "convergence"
+             and all(v in r.get("results", {}) for v in ("edit-sparse", "edit-sparse-eager"))]
+    if not bws or not convs:
+        return None
+    size = {"tiny": 0, "quick": 1, "full": 2}
+    bw = max(bws, key=lambda r: str(r.get("started", "")))
+    conv = max(convs, key=lambda r: (size.get(r.get("mode"), 0), str(r.get("started", ""))))
+    rows = []
+    for v in COMPARABLE:
+        speed = ((bw["results"].get(v) or {}).get(link) or {}).get("vs_unlimited") or {}
+        loss = ((conv["results"].get(v) or {}).get("final_val_loss") or {}).get("mean")
+        if speed.get("median") and loss is not None:
+            rows.append((loss / speed["median"], v, speed, loss))
+    if len(rows) < 2:
+        return None
+    rows.sort()
+    st = conv.get("settings", {})
+    where = link.replace("+", " + ").replace("MB/s", " MB/s").replace("ms", " ms")
+    return (f"on a {where} link the lowest loss x time (final validation loss after "
+            f"{st.get('steps')} steps, {st.get('seeds')} seeds, times the time per token "
+            f"relative to an unlimited link at H = {bw.get('settings', {}).get('sync_interval')})"
+            f" is {rows[0][1]}'s: {spread_cell(rows[0][2])}x the speed, loss "
+            f"{rows[0][3]:.3f}; then " + ", ".join(
+                f"{v} {spread_cell(sp)}x, {loss:.3f}" for _, v, sp, loss in rows[1:]))
+
+
 def readme_headline(records: Sequence[dict[str, Any]]) -> str:
     """The README's headline sentence, from the scenarios' records.
 
@@ -310,6 +353,9 @@ def readme_headline(records: Sequence[dict[str, Any]]) -> str:
                 "with the whole round in flight and the eager merge (sparse 2-bit) it keeps "
                 + " and ".join(f"{spread_cell(k)}x at " + n.replace("+", " + ").replace(
                     "MB/s", " MB/s").replace("ms", " ms") for n, k in kept))
+    choice = slow_link_choice(fresh)
+    if choice:
+        clauses.append(choice)
     real = next((r for r in reversed(fresh) if r.get("scenario") == "real_link"), None)
     if real and real.get("headline"):
         clauses += list(real["headline"])
