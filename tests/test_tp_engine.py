@@ -53,6 +53,8 @@ CASES = {
     # eager merges: two fragments, each a whole round in flight
     "eager": _case(10, H=4, tied=False, overlap_steps=4, fragments=2, merge="eager",
                    **PEN_ON),
+    # ... and one fragment: the whole model's round in flight for H steps
+    "eager_p1": _case(10, H=4, tied=False, overlap_steps=4, merge="eager", **PEN_ON),
     # The codecs: every tp rank encodes the elements tp peers hold alike as one flat tensor
     # and its own pieces of the split weights as another, each from its own start (blocks and
     # chunks cut there; the reference's ``local_pieces``), with error feedback per piece.
