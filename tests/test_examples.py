@@ -71,6 +71,11 @@ def test_tensor_parallel():
 
 @pytest.mark.skipif(importlib.util.find_spec("transformers") is None,
                     reason="transformers is not installed (pip install -e '.[hf]')")
+def test_pipeline_parallel():
+    """2 replicas x 2 pipeline stages (1F1B, 4 microbatches)."""
+    _check_learned(_run(TORCHRUN + [str(EXAMPLES / "pipeline_parallel.py"), "--tiny"]))
+
+
 def test_hf_llama():
     _check_learned(_run(TORCHRUN + [str(EXAMPLES / "hf_llama.py"), "--tiny"]))
 
