@@ -154,7 +154,10 @@ def build_parser() -> argparse.ArgumentParser:
                    "further options: --full (the credible size: minutes to hours), --tiny "
                    "(smoke-test size), --repeats N (interleaved repeats; default 1 tiny, 3 "
                    "quick, 5 full), --seeds N, --links A,B (bandwidth), --methods A,B "
-                   "(convergence), --path FILE and --readme FILE (report: also "
+                   "(convergence), --reuse (convergence, tune: read back the finished "
+                   "runs of an earlier, e.g. interrupted, invocation into the same --out "
+                   "whose options are this one's), --path FILE and --readme FILE (report: "
+                   "also "
                    "rewrite the README's headline between its bench-headline markers), and "
                    "any --section.key=value applied to every run")
     p.add_argument("--quick", action="store_true", help="tiny settings (minutes on 2 cores)")

@@ -1056,3 +1056,23 @@ def test_slow_link_choice_by_hand():
     assert "is edit-sparse's: 1x the speed, loss 5.600" in text
     assert "edit-streaming" not in text  # its settings differ between the two scenarios
     assert slow_link_choice([bw]) is None and slow_link_choice([full]) is None
+
+
+def test_reuse_reads_back_finished_runs_with_the_same_options(tmp_path, capsys):
+    """--reuse: a finished run whose written configuration is this invocation's is read
+    back instead of run again; other options, an unfinished run or a timed scenario are
+    not reused."""
+    bench = Bench("convergence", "tiny", tmp_path, flags={"reuse": True})
+    layer = {"sync": {"method": "edit"}, "train": {"seed": 1}}
+    run_dir, _, _ = bench._prepare("edit-seed1", (layer,), None)  # writes runs/edit-seed1.toml
+    assert bench._reused("edit-seed1", (layer,), None) is None  # not finished
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "summary.json").write_text(json.dumps({"final_val_loss": 5.5, "steps": 3}))
+    run = bench.train("edit-seed1", layer, title="edit seed 1")  # no child process started
+    assert run.ok and run.summary["final_val_loss"] == 5.5 and bench.reused == ["edit-seed1"]
+    assert "reused (finished earlier with these options)" in capsys.readouterr().out
+    other = {"sync": {"method": "edit"}, "train": {"seed": 2}}
+    assert bench._reused("edit-seed1", (other,), None) is None  # another seed: run again
+    assert split_extra(["--reuse"])[0] == {"reuse": True}
+    with pytest.raises(ConfigError, match="--reuse reads back finished runs"):
+        run_scenario("bandwidth", out_dir=str(tmp_path / "bw"), extra=["--tiny", "--reuse"])

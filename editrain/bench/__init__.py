@@ -62,6 +62,10 @@ SCENARIOS = ("default", "convergence", "tune", "bandwidth", "stragglers", "spike
              "overlap", "optimizers", "peers", "faults", "plan")
 """Scenario names in the order ``all`` runs them (and the report lists them)."""
 
+REUSABLE = ("convergence", "tune")
+"""Scenarios whose results are losses only (deterministic runs): ``--reuse`` may read back
+their finished runs from an earlier invocation, e.g. one cut short."""
+
 TINY_ENV = "EDITRAIN_BENCH_TINY"
 """Environment variable: set to 1 to run the smoke-test size (same as ``--tiny``)."""
 
@@ -108,6 +112,10 @@ def run_scenario(name: str, quick: bool = False, out_dir: str | None = None,
     if flags.get("links") and name != "bandwidth":
         raise ConfigError(f"bench --links picks links of the bandwidth scenario; {name} has "
                           "none")
+    if flags.get("reuse") and name not in REUSABLE:
+        raise ConfigError(f"bench --reuse reads back finished runs of the loss-only scenarios "
+                          f"({', '.join(REUSABLE)}); {name} compares speeds, which must be "
+                          f"measured in one invocation")
     if flags.get("methods") and name != "convergence":
         raise ConfigError(f"bench --methods picks variants of the convergence scenario; "
                           f"{name} runs all of its own")
@@ -155,4 +163,4 @@ def run_scenario(name: str, quick: bool = False, out_dir: str | None = None,
     return module.run(bench)
 
 
-__all__ = ["SCENARIOS", "TINY_ENV", "run_scenario", "scenario_module"]
+__all__ = ["REUSABLE", "SCENARIOS", "TINY_ENV", "run_scenario", "scenario_module"]

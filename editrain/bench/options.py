@@ -39,6 +39,11 @@ SIZE_FLAGS = {"--tiny": "tiny", "--full": "full"}
 """Bench flags without a value: a size (``--quick`` is the CLI's own flag; no size flag
 means the full size)."""
 
+SWITCH_FLAGS = {"--reuse": "reuse"}
+"""Bench flags without a value that are not sizes: ``--reuse`` (convergence, tune: read back
+the finished runs of an earlier invocation into the same ``--out`` whose options are this
+invocation's, instead of running them again)."""
+
 VALUE_FLAGS = {"--seeds": int, "--repeats": int, "--path": str, "--readme": str,
                "--links": str, "--methods": str}
 """Bench flags with a value, and the value's type (everything else is a training option)."""
@@ -94,7 +99,7 @@ def split_extra(extra: Sequence[str]) -> tuple[dict[str, Any], dict[str, Any]]:
     Bench flags: ``--tiny`` and ``--full`` (sizes; no flag and no ``--quick`` means
     full), ``--seeds N`` (convergence, optimizers), ``--repeats N`` (timed scenarios),
     ``--links A,B`` (bandwidth: a subset of its links), ``--methods A,B`` (convergence: a
-    subset of its variants), ``--path FILE`` and ``--readme
+    subset of its variants), ``--reuse`` (convergence, tune), ``--path FILE`` and ``--readme
     FILE`` (report). The rest must be training options
     (``--section.key=value``), applied to every run.
 
@@ -116,6 +121,8 @@ def split_extra(extra: Sequence[str]) -> tuple[dict[str, Any], dict[str, Any]]:
         name, eq, value = arg.partition("=")
         if name in SIZE_FLAGS:
             flags[SIZE_FLAGS[name]] = True
+        elif name in SWITCH_FLAGS and not eq:
+            flags[SWITCH_FLAGS[name]] = True
         elif name in VALUE_FLAGS:
             if not eq:
                 if i + 1 >= len(args):

@@ -31,7 +31,7 @@ from editrain.bench.options import MODES, REPEATS, base_overrides, merge
 from editrain.bench.results import FORMAT, clean_json, write_record
 from editrain.bench.runs import Run, read_run
 from editrain.bench.stats import finite
-from editrain.config import load_config
+from editrain.config import ConfigError, load_config
 
 
 def child_env(threads: int | None = None) -> dict[str, str]:
@@ -140,6 +140,8 @@ class Bench:
         self.planned_runs: int | None = None
         """How many runs the scenario will start (for the ``run k/N`` progress lines)."""
         self._run_seconds: list[float] = []
+        self.reused: list[str] = []
+        """``--reuse``: the runs read back from an earlier invocation (in the record)."""
         self.out_dir.mkdir(parents=True, exist_ok=True)
 
     # ------------------------------------------------------------------ settings
@@ -204,6 +206,17 @@ class Bench:
         Raises:
             ConfigError: the options are invalid (checked before anything starts).
         """
+        if self.flags.get("reuse"):
+            reused = self._reused(label, layers, last)
+            if reused is not None:
+                self.runs[label] = reused
+                self.reused.append(label)
+                val = reused.final_val_loss
+                of = f"/{self.planned_runs}" if self.planned_runs else ""
+                self.log(f"run {len(self.runs)}{of} {title or label} ... reused (finished "
+                         f"earlier with these options), val "
+                         f"{'n/a' if val is None else f'{val:.4f}'}")
+                return reused
         job = self._prepare(label, layers, last)
         load = load_average()
         self.announce(title or label)
@@ -235,6 +248,33 @@ class Bench:
                                          elapsed, error), load, title)
                 for (label, layers, last, title), job, error in zip(jobs, prepared, errors)]
 
+    def _run_options(self, run_dir: Path, layers: tuple, last: dict[str, Any] | None
+                     ) -> dict[str, Any]:
+        return merge(self.options(*layers, last=last), {"run_dir": str(run_dir),
+                                                        "overwrite": True, "quiet": True})
+
+    def _reused(self, label: str, layers: tuple, last: dict[str, Any] | None) -> Run | None:
+        """``--reuse``: the finished run ``label`` of an earlier invocation into this
+        results directory, if its written configuration, read with today's options and
+        defaults, is the one this invocation would write; else None (it runs again).
+        Which code ran it is not checked: reuse runs of the same code, or of code whose
+        golden runs (``tests/test_golden.py``) are unchanged."""
+        from editrain.config import to_dict
+
+        run_dir = self.out_dir / "runs" / label
+        config_path = run_dir.parent / f"{label}.toml"
+        if not ((run_dir / "summary.json").is_file() and config_path.is_file()):
+            return None
+        want = to_dict(load_config(None, self._run_options(run_dir, layers, last)))
+        try:
+            have = to_dict(load_config(config_path))
+        except ConfigError:
+            return None
+        if have != want:
+            return None
+        run = read_run(label, run_dir, self.options(*layers, last=last))
+        return run if run.ok else None
+
     def _prepare(self, label: str, layers: tuple, last: dict[str, Any] | None
                  ) -> tuple[Path, list[str], Path]:
         """Validate a job's options and write its configuration: ``(run directory, argv,
@@ -244,9 +284,7 @@ class Bench:
         run_dir = self.out_dir / "runs" / label
         if run_dir.exists():  # a stale run of an earlier invocation: start from nothing
             shutil.rmtree(run_dir)
-        overrides = self.options(*layers, last=last)
-        cfg = load_config(None, merge(overrides, {"run_dir": str(run_dir), "overwrite": True,
-                                                  "quiet": True}))
+        cfg = load_config(None, self._run_options(run_dir, layers, last))
         config_path = run_dir.parent / f"{label}.toml"
         config_path.parent.mkdir(parents=True, exist_ok=True)
         config_path.write_text(dumps_toml(to_dict(cfg)))
@@ -350,6 +388,8 @@ class Bench:
                 for label, r in self.runs.items()
             },
         }
+        if self.reused:
+            record["reused_runs"] = list(self.reused)
         loads = finite(r.load_before for r in self.runs.values())
         if loads:
             record["machine"]["load_during_runs"] = [min(loads), max(loads)]
