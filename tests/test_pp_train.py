@@ -85,6 +85,11 @@ CASES = {
     "sharded_1x2x2": (["--nproc", "2", "--shard-size", "2", *SHARDED],
                       ["--nproc", "4", "--shard-size", "2", "--dist.pp_size", "2",
                        *SHARDED]),
+    # one replica of 2 stages of 2 tp ranks: a norm weight held alike by tp peers counts
+    # once in the clipping norm, evaluation counts tp rank 0 of the last stage
+    "tp_1x2x1x2": (["--nproc", "2", "--shard-size", "1", "--tp-size", "2", *SHARDED],
+                   ["--nproc", "4", "--shard-size", "1", "--tp-size", "2",
+                    "--dist.pp_size", "2", *SHARDED]),
 }
 
 
