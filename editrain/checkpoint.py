@@ -484,6 +484,7 @@ def run_meta(cfg: Any, vocab_size: int, topology: tuple[int, ...] | None = None,
         "num_units": num_units,
         "topology": list(topology) if topology else None,
         "tp_size": int(getattr(getattr(cfg, "dist", None), "tp_size", 1)),
+        "pp_size": int(getattr(getattr(cfg, "dist", None), "pp_size", 1)),
         "seq_len": int(cfg.train.seq_len),
         "train_seed": int(cfg.train.seed),
         "train_data": stream_identity(data.train) if data is not None else None,
@@ -597,8 +598,32 @@ def check_files(ckpt: Path, marker: dict[str, Any] | None = None) -> None:
 
 
 def _tp_size(topology: list[int] | None) -> int:
-    """The tp size of a ``(replicas, shards[, tp])`` topology."""
+    """The tp size of a ``(replicas, shards[, tp])`` or ``(replicas, stages, shards, tp)``
+    topology."""
+    if topology and len(topology) == 4:
+        return int(topology[3])
     return int(topology[2]) if topology and len(topology) > 2 else 1
+
+
+def _pp_size(topology: list[int] | None) -> int:
+    """The pipeline stages of a topology (only a 4-D one has more than one)."""
+    return int(topology[1]) if topology and len(topology) == 4 else 1
+
+
+def replicas_and_shards(topology: list[int] | tuple[int, ...]) -> tuple[int, int]:
+    """``(replicas, shard_size)`` of a ``(R, S)``, ``(R, S, T)`` or, with pipeline
+    stages, ``(R, P, S, T)`` topology."""
+    if len(topology) == 4:
+        return int(topology[0]), int(topology[2])
+    return int(topology[0]), int(topology[1])
+
+
+def stage_head_rank(topology: list[int] | tuple[int, ...], stage: int) -> int:
+    """The first rank of ``stage`` in replica 0 of ``topology`` (0 without stages): whose
+    plain state an elastic resume reads for that stage."""
+    if len(topology) != 4:
+        return 0
+    return stage * int(topology[2]) * int(topology[3])
 
 
 def check_compatible(marker: dict[str, Any], meta: dict[str, Any]) -> list[str]:
@@ -629,6 +654,12 @@ def check_compatible(marker: dict[str, Any], meta: dict[str, Any]) -> list[str]:
         problems.append(f"dist.tp_size: checkpoint has {old_tp}, this run has {new_tp} (a "
                         "checkpoint resumes with the tp size it was saved with; replicas "
                         "and shards may change)")
+    old_pp = marker.get("pp_size", _pp_size(marker.get("topology")))
+    new_pp = meta.get("pp_size", _pp_size(meta.get("topology")))
+    if old_pp != new_pp:
+        problems.append(f"dist.pp_size: checkpoint has {old_pp}, this run has {new_pp} (a "
+                        "checkpoint resumes with the pipeline stages it was saved with; "
+                        "replicas and shards may change)")
     old_model, new_model = marker.get("model") or {}, meta.get("model") or {}
     for key in sorted(set(old_model) | set(new_model)):
         if old_model.get(key) != new_model.get(key):
@@ -663,8 +694,8 @@ def _stream_problems(marker: dict[str, Any], meta: dict[str, Any]) -> list[str]:
 
 
 def load_checkpoint(ckpt: Path, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                    engine: Any, replica: int, rank: int, meta: dict[str, Any]
-                    ) -> tuple[dict[str, Any] | None, dict[str, Any]]:
+                    engine: Any, replica: int, rank: int, meta: dict[str, Any],
+                    stage: int = 0) -> tuple[dict[str, Any] | None, dict[str, Any]]:
     """Load a checkpoint into the live objects.
 
     Same topology: everything is restored exactly and this rank's plain state is returned.
@@ -682,6 +713,8 @@ def load_checkpoint(ckpt: Path, *, model: torch.nn.Module, optimizer: torch.opti
         replica: this rank's replica index.
         rank: this rank.
         meta: :func:`run_meta` of this run.
+        stage: this rank's pipeline stage (an elastic resume reads the non-tensor optimizer
+            state of the same stage's first rank of replica 0).
 
     Returns:
         ``(rank_state or None, marker)``.
@@ -703,7 +736,8 @@ def load_checkpoint(ckpt: Path, *, model: torch.nn.Module, optimizer: torch.opti
     src = replica if same else 0
     # Format 3: the optimizer's non-tensor state is in the JSON of a rank of the replica
     # read (elastic: replica 0, whose rank 0 is the saving job's rank 0).
-    own = _read_rank_json(rank_file(ckpt, rank if same else 0), fmt)
+    head = 0 if same else stage_head_rank(marker.get("topology") or [], stage)
+    own = _read_rank_json(rank_file(ckpt, rank if same else head), fmt)
     model_state = get_model_state_dict(model)  # first: see save_checkpoint
     live = get_optimizer_state_dict(model, _base(optimizer))
     optim = _split_optim(live)[0] if fmt >= 3 else live

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -34,13 +34,21 @@ class Evaluator:
         everyone: the split is shared out over every data rank of every replica (else
             over this replica's ranks: A-EDiT).
         streaming: the method delays outer updates (evaluate the engine's global model).
+        forward_loss: with pipeline stages, ``forward_loss(tokens, targets)``: one batch
+            through the pipeline, its mean loss on the last stage and None on the others
+            (:func:`editrain.pipeline.pipeline_eval_loss`); None: the model's own forward.
     """
 
     def __init__(self, model: torch.nn.Module, batches: Sequence[EvalBatch], info: MeshInfo,
-                 engine: Any, everyone: bool, streaming: bool) -> None:
+                 engine: Any, everyone: bool, streaming: bool,
+                 forward_loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor | None]
+                 | None = None) -> None:
         self.model, self.batches, self.info, self.engine = model, batches, info, engine
         self.everyone, self.streaming = everyone, streaming
+        self.forward_loss = forward_loss
         self.shard_group = info.mesh.get_group(SHARD_DIM)
+        # A-EDiT with pipeline stages: a replica's sums are over all of its stages.
+        self.replica_group = engine.replica_group if info.topo.pp_size > 1 else None
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
@@ -61,7 +69,12 @@ class Evaluator:
             self.model.eval()
             for batch in self.batches:
                 x = batch.tokens.to(info.device)
-                loss = causal_lm_loss(self.model(x[:, :-1]), x[:, 1:])
+                if self.forward_loss is None:
+                    loss = causal_lm_loss(self.model(x[:, :-1]), x[:, 1:])
+                else:  # a pipeline stage: only the last one has the loss
+                    loss = self.forward_loss(x[:, :-1], x[:, 1:])
+                    if loss is None:
+                        continue
                 # Padding passes (targets == 0) keep the forward count equal on every rank.
                 total[0] += loss.double() * batch.targets
                 total[1] += batch.targets
@@ -70,6 +83,10 @@ class Evaluator:
             if info.tp:
                 total.zero_()  # tp peers evaluated the same windows: the first counts
             dist.all_reduce(total)
+        elif not self.everyone and self.replica_group is not None:
+            if info.tp:
+                total.zero_()
+            dist.all_reduce(total, group=self.replica_group)
         elif not self.everyone and info.topo.shard_size > 1:
             dist.all_reduce(total, group=self.shard_group)
         return {"val_loss": float(total[0] / total[1]), "val_tokens": int(total[1]),
@@ -82,8 +99,9 @@ class Evaluator:
         size = info.topo.data_world if everyone else info.topo.shard_size
         if size == 1:
             return loss
-        # tp peers hold the same loss: only the first of them counts
-        t = torch.tensor([loss if not everyone or info.tp == 0 else 0.0],
+        # tp peers (and the stages of a pipeline) hold the same loss: only the first counts
+        first = info.tp == 0 and info.stage == 0
+        t = torch.tensor([loss if not everyone or first else 0.0],
                          dtype=torch.float64, device=info.device)
         dist.all_reduce(t, group=group)
         return float(t[0]) / size

@@ -139,9 +139,10 @@ def _pretokenise(cfg: Config) -> Any:
     data = prepare_data(cfg)
     # The windows every worker will cut; a too-small corpus or a batch larger than a
     # rank's share (the sampler would loop over epochs to fill it) fails here, not in the
-    # workers. Data ranks: every replica's shards (tensor-parallel peers read alike).
+    # workers. Data ranks: every replica's shards (tensor-parallel peers and the stages of
+    # a pipeline read alike).
     t = cfg.train
-    data_world = cfg.dist.nproc // cfg.dist.tp_size
+    data_world = cfg.dist.nproc // (cfg.dist.tp_size * cfg.dist.pp_size)
     SequenceStream(data.train, t.seq_len, 0, data_world, t.seed)
     check_batch_size(data.train, t.seq_len, t.batch_size, data_world)
     eval_batches(data.val[: 2 * t.seq_len + 2], t.seq_len, t.batch_size, 0, data_world)

@@ -14,8 +14,10 @@ With the sync engine: ``editrain.init_mesh(shard_size, pp_size=P)`` builds the
 (``LlamaStage(model, info.stage, P)``), runs ``editrain.parallelize`` and ``editrain.edit``
 on it (the engine syncs the stage's own units with the same stage of every other replica,
 and agrees A-EDiT's clock over every stage of its replica), and trains with
-``PipelineRunner(stage, ..., group=info.pp_mesh.get_group())``. Not yet wired into the
-trainer, its options or its checkpoints (docs/decisions.md, "Pipeline parallelism").
+``PipelineRunner(stage, ..., group=info.pp_mesh.get_group())``. ``editrain train
+--dist.pp_size P`` does all of this (:mod:`editrain.train`; docs/decisions.md, "Pipeline
+parallelism"), and evaluates through :func:`pipeline_eval_loss`, which takes batches of
+any shape (the validation split's last batch is smaller).
 
 Stage boundaries carry one activation, the residual stream ``[microbatch, T, dim]``; the
 first stage takes token ids, the last returns logits. The runner gives torch's
@@ -44,6 +46,7 @@ __all__ = [
     "LlamaStage",
     "PipelineRunner",
     "check_microbatches",
+    "pipeline_eval_loss",
     "stage_layers",
 ]
 
@@ -155,6 +158,9 @@ class LlamaStage(nn.Module):
         self.is_first = stage == 0
         self.is_last = stage == pp_size - 1
         self.layer_ids = runs[stage]
+        self.block_offset = self.layer_ids.start
+        """The model's index of the stage's first block: the engine names the stage's
+        blocks ``block<index in the model>`` (:func:`editrain.sync.setup.unit_modules`)."""
         self.tok_embeddings = model.tok_embeddings if self.is_first else None
         # Keyed by the block's index in the whole model: parameter names stay the model's.
         self.layers = nn.ModuleDict({str(i): model.layers[i] for i in self.layer_ids})
@@ -336,3 +342,42 @@ class PipelineRunner:
         if not self.module.is_last:
             return None
         return torch.stack([loss.detach() for loss in losses]).mean()
+
+
+@torch.no_grad()
+def pipeline_eval_loss(module: nn.Module, tokens: Tensor, targets: Tensor,
+                       group: dist.ProcessGroup | None = None) -> Tensor | None:
+    """One batch of any shape forward through the pipeline, stage after stage (no
+    schedule, no microbatches, no autograd): the batch's mean loss on the last stage.
+
+    Every stage passes the same ``tokens`` and ``targets`` (the stages of a pipeline read
+    the same batches; only their shapes matter to the stages in between): the shape of
+    the residual stream each stage receives is known from them, so batches of any size and
+    length go through, unlike :class:`PipelineRunner`'s fixed shapes. Activations cross
+    stages in float32 with point-to-point sends over ``group`` (any backend).
+
+    Args:
+        module: this rank's stage (e.g. :class:`LlamaStage`); its index is its rank in
+            ``group``.
+        tokens: token ids ``[B, T]``.
+        targets: target ids ``[B, T]``.
+        group: the pp group (one rank per stage, in stage order); None: the default group.
+
+    Returns:
+        On the last stage ``causal_lm_loss(logits, targets)`` (a scalar), elsewhere None.
+    """
+    device = tokens.device
+    b, t = tokens.shape
+    if module.is_first:
+        h = module(tokens)
+    else:
+        h = torch.empty(b, t, module.config.dim, dtype=torch.float32, device=device)
+        dist.recv(h, src=dist.get_global_rank(group, module.stage - 1)
+                  if group is not None else module.stage - 1, group=group)
+        h = module(h)
+    if not module.is_last:
+        dst = module.stage + 1
+        dist.send(h.float().contiguous(), dst=dist.get_global_rank(group, dst)
+                  if group is not None else dst, group=group)
+        return None
+    return causal_lm_loss(h, targets)

@@ -67,4 +67,4 @@ def init_distributed(cfg: Any) -> MeshInfo:
     d = cfg.dist
     return init_mesh(d.shard_size, backend=None if d.backend == "auto" else d.backend,
                      device_type=None if d.device == "auto" else d.device,
-                     tp_size=d.tp_size)
+                     tp_size=d.tp_size, pp_size=d.pp_size)

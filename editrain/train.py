@@ -25,6 +25,7 @@ from editrain.checkpoint import (
     list_checkpoints,
     load_checkpoint,
     rank_states,
+    replicas_and_shards,
     resolve_resume,
     rng_state,
     run_meta,
@@ -46,6 +47,7 @@ from editrain.metrics import MetricsWriter, RankLog, read_metrics, to_json
 from editrain.models import causal_lm_loss, num_parameters
 from editrain.optim.inner import build_inner_optimizer, clip_gradients, uses_sam
 from editrain.optim.schedule import lr_at, set_lr
+from editrain.pipeline import LlamaStage, PipelineRunner, pipeline_eval_loss
 from editrain.rundir import lineage_of, logs_dir
 from editrain.runtime import init_distributed, setup_process
 from editrain.sim import Simulation, check_replicas, parse_sim
@@ -93,6 +95,11 @@ class Trainer:
                              *eval_share)
         self.model = build_model(cfg, self.data.vocab_size, info.device)
         self.num_params = num_parameters(self.model)
+        # Pipeline stages: this rank keeps its stage of the whole model (the same seeded
+        # weights, the model's parameter names) and shards, syncs and trains that.
+        self.pp = info.topo.pp_size > 1
+        if self.pp:
+            self.model = LlamaStage(self.model, info.stage, info.topo.pp_size)
         blocks = shard_model(cfg, self.model, info)
         # The simulated link is one FIFO per replica, shared by the replica's ranks.
         self.sim = Simulation(plan, self.replica, cfg.sim.replica_offset, self.global_rank,
@@ -108,11 +115,25 @@ class Trainer:
         # Gradient norms (WSAM, clipping) are summed over the engine's replica group.
         self.replica_group = self.engine.replica_group
         self.optimizer = build_inner_optimizer(cfg, self.model.parameters(), self.replica_group)
+        self.runner: PipelineRunner | None = None
+        self.pp_group = info.pp_mesh.get_group() if self.pp else None
+        if self.pp:
+            # A step's micro-batches (gradient accumulation) go through as one batch of
+            # them all, each split into dist.pp_microbatches: the same mean loss and
+            # gradients as accumulating them.
+            accum = t.gradient_accumulation_steps
+            self.runner = PipelineRunner(
+                self.model, batch_size=t.batch_size * accum, seq_len=t.seq_len,
+                n_microbatches=cfg.dist.microbatches * accum,
+                schedule=cfg.dist.pp_schedule, group=self.pp_group, device=info.device)
         if self.ft_group is not None:
             # What a healthy replica sends one that (re)joins, besides the engine's state.
             self.ft_group.register_state("trainer", self._ft_state, self._load_ft_state)
-        self.evaluator = Evaluator(self.model, self.data.val, info, self.engine,
-                                   everyone=not self.aedit, streaming=cfg.sync.streaming)
+        self.evaluator = Evaluator(
+            self.model, self.data.val, info, self.engine, everyone=not self.aedit,
+            streaming=cfg.sync.streaming,
+            forward_loss=(lambda x, y: pipeline_eval_loss(self.model, x, y, self.pp_group))
+            if self.pp else None)
         self.tokens_per_step = t.batch_size * t.seq_len * t.gradient_accumulation_steps
 
         # Loop state (saved in checkpoints).
@@ -220,6 +241,8 @@ class Trainer:
             return total
 
         grad_clip = self.cfg.train.grad_clip
+        if self.runner is not None:
+            return self._compute_pipeline(batches, grad_clip)
         if uses_sam(self.cfg):
             loss = self.optimizer.step(closure)
         else:
@@ -231,6 +254,26 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         return loss
 
+    def _compute_pipeline(self, batches: list[torch.Tensor], grad_clip: float
+                          ) -> torch.Tensor:
+        """:meth:`_compute` on a pipeline stage: the step's batch through the schedule,
+        its loss (known on the last stage) summed over the pipeline so that every stage
+        holds it, clipping over every stage of the replica, the optimizer step."""
+        x = batches[0] if len(batches) == 1 else torch.cat(batches)
+        self.optimizer.zero_grad(set_to_none=True)
+        got = self.runner.train_step(x[:, :-1], x[:, 1:])
+        loss = torch.zeros(1, device=self.info.device)
+        if got is not None:
+            loss += got.float()
+        dist.all_reduce(loss, group=self.pp_group)  # the others add zeros: exact
+        self.engine.after_backward()
+        if grad_clip > 0:
+            clip_gradients(self.model, grad_clip, self.info.topo.tp_size, self.replica_group,
+                           stage_size=self.info.topo.stage_size)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return loss[0]
+
     def _step_row(self, loss: float, lr: float, t0: float, t1: float, wait0: float,
                   compute_s: float, grad_sync_s: float, stall_s: float) -> dict[str, Any]:
         """Write this rank's line of the step (``ranks/``) and return the step's row."""
@@ -238,6 +281,7 @@ class Trainer:
         step_time = time.perf_counter() - t0
         mine = {"rank": self.global_rank, "replica": self.replica, "shard": info.shard,
                 **({"tp": info.tp} if info.topo.tp_size > 1 else {}),
+                **({"stage": info.stage} if self.pp else {}),
                 "step": self.step, "unix_time": time.time(),
                 "tokens": self.step * self.tokens_per_step,
                 "loss": loss, "wall_time_s": self._wall(), "step_time_s": step_time,
@@ -326,7 +370,7 @@ class Trainer:
                    "num_syncs": self.engine.num_syncs,
                    "num_params": self.num_params, "method": self.cfg.sync.method,
                    "replicas": self.replicas, "shard_size": topo.shard_size,
-                   "tp_size": topo.tp_size,
+                   "tp_size": topo.tp_size, **({"pp_size": topo.pp_size} if self.pp else {}),
                    "steps_run": self.steps_run,
                    "tokens_processed": self.steps_run * topo.data_world * self.tokens_per_step}
         if self.ft:
@@ -399,6 +443,8 @@ class Trainer:
         }
         if self.info.topo.tp_size > 1:
             rank_state["tp"] = self.info.tp
+        if self.pp:
+            rank_state["stage"] = self.info.stage
         if self.ft_group is not None:  # torchft's count of committed syncs: a group that
             rank_state["ft_committed"] = self.ft_group.committed_syncs  # resumes behind heals
         # (the engine's own state is saved by save_checkpoint: engine.state_dict())
@@ -418,7 +464,8 @@ class Trainer:
     def _resume(self, ckpt: Path) -> None:
         state, marker = load_checkpoint(ckpt, model=self.model, optimizer=self.optimizer,
                                         engine=self.engine, replica=self.info.replica,
-                                        rank=self.info.rank, meta=self._meta())
+                                        rank=self.info.rank, meta=self._meta(),
+                                        stage=self.info.stage)
         self.resumed_from = ckpt
         if self.is_logger:
             self.replay_until = _last_logged_step(self.run_dir)
@@ -438,7 +485,8 @@ class Trainer:
             return
         # Elastic: different number of replicas or shards.
         self.elastic = True
-        old = [o for o in rank_states(ckpt) if not o.get("tp")]  # tp peers: same position
+        # tp peers and the stages of a pipeline: the same position
+        old = [o for o in rank_states(ckpt) if not o.get("tp") and not o.get("stage")]
         first = old[0]
         # The engine restarted every replica at one step (A-EDiT: the mean of the last sync).
         self.step = self.engine.global_step
@@ -447,7 +495,7 @@ class Trainer:
         self.off_train_s = first.get("off_train_s", 0.0)
         self.data.repartition([o["data"] for o in old])
         if self.is_logger:
-            old_r, old_s = marker["topology"][:2]
+            old_r, old_s = replicas_and_shards(marker["topology"])
             log.warning(
                 "elastic resume from %s: %dx%d -> %dx%d (replicas x shards). Carried over: "
                 "the global model (anchors), outer optimizer state, anomaly detectors of "
@@ -477,9 +525,12 @@ class Trainer:
             return
         topo, mem = self.info.topo, self.engine.extra_memory()
         log.warning(
-            "editrain: %s on %d replicas x %d shards%s (%s, %s%s); model %s with %.2fM "
+            "editrain: %s on %d replicas x %s%d shards%s (%s, %s%s); model %s with %.2fM "
             "parameters; outer state per rank: %s",
-            self.cfg.sync.method, self.replicas, topo.shard_size,
+            self.cfg.sync.method, self.replicas,
+            f"{topo.pp_size} stages ({self.cfg.dist.pp_schedule}, "
+            f"{self.cfg.dist.microbatches} microbatches) x " if self.pp else "",
+            topo.shard_size,
             f" x {topo.tp_size} tp" if topo.tp_size > 1 else "", self.info.device.type,
             dist.get_backend(),
             f"; fault-tolerant, this is replica {self.replica}" if self.ft else "",

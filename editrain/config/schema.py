@@ -21,6 +21,7 @@ SAMS = ("none", "wsam")
 BACKENDS = ("auto", "gloo", "nccl")
 DEVICES = ("auto", "cpu", "cuda")
 FAULT_TOLERANCE = ("none", "torchft")
+PP_SCHEDULES = ("1f1b", "gpipe")
 
 SEED_MAX = 2**63 - 1
 """Largest seed: torch, numpy and the data order take a seed as a non-negative int64."""
@@ -164,6 +165,17 @@ class DistSection:
     """Tensor-parallel ranks per shard (Megatron split of every block over a "tp" mesh
     dimension; a replica is shard_size x tp_size ranks); must divide the model's query and
     key/value heads. 1: no tensor parallelism."""
+    pp_size: int = 1
+    """Pipeline stages per replica (each stage a contiguous run of the model's blocks on
+    its own shard_size x tp_size ranks; a replica is pp_size x shard_size x tp_size ranks);
+    at most the model's layers, built-in Llama with untied embeddings. 1: no pipeline."""
+    pp_schedule: str = "1f1b"
+    """Pipeline schedule: 1f1b (backwards start as soon as the last stage has a loss;
+    needs pp_microbatches >= pp_size) or gpipe (every forward, then every backward)."""
+    pp_microbatches: int = 0
+    """Microbatches each step's batch is split into for the pipeline (must divide
+    train.batch_size; 0: pp_size). With gradient accumulation every micro-batch is split
+    alike, so a step runs gradient_accumulation_steps x pp_microbatches of them."""
     backend: str = "auto"
     """Process group backend: auto (nccl on CUDA, gloo on CPU), gloo or nccl."""
     device: str = "auto"
@@ -207,9 +219,14 @@ class DistSection:
 
     @property
     def replica_size(self) -> int:
-        """Ranks of one replica (``shard_size x tp_size``): with ``--ft``, one replica
-        group's job."""
-        return self.shard_size * self.tp_size
+        """Ranks of one replica (``pp_size x shard_size x tp_size``): with ``--ft``, one
+        replica group's job."""
+        return self.pp_size * self.shard_size * self.tp_size
+
+    @property
+    def microbatches(self) -> int:
+        """``pp_microbatches``, its default (0) resolved: ``pp_size``."""
+        return self.pp_microbatches or self.pp_size
 
 
 @dataclass

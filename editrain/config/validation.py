@@ -24,6 +24,7 @@ from editrain.config.schema import (
     DEVICES,
     FAULT_TOLERANCE,
     OPTIMIZERS,
+    PP_SCHEDULES,
     PRECISIONS,
     PRESETS,
     SAMS,
@@ -126,9 +127,11 @@ def check_dist(d: DistSection) -> None:
     """Sizes and timeouts in range, known backends and devices, and the devices they need:
     nccl and cuda need as many CUDA devices as local processes (``dist.nproc``, or
     torchrun's ``LOCAL_WORLD_SIZE``)."""
-    for name in ("nproc", "shard_size", "tp_size"):
+    for name in ("nproc", "shard_size", "tp_size", "pp_size"):
         require(getattr(d, name) >= 1, f"dist.{name}", f"must be >= 1, got {getattr(d, name)}")
-    _counts(d, "dist", ("max_restarts", "threads_per_proc", "ft_replicas"), least=0)
+    _counts(d, "dist", ("max_restarts", "threads_per_proc", "ft_replicas", "pp_microbatches"),
+            least=0)
+    _one_of(d.pp_schedule, PP_SCHEDULES, "dist.pp_schedule")
     _one_of(d.fault_tolerance, FAULT_TOLERANCE, "dist.fault_tolerance")
     require(d.ft_replica_id >= -1, "dist.ft_replica_id",
             f"must be >= 0 (or -1: from $EDITRAIN_FT_REPLICA), got {d.ft_replica_id}")
@@ -210,6 +213,8 @@ def validate(cfg: Config) -> None:
         require(q % cfg.dist.tp_size == 0 and kv % cfg.dist.tp_size == 0, "dist.tp_size",
                 f"must divide the model's query heads ({q}) and key/value heads ({kv}), "
                 f"got {cfg.dist.tp_size}")
+    if cfg.dist.pp_size > 1:
+        _check_pipeline(cfg)
     if cfg.dist.fault_tolerance == "torchft":
         with as_config_error():
             check_fault_tolerant(s.resolve(), 1)
@@ -231,6 +236,41 @@ def validate(cfg: Config) -> None:
                 f"got {s.fragments}")
 
 
+def _check_pipeline(cfg: Config) -> None:
+    """``dist.pp_size > 1``: the built-in Llama with untied embeddings and at least as many
+    blocks as stages, microbatches that divide the batch and suit the schedule, and none of
+    the features the pipelined trainer does not wire (each refused by name)."""
+    d, t = cfg.dist, cfg.train
+    p = d.pp_size
+    require(cfg.model.hf_config is None, "dist.pp_size",
+            f"pipeline stages ({p}) need the built-in Llama; model.hf_config models are not "
+            f"split into stages (use dist.pp_size = 1)")
+    mcfg = model_config(cfg)
+    require(mcfg.n_layers >= p, "dist.pp_size",
+            f"must be at most the model's number of layers ({mcfg.n_layers}): every stage "
+            f"holds at least one block; got {p}")
+    require(not mcfg.tie_embeddings, "model.tie_embeddings",
+            f"dist.pp_size = {p} needs untied embeddings (model.tie_embeddings = false): "
+            f"the first and last stage would share the embedding matrix")
+    require(d.fault_tolerance != "torchft", "dist.fault_tolerance",
+            f"torchft (--ft) is not supported with pipeline stages (dist.pp_size = {p}); "
+            f"use dist.fault_tolerance = none or dist.pp_size = 1")
+    require(cfg.optim.sam in (None, "none"), "optim.sam",
+            f"{cfg.optim.sam!r} is not supported with pipeline stages (dist.pp_size = {p}): "
+            f"its closure would run the pipeline twice per step; use optim.sam = none")
+    require(t.precision == "fp32", "train.precision",
+            f"{t.precision!r} is not supported with pipeline stages (dist.pp_size = {p}) "
+            f"yet: the stages exchange fp32 activations; use train.precision = fp32")
+    from editrain.pipeline import check_microbatches
+
+    if d.pp_microbatches == 0:
+        require(t.batch_size % p == 0, "dist.pp_microbatches",
+                f"0 means dist.pp_size ({p}) microbatches, which must divide the batch size "
+                f"(train.batch_size = {t.batch_size}); set it to a divisor of the batch size")
+    with as_config_error():
+        check_microbatches(t.batch_size, d.microbatches, d.pp_schedule, p)
+
+
 def _check_hf(cfg: Config) -> None:
     """``model.hf_config``: the file exists and is a config.json, transformers is installed,
     the sequence length fits, and no preset override is set alongside it."""
@@ -245,7 +285,7 @@ def validate_world(cfg: Config, world_size: int) -> None:
     """Checks that need the world size (known before spawning, or from torchrun's env)."""
     d = cfg.dist
     with as_config_error():  # the mesh's own rank arithmetic says what divides what
-        topo = Topology(world_size, d.shard_size, d.tp_size)
+        topo = Topology(world_size, d.shard_size, d.tp_size, d.pp_size)
     # Replica indices in sim.* must exist (checked here, before any worker starts).
     replicas = topo.num_replicas
     if d.fault_tolerance == "torchft" and d.ft_replicas:

@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
 from editrain.optim import build_optimizer, wrap_sam
@@ -51,11 +52,38 @@ def build_inner_optimizer(cfg: Any, params: Sequence[torch.nn.Parameter],
 
 
 def clip_gradients(model: torch.nn.Module, max_norm: float, tp_size: int,
-                   norm_group: dist.ProcessGroup | None) -> None:
+                   norm_group: dist.ProcessGroup | None, stage_size: int | None = None
+                   ) -> None:
     """``train.grad_clip``: torch's clipping, or under tensor parallelism the norm over
     the replica's shard x tp ranks (``norm_group``) with every piece counted once
     (:func:`editrain.optim.wsam.global_norm`: the tensors split over different meshes
-    there are beyond ``clip_grad_norm_``)."""
+    there are beyond ``clip_grad_norm_``).
+
+    With pipeline stages (``stage_size``: the ranks of one stage, shard x tp) ``model`` is
+    this rank's stage and ``norm_group`` the whole replica, every stage: each rank's sum of
+    squares, every local piece divided by the ranks of its stage holding it alike, is
+    summed over ``norm_group``, so the norm is the whole model's."""
+    if stage_size is not None:
+        grads = [p.grad for p in model.parameters() if p.grad is not None]
+        total = torch.zeros((), dtype=torch.float32, device=grads[0].device if grads
+                            else next(model.parameters()).device)
+        for g in grads:
+            pieces = 1
+            if isinstance(g, DTensor):
+                for dim, placement in enumerate(g.placements):
+                    if not placement.is_replicate():
+                        pieces *= g.device_mesh.size(dim)
+                local = g.to_local()
+            else:
+                local = g
+            copies = max(1, stage_size // pieces)
+            total += local.detach().float().square().sum() / copies
+        if norm_group is not None:
+            dist.all_reduce(total, group=norm_group)
+        coef = (max_norm / (total.sqrt() + 1e-6)).clamp(max=1.0)
+        for g in grads:
+            g.mul_(coef.to(g.dtype))
+        return
     if tp_size == 1:
         torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
         return

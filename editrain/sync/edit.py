@@ -904,7 +904,10 @@ class SyncEngine:
             # to this topology at equal tokens, and every replica restarts at their mean (the
             # budget and the schedule stay counted in the run's first topology). Every other
             # method keeps the (common) step count.
-            old = (max(1, int(sd["topology"][0])), max(1, int(sd["topology"][1])))
+            # (R, S) of the saving topology: (R, S[, T]), or (R, P, S, T) with stages
+            topo = sd["topology"]
+            shards = topo[2] if len(topo) == 4 else topo[1]
+            old = (max(1, int(topo[0])), max(1, int(shards)))
             if self.config.use_async:
                 self.progress.rescale(old)
                 self.global_step = int(round(self.synced_replica_steps / self.num_replicas))

@@ -59,7 +59,10 @@ def unit_modules(model: nn.Module, blocks: Sequence[nn.Module], split_root: bool
     unsharded model (nothing is an FSDP2 unit) with ``split_root``, the modules
     :func:`root_leaf_units` names, so that the units match the sharded layout's."""
     in_blocks = {id(m) for b in blocks for m in b.modules()}
-    block_ids = {id(b): i for i, b in enumerate(blocks)}
+    # A pipeline stage (editrain.pipeline.LlamaStage) names its blocks by their index in
+    # the whole model, so unit names (and the checkpoint keys made of them) are global.
+    offset = int(getattr(model, "block_offset", 0))
+    block_ids = {id(b): offset + i for i, b in enumerate(blocks)}
     extra: list[nn.Module] = []
     if not isinstance(model, FSDPModule) and split_root:
         extra = root_leaf_units(model, blocks)

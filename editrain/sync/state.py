@@ -18,9 +18,14 @@ relative to wherever the caller puts the tree::
                             replica's own), ``incoming`` and ``carry``. Kept when the number
                             of replicas is unchanged (``launch``, ``incoming``, ``carry``:
                             only on the saving topology), dropped otherwise.
-    units.<index>.<entry>   per-unit scalar tensors (e.g. ``outer.step``), identical everywhere
+    units.<index>.<entry>   per-unit scalar tensors (e.g. ``outer.step``), identical everywhere;
+                            with pipeline stages ``units.<name>.<entry>``, by the unit's
+                            name (global: ``block<index in the model>``), as a stage's unit
+                            indices are its own and would collide with another stage's
     ranks.rank<NNNNN>       one rank's plain state (counters, detectors, RNG seed, topology) as
-                            a uint8 tensor of JSON: nothing in the tree is pickled
+                            a uint8 tensor of JSON: nothing in the tree is pickled (with
+                            pipeline stages it records the rank's ``stage``; an elastic
+                            resume reads the plain state of a rank of the same stage)
 
 Python numbers in a unit's state (an optimizer may keep its step as an ``int``) travel in the
 per-rank JSON, so they come back with their type.
@@ -75,8 +80,9 @@ class StateLayout:
         units: the engine's units, in forward order.
         model: the root module (it names the parameters).
         rank: this process's global rank.
-        topology: ``(replicas, shard_size)`` of the running job, or ``(replicas,
-            shard_size, tp_size)`` with tensor parallelism.
+        topology: ``(replicas, shard_size)`` of the running job, ``(replicas,
+            shard_size, tp_size)`` with tensor parallelism, or ``(replicas, pp_size,
+            shard_size, tp_size)`` with pipeline stages.
     """
 
     def __init__(self, units: Sequence[SyncUnit], model: nn.Module, rank: int,
@@ -87,6 +93,14 @@ class StateLayout:
         self.rank = rank
         self.topology = tuple(topology)
         self.replica = rank // math.prod(self.topology[1:])
+        self.staged = len(self.topology) == 4
+        """Pipeline stages: unit scalars keyed by unit name, plain state by stage."""
+        self.stage = (rank // math.prod(self.topology[2:])) % self.topology[1] \
+            if self.staged else 0
+
+    def _unit_key(self, u: int) -> str:
+        """Unit ``u``'s key under ``units``: its index, or with pipeline stages its name."""
+        return self.units[u].name if self.staged else str(u)
 
     # ------------------------------------------------------------------ parameter layout
     def _to_params(self, flat: torch.Tensor, u: int) -> dict[str, torch.Tensor]:
@@ -143,13 +157,15 @@ class StateLayout:
                     for fqn, piece in self._to_params(full, u).items():
                         target.setdefault(fqn, {})[name] = piece
                 elif torch.is_tensor(value):
-                    scalars.setdefault(str(u), {})[entry] = value.detach().clone()
+                    scalars.setdefault(self._unit_key(u), {})[entry] = value.detach().clone()
                 else:
                     numbers.setdefault(str(u), {})[entry] = value
         plain = dict(plain, version=VERSION, topology=list(self.topology),
                      stateful_units=[u for u, s in enumerate(unit_states) if s],
                      unit_names=[u.name for u in self.units],
                      unit_numbers=numbers)
+        if self.staged:
+            plain["stage"] = self.stage
         tree: dict[str, Any] = {"ranks": {rank_key(self.rank): json_tensor(plain)}}
         if params:
             tree["params"] = params
@@ -190,7 +206,10 @@ class StateLayout:
                 _, u, entry = key.split(".", 2)
                 scalars.setdefault(u, {})[entry] = torch.zeros(like.shape, dtype=like.dtype)
         ranks = {}
-        for name in {rank_key(self.rank), rank_key(0)}:
+        wanted = {rank_key(self.rank), rank_key(0)}
+        if self.staged:  # which rank saved this stage is known only once they are read
+            wanted |= {key[len("ranks."):] for key in saved if key.startswith("ranks.")}
+        for name in wanted:
             like = saved.get(f"ranks.{name}")
             if like is not None:
                 ranks[name] = torch.zeros(like.shape, dtype=torch.uint8)
@@ -227,6 +246,16 @@ class StateLayout:
             raise ValueError(f"sync engine state version {first.get('version')!r}; this "
                              f"editrain reads version {VERSION}")
         elastic = tuple(first["topology"]) != self.topology or rank_key(self.rank) not in ranks
+        if self.staged and elastic:
+            # The plain state of the first saved rank of this stage (its units, detectors).
+            for name in sorted(ranks):
+                other = from_json_tensor(ranks[name])
+                if other.get("stage", 0) == self.stage:
+                    first = other
+                    break
+            else:
+                raise ValueError(f"the saved state holds no rank of pipeline stage "
+                                 f"{self.stage}")
         plain = first if elastic else from_json_tensor(ranks[rank_key(self.rank)])
         params = tree.get("params", {})
         own = tree.get("replicas", {}).get(str(self.replica), {})
@@ -234,7 +263,7 @@ class StateLayout:
             own = {}  # another number of replicas: residuals of replicas that are gone
         scalars = tree.get("units", {})
         names = [u.name for u in self.units]
-        saved_names = first.get("unit_names", names)
+        saved_names = plain.get("unit_names", names)
         if saved_names != names:
             raise ValueError(
                 f"the checkpoint's sync units are {saved_names}, this model's are {names}: "
@@ -258,7 +287,7 @@ class StateLayout:
                         self._from_params({f: own[f][entry] for f in fqns}, u))
             elif u in stateful:
                 state["anchor"] = torch.zeros(0)  # a unit without parameters of its own
-            state.update(scalars.get(str(u), {}))
+            state.update(scalars.get(self._unit_key(u), {}))
             state.update(plain["unit_numbers"].get(str(u), {}))
             states.append(state)
         return states, plain, elastic

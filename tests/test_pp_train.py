@@ -1,0 +1,238 @@
+"""`editrain train --dist.pp_size`: the trainer on a ("sync", "pp", "shard", "tp") mesh.
+
+Pipeline stages change how a replica computes, not what: every stage of a pipeline reads
+the same batches (their data rank is the replica's shard), the step's loss is the last
+stage's, clipping sums the gradient norm over every stage and evaluation runs the
+validation split through the pipeline. A run with 2 stages per replica must follow the
+run without stages step by step (to float noise: the microbatches' mean loss is rounded
+differently from the whole batch's), resume bitwise from its own checkpoints, and resume
+elastically on fewer replicas from the anchors. Bad settings are refused before any
+worker starts, naming the option.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from editrain.checkpoint import list_checkpoints
+from editrain.safe_load import read_metadata
+from tests.test_checkpoint import (
+    final_val,
+    rows,
+    step_losses,
+    train,
+    train_here,  # noqa: F401 (a fixture: in-process train)
+)
+
+UNTIED = ["--model.tie_embeddings", "false"]
+COMMON = [*UNTIED, "--steps", "10", "--sync.local_sgd_sync_interval", "4",
+          "--train.grad_clip", "0.5", "--sync.clip_pseudo_grad", "0.5",
+          "--sync.ewma_warmup_steps", "1", "--sync.outer_optim_class", "adam",
+          "--train.eval_every", "5", "--checkpoint.every", "5", "--checkpoint.keep", "5"]
+"""Clipping on (train.grad_clip 0.5 bites at these losses), the penalty's clipping and
+detector, Adam as the outer optimizer (its per-unit step counter is a scalar the engine
+saves per unit: the key that would collide between stages)."""
+PLAIN = ["--nproc", "2", "--shard-size", "1", *COMMON]
+PP_RUN = ["--nproc", "4", "--shard-size", "1", "--dist.pp_size", "2", *COMMON]
+"""2 replicas x 2 stages (1F1B, 2 microbatches by default), and the same 2 replicas
+without stages."""
+TOL = 2e-4
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("cache")
+
+
+@pytest.fixture(scope="module")
+def runs(cache: Path, tmp_path_factory):
+    """``get(*args)``: the directory of a run with these arguments, trained on first use."""
+    done: dict[tuple[str, ...], Path] = {}
+
+    def get(*args: str) -> Path:
+        if args not in done:
+            run = tmp_path_factory.mktemp("run") / "run"
+            train(cache, run, *args)
+            done[args] = run
+        return done[args]
+
+    return get
+
+
+def _summary(run: Path) -> dict:
+    return json.loads((run / "summary.json").read_text())
+
+
+AEDIT = [*UNTIED, "--steps", "10", "--method", "aedit", "--sim.step_schedule=[2,3]",
+         "--sync.ewma_warmup_steps", "1", "--train.gradient_accumulation_steps", "2",
+         "--train.grad_clip", "0.5", "--train.eval_every", "4"]
+SHARDED = [*UNTIED, "--steps", "8", "--method", "diloco", "--sync.local_sgd_sync_interval",
+           "3", "--train.grad_clip", "0.5", "--train.eval_every", "4"]
+CASES = {
+    # name: (the run without stages, the same with 2 stages per replica)
+    "edit_2x2": (PLAIN, PP_RUN),
+    # A-EDiT (each replica evaluates over its own ranks: every stage of it), gradient
+    # accumulation (2 micro-batches through the schedule as one batch), GPipe with one
+    # microbatch per micro-batch
+    "aedit_gpipe_accum": (["--nproc", "2", "--shard-size", "1", *AEDIT],
+                          ["--nproc", "4", "--shard-size", "1", "--dist.pp_size", "2",
+                           "--dist.pp_schedule", "gpipe", "--dist.pp_microbatches", "1",
+                           *AEDIT]),
+    # one replica of 2 stages of 2 FSDP2 shards: clipping over DTensor pieces
+    "sharded_1x2x2": (["--nproc", "2", "--shard-size", "2", *SHARDED],
+                      ["--nproc", "4", "--shard-size", "2", "--dist.pp_size", "2",
+                       *SHARDED]),
+    # one replica of 2 stages of 2 tp ranks: a norm weight held alike by tp peers counts
+    # once in the clipping norm, evaluation counts tp rank 0 of the last stage
+    "tp_1x2x1x2": (["--nproc", "2", "--shard-size", "1", "--tp-size", "2", *SHARDED],
+                   ["--nproc", "4", "--shard-size", "1", "--tp-size", "2",
+                    "--dist.pp_size", "2", *SHARDED]),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("name", list(CASES))
+def test_pp_run_follows_the_run_without_pp(runs, name: str) -> None:
+    plain, pp = (runs(*args) for args in CASES[name])
+    a, b = step_losses(plain), step_losses(pp)
+    assert sorted(a) == sorted(b) and len(a) >= 8
+    worst = max(abs(a[s] - b[s]) for s in a)
+    assert worst < TOL, f"{name}: step losses differ by {worst:.3g}"
+    val_a = {r["step"]: r["val_loss"] for r in rows(plain) if "val_loss" in r}
+    val_b = {r["step"]: r["val_loss"] for r in rows(pp) if "val_loss" in r}
+    assert sorted(val_a) == sorted(val_b) and len(val_a) >= 3
+    assert max(abs(val_a[s] - val_b[s]) for s in val_a) < TOL
+    assert abs(final_val(plain) - final_val(pp)) < TOL
+    sa, sb = _summary(plain), _summary(pp)
+    assert sb["pp_size"] == 2 and "pp_size" not in sa
+    # the same tokens: the stages of a pipeline do not count twice
+    assert sb["tokens_processed"] == sa["tokens_processed"]
+    assert sb["tokens"] == sa["tokens"]
+    assert sb["val_tokens"] == sa["val_tokens"]
+    assert sb["num_syncs"] == sa["num_syncs"]
+    assert final_val(pp) < val_b[0] - 0.05  # it learns
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_pp_checkpoint_resumes_bitwise(cache: Path, tmp_path: Path, runs) -> None:
+    """Saved mid-run (the first sync point after step 5) on a (2, 2, 1, 1) mesh; the
+    resumed run equals the uninterrupted one bitwise. The engine's keys are global (each
+    stage's units by their names in the whole model). A run with another pp size is
+    refused."""
+    full = runs(*PP_RUN)
+    first = list_checkpoints(full)[0]
+    marker = json.loads((first / "editrain.json").read_text())
+    assert marker["topology"] == [2, 2, 1, 1] and marker["pp_size"] == 2
+    keys = set(read_metadata(first).state_dict_metadata)
+    units = {k.split(".")[2] for k in keys if k.startswith("engine.units.")}
+    assert units == {"root", "tok_embeddings", "block0", "block1", "output"}, units
+    # every parameter of the whole model, once, under its own name
+    model = {k.split(".", 2)[2] for k in keys if k.startswith("replica0.model.")}
+    assert {"tok_embeddings.weight", "output.weight", "norm.weight"} <= model
+    assert any(k.startswith("layers.0.") for k in model)
+    assert any(k.startswith("layers.1.") for k in model)
+    resumed = tmp_path / "resumed"
+    train(cache, resumed, *PP_RUN, "--resume", str(first))
+    a, b = step_losses(full), step_losses(resumed)
+    assert sorted(b) == list(range(marker["step"] + 1, 11)) and len(b) >= 2
+    for step, loss in b.items():
+        assert loss == a[step], (step, loss, a[step])  # bitwise
+    assert final_val(resumed) == final_val(full)
+    out = train(cache, tmp_path / "other", *PLAIN, "--resume", str(first), check=False)
+    assert out.returncode != 0
+    assert "dist.pp_size: checkpoint has 2, this run has 1" in out.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("sharded", [False, True], ids=["1x2x1", "1x2x2"])
+def test_pp_checkpoint_resumes_elastically_on_fewer_replicas(cache: Path, tmp_path: Path,
+                                                            runs, sharded: bool) -> None:
+    """Saved on 2 replicas x 2 stages, resumed on 1 replica x 2 stages (of 1 rank, or of 2
+    FSDP2 shards: DCP re-shards every stage's pieces): each stage reads
+    its own units' state (the engine's plain state of a rank of the same stage); the global
+    model comes back (the validation loss saved at that step, up to reduction order) and
+    training goes on."""
+    src = runs(*PP_RUN)
+    first = list_checkpoints(src)[0]
+    step = json.loads((first / "editrain.json").read_text())["step"]
+    dst = tmp_path / "dst"
+    mesh = ["--nproc", "4", "--shard-size", "2"] if sharded else ["--nproc", "2",
+                                                                    "--shard-size", "1"]
+    train(cache, dst, *mesh, "--dist.pp_size", "2", *COMMON, "--resume", str(first))
+    resume_row = next(r for r in rows(dst) if r.get("event") == "elastic_resume")
+    saved_val = next(r["val_loss"] for r in rows(src) if r.get("step") == step
+                     and "val_loss" in r)
+    assert resume_row["val_loss"] == pytest.approx(saved_val, abs=2e-3)
+    assert sorted(step_losses(dst)) == list(range(step + 1, 11))
+    assert final_val(dst) < saved_val + 0.05
+
+
+# ---------------------------------------------------------------------------- bad input
+BAD = {
+    # (arguments, words the one error line must hold)
+    "layers": (["--nproc", "6", "--shard-size", "1", "--dist.pp_size", "3", *UNTIED],
+               ["dist.pp_size", "number of layers (2)", "got 3"]),
+    "world": (["--nproc", "4", "--shard-size", "1", "--dist.pp_size", "3",
+               "--model.n_layers", "3", "--dist.pp_microbatches", "4", *UNTIED],
+              ["dist.pp_size=3", "world size 4", "1, 2, 4"]),
+    "shards": (["--nproc", "4", "--shard-size", "4", "--dist.pp_size", "2", *UNTIED],
+               ["dist.shard_size=4", "dist.pp_size = 2", "1, 2"]),
+    "tied": (["--nproc", "4", "--shard-size", "1", "--dist.pp_size", "2"],
+             ["model.tie_embeddings", "untied", "dist.pp_size = 2"]),
+    "microbatches": (["--nproc", "4", "--shard-size", "1", "--dist.pp_size", "2", *UNTIED,
+                      "--dist.pp_microbatches", "3"],
+                     ["dist.pp_microbatches (3)", "must divide", "batch size (4)"]),
+    "microbatches_default": (["--nproc", "4", "--shard-size", "1", "--dist.pp_size", "2",
+                              *UNTIED, "--train.batch_size", "3"],
+                             ["dist.pp_microbatches", "0 means dist.pp_size (2)", "train.batch_size = 3"]),
+    "1f1b": (["--nproc", "4", "--shard-size", "1", "--dist.pp_size", "2", *UNTIED,
+              "--dist.pp_microbatches", "1"],
+             ["dist.pp_schedule = '1f1b'", "dist.pp_microbatches >= dist.pp_size", "gpipe"]),
+    "schedule": (["--dist.pp_schedule", "interleaved"],
+                 ["dist.pp_schedule", "1f1b, gpipe", "interleaved"]),
+    "pp_zero": (["--dist.pp_size", "0"], ["dist.pp_size", ">= 1"]),
+    "ft": (["--nproc", "4", "--shard-size", "1", "--dist.pp_size", "2", *UNTIED, "--ft"],
+           ["dist.fault_tolerance", "--ft", "pipeline stages"]),
+    "wsam": (["--nproc", "4", "--shard-size", "1", "--dist.pp_size", "2", *UNTIED,
+              "--optim.sam", "wsam"], ["optim.sam", "'wsam'", "pipeline stages"]),
+    "bf16": (["--nproc", "4", "--shard-size", "1", "--dist.pp_size", "2", *UNTIED,
+              "--train.precision", "bf16"], ["train.precision", "'bf16'", "fp32"]),
+}
+
+
+@pytest.mark.parametrize("name", sorted(BAD))
+def test_bad_pipeline_settings_fail_before_any_worker(name: str, cache: Path,
+                                                      tmp_path: Path,
+                                                      train_here) -> None:  # noqa: F811
+    args, words = BAD[name]
+    out = train_here(cache, tmp_path / "run", "--steps", "4", *args)
+    assert out.returncode == 2, out.stderr
+    lines = [x for x in out.stderr.splitlines() if x.startswith("editrain: error: ")]
+    assert len(lines) == 1, out.stderr
+    for w in words:
+        assert w in lines[0], (w, lines[0])
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("name", ["tied", "1f1b"])
+def test_bad_pipeline_settings_on_the_command_line(name: str, tmp_path: Path) -> None:
+    """The same, through the console script (the other cases run in this process)."""
+    from tests.test_cli import assert_fast, editrain, error_line, explain, tiny
+
+    args, words = BAD[name]
+    run_dir = tmp_path / "run"
+    proc, elapsed = editrain("train", *tiny(tmp_path / "cache"), "--steps", "4", "--quiet",
+                             "--run-dir", str(run_dir), *args, timeout=100)
+    assert proc.returncode == 2, explain(proc)
+    assert_fast(proc, elapsed)
+    err = error_line(proc.stderr)
+    for w in words:
+        assert w in err, (w, proc.stderr)
+    assert "Traceback" not in proc.stderr
+    assert not run_dir.exists()
