@@ -210,19 +210,23 @@ class LlamaStage(nn.Module):
     def _dtype(self) -> torch.dtype:
         return next(self.parameters()).dtype
 
-    def example_inputs(self, microbatch_size: int, seq_len: int) -> Tensor:
+    def example_inputs(self, microbatch_size: int, seq_len: int,
+                       dtype: torch.dtype | None = None) -> Tensor:
         """A tensor shaped like one microbatch's input to this stage (on the meta device;
-        an activation requires grad, see the module docstring)."""
+        an activation requires grad, see the module docstring), in ``dtype``: the
+        activations' (under FSDP2's mixed precision the compute dtype; default the
+        parameters')."""
         if self.is_first:
             return torch.empty(microbatch_size, seq_len, dtype=torch.long, device="meta")
-        return torch.empty(microbatch_size, seq_len, self.config.dim, dtype=self._dtype(),
-                           device="meta", requires_grad=True)
+        return torch.empty(microbatch_size, seq_len, self.config.dim,
+                           dtype=dtype or self._dtype(), device="meta", requires_grad=True)
 
-    def example_outputs(self, microbatch_size: int, seq_len: int) -> Tensor:
+    def example_outputs(self, microbatch_size: int, seq_len: int,
+                        dtype: torch.dtype | None = None) -> Tensor:
         """A tensor shaped like one microbatch's output of this stage (meta device,
-        requiring grad)."""
+        requiring grad), in ``dtype`` (see :meth:`example_inputs`)."""
         width = self.config.vocab_size if self.is_last else self.config.dim
-        return torch.empty(microbatch_size, seq_len, width, dtype=self._dtype(),
+        return torch.empty(microbatch_size, seq_len, width, dtype=dtype or self._dtype(),
                            device="meta", requires_grad=True)
 
 
@@ -242,14 +246,17 @@ class PipelineRunner:
 
     Args:
         module: this rank's stage (e.g. :class:`LlamaStage`), with ``stage``, ``pp_size``,
-            ``is_first``, ``is_last``, ``example_inputs(mb, T)`` and
-            ``example_outputs(mb, T)``.
+            ``is_first``, ``is_last``, ``example_inputs(mb, T, dtype)`` and
+            ``example_outputs(mb, T, dtype)``.
         batch_size: the sequences of one step (the batch given to :meth:`train_step`).
         seq_len: their length.
         n_microbatches: ``dist.pp_microbatches``; divides ``batch_size``.
         schedule: ``dist.pp_schedule``, a key of :data:`SCHEDULES`.
         group: the pp group (one rank per stage, in stage order); None: the default group.
         device: where the stage computes; by default its parameters' device.
+        activation_dtype: the dtype of the activations crossing stages and of the logits
+            (torch builds its receive buffers from it): with FSDP2's mixed precision the
+            compute dtype (bf16); None: the stage's parameters' dtype.
         loss_fn: the loss of one microbatch, ``loss_fn(logits, targets)``.
 
     Raises:
@@ -260,7 +267,8 @@ class PipelineRunner:
     def __init__(self, module: nn.Module, *, batch_size: int, seq_len: int,
                  n_microbatches: int, schedule: str = "1f1b",
                  group: dist.ProcessGroup | None = None, device: torch.device | None = None,
-                 loss_fn: Callable[[Tensor, Tensor], Tensor] = causal_lm_loss) -> None:
+                 loss_fn: Callable[[Tensor, Tensor], Tensor] = causal_lm_loss,
+                 activation_dtype: torch.dtype | None = None) -> None:
         check_microbatches(batch_size, n_microbatches, schedule, module.pp_size)
         size, rank = dist.get_world_size(group), dist.get_rank(group)
         if size != module.pp_size or rank != module.stage:
@@ -278,8 +286,8 @@ class PipelineRunner:
         microbatch = batch_size // n_microbatches
         self.stage = PipelineStage(
             module, module.stage, module.pp_size, torch.device(device),
-            input_args=module.example_inputs(microbatch, seq_len),
-            output_args=module.example_outputs(microbatch, seq_len),
+            input_args=module.example_inputs(microbatch, seq_len, activation_dtype),
+            output_args=module.example_outputs(microbatch, seq_len, activation_dtype),
             group=group)
         self.schedule = SCHEDULES[schedule](self.stage, n_microbatches, loss_fn=loss_fn,
                                             scale_grads=True)

@@ -125,7 +125,8 @@ class Trainer:
             self.runner = PipelineRunner(
                 self.model, batch_size=t.batch_size * accum, seq_len=t.seq_len,
                 n_microbatches=cfg.dist.microbatches * accum,
-                schedule=cfg.dist.pp_schedule, group=self.pp_group, device=info.device)
+                schedule=cfg.dist.pp_schedule, group=self.pp_group, device=info.device,
+                activation_dtype=torch.bfloat16 if t.precision == "bf16" else None)
         if self.ft_group is not None:
             # What a healthy replica sends one that (re)joins, besides the engine's state.
             self.ft_group.register_state("trainer", self._ft_state, self._load_ft_state)

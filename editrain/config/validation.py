@@ -258,9 +258,6 @@ def _check_pipeline(cfg: Config) -> None:
     require(cfg.optim.sam in (None, "none"), "optim.sam",
             f"{cfg.optim.sam!r} is not supported with pipeline stages (dist.pp_size = {p}): "
             f"its closure would run the pipeline twice per step; use optim.sam = none")
-    require(t.precision == "fp32", "train.precision",
-            f"{t.precision!r} is not supported with pipeline stages (dist.pp_size = {p}) "
-            f"yet: the stages exchange fp32 activations; use train.precision = fp32")
     from editrain.pipeline import check_microbatches
 
     if d.pp_microbatches == 0:
