@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU smoke test: training, syncs (plain, streaming int8, non-blocking A-EDiT, tensor
-# parallelism on two or more GPUs) and checkpoint round trips on CUDA/NCCL with one process
-# per GPU, in bf16.
+# parallelism on two or more GPUs, pipeline stages x tensor parallelism on 4 or 8) and
+# checkpoint round trips on CUDA/NCCL with one process per GPU, in bf16.
 #
 #   bash scripts/gpu_smoke.sh            # every visible GPU (respects CUDA_VISIBLE_DEVICES)
 #   NGPU=2 OUT=/tmp/smoke bash scripts/gpu_smoke.sh
@@ -52,6 +52,16 @@ if [ "$NGPU" -ge 2 ] && [ $((NGPU % 2)) -eq 0 ]; then
         --shard-size 1 --dist.tp_size 2 --train.grad_clip 1.0 --checkpoint.every 10
     run tensor-parallel-resumed --method edit --steps 30 --sync.local_sgd_sync_interval 5 \
         --shard-size 1 --dist.tp_size 2 --train.grad_clip 1.0 --resume "$OUT/tensor-parallel"
+fi
+if [ $((NGPU % 4)) -eq 0 ]; then
+    # Pipeline stages x tensor parallelism inside each replica (2 stages of tp pairs; 4 GPUs:
+    # one replica, 8: two), bf16 activations between the stages, NCCL; then a resume.
+    PP=(--shard-size 1 --dist.tp_size 2 --dist.pp_size 2 --model.tie_embeddings false
+        --train.grad_clip 1.0)
+    run pipeline --method edit --steps 20 --sync.local_sgd_sync_interval 5 "${PP[@]}" \
+        --checkpoint.every 10
+    run pipeline-resumed --method edit --steps 30 --sync.local_sgd_sync_interval 5 \
+        "${PP[@]}" --resume "$OUT/pipeline"
 fi
 python -c "import torch; print('gpu_smoke: ok on', torch.cuda.device_count(), 'x',
 torch.cuda.get_device_name(0), 'torch', torch.__version__)"
