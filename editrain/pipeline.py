@@ -37,7 +37,6 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
 from editrain.models import Llama, causal_lm_loss
 
@@ -50,11 +49,14 @@ __all__ = [
     "stage_layers",
 ]
 
-SCHEDULES: dict[str, type] = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
-"""The schedules by the name ``dist.pp_schedule`` takes: GPipe runs every microbatch's
-forward, then every backward (activations of all microbatches held at once); 1F1B starts
-backwards as soon as the last stage has a loss (at most ``pp_size`` microbatches in
-flight) and needs at least ``pp_size`` microbatches."""
+SCHEDULES: dict[str, str] = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B"}
+"""The schedules by the name ``dist.pp_schedule`` takes (-> their class in
+``torch.distributed.pipelining``): GPipe runs every microbatch's forward, then every
+backward (activations of all microbatches held at once); 1F1B starts backwards as soon as
+the last stage has a loss (at most ``pp_size`` microbatches in flight) and needs at least
+``pp_size`` microbatches. ``torch.distributed.pipelining`` is imported only when a runner is
+built: it imports torch's compiler stack (about 2.6 s, 90 modules), which every process
+importing the trainer would otherwise pay (and a restarted ``--ft`` group's start with it)."""
 
 
 def stage_layers(n_layers: int, pp_size: int) -> list[range]:
@@ -284,13 +286,15 @@ class PipelineRunner:
         self.n_microbatches = n_microbatches
         self.schedule_name = schedule
         microbatch = batch_size // n_microbatches
-        self.stage = PipelineStage(
+        from torch.distributed import pipelining  # deferred: see SCHEDULES
+
+        self.stage = pipelining.PipelineStage(
             module, module.stage, module.pp_size, torch.device(device),
             input_args=module.example_inputs(microbatch, seq_len, activation_dtype),
             output_args=module.example_outputs(microbatch, seq_len, activation_dtype),
             group=group)
-        self.schedule = SCHEDULES[schedule](self.stage, n_microbatches, loss_fn=loss_fn,
-                                            scale_grads=True)
+        self.schedule = getattr(pipelining, SCHEDULES[schedule])(
+            self.stage, n_microbatches, loss_fn=loss_fn, scale_grads=True)
 
     @property
     def is_last(self) -> bool:

@@ -112,6 +112,10 @@ class Trainer:
         self.engine = build_engine(cfg, self.model, info, blocks, link_delay=self.sim.link,
                                    before_sync=self.sim.sync_hook, cross_replica=self.ft_group)
         self.sim.attach(self.engine)
+        # Each replica's loss travels with every round (engine.record_loss at each step);
+        # on from the start, so that a --ft group joining before its first step gathers
+        # it too.
+        self.engine.track_losses()
         # Gradient norms (WSAM, clipping) are summed over the engine's replica group.
         self.replica_group = self.engine.replica_group
         self.optimizer = build_inner_optimizer(cfg, self.model.parameters(), self.replica_group)

@@ -343,9 +343,19 @@ class SyncEngine:
         ``editrain train`` calls it at every step."""
         value = (loss.detach().to(torch.float64).reshape(()) if isinstance(loss, torch.Tensor)
                  else torch.tensor(float(loss), dtype=torch.float64))
-        value = value.to(self.device)
-        self._loss_sum = value.clone() if self._loss_sum is None else self._loss_sum + value
+        self.track_losses()
+        self._loss_sum = self._loss_sum + value.to(self.device)
         self._loss_steps += 1
+
+    def track_losses(self) -> None:
+        """Make every round carry each replica's loss from now on, before the first
+        :meth:`record_loss` (which calls it): NaN for a replica that recorded no step since
+        its previous round. Call it on every rank where a rank may open a round before its
+        first recorded step, as a replica group (re)joining a ``--ft`` run does: the rounds'
+        collectives must match on every member."""
+        if self._loss_sum is None:
+            self._loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
+            self._loss_steps = 0
 
     def _take_loss(self) -> torch.Tensor | None:
         """The mean of the losses recorded since the last round opened (NaN if none was),
