@@ -648,18 +648,14 @@ def check_compatible(marker: dict[str, Any], meta: dict[str, Any]) -> list[str]:
         old, new = marker.get(key), meta.get(key)
         if old != new:
             problems.append(f"{key}: checkpoint has {old!r}, this run has {new!r}")
-    old_tp = marker.get("tp_size", _tp_size(marker.get("topology")))
-    new_tp = meta.get("tp_size", _tp_size(meta.get("topology")))
-    if old_tp != new_tp:
-        problems.append(f"dist.tp_size: checkpoint has {old_tp}, this run has {new_tp} (a "
-                        "checkpoint resumes with the tp size it was saved with; replicas "
-                        "and shards may change)")
-    old_pp = marker.get("pp_size", _pp_size(marker.get("topology")))
-    new_pp = meta.get("pp_size", _pp_size(meta.get("topology")))
-    if old_pp != new_pp:
-        problems.append(f"dist.pp_size: checkpoint has {old_pp}, this run has {new_pp} (a "
-                        "checkpoint resumes with the pipeline stages it was saved with; "
-                        "replicas and shards may change)")
+    for key, size_of, what in (("tp_size", _tp_size, "the tp size"),
+                               ("pp_size", _pp_size, "the pipeline stages")):
+        old = marker.get(key, size_of(marker.get("topology")))
+        new = meta.get(key, size_of(meta.get("topology")))
+        if old != new:
+            problems.append(f"dist.{key}: checkpoint has {old}, this run has {new} (a "
+                            f"checkpoint resumes with {what} it was saved with; replicas "
+                            "and shards may change)")
     old_model, new_model = marker.get("model") or {}, meta.get("model") or {}
     for key in sorted(set(old_model) | set(new_model)):
         if old_model.get(key) != new_model.get(key):

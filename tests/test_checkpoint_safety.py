@@ -311,6 +311,24 @@ def test_stream_checks_compare_only_what_both_record() -> None:
     assert check_compatible(dict(base, format=2), new) == []  # format 2 still resumes
 
 
+def test_tp_and_pp_sizes_must_match_read_from_the_topology_where_not_recorded() -> None:
+    """The tp size and the pipeline stages must be the saved ones; an older marker without
+    the fields has them read from its topology ((R, S, T) or (R, P, S, T))."""
+    base = {"format": FORMAT, "method": "edit", "vocab_size": 512, "num_units": 3, "model": {}}
+    new = dict(base, topology=[2, 2, 1, 2], tp_size=2, pp_size=2)
+    assert check_compatible(dict(base, topology=[2, 2, 1, 2]), new) == []
+    assert check_compatible(dict(base, topology=[4, 2, 2, 2]), new) == []  # R, S may change
+    problems = check_compatible(dict(base, topology=[2, 2, 2]), new)
+    assert problems == ["dist.pp_size: checkpoint has 1, this run has 2 (a checkpoint "
+                        "resumes with the pipeline stages it was saved with; replicas and "
+                        "shards may change)"], problems
+    problems = check_compatible(dict(base, topology=[2, 2, 2, 1]), new)
+    assert problems == ["dist.tp_size: checkpoint has 1, this run has 2 (a checkpoint "
+                        "resumes with the tp size it was saved with; replicas and shards "
+                        "may change)"], problems
+    assert len(check_compatible(dict(base, tp_size=4, pp_size=1), new)) == 2
+
+
 # ---------------------------------------------------------------------------- exactness
 def _step_losses(run: Path) -> dict[int, float]:
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
