@@ -885,6 +885,18 @@ def test_readme_headline(tmp_path):
                          "edit-eager": {"paired_vs_edit": {"mean": -0.1, "std": 0.02}}}}
     got = readme_headline([eager, conv])
     assert "is +0.050 +- 0.010 against EDiT's" in got and "-0.100 +- 0.020" in got, got
+    # EDiT against DiLoCo and sync comes from a record that ran all three, even when a
+    # record of extra variants at the same size comes later.
+    main_conv = {"scenario": "convergence", "format": 2, "mode": "full",
+                 "settings": {"steps": 2000, "seeds": 3},
+                 "results": {"edit": {"paired_vs_diloco": {"mean": -0.071, "std": 0.02},
+                                      "paired_vs_sync": {"mean": 0.53, "std": 0.05}},
+                             "diloco": {}, "sync": {}}}
+    extra = dict(eager, mode="full", settings={"steps": 2000, "seeds": 3})
+    got = readme_headline([main_conv, extra])
+    assert ("after 2000 steps (3 seeds, paired by seed) EDiT's validation loss is -0.071 +- "
+            "0.020 against DiLoCo's but +0.530 +- 0.050 against synchronous training's") in got
+    assert "is +0.050 +- 0.010 against EDiT's" in got, got  # the full eager record
     # The tuning study: the gap with the defaults, with the recipe, the recipe at more tokens.
     tune_rec = {"scenario": "tune", "format": 2, "mode": "quick",
                 "settings": {"steps": 120, "seeds": 2},

@@ -359,7 +359,10 @@ def readme_headline(records: Sequence[dict[str, Any]]) -> str:
     real = next((r for r in reversed(fresh) if r.get("scenario") == "real_link"), None)
     if real and real.get("headline"):
         clauses += list(real["headline"])
-    conv = by_name.get("convergence")
+    # EDiT against DiLoCo and sync: the largest record that ran all three (a record of
+    # extra variants, e.g. the streaming ones, may be as large and lack sync).
+    conv = next((r for r in reversed(fresh) if r.get("scenario") == "convergence"
+                 and {"edit", "diloco", "sync"} <= set(r.get("results", {}))), None)
     res = (conv or {}).get("results", {})
     vs_d = res.get("edit", {}).get("paired_vs_diloco") or {}
     vs_s = res.get("edit", {}).get("paired_vs_sync") or {}
