@@ -179,6 +179,42 @@ def test_cli_ft_run_survives_a_dead_replica_group(tmp_path):
     assert after[0] > groups["2"]["healed_at"] and after[-1] == total
 
 
+def _plain_and_ft(tmp_path, args: list[str]):
+    """The run of ``args`` in the plain mode and with ``--ft`` (2 replica groups, both
+    finished); returns the data cache, both run directories and the ``--ft`` summary."""
+    import json
+
+    from tests.test_checkpoint import train
+
+    plain, ft, cache = tmp_path / "plain", tmp_path / "ft", tmp_path / "cache"
+    train(cache, plain, *args)
+    train(cache, ft, "--ft", *args)
+    summary = json.loads((ft / "summary.json").read_text())
+    assert summary["finished_replicas"] == 2 and summary["replicas"] == 2
+    return cache, plain, ft, summary
+
+
+def _group_1_dies(cache, run, args: list[str]) -> dict:
+    """``--ft`` for 60 steps with replica group 1 killed after step 6 and restarted at
+    once: it heals from group 0 and both end with one validation loss. Every step stalls
+    0.3 s so that group 0 still trains when group 1's processes are back (a restart takes
+    seconds on a busy 2-core machine). Returns the summary's groups."""
+    import json
+
+    from tests.test_checkpoint import train
+
+    train(cache, run, "--ft", *args, "--steps", "60", "--train.eval_every", "60",
+          "--sim.fail", "1@6", "--sim.fail_restart_s", "0", "--sim.random_stall", "1.0,0.3")
+    summary = json.loads((run / "summary.json").read_text())
+    events = [(e["event"], e["replica"], e["attempt"]) for e in summary["events"]]
+    assert ("died", 1, 0) in events and ("start", 1, 1) in events
+    groups = summary["per_replica"]
+    assert groups["0"]["steps_run"] == 60 and groups["1"]["healed_at"] > 6
+    assert groups["1"]["steps_run"] == 60 - groups["1"]["healed_at"]
+    assert groups["0"]["final_val_loss"] == groups["1"]["final_val_loss"]
+    return groups
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_cli_ft_with_tensor_parallel_groups(tmp_path):
@@ -187,19 +223,12 @@ def test_cli_ft_with_tensor_parallel_groups(tmp_path):
     equals the plain run's); with replica 1's group killed after step 6 and restarted,
     each tp rank heals from the rank in its own place of the live group, and both groups
     end on one model."""
-    import json
-
-    from tests.test_checkpoint import final_val, step_losses, train
+    from tests.test_checkpoint import final_val, step_losses
 
     args = ["--nproc", "4", "--shard-size", "1", "--tp-size", "2", "--steps", "16",
             "--sync.local_sgd_sync_interval", "4", "--train.eval_every", "16",
             "--dist.ft_heartbeat_timeout_s", "1", "--dist.ft_heartbeat_interval_s", "0.2"]
-    plain, ft, fail = tmp_path / "plain", tmp_path / "ft", tmp_path / "fail"
-    cache = tmp_path / "cache"
-    train(cache, plain, *args)
-    train(cache, ft, "--ft", *args)
-    summary = json.loads((ft / "summary.json").read_text())
-    assert summary["finished_replicas"] == 2 and summary["replicas"] == 2
+    cache, plain, ft, summary = _plain_and_ft(tmp_path, args)
     for g in summary["per_replica"].values():
         assert g["final_val_loss"] == pytest.approx(final_val(plain), abs=1e-5)
         assert g["tp_size"] == 2 and g["steps_run"] == 16
@@ -208,18 +237,104 @@ def test_cli_ft_with_tensor_parallel_groups(tmp_path):
     assert sorted(first) == list(range(1, 17))
     for step, loss in step_losses(plain).items():
         assert first[step] == pytest.approx(loss, abs=1e-5), step
+    _group_1_dies(cache, tmp_path / "fail", args)
 
-    # Every step stalls 0.3 s so that replica 0 still trains when replica 1's two
-    # processes are back (a restart takes seconds on a busy 2-core machine).
-    train(cache, fail, "--ft", *args, "--steps", "60", "--train.eval_every", "60",
-          "--sim.fail", "1@6", "--sim.fail_restart_s", "0", "--sim.random_stall", "1.0,0.3")
-    summary = json.loads((fail / "summary.json").read_text())
-    events = [(e["event"], e["replica"], e["attempt"]) for e in summary["events"]]
-    assert ("died", 1, 0) in events and ("start", 1, 1) in events
-    groups = summary["per_replica"]
-    assert groups["0"]["steps_run"] == 60 and groups["1"]["healed_at"] > 6
-    assert groups["1"]["steps_run"] == 60 - groups["1"]["healed_at"]
-    assert groups["0"]["final_val_loss"] == groups["1"]["final_val_loss"]
+
+def _rank_losses(path) -> dict[int, float]:
+    """Step -> loss from one rank's log (``ranks/rank{r}.jsonl``; its last line per step)."""
+    import json
+
+    return {r["step"]: r["loss"] for r in map(json.loads, path.read_text().splitlines())}
+
+
+def _global_state(ckpt) -> dict[str, torch.Tensor]:
+    """The model's parameters and the engine's anchors and outer state in a replica
+    group's checkpoint (every stage's, under their whole-model names); the inner
+    optimizer's state is each group's own and left out."""
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    from editrain.safe_load import SafeFileSystemReader, read_metadata
+
+    meta = read_metadata(ckpt).state_dict_metadata
+    state = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in meta.items()
+             if isinstance(m, TensorStorageMetadata)
+             and k.startswith(("replica0.model.", "engine.params."))}
+    with warnings.catch_warnings():  # "assuming the intent is to load in a single process"
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.load(state, storage_reader=SafeFileSystemReader(ckpt), no_dist=True)
+    return state
+
+
+PP_FT = ["--model.tie_embeddings", "false", "--nproc", "4", "--shard-size", "1",
+         "--dist.pp_size", "2", "--sync.local_sgd_sync_interval", "4",
+         "--dist.ft_heartbeat_timeout_s", "1", "--dist.ft_heartbeat_interval_s", "0.2"]
+"""2 replica groups x 2 pipeline stages (1F1B, 2 microbatches), one rank per stage."""
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_cli_ft_with_pipeline_stages(tmp_path):
+    """Replica groups of 2 pipeline stages: without a failure `--ft` trains bitwise the
+    model of the plain mode on the same 4 ranks (every rank of every replica logs the same
+    loss at every step; with 2 replicas each cross-replica sum has two terms, so torchft's
+    gloo group adds them as the plain sync group does); with replica 1's group killed after
+    step 6 and restarted, each stage's rank heals from the rank of the same stage of
+    group 0, and after the last sync both groups hold bitwise one global model (parameters,
+    anchors and outer momentum of every stage)."""
+    import json
+
+    from tests.test_checkpoint import final_val
+
+    # (the penalty's anomaly detector stays in its warm-up: with it on, these fast-falling
+    # losses flag every unit of the step-12 sync and the last sync would move nothing)
+    clipped = ["--train.grad_clip", "0.5", "--sync.clip_pseudo_grad", "0.5"]
+    args = [*PP_FT, *clipped, "--steps", "12", "--train.eval_every", "6"]
+    cache, plain, ft, summary = _plain_and_ft(tmp_path, args)
+    base = json.loads((plain / "summary.json").read_text())
+    plain_vals = {x["step"]: x["val_loss"] for x in map(json.loads, (plain / "metrics.jsonl")
+                                                        .read_text().splitlines())
+                  if "val_loss" in x}
+    for r, g in summary["per_replica"].items():
+        assert g["pp_size"] == 2 and g["steps_run"] == 12
+        # (failed_syncs counts the rounds of the start that waited for the other group)
+        rows = [json.loads(x) for x in (ft / f"replica{r}" / "metrics.jsonl").open()]
+        syncs = [x["sync"] for x in rows if x.get("sync")]
+        assert len(syncs) == 3
+        assert all(e["committed"] and e["quorum_size"] == 2 for e in syncs), syncs
+        assert g["num_syncs"] == base["num_syncs"] == 3  # at steps 4, 8 and 12
+        # (evaluation sums over one group here, over both replicas there: 1e-7 apart)
+        assert g["final_val_loss"] == pytest.approx(final_val(plain), abs=1e-5)
+        vals = {x["step"]: x["val_loss"] for x in rows if "val_loss" in x}
+        assert sorted(vals) == [0, 8, 12] and vals[12] < vals[8] < vals[0]
+        assert vals == pytest.approx(plain_vals, abs=1e-5)
+        for stage in range(2):  # plain rank (replica x 2 + stage), group rank stage
+            want = _rank_losses(plain / "ranks" / f"rank{int(r) * 2 + stage}.jsonl")
+            got = _rank_losses(ft / f"replica{r}" / "ranks" / f"rank{stage}.jsonl")
+            assert sorted(got) == list(range(1, 13))
+            assert got == want, (r, stage)  # bitwise
+
+    fail = tmp_path / "fail"
+    groups = _group_1_dies(cache, fail, PP_FT)
+    healed = groups["1"]["healed_at"]
+    assert groups["0"]["healed_at"] is None
+    assert groups["0"]["num_syncs"] == groups["1"]["num_syncs"] == 15
+    # Both stages of the restarted group went on from the healed step.
+    for stage in range(2):
+        rows = (fail / "replica1" / "ranks" / f"rank{stage}.jsonl").read_text().splitlines()
+        steps = [json.loads(x)["step"] for x in rows]
+        assert steps[steps.index(healed + 1):] == list(range(healed + 1, 61)), steps
+    # One global model in both groups' final checkpoints, every stage's part of it.
+    last = "checkpoints/step_00000060"
+    a, b = (_global_state(fail / f"replica{r}" / last) for r in range(2))
+    assert sorted(a) == sorted(b)
+    for part in ("tok_embeddings.weight", "layers.0.", "layers.1.", "output.weight"):
+        assert any(k.startswith(f"replica0.model.{part}") for k in a), part
+        assert any(k.startswith(f"engine.params.{part}") for k in a), part
+    for key in a:
+        assert torch.equal(a[key], b[key]), key
 
 
 @pytest.mark.timeout(300)
