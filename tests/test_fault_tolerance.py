@@ -452,3 +452,61 @@ def test_cli_ft_run_resumes_from_its_checkpoints(tmp_path):
     assert len({g["final_val_loss"] for g in groups.values()}) == 1
     for r in range(2):
         assert (run / f"replica{r}" / "checkpoints" / "step_00000024").is_dir()
+
+
+def test_an_error_of_one_stage_drops_the_round_on_every_stage_of_its_group():
+    """The commit vote is torchft's AND over the ranks of a replica group (every stage,
+    shard and tp rank). Two ranks of one group (two pipeline stages) end a round: stage
+    0 with an error of its own that no torchft collective reported (e.g. its rendezvous
+    found the rounds disagreeing on their units), stage 1 with none and an A-EDiT skip
+    (its rendezvous found the round too short). Both must drop the round, alike: stage 0
+    puts its error into its vote, and the dropped round is not counted as a skip (which
+    would restart the window) on stage 1 only."""
+    import threading
+
+    from editrain.sync.ft import Quorum
+    from editrain.sync.ft_round import FaultTolerantSchedule
+    from editrain.sync.round import SyncRound
+
+    barrier = threading.Barrier(2)
+    errors: list[str] = []
+
+    class Group:  # one rank's side of its group's vote
+        committed_syncs = 3
+
+        def report_error(self, exc: Exception) -> None:
+            errors.append(str(exc))
+
+        def commit(self) -> bool:
+            barrier.wait(timeout=10)  # torchft: every rank of the group votes first
+            return not errors
+
+    class Engine:
+        def __init__(self) -> None:
+            self.closed: list[tuple[bool, bool]] = []
+
+        def close_round(self, rnd: SyncRound, committed: bool, record: dict) -> None:
+            self.closed.append((committed, rnd.skipped))
+
+    ranks = []
+    for error, skipped in (("rounds disagree on their units", False), (None, True)):
+        sched = FaultTolerantSchedule.__new__(FaultTolerantSchedule)  # (no engine needed)
+        sched.engine, sched.group = Engine(), Group()
+        sched.members, sched.failed_rounds = None, 0
+        rnd = SyncRound(index=4, step_counts=None, units=[])
+        rnd.skipped = skipped
+        ranks.append((sched, rnd, Quorum(size=2, rank=0, quorum_id=1, healed=False), error))
+    results: dict[int, bool] = {}
+
+    def end(i: int) -> None:
+        sched, rnd, quorum, error = ranks[i]
+        results[i] = sched._end(rnd, quorum, error)
+
+    threads = [threading.Thread(target=end, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=20)
+    assert results == {0: False, 1: False}
+    assert [r[0].engine.closed for r in ranks] == [[(False, False)], [(False, False)]]
+    assert [r[0].failed_rounds for r in ranks] == [1, 1]
