@@ -34,7 +34,7 @@ def ft_identity(cfg: Config, group_size: int) -> tuple[int, int]:
 
     Args:
         cfg: the run's configuration (``dist.ft_replica_id``, ``dist.ft_replicas``).
-        group_size: ranks of this job (``shard_size x tp_size``).
+        group_size: ranks of this job (``pp_size x shard_size x tp_size``).
     """
     d = cfg.dist
     replicas = d.ft_replicas or d.nproc // d.replica_size
@@ -73,7 +73,8 @@ def make_group(cfg: Config, replica: int, replicas: int, group_rank: int, group_
 # ---------------------------------------------------------------------------- state
 def local_optimizer_state(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     """``optimizer.state_dict()`` with every sharded tensor replaced by this rank's local
-    shard, copied to the CPU (what a peer with the same shard index can load)."""
+    shard, copied to the CPU (what the peer in the same place of another replica group,
+    the same stage, shard and tp index, can load)."""
     sd = optimizer.state_dict()
     state = {}
     for key, entries in sd["state"].items():

@@ -212,7 +212,7 @@ def _run_local(cfg: Config, run_dir: Path, lock: rundir.RunLock) -> dict:
 
 def run_group(cfg: Config) -> dict:
     """One replica group of a fault-tolerant run (``cfg.run_dir`` prepared): a torch
-    elastic job of ``shard_size x tp_size`` workers, never restarted by torch (the
+    elastic job of ``pp_size x shard_size x tp_size`` workers, never restarted by torch (the
     launcher restarts the whole group, which then heals from its peers)."""
     results = _elastic(cfg, cfg.dist.replica_size, 0)
     return results.get(0, {}) if isinstance(results, dict) else {}
@@ -499,9 +499,9 @@ def run_under_torchrun(cfg: Config) -> dict:
 
 # ---------------------------------------------------------------------------- fault tolerant
 def _group_main(cfg: Config, replica: int, attempt: int, lighthouse: str) -> None:
-    """One replica group: a torch elastic job of ``shard_size x tp_size`` local workers, or with
-    one worker that worker itself, in this process (one interpreter start-up less: a
-    restarted replica is back sooner).
+    """One replica group: a torch elastic job of ``pp_size x shard_size x tp_size`` local
+    workers, or with one worker that worker itself, in this process (one interpreter
+    start-up less: a restarted replica is back sooner).
 
     The group dies with the launcher (also one killed with SIGKILL; its workers die with it
     in turn); Ctrl-C or SIGTERM stop it in order and quietly (the launcher reports the

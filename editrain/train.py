@@ -105,8 +105,8 @@ class Trainer:
         self.sim = Simulation(plan, self.replica, cfg.sim.replica_offset, self.global_rank,
                               t.seed, self.run_dir / ".link" / f"replica{self.replica}.state")
         # In the fault-tolerant mode this job is the replica group: a rank's place in it is
-        # its rank (with tensor parallelism, shard x tp positions; the peer in the same place
-        # sends its state).
+        # its rank (its (stage, shard, tp) position on the group's mesh, the same in every
+        # group): it reduces with, and heals from, the rank in the same place of the others.
         self.ft_group = (make_group(cfg, self.replica, self.replicas, info.rank,
                                     info.topo.replica_size) if self.ft else None)
         self.engine = build_engine(cfg, self.model, info, blocks, link_delay=self.sim.link,

@@ -179,6 +179,42 @@ def test_cli_ft_run_survives_a_dead_replica_group(tmp_path):
     assert after[0] > groups["2"]["healed_at"] and after[-1] == total
 
 
+def _plain_and_ft(tmp_path, args: list[str]):
+    """The run of ``args`` in the plain mode and with ``--ft`` (2 replica groups, both
+    finished); returns the data cache, both run directories and the ``--ft`` summary."""
+    import json
+
+    from tests.test_checkpoint import train
+
+    plain, ft, cache = tmp_path / "plain", tmp_path / "ft", tmp_path / "cache"
+    train(cache, plain, *args)
+    train(cache, ft, "--ft", *args)
+    summary = json.loads((ft / "summary.json").read_text())
+    assert summary["finished_replicas"] == 2 and summary["replicas"] == 2
+    return cache, plain, ft, summary
+
+
+def _group_1_dies(cache, run, args: list[str]) -> dict:
+    """``--ft`` for 60 steps with replica group 1 killed after step 6 and restarted at
+    once: it heals from group 0 and both end with one validation loss. Every step stalls
+    0.3 s so that group 0 still trains when group 1's processes are back (a restart takes
+    seconds on a busy 2-core machine). Returns the summary's groups."""
+    import json
+
+    from tests.test_checkpoint import train
+
+    train(cache, run, "--ft", *args, "--steps", "60", "--train.eval_every", "60",
+          "--sim.fail", "1@6", "--sim.fail_restart_s", "0", "--sim.random_stall", "1.0,0.3")
+    summary = json.loads((run / "summary.json").read_text())
+    events = [(e["event"], e["replica"], e["attempt"]) for e in summary["events"]]
+    assert ("died", 1, 0) in events and ("start", 1, 1) in events
+    groups = summary["per_replica"]
+    assert groups["0"]["steps_run"] == 60 and groups["1"]["healed_at"] > 6
+    assert groups["1"]["steps_run"] == 60 - groups["1"]["healed_at"]
+    assert groups["0"]["final_val_loss"] == groups["1"]["final_val_loss"]
+    return groups
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_cli_ft_with_tensor_parallel_groups(tmp_path):
@@ -187,19 +223,12 @@ def test_cli_ft_with_tensor_parallel_groups(tmp_path):
     equals the plain run's); with replica 1's group killed after step 6 and restarted,
     each tp rank heals from the rank in its own place of the live group, and both groups
     end on one model."""
-    import json
-
-    from tests.test_checkpoint import final_val, step_losses, train
+    from tests.test_checkpoint import final_val, step_losses
 
     args = ["--nproc", "4", "--shard-size", "1", "--tp-size", "2", "--steps", "16",
             "--sync.local_sgd_sync_interval", "4", "--train.eval_every", "16",
             "--dist.ft_heartbeat_timeout_s", "1", "--dist.ft_heartbeat_interval_s", "0.2"]
-    plain, ft, fail = tmp_path / "plain", tmp_path / "ft", tmp_path / "fail"
-    cache = tmp_path / "cache"
-    train(cache, plain, *args)
-    train(cache, ft, "--ft", *args)
-    summary = json.loads((ft / "summary.json").read_text())
-    assert summary["finished_replicas"] == 2 and summary["replicas"] == 2
+    cache, plain, ft, summary = _plain_and_ft(tmp_path, args)
     for g in summary["per_replica"].values():
         assert g["final_val_loss"] == pytest.approx(final_val(plain), abs=1e-5)
         assert g["tp_size"] == 2 and g["steps_run"] == 16
@@ -208,18 +237,171 @@ def test_cli_ft_with_tensor_parallel_groups(tmp_path):
     assert sorted(first) == list(range(1, 17))
     for step, loss in step_losses(plain).items():
         assert first[step] == pytest.approx(loss, abs=1e-5), step
+    _group_1_dies(cache, tmp_path / "fail", args)
 
-    # Every step stalls 0.3 s so that replica 0 still trains when replica 1's two
-    # processes are back (a restart takes seconds on a busy 2-core machine).
-    train(cache, fail, "--ft", *args, "--steps", "60", "--train.eval_every", "60",
-          "--sim.fail", "1@6", "--sim.fail_restart_s", "0", "--sim.random_stall", "1.0,0.3")
-    summary = json.loads((fail / "summary.json").read_text())
-    events = [(e["event"], e["replica"], e["attempt"]) for e in summary["events"]]
-    assert ("died", 1, 0) in events and ("start", 1, 1) in events
+
+def _rank_losses(path) -> dict[int, float]:
+    """Step -> loss from one rank's log (``ranks/rank{r}.jsonl``; its last line per step)."""
+    import json
+
+    return {r["step"]: r["loss"] for r in map(json.loads, path.read_text().splitlines())}
+
+
+def _global_state(ckpt) -> dict[str, torch.Tensor]:
+    """The model's parameters and the engine's anchors and outer state in a replica
+    group's checkpoint (every stage's, under their whole-model names); the inner
+    optimizer's state is each group's own and left out."""
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    from editrain.safe_load import SafeFileSystemReader, read_metadata
+
+    meta = read_metadata(ckpt).state_dict_metadata
+    state = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in meta.items()
+             if isinstance(m, TensorStorageMetadata)
+             and k.startswith(("replica0.model.", "engine.params."))}
+    with warnings.catch_warnings():  # "assuming the intent is to load in a single process"
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.load(state, storage_reader=SafeFileSystemReader(ckpt), no_dist=True)
+    return state
+
+
+PP_FT = ["--model.tie_embeddings", "false", "--nproc", "4", "--shard-size", "1",
+         "--dist.pp_size", "2", "--sync.local_sgd_sync_interval", "4",
+         "--dist.ft_heartbeat_timeout_s", "1", "--dist.ft_heartbeat_interval_s", "0.2"]
+"""2 replica groups x 2 pipeline stages (1F1B, 2 microbatches), one rank per stage."""
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_cli_ft_with_pipeline_stages(tmp_path):
+    """Replica groups of 2 pipeline stages: without a failure `--ft` trains bitwise the
+    model of the plain mode on the same 4 ranks (every rank of every replica logs the same
+    loss at every step; with 2 replicas each cross-replica sum has two terms, so torchft's
+    gloo group adds them as the plain sync group does); with replica 1's group killed after
+    step 6 and restarted, each stage's rank heals from the rank of the same stage of
+    group 0, and after the last sync both groups hold bitwise one global model (parameters,
+    anchors and outer momentum of every stage)."""
+    import json
+
+    from tests.test_checkpoint import final_val
+
+    # (the penalty's anomaly detector stays in its warm-up: with it on, these fast-falling
+    # losses flag every unit of the step-12 sync and the last sync would move nothing)
+    clipped = ["--train.grad_clip", "0.5", "--sync.clip_pseudo_grad", "0.5"]
+    args = [*PP_FT, *clipped, "--steps", "12", "--train.eval_every", "6"]
+    cache, plain, ft, summary = _plain_and_ft(tmp_path, args)
+    base = json.loads((plain / "summary.json").read_text())
+    plain_vals = {x["step"]: x["val_loss"] for x in map(json.loads, (plain / "metrics.jsonl")
+                                                        .read_text().splitlines())
+                  if "val_loss" in x}
+    for r, g in summary["per_replica"].items():
+        assert g["pp_size"] == 2 and g["steps_run"] == 12
+        # (failed_syncs counts the rounds of the start that waited for the other group)
+        rows = [json.loads(x) for x in (ft / f"replica{r}" / "metrics.jsonl").open()]
+        syncs = [x["sync"] for x in rows if x.get("sync")]
+        assert len(syncs) == 3
+        assert all(e["committed"] and e["quorum_size"] == 2 for e in syncs), syncs
+        assert g["num_syncs"] == base["num_syncs"] == 3  # at steps 4, 8 and 12
+        # (evaluation sums over one group here, over both replicas there: 1e-7 apart)
+        assert g["final_val_loss"] == pytest.approx(final_val(plain), abs=1e-5)
+        vals = {x["step"]: x["val_loss"] for x in rows if "val_loss" in x}
+        assert sorted(vals) == [0, 8, 12] and vals[12] < vals[8] < vals[0]
+        assert vals == pytest.approx(plain_vals, abs=1e-5)
+        for stage in range(2):  # plain rank (replica x 2 + stage), group rank stage
+            want = _rank_losses(plain / "ranks" / f"rank{int(r) * 2 + stage}.jsonl")
+            got = _rank_losses(ft / f"replica{r}" / "ranks" / f"rank{stage}.jsonl")
+            assert sorted(got) == list(range(1, 13))
+            assert got == want, (r, stage)  # bitwise
+
+    fail = tmp_path / "fail"
+    groups = _group_1_dies(cache, fail, PP_FT)
+    healed = groups["1"]["healed_at"]
+    assert groups["0"]["healed_at"] is None
+    assert groups["0"]["num_syncs"] == groups["1"]["num_syncs"] == 15
+    # Both stages of the restarted group went on from the healed step.
+    for stage in range(2):
+        rows = (fail / "replica1" / "ranks" / f"rank{stage}.jsonl").read_text().splitlines()
+        steps = [json.loads(x)["step"] for x in rows]
+        assert steps[steps.index(healed + 1):] == list(range(healed + 1, 61)), steps
+    # One global model in both groups' final checkpoints, every stage's part of it.
+    last = "checkpoints/step_00000060"
+    a, b = (_global_state(fail / f"replica{r}" / last) for r in range(2))
+    assert sorted(a) == sorted(b)
+    for part in ("tok_embeddings.weight", "layers.0.", "layers.1.", "output.weight"):
+        assert any(k.startswith(f"replica0.model.{part}") for k in a), part
+        assert any(k.startswith(f"engine.params.{part}") for k in a), part
+    for key in a:
+        assert torch.equal(a[key], b[key]), key
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_cli_ft_aedit_with_pipeline_stages(tmp_path):
+    """A-EDiT through quorum rounds with 2 stages per replica group. A forced schedule
+    (2 and 3 steps per window), gradient accumulation through GPipe with one microbatch
+    per micro-batch (the arithmetic of the run without stages): every rank of every group
+    logs bitwise the losses of the `--ft` run without stages, and the validation losses
+    too. (Against the plain mode A-EDiT differs by design: its layer-wise sync is applied
+    in the next forward, a quorum round at the step boundary, so the progress, hence the
+    learning rate, of the step after a sync differs.) On the clock (no forced schedule, a
+    0.4 s window, random stalls): every stage of a group must sync at the same step
+    boundary (a stage that went on alone would hang in the pipeline: with the clock agreed
+    per rank instead of over the group's stages this run hung), and the run ends with both
+    groups on one model after the same syncs."""
+    import json
+
+    from tests.test_checkpoint import train
+
+    cache = tmp_path / "cache"
+    aedit = ["--model.tie_embeddings", "false", "--shard-size", "1", "--method", "aedit",
+             "--dist.ft_heartbeat_timeout_s", "1", "--dist.ft_heartbeat_interval_s", "0.2"]
+    forced = [*aedit, "--steps", "10", "--sim.step_schedule=[2,3]",
+              "--sync.ewma_warmup_steps", "1", "--train.gradient_accumulation_steps", "2",
+              "--train.grad_clip", "0.5", "--train.eval_every", "4"]
+    flat, staged = tmp_path / "flat", tmp_path / "staged"
+    train(cache, flat, "--ft", "--nproc", "2", *forced)
+    train(cache, staged, "--ft", "--nproc", "4", "--dist.pp_size", "2", "--dist.pp_schedule",
+          "gpipe", "--dist.pp_microbatches", "1", *forced)
+
+    def metrics(run):
+        return [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+
+    for r in range(2):
+        want = _rank_losses(flat / f"replica{r}" / "ranks" / "rank0.jsonl")
+        assert sorted(want) == list(range(1, 9 if r == 0 else 13))  # 4 windows of 2 or 3
+        for stage in range(2):
+            got = _rank_losses(staged / f"replica{r}" / "ranks" / f"rank{stage}.jsonl")
+            assert got == want, (r, stage)  # bitwise
+        rows = metrics(staged / f"replica{r}")
+        assert [x["val_loss"] for x in rows if "val_loss" in x] == \
+            [x["val_loss"] for x in metrics(flat / f"replica{r}") if "val_loss" in x]
+        syncs = [x["sync"] for x in rows if x.get("sync")]
+        assert [e["replica_steps"] for e in syncs] == [[2.0, 3.0]] * 4
+        assert all(e["committed"] for e in syncs)
+
+    clock = tmp_path / "clock"
+    train(cache, clock, "--ft", "--nproc", "4", "--dist.pp_size", "2", *aedit, "--steps",
+          "16", "--sync.local_sgd_sync_time", "0.4", "--sim.random_stall", "1.0,0.05",
+          "--train.eval_every", "100")
+    summary = json.loads((clock / "summary.json").read_text())
+    assert summary["finished_replicas"] == 2
     groups = summary["per_replica"]
-    assert groups["0"]["steps_run"] == 60 and groups["1"]["healed_at"] > 6
-    assert groups["1"]["steps_run"] == 60 - groups["1"]["healed_at"]
     assert groups["0"]["final_val_loss"] == groups["1"]["final_val_loss"]
+    assert groups["0"]["num_syncs"] == groups["1"]["num_syncs"] >= 2
+    gathered = []
+    for r in range(2):
+        syncs = [x["sync"] for x in metrics(clock / f"replica{r}") if x.get("sync")]
+        assert len(syncs) == groups[str(r)]["num_syncs"] and all(e["committed"] for e in syncs)
+        gathered.append([e["replica_steps"] for e in syncs])
+        steps = [list(_rank_losses(clock / f"replica{r}" / "ranks" / f"rank{stage}.jsonl"))
+                 for stage in range(2)]
+        assert steps[0] == steps[1] == list(range(1, groups[str(r)]["steps_run"] + 1))
+    assert gathered[0] == gathered[1]  # one rendezvous per sync, the same rows everywhere
+    # the budget: 16 steps on average per replica (A-EDiT's progress)
+    assert sum(sum(row) for row in gathered[0]) / 2 >= 16
 
 
 @pytest.mark.timeout(300)
@@ -270,3 +452,61 @@ def test_cli_ft_run_resumes_from_its_checkpoints(tmp_path):
     assert len({g["final_val_loss"] for g in groups.values()}) == 1
     for r in range(2):
         assert (run / f"replica{r}" / "checkpoints" / "step_00000024").is_dir()
+
+
+def test_an_error_of_one_stage_drops_the_round_on_every_stage_of_its_group():
+    """The commit vote is torchft's AND over the ranks of a replica group (every stage,
+    shard and tp rank). Two ranks of one group (two pipeline stages) end a round: stage
+    0 with an error of its own that no torchft collective reported (e.g. its rendezvous
+    found the rounds disagreeing on their units), stage 1 with none and an A-EDiT skip
+    (its rendezvous found the round too short). Both must drop the round, alike: stage 0
+    puts its error into its vote, and the dropped round is not counted as a skip (which
+    would restart the window) on stage 1 only."""
+    import threading
+
+    from editrain.sync.ft import Quorum
+    from editrain.sync.ft_round import FaultTolerantSchedule
+    from editrain.sync.round import SyncRound
+
+    barrier = threading.Barrier(2)
+    errors: list[str] = []
+
+    class Group:  # one rank's side of its group's vote
+        committed_syncs = 3
+
+        def report_error(self, exc: Exception) -> None:
+            errors.append(str(exc))
+
+        def commit(self) -> bool:
+            barrier.wait(timeout=10)  # torchft: every rank of the group votes first
+            return not errors
+
+    class Engine:
+        def __init__(self) -> None:
+            self.closed: list[tuple[bool, bool]] = []
+
+        def close_round(self, rnd: SyncRound, committed: bool, record: dict) -> None:
+            self.closed.append((committed, rnd.skipped))
+
+    ranks = []
+    for error, skipped in (("rounds disagree on their units", False), (None, True)):
+        sched = FaultTolerantSchedule.__new__(FaultTolerantSchedule)  # (no engine needed)
+        sched.engine, sched.group = Engine(), Group()
+        sched.members, sched.failed_rounds = None, 0
+        rnd = SyncRound(index=4, step_counts=None, units=[])
+        rnd.skipped = skipped
+        ranks.append((sched, rnd, Quorum(size=2, rank=0, quorum_id=1, healed=False), error))
+    results: dict[int, bool] = {}
+
+    def end(i: int) -> None:
+        sched, rnd, quorum, error = ranks[i]
+        results[i] = sched._end(rnd, quorum, error)
+
+    threads = [threading.Thread(target=end, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=20)
+    assert results == {0: False, 1: False}
+    assert [r[0].engine.closed for r in ranks] == [[(False, False)], [(False, False)]]
+    assert [r[0].failed_rounds for r in ranks] == [1, 1]

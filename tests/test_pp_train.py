@@ -202,8 +202,15 @@ BAD = {
     "schedule": (["--dist.pp_schedule", "interleaved"],
                  ["dist.pp_schedule", "1f1b, gpipe", "interleaved"]),
     "pp_zero": (["--dist.pp_size", "0"], ["dist.pp_size", ">= 1"]),
-    "ft": (["--nproc", "4", "--shard-size", "1", "--dist.pp_size", "2", *UNTIED, "--ft"],
-           ["dist.fault_tolerance", "--ft", "pipeline stages"]),
+    # --ft with stages: its own limits still hold, and sim.fail names a data rank
+    # (replica x shard_size + shard: the stages of a replica-shard share it)
+    "ft_sync": (["--nproc", "4", "--shard-size", "1", "--dist.pp_size", "2", *UNTIED, "--ft",
+                 "--method", "sync"],
+                ["dist.fault_tolerance=torchft", "sync.method=sync is synchronous"]),
+    "ft_fail_rank": (["--nproc", "6", "--shard-size", "1", "--dist.pp_size", "2", *UNTIED,
+                      "--ft", "--sim.fail", "3@2"],
+                     ["sim.fail", "rank 3 does not exist", "from 0 to 2",
+                      "3 replicas x 1 shards"]),
     "wsam": (["--nproc", "4", "--shard-size", "1", "--dist.pp_size", "2", *UNTIED,
               "--optim.sam", "wsam"], ["optim.sam", "'wsam'", "pipeline stages"]),
 }
@@ -223,7 +230,7 @@ def test_bad_pipeline_settings_fail_before_any_worker(name: str, cache: Path,
     assert not (tmp_path / "run").exists()
 
 
-@pytest.mark.parametrize("name", ["tied", "1f1b"])
+@pytest.mark.parametrize("name", ["tied", "1f1b", "ft_fail_rank"])
 def test_bad_pipeline_settings_on_the_command_line(name: str, tmp_path: Path) -> None:
     """The same, through the console script (the other cases run in this process)."""
     from tests.test_cli import assert_fast, editrain, error_line, explain, tiny

@@ -193,8 +193,8 @@ class DistSection:
     job of its own meeting through a torchft lighthouse: a replica can die and rejoin
     while the others train on; docs/fault_tolerance.md). `editrain train --ft` sets it."""
     ft_replicas: int = 0
-    """torchft: replica groups in the run (0: dist.nproc / (shard_size x tp_size), the
-    local launcher's groups). Under torchrun each group is its own job: set it, with
+    """torchft: replica groups in the run (0: dist.nproc / (pp_size x shard_size x
+    tp_size), the local launcher's groups). Under torchrun each group is its own job: set it, with
     ft_replica_id and ft_lighthouse."""
     ft_replica_id: int = -1
     """torchft: this job's replica group, 0 .. ft_replicas - 1 (-1: $EDITRAIN_FT_REPLICA,
@@ -250,7 +250,8 @@ class SimSection:
     fail: str | None = None
     """Kill a worker on the first attempt: RANK@STEP (abrupt exit after that step) or
     RANK@STEP:checkpoint (exit in the middle of writing that step's checkpoint). RANK is a
-    data rank, replica x dist.shard_size + shard (tensor-parallel peers die with it), STEP
+    data rank, replica x dist.shard_size + shard (its tensor-parallel peers and pipeline
+    stages die with it), STEP
     from 1 to train.steps. With --ft the worker's whole replica group dies and restarts
     after sim.fail_restart_s."""
     fail_restart_s: float = 0.0

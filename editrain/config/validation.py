@@ -252,9 +252,6 @@ def _check_pipeline(cfg: Config) -> None:
     require(not mcfg.tie_embeddings, "model.tie_embeddings",
             f"dist.pp_size = {p} needs untied embeddings (model.tie_embeddings = false): "
             f"the first and last stage would share the embedding matrix")
-    require(d.fault_tolerance != "torchft", "dist.fault_tolerance",
-            f"torchft (--ft) is not supported with pipeline stages (dist.pp_size = {p}); "
-            f"use dist.fault_tolerance = none or dist.pp_size = 1")
     require(cfg.optim.sam in (None, "none"), "optim.sam",
             f"{cfg.optim.sam!r} is not supported with pipeline stages (dist.pp_size = {p}): "
             f"its closure would run the pipeline twice per step; use optim.sam = none")

@@ -1,9 +1,11 @@
 """Fault-tolerant cross-replica communication through torchft (``dist.fault_tolerance``).
 
 In the fault-tolerant mode every replica is a job of its own (one torch.distributed world
-of ``S`` ranks: its FSDP2 shard group), and the replicas meet only through torchft: a
-*lighthouse* forms a quorum of the replicas present at each sync, every replica group runs
-a torchft ``Manager``, and the ranks with the same shard index across the quorum share a
+of ``P x S x T`` ranks: its pipeline stages, FSDP2 shards and tensor-parallel ranks), and
+the replicas meet only through torchft: a *lighthouse* forms a quorum of the replicas
+present at each sync, every rank of a replica group runs a torchft ``Manager`` (rank 0's
+serves the group: the quorum and the commit vote are over all of its ranks), and the ranks
+in the same place of their groups (stage, shard and tp index) across the quorum share a
 reconfigurable gloo process group. A replica that dies drops out of the next quorum; one
 that (re)joins is behind in committed syncs, so the quorum tells it to *heal*: it receives
 the global state (anchors, outer optimizer, counters, the trainer's state) from a healthy

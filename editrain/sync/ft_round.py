@@ -175,11 +175,20 @@ class FaultTolerantSchedule(BlockingSchedule):
     def _end(self, rnd: SyncRound, quorum: Quorum, error: str | None) -> bool:
         """The commit vote, then the outer steps (and merges) or nothing; the log entry."""
         eng = self.engine
+        if error is not None:
+            # Into this rank's vote, which torchft ANDs over every rank of the replica group
+            # (every stage, shard and tp rank): an error seen by one rank only (e.g. one
+            # stage's rendezvous failed) drops the round on all of them alike.
+            self.group.report_error(RuntimeError(error))
         committed = self.group.commit() and error is None
         if committed:
             self._apply(rnd)
         else:
             self.failed_rounds += 1
+            # A dropped round is dropped alike on every rank of the group: one whose
+            # rendezvous got through may have found the round too short (A-EDiT's skip,
+            # which restarts the window), one whose rendezvous failed knows nothing.
+            rnd.skipped = False
         if rnd.delayed:  # merged, or dropped (the local model stays): snapshots go
             for unit in eng.units:
                 unit.launch = None
