@@ -182,16 +182,46 @@ def test_pp_checkpoint_resumes_bitwise(cache: Path, tmp_path: Path, runs) -> Non
     assert {"tok_embeddings.weight", "output.weight", "norm.weight"} <= model
     assert any(k.startswith("layers.0.") for k in model)
     assert any(k.startswith("layers.1.") for k in model)
-    resumed = tmp_path / "resumed"
-    train(cache, resumed, *PP_RUN, "--resume", str(first))
-    a, b = step_losses(full), step_losses(resumed)
-    assert sorted(b) == list(range(marker["step"] + 1, 11)) and len(b) >= 2
-    for step, loss in b.items():
-        assert loss == a[step], (step, loss, a[step])  # bitwise
-    assert final_val(resumed) == final_val(full)
+    _resumes_bitwise(cache, tmp_path, full, PP_RUN, marker["step"])
     out = train(cache, tmp_path / "other", *PLAIN, "--resume", str(first), check=False)
     assert out.returncode != 0
     assert "dist.pp_size: checkpoint has 2, this run has 1" in out.stderr
+
+
+def _resumes_bitwise(cache: Path, tmp_path: Path, full: Path, args: tuple[str, ...] | list,
+                     step: int) -> None:
+    """Resumed from ``full``'s first checkpoint (saved at ``step``) with ``args``, the run
+    equals ``full`` bitwise from there on."""
+    resumed = tmp_path / "resumed"
+    train(cache, resumed, *args, "--resume", str(list_checkpoints(full)[0]))
+    a, b = step_losses(full), step_losses(resumed)
+    assert sorted(b) == list(range(step + 1, 11)) and len(b) >= 2
+    for s, loss in b.items():
+        assert loss == a[s], (s, loss, a[s])  # bitwise
+    assert final_val(resumed) == final_val(full)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_interleaved_checkpoint_resumes_bitwise(cache: Path, tmp_path: Path, runs) -> None:
+    """Interleaved 1F1B (2 chunks per rank, rank 0 holding blocks 0 and 2): the engine's
+    units are keyed by their blocks' indices in the whole model, the resumed run equals
+    the uninterrupted one bitwise, and a run with another number of chunks per rank is
+    refused."""
+    args = CASES["interleaved_2x2"][1]
+    full = runs(*args)
+    first = list_checkpoints(full)[0]
+    marker = json.loads((first / "editrain.json").read_text())
+    assert marker["pp_stages_per_rank"] == 2
+    keys = set(read_metadata(first).state_dict_metadata)
+    units = {k.split(".")[2] for k in keys if k.startswith("engine.units.")}
+    assert units == {"root", "tok_embeddings", "block0", "block1", "block2", "block3",
+                     "output"}, units
+    _resumes_bitwise(cache, tmp_path, full, args, marker["step"])
+    one_chunk = [*PP_RUN, "--model.n_layers", "4", "--dist.pp_microbatches", "4"]  # 1f1b
+    out = train(cache, tmp_path / "other", *one_chunk, "--resume", str(first), check=False)
+    assert out.returncode != 0
+    assert "dist.pp_stages_per_rank: checkpoint has 2, this run has 1" in out.stderr
 
 
 @pytest.mark.slow
