@@ -71,6 +71,11 @@ AEDIT = [*UNTIED, "--steps", "10", "--method", "aedit", "--sim.step_schedule=[2,
          "--train.grad_clip", "0.5", "--train.eval_every", "4"]
 SHARDED = [*UNTIED, "--steps", "8", "--method", "diloco", "--sync.local_sgd_sync_interval",
            "3", "--train.grad_clip", "0.5", "--train.eval_every", "4"]
+INTERLEAVED_BLOCKS = ["--model.n_layers", "4"]
+INTERLEAVED = ["--dist.pp_schedule", "interleaved-1f1b", "--dist.pp_stages_per_rank", "2",
+               "--dist.pp_microbatches", "4"]
+"""Interleaved 1F1B: 2 chunks per rank over 4 blocks (rank 0 holds blocks 0 and 2, rank 1
+blocks 1 and 3), 4 microbatches (2 rounds)."""
 CASES = {
     # name: (the run without stages, the same with 2 stages per replica)
     "edit_2x2": (PLAIN, PP_RUN),
@@ -86,17 +91,24 @@ CASES = {
     "bf16_2x2": (["--nproc", "2", "--shard-size", "1", *SHARDED, "--train.precision", "bf16"],
                  ["--nproc", "4", "--shard-size", "1", "--dist.pp_size", "2", *SHARDED,
                   "--train.precision", "bf16"]),
-    # interleaved 1F1B: 2 chunks per rank over 4 blocks (rank 0 holds blocks 0 and 2,
-    # rank 1 blocks 1 and 3), 4 microbatches (2 rounds): the engine's layer-wise hooks
-    # see the chunks' forwards interleave
-    "interleaved_2x2": ([*PLAIN, "--model.n_layers", "4"],
-                        [*PP_RUN, "--model.n_layers", "4", "--dist.pp_schedule",
-                         "interleaved-1f1b", "--dist.pp_stages_per_rank", "2",
-                         "--dist.pp_microbatches", "4"]),
+    # interleaved 1F1B: the engine's layer-wise hooks see the chunks' forwards interleave
+    "interleaved_2x2": ([*PLAIN, *INTERLEAVED_BLOCKS],
+                        [*PP_RUN, *INTERLEAVED_BLOCKS, *INTERLEAVED]),
     # one replica of 2 stages of 2 FSDP2 shards: clipping over DTensor pieces
     "sharded_1x2x2": (["--nproc", "2", "--shard-size", "2", *SHARDED],
                       ["--nproc", "4", "--shard-size", "2", "--dist.pp_size", "2",
                        *SHARDED]),
+    # interleaved 1F1B on FSDP2 in bf16 (one replica of 2 ranks x 2 chunks of 2 shards)
+    # and on tensor parallelism (2 ranks x 2 chunks of 2 tp ranks)
+    "interleaved_sharded_bf16": (["--nproc", "2", "--shard-size", "2", *SHARDED,
+                                  *INTERLEAVED_BLOCKS, "--train.precision", "bf16"],
+                                 ["--nproc", "4", "--shard-size", "2", "--dist.pp_size", "2",
+                                  *SHARDED, *INTERLEAVED_BLOCKS, *INTERLEAVED,
+                                  "--train.precision", "bf16"]),
+    "interleaved_tp": (["--nproc", "2", "--shard-size", "1", "--tp-size", "2", *SHARDED,
+                        *INTERLEAVED_BLOCKS],
+                       ["--nproc", "4", "--shard-size", "1", "--tp-size", "2",
+                        "--dist.pp_size", "2", *SHARDED, *INTERLEAVED_BLOCKS, *INTERLEAVED]),
     # one replica of 2 stages of 2 tp ranks: a norm weight held alike by tp peers counts
     # once in the clipping norm, evaluation counts tp rank 0 of the last stage
     "tp_1x2x1x2": (["--nproc", "2", "--shard-size", "1", "--tp-size", "2", *SHARDED],
@@ -297,15 +309,6 @@ BAD = {
                             "--dist.pp_stages_per_rank", "2", "--dist.pp_microbatches", "5"],
                            ["dist.pp_schedule = 'interleaved-1f1b'", "multiple of its rounds",
                             "dist.pp_microbatches = 5", "fit: 1, 2, 10"]),
-    "interleaved_sharded": (["--nproc", "4", "--shard-size", "2", "--dist.pp_size", "2",
-                             *UNTIED, "--model.n_layers", "4", "--dist.pp_schedule",
-                             "interleaved-1f1b", "--dist.pp_stages_per_rank", "2"],
-                            ["dist.shard_size", "must be 1", "interleaved-1f1b"]),
-    "interleaved_bf16": (["--nproc", "4", "--shard-size", "1", "--dist.pp_size", "2",
-                          *UNTIED, "--model.n_layers", "4", "--dist.pp_schedule",
-                          "interleaved-1f1b", "--dist.pp_stages_per_rank", "2",
-                          "--train.precision", "bf16"],
-                         ["train.precision", "must be 'fp32'", "interleaved-1f1b"]),
 }
 
 

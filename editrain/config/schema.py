@@ -175,7 +175,7 @@ class DistSection:
     needs pp_microbatches >= pp_size), gpipe (every forward, then every backward) or
     interleaved-1f1b (1F1B over pp_stages_per_rank >= 2 chunks of blocks per rank, rank r
     holding chunks r, r + pp_size, ...: a smaller bubble; pp_microbatches a multiple of
-    max(1, pp_microbatches // pp_size); shard_size 1, tp_size 1, fp32)."""
+    max(1, pp_microbatches // pp_size))."""
     pp_microbatches: int = 0
     """Microbatches each step's batch is split into for the pipeline (must divide
     train.batch_size; 0: pp_size). With gradient accumulation every micro-batch is split

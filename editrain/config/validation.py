@@ -281,16 +281,6 @@ def _check_pipeline(cfg: Config) -> None:
     require(n_layers >= p * v, "dist.pp_stages_per_rank",
             f"dist.pp_size x dist.pp_stages_per_rank ({p} x {v}) must be at most the "
             f"model's number of layers ({n_layers}): every chunk holds at least one block")
-    if d.pp_schedule == "interleaved-1f1b":
-        # Each chunk goes to torch's schedule as a module of its own; FSDP2 (and its bf16
-        # policy) and tensor parallelism are wired for one stage module per rank only.
-        for option, value, allowed in (("dist.shard_size", d.shard_size, 1),
-                                       ("dist.tp_size", d.tp_size, 1),
-                                       ("train.precision", t.precision, "fp32")):
-            require(value == allowed, option,
-                    f"dist.pp_schedule = 'interleaved-1f1b' runs on unsharded stages: "
-                    f"{option} must be {allowed!r} with it, got {value!r} (or use "
-                    f"dist.pp_schedule = '1f1b')")
 
 
 def _hf_pipeline_shape(cfg: Config) -> tuple[int, bool]:
