@@ -259,7 +259,6 @@ def _check_pipeline(cfg: Config) -> None:
     require(n_layers >= p, "dist.pp_size",
             f"must be at most the model's number of layers ({n_layers}): every stage "
             f"holds at least one block; got {p}")
-    v = d.pp_stages_per_rank
     require(not tied, tied_option,
             f"dist.pp_size = {p} needs untied embeddings ({tied_what}): "
             f"the first and last stage would share the embedding matrix")
@@ -275,6 +274,7 @@ def _check_pipeline(cfg: Config) -> None:
         require(t.batch_size % p == 0, "dist.pp_microbatches",
                 f"0 means dist.pp_size ({p}) microbatches, which must divide the batch size "
                 f"(train.batch_size = {t.batch_size}); set it to a divisor of the batch size")
+    v = d.pp_stages_per_rank
     with as_config_error():
         check_microbatches(t.batch_size, d.microbatches, d.pp_schedule, p, v,
                            accumulation=t.gradient_accumulation_steps)
