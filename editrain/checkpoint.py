@@ -485,6 +485,8 @@ def run_meta(cfg: Any, vocab_size: int, topology: tuple[int, ...] | None = None,
         "topology": list(topology) if topology else None,
         "tp_size": int(getattr(getattr(cfg, "dist", None), "tp_size", 1)),
         "pp_size": int(getattr(getattr(cfg, "dist", None), "pp_size", 1)),
+        "pp_stages_per_rank": int(getattr(getattr(cfg, "dist", None),
+                                          "pp_stages_per_rank", 1)),
         "seq_len": int(cfg.train.seq_len),
         "train_seed": int(cfg.train.seed),
         "train_data": stream_identity(data.train) if data is not None else None,
@@ -656,6 +658,11 @@ def check_compatible(marker: dict[str, Any], meta: dict[str, Any]) -> list[str]:
             problems.append(f"dist.{key}: checkpoint has {old}, this run has {new} (a "
                             f"checkpoint resumes with {what} it was saved with; replicas "
                             "and shards may change)")
+    old_v, new_v = marker.get("pp_stages_per_rank", 1), meta.get("pp_stages_per_rank", 1)
+    if old_v != new_v:
+        problems.append(f"dist.pp_stages_per_rank: checkpoint has {old_v}, this run has "
+                        f"{new_v} (each rank's blocks and engine state follow the chunks it "
+                        "holds)")
     old_model, new_model = marker.get("model") or {}, meta.get("model") or {}
     for key in sorted(set(old_model) | set(new_model)):
         if old_model.get(key) != new_model.get(key):

@@ -47,7 +47,7 @@ from editrain.metrics import MetricsWriter, RankLog, read_metrics, to_json
 from editrain.models import causal_lm_loss, num_parameters
 from editrain.optim.inner import build_inner_optimizer, clip_gradients, uses_sam
 from editrain.optim.schedule import lr_at, set_lr
-from editrain.pipeline import LlamaStage, PipelineRunner, pipeline_eval_loss
+from editrain.pipeline import PipelineRunner, build_stage, pipeline_eval_loss
 from editrain.rundir import lineage_of, logs_dir
 from editrain.runtime import init_distributed, setup_process
 from editrain.sim import Simulation, check_replicas, parse_sim
@@ -99,7 +99,8 @@ class Trainer:
         # weights, the model's parameter names) and shards, syncs and trains that.
         self.pp = info.topo.pp_size > 1
         if self.pp:
-            self.model = LlamaStage(self.model, info.stage, info.topo.pp_size)
+            self.model = build_stage(self.model, info.stage, info.topo.pp_size,
+                                     cfg.dist.pp_stages_per_rank)
         blocks = shard_model(cfg, self.model, info)
         # The simulated link is one FIFO per replica, shared by the replica's ranks.
         self.sim = Simulation(plan, self.replica, cfg.sim.replica_offset, self.global_rank,
@@ -528,13 +529,14 @@ class Trainer:
     def _log_start(self) -> None:
         if not self.is_logger:
             return
-        topo, mem = self.info.topo, self.engine.extra_memory()
+        topo, mem, d = self.info.topo, self.engine.extra_memory(), self.cfg.dist
+        chunks = f", {d.pp_stages_per_rank} chunks per rank" if d.pp_stages_per_rank > 1 else ""
         log.warning(
             "editrain: %s on %d replicas x %s%d shards%s (%s, %s%s); model %s with %.2fM "
             "parameters; outer state per rank: %s",
             self.cfg.sync.method, self.replicas,
-            f"{topo.pp_size} stages ({self.cfg.dist.pp_schedule}, "
-            f"{self.cfg.dist.microbatches} microbatches) x " if self.pp else "",
+            f"{topo.pp_size} stages ({d.pp_schedule}, {d.microbatches} microbatches{chunks})"
+            f" x " if self.pp else "",
             topo.shard_size,
             f" x {topo.tp_size} tp" if topo.tp_size > 1 else "", self.info.device.type,
             dist.get_backend(),

@@ -458,6 +458,7 @@ FROZEN_OPTIONS = [
     "dist.pp_size",
     "dist.pp_schedule",
     "dist.pp_microbatches",
+    "dist.pp_stages_per_rank",
     "dist.backend",
     "dist.device",
     "dist.max_restarts",

@@ -18,23 +18,55 @@ import pytest
 import torch
 
 from editrain.models import Llama, causal_lm_loss, preset_config
+from editrain.models.hf import HFCausalLM, transformers_available
 from editrain.pipeline import (
+    HF_PIPELINE_TYPES,
+    HFStage,
     LlamaStage,
     PipelineRunner,
+    build_stage,
+    check_hf_pipeline,
     check_microbatches,
     stage_layers,
 )
 from editrain.spawn import run_ranks
 
 TOL = 1e-6
+LOSS_TOL = 2e-6
+"""The Hugging Face cases' losses: 4 float32 ulps at these losses (~5.5; causal_lm_loss
+computes in fp32 even for a float64 model, and the microbatches' mean rounds differently
+from the whole batch's: seen 2 ulps)."""
 BATCH, SEQ, VOCAB = 4, 16, 256
 ADAMW_STEPS = 3
 CASES = [("gpipe", 2), ("gpipe", 4), ("1f1b", 2), ("1f1b", 4)]
+HF_CASES = [("gpipe", 4), ("1f1b", 2), ("interleaved-1f1b", 2)]
+INTERLEAVED = "interleaved-1f1b"
+I_CASES = [(INTERLEAVED, 1), (INTERLEAVED, 2), (INTERLEAVED, 4)]
+"""Interleaved 1F1B, 2 chunks per rank (4 layers: one block per chunk, rank 0 holding
+blocks 0 and 2, rank 1 blocks 1 and 3), 1, 2 and 4 microbatches."""
+"""A Hugging Face LlamaForCausalLM (4 layers, untied) through the same schedules."""
+HF_FIELDS = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 4,
+             "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": VOCAB,
+             "max_position_embeddings": 32, "tie_word_embeddings": False}
 
 
 def _config(n_layers: int = 4, tied: bool = False):
     return preset_config("tiny", n_layers=n_layers, vocab_size=VOCAB, max_seq_len=32,
                          tie_embeddings=tied)
+
+
+def _hf(model_type: str = "llama", seed: int = 0, **changes: object) -> HFCausalLM:
+    """A tiny Hugging Face causal LM of ``model_type``, seeded."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = AutoConfig.for_model(model_type, **{**HF_FIELDS, **changes})
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return HFCausalLM(AutoModelForCausalLM.from_config(cfg).float())
+
+
+def _build(kind: str) -> torch.nn.Module:
+    return _hf() if kind == "hf" else Llama(_config(), seed=0)
 
 
 def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -50,11 +82,11 @@ def _max_diff(a: torch.Tensor | None, b: torch.Tensor | None) -> float:
 
 
 def _case(rank: int, pp_size: int, schedule: str, n_microbatches: int,
-          dtype: torch.dtype) -> dict:
+          dtype: torch.dtype, kind: str = "llama") -> dict:
     """One case on this rank: differences to the whole model built in this process."""
-    cfg = _config()
-    whole = Llama(cfg, seed=0).to(dtype)
-    stage = LlamaStage(Llama(cfg, seed=0).to(dtype), rank, pp_size)
+    whole = _build(kind).to(dtype)
+    chunks = 2 if schedule == INTERLEAVED else 1
+    stage = build_stage(_build(kind).to(dtype), rank, pp_size, chunks)
     runner = PipelineRunner(stage, batch_size=BATCH, seq_len=SEQ,
                             n_microbatches=n_microbatches, schedule=schedule)
     mine = dict(stage.named_parameters())
@@ -85,8 +117,13 @@ def _case(rank: int, pp_size: int, schedule: str, n_microbatches: int,
 
 
 def _all_cases(rank: int, world_size: int) -> dict:
-    return {(*case, dtype): _case(rank, world_size, *case, dtype)
-            for case in CASES for dtype in (torch.float32, torch.float64)}
+    out = {(*case, dtype): _case(rank, world_size, *case, dtype)
+           for case in [*CASES, *I_CASES] for dtype in (torch.float32, torch.float64)}
+    if transformers_available():
+        out.update({("hf", *case, dtype): _case(rank, world_size, *case, dtype, kind="hf")
+                    for case in HF_CASES
+                    for dtype in (torch.float32, torch.float64)})
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -101,14 +138,14 @@ def _ids(case: tuple[str, int]) -> str:
 F32, F64 = torch.float32, torch.float64
 
 
-@pytest.mark.parametrize("case", CASES, ids=_ids)
+@pytest.mark.parametrize("case", [*CASES, *I_CASES], ids=_ids)
 def test_the_last_stage_has_the_whole_models_loss(results, case):
     first, last = results[0][(*case, F32)], results[1][(*case, F32)]
     assert first["loss"] == [None] * ADAMW_STEPS
     assert last["loss"][0] < TOL, last["loss"]
 
 
-@pytest.mark.parametrize("case", CASES, ids=_ids)
+@pytest.mark.parametrize("case", [*CASES, *I_CASES], ids=_ids)
 def test_every_parameter_gets_the_whole_models_gradient(results, case):
     names = [r[(*case, F32)]["names"] for r in results]
     whole = sorted(n for n, _ in Llama(_config(), seed=0).named_parameters())
@@ -118,7 +155,7 @@ def test_every_parameter_gets_the_whole_models_gradient(results, case):
         assert r[(*case, F32)]["grad"][0] < TOL, r[(*case, F32)]["grad"]
 
 
-@pytest.mark.parametrize("case", CASES, ids=_ids)
+@pytest.mark.parametrize("case", [*CASES, *I_CASES], ids=_ids)
 def test_adamw_steps_keep_the_pipeline_equal_to_the_whole_model(results, case):
     """In float64: Adam divides by sqrt(v) + eps, which turns fp32's 1e-8 rounding
     difference between microbatched and whole-batch gradients, where a gradient is near
@@ -130,13 +167,113 @@ def test_adamw_steps_keep_the_pipeline_equal_to_the_whole_model(results, case):
     assert max(results[1][(*case, F64)]["loss"]) < TOL, results[1][(*case, F64)]["loss"]
 
 
-@pytest.mark.parametrize("case", CASES, ids=_ids)
+@pytest.mark.parametrize("case", [*CASES, *I_CASES], ids=_ids)
 @pytest.mark.parametrize("dtype", [F32, F64], ids=["fp32", "fp64"])
 def test_eval_loss_is_the_whole_models_loss(results, case, dtype):
     assert results[0][(*case, dtype)]["eval"] is None
     assert results[1][(*case, dtype)]["eval"] < TOL
     for r in results:  # forward only: no parameter got a gradient
         assert r[(*case, dtype)]["eval_grads"] == []
+
+
+@pytest.mark.parametrize("case", I_CASES, ids=_ids)
+def test_interleaved_ranks_hold_every_other_chunk(results, case):
+    """Interleaved 1F1B with 2 chunks per rank over 4 blocks: rank 0 holds the embeddings
+    and blocks 0 and 2, rank 1 blocks 1 and 3 and the head (the equalities above hold
+    for these cases too)."""
+    blocks = [{n.split(".")[1] for n in r[(*case, F32)]["names"] if n.startswith("layers.")}
+              for r in results]
+    assert blocks == [{"0", "2"}, {"1", "3"}]
+    assert "tok_embeddings.weight" in results[0][(*case, F32)]["names"]
+    assert "output.weight" in results[1][(*case, F32)]["names"]
+
+
+needs_transformers = pytest.mark.skipif(
+    not transformers_available(),
+    reason="transformers is not installed; Hugging Face stages need the hf extra "
+           "(pip install -e '.[hf]')")
+
+
+@needs_transformers
+@pytest.mark.parametrize("case", HF_CASES, ids=_ids)
+@pytest.mark.parametrize("dtype", [F32, F64], ids=["fp32", "fp64"])
+def test_hf_stages_equal_the_whole_hf_model(results, case, dtype):
+    """A Hugging Face Llama in 2 stages: the last stage's loss, every parameter's gradient
+    (each parameter on exactly one stage, under its name in the whole model) and, in
+    float64, the parameters after AdamW steps equal the unpipelined model's; eval_loss too."""
+    key = ("hf", *case, dtype)
+    names = [r[key]["names"] for r in results]
+    whole = sorted(n for n, _ in _hf().named_parameters())
+    assert sorted(names[0] + names[1]) == whole
+    assert "hf.model.embed_tokens.weight" in names[0] and "hf.lm_head.weight" in names[1]
+    assert "hf.model.norm.weight" in names[1]
+    assert results[0][key]["loss"] == [None] * ADAMW_STEPS
+    steps = ADAMW_STEPS if dtype == F64 else 1  # fp32: see the AdamW test above
+    assert max(results[1][key]["loss"][:steps]) < LOSS_TOL, results[1][key]["loss"]
+    for r in results:
+        assert max(r[key]["grad"][:steps]) < TOL, r[key]["grad"]
+        if dtype == F64:
+            assert max(r[key]["param"]) < TOL, r[key]["param"]
+        assert r[key]["eval_grads"] == []
+    assert results[0][key]["eval"] is None and results[1][key]["eval"] < LOSS_TOL
+
+
+@needs_transformers
+@pytest.mark.parametrize("model_type", HF_PIPELINE_TYPES)
+@pytest.mark.parametrize("pp_size", [1, 2, 3])
+def test_hf_stages_chained_in_one_process_give_the_models_logits(model_type, pp_size):
+    """Every supported model type, with sliding-window attention where it has one (Mistral
+    on every layer, Qwen2 past layer 1: a window of 5 tokens over 16 changes the logits,
+    checked below), split into 1 to 3 stages: bitwise the whole model's logits."""
+    changes = {"num_hidden_layers": 3}
+    if model_type == "mistral":
+        changes["sliding_window"] = 5
+    if model_type == "qwen2":
+        changes.update(use_sliding_window=True, sliding_window=5, max_window_layers=1)
+    model = _hf(model_type, **changes)
+    tokens, _ = _batch(0)
+    h = tokens
+    for s in range(pp_size):
+        stage = build_stage(model, s, pp_size)
+        assert isinstance(stage, HFStage)
+        h = stage(h)
+    torch.testing.assert_close(h, model(tokens), rtol=0, atol=0)
+    if model_type in ("mistral", "qwen2"):  # the window matters: a full mask differs
+        full = _hf(model_type, num_hidden_layers=3)
+        assert (full(tokens) - model(tokens)).abs().max() > 1e-3
+
+
+@needs_transformers
+def test_hf_stages_share_the_models_parameters_under_its_names():
+    model = _hf(num_hidden_layers=3)
+    stages = [HFStage(model, s, 2) for s in range(2)]
+    assert [list(s.layer_ids) for s in stages] == [[0, 1], [2]]
+    assert [s.block_offset for s in stages] == [0, 2]
+    whole = dict(model.named_parameters())
+    seen = {}
+    for stage in stages:
+        assert stage.blocks() == [model.hf.model.layers[i] for i in stage.layer_ids]
+        for name, p in stage.named_parameters():
+            assert p is whole[name]
+            seen[name] = p
+    assert seen.keys() == whole.keys()
+    assert stages[0].hf.lm_head is None and stages[0].hf.model.norm is None
+    assert stages[1].hf.model.embed_tokens is None
+    for stage in stages:  # the rotary tables: buffers, on every stage
+        assert stage.hf.model.rotary_emb is model.hf.model.rotary_emb
+
+
+@needs_transformers
+def test_hf_tied_embeddings_and_other_model_types_are_refused():
+    with pytest.raises(ValueError, match=r"dist\.pp_size = 2 needs untied .*"
+                                         r"tie_word_embeddings"):
+        HFStage(_hf(tie_word_embeddings=True), 0, 2)
+    HFStage(_hf(tie_word_embeddings=True), 0, 1)  # one stage: the whole model
+    with pytest.raises(ValueError, match=r"model_type llama, mistral, qwen2, qwen3; .*"
+                                         r"'gpt2' \(use dist\.pp_size = 1\)"):
+        check_hf_pipeline("gpt2")
+    with pytest.raises(TypeError, match=r"editrain's Llama or a Hugging Face model"):
+        build_stage(torch.nn.Linear(2, 2), 0, 2)
 
 
 # ----------------------------------------------------------------------------- no spawn
@@ -221,3 +358,107 @@ def test_the_runner_checks_microbatches_before_it_needs_a_process_group():
         PipelineRunner(stage, batch_size=4, seq_len=SEQ, n_microbatches=3, schedule="gpipe")
     with pytest.raises(ValueError, match=r"dist\.pp_schedule = '1f1b'"):
         PipelineRunner(stage, batch_size=4, seq_len=SEQ, n_microbatches=1, schedule="1f1b")
+
+
+# ------------------------------------------------------------------ interleaved, no spawn
+def _chain(model: torch.nn.Module, pp_size: int, chunks: int, tokens: torch.Tensor
+           ) -> torch.Tensor:
+    """The pipeline's chunks in forward order in one process: chunk ``i`` of the
+    pipeline is chunk ``i // pp_size`` of rank ``i % pp_size``."""
+    stages = [build_stage(model, r, pp_size, chunks) for r in range(pp_size)]
+    h = tokens
+    for i in range(pp_size * chunks):
+        h = stages[i % pp_size](h, chunk=i // pp_size)
+    return h
+
+
+@pytest.mark.parametrize("kind", ["llama", "hf"])
+@pytest.mark.parametrize(("n_layers", "pp_size", "chunks"), [(4, 2, 2), (5, 2, 2), (6, 2, 3)])
+def test_interleaved_chunks_chained_give_the_models_logits(kind, n_layers, pp_size, chunks):
+    if kind == "hf" and not transformers_available():
+        pytest.skip("transformers is not installed (the hf extra)")
+    model = (_hf(num_hidden_layers=n_layers) if kind == "hf"
+             else Llama(_config(n_layers=n_layers), seed=0))
+    tokens, _ = _batch(0)
+    torch.testing.assert_close(_chain(model, pp_size, chunks, tokens), model(tokens),
+                               rtol=0, atol=0)
+
+
+def test_interleaved_stage_holds_every_pp_size_th_chunk_under_the_models_names():
+    model = Llama(_config(n_layers=5), seed=0)
+    stages = [LlamaStage(model, r, 2, stages_per_rank=2) for r in range(2)]
+    # 4 chunks of 5 blocks: [0, 1], [2], [3], [4]; rank 0 holds chunks 0 and 2
+    assert [s.chunks for s in stages] == [[0, 2], [1, 3]]
+    assert [s.chunk_layers for s in stages] == [[range(0, 2), range(3, 4)],
+                                                [range(2, 3), range(4, 5)]]
+    assert [s.block_ids for s in stages] == [[0, 1, 3], [2, 4]]
+    assert stages[0].blocks() == [model.layers[i] for i in (0, 1, 3)]
+    whole = dict(model.named_parameters())
+    for stage in stages:
+        names = dict(stage.named_parameters())
+        assert all(p is whole[n] for n, p in names.items())
+        # each chunk module owns exactly its chunk's parameters; together the stage's
+        chunk_params = [list(c.parameters()) for c in stage.chunk_modules()]
+        owned = [id(p) for ps in chunk_params for p in ps]
+        assert sorted(owned) == sorted(id(p) for p in names.values())
+        assert len(owned) == len(set(owned))
+        # the chunk modules are not submodules: the stage's names and state stay the model's
+        assert dict(stage.named_parameters()).keys() == names.keys()
+        assert all(not k.startswith("_") for k in stage.state_dict())
+    first_chunk = {id(p) for p in stages[0].chunk_modules()[0].parameters()}
+    assert id(model.tok_embeddings.weight) in first_chunk
+    last_chunk = {id(p) for p in stages[1].chunk_modules()[1].parameters()}
+    assert id(model.output.weight) in last_chunk and id(model.norm.weight) in last_chunk
+
+
+def test_interleaved_units_are_named_by_the_blocks_model_indices():
+    from editrain.sync.setup import unit_modules
+
+    model = Llama(_config(n_layers=4), seed=0)
+    stages = [LlamaStage(model, r, 2, stages_per_rank=2) for r in range(2)]
+    names = [[n for n, _ in unit_modules(s, s.blocks())] for s in stages]
+    assert names == [["tok_embeddings", "block0", "block2"], ["block1", "block3", "output"]]
+
+
+def test_chunk_forward_enters_the_stages_forward_hooks():
+    """The sync engine's root unit is a forward pre-hook on the stage: every chunk's
+    forward (what torch's schedule calls) runs through the stage's forward."""
+    stage = LlamaStage(Llama(_config(n_layers=4), seed=0), 0, 2, stages_per_rank=2)
+    seen = []
+    stage.register_forward_pre_hook(lambda module, args: seen.append(module))
+    tokens, _ = _batch(0)
+    h = stage.chunk_modules()[0](tokens)
+    stage.chunk_modules()[1](h)
+    assert seen == [stage, stage]
+
+
+@pytest.mark.parametrize(("args", "pattern"), [
+    ((4, 2, "interleaved-1f1b", 2, 1), r"dist\.pp_stages_per_rank must be an integer >= 2 "
+                                       r"with dist\.pp_schedule = 'interleaved-1f1b'"),
+    ((4, 2, "1f1b", 2, 2), r"dist\.pp_stages_per_rank = 2 needs dist\.pp_schedule = "
+                           r"'interleaved-1f1b'"),
+    ((10, 5, "interleaved-1f1b", 2, 2), r"multiple of its rounds, .* = 2; got "
+                                        r"dist\.pp_microbatches = 5 .*fit: 1, 2, 10\)"),
+])
+def test_bad_interleaved_settings_name_the_option(args, pattern):
+    with pytest.raises(ValueError, match=pattern):
+        check_microbatches(*args)
+
+
+def test_interleaved_microbatches_count_gradient_accumulation():
+    check_microbatches(6, 3, "interleaved-1f1b", 2, 2)  # 3 microbatches: one round
+    with pytest.raises(ValueError, match=r"gradient_accumulation_steps x "
+                                         r"dist\.pp_microbatches = 3 x 3 = 9"):
+        check_microbatches(6, 3, "interleaved-1f1b", 2, 2, accumulation=3)
+    for n in (1, 2, 4):  # what the spawned cases run
+        check_microbatches(4, n, "interleaved-1f1b", 2, 2)
+
+
+def test_interleaved_needs_a_block_per_chunk_and_a_known_chunk():
+    with pytest.raises(ValueError, match=r"dist\.pp_size x dist\.pp_stages_per_rank "
+                                         r"\(2 x 3\) must be at most .* layers \(4\)"):
+        LlamaStage(Llama(_config(n_layers=4), seed=0), 0, 2, stages_per_rank=3)
+    stage = LlamaStage(Llama(_config(n_layers=4), seed=0), 0, 2, stages_per_rank=2)
+    with pytest.raises(ValueError, match=r"chunk must be an integer from 0 to 1"):
+        stage(_batch(0)[0], chunk=2)
+

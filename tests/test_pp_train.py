@@ -71,6 +71,11 @@ AEDIT = [*UNTIED, "--steps", "10", "--method", "aedit", "--sim.step_schedule=[2,
          "--train.grad_clip", "0.5", "--train.eval_every", "4"]
 SHARDED = [*UNTIED, "--steps", "8", "--method", "diloco", "--sync.local_sgd_sync_interval",
            "3", "--train.grad_clip", "0.5", "--train.eval_every", "4"]
+INTERLEAVED_BLOCKS = ["--model.n_layers", "4"]
+INTERLEAVED = ["--dist.pp_schedule", "interleaved-1f1b", "--dist.pp_stages_per_rank", "2",
+               "--dist.pp_microbatches", "4"]
+"""Interleaved 1F1B: 2 chunks per rank over 4 blocks (rank 0 holds blocks 0 and 2, rank 1
+blocks 1 and 3), 4 microbatches (2 rounds)."""
 CASES = {
     # name: (the run without stages, the same with 2 stages per replica)
     "edit_2x2": (PLAIN, PP_RUN),
@@ -86,10 +91,24 @@ CASES = {
     "bf16_2x2": (["--nproc", "2", "--shard-size", "1", *SHARDED, "--train.precision", "bf16"],
                  ["--nproc", "4", "--shard-size", "1", "--dist.pp_size", "2", *SHARDED,
                   "--train.precision", "bf16"]),
+    # interleaved 1F1B: the engine's layer-wise hooks see the chunks' forwards interleave
+    "interleaved_2x2": ([*PLAIN, *INTERLEAVED_BLOCKS],
+                        [*PP_RUN, *INTERLEAVED_BLOCKS, *INTERLEAVED]),
     # one replica of 2 stages of 2 FSDP2 shards: clipping over DTensor pieces
     "sharded_1x2x2": (["--nproc", "2", "--shard-size", "2", *SHARDED],
                       ["--nproc", "4", "--shard-size", "2", "--dist.pp_size", "2",
                        *SHARDED]),
+    # interleaved 1F1B on FSDP2 in bf16 (one replica of 2 ranks x 2 chunks of 2 shards)
+    # and on tensor parallelism (2 ranks x 2 chunks of 2 tp ranks)
+    "interleaved_sharded_bf16": (["--nproc", "2", "--shard-size", "2", *SHARDED,
+                                  *INTERLEAVED_BLOCKS, "--train.precision", "bf16"],
+                                 ["--nproc", "4", "--shard-size", "2", "--dist.pp_size", "2",
+                                  *SHARDED, *INTERLEAVED_BLOCKS, *INTERLEAVED,
+                                  "--train.precision", "bf16"]),
+    "interleaved_tp": (["--nproc", "2", "--shard-size", "1", "--tp-size", "2", *SHARDED,
+                        *INTERLEAVED_BLOCKS],
+                       ["--nproc", "4", "--shard-size", "1", "--tp-size", "2",
+                        "--dist.pp_size", "2", *SHARDED, *INTERLEAVED_BLOCKS, *INTERLEAVED]),
     # one replica of 2 stages of 2 tp ranks: a norm weight held alike by tp peers counts
     # once in the clipping norm, evaluation counts tp rank 0 of the last stage
     "tp_1x2x1x2": (["--nproc", "2", "--shard-size", "1", "--tp-size", "2", *SHARDED],
@@ -103,6 +122,52 @@ CASES = {
 @pytest.mark.parametrize("name", list(CASES))
 def test_pp_run_follows_the_run_without_pp(runs, name: str) -> None:
     plain, pp = (runs(*args) for args in CASES[name])
+    _assert_follows(name, plain, pp)
+
+
+HF_LLAMA = {"model_type": "llama", "hidden_size": 32, "intermediate_size": 64,
+            "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
+            "vocab_size": 512, "max_position_embeddings": 64, "tie_word_embeddings": False}
+"""A tiny Hugging Face LlamaForCausalLM, untied (4 layers: 2 per stage)."""
+
+
+def _hf_config(path: Path, **changes: object) -> str:
+    path.write_text(json.dumps({**HF_LLAMA, **changes}))
+    return str(path)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("variant", ["2x2", "interleaved_sharded_bf16"])
+def test_hf_pp_run_follows_the_run_without_pp(runs, tmp_path_factory, variant: str) -> None:
+    """``--model.hf_config`` split into stages (HFStage): 2 replicas x 2 stages, and one
+    replica of 2 ranks x 2 interleaved chunks of 2 FSDP2 shards in bf16; each follows
+    the same Hugging Face model's run without stages, as the built-in Llama's do. Its
+    0.02-std initialisation starts at the uniform loss and learns slowly through these
+    clipped syncs: the validation loss drops 0.029 in 10 steps (with a 2-step warm-up),
+    so "it learns" asks for 0.02 here."""
+    pytest.importorskip("transformers", reason="the hf extra is not installed")
+    config = _hf_config(tmp_path_factory.mktemp("hf") / "config.json")
+    if variant == "2x2":
+        hf = ["--model.hf_config", config, *COMMON[len(UNTIED):],
+              "--train.warmup_steps", "2"]
+        plain = runs("--nproc", "2", "--shard-size", "1", *hf)
+        pp = runs("--nproc", "4", "--shard-size", "1", "--dist.pp_size", "2", *hf)
+    else:
+        # (the default warm-up: with a 2-step one bf16's rounding drifts the two runs
+        # apart by 1.7e-4 by step 8, too close to TOL; 9e-5 with it)
+        hf = ["--model.hf_config", config, *SHARDED[len(UNTIED):], "--train.precision",
+              "bf16"]
+        plain = runs("--nproc", "2", "--shard-size", "2", *hf)
+        pp = runs("--nproc", "4", "--shard-size", "2", "--dist.pp_size", "2", *hf,
+                  *INTERLEAVED)
+    _assert_follows(f"hf_{variant}", plain, pp, learns=0.02)
+
+
+def _assert_follows(name: str, plain: Path, pp: Path, learns: float = 0.05) -> None:
+    """The pipelined run ``pp`` follows ``plain`` to TOL per step and per evaluation, on
+    the same tokens, and learns (its final validation loss at least ``learns`` below the
+    first)."""
     a, b = step_losses(plain), step_losses(pp)
     assert sorted(a) == sorted(b) and len(a) >= 8
     worst = max(abs(a[s] - b[s]) for s in a)
@@ -119,7 +184,7 @@ def test_pp_run_follows_the_run_without_pp(runs, name: str) -> None:
     assert sb["tokens"] == sa["tokens"]
     assert sb["val_tokens"] == sa["val_tokens"]
     assert sb["num_syncs"] == sa["num_syncs"]
-    assert final_val(pp) < val_b[0] - 0.05  # it learns
+    assert final_val(pp) < val_b[0] - learns  # it learns
 
 
 @pytest.mark.slow
@@ -141,16 +206,46 @@ def test_pp_checkpoint_resumes_bitwise(cache: Path, tmp_path: Path, runs) -> Non
     assert {"tok_embeddings.weight", "output.weight", "norm.weight"} <= model
     assert any(k.startswith("layers.0.") for k in model)
     assert any(k.startswith("layers.1.") for k in model)
-    resumed = tmp_path / "resumed"
-    train(cache, resumed, *PP_RUN, "--resume", str(first))
-    a, b = step_losses(full), step_losses(resumed)
-    assert sorted(b) == list(range(marker["step"] + 1, 11)) and len(b) >= 2
-    for step, loss in b.items():
-        assert loss == a[step], (step, loss, a[step])  # bitwise
-    assert final_val(resumed) == final_val(full)
+    _resumes_bitwise(cache, tmp_path, full, PP_RUN, marker["step"])
     out = train(cache, tmp_path / "other", *PLAIN, "--resume", str(first), check=False)
     assert out.returncode != 0
     assert "dist.pp_size: checkpoint has 2, this run has 1" in out.stderr
+
+
+def _resumes_bitwise(cache: Path, tmp_path: Path, full: Path, args: tuple[str, ...] | list,
+                     step: int) -> None:
+    """Resumed from ``full``'s first checkpoint (saved at ``step``) with ``args``, the run
+    equals ``full`` bitwise from there on."""
+    resumed = tmp_path / "resumed"
+    train(cache, resumed, *args, "--resume", str(list_checkpoints(full)[0]))
+    a, b = step_losses(full), step_losses(resumed)
+    assert sorted(b) == list(range(step + 1, 11)) and len(b) >= 2
+    for s, loss in b.items():
+        assert loss == a[s], (s, loss, a[s])  # bitwise
+    assert final_val(resumed) == final_val(full)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_interleaved_checkpoint_resumes_bitwise(cache: Path, tmp_path: Path, runs) -> None:
+    """Interleaved 1F1B (2 chunks per rank, rank 0 holding blocks 0 and 2): the engine's
+    units are keyed by their blocks' indices in the whole model, the resumed run equals
+    the uninterrupted one bitwise, and a run with another number of chunks per rank is
+    refused."""
+    args = CASES["interleaved_2x2"][1]
+    full = runs(*args)
+    first = list_checkpoints(full)[0]
+    marker = json.loads((first / "editrain.json").read_text())
+    assert marker["pp_stages_per_rank"] == 2
+    keys = set(read_metadata(first).state_dict_metadata)
+    units = {k.split(".")[2] for k in keys if k.startswith("engine.units.")}
+    assert units == {"root", "tok_embeddings", "block0", "block1", "block2", "block3",
+                     "output"}, units
+    _resumes_bitwise(cache, tmp_path, full, args, marker["step"])
+    one_chunk = [*PP_RUN, "--model.n_layers", "4", "--dist.pp_microbatches", "4"]  # 1f1b
+    out = train(cache, tmp_path / "other", *one_chunk, "--resume", str(first), check=False)
+    assert out.returncode != 0
+    assert "dist.pp_stages_per_rank: checkpoint has 2, this run has 1" in out.stderr
 
 
 @pytest.mark.slow
@@ -213,6 +308,26 @@ BAD = {
                       "3 replicas x 1 shards"]),
     "wsam": (["--nproc", "4", "--shard-size", "1", "--dist.pp_size", "2", *UNTIED,
               "--optim.sam", "wsam"], ["optim.sam", "'wsam'", "pipeline stages"]),
+    # interleaved 1F1B
+    "interleaved_chunks": (["--nproc", "4", "--shard-size", "1", "--dist.pp_size", "2",
+                            *UNTIED, "--model.n_layers", "4",
+                            "--dist.pp_schedule", "interleaved-1f1b"],
+                           ["dist.pp_stages_per_rank", ">= 2", "'interleaved-1f1b'", "got 1"]),
+    "chunks_without_interleaving": (["--nproc", "4", "--shard-size", "1", "--dist.pp_size",
+                                     "2", *UNTIED, "--dist.pp_stages_per_rank", "2"],
+                                    ["dist.pp_stages_per_rank = 2", "'interleaved-1f1b'"]),
+    "chunks_without_stages": (["--dist.pp_stages_per_rank", "2"],
+                              ["dist.pp_stages_per_rank", "dist.pp_size > 1", "got 2"]),
+    "interleaved_layers": (["--nproc", "4", "--shard-size", "1", "--dist.pp_size", "2",
+                            *UNTIED, "--dist.pp_schedule", "interleaved-1f1b",
+                            "--dist.pp_stages_per_rank", "2"],
+                           ["dist.pp_stages_per_rank", "(2 x 2)", "number of layers (2)"]),
+    "interleaved_rounds": (["--nproc", "4", "--shard-size", "1", "--dist.pp_size", "2",
+                            *UNTIED, "--model.n_layers", "4", "--train.batch_size", "10",
+                            "--dist.pp_schedule", "interleaved-1f1b",
+                            "--dist.pp_stages_per_rank", "2", "--dist.pp_microbatches", "5"],
+                           ["dist.pp_schedule = 'interleaved-1f1b'", "multiple of its rounds",
+                            "dist.pp_microbatches = 5", "fit: 1, 2, 10"]),
 }
 
 
@@ -230,12 +345,34 @@ def test_bad_pipeline_settings_fail_before_any_worker(name: str, cache: Path,
     assert not (tmp_path / "run").exists()
 
 
-@pytest.mark.parametrize("name", ["tied", "1f1b", "ft_fail_rank"])
+HF_BAD = {
+    # (config changes, words the one error line must hold)
+    "hf_tied": ({"tie_word_embeddings": True},
+                ["model.hf_config", "dist.pp_size = 2", "untied",
+                 "tie_word_embeddings = false"]),
+    "hf_type": ({"model_type": "gpt2"},
+                ["dist.pp_size > 1", "model_type llama, mistral, qwen2, qwen3", "'gpt2'"]),
+    "hf_layers": ({"num_hidden_layers": 1},
+                  ["dist.pp_size", "number of layers (1)", "got 2"]),
+}
+"""``model.hf_config`` models that cannot be split into 2 stages."""
+
+
+@pytest.mark.parametrize("name", ["tied", "1f1b", "ft_fail_rank", "interleaved_rounds",
+                                  "interleaved_chunks",
+                                  *sorted(HF_BAD)])
 def test_bad_pipeline_settings_on_the_command_line(name: str, tmp_path: Path) -> None:
-    """The same, through the console script (the other cases run in this process)."""
+    """The same, through the console script (the other cases run in this process), and
+    the ``model.hf_config`` models that cannot be split."""
     from tests.test_cli import assert_fast, editrain, error_line, explain, tiny
 
-    args, words = BAD[name]
+    if name in HF_BAD:
+        pytest.importorskip("transformers", reason="the hf extra is not installed")
+        changes, words = HF_BAD[name]
+        args = ["--model.hf_config", _hf_config(tmp_path / "config.json", **changes),
+                "--nproc", "4", "--shard-size", "1", "--dist.pp_size", "2"]
+    else:
+        args, words = BAD[name]
     run_dir = tmp_path / "run"
     proc, elapsed = editrain("train", *tiny(tmp_path / "cache"), "--steps", "4", "--quiet",
                              "--run-dir", str(run_dir), *args, timeout=100)

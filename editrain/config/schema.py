@@ -21,7 +21,7 @@ SAMS = ("none", "wsam")
 BACKENDS = ("auto", "gloo", "nccl")
 DEVICES = ("auto", "cpu", "cuda")
 FAULT_TOLERANCE = ("none", "torchft")
-PP_SCHEDULES = ("1f1b", "gpipe")
+PP_SCHEDULES = ("1f1b", "gpipe", "interleaved-1f1b")
 
 SEED_MAX = 2**63 - 1
 """Largest seed: torch, numpy and the data order take a seed as a non-negative int64."""
@@ -168,14 +168,22 @@ class DistSection:
     pp_size: int = 1
     """Pipeline stages per replica (each stage a contiguous run of the model's blocks on
     its own shard_size x tp_size ranks; a replica is pp_size x shard_size x tp_size ranks);
-    at most the model's layers, built-in Llama with untied embeddings. 1: no pipeline."""
+    at most the model's layers, untied embeddings: the built-in Llama or a model.hf_config
+    model of model_type llama, mistral, qwen2 or qwen3. 1: no pipeline."""
     pp_schedule: str = "1f1b"
     """Pipeline schedule: 1f1b (backwards start as soon as the last stage has a loss;
-    needs pp_microbatches >= pp_size) or gpipe (every forward, then every backward)."""
+    needs pp_microbatches >= pp_size), gpipe (every forward, then every backward) or
+    interleaved-1f1b (1F1B over pp_stages_per_rank >= 2 chunks of blocks per rank, rank r
+    holding chunks r, r + pp_size, ...: a smaller bubble; pp_microbatches a multiple of
+    max(1, pp_microbatches // pp_size))."""
     pp_microbatches: int = 0
     """Microbatches each step's batch is split into for the pipeline (must divide
     train.batch_size; 0: pp_size). With gradient accumulation every micro-batch is split
     alike, so a step runs gradient_accumulation_steps x pp_microbatches of them."""
+    pp_stages_per_rank: int = 1
+    """Chunks of blocks each pipeline rank holds: >= 2 with pp_schedule =
+    interleaved-1f1b (the model is split into pp_size x pp_stages_per_rank chunks, at most
+    its layers), 1 with gpipe and 1f1b."""
     backend: str = "auto"
     """Process group backend: auto (nccl on CUDA, gloo on CPU), gloo or nccl."""
     device: str = "auto"

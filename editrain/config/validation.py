@@ -41,7 +41,7 @@ from editrain.config.schema import (
 )
 from editrain.data import check_data_options
 from editrain.errors import as_config_error, require
-from editrain.models.hf import check_hf_config
+from editrain.models.hf import check_hf_config, read_hf_config
 from editrain.sim import check_replicas, parse_sim
 from editrain.sync.config import check_finite
 from editrain.sync.ft import torchft_available
@@ -131,6 +131,7 @@ def check_dist(d: DistSection) -> None:
         require(getattr(d, name) >= 1, f"dist.{name}", f"must be >= 1, got {getattr(d, name)}")
     _counts(d, "dist", ("max_restarts", "threads_per_proc", "ft_replicas", "pp_microbatches"),
             least=0)
+    _counts(d, "dist", ("pp_stages_per_rank",))
     _one_of(d.pp_schedule, PP_SCHEDULES, "dist.pp_schedule")
     _one_of(d.fault_tolerance, FAULT_TOLERANCE, "dist.fault_tolerance")
     require(d.ft_replica_id >= -1, "dist.ft_replica_id",
@@ -215,6 +216,10 @@ def validate(cfg: Config) -> None:
                 f"got {cfg.dist.tp_size}")
     if cfg.dist.pp_size > 1:
         _check_pipeline(cfg)
+    else:
+        require(cfg.dist.pp_stages_per_rank == 1, "dist.pp_stages_per_rank",
+                f"chunks per pipeline rank need pipeline stages (dist.pp_size > 1 with "
+                f"dist.pp_schedule = 'interleaved-1f1b'), got {cfg.dist.pp_stages_per_rank}")
     if cfg.dist.fault_tolerance == "torchft":
         with as_config_error():
             check_fault_tolerant(s.resolve(), 1)
@@ -237,20 +242,25 @@ def validate(cfg: Config) -> None:
 
 
 def _check_pipeline(cfg: Config) -> None:
-    """``dist.pp_size > 1``: the built-in Llama with untied embeddings and at least as many
-    blocks as stages, microbatches that divide the batch and suit the schedule, and none of
-    the features the pipelined trainer does not wire (each refused by name)."""
+    """``dist.pp_size > 1``: the built-in Llama or a Llama-family ``model.hf_config`` model,
+    with untied embeddings and at least as many blocks as stages, microbatches that divide
+    the batch and suit the schedule, and none of the features the pipelined trainer does
+    not wire (each refused by name)."""
     d, t = cfg.dist, cfg.train
     p = d.pp_size
-    require(cfg.model.hf_config is None, "dist.pp_size",
-            f"pipeline stages ({p}) need the built-in Llama; model.hf_config models are not "
-            f"split into stages (use dist.pp_size = 1)")
-    mcfg = model_config(cfg)
-    require(mcfg.n_layers >= p, "dist.pp_size",
-            f"must be at most the model's number of layers ({mcfg.n_layers}): every stage "
+    if cfg.model.hf_config is not None:
+        n_layers, tied = _hf_pipeline_shape(cfg)
+        tied_option = "model.hf_config"
+        tied_what = "tie_word_embeddings = false in the config file"
+    else:
+        mcfg = model_config(cfg)
+        n_layers, tied = mcfg.n_layers, mcfg.tie_embeddings
+        tied_option, tied_what = "model.tie_embeddings", "model.tie_embeddings = false"
+    require(n_layers >= p, "dist.pp_size",
+            f"must be at most the model's number of layers ({n_layers}): every stage "
             f"holds at least one block; got {p}")
-    require(not mcfg.tie_embeddings, "model.tie_embeddings",
-            f"dist.pp_size = {p} needs untied embeddings (model.tie_embeddings = false): "
+    require(not tied, tied_option,
+            f"dist.pp_size = {p} needs untied embeddings ({tied_what}): "
             f"the first and last stage would share the embedding matrix")
     require(cfg.optim.sam in (None, "none"), "optim.sam",
             f"{cfg.optim.sam!r} is not supported with pipeline stages (dist.pp_size = {p}): "
@@ -261,8 +271,37 @@ def _check_pipeline(cfg: Config) -> None:
         require(t.batch_size % p == 0, "dist.pp_microbatches",
                 f"0 means dist.pp_size ({p}) microbatches, which must divide the batch size "
                 f"(train.batch_size = {t.batch_size}); set it to a divisor of the batch size")
+    v = d.pp_stages_per_rank
     with as_config_error():
-        check_microbatches(t.batch_size, d.microbatches, d.pp_schedule, p)
+        check_microbatches(t.batch_size, d.microbatches, d.pp_schedule, p, v,
+                           accumulation=t.gradient_accumulation_steps)
+    require(n_layers >= p * v, "dist.pp_stages_per_rank",
+            f"dist.pp_size x dist.pp_stages_per_rank ({p} x {v}) must be at most the "
+            f"model's number of layers ({n_layers}): every chunk holds at least one block")
+
+
+def _hf_pipeline_shape(cfg: Config) -> tuple[int, bool]:
+    """(layers, tied embeddings) of a ``model.hf_config`` model split into stages, whose
+    ``model_type`` must be one :class:`editrain.pipeline.HFStage` splits. A config file
+    without ``tie_word_embeddings`` takes its model type's default (transformers' config
+    class is imported for that only)."""
+    from editrain.pipeline import check_hf_pipeline
+
+    _check_hf(cfg)  # the file, transformers, the sequence length: first
+    data = read_hf_config(cfg.model.hf_config)
+    with as_config_error():
+        check_hf_pipeline(data["model_type"])
+    n_layers = data.get("num_hidden_layers")
+    require(isinstance(n_layers, int) and not isinstance(n_layers, bool) and n_layers >= 1,
+            "model.hf_config", f"num_hidden_layers must be a positive integer in "
+            f"{cfg.model.hf_config} to split the model into stages, got {n_layers!r}")
+    tied = data.get("tie_word_embeddings")
+    if tied is None:
+        from transformers import AutoConfig  # optional dependency, checked by _check_hf
+
+        fields = {k: v for k, v in data.items() if k != "model_type"}
+        tied = AutoConfig.for_model(data["model_type"], **fields).tie_word_embeddings
+    return n_layers, bool(tied)
 
 
 def _check_hf(cfg: Config) -> None:

@@ -60,9 +60,13 @@ def unit_modules(model: nn.Module, blocks: Sequence[nn.Module], split_root: bool
     :func:`root_leaf_units` names, so that the units match the sharded layout's."""
     in_blocks = {id(m) for b in blocks for m in b.modules()}
     # A pipeline stage (editrain.pipeline.LlamaStage) names its blocks by their index in
-    # the whole model, so unit names (and the checkpoint keys made of them) are global.
-    offset = int(getattr(model, "block_offset", 0))
-    block_ids = {id(b): offset + i for i, b in enumerate(blocks)}
+    # the whole model, so unit names (and the checkpoint keys made of them) are global:
+    # ``block_ids`` (an interleaved stage's blocks are not contiguous), else an offset.
+    ids = getattr(model, "block_ids", None)
+    if ids is None or len(ids) != len(blocks):
+        offset = int(getattr(model, "block_offset", 0))
+        ids = [offset + i for i in range(len(blocks))]
+    block_ids = {id(b): int(i) for b, i in zip(blocks, ids, strict=True)}
     extra: list[nn.Module] = []
     if not isinstance(model, FSDPModule) and split_root:
         extra = root_leaf_units(model, blocks)
