@@ -276,6 +276,32 @@ PP_FT = ["--model.tie_embeddings", "false", "--nproc", "4", "--shard-size", "1",
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
+def test_cli_ft_with_interleaved_stages(tmp_path):
+    """--ft with interleaved 1F1B (2 groups x 2 ranks x 2 chunks of a 4-block model):
+    every rank of every group logs bitwise the losses of the plain run on the same 4 ranks,
+    and both groups end on one model."""
+    import json
+
+    args = [*PP_FT, "--model.n_layers", "4", "--dist.pp_schedule", "interleaved-1f1b",
+            "--dist.pp_stages_per_rank", "2", "--dist.pp_microbatches", "4",
+            "--steps", "8", "--train.eval_every", "8"]
+    _, plain, ft, summary = _plain_and_ft(tmp_path, args)
+    finals = set()
+    for r, g in summary["per_replica"].items():
+        assert g["pp_size"] == 2 and g["steps_run"] == 8 and g["num_syncs"] == 2
+        finals.add(g["final_val_loss"])
+        for stage in range(2):
+            want = _rank_losses(plain / "ranks" / f"rank{int(r) * 2 + stage}.jsonl")
+            got = _rank_losses(ft / f"replica{r}" / "ranks" / f"rank{stage}.jsonl")
+            assert sorted(got) == list(range(1, 9))
+            assert got == want, (r, stage)  # bitwise
+    assert len(finals) == 1, finals
+    base = json.loads((plain / "summary.json").read_text())
+    assert finals.pop() == pytest.approx(base["final_val_loss"], abs=1e-5)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
 def test_cli_ft_with_pipeline_stages(tmp_path):
     """Replica groups of 2 pipeline stages: without a failure `--ft` trains bitwise the
     model of the plain mode on the same 4 ranks (every rank of every replica logs the same
