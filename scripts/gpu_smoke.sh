@@ -62,6 +62,11 @@ if [ $((NGPU % 4)) -eq 0 ]; then
         --checkpoint.every 10
     run pipeline-resumed --method edit --steps 30 --sync.local_sgd_sync_interval 5 \
         "${PP[@]}" --resume "$OUT/pipeline"
+    # Interleaved 1F1B: each GPU holds 2 chunks of a 4-block model (pipeline ranks x tp
+    # pairs as above), 4 microbatches.
+    run pipeline-interleaved --method edit --steps 20 --sync.local_sgd_sync_interval 5 \
+        "${PP[@]}" --model.n_layers 4 --dist.pp_schedule interleaved-1f1b \
+        --dist.pp_stages_per_rank 2 --dist.pp_microbatches 4
 fi
 python -c "import torch; print('gpu_smoke: ok on', torch.cuda.device_count(), 'x',
 torch.cuda.get_device_name(0), 'torch', torch.__version__)"
