@@ -34,6 +34,7 @@ example costs no memory.
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Callable
 
 import torch
@@ -162,7 +163,7 @@ def check_microbatches(batch_size: int, n_microbatches: int, schedule: str,
                          f"pp_microbatches that fit: {', '.join(map(str, fits))})")
 
 
-class _Stage(nn.Module):
+class _Stage(nn.Module, ABC):
     """What every stage module has: its place in the pipeline, its blocks, and the shapes
     of one microbatch's input and output (for torch's ``PipelineStage``)."""
 
@@ -211,9 +212,9 @@ class _Stage(nn.Module):
         index = self.chunks[chunk]
         return index == 0, index == self.pp_size * self.stages_per_rank - 1
 
+    @abstractmethod
     def _ends(self) -> tuple[nn.Module | None, list[nn.Module | None]]:
         """(the token embeddings, [the final norm, the head]) where this stage holds them."""
-        raise NotImplementedError
 
     def _chunk_parts(self, chunk: int) -> list[nn.Module]:
         """The modules of ``chunk``: embeddings, blocks, final norm and head, as it holds."""
@@ -254,8 +255,9 @@ class _Stage(nn.Module):
         """The stage's transformer blocks in forward order (a new list)."""
         return list(self._layers().values())
 
+    @abstractmethod
     def _layers(self) -> nn.ModuleDict:
-        raise NotImplementedError
+        """The stage's blocks, keyed by their index in the whole model."""
 
     def _dtype(self) -> torch.dtype:
         return next(self.parameters()).dtype
