@@ -38,13 +38,22 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "edit-sparse": {"method": "edit", "comm_dtype": "topk2", "merge": "keep_local"},
     "edit-eager": {"method": "edit", "merge": "eager"},
     "edit-sparse-eager": {"method": "edit", "comm_dtype": "topk2", "merge": "eager"},
+    "edit-recipe": {"method": "edit", "outer_optim_class": "sgd",
+                    "outer_optim_kwargs": {"lr": 1.0, "momentum": 0.0}},
 }
 """Each variant's sync options: the five methods, then streaming EDiT with either merge
 rule (docs/streaming.md section 3), with 4-bit pseudo-gradients, and the sparse 2-bit codec
 (docs/streaming.md section 4b) in the sync of the next forward (``edit-topk2``) and with the
 round in flight for ``H - 1`` steps (``edit-sparse``, bench bandwidth's setting), and the
 eager merge with the whole round in flight (``overlap_steps = H``, docs/streaming.md
-section 3c) in fp32 (``edit-eager``) and with the sparse codec (``edit-sparse-eager``)."""
+section 3c) in fp32 (``edit-eager``) and with the sparse codec (``edit-sparse-eager``);
+last, EDiT with the settings of ``bench tune``'s recipe (``edit-recipe``): outer SGD at lr 1
+without momentum, H = ``RECIPE_INTERVAL`` and synchronous warm-up for the first quarter of
+the run (the recipe's inner learning rate is left out: sync shares it, and alone it moved
+the gap by 0.1%)."""
+RECIPE_INTERVAL = 20
+"""H of ``edit-recipe`` (the tuning study's best level; the other variants use the
+scenario's H)."""
 METHODS = tuple(VARIANTS)
 DESCRIPTION = (
     "Validation loss against tokens for synchronous training (`sync`), Post-Local SGD, "
@@ -117,6 +126,9 @@ def run(bench: Bench) -> dict[str, Any]:
             layers: list[dict[str, Any]] = [common, {"train": {"seed": seed}, "sync": sync}]
             if VARIANTS[method]["method"] != "sync":
                 layers.append(local)
+            if method == "edit-recipe":
+                layers.append({"sync": {"local_sgd_sync_interval": RECIPE_INTERVAL,
+                                        "local_sgd_warmup_steps": steps // 4}})
             if VARIANTS[method]["method"] == "aedit":
                 period = _aedit_period(edit_run, interval)
                 if method == "aedit":
@@ -150,7 +162,7 @@ def run(bench: Bench) -> dict[str, Any]:
         }
         table_rows.append([method, "1" if method == "sync" else (
             f"~{interval} (time: {periods[0]:.2f} s)" if method == "aedit" and periods
-            else str(interval)), _mean_pm(stats), stats["min"], stats["max"],
+            else str(RECIPE_INTERVAL if method == "edit-recipe" else interval)), _mean_pm(stats), stats["min"], stats["max"],
             f"{stats['n']}/{seeds}", tokens, wall["mean"], results[method]["num_syncs"]])
     for method in variants:
         for ref in (r for r in REFERENCES if r in results):
@@ -167,6 +179,8 @@ def run(bench: Bench) -> dict[str, Any]:
     findings = _findings(results, seeds)
     shortfalls = [f for f in findings if f.startswith(("edit ", "aedit ")) and "got worse" in f]
     targets = [_target(results, seeds)]
+    if "edit-recipe" in results:
+        targets.append(recipe_target(results))
     notes = [
         f"{steps} inner steps per replica for every method (equal tokens), "
         f"H = {interval} for the local-SGD methods, validation about every {eval_every} "
@@ -194,6 +208,10 @@ def run(bench: Bench) -> dict[str, Any]:
         f"overlap_steps {interval} (H: a whole round in flight); with "
         "fragments or delayed updates the replicas never all hold one model, so these "
         "variants are evaluated on the anchors (the global model), docs/streaming.md.",
+        f"edit-recipe: edit with bench tune's recipe: synchronous warm-up for the first "
+        f"{steps // 4} steps (a quarter of the run), H = {RECIPE_INTERVAL}, outer SGD at lr 1 "
+        "without momentum; the inner learning rate stays at the other methods' (the "
+        "recipe's higher one is left out: synchronous training shares it).",
     ]
     settings = {"steps": steps, "sync_interval": interval, "eval_every": eval_every,
                 "seeds": seeds, "aedit_sync_time_s": periods}
@@ -239,6 +257,10 @@ def _headline(results: dict[str, Any], seeds: int, steps: int) -> list[str]:
                       for ref in ("diloco", "sync") if f"paired_vs_{ref}" in e)
     out = [f"Final validation loss after {steps} steps ({seeds} seed(s)): {losses}"
            + (f"; {pairs}" if pairs else "") + "."]
+    if "edit-recipe" in results and "sync" in results:
+        t = recipe_target(results)
+        if t["met"] is not None:
+            out.append(f"EDiT with bench tune's recipe: {t['detail']}.")
     if "edit-streaming" in results and "edit" in results and "diloco" in results:
         s = results["edit-streaming"]
         out.append(f"Streaming EDiT (overlap_steps H/8, "
@@ -263,6 +285,25 @@ def _target(results: dict[str, Any], seeds: int) -> dict[str, Any]:
     return {"name": name, "met": d["mean"] <= tol,
             "detail": f"edit - diloco {_mean_pm(d)} over {d['n']} seed(s), tolerance "
                       f"{tol:.4f}"}
+
+
+RECIPE_GAP = 0.02
+"""The recipe's target: EDiT within 2% of synchronous training's validation loss."""
+
+
+def recipe_target(results: dict[str, Any]) -> dict[str, Any]:
+    """``edit-recipe`` within ``RECIPE_GAP`` of sync's final validation loss (the mean of
+    the per-seed paired differences, relative to sync's mean) and below diloco's."""
+    name = (f"edit with the recipe ends within {RECIPE_GAP:.0%} of synchronous training's "
+            "validation loss at equal tokens (paired by seed) and below diloco's")
+    r = results["edit-recipe"]
+    vs_sync, vs_diloco = r.get("paired_vs_sync"), r.get("paired_vs_diloco")
+    if not vs_sync or not vs_diloco or vs_sync["mean"] is None or vs_diloco["mean"] is None:
+        return {"name": name, "met": None, "detail": "sync, diloco or edit-recipe did not run"}
+    gap = vs_sync["mean"] / results["sync"]["final_val_loss"]["mean"]
+    return {"name": name, "met": gap <= RECIPE_GAP and vs_diloco["mean"] < 0,
+            "detail": f"edit-recipe - sync {_mean_pm(vs_sync)} ({gap:+.1%} of sync's loss); "
+                      f"edit-recipe - diloco {_mean_pm(vs_diloco)}"}
 
 
 def _mean_curve(curves: list[list[tuple[float, float, float]]]) -> list[tuple[float, float]]:
@@ -304,7 +345,7 @@ def _findings(results: dict[str, Any], seeds: int) -> list[str]:
                    + ", ".join(f"{m} {means[m]:.4f}" for m in order) + ".")
     for a in ("edit", "aedit", "aedit-nonblocking", "edit-streaming", "edit-streaming-blend",
               "edit-streaming-int4", "edit-topk2", "edit-sparse", "edit-eager",
-              "edit-sparse-eager"):
+              "edit-sparse-eager", "edit-recipe"):
         for ref in REFERENCES:
             if a not in results or a == ref or ref not in results:
                 continue
