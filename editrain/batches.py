@@ -50,6 +50,12 @@ class RankData:
         self.stream = SequenceStream(corpus.train, t.seq_len, rank, world, t.seed)
         self.val: list[EvalBatch] = eval_batches(corpus.val, t.seq_len, t.batch_size,
                                                  eval_rank, eval_world, t.eval_tokens)
+        """The batches of the evaluations at the start and during the run."""
+        self.val_final: list[EvalBatch] = self.val if t.final_eval_tokens == t.eval_tokens \
+            else eval_batches(corpus.val, t.seq_len, t.batch_size, eval_rank, eval_world,
+                              t.final_eval_tokens)
+        """The batches of the evaluation at the end (and at an elastic resume, which
+        continues the curve from that value)."""
 
     @property
     def vocab_size(self) -> int:

@@ -37,13 +37,16 @@ class Evaluator:
         forward_loss: with pipeline stages, ``forward_loss(tokens, targets)``: one batch
             through the pipeline, its mean loss on the last stage and None on the others
             (:func:`editrain.pipeline.pipeline_eval_loss`); None: the model's own forward.
+        final_batches: this rank's batches of the final evaluation (``train.final_eval_tokens``;
+            None: ``batches``).
     """
 
     def __init__(self, model: torch.nn.Module, batches: Sequence[EvalBatch], info: MeshInfo,
                  engine: Any, everyone: bool, streaming: bool,
                  forward_loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor | None]
-                 | None = None) -> None:
+                 | None = None, final_batches: Sequence[EvalBatch] | None = None) -> None:
         self.model, self.batches, self.info, self.engine = model, batches, info, engine
+        self.final_batches = batches if final_batches is None else final_batches
         self.everyone, self.streaming = everyone, streaming
         self.forward_loss = forward_loss
         self.shard_group = info.mesh.get_group(SHARD_DIM)
@@ -51,8 +54,9 @@ class Evaluator:
         self.replica_group = engine.replica_group if info.topo.pp_size > 1 else None
 
     @torch.no_grad()
-    def evaluate(self) -> dict[str, float]:
-        """Validation loss over the whole validation split (or ``train.eval_tokens``).
+    def evaluate(self, final: bool = False) -> dict[str, float]:
+        """Validation loss over ``train.eval_tokens`` of the validation split (``final``:
+        ``train.final_eval_tokens``; 0: the whole split).
 
         The split's windows are shared out over all ranks of all replicas and the sums
         all-reduced, so each evaluation costs 1/world of the split per rank (for A-EDiT,
@@ -67,7 +71,7 @@ class Evaluator:
         total = torch.zeros(2, dtype=torch.float64, device=info.device)
         with self.engine.global_model() if streaming else contextlib.nullcontext():
             self.model.eval()
-            for batch in self.batches:
+            for batch in self.final_batches if final else self.batches:
                 x = batch.tokens.to(info.device)
                 if self.forward_loss is None:
                     loss = causal_lm_loss(self.model(x[:, :-1]), x[:, 1:])

@@ -139,7 +139,7 @@ class Trainer:
             self.model, self.data.val, info, self.engine, everyone=not self.aedit,
             streaming=cfg.sync.streaming,
             forward_loss=(lambda x, y: pipeline_eval_loss(self.model, x, y, self.pp_group))
-            if self.pp else None)
+            if self.pp else None, final_batches=self.data.val_final)
         self.tokens_per_step = t.batch_size * t.seq_len * t.gradient_accumulation_steps
 
         # Loop state (saved in checkpoints).
@@ -184,7 +184,9 @@ class Trainer:
                     engine.finish()  # the last sync of the run
                     self.finished = True
                     row["tokens"] = self._tokens()
-                if point is not None and point >= self.next_eval:
+                if (point is not None and point >= self.next_eval
+                        and not (self._budget_done() and self.data.val_final is not self.data.val)):
+                    # (at the end the final evaluation, over final_eval_tokens, stands in)
                     engine.finish()
                     row.update(self.evaluate())
                     final_val, self.last_eval = row["val_loss"], self.step
@@ -346,8 +348,9 @@ class Trainer:
             self._write({"step": 0, "tokens": 0, **ev, "wall_time_s": 0.0})
             return ev["val_loss"]
         if self.elastic:
-            # The global model on the new topology: this loss should continue the curve.
-            ev = self.evaluate()
+            # The global model on the new topology: this loss should continue the curve
+            # from the saved run's final evaluation (so it is over the same tokens).
+            ev = self.evaluate(final=True)
             self._write({"event": "elastic_resume", "step": self.step, "tokens": self._tokens(),
                          **ev, "wall_time_s": self._wall()})
             return ev["val_loss"]
@@ -357,8 +360,11 @@ class Trainer:
         """After the last step: every replica on the global model (even mid-window), the
         final evaluation and checkpoint; returns the final validation loss."""
         self.engine.finish(force=True)
-        if self.last_eval != self.step or self.engine.num_syncs_forced:
-            ev = self.evaluate()
+        # The final evaluation: unless the loop's last one was at this step over the same
+        # tokens (train.final_eval_tokens == train.eval_tokens) and no sync was forced.
+        if (self.last_eval != self.step or self.engine.num_syncs_forced
+                or self.data.val_final is not self.data.val):
+            ev = self.evaluate(final=True)
             final_val = ev["val_loss"]
             self._write({"step": self.step, "tokens": self._tokens(), **ev,
                          "wall_time_s": self._wall()})
@@ -390,10 +396,11 @@ class Trainer:
                         summary["num_syncs"])
         return summary
 
-    def evaluate(self) -> dict[str, float]:
-        """Validation loss of the global model (see :class:`editrain.evaluation.Evaluator`);
-        its time is kept out of ``train_time_s``."""
-        ev = self.evaluator.evaluate()
+    def evaluate(self, final: bool = False) -> dict[str, float]:
+        """Validation loss of the global model (see :class:`editrain.evaluation.Evaluator`;
+        ``final``: over ``train.final_eval_tokens``); its time is kept out of
+        ``train_time_s``."""
+        ev = self.evaluator.evaluate(final=final)
         self.val_tokens = ev["val_tokens"]
         self.off_train_s += ev["eval_time_s"]
         return ev

@@ -981,7 +981,9 @@ def ref_config(case: dict[str, Any], R: int, S: int, **overrides: Any) -> RefCon
         {"lr": 2.0, "momentum": 0.0, "nesterov": False}  # the sparse codecs' outer SGD
         if sk.get("comm_dtype") in TOPK_BITS else
         {"lr": 1.0, "momentum": 0.0, "nesterov": False}  # the eager merge's outer SGD
-        if sk.get("merge") == "eager" else {"lr": 0.7, "momentum": 0.9, "nesterov": True})
+        if sk.get("merge") == "eager" else
+        {"lr": 1.0, "momentum": 0.0, "nesterov": False}  # EDiT's and A-EDiT's (the recipe)
+        if method in ("edit", "aedit") else {"lr": 0.7, "momentum": 0.9, "nesterov": True})
     gta = sk.get("gta")
     if gta is not None and not isinstance(gta, dict):
         gta = vars(gta)
@@ -994,7 +996,7 @@ def ref_config(case: dict[str, Any], R: int, S: int, **overrides: Any) -> RefCon
     clip = sk.get("clip_pseudo_grad")
     kw: dict[str, Any] = dict(
         R=R, S=S, steps=case["steps"],
-        H=sk.get("local_sgd_sync_interval") or 10,
+        H=sk.get("local_sgd_sync_interval") or (20 if method in ("edit", "aedit") else 10),
         warmup=sk.get("local_sgd_warmup_steps", 0),
         accum=case.get("accum", 1),
         inner=case.get("inner", "adamw"),

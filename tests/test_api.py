@@ -267,7 +267,8 @@ def _dcp_worker(rank: int, world: int, ckpt: str) -> dict:
     info = editrain.init_mesh(shard_size=1, backend="gloo", device_type="cpu")
     # Penalty on with a short detector warm-up, Nesterov outer SGD: every kind of state.
     config = SyncConfig(method="edit", local_sgd_sync_interval=2, local_sgd_warmup_steps=1,
-                        ewma_warmup_steps=1, ewma_alpha=0.5, clip_pseudo_grad=1.0)
+                        ewma_warmup_steps=1, ewma_alpha=0.5, clip_pseudo_grad=1.0,
+                        outer_optim_kwargs={"lr": 0.7, "momentum": 0.9, "nesterov": True})
 
     def build():
         torch.manual_seed(0)

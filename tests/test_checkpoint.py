@@ -33,7 +33,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def _base_args(cache: Path) -> list[str]:
     return ["--model.preset", "tiny", "--data.max_bytes", "400000", "--data.vocab_size", "512",
             "--data.cache_dir", str(cache), "--train.batch_size", "4", "--train.seq_len", "32",
-            "--train.eval_tokens", "1024", "--quiet"]
+            "--train.eval_tokens", "1024", "--train.final_eval_tokens", "1024", "--quiet"]
 
 
 def train(cache: Path, run_dir: Path, *args: str, check: bool = True

@@ -393,8 +393,8 @@ def bad_input_cases(tmp: Path) -> dict[str, tuple[list[str], list[str]]]:
                       ["data.path", "matches no file"]),
         "data_eos": (["--data.eos=maybe"], ["data.eos", "append, prepend, none"]),
         # needs the method's default H (10): checked before the corpus or a run directory
-        "overlap_steps": (["--sync.overlap_steps=10"],
-                          ["sync.overlap_steps", "< local_sgd_sync_interval (10)"]),
+        "overlap_steps": (["--sync.overlap_steps=20"],
+                          ["sync.overlap_steps", "< local_sgd_sync_interval (20)"]),
         # the fault-tolerant mode
         "ft_mode": (["--dist.fault_tolerance=always"],
                     ["dist.fault_tolerance", "none, torchft"]),
@@ -402,9 +402,9 @@ def bad_input_cases(tmp: Path) -> dict[str, tuple[list[str], list[str]]]:
                      ["dist.fault_tolerance=torchft", "non-blocking A-EDiT"]),
         "ft_sync": (["--ft", "--method", "sync"],
                     ["dist.fault_tolerance=torchft", "synchronous"]),
-        "ft_streaming": (["--ft", "--sync.fragments=2", "--sync.overlap_steps=6"],
+        "ft_streaming": (["--ft", "--sync.fragments=2", "--sync.overlap_steps=11"],
                          ["dist.fault_tolerance=torchft", "local_sgd_sync_interval // "
-                          "fragments = 5"]),
+                          "fragments = 10"]),
         "ft_flag_value": (["--ft=yes"], ["--ft", "takes no value"]),
         "ft_timeout": (["--dist.ft_heartbeat_timeout_s=0"],
                        ["dist.ft_heartbeat_timeout_s", "> 0"]),

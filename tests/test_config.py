@@ -46,7 +46,9 @@ def none_as_text(table: dict) -> dict:
 def test_defaults_are_valid():
     cfg = load_config()
     assert cfg == Config()
-    assert cfg.train.steps == 200
+    assert cfg.train.steps == 100
+    # Cheap evaluations during the run, the whole held-out split at the end.
+    assert cfg.train.eval_tokens == 8192 and cfg.train.final_eval_tokens == 0
     assert cfg.dist.nproc == 4 and cfg.dist.shard_size == 2
     assert cfg.sync.method == "edit"
     assert cfg.quiet is False and cfg.overwrite is False and cfg.run_dir is None
@@ -286,6 +288,7 @@ def test_non_positive_lr(value):
     (["--data.val_tokens", "-1"], ["data.val_tokens", ">= 0"]),
     (["--data.split_seed", "-3"], ["data.split_seed", "[0, 2^63 - 1]"]),
     (["--train.eval_tokens", "-5"], ["train.eval_tokens", ">= 0"]),
+    (["--train.final_eval_tokens", "-1"], ["train.final_eval_tokens", ">= 0"]),
     (["--train.beta2", "1"], ["train.beta2", "[0, 1)"]),
     (["--train.warmup_steps", "-1"], ["train.warmup_steps", ">= 0"]),
     (["--dist.nproc", "0"], ["dist.nproc", ">= 1"]),
@@ -439,6 +442,7 @@ FROZEN_OPTIONS = [
     "train.grad_clip",
     "train.eval_every",
     "train.eval_tokens",
+    "train.final_eval_tokens",
     "train.log_every",
     "train.wandb",
     "train.wandb_project",
@@ -601,10 +605,19 @@ def test_outer_optimizer_defaults_follow_the_docs():
     def resolved(outer) -> dict:
         return sync_config_from_reference(LocalSGDConfig(), outer).resolve().outer_optim_kwargs
 
-    # SGD however it is named, without kwargs: the documented Nesterov SGD; without lr: 0.7
+    # SGD however it is named, without kwargs: the method's own (edit and aedit: lr 1
+    # without momentum, bench tune's recipe; diloco: Nesterov, DiLoCo's); without lr: 0.7
     assert resolved(OuterOptimizerConfig(torch.optim.SGD)) == {"lr": 0.7}
-    assert SyncConfig(method="edit").resolve().outer_optim_kwargs == {
+    for method in ("edit", "aedit"):
+        assert SyncConfig(method=method).resolve().outer_optim_kwargs == {
+            "lr": 1.0, "momentum": 0.0, "nesterov": False}
+        assert SyncConfig(method=method).resolve().local_sgd_sync_interval == 20
+    assert SyncConfig(method="diloco").resolve().outer_optim_kwargs == {
         "lr": 0.7, "momentum": 0.9, "nesterov": True}
+    assert SyncConfig(method="diloco").resolve().local_sgd_sync_interval == 10
+    # another optimizer without kwargs gets none of them
+    assert SyncConfig(method="edit", outer_optim_class="adam",
+                      outer_optim_kwargs={"lr": 0.1}).resolve().outer_optim_kwargs == {"lr": 0.1}
     assert SyncConfig(method="edit", outer_optim_class="torch.optim:SGD",
                       outer_optim_kwargs={"momentum": 0.5}).resolve().outer_optim_kwargs == {
         "lr": 0.7, "momentum": 0.5}

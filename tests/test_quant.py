@@ -245,13 +245,15 @@ def test_sparse_error_feedback_with_decay_keeps_what_was_not_sent():
 
 def test_sparse_codecs_default_to_plain_outer_sgd():
     """Without outer_optim_kwargs a sparse codec's outer SGD has no momentum (lr 2); given
-    ones win; the other codecs keep Nesterov SGD's defaults."""
+    ones win; the other codecs keep the method's outer SGD."""
     got = SyncConfig(method="edit", comm_dtype="topk2").resolve().outer_optim_kwargs
     assert got == {"lr": 2.0, "momentum": 0.0, "nesterov": False}
     given = SyncConfig(method="diloco", comm_dtype="topk1",
                        outer_optim_kwargs={"lr": 0.5, "momentum": 0.9, "nesterov": True})
     assert given.resolve().outer_optim_kwargs == {"lr": 0.5, "momentum": 0.9, "nesterov": True}
     assert SyncConfig(method="edit", comm_dtype="int8").resolve().outer_optim_kwargs == {
+        "lr": 1.0, "momentum": 0.0, "nesterov": False}
+    assert SyncConfig(method="diloco", comm_dtype="int8").resolve().outer_optim_kwargs == {
         "lr": 0.7, "momentum": 0.9, "nesterov": True}
     assert SyncConfig(method="post_local_sgd", comm_dtype="topk2").resolve() \
         .outer_optim_kwargs == {}  # plain averaging: no outer optimizer

@@ -68,7 +68,8 @@ def base_overrides(mode: str) -> dict[str, Any]:
         "model": {"preset": "small" if mode == "full" else "tiny"},
         "data": {} if mode == "full" else dict(small_data),
         # Evaluations cover the whole validation split, except at the smoke-test size.
-        "train": {"batch_size": 8, "seq_len": 64, "eval_tokens": 2048 if mode == "tiny" else 0},
+        "train": {"batch_size": 8, "seq_len": 64, "eval_tokens": 2048 if mode == "tiny" else 0,
+                  "final_eval_tokens": 2048 if mode == "tiny" else 0},
         "dist": {"nproc": 2, "shard_size": 1},
         "checkpoint": {"final": False, "every": 0},
     }

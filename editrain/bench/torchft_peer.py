@@ -229,7 +229,7 @@ def train_replica(spec: dict[str, Any]) -> dict[str, Any]:
 
     data = prepare_data(cfg)
     stream = SequenceStream(data.train, t.seq_len, replica, replicas, t.seed)
-    val = eval_batches(data.val, t.seq_len, t.batch_size, 0, 1, t.eval_tokens)
+    val = eval_batches(data.val, t.seq_len, t.batch_size, 0, 1, t.final_eval_tokens)
     model = Llama(model_config(cfg, vocab_size=data.vocab_size), seed=t.seed)
     if info is not None:
         editrain.parallelize(model, info)  # one-process replicas: the model stays as it is

@@ -91,7 +91,7 @@ class DataSection:
 class TrainSection:
     """The inner training loop."""
 
-    steps: int = 200
+    steps: int = 100
     """Inner optimizer steps per replica (the token budget of this many synchronous steps)."""
     batch_size: int = 8
     """Sequences per micro-batch, per rank."""
@@ -113,10 +113,14 @@ class TrainSection:
     """Inner optimizer second-moment coefficient."""
     grad_clip: float = 1.0
     """Clip the gradient norm to this value (0: off)."""
-    eval_every: int = 50
+    eval_every: int = 20
     """Evaluate validation loss about every this many steps (at the next sync for local SGD)."""
-    eval_tokens: int = 0
-    """Evaluate on about this many validation tokens, spread over the split (0: all of it)."""
+    eval_tokens: int = 8192
+    """Evaluate at the start and during the run on about this many validation tokens, whole
+    windows spread over the split (0: all of it)."""
+    final_eval_tokens: int = 0
+    """Evaluate at the end of the run (and at an elastic resume) on about this many
+    validation tokens (0: the whole held-out split, the figure to compare runs by)."""
     log_every: int = 1
     """Write a metrics row every this many steps."""
     wandb: str = "off"

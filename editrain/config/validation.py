@@ -97,7 +97,7 @@ def check_train(t: TrainSection) -> None:
     """Counts positive, rates and coefficients in range."""
     _counts(t, "train", ("steps", "batch_size", "seq_len", "gradient_accumulation_steps",
                          "eval_every", "log_every"))
-    _counts(t, "train", ("warmup_steps", "eval_tokens"), least=0)
+    _counts(t, "train", ("warmup_steps", "eval_tokens", "final_eval_tokens"), least=0)
     _seed(t.seed, "train.seed")
     require(t.lr > 0, "train.lr", f"must be > 0, got {t.lr}")
     require(0 <= t.min_lr_ratio <= 1, "train.min_lr_ratio",

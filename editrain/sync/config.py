@@ -15,7 +15,7 @@ import torch
 
 from editrain.errors import as_config_error, require
 from editrain.sync import sparse as sparse_codec
-from editrain.sync.methods import METHOD_DEFAULTS
+from editrain.sync.methods import METHOD_DEFAULTS, OUTER_SGD
 from editrain.sync.outer import check_outer, outer_kwargs, resolve_optimizer_class
 
 METHODS = ("sync", "post_local_sgd", "diloco", "edit", "aedit")
@@ -143,7 +143,8 @@ class SyncConfig:
     method: str = "edit"
     """Method: sync (HSDP), post_local_sgd, diloco, edit (layer-wise) or aedit (time-based)."""
     local_sgd_sync_interval: int | None = None
-    """H: inner steps between syncs (edit, diloco, post_local_sgd). Default per method."""
+    """H: inner steps between syncs (edit, diloco, post_local_sgd). Default per method: 20
+    for edit, 10 for diloco and post_local_sgd."""
     local_sgd_warmup_steps: int = 0
     """Synchronous (HSDP) steps before the local phase starts; anchors are created after them."""
     outer_optim_class: str | None = None
@@ -151,9 +152,10 @@ class SyncConfig:
     torch.optim or editrain.optim (no other module is imported: pass another class itself
     through the Python API), or "none" for plain model averaging. Default per method."""
     outer_optim_kwargs: dict[str, Any] | None = None
-    """Keyword arguments of the outer optimizer (default for sgd: lr 0.7, momentum 0.9,
-    nesterov; with comm_dtype topk2 / topk1: lr 2, no momentum, the decayed error feedback
-    standing in for it; else with merge = "eager": lr 1, no momentum)."""
+    """Keyword arguments of the outer optimizer (default for sgd: edit and aedit lr 1, no
+    momentum (the tuning study's recipe); diloco lr 0.7, momentum 0.9, nesterov (DiLoCo's);
+    with comm_dtype topk2 / topk1: lr 2, no momentum, the decayed error feedback standing
+    in for it; else with merge = "eager": lr 1, no momentum)."""
     cpu_offload: bool = False
     """Keep anchors and outer optimizer state in CPU memory between syncs."""
     prefetch_depth: int = 1
@@ -407,5 +409,7 @@ class SyncConfig:
             given = dict(sparse_codec.OUTER_SGD)  # the sparse codecs' recipe (section 4b)
         elif given is None and cls is torch.optim.SGD and out.merge == "eager":
             given = dict(EAGER_OUTER_SGD)  # the eager merge's recipe (section 3c)
+        elif given is None and cls is torch.optim.SGD and out.method in OUTER_SGD:
+            given = dict(OUTER_SGD[out.method])  # the method's own (sync/methods.py)
         out.outer_optim_kwargs = outer_kwargs(cls, given)
         return out

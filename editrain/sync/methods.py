@@ -2,15 +2,25 @@
 
 Every method is the same layer-wise sync machinery with different switches:
 
-=============== ============= ============ ========== =========================
-method          outer         penalty      layer-wise trigger
-=============== ============= ============ ========== =========================
-sync            --            --           --         warm-up that never ends
-post_local_sgd  none (mean)   off          no         every H inner steps
-diloco          Nesterov SGD  off          no         every H inner steps
-edit            Nesterov SGD  on           yes        every H inner steps
-aedit           Nesterov SGD  on           yes        every local_sgd_sync_time s
-=============== ============= ============ ========== =========================
+=============== ================ ======= ========== ========================= ====
+method          outer            penalty layer-wise trigger                   H
+=============== ================ ======= ========== ========================= ====
+sync            --               --      --         warm-up that never ends   1
+post_local_sgd  none (mean)      off     no         every H inner steps       10
+diloco          Nesterov SGD     off     no         every H inner steps       10
+edit            SGD lr 1, no     on      yes        every H inner steps       20
+                momentum
+aedit           as edit          on      yes        every local_sgd_sync_time --
+=============== ================ ======= ========== ========================= ====
+
+DiLoCo keeps its paper's outer optimizer (Nesterov SGD, lr 0.7, momentum 0.9: the same as
+torchft's, so the two can be compared). EDiT's and A-EDiT's defaults are the recipe of the
+tuning study (``editrain bench tune``, docs/benchmarks.md "tune"): at equal tokens EDiT's
+gap to synchronous training's validation loss was +4.7% with Nesterov SGD (lr 0.7, momentum
+0.9) and H = 10; outer SGD at lr 1 without momentum alone took it to +0.0%, H = 20 alone to
++3.3%, and both with a synchronous warm-up (and a higher inner learning rate) to -0.2%. A synchronous warm-up (``local_sgd_warmup_steps``, a
+quarter of the run in the study) helps too but is a number of steps, so it is left to the
+run (``examples/configs/recipe.toml``).
 """
 
 from __future__ import annotations
@@ -18,6 +28,16 @@ from __future__ import annotations
 from typing import Any
 
 _LOCAL_SGD_COMMON: dict[str, Any] = {"local_sgd_sync_interval": 10}
+_EDIT_COMMON: dict[str, Any] = {"local_sgd_sync_interval": 20}
+
+OUTER_SGD: dict[str, dict[str, Any]] = {
+    "diloco": {"lr": 0.7, "momentum": 0.9, "nesterov": True},
+    "edit": {"lr": 1.0, "momentum": 0.0, "nesterov": False},
+    "aedit": {"lr": 1.0, "momentum": 0.0, "nesterov": False},
+}
+"""Per method, the outer SGD's keyword arguments when the outer optimizer is SGD and
+``sync.outer_optim_kwargs`` is unset (the sparse codecs and the eager merge have their own,
+``sync/config.py``)."""
 
 METHOD_DEFAULTS: dict[str, dict[str, Any]] = {
     "sync": {
@@ -45,7 +65,7 @@ METHOD_DEFAULTS: dict[str, dict[str, Any]] = {
         "skip_anomaly": False,
     },
     "edit": {
-        **_LOCAL_SGD_COMMON,
+        **_EDIT_COMMON,
         "outer_optim_class": "sgd",
         "layerwise": True,
         "clip_pseudo_grad": 10.0,
@@ -53,7 +73,7 @@ METHOD_DEFAULTS: dict[str, dict[str, Any]] = {
         "skip_anomaly": True,
     },
     "aedit": {
-        **_LOCAL_SGD_COMMON,
+        **_EDIT_COMMON,
         "outer_optim_class": "sgd",
         "layerwise": True,
         "clip_pseudo_grad": 10.0,

@@ -85,7 +85,8 @@ def resolve_optimizer_class(name: str | type | None) -> type | None:
 
 
 OUTER_SGD_DEFAULTS = {"lr": 0.7, "momentum": 0.9, "nesterov": True}
-"""The documented outer optimizer: Nesterov SGD, lr 0.7, momentum 0.9 (DiLoCo, EDiT)."""
+"""DiLoCo's outer optimizer (Nesterov SGD, lr 0.7, momentum 0.9): the SGD of a method
+without its own (``methods.OUTER_SGD``), and the lr filled in where given kwargs have none."""
 
 
 def outer_kwargs(cls: type | None, given: dict[str, Any] | None) -> dict[str, Any]:
