@@ -98,11 +98,14 @@ def cache_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def edit_run(tmp_path_factory, cache_dir):
-    """The default method, 2 replicas x 2 shards, 40 steps with an evaluation every 10."""
+    """The default method, 2 replicas x 2 shards, 40 steps with H = 10 and an evaluation
+    every 10 on about 2,048 held-out tokens (the final one over the whole split)."""
     run_dir = tmp_path_factory.mktemp("runs") / "edit"
     proc, elapsed = editrain("train", *tiny(cache_dir), "--nproc", "4", "--shard-size", "2",
                              "--steps", "40", "--train.eval_every", "10",
-                             "--train.warmup_steps", "5", "--quiet", "--run-dir", str(run_dir))
+                             "--sync.local_sgd_sync_interval", "10", "--train.eval_tokens",
+                             "2048", "--train.warmup_steps", "5", "--quiet", "--run-dir",
+                             str(run_dir))
     return run_dir, proc, elapsed, cache_entries(cache_dir)
 
 
@@ -194,13 +197,18 @@ def test_train_end_to_end(edit_run, cache_dir):
     assert walls == sorted(walls)
 
     evals = [r for r in rows if r.get("val_loss") is not None]
+    # One evaluation per point: at step 40 the final one stands in for the loop's.
     assert [r["step"] for r in evals] == [0, 10, 20, 30, 40]
-    # Every evaluation covers the whole validation split: each token but the first is
-    # predicted once, shared out over the 4 ranks.
+    # The evaluations at the start and during the run cover train.eval_tokens (whole
+    # 64-token windows spread over the split); the final one the whole validation split:
+    # each token but the first predicted once, shared out over the 4 ranks.
     val = prepare_tokens("default", cache_dir, 512, max_bytes=300_000, val_tokens=8192).val
     for r in evals:
         assert {"step", "tokens", "val_loss", "wall_time_s", "eval_time_s"} <= r.keys()
-        assert r["val_tokens"] == len(val) - 1 and r["eval_time_s"] > 0
+        assert r["eval_time_s"] > 0
+    assert len(val) - 1 > 4 * 2048
+    assert [r["val_tokens"] for r in evals[:-1]] == [2048] * 4
+    assert evals[-1]["val_tokens"] == len(val) - 1
     # The logged loss (edit: the local phase from step 1) is the mean over the logging
     # replica's ranks, which read different data; no cross-replica reduction per step.
     ranks = read_rank_logs(run_dir)
