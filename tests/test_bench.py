@@ -1115,6 +1115,17 @@ def test_reuse_reads_back_finished_runs_with_the_same_options(tmp_path, capsys):
     assert "reused (finished earlier with these options)" in capsys.readouterr().out
     other = {"sync": {"method": "edit"}, "train": {"seed": 2}}
     assert bench._reused("edit-seed1", (other,), None) is None  # another seed: run again
+    # The run's resolved configuration holds the sync settings it ran with: a run of an
+    # earlier per-method default (EDiT's Nesterov outer SGD before #35) is not reused.
+    from editrain.config import dumps_toml, load_config, to_dict
+
+    ran = load_config(run_dir.parent / "edit-seed1.toml")
+    ran.sync = ran.sync.resolve()
+    (run_dir / "config.toml").write_text(dumps_toml(to_dict(ran)))
+    assert bench._reused("edit-seed1", (layer,), None) is not None  # today's defaults
+    ran.sync.outer_optim_kwargs = {"lr": 0.7, "momentum": 0.9, "nesterov": True}
+    (run_dir / "config.toml").write_text(dumps_toml(to_dict(ran)))
+    assert bench._reused("edit-seed1", (layer,), None) is None
     assert split_extra(["--reuse"])[0] == {"reuse": True}
     with pytest.raises(ConfigError, match="--reuse reads back finished runs"):
         run_scenario("bandwidth", out_dir=str(tmp_path / "bw"), extra=["--tiny", "--reuse"])

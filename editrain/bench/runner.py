@@ -256,21 +256,31 @@ class Bench:
     def _reused(self, label: str, layers: tuple, last: dict[str, Any] | None) -> Run | None:
         """``--reuse``: the finished run ``label`` of an earlier invocation into this
         results directory, if its written configuration, read with today's options and
-        defaults, is the one this invocation would write; else None (it runs again).
-        Which code ran it is not checked: reuse runs of the same code, or of code whose
-        golden runs (``tests/test_golden.py``) are unchanged."""
+        defaults, is the one this invocation would write, and the sync settings it ran with
+        (its run directory's resolved ``config.toml``) are the ones today's per-method
+        defaults give (a run of an earlier default, e.g. EDiT's outer optimizer before #35,
+        is not reused); else None (it runs again). Which code ran it is not checked
+        otherwise: reuse runs of the same code, or of code whose golden runs
+        (``tests/test_golden.py``) are unchanged."""
+        from dataclasses import asdict
+
         from editrain.config import to_dict
 
         run_dir = self.out_dir / "runs" / label
         config_path = run_dir.parent / f"{label}.toml"
         if not ((run_dir / "summary.json").is_file() and config_path.is_file()):
             return None
-        want = to_dict(load_config(None, self._run_options(run_dir, layers, last)))
+        want_cfg = load_config(None, self._run_options(run_dir, layers, last))
+        want = to_dict(want_cfg)
         try:
             have = to_dict(load_config(config_path))
+            ran = load_config(run_dir / "config.toml") if (run_dir / "config.toml").is_file() \
+                else None
         except ConfigError:
             return None
         if have != want:
+            return None
+        if ran is not None and asdict(ran.sync.resolve()) != asdict(want_cfg.sync.resolve()):
             return None
         run = read_run(label, run_dir, self.options(*layers, last=last))
         return run if run.ok else None
