@@ -256,6 +256,7 @@ def test_convergence_recipe_target():
     got = recipe_target(results(0.16, -0.4))
     assert "(+3.2% of sync's loss)" in got["detail"] and "-0.4000 +- 0.0100" in got["detail"]
     assert recipe_target({"sync": {}, "edit-recipe": {}})["met"] is None
+    assert "edit-recipe-h10 (H = 10) ends within 2%" in recipe_target({}, "edit-recipe-h10")["name"]
 
 
 def test_bandwidth_links_flag_picks_a_subset(tmp_path):
@@ -938,6 +939,9 @@ def test_readme_headline(tmp_path):
             "outer SGD at lr 1 without momentum) EDiT's validation loss after 2000 steps (3 "
             "seeds, paired) is +0.160 +- 0.020 (+3.2%) against synchronous training's and "
             "-0.400 +- 0.100 against DiLoCo's") in readme_headline([main_conv, recipe_conv])
+    recipe_conv["results"]["edit-recipe-h10"] = {"paired_vs_sync": {"mean": 0.1, "std": 0.01}}
+    assert ("against DiLoCo's (with H = 10 +0.100 +- 0.010, +2.0%)"
+            in readme_headline([main_conv, recipe_conv]))
 
     root = tmp_path / "root"
     root.mkdir()

@@ -40,6 +40,8 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "edit-sparse-eager": {"method": "edit", "comm_dtype": "topk2", "merge": "eager"},
     "edit-recipe": {"method": "edit", "outer_optim_class": "sgd",
                     "outer_optim_kwargs": {"lr": 1.0, "momentum": 0.0}},
+    "edit-recipe-h10": {"method": "edit", "outer_optim_class": "sgd",
+                        "outer_optim_kwargs": {"lr": 1.0, "momentum": 0.0}},
 }
 """Each variant's sync options: the five methods, then streaming EDiT with either merge
 rule (docs/streaming.md section 3), with 4-bit pseudo-gradients, and the sparse 2-bit codec
@@ -54,6 +56,8 @@ the gap by 0.1%)."""
 RECIPE_INTERVAL = 20
 """H of ``edit-recipe`` (the tuning study's best level; the other variants use the
 scenario's H)."""
+RECIPE_H: dict[str, int] = {"edit-recipe": RECIPE_INTERVAL, "edit-recipe-h10": 10}
+"""H of each recipe variant (``edit-recipe-h10``: the recipe with syncs twice as often)."""
 METHODS = tuple(VARIANTS)
 DESCRIPTION = (
     "Validation loss against tokens for synchronous training (`sync`), Post-Local SGD, "
@@ -126,8 +130,8 @@ def run(bench: Bench) -> dict[str, Any]:
             layers: list[dict[str, Any]] = [common, {"train": {"seed": seed}, "sync": sync}]
             if VARIANTS[method]["method"] != "sync":
                 layers.append(local)
-            if method == "edit-recipe":
-                layers.append({"sync": {"local_sgd_sync_interval": RECIPE_INTERVAL,
+            if method in RECIPE_H:
+                layers.append({"sync": {"local_sgd_sync_interval": RECIPE_H[method],
                                         "local_sgd_warmup_steps": steps // 4}})
             if VARIANTS[method]["method"] == "aedit":
                 period = _aedit_period(edit_run, interval)
@@ -162,7 +166,7 @@ def run(bench: Bench) -> dict[str, Any]:
         }
         table_rows.append([method, "1" if method == "sync" else (
             f"~{interval} (time: {periods[0]:.2f} s)" if method == "aedit" and periods
-            else str(RECIPE_INTERVAL if method == "edit-recipe" else interval)), _mean_pm(stats), stats["min"], stats["max"],
+            else str(RECIPE_H.get(method, interval))), _mean_pm(stats), stats["min"], stats["max"],
             f"{stats['n']}/{seeds}", tokens, wall["mean"], results[method]["num_syncs"]])
     for method in variants:
         for ref in (r for r in REFERENCES if r in results):
@@ -179,8 +183,7 @@ def run(bench: Bench) -> dict[str, Any]:
     findings = _findings(results, seeds)
     shortfalls = [f for f in findings if f.startswith(("edit ", "aedit ")) and "got worse" in f]
     targets = [_target(results, seeds)]
-    if "edit-recipe" in results:
-        targets.append(recipe_target(results))
+    targets += [recipe_target(results, v) for v in RECIPE_H if v in results]
     notes = [
         f"{steps} inner steps per replica for every method (equal tokens), "
         f"H = {interval} for the local-SGD methods, validation about every {eval_every} "
@@ -211,7 +214,8 @@ def run(bench: Bench) -> dict[str, Any]:
         f"edit-recipe: edit with bench tune's recipe: synchronous warm-up for the first "
         f"{steps // 4} steps (a quarter of the run), H = {RECIPE_INTERVAL}, outer SGD at lr 1 "
         "without momentum; the inner learning rate stays at the other methods' (the "
-        "recipe's higher one is left out: synchronous training shares it).",
+        "recipe's higher one is left out: synchronous training shares it); "
+        "edit-recipe-h10: the same with H = 10.",
     ]
     settings = {"steps": steps, "sync_interval": interval, "eval_every": eval_every,
                 "seeds": seeds, "aedit_sync_time_s": periods}
@@ -257,10 +261,11 @@ def _headline(results: dict[str, Any], seeds: int, steps: int) -> list[str]:
                       for ref in ("diloco", "sync") if f"paired_vs_{ref}" in e)
     out = [f"Final validation loss after {steps} steps ({seeds} seed(s)): {losses}"
            + (f"; {pairs}" if pairs else "") + "."]
-    if "edit-recipe" in results and "sync" in results:
-        t = recipe_target(results)
+    for variant in (v for v in RECIPE_H if v in results and "sync" in results):
+        t = recipe_target(results, variant)
         if t["met"] is not None:
-            out.append(f"EDiT with bench tune's recipe: {t['detail']}.")
+            out.append(f"EDiT with bench tune's recipe (H = {RECIPE_H[variant]}): "
+                       f"{t['detail']}.")
     if "edit-streaming" in results and "edit" in results and "diloco" in results:
         s = results["edit-streaming"]
         out.append(f"Streaming EDiT (overlap_steps H/8, "
@@ -291,19 +296,21 @@ RECIPE_GAP = 0.02
 """The recipe's target: EDiT within 2% of synchronous training's validation loss."""
 
 
-def recipe_target(results: dict[str, Any]) -> dict[str, Any]:
-    """``edit-recipe`` within ``RECIPE_GAP`` of sync's final validation loss (the mean of
-    the per-seed paired differences, relative to sync's mean) and below diloco's."""
-    name = (f"edit with the recipe ends within {RECIPE_GAP:.0%} of synchronous training's "
+def recipe_target(results: dict[str, Any], variant: str = "edit-recipe") -> dict[str, Any]:
+    """``variant`` (a recipe variant) within ``RECIPE_GAP`` of sync's final validation loss
+    (the mean of the per-seed paired differences, relative to sync's mean) and below
+    diloco's."""
+    h = f" (H = {RECIPE_H[variant]})" if variant in RECIPE_H else ""
+    name = (f"{variant}{h} ends within {RECIPE_GAP:.0%} of synchronous training's "
             "validation loss at equal tokens (paired by seed) and below diloco's")
-    r = results["edit-recipe"]
+    r = results.get(variant) or {}
     vs_sync, vs_diloco = r.get("paired_vs_sync"), r.get("paired_vs_diloco")
     if not vs_sync or not vs_diloco or vs_sync["mean"] is None or vs_diloco["mean"] is None:
-        return {"name": name, "met": None, "detail": "sync, diloco or edit-recipe did not run"}
+        return {"name": name, "met": None, "detail": f"sync, diloco or {variant} did not run"}
     gap = vs_sync["mean"] / results["sync"]["final_val_loss"]["mean"]
     return {"name": name, "met": gap <= RECIPE_GAP and vs_diloco["mean"] < 0,
-            "detail": f"edit-recipe - sync {_mean_pm(vs_sync)} ({gap:+.1%} of sync's loss); "
-                      f"edit-recipe - diloco {_mean_pm(vs_diloco)}"}
+            "detail": f"{variant} - sync {_mean_pm(vs_sync)} ({gap:+.1%} of sync's loss); "
+                      f"{variant} - diloco {_mean_pm(vs_diloco)}"}
 
 
 def _mean_curve(curves: list[list[tuple[float, float, float]]]) -> list[tuple[float, float]]:
@@ -345,7 +352,7 @@ def _findings(results: dict[str, Any], seeds: int) -> list[str]:
                    + ", ".join(f"{m} {means[m]:.4f}" for m in order) + ".")
     for a in ("edit", "aedit", "aedit-nonblocking", "edit-streaming", "edit-streaming-blend",
               "edit-streaming-int4", "edit-topk2", "edit-sparse", "edit-eager",
-              "edit-sparse-eager", "edit-recipe"):
+              "edit-sparse-eager", "edit-recipe", "edit-recipe-h10"):
         for ref in REFERENCES:
             if a not in results or a == ref or ref not in results:
                 continue

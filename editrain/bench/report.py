@@ -391,6 +391,10 @@ def readme_headline(records: Sequence[dict[str, Any]]) -> str:
                 f"({100 * vs_s['mean'] / sync_loss:+.1f}%) against synchronous training's"
                 + (f" and {vs_d['mean']:+.3f} +- {vs_d.get('std') or 0:.3f} against DiLoCo's"
                    if vs_d.get("mean") is not None else ""))
+            h10 = (rr.get("edit-recipe-h10") or {}).get("paired_vs_sync") or {}
+            if h10.get("mean") is not None:
+                clauses[-1] += (f" (with H = 10 {h10['mean']:+.3f} +- {h10.get('std') or 0:.3f},"
+                                f" {100 * h10['mean'] / sync_loss:+.1f}%)")
     # The latest quick record with the most streaming variants (eager ones first).
     streaming = next((r for r in reversed(fresh) if r.get("scenario") == "convergence"
                       and "edit-eager" in r.get("results", {})), None) or next(
