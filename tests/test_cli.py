@@ -276,7 +276,10 @@ def test_aedit_fast_replica_never_deadlocks_with_logging(tmp_path, cache_dir):
     rows = rows_of(run_dir)
     assert sum("sync" in r for r in rows) >= 3
     evals = [r for r in rows if r.get("val_loss") is not None]
-    assert len(evals) >= 3 and all(r["val_tokens"] == evals[0]["val_tokens"] for r in evals)
+    # each replica evaluates alike: during the run train.eval_tokens, at the end all of it
+    assert len(evals) >= 3 and all(r["val_tokens"] == evals[0]["val_tokens"]
+                                   for r in evals[:-1])
+    assert evals[-1]["val_tokens"] >= evals[0]["val_tokens"]
 
 
 # ---------------------------------------------------------------------------- plot

@@ -19,7 +19,10 @@ pytestmark = pytest.mark.slow
 
 TOL = 1e-5
 
-PEN_OFF = dict(pseudo_gradnorm_reduce=False, skip_anomaly=False, clip_pseudo_grad=0.0)
+# EDiT without the penalty and with DiLoCo's outer optimizer (EDiT's own default since #35
+# is SGD at lr 1 without momentum; the edit_on cases run it) is DiLoCo, layer-wise.
+PEN_OFF = dict(pseudo_gradnorm_reduce=False, skip_anomaly=False, clip_pseudo_grad=0.0,
+               outer_optim_kwargs={"lr": 0.7, "momentum": 0.9, "nesterov": True})
 # alpha 0.5 lets the detector's mean catch up within two syncs, so it judges real norms
 # (with alpha 0.02 and a two-sync warm-up every replica would look like an outlier).
 # A low softmax temperature makes the replica weights clearly unequal (T = 1 gives ~0.5 each

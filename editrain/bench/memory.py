@@ -24,10 +24,13 @@ DESCRIPTION = (
     "DiLoCo-style full copy versus `edit` sharded over S ranks, with and without "
     "`sync.cpu_offload`, measured from real allocations after one sync."
 )
+NESTEROV = {"outer_optim_kwargs": {"lr": 0.7, "momentum": 0.9, "nesterov": True}}
+"""DiLoCo's outer optimizer, pinned for ``edit`` too, so that both hold anchor and momentum
+(EDiT's default outer SGD has no momentum and holds the anchor only: half of it)."""
 VARIANTS: dict[str, dict[str, Any]] = {
     "diloco": {"method": "diloco"},
-    "edit": {"method": "edit"},
-    "edit+cpu_offload": {"method": "edit", "cpu_offload": True},
+    "edit": {"method": "edit", **NESTEROV},
+    "edit+cpu_offload": {"method": "edit", "cpu_offload": True, **NESTEROV},
 }
 
 
@@ -153,7 +156,9 @@ def run(bench: Bench) -> dict[str, Any]:
         "replicas). The model (the preset's own vocabulary) is built on every rank, "
         "`fully_shard`-ed per block and at the root on the `shard` mesh dimension, wrapped "
         "in `editrain.sync.EDiT` (H = 1), trained one SGD step and synced once, so the "
-        "outer optimizer (Nesterov SGD) has created its momentum buffers.",
+        "outer optimizer (Nesterov SGD, lr 0.7, momentum 0.9, for every variant: DiLoCo's; "
+        "EDiT's default since #35, SGD without momentum, holds no momentum buffer, so its "
+        "outer state is the anchor alone, half of this) has created its momentum buffers.",
         "Bytes = `engine.extra_memory()`: numel x element size of every anchor tensor and "
         "every outer-optimizer state tensor on the rank (largest rank reported; FSDP2's "
         "uneven last shard makes ranks differ by a few rows).",
