@@ -122,7 +122,9 @@ CASES = {
 @pytest.mark.parametrize("name", list(CASES))
 def test_pp_run_follows_the_run_without_pp(runs, name: str) -> None:
     plain, pp = (runs(*args) for args in CASES[name])
-    _assert_follows(name, plain, pp)
+    # A-EDiT's 10 steps with plain outer SGD (its default since #35; Nesterov momentum
+    # amplified the first outer steps) take the loss down by about 0.04 here.
+    _assert_follows(name, plain, pp, learns=0.02 if name.startswith("aedit") else 0.05)
 
 
 HF_LLAMA = {"model_type": "llama", "hidden_size": 32, "intermediate_size": 64,
