@@ -78,7 +78,9 @@ def test_tp_run_follows_the_run_without_tp(runs, name: str) -> None:
     # the same tokens: tp peers do not count twice, and evaluation covers the same split
     assert sb["tokens_processed"] == sa["tokens_processed"]
     assert sb["val_tokens"] == sa["val_tokens"]
-    assert final_val(tp) < 6.0  # it learns (about 6.24 = log 512 at the start)
+    assert final_val(tp) < 6.1  # it learns (about 6.24 = log 512 at the start; 6.04 with
+    # EDiT's plain outer SGD, below 6.0 with Nesterov momentum, which speeds the first
+    # rounds of 10 steps up)
 
 
 @pytest.mark.slow
