@@ -209,7 +209,14 @@ def test_memory_per_rank():
     n = 1e8  # parameters per GPU
     edit = memory_per_rank(model_shape(m), m, MethodSpec(method="edit"), lay)
     assert edit.parts["anchor"] == pytest.approx(4 * n, rel=1e-3)
-    assert edit.parts["outer_momentum"] == pytest.approx(4 * n, rel=1e-3)
+    # EDiT's default outer SGD has no momentum; DiLoCo's Nesterov SGD has, and so has an
+    # edit setting that asks for it.
+    assert "outer_momentum" not in edit.parts
+    for spec in (MethodSpec(method="diloco"), MethodSpec(method="edit", outer_momentum=True)):
+        assert memory_per_rank(model_shape(m), m, spec, lay).parts["outer_momentum"] == \
+            pytest.approx(4 * n, rel=1e-3)
+    assert "outer_momentum" not in memory_per_rank(
+        model_shape(m), m, MethodSpec(method="diloco", codec="topk2"), lay).parts
     assert "error_feedback" not in edit.parts
     sync = memory_per_rank(model_shape(m), m, MethodSpec(method="sync"), lay)
     assert "anchor" not in sync.parts

@@ -289,6 +289,11 @@ class MethodSpec:
     grad_overlap: bool = False
     """sync: reduce each unit's gradient during the backward (DDP-style); editrain's sync
     reduces after the backward (false)."""
+    outer_momentum: bool | None = None
+    """The outer optimizer keeps a momentum buffer (an fp32 copy of the shard). Default:
+    editrain's own outer SGD for the setting (``sync/methods.py``): yes for diloco
+    (Nesterov), no for edit and aedit (SGD at lr 1 without momentum), for the sparse codecs
+    and for the eager merge."""
 
     def __post_init__(self) -> None:
         p = "method"
@@ -313,6 +318,9 @@ class MethodSpec:
             raise _fail(f"{p}.codec", f"{self.method} reduces in fp32 only, got {self.codec}")
         if self.layerwise is None:
             self.layerwise = self.method in ("edit", "aedit") and not self.ft
+        if self.outer_momentum is None:
+            self.outer_momentum = (self.method == "diloco" and not self.eager
+                                   and not self.codec.startswith("topk"))
 
     @property
     def label(self) -> str:

@@ -448,7 +448,8 @@ def memory_per_rank(shape: Shape, spec: ModelSpec, method: MethodSpec, lay: Layo
     outer: dict[str, float] = {}
     if method.method in ("diloco", "edit", "aedit"):
         outer["anchor"] = 4 * n
-        outer["outer_momentum"] = 4 * n
+        if method.outer_momentum:
+            outer["outer_momentum"] = 4 * n
     if method.codec not in ("fp32",) and method.error_feedback and method.local:
         outer["error_feedback"] = 4 * n
     if method.eager:
