@@ -185,7 +185,7 @@ class Trainer:
                     self.finished = True
                     row["tokens"] = self._tokens()
                 if (point is not None and point >= self.next_eval
-                        and not (self._budget_done() and self.data.val_final is not self.data.val)):
+                        and not (self._budget_done() and self._own_final_eval)):
                     # (at the end the final evaluation, over final_eval_tokens, stands in)
                     engine.finish()
                     row.update(self.evaluate())
@@ -363,7 +363,7 @@ class Trainer:
         # The final evaluation: unless the loop's last one was at this step over the same
         # tokens (train.final_eval_tokens == train.eval_tokens) and no sync was forced.
         if (self.last_eval != self.step or self.engine.num_syncs_forced
-                or self.data.val_final is not self.data.val):
+                or self._own_final_eval):
             ev = self.evaluate(final=True)
             final_val = ev["val_loss"]
             self._write({"step": self.step, "tokens": self._tokens(), **ev,
@@ -395,6 +395,12 @@ class Trainer:
                         summary["steps"], summary["tokens"], final_val, summary["wall_time_s"],
                         summary["num_syncs"])
         return summary
+
+    @property
+    def _own_final_eval(self) -> bool:
+        """The final evaluation covers other tokens than the loop's (``final_eval_tokens``
+        differs from ``eval_tokens``), so it always runs, and replaces the loop's at the end."""
+        return self.data.val_final is not self.data.val
 
     def evaluate(self, final: bool = False) -> dict[str, float]:
         """Validation loss of the global model (see :class:`editrain.evaluation.Evaluator`;

@@ -23,6 +23,10 @@ NAME = "convergence"
 STREAMING = {"fragments": 3, "comm_dtype": "int8"}
 """Streaming settings (the tiny preset has 3 sync units: root, 2 blocks); overlap_steps is
 H / 8 (at least 1), the share of the bandwidth scenario's 4 of 32."""
+RECIPE_SYNC: dict[str, Any] = {"method": "edit", "outer_optim_class": "sgd",
+                               "outer_optim_kwargs": {"lr": 1.0, "momentum": 0.0}}
+"""The recipe's outer optimizer, spelled out (independent of EDiT's defaults); the warm-up
+and H are set per run (``RECIPE_H``)."""
 VARIANTS: dict[str, dict[str, Any]] = {
     "sync": {"method": "sync"},
     "post_local_sgd": {"method": "post_local_sgd"},
@@ -38,10 +42,8 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "edit-sparse": {"method": "edit", "comm_dtype": "topk2", "merge": "keep_local"},
     "edit-eager": {"method": "edit", "merge": "eager"},
     "edit-sparse-eager": {"method": "edit", "comm_dtype": "topk2", "merge": "eager"},
-    "edit-recipe": {"method": "edit", "outer_optim_class": "sgd",
-                    "outer_optim_kwargs": {"lr": 1.0, "momentum": 0.0}},
-    "edit-recipe-h10": {"method": "edit", "outer_optim_class": "sgd",
-                        "outer_optim_kwargs": {"lr": 1.0, "momentum": 0.0}},
+    "edit-recipe": RECIPE_SYNC,
+    "edit-recipe-h10": RECIPE_SYNC,
 }
 """Each variant's sync options: the five methods, then streaming EDiT with either merge
 rule (docs/streaming.md section 3), with 4-bit pseudo-gradients, and the sparse 2-bit codec
@@ -50,14 +52,12 @@ round in flight for ``H - 1`` steps (``edit-sparse``, bench bandwidth's setting)
 eager merge with the whole round in flight (``overlap_steps = H``, docs/streaming.md
 section 3c) in fp32 (``edit-eager``) and with the sparse codec (``edit-sparse-eager``);
 last, EDiT with the settings of ``bench tune``'s recipe (``edit-recipe``): outer SGD at lr 1
-without momentum, H = ``RECIPE_INTERVAL`` and synchronous warm-up for the first quarter of
+without momentum, H = ``RECIPE_H`` and synchronous warm-up for the first quarter of
 the run (the recipe's inner learning rate is left out: sync shares it, and alone it moved
 the gap by 0.1%)."""
-RECIPE_INTERVAL = 20
-"""H of ``edit-recipe`` (the tuning study's best level; the other variants use the
-scenario's H)."""
-RECIPE_H: dict[str, int] = {"edit-recipe": RECIPE_INTERVAL, "edit-recipe-h10": 10}
-"""H of each recipe variant (``edit-recipe-h10``: the recipe with syncs twice as often)."""
+RECIPE_H: dict[str, int] = {"edit-recipe": 20, "edit-recipe-h10": 10}
+"""H of each recipe variant (20: the tuning study's best level; ``edit-recipe-h10``: syncs
+twice as often); the other variants use the scenario's H."""
 METHODS = tuple(VARIANTS)
 DESCRIPTION = (
     "Validation loss against tokens for synchronous training (`sync`), Post-Local SGD, "
@@ -212,8 +212,8 @@ def run(bench: Bench) -> dict[str, Any]:
         "fragments or delayed updates the replicas never all hold one model, so these "
         "variants are evaluated on the anchors (the global model), docs/streaming.md.",
         f"edit-recipe: edit with bench tune's recipe: synchronous warm-up for the first "
-        f"{steps // 4} steps (a quarter of the run), H = {RECIPE_INTERVAL}, outer SGD at lr 1 "
-        "without momentum; the inner learning rate stays at the other methods' (the "
+        f"{steps // 4} steps (a quarter of the run), H = {RECIPE_H['edit-recipe']}, outer "
+        "SGD at lr 1 without momentum; the inner learning rate stays at the other methods' (the "
         "recipe's higher one is left out: synchronous training shares it); "
         "edit-recipe-h10: the same with H = 10.",
     ]

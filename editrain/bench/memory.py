@@ -17,6 +17,7 @@ from editrain.bench.plots import pyplot, save_figure
 from editrain.bench.runner import Bench
 from editrain.bench.tables import fmt_bytes, md_table
 from editrain.spawn import run_ranks
+from editrain.sync.methods import OUTER_SGD
 
 NAME = "memory"
 DESCRIPTION = (
@@ -24,7 +25,7 @@ DESCRIPTION = (
     "DiLoCo-style full copy versus `edit` sharded over S ranks, with and without "
     "`sync.cpu_offload`, measured from real allocations after one sync."
 )
-NESTEROV = {"outer_optim_kwargs": {"lr": 0.7, "momentum": 0.9, "nesterov": True}}
+NESTEROV = {"outer_optim_kwargs": dict(OUTER_SGD["diloco"])}
 """DiLoCo's outer optimizer, pinned for ``edit`` too, so that both hold anchor and momentum
 (EDiT's default outer SGD has no momentum and holds the anchor only: half of it)."""
 VARIANTS: dict[str, dict[str, Any]] = {

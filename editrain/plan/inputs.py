@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from editrain.errors import ConfigError
+from editrain.sync.methods import OUTER_SGD
 
 METHODS = ("sync", "post_local_sgd", "diloco", "edit", "aedit")
 CODECS = ("fp32", "bf16", "int8", "int4", "fp4", "topk2", "topk1")
@@ -318,9 +319,9 @@ class MethodSpec:
             raise _fail(f"{p}.codec", f"{self.method} reduces in fp32 only, got {self.codec}")
         if self.layerwise is None:
             self.layerwise = self.method in ("edit", "aedit") and not self.ft
-        if self.outer_momentum is None:
-            self.outer_momentum = (self.method == "diloco" and not self.eager
-                                   and not self.codec.startswith("topk"))
+        if self.outer_momentum is None:  # the sparse codecs and eager: plain SGD
+            self.outer_momentum = (OUTER_SGD.get(self.method, {}).get("momentum", 0) > 0
+                                   and not self.eager and not self.codec.startswith("topk"))
 
     @property
     def label(self) -> str:

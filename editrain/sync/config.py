@@ -15,7 +15,7 @@ import torch
 
 from editrain.errors import as_config_error, require
 from editrain.sync import sparse as sparse_codec
-from editrain.sync.methods import METHOD_DEFAULTS, OUTER_SGD
+from editrain.sync.methods import METHOD_DEFAULTS, OUTER_SGD, PLAIN_SGD
 from editrain.sync.outer import check_outer, outer_kwargs, resolve_optimizer_class
 
 METHODS = ("sync", "post_local_sgd", "diloco", "edit", "aedit")
@@ -23,7 +23,7 @@ REDUCERS = ("linear", "gta")
 CONSENSUS = ("sum", "count")
 SPARSIFICATION = ("magnitude", "random", "rescaled_random")
 MERGES = ("blend", "keep_local", "eager")
-EAGER_OUTER_SGD = {"lr": 1.0, "momentum": 0.0, "nesterov": False}
+EAGER_OUTER_SGD = PLAIN_SGD
 """The eager merge's outer SGD when ``outer_optim_kwargs`` is unset (docs/streaming.md
 section 3c): Nesterov momentum 0.9 on top of the eager proxy oscillated in the convergence
 benchmark; without momentum it ended below plain EDiT."""

@@ -30,10 +30,14 @@ from typing import Any
 _LOCAL_SGD_COMMON: dict[str, Any] = {"local_sgd_sync_interval": 10}
 _EDIT_COMMON: dict[str, Any] = {"local_sgd_sync_interval": 20}
 
+NESTEROV_SGD: dict[str, Any] = {"lr": 0.7, "momentum": 0.9, "nesterov": True}
+"""DiLoCo's outer SGD."""
+PLAIN_SGD: dict[str, Any] = {"lr": 1.0, "momentum": 0.0, "nesterov": False}
+"""Outer SGD at lr 1 without momentum: the anchor moves to the (penalised) replica mean."""
 OUTER_SGD: dict[str, dict[str, Any]] = {
-    "diloco": {"lr": 0.7, "momentum": 0.9, "nesterov": True},
-    "edit": {"lr": 1.0, "momentum": 0.0, "nesterov": False},
-    "aedit": {"lr": 1.0, "momentum": 0.0, "nesterov": False},
+    "diloco": NESTEROV_SGD,
+    "edit": PLAIN_SGD,
+    "aedit": PLAIN_SGD,
 }
 """Per method, the outer SGD's keyword arguments when the outer optimizer is SGD and
 ``sync.outer_optim_kwargs`` is unset (the sparse codecs and the eager merge have their own,

@@ -25,6 +25,8 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from editrain.sync.methods import NESTEROV_SGD
+
 OuterFactory = Callable[[list[torch.Tensor]], torch.optim.Optimizer]
 
 _DOTTED = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)+")
@@ -84,7 +86,7 @@ def resolve_optimizer_class(name: str | type | None) -> type | None:
     return cls
 
 
-OUTER_SGD_DEFAULTS = {"lr": 0.7, "momentum": 0.9, "nesterov": True}
+OUTER_SGD_DEFAULTS = NESTEROV_SGD
 """DiLoCo's outer optimizer (Nesterov SGD, lr 0.7, momentum 0.9): the SGD of a method
 without its own (``methods.OUTER_SGD``), and the lr filled in where given kwargs have none."""
 
