@@ -12,6 +12,8 @@ convergence validation loss vs tokens of sync, post_local_sgd, diloco, edit, aed
             tiny preset, 2,000 steps, 3 seeds, paired differences; about an hour)
 tune        what closes EDiT's gap to sync at equal tokens: warm-up, H, outer lr and
             momentum, inner lr, penalty, tokens, shape, one at a time, then the recipe
+scale       tune's recipe against sync as the model grows (tiny, blocks, small shapes) at
+            equal tokens: the paired gap against parameters and tokens per parameter
 bandwidth   tokens/s of sync, diloco, edit as the simulated link gets slower
 stragglers  tokens/s and loss with a 2x straggler or random stalls (sync, edit, aedit)
             against the measured limit (each replica's solo speed)
@@ -58,11 +60,11 @@ from typing import Any
 
 from editrain.config import ConfigError
 
-SCENARIOS = ("default", "convergence", "tune", "bandwidth", "stragglers", "spikes", "memory",
-             "overlap", "optimizers", "peers", "faults", "plan")
+SCENARIOS = ("default", "convergence", "tune", "scale", "bandwidth", "stragglers", "spikes",
+             "memory", "overlap", "optimizers", "peers", "faults", "plan")
 """Scenario names in the order ``all`` runs them (and the report lists them)."""
 
-REUSABLE = ("convergence", "tune")
+REUSABLE = ("convergence", "tune", "scale")
 """Scenarios whose results are losses only (deterministic runs): ``--reuse`` may read back
 their finished runs from an earlier invocation, e.g. one cut short."""
 

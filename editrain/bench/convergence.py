@@ -77,6 +77,39 @@ def _aedit_period(edit_run: Any, interval: int) -> float:
     return round(max(0.2, interval * (step or 0.1)), 3)
 
 
+def common_options(bench: Bench) -> tuple[dict[str, Any], int, int, int]:
+    """The options every run of the scenario shares at this size, with the run length, the
+    local-SGD methods' H and the evaluation interval: ``(options, steps, H, eval_every)``."""
+    steps = bench.pick(12, 120, 2000)
+    common = {"train": {"steps": steps, "eval_every": bench.pick(4, 10, 100),
+                        "warmup_steps": bench.pick(2, 10, 100)},
+              # The tiny preset at every size: a credible number of steps fits in an hour.
+              "model": {"preset": "tiny"}}
+    return common, steps, bench.pick(4, 10, 50), common["train"]["eval_every"]
+
+
+def variant_layers(method: str, seed: int, steps: int, interval: int) -> list[dict[str, Any]]:
+    """The option layers of one variant's run (after the scenario's common options): the
+    seed and the variant's sync options, the scenario's H for local SGD (``interval``), the
+    recipe's H and warm-up (a quarter of ``steps``); A-EDiT's period is the caller's.
+    ``bench scale`` builds its runs with this too, so that its runs on the tiny preset are
+    this scenario's (``--reuse`` reads them back)."""
+    sync = dict(VARIANTS[method])
+    if "fragments" in sync:
+        sync["overlap_steps"] = max(1, interval // 8)
+    if method == "edit-sparse":
+        sync["overlap_steps"] = interval - 1
+    if sync.get("merge") == "eager":
+        sync["overlap_steps"] = interval  # a whole round in flight
+    layers: list[dict[str, Any]] = [{"train": {"seed": seed}, "sync": sync}]
+    if VARIANTS[method]["method"] != "sync":
+        layers.append({"sync": {"local_sgd_sync_interval": interval}})
+    if method in RECIPE_H:
+        layers.append({"sync": {"local_sgd_sync_interval": RECIPE_H[method],
+                                "local_sgd_warmup_steps": steps // 4}})
+    return layers
+
+
 def chosen_variants(bench: Bench) -> list[str]:
     """The variants to run: ``--methods A,B`` (in this scenario's order), else every one
     (the tiny size: the five methods only; the streaming variants need H > 4 steps).
@@ -97,16 +130,10 @@ def chosen_variants(bench: Bench) -> list[str]:
 
 def run(bench: Bench) -> dict[str, Any]:
     """Run the scenario; returns the record written to ``results.json``."""
-    steps = bench.pick(12, 120, 2000)
-    interval = bench.pick(4, 10, 50)
-    eval_every = bench.pick(4, 10, 100)
+    common, steps, interval, eval_every = common_options(bench)
     seeds = int(bench.flags.get("seeds") or bench.pick(1, 1, 3))
     # The tiny size runs the five methods only (the streaming variants need H > 4 steps).
     variants = chosen_variants(bench)
-    common = {"train": {"steps": steps, "eval_every": eval_every,
-                        "warmup_steps": bench.pick(2, 10, 100)},
-              # The tiny preset at every size: a credible number of steps fits in an hour.
-              "model": {"preset": "tiny"}}
     local = {"sync": {"local_sgd_sync_interval": interval}}
     bench.check(common, local)
     total = seeds * len(variants)
@@ -120,19 +147,7 @@ def run(bench: Bench) -> dict[str, Any]:
     for seed in range(seeds):
         edit_run = None
         for method in variants:
-            sync = dict(VARIANTS[method])
-            if "fragments" in sync:
-                sync["overlap_steps"] = max(1, interval // 8)
-            if method == "edit-sparse":
-                sync["overlap_steps"] = interval - 1
-            if sync.get("merge") == "eager":
-                sync["overlap_steps"] = interval  # a whole round in flight
-            layers: list[dict[str, Any]] = [common, {"train": {"seed": seed}, "sync": sync}]
-            if VARIANTS[method]["method"] != "sync":
-                layers.append(local)
-            if method in RECIPE_H:
-                layers.append({"sync": {"local_sgd_sync_interval": RECIPE_H[method],
-                                        "local_sgd_warmup_steps": steps // 4}})
+            layers = [common, *variant_layers(method, seed, steps, interval)]
             if VARIANTS[method]["method"] == "aedit":
                 period = _aedit_period(edit_run, interval)
                 if method == "aedit":

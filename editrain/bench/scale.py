@@ -1,0 +1,229 @@
+"""Scale: EDiT's gap to synchronous training as the model grows, at equal tokens.
+
+``bench tune``'s recipe (``edit-recipe`` of ``bench convergence``: synchronous warm-up for
+the first quarter of the run, H = 20, outer SGD at lr 1 without momentum) against
+synchronous training on model shapes of growing size, each pair on the same data, tokens
+and seeds as ``bench convergence`` (the same run length, evaluation and options; on the
+tiny preset the runs are convergence's, so ``--reuse`` can read those back). The table
+gives, per shape, the parameters (and the share in the transformer blocks), tokens per
+parameter, both losses and the paired gap; the plot the gap against the parameters.
+
+Shapes: ``tiny`` (the preset: 0.6M parameters at the default 8,192-token vocabulary, 12%
+of them in the transformer blocks, the rest in the embedding), ``blocks`` (dim 128, 4
+blocks: 1.8M, 41% in the blocks) and ``small`` (the preset: 5.0M, 58% in the blocks; about 0.8 s per step on 2 cores, so not in
+the default set; ``--shapes tiny,blocks,small``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from editrain.bench.convergence import RECIPE_GAP, RECIPE_H, common_options, variant_layers
+from editrain.bench.plots import pyplot, save_figure
+from editrain.bench.runner import Bench
+from editrain.bench.stats import mean_std, paired_differences
+from editrain.bench.tables import md_table
+from editrain.bench.tune import BLOCKS_SHAPE
+from editrain.config import ConfigError
+
+NAME = "scale"
+DESCRIPTION = (
+    "EDiT with bench tune's recipe against synchronous training as the model grows, at "
+    "equal tokens: per model shape, the paired gap of the final validation loss (same data, "
+    "tokens and seeds as bench convergence) against parameters and tokens per parameter."
+)
+SHAPES: dict[str, dict[str, Any]] = {
+    "tiny": {"preset": "tiny"},
+    "blocks": {"preset": "tiny", **BLOCKS_SHAPE},
+    "small": {"preset": "small"},
+}
+"""Model option layers of each shape, smallest first."""
+DEFAULT_SHAPES = ("tiny", "blocks")
+"""The shapes run without ``--shapes`` (``small`` takes about 27 min a run at the full
+size on 2 cores)."""
+RECIPE = "edit-recipe"
+"""The convergence variant compared with sync."""
+
+
+def chosen_shapes(bench: Bench) -> list[str]:
+    """``--shapes A,B`` (in ``SHAPES`` order), else ``DEFAULT_SHAPES`` (the tiny size:
+    the tiny preset only).
+
+    Raises:
+        ConfigError: ``--shapes`` names a shape this scenario does not have.
+    """
+    chosen = bench.flags.get("shapes")
+    if not chosen:
+        return ["tiny"] if bench.mode == "tiny" else list(DEFAULT_SHAPES)
+    names = [n.strip() for n in chosen.split(",") if n.strip()]
+    unknown = [n for n in names if n not in SHAPES]
+    if unknown or not names:
+        raise ConfigError(f"bench --shapes: unknown shape(s) {', '.join(unknown) or '(none)'}"
+                          f"; allowed: {', '.join(SHAPES)}")
+    return [s for s in SHAPES if s in names]
+
+
+def parameter_counts(bench: Bench, *layers: dict[str, Any]) -> dict[str, int]:
+    """``{"params", "block_params"}`` of the model a run with ``layers`` builds (on the meta
+    device: no memory, no weights)."""
+    import torch
+
+    from editrain.config.model import model_config
+    from editrain.models import Llama
+
+    with torch.device("meta"):
+        model = Llama(model_config(bench.config(*layers)))
+    total = sum(p.numel() for p in model.parameters())
+    blocks = sum(p.numel() for b in model.blocks() for p in b.parameters())
+    return {"params": total, "block_params": blocks}
+
+
+def run(bench: Bench) -> dict[str, Any]:
+    """Run the scenario; returns the record written to ``results.json``."""
+    common, steps, interval, _ = common_options(bench)
+    seeds = int(bench.flags.get("seeds") or bench.pick(1, 2, 3))
+    shapes = chosen_shapes(bench)
+    layers_of = {(shape, method, seed): [common, *variant_layers(method, seed, steps, interval),
+                                         {"model": dict(SHAPES[shape])}]
+                 for shape in shapes for method in ("sync", RECIPE) for seed in range(seeds)}
+    for layers in layers_of.values():
+        bench.check(*layers)
+    bench.plan(len(layers_of))
+    if bench.mode == "full":
+        bench.log(f"{len(layers_of)} runs of {steps} steps ({len(shapes)} shapes x 2 methods x "
+                  f"{seeds} seeds): tiny takes a few minutes a run on 2 cores, blocks about "
+                  "a quarter of an hour, small about half an hour")
+
+    losses: dict[tuple[str, str], list[float | None]] = {}
+    tokens: dict[str, int | None] = {}
+    for shape in shapes:  # smallest first: a cut-short invocation has the small shapes
+        for seed in range(seeds):
+            for method in ("sync", RECIPE):
+                r = bench.train(f"{shape}-{method}-seed{seed}", *layers_of[shape, method, seed],
+                                title=f"{shape} {method} seed {seed}")
+                losses.setdefault((shape, method), []).append(
+                    r.final_val_loss if r.ok else None)
+                if r.ok:
+                    tokens[shape] = r.summary.get("tokens")
+
+    results = {"shapes": [shape_row(shape, parameter_counts(bench, *layers_of[shape, "sync", 0]),
+                                    tokens.get(shape), losses[shape, "sync"],
+                                    losses[shape, RECIPE])
+                          for shape in shapes]}
+    rows = results["shapes"]
+    table = md_table(
+        ["shape", "parameters", "in blocks", "tokens / parameter", "sync (mean +- std)",
+         f"{RECIPE} (mean +- std)", "gap (paired)", "gap / sync", "per seed"],
+        [[r["shape"], r["params"], f"{r['block_share']:.0%}",
+          None if r["tokens_per_param"] is None else f"{r['tokens_per_param']:.2f}",
+          _pm(r["sync"]), _pm(r["edit"]), _pm(r["gap"]), _pct(r["relative_gap"]),
+          ", ".join(f"{v:+.4f}" for v in r["gap"]["values"]) or None] for r in rows])
+    findings = _findings(rows)
+    largest = next((r for r in reversed(rows) if r["relative_gap"] is not None), None)
+    target = {"name": f"{RECIPE} ends within {RECIPE_GAP:.0%} of synchronous training's "
+                      "validation loss at equal tokens on the largest shape (paired by seed)",
+              "met": None if largest is None else largest["relative_gap"] <= RECIPE_GAP,
+              "detail": "no shape finished" if largest is None else
+              f"{largest['shape']}: {_pct(largest['relative_gap'])} ({_pm(largest['gap'])})"}
+    notes = [
+        f"{steps} inner steps per replica for both methods (equal tokens), 2 replicas, "
+        "validation over the whole held-out split; the same options as bench convergence "
+        "at this size (learning rate, warm-up, batch, data), only the model changes.",
+        f"{RECIPE}: synchronous warm-up for the first {steps // 4} steps (a quarter of the "
+        f"run), H = {RECIPE_H[RECIPE]}, outer SGD at lr 1 without momentum (bench tune's "
+        "recipe; EDiT's defaults since #35 but for the warm-up).",
+        "Shapes: " + "; ".join(f"{s} = {_shape_text(SHAPES[s])}" for s in shapes) + ".",
+        f"Seeds: {seeds}, paired (the same seed gives both methods the same initial model "
+        "and data order); gap = recipe - sync per seed, then mean +- std.",
+        "Tokens per parameter: the tokens all replicas trained on together, over the "
+        "parameters (every model here sees far fewer than the ~20 of compute-optimal "
+        "training).",
+    ]
+    plots = [_plot(bench, rows)] if rows else []
+    headline = ([f"EDiT with bench tune's recipe against sync as the model grows ({steps} "
+                 f"steps, {seeds} seed(s)): " + "; ".join(
+                     f"{r['shape']} ({r['params'] / 1e6:.1f}M parameters) "
+                     f"{_pct(r['relative_gap'])}" for r in rows) + "."]
+                if rows and all(r["relative_gap"] is not None for r in rows) else [])
+    settings = {"steps": steps, "seeds": seeds, "shapes": shapes,
+                "recipe_interval": RECIPE_H[RECIPE], "warmup_sync_steps": steps // 4}
+    return bench.finish(settings=settings, methods=("sync", RECIPE), results=results,
+                        tables=[("Gap to synchronous training by model size", table)],
+                        targets=[target], findings=findings, notes=notes, plots=plots,
+                        description=DESCRIPTION, headline=headline,
+                        shortfalls=[f for f in findings if "grows" in f])
+
+
+def shape_row(shape: str, counts: dict[str, int], tokens: int | None,
+              sync: list[float | None], edit: list[float | None]) -> dict[str, Any]:
+    """One shape's record: parameters, tokens per parameter, both methods' losses (mean +-
+    std and per seed) and the paired gap, absolute and relative to sync's mean."""
+    gap = paired_differences(edit, sync)
+    s = mean_std(sync)
+    return {"shape": shape, "params": counts["params"], "block_params": counts["block_params"],
+            "block_share": counts["block_params"] / counts["params"],
+            "tokens": tokens,
+            "tokens_per_param": (tokens / counts["params"]) if tokens else None,
+            "sync": s, "edit": mean_std(edit), "gap": gap,
+            "relative_gap": (gap["mean"] / s["mean"]) if gap["mean"] is not None and s["mean"]
+            else None,
+            "sync_per_seed": sync, "edit_per_seed": edit}
+
+
+def _findings(rows: list[dict[str, Any]]) -> list[str]:
+    """Sentences from the rows: each shape's gap, and whether it shrinks as the model
+    grows (the first finished shape against the last)."""
+    done = [r for r in rows if r["relative_gap"] is not None]
+    out = [f"{r['shape']} ({r['params']:,} parameters, {r['block_share']:.0%} in blocks, "
+           f"{r['tokens_per_param']:.2f} tokens per parameter): {RECIPE} - sync "
+           f"{_pm(r['gap'])} ({_pct(r['relative_gap'])})" for r in done]
+    if len(done) >= 2:
+        first, last = done[0], done[-1]
+        trend = "shrinks" if last["relative_gap"] < first["relative_gap"] else "grows"
+        out.append(f"The gap {trend} from {_pct(first['relative_gap'])} ({first['shape']}) to "
+                   f"{_pct(last['relative_gap'])} ({last['shape']}) as the parameters grow "
+                   f"{last['params'] / first['params']:.1f}x at equal tokens (tokens per "
+                   f"parameter {first['tokens_per_param']:.2f} -> "
+                   f"{last['tokens_per_param']:.2f}).")
+    return out
+
+
+def _shape_text(layer: dict[str, Any]) -> str:
+    extra = ", ".join(f"{k} {v}" for k, v in layer.items() if k != "preset")
+    return f"the {layer['preset']} preset" + (f" with {extra}" if extra else "")
+
+
+def _pm(stats: dict[str, Any]) -> str:
+    if stats.get("mean") is None:
+        return "n/a"
+    if stats.get("n", 0) < 2:
+        return f"{stats['mean']:.4f}"
+    return f"{stats['mean']:.4f} +- {stats['std']:.4f}"
+
+
+def _pct(x: float | None) -> str:
+    return "n/a" if x is None else f"{100 * x:+.1f}%"
+
+
+def _plot(bench: Bench, rows: list[dict[str, Any]]):
+    """The relative gap (mean, with each seed's) against the parameters."""
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(6, 4))
+    done = [r for r in rows if r["relative_gap"] is not None]
+    xs = [r["params"] for r in done]
+    ax.plot(xs, [100 * r["relative_gap"] for r in done], "o-", label=f"{RECIPE} - sync (mean)")
+    for r in done:
+        mean_sync = r["sync"]["mean"]
+        ax.scatter([r["params"]] * len(r["gap"]["values"]),
+                   [100 * v / mean_sync for v in r["gap"]["values"]], s=12, color="grey")
+        ax.annotate(r["shape"], (r["params"], 100 * r["relative_gap"]),
+                    textcoords="offset points", xytext=(4, 4), fontsize=8)
+    ax.axhline(100 * RECIPE_GAP, color="red", linestyle="--", linewidth=1,
+               label=f"target {RECIPE_GAP:.0%}")
+    ax.axhline(0, color="black", linewidth=0.5)
+    ax.set_xscale("log")
+    ax.set_xlabel("parameters")
+    ax.set_ylabel("final val loss gap to sync (% of sync's)")
+    ax.set_title("EDiT (recipe) vs sync by model size, equal tokens")
+    ax.legend(fontsize=8)
+    return save_figure(fig, bench.out_dir / "gap_by_size.png")
