@@ -190,6 +190,56 @@ def test_tune_smoke(tmp_path, cache):
     assert (tmp_path / "tune" / "gap_by_factor.png").is_file()
 
 
+@pytest.mark.timeout(600)
+def test_scale_smoke(tmp_path, cache):
+    """The size series at the smoke-test size (the tiny preset only): sync and the recipe
+    on the same seed; the row's parameters are the model's, its gap is theirs, paired."""
+    saved, out = _run("scale", tmp_path, cache)
+    _runs_ok(saved, count=2)
+    assert sorted(saved["runs"]) == ["tiny-edit-recipe-seed0", "tiny-sync-seed0"]
+    (row,) = saved["results"]["shapes"]
+    runs = {k: v["summary"] for k, v in saved["runs"].items()}
+    assert row["shape"] == "tiny" and row["params"] == runs["tiny-sync-seed0"]["num_params"]
+    assert 0 < row["block_params"] < row["params"]
+    assert row["tokens_per_param"] == pytest.approx(runs["tiny-sync-seed0"]["tokens"]
+                                                    / row["params"])
+    assert row["gap"]["mean"] == pytest.approx(runs["tiny-edit-recipe-seed0"]["final_val_loss"]
+                                               - runs["tiny-sync-seed0"]["final_val_loss"])
+    assert saved["targets"][0]["met"] in (True, False)
+    # The recipe really ran (warm-up, then local SGD with plain outer SGD): its config.
+    ran = load_config(out / "runs" / "tiny-edit-recipe-seed0" / "config.toml").sync.resolve()
+    assert (ran.method, ran.local_sgd_sync_interval, ran.local_sgd_warmup_steps) == \
+        ("edit", 20, 3)
+    assert ran.outer_optim_kwargs == {"lr": 1.0, "momentum": 0.0}
+
+
+def test_scale_rows_findings_and_shapes_flag(tmp_path):
+    """A shape's row is the paired gap over sync's mean; the findings say whether the gap
+    shrinks from the smallest shape to the largest; --shapes picks a subset in size order."""
+    from editrain.bench import scale
+
+    tiny = scale.shape_row("tiny", {"params": 600, "block_params": 100}, 2400,
+                           [5.0, 5.2], [5.2, 5.3])
+    assert tiny["gap"]["values"] == pytest.approx([0.2, 0.1])
+    assert tiny["relative_gap"] == pytest.approx(0.15 / 5.1)
+    assert tiny["tokens_per_param"] == 4.0 and tiny["block_share"] == pytest.approx(1 / 6)
+    big = scale.shape_row("blocks", {"params": 1800, "block_params": 700}, 2400,
+                          [4.0, None], [4.04, 4.5])
+    assert big["gap"]["n"] == 1 and big["relative_gap"] == pytest.approx(0.04 / 4.0)
+    found = scale._findings([tiny, big])
+    assert "shrinks from +2.9% (tiny) to +1.0% (blocks)" in found[-1]
+    assert "3.0x" in found[-1] and "4.00 -> 1.33" in found[-1]
+    assert "grows" in scale._findings([big, tiny])[-1]
+
+    def chosen(value, mode="quick"):
+        return scale.chosen_shapes(Bench("scale", mode, tmp_path, flags={"shapes": value}))
+
+    assert chosen(None) == ["tiny", "blocks"] and chosen(None, "tiny") == ["tiny"]
+    assert chosen("small,tiny") == ["tiny", "small"]
+    with pytest.raises(ConfigError, match="unknown shape"):
+        chosen("tiny,huge")
+
+
 def test_tune_recipe_takes_each_factors_best_level():
     from editrain.bench import tune
 
