@@ -992,6 +992,17 @@ def test_readme_headline(tmp_path):
     recipe_conv["results"]["edit-recipe-h10"] = {"paired_vs_sync": {"mean": 0.1, "std": 0.01}}
     assert ("against DiLoCo's (with H = 10 +0.100 +- 0.010, +2.0%)"
             in readme_headline([main_conv, recipe_conv]))
+    # The size series: the recipe's gap per shape, smallest first (a lone shape says
+    # nothing about size).
+    shapes = [{"shape": "tiny", "params": 598336, "relative_gap": 0.034},
+              {"shape": "blocks", "params": 1774720, "relative_gap": 0.021}]
+    scale_rec = {"scenario": "scale", "format": 2, "mode": "full",
+                 "settings": {"steps": 2000, "seeds": 3}, "results": {"shapes": shapes}}
+    assert ("by model size (2000 steps, 3 seeds, paired) the recipe's gap to synchronous "
+            "training is +3.4% at 0.6M parameters (tiny), +2.1% at 1.8M parameters (blocks)"
+            ) in readme_headline([tune_rec, scale_rec])
+    scale_rec["results"]["shapes"] = shapes[:1]
+    assert "by model size" not in readme_headline([tune_rec, scale_rec])
 
     root = tmp_path / "root"
     root.mkdir()

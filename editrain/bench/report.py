@@ -433,6 +433,16 @@ def readme_headline(records: Sequence[dict[str, Any]]) -> str:
             f"{100 * recipe[1]['relative_gap']:+.1f}% with a recipe ({recipe[0]})"
             + ("; with " + ", ".join(f"{lv}" for lv, _ in longer) + " the tokens it is "
                + ", ".join(f"{100 * g:+.1f}%" for _, g in longer) if longer else ""))
+    scale = by_name.get("scale")
+    sized = [r for r in ((scale or {}).get("results") or {}).get("shapes", [])
+             if r.get("relative_gap") is not None]
+    if len(sized) >= 2:
+        st = scale.get("settings", {})
+        clauses.append(
+            f"by model size ({st.get('steps')} steps, {st.get('seeds')} seeds, paired) the "
+            "recipe's gap to synchronous training is "
+            + ", ".join(f"{100 * r['relative_gap']:+.1f}% at {r['params'] / 1e6:.1f}M "
+                        f"parameters ({r['shape']})" for r in sized))
     peers = by_name.get("peers")
     if peers and not peers.get("skipped"):
         target = next(iter(peers.get("targets", [])), None)
@@ -462,7 +472,7 @@ def readme_headline(records: Sequence[dict[str, Any]]) -> str:
                           "first")
     used = [r for r in by_name.values()
             if r.get("scenario") in ("default", "convergence", "spikes", "stragglers",
-                                     "bandwidth", "peers", "real_link", "tune")]
+                                     "bandwidth", "peers", "real_link", "tune", "scale")]
     machine = used[0].get("machine", {})
     sizes = sorted({r.get("mode") for r in used} - {None})
     text = (f"Measured on one {machine.get('usable_cpus', '?')}-core "
