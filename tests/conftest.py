@@ -31,9 +31,45 @@ def pytest_configure(config: pytest.Config) -> None:
         multiprocessing.set_forkserver_preload(PRELOAD)
 
 
+SPREAD_MODULES = frozenset({"test_bench.py", "test_fault_tolerance.py", "test_examples.py"})
+"""Modules whose tests share nothing expensive (a module fixture at most trains a tokenizer)
+and run long: with ``pytest -n N --dist loadscope`` (README's test command) each of their
+tests is a unit of its own that any worker may take, and they are handed out first, so the
+long ones spread over the workers. Every other module is one unit, run by one worker, so
+that its module-scoped fixtures (a spawn shared by many cases, a checkpointed run) run once,
+not once per worker."""
+
+
+def _unit(nodeid: str) -> str:
+    """The scheduling unit of a test: its own id in :data:`SPREAD_MODULES`, else its
+    module."""
+    module = nodeid.split("::", 1)[0]
+    return nodeid if module.rsplit("/", 1)[-1] in SPREAD_MODULES else module
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log):
+    """``--dist loadscope`` with :func:`_unit` as the scope (pytest-xdist's scheduler of
+    scopes, which hands units out in collection order with ``--no-loadscope-reorder``);
+    other ``--dist`` modes are pytest-xdist's own."""
+    if config.getvalue("dist") != "loadscope":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ModuleScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return _unit(nodeid)
+
+    return ModuleScheduling(config, log)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Mark ``slow`` every test whose own ``@pytest.mark.timeout(N)`` exceeds the suite's
-    ``timeout`` (120 s): it says itself that it is slow (the benchmark smoke tests)."""
+    ``timeout`` (120 s): it says itself that it is slow (the benchmark smoke tests). In a
+    pytest-xdist worker, put the tests of :data:`SPREAD_MODULES` first (every worker sorts
+    alike, so their collections still agree), so that they are handed out first."""
+    if hasattr(config, "workerinput"):
+        items.sort(key=lambda item: item.path.name not in SPREAD_MODULES)  # stable
     try:
         default = float(config.getini("timeout") or 0)
     except ValueError:  # pytest-timeout not loaded

@@ -146,6 +146,7 @@ def test_a_forked_command_is_the_command_a_new_interpreter_runs(tmp_path, cache_
     assert runs["forked"] == runs["interpreter"]
 
 
+@pytest.mark.serial  # it must start training within its 15 s timeout: alone, not in parallel
 def test_a_forked_command_past_its_timeout_is_killed_with_its_workers(tmp_path, cache_dir):
     """As ``subprocess.run``: TimeoutExpired, nothing left running, and the next command
     runs."""

@@ -35,6 +35,8 @@ ROOT = Path(__file__).resolve().parents[1]
 SMALL = ("--nproc", "2", "--shard-size", "1", "--quiet")
 GONE_WITHIN_S = 5.0
 
+pytestmark = pytest.mark.serial  # they time how fast processes stop: alone, not in parallel
+
 
 @pytest.fixture(scope="module")
 def cache_dir(tmp_path_factory) -> Path:
