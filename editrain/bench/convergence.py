@@ -13,11 +13,11 @@ from __future__ import annotations
 from typing import Any
 
 from editrain.bench.measures import val_curve
+from editrain.bench.options import pick_names
 from editrain.bench.plots import pyplot, save_figure
 from editrain.bench.runner import Bench
 from editrain.bench.stats import mean_std, median, paired_differences
-from editrain.bench.tables import md_table
-from editrain.config import ConfigError
+from editrain.bench.tables import md_table, mean_pm
 
 NAME = "convergence"
 STREAMING = {"fragments": 3, "comm_dtype": "int8"}
@@ -120,12 +120,7 @@ def chosen_variants(bench: Bench) -> list[str]:
     chosen = bench.flags.get("methods")
     if not chosen:
         return [m for m in METHODS if bench.mode != "tiny" or "-" not in m]
-    names = [n.strip() for n in chosen.split(",") if n.strip()]
-    unknown = [n for n in names if n not in VARIANTS]
-    if unknown or not names:
-        raise ConfigError(f"bench --methods: unknown variant(s) {', '.join(unknown) or '(none)'}"
-                          f"; allowed: {', '.join(METHODS)}")
-    return [m for m in METHODS if m in names]
+    return pick_names(chosen, METHODS, "--methods", "variant")
 
 
 def run(bench: Bench) -> dict[str, Any]:
@@ -181,7 +176,7 @@ def run(bench: Bench) -> dict[str, Any]:
         }
         table_rows.append([method, "1" if method == "sync" else (
             f"~{interval} (time: {periods[0]:.2f} s)" if method == "aedit" and periods
-            else str(RECIPE_H.get(method, interval))), _mean_pm(stats), stats["min"], stats["max"],
+            else str(RECIPE_H.get(method, interval))), mean_pm(stats), stats["min"], stats["max"],
             f"{stats['n']}/{seeds}", tokens, wall["mean"], results[method]["num_syncs"]])
     for method in variants:
         for ref in (r for r in REFERENCES if r in results):
@@ -241,15 +236,6 @@ def run(bench: Bench) -> dict[str, Any]:
                         headline=_headline(results, seeds, steps))
 
 
-def _mean_pm(stats: dict[str, Any]) -> str:
-    """``mean +- std`` text (just the mean for one value)."""
-    if stats.get("mean") is None:
-        return "n/a"
-    if stats.get("n", 0) < 2:
-        return f"{stats['mean']:.4f}"
-    return f"{stats['mean']:.4f} +- {stats['std']:.4f}"
-
-
 def _paired_table(results: dict[str, Any], seeds: int) -> str:
     """Per method and reference: mean +- std of the per-seed differences, the values."""
     rows = []
@@ -258,7 +244,7 @@ def _paired_table(results: dict[str, Any], seeds: int) -> str:
             if method == ref or ref not in results:
                 continue
             d = results[method][f"paired_vs_{ref}"]
-            rows.append([method, ref, _mean_pm(d),
+            rows.append([method, ref, mean_pm(d),
                          ", ".join(f"{v:+.4f}" for v in d["values"]) or None,
                          d["same_sign"] if seeds > 1 else "n/a (1 seed)"])
     return md_table(["method", "vs", "difference (mean +- std)", "per seed", "same sign"],
@@ -270,9 +256,9 @@ def _headline(results: dict[str, Any], seeds: int, steps: int) -> list[str]:
     means = {m: results[m]["final_val_loss"] for m in results}
     if any(v["mean"] is None for v in means.values()):
         return []
-    losses = ", ".join(f"{m} {_mean_pm(means[m])}" for m in results)
+    losses = ", ".join(f"{m} {mean_pm(means[m])}" for m in results)
     e = results.get("edit") or {}
-    pairs = "; ".join(f"edit - {ref} per seed {_mean_pm(e[f'paired_vs_{ref}'])}"
+    pairs = "; ".join(f"edit - {ref} per seed {mean_pm(e[f'paired_vs_{ref}'])}"
                       for ref in ("diloco", "sync") if f"paired_vs_{ref}" in e)
     out = [f"Final validation loss after {steps} steps ({seeds} seed(s)): {losses}"
            + (f"; {pairs}" if pairs else "") + "."]
@@ -285,8 +271,8 @@ def _headline(results: dict[str, Any], seeds: int, steps: int) -> list[str]:
         s = results["edit-streaming"]
         out.append(f"Streaming EDiT (overlap_steps H/8, "
                    f"{', '.join(f'{k} {v}' for k, v in STREAMING.items())}, "
-                   f"keep_local): edit-streaming - edit per seed {_mean_pm(s['paired_vs_edit'])}"
-                   f", edit-streaming - diloco {_mean_pm(s['paired_vs_diloco'])}.")
+                   f"keep_local): edit-streaming - edit per seed {mean_pm(s['paired_vs_edit'])}"
+                   f", edit-streaming - diloco {mean_pm(s['paired_vs_diloco'])}.")
     return out
 
 
@@ -303,7 +289,7 @@ def _target(results: dict[str, Any], seeds: int) -> dict[str, Any]:
         return {"name": name, "met": None, "detail": "a run failed"}
     tol = (d["std"] or 0.0) if seeds > 1 else 0.005 * ref
     return {"name": name, "met": d["mean"] <= tol,
-            "detail": f"edit - diloco {_mean_pm(d)} over {d['n']} seed(s), tolerance "
+            "detail": f"edit - diloco {mean_pm(d)} over {d['n']} seed(s), tolerance "
                       f"{tol:.4f}"}
 
 
@@ -324,8 +310,8 @@ def recipe_target(results: dict[str, Any], variant: str = "edit-recipe") -> dict
         return {"name": name, "met": None, "detail": f"sync, diloco or {variant} did not run"}
     gap = vs_sync["mean"] / results["sync"]["final_val_loss"]["mean"]
     return {"name": name, "met": gap <= RECIPE_GAP and vs_diloco["mean"] < 0,
-            "detail": f"{variant} - sync {_mean_pm(vs_sync)} ({gap:+.1%} of sync's loss); "
-                      f"{variant} - diloco {_mean_pm(vs_diloco)}"}
+            "detail": f"{variant} - sync {mean_pm(vs_sync)} ({gap:+.1%} of sync's loss); "
+                      f"{variant} - diloco {mean_pm(vs_diloco)}"}
 
 
 def _mean_curve(curves: list[list[tuple[float, float, float]]]) -> list[tuple[float, float]]:

@@ -142,6 +142,21 @@ def split_extra(extra: Sequence[str]) -> tuple[dict[str, Any], dict[str, Any]]:
     return flags, overrides
 
 
+def pick_names(value: str, allowed: Sequence[str], flag: str, what: str) -> list[str]:
+    """The names a comma-separated flag value picks, in ``allowed``'s order.
+
+    Raises:
+        ConfigError: ``bench FLAG: unknown WHAT(s) ...; allowed: ...`` for a name not in
+            ``allowed`` or an empty list.
+    """
+    names = [n.strip() for n in value.split(",") if n.strip()]
+    unknown = [n for n in names if n not in allowed]
+    if unknown or not names:
+        raise ConfigError(f"bench {flag}: unknown {what}(s) {', '.join(unknown) or '(none)'}"
+                          f"; allowed: {', '.join(allowed)}")
+    return [n for n in allowed if n in names]
+
+
 def _flag_value(name: str, value: str) -> Any:
     """A bench flag's value converted to its type (counts must be >= 1)."""
     if VALUE_FLAGS[name] is str:
@@ -173,4 +188,4 @@ def command_line(scenario: str, quick: bool, out_dir: str | None, extra: Sequenc
 
 
 __all__ = ["DEFAULT_ROOT", "MODES", "REPEATS", "SIZE_FLAGS", "VALUE_FLAGS", "base_overrides",
-           "command_line", "merge", "split_extra"]
+           "command_line", "merge", "pick_names", "split_extra"]

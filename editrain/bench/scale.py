@@ -19,12 +19,12 @@ from __future__ import annotations
 from typing import Any
 
 from editrain.bench.convergence import RECIPE_GAP, RECIPE_H, common_options, variant_layers
+from editrain.bench.options import pick_names
 from editrain.bench.plots import pyplot, save_figure
 from editrain.bench.runner import Bench
 from editrain.bench.stats import mean_std, paired_differences
-from editrain.bench.tables import md_table
+from editrain.bench.tables import md_table, mean_pm, percent
 from editrain.bench.tune import BLOCKS_SHAPE
-from editrain.config import ConfigError
 
 NAME = "scale"
 DESCRIPTION = (
@@ -55,12 +55,7 @@ def chosen_shapes(bench: Bench) -> list[str]:
     chosen = bench.flags.get("shapes")
     if not chosen:
         return ["tiny"] if bench.mode == "tiny" else list(DEFAULT_SHAPES)
-    names = [n.strip() for n in chosen.split(",") if n.strip()]
-    unknown = [n for n in names if n not in SHAPES]
-    if unknown or not names:
-        raise ConfigError(f"bench --shapes: unknown shape(s) {', '.join(unknown) or '(none)'}"
-                          f"; allowed: {', '.join(SHAPES)}")
-    return [s for s in SHAPES if s in names]
+    return pick_names(chosen, tuple(SHAPES), "--shapes", "shape")
 
 
 def parameter_counts(bench: Bench, *layers: dict[str, Any]) -> dict[str, int]:
@@ -116,7 +111,7 @@ def run(bench: Bench) -> dict[str, Any]:
          f"{RECIPE} (mean +- std)", "gap (paired)", "gap / sync", "per seed"],
         [[r["shape"], r["params"], f"{r['block_share']:.0%}",
           None if r["tokens_per_param"] is None else f"{r['tokens_per_param']:.2f}",
-          _pm(r["sync"]), _pm(r["edit"]), _pm(r["gap"]), _pct(r["relative_gap"]),
+          mean_pm(r["sync"]), mean_pm(r["edit"]), mean_pm(r["gap"]), percent(r["relative_gap"]),
           ", ".join(f"{v:+.4f}" for v in r["gap"]["values"]) or None] for r in rows])
     findings = _findings(rows)
     largest = next((r for r in reversed(rows) if r["relative_gap"] is not None), None)
@@ -124,7 +119,7 @@ def run(bench: Bench) -> dict[str, Any]:
                       "validation loss at equal tokens on the largest shape (paired by seed)",
               "met": None if largest is None else largest["relative_gap"] <= RECIPE_GAP,
               "detail": "no shape finished" if largest is None else
-              f"{largest['shape']}: {_pct(largest['relative_gap'])} ({_pm(largest['gap'])})"}
+              f"{largest['shape']}: {percent(largest['relative_gap'])} ({mean_pm(largest['gap'])})"}
     notes = [
         f"{steps} inner steps per replica for both methods (equal tokens), 2 replicas, "
         "validation over the whole held-out split; the same options as bench convergence "
@@ -143,7 +138,7 @@ def run(bench: Bench) -> dict[str, Any]:
     headline = ([f"EDiT with bench tune's recipe against sync as the model grows ({steps} "
                  f"steps, {seeds} seed(s)): " + "; ".join(
                      f"{r['shape']} ({r['params'] / 1e6:.1f}M parameters) "
-                     f"{_pct(r['relative_gap'])}" for r in rows) + "."]
+                     f"{percent(r['relative_gap'])}" for r in rows) + "."]
                 if rows and all(r["relative_gap"] is not None for r in rows) else [])
     settings = {"steps": steps, "seeds": seeds, "shapes": shapes,
                 "recipe_interval": RECIPE_H[RECIPE], "warmup_sync_steps": steps // 4}
@@ -176,12 +171,12 @@ def _findings(rows: list[dict[str, Any]]) -> list[str]:
     done = [r for r in rows if r["relative_gap"] is not None]
     out = [f"{r['shape']} ({r['params']:,} parameters, {r['block_share']:.0%} in blocks, "
            f"{r['tokens_per_param']:.2f} tokens per parameter): {RECIPE} - sync "
-           f"{_pm(r['gap'])} ({_pct(r['relative_gap'])})" for r in done]
+           f"{mean_pm(r['gap'])} ({percent(r['relative_gap'])})" for r in done]
     if len(done) >= 2:
         first, last = done[0], done[-1]
         trend = "shrinks" if last["relative_gap"] < first["relative_gap"] else "grows"
-        out.append(f"The gap {trend} from {_pct(first['relative_gap'])} ({first['shape']}) to "
-                   f"{_pct(last['relative_gap'])} ({last['shape']}) as the parameters grow "
+        out.append(f"The gap {trend} from {percent(first['relative_gap'])} ({first['shape']}) to "
+                   f"{percent(last['relative_gap'])} ({last['shape']}) as the parameters grow "
                    f"{last['params'] / first['params']:.1f}x at equal tokens (tokens per "
                    f"parameter {first['tokens_per_param']:.2f} -> "
                    f"{last['tokens_per_param']:.2f}).")
@@ -191,18 +186,6 @@ def _findings(rows: list[dict[str, Any]]) -> list[str]:
 def _shape_text(layer: dict[str, Any]) -> str:
     extra = ", ".join(f"{k} {v}" for k, v in layer.items() if k != "preset")
     return f"the {layer['preset']} preset" + (f" with {extra}" if extra else "")
-
-
-def _pm(stats: dict[str, Any]) -> str:
-    if stats.get("mean") is None:
-        return "n/a"
-    if stats.get("n", 0) < 2:
-        return f"{stats['mean']:.4f}"
-    return f"{stats['mean']:.4f} +- {stats['std']:.4f}"
-
-
-def _pct(x: float | None) -> str:
-    return "n/a" if x is None else f"{100 * x:+.1f}%"
 
 
 def _plot(bench: Bench, rows: list[dict[str, Any]]):

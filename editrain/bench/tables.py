@@ -76,4 +76,20 @@ def fmt_bytes(n: float | None) -> str:
     return f"{n:.0f} B"
 
 
-__all__ = ["cell", "fmt_bytes", "md_table", "ratio", "spread_cell", "verdict_cell"]
+def mean_pm(stats: dict) -> str:
+    """``mean +- std`` of a :func:`~editrain.bench.stats.mean_std` record (just the mean
+    for one value, ``n/a`` for none)."""
+    if stats.get("mean") is None:
+        return "n/a"
+    if stats.get("n", 0) < 2:
+        return f"{stats['mean']:.4f}"
+    return f"{stats['mean']:.4f} +- {stats['std']:.4f}"
+
+
+def percent(x: float | None) -> str:
+    """A fraction as a signed percentage, ``+3.4%``."""
+    return "n/a" if x is None else f"{100 * x:+.1f}%"
+
+
+__all__ = ["cell", "fmt_bytes", "md_table", "mean_pm", "percent", "ratio", "spread_cell",
+           "verdict_cell"]

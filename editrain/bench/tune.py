@@ -19,7 +19,7 @@ from typing import Any
 from editrain.bench.plots import pyplot, save_figure
 from editrain.bench.runner import Bench
 from editrain.bench.stats import mean_std, paired_differences
-from editrain.bench.tables import md_table
+from editrain.bench.tables import md_table, percent
 
 NAME = "tune"
 DESCRIPTION = (
@@ -147,7 +147,7 @@ def run(bench: Bench) -> dict[str, Any]:
         ["factor", "level", "edit (mean +- std)", "sync (mean)", "gap edit - sync (paired)",
          "gap / sync", "per seed"],
         [[f if f != "base" else "base (EDiT defaults)", lv or "-", _pm(r["edit"]),
-          _num(r["sync"]["mean"]), _pm(r["gap"]), _pct(r["relative_gap"]),
+          _num(r["sync"]["mean"]), _pm(r["gap"]), percent(r["relative_gap"]),
           ", ".join(f"{v:+.4f}" for v in r["gap"]["values"]) or None]
          for (f, lv), r in rows.items()])
     base_row = rows[("base", "")]
@@ -159,8 +159,8 @@ def run(bench: Bench) -> dict[str, Any]:
         "met": (None if rows[rec_key]["relative_gap"] is None
                 else rows[rec_key]["relative_gap"] <= 0.02),
         "detail": f"recipe gap {_pm(rows[rec_key]['gap'])} "
-                  f"({_pct(rows[rec_key]['relative_gap'])}); base gap "
-                  f"{_pm(base_row['gap'])} ({_pct(base_row['relative_gap'])})"}]
+                  f"({percent(rows[rec_key]['relative_gap'])}); base gap "
+                  f"{_pm(base_row['gap'])} ({percent(base_row['relative_gap'])})"}]
     notes = [
         f"{steps} inner steps per replica at the base ({seeds} seed(s), paired: the same seed "
         "gives the same initial model and data order to edit and sync), 2 replicas, the tiny "
@@ -186,15 +186,15 @@ def run(bench: Bench) -> dict[str, Any]:
     if targets[0]["met"] is False:
         best = "" if best_key is None else (
             f"; the best setting tried, {best_key[0]} {best_key[1]}".rstrip() + ", "
-            f"{_pct(rows[best_key]['relative_gap'])}")
+            f"{percent(rows[best_key]['relative_gap'])}")
         shortfalls.append(f"The recipe does not bring EDiT within 2% of synchronous "
-                          f"training ({_pct(rows[rec_key]['relative_gap'])}{best}).")
+                          f"training ({percent(rows[rec_key]['relative_gap'])}{best}).")
     settings = {"steps": steps, "sync_interval": interval, "seeds": seeds,
                 "factors": {f: [lv for lv, _ in levels] for f, levels in grid.items()},
                 "recipe": recipe}
     headline = [f"EDiT's gap to synchronous training at equal tokens: base "
-                f"{_pct(base_row['relative_gap'])}, recipe ({rec_key[1]}) "
-                f"{_pct(rows[rec_key]['relative_gap'])} ({seeds} seed(s), {steps} steps)."]
+                f"{percent(base_row['relative_gap'])}, recipe ({rec_key[1]}) "
+                f"{percent(rows[rec_key]['relative_gap'])} ({seeds} seed(s), {steps} steps)."]
     return bench.finish(settings=settings, methods=("sync", "edit"), results=results,
                         tables=[("Gap to synchronous training, one factor at a time", table)],
                         targets=targets, findings=findings, notes=notes, plots=plots,
@@ -239,19 +239,19 @@ def _recipe(grid: dict[str, list[tuple[str, dict]]],
 
 def _findings(grid, rows, base_row, recipe_row, recipe_label) -> list[str]:
     out = [f"Base (EDiT's defaults): edit - sync = {_pm(base_row['gap'])} "
-           f"({_pct(base_row['relative_gap'])} of sync's loss)."]
+           f"({percent(base_row['relative_gap'])} of sync's loss)."]
     for factor, levels in grid.items():
-        parts = [f"{levels[0][0]} (base) {_pct(base_row['relative_gap'])}"] + [
-            f"{label} {_pct(rows[(factor, label)]['relative_gap'])}" for label, _ in levels[1:]]
+        parts = [f"{levels[0][0]} (base) {percent(base_row['relative_gap'])}"] + [
+            f"{label} {percent(rows[(factor, label)]['relative_gap'])}" for label, _ in levels[1:]]
         out.append(f"{factor}: gap " + ", ".join(parts) + ".")
     out.append(f"Recipe ({recipe_label}): edit - sync = {_pm(recipe_row['gap'])} "
-               f"({_pct(recipe_row['relative_gap'])}).")
+               f"({percent(recipe_row['relative_gap'])}).")
     for factor in SYNC_FACTORS:
         at = [(lv, r) for (f, lv), r in rows.items() if f == f"recipe, {factor}"]
         if at:
             out.append(f"The recipe at other {factor}: " + ", ".join(
-                f"{lv} {_pct(r['relative_gap'])} (base setting "
-                f"{_pct(rows[(factor, lv)]['relative_gap'])})" for lv, r in at) + ".")
+                f"{lv} {percent(r['relative_gap'])} (base setting "
+                f"{percent(rows[(factor, lv)]['relative_gap'])})" for lv, r in at) + ".")
     return out
 
 
@@ -299,7 +299,3 @@ def _pm(stats: dict[str, Any]) -> str:
 
 def _num(x: float | None) -> str:
     return "n/a" if x is None else f"{x:.4f}"
-
-
-def _pct(x: float | None) -> str:
-    return "n/a" if x is None else f"{100 * x:+.1f}%"
