@@ -368,9 +368,12 @@ def test_cli_ft_with_pipeline_stages(tmp_path):
 def test_cli_ft_aedit_with_pipeline_stages(tmp_path):
     """A-EDiT through quorum rounds with 2 stages per replica group. A forced schedule
     (2 and 3 steps per window), gradient accumulation through GPipe with one microbatch
-    per micro-batch (the arithmetic of the run without stages): every rank of every group
-    logs bitwise the losses of the `--ft` run without stages, and the validation losses
-    too. (Against the plain mode A-EDiT differs by design: its layer-wise sync is applied
+    per micro-batch (the arithmetic of the run without stages): both stages of a group log
+    bitwise the same losses, and these are the `--ft` run without stages' to 1e-6
+    relative, its validation losses too (not bitwise: the stages sum the clipping norm and
+    the penalty's norms in another order than the run without stages, ~1e-9 relative;
+    whether that moves a rounding depends on the CPU's kernels: bitwise on an AVX2 machine,
+    1.5e-7 apart at step 7 on an AVX-512 one). (Against the plain mode A-EDiT differs by design: its layer-wise sync is applied
     in the next forward, a quorum round at the step boundary, so the progress, hence the
     learning rate, of the step after a sync differs.) On the clock (no forced schedule, a
     0.4 s window, random stalls): every stage of a group must sync at the same step
@@ -384,11 +387,8 @@ def test_cli_ft_aedit_with_pipeline_stages(tmp_path):
     cache = tmp_path / "cache"
     aedit = ["--model.tie_embeddings", "false", "--shard-size", "1", "--method", "aedit",
              "--dist.ft_heartbeat_timeout_s", "1", "--dist.ft_heartbeat_interval_s", "0.2",
-             # Nesterov outer SGD (EDiT's default before #35), pinned. Stages sum
-             # the penalty's norms in another order (they differ from the flat run's by
-             # ~1e-9 relative, the weights by ~1e-11); with Nesterov SGD every parameter
-             # still rounds alike, with the new default (lr 1, no momentum) one of them
-             # lands 1 ulp apart after the first sync (measured), so bitwise would not hold.
+             # Nesterov outer SGD (EDiT's default before #35), pinned: the settings
+             # these runs were checked with.
              "--sync.outer_optim_kwargs={lr=0.7,momentum=0.9,nesterov=true}"]
     forced = [*aedit, "--steps", "10", "--sim.step_schedule=[2,3]",
               "--sync.ewma_warmup_steps", "1", "--train.gradient_accumulation_steps", "2",
@@ -404,12 +404,16 @@ def test_cli_ft_aedit_with_pipeline_stages(tmp_path):
     for r in range(2):
         want = _rank_losses(flat / f"replica{r}" / "ranks" / "rank0.jsonl")
         assert sorted(want) == list(range(1, 9 if r == 0 else 13))  # 4 windows of 2 or 3
-        for stage in range(2):
-            got = _rank_losses(staged / f"replica{r}" / "ranks" / f"rank{stage}.jsonl")
-            assert got == want, (r, stage)  # bitwise
+        got = [_rank_losses(staged / f"replica{r}" / "ranks" / f"rank{stage}.jsonl")
+               for stage in range(2)]
+        assert got[0] == got[1], r  # bitwise: one loss per step in a group
+        assert sorted(got[0]) == sorted(want)
+        assert got[0] == pytest.approx(want, rel=1e-6, abs=0), r
         rows = metrics(staged / f"replica{r}")
-        assert [x["val_loss"] for x in rows if "val_loss" in x] == \
-            [x["val_loss"] for x in metrics(flat / f"replica{r}") if "val_loss" in x]
+        vals = [x["val_loss"] for x in rows if "val_loss" in x]
+        want_vals = [x["val_loss"] for x in metrics(flat / f"replica{r}") if "val_loss" in x]
+        assert len(vals) == len(want_vals) >= 2
+        assert vals == pytest.approx(want_vals, rel=1e-6, abs=0), r
         syncs = [x["sync"] for x in rows if x.get("sync")]
         assert [e["replica_steps"] for e in syncs] == [[2.0, 3.0]] * 4
         assert all(e["committed"] for e in syncs)
