@@ -22,6 +22,8 @@ import importlib
 import json
 import os
 import resource
+import signal
+import socket
 import sys
 import traceback
 
@@ -54,6 +56,8 @@ def _run_command(request: dict, channels: tuple[int, int]) -> int:
     os.environ.clear()
     os.environ.update(request["env"])
     sys.argv = ["editrain", *request["args"]]
+    if request["args"][:1] == ["train"]:
+        _fork_worker_server()
     try:
         return editrain.cli.main(request["args"])
     except SystemExit as e:
@@ -64,6 +68,53 @@ def _run_command(request: dict, channels: tuple[int, int]) -> int:
     except BaseException:  # noqa: BLE001  (as the interpreter would: traceback, exit 1)
         traceback.print_exc()
         return 1
+
+
+def _fork_worker_server() -> None:
+    """In a command that starts workers, before it runs: start :mod:`multiprocessing`'s fork
+    server as a fork of this process, instead of the new interpreter that the launcher's
+    ``forkserver.ensure_running()`` would start (one that imports torch and editrain again:
+    3 s of CPU per command, most of a tiny run's cost).
+
+    The server is what ``ensure_running`` starts, made the same way: a listening socket, the
+    "alive" pipe whose end of file tells it to exit, SIGINT blocked as the launcher starts
+    it (:func:`editrain.spawn.children_start_with_sigint_blocked`), then
+    ``multiprocessing.forkserver.main``. This process has not run a torch operation or
+    started a thread, the command's environment, working directory and output files are in
+    place, so the server is the one the launcher would start with everything already
+    imported. ``ensure_running`` finds it alive (a child of this process) and keeps it. It
+    fills in the three attributes of the module's server object that ``ensure_running``
+    sets: where a Python lacks them, or the command sets another start method, the launcher
+    starts its own server as before."""
+    from multiprocessing import connection, forkserver
+
+    from editrain.spawn import START_METHOD_ENV
+
+    if os.environ.get(START_METHOD_ENV, "forkserver") != "forkserver":
+        return
+    server = forkserver._forkserver
+    fields = ("_forkserver_address", "_forkserver_alive_fd", "_forkserver_pid")
+    if not all(getattr(server, f, "missing") is None for f in fields):
+        return
+    listener = socket.socket(socket.AF_UNIX)
+    address = connection.arbitrary_address("AF_UNIX")
+    listener.bind(address)
+    os.chmod(address, 0o600)
+    listener.listen()
+    alive_r, alive_w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.close(alive_w)
+        try:
+            signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+            forkserver.main(listener.fileno(), alive_r, [])
+        finally:
+            os._exit(0)
+    os.close(alive_r)
+    listener.close()
+    server._forkserver_address = address
+    server._forkserver_alive_fd = alive_w
+    server._forkserver_pid = pid
 
 
 def serve() -> None:
