@@ -35,7 +35,10 @@ ROOT = Path(__file__).resolve().parents[1]
 SMALL = ("--nproc", "2", "--shard-size", "1", "--quiet")
 GONE_WITHIN_S = 5.0
 
-pytestmark = pytest.mark.serial  # they time how fast processes stop: alone, not in parallel
+serial = pytest.mark.serial
+"""On the tests that time how fast processes stop or start: they run alone, after the
+others (README's test command), as a machine under the load of parallel tests would fail
+them. The rest of this module runs in parallel."""
 
 
 @pytest.fixture(scope="module")
@@ -218,6 +221,7 @@ def assert_stopped(proc: subprocess.Popen, workers: list[int], code: int, line: 
     return err
 
 
+@serial
 @pytest.mark.slow
 @pytest.mark.xfail(strict=False, reason=(
     "known race, not fixed yet: about 1 run in 5 a worker hit while Python is still importing "
@@ -234,6 +238,7 @@ def test_ctrl_c_while_the_workers_start_stops_everything_quietly(tmp_path, cache
     assert "KeyboardInterrupt" not in err, err
 
 
+@serial
 @pytest.mark.slow
 def test_ctrl_c_while_training_stops_everything_quietly(tmp_path, cache_dir):
     run_dir = tmp_path / "run"
@@ -249,6 +254,7 @@ def test_ctrl_c_while_training_stops_everything_quietly(tmp_path, cache_dir):
     (signal.SIGINT, 130, "editrain: interrupted"),
     (signal.SIGTERM, 143, "editrain: stopped by SIGTERM"),
 ])
+@serial
 def test_a_signal_to_the_launcher_alone_stops_its_workers(tmp_path, cache_dir, sig, code,
                                                          line):
     run_dir = tmp_path / "run"
@@ -272,6 +278,7 @@ def kill_launcher(proc: subprocess.Popen, below: list[int], timeout: float) -> l
     return left
 
 
+@serial
 @pytest.mark.slow
 @pytest.mark.parametrize("when", ["starting", "training"])
 def test_workers_die_with_a_launcher_killed_with_sigkill(tmp_path, cache_dir, when):
@@ -290,6 +297,7 @@ def test_workers_die_with_a_launcher_killed_with_sigkill(tmp_path, cache_dir, wh
     assert not left, "workers outlived their launcher"
 
 
+@serial
 @pytest.mark.slow
 def test_ft_workers_die_with_a_launcher_killed_with_sigkill(tmp_path, cache_dir):
     """The fault-tolerant launcher -> one process per replica group -> its workers: all of
@@ -305,6 +313,7 @@ def test_ft_workers_die_with_a_launcher_killed_with_sigkill(tmp_path, cache_dir)
     assert not left, "replica groups or workers outlived their launcher"
 
 
+@serial
 @pytest.mark.slow
 def test_ft_ctrl_c_stops_every_group_in_order_and_quietly(tmp_path, cache_dir):
     """Ctrl-C reaches the fault-tolerant launcher, its replica groups and their workers at
@@ -449,6 +458,7 @@ if __name__ == "__main__":
 '''
 
 
+@serial
 @pytest.mark.parametrize("method", ["forkserver", "spawn"])
 def test_a_child_dies_with_the_process_that_started_it(tmp_path, method):
     """A fork server's child has the server as its kernel parent, and the server lives as
@@ -468,6 +478,7 @@ def test_a_child_dies_with_the_process_that_started_it(tmp_path, method):
     assert not left, [cmdline(p) for p in left]
 
 
+@serial
 def test_watch_process_calls_back_when_the_process_ends():
     sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     ended = threading.Event()
