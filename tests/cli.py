@@ -3,10 +3,14 @@
 A command runs as a fork of one server process (:mod:`tests.cli_server`) that has imported
 torch and editrain once for the whole session, instead of as a new interpreter: the same
 ``editrain.cli.main`` in a fresh process with the environment, working directory, stdout and
-stderr the test gives it. Its launcher starts its workers as ``editrain train`` does (from
-its own fork server, which writes to the command's stdout and stderr). A tiny ``editrain
-train`` then takes about 7 s instead of about 15 s on the 2-core machine. (Workers forked
-from the launcher itself took 3 s, but hung 2 runs out of about 450.)
+stderr the test gives it. Its launcher starts its workers as ``editrain train`` does, from
+:mod:`multiprocessing`'s fork server, which writes to the command's stdout and stderr; for
+``train`` that server is itself a fork of the command made before the command runs
+(:func:`tests.cli_server._fork_worker_server`), so it does not import torch and editrain
+again. A tiny ``editrain train`` took about 15 s as a new interpreter and about 7 s as a
+fork on the first 2-core machine; on the second, about 3.2 s as a fork whose fork server
+is a new interpreter and about 1.2 s with the forked fork server. (Workers forked from the
+launcher itself, which has threads by then, hung 2 runs out of about 450.)
 
 What a new interpreter would read before ``main`` runs cannot change in a fork (thread and
 allocator settings, ``PYTHON*``): a command whose environment differs from the server's in
