@@ -354,7 +354,9 @@ def save_checkpoint(run_dir: str | Path, step: int, *, model: torch.nn.Module,
         ENGINE_KEY: engine.state_dict(),
     }
     _require_tensors(state, "state")
-    dcp.save(state, checkpoint_id=str(tmp))
+    # The writer named, not found from the path: DCP would import fsspec to try its writer
+    # too (0.1 s and more per process where fsspec is installed); a run directory is local.
+    dcp.save(state, storage_writer=dcp.FileSystemWriter(str(tmp)))
     if OPTIM_KEY in rank_state:
         raise ValueError(f"rank_state may not use the key {OPTIM_KEY!r} (the optimizer's)")
     own = dict(rank_state)
