@@ -11,14 +11,25 @@ from pathlib import Path
 from typing import Any
 
 from editrain.config import Config
-from editrain.data import OVERLAP_WINDOW, TokenData, prepare_tokens
+from editrain.data import OVERLAP_WINDOW, TokenData, open_prepared, prepare_tokens
 
 __all__ = ["describe_data", "format_data", "prepare_data"]
 
 
-def prepare_data(cfg: Config) -> TokenData:
+def prepare_data(cfg: Config, entry: str | Path | None = None) -> TokenData:
     """Build (or reuse) the token cache that ``cfg.data`` describes (a progress bar on a
-    terminal when the build is slow, unless ``cfg.quiet``)."""
+    terminal when the build is slow, unless ``cfg.quiet``).
+
+    Args:
+        cfg: the configuration.
+        entry: the cache entry the launcher prepared for this job
+            (:attr:`TokenData.cache_dir`), opened as it is (:func:`editrain.data.open_prepared`);
+            if it is gone, the cache is looked up as without it.
+    """
+    if entry is not None:
+        data = open_prepared(entry)
+        if data is not None:
+            return data
     d = cfg.data
     return prepare_tokens(
         d.path, Path(d.cache_dir).expanduser(), d.vocab_size, d.tokenizer, d.val_fraction,

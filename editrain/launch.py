@@ -197,11 +197,11 @@ def _run_local(cfg: Config, run_dir: Path, lock: rundir.RunLock) -> dict:
         log.info("run directory: %s; %d local workers (%d threads each)", run_dir, nproc,
                  threads)
     if cfg.dist.fault_tolerance == "torchft":
-        summary = run_ft(cfg, run_dir)
+        summary = run_ft(cfg, run_dir, str(data.cache_dir))
         plotted = [run_dir / f"replica{r}" for r in range(nproc // cfg.dist.replica_size)]
         plotted = [p for p in plotted if (p / "metrics.jsonl").exists()]
     else:
-        results = _elastic(cfg, nproc, cfg.dist.max_restarts)
+        results = _elastic(cfg, nproc, cfg.dist.max_restarts, str(data.cache_dir))
         summary = results.get(0, {}) if isinstance(results, dict) else {}
         plotted = [run_dir]
     for path in plot_runs(plotted) if plotted else []:
@@ -210,11 +210,12 @@ def _run_local(cfg: Config, run_dir: Path, lock: rundir.RunLock) -> dict:
     return summary
 
 
-def run_group(cfg: Config) -> dict:
+def run_group(cfg: Config, data_entry: str | None = None) -> dict:
     """One replica group of a fault-tolerant run (``cfg.run_dir`` prepared): a torch
     elastic job of ``pp_size x shard_size x tp_size`` workers, never restarted by torch (the
-    launcher restarts the whole group, which then heals from its peers)."""
-    results = _elastic(cfg, cfg.dist.replica_size, 0)
+    launcher restarts the whole group, which then heals from its peers). ``data_entry``:
+    the token cache entry the launcher prepared."""
+    results = _elastic(cfg, cfg.dist.replica_size, 0, data_entry)
     return results.get(0, {}) if isinstance(results, dict) else {}
 
 
@@ -388,7 +389,8 @@ def start_worker_server() -> str:
     return method
 
 
-def _elastic(cfg: Config, nproc: int, max_restarts: int) -> Any:
+def _elastic(cfg: Config, nproc: int, max_restarts: int, data_entry: str | None = None
+             ) -> Any:
     """``nproc`` local workers running :func:`editrain.train.run_worker` under torch elastic.
 
     The rendezvous listens on a free loopback port (a local job, like ``torchrun
@@ -400,6 +402,8 @@ def _elastic(cfg: Config, nproc: int, max_restarts: int) -> Any:
         cfg: the run's configuration (``run_dir`` prepared).
         nproc: the number of workers.
         max_restarts: how often torch elastic restarts them all after a failure.
+        data_entry: the token cache entry prepared for the job, handed to every worker
+            (:func:`editrain.corpus.prepare_data`); None: each worker finds it.
 
     Raises:
         LaunchError: a worker failed (one line naming the rank and its error or exit code;
@@ -444,7 +448,7 @@ def _elastic(cfg: Config, nproc: int, max_restarts: int) -> Any:
         try:
             with (_torch_logs_to(logs / LAUNCHER_LOG), _signal_handlers_kept(),
                   children_start_with_sigint_blocked()):
-                return elastic_launch(launch_cfg, run_worker)(cfg, cfg.run_dir)
+                return elastic_launch(launch_cfg, run_worker)(cfg, cfg.run_dir, data_entry)
         except RendezvousConnectionError as e:
             if not _address_in_use(e):
                 raise LaunchError(f"cannot start the rendezvous on {LOOPBACK}:{port}: "
@@ -500,7 +504,8 @@ def run_under_torchrun(cfg: Config) -> dict:
 
 
 # ---------------------------------------------------------------------------- fault tolerant
-def _group_main(cfg: Config, replica: int, attempt: int, lighthouse: str) -> None:
+def _group_main(cfg: Config, replica: int, attempt: int, lighthouse: str,
+                data_entry: str | None = None) -> None:
     """One replica group: a torch elastic job of ``pp_size x shard_size x tp_size`` local
     workers, or with one worker that worker itself, in this process (one interpreter
     start-up less: a restarted replica is back sooner).
@@ -517,6 +522,7 @@ def _group_main(cfg: Config, replica: int, attempt: int, lighthouse: str) -> Non
         replica: this group's replica id.
         attempt: how many times this group was started before.
         lighthouse: the torchft lighthouse's address.
+        data_entry: the token cache entry the launcher prepared.
     """
     from editrain.fault import ATTEMPT_ENV
     from editrain.spawn import die_with_parent, interrupts_raise
@@ -533,11 +539,11 @@ def _group_main(cfg: Config, replica: int, attempt: int, lighthouse: str) -> Non
     try:
         interrupts_raise()  # inside the try: a Ctrl-C held back while starting comes now
         if cfg.dist.replica_size > 1:
-            run_group(cfg)
+            run_group(cfg, data_entry)
             return
         os.environ.update(MASTER_ADDR=LOOPBACK, MASTER_PORT=str(free_port()), RANK="0",
                           WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
-        run_worker(cfg, cfg.run_dir)
+        run_worker(cfg, cfg.run_dir, data_entry)
         return
     except Interrupted as e:
         sys.exit(e.exit_code)
@@ -553,7 +559,7 @@ def _group_main(cfg: Config, replica: int, attempt: int, lighthouse: str) -> Non
     sys.exit(code)
 
 
-def run_ft(cfg: Config, run_dir: Path) -> dict[str, Any]:
+def run_ft(cfg: Config, run_dir: Path, data_entry: str | None = None) -> dict[str, Any]:
     """``editrain train --ft``: a lighthouse here, one process tree per replica group, a
     group that dies started again (after ``sim.fail_restart_s``) as long as the others
     still train. Returns the run's summary (also written to ``summary.json``).
@@ -566,6 +572,7 @@ def run_ft(cfg: Config, run_dir: Path) -> dict[str, Any]:
     Args:
         cfg: the run's configuration.
         run_dir: the prepared run directory.
+        data_entry: the token cache entry prepared for the run, handed to every group.
 
     Raises:
         LaunchError: every replica group failed.
@@ -593,7 +600,8 @@ def run_ft(cfg: Config, run_dir: Path) -> dict[str, Any]:
     t0 = time.perf_counter()
 
     def start(r: int) -> None:
-        procs[r] = ctx.Process(target=_group_main, args=(cfg, r, attempts[r], address),
+        procs[r] = ctx.Process(target=_group_main,
+                               args=(cfg, r, attempts[r], address, data_entry),
                                name=f"editrain-replica{r}")
         with children_start_with_sigint_blocked():  # no traceback on a Ctrl-C while it boots
             procs[r].start()

@@ -62,9 +62,11 @@ class Trainer:
     Args:
         cfg: the validated configuration.
         run_dir: where metrics, config and checkpoints go (created by the launcher).
+        data_entry: the token cache entry the launcher prepared (see
+            :func:`editrain.corpus.prepare_data`); None: found from ``cfg.data``.
     """
 
-    def __init__(self, cfg: Config, run_dir: Path) -> None:
+    def __init__(self, cfg: Config, run_dir: Path, data_entry: str | None = None) -> None:
         self.cfg, t = cfg, cfg.train
         self.run_dir = Path(run_dir)
         validate_world(cfg, int(os.environ.get("WORLD_SIZE", "1")))
@@ -91,8 +93,8 @@ class Trainer:
         # (Evaluation over this job's world: in the fault-tolerant mode a replica group's.)
         eval_share = ((info.shard, info.topo.shard_size) if self.aedit else
                       (info.topo.data_rank(info.rank), info.topo.data_world))
-        self.data = RankData(cfg, prepare_data(cfg), self.global_rank, self.global_world,
-                             *eval_share)
+        self.data = RankData(cfg, prepare_data(cfg, data_entry), self.global_rank,
+                             self.global_world, *eval_share)
         self.model = build_model(cfg, self.data.vocab_size, info.device)
         self.num_params = num_parameters(self.model)
         # Pipeline stages: this rank keeps its stage of the whole model (the same seeded
@@ -662,7 +664,8 @@ def _last_logged_step(run_dir: Path) -> int | None:
     return max(steps) if steps else None
 
 
-def run_worker(cfg: Config, run_dir: str | Path) -> dict[str, Any]:
+def run_worker(cfg: Config, run_dir: str | Path, data_entry: str | None = None
+               ) -> dict[str, Any]:
     """Entry point of one worker process (spawned by the launcher or by torchrun).
 
     The process is set up first (:func:`editrain.runtime.setup_process`: it dies with the
@@ -674,13 +677,15 @@ def run_worker(cfg: Config, run_dir: str | Path) -> dict[str, Any]:
     Args:
         cfg: the validated configuration.
         run_dir: the run directory (prepared by the launcher).
+        data_entry: the token cache entry the launcher prepared (None under torchrun:
+            every rank finds it from ``cfg.data``).
     """
     from editrain.spawn import errors_logged
 
     setup_process(cfg)
     with errors_logged(logs_dir(cfg, run_dir), int(os.environ.get("RANK", "0")),
                        int(os.environ.get("WORLD_SIZE", "1"))):
-        trainer = Trainer(cfg, Path(run_dir))
+        trainer = Trainer(cfg, Path(run_dir), data_entry)
         try:
             return trainer.train()
         finally:

@@ -10,6 +10,7 @@ import hashlib
 import json
 import multiprocessing as mp
 import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -724,3 +725,36 @@ def test_check_batch_size_against_the_share_of_a_rank():
         assert words in msg, (words, msg)
     with pytest.raises(ValueError, match="at most 33"):
         check_batch_size(tokens, 10, 10**20, 3)  # what made the sampler loop forever
+
+
+def test_a_worker_opens_the_entry_the_launcher_prepared(tmp_path, monkeypatch):
+    """``prepare_data(cfg, entry)`` (a worker, handed the launcher's entry) maps that entry
+    without fingerprinting the sources again, with the launcher's tokens; with the entry
+    gone it finds (here: rebuilds) the cache as without one."""
+    import dataclasses
+
+    from editrain.config import Config
+    from editrain.corpus import prepare_data
+
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("the cat sat on the mat and the dog ran after it.\n" * 400)
+    base = Config()
+    cfg = dataclasses.replace(base, quiet=True, data=dataclasses.replace(
+        base.data, path=str(corpus), cache_dir=str(tmp_path / "cache"), vocab_size=300,
+        val_tokens=256))
+    built = prepare_data(cfg)
+
+    def no_fingerprint(*args, **kwargs):
+        raise AssertionError("the sources were fingerprinted again")
+
+    monkeypatch.setattr(dataset_mod, "source_fingerprint", no_fingerprint)
+    got = prepare_data(cfg, str(built.cache_dir))
+    assert got.cache_dir == built.cache_dir and got.reused
+    assert np.array_equal(got.train, built.train) and np.array_equal(got.val, built.val)
+    assert (got.vocab_size, got.eos_id) == (built.vocab_size, built.eos_id)
+    monkeypatch.undo()
+
+    shutil.rmtree(built.cache_dir)
+    again = prepare_data(cfg, str(built.cache_dir))
+    assert again.cache_dir == built.cache_dir and not again.reused
+    assert np.array_equal(again.train, built.train)

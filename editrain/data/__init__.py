@@ -13,6 +13,7 @@ from .dataset import (
     OVERLAP_WINDOW,
     TokenData,
     check_data_options,
+    open_prepared,
     prepare_tokens,
     token_dtype,
 )
@@ -67,6 +68,7 @@ __all__ = [
     "eos_id",
     "iter_documents",
     "load_tokenizer",
+    "open_prepared",
     "parse_sources",
     "prepare_tokens",
     "resolve_sources",

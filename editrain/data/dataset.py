@@ -247,6 +247,16 @@ def check_token_ids(tokens: np.ndarray, vocab_size: int, path: Path) -> None:
             f"vocabulary size {vocab_size}); delete {path.parent} to rebuild it")
 
 
+def open_prepared(entry: str | Path) -> TokenData | None:
+    """The token cache entry ``entry`` (a :attr:`TokenData.cache_dir` that
+    :func:`prepare_tokens` returned, in this job), memory-mapped and checked as a reused
+    entry is, without fingerprinting the sources again; None if it is missing or broken.
+    The launcher prepares the data once and hands its workers the entry: each worker
+    would otherwise hash every source file again to find the same entry (the default
+    corpus: the whole standard library, a quarter of a CPU second per worker)."""
+    return _open_entry(Path(entry), reused=True)
+
+
 def _open_entry(entry: Path, reused: bool) -> TokenData | None:
     """Memory-map a complete entry, or return None if it is missing or broken."""
     meta_path = entry / "meta.json"
