@@ -31,6 +31,14 @@ def pytest_configure(config: pytest.Config) -> None:
         multiprocessing.set_forkserver_preload(PRELOAD)
 
 
+@pytest.fixture(scope="session")
+def data_cache(tmp_path_factory: pytest.TempPathFactory):
+    """One token cache for the training runs of every module in this process: a corpus
+    setting's entry (its tokenizer trained, its splits encoded, about 3 s) is built once,
+    not once per module or test. The tests of the cache itself use caches of their own."""
+    return tmp_path_factory.mktemp("data-cache")
+
+
 SPREAD_MODULES = frozenset({"test_bench.py", "test_fault_tolerance.py", "test_examples.py"})
 """Modules whose tests share nothing expensive (a module fixture at most trains a tokenizer)
 and run long: with ``pytest -n N --dist loadscope`` (README's test command) each of their

@@ -52,9 +52,9 @@ def _num(v) -> bool:
 
 
 @pytest.fixture(scope="module")
-def cache(tmp_path_factory) -> str:
+def cache(data_cache) -> str:
     """One data cache for every smoke test (the tokenizer is trained once)."""
-    return str(tmp_path_factory.mktemp("bench-cache"))
+    return str(data_cache)
 
 
 @pytest.fixture(autouse=True)

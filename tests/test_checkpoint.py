@@ -59,8 +59,8 @@ def final_val(run_dir: Path) -> float:
 
 
 @pytest.fixture(scope="module")
-def cache(tmp_path_factory) -> Path:
-    return tmp_path_factory.mktemp("cache")
+def cache(data_cache) -> Path:
+    return data_cache
 
 
 METHODS = {

@@ -52,8 +52,8 @@ def _args(cache: Path) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def cache(tmp_path_factory) -> Path:
-    return tmp_path_factory.mktemp("cache")
+def cache(data_cache) -> Path:
+    return data_cache
 
 
 @pytest.fixture(scope="module")

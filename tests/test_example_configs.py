@@ -72,8 +72,8 @@ def test_a_broken_example_names_the_option(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def cache_dir(tmp_path_factory) -> Path:
-    return tmp_path_factory.mktemp("token-cache")
+def cache_dir(data_cache) -> Path:
+    return data_cache
 
 
 @pytest.mark.parametrize("name", ["default", "slow_link"])

@@ -136,7 +136,7 @@ def test_a_replica_dying_inside_a_sync_fails_that_round_on_every_survivor(tmp_pa
 
 
 @pytest.mark.timeout(400)
-def test_cli_ft_run_survives_a_dead_replica_group(tmp_path):
+def test_cli_ft_run_survives_a_dead_replica_group(tmp_path, data_cache):
     """`editrain train --ft` with sim.fail: replica 2's group dies after step 12 and is
     restarted; the others never go back a step, sync without it, and every replica ends
     with the same validation loss; the run's summary records the death and the restart."""
@@ -150,7 +150,7 @@ def test_cli_ft_run_survives_a_dead_replica_group(tmp_path):
     # included); it stays down 4 s (two heartbeat timeouts), so the survivors sync at
     # least once as a quorum of two however fast the machine restarts it.
     total = 80
-    train(tmp_path / "cache", run, "--ft", "--nproc", "3", "--shard-size", "1", "--steps",
+    train(data_cache, run, "--ft", "--nproc", "3", "--shard-size", "1", "--steps",
           str(total), "--sync.local_sgd_sync_interval", "4", "--sim.fail", "2@10",
           "--sim.fail_restart_s", "4", "--sim.random_stall", "1.0,0.25",
           "--dist.ft_heartbeat_timeout_s", "2", "--train.eval_every", "20")
@@ -179,14 +179,14 @@ def test_cli_ft_run_survives_a_dead_replica_group(tmp_path):
     assert after[0] > groups["2"]["healed_at"] and after[-1] == total
 
 
-def _plain_and_ft(tmp_path, args: list[str]):
+def _plain_and_ft(tmp_path, cache, args: list[str]):
     """The run of ``args`` in the plain mode and with ``--ft`` (2 replica groups, both
     finished); returns the data cache, both run directories and the ``--ft`` summary."""
     import json
 
     from tests.test_checkpoint import train
 
-    plain, ft, cache = tmp_path / "plain", tmp_path / "ft", tmp_path / "cache"
+    plain, ft = tmp_path / "plain", tmp_path / "ft"
     train(cache, plain, *args)
     train(cache, ft, "--ft", *args)
     summary = json.loads((ft / "summary.json").read_text())
@@ -217,7 +217,7 @@ def _group_1_dies(cache, run, args: list[str]) -> dict:
 
 @pytest.mark.slow
 @pytest.mark.timeout(400)
-def test_cli_ft_with_tensor_parallel_groups(tmp_path):
+def test_cli_ft_with_tensor_parallel_groups(tmp_path, data_cache):
     """Replica groups of 1 shard x 2 tensor-parallel ranks: without a failure `--ft` trains
     the model of the plain mode (the same anchors: every group's final validation loss
     equals the plain run's); with replica 1's group killed after step 6 and restarted,
@@ -228,7 +228,7 @@ def test_cli_ft_with_tensor_parallel_groups(tmp_path):
     args = ["--nproc", "4", "--shard-size", "1", "--tp-size", "2", "--steps", "16",
             "--sync.local_sgd_sync_interval", "4", "--train.eval_every", "16",
             "--dist.ft_heartbeat_timeout_s", "1", "--dist.ft_heartbeat_interval_s", "0.2"]
-    cache, plain, ft, summary = _plain_and_ft(tmp_path, args)
+    cache, plain, ft, summary = _plain_and_ft(tmp_path, data_cache, args)
     for g in summary["per_replica"].values():
         assert g["final_val_loss"] == pytest.approx(final_val(plain), abs=1e-5)
         assert g["tp_size"] == 2 and g["steps_run"] == 16
@@ -276,7 +276,7 @@ PP_FT = ["--model.tie_embeddings", "false", "--nproc", "4", "--shard-size", "1",
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_cli_ft_with_interleaved_stages(tmp_path):
+def test_cli_ft_with_interleaved_stages(tmp_path, data_cache):
     """--ft with interleaved 1F1B (2 groups x 2 ranks x 2 chunks of a 4-block model):
     every rank of every group logs bitwise the losses of the plain run on the same 4 ranks,
     and both groups end on one model."""
@@ -285,7 +285,7 @@ def test_cli_ft_with_interleaved_stages(tmp_path):
     args = [*PP_FT, "--model.n_layers", "4", "--dist.pp_schedule", "interleaved-1f1b",
             "--dist.pp_stages_per_rank", "2", "--dist.pp_microbatches", "4",
             "--steps", "8", "--train.eval_every", "8"]
-    _, plain, ft, summary = _plain_and_ft(tmp_path, args)
+    _, plain, ft, summary = _plain_and_ft(tmp_path, data_cache, args)
     finals = set()
     for r, g in summary["per_replica"].items():
         assert g["pp_size"] == 2 and g["steps_run"] == 8 and g["num_syncs"] == 2
@@ -302,7 +302,7 @@ def test_cli_ft_with_interleaved_stages(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_cli_ft_with_pipeline_stages(tmp_path):
+def test_cli_ft_with_pipeline_stages(tmp_path, data_cache):
     """Replica groups of 2 pipeline stages: without a failure `--ft` trains bitwise the
     model of the plain mode on the same 4 ranks (every rank of every replica logs the same
     loss at every step; with 2 replicas each cross-replica sum has two terms, so torchft's
@@ -318,7 +318,7 @@ def test_cli_ft_with_pipeline_stages(tmp_path):
     # losses flag every unit of the step-12 sync and the last sync would move nothing)
     clipped = ["--train.grad_clip", "0.5", "--sync.clip_pseudo_grad", "0.5"]
     args = [*PP_FT, *clipped, "--steps", "12", "--train.eval_every", "6"]
-    cache, plain, ft, summary = _plain_and_ft(tmp_path, args)
+    cache, plain, ft, summary = _plain_and_ft(tmp_path, data_cache, args)
     base = json.loads((plain / "summary.json").read_text())
     plain_vals = {x["step"]: x["val_loss"] for x in map(json.loads, (plain / "metrics.jsonl")
                                                         .read_text().splitlines())
@@ -365,7 +365,7 @@ def test_cli_ft_with_pipeline_stages(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_cli_ft_aedit_with_pipeline_stages(tmp_path):
+def test_cli_ft_aedit_with_pipeline_stages(tmp_path, data_cache):
     """A-EDiT through quorum rounds with 2 stages per replica group. A forced schedule
     (2 and 3 steps per window), gradient accumulation through GPipe with one microbatch
     per micro-batch (the arithmetic of the run without stages): both stages of a group log
@@ -384,7 +384,7 @@ def test_cli_ft_aedit_with_pipeline_stages(tmp_path):
 
     from tests.test_checkpoint import train
 
-    cache = tmp_path / "cache"
+    cache = data_cache
     aedit = ["--model.tie_embeddings", "false", "--shard-size", "1", "--method", "aedit",
              "--dist.ft_heartbeat_timeout_s", "1", "--dist.ft_heartbeat_interval_s", "0.2",
              # Nesterov outer SGD (EDiT's default before #35), pinned: the settings
@@ -465,7 +465,7 @@ def test_streaming_round_in_flight_when_a_replica_dies(tmp_path):
 
 
 @pytest.mark.timeout(400)
-def test_cli_ft_run_resumes_from_its_checkpoints(tmp_path):
+def test_cli_ft_run_resumes_from_its_checkpoints(tmp_path, data_cache):
     """`--ft --resume RUN_DIR`: every replica group resumes from its own latest checkpoint
     (torchft's committed-sync count restored) and the run continues to the new budget,
     one validation loss everywhere."""
@@ -476,10 +476,10 @@ def test_cli_ft_run_resumes_from_its_checkpoints(tmp_path):
     run = tmp_path / "run"
     args = ["--ft", "--nproc", "2", "--shard-size", "1", "--sync.local_sgd_sync_interval",
             "4", "--checkpoint.every", "8", "--train.eval_every", "8"]
-    train(tmp_path / "cache", run, *args, "--steps", "16")
+    train(data_cache, run, *args, "--steps", "16")
     first = json.loads((run / "summary.json").read_text())
     assert first["steps"] == 16
-    train(tmp_path / "cache", run, *args, "--steps", "24", "--resume", str(run))
+    train(data_cache, run, *args, "--steps", "24", "--resume", str(run))
     summary = json.loads((run / "summary.json").read_text())
     groups = summary["per_replica"]
     assert summary["finished_replicas"] == 2

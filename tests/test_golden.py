@@ -376,8 +376,8 @@ def differences(want: Any, got: Any, bitwise: bool, path: str = "") -> list[str]
 
 # ----------------------------------------------------------------------------- the tests
 @pytest.fixture(scope="module")
-def cache(tmp_path_factory) -> Path:
-    return tmp_path_factory.mktemp("cache")
+def cache(data_cache) -> Path:
+    return data_cache
 
 
 @pytest.fixture(scope="module")

@@ -42,8 +42,8 @@ them. The rest of this module runs in parallel."""
 
 
 @pytest.fixture(scope="module")
-def cache_dir(tmp_path_factory) -> Path:
-    return tmp_path_factory.mktemp("token-cache")
+def cache_dir(data_cache) -> Path:
+    return data_cache
 
 
 # ---------------------------------------------------------------------------- helpers

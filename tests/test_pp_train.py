@@ -43,8 +43,8 @@ TOL = 2e-4
 
 
 @pytest.fixture(scope="module")
-def cache(tmp_path_factory) -> Path:
-    return tmp_path_factory.mktemp("cache")
+def cache(data_cache) -> Path:
+    return data_cache
 
 
 @pytest.fixture(scope="module")

@@ -167,8 +167,8 @@ def test_a_corrupt_run_record_is_named(tmp_path):
 
 # ---------------------------------------------------------------------------- command line
 @pytest.fixture(scope="module")
-def cache_dir(tmp_path_factory) -> Path:
-    return tmp_path_factory.mktemp("cache")
+def cache_dir(data_cache) -> Path:
+    return data_cache
 
 
 def train(cache: Path, run: Path, *args: str):

@@ -32,8 +32,8 @@ TOL = 2e-4
 
 
 @pytest.fixture(scope="module")
-def cache(tmp_path_factory) -> Path:
-    return tmp_path_factory.mktemp("cache")
+def cache(data_cache) -> Path:
+    return data_cache
 
 
 TP_RUN = ["--nproc", "4", "--shard-size", "1", "--tp-size", "2", *COMMON]

@@ -128,12 +128,12 @@ def test_wandb_missing_is_refused_before_launch(monkeypatch):
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_an_offline_wandb_run_holds_the_standard_metrics_and_resumes(tmp_path):
+def test_an_offline_wandb_run_holds_the_standard_metrics_and_resumes(tmp_path, data_cache):
     pytest.importorskip("wandb")
     env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_")}
     env["OMP_NUM_THREADS"] = "1"
     run_dir = tmp_path / "run"
-    args = ["train", *tiny(tmp_path / "cache"), "--nproc", "2", "--shard-size", "1",
+    args = ["train", *tiny(data_cache), "--nproc", "2", "--shard-size", "1",
             "--steps", "8", "--sync.local_sgd_sync_interval", "4", "--train.eval_every", "4",
             "--checkpoint.every", "4", "--train.wandb", "offline",
             "--train.wandb_project", "editrain-test", "--quiet", "--run-dir", str(run_dir)]
