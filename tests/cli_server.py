@@ -86,7 +86,7 @@ def _fork_worker_server() -> None:
     fills in the three attributes of the module's server object that ``ensure_running``
     sets: where a Python lacks them, or the command sets another start method, the launcher
     starts its own server as before."""
-    from multiprocessing import connection, forkserver
+    from multiprocessing import connection, forkserver, util
 
     from editrain.spawn import START_METHOD_ENV
 
@@ -99,7 +99,8 @@ def _fork_worker_server() -> None:
     listener = socket.socket(socket.AF_UNIX)
     address = connection.arbitrary_address("AF_UNIX")
     listener.bind(address)
-    os.chmod(address, 0o600)
+    if not util.is_abstract_socket_namespace(address):
+        os.chmod(address, 0o600)
     listener.listen()
     alive_r, alive_w = os.pipe()
     pid = os.fork()
