@@ -16,6 +16,7 @@ from torch import nn
 
 from editrain.api import parallelize
 from editrain.config import model_config
+from editrain.config.model import hf_source
 from editrain.models import Llama
 from editrain.sync import StepScheduleTrigger, SyncEngine
 from editrain.topology import MeshInfo
@@ -23,12 +24,16 @@ from editrain.topology import MeshInfo
 
 def build_model(cfg: Any, vocab_size: int, device: torch.device) -> nn.Module:
     """The model ``cfg.model`` names, seeded with ``train.seed``, on ``device``: a Hugging
-    Face model from ``model.hf_config``, else the compact Llama of ``model.preset``."""
+    Face model from ``model.hf_config`` (or a ``model.init_from`` directory of another
+    architecture), else the compact Llama of ``model.preset`` (or of a Llama
+    ``model.init_from`` directory). ``model.init_from``'s weights are loaded later, into
+    the sharded model (:func:`editrain.hf_checkpoint.load_hf_weights`)."""
     seed = cfg.train.seed
-    if cfg.model.hf_config:
+    source = hf_source(cfg)
+    if source is not None:
         from editrain.models.hf import HFCausalLM
 
-        return HFCausalLM.from_config_file(cfg.model.hf_config, tokenizer_vocab_size=vocab_size,
+        return HFCausalLM.from_config_file(source, tokenizer_vocab_size=vocab_size,
                                            seed=seed).to(device)
     return Llama(model_config(cfg, vocab_size=vocab_size), seed=seed).to(device)
 

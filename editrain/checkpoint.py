@@ -471,8 +471,9 @@ def run_meta(cfg: Any, vocab_size: int, topology: tuple[int, ...] | None = None,
 
     from editrain.config import model_config, to_dict
 
-    if getattr(cfg.model, "hf_config", None):
-        model = json.loads(Path(cfg.model.hf_config).read_text())
+    source = hf_source(cfg)
+    if source:
+        model = json.loads(config_path(source).read_text())
         model.pop("transformers_version", None)
         num_units = int(model.get("num_hidden_layers", model.get("n_layer", 0))) + 1
     else:
@@ -539,6 +540,8 @@ def _decodable(marker: dict[str, Any]) -> Callable[[str], bool] | None:
 
 
 def _check_items(ckpt: Path, marker: dict[str, Any], metadata: Metadata) -> None:
+    from editrain.config.model import hf_source
+    from editrain.models.hf import config_path
     """Refuse non-tensor items that loading would not decode, and check the storage."""
     decodable = _decodable(marker) or (lambda fqn: False)
     for fqn, item in metadata.state_dict_metadata.items():

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from editrain.config import Config
+from editrain.config.model import tokenizer_source
 from editrain.data import OVERLAP_WINDOW, TokenData, open_prepared, prepare_tokens
 
 __all__ = ["describe_data", "format_data", "prepare_data"]
@@ -31,10 +32,13 @@ def prepare_data(cfg: Config, entry: str | Path | None = None) -> TokenData:
         if data is not None:
             return data
     d = cfg.data
+    # data.tokenizer may be a model directory (or come from model.init_from's): its
+    # tokenizer.json, and the end-of-text token its tokenizer_config.json names.
+    tokenizer, _, eos_token = tokenizer_source(cfg)
     return prepare_tokens(
-        d.path, Path(d.cache_dir).expanduser(), d.vocab_size, d.tokenizer, d.val_fraction,
+        d.path, Path(d.cache_dir).expanduser(), d.vocab_size, tokenizer, d.val_fraction,
         d.max_bytes, val_tokens=d.val_tokens, split_seed=d.split_seed,
-        text_field=d.text_field, eos=d.eos,
+        text_field=d.text_field, eos_token=eos_token, eos=d.eos,
         progress=not cfg.quiet,
     )
 

@@ -33,6 +33,7 @@ from editrain.checkpoint import (
     set_rng_state,
 )
 from editrain.config import Config, to_dict, validate_world
+from editrain.config.model import tokenizer_source
 from editrain.corpus import prepare_data
 from editrain.evaluation import Evaluator
 from editrain.fault import (
@@ -43,6 +44,7 @@ from editrain.fault import (
     make_group,
     replica_run_dir,
 )
+from editrain.hf_checkpoint import export_checkpoint, load_hf_weights, save_run_tokenizer
 from editrain.metrics import MetricsWriter, RankLog, read_metrics, to_json
 from editrain.models import causal_lm_loss, num_parameters
 from editrain.optim.inner import build_inner_optimizer, clip_gradients, uses_sam
@@ -106,6 +108,10 @@ class Trainer:
         blocks = shard_model(cfg, self.model, info)
         # The simulated link is one FIFO per replica, shared by the replica's ranks.
         self.sim = Simulation(plan, self.replica, cfg.sim.replica_offset, self.global_rank,
+        if cfg.model.init_from is not None and not cfg.resume:
+            # Pretrained weights seed step 0, into the shards (each rank reads its own),
+            # before the engine takes its anchors from them; a resume overwrites them.
+            load_hf_weights(self.model, cfg.model.init_from)
                               t.seed, self.run_dir / ".link" / f"replica{self.replica}.state")
         # In the fault-tolerant mode this job is the replica group: a rank's place in it is
         # its rank (its (stage, shard, tp) position on the group's mesh, the same in every
@@ -172,6 +178,9 @@ class Trainer:
         self.rank_log = RankLog(self.run_dir, info.rank)
         self.wall_start = time.perf_counter()
 
+        if self.is_logger:  # for editrain export
+            save_run_tokenizer(self.run_dir, self.data.corpus.tokenizer_path,
+                               tokenizer_source(cfg)[1])
     # ------------------------------------------------------------------ the loop
     def train(self) -> dict[str, Any]:
         """Run to the end of the budget; returns the final summary."""
@@ -377,6 +386,9 @@ class Trainer:
     def _summary(self, final_val: float) -> dict[str, Any]:
         """The run's summary (rank 0 writes it to ``summary.json``)."""
         topo = self.info.topo
+        if self.cfg.checkpoint.export_final and self.is_logger:
+            done = export_checkpoint(self.run_dir, self.run_dir / "export")
+            log.warning("exported %s (%s) to %s", done.checkpoint, done.source, done.out)
         wall = self._wall()
         summary = {"steps": self.step, "tokens": self._tokens(), "final_val_loss": final_val,
                    "val_tokens": self.val_tokens, "wall_time_s": wall,
@@ -556,7 +568,7 @@ class Trainer:
             f" x {topo.tp_size} tp" if topo.tp_size > 1 else "", self.info.device.type,
             dist.get_backend(),
             f"; fault-tolerant, this is replica {self.replica}" if self.ft else "",
-            self.cfg.model.hf_config or self.cfg.model.preset,
+            self.cfg.model.hf_config or self.cfg.model.init_from or self.cfg.model.preset,
             self.num_params / 1e6,
             ", ".join(f"{k} {v / 2**20:.2f} MiB" for k, v in mem.items()) or "none yet",
         )

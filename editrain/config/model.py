@@ -15,15 +15,43 @@ from editrain.config.schema import Config
 from editrain.errors import as_config_error
 from editrain.models import Llama, LlamaConfig, preset_config
 from editrain.models.hf import HFCausalLM, read_hf_config
+from editrain.models.hf_dir import read_config, special_tokens, tokenizer_file
+from editrain.models.hf_llama import is_llama_config, llama_config_from_hf
 from editrain.sync.setup import find_root_params, unit_modules
 
 
+def init_llama(cfg: Config) -> bool:
+    """Whether ``model.init_from`` names a ``LlamaForCausalLM`` directory (which trains as
+    editrain's own Llama)."""
+    init = getattr(cfg.model, "init_from", None)  # duck-typed configurations lack it
+    return init is not None and is_llama_config(read_config(init))
+
+
+def hf_source(cfg: Config) -> str | None:
+    """The Hugging Face config the model is built from through transformers:
+    ``model.hf_config``, or a ``model.init_from`` directory of another architecture than
+    Llama; None for editrain's own Llama."""
+    if getattr(cfg.model, "hf_config", None) is not None:
+        return cfg.model.hf_config
+    init = getattr(cfg.model, "init_from", None)
+    if init is not None and not init_llama(cfg):
+        return init
+    return None
+
+
 def model_config(cfg: Config, vocab_size: int | None = None) -> LlamaConfig:
-    """The model's :class:`~editrain.models.LlamaConfig` from the preset and its overrides.
+    """The model's :class:`~editrain.models.LlamaConfig` from the preset and its overrides,
+    or from a Llama ``model.init_from`` directory's ``config.json`` (then ``vocab_size`` is
+    the file's: the tokenizer's is checked against it before launch).
 
     Raises:
-        ConfigError: ``model: ...`` when the overrides make an impossible shape.
+        ConfigError: ``model: ...`` when the overrides make an impossible shape;
+            ``model.init_from: ...`` when the directory's config cannot be the Llama's.
     """
+    if getattr(cfg.model, "init_from", None) is not None:
+        with as_config_error():
+            data = read_config(cfg.model.init_from)
+            return llama_config_from_hf(data, f"model.init_from {cfg.model.init_from}")
     with as_config_error(prefix="model: "):
         return preset_config(cfg.model.preset, vocab_size=vocab_size or cfg.data.vocab_size,
                              **cfg.model.overrides())
@@ -31,8 +59,9 @@ def model_config(cfg: Config, vocab_size: int | None = None) -> LlamaConfig:
 
 def heads(cfg: Config) -> tuple[int, int]:
     """(query heads, key/value heads) of the configured model."""
-    if cfg.model.hf_config is not None:
-        data = read_hf_config(cfg.model.hf_config)
+    source = hf_source(cfg)
+    if source is not None:
+        data = read_hf_config(source)
         q = int(data.get("num_attention_heads") or 1)
         return q, int(data.get("num_key_value_heads") or q)
     mcfg = model_config(cfg)
@@ -51,16 +80,41 @@ def sync_units(cfg: Config) -> list[str]:
     Returns:
         One name per unit, in the engine's order ("root", "block0", ...).
     """
-    model: Any
-    with torch.device("meta"):
-        if cfg.model.hf_config is not None:
-            from transformers import AutoConfig, AutoModelForCausalLM  # optional dependency
-
-            data = dict(read_hf_config(cfg.model.hf_config))
-            hf_config = AutoConfig.for_model(data.pop("model_type"), **data)
-            model = HFCausalLM(AutoModelForCausalLM.from_config(hf_config))
-        else:
-            model = Llama(model_config(cfg))
+    model = meta_model(cfg)
     modules = unit_modules(model, model.blocks(), cfg.sync.split_root)
     root = find_root_params(model, [m for _, m in modules])
     return (["root"] if root else []) + [n for n, _ in modules]
+
+
+def meta_model(cfg: Config) -> Any:
+    """The configured model on the meta device: its parameters' names and shapes, no
+    memory, no weights."""
+    with torch.device("meta"):
+        source = hf_source(cfg)
+        if source is not None:
+            from transformers import AutoConfig, AutoModelForCausalLM  # optional dependency
+
+            data = dict(read_hf_config(source))
+            hf_config = AutoConfig.for_model(data.pop("model_type"), **data)
+            return HFCausalLM(AutoModelForCausalLM.from_config(hf_config))
+        return Llama(model_config(cfg))
+
+
+def tokenizer_source(cfg: Config) -> tuple[str | None, str | None, str | None]:
+    """The tokenizer of the run: ``(tokenizer.json, model directory, end-of-text token)``.
+
+    ``data.tokenizer`` is a ``tokenizer.json`` or a model directory holding one; unset, a
+    ``model.init_from`` directory's tokenizer is used where it has one. A directory's
+    ``tokenizer_config.json`` (or ``special_tokens_map.json``) names the end-of-text token;
+    otherwise it is found among the usual names. ``(None, None, None)``: a BPE is trained.
+    """
+    path = cfg.data.tokenizer
+    init = getattr(cfg.model, "init_from", None)
+    if path is None and init is not None and tokenizer_file(init) is not None:
+        path = init
+    if path is None:
+        return None, None, None
+    found = tokenizer_file(path)
+    if found is None:
+        return str(path), None, None
+    return str(found), str(path), special_tokens(path).get("eos")

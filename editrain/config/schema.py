@@ -49,11 +49,17 @@ class ModelSection:
     """Override whether the LM head shares the embedding matrix."""
     hf_config: str | None = None
     """A Hugging Face config.json: train that model from scratch instead (needs transformers)."""
+    init_from: str | None = None
+    """A local Hugging Face model directory (config.json and model.safetensors, or shards
+    with model.safetensors.index.json): its shape, weights and tokenizer files seed step 0
+    (a LlamaForCausalLM trains as editrain's Llama, other architectures through
+    transformers); --resume still restores the run."""
 
     def overrides(self) -> dict[str, Any]:
         """The preset overrides that were set."""
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
-                if f.name not in ("preset", "hf_config") and getattr(self, f.name) is not None}
+                if f.name not in ("preset", "hf_config", "init_from")
+                and getattr(self, f.name) is not None}
 
 
 @dataclass
@@ -71,7 +77,9 @@ class DataSection:
     """End-of-text token between documents: append (after each), prepend (before each) or
     none (documents concatenated)."""
     tokenizer: str | None = None
-    """A tokenizer.json to use instead of training a byte-level BPE on the corpus."""
+    """A tokenizer.json, or a model directory holding one (its tokenizer_config.json names
+    the end-of-text token), to use instead of training a byte-level BPE on the corpus
+    (default with model.init_from: that directory's tokenizer, where it has one)."""
     vocab_size: int = 8192
     """Vocabulary size of the trained BPE tokenizer (>= 257)."""
     val_fraction: float = 0.01
@@ -288,6 +296,9 @@ class CheckpointSection:
     """Keep this many most recent checkpoints."""
     final: bool = True
     """Save a checkpoint at the end of the run."""
+    export_final: bool = False
+    """At the end of the run, export the global model as a Hugging Face directory into
+    RUN_DIR/export (what `editrain export` writes)."""
 
 
 @dataclass

@@ -18,7 +18,14 @@ from typing import Any
 
 import torch
 
-from editrain.config.model import heads, model_config, sync_units
+from editrain.config.model import (
+    heads,
+    hf_source,
+    init_llama,
+    meta_model,
+    model_config,
+    sync_units,
+)
 from editrain.config.schema import (
     BACKENDS,
     DEVICES,
@@ -40,7 +47,7 @@ from editrain.config.schema import (
     TrainSection,
 )
 from editrain.data import check_data_options
-from editrain.errors import as_config_error, require
+from editrain.errors import ConfigError, as_config_error, require
 from editrain.models.hf import check_hf_config, read_hf_config
 from editrain.sim import check_replicas, parse_sim
 from editrain.sync.config import check_finite
@@ -177,6 +184,8 @@ def check_checkpoint(c: CheckpointSection) -> None:
     """Intervals and counts in range."""
     _counts(c, "checkpoint", ("every",), least=0)
     require(c.keep >= 1, "checkpoint.keep", f"must be >= 1, got {c.keep}")
+    require(c.final or not c.export_final, "checkpoint.export_final",
+            "exports the final checkpoint, so it needs checkpoint.final = true")
 
 
 SECTION_CHECKS: dict[str, Callable[[Any], None]] = {
@@ -223,7 +232,9 @@ def validate(cfg: Config) -> None:
     if cfg.dist.fault_tolerance == "torchft":
         with as_config_error():
             check_fault_tolerant(s.resolve(), 1)
-    if cfg.model.hf_config is not None:
+    if cfg.model.init_from is not None:
+        _check_init_from(cfg)
+    if hf_source(cfg) is not None:
         _check_hf(cfg)
     else:
         mcfg = model_config(cfg)
@@ -248,9 +259,9 @@ def _check_pipeline(cfg: Config) -> None:
     not wire (each refused by name)."""
     d, t = cfg.dist, cfg.train
     p = d.pp_size
-    if cfg.model.hf_config is not None:
+    if hf_source(cfg) is not None:
         n_layers, tied = _hf_pipeline_shape(cfg)
-        tied_option = "model.hf_config"
+        tied_option = _hf_option(cfg)
         tied_what = "tie_word_embeddings = false in the config file"
     else:
         mcfg = model_config(cfg)
@@ -288,13 +299,14 @@ def _hf_pipeline_shape(cfg: Config) -> tuple[int, bool]:
     from editrain.pipeline import check_hf_pipeline
 
     _check_hf(cfg)  # the file, transformers, the sequence length: first
-    data = read_hf_config(cfg.model.hf_config)
+    source = hf_source(cfg)
+    data = read_hf_config(source)
     with as_config_error():
         check_hf_pipeline(data["model_type"])
     n_layers = data.get("num_hidden_layers")
     require(isinstance(n_layers, int) and not isinstance(n_layers, bool) and n_layers >= 1,
-            "model.hf_config", f"num_hidden_layers must be a positive integer in "
-            f"{cfg.model.hf_config} to split the model into stages, got {n_layers!r}")
+            _hf_option(cfg), f"num_hidden_layers must be a positive integer in "
+            f"{source} to split the model into stages, got {n_layers!r}")
     tied = data.get("tie_word_embeddings")
     if tied is None:
         from transformers import AutoConfig  # optional dependency, checked by _check_hf
@@ -308,10 +320,64 @@ def _check_hf(cfg: Config) -> None:
     """``model.hf_config``: the file exists and is a config.json, transformers is installed,
     the sequence length fits, and no preset override is set alongside it."""
     shape = sorted(cfg.model.overrides())
-    require(not shape, "model.hf_config", f"the model shape comes from the config file; "
+    require(not shape, _hf_option(cfg), f"the model shape comes from the config file; "
             f"remove {', '.join('model.' + k for k in shape)}")
     with as_config_error(FileNotFoundError):
-        check_hf_config(cfg.model.hf_config, cfg.train.seq_len)
+        check_hf_config(hf_source(cfg), cfg.train.seq_len)
+
+
+def _hf_option(cfg: Config) -> str:
+    """The option the Hugging Face config came from, for messages."""
+    return "model.hf_config" if cfg.model.hf_config is not None else "model.init_from"
+
+
+def _check_init_from(cfg: Config) -> None:
+    """``model.init_from``: a Hugging Face directory whose weights fit the model of its own
+    config.json, no pickle, no link out of it, no corrupt safetensors header, a tokenizer
+    whose ids the embedding covers (every file is read only for its headers)."""
+    from editrain.models.hf_dir import check_tensors, hf_parameters, inspect_weights
+
+    m = cfg.model
+    require(m.hf_config is None, "model.init_from",
+            "takes the model from the directory's config.json; remove model.hf_config")
+    shape = sorted(m.overrides())
+    require(not shape, "model.init_from", f"the model shape comes from the directory's "
+            f"config.json; remove {', '.join('model.' + k for k in shape)}")
+    with as_config_error():
+        weights = inspect_weights(m.init_from)
+        llama = init_llama(cfg)
+    if not llama:
+        require(importlib.util.find_spec("transformers") is not None, "model.init_from",
+                f"{m.init_from} is not a LlamaForCausalLM, and other architectures need the "
+                "transformers package: pip install 'editrain[hf]'")
+    try:
+        model = meta_model(cfg)
+    except ConfigError:
+        raise
+    except Exception as e:  # transformers' own refusal of a model_type or architecture
+        raise ConfigError(f"model.init_from: {m.init_from}/config.json describes no causal "
+                          f"LM transformers can build ({str(e).splitlines()[0]})") from None
+    expected = {n: tuple(p.shape) for n, p in hf_parameters(model).items()}
+    with as_config_error():
+        check_tensors(weights, expected)
+    vocab = int(model.config.vocab_size)
+    tok_vocab, option = _tokenizer_vocab(cfg)
+    require(tok_vocab <= vocab, option, f"the tokenizer has {tok_vocab} ids, more than the "
+            f"embedding of model.init_from {m.init_from} has rows ({vocab})")
+
+
+def _tokenizer_vocab(cfg: Config) -> tuple[int, str]:
+    """The id space of the tokenizer the run will use, and the option that chose it:
+    ``data.tokenizer`` (or the ``model.init_from`` directory's), else the BPE it will train
+    (``data.vocab_size``)."""
+    from editrain.config.model import tokenizer_source
+    from editrain.data import load_tokenizer, tokenizer_vocab_size
+
+    path = tokenizer_source(cfg)[0]
+    if path is None:
+        return cfg.data.vocab_size, "data.vocab_size"
+    with as_config_error(FileNotFoundError):
+        return tokenizer_vocab_size(load_tokenizer(path)), "data.tokenizer"
 
 
 def validate_world(cfg: Config, world_size: int) -> None:

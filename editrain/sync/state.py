@@ -291,3 +291,17 @@ class StateLayout:
             state.update(plain["unit_numbers"].get(str(u), {}))
             states.append(state)
         return states, plain, elastic
+
+
+def global_model_keys(saved: Mapping[str, Any]) -> dict[str, str]:
+    """Where a saved engine state holds the global model: parameter name -> key of its
+    anchor (relative to the engine's tree, as :func:`editrain.checkpoint.saved_tensors`
+    lists them). Empty when there are no global anchors (a method without a global model,
+    a run still in its warm-up, or the eager merge, whose anchors are each replica's own).
+
+    Args:
+        saved: the keys of the engine's saved tensors (values are not read).
+    """
+    suffix = ".anchor"
+    return {key[len("params."):-len(suffix)]: key for key in saved
+            if key.startswith("params.") and key.endswith(suffix)}

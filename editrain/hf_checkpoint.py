@@ -1,0 +1,366 @@
+"""Hugging Face model directories in and out: ``model.init_from`` and ``editrain export``.
+
+In: :func:`load_hf_weights` fills the parameters of the already-sharded model (FSDP2
+DTensors, tensor-parallel pieces, a pipeline stage's blocks) from a directory's safetensors
+through DCP's ``HuggingFaceStorageReader``. The state dict handed to ``dcp.load`` is keyed by
+the Hugging Face names and its values are the model's own parameters, so every rank reads
+only the slices it holds, and the whole model never exists on one rank.
+
+Out: :func:`export_checkpoint` reads one model of an editrain checkpoint (the global model,
+the anchors, by default; one replica's live weights on request) and writes a directory that
+``transformers`` loads offline: ``config.json``, safetensors (shards and their index when
+there are several), the run's tokenizer files and a short README naming the run.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import warnings
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint import HuggingFaceStorageReader
+
+from editrain.checkpoint import (
+    CKPT_DIR,
+    ENGINE_KEY,
+    MARKER,
+    list_checkpoints,
+    read_marker,
+    saved_tensors,
+)
+from editrain.errors import CheckpointError
+from editrain.models.hf_dir import (
+    INDEX_FILE,
+    SINGLE_FILE,
+    HFWeights,
+    hf_parameters,
+    inspect_weights,
+    special_tokens,
+    tokenizer_file,
+)
+from editrain.models.hf_llama import llama_config_to_hf, to_hf_name
+from editrain.models.llama import LlamaConfig
+from editrain.safe_load import SafeFileSystemReader, SafeLoadPlanner, read_metadata
+from editrain.sync.state import global_model_keys
+
+__all__ = [
+    "EXPORT_RECORD",
+    "RUN_TOKENIZER_DIR",
+    "Exported",
+    "export_checkpoint",
+    "find_checkpoint",
+    "load_hf_weights",
+    "save_run_tokenizer",
+]
+
+EXPORT_RECORD = "editrain_export.json"
+"""Written into every export: the files it wrote (all a later export may replace)."""
+RUN_TOKENIZER_DIR = "tokenizer"
+"""``RUN_DIR/tokenizer/``: the run's tokenizer files, which an export copies."""
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+DEFAULT_EOS = "<|endoftext|>"
+"""The end-of-text token of the BPE editrain trains (:mod:`editrain.data.tokenizer`)."""
+
+
+# ---------------------------------------------------------------------------- in
+def load_hf_weights(model: nn.Module, path: str | Path, weights: HFWeights | None = None
+                    ) -> int:
+    """Load a Hugging Face directory's weights into ``model`` in place (collective: every
+    rank of the default process group calls it, when there is one).
+
+    Args:
+        model: editrain's Llama or :class:`~editrain.models.hf.HFCausalLM`, or a pipeline
+            stage of one, sharded or not; its parameters are overwritten.
+        path: the directory (checked by :func:`editrain.models.hf_dir.inspect_weights`).
+        weights: its inspection, if already made.
+
+    Returns:
+        The number of parameter tensors loaded on this rank.
+
+    Raises:
+        ValueError: a parameter the directory lacks or has in another shape (one line
+            naming ``model.init_from``).
+    """
+    weights = weights or inspect_weights(path)
+    params = hf_parameters(model)
+    for name, p in params.items():
+        info = weights.tensors.get(name)
+        if info is None or tuple(info.shape) != tuple(p.shape):
+            found = "no such tensor" if info is None else f"shape {list(info.shape)}"
+            raise ValueError(f"model.init_from: {path} has {found} for {name!r}, the model "
+                             f"needs {list(p.shape)}")
+    # The values are the parameters themselves (detached views of the same storage, and
+    # for a DTensor its local shard): DCP copies each rank's slices straight into them.
+    state = {name: p.detach() for name, p in params.items()}
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load(state, storage_reader=HuggingFaceStorageReader(str(weights.root)),
+                 no_dist=not dist.is_initialized())
+    return len(state)
+
+
+def save_run_tokenizer(run_dir: str | Path, tokenizer_json: str | Path,
+                       source_dir: str | Path | None = None) -> Path:
+    """Keep the run's tokenizer in ``RUN_DIR/tokenizer/`` for ``editrain export``.
+
+    Args:
+        run_dir: the run directory.
+        tokenizer_json: the tokenizer the run uses (the token cache's copy).
+        source_dir: the model directory the tokenizer came from (``data.tokenizer`` or
+            ``model.init_from``), whose ``tokenizer_config.json`` and
+            ``special_tokens_map.json`` are kept too; None: a trained BPE, whose
+            ``tokenizer_config.json`` is written here.
+    """
+    out = Path(run_dir) / RUN_TOKENIZER_DIR
+    out.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(tokenizer_json, out / "tokenizer.json")
+    copied = False
+    if source_dir is not None:
+        for name in TOKENIZER_FILES[1:]:
+            if (Path(source_dir) / name).is_file():
+                shutil.copyfile(Path(source_dir) / name, out / name)
+                copied = True
+    if not copied:
+        (out / "tokenizer_config.json").write_text(json.dumps(
+            {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": DEFAULT_EOS,
+             "bos_token": DEFAULT_EOS, "unk_token": DEFAULT_EOS}, indent=1) + "\n")
+    return out
+
+
+# ---------------------------------------------------------------------------- out
+@dataclass
+class Exported:
+    """What :func:`export_checkpoint` wrote."""
+
+    out: Path
+    checkpoint: Path
+    source: str
+    """``anchors`` (the global model) or ``replica R``."""
+    files: list[str]
+
+
+def find_checkpoint(path: str | Path, option: str = "export") -> Path:
+    """A complete checkpoint: ``path`` itself, or the latest of a run directory.
+
+    Raises:
+        CheckpointError: one line naming ``option``: neither, or incomplete.
+    """
+    p = Path(path).expanduser()
+    if (p / MARKER).is_file():
+        return p
+    found = list_checkpoints(p) if p.is_dir() else []
+    if found:
+        return found[-1]
+    raise CheckpointError(f"{option}: {p} is neither a complete checkpoint (with {MARKER}) nor "
+                          f"a run directory with one in {CKPT_DIR}/")
+
+
+def _model_names(marker: Mapping[str, Any]) -> tuple[bool, dict[str, Any]]:
+    """(whether the checkpoint's model is editrain's Llama, its configuration)."""
+    model = dict(marker.get("model") or {})
+    return "dim" in model and "n_layers" in model, model
+
+
+def read_model_weights(ckpt: Path, replica: int | None = None
+                       ) -> tuple[dict[str, torch.Tensor], str]:
+    """One model of a checkpoint, every tensor whole, under the model's parameter names.
+
+    Args:
+        ckpt: a complete checkpoint directory.
+        replica: None: the global model (the sync engine's anchors; replica 0's weights
+            where there are none: a method without a global model, or a run still in its
+            warm-up, whose replicas then agree); else that replica's live weights.
+
+    Returns:
+        ``(tensors, source)``; ``source`` says which model was read.
+
+    Raises:
+        CheckpointError: the replica does not exist, or the files cannot be read.
+    """
+    metadata = read_metadata(ckpt)
+    source = f"replica {replica}"
+    keys: dict[str, str] = {}
+    if replica is None:
+        engine = saved_tensors(ckpt, ENGINE_KEY)
+        keys = {name: f"{ENGINE_KEY}.{key}" for name, key in global_model_keys(engine).items()}
+        source = "the global model (the anchors)"
+        missing = sorted(set(saved_tensors(ckpt, "replica0.model")) - set(keys))
+        if keys and missing:
+            raise CheckpointError(f"export: {ckpt} has no global copy of {missing[0]!r}")
+        if not keys:
+            replica, source = 0, "replica 0 (the checkpoint holds no global model)"
+    if not keys:
+        keys = {name: f"replica{replica}.model.{name}"
+                for name in saved_tensors(ckpt, f"replica{replica}.model")}
+    if not keys:
+        saved = sorted({k.split(".")[0] for k in metadata.state_dict_metadata
+                        if k.startswith("replica")})
+        raise CheckpointError(f"export --replica: {ckpt} holds no replica {replica} "
+                              f"(it holds {', '.join(saved) or 'none'})")
+    sizes = metadata.state_dict_metadata
+    state = {key: torch.empty(tuple(sizes[key].size), dtype=sizes[key].properties.dtype)
+             for key in keys.values()}
+    try:
+        with warnings.catch_warnings():  # one process on purpose: no_dist says so already
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.load(state, storage_reader=SafeFileSystemReader(ckpt),
+                     planner=SafeLoadPlanner(), no_dist=True)
+    except Exception as e:  # corrupt or truncated files: say so in one line
+        raise CheckpointError(f"export: cannot read {ckpt}: {e!r}") from None
+    return {name: state[key] for name, key in keys.items()}, source
+
+
+def _hf_tensors(tensors: Mapping[str, torch.Tensor], llama: bool, config: Mapping[str, Any]
+                ) -> dict[str, torch.Tensor]:
+    out = {}
+    for name, t in tensors.items():
+        out[name[3:] if name.startswith("hf.") else to_hf_name(name)] = t.contiguous()
+    if not llama and config.get("tie_word_embeddings", True):
+        # A tied head is the embedding; save_pretrained writes it once.
+        out.pop("lm_head.weight", None)
+    return out
+
+
+def _write_shards(out: Path, tensors: dict[str, torch.Tensor], max_shard_bytes: int
+                  ) -> list[str]:
+    from safetensors.torch import save_file
+
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for name, t in tensors.items():
+        n = t.numel() * t.element_size()
+        if shards[-1] and size + n > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = t
+        size += n
+    if len(shards) == 1:
+        save_file(shards[0], str(out / SINGLE_FILE), metadata={"format": "pt"})
+        return [SINGLE_FILE]
+    names = [f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+             for i in range(1, len(shards) + 1)]
+    weight_map = {}
+    for name, shard in zip(names, shards):
+        save_file(shard, str(out / name), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(shard, name))
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    (out / INDEX_FILE).write_text(json.dumps(
+        {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1) + "\n")
+    return [*names, INDEX_FILE]
+
+
+def _prepare_out(out: Path) -> None:
+    """``out`` empty, absent, or a previous export (whose own files alone are removed)."""
+    if out.exists() and not out.is_dir():
+        raise CheckpointError(f"export: {out} exists and is not a directory")
+    if not out.exists() or not any(out.iterdir()):
+        out.mkdir(parents=True, exist_ok=True)
+        return
+    record = out / EXPORT_RECORD
+    if not record.is_file():
+        raise CheckpointError(f"export: {out} is not empty and is not an earlier export (no "
+                              f"{EXPORT_RECORD}); choose an empty or new directory")
+    try:
+        files = json.loads(record.read_text())["files"]
+    except (OSError, ValueError, KeyError, TypeError):
+        raise CheckpointError(f"export: {record} is unreadable; remove the directory "
+                              "yourself or choose another") from None
+    for name in [*files, EXPORT_RECORD]:
+        p = out / Path(str(name)).name  # never anything outside ``out``
+        if p.is_file() and not p.is_symlink():
+            p.unlink()
+
+
+def _tokenizer(run_dir: Path, cfg: Mapping[str, Any]) -> Path | None:
+    """The run's tokenizer files: ``RUN_DIR/tokenizer/``, else the model directory the
+    run's configuration names (``data.tokenizer``, ``model.init_from``)."""
+    own = run_dir / RUN_TOKENIZER_DIR
+    if (own / "tokenizer.json").is_file():
+        return own
+    for where in ((cfg.get("data") or {}).get("tokenizer"),
+                  (cfg.get("model") or {}).get("init_from")):
+        if where and Path(where).is_dir() and tokenizer_file(where) is not None:
+            return Path(where)
+    return None
+
+
+def _token_ids(tok_dir: Path | None) -> dict[str, int]:
+    """``eos_token_id`` / ``bos_token_id`` / ``pad_token_id`` for the config, from the
+    tokenizer files."""
+    if tok_dir is None:
+        return {}
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(tok_dir / "tokenizer.json"))
+    ids = {}
+    for kind, text in special_tokens(tok_dir).items():
+        tid = tok.token_to_id(text)
+        if tid is not None:
+            ids[f"{kind}_token_id"] = int(tid)
+    return ids
+
+
+def export_checkpoint(path: str | Path, out: str | Path, replica: int | None = None,
+                      max_shard_bytes: int = 2 * 2**30) -> Exported:
+    """Write a checkpoint's model as a Hugging Face directory (one process, no workers).
+
+    Args:
+        path: a checkpoint directory, or a run directory (its latest checkpoint).
+        out: the directory to write: new, empty, or an earlier export (only the files that
+            export wrote are replaced; nothing else is ever deleted).
+        replica: None: the global model (the anchors); else that replica's live weights.
+        max_shard_bytes: the largest safetensors file; more weights go to several shards
+            and ``model.safetensors.index.json``.
+
+    Raises:
+        CheckpointError: one line: no checkpoint, a replica it lacks, unreadable files, an
+            ``out`` that holds other files.
+    """
+    ckpt = find_checkpoint(path)
+    marker = read_marker(ckpt)
+    out = Path(out).expanduser()
+    llama, model_cfg = _model_names(marker)
+    tensors, source = read_model_weights(ckpt, replica)
+    hf = _hf_tensors(tensors, llama, model_cfg)
+    run_dir = ckpt.parent.parent
+    run_cfg = marker.get("config") or {}
+    tok_dir = _tokenizer(run_dir, run_cfg)
+    _prepare_out(out)
+    files = _write_shards(out, hf, max_shard_bytes)
+    ids = _token_ids(tok_dir)
+    if llama:
+        config = llama_config_to_hf(LlamaConfig(**model_cfg), **ids)
+    else:
+        config = {**model_cfg, **ids}
+    (out / "config.json").write_text(json.dumps(config, indent=1) + "\n")
+    files.append("config.json")
+    if tok_dir is not None:
+        for name in TOKENIZER_FILES:
+            if (tok_dir / name).is_file():
+                shutil.copyfile(tok_dir / name, out / name)
+                files.append(name)
+    method = marker.get("method", "?")
+    step = marker.get("step", "?")
+    (out / "README.md").write_text(
+        f"# Exported by editrain\n\n"
+        f"- run: {marker.get('run_id') or run_dir}\n"
+        f"- method: {method}\n"
+        f"- step: {step}\n"
+        f"- weights: {source}\n"
+        f"- checkpoint: {ckpt}\n"
+        f"- topology (replicas, shards[, tp]): {marker.get('topology')}\n\n"
+        f"Load it with `transformers.AutoModelForCausalLM.from_pretrained(<this directory>)`"
+        f" and `AutoTokenizer.from_pretrained(<this directory>)`.\n")
+    files.append("README.md")
+    (out / EXPORT_RECORD).write_text(json.dumps(
+        {"files": files, "checkpoint": str(ckpt), "step": step, "method": method,
+         "source": source}, indent=1) + "\n")
+    return Exported(out, ckpt, source, files)

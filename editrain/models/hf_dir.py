@@ -1,0 +1,300 @@
+"""A local Hugging Face model directory: its config, its safetensors weights, its tokenizer.
+
+What :func:`inspect_weights` accepts is checked without running anything from the files and
+without reading the tensors: only ``*.safetensors`` files are weights (a pickle-based
+``pytorch_model.bin``, ``*.pt`` or ``*.ckpt`` is refused with the reason, never opened),
+every weight file must lie in the directory (a symlink resolving elsewhere is refused), and
+each file's header is validated by hand (8-byte length, bounded JSON, every tensor's byte
+range inside the file and as long as its shape and dtype say) before the safetensors
+library or DCP opens it. Every error is one line that names the option it came from.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import struct
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from torch import Tensor, nn
+
+from editrain.models.hf_llama import to_hf_name
+
+__all__ = [
+    "HEADER_LIMIT",
+    "INDEX_FILE",
+    "SINGLE_FILE",
+    "HFWeights",
+    "TensorInfo",
+    "check_tensors",
+    "hf_parameters",
+    "inspect_weights",
+    "read_config",
+    "read_safetensors_header",
+    "special_tokens",
+    "tokenizer_file",
+]
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+HEADER_LIMIT = 100 * 2**20
+"""Largest safetensors header accepted (the safetensors library's own limit): a corrupt
+length field must not make us read gigabytes of "JSON"."""
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
+"""Weight files that are Python pickles: loading one runs code from the file."""
+
+# Bytes per element of each safetensors dtype.
+_DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2,
+                "I8": 1, "U8": 1, "U16": 2, "U32": 4, "U64": 8, "BOOL": 1,
+                "F8_E4M3": 1, "F8_E5M2": 1}
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """One tensor of a safetensors file, as its header describes it."""
+
+    dtype: str
+    shape: tuple[int, ...]
+    file: str
+
+
+@dataclass
+class HFWeights:
+    """The weights of a model directory: every tensor name -> where and what it is."""
+
+    root: Path
+    files: list[str]
+    tensors: dict[str, TensorInfo] = field(default_factory=dict)
+
+
+def _fail(option: str, msg: str) -> ValueError:
+    return ValueError(f"{option}: {msg}")
+
+
+def read_config(path: str | Path, option: str = "model.init_from") -> dict[str, Any]:
+    """``DIR/config.json`` as a dict (with a ``model_type``).
+
+    Raises:
+        ValueError: one line naming ``option``: no directory, no config, bad JSON.
+    """
+    root = Path(path).expanduser()
+    if not root.is_dir():
+        raise _fail(option, f"{root} is not a directory (expected a Hugging Face model "
+                    "directory with config.json and *.safetensors)")
+    cfg = root / "config.json"
+    if not cfg.is_file():
+        raise _fail(option, f"{root} has no config.json")
+    try:
+        data = json.loads(cfg.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise _fail(option, f"{cfg} is not valid JSON ({e})") from None
+    if not isinstance(data, dict) or not isinstance(data.get("model_type"), str):
+        raise _fail(option, f"{cfg} has no \"model_type\"; it is not a Hugging Face config")
+    return data
+
+
+def _inside(root: Path, p: Path, option: str) -> Path:
+    real, base = p.resolve(), root.resolve()
+    if real != base and base not in real.parents:
+        raise _fail(option, f"{p} is a link to {real}, outside {root}; copy the file into "
+                    "the directory")
+    return real
+
+
+def read_safetensors_header(path: Path, option: str = "model.init_from"
+                            ) -> dict[str, TensorInfo]:
+    """The tensors a safetensors file holds, from its header, each checked against the file.
+
+    Raises:
+        ValueError: one line naming ``option`` and the file: too short, a header length
+            beyond the file or :data:`HEADER_LIMIT`, bad JSON, an unknown dtype, a byte
+            range outside the data or of the wrong size, ranges that overlap.
+    """
+    size = path.stat().st_size
+    with path.open("rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            raise _fail(option, f"{path} is truncated ({size} bytes, no safetensors header)")
+        (n,) = struct.unpack("<Q", head)
+        if n > HEADER_LIMIT or 8 + n > size:
+            raise _fail(option, f"{path} is truncated or corrupt (header of {n} bytes in a "
+                        f"file of {size})")
+        raw = f.read(n)
+    try:
+        header = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        raise _fail(option, f"{path} is corrupt (its safetensors header is not JSON)") from None
+    if not isinstance(header, dict):
+        raise _fail(option, f"{path} is corrupt (its safetensors header is not an object)")
+    data_size = size - 8 - n
+    out: dict[str, TensorInfo] = {}
+    spans = []
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            dtype, shape = entry["dtype"], [int(d) for d in entry["shape"]]
+            begin, end = (int(x) for x in entry["data_offsets"])
+        except (TypeError, KeyError, ValueError):
+            raise _fail(option, f"{path} is corrupt (bad header entry for {name!r})") from None
+        if dtype not in _DTYPE_BYTES or any(d < 0 for d in shape):
+            raise _fail(option, f"{path}: tensor {name!r} has dtype {dtype!r} and shape "
+                        f"{shape}, which safetensors does not define")
+        want = math.prod(shape) * _DTYPE_BYTES[dtype]
+        if not 0 <= begin <= end <= data_size or end - begin != want:
+            raise _fail(option, f"{path} is truncated or corrupt (tensor {name!r} at bytes "
+                        f"{begin}..{end} of {data_size}, needs {want})")
+        spans.append((begin, end, name))
+        out[name] = TensorInfo(dtype, tuple(shape), path.name)
+    spans.sort()
+    for (_, end_a, a), (begin_b, _, b) in zip(spans, spans[1:]):
+        if begin_b < end_a:
+            raise _fail(option, f"{path} is corrupt (tensors {a!r} and {b!r} overlap)")
+    return out
+
+
+def inspect_weights(path: str | Path, option: str = "model.init_from") -> HFWeights:
+    """The safetensors weights of a model directory, checked (see the module's docstring).
+
+    One ``model.safetensors``, or the shards ``model.safetensors.index.json`` names (and no
+    other ``*.safetensors``: DCP's reader reads every such file of the directory).
+
+    Raises:
+        ValueError: one line naming ``option``: no weights, pickle files only, a weight
+            file outside the directory, a shard missing or not in the index, a tensor the
+            index places in another file, a bad header.
+    """
+    root = Path(path).expanduser()
+    present = sorted(p.name for p in root.iterdir() if p.name.endswith(".safetensors"))
+    index = root / INDEX_FILE
+    if index.exists():
+        _inside(root, index, option)
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+            if not isinstance(weight_map, dict):
+                raise TypeError
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError):
+            raise _fail(option, f"{index} is not a safetensors index (no weight_map)") from None
+        files = sorted(set(weight_map.values()))
+        for name in files:
+            if not isinstance(name, str) or "/" in name or not (root / name).is_file():
+                raise _fail(option, f"{index} names the shard {name!r}, which is not a "
+                            f"file of {root}")
+        extra = sorted(set(present) - set(files))
+        if extra:
+            raise _fail(option, f"{root} holds {extra[0]}, which {INDEX_FILE} does not "
+                        "name; remove it (every *.safetensors file there is read)")
+    elif (root / SINGLE_FILE).is_file():
+        files, weight_map = [SINGLE_FILE], None
+        if len(present) > 1:
+            raise _fail(option, f"{root} holds {SINGLE_FILE} and other *.safetensors "
+                        f"files ({', '.join(present)}) without {INDEX_FILE}")
+    else:
+        pickles = sorted(p.name for p in root.iterdir() if p.suffix in PICKLE_SUFFIXES)
+        if pickles:
+            raise _fail(option, f"{root} has only {pickles[0]}, a pickle-based weight file "
+                        "that could run code when loaded, so editrain never loads one; "
+                        "convert it to safetensors (save_pretrained(..., "
+                        "safe_serialization=True))")
+        raise _fail(option, f"{root} has no weights ({SINGLE_FILE} or {INDEX_FILE} with "
+                    "its shards)")
+    weights = HFWeights(root, files)
+    for name in files:
+        real = _inside(root, root / name, option)
+        for tname, info in read_safetensors_header(real, option).items():
+            if tname in weights.tensors:
+                raise _fail(option, f"tensor {tname!r} is in both {weights.tensors[tname].file}"
+                            f" and {name}")
+            if weight_map is not None and weight_map.get(tname) != name:
+                raise _fail(option, f"{name} holds {tname!r}, which {INDEX_FILE} places in "
+                            f"{weight_map.get(tname)!r}")
+            weights.tensors[tname] = TensorInfo(info.dtype, info.shape, name)
+    if weight_map is not None:
+        missing = sorted(set(weight_map) - set(weights.tensors))
+        if missing:
+            raise _fail(option, f"{INDEX_FILE} names {missing[0]!r}, which no shard holds")
+    return weights
+
+
+def tokenizer_file(path: str | Path) -> Path | None:
+    """``DIR/tokenizer.json`` when a directory has one, else None."""
+    p = Path(path).expanduser() / "tokenizer.json"
+    return p if p.is_file() else None
+
+
+def _token_text(value: Any) -> str | None:
+    # tokenizer_config.json writes a special token as a string or as an AddedToken dict.
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) and value else None
+
+
+def special_tokens(path: str | Path) -> dict[str, str]:
+    """The special tokens a model directory declares: ``eos``, ``bos``, ``pad`` (those it
+    names), from ``tokenizer_config.json``, else ``special_tokens_map.json``.
+
+    Raises:
+        ValueError: one of the files is not valid JSON (names ``data.tokenizer``).
+    """
+    root = Path(path).expanduser()
+    out: dict[str, str] = {}
+    for name in ("special_tokens_map.json", "tokenizer_config.json"):  # the later one wins
+        f = root / name
+        if not f.is_file():
+            continue
+        try:
+            data = json.loads(f.read_text())
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise ValueError(f"data.tokenizer: {f} is not valid JSON ({e})") from None
+        if not isinstance(data, dict):
+            raise ValueError(f"data.tokenizer: {f} is not a JSON object")
+        for kind in ("eos", "bos", "pad"):
+            text = _token_text(data.get(f"{kind}_token"))
+            if text is not None:
+                out[kind] = text
+    return out
+
+
+def hf_parameters(model: nn.Module) -> dict[str, Tensor]:
+    """The parameters of ``model`` under their Hugging Face names, each parameter once.
+
+    editrain's Llama (or a pipeline stage of it, which keeps the model's names) is renamed
+    by :func:`editrain.models.hf_llama.to_hf_name`; a Hugging Face model wrapped by
+    :class:`editrain.models.hf.HFCausalLM` (or a stage of one) keeps its own names without
+    the wrapper's ``hf.`` prefix. A tied output head is the embedding's parameter and is
+    listed once, under the embedding's name, as ``save_pretrained`` writes it.
+    """
+    out: dict[str, Tensor] = {}
+    for name, p in model.named_parameters():
+        out[name[3:] if name.startswith("hf.") else to_hf_name(name)] = p
+    return out
+
+
+def check_tensors(weights: HFWeights, expected: dict[str, tuple[int, ...]],
+                  option: str = "model.init_from") -> None:
+    """The directory holds exactly the tensors the model needs, each of its shape.
+
+    Args:
+        weights: what :func:`inspect_weights` found.
+        expected: Hugging Face name -> shape of every parameter of the model.
+
+    Raises:
+        ValueError: one line naming ``option``: a tensor missing, of another shape, or one
+            the model has no parameter for (it would be dropped silently).
+    """
+    root = weights.root
+    for name, shape in expected.items():
+        info = weights.tensors.get(name)
+        if info is None:
+            raise _fail(option, f"{root} has no tensor {name!r}, which the model of its "
+                        "config.json needs")
+        if tuple(info.shape) != tuple(shape):
+            raise _fail(option, f"tensor {name!r} in {root}/{info.file} has shape "
+                        f"{list(info.shape)}, the model of its config.json needs "
+                        f"{list(shape)} (a shape or vocabulary mismatch)")
+    extra = sorted(set(weights.tensors) - set(expected))
+    if extra:
+        raise _fail(option, f"{root} holds the tensor {extra[0]!r}, which the model of its "
+                    "config.json has no parameter for")

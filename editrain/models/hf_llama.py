@@ -1,0 +1,177 @@
+"""editrain's Llama and Hugging Face's ``LlamaForCausalLM``: parameter names and configs.
+
+Both models use the same rotary convention: channel ``i`` of a head is rotated together with
+channel ``i + E/2`` ("rotate half", :func:`editrain.models.llama.apply_rope` and
+transformers' ``rotate_half``), the query and key rows of a head are laid out alike, so the
+map is a renaming only: no row of ``q_proj`` or ``k_proj`` is permuted, and a weight crosses
+it unchanged (tests/test_hf_io.py checks the logits of both models on the same weights).
+A checkpoint in Meta's original layout (interleaved pairs) would need a permutation; a
+``save_pretrained`` directory never is in that layout.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from editrain.models.llama import LlamaConfig
+
+__all__ = [
+    "LLAMA_ARCHITECTURE",
+    "from_hf_name",
+    "is_llama_config",
+    "llama_config_from_hf",
+    "llama_config_to_hf",
+    "to_hf_name",
+]
+
+LLAMA_ARCHITECTURE = "LlamaForCausalLM"
+"""The Hugging Face class whose checkpoints editrain's own Llama reads and writes."""
+
+# editrain name inside a block -> Hugging Face name inside ``model.layers.<i>``.
+_BLOCK = {
+    "attention.wq.weight": "self_attn.q_proj.weight",
+    "attention.wk.weight": "self_attn.k_proj.weight",
+    "attention.wv.weight": "self_attn.v_proj.weight",
+    "attention.wo.weight": "self_attn.o_proj.weight",
+    "feed_forward.w1.weight": "mlp.gate_proj.weight",
+    "feed_forward.w3.weight": "mlp.up_proj.weight",
+    "feed_forward.w2.weight": "mlp.down_proj.weight",
+    "attention_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+}
+_BLOCK_BACK = {hf: own for own, hf in _BLOCK.items()}
+_TOP = {
+    "tok_embeddings.weight": "model.embed_tokens.weight",
+    "norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_TOP_BACK = {hf: own for own, hf in _TOP.items()}
+_OWN_LAYER = re.compile(r"layers\.(\d+)\.(.+)")
+_HF_LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
+
+
+def to_hf_name(name: str) -> str:
+    """The ``LlamaForCausalLM`` name of one of editrain's Llama parameters.
+
+    Args:
+        name: a parameter name of :class:`editrain.models.Llama` (also of a pipeline stage
+            of it, which keeps the model's names), e.g. ``layers.3.attention.wq.weight``.
+
+    Raises:
+        KeyError: not a parameter name of the Llama.
+    """
+    if name in _TOP:
+        return _TOP[name]
+    m = _OWN_LAYER.fullmatch(name)
+    if m is None or m.group(2) not in _BLOCK:
+        raise KeyError(f"not a parameter of editrain's Llama: {name!r}")
+    return f"model.layers.{m.group(1)}.{_BLOCK[m.group(2)]}"
+
+
+def from_hf_name(name: str) -> str:
+    """editrain's Llama name of a ``LlamaForCausalLM`` parameter (the inverse of
+    :func:`to_hf_name`).
+
+    Raises:
+        KeyError: a name the Llama has no parameter for (e.g. a bias).
+    """
+    if name in _TOP_BACK:
+        return _TOP_BACK[name]
+    m = _HF_LAYER.fullmatch(name)
+    if m is None or m.group(2) not in _BLOCK_BACK:
+        raise KeyError(f"no parameter of editrain's Llama is named {name!r} in Hugging Face")
+    return f"layers.{m.group(1)}.{_BLOCK_BACK[m.group(2)]}"
+
+
+def is_llama_config(data: dict[str, Any]) -> bool:
+    """Whether a ``config.json``'s contents describe a ``LlamaForCausalLM``."""
+    archs = data.get("architectures") or [LLAMA_ARCHITECTURE]
+    return data.get("model_type") == "llama" and list(archs) == [LLAMA_ARCHITECTURE]
+
+
+def _rope_theta(data: dict[str, Any]) -> float:
+    # transformers 5 keeps it in rope_parameters, 4.x at the top level.
+    params = data.get("rope_parameters") or {}
+    return float(params.get("rope_theta", data.get("rope_theta", 10000.0)))
+
+
+def llama_config_from_hf(data: dict[str, Any], where: str = "config.json") -> LlamaConfig:
+    """The :class:`LlamaConfig` of a ``LlamaForCausalLM`` ``config.json``.
+
+    Only what editrain's Llama computes is accepted: SiLU, no attention or MLP bias, plain
+    RoPE (no scaling), ``head_dim = hidden_size / num_attention_heads``.
+
+    Args:
+        data: the file's contents.
+        where: the file or option, for messages.
+
+    Raises:
+        ValueError: one line naming ``where`` and the field editrain's Llama cannot follow.
+    """
+    def bad(field: str, why: str) -> ValueError:
+        return ValueError(f"{where}: {field} {why}; editrain's Llama cannot load it")
+
+    if data.get("hidden_act", "silu") != "silu":
+        raise bad("hidden_act", f"is {data.get('hidden_act')!r}, not 'silu'")
+    for flag in ("attention_bias", "mlp_bias"):
+        if data.get(flag):
+            raise bad(flag, "is true")
+    params = data.get("rope_parameters") or data.get("rope_scaling") or {}
+    if params.get("rope_type", params.get("type", "default")) != "default":
+        raise bad("rope_parameters", f"has rope_type {params.get('rope_type')!r} "
+                  "(only the default RoPE)")
+    try:
+        heads = int(data["num_attention_heads"])
+        hidden = int(data["hidden_size"])
+        cfg = LlamaConfig(
+            vocab_size=int(data["vocab_size"]), dim=hidden,
+            n_layers=int(data["num_hidden_layers"]), n_heads=heads,
+            n_kv_heads=int(data.get("num_key_value_heads") or heads),
+            ffn_hidden=int(data["intermediate_size"]),
+            max_seq_len=int(data.get("max_position_embeddings", 2048)),
+            rope_theta=_rope_theta(data), norm_eps=float(data.get("rms_norm_eps", 1e-6)),
+            tie_embeddings=bool(data.get("tie_word_embeddings", False)),
+            init_std=float(data.get("initializer_range", 0.02)))
+    except KeyError as e:
+        raise ValueError(f"{where}: no {e.args[0]} field") from None
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{where}: {e}") from None
+    head_dim = data.get("head_dim")
+    if head_dim is not None and int(head_dim) != cfg.head_dim:
+        raise bad("head_dim", f"is {head_dim}, not hidden_size / num_attention_heads = "
+                  f"{cfg.head_dim}")
+    return cfg
+
+
+def llama_config_to_hf(cfg: LlamaConfig, **extra: Any) -> dict[str, Any]:
+    """A ``config.json`` for ``LlamaForCausalLM`` with the architecture of ``cfg`` (the
+    inverse of :func:`llama_config_from_hf` on the fields both have).
+
+    Args:
+        cfg: the Llama's configuration.
+        **extra: further fields (e.g. ``bos_token_id``, ``eos_token_id``).
+    """
+    data: dict[str, Any] = {
+        "architectures": [LLAMA_ARCHITECTURE],
+        "model_type": "llama",
+        "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.dim,
+        "intermediate_size": cfg.ffn_hidden,
+        "num_hidden_layers": cfg.n_layers,
+        "num_attention_heads": cfg.n_heads,
+        "num_key_value_heads": cfg.n_kv_heads,
+        "head_dim": cfg.head_dim,
+        "max_position_embeddings": cfg.max_seq_len,
+        "rms_norm_eps": cfg.norm_eps,
+        "rope_theta": cfg.rope_theta,
+        "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
+        "tie_word_embeddings": cfg.tie_embeddings,
+        "initializer_range": cfg.init_std,
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "mlp_bias": False,
+        "torch_dtype": "float32",
+    }
+    data.update(extra)
+    return data
