@@ -58,6 +58,17 @@ def final_val(run_dir: Path) -> float:
     return json.loads((run_dir / "summary.json").read_text())["final_val_loss"]
 
 
+RESUME_VAL_TOL = 2e-3
+"""The validation loss logged at an elastic resume against the one logged at the saved step
+(tests/README.md): the same global model on the same windows (``_base_args`` evaluates
+1,024 tokens in both), by another number of ranks, so only the reduction order differs:
+bitwise from 4 ranks of 2 shards to 4 of 1, 6e-8 apart to 2 of 2 (a 2-core AMD EPYC with
+AVX2). The bound is the old one, far above that: it still fails a model that was not
+carried over (a fresh one is at the uniform loss, 0.25 and more above), and it is
+tightened to tests/tolerance.py's LOSS_RTOL only once the suite has run on both CPU
+kinds."""
+
+
 @pytest.fixture(scope="module")
 def cache(data_cache) -> Path:
     return data_cache
@@ -181,7 +192,8 @@ def test_elastic_resume_changes_topology(cache: Path, tmp_path: Path) -> None:
         assert "elastic resume" in out.stderr + out.stdout
         resume_row = next(r for r in rows(dst) if r.get("event") == "elastic_resume")
         # The global model is carried over exactly: same validation loss up to reduction order.
-        assert resume_row["val_loss"] == pytest.approx(before[10]["val_loss"], abs=2e-3)
+        assert resume_row["val_loss"] == pytest.approx(before[10]["val_loss"],
+                                                       abs=RESUME_VAL_TOL)
         first = step_losses(dst)[11]
         assert abs(first - before[10]["loss"]) < 0.5, (first, before[10]["loss"])
         assert final_val(dst) < before[10]["val_loss"] + 0.05
@@ -326,6 +338,7 @@ def test_aedit_elastic_resume_keeps_the_token_budget_and_schedule(
     resumed = next(r for r in rows(dst) if r.get("event") == "elastic_resume")
     assert resumed["tokens"] == at_save["tokens"]  # no token lost or invented
     first = next(r for r in rows(dst) if "event" not in r and "lr" in r)
+    # (one float64 schedule formula at one step: tests/README.md class 6)
     assert first["lr"] == pytest.approx(after[0]["lr"], rel=1e-9)
     total = json.loads((dst / "summary.json").read_text())["tokens"]
     window = 3 * 4 * 32 * int(max(src_nproc, dst_nproc))  # one window of the slowest case

@@ -31,12 +31,13 @@ from tests.reference import (
     ref_config,
     reference,
 )
+from tests.tolerance import PARAM_TOL
 
 # The tests that read the runs share one 4-process spawn (every case on both paths): slow.
 slow = pytest.mark.slow
 
 R, S = 2, 2
-TOL = 1e-5
+TOL = PARAM_TOL  # parameters against the reference: see its docstring
 PEN_ON = dict(pseudo_gradnorm_reduce=True, weight_softmax_temperature=0.02, skip_anomaly=True,
               ewma_alpha=0.5, ewma_warmup_steps=2, ewma_threshold=3.0, clip_pseudo_grad=0.05)
 

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from tests.reference import ref_config, reference
+from tests.tolerance import LOSS_RTOL, PARAM_TOL
 
 pytest.importorskip("torchft")
 
@@ -15,13 +16,13 @@ EDIT = {"method": "edit", "local_sgd_sync_interval": 2, "local_sgd_warmup_steps"
 
 
 def _synced(outs: dict, case: dict, R: int, S: int = 1) -> list[list[dict]]:
-    """Assert every rank's final parameters equal the reference simulator's to 1e-5;
+    """Assert every rank's final parameters equal the reference simulator's to PARAM_TOL;
     return each replica's committed rounds that synced units (from its first rank)."""
     ref = reference(ref_config(case, R=R, S=S))
     for r, ranks in outs.items():
         for out in ranks:
             for name, p in out["params"].items():
-                assert float((p - ref[r][name]).abs().max()) < 1e-5, (r, name)
+                assert float((p - ref[r][name]).abs().max()) < PARAM_TOL, (r, name)
     return [[e for e in outs[r][0]["rounds"] if e["committed"] and e["units"]]
             for r in sorted(outs)]
 
@@ -229,14 +230,15 @@ def test_cli_ft_with_tensor_parallel_groups(tmp_path, data_cache):
             "--sync.local_sgd_sync_interval", "4", "--train.eval_every", "16",
             "--dist.ft_heartbeat_timeout_s", "1", "--dist.ft_heartbeat_interval_s", "0.2"]
     cache, plain, ft, summary = _plain_and_ft(tmp_path, data_cache, args)
+    # (LOSS_RTOL: the two modes' syncs and evaluations reduce in another order)
     for g in summary["per_replica"].values():
-        assert g["final_val_loss"] == pytest.approx(final_val(plain), abs=1e-5)
+        assert g["final_val_loss"] == pytest.approx(final_val(plain), rel=LOSS_RTOL)
         assert g["tp_size"] == 2 and g["steps_run"] == 16
     # In the local phase both modes log replica 0's own loss.
     first = step_losses(ft / "replica0")
     assert sorted(first) == list(range(1, 17))
     for step, loss in step_losses(plain).items():
-        assert first[step] == pytest.approx(loss, abs=1e-5), step
+        assert first[step] == pytest.approx(loss, rel=LOSS_RTOL), step
     _group_1_dies(cache, tmp_path / "fail", args)
 
 
@@ -297,7 +299,8 @@ def test_cli_ft_with_interleaved_stages(tmp_path, data_cache):
             assert got == want, (r, stage)  # bitwise
     assert len(finals) == 1, finals
     base = json.loads((plain / "summary.json").read_text())
-    assert finals.pop() == pytest.approx(base["final_val_loss"], abs=1e-5)
+    # (the evaluation sums over one group here, over both replicas there: LOSS_RTOL)
+    assert finals.pop() == pytest.approx(base["final_val_loss"], rel=LOSS_RTOL)
 
 
 @pytest.mark.slow
@@ -332,10 +335,10 @@ def test_cli_ft_with_pipeline_stages(tmp_path, data_cache):
         assert all(e["committed"] and e["quorum_size"] == 2 for e in syncs), syncs
         assert g["num_syncs"] == base["num_syncs"] == 3  # at steps 4, 8 and 12
         # (evaluation sums over one group here, over both replicas there: 1e-7 apart)
-        assert g["final_val_loss"] == pytest.approx(final_val(plain), abs=1e-5)
+        assert g["final_val_loss"] == pytest.approx(final_val(plain), rel=LOSS_RTOL)
         vals = {x["step"]: x["val_loss"] for x in rows if "val_loss" in x}
         assert sorted(vals) == [0, 8, 12] and vals[12] < vals[8] < vals[0]
-        assert vals == pytest.approx(plain_vals, abs=1e-5)
+        assert vals == pytest.approx(plain_vals, rel=LOSS_RTOL)
         for stage in range(2):  # plain rank (replica x 2 + stage), group rank stage
             want = _rank_losses(plain / "ranks" / f"rank{int(r) * 2 + stage}.jsonl")
             got = _rank_losses(ft / f"replica{r}" / "ranks" / f"rank{stage}.jsonl")
@@ -408,6 +411,9 @@ def test_cli_ft_aedit_with_pipeline_stages(tmp_path, data_cache):
                for stage in range(2)]
         assert got[0] == got[1], r  # bitwise: one loss per step in a group
         assert sorted(got[0]) == sorted(want)
+        # 1e-6 relative (8 float32 ulps): the stages sum the clipping and penalty norms in
+        # another order than the flat run (bitwise on an AVX2 CPU, 1.5e-7 apart at step 7
+        # on an AVX-512 one), and the difference is carried a few steps
         assert got[0] == pytest.approx(want, rel=1e-6, abs=0), r
         rows = metrics(staged / f"replica{r}")
         vals = [x["val_loss"] for x in rows if "val_loss" in x]

@@ -15,10 +15,11 @@ import pytest
 import torch
 
 from tests.reference import ref_config, reference, reference_mismatches, topology_runs
+from tests.tolerance import PARAM_TOL
 
 pytestmark = pytest.mark.slow
 
-TOL = 1e-5
+TOL = PARAM_TOL  # parameters against the reference: see its docstring
 PEN_ON = dict(pseudo_gradnorm_reduce=True, weight_softmax_temperature=0.02, skip_anomaly=True,
               ewma_alpha=0.5, ewma_warmup_steps=2, ewma_threshold=3.0, clip_pseudo_grad=0.05)
 PEN_OFF = dict(pseudo_gradnorm_reduce=False, skip_anomaly=False, clip_pseudo_grad=0.0)

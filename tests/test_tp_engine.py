@@ -30,8 +30,9 @@ from tests.reference import (
     reference,
     reference_mismatches,
 )
+from tests.tolerance import PARAM_TOL
 
-TOL = 1e-5
+TOL = PARAM_TOL  # parameters against the reference: see its docstring
 PEN_ON = dict(pseudo_gradnorm_reduce=True, weight_softmax_temperature=0.02, skip_anomaly=True,
               ewma_alpha=0.5, ewma_warmup_steps=2, ewma_threshold=3.0, clip_pseudo_grad=0.05)
 
