@@ -68,6 +68,20 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from editrain.errors import CheckpointError
+from editrain.rundir import read_marker as _read_marker_file
+from editrain.safe_io import (
+    Bool,
+    Int,
+    List,
+    Num,
+    Obj,
+    Str,
+    make_dir,
+    quote,
+    read_json,
+    regular_size,
+    write_atomic,
+)
 from editrain.safe_load import (
     SafeFileSystemReader,
     SafeLoadPlanner,
@@ -108,6 +122,7 @@ def list_checkpoints(run_dir: str | Path) -> list[Path]:
     root = checkpoint_root(run_dir)
     if not root.is_dir():
         return []
+    # A link named step_* is listed (and refused by check_checkpoint_dir when resumed).
     done = [p for p in root.iterdir() if p.is_dir() and p.name.startswith("step_")
             and p.name[len("step_"):].isdigit() and (p / MARKER).is_file()]
     return sorted(done, key=lambda p: int(p.name[len("step_"):]))
@@ -144,16 +159,63 @@ def saved_ranks(ckpt: Path) -> list[int]:
 def rank_states(ckpt: Path) -> list[dict[str, Any]]:
     """Every saved rank's plain state (as :func:`save_checkpoint` wrote its
     ``rank_state``, with the optimizer's entry as typed JSON), in rank order: what an
-    elastic resume re-partitions the data positions from."""
-    return [json.loads(rank_file(ckpt, r).read_text()) for r in saved_ranks(ckpt)]
+    elastic resume re-partitions the data positions from (each read bounded and checked
+    as :func:`check_files` does)."""
+    marker = read_marker(ckpt)
+    return [_read_rank_json(rank_file(ckpt, r), 0, marker) for r in saved_ranks(ckpt)]
 
 
 def read_marker(ckpt: Path) -> dict[str, Any]:
-    """The ``editrain.json`` of a complete checkpoint."""
-    try:
-        return json.loads((ckpt / MARKER).read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"{ckpt}: unreadable {MARKER}: {e}") from None
+    """The ``editrain.json`` of a complete checkpoint: a regular file of at most
+    :data:`editrain.rundir.MARKER_MAX_BYTES`, checked field by field
+    (:data:`editrain.rundir.MARKER_SCHEMA`)."""
+    return _read_marker_file(ckpt)
+
+
+# ---------------------------------------------------------------------------- what may be read
+RANK_JSON_BASE_BYTES = 1 << 20
+"""A rank's JSON holds RNG states (7 KB), counters, its data position and its optimizer's
+``param_groups``: at most this plus :data:`RANK_JSON_UNIT_BYTES` per unit of the model."""
+RANK_JSON_UNIT_BYTES = 64 << 10
+METADATA_BASE_BYTES = 1 << 20
+METADATA_CHUNK_BYTES = 64 << 10
+"""``.metadata`` lists every tensor's chunks: at most this much per unit of the model and
+rank of the saving topology, beyond :data:`METADATA_BASE_BYTES`."""
+
+
+def _units(marker: Mapping[str, Any]) -> int:
+    units = marker.get("num_units")
+    return units if isinstance(units, int) and units > 0 else 1024
+
+
+def _world(marker: Mapping[str, Any]) -> int:
+    topology = marker.get("topology")
+    return math.prod(topology) if topology else 1
+
+
+def rank_json_cap(marker: Mapping[str, Any]) -> int:
+    """The largest rank JSON a checkpoint with this marker can hold (bytes)."""
+    return RANK_JSON_BASE_BYTES + RANK_JSON_UNIT_BYTES * _units(marker)
+
+
+def metadata_cap(marker: Mapping[str, Any]) -> int:
+    """The largest ``.metadata`` a checkpoint with this marker can hold (bytes)."""
+    return METADATA_BASE_BYTES + METADATA_CHUNK_BYTES * _units(marker) * _world(marker)
+
+
+def open_checkpoint(ckpt: Path) -> dict[str, Any]:
+    """Check what a checkpoint directory holds before anything in it is read, and return
+    its marker: the directory is not a link (:func:`read_marker` refuses one), holds only
+    regular files (no link, so nothing resolves outside it; no FIFO, device or
+    directory), and its marker is within :data:`editrain.rundir.MARKER_MAX_BYTES`.
+
+    Raises:
+        CheckpointError: one line naming the entry.
+    """
+    marker = read_marker(ckpt)
+    for p in sorted(ckpt.iterdir()):
+        regular_size(p, what="checkpoint file")  # a link, FIFO or directory: refused
+    return marker
 
 
 # ---------------------------------------------------------------------------- plain state
@@ -341,9 +403,12 @@ def save_checkpoint(run_dir: str | Path, step: int, *, model: torch.nn.Module,
     final = root / f"step_{step:08d}"
     tmp = root / f"step_{step:08d}.tmp"
     if rank == 0:
-        if tmp.exists():
+        if tmp.is_symlink():
+            tmp.unlink()  # not followed: only the link goes
+        elif tmp.exists():
             shutil.rmtree(tmp)  # a previous attempt that died half-way
-        tmp.mkdir(parents=True)
+        make_dir(root, root=Path(run_dir))
+        make_dir(tmp, root=Path(run_dir))
     dist.barrier()
     # The model's state dict first: it reshards FSDP modules, whose registered parameters
     # are then the ones the optimizer holds (the optimizer's state dict maps them by id).
@@ -361,7 +426,7 @@ def save_checkpoint(run_dir: str | Path, step: int, *, model: torch.nn.Module,
         raise ValueError(f"rank_state may not use the key {OPTIM_KEY!r} (the optimizer's)")
     own = dict(rank_state)
     own[OPTIM_KEY] = to_typed_json(optim_plain, "optimizer state")
-    rank_file(tmp, rank).write_text(json.dumps(own))
+    write_atomic(rank_file(tmp, rank), json.dumps(own), root=run_dir, fsync=False)
     if before_commit is not None:
         before_commit()
     dist.barrier()
@@ -369,12 +434,16 @@ def save_checkpoint(run_dir: str | Path, step: int, *, model: torch.nn.Module,
         lineage = lineage or {}
         marker = dict(meta, step=step, saved_at=time.time(), run_id=lineage.get("run_id"),
                       branch=lineage.get("branch"))
-        (tmp / MARKER).write_text(json.dumps(marker, indent=1))
+        write_atomic(tmp / MARKER, json.dumps(marker, indent=1), root=run_dir)
         # A checkpoint of the same label (the final one at a periodic one's step) is
         # replaced only once the new one is complete on disk.
         old = final.with_name(final.name + ".old")
+        if final.is_symlink():
+            final.unlink()  # someone's link in editrain's place: never written through
         if final.exists():
-            if old.exists():
+            if old.is_symlink():
+                old.unlink()
+            elif old.exists():
                 shutil.rmtree(old)
             os.replace(final, old)
         os.replace(tmp, final)
@@ -517,7 +586,7 @@ def preflight_resume(resume: str | Path, cfg: Any, vocab_size: int, data: Any = 
             (several incompatibilities: one line each).
     """
     ckpt = resolve_resume(resume)
-    marker = read_marker(ckpt)
+    marker = open_checkpoint(ckpt)
     problems = check_compatible(marker, run_meta(cfg, vocab_size, data=data))
     if problems:
         raise _incompatible(ckpt, problems)
@@ -553,23 +622,101 @@ def _check_items(ckpt: Path, marker: dict[str, Any], metadata: Metadata) -> None
     check_storage(ckpt, metadata)
 
 
-def _read_rank_json(path: Path, fmt: int) -> dict[str, Any]:
-    """A rank's plain state, and (format 3 on) its optimizer entry checked decodable."""
-    try:
-        state = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"{path}: missing or corrupt rank state: {e}") from None
-    if not isinstance(state, dict):
-        raise CheckpointError(f"{path}: corrupt rank state: not a JSON object")
+_COUNT = Int(0, 2**53)
+_SECONDS = Num(0.0, 1e12)
+_MT_STATE = 625
+"""A Mersenne Twister state as ``random.getstate()[1]``: 624 words and a position."""
+_CPU_RNG_BYTES = 5056
+"""``torch.get_rng_state()``'s size (the Mersenne Twister and its normal-sample cache)."""
+
+
+def _b64_of(size: int):
+    def ok(text: str) -> bool:
+        try:
+            return len(base64.b64decode(text, validate=True)) == size
+        except ValueError:
+            return False
+    return ok
+
+
+RANK_STATE_SCHEMA = Obj({
+    "step": _COUNT, "next_eval": _COUNT, "next_ckpt": _COUNT, "last_eval": _COUNT,
+    "finished": Bool(), "wall_time_s": _SECONDS, "off_train_s": _SECONDS,
+    "data": Obj({
+        "epoch": Int(0, 2**40), "position": _COUNT, "rank": Int(0, 1 << 20),
+        "world_size": Int(1, 1 << 20), "seed": Int(-(2**63), 2**64),
+        "num_windows": Int(1, 2**53), "seq_len": Int(1, 1 << 30),
+        "consumed_layouts": List(List(max_len=2), 1 << 16),
+    }, required=("epoch", "position", "rank", "world_size", "seed", "num_windows")),
+    "rng": Obj({"cpu": Str(8192, ok=_b64_of(_CPU_RNG_BYTES),
+                           expect=f"base64 of {_CPU_RNG_BYTES} bytes is expected"),
+                "cuda": Str(1 << 16)}, required=("cpu",)),
+    "sim_rng": List(Int(0, 2**32 - 1), length=_MT_STATE),
+    "tp": Int(0, 1 << 20), "stage": Int(0, 1 << 20), "ft_committed": _COUNT,
+}, required=("step", "next_eval", "next_ckpt", "last_eval", "finished", "wall_time_s",
+             "data", "rng", "sim_rng"))
+"""What a rank's JSON must hold (the trainer's ``rank_state``; the optimizer's entry is
+checked by decoding it): every counter an integer in range (never a bool, a float, NaN or
+a string), every time a finite non-negative number."""
+
+
+def _every(marker: Mapping[str, Any], section: str, key: str) -> int:
+    """``[section] key`` of the configuration the checkpoint was saved with (0 if absent)."""
+    value = ((marker.get("config") or {}).get(section) or {}).get(key)
+    return value if type(value) is int and value > 0 else 0
+
+
+def _rank_state_problem(state: dict[str, Any], marker: Mapping[str, Any]) -> str | None:
+    """What makes a rank's counters inconsistent with its checkpoint's marker, or None."""
+    label = marker["step"]
+    step = state["step"]
+    replicas = (marker.get("topology") or [1])[0]
+    if marker.get("method") == "aedit":
+        # A-EDiT labels checkpoints by progress; a replica runs at its own pace around it.
+        if step > 64 * max(replicas, 1) * (label + 1):
+            return (f"field 'step': {step} is far beyond the checkpoint's progress {label} "
+                    f"for {replicas} replicas")
+    elif step != label:
+        return f"field 'step': {step}, but the checkpoint is of step {label}"
+    if state["last_eval"] > step:
+        return f"field 'last_eval': {state['last_eval']} is after the step {step}"
+    for key, section, option in (("next_ckpt", "checkpoint", "every"),
+                                 ("next_eval", "train", "eval_every")):
+        every = _every(marker, section, option)
+        if every and state[key] > label + every + 1:
+            return (f"field {key!r}: {state[key]} is beyond the next one due after step "
+                    f"{label} ({section}.{option} = {every})")
+    data = state["data"]
+    if data["position"] > data["num_windows"]:
+        return (f"field 'data.position': {data['position']} is beyond the "
+                f"{data['num_windows']} windows of the stream")
+    seq_len = marker.get("seq_len")
+    if "seq_len" in data and seq_len is not None and data["seq_len"] != seq_len:
+        return f"field 'data.seq_len': {data['seq_len']}, the marker's train.seq_len {seq_len}"
+    if state["sim_rng"][-1] > _MT_STATE - 1:
+        return f"field 'sim_rng': position {state['sim_rng'][-1]} is beyond {_MT_STATE - 1}"
+    return None
+
+
+def _read_rank_json(path: Path, fmt: int, marker: Mapping[str, Any]) -> dict[str, Any]:
+    """A rank's plain state: a regular file within :func:`rank_json_cap`, checked against
+    :data:`RANK_STATE_SCHEMA` and the marker, and (format 3 on) its optimizer entry checked
+    decodable. ``fmt`` 0: the marker's format."""
+    fmt = fmt or int(marker.get("format", 1))
+    state = read_json(path, max_bytes=rank_json_cap(marker), schema=RANK_STATE_SCHEMA,
+                      what="rank state")
+    problem = _rank_state_problem(state, marker)
+    if problem:
+        raise CheckpointError(f"{path}: {problem}")
     if fmt >= 3:
         try:
             optim = from_typed_json(state[OPTIM_KEY])
             if not isinstance(optim, dict) or not isinstance(optim.get("param_groups"), list):
                 raise ValueError("no param_groups")
-        except (KeyError, ValueError, TypeError) as e:
+        except (KeyError, ValueError, TypeError, RecursionError) as e:
             raise CheckpointError(f"{path}: corrupt rank state: its {OPTIM_KEY!r} entry (the "
-                                  f"optimizer's param_groups) is missing or malformed ({e})"
-                                  ) from None
+                                  f"optimizer's param_groups) is missing or malformed "
+                                  f"({quote(str(e))})") from None
         state[OPTIM_KEY] = optim
     return state
 
@@ -588,9 +735,9 @@ def check_files(ckpt: Path, marker: dict[str, Any] | None = None) -> None:
     Raises:
         CheckpointError: the first problem, in one line naming the file.
     """
-    marker = read_marker(ckpt) if marker is None else marker
+    marker = open_checkpoint(ckpt) if marker is None else marker
     fmt = int(marker.get("format", 1))
-    metadata = read_metadata(ckpt)
+    metadata = read_metadata(ckpt, max_bytes=metadata_cap(marker))
     _check_items(ckpt, marker, metadata)
     for fqn, item in metadata.state_dict_metadata.items():
         if isinstance(item, BytesStorageMetadata):
@@ -601,7 +748,7 @@ def check_files(ckpt: Path, marker: dict[str, Any] | None = None) -> None:
     else:  # a marker without a topology: whatever ranks wrote, rank 0 at least
         ranks = saved_ranks(ckpt) or [0]
     for r in ranks:
-        _read_rank_json(rank_file(ckpt, r), fmt)
+        _read_rank_json(rank_file(ckpt, r), fmt, marker)
 
 
 def _tp_size(topology: list[int] | None) -> int:
@@ -732,20 +879,20 @@ def load_checkpoint(ckpt: Path, *, model: torch.nn.Module, optimizer: torch.opti
             corrupt, or hold a non-tensor DCP item that loading would have to unpickle
             (only format 2's ``param_groups`` items are decoded, safely).
     """
-    marker = read_marker(ckpt)
+    marker = open_checkpoint(ckpt)
     problems = check_compatible(marker, meta)
     if problems:
         raise _incompatible(ckpt, problems)
     fmt = int(marker.get("format", 1))
     # Checked here too: a restart after a worker died resumes without the preflight.
-    metadata = read_metadata(ckpt)
+    metadata = read_metadata(ckpt, max_bytes=metadata_cap(marker))
     _check_items(ckpt, marker, metadata)
     same = marker.get("topology") == meta.get("topology")
     src = replica if same else 0
     # Format 3: the optimizer's non-tensor state is in the JSON of a rank of the replica
     # read (elastic: replica 0, whose rank 0 is the saving job's rank 0).
     head = 0 if same else stage_head_rank(marker.get("topology") or [], stage)
-    own = _read_rank_json(rank_file(ckpt, rank if same else head), fmt)
+    own = _read_rank_json(rank_file(ckpt, rank if same else head), fmt, marker)
     model_state = get_model_state_dict(model)  # first: see save_checkpoint
     live = get_optimizer_state_dict(model, _base(optimizer))
     optim = _split_optim(live)[0] if fmt >= 3 else live
@@ -755,7 +902,7 @@ def load_checkpoint(ckpt: Path, *, model: torch.nn.Module, optimizer: torch.opti
             f"replica{src}": {"model": model_state, "optim": optim},
             ENGINE_KEY: engine.state_dict_template(_tensors_under(metadata, ENGINE_KEY)),
         }
-        dcp.load(state, storage_reader=SafeFileSystemReader(ckpt),
+        dcp.load(state, storage_reader=SafeFileSystemReader(ckpt, metadata_cap(marker)),
                  planner=SafeLoadPlanner(_decodable(marker)))
     except CheckpointError:
         raise

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import logging
 import multiprocessing as mp
 import os
@@ -32,6 +31,7 @@ from editrain.config import Config, dumps_toml, to_dict, validate_world
 from editrain.corpus import prepare_data
 from editrain.rundir import logs_dir
 from editrain.runtime import worker_threads
+from editrain.safe_io import Obj, check_no_links, make_dir, read_json, write_atomic
 from editrain.spawn import (
     LOOPBACK,
     USER_ERRORS,
@@ -123,9 +123,7 @@ def prepare_run_dir(cfg: Config, run_dir: Path, lock: rundir.RunLock | None = No
             return record  # the run's own record of its configuration stays as it was
         data = to_dict(resolved(cfg))
         data["run_dir"] = str(run_dir)
-        tmp = run_dir / "config.toml.tmp"
-        tmp.write_text(dumps_toml(data))
-        os.replace(tmp, run_dir / "config.toml")
+        write_atomic(run_dir / "config.toml", dumps_toml(data), root=run_dir)
         return record
     finally:
         if own:
@@ -255,8 +253,7 @@ class RunLogs(LogsSpecs):
         Args:
             envs: each local rank's environment, as torch elastic's agent made it.
         """
-        root = Path(self._root_log_dir)
-        root.mkdir(parents=True, exist_ok=True)
+        root = make_dir(Path(self._root_log_dir), root=Path(self._root_log_dir).parent)
         attempt = int(next(iter(envs.values()), {}).get("TORCHELASTIC_RESTART_COUNT", "0"))
         if attempt and self.error_files:
             # The agent restarts the workers after a failure (--max-restarts): say why in
@@ -268,7 +265,7 @@ class RunLogs(LogsSpecs):
         for local_rank, env in envs.items():
             rank = int(env.get("RANK", local_rank))
             path = root / f"rank{rank}.error.json"
-            path.unlink(missing_ok=True)  # left by an earlier attempt or run
+            path.unlink(missing_ok=True)  # left by an earlier attempt or run (a link: only it)
             env["TORCHELASTIC_ERROR_FILE"] = str(path)
             files[local_rank] = str(path)
             self.error_files[rank] = path
@@ -417,8 +414,8 @@ def _elastic(cfg: Config, nproc: int, max_restarts: int, data_entry: str | None 
 
     from editrain.train import run_worker
 
-    logs = logs_dir(cfg, cfg.run_dir)
-    logs.mkdir(parents=True, exist_ok=True)
+    logs = make_dir(logs_dir(cfg, cfg.run_dir), root=cfg.run_dir)
+    check_no_links(logs / LAUNCHER_LOG)  # torch's log handler opens it by name
     specs = RunLogs(logs)
     # torch's agent turns these signals into its own exception (and forwards them to the
     # workers); a signal for which this process already raises Interrupted (the command
@@ -671,14 +668,19 @@ def run_ft(cfg: Config, run_dir: Path, data_entry: str | None = None) -> dict[st
     return summary
 
 
+SUMMARY_MAX_BYTES = 16 << 20
+"""The largest replica group's ``summary.json`` read back (a few kilobytes are written)."""
+
+
 def _summarise(run_dir: Path, replicas: int, events: list[dict[str, Any]],
                wall_s: float) -> dict[str, Any]:
     """The run's summary from every replica group's own ``summary.json``."""
     groups = {}
     for r in range(replicas):
         path = run_dir / f"replica{r}" / "summary.json"
-        if path.exists():
-            groups[r] = json.loads(path.read_text())
+        if os.path.lexists(path):
+            groups[r] = read_json(path, max_bytes=SUMMARY_MAX_BYTES, schema=Obj(),
+                                  error=rundir.RunDirError, what="replica group's summary")
     finished = [g for g in groups.values()]
     summary = {
         "fault_tolerance": "torchft",
@@ -693,5 +695,5 @@ def _summarise(run_dir: Path, replicas: int, events: list[dict[str, Any]],
     }
     from editrain.metrics import to_json  # strict JSON: a NaN loss is written null
 
-    (run_dir / "summary.json").write_text(to_json(summary, indent=1))
+    write_atomic(run_dir / "summary.json", to_json(summary, indent=1), root=run_dir)
     return summary

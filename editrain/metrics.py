@@ -24,6 +24,14 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from editrain.errors import RunDirError
+from editrain.safe_io import (
+    cut_partial_line,
+    make_dir,
+    open_write,
+    read_json_value,
+    regular_size,
+)
 from editrain.tracking import open_trackers, standard_metrics
 
 METRICS_FILE = "metrics.jsonl"
@@ -61,18 +69,6 @@ def to_json(obj: Any, **kwargs: Any) -> str:
     return json.dumps(_clean(obj), allow_nan=False, **kwargs)
 
 
-def _drop_partial_line(path: Path) -> None:
-    """A writer killed mid-row leaves a line without its newline; cut it off before
-    appending, so the next row does not fuse with it."""
-    if not path.is_file() or path.stat().st_size == 0:
-        return
-    with open(path, "rb+") as f:
-        data = f.read()
-        if data.endswith(b"\n"):
-            return
-        f.truncate(data.rfind(b"\n") + 1)
-
-
 class MetricsWriter:
     """Appends rows to ``RUN_DIR/metrics.jsonl`` and hands their scalars to the run's
     trackers (TensorBoard if installed, W&B if asked for: :mod:`editrain.tracking`).
@@ -100,9 +96,11 @@ class MetricsWriter:
         self.enabled = enabled
         self.fsync_every_s = fsync_every_s
         self._last_fsync = time.monotonic()
+        # A writer killed mid-row leaves a line without its newline: cut off, so that the
+        # next row does not fuse with it. Never through a link (editrain.safe_io).
         if enabled:
-            _drop_partial_line(self.path)
-        self._file = open(self.path, "a", encoding="utf-8") if enabled else None  # noqa: SIM115
+            cut_partial_line(self.path, root=run_dir)
+        self._file = open_write(self.path, "a", root=run_dir) if enabled else None
         self._trackers: list[Any] = []
         if enabled:
             self._trackers = (open_trackers(run_dir, tensorboard=tensorboard)
@@ -150,11 +148,10 @@ class RankLog:
     """
 
     def __init__(self, run_dir: str | Path, rank: int, flush_every: int = 50) -> None:
-        folder = Path(run_dir) / RANKS_DIR
-        folder.mkdir(parents=True, exist_ok=True)
+        folder = make_dir(Path(run_dir) / RANKS_DIR, root=run_dir)
         self.path = folder / f"rank{rank}.jsonl"
-        _drop_partial_line(self.path)
-        self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115
+        cut_partial_line(self.path, root=run_dir)
+        self._file = open_write(self.path, "a", root=run_dir)
         self._pending = 0
         self.flush_every = flush_every
 
@@ -175,14 +172,33 @@ class RankLog:
             self._file = None
 
 
+ROW_MAX_CHARS = 1 << 20
+"""The longest row of a JSON-lines file read back (editrain's rows: a few kilobytes)."""
+
+
 def read_jsonl(path: Path) -> list[dict[str, Any]]:
-    """The rows of a JSON-lines file; a line cut off by a killed writer is skipped."""
+    """The rows of a JSON-lines file editrain wrote: a regular file (a link is refused),
+    each line parsed with :func:`editrain.safe_io.read_json_value` (bounded depth); a line
+    cut off by a killed writer, one that is not a JSON object, or longer than
+    :data:`ROW_MAX_CHARS` is skipped.
+
+    Raises:
+        RunDirError: the file is a link or not a regular file.
+    """
+    regular_size(path, error=RunDirError, what="JSON-lines file")
     rows = []
-    for line in path.read_text(encoding="utf-8").splitlines():
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue
+    with open(path, encoding="utf-8", errors="replace") as f:
+        while line := f.readline(ROW_MAX_CHARS + 1):
+            if len(line) > ROW_MAX_CHARS:  # skipped without holding it whole
+                while line and not line.endswith("\n"):
+                    line = f.readline(ROW_MAX_CHARS + 1)
+                continue
+            try:
+                row = read_json_value(line, str(path), error=ValueError)
+            except ValueError:
+                continue
+            if isinstance(row, dict):
+                rows.append(row)
     return rows
 
 
@@ -227,8 +243,7 @@ def plot_runs(run_dirs: Sequence[str | Path], out_dir: str | Path | None = None)
     import matplotlib.pyplot as plt
 
     dirs = [Path(d) for d in run_dirs]
-    out = Path(out_dir) if out_dir is not None else dirs[0]
-    out.mkdir(parents=True, exist_ok=True)
+    out = make_dir(Path(out_dir) if out_dir is not None else dirs[0])
     written = []
     for x_key, x_label, name in (("tokens", "tokens (all replicas)", "loss_vs_tokens.png"),
                                  ("wall_time_s", "wall time (s)", "loss_vs_time.png")):
@@ -255,7 +270,8 @@ def plot_runs(run_dirs: Sequence[str | Path], out_dir: str | Path | None = None)
         ax.legend(fontsize=8)
         fig.tight_layout()
         path = out / name
-        fig.savefig(path, dpi=110)
+        with open_write(path, "w", binary=True) as f:  # never through a link
+            fig.savefig(f, dpi=110, format="png")
         plt.close(fig)
         written.append(path)
     return written

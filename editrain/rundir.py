@@ -34,8 +34,10 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import shutil
 import socket
+import stat
 import time
 import uuid
 from dataclasses import asdict, dataclass, field
@@ -43,6 +45,19 @@ from pathlib import Path
 from typing import Any
 
 from editrain.errors import CheckpointError, RunDirError
+from editrain.safe_io import (
+    Int,
+    List,
+    Num,
+    Obj,
+    Str,
+    check_no_links,
+    cut_partial_line,
+    make_dir,
+    open_write,
+    read_json,
+    write_atomic,
+)
 from editrain.tracking import RUN_ID_FILE
 
 log = logging.getLogger("editrain")
@@ -68,8 +83,8 @@ def run_entries(run_dir: Path) -> list[str]:
     """The editrain entries present in ``run_dir`` (what makes it hold a run)."""
     if not run_dir.is_dir():
         return []
-    names = [n for n in RUN_FILES if (run_dir / n).exists()]
-    names += sorted(p.name for p in run_dir.iterdir() if p.is_dir() and _is_replica_dir(p.name))
+    names = [n for n in RUN_FILES if os.path.lexists(run_dir / n)]
+    names += sorted(p.name for p in run_dir.iterdir() if _is_replica_dir(p.name))
     return names
 
 
@@ -95,32 +110,38 @@ def new_id() -> str:
     return uuid.uuid4().hex[:16]
 
 
+RECORD_MAX_BYTES = 16 << 20
+"""The largest run record read (a job adds a line of a few hundred bytes to its history)."""
+_ID = Str(64)
+RECORD_SCHEMA = Obj({
+    "run_id": _ID, "branch": _ID,
+    "resumed_from": List(Str(), 4096, nullable=True),
+    "owned": List(Str(255), 4096),
+    "history": List(Obj(), 1 << 16),
+}, required=("run_id", "branch"))
+"""What ``editrain-run.json`` must be (:func:`editrain.safe_io.read_json`)."""
+
+
 def read_record(run_dir: str | Path) -> RunRecord | None:
     """The run record of ``run_dir``, or None if it has none (a new directory, or a run of
     an editrain older than the record)."""
     path = Path(run_dir) / RECORD
-    if not path.is_file():
+    if not os.path.lexists(path):
         return None
     try:
-        data = json.loads(path.read_text())
-        return RunRecord(run_id=str(data["run_id"]), branch=str(data["branch"]),
-                         resumed_from=[str(p) for p in data.get("resumed_from") or []],
-                         owned=[str(n) for n in data.get("owned", [])],
-                         history=list(data.get("history", [])))
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        raise RunDirError(f"--run-dir: {path} is unreadable ({e}); it is editrain's record "
-                          "of the run in that directory: restore it, or choose another "
-                          "directory") from None
+        data = read_json(path, max_bytes=RECORD_MAX_BYTES, schema=RECORD_SCHEMA,
+                         error=RunDirError, what="run record")
+    except RunDirError as e:
+        raise RunDirError(f"--run-dir: {e}; it is editrain's record of the run in that "
+                          "directory: restore it, or choose another directory") from None
+    return RunRecord(run_id=data["run_id"], branch=data["branch"],
+                     resumed_from=list(data.get("resumed_from") or []),
+                     owned=list(data.get("owned", [])), history=list(data.get("history", [])))
 
 
 def write_record(run_dir: Path, record: RunRecord) -> None:
-    """Write the record atomically (temporary file, fsync, rename)."""
-    tmp = run_dir / (RECORD + ".tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(json.dumps(asdict(record), indent=1))
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, run_dir / RECORD)
+    """Write the record atomically (temporary file, fsync, rename; no link followed)."""
+    write_atomic(run_dir / RECORD, json.dumps(asdict(record), indent=1), root=run_dir)
 
 
 def lineage_of(run_dir: str | Path) -> dict[str, Any] | None:
@@ -156,8 +177,18 @@ class RunLock:
         :class:`RunDirError` naming the job that holds it."""
         import fcntl
 
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        make_dir(self.path.parent)
+        check_no_links(self.path)
+        try:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK,
+                         0o644)
+        except OSError as e:
+            raise RunDirError(f"--run-dir: cannot open the lock {self.path} ({e.strerror}; "
+                              "editrain never follows a link there)") from None
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
+            raise RunDirError(f"--run-dir: {self.path} is not a regular file; it is "
+                              "editrain's lock of the run directory (move it away)")
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:
@@ -191,46 +222,125 @@ class RunLock:
 
 
 # ---------------------------------------------------------------------------- ownership
-def _only(path: Path, ok) -> bool:
-    """Whether every entry directly in the directory ``path`` satisfies ``ok(entry)``."""
-    return all(ok(p) for p in path.iterdir())
+_STEP = re.compile(r"step_\d+(\.tmp|\.old|\.\d+)?")
+_CKPT_FILE = re.compile(r"(\.metadata|[^/]+\.distcp|rank_\d+\.json|editrain\.json)(\.tmp)?")
+_LOG_FILE = re.compile(r"rank\d+\.(log|error\.json)|launcher\.log")
+_FILES_IN = {
+    "ranks": re.compile(r"rank\d+\.jsonl"),
+    "tb": re.compile(r"events\.out\.tfevents\..+"),
+    ".link": re.compile(r"[^/]+\.state"),
+    "logs": _LOG_FILE,
+}
+"""Directories of a run that hold only files editrain writes, and those files' names."""
+_WALK_LIMIT = 1 << 16
+"""Most entries :func:`foreign_entry` looks at in one directory tree."""
 
 
-def _looks_like_editrains(path: Path) -> bool:
-    """For a directory without a record (written by an older editrain, or a user's): whether
-    the entry ``path`` holds only what editrain writes there."""
-    name = path.name
-    if path.is_file():
-        return name in RUN_FILES
-    if not path.is_dir():
-        return False
+def _kind(path: Path) -> str:
+    """``"link"``, ``"dir"``, ``"file"`` (regular) or ``"other"``, without following a link."""
+    try:
+        mode = os.lstat(path).st_mode
+    except OSError:
+        return "other"
+    if stat.S_ISLNK(mode):
+        return "link"
+    return "dir" if stat.S_ISDIR(mode) else "file" if stat.S_ISREG(mode) else "other"
+
+
+def _children(path: Path) -> list[Path]:
+    children = sorted(path.iterdir())
+    if len(children) > _WALK_LIMIT:
+        raise RunDirError(f"--overwrite: {path} holds {len(children)} entries, more than "
+                          "editrain writes there; move it away first")
+    return children
+
+
+def _foreign_in_checkpoint_dir(path: Path, depth: int = 0) -> Path | None:
+    """The first entry of ``checkpoints/`` (or of its ``abandoned/<branch>/``) that is not a
+    checkpoint directory of regular DCP, rank and marker files."""
+    for p in _children(path):
+        kind = _kind(p)
+        if depth == 0 and p.name == ABANDONED and kind == "dir":
+            for branch in _children(p):
+                found = (_foreign_in_checkpoint_dir(branch, 1) if _kind(branch) == "dir"
+                         else branch)
+                if found is not None:
+                    return found
+            continue
+        if kind != "dir" or not _STEP.fullmatch(p.name):
+            return p
+        for f in _children(p):
+            if _kind(f) != "file" or not _CKPT_FILE.fullmatch(f.name):
+                return f
+    return None
+
+
+def foreign_entry(path: Path) -> Path | None:
+    """The first thing inside the run entry ``path`` that editrain would not have written
+    there (a link anywhere, a file of a name editrain does not write, a directory where it
+    writes none), or None when ``path`` holds only editrain's own files.
+
+    ``wandb/`` is W&B's: only its own entry is checked (not a link).
+    """
+    name, kind = path.name, _kind(path)
+    if kind == "link" or kind == "other":
+        return path
+    if kind == "file":
+        return None if name in RUN_FILES and name not in _FILES_IN and name != CKPT_DIR \
+            else path
+    if name == "wandb":
+        return None
     if name == CKPT_DIR:
-        return _only(path, lambda p: p.is_dir() and (p.name.startswith("step_")
-                                                      or p.name == ABANDONED))
-    if name == "ranks":
-        return _only(path, lambda p: p.is_file() and p.name.startswith("rank")
-                     and p.name.endswith(".jsonl"))
-    if name == "tb":
-        return _only(path, lambda p: p.is_file() and p.name.startswith("events.out.tfevents"))
-    if name == ".link":
-        return _only(path, lambda p: p.is_file() and p.name.endswith(".state"))
-    if name == "logs":
-        return _only(path, lambda p: p.is_file())
+        return _foreign_in_checkpoint_dir(path)
+    if name in _FILES_IN:
+        pattern = _FILES_IN[name]
+        return next((p for p in _children(path)
+                     if _kind(p) != "file" or not pattern.fullmatch(p.name)), None)
     if _is_replica_dir(name):
-        return _only(path, lambda p: p.name in RUN_FILES and _looks_like_editrains(p))
-    return False
+        for p in _children(path):
+            found = foreign_entry(p) if p.name in RUN_FILES else p
+            if found is not None:
+                return found
+        return None
+    return path
+
+
+def first_link(path: Path) -> Path | None:
+    """The first symbolic link at or below ``path`` (links are not followed; W&B's own
+    ``wandb/`` is not looked into), or None."""
+    if _kind(path) == "link":
+        return path
+    if path.name == "wandb" or _kind(path) != "dir":
+        return None
+    seen = 0
+    for top, dirs, files in os.walk(path):
+        for name in sorted(dirs + files):
+            seen += 1
+            if seen > _WALK_LIMIT * 16:
+                return None  # a run directory this large was not checked to the end
+            if os.path.islink(os.path.join(top, name)):
+                return Path(top) / name
+    return None
 
 
 def removable(run_dir: Path, record: RunRecord | None) -> tuple[list[str], list[str]]:
     """``(editrain's entries that --overwrite removes, run entries it must not touch)``.
 
-    With a record, what it lists as owned; without one, the entries whose contents are only
-    what editrain writes there.
+    An entry is editrain's when the record lists it as owned (or, without a record, a run
+    of an older editrain's) and it holds only what editrain writes there
+    (:func:`foreign_entry`): an owned directory holding a user's file is not removed.
+    Foreign entries are named as ``entry (the first foreign path in it)``.
     """
     ours, foreign = [], []
     for name in run_entries(run_dir):
-        owned = name in record.owned if record is not None else False
-        (ours if owned or _looks_like_editrains(run_dir / name) else foreign).append(name)
+        found = foreign_entry(run_dir / name)
+        owned = record is None or name in record.owned
+        if owned and found is None:
+            ours.append(name)
+        else:
+            inside = found.relative_to(run_dir) if found is not None else None
+            foreign.append(name if inside is None or str(inside) == name
+                           else f"{name} ({inside})")
     return ours, foreign
 
 
@@ -258,11 +368,50 @@ class Claim:
     resume_marker: dict[str, Any] | None = None
 
 
-def _marker(ckpt: Path) -> dict[str, Any]:
-    try:
-        return json.loads((ckpt / MARKER).read_text())
-    except (OSError, ValueError) as e:
-        raise CheckpointError(f"{ckpt}: unreadable {MARKER}: {e}") from None
+MARKER_MAX_BYTES = 4 << 20
+"""The largest checkpoint marker read (the run's configuration and model shape: kilobytes)."""
+_POS = Int(1, 1 << 20)
+MARKER_SCHEMA = Obj({
+    "format": Int(1, 1000),
+    "step": Int(0, 2**53),
+    "topology": List(_POS, 4, nullable=True),
+    "tp_size": _POS, "pp_size": _POS, "pp_stages_per_rank": _POS,
+    "num_units": Int(1, 1 << 20, nullable=True),
+    "vocab_size": Int(1, 1 << 30, nullable=True),
+    "seq_len": Int(1, 1 << 30, nullable=True),
+    "train_seed": Int(-(2**63), 2**64, nullable=True),
+    "method": Str(64, nullable=True),
+    "model": Obj(nullable=True),
+    "config": Obj(nullable=True),
+    "train_data": Obj({"tokens": Int(0, 2**53), "sha256": Str(64)}, nullable=True),
+    "run_id": Str(64, nullable=True), "branch": Str(64, nullable=True),
+    "saved_at": Num(0.0, 1e12, nullable=True),
+}, required=("step",))
+"""What a checkpoint's ``editrain.json`` must be: every counter and size an integer in
+range (never a bool, a float or a string), checked before anything else reads it."""
+
+
+def read_marker(ckpt: Path) -> dict[str, Any]:
+    """The ``editrain.json`` of a checkpoint, checked against :data:`MARKER_SCHEMA`.
+
+    Raises:
+        CheckpointError: missing, a link, too large, not JSON or not a marker (one line
+            naming the file and the field).
+    """
+    if Path(ckpt).is_symlink():
+        raise CheckpointError(f"{ckpt}: the checkpoint directory is a symbolic link; editrain "
+                              "reads a checkpoint only where it lies (give the directory the "
+                              "link points to)")
+    marker = read_json(Path(ckpt) / MARKER, max_bytes=MARKER_MAX_BYTES, schema=MARKER_SCHEMA,
+                       what="checkpoint marker")
+    topology = marker.get("topology")
+    if topology is not None and not 2 <= len(topology) <= 4:
+        raise CheckpointError(f"{Path(ckpt) / MARKER}: field 'topology': 2 to 4 sizes are "
+                              f"expected (found {len(topology)})")
+    return marker
+
+
+_marker = read_marker
 
 
 def _inside(path: Path, root: Path) -> bool:
@@ -305,6 +454,16 @@ def check(run_dir: Path, *, overwrite: bool, resume: list[Path]) -> Claim:
         raise RunDirError(f"--run-dir: {run_dir} already holds {what} "
                           f"({', '.join(existing)}); {how}")
     replace = bool(existing) and not same_run
+    if not replace:
+        # Everything this job writes into: editrain never writes a link, so a link there is
+        # someone else's, and writing through it would reach outside the run directory.
+        for name in existing:
+            link = first_link(run_dir / name)
+            if link is not None:
+                raise RunDirError(f"--run-dir: {link} is a symbolic link; editrain writes "
+                                  "only regular files and directories in a run directory and "
+                                  "never follows a link (remove it, or choose another "
+                                  "directory)")
     if replace:
         if any(_inside(c, run_dir) for c in resume):
             raise RunDirError(f"--overwrite: {run_dir} would be replaced, but the checkpoint "
@@ -328,7 +487,7 @@ def newer_checkpoints(ckpt: Path, roots: list[Path], step: int) -> list[Path]:
         for p in sorted(root.iterdir()):
             if (p.is_dir() and p.name.startswith("step_") and not p.name.endswith(".tmp")
                     and (p / MARKER).is_file() and p.resolve() != ckpt.resolve()):
-                if int(_marker(p).get("step", -1)) > step:
+                if _marker(p)["step"] > step:
                     out.append(p)
     return out
 
@@ -360,7 +519,7 @@ def claim(c: Claim) -> RunRecord:
         rec = RunRecord(run_id=new_id(), branch=new_id())
     else:
         marker = c.resume_marker or {}
-        step = int(marker.get("step", -1))
+        step = int(marker.get("step", -1))  # checked by read_marker
         run_id = marker.get("run_id") or (record.run_id if record is not None else new_id())
         roots = sorted({p.parent for p in c.resume} | _checkpoint_roots(run_dir))
         newer = newer_checkpoints(c.resume[0], roots, step)
@@ -381,7 +540,7 @@ def claim(c: Claim) -> RunRecord:
     event["branch"] = rec.branch
     rec.owned = sorted(owned)
     rec.history = (list(record.history) if record is not None else []) + [event]
-    run_dir.mkdir(parents=True, exist_ok=True)
+    make_dir(run_dir)
     write_record(run_dir, rec)
     if c.resume and rec.branch != (record.branch if record is not None else None):
         # Readers of metrics.jsonl see where the new timeline starts (rows up to the last
@@ -393,14 +552,11 @@ def claim(c: Claim) -> RunRecord:
 
 def _append_event(path: Path, row: dict[str, Any]) -> None:
     """Append one row to an existing ``metrics.jsonl`` (no worker runs yet)."""
-    if not path.is_file():
+    if not os.path.lexists(path):
         return
-    with open(path, "rb+") as f:
-        data = f.read()
-        if data and not data.endswith(b"\n"):  # a writer killed mid-row
-            f.truncate(data.rfind(b"\n") + 1)
-        f.seek(0, os.SEEK_END)
-        f.write((json.dumps(row) + "\n").encode())
+    cut_partial_line(path, root=path.parent)
+    with open_write(path, "a", root=path.parent) as f:
+        f.write(json.dumps(row) + "\n")
 
 
 def _checkpoint_roots(run_dir: Path) -> set[Path]:
@@ -420,7 +576,7 @@ def _set_aside(ckpts: list[Path], branch: str) -> list[Path]:
         while dest.exists():
             dest = dest.with_name(f"{p.name}.{n}")
             n += 1
-        dest.parent.mkdir(parents=True, exist_ok=True)
+        make_dir(dest.parent, root=p.parent.parent)
         os.replace(p, dest)
         moved.append(dest)
     return moved

@@ -23,6 +23,7 @@ file, so a truncated checkpoint is reported before any process group reads it.
 from __future__ import annotations
 
 import io
+import os
 import pickle
 from collections.abc import Callable
 from pathlib import Path
@@ -43,6 +44,7 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import LoadItemType
 
 from editrain.errors import CheckpointError
+from editrain.safe_io import read_bytes, regular_size
 
 __all__ = ["METADATA_CLASSES", "SafeFileSystemReader", "SafeLoadPlanner", "check_storage",
            "decode_plain", "read_bytes_item", "read_metadata"]
@@ -90,21 +92,25 @@ class _MetadataUnpickler(pickle.Unpickler):
         raise CheckpointError("refusing a persistent id: DCP metadata holds none")
 
 
-def read_metadata(ckpt: str | Path) -> Metadata:
+METADATA_MAX_BYTES = 1 << 30
+"""The largest ``.metadata`` read when the caller gives no cap from the marker."""
+
+
+def read_metadata(ckpt: str | Path, max_bytes: int = METADATA_MAX_BYTES) -> Metadata:
     """The checkpoint's DCP metadata, unpickled with the allowlist and checked field by field.
 
     Args:
         ckpt: the checkpoint directory.
+        max_bytes: the largest file accepted (refused by its size before it is read;
+            :func:`editrain.checkpoint.metadata_cap` derives it from the marker).
 
     Raises:
-        CheckpointError: the file is missing, unreadable, names a class outside the allowlist
-            or does not have the shape of DCP metadata (the message names the file).
+        CheckpointError: the file is missing, a link, not a regular file, too large,
+            unreadable, names a class outside the allowlist or does not have the shape of
+            DCP metadata (the message names the file).
     """
     path = Path(ckpt) / METADATA_FILE
-    try:
-        data = path.read_bytes()
-    except OSError as e:
-        raise CheckpointError(f"{path}: cannot read checkpoint metadata: {e}") from None
+    data = read_bytes(path, max_bytes, what="checkpoint metadata")
     try:
         metadata = _MetadataUnpickler(io.BytesIO(data)).load()
     except CheckpointError as e:
@@ -194,10 +200,9 @@ def check_storage(ckpt: str | Path, metadata: Metadata) -> None:
         name = info.relative_path
         if name not in sizes:
             path = ckpt / name
-            try:
-                sizes[name] = path.stat().st_size if path.is_file() else -1
-            except OSError:
-                sizes[name] = -1
+            # A link (possibly to outside the checkpoint), a FIFO or a directory: refused.
+            sizes[name] = (regular_size(path, what="checkpoint data file")
+                           if os.path.lexists(path) else -1)
         size = sizes[name]
         if size < 0:
             raise CheckpointError(f"{ckpt / name}: cannot read checkpoint data: the file is "
@@ -281,11 +286,13 @@ class SafeFileSystemReader(FileSystemReader):
 
     Args:
         path: the checkpoint directory.
+        max_metadata_bytes: the largest ``.metadata`` read (see :func:`read_metadata`).
     """
 
-    def __init__(self, path: str | Path) -> None:
+    def __init__(self, path: str | Path, max_metadata_bytes: int = METADATA_MAX_BYTES) -> None:
         super().__init__(path)
         self._dir = Path(path)
+        self._max_metadata = max_metadata_bytes
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         """The checkpoint's metadata (:func:`read_metadata`).
@@ -296,7 +303,7 @@ class SafeFileSystemReader(FileSystemReader):
         """
         if kwargs.get("rank") is not None:
             raise CheckpointError(f"{self._dir}: no per-rank metadata is read")
-        metadata = read_metadata(self._dir)
+        metadata = read_metadata(self._dir, self._max_metadata)
         if metadata.storage_meta is None:
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id

@@ -37,6 +37,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
 
+from editrain.safe_io import make_dir, open_write
+
 _UNITS = {
     "b/s": 1.0, "kb/s": 1e3, "mb/s": 1e6, "gb/s": 1e9,
     "bit/s": 1 / 8, "kbit/s": 1e3 / 8, "mbit/s": 1e6 / 8, "gbit/s": 1e9 / 8,
@@ -227,8 +229,13 @@ class SharedLink:
         self.latency = float(latency)
         self.clock = clock
         self._boot = _boot_id()
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        os.close(os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644))
+        make_dir(self.path.parent, root=self.path.parent.parent)
+        os.close(self._open())
+
+    def _open(self) -> int:
+        """The link's file, never through a link (it lies in the run directory)."""
+        with open_write(self.path, "c+", binary=True) as f:
+            return os.dup(f.fileno())
 
     def __repr__(self) -> str:
         return (f"SharedLink({str(self.path)!r}, bandwidth={self.bandwidth!r}, "
@@ -247,7 +254,7 @@ class SharedLink:
     def reserve(self, nbytes: int) -> Reservation:
         """Book the link for ``nbytes`` after every earlier reservation of the node."""
         duration = nbytes / self.bandwidth if self.bandwidth else 0.0
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        fd = self._open()
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)
             now = self.clock()

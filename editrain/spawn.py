@@ -22,7 +22,6 @@ Process hygiene (used by :mod:`editrain.launch` and :func:`editrain.runtime.setu
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import signal
 import socket
@@ -297,10 +296,12 @@ def errors_logged(log_dir: Path, rank: int, world_size: int) -> Iterator[None]:
         header = (f"--- {time.strftime('%Y-%m-%d %H:%M:%S')} rank {rank} (pid {os.getpid()}, "
                   f"attempt {attempt}): {type(e).__name__}\n")
         try:
-            log_dir.mkdir(parents=True, exist_ok=True)
-            with open(log_dir / f"rank{rank}.log", "a") as f:
+            from editrain.safe_io import make_dir, open_write
+
+            make_dir(log_dir, root=log_dir.parent)
+            with open_write(log_dir / f"rank{rank}.log", "a", root=log_dir.parent) as f:
                 f.write(header + traceback.format_exc() + "\n")
-        except OSError:
+        except (OSError, ValueError):  # (a link there is refused: RunDirError)
             pass  # the error itself still reaches the launcher through torch's error file
         if type(e).__name__ not in USER_ERRORS and world_size > 1:
             time.sleep(PEER_GRACE_S)
@@ -315,9 +316,11 @@ def read_error_file(path: str | os.PathLike[str]) -> tuple[str, str] | None:
     Args:
         path: the file (``TORCHELASTIC_ERROR_FILE`` of the worker).
     """
+    from editrain.safe_io import read_json
+
     try:
-        data = json.loads(Path(path).read_text())
-    except (OSError, ValueError):
+        data = read_json(path, max_bytes=16 << 20, error=ValueError, what="error file")
+    except ValueError:
         return None
     message = data.get("message") if isinstance(data, dict) else None
     if isinstance(message, dict):

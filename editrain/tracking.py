@@ -17,6 +17,9 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+from editrain.errors import RunDirError
+from editrain.safe_io import make_dir, read_bytes, write_atomic
+
 WANDB_MODES = ("off", "offline", "online")
 """``train.wandb``: no W&B run, a run written to the run directory only (``wandb sync``
 uploads it later), or a run streamed to the W&B server."""
@@ -143,7 +146,8 @@ class TensorBoardTracker:
     def __init__(self, run_dir: Path) -> None:
         from torch.utils.tensorboard import SummaryWriter
 
-        self._writer = SummaryWriter(str(run_dir / "tb"))
+        # Its files are opened by name: the directory is checked (editrain.safe_io).
+        self._writer = SummaryWriter(str(make_dir(run_dir / "tb", root=run_dir)))
 
     def log(self, scalars: dict[str, float], step: int) -> None:
         for name, value in scalars.items():
@@ -172,14 +176,15 @@ class WandbTracker:
         import wandb
 
         id_file = run_dir / RUN_ID_FILE
-        run_id = id_file.read_text().strip() if id_file.is_file() else uuid.uuid4().hex[:8]
+        run_id = (read_bytes(id_file, 256, error=RunDirError, what="W&B run id").decode(
+            "ascii", "replace").strip() if os.path.lexists(id_file) else uuid.uuid4().hex[:8])
         self._run = wandb.init(
             project=os.environ.get("WANDB_PROJECT") or project,
             mode=os.environ.get("WANDB_MODE") or mode, id=run_id, resume="allow",
             name=run_dir.name, config=config,
             dir=None if os.environ.get("WANDB_DIR") else str(run_dir),
             settings=wandb.Settings(console="off", silent=quiet))
-        id_file.write_text(run_id + "\n")
+        write_atomic(id_file, run_id + "\n", root=run_dir)
 
     def log(self, scalars: dict[str, float], step: int) -> None:
         self._run.log(scalars, step=step)

@@ -52,6 +52,7 @@ from editrain.optim.schedule import lr_at, set_lr
 from editrain.pipeline import PipelineRunner, build_stage, pipeline_eval_loss
 from editrain.rundir import lineage_of, logs_dir
 from editrain.runtime import init_distributed, setup_process
+from editrain.safe_io import make_dir, write_atomic
 from editrain.sim import Simulation, check_replicas, parse_sim
 from editrain.tracking import open_trackers
 
@@ -79,8 +80,8 @@ class Trainer:
         self.ft = cfg.dist.fault_tolerance == "torchft"
         if self.ft:
             self.replica, self.replicas = ft_identity(cfg, info.topo.replica_size)
-            self.run_dir = self.run_dir / f"replica{self.replica}"
-            self.run_dir.mkdir(parents=True, exist_ok=True)
+            self.run_dir = make_dir(self.run_dir / f"replica{self.replica}",
+                                    root=self.run_dir)
         else:
             self.replica, self.replicas = info.replica, info.topo.num_replicas
         # Data ranks: the tp peers of a shard read the same batches.
@@ -404,7 +405,8 @@ class Trainer:
                            failed_syncs=self.engine.failed_rounds)
         if self.is_logger:
             # strict JSON: a NaN loss is written null
-            (self.run_dir / "summary.json").write_text(to_json(summary, indent=1))
+            write_atomic(self.run_dir / "summary.json", to_json(summary, indent=1),
+                         root=self.run_dir)
             log.warning("done: %d steps, %d tokens, val loss %.4f, %.1f s, %d syncs",
                         summary["steps"], summary["tokens"], final_val, summary["wall_time_s"],
                         summary["num_syncs"])
@@ -504,7 +506,7 @@ class Trainer:
             self.replay_until = _last_logged_step(self.run_dir)
         if state is not None:  # same topology: exact
             self.step = state["step"]
-            self.next_eval, self.next_ckpt = state["next_eval"], state["next_ckpt"]
+            self._resume_schedule(state, marker)
             self.last_eval, self.finished = state["last_eval"], state["finished"]
             self.wall_offset = state["wall_time_s"]
             self.off_train_s = state.get("off_train_s", 0.0)
@@ -523,7 +525,7 @@ class Trainer:
         first = old[0]
         # The engine restarted every replica at one step (A-EDiT: the mean of the last sync).
         self.step = self.engine.global_step
-        self.next_eval, self.next_ckpt = first["next_eval"], first["next_ckpt"]
+        self._resume_schedule(first, marker)
         self.last_eval, self.wall_offset = first["last_eval"], first["wall_time_s"]
         self.off_train_s = first.get("off_train_s", 0.0)
         self.data.repartition([o["data"] for o in old])
@@ -537,6 +539,15 @@ class Trainer:
                 "local progress since the last sync, the sync clock.",
                 ckpt, old_r, old_s, self.info.topo.num_replicas, self.info.topo.shard_size,
                 min(old_r, self.info.topo.num_replicas) - 1, self.step)
+
+    def _resume_schedule(self, state: dict[str, Any], marker: dict[str, Any]) -> None:
+        """The evaluations and checkpoints due after a resume: the schedule the run would
+        have had without the stop. The final save of a run does not advance them past its
+        own step (the loop's last evaluation and checkpoint are not taken), so they are
+        advanced past the checkpoint's step here, with this run's intervals."""
+        label, t = marker["step"], self.cfg.train
+        self.next_eval = next_after(state["next_eval"], label, t.eval_every)
+        self.next_ckpt = next_after(state["next_ckpt"], label, self.cfg.checkpoint.every)
 
     # ------------------------------------------------------------------ helpers
     def _write(self, row: dict[str, Any]) -> None:
@@ -634,10 +645,11 @@ class Trainer:
 
 def next_after(due: int, point: float, every: int) -> int:
     """``due`` advanced by ``every`` until it is past ``point`` (unchanged when ``every``
-    is 0): the next evaluation or checkpoint after the one taken at ``point``."""
-    while every and due <= point:
-        due += every
-    return due
+    is 0): the next evaluation or checkpoint after the one taken at ``point``. Computed,
+    not looped, so a far ``point`` costs nothing."""
+    if not every or due > point:
+        return due
+    return due + (int((point - due) // every) + 1) * every
 
 
 def sync_summary(entry: dict[str, Any]) -> str:

@@ -38,6 +38,8 @@ from pathlib import Path
 
 import numpy as np
 
+from editrain.safe_io import Obj, read_json
+
 from .overlap import window_overlap
 from .progress import BuildProgress
 from .sources import Document, iter_records, parse_sources, resolve_sources, source_fingerprint
@@ -221,6 +223,8 @@ def _cache_key(
 
 
 _ID_CHUNK = 1 << 26
+META_MAX_BYTES = 16 << 20
+"""The largest ``meta.json`` of a cache entry read (a few kilobytes are written)."""
 """Tokens read at a time when a cache file is scanned for ids out of range."""
 
 
@@ -247,6 +251,48 @@ def check_token_ids(tokens: np.ndarray, vocab_size: int, path: Path) -> None:
             f"vocabulary size {vocab_size}); delete {path.parent} to rebuild it")
 
 
+CHECKSUM_CHUNK = 8 << 20
+"""Bytes hashed at a time by :func:`file_checksum` (memory stays flat at any file size)."""
+CHECKSUM_FILES = ("train.bin", "val.bin", "tokenizer.json")
+"""The files of a cache entry whose checksums ``meta.json`` records."""
+
+
+def file_checksum(path: str | Path) -> str:
+    """BLAKE2b (128-bit) of a file's bytes, read in :data:`CHECKSUM_CHUNK` pieces.
+
+    Args:
+        path: the file.
+    """
+    h = hashlib.blake2b(digest_size=16)
+    with open(path, "rb") as fh:
+        while chunk := fh.read(CHECKSUM_CHUNK):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def entry_checksums(entry: str | Path) -> dict[str, str]:
+    """The checksums of a cache entry's files (:data:`CHECKSUM_FILES`), as ``meta.json``
+    records them under ``checksums``: computed by the build once the files are written,
+    verified by every job that opens the entry (:func:`verify_checksums`)."""
+    return {name: file_checksum(Path(entry) / name) for name in CHECKSUM_FILES}
+
+
+def verify_checksums(entry: str | Path, meta: dict) -> None:
+    """Check an entry's files against the checksums its ``meta.json`` records.
+
+    Raises:
+        ValueError: a file's bytes changed since the build (named, with the fix).
+    """
+    recorded = meta.get("checksums")
+    for name in CHECKSUM_FILES:
+        path = Path(entry) / name
+        if not isinstance(recorded, dict) or recorded.get(name) != file_checksum(path):
+            raise ValueError(
+                f"data.cache_dir: the token cache file {path} is corrupted (its checksum "
+                f"differs from the one meta.json recorded at build time); delete "
+                f"{path.parent} to rebuild it")
+
+
 def open_prepared(entry: str | Path) -> TokenData | None:
     """The token cache entry ``entry`` (a :attr:`TokenData.cache_dir` that
     :func:`prepare_tokens` returned, in this job), memory-mapped and checked as a reused
@@ -261,11 +307,12 @@ def _open_entry(entry: Path, reused: bool) -> TokenData | None:
     """Memory-map a complete entry, or return None if it is missing or broken."""
     meta_path = entry / "meta.json"
     try:
-        meta = json.loads(meta_path.read_text(encoding="ascii"))
-    except (OSError, ValueError):
+        meta = read_json(meta_path, max_bytes=META_MAX_BYTES, schema=Obj(), error=ValueError,
+                         what="token cache meta.json")
+    except ValueError:
         return None
-    if meta.get("format") != FORMAT_VERSION:
-        return None
+    if meta.get("format") != FORMAT_VERSION or not isinstance(meta.get("checksums"), dict):
+        return None  # another format, or built before checksums were recorded: rebuilt
     dtype = np.dtype(meta["dtype"])
     arrays = {}
     for split in ("train", "val"):
@@ -280,6 +327,7 @@ def _open_entry(entry: Path, reused: bool) -> TokenData | None:
     if not tok_path.is_file():
         return None
     if reused:  # what we just wrote is trusted; a file found on disk is checked
+        verify_checksums(entry, meta)
         for split, tokens in arrays.items():
             check_token_ids(tokens, int(meta["vocab_size"]), entry / f"{split}.bin")
     return TokenData(
@@ -492,6 +540,7 @@ def _build_entry(
         "kinds": plan.stats,
         "build_seconds": round(time.monotonic() - t0, 3),
     }
+    meta["checksums"] = entry_checksums(entry)  # verified by every job that opens it
     _fsync_dir(entry)
     # meta.json last: its presence is what marks the entry complete.
     _atomic_write_bytes(entry / "meta.json", json.dumps(meta, indent=1).encode("ascii"))
