@@ -86,7 +86,7 @@ class Evaluator:
         if self.everyone and info.topo.world_size > 1:
             if info.tp:
                 total.zero_()  # tp peers evaluated the same windows: the first counts
-            dist.all_reduce(total)
+            self._all_reduce_world(total, "evaluation")
         elif not self.everyone and self.replica_group is not None:
             if info.tp:
                 total.zero_()
@@ -107,5 +107,17 @@ class Evaluator:
         first = info.tp == 0 and info.stage == 0
         t = torch.tensor([loss if not everyone or first else 0.0],
                          dtype=torch.float64, device=info.device)
-        dist.all_reduce(t, group=group)
+        if everyone:
+            self._all_reduce_world(t, "control")
+        else:
+            dist.all_reduce(t, group=group)
         return float(t[0]) / size
+
+    def _all_reduce_world(self, t: torch.Tensor, cause: str) -> None:
+        """Sum over every rank, counted as cross-replica bytes of ``cause`` where the
+        engine keeps the count (``docs/metrics.md``, bytes by cause)."""
+        comm = getattr(self.engine, "comm", None)
+        if comm is None:
+            dist.all_reduce(t)
+            return
+        comm.all_reduce_main(t, None, cause, spans_replicas=self.info.topo.num_replicas > 1)

@@ -54,6 +54,7 @@ from editrain.rundir import lineage_of, logs_dir
 from editrain.runtime import init_distributed, setup_process
 from editrain.safe_io import make_dir, write_atomic
 from editrain.sim import Simulation, check_replicas, parse_sim
+from editrain.sync.comm import format_bytes_by_cause
 from editrain.tracking import open_trackers
 
 log = logging.getLogger("editrain")
@@ -220,6 +221,9 @@ class Trainer:
                                                               cfg.train.steps),
                                     info=f"loss {row['loss']:.3f}  val {final_val:.3f}")
             final_val = self._end(final_val)
+            # This rank's cross-replica bytes by cause, the last row of its rank log.
+            self.rank_log.write({"event": "cross_replica_bytes", "step": self.step,
+                                 **engine.comm.ledger.totals()})
         finally:
             if progress is not None:
                 progress.stop()
@@ -403,13 +407,17 @@ class Trainer:
         if self.ft:
             summary.update(replica=self.replica, healed_at=self.healed_at,
                            failed_syncs=self.engine.failed_rounds)
+        # Bytes this (the logging) rank sent across replicas, by cause; every rank's are the
+        # last row of its rank log (docs/metrics.md).
+        summary["cross_replica_bytes"] = self.engine.comm.ledger.totals()
         if self.is_logger:
             # strict JSON: a NaN loss is written null
             write_atomic(self.run_dir / "summary.json", to_json(summary, indent=1),
                          root=self.run_dir)
-            log.warning("done: %d steps, %d tokens, val loss %.4f, %.1f s, %d syncs",
+            log.warning("done: %d steps, %d tokens, val loss %.4f, %.1f s, %d syncs, %s",
                         summary["steps"], summary["tokens"], final_val, summary["wall_time_s"],
-                        summary["num_syncs"])
+                        summary["num_syncs"],
+                        format_bytes_by_cause(summary["cross_replica_bytes"]))
         return summary
 
     @property

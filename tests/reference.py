@@ -142,6 +142,9 @@ class RefConfig:
     # unit -> fragment, in the order of :func:`units_of` (None: unit u in fragment u mod P);
     # pipeline stages stride their own units over the fragments
     fragment_of: tuple[int, ...] | None = None
+    # inner steps k (streaming, lock-step runs) after whose merges and launches every
+    # replica's global model is recorded in probe["global"][k] (an evaluation there)
+    global_at: tuple[int, ...] = ()
 
 
 # ---------------------------------------------------------------------------- streaming
@@ -452,7 +455,9 @@ def run_reference(cfg: RefConfig,
                   probe: dict[str, Any] | None = None) -> list[dict[str, torch.Tensor]]:
     """Train R replicas for ``cfg.steps`` inner steps (or windows); return each replica's
     final parameters after a final sync if one is pending. ``probe`` (for tests of the eager
-    merge): gets ``"own"``, unit -> every replica's own anchor before the consensus."""
+    merge): gets ``"own"``, unit -> every replica's own anchor stepped with ``C + I`` by the
+    final round (what each replica's own outer optimizer was fed), and with
+    ``cfg.global_at`` ``"global"``, step -> every replica's global model (name -> tensor)."""
     # One thread, like the distributed workers: the tiny model gains nothing from more, and
     # spinning OpenMP threads are very slow on a loaded machine.
     threads = torch.get_num_threads()
@@ -492,6 +497,10 @@ def _simulate(cfg: RefConfig,
     own: list[list[list[torch.Tensor]]] = []
     own_outers: list[list[torch.optim.Optimizer | None]] = []
     corr: list[list[list[torch.Tensor]]] = []
+    # ... and the global anchor G with its own outer optimizer (glob[i][u], glob_outers[i][u]):
+    # fed every round's I once, at the merge; the same on every replica
+    glob: list[list[list[torch.Tensor]]] = []
+    glob_outers: list[list[torch.optim.Optimizer | None]] = []
     dets = [[RefDetector(*cfg.ewma) for _ in range(cfg.R)] for _ in range(n_units)]
     # error feedback: (unit, replica, piece key) -> flat fp32 residual, zeros at the start
     ef: dict[tuple[int, int, Any], torch.Tensor] = {}
@@ -513,6 +522,8 @@ def _simulate(cfg: RefConfig,
                 own.append([[p.detach().clone() for p in u] for u in uparams[i]])
                 own_outers.append([new_outer(a) for a in own[i]])
                 corr.append([[torch.zeros_like(a) for a in u] for u in own[i]])
+                glob.append([[p.detach().clone() for p in u] for u in uparams[i]])
+                glob_outers.append([new_outer(a) for a in glob[i]])
             return
         anchors = [[p.detach().clone() for p in u] for u in uparams[0]]
         outers = [new_outer(a) for a in anchors]
@@ -610,10 +621,10 @@ def _simulate(cfg: RefConfig,
                 if eager:
                     got = ([r.float() for r in red] if red is not None
                            else [torch.zeros_like(d) for d in d32[0]])  # nobody trusted: 0
-                    eager_step(u, d32, got, tau)
+                    eager_step(u, d32, got, tau, red is not None)
                     for i in range(cfg.R):
                         sent[i].append(d32[i])
-                    reduced.append(got)
+                    reduced.append((got, red is not None))
                 else:
                     if red is not None:
                         _outer_step(anchor(0, u), outers[u], red)
@@ -626,34 +637,37 @@ def _simulate(cfg: RefConfig,
         n_sync += 1
 
     def eager_step(u: int, d: list[list[torch.Tensor]], got: list[torch.Tensor],
-                   tau: int) -> None:
+                   tau: int, trusted: bool) -> None:
         """Section 3c's outer steps of unit ``u`` at a launch: ``A_i ← OuterOpt_i(A_i, C_i +
         D_i / R)`` (a replica's own share now, the others' at the merge), ``C_i ← 0``,
         ``θ_i ← A_i``. With ``tau == 0`` (the final blocking round) the round's ``I`` is
-        known: ``C_i + I`` instead, then every replica takes ``A = (Σ_i A_i) / R``."""
+        known: ``G_i ← OuterOpt_G(G_i, I)`` (no step if nobody was trusted), then ``A_i``
+        and its outer state become ``G_i``'s, ``C_i ← 0``, ``θ_i ← G_i``."""
         for i in range(cfg.R):
             if tau > 0:
                 update = [c + x / cfg.R for c, x in zip(corr[i][u], d[i])]
-            else:
-                update = [c + x for c, x in zip(corr[i][u], got)]
-            _outer_step(own[i][u], own_outers[i][u], update)
-            for c in corr[i][u]:
-                c.zero_()
-            if tau > 0:
+                _outer_step(own[i][u], own_outers[i][u], update)
+                for c in corr[i][u]:
+                    c.zero_()
                 for p, a in zip(uparams[i][u], own[i][u]):
                     p.copy_(a)
-        if tau == 0:
-            if probe is not None:
-                probe.setdefault("own", {})[u] = [[a.clone() for a in own[i][u]]
-                                                  for i in range(cfg.R)]
-            for j in range(len(got)):
-                total = torch.zeros_like(own[0][u][j])
-                for i in range(cfg.R):  # an fp32 all-reduce sum, in replica order
-                    total = total + own[i][u][j]
-                mean = total / cfg.R
-                for i in range(cfg.R):
-                    own[i][u][j].copy_(mean)
-                    uparams[i][u][j].copy_(mean)
+                continue
+            if probe is not None:  # what the replica's own optimizer was fed: C + I
+                mine = [a.clone() for a in own[i][u]]
+                opt = new_outer(mine)
+                if opt is not None:
+                    opt.load_state_dict(copy.deepcopy(own_outers[i][u].state_dict()))
+                _outer_step(mine, opt, [c + x for c, x in zip(corr[i][u], got)])
+                probe.setdefault("own", {}).setdefault(u, []).append(mine)
+            if trusted:
+                _outer_step(glob[i][u], glob_outers[i][u], got)
+            for a, g, c, p in zip(own[i][u], glob[i][u], corr[i][u], uparams[i][u]):
+                a.copy_(g)
+                c.zero_()
+                p.copy_(g)
+            if own_outers[i][u] is not None:
+                own_outers[i][u].load_state_dict(
+                    copy.deepcopy(glob_outers[i][u].state_dict()))
 
     def merge(rnd: tuple[int, list[int], Any], replicas: list[int] | None = None) -> None:
         """Section 3: blend ``θ ← lerp(Ã, θ, α)`` or keep_local ``θ ← Ã + (θ − θ⁰)``;
@@ -663,9 +677,12 @@ def _simulate(cfg: RefConfig,
             sent, reduced = payload
             with torch.no_grad():
                 for j, u in enumerate(units):
+                    got, trusted = reduced[j]
                     for i in (range(cfg.R) if replicas is None else replicas):
-                        for c, x, d in zip(corr[i][u], reduced[j], sent[i][j]):
+                        for c, x, d in zip(corr[i][u], got, sent[i][j]):
                             c.copy_(c + (x - d / cfg.R))
+                        if trusted:
+                            _outer_step(glob[i][u], glob_outers[i][u], got)
             return
         assert anchors is not None
         theta0 = payload
@@ -677,6 +694,30 @@ def _simulate(cfg: RefConfig,
                             p.copy_(torch.lerp(a, p.detach(), cfg.alpha))
                         else:
                             p.copy_(a + (p.detach() - p0))
+
+    def global_model(i: int) -> dict[str, torch.Tensor]:
+        """Replica ``i``'s global model now (an evaluation's): the anchors; eager: each
+        unit's ``G`` with its round in flight merged as sent (a copy of ``G`` and of its
+        optimizer state stepped with the round's ``I``), ``G`` itself if none is in flight
+        or nobody was trusted in it."""
+        values: list[torch.Tensor] = []
+        for u in range(n_units):
+            if not eager:
+                values += [a.clone() for a in anchor(0, u)]
+                continue
+            g = [a.clone() for a in glob[i][u]]
+            for _, units, (_, reduced) in inflight:
+                if u in units:
+                    got, trusted = reduced[units.index(u)]
+                    if trusted:
+                        opt = new_outer(g)
+                        if opt is not None:
+                            opt.load_state_dict(copy.deepcopy(glob_outers[i][u].state_dict()))
+                        _outer_step(g, opt, got)
+            values += g
+        names = [n for n, _ in reps[i].named_parameters()]
+        by_param = {id(p): t for p, t in zip([p for u in uparams[i] for p in u], values)}
+        return {n: by_param[id(p)] for n, p in zip(names, reps[i].parameters())}
 
     if not cfg.sync and (cfg.warmup == 0 or cfg.anchors_at_start):
         make_anchors()
@@ -718,6 +759,8 @@ def _simulate(cfg: RefConfig,
                 inflight.remove(rnd)
             for f in fragment_launches(k, cfg.H, P):
                 launch(frags[f], None, cfg.tau)
+            if k in cfg.global_at and probe is not None:
+                probe.setdefault("global", {})[k] = [global_model(i) for i in range(cfg.R)]
         elif cfg.tau > 0:
             # Non-blocking A-EDiT: replica i launches after every schedule[i] of its own
             # steps (snapshot, rendezvous and reduction behind training) and merges that
@@ -799,7 +842,11 @@ def run_case(info: Any, rank: int, case: dict[str, Any]) -> dict[str, Any]:
     embeddings stay in the root, as in :func:`units_of`), ``trace`` (False: if True, the
     result's ``trace`` lists the communication thread's collectives in issue order),
     ``record_loss`` (False: if True, each step's loss goes to ``engine.record_loss``; the
-    result's ``losses`` are the rank's step losses either way).
+    result's ``losses`` are the rank's step losses either way), ``global_at`` (steps after
+    which the global model is taken, as an evaluation does: the result's ``globals``,
+    step -> full parameters) and ``state_at`` (steps after which ``engine.state_dict()``
+    is taken, as a checkpoint does). The result's ``ledger`` is the engine's
+    cross-replica bytes by cause.
 
     Returns the final full parameters and the sync log, plus per-step probes: ``between``
     (cross-replica collectives of each local-phase step that ran no sync, counted from
@@ -858,6 +905,7 @@ def run_case(info: Any, rank: int, case: dict[str, Any]) -> dict[str, Any]:
     warm_colls: list[int] = []
     eval_pending: list[bool] = []
     losses: list[float] = []
+    globals_: dict[int, dict[str, torch.Tensor]] = {}
     n_steps = case["steps"] if schedule is None else case["steps"] * schedule[info.replica]
     for step in range(n_steps):
         before, syncs_before = engine.comm.stats.lifetime_sync_collectives, engine.num_syncs
@@ -888,6 +936,13 @@ def run_case(info: Any, rank: int, case: dict[str, Any]) -> dict[str, Any]:
             import torch.distributed as dist
 
             dist.all_reduce(torch.ones(1))
+        if step + 1 in case.get("global_at", ()):
+            with engine.global_model():
+                globals_[step + 1] = {
+                    n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
+                    for n, p in model.named_parameters()}
+        if step + 1 in case.get("state_at", ()):
+            engine.state_dict()
         if case.get("eval_forward"):
             pending = engine.sync_pending
             model.eval()
@@ -915,6 +970,8 @@ def run_case(info: Any, rank: int, case: dict[str, Any]) -> dict[str, Any]:
         "eval_pending": eval_pending,
         "trace": engine.comm.trace,
         "losses": losses,
+        "globals": globals_,
+        "ledger": engine.comm.ledger.totals(),
     }
     engine.close()
     return out

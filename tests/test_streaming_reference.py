@@ -480,26 +480,26 @@ def test_eager_others_shares_arrive_one_round_later():
 @pytest.mark.parametrize("outer", [None, "sgd"])
 def test_eager_feeds_every_replica_the_rounds_results_once(outer):
     """Section 3c: over a run each replica's outer optimizer is fed D_m / R + (I - D_m / R)
-    per round, i.e. sum_t I(t). Plain averaging: every replica's own anchor ends (before the
-    consensus) on A - sum_t I(t), the same for all; with momentum the timing of the own
-    shares differs, so the anchors differ, and the consensus is their fp32 mean."""
+    per round, i.e. sum_t I(t). Plain averaging: every replica's own anchor, stepped with
+    the final C + I, is A - sum_t I(t): the global anchor G every replica ends on; with
+    momentum the timing of the own shares differs, so the own anchors differ, and every
+    replica ends on G (fed each I once, in order) without exchanging a model."""
     probe: dict = {}
     cfg = RefConfig(R=3, S=1, H=3, steps=8, tau=3, merge="eager", outer=outer,
                     finish_force=True)
     out = run_reference(cfg, probe)
     assert all(equal(out[0], o) for o in out[1:])
     names = unit_names(False, True)
-    spread = 0.0
+    spread = gap = 0.0
     for u, own in probe["own"].items():
         for j, n in enumerate(names[u]):
-            mean = (own[0][j] + own[1][j] + own[2][j]) / 3
-            assert float((out[0][n] - mean).abs().max()) < 1e-7
             spread = max(spread, float((own[0][j] - own[1][j]).abs().max()),
                          float((own[0][j] - own[2][j]).abs().max()))
+            gap = max(gap, float((out[0][n] - own[0][j]).abs().max()))
     if outer is None:
-        assert spread < 1e-6
+        assert spread < 1e-6 and gap < 1e-6
     else:
-        assert spread > 1e-4
+        assert spread > 1e-4 and gap > 1e-4
 
 
 def test_eager_aedit_ends_on_one_model():

@@ -89,7 +89,8 @@ class SyncClock:
         :attr:`pending_windows`), or None when the round is skipped (too few steps in
         total; the window restarts and the steps count towards the next round)."""
         t0 = time.perf_counter()
-        got = self.comm.submit(self.exchange, [steps, elapsed], stats=self.traffic).result()
+        got = self.comm.submit(self.exchange, [steps, elapsed], stats=self.traffic,
+                               cause="control").result()
         self.wait_s += time.perf_counter() - t0
         counts = got[:, 0].contiguous()
         if allow_skip and self.too_few(counts):

@@ -35,6 +35,55 @@ LinkDelay = Callable[[int], float]
 the collective (see :class:`editrain.sim.SharedLink`)."""
 
 
+CAUSES = ("rounds", "statistics", "gradients", "evaluation", "consensus", "checkpoints",
+          "control")
+"""Why bytes crossed replicas (:class:`WireLedger`): a round's pseudo-gradients
+(``rounds``), its statistics and loss gathers (``statistics``), gradient averaging in
+warm-up and the synchronous method (``gradients``), evaluating the global model and
+summing its loss (``evaluation``), making the replicas agree on one model (``consensus``),
+saving a checkpoint (``checkpoints``), and everything else: the start's check that the
+replicas agree, A-EDiT's clock and rendezvous, the logged loss's average (``control``)."""
+
+
+class WireLedger:
+    """Bytes this rank sent in collectives that span replicas, by cause (:data:`CAUSES`),
+    since the engine started (never reset). Every such collective of the engine and of the
+    trainer goes through :class:`CommPath`, which counts it here: the ring formulas of
+    :class:`CommStats` for what the collective transmits."""
+
+    def __init__(self) -> None:
+        self._bytes = dict.fromkeys(CAUSES, 0)
+        self._lock = threading.Lock()
+
+    def add(self, cause: str, nbytes: int) -> None:
+        """Count ``nbytes`` sent for ``cause``."""
+        if cause not in self._bytes:
+            raise ValueError(f"unknown cause of cross-replica bytes {cause!r}; "
+                             f"allowed: {', '.join(CAUSES)}")
+        with self._lock:
+            self._bytes[cause] += nbytes
+
+    def totals(self) -> dict[str, int]:
+        """Bytes per cause, and their ``total``."""
+        with self._lock:
+            out = dict(self._bytes)
+        out["total"] = sum(out.values())
+        return out
+
+
+def format_bytes_by_cause(totals: dict[str, int]) -> str:
+    """``total 1.2 MiB (rounds 1.2 MiB, statistics 3.1 KiB, ...)``: the causes that sent
+    anything, for the log's last line."""
+    def size(n: int) -> str:
+        for unit, scale in (("MiB", 2**20), ("KiB", 2**10)):
+            if n >= scale:
+                return f"{n / scale:.1f} {unit}"
+        return f"{n} B"
+    parts = [f"{c} {size(totals[c])}" for c in CAUSES if totals.get(c)]
+    return f"{size(totals.get('total', 0))} across replicas" + (
+        f" ({', '.join(parts)})" if parts else "")
+
+
 @dataclass
 class CommStats:
     """Counters of what went over the wire; reset by the engine after each sync."""
@@ -133,7 +182,10 @@ class CommPath:
         self.link_delay = link_delay
         self.stats = CommStats()
         """Counters since the last reset (and lifetime totals)."""
+        self.ledger = WireLedger()
+        """Cross-replica bytes by cause since the start (every collective counted here)."""
         self._sink: CommStats | None = None  # the running job's own counters (comm thread)
+        self._cause = "rounds"  # the running job's cause (comm thread)
         self._thread_id: int | None = None  # the communication thread, once it has run a job
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="editrain-comm")
         self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
@@ -149,8 +201,8 @@ class CommPath:
         return self.cross.size if self.cross is not None else self._sync_size
 
     # ------------------------------------------------------------------ jobs
-    def submit(self, fn: Callable[..., Any], *args: Any, stats: CommStats | None = None
-               ) -> Future:
+    def submit(self, fn: Callable[..., Any], *args: Any, stats: CommStats | None = None,
+               cause: str = "rounds") -> Future:
         """Queue ``fn(*args)`` behind every job submitted before it.
 
         Args:
@@ -158,24 +210,28 @@ class CommPath:
             *args: its arguments.
             stats: extra counters for this job's collectives (e.g. one sync round's), on
                 top of :attr:`stats`.
+            cause: what its cross-replica bytes count as in :attr:`ledger` (:data:`CAUSES`).
         """
+        if cause not in CAUSES:
+            raise ValueError(f"unknown cause {cause!r}; allowed: {', '.join(CAUSES)}")
         if self._stream is None:
-            return self._pool.submit(self._run_counted, stats, fn, *args)
+            return self._pool.submit(self._run_counted, stats, cause, fn, *args)
         # The job reads tensors the main stream wrote: order it after them.
         ready = torch.cuda.current_stream(self.device).record_event()
-        return self._pool.submit(self._run_on_side_stream, ready, stats, fn, *args)
+        return self._pool.submit(self._run_on_side_stream, ready, stats, cause, fn, *args)
 
-    def _run_counted(self, stats: CommStats | None, fn: Callable[..., Any], *args: Any) -> Any:
+    def _run_counted(self, stats: CommStats | None, cause: str, fn: Callable[..., Any],
+                     *args: Any) -> Any:
         self._thread_id = threading.get_ident()  # the pool's one thread (see call())
-        self._sink = stats
+        self._sink, self._cause = stats, cause
         try:
             return fn(*args)
         finally:
-            self._sink = None
+            self._sink, self._cause = None, "rounds"
 
-    def run(self, fn: Callable[..., Any], *args: Any) -> Any:
+    def run(self, fn: Callable[..., Any], *args: Any, cause: str = "rounds") -> Any:
         """Queue ``fn(*args)`` and wait for its result (blocking)."""
-        return self.submit(fn, *args).result()
+        return self.submit(fn, *args, cause=cause).result()
 
     def call(self, fn: Callable[..., Any], *args: Any) -> Any:
         """``fn(*args)`` on the communication thread: at once when called from inside a job
@@ -186,12 +242,12 @@ class CommPath:
             return fn(*args)
         return self.run(fn, *args)
 
-    def _run_on_side_stream(self, ready: Any, stats: CommStats | None,
+    def _run_on_side_stream(self, ready: Any, stats: CommStats | None, cause: str,
                             fn: Callable[..., Any], *args: Any) -> Any:
         assert self._stream is not None
         with torch.cuda.stream(self._stream):
             self._stream.wait_event(ready)
-            out = self._run_counted(stats, fn, *args)
+            out = self._run_counted(stats, cause, fn, *args)
         # Results are consumed by the main stream right after the future resolves.
         self._stream.synchronize()
         return out
@@ -216,6 +272,7 @@ class CommPath:
         delay = self._delay(nbytes)
         yield
         elapsed = time.perf_counter() - t0
+        self.ledger.add(self._cause, nbytes)
         for stats in (self.stats, self._sink):
             if stats is not None:
                 stats.add_sync(nbytes, elapsed, delay)
@@ -268,6 +325,19 @@ class CommPath:
             else:
                 _all_gather_flat(wire_out, wire_in, group=self.sync_group)
         return out.view(self.sync_size, *tensor.shape)
+
+    def all_reduce_main(self, tensor: torch.Tensor, group: dist.ProcessGroup | None,
+                        cause: str, spans_replicas: bool) -> None:
+        """In-place sum over ``group`` (None: the world) on the *caller's* thread, for the
+        trainer's own collectives on the mesh's groups (an evaluation's loss sums, the
+        logged loss): counted in :attr:`ledger` under ``cause`` (a ring all-reduce over
+        the group) when the group ``spans_replicas``, so that no cross-replica byte goes
+        uncounted. Not for the communication thread's groups."""
+        size = dist.get_world_size(group)
+        if size > 1 and spans_replicas:
+            self.ledger.add(cause, 2 * (size - 1) * tensor.numel() * tensor.element_size()
+                            // size)
+        dist.all_reduce(tensor, group=group)
 
     def all_reduce_shard(self, tensor: torch.Tensor, op: dist.ReduceOp = dist.ReduceOp.SUM) -> None:
         """In-place reduction over this replica's ranks (fast intra-replica link)."""

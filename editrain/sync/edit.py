@@ -330,7 +330,7 @@ class SyncEngine:
             return
         t0 = time.perf_counter()
         with record_function("editrain::grad_allreduce"):
-            self.comm.run(self.reduction.grad_allreduce)
+            self.comm.run(self.reduction.grad_allreduce, cause="gradients")
         self.total_grad_sync_s += time.perf_counter() - t0
 
     def record_loss(self, loss: torch.Tensor | float) -> None:
@@ -491,10 +491,15 @@ class SyncEngine:
 
     @contextlib.contextmanager
     def global_model(self) -> Iterator[None]:
-        """Inside the block the live parameters are the anchors (the global model as of the
-        latest reductions; reductions in flight are waited for, not merged); afterwards
-        they are exactly what they were. For evaluating a streaming run, whose replicas
-        never hold the same model between syncs. Every rank must enter it."""
+        """Inside the block the live parameters are the global model; afterwards they are
+        exactly what they were. For evaluating a streaming run, whose replicas never hold
+        the same model between syncs. Every rank must enter it.
+
+        The global model is the anchors as of the latest reductions (reductions in flight
+        are waited for, not merged). With the eager merge it is every unit's global anchor
+        ``G`` with its round in flight merged as sent (``docs/streaming.md`` section 3c):
+        computed by every replica alike from the rounds' own messages, so entering the
+        block sends nothing across replicas."""
         self._drain_round()
         self._wait_inflight()
         reshard(self.model)
@@ -505,8 +510,7 @@ class SyncEngine:
                     if unit.anchor is None:
                         continue
                     if unit.eager_replicas:
-                        # Eager: each replica's anchor is its own; evaluate their mean.
-                        unit.load_flat(self._replica_mean(unit.anchor))
+                        unit.load_flat(unit.global_view())
                     else:
                         unit.write_back()
             yield
@@ -516,24 +520,6 @@ class SyncEngine:
                 for unit, flat in zip(self.units, saved):
                     if flat is not None:
                         unit.load_flat(flat)
-
-    def _replica_mean(self, flat: torch.Tensor) -> torch.Tensor:
-        """``(sum over replicas of flat) / R`` in fp32, on the parameters' device (a
-        cross-replica all-reduce on the communication thread: every rank calls it)."""
-        out = flat.to(self.device, copy=True)
-        self.comm.run(self.comm.all_reduce_sync, out)
-        return out.div_(self.num_replicas)
-
-    @torch.no_grad()
-    def eager_consensus(self) -> None:
-        """The eager merge's end (``docs/streaming.md`` section 3c): every replica's anchor
-        becomes the replicas' mean and the live parameters take it, so that all replicas
-        end on one model. Every rank calls it, after the last round."""
-        reshard(self.model)
-        for unit in self.units:
-            if unit.anchor is not None:
-                unit.anchor.copy_(self._replica_mean(unit.anchor))
-                unit.write_back()
 
     # ================================================================== what schedules ask
     def arm(self, step_counts: torch.Tensor | None, fragment: int = 0) -> None:
@@ -568,8 +554,9 @@ class SyncEngine:
         if rendezvous is not None:
             rnd.my_steps = self.steps_since_sync
             rnd.rendezvous = self.comm.submit(self.clock.round_rendezvous, rnd, rendezvous,
-                                              stats=rnd.comm)
-            rnd.stats = self.comm.submit(self.reduction.statistics, rnd, stats=rnd.comm)
+                                              stats=rnd.comm, cause="control")
+            rnd.stats = self.comm.submit(self.reduction.statistics, rnd, stats=rnd.comm,
+                                         cause="statistics")
         rnd.submitted = [self.comm.submit(self.reduction.unit_job, rnd, i, stats=rnd.comm)
                          for i in range(len(units))]
         self.inflight.append(rnd)
@@ -616,9 +603,11 @@ class SyncEngine:
         if statistics is None:
             statistics = self.config.penalty_enabled or step_counts is not None
         if statistics:
-            rnd.stats = self.comm.submit(self.reduction.statistics, rnd, stats=rnd.comm)
+            rnd.stats = self.comm.submit(self.reduction.statistics, rnd, stats=rnd.comm,
+                                         cause="statistics")
         elif auto and rnd.loss is not None:
-            rnd.stats = self.comm.submit(self.reduction.replica_losses, rnd, stats=rnd.comm)
+            rnd.stats = self.comm.submit(self.reduction.replica_losses, rnd, stats=rnd.comm,
+                                         cause="statistics")
         return rnd
 
     def close_round(self, rnd: SyncRound, applied: bool = True,
@@ -796,7 +785,7 @@ class SyncEngine:
             if unit.numel:
                 flat = unit.flat_params().double()
                 sums[i, 0], sums[i, 1] = flat.sum(), flat.square().sum()
-        got = self.comm.run(self.comm.all_gather_sync, sums).cpu()  # [R, units, 2]
+        got = self.comm.run(self.comm.all_gather_sync, sums, cause="control").cpu()
         scale = got[0].abs().clamp_min(1e-12)
         differs = ((got - got[0]).abs() > 1e-6 * scale).any(dim=2).any(dim=0)  # [units]
         agreed = differs.to(torch.float64).to(self.device)

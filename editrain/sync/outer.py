@@ -246,6 +246,12 @@ class SyncUnit:
         its reduction is done (until merged)."""
         self.carry: torch.Tensor | None = None
         """The eager merge: the correction ``C`` waiting for the next outer step (None: 0)."""
+        self.consensus: torch.Tensor | None = None
+        """The eager merge: the global anchor ``G`` (docs/streaming.md section 3c), the same
+        on every replica: the outer optimizer fed every merged round's ``I`` once, in
+        order, from what the rounds put on the wire."""
+        self.consensus_outer: torch.optim.Optimizer | None = None
+        """The eager merge: the outer optimizer over :attr:`consensus` (its own state)."""
 
     # ------------------------------------------------------------------ state
     @property
@@ -299,9 +305,16 @@ class SyncUnit:
             if torch.cuda.is_available():
                 flat = flat.pin_memory()  # faster host<->device copies at each sync
         self.anchor = flat
-        self.outer = self.outer_cls([self.anchor], **self.outer_kwargs) if self.outer_cls else None
+        self.outer = self._new_outer(self.anchor)
         self.error = torch.zeros_like(flat) if self.error_feedback else None
         self.launch = self.incoming = self.carry = None
+        self.consensus = self.consensus_outer = None
+        if self.eager_replicas:
+            self.consensus = flat.clone()
+            self.consensus_outer = self._new_outer(self.consensus)
+
+    def _new_outer(self, anchor: torch.Tensor) -> torch.optim.Optimizer | None:
+        return self.outer_cls([anchor], **self.outer_kwargs) if self.outer_cls else None
 
     def pseudo_grad(self, theta: torch.Tensor | None = None) -> torch.Tensor:
         """``delta = A - theta`` on the parameters' device (fp32, flat).
@@ -360,32 +373,62 @@ class SyncUnit:
         assert self.launch is not None, "eager merge without a round in flight"
         corr = -(self.launch / self.eager_replicas)
         if self.incoming is not None:
+            self.consensus_step(self.incoming)
             corr = self.incoming.to(corr.device) + corr
         if self.carry is not None:
             corr = self.carry.to(corr.device) + corr
         self.carry = corr.to(self.anchor.device if self.anchor is not None else corr.device)
         self.launch = self.incoming = None
 
-    def take_carry(self, reduced: torch.Tensor) -> torch.Tensor:
-        """``reduced + C`` for an outer step that consumes the eager correction (a blocking
-        round: the end of training); ``C`` is reset."""
-        if self.carry is None:
-            return reduced
-        out = self.carry.to(reduced.device) + reduced
+    @torch.no_grad()
+    def consensus_step(self, reduced: torch.Tensor) -> None:
+        """``G <- OuterOpt_G(G, I)``: a round's reduced pseudo-gradient enters the global
+        anchor (the eager merge; every replica alike)."""
+        assert self.consensus is not None
+        _apply_outer(self.consensus, self.consensus_outer, reduced)
+
+    @torch.no_grad()
+    def global_view(self) -> torch.Tensor:
+        """The eager merge's global model of this unit: ``G`` with the round in flight
+        merged as sent (``OuterOpt_G(G, I)`` on a copy of ``G`` and of its optimizer
+        state: what the merge will compute, bitwise), or ``G`` when no round is in flight
+        or nobody was trusted in it. The round's jobs must be done (``I`` known)."""
+        assert self.consensus is not None
+        if self.launch is None or self.incoming is None:
+            return self.consensus
+        trial = self.consensus.clone()
+        opt = None
+        if self.consensus_outer is not None:
+            opt = self._new_outer(trial)
+            assert opt is not None
+            state = self.consensus_outer.state.get(self.consensus, {})
+            opt.state[trial] = {k: v.clone() if torch.is_tensor(v) else v
+                                for k, v in state.items()}
+        _apply_outer(trial, opt, self.incoming)
+        return trial
+
+    @torch.no_grad()
+    def eager_end(self, reduced: torch.Tensor | None) -> None:
+        """The eager merge's last, blocking round (the end of training): ``G <-
+        OuterOpt_G(G, I)`` (no step when nobody was trusted: ``reduced`` None), then this
+        replica's own anchor and outer state become ``G``'s, ``C <- 0`` and ``theta <-
+        G``: every replica ends on one model without exchanging it."""
+        assert self.anchor is not None and self.consensus is not None
+        if reduced is not None:
+            self.consensus_step(reduced)
+        self.anchor.copy_(self.consensus)
+        if self.outer is not None and self.consensus_outer is not None:
+            state = self.consensus_outer.state.get(self.consensus, {})
+            self.outer.state[self.anchor] = {k: v.clone() if torch.is_tensor(v) else v
+                                             for k, v in state.items()}
         self.carry = None
-        return out
+        self.write_back()
 
     @torch.no_grad()
     def outer_step(self, reduced: torch.Tensor) -> None:
         """Apply the reduced pseudo-gradient to the anchor (outer step or plain averaging)."""
         assert self.anchor is not None
-        reduced = reduced.to(self.anchor.device)
-        if self.outer is None:
-            self.anchor.sub_(reduced)
-            return
-        self.anchor.grad = reduced
-        self.outer.step()
-        self.anchor.grad = None
+        _apply_outer(self.anchor, self.outer, reduced)
 
     @torch.no_grad()
     def write_back(self) -> None:
@@ -409,11 +452,12 @@ class SyncUnit:
         """Bytes held by the anchor, outer state, error feedback and launch snapshot, split
         by device type."""
         out: dict[str, int] = {}
-        tensors = [t for t in (self.anchor, self.error, self.launch, self.incoming, self.carry)
-                   if t is not None]
-        if self.outer is not None:
-            for state in self.outer.state.values():
-                tensors += [v for v in state.values() if torch.is_tensor(v) and v.dim() > 0]
+        tensors = [t for t in (self.anchor, self.error, self.launch, self.incoming, self.carry,
+                               self.consensus) if t is not None]
+        for outer in (self.outer, self.consensus_outer):
+            if outer is not None:
+                for state in outer.state.values():
+                    tensors += [v for v in state.values() if torch.is_tensor(v) and v.dim() > 0]
         for t in tensors:
             out[t.device.type] = out.get(t.device.type, 0) + t.numel() * t.element_size()
         return out
@@ -438,12 +482,18 @@ class SyncUnit:
         if self.launch is not None:
             out["replica.launch"] = self.launch
         if self.eager_replicas:
-            # The eager merge: anchor and outer state are this replica's own (the entries
-            # above are one replica's, for an elastic resume), and so are I and C.
+            # The eager merge: anchor and outer state above are this replica's own, and so
+            # are I and C; the shared entries hold the global anchor G and its outer state
+            # (the same on every replica: what an elastic resume restarts from).
             for key in [k for k in out if not k.startswith("replica.")]:
-                value = out[key]
+                value = out.pop(key)
                 if torch.is_tensor(value) and value.dim() > 0:
                     out[f"replica.{key}"] = value
+            assert self.consensus is not None
+            out["anchor"] = self.consensus
+            if self.consensus_outer is not None:
+                for key, value in self.consensus_outer.state.get(self.consensus, {}).items():
+                    out[f"outer.{key}"] = value
             if self.incoming is not None:
                 out["replica.incoming"] = self.incoming
             if self.carry is not None:
@@ -481,6 +531,8 @@ class SyncUnit:
         self.create_anchor()
         assert self.anchor is not None
         self.anchor.copy_(sd["replica.anchor" if own else "anchor"].reshape(-1))
+        if self.consensus is not None:
+            self.consensus.copy_(sd["anchor"].reshape(-1))
         if self.error is not None and "replica.error_feedback" in sd:
             self.error.copy_(sd["replica.error_feedback"].reshape(-1))
         if "replica.launch" in sd:
@@ -489,7 +541,8 @@ class SyncUnit:
             if self.eager_replicas and f"replica.{key}" in sd:
                 setattr(self, key, sd[f"replica.{key}"].reshape(-1).float().clone().to(
                     self.device if key == "incoming" else self.anchor.device))
-        outer = {k[len("outer."):]: v for k, v in sd.items() if k.startswith("outer.")}
+        shared = {k[len("outer."):]: v for k, v in sd.items() if k.startswith("outer.")}
+        outer = dict(shared)
         if own:
             outer.update({k[len("replica.outer."):]: v for k, v in sd.items()
                           if k.startswith("replica.outer.")})
@@ -498,7 +551,27 @@ class SyncUnit:
         if self.outer is None:
             raise ValueError(f"unit {self.name}: the checkpoint has outer optimizer state "
                              f"({', '.join(outer)}) but no outer optimizer is configured")
-        self.outer.state[self.anchor] = {
-            k: v.to(self.anchor.device) if torch.is_tensor(v) and v.dim() > 0 else v
-            for k, v in outer.items()
-        }
+        self.outer.state[self.anchor] = self._outer_state(outer, self.anchor)
+        if self.consensus is not None and self.consensus_outer is not None:
+            self.consensus_outer.state[self.consensus] = self._outer_state(shared,
+                                                                           self.consensus)
+
+    @staticmethod
+    def _outer_state(entries: dict[str, Any], anchor: torch.Tensor) -> dict[str, Any]:
+        """Loaded outer optimizer state for ``anchor``: per-element tensors moved to its
+        device (copies, so two optimizers never share a buffer)."""
+        return {k: (v.to(anchor.device if v.dim() > 0 else v.device, copy=True)
+                    if torch.is_tensor(v) else v) for k, v in entries.items()}
+
+
+def _apply_outer(anchor: torch.Tensor, outer: torch.optim.Optimizer | None,
+                 reduced: torch.Tensor) -> None:
+    """One outer step of ``anchor`` with the reduced pseudo-gradient as its gradient (plain
+    averaging without an optimizer: ``anchor -= reduced``)."""
+    reduced = reduced.to(anchor.device)
+    if outer is None:
+        anchor.sub_(reduced)
+        return
+    anchor.grad = reduced
+    outer.step()
+    anchor.grad = None

@@ -187,8 +187,7 @@ class Reduction:
                     elif eager and rnd.delayed:
                         unit.incoming = None  # I = 0: the merge takes the own share back
                     elif eager:
-                        unit.outer_step(unit.take_carry(torch.zeros_like(unit.anchor)))
-                        unit.write_back()
+                        unit.eager_end(None)  # the end: G as it is, every replica on it
                     elif not rnd.delayed:
                         unit.write_back()
                     rnd.clip.append(float("nan"))
@@ -242,7 +241,8 @@ class Reduction:
                 unit.incoming = reduced  # I: enters the outer step at the merge (3c)
                 return
             if eager:
-                reduced = unit.take_carry(reduced)  # a blocking round: C + I now
+                unit.eager_end(reduced)  # a blocking round (the end): G with I, theta <- G
+                return
             unit.outer_step(reduced)
             if not rnd.delayed:
                 unit.write_back()

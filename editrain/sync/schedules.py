@@ -116,9 +116,7 @@ class BlockingSchedule(Schedule):
                 counts is not None and float(counts.sum()) == 0)):
             return
         eng.num_syncs_forced += 1
-        eng.run_now(counts)
-        if eager:
-            eng.eager_consensus()
+        eng.run_now(counts)  # eager: every replica ends on the global anchor G
 
     def sync_point(self) -> float | None:
         eng = self.engine
@@ -175,9 +173,7 @@ class StreamingSchedule(Schedule):
             eng.merge_now(eng.inflight.pop(0))
         if eng.global_step > eng.config.local_sgd_warmup_steps:
             eng.num_syncs_forced += 1
-            eng.run_now(None, list(range(len(eng.units))))
-            if eng.config.merge == "eager":
-                eng.eager_consensus()
+            eng.run_now(None, list(range(len(eng.units))))  # eager: every replica on G
 
     def sync_point(self) -> float | None:
         # In lock-step, but never all holding one model: every step is a point (evaluate

@@ -9,7 +9,8 @@ relative to wherever the caller puts the tree::
                             mesh). Identical on every replica, so DCP stores it once and
                             re-shards it to any number of replicas or shards. Entries:
                             ``anchor``, ``outer.<key>`` (the outer optimizer's per-element
-                            state, e.g. ``outer.momentum_buffer``).
+                            state, e.g. ``outer.momentum_buffer``); with the eager merge
+                            the global anchor ``G`` and its outer state.
     replicas.<r>.<fqn>.<entry>
                             per-element state of replica ``r`` only, laid out the same way:
                             ``error_feedback`` (quantisation residual) and ``launch`` (the
