@@ -298,7 +298,8 @@ def global_model_keys(saved: Mapping[str, Any]) -> dict[str, str]:
     """Where a saved engine state holds the global model: parameter name -> key of its
     anchor (relative to the engine's tree, as :func:`editrain.checkpoint.saved_tensors`
     lists them). Empty when there are no global anchors (a method without a global model,
-    a run still in its warm-up, or the eager merge, whose anchors are each replica's own).
+    or a run still in its warm-up). With the eager merge they are the global anchors ``G``
+    (each replica's own anchors are its ``replicas.<r>`` entries).
 
     Args:
         saved: the keys of the engine's saved tensors (values are not read).
