@@ -16,7 +16,9 @@ import threading
 from pathlib import Path
 
 from editrain.config import ConfigError, describe_options, load_config, parse_overrides
+from editrain.config.inputs import check_path_options
 from editrain.errors import CheckpointError
+from editrain.paths import check_path
 from editrain.spawn import Interrupted, LaunchError, raise_interrupted
 
 log = logging.getLogger("editrain")
@@ -61,7 +63,11 @@ def config_from_args(args: argparse.Namespace, extra: list[str], command: str):
     if rest:
         raise ConfigError(f"{command}: unexpected argument(s) {' '.join(rest)}; options look "
                           f"like --train.steps=100 (see `editrain {command} --help`)")
-    return load_config(args.config, overrides)
+    cfg = load_config(args.config, overrides)
+    # Every path option checked on the file system before any work (editrain data uses
+    # neither the run directory nor a checkpoint).
+    check_path_options(cfg, skip=() if command == "train" else ("run_dir", "resume"))
+    return cfg
 
 
 def cmd_train(args: argparse.Namespace, extra: list[str]) -> int:
@@ -96,6 +102,10 @@ def cmd_plot(args: argparse.Namespace, extra: list[str]) -> int:
     if extra:
         raise ConfigError(f"plot: unexpected argument(s) {' '.join(extra)}")
     for d in args.run_dirs:
+        check_path("plot: RUN_DIR", d, "in_dir")
+    if args.out is not None:
+        check_path("plot --out", args.out, "out_dir")
+    for d in args.run_dirs:
         if not (Path(d) / "metrics.jsonl").is_file():
             raise ConfigError(f"plot: {d} holds no metrics.jsonl")
     for p in plot_runs(args.run_dirs, args.out):
@@ -112,6 +122,8 @@ def cmd_options(args: argparse.Namespace, extra: list[str]) -> int:
 def cmd_bench(args: argparse.Namespace, extra: list[str]) -> int:
     from editrain.bench import run_scenario
 
+    if args.out is not None:
+        check_path("bench --out", args.out, "out_dir")
     run_scenario(args.scenario, quick=args.quick, out_dir=args.out, extra=extra)
     return 0
 
@@ -199,6 +211,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     except (ConfigError, FileNotFoundError, ValueError, CheckpointError) as e:
         print(f"editrain: error: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:  # a path the checks could not foresee (a disk that filled up...)
+        print(f"editrain: error: {e.filename!r}: {e.strerror or e}" if e.filename else
+              f"editrain: error: {e}", file=sys.stderr)
         return 2
     except LaunchError as e:
         print(f"editrain: error: {e}", file=sys.stderr)

@@ -23,10 +23,10 @@ from pathlib import Path
 
 from editrain.errors import ConfigError
 
-KINDS = ("out_dir", "in_dir", "in_file", "out_file")
+KINDS = ("out_dir", "in_dir", "in_file", "in_path", "out_file")
 """What a path option names: ``out_dir`` a directory editrain creates or writes into,
 ``in_dir`` an existing directory it reads, ``in_file`` an existing regular file it reads,
-``out_file`` a regular file it creates or replaces."""
+``in_path`` either of those two, ``out_file`` a regular file it creates or replaces."""
 
 SHOWN = 120
 """Characters of a refused value shown in the message (a refusal stays one short line)."""
@@ -117,14 +117,17 @@ def check_path(option: str, path: str | os.PathLike[str], kind: str) -> Path:
     p = Path(text).expanduser()
     name = shown(text)
     try:
-        if kind in ("in_dir", "in_file"):
+        if kind.startswith("in_"):
             if not p.exists():
-                what = "file" if kind == "in_file" else "directory"
+                what = {"in_file": "file", "in_dir": "directory"}.get(kind, "path")
                 raise ConfigError(f"{option}: {what} not found: {name}")
-            want = "a directory" if kind == "in_dir" else "a regular file"
-            if (p.is_dir() if kind == "in_dir" else p.is_file()) is False:
+            ok = {"in_dir": p.is_dir(), "in_file": p.is_file()}.get(kind, p.is_dir()
+                                                                     or p.is_file())
+            if not ok:
+                want = {"in_dir": "a directory", "in_file": "a regular file"}.get(
+                    kind, "a regular file or a directory")
                 raise ConfigError(f"{option}: {name} must be {want}, but it is {_what(p)}")
-            if not os.access(p, os.R_OK | (os.X_OK if kind == "in_dir" else 0)):
+            if not os.access(p, os.R_OK | (os.X_OK if p.is_dir() else 0)):
                 raise ConfigError(f"{option}: {name} is not readable (no permission)")
             return p
         if p.exists():

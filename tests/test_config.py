@@ -788,8 +788,9 @@ def test_sim_fail_step_must_come(spec, ok):
 
 
 def test_fail_restart_is_bounded():
-    cli("--sim.fail_restart_s", "3600")
-    expect_error("sim.fail_restart_s", "[0, 3600]", argv=["--sim.fail_restart_s", "3601"])
+    ft = ("--ft", "--shard-size", "1")  # the restart delay applies to --ft's replica groups
+    cli(*ft, "--sim.fail_restart_s", "3600")
+    expect_error("sim.fail_restart_s", "[0, 3600]", argv=[*ft, "--sim.fail_restart_s", "3601"])
 
 
 # ---------------------------------------------------------------------------- one error type

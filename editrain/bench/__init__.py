@@ -26,6 +26,8 @@ faults      one replica killed mid-run: --ft (the others train on, it heals) aga
             restart-from-checkpoint; useful throughput and time lost
 plan        `editrain plan --calibrate` on some runs predicts held-out settings:
             predicted vs measured tokens/s, utilisation and exposed communication
+data        `editrain data` on 20 MB, 150 MB (full: and 1 GB) of Python: tokens/s and peak
+            memory against the tokenizer's own encode_batch speed (one process per CPU)
 all         every scenario above
 report      docs/benchmarks.md from the results (``--readme FILE``: its headline too)
 ========== ==============================================================================
@@ -59,9 +61,10 @@ from pathlib import Path
 from typing import Any
 
 from editrain.config import ConfigError
+from editrain.paths import check_path
 
 SCENARIOS = ("default", "convergence", "tune", "scale", "bandwidth", "stragglers", "spikes",
-             "memory", "overlap", "optimizers", "peers", "faults", "plan")
+             "memory", "overlap", "optimizers", "peers", "faults", "plan", "data")
 """Scenario names in the order ``all`` runs them (and the report lists them)."""
 
 REUSABLE = ("convergence", "tune", "scale")
@@ -138,7 +141,9 @@ def run_scenario(name: str, quick: bool = False, out_dir: str | None = None,
         if not dirs:
             raise ConfigError(f"bench report: no results.json under {root}/<scenario>/; run "
                               "`editrain bench all` (or single scenarios) first")
+        check_path("bench report --path", flags.get("path", "docs/benchmarks.md"), "out_file")
         if flags.get("readme"):
+            check_path("bench report --readme", flags["readme"], "in_file")
             check_readme(flags["readme"])  # no markers: fail before writing anything
         path = write_benchmarks_md(dirs, path=flags.get("path", "docs/benchmarks.md"))
         print(f"wrote {path} from {len(dirs)} scenario(s)")

@@ -16,9 +16,12 @@ import typing
 from pathlib import Path
 from typing import Any
 
+from editrain.config.applicability import check_applicable
+from editrain.config.inputs import check_list_options, check_text_options
 from editrain.config.schema import SECTIONS, Config
 from editrain.config.validation import validate
 from editrain.errors import ConfigError, require
+from editrain.paths import check_path, shown
 
 
 def parse_scalar(text: str) -> Any:
@@ -111,21 +114,66 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None
     """Build a validated :class:`Config` from an optional TOML file and CLI overrides."""
     raw: dict[str, Any] = {}
     if path is not None:
-        p = Path(path)
-        require(p.is_file(), "--config", f"file not found: {p}")
+        p = check_path("--config", path, "in_file")
         try:
-            raw = tomllib.loads(p.read_text())
+            raw = tomllib.loads(p.read_bytes().decode("utf-8"))
+        except UnicodeDecodeError as e:
+            raise ConfigError(f"--config: {shown(str(p))} is not UTF-8 text (TOML is; byte "
+                              f"{e.start})") from None
         except tomllib.TOMLDecodeError as e:
-            raise ConfigError(f"--config: {p} is not valid TOML: {e}") from None
+            raise ConfigError(f"--config: {shown(str(p))} is not valid TOML: {e}") from None
+        except OSError as e:
+            raise ConfigError(f"--config: cannot read {shown(str(p))}: {e.strerror}") from None
     raw = _merge(raw, overrides or {})
     cfg = _build(Config, raw, "")
+    check_text_options(cfg)  # first: a NUL in a path would fail any file check obscurely
     validate(cfg)
+    check_applicable(cfg)
+    check_list_options(cfg)
     return cfg
 
 
 def to_dict(obj: Any) -> Any:
     """Plain nested dict of a config (None values kept)."""
     return dataclasses.asdict(obj)
+
+
+_ESCAPES = {'"': '\\"', "\\": "\\\\", "\b": "\\b", "\t": "\\t", "\n": "\\n", "\f": "\\f",
+            "\r": "\\r"}
+
+
+def toml_string(text: str) -> str:
+    """``text`` as a TOML basic string that reads back equal, in ASCII whatever the text:
+    quotes and backslashes escaped, control characters and every non-ASCII character as
+    ``\\uXXXX`` / ``\\UXXXXXXXX`` (so ``config.toml`` is the same bytes in any locale).
+
+    Raises:
+        ConfigError: a lone surrogate, which no TOML (or UTF-8) file can hold; the
+            configuration's checks refuse it first (:mod:`editrain.config.inputs`).
+    """
+    out = ['"']
+    for c in text:
+        n = ord(c)
+        if c in _ESCAPES:
+            out.append(_ESCAPES[c])
+        elif 0x20 <= n < 0x7F:
+            out.append(c)
+        elif 0xD800 <= n <= 0xDFFF:
+            raise ConfigError(f"cannot write {shown(text)} as TOML: a lone surrogate "
+                              f"(U+{n:04X})")
+        elif n <= 0xFFFF:
+            out.append(f"\\u{n:04X}")
+        else:
+            out.append(f"\\U{n:08X}")
+    out.append('"')
+    return "".join(out)
+
+
+def toml_key(key: str) -> str:
+    """A table key: bare where TOML allows it (letters, digits, ``_`` and ``-``), else
+    quoted as :func:`toml_string`."""
+    bare = key and all(c.isascii() and (c.isalnum() or c in "_-") for c in key)
+    return key if bare else toml_string(key)
 
 
 def toml_value(v: Any) -> str:
@@ -135,11 +183,11 @@ def toml_value(v: Any) -> str:
     if isinstance(v, int | float):
         return repr(v)
     if isinstance(v, str):
-        return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
+        return toml_string(v)
     if isinstance(v, list):
         return "[" + ", ".join(toml_value(x) for x in v) + "]"
     if isinstance(v, dict):
-        return "{" + ", ".join(f"{k} = {toml_value(x)}" for k, x in v.items()
+        return "{" + ", ".join(f"{toml_key(str(k))} = {toml_value(x)}" for k, x in v.items()
                                 if x is not None) + "}"
     raise TypeError(f"cannot write {v!r} as TOML")
 

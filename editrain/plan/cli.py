@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from editrain.errors import ConfigError
+from editrain.paths import check_path
 
 PLAN_HELP = """\
 Predict a cluster's throughput per method before renting it: step time, tokens/s,
@@ -82,6 +83,11 @@ def cmd_plan(args: argparse.Namespace, extra: list[str]) -> int:
     from editrain.plan.inputs import PlanInputs, load_inputs
     from editrain.plan.model import model_shape, predict
 
+    check_path("plan --out", args.out, "out_dir")  # every path before any work
+    if args.config is not None:
+        check_path("plan: PLAN.toml", args.config, "in_file")
+    for d in args.calibrate or ():
+        check_path("plan --calibrate", d, "in_dir")
     overrides = _overrides(extra)
     out_dir = Path(args.out)
     record: dict[str, Any] = {}

@@ -86,3 +86,44 @@ METHOD_DEFAULTS: dict[str, dict[str, Any]] = {
     },
 }
 """Per-method values for the ``SyncConfig`` fields a user left unset (``None``)."""
+
+_ALL = ("sync", "post_local_sgd", "diloco", "edit", "aedit")
+_LOCAL = ("post_local_sgd", "diloco", "edit", "aedit")
+_INTERVAL = ("post_local_sgd", "diloco", "edit")
+SYNC_OPTION_METHODS: dict[str, tuple[str, ...]] = {
+    "method": _ALL,
+    "local_sgd_sync_interval": _INTERVAL,
+    "local_sgd_warmup_steps": _LOCAL,
+    "outer_optim_class": _LOCAL,
+    "outer_optim_kwargs": _LOCAL,
+    "cpu_offload": _LOCAL,
+    "prefetch_depth": _LOCAL,
+    "layerwise": _LOCAL,
+    "clip_pseudo_grad": _LOCAL,
+    "pseudo_gradnorm_reduce": _LOCAL,
+    "weight_softmax_temperature": _LOCAL,
+    "skip_anomaly": _LOCAL,
+    "ewma_alpha": _LOCAL,
+    "ewma_warmup_steps": _LOCAL,
+    "ewma_threshold": _LOCAL,
+    "local_sgd_sync_time": ("aedit",),
+    "min_total_global_steps": ("aedit",),
+    "use_step_weight": ("aedit",),
+    "step_weight_ratio": ("aedit",),
+    "overlap_steps": _LOCAL,
+    "fragments": _INTERVAL,
+    "merge": _LOCAL,
+    "merge_alpha": _LOCAL,
+    "comm_dtype": _LOCAL,
+    "error_feedback": _LOCAL,
+    "error_decay": _LOCAL,
+    "topk_chunk": _LOCAL,
+    "topk_k": _LOCAL,
+    "split_root": _ALL,
+    "gta": _LOCAL,
+}
+"""Per ``SyncConfig`` field, the methods it does something under: sync (HSDP) has no
+rounds, so nothing of a round applies to it; the step interval and staggered fragments
+are the step-triggered methods' (A-EDiT syncs on the clock, every unit at once), and the
+clock, its skip rule and its step weights are A-EDiT's. The command line refuses a field
+set away from its default where it does not apply (:mod:`editrain.config.applicability`)."""

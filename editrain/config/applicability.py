@@ -1,0 +1,159 @@
+"""Which option applies where: one table over every option of the configuration.
+
+An option that does nothing under the chosen method or mode (``sync.local_sgd_sync_time``
+with ``sync.method = edit``, ``optim.momentum`` with AdamW, ``dist.ft_timeout_s`` without
+``--ft``) is refused when it is set to anything but its default, naming the option and
+where it applies, instead of being silently ignored. :data:`APPLIES` has one entry per
+option of :class:`~editrain.config.schema.Config` (a test holds it to that); the ``sync``
+section's entries come from the methods' own table,
+:data:`editrain.sync.methods.SYNC_OPTION_METHODS`.
+
+Only the command line's configuration is held to it: the library API builds a
+``SyncConfig`` from the EDiT reference's classes, which always carry every field.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from editrain.config.schema import SECTIONS, Config
+from editrain.errors import require
+from editrain.sync.config import METHODS
+from editrain.sync.methods import SYNC_OPTION_METHODS
+
+
+@dataclass(frozen=True)
+class Rule:
+    """Where an option applies: ``test(cfg)``, described as ``where`` for the refusal."""
+
+    test: Callable[[Config], bool]
+    where: str
+    """The condition in words, e.g. ``sync.method = aedit``."""
+    now: Callable[[Config], str]
+    """The setting that holds instead, e.g. ``sync.method is 'edit'``."""
+
+
+ALWAYS = Rule(lambda cfg: True, "always", lambda cfg: "")
+"""An option that does something in every run."""
+
+
+def _methods(names: tuple[str, ...]) -> Rule:
+    """Applies under the sync methods ``names``."""
+    if set(names) == set(METHODS):
+        return ALWAYS
+    return Rule(lambda cfg: cfg.sync.method in names,
+                f"sync.method = {' or '.join(names)}",
+                lambda cfg: f"sync.method is {cfg.sync.method!r}")
+
+
+def _when(option: str, values: tuple[Any, ...]) -> Rule:
+    """Applies where ``option`` (dotted) holds one of ``values``."""
+    section, _, key = option.partition(".")
+
+    def get(cfg: Config) -> Any:
+        return getattr(getattr(cfg, section), key)
+
+    return Rule(lambda cfg: get(cfg) in values,
+                f"{option} = {' or '.join(str(v) for v in values)}",
+                lambda cfg: f"{option} is {get(cfg)!r}")
+
+
+_PIPELINE = Rule(lambda cfg: cfg.dist.pp_size > 1, "dist.pp_size > 1",
+                 lambda cfg: f"dist.pp_size is {cfg.dist.pp_size}")
+_FT = _when("dist.fault_tolerance", ("torchft",))
+_OWN_SHAPE = Rule(lambda cfg: cfg.model.hf_config is None, "model.hf_config is unset",
+                  lambda cfg: "the model's shape comes from model.hf_config")
+_LOCAL_SGD = _methods(tuple(m for m in METHODS if m != "sync"))
+
+APPLIES: dict[str, Rule] = {
+    **{f"model.{k}": _OWN_SHAPE for k in ("preset", "dim", "n_layers", "n_heads",
+                                          "n_kv_heads", "ffn_hidden", "max_seq_len",
+                                          "tie_embeddings")},
+    "model.hf_config": ALWAYS,
+    "model.init_from": ALWAYS,
+    **{f"data.{k}": ALWAYS for k in ("path", "text_field", "eos", "tokenizer", "val_fraction",
+                                     "val_tokens", "split_seed", "max_bytes", "cache_dir")},
+    "data.vocab_size": Rule(lambda cfg: cfg.data.tokenizer is None, "data.tokenizer is unset "
+                            "(the size of the BPE tokenizer editrain trains)",
+                            lambda cfg: "data.tokenizer is set (its vocabulary is the file's)"),
+    **{f"train.{k}": ALWAYS for k in ("steps", "batch_size", "seq_len",
+                                      "gradient_accumulation_steps", "lr", "min_lr_ratio",
+                                      "warmup_steps", "weight_decay", "beta1", "beta2",
+                                      "grad_clip", "eval_every", "eval_tokens",
+                                      "final_eval_tokens", "log_every", "wandb", "seed",
+                                      "precision")},
+    "train.wandb_project": _when("train.wandb", ("offline", "online")),
+    "optim.name": ALWAYS,
+    "optim.sam": ALWAYS,
+    "optim.momentum": _when("optim.name", ("sgd",)),
+    "optim.agd_delta": _when("optim.name", ("agd",)),
+    **{f"optim.{k}": _when("optim.sam", ("wsam",)) for k in ("rho", "gamma", "adaptive",
+                                                             "decouple")},
+    **{f"dist.{k}": ALWAYS for k in ("nproc", "shard_size", "tp_size", "pp_size", "backend",
+                                     "device", "max_restarts", "threads_per_proc",
+                                     "comm_backend", "fault_tolerance")},
+    **{f"dist.{k}": _PIPELINE for k in ("pp_schedule", "pp_microbatches",
+                                        "pp_stages_per_rank")},
+    **{f"dist.{k}": _FT for k in ("ft_replicas", "ft_replica_id", "ft_lighthouse",
+                                  "ft_min_replicas", "ft_heartbeat_timeout_s",
+                                  "ft_heartbeat_interval_s", "ft_join_timeout_s",
+                                  "ft_timeout_s")},
+    **{f"sync.{k}": _methods(v) for k, v in SYNC_OPTION_METHODS.items()},
+    **{f"sim.{k}": ALWAYS for k in ("link_bandwidth", "link_latency", "straggler",
+                                    "random_stall", "fail", "replica_offset")},
+    "sim.corrupt_replica": _LOCAL_SGD,
+    "sim.step_schedule": _methods(("aedit",)),
+    "sim.fail_restart_s": _FT,
+    **{f"checkpoint.{k}": ALWAYS for k in ("every", "keep", "final", "export_final")},
+    **{k: ALWAYS for k in ("run_dir", "overwrite", "quiet", "resume")},
+}
+"""Every option (dotted) and where it applies."""
+
+
+def option_names() -> list[str]:
+    """Every option of :class:`Config`, dotted, in schema order (``sync.gta`` is one
+    option: its table applies or not as a whole)."""
+    names = []
+    for f in dataclasses.fields(Config):
+        if f.name in SECTIONS:
+            names += [f"{f.name}.{g.name}" for g in dataclasses.fields(getattr(Config(), f.name))]
+        else:
+            names.append(f.name)
+    return names
+
+
+@functools.cache
+def _defaults() -> Config:
+    """The default configuration (built once: the sync section checks itself)."""
+    return Config()
+
+
+@functools.cache
+def _default(option: str) -> Any:
+    """The schema's default of ``option``."""
+    node: Any = _defaults()
+    for part in option.split("."):
+        node = getattr(node, part)
+    return node
+
+
+def check_applicable(cfg: Config) -> None:
+    """Refuse an option set away from its default where it does nothing (see
+    :data:`APPLIES`).
+
+    Raises:
+        ConfigError: ``OPTION: applies only where WHERE (here NOW); leave it unset``.
+    """
+    for option, rule in APPLIES.items():
+        if rule is ALWAYS:
+            continue
+        node: Any = cfg
+        for part in option.split("."):
+            node = getattr(node, part)
+        if node != _default(option) and not rule.test(cfg):
+            require(False, option, f"applies only where {rule.where} (here "
+                    f"{rule.now(cfg)}); leave it unset")
