@@ -488,7 +488,9 @@ def test_peers_with_torchft(tmp_path, cache):
         assert e["final_val_loss"]["median"] < e["initial_val_loss"]["median"], system
         assert e["tokens_per_s"]["median"] > 0 and e["num_syncs"] == steps // h, system
         _check_replicas(e["replicas"])
-    assert res["initial_val_loss_gap"] < 1e-3  # the same model on the same windows
+    # the same model on the same windows, evaluated by four systems' code: a smoke bound
+    # (tests/README.md class 5), 1.6e-4 relative at these losses, far above rounding
+    assert res["initial_val_loss_gap"] < 1e-3
     finals = res["torchft-diloco"]["replica_final_val_loss"][0]
     assert len(finals) == 2 and finals[0] == pytest.approx(finals[1])  # the global model
     assert saved["targets"][0]["met"] is True  # editrain's diloco = torchft's DiLoCo
@@ -1032,7 +1034,8 @@ def test_faults_smoke(tmp_path, cache):
         e = rep[system]
         assert _num(e["final_val_loss"]) and _num(e["wall_s"]) and e["wall_s"] > 0, system
         assert e["useful_tokens"] > 0, system
-    # The same algorithm, blocking quorum rounds or layer-wise: the same final model.
+    # The same algorithm, blocking quorum rounds or layer-wise: the same final model (a
+    # smoke bound, tests/README.md class 5: a run that missed a sync is 1e-2 away).
     assert abs(rep["ft"]["final_val_loss"] - rep["plain"]["final_val_loss"]) < 1e-3
     assert rep["ft-fail"]["useful_tokens"] < rep["ft"]["useful_tokens"]
     assert rep["restart-fail"]["useful_tokens"] == rep["plain"]["useful_tokens"]

@@ -226,6 +226,7 @@ def test_eager_state_is_per_replica_and_restored_on_the_same_replica_count():
     with torch.no_grad():
         model.weight.copy_(unit.anchor.view(2, 3) - torch.arange(6.0).view(2, 3) / 10)
     unit.eager_launch()  # D = A - theta; own share applied; theta <- A
+    # (float32 defaults, values up to 0.5: A - (A - x) rounds x by an ulp of A, class 3)
     torch.testing.assert_close(unit.launch, torch.arange(6.0) / 10)
     unit.incoming = torch.full((6,), 0.25)
     unit.eager_merge()  # C = I - D / 2

@@ -137,6 +137,8 @@ def test_attention_matches_naive(n_kv_heads):
         got = attn(x, cos[:t], sin[:t])
         want = _naive_attention(attn, x, cfg.rope_theta)
     assert got.dtype == torch.float64
+    # float64 outputs of order 1, the naive formula in another order: 1e-10 is about a
+    # million float64 ulps of slack and still far below a wrong mask or rotation (1e-2)
     torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
 
 
@@ -153,12 +155,13 @@ def test_rope_relative_position():
     def score(m, n):
         return torch.dot(rotated(q, m), rotated(k, n)).item()
 
-    # Same offset m - n = 4 at different absolute positions.
+    # Same offset m - n = 4 at different absolute positions (float64 scores of order 1,
+    # the rotations' sines and cosines rounded at other angles: 1e-10, class 3).
     assert abs(score(9, 5) - score(40, 36)) < 1e-10
     assert abs(score(4, 0) - score(63, 59)) < 1e-10
     # And the score genuinely depends on the offset (guards a no-op rotation).
     assert abs(score(9, 5) - score(9, 6)) > 1e-6
-    # A rotation preserves the norm.
+    # A rotation preserves the norm (float64, order 1: a few roundings, class 3).
     assert abs(rotated(q, 37).norm().item() - q.norm().item()) < 1e-12
 
 
@@ -170,6 +173,8 @@ def test_rmsnorm_exact_value():
     # mean of squares = (1 + 4 + 9 + 16) / 4 = 7.5
     scale = 1.0 / math.sqrt(7.5 + 1e-5)
     want = torch.tensor([[1.0 * scale, -4.0 * scale, 1.5 * scale, -4.0 * scale]])
+    # float32 against the float64 formula rounded once: the norm's mean, rsqrt and two
+    # products round a few times, under 8 ulps (rtol 1e-6) of outputs up to 1.5
     torch.testing.assert_close(norm(x), want, rtol=1e-6, atol=1e-7)
     # Low-precision input comes back in its own dtype.
     assert norm(x.bfloat16()).dtype == torch.bfloat16
@@ -257,6 +262,7 @@ def test_causal_lm_loss():
     assert loss.dtype == torch.float32 and loss.dim() == 0
     logp = torch.log_softmax(logits.float(), dim=-1)
     want = -logp.gather(-1, targets[..., None]).mean()
+    # float32 defaults (rtol 1.3e-6, 11 ulps): the same log-softmax in another kernel
     torch.testing.assert_close(loss, want)
 
 

@@ -176,6 +176,14 @@ def gather_one(t):
     return t.unsqueeze(0).clone()
 
 
+F32_VS_F64 = dict(rtol=1e-6, atol=1e-6)
+"""A float32 reducer's result against the float64 formula (tests/README.md class 2 with a
+floor): a weighted sum over 3-4 replicas of randn values (up to about 3) rounds a handful of
+times in float32, under 8 ulps of the largest term (rtol 1e-6); where the terms cancel the
+result is small and atol 1e-6 carries it. A wrong weight, sign or mask moves an element by
+1e-2 and more."""
+
+
 def rand_deltas(world, n, seed, dtype=torch.float32):
     gen = torch.Generator().manual_seed(seed)
     return [torch.randn(n, generator=gen, dtype=torch.float64).to(dtype) for _ in range(world)]
@@ -192,7 +200,7 @@ def test_mean_reducer_is_the_weighted_sum_with_one_collective():
     results, log = run_replicas(MeanReducer(), deltas, weights)
     assert_all_same(results)
     expected = sum(w * d.double() for w, d in zip(weights, deltas))
-    torch.testing.assert_close(results[0].double(), expected, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(results[0].double(), expected, **F32_VS_F64)
     assert results[0].dtype == torch.float32
     assert log == [[((17,), torch.float32)]] * 3
     assert MeanReducer.collectives_per_call == 1
@@ -246,6 +254,7 @@ def test_gta_hand_values(consensus, normalize, int8_mask):
     results, log = run_replicas(reducer, deltas, HAND_WEIGHTS)
     assert_all_same(results)
     expected = torch.tensor(HAND_EXPECTED[(consensus, normalize)], dtype=torch.float64)
+    # float64 hand values through a few operations on 4 elements: 4.5 ulps (class 2)
     torch.testing.assert_close(results[0], expected, rtol=1e-15, atol=0)
     # Two collectives: the sign election, then numerator (+ divisor) packed in one.
     second = ((2, 4) if normalize else (1, 4), torch.float64)
@@ -259,6 +268,7 @@ def test_gta_hand_values_float32():
     assert_all_same(results)
     assert results[0].dtype == torch.float32
     expected = torch.tensor(HAND_EXPECTED[("count", True)], dtype=torch.float32)
+    # float32 defaults (rtol 1.3e-6 = 11 ulps, atol 1e-5) on hand values of order 1
     torch.testing.assert_close(results[0], expected)
 
 
@@ -313,7 +323,7 @@ def test_gta_magnitude_sparsification_is_reduced(consensus, normalize):
     keeps = [topk_keep(d, density) for d in deltas]
     assert all(int(k.sum()) == 19 for k in keeps)
     expected = gta_reference(deltas, weights, keeps, consensus=consensus, normalize=normalize)
-    torch.testing.assert_close(results[0].double(), expected, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(results[0].double(), expected, **F32_VS_F64)
     # The reference implementation returned each replica's own sparsified delta.
     for d, k in zip(deltas, keeps):
         assert not torch.allclose(results[0], torch.where(k, d, 0.0))
@@ -342,7 +352,7 @@ def test_gta_random_sparsification_is_reduced(method, consensus):
         normalize=True,
         rescale=density if method == "rescaled_random" else None,
     )
-    torch.testing.assert_close(results[0].double(), expected, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(results[0].double(), expected, **F32_VS_F64)
     # Entries kept by no replica are exactly zero.
     dropped = ~torch.stack(keeps).any(0)
     assert dropped.any() and torch.all(results[0][dropped] == 0)
@@ -392,7 +402,8 @@ def test_gta_single_replica_rescaled_random():
         all_gather=gather_one,
     )
     keep = random_keep(9, 20, 0.5)
-    # normalize divides w * d / density by w: d / density on kept entries.
+    # normalize divides w * d / density by w: d / density on kept entries (float64, two
+    # roundings against one: 1e-15 relative is 4.5 ulps)
     torch.testing.assert_close(got, torch.where(keep, delta / 0.5, 0.0), rtol=1e-15, atol=0)
 
 
@@ -476,7 +487,7 @@ def test_gta_sparse_transport_equals_the_dense_formulas(method, consensus, norma
     # Independent of the reducer: float64 over all replicas at once ...
     expected = gta_reference(deltas, weights, keeps, consensus=consensus,
                              normalize=normalize, rescale=rescale)
-    torch.testing.assert_close(got.double(), expected, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(got.double(), expected, **F32_VS_F64)
     # ... and the dense formulas in fp32, replica order: the same bits.
     xs = []
     for d, w, keep in zip(deltas, weights, keeps):
@@ -550,7 +561,7 @@ def test_gta_excluded_replica_sends_zeros_of_the_same_size():
     assert not sent[1][0].any() and sent[0][0].any()
     keeps = [topk_keep(d, 0.2) for d in deltas]
     expected = gta_reference(deltas, [0.5, 0.0, 0.5], keeps, consensus="sum", normalize=True)
-    torch.testing.assert_close(results[0].double(), expected, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(results[0].double(), expected, **F32_VS_F64)
 
 
 def test_gta_magnitude_ties_keep_the_lower_positions():
@@ -589,7 +600,7 @@ def test_gta_sparse_positions_pack_block_by_block(monkeypatch):
     results, _ = run_replicas(reducer, deltas, [0.5, 0.5])
     keeps = [topk_keep(d, 0.4) for d in deltas]
     expected = gta_reference(deltas, [0.5, 0.5], keeps, consensus="sum", normalize=True)
-    torch.testing.assert_close(results[0].double(), expected, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(results[0].double(), expected, **F32_VS_F64)
 
 
 def test_gta_sparse_transport_needs_weights_and_all_gather():
