@@ -588,21 +588,44 @@ def compute_step_s(cluster: Cluster, shape: Shape, spec: ModelSpec, lay: Layout,
     return compute + exposed, exposed
 
 
+def unit_bytes(method: MethodSpec, params: float, R: int, dtype_bytes: int = 4) -> float:
+    """Bytes a node sends for one unit of ``params`` values in one round over ``R``
+    replicas: an fp32 (sync: training dtype) ring all-reduce, ``2 (R - 1) / R`` of the
+    buffer whatever ``R``; or an all-gather of the codec's payload, ``(R - 1)`` payloads
+    (every replica receives every other's message: the quantised and sparse codecs cannot
+    be summed on the way), which grows with ``R``. The node's ``shard x tp`` ranks each
+    send their shard's part over the one link, so the node sends the whole unit's bytes."""
+    if R <= 1:
+        return 0.0
+    if method.codec == "fp32" or method.method in ("sync", "post_local_sgd"):
+        b = dtype_bytes if method.method == "sync" else 4
+        return 2.0 * (R - 1) / R * params * b
+    return (R - 1) * payload_bytes(params, method.codec)
+
+
+def gather_break_even_replicas(codec: str, summable_bytes_per_value: float,
+                               n: int = sparse.CHUNK) -> float:
+    """The replica count above which a gathered ``codec`` sends more than a ring
+    all-reduce of a codec of ``summable_bytes_per_value`` bytes per value that can be
+    summed on the way (fp32 4, bf16 2): ``(R - 1) p > 2 (R - 1) / R b`` for ``R > 2 b /
+    p``, ``p`` the gathered codec's bytes per value (over ``n`` values: its payload at
+    the default chunk is exact for a multiple of it)."""
+    p = payload_bytes(n, codec) / n
+    return 2.0 * summable_bytes_per_value / p
+
+
 def _unit_job_s(cluster: Cluster, method: MethodSpec, params: float, R: int,
                 dtype_bytes: int) -> tuple[float, float]:
-    """(seconds on the node's link, bytes the node sends) of one unit's cross-replica
-    reduction: an fp32 (sync: training dtype) ring all-reduce, or an all-gather of the
-    codec's payload. The node's ``shard x tp`` ranks each send their shard's part over
-    the one link, so the node sends the whole unit's bytes."""
+    """(seconds on the node's link, bytes the node sends: :func:`unit_bytes`) of one
+    unit's cross-replica reduction."""
     bw, lat, per = cluster.inter_bytes_per_s, cluster.inter_latency_s, cluster.latency_per
     if R <= 1:
         return 0.0, 0.0
+    nbytes = unit_bytes(method, params, R, dtype_bytes)
     if method.codec == "fp32" or method.method in ("sync", "post_local_sgd"):
         b = dtype_bytes if method.method == "sync" else 4
-        nbytes = params * b
-        return ring_allreduce_s(nbytes, R, bw, lat, per), 2.0 * (R - 1) / R * nbytes
-    payload = payload_bytes(params, method.codec)
-    return allgather_s(payload, R, bw, lat, per), (R - 1) * payload
+        return ring_allreduce_s(params * b, R, bw, lat, per), nbytes
+    return allgather_s(payload_bytes(params, method.codec), R, bw, lat, per), nbytes
 
 
 def _small_collective_s(cluster: Cluster, R: int) -> float:
@@ -773,7 +796,8 @@ def _predict_aedit(cluster: Cluster, method: MethodSpec, lay: Layout, compute: f
 
 
 __all__ = ["CODEC_BITS", "Layout", "Memory", "Prediction", "Round", "Shape", "Timeline",
-           "allgather_s", "compute_step_s", "expected_max_stall_s", "layerwise_exposure_s",
+           "allgather_s", "compute_step_s", "expected_max_stall_s",
+           "gather_break_even_replicas", "layerwise_exposure_s",
            "layout", "memory_per_rank", "model_shape", "overlap_slowdown_s",
            "payload_bytes", "predict",
-           "replica_factors", "ring_allreduce_s", "timeline"]
+           "replica_factors", "ring_allreduce_s", "timeline", "unit_bytes"]
