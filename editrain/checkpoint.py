@@ -703,11 +703,12 @@ def _read_rank_json(path: Path, fmt: int, marker: Mapping[str, Any]) -> dict[str
     :data:`RANK_STATE_SCHEMA` and the marker, and (format 3 on) its optimizer entry checked
     decodable. ``fmt`` 0: the marker's format."""
     fmt = fmt or int(marker.get("format", 1))
-    state = read_json(path, max_bytes=rank_json_cap(marker), schema=RANK_STATE_SCHEMA,
-                      what="rank state")
-    problem = _rank_state_problem(state, marker)
-    if problem:
-        raise CheckpointError(f"{path}: {problem}")
+    try:
+        state = read_json(path, max_bytes=rank_json_cap(marker), schema=Obj(),
+                          what="rank state")
+    except CheckpointError as e:
+        where, _, why = str(e).partition(": ")
+        raise CheckpointError(f"{where}: missing or corrupt rank state: {why}") from None
     if fmt >= 3:
         try:
             optim = from_typed_json(state[OPTIM_KEY])
@@ -718,6 +719,10 @@ def _read_rank_json(path: Path, fmt: int, marker: Mapping[str, Any]) -> dict[str
                                   f"optimizer's param_groups) is missing or malformed "
                                   f"({quote(str(e))})") from None
         state[OPTIM_KEY] = optim
+    RANK_STATE_SCHEMA.check(state, str(path), "", CheckpointError)
+    problem = _rank_state_problem(state, marker)
+    if problem:
+        raise CheckpointError(f"{path}: {problem}")
     return state
 
 

@@ -329,18 +329,11 @@ def removable(run_dir: Path, record: RunRecord | None) -> tuple[list[str], list[
     An entry is editrain's when the record lists it as owned (or, without a record, a run
     of an older editrain's) and it holds only what editrain writes there
     (:func:`foreign_entry`): an owned directory holding a user's file is not removed.
-    Foreign entries are named as ``entry (the first foreign path in it)``.
     """
     ours, foreign = [], []
     for name in run_entries(run_dir):
-        found = foreign_entry(run_dir / name)
         owned = record is None or name in record.owned
-        if owned and found is None:
-            ours.append(name)
-        else:
-            inside = found.relative_to(run_dir) if found is not None else None
-            foreign.append(name if inside is None or str(inside) == name
-                           else f"{name} ({inside})")
+        (ours if owned and foreign_entry(run_dir / name) is None else foreign).append(name)
     return ours, foreign
 
 
@@ -471,9 +464,13 @@ def check(run_dir: Path, *, overwrite: bool, resume: list[Path]) -> Claim:
                               "directory")
         _, foreign = removable(run_dir, record)
         if foreign:
+            found = [foreign_entry(run_dir / n) for n in foreign]
+            where = ", ".join(str(p.relative_to(run_dir)) for p in found
+                              if p is not None and p != run_dir / p.name)
             raise RunDirError(
                 f"--overwrite: {run_dir} holds {', '.join(foreign)} with files editrain did "
-                "not write; move them away first (editrain removes only what it wrote)")
+                f"not write{f' ({where})' if where else ''}; move them away first (editrain "
+                "removes only what it wrote)")
     return Claim(run_dir, record, existing, replace, list(resume), marker)
 
 

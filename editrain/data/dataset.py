@@ -258,12 +258,14 @@ CHECKSUM_FILES = ("train.bin", "val.bin", "tokenizer.json")
 
 
 def file_checksum(path: str | Path) -> str:
-    """BLAKE2b (128-bit) of a file's bytes, read in :data:`CHECKSUM_CHUNK` pieces.
+    """SHA-256 of a file's bytes, read in :data:`CHECKSUM_CHUNK` pieces (SHA-256 rather
+    than BLAKE2b: with the SHA instructions of current x86 and ARM CPUs it hashes about
+    twice as fast in CPython's hashlib).
 
     Args:
         path: the file.
     """
-    h = hashlib.blake2b(digest_size=16)
+    h = hashlib.sha256()
     with open(path, "rb") as fh:
         while chunk := fh.read(CHECKSUM_CHUNK):
             h.update(chunk)

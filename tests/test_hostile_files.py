@@ -1,0 +1,675 @@
+"""Hostile files and odd inputs (issue 48, classes 1-4, 8, 9, 11): every class walked, not
+only its examples.
+
+1. Run-directory writes never follow a link: every writer of a run directory, with a link
+   where it writes a file or at a directory it writes into, leaves the link's target as it
+   was and refuses in one line naming the link.
+2. Reads from checkpoints are bounded and trust no file type: a 2 GiB sparse rank JSON or
+   a 1 GiB ``.metadata`` is refused by its size at once; a ``step_*`` directory or a
+   ``.distcp`` that is a link, or a FIFO, is refused.
+3. Every counter read from a checkpoint is checked (type, range, consistency with the
+   marker) before any worker starts.
+4. One JSON reader: any JSON shape in a marker, rank state or run record is read or
+   refused in one bounded line naming the file, never a traceback; deep nesting too.
+8. ``--overwrite`` removes an owned directory only when it holds nothing but editrain's
+   files.
+9. The token cache's files are checked against the checksums of its ``meta.json``.
+11. A resumed run keeps its checkpoint schedule.
+
+The unit tests call the writers and readers directly (Hypothesis walks the shapes); the
+command-line tests use one real checkpoint written once per module.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import shutil
+import time
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from editrain import rundir
+from editrain.checkpoint import (
+    RANK_STATE_SCHEMA,
+    _read_rank_json,
+    check_files,
+    list_checkpoints,
+    rank_file,
+    read_marker,
+)
+from editrain.errors import CheckpointError, RunDirError
+from editrain.metrics import MetricsWriter, RankLog, plot_runs, read_jsonl
+from editrain.safe_io import (
+    check_no_links,
+    cut_partial_line,
+    make_dir,
+    open_write,
+    read_json,
+    write_atomic,
+)
+from editrain.train import next_after
+
+FAST = settings(max_examples=60, deadline=None,
+                suppress_health_check=[HealthCheck.function_scoped_fixture,
+                                        HealthCheck.too_slow])
+
+
+def _outside(tmp_path: Path) -> tuple[Path, Path]:
+    """A file and a directory outside the run directory, with known contents."""
+    out = tmp_path / "outside"
+    out.mkdir(exist_ok=True)
+    victim = out / "victim.txt"
+    victim.write_text("precious\n")
+    (out / "dir").mkdir(exist_ok=True)
+    return victim, out / "dir"
+
+
+def _untouched(victim: Path, folder: Path) -> None:
+    assert victim.read_text() == "precious\n"
+    assert list(folder.iterdir()) == []
+
+
+# ---------------------------------------------------------------------------- class 1
+def _record(run: Path) -> None:
+    rundir.write_record(run, rundir.RunRecord(run_id="r", branch="b"))
+
+
+def _metrics(run: Path) -> None:
+    w = MetricsWriter(run, tensorboard=False, trackers=[])
+    w.write({"step": 1, "loss": 1.0})
+    w.close()
+
+
+def _ranklog(run: Path) -> None:
+    log = RankLog(run, 0)
+    log.write({"step": 1})
+    log.close()
+
+
+def _config(run: Path) -> None:
+    write_atomic(run / "config.toml", "a = 1\n", root=run)
+
+
+def _event(run: Path) -> None:
+    rundir._append_event(run / "metrics.jsonl", {"event": "timeline"})
+
+
+def _lock(run: Path) -> None:
+    rundir.RunLock(run).acquire().release()
+
+
+def _link_state(run: Path) -> None:
+    from editrain.sim import SharedLink
+
+    SharedLink(run / ".link" / "r0.state", 1e6, 0.0).reserve(10)
+
+
+def _error_log(run: Path) -> None:
+    from editrain.spawn import errors_logged
+
+    with pytest.raises(KeyError), errors_logged(run / "logs", 0, 1):
+        raise KeyError("boom")
+    path = run / "logs" / "rank0.log"
+    if path.is_symlink() or not path.is_file():  # refused (errors_logged swallows it)
+        raise RunDirError(f"{path.parent if path.parent.is_symlink() else path}: no log "
+                          "written through the link")
+
+
+def _plots(run: Path) -> None:
+    (run / "metrics.jsonl").write_text('{"step": 1, "tokens": 1, "loss": 2.0, '
+                                       '"wall_time_s": 1.0}\n')
+    plot_runs([run])
+
+
+def _wandb_id(run: Path) -> None:
+    from editrain.tracking import RUN_ID_FILE
+
+    write_atomic(run / RUN_ID_FILE, "abc\n", root=run)
+
+
+WRITERS = {
+    # writer: (the file it writes, the directory it writes into or None)
+    _record: ("editrain-run.json", None),
+    _metrics: ("metrics.jsonl", None),
+    _ranklog: ("ranks/rank0.jsonl", "ranks"),
+    _config: ("config.toml", None),
+    _lock: (".editrain.lock", None),
+    _link_state: (".link/r0.state", ".link"),
+    _error_log: ("logs/rank0.log", "logs"),
+    _plots: ("loss_vs_tokens.png", None),
+    _wandb_id: ("wandb-run-id", None),
+}
+
+
+CASES = [(w, "file") for w in WRITERS] + [(w, "dir") for w, (_, d) in WRITERS.items() if d]
+
+
+@pytest.mark.parametrize(("writer", "where"), CASES,
+                         ids=[f"{w.__name__}-{where}" for w, where in CASES])
+def test_no_run_directory_writer_follows_a_link(tmp_path, writer, where):
+    """A link where the writer writes its file, or at the directory it writes into (a
+    directory of the run directory: the run directory itself is the user's choice): the
+    target stays as it was and the writer refuses, naming the link."""
+    name, folder = WRITERS[writer]
+    run = tmp_path / "run"
+    run.mkdir()
+    victim, outside_dir = _outside(tmp_path)
+    if where == "file":
+        (run / name).parent.mkdir(parents=True, exist_ok=True)
+        (run / name).symlink_to(victim)
+        link = run / name
+    else:
+        (run / folder).symlink_to(outside_dir, target_is_directory=True)
+        link = run / folder
+    with pytest.raises(RunDirError) as e:
+        writer(run)
+    assert str(link) in str(e.value) and "\n" not in str(e.value)
+    _untouched(victim, outside_dir)
+    assert link.is_symlink()
+
+
+def test_the_example_metrics_link_is_refused_by_resume_before_any_work(tmp_path):
+    """Issue 48's example: RUN_DIR/metrics.jsonl a link to a file outside; a resume of
+    that run is refused by the run-directory check, before anything is written."""
+    run = tmp_path / "run"
+    run.mkdir()
+    victim, outside_dir = _outside(tmp_path)
+    _record(run)
+    (run / "metrics.jsonl").symlink_to(victim)
+    ckpt = run / "checkpoints" / "step_00000004"
+    ckpt.mkdir(parents=True)
+    rec = rundir.read_record(run)
+    (ckpt / "editrain.json").write_text(json.dumps({"step": 4, "run_id": rec.run_id}))
+    with pytest.raises(RunDirError, match="metrics.jsonl is a symbolic link"):
+        rundir.check(run, overwrite=False, resume=[ckpt])
+    _untouched(victim, outside_dir)
+
+
+_PART = st.sampled_from(["a", "b", "c"])
+
+
+@FAST
+@given(parts=st.lists(_PART, min_size=1, max_size=4), link_at=st.integers(0, 3),
+       how=st.sampled_from(["open", "atomic", "mkdir"]), dangling=st.booleans())
+def test_safe_io_never_writes_through_a_link_anywhere_below_the_root(
+        tmp_path_factory, parts, link_at, how, dangling):
+    """Any path below the root, with a link at any component: the write is refused and
+    nothing outside changes (a dangling link is not created through either)."""
+    base = tmp_path_factory.mktemp("w")
+    root = base / "run"
+    root.mkdir()
+    victim, outside_dir = _outside(base)
+    link_at = min(link_at, len(parts) - 1)
+    target_file = root.joinpath(*parts)
+    link = root.joinpath(*parts[:link_at + 1])
+    link.parent.mkdir(parents=True, exist_ok=True)
+    is_last = link == target_file
+    target = (base / "nowhere") if dangling else (victim if is_last and how != "mkdir"
+                                                  else outside_dir)
+    link.symlink_to(target)
+    with pytest.raises(RunDirError, match="symbolic link|not a directory|cannot"):
+        if how == "open":
+            open_write(target_file, "a", root=root).close()
+        elif how == "atomic":
+            write_atomic(target_file, "x", root=root)
+        else:
+            make_dir(target_file, root=root)
+    _untouched(victim, outside_dir)
+    assert not (base / "nowhere").exists()
+
+
+def test_a_fifo_where_editrain_writes_is_refused_without_blocking(tmp_path):
+    os.mkfifo(tmp_path / "metrics.jsonl")
+    t0 = time.monotonic()
+    with pytest.raises(RunDirError, match="cannot open|not a regular file"):
+        open_write(tmp_path / "metrics.jsonl", "a", root=tmp_path)
+    assert time.monotonic() - t0 < 2
+
+
+def test_cut_partial_line_reads_only_the_tail_and_keeps_whole_rows(tmp_path):
+    path = tmp_path / "m.jsonl"
+    rows = "".join(json.dumps({"step": i, "pad": "x" * 300}) + "\n" for i in range(500))
+    path.write_text(rows + '{"step": 500, "pa')
+    cut_partial_line(path, root=tmp_path)
+    assert path.read_text() == rows
+    cut_partial_line(path, root=tmp_path)  # whole already: unchanged
+    assert path.read_text() == rows
+    path.write_text("no newline at all")
+    cut_partial_line(path, root=tmp_path)
+    assert path.read_text() == ""
+
+
+def test_check_no_links_looks_only_below_the_root(tmp_path):
+    real = tmp_path / "real"
+    real.mkdir()
+    (tmp_path / "alias").symlink_to(real)
+    check_no_links(tmp_path / "alias" / "x", root=tmp_path / "alias")  # the user's link: ok
+    with pytest.raises(RunDirError):
+        check_no_links(tmp_path / "alias" / "x", root=tmp_path)
+
+
+# ---------------------------------------------------------------------------- class 4
+def _json_values():
+    scalars = st.one_of(st.none(), st.booleans(), st.integers(-(2**70), 2**70),
+                        st.floats(allow_nan=True, allow_infinity=True),
+                        st.text(max_size=30))
+    return st.recursive(scalars, lambda inner: st.one_of(
+        st.lists(inner, max_size=5),
+        st.dictionaries(st.sampled_from(["step", "format", "topology", "run_id", "branch",
+                                         "owned", "history", "num_units", "x"]) | st.text(
+                                             max_size=8), inner, max_size=5)), max_leaves=20)
+
+
+def _one_bounded_line(message: str, path: Path) -> None:
+    assert "\n" not in message
+    assert str(path) in message
+    assert len(message) < len(str(path)) + 400, message
+
+
+@FAST
+@given(value=_json_values())
+def test_any_json_shape_in_a_marker_is_read_or_refused_in_one_bounded_line(
+        tmp_path_factory, value):
+    ckpt = tmp_path_factory.mktemp("c") / "step_00000004"
+    ckpt.mkdir()
+    (ckpt / "editrain.json").write_text(json.dumps(value))
+    try:
+        marker = read_marker(ckpt)
+    except CheckpointError as e:
+        _one_bounded_line(str(e), ckpt / "editrain.json")
+        return
+    assert isinstance(marker, dict) and type(marker["step"]) is int and marker["step"] >= 0
+
+
+@FAST
+@given(value=_json_values())
+def test_any_json_shape_in_a_run_record_is_read_or_refused_in_one_bounded_line(
+        tmp_path_factory, value):
+    run = tmp_path_factory.mktemp("r")
+    (run / rundir.RECORD).write_text(json.dumps(value))
+    try:
+        rec = rundir.read_record(run)
+    except RunDirError as e:
+        _one_bounded_line(str(e), run / rundir.RECORD)
+        return
+    assert isinstance(rec.run_id, str) and all(isinstance(n, str) for n in rec.owned)
+
+
+@pytest.mark.parametrize("text", ["[1,2,3]", "[" * 200_000 + "]" * 200_000, '"x"', "null",
+                                  "{", '{"step": NaN}', '{"step": true}', '{"step": "4"}',
+                                  '{"step": 1e18}', '{"step": -1}', "\xff\xfe"])
+def test_the_issue_examples_of_malformed_markers_are_one_line(tmp_path, text):
+    ckpt = tmp_path / "step_00000004"
+    ckpt.mkdir()
+    (ckpt / "editrain.json").write_bytes(text.encode("utf-8", "surrogateescape")
+                                         if text != "\xff\xfe" else b"\xff\xfe")
+    with pytest.raises(CheckpointError) as e:
+        read_marker(ckpt)
+    _one_bounded_line(str(e.value), ckpt / "editrain.json")
+
+
+def test_a_huge_string_is_never_echoed(tmp_path):
+    """A 50 MB string in a marker field: the refusal quotes its head and its length."""
+    ckpt = tmp_path / "step_00000004"
+    ckpt.mkdir()
+    (ckpt / "editrain.json").write_text(json.dumps({"step": 4, "run_id": "x" * 3_000_000}))
+    with pytest.raises(CheckpointError) as e:
+        read_marker(ckpt)
+    assert len(str(e.value)) < 400 and "3000000 characters" in str(e.value)
+    (ckpt / "editrain.json").write_text(json.dumps({"step": 4, "run_id": "x" * (50 << 20)}))
+    with pytest.raises(CheckpointError, match="more than the") as e:
+        read_marker(ckpt)
+    assert len(str(e.value)) < 400
+
+
+def test_metrics_rows_of_any_shape_are_skipped_not_fatal(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('[1,2,3]\n{"step": 1}\n' + "[" * 100_000 + "\n" + '"s"\n{"step": 2}\n'
+                    + "x" * (2 << 20) + "\n{\"step\": 3}\n")
+    assert read_jsonl(path) == [{"step": 1}, {"step": 2}, {"step": 3}]
+    link = tmp_path / "link.jsonl"
+    link.symlink_to(path)
+    with pytest.raises(RunDirError, match="symbolic link"):
+        read_jsonl(link)
+
+
+# ---------------------------------------------------------------------------- classes 2, 3
+MARKER = {"format": 3, "step": 8, "topology": [2, 1], "num_units": 3, "method": "diloco",
+          "seq_len": 32, "config": {"checkpoint": {"every": 4}, "train": {"eval_every": 4}}}
+
+
+def _rank_state(step: int = 8) -> dict:
+    import base64
+
+    return {
+        "step": step, "next_eval": 12, "next_ckpt": 12, "last_eval": 8, "finished": False,
+        "wall_time_s": 1.5, "off_train_s": 0.1,
+        "data": {"epoch": 0, "position": 16, "rank": 0, "world_size": 2, "seed": 0,
+                 "num_windows": 100, "seq_len": 32, "consumed_layouts": []},
+        "rng": {"cpu": base64.b64encode(bytes(5056)).decode()},
+        "sim_rng": [0] * 624 + [624],
+        "optim": {"dict": {"param_groups": [{"dict": {"lr": 0.001}}]}},
+    }
+
+
+def test_a_valid_rank_state_is_read(tmp_path):
+    path = tmp_path / "rank_00000.json"
+    path.write_text(json.dumps(_rank_state()))
+    state = _read_rank_json(path, 3, MARKER)
+    assert state["step"] == 8 and state["optim"] == {"param_groups": [{"lr": 0.001}]}
+
+
+HOSTILE = st.one_of(st.just(10**18), st.just(-1), st.just(True), st.just(False),
+                    st.just(float("nan")), st.just(float("inf")), st.just(2.5), st.just("8"),
+                    st.none(), st.just([]), st.just({}), st.integers(-(2**80), 2**80),
+                    st.text(max_size=5))
+FIELDS = ["step", "next_eval", "next_ckpt", "last_eval", "finished", "wall_time_s",
+          "off_train_s", "data.epoch", "data.position", "data.num_windows", "data.seq_len",
+          "data.world_size", "rng.cpu", "sim_rng", "sim_rng.624", "sim_rng.0", "tp",
+          "ft_committed", "optim"]
+
+
+def _set(state: dict, field: str, value) -> None:
+    *path, last = field.split(".")
+    node = state
+    for key in path:
+        node = node[key]
+    if isinstance(node, list):
+        node[int(last)] = value
+    else:
+        node[last] = value
+
+
+@FAST
+@given(field=st.sampled_from(FIELDS), value=HOSTILE)
+def test_every_counter_of_a_rank_state_is_checked(tmp_path_factory, field, value):
+    """A hostile value in any field: refused in one line naming the file and the field,
+    unless the value is one the run could really have saved there."""
+    path = tmp_path_factory.mktemp("r") / "rank_00000.json"
+    state = _rank_state()
+    _set(state, field, value)
+    path.write_text(json.dumps(state))
+    try:
+        got = _read_rank_json(path, 3, MARKER)
+    except CheckpointError as e:
+        _one_bounded_line(str(e), path)
+        assert field.split(".")[0] in str(e)
+        return
+    # Accepted: then it is plausible for this marker.
+    assert got["step"] == 8
+    RANK_STATE_SCHEMA.check(got | {"optim": None}, str(path), "", CheckpointError)
+    assert 0 <= got["next_ckpt"] <= 8 + 4 + 1 and 0 <= got["next_eval"] <= 8 + 4 + 1
+    assert got["data"]["position"] <= got["data"]["num_windows"]
+
+
+@pytest.mark.parametrize("step", [10**18, float("nan"), -4, True, "8", 7])
+def test_the_issue_examples_of_a_rank_step(tmp_path, step):
+    path = tmp_path / "rank_00000.json"
+    state = _rank_state()
+    state["step"] = step
+    path.write_text(json.dumps(state))
+    with pytest.raises(CheckpointError, match="'step'"):
+        _read_rank_json(path, 3, MARKER)
+
+
+def test_a_sparse_2_gib_rank_json_is_refused_by_its_size_at_once(tmp_path):
+    path = tmp_path / "rank_00000.json"
+    with open(path, "wb") as f:
+        f.truncate(2 << 30)
+    t0 = time.monotonic()
+    with pytest.raises(CheckpointError, match="more than the"):
+        _read_rank_json(path, 3, MARKER)
+    assert time.monotonic() - t0 < 1.0
+
+
+def test_a_rank_json_that_is_a_fifo_or_a_link_is_refused_without_blocking(tmp_path):
+    os.mkfifo(tmp_path / "rank_00000.json")
+    t0 = time.monotonic()
+    with pytest.raises(CheckpointError, match="not a regular file"):
+        _read_rank_json(tmp_path / "rank_00000.json", 3, MARKER)
+    assert time.monotonic() - t0 < 2
+    real = tmp_path / "real.json"
+    real.write_text(json.dumps(_rank_state()))
+    (tmp_path / "rank_00001.json").symlink_to(real)
+    with pytest.raises(CheckpointError, match="symbolic link"):
+        _read_rank_json(tmp_path / "rank_00001.json", 3, MARKER)
+
+
+@FAST
+@given(size=st.integers(0, 1 << 20), what=st.sampled_from(["file", "dir", "link"]))
+def test_read_json_refuses_by_size_and_type_before_reading(tmp_path_factory, size, what):
+    d = tmp_path_factory.mktemp("j")
+    path = d / "x.json"
+    if what == "file":
+        with open(path, "wb") as f:
+            f.truncate(size)
+    elif what == "dir":
+        path.mkdir()
+    else:
+        (d / "t").write_text("{}")
+        path.symlink_to(d / "t")
+    cap = 4096
+    try:
+        read_json(path, max_bytes=cap)
+    except CheckpointError as e:
+        _one_bounded_line(str(e), path)
+        assert what != "file" or size > cap or "JSON" in str(e)
+        return
+    raise AssertionError(f"accepted a {what} of {size} bytes")
+
+
+# ---------------------------------------------------------------------------- class 8
+def _owned_run(tmp_path: Path) -> Path:
+    run = tmp_path / "run"
+    (run / "ranks").mkdir(parents=True)
+    (run / "ranks" / "rank0.jsonl").write_text("{}\n")
+    (run / "logs").mkdir()
+    (run / "logs" / "rank0.log").write_text("x")
+    (run / "metrics.jsonl").write_text("{}\n")
+    ck = run / "checkpoints" / "step_00000004"
+    ck.mkdir(parents=True)
+    for name in ("editrain.json", ".metadata", "__0_0.distcp", "rank_00000.json"):
+        (ck / name).write_text("x")
+    rundir.write_record(run, rundir.RunRecord(
+        run_id="r", branch="b", owned=["ranks", "logs", "metrics.jsonl", "checkpoints"]))
+    return run
+
+
+def test_overwrite_removes_an_owned_run_that_holds_only_editrains_files(tmp_path):
+    run = _owned_run(tmp_path)
+    claim = rundir.check(run, overwrite=True, resume=[])
+    rundir.claim(claim)
+    assert sorted(p.name for p in run.iterdir()) == [rundir.RECORD]
+
+
+USER_FILES = st.sampled_from([
+    "ranks/my_analysis.py", "logs/notes.txt", "checkpoints/step_00000004/mine.py",
+    "checkpoints/README", "checkpoints/abandoned/b1/step_00000002/x.bin",
+    "ranks/sub/rank1.jsonl", "checkpoints/step_00000004/sub/editrain.json"])
+
+
+@FAST
+@given(user_file=USER_FILES)
+def test_overwrite_refuses_an_owned_directory_holding_a_users_file(tmp_path_factory,
+                                                                   user_file):
+    """Issue 48's example (ranks/my_analysis.py) and its neighbours: refused by name, and
+    nothing is deleted."""
+    run = _owned_run(tmp_path_factory.mktemp("o"))
+    path = run / user_file
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("mine")
+    with pytest.raises(RunDirError) as e:
+        rundir.check(run, overwrite=True, resume=[])
+    assert user_file.split("/")[0] in str(e.value)
+    assert str(Path(user_file).parent) in str(e.value) or user_file in str(e.value)
+    assert path.read_text() == "mine" and (run / "ranks" / "rank0.jsonl").is_file()
+
+
+def test_overwrite_refuses_a_link_inside_an_owned_directory(tmp_path):
+    run = _owned_run(tmp_path)
+    victim, outside_dir = _outside(tmp_path)
+    (run / "logs" / "rank1.log").symlink_to(victim)
+    with pytest.raises(RunDirError, match="logs/rank1.log"):
+        rundir.check(run, overwrite=True, resume=[])
+    _untouched(victim, outside_dir)
+
+
+# ---------------------------------------------------------------------------- class 11
+@given(due=st.integers(0, 10**6), point=st.floats(0, 10**6), every=st.integers(0, 1000))
+def test_next_after_is_the_first_due_point_past_the_point(due, point, every):
+    got = next_after(due, point, every)
+    expected = due
+    if every:
+        while expected <= point:
+            expected += every
+    assert got == expected
+
+
+# ---------------------------------------------------------------------------- end to end
+@pytest.fixture(scope="module")
+def run8(data_cache, tmp_path_factory) -> Path:
+    """A run of 8 steps, checkpoint every 4, written once (2 workers, tiny model)."""
+    from tests.test_cli import editrain, explain, tiny
+
+    run = tmp_path_factory.mktemp("run8") / "run"
+    proc, _ = editrain("train", *tiny(data_cache), "--nproc", "2", "--shard-size", "1",
+                       "--method", "diloco", "--sync.local_sgd_sync_interval", "2",
+                       "--train.batch_size", "4", "--train.seq_len", "32",
+                       "--train.eval_every", "4", "--train.eval_tokens", "1024",
+                       "--checkpoint.every", "4", "--checkpoint.keep", "3", "--quiet",
+                       "--steps", "8", "--run-dir", str(run))
+    assert proc.returncode == 0, explain(proc)
+    return run
+
+
+def _copy_run(run8: Path, tmp_path: Path) -> Path:
+    dst = tmp_path / "run"
+    shutil.copytree(run8, dst, symlinks=True)
+    return dst
+
+
+def test_a_resumed_run_keeps_its_checkpoint_schedule(run8, data_cache, tmp_path):
+    """Issue 48's example: 8 steps with --checkpoint.every 4, resumed with --steps 12:
+    checkpoints at 4, 8 and 12, not at an off-schedule step."""
+    from tests.test_cli import editrain, explain, tiny
+
+    run = _copy_run(run8, tmp_path)
+    proc, _ = editrain("train", *tiny(data_cache), "--nproc", "2", "--shard-size", "1",
+                       "--method", "diloco", "--sync.local_sgd_sync_interval", "2",
+                       "--train.batch_size", "4", "--train.seq_len", "32",
+                       "--train.eval_every", "4", "--train.eval_tokens", "1024",
+                       "--checkpoint.every", "4", "--checkpoint.keep", "3", "--quiet",
+                       "--steps", "12", "--run-dir", str(run), "--resume", str(run))
+    assert proc.returncode == 0, explain(proc)
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    saved = [r["step"] for r in rows if r.get("event") == "checkpoint"]
+    assert saved == [4, 8, 12], saved
+    evals = [r["step"] for r in rows if "val_loss" in r and not r.get("replayed")]
+    assert evals == [0, 4, 8, 12], evals
+    assert [int(p.name[5:]) for p in list_checkpoints(run)] == [4, 8, 12]
+
+
+def _resume_error(run: Path, data_cache: Path) -> str:
+    from tests.test_cli import editrain, error_line, tiny
+
+    proc, _ = editrain("train", *tiny(data_cache), "--nproc", "2", "--shard-size", "1",
+                       "--method", "diloco", "--sync.local_sgd_sync_interval", "2",
+                       "--train.batch_size", "4", "--train.seq_len", "32",
+                       "--train.eval_tokens", "1024", "--quiet", "--steps", "12",
+                       "--run-dir", str(run), "--resume", str(run), timeout=120)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr and "Logging error" not in proc.stderr
+    return error_line(proc.stderr)
+
+
+@pytest.mark.parametrize("damage", ["step_1e18", "step_nan", "marker_list", "marker_deep",
+                                    "metrics_link", "step_dir_link", "distcp_link",
+                                    "sparse_rank", "sparse_metadata"])
+def test_hostile_checkpoints_and_run_dirs_end_in_one_line_before_any_worker(
+        run8, data_cache, tmp_path, damage):
+    run = _copy_run(run8, tmp_path)
+    ckpt = list_checkpoints(run)[-1]
+    victim, outside_dir = _outside(tmp_path)
+    rank0 = rank_file(ckpt, 0)
+    if damage.startswith("step_") and damage != "step_dir_link":
+        state = json.loads(rank0.read_text())
+        state["step"] = 10**18 if damage == "step_1e18" else float("nan")
+        rank0.write_text(json.dumps(state))
+        expect = "'step'"
+    elif damage == "marker_list":
+        (ckpt / "editrain.json").write_text("[1,2,3]")
+        expect = "a JSON object is expected"
+    elif damage == "marker_deep":
+        (ckpt / "editrain.json").write_text("[" * 200_000 + "]" * 200_000)
+        expect = "nested deeper"
+    elif damage == "metrics_link":
+        (run / "metrics.jsonl").unlink()
+        (run / "metrics.jsonl").symlink_to(victim)
+        expect = "metrics.jsonl is a symbolic link"
+    elif damage == "step_dir_link":
+        moved = tmp_path / "elsewhere"
+        shutil.move(str(ckpt), moved)
+        ckpt.symlink_to(moved, target_is_directory=True)
+        expect = "is a symbolic link"
+    elif damage == "distcp_link":
+        data = next(ckpt.glob("*.distcp"))
+        outside = tmp_path / data.name
+        shutil.move(str(data), outside)
+        data.symlink_to(outside)
+        expect = "symbolic link"
+    elif damage == "sparse_rank":
+        with open(rank0, "r+b") as f:
+            f.truncate(2 << 30)
+        expect = "more than the"
+    else:
+        with open(ckpt / ".metadata", "r+b") as f:
+            f.truncate(1 << 30)
+        expect = "more than the"
+    rows_before = (run / "metrics.jsonl").read_bytes() if damage != "metrics_link" else b""
+    t0 = time.monotonic()
+    line = _resume_error(run, data_cache)
+    assert expect in line, line
+    assert len(line) < 600, line
+    assert time.monotonic() - t0 < 60
+    _untouched(victim, outside_dir)
+    if damage != "metrics_link":  # refused before the run directory was claimed
+        assert (run / "metrics.jsonl").read_bytes() == rows_before
+
+
+def test_check_files_passes_an_intact_checkpoint(run8):
+    for ckpt in list_checkpoints(run8):
+        check_files(ckpt)
+
+
+# ---------------------------------------------------------------------------- class 9
+def test_the_token_cache_detects_bytes_changed_in_place(run8, data_cache, tmp_path):
+    """train.bin overwritten in the middle with in-range ids, same size: the job that
+    opens the cache refuses it, naming the file; the intact copy opens."""
+    from editrain.data.dataset import open_prepared
+
+    entry = next(p for p in data_cache.iterdir()
+                 if p.is_dir() and (p / "meta.json").is_file())
+    meta = json.loads((entry / "meta.json").read_text())
+    assert set(meta["checksums"]) == {"train.bin", "val.bin", "tokenizer.json"}
+    copy_dir = tmp_path / entry.name
+    shutil.copytree(entry, copy_dir)
+    assert open_prepared(copy_dir) is not None
+    import numpy as np
+
+    train = copy_dir / "train.bin"
+    tokens = np.fromfile(train, dtype=meta["dtype"])
+    mid = len(tokens) // 2
+    tokens[mid:mid + 4] = (tokens[mid:mid + 4].astype(np.int64) + 1) % meta["vocab_size"]
+    tokens.tofile(train)  # same size, every id in range
+    assert train.stat().st_size == (entry / "train.bin").stat().st_size
+    with pytest.raises(ValueError, match=r"train\.bin is corrupted \(its checksum"):
+        open_prepared(copy_dir)
+    stale = copy.deepcopy(meta)
+    del stale["checksums"]
+    (copy_dir / "meta.json").write_text(json.dumps(stale))
+    assert open_prepared(copy_dir) is None  # built before checksums: rebuilt, not trusted
