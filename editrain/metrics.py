@@ -227,6 +227,59 @@ def _label(run_dir: Path) -> str:
     return run_dir.name
 
 
+SMOOTHING = 0.9
+"""Weight of the smoothed training curve's exponential moving average (TensorBoard's and
+W&B's "smoothing" slider): each point keeps 0.9 of the average before it, so the curve
+averages about the last ten logged steps. At the default batch the raw loss moves by
+about 0.3 from one step to the next; the average shows the trend under that noise."""
+
+
+def smooth_ema(values: Sequence[float], weight: float = SMOOTHING) -> list[float]:
+    """The debiased exponential moving average TensorBoard draws over a scalar.
+
+    ``m_i = weight * m_(i-1) + (1 - weight) * v_i`` from ``m_(-1) = 0``, divided by
+    ``1 - weight ** n`` (``n`` the finite values so far) so that the start is not pulled
+    towards 0: the first point is the first value, and a constant series stays constant.
+    A non-finite value is passed through and leaves the average as it was.
+
+    Args:
+        values: the series, one point per logged step.
+        weight: in [0, 1): 0 draws the series itself.
+
+    Returns:
+        The smoothed series, as long as ``values``.
+    """
+    if not 0.0 <= weight < 1.0:
+        raise ValueError(f"smoothing weight must be in [0, 1), got {weight}")
+    out, last, n = [], 0.0, 0
+    for v in values:
+        if not math.isfinite(v):
+            out.append(v)
+            continue
+        last = weight * last + (1.0 - weight) * v
+        n += 1
+        out.append(last / (1.0 - weight ** n))
+    return out
+
+
+def loss_series(rows: Sequence[dict[str, Any]], x_key: str,
+                weight: float = SMOOTHING) -> dict[str, list[float]]:
+    """What a loss plot draws of one run against ``x_key`` (``tokens`` or ``wall_time_s``).
+
+    Returns:
+        ``train_x``/``train_y`` (the raw training loss of every logged step),
+        ``smooth_y`` (:func:`smooth_ema` of it), ``val_x``/``val_y`` (the evaluations) and
+        ``sync_x`` (where a row logged a sync: one light vertical line each).
+    """
+    train = [(r[x_key], r["loss"]) for r in rows if r.get("loss") is not None and x_key in r]
+    val = [(r[x_key], r["val_loss"]) for r in rows
+           if r.get("val_loss") is not None and x_key in r]
+    return {"train_x": [x for x, _ in train], "train_y": [y for _, y in train],
+            "smooth_y": smooth_ema([y for _, y in train], weight),
+            "val_x": [x for x, _ in val], "val_y": [y for _, y in val],
+            "sync_x": [r[x_key] for r in rows if r.get("sync") and x_key in r]}
+
+
 def plot_runs(run_dirs: Sequence[str | Path], out_dir: str | Path | None = None) -> list[Path]:
     """Draw loss-vs-tokens and loss-vs-time PNGs for one or more runs.
 
@@ -249,21 +302,20 @@ def plot_runs(run_dirs: Sequence[str | Path], out_dir: str | Path | None = None)
                                  ("wall_time_s", "wall time (s)", "loss_vs_time.png")):
         fig, ax = plt.subplots(figsize=(7, 4.5))
         for d in dirs:
-            rows = read_metrics(d)
             label = _label(d)
-            tr = [(r[x_key], r["loss"]) for r in rows if r.get("loss") is not None and x_key in r]
-            va = [(r[x_key], r["val_loss"]) for r in rows
-                  if r.get("val_loss") is not None and x_key in r]
-            if tr:
-                line, = ax.plot(*zip(*tr), alpha=0.35, linewidth=1)
-                color = line.get_color()
-            else:
-                color = None
-            if va:
-                ax.plot(*zip(*va), marker="o", markersize=3, color=color,
-                        label=f"{label} val")
-            elif tr:
-                line.set_label(f"{label} train")
+            s = loss_series(read_metrics(d), x_key)
+            color = None
+            if s["train_x"]:  # the raw loss faint, its moving average over it
+                raw, = ax.plot(s["train_x"], s["train_y"], alpha=0.25, linewidth=0.8)
+                color = raw.get_color()
+                ax.plot(s["train_x"], s["smooth_y"], color=color, linewidth=1.4,
+                        label=f"{label} train (EMA {SMOOTHING:g})")
+            for i, x in enumerate(s["sync_x"]):
+                ax.axvline(x, color=color or "grey", alpha=0.15, linewidth=0.8,
+                           label=f"{label} syncs" if i == 0 else None)
+            if s["val_x"]:
+                ax.plot(s["val_x"], s["val_y"], marker="o", markersize=3, color=color,
+                        linestyle="--", label=f"{label} val")
         ax.set_xlabel(x_label)
         ax.set_ylabel("loss")
         ax.grid(alpha=0.3)
