@@ -142,7 +142,7 @@ def check_path(option: str, path: str | os.PathLike[str], kind: str) -> Path:
                 raise ConfigError(f"{option}: cannot write into {shown(str(target))} "
                                   f"(no permission)")
             return p
-        base = _existing_parent(option, p.parent if kind == "out_file" else p)
+        base = _existing_parent(option, p)
         if not base.is_dir():
             raise ConfigError(f"{option}: cannot create {name}: {shown(str(base))} is "
                               f"{_what(base) if base.exists() else 'missing'}, not a directory")

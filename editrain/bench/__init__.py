@@ -132,6 +132,9 @@ def run_scenario(name: str, quick: bool = False, out_dir: str | None = None,
             write_readme_headline,
         )
 
+        check_path("bench report --path", flags.get("path", "docs/benchmarks.md"), "out_file")
+        if flags.get("readme"):
+            check_path("bench report --readme", flags["readme"], "in_file")
         # Each scenario's directory, then its extra runs (``<scenario>-<label>``, e.g. a
         # quick convergence run of more variants beside the full one).
         dirs = []
@@ -141,9 +144,7 @@ def run_scenario(name: str, quick: bool = False, out_dir: str | None = None,
         if not dirs:
             raise ConfigError(f"bench report: no results.json under {root}/<scenario>/; run "
                               "`editrain bench all` (or single scenarios) first")
-        check_path("bench report --path", flags.get("path", "docs/benchmarks.md"), "out_file")
         if flags.get("readme"):
-            check_path("bench report --readme", flags["readme"], "in_file")
             check_readme(flags["readme"])  # no markers: fail before writing anything
         path = write_benchmarks_md(dirs, path=flags.get("path", "docs/benchmarks.md"))
         print(f"wrote {path} from {len(dirs)} scenario(s)")

@@ -1,0 +1,465 @@
+"""Issue 48, classes 5, 6 and 7: strings written back, paths that are not what they should
+be, configuration shapes and applicability. Each class is walked as a class (Hypothesis over
+arbitrary text and shapes; every path kind against every kind of wrong path; every option
+against every method and mode), and the issue's examples are among the cases."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+import sys
+import tempfile
+import tomllib
+import types
+import typing
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, example, given, settings
+from hypothesis import strategies as st
+
+from editrain.config import Config, ConfigError, dumps_toml, load_config, to_dict
+from editrain.config.applicability import ALWAYS, APPLIES, check_applicable, option_names
+from editrain.config.inputs import PATH_OPTIONS, SHOWN_AS, check_text_options
+from editrain.config.toml_io import toml_key, toml_string
+from editrain.metrics import to_json
+from editrain.paths import KINDS, check_path
+from editrain.sync.config import METHODS
+from tests.cli import run_cli
+
+FAST = settings(max_examples=150, deadline=None,
+                suppress_health_check=[HealthCheck.function_scoped_fixture])
+CONTROL = st.characters(min_codepoint=0, max_codepoint=0x1F) | st.just("\x7f")
+SURROGATE = st.characters(min_codepoint=0xD800, max_codepoint=0xDFFF)
+
+
+def _string_options() -> list[str]:
+    """Every option whose value may be a string (``str``, ``str | None``, ``list[str]``)."""
+    out = []
+    for name in option_names():
+        tp: typing.Any = Config
+        for part in name.split("."):
+            tp = typing.get_type_hints(tp)[part]
+        args = (typing.get_args(tp) if typing.get_origin(tp) in (typing.Union, types.UnionType)
+                else (tp,))
+        if any(a is str or a == list[str] for a in args):
+            out.append(name)
+    return out
+
+
+STRING_OPTIONS = _string_options()
+LIST_OPTIONS = ("sim.straggler", "sim.corrupt_replica")
+"""String options that are lists only."""
+
+
+def _set(cfg: Config, option: str, value: typing.Any) -> None:
+    """Set ``option`` on ``cfg`` without any check (the checks are what is tested)."""
+    *parents, last = option.split(".")
+    node: typing.Any = cfg
+    for part in parents:
+        node = getattr(node, part)
+    object.__setattr__(node, last, value)
+
+
+# ---------------------------------------------------------------------------- class 5
+def test_the_string_options_are_found():
+    for name in ("run_dir", "resume", "data.path", "data.cache_dir", "train.wandb_project",
+                 "sync.outer_optim_class", "sim.straggler"):
+        assert name in STRING_OPTIONS
+
+
+@FAST
+@given(text=st.text())
+@example(text="runs/a\nb")  # the issue's example: a newline in --run-dir
+@example(text='q"uo\\te\t\r\x00\x1b\x7f\u00e9\u2028\U0001F600')
+def test_any_text_round_trips_through_toml(text):
+    assert tomllib.loads(f"v = {toml_string(text)}")["v"] == text
+    assert toml_string(text).isascii()  # the same bytes in any locale
+    assert tomllib.loads(f"{toml_key(text or 'k')} = 1") == {text or "k": 1}
+
+
+@FAST
+@given(option=st.sampled_from(STRING_OPTIONS), text=st.text())
+def test_every_string_option_round_trips_through_config_toml_and_json(option, text):
+    """config.toml (the launcher writes dumps_toml(to_dict(cfg))) and the JSON of the run
+    record and metrics.jsonl give back every string option equal."""
+    cfg = Config()
+    _set(cfg, option, [text] if option in LIST_OPTIONS else text)
+    data = to_dict(cfg)
+    back = tomllib.loads(dumps_toml(data))
+    node_in, node_out = data, back
+    for part in option.split("."):
+        node_in, node_out = node_in[part], node_out[part]
+    assert node_out == node_in
+    assert json.loads(to_json({"path": text})) == {"path": text}  # metrics.jsonl rows
+    assert json.loads(json.dumps({"run_dir": text}, indent=1)) == {"run_dir": text}  # record
+
+
+@FAST
+@given(option=st.sampled_from(STRING_OPTIONS),
+       text=st.tuples(st.text(), SURROGATE, st.text()).map("".join))
+def test_text_that_is_not_unicode_is_refused_by_name(option, text):
+    """Bytes that are not UTF-8 on a command line become lone surrogates: no TOML file can
+    hold them, so they are refused before launch, naming the option."""
+    cfg = Config()
+    _set(cfg, option, [text] if option in LIST_OPTIONS else text)
+    with pytest.raises(ConfigError) as info:
+        check_text_options(cfg)
+    name = SHOWN_AS.get(option, option)
+    assert str(info.value).startswith(name) and "\n" not in str(info.value)
+
+
+@FAST
+@given(option=st.sampled_from(sorted(PATH_OPTIONS) + ["data.path"]),
+       text=st.tuples(st.text(), CONTROL, st.text()).map("".join))
+@example(option="run_dir", text="runs/a\nb")
+def test_a_control_character_in_a_path_option_is_refused_before_launch(option, text):
+    section, _, key = option.rpartition(".")
+    overrides = {section: {key: text}} if section else {key: text}
+    with pytest.raises(ConfigError) as info:
+        load_config(None, overrides)
+    msg = str(info.value)
+    assert msg.startswith(SHOWN_AS.get(option, option)) and "\n" not in msg, msg
+
+
+def test_odd_run_dir_round_trips_through_a_real_run(tmp_path, data_cache):
+    """A run directory named with quotes, a backslash, '#', '=' and non-ASCII text trains,
+    and config.toml, the run record and metrics.jsonl all give it back equal."""
+    from tests.test_cli import explain, tiny
+
+    run_dir = tmp_path / 'r "q" \\ #x = y \u00e9\u2603\U0001F600'
+    proc = run_cli(["train", *tiny(data_cache), "--nproc", "1", "--shard-size", "1",
+                    "--steps", "2", "--train.eval_every", "2", "--checkpoint.every", "2",
+                    "--run-dir", str(run_dir)], env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert proc.returncode == 0, explain(proc)
+    text = (run_dir / "config.toml").read_bytes()
+    assert text.isascii()
+    assert tomllib.loads(text.decode())["run_dir"] == str(run_dir)
+    assert load_config(run_dir / "config.toml").run_dir == str(run_dir)
+    json.loads((run_dir / "editrain-run.json").read_text())
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    saved = [r["path"] for r in rows if r.get("event") == "checkpoint"]
+    assert saved and all(Path(p).parent.parent == run_dir for p in saved)
+
+
+def test_newline_in_run_dir_is_one_line_exit_2(tmp_path):
+    proc = run_cli(["train", "--run-dir", str(tmp_path / "a\nb"), "--steps", "1"])
+    assert proc.returncode == 2
+    assert proc.stderr.count("\n") == 1 and "--run-dir" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert not (tmp_path / "a\nb").exists()
+
+
+# ---------------------------------------------------------------------------- class 6
+def _wrong_paths(tmp_path: Path) -> dict[str, str]:
+    """One of every kind of path that is not what an option wants."""
+    (tmp_path / "file").write_text("x")
+    (tmp_path / "dir").mkdir()
+    (tmp_path / "dangling").symlink_to(tmp_path / "nowhere")
+    paths = {"file": tmp_path / "file", "dir": tmp_path / "dir", "device": Path("/dev/null"),
+             "under_file": tmp_path / "file" / "sub", "missing": tmp_path / "missing" / "x",
+             "dangling": tmp_path / "dangling"}
+    return {**{k: str(v) for k, v in paths.items()}, "empty": ""}
+
+
+ACCEPTS = {
+    "out_dir": {"dir", "missing"},
+    "in_dir": {"dir"},
+    "in_file": {"file"},
+    "in_path": {"file", "dir"},
+    "out_file": {"file", "missing"},
+}
+"""Which of :func:`_wrong_paths` each kind takes (``missing``: its parent is created)."""
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_check_path_walks_every_kind_of_path(kind, tmp_path):
+    assert set(ACCEPTS) == set(KINDS)
+    for what, path in _wrong_paths(tmp_path).items():
+        if what in ACCEPTS[kind]:
+            check_path("--opt", path, kind)
+            continue
+        with pytest.raises(ConfigError) as info:
+            check_path("--opt", path, kind)
+        msg = str(info.value)
+        assert msg.startswith("--opt: ") and "\n" not in msg, (what, msg)
+
+
+def _as_nobody(fn) -> None:
+    """Run ``fn`` in a child process without root's permission bypass (as nobody when this
+    process is root), so that a directory's mode is what decides."""
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            if os.getuid() == 0:
+                os.setgid(65534)
+                os.setuid(65534)
+            fn()
+            code = 0
+        except BaseException as e:  # said on stderr: the parent only sees the exit code
+            print(f"as nobody: {e!r}", file=sys.stderr)
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+
+
+def test_a_directory_without_write_permission_is_refused():
+    # Not under pytest's tmp_path: its parent is private to root, and nobody must reach it.
+    top = Path(tempfile.mkdtemp(prefix="editrain-perm-"))
+    top.chmod(0o755)
+    locked = top / "locked"
+    locked.mkdir()
+    locked.chmod(0o555)
+
+    def check() -> None:
+        for path, kind in ((locked, "out_dir"), (locked / "new", "out_dir"),
+                           (locked / "f.md", "out_file")):
+            try:
+                check_path("--run-dir", path, kind)
+            except ConfigError as e:
+                assert "permission" in str(e), e
+            else:
+                raise AssertionError(f"{path} ({kind}) was accepted")
+
+    try:
+        _as_nobody(check)
+    finally:
+        shutil.rmtree(top)
+
+
+IN_FILE, IN_DIR, OUT = ("dir", "device", "under_file"), ("file", "device", "under_file"), \
+    ("file", "device", "under_file")
+COMMANDS = {
+    "train --run-dir": (lambda p: ["train", "--run-dir", p], "--run-dir", OUT),
+    "train --resume": (lambda p: ["train", "--resume", p], "--resume", IN_DIR),
+    "train --config": (lambda p: ["train", "--config", p], "--config", IN_FILE),
+    "train data.cache_dir": (lambda p: ["train", "--data.cache_dir", p], "data.cache_dir", OUT),
+    "train data.tokenizer": (lambda p: ["train", "--data.tokenizer", p], "data.tokenizer",
+                             ("device", "under_file")),
+    "train model.hf_config": (lambda p: ["train", "--model.hf_config", p], "model.hf_config",
+                              IN_FILE),
+    "data --config": (lambda p: ["data", "--config", p], "--config", IN_FILE),
+    "data data.cache_dir": (lambda p: ["data", "--data.cache_dir", p], "data.cache_dir", OUT),
+    "plot RUN_DIR": (lambda p: ["plot", p], "RUN_DIR", IN_DIR),
+    "plot --out": (lambda p: ["plot", "RUN", "--out", p], "--out", OUT),
+    "plan --out": (lambda p: ["plan", "--out", p], "--out", OUT),
+    "plan PLAN.toml": (lambda p: ["plan", p], "PLAN.toml", IN_FILE),
+    "plan --calibrate": (lambda p: ["plan", "--calibrate", p], "--calibrate", IN_DIR),
+    "bench --out": (lambda p: ["bench", "default", "--out", p], "--out", OUT),
+    "bench report --path": (lambda p: ["bench", "report", "--path", p], "--path",
+                            ("dir", "device", "under_file")),
+}
+"""Every path option of every command: the command line around the path, the name its
+refusal must carry, and the wrong paths tried."""
+
+
+@pytest.mark.parametrize("command", sorted(COMMANDS))
+def test_every_command_refuses_a_wrong_path_in_one_line(command, tmp_path):
+    """A regular file where a directory goes (the issue's example), a directory where a
+    file goes, /dev/null, a path under a file: exit 2, one line naming the option, no
+    traceback."""
+    paths = _wrong_paths(tmp_path)
+    run = tmp_path / "RUN"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text("")
+    argv, name, wrong = COMMANDS[command]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    for what in wrong:
+        proc = run_cli(argv(paths[what]), env=env, cwd=tmp_path, timeout=60)
+        where = f"{command} with {what}: exit {proc.returncode}\n{proc.stderr[-2000:]}"
+        assert proc.returncode == 2, where
+        assert proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr, where
+        assert proc.stderr.startswith("editrain: error: ") and name in proc.stderr, where
+
+
+# ---------------------------------------------------------------------------- class 7
+TOML_SCALAR = (st.integers(min_value=-(2**63), max_value=2**63 - 1) | st.booleans()
+               | st.floats(allow_nan=False) | st.text(max_size=8))
+TOML_VALUE = st.recursive(TOML_SCALAR, lambda inner: st.lists(inner, max_size=3)
+                          | st.dictionaries(st.text(max_size=6), inner, max_size=3),
+                          max_leaves=6)
+SECTION_KEYS = [f.name for f in dataclasses.fields(Config)]
+
+
+@settings(max_examples=300, deadline=None)
+@given(raw=st.dictionaries(
+    st.sampled_from(SECTION_KEYS) | st.text(max_size=6),
+    TOML_VALUE | st.dictionaries(st.sampled_from(option_names()).map(
+        lambda n: n.split(".")[-1]) | st.text(max_size=6), TOML_VALUE, max_size=3),
+    max_size=3))
+@example(raw={"train": [{"steps": 3}]})  # the issue's [[train]]
+@example(raw={"sync": {"gta": [{"density": 0.5}]}})  # [[sync.gta]]
+@example(raw={"sync": {"outer_optim_kwargs": [{"lr": 1}]}})
+@example(raw={"train": {"steps": {"x": 1}}})  # [train.steps]
+def test_any_shape_is_accepted_or_refused_by_name(raw):
+    """Whatever shape a TOML file gives a key (scalar, table, array, array of tables, at
+    any depth), the configuration is built or refused with one ConfigError line naming the
+    key; nothing else escapes."""
+    try:
+        load_config(None, raw)
+    except ConfigError as e:
+        assert "\n" not in str(e) and str(e).split(":")[0], e
+
+
+def test_array_of_tables_file_is_refused(tmp_path):
+    for text, option in (("[[train]]\nsteps = 3\n", "train"),
+                         ("[[sync.gta]]\ndensity = 0.5\n", "sync.gta"),
+                         ("[sync]\nmethod = [\"edit\"]\n", "sync.method"),
+                         ("run_dir = {a = 1}\n", "run_dir")):
+        path = tmp_path / "c.toml"
+        path.write_text(text)
+        with pytest.raises(ConfigError, match=rf"^{option}: expected"):
+            load_config(path)
+
+
+EXPECTED_METHODS: dict[str, set[str]] = {
+    **{k: set(METHODS) for k in ("method", "split_root")},
+    **{k: {"post_local_sgd", "diloco", "edit"} for k in ("local_sgd_sync_interval",
+                                                          "fragments")},
+    **{k: {"aedit"} for k in ("local_sgd_sync_time", "min_total_global_steps",
+                              "use_step_weight", "step_weight_ratio")},
+}
+"""Sync options that do not apply to every local-SGD method (the rest: all but sync)."""
+
+CONTEXTS: dict[str, dict[str, typing.Any]] = {
+    **{f"method={m}": {"sync.method": m} for m in METHODS},
+    "ft": {"dist.fault_tolerance": "torchft"},
+    "pipeline": {"dist.pp_size": 2},
+    "sgd": {"optim.name": "sgd"},
+    "agd": {"optim.name": "agd"},
+    "wsam": {"optim.sam": "wsam"},
+    "wandb": {"train.wandb": "offline"},
+    "tokenizer": {"data.tokenizer": "tok.json"},
+    "hf_config": {"model.hf_config": "config.json"},
+}
+"""Settings under which options start or stop applying (on top of the defaults, method
+edit)."""
+
+
+def _expected(option: str, context: str) -> bool:
+    """Whether ``option`` applies under ``context``: the issue's table, written out here
+    independently of editrain's."""
+    section, _, key = option.partition(".")
+    method = CONTEXTS[context].get("sync.method", "edit")
+    if section == "sync":
+        return method in EXPECTED_METHODS.get(key, set(METHODS) - {"sync"})
+    if option in ("sim.corrupt_replica",):
+        return method != "sync"
+    if option == "sim.step_schedule":
+        return method == "aedit"
+    if option == "sim.fail_restart_s" or (section == "dist" and key.startswith("ft_")):
+        return context == "ft"
+    if option in ("dist.pp_schedule", "dist.pp_microbatches", "dist.pp_stages_per_rank"):
+        return context == "pipeline"
+    if option == "optim.momentum":
+        return context == "sgd"
+    if option == "optim.agd_delta":
+        return context == "agd"
+    if option in ("optim.rho", "optim.gamma", "optim.adaptive", "optim.decouple"):
+        return context == "wsam"
+    if option == "train.wandb_project":
+        return context == "wandb"
+    if option == "data.vocab_size":
+        return context != "tokenizer"
+    if section == "model" and key not in ("hf_config", "init_from"):
+        return context != "hf_config"
+    return True
+
+
+def test_the_table_covers_every_option():
+    assert set(APPLIES) == set(option_names())
+
+
+@pytest.mark.parametrize("context", sorted(CONTEXTS))
+def test_applicability_exhaustively(context):
+    """Every option x every method and mode: an option set away from its default is
+    refused exactly where it does not apply, naming the option and where it applies."""
+
+    class Other:  # a value equal to no default
+        def __eq__(self, other):
+            return False
+
+        __hash__ = None
+
+    for option in option_names():
+        if option in CONTEXTS[context]:
+            continue
+        cfg = Config()
+        for key, value in CONTEXTS[context].items():
+            _set(cfg, key, value)
+        check_applicable(cfg)  # the context alone is fine
+        _set(cfg, option, Other())
+        if _expected(option, context):
+            check_applicable(cfg)
+            continue
+        with pytest.raises(ConfigError) as info:
+            check_applicable(cfg)
+        msg = str(info.value)
+        assert msg.startswith(f"{option}: applies only where ") and APPLIES[option].where \
+            in msg, msg
+        assert APPLIES[option] is not ALWAYS
+
+
+SYNC_VALUES = {
+    "local_sgd_sync_interval": 5, "local_sgd_warmup_steps": 2, "outer_optim_class": "sgd",
+    "outer_optim_kwargs": {"lr": 0.5}, "cpu_offload": True, "prefetch_depth": 2,
+    "layerwise": False, "clip_pseudo_grad": 3.0, "pseudo_gradnorm_reduce": True,
+    "weight_softmax_temperature": 2.0, "skip_anomaly": True, "ewma_alpha": 0.5,
+    "ewma_warmup_steps": 3, "ewma_threshold": 2.0, "local_sgd_sync_time": 5.0,
+    "min_total_global_steps": 2, "use_step_weight": False, "step_weight_ratio": 0.25,
+    "overlap_steps": 1, "fragments": 2, "merge": "blend", "merge_alpha": 0.5,
+    "comm_dtype": "bf16", "error_feedback": False, "error_decay": 0.5, "topk_chunk": 64,
+    "topk_k": 4, "split_root": False, "gta": {"reducer": "gta"},
+}
+"""A real value away from its default for every sync option but the method."""
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_every_sync_option_through_the_command_line(method):
+    """Real values through load_config: a sync option that does not apply to the method is
+    refused by the applicability table; one that applies is never refused by it."""
+    assert set(SYNC_VALUES) | {"method"} == {f.name for f in dataclasses.fields(Config().sync)}
+    for key, value in SYNC_VALUES.items():
+        try:
+            load_config(None, {"sync": {"method": method, key: value}, "train": {"steps": 50}})
+            refused = None
+        except ConfigError as e:
+            refused = str(e)
+        applies = method in EXPECTED_METHODS.get(key, set(METHODS) - {"sync"})
+        if applies:
+            assert refused is None or "applies only where" not in refused, (key, refused)
+        else:
+            assert refused is not None, f"sync.{key} = {value!r} accepted with {method}"
+            assert f"sync.{key}" in refused or "sync.method" in refused, refused
+
+
+@FAST
+@given(replica=st.integers(0, 3), a=st.integers(0, 20), b=st.integers(0, 20),
+       c=st.integers(0, 20), d=st.integers(0, 20), other=st.integers(0, 3))
+def test_straggler_entries_are_checked_against_each_other(replica, a, b, c, d, other):
+    """Two entries slow one replica over overlapping steps: refused, naming both; disjoint
+    ranges or different replicas: accepted."""
+    lo1, hi1 = min(a, b), max(a, b) + 1
+    lo2, hi2 = min(c, d), max(c, d) + 1
+    specs = [f"{replica}=2@{lo1}-{hi1}", f"{other}=3@{lo2}-{hi2}"]
+    clash = replica == other and lo1 < hi2 and lo2 < hi1
+    try:
+        load_config(None, {"sim": {"straggler": specs}, "train": {"steps": 50}})
+        assert not clash, specs
+    except ConfigError as e:
+        assert clash and str(e).startswith("sim.straggler") and specs[0] in str(e), e
+
+
+def test_contradicting_list_entries_are_refused():
+    for overrides, option in (
+            ({"sim": {"straggler": ["1=2", "1=3@5-10"]}}, "sim.straggler"),
+            ({"sim": {"corrupt_replica": ["1@2", "0@2"]}}, "sim.corrupt_replica"),
+            ({"data": {"path": ["default", "default"]}}, "data.path[1]")):
+        with pytest.raises(ConfigError, match=rf"^{option.replace('[', '[[]')}"):
+            load_config(None, overrides)
+    load_config(None, {"sim": {"straggler": ["1=2@0-5", "1=3@5-10", "0=2"],
+                               "corrupt_replica": ["1@2", "1@3"]}})
