@@ -33,7 +33,7 @@ from editrain.checkpoint import (
     ENGINE_KEY,
     MARKER,
     list_checkpoints,
-    read_marker,
+    open_checkpoint,
     saved_tensors,
 )
 from editrain.errors import CheckpointError
@@ -48,6 +48,7 @@ from editrain.models.hf_dir import (
 )
 from editrain.models.hf_llama import llama_config_to_hf, to_hf_name
 from editrain.models.llama import LlamaConfig
+from editrain.safe_io import make_dir, open_write, write_atomic
 from editrain.safe_load import SafeFileSystemReader, SafeLoadPlanner, read_metadata
 from editrain.sync.state import global_model_keys
 
@@ -119,17 +120,22 @@ def save_run_tokenizer(run_dir: str | Path, tokenizer_json: str | Path,
             ``special_tokens_map.json`` are kept too; None: a trained BPE, whose
             ``tokenizer_config.json`` is written here.
     """
-    out = Path(run_dir) / RUN_TOKENIZER_DIR
-    out.mkdir(parents=True, exist_ok=True)
-    shutil.copyfile(tokenizer_json, out / "tokenizer.json")
+    out = make_dir(Path(run_dir) / RUN_TOKENIZER_DIR, root=run_dir)
+
+    def copy(src: Path, name: str) -> None:  # into the run directory: never through a link
+        with open(src, "rb") as fin, open_write(out / name, "w", root=run_dir,
+                                                binary=True) as fout:
+            shutil.copyfileobj(fin, fout)
+
+    copy(Path(tokenizer_json), "tokenizer.json")
     copied = False
     if source_dir is not None:
         for name in TOKENIZER_FILES[1:]:
             if (Path(source_dir) / name).is_file():
-                shutil.copyfile(Path(source_dir) / name, out / name)
+                copy(Path(source_dir) / name, name)
                 copied = True
     if not copied:
-        (out / "tokenizer_config.json").write_text(json.dumps(
+        write_atomic(out / "tokenizer_config.json", json.dumps(
             {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": DEFAULT_EOS,
              "bos_token": DEFAULT_EOS, "unk_token": DEFAULT_EOS}, indent=1) + "\n")
     return out
@@ -325,7 +331,7 @@ def export_checkpoint(path: str | Path, out: str | Path, replica: int | None = N
             ``out`` that holds other files.
     """
     ckpt = find_checkpoint(path)
-    marker = read_marker(ckpt)
+    marker = open_checkpoint(ckpt)  # regular files only, no link, bounded marker
     out = Path(out).expanduser()
     llama, model_cfg = _model_names(marker)
     tensors, source = read_model_weights(ckpt, replica)

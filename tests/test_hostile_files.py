@@ -132,6 +132,14 @@ def _wandb_id(run: Path) -> None:
     write_atomic(run / RUN_ID_FILE, "abc\n", root=run)
 
 
+def _run_tokenizer(run: Path) -> None:
+    from editrain.hf_checkpoint import save_run_tokenizer
+
+    src = run.parent / "src-tokenizer.json"
+    src.write_text("{}")
+    save_run_tokenizer(run, src, None)
+
+
 WRITERS = {
     # writer: (the file it writes, the directory it writes into or None)
     _record: ("editrain-run.json", None),
@@ -143,6 +151,7 @@ WRITERS = {
     _error_log: ("logs/rank0.log", "logs"),
     _plots: ("loss_vs_tokens.png", None),
     _wandb_id: ("wandb-run-id", None),
+    _run_tokenizer: ("tokenizer/tokenizer.json", "tokenizer"),
 }
 
 
@@ -336,6 +345,28 @@ def test_metrics_rows_of_any_shape_are_skipped_not_fatal(tmp_path):
     link.symlink_to(path)
     with pytest.raises(RunDirError, match="symbolic link"):
         read_jsonl(link)
+
+
+def test_the_other_json_readers_share_the_bounds(tmp_path):
+    """Benchmark results and the engine's plain state (JSON in a checkpoint tensor) go
+    through the same reader: deep nesting, a list where an object belongs, a link."""
+    import torch
+
+    from editrain.bench.results import RESULTS_FILE, load_record
+    from editrain.sync.state import from_json_tensor, json_tensor
+
+    (tmp_path / RESULTS_FILE).write_text("[1,2,3]")
+    with pytest.raises(ValueError, match="a JSON object is expected"):
+        load_record(tmp_path)
+    (tmp_path / RESULTS_FILE).unlink()
+    (tmp_path / "real.json").write_text("{}")
+    (tmp_path / RESULTS_FILE).symlink_to(tmp_path / "real.json")
+    with pytest.raises(ValueError, match="symbolic link"):
+        load_record(tmp_path)
+    assert from_json_tensor(json_tensor({"a": [1, 2]})) == {"a": [1, 2]}
+    deep = torch.frombuffer(bytearray(b"[" * 100_000 + b"]" * 100_000), dtype=torch.uint8)
+    with pytest.raises(CheckpointError, match="nested deeper"):
+        from_json_tensor(deep)
 
 
 # ---------------------------------------------------------------------------- classes 2, 3
@@ -589,6 +620,7 @@ def _resume_error(run: Path, data_cache: Path) -> str:
 
 @pytest.mark.parametrize("damage", ["step_1e18", "step_nan", "marker_list", "marker_deep",
                                     "metrics_link", "step_dir_link", "distcp_link",
+                                    "ranks_dir_link", "checkpoints_dir_link",
                                     "sparse_rank", "sparse_metadata"])
 def test_hostile_checkpoints_and_run_dirs_end_in_one_line_before_any_worker(
         run8, data_cache, tmp_path, damage):
@@ -611,6 +643,12 @@ def test_hostile_checkpoints_and_run_dirs_end_in_one_line_before_any_worker(
         (run / "metrics.jsonl").unlink()
         (run / "metrics.jsonl").symlink_to(victim)
         expect = "metrics.jsonl is a symbolic link"
+    elif damage.endswith("_dir_link") and damage != "step_dir_link":
+        name = damage[:-len("_dir_link")]
+        moved = tmp_path / f"{name}-elsewhere"
+        shutil.move(str(run / name), moved)
+        (run / name).symlink_to(moved, target_is_directory=True)
+        expect = f"{name} is a symbolic link"
     elif damage == "step_dir_link":
         moved = tmp_path / "elsewhere"
         shutil.move(str(ckpt), moved)

@@ -9,6 +9,7 @@ from typing import Any
 
 from editrain.bench.machine import describe_machine
 from editrain.metrics import to_json
+from editrain.safe_io import Obj, read_json
 
 RESULTS_FILE = "results.json"
 TABLE_FILE = "table.md"
@@ -35,13 +36,23 @@ def clean_json(v: Any) -> Any:
     return v
 
 
+RECORD_MAX_BYTES = 64 << 20
+"""The largest ``results.json`` read back (the committed ones are a few hundred KB)."""
+
+
 def load_record(results_dir: str | Path) -> dict[str, Any]:
     """A scenario's ``results.json`` record.
 
     Args:
         results_dir: the scenario's results directory.
+
+    Raises:
+        ValueError: the file is missing, a link, larger than :data:`RECORD_MAX_BYTES`, not
+            JSON or not a JSON object (one line naming it).
     """
-    return json.loads((Path(results_dir) / RESULTS_FILE).read_text())
+    return read_json(Path(results_dir) / RESULTS_FILE, max_bytes=RECORD_MAX_BYTES,
+                     schema=Obj(), error=ValueError, what="benchmark results")
+
 
 
 def record_tables(record: dict[str, Any]) -> list[tuple[str, str]]:

@@ -37,6 +37,7 @@ from typing import Any
 from editrain.errors import ConfigError
 from editrain.metrics import read_jsonl
 from editrain.plan.inputs import GBIT, Cluster, MethodSpec, ModelSpec
+from editrain.safe_io import read_bytes
 
 
 @dataclass
@@ -198,7 +199,21 @@ def read_config(run_dir: str | Path) -> tuple[MethodSpec, ModelSpec]:
     path = Path(run_dir) / "config.toml"
     if not path.is_file():
         raise ConfigError(f"plan: {run_dir} holds no config.toml")
-    return _settings(tomllib.loads(path.read_text()))
+    return _settings(_read_toml(path))
+
+
+CONFIG_MAX_BYTES = 4 << 20
+"""The largest ``config.toml`` of a run directory read (a few kilobytes are written)."""
+
+
+def _read_toml(path: Path) -> dict[str, Any]:
+    """A run's ``config.toml``: a regular file within :data:`CONFIG_MAX_BYTES` (a link is
+    not followed), parsed; one :class:`ConfigError` line naming it otherwise."""
+    data = read_bytes(path, CONFIG_MAX_BYTES, error=ConfigError, what="run configuration")
+    try:
+        return tomllib.loads(data.decode("utf-8"))
+    except (UnicodeDecodeError, tomllib.TOMLDecodeError) as e:
+        raise ConfigError(f"plan: {path}: not valid TOML ({str(e)[:120]})") from None
 
 
 def _settings(cfg: dict[str, Any]) -> tuple[MethodSpec, ModelSpec]:
@@ -247,7 +262,7 @@ def read_run(run_dir: str | Path, skip: int = 4) -> RunSample:
     if not (d / "metrics.jsonl").is_file() or not (d / "config.toml").is_file():
         raise ConfigError(f"plan --calibrate: {d} is not a run directory (no metrics.jsonl "
                           "and config.toml)")
-    cfg = tomllib.loads((d / "config.toml").read_text())
+    cfg = _read_toml(d / "config.toml")
     rows = [r for r in read_jsonl(d / "metrics.jsonl")
             if "event" not in r and not r.get("replayed") and r.get("loss") is not None
             and "step" in r]

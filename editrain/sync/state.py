@@ -48,6 +48,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from editrain.safe_io import read_json_value
 from editrain.sync.outer import SyncUnit, local_view
 
 VERSION = 2
@@ -69,9 +70,11 @@ def json_tensor(obj: Any) -> torch.Tensor:
     return torch.frombuffer(bytearray(json.dumps(obj).encode()), dtype=torch.uint8).clone()
 
 
-def from_json_tensor(t: torch.Tensor) -> Any:
-    """Inverse of :func:`json_tensor`."""
-    return json.loads(bytes(t.cpu().numpy().tobytes()).decode())
+def from_json_tensor(t: torch.Tensor, where: str = "checkpoint: the engine's plain state"
+                     ) -> Any:
+    """Inverse of :func:`json_tensor`, through editrain's one JSON reader (bounded nesting,
+    a one-line :class:`~editrain.errors.CheckpointError` naming ``where``)."""
+    return read_json_value(bytes(t.cpu().numpy().tobytes()), where)
 
 
 class StateLayout:
