@@ -161,6 +161,9 @@ def rank_states(ckpt: Path) -> list[dict[str, Any]]:
     ``rank_state``, with the optimizer's entry as typed JSON), in rank order: what an
     elastic resume re-partitions the data positions from (each read bounded and checked
     as :func:`check_files` does)."""
+    if not os.path.lexists(ckpt / MARKER):  # plain files of no checkpoint: bounded reads
+        return [read_json(rank_file(ckpt, r), max_bytes=rank_json_cap({}), schema=Obj(),
+                          what="rank state") for r in saved_ranks(ckpt)]
     marker = read_marker(ckpt)
     return [_read_rank_json(rank_file(ckpt, r), 0, marker) for r in saved_ranks(ckpt)]
 
