@@ -10,7 +10,10 @@
 # Variables (defaults in brackets):
 #   RATE      the link's rate, both directions, as tc writes it [1mbit]
 #   REPEATS   interleaved repeats [3]
-#   STEPS     training steps per run [128]; H = 32, so 4 syncs
+#   STEPS     training steps per run [128]
+#   H         steps per round (sync.local_sgd_sync_interval) [32]: 4 syncs of 128 steps
+#   PRESET    model preset [tiny]
+#   EVAL_EVERY  steps between evaluations [STEPS: only the first and the final one]
 #   OUT       results directory, new or empty [real_link_results]; OVERWRITE=1 replaces
 #             the runs of an earlier call in it
 #   SETTINGS  space-separated names of the settings below [streaming-int8 sparse-topk2]
@@ -20,12 +23,17 @@
 # vocabulary 2048, batch 8 x 64 tokens):
 #   streaming-int8  edit, fragments 4, overlap_steps 4, int8 (bench bandwidth's streaming)
 #   sparse-topk2    edit, overlap_steps 31 (H - 1), topk2 (1/128 of fp32 on the wire)
+#   eager-topk2     edit, overlap_steps H, the eager merge, topk2 (a whole round in flight;
+#                   evaluations and the end cost no cross-replica bytes beyond the rounds')
 #   plain-fp32      edit, the layer-wise sync of the next forward, fp32
 set -euo pipefail
 
 RATE=${RATE:-1mbit}
 REPEATS=${REPEATS:-3}
 STEPS=${STEPS:-128}
+H=${H:-32}
+PRESET=${PRESET:-tiny}
+EVAL_EVERY=${EVAL_EVERY:-$STEPS}
 OUT=${OUT:-real_link_results}
 SETTINGS=${SETTINGS:-streaming-int8 sparse-topk2}
 PYTHON=${PYTHON:-python}
@@ -36,12 +44,13 @@ PORT=29555
 
 declare -A OPTIONS=(
     [streaming-int8]="--sync.fragments 4 --sync.overlap_steps 4 --sync.comm_dtype int8 --sync.merge keep_local"
-    [sparse-topk2]="--sync.overlap_steps 31 --sync.comm_dtype topk2 --sync.merge keep_local"
+    [sparse-topk2]="--sync.overlap_steps $((H - 1)) --sync.comm_dtype topk2 --sync.merge keep_local"
+    [eager-topk2]="--sync.overlap_steps $H --sync.comm_dtype topk2 --sync.merge eager"
     [plain-fp32]=""
 )
-COMMON=(--method edit --sync.local_sgd_sync_interval 32 --steps "$STEPS"
-        --train.eval_every "$STEPS" --train.warmup_steps 10 --train.batch_size 8
-        --train.seq_len 64 --model.preset tiny --model.tie_embeddings false
+COMMON=(--method edit --sync.local_sgd_sync_interval "$H" --steps "$STEPS"
+        --train.eval_every "$EVAL_EVERY" --train.warmup_steps 10 --train.batch_size 8
+        --train.seq_len 64 --model.preset "$PRESET" --model.tie_embeddings false
         --data.max_bytes 1500000 --data.vocab_size 2048 --data.val_fraction 0.03
         --checkpoint.final false --dist.shard_size 1 --quiet)
 
@@ -113,4 +122,5 @@ for rep in $(seq 1 "$REPEATS"); do
     done
 done
 "$PYTHON" -m editrain.bench.real_link "$OUT" --rate "$RATE" --repeats "$REPEATS" \
-    --started "$STARTED" --settings $SETTINGS
+    --started "$STARTED" --settings $SETTINGS --preset "$PRESET" --H "$H" --steps "$STEPS" \
+    --eval-every "$EVAL_EVERY"
