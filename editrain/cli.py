@@ -1,4 +1,4 @@
-"""Command line: ``editrain train | data | plot | bench | plan | options``.
+"""Command line: ``editrain train | data | export | sample | plot | bench | plan | options``.
 
 ``editrain train`` without torchrun spawns local workers through torch's elastic launcher;
 under torchrun it joins the existing process group.
@@ -113,6 +113,38 @@ def cmd_plot(args: argparse.Namespace, extra: list[str]) -> int:
     return 0
 
 
+def cmd_export(args: argparse.Namespace, extra: list[str]) -> int:
+    from editrain.hf_checkpoint import export_checkpoint
+
+    if extra:
+        raise ConfigError(f"export: unexpected argument(s) {' '.join(extra)}")
+    if args.replica is not None and args.replica < 0:
+        raise ConfigError(f"export --replica: must be >= 0, got {args.replica}")
+    done = export_checkpoint(args.checkpoint, args.out, replica=args.replica)
+    print(f"exported {done.checkpoint} ({done.source}) to {done.out}")
+    return 0
+
+
+def cmd_sample(args: argparse.Namespace, extra: list[str]) -> int:
+    from editrain.sample import generate, load_for_sampling
+
+    if extra:
+        raise ConfigError(f"sample: unexpected argument(s) {' '.join(extra)}")
+    for name in ("max_new_tokens", "top_k"):
+        if getattr(args, name) < 0:
+            raise ConfigError(f"sample --{name.replace('_', '-')}: must be >= 0, got "
+                              f"{getattr(args, name)}")
+    if not args.temperature >= 0:  # NaN too
+        raise ConfigError(f"sample --temperature: must be >= 0, got {args.temperature}")
+    loaded = load_for_sampling(args.path, replica=args.replica)
+    prompt = loaded.tokenizer.encode(args.prompt).ids
+    new = generate(loaded.model, prompt, args.max_new_tokens, temperature=args.temperature,
+                   top_k=args.top_k, seed=args.seed, eos_id=loaded.eos_id,
+                   max_len=loaded.max_len)
+    print(args.prompt + loaded.tokenizer.decode(new))
+    return 0
+
+
 def cmd_options(args: argparse.Namespace, extra: list[str]) -> int:
     for name, tp, default, doc in describe_options():
         print(f"--{name}  ({tp}, default {default!r})\n      {doc}")
@@ -154,6 +186,34 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("run_dirs", nargs="+", metavar="RUN_DIR")
     p.add_argument("--out", help="output directory (default: the first run directory)")
     p.set_defaults(func=cmd_plot)
+    p = sub.add_parser("export", help="write a checkpoint's model as a Hugging Face directory",
+                       description="Write the model of CHECKPOINT (a checkpoint directory, or "
+                                   "a run directory: its latest) into OUT as a Hugging Face "
+                                   "directory: config.json, safetensors, the run's tokenizer "
+                                   "and a README naming run, method and step. By default the "
+                                   "global model (the anchors the replicas agree on). OUT "
+                                   "must be new, empty or an earlier export.")
+    p.add_argument("checkpoint", metavar="CHECKPOINT")
+    p.add_argument("out", metavar="OUT")
+    p.add_argument("--replica", type=int, default=None, metavar="R",
+                   help="export replica R's live weights instead of the global model")
+    p.set_defaults(func=cmd_export)
+    p = sub.add_parser("sample", help="generate text from a checkpoint or a Hugging Face "
+                       "directory (CPU, one process)",
+                       description="Continue a prompt with the model of a checkpoint (its "
+                                   "global model, or --replica R) or of a Hugging Face "
+                                   "directory: greedy at --temperature 0, else sampling with "
+                                   "an optional --top-k, seeded.")
+    p.add_argument("path", metavar="CHECKPOINT_OR_HF_DIR")
+    p.add_argument("--prompt", required=True, help="the text to continue")
+    p.add_argument("--max-new-tokens", type=int, default=100, metavar="N")
+    p.add_argument("--temperature", type=float, default=0.0, metavar="T",
+                   help="0 (default): greedy")
+    p.add_argument("--top-k", type=int, default=0, metavar="K", help="0 (default): no cut")
+    p.add_argument("--seed", type=int, default=0, metavar="S")
+    p.add_argument("--replica", type=int, default=None, metavar="R",
+                   help="a checkpoint's replica R instead of its global model")
+    p.set_defaults(func=cmd_sample)
     p = sub.add_parser("options", help="list every configuration option with its default",
                        description="List every option, its type, default and meaning.")
     p.set_defaults(func=cmd_options)

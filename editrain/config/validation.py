@@ -344,8 +344,8 @@ def _check_init_from(cfg: Config) -> None:
     require(not shape, "model.init_from", f"the model shape comes from the directory's "
             f"config.json; remove {', '.join('model.' + k for k in shape)}")
     with as_config_error():
+        llama = init_llama(cfg)  # the directory and its config.json first
         weights = inspect_weights(m.init_from)
-        llama = init_llama(cfg)
     if not llama:
         require(importlib.util.find_spec("transformers") is not None, "model.init_from",
                 f"{m.init_from} is not a LlamaForCausalLM, and other architectures need the "

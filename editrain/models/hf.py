@@ -156,13 +156,20 @@ class HFCausalLM(nn.Module):
             ImportError: ``transformers`` is not installed.
             ValueError: a bad config, or a vocabulary smaller than the tokenizer's.
         """
-        data = read_hf_config(path)
+        return cls.from_config_dict(read_hf_config(path), tokenizer_vocab_size, seed, path)
+
+    @classmethod
+    def from_config_dict(cls, data: dict[str, Any], tokenizer_vocab_size: int | None = None,
+                         seed: int = 0, path: str | Path = "") -> HFCausalLM:
+        """:meth:`from_config_file` of a ``config.json``'s contents (``path`` names it in
+        messages)."""
         try:
             from transformers import AutoConfig, AutoModelForCausalLM
         except ImportError as e:
             raise ImportError(f"model.hf_config needs the transformers package: "
                               f"{INSTALL_HINT}") from e
         data = dict(data)
+        data.pop("transformers_version", None)
         model_type = data.pop("model_type")
         hf_config = AutoConfig.for_model(model_type, **data)
         if tokenizer_vocab_size is not None:

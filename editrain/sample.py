@@ -1,0 +1,152 @@
+"""editrain sample: text from a checkpoint or a Hugging Face directory, in one CPU process.
+
+The model is editrain's own (its Llama, or a Hugging Face architecture through the adapter),
+so what is sampled is what was trained: a checkpoint's global model (its anchors, or one
+replica's weights), or a directory's safetensors read by the same loader as
+``model.init_from``. Decoding is plain: greedy at temperature 0, else softmax sampling with an
+optional top-k cut, from a seeded generator, without a KV cache (each new token runs the
+whole window again: fine for a look at a few hundred tokens).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from editrain.checkpoint import MARKER, read_marker
+from editrain.hf_checkpoint import (
+    RUN_TOKENIZER_DIR,
+    find_checkpoint,
+    load_hf_weights,
+    read_model_weights,
+)
+from editrain.models.hf import HFCausalLM
+from editrain.models.hf_dir import inspect_weights, read_config, special_tokens, tokenizer_file
+from editrain.models.hf_llama import is_llama_config, llama_config_from_hf
+from editrain.models.llama import Llama, LlamaConfig
+
+__all__ = ["Loaded", "generate", "load_for_sampling"]
+
+
+@dataclass
+class Loaded:
+    """A model ready to sample from, its tokenizer and where they came from."""
+
+    model: nn.Module
+    tokenizer: Any
+    eos_id: int | None
+    max_len: int
+    source: str
+
+
+def _hf_dir_model(path: Path) -> tuple[nn.Module, int]:
+    data = read_config(path, option="sample")
+    weights = inspect_weights(path, option="sample")
+    if is_llama_config(data):
+        cfg = llama_config_from_hf(data, f"sample: {path}/config.json")
+        model: nn.Module = Llama(cfg)
+        max_len = cfg.max_seq_len
+    else:
+        model = HFCausalLM.from_config_dict(data, path=path)
+        max_len = int(data.get("max_position_embeddings") or data.get("n_positions") or 2048)
+    load_hf_weights(model, path, weights)
+    return model, max_len
+
+
+def _checkpoint_model(path: Path, replica: int | None) -> tuple[nn.Module, int, Path, str]:
+    ckpt = find_checkpoint(path, option="sample")
+    marker = read_marker(ckpt)
+    model_cfg = dict(marker.get("model") or {})
+    tensors, source = read_model_weights(ckpt, replica)
+    if "dim" in model_cfg and "n_layers" in model_cfg:
+        cfg = LlamaConfig(**model_cfg)
+        model: nn.Module = Llama(cfg)
+        max_len = cfg.max_seq_len
+    else:
+        model = HFCausalLM.from_config_dict(model_cfg)
+        max_len = int(model_cfg.get("max_position_embeddings") or 2048)
+    # strict=False only for what the state does not hold: a tied head (one tensor);
+    # every tensor of the checkpoint must land on a parameter.
+    missing, unexpected = model.load_state_dict(tensors, strict=False)
+    if unexpected or [m for m in missing if not m.endswith("lm_head.weight")]:
+        raise ValueError(f"sample: {ckpt} does not fit its own model: missing {missing[:3]}, "
+                         f"unexpected {unexpected[:3]}")
+    return model, max_len, ckpt.parent.parent / RUN_TOKENIZER_DIR, f"{ckpt}: {source}"
+
+
+def load_for_sampling(path: str | Path, replica: int | None = None) -> Loaded:
+    """The model and tokenizer of a checkpoint (or run directory) or a Hugging Face
+    directory.
+
+    Raises:
+        ValueError, CheckpointError: one line naming ``sample``: not a checkpoint or model
+            directory, no tokenizer, a model that does not fit its weights.
+    """
+    from tokenizers import Tokenizer
+
+    p = Path(path).expanduser()
+    if (p / "config.json").is_file() and not (p / MARKER).is_file():
+        if replica is not None:
+            raise ValueError("sample --replica: only for a checkpoint, not a model directory")
+        model, max_len = _hf_dir_model(p)
+        tok_dir, source = p, str(p)
+    else:
+        model, max_len, tok_dir, source = _checkpoint_model(p, replica)
+    tok_path = tokenizer_file(tok_dir)
+    if tok_path is None:
+        raise ValueError(f"sample: no tokenizer.json in {tok_dir}")
+    tokenizer = Tokenizer.from_file(str(tok_path))
+    eos_text = special_tokens(tok_dir).get("eos")
+    eos = tokenizer.token_to_id(eos_text) if eos_text else None
+    return Loaded(model.eval(), tokenizer, eos, max_len, source)
+
+
+@torch.no_grad()
+def generate(model: nn.Module, prompt: list[int], max_new_tokens: int, *,
+             temperature: float = 0.0, top_k: int = 0, seed: int = 0,
+             eos_id: int | None = None, max_len: int = 2048) -> list[int]:
+    """Continue ``prompt`` by up to ``max_new_tokens`` token ids.
+
+    Args:
+        model: maps ``[1, T]`` ids to logits ``[1, T, V]``.
+        prompt: the prompt's ids (at least one).
+        temperature: 0: the most likely token each time; > 0: sample from
+            ``softmax(logits / temperature)``.
+        top_k: > 0: sample only among the ``top_k`` most likely tokens.
+        seed: seed of the sampling generator (the same seed, the same text).
+        eos_id: stop after this token.
+        max_len: the model's longest window; older tokens fall out of it.
+
+    Returns:
+        The new ids (without the prompt).
+
+    Raises:
+        ValueError: an empty prompt, or a negative count, temperature or top-k.
+    """
+    if not prompt:
+        raise ValueError("sample --prompt: the prompt encodes to no token")
+    if max_new_tokens < 0 or temperature < 0 or top_k < 0:
+        raise ValueError("sample: --max-new-tokens, --temperature and --top-k must be >= 0")
+    gen = torch.Generator().manual_seed(seed)
+    ids = list(prompt)
+    new: list[int] = []
+    for _ in range(max_new_tokens):
+        window = torch.tensor([ids[-max_len:]], dtype=torch.long)
+        logits = model(window)[0, -1].float()
+        if temperature == 0:
+            nxt = int(logits.argmax())
+        else:
+            logits = logits / temperature
+            if 0 < top_k < logits.numel():
+                cut = torch.topk(logits, top_k).values[-1]
+                logits = logits.masked_fill(logits < cut, float("-inf"))
+            nxt = int(torch.multinomial(torch.softmax(logits, -1), 1, generator=gen))
+        ids.append(nxt)
+        new.append(nxt)
+        if eos_id is not None and nxt == eos_id:
+            break
+    return new

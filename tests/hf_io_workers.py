@@ -1,0 +1,52 @@
+"""Rank functions of tests/test_hf_io.py, which ranks import without transformers."""
+
+from __future__ import annotations
+
+import torch
+
+from editrain.config import Config
+from editrain.models.hf_dir import hf_parameters
+
+MESHES = [
+    ("llama_sharded", 2, 1, 1),  # 2 replicas x 2 FSDP shards
+    ("llama", 1, 2, 1),  # 2 replicas x 1 shard x 2 tp
+    ("llama", 1, 1, 2),  # 2 replicas x 2 pipeline stages
+]
+"""(directory, shard_size, tp_size, pp_size) of each case, on 4 ranks. Llama only: a rank
+that builds a transformers model imports transformers, about 10 CPU seconds per rank; the
+other architecture is loaded on 2 x 2 by a training run (tests/test_hf_io.py)."""
+
+
+def load_worker(rank: int, world: int, paths: dict[str, str], x: torch.Tensor) -> list:
+    """Each case of :data:`MESHES` in one spawn of 4 ranks (a new mesh over the same
+    process group each time): starting the processes is most of the time."""
+    return [_load_case(paths[name], shard, tp, pp, x) for name, shard, tp, pp in MESHES]
+
+
+def _load_case(path: str, shard: int, tp: int, pp: int, x: torch.Tensor) -> dict:
+    from torch.distributed.tensor import DTensor
+
+    from editrain.build import build_model, shard_model
+    from editrain.hf_checkpoint import load_hf_weights
+    from editrain.pipeline import build_stage
+    from editrain.topology import init_mesh
+
+    cfg = Config()
+    cfg.model.init_from = path
+    cfg.dist.shard_size, cfg.dist.tp_size, cfg.dist.pp_size = shard, tp, pp
+    info = init_mesh(shard, tp_size=tp, pp_size=pp)
+    model = build_model(cfg, 300, torch.device("cpu"))
+    if pp > 1:
+        model = build_stage(model, info.stage, pp)
+    shard_model(cfg, model, info)
+    load_hf_weights(model, path)
+    out: dict = {"weights": {}, "local": 0}
+    for name, p in hf_parameters(model).items():
+        full = p.full_tensor() if isinstance(p, DTensor) else p
+        out["weights"][name] = full.detach().clone()
+        out["local"] += (p.to_local() if isinstance(p, DTensor) else p).numel()
+    if pp == 1:
+        with torch.no_grad():
+            logits = model(x)
+        out["logits"] = logits.full_tensor() if isinstance(logits, DTensor) else logits
+    return out

@@ -1,0 +1,441 @@
+"""Hugging Face models in and out (issue 49): ``model.init_from``, ``editrain export``,
+``editrain sample``, a model directory as ``data.tokenizer``.
+
+Tiny models saved with ``save_pretrained`` (random weights, safetensors, also sharded): a
+``LlamaForCausalLM`` (editrain's own Llama through the name map) and a
+``Qwen2ForCausalLM`` (another architecture, through the Hugging Face adapter under its own
+names; it has q/k/v biases, which the Llama has not). Logits are compared with
+transformers' forward to 1e-5 relative (plus 1e-6 absolute for logits near zero): both
+models compute the same float32 function, but not in the same order (transformers' RMSNorm
+multiplies after casting back, its attention may pick another SDPA kernel), so they agree
+to a few ulps, not bitwise. Weights, which are only copied, are compared bitwise.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from pathlib import Path
+
+import pytest
+import torch
+
+from editrain.config import ConfigError, load_config
+from editrain.models import Llama
+from editrain.models.hf_dir import hf_parameters, inspect_weights, read_config
+from editrain.models.hf_llama import (
+    from_hf_name,
+    llama_config_from_hf,
+    llama_config_to_hf,
+    to_hf_name,
+)
+from editrain.spawn import run_ranks
+from tests.cli import run_cli
+from tests.hf_io_workers import MESHES, load_worker
+from tests.test_examples import write_corpus
+
+transformers = pytest.importorskip(
+    "transformers", reason="the Hugging Face tests need the hf extra (pip install -e '.[hf]')")
+
+SHAPE = dict(vocab_size=320, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+RTOL, ATOL = 1e-5, 1e-6
+EOT = "<|endoftext|>"
+
+
+def _save_tokenizer(out: Path, corpus: Path) -> None:
+    from editrain.data.tokenizer import train_bpe_tokenizer
+
+    tok = train_bpe_tokenizer(corpus.read_text().splitlines(), 300)
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOT,
+                                                bos_token=EOT)
+    fast.save_pretrained(out)
+
+
+@pytest.fixture(scope="module")
+def dirs(tmp_path_factory) -> dict[str, Path]:
+    """The model directories every test reads (never written to by a test)."""
+    root = tmp_path_factory.mktemp("hf")
+    corpus = write_corpus(root / "corpus.txt", lines=600)
+    torch.manual_seed(0)
+    out = {"root": root, "corpus": corpus}
+    for name, cls, cfg_cls, extra, shard in [
+        ("llama", "LlamaForCausalLM", "LlamaConfig", {"tie_word_embeddings": False}, None),
+        ("llama_tied", "LlamaForCausalLM", "LlamaConfig", {"tie_word_embeddings": True}, None),
+        ("llama_sharded", "LlamaForCausalLM", "LlamaConfig", {"tie_word_embeddings": False},
+         "20KB"),
+        ("qwen", "Qwen2ForCausalLM", "Qwen2Config", {"tie_word_embeddings": False}, "20KB"),
+    ]:
+        config = getattr(transformers, cfg_cls)(**SHAPE, **extra)
+        model = getattr(transformers, cls)(config)
+        with torch.no_grad():  # zero biases would hide a bias that is not loaded
+            for pname, p in model.named_parameters():
+                if pname.endswith(".bias"):
+                    p.normal_(0.0, 0.02)
+        kw = {"max_shard_size": shard} if shard else {}
+        model.save_pretrained(root / name, **kw)
+        out[name] = root / name
+    for name in ("llama", "qwen"):
+        _save_tokenizer(out[name], corpus)
+    assert (out["llama_sharded"] / "model.safetensors.index.json").is_file()
+    return out
+
+
+def hf_logits(path: Path, tokens: torch.Tensor) -> torch.Tensor:
+    model = transformers.AutoModelForCausalLM.from_pretrained(path)
+    with torch.no_grad():
+        return model(input_ids=tokens).logits
+
+
+def tokens(n: int = 2, t: int = 16) -> torch.Tensor:
+    return torch.randint(0, 300, (n, t), generator=torch.Generator().manual_seed(1))
+
+
+def file_tensors(path: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    out = {}
+    for f in sorted(path.glob("*.safetensors")):
+        out.update(load_file(f))
+    return out
+
+
+# ---------------------------------------------------------------------------- the map
+def test_name_map_is_a_bijection_over_the_llamas_parameters(dirs):
+    cfg = llama_config_from_hf(read_config(dirs["llama"]))
+    names = [n for n, _ in Llama(cfg).named_parameters()]
+    hf = [to_hf_name(n) for n in names]
+    assert [from_hf_name(n) for n in hf] == names
+    saved = file_tensors(dirs["llama"])
+    assert sorted(hf) == sorted(saved)  # exactly LlamaForCausalLM's names
+    assert to_hf_name("layers.1.attention.wq.weight") == "model.layers.1.self_attn.q_proj.weight"
+    assert to_hf_name("layers.0.feed_forward.w1.weight") == "model.layers.0.mlp.gate_proj.weight"
+    with pytest.raises(KeyError):
+        from_hf_name("model.layers.0.self_attn.q_proj.bias")
+
+
+def test_config_map_both_ways(dirs):
+    data = read_config(dirs["llama"])
+    cfg = llama_config_from_hf(data)
+    assert (cfg.vocab_size, cfg.dim, cfg.n_layers, cfg.n_heads, cfg.n_kv_heads,
+            cfg.ffn_hidden, cfg.max_seq_len, cfg.tie_embeddings) == (
+        320, 32, 2, 4, 2, 64, 64, False)
+    assert cfg.norm_eps == data["rms_norm_eps"]
+    assert cfg.rope_theta == data["rope_parameters"]["rope_theta"]
+    back = llama_config_to_hf(cfg)
+    assert llama_config_from_hf(back) == cfg
+    for key in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                "num_key_value_heads", "vocab_size", "rms_norm_eps", "max_position_embeddings",
+                "tie_word_embeddings"):
+        assert back[key] == data[key], key
+    with pytest.raises(ValueError, match="hidden_act"):
+        llama_config_from_hf({**data, "hidden_act": "gelu"})
+    with pytest.raises(ValueError, match="rope_type 'linear'"):
+        llama_config_from_hf({**data, "rope_parameters": {"rope_type": "linear",
+                                                          "factor": 2.0}})
+
+
+# ---------------------------------------------------------------------------- one process
+@pytest.mark.parametrize("name", ["llama", "llama_tied", "llama_sharded"])
+def test_llama_directory_gives_transformers_logits(dirs, name):
+    from editrain.hf_checkpoint import load_hf_weights
+
+    model = Llama(llama_config_from_hf(read_config(dirs[name])))
+    assert load_hf_weights(model, dirs[name]) == len(list(model.parameters()))
+    x = tokens()
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), hf_logits(dirs[name], x), rtol=RTOL, atol=ATOL)
+    saved = file_tensors(dirs[name])
+    for hf_name, p in hf_parameters(model).items():
+        assert torch.equal(p, saved[hf_name]), hf_name
+
+
+def test_other_architecture_through_the_adapter(dirs):
+    from editrain.hf_checkpoint import load_hf_weights
+    from editrain.models.hf import HFCausalLM
+
+    model = HFCausalLM.from_config_file(dirs["qwen"], seed=5)
+    load_hf_weights(model, dirs["qwen"])
+    assert "model.layers.0.self_attn.q_proj.bias" in hf_parameters(model)
+    x = tokens()
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), hf_logits(dirs["qwen"], x), rtol=RTOL, atol=ATOL)
+
+
+# ---------------------------------------------------------------------------- sharded
+@pytest.fixture(scope="module")
+def loaded(dirs) -> list[list[dict]]:
+    """Per rank, per case of :data:`MESHES`: what the rank loaded and computed."""
+    names = {name for name, *_ in MESHES}
+    return run_ranks(load_worker, 4, {n: str(dirs[n]) for n in names}, tokens())
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("case", range(len(MESHES)),
+                         ids=[f"{n}-{s}x{t}tp-{p}pp" for n, s, t, p in MESHES])
+def test_sharded_model_loads_the_directory(dirs, loaded, case):
+    name, _, _, pp = MESHES[case]
+    x = tokens()
+    outs = [rank[case] for rank in loaded]
+    saved = file_tensors(dirs[name])
+    expected = hf_logits(dirs[name], x)
+    seen: set[str] = set()
+    for out in outs:
+        for hf_name, w in out["weights"].items():
+            assert torch.equal(w, saved[hf_name]), hf_name
+            seen.add(hf_name)
+        if pp == 1:
+            torch.testing.assert_close(out["logits"], expected, rtol=RTOL, atol=ATOL)
+    assert seen == set(saved)  # every tensor of the directory landed somewhere
+    # every rank holds a part only: a replica's ranks together hold one model
+    total = sum(t.numel() for t in saved.values())
+    assert all(out["local"] < total for out in outs)
+
+
+# ---------------------------------------------------------------------------- refused
+def _copy(src: Path, dst: Path) -> Path:
+    import shutil
+
+    shutil.copytree(src, dst)
+    return dst
+
+
+def _refused(tmp: Path, init: Path, match: str, **data) -> None:
+    with pytest.raises(ConfigError, match=match) as e:
+        load_config(overrides={"model": {"init_from": str(init)},
+                               "data": {"cache_dir": str(tmp / "cache"), **data}})
+    assert "\n" not in str(e.value)
+
+
+def test_bad_directories_are_refused_in_one_line(dirs, tmp_path):
+    ok = load_config(overrides={"model": {"init_from": str(dirs["llama"])}})
+    assert ok.model.init_from == str(dirs["llama"])
+    _refused(tmp_path, tmp_path / "missing", "model.init_from: .*missing is not a directory")
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    _refused(tmp_path, empty, "model.init_from: .*has no config.json")
+    (empty / "config.json").write_text(json.dumps(read_config(dirs["llama"])))
+    _refused(tmp_path, empty, "model.init_from: .*has no weights")
+    # a pickle is never loaded, whatever it holds
+    (empty / "pytorch_model.bin").write_bytes(b"not even read")
+    _refused(tmp_path, empty, "pytorch_model.bin, a pickle-based weight file .* never loads")
+    # a weight file that is a link out of the directory
+    linked = tmp_path / "linked"
+    linked.mkdir()
+    for f in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        (linked / f).write_bytes((dirs["llama"] / f).read_bytes())
+    (linked / "model.safetensors").symlink_to(dirs["llama"] / "model.safetensors")
+    _refused(tmp_path, linked, "model.safetensors is a link to .*, outside")
+    # truncated, and a header length beyond the file
+    cut = _copy(dirs["llama"], tmp_path / "cut")
+    blob = (cut / "model.safetensors").read_bytes()
+    (cut / "model.safetensors").write_bytes(blob[:-100])
+    _refused(tmp_path, cut, "model.init_from: .*model.safetensors is truncated or corrupt "
+             r"\(tensor")
+    (cut / "model.safetensors").write_bytes(struct.pack("<Q", 2**40) + blob[8:])
+    _refused(tmp_path, cut, "truncated or corrupt \\(header of 1099511627776 bytes")
+    (cut / "model.safetensors").write_bytes(blob[:5])
+    _refused(tmp_path, cut, "is truncated \\(5 bytes")
+    # a shard the index names is missing
+    shards = _copy(dirs["llama_sharded"], tmp_path / "shards")
+    victim = sorted(shards.glob("model-*.safetensors"))[0]
+    victim.unlink()
+    _refused(tmp_path, shards, f"names the shard '{victim.name}', which is not a file")
+    # shape: config.json says another width than the weights have
+    wide = _copy(dirs["llama"], tmp_path / "wide")
+    data = read_config(wide)
+    (wide / "config.json").write_text(json.dumps({**data, "intermediate_size": 96}))
+    _refused(tmp_path, wide, "tensor 'model.layers.0.mlp.gate_proj.weight' .* has shape "
+             r"\[64, 32\], the model of its config.json needs \[96, 32\]")
+    # vocabulary: a BPE of 8192 ids does not fit an embedding of 320 rows
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    for f in ("config.json", "model.safetensors"):
+        (bare / f).write_bytes((dirs["llama"] / f).read_bytes())
+    _refused(tmp_path, bare, "data.vocab_size: the tokenizer has 8192 ids, more than the "
+             "embedding .* has rows \\(320\\)")
+    # an architecture transformers does not know
+    odd = _copy(dirs["qwen"], tmp_path / "odd")
+    (odd / "config.json").write_text(json.dumps({**read_config(odd), "model_type": "nosuch"}))
+    _refused(tmp_path, odd, "model.init_from: .*describes no causal LM")
+    with pytest.raises(ConfigError, match="remove model.dim"):
+        load_config(overrides={"model": {"init_from": str(dirs["llama"]), "dim": 64}})
+
+
+def test_the_weights_are_inspected_without_reading_them(dirs):
+    weights = inspect_weights(dirs["llama_sharded"])
+    assert len(weights.files) > 1 and len(weights.tensors) == 21
+    assert weights.tensors["model.embed_tokens.weight"].shape == (320, 32)
+
+
+# ---------------------------------------------------------------------------- tokenizer
+def test_model_directory_as_tokenizer_takes_its_end_of_text(dirs, tmp_path):
+    """The separator between documents is the token tokenizer_config.json names as EOS."""
+    import numpy as np
+
+    from editrain.corpus import prepare_data
+
+    tok_dir = _copy(dirs["llama"], tmp_path / "tok")
+    fast = transformers.PreTrainedTokenizerFast.from_pretrained(tok_dir)
+    fast.add_special_tokens({"eos_token": "<eot>"})
+    fast.save_pretrained(tok_dir)
+    eot = fast.convert_tokens_to_ids("<eot>")
+    cfg = load_config(overrides={"data": {
+        "path": str(dirs["corpus"]), "tokenizer": str(tok_dir),
+        "cache_dir": str(tmp_path / "cache"), "val_tokens": 256}})
+    data = prepare_data(cfg)
+    train = np.asarray(data.train)
+    assert data.vocab_size == eot + 1
+    # one document (a text file): one separator, the named one, although <|endoftext|>,
+    # which editrain would pick by itself, is in the vocabulary too
+    assert (train == eot).sum() == 1 and train[-1] == eot
+    assert fast.convert_tokens_to_ids(EOT) is not None
+    assert (train == fast.convert_tokens_to_ids(EOT)).sum() == 0
+
+
+# ---------------------------------------------------------------------------- train, export
+def _train(dirs: dict, run: Path, init: Path, *extra: str) -> None:
+    cmd = ["train", "--model.init_from", str(init), "--nproc", "4", "--shard-size", "2",
+           "--steps", "4", "--quiet", "--data.path", str(dirs["corpus"]),
+           "--data.cache_dir", str(dirs["root"] / "cache"), "--data.val_tokens", "256",
+           "--train.seq_len", "32", "--train.batch_size", "4", "--train.eval_tokens", "256",
+           "--train.final_eval_tokens", "256", "--train.warmup_steps", "1",
+           "--sync.local_sgd_sync_interval", "2", "--checkpoint.export_final", "true",
+           "--run-dir", str(run), *extra]
+    proc = run_cli(cmd, env=dict(os.environ, OMP_NUM_THREADS="1"), timeout=200)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+@pytest.fixture(scope="module")
+def trained(dirs) -> dict[str, Path]:
+    """Runs of EDiT on 2 replicas x 2 shards, exported at the end: from the Llama directory;
+    and from each directory at a learning rate too small to change a float32 weight, whose
+    export must be the directory's weights bitwise (the round trip through the sharded
+    load, the anchors and the checkpoint)."""
+    root = dirs["root"]
+    runs = {"llama": root / "run_llama", "still": root / "run_still",
+            "still_qwen": root / "run_still_qwen"}
+    _train(dirs, runs["llama"], dirs["llama"])
+    for still, init in (("still", "llama"), ("still_qwen", "qwen")):
+        _train(dirs, runs[still], dirs[init], "--train.lr", "1e-30",
+               "--train.weight_decay", "0")
+    return runs
+
+
+def _global_logits(run: Path, x: torch.Tensor) -> torch.Tensor:
+    from editrain.sample import load_for_sampling
+
+    with torch.no_grad():
+        return load_for_sampling(run).model(x)
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("name", ["llama", "still_qwen"])
+def test_trained_export_loads_in_transformers_with_equal_logits(trained, dirs, name):
+    out = trained[name] / "export"
+    tok = transformers.AutoTokenizer.from_pretrained(out)
+    model = transformers.AutoModelForCausalLM.from_pretrained(out)
+    assert tok.eos_token == EOT and model.config.eos_token_id == tok.eos_token_id
+    x = tokens()
+    with torch.no_grad():
+        theirs = model(input_ids=x).logits
+    torch.testing.assert_close(_global_logits(trained[name], x), theirs, rtol=RTOL, atol=ATOL)
+    saved, exported = file_tensors(dirs[name.replace("still_", "")]), file_tensors(out)
+    assert set(saved) == set(exported)
+    if name == "llama":  # it trained: the exported weights moved away from the directory's
+        assert not torch.equal(saved["model.norm.weight"], exported["model.norm.weight"])
+    readme = (out / "README.md").read_text()
+    assert "method: edit" in readme and "step: 4" in readme and "anchors" in readme
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("name", ["llama", "qwen"])
+def test_round_trip_is_bitwise(trained, dirs, name):
+    """HF -> editrain's Llama (or the adapter), sharded 2 x 2 through DCP -> anchors in a
+    checkpoint -> HF: the same bytes."""
+    out = trained["still" if name == "llama" else "still_qwen"] / "export"
+    saved, exported = file_tensors(dirs[name]), file_tensors(out)
+    assert set(saved) == set(exported)
+    for key, t in saved.items():
+        assert torch.equal(t, exported[key]), key
+    data, back = read_config(dirs[name]), read_config(out)
+    for key in SHAPE:
+        assert back[key] == data[key], key
+
+
+@pytest.mark.timeout(600)
+def test_export_and_sample_from_the_cli(trained, tmp_path):
+    from editrain.hf_checkpoint import EXPORT_RECORD, export_checkpoint
+    from editrain.sample import generate, load_for_sampling
+
+    run = trained["llama"]
+    out = tmp_path / "r1"
+    proc = run_cli(["export", str(run), str(out), "--replica", "1"])
+    assert proc.returncode == 0, proc.stderr
+    assert "(replica 1)" in proc.stdout and (out / EXPORT_RECORD).is_file()
+    again = run_cli(["export", str(run), str(out)])  # an earlier export may be replaced
+    assert again.returncode == 0, again.stderr
+    (out / "mine.txt").write_text("user file")
+    assert run_cli(["export", str(run), str(out)]).returncode == 0
+    assert (out / "mine.txt").read_text() == "user file"  # never deleted
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "notes.txt").write_text("x")
+    bad = run_cli(["export", str(run), str(other)])
+    assert bad.returncode == 2 and "is not empty and is not an earlier export" in bad.stderr
+    bad = run_cli(["export", str(run), str(tmp_path / "r9"), "--replica", "9"])
+    assert bad.returncode == 2 and "holds no replica 9" in bad.stderr
+    # several shards with their index: transformers reads them
+    many = export_checkpoint(run, tmp_path / "many", max_shard_bytes=20_000)
+    assert "model.safetensors.index.json" in many.files
+    x = tokens()
+    with torch.no_grad():
+        theirs = transformers.AutoModelForCausalLM.from_pretrained(many.out)(input_ids=x).logits
+    torch.testing.assert_close(_global_logits(run, x), theirs, rtol=RTOL, atol=ATOL)
+    # sample: greedy is the argmax chain of the global model; the same from the export
+    proc = run_cli(["sample", str(run), "--prompt", "The of", "--max-new-tokens", "12"])
+    assert proc.returncode == 0, proc.stderr
+    loaded = load_for_sampling(run)
+    prompt = loaded.tokenizer.encode("The of").ids
+    new = generate(loaded.model, prompt, 12, eos_id=loaded.eos_id, max_len=loaded.max_len)
+    assert proc.stdout == "The of" + loaded.tokenizer.decode(new) + "\n"
+    from_dir = run_cli(["sample", str(run / "export"), "--prompt", "The of",
+                        "--max-new-tokens", "12"])
+    assert from_dir.returncode == 0 and from_dir.stdout == proc.stdout
+    hot = ["sample", str(run), "--prompt", "The of", "--max-new-tokens", "12",
+           "--temperature", "1.5", "--top-k", "20", "--seed", "3"]
+    a, b = run_cli(hot), run_cli(hot)
+    assert a.returncode == 0 and a.stdout == b.stdout  # seeded
+    bad = run_cli(["sample", str(run), "--prompt", "x", "--temperature", "-1"])
+    assert bad.returncode == 2 and "--temperature: must be >= 0" in bad.stderr
+
+
+def test_top_k_one_is_greedy_and_generation_stops_at_eos():
+    from editrain.sample import generate
+
+    class Fixed(torch.nn.Module):
+        def forward(self, x):  # the next token is always (last + 1) % 5
+            logits = torch.full((1, x.shape[1], 5), -10.0)
+            logits[0, :, :] = torch.nn.functional.one_hot((x[0] + 1) % 5, 5) * 20.0 - 10.0
+            return logits
+
+    assert generate(Fixed(), [0], 6) == [1, 2, 3, 4, 0, 1]
+    assert generate(Fixed(), [0], 6, temperature=2.0, top_k=1, seed=9) == [1, 2, 3, 4, 0, 1]
+    assert generate(Fixed(), [0], 6, eos_id=3) == [1, 2, 3]
+    assert generate(Fixed(), [3], 2, max_len=1) == [4, 0]
+    with pytest.raises(ValueError, match="no token"):
+        generate(Fixed(), [], 3)
+
+
+@pytest.mark.timeout(600)
+def test_resume_restores_the_run_not_the_directory(trained, dirs):
+    """--resume of an init_from run continues from its checkpoint: the weights are the
+    run's, not the directory's (init_from seeds step 0 only)."""
+    run = trained["llama"]
+    cont = dirs["root"] / "run_cont"
+    _train(dirs, cont, dirs["llama"], "--resume", str(run), "--steps", "6")
+    summary = json.loads((cont / "summary.json").read_text())
+    assert summary["steps"] == 6
+    rows = [json.loads(line) for line in (cont / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if "loss" in r and not r.get("replayed")][:1] == [5]
