@@ -2,12 +2,30 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import numpy as np
 
-__all__ = ["window_hashes", "window_overlap"]
+__all__ = ["iter_window_hashes", "window_hashes", "window_overlap"]
 
 _MUL = np.uint64(0x100000001B3)  # FNV-style odd multiplier; collisions are 2**-64-rare
-_CHUNK = 1 << 22
+_CHUNK = 1 << 20  # windows hashed at once
+
+
+def iter_window_hashes(tokens: np.ndarray, n: int, chunk: int = _CHUNK
+                       ) -> Iterator[np.ndarray]:
+    """:func:`window_hashes` of ``tokens`` in consecutive pieces of at most ``chunk``
+    windows, so that a split far larger than memory (a memory map) is hashed in bounded
+    memory: about 24 bytes per window of one piece."""
+    m = len(tokens) - n + 1
+    with np.errstate(over="ignore"):
+        for s in range(0, max(m, 0), chunk):
+            e = min(m, s + chunk)
+            ids = np.asarray(tokens[s : e + n - 1], dtype=np.uint64) + np.uint64(1)
+            h = np.zeros(e - s, dtype=np.uint64)
+            for j in range(n):
+                h = h * _MUL + ids[j : j + e - s]
+            yield h
 
 
 def window_hashes(tokens: np.ndarray, n: int) -> np.ndarray:
@@ -20,26 +38,17 @@ def window_hashes(tokens: np.ndarray, n: int) -> np.ndarray:
     Returns:
         ``uint64[len(tokens) - n + 1]`` (empty when the array is shorter than ``n``).
     """
-    m = len(tokens) - n + 1
-    if m <= 0:
-        return np.zeros(0, dtype=np.uint64)
-    out = np.empty(m, dtype=np.uint64)
-    with np.errstate(over="ignore"):
-        for s in range(0, m, _CHUNK):  # chunks keep memory bounded for large splits
-            e = min(m, s + _CHUNK)
-            ids = np.asarray(tokens[s : e + n - 1], dtype=np.uint64) + np.uint64(1)
-            h = np.zeros(e - s, dtype=np.uint64)
-            for j in range(n):
-                h = h * _MUL + ids[j : j + e - s]
-            out[s:e] = h
-    return out
+    parts = list(iter_window_hashes(tokens, n))
+    return np.concatenate(parts) if parts else np.zeros(0, dtype=np.uint64)
 
 
 def window_overlap(val: np.ndarray, train: np.ndarray, n: int = 32) -> float:
     """Share of the validation split's ``n``-token windows that occur anywhere in training.
 
     Token-level and verbatim: a window counts when the same ``n`` ids appear in a row
-    somewhere in ``train``. Windows are taken at every position (stride 1).
+    somewhere in ``train``. Windows are taken at every position (stride 1). Memory grows
+    with the validation split only: the training split is hashed piece by piece and each
+    piece's hashes looked up among the validation windows' (sorted, distinct).
 
     Args:
         val: Validation token ids.
@@ -52,7 +61,10 @@ def window_overlap(val: np.ndarray, train: np.ndarray, n: int = 32) -> float:
     v = window_hashes(val, n)
     if len(v) == 0:
         return 0.0
-    t = np.unique(window_hashes(train, n))
-    pos = np.searchsorted(t, v)
-    hit = (pos < len(t)) & (t[np.minimum(pos, len(t) - 1)] == v)
-    return float(hit.mean())
+    distinct = np.unique(v)
+    seen = np.zeros(len(distinct), dtype=bool)
+    last = len(distinct) - 1
+    for h in iter_window_hashes(train, n):
+        pos = np.minimum(np.searchsorted(distinct, h), last)
+        seen[pos[distinct[pos] == h]] = True
+    return float(seen[np.searchsorted(distinct, v)].mean())

@@ -63,6 +63,7 @@ __all__ = [
     "iter_documents",
     "iter_records",
     "source_fingerprint",
+    "source_size",
 ]
 
 DEFAULT_SOURCE = "default"
@@ -669,3 +670,26 @@ def source_fingerprint(refs: list[SourceRef], max_bytes: int | None = None) -> s
             parts.append([ref.kind, ref.text_field, _file_entry(ref.path, str(ref.path))])
     blob = json.dumps(parts, ensure_ascii=True, separators=(",", ":"))
     return hashlib.sha256(blob.encode("ascii")).hexdigest()
+
+
+def source_size(refs: list[SourceRef], max_bytes: int | None = None) -> int | None:
+    """Bytes of the files behind ``refs`` (at most ``max_bytes``), from the file system
+    alone: what a build's progress bar expects before its first pass has counted the
+    text. None when a source's size is not known without reading it (``hf:`` datasets).
+
+    Args:
+        refs: Sources from :func:`resolve_sources`.
+        max_bytes: The cap that will be applied when reading.
+    """
+    total = 0
+    for ref in refs:
+        if ref.kind == "default":
+            files = [p for _, p in _stdlib_files()]
+        elif ref.kind == "dir":
+            files = _dir_files(ref.path, TEXT_EXTENSIONS)
+        elif ref.kind in ("hf", "hf_disk"):
+            return None
+        else:
+            files = [ref.path]
+        total += sum(p.stat().st_size for p in files)
+    return total if max_bytes is None else min(total, max_bytes)

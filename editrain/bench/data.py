@@ -1,0 +1,352 @@
+"""Data: ``editrain data`` on corpora of growing size against the tokenizer's own speed.
+
+A token-cache build reads the corpus several times (describing the documents for the
+split, the tokenizer's sample, both sides encoded) but should cost little more than the
+encoding itself, and its memory should not grow with the corpus. For every corpus size
+this scenario measures, in one invocation and in this order:
+
+1. the limit: the same tokenizer's ``encode_batch_fast`` over the same files, one process
+   per CPU (each single-threaded, files dealt out round robin), as tokens per second of
+   wall time;
+2. ``editrain data`` with that tokenizer (``--data.tokenizer``) into an empty cache;
+3. ``editrain data`` training its own BPE (the default), into an empty cache.
+
+Each is a child process; its peak memory is the largest sum of the resident sets of the
+process and its children, sampled every 0.1 s. The corpora are Python files of the
+installed packages (the interpreter's ``site-packages``, then its standard library),
+copied into a scratch directory (``EDITRAIN_BENCH_DATA_DIR``, default the system's
+temporary directory) and repeated with a ``# copy K`` first line until the size is reached,
+so no two documents are identical; they are deleted at the end.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from editrain.bench.runner import Bench
+from editrain.bench.tables import fmt_bytes, md_table
+
+NAME = "data"
+DESCRIPTION = (
+    "`editrain data` on corpora of growing size (Python files of the installed packages): "
+    "tokens/s and peak memory of the build with a given tokenizer and with its own BPE, "
+    "against the same tokenizer's `encode_batch_fast` over the same files, one process "
+    "per CPU, measured in the same invocation."
+)
+SPEED_TARGET = 1.5
+"""A build with a given tokenizer takes at most this many times the limit's time."""
+BPE_SPEED_TARGET = 2.0
+"""A build that trains its BPE (on a bounded sample) takes at most this many times."""
+MEMORY_TARGET = 1.5
+"""Peak memory at the largest corpus at most this many times that at the smallest."""
+VOCAB_SIZE = 8192
+_POLL_S = 0.1
+_SEED_TOKENIZER_BYTES = 4_000_000  # text the benchmark's given tokenizer is trained on
+
+
+def corpus_sizes(mode: str) -> list[int]:
+    """Bytes of text of each corpus measured at size ``mode``."""
+    return {"tiny": [300_000, 900_000], "quick": [20_000_000, 150_000_000],
+            "full": [20_000_000, 150_000_000, 1_000_000_000]}[mode]
+
+
+def _source_files() -> list[Path]:
+    """Python files of the installed packages, then of the standard library, sorted."""
+    out: list[Path] = []
+    for key in ("purelib", "stdlib"):
+        root = Path(sysconfig.get_paths()[key])
+        out += sorted(p for p in root.rglob("*.py") if p.is_file())
+    return out
+
+
+def make_corpus(root: Path, size: int) -> int:
+    """Write a directory of ``.py`` files of about ``size`` bytes into ``root``; return its
+    bytes. Files that are not UTF-8 are left out; when the sources run out they are copied
+    again under ``copyK/`` with a ``# copy K`` first line, so no two files are identical."""
+    files = _source_files()
+    total, copy = 0, 0
+    while total < size:
+        wrote = 0
+        for i, path in enumerate(files):
+            try:
+                data = path.read_bytes()
+                data.decode("utf-8")
+            except (OSError, UnicodeDecodeError):
+                continue
+            head = f"# copy {copy}\n".encode() if copy else b""
+            dest = root / f"copy{copy}" / f"{i:06d}_{path.name}"
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            dest.write_bytes(head + data)
+            total += len(head) + len(data)
+            wrote += 1
+            if total >= size:
+                break
+        if wrote == 0:
+            raise RuntimeError("bench data: no UTF-8 Python files found to build a corpus")
+        copy += 1
+    return total
+
+
+def _children(pid: int) -> list[int]:
+    """``pid`` and all its descendants (from ``/proc``)."""
+    parent: dict[int, int] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+        except OSError:
+            continue
+        # The command name may hold spaces: the fields after its closing parenthesis.
+        parent[int(entry)] = int(stat.rsplit(")", 1)[1].split()[1])
+    tree, frontier = [pid], [pid]
+    while frontier:
+        frontier = [c for c, p in parent.items() if p in frontier]
+        tree += frontier
+    return tree
+
+
+def tree_rss(pid: int) -> int:
+    """Resident bytes of ``pid`` and its descendants (0 once they are gone)."""
+    total = 0
+    for p in _children(pid):
+        try:
+            for line in Path(f"/proc/{p}/status").read_text().splitlines():
+                if line.startswith("VmRSS:"):
+                    total += int(line.split()[1]) * 1024
+                    break
+        except OSError:
+            continue
+    return total
+
+
+def run_measured(argv: list[str], env: dict[str, str] | None = None,
+                 timeout_s: float = 7200.0) -> dict[str, Any]:
+    """Run ``argv``; return its ``stdout``, ``returncode``, wall ``seconds`` and
+    ``peak_rss`` (largest sampled resident size of its process tree)."""
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=env)
+    peak = [0]
+    done = threading.Event()
+
+    def sample() -> None:
+        while not done.is_set():
+            peak[0] = max(peak[0], tree_rss(proc.pid))
+            done.wait(_POLL_S)
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    try:
+        out, err = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, err = proc.communicate()
+    seconds = time.perf_counter() - t0
+    done.set()
+    sampler.join()
+    return {"stdout": out, "stderr": err[-2000:], "returncode": proc.returncode,
+            "seconds": seconds, "peak_rss": peak[0]}
+
+
+_WORKER = """
+import sys
+from pathlib import Path
+from tokenizers import Tokenizer
+
+tok = Tokenizer.from_file(sys.argv[1])
+tok.encode_special_tokens = True  # as a build encodes
+files = sorted(Path(sys.argv[2]).rglob("*.py"))[int(sys.argv[3])::int(sys.argv[4])]
+tokens, batch, chars = 0, [], 0
+for i, path in enumerate(files):
+    batch.append(path.read_text(encoding="utf-8"))
+    chars += len(batch[-1])
+    if chars >= 1 << 20 or i == len(files) - 1:
+        tokens += sum(len(e.ids) + 1 for e in tok.encode_batch_fast(batch))
+        batch, chars = [], 0
+print(tokens)
+"""
+"""One worker of the limit: files ``index::workers`` of the corpus (sorted), encoded in
+batches of about 1 MB, one separator per file counted. Plain Python and ``tokenizers``
+only, so that it starts as fast as it can."""
+_LIMIT = """
+import subprocess, sys
+n = int(sys.argv[3])
+procs = [subprocess.Popen([sys.executable, "-c", sys.argv[4], sys.argv[1], sys.argv[2],
+                           str(i), str(n)], stdout=subprocess.PIPE, text=True)
+         for i in range(n)]
+outs = [p.communicate()[0] for p in procs]
+if any(p.returncode for p in procs):
+    sys.exit(1)
+print(sum(int(o) for o in outs))
+"""
+
+
+def measure_limit(tokenizer: Path, corpus: Path, workers: int) -> dict[str, Any]:
+    """The tokenizer's own speed over the corpus: ``workers`` single-threaded processes."""
+    env = dict(os.environ, RAYON_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+    r = run_measured([sys.executable, "-c", _LIMIT, str(tokenizer), str(corpus),
+                      str(workers), _WORKER], env=env)
+    if r["returncode"] != 0:
+        return {"ok": False, "error": r["stderr"]}
+    tokens = int(r["stdout"].strip())
+    return {"ok": True, "tokens": tokens, "seconds": r["seconds"], "peak_rss": r["peak_rss"],
+            "tokens_per_s": tokens / r["seconds"], "workers": workers}
+
+
+def measure_build(corpus: Path, cache: Path, tokenizer: Path | None) -> dict[str, Any]:
+    """``editrain data`` over ``corpus`` into the empty cache ``cache``."""
+    argv = [sys.executable, "-m", "editrain", "data", "--json", "--data.path", str(corpus),
+            "--data.max_bytes", "none", "--data.cache_dir", str(cache),
+            "--data.vocab_size", str(VOCAB_SIZE)]
+    if tokenizer is not None:
+        argv += ["--data.tokenizer", str(tokenizer)]
+    r = run_measured(argv)
+    shutil.rmtree(cache, ignore_errors=True)
+    if r["returncode"] != 0:
+        return {"ok": False, "error": r["stderr"]}
+    info = json.loads(r["stdout"])
+    tokens = info["train"]["tokens"] + info["val"]["tokens"]
+    return {"ok": True, "tokens": tokens, "seconds": r["seconds"], "peak_rss": r["peak_rss"],
+            "tokens_per_s": tokens / r["seconds"], "documents": info["documents"],
+            "train_tokens": info["train"]["tokens"], "val_tokens": info["val"]["tokens"]}
+
+
+def _seed_tokenizer(corpus: Path, out: Path) -> Path:
+    """A BPE tokenizer trained on the first files of ``corpus``: the given tokenizer."""
+    from editrain.data.tokenizer import train_bpe_tokenizer
+
+    def texts():
+        chars = 0
+        for path in sorted(corpus.rglob("*.py")):
+            text = path.read_text(encoding="utf-8")
+            yield text
+            chars += len(text)
+            if chars >= _SEED_TOKENIZER_BYTES:
+                return
+
+    train_bpe_tokenizer(texts(), VOCAB_SIZE).save(str(out))
+    return out
+
+
+def run(bench: Bench) -> dict[str, Any]:
+    """Run the scenario; returns the record written to ``results.json``."""
+    sizes = corpus_sizes(bench.mode)
+    workers = os.cpu_count() or 1
+    scratch = Path(tempfile.mkdtemp(prefix="editrain-bench-data-",
+                                    dir=os.environ.get("EDITRAIN_BENCH_DATA_DIR")))
+    points: list[dict[str, Any]] = []
+    try:
+        tokenizer = None
+        for size in sizes:
+            corpus = scratch / f"corpus-{size}"
+            nbytes = make_corpus(corpus, size)
+            if tokenizer is None:
+                tokenizer = _seed_tokenizer(corpus, scratch / "tokenizer.json")
+            bench.log(f"corpus of {nbytes / 1e6:,.1f} MB: limit ({workers} processes)")
+            limit = measure_limit(tokenizer, corpus, workers)
+            bench.log(f"corpus of {nbytes / 1e6:,.1f} MB: editrain data --data.tokenizer")
+            given = measure_build(corpus, scratch / "cache", tokenizer)
+            bench.log(f"corpus of {nbytes / 1e6:,.1f} MB: editrain data (own BPE)")
+            own = measure_build(corpus, scratch / "cache", None)
+            shutil.rmtree(corpus, ignore_errors=True)
+            point = {"bytes": nbytes, "limit": limit, "given_tokenizer": given, "bpe": own,
+                     "load_average": os.getloadavg()}
+            for key in ("given_tokenizer", "bpe"):
+                if limit["ok"] and point[key]["ok"]:
+                    point[key]["time_vs_limit"] = (point[key]["seconds"] * limit["tokens_per_s"]
+                                                   / point[key]["tokens"])
+            points.append(point)
+            bench.log(json.dumps({k: v for k, v in point.items()}, default=str)[:600])
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    return _finish(bench, points, workers)
+
+
+def _finish(bench: Bench, points: list[dict[str, Any]], workers: int) -> dict[str, Any]:
+    rows = []
+    for p in points:
+        lim, given, own = p["limit"], p["given_tokenizer"], p["bpe"]
+        rows.append([f"{p['bytes'] / 1e6:,.0f} MB", given.get("tokens"),
+                     lim.get("tokens_per_s"), lim.get("peak_rss") and fmt_bytes(lim["peak_rss"]),
+                     given.get("tokens_per_s"), given.get("time_vs_limit"),
+                     given.get("peak_rss") and fmt_bytes(given["peak_rss"]),
+                     own.get("tokens_per_s"), own.get("time_vs_limit"),
+                     own.get("peak_rss") and fmt_bytes(own["peak_rss"]),
+                     "{:.1f}".format(p["load_average"][0])])
+    table = md_table(["corpus", "tokens", "limit tokens/s", "limit peak", "given tok: tokens/s",
+                      "x limit time", "peak", "own BPE: tokens/s", "x limit time", "peak",
+                      "load"], rows)
+    targets, headline, findings = [], [], []
+    ok = [p for p in points if p["given_tokenizer"].get("time_vs_limit") is not None]
+    if ok:
+        worst = max(p["given_tokenizer"]["time_vs_limit"] for p in ok)
+        targets.append({"name": f"with a given tokenizer, build time <= {SPEED_TARGET}x the "
+                                "limit's", "met": worst <= SPEED_TARGET,
+                        "detail": f"worst {worst:.2f}x"})
+    ok_bpe = [p for p in points if p["bpe"].get("time_vs_limit") is not None]
+    if ok_bpe:
+        worst = max(p["bpe"]["time_vs_limit"] for p in ok_bpe)
+        targets.append({"name": f"training its BPE on a bounded sample, build time <= "
+                                f"{BPE_SPEED_TARGET}x the limit's",
+                        "met": worst <= BPE_SPEED_TARGET, "detail": f"worst {worst:.2f}x"})
+    memory: dict[str, float] = {}
+    if len(points) >= 2:
+        for key in ("given_tokenizer", "bpe"):
+            first, last = points[0][key].get("peak_rss"), points[-1][key].get("peak_rss")
+            if first and last:
+                memory[key] = last / first
+        if memory:
+            growth = max(memory.values())
+            targets.append({"name": f"peak memory at {points[-1]['bytes'] / 1e6:,.0f} MB <= "
+                                    f"{MEMORY_TARGET}x that at "
+                                    f"{points[0]['bytes'] / 1e6:,.0f} MB",
+                            "met": growth <= MEMORY_TARGET,
+                            "detail": ", ".join(f"{k} {v:.2f}x" for k, v in memory.items())})
+    if ok and bench.mode != "tiny":
+        last = ok[-1]
+        headline.append(
+            f"`editrain data` tokenises {last['bytes'] / 1e6:,.0f} MB of Python at "
+            f"{last['given_tokenizer']['tokens_per_s']:,.0f} tokens/s with a given tokenizer "
+            f"({last['given_tokenizer']['time_vs_limit']:.2f}x the time of the tokenizer's own "
+            f"encode_batch on {workers} processes), peak memory "
+            f"{fmt_bytes(last['given_tokenizer']['peak_rss'])}"
+            + (f" ({memory['given_tokenizer']:.2f}x that at "
+               f"{points[0]['bytes'] / 1e6:,.0f} MB)" if "given_tokenizer" in memory else ""))
+    for p in points:
+        findings.append(
+            f"{p['bytes'] / 1e6:,.0f} MB: limit {p['limit'].get('seconds', float('nan')):.1f} s,"
+            f" build with the given tokenizer {p['given_tokenizer'].get('seconds', float('nan')):.1f}"
+            f" s, with its own BPE {p['bpe'].get('seconds', float('nan')):.1f} s")
+    notes = [
+        "Limit: the benchmark's tokenizer (a byte-level BPE of "
+        f"{VOCAB_SIZE:,} ids trained on the corpus's first 4 MB) encoding every file with "
+        f"`encode_batch_fast` in 1 MB batches, {workers} single-threaded processes "
+        "(RAYON_NUM_THREADS=1), files dealt out round robin; from the start of the processes "
+        "to the end of the last.",
+        "Builds: `editrain data --json --data.max_bytes none` into an empty cache, the whole "
+        "command timed (interpreter start, fingerprint, split, tokenizer, both sides, the "
+        "overlap measure); tokens/s is train + validation tokens over that time; x limit "
+        "time = build time / time the limit needs for the same number of tokens.",
+        "Peak memory: largest sum of VmRSS over the process and its descendants, sampled "
+        "every 0.1 s.",
+        "The machine is shared: the load average at the end of each point is in the table; "
+        "limit and builds of one size run back to back so they see about the same load.",
+    ]
+    results = {"points": points, "workers": workers}
+    return bench.finish(settings={"sizes": [p["bytes"] for p in points], "workers": workers,
+                                  "vocab_size": VOCAB_SIZE},
+                        methods=["limit", "given_tokenizer", "bpe"], results=results,
+                        tables=[("editrain data against the tokenizer's own speed", table)],
+                        targets=targets, findings=findings, notes=notes,
+                        description=DESCRIPTION, headline=headline, size_caveat=False)
