@@ -177,7 +177,7 @@ class RunLock:
         :class:`RunDirError` naming the job that holds it."""
         import fcntl
 
-        make_dir(self.path.parent)
+        make_dir(self.path.parent, root=self.path.parent)  # the run directory: may be a link
         check_no_links(self.path)
         try:
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK,
@@ -537,7 +537,7 @@ def claim(c: Claim) -> RunRecord:
     event["branch"] = rec.branch
     rec.owned = sorted(owned)
     rec.history = (list(record.history) if record is not None else []) + [event]
-    make_dir(run_dir)
+    make_dir(run_dir, root=run_dir)
     write_record(run_dir, rec)
     if c.resume and rec.branch != (record.branch if record is not None else None):
         # Readers of metrics.jsonl see where the new timeline starts (rows up to the last

@@ -78,6 +78,8 @@ def _below(path: Path, root: Path | None) -> list[Path]:
         rel = path.relative_to(root)
     except ValueError:
         return [path]
+    if rel == Path("."):
+        return []
     out, cur = [], root
     for part in rel.parts:
         cur = cur / part
@@ -117,7 +119,9 @@ def make_dir(path: str | Path, root: str | Path | None = None) -> Path:
     if base is not None:
         base.mkdir(parents=True, exist_ok=True)
     chain = _below(path, base)
-    if chain[0] != (base / chain[0].name if base is not None else None):
+    if not chain:  # the root itself: the caller's choice, a link or not
+        return path
+    if base is None or chain[0].parent != base:
         path.parent.mkdir(parents=True, exist_ok=True)  # no root above it: only it checked
     for p in chain:
         try:
@@ -154,7 +158,8 @@ def open_write(path: str | Path, mode: str = "w", *, root: str | Path | None = N
         RunDirError: ``path`` (or a directory on the way) is a link, or not a regular file.
     """
     path = Path(path)
-    check_no_links(path.parent, root)
+    if root is not None:  # without one, the file itself (O_NOFOLLOW) is all that is checked
+        check_no_links(path.parent, root)
     flags = _WRITE_MODES[mode] | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
     try:
         fd = os.open(path, flags, perm)

@@ -253,6 +253,17 @@ def test_cut_partial_line_reads_only_the_tail_and_keeps_whole_rows(tmp_path):
     assert path.read_text() == ""
 
 
+@pytest.mark.parametrize("writer", list(WRITERS), ids=lambda w: w.__name__)
+def test_a_run_directory_that_is_itself_a_link_is_the_users_choice(tmp_path, writer):
+    """The run directory may be a link (to a larger disk): every writer writes there."""
+    real = tmp_path / "disk" / "run"
+    real.mkdir(parents=True)
+    (tmp_path / "run").symlink_to(real, target_is_directory=True)
+    writer(tmp_path / "run")
+    name, _ = WRITERS[writer]
+    assert (real / name).is_file() and not (real / name).is_symlink()
+
+
 def test_check_no_links_looks_only_below_the_root(tmp_path):
     real = tmp_path / "real"
     real.mkdir()
