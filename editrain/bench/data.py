@@ -54,8 +54,23 @@ _POLL_S = 0.1
 _SEED_TOKENIZER_BYTES = 4_000_000  # text the benchmark's given tokenizer is trained on
 
 
+SIZES_ENV = "EDITRAIN_BENCH_DATA_SIZES"
+"""Environment variable: comma-separated corpus sizes in bytes (``5e6,40e6``) instead of the
+size's own, e.g. on a machine too busy for the full series."""
+
+
 def corpus_sizes(mode: str) -> list[int]:
-    """Bytes of text of each corpus measured at size ``mode``."""
+    """Bytes of text of each corpus measured at size ``mode`` (or :data:`SIZES_ENV`)."""
+    given = os.environ.get(SIZES_ENV, "").strip()
+    if given:
+        try:
+            sizes = [int(float(x)) for x in given.split(",")]
+        except ValueError:
+            sizes = []
+        if not sizes or min(sizes) <= 0:
+            raise ValueError(f"{SIZES_ENV}: comma-separated positive byte counts, e.g. "
+                             f"5e6,40e6; got {given!r}")
+        return sizes
     return {"tiny": [300_000, 900_000], "quick": [20_000_000, 150_000_000],
             "full": [20_000_000, 150_000_000, 1_000_000_000]}[mode]
 
@@ -267,7 +282,7 @@ def run(bench: Bench) -> dict[str, Any]:
                     point[key]["time_vs_limit"] = (point[key]["seconds"] * limit["tokens_per_s"]
                                                    / point[key]["tokens"])
             points.append(point)
-            bench.log(json.dumps({k: v for k, v in point.items()}, default=str)[:600])
+            bench.log(json.dumps(point, default=str))
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     return _finish(bench, points, workers)

@@ -42,6 +42,7 @@ import numpy as np
 from editrain.safe_io import Obj, read_json
 
 from .overlap import window_overlap
+from .pretokenized import copy_checked, open_tokens, tail_split
 from .progress import BuildProgress
 from .sources import (
     Document,
@@ -602,10 +603,7 @@ def _build_entry(
     meta = {
         "format": FORMAT_VERSION,
         "key": key,
-        "source": [
-            os.fspath(s)
-            for s in ([source_spec] if isinstance(source_spec, (str, os.PathLike)) else source_spec)
-        ],
+        "source": _source_list(source_spec),
         "max_bytes": max_bytes,
         "val_fraction": float(split["val_fraction"]),
         "requested_val_tokens": int(val_tokens),
@@ -637,6 +635,58 @@ def _build_entry(
         "token cache built: %d train / %d val tokens (%.1f%% of val %d-token windows seen in "
         "train) in %.1fs", n_train, n_val, 100 * overlap, OVERLAP_WINDOW, meta["build_seconds"],
     )
+
+
+def _source_list(spec) -> list[str]:
+    """``data.path`` as a list of strings, for ``meta.json``."""
+    return [os.fspath(s) for s in ([spec] if isinstance(spec, (str, os.PathLike)) else spec)]
+
+
+def _build_token_entry(entry: Path, path: Path, source_spec, tokenizer_path: str,
+                       split: dict, eos_token: str | None, key: str) -> None:
+    """A cache entry from a pre-tokenised corpus (:mod:`editrain.data.pretokenized`): its
+    ids copied (as this tokenizer's dtype) and checked against the tokenizer's vocabulary;
+    a single file's last tokens held out, a nanoGPT directory's splits kept."""
+    t0 = time.monotonic()
+    entry.mkdir(parents=True)
+    tok = load_tokenizer(tokenizer_path)
+    vsize = tokenizer_vocab_size(tok)
+    dtype = token_dtype(vsize)
+    if path.is_dir():
+        sources = {s: open_tokens(path / f"{s}.bin") for s in ("train", "val")}
+        names = {s: path / f"{s}.bin" for s in ("train", "val")}
+        mode = "given"
+    else:
+        ids = open_tokens(path)
+        n_val = tail_split(len(ids), split["val_fraction"], split["val_tokens"],
+                           MAX_VAL_SHARE)
+        sources = {"train": ids[:len(ids) - n_val], "val": ids[len(ids) - n_val:]}
+        names = {"train": path, "val": path}
+        mode = "tail"
+    counts = {s: copy_checked(sources[s], entry / f"{s}.bin", dtype, vsize, names[s])
+              for s in ("train", "val")}
+    _atomic_write_bytes(entry / "tokenizer.json",
+                        Path(tokenizer_path).expanduser().read_bytes())
+    _atomic_write_bytes(entry / VAL_DOCUMENTS_FILE, b"[]")
+    train = np.memmap(entry / "train.bin", dtype=dtype, mode="r", shape=(counts["train"],))
+    val = np.memmap(entry / "val.bin", dtype=dtype, mode="r", shape=(counts["val"],))
+    overlap = window_overlap(val, train, OVERLAP_WINDOW)
+    del train, val
+    meta = {
+        "format": FORMAT_VERSION, "key": key, "source": _source_list(source_spec),
+        "pretokenized": True, "max_bytes": None, "val_fraction": float(split["val_fraction"]),
+        "requested_val_tokens": int(split["val_tokens"]), "split_seed": int(split["seed"]),
+        "tokenizer": "user", "tokenizer_trained_on": None, "requested_vocab_size": vsize,
+        "vocab_size": vsize, "eos_id": eos_id(tok, eos_token), "eos": "stored",
+        "dtype": dtype.name, "documents": None, "split": mode, "groups": None,
+        "near_duplicate_merges": 0, "val_documents": None, "train_tokens": counts["train"],
+        "val_tokens": counts["val"], f"val_train_overlap_{OVERLAP_WINDOW}": round(overlap, 6),
+        "kinds": {}, "build_seconds": round(time.monotonic() - t0, 3),
+    }
+    _fsync_dir(entry)
+    meta["checksums"] = entry_checksums(entry)
+    _atomic_write_bytes(entry / "meta.json", json.dumps(meta, indent=1).encode("ascii"))
+    _fsync_dir(entry)
 
 
 def _staging_dir(root: Path, key: str) -> Path:
@@ -748,6 +798,14 @@ def prepare_tokens(
     if tokenizer_path is not None:
         tokenizer_path = os.fspath(tokenizer_path)
     refs = resolve_sources(source, text_field)
+    pretokenized = refs[0].kind == "tokens"
+    if pretokenized:
+        if tokenizer_path is None:
+            raise ValueError(f"data.tokenizer: the pre-tokenised corpus {refs[0].label!r} needs "
+                             f"the tokenizer.json its ids come from (its vocabulary and EOS "
+                             f"id); set data.tokenizer")
+        # Nothing is read as text: the cap and the separator policy do not apply.
+        max_bytes, text_field, eos = None, "", "stored"
     if tokenizer_path is not None:
         # Loading validates the file (and the EOS token) before any waiting or
         # building, so a bad path fails fast on every rank.
@@ -785,10 +843,14 @@ def prepare_tokens(
                 return data  # another process built it while we waited
             staging = _staging_dir(root, key)
             try:
-                with BuildProgress(progress,
-                                   expected_chars=source_size(refs, max_bytes)) as bar:
-                    _build_entry(staging, refs, source, vocab_size, tokenizer_path, split,
-                                 max_bytes, eos_token, eos, key, bar)
+                if pretokenized:
+                    _build_token_entry(staging, refs[0].path, source, tokenizer_path, split,
+                                       eos_token, key)
+                else:
+                    with BuildProgress(progress,
+                                       expected_chars=source_size(refs, max_bytes)) as bar:
+                        _build_entry(staging, refs, source, vocab_size, tokenizer_path, split,
+                                     max_bytes, eos_token, eos, key, bar)
                 _publish(staging, entry)
             finally:
                 shutil.rmtree(staging, ignore_errors=True)

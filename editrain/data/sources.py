@@ -48,6 +48,7 @@ from .hf import (
     saved_split_dir,
 )
 from .optional import require
+from .pretokenized import TOKEN_SUFFIXES, is_token_dir, open_tokens, token_files
 
 __all__ = [
     "CODE_EXTENSIONS",
@@ -85,6 +86,8 @@ SUPPORTED_SOURCES = (
     "Hugging Face datasets as hf:NAME[:CONFIG][@SPLIT]",
     "save_to_disk directories (DIR, or DIR@SPLIT for a DatasetDict)",
     "glob patterns of files and directories",
+    "a pre-tokenised corpus, alone: a .bin of uint16 ids (nanoGPT), a .npy of integer ids, "
+    "or a directory with nanoGPT's train.bin and val.bin (needs data.tokenizer)",
 )
 """What a ``data.path`` entry may be (listed by the errors of unsupported entries)."""
 
@@ -109,7 +112,7 @@ _STDLIB_SKIP_DIRS = frozenset(
      "pydoc_data"}
 )
 
-_KINDS = ("default", "text", "dir", "jsonl", "json", "parquet", "hf", "hf_disk")
+_KINDS = ("default", "text", "dir", "jsonl", "json", "parquet", "hf", "hf_disk", "tokens")
 # Kinds whose documents are the rows of a table or the records of a file.
 _ROW_KINDS = ("jsonl", "json", "parquet", "hf", "hf_disk")
 _GLOB_CHARS = frozenset("*?[")
@@ -338,6 +341,8 @@ def _classify(entry: str, text_field: str) -> SourceRef:
     if split is not None or not path.exists():
         hint = " ('@SPLIT' only follows a save_to_disk directory)" if split is not None else ""
         raise FileNotFoundError(f"data.path: {str(full)!r} does not exist{hint}")
+    if is_token_dir(path):
+        return SourceRef("tokens", path, text_field)
     if path.is_dir():
         if next(_walk_files(path, TEXT_EXTENSIONS), None) is None:
             raise ValueError(f"data.path: {str(path)!r} contains no text: no files with "
@@ -345,6 +350,9 @@ def _classify(entry: str, text_field: str) -> SourceRef:
                              f"save_to_disk directory")
         return SourceRef("dir", path, text_field)
     suffix = path.suffix.lower()
+    if suffix in TOKEN_SUFFIXES:
+        open_tokens(path)  # the form is checked here; the ids while the cache is written
+        return SourceRef("tokens", path, text_field)
     if suffix in TEXT_EXTENSIONS:
         return SourceRef("text", path, text_field)
     if suffix == ".jsonl" or (suffix == ".json" and not _json_is_list(path)):
@@ -389,7 +397,13 @@ def parse_sources(spec: str | Iterable[str], text_field: str = "text") -> list[S
         raise ValueError(f"data.text_field: must be a non-empty string naming the field "
                          f"(.jsonl/.json) or column (.parquet, Hugging Face datasets) that "
                          f"holds the text, got {text_field!r}")
-    return list(dict.fromkeys(_classify(entry, text_field) for entry in _expand(spec)))
+    refs = list(dict.fromkeys(_classify(entry, text_field) for entry in _expand(spec)))
+    tokens = [r for r in refs if r.kind == "tokens"]
+    if tokens and len(refs) > 1:
+        raise ValueError(f"data.path: the pre-tokenised corpus {tokens[0].label!r} must be the "
+                         f"only entry (its ids cannot be mixed with text or another token "
+                         f"file); got {len(refs)} entries")
+    return refs
 
 
 def resolve_sources(spec: str | Iterable[str], text_field: str = "text") -> list[SourceRef]:
@@ -666,6 +680,9 @@ def source_fingerprint(refs: list[SourceRef], max_bytes: int | None = None) -> s
         elif ref.kind == "hf_disk":
             parts.append(["hf_disk", ref.label, ref.text_field,
                           _tree_entries(saved_split_dir(ref.path, ref.split), None)])
+        elif ref.kind == "tokens":
+            parts.append(["tokens", str(ref.path),
+                          [_file_entry(p, p.name) for p in token_files(ref.path)]])
         else:
             parts.append([ref.kind, ref.text_field, _file_entry(ref.path, str(ref.path))])
     blob = json.dumps(parts, ensure_ascii=True, separators=(",", ":"))

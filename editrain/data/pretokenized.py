@@ -1,0 +1,109 @@
+"""Pre-tokenised corpora: token ids already on disk, used without tokenising again.
+
+Three forms are accepted as ``data.path`` (alone, not in a list with text sources):
+
+- a flat ``.bin`` file of ``uint16`` ids (nanoGPT's format, what ``np.array(ids,
+  dtype=np.uint16).tofile(path)`` writes): its last tokens become the validation split;
+- a ``.npy`` file holding a 1-D integer array (any integer dtype; the header says which):
+  split the same way;
+- a directory holding nanoGPT's ``train.bin`` and ``val.bin``: the splits as given.
+
+The ids must come from ``data.tokenizer`` (required: it gives the vocabulary, the EOS id and
+the tokenizer saved with the run) and lie in ``[0, vocabulary size)``. The form (size a
+whole number of ids, dtype, shape) is checked while the options are checked; the ids
+themselves while the cache entry is written, in one chunked pass, before any worker starts.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+__all__ = ["BIN_DTYPE", "NANOGPT_SPLITS", "TOKEN_SUFFIXES", "copy_checked", "is_token_dir",
+           "open_tokens", "tail_split", "token_files"]
+
+BIN_DTYPE = np.dtype(np.uint16)
+"""dtype of a ``.bin`` file (nanoGPT writes ``uint16``)."""
+TOKEN_SUFFIXES = (".bin", ".npy")
+"""Extensions of pre-tokenised files."""
+NANOGPT_SPLITS = ("train.bin", "val.bin")
+"""Files of a nanoGPT data directory, one per split."""
+_COPY_CHUNK = 1 << 24  # ids converted and checked at a time (32 MB of uint16)
+
+
+def is_token_dir(path: Path) -> bool:
+    """Whether ``path`` is a directory holding nanoGPT's ``train.bin`` and ``val.bin``."""
+    return path.is_dir() and all((path / name).is_file() for name in NANOGPT_SPLITS)
+
+
+def open_tokens(path: Path) -> np.ndarray:
+    """Memory-map a pre-tokenised file after checking its form (nothing is read but a
+    ``.npy`` header).
+
+    Raises:
+        ValueError: naming ``data.path`` and the file: a ``.bin`` whose size is not a whole
+            number of ``uint16`` ids, an empty file, or a ``.npy`` that is not a 1-D array
+            of integers.
+    """
+    if path.suffix.lower() == ".npy":
+        try:
+            arr = np.load(path, mmap_mode="r", allow_pickle=False)
+        except (ValueError, OSError) as exc:
+            raise ValueError(f"data.path: {str(path)!r} is not a readable .npy array of "
+                             f"token ids ({exc})") from exc
+        if arr.ndim != 1 or arr.dtype.kind not in "iu":
+            raise ValueError(f"data.path: {str(path)!r} holds a {arr.ndim}-D {arr.dtype} "
+                             f"array; a pre-tokenised .npy must be a 1-D array of integer "
+                             f"token ids")
+    else:
+        size = path.stat().st_size
+        if size % BIN_DTYPE.itemsize:
+            raise ValueError(f"data.path: {str(path)!r} has {size} bytes, not a whole number "
+                             f"of uint16 token ids (a .bin is nanoGPT's flat uint16 file; "
+                             f"other dtypes go in a .npy)")
+        arr = (np.memmap(path, dtype=BIN_DTYPE, mode="r") if size
+               else np.zeros(0, dtype=BIN_DTYPE))
+    if len(arr) == 0:
+        raise ValueError(f"data.path: {str(path)!r} holds no token ids")
+    return arr
+
+
+def token_files(path: Path) -> list[Path]:
+    """The files of a pre-tokenised source: the file itself, or a directory's splits."""
+    return [path / name for name in NANOGPT_SPLITS] if path.is_dir() else [path]
+
+
+def tail_split(n: int, val_fraction: float, val_tokens: int, max_share: float) -> int:
+    """Tokens of a single pre-tokenised file held out at its end: ``max(val_fraction * n,
+    val_tokens)``, at most ``max_share`` of the file, at least 1 and at most ``n - 1``.
+
+    Raises:
+        ValueError: the file has fewer than 2 ids (nothing to split).
+    """
+    if n < 2:
+        raise ValueError(f"data.path: a pre-tokenised file of {n} token id(s) is too small "
+                         f"to split into training and validation")
+    want = max(int(np.ceil(val_fraction * n)), int(val_tokens))
+    return int(min(max(1, min(want, int(max_share * n))), n - 1))
+
+
+def copy_checked(src: np.ndarray, out_path: Path, dtype: np.dtype, vocab_size: int,
+                 name: Path) -> int:
+    """Write ``src`` (ids) into ``out_path`` as ``dtype``, in chunks, checking that every
+    id lies in ``[0, vocab_size)``; return the number of ids written.
+
+    Raises:
+        ValueError: naming ``data.path``, the file ``name`` and the id out of range.
+    """
+    with open(out_path, "wb") as out:
+        for start in range(0, len(src), _COPY_CHUNK):
+            chunk = np.asarray(src[start:start + _COPY_CHUNK])
+            low, high = int(chunk.min()), int(chunk.max())
+            if low < 0 or high >= vocab_size:
+                bad = low if low < 0 else high
+                raise ValueError(f"data.path: {str(name)!r} holds token id {bad}, outside the "
+                                 f"tokenizer's vocabulary [0, {vocab_size}) (data.tokenizer: "
+                                 f"the ids must come from it)")
+            chunk.astype(dtype, copy=False).tofile(out)
+    return len(src)
