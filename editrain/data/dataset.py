@@ -19,8 +19,13 @@ the files are flat 1-D arrays of ``uint16`` (vocab <= 65535) or ``uint32`` ids.
 
 Documents are streamed through every pass, so corpora larger than memory can be tokenised:
 what stays in memory is the split's metadata, about 1 KB per document (its MinHash
-signature, digest, family; :mod:`editrain.data.split`). A slow build shows its progress on a
-terminal (:mod:`editrain.data.progress`).
+signature, digest, family; :mod:`editrain.data.split`), one encoder batch
+(``_ENCODE_BATCH_CHARS``), the validation split's window hashes for the overlap measure, and
+the BPE trainer's state, which grows with the text it sees: at most ``BPE_SAMPLE_BYTES``
+(:func:`bpe_sample`). A slow build shows one progress bar for the whole build on a terminal
+(:mod:`editrain.data.progress`). An entry is built in a private directory
+(``.KEY.HOST.PID``) and renamed into place when complete. A pre-tokenised corpus
+(:mod:`editrain.data.pretokenized`) is copied into an entry without tokenising.
 """
 
 from __future__ import annotations
