@@ -67,3 +67,20 @@ def test_plan_counts_the_bytes_a_sparse_run_sends(replicas, tmp_path, data_cache
     assert measured == predicted, (measured, predicted)
     # every byte is one of the R - 1 messages received: per replica it is R - 1 times one
     assert measured % (replicas - 1) == 0
+
+
+def test_the_eager_merge_holds_the_global_anchor_too():
+    """The eager merge keeps the global anchor G beside each replica's own (and the
+    momentum of G's optimizer where the outer optimizer has one): one more fp32 copy."""
+    from editrain.plan.inputs import ModelSpec
+    from editrain.plan.model import layout, memory_per_rank, model_shape
+
+    spec = ModelSpec(preset="tiny")
+    shape = model_shape(spec)
+    cluster = Cluster(nodes=2, gpus_per_node=1, inter_node_gbps=1.0, step_time_s=0.01)
+    for momentum, extra in ((None, 1), (True, 2)):
+        eager = MethodSpec(method="edit", H=8, overlap=8, eager=True, outer_momentum=momentum)
+        mem = memory_per_rank(shape, spec, eager, layout(cluster, eager)).parts
+        n = shape.params  # one GPU per replica
+        assert mem["global_anchor"] == 4 * n
+        assert sum(v for k, v in mem.items() if k.startswith("global_")) == extra * 4 * n

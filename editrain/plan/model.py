@@ -454,6 +454,11 @@ def memory_per_rank(shape: Shape, spec: ModelSpec, method: MethodSpec, lay: Layo
         outer["error_feedback"] = 4 * n
     if method.eager:
         outer["previous_delta"] = 4 * n
+        # The global anchor G, the same on every replica (docs/streaming.md 3c), and the
+        # momentum of its own outer optimizer where it has one.
+        outer["global_anchor"] = 4 * n
+        if method.outer_momentum:
+            outer["global_outer_momentum"] = 4 * n
     if method.local and (method.overlap or method.eager):
         delay = method.H if method.eager else method.overlap
         in_flight = min(method.fragments, math.floor(delay * method.fragments / method.H) + 1)
