@@ -36,6 +36,7 @@ _EXPORTS = {
     "init_mesh": "editrain.topology",
     "load_engine_state_dict": "editrain.api",
     "parallelize": "editrain.api",
+    "shutdown": "editrain.topology",
     "sync_config_from_reference": "editrain.api",
 }
 
@@ -56,6 +57,7 @@ __all__ = [
     "init_mesh",
     "load_engine_state_dict",
     "parallelize",
+    "shutdown",
     "sync_config_from_reference",
 ]
 
@@ -73,7 +75,7 @@ if TYPE_CHECKING:  # static analysers and IDEs see the real names
     from editrain.ddp import StatefulPostLocalSGDOptimizer
     from editrain.sync.config import GTAConfig, SyncConfig
     from editrain.sync.edit import EDiT, SyncEngine
-    from editrain.topology import MeshInfo, init_mesh
+    from editrain.topology import MeshInfo, init_mesh, shutdown
     from editrain.units import find_blocks
 
 

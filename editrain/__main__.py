@@ -2,6 +2,6 @@
 
 import sys
 
-from editrain.cli import main
+from editrain.entry import main
 
 sys.exit(main())

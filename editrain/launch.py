@@ -41,6 +41,7 @@ from editrain.spawn import (
     free_port,
     one_line,
     read_error_file,
+    stop_worker_server,
     worker_start_method,
 )
 
@@ -164,6 +165,11 @@ def run_local(cfg: Config) -> dict:
         lock.acquire()
     try:
         return _run_local(cfg, run_dir, lock)
+    except BaseException:
+        # Refused input, a failed job or Ctrl-C: the fork server may still be importing
+        # torch, and would outlive this process by seconds (spawn.stop_worker_server).
+        stop_worker_server()
+        raise
     finally:
         lock.release()
 

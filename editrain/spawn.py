@@ -378,6 +378,31 @@ the test suite's short runs (workers forked from the launcher: 3 s instead of 7 
 run), it hung 2 runs out of about 450 (workers waiting forever)."""
 
 
+def stop_worker_server() -> None:
+    """Stop :mod:`multiprocessing`'s fork server now, if this process started one.
+
+    A launcher starts the server as soon as it knows it will start workers, so that the
+    server imports torch and editrain while the launcher prepares the data
+    (:func:`editrain.launch.start_worker_server`). A launcher that then refuses its input
+    (a corpus too small, a checkpoint that does not fit) exits at once, but the server
+    only notices that once its imports are done: it outlived the launcher by 5 to 9 s.
+    Killed here instead, and reaped; its children, if any, are the launcher's workers,
+    which watch the launcher themselves (:func:`die_with_parent`). ``multiprocessing``
+    offers no public way to stop its server: this uses the fields its own ``_stop``
+    resets, and does nothing where a Python lacks them.
+    """
+    from multiprocessing import forkserver
+
+    server = getattr(forkserver, "_forkserver", None)
+    pid = getattr(server, "_forkserver_pid", None)
+    if pid is None or not hasattr(server, "_stop"):
+        return
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGKILL)
+    with contextlib.suppress(OSError):
+        server._stop()  # closes the alive pipe, reaps the server, removes its socket
+
+
 def worker_start_method() -> str:
     """How the launcher starts its workers: :data:`START_METHOD_ENV` if set, else
     ``forkserver`` where the platform has one, else ``spawn``.

@@ -305,6 +305,21 @@ def init_mesh(
     return MeshInfo(mesh=mesh, topo=topo, rank=rank, device=device)
 
 
+def shutdown() -> None:
+    """End the process group :func:`init_mesh` started, at the end of a training loop:
+    every rank waits for the others (a barrier), then destroys the default group, and with
+    it the mesh's groups. Call it on every rank after the engine has closed (the ``with
+    editrain.edit(...)`` block has ended, or ``engine.close()``), which destroys the
+    engine's own groups first: gloo aborts a process whose groups are left to the
+    interpreter's exit now and then (``terminate called without an active exception``).
+    Does nothing if no process group is initialised.
+    """
+    if not dist.is_initialized():
+        return
+    dist.barrier()
+    dist.destroy_process_group()
+
+
 def topology_of(mesh: DeviceMesh) -> Topology:
     """Topology of an existing ``("sync", "shard")``, ``("sync", "shard", "tp")`` or
     ``("sync", "pp", "shard", "tp")`` mesh, validating its dim names."""

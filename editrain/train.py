@@ -605,9 +605,10 @@ class Trainer:
         progress.start()
         return progress
 
-    def close(self) -> None:
-        """Release hooks, threads and files."""
-        self.engine.close()
+    def close(self, release: bool = True) -> None:
+        """Release hooks, threads and files; with ``release`` (every rank finished) also
+        the engine's process groups (:meth:`editrain.sync.edit.SyncEngine.close`)."""
+        self.engine.close(release=release)
         self.metrics.close()
         if self.ft_group is not None:
             self.ft_group.shutdown()
@@ -718,9 +719,14 @@ def run_worker(cfg: Config, run_dir: str | Path, data_entry: str | None = None
     with errors_logged(logs_dir(cfg, run_dir), int(os.environ.get("RANK", "0")),
                        int(os.environ.get("WORLD_SIZE", "1"))):
         trainer = Trainer(cfg, Path(run_dir), data_entry)
+        finished = False
         try:
-            return trainer.train()
+            result = trainer.train()
+            finished = True
+            return result
         finally:
-            trainer.close()
+            # Only a rank that finished waits for the others before its groups go: one that
+            # failed must exit, for the launcher to see it.
+            trainer.close(release=finished)
             if dist.is_initialized():
                 dist.destroy_process_group()

@@ -15,7 +15,6 @@ import argparse
 from collections.abc import Callable
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -138,10 +137,10 @@ def main() -> None:
     info = editrain.init_mesh(shard_size=args.shard_size)  # EDiT: ("sync", "shard") mesh
     torch.manual_seed(0)  # the same initial weights on every rank
     model = TinyLM(VOCAB, args.dim, args.layers, heads=4, seq_len=args.seq_len).to(info.device)
-    try:
-        train(model, info, args, logits_of=lambda m, x: m(x))
-    finally:
-        dist.destroy_process_group()
+    train(model, info, args, logits_of=lambda m, x: m(x))
+    # EDiT: every rank waits for the others, then the default group goes, after the
+    # engine's own groups (the engine closed them): no abort in gloo's teardown at exit.
+    editrain.shutdown()
 
 
 if __name__ == "__main__":

@@ -19,7 +19,6 @@ import argparse
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from custom_loop import VOCAB, TinyLM, markov_batch, parse_args  # examples/ is on sys.path
 from torch.nn.parallel import DistributedDataParallel
@@ -66,6 +65,7 @@ def train(info: editrain.MeshInfo, args: argparse.Namespace) -> None:
         if info.rank == 0:
             print(f"held-out loss {first:.4f} -> {last:.4f} after {engine.num_syncs} syncs",
                   flush=True)
+    engine.close()  # EDiT: stops its thread, destroys its own process groups
 
 
 def main() -> None:
@@ -76,10 +76,10 @@ def main() -> None:
     args = parse_args(rest)
     args.save = own.save
     info = editrain.init_mesh(shard_size=args.shard_size)  # EDiT: ("sync", "shard") mesh
-    try:
-        train(info, args)
-    finally:
-        dist.destroy_process_group()
+    train(info, args)
+    # EDiT: every rank waits for the others, then the default group goes, after the
+    # engine's own groups (the engine closed them): no abort in gloo's teardown at exit.
+    editrain.shutdown()
 
 
 if __name__ == "__main__":

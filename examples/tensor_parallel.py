@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 
 import torch
-import torch.distributed as dist
 from custom_loop import VOCAB, markov_batch, parse_args  # examples/ is on sys.path
 
 import editrain
@@ -59,6 +58,7 @@ def train(info: editrain.MeshInfo, args: argparse.Namespace) -> None:
     if info.rank == 0:
         print(f"held-out loss {first:.4f} -> {last:.4f} after {engine.num_syncs} syncs",
               flush=True)
+    engine.close()  # EDiT: stops its thread, destroys its own process groups
 
 
 def main() -> None:
@@ -69,10 +69,10 @@ def main() -> None:
     args = parse_args(["--shard-size", "1", *rest])
     # EDiT: the ("sync", "shard", "tp") mesh
     info = editrain.init_mesh(shard_size=args.shard_size, tp_size=own.tp_size)
-    try:
-        train(info, args)
-    finally:
-        dist.destroy_process_group()
+    train(info, args)
+    # EDiT: every rank waits for the others, then the default group goes, after the
+    # engine's own groups (the engine closed them): no abort in gloo's teardown at exit.
+    editrain.shutdown()
 
 
 if __name__ == "__main__":

@@ -72,6 +72,7 @@ from editrain.sync.setup import (
     check_replica_wrapper,
     comm_group_backend,
     private_groups,
+    release_groups,
     reshard,
 )
 from editrain.sync.state import StateLayout
@@ -171,6 +172,7 @@ class SyncEngine:
         # the start's check) is agreed over the whole replica, every stage.
         backend = comm_group_backend(comm_backend)
         self.groups = private_groups(self.topo, mesh, backend)
+        self._closed = False
         self.comm = CommPath(self.groups.sync, self.groups.replica, self.device, link_delay,
                              stage_on_host=backend == "gloo" and self.device.type != "cpu",
                              cross=cross_replica, agree_group=self.groups.agree)
@@ -249,8 +251,10 @@ class SyncEngine:
     def __enter__(self) -> SyncEngine:
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def __exit__(self, exc_type: object, *exc: object) -> None:
+        # After an exception the other ranks may never come to the barrier: stop the
+        # thread and the hooks only, and leave the groups to the process's end.
+        self.close(release=exc_type is None)
 
     @property
     def seed(self) -> int:
@@ -423,14 +427,23 @@ class SyncEngine:
         need = self.num_replicas if start_quorum is None else start_quorum
         return self.ft.join(need, timeout_s)
 
-    def close(self) -> None:
-        """Remove every hook and stop the communication thread."""
-        self._drain_round()
-        self._wait_inflight()
-        for h in self._handles:
-            h.remove()
-        self._handles.clear()
-        self.comm.close()
+    def close(self, release: bool = True) -> None:
+        """End the engine: finish the round in flight, remove every hook, stop the
+        communication thread and, with ``release``, destroy the process groups the engine
+        created, after a barrier on the default group (every rank must call it then; the
+        context manager does, unless the block raised). Destroy the default group after
+        this (:func:`editrain.shutdown`): groups left to the interpreter's exit make gloo
+        abort the process now and then. Calling it again does nothing more."""
+        if not self._closed:
+            self._closed = True
+            self._drain_round()
+            self._wait_inflight()
+            for h in self._handles:
+                h.remove()
+            self._handles.clear()
+            self.comm.close()
+        if release:
+            release_groups(self.groups)
 
     @property
     def replica_group(self) -> dist.ProcessGroup | None:

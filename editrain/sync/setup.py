@@ -8,7 +8,7 @@ checks here refuse layouts the layer-wise sync cannot serve, before any collecti
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -261,6 +261,9 @@ class Groups:
     """With pipeline stages only: a private group over the whole replica, every stage
     (communication thread: what every rank of a replica must decide alike, e.g. A-EDiT's
     elapsed time). None otherwise: :attr:`replica` is then the whole replica."""
+    own: list[dist.ProcessGroup] = field(default_factory=list)
+    """The groups above that the engine created (not the mesh's), which it destroys when it
+    closes (:meth:`editrain.sync.edit.SyncEngine.close`)."""
 
 
 def private_groups(topo: Topology, mesh: DeviceMesh, backend: str | None) -> Groups:
@@ -292,4 +295,22 @@ def private_groups(topo: Topology, mesh: DeviceMesh, backend: str | None) -> Gro
         main, _ = dist.new_subgroups_by_enumeration(replica_ranks)
     elif topo.shard_size > 1:
         main = mesh.get_group(SHARD_DIM)
-    return Groups(sync_group, replica_group, main, agree)
+    own = [g for g in (sync_group, replica_group, agree) if g is not None]
+    if topo.tp_size > 1 or topo.pp_size > 1:
+        own += [main] if main is not None else []
+    return Groups(sync_group, replica_group, main, agree, own)
+
+
+def release_groups(groups: Groups) -> None:
+    """Destroy the engine's own process groups, after every rank has reached this point
+    (a barrier on the default group), and before the default group is destroyed by whoever
+    created it. Left to the interpreter's exit instead, gloo's teardown of a group whose
+    peers are already gone aborts the process now and then ("terminate called without an
+    active exception", SIGABRT: a finished job reported as failed). Every rank calls it.
+    """
+    if not dist.is_initialized():
+        return
+    dist.barrier()
+    for g in groups.own:
+        dist.destroy_process_group(g)
+    groups.own.clear()

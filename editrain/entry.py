@@ -1,0 +1,46 @@
+"""The ``editrain`` console script and ``python -m editrain``: Ctrl-C handled from the start.
+
+Importing the command line imports torch, a second or more; a Ctrl-C in that time used to
+end in a KeyboardInterrupt traceback and a death by signal. :func:`main` installs its
+handler before anything heavy is imported (this module imports only the standard library's
+``os``, ``signal`` and ``sys``): a SIGINT while importing prints ``editrain: interrupted``
+and exits 130, as ``editrain train --help`` lists. Once the command line is imported, its
+own handling takes over (:func:`editrain.cli.main`: stop the workers, then 130).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+
+INTERRUPTED = 130
+"""Exit status of a command stopped by Ctrl-C (128 + SIGINT)."""
+
+
+def _interrupted_while_starting(signum: int, frame: object) -> None:
+    """SIGINT before the command line runs: nothing has started that needs stopping."""
+    try:
+        os.write(2, b"\neditrain: interrupted\n")
+    finally:
+        os._exit(INTERRUPTED)
+
+
+def main() -> int:
+    """Run ``editrain`` with SIGINT handled while the command line is imported."""
+    ignored = signal.getsignal(signal.SIGINT) is signal.SIG_IGN  # nohup, a background job
+    if not ignored:
+        signal.signal(signal.SIGINT, _interrupted_while_starting)
+    from editrain.cli import main as cli_main
+
+    if not ignored:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        return cli_main()
+    except KeyboardInterrupt:  # before the command's own handling began (argument parsing)
+        print("\neditrain: interrupted", file=sys.stderr)
+        return INTERRUPTED
+
+
+if __name__ == "__main__":
+    sys.exit(main())
