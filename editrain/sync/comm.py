@@ -185,7 +185,7 @@ class CommPath:
         self.ledger = WireLedger()
         """Cross-replica bytes by cause since the start (every collective counted here)."""
         self._sink: CommStats | None = None  # the running job's own counters (comm thread)
-        self._cause = "rounds"  # the running job's cause (comm thread)
+        self._cause = "control"  # the running job's cause (comm thread)
         self._thread_id: int | None = None  # the communication thread, once it has run a job
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="editrain-comm")
         self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
@@ -202,7 +202,7 @@ class CommPath:
 
     # ------------------------------------------------------------------ jobs
     def submit(self, fn: Callable[..., Any], *args: Any, stats: CommStats | None = None,
-               cause: str = "rounds") -> Future:
+               cause: str = "control") -> Future:
         """Queue ``fn(*args)`` behind every job submitted before it.
 
         Args:
@@ -210,7 +210,9 @@ class CommPath:
             *args: its arguments.
             stats: extra counters for this job's collectives (e.g. one sync round's), on
                 top of :attr:`stats`.
-            cause: what its cross-replica bytes count as in :attr:`ledger` (:data:`CAUSES`).
+            cause: what its cross-replica bytes count as in :attr:`ledger` (:data:`CAUSES`);
+                a job that names none counts as ``control``, never as a round's, so that a
+                new exchange shows up where only a few bytes per round are expected.
         """
         if cause not in CAUSES:
             raise ValueError(f"unknown cause {cause!r}; allowed: {', '.join(CAUSES)}")
@@ -227,9 +229,9 @@ class CommPath:
         try:
             return fn(*args)
         finally:
-            self._sink, self._cause = None, "rounds"
+            self._sink, self._cause = None, "control"
 
-    def run(self, fn: Callable[..., Any], *args: Any, cause: str = "rounds") -> Any:
+    def run(self, fn: Callable[..., Any], *args: Any, cause: str = "control") -> Any:
         """Queue ``fn(*args)`` and wait for its result (blocking)."""
         return self.submit(fn, *args, cause=cause).result()
 

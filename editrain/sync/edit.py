@@ -570,8 +570,8 @@ class SyncEngine:
                                               stats=rnd.comm, cause="control")
             rnd.stats = self.comm.submit(self.reduction.statistics, rnd, stats=rnd.comm,
                                          cause="statistics")
-        rnd.submitted = [self.comm.submit(self.reduction.unit_job, rnd, i, stats=rnd.comm)
-                         for i in range(len(units))]
+        rnd.submitted = [self.comm.submit(self.reduction.unit_job, rnd, i, stats=rnd.comm,
+                                          cause="rounds") for i in range(len(units))]
         self.inflight.append(rnd)
         return rnd
 
@@ -708,7 +708,8 @@ class SyncEngine:
         last = min(len(rnd.units), upto + self.config.prefetch_depth)
         while len(rnd.submitted) < last:
             rnd.submitted.append(self.comm.submit(self.reduction.unit_job, rnd,
-                                                  len(rnd.submitted), stats=rnd.comm))
+                                                  len(rnd.submitted), stats=rnd.comm,
+                                                  cause="rounds"))
         while rnd.waited < upto:
             t0 = time.perf_counter()
             with record_function("editrain::sync::wait"):

@@ -138,7 +138,8 @@ class FaultTolerantSchedule(BlockingSchedule):
         rnd, quorum, contribute, error = self._begin(contribute, units, fragment)
         try:
             if error is None:
-                self.engine.comm.run(self._jobs, rnd, contribute, elapsed, allow_skip)
+                self.engine.comm.run(self._jobs, rnd, contribute, elapsed, allow_skip,
+                                     cause="rounds")
             if start_quorum and len(rnd.members or []) < start_quorum:
                 error = (f"joining: waiting for {start_quorum} replicas in the quorum, "
                          f"{len(rnd.members or [])} present")
@@ -234,7 +235,8 @@ class FaultTolerantSchedule(BlockingSchedule):
                 for u in units:
                     eng.units[u].launch = eng.units[u].flat_params()
             rnd.quorum = quorum
-            rnd.rendezvous = eng.comm.submit(self._jobs, rnd, contribute, None, True)
+            rnd.rendezvous = eng.comm.submit(self._jobs, rnd, contribute, None, True,
+                                             cause="rounds")
             self.inflight = rnd
 
     def merge_inflight(self) -> None:
