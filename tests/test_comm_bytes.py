@@ -17,7 +17,7 @@ import pytest
 from editrain.metrics import read_metrics, read_rank_logs
 from tests.cli import run_cli
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]  # three trainings in one fixture
 
 SMALL = 4096
 """Bytes per round allowed for everything but the rounds (a few KB: the statistics gather

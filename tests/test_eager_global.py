@@ -20,7 +20,7 @@ from tests.reference import (
     topology_runs,
 )
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]  # one spawn of four runs
 
 TOL = 1e-5
 PEN_ON = dict(pseudo_gradnorm_reduce=True, weight_softmax_temperature=0.02, skip_anomaly=True,
