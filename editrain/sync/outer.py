@@ -489,6 +489,10 @@ class SyncUnit:
                 value = out.pop(key)
                 if torch.is_tensor(value) and value.dim() > 0:
                     out[f"replica.{key}"] = value
+                else:
+                    # A scalar of this replica's own outer state (e.g. Adam's step, which
+                    # G's optimizer counts apart): plain data, kept per rank.
+                    out[f"replica.{key}"] = _plain_scalar(value)
             assert self.consensus is not None
             out["anchor"] = self.consensus
             if self.consensus_outer is not None:
@@ -544,8 +548,8 @@ class SyncUnit:
         shared = {k[len("outer."):]: v for k, v in sd.items() if k.startswith("outer.")}
         outer = dict(shared)
         if own:
-            outer.update({k[len("replica.outer."):]: v for k, v in sd.items()
-                          if k.startswith("replica.outer.")})
+            outer.update({k[len("replica.outer."):]: _from_plain_scalar(v)
+                          for k, v in sd.items() if k.startswith("replica.outer.")})
         if not outer:
             return
         if self.outer is None:
@@ -575,3 +579,18 @@ def _apply_outer(anchor: torch.Tensor, outer: torch.optim.Optimizer | None,
     anchor.grad = reduced
     outer.step()
     anchor.grad = None
+
+
+def _plain_scalar(value: Any) -> Any:
+    """A scalar of an optimizer's state as JSON-able data: a 0-d tensor as its value and
+    dtype (:func:`_from_plain_scalar` restores it), a Python number as it is."""
+    if torch.is_tensor(value):
+        return {"scalar": value.item(), "dtype": str(value.dtype).removeprefix("torch.")}
+    return value
+
+
+def _from_plain_scalar(value: Any) -> Any:
+    """Inverse of :func:`_plain_scalar` (per-element tensors pass through)."""
+    if isinstance(value, dict) and set(value) == {"scalar", "dtype"}:
+        return torch.tensor(value["scalar"], dtype=getattr(torch, value["dtype"]))
+    return value
