@@ -463,3 +463,22 @@ def test_contradicting_list_entries_are_refused():
             load_config(None, overrides)
     load_config(None, {"sim": {"straggler": ["1=2@0-5", "1=3@5-10", "0=2"],
                                "corrupt_replica": ["1@2", "1@3"]}})
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_options_laid_over_every_method_keep_only_what_applies(method):
+    """The benchmarks lay one set of options over runs of every method: drop_inapplicable
+    keeps exactly the options that apply (the table above), so each run is accepted."""
+    from editrain.config.applicability import drop_inapplicable
+
+    raw = {"sync": {"method": method, "local_sgd_sync_interval": 4, "local_sgd_sync_time": 5.0,
+                    "ewma_warmup_steps": 3},
+           "dist": {"ft_timeout_s": 30.0}, "optim": {"momentum": 0.5},
+           "sim": {"fail_restart_s": 1.0}, "train": {"steps": 50}}
+    out = drop_inapplicable(raw)
+    assert raw["sync"]["local_sgd_sync_interval"] == 4  # the input is not changed
+    kept = {f"{s}.{k}" for s, v in out.items() for k in v}
+    given = {f"{s}.{k}" for s, v in raw.items() for k in v}
+    assert kept == {o for o in given if o in ("sync.method", "train.steps")
+                    or _expected(o, f"method={method}")}
+    load_config(None, out)

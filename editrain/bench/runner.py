@@ -32,6 +32,7 @@ from editrain.bench.results import FORMAT, clean_json, write_record
 from editrain.bench.runs import Run, read_run
 from editrain.bench.stats import finite
 from editrain.config import ConfigError, load_config
+from editrain.config.applicability import drop_inapplicable
 
 
 def child_env(threads: int | None = None) -> dict[str, str]:
@@ -157,8 +158,10 @@ class Bench:
     def options(self, *layers: dict[str, Any] | None,
                 last: dict[str, Any] | None = None) -> dict[str, Any]:
         """Base options, then the scenario's layers, then the user's overrides, then
-        ``last`` (options no user override may change, e.g. a solo run's topology)."""
-        return merge(self.base, *layers, self.user_overrides, last)
+        ``last`` (options no user override may change, e.g. a solo run's topology); an
+        option set for every run is left out of the runs whose method or mode it does not
+        apply to (``editrain train`` would refuse it there)."""
+        return drop_inapplicable(merge(self.base, *layers, self.user_overrides, last))
 
     def check(self, *layers: dict[str, Any] | None, last: dict[str, Any] | None = None) -> None:
         """Validate a run's options now (a typo must fail before the first run starts)."""

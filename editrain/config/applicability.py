@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import types
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -157,3 +158,33 @@ def check_applicable(cfg: Config) -> None:
         if node != _default(option) and not rule.test(cfg):
             require(False, option, f"applies only where {rule.where} (here "
                     f"{rule.now(cfg)}); leave it unset")
+
+
+def drop_inapplicable(raw: dict[str, Any]) -> dict[str, Any]:
+    """``raw`` (nested option dicts, as overrides) without the options that do not apply
+    to the settings it holds itself (defaults for what it leaves out): for callers that
+    lay one set of options over runs of several methods or modes, such as the benchmark
+    scenarios (a sync interval given to every method, A-EDiT's run included).
+
+    Args:
+        raw: ``{"sync": {...}, "dist": {...}, ...}``; not changed.
+
+    Returns:
+        A copy without the inapplicable options.
+    """
+    defaults = _defaults()
+    view = types.SimpleNamespace(**{
+        f.name: (types.SimpleNamespace(**{**{g.name: getattr(getattr(defaults, f.name), g.name)
+                                             for g in dataclasses.fields(getattr(defaults,
+                                                                                 f.name))},
+                                          **raw.get(f.name, {})})
+                 if f.name in SECTIONS else raw.get(f.name, getattr(defaults, f.name)))
+        for f in dataclasses.fields(Config)})
+    out = {k: dict(v) if isinstance(v, dict) and k in SECTIONS else v for k, v in raw.items()}
+    for option, rule in APPLIES.items():
+        section, _, key = option.partition(".")
+        if rule is ALWAYS or not key or key not in out.get(section, {}):
+            continue
+        if not rule.test(view):  # type: ignore[arg-type]
+            del out[section][key]
+    return out
