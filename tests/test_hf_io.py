@@ -295,14 +295,39 @@ def test_model_directory_as_tokenizer_takes_its_end_of_text(dirs, tmp_path):
 
 
 # ---------------------------------------------------------------------------- train, export
-def _train(dirs: dict, run: Path, init: Path, *extra: str) -> None:
-    cmd = ["train", "--model.init_from", str(init), "--nproc", "4", "--shard-size", "2",
-           "--steps", "4", "--quiet", "--data.path", str(dirs["corpus"]),
-           "--data.cache_dir", str(dirs["root"] / "cache"), "--data.val_tokens", "256",
-           "--train.seq_len", "32", "--train.batch_size", "4", "--train.eval_tokens", "256",
-           "--train.final_eval_tokens", "256", "--train.warmup_steps", "1",
-           "--sync.local_sgd_sync_interval", "2", "--checkpoint.export_final", "true",
-           "--run-dir", str(run), *extra]
+PROMPT = "Once upon a time"
+
+
+def readme_commands(paths: dict[str, Path]) -> list[list[str]]:
+    """The ``editrain`` commands of README's "From a pretrained model to a trained one",
+    each as its arguments, with README's paths replaced by ``paths``."""
+    import shlex
+
+    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    section = text.split("## From a pretrained model to a trained one", 1)[1]
+    block = section.split("```bash", 1)[1].split("```", 1)[0].replace("\\\n", " ")
+    commands = []
+    for line in block.splitlines():
+        line = line.split("#", 1)[0].strip()
+        if line.startswith("editrain "):
+            for old, new in paths.items():
+                line = line.replace(old, str(new))
+            commands.append(shlex.split(line))
+    assert [c[1] for c in commands] == ["train", "export", "sample"], commands
+    return commands
+
+
+def _train(dirs: dict, run: Path | None, init: Path | None, *extra: str, steps: int = 4
+           ) -> None:
+    """A tiny ``editrain train`` (run and init None: ``extra`` names them)."""
+    named = [] if run is None else ["--model.init_from", str(init), "--run-dir", str(run)]
+    cmd = ["train", *named, "--nproc", "4", "--shard-size", "2", "--data.path",
+           str(dirs["corpus"]), "--checkpoint.export_final", "true", *extra,
+           # the test size, after README's options (the last one given wins)
+           "--steps", str(steps), "--quiet", "--data.cache_dir", str(dirs["root"] / "cache"),
+           "--data.val_tokens", "256", "--train.seq_len", "32", "--train.batch_size", "4",
+           "--train.eval_tokens", "256", "--train.final_eval_tokens", "256",
+           "--train.warmup_steps", "1", "--sync.local_sgd_sync_interval", "2"]
     proc = run_cli(cmd, env=dict(os.environ, OMP_NUM_THREADS="1"), timeout=200)
     assert proc.returncode == 0, proc.stderr[-3000:]
 
@@ -314,9 +339,18 @@ def trained(dirs) -> dict[str, Path]:
     export must be the directory's weights bitwise (the round trip through the sharded
     load, the anchors and the checkpoint)."""
     root = dirs["root"]
-    runs = {"llama": root / "run_llama", "still": root / "run_still",
-            "still_qwen": root / "run_still_qwen"}
-    _train(dirs, runs["llama"], dirs["llama"])
+    runs: dict = {"llama": root / "run_llama", "still": root / "run_still",
+                  "still_qwen": root / "run_still_qwen"}
+    # README's commands, on the tiny directory: train (at test size), export, sample
+    train, export, sample = readme_commands({
+        "./my-llama": dirs["llama"], "./my_corpus.txt": dirs["corpus"],
+        "runs/ft-hf": runs["llama"] / "export", "runs/ft": runs["llama"]})
+    _train(dirs, None, None, *train[2:], "--checkpoint.export_final", "false")
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    for cmd in (export, sample):
+        proc = run_cli(cmd[1:], env=env, timeout=200)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    runs["readme_sample"] = proc.stdout
     for still, init in (("still", "llama"), ("still_qwen", "qwen")):
         _train(dirs, runs[still], dirs[init], "--train.lr", "1e-30",
                "--train.weight_decay", "0")
@@ -364,28 +398,41 @@ def test_round_trip_is_bitwise(trained, dirs, name):
         assert back[key] == data[key], key
 
 
+def _main(capsys, *argv: str) -> tuple[int, str, str]:
+    """``editrain ARGV`` in this process (export and sample start no workers): the exit code,
+    stdout and stderr."""
+    from editrain.cli import main
+
+    capsys.readouterr()
+    code = main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
 @pytest.mark.timeout(600)
-def test_export_and_sample_from_the_cli(trained, tmp_path):
+def test_export_and_sample_from_the_cli(trained, tmp_path, capsys):
     from editrain.hf_checkpoint import EXPORT_RECORD, export_checkpoint
     from editrain.sample import generate, load_for_sampling
 
     run = trained["llama"]
     out = tmp_path / "r1"
-    proc = run_cli(["export", str(run), str(out), "--replica", "1"])
-    assert proc.returncode == 0, proc.stderr
-    assert "(replica 1)" in proc.stdout and (out / EXPORT_RECORD).is_file()
-    again = run_cli(["export", str(run), str(out)])  # an earlier export may be replaced
-    assert again.returncode == 0, again.stderr
+    # README's export (into RUN_DIR/export, by the fixture) and sample ran as commands;
+    # the rest runs main() in this process: the same parsing, errors and exit codes
+    code, stdout, _ = _main(capsys, "export", run, out, "--replica", "1")
+    assert code == 0 and "(replica 1)" in stdout and (out / EXPORT_RECORD).is_file()
     (out / "mine.txt").write_text("user file")
-    assert run_cli(["export", str(run), str(out)]).returncode == 0
+    code, stdout, err = _main(capsys, "export", run, out)  # an earlier export is replaced
+    assert code == 0, err
+    assert "the global model" in (out / "README.md").read_text()
     assert (out / "mine.txt").read_text() == "user file"  # never deleted
     other = tmp_path / "other"
     other.mkdir()
     (other / "notes.txt").write_text("x")
-    bad = run_cli(["export", str(run), str(other)])
-    assert bad.returncode == 2 and "is not empty and is not an earlier export" in bad.stderr
-    bad = run_cli(["export", str(run), str(tmp_path / "r9"), "--replica", "9"])
-    assert bad.returncode == 2 and "holds no replica 9" in bad.stderr
+    code, _, err = _main(capsys, "export", run, other)
+    assert code == 2 and "is not empty and is not an earlier export" in err
+    assert sorted(p.name for p in other.iterdir()) == ["notes.txt"]
+    code, _, err = _main(capsys, "export", run, tmp_path / "r9", "--replica", "9")
+    assert code == 2 and "holds no replica 9" in err
     # several shards with their index: transformers reads them
     many = export_checkpoint(run, tmp_path / "many", max_shard_bytes=20_000)
     assert "model.safetensors.index.json" in many.files
@@ -393,22 +440,22 @@ def test_export_and_sample_from_the_cli(trained, tmp_path):
     with torch.no_grad():
         theirs = transformers.AutoModelForCausalLM.from_pretrained(many.out)(input_ids=x).logits
     torch.testing.assert_close(_global_logits(run, x), theirs, rtol=RTOL, atol=ATOL)
-    # sample: greedy is the argmax chain of the global model; the same from the export
-    proc = run_cli(["sample", str(run), "--prompt", "The of", "--max-new-tokens", "12"])
-    assert proc.returncode == 0, proc.stderr
+    # sample: greedy is the argmax chain of the global model, from the checkpoint and from
+    # the export alike
     loaded = load_for_sampling(run)
-    prompt = loaded.tokenizer.encode("The of").ids
+    prompt = loaded.tokenizer.encode(PROMPT).ids
     new = generate(loaded.model, prompt, 12, eos_id=loaded.eos_id, max_len=loaded.max_len)
-    assert proc.stdout == "The of" + loaded.tokenizer.decode(new) + "\n"
-    from_dir = run_cli(["sample", str(run / "export"), "--prompt", "The of",
-                        "--max-new-tokens", "12"])
-    assert from_dir.returncode == 0 and from_dir.stdout == proc.stdout
-    hot = ["sample", str(run), "--prompt", "The of", "--max-new-tokens", "12",
+    greedy = PROMPT + loaded.tokenizer.decode(new) + "\n"
+    code, stdout, err = _main(capsys, "sample", run, "--prompt", PROMPT,
+                              "--max-new-tokens", "12")
+    assert code == 0 and stdout == greedy, err
+    assert trained["readme_sample"].startswith(PROMPT)  # README's command, from the export
+    hot = ["sample", run / "export", "--prompt", PROMPT, "--max-new-tokens", "12",
            "--temperature", "1.5", "--top-k", "20", "--seed", "3"]
-    a, b = run_cli(hot), run_cli(hot)
-    assert a.returncode == 0 and a.stdout == b.stdout  # seeded
-    bad = run_cli(["sample", str(run), "--prompt", "x", "--temperature", "-1"])
-    assert bad.returncode == 2 and "--temperature: must be >= 0" in bad.stderr
+    first, again = _main(capsys, *hot), _main(capsys, *hot)
+    assert first[0] == 0 and first[1] == again[1]  # seeded
+    code, _, err = _main(capsys, "sample", run, "--prompt", "x", "--temperature", "-1")
+    assert code == 2 and "--temperature: must be >= 0" in err
 
 
 def test_top_k_one_is_greedy_and_generation_stops_at_eos():
@@ -434,7 +481,7 @@ def test_resume_restores_the_run_not_the_directory(trained, dirs):
     run's, not the directory's (init_from seeds step 0 only)."""
     run = trained["llama"]
     cont = dirs["root"] / "run_cont"
-    _train(dirs, cont, dirs["llama"], "--resume", str(run), "--steps", "6")
+    _train(dirs, cont, dirs["llama"], "--resume", str(run), steps=6)
     summary = json.loads((cont / "summary.json").read_text())
     assert summary["steps"] == 6
     rows = [json.loads(line) for line in (cont / "metrics.jsonl").read_text().splitlines()]

@@ -51,6 +51,16 @@ _OWN_LAYER = re.compile(r"layers\.(\d+)\.(.+)")
 _HF_LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
 
 
+def _rename(name: str, top: dict[str, str], layer: re.Pattern[str], block: dict[str, str],
+            form: str, refusal: str) -> str:
+    if name in top:
+        return top[name]
+    m = layer.fullmatch(name)
+    if m is None or m.group(2) not in block:
+        raise KeyError(refusal.format(name))
+    return form.format(m.group(1), block[m.group(2)])
+
+
 def to_hf_name(name: str) -> str:
     """The ``LlamaForCausalLM`` name of one of editrain's Llama parameters.
 
@@ -61,12 +71,8 @@ def to_hf_name(name: str) -> str:
     Raises:
         KeyError: not a parameter name of the Llama.
     """
-    if name in _TOP:
-        return _TOP[name]
-    m = _OWN_LAYER.fullmatch(name)
-    if m is None or m.group(2) not in _BLOCK:
-        raise KeyError(f"not a parameter of editrain's Llama: {name!r}")
-    return f"model.layers.{m.group(1)}.{_BLOCK[m.group(2)]}"
+    return _rename(name, _TOP, _OWN_LAYER, _BLOCK, "model.layers.{}.{}",
+                   "not a parameter of editrain's Llama: {!r}")
 
 
 def from_hf_name(name: str) -> str:
@@ -76,12 +82,8 @@ def from_hf_name(name: str) -> str:
     Raises:
         KeyError: a name the Llama has no parameter for (e.g. a bias).
     """
-    if name in _TOP_BACK:
-        return _TOP_BACK[name]
-    m = _HF_LAYER.fullmatch(name)
-    if m is None or m.group(2) not in _BLOCK_BACK:
-        raise KeyError(f"no parameter of editrain's Llama is named {name!r} in Hugging Face")
-    return f"layers.{m.group(1)}.{_BLOCK_BACK[m.group(2)]}"
+    return _rename(name, _TOP_BACK, _HF_LAYER, _BLOCK_BACK, "layers.{}.{}",
+                   "no parameter of editrain's Llama is named {!r} in Hugging Face")
 
 
 def is_llama_config(data: dict[str, Any]) -> bool:
