@@ -37,6 +37,12 @@ def equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], names=None) ->
 
 
 def diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], names=None) -> float:
+    """The largest absolute difference of two models' parameters. They are of order 1 and
+    below (norm weights 1, the rest at std 0.02), so the bounds used with it are absolute
+    (tests/README.md class 3): 1e-6, 8 float32 ulps at 1, where two runs are the same
+    arithmetic but for a few roundings (a round that moves nothing, an eager launch that is
+    the blocking round); 1e-5 where one side adds and takes back a term at every merge; a
+    different trajectory moves them by 1e-4 and more (each test checks that too)."""
     return max(float((a[n] - b[n]).abs().max()) for n in (a if names is None else names))
 
 
@@ -245,7 +251,9 @@ def test_error_feedback_telescopes():
         sent += d.double()
         total += delta.double()
         e = e_new
-    # exact in real arithmetic; fp32 rounding of x = delta + e and x - D(c) only
+    # exact in real arithmetic; fp32 rounding of x = delta + e and x - D(c) only: two
+    # roundings a round of values up to about 4 (ulp 4.8e-7), at most 8e-6 in 8 rounds,
+    # where 1e-4 leaves room and the run without feedback is 100 times further (below)
     err = (sent - (total - e.double())).abs().max()
     assert float(err) < 1e-4
     # without error feedback the quantisation errors pile up instead
