@@ -171,6 +171,7 @@ def loaded(dirs) -> list[list[dict]]:
     return run_ranks(load_worker, 4, {n: str(dirs[n]) for n in names}, tokens())
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("case", range(len(MESHES)),
                          ids=[f"{n}-{s}x{t}tp-{p}pp" for n, s, t, p in MESHES])
@@ -364,6 +365,7 @@ def _global_logits(run: Path, x: torch.Tensor) -> torch.Tensor:
         return load_for_sampling(run).model(x)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("name", ["llama", "still_qwen"])
 def test_trained_export_loads_in_transformers_with_equal_logits(trained, dirs, name):
@@ -383,6 +385,7 @@ def test_trained_export_loads_in_transformers_with_equal_logits(trained, dirs, n
     assert "method: edit" in readme and "step: 4" in readme and "anchors" in readme
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("name", ["llama", "qwen"])
 def test_round_trip_is_bitwise(trained, dirs, name):
@@ -409,6 +412,7 @@ def _main(capsys, *argv: str) -> tuple[int, str, str]:
     return code, out, err
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_export_and_sample_from_the_cli(trained, tmp_path, capsys):
     from editrain.hf_checkpoint import EXPORT_RECORD, export_checkpoint
@@ -475,6 +479,7 @@ def test_top_k_one_is_greedy_and_generation_stops_at_eos():
         generate(Fixed(), [], 3)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_resume_restores_the_run_not_the_directory(trained, dirs):
     """--resume of an init_from run continues from its checkpoint: the weights are the
@@ -486,3 +491,19 @@ def test_resume_restores_the_run_not_the_directory(trained, dirs):
     assert summary["steps"] == 6
     rows = [json.loads(line) for line in (cont / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows if "loss" in r and not r.get("replayed")][:1] == [5]
+
+
+def test_a_trained_bpe_is_exported_as_a_tokenizer_transformers_reads(dirs, tmp_path):
+    """A run without a model directory's tokenizer trains a BPE: RUN_DIR/tokenizer gets a
+    tokenizer_config.json naming its end-of-text token, which AutoTokenizer reads."""
+    from editrain.data.tokenizer import train_bpe_tokenizer
+    from editrain.hf_checkpoint import save_run_tokenizer
+
+    tok = train_bpe_tokenizer(dirs["corpus"].read_text().splitlines(), 300)
+    tok.save(str(tmp_path / "tokenizer.json"))
+    out = save_run_tokenizer(tmp_path / "run", tmp_path / "tokenizer.json")
+    loaded = transformers.AutoTokenizer.from_pretrained(out)
+    assert loaded.eos_token == EOT and loaded.eos_token_id == tok.token_to_id(EOT)
+    text = "The of and to in is that."
+    assert loaded(text).input_ids == tok.encode(text).ids
+    assert loaded.decode(tok.encode(text).ids) == text
