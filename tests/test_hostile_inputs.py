@@ -454,15 +454,23 @@ def test_straggler_entries_are_checked_against_each_other(replica, a, b, c, d, o
         assert clash and str(e).startswith("sim.straggler") and specs[0] in str(e), e
 
 
-def test_contradicting_list_entries_are_refused():
+def test_contradicting_list_entries_are_refused(tmp_path):
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "a.txt").write_text("some text\n")
+    (tmp_path / "b.txt").write_text("more text\n")
     for overrides, option in (
             ({"sim": {"straggler": ["1=2", "1=3@5-10"]}}, "sim.straggler"),
             ({"sim": {"corrupt_replica": ["1@2", "0@2"]}}, "sim.corrupt_replica"),
-            ({"data": {"path": ["default", "default"]}}, "data.path[1]")):
+            ({"data": {"path": ["default", "default"]}}, "data.path[1]"),
+            ({"data": {"path": [str(corpus), str(corpus / "a.txt")]}}, "data.path[1]"),
+            ({"data": {"path": [str(tmp_path / "b.txt"), str(corpus / ".." / "b.txt")]}},
+             "data.path[1]")):
         with pytest.raises(ConfigError, match=rf"^{option.replace('[', '[[]')}"):
             load_config(None, overrides)
     load_config(None, {"sim": {"straggler": ["1=2@0-5", "1=3@5-10", "0=2"],
-                               "corrupt_replica": ["1@2", "1@3"]}})
+                               "corrupt_replica": ["1@2", "1@3"]},
+                       "data": {"path": [str(corpus), str(tmp_path / "b.txt")]}})
 
 
 @pytest.mark.parametrize("method", METHODS)

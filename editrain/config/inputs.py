@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 from typing import Any
 
 from editrain.config.schema import Config
@@ -73,8 +74,8 @@ def check_text_options(cfg: Config) -> None:
 def check_list_options(cfg: Config) -> None:
     """Entries of one list option that contradict each other are refused: a replica slowed
     twice over the same steps (``sim.straggler``), a sync corrupted twice
-    (``sim.corrupt_replica``: one replica per sync), a ``data.path`` source listed twice
-    (its documents would be read twice, into both splits' choice).
+    (``sim.corrupt_replica``: one replica per sync), a ``data.path`` source listed twice,
+    or a file inside a directory also listed (its documents would be read twice).
 
     Raises:
         ConfigError: naming the option and both entries.
@@ -99,11 +100,25 @@ def check_list_options(cfg: Config) -> None:
                 f"replica per sync")
         seen[sync] = spec
     if isinstance(cfg.data.path, list):
-        firsts: dict[str, int] = {}
+        seen: list[tuple[int, str, Path | None]] = []
         for i, entry in enumerate(cfg.data.path):
-            require(entry not in firsts, f"data.path[{i}]",
-                    f"{shown(entry)} is listed twice (also data.path[{firsts.get(entry)}])")
-            firsts[entry] = i
+            here = _on_disk(entry)
+            for j, other, there in seen:
+                same = entry == other or (here is not None and there is not None and (
+                    here == there or here.is_relative_to(there) or there.is_relative_to(here)))
+                require(not same, f"data.path[{i}]",
+                        f"{shown(entry)} reads documents data.path[{j}] ({shown(other)}) "
+                        f"reads too: each document would be read twice")
+            seen.append((i, entry, here))
+
+
+def _on_disk(entry: str) -> Path | None:
+    """A ``data.path`` entry that names a file or directory, resolved (links followed);
+    None for ``default``, ``hf:`` specs, globs and what does not exist."""
+    if entry == "default" or entry.startswith("hf:") or any(c in entry for c in "*?["):
+        return None
+    path = Path(entry.split("@")[0]).expanduser()
+    return path.resolve() if path.exists() else None
 
 
 def check_path_options(cfg: Config, skip: tuple[str, ...] = ()) -> None:
