@@ -218,6 +218,8 @@ def validate(cfg: Config) -> None:
         require(1 <= fail[1] <= t.steps, "sim.fail",
                 f"step {fail[1]} never comes: STEP must be in [1, train.steps = {t.steps}] "
                 f"(the worker dies after that step), got {cfg.sim.fail!r}")
+    if cfg.model.init_from is not None:  # first: the checks below read its config.json
+        _check_init_from(cfg)
     if cfg.dist.tp_size > 1:
         q, kv = heads(cfg)
         require(q % cfg.dist.tp_size == 0 and kv % cfg.dist.tp_size == 0, "dist.tp_size",
@@ -232,8 +234,6 @@ def validate(cfg: Config) -> None:
     if cfg.dist.fault_tolerance == "torchft":
         with as_config_error():
             check_fault_tolerant(s.resolve(), 1)
-    if cfg.model.init_from is not None:
-        _check_init_from(cfg)
     if hf_source(cfg) is not None:
         _check_hf(cfg)
     else:
