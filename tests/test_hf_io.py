@@ -264,6 +264,19 @@ def test_bad_directories_are_refused_in_one_line(dirs, tmp_path):
         load_config(overrides={"model": {"init_from": str(dirs["llama"]), "dim": 64}})
 
 
+def test_the_command_refuses_before_launch(dirs, tmp_path, capsys):
+    """editrain train with a pickle-only directory: exit 2, one line, no run directory."""
+    pickled = tmp_path / "pickled"
+    pickled.mkdir()
+    (pickled / "config.json").write_text(json.dumps(read_config(dirs["llama"])))
+    (pickled / "pytorch_model.bin").write_bytes(b"\x80\x04never unpickled")
+    run = tmp_path / "run"
+    code, _, err = _main(capsys, "train", "--model.init_from", pickled, "--run-dir", run)
+    assert code == 2 and err.count("\n") == 1
+    assert err.startswith("editrain: error: model.init_from: ") and "pickle" in err
+    assert not run.exists()
+
+
 def test_the_weights_are_inspected_without_reading_them(dirs):
     weights = inspect_weights(dirs["llama_sharded"])
     assert len(weights.files) > 1 and len(weights.tensors) == 21
