@@ -355,7 +355,7 @@ def bad_input_cases(tmp: Path) -> dict[str, tuple[list[str], list[str]]]:
     (tmp / "blank.txt").write_text("\n\n   \n")
     (tmp / "short.txt").write_text("just a few words")
     (tmp / "emptydir").mkdir()
-    (tmp / "weights.bin").write_bytes(b"\x00\x01")
+    (tmp / "weights.pt").write_bytes(b"\x00\x01")  # (.bin: a pre-tokenised corpus)
     return {
         "unknown_key": (["--train.bogus", "3"], ["train.bogus", "steps", "lr"]),
         "unknown_section": (["--trian.steps", "3"], ["trian", "train"]),
@@ -401,7 +401,7 @@ def bad_input_cases(tmp: Path) -> dict[str, tuple[list[str], list[str]]]:
         "cuda": (["--dist.device=cuda"], ["dist.device=cuda", "CUDA", "has 0"]),
         "comm_backend": (["--dist.comm_backend=mpi"], ["dist.comm_backend", "gloo, nccl"]),
         # data sources
-        "data_extension": (["--data.path", str(tmp / "weights.bin")],
+        "data_extension": (["--data.path", str(tmp / "weights.pt")],
                            ["data.path", "not a supported source", ".txt", "hf:NAME"]),
         "data_glob": (["--data.path", str(tmp / "*.nothing")],
                       ["data.path", "matches no file"]),

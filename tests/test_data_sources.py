@@ -309,7 +309,8 @@ def test_check_data_options_messages(tmp_path, monkeypatch):
         ((str(tmp_path / "missing.txt"), "text", "append"), "data.path: ", ["missing.txt",
                                                                              "does not exist"]),
         ((str(tmp_path / "*.md"), "text", "append"), "data.path: ", ["*.md", "matches no"]),
-        ((str(_write(tmp_path / "x.bin")), "text", "append"), "data.path: ", ["x.bin",
+        # (.bin is a pre-tokenised corpus now: tests/test_data_scale.py)
+        ((str(_write(tmp_path / "x.dat")), "text", "append"), "data.path: ", ["x.dat",
                                                                                  ".parquet"]),
         (("hf:", "text", "append"), "data.path: ", ["hf:NAME"]),
         (([], "text", "append"), "data.path: ", ["empty"]),
