@@ -27,51 +27,21 @@ from editrain.config import (
     toml_value,
     validate_world,
 )
-from editrain.sync.config import METHODS
-from editrain.sync.methods import METHOD_DEFAULTS
+from editrain.sync.config import METHODS, GTAConfig
+from editrain.sync.methods import METHOD_DEFAULTS, SYNC_OPTION_METHODS
 
 DEFAULT_OUT = Path(__file__).resolve().parents[1] / "docs" / "configuration.md"
 
-_LOCAL_SGD = ("post_local_sgd", "diloco", "edit", "aedit")
 USED_BY: dict[str, tuple[str, ...]] = {
-    "sync.local_sgd_sync_interval": ("post_local_sgd", "diloco", "edit"),
-    "sync.local_sgd_warmup_steps": _LOCAL_SGD,
-    "sync.outer_optim_class": _LOCAL_SGD,
-    "sync.outer_optim_kwargs": _LOCAL_SGD,
-    "sync.cpu_offload": _LOCAL_SGD,
-    "sync.prefetch_depth": ("edit", "aedit"),
-    "sync.layerwise": _LOCAL_SGD,
-    "sync.clip_pseudo_grad": _LOCAL_SGD,
-    "sync.pseudo_gradnorm_reduce": _LOCAL_SGD,
-    "sync.weight_softmax_temperature": _LOCAL_SGD,
-    "sync.skip_anomaly": _LOCAL_SGD,
-    "sync.ewma_alpha": _LOCAL_SGD,
-    "sync.ewma_warmup_steps": _LOCAL_SGD,
-    "sync.ewma_threshold": _LOCAL_SGD,
-    "sync.local_sgd_sync_time": ("aedit",),
-    "sync.min_total_global_steps": ("aedit",),
-    "sync.use_step_weight": ("aedit",),
-    "sync.step_weight_ratio": ("aedit",),
-    "sync.gta.reducer": _LOCAL_SGD,
-    "sync.gta.consensus_method": _LOCAL_SGD,
-    "sync.gta.sparsification_method": _LOCAL_SGD,
-    "sync.gta.normalize": _LOCAL_SGD,
-    "sync.gta.density": _LOCAL_SGD,
-    "sync.gta.int8_mask": _LOCAL_SGD,
-    "sync.overlap_steps": _LOCAL_SGD,
-    "sync.fragments": ("post_local_sgd", "diloco", "edit"),
-    "sync.merge": _LOCAL_SGD,
-    "sync.merge_alpha": _LOCAL_SGD,
-    "sync.comm_dtype": _LOCAL_SGD,
-    "sync.error_feedback": _LOCAL_SGD,
-    "sync.error_decay": _LOCAL_SGD,
-    "sync.topk_chunk": _LOCAL_SGD,
-    "sync.topk_k": _LOCAL_SGD,
-    "sync.split_root": _LOCAL_SGD,
-    "sim.step_schedule": ("aedit",),
+    **{f"sync.{k}": v for k, v in SYNC_OPTION_METHODS.items() if k not in ("method", "gta")},
+    **{f"sync.gta.{f.name}": SYNC_OPTION_METHODS["gta"] for f in dataclasses.fields(GTAConfig)},
+    "sim.step_schedule": SYNC_OPTION_METHODS["local_sgd_sync_time"],
+    "sim.corrupt_replica": SYNC_OPTION_METHODS["gta"],
 }
-"""Options that only some methods read; every other option applies to all methods. Each
-``sync.*`` option other than ``sync.method`` must be listed (a test checks it)."""
+"""The methods that read each ``sync.*`` option (but ``sync.method``) and each method-bound
+option of another section: the applicability table's
+(:mod:`editrain.config.applicability`, which refuses such an option set under another
+method), so the reference and the checks cannot disagree."""
 
 
 def used_by(option: str) -> tuple[str, ...]:
@@ -218,7 +188,16 @@ def render_configuration() -> str:
               "`sync.fragments` is at most the model's sync units; `sim.fail` names an existing",
               "data rank and a step of the run; `dist.backend=nccl`, `dist.device=cuda` and",
               "`dist.comm_backend=nccl` need one CUDA device per local process; `data.path`",
-              "entries must exist, globs must match and files must be of a supported kind. Once",
+              "entries must exist, globs must match and files must be of a supported kind.",
+              "An option set away from its default where it does nothing is refused, naming",
+              "where it applies (the *methods* column; also `optim.momentum` without",
+              "`optim.name = sgd`, `dist.ft_*` without `--ft`, `dist.pp_*` without stages:",
+              "`editrain/config/applicability.py`); so are list entries that contradict each",
+              "other (one replica slowed twice over the same steps, one sync corrupted twice,",
+              "one source listed twice). Every path option is checked on the file system (a",
+              "`--run-dir` that is a file, `/dev/null`, under a file or not writable is refused)",
+              "and may hold no control characters; any other string is written back to",
+              "`config.toml` escaped, and reads back equal. Once",
               "the corpus is tokenised (still before any worker starts), `train.batch_size` must",
               "be at most the windows of one data rank's share of the corpus, and a reused",
               "token cache file must hold no token id beyond the vocabulary. Examples",
