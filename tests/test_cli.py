@@ -214,7 +214,10 @@ def test_train_end_to_end(edit_run, cache_dir):
     # replica's ranks, which read different data; no cross-replica reduction per step.
     ranks = read_rank_logs(run_dir)
     assert sorted(ranks) == [0, 1, 2, 3]
-    for rank, rank_rows in ranks.items():
+    for rank, rows_and_events in ranks.items():
+        # the last row is the rank's cross-replica bytes by cause, an event row
+        assert rows_and_events[-1]["event"] == "cross_replica_bytes"
+        rank_rows = [r for r in rows_and_events if "event" not in r]
         assert [r["step"] for r in rank_rows] == list(range(1, 41))
         assert {r["replica"] for r in rank_rows} == {rank // 2}
     for r in train_rows:

@@ -255,7 +255,7 @@ def record_run_dir(run: Path, drop: tuple[str, ...] = ()) -> dict[str, Any]:
     ranks = {}
     for path in sorted((run / "ranks").glob("rank*.jsonl")):
         ranks[path.stem] = [_untimed({k: v for k, v in r.items() if k != "unix_time"})
-                            for r in _jsonl(path)]
+                            for r in _jsonl(path) if "event" not in r]
     ckpt = list_checkpoints(run)[-1]
     summary = json.loads((run / "summary.json").read_text())
     return {"steps": steps, "syncs": syncs, "ranks": ranks,

@@ -176,11 +176,13 @@ def _ft_numbers(run: Run, fail_at: int | None, interval: int) -> dict[str, Any]:
 
 
 def _rank_logs(run: Run) -> list[list[dict[str, Any]]]:
-    """Every rank's step rows in file order (both attempts), from either layout."""
+    """Every rank's step rows in file order (both attempts), from either layout; event rows
+    (the bytes by cause at the end of a rank's log) left out."""
     paths = sorted(run.run_dir.glob("replica*/ranks/rank*.jsonl")) or \
         sorted(run.run_dir.glob("ranks/rank*.jsonl"))
-    return [[json.loads(line) for line in p.read_text().splitlines() if line.strip()]
+    rows = [[json.loads(line) for line in p.read_text().splitlines() if line.strip()]
             for p in paths]
+    return [[r for r in rank if "event" not in r] for rank in rows]
 
 
 def _useful_rows(rows: list[dict[str, Any]], cutoff: int) -> list[dict[str, Any]]:
