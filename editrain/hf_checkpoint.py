@@ -229,8 +229,9 @@ def _hf_tensors(tensors: Mapping[str, torch.Tensor], llama: bool, config: Mappin
     out = {}
     for name, t in tensors.items():
         out[name[3:] if name.startswith("hf.") else to_hf_name(name)] = t.contiguous()
-    if not llama and config.get("tie_word_embeddings", True):
-        # A tied head is the embedding; save_pretrained writes it once.
+    if not llama and config.get("tie_word_embeddings") is True:
+        # A tied head is the embedding; save_pretrained writes it once. (Where the config
+        # does not say, the head is kept: a tied model reads it as the same tensor.)
         out.pop("lm_head.weight", None)
     return out
 
