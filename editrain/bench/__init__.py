@@ -128,6 +128,7 @@ def run_scenario(name: str, quick: bool = False, out_dir: str | None = None,
     if name == "report":
         from editrain.bench.report import (
             check_readme,
+            scenario_dirs,
             write_benchmarks_md,
             write_readme_headline,
         )
@@ -135,12 +136,7 @@ def run_scenario(name: str, quick: bool = False, out_dir: str | None = None,
         check_path("bench report --path", flags.get("path", "docs/benchmarks.md"), "out_file")
         if flags.get("readme"):
             check_path("bench report --readme", flags["readme"], "in_file")
-        # Each scenario's directory, then its extra runs (``<scenario>-<label>``, e.g. a
-        # quick convergence run of more variants beside the full one).
-        dirs = []
-        for s in SCENARIOS:
-            dirs += [d for d in [root / s, *sorted(root.glob(f"{s}-*"))]
-                     if (d / "results.json").is_file()]
+        dirs = scenario_dirs(root, SCENARIOS)
         if not dirs:
             raise ConfigError(f"bench report: no results.json under {root}/<scenario>/; run "
                               "`editrain bench all` (or single scenarios) first")
@@ -150,8 +146,8 @@ def run_scenario(name: str, quick: bool = False, out_dir: str | None = None,
         print(f"wrote {path} from {len(dirs)} scenario(s)")
         out_report: dict[str, Any] = {"path": str(path)}
         if flags.get("readme"):
-            sentence = write_readme_headline(flags["readme"], dirs)
-            print(f"wrote the headline of {flags['readme']}: {sentence}")
+            write_readme_headline(flags["readme"], dirs)
+            print(f"wrote the headline table of {flags['readme']}")
             out_report["readme"] = flags["readme"]
         return out_report
     if name == "all":
