@@ -27,7 +27,7 @@ from editrain.config import ConfigError
 
 HEADLINE_START = "<!-- bench-headline -->"
 HEADLINE_END = "<!-- /bench-headline -->"
-"""The markers around the README's generated headline sentence."""
+"""The markers around the README's generated headline (table and plots)."""
 
 _IMAGE = re.compile(r"!\[([^\]]*)\]\(([^)]+)\)")
 
