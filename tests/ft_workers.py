@@ -44,7 +44,7 @@ def ft_rank(rank: int, S: int, case: dict[str, Any], replica: int, R: int, light
     def link(nbytes: int) -> float:
         """Called before every cross-replica message: kills the group inside a sync."""
         if in_sync and attempt == 0 and replica == in_sync[0] \
-                and engine._next_index == in_sync[1]:
+                and engine.counters.next_index == in_sync[1]:
             messages.append(nbytes)
             if len(messages) == in_sync[2]:
                 os._exit(17)

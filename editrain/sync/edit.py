@@ -30,58 +30,67 @@ pseudo-gradients are gathered and summed in fp32, with error feedback.
 
 The engine is a coordinator: the units and groups come from :mod:`editrain.sync.setup`, a
 schedule object decides when rounds start and merge (:mod:`editrain.sync.schedules`; the
-fault-tolerant mode's in :mod:`editrain.sync.ft_round`), every round is a
+fault-tolerant mode's in :mod:`editrain.sync.ft_round`) and sees the engine only through
+an :class:`~editrain.sync.view.EngineView`, the round slots and every round's start and
+close are :mod:`editrain.sync.rounds`, every round is a
 :class:`~editrain.sync.round.SyncRound` whose jobs run the one reduction of
-:mod:`editrain.sync.reduction`, and A-EDiT's clock and rendezvous are
-:mod:`editrain.sync.clock`. The engine keeps the round slots (armed, running, in flight,
-due for merge), the forward hooks that drive them, and the counters.
+:mod:`editrain.sync.reduction`, A-EDiT's clock and rendezvous are
+:mod:`editrain.sync.clock`, the anchors as one model (consensus check, evaluation swap)
+are :mod:`editrain.sync.global_model`, the warm-up's gradient averaging
+:mod:`editrain.sync.warmup` and the loss tracking :mod:`editrain.sync.losses`. The engine
+keeps the forward hooks that drive the rounds, and the counters.
 
 The engine owns all of its state: ``state_dict()`` / ``load_state_dict()`` give and take it
-as a DCP-ready tree whose layout lives in :mod:`editrain.sync.state`.
+as a DCP-ready tree whose layout lives in :mod:`editrain.sync.state` (the per-rank plain
+part in :mod:`editrain.sync.plain_state`).
 """
 
 from __future__ import annotations
 
 import contextlib
-import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.autograd.profiler import record_function
 from torch.distributed.device_mesh import DeviceMesh
 
 from editrain.sync.clock import SyncClock
 from editrain.sync.comm import CommPath, LinkDelay
 from editrain.sync.config import SyncConfig
 from editrain.sync.ft_round import FaultTolerantSchedule
+from editrain.sync.global_model import GlobalModel
+from editrain.sync.losses import LossTracker
+from editrain.sync.plain_state import PlainState
 from editrain.sync.progress import Progress
 from editrain.sync.reduction import Reduction
-from editrain.sync.round import SyncRound
-from editrain.sync.schedules import (
-    BlockingSchedule,
-    NonBlockingSchedule,
-    Schedule,
-    StreamingSchedule,
-)
+from editrain.sync.rounds import Rounds
+from editrain.sync.schedules import NonBlockingSchedule, Schedule, plain_schedule
 from editrain.sync.setup import (
     build_units,
     check_fault_tolerant,
     check_replica_wrapper,
     comm_group_backend,
+    default_trigger,
     private_groups,
     release_groups,
     reshard,
 )
 from editrain.sync.state import StateLayout
-from editrain.sync.triggers import IntervalTrigger, SyncTrigger, TimeTrigger
+from editrain.sync.triggers import SyncTrigger
+from editrain.sync.view import Counters, EngineView
+from editrain.sync.warmup import GradientAveraging
 from editrain.topology import topology_of
 from editrain.units import unwrap_ddp
 
 BeforeSyncHook = Callable[[int], None]
 """Called on every rank, in the main thread, just before sync number ``n`` starts."""
+
+
+def _part(part: str, name: str, doc: str) -> property:
+    """A read-only engine attribute that is ``name`` of one of its parts (e.g. a counter)."""
+    return property(lambda self: getattr(getattr(self, part), name), doc=doc)
 
 
 class SyncEngine:
@@ -178,64 +187,32 @@ class SyncEngine:
                              cross=cross_replica, agree_group=self.groups.agree)
         self.reduction = Reduction(self.units, self.comm, cfg, self.topo, self.rank,
                                    self.replica, self.num_replicas, seed)
-        if trigger is not None:
-            self.trigger = trigger
-        elif cfg.use_async:
-            self.trigger = TimeTrigger(cfg.local_sgd_sync_time)
-        else:
-            assert cfg.local_sgd_sync_interval is not None
-            self.trigger = IntervalTrigger(cfg.local_sgd_sync_interval)
+        self.trigger = default_trigger(cfg) if trigger is None else trigger
 
-        # Counters (all saved by state_dict()).
-        self.global_step = 0
-        self.steps_since_sync = 0
-        self.num_syncs = 0
-        self.num_skipped_syncs = 0
-        self.num_syncs_forced = 0
-        self.total_wait_s = 0.0
-        """Seconds the caller's thread waited for sync jobs, since the start (metrics)."""
-        self.total_grad_sync_s = 0.0
-        """Seconds spent averaging gradients across replicas (warm-up / sync method)."""
-        self.last_sync_step = -1
-        """Global step of the last sync (a non-blocking sync point)."""
+        self.counters = Counters()
+        """Steps, syncs and waits (shared with the schedule; saved by state_dict())."""
+        self.anchors = GlobalModel(self.units, self.model, self.comm, self.device, self.topo)
+        """The units' anchors as one model (:mod:`editrain.sync.global_model`)."""
+        self.averaging = GradientAveraging(self.comm, self.reduction)
+        self.losses = LossTracker(self.device)
+        """:meth:`record_loss`'s losses since the last round opened."""
         self.progress = Progress(self.num_replicas, self.topo.shard_size)
         """A-EDiT's progress and budget (:mod:`editrain.sync.progress`)."""
         self.clock = SyncClock(self.comm, self.device, cfg.min_total_global_steps, clock)
         """A-EDiT's clock and rendezvous (:mod:`editrain.sync.clock`)."""
 
-        # The round slots.
-        self._pending = False
-        """A round is armed: it runs layer-wise in the next training forward."""
-        self._pending_counts: torch.Tensor | None = None
-        self._pending_fragment = 0
-        self._round: SyncRound | None = None
-        """The round whose units the current forward waits for (or that runs blocking)."""
-        self.inflight: list[SyncRound] = []
-        """Delayed rounds launched and not yet merged, in launch order."""
-        self._merge_next: SyncRound | None = None
-        """A delayed round due: merged unit by unit in the next training forward."""
-        self._next_index = 0
-        self._loss_sum: torch.Tensor | None = None
-        """:meth:`record_loss`: this rank's training losses since the last round opened
-        (float64, on the device; None: never called, no loss travels with the rounds)."""
-        self._loss_steps = 0
-        self._starting: list[int] | None = None
-        self._sync_log: list[dict[str, Any]] = []
-        self._log_fragments = cfg.streaming and not cfg.use_async
-        """Whether log entries name the round's fragment (streaming)."""
-
-        self.ft: FaultTolerantSchedule | None = None
+        self.rounds = Rounds(cfg, self.units, self.fragments, self.model, self.comm,
+                             self.reduction, self.clock, self.progress, self.counters,
+                             self.losses, before_sync, self.replica)
+        """The round slots: armed, running, in flight, due (:mod:`editrain.sync.rounds`)."""
+        self._plain = PlainState(cfg, self.counters, self.rounds, self.clock, self.progress,
+                                 self.reduction, self.losses, self.num_replicas)
+        view = self._view()
+        self.ft = None if cross_replica is None else FaultTolerantSchedule(view, cross_replica)
         """The fault-tolerant schedule (None in the plain mode)."""
-        self.schedule: Schedule
+        self.schedule: Schedule = self.ft or plain_schedule(view)
         """When rounds start and merge (:mod:`editrain.sync.schedules`)."""
-        if cross_replica is not None:
-            self.schedule = self.ft = FaultTolerantSchedule(self, cross_replica)
-        elif cfg.streaming and not cfg.use_async:
-            self.schedule = StreamingSchedule(self)
-        elif cfg.use_async and cfg.overlap_steps > 0:
-            self.schedule = NonBlockingSchedule(self)
-        else:
-            self.schedule = BlockingSchedule(self)
+        self.rounds.reset_at_launch = isinstance(self.schedule, NonBlockingSchedule)
 
         self._first_module_unit = built.first_module_unit
         self._handles = [model.register_forward_pre_hook(self._root_pre_hook, prepend=True)]
@@ -247,6 +224,21 @@ class SyncEngine:
         if cfg.is_local_sgd and cfg.local_sgd_warmup_steps == 0:
             self._create_anchors()
 
+    def _view(self) -> EngineView:
+        """What the schedule sees of this engine (:mod:`editrain.sync.view`)."""
+        r = self.rounds
+        return EngineView(
+            config=self.config, units=self.units, fragments=self.fragments,
+            replica=self.replica, num_replicas=self.num_replicas, device=self.device,
+            counters=self.counters, trigger=self.trigger, clock=self.clock,
+            progress=self.progress, comm=self.comm, reduction=self.reduction,
+            replica_group=self.groups.replica_main, arm=r.arm, run_now=r.run_now,
+            launch=r.launch, merge_now=r.merge_now,
+            merge_in_next_forward=r.merge_in_next_forward, settle=r.settle,
+            oldest_inflight=r.oldest_inflight, pop_inflight=r.pop_inflight,
+            armed=lambda: r.armed, armed_counts=lambda: self.pending_counts,
+            open_round=r.open_round, close_round=r.close_round, anchors=self.anchors)
+
     # ================================================================== public loop API
     def __enter__(self) -> SyncEngine:
         return self
@@ -256,31 +248,27 @@ class SyncEngine:
         # thread and the hooks only, and leave the groups to the process's end.
         self.close(release=exc_type is None)
 
-    @property
-    def seed(self) -> int:
-        """Seeds GTA's random sparsification (saved with the state)."""
-        return self.reduction.seed
+    global_step = _part("counters", "global_step", "Inner steps taken (this replica's).")
+    steps_since_sync = _part("counters", "steps_since_sync", "Inner steps since this replica's last sync.")
+    num_syncs = _part("counters", "num_syncs", "Syncs applied.")
+    num_skipped_syncs = _part("counters", "num_skipped_syncs", "A-EDiT rounds skipped (too few steps).")
+    num_syncs_forced = _part("counters", "num_syncs_forced", "Syncs run by ``finish(force=True)``.")
+    last_sync_step = _part("counters", "last_sync_step", "Global step of the last sync.")
+    total_wait_s = _part("counters", "total_wait_s", "Seconds the caller waited for sync jobs.")
 
-    @property
-    def detectors(self) -> Any:
-        """The anomaly detectors (:class:`editrain.sync.penalty.DetectorBank`), or None."""
-        return self.reduction.detectors
-
+    total_grad_sync_s = _part("averaging", "total_s", "Seconds spent averaging gradients "
+                              "across replicas (warm-up / sync method).")
+    seed = _part("reduction", "seed", "Seeds GTA's random sparsification (saved with the "
+                 "state).")
+    detectors = _part("reduction", "detectors", "The anomaly detectors "
+                      "(:class:`editrain.sync.penalty.DetectorBank`), or None.")
     # A-EDiT's book-keeping, kept under its former names.
-    @property
-    def synced_replica_steps(self) -> float:
-        """Replica-steps of all replicas up to the last sync."""
-        return self.progress.synced_replica_steps
-
-    @property
-    def last_window_counts(self) -> list[float] | None:
-        """Each replica's steps in the last sync's window."""
-        return self.progress.last_window_counts
-
-    @property
-    def last_window_s(self) -> float:
-        """Length of the last window (gathered: identical on every rank)."""
-        return self.progress.last_window_s
+    synced_replica_steps = _part("progress", "synced_replica_steps",
+                                 "Replica-steps of all replicas up to the last sync.")
+    last_window_counts = _part("progress", "last_window_counts",
+                               "Each replica's steps in the last sync's window.")
+    last_window_s = _part("progress", "last_window_s", "Length of the last window "
+                          "(gathered: identical on every rank).")
 
     def set_budget(self, steps: float | None) -> None:
         """A-EDiT: the run's budget in synchronous-step equivalents (``train.steps``). With
@@ -288,10 +276,8 @@ class SyncEngine:
         probably used it up; :attr:`budget_spent` says when a sync has reached it."""
         self.progress.budget = steps
 
-    @property
-    def budget_spent(self) -> bool:
-        """Whether a finished sync reached the budget (agreed: from gathered counts)."""
-        return self.progress.spent
+    budget_spent = _part("progress", "spent", "Whether a finished sync reached the budget "
+                         "(agreed: from gathered counts).")
 
     @property
     def tokens_scale(self) -> float:
@@ -330,12 +316,8 @@ class SyncEngine:
         shard over its sync group, completing HSDP semantics; FSDP2 already averaged over
         the shard group. In the local phase it does nothing: no cross-replica traffic.
         """
-        if not self.in_warmup or self.num_replicas == 1:
-            return
-        t0 = time.perf_counter()
-        with record_function("editrain::grad_allreduce"):
-            self.comm.run(self.reduction.grad_allreduce, cause="gradients")
-        self.total_grad_sync_s += time.perf_counter() - t0
+        if self.in_warmup and self.num_replicas > 1:
+            self.averaging.average()
 
     def record_loss(self, loss: torch.Tensor | float) -> None:
         """Optional: this rank's training loss of the step, so that every round also
@@ -345,11 +327,7 @@ class SyncEngine:
         method without statistics). No host synchronisation: the loss is summed on its
         device. Call it on every rank or on none (the rounds' collectives must match);
         ``editrain train`` calls it at every step."""
-        value = (loss.detach().to(torch.float64).reshape(()) if isinstance(loss, torch.Tensor)
-                 else torch.tensor(float(loss), dtype=torch.float64))
-        self.track_losses()
-        self._loss_sum = self._loss_sum + value.to(self.device)
-        self._loss_steps += 1
+        self.losses.record(loss)
 
     def track_losses(self) -> None:
         """Make every round carry each replica's loss from now on, before the first
@@ -357,34 +335,21 @@ class SyncEngine:
         its previous round. Call it on every rank where a rank may open a round before its
         first recorded step, as a replica group (re)joining a ``--ft`` run does: the rounds'
         collectives must match on every member."""
-        if self._loss_sum is None:
-            self._loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
-            self._loss_steps = 0
-
-    def _take_loss(self) -> torch.Tensor | None:
-        """The mean of the losses recorded since the last round opened (NaN if none was),
-        and a fresh count; None when :meth:`record_loss` was never called."""
-        if self._loss_sum is None:
-            return None
-        mean = (self._loss_sum / self._loss_steps if self._loss_steps
-                else torch.full((), float("nan"), dtype=torch.float64, device=self.device))
-        self._loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
-        self._loss_steps = 0
-        return mean
+        self.losses.track()
 
     def step(self) -> None:
         """Call once after each inner ``optimizer.step()``: counts steps; the schedule
         starts, arms or merges rounds as due."""
-        self._drain_round()  # a forward that skipped some units must not leave jobs behind
-        self.global_step += 1
-        cfg = self.config
+        self.rounds.drain()  # a forward that skipped some units must not leave jobs behind
+        c, cfg = self.counters, self.config
+        c.global_step += 1
         if not cfg.is_local_sgd:
             return
-        if self.global_step <= cfg.local_sgd_warmup_steps:
-            if self.global_step == cfg.local_sgd_warmup_steps:
+        if c.global_step <= cfg.local_sgd_warmup_steps:
+            if c.global_step == cfg.local_sgd_warmup_steps:
                 self._create_anchors()
             return
-        self.steps_since_sync += 1
+        c.steps_since_sync += 1
         self.schedule.step()
 
     def attach(self, optimizer: torch.optim.Optimizer, average_gradients: bool = True
@@ -409,8 +374,8 @@ class SyncEngine:
         sync is due (the end of training), so that every replica holds the global model:
         with streaming, rounds in flight are merged at once and every unit syncs once more.
         Every rank must call it at the same point."""
-        self._drain_round()
-        ran_armed = self.settle()
+        self.rounds.drain()
+        ran_armed = self.rounds.settle()
         if not force or not self.config.is_local_sgd or self.in_warmup:
             return
         self.schedule.finish(force, ran_armed)
@@ -436,7 +401,7 @@ class SyncEngine:
         abort the process now and then. Calling it again does nothing more."""
         if not self._closed:
             self._closed = True
-            self._drain_round()
+            self.rounds.drain()
             self._wait_inflight()
             for h in self._handles:
                 h.remove()
@@ -452,20 +417,19 @@ class SyncEngine:
         model, every pipeline stage); None for a one-rank replica."""
         return self.groups.replica_main
 
-    @property
-    def armed(self) -> bool:
-        """Whether a round is armed: it runs layer-wise in the next training forward."""
-        return self._pending
+    armed = _part("rounds", "armed", "Whether a round is armed: it runs layer-wise in the "
+                  "next training forward.")
 
     @property
     def pending_counts(self) -> list[float] | None:
         """A-EDiT: every replica's steps in the window of the armed sync (None otherwise)."""
-        return None if self._pending_counts is None else self._pending_counts.tolist()
+        counts = self.rounds.armed_counts
+        return None if counts is None else counts.tolist()
 
-    @property
-    def sync_pending(self) -> bool:
-        """Whether the next training forward will run a layer-wise sync (or merge one)."""
-        return self._pending or self._merge_next is not None
+    sync_pending = _part("rounds", "pending", "Whether the next training forward will run "
+                         "a layer-wise sync (or merge one).")
+    inflight = _part("rounds", "inflight", "Delayed rounds launched and not yet merged, in "
+                     "launch order.")
 
     @property
     def failed_rounds(self) -> int:
@@ -479,28 +443,19 @@ class SyncEngine:
 
     def pop_sync_log(self) -> list[dict[str, Any]]:
         """Metrics of the syncs finished since the last call (one dict per sync)."""
-        out, self._sync_log = self._sync_log, []
+        out, self.rounds.sync_log = self.rounds.sync_log, []
         return out
 
-    @torch.no_grad()
     def scale_pseudo_gradients(self, factor: float) -> None:
         """Fault injection: multiply this rank's pseudo-gradients by ``factor`` (the local
         model becomes ``anchor - factor * (anchor - theta)``), e.g. from a ``before_sync``
         callback (then only the units of the sync that starts), to show what the penalty
         does with a corrupted replica."""
-        units = self._starting if self._starting is not None else range(len(self.units))
-        for u in units:
-            unit = self.units[u]
-            if unit.anchor is not None:
-                unit.load_flat(unit.anchor.to(unit.device) - factor * unit.pseudo_grad())
+        self.anchors.scale_pseudo_gradients(factor, self.rounds.starting)
 
     def extra_memory(self) -> dict[str, int]:
         """Bytes of anchors + outer state (+ error feedback) on this rank, by device type."""
-        total: dict[str, int] = {}
-        for unit in self.units:
-            for k, v in unit.extra_bytes().items():
-                total[k] = total.get(k, 0) + v
-        return total
+        return self.anchors.extra_memory()
 
     @contextlib.contextmanager
     def global_model(self) -> Iterator[None]:
@@ -513,318 +468,47 @@ class SyncEngine:
         ``G`` with its round in flight merged as sent (``docs/streaming.md`` section 3c):
         computed by every replica alike from the rounds' own messages, so entering the
         block sends nothing across replicas."""
-        self._drain_round()
+        self.rounds.drain()
         self._wait_inflight()
-        reshard(self.model)
-        saved = [u.flat_params() if u.anchor is not None else None for u in self.units]
-        try:
-            with torch.no_grad():
-                for unit in self.units:
-                    if unit.anchor is None:
-                        continue
-                    if unit.eager_replicas:
-                        unit.load_flat(unit.global_view())
-                    else:
-                        unit.write_back()
+        with self.anchors.swapped_in():
             yield
-        finally:
-            reshard(self.model)
-            with torch.no_grad():
-                for unit, flat in zip(self.units, saved):
-                    if flat is not None:
-                        unit.load_flat(flat)
-
-    # ================================================================== what schedules ask
-    def arm(self, step_counts: torch.Tensor | None, fragment: int = 0) -> None:
-        """Arm a round of ``fragment``'s units (all units without fragments): it runs
-        layer-wise in the next training forward."""
-        self._pending, self._pending_counts = True, step_counts
-        self._pending_fragment = fragment
-
-    def run_now(self, step_counts: torch.Tensor | None, units: list[int] | None = None,
-                fragment: int = 0) -> None:
-        """Run a round of ``units`` (default: all) now, at the step boundary, and wait."""
-        self._pending = False
-        reshard(self.model)
-        self._start_round(step_counts, list(range(len(self.units))) if units is None else units,
-                          fragment)
-        self._drain_round()
-
-    def launch(self, units: list[int], fragment: int, apply_at: int,
-               rendezvous: list[float] | None = None) -> SyncRound:
-        """Start a delayed round: snapshot the units' parameters and queue all its jobs
-        (first, with ``rendezvous``, A-EDiT's gather of this row); it is merged after step
-        ``apply_at`` (:meth:`merge_now` or :meth:`merge_in_next_forward`)."""
-        self._call_before_sync(units)
-        for u in units:
-            if self.config.merge == "eager":
-                self.units[u].eager_launch()  # D kept, own share applied, theta <- A
-            else:
-                self.units[u].launch = self.units[u].flat_params()
-        # (with a rendezvous, the statistics job is queued after it: it needs the counts)
-        rnd = self.open_round(None, units, fragment, apply_at=apply_at,
-                              statistics=None if rendezvous is None else False)
-        if rendezvous is not None:
-            rnd.my_steps = self.steps_since_sync
-            rnd.rendezvous = self.comm.submit(self.clock.round_rendezvous, rnd, rendezvous,
-                                              stats=rnd.comm, cause="control")
-            rnd.stats = self.comm.submit(self.reduction.statistics, rnd, stats=rnd.comm,
-                                         cause="statistics")
-        rnd.submitted = [self.comm.submit(self.reduction.unit_job, rnd, i, stats=rnd.comm,
-                                          cause="rounds") for i in range(len(units))]
-        self.inflight.append(rnd)
-        return rnd
-
-    def merge_now(self, rnd: SyncRound) -> None:
-        """Wait for a delayed round's jobs and merge it into the live parameters now."""
-        self._round = rnd
-        self._drain_round()
-
-    def merge_in_next_forward(self, rnd: SyncRound) -> None:
-        """Merge a delayed round unit by unit in the next training forward."""
-        self._merge_next = rnd
-
-    def settle(self) -> bool:
-        """Merge the delayed round that is due and run the armed round now (what the next
-        training forward would have done). Returns whether an armed round ran."""
-        if self._merge_next is not None:
-            rnd, self._merge_next = self._merge_next, None
-            self.merge_now(rnd)
-        if not self._pending:
-            return False
-        self.run_now(self._pending_counts, self.fragments[self._pending_fragment],
-                     self._pending_fragment)
-        return True
-
-    def open_round(self, step_counts: torch.Tensor | None, units: Sequence[int],
-                   fragment: int = 0, apply_at: int | None = None,
-                   statistics: bool | None = None, numbered: bool = True) -> SyncRound:
-        """A new round of ``units``; delayed (merged after step ``apply_at``) when given.
-        Its statistics job is queued at once when ``statistics`` says so (default: when
-        the penalty or A-EDiT's step weights need them). ``numbered``: the round takes the
-        next index now (the fault-tolerant path numbers it when it closes)."""
-        rnd = SyncRound(index=self._next_index, step_counts=step_counts, units=list(units),
-                        fragment=fragment, launch_step=self.global_step,
-                        delayed=apply_at is not None, apply_at=apply_at or 0,
-                        comm=self.clock.take_traffic(),
-                        windows=self.clock.pending_windows if step_counts is not None
-                        else None)
-        if numbered:
-            self._next_index += 1
-        rnd.loss = self._take_loss()
-        auto = statistics is None
-        if statistics is None:
-            statistics = self.config.penalty_enabled or step_counts is not None
-        if statistics:
-            rnd.stats = self.comm.submit(self.reduction.statistics, rnd, stats=rnd.comm,
-                                         cause="statistics")
-        elif auto and rnd.loss is not None:
-            rnd.stats = self.comm.submit(self.reduction.replica_losses, rnd, stats=rnd.comm,
-                                         cause="statistics")
-        return rnd
-
-    def close_round(self, rnd: SyncRound, applied: bool = True,
-                    record: Mapping[str, Any] | None = None) -> None:
-        """The one book-keeping of a finished round. Applied (and with units): it counts as a
-        sync, the next window starts (a non-blocking round's started at its launch) and
-        its log entry goes to the sync log. Skipped (A-EDiT, too few steps in total): its
-        steps count towards the next round. ``record``: the fault-tolerant path's fields
-        (committed, quorum, ...) for the log entry, which is then written whatever the
-        outcome."""
-        if rnd.skipped:
-            self.num_skipped_syncs += 1
-            if rnd.delayed:
-                # Non-blocking: the steps up to the snapshot count towards the next sync
-                # (defect 7), whose window already started at the snapshot; so does the
-                # time they took.
-                self.steps_since_sync += rnd.my_steps
-                if rnd.windows:
-                    self.clock.window_offset += rnd.windows[self.replica]
-            else:
-                self.clock.restart()
-        elif applied and rnd.units:
-            self.num_syncs += 1
-            self.last_sync_step = self.global_step
-            if rnd.step_counts is not None:
-                self.progress.record_sync(rnd.step_counts.tolist(), rnd.windows or [])
-            if not (rnd.delayed and isinstance(self.schedule, NonBlockingSchedule)):
-                self.steps_since_sync = 0  # (non-blocking: reset at the launch)
-                self.clock.restart()
-            self._pending_counts = None
-        elif not rnd.units and not self.steps_since_sync:
-            self.clock.restart()  # joined: this replica's window starts now
-        if record is None and (rnd.skipped or not applied):
-            return
-        rnd.staleness = max(0, self._next_index - 1 - rnd.index)
-        rnd.replicas = len(rnd.members) if rnd.members else self.reduction.num_replicas
-        entry = rnd.log_entry(self.global_step, self.clock.take_wait(),
-                              fragment=self._log_fragments)
-        if record is not None:
-            entry.update(record)
-            self._next_index = rnd.index + 1
-        self._sync_log.append(entry)
 
     # ================================================================== hooks
     def _root_pre_hook(self, module: nn.Module, args: Any) -> None:
-        if not module.training or not self.sync_pending:
+        if not module.training or not self.rounds.pending:
             return
         # FSDP2 keeps the root unit gathered after a forward without backward (evaluation);
         # reshard so the next all-gather reads the synced shards, not a stale full copy.
         reshard(module)
-        if self._pending:
-            self._pending = False
-            self._start_round(self._pending_counts, self.fragments[self._pending_fragment],
-                              self._pending_fragment)
-        else:
-            self._round, self._merge_next = self._merge_next, None
-        self._advance(self._first_module_unit - 1)  # the root unit (-1: there is none)
+        self.rounds.start_pending()
+        self.rounds.advance(self._first_module_unit - 1)  # the root unit (-1: there is none)
 
     def _make_block_hook(self, u: int) -> Callable[[nn.Module, Any], None]:
         def hook(module: nn.Module, args: Any) -> None:
-            if self._round is not None:
-                self._advance(u)
+            if self.rounds.running is not None:
+                self.rounds.advance(u)
         return hook
-
-    # ================================================================== rounds
-    def _call_before_sync(self, units: list[int]) -> None:
-        if self.before_sync is not None:
-            self._starting = units
-            try:
-                self.before_sync(self._next_index)
-            finally:
-                self._starting = None
-
-    def _start_round(self, step_counts: torch.Tensor | None, units: list[int],
-                     fragment: int = 0) -> None:
-        self._call_before_sync(units)
-        self._round = self.open_round(step_counts, units, fragment)
-
-    def _advance(self, u: int) -> None:
-        """Queue the round's units up to ``prefetch_depth`` past unit ``u``, then wait for
-        (and, if delayed, merge) every unit of the round up to ``u``."""
-        rnd = self._round
-        assert rnd is not None
-        upto = rnd.position(u)
-        last = min(len(rnd.units), upto + self.config.prefetch_depth)
-        while len(rnd.submitted) < last:
-            rnd.submitted.append(self.comm.submit(self.reduction.unit_job, rnd,
-                                                  len(rnd.submitted), stats=rnd.comm,
-                                                  cause="rounds"))
-        while rnd.waited < upto:
-            t0 = time.perf_counter()
-            with record_function("editrain::sync::wait"):
-                rnd.submitted[rnd.waited].result()  # re-raises a failed job's exception
-            waited = time.perf_counter() - t0
-            rnd.wait_s += waited
-            self.total_wait_s += waited
-            if rnd.delayed:
-                unit = self.units[rnd.units[rnd.waited]]
-                if rnd.skipped and not unit.eager_replicas:
-                    unit.launch = None  # nothing was reduced: the local model stays
-                else:
-                    unit.merge(self.config.merge, self.config.merge_alpha)
-            rnd.waited += 1
-        if rnd.waited == len(rnd.units):
-            self._round = None
-            self.close_round(rnd)
-
-    def _drain_round(self) -> None:
-        if self._round is not None:
-            self._advance(len(self.units) - 1)
 
     def _wait_inflight(self) -> None:
         """Wait for the jobs of every delayed round (no merge: that stays on schedule)."""
-        for rnd in self.inflight + ([self._merge_next] if self._merge_next else []):
-            rnd.wait()
+        self.rounds.wait_inflight()
         if self.ft is not None:
             self.ft.wait_inflight()
 
-    # ================================================================== the fault-tolerant mode
-    def peer_state(self) -> dict[str, Any]:
-        """What this rank sends a replica that heals (the fault-tolerant mode): its share
-        of the global state (anchors, outer optimizer state) and the counters, as CPU
-        copies (the sender trains on while the receiver reads). Replica-own entries (error
-        feedback, launch snapshots) stay here."""
-        units = [{k: (v.detach().to("cpu", copy=True) if torch.is_tensor(v) else v)
-                  for k, v in unit.state_dict().items() if not k.startswith("replica.")}
-                 for unit in self.units]
-        return {"units": units, "global_step": self.global_step, "num_syncs": self.num_syncs,
-                "next_index": self._next_index, "seed": self.seed,
-                "progress": self.progress.state_dict(),
-                "detectors": self.detectors.state_dict() if self.detectors is not None
-                else None}
-
-    def adopt_peer_state(self, sd: Mapping[str, Any]) -> None:
-        """Take :meth:`peer_state` of a healthy replica and restart from the global model:
-        anchors into the parameters, no local progress, this replica's own error feedback
-        back to zero."""
-        with torch.no_grad():
-            for unit, unit_sd in zip(self.units, sd["units"]):
-                unit.load_state_dict(unit_sd)
-                unit.write_back()
-        self.global_step = int(sd["global_step"])
-        self.num_syncs = int(sd["num_syncs"])
-        self._next_index = int(sd["next_index"])
-        self.reduction.seed = int(sd["seed"])
-        self.progress.load_state_dict(sd["progress"])
-        if self.detectors is not None and sd["detectors"] is not None:
-            self.detectors.load_state_dict(sd["detectors"])
-        self.steps_since_sync = 0
-        self.last_sync_step = self.global_step
-        self.clock.restart()
-
-    # ================================================================== helpers
     def _create_anchors(self) -> None:
-        self._check_replicas_agree()
-        for unit in self.units:
-            unit.create_anchor()
-        self._take_loss()  # the first round's losses are the local phase's
+        self.anchors.create()
+        self.losses.take()  # the first round's losses are the local phase's
         self.progress.start(self.global_step)
-        self.steps_since_sync = 0
+        self.counters.steps_since_sync = 0
         self.clock.restart_all()
         # The sync log's counters describe syncs: warm-up gradient traffic is not sync traffic.
         self.comm.stats.reset()
-
-    @torch.no_grad()
-    def _check_replicas_agree(self) -> None:
-        """The local phase must start from one model on every replica (the anchors are
-        taken from each replica's own parameters): compare a checksum of every unit's
-        shard (sum and sum of squares, float64) across replicas, agreed over the replica's
-        ranks (every pipeline stage), and fail on every rank alike if they differ (e.g.
-        different seeds)."""
-        if self.comm.sync_size == 1:
-            return  # (the fault-tolerant mode: a joining replica heals instead)
-        sums = torch.zeros(len(self.units), 2, dtype=torch.float64, device=self.device)
-        for i, unit in enumerate(self.units):
-            if unit.numel:
-                flat = unit.flat_params().double()
-                sums[i, 0], sums[i, 1] = flat.sum(), flat.square().sum()
-        got = self.comm.run(self.comm.all_gather_sync, sums, cause="control").cpu()
-        scale = got[0].abs().clamp_min(1e-12)
-        differs = ((got - got[0]).abs() > 1e-6 * scale).any(dim=2).any(dim=0)  # [units]
-        agreed = differs.to(torch.float64).to(self.device)
-        self.comm.run(self.comm.all_reduce_shard, agreed, dist.ReduceOp.MAX)
-        bad = [self.units[i].name for i, d in enumerate(agreed.tolist()) if d]
-        if self.topo.pp_size > 1:
-            # Another stage's units may differ: every stage of the replica fails alike
-            # (a stage that went on alone would hang in the pipeline).
-            verdict = torch.tensor([float(bool(bad))], dtype=torch.float64,
-                                   device=self.device)
-            self.comm.run(self.comm.all_reduce_replica, verdict, dist.ReduceOp.MAX)
-            if float(verdict) and not bad:
-                bad = ["of another pipeline stage"]
-        if bad:
-            raise RuntimeError(
-                f"replicas start the local phase from different parameters (units "
-                f"{', '.join(bad)}): every replica must hold the same model when local SGD "
-                f"begins; initialise every replica with the same seed or load the same "
-                f"checkpoint")
 
     # ================================================================== state
     @property
     def has_anchors(self) -> bool:
         """Whether the anchors exist (the local phase has begun)."""
-        return any(u.anchor is not None for u in self.units)
+        return self.anchors.exists
 
     def state_dict(self) -> dict[str, Any]:
         """Everything the engine owns, as a tree that ``torch.distributed.checkpoint`` saves.
@@ -838,9 +522,9 @@ class SyncEngine:
         save them before training on. Delayed rounds in flight are waited for (not merged:
         that stays on schedule) and saved with the launch snapshots they still need.
         """
-        self._drain_round()
+        self.rounds.drain()
         self._wait_inflight()
-        return self._layout.pack([u.state_dict() for u in self.units], self._plain_state())
+        return self._layout.pack([u.state_dict() for u in self.units], self._plain.state_dict())
 
     def state_dict_template(self, saved: Mapping[str, torch.Tensor]) -> dict[str, Any]:
         """Empty tensors shaped for this topology, for ``dcp.load`` to fill with a saved state.
@@ -874,82 +558,10 @@ class SyncEngine:
         unit_states, plain, elastic = self._layout.unpack(state)
         for unit, unit_state in zip(self.units, unit_states):
             unit.load_state_dict(unit_state)
-        self._load_plain(plain, elastic)
+        self._plain.load_state_dict(plain, elastic)
         if elastic:
-            with torch.no_grad():
-                for unit in self.units:
-                    if unit.anchor is not None:
-                        unit.write_back()
+            self.anchors.write_back()
         return elastic
-
-    def _plain_state(self) -> dict[str, Any]:
-        """Counters, clock, detectors and RNG seed of this rank (JSON-able)."""
-        return {
-            "global_step": self.global_step,
-            "steps_since_sync": self.steps_since_sync,
-            "num_syncs": self.num_syncs,
-            "num_skipped_syncs": self.num_skipped_syncs,
-            "num_syncs_forced": self.num_syncs_forced,
-            "next_index": self._next_index,
-            "inflight": [r.state_dict() for r in self.inflight],
-            "merge_next": None if self._merge_next is None else self._merge_next.state_dict(),
-            "pending": self._pending,
-            "pending_fragment": self._pending_fragment,
-            "pending_counts": self.pending_counts,
-            **self.clock.state_dict(),
-            **self.progress.state_dict(),
-            "detectors": self.detectors.state_dict() if self.detectors is not None else None,
-            "rng": {"seed": self.seed},
-            "loss": None if self._loss_sum is None else {
-                "sum": float(self._loss_sum), "steps": self._loss_steps},
-        }
-
-    def _load_plain(self, sd: dict[str, Any], elastic: bool) -> None:
-        self.num_syncs = int(sd["num_syncs"])
-        self.num_skipped_syncs = int(sd["num_skipped_syncs"])
-        self.num_syncs_forced = int(sd["num_syncs_forced"])
-        self._next_index = int(sd.get("next_index", self.num_syncs))
-        self.inflight, self._merge_next = [], None
-        self.progress.load_state_dict(sd)
-        self.reduction.seed = int(sd["rng"]["seed"])
-        if elastic:
-            # A-EDiT replicas were at different steps: the replica-steps done are converted
-            # to this topology at equal tokens, and every replica restarts at their mean (the
-            # budget and the schedule stay counted in the run's first topology). Every other
-            # method keeps the (common) step count.
-            # (R, S) of the saving topology: (R, S[, T]), or (R, P, S, T) with stages
-            topo = sd["topology"]
-            shards = topo[2] if len(topo) == 4 else topo[1]
-            old = (max(1, int(topo[0])), max(1, int(shards)))
-            if self.config.use_async:
-                self.progress.rescale(old)
-                self.global_step = int(round(self.synced_replica_steps / self.num_replicas))
-            else:
-                self.global_step = int(sd["global_step"])
-            self.steps_since_sync, self._pending, self._pending_counts = 0, False, None
-            self._next_index = self.num_syncs  # rounds in flight are dropped
-            for unit in self.units:
-                unit.launch = None
-            self.clock.restart_all()
-            self.progress.last_window_counts, self.progress.last_window_s = None, 0.0
-        else:
-            self.global_step = int(sd["global_step"])
-            self.steps_since_sync = int(sd["steps_since_sync"])
-            self._pending = bool(sd["pending"])
-            self._pending_fragment = int(sd.get("pending_fragment", 0))
-            self.inflight = [SyncRound.from_state(r) for r in sd.get("inflight", [])]
-            if sd.get("merge_next") is not None:
-                self._merge_next = SyncRound.from_state(sd["merge_next"])
-            counts = sd["pending_counts"]
-            self._pending_counts = (None if counts is None
-                                    else torch.tensor(counts, dtype=torch.float64))
-            self.clock.load_state_dict(sd)
-            if sd.get("loss") is not None:
-                self._loss_sum = torch.tensor(float(sd["loss"]["sum"]), dtype=torch.float64,
-                                              device=self.device)
-                self._loss_steps = int(sd["loss"]["steps"])
-        if self.detectors is not None and sd["detectors"] is not None:
-            self.detectors.load_state_dict(sd["detectors"], allow_resize=True)
 
 
 EDiT = SyncEngine

@@ -47,7 +47,7 @@ from editrain.sync.schedules import BlockingSchedule
 from editrain.sync.triggers import FragmentSchedule
 
 if TYPE_CHECKING:
-    from editrain.sync.edit import SyncEngine
+    from editrain.sync.view import EngineView
 
 
 class FaultTolerantSchedule(BlockingSchedule):
@@ -55,11 +55,11 @@ class FaultTolerantSchedule(BlockingSchedule):
     blocking rounds of every unit when the trigger fires, or streaming fragments.
 
     Args:
-        engine: the engine whose units, statistics and reductions the rounds use.
+        engine: the engine as schedules see it (its units, statistics and reductions).
         group: the cross-replica group (also the engine's ``comm.cross``).
     """
 
-    def __init__(self, engine: SyncEngine, group: TorchftGroup) -> None:
+    def __init__(self, engine: EngineView, group: TorchftGroup) -> None:
         super().__init__(engine)
         self.group = group
         cfg = engine.config
@@ -76,13 +76,13 @@ class FaultTolerantSchedule(BlockingSchedule):
         """Global step of the last round attempted (committed or not)."""
         self.inflight: SyncRound | None = None
         """Streaming: the delayed round launched and not yet merged (one at a time)."""
-        group.register_state("engine", engine.peer_state, self._adopt)
+        group.register_state("engine", self.peer_state, self.adopt_peer_state)
 
     def step(self) -> None:
         eng = self.engine
         if self.streaming is not None:
             self.streaming_step(self.streaming.launches(
-                eng.global_step - eng.config.local_sgd_warmup_steps))
+                eng.counters.global_step - eng.config.local_sgd_warmup_steps))
             return
         due, elapsed = self.due()
         if due:
@@ -93,14 +93,40 @@ class FaultTolerantSchedule(BlockingSchedule):
         # replicas that have not trained since their last sync contribute nothing.
         # Streaming: the round in flight is merged first, then every unit syncs.
         eng = self.engine
-        syncs = eng.num_syncs
+        c = eng.counters
+        syncs = c.num_syncs
         self.merge_inflight()
         self.run(elapsed=eng.clock.elapsed() if eng.config.use_async else None,
                  allow_skip=False)
-        eng.num_syncs_forced += eng.num_syncs - syncs
+        c.num_syncs_forced += c.num_syncs - syncs
 
-    def _adopt(self, sd: dict[str, Any]) -> None:
-        self.engine.adopt_peer_state(sd)
+    def peer_state(self) -> dict[str, Any]:
+        """What this rank sends a replica that heals: its share of the global state
+        (anchors, outer optimizer state) and the counters, as CPU copies (the sender trains
+        on while the receiver reads). Replica-own entries (error feedback, launch
+        snapshots) stay here."""
+        eng = self.engine
+        c, detectors = eng.counters, eng.reduction.detectors
+        return {"units": eng.anchors.peer_units(), "global_step": c.global_step,
+                "num_syncs": c.num_syncs, "next_index": c.next_index,
+                "seed": eng.reduction.seed, "progress": eng.progress.state_dict(),
+                "detectors": detectors.state_dict() if detectors is not None else None}
+
+    def adopt_peer_state(self, sd: dict[str, Any]) -> None:
+        """Take :meth:`peer_state` of a healthy replica and restart from the global model:
+        anchors into the parameters, no local progress, this replica's own error feedback
+        back to zero."""
+        eng = self.engine
+        eng.anchors.adopt(sd["units"])
+        c, detectors = eng.counters, eng.reduction.detectors
+        c.global_step, c.num_syncs = int(sd["global_step"]), int(sd["num_syncs"])
+        c.next_index = int(sd["next_index"])
+        eng.reduction.seed = int(sd["seed"])
+        eng.progress.load_state_dict(sd["progress"])
+        if detectors is not None and sd["detectors"] is not None:
+            detectors.load_state_dict(sd["detectors"])
+        c.steps_since_sync, c.last_sync_step = 0, c.global_step
+        eng.clock.restart()
         self.heals += 1
 
     def join(self, start_quorum: int, timeout_s: float = 600.0) -> bool:
@@ -155,16 +181,16 @@ class FaultTolerantSchedule(BlockingSchedule):
         could not be formed (the round then only votes no)."""
         eng = self.engine
         t0 = time.perf_counter()
-        self.last_round_step = eng.global_step
+        self.last_round_step = eng.counters.global_step
         error = None
         try:
-            quorum = self.group.begin()  # may heal this replica (engine.adopt_peer_state)
+            quorum = self.group.begin()  # may heal this replica (adopt_peer_state)
         except QuorumError as exc:
             quorum = Quorum(size=0, rank=-1, quorum_id=-1, healed=False)
             error = str(exc).splitlines()[0][:200]
         # Something to send: local steps since the last sync, or with streaming (merges
         # keep local progress: the parameters are not the anchors) anything but a heal.
-        trained = eng.steps_since_sync > 0 or self.streaming is not None
+        trained = eng.counters.steps_since_sync > 0 or self.streaming is not None
         contribute = contribute and not quorum.healed and trained
         rnd = eng.open_round(None, range(len(eng.units)) if units is None else units,
                              fragment, apply_at, statistics=False, numbered=False)
@@ -217,7 +243,8 @@ class FaultTolerantSchedule(BlockingSchedule):
         fragments due now, delayed (``sync.overlap_steps > 0``: quorum now, reductions in
         the background, commit and merge ``overlap_steps`` later) or blocking."""
         eng = self.engine
-        if self.inflight is not None and eng.global_step >= self.inflight.apply_at:
+        step = eng.counters.global_step
+        if self.inflight is not None and step >= self.inflight.apply_at:
             self.merge_inflight()
         tau = eng.config.overlap_steps
         for f in launches:
@@ -226,8 +253,7 @@ class FaultTolerantSchedule(BlockingSchedule):
                 self.run(units=units, fragment=f)
                 continue
             self.merge_inflight()  # (never in flight here: overlap_steps <= H / P)
-            rnd, quorum, contribute, error = self._begin(True, units, f,
-                                                         eng.global_step + tau)
+            rnd, quorum, contribute, error = self._begin(True, units, f, step + tau)
             if error is not None:
                 self._end(rnd, quorum, error)  # votes no: nothing launched
                 continue
@@ -264,7 +290,7 @@ class FaultTolerantSchedule(BlockingSchedule):
         """The round's collectives, in order, on the communication thread; the first
         failure ends the round (later collectives would run on a broken group)."""
         eng = self.engine
-        got = eng.clock.exchange([eng.replica, float(contribute), eng.steps_since_sync,
+        got = eng.clock.exchange([eng.replica, float(contribute), eng.counters.steps_since_sync,
                                   self.group.committed_syncs, rnd.index, elapsed or 0.0,
                                   rnd.fragment])  # [quorum, 7]
         # The round's units: a streaming fragment's, which a joining replica (whose round

@@ -2,7 +2,7 @@
 
 A *round* syncs one set of units once (all of them, or one streaming fragment's). Every
 schedule and the fault-tolerant path make rounds of this one kind; the engine closes them
-with one book-keeping (:meth:`editrain.sync.edit.SyncEngine.close_round`).
+with one book-keeping (:meth:`editrain.sync.rounds.Rounds.close_round`).
 """
 
 from __future__ import annotations

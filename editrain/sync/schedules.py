@@ -2,10 +2,11 @@
 
 A schedule decides, at each step boundary of the local phase, whether a round starts (and
 of which units), when a delayed round merges, and what the last sync at the end of
-training does. It never runs a collective itself: it asks the engine
-(:class:`editrain.sync.edit.SyncEngine`) to arm a round for the next forward, run one now,
-launch one in the background or merge one, and the engine's hooks and the shared
-reduction (:mod:`editrain.sync.reduction`) do the rest. ``docs/architecture.md`` ("How to
+training does. It never runs a collective itself: through the engine's
+:class:`~editrain.sync.view.EngineView` (its counters and a few verbs, never the engine's
+own attributes) it arms a round for the next forward, runs one now, launches one in the
+background or merges one, and the engine's hooks and the shared reduction
+(:mod:`editrain.sync.reduction`) do the rest. ``docs/architecture.md`` ("How to
 add a schedule") walks through writing one.
 
 - :class:`BlockingSchedule`: every ``H`` steps (or ``T`` seconds, A-EDiT), layer-wise in the
@@ -30,7 +31,7 @@ from editrain.sync.round import SyncRound
 from editrain.sync.triggers import FragmentSchedule
 
 if TYPE_CHECKING:
-    from editrain.sync.edit import SyncEngine
+    from editrain.sync.view import EngineView
 
 
 class Schedule(ABC):
@@ -38,10 +39,10 @@ class Schedule(ABC):
     at the end of training, :meth:`sync_point` to place evaluations and checkpoints.
 
     Args:
-        engine: the engine whose rounds this schedule starts.
+        engine: the engine as schedules see it (:class:`~editrain.sync.view.EngineView`).
     """
 
-    def __init__(self, engine: SyncEngine) -> None:
+    def __init__(self, engine: EngineView) -> None:
         self.engine = engine
         self.needs_clock = bool(getattr(engine.trigger, "needs_clock", False))
         """Whether the trigger reads the (agreed) wall clock: A-EDiT's time trigger."""
@@ -68,19 +69,20 @@ class Schedule(ABC):
         ``since_window``: seconds of the window before the clock's start (non-blocking)."""
         eng = self.engine
         elapsed = eng.clock.elapsed() if self.needs_clock else 0.0
-        due = eng.trigger.due(eng.replica, eng.steps_since_sync, elapsed)
+        steps = eng.counters.steps_since_sync
+        due = eng.trigger.due(eng.replica, steps, elapsed)
         if not due and self.needs_clock and eng.config.use_async:
             # The budget's end (agreed: the elapsed time within the replica, the rate from
             # the gathered last window).
-            due = eng.progress.budget_due(elapsed + since_window, eng.steps_since_sync)
+            due = eng.progress.budget_due(elapsed + since_window, steps)
         return due, elapsed
 
     def rendezvous(self, elapsed: float, allow_skip: bool = True) -> torch.Tensor | None:
         """A-EDiT's blocking rendezvous; a skipped round is counted."""
-        counts = self.engine.clock.rendezvous(self.engine.steps_since_sync, elapsed,
-                                              allow_skip)
+        eng = self.engine
+        counts = eng.clock.rendezvous(eng.counters.steps_since_sync, elapsed, allow_skip)
         if counts is None:
-            self.engine.num_skipped_syncs += 1
+            eng.counters.num_skipped_syncs += 1
         return counts
 
 
@@ -106,29 +108,31 @@ class BlockingSchedule(Schedule):
         eng = self.engine
         if ran_armed:
             return
-        while eng.inflight:  # non-blocking A-EDiT: every replica launched the same rounds
-            eng.merge_now(eng.inflight.pop(0))
+        # Non-blocking A-EDiT: every replica launched the same rounds.
+        while (rnd := eng.pop_inflight()) is not None:
+            eng.merge_now(rnd)
         # A-EDiT replicas may differ in steps_since_sync: they all rendezvous to decide.
         counts = (self.rendezvous(eng.clock.elapsed(), allow_skip=False)
                   if eng.config.use_async else None)
         eager = eng.config.merge == "eager"  # its last round always runs (C is pending)
-        if not eager and ((counts is None and not eng.steps_since_sync) or (
+        if not eager and ((counts is None and not eng.counters.steps_since_sync) or (
                 counts is not None and float(counts.sum()) == 0)):
             return
-        eng.num_syncs_forced += 1
+        eng.counters.num_syncs_forced += 1
         eng.run_now(counts)  # eager: every replica ends on the global anchor G
 
     def sync_point(self) -> float | None:
         eng = self.engine
+        step = float(eng.counters.global_step)
         if eng.config.streaming:
-            return float(eng.global_step)
-        if eng.armed:
+            return step
+        if eng.armed():
             if eng.config.use_async:
-                return eng.progress.at_sync(eng.pending_counts)
-            return float(eng.global_step)
-        if eng.steps_since_sync == 0:
+                return eng.progress.at_sync(eng.armed_counts())
+            return step
+        if eng.counters.steps_since_sync == 0:
             return (eng.progress.synced_replica_steps / eng.num_replicas
-                    if eng.config.use_async else float(eng.global_step))
+                    if eng.config.use_async else step)
         return None
 
 
@@ -137,7 +141,7 @@ class StreamingSchedule(Schedule):
     ``H / P``), each round merged ``overlap_steps`` steps after its launch, or run in the
     next forward (``overlap_steps = 0``)."""
 
-    def __init__(self, engine: SyncEngine) -> None:
+    def __init__(self, engine: EngineView) -> None:
         super().__init__(engine)
         cfg = engine.config
         assert cfg.local_sgd_sync_interval is not None
@@ -146,22 +150,26 @@ class StreamingSchedule(Schedule):
     def launches(self) -> list[int]:
         """The fragments due at this step boundary."""
         eng = self.engine
-        return self.fragments.launches(eng.global_step - eng.config.local_sgd_warmup_steps)
+        return self.fragments.launches(eng.counters.global_step
+                                       - eng.config.local_sgd_warmup_steps)
 
     def step(self) -> None:
         """Merge the delayed round that is due, then launch the fragments due now."""
         eng = self.engine
         cfg = eng.config
+        step = eng.counters.global_step
         eng.settle()  # what no training forward took: merged or run now
-        if eng.inflight and eng.inflight[0].apply_at == eng.global_step:
-            rnd = eng.inflight.pop(0)
+        due = eng.oldest_inflight()
+        if due is not None and due.apply_at == step:
+            rnd = eng.pop_inflight()
+            assert rnd is due
             if cfg.layerwise and cfg.merge != "eager":
                 eng.merge_in_next_forward(rnd)
             else:
                 eng.merge_now(rnd)
         for f in self.launches():
             if cfg.overlap_steps > 0:
-                eng.launch(eng.fragments[f], f, apply_at=eng.global_step + cfg.overlap_steps)
+                eng.launch(eng.fragments[f], f, apply_at=step + cfg.overlap_steps)
             elif cfg.layerwise:
                 eng.arm(None, f)
             else:
@@ -169,16 +177,16 @@ class StreamingSchedule(Schedule):
 
     def finish(self, force: bool, ran_armed: bool) -> None:
         eng = self.engine
-        while eng.inflight:
-            eng.merge_now(eng.inflight.pop(0))
-        if eng.global_step > eng.config.local_sgd_warmup_steps:
-            eng.num_syncs_forced += 1
+        while (rnd := eng.pop_inflight()) is not None:
+            eng.merge_now(rnd)
+        if eng.counters.global_step > eng.config.local_sgd_warmup_steps:
+            eng.counters.num_syncs_forced += 1
             eng.run_now(None, list(range(len(eng.units))))  # eager: every replica on G
 
     def sync_point(self) -> float | None:
         # In lock-step, but never all holding one model: every step is a point (evaluate
         # the anchors).
-        return float(self.engine.global_step)
+        return float(self.engine.counters.global_step)
 
 
 class NonBlockingSchedule(BlockingSchedule):
@@ -193,20 +201,21 @@ class NonBlockingSchedule(BlockingSchedule):
     schedule) it is merged exactly ``overlap_steps`` steps after its launch, waiting if
     need be."""
 
-    def __init__(self, engine: SyncEngine) -> None:
+    def __init__(self, engine: EngineView) -> None:
         super().__init__(engine)
         self.merge_when_done = self.needs_clock
 
     def step(self) -> None:
         eng = self.engine
-        cfg = eng.config
-        clock = eng.clock
+        cfg, clock, c = eng.config, eng.clock, eng.counters
         # The due round is merged here, at the step boundary (not in the next forward), so
         # that a launch at this very step snapshots the merged model.
-        if (eng.inflight and eng.global_step >= eng.inflight[0].apply_at
-                and self.ready_to_merge(eng.inflight[0])):
-            eng.merge_now(eng.inflight.pop(0))
-        if eng.inflight or eng.progress.spent:
+        due = eng.oldest_inflight()
+        if (due is not None and c.global_step >= due.apply_at
+                and self.ready_to_merge(due)):
+            eng.pop_inflight()
+            eng.merge_now(due)
+        if eng.oldest_inflight() is not None or eng.progress.spent:
             # Once a sync has spent the budget (agreed) nobody launches again: the run
             # ends there.
             return
@@ -215,10 +224,10 @@ class NonBlockingSchedule(BlockingSchedule):
             return
         window = elapsed + clock.window_offset  # since the last launch (agreed)
         units = list(range(len(eng.units)))
-        eng.launch(units, 0, apply_at=eng.global_step + cfg.overlap_steps,
-                   rendezvous=[eng.steps_since_sync, window])
+        eng.launch(units, 0, apply_at=c.global_step + cfg.overlap_steps,
+                   rendezvous=[c.steps_since_sync, window])
         # This replica's next window starts at its snapshot: later steps count towards it.
-        eng.steps_since_sync = 0
+        c.steps_since_sync = 0
         clock.launch = clock.now()
         clock.window_offset = 0.0
         if not self.merge_when_done:
@@ -237,10 +246,10 @@ class NonBlockingSchedule(BlockingSchedule):
         now = eng.clock.now()
         flags = torch.tensor([float(pending), now - eng.clock.launch], dtype=torch.float64,
                              device=eng.device)
-        if eng.groups.replica_main is not None:
+        if eng.replica_group is not None:
             # The main thread's own replica group (the communication thread has a private
             # one): the ranks of a replica merge at the same step boundary.
-            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=eng.groups.replica_main)
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=eng.replica_group)
         pending_any, since_launch = flags.tolist()
         if pending_any:
             return False
@@ -250,6 +259,17 @@ class NonBlockingSchedule(BlockingSchedule):
 
     def sync_point(self) -> float | None:
         eng = self.engine
-        if eng.last_sync_step == eng.global_step:
+        if eng.counters.last_sync_step == eng.counters.global_step:
             return eng.progress.synced_replica_steps * eng.progress.unit
         return None
+
+
+def plain_schedule(engine: EngineView) -> Schedule:
+    """The schedule the configuration asks for (the fault-tolerant mode aside): streaming
+    fragments, non-blocking A-EDiT, or blocking rounds."""
+    cfg = engine.config
+    if cfg.streaming and not cfg.use_async:
+        return StreamingSchedule(engine)
+    if cfg.use_async and cfg.overlap_steps > 0:
+        return NonBlockingSchedule(engine)
+    return BlockingSchedule(engine)

@@ -20,6 +20,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from editrain.sync.config import SyncConfig
 from editrain.sync.outer import SyncUnit, copies_in_replica, resolve_optimizer_class
+from editrain.sync.triggers import IntervalTrigger, SyncTrigger, TimeTrigger
 from editrain.topology import SHARD_DIM, Topology
 
 
@@ -158,6 +159,14 @@ def find_root_params(model: nn.Module, blocks: Sequence[nn.Module]) -> list[nn.P
             seen.add(id(p))
             out.append(p)
     return out
+
+
+def default_trigger(cfg: SyncConfig) -> SyncTrigger:
+    """The method's trigger: every ``T`` seconds (A-EDiT) or every ``H`` inner steps."""
+    if cfg.use_async:
+        return TimeTrigger(cfg.local_sgd_sync_time)
+    assert cfg.local_sgd_sync_interval is not None
+    return IntervalTrigger(cfg.local_sgd_sync_interval)
 
 
 def check_fault_tolerant(cfg: SyncConfig, replicas_in_world: int) -> None:

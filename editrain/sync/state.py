@@ -297,6 +297,12 @@ class StateLayout:
         return states, plain, elastic
 
 
+def saved_replicas_and_shards(topology: Sequence[int]) -> tuple[int, int]:
+    """``(R, S)`` of a saved topology: ``(R, S[, T])``, or ``(R, P, S, T)`` with stages."""
+    shards = topology[2] if len(topology) == 4 else topology[1]
+    return max(1, int(topology[0])), max(1, int(shards))
+
+
 def global_model_keys(saved: Mapping[str, Any]) -> dict[str, str]:
     """Where a saved engine state holds the global model: parameter name -> key of its
     anchor (relative to the engine's tree, as :func:`editrain.checkpoint.saved_tensors`
