@@ -173,7 +173,7 @@ def _convergence_rows(p: _Picker) -> list[HeadlineRow]:
         vs_d, vs_s = res["edit"].get("paired_vs_diloco"), res["edit"].get("paired_vs_sync")
         if vs_d and vs_s and vs_d.get("mean") is not None and vs_s.get("mean") is not None:
             rows.append(p.row(
-                f"Validation loss after {st.get('steps')} steps, 2 replicas",
+                f"Validation loss after {st.get('steps')} steps",
                 f"EDiT {_loss(res['edit']['final_val_loss'])}",
                 f"DiLoCo {_loss(res['diloco']['final_val_loss'])}; synchronous "
                 f"{_loss(res['sync']['final_val_loss'])}",
@@ -253,7 +253,7 @@ def _straggler_row(p: _Picker) -> list[HeadlineRow]:
     if ours.get("median") is None or sync.get("median") is None:
         return []
     return [p.row(what, f"{name} {_times(ours)}", f"synchronous {_times(sync)}",
-                  f"2 replicas; {_repeats(ours)}", [got])]
+                  f"{_repeats(ours)}", [got])]
 
 
 def _link_rows(p: _Picker) -> list[HeadlineRow]:
@@ -272,7 +272,7 @@ def _link_rows(p: _Picker) -> list[HeadlineRow]:
                 f"Throughput kept on a simulated {_link(link)} link, vs an unlimited one",
                 f"streaming EDiT {_times(kept['edit-streaming'])}",
                 f"DiLoCo {_times(kept['diloco'])}; synchronous {_times(kept['sync'])}",
-                f"2 replicas, H = {st.get('sync_interval')}; "
+                f"H = {st.get('sync_interval')}; "
                 f"{_repeats(kept['edit-streaming'])}", [got]))
     for link in ("1MB/s+50ms", "0.25MB/s+50ms"):
         runs = [(dr, _get(dr[1], "edit-sparse", link, "vs_unlimited"),
@@ -286,7 +286,7 @@ def _link_rows(p: _Picker) -> list[HeadlineRow]:
                 f"Throughput kept on a simulated {_link(link)} link, vs an unlimited one",
                 "sparse 2-bit EDiT " + " / ".join(_times(s) for _, s, _ in runs) + several,
                 "DiLoCo " + " / ".join(_times(d) for _, _, d in runs),
-                f"2 replicas, H = {runs[0][0][1].get('settings', {}).get('sync_interval')}; "
+                f"H = {runs[0][0][1].get('settings', {}).get('sync_interval')}; "
                 f"{_repeats(runs[0][1])}", [dr for dr, _, _ in runs]))
     got = p.last("real_link", ["sparse-topk2", "streaming-int8"])
     if got:
@@ -298,7 +298,7 @@ def _link_rows(p: _Picker) -> list[HeadlineRow]:
                 f"Throughput kept on a real {st.get('rate')} link (network namespaces, tc), "
                 "vs unshaped",
                 f"sparse 2-bit EDiT {_times(sparse)}", f"int8 streaming EDiT {_times(stream)}",
-                f"2 replicas; {_repeats(sparse)}", [got]))
+                f"{_repeats(sparse)}", [got]))
     return rows
 
 
@@ -326,7 +326,7 @@ def _peers_rows(p: _Picker) -> list[HeadlineRow]:
             ": validation loss; tokens/s",
             f"{_same(losses[0])}; {spread_cell(speeds[0])} tok/s",
             f"{_same(losses[1])}; {spread_cell(speeds[1])} tok/s",
-            f"same model and data, 2 replicas; {_repeats(speeds[0])}{agree}", [(d, r)]))
+            f"same model and data; {_repeats(speeds[0])}{agree}", [(d, r)]))
     return rows
 
 
@@ -341,7 +341,8 @@ def _faults_row(p: _Picker) -> list[HeadlineRow]:
     if ft.get("median") is None or restart.get("median") is None:
         return []
     return [p.row(
-        "Useful tokens lost when one of 2 replicas is killed (in a fixed window)",
+        f"Useful tokens lost when one of {st.get('replicas')} replicas is killed (in a fixed "
+        "window)",
         f"--ft {_percent(ft)}", f"restart from a checkpoint {_percent(restart)}",
         f"{st.get('steps')} steps, H = {st.get('sync_interval')}, killed: {st.get('fail')}; "
         f"{_repeats(ft)}", [got])]
