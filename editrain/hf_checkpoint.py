@@ -15,6 +15,7 @@ there are several), the run's tokenizer files and a short README naming the run.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import warnings
 from collections.abc import Mapping
@@ -36,7 +37,7 @@ from editrain.checkpoint import (
     open_checkpoint,
     saved_tensors,
 )
-from editrain.errors import CheckpointError
+from editrain.errors import CheckpointError, RunDirError
 from editrain.models.hf_dir import (
     INDEX_FILE,
     SINGLE_FILE,
@@ -48,7 +49,16 @@ from editrain.models.hf_dir import (
 )
 from editrain.models.hf_llama import llama_config_to_hf, to_hf_name
 from editrain.models.llama import LlamaConfig
-from editrain.safe_io import make_dir, open_write, write_atomic
+from editrain.safe_io import (
+    List,
+    Obj,
+    Str,
+    make_dir,
+    open_write,
+    read_bytes,
+    read_json,
+    write_atomic,
+)
 from editrain.safe_load import SafeFileSystemReader, SafeLoadPlanner, read_metadata
 from editrain.sync.state import global_model_keys
 
@@ -66,6 +76,9 @@ EXPORT_RECORD = "editrain_export.json"
 """Written into every export: the files it wrote (all a later export may replace)."""
 RUN_TOKENIZER_DIR = "tokenizer"
 """``RUN_DIR/tokenizer/``: the run's tokenizer files, which an export copies."""
+TOKENIZER_MAX_BYTES = 256 << 20
+"""The largest tokenizer file an export copies (a large vocabulary's tokenizer.json is tens
+of MB)."""
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 DEFAULT_EOS = "<|endoftext|>"
 """The end-of-text token of the BPE editrain trains (:mod:`editrain.data.tokenizer`)."""
@@ -238,7 +251,7 @@ def _hf_tensors(tensors: Mapping[str, torch.Tensor], llama: bool, config: Mappin
 
 def _write_shards(out: Path, tensors: dict[str, torch.Tensor], max_shard_bytes: int
                   ) -> list[str]:
-    from safetensors.torch import save_file
+    from safetensors.torch import save
 
     shards: list[dict[str, torch.Tensor]] = [{}]
     size = 0
@@ -250,18 +263,27 @@ def _write_shards(out: Path, tensors: dict[str, torch.Tensor], max_shard_bytes: 
         shards[-1][name] = t
         size += n
     if len(shards) == 1:
-        save_file(shards[0], str(out / SINGLE_FILE), metadata={"format": "pt"})
+        _write(out, SINGLE_FILE, save(shards[0], metadata={"format": "pt"}))
         return [SINGLE_FILE]
     names = [f"model-{i:05d}-of-{len(shards):05d}.safetensors"
              for i in range(1, len(shards) + 1)]
     weight_map = {}
     for name, shard in zip(names, shards):
-        save_file(shard, str(out / name), metadata={"format": "pt"})
+        _write(out, name, save(shard, metadata={"format": "pt"}))
         weight_map.update(dict.fromkeys(shard, name))
     total = sum(t.numel() * t.element_size() for t in tensors.values())
-    (out / INDEX_FILE).write_text(json.dumps(
+    _write(out, INDEX_FILE, json.dumps(
         {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1) + "\n")
     return [*names, INDEX_FILE]
+
+
+def _write(out: Path, name: str, data: str | bytes) -> None:
+    """One file of an export: written whole beside its place and renamed over it, never
+    through a link (a link already at ``out/name`` is refused by name, not followed)."""
+    try:
+        write_atomic(out / name, data, root=out)
+    except RunDirError as e:
+        raise CheckpointError(f"export: {e}") from None
 
 
 def _prepare_out(out: Path) -> None:
@@ -272,14 +294,12 @@ def _prepare_out(out: Path) -> None:
         out.mkdir(parents=True, exist_ok=True)
         return
     record = out / EXPORT_RECORD
-    if not record.is_file():
+    if not os.path.lexists(record):
         raise CheckpointError(f"export: {out} is not empty and is not an earlier export (no "
                               f"{EXPORT_RECORD}); choose an empty or new directory")
-    try:
-        files = json.loads(record.read_text())["files"]
-    except (OSError, ValueError, KeyError, TypeError):
-        raise CheckpointError(f"export: {record} is unreadable; remove the directory "
-                              "yourself or choose another") from None
+    files = read_json(record, max_bytes=1 << 20, what="export record",
+                      schema=Obj({"files": List(Str(255), 1 << 16)}, required=("files",)),
+                      error=CheckpointError)["files"]
     for name in [*files, EXPORT_RECORD]:
         p = out / Path(str(name)).name  # never anything outside ``out``
         if p.is_file() and not p.is_symlink():
@@ -347,16 +367,16 @@ def export_checkpoint(path: str | Path, out: str | Path, replica: int | None = N
         config = llama_config_to_hf(LlamaConfig(**model_cfg), **ids)
     else:
         config = {**model_cfg, **ids}
-    (out / "config.json").write_text(json.dumps(config, indent=1) + "\n")
+    _write(out, "config.json", json.dumps(config, indent=1) + "\n")
     files.append("config.json")
     if tok_dir is not None:
         for name in TOKENIZER_FILES:
             if (tok_dir / name).is_file():
-                shutil.copyfile(tok_dir / name, out / name)
+                _write(out, name, read_bytes(tok_dir / name, TOKENIZER_MAX_BYTES))
                 files.append(name)
     method = marker.get("method", "?")
     step = marker.get("step", "?")
-    (out / "README.md").write_text(
+    _write(out, "README.md",
         f"# Exported by editrain\n\n"
         f"- run: {marker.get('run_id') or run_dir}\n"
         f"- method: {method}\n"
@@ -367,7 +387,7 @@ def export_checkpoint(path: str | Path, out: str | Path, replica: int | None = N
         f"Load it with `transformers.AutoModelForCausalLM.from_pretrained(<this directory>)`"
         f" and `AutoTokenizer.from_pretrained(<this directory>)`.\n")
     files.append("README.md")
-    (out / EXPORT_RECORD).write_text(json.dumps(
+    _write(out, EXPORT_RECORD, json.dumps(
         {"files": files, "checkpoint": str(ckpt), "step": step, "method": method,
          "source": source}, indent=1) + "\n")
     return Exported(out, ckpt, source, files)

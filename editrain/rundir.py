@@ -70,7 +70,7 @@ MARKER = "editrain.json"
 
 RUN_FILES = ("config.toml", "metrics.jsonl", "summary.json", "loss_vs_tokens.png",
              "loss_vs_time.png", "ranks", "tb", "checkpoints", "logs", ".link", "wandb",
-             RUN_ID_FILE)
+             "tokenizer", "export", RUN_ID_FILE)
 """Entries of a run directory that editrain writes (besides ``replica{r}/`` of a
 fault-tolerant run, the record and the lock)."""
 
@@ -230,6 +230,15 @@ _FILES_IN = {
     "tb": re.compile(r"events\.out\.tfevents\..+"),
     ".link": re.compile(r"[^/]+\.state"),
     "logs": _LOG_FILE,
+    # the run's tokenizer files and checkpoint.export_final's Hugging Face directory
+    # (editrain.hf_checkpoint: RUN_TOKENIZER_DIR, export_checkpoint), with the leftovers
+    # of their atomic writes
+    "tokenizer": re.compile(r"(tokenizer\.json|tokenizer_config\.json|"
+                            r"special_tokens_map\.json)(\.tmp)?"),
+    "export": re.compile(r"(config\.json|model\.safetensors|model-\d{5}-of-\d{5}\.safetensors|"
+                         r"model\.safetensors\.index\.json|tokenizer\.json|"
+                         r"tokenizer_config\.json|special_tokens_map\.json|README\.md|"
+                         r"editrain_export\.json)(\.tmp)?"),
 }
 """Directories of a run that hold only files editrain writes, and those files' names."""
 _WALK_LIMIT = 1 << 16

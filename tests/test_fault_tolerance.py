@@ -180,6 +180,21 @@ def test_cli_ft_run_survives_a_dead_replica_group(tmp_path, data_cache):
     assert after[0] > groups["2"]["healed_at"] and after[-1] == total
 
 
+def _without_ft_options(args: list[str]) -> list[str]:
+    """``args`` less the ``--dist.ft_*`` options and their values: they apply only with
+    ``--ft``, and the plain run refuses them by name."""
+    out: list[str] = []
+    skip = False
+    for a in args:
+        if skip:
+            skip = False
+        elif a.startswith("--dist.ft_"):
+            skip = "=" not in a
+        else:
+            out.append(a)
+    return out
+
+
 def _plain_and_ft(tmp_path, cache, args: list[str]):
     """The run of ``args`` in the plain mode and with ``--ft`` (2 replica groups, both
     finished); returns the data cache, both run directories and the ``--ft`` summary."""
@@ -188,7 +203,7 @@ def _plain_and_ft(tmp_path, cache, args: list[str]):
     from tests.test_checkpoint import train
 
     plain, ft = tmp_path / "plain", tmp_path / "ft"
-    train(cache, plain, *args)
+    train(cache, plain, *_without_ft_options(args))
     train(cache, ft, "--ft", *args)
     summary = json.loads((ft / "summary.json").read_text())
     assert summary["finished_replicas"] == 2 and summary["replicas"] == 2

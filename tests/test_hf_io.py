@@ -450,6 +450,28 @@ def test_export_and_sample_from_the_cli(trained, tmp_path, capsys):
     assert sorted(p.name for p in other.iterdir()) == ["notes.txt"]
     code, _, err = _main(capsys, "export", run, tmp_path / "r9", "--replica", "9")
     assert code == 2 and "holds no replica 9" in err
+    # every file of an export is read and written without following a link: a link put
+    # in place of one of an earlier export's files is refused by name, its target intact
+    for name in ("model.safetensors", "config.json", "README.md", EXPORT_RECORD):
+        linked = tmp_path / f"linked-{name}"
+        assert _main(capsys, "export", run, linked)[0] == 0
+        target = tmp_path / f"target-{name}"
+        target.write_text("theirs")
+        (linked / name).unlink()
+        (linked / name).symlink_to(target)
+        code, _, err = _main(capsys, "export", run, linked)
+        assert code == 2 and str(linked / name) in err and len(err.splitlines()) == 1, err
+        assert target.read_text() == "theirs"
+    # --overwrite removes RUN_DIR/export and RUN_DIR/tokenizer as editrain's own, and
+    # refuses by name when a user's file is in one of them
+    from editrain.rundir import foreign_entry
+
+    assert foreign_entry(run / "export") is None and foreign_entry(run / "tokenizer") is None
+    (run / "export" / "notes.md").write_text("mine")
+    try:
+        assert foreign_entry(run / "export") == run / "export" / "notes.md"
+    finally:
+        (run / "export" / "notes.md").unlink()
     # several shards with their index: transformers reads them
     many = export_checkpoint(run, tmp_path / "many", max_shard_bytes=20_000)
     assert "model.safetensors.index.json" in many.files
