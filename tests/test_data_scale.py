@@ -271,10 +271,16 @@ def test_pretokenized_refusals(tmp_path, tokenizer, case, words):
 
 
 # ------------------------------------------------------------------ the benchmark's pieces
-def test_bench_corpus_and_tree_memory(tmp_path):
+def test_bench_corpus_and_tree_memory(tmp_path, monkeypatch):
+    import editrain.bench.data as bench_data
     from editrain.bench.data import make_corpus, run_measured
 
+    # A few sources instead of every installed package (seconds of directory walking):
+    # 200 KB then needs several copies of them.
+    sources = sorted(Path(bench_data.__file__).parent.glob("*.py"))[:6]
+    monkeypatch.setattr(bench_data, "_source_files", lambda: sources)
     size = make_corpus(tmp_path / "c", 200_000)
+    assert (tmp_path / "c" / "copy1").is_dir()
     files = list((tmp_path / "c").rglob("*.py"))
     assert size >= 200_000 and sum(f.stat().st_size for f in files) == size
     assert len({f.read_bytes() for f in files}) == len(files)  # no two files identical
