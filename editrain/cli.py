@@ -120,6 +120,8 @@ def cmd_export(args: argparse.Namespace, extra: list[str]) -> int:
         raise ConfigError(f"export: unexpected argument(s) {' '.join(extra)}")
     if args.replica is not None and args.replica < 0:
         raise ConfigError(f"export --replica: must be >= 0, got {args.replica}")
+    check_path("export: CHECKPOINT", args.checkpoint, "in_dir")
+    check_path("export: OUT", args.out, "out_dir")
     done = export_checkpoint(args.checkpoint, args.out, replica=args.replica)
     print(f"exported {done.checkpoint} ({done.source}) to {done.out}")
     return 0
@@ -136,6 +138,7 @@ def cmd_sample(args: argparse.Namespace, extra: list[str]) -> int:
                               f"{getattr(args, name)}")
     if not args.temperature >= 0:  # NaN too
         raise ConfigError(f"sample --temperature: must be >= 0, got {args.temperature}")
+    check_path("sample: CHECKPOINT_OR_HF_DIR", args.path, "in_dir")
     loaded = load_for_sampling(args.path, replica=args.replica)
     prompt = loaded.tokenizer.encode(args.prompt).ids
     new = generate(loaded.model, prompt, args.max_new_tokens, temperature=args.temperature,

@@ -251,6 +251,9 @@ COMMANDS = {
     "plan PLAN.toml": (lambda p: ["plan", p], "PLAN.toml", IN_FILE),
     "plan --calibrate": (lambda p: ["plan", "--calibrate", p], "--calibrate", IN_DIR),
     "bench --out": (lambda p: ["bench", "default", "--out", p], "--out", OUT),
+    "export CHECKPOINT": (lambda p: ["export", p, "OUT"], "CHECKPOINT", IN_DIR),
+    "export OUT": (lambda p: ["export", "RUN", p], "OUT", OUT),
+    "sample PATH": (lambda p: ["sample", p, "--prompt", "x"], "CHECKPOINT_OR_HF_DIR", IN_DIR),
     "bench report --path": (lambda p: ["bench", "report", "--path", p], "--path",
                             ("dir", "device", "under_file")),
 }
