@@ -542,6 +542,8 @@ def run_meta(cfg: Any, vocab_size: int, topology: tuple[int, ...] | None = None,
     import dataclasses
 
     from editrain.config import model_config, to_dict
+    from editrain.config.model import hf_source
+    from editrain.models.hf import config_path
 
     source = hf_source(cfg)
     if source:
@@ -612,8 +614,6 @@ def _decodable(marker: dict[str, Any]) -> Callable[[str], bool] | None:
 
 
 def _check_items(ckpt: Path, marker: dict[str, Any], metadata: Metadata) -> None:
-    from editrain.config.model import hf_source
-    from editrain.models.hf import config_path
     """Refuse non-tensor items that loading would not decode, and check the storage."""
     decodable = _decodable(marker) or (lambda fqn: False)
     for fqn, item in metadata.state_dict_metadata.items():

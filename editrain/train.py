@@ -108,12 +108,12 @@ class Trainer:
             self.model = build_stage(self.model, info.stage, info.topo.pp_size,
                                      cfg.dist.pp_stages_per_rank)
         blocks = shard_model(cfg, self.model, info)
-        # The simulated link is one FIFO per replica, shared by the replica's ranks.
-        self.sim = Simulation(plan, self.replica, cfg.sim.replica_offset, self.global_rank,
         if cfg.model.init_from is not None and not cfg.resume:
             # Pretrained weights seed step 0, into the shards (each rank reads its own),
             # before the engine takes its anchors from them; a resume overwrites them.
             load_hf_weights(self.model, cfg.model.init_from)
+        # The simulated link is one FIFO per replica, shared by the replica's ranks.
+        self.sim = Simulation(plan, self.replica, cfg.sim.replica_offset, self.global_rank,
                               t.seed, self.run_dir / ".link" / f"replica{self.replica}.state")
         # In the fault-tolerant mode this job is the replica group: a rank's place in it is
         # its rank (its (stage, shard, tp) position on the group's mesh, the same in every
@@ -178,11 +178,11 @@ class Trainer:
                           wandb_project=cfg.train.wandb_project, config=to_dict(cfg),
                           quiet=cfg.quiet) if self.is_logger else []))
         self.rank_log = RankLog(self.run_dir, info.rank)
-        self.wall_start = time.perf_counter()
-
         if self.is_logger:  # for editrain export
             save_run_tokenizer(self.run_dir, self.data.corpus.tokenizer_path,
                                tokenizer_source(cfg)[1])
+        self.wall_start = time.perf_counter()
+
     # ------------------------------------------------------------------ the loop
     def train(self) -> dict[str, Any]:
         """Run to the end of the budget; returns the final summary."""
@@ -386,14 +386,14 @@ class Trainer:
                          "wall_time_s": self._wall()})
         if self.cfg.checkpoint.final or self.cfg.checkpoint.every:
             self.save()
+        if self.cfg.checkpoint.export_final and self.is_logger:
+            done = export_checkpoint(self.run_dir, self.run_dir / "export")
+            log.warning("exported %s (%s) to %s", done.checkpoint, done.source, done.out)
         return final_val
 
     def _summary(self, final_val: float) -> dict[str, Any]:
         """The run's summary (rank 0 writes it to ``summary.json``)."""
         topo = self.info.topo
-        if self.cfg.checkpoint.export_final and self.is_logger:
-            done = export_checkpoint(self.run_dir, self.run_dir / "export")
-            log.warning("exported %s (%s) to %s", done.checkpoint, done.source, done.out)
         wall = self._wall()
         summary = {"steps": self.step, "tokens": self._tokens(), "final_val_loss": final_val,
                    "val_tokens": self.val_tokens, "wall_time_s": wall,
