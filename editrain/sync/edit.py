@@ -90,7 +90,10 @@ BeforeSyncHook = Callable[[int], None]
 
 def _part(part: str, name: str, doc: str) -> property:
     """A read-only engine attribute that is ``name`` of one of its parts (e.g. a counter)."""
-    return property(lambda self: getattr(getattr(self, part), name), doc=doc)
+    def get(self: SyncEngine) -> Any:
+        return getattr(getattr(self, part), name)
+    get.__doc__ = doc
+    return property(get)
 
 
 class SyncEngine:
