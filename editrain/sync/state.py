@@ -48,7 +48,8 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from editrain.safe_io import read_json_value
+from editrain.errors import CheckpointError
+from editrain.safe_io import Bool, Int, List, Num, Obj, Str, read_json_value
 from editrain.sync.outer import SyncUnit, local_view
 
 VERSION = 2
@@ -70,11 +71,39 @@ def json_tensor(obj: Any) -> torch.Tensor:
     return torch.frombuffer(bytearray(json.dumps(obj).encode()), dtype=torch.uint8).clone()
 
 
+_COUNT = Int(0, 2**53)
+PLAIN_STATE_SCHEMA = Obj({
+    "version": Int(0, 1 << 20), "topology": List(Int(1, 1 << 20), 4),
+    **dict.fromkeys(("global_step", "steps_since_sync", "num_syncs", "num_skipped_syncs",
+                     "num_syncs_forced", "next_index"), _COUNT),
+    "synced_replica_steps": Num(0.0, 2.0**53), "last_window_s": Num(0.0, 1e12),
+    "spent": Bool(), "rng": Obj({"seed": Int(-(2**63), 2**64)}, required=("seed",)),
+    "stateful_units": List(Int(0, 1 << 20), 1 << 20), "unit_names": List(Str(1024), 1 << 20),
+    "stage": Int(0, 1 << 20),
+}, required=("version", "topology", "stateful_units"))
+"""What a rank's plain engine state must hold where the code reads it as a number: every
+counter an integer in range (never a bool, a float, NaN or a string), the progress a finite
+non-negative number, wherever present (a state saved by one rank for another layout may
+leave some out). Checked when the state is unpacked, before anything is restored."""
+
+
 def from_json_tensor(t: torch.Tensor, where: str = "checkpoint: the engine's plain state"
                      ) -> Any:
     """Inverse of :func:`json_tensor`, through editrain's one JSON reader (bounded nesting,
     a one-line :class:`~editrain.errors.CheckpointError` naming ``where``)."""
     return read_json_value(bytes(t.cpu().numpy().tobytes()), where)
+
+
+def read_plain_state(t: torch.Tensor, rank: str) -> dict[str, Any]:
+    """A saved rank's plain engine state, checked against :data:`PLAIN_STATE_SCHEMA`.
+
+    Raises:
+        CheckpointError: one line naming the rank's entry and the field.
+    """
+    where = f"checkpoint: the engine's plain state of {rank}"
+    value = from_json_tensor(t, where)
+    PLAIN_STATE_SCHEMA.check(value, where, "", CheckpointError)
+    return value
 
 
 class StateLayout:
@@ -241,26 +270,28 @@ class StateLayout:
         ranks = tree["ranks"]
         # A tree saved by one rank without DCP (torch.save of its own state_dict()) holds
         # that rank's entry only: it stands in for rank 0's.
-        head = ranks.get(rank_key(0), ranks.get(rank_key(self.rank)))
-        if head is None:
+        head_key = rank_key(0) if rank_key(0) in ranks else rank_key(self.rank)
+        if head_key not in ranks:
             raise ValueError(f"the state holds neither rank 0's nor this rank's "
                              f"({self.rank}) plain state: it was saved by another rank")
-        first = from_json_tensor(head)
+        first = from_json_tensor(ranks[head_key])
         if first.get("version") != VERSION:
             raise ValueError(f"sync engine state version {first.get('version')!r}; this "
                              f"editrain reads version {VERSION}")
+        first = read_plain_state(ranks[head_key], head_key)
         elastic = tuple(first["topology"]) != self.topology or rank_key(self.rank) not in ranks
         if self.staged and elastic:
             # The plain state of the first saved rank of this stage (its units, detectors).
             for name in sorted(ranks):
-                other = from_json_tensor(ranks[name])
+                other = read_plain_state(ranks[name], name)
                 if other.get("stage", 0) == self.stage:
                     first = other
                     break
             else:
                 raise ValueError(f"the saved state holds no rank of pipeline stage "
                                  f"{self.stage}")
-        plain = first if elastic else from_json_tensor(ranks[rank_key(self.rank)])
+        plain = first if elastic else read_plain_state(ranks[rank_key(self.rank)],
+                                                       rank_key(self.rank))
         params = tree.get("params", {})
         own = tree.get("replicas", {}).get(str(self.replica), {})
         if first["topology"][0] != self.topology[0]:
