@@ -28,6 +28,7 @@ from torch.distributed.elastic.multiprocessing import LogsDest, LogsSpecs
 
 from editrain import rundir
 from editrain.config import Config, dumps_toml, to_dict, validate_world
+from editrain.config.applicability import drop_inapplicable
 from editrain.corpus import prepare_data
 from editrain.rundir import logs_dir
 from editrain.runtime import worker_threads
@@ -122,7 +123,10 @@ def prepare_run_dir(cfg: Config, run_dir: Path, lock: rundir.RunLock | None = No
         record = rundir.claim(check_run_dir(cfg, run_dir))
         if cfg.resume and (run_dir / "config.toml").exists():
             return record  # the run's own record of its configuration stays as it was
-        data = to_dict(resolved(cfg))
+        # Resolved, less what the method or mode does not use (a method's resolved sync
+        # interval under `sync`, say): the file must load back as the run's configuration,
+        # and the loader refuses an option set where it does nothing.
+        data = drop_inapplicable(to_dict(resolved(cfg)))
         data["run_dir"] = str(run_dir)
         write_atomic(run_dir / "config.toml", dumps_toml(data), root=run_dir)
         return record

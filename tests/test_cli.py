@@ -592,7 +592,8 @@ def test_outer_optimizer_name_never_imports_a_module(how, tmp_path, capsys, monk
 
 def test_corrupted_token_cache_is_refused_before_any_worker(tmp_path, capsys, no_workers):
     """A token cache file damaged in place (same size, ids beyond the vocabulary) fails
-    with one line naming the file and how to rebuild it, not inside the workers."""
+    with one line naming the file and how to rebuild it, not inside the workers (its
+    checksum, recorded at build time, catches it before the scan of its ids would)."""
     cache = tmp_path / "cache"
     args = [*tiny(cache), "--data.max_bytes", "60000"]
     from editrain.config import parse_overrides
@@ -610,7 +611,7 @@ def test_corrupted_token_cache_is_refused_before_any_worker(tmp_path, capsys, no
     err = capsys.readouterr().err
     assert code == 2, err
     line = error_line(err)
-    for w in ("data.cache_dir", str(train_bin), "corrupted", "65535", "512",
+    for w in ("data.cache_dir", str(train_bin), "corrupted", "checksum",
               f"delete {data.cache_dir}"):
         assert w in line, (w, err)
     assert not run_dir.exists()

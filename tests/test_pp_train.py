@@ -135,6 +135,12 @@ HF_LLAMA = {"model_type": "llama", "hidden_size": 32, "intermediate_size": 64,
 """A tiny Hugging Face LlamaForCausalLM, untied (4 layers: 2 per stage)."""
 
 
+def _default_preset() -> str:
+    from editrain.config.schema import ModelSection
+
+    return ModelSection().preset
+
+
 def _hf_config(path: Path, **changes: object) -> str:
     path.write_text(json.dumps({**HF_LLAMA, **changes}))
     return str(path)
@@ -151,16 +157,19 @@ def test_hf_pp_run_follows_the_run_without_pp(runs, tmp_path_factory, variant: s
     clipped syncs: the validation loss drops 0.029 in 10 steps (with a 2-step warm-up),
     so "it learns" asks for 0.02 here."""
     pytest.importorskip("transformers", reason="the hf extra is not installed")
-    config = _hf_config(tmp_path_factory.mktemp("hf") / "config.json")
+    # The shape comes from the config.json: the base arguments' preset (tiny) is put back
+    # to the default, as the loader refuses a preset set beside model.hf_config.
+    config = [_hf_config(tmp_path_factory.mktemp("hf") / "config.json"), "--model.preset",
+              _default_preset()]
     if variant == "2x2":
-        hf = ["--model.hf_config", config, *COMMON[len(UNTIED):],
+        hf = ["--model.hf_config", *config, *COMMON[len(UNTIED):],
               "--train.warmup_steps", "2"]
         plain = runs("--nproc", "2", "--shard-size", "1", *hf)
         pp = runs("--nproc", "4", "--shard-size", "1", "--dist.pp_size", "2", *hf)
     else:
         # (the default warm-up: with a 2-step one bf16's rounding drifts the two runs
         # apart by 1.7e-4 (2.7e-5 relative) by step 8, too close to TOL; 9e-5 with it)
-        hf = ["--model.hf_config", config, *SHARDED[len(UNTIED):], "--train.precision",
+        hf = ["--model.hf_config", *config, *SHARDED[len(UNTIED):], "--train.precision",
               "bf16"]
         plain = runs("--nproc", "2", "--shard-size", "2", *hf)
         pp = runs("--nproc", "4", "--shard-size", "2", "--dist.pp_size", "2", *hf,
