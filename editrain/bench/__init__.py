@@ -164,6 +164,10 @@ def run_scenario(name: str, quick: bool = False, out_dir: str | None = None,
     bench = Bench(name, mode, results_dir, user_overrides=overrides,
                   command=command_line(name, quick, out_dir, shown), flags=flags)
     bench.log(f"{mode} size; results in {results_dir}")
+    if hasattr(module, "SCENARIO"):  # a declared scenario: the one runner executes it
+        from editrain.bench.scenario import execute
+
+        return execute(module.SCENARIO, bench)
     return module.run(bench)
 
 

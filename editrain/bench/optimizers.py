@@ -10,16 +10,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from editrain.bench.runner import Bench
+from editrain.bench.scenario import Ctx, Job, Scenario, Table, Verdict
 from editrain.bench.stats import mean_std
-from editrain.bench.tables import cell, md_table
 
-NAME = "optimizers"
-DESCRIPTION = (
-    "Inner optimizers side by side: AdamW, AGD (lr / 10, delta 1e-14) and AdamW wrapped by "
-    "WSAM (rho 0.05, gamma 0.9), synchronous training, equal steps, the same seeds; final "
-    "validation loss (mean and spread over seeds) and wall time."
-)
 LR = 3e-3
 VARIANTS: dict[str, dict[str, Any]] = {
     "adamw": {"optim": {"name": "adamw"}},
@@ -28,29 +21,25 @@ VARIANTS: dict[str, dict[str, Any]] = {
 }
 
 
-def run(bench: Bench) -> dict[str, Any]:
-    """Run the scenario; returns the record written to ``results.json``."""
-    seeds = int(bench.flags.get("seeds") or bench.pick(1, 3, 3))
+def _setup(bench: Any) -> dict[str, Any]:
     steps = bench.pick(8, 150, 300)
-    common = {"train": {"steps": steps, "lr": LR, "eval_every": max(1, steps // 5)},
-              "sync": {"method": "sync"}}
-    for v in VARIANTS.values():
-        bench.check(common, v)
-    runs = {name: [bench.train(f"{name}-seed{s}", common, v, {"train": {"seed": s}})
-                   for s in range(seeds)]
-            for name, v in VARIANTS.items()}
+    return {"seeds": int(bench.flags.get("seeds") or bench.pick(1, 3, 3)), "steps": steps,
+            "common": {"train": {"steps": steps, "lr": LR, "eval_every": max(1, steps // 5)},
+                       "sync": {"method": "sync"}}}
 
-    results: dict[str, Any] = {}
-    rows = []
-    for name, rs in runs.items():
-        vals = mean_std(r.final_val_loss for r in rs)
-        wall = mean_std(r.summary.get("wall_time_s") for r in rs if r.ok)
-        results[name] = {"final_val_loss": vals, "wall_time_s": wall,
-                         "per_seed": [r.final_val_loss for r in rs]}
-        rows.append([name, cell(vals["mean"]), cell(vals["std"]), cell(vals["min"]),
-                     cell(vals["max"]), f"{vals['n']}/{seeds}", cell(wall["mean"])])
-    table = md_table(["optimizer", "final val loss (mean)", "std", "min", "max", "seeds ok",
-                      "wall s (mean)"], rows)
+
+def _measure(ctx: Ctx) -> dict[str, Any]:
+    out = {}
+    for name in VARIANTS:
+        rs = [ctx.runs[f"{name}-seed{s}"] for s in range(ctx.seeds)]
+        out[name] = {"final_val_loss": mean_std(r.final_val_loss for r in rs),
+                     "wall_time_s": mean_std(r.summary.get("wall_time_s") for r in rs if r.ok),
+                     "per_seed": [r.final_val_loss for r in rs]}
+    return out
+
+
+def _judge(ctx: Ctx) -> Verdict:
+    results = ctx.results
     means = {k: v["final_val_loss"]["mean"] for k, v in results.items()
              if v["final_val_loss"]["mean"] is not None}
     findings = []
@@ -59,16 +48,38 @@ def run(bench: Bench) -> dict[str, Any]:
         findings.append(f"Lowest mean final validation loss: {best} ({means[best]:.4f}); "
                         + ", ".join(f"{k} {v:.4f}" for k, v in sorted(means.items(),
                                                                       key=lambda kv: kv[1])))
-    if "adamw+wsam" in results and "adamw" in results:
-        w, a = results["adamw+wsam"]["wall_time_s"]["mean"], results["adamw"]["wall_time_s"]["mean"]
-        if w and a:
-            findings.append(f"WSAM's two passes per step cost {w / a:.2f}x AdamW's wall time.")
-    return bench.finish(
-        settings={"steps": steps, "seeds": seeds, "lr": LR, "agd_lr": LR / 10},
-        methods=list(VARIANTS), results=results, tables=[("Final validation loss", table)],
-        findings=findings, description=DESCRIPTION,
-        notes=["Equal inner steps, not equal wall time: WSAM does two forward/backward "
-               "passes per step.",
-               "No hyper-parameter search: AdamW's lr is the trainer default, AGD uses a "
-               "tenth of it as its authors suggest; a tuned AGD or WSAM may do better."],
-    )
+    w, a = results["adamw+wsam"]["wall_time_s"]["mean"], results["adamw"]["wall_time_s"]["mean"]
+    if w and a:
+        findings.append(f"WSAM's two passes per step cost {w / a:.2f}x AdamW's wall time.")
+    return Verdict(findings=findings)
+
+
+def _loss(key: str):
+    return lambda row: row[1]["final_val_loss"][key]
+
+
+SCENARIO = Scenario(
+    name="optimizers",
+    description=(
+        "Inner optimizers side by side: AdamW, AGD (lr / 10, delta 1e-14) and AdamW wrapped "
+        "by WSAM (rho 0.05, gamma 0.9), synchronous training, equal steps, the same seeds; "
+        "final validation loss (mean and spread over seeds) and wall time."),
+    setup=_setup,
+    runs=lambda ctx: [Job(f"{name}-seed{s}", (ctx.common, v, {"train": {"seed": s}}))
+                      for name, v in VARIANTS.items() for s in range(ctx.seeds)],
+    measure=_measure,
+    tables=[Table("Final validation loss", [
+        ("optimizer", None), ("final val loss (mean)", _loss("mean")), ("std", _loss("std")),
+        ("min", _loss("min")), ("max", _loss("max")),
+        ("seeds ok", lambda row: f"{row[1]['final_val_loss']['n']}/{len(row[1]['per_seed'])}"),
+        ("wall s (mean)", lambda row: row[1]["wall_time_s"]["mean"])])],
+    judge=_judge,
+    settings=lambda ctx: {"steps": ctx.steps, "seeds": ctx.seeds, "lr": LR, "agd_lr": LR / 10},
+    notes=lambda ctx: [
+        "Equal inner steps, not equal wall time: WSAM does two forward/backward passes per "
+        "step.",
+        "No hyper-parameter search: AdamW's lr is the trainer default, AGD uses a tenth of it "
+        "as its authors suggest; a tuned AGD or WSAM may do better."],
+)
+NAME = SCENARIO.name
+DESCRIPTION = SCENARIO.description

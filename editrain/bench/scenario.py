@@ -1,0 +1,203 @@
+"""A scenario as a declaration, and the one runner that executes every declared scenario.
+
+A scenario module declares ``SCENARIO = Scenario(...)``: how it sizes itself
+(``setup``), its training runs (``runs``: a list of :class:`Job`, or a generator that
+yields one job at a time and is sent each finished run, for runs that depend on earlier
+ones), what it measures from them (``measure``), its tables (:class:`Table`), its plots,
+its verdict (targets, findings, shortfalls, headline) and how it was measured (``notes``).
+:func:`execute` does the rest the same way for every scenario: check every run's options
+before the first starts, run the jobs (progress, time limits, ``--reuse``), derive the
+numbers, render the tables, draw the plots and write the record (``Bench.finish``).
+
+Every callable takes the scenario's :class:`Ctx`: the :class:`~editrain.bench.runner.Bench`
+(``ctx.bench``), what ``setup`` put there, the finished runs by label (``ctx.runs``) and,
+once measured, the numbers (``ctx.results``).
+"""
+
+from __future__ import annotations
+
+import types
+from collections.abc import Callable, Iterable, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+from editrain.bench.plots import pyplot, save_figure
+from editrain.bench.tables import md_table
+
+
+class Ctx(types.SimpleNamespace):
+    """A scenario's state: ``bench``, ``runs`` (label -> run), ``results``, and whatever
+    the scenario's ``setup`` returned (its sizes, option layers...)."""
+
+
+@dataclass
+class Job:
+    """One training run: ``editrain train`` with the base options, then ``layers``, then
+    the user's options, then ``last`` (see :meth:`~editrain.bench.runner.Bench.train`)."""
+
+    label: str
+    layers: Sequence[dict[str, Any] | None] = ()
+    title: str | None = None
+    last: dict[str, Any] | None = None
+
+
+@dataclass
+class Table:
+    """A Markdown table of the record: one row per item of ``rows(ctx)`` (default: the
+    ``(name, entry)`` pairs of ``ctx.results``), one cell per column.
+
+    Args:
+        title: the table's title (or a function of the context giving it).
+        columns: ``(header, cell)`` pairs; ``cell`` is a key of the row's entry (the
+            second item of a ``(name, entry)`` row), ``None`` for the row's name, or a
+            function of the row.
+        rows: the rows (default: ``ctx.results.items()``).
+    """
+
+    title: str | Callable[[Ctx], str]
+    columns: Sequence[tuple[str, str | Callable[[Any], Any] | None]]
+    rows: Callable[[Ctx], Iterable[Any]] | None = None
+
+    def render(self, ctx: Ctx) -> tuple[str, str]:
+        """``(title, markdown)`` of the table in the context's numbers."""
+        items = self.rows(ctx) if self.rows else ctx.results.items()
+        body = [[_cell(row, how) for _, how in self.columns] for row in items]
+        title = self.title(ctx) if callable(self.title) else self.title
+        return title, md_table([h for h, _ in self.columns], body)
+
+
+def _cell(row: Any, how: str | Callable[[Any], Any] | None) -> Any:
+    """One cell of a row (see :class:`Table`)."""
+    if how is None:
+        return row[0]
+    if isinstance(how, str):
+        return row[1][how]
+    return how(row)
+
+
+@dataclass
+class Verdict:
+    """What the numbers say: target checks, findings, shortfalls, summary sentences."""
+
+    targets: list[dict[str, Any]] = field(default_factory=list)
+    findings: list[str] = field(default_factory=list)
+    shortfalls: list[str] = field(default_factory=list)
+    headline: list[str] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)
+
+
+def _nothing(ctx: Ctx) -> Any:
+    return None
+
+
+@dataclass
+class Scenario:
+    """A benchmark scenario, declared (see the module's docstring).
+
+    Args:
+        name: the scenario's name (``editrain bench NAME``).
+        description: one paragraph: what it measures.
+        setup: sizes and option layers from the bench (its mode and flags): a dict whose
+            items become attributes of the context.
+        runs: the jobs, in order (a list, or a generator sent each finished run).
+        measure: the numbers (``results`` of the record) from ``ctx.runs``.
+        tables: the record's tables.
+        judge: targets, findings, shortfalls and headline from the numbers.
+        notes: how the numbers were measured.
+        settings: what was run, for the record.
+        methods: the compared methods or variants, in table order.
+        plots: functions drawing one PNG each into ``ctx.bench.out_dir``.
+        checks: ``(layers, last)`` of the runs whose options are validated before the
+            first run starts (default: every job of a list of jobs).
+        planned: how many runs will start (default: the length of a list of jobs).
+        repeats: whether the runs are timed and repeated (the record says how often).
+        size_caveat: whether the quick and tiny sizes' numbers differ in kind from the full
+            size's (the report then says so).
+    """
+
+    name: str
+    description: str
+    setup: Callable[[Any], dict[str, Any]]
+    runs: Callable[[Ctx], Any]
+    measure: Callable[[Ctx], dict[str, Any]]
+    tables: Sequence[Table] = ()
+    judge: Callable[[Ctx], Verdict] = lambda ctx: Verdict()
+    notes: Callable[[Ctx], list[str]] = lambda ctx: []
+    settings: Callable[[Ctx], dict[str, Any]] = lambda ctx: {}
+    methods: Callable[[Ctx], Sequence[str]] = lambda ctx: list(ctx.results)
+    plots: Sequence[Callable[[Ctx], Any]] = ()
+    checks: Callable[[Ctx], Iterable[tuple[Sequence[dict], dict | None]]] | None = None
+    planned: Callable[[Ctx], int | None] = _nothing
+    repeats: bool = False
+    size_caveat: bool = True
+
+
+def execute(scenario: Scenario, bench: Any) -> dict[str, Any]:
+    """Run a declared scenario on ``bench`` and write its record; returns the record."""
+    ctx = Ctx(bench=bench, runs={}, results={})
+    for key, value in scenario.setup(bench).items():
+        setattr(ctx, key, value)
+    jobs = scenario.runs(ctx)
+    listed = isinstance(jobs, list | tuple)
+    checks = scenario.checks(ctx) if scenario.checks else \
+        [(j.layers, j.last) for j in jobs] if listed else []
+    for layers, last in checks:
+        bench.check(*layers, last=last)
+    planned = len(jobs) if listed else scenario.planned(ctx)
+    if planned:
+        bench.plan(planned)
+    if listed:
+        for job in jobs:
+            ctx.runs[job.label] = _train(bench, job)
+    else:
+        run = None
+        try:
+            while True:
+                job = jobs.send(run)
+                run = ctx.runs[job.label] = _train(bench, job)
+        except StopIteration:
+            pass
+    ctx.results = scenario.measure(ctx)
+    verdict = scenario.judge(ctx)
+    tables = [t.render(ctx) for t in scenario.tables]
+    plots = [p(ctx) for p in scenario.plots]
+    return bench.finish(
+        settings=scenario.settings(ctx), methods=scenario.methods(ctx), results=ctx.results,
+        tables=tables, targets=verdict.targets, findings=verdict.findings,
+        notes=scenario.notes(ctx), plots=plots, description=scenario.description,
+        shortfalls=verdict.shortfalls, size_caveat=scenario.size_caveat,
+        errors=verdict.errors, headline=verdict.headline,
+        repeats=bench.repeats if scenario.repeats else None)
+
+
+def _train(bench: Any, job: Job) -> Any:
+    return bench.train(job.label, *job.layers, title=job.title, last=job.last)
+
+
+@contextmanager
+def figure(ctx: Ctx, file: str, xlabel: str, ylabel: str, size: tuple[float, float] = (7, 4.5),
+           **axes: Any):
+    """One plot of a scenario: yields its axes, then labels them, draws the grid, saves
+    the PNG into the results directory and puts its path in ``ctx.plot``.
+
+    Args:
+        ctx: the scenario's context.
+        file: the PNG's name.
+        xlabel: the x axis's label.
+        ylabel: the y axis's label.
+        size: the figure's size in inches.
+        axes: further ``Axes.set`` properties (``title``, ``ylim``...).
+    """
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=size)
+    yield ax
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    if axes:
+        ax.set(**axes)
+    ax.grid(alpha=0.3)
+    ctx.plot = save_figure(fig, ctx.bench.out_dir / file)
+
+
+__all__ = ["Ctx", "Job", "Scenario", "Table", "Verdict", "execute", "figure"]

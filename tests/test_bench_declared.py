@@ -1,0 +1,144 @@
+"""Scenarios as declarations (issue 52 item 5): each converted scenario, executed by the one
+runner on synthetic runs, writes the same record and plots as the scenario module did
+before it became a declaration.
+
+The golden records under ``tests/golden/bench/`` were written by the scenario modules as
+they were before the conversion (``python -m tests.test_bench_declared`` regenerates them
+from whatever the modules are now: only do that for a change of what a scenario measures).
+The runs are synthetic: :class:`FakeBench` answers every training job with a run directory
+made up from the job's options and label (deterministic: a hash of the label), so a
+scenario's whole pipeline (its runs, measures, tables, targets, findings, notes, headline
+and plots) runs in well under a second, without training anything.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import sys
+import zlib
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from editrain.bench import run_scenario
+from editrain.bench.runner import Bench
+from editrain.bench.runs import Run
+from editrain.config import load_config, to_dict
+
+GOLDEN = Path(__file__).parent / "golden" / "bench"
+SCENARIOS = ("optimizers", "spikes", "overlap", "convergence", "tune", "scale")
+"""The scenarios whose whole pipeline runs on synthetic runs (the others start processes
+other than training jobs, or read the run's data cache: their smoke tests cover them)."""
+VOLATILE = ("elapsed_s", "started", "machine", "argv", "command")
+"""Record fields that depend on when and where it ran."""
+
+
+def _noise(label: str, salt: str) -> float:
+    """A number in [0, 1) fixed by the label (the same in every interpreter)."""
+    return (zlib.crc32(f"{label}/{salt}".encode()) % 10_000) / 10_000
+
+
+def fake_run(label: str, run_dir: Path, options: dict[str, Any]) -> Run:
+    """A finished run made up from its options: step rows with syncs every H steps,
+    evaluations every ``eval_every`` steps, per-rank rows and a summary."""
+    cfg = load_config(None, options)
+    sync = cfg.sync.resolve()
+    steps, every = cfg.train.steps, max(1, cfg.train.eval_every)
+    nproc, shard = cfg.dist.nproc, cfg.dist.shard_size
+    interval = 1 if sync.method == "sync" else sync.local_sgd_sync_interval
+    speed = 0.05 * (1 + _noise(label, "speed"))
+    rate = 0.01 * (1 + _noise(label, "loss"))
+    config = to_dict(cfg)
+    config["sync"] = asdict(sync)
+    run = Run(label=label, run_dir=run_dir, overrides=options, config=config)
+
+    def val(step: int) -> float:
+        return 9.0 - rate * step + 0.05 * _noise(label, f"val{step}")
+
+    for step in range(1, steps + 1):
+        row = {"step": step, "loss": val(step) + 0.1, "tokens": step * 1024,
+               "wall_time_s": step * speed, "train_time_s": step * speed * 0.9,
+               "step_time_s": speed * (1 + 0.2 * _noise(label, f"t{step}")),
+               "compute_s": speed * 0.7}
+        if step % interval == 0:
+            k = step // interval - 1
+            row["sync"] = {"step": step - 1 if run.layerwise else step, "sync": k,
+                           "wait_s": speed * _noise(label, f"w{k}"),
+                           "sync_time_s": speed * (1 + _noise(label, f"s{k}")),
+                           "comm_time_s": speed * 0.5, "link_delay_s": speed * 0.1,
+                           "bytes_sent": 4096 * (1 + k % 3),
+                           "outlier": [[False, False], [k % 4 == 1, False]]}
+        run.rows.append(row)
+        if step % every == 0 or step == steps:
+            run.evals.append({"step": step, "val_loss": val(step), "tokens": step * 1024,
+                              "wall_time_s": step * speed, "val_tokens": 2048,
+                              "eval_time_s": 0.25})
+    run.evals.insert(0, {"step": 0, "val_loss": val(0), "tokens": 0, "wall_time_s": 0.0,
+                         "val_tokens": 2048, "eval_time_s": 0.25})
+    for rank in range(nproc):
+        run.ranks[rank] = [{"rank": rank, "replica": rank // shard, "shard": rank % shard,
+                            "step": s, "tokens": s * 512, "wall_time_s": s * speed,
+                            "step_time_s": speed, "compute_s": speed * 0.7,
+                            "sync_wait_s": 0.0} for s in range(1, steps + 1)]
+    run.summary = {"final_val_loss": val(steps), "tokens": steps * 1024, "steps": steps,
+                   "wall_time_s": steps * speed + 2.0, "train_time_s": steps * speed * 0.9,
+                   "num_syncs": steps // interval, "val_tokens": 2048}
+    return run
+
+
+class FakeBench(Bench):
+    """A :class:`Bench` whose training jobs are :func:`fake_run` answers."""
+
+    def train(self, label, *layers, title=None, last=None):
+        """Make up the run instead of training it."""
+        options = self._run_options(self.out_dir / "runs" / label, layers, last)
+        return self.record_run(fake_run(label, self.out_dir / "runs" / label, options),
+                               None, title)
+
+
+def run_fake(name: str, out: Path) -> dict[str, Any]:
+    """Scenario ``name`` at the quick size on synthetic runs: its record, less the fields
+    that depend on the time and machine, and a digest of each plot."""
+    from editrain.bench import runner
+
+    saved = runner.Bench  # run_scenario builds its Bench through the runner module
+    runner.Bench = FakeBench
+    try:
+        record = run_scenario(name, quick=True, out_dir=str(out), extra=["--seeds", "2"])
+    finally:
+        runner.Bench = saved
+    for key in VOLATILE:
+        record.pop(key, None)
+    for r in record["runs"].values():
+        r.pop("launch_s", None)
+        r.pop("load_before", None)
+        r.pop("run_dir", None)
+    record["plot_digests"] = {p: hashlib.sha256((out / p).read_bytes()).hexdigest()
+                              for p in record["plots"]}
+    return json.loads(json.dumps(record))
+
+
+@pytest.mark.parametrize("name", SCENARIOS)
+def test_declared_scenario_writes_the_modules_record(name, tmp_path):
+    """The declaration, executed by the one runner, gives the record (every number, table,
+    finding, note, target, headline and run) and the plots the module gave."""
+    want = json.loads((GOLDEN / f"{name}.json").read_text())
+    got = run_fake(name, tmp_path / name)
+    plots_want, plots_got = want.pop("plot_digests"), got.pop("plot_digests")
+    assert got == want
+    assert plots_got == plots_want
+
+
+if __name__ == "__main__":  # regenerate the golden records from the modules as they are
+    import tempfile
+
+    GOLDEN.mkdir(parents=True, exist_ok=True)
+    for scenario in sys.argv[1:] or SCENARIOS:
+        with tempfile.TemporaryDirectory() as tmp:
+            rec = run_fake(scenario, Path(tmp) / scenario)
+        (GOLDEN / f"{scenario}.json").write_text(json.dumps(rec, indent=1, sort_keys=True)
+                                                 + "\n")
+        print(f"wrote {GOLDEN / scenario}.json")
