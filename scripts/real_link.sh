@@ -17,6 +17,7 @@
 #   OUT       results directory, new or empty [real_link_results]; OVERWRITE=1 replaces
 #             the runs of an earlier call in it
 #   SETTINGS  space-separated names of the settings below [streaming-int8 sparse-topk2]
+#   FRAGMENTS fragments of the torchft-d<D> settings [2]; must divide H
 #   PYTHON    the interpreter with editrain installed [python]
 #
 # Settings (the model and data are the bench's quick size: tiny preset, untied embeddings,
@@ -26,6 +27,16 @@
 #   eager-topk2     edit, overlap_steps H, the eager merge, topk2 (a whole round in flight;
 #                   evaluations and the end cost no cross-replica bytes beyond the rounds')
 #   plain-fp32      edit, the layer-wise sync of the next forward, fp32
+#   torchft-d<D>    the peer: torchft's streaming DiLoCo (torchft.local_sgd.DiLoCo through
+#                   editrain.bench.torchft_peer), FRAGMENTS fragments (editrain's units,
+#                   strided as sync.fragments strides them), fragment_sync_delay D
+#                   (0 <= D < H / FRAGMENTS), fragment_update_alpha 0, fp32 all-reduce
+#                   (torchft quantizes only with triton, on a GPU); the same model, data,
+#                   inner optimizer and schedule, H and outer optimizer (edit's) as the
+#                   editrain settings. Its lighthouse runs in the first namespace, at
+#                   ADDR0:LIGHTHOUSE_PORT: the second replica's quorum requests and
+#                   heartbeats cross the shaped link, as its rendezvous with torchrun's
+#                   store (also in the first namespace) does for editrain.
 set -euo pipefail
 
 RATE=${RATE:-1mbit}
@@ -36,11 +47,13 @@ PRESET=${PRESET:-tiny}
 EVAL_EVERY=${EVAL_EVERY:-$STEPS}
 OUT=${OUT:-real_link_results}
 SETTINGS=${SETTINGS:-streaming-int8 sparse-topk2}
+FRAGMENTS=${FRAGMENTS:-2}
 PYTHON=${PYTHON:-python}
 NS=(edr_link0 edr_link1)
 DEV=(edr_veth0 edr_veth1)
 ADDR=(10.77.0.1 10.77.0.2)
 PORT=29555
+LIGHTHOUSE_PORT=29556
 
 declare -A OPTIONS=(
     [streaming-int8]="--sync.fragments 4 --sync.overlap_steps 4 --sync.comm_dtype int8 --sync.merge keep_local"
@@ -55,7 +68,16 @@ COMMON=(--method edit --sync.local_sgd_sync_interval "$H" --steps "$STEPS"
         --checkpoint.final false --dist.shard_size 1 --quiet)
 
 for s in $SETTINGS; do
-    [[ -v "OPTIONS[$s]" ]] || { echo "unknown setting $s; known: ${!OPTIONS[*]}" >&2; exit 2; }
+    if [[ $s =~ ^torchft-d([0-9]+)$ ]]; then
+        d=${BASH_REMATCH[1]}
+        if (( H % FRAGMENTS != 0 || d >= H / FRAGMENTS )); then
+            echo "setting $s: FRAGMENTS ($FRAGMENTS) must divide H ($H) and the delay must" \
+                 "be below H / FRAGMENTS" >&2; exit 2
+        fi
+        continue
+    fi
+    [[ -v "OPTIONS[$s]" ]] || {
+        echo "unknown setting $s; known: ${!OPTIONS[*]} torchft-d<D>" >&2; exit 2; }
 done
 [ "$(id -u)" = 0 ] || { echo "needs root (ip netns, tc)" >&2; exit 2; }
 if [ -d "$OUT" ] && [ -n "$(ls -A "$OUT")" ] && [ "${OVERWRITE:-0}" != 1 ]; then
@@ -106,6 +128,34 @@ run_pair() {  # run_pair RUN_DIR OPTIONS...
     return $rc
 }
 
+run_torchft_pair() {  # run_torchft_pair RUN_DIR DELAY
+    local dir=$1 delay=$2
+    local pids=() rc=0 lighthouse
+    rm -rf "$dir"
+    mkdir -p "$dir"
+    ip netns exec "${NS[0]}" "$PYTHON" -m editrain.bench.torchft_peer \
+        --serve-lighthouse "${ADDR[0]}:$LIGHTHOUSE_PORT" --replicas 2 \
+        > "$dir.lighthouse.log" 2>&1 &
+    lighthouse=$!
+    for _ in $(seq 600); do  # up to a minute for it to listen
+        grep -q "lighthouse ready" "$dir.lighthouse.log" 2>/dev/null && break
+        kill -0 "$lighthouse" 2>/dev/null || break
+        sleep 0.1
+    done
+    for i in 0 1; do
+        ip netns exec "${NS[$i]}" env GLOO_SOCKET_IFNAME="${DEV[$i]}" \
+            "$PYTHON" -m editrain.bench.torchft_peer --replica "$i" --replicas 2 \
+            --lighthouse "http://${ADDR[0]}:$LIGHTHOUSE_PORT" --address "${ADDR[$i]}" \
+            --run-dir "$dir" --fragments "$FRAGMENTS" --delay "$delay" \
+            -- "${COMMON[@]}" > "$dir.node$i.log" 2>&1 &
+        pids+=($!)
+    done
+    for pid in "${pids[@]}"; do wait "$pid" || rc=$?; done
+    kill "$lighthouse" 2>/dev/null || true
+    wait "$lighthouse" 2>/dev/null || true
+    return $rc
+}
+
 STARTED=$(date +%s)
 mkdir -p "$OUT"
 "$PYTHON" -m editrain data "${COMMON[@]}" > "$OUT/data.log" 2>&1  # tokenise once, ahead
@@ -116,6 +166,11 @@ for rep in $(seq 1 "$REPEATS"); do
             shape "$([ "$link" = unshaped ] && echo none || echo "$link")"
             dir="$OUT/$s-$link-r$rep"
             echo "[real_link] $s on $link, repeat $rep ..."
+            if [[ $s =~ ^torchft-d([0-9]+)$ ]]; then
+                run_torchft_pair "$dir" "${BASH_REMATCH[1]}" ||
+                    echo "[real_link] $dir failed (see $dir.node*.log)"
+                continue
+            fi
             # shellcheck disable=SC2086  # the options are words
             run_pair "$dir" ${OPTIONS[$s]} || echo "[real_link] $dir failed (see $dir.node*.log)"
         done
@@ -123,4 +178,4 @@ for rep in $(seq 1 "$REPEATS"); do
 done
 "$PYTHON" -m editrain.bench.real_link "$OUT" --rate "$RATE" --repeats "$REPEATS" \
     --started "$STARTED" --settings $SETTINGS --preset "$PRESET" --H "$H" --steps "$STEPS" \
-    --eval-every "$EVAL_EVERY"
+    --eval-every "$EVAL_EVERY" --fragments "$FRAGMENTS"

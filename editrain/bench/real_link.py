@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from editrain.bench.measures import steady_throughput
+from editrain.bench.peers import torchft_version
 from editrain.bench.runner import Bench
 from editrain.bench.runs import read_run
 from editrain.bench.stats import spread
@@ -35,28 +36,32 @@ evaluations included (issue 50's target for the eager setting at 1 mbit)."""
 
 
 def summarise(out: Path, rate: str, repeats: int, settings: Sequence[str]) -> dict[str, Any]:
-    """Per setting: tokens/s and wall time on each link, the shaped / unshaped ratios per
-    repeat (tokens/s kept, wall time taken), the bytes sent across replicas by cause on
-    the shaped link (``summary.json``), and the waiting and communication time per step
-    on the shaped link."""
+    """Per setting: tokens/s, wall time and the final validation loss (every setting ends
+    at the same tokens) on each link, the shaped / unshaped ratios per repeat (tokens/s
+    kept, wall time taken), the bytes sent across replicas by cause on the shaped link
+    (``summary.json``), and the waiting and communication time per step on the shaped
+    link."""
     results: dict[str, Any] = {}
     for s in settings:
         entry: dict[str, Any] = {"errors": []}
         windows: dict[str, list[dict[str, Any]]] = {}
         walls: dict[str, list[float | None]] = {}
+        losses: dict[str, list[float | None]] = {}
         sent: list[dict[str, int]] = []
         for link in ("unshaped", rate):
-            windows[link], walls[link] = [], []
+            windows[link], walls[link], losses[link] = [], [], []
             for rep in range(1, repeats + 1):
                 run = read_run(f"{s}-{link}-r{rep}", out / f"{s}-{link}-r{rep}", {})
                 if run.error:
                     entry["errors"].append(f"{run.label}: {run.error}")
                 windows[link].append(steady_throughput(run, SKIP) if not run.error else {})
                 walls[link].append(run.summary.get("wall_time_s"))
+                losses[link].append(run.summary.get("final_val_loss"))
                 if link == rate and run.summary.get("cross_replica_bytes"):
                     sent.append(run.summary["cross_replica_bytes"])
             entry[link] = {"tokens_per_s": spread(w.get("tokens_per_s") for w in windows[link]),
-                           "wall_time_s": spread(walls[link])}
+                           "wall_time_s": spread(walls[link]),
+                           "final_val_loss": spread(losses[link])}
         shaped = windows[rate]
         entry["kept"] = spread(ratio(a.get("tokens_per_s"), b.get("tokens_per_s"))
                                for a, b in zip(shaped, windows["unshaped"]))
@@ -87,13 +92,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=128)
     p.add_argument("--eval-every", type=int, default=None,
                    help="steps between evaluations (default: --steps)")
+    p.add_argument("--fragments", type=int, default=2,
+                   help="fragments of the torchft-d<D> settings (the script's FRAGMENTS)")
     args = p.parse_args(argv)
     results = summarise(args.out, args.rate, args.repeats, args.settings)
     every = args.eval_every or args.steps
+    peers = [s for s in args.settings if s.startswith("torchft-")]
     defaults = args.preset == "tiny" and args.H == 32 and args.steps == 128 and \
         every == args.steps
     extra = "" if defaults else \
         f"PRESET={args.preset} H={args.H} STEPS={args.steps} EVAL_EVERY={every} "
+    if peers and args.fragments != 2:
+        extra += f"FRAGMENTS={args.fragments} "
     bench = Bench("real_link", "quick", args.out,
                   command="{}RATE={} REPEATS={} SETTINGS={} bash scripts/real_link.sh".format(
                       extra, args.rate, args.repeats, shlex.quote(" ".join(args.settings))),
@@ -101,12 +111,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     rows = [[s, spread_cell(e["unshaped"]["tokens_per_s"]),
              spread_cell(e[args.rate]["tokens_per_s"]), spread_cell(e["kept"]),
              spread_cell(e["unshaped"]["wall_time_s"]), spread_cell(e[args.rate]["wall_time_s"]),
-             spread_cell(e["wall_ratio"]),
+             spread_cell(e["wall_ratio"]), spread_cell(e["unshaped"]["final_val_loss"]),
+             spread_cell(e[args.rate]["final_val_loss"]),
              spread_cell(e["wait_s_per_step"], 1000), spread_cell(e["comm_time_s_per_step"], 1000),
              spread_cell(e["exposed"])] for s, e in results.items()]
     table = md_table(["setting", "tokens/s unshaped", f"tokens/s at {args.rate}",
                       "x unshaped", "wall s unshaped", f"wall s at {args.rate}",
-                      "wall x unshaped", "wait ms/step", "comm ms/step",
+                      "wall x unshaped", "val loss unshaped", f"val loss at {args.rate}",
+                      "wait ms/step", "comm ms/step",
                       "exposed (wait / comm)"], rows)
     causes = sorted({c for e in results.values() for c in e["cross_replica_bytes"]} -
                     {"total"}) + ["total"]
@@ -118,6 +130,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                        "(summary.json)", md_table(["setting", *causes], byte_rows)))
     targets, shortfalls, headline = [], [], []
     for s, e in results.items():
+        if s in peers:  # the targets are editrain's; a peer's numbers stand beside them
+            continue
         kept = e["kept"].get("median")
         met = None if kept is None else kept >= TARGET
         targets.append({"name": f"{s} keeps >= {TARGET}x of its unshaped-link tokens/s at "
@@ -153,11 +167,27 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"Throughput: whole sync cycles after step {SKIP} (as in bench bandwidth). Wait and "
         "comm: the syncs' wait_s and comm_time_s per step on the shaped link.",
     ]
+    if peers:
+        notes.append(
+            f"{', '.join(peers)}: the peer, torchft {torchft_version() or '?'}'s streaming DiLoCo "
+            f"(torchft.local_sgd.DiLoCo through editrain.bench.torchft_peer, one process per "
+            f"replica, each its own torchft Manager), {args.fragments} fragments (editrain's "
+            "sync units strided as sync.fragments strides them, one outer optimizer each), "
+            "fragment_sync_delay D as named (torchft-dD), fragment_update_alpha 0, fp32 "
+            "all-reduce over gloo (torchft quantizes only with triton, on a GPU); the same "
+            "model, data, inner optimizer and schedule, H and outer optimizer (edit's) as "
+            "the editrain settings. Its lighthouse runs in the first namespace: the second "
+            "replica's quorum requests and heartbeats cross the shaped link (as its "
+            "rendezvous with torchrun's store does for editrain). Its wall time is the "
+            "training loop's (the first evaluation to the last); its final validation loss "
+            "is replica 0's model after the last fragment's sync (the other fragments were "
+            "last synced up to H - H / fragments steps before), editrain's the global model.")
     errors = [err for e in results.values() for err in e["errors"]]
     bench.finish(settings={"rate": args.rate, "repeats": args.repeats,
                            "settings": list(args.settings), "skip_steps": SKIP,
                            "preset": args.preset, "H": args.H, "steps": args.steps,
-                           "eval_every": every},
+                           "eval_every": every,
+                           **({"fragments": args.fragments} if peers else {})},
                  methods=list(args.settings), results=results,
                  tables=tables,
                  targets=targets, notes=notes, shortfalls=shortfalls, errors=errors,
