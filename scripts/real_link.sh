@@ -6,9 +6,11 @@
 # repeat) is what the setting keeps of its speed. Needs root (ip netns, tc).
 #
 #   RATE=1mbit REPEATS=3 bash scripts/real_link.sh            # writes OUT/results.json
+#   RATE="10mbit 1mbit" ... bash scripts/real_link.sh        # OUT/<rate>/results.json each
 #
 # Variables (defaults in brackets):
-#   RATE      the link's rate, both directions, as tc writes it [1mbit]
+#   RATE      the link's rate, both directions, as tc writes it [1mbit]; several rates
+#             (space-separated) share each repeat's unshaped run, one record per rate
 #   REPEATS   interleaved repeats [3]
 #   STEPS     training steps per run [128]
 #   H         steps per round (sync.local_sgd_sync_interval) [32]: 4 syncs of 128 steps
@@ -162,7 +164,7 @@ mkdir -p "$OUT"
 setup_link
 for rep in $(seq 1 "$REPEATS"); do
     for s in $SETTINGS; do
-        for link in unshaped "$RATE"; do
+        for link in unshaped $RATE; do
             shape "$([ "$link" = unshaped ] && echo none || echo "$link")"
             dir="$OUT/$s-$link-r$rep"
             echo "[real_link] $s on $link, repeat $rep ..."
@@ -176,6 +178,12 @@ for rep in $(seq 1 "$REPEATS"); do
         done
     done
 done
-"$PYTHON" -m editrain.bench.real_link "$OUT" --rate "$RATE" --repeats "$REPEATS" \
-    --started "$STARTED" --settings $SETTINGS --preset "$PRESET" --H "$H" --steps "$STEPS" \
-    --eval-every "$EVAL_EVERY" --fragments "$FRAGMENTS"
+for rate in $RATE; do
+    into=$OUT
+    [ "$rate" = "$RATE" ] || into=$OUT/$rate
+    # shellcheck disable=SC2086  # the settings are words
+    "$PYTHON" -m editrain.bench.real_link "$OUT" --rate "$rate" --repeats "$REPEATS" \
+        --started "$STARTED" --settings $SETTINGS --preset "$PRESET" --H "$H" \
+        --steps "$STEPS" --eval-every "$EVAL_EVERY" --fragments "$FRAGMENTS" \
+        --rates "$RATE" --into "$into"
+done

@@ -151,3 +151,17 @@ def test_the_record_puts_the_peer_beside_editrain(tmp_path):
     table = (tmp_path / "table.md").read_text()
     assert "val loss at 1mbit" in table and "streaming DiLoCo" in table
     assert "lighthouse runs in the first namespace" in table
+
+
+def test_several_rates_write_one_record_each(tmp_path):
+    for rep in (1, 2, 3):
+        for link, step_s in (("unshaped", 0.1), ("10mbit", 0.125), ("1mbit", 0.5)):
+            _run(tmp_path / f"torchft-d1-{link}-r{rep}", step_s, 5.5, None)
+    for rate, kept in (("10mbit", 0.8), ("1mbit", 0.2)):
+        assert real_link.main([str(tmp_path), "--rate", rate, "--repeats", "3", "--settings",
+                               "torchft-d1", "--rates", "10mbit 1mbit",
+                               "--into", str(tmp_path / rate)]) == 0
+        record = json.loads((tmp_path / rate / "results.json").read_text())
+        assert record["results"]["torchft-d1"]["kept"]["median"] == pytest.approx(kept)
+        assert "RATE='10mbit 1mbit' REPEATS=3 SETTINGS=torchft-d1" in record["command"]
+    assert not (tmp_path / "results.json").exists()

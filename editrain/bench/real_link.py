@@ -92,6 +92,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=128)
     p.add_argument("--eval-every", type=int, default=None,
                    help="steps between evaluations (default: --steps)")
+    p.add_argument("--rates", default=None,
+                   help="the script's RATE when it ran several rates (default: --rate)")
+    p.add_argument("--into", type=Path, default=None,
+                   help="where results.json and table.md go (default: OUT)")
     p.add_argument("--fragments", type=int, default=2,
                    help="fragments of the torchft-d<D> settings (the script's FRAGMENTS)")
     args = p.parse_args(argv)
@@ -104,9 +108,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"PRESET={args.preset} H={args.H} STEPS={args.steps} EVAL_EVERY={every} "
     if peers and args.fragments != 2:
         extra += f"FRAGMENTS={args.fragments} "
-    bench = Bench("real_link", "quick", args.out,
+    bench = Bench("real_link", "quick", args.into or args.out,
                   command="{}RATE={} REPEATS={} SETTINGS={} bash scripts/real_link.sh".format(
-                      extra, args.rate, args.repeats, shlex.quote(" ".join(args.settings))),
+                      extra, shlex.quote(args.rates or args.rate), args.repeats,
+                      shlex.quote(" ".join(args.settings))),
                   started=args.started)
     rows = [[s, spread_cell(e["unshaped"]["tokens_per_s"]),
              spread_cell(e[args.rate]["tokens_per_s"]), spread_cell(e["kept"]),
