@@ -11,18 +11,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from editrain.bench.plots import pyplot, save_figure
-from editrain.bench.runner import Bench
 from editrain.bench.runs import Run
-from editrain.bench.tables import cell, md_table
+from editrain.bench.scenario import Ctx, Job, Scenario, Table, Verdict, figure
+from editrain.bench.tables import cell
 
-NAME = "spikes"
-DESCRIPTION = (
-    "Validation-loss spikes caused by corrupting replica 1's pseudo-gradient at several "
-    "syncs (`--sim.corrupt_replica 1@K:SCALE`), for `diloco`, `edit` and `edit` with each "
-    "penalty part switched off in turn; the peak increase of the validation loss over a "
-    "clean run of the same method."
-)
 VARIANTS: dict[str, dict[str, Any]] = {
     "diloco": {"sync": {"method": "diloco"}},
     "edit": {"sync": {"method": "edit"}},
@@ -33,73 +25,63 @@ VARIANTS: dict[str, dict[str, Any]] = {
 SCALE = 20.0
 
 
-def run(bench: Bench) -> dict[str, Any]:
-    """Run the scenario; returns the record written to ``results.json``."""
-    interval = bench.pick(2, 5, 10)
-    warmup = bench.pick(3, 5, 5)
-    corrupt_at = bench.pick([5], [8, 12, 16], [8, 12, 16])
-    alpha = 0.2
+def _setup(bench: Any) -> dict[str, Any]:
+    interval, corrupt_at = bench.pick(2, 5, 10), bench.pick([5], [8, 12, 16], [8, 12, 16])
     steps = (max(corrupt_at) + 4) * interval
-    variants = bench.pick(("diloco", "edit"), tuple(VARIANTS), tuple(VARIANTS))
-    clean_ablations = bench.mode == "full"
     common = {"train": {"steps": steps, "eval_every": interval,
                         "warmup_steps": min(10, steps // 5)},
-              "sync": {"local_sgd_sync_interval": interval, "ewma_warmup_steps": warmup,
-                       "ewma_alpha": alpha}}
-    corrupt = {"sim": {"corrupt_replica": [f"1@{k}:{SCALE:g}" for k in corrupt_at]}}
-    for v in variants:
-        bench.check(common, VARIANTS[v], corrupt)
-    # What the runs really use (options given on the command line win).
-    alpha = bench.setting("sync.ewma_alpha", common)
-    warmup = bench.setting("sync.ewma_warmup_steps", common)
-    threshold = bench.setting("sync.ewma_threshold", common)
+              "sync": {"local_sgd_sync_interval": interval,
+                       "ewma_warmup_steps": bench.pick(3, 5, 5), "ewma_alpha": 0.2}}
+    return {"interval": interval, "corrupt_at": corrupt_at, "steps": steps, "common": common,
+            "variants": bench.pick(("diloco", "edit"), tuple(VARIANTS), tuple(VARIANTS)),
+            "corrupt": {"sim": {"corrupt_replica": [f"1@{k}:{SCALE:g}" for k in corrupt_at]}},
+            # Ablations run their own clean run at the full size only.
+            "clean": lambda v: v in ("diloco", "edit") or bench.mode == "full",
+            # What the runs really use (options given on the command line win).
+            **{key: bench.setting(f"sync.{key}", common)
+               for key in ("ewma_alpha", "ewma_warmup_steps", "ewma_threshold")}}
 
-    clean: dict[str, Run] = {}
-    bad: dict[str, Run] = {}
-    for v in variants:
-        if v in ("diloco", "edit") or clean_ablations:
-            clean[v] = bench.train(f"{v}-clean", common, VARIANTS[v])
-        bad[v] = bench.train(f"{v}-corrupt", common, VARIANTS[v], corrupt)
 
-    results: dict[str, Any] = {}
-    for v in variants:
-        ref_name = v if v in clean else "edit"
-        results[v] = _measure(clean.get(ref_name), bad[v], corrupt_at, interval)
-        results[v]["clean_reference"] = f"{ref_name}-clean"
-    table = _table(results, variants)
-    targets, findings = _judge(results, variants)
-    plots = [_plot(bench, clean, bad, corrupt_at, interval)]
-    notes = [
-        f"2 replicas, {steps} steps, sync every H = {interval} steps, validation at every "
-        f"sync. Replica 1's pseudo-gradient is scaled by {SCALE:g} just before syncs "
-        f"{', '.join(map(str, corrupt_at))} (0-based sync index; sync k ends step "
+def _runs(ctx: Ctx) -> list[Job]:
+    jobs = []
+    for v in ctx.variants:
+        if ctx.clean(v):
+            jobs.append(Job(f"{v}-clean", (ctx.common, VARIANTS[v])))
+        jobs.append(Job(f"{v}-corrupt", (ctx.common, VARIANTS[v], ctx.corrupt)))
+    return jobs
+
+
+def _results(ctx: Ctx) -> dict[str, Any]:
+    out = {}
+    for v in ctx.variants:
+        ref = v if ctx.clean(v) else "edit"
+        out[v] = _measure(ctx.runs.get(f"{ref}-clean"), ctx.runs[f"{v}-corrupt"],
+                          ctx.corrupt_at, ctx.interval)
+        out[v]["clean_reference"] = f"{ref}-clean"
+    return out
+
+
+def _notes(ctx: Ctx) -> list[str]:
+    return [
+        f"2 replicas, {ctx.steps} steps, sync every H = {ctx.interval} steps, validation at "
+        f"every sync. Replica 1's pseudo-gradient is scaled by {SCALE:g} just before syncs "
+        f"{', '.join(map(str, ctx.corrupt_at))} (0-based sync index; sync k ends step "
         f"(k + 1) x H).",
-        f"Anomaly detector: `sync.ewma_warmup_steps = {warmup}` syncs, "
-        f"`sync.ewma_alpha = {alpha}`, `sync.ewma_threshold = {threshold}` (the "
-        "detector's statistics start from its first observations; a short warm-up sees "
+        f"Anomaly detector: `sync.ewma_warmup_steps = {ctx.ewma_warmup_steps}` syncs, "
+        f"`sync.ewma_alpha = {ctx.ewma_alpha}`, `sync.ewma_threshold = {ctx.ewma_threshold}` "
+        "(the detector's statistics start from its first observations; a short warm-up sees "
         "few of them).",
         "Peak increase: the largest (corrupted - clean) validation loss over the evaluations "
         "from the first corrupted sync on, at equal steps; relative = over the clean loss "
         "there. Jump: validation loss right after a corrupted sync minus right before it "
         "(the evaluation at the previous sync), largest over the corrupted syncs.",
         "Ablations (`edit-no-...`) are compared with "
-        + ("their own clean runs." if clean_ablations else
+        + ("their own clean runs." if ctx.bench.mode == "full" else
            "the clean `edit` run (without an anomaly, switching one penalty part off changes "
            "the clean run very little; full size runs their own clean runs)."),
         "Excluded: units of replica 1 the detector flagged at the corrupted syncs (out of "
         "all units); false alarms: flags at any other sync or replica.",
     ]
-    settings = {"steps": steps, "sync_interval": interval, "corrupt_syncs": corrupt_at,
-                "scale": SCALE, "ewma_warmup_steps": warmup, "ewma_alpha": alpha,
-                "variants": {v: VARIANTS[v] for v in variants}}
-    return bench.finish(settings=settings, methods=variants, results=results,
-                        tables=[("Validation-loss spikes", table)], targets=targets,
-                        findings=findings, notes=notes, plots=plots, description=DESCRIPTION,
-                        headline=[f"Replica 1's pseudo-gradient x{SCALE:g} at syncs "
-                                  f"{', '.join(map(str, corrupt_at))}: peak validation-loss "
-                                  "increase over a clean run "
-                                  + ", ".join(f"{v} {cell(results[v]['peak_increase'])}"
-                                              for v in variants) + "."])
 
 
 def _evals_by_step(run: Run | None) -> dict[int, float]:
@@ -152,24 +134,9 @@ def _measure(clean: Run | None, bad: Run, corrupt_at: list[int],
     }
 
 
-def _table(results: dict[str, Any], variants: tuple[str, ...]) -> str:
-    """The Markdown table: one row per variant."""
-    rows = []
-    for v in variants:
-        e = results[v]
-        rows.append([v, e["peak_increase"], e["peak_relative"], e["max_jump"],
-                     e["final_val_loss"], e["clean_final_val_loss"],
-                     None if e["corrupted_units"] is None
-                     else f"{e['excluded_units']}/{e['corrupted_units']}",
-                     e["false_alarms"]])
-    return md_table(["method", "peak val-loss increase", "relative", "max jump at a "
-                     "corrupted sync", "final val loss", "clean final val loss",
-                     "excluded", "false alarms"], rows)
-
-
-def _judge(results: dict[str, Any],
-           variants: tuple[str, ...]) -> tuple[list[dict[str, Any]], list[str]]:
-    """The target check (edit's peak < 25% of diloco's) and the findings."""
+def _judge(ctx: Ctx) -> Verdict:
+    """The target check (edit's peak < 25% of diloco's), the findings and the headline."""
+    results = ctx.results
     d, e = results["diloco"]["peak_increase"], results["edit"]["peak_increase"]
     if d is None or e is None:
         met, detail = None, "a run failed"
@@ -178,34 +145,56 @@ def _judge(results: dict[str, Any],
     else:
         met = e < 0.25 * d
         detail = f"edit {e:.4f} vs diloco {d:.4f} ({e / d:.0%} of diloco's)"
-    targets = [{"name": "edit's peak validation-loss increase < 25% of diloco's", "met": met,
-                "detail": detail}]
-    findings = []
-    for v in variants:
-        x = results[v]
-        if x["peak_increase"] is not None:
-            findings.append(f"{v}: peak increase {cell(x['peak_increase'])} "
-                            f"({cell(x['peak_relative'])} relative), largest jump at a "
-                            f"corrupted sync {cell(x['max_jump'])}.")
-    return targets, findings
+    findings = [f"{v}: peak increase {cell(x['peak_increase'])} "
+                f"({cell(x['peak_relative'])} relative), largest jump at a corrupted sync "
+                f"{cell(x['max_jump'])}." for v, x in results.items()
+                if x["peak_increase"] is not None]
+    return Verdict(
+        targets=[{"name": "edit's peak validation-loss increase < 25% of diloco's",
+                  "met": met, "detail": detail}],
+        findings=findings,
+        headline=[f"Replica 1's pseudo-gradient x{SCALE:g} at syncs "
+                  f"{', '.join(map(str, ctx.corrupt_at))}: peak validation-loss increase over "
+                  "a clean run " + ", ".join(f"{v} {cell(x['peak_increase'])}"
+                                             for v, x in results.items()) + "."])
 
 
-def _plot(bench: Bench, clean: dict[str, Run], bad: dict[str, Run], corrupt_at: list[int],
-          interval: int):
+def _plot(ctx: Ctx):
     """Validation loss against steps, corrupted (solid) and clean (dashed) runs."""
-    plt = pyplot()
-    fig, ax = plt.subplots(figsize=(7.5, 4.5))
-    for v, r in bad.items():
-        pts = sorted(_evals_by_step(r).items())
-        if pts:
-            line, = ax.plot(*zip(*pts), marker="o", markersize=2.5, label=f"{v} (corrupted)")
-            ref = _evals_by_step(clean.get(v))
-            if ref:
-                ax.plot(*zip(*sorted(ref.items())), linestyle="--", color=line.get_color(),
-                        alpha=0.6, label=f"{v} (clean)")
-    for k in corrupt_at:
-        ax.axvline((k + 1) * interval, color="red", alpha=0.25)
-    ax.set_xlabel("step (red: corrupted syncs)")
-    ax.set_ylabel("validation loss")
-    ax.grid(alpha=0.3)
-    return save_figure(fig, bench.out_dir / "val_loss_spikes.png")
+    with figure(ctx, "val_loss_spikes.png", "step (red: corrupted syncs)", "validation loss",
+                size=(7.5, 4.5)) as ax:
+        for v in ctx.variants:
+            pts = sorted(_evals_by_step(ctx.runs[f"{v}-corrupt"]).items())
+            if pts:
+                line, = ax.plot(*zip(*pts), marker="o", markersize=2.5,
+                                label=f"{v} (corrupted)")
+                ref = _evals_by_step(ctx.runs.get(f"{v}-clean"))
+                if ref:
+                    ax.plot(*zip(*sorted(ref.items())), linestyle="--",
+                            color=line.get_color(), alpha=0.6, label=f"{v} (clean)")
+        for k in ctx.corrupt_at:
+            ax.axvline((k + 1) * ctx.interval, color="red", alpha=0.25)
+    return ctx.plot
+
+
+SCENARIO = Scenario(
+    name="spikes",
+    description=(
+        "Validation-loss spikes caused by corrupting replica 1's pseudo-gradient at several "
+        "syncs (`--sim.corrupt_replica 1@K:SCALE`), for `diloco`, `edit` and `edit` with "
+        "each penalty part switched off in turn; the peak increase of the validation loss "
+        "over a clean run of the same method."),
+    setup=_setup, runs=_runs, measure=_results, judge=_judge, notes=_notes, plots=[_plot],
+    tables=[Table("Validation-loss spikes", [
+        ("method", None), ("peak val-loss increase", "peak_increase"),
+        ("relative", "peak_relative"), ("max jump at a corrupted sync", "max_jump"),
+        ("final val loss", "final_val_loss"), ("clean final val loss", "clean_final_val_loss"),
+        ("excluded", lambda row: None if row[1]["corrupted_units"] is None
+         else f"{row[1]['excluded_units']}/{row[1]['corrupted_units']}"),
+        ("false alarms", "false_alarms")])],
+    settings=lambda ctx: {
+        "steps": ctx.steps, "sync_interval": ctx.interval, "corrupt_syncs": ctx.corrupt_at,
+        "scale": SCALE, "ewma_warmup_steps": ctx.ewma_warmup_steps,
+        "ewma_alpha": ctx.ewma_alpha, "variants": {v: VARIANTS[v] for v in ctx.variants}},
+    methods=lambda ctx: ctx.variants,
+)
