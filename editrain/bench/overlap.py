@@ -10,52 +10,45 @@ from __future__ import annotations
 
 from typing import Any
 
-from editrain.bench.plots import pyplot, save_figure
-from editrain.bench.runner import Bench
 from editrain.bench.runs import Run
+from editrain.bench.scenario import Ctx, Job, Scenario, Table, Verdict, figure
 from editrain.bench.stats import median
-from editrain.bench.tables import cell, md_table
+from editrain.bench.tables import cell
 
-NAME = "overlap"
-DESCRIPTION = (
-    "Forward wait at a sync step against the layer-wise prefetch depth "
-    "(`sync.prefetch_depth` 0..3) for `edit` under a slow link, compared with `diloco`'s "
-    "blocking sync time on the same model, from the per-sync `wait_s` / `sync_time_s` in "
-    "the metrics (median over syncs)."
-)
 LINK = ("20MB/s", "5ms")
 
 
-def run(bench: Bench) -> dict[str, Any]:
-    """Run the scenario; returns the record written to ``results.json``."""
+def _setup(bench: Any) -> dict[str, Any]:
     interval = bench.pick(4, 8, 10)
     steps = bench.pick(3 * interval, 7 * interval, 8 * interval)
-    depths = bench.pick((1,), (0, 1, 2, 3), (0, 1, 2, 3))
     common = {"train": {"steps": steps, "eval_every": steps,
                         "warmup_steps": min(10, steps // 4)},
               "sync": {"local_sgd_sync_interval": interval},
               "sim": {"link_bandwidth": LINK[0], "link_latency": LINK[1]}}
-    bench.check(common, {"sync": {"method": "edit", "prefetch_depth": max(depths)}})
+    return {"interval": interval, "steps": steps, "common": common,
+            "depths": bench.pick((1,), (0, 1, 2, 3), (0, 1, 2, 3))}
 
-    runs: dict[str, Run] = {}
-    runs["diloco"] = bench.train("diloco", common, {"sync": {"method": "diloco"}})
-    for d in depths:
-        runs[f"edit-prefetch{d}"] = bench.train(
-            f"edit-prefetch{d}", common, {"sync": {"method": "edit", "prefetch_depth": d}})
 
-    results = {label: _measure(r) for label, r in runs.items()}
+def _runs(ctx: Ctx) -> list[Job]:
+    return [Job("diloco", (ctx.common, {"sync": {"method": "diloco"}}))] + [
+        Job(f"edit-prefetch{d}", (ctx.common, {"sync": {"method": "edit", "prefetch_depth": d}}))
+        for d in ctx.depths]
+
+
+def _results(ctx: Ctx) -> dict[str, Any]:
+    results = {label: _measure(r) for label, r in ctx.runs.items()}
     blocking = results["diloco"]["median_sync_time_s"]
     for e in results.values():
         e["wait_vs_diloco"] = (e["median_wait_s"] / blocking
                                if e["median_wait_s"] is not None and blocking else None)
-    units = _unit_bytes(bench, common)
-    table = _table(results, runs)
-    targets, findings = _judge(results, depths, units)
-    shortfalls = [f for f in findings if f.startswith("The root unit")]
-    plots = [_plot(bench, results, depths)]
+    ctx.units = _unit_bytes(ctx.bench, ctx.common)
+    return results
+
+
+def _notes(ctx: Ctx) -> list[str]:
     notes = [
-        f"2 replicas, link {LINK[0]} + {LINK[1]} per message, sync every H = {interval} "
-        f"steps, {steps} steps; evaluation only at the end.",
+        f"2 replicas, link {LINK[0]} + {LINK[1]} per message, sync every H = {ctx.interval} "
+        f"steps, {ctx.steps} steps; evaluation only at the end.",
         "Per sync (metrics.jsonl `sync` entries): `wait_s` = time the training thread "
         "blocked on the sync (for `edit` inside the forward's pre-hooks, for `diloco` the "
         "whole blocking sync), `sync_time_s` = from the start of the sync to its last unit, "
@@ -68,19 +61,13 @@ def run(bench: Bench) -> dict[str, Any]:
         "The wait also contains the time one replica waits for the other to reach the sync "
         "(their steps are not perfectly in step), which no prefetching can hide.",
     ]
-    if units:
+    if ctx.units:
         notes.append(
-            f"Sync units of this model: {units['count']} (root + blocks); the root unit "
-            f"(embeddings, final norm, head) holds {units['root_share']:.0%} of the bytes and "
-            "is synced before the forward's first layer, so its transfer cannot overlap with "
-            "any computation of that forward.")
-    settings = {"steps": steps, "sync_interval": interval, "link": "+".join(LINK),
-                "prefetch_depths": list(depths), "units": units}
-    methods = ["diloco"] + [f"edit-prefetch{d}" for d in depths]
-    return bench.finish(settings=settings, methods=methods, results=results,
-                        tables=[("Wait at a sync step", table)], targets=targets,
-                        findings=findings, notes=notes, plots=plots, description=DESCRIPTION,
-                        shortfalls=shortfalls)
+            f"Sync units of this model: {ctx.units['count']} (root + blocks); the root unit "
+            f"(embeddings, final norm, head) holds {ctx.units['root_share']:.0%} of the bytes "
+            "and is synced before the forward's first layer, so its transfer cannot overlap "
+            "with any computation of that forward.")
+    return notes
 
 
 def _measure(run: Run) -> dict[str, Any]:
@@ -115,7 +102,7 @@ def _measure(run: Run) -> dict[str, Any]:
     }
 
 
-def _unit_bytes(bench: Bench, common: dict[str, Any]) -> dict[str, Any] | None:
+def _unit_bytes(bench: Any, common: dict[str, Any]) -> dict[str, Any] | None:
     """Number of sync units and the root unit's share of the bytes, for this model."""
     try:
         from editrain.config import load_config, model_config
@@ -137,24 +124,11 @@ def _ms(v: float | None) -> float | None:
     return None if v is None else v * 1000.0
 
 
-def _table(results: dict[str, Any], runs: dict[str, Run]) -> str:
-    """The Markdown table: one row per run."""
-    rows = []
-    for label, e in results.items():
-        rows.append([label, "blocking" if label == "diloco" else e["prefetch_depth"],
-                     _ms(e["median_wait_s"]), e["wait_vs_diloco"], _ms(e["median_sync_time_s"]),
-                     _ms(e["median_comm_time_s"]), _ms(e["median_link_delay_s"]),
-                     _ms(e["sync_step_overhead_s"]), _ms(e["median_step_time_s"]), e["syncs"]])
-    return md_table(["method", "prefetch depth", "wait ms (median)", "wait / diloco blocking",
-                     "sync time ms", "comm ms", "link delay ms", "sync-step overhead ms",
-                     "plain step ms", "syncs"], rows)
-
-
-def _judge(results: dict[str, Any], depths: tuple[int, ...],
-           units: dict[str, Any] | None) -> tuple[list[dict[str, Any]], list[str]]:
+def _judge(ctx: Ctx) -> Verdict:
     """The target check and the findings, from the numbers."""
+    results, units = ctx.results, ctx.units
     blocking = results["diloco"]["median_sync_time_s"]
-    waits = {d: results[f"edit-prefetch{d}"]["median_wait_s"] for d in depths}
+    waits = {d: results[f"edit-prefetch{d}"]["median_wait_s"] for d in ctx.depths}
     overlapped = {d: w for d, w in waits.items() if d >= 1 and w is not None}
     if blocking is None or not overlapped:
         met, detail = None, "a run failed or no prefetching depth was run"
@@ -163,8 +137,6 @@ def _judge(results: dict[str, Any], depths: tuple[int, ...],
         met = overlapped[best] < blocking
         detail = (f"best depth {best}: wait {overlapped[best] * 1000:.1f} ms vs diloco "
                   f"{blocking * 1000:.1f} ms")
-    targets = [{"name": "edit with prefetching (depth >= 1) waits less at a sync step than "
-                        "diloco blocks", "met": met, "detail": detail}]
     findings = []
     if blocking is not None:
         parts = [f"depth {d}: {cell(_ms(w))} ms ({cell(w / blocking if w else None)}x)"
@@ -182,22 +154,55 @@ def _judge(results: dict[str, Any], depths: tuple[int, ...],
         findings.append(f"The root unit is {units['root_share']:.0%} of the bytes and is "
                         "waited for before any layer computes: that part of every sync is "
                         "never hidden, whatever the depth.")
-    return targets, findings
+    return Verdict(
+        targets=[{"name": "edit with prefetching (depth >= 1) waits less at a sync step than "
+                          "diloco blocks", "met": met, "detail": detail}],
+        findings=findings, shortfalls=[f for f in findings if f.startswith("The root unit")])
 
 
-def _plot(bench: Bench, results: dict[str, Any], depths: tuple[int, ...]):
+def _plot(ctx: Ctx):
     """edit's wait against the prefetch depth, diloco's blocking time dashed."""
-    plt = pyplot()
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    ys = [_ms(results[f"edit-prefetch{d}"]["median_wait_s"]) for d in depths]
-    ax.plot(list(depths), [float("nan") if y is None else y for y in ys], marker="o",
-            label="edit: forward wait at a sync step")
-    b = _ms(results["diloco"]["median_sync_time_s"])
-    if b is not None:
-        ax.axhline(b, color="gray", linestyle="--", label="diloco: blocking sync")
-    ax.set_xticks(list(depths))
-    ax.set_xlabel("prefetch depth (units in flight ahead of the computing one)")
-    ax.set_ylabel("ms per sync (median)")
-    ax.set_ylim(bottom=0)
-    ax.grid(alpha=0.3)
-    return save_figure(fig, bench.out_dir / "wait_vs_prefetch.png")
+    with figure(ctx, "wait_vs_prefetch.png",
+                "prefetch depth (units in flight ahead of the computing one)",
+                "ms per sync (median)") as ax:
+        ys = [_ms(ctx.results[f"edit-prefetch{d}"]["median_wait_s"]) for d in ctx.depths]
+        ax.plot(list(ctx.depths), [float("nan") if y is None else y for y in ys], marker="o",
+                label="edit: forward wait at a sync step")
+        b = _ms(ctx.results["diloco"]["median_sync_time_s"])
+        if b is not None:
+            ax.axhline(b, color="gray", linestyle="--", label="diloco: blocking sync")
+        ax.set_xticks(list(ctx.depths))
+        ax.set_ylim(bottom=0)
+    return ctx.plot
+
+
+def _ms_of(key: str):
+    return lambda row: _ms(row[1][key])
+
+
+SCENARIO = Scenario(
+    name="overlap",
+    description=(
+        "Forward wait at a sync step against the layer-wise prefetch depth "
+        "(`sync.prefetch_depth` 0..3) for `edit` under a slow link, compared with `diloco`'s "
+        "blocking sync time on the same model, from the per-sync `wait_s` / `sync_time_s` in "
+        "the metrics (median over syncs)."),
+    setup=_setup, runs=_runs, measure=_results, judge=_judge, notes=_notes, plots=[_plot],
+    checks=lambda ctx: [((ctx.common, {"sync": {"method": "edit",
+                                                "prefetch_depth": max(ctx.depths)}}), None)],
+    tables=[Table("Wait at a sync step", [
+        ("method", None),
+        ("prefetch depth", lambda row: "blocking" if row[0] == "diloco"
+         else row[1]["prefetch_depth"]),
+        ("wait ms (median)", _ms_of("median_wait_s")),
+        ("wait / diloco blocking", "wait_vs_diloco"),
+        ("sync time ms", _ms_of("median_sync_time_s")),
+        ("comm ms", _ms_of("median_comm_time_s")),
+        ("link delay ms", _ms_of("median_link_delay_s")),
+        ("sync-step overhead ms", _ms_of("sync_step_overhead_s")),
+        ("plain step ms", _ms_of("median_step_time_s")), ("syncs", "syncs")])],
+    settings=lambda ctx: {"steps": ctx.steps, "sync_interval": ctx.interval,
+                          "link": "+".join(LINK), "prefetch_depths": list(ctx.depths),
+                          "units": ctx.units},
+    methods=lambda ctx: ["diloco"] + [f"edit-prefetch{d}" for d in ctx.depths],
+)
