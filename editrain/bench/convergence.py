@@ -14,12 +14,11 @@ from typing import Any
 
 from editrain.bench.measures import val_curve
 from editrain.bench.options import pick_names
-from editrain.bench.plots import pyplot, save_figure
 from editrain.bench.runner import Bench
+from editrain.bench.scenario import Ctx, Job, Scenario, Table, Verdict, figure
 from editrain.bench.stats import mean_std, median, paired_differences
-from editrain.bench.tables import md_table, mean_pm
+from editrain.bench.tables import mean_pm
 
-NAME = "convergence"
 STREAMING = {"fragments": 3, "comm_dtype": "int8"}
 """Streaming settings (the tiny preset has 3 sync units: root, 2 blocks); overlap_steps is
 H / 8 (at least 1), the share of the bandwidth scenario's 4 of 32."""
@@ -123,47 +122,44 @@ def chosen_variants(bench: Bench) -> list[str]:
     return pick_names(chosen, METHODS, "--methods", "variant")
 
 
-def run(bench: Bench) -> dict[str, Any]:
-    """Run the scenario; returns the record written to ``results.json``."""
+def _setup(bench: Bench) -> dict[str, Any]:
     common, steps, interval, eval_every = common_options(bench)
-    seeds = int(bench.flags.get("seeds") or bench.pick(1, 1, 3))
-    # The tiny size runs the five methods only (the streaming variants need H > 4 steps).
-    variants = chosen_variants(bench)
-    local = {"sync": {"local_sgd_sync_interval": interval}}
-    bench.check(common, local)
-    total = seeds * len(variants)
-    bench.plan(total)
+    seeds, variants = int(bench.flags.get("seeds") or bench.pick(1, 1, 3)), chosen_variants(bench)
     if bench.mode == "full":
-        bench.log(f"{total} runs of {steps} steps ({len(variants)} methods x {seeds} seeds, "
-                  "tiny preset): this may take about an hour or more on 2 cores")
+        bench.log(f"{seeds * len(variants)} runs of {steps} steps ({len(variants)} methods x "
+                  f"{seeds} seeds, tiny preset): this may take about an hour or more on 2 cores")
+    return {"common": common, "steps": steps, "interval": interval, "eval_every": eval_every,
+            "seeds": seeds, "variants": variants, "periods": []}
 
-    runs: dict[str, list[Any]] = {m: [] for m in variants}
-    periods = []
-    for seed in range(seeds):
+
+def _runs(ctx: Ctx):
+    """Every variant of a seed before the next seed; A-EDiT's period from the seed's EDiT
+    run."""
+    for seed in range(ctx.seeds):
         edit_run = None
-        for method in variants:
-            layers = [common, *variant_layers(method, seed, steps, interval)]
+        for method in ctx.variants:
+            layers = [ctx.common, *variant_layers(method, seed, ctx.steps, ctx.interval)]
             if VARIANTS[method]["method"] == "aedit":
-                period = _aedit_period(edit_run, interval)
+                period = _aedit_period(edit_run, ctx.interval)
                 if method == "aedit":
-                    periods.append(period)
+                    ctx.periods.append(period)
                 layers.append({"sync": {"local_sgd_sync_time": period}})
-            r = bench.train(f"{method}-seed{seed}", *layers, title=f"{method} seed {seed}")
-            runs[method].append(r)
+            r = yield Job(f"{method}-seed{seed}", layers, title=f"{method} seed {seed}")
             if method == "edit" and r.ok:
                 edit_run = r
 
+
+def _results(ctx: Ctx) -> dict[str, Any]:
     results: dict[str, Any] = {}
-    table_rows = []
-    for method in variants:
-        ok = [r for r in runs[method] if r.ok]
-        stats = mean_std(r.final_val_loss for r in ok)
+    for method in ctx.variants:
+        runs = [ctx.runs[f"{method}-seed{s}"] for s in range(ctx.seeds)]
+        ok = [r for r in runs if r.ok]
         wall = mean_std(r.summary.get("wall_time_s") for r in ok)
         tokens = ok[0].summary.get("tokens") if ok else None
         curve = _mean_curve([val_curve(r) for r in ok])
         results[method] = {
-            "final_val_loss": stats,
-            "final_val_loss_per_seed": [r.final_val_loss for r in runs[method]],
+            "final_val_loss": mean_std(r.final_val_loss for r in ok),
+            "final_val_loss_per_seed": [r.final_val_loss for r in runs],
             "initial_val_loss": median(r.initial_val_loss for r in ok),
             "val_tokens": ok[0].summary.get("val_tokens") if ok else None,
             "tokens": tokens,
@@ -172,33 +168,34 @@ def run(bench: Bench) -> dict[str, Any]:
             "num_syncs": median(r.summary.get("num_syncs") for r in ok),
             "curve_tokens": [c[0] for c in curve],
             "curve_val_loss": [c[1] for c in curve],
-            "failed_seeds": [i for i, r in enumerate(runs[method]) if not r.ok],
+            "failed_seeds": [i for i, r in enumerate(runs) if not r.ok],
         }
-        table_rows.append([method, "1" if method == "sync" else (
-            f"~{interval} (time: {periods[0]:.2f} s)" if method == "aedit" and periods
-            else str(RECIPE_H.get(method, interval))), mean_pm(stats), stats["min"], stats["max"],
-            f"{stats['n']}/{seeds}", tokens, wall["mean"], results[method]["num_syncs"]])
-    for method in variants:
+    for method in ctx.variants:
         for ref in (r for r in REFERENCES if r in results):
             results[method][f"paired_vs_{ref}"] = paired_differences(
                 results[method]["final_val_loss_per_seed"],
                 results[ref]["final_val_loss_per_seed"])
+    return results
 
-    table = md_table(["method", "H", "final val loss (mean +- std)", "min", "max", "seeds ok",
-                      "tokens", "wall s (mean)", "syncs"], table_rows)
-    tables = [("Final validation loss at equal tokens", table),
-              ("Paired differences per seed (method - reference; negative: method better)",
-               _paired_table(results, seeds))]
-    plots = [_plot(bench, results)]
+
+def _judge(ctx: Ctx) -> Verdict:
+    results, seeds = ctx.results, ctx.seeds
     findings = _findings(results, seeds)
-    shortfalls = [f for f in findings if f.startswith(("edit ", "aedit ")) and "got worse" in f]
-    targets = [_target(results, seeds)]
-    targets += [recipe_target(results, v) for v in RECIPE_H if v in results]
-    notes = [
+    return Verdict(
+        targets=[_target(results, seeds)] + [recipe_target(results, v) for v in RECIPE_H
+                                             if v in results],
+        findings=findings, headline=_headline(results, seeds, ctx.steps),
+        shortfalls=[f for f in findings if f.startswith(("edit ", "aedit "))
+                    and "got worse" in f])
+
+
+def _notes(ctx: Ctx) -> list[str]:
+    steps, interval, seeds, periods = ctx.steps, ctx.interval, ctx.seeds, ctx.periods
+    return [
         f"{steps} inner steps per replica for every method (equal tokens), "
-        f"H = {interval} for the local-SGD methods, validation about every {eval_every} "
+        f"H = {interval} for the local-SGD methods, validation about every {ctx.eval_every} "
         "steps (at syncs for local SGD) over the whole validation split"
-        + (" (tiny size: about 2,048 tokens of it)" if bench.mode == "tiny" else "")
+        + (" (tiny size: about 2,048 tokens of it)" if ctx.bench.mode == "tiny" else "")
         + ", 2 replicas, the tiny model preset.",
         f"Seeds: {seeds} (seeds 0..{seeds - 1}; seed sets model init and data order), all "
         "methods of a seed before the next seed."
@@ -223,32 +220,29 @@ def run(bench: Bench) -> dict[str, Any]:
         "variants are evaluated on the anchors (the global model), docs/streaming.md.",
         f"edit-recipe: edit with bench tune's recipe: synchronous warm-up for the first "
         f"{steps // 4} steps (a quarter of the run), H = {RECIPE_H['edit-recipe']}, outer "
-        "SGD at lr 1 without momentum; the inner learning rate stays at the other methods' (the "
-        "recipe's higher one is left out: synchronous training shares it); "
+        "SGD at lr 1 without momentum; the inner learning rate stays at the other methods' "
+        "(the recipe's higher one is left out: synchronous training shares it); "
         "edit-recipe-h10: the same with H = 10.",
     ]
-    settings = {"steps": steps, "sync_interval": interval, "eval_every": eval_every,
-                "seeds": seeds, "aedit_sync_time_s": periods}
-    return bench.finish(settings=settings, methods=tuple(variants), results=results,
-                        tables=tables,
-                        targets=targets, findings=findings, notes=notes, plots=plots,
-                        description=DESCRIPTION, shortfalls=shortfalls,
-                        headline=_headline(results, seeds, steps))
 
 
-def _paired_table(results: dict[str, Any], seeds: int) -> str:
-    """Per method and reference: mean +- std of the per-seed differences, the values."""
-    rows = []
-    for method in results:
-        for ref in REFERENCES:
-            if method == ref or ref not in results:
-                continue
-            d = results[method][f"paired_vs_{ref}"]
-            rows.append([method, ref, mean_pm(d),
-                         ", ".join(f"{v:+.4f}" for v in d["values"]) or None,
-                         d["same_sign"] if seeds > 1 else "n/a (1 seed)"])
-    return md_table(["method", "vs", "difference (mean +- std)", "per seed", "same sign"],
-                    rows)
+def _h(ctx: Ctx, method: str) -> str:
+    """The H column: 1 for sync, A-EDiT's time period, the recipe's H or the scenario's."""
+    if method == "sync":
+        return "1"
+    if method == "aedit" and ctx.periods:
+        return f"~{ctx.interval} (time: {ctx.periods[0]:.2f} s)"
+    return str(RECIPE_H.get(method, ctx.interval))
+
+
+def _stat(key: str):
+    return lambda row: row[1]["final_val_loss"][key]
+
+
+def _pairs(ctx: Ctx):
+    """Per method and reference that ran: ``(method, reference, difference, seeds > 1)``."""
+    return [(m, ref, ctx.results[m][f"paired_vs_{ref}"], ctx.seeds > 1) for m in ctx.results
+            for ref in REFERENCES if m != ref and ref in ctx.results]
 
 
 def _headline(results: dict[str, Any], seeds: int, steps: int) -> list[str]:
@@ -327,19 +321,15 @@ def _mean_curve(curves: list[list[tuple[float, float, float]]]) -> list[tuple[fl
     return [(float(x), float(y)) for x, y in zip(grid, mean)]
 
 
-def _plot(bench: Bench, results: dict[str, Any]):
+def _plot(ctx: Ctx):
     """Validation loss against tokens (mean over seeds), one line per method."""
-    plt = pyplot()
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for method, res in results.items():
-        if res["curve_tokens"]:
-            ax.plot(res["curve_tokens"], res["curve_val_loss"], marker="o", markersize=3,
-                    label=method)
-    ax.set_xlabel("tokens (all replicas)")
-    ax.set_ylabel("validation loss (mean over seeds)")
-    ax.set_title("convergence at equal tokens")
-    ax.grid(alpha=0.3)
-    return save_figure(fig, bench.out_dir / "val_loss_vs_tokens.png")
+    with figure(ctx, "val_loss_vs_tokens.png", "tokens (all replicas)",
+                "validation loss (mean over seeds)", title="convergence at equal tokens") as ax:
+        for method, res in ctx.results.items():
+            if res["curve_tokens"]:
+                ax.plot(res["curve_tokens"], res["curve_val_loss"], marker="o", markersize=3,
+                        label=method)
+    return ctx.plot
 
 
 def _findings(results: dict[str, Any], seeds: int) -> list[str]:
@@ -383,3 +373,32 @@ def _findings(results: dict[str, Any], seeds: int) -> list[str]:
     if seeds == 1:
         out.append("One seed only: differences this small may be noise.")
     return out
+
+
+SCENARIO = Scenario(
+    name="convergence",
+    description=DESCRIPTION,
+    setup=_setup, runs=_runs, measure=_results, judge=_judge, notes=_notes, plots=[_plot],
+    checks=lambda ctx: [((ctx.common, {"sync": {"local_sgd_sync_interval": ctx.interval}}),
+                         None)],
+    planned=lambda ctx: ctx.seeds * len(ctx.variants),
+    tables=[
+        Table("Final validation loss at equal tokens", [
+            ("method", None), ("H", lambda row: row[2]),
+            ("final val loss (mean +- std)", lambda row: mean_pm(row[1]["final_val_loss"])),
+            ("min", _stat("min")), ("max", _stat("max")),
+            ("seeds ok", lambda row: f"{row[1]['final_val_loss']['n']}/"
+                                     f"{len(row[1]['final_val_loss_per_seed'])}"),
+            ("tokens", "tokens"), ("wall s (mean)", "wall_time_s"), ("syncs", "num_syncs")],
+              rows=lambda ctx: [(m, e, _h(ctx, m)) for m, e in ctx.results.items()]),
+        Table("Paired differences per seed (method - reference; negative: method better)", [
+            ("method", lambda row: row[0]), ("vs", lambda row: row[1]),
+            ("difference (mean +- std)", lambda row: mean_pm(row[2])),
+            ("per seed", lambda row: ", ".join(f"{v:+.4f}" for v in row[2]["values"]) or None),
+            ("same sign", lambda row: row[2]["same_sign"] if row[3] else "n/a (1 seed)")],
+              rows=_pairs)],
+    settings=lambda ctx: {"steps": ctx.steps, "sync_interval": ctx.interval,
+                          "eval_every": ctx.eval_every, "seeds": ctx.seeds,
+                          "aedit_sync_time_s": ctx.periods},
+    methods=lambda ctx: tuple(ctx.variants),
+)
