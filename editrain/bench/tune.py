@@ -18,10 +18,10 @@ from typing import Any
 
 from editrain.bench.plots import pyplot, save_figure
 from editrain.bench.runner import Bench
+from editrain.bench.scenario import Ctx, Job, Scenario, Table, Verdict
 from editrain.bench.stats import mean_std, paired_differences
-from editrain.bench.tables import md_table, percent
+from editrain.bench.tables import percent
 
-NAME = "tune"
 DESCRIPTION = (
     "What closes the gap between EDiT and synchronous training at equal tokens: one factor "
     "at a time around EDiT's defaults of before the study (synchronous warm-up, H, outer learning rate and "
@@ -80,56 +80,59 @@ SYNC_FACTORS = ("tokens", "shape")
 not settings of the method, so the recipe keeps their base level."""
 
 
-def run(bench: Bench) -> dict[str, Any]:
-    """Run the study; returns the record written to ``results.json``."""
-    steps = bench.pick(12, 120, 2000)
-    interval = bench.pick(4, 10, 50)
-    seeds = int(bench.flags.get("seeds") or bench.pick(1, 2, 3))
-    common = {"train": {"steps": steps, "eval_every": steps,
-                        "warmup_steps": bench.pick(2, 10, 100)},
-              "model": {"preset": "tiny"}}
-    base = {"sync": {"method": "edit", "local_sgd_sync_interval": interval,
-                     "outer_optim_kwargs": {"lr": OUTER_LR, "momentum": OUTER_MOMENTUM,
-                                            "nesterov": True}}}
-    sync = {"sync": {"method": "sync"}}
-    grid = factors(bench, steps, interval)
-    bench.check(common, base)
-    for levels in grid.values():
-        for _, layer in levels[1:]:
-            bench.check(common, base, layer)
-    # Per seed: sync and edit at the base, every other level of every factor, the sync
-    # runs of the levels that change sync's run too, and the recipe.
-    sync_levels = sum(len(grid[f]) - 1 for f in SYNC_FACTORS if f in grid)
-    per_seed = 2 + sum(len(v) - 1 for v in grid.values()) + 2 * sync_levels + 1
-    bench.plan(seeds * per_seed)
+def _setup(bench: Bench) -> dict[str, Any]:
+    steps, interval = bench.pick(12, 120, 2000), bench.pick(4, 10, 50)
+    return {"steps": steps, "interval": interval,
+            "seeds": int(bench.flags.get("seeds") or bench.pick(1, 2, 3)),
+            "common": {"train": {"steps": steps, "eval_every": steps,
+                                 "warmup_steps": bench.pick(2, 10, 100)},
+                       "model": {"preset": "tiny"}},
+            "base": {"sync": {"method": "edit", "local_sgd_sync_interval": interval,
+                              "outer_optim_kwargs": {"lr": OUTER_LR,
+                                                     "momentum": OUTER_MOMENTUM,
+                                                     "nesterov": True}}},
+            "grid": factors(bench, steps, interval), "rows": {}}
 
-    def train(label: str, seed: int, *layers: dict) -> float | None:
-        r = bench.train(f"{label}-seed{seed}", common, *layers, {"train": {"seed": seed}},
-                        title=f"{label} seed {seed}")
-        return r.final_val_loss if r.ok else None
+
+def _planned(ctx: Ctx) -> int:
+    """Per seed: sync and edit at the base, every other level of every factor, the sync runs
+    of the levels that change sync's run too, and the recipe."""
+    grid = ctx.grid
+    sync_levels = sum(len(grid[f]) - 1 for f in SYNC_FACTORS if f in grid)
+    return ctx.seeds * (2 + sum(len(v) - 1 for v in grid.values()) + 2 * sync_levels + 1)
+
+
+def _runs(ctx: Ctx):
+    """The study's runs; the recipe's depend on the one-factor rows (``ctx.rows``)."""
+    grid, base, seeds, rows = ctx.grid, ctx.base, ctx.seeds, ctx.rows
+    sync = {"sync": {"method": "sync"}}
+
+    def job(label: str, seed: int, *layers: dict) -> Job:
+        return Job(f"{label}-seed{seed}", (ctx.common, *layers, {"train": {"seed": seed}}),
+                   title=f"{label} seed {seed}")
 
     edit: dict[tuple[str, str], list[float | None]] = {}
     sync_of: dict[tuple[str, str], list[float | None]] = {}
     for seed in range(seeds):
-        base_sync = train("sync", seed, sync)
-        edit.setdefault(("base", ""), []).append(train("edit", seed, base))
+        base_sync = _loss((yield job("sync", seed, sync)))
+        edit.setdefault(("base", ""), []).append(_loss((yield job("edit", seed, base))))
         sync_of.setdefault(("base", ""), []).append(base_sync)
         for factor, levels in grid.items():
             for label, layer in levels[1:]:
                 key = (factor, label)
-                edit.setdefault(key, []).append(train(f"edit-{factor}-{label}", seed, base,
-                                                      layer))
+                edit.setdefault(key, []).append(
+                    _loss((yield job(f"edit-{factor}-{label}", seed, base, layer))))
                 sync_of.setdefault(key, []).append(
-                    train(f"sync-{factor}-{label}", seed, sync, layer)
+                    _loss((yield job(f"sync-{factor}-{label}", seed, sync, layer)))
                     if factor in SYNC_FACTORS else base_sync)
-
-    rows = {key: _row(edit[key], sync_of[key]) for key in edit}
-    recipe = _recipe(grid, rows)
-    recipe_layers = recipe_options(grid, recipe)
-    label = "+".join(f"{f}={v}" for f, v in recipe.items() if v != grid[f][0][0]) or "base"
+    rows.update({key: _row(edit[key], sync_of[key]) for key in edit})
+    ctx.recipe = _recipe(grid, rows)
+    recipe_layers = recipe_options(grid, ctx.recipe)
+    label = "+".join(f"{f}={v}" for f, v in ctx.recipe.items() if v != grid[f][0][0]) or "base"
     if recipe_layers:
-        recipe_edit = [train("edit-recipe", seed, base, *recipe_layers)
-                       for seed in range(seeds)]
+        recipe_edit = []
+        for seed in range(seeds):
+            recipe_edit.append(_loss((yield job("edit-recipe", seed, base, *recipe_layers))))
     else:
         recipe_edit = list(edit[("base", "")])  # no level beat the base: the base's runs
     rows[("recipe", label)] = _row(recipe_edit, list(sync_of[("base", "")]))
@@ -137,34 +140,52 @@ def run(bench: Bench) -> dict[str, Any]:
     # does what closes the gap at the base still close it with more tokens, another model?
     for factor in (f for f in SYNC_FACTORS if f in grid and recipe_layers):
         for lv, layer in grid[factor][1:]:
-            runs_ = [train(f"edit-recipe-{factor}-{lv}", seed, base, *recipe_layers, layer)
-                     for seed in range(seeds)]
+            runs_ = []
+            for seed in range(seeds):
+                runs_.append(_loss((yield job(f"edit-recipe-{factor}-{lv}", seed, base,
+                                              *recipe_layers, layer))))
             rows[(f"recipe, {factor}", lv)] = _row(runs_, sync_of[(factor, lv)])
 
-    results = {"rows": [{"factor": f, "level": lv, **row} for (f, lv), row in rows.items()],
-               "recipe": recipe}
-    table = md_table(
-        ["factor", "level", "edit (mean +- std)", "sync (mean)", "gap edit - sync (paired)",
-         "gap / sync", "per seed"],
-        [[f if f != "base" else "base (EDiT defaults)", lv or "-", _pm(r["edit"]),
-          _num(r["sync"]["mean"]), _pm(r["gap"]), percent(r["relative_gap"]),
-          ", ".join(f"{v:+.4f}" for v in r["gap"]["values"]) or None]
-         for (f, lv), r in rows.items()])
+
+def _loss(run: Any) -> float | None:
+    return run.final_val_loss if run.ok else None
+
+
+def _judge(ctx: Ctx) -> Verdict:
+    rows = ctx.rows
     base_row = rows[("base", "")]
     rec_key = next(k for k in rows if k[0] == "recipe")
-    findings = _findings(grid, rows, base_row, rows[rec_key], rec_key[1])
-    targets = [{
+    rec = rows[rec_key]
+    target = {
         "name": "the recipe's EDiT ends within 2% of synchronous training's validation loss "
                 "at equal tokens (paired over seeds)",
-        "met": (None if rows[rec_key]["relative_gap"] is None
-                else rows[rec_key]["relative_gap"] <= 0.02),
-        "detail": f"recipe gap {_pm(rows[rec_key]['gap'])} "
-                  f"({percent(rows[rec_key]['relative_gap'])}); base gap "
-                  f"{_pm(base_row['gap'])} ({percent(base_row['relative_gap'])})"}]
-    notes = [
-        f"{steps} inner steps per replica at the base ({seeds} seed(s), paired: the same seed "
-        "gives the same initial model and data order to edit and sync), 2 replicas, the tiny "
-        f"preset, H = {interval}; validation over the whole held-out split at the end.",
+        "met": None if rec["relative_gap"] is None else rec["relative_gap"] <= 0.02,
+        "detail": f"recipe gap {_pm(rec['gap'])} ({percent(rec['relative_gap'])}); base gap "
+                  f"{_pm(base_row['gap'])} ({percent(base_row['relative_gap'])})"}
+    best_key = min((k for k in rows if not k[0].startswith("recipe, ")
+                    and k[0] not in SYNC_FACTORS and rows[k]["relative_gap"] is not None),
+                   key=lambda k: rows[k]["relative_gap"], default=None)
+    shortfalls = []
+    if target["met"] is False:
+        best = "" if best_key is None else (
+            f"; the best setting tried, {best_key[0]} {best_key[1]}".rstrip() + ", "
+            f"{percent(rows[best_key]['relative_gap'])}")
+        shortfalls.append(f"The recipe does not bring EDiT within 2% of synchronous "
+                          f"training ({percent(rec['relative_gap'])}{best}).")
+    return Verdict(
+        targets=[target], shortfalls=shortfalls,
+        findings=_findings(ctx.grid, rows, base_row, rec, rec_key[1]),
+        headline=[f"EDiT's gap to synchronous training at equal tokens: base "
+                  f"{percent(base_row['relative_gap'])}, recipe ({rec_key[1]}) "
+                  f"{percent(rec['relative_gap'])} ({ctx.seeds} seed(s), {ctx.steps} steps)."])
+
+
+def _notes(ctx: Ctx) -> list[str]:
+    return [
+        f"{ctx.steps} inner steps per replica at the base ({ctx.seeds} seed(s), paired: the "
+        "same seed gives the same initial model and data order to edit and sync), 2 "
+        f"replicas, the tiny preset, H = {ctx.interval}; validation over the whole held-out "
+        "split at the end.",
         "Each row moves one factor from the base to the level shown, everything else at the "
         "base; sync runs again only where the factor changes its run (tokens, shape). The "
         "recipe row sets every factor to the level with the smallest mean gap, together "
@@ -178,27 +199,6 @@ def run(bench: Bench) -> dict[str, Any]:
         "A gap depends on its run's length and model: the tokens and shape rows compare "
         "with synchronous training at that length and shape.",
     ]
-    plots = [_plot(bench, grid, rows)]
-    best_key = min((k for k in rows if not k[0].startswith("recipe, ")
-                    and k[0] not in SYNC_FACTORS and rows[k]["relative_gap"] is not None),
-                   key=lambda k: rows[k]["relative_gap"], default=None)
-    shortfalls = []
-    if targets[0]["met"] is False:
-        best = "" if best_key is None else (
-            f"; the best setting tried, {best_key[0]} {best_key[1]}".rstrip() + ", "
-            f"{percent(rows[best_key]['relative_gap'])}")
-        shortfalls.append(f"The recipe does not bring EDiT within 2% of synchronous "
-                          f"training ({percent(rows[rec_key]['relative_gap'])}{best}).")
-    settings = {"steps": steps, "sync_interval": interval, "seeds": seeds,
-                "factors": {f: [lv for lv, _ in levels] for f, levels in grid.items()},
-                "recipe": recipe}
-    headline = [f"EDiT's gap to synchronous training at equal tokens: base "
-                f"{percent(base_row['relative_gap'])}, recipe ({rec_key[1]}) "
-                f"{percent(rows[rec_key]['relative_gap'])} ({seeds} seed(s), {steps} steps)."]
-    return bench.finish(settings=settings, methods=("sync", "edit"), results=results,
-                        tables=[("Gap to synchronous training, one factor at a time", table)],
-                        targets=targets, findings=findings, notes=notes, plots=plots,
-                        description=DESCRIPTION, shortfalls=shortfalls, headline=headline)
 
 
 def _row(edit: list[float | None], sync: list[float | None]) -> dict[str, Any]:
@@ -255,8 +255,9 @@ def _findings(grid, rows, base_row, recipe_row, recipe_label) -> list[str]:
     return out
 
 
-def _plot(bench: Bench, grid, rows):
+def _plot(ctx: Ctx):
     """The relative gap at each level of each factor (one panel per factor)."""
+    grid, rows = ctx.grid, ctx.rows
     plt = pyplot()
     n = len(grid)
     cols = min(4, n)
@@ -285,7 +286,7 @@ def _plot(bench: Bench, grid, rows):
     for ax in list(axes.flat)[n:]:
         ax.set_visible(False)
     fig.tight_layout()
-    return save_figure(fig, bench.out_dir / "gap_by_factor.png")
+    return save_figure(fig, ctx.bench.out_dir / "gap_by_factor.png")
 
 
 def _pm(stats: dict[str, Any]) -> str:
@@ -299,3 +300,30 @@ def _pm(stats: dict[str, Any]) -> str:
 
 def _num(x: float | None) -> str:
     return "n/a" if x is None else f"{x:.4f}"
+
+
+SCENARIO = Scenario(
+    name="tune",
+    description=DESCRIPTION,
+    setup=_setup, runs=_runs, planned=_planned, judge=_judge, notes=_notes, plots=[_plot],
+    checks=lambda ctx: [((ctx.common, ctx.base), None)] + [
+        ((ctx.common, ctx.base, layer), None)
+        for levels in ctx.grid.values() for _, layer in levels[1:]],
+    measure=lambda ctx: {"rows": [{"factor": f, "level": lv, **row}
+                                  for (f, lv), row in ctx.rows.items()],
+                         "recipe": ctx.recipe},
+    tables=[Table("Gap to synchronous training, one factor at a time", [
+        ("factor", lambda row: row[0][0] if row[0][0] != "base" else "base (EDiT defaults)"),
+        ("level", lambda row: row[0][1] or "-"),
+        ("edit (mean +- std)", lambda row: _pm(row[1]["edit"])),
+        ("sync (mean)", lambda row: _num(row[1]["sync"]["mean"])),
+        ("gap edit - sync (paired)", lambda row: _pm(row[1]["gap"])),
+        ("gap / sync", lambda row: percent(row[1]["relative_gap"])),
+        ("per seed", lambda row: ", ".join(f"{v:+.4f}" for v in row[1]["gap"]["values"])
+         or None)], rows=lambda ctx: ctx.rows.items())],
+    settings=lambda ctx: {"steps": ctx.steps, "sync_interval": ctx.interval,
+                          "seeds": ctx.seeds, "recipe": ctx.recipe,
+                          "factors": {f: [lv for lv, _ in levels]
+                                      for f, levels in ctx.grid.items()}},
+    methods=lambda ctx: ("sync", "edit"),
+)
