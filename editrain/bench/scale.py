@@ -22,11 +22,11 @@ from editrain.bench.convergence import RECIPE_GAP, RECIPE_H, common_options, var
 from editrain.bench.options import pick_names
 from editrain.bench.plots import pyplot, save_figure
 from editrain.bench.runner import Bench
+from editrain.bench.scenario import Ctx, Job, Scenario, Table, Verdict
 from editrain.bench.stats import mean_std, paired_differences
-from editrain.bench.tables import md_table, mean_pm, percent
+from editrain.bench.tables import mean_pm, percent
 from editrain.bench.tune import BLOCKS_SHAPE
 
-NAME = "scale"
 DESCRIPTION = (
     "EDiT with bench tune's recipe against synchronous training as the model grows, at "
     "equal tokens: per model shape, the paired gap of the final validation loss (same data, "
@@ -73,46 +73,37 @@ def parameter_counts(bench: Bench, *layers: dict[str, Any]) -> dict[str, int]:
     return {"params": total, "block_params": blocks}
 
 
-def run(bench: Bench) -> dict[str, Any]:
-    """Run the scenario; returns the record written to ``results.json``."""
+def _setup(bench: Bench) -> dict[str, Any]:
     common, steps, interval, _ = common_options(bench)
-    seeds = int(bench.flags.get("seeds") or bench.pick(1, 2, 3))
-    shapes = chosen_shapes(bench)
-    layers_of = {(shape, method, seed): [common, *variant_layers(method, seed, steps, interval),
-                                         {"model": dict(SHAPES[shape])}]
-                 for shape in shapes for method in ("sync", RECIPE) for seed in range(seeds)}
-    for layers in layers_of.values():
-        bench.check(*layers)
-    bench.plan(len(layers_of))
+    seeds, shapes = int(bench.flags.get("seeds") or bench.pick(1, 2, 3)), chosen_shapes(bench)
     if bench.mode == "full":
-        bench.log(f"{len(layers_of)} runs of {steps} steps ({len(shapes)} shapes x 2 methods x "
-                  f"{seeds} seeds): tiny takes a few minutes a run on 2 cores, blocks about "
-                  "a quarter of an hour, small about half an hour")
+        bench.log(f"{len(shapes) * 2 * seeds} runs of {steps} steps ({len(shapes)} shapes x 2 "
+                  f"methods x {seeds} seeds): tiny takes a few minutes a run on 2 cores, "
+                  "blocks about a quarter of an hour, small about half an hour")
+    return {"common": common, "steps": steps, "interval": interval, "seeds": seeds,
+            "shapes": shapes}
 
-    losses: dict[tuple[str, str], list[float | None]] = {}
-    tokens: dict[str, int | None] = {}
-    for shape in shapes:  # smallest first: a cut-short invocation has the small shapes
-        for seed in range(seeds):
-            for method in ("sync", RECIPE):
-                r = bench.train(f"{shape}-{method}-seed{seed}", *layers_of[shape, method, seed],
-                                title=f"{shape} {method} seed {seed}")
-                losses.setdefault((shape, method), []).append(
-                    r.final_val_loss if r.ok else None)
-                if r.ok:
-                    tokens[shape] = r.summary.get("tokens")
 
-    results = {"shapes": [shape_row(shape, parameter_counts(bench, *layers_of[shape, "sync", 0]),
-                                    tokens.get(shape), losses[shape, "sync"],
-                                    losses[shape, RECIPE])
-                          for shape in shapes]}
-    rows = results["shapes"]
-    table = md_table(
-        ["shape", "parameters", "in blocks", "tokens / parameter", "sync (mean +- std)",
-         f"{RECIPE} (mean +- std)", "gap (paired)", "gap / sync", "per seed"],
-        [[r["shape"], r["params"], f"{r['block_share']:.0%}",
-          None if r["tokens_per_param"] is None else f"{r['tokens_per_param']:.2f}",
-          mean_pm(r["sync"]), mean_pm(r["edit"]), mean_pm(r["gap"]), percent(r["relative_gap"]),
-          ", ".join(f"{v:+.4f}" for v in r["gap"]["values"]) or None] for r in rows])
+def _layers(ctx: Ctx, shape: str, method: str, seed: int) -> list[dict[str, Any]]:
+    return [ctx.common, *variant_layers(method, seed, ctx.steps, ctx.interval),
+            {"model": dict(SHAPES[shape])}]
+
+
+def _results(ctx: Ctx) -> dict[str, Any]:
+    rows = []
+    for shape in ctx.shapes:
+        runs = {m: [ctx.runs[f"{shape}-{m}-seed{s}"] for s in range(ctx.seeds)]
+                for m in ("sync", RECIPE)}
+        done = [r for s in range(ctx.seeds) for r in (runs["sync"][s], runs[RECIPE][s]) if r.ok]
+        rows.append(shape_row(shape, parameter_counts(ctx.bench, *_layers(ctx, shape, "sync", 0)),
+                              done[-1].summary.get("tokens") if done else None,
+                              *[[r.final_val_loss if r.ok else None for r in runs[m]]
+                                for m in ("sync", RECIPE)]))
+    return {"shapes": rows}
+
+
+def _judge(ctx: Ctx) -> Verdict:
+    rows = ctx.results["shapes"]
     findings = _findings(rows)
     largest = next((r for r in reversed(rows) if r["relative_gap"] is not None), None)
     target = {"name": f"{RECIPE} ends within {RECIPE_GAP:.0%} of synchronous training's "
@@ -120,33 +111,30 @@ def run(bench: Bench) -> dict[str, Any]:
               "met": None if largest is None else largest["relative_gap"] <= RECIPE_GAP,
               "detail": "no shape finished" if largest is None else
               f"{largest['shape']}: {percent(largest['relative_gap'])} ({mean_pm(largest['gap'])})"}
-    notes = [
-        f"{steps} inner steps per replica for both methods (equal tokens), 2 replicas, "
+    headline = ([f"EDiT with bench tune's recipe against sync as the model grows "
+                 f"({ctx.steps} steps, {ctx.seeds} seed(s)): " + "; ".join(
+                     f"{r['shape']} ({r['params'] / 1e6:.1f}M parameters) "
+                     f"{percent(r['relative_gap'])}" for r in rows) + "."]
+                if rows and all(r["relative_gap"] is not None for r in rows) else [])
+    return Verdict(targets=[target], findings=findings, headline=headline,
+                   shortfalls=[f for f in findings if "grows" in f])
+
+
+def _notes(ctx: Ctx) -> list[str]:
+    return [
+        f"{ctx.steps} inner steps per replica for both methods (equal tokens), 2 replicas, "
         "validation over the whole held-out split; the same options as bench convergence "
         "at this size (learning rate, warm-up, batch, data), only the model changes.",
-        f"{RECIPE}: synchronous warm-up for the first {steps // 4} steps (a quarter of the "
-        f"run), H = {RECIPE_H[RECIPE]}, outer SGD at lr 1 without momentum (bench tune's "
+        f"{RECIPE}: synchronous warm-up for the first {ctx.steps // 4} steps (a quarter of "
+        f"the run), H = {RECIPE_H[RECIPE]}, outer SGD at lr 1 without momentum (bench tune's "
         "recipe; EDiT's defaults since #35 but for the warm-up).",
-        "Shapes: " + "; ".join(f"{s} = {_shape_text(SHAPES[s])}" for s in shapes) + ".",
-        f"Seeds: {seeds}, paired (the same seed gives both methods the same initial model "
+        "Shapes: " + "; ".join(f"{s} = {_shape_text(SHAPES[s])}" for s in ctx.shapes) + ".",
+        f"Seeds: {ctx.seeds}, paired (the same seed gives both methods the same initial model "
         "and data order); gap = recipe - sync per seed, then mean +- std.",
         "Tokens per parameter: the tokens all replicas trained on together, over the "
         "parameters (every model here sees far fewer than the ~20 of compute-optimal "
         "training).",
     ]
-    plots = [_plot(bench, rows)] if rows else []
-    headline = ([f"EDiT with bench tune's recipe against sync as the model grows ({steps} "
-                 f"steps, {seeds} seed(s)): " + "; ".join(
-                     f"{r['shape']} ({r['params'] / 1e6:.1f}M parameters) "
-                     f"{percent(r['relative_gap'])}" for r in rows) + "."]
-                if rows and all(r["relative_gap"] is not None for r in rows) else [])
-    settings = {"steps": steps, "seeds": seeds, "shapes": shapes,
-                "recipe_interval": RECIPE_H[RECIPE], "warmup_sync_steps": steps // 4}
-    return bench.finish(settings=settings, methods=("sync", RECIPE), results=results,
-                        tables=[("Gap to synchronous training by model size", table)],
-                        targets=[target], findings=findings, notes=notes, plots=plots,
-                        description=DESCRIPTION, headline=headline,
-                        shortfalls=[f for f in findings if "grows" in f])
 
 
 def shape_row(shape: str, counts: dict[str, int], tokens: int | None,
@@ -188,8 +176,11 @@ def _shape_text(layer: dict[str, Any]) -> str:
     return f"the {layer['preset']} preset" + (f" with {extra}" if extra else "")
 
 
-def _plot(bench: Bench, rows: list[dict[str, Any]]):
+def _plot(ctx: Ctx):
     """The relative gap (mean, with each seed's) against the parameters."""
+    rows = ctx.results["shapes"]
+    if not rows:
+        return None
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(6, 4))
     done = [r for r in rows if r["relative_gap"] is not None]
@@ -209,4 +200,31 @@ def _plot(bench: Bench, rows: list[dict[str, Any]]):
     ax.set_ylabel("final val loss gap to sync (% of sync's)")
     ax.set_title("EDiT (recipe) vs sync by model size, equal tokens")
     ax.legend(fontsize=8)
-    return save_figure(fig, bench.out_dir / "gap_by_size.png")
+    return save_figure(fig, ctx.bench.out_dir / "gap_by_size.png")
+
+
+SCENARIO = Scenario(
+    name="scale",
+    description=DESCRIPTION,
+    setup=_setup, measure=_results, judge=_judge, notes=_notes, plots=[_plot],
+    # Smallest shape first: a cut-short invocation has the small shapes.
+    runs=lambda ctx: [Job(f"{shape}-{m}-seed{seed}", _layers(ctx, shape, m, seed),
+                          title=f"{shape} {m} seed {seed}")
+                      for shape in ctx.shapes for seed in range(ctx.seeds)
+                      for m in ("sync", RECIPE)],
+    tables=[Table("Gap to synchronous training by model size", [
+        ("shape", "shape"), ("parameters", "params"),
+        ("in blocks", lambda r: f"{r[1]['block_share']:.0%}"),
+        ("tokens / parameter", lambda r: None if r[1]["tokens_per_param"] is None
+         else f"{r[1]['tokens_per_param']:.2f}"),
+        ("sync (mean +- std)", lambda r: mean_pm(r[1]["sync"])),
+        (f"{RECIPE} (mean +- std)", lambda r: mean_pm(r[1]["edit"])),
+        ("gap (paired)", lambda r: mean_pm(r[1]["gap"])),
+        ("gap / sync", lambda r: percent(r[1]["relative_gap"])),
+        ("per seed", lambda r: ", ".join(f"{v:+.4f}" for v in r[1]["gap"]["values"]) or None)],
+        rows=lambda ctx: [(None, r) for r in ctx.results["shapes"]])],
+    settings=lambda ctx: {"steps": ctx.steps, "seeds": ctx.seeds, "shapes": ctx.shapes,
+                          "recipe_interval": RECIPE_H[RECIPE],
+                          "warmup_sync_steps": ctx.steps // 4},
+    methods=lambda ctx: ("sync", RECIPE),
+)

@@ -107,7 +107,8 @@ class Scenario:
         notes: how the numbers were measured.
         settings: what was run, for the record.
         methods: the compared methods or variants, in table order.
-        plots: functions drawing one PNG each into ``ctx.bench.out_dir``.
+        plots: functions drawing one PNG each into ``ctx.bench.out_dir`` (returning its
+            path, or None when there is nothing to draw).
         checks: ``(layers, last)`` of the runs whose options are validated before the
             first run starts (default: every job of a list of jobs).
         planned: how many runs will start (default: the length of a list of jobs).
@@ -161,7 +162,7 @@ def execute(scenario: Scenario, bench: Any) -> dict[str, Any]:
     ctx.results = scenario.measure(ctx)
     verdict = scenario.judge(ctx)
     tables = [t.render(ctx) for t in scenario.tables]
-    plots = [p(ctx) for p in scenario.plots]
+    plots = [p for p in (draw(ctx) for draw in scenario.plots) if p is not None]
     return bench.finish(
         settings=scenario.settings(ctx), methods=scenario.methods(ctx), results=ctx.results,
         tables=tables, targets=verdict.targets, findings=verdict.findings,
