@@ -165,3 +165,36 @@ def test_several_rates_write_one_record_each(tmp_path):
         assert record["results"]["torchft-d1"]["kept"]["median"] == pytest.approx(kept)
         assert "RATE='10mbit 1mbit' REPEATS=3 SETTINGS=torchft-d1" in record["command"]
     assert not (tmp_path / "results.json").exists()
+
+
+def _kept(median: float) -> dict:
+    return {"median": median, "min": median - 0.01, "max": median + 0.01, "n": 3}
+
+
+def _peer_record(rate: str, peers: dict[str, float]) -> dict:
+    results = {"eager-topk2": {"kept": _kept(0.98), rate: {"final_val_loss": _kept(6.5)}}}
+    for name, kept in peers.items():
+        results[name] = {"kept": _kept(kept), rate: {"final_val_loss": _kept(5.9)}}
+    return {"format": 2, "scenario": "real_link", "mode": "quick", "results": results,
+            "settings": {"rate": rate, "preset": "tiny", "H": 10, "steps": 60,
+                         "fragments": 2}}
+
+
+def test_headline_puts_the_best_delay_beside_editrain_slowest_link_last(tmp_path):
+    from editrain.bench.headline import headline_rows
+
+    loaded = [(tmp_path / "slow", _peer_record("1mbit", {"torchft-d0": 0.2, "torchft-d4": 0.3})),
+              (tmp_path / "fast", _peer_record("10mbit", {"torchft-d0": 0.7,
+                                                          "torchft-d4": 0.6})),
+              # editrain's settings alone (no peer): not a row of this kind.
+              (tmp_path / "alone", {**_peer_record("1mbit", {}), "results": {
+                  "eager-topk2": {"kept": _kept(0.9)}}})]
+    rows, _ = headline_rows(loaded)
+    assert [(r.editrain, r.peer, [d.name for d in r.sources]) for r in rows] == [
+        ("eager-topk2 0.98 [0.97-0.99]x; loss 6.5 [6.49-6.51]",
+         "torchft streaming DiLoCo, delay 0 0.7 [0.69-0.71]x; loss 5.9 [5.89-5.91]", ["fast"]),
+        ("eager-topk2 0.98 [0.97-0.99]x; loss 6.5 [6.49-6.51]",
+         "torchft streaming DiLoCo, delay 4 0.3 [0.29-0.31]x; loss 5.9 [5.89-5.91]", ["slow"])]
+    assert rows[1].what.startswith("Throughput kept on a real 1mbit link vs unshaped")
+    assert rows[1].conditions == ("tiny preset, H = 10, 2 torchft fragments, 60 steps; "
+                                  "median [min-max] of 3 repeats")

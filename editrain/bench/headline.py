@@ -302,6 +302,55 @@ def _link_rows(p: _Picker) -> list[HeadlineRow]:
     return rows
 
 
+def _real_link_peer_rows(p: _Picker) -> list[HeadlineRow]:
+    """Over a real shaped link (network namespaces, tc), editrain's setting against
+    torchft's streaming DiLoCo measured in the same run (``scripts/real_link.sh`` with a
+    ``torchft-d<D>`` setting), one row per record, slowest link last: tokens/s kept
+    against each one's own unshaped run, and the final validation loss (equal tokens) on
+    the shaped link. The peer's row is its best delay (most tokens/s kept)."""
+    found = []
+    for d, r in p.every("real_link"):
+        res = r.get("results", {})
+        ours = [s for s in res if not s.startswith("torchft-")]
+        peers = [s for s in res if s.startswith("torchft-")
+                 and (_get(r, s, "kept") or {}).get("median") is not None]
+        if len(ours) != 1 or not peers or (_get(r, ours[0], "kept") or {}).get("median") is None:
+            continue
+        best = max(peers, key=lambda s: res[s]["kept"]["median"])
+        found.append(((d, r), ours[0], best))
+    rows = []
+    for (d, r), ours, best in sorted(found, key=lambda f: -_rate_bits(f[0][1])):
+        st, rate = r.get("settings", {}), r.get("settings", {}).get("rate")
+        cells = []
+        for name, label in ((ours, ours), (best, "torchft streaming DiLoCo, delay "
+                                           + best.split("-d")[-1])):
+            loss = _get(r, name, rate, "final_val_loss") or {}
+            cells.append(f"{label} {_times(r['results'][name]['kept'])}"
+                         + (f"; loss {spread_cell(loss)}" if loss.get("median") is not None
+                            else ""))
+        rows.append(p.row(
+            f"Throughput kept on a real {rate} link vs unshaped; validation loss at equal "
+            "tokens, against torchft",
+            cells[0], cells[1],
+            f"{st.get('preset')} preset, H = {st.get('H')}, {st.get('fragments')} torchft "
+            f"fragments, {st.get('steps')} steps; {_repeats(r['results'][ours]['kept'])}",
+            [(d, r)]))
+    return rows
+
+
+def _rate_bits(record: dict[str, Any]) -> float:
+    """A record's tc rate (``10mbit``, ``1mbit``, ``500kbit``) in bits per second; 0 when
+    it cannot be read."""
+    rate = str(record.get("settings", {}).get("rate", "")).lower()
+    for unit, scale in (("gbit", 1e9), ("mbit", 1e6), ("kbit", 1e3), ("bit", 1.0)):
+        if rate.endswith(unit):
+            try:
+                return float(rate[: -len(unit)]) * scale
+            except ValueError:
+                return 0.0
+    return 0.0
+
+
 def _peers_rows(p: _Picker) -> list[HeadlineRow]:
     """editrain's DiLoCo against torchft's on the same model and data, one row per H
     (largest first): final validation loss and tokens/s."""
@@ -379,7 +428,8 @@ def headline_rows(loaded: Sequence[Loaded]) -> tuple[list[HeadlineRow], list[Loa
     """
     p = _Picker(loaded)
     rows = (_default_row(p) + _convergence_rows(p) + _spikes_row(p) + _straggler_row(p)
-            + _link_rows(p) + _peers_rows(p) + _faults_row(p) + _data_row(p))
+            + _link_rows(p) + _real_link_peer_rows(p) + _peers_rows(p) + _faults_row(p)
+            + _data_row(p))
     return rows, p.used
 
 
