@@ -29,9 +29,11 @@ from editrain.bench.runs import Run
 from editrain.config import load_config, to_dict
 
 GOLDEN = Path(__file__).parent / "golden" / "bench"
-SCENARIOS = ("optimizers", "spikes", "overlap", "convergence", "tune", "scale")
-"""The scenarios whose whole pipeline runs on synthetic runs (the others start processes
-other than training jobs, or read the run's data cache: their smoke tests cover them)."""
+SCENARIOS = ("optimizers", "spikes", "overlap", "convergence", "tune", "scale", "memory",
+             "default")
+"""The scenarios whose whole pipeline runs on synthetic runs (memory's spawned
+measurement and default's read-back of the corpus split are made up too, by
+:data:`STAND_INS`; the others' smoke tests cover them)."""
 VOLATILE = ("elapsed_s", "started", "machine", "argv", "command")
 """Record fields that depend on when and where it ran."""
 
@@ -89,6 +91,24 @@ def fake_run(label: str, run_dir: Path, options: dict[str, Any]) -> Run:
     return run
 
 
+def fake_memory(world: int, presets: list[str]) -> list[list[dict[str, Any]]]:
+    """Every rank's rows of ``bench memory``'s measurement, made up: the outer state of
+    ``variant`` on a rank is about a full copy over ``world``."""
+    full = {"tiny": 1 << 20, "small": 5 << 20}
+    return [[{"preset": p, "variant": v, "extra": {"cpu": full[p] // world + rank * 64},
+              "extra_total": full[p] // world + rank * 64 + 8 * i,
+              "local_param_bytes": full[p] // (2 * world), "model_param_bytes": full[p] // 2,
+              "syncs": 1, "anchors_on_cpu": True}
+             for p in presets for i, v in enumerate(("diloco", "edit", "edit+cpu_offload"))]
+            for rank in range(world)]
+
+
+STAND_INS = {"memory": ("_spawn", fake_memory),
+             "default": ("_split_facts", lambda run: {"documents": 12, "split": "made up",
+                                                     "val_tokens": 2048})}
+"""Scenario -> (a function of its module, what stands in for it here)."""
+
+
 class FakeBench(Bench):
     """A :class:`Bench` whose training jobs are :func:`fake_run` answers."""
 
@@ -102,14 +122,22 @@ class FakeBench(Bench):
 def run_fake(name: str, out: Path) -> dict[str, Any]:
     """Scenario ``name`` at the quick size on synthetic runs: its record, less the fields
     that depend on the time and machine, and a digest of each plot."""
+    import importlib
+
     from editrain.bench import runner
 
-    saved = runner.Bench  # run_scenario builds its Bench through the runner module
-    runner.Bench = FakeBench
+    module = importlib.import_module(f"editrain.bench.{name}")
+    attr, stand_in = STAND_INS.get(name, (None, None))
+    saved = runner.Bench, getattr(module, attr) if attr else None
+    runner.Bench = FakeBench  # run_scenario builds its Bench through the runner module
+    if attr:
+        setattr(module, attr, stand_in)
     try:
         record = run_scenario(name, quick=True, out_dir=str(out), extra=["--seeds", "2"])
     finally:
-        runner.Bench = saved
+        runner.Bench = saved[0]
+        if attr:
+            setattr(module, attr, saved[1])
     for key in VOLATILE:
         record.pop(key, None)
     for r in record["runs"].values():
