@@ -12,17 +12,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from editrain.bench.runner import Bench
-from editrain.bench.tables import md_table
+from editrain.bench.scenario import Ctx, Job, Scenario, Table, Verdict
 from editrain.config import Config, to_dict
 
-NAME = "default"
-DESCRIPTION = (
-    "`editrain train` with every option at its default (small preset, 2 replicas x 2 "
-    "shards, 100 steps, `edit`): validation loss at the start (over `train.eval_tokens`) "
-    "and at the end (over the whole held-out split), wall time, training time and "
-    "throughput."
-)
 SECTIONS = ("model", "data", "train", "optim", "dist", "sync", "sim", "checkpoint")
 
 
@@ -34,20 +26,20 @@ def defaults() -> dict[str, Any]:
     return out
 
 
-def run(bench: Bench) -> dict[str, Any]:
-    """Run the scenario; returns the record written to ``results.json``."""
-    # Applied last, over the benchmark's base options: the defaults themselves. The tiny
-    # size (tests) only shortens the run.
+def _last(bench: Any) -> dict[str, Any]:
+    """Applied last, over the benchmark's base options: the defaults themselves. The tiny
+    size (tests) only shortens the run."""
     last = defaults()
     if bench.mode == "tiny":
         last["train"].update(steps=4, eval_every=2, warmup_steps=1, eval_tokens=2048,
                              final_eval_tokens=2048)
         last["model"]["preset"] = "tiny"
         last["data"].update(max_bytes=300_000, vocab_size=512, val_tokens=4096)
-    bench.check(last=last)
-    bench.plan(1)
-    r = bench.train("default", title="editrain train (defaults)", last=last)
-    d = Config().data
+    return last
+
+
+def _results(ctx: Ctx) -> dict[str, Any]:
+    r = ctx.runs["default"]
     result: dict[str, Any] = {
         "ok": r.ok,
         "error": r.error,
@@ -68,39 +60,51 @@ def run(bench: Bench) -> dict[str, Any]:
                               else None)
     if r.ok:
         result["split"] = _split_facts(r)
-    table = md_table(
-        ["val loss at start", "final val loss", "val tokens at start", "final val tokens",
-         "steps", "tokens", "evaluations", "wall s (launch)", "train s", "eval s",
-         "tokens/s (train)"],
-        [[result["initial_val_loss"], result["final_val_loss"], result["initial_val_tokens"],
-          result["val_tokens"], result["steps"], result["tokens"], result["evaluations"],
-          result["launch_s"], train_s,
-          result["eval_time_s"], result["tokens_per_s"]]])
-    headline = []
-    if r.ok and result["final_val_loss"] is not None and bench.mode != "tiny":
-        split = result.get("split") or {}
-        overlap = split.get("val_train_overlap")
-        headline.append(
-            f"the default `editrain train` run ({result['steps']} steps, "
-            f"{result['launch_s'] / 60:.1f} min) takes the validation loss from "
-            f"{result['initial_val_loss']:.2f} to {result['final_val_loss']:.2f}, the final "
-            f"one over the whole held-out split ({result['val_tokens']:,} tokens"
-            + (f", {100 * overlap:.1f}% of its 32-token windows also in training"
-               if overlap is not None else "") + ")")
-    notes = [
+    return {"default": result}
+
+
+def _headline(ctx: Ctx) -> Verdict:
+    result = ctx.results["default"]
+    if not result["ok"] or result["final_val_loss"] is None or ctx.bench.mode == "tiny":
+        return Verdict()
+    overlap = (result.get("split") or {}).get("val_train_overlap")
+    return Verdict(headline=[
+        f"the default `editrain train` run ({result['steps']} steps, "
+        f"{result['launch_s'] / 60:.1f} min) takes the validation loss from "
+        f"{result['initial_val_loss']:.2f} to {result['final_val_loss']:.2f}, the final "
+        f"one over the whole held-out split ({result['val_tokens']:,} tokens"
+        + (f", {100 * overlap:.1f}% of its 32-token windows also in training"
+           if overlap is not None else "") + ")"])
+
+
+SCENARIO = Scenario(
+    name="default",
+    description=(
+        "`editrain train` with every option at its default (small preset, 2 replicas x 2 "
+        "shards, 100 steps, `edit`): validation loss at the start (over `train.eval_tokens`) "
+        "and at the end (over the whole held-out split), wall time, training time and "
+        "throughput."),
+    setup=lambda bench: {"last": _last(bench)},
+    runs=lambda ctx: [Job("default", title="editrain train (defaults)", last=ctx.last)],
+    measure=_results, judge=_headline, size_caveat=False,
+    tables=[Table("The default run", [
+        ("val loss at start", "initial_val_loss"), ("final val loss", "final_val_loss"),
+        ("val tokens at start", "initial_val_tokens"), ("final val tokens", "val_tokens"),
+        ("steps", "steps"), ("tokens", "tokens"), ("evaluations", "evaluations"),
+        ("wall s (launch)", "launch_s"), ("train s", "train_time_s"),
+        ("eval s", "eval_time_s"), ("tokens/s (train)", "tokens_per_s")])],
+    settings=lambda ctx: {"options": "defaults", "steps": ctx.results["default"]["steps"]},
+    methods=lambda ctx: ["edit"],
+    notes=lambda ctx: [
         "Every option at its default (`editrain options` lists them); launch time includes "
         "starting 4 processes and building or reusing the token cache.",
         "`train s` leaves out evaluation and checkpoint time; tokens/s is tokens over it.",
         f"Validation at the end: the whole held-out split (`data.val_tokens` >= "
-        f"{d.val_tokens:,}, whole documents, families and near-duplicates on one side; the "
-        "tokenizer is trained without it), shared out over all ranks; at the start and "
-        f"during the run about `train.eval_tokens` ({Config().train.eval_tokens:,}) tokens "
-        "of it, whole windows spread over the split.",
-    ]
-    return bench.finish(settings={"options": "defaults", "steps": result["steps"]},
-                        methods=["edit"], results={"default": result},
-                        tables=[("The default run", table)], notes=notes,
-                        description=DESCRIPTION, headline=headline, size_caveat=False)
+        f"{Config().data.val_tokens:,}, whole documents, families and near-duplicates on one "
+        "side; the tokenizer is trained without it), shared out over all ranks; at the start "
+        f"and during the run about `train.eval_tokens` ({Config().train.eval_tokens:,}) "
+        "tokens of it, whole windows spread over the split."],
+)
 
 
 def _split_facts(r: Any) -> dict[str, Any]:
