@@ -14,17 +14,11 @@ from __future__ import annotations
 from typing import Any
 
 from editrain.bench.plots import pyplot, save_figure
-from editrain.bench.runner import Bench
-from editrain.bench.tables import fmt_bytes, md_table
+from editrain.bench.scenario import Ctx, Scenario, Table, Verdict
+from editrain.bench.tables import fmt_bytes
 from editrain.spawn import run_ranks
 from editrain.sync.methods import OUTER_SGD
 
-NAME = "memory"
-DESCRIPTION = (
-    "Extra bytes per rank of the outer state (anchor + outer optimizer state) for a "
-    "DiLoCo-style full copy versus `edit` sharded over S ranks, with and without "
-    "`sync.cpu_offload`, measured from real allocations after one sync."
-)
 NESTEROV = {"outer_optim_kwargs": dict(OUTER_SGD["diloco"])}
 """DiLoCo's outer optimizer, pinned for ``edit`` too, so that both hold anchor and momentum
 (EDiT's default outer SGD has no momentum and holds the anchor only: half of it)."""
@@ -91,17 +85,16 @@ def _spawn(world: int, presets: list[str]) -> list[list[dict[str, Any]]]:
     return run_ranks(_measure, world, presets)
 
 
-def run(bench: Bench) -> dict[str, Any]:
-    """Run the scenario; returns the record written to ``results.json``."""
+def _results(ctx: Ctx) -> dict[str, Any]:
+    """Every shard size's spawned measurement (a failed one keeps the others' numbers)."""
     import time
 
+    bench, shard_sizes, presets = ctx.bench, ctx.shard_sizes, ctx.presets
     if bench.user_overrides:
         bench.log("note: training options from the command line do not apply here (no "
                   "training runs; the presets' own shapes are measured)")
-    shard_sizes = bench.pick((1, 2), (1, 2, 4), (1, 2, 4))
-    presets = bench.pick(["tiny"], ["tiny", "small"], ["tiny", "small"])
     measured: dict[int, list[list[dict[str, Any]]]] = {}
-    errors: dict[int, str] = {}
+    errors = ctx.errors
     for s in shard_sizes:
         t0 = time.perf_counter()
         try:
@@ -110,9 +103,7 @@ def run(bench: Bench) -> dict[str, Any]:
         except Exception as e:  # keep the other shard sizes' numbers
             errors[s] = f"{type(e).__name__}: {e}"
             bench.log(f"shard size {s}: FAILED: {errors[s]}")
-
     results: dict[str, Any] = {}
-    rows = []
     for preset in presets:
         full = _per_rank(measured.get(1), preset, "diloco")
         results[preset] = {"full_copy_bytes": full["max"] if full else None, "by_shard": {}}
@@ -120,12 +111,9 @@ def run(bench: Bench) -> dict[str, Any]:
             if s not in measured:
                 results[preset]["by_shard"][str(s)] = {"error": errors.get(s)}
                 continue
-            d = _per_rank(measured[s], preset, "diloco")
-            e = _per_rank(measured[s], preset, "edit")
-            o = _per_rank(measured[s], preset, "edit+cpu_offload")
+            d, e, o = (_per_rank(measured[s], preset, v) for v in VARIANTS)
             expected = full["max"] / s if full else None
-            ratio = (e["max"] / expected) if e and expected else None
-            entry = {
+            results[preset]["by_shard"][str(s)] = {
                 "ranks": s,
                 "editrain_diloco_bytes_per_rank": d["max"] if d else None,
                 "edit_bytes_per_rank": e["max"] if e else None,
@@ -135,50 +123,46 @@ def run(bench: Bench) -> dict[str, Any]:
                 "edit_cpu_offload_by_device": o["by_device"] if o else None,
                 "local_param_bytes": e["params"] if e else None,
                 "expected_full_over_s": expected,
-                "edit_over_expected": ratio,
+                "edit_over_expected": (e["max"] / expected) if e and expected else None,
                 "syncs": e["syncs"] if e else None,
             }
-            results[preset]["by_shard"][str(s)] = entry
-            rows.append([preset, s, fmt_bytes(full["max"]) if full else None,
-                         fmt_bytes(entry["edit_bytes_per_rank"]),
-                         fmt_bytes(entry["edit_cpu_offload_bytes_per_rank"]),
-                         fmt_bytes(entry["editrain_diloco_bytes_per_rank"]),
-                         fmt_bytes(expected), ratio,
-                         fmt_bytes(entry["local_param_bytes"])])
-    table = md_table(["preset", "shard size S", "DiLoCo-style full copy (per rank)",
-                      "edit, on the parameters' device", "edit + cpu_offload, offloaded",
-                      "editrain diloco (sharded too)", "full copy / S", "edit / (full / S)",
-                      "parameter shard"], rows)
-    targets, findings = _judge(results, presets, shard_sizes)
-    plots = [_plot(bench, results, presets, shard_sizes)]
-    notes = [
-        "Each shard size S is one spawned gloo process group of S ranks on the CPU (1 "
-        "replica x S shards: the per-rank outer state does not depend on the number of "
-        "replicas). The model (the preset's own vocabulary) is built on every rank, "
-        "`fully_shard`-ed per block and at the root on the `shard` mesh dimension, wrapped "
-        "in `editrain.sync.EDiT` (H = 1), trained one SGD step and synced once, so the "
-        "outer optimizer (Nesterov SGD, lr 0.7, momentum 0.9, for every variant: DiLoCo's; "
-        "EDiT's default since #35, SGD without momentum, holds no momentum buffer, so its "
-        "outer state is the anchor alone, half of this) has created its momentum buffers.",
-        "Bytes = `engine.extra_memory()`: numel x element size of every anchor tensor and "
-        "every outer-optimizer state tensor on the rank (largest rank reported; FSDP2's "
-        "uneven last shard makes ranks differ by a few rows).",
-        "DiLoCo-style full copy = the same measurement with S = 1 (the whole model's "
-        "anchor and momentum on one rank), which is what a replica-level DiLoCo "
-        "implementation holds on each of its ranks.",
-        "On this CPU-only machine the parameters' device and the offload target are the "
-        "same device type (`cpu`): `extra_memory()` reports every byte under `cpu` in both "
-        "cases. The table therefore reports the `cpu_offload = false` engine as 'on the "
-        "parameters' device' (accelerator memory on a GPU machine) and the "
-        "`cpu_offload = true` engine as 'offloaded' (host memory on a GPU machine).",
-        "editrain's own `diloco` method uses the same sharded engine as `edit`, so its "
-        "column matches `edit`'s; the full-copy column is the published DiLoCo layout.",
-    ]
-    settings = {"shard_sizes": list(shard_sizes), "presets": presets, "errors": errors}
-    return bench.finish(settings=settings, methods=list(VARIANTS), results=results,
-                        tables=[("Outer state per rank", table)], targets=targets,
-                        findings=findings, notes=notes, plots=plots, description=DESCRIPTION,
-                        size_caveat=False)
+    return results
+
+
+def _rows(ctx: Ctx) -> list[tuple[str, dict[str, Any]]]:
+    """``(preset, entry)`` of every measured shard size (entry: ``full`` added)."""
+    return [(p, {**e, "full": ctx.results[p]["full_copy_bytes"]}) for p in ctx.presets
+            for e in ctx.results[p]["by_shard"].values() if "ranks" in e]
+
+
+def _mib(key: str):
+    return lambda row: fmt_bytes(row[1][key])
+
+
+NOTES = [
+    "Each shard size S is one spawned gloo process group of S ranks on the CPU (1 "
+    "replica x S shards: the per-rank outer state does not depend on the number of "
+    "replicas). The model (the preset's own vocabulary) is built on every rank, "
+    "`fully_shard`-ed per block and at the root on the `shard` mesh dimension, wrapped "
+    "in `editrain.sync.EDiT` (H = 1), trained one SGD step and synced once, so the "
+    "outer optimizer (Nesterov SGD, lr 0.7, momentum 0.9, for every variant: DiLoCo's; "
+    "EDiT's default since #35, SGD without momentum, holds no momentum buffer, so its "
+    "outer state is the anchor alone, half of this) has created its momentum buffers.",
+    "Bytes = `engine.extra_memory()`: numel x element size of every anchor tensor and "
+    "every outer-optimizer state tensor on the rank (largest rank reported; FSDP2's "
+    "uneven last shard makes ranks differ by a few rows).",
+    "DiLoCo-style full copy = the same measurement with S = 1 (the whole model's "
+    "anchor and momentum on one rank), which is what a replica-level DiLoCo "
+    "implementation holds on each of its ranks.",
+    "On this CPU-only machine the parameters' device and the offload target are the "
+    "same device type (`cpu`): `extra_memory()` reports every byte under `cpu` in both "
+    "cases. The table therefore reports the `cpu_offload = false` engine as 'on the "
+    "parameters' device' (accelerator memory on a GPU machine) and the "
+    "`cpu_offload = true` engine as 'offloaded' (host memory on a GPU machine).",
+    "editrain's own `diloco` method uses the same sharded engine as `edit`, so its "
+    "column matches `edit`'s; the full-copy column is the published DiLoCo layout.",
+]
+"""How the numbers were measured (the record's notes)."""
 
 
 def _per_rank(measured: list[list[dict[str, Any]]] | None, preset: str,
@@ -200,9 +184,9 @@ def _per_rank(measured: list[list[dict[str, Any]]] | None, preset: str,
             "by_device": by_device, "syncs": min(r["syncs"] for r in rows)}
 
 
-def _judge(results: dict[str, Any], presets: list[str],
-           shard_sizes: tuple[int, ...]) -> tuple[list[dict[str, Any]], list[str]]:
+def _judge(ctx: Ctx) -> Verdict:
     """The target check (edit = full copy / S) and the findings."""
+    results, presets, shard_sizes = ctx.results, ctx.presets, ctx.shard_sizes
     checks, findings = [], []
     for preset in presets:
         for s in shard_sizes:
@@ -220,14 +204,14 @@ def _judge(results: dict[str, Any], presets: list[str],
                     "shard.")
     met = all(abs(r - 1.0) <= 0.05 for _, _, r in checks) if checks else None
     detail = "; ".join(f"{p} S={s}: {r:.3f}" for p, s, r in checks) or "no measurements"
-    targets = [{"name": "edit's extra bytes per rank = DiLoCo full copy / shard size "
-                        "(within 5%, FSDP2 padding)", "met": met, "detail": detail}]
-    return targets, findings
+    return Verdict(targets=[{"name": "edit's extra bytes per rank = DiLoCo full copy / shard "
+                                     "size (within 5%, FSDP2 padding)", "met": met,
+                             "detail": detail}], findings=findings)
 
 
-def _plot(bench: Bench, results: dict[str, Any], presets: list[str],
-          shard_sizes: tuple[int, ...]):
+def _plot(ctx: Ctx):
     """MiB per rank against the shard size, one panel per preset."""
+    results, presets, shard_sizes = ctx.results, ctx.presets, ctx.shard_sizes
     plt = pyplot()
     fig, axes = plt.subplots(1, len(presets), figsize=(5 * len(presets), 4), squeeze=False)
     for ax, preset in zip(axes[0], presets):
@@ -253,4 +237,31 @@ def _plot(bench: Bench, results: dict[str, Any], presets: list[str],
         ax.set_ylim(bottom=0)
         ax.set_title(preset)
         ax.grid(alpha=0.3)
-    return save_figure(fig, bench.out_dir / "outer_state_per_rank.png")
+    return save_figure(fig, ctx.bench.out_dir / "outer_state_per_rank.png")
+
+
+SCENARIO = Scenario(
+    name="memory",
+    description=(
+        "Extra bytes per rank of the outer state (anchor + outer optimizer state) for a "
+        "DiLoCo-style full copy versus `edit` sharded over S ranks, with and without "
+        "`sync.cpu_offload`, measured from real allocations after one sync."),
+    setup=lambda bench: {"shard_sizes": bench.pick((1, 2), (1, 2, 4), (1, 2, 4)),
+                         "presets": bench.pick(["tiny"], ["tiny", "small"], ["tiny", "small"]),
+                         "errors": {}},
+    runs=lambda ctx: [],  # no training runs: spawned process groups measure (``measure``)
+    measure=_results, judge=_judge, plots=[_plot], notes=lambda ctx: NOTES,
+    size_caveat=False, methods=lambda ctx: list(VARIANTS),
+    tables=[Table("Outer state per rank", [
+        ("preset", None), ("shard size S", "ranks"),
+        ("DiLoCo-style full copy (per rank)", lambda row: None if row[1]["full"] is None
+         else fmt_bytes(row[1]["full"])),
+        ("edit, on the parameters' device", _mib("edit_bytes_per_rank")),
+        ("edit + cpu_offload, offloaded", _mib("edit_cpu_offload_bytes_per_rank")),
+        ("editrain diloco (sharded too)", _mib("editrain_diloco_bytes_per_rank")),
+        ("full copy / S", _mib("expected_full_over_s")),
+        ("edit / (full / S)", "edit_over_expected"),
+        ("parameter shard", _mib("local_param_bytes"))], rows=_rows)],
+    settings=lambda ctx: {"shard_sizes": list(ctx.shard_sizes), "presets": ctx.presets,
+                          "errors": ctx.errors},
+)
