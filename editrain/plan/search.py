@@ -5,6 +5,13 @@ fewest inner steps per round (``H``: the loss grows with it), then the least ove
 (staler merges), then the widest codec (less rounding), then the fewest fragments. The
 first setting in that order that reaches the target wins; ``sync`` (no local steps at all)
 comes before every local setting.
+
+Where no dense setting reaches the target, the slow-link settings come last, H by H: the
+sparse 2-bit codec (``topk2``, 1/128 of the fp32 bytes) with the eager merge (a whole
+round in flight; the setting the real-link benchmark shows best at 1 mbit, see
+``docs/streaming.md``), then ``topk2`` behind ``H - 1`` steps with the local progress
+kept. They come last because the sparse codec costs loss at equal tokens (the
+convergence benchmarks).
 """
 
 from __future__ import annotations
@@ -22,12 +29,15 @@ H_GRID = (2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 OVERLAP_GRID = (0, 1, 2, 4, 8)
 CODEC_ORDER = ("fp32", "bf16", "int8", "int4")
 FRAGMENT_GRID = (1, 2, 4, 8, 16)
+SLOW_LINK_CODEC = "topk2"
+"""The codec of the slow-link settings tried after every dense one."""
 
 
 def candidates(base: MethodSpec, n_units: int, h_grid: Iterable[int] = H_GRID,
                overlap_grid: Iterable[int] = OVERLAP_GRID,
                codecs: Iterable[str] = CODEC_ORDER,
-               fragment_grid: Iterable[int] = FRAGMENT_GRID) -> list[MethodSpec]:
+               fragment_grid: Iterable[int] = FRAGMENT_GRID,
+               slow_link: bool = True) -> list[MethodSpec]:
     """The settings the search tries, cheapest first (see the module docstring).
 
     Args:
@@ -37,7 +47,10 @@ def candidates(base: MethodSpec, n_units: int, h_grid: Iterable[int] = H_GRID,
         overlap_grid: values of overlap (only those below H).
         codecs: codecs, widest first.
         fragment_grid: fragment counts.
+        slow_link: append the slow-link settings (edit and diloco, not under ``--ft``):
+            per H, ``topk2`` with the eager merge, then ``topk2`` behind ``H - 1`` steps.
     """
+    h_grid = tuple(h_grid)
     out = []
     for H in h_grid:
         for tau in overlap_grid:
@@ -50,6 +63,14 @@ def candidates(base: MethodSpec, n_units: int, h_grid: Iterable[int] = H_GRID,
                         continue
                     out.append(dataclasses.replace(base, H=H, overlap=tau, codec=codec,
                                                    fragments=P, name=None))
+    if slow_link and base.method in ("edit", "diloco") and not base.ft:
+        for H in h_grid:
+            out.append(dataclasses.replace(base, H=H, overlap=H, codec=SLOW_LINK_CODEC,
+                                           fragments=1, eager=True, name=None))
+            if H > 1:
+                out.append(dataclasses.replace(base, H=H, overlap=H - 1,
+                                               codec=SLOW_LINK_CODEC, fragments=1,
+                                               eager=False, name=None))
     return out
 
 
