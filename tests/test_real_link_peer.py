@@ -183,7 +183,10 @@ def _peer_record(rate: str, peers: dict[str, float]) -> dict:
 def test_headline_puts_the_best_delay_beside_editrain_slowest_link_last(tmp_path):
     from editrain.bench.headline import headline_rows
 
-    loaded = [(tmp_path / "slow", _peer_record("1mbit", {"torchft-d0": 0.2, "torchft-d4": 0.3})),
+    slow = _peer_record("1mbit", {"torchft-d0": 0.2, "torchft-d4": 0.3})
+    slow["results"]["sparse-topk2"] = {"kept": _kept(0.9),
+                                       "1mbit": {"final_val_loss": _kept(6.2)}}
+    loaded = [(tmp_path / "slow", slow),
               (tmp_path / "fast", _peer_record("10mbit", {"torchft-d0": 0.7,
                                                           "torchft-d4": 0.6})),
               # editrain's settings alone (no peer): not a row of this kind.
@@ -191,10 +194,11 @@ def test_headline_puts_the_best_delay_beside_editrain_slowest_link_last(tmp_path
                   "eager-topk2": {"kept": _kept(0.9)}}})]
     rows, _ = headline_rows(loaded)
     assert [(r.editrain, r.peer, [d.name for d in r.sources]) for r in rows] == [
-        ("eager-topk2 0.98 [0.97-0.99]x; loss 6.5 [6.49-6.51]",
-         "torchft streaming DiLoCo, delay 0 0.7 [0.69-0.71]x; loss 5.9 [5.89-5.91]", ["fast"]),
-        ("eager-topk2 0.98 [0.97-0.99]x; loss 6.5 [6.49-6.51]",
-         "torchft streaming DiLoCo, delay 4 0.3 [0.29-0.31]x; loss 5.9 [5.89-5.91]", ["slow"])]
+        ("eager-topk2 0.98 [0.97-0.99]x, loss 6.5 [6.49-6.51]",
+         "torchft streaming DiLoCo, delay 0 0.7 [0.69-0.71]x, loss 5.9 [5.89-5.91]", ["fast"]),
+        ("eager-topk2 0.98 [0.97-0.99]x, loss 6.5 [6.49-6.51]; "
+         "sparse-topk2 0.9 [0.89-0.91]x, loss 6.2 [6.19-6.21]",
+         "torchft streaming DiLoCo, delay 4 0.3 [0.29-0.31]x, loss 5.9 [5.89-5.91]", ["slow"])]
     assert rows[1].what.startswith("Throughput kept on a real 1mbit link vs unshaped")
     assert rows[1].conditions == ("tiny preset, H = 10, 2 torchft fragments, 60 steps; "
                                   "median [min-max] of 3 repeats")

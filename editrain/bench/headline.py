@@ -307,35 +307,39 @@ def _real_link_peer_rows(p: _Picker) -> list[HeadlineRow]:
     torchft's streaming DiLoCo measured in the same run (``scripts/real_link.sh`` with a
     ``torchft-d<D>`` setting), one row per record, slowest link last: tokens/s kept
     against each one's own unshaped run, and the final validation loss (equal tokens) on
-    the shaped link. The peer's row is its best delay (most tokens/s kept)."""
+    the shaped link, for every editrain setting of the record and the peer's best delay
+    (most tokens/s kept)."""
     found = []
     for d, r in p.every("real_link"):
         res = r.get("results", {})
         ours = [s for s in res if not s.startswith("torchft-")]
         peers = [s for s in res if s.startswith("torchft-")
                  and (_get(r, s, "kept") or {}).get("median") is not None]
-        if len(ours) != 1 or not peers or (_get(r, ours[0], "kept") or {}).get("median") is None:
+        ours = [s for s in ours if (_get(r, s, "kept") or {}).get("median") is not None]
+        if not ours or not peers:
             continue
         best = max(peers, key=lambda s: res[s]["kept"]["median"])
-        found.append(((d, r), ours[0], best))
+        found.append(((d, r), ours, best))
     rows = []
     for (d, r), ours, best in sorted(found, key=lambda f: -_rate_bits(f[0][1])):
         st, rate = r.get("settings", {}), r.get("settings", {}).get("rate")
-        cells = []
-        for name, label in ((ours, ours), (best, "torchft streaming DiLoCo, delay "
-                                           + best.split("-d")[-1])):
-            loss = _get(r, name, rate, "final_val_loss") or {}
-            cells.append(f"{label} {_times(r['results'][name]['kept'])}"
-                         + (f"; loss {spread_cell(loss)}" if loss.get("median") is not None
-                            else ""))
         rows.append(p.row(
             f"Throughput kept on a real {rate} link vs unshaped; validation loss at equal "
             "tokens, against torchft",
-            cells[0], cells[1],
+            "; ".join(_kept_and_loss(r, s, s) for s in ours),
+            _kept_and_loss(r, best, "torchft streaming DiLoCo, delay " + best.split("-d")[-1]),
             f"{st.get('preset')} preset, H = {st.get('H')}, {st.get('fragments')} torchft "
-            f"fragments, {st.get('steps')} steps; {_repeats(r['results'][ours]['kept'])}",
+            f"fragments, {st.get('steps')} steps; {_repeats(r['results'][ours[0]]['kept'])}",
             [(d, r)]))
     return rows
+
+
+def _kept_and_loss(record: dict[str, Any], name: str, label: str) -> str:
+    """``LABEL 0.98 [..]x, loss 6.5 [..]``: a real-link setting's tokens/s kept and its
+    final validation loss on the shaped link (left out where the record has none)."""
+    loss = _get(record, name, record.get("settings", {}).get("rate"), "final_val_loss") or {}
+    return f"{label} {_times(record['results'][name]['kept'])}" + (
+        f", loss {spread_cell(loss)}" if loss.get("median") is not None else "")
 
 
 def _rate_bits(record: dict[str, Any]) -> float:
