@@ -88,7 +88,10 @@ from editrain.safe_load import (
     check_storage,
     read_bytes_item,
     read_metadata,
+    read_tensor_item,
 )
+from editrain.sync.state import VERSION as ENGINE_STATE_VERSION
+from editrain.sync.state import read_plain_state
 
 log = logging.getLogger("editrain")
 
@@ -757,6 +760,30 @@ def check_files(ckpt: Path, marker: dict[str, Any] | None = None) -> None:
         ranks = saved_ranks(ckpt) or [0]
     for r in ranks:
         _read_rank_json(rank_file(ckpt, r), fmt, marker)
+    _check_engine_states(ckpt, marker, metadata)
+
+
+_ENGINE_RANK = re.compile(rf"{ENGINE_KEY}\.ranks\.(rank\d{{5}})")
+_TORCH_SAVE_BYTES = 4096
+"""What ``torch.save`` adds around a small tensor's bytes (its zip container), at most."""
+
+
+def _check_engine_states(ckpt: Path, marker: Mapping[str, Any], metadata: Metadata) -> None:
+    """Every rank's plain engine state in the checkpoint (the ``engine.ranks.rankNNNNN``
+    tensors: JSON text as bytes), read without DCP and checked as the engine will check it
+    when it unpacks it (:data:`editrain.sync.state.PLAIN_STATE_SCHEMA`, the layout
+    version), so a hostile counter is refused before any worker starts rather than in
+    every worker."""
+    cap = rank_json_cap(marker) + _TORCH_SAVE_BYTES
+    for fqn in metadata.state_dict_metadata:
+        m = _ENGINE_RANK.fullmatch(fqn)
+        if m is None:
+            continue
+        state = read_plain_state(read_tensor_item(ckpt, metadata, fqn, cap), m.group(1))
+        if state["version"] != ENGINE_STATE_VERSION:
+            raise CheckpointError(
+                f"{ckpt / '.metadata'}: item {fqn}: the sync engine's state is version "
+                f"{state['version']}; this editrain reads version {ENGINE_STATE_VERSION}")
 
 
 def _tp_size(topology: list[int] | None) -> int:

@@ -280,6 +280,51 @@ def read_bytes_item(ckpt: str | Path, metadata: Metadata, fqn: str) -> Any:
     return decode_plain(data, f"{path}: item {fqn}")
 
 
+def read_tensor_item(ckpt: str | Path, metadata: Metadata, fqn: str,
+                     max_bytes: int) -> torch.Tensor:
+    """A one-chunk tensor item of a checkpoint (as one rank saved it), read from its file
+    with ``torch.load(weights_only=True)``, without DCP: what a launcher checks before any
+    worker starts.
+
+    Args:
+        ckpt: the checkpoint directory.
+        metadata: its :func:`read_metadata` (and :func:`check_storage` passed).
+        fqn: the item's flattened key.
+        max_bytes: the most bytes its storage may take; a larger entry is refused unread.
+
+    Raises:
+        CheckpointError: the item is not a one-chunk tensor, is larger than ``max_bytes``,
+            or does not decode to the tensor the metadata describes (the message names the
+            file).
+    """
+    item = metadata.state_dict_metadata.get(fqn)
+    if not isinstance(item, TensorStorageMetadata) or len(item.chunks) != 1:
+        raise CheckpointError(f"{Path(ckpt) / METADATA_FILE}: item {fqn} is not a tensor "
+                              "saved whole by one rank")
+    info = metadata.storage_data.get(MetadataIndex(fqn, item.chunks[0].offsets))
+    if info is None:
+        raise CheckpointError(f"{Path(ckpt) / METADATA_FILE}: item {fqn} has no storage entry")
+    path = Path(ckpt) / info.relative_path
+    if info.length > max_bytes:
+        raise CheckpointError(f"{path}: item {fqn} takes {info.length} bytes, more than the "
+                              f"{max_bytes} it may hold")
+    try:
+        with open(path, "rb") as f:
+            f.seek(info.offset)
+            data = f.read(info.length)
+    except OSError as e:
+        raise CheckpointError(f"{path}: cannot read checkpoint data: {e}") from None
+    try:
+        tensor = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+    except Exception as e:  # noqa: BLE001 - any decoding failure is a corrupt file
+        raise CheckpointError(f"{path}: item {fqn} does not decode as a tensor "
+                              f"({type(e).__name__})") from None
+    if (not isinstance(tensor, torch.Tensor) or tensor.dtype != item.properties.dtype
+            or tuple(tensor.shape) != tuple(item.size)):
+        raise CheckpointError(f"{path}: item {fqn} is not the tensor its metadata describes")
+    return tensor
+
+
 class SafeFileSystemReader(FileSystemReader):
     """``FileSystemReader`` that reads metadata with :func:`read_metadata` and gives bytes
     items to a :class:`SafeLoadPlanner` only (tensors: DCP's ``weights_only`` reads).

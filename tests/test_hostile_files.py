@@ -632,7 +632,8 @@ def _resume_error(run: Path, data_cache: Path) -> str:
 @pytest.mark.parametrize("damage", ["step_1e18", "step_nan", "marker_list", "marker_deep",
                                     "metrics_link", "step_dir_link", "distcp_link",
                                     "ranks_dir_link", "checkpoints_dir_link",
-                                    "sparse_rank", "sparse_metadata"])
+                                    "sparse_rank", "sparse_metadata", "engine_step_1e18",
+                                    "engine_syncs_nan"])
 def test_hostile_checkpoints_and_run_dirs_end_in_one_line_before_any_worker(
         run8, data_cache, tmp_path, damage):
     run = _copy_run(run8, tmp_path)
@@ -671,6 +672,11 @@ def test_hostile_checkpoints_and_run_dirs_end_in_one_line_before_any_worker(
         shutil.move(str(data), outside)
         data.symlink_to(outside)
         expect = "symbolic link"
+    elif damage.startswith("engine_"):
+        field = "global_step" if damage == "engine_step_1e18" else "num_syncs"
+        value = 10**18 if damage == "engine_step_1e18" else float("nan")
+        _rewrite_engine_state(ckpt, lambda s: s.__setitem__(field, value))
+        expect = f"plain state of rank00000: field {field!r}"
     elif damage == "sparse_rank":
         with open(rank0, "r+b") as f:
             f.truncate(2 << 30)
@@ -693,6 +699,63 @@ def test_hostile_checkpoints_and_run_dirs_end_in_one_line_before_any_worker(
 def test_check_files_passes_an_intact_checkpoint(run8):
     for ckpt in list_checkpoints(run8):
         check_files(ckpt)
+
+
+def _rewrite_engine_state(ckpt: Path, change) -> None:
+    """Change rank 0's plain engine state inside a DCP checkpoint as a hostile editor
+    would: the new tensor appended to its ``.distcp`` file, ``.metadata`` pointed at it."""
+    import dataclasses
+    import io
+    import pickle
+
+    import torch
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex
+
+    from editrain.safe_load import read_metadata
+    from editrain.sync.state import from_json_tensor, json_tensor
+
+    md = read_metadata(ckpt)
+    fqn = "engine.ranks.rank00000"
+    item = md.state_dict_metadata[fqn]
+    index = MetadataIndex(fqn, item.chunks[0].offsets)
+    info = md.storage_data[index]
+    path = ckpt / info.relative_path
+    with open(path, "rb") as f:
+        f.seek(info.offset)
+        state = from_json_tensor(torch.load(io.BytesIO(f.read(info.length)),
+                                            weights_only=True))
+    change(state)
+    new = json_tensor(state)
+    buf = io.BytesIO()
+    torch.save(new, buf)
+    with open(path, "ab") as f:
+        offset = f.tell()
+        f.write(buf.getvalue())
+    md.storage_data[index] = dataclasses.replace(info, offset=offset,
+                                                 length=len(buf.getvalue()))
+    item.size = new.shape
+    item.chunks[0] = ChunkStorageMetadata(offsets=item.chunks[0].offsets, sizes=new.shape)
+    (ckpt / ".metadata").write_bytes(pickle.dumps(md))
+
+
+@pytest.mark.parametrize("field", ["global_step", "steps_since_sync", "num_syncs",
+                                   "num_skipped_syncs", "num_syncs_forced", "next_index",
+                                   "synced_replica_steps", "version"])
+@pytest.mark.parametrize("value", [10**18, -1, 1.5, float("nan"), "8", None])
+def test_check_files_refuses_an_engine_counter_out_of_range(run8, tmp_path, field, value):
+    """Issue 48 class 3: the engine's own counters (inside the DCP files, not the rank
+    JSON) are checked by the launcher's check_files too, not first in every worker."""
+    if field == "synced_replica_steps" and value == 1.5:
+        value = 2.0**60  # a float is a valid progress; beyond 2^53 is not
+    run = _copy_run(run8, tmp_path)
+    ckpt = list_checkpoints(run)[-1]
+    check_files(ckpt)
+    _rewrite_engine_state(ckpt, lambda s: s.__setitem__(field, value))
+    with pytest.raises(CheckpointError) as info:
+        check_files(ckpt)
+    msg = str(info.value)
+    assert "\n" not in msg and "rank00000" in msg
+    assert repr(field) in msg or (field == "version" and "version" in msg), msg
 
 
 # ---------------------------------------------------------------------------- class 9
@@ -722,3 +785,11 @@ def test_the_token_cache_detects_bytes_changed_in_place(run8, data_cache, tmp_pa
     del stale["checksums"]
     (copy_dir / "meta.json").write_text(json.dumps(stale))
     assert open_prepared(copy_dir) is None  # built before checksums: rebuilt, not trusted
+
+
+def test_check_files_refuses_another_engine_state_version(run8, tmp_path):
+    run = _copy_run(run8, tmp_path)
+    ckpt = list_checkpoints(run)[-1]
+    _rewrite_engine_state(ckpt, lambda s: s.__setitem__("version", 1))
+    with pytest.raises(CheckpointError, match="version 1; this editrain reads version 2"):
+        check_files(ckpt)
