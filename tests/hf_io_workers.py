@@ -11,10 +11,13 @@ MESHES = [
     ("llama_sharded", 2, 1, 1),  # 2 replicas x 2 FSDP shards
     ("llama", 1, 2, 1),  # 2 replicas x 1 shard x 2 tp
     ("llama", 1, 1, 2),  # 2 replicas x 2 pipeline stages
+    ("qwen", 2, 1, 1),  # Qwen2 through the adapter, under its own names: the same meshes
+    ("qwen", 1, 2, 1),
+    ("qwen", 1, 1, 2),
 ]
-"""(directory, shard_size, tp_size, pp_size) of each case, on 4 ranks. Llama only: a rank
-that builds a transformers model imports transformers, about 10 CPU seconds per rank; the
-other architecture is loaded on 2 x 2 by a training run (tests/test_hf_io.py)."""
+"""(directory, shard_size, tp_size, pp_size) of each case, on 4 ranks, in one spawn (a rank
+that builds a transformers model imports transformers, about 10 CPU seconds per rank: once
+for the three Qwen2 cases)."""
 
 
 def load_worker(rank: int, world: int, paths: dict[str, str], x: torch.Tensor) -> list:
@@ -45,8 +48,24 @@ def _load_case(path: str, shard: int, tp: int, pp: int, x: torch.Tensor) -> dict
         full = p.full_tensor() if isinstance(p, DTensor) else p
         out["weights"][name] = full.detach().clone()
         out["local"] += (p.to_local() if isinstance(p, DTensor) else p).numel()
-    if pp == 1:
-        with torch.no_grad():
-            logits = model(x)
+    with torch.no_grad():
+        logits = model(x) if pp == 1 else _through_the_stages(model, info.stage, pp, x)
+    if logits is not None:
         out["logits"] = logits.full_tensor() if isinstance(logits, DTensor) else logits
     return out
+
+
+def _through_the_stages(stage: torch.nn.Module, index: int, pp: int,
+                        x: torch.Tensor) -> torch.Tensor | None:
+    """The logits of a replica's pipeline, on its last stage's ranks (None elsewhere): each
+    stage's output handed to the next stage's rank (the global rank after it, with one
+    shard and no tp) through an all-gather, one boundary at a time."""
+    import torch.distributed as dist
+
+    h = stage(x) if index == 0 else None
+    for boundary in range(pp - 1):
+        outs: list = [None] * dist.get_world_size()
+        dist.all_gather_object(outs, h if index == boundary else None)
+        if index == boundary + 1:
+            h = stage(outs[dist.get_rank() - 1])
+    return h if index == pp - 1 else None
