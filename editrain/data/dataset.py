@@ -35,8 +35,10 @@ import hashlib
 import json
 import logging
 import os
+import queue
 import shutil
 import socket
+import threading
 import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
@@ -408,48 +410,101 @@ def _pieces(doc: str) -> Iterator[str]:
     yield doc[start:]
 
 
+class _DocumentEncoder:
+    """Encodes documents, in order, into one open token file, ``eos`` placed as ``policy``
+    (one of ``EOS_POLICIES``) says, and counts each document's tokens (separator included).
+
+    Batches of about ``_ENCODE_BATCH_CHARS`` characters are encoded by a background thread:
+    ``encode_batch_fast`` releases the GIL while its Rust threads work, so the caller keeps
+    reading and describing the next documents meanwhile (a build with a given tokenizer
+    describes and encodes in one pass). At most two batches wait for the thread, so memory
+    stays bounded whatever the corpus's size; ids go to the file as one numpy array a batch.
+    """
+
+    _QUEUED = 2  # batches waiting for the encoder thread at most
+
+    def __init__(self, tok, eos: int, policy: str, dtype: np.dtype, out) -> None:
+        self._tok, self._out, self._dtype = tok, out, dtype
+        self._before, self._after = policy == "prepend", policy == "append"
+        self._sep = np.array([eos], dtype=dtype)
+        self._batch: list[str] = []
+        self._owners: list[int] = []  # document index of every piece of the batch
+        self._firsts: list[bool] = []  # whether the piece begins its document
+        self._lasts: list[bool] = []  # whether the piece ends its document
+        self._chars = 0
+        self._counts: list[int] = []
+        self._error: BaseException | None = None
+        self._queue: queue.Queue = queue.Queue(maxsize=self._QUEUED)
+        self._thread = threading.Thread(target=self._work, name="editrain-encode", daemon=True)
+        self._thread.start()
+
+    def add(self, text: str) -> None:
+        """Queue the next document (cut into ``_MAX_PIECE_CHARS`` pieces after newlines)."""
+        doc = len(self._counts)
+        self._counts.append(0)
+        pieces = list(_pieces(text))
+        for j, piece in enumerate(pieces):
+            self._batch.append(piece)
+            self._owners.append(doc)
+            self._firsts.append(j == 0)
+            self._lasts.append(j == len(pieces) - 1)
+            self._chars += len(piece)
+            # A batch may end mid-document: firsts/lasts say where the separators go.
+            if self._chars >= _ENCODE_BATCH_CHARS:
+                self._flush()
+
+    def close(self) -> np.ndarray:
+        """Encode what is left, wait for the thread; return every document's token count."""
+        self._flush()
+        self._put(None)
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        return np.asarray(self._counts, dtype=np.int64)
+
+    def _flush(self) -> None:
+        if self._batch:
+            self._put((self._batch, self._owners, self._firsts, self._lasts))
+        self._batch, self._owners, self._firsts, self._lasts, self._chars = [], [], [], [], 0
+
+    def _put(self, item) -> None:
+        while True:
+            if self._error is not None:
+                raise self._error
+            try:
+                self._queue.put(item, timeout=0.1)  # wakes up to see a failed thread
+                return
+            except queue.Full:
+                continue
+
+    def _work(self) -> None:
+        try:
+            while (item := self._queue.get()) is not None:
+                batch, owners, firsts, lasts = item
+                parts: list[np.ndarray] = []
+                for i, enc in enumerate(self._tok.encode_batch_fast(batch)):
+                    ids = np.asarray(enc.ids, dtype=self._dtype)
+                    if self._before and firsts[i]:
+                        parts.append(self._sep)
+                    parts.append(ids)
+                    if self._after and lasts[i]:
+                        parts.append(self._sep)
+                    self._counts[owners[i]] += (len(ids) + (self._before and firsts[i])
+                                                + (self._after and lasts[i]))
+                np.concatenate(parts).tofile(self._out)
+        except BaseException as exc:  # noqa: BLE001 - raised in the caller's next add/close
+            # The caller's puts time out and see it, so nothing waits on a dead thread.
+            self._error = exc
+
+
 def _encode_to_file(tok, docs: Iterable[str], eos: int, policy: str, dtype: np.dtype,
                     out) -> int:
     """Encode ``docs`` into ``out``, separated by ``eos`` as ``policy`` (one of
     ``EOS_POLICIES``) says; return the number of tokens written."""
-    before, after = policy == "prepend", policy == "append"
-    written = 0
-    batch: list[str] = []
-    firsts: list[bool] = []  # whether the piece is the first one of its document
-    lasts: list[bool] = []  # whether the piece is the last one of its document
-    batch_chars = 0
-
-    sep = np.array([eos], dtype=dtype)
-
-    def flush() -> None:
-        nonlocal batch, firsts, lasts, batch_chars, written
-        if not batch:
-            return
-        parts: list[np.ndarray] = []
-        for i, enc in enumerate(tok.encode_batch_fast(batch)):
-            if before and firsts[i]:
-                parts.append(sep)
-            parts.append(np.asarray(enc.ids, dtype=dtype))
-            if after and lasts[i]:
-                parts.append(sep)
-        flat = np.concatenate(parts)
-        flat.tofile(out)
-        written += len(flat)
-        batch, firsts, lasts, batch_chars = [], [], [], 0
-
+    encoder = _DocumentEncoder(tok, eos, policy, dtype, out)
     for doc in docs:
-        pieces = list(_pieces(doc))
-        for j, piece in enumerate(pieces):
-            batch.append(piece)
-            firsts.append(j == 0)
-            lasts.append(j == len(pieces) - 1)
-            batch_chars += len(piece)
-            # Flushing may happen mid-document; ``firsts``/``lasts`` tell flush() where
-            # the separators go.
-            if batch_chars >= _ENCODE_BATCH_CHARS:
-                flush()
-    flush()
-    return written
+        encoder.add(doc)
+    return int(encoder.close().sum())
 
 
 def _split_texts(docs: Iterable[Document], plan: SplitPlan, side: int) -> Iterator[str]:
@@ -511,6 +566,53 @@ def _encode_split(tok, texts: Iterable[str], eos: int, policy: str, dtype: np.dt
     return n
 
 
+def _encoding_tokenizer(tok, eos_token: str | None):
+    """``(tokenizer, EOS id, vocabulary size, token dtype)`` of ``tok``, made ready to
+    encode a corpus."""
+    eos = eos_id(tok, eos_token)
+    vsize = tokenizer_vocab_size(tok)
+    # Text that happens to contain "<|endoftext|>" must stay text: separators are only the
+    # ones inserted between documents here.
+    tok.encode_special_tokens = True
+    return tok, eos, vsize, token_dtype(vsize)
+
+
+def _copy_sides(all_path: Path, counts: np.ndarray, plan: SplitPlan, dtype: np.dtype,
+                out: dict[str, Path]) -> tuple[int, int]:
+    """Write the training and validation files (``out``) from ``all_path``, every document
+    encoded in corpus order with ``counts[i]`` tokens, as a documents-mode ``plan`` says
+    (exact duplicates in neither); return ``(training tokens, validation tokens)``.
+
+    Consecutive documents of one side are copied as one range, in chunks of ``_ID_CHUNK``
+    tokens, so memory stays flat and no Python runs per token or per document."""
+    side = np.where(plan.drop, -1, plan.val.astype(np.int64))
+    ends = np.concatenate([[0], np.cumsum(counts)])
+    starts_of_runs = np.concatenate([[0], np.flatnonzero(np.diff(side)) + 1])
+    stops_of_runs = np.concatenate([starts_of_runs[1:], [len(side)]])
+    total = int(ends[-1])
+    tokens = (np.memmap(all_path, dtype=dtype, mode="r", shape=(total,)) if total
+              else np.zeros(0, dtype=dtype))
+    written = {"train": 0, "val": 0}
+    files = {name: open(path, "wb") for name, path in out.items()}
+    try:
+        for a, b in zip(starts_of_runs.tolist(), stops_of_runs.tolist()):
+            if side[a] < 0:
+                continue
+            name = "val" if side[a] else "train"
+            for lo in range(int(ends[a]), int(ends[b]), _ID_CHUNK):
+                piece = tokens[lo:min(lo + _ID_CHUNK, int(ends[b]))]
+                piece.tofile(files[name])
+                written[name] += len(piece)
+        for fh in files.values():
+            fh.flush()
+            os.fsync(fh.fileno())
+    finally:
+        for fh in files.values():
+            fh.close()
+        del tokens
+    return written["train"], written["val"]
+
+
 def _build_entry(
     entry: Path,
     refs,
@@ -535,16 +637,35 @@ def _build_entry(
         return bar.track(iter_records(refs, max_bytes), f"data: {label}", cost)
 
     def expect(sample_share: float) -> None:
-        """Tell the bar the cost of the whole build, in corpus-sized passes: describing,
-        the tokenizer's sample, both sides encoded (each pass reads the whole corpus), the
-        validation documents listed."""
-        bar.expect(_COST_DESCRIBE + (_COST_READ + _COST_BPE * sample_share if bpe else 0.0)
-                   + 3 * _COST_READ + _COST_ENCODE)
+        """Tell the bar the cost of the whole build, in corpus-sized passes: describing
+        and encoding every document (one pass with a given tokenizer; with a BPE to train,
+        the tokenizer's sample, then each side encoded in a pass of its own)."""
+        bar.expect(_COST_DESCRIBE + _COST_ENCODE
+                   + (3 * _COST_READ + _COST_BPE * sample_share if bpe else 0.0))
 
     bpe = tokenizer_path is None
     expect(min(1.0, BPE_SAMPLE_BYTES / max(1, bar.expected_chars or BPE_SAMPLE_BYTES)))
-    # Pass 1: what the split needs of every document (sizes, families, kinds, MinHash).
-    infos = [describe_document(doc) for doc in corpus("reading documents", _COST_DESCRIBE)]
+    infos: list = []
+    names: list[str] = []
+    all_path = entry / f"all.bin.tmp.{os.getpid()}"
+    counts = None  # tokens of every document in all_path (None: not encoded yet)
+    if bpe:
+        # Pass 1: what the split needs of every document (sizes, families, kinds, MinHash).
+        for doc in corpus("reading documents", _COST_DESCRIBE):
+            infos.append(describe_document(doc))
+            names.append(doc.name)
+    else:
+        tok, eos, vsize, dtype = _encoding_tokenizer(load_tokenizer(tokenizer_path), eos_token)
+        log.info("tokenising corpus into %s", entry)
+        # One pass describes and encodes every document: the split is planned afterwards
+        # from the descriptions, and each side is then copied out of the encoded corpus.
+        with open(all_path, "wb") as out:
+            encoder = _DocumentEncoder(tok, eos, eos_policy, dtype, out)
+            for doc in corpus("reading and tokenising", _COST_DESCRIBE + _COST_ENCODE):
+                infos.append(describe_document(doc))
+                names.append(doc.name)
+                encoder.add(doc.text)
+            counts = encoder.close()
     val_tokens = split["val_tokens"]
     bytes_per_token = _BYTES_PER_TOKEN_GUESS
     tok_file = entry / "tokenizer.json"
@@ -557,25 +678,24 @@ def _build_entry(
         sample_share = min(1.0, BPE_SAMPLE_BYTES / total)
         if attempt == 0:
             expect(sample_share)
-        if tokenizer_path is not None:
-            tok = load_tokenizer(tokenizer_path)
-        else:
+        if bpe:
             # Trained on the training side only: validation text must stay unseen, down
             # to which byte pairs got merged.
             log.info("training byte-level BPE tokenizer (vocab_size=%d)", vocab_size)
-            tok = train_bpe_tokenizer(
+            tok, eos, vsize, dtype = _encoding_tokenizer(train_bpe_tokenizer(
                 bpe_sample(corpus("training tokenizer", _COST_READ + _COST_BPE * sample_share),
-                           plan, infos, BPE_SAMPLE_BYTES), vocab_size)
-        eos = eos_id(tok, eos_token)
-        vsize = tokenizer_vocab_size(tok)
-        dtype = token_dtype(vsize)
-        # Text that happens to contain "<|endoftext|>" must stay text: separators
-        # are only the ones inserted between documents here.
-        tok.encode_special_tokens = True
-        log.info("tokenising corpus into %s", entry)
-        n_val = _encode_split(tok, _split_texts(corpus("tokenising validation", _COST_READ
-                                                       + _COST_ENCODE * val_share), plan, 1),
-                              eos, eos_policy, dtype, tmp["val"])
+                           plan, infos, BPE_SAMPLE_BYTES), vocab_size), eos_token)
+        if counts is None or plan.mode == "tail":
+            # The validation side encoded from its texts: a BPE trained for this plan (the
+            # floor may need another plan, hence another BPE, and each would encode the
+            # whole corpus), or a tail split, which cuts a document in two.
+            log.info("tokenising corpus into %s", entry)
+            n_val = _encode_split(tok, _split_texts(corpus("tokenising validation",
+                                                           _COST_READ + _COST_ENCODE * val_share),
+                                                    plan, 1),
+                                  eos, eos_policy, dtype, tmp["val"])
+        else:
+            n_val = int(counts[plan.val & ~plan.drop].sum())
         val_bytes = plan.stats.get("val_bytes", 0)
         if n_val >= val_tokens or plan.stats.get("capped") or n_val == 0:
             break
@@ -583,9 +703,14 @@ def _build_entry(
         bytes_per_token = 1.05 * val_bytes / n_val
         log.info("validation split has %d < data.val_tokens=%d tokens; re-planning "
                  "(attempt %d)", n_val, val_tokens, attempt + 2)
-    n_train = _encode_split(tok, _split_texts(corpus("tokenising training", _COST_READ
-                                                 + _COST_ENCODE * (1 - val_share)), plan, 0),
-                            eos, eos_policy, dtype, tmp["train"])
+    if counts is None or plan.mode == "tail":
+        n_train = _encode_split(tok, _split_texts(corpus("tokenising training", _COST_READ
+                                                     + _COST_ENCODE * (1 - val_share)),
+                                                  plan, 0),
+                                eos, eos_policy, dtype, tmp["train"])
+    else:
+        n_train, n_val = _copy_sides(all_path, counts, plan, dtype, tmp)
+    all_path.unlink(missing_ok=True)
     if n_train == 0 or n_val == 0:
         raise ValueError(f"data.path: the corpus is too small to split ({n_train} training, "
                          f"{n_val} validation tokens)")
@@ -597,9 +722,15 @@ def _build_entry(
     for s in ("train", "val"):
         os.replace(tmp[s], entry / f"{s}.bin")
     # Which documents were held out, so anyone can check the split (and tests do).
-    val_docs = [[d.name, d.family, d.kind]
-                for i, d in enumerate(corpus("listing validation documents", _COST_READ))
-                if plan.parts(i, d.text)[1]]
+    if plan.mode == "tail":
+        # The document cut in two is listed when its validation part is not empty, which
+        # only its text says.
+        val_docs = [[d.name, d.family, d.kind]
+                    for i, d in enumerate(corpus("listing validation documents", _COST_READ))
+                    if plan.parts(i, d.text)[1]]
+    else:
+        val_docs = [[names[i], infos[i].family, infos[i].kind]
+                    for i in np.flatnonzero(plan.val & ~plan.drop)]
     _atomic_write_bytes(entry / VAL_DOCUMENTS_FILE,
                         json.dumps(val_docs, ensure_ascii=True).encode("ascii"))
     train = np.memmap(entry / "train.bin", dtype=dtype, mode="r", shape=(n_train,))

@@ -48,6 +48,7 @@ _NUM_HASHES = 64  # MinHash signature length
 _BANDS = 16  # LSH bands of _NUM_HASHES // _BANDS rows each
 _SHINGLE_WORDS = 5
 _WORD = re.compile(r"\w+")
+_WORD_ASCII = re.compile(rb"\w+")
 _MASK64 = np.uint64(0xFFFFFFFFFFFFFFFF)
 # Fixed multipliers/offsets of the hash family, from a fixed seed: signatures must be
 # identical in every process and every run.
@@ -78,13 +79,25 @@ class DocumentInfo:
     signature: np.ndarray
 
 
+def _word_hashes(text: str) -> np.ndarray:
+    """crc32 of the UTF-8 bytes of every word of ``text``, in order.
+
+    Each distinct word is hashed once and the words are mapped through that table by
+    ``map`` (no Python frame per word); ASCII text, most of a code corpus, is matched as
+    bytes, where ``\\w`` means the same as in the text and no word needs encoding."""
+    if text.isascii():
+        words = _WORD_ASCII.findall(text.encode("ascii"))
+        table = {w: zlib.crc32(w) for w in set(words)}
+    else:
+        words = _WORD.findall(text)
+        table = {w: zlib.crc32(w.encode("utf-8")) for w in set(words)}
+    return np.fromiter(map(table.__getitem__, words), dtype=np.uint64, count=len(words))
+
+
 def _signature(text: str) -> np.ndarray:
-    words = _WORD.findall(text)
-    if len(words) < _SHINGLE_WORDS:
+    ids = _word_hashes(text)
+    if len(ids) < _SHINGLE_WORDS:
         return np.zeros(0, dtype=np.uint64)
-    cache: dict[str, int] = {}
-    ids = np.fromiter((cache.setdefault(w, zlib.crc32(w.encode("utf-8"))) for w in words),
-                      dtype=np.uint64, count=len(words))
     n = len(ids) - _SHINGLE_WORDS + 1
     with np.errstate(over="ignore"):
         shingles = np.zeros(n, dtype=np.uint64)
