@@ -30,7 +30,7 @@ from editrain.config import load_config, to_dict
 
 GOLDEN = Path(__file__).parent / "golden" / "bench"
 SCENARIOS = ("optimizers", "spikes", "overlap", "convergence", "tune", "scale", "memory",
-             "default")
+             "default", "faults", "stragglers")
 """The scenarios whose whole pipeline runs on synthetic runs (memory's spawned
 measurement and default's read-back of the corpus split are made up too, by
 :data:`STAND_INS`; the others' smoke tests cover them)."""
@@ -55,7 +55,8 @@ def fake_run(label: str, run_dir: Path, options: dict[str, Any]) -> Run:
     rate = 0.01 * (1 + _noise(label, "loss"))
     config = to_dict(cfg)
     config["sync"] = asdict(sync)
-    run = Run(label=label, run_dir=run_dir, overrides=options, config=config)
+    run = Run(label=label, run_dir=run_dir, overrides=options, config=config,
+              launch_s=steps * speed + 3.0)
 
     def val(step: int) -> float:
         return 9.0 - rate * step + 0.05 * _noise(label, f"val{step}")
@@ -88,6 +89,9 @@ def fake_run(label: str, run_dir: Path, options: dict[str, Any]) -> Run:
     run.summary = {"final_val_loss": val(steps), "tokens": steps * 1024, "steps": steps,
                    "wall_time_s": steps * speed + 2.0, "train_time_s": steps * speed * 0.9,
                    "num_syncs": steps // interval, "val_tokens": 2048}
+    if cfg.dist.fault_tolerance == "torchft":  # the --ft summary: each group's tokens
+        run.summary["per_replica"] = {str(r): {"tokens_processed": steps * 512}
+                                      for r in range(nproc // shard)}
     return run
 
 
@@ -117,6 +121,11 @@ class FakeBench(Bench):
         options = self._run_options(self.out_dir / "runs" / label, layers, last)
         return self.record_run(fake_run(label, self.out_dir / "runs" / label, options),
                                None, title)
+
+    def train_together(self, jobs):
+        """Make up each run of a group started together."""
+        return [self.train(label, *layers, title=title, last=last)
+                for label, layers, last, title in jobs]
 
 
 def run_fake(name: str, out: Path) -> dict[str, Any]:
