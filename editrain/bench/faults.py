@@ -41,10 +41,10 @@ from typing import Any
 
 from editrain.bench.runner import Bench, repeat_label
 from editrain.bench.runs import Run
+from editrain.bench.scenario import Ctx, Job, Scenario, Table, Verdict
 from editrain.bench.stats import spread
-from editrain.bench.tables import md_table, spread_cell
+from editrain.bench.tables import spread_cell
 
-NAME = "faults"
 SYSTEMS = ("ft", "ft-fail", "plain", "restart-fail")
 DESCRIPTION = (
     "One replica dies mid-run: the fault-tolerant mode (`--ft`, torchft; the others train "
@@ -56,22 +56,17 @@ DESCRIPTION = (
 REPLICAS = 2
 
 
-def run(bench: Bench) -> dict[str, Any]:
-    """Run the scenario (or record why it was skipped)."""
+def _unavailable() -> str | None:
     from editrain.sync.ft import torchft_available
 
-    if not torchft_available():
-        reason = "skipped: torchft not installed (pip install 'editrain[ft]')"
-        bench.log(reason)
-        return bench.finish(settings={}, methods=list(SYSTEMS),
-                            results={"status": "skipped", "reason": reason},
-                            tables=[("Faults", md_table(["scenario", "status"],
-                                                        [["faults", reason]]))],
-                            description=DESCRIPTION, skipped=reason)
+    return None if torchft_available() else \
+        "skipped: torchft not installed (pip install 'editrain[ft]')"
+
+
+def _setup(bench: Bench) -> dict[str, Any]:
     # Long enough that the dead replica is back well before the end (a restart takes a
     # few seconds of process start-up): quick ~25 s of training per run.
-    steps = bench.pick(24, 600, 2000)
-    interval = bench.pick(4, 20, 20)
+    steps, interval = bench.pick(24, 600, 2000), bench.pick(4, 20, 20)
     fail_at = steps // 3 + interval // 2  # mid-window: the dead replica loses local steps
     ckpt_every = bench.pick(8, 100, 200)
     restart_s = 0.0  # both modes restart the dead processes at once (torch elastic does)
@@ -86,39 +81,30 @@ def run(bench: Bench) -> dict[str, Any]:
                        "ft_heartbeat_timeout_s": heartbeat_s,
                        "ft_heartbeat_interval_s": beat_every_s}}
     fail = {"sim": {"fail": f"{REPLICAS - 1}@{fail_at}", "fail_restart_s": restart_s}}
-    layers = {
-        "ft": [common, {"dist": {"fault_tolerance": "torchft"}}],
-        "ft-fail": [common, {"dist": {"fault_tolerance": "torchft"}}, fail],
-        "plain": [common],
-        "restart-fail": [common, fail, {"dist": {"max_restarts": 1},
-                                        "checkpoint": {"every": ckpt_every}}],
-    }
-    for s in SYSTEMS:
-        bench.check(*layers[s])
-    bench.plan(bench.repeats * len(SYSTEMS))
-    runs: dict[str, list[Run]] = {s: [] for s in SYSTEMS}
-    for rep in range(bench.repeats):
-        for s in SYSTEMS:
-            runs[s].append(bench.train(repeat_label(s, rep), *layers[s],
-                                       title=f"{s} repeat {rep + 1}"))
-    per_repeat = [_measure({s: runs[s][i] for s in SYSTEMS}, fail_at, interval, ckpt_every)
-                  for i in range(bench.repeats)]
-    results = _summarise(per_repeat)
-    target = _target(results)
-    settings = {"replicas": REPLICAS, "steps": steps, "sync_interval": interval,
-                "heartbeat_timeout_s": heartbeat_s, "heartbeat_interval_s": beat_every_s,
-                "fail": f"replica {REPLICAS - 1} after step {fail_at}",
-                "restart_delay_s": restart_s, "checkpoint_every": ckpt_every,
-                "repeats": bench.repeats}
-    notes = [
-        f"{REPLICAS} replicas x 1 process, edit, {steps} steps, H = {interval}; replica "
-        f"{REPLICAS - 1} is killed (abrupt exit of its processes) right after step {fail_at} "
-        f"(mid-window); `ft-fail` restarts its group {restart_s:g} s later (as torch "
-        f"elastic restarts at once), `restart-fail` "
-        f"restarts every worker from the last checkpoint (every {ckpt_every} steps; "
-        "checkpoint and evaluation time are inside the wall time, as a user pays them). "
-        f"The lighthouse drops a silent replica after {heartbeat_s:g} s "
-        f"(dist.ft_heartbeat_timeout_s; heartbeats every {beat_every_s:g} s, "
+    ft = {"dist": {"fault_tolerance": "torchft"}}
+    return {"steps": steps, "interval": interval, "fail_at": fail_at, "ckpt_every": ckpt_every,
+            "restart_s": restart_s, "heartbeat_s": heartbeat_s, "beat_every_s": beat_every_s,
+            "layers": {"ft": [common, ft], "ft-fail": [common, ft, fail], "plain": [common],
+                       "restart-fail": [common, fail, {"dist": {"max_restarts": 1},
+                                                       "checkpoint": {"every": ckpt_every}}]}}
+
+
+def _results(ctx: Ctx) -> dict[str, Any]:
+    return _summarise([_measure({s: ctx.runs[repeat_label(s, i)] for s in SYSTEMS},
+                                ctx.fail_at, ctx.interval, ctx.ckpt_every)
+                       for i in range(ctx.bench.repeats)])
+
+
+def _notes(ctx: Ctx) -> list[str]:
+    return [
+        f"{REPLICAS} replicas x 1 process, edit, {ctx.steps} steps, H = {ctx.interval}; "
+        f"replica {REPLICAS - 1} is killed (abrupt exit of its processes) right after step "
+        f"{ctx.fail_at} (mid-window); `ft-fail` restarts its group {ctx.restart_s:g} s later "
+        "(as torch elastic restarts at once), `restart-fail` restarts every worker from the "
+        f"last checkpoint (every {ctx.ckpt_every} steps; checkpoint and evaluation time are "
+        "inside the wall time, as a user pays them). "
+        f"The lighthouse drops a silent replica after {ctx.heartbeat_s:g} s "
+        f"(dist.ft_heartbeat_timeout_s; heartbeats every {ctx.beat_every_s:g} s, "
         "dist.ft_heartbeat_interval_s): a survivor that reaches its next sync sooner waits "
         "there for the rest of that time.",
         "Wall time: the whole launch (process start-up included), measured by the bench.",
@@ -132,15 +118,9 @@ def run(bench: Bench) -> dict[str, Any]:
         "since its last sync (at the no-failure run's step time), / W / replicas. The "
         "survivor's and the dead replica's losses: each replica's useful tokens in W "
         "against the same replica's in the no-failure run.",
-        f"{bench.repeats} interleaved repeat(s); median [min-max] of per-repeat values; "
+        f"{ctx.bench.repeats} interleaved repeat(s); median [min-max] of per-repeat values; "
         "ratios are taken within a repeat.",
     ]
-    return bench.finish(settings=settings, methods=list(SYSTEMS), results=results,
-                        tables=[("One failure", _table(results)),
-                                ("Cost of the failure", _cost_table(results))],
-                        targets=[target], findings=_findings(results), notes=notes,
-                        description=DESCRIPTION, repeats=bench.repeats,
-                        headline=_headline(results))
 
 
 # ---------------------------------------------------------------------------- measures
@@ -299,34 +279,31 @@ def _get(results: dict[str, Any], s: str, k: str) -> dict[str, Any] | None:
     return results.get(s, {}).get(k)
 
 
-def _table(results: dict[str, Any]) -> str:
-    rows = []
-    for s in SYSTEMS:
-        rows.append([s, spread_cell(_get(results, s, "wall_s")),
-                     spread_cell(_get(results, s, "useful_tokens")),
-                     spread_cell(_get(results, s, "useful_tokens_per_s")),
-                     spread_cell(_get(results, s, "final_val_loss"))])
-    return md_table(["run", "wall time (s)", "useful tokens", "useful tokens/s",
-                     "final val loss"], rows)
+def _spread(key: str, scale: float = 1.0):
+    """A cell: the spread of ``key`` of the row's run (``row[0]``), scaled."""
+    return lambda row: spread_cell(_get(row[1], row[0], key), scale)
 
 
-def _cost_table(results: dict[str, Any]) -> str:
-    rows = []
-    for s, clean in (("ft-fail", "ft"), ("restart-fail", "plain")):
-        rows.append([f"{s} vs {clean}", spread_cell(_get(results, s, "time_lost_s")),
-                     spread_cell(_get(results, s, "throughput_loss"), 100),
-                     spread_cell(_get(results, s, "window_loss"), 100),
-                     spread_cell(_get(results, s, "dead_share"), 100),
-                     spread_cell(_get(results, s, "downtime_share"), 100),
-                     spread_cell(_get(results, s, "survivor_window_loss"), 100),
-                     spread_cell(_get(results, s, "dead_window_loss"), 100),
-                     spread_cell(_get(results, s, "downtime_s")),
-                     spread_cell(_get(results, s, "redone_steps"))])
-    return md_table(["failure", "time lost (s)", "useful throughput lost, step budget (%)",
-                     "useful tokens lost in the window W (%)", "dead replica's share of W (%)",
-                     "of which downtime only (%)", "survivor's tokens lost in W (%)",
-                     "dead replica's tokens lost in W (%)", "downtime (s)", "steps redone"],
-                    rows)
+TABLES = [
+    Table("One failure", [
+        ("run", None), ("wall time (s)", _spread("wall_s")),
+        ("useful tokens", _spread("useful_tokens")),
+        ("useful tokens/s", _spread("useful_tokens_per_s")),
+        ("final val loss", _spread("final_val_loss"))],
+        rows=lambda ctx: [(s, ctx.results) for s in SYSTEMS]),
+    Table("Cost of the failure", [
+        ("failure", lambda row: f"{row[0]} vs {row[2]}"),
+        ("time lost (s)", _spread("time_lost_s")),
+        ("useful throughput lost, step budget (%)", _spread("throughput_loss", 100)),
+        ("useful tokens lost in the window W (%)", _spread("window_loss", 100)),
+        ("dead replica's share of W (%)", _spread("dead_share", 100)),
+        ("of which downtime only (%)", _spread("downtime_share", 100)),
+        ("survivor's tokens lost in W (%)", _spread("survivor_window_loss", 100)),
+        ("dead replica's tokens lost in W (%)", _spread("dead_window_loss", 100)),
+        ("downtime (s)", _spread("downtime_s")), ("steps redone", _spread("redone_steps"))],
+        rows=lambda ctx: [("ft-fail", ctx.results, "ft"),
+                          ("restart-fail", ctx.results, "plain")]),
+]
 
 
 def _target(results: dict[str, Any]) -> dict[str, Any]:
@@ -392,3 +369,22 @@ def _headline(results: dict[str, Any]) -> list[str]:
         return []
     return [f"one replica killed: in a fixed window --ft loses {a * 100:.1f}% of its useful "
             f"tokens, restart-from-checkpoint {b * 100:.1f}%"]
+
+
+SCENARIO = Scenario(
+    name="faults",
+    description=DESCRIPTION,
+    unavailable=_unavailable, setup=_setup, measure=_results, notes=_notes, tables=TABLES,
+    runs=lambda ctx: [Job(repeat_label(s, rep), ctx.layers[s], title=f"{s} repeat {rep + 1}")
+                      for rep in range(ctx.bench.repeats) for s in SYSTEMS],
+    checks=lambda ctx: [(ctx.layers[s], None) for s in SYSTEMS],
+    judge=lambda ctx: Verdict(targets=[_target(ctx.results)], findings=_findings(ctx.results),
+                              headline=_headline(ctx.results)),
+    settings=lambda ctx: {
+        "replicas": REPLICAS, "steps": ctx.steps, "sync_interval": ctx.interval,
+        "heartbeat_timeout_s": ctx.heartbeat_s, "heartbeat_interval_s": ctx.beat_every_s,
+        "fail": f"replica {REPLICAS - 1} after step {ctx.fail_at}",
+        "restart_delay_s": ctx.restart_s, "checkpoint_every": ctx.ckpt_every,
+        "repeats": ctx.bench.repeats},
+    methods=lambda ctx: list(SYSTEMS), repeats=True,
+)

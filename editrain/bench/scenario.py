@@ -115,6 +115,8 @@ class Scenario:
         repeats: whether the runs are timed and repeated (the record says how often).
         size_caveat: whether the quick and tiny sizes' numbers differ in kind from the full
             size's (the report then says so).
+        unavailable: why the scenario cannot run here (e.g. an optional package is
+            missing), or None; then nothing runs and the record says it was skipped.
     """
 
     name: str
@@ -132,11 +134,20 @@ class Scenario:
     planned: Callable[[Ctx], int | None] = _nothing
     repeats: bool = False
     size_caveat: bool = True
+    unavailable: Callable[[], str | None] = lambda: None
 
 
 def execute(scenario: Scenario, bench: Any) -> dict[str, Any]:
     """Run a declared scenario on ``bench`` and write its record; returns the record."""
     ctx = Ctx(bench=bench, runs={}, results={})
+    reason = scenario.unavailable()
+    if reason is not None:
+        bench.log(reason)
+        return bench.finish(
+            settings={}, methods=scenario.methods(ctx), description=scenario.description,
+            results={"status": "skipped", "reason": reason}, skipped=reason,
+            tables=[(scenario.name.capitalize(), md_table(["scenario", "status"],
+                                                          [[scenario.name, reason]]))])
     for key, value in scenario.setup(bench).items():
         setattr(ctx, key, value)
     jobs = scenario.runs(ctx)
