@@ -10,6 +10,7 @@ lives in :mod:`editrain.sync`; this file only wires it.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import time
@@ -45,6 +46,7 @@ from editrain.fault import (
     replica_run_dir,
 )
 from editrain.hf_checkpoint import export_checkpoint, load_hf_weights, save_run_tokenizer
+from editrain.loop_state import LoopState, next_after
 from editrain.metrics import MetricsWriter, RankLog, read_metrics, to_json
 from editrain.models import causal_lm_loss, num_parameters
 from editrain.optim.inner import build_inner_optimizer, clip_gradients, uses_sam
@@ -152,24 +154,11 @@ class Trainer:
             if self.pp else None, final_batches=self.data.val_final)
         self.tokens_per_step = t.batch_size * t.seq_len * t.gradient_accumulation_steps
 
-        # Loop state (saved in checkpoints).
-        self.step = 0
-        self.steps_run = 0
-        """Inner steps this process ran (a healed replica adopts its peers' step count)."""
-        self.healed_at: int | None = None
-        self.val_tokens = 0
-        self.next_eval = t.eval_every
-        self.next_ckpt = cfg.checkpoint.every
-        self.last_eval = 0
-        self.finished = False
-        self.wall_offset = 0.0
-        self.off_train_s = 0.0  # evaluation and checkpoint time, kept out of train_time_s
-        self.resumed_from: Path | None = None
+        # Loop state (its saved part in checkpoints; a resume replaces it).
+        self.loop = LoopState(next_eval=t.eval_every, next_ckpt=cfg.checkpoint.every)
         self.lineage = lineage_of(self.run_dir)
         """This job's run id, timeline and start checkpoint (the launcher's run record;
         None without one): stored in checkpoints, and rotation keeps to the timeline."""
-        self.elastic = False
-        self.replay_until: int | None = None
         ckpt = self._checkpoint_to_resume()
         if ckpt is not None:
             self._resume(ckpt)
@@ -181,7 +170,7 @@ class Trainer:
         if self.is_logger:  # for editrain export
             save_run_tokenizer(self.run_dir, self.data.corpus.tokenizer_path,
                                tokenizer_source(cfg)[1])
-        self.wall_start = time.perf_counter()
+        self.loop.start_clock()
 
     # ------------------------------------------------------------------ the loop
     def train(self) -> dict[str, Any]:
@@ -195,26 +184,28 @@ class Trainer:
                 point = engine.sync_point()  # progress at a sync boundary, else None
                 if self.aedit and point is not None and point >= cfg.train.steps:
                     engine.finish()  # the last sync of the run
-                    self.finished = True
+                    self.loop.finished = True
                     row["tokens"] = self._tokens()
-                if (point is not None and point >= self.next_eval
+                if (point is not None and point >= self.loop.next_eval
                         and not (self._budget_done() and self._own_final_eval)):
                     # (at the end the final evaluation, over final_eval_tokens, stands in)
                     engine.finish()
                     row.update(self.evaluate())
-                    final_val, self.last_eval = row["val_loss"], self.step
-                    self.next_eval = next_after(self.next_eval, point, cfg.train.eval_every)
+                    final_val, self.loop.last_eval = row["val_loss"], self.loop.step
+                    self.loop.next_eval = next_after(self.loop.next_eval, point,
+                                                     cfg.train.eval_every)
                 syncs = engine.pop_sync_log()
                 if syncs:
                     row["sync"] = syncs[-1]
                     if self.is_logger and not cfg.quiet:
                         log.warning("%s", sync_summary(syncs[-1]))
-                if self.step % cfg.train.log_every == 0 or "val_loss" in row or "sync" in row:
+                if self.loop.step % cfg.train.log_every == 0 or "val_loss" in row or "sync" in row:
                     self._log_step(row)
-                if (cfg.checkpoint.every and point is not None and point >= self.next_ckpt
+                if (cfg.checkpoint.every and point is not None and point >= self.loop.next_ckpt
                         and not self._budget_done()):
                     # advanced first: the state saved is "after"
-                    self.next_ckpt = next_after(self.next_ckpt, point, cfg.checkpoint.every)
+                    self.loop.next_ckpt = next_after(self.loop.next_ckpt, point,
+                                                     cfg.checkpoint.every)
                     self.save()
                 if progress is not None:
                     progress.update(self._task, completed=min(engine.progress_steps,
@@ -222,7 +213,7 @@ class Trainer:
                                     info=f"loss {row['loss']:.3f}  val {final_val:.3f}")
             final_val = self._end(final_val)
             # This rank's cross-replica bytes by cause, the last row of its rank log.
-            self.rank_log.write({"event": "cross_replica_bytes", "step": self.step,
+            self.rank_log.write({"event": "cross_replica_bytes", "step": self.loop.step,
                                  **engine.comm.ledger.totals()})
         finally:
             if progress is not None:
@@ -242,13 +233,13 @@ class Trainer:
         loss = self._compute(batches)
         grad_sync_s = engine.total_grad_sync_s - grad0
         compute_s = time.perf_counter() - t0 - (engine.total_wait_s - wait0) - grad_sync_s
-        stall_s = sim.after_compute(self.step, compute_s)
+        stall_s = sim.after_compute(self.loop.step, compute_s)
         t1 = time.perf_counter()
         engine.record_loss(loss)  # each replica's mean loss travels with the next round
         engine.step()
-        self.step += 1
-        self.steps_run += 1
-        sim.after_step(self.step)
+        self.loop.step += 1
+        self.loop.steps_run += 1
+        sim.after_step(self.loop.step)
         return self._step_row(float(loss), lr, t0, t1, wait0, compute_s, grad_sync_s, stall_s)
 
     def _compute(self, batches: list[torch.Tensor]) -> torch.Tensor:
@@ -306,8 +297,8 @@ class Trainer:
         mine = {"rank": self.global_rank, "replica": self.replica, "shard": info.shard,
                 **({"tp": info.tp} if info.topo.tp_size > 1 else {}),
                 **({"stage": info.stage} if self.pp else {}),
-                "step": self.step, "unix_time": time.time(),
-                "tokens": self.step * self.tokens_per_step,
+                "step": self.loop.step, "unix_time": time.time(),
+                "tokens": self.loop.step * self.tokens_per_step,
                 "loss": loss, "wall_time_s": self._wall(), "step_time_s": step_time,
                 "compute_s": compute_s, "sync_wait_s": wait - wait0,
                 "grad_sync_s": grad_sync_s}
@@ -315,7 +306,7 @@ class Trainer:
             mine["sim_stall_s"] = stall_s
         self.rank_log.write(mine)
         row: dict[str, Any] = {
-            "step": self.step,
+            "step": self.loop.step,
             "tokens": self._tokens(),
             "loss": loss,  # this rank's; averaged when the row is logged
             "lr": lr,
@@ -330,7 +321,7 @@ class Trainer:
         if stall_s:
             row["sim_stall_s"] = stall_s
         if self.aedit:
-            row["replica_step"] = self.step
+            row["replica_step"] = self.loop.step
         return row
 
     def _log_step(self, row: dict[str, Any]) -> None:
@@ -348,7 +339,7 @@ class Trainer:
         # One clock reading for both (after the loss's collective): train time never
         # exceeds wall time.
         row["wall_time_s"] = self._wall()
-        row["train_time_s"] = row["wall_time_s"] - self.off_train_s
+        row["train_time_s"] = row["wall_time_s"] - self.loop.off_train_s
         self._write(row)
 
     def _begin(self) -> float:
@@ -357,17 +348,17 @@ class Trainer:
         self._log_start()
         if self.ft:
             self._ft_join()
-        if self.healed_at is not None:
+        if self.loop.healed_at is not None:
             return float("nan")  # joined a running job: its curve goes on from the peers'
-        if self.resumed_from is None:
+        if self.loop.resumed_from is None:
             ev = self.evaluate()
             self._write({"step": 0, "tokens": 0, **ev, "wall_time_s": 0.0})
             return ev["val_loss"]
-        if self.elastic:
+        if self.loop.elastic:
             # The global model on the new topology: this loss should continue the curve
             # from the saved run's final evaluation (so it is over the same tokens).
             ev = self.evaluate(final=True)
-            self._write({"event": "elastic_resume", "step": self.step, "tokens": self._tokens(),
+            self._write({"event": "elastic_resume", "step": self.loop.step, "tokens": self._tokens(),
                          **ev, "wall_time_s": self._wall()})
             return ev["val_loss"]
         return float("nan")
@@ -378,11 +369,11 @@ class Trainer:
         self.engine.finish(force=True)
         # The final evaluation: unless the loop's last one was at this step over the same
         # tokens (train.final_eval_tokens == train.eval_tokens) and no sync was forced.
-        if (self.last_eval != self.step or self.engine.num_syncs_forced
+        if (self.loop.last_eval != self.loop.step or self.engine.num_syncs_forced
                 or self._own_final_eval):
             ev = self.evaluate(final=True)
             final_val = ev["val_loss"]
-            self._write({"step": self.step, "tokens": self._tokens(), **ev,
+            self._write({"step": self.loop.step, "tokens": self._tokens(), **ev,
                          "wall_time_s": self._wall()})
         if self.cfg.checkpoint.final or self.cfg.checkpoint.every:
             self.save()
@@ -395,17 +386,17 @@ class Trainer:
         """The run's summary (rank 0 writes it to ``summary.json``)."""
         topo = self.info.topo
         wall = self._wall()
-        summary = {"steps": self.step, "tokens": self._tokens(), "final_val_loss": final_val,
-                   "val_tokens": self.val_tokens, "wall_time_s": wall,
-                   "train_time_s": wall - self.off_train_s,
+        summary = {"steps": self.loop.step, "tokens": self._tokens(), "final_val_loss": final_val,
+                   "val_tokens": self.loop.val_tokens, "wall_time_s": wall,
+                   "train_time_s": wall - self.loop.off_train_s,
                    "num_syncs": self.engine.num_syncs,
                    "num_params": self.num_params, "method": self.cfg.sync.method,
                    "replicas": self.replicas, "shard_size": topo.shard_size,
                    "tp_size": topo.tp_size, **({"pp_size": topo.pp_size} if self.pp else {}),
-                   "steps_run": self.steps_run,
-                   "tokens_processed": self.steps_run * topo.data_world * self.tokens_per_step}
+                   "steps_run": self.loop.steps_run,
+                   "tokens_processed": self.loop.steps_run * topo.data_world * self.tokens_per_step}
         if self.ft:
-            summary.update(replica=self.replica, healed_at=self.healed_at,
+            summary.update(replica=self.replica, healed_at=self.loop.healed_at,
                            failed_syncs=self.engine.failed_rounds)
         # Bytes this (the logging) rank sent across replicas, by cause; every rank's are the
         # last row of its rank log (docs/metrics.md).
@@ -431,14 +422,14 @@ class Trainer:
         ``final``: over ``train.final_eval_tokens``); its time is kept out of
         ``train_time_s``."""
         ev = self.evaluator.evaluate(final=final)
-        self.val_tokens = ev["val_tokens"]
-        self.off_train_s += ev["eval_time_s"]
+        self.loop.val_tokens = ev["val_tokens"]
+        self.loop.off_train_s += ev["eval_time_s"]
         return ev
 
     def _budget_done(self) -> bool:
         if self.aedit:
-            return self.finished
-        return self.step >= self.cfg.train.steps
+            return self.loop.finished
+        return self.loop.step >= self.cfg.train.steps
 
     # ------------------------------------------------------------------ checkpoints
     def _checkpoint_to_resume(self) -> Path | None:
@@ -471,15 +462,9 @@ class Trainer:
         # global model of this step, which an elastic resume starts from.
         self.engine.finish()
         t_save = time.perf_counter()
-        label = int(round(self.engine.progress_steps)) if self.aedit else self.step
+        label = int(round(self.engine.progress_steps)) if self.aedit else self.loop.step
         rank_state = {
-            "step": self.step,
-            "next_eval": self.next_eval,
-            "next_ckpt": self.next_ckpt,
-            "last_eval": self.last_eval,
-            "finished": self.finished,
-            "wall_time_s": self._wall(),
-            "off_train_s": self.off_train_s,
+            **self.loop.to_dict(),
             "data": self.data.state_dict(),
             "rng": rng_state(),
             "sim_rng": self.sim.state_dict(),
@@ -496,46 +481,41 @@ class Trainer:
                                 rank_state=rank_state, meta=self._meta(),
                                 keep=self.cfg.checkpoint.keep, lineage=self.lineage,
                                 before_commit=lambda: self.sim.before_checkpoint_commit(
-                                    self.step))
+                                    self.loop.step))
         if self.is_logger:
             log.warning("checkpoint %s: %.1f MiB in %.2f s", saved.path, saved.bytes / 2**20,
                         saved.seconds)
-            self._write({"event": "checkpoint", "step": self.step, "path": str(saved.path),
+            self._write({"event": "checkpoint", "step": self.loop.step, "path": str(saved.path),
                          "bytes": saved.bytes, "save_time_s": saved.seconds})
-        self.off_train_s += time.perf_counter() - t_save
+        self.loop.off_train_s += time.perf_counter() - t_save
 
     def _resume(self, ckpt: Path) -> None:
         state, marker = load_checkpoint(ckpt, model=self.model, optimizer=self.optimizer,
                                         engine=self.engine, replica=self.info.replica,
                                         rank=self.info.rank, meta=self._meta(),
                                         stage=self.info.stage)
-        self.resumed_from = ckpt
-        if self.is_logger:
-            self.replay_until = _last_logged_step(self.run_dir)
+        resumed = {"resumed_from": ckpt,
+                   "replay_until": _last_logged_step(self.run_dir) if self.is_logger else None}
         if state is not None:  # same topology: exact
-            self.step = state["step"]
-            self._resume_schedule(state, marker)
-            self.last_eval, self.finished = state["last_eval"], state["finished"]
-            self.wall_offset = state["wall_time_s"]
-            self.off_train_s = state.get("off_train_s", 0.0)
+            self.loop = dataclasses.replace(LoopState.from_dict(state, str(ckpt)), **resumed)
+            self._resume_schedule(marker)
             self.data.load_state_dict(state["data"])
             set_rng_state(state["rng"])
             self.sim.load_state_dict(state["sim_rng"])
             if self.ft_group is not None and "ft_committed" in state:
                 self.ft_group.committed_syncs = int(state["ft_committed"])
             if self.is_logger:
-                log.warning("resumed exactly from %s at step %d", ckpt, self.step)
+                log.warning("resumed exactly from %s at step %d", ckpt, self.loop.step)
             return
         # Elastic: different number of replicas or shards.
-        self.elastic = True
         # tp peers and the stages of a pipeline: the same position
         old = [o for o in rank_states(ckpt) if not o.get("tp") and not o.get("stage")]
-        first = old[0]
-        # The engine restarted every replica at one step (A-EDiT: the mean of the last sync).
-        self.step = self.engine.global_step
-        self._resume_schedule(first, marker)
-        self.last_eval, self.wall_offset = first["last_eval"], first["wall_time_s"]
-        self.off_train_s = first.get("off_train_s", 0.0)
+        # The schedule and clocks of the saving run's first rank; the engine restarted
+        # every replica at one step (A-EDiT: the mean of the last sync), not yet finished.
+        self.loop = dataclasses.replace(LoopState.from_dict(old[0], str(ckpt)), **resumed,
+                                        step=self.engine.global_step, finished=False,
+                                        elastic=True)
+        self._resume_schedule(marker)
         self.data.repartition([o["data"] for o in old])
         if self.is_logger:
             old_r, old_s = replicas_and_shards(marker["topology"])
@@ -546,26 +526,24 @@ class Trainer:
                 "epoch (the unread rest of it is re-partitioned). Reset: every replica's "
                 "local progress since the last sync, the sync clock.",
                 ckpt, old_r, old_s, self.info.topo.num_replicas, self.info.topo.shard_size,
-                min(old_r, self.info.topo.num_replicas) - 1, self.step)
+                min(old_r, self.info.topo.num_replicas) - 1, self.loop.step)
 
-    def _resume_schedule(self, state: dict[str, Any], marker: dict[str, Any]) -> None:
+    def _resume_schedule(self, marker: dict[str, Any]) -> None:
         """The evaluations and checkpoints due after a resume: the schedule the run would
         have had without the stop. The final save of a run does not advance them past its
         own step (the loop's last evaluation and checkpoint are not taken), so they are
         advanced past the checkpoint's step here, with this run's intervals."""
-        label, t = marker["step"], self.cfg.train
-        self.next_eval = next_after(state["next_eval"], label, t.eval_every)
-        self.next_ckpt = next_after(state["next_ckpt"], label, self.cfg.checkpoint.every)
+        self.loop.skip_due(marker["step"], self.cfg.train.eval_every, self.cfg.checkpoint.every)
 
     # ------------------------------------------------------------------ helpers
     def _write(self, row: dict[str, Any]) -> None:
-        if self.replay_until is not None and row.get("step", 0) <= self.replay_until \
+        if self.loop.replay_until is not None and row.get("step", 0) <= self.loop.replay_until \
                 and "event" not in row:
             row["replayed"] = True
         self.metrics.write(row)
 
     def _wall(self) -> float:
-        return self.wall_offset + time.perf_counter() - self.wall_start
+        return self.loop.wall()
 
     def _tokens(self) -> int:
         # A-EDiT after an elastic resume counts progress in the first topology's steps.
@@ -623,42 +601,29 @@ class Trainer:
         self.engine.join(start_quorum=min(2, self.replicas) if rejoining else None,
                          timeout_s=max(600.0, 2 * self.cfg.dist.ft_join_timeout_s))
         syncs = self.engine.pop_sync_log()
-        if self.healed_at is None:
+        if self.loop.healed_at is None:
             return
         # Evaluations and checkpoints the peers already took are not repeated here.
-        self.next_eval = next_after(self.next_eval, self.step, self.cfg.train.eval_every)
-        self.next_ckpt = next_after(self.next_ckpt, self.step, self.cfg.checkpoint.every)
+        self.loop.skip_due(self.loop.step, self.cfg.train.eval_every, self.cfg.checkpoint.every)
         if self.is_logger:
             log.warning("replica %d joined the running job at step %d (healed from a peer)",
-                        self.replica, self.step)
-            self._write({"event": "ft_join", "step": self.step, "tokens": self._tokens(),
+                        self.replica, self.loop.step)
+            self._write({"event": "ft_join", "step": self.loop.step, "tokens": self._tokens(),
                          "replica": self.replica, "wall_time_s": self._wall(),
                          "unix_time": time.time(),
                          "sync": syncs[-1] if syncs else None})
 
     def _ft_state(self) -> dict[str, Any]:
         """The trainer's share of what a healing replica receives (see ``_ft_join``)."""
-        return {"step": self.engine.global_step, "next_eval": self.next_eval,
-                "next_ckpt": self.next_ckpt, "last_eval": self.last_eval,
+        return {**self.loop.heal_state(self.engine.global_step),
                 "data": self.data.state_dict(),
                 "optimizer": local_optimizer_state(self.optimizer)}
 
     def _load_ft_state(self, sd: dict[str, Any]) -> None:
-        self.step = int(sd["step"])
-        self.next_eval, self.next_ckpt = sd["next_eval"], sd["next_ckpt"]
-        self.last_eval = sd["last_eval"]
+        self.loop.adopt(sd)
         self.data.adopt(sd["data"])  # the peer's position, our share
         load_local_optimizer_state(self.optimizer, sd["optimizer"])
-        self.healed_at = self.step
-
-
-def next_after(due: int, point: float, every: int) -> int:
-    """``due`` advanced by ``every`` until it is past ``point`` (unchanged when ``every``
-    is 0): the next evaluation or checkpoint after the one taken at ``point``. Computed,
-    not looped, so a far ``point`` costs nothing."""
-    if not every or due > point:
-        return due
-    return due + (int((point - due) // every) + 1) * every
+        self.loop.healed_at = self.loop.step
 
 
 def sync_summary(entry: dict[str, Any]) -> str:

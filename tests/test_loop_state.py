@@ -1,0 +1,113 @@
+"""The trainer's loop state as one object (issue 52 item 6): what it saves is exactly what a
+rank's JSON held before it existed, it loads back as one (checked against the checkpoint's
+schema), and its schedule helpers are the loop's arithmetic."""
+
+from __future__ import annotations
+
+import math
+import time
+
+import pytest
+
+from editrain.checkpoint import RANK_STATE_SCHEMA
+from editrain.errors import CheckpointError
+from editrain.loop_state import LOOP_STATE_SCHEMA, SAVED, LoopState, next_after
+
+
+def _state(**changes) -> LoopState:
+    loop = LoopState(next_eval=30, next_ckpt=40, step=27, last_eval=20, finished=True,
+                     wall_offset=12.5, off_train_s=3.25, steps_run=7, val_tokens=4096,
+                     healed_at=None, replay_until=25, elastic=False)
+    for k, v in changes.items():
+        setattr(loop, k, v)
+    return loop
+
+
+def test_saved_keys_are_the_rank_json_keys_of_before_in_order():
+    """The format on disk is unchanged: the keys and values the trainer wrote field by
+    field (step, next_eval, next_ckpt, last_eval, finished, wall_time_s, off_train_s)."""
+    loop = _state()
+    t0 = time.perf_counter()
+    d = loop.to_dict()
+    elapsed = time.perf_counter() - loop.wall_start
+    assert list(d) == list(SAVED) == ["step", "next_eval", "next_ckpt", "last_eval",
+                                      "finished", "wall_time_s", "off_train_s"]
+    assert {k: d[k] for k in SAVED if k != "wall_time_s"} == {
+        "step": 27, "next_eval": 30, "next_ckpt": 40, "last_eval": 20, "finished": True,
+        "off_train_s": 3.25}
+    # The wall clock: the resumed offset plus this process's clock, read once.
+    assert 12.5 + (t0 - loop.wall_start) <= d["wall_time_s"] <= 12.5 + elapsed
+    # Every saved key is checked by the checkpoint's schema, with the same rules.
+    assert set(SAVED) <= set(RANK_STATE_SCHEMA.fields)
+    for k in SAVED:
+        assert LOOP_STATE_SCHEMA.fields[k] is RANK_STATE_SCHEMA.fields[k]
+    assert set(LOOP_STATE_SCHEMA.required) == set(SAVED) - {"off_train_s"}
+
+
+def test_from_dict_restores_the_saved_part_and_starts_a_new_clock():
+    saved = _state().to_dict()
+    saved.update(data={"epoch": 0}, rng={}, sim_rng=[])  # the rest of a rank's JSON
+    before = time.perf_counter()
+    back = LoopState.from_dict(saved, "rank_00000.json")
+    assert (back.step, back.next_eval, back.next_ckpt, back.last_eval, back.finished,
+            back.off_train_s) == (27, 30, 40, 20, True, 3.25)
+    assert back.wall_offset == saved["wall_time_s"]  # exactly: the resumed clock's offset
+    assert back.wall_start >= before
+    # This process's own fields start afresh.
+    assert (back.steps_run, back.val_tokens, back.healed_at, back.replay_until,
+            back.resumed_from, back.elastic) == (0, 0, None, None, None, False)
+    # Saved again at once: the same values (the clock only moved on).
+    again = back.to_dict()
+    assert {k: again[k] for k in SAVED if k != "wall_time_s"} == \
+        {k: saved[k] for k in SAVED if k != "wall_time_s"}
+    assert again["wall_time_s"] >= saved["wall_time_s"]
+
+
+def test_a_checkpoint_from_before_off_train_s_resumes_with_zero():
+    saved = _state().to_dict()
+    del saved["off_train_s"]
+    assert LoopState.from_dict(saved).off_train_s == 0.0
+
+
+@pytest.mark.parametrize("field,value,why", [
+    ("step", -1, "an integer from 0 to 9007199254740992 is expected (found -1)"),
+    ("step", True, "an integer from 0 to 9007199254740992 is expected (found True)"),
+    ("next_eval", 1.5, "an integer from 0 to 9007199254740992 is expected (found 1.5)"),
+    ("last_eval", "3", "an integer from 0 to 9007199254740992 is expected (found '3')"),
+    ("finished", 1, "true or false is expected (found 1)"),
+    ("wall_time_s", math.inf, "a finite number from 0 to 1e+12 is expected (found inf)"),
+    ("off_train_s", -0.5, "a finite number from 0 to 1e+12 is expected (found -0.5)"),
+])
+def test_from_dict_refuses_a_bad_field_in_one_line(field, value, why):
+    saved = _state().to_dict()
+    saved[field] = value
+    with pytest.raises(CheckpointError) as e:
+        LoopState.from_dict(saved, "ckpt/rank_00003.json")
+    assert str(e.value) == f"ckpt/rank_00003.json: field {field!r}: {why}"
+
+
+@pytest.mark.parametrize("field", [k for k in SAVED if k != "off_train_s"])
+def test_from_dict_refuses_a_missing_field(field):
+    saved = _state().to_dict()
+    del saved[field]
+    with pytest.raises(CheckpointError, match=rf"^r\.json: field '{field}' is missing$"):
+        LoopState.from_dict(saved, "r.json")
+
+
+def test_skip_due_is_next_after_for_both_schedules():
+    loop = _state(next_eval=10, next_ckpt=8)
+    loop.skip_due(25.5, eval_every=10, ckpt_every=4)
+    assert (loop.next_eval, loop.next_ckpt) == (30, 28)
+    assert (next_after(10, 25.5, 10), next_after(8, 25.5, 4)) == (30, 28)
+    loop.skip_due(25.5, eval_every=0, ckpt_every=0)  # never (every 0): unchanged
+    assert (loop.next_eval, loop.next_ckpt) == (30, 28)
+
+
+def test_a_healed_replica_adopts_its_peers_schedule_and_step():
+    peer = _state(next_eval=60, next_ckpt=80, last_eval=50, step=55)
+    sent = peer.heal_state(step=52)  # the engine's global step, not the replica's own
+    assert sent == {"step": 52, "next_eval": 60, "next_ckpt": 80, "last_eval": 50}
+    joining = LoopState(next_eval=10, next_ckpt=20)
+    joining.adopt(sent)
+    assert (joining.step, joining.next_eval, joining.next_ckpt, joining.last_eval,
+            joining.healed_at) == (52, 60, 80, 50, 52)
