@@ -14,6 +14,8 @@ tune        what closes EDiT's gap to sync at equal tokens: warm-up, H, outer lr
             momentum, inner lr, penalty, tokens, shape, one at a time, then the recipe
 scale       tune's recipe against sync as the model grows (tiny, blocks, small shapes) at
             equal tokens: the paired gap against parameters and tokens per parameter
+batch       tune's recipe against sync as the tokens per replica per step grow (512,
+            2,048, 8,192) at equal tokens, each method's lr tuned per batch, seeds paired
 bandwidth   tokens/s of sync, diloco, edit as the simulated link gets slower
 stragglers  tokens/s and loss with a 2x straggler or random stalls (sync, edit, aedit)
             against the measured limit (each replica's solo speed)
@@ -63,11 +65,11 @@ from typing import Any
 from editrain.config import ConfigError
 from editrain.paths import check_path
 
-SCENARIOS = ("default", "convergence", "tune", "scale", "bandwidth", "stragglers", "spikes",
+SCENARIOS = ("default", "convergence", "tune", "scale", "batch", "bandwidth", "stragglers", "spikes",
              "memory", "overlap", "optimizers", "peers", "faults", "plan", "data")
 """Scenario names in the order ``all`` runs them (and the report lists them)."""
 
-REUSABLE = ("convergence", "tune", "scale")
+REUSABLE = ("convergence", "tune", "scale", "batch")
 """Scenarios whose results are losses only (deterministic runs): ``--reuse`` may read back
 their finished runs from an earlier invocation, e.g. one cut short."""
 

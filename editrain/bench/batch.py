@@ -1,0 +1,302 @@
+"""Batch: EDiT's recipe against synchronous training as the batch grows, at equal tokens.
+
+``docs/decisions.md`` read the recipe's remaining gap to synchronous training (+3.4% on the
+tiny preset after 2,000 steps) as batch noise: 512 tokens per replica per step, where sync
+averages every step's gradients over both replicas. The DiLoCo scaling study (Charles et
+al. 2025) predicts that local SGD tolerates larger batches than data-parallel training, so
+the gap should shrink as the batch grows. This scenario tests it: per model shape and per
+tokens per replica per step (512, 2,048, 8,192: the batch size at the bench's sequence
+length), sync and the recipe (``bench convergence``'s ``edit-recipe``: synchronous warm-up
+for the first quarter of the run, H = 20 steps, outer SGD at lr 1 without momentum) train on
+the same tokens. H stays 20 *steps* at every batch (so H in tokens, and the tokens between
+syncs, grow with the batch: fewer syncs for the same tokens); H in tokens is reported.
+
+Each method's inner learning rate is tuned per batch on a short grid with the same budget
+for both (``LR_FACTORS`` times the square-root-scaled default, seed 0), and seeds 1.. run
+at each method's best rate; every seed is paired (same initial model and data order for
+both methods). The record is written after each phase (the grid, then each further seed),
+so a cut-short invocation leaves a usable partial study (``--reuse`` resumes it).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from editrain.bench.convergence import RECIPE_H, variant_layers
+from editrain.bench.options import pick_names
+from editrain.bench.plots import pyplot, save_figure
+from editrain.bench.runner import Bench
+from editrain.bench.scale import SHAPES
+from editrain.bench.stats import mean_std, paired_differences
+from editrain.bench.tables import md_table, mean_pm, percent
+
+NAME = "batch"
+DESCRIPTION = (
+    "EDiT with bench tune's recipe against synchronous training as the tokens per replica "
+    "per step grow (512, 2,048, 8,192) at equal tokens, H = 20 steps at every batch: each "
+    "method's learning rate tuned per batch on the same short grid, then seeds paired; the "
+    "relative gap of the final validation loss per batch, with its spread."
+)
+RECIPE = "edit-recipe"
+"""The convergence variant compared with sync."""
+METHODS = ("sync", RECIPE)
+BASE_TOKENS = 512
+"""Tokens per replica per step of the bench's runs (batch 8 x sequence 64): the batch the
+learning-rate grid's centre is scaled from."""
+BASE_LR = 3e-3
+"""``train.lr``'s default, the grid's centre at ``BASE_TOKENS``."""
+LR_FACTORS = (1.0, 2.0)
+"""The grid: these times ``BASE_LR * sqrt(tokens / BASE_TOKENS)`` (Adam's square-root
+rule), the same for both methods."""
+WITHIN = 0.02
+"""The gap (relative to sync's loss) under which the recipe counts as matching sync."""
+BATCH_SHAPES = ("tiny", "blocks")
+"""The model shapes of ``bench scale`` this scenario runs (``--shapes``)."""
+
+
+def sizes(bench: Bench) -> tuple[tuple[int, ...], int, int]:
+    """``(tokens per replica per step of each batch, tokens per replica per run, sequence
+    length)`` at this size; every batch divides the run's tokens into whole steps."""
+    seq = 64
+    batches = bench.pick((128, 256, 512), (512, 2048, 8192), (512, 2048, 8192))
+    # quick: 20 steps at the largest batch (320 at the smallest), what fits about 75 min
+    # on a shared 2-core machine; full: 128.
+    per_run = batches[-1] * bench.pick(4, 20, 128)
+    return batches, per_run, seq
+
+
+def grid_lrs(tokens: int) -> list[float]:
+    """The learning-rate grid at ``tokens`` per replica per step."""
+    centre = BASE_LR * math.sqrt(tokens / BASE_TOKENS)
+    return [float(f"{centre * f:.3g}") for f in LR_FACTORS]
+
+
+def run_layers(shape: str, method: str, seed: int, tokens: int, per_run: int, seq: int,
+               lr: float) -> list[dict[str, Any]]:
+    """The option layers of one run: ``per_run // tokens`` steps of ``tokens // seq``
+    sequences, evaluation at the end only, the learning-rate warm-up a sixteenth of the
+    run, the method's options (the recipe's H and quarter warm-up) and the shape."""
+    steps = per_run // tokens
+    common = {"train": {"steps": steps, "eval_every": steps, "batch_size": tokens // seq,
+                        "seq_len": seq, "lr": lr, "warmup_steps": max(1, steps // 16)},
+              "model": dict(SHAPES[shape])}
+    return [common, *variant_layers(method, seed, steps, RECIPE_H[RECIPE])]
+
+
+def chosen_shapes(bench: Bench) -> list[str]:
+    """``--shapes A,B`` (of ``BATCH_SHAPES``), else all of them (tiny size: tiny only).
+
+    Raises:
+        ConfigError: ``--shapes`` names a shape this scenario does not have.
+    """
+    chosen = bench.flags.get("shapes")
+    if not chosen:
+        return ["tiny"] if bench.mode == "tiny" else list(BATCH_SHAPES)
+    return pick_names(chosen, BATCH_SHAPES, "--shapes", "shape")
+
+
+def run(bench: Bench) -> dict[str, Any]:
+    """Run the study; returns the record written to ``results.json`` (written after each
+    phase too)."""
+    batches, per_run, seq = sizes(bench)
+    seeds = int(bench.flags.get("seeds") or bench.pick(1, 3, 3))
+    shapes = chosen_shapes(bench)
+    for shape in shapes:
+        for tokens in batches:
+            for method in METHODS:
+                for lr in grid_lrs(tokens):
+                    bench.check(*run_layers(shape, method, 0, tokens, per_run, seq, lr))
+    bench.plan(len(shapes) * len(batches) * len(METHODS) * (len(LR_FACTORS) + seeds - 1))
+    settings = {"tokens_per_replica_per_run": per_run, "seq_len": seq, "batches": list(batches),
+                "seeds": seeds, "shapes": shapes, "lr_factors": list(LR_FACTORS),
+                "base_lr": BASE_LR, "recipe_interval_steps": RECIPE_H[RECIPE]}
+    # grid[shape, tokens, method][lr] = seed 0's loss; losses[shape, tokens, method] = per seed
+    grid: dict[tuple[str, int, str], dict[float, float | None]] = {}
+    losses: dict[tuple[str, int, str], list[float | None]] = {}
+    info: dict[tuple[str, int, str], dict[str, Any]] = {}
+
+    def train(shape: str, method: str, seed: int, tokens: int, lr: float):
+        label = f"{shape}-b{tokens}-{method}-lr{lr:g}-seed{seed}"
+        r = bench.train(label, *run_layers(shape, method, seed, tokens, per_run, seq, lr),
+                        title=f"{shape} {tokens} tok/step {method} lr {lr:g} seed {seed}")
+        if r.ok:
+            info.setdefault((shape, tokens, method), {}).update(
+                {"syncs": r.summary.get("num_syncs"), "wall_time_s": r.summary.get("wall_time_s")})
+        return r.final_val_loss if r.ok else None
+
+    record: dict[str, Any] = {}
+    for shape in shapes:  # smallest shape first: a cut-short study has it whole
+        for tokens in batches:
+            for method in METHODS:
+                grid[shape, tokens, method] = {lr: train(shape, method, 0, tokens, lr)
+                                               for lr in grid_lrs(tokens)}
+                losses[shape, tokens, method] = [grid[shape, tokens, method][
+                    best_lr(grid[shape, tokens, method])]]
+        record = _write(bench, settings, shapes, batches, per_run, grid, losses, info, 1)
+        for seed in range(1, seeds):
+            for tokens in batches:
+                for method in METHODS:
+                    lr = best_lr(grid[shape, tokens, method])
+                    losses[shape, tokens, method].append(train(shape, method, seed, tokens, lr))
+            record = _write(bench, settings, shapes, batches, per_run, grid, losses, info,
+                            seed + 1)
+    return record
+
+
+def best_lr(losses_by_lr: dict[float, float | None]) -> float:
+    """The grid's learning rate with the lowest loss (the first when none finished)."""
+    done = {lr: v for lr, v in losses_by_lr.items() if v is not None}
+    return min(done, key=done.get) if done else next(iter(losses_by_lr))
+
+
+def batch_row(shape: str, tokens: int, per_run: int, grid: dict[str, dict[float, Any]],
+              sync: list[float | None], edit: list[float | None],
+              info: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """One (shape, batch) record: steps, H in steps and tokens, each method's grid and
+    chosen learning rate, both methods' losses per seed, the paired gap (recipe - sync) and
+    the gap relative to sync's mean loss, with the smallest and largest per-seed relative
+    gap (the spread)."""
+    gap = paired_differences(edit, sync)
+    s = mean_std(sync)
+    rel = (gap["mean"] / s["mean"]) if gap["mean"] is not None and s["mean"] else None
+    per_seed = [d / s["mean"] for d in gap["values"]] if s["mean"] else []
+    h = RECIPE_H[RECIPE]
+    return {"shape": shape, "tokens_per_step": tokens, "steps": per_run // tokens,
+            "h_steps": h, "h_tokens": h * tokens,
+            "warmup_sync_steps": (per_run // tokens) // 4,
+            "grid": {m: {f"{lr:g}": v for lr, v in g.items()} for m, g in grid.items()},
+            "lr": {m: best_lr(g) for m, g in grid.items()},
+            "lr_at_edge": {m: len(g) > 1 and best_lr(g) in (min(g), max(g)) for m, g in
+                           grid.items()},
+            "sync": s, "edit": mean_std(edit), "gap": gap, "relative_gap": rel,
+            "relative_gap_per_seed": per_seed,
+            "relative_gap_range": [min(per_seed), max(per_seed)] if per_seed else None,
+            "sync_per_seed": sync, "edit_per_seed": edit,
+            "syncs": {m: info.get(m, {}).get("syncs") for m in METHODS},
+            "wall_time_s": {m: info.get(m, {}).get("wall_time_s") for m in METHODS}}
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    """The Markdown table of the rows: one line per shape and batch."""
+    return md_table(
+        ["shape", "tokens / replica / step", "steps", "H steps (tokens)", "syncs",
+         "lr sync / recipe", "sync (mean +- std)", f"{RECIPE} (mean +- std)", "gap (paired)",
+         "gap / sync", "per seed (range)"],
+        [[r["shape"], r["tokens_per_step"], r["steps"], f"{r['h_steps']} ({r['h_tokens']:,})",
+          r["syncs"][RECIPE], f"{r['lr']['sync']:g} / {r['lr'][RECIPE]:g}",
+          mean_pm(r["sync"]), mean_pm(r["edit"]), mean_pm(r["gap"]), percent(r["relative_gap"]),
+          None if r["relative_gap_range"] is None else
+          f"{percent(r['relative_gap_range'][0])} .. {percent(r['relative_gap_range'][1])}"]
+         for r in rows])
+
+
+def grid_table(rows: list[dict[str, Any]]) -> str:
+    """Seed 0's final validation loss at every learning rate of the grid (both methods)."""
+    return md_table(
+        ["shape", "tokens / replica / step", "method", "lr: loss (seed 0)", "chosen"],
+        [[r["shape"], r["tokens_per_step"], m,
+          ", ".join(f"{lr}: {'n/a' if v is None else f'{v:.4f}'}"
+                    for lr, v in r["grid"][m].items()),
+          f"{r['lr'][m]:g}" + (" (grid edge)" if r["lr_at_edge"][m] else "")]
+         for r in rows for m in METHODS])
+
+
+def findings(rows: list[dict[str, Any]]) -> list[str]:
+    """Sentences: each batch's gap, whether it shrinks with the batch (smallest against
+    largest batch of each shape) and which batches bring the recipe within ``WITHIN``."""
+    out = []
+    for shape in dict.fromkeys(r["shape"] for r in rows):
+        done = [r for r in rows if r["shape"] == shape and r["relative_gap"] is not None]
+        if not done:
+            continue
+        out.append(f"{shape}: {RECIPE} - sync at " + "; ".join(
+            f"{r['tokens_per_step']:,} tokens per replica per step {percent(r['relative_gap'])}"
+            f" ({mean_pm(r['gap'])}, {r['gap']['n']} seed(s))" for r in done) + ".")
+        if len(done) >= 2:
+            first, last = done[0], done[-1]
+            trend = "shrinks" if last["relative_gap"] < first["relative_gap"] else "does not shrink"
+            out.append(f"{shape}: the gap {trend} from {percent(first['relative_gap'])} to "
+                       f"{percent(last['relative_gap'])} as the batch grows "
+                       f"{last['tokens_per_step'] // first['tokens_per_step']}x at equal tokens "
+                       f"(H = {first['h_steps']} steps: {first['syncs'][RECIPE]} -> "
+                       f"{last['syncs'][RECIPE]} syncs).")
+        within = [r for r in done if r["relative_gap"] <= WITHIN]
+        out.append(f"{shape}: the recipe is within {WITHIN:.0%} of sync (or better) at "
+                   + ", ".join(f"{r['tokens_per_step']:,}" for r in within)
+                   + " tokens per replica per step." if within else
+                   f"{shape}: the recipe is not within {WITHIN:.0%} of sync at any batch "
+                   "tried.")
+    return out
+
+
+def _write(bench: Bench, settings: dict[str, Any], shapes: list[str], batches: tuple[int, ...],
+           per_run: int, grid, losses, info, seeds_done: int) -> dict[str, Any]:
+    """Write the record of what has finished so far (``seeds_done`` seeds of the last
+    shape begun; later shapes not begun are left out)."""
+    rows = [batch_row(shape, tokens, per_run, {m: grid[shape, tokens, m] for m in METHODS},
+                      losses[shape, tokens, "sync"], losses[shape, tokens, RECIPE],
+                      {m: info.get((shape, tokens, m), {}) for m in METHODS})
+            for shape in shapes for tokens in batches if (shape, tokens, "sync") in losses]
+    found = findings(rows)
+    notes = [
+        f"Equal tokens: {per_run:,} tokens per replica per run at every batch (2 replicas), "
+        f"sequence length {settings['seq_len']}; the batch is the batch size (no gradient "
+        "accumulation); validation over the whole held-out split at the end.",
+        f"{RECIPE}: synchronous warm-up for the first quarter of each run's steps, H = "
+        f"{RECIPE_H[RECIPE]} steps at every batch (H in tokens = H x the batch), outer SGD "
+        "at lr 1 without momentum. Learning-rate warm-up: a sixteenth of the run's steps; "
+        "cosine decay as train's default.",
+        f"Learning rates: each method's best of {len(LR_FACTORS)} ("
+        + ", ".join(f"{f:g}" for f in LR_FACTORS) + f" x {BASE_LR:g} x sqrt(tokens / "
+        f"{BASE_TOKENS})) on seed 0, the same grid for both; the other seeds at that rate. "
+        "Seed 0 chose the rates, so its gap is the least independent.",
+        f"Seeds: {seeds_done} of {settings['seeds']} finished for the last shape begun; "
+        "paired (the same seed gives both methods the same initial model and data order); "
+        "gap = recipe - sync per seed, then mean +- std; 'per seed (range)' is the smallest "
+        "and largest per-seed gap over sync's mean loss.",
+        "Shapes: " + "; ".join(f"{s} = {SHAPES[s]}" for s in shapes) + ".",
+    ]
+    plots = [_plot(bench, rows)] if any(r["relative_gap"] is not None for r in rows) else []
+    target = {"name": f"{RECIPE} ends within {WITHIN:.0%} of synchronous training's "
+                      "validation loss at equal tokens at some batch (paired by seed)",
+              "met": (None if not rows or any(r["relative_gap"] is None for r in rows)
+                      else any(r["relative_gap"] <= WITHIN for r in rows)),
+              "detail": "; ".join(f"{r['shape']} {r['tokens_per_step']}: "
+                                  f"{percent(r['relative_gap'])}" for r in rows)}
+    headline = ([f"EDiT's recipe against sync at equal tokens as the batch grows "
+                 f"({seeds_done} seed(s)): " + "; ".join(
+                     f"{r['shape']} {r['tokens_per_step']:,} tok/step "
+                     f"{percent(r['relative_gap'])}" for r in rows) + "."]
+                if rows and all(r["relative_gap"] is not None for r in rows) else [])
+    return bench.finish(
+        settings={**settings, "seeds_done": seeds_done}, methods=METHODS,
+        results={"batches": rows},
+        tables=[("Gap to synchronous training by batch, equal tokens", table(rows)),
+                ("Learning-rate grid (seed 0)", grid_table(rows))],
+        targets=[target], findings=found, notes=notes, plots=plots, description=DESCRIPTION,
+        headline=headline, shortfalls=[f for f in found if "does not shrink" in f])
+
+
+def _plot(bench: Bench, rows: list[dict[str, Any]]):
+    """The relative gap (mean per shape, each seed's as points) against the batch."""
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for shape in dict.fromkeys(r["shape"] for r in rows):
+        done = [r for r in rows if r["shape"] == shape and r["relative_gap"] is not None]
+        xs = [r["tokens_per_step"] for r in done]
+        line = ax.plot(xs, [100 * r["relative_gap"] for r in done], "o-",
+                       label=f"{shape}: {RECIPE} - sync (mean)")[0]
+        for r in done:
+            vals = r["relative_gap_per_seed"]
+            ax.scatter([r["tokens_per_step"]] * len(vals), [100 * v for v in vals], s=12,
+                       color=line.get_color(), alpha=0.5)
+    ax.axhline(100 * WITHIN, color="red", linestyle="--", linewidth=1,
+               label=f"within {WITHIN:.0%}")
+    ax.axhline(0, color="black", linewidth=0.5)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("tokens per replica per step (equal tokens per run)")
+    ax.set_ylabel("final val loss gap to sync (% of sync's)")
+    ax.set_title(f"EDiT (recipe, H = {RECIPE_H[RECIPE]} steps) vs sync by batch")
+    ax.legend(fontsize=8)
+    return save_figure(fig, bench.out_dir / "gap_by_batch.png")
