@@ -1,10 +1,10 @@
 """A scenario as a declaration, and the one runner that executes every declared scenario.
 
 A scenario module declares ``SCENARIO = Scenario(...)``: how it sizes itself
-(``setup``), its training runs (``runs``: a list of :class:`Job`, or a generator that
-yields one job at a time and is sent each finished run, for runs that depend on earlier
-ones), what it measures from them (``measure``), its tables (:class:`Table`), its plots,
-its verdict (targets, findings, shortfalls, headline) and how it was measured (``notes``).
+(``setup``), its training runs (``runs``: a list of :class:`Job`, or, for runs that
+depend on earlier ones, a generator that yields a job, or a list of jobs to run at the
+same time, and is sent the finished run or runs), what it measures from them
+(``measure``), its tables (:class:`Table`), its plots, its verdict (targets, findings, shortfalls, headline) and how it was measured (``notes``).
 :func:`execute` does the rest the same way for every scenario: check every run's options
 before the first starts, run the jobs (progress, time limits, ``--reuse``), derive the
 numbers, render the tables, draw the plots and write the record (``Bench.finish``).
@@ -102,7 +102,8 @@ class Scenario:
             items become attributes of the context.
         runs: the jobs, in order (a list, or a generator sent each finished run).
         measure: the numbers (``results`` of the record) from ``ctx.runs``.
-        tables: the record's tables.
+        tables: the record's tables (a :class:`Table`, or a function of the context giving
+            ``(title, markdown)`` for a table whose rows are not one per item).
         judge: targets, findings, shortfalls and headline from the numbers.
         notes: how the numbers were measured.
         settings: what was run, for the record.
@@ -124,7 +125,7 @@ class Scenario:
     setup: Callable[[Any], dict[str, Any]]
     runs: Callable[[Ctx], Any]
     measure: Callable[[Ctx], dict[str, Any]]
-    tables: Sequence[Table] = ()
+    tables: Sequence[Table | Callable[[Ctx], tuple[str, str]]] = ()
     judge: Callable[[Ctx], Verdict] = lambda ctx: Verdict()
     notes: Callable[[Ctx], list[str]] = lambda ctx: []
     settings: Callable[[Ctx], dict[str, Any]] = lambda ctx: {}
@@ -161,18 +162,17 @@ def execute(scenario: Scenario, bench: Any) -> dict[str, Any]:
         bench.plan(planned)
     if listed:
         for job in jobs:
-            ctx.runs[job.label] = _train(bench, job)
+            _train(bench, ctx, job)
     else:
         run = None
         try:
             while True:
-                job = jobs.send(run)
-                run = ctx.runs[job.label] = _train(bench, job)
+                run = _train(bench, ctx, jobs.send(run))
         except StopIteration:
             pass
     ctx.results = scenario.measure(ctx)
     verdict = scenario.judge(ctx)
-    tables = [t.render(ctx) for t in scenario.tables]
+    tables = [t.render(ctx) if isinstance(t, Table) else t(ctx) for t in scenario.tables]
     plots = [p for p in (draw(ctx) for draw in scenario.plots) if p is not None]
     return bench.finish(
         settings=scenario.settings(ctx), methods=scenario.methods(ctx), results=ctx.results,
@@ -183,8 +183,16 @@ def execute(scenario: Scenario, bench: Any) -> dict[str, Any]:
         repeats=bench.repeats if scenario.repeats else None)
 
 
-def _train(bench: Any, job: Job) -> Any:
-    return bench.train(job.label, *job.layers, title=job.title, last=job.last)
+def _train(bench: Any, ctx: Ctx, job: Job | list[Job]) -> Any:
+    """Run a job, or a list of jobs at the same time (``Bench.train_together``)."""
+    if isinstance(job, list):
+        runs = bench.train_together([(j.label, tuple(j.layers), j.last, j.title or j.label)
+                                     for j in job])
+        ctx.runs.update((r.label, r) for r in runs)
+        return runs
+    run = ctx.runs[job.label] = bench.train(job.label, *job.layers, title=job.title,
+                                            last=job.last)
+    return run
 
 
 @contextmanager

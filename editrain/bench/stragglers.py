@@ -22,10 +22,10 @@ from editrain.bench.measures import replica_stats, steady_throughput, utilisatio
 from editrain.bench.plots import pyplot, save_figure
 from editrain.bench.runner import Bench, repeat_label
 from editrain.bench.runs import Run
+from editrain.bench.scenario import Ctx, Job, Scenario, Verdict
 from editrain.bench.stats import beyond_spread, median, spread
 from editrain.bench.tables import cell, md_table, ratio, spread_cell, verdict_cell
 
-NAME = "stragglers"
 METHODS = ("sync", "edit", "aedit", "aedit-nb")
 GROUPS = (("edit", "sync"), ("aedit", "aedit-nb"))
 """Run order within a repeat: each pair between two rounds of solo runs (edit first: it
@@ -54,73 +54,88 @@ COMPARISONS = (("aedit-nb", "aedit"), ("aedit-nb", "edit"), ("aedit", "edit"),
 """Pairs whose fractions of the limit are compared against the spread of the repeats."""
 
 
-def run(bench: Bench) -> dict[str, Any]:
-    """Run the scenario; returns the record written to ``results.json``."""
+def _setup(bench: Bench) -> dict[str, Any]:
     # A budget or interval given on the command line (--train.steps=..., longer windows
     # average out a noisy machine) sets the whole scenario: evaluation, plan, description.
     interval = bench.setting("sync.local_sgd_sync_interval",
                              {"sync": {"local_sgd_sync_interval": bench.pick(4, 16, 20)}})
     steps = bench.setting("train.steps", {"train": {"steps": bench.pick(16, 96, 200)}})
-    skip = bench.pick(2, 4, 4)
-    cases = bench.pick(("straggler",), tuple(CASES), tuple(CASES))
-    repeats = bench.repeats
     common = {"train": {"steps": steps, "eval_every": steps,
                         "warmup_steps": min(10, steps // 4)},
               "sync": {"local_sgd_sync_interval": interval}}
-    solo_plans: dict[str, SoloPlan] = {}
+    cases = bench.pick(("straggler",), tuple(CASES), tuple(CASES))
+    # tiny: A-EDiT's shortest period (0.2 s) is most of the budget, and a replica's
+    # steps past the budget's last sync can pass its share: longer solo runs.
     plan_margin = bench.pick(2.0, 1.25, 1.25)
-    for case in cases:
+    for case in cases:  # before the solo plan reads the configuration: a clear error
         bench.check(common, CASES[case], {"sync": {"method": "aedit"}})
-        # tiny: A-EDiT's shortest period (0.2 s) is most of the budget, and a replica's
-        # steps past the budget's last sync can pass its share: longer solo runs.
-        solo_plans[case] = plan_solo_runs(bench.config(common, CASES[case]),
-                                          margin=plan_margin)
-        for layer in solo_plans[case].layers.values():
-            bench.check(common, CASES[case], last=layer)
-    bench.plan(sum(repeats * len(METHODS) + (len(GROUPS) * repeats + 1) * len(p.layers)
-                   for p in solo_plans.values()))
+    return {"interval": interval, "steps": steps, "skip": bench.pick(2, 4, 4), "cases": cases,
+            "common": common, "plan_margin": plan_margin, "periods": {}, "measured": {},
+            "solo_plans": {case: plan_solo_runs(bench.config(common, CASES[case]),
+                                                margin=plan_margin) for case in cases}}
 
-    results: dict[str, Any] = {}
-    periods: dict[str, float] = {}
-    errors: list[str] = []
-    for case in cases:
-        plan = solo_plans[case]
+
+def _runs(ctx: Ctx):
+    """Per case, interleaved: solos, then per repeat edit, sync, solos, aedit, aedit-nb,
+    solos; the limits of every compared run from the solo rounds around it."""
+    for case in ctx.cases:
+        plan, skip = ctx.solo_plans[case], ctx.skip
         runs: dict[str, list[Run]] = {m: [] for m in METHODS}
-        rounds = [_solo_round(bench, plan, case, common, 0)]
+        rounds = [dict(zip(plan.layers, (yield _solo_round(ctx, case, 0))))]
         limits = [measured_limit(plan, rounds[-1], skip)]
         matched: dict[str, list[dict[str, Any]]] = {m: [] for m in METHODS}
-        for rep in range(repeats):  # interleaved: solos, edit, sync, solos, aedit, aedit-nb
+        for rep in range(ctx.bench.repeats):
             for group in GROUPS:
                 for method in group:
                     sync = ({"method": "aedit", **NONBLOCKING} if method == "aedit-nb"
                             else {"method": method})
-                    layers: list[dict[str, Any]] = [common, CASES[case], {"sync": sync}]
+                    layers: list[dict[str, Any]] = [ctx.common, CASES[case], {"sync": sync}]
                     if sync["method"] == "aedit":
-                        if case not in periods:  # timed once, then fixed for every repeat
-                            periods[case] = _period(runs["edit"][0], interval)
-                        layers.append({"sync": {"local_sgd_sync_time": periods[case],
+                        if case not in ctx.periods:  # timed once, then fixed for every repeat
+                            ctx.periods[case] = _period(runs["edit"][0], ctx.interval)
+                        layers.append({"sync": {"local_sgd_sync_time": ctx.periods[case],
                                                 "min_total_global_steps": 2}})
-                    runs[method].append(bench.train(repeat_label(f"{case}-{method}", rep),
-                                                    *layers,
-                                                    title=f"{case} {method} repeat {rep + 1}"))
-                rounds.append(_solo_round(bench, plan, case, common, len(rounds)))
+                    runs[method].append((yield Job(repeat_label(f"{case}-{method}", rep),
+                                                   layers,
+                                                   title=f"{case} {method} repeat {rep + 1}")))
+                rounds.append(dict(zip(plan.layers,
+                                       (yield _solo_round(ctx, case, len(rounds))))))
                 limits.append(measured_limit(plan, rounds[-1], skip))
                 for method in group:  # the solo runs just before and just after the pair
                     matched[method].append(bracketed_limit(plan, rounds[-2:],
                                                            runs[method][-1], skip))
-        results[case] = _case_results(runs, limits, matched, plan, skip)
-        errors += [f"{case}: {e}" for e in results[case]["errors"]]
+        ctx.measured[case] = (runs, limits, matched)
 
-    tables = [("Throughput as a fraction of the measured limit", _table(results, cases)),
-              ("Per replica", _replica_table(results, cases)),
-              ("Differences against the spread of the repeats", _comparison_table(results,
-                                                                                  cases))]
-    targets, findings = _judge(results, cases, repeats)
-    plots = [_plot(bench, results, cases)]
-    notes = [
-        f"2 replicas, {steps} steps of budget (equal tokens for every method: A-EDiT also "
-        f"ends on the token budget), `edit` syncs every H = {interval} steps, `aedit` every "
-        + ", ".join(f"{periods[c]:.2f} s ({c})" for c in cases if c in periods)
+
+def _solo_round(ctx: Ctx, case: str, n: int) -> list[Job]:
+    """Round ``n`` of solo runs: every replica's, at once (the replicas share the machine in
+    the compared runs too). The solo layer goes over the user's options too: whatever they
+    change, a solo run stays one replica without communication, slowed like its replica."""
+    plan = ctx.solo_plans[case]
+    return [Job(repeat_label(f"{case}-{plan.labels[key]}", n), (ctx.common, CASES[case]),
+                title=f"{case} {plan.labels[key]} round {n + 1}", last=plan.layers[key])
+            for key in plan.layers]
+
+
+def _results(ctx: Ctx) -> dict[str, Any]:
+    results = {case: _case_results(*ctx.measured[case], ctx.solo_plans[case], ctx.skip)
+               for case in ctx.cases}
+    ctx.errors = [f"{case}: {e}" for case in ctx.cases for e in results[case]["errors"]]
+    return results
+
+
+def _verdict(ctx: Ctx) -> Verdict:
+    targets, findings = _judge(ctx.results, ctx.cases, ctx.bench.repeats)
+    return Verdict(targets=targets, findings=findings, errors=ctx.errors,
+                   headline=_headline(ctx.results, ctx.cases, ctx.bench.repeats))
+
+
+def _notes(ctx: Ctx) -> list[str]:
+    skip, periods, cases = ctx.skip, ctx.periods, ctx.cases
+    return [
+        f"2 replicas, {ctx.steps} steps of budget (equal tokens for every method: A-EDiT also "
+        f"ends on the token budget), `edit` syncs every H = {ctx.interval} steps, `aedit` "
+        "every " + ", ".join(f"{periods[c]:.2f} s ({c})" for c in cases if c in periods)
         + " (H times the median step time of the fast replica in the first `edit` run, "
         "fixed for every repeat), with `sync.min_total_global_steps = 2`. Evaluation only "
         "at the end.",
@@ -128,9 +143,9 @@ def run(bench: Bench) -> dict[str, Any]:
         "replica whose clock fires posts its rendezvous and reduction and trains on; the "
         "round is merged at the first step boundary, 2 or more of its steps later, at which "
         "it is complete, and the replica's clock restarts there.",
-        f"{repeats} interleaved repeat(s): in each, edit and sync, the solo runs, aedit "
-        "and aedit-nb, the solo runs (one round of solo runs before the first repeat): "
-        "every compared run lies between two rounds of solo runs. "
+        f"{ctx.bench.repeats} interleaved repeat(s): in each, edit and sync, the solo runs, "
+        "aedit and aedit-nb, the solo runs (one round of solo runs before the first "
+        "repeat): every compared run lies between two rounds of solo runs. "
         "Tables give the median over repeats and [min-max]; a difference is 'beyond "
         "spread' when the two min-max ranges do not overlap (n/a with one repeat).",
         "Throughput: tokens between two rows of metrics.jsonl over the wall time between "
@@ -143,7 +158,7 @@ def run(bench: Bench) -> dict[str, Any]:
         "drifts; `limit drift` = the two brackets' difference over their mean, the error "
         "one solo measurement would have had): a single-replica run (nproc = shard size, "
         "the same threads per process, no communication: `edit` with H > steps, "
-        f"{plan_margin}x as many steps as the whole budget) that simulates replica r "
+        f"{ctx.plan_margin}x as many steps as the whole budget) that simulates replica r "
         "(`sim.replica_offset = r`: its straggler factor "
         "and its own random-stall stream, drawn per step, so the same steps have the same "
         "stalls); the solo runs of all replicas run at the same time, as separate jobs, so "
@@ -160,27 +175,16 @@ def run(bench: Bench) -> dict[str, Any]:
         "exceed 1 by construction.",
         "The time budget is equal tokens: `wall s` is the time each method needed for it.",
     ]
-    settings = {"steps": steps, "sync_interval": interval, "cases": list(cases),
-                "aedit_sync_time_s": periods, "skip_steps": skip, "repeats": repeats,
-                "solo_steps_margin": plan_margin, "run_order": [list(g) for g in GROUPS],
-                "case_options": {c: CASES[c] for c in cases},
-                "solo_runs": {c: {p.labels[k]: {"replicas": p.replicas_of(k), "sim": p.sims[k]}
-                                  for k in p.layers} for c, p in solo_plans.items()}}
-    return bench.finish(settings=settings, methods=METHODS, results=results, tables=tables,
-                        targets=targets, findings=findings, notes=notes, plots=plots,
-                        description=DESCRIPTION, errors=errors, repeats=repeats,
-                        headline=_headline(results, cases, repeats))
 
 
-def _solo_round(bench: Bench, plan: SoloPlan, case: str, common: dict[str, Any],
-                n: int) -> dict[str, Run]:
-    """Round ``n`` of solo runs: every replica's, at once (the replicas share the machine in
-    the compared runs too). The solo layer goes over the user's options too: whatever they
-    change, a solo run stays one replica without communication, slowed like its replica."""
-    keys = list(plan.layers)
-    return dict(zip(keys, bench.train_together([
-        (repeat_label(f"{case}-{plan.labels[key]}", n), (common, CASES[case]),
-         plan.layers[key], f"{case} {plan.labels[key]} round {n + 1}") for key in keys])))
+def _settings(ctx: Ctx) -> dict[str, Any]:
+    return {"steps": ctx.steps, "sync_interval": ctx.interval, "cases": list(ctx.cases),
+            "aedit_sync_time_s": ctx.periods, "skip_steps": ctx.skip,
+            "repeats": ctx.bench.repeats, "solo_steps_margin": ctx.plan_margin,
+            "run_order": [list(g) for g in GROUPS],
+            "case_options": {c: CASES[c] for c in ctx.cases},
+            "solo_runs": {c: {p.labels[k]: {"replicas": p.replicas_of(k), "sim": p.sims[k]}
+                              for k in p.layers} for c, p in ctx.solo_plans.items()}}
 
 
 def _period(edit_run: Run | None, interval: int) -> float:
@@ -444,8 +448,9 @@ def _headline(results: dict[str, Any], cases: tuple[str, ...], repeats: int) -> 
     return out
 
 
-def _plot(bench: Bench, results: dict[str, Any], cases: tuple[str, ...]):
+def _plot(ctx: Ctx):
     """Throughput as a fraction of the measured limit (median, min-max bars)."""
+    results, cases = ctx.results, ctx.cases
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(7, 4.5))
     width = 0.8 / len(METHODS)
@@ -461,4 +466,23 @@ def _plot(bench: Bench, results: dict[str, Any], cases: tuple[str, ...]):
     ax.set_xticks([i + width * (len(METHODS) - 1) / 2 for i in range(len(cases))], cases)
     ax.set_ylabel("throughput / measured limit (median, min-max)")
     ax.grid(alpha=0.3, axis="y")
-    return save_figure(fig, bench.out_dir / "fraction_of_limit.png")
+    return save_figure(fig, ctx.bench.out_dir / "fraction_of_limit.png")
+
+
+SCENARIO = Scenario(
+    name="stragglers",
+    description=DESCRIPTION,
+    setup=_setup, runs=_runs, measure=_results, judge=_verdict, notes=_notes,
+    settings=_settings, plots=[_plot], repeats=True, methods=lambda ctx: METHODS,
+    checks=lambda ctx: [((ctx.common, CASES[case]), layer) for case in ctx.cases
+                        for layer in ctx.solo_plans[case].layers.values()],
+    planned=lambda ctx: sum(ctx.bench.repeats * len(METHODS)
+                            + (len(GROUPS) * ctx.bench.repeats + 1) * len(p.layers)
+                            for p in ctx.solo_plans.values()),
+    tables=[
+        lambda ctx: ("Throughput as a fraction of the measured limit",
+                     _table(ctx.results, ctx.cases)),
+        lambda ctx: ("Per replica", _replica_table(ctx.results, ctx.cases)),
+        lambda ctx: ("Differences against the spread of the repeats",
+                     _comparison_table(ctx.results, ctx.cases))],
+)
