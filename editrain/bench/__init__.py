@@ -34,10 +34,14 @@ all         every scenario above
 report      docs/benchmarks.md from the results (``--readme FILE``: its headline too)
 ========== ==============================================================================
 
-One module per scenario (each has ``NAME``, ``DESCRIPTION`` and ``run(bench)``); the shared
-machinery, one job per module:
+One module per scenario. A scenario is a declaration, ``SCENARIO =
+scenario.Scenario(...)``: its sizes, its runs, what it measures from them, its tables,
+plots, targets and findings; :func:`editrain.bench.scenario.execute` runs every declared
+scenario the same way (a module without ``SCENARIO`` has a ``run(bench)`` of its own). The
+shared machinery, one job per module:
 
 =============== ========================================================================
+``scenario``    the declaration (Scenario, Job, Table, Verdict) and the one runner
 ``options``     sizes, the options every run shares, the bench command line
 ``machine``     the machine record (CPUs, versions, load, commit)
 ``runner``      :class:`~editrain.bench.runner.Bench`: running and repeating the runs,
