@@ -223,13 +223,15 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("bench", help="run a benchmark scenario side by side",
                        description="Run the methods side by side on one scenario and write "
                                    "results.json, a Markdown table and plots.")
-    p.add_argument("scenario", help="default, convergence, tune, bandwidth, stragglers, "
+    p.add_argument("scenario", help="default, convergence, tune, scale, batch, bandwidth, "
+                   "stragglers, "
                    "spikes, memory, overlap, optimizers, peers, faults, plan, all, or report "
                    "(writes docs/benchmarks.md); "
                    "further options: --full (the credible size: minutes to hours), --tiny "
                    "(smoke-test size), --repeats N (interleaved repeats; default 1 tiny, 3 "
                    "quick, 5 full), --seeds N, --links A,B (bandwidth), --methods A,B "
-                   "(convergence), --reuse (convergence, tune: read back the finished "
+                   "(convergence), --shapes A,B (scale, batch), --reuse (convergence, tune, scale, "
+                   "batch: read back the finished "
                    "runs of an earlier, e.g. interrupted, invocation into the same --out "
                    "whose options are this one's), --path FILE and --readme FILE (report: "
                    "also "

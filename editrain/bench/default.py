@@ -5,7 +5,9 @@ embedded corpus in about three minutes on 2 cores; this scenario runs exactly th
 option at its default: small preset, 2 replicas x 2 shards, 100 steps, ``edit``) and
 records the validation loss (at the start over ``train.eval_tokens``, at the end over the
 whole held-out split), the time taken and the split itself, so the README's figures come
-from a committed result.
+from a committed result. A second run is the same with ``--sync.method sync`` (every
+step's gradients averaged: the same tokens, seed and data order), so the record sets the
+default's loss and wall time beside synchronous training's.
 """
 
 from __future__ import annotations
@@ -38,8 +40,26 @@ def _last(bench: Any) -> dict[str, Any]:
     return last
 
 
+def _sync_last(bench: Any) -> dict[str, Any]:
+    """The default run's options in synchronous mode (the options that apply to local SGD
+    only are left out by the bench, as ``editrain train`` would refuse them)."""
+    last = _last(bench)
+    last["sync"] = {**last["sync"], "method": "sync"}
+    return last
+
+
 def _results(ctx: Ctx) -> dict[str, Any]:
-    r = ctx.runs["default"]
+    out = {"default": _run_result(ctx.runs["default"])}
+    if ctx.runs["default"].ok:
+        out["default"]["split"] = _split_facts(ctx.runs["default"])
+    out["sync"] = _run_result(ctx.runs["sync"])
+    d, s = out["default"]["final_val_loss"], out["sync"]["final_val_loss"]
+    out["default"]["vs_sync"] = (d - s) / s if d is not None and s else None
+    return out
+
+
+def _run_result(r: Any) -> dict[str, Any]:
+    """One run's losses, sizes and times."""
     result: dict[str, Any] = {
         "ok": r.ok,
         "error": r.error,
@@ -58,9 +78,7 @@ def _results(ctx: Ctx) -> dict[str, Any]:
     train_s = result["train_time_s"]
     result["tokens_per_s"] = (result["tokens"] / train_s if result["tokens"] and train_s
                               else None)
-    if r.ok:
-        result["split"] = _split_facts(r)
-    return {"default": result}
+    return result
 
 
 def _headline(ctx: Ctx) -> Verdict:
@@ -74,7 +92,17 @@ def _headline(ctx: Ctx) -> Verdict:
         f"{result['initial_val_loss']:.2f} to {result['final_val_loss']:.2f}, the final "
         f"one over the whole held-out split ({result['val_tokens']:,} tokens"
         + (f", {100 * overlap:.1f}% of its 32-token windows also in training"
-           if overlap is not None else "") + ")"])
+           if overlap is not None else "") + ")"
+        + _vs_sync_text(result, ctx.results["sync"])])
+
+
+def _vs_sync_text(result: dict[str, Any], sync: dict[str, Any]) -> str:
+    """``; synchronous training ...`` on the same tokens, or nothing when that run failed."""
+    if result.get("vs_sync") is None:
+        return ""
+    return (f"; the same run in synchronous mode ends at {sync['final_val_loss']:.2f} "
+            f"({100 * result['vs_sync']:+.1f}% for the default, {sync['launch_s'] / 60:.1f} "
+            "min)")
 
 
 SCENARIO = Scenario(
@@ -83,21 +111,24 @@ SCENARIO = Scenario(
         "`editrain train` with every option at its default (small preset, 2 replicas x 2 "
         "shards, 100 steps, `edit`): validation loss at the start (over `train.eval_tokens`) "
         "and at the end (over the whole held-out split), wall time, training time and "
-        "throughput."),
+        "throughput; the same run in synchronous mode beside it (same tokens and seed)."),
     setup=lambda bench: {"last": _last(bench)},
-    runs=lambda ctx: [Job("default", title="editrain train (defaults)", last=ctx.last)],
+    runs=lambda ctx: [Job("default", title="editrain train (defaults)", last=ctx.last),
+                      Job("sync", title="the same, synchronous", last=_sync_last(ctx.bench))],
     measure=_results, judge=_headline, size_caveat=False,
-    tables=[Table("The default run", [
-        ("val loss at start", "initial_val_loss"), ("final val loss", "final_val_loss"),
+    tables=[Table("The default run, and the same in synchronous mode", [
+        ("run", None), ("val loss at start", "initial_val_loss"), ("final val loss", "final_val_loss"),
         ("val tokens at start", "initial_val_tokens"), ("final val tokens", "val_tokens"),
         ("steps", "steps"), ("tokens", "tokens"), ("evaluations", "evaluations"),
         ("wall s (launch)", "launch_s"), ("train s", "train_time_s"),
         ("eval s", "eval_time_s"), ("tokens/s (train)", "tokens_per_s")])],
     settings=lambda ctx: {"options": "defaults", "steps": ctx.results["default"]["steps"]},
-    methods=lambda ctx: ["edit"],
+    methods=lambda ctx: ["edit", "sync"],
     notes=lambda ctx: [
         "Every option at its default (`editrain options` lists them); launch time includes "
         "starting 4 processes and building or reusing the token cache.",
+        "Row `sync`: the same options with `--sync.method sync` (gradients averaged every "
+        "step over all replicas), the same tokens, seed and data order, run right after.",
         "`train s` leaves out evaluation and checkpoint time; tokens/s is tokens over it.",
         f"Validation at the end: the whole held-out split (`data.val_tokens` >= "
         f"{Config().data.val_tokens:,}, whole documents, families and near-duplicates on one "
