@@ -136,9 +136,14 @@ def test_default_smoke(tmp_path, cache):
     """The default run learns, evaluates the whole (tiny-size: capped) split and reports
     the split it evaluated on."""
     saved, _ = _run("default", tmp_path, cache)
-    _runs_ok(saved, count=1)
+    _runs_ok(saved, count=2)  # the default and the same in synchronous mode
     res = saved["results"]["default"]
     assert res["ok"] and res["steps"] == 4 and res["evaluations"] >= 2  # start and end
+    sync = saved["results"]["sync"]
+    assert sync["ok"] and sync["tokens"] == res["tokens"]  # equal tokens
+    assert saved["runs"]["sync"]["summary"]["method"] == "sync"
+    assert res["vs_sync"] == pytest.approx(
+        (res["final_val_loss"] - sync["final_val_loss"]) / sync["final_val_loss"])
     assert _num(res["initial_val_loss"]) and res["final_val_loss"] < res["initial_val_loss"]
     assert res["val_tokens"] == 2048  # train.eval_tokens caps the tiny size
     assert 0 < res["train_time_s"] < res["wall_time_s"] and res["eval_time_s"] > 0
