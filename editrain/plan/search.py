@@ -7,11 +7,12 @@ first setting in that order that reaches the target wins; ``sync`` (no local ste
 comes before every local setting.
 
 Where no dense setting reaches the target, the slow-link settings come last, H by H: the
-sparse 2-bit codec (``topk2``, 1/128 of the fp32 bytes) with the eager merge (a whole
-round in flight; the setting the real-link benchmark shows best at 1 mbit, see
-``docs/streaming.md``), then ``topk2`` behind ``H - 1`` steps with the local progress
-kept. They come last because the sparse codec costs loss at equal tokens (the
-convergence benchmarks).
+sparse 2-bit codec (``topk2``, 1/128 of the fp32 bytes) behind ``H - 1`` steps with the
+local progress kept (``examples/configs/very_slow_link.toml``: the setting the committed
+benchmarks show best on the slowest links, see ``docs/streaming.md``), then ``topk2``
+with the eager merge, which gives the round one step more (a whole round in flight).
+They come last because the sparse codec costs loss at equal tokens (the convergence
+benchmarks).
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ def candidates(base: MethodSpec, n_units: int, h_grid: Iterable[int] = H_GRID,
         codecs: codecs, widest first.
         fragment_grid: fragment counts.
         slow_link: append the slow-link settings (edit and diloco, not under ``--ft``):
-            per H, ``topk2`` with the eager merge, then ``topk2`` behind ``H - 1`` steps.
+            per H, ``topk2`` behind ``H - 1`` steps, then ``topk2`` with the eager merge.
     """
     h_grid = tuple(h_grid)
     out = []
@@ -65,12 +66,12 @@ def candidates(base: MethodSpec, n_units: int, h_grid: Iterable[int] = H_GRID,
                                                    fragments=P, name=None))
     if slow_link and base.method in ("edit", "diloco") and not base.ft:
         for H in h_grid:
-            out.append(dataclasses.replace(base, H=H, overlap=H, codec=SLOW_LINK_CODEC,
-                                           fragments=1, eager=True, name=None))
             if H > 1:
                 out.append(dataclasses.replace(base, H=H, overlap=H - 1,
                                                codec=SLOW_LINK_CODEC, fragments=1,
                                                eager=False, name=None))
+            out.append(dataclasses.replace(base, H=H, overlap=H, codec=SLOW_LINK_CODEC,
+                                           fragments=1, eager=True, name=None))
     return out
 
 
