@@ -18,9 +18,9 @@ from editrain.bench.measures import replica_stats, steady_throughput
 from editrain.bench.plots import pyplot, save_figure
 from editrain.bench.runner import Bench
 from editrain.bench.runs import Run
+from editrain.bench.scenario import Ctx, Job, Scenario, Verdict
 from editrain.bench.tables import cell, md_table
 
-NAME = "plan"
 DESCRIPTION = (
     "`editrain plan --calibrate` on a few runs (on the simulated 5 MB/s + 5 ms link; with a "
     "2x straggler; with random stalls) predicts runs it did not see (other methods, H, "
@@ -77,64 +77,63 @@ TINY = {"link": ("cal-edit-fp32", "diloco-20MBs", "cal-edit-fp32-again"),
         "straggler": ("cal-edit-straggler2x", "aedit-straggler2x")}
 
 
-def run(bench: Bench) -> dict[str, Any]:
-    """Run the scenario; returns the record written to ``results.json``."""
+def _setup(bench: Bench) -> dict[str, Any]:
+    return {"interval": bench.pick(8, 16, 16), "steps": bench.pick(24, 128, 256),
+            "sync_steps": bench.pick(10, 32, 64), "skip": bench.pick(2, 4, 4), "done": {},
+            "groups": {g: [x for x in seq if bench.mode != "tiny" or x[1] in TINY[g]]
+                       for g, seq in GROUPS.items() if bench.mode != "tiny" or g in TINY},
+            # The tiny preset has three units when tied: too few for four fragments.
+            "model": {} if bench.mode == "full" else {"model": {"tie_embeddings": False}}}
+
+
+def _layers(ctx: Ctx, sync: dict[str, Any], link: tuple[str, str] | None,
+            sim: dict[str, Any]) -> list[dict[str, Any]]:
+    # sync pays the link at every step: fewer steps on a slow link.
+    n = ctx.sync_steps if sync["method"] == "sync" and link else ctx.steps
+    bw, lat = link if link else (None, None)
+    first: dict[str, Any] = {
+        "train": {"steps": n, "eval_every": n, "warmup_steps": min(10, n // 4)},
+        "sync": {}, "sim": {"link_bandwidth": bw, "link_latency": lat, **sim}, **ctx.model}
+    if sync["method"] != "sync":
+        first["sync"]["local_sgd_sync_interval"] = ctx.interval
+    if sync["method"] == "aedit":
+        first["sync"]["min_total_global_steps"] = 2
+    return [first, {"sync": dict(sync)}]
+
+
+def _runs(ctx: Ctx):
+    """Every group's runs in order; A-EDiT's window from the calibration run before it."""
     from editrain.plan.calibrate import calibrate
 
-    interval = bench.pick(8, 16, 16)
-    steps = bench.pick(24, 128, 256)
-    sync_steps = bench.pick(10, 32, 64)
-    skip = bench.pick(2, 4, 4)
-    groups = {g: [x for x in seq if bench.mode != "tiny" or x[1] in TINY[g]]
-              for g, seq in GROUPS.items() if bench.mode != "tiny" or g in TINY}
-    # The tiny preset has three units when tied: too few for four fragments.
-    model = {} if bench.mode == "full" else {"model": {"tie_embeddings": False}}
-
-    def layers(sync: dict[str, Any], link: tuple[str, str] | None,
-               sim: dict[str, Any]) -> list[dict[str, Any]]:
-        # sync pays the link at every step: fewer steps on a slow link.
-        n = sync_steps if sync["method"] == "sync" and link else steps
-        bw, lat = link if link else (None, None)
-        first: dict[str, Any] = {
-            "train": {"steps": n, "eval_every": n, "warmup_steps": min(10, n // 4)},
-            "sync": {}, "sim": {"link_bandwidth": bw, "link_latency": lat, **sim}, **model}
-        if sync["method"] != "sync":
-            first["sync"]["local_sgd_sync_interval"] = interval
-        if sync["method"] == "aedit":
-            first["sync"]["min_total_global_steps"] = 2
-        return [first, {"sync": dict(sync)}]
-
-    for seq in groups.values():
-        for _, _, (sync, link, sim) in seq:
-            bench.check(*layers({**sync, "local_sgd_sync_time": 1.0}
-                                if sync["method"] == "aedit" else sync, link, sim))
-    bench.plan(sum(len(seq) for seq in groups.values()))
-
-    results: dict[str, Any] = {"groups": {}}
-    held_rows: dict[str, dict[str, Any]] = {}
-    in_sample: dict[str, dict[str, Any]] = {}
-    cals: dict[str, Any] = {}
-    machine = None  # the first group whose runs measured the machine's own communication
-    for group, seq in groups.items():
-        done: list[tuple[str, str, Spec, Run]] = []
+    for group, seq in ctx.groups.items():
+        done = ctx.done[group] = []
         last_cal = None
         for kind, label, (sync, link, sim) in seq:
             if sync["method"] == "aedit" and last_cal is not None:
                 # A-EDiT's window: H steps of the fast replica, as the stragglers benchmark.
-                c = calibrate([last_cal.run_dir], skip=skip)
+                c = calibrate([last_cal.run_dir], skip=ctx.skip)
                 sync = {**sync, "local_sgd_sync_time":
-                        round(interval * (c.samples[0].compute_s + c.step_overhead_s), 4)}
-            r = bench.train(label, *layers(sync, link, sim), title=f"{group}: {label}")
+                        round(ctx.interval * (c.samples[0].compute_s + c.step_overhead_s), 4)}
+            r = yield Job(label, _layers(ctx, sync, link, sim), title=f"{group}: {label}")
             done.append((kind, label, (sync, link, sim), r))
             if kind == "cal" and r.ok:
                 last_cal = r
+
+
+def _results(ctx: Ctx) -> dict[str, Any]:
+    results: dict[str, Any] = {"groups": {}}
+    held_rows: dict[str, dict[str, Any]] = {}
+    in_sample: dict[str, dict[str, Any]] = {}
+    ctx.cals = {}
+    machine = None  # the first group whose runs measured the machine's own communication
+    for group, seq in ctx.groups.items():
         straggler = bool(seq[0][2][2].get("straggler"))
-        got = group_rows(done, skip, straggler, machine)
+        got = group_rows(ctx.done[group], ctx.skip, straggler, machine)
         if got is None:
             results["groups"][group] = {"error": "no calibration run finished"}
             continue
         whole, held, own = got
-        cals[group] = whole
+        ctx.cals[group] = whole
         if machine is None and (whole.own_bandwidth_bytes_per_s or whole.own_latency_s):
             machine = whole
         for row in [*held.values(), *own.values()]:
@@ -146,17 +145,14 @@ def run(bench: Bench) -> dict[str, Any]:
     results["held_out"] = held_rows
     results["in_sample"] = in_sample
     if not any(e.get("ok") for e in held_rows.values()):
-        return bench.finish(settings={}, methods=[], results=results, tables=[],
-                            description=DESCRIPTION, skipped="skipped: no held-out run "
-                            "could be predicted")
-    targets, findings, headline = _judge(held_rows)
-    tables = [("Predicted against measured, held-out settings", _table(held_rows)),
-              ("Predicted against measured, the calibration runs themselves",
-               _table(in_sample)),
-              ("Calibration per group (all of its calibration runs)", _cal_table(cals))]
-    plots = [_plot(bench, held_rows)]
-    notes = [
-        ("The tiny preset with untied embeddings (5 sync units). " if bench.mode != "full"
+        ctx.skipped = "skipped: no held-out run could be predicted"
+    return results
+
+
+def _notes(ctx: Ctx) -> list[str]:
+    interval, steps, sync_steps, skip = ctx.interval, ctx.steps, ctx.sync_steps, ctx.skip
+    return [
+        ("The tiny preset with untied embeddings (5 sync units). " if ctx.bench.mode != "full"
          else "The small preset. ")
         + f"2 replicas x 1 shard; local methods sync every H = {interval} steps (unless the "
         f"label says otherwise) and train {steps} steps, `sync` on a simulated link "
@@ -207,12 +203,11 @@ def run(bench: Bench) -> dict[str, Any]:
         "their steps apart: from each rank's step 4 to its end, `replica_stats`); exposed "
         "communication = the syncs' `wait_s` per step (`sync`: `grad_sync_s`).",
     ]
-    settings = {"sync_interval": interval, "steps": steps, "sync_steps": sync_steps,
-                "skip": skip, "groups": {g: [f"{k} {label}" for k, label, _ in seq]
-                                         for g, seq in groups.items()}}
-    return bench.finish(settings=settings, methods=list(held_rows), results=results,
-                        tables=tables, targets=targets, findings=findings, notes=notes,
-                        plots=plots, description=DESCRIPTION, headline=headline)
+
+
+def _verdict(ctx: Ctx) -> Verdict:
+    targets, findings, headline = _judge(ctx.results["held_out"])
+    return Verdict(targets=targets, findings=findings, headline=headline)
 
 
 def group_rows(done: list[tuple[str, str, Spec, Run]], skip: int, straggler: bool,
@@ -483,4 +478,29 @@ def _plot(bench: Bench, rows: dict[str, dict[str, Any]]):
     return save_figure(fig, bench.out_dir / "predicted_vs_measured.png")
 
 
-__all__ = ["DESCRIPTION", "GROUPS", "NAME", "run"]
+
+
+SCENARIO = Scenario(
+    name="plan",
+    description=DESCRIPTION,
+    setup=_setup, runs=_runs, measure=_results, judge=_verdict, notes=_notes,
+    plots=[lambda ctx: _plot(ctx.bench, ctx.results["held_out"])],
+    checks=lambda ctx: [(_layers(ctx, {**sync, "local_sgd_sync_time": 1.0}
+                                 if sync["method"] == "aedit" else sync, link, sim), None)
+                        for seq in ctx.groups.values() for _, _, (sync, link, sim) in seq],
+    planned=lambda ctx: sum(len(seq) for seq in ctx.groups.values()),
+    tables=[
+        lambda ctx: ("Predicted against measured, held-out settings",
+                     _table(ctx.results["held_out"])),
+        lambda ctx: ("Predicted against measured, the calibration runs themselves",
+                     _table(ctx.results["in_sample"])),
+        lambda ctx: ("Calibration per group (all of its calibration runs)",
+                     _cal_table(ctx.cals))],
+    settings=lambda ctx: {"sync_interval": ctx.interval, "steps": ctx.steps,
+                          "sync_steps": ctx.sync_steps, "skip": ctx.skip,
+                          "groups": {g: [f"{k} {label}" for k, label, _ in seq]
+                                     for g, seq in ctx.groups.items()}},
+    methods=lambda ctx: list(ctx.results["held_out"]),
+)
+
+__all__ = ["DESCRIPTION", "GROUPS", "SCENARIO", "group_rows"]

@@ -101,7 +101,8 @@ class Scenario:
         setup: sizes and option layers from the bench (its mode and flags): a dict whose
             items become attributes of the context.
         runs: the jobs, in order (a list, or a generator sent each finished run).
-        measure: the numbers (``results`` of the record) from ``ctx.runs``.
+        measure: the numbers (``results`` of the record) from ``ctx.runs`` (it sets
+            ``ctx.skipped`` to a reason when they allow no result at all).
         tables: the record's tables (a :class:`Table`, or a function of the context giving
             ``(title, markdown)`` for a table whose rows are not one per item).
         judge: targets, findings, shortfalls and headline from the numbers.
@@ -171,6 +172,9 @@ def execute(scenario: Scenario, bench: Any) -> dict[str, Any]:
         except StopIteration:
             pass
     ctx.results = scenario.measure(ctx)
+    if getattr(ctx, "skipped", None):  # the measure found nothing to report
+        return bench.finish(settings={}, methods=[], results=ctx.results, tables=[],
+                            description=scenario.description, skipped=ctx.skipped)
     verdict = scenario.judge(ctx)
     tables = [t.render(ctx) if isinstance(t, Table) else t(ctx) for t in scenario.tables]
     plots = [p for p in (draw(ctx) for draw in scenario.plots) if p is not None]
