@@ -22,9 +22,9 @@ from editrain.bench.measures import replica_stats, steady_throughput, utilisatio
 from editrain.bench.plots import pyplot, save_figure
 from editrain.bench.runner import Bench, repeat_label
 from editrain.bench.runs import Run
-from editrain.bench.scenario import Ctx, Job, Scenario, Verdict
+from editrain.bench.scenario import Ctx, Job, Scenario, Table, Verdict
 from editrain.bench.stats import beyond_spread, median, spread
-from editrain.bench.tables import cell, md_table, ratio, spread_cell, verdict_cell
+from editrain.bench.tables import cell, ratio, spread_cell, verdict_cell
 
 METHODS = ("sync", "edit", "aedit", "aedit-nb")
 GROUPS = (("edit", "sync"), ("aedit", "aedit-nb"))
@@ -311,30 +311,17 @@ def _fraction_cell(x: dict[str, Any]) -> str:
     return text + " **MEASUREMENT ERROR: > 1**" if x["fraction_above_1"] else text
 
 
-def _table(results: dict[str, Any], cases: tuple[str, ...]) -> str:
-    """The main table: the measured limit and one row per method, per case."""
-    rows = []
-    for case in cases:
-        e = results[case]
-        for m in METHODS:
-            x = e[m]
-            steps = x["replica_steps"][0] if x["replica_steps"] else None
-            rows.append([case, m, spread_cell(x["tokens_per_s"]),
-                         spread_cell(x["limit_tokens_per_s"]), spread_cell(x["limit_drift"]),
-                         _fraction_cell(x),
-                         spread_cell(x["final_val_loss"]), spread_cell(x["wall_time_s"]),
-                         x["num_syncs"],
-                         "/".join(f"{s:.0f}" for s in steps) if steps else None])
-    return md_table(["case", "method", "tokens/s", "measured limit (solo speeds, same steps)",
-                     "limit drift (before vs after)", "x limit", "final val loss", "wall s",
-                     "syncs", "A-EDiT steps per replica (repeat 1)"], rows)
+def _steps_text(x: dict[str, Any]) -> str | None:
+    """A-EDiT's steps per replica in repeat 1 (``12/7``)."""
+    steps = x["replica_steps"][0] if x["replica_steps"] else None
+    return "/".join(f"{s:.0f}" for s in steps) if steps else None
 
 
-def _replica_table(results: dict[str, Any], cases: tuple[str, ...]) -> str:
-    """Per replica: solo tokens/s, then each method's tokens/s and utilisation."""
+def _replica_rows(ctx: Ctx) -> list[list[Any]]:
+    """Per case: each replica's solo run, then each method's replicas."""
     rows = []
-    for case in cases:
-        e = results[case]
+    for case in ctx.cases:
+        e = ctx.results[case]
         for i, solo in enumerate(e["limit"]["per_replica"]):
             label = e["limit"]["solo_runs"][i]
             rows.append([case, f"{label} (all its steps)", i, spread_cell(solo), None, None,
@@ -349,18 +336,38 @@ def _replica_table(results: dict[str, Any], cases: tuple[str, ...]) -> str:
                              spread_cell(r["solo_tokens_per_s"]), spread_cell(r["x_solo"]),
                              f"{steps[0] + 1}-{steps[1]}" if steps else None,
                              spread_cell(r["utilisation"])])
-    return md_table(["case", "run", "replica", "tokens/s", "solo tokens/s, same steps",
-                     "x solo", "steps (repeat 1)", "utilisation"], rows)
+    return rows
 
 
-def _comparison_table(results: dict[str, Any], cases: tuple[str, ...]) -> str:
-    """Differences of the fractions of the limit, and whether they exceed the spread."""
-    rows = []
-    for case in cases:
-        for c in results[case]["comparisons"]:
-            rows.append([case, f"{c['a']} - {c['b']}", c["difference"],
-                         verdict_cell(c["beyond_spread"])])
-    return md_table(["case", "x limit difference (medians)", "value", "beyond spread"], rows)
+def _spread(key: str):
+    return lambda row: spread_cell(row[2][key])
+
+
+def _column(i: int):
+    return lambda row: row[i]
+
+
+TABLES = [
+    Table("Throughput as a fraction of the measured limit", [
+        ("case", _column(0)), ("method", _column(1)), ("tokens/s", _spread("tokens_per_s")),
+        ("measured limit (solo speeds, same steps)", _spread("limit_tokens_per_s")),
+        ("limit drift (before vs after)", _spread("limit_drift")),
+        ("x limit", lambda row: _fraction_cell(row[2])),
+        ("final val loss", _spread("final_val_loss")), ("wall s", _spread("wall_time_s")),
+        ("syncs", lambda row: row[2]["num_syncs"]),
+        ("A-EDiT steps per replica (repeat 1)", lambda row: _steps_text(row[2]))],
+        rows=lambda ctx: [(c, m, ctx.results[c][m]) for c in ctx.cases for m in METHODS]),
+    Table("Per replica", [(h, _column(i)) for i, h in enumerate(
+        ["case", "run", "replica", "tokens/s", "solo tokens/s, same steps", "x solo",
+         "steps (repeat 1)", "utilisation"])], rows=_replica_rows),
+    Table("Differences against the spread of the repeats", [
+        ("case", _column(0)), ("x limit difference (medians)",
+                               lambda row: f"{row[1]['a']} - {row[1]['b']}"),
+        ("value", "difference"), ("beyond spread", lambda row: verdict_cell(
+            row[1]["beyond_spread"]))],
+        rows=lambda ctx: [(case, c) for case in ctx.cases
+                          for c in ctx.results[case]["comparisons"]]),
+]
 
 
 def _judge(results: dict[str, Any], cases: tuple[str, ...],
@@ -479,10 +486,5 @@ SCENARIO = Scenario(
     planned=lambda ctx: sum(ctx.bench.repeats * len(METHODS)
                             + (len(GROUPS) * ctx.bench.repeats + 1) * len(p.layers)
                             for p in ctx.solo_plans.values()),
-    tables=[
-        lambda ctx: ("Throughput as a fraction of the measured limit",
-                     _table(ctx.results, ctx.cases)),
-        lambda ctx: ("Per replica", _replica_table(ctx.results, ctx.cases)),
-        lambda ctx: ("Differences against the spread of the repeats",
-                     _comparison_table(ctx.results, ctx.cases))],
+    tables=TABLES,
 )
