@@ -31,6 +31,7 @@ the BPE trainer's state, which grows with the text it sees: at most ``BPE_SAMPLE
 from __future__ import annotations
 
 import fcntl
+import functools
 import hashlib
 import json
 import logging
@@ -577,15 +578,46 @@ def _encoding_tokenizer(tok, eos_token: str | None):
     return tok, eos, vsize, token_dtype(vsize)
 
 
+def _encode_text(tok, text: str, eos: int, policy: str, dtype: np.dtype,
+                 scratch: Path) -> np.ndarray:
+    """The tokens of one document ``text`` as a build writes them (separator included; none
+    for an empty text), through the scratch file ``scratch``, which is removed."""
+    if not text:
+        return np.zeros(0, dtype=dtype)
+    try:
+        with open(scratch, "wb") as out:
+            encoder = _DocumentEncoder(tok, eos, policy, dtype, out)
+            encoder.add(text)
+            encoder.close()
+        return np.fromfile(scratch, dtype=dtype)
+    finally:
+        scratch.unlink(missing_ok=True)
+
+
+def _cut_document(plan: SplitPlan, corpus, encode) -> tuple[np.ndarray, np.ndarray]:
+    """``(training tokens, validation tokens)`` of the document a tail split cuts in two,
+    each part encoded as a document of its own (``encode``); two empty arrays when the plan
+    cuts none. The document's text is found by reading the corpus up to it."""
+    if plan.mode != "tail":
+        return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
+    for i, doc in enumerate(corpus("reading the document cut by the split", _COST_READ)):
+        if i == plan.tail_doc:
+            return tuple(encode(part) for part in plan.parts(i, doc.text))
+    raise RuntimeError(f"the corpus has no document {plan.tail_doc} any more")
+
+
 def _copy_sides(all_path: Path, counts: np.ndarray, plan: SplitPlan, dtype: np.dtype,
-                out: dict[str, Path]) -> tuple[int, int]:
+                out: dict[str, Path], cut: tuple[np.ndarray, np.ndarray]) -> tuple[int, int]:
     """Write the training and validation files (``out``) from ``all_path``, every document
-    encoded in corpus order with ``counts[i]`` tokens, as a documents-mode ``plan`` says
-    (exact duplicates in neither); return ``(training tokens, validation tokens)``.
+    encoded in corpus order with ``counts[i]`` tokens, as ``plan`` says (exact duplicates in
+    neither; a tail split's cut document as its two parts ``cut``, encoded apart); return
+    ``(training tokens, validation tokens)``.
 
     Consecutive documents of one side are copied as one range, in chunks of ``_ID_CHUNK``
     tokens, so memory stays flat and no Python runs per token or per document."""
     side = np.where(plan.drop, -1, plan.val.astype(np.int64))
+    if plan.mode == "tail":
+        side[plan.tail_doc] = 2  # a run of its own: its parts come from ``cut``
     ends = np.concatenate([[0], np.cumsum(counts)])
     starts_of_runs = np.concatenate([[0], np.flatnonzero(np.diff(side)) + 1])
     stops_of_runs = np.concatenate([starts_of_runs[1:], [len(side)]])
@@ -597,6 +629,11 @@ def _copy_sides(all_path: Path, counts: np.ndarray, plan: SplitPlan, dtype: np.d
     try:
         for a, b in zip(starts_of_runs.tolist(), stops_of_runs.tolist()):
             if side[a] < 0:
+                continue
+            if side[a] == 2:
+                for name, part in zip(("train", "val"), cut):
+                    part.astype(dtype).tofile(files[name])
+                    written[name] += len(part)
                 continue
             name = "val" if side[a] else "train"
             for lo in range(int(ends[a]), int(ends[b]), _ID_CHUNK):
@@ -685,17 +722,20 @@ def _build_entry(
             tok, eos, vsize, dtype = _encoding_tokenizer(train_bpe_tokenizer(
                 bpe_sample(corpus("training tokenizer", _COST_READ + _COST_BPE * sample_share),
                            plan, infos, BPE_SAMPLE_BYTES), vocab_size), eos_token)
-        if counts is None or plan.mode == "tail":
+        if counts is None:
             # The validation side encoded from its texts: a BPE trained for this plan (the
             # floor may need another plan, hence another BPE, and each would encode the
-            # whole corpus), or a tail split, which cuts a document in two.
+            # whole corpus).
             log.info("tokenising corpus into %s", entry)
             n_val = _encode_split(tok, _split_texts(corpus("tokenising validation",
                                                            _COST_READ + _COST_ENCODE * val_share),
                                                     plan, 1),
                                   eos, eos_policy, dtype, tmp["val"])
         else:
-            n_val = int(counts[plan.val & ~plan.drop].sum())
+            cut = _cut_document(plan, corpus, functools.partial(
+                _encode_text, tok, eos=eos, policy=eos_policy, dtype=dtype,
+                scratch=entry / f"cut.bin.tmp.{os.getpid()}"))
+            n_val = int(counts[plan.val & ~plan.drop].sum()) + len(cut[1])
         val_bytes = plan.stats.get("val_bytes", 0)
         if n_val >= val_tokens or plan.stats.get("capped") or n_val == 0:
             break
@@ -703,13 +743,13 @@ def _build_entry(
         bytes_per_token = 1.05 * val_bytes / n_val
         log.info("validation split has %d < data.val_tokens=%d tokens; re-planning "
                  "(attempt %d)", n_val, val_tokens, attempt + 2)
-    if counts is None or plan.mode == "tail":
+    if counts is None:
         n_train = _encode_split(tok, _split_texts(corpus("tokenising training", _COST_READ
                                                      + _COST_ENCODE * (1 - val_share)),
                                                   plan, 0),
                                 eos, eos_policy, dtype, tmp["train"])
     else:
-        n_train, n_val = _copy_sides(all_path, counts, plan, dtype, tmp)
+        n_train, n_val = _copy_sides(all_path, counts, plan, dtype, tmp, cut)
     all_path.unlink(missing_ok=True)
     if n_train == 0 or n_val == 0:
         raise ValueError(f"data.path: the corpus is too small to split ({n_train} training, "

@@ -103,7 +103,8 @@ def _signature(text: str) -> np.ndarray:
         shingles = np.zeros(n, dtype=np.uint64)
         for j in range(_SHINGLE_WORDS):  # polynomial hash of each run of 5 word hashes
             shingles = shingles * _SHINGLE_MUL + ids[j : j + n]
-        shingles = np.unique(shingles)
+        # Repeated shingles are kept: the minimum over them is the same, and numpy's unique
+        # (hash-based for integers) cost more than hashing the repeats.
         sig = np.full(_NUM_HASHES, _MASK64, dtype=np.uint64)
         for s in range(0, len(shingles), _CHUNK):
             part = shingles[s : s + _CHUNK]
