@@ -104,7 +104,8 @@ class Scenario:
         measure: the numbers (``results`` of the record) from ``ctx.runs`` (it sets
             ``ctx.skipped`` to a reason when they allow no result at all).
         tables: the record's tables (a :class:`Table`, or a function of the context giving
-            ``(title, markdown)`` for a table whose rows are not one per item).
+            ``(title, markdown)``, or a list of them, for tables whose rows are not one per
+            item).
         judge: targets, findings, shortfalls and headline from the numbers.
         notes: how the numbers were measured.
         settings: what was run, for the record.
@@ -126,7 +127,7 @@ class Scenario:
     setup: Callable[[Any], dict[str, Any]]
     runs: Callable[[Ctx], Any]
     measure: Callable[[Ctx], dict[str, Any]]
-    tables: Sequence[Table | Callable[[Ctx], tuple[str, str]]] = ()
+    tables: Sequence[Table | Callable[[Ctx], Any]] = ()
     judge: Callable[[Ctx], Verdict] = lambda ctx: Verdict()
     notes: Callable[[Ctx], list[str]] = lambda ctx: []
     settings: Callable[[Ctx], dict[str, Any]] = lambda ctx: {}
@@ -176,7 +177,10 @@ def execute(scenario: Scenario, bench: Any) -> dict[str, Any]:
         return bench.finish(settings={}, methods=[], results=ctx.results, tables=[],
                             description=scenario.description, skipped=ctx.skipped)
     verdict = scenario.judge(ctx)
-    tables = [t.render(ctx) if isinstance(t, Table) else t(ctx) for t in scenario.tables]
+    tables = []
+    for table in scenario.tables:
+        made = table.render(ctx) if isinstance(table, Table) else table(ctx)
+        tables += made if isinstance(made, list) else [made]
     plots = [p for p in (draw(ctx) for draw in scenario.plots) if p is not None]
     return bench.finish(
         settings=scenario.settings(ctx), methods=scenario.methods(ctx), results=ctx.results,
