@@ -169,6 +169,69 @@ def test_declared_scenario_writes_the_modules_record(name, tmp_path):
     assert plots_got == plots_want
 
 
+def _tiny_scenario(**changes: Any):
+    """A two-run scenario declared here: runs ``a`` then ``b`` (``b``'s seed from ``a``)."""
+    from editrain.bench.scenario import Job, Scenario, Table, Verdict
+
+    def runs(ctx):
+        first = yield Job("a", ({"train": {"steps": 4, "eval_every": 2}},))
+        yield Job("b", ({"train": {"steps": 4, "eval_every": 2,
+                                   "seed": first.summary["steps"]}},), title="second")
+
+    fields = dict(
+        name="tiny-declared", description="two runs", setup=lambda bench: {"k": 3},
+        runs=runs, planned=lambda ctx: 2,
+        checks=lambda ctx: [(({"train": {"steps": 4}},), None)],
+        measure=lambda ctx: {label: {"steps": r.summary["steps"], "k": ctx.k}
+                             for label, r in ctx.runs.items()},
+        tables=[Table("Steps", [("run", None), ("steps", "steps"),
+                                ("k x steps", lambda row: row[1]["k"] * row[1]["steps"])])],
+        judge=lambda ctx: Verdict(findings=[f"{len(ctx.runs)} runs"], headline=["h"]),
+        notes=lambda ctx: ["n"], settings=lambda ctx: {"k": ctx.k})
+    return Scenario(**(fields | changes))
+
+
+def test_the_runner_executes_a_declaration(tmp_path):
+    """execute() checks, runs the generator's jobs (sending each run back), measures,
+    renders the declared table, judges and writes the record."""
+    from editrain.bench.scenario import execute
+
+    bench = FakeBench("tiny-declared", "tiny", tmp_path)
+    record = execute(_tiny_scenario(), bench)
+    assert list(record["runs"]) == ["a", "b"]
+    assert record["runs"]["b"]["summary"]["steps"] == 4
+    assert record["results"] == {"a": {"steps": 4, "k": 3}, "b": {"steps": 4, "k": 3}}
+    assert record["tables"] == [{"title": "Steps", "markdown":
+                                 "| run | steps | k x steps |\n|---|---:|---:|\n"
+                                 "| a | 4 | 12 |\n| b | 4 | 12 |\n"}]
+    assert record["findings"] == ["2 runs"] and record["headline"] == ["h"]
+    assert record["notes"] == ["n"] and record["settings"] == {"k": 3}
+    assert record["methods"] == ["a", "b"] and record["repeats"] is None
+    assert json.loads((tmp_path / "results.json").read_text()) == record
+
+
+def test_the_runner_records_a_skipped_declaration(tmp_path):
+    """A scenario that cannot run here, or whose measure finds nothing, is recorded as
+    skipped with the reason, and nothing else is judged."""
+    from editrain.bench.scenario import execute
+
+    unavailable = execute(_tiny_scenario(unavailable=lambda: "skipped: no peer"),
+                          FakeBench("tiny-declared", "tiny", tmp_path / "u"))
+    assert unavailable["skipped"] == "skipped: no peer" and not unavailable["runs"]
+    assert unavailable["results"] == {"status": "skipped", "reason": "skipped: no peer"}
+    assert unavailable["tables"][0]["markdown"].endswith(
+        "| tiny-declared | skipped: no peer |\n")
+
+    def nothing(ctx):
+        ctx.skipped = "skipped: nothing to compare"
+        return {"ran": len(ctx.runs)}
+
+    empty = execute(_tiny_scenario(measure=nothing),
+                    FakeBench("tiny-declared", "tiny", tmp_path / "e"))
+    assert empty["skipped"] == "skipped: nothing to compare"
+    assert empty["results"] == {"ran": 2} and empty["tables"] == [] and not empty["findings"]
+
+
 COMMITTED = Path(__file__).parent.parent / "docs" / "benchmarks"
 REGENERATED = ("convergence-eager", "convergence-full-eager", "convergence-recipe",
                "convergence-streaming", "tune", "spikes", "stragglers", "memory", "overlap",
