@@ -1,0 +1,227 @@
+"""Issue 49 item 4, throughput: a build with a given tokenizer reads and encodes the corpus
+once (describing each document on the way), plans the split from the documents' token
+counts and copies each side out of the encoded corpus.
+
+The tests compare the build's token files with a reference written independently (every
+document, or part of a cut document, encoded on its own with the separator the policy
+places), for document and tail splits, every EOS policy and a re-planned split; the
+encoder thread's failures reach the caller; the faster MinHash and overlap measure give the
+values of their plain definitions.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import zlib
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from editrain.data import dataset as dataset_mod
+from editrain.data import prepare_tokens
+from editrain.data.dataset import _BYTES_PER_TOKEN_GUESS
+from editrain.data.overlap import window_hashes, window_overlap
+from editrain.data.sources import iter_records, resolve_sources
+from editrain.data.split import _SHINGLE_WORDS, _WORD, _signature, describe_document, plan_split
+from editrain.data.tokenizer import load_tokenizer, train_bpe_tokenizer
+
+WORDS = ("alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron "
+         "pi rho sigma tau upsilon phi chi psi omega caf\u00e9 \u00fcber na\u00efve").split()
+
+
+def _text(rng: random.Random, lines: int) -> str:
+    return "\n".join(" ".join(rng.choice(WORDS) for _ in range(rng.randint(3, 12)))
+                     for _ in range(lines)) + "\n"
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory) -> Path:
+    rng = random.Random(1)
+    path = tmp_path_factory.mktemp("tok") / "tokenizer.json"
+    train_bpe_tokenizer([_text(rng, 50) for _ in range(20)], 300).save(str(path))
+    return path
+
+
+def _families(root: Path) -> Path:
+    """Many families (sub-directories) and one exact duplicate: a documents split."""
+    rng = random.Random(0)
+    for i in range(60):
+        path = root / f"fam{i % 12:02d}" / f"doc{i:03d}.txt"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(_text(rng, rng.randint(5, 40)))
+    (root / "fam00" / "copy.txt").write_text((root / "fam03" / "doc003.txt").read_text())
+    return root
+
+
+def _one_family(root: Path) -> Path:
+    """Every file in one directory (one family): a tail split cuts a document in two."""
+    rng = random.Random(2)
+    (root / "x").mkdir(parents=True)
+    for i in range(30):
+        (root / "x" / f"doc{i:03d}.txt").write_text(_text(rng, rng.randint(5, 120)))
+    return root
+
+
+def _reference(corpus: Path, tokenizer: Path, eos_policy: str, plan) -> dict[str, list[int]]:
+    """Each side's tokens written one document (or document part) at a time."""
+    tok = load_tokenizer(tokenizer)
+    tok.encode_special_tokens = True
+    eos = tok.token_to_id("<|endoftext|>")
+    out: dict[str, list[int]] = {"train": [], "val": []}
+    for i, doc in enumerate(iter_records(resolve_sources(str(corpus)))):
+        for side, text in zip(("train", "val"), plan.parts(i, doc.text)):
+            if text:
+                ids = tok.encode(text).ids
+                out[side] += ([eos] if eos_policy == "prepend" else []) + ids + (
+                    [eos] if eos_policy == "append" else [])
+    return out
+
+
+@pytest.mark.parametrize("layout", ["families", "one_family"])
+@pytest.mark.parametrize("eos_policy", ["append", "prepend", "none"])
+def test_one_pass_build_equals_per_document_reference(tmp_path, tokenizer, monkeypatch,
+                                                      layout, eos_policy):
+    """Small encoder batches (several flushes, documents cut across batches) and both kinds
+    of split: the token files equal encoding each part on its own, in corpus order."""
+    corpus = (_families if layout == "families" else _one_family)(tmp_path / "corpus")
+    monkeypatch.setattr(dataset_mod, "_ENCODE_BATCH_CHARS", 500)
+    monkeypatch.setattr(dataset_mod, "_MAX_PIECE_CHARS", 200000)
+    data = prepare_tokens(str(corpus), tmp_path / "cache", tokenizer_path=str(tokenizer),
+                          val_tokens=50, val_fraction=0.1, eos=eos_policy, progress=False)
+    assert data.meta["split"] == ("documents" if layout == "families" else "tail")
+    infos = [describe_document(d) for d in iter_records(resolve_sources(str(corpus)))]
+    # val_tokens is low enough that the first plan is the build's (no re-plan).
+    plan = plan_split(infos, 0.1, int(50 * _BYTES_PER_TOKEN_GUESS), 0)
+    want = _reference(corpus, tokenizer, eos_policy, plan)
+    assert np.asarray(data.train).tolist() == want["train"]
+    assert np.asarray(data.val).tolist() == want["val"]
+    assert data.meta["train_tokens"] == len(want["train"])
+    if layout == "families":  # the exact duplicate is in neither side
+        assert plan.drop.sum() == 1
+    assert not list((data.cache_dir).glob("*.tmp.*"))  # scratch files removed
+
+
+def test_replanned_split_counts_tokens_without_encoding_again(tmp_path, tokenizer,
+                                                              monkeypatch):
+    """A validation floor the byte guess misses: the split is planned again from the token
+    counts of the one pass (the corpus is encoded once) and the floor is met."""
+    corpus = _families(tmp_path / "corpus")
+    batches: list[int] = []
+    real = dataset_mod._DocumentEncoder._flush
+
+    def counting_flush(self):
+        batches.append(len(self._batch))
+        real(self)
+
+    monkeypatch.setattr(dataset_mod._DocumentEncoder, "_flush", counting_flush)
+    monkeypatch.setattr(dataset_mod, "_BYTES_PER_TOKEN_GUESS", 0.5)  # far too few bytes
+    data = prepare_tokens(str(corpus), tmp_path / "cache", tokenizer_path=str(tokenizer),
+                          val_tokens=3000, val_fraction=0.05, progress=False)
+    assert data.meta["split"] == "documents"
+    assert sum(batches) == 61  # every document once, into one encoder
+    # The first plan (0.5 bytes a token) held out fewer tokens than the build did.
+    first = plan_split([describe_document(d) for d in iter_records(resolve_sources(str(corpus)))],
+                       0.05, int(3000 * 0.5), 0)
+    assert len(data.val) > len(_reference(corpus, tokenizer, "append", first)["val"])
+    listed = {name for name, _, _ in
+              json.loads((data.cache_dir / "val_documents.json").read_text())}
+    tok = load_tokenizer(tokenizer)
+    tok.encode_special_tokens = True
+    want = {"train": [], "val": []}
+    seen: set[str] = set()
+    for doc in iter_records(resolve_sources(str(corpus))):
+        if doc.text in seen:
+            continue  # the exact duplicate
+        seen.add(doc.text)
+        side = "val" if doc.name in listed else "train"
+        want[side] += tok.encode(doc.text).ids + [data.eos_id]
+    assert np.asarray(data.train).tolist() == want["train"]
+    assert np.asarray(data.val).tolist() == want["val"]
+
+
+class _FailingTokenizer:
+    """Encodes one batch, then raises: the error must reach the build, not hang it."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def encode_batch_fast(self, texts):
+        self.calls += 1
+        if self.calls > 1:
+            raise RuntimeError("encoder broke")
+        return [type("E", (), {"ids": [1] * len(t)})() for t in texts]
+
+
+def test_encoder_thread_error_reaches_the_caller(tmp_path, monkeypatch):
+    monkeypatch.setattr(dataset_mod, "_ENCODE_BATCH_CHARS", 10)
+    with open(tmp_path / "out.bin", "wb") as out:
+        encoder = dataset_mod._DocumentEncoder(_FailingTokenizer(), 0, "append",
+                                               np.dtype(np.uint16), out)
+        with pytest.raises(RuntimeError, match="encoder broke"):
+            for _ in range(1000):  # more batches than the queue holds
+                encoder.add("x" * 20)
+            encoder.close()
+
+
+def test_encoder_counts_each_document_across_batches(tmp_path, monkeypatch):
+    """A document longer than a batch, and batches holding several documents: each
+    document's count is its ids plus its separator, and they sum to the file's size."""
+    monkeypatch.setattr(dataset_mod, "_ENCODE_BATCH_CHARS", 50)
+    monkeypatch.setattr(dataset_mod, "_MAX_PIECE_CHARS", 30)
+    texts = ["a" * 7, "b\n" * 40, "c" * 3, "d" * 120]
+
+    class _PerChar:
+        def encode_batch_fast(self, batch):
+            return [type("E", (), {"ids": [5] * len(t)})() for t in batch]
+
+    for policy, extra in (("append", 1), ("prepend", 1), ("none", 0)):
+        with open(tmp_path / "out.bin", "wb") as out:
+            encoder = dataset_mod._DocumentEncoder(_PerChar(), 9, policy, np.dtype(np.uint16),
+                                                   out)
+            for t in texts:
+                encoder.add(t)
+            counts = encoder.close()
+        assert counts.tolist() == [len(t) + extra for t in texts]
+        ids = np.fromfile(tmp_path / "out.bin", dtype=np.uint16)
+        assert len(ids) == counts.sum() and (ids == 9).sum() == extra * len(texts)
+
+
+def _signature_reference(text: str) -> np.ndarray:
+    """MinHash by its definition: every distinct word 5-gram, each of the 64 hashes."""
+    from editrain.data.split import _HASH_A, _HASH_B, _SHINGLE_MUL
+
+    words = [zlib.crc32(w.encode("utf-8")) for w in _WORD.findall(text)]
+    if len(words) < _SHINGLE_WORDS:
+        return np.zeros(0, dtype=np.uint64)
+    mask = (1 << 64) - 1
+    shingles = set()
+    for i in range(len(words) - _SHINGLE_WORDS + 1):
+        h = 0
+        for w in words[i:i + _SHINGLE_WORDS]:
+            h = (h * int(_SHINGLE_MUL) + w) & mask
+        shingles.add(h)
+    return np.array([min((int(a) * s + int(b)) & mask for s in shingles)
+                     for a, b in zip(_HASH_A, _HASH_B)], dtype=np.uint64)
+
+
+@pytest.mark.parametrize("text", [
+    "def f(x):\n    return x + 1\n" * 20,  # ASCII, repeated shingles
+    "caf\u00e9 na\u00efve \u00fcber stra\u00dfe \u0394\u03b5\u03bb\u03c4\u03b1 one two three",
+    "a b c d",  # too short for a 5-gram
+    "x_1 y2 __init__ " * 3 + "\u00e9t\u00e9 " * 4,
+])
+def test_signature_equals_its_definition(text):
+    assert np.array_equal(_signature(text), _signature_reference(text))
+
+
+def test_overlap_table_keeps_every_match():
+    """A validation split big enough for a wide table: the share equals the set-based one."""
+    rng = np.random.default_rng(3)
+    train = rng.integers(0, 50, 60_000).astype(np.uint16)
+    val = np.concatenate([train[5000:25000], rng.integers(0, 50, 20_000).astype(np.uint16)])
+    seen = set(window_hashes(train, 8).tolist())
+    want = float(np.mean([h in seen for h in window_hashes(val, 8).tolist()]))
+    assert window_overlap(val, train, 8) == want
+    assert 0.4 < want < 0.6
