@@ -107,7 +107,14 @@ def fake_memory(world: int, presets: list[str]) -> list[list[dict[str, Any]]]:
             for rank in range(world)]
 
 
-STAND_INS = {"memory": ("_spawn", fake_memory),
+def fake_peer_run(bench, label, options, replicas, threads, timeout_s, title, system="torchft"):
+    """``bench peers``' run of torchft's (or the library's) workers, made up like a
+    training run."""
+    return bench.record_run(fake_run(label, bench.out_dir / "runs" / label, options), None,
+                            title)
+
+
+STAND_INS = {"memory": ("_spawn", fake_memory), "peers": ("run_torchft", fake_peer_run),
              "default": ("_split_facts", lambda run: {"documents": 12, "split": "made up",
                                                      "val_tokens": 2048})}
 """Scenario -> (a function of its module, what stands in for it here)."""

@@ -40,6 +40,9 @@ class Job:
     layers: Sequence[dict[str, Any] | None] = ()
     title: str | None = None
     last: dict[str, Any] | None = None
+    start: Callable[[Any, Job], Any] | None = None
+    """Runs the job instead of ``editrain train`` (e.g. a peer's workers): ``start(bench,
+    job)`` returns the run, recorded on the bench (``Bench.record_run``)."""
 
 
 @dataclass
@@ -120,6 +123,8 @@ class Scenario:
             size's (the report then says so).
         unavailable: why the scenario cannot run here (e.g. an optional package is
             missing), or None; then nothing runs and the record says it was skipped.
+        skipped_as: the record of a skip (``Bench.finish``'s arguments, from the reason);
+            default: a one-row table with the reason.
     """
 
     name: str
@@ -138,6 +143,7 @@ class Scenario:
     repeats: bool = False
     size_caveat: bool = True
     unavailable: Callable[[], str | None] = lambda: None
+    skipped_as: Callable[[str], dict[str, Any]] | None = None
 
 
 def execute(scenario: Scenario, bench: Any) -> dict[str, Any]:
@@ -146,11 +152,12 @@ def execute(scenario: Scenario, bench: Any) -> dict[str, Any]:
     reason = scenario.unavailable()
     if reason is not None:
         bench.log(reason)
-        return bench.finish(
-            settings={}, methods=scenario.methods(ctx), description=scenario.description,
-            results={"status": "skipped", "reason": reason}, skipped=reason,
+        record = scenario.skipped_as(reason) if scenario.skipped_as else dict(
+            settings={}, methods=scenario.methods(ctx),
+            results={"status": "skipped", "reason": reason},
             tables=[(scenario.name.capitalize(), md_table(["scenario", "status"],
                                                           [[scenario.name, reason]]))])
+        return bench.finish(description=scenario.description, skipped=reason, **record)
     for key, value in scenario.setup(bench).items():
         setattr(ctx, key, value)
     jobs = scenario.runs(ctx)
@@ -198,8 +205,8 @@ def _train(bench: Any, ctx: Ctx, job: Job | list[Job]) -> Any:
                                      for j in job])
         ctx.runs.update((r.label, r) for r in runs)
         return runs
-    run = ctx.runs[job.label] = bench.train(job.label, *job.layers, title=job.title,
-                                            last=job.last)
+    run = ctx.runs[job.label] = (job.start(bench, job) if job.start else bench.train(
+        job.label, *job.layers, title=job.title, last=job.last))
     return run
 
 
