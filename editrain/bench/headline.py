@@ -146,21 +146,40 @@ class _Picker:
 
 
 def _default_row(p: _Picker) -> list[HeadlineRow]:
-    """The default ``editrain train`` run: validation loss before and after."""
+    """The default ``editrain train`` run: validation loss before and after, and against
+    the same run in synchronous mode at equal tokens (both wall times)."""
     got = p.last("default", ["default"])
     run = _get(got[1], "default") if got else None
     if not got or not run or run.get("final_val_loss") is None:
         return []
     split = run.get("split") or {}
     overlap = split.get("val_train_overlap")
+    sync = _get(got[1], "sync") or {}
+    peer = f"{run['initial_val_loss']:.3f} before training"
+    if sync.get("final_val_loss") is not None and run.get("vs_sync") is not None:
+        peer = (f"synchronous {sync['final_val_loss']:.3f} ({100 * run['vs_sync']:+.1f}% for "
+                f"the default), {sync['launch_s']:.0f} s end to end; " + peer)
     return [p.row(
-        "Validation loss of the default `editrain train` run",
-        f"{run['final_val_loss']:.3f} after {run['steps']} steps",
-        f"{run['initial_val_loss']:.3f} before training",
-        f"{run.get('launch_s', run.get('wall_time_s', 0)):.0f} s end to end; the whole "
-        f"held-out split ({run['val_tokens']:,} tokens"
+        "Validation loss of the default `editrain train` run, and of the same run in "
+        "synchronous mode at equal tokens",
+        f"{run['final_val_loss']:.3f} after {run['steps']} steps, "
+        f"{run.get('launch_s', run.get('wall_time_s', 0)):.0f} s end to end",
+        peer,
+        f"the whole held-out split ({run['val_tokens']:,} tokens"
         + (f", {100 * overlap:.1f}% of its {split.get('overlap_window')}-token windows also "
-           "in training" if overlap is not None else "") + "); one run", [got])]
+           "in training" if overlap is not None else "") + "); one run each, same seed"
+        + _load_text(got[1]), [got])]
+
+
+def _load_text(record: dict[str, Any]) -> str:
+    """``; load average A-B at the runs' starts`` (wall times on a shared machine stretch
+    with it), or nothing when the record has no loads."""
+    loads = (record.get("machine") or {}).get("load_during_runs")
+    if not loads:
+        return ""
+    lo, hi = loads
+    return (f"; load average {lo:.1f} at the runs' starts" if f"{lo:.1f}" == f"{hi:.1f}"
+            else f"; load average {lo:.1f}-{hi:.1f} at the runs' starts")
 
 
 def _convergence_rows(p: _Picker) -> list[HeadlineRow]:
