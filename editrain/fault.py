@@ -8,7 +8,7 @@
   (:func:`local_optimizer_state` / :func:`load_local_optimizer_state`).
 
 ``editrain train --ft`` on one machine (a lighthouse and one job per replica group, a group
-that dies restarted) is :func:`editrain.launch.run_ft`.
+that dies restarted) is :func:`editrain.launch.ft.run_ft`.
 
 The algorithm side (quorum, all-or-nothing rounds, healing of the engine) lives in
 :mod:`editrain.sync.ft_round`; torchft itself is imported only by :mod:`editrain.sync.ft`.

@@ -110,7 +110,7 @@ def free_port() -> int:
     """A TCP port on the loopback interface that is free right now.
 
     Another process may take it before it is bound again; the launcher's rendezvous then
-    tries another port (see :func:`editrain.launch._elastic`).
+    tries another port (see :func:`editrain.launch.elastic.run_elastic`).
     """
     with socket.socket() as s:
         s.bind((LOOPBACK, 0))
@@ -383,7 +383,7 @@ def stop_worker_server() -> None:
 
     A launcher starts the server as soon as it knows it will start workers, so that the
     server imports torch and editrain while the launcher prepares the data
-    (:func:`editrain.launch.start_worker_server`). A launcher that then refuses its input
+    (:func:`editrain.launch.elastic.start_worker_server`). A launcher that then refuses its input
     (a corpus too small, a checkpoint that does not fit) exits at once, but the server
     only notices that once its imports are done: it outlived the launcher by 5 to 9 s.
     Killed here instead, and reaped; its children, if any, are the launcher's workers,

@@ -656,7 +656,7 @@ def test_existing_run_is_refused_before_any_worker(tmp_path, capsys, no_workers)
 
 
 def test_directory_without_a_run_is_used(tmp_path):
-    from editrain.launch import prepare_run_dir
+    from editrain.launch.run_dir import prepare_run_dir
 
     run_dir = tmp_path / "run"
     run_dir.mkdir()
@@ -668,7 +668,7 @@ def test_directory_without_a_run_is_used(tmp_path):
 
 
 def test_overwrite_replaces_only_the_run_and_says_so(tmp_path, caplog):
-    from editrain.launch import check_run_dir, prepare_run_dir
+    from editrain.launch.run_dir import check_run_dir, prepare_run_dir
 
     run_dir = tmp_path / "run"
     make_old_run(run_dir)

@@ -396,7 +396,8 @@ def test_dumps_toml_round_trips_through_load_config(tmp_path, make):
 
 def test_run_dir_config_toml_loads_back(tmp_path):
     """What the launcher writes into the run directory is a loadable configuration."""
-    from editrain.launch import prepare_run_dir, resolved
+    from editrain.launch.job import resolved
+    from editrain.launch.run_dir import prepare_run_dir
 
     run_dir = tmp_path / "run"
     cfg = dataclasses.replace(busy_config(), run_dir=str(run_dir))

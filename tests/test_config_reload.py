@@ -8,7 +8,7 @@ import pytest
 
 from editrain.config import dumps_toml, load_config, parse_overrides, to_dict
 from editrain.config.applicability import drop_inapplicable
-from editrain.launch import resolved
+from editrain.launch.job import resolved
 
 CASES = [["--method", m] for m in ("sync", "post_local_sgd", "diloco", "edit", "aedit")] + [
     ["--method", "edit", "--dist.pp_size", "2", "--model.tie_embeddings", "false"],

@@ -18,7 +18,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from editrain import cli, launch
+from editrain import cli
+from editrain.launch import elastic
 from editrain.spawn import (
     LOOPBACK,
     START_METHOD_ENV,
@@ -357,7 +358,7 @@ def in_process(monkeypatch):
 def test_a_port_taken_every_time_fails_in_one_line(tmp_path, cache_dir, taken_port,
                                                    monkeypatch, capsys, in_process):
     calls = []
-    monkeypatch.setattr(launch, "free_port", lambda: calls.append(taken_port) or taken_port)
+    monkeypatch.setattr(elastic, "free_port", lambda: calls.append(taken_port) or taken_port)
     handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
     code = cli.main(["train", *tiny(cache_dir), *SMALL, "--steps", "2",
                      "--run-dir", str(tmp_path / "run")])
@@ -365,7 +366,7 @@ def test_a_port_taken_every_time_fails_in_one_line(tmp_path, cache_dir, taken_po
     assert code == 1, err
     line = one_error_line(err)
     assert str(taken_port) in line and "rendezvous" in line, line
-    assert len(calls) == launch.PORT_TRIES
+    assert len(calls) == elastic.PORT_TRIES
     assert {s: signal.getsignal(s) for s in handlers} == handlers  # left as they were
 
 
@@ -375,7 +376,7 @@ def test_a_taken_port_is_replaced(tmp_path, cache_dir, taken_port, monkeypatch, 
     from editrain.spawn import free_port
 
     ports = iter([taken_port])
-    monkeypatch.setattr(launch, "free_port", lambda: next(ports, None) or free_port())
+    monkeypatch.setattr(elastic, "free_port", lambda: next(ports, None) or free_port())
     run_dir = tmp_path / "run"
     code = cli.main(["train", *tiny(cache_dir), *SMALL, "--steps", "2", "--run-dir",
                      str(run_dir)])
@@ -398,27 +399,27 @@ def test_the_line_prefers_an_editrain_error_over_a_lost_peer(tmp_path):
              1: error_file(tmp_path / "rank1.error.json", "CheckpointError",
                            "step_2: cannot read\n  its data")}
     reported = (0, SimpleNamespace(exitcode=1))
-    e = launch._describe(reported, files, tmp_path)
+    e = elastic.describe_failure(reported, files, tmp_path)
     assert e.exit_code == 2
     assert str(e) == f"rank 1: step_2: cannot read its data (traceback: {files[1]})"
     (tmp_path / "rank1.log").write_text("Traceback ...")
-    assert f"(traceback: {tmp_path / 'rank1.log'})" in str(launch._describe(reported, files,
-                                                                           tmp_path))
+    assert f"(traceback: {tmp_path / 'rank1.log'})" in str(
+        elastic.describe_failure(reported, files, tmp_path))
 
 
 def test_the_line_of_a_crash_a_signal_and_an_unexpected_error(tmp_path):
     files = {0: tmp_path / "rank0.error.json", 1: tmp_path / "rank1.error.json"}
-    e = launch._describe((1, SimpleNamespace(exitcode=-9)), files, tmp_path)
+    e = elastic.describe_failure((1, SimpleNamespace(exitcode=-9)), files, tmp_path)
     assert e.exit_code == 1 and str(e).startswith("rank 1 was killed by SIGKILL"), e
-    e = launch._describe((0, SimpleNamespace(exitcode=17)), files, tmp_path)
+    e = elastic.describe_failure((0, SimpleNamespace(exitcode=17)), files, tmp_path)
     assert str(e).startswith("rank 0 exited with code 17"), e
     error_file(files[0], "ZeroDivisionError", "division by zero")
-    e = launch._describe((0, SimpleNamespace(exitcode=1)), files, tmp_path)
+    e = elastic.describe_failure((0, SimpleNamespace(exitcode=1)), files, tmp_path)
     assert e.exit_code == 1 and str(e).startswith("rank 0 failed: ZeroDivisionError: "), e
 
 
 def test_error_files_are_per_rank_and_never_stale(tmp_path):
-    specs = launch.RunLogs(tmp_path)
+    specs = elastic.RunLogs(tmp_path)
     (tmp_path / "rank1.error.json").write_text("{}")  # an earlier run's
     envs = {0: {"RANK": "0"}, 1: {"RANK": "1"}}
     dest = specs.reify(envs)

@@ -54,10 +54,10 @@ def test_metrics_and_rank_rows_are_strict_json(tmp_path):
 def test_fault_tolerant_summary_is_strict_json(tmp_path: Path):
     """``editrain train --ft``'s summary.json, here with no finished replica group (its
     final loss is NaN) and with one whose own summary holds a null loss."""
-    from editrain.launch import _summarise
+    from editrain.launch.ft import summarise_groups
 
     events = [{"event": "died", "replica": 0, "time_s": float("nan")}]
-    summary = _summarise(tmp_path, 2, events, float("inf"))
+    summary = summarise_groups(tmp_path, 2, events, float("inf"))
     text = (tmp_path / "summary.json").read_text()
     data = strict_loads(text)
     assert data["final_val_loss"] is None and data["wall_time_s"] is None
@@ -67,6 +67,6 @@ def test_fault_tolerant_summary_is_strict_json(tmp_path: Path):
     (tmp_path / "replica1").mkdir()
     (tmp_path / "replica1" / "summary.json").write_text(to_json(
         {"steps": 4, "tokens_processed": 8, "final_val_loss": float("nan")}))
-    _summarise(tmp_path, 2, [], 1.0)
+    summarise_groups(tmp_path, 2, [], 1.0)
     data = strict_loads((tmp_path / "summary.json").read_text())
     assert data["final_val_loss"] is None and data["steps"] == 4

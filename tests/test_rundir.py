@@ -20,7 +20,7 @@ from editrain import rundir
 from editrain.checkpoint import MARKER, list_checkpoints, resolve_resume, rotate
 from editrain.config import load_config
 from editrain.errors import RunDirError
-from editrain.launch import check_run_dir, prepare_run_dir
+from editrain.launch.run_dir import check_run_dir, prepare_run_dir
 from tests.test_cli import editrain, error_line, explain, tiny
 
 

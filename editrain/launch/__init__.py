@@ -1,0 +1,107 @@
+"""Starting a training job, stage after stage: inputs, run directory, data, workers, summary.
+
+
+1. :mod:`editrain.launch.job`: the inputs checked into a frozen :class:`Job` (world size,
+   run directory, threads); every later stage reads the job, nothing else.
+2. :mod:`editrain.launch.run_dir`: the run directory locked for the whole job and checked
+   before any work (a different run, another job's directory: refused), claimed (run
+   record, ``config.toml``) only once the data and checkpoint are known usable.
+3. :mod:`editrain.launch.data`: the corpus tokenised once, here, for every worker; the
+   checkpoint to resume checked against it.
+4. The workers: locally under torch's elastic launcher (:mod:`editrain.launch.elastic`,
+   restarts from torch), as ``--ft`` replica groups around a torchft lighthouse
+   (:mod:`editrain.launch.ft`), or, under torchrun, this process is one of them.
+5. The summary: the loss curves plotted (a ``--ft`` run's ``summary.json`` gathered from
+   its groups').
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+from editrain.config import Config
+from editrain.launch.data import prepare_job_data
+from editrain.launch.elastic import run_elastic, start_worker_server
+from editrain.launch.ft import run_ft
+from editrain.launch.job import Job, check_local, check_torchrun
+from editrain.launch.run_dir import RunDirClaim
+from editrain.spawn import stop_worker_server
+
+log = logging.getLogger("editrain")
+
+
+def run_local(cfg: Config) -> dict[str, Any]:
+    """``editrain train`` without torchrun: ``dist.nproc`` local workers under torch
+    elastic (restarts from torch), or with ``dist.fault_tolerance = torchft`` one process
+    tree per replica group around a lighthouse. Returns the run's summary."""
+    job = check_local(cfg)
+    with RunDirClaim(job) as run_dir:  # locked at once if editrain used it before
+        try:
+            run_dir.check()  # refused before anything is written
+            start_processes(job)
+            data = prepare_job_data(job)
+            run_dir.claim()
+            summary = start_workers(job, str(data.cache_dir))
+            summarise(job)
+            return summary
+        except BaseException:
+            # Refused input, a failed job or Ctrl-C: the fork server may still be importing
+            # torch, and would outlive this process by seconds (spawn.stop_worker_server).
+            stop_worker_server()
+            raise
+
+
+def run_under_torchrun(cfg: Config) -> dict[str, Any]:
+    """Join a torchrun job: rank 0 claims the run directory, every rank trains, rank 0
+    plots. Returns this rank's summary."""
+    from editrain.train import run_worker
+
+    job = check_torchrun(cfg)
+    with RunDirClaim(job) as run_dir:
+        run_dir.join()
+        summary = run_worker(job.cfg, str(job.run_dir))
+    if job.rank == 0:
+        summarise(job)
+    return summary
+
+
+def start_processes(job: Job) -> None:
+    """Before the data: each worker's threads in the environment the workers inherit, and
+    the server they are forked from started, so that it imports torch and editrain while
+    this process prepares the data (a ``--ft`` run starts it with its groups)."""
+    os.environ.setdefault("OMP_NUM_THREADS", str(job.threads))
+    if not job.ft:
+        start_worker_server()
+
+
+def start_workers(job: Job, data_entry: str) -> dict[str, Any]:
+    """Run the local workers (or the ``--ft`` replica groups) to the end; returns the
+    run's summary (rank 0's, or the groups' gathered).
+
+    Args:
+        job: the checked job, its run directory claimed.
+        data_entry: the token cache entry prepared for the workers.
+    """
+    if not job.cfg.quiet:
+        log.info("run directory: %s; %d local workers (%d threads each)", job.run_dir,
+                 job.world, job.threads)
+    if job.ft:
+        return run_ft(job, data_entry)
+    results = run_elastic(job.cfg, job.world, job.cfg.dist.max_restarts, data_entry)
+    return results.get(0, {}) if isinstance(results, dict) else {}
+
+
+def summarise(job: Job) -> None:
+    """Plot the run's loss curves: its own, or those of the ``--ft`` replica groups that
+    wrote metrics (each run's plot logged, unless quiet or under torchrun)."""
+    from editrain.metrics import plot_runs
+
+    runs = [job.run_dir]
+    if job.ft and not job.under_torchrun:
+        runs = [job.group_dir(r) for r in range(job.groups)]
+        runs = [p for p in runs if (p / "metrics.jsonl").exists()]
+    plots = plot_runs(runs) if runs else []
+    for path in plots if not (job.cfg.quiet or job.under_torchrun) else []:
+        log.info("plot: %s", path)

@@ -1,0 +1,241 @@
+"""The worker stage of ``editrain train --ft``: a lighthouse, one process tree per group.
+
+A torchft lighthouse runs here; a group that dies is started again while the others train
+on; the run's summary is gathered from every group's own.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import multiprocessing as mp
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from editrain import rundir
+from editrain.config import Config
+from editrain.launch.elastic import run_elastic, start_worker_server
+from editrain.launch.job import Job
+from editrain.rundir import logs_dir
+from editrain.safe_io import Obj, read_json, write_atomic
+from editrain.spawn import (
+    LOOPBACK,
+    USER_ERRORS,
+    Interrupted,
+    LaunchError,
+    children_start_with_sigint_blocked,
+    free_port,
+    one_line,
+)
+
+log = logging.getLogger("editrain")
+
+
+def run_group(cfg: Config, data_entry: str | None = None) -> dict:
+    """One replica group of a fault-tolerant run (``cfg.run_dir`` prepared): a torch
+    elastic job of ``pp_size x shard_size x tp_size`` workers, never restarted by torch (the
+    launcher restarts the whole group, which then heals from its peers). ``data_entry``:
+    the token cache entry the launcher prepared."""
+    results = run_elastic(cfg, cfg.dist.replica_size, 0, data_entry)
+    return results.get(0, {}) if isinstance(results, dict) else {}
+
+
+def _group_main(cfg: Config, replica: int, attempt: int, lighthouse: str,
+                data_entry: str | None = None) -> None:
+    """One replica group: a torch elastic job of ``pp_size x shard_size x tp_size`` local
+    workers, or with one worker that worker itself, in this process (one interpreter
+    start-up less: a restarted replica is back sooner).
+
+    The group dies with the launcher (also one killed with SIGKILL; its workers die with it
+    in turn); Ctrl-C or SIGTERM stop it in order and quietly (the launcher reports the
+    interrupt; exit code 128 + the signal's number). A failure is said in one line on
+    stderr and the process exits with 2 for an error editrain reports, 1 otherwise; the
+    tracebacks are in ``RUN_DIR/replica{replica}/logs/`` (see
+    :func:`editrain.rundir.logs_dir`).
+
+    Args:
+        cfg: the run's configuration (``run_dir`` prepared).
+        replica: this group's replica id.
+        attempt: how many times this group was started before.
+        lighthouse: the torchft lighthouse's address.
+        data_entry: the token cache entry the launcher prepared.
+    """
+    from editrain.fault import ATTEMPT_ENV
+    from editrain.spawn import die_with_parent, interrupts_raise
+    from editrain.sync.ft import LIGHTHOUSE_ENV, REPLICA_ENV
+    from editrain.train import run_worker
+
+    die_with_parent()
+    # Warnings as bare lines, whatever this process inherited.
+    logging.basicConfig(level=logging.WARNING, format="%(message)s", force=True)
+    os.environ[REPLICA_ENV] = str(replica)
+    os.environ[ATTEMPT_ENV] = str(attempt)
+    os.environ[LIGHTHOUSE_ENV] = lighthouse
+    os.environ.setdefault("RUST_LOG", "warn")  # torchft's servers log every quorum at info
+    try:
+        interrupts_raise()  # inside the try: a Ctrl-C held back while starting comes now
+        if cfg.dist.replica_size > 1:
+            run_group(cfg, data_entry)
+            return
+        os.environ.update(MASTER_ADDR=LOOPBACK, MASTER_PORT=str(free_port()), RANK="0",
+                          WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
+        run_worker(cfg, cfg.run_dir, data_entry)
+        return
+    except Interrupted as e:
+        sys.exit(e.exit_code)
+    except LaunchError as e:
+        line, code = str(e), e.exit_code
+    except Exception as e:  # the group's one worker ran here; run_worker logged the traceback
+        name = type(e).__name__
+        what = str(e) if name in USER_ERRORS else f"{name}: {e}"
+        line = (f"rank 0: {one_line(what)} (traceback: "
+                f"{logs_dir(cfg, cfg.run_dir) / 'rank0.log'})")
+        code = 2 if name in USER_ERRORS else 1
+    print(f"editrain: replica group {replica} failed: {line}", file=sys.stderr, flush=True)
+    sys.exit(code)
+
+
+def run_ft(job: Job, data_entry: str | None = None) -> dict[str, Any]:
+    """``editrain train --ft``: a lighthouse here, one process tree per replica group, a
+    group that dies started again (after ``sim.fail_restart_s``) as long as the others
+    still train. Returns the run's summary (also written to ``summary.json``).
+
+    A group says why it failed in one line (see :func:`_group_main`). On Ctrl-C or SIGTERM
+    here (``KeyboardInterrupt`` / :class:`editrain.spawn.Interrupted`), or any error, the
+    groups still running are stopped on the way out: SIGTERM, SIGKILL after 10 s (a
+    group's workers die with their group).
+
+    Args:
+        job: the checked job (its run directory claimed).
+        data_entry: the token cache entry prepared for the run, handed to every group.
+
+    Raises:
+        LaunchError: every replica group failed.
+    """
+    from editrain.sync.ft import start_lighthouse
+
+    cfg, run_dir, d = job.cfg, job.run_dir, job.cfg.dist
+    replicas = job.groups
+    lighthouse = None
+    address = d.ft_lighthouse
+    if not address:
+        lighthouse = start_lighthouse(d.ft_min_replicas, d.ft_join_timeout_s,
+                                      d.ft_heartbeat_timeout_s,
+                                      tick_s=d.ft_heartbeat_interval_s)
+        address = lighthouse.address()
+    cfg = dataclasses.replace(cfg, dist=dataclasses.replace(d, ft_replicas=replicas,
+                                                            fault_tolerance="torchft"))
+    # The groups start as the workers of a local job do: forked from the server that has
+    # imported torch (a restarted group is back sooner), or spawned as EDITRAIN_START_METHOD
+    # says; never forked from this process, which runs the lighthouse.
+    ctx = mp.get_context(start_worker_server())
+    procs: dict[int, Any] = {}
+    attempts = dict.fromkeys(range(replicas), 0)
+    events: list[dict[str, Any]] = []
+    t0 = time.perf_counter()
+
+    def start(r: int) -> None:
+        procs[r] = ctx.Process(target=_group_main,
+                               args=(cfg, r, attempts[r], address, data_entry),
+                               name=f"editrain-replica{r}")
+        with children_start_with_sigint_blocked():  # no traceback on a Ctrl-C while it boots
+            procs[r].start()
+        events.append({"event": "start", "replica": r, "attempt": attempts[r],
+                       "time_s": time.perf_counter() - t0, "unix_time": time.time()})
+
+    try:
+        for r in range(replicas):
+            start(r)
+        finished_at: float | None = None
+        while any(p.is_alive() for p in procs.values()):
+            # A restarted group that has not rejoined when every other group is done never
+            # will (there is nobody left to heal from): stop it after a grace period.
+            done = [s for s, p in procs.items() if not p.is_alive() and p.exitcode == 0]
+            late = [s for s, p in procs.items() if p.is_alive() and attempts[s] > 0]
+            if done and len(done) + len(late) == len(procs) and late:
+                finished_at = finished_at or time.perf_counter()
+                if time.perf_counter() - finished_at > d.ft_heartbeat_timeout_s + 5:
+                    for s in late:
+                        if not (run_dir / f"replica{s}" / "summary.json").exists():
+                            log.warning("replica group %d restarted too late: the others "
+                                        "finished before it could rejoin; stopping it", s)
+                            procs[s].kill()
+                            procs[s].join()
+                            events.append({"event": "stopped_late", "replica": s,
+                                           "attempt": attempts[s],
+                                           "time_s": time.perf_counter() - t0})
+                            procs.pop(s)
+                    continue
+            for r, p in list(procs.items()):
+                if p.is_alive() or p.exitcode == 0 or p.exitcode is None:
+                    continue
+                events.append({"event": "died", "replica": r, "attempt": attempts[r],
+                               "exit_code": p.exitcode, "time_s": time.perf_counter() - t0,
+                               "unix_time": time.time()})
+                others = [q for s, q in procs.items() if s != r and q.is_alive()]
+                if not others or attempts[r] >= max(1, d.max_restarts):
+                    log.warning("replica group %d died (exit code %s); not restarted",
+                                r, p.exitcode)
+                    procs.pop(r)
+                    continue
+                log.warning("replica group %d died (exit code %s); restarting it in %.1f s "
+                            "while the others train on", r, p.exitcode, cfg.sim.fail_restart_s)
+                time.sleep(cfg.sim.fail_restart_s)
+                attempts[r] += 1
+                start(r)
+            time.sleep(0.1)
+    finally:
+        # Interrupted or failed: the groups still alive stop in order (their workers with
+        # them) within a few seconds, else they are killed (their workers die with them).
+        for p in procs.values():
+            if p.is_alive():
+                p.terminate()
+        deadline = time.monotonic() + 10
+        for p in procs.values():
+            p.join(max(0.0, deadline - time.monotonic()))
+            if p.is_alive():
+                p.kill()
+        if lighthouse is not None:
+            lighthouse.shutdown()
+    summary = summarise_groups(run_dir, replicas, events, time.perf_counter() - t0)
+    if not summary["finished_replicas"]:
+        codes = [e["exit_code"] for e in events if e["event"] == "died"]
+        raise LaunchError("every replica group failed (each one's reason is above; the "
+                          f"tracebacks are in {run_dir}/replica*/logs/); nothing finished",
+                          2 if codes and all(c == 2 for c in codes) else 1)
+    return summary
+
+
+SUMMARY_MAX_BYTES = 16 << 20
+"""The largest replica group's ``summary.json`` read back (a few kilobytes are written)."""
+
+
+def summarise_groups(run_dir: Path, replicas: int, events: list[dict[str, Any]],
+                     wall_s: float) -> dict[str, Any]:
+    """The run's summary from every replica group's own ``summary.json`` (also written to
+    ``RUN_DIR/summary.json``)."""
+    groups = {}
+    for r in range(replicas):
+        path = run_dir / f"replica{r}" / "summary.json"
+        if os.path.lexists(path):
+            groups[r] = read_json(path, max_bytes=SUMMARY_MAX_BYTES, schema=Obj(),
+                                  error=rundir.RunDirError, what="replica group's summary")
+    finished = [g for g in groups.values()]
+    summary = {
+        "fault_tolerance": "torchft",
+        "replicas": replicas,
+        "finished_replicas": len(finished),
+        "wall_time_s": wall_s,
+        "tokens_processed": sum(g.get("tokens_processed", 0) for g in finished),
+        "final_val_loss": finished[0]["final_val_loss"] if finished else float("nan"),
+        "steps": max((g["steps"] for g in finished), default=0),
+        "events": events,
+        "per_replica": groups,
+    }
+    from editrain.metrics import to_json  # strict JSON: a NaN loss is written null
+
+    write_atomic(run_dir / "summary.json", to_json(summary, indent=1), root=run_dir)
+    return summary
