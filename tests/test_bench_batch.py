@@ -47,6 +47,14 @@ def test_best_lr_skips_failed_runs():
     assert batch.best_lr({0.003: None, 0.006: None}) == 0.003
 
 
+def test_grid_extends_beyond_the_edge_where_the_best_is():
+    assert batch.next_lr({0.003: 5.0, 0.006: 5.1}) == 0.0015
+    assert batch.next_lr({0.012: 6.2, 0.024: 6.1}) == 0.048
+    assert batch.next_lr({0.0015: 5.2, 0.003: 5.0, 0.006: 5.1}) is None  # inside
+    assert batch.next_lr({0.003: None, 0.006: None}) is None
+    assert batch.next_lr({0.003: 5.0}) is None  # a one-point grid has no edge to pass
+
+
 def _row(tokens=2048):
     grid = {"sync": {0.006: 5.0, 0.012: 4.8}, batch.RECIPE: {0.006: 5.3, 0.012: 5.2}}
     return batch.batch_row("tiny", tokens, 8192 * 32, grid, [4.8, 5.0, 4.6],
@@ -87,6 +95,8 @@ def test_table_and_findings_from_rows():
     found = batch.findings([small, large])
     assert any("the gap shrinks from +3.5% to -1.0% as the batch grows 16x" in f
                for f in found)
+    assert "tiny: at equal tokens sync itself ends at 4.800 (512 tokens per step, 512 steps)" \
+        ", 4.800 (8,192 tokens per step, 32 steps)" in "".join(found)
     assert found[-1] == "tiny: the recipe is within 2% of sync (or better) at 8,192 tokens " \
                         "per replica per step."
     grid = batch.grid_table([small])

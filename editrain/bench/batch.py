@@ -12,7 +12,8 @@ the same tokens. H stays 20 *steps* at every batch (so H in tokens, and the toke
 syncs, grow with the batch: fewer syncs for the same tokens); H in tokens is reported.
 
 Each method's inner learning rate is tuned per batch on a short grid with the same budget
-for both (``LR_FACTORS`` times the square-root-scaled default, seed 0), and seeds 1.. run
+for both (``LR_FACTORS`` times the square-root-scaled default, seed 0; where the best is at
+an edge of the grid, one more point beyond it, ``EXTEND`` times), and seeds 1.. run
 at each method's best rate; every seed is paired (same initial model and data order for
 both methods). The record is written after each phase (the grid, then each further seed),
 so a cut-short invocation leaves a usable partial study (``--reuse`` resumes it).
@@ -49,6 +50,10 @@ BASE_LR = 3e-3
 LR_FACTORS = (1.0, 2.0)
 """The grid: these times ``BASE_LR * sqrt(tokens / BASE_TOKENS)`` (Adam's square-root
 rule), the same for both methods."""
+EXTEND = 1
+"""Points added beyond the grid's edge, one at a time, while a method's best rate is at an
+edge (half the lowest, twice the highest): the same rule for both methods, so that neither
+is compared at a rate the grid cut off."""
 WITHIN = 0.02
 """The gap (relative to sync's loss) under which the recipe counts as matching sync."""
 BATCH_SHAPES = ("tiny", "blocks")
@@ -108,8 +113,10 @@ def run(bench: Bench) -> dict[str, Any]:
                 for lr in grid_lrs(tokens):
                     bench.check(*run_layers(shape, method, 0, tokens, per_run, seq, lr))
     bench.plan(len(shapes) * len(batches) * len(METHODS) * (len(LR_FACTORS) + seeds - 1))
+    # (the plan leaves out the points EXTEND may add)
     settings = {"tokens_per_replica_per_run": per_run, "seq_len": seq, "batches": list(batches),
                 "seeds": seeds, "shapes": shapes, "lr_factors": list(LR_FACTORS),
+                "lr_extend": EXTEND,
                 "base_lr": BASE_LR, "recipe_interval_steps": RECIPE_H[RECIPE]}
     # grid[shape, tokens, method][lr] = seed 0's loss; losses[shape, tokens, method] = per seed
     grid: dict[tuple[str, int, str], dict[float, float | None]] = {}
@@ -129,8 +136,13 @@ def run(bench: Bench) -> dict[str, Any]:
     for shape in shapes:  # smallest shape first: a cut-short study has it whole
         for tokens in batches:
             for method in METHODS:
-                grid[shape, tokens, method] = {lr: train(shape, method, 0, tokens, lr)
-                                               for lr in grid_lrs(tokens)}
+                g = {lr: train(shape, method, 0, tokens, lr) for lr in grid_lrs(tokens)}
+                for _ in range(EXTEND):
+                    beyond = next_lr(g)
+                    if beyond is None:
+                        break
+                    g[beyond] = train(shape, method, 0, tokens, beyond)
+                grid[shape, tokens, method] = dict(sorted(g.items()))
                 losses[shape, tokens, method] = [grid[shape, tokens, method][
                     best_lr(grid[shape, tokens, method])]]
         record = _write(bench, settings, shapes, batches, per_run, grid, losses, info, 1)
@@ -142,6 +154,19 @@ def run(bench: Bench) -> dict[str, Any]:
             record = _write(bench, settings, shapes, batches, per_run, grid, losses, info,
                             seed + 1)
     return record
+
+
+def next_lr(losses_by_lr: dict[float, float | None]) -> float | None:
+    """The rate beyond the grid's edge where the best rate is (half the lowest, twice the
+    highest), or None when the best is inside the grid or nothing finished."""
+    if not any(v is not None for v in losses_by_lr.values()) or len(losses_by_lr) < 2:
+        return None
+    best = best_lr(losses_by_lr)
+    if best == min(losses_by_lr):
+        return float(f"{best / 2:.3g}")
+    if best == max(losses_by_lr):
+        return float(f"{best * 2:.3g}")
+    return None
 
 
 def best_lr(losses_by_lr: dict[float, float | None]) -> float:
@@ -221,6 +246,10 @@ def findings(rows: list[dict[str, Any]]) -> list[str]:
                        f"{last['tokens_per_step'] // first['tokens_per_step']}x at equal tokens "
                        f"(H = {first['h_steps']} steps: {first['syncs'][RECIPE]} -> "
                        f"{last['syncs'][RECIPE]} syncs).")
+            out.append(f"{shape}: at equal tokens sync itself ends at " + ", ".join(
+                f"{r['sync']['mean']:.3f} ({r['tokens_per_step']:,} tokens per step, "
+                f"{r['steps']} steps)" for r in done) + ": a batch's gap is measured at the "
+                "loss its own steps reach.")
         within = [r for r in done if r["relative_gap"] <= WITHIN]
         out.append(f"{shape}: the recipe is within {WITHIN:.0%} of sync (or better) at "
                    + ", ".join(f"{r['tokens_per_step']:,}" for r in within)
@@ -249,7 +278,9 @@ def _write(bench: Bench, settings: dict[str, Any], shapes: list[str], batches: t
         "cosine decay as train's default.",
         f"Learning rates: each method's best of {len(LR_FACTORS)} ("
         + ", ".join(f"{f:g}" for f in LR_FACTORS) + f" x {BASE_LR:g} x sqrt(tokens / "
-        f"{BASE_TOKENS})) on seed 0, the same grid for both; the other seeds at that rate. "
+        f"{BASE_TOKENS})) on seed 0, the same grid for both, with {EXTEND} more point beyond "
+        "the edge (half the lowest or twice the highest) where the best was at an edge; the "
+        "other seeds at the chosen rate. "
         "Seed 0 chose the rates, so its gap is the least independent.",
         f"Seeds: {seeds_done} of {settings['seeds']} finished for the last shape begun; "
         "paired (the same seed gives both methods the same initial model and data order); "
