@@ -50,7 +50,7 @@ import numpy as np
 from editrain.safe_io import Obj, read_json
 
 from .overlap import window_overlap
-from .pretokenized import copy_checked, open_tokens, tail_split
+from .pretokenized import copy_checked, open_tokens, row_ids, tail_split, write_checked
 from .progress import BuildProgress
 from .sources import (
     Document,
@@ -59,6 +59,7 @@ from .sources import (
     resolve_sources,
     source_fingerprint,
     source_size,
+    token_row_batches,
 )
 from .split import MAX_VAL_SHARE, NEAR_DUP_JACCARD, SplitPlan, describe_document, plan_split
 from .tokenizer import (
@@ -820,17 +821,38 @@ def _source_list(spec) -> list[str]:
     return [os.fspath(s) for s in ([spec] if isinstance(spec, (str, os.PathLike)) else spec)]
 
 
-def _build_token_entry(entry: Path, path: Path, source_spec, tokenizer_path: str,
-                       split: dict, eos_token: str | None, key: str) -> None:
+def _build_token_entry(entry: Path, ref, source_spec, tokenizer_path: str,
+                       split: dict, eos_token: str | None, eos_policy: str, key: str) -> None:
     """A cache entry from a pre-tokenised corpus (:mod:`editrain.data.pretokenized`): its
     ids copied (as this tokenizer's dtype) and checked against the tokenizer's vocabulary;
-    a single file's last tokens held out, a nanoGPT directory's splits kept."""
+    a single file's (or a table's rows') last tokens held out, a nanoGPT directory's splits
+    kept."""
     t0 = time.monotonic()
     entry.mkdir(parents=True)
     tok = load_tokenizer(tokenizer_path)
     vsize = tokenizer_vocab_size(tok)
     dtype = token_dtype(vsize)
-    if path.is_dir():
+    path = ref.path
+    if ref.kind == "token_rows":
+        # The rows streamed once into one flat file (ids checked on the way), then split
+        # like a flat file: memory holds one batch of rows.
+        flat = entry / f"rows.bin.tmp.{os.getpid()}"
+        with open(flat, "wb") as out:
+            for rows in token_row_batches(ref):
+                write_checked(row_ids(rows, eos_id(tok, eos_token), eos_policy), out, dtype,
+                              vsize, ref.label)
+        size = flat.stat().st_size // dtype.itemsize
+        if size < 2:
+            flat.unlink()
+            raise ValueError(f"data.path: {ref.label} holds {size} token id(s) in column "
+                             f"{ref.text_field!r}: too few to split into training and "
+                             f"validation")
+        ids = np.memmap(flat, dtype=dtype, mode="r", shape=(size,))
+        n_val = tail_split(size, split["val_fraction"], split["val_tokens"], MAX_VAL_SHARE)
+        sources = {"train": ids[:size - n_val], "val": ids[size - n_val:]}
+        names = {"train": ref.label, "val": ref.label}
+        mode = "tail"
+    elif path.is_dir():
         sources = {s: open_tokens(path / f"{s}.bin") for s in ("train", "val")}
         names = {s: path / f"{s}.bin" for s in ("train", "val")}
         mode = "given"
@@ -843,6 +865,9 @@ def _build_token_entry(entry: Path, path: Path, source_spec, tokenizer_path: str
         mode = "tail"
     counts = {s: copy_checked(sources[s], entry / f"{s}.bin", dtype, vsize, names[s])
               for s in ("train", "val")}
+    if ref.kind == "token_rows":
+        del ids, sources
+        flat.unlink()
     _atomic_write_bytes(entry / "tokenizer.json",
                         Path(tokenizer_path).expanduser().read_bytes())
     _atomic_write_bytes(entry / VAL_DOCUMENTS_FILE, b"[]")
@@ -855,7 +880,7 @@ def _build_token_entry(entry: Path, path: Path, source_spec, tokenizer_path: str
         "pretokenized": True, "max_bytes": None, "val_fraction": float(split["val_fraction"]),
         "requested_val_tokens": int(split["val_tokens"]), "split_seed": int(split["seed"]),
         "tokenizer": "user", "tokenizer_trained_on": None, "requested_vocab_size": vsize,
-        "vocab_size": vsize, "eos_id": eos_id(tok, eos_token), "eos": "stored",
+        "vocab_size": vsize, "eos_id": eos_id(tok, eos_token), "eos": eos_policy,
         "dtype": dtype.name, "documents": None, "split": mode, "groups": None,
         "near_duplicate_merges": 0, "val_documents": None, "train_tokens": counts["train"],
         "val_tokens": counts["val"], f"val_train_overlap_{OVERLAP_WINDOW}": round(overlap, 6),
@@ -976,14 +1001,17 @@ def prepare_tokens(
     if tokenizer_path is not None:
         tokenizer_path = os.fspath(tokenizer_path)
     refs = resolve_sources(source, text_field)
-    pretokenized = refs[0].kind == "tokens"
+    pretokenized = refs[0].kind in ("tokens", "token_rows")
     if pretokenized:
         if tokenizer_path is None:
             raise ValueError(f"data.tokenizer: the pre-tokenised corpus {refs[0].label!r} needs "
                              f"the tokenizer.json its ids come from (its vocabulary and EOS "
                              f"id); set data.tokenizer")
-        # Nothing is read as text: the cap and the separator policy do not apply.
-        max_bytes, text_field, eos = None, "", "stored"
+        # Nothing is read as text: the cap does not apply, nor the separator policy to
+        # ids stored flat (rows of ids are documents: separated as data.eos says).
+        max_bytes = None
+        if refs[0].kind == "tokens":
+            text_field, eos = "", "stored"
     if tokenizer_path is not None:
         # Loading validates the file (and the EOS token) before any waiting or
         # building, so a bad path fails fast on every rank.
@@ -1022,8 +1050,8 @@ def prepare_tokens(
             staging = _staging_dir(root, key)
             try:
                 if pretokenized:
-                    _build_token_entry(staging, refs[0].path, source, tokenizer_path, split,
-                                       eos_token, key)
+                    _build_token_entry(staging, refs[0], source, tokenizer_path, split,
+                                       eos_token, eos, key)
                 else:
                     with BuildProgress(progress,
                                        expected_chars=source_size(refs, max_bytes)) as bar:

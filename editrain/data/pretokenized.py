@@ -6,7 +6,11 @@ Three forms are accepted as ``data.path`` (alone, not in a list with text source
   dtype=np.uint16).tofile(path)`` writes): its last tokens become the validation split;
 - a ``.npy`` file holding a 1-D integer array (any integer dtype; the header says which):
   split the same way;
-- a directory holding nanoGPT's ``train.bin`` and ``val.bin``: the splits as given.
+- a directory holding nanoGPT's ``train.bin`` and ``val.bin``: the splits as given;
+- a ``.parquet`` file or a ``save_to_disk`` dataset directory read with
+  ``data.text_field=input_ids``: each row's list of ids is a document, separated as
+  ``data.eos`` says, read one batch of rows at a time; its last tokens are held out as for
+  a flat file (``pyarrow``, or ``datasets`` for a directory, installed by the extras).
 
 The ids must come from ``data.tokenizer`` (required: it gives the vocabulary, the EOS id and
 the tokenizer saved with the run) and lie in ``[0, vocabulary size)``. The form (size a
@@ -20,8 +24,10 @@ from pathlib import Path
 
 import numpy as np
 
+from .optional import require
+
 __all__ = ["BIN_DTYPE", "NANOGPT_SPLITS", "TOKEN_SUFFIXES", "copy_checked", "is_token_dir",
-           "open_tokens", "tail_split", "token_files"]
+           "open_tokens", "row_ids", "tail_split", "token_files", "write_checked"]
 
 BIN_DTYPE = np.dtype(np.uint16)
 """dtype of a ``.bin`` file (nanoGPT writes ``uint16``)."""
@@ -88,6 +94,21 @@ def tail_split(n: int, val_fraction: float, val_tokens: int, max_share: float) -
     return int(min(max(1, min(want, int(max_share * n))), n - 1))
 
 
+def row_ids(rows, eos: int, policy: str) -> np.ndarray:
+    """The ids of a batch of pre-tokenised rows (a pyarrow list array, one document a row)
+    as one flat ``int64`` array, ``eos`` placed as ``policy`` says (``"append"``: after
+    every row, ``"prepend"``: before it, ``"none"``). Null and empty rows are left out, as
+    empty texts are. Vectorised: no Python runs per row or per id."""
+    pc = require("pyarrow.compute", "parquet", "reading pre-tokenised rows")
+    lengths = pc.fill_null(pc.list_value_length(rows), 0).to_numpy(zero_copy_only=False)
+    values = pc.list_flatten(rows).to_numpy(zero_copy_only=False).astype(np.int64, copy=False)
+    lengths = lengths[lengths > 0]  # list_flatten has no ids of null or empty rows either
+    if policy == "none" or len(lengths) == 0:
+        return values
+    ends = np.cumsum(lengths)
+    return np.insert(values, ends if policy == "append" else ends - lengths, eos)
+
+
 def copy_checked(src: np.ndarray, out_path: Path, dtype: np.dtype, vocab_size: int,
                  name: Path) -> int:
     """Write ``src`` (ids) into ``out_path`` as ``dtype``, in chunks, checking that every
@@ -98,12 +119,25 @@ def copy_checked(src: np.ndarray, out_path: Path, dtype: np.dtype, vocab_size: i
     """
     with open(out_path, "wb") as out:
         for start in range(0, len(src), _COPY_CHUNK):
-            chunk = np.asarray(src[start:start + _COPY_CHUNK])
-            low, high = int(chunk.min()), int(chunk.max())
-            if low < 0 or high >= vocab_size:
-                bad = low if low < 0 else high
-                raise ValueError(f"data.path: {str(name)!r} holds token id {bad}, outside the "
-                                 f"tokenizer's vocabulary [0, {vocab_size}) (data.tokenizer: "
-                                 f"the ids must come from it)")
-            chunk.astype(dtype, copy=False).tofile(out)
+            write_checked(np.asarray(src[start:start + _COPY_CHUNK]), out, dtype, vocab_size,
+                          name)
     return len(src)
+
+
+def write_checked(chunk: np.ndarray, out, dtype: np.dtype, vocab_size: int,
+                  name: Path | str) -> None:
+    """Append the ids ``chunk`` to the open file ``out`` as ``dtype`` after checking that
+    they lie in ``[0, vocab_size)``.
+
+    Raises:
+        ValueError: naming ``data.path``, the source ``name`` and the id out of range.
+    """
+    if not len(chunk):
+        return
+    low, high = int(chunk.min()), int(chunk.max())
+    if low < 0 or high >= vocab_size:
+        bad = low if low < 0 else high
+        raise ValueError(f"data.path: {str(name)!r} holds token id {bad}, outside the "
+                         f"tokenizer's vocabulary [0, {vocab_size}) (data.tokenizer: "
+                         f"the ids must come from it)")
+    chunk.astype(dtype, copy=False).tofile(out)

@@ -112,7 +112,12 @@ _STDLIB_SKIP_DIRS = frozenset(
      "pydoc_data"}
 )
 
-_KINDS = ("default", "text", "dir", "jsonl", "json", "parquet", "hf", "hf_disk", "tokens")
+_KINDS = ("default", "text", "dir", "jsonl", "json", "parquet", "hf", "hf_disk", "tokens",
+          "token_rows")
+TOKEN_COLUMN = "input_ids"
+"""``data.text_field`` value that reads a ``.parquet`` file or a ``save_to_disk`` directory
+as a pre-tokenised corpus: each row's list of token ids (the column Hugging Face tokenizers
+write) is a document."""
 # Kinds whose documents are the rows of a table or the records of a file.
 _ROW_KINDS = ("jsonl", "json", "parquet", "hf", "hf_disk")
 _GLOB_CHARS = frozenset("*?[")
@@ -337,7 +342,8 @@ def _classify(entry: str, text_field: str) -> SourceRef:
     saved = saved_dataset_kind(path) if path.is_dir() else None
     if saved is not None:
         require_datasets(load=False)
-        return SourceRef("hf_disk", path, text_field, split=check_saved_split(path, saved, split))
+        return SourceRef("token_rows" if text_field == TOKEN_COLUMN else "hf_disk", path,
+                         text_field, split=check_saved_split(path, saved, split))
     if split is not None or not path.exists():
         hint = " ('@SPLIT' only follows a save_to_disk directory)" if split is not None else ""
         raise FileNotFoundError(f"data.path: {str(full)!r} does not exist{hint}")
@@ -362,7 +368,8 @@ def _classify(entry: str, text_field: str) -> SourceRef:
     if suffix == ".parquet":
         # Fail while checking the options rather than in the middle of tokenisation.
         _require_pyarrow(load=False)
-        return SourceRef("parquet", path, text_field)
+        return SourceRef("token_rows" if text_field == TOKEN_COLUMN else "parquet", path,
+                         text_field)
     raise ValueError(f"data.path: {str(path)!r} is not a supported source (extension "
                      f"{suffix or 'none'}); supported: {'; '.join(SUPPORTED_SOURCES)}")
 
@@ -398,7 +405,7 @@ def parse_sources(spec: str | Iterable[str], text_field: str = "text") -> list[S
                          f"(.jsonl/.json) or column (.parquet, Hugging Face datasets) that "
                          f"holds the text, got {text_field!r}")
     refs = list(dict.fromkeys(_classify(entry, text_field) for entry in _expand(spec)))
-    tokens = [r for r in refs if r.kind == "tokens"]
+    tokens = [r for r in refs if r.kind in ("tokens", "token_rows")]
     if tokens and len(refs) > 1:
         raise ValueError(f"data.path: the pre-tokenised corpus {tokens[0].label!r} must be the "
                          f"only entry (its ids cannot be mixed with text or another token "
@@ -428,6 +435,12 @@ def resolve_sources(spec: str | Iterable[str], text_field: str = "text") -> list
     """
     refs = parse_sources(spec, text_field)
     for ref in refs:
+        if ref.kind == "token_rows":
+            batches = token_row_batches(ref)
+            try:
+                next(batches, None)  # the column's presence and type
+            finally:
+                batches.close()
         if ref.kind in _ROW_KINDS:
             rows = _rows(ref)
             try:
@@ -503,6 +516,42 @@ def _parquet_rows(path: Path, field: str) -> Iterator[tuple[int, object]]:
             row += 1
             if text is not None:
                 yield row, text
+
+
+def token_row_batches(ref: SourceRef) -> Iterator:
+    """The ``input_ids`` column of a ``token_rows`` source (a ``.parquet`` file or a
+    ``save_to_disk`` directory) as pyarrow list arrays of ``_ROW_BATCH`` rows: only that
+    column is read, a batch at a time, so memory is bounded at any size.
+
+    Raises:
+        ValueError: naming ``data.text_field`` and the source: no such column, or one that
+            does not hold lists of integers.
+    """
+    if ref.path.is_dir():
+        ds = load_hf(ref.label, split=ref.split, saved=ref.path)
+        names = list(ds.features)
+        batches = (t.column(0) for t in ds.select_columns(
+            [ref.text_field]).with_format("arrow").iter(batch_size=_ROW_BATCH)) \
+            if ref.text_field in names else None
+        schema_type = (ds.data.schema.field(ref.text_field).type
+                       if ref.text_field in names else None)
+    else:
+        pf = _require_pyarrow().ParquetFile(ref.path)
+        names = pf.schema_arrow.names
+        batches = (b.column(0) for b in pf.iter_batches(batch_size=_ROW_BATCH,
+                                                         columns=[ref.text_field])) \
+            if ref.text_field in names else None
+        schema_type = (pf.schema_arrow.field(ref.text_field).type
+                       if ref.text_field in names else None)
+    if batches is None:
+        raise ValueError(f"data.text_field: {ref.label} has no column {ref.text_field!r} (a "
+                         f"pre-tokenised dataset's token ids); its columns: "
+                         f"{', '.join(names) or 'none'}")
+    item = getattr(schema_type, "value_type", None)
+    if item is None or not (str(item).startswith("int") or str(item).startswith("uint")):
+        raise ValueError(f"data.text_field: column {ref.text_field!r} of {ref.label} holds "
+                         f"{schema_type}, not lists of integer token ids")
+    yield from batches
 
 
 def _open_dataset(ref: SourceRef):
@@ -680,6 +729,9 @@ def source_fingerprint(refs: list[SourceRef], max_bytes: int | None = None) -> s
         elif ref.kind == "hf_disk":
             parts.append(["hf_disk", ref.label, ref.text_field,
                           _tree_entries(saved_split_dir(ref.path, ref.split), None)])
+        elif ref.kind == "token_rows" and ref.path.is_dir():
+            parts.append(["token_rows", ref.label, _tree_entries(
+                saved_split_dir(ref.path, ref.split), None)])
         elif ref.kind == "tokens":
             parts.append(["tokens", str(ref.path),
                           [_file_entry(p, p.name) for p in token_files(ref.path)]])
