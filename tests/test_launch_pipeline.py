@@ -127,3 +127,72 @@ def test_the_summary_plots_the_run_or_the_groups_that_wrote_metrics(tmp_path, mo
     (run_dir / "replica2" / "metrics.jsonl").write_text("")
     summarise(Job(ft, run_dir, 6))  # 3 groups of 2: only group 2 wrote metrics
     assert plotted == [[run_dir], [run_dir / "replica2"]]
+
+
+class FakeGroup:
+    """A replica group's process as :class:`editrain.launch.ft.ReplicaGroups` sees it."""
+
+    def __init__(self, exitcode: int | None) -> None:
+        self.exitcode = exitcode  # None: still running
+        self.killed = False
+
+    def is_alive(self) -> bool:
+        return self.exitcode is None
+
+    def kill(self) -> None:
+        self.killed, self.exitcode = True, -9
+
+    def join(self, timeout: float | None = None) -> None:
+        pass
+
+
+@pytest.fixture
+def groups(tmp_path, monkeypatch):
+    """Three replica groups of a --ft job, not started: their processes are set by hand."""
+    from editrain.launch import ft
+
+    monkeypatch.setenv("EDITRAIN_START_METHOD", "spawn")  # no fork server for this
+    run_dir = tmp_path / "run"
+    cfg = load_config(None, {"run_dir": str(run_dir), "dist": {
+        "fault_tolerance": "torchft", "nproc": 3, "shard_size": 1, "max_restarts": 1},
+        "sim": {"fail_restart_s": 0.0}})
+    g = ft.ReplicaGroups(Job(cfg, run_dir, 3), "lighthouse:1", None)
+    started = []
+    monkeypatch.setattr(g, "start", lambda r: started.append(r) or g.procs.__setitem__(
+        r, FakeGroup(None)))
+    g.started = started
+    return g
+
+
+def test_a_dead_group_restarts_while_another_trains_and_only_once(groups):
+    groups.procs = {0: FakeGroup(None), 1: FakeGroup(1), 2: FakeGroup(0)}
+    groups.restart_dead()
+    assert groups.started == [1] and groups.attempts == {0: 0, 1: 1, 2: 0}
+    assert [(e["event"], e["replica"], e["exit_code"]) for e in groups.events] == [
+        ("died", 1, 1)]
+    assert groups.cfg.dist.ft_replicas == 3  # every group knows how many there are
+    groups.procs[1] = FakeGroup(1)  # dies again: dist.max_restarts = 1 is spent
+    groups.restart_dead()
+    assert groups.started == [1] and 1 not in groups.procs
+
+
+def test_a_dead_group_with_nobody_left_to_heal_from_is_given_up(groups):
+    groups.procs = {0: FakeGroup(2), 1: FakeGroup(0)}
+    groups.restart_dead()
+    assert groups.started == [] and list(groups.procs) == [1]
+
+
+def test_a_restarted_group_that_cannot_rejoin_is_stopped_after_the_grace(groups):
+    groups.procs = {0: FakeGroup(0), 1: FakeGroup(None), 2: FakeGroup(None)}
+    groups.attempts.update({1: 1, 2: 1})
+    (groups.job.group_dir(2)).mkdir(parents=True)
+    (groups.job.group_dir(2) / "summary.json").write_text("{}")  # done, still exiting
+    assert groups.stop_late()  # every group done or late: the grace starts
+    assert not groups.events
+    groups.finished_at -= groups.cfg.dist.ft_heartbeat_timeout_s + 6  # the grace is over
+    assert groups.stop_late()
+    assert [(e["event"], e["replica"]) for e in groups.events] == [("stopped_late", 1)]
+    assert list(groups.procs) == [0, 2]
+    groups.procs = {0: FakeGroup(0), 1: FakeGroup(None)}
+    groups.attempts[1] = 0  # a first attempt still trains: no grace, nothing stopped
+    assert not groups.stop_late()

@@ -117,8 +117,7 @@ def run_ft(job: Job, data_entry: str | None = None) -> dict[str, Any]:
     """
     from editrain.sync.ft import start_lighthouse
 
-    cfg, run_dir, d = job.cfg, job.run_dir, job.cfg.dist
-    replicas = job.groups
+    d = job.cfg.dist
     lighthouse = None
     address = d.ft_lighthouse
     if not address:
@@ -126,87 +125,135 @@ def run_ft(job: Job, data_entry: str | None = None) -> dict[str, Any]:
                                       d.ft_heartbeat_timeout_s,
                                       tick_s=d.ft_heartbeat_interval_s)
         address = lighthouse.address()
-    cfg = dataclasses.replace(cfg, dist=dataclasses.replace(d, ft_replicas=replicas,
-                                                            fault_tolerance="torchft"))
-    # The groups start as the workers of a local job do: forked from the server that has
-    # imported torch (a restarted group is back sooner), or spawned as EDITRAIN_START_METHOD
-    # says; never forked from this process, which runs the lighthouse.
-    ctx = mp.get_context(start_worker_server())
-    procs: dict[int, Any] = {}
-    attempts = dict.fromkeys(range(replicas), 0)
-    events: list[dict[str, Any]] = []
-    t0 = time.perf_counter()
-
-    def start(r: int) -> None:
-        procs[r] = ctx.Process(target=_group_main,
-                               args=(cfg, r, attempts[r], address, data_entry),
-                               name=f"editrain-replica{r}")
-        with children_start_with_sigint_blocked():  # no traceback on a Ctrl-C while it boots
-            procs[r].start()
-        events.append({"event": "start", "replica": r, "attempt": attempts[r],
-                       "time_s": time.perf_counter() - t0, "unix_time": time.time()})
-
+    groups = ReplicaGroups(job, address, data_entry)
     try:
-        for r in range(replicas):
-            start(r)
-        finished_at: float | None = None
-        while any(p.is_alive() for p in procs.values()):
-            # A restarted group that has not rejoined when every other group is done never
-            # will (there is nobody left to heal from): stop it after a grace period.
-            done = [s for s, p in procs.items() if not p.is_alive() and p.exitcode == 0]
-            late = [s for s, p in procs.items() if p.is_alive() and attempts[s] > 0]
-            if done and len(done) + len(late) == len(procs) and late:
-                finished_at = finished_at or time.perf_counter()
-                if time.perf_counter() - finished_at > d.ft_heartbeat_timeout_s + 5:
-                    for s in late:
-                        if not (run_dir / f"replica{s}" / "summary.json").exists():
-                            log.warning("replica group %d restarted too late: the others "
-                                        "finished before it could rejoin; stopping it", s)
-                            procs[s].kill()
-                            procs[s].join()
-                            events.append({"event": "stopped_late", "replica": s,
-                                           "attempt": attempts[s],
-                                           "time_s": time.perf_counter() - t0})
-                            procs.pop(s)
-                    continue
-            for r, p in list(procs.items()):
-                if p.is_alive() or p.exitcode == 0 or p.exitcode is None:
-                    continue
-                events.append({"event": "died", "replica": r, "attempt": attempts[r],
-                               "exit_code": p.exitcode, "time_s": time.perf_counter() - t0,
-                               "unix_time": time.time()})
-                others = [q for s, q in procs.items() if s != r and q.is_alive()]
-                if not others or attempts[r] >= max(1, d.max_restarts):
-                    log.warning("replica group %d died (exit code %s); not restarted",
-                                r, p.exitcode)
-                    procs.pop(r)
-                    continue
-                log.warning("replica group %d died (exit code %s); restarting it in %.1f s "
-                            "while the others train on", r, p.exitcode, cfg.sim.fail_restart_s)
-                time.sleep(cfg.sim.fail_restart_s)
-                attempts[r] += 1
-                start(r)
+        groups.start_all()
+        while groups.any_alive():
+            if groups.stop_late():
+                continue
+            groups.restart_dead()
             time.sleep(0.1)
     finally:
-        # Interrupted or failed: the groups still alive stop in order (their workers with
-        # them) within a few seconds, else they are killed (their workers die with them).
-        for p in procs.values():
+        groups.stop_all()
+        if lighthouse is not None:
+            lighthouse.shutdown()
+    summary = summarise_groups(job.run_dir, job.groups, groups.events,
+                               time.perf_counter() - groups.t0)
+    if not summary["finished_replicas"]:
+        codes = [e["exit_code"] for e in groups.events if e["event"] == "died"]
+        raise LaunchError("every replica group failed (each one's reason is above; the "
+                          f"tracebacks are in {job.run_dir}/replica*/logs/); nothing "
+                          "finished", 2 if codes and all(c == 2 for c in codes) else 1)
+    return summary
+
+
+class ReplicaGroups:
+    """The replica groups of a fault-tolerant run, one process each, and what befell them
+    (``events``: start, died, stopped_late; times from the launch).
+
+    Args:
+        job: the checked job (its run directory claimed).
+        lighthouse: the torchft lighthouse's address.
+        data_entry: the token cache entry prepared for the run.
+    """
+
+    def __init__(self, job: Job, lighthouse: str, data_entry: str | None) -> None:
+        d = job.cfg.dist
+        self.job, self.lighthouse, self.data_entry = job, lighthouse, data_entry
+        # Every group knows how many there are, and that it is one of them.
+        self.cfg = dataclasses.replace(job.cfg, dist=dataclasses.replace(
+            d, ft_replicas=job.groups, fault_tolerance="torchft"))
+        # The groups start as the workers of a local job do: forked from the server that
+        # has imported torch (a restarted group is back sooner), or spawned as
+        # EDITRAIN_START_METHOD says; never forked from this process, which runs the
+        # lighthouse.
+        self.ctx = mp.get_context(start_worker_server())
+        self.procs: dict[int, Any] = {}
+        self.attempts = dict.fromkeys(range(job.groups), 0)
+        self.events: list[dict[str, Any]] = []
+        self.t0 = time.perf_counter()
+        self.finished_at: float | None = None
+
+    def start(self, r: int) -> None:
+        """Start group ``r`` (again, if it ran before)."""
+        self.procs[r] = self.ctx.Process(
+            target=_group_main, args=(self.cfg, r, self.attempts[r], self.lighthouse,
+                                      self.data_entry), name=f"editrain-replica{r}")
+        with children_start_with_sigint_blocked():  # no traceback on a Ctrl-C while it boots
+            self.procs[r].start()
+        self.events.append({"event": "start", "replica": r, "attempt": self.attempts[r],
+                            "time_s": time.perf_counter() - self.t0,
+                            "unix_time": time.time()})
+
+    def start_all(self) -> None:
+        """Start every group."""
+        for r in range(self.job.groups):
+            self.start(r)
+
+    def any_alive(self) -> bool:
+        """Whether a group still runs."""
+        return any(p.is_alive() for p in self.procs.values())
+
+    def stop_late(self) -> bool:
+        """A restarted group that has not rejoined when every other group is done never
+        will (there is nobody left to heal from): stopped after a grace period. Returns
+        whether the run is in that state (every group done or late)."""
+        procs, attempts = self.procs, self.attempts
+        done = [s for s, p in procs.items() if not p.is_alive() and p.exitcode == 0]
+        late = [s for s, p in procs.items() if p.is_alive() and attempts[s] > 0]
+        if not (done and len(done) + len(late) == len(procs) and late):
+            return False
+        self.finished_at = self.finished_at or time.perf_counter()
+        if time.perf_counter() - self.finished_at > self.cfg.dist.ft_heartbeat_timeout_s + 5:
+            for s in late:
+                if not (self.job.group_dir(s) / "summary.json").exists():
+                    log.warning("replica group %d restarted too late: the others finished "
+                                "before it could rejoin; stopping it", s)
+                    procs[s].kill()
+                    procs[s].join()
+                    self.events.append({"event": "stopped_late", "replica": s,
+                                        "attempt": attempts[s],
+                                        "time_s": time.perf_counter() - self.t0})
+                    procs.pop(s)
+        return True
+
+    def restart_dead(self) -> None:
+        """Every group that died is started again (after ``sim.fail_restart_s``) while
+        another still trains and it has restarts left (``dist.max_restarts``, at least
+        one); else it is given up."""
+        procs = self.procs
+        for r, p in list(procs.items()):
+            if p.is_alive() or p.exitcode == 0 or p.exitcode is None:
+                continue
+            self.events.append({"event": "died", "replica": r, "attempt": self.attempts[r],
+                                "exit_code": p.exitcode,
+                                "time_s": time.perf_counter() - self.t0,
+                                "unix_time": time.time()})
+            others = [q for s, q in procs.items() if s != r and q.is_alive()]
+            if not others or self.attempts[r] >= max(1, self.cfg.dist.max_restarts):
+                log.warning("replica group %d died (exit code %s); not restarted",
+                            r, p.exitcode)
+                procs.pop(r)
+                continue
+            log.warning("replica group %d died (exit code %s); restarting it in %.1f s "
+                        "while the others train on", r, p.exitcode,
+                        self.cfg.sim.fail_restart_s)
+            time.sleep(self.cfg.sim.fail_restart_s)
+            self.attempts[r] += 1
+            self.start(r)
+
+    def stop_all(self) -> None:
+        """Interrupted, failed or done: the groups still alive stop in order (their
+        workers with them) within a few seconds, else they are killed (their workers die
+        with them)."""
+        for p in self.procs.values():
             if p.is_alive():
                 p.terminate()
         deadline = time.monotonic() + 10
-        for p in procs.values():
+        for p in self.procs.values():
             p.join(max(0.0, deadline - time.monotonic()))
             if p.is_alive():
                 p.kill()
-        if lighthouse is not None:
-            lighthouse.shutdown()
-    summary = summarise_groups(run_dir, replicas, events, time.perf_counter() - t0)
-    if not summary["finished_replicas"]:
-        codes = [e["exit_code"] for e in events if e["event"] == "died"]
-        raise LaunchError("every replica group failed (each one's reason is above; the "
-                          f"tracebacks are in {run_dir}/replica*/logs/); nothing finished",
-                          2 if codes and all(c == 2 for c in codes) else 1)
-    return summary
 
 
 SUMMARY_MAX_BYTES = 16 << 20
