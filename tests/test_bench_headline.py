@@ -94,7 +94,7 @@ EXPECTED = [
     ("6.56 (all 5 repeats); 58,587 [54,685-60,393] tok/s",
      "6.56 (all 5 repeats); 47,647 [47,197-49,619] tok/s"),
     ("--ft 12.9% [-1.0% to 20.8%]", "restart from a checkpoint 39.3% [32.4% to 43.5%]"),
-    ("23,479; 486.16 MiB", "the tokenizer's own `encode_batch` 49,665; 207.72 MiB"),
+    ("89,865; 599.31 MiB", "the tokenizer's own `encode_batch` 91,935; 279.64 MiB"),
 ]
 
 
