@@ -36,14 +36,6 @@ def _text(rng: random.Random, lines: int) -> str:
                      for _ in range(lines)) + "\n"
 
 
-@pytest.fixture(scope="module")
-def tokenizer(tmp_path_factory) -> Path:
-    rng = random.Random(1)
-    path = tmp_path_factory.mktemp("tok") / "tokenizer.json"
-    train_bpe_tokenizer([_text(rng, 50) for _ in range(20)], 300).save(str(path))
-    return path
-
-
 def _families(root: Path) -> Path:
     """Many families (sub-directories) and one exact duplicate: a documents split."""
     rng = random.Random(0)
@@ -62,6 +54,16 @@ def _one_family(root: Path) -> Path:
     for i in range(30):
         (root / "x" / f"doc{i:03d}.txt").write_text(_text(rng, rng.randint(5, 120)))
     return root
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory) -> Path:
+    """A small byte-level BPE learnt from the documents of :func:`_families`."""
+    texts = [p.read_text() for p in sorted(_families(tmp_path_factory.mktemp("t")).rglob("*"))
+             if p.is_file()]
+    path = tmp_path_factory.mktemp("tok") / "tokenizer.json"
+    train_bpe_tokenizer(texts, 300).save(str(path))
+    return path
 
 
 def _reference(corpus: Path, tokenizer: Path, eos_policy: str, plan) -> dict[str, list[int]]:
