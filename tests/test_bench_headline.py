@@ -89,6 +89,10 @@ EXPECTED = [
     ("sparse 2-bit EDiT 1.016 [0.9406-1.15]x / 0.8908 [0.7847-0.9337]x (2 runs)",
      "DiLoCo 0.178 [0.1684-0.2014]x / 0.159 [0.1498-0.1992]x"),
     ("sparse 2-bit EDiT 1.107 [0.9624-1.362]x", "int8 streaming EDiT 0.4493 [0.4193-0.4777]x"),
+    ("eager-topk2 1.975 [1.914-2.035]x, loss 7.225 (all 2 repeats)",
+     "torchft streaming DiLoCo, delay 4 1.058 [0.8189-1.296]x, loss 6.783 (all 2 repeats)"),
+    ("eager-topk2 2.032 [1.2-2.863]x, loss 7.225 (all 2 repeats)",
+     "torchft streaming DiLoCo, delay 4 0.9411 [0.8464-1.036]x, loss 6.783 (all 2 repeats)"),
     ("6.307 (all 5 repeats); 26,758 [25,665-28,208] tok/s",
      "6.307 (all 5 repeats); 25,523 [23,057-32,158] tok/s"),
     ("6.56 (all 5 repeats); 58,587 [54,685-60,393] tok/s",
@@ -103,11 +107,12 @@ def test_rows_are_the_committed_results():
     also derived here from the raw results.json, so a row reading the wrong key fails."""
     rows, _ = headline_rows(_committed())
     assert [(r.editrain, r.peer) for r in rows] == EXPECTED
-    assert 10 <= len(rows) <= 14
+    assert 10 <= len(rows) <= 16
     assert [[d.name for d in r.sources] for r in rows] == [
         ["default"], ["convergence-recipe"], ["convergence-recipe", "scale"],
         ["convergence-full-eager"], ["spikes"], ["stragglers"], ["bandwidth"],
         ["bandwidth-slow"], ["bandwidth-eager", "bandwidth-slow"], ["bandwidth-real-link"],
+        ["bandwidth-real-link-peer-10mbit"], ["bandwidth-real-link-peer-1mbit"],
         ["peers"], ["peers-h4"], ["faults"], ["data"]]
     cells = [f"{r.editrain} | {r.peer} | {r.conditions}" for r in rows]
     default = _raw("default", "results", "default")
@@ -154,7 +159,13 @@ def test_rows_are_the_committed_results():
     real = _raw("bandwidth-real-link", "results")
     for key in ("sparse-topk2", "streaming-int8"):
         assert _spread(real[key]["kept"]) in cells[9], key
-    for i, name in ((10, "peers"), (11, "peers-h4")):
+    for i, rate in ((10, "10mbit"), (11, "1mbit")):
+        peer = _raw(f"bandwidth-real-link-peer-{rate}", "results")
+        for key in ("eager-topk2", "torchft-d4"):
+            assert _spread(peer[key]["kept"]) in cells[i], key
+            assert _g(peer[key][rate]["final_val_loss"]["median"]) in cells[i], key
+        assert rows[i].what.startswith(f"Throughput kept on a real {rate} link")
+    for i, name in ((12, "peers"), (13, "peers-h4")):
         res = _raw(name, "results")
         assert rows[i].what.endswith(
             f"H = {_raw(name, 'settings', 'sync_interval')}: validation loss; tokens/s")
@@ -163,17 +174,17 @@ def test_rows_are_the_committed_results():
         assert rows[i].editrain.startswith(_g(res["diloco"]["final_val_loss"]["median"]))
         assert _raw(name, "targets")[0]["detail"] in cells[i]
     faults = _raw("faults", "results")
-    assert f"--ft {100 * faults['ft-fail']['window_loss']['median']:.1f}%" in cells[12]
+    assert f"--ft {100 * faults['ft-fail']['window_loss']['median']:.1f}%" in cells[14]
     assert f"checkpoint {100 * faults['restart-fail']['window_loss']['median']:.1f}%" in \
-        cells[12]
+        cells[14]
     point = max(_raw("data", "results", "points"), key=lambda q: q["bytes"])
-    assert rows[13].what.endswith(f"of {point['bytes'] / 1e6:.0f} MB of Python: tokens/s, "
+    assert rows[15].what.endswith(f"of {point['bytes'] / 1e6:.0f} MB of Python: tokens/s, "
                                   "peak memory")
-    assert rows[13].editrain.startswith(f"{point['given_tokenizer']['tokens_per_s']:,.0f}; "
+    assert rows[15].editrain.startswith(f"{point['given_tokenizer']['tokens_per_s']:,.0f}; "
                                         f"{point['given_tokenizer']['peak_rss'] / 2**20:.2f} MiB")
     assert f"{point['limit']['tokens_per_s']:,.0f}; {point['limit']['peak_rss'] / 2**20:.2f}" \
-        in rows[13].peer
-    assert f"takes {_g(point['given_tokenizer']['time_vs_limit'])}x the limit's" in cells[13]
+        in rows[15].peer
+    assert f"takes {_g(point['given_tokenizer']['time_vs_limit'])}x the limit's" in cells[15]
 
 
 def test_table_shape_links_and_plots():

@@ -358,7 +358,7 @@ def _kept_and_loss(record: dict[str, Any], name: str, label: str) -> str:
     final validation loss on the shaped link (left out where the record has none)."""
     loss = _get(record, name, record.get("settings", {}).get("rate"), "final_val_loss") or {}
     return f"{label} {_times(record['results'][name]['kept'])}" + (
-        f", loss {spread_cell(loss)}" if loss.get("median") is not None else "")
+        f", loss {_same(loss)}" if loss.get("median") is not None else "")
 
 
 def _rate_bits(record: dict[str, Any]) -> float:
