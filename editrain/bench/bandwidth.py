@@ -19,11 +19,11 @@ from editrain.bench.measures import replica_stats, steady_throughput, utilisatio
 from editrain.bench.plots import pyplot, save_figure
 from editrain.bench.runner import Bench, repeat_label
 from editrain.bench.runs import Run
+from editrain.bench.scenario import Ctx, Job, Scenario, Verdict
 from editrain.bench.stats import beyond_spread, spread
 from editrain.bench.tables import cell, md_table, ratio, spread_cell, verdict_cell
 from editrain.config import ConfigError
 
-NAME = "bandwidth"
 STREAMING = {"overlap_steps": 4, "fragments": 4, "comm_dtype": "int8", "merge": "keep_local"}
 """The streaming settings of ``edit-streaming`` (the sweep shows the alternatives)."""
 SPARSE = {"comm_dtype": "topk2", "merge": "keep_local"}
@@ -106,70 +106,72 @@ def link_name(bw: str | None, lat: str | None) -> str:
     return "+".join(x for x in (bw, lat) if x)
 
 
-def run(bench: Bench) -> dict[str, Any]:
-    """Run the scenario; returns the record written to ``results.json``."""
+def _setup(bench: Bench) -> dict[str, Any]:
     interval = bench.pick(8, 32, 32)
-    local_steps = bench.pick(3 * interval, 4 * interval, 4 * interval)
-    # Every step of sync is alike; at 1 MB/s one small-preset step takes ~20 s.
-    sync_steps = bench.pick(8, 16, 10)
-    skip = bench.pick(2, 4, 4)
     links = _links(bench)
-    names = [link_name(*x) for x in links]
-    sweep = {} if bench.mode == "tiny" or SWEEP_LINK not in links else SWEEP
-    repeats = bench.repeats
+    return {"interval": interval, "local_steps": bench.pick(3 * interval, 4 * interval,
+                                                            4 * interval),
+            # Every step of sync is alike; at 1 MB/s one small-preset step takes ~20 s.
+            "sync_steps": bench.pick(8, 16, 10), "skip": bench.pick(2, 4, 4), "links": links,
+            "names": [link_name(*x) for x in links],
+            "sweep": {} if bench.mode == "tiny" or SWEEP_LINK not in links else SWEEP,
+            # The tiny preset (quick, tiny) has three units when tied: too few for four
+            # fragments.
+            "model": {} if bench.mode == "full" else {"model": {"tie_embeddings": False}}}
 
-    # The tiny preset (quick, tiny) has three units when tied: too few for four fragments.
-    model = {} if bench.mode == "full" else {"model": {"tie_embeddings": False}}
 
-    def layers(variant: dict[str, Any], steps: int, bw: str | None,
-               lat: str | None) -> list[dict]:
-        """The options of one run of a variant on a link."""
-        out: list[dict[str, Any]] = [
-            {"train": {"steps": steps, "eval_every": steps, "warmup_steps": min(10, steps // 4)},
-             "sync": dict(variant),
-             "sim": {"link_bandwidth": bw, "link_latency": lat}, **model}]
-        if variant["method"] != "sync":
-            out.append({"sync": {"local_sgd_sync_interval": interval}})
-        if variant is VARIANTS["edit-sparse"]:
-            out.append({"sync": {"overlap_steps": interval - 1}})
-        if variant is VARIANTS["edit-sparse-eager"]:
-            out.append({"sync": {"overlap_steps": interval}})
-        return out
+def _layers(ctx: Ctx, variant: dict[str, Any], steps: int | None, bw: str | None,
+            lat: str | None) -> list[dict]:
+    """The options of one run of a variant on a link (``steps`` None: the variant's)."""
+    if steps is None:
+        steps = ctx.sync_steps if variant["method"] == "sync" else ctx.local_steps
+    out: list[dict[str, Any]] = [
+        {"train": {"steps": steps, "eval_every": steps, "warmup_steps": min(10, steps // 4)},
+         "sync": dict(variant),
+         "sim": {"link_bandwidth": bw, "link_latency": lat}, **ctx.model}]
+    if variant["method"] != "sync":
+        out.append({"sync": {"local_sgd_sync_interval": ctx.interval}})
+    if variant is VARIANTS["edit-sparse"]:
+        out.append({"sync": {"overlap_steps": ctx.interval - 1}})
+    if variant is VARIANTS["edit-sparse-eager"]:
+        out.append({"sync": {"overlap_steps": ctx.interval}})
+    return out
 
-    def steps_of(variant: dict[str, Any]) -> int:
-        return sync_steps if variant["method"] == "sync" else local_steps
 
-    ceiling_layers = layers(VARIANTS["edit"], local_steps, None, None)
-    ceiling_layers.append({"sync": {"local_sgd_sync_interval": local_steps + 1}})
-    bench.check(*ceiling_layers)
-    for variant in [*VARIANTS.values(), *sweep.values()]:
-        bench.check(*layers(variant, steps_of(variant), *links[-1]))
-    bench.plan(repeats * (1 + len(links) * len(METHODS) + len(sweep)))
+def _ceiling(ctx: Ctx) -> list[dict]:
+    return [*_layers(ctx, VARIANTS["edit"], ctx.local_steps, None, None),
+            {"sync": {"local_sgd_sync_interval": ctx.local_steps + 1}}]
 
-    # Interleaved repeats, link-major inside each: a change of the machine's load during the
-    # scenario then hits every method at about the same links and repeats.
-    ceiling_runs: list[Run] = []
-    runs: dict[tuple[str, str], list[Run]] = {(m, n): [] for m in METHODS for n in names}
-    sweep_runs: dict[str, list[Run]] = {v: [] for v in sweep}
-    for rep in range(repeats):
-        ceiling_runs.append(bench.train(repeat_label("ceiling", rep), *ceiling_layers,
-                                        title=f"ceiling repeat {rep + 1}"))
+
+def _runs(ctx: Ctx) -> list[Job]:
+    """Interleaved repeats, link-major inside each: a change of the machine's load during
+    the scenario then hits every method at about the same links and repeats."""
+    jobs = []
+    for rep in range(ctx.bench.repeats):
+        jobs.append(Job(repeat_label("ceiling", rep), _ceiling(ctx),
+                        title=f"ceiling repeat {rep + 1}"))
         # The order of the links and of the methods rotates each repeat: a drift of the
         # machine's speed within a repeat then does not always land on the same link.
-        for (bw, lat), name in _rotated(list(zip(links, names)), rep):
+        for (bw, lat), name in _rotated(list(zip(ctx.links, ctx.names)), rep):
             for method, variant in _rotated(list(VARIANTS.items()), rep):
-                runs[method, name].append(bench.train(
-                    repeat_label(f"{method}-{name.replace('/', '')}", rep),
-                    *layers(variant, steps_of(variant), bw, lat),
-                    title=f"{method} {name} repeat {rep + 1}"))
+                jobs.append(Job(repeat_label(f"{method}-{name.replace('/', '')}", rep),
+                                _layers(ctx, variant, None, bw, lat),
+                                title=f"{method} {name} repeat {rep + 1}"))
             if (bw, lat) == SWEEP_LINK:
-                for label, variant in sweep.items():
-                    sweep_runs[label].append(bench.train(
-                        repeat_label(f"sweep-{label}-{name.replace('/', '')}", rep),
-                        *layers(variant, local_steps, bw, lat),
-                        title=f"{label} {name} repeat {rep + 1}"))
+                jobs += [Job(repeat_label(f"sweep-{label}-{name.replace('/', '')}", rep),
+                             _layers(ctx, variant, ctx.local_steps, bw, lat),
+                             title=f"{label} {name} repeat {rep + 1}")
+                         for label, variant in ctx.sweep.items()]
+    return jobs
 
-    windows = [steady_throughput(r, skip) if r.ok else {} for r in ceiling_runs]
+
+def _repeats(ctx: Ctx, label: str) -> list[Run]:
+    return [ctx.runs[repeat_label(label, rep)] for rep in range(ctx.bench.repeats)]
+
+
+def _results(ctx: Ctx) -> dict[str, Any]:
+    skip, names = ctx.skip, ctx.names
+    windows = [steady_throughput(r, skip) if r.ok else {} for r in _repeats(ctx, "ceiling")]
     ceil_tps = [w.get("tokens_per_s") for w in windows]
     ceil_step = [w.get("step_time_s") for w in windows]
     results: dict[str, Any] = {"ceiling": {"tokens_per_s": spread(ceil_tps),
@@ -177,8 +179,8 @@ def run(bench: Bench) -> dict[str, Any]:
                                            "per_repeat": ceil_tps}}
     errors: list[str] = []
     for method in METHODS:
-        results[method] = {n: _entry(method, runs[method, n], skip, ceil_tps, ceil_step)
-                           for n in names}
+        results[method] = {n: _entry(method, _repeats(ctx, f"{method}-{n.replace('/', '')}"),
+                                     skip, ceil_tps, ceil_step) for n in names}
         base = [e.get("tokens_per_s") for e in results[method].get(UNLIMITED, {})
                 .get("windows", [])]
         for n, entry in results[method].items():
@@ -194,8 +196,9 @@ def run(bench: Bench) -> dict[str, Any]:
             entry = results[method][sweep_name]
             entry["vs_edit_unlimited"] = spread(
                 ratio(w.get("tokens_per_s"), b) for w, b in zip(entry["windows"], edit_base))
-    for label, variant in sweep.items():
-        entry = _entry("edit", sweep_runs[label], skip, ceil_tps, ceil_step)
+    for label, variant in ctx.sweep.items():
+        entry = _entry("edit", _repeats(ctx, f"sweep-{label}-{sweep_name.replace('/', '')}"),
+                       skip, ceil_tps, ceil_step)
         errors += [f"{label}: {e}" for e in entry.pop("utilisation_errors")]
         entry["options"] = {k: v for k, v in variant.items() if k != "method"}
         entry["vs_edit_unlimited"] = spread(
@@ -207,13 +210,13 @@ def run(bench: Bench) -> dict[str, Any]:
              "beyond_spread": beyond_spread(results[a][n]["tokens_per_s"],
                                             results[b][n]["tokens_per_s"])}
             for a, b in COMPARISONS] for n in names}
+    ctx.errors = errors
+    return results
 
-    tables = [("Throughput against link speed", _table(results, names)),
-              ("Differences against the spread of the repeats", _comparison_table(results,
-                                                                                  names))]
-    if sweep and sweep_name in names:
-        tables.append((f"Streaming options at {sweep_name}", _sweep_table(results, sweep_name)))
-    targets, findings, shortfalls = _judge(results, names, interval)
+
+def _verdict(ctx: Ctx) -> Verdict:
+    results, names = ctx.results, ctx.names
+    targets, findings, shortfalls = _judge(results, names, ctx.interval)
     above = [f"{m} {n} ({cell(_med(results[m][n]['vs_ceiling']))}x)" for m in METHODS
              for n in names if (_med(results[m][n]["vs_ceiling"]) or 0) > 1.0]
     if above:
@@ -228,8 +231,16 @@ def run(bench: Bench) -> dict[str, Any]:
             findings.append(f"The no-communication ceiling varied by {drift:.0%} between "
                             "repeats: the machine's speed changed during the scenario, so "
                             "differences below that are noise.")
-    plots = [_plot_throughput(bench, results, names), _plot_split(bench, results, names)]
-    notes = [
+    return Verdict(targets=targets, findings=findings, shortfalls=shortfalls,
+                   errors=ctx.errors,
+                   headline=_headline(results, names, ctx.interval, ctx.bench.repeats))
+
+
+def _notes(ctx: Ctx) -> list[str]:
+    interval, local_steps, sync_steps, skip = (ctx.interval, ctx.local_steps, ctx.sync_steps,
+                                               ctx.skip)
+    repeats, bench, sweep_name = ctx.bench.repeats, ctx.bench, link_name(*SWEEP_LINK)
+    return [
         ("The small preset (tied embeddings: root, 4 blocks = 5 units). " if bench.mode == "full"
          else "The tiny preset with untied embeddings (5 units with the split root). ")
         + f"2 replicas; the local-SGD variants sync every H = {interval} steps and train "
@@ -277,16 +288,17 @@ def run(bench: Bench) -> dict[str, Any]:
         "same repeat. Exposed = wait / comm (the share of the communication time the "
         "training thread waited for).",
     ]
-    settings = {"sync_interval": interval, "local_steps": local_steps, "sync_steps": sync_steps,
-                "links": names, "skip_steps": skip, "repeats": repeats,
-                "streaming": STREAMING, "sparse": {**SPARSE, "overlap_steps": interval - 1},
-                "sparse_eager": {**SPARSE_EAGER, "overlap_steps": interval},
-                "sweep": {k: v for k, v in sweep.items()}}
-    return bench.finish(settings=settings, methods=("ceiling",) + METHODS, results=results,
-                        tables=tables, targets=targets, findings=findings, notes=notes,
-                        plots=plots, description=DESCRIPTION, shortfalls=shortfalls,
-                        errors=errors, repeats=repeats,
-                        headline=_headline(results, names, interval, repeats))
+
+
+def _tables(ctx: Ctx) -> list[tuple[str, str]]:
+    sweep_name = link_name(*SWEEP_LINK)
+    tables = [("Throughput against link speed", _table(ctx.results, ctx.names)),
+              ("Differences against the spread of the repeats",
+               _comparison_table(ctx.results, ctx.names))]
+    if ctx.sweep and sweep_name in ctx.names:
+        tables.append((f"Streaming options at {sweep_name}",
+                       _sweep_table(ctx.results, sweep_name)))
+    return tables
 
 
 def _entry(method: str, runs: list[Run], skip: int, ceil_tps: list[float | None],
@@ -514,8 +526,9 @@ def _headline(results: dict[str, Any], names: list[str], interval: int,
             f"median [min-max] of {repeats} repeat(s)): {parts}."]
 
 
-def _plot_throughput(bench: Bench, results: dict[str, Any], names: list[str]):
+def _plot_throughput(ctx: Ctx):
     """tokens/s against the link (median, min-max bars), one line per method."""
+    results, names = ctx.results, ctx.names
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(7, 4.5))
     xs = list(range(len(names)))
@@ -533,12 +546,13 @@ def _plot_throughput(bench: Bench, results: dict[str, Any], names: list[str]):
     ax.set_ylabel("tokens/s (cluster; median, min-max)")
     ax.set_ylim(bottom=0)
     ax.grid(alpha=0.3)
-    return save_figure(fig, bench.out_dir / "throughput_vs_link.png")
+    return save_figure(fig, ctx.bench.out_dir / "throughput_vs_link.png")
 
 
-def _plot_split(bench: Bench, results: dict[str, Any], names: list[str]):
+def _plot_split(ctx: Ctx):
     """Stacked ms/step (medians): ceiling step time, waiting for syncs, other overhead;
     triangles: communication time."""
+    results, names = ctx.results, ctx.names
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(max(7, 1.1 * len(names) * len(METHODS)), 4.5))
     base = _ms(_med(results["ceiling"]["step_time_s"])) or 0.0
@@ -562,4 +576,23 @@ def _plot_split(bench: Bench, results: dict[str, Any], names: list[str]):
     ax.set_xticks(range(len(xs)), xs, fontsize=7)
     ax.set_ylabel("ms per step (medians)")
     ax.grid(alpha=0.3, axis="y")
-    return save_figure(fig, bench.out_dir / "time_split.png")
+    return save_figure(fig, ctx.bench.out_dir / "time_split.png")
+
+
+SCENARIO = Scenario(
+    name="bandwidth",
+    description=DESCRIPTION,
+    setup=_setup, runs=_runs, measure=_results, judge=_verdict, notes=_notes,
+    tables=[_tables], plots=[_plot_throughput, _plot_split], repeats=True,
+    checks=lambda ctx: [(_ceiling(ctx), None)] + [
+        (_layers(ctx, variant, None, *ctx.links[-1]), None)
+        for variant in [*VARIANTS.values(), *ctx.sweep.values()]],
+    settings=lambda ctx: {
+        "sync_interval": ctx.interval, "local_steps": ctx.local_steps,
+        "sync_steps": ctx.sync_steps, "links": ctx.names, "skip_steps": ctx.skip,
+        "repeats": ctx.bench.repeats, "streaming": STREAMING,
+        "sparse": {**SPARSE, "overlap_steps": ctx.interval - 1},
+        "sparse_eager": {**SPARSE_EAGER, "overlap_steps": ctx.interval},
+        "sweep": dict(ctx.sweep)},
+    methods=lambda ctx: ("ceiling",) + METHODS,
+)
