@@ -32,11 +32,11 @@ from editrain.bench.machine import load_average
 from editrain.bench.measures import replica_stats, steady_throughput, utilisation_errors
 from editrain.bench.runner import Bench, child_env, repeat_label
 from editrain.bench.runs import Run, read_run
+from editrain.bench.scenario import Ctx, Job, Scenario, Verdict
 from editrain.bench.stats import beyond_spread, median, spread
 from editrain.bench.tables import md_table, spread_cell, verdict_cell
 from editrain.config import ConfigError
 
-NAME = "peers"
 SYSTEMS = ("torchft-diloco", "diloco", "edit", "diloco-library")
 WORKER_SYSTEMS = {"torchft-diloco": "torchft", "diloco-library": "library"}
 """The systems run by :mod:`editrain.bench.torchft_peer` (its ``system``); the others are
@@ -71,20 +71,25 @@ def torchft_version() -> str | None:
         return "unknown"
 
 
-def run(bench: Bench) -> dict[str, Any]:
-    """Run the scenario (or record why it was skipped)."""
-    found = torchft_version()
-    if found is None:
-        return _skip(bench, "skipped: torchft not installed (pip install torchft, or "
-                            "pip install 'editrain[peers]', to compare with it)")
-    interval = bench.pick(4, 16, 20)
+def _unavailable() -> str | None:
+    return None if torchft_version() is not None else (
+        "skipped: torchft not installed (pip install torchft, or pip install "
+        "'editrain[peers]', to compare with it)")
+
+
+def _skipped_as(reason: str) -> dict[str, Any]:
+    """The record of a skip: the peer's status."""
+    return {"settings": {"torchft": None}, "methods": ["torchft-diloco"],
+            "results": {"torchft-diloco": {"status": "skipped", "reason": reason}},
+            "tables": [("Peers", md_table(["peer", "status"], [["torchft DiLoCo", reason]]))],
+            "notes": ["A skipped peer is not a failure of editrain's benchmarks."]}
+
+
+def _setup(bench: Bench) -> dict[str, Any]:
     steps = bench.pick(8, 96, 200)
-    skip = bench.pick(2, 4, 4)
-    repeats = bench.repeats
-    timeout_s = bench.pick(300, 900, 3600)
     common = {"train": {"steps": steps, "eval_every": steps,
                         "warmup_steps": min(10, steps // 4)},
-              "sync": {"local_sgd_sync_interval": interval}}
+              "sync": {"local_sgd_sync_interval": bench.pick(4, 16, 20)}}
     layers = {s: [common, {"sync": {"method": "edit" if s == "edit" else "diloco"}}]
               for s in SYSTEMS}
     for s in SYSTEMS:
@@ -98,29 +103,38 @@ def run(bench: Bench) -> dict[str, Any]:
     if cfg.dist.shard_size != 1:
         raise ConfigError("bench peers: torchft's side runs one process per replica group; "
                           f"use dist.shard_size=1 (got {cfg.dist.shard_size})")
-    replicas = cfg.dist.nproc
-    threads = cfg.dist.threads_per_proc or max(1, (os.cpu_count() or 1) // replicas)
-    bench.plan(repeats * len(SYSTEMS))
+    return {"steps": steps, "skip": bench.pick(2, 4, 4), "timeout_s": bench.pick(300, 900, 3600),
+            "layers": layers, "cfg": cfg, "h": h, "found": torchft_version(),
+            "threads": cfg.dist.threads_per_proc or max(1, (os.cpu_count() or 1)
+                                                        // cfg.dist.nproc)}
 
-    runs: dict[str, list[Run]] = {s: [] for s in SYSTEMS}
-    for rep in range(repeats):
-        for system in SYSTEMS:
-            label = repeat_label(system, rep)
-            title = f"{system} repeat {rep + 1}"
-            if system in WORKER_SYSTEMS:
-                runs[system].append(run_torchft(bench, label, bench.options(*layers[system]),
-                                                replicas, threads, timeout_s, title,
-                                                WORKER_SYSTEMS[system]))
-            else:
-                runs[system].append(bench.train(label, *layers[system], title=title))
 
-    results, errors = _results(runs, skip)
-    tables = [("torchft DiLoCo and editrain", _table(results)),
-              ("Differences against the spread of the repeats", _comparison_table(results))]
-    findings = _findings(results, repeats, steps, h)
-    targets = [_target(results), _speed_target(results)]
+def _runs(ctx: Ctx) -> list[Job]:
+    """Every repeat runs the four systems in turn (interleaved); torchft's and the
+    library's are :mod:`editrain.bench.torchft_peer` workers."""
+    def worker(system: str):
+        return lambda bench, job: run_torchft(
+            bench, job.label, bench.options(*job.layers), ctx.cfg.dist.nproc, ctx.threads,
+            ctx.timeout_s, job.title, system)
+
+    return [Job(repeat_label(system, rep), ctx.layers[system],
+                title=f"{system} repeat {rep + 1}",
+                start=worker(WORKER_SYSTEMS[system]) if system in WORKER_SYSTEMS else None)
+            for rep in range(ctx.bench.repeats) for system in SYSTEMS]
+
+
+def _measure(ctx: Ctx) -> dict[str, Any]:
+    results, ctx.errors = _results(
+        {s: [ctx.runs[repeat_label(s, rep)] for rep in range(ctx.bench.repeats)]
+         for s in SYSTEMS}, ctx.skip)
+    return results
+
+
+def _notes(ctx: Ctx) -> list[str]:
+    cfg, steps, h, threads, skip = ctx.cfg, ctx.steps, ctx.h, ctx.threads, ctx.skip
+    timeout_s, repeats, bench = ctx.timeout_s, ctx.bench.repeats, ctx.bench
     outer = cfg.sync.resolve()
-    notes = [
+    return [
         f"2 replicas x 1 process, {steps} steps, H = {h}, the {cfg.model.preset} preset, "
         f"seed {cfg.train.seed}, inner {cfg.optim.name} (lr {cfg.train.lr}, betas "
         f"{cfg.train.beta1}/{cfg.train.beta2}, weight decay {cfg.train.weight_decay}, "
@@ -154,24 +168,6 @@ def run(bench: Bench) -> dict[str, Any]:
         "again); median "
         "[min-max]. A difference is 'beyond spread' when the min-max ranges do not overlap.",
     ]
-    settings = {"steps": steps, "sync_interval": h, "repeats": repeats, "torchft": found,
-                "threads_per_process": threads, "timeout_s": timeout_s, "skip_steps": skip}
-    return bench.finish(settings=settings, methods=SYSTEMS, results=results, tables=tables,
-                        targets=targets, findings=findings, notes=notes,
-                        shortfalls=_shortfalls(results),
-                        description=DESCRIPTION, errors=errors, repeats=repeats,
-                        headline=_headline(results, repeats))
-
-
-def _skip(bench: Bench, reason: str) -> dict[str, Any]:
-    """Record a skipped scenario."""
-    bench.log(reason)
-    table = md_table(["peer", "status"], [["torchft DiLoCo", reason]])
-    return bench.finish(settings={"torchft": None}, methods=["torchft-diloco"],
-                        results={"torchft-diloco": {"status": "skipped", "reason": reason}},
-                        tables=[("Peers", table)],
-                        notes=["A skipped peer is not a failure of editrain's benchmarks."],
-                        description=DESCRIPTION, skipped=reason)
 
 
 def run_torchft(bench: Bench, label: str, options: dict[str, Any], replicas: int,
@@ -488,3 +484,24 @@ def _headline(results: dict[str, Any], repeats: int) -> list[str]:
                       f"{spread_cell(results[s]['tokens_per_s'])} tok/s" for s in SYSTEMS)
     return [f"Final validation loss and throughput, median [min-max] of {repeats} "
             f"repeat(s): {parts}."]
+
+
+SCENARIO = Scenario(
+    name="peers",
+    description=DESCRIPTION,
+    unavailable=_unavailable, skipped_as=_skipped_as, setup=_setup, runs=_runs,
+    measure=_measure, notes=_notes, repeats=True, methods=lambda ctx: SYSTEMS,
+    checks=lambda ctx: [],  # setup checked every system's options (and the peer's limits)
+    tables=[lambda ctx: [("torchft DiLoCo and editrain", _table(ctx.results)),
+                         ("Differences against the spread of the repeats",
+                          _comparison_table(ctx.results))]],
+    judge=lambda ctx: Verdict(
+        targets=[_target(ctx.results), _speed_target(ctx.results)],
+        findings=_findings(ctx.results, ctx.bench.repeats, ctx.steps, ctx.h),
+        shortfalls=_shortfalls(ctx.results), errors=ctx.errors,
+        headline=_headline(ctx.results, ctx.bench.repeats)),
+    settings=lambda ctx: {"steps": ctx.steps, "sync_interval": ctx.h,
+                          "repeats": ctx.bench.repeats, "torchft": ctx.found,
+                          "threads_per_process": ctx.threads, "timeout_s": ctx.timeout_s,
+                          "skip_steps": ctx.skip},
+)
