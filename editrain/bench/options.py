@@ -40,8 +40,8 @@ SIZE_FLAGS = {"--tiny": "tiny", "--full": "full"}
 means the full size)."""
 
 SWITCH_FLAGS = {"--reuse": "reuse"}
-"""Bench flags without a value that are not sizes: ``--reuse`` (convergence, tune, scale: read back
-the finished runs of an earlier invocation into the same ``--out`` whose options are this
+"""Bench flags without a value that are not sizes: ``--reuse`` (convergence, tune, scale,
+batch: read back the finished runs of an earlier invocation into the same ``--out`` whose options are this
 invocation's, instead of running them again)."""
 
 VALUE_FLAGS = {"--seeds": int, "--repeats": int, "--path": str, "--readme": str,
@@ -100,8 +100,8 @@ def split_extra(extra: Sequence[str]) -> tuple[dict[str, Any], dict[str, Any]]:
     Bench flags: ``--tiny`` and ``--full`` (sizes; no flag and no ``--quick`` means
     full), ``--seeds N`` (convergence, optimizers), ``--repeats N`` (timed scenarios),
     ``--links A,B`` (bandwidth: a subset of its links), ``--methods A,B`` (convergence: a
-    subset of its variants), ``--shapes A,B`` (scale: a subset of its model shapes),
-    ``--reuse`` (convergence, tune, scale), ``--path FILE`` and ``--readme
+    subset of its variants), ``--shapes A,B`` (scale, batch: a subset of the model shapes),
+    ``--reuse`` (convergence, tune, scale, batch), ``--path FILE`` and ``--readme
     FILE`` (report). The rest must be training options
     (``--section.key=value``), applied to every run.
 
