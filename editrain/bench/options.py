@@ -41,8 +41,8 @@ means the full size)."""
 
 SWITCH_FLAGS = {"--reuse": "reuse"}
 """Bench flags without a value that are not sizes: ``--reuse`` (convergence, tune, scale,
-batch: read back the finished runs of an earlier invocation into the same ``--out`` whose options are this
-invocation's, instead of running them again)."""
+batch: read back the finished runs of an earlier invocation into the same ``--out`` whose
+options are this invocation's, instead of running them again)."""
 
 VALUE_FLAGS = {"--seeds": int, "--repeats": int, "--path": str, "--readme": str,
                "--links": str, "--methods": str, "--shapes": str}
