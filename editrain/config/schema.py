@@ -72,7 +72,7 @@ class DataSection:
     Hugging Face dataset in the local cache), a save_to_disk directory[@SPLIT], or a list
     of these."""
     text_field: str = "text"
-    """Field or column holding the text in .jsonl, .json, .parquet and datasets."""
+    """Field or column holding the text in .jsonl, .json, .parquet and datasets; input_ids reads a .parquet or save_to_disk dataset as pre-tokenised rows of ids."""
     eos: str = "append"
     """End-of-text token between documents: append (after each), prepend (before each) or
     none (documents concatenated)."""
