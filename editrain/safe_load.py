@@ -267,17 +267,27 @@ def read_bytes_item(ckpt: str | Path, metadata: Metadata, fqn: str) -> Any:
         CheckpointError: the item is not stored or not plain data (the message names the
             file).
     """
-    info = metadata.storage_data.get(MetadataIndex(fqn))
+    path, data = _read_stored(ckpt, metadata, MetadataIndex(fqn))
+    return decode_plain(data, f"{path}: item {fqn}")
+
+
+def _read_stored(ckpt: str | Path, metadata: Metadata, index: MetadataIndex,
+                 max_bytes: int | None = None) -> tuple[Path, bytes]:
+    """The file and the bytes of one stored item (``max_bytes``: refused unread if more)."""
+    info = metadata.storage_data.get(index)
     if info is None:
-        raise CheckpointError(f"{Path(ckpt) / METADATA_FILE}: item {fqn} has no storage entry")
+        raise CheckpointError(f"{Path(ckpt) / METADATA_FILE}: item {index.fqn} has no "
+                              "storage entry")
     path = Path(ckpt) / info.relative_path
+    if max_bytes is not None and info.length > max_bytes:
+        raise CheckpointError(f"{path}: item {index.fqn} takes {info.length} bytes, more "
+                              f"than the {max_bytes} it may hold")
     try:
         with open(path, "rb") as f:
             f.seek(info.offset)
-            data = f.read(info.length)
+            return path, f.read(info.length)
     except OSError as e:
         raise CheckpointError(f"{path}: cannot read checkpoint data: {e}") from None
-    return decode_plain(data, f"{path}: item {fqn}")
 
 
 def read_tensor_item(ckpt: str | Path, metadata: Metadata, fqn: str,
@@ -301,19 +311,8 @@ def read_tensor_item(ckpt: str | Path, metadata: Metadata, fqn: str,
     if not isinstance(item, TensorStorageMetadata) or len(item.chunks) != 1:
         raise CheckpointError(f"{Path(ckpt) / METADATA_FILE}: item {fqn} is not a tensor "
                               "saved whole by one rank")
-    info = metadata.storage_data.get(MetadataIndex(fqn, item.chunks[0].offsets))
-    if info is None:
-        raise CheckpointError(f"{Path(ckpt) / METADATA_FILE}: item {fqn} has no storage entry")
-    path = Path(ckpt) / info.relative_path
-    if info.length > max_bytes:
-        raise CheckpointError(f"{path}: item {fqn} takes {info.length} bytes, more than the "
-                              f"{max_bytes} it may hold")
-    try:
-        with open(path, "rb") as f:
-            f.seek(info.offset)
-            data = f.read(info.length)
-    except OSError as e:
-        raise CheckpointError(f"{path}: cannot read checkpoint data: {e}") from None
+    path, data = _read_stored(ckpt, metadata, MetadataIndex(fqn, item.chunks[0].offsets),
+                              max_bytes)
     try:
         tensor = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
     except Exception as e:  # noqa: BLE001 - any decoding failure is a corrupt file
