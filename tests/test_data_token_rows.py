@@ -123,7 +123,7 @@ def test_bad_token_columns_are_refused_in_one_line(tmp_path, tokenizer):
     with pytest.raises(ValueError, match=r"^data\.text_field: .*not lists of integer"):
         build(text, tokenizer_path=str(tokenizer))
     big = _parquet(tmp_path / "big.parquet", [[1, 2, 10_000]] * 10)
-    with pytest.raises(ValueError, match=rf"^data\.path: .*token id 10000, outside"):
+    with pytest.raises(ValueError, match=r"^data\.path: .*token id 10000, outside"):
         build(big, tokenizer_path=str(tokenizer))
     with pytest.raises(ValueError, match=r"^data\.tokenizer: "):
         build(_parquet(tmp_path / "ok.parquet", _rows(20)))
