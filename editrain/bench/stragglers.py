@@ -20,27 +20,20 @@ from typing import Any
 from editrain.bench.limits import SoloPlan, bracketed_limit, measured_limit, plan_solo_runs
 from editrain.bench.measures import replica_stats, steady_throughput, utilisation_errors
 from editrain.bench.plots import pyplot, save_figure
+from editrain.bench.prose import fill, prose
 from editrain.bench.runner import Bench, repeat_label
 from editrain.bench.runs import Run
 from editrain.bench.scenario import Ctx, Job, Scenario, Table, Verdict
 from editrain.bench.stats import beyond_spread, median, spread
 from editrain.bench.tables import cell, ratio, spread_cell, verdict_cell
 
+TEXT = prose("stragglers")
 METHODS = ("sync", "edit", "aedit", "aedit-nb")
 GROUPS = (("edit", "sync"), ("aedit", "aedit-nb"))
 """Run order within a repeat: each pair between two rounds of solo runs (edit first: it
 times A-EDiT's period)."""
 NONBLOCKING = {"overlap_steps": 2, "merge": "keep_local"}
 """``aedit-nb``: A-EDiT with its sync behind 2 of each replica's steps (non-blocking)."""
-DESCRIPTION = (
-    "Two replicas, one a 2x straggler (`--sim.straggler 1=2`), or random stalls on both "
-    "(`--sim.random_stall 0.1,0.2`): tokens per second of the cluster and validation loss "
-    "for `sync`, `edit`, `aedit` and non-blocking `aedit` (`aedit-nb`) at an equal token "
-    "budget, each as a fraction of the "
-    "measured limit (the sum of the replicas' solo speeds, each replica run without "
-    "communication, with its own simulated slowdown, all at once), with every replica's "
-    "utilisation."
-)
 CASES = {
     "straggler": {"sim": {"straggler": ["1=2"]}},
     "stall": {"sim": {"random_stall": "0.1,0.2"}},
@@ -131,50 +124,9 @@ def _verdict(ctx: Ctx) -> Verdict:
 
 
 def _notes(ctx: Ctx) -> list[str]:
-    skip, periods, cases = ctx.skip, ctx.periods, ctx.cases
-    return [
-        f"2 replicas, {ctx.steps} steps of budget (equal tokens for every method: A-EDiT also "
-        f"ends on the token budget), `edit` syncs every H = {ctx.interval} steps, `aedit` "
-        "every " + ", ".join(f"{periods[c]:.2f} s ({c})" for c in cases if c in periods)
-        + " (H times the median step time of the fast replica in the first `edit` run, "
-        "fixed for every repeat), with `sync.min_total_global_steps = 2`. Evaluation only "
-        "at the end.",
-        f"`aedit-nb`: aedit with {', '.join(f'{k} {v}' for k, v in NONBLOCKING.items())}: a "
-        "replica whose clock fires posts its rendezvous and reduction and trains on; the "
-        "round is merged at the first step boundary, 2 or more of its steps later, at which "
-        "it is complete, and the replica's clock restarts there.",
-        f"{ctx.bench.repeats} interleaved repeat(s): in each, edit and sync, the solo runs, "
-        "aedit and aedit-nb, the solo runs (one round of solo runs before the first "
-        "repeat): every compared run lies between two rounds of solo runs. "
-        "Tables give the median over repeats and [min-max]; a difference is 'beyond "
-        "spread' when the two min-max ranges do not overlap (n/a with one repeat).",
-        "Throughput: tokens between two rows of metrics.jsonl over the wall time between "
-        f"them, from the first to the last sync inside a training step after step {skip} "
-        f"(`sync` and solo runs: from step {skip} to the end). Tokens count every replica's "
-        "steps.",
-        "Measured limit of a run = sum over replicas of the replica's solo tokens/s over "
-        "the same steps it trained in that run (its per-rank window below), the mean of "
-        "the solo runs just before and just after the run's pair (the machine's speed "
-        "drifts; `limit drift` = the two brackets' difference over their mean, the error "
-        "one solo measurement would have had): a single-replica run (nproc = shard size, "
-        "the same threads per process, no communication: `edit` with H > steps, "
-        f"{ctx.plan_margin}x as many steps as the whole budget) that simulates replica r "
-        "(`sim.replica_offset = r`: its straggler factor "
-        "and its own random-stall stream, drawn per step, so the same steps have the same "
-        "stalls); the solo runs of all replicas run at the same time, as separate jobs, so "
-        "that the limit includes the contention for the machine's cores that the compared "
-        f"runs have. A repeat whose two brackets differ by more than {MAX_DRIFT:.0%} is "
-        "left out of that method's fractions (the machine was not steady; the rule looks "
-        "at the solo runs only), and a target needs a majority of steady repeats. A "
-        "fraction of the limit above 1 is a measurement error and is flagged "
-        "as such, never reported as a result.",
-        "Per replica (from `ranks/rank{RANK}.jsonl`): tokens/s of the replica's ranks from "
-        f"their step {skip} to their last step; utilisation = (compute_s + sim_stall_s) / "
-        "wall time over the same window, the time the replica computed (a simulated "
-        "slowdown or stall emulates slower compute) over the time that passed; it cannot "
-        "exceed 1 by construction.",
-        "The time budget is equal tokens: `wall s` is the time each method needed for it.",
-    ]
+    periods = ", ".join(f"{ctx.periods[c]:.2f} s ({c})" for c in ctx.cases if c in ctx.periods)
+    return fill(TEXT["notes"], ctx=ctx, periods=periods, max_drift=MAX_DRIFT,
+                nonblocking=", ".join(f"{k} {v}" for k, v in NONBLOCKING.items()))
 
 
 def _settings(ctx: Ctx) -> dict[str, Any]:
@@ -243,8 +195,7 @@ def _case_results(runs: dict[str, list[Run]], limits: list[dict[str, Any]],
                     for i in range(count)]
         errors = [f"{method} repeat {k + 1}: {e}" for k, p in enumerate(per_replica)
                   for e in utilisation_errors(p)]
-        errors += [f"{method} repeat {k + 1}: {f:.3f}x the measured limit (above 1: the "
-                   "limit or the throughput is mismeasured)"
+        errors += [fill(TEXT["above_limit"], method=method, k=k + 1, f=f)
                    for k, f in enumerate(fractions) if f is not None and f > 1.0]
         entry["errors"] += errors
         entry[method] = {
@@ -373,7 +324,7 @@ TABLES = [
 def _judge(results: dict[str, Any], cases: tuple[str, ...],
            repeats: int) -> tuple[list[dict[str, Any]], list[str]]:
     """The target checks (aedit >= 0.9x of the measured limit) and the findings."""
-    targets, findings = [], []
+    targets, findings, said = [], [], TEXT["findings"]
     enough = repeats // 2 + 1  # a majority of the repeats measured on a steady machine
     for case in cases:
         e = results[case]
@@ -384,58 +335,50 @@ def _judge(results: dict[str, Any], cases: tuple[str, ...],
         speedup = ratio(nb["tokens_per_s"]["median"], ed["tokens_per_s"]["median"])
         met_nb = None if f_nb is None or speedup is None else (
             f_nb >= 0.95 and (case != "straggler" or speedup >= 1.4))
+        t = TEXT["targets"]
         targets.append({
-            "name": f"{case}: non-blocking aedit reaches >= 0.95x of the measured limit"
-                    + (" and >= 1.4x edit's tokens/s" if case == "straggler" else "")
-                    + " (medians over repeats)",
+            "name": fill(t["nonblocking"], case=case, speedup_target=t["speedup"]
+                         if case == "straggler" else ""),
             "met": None if e["errors"] else met_nb,
-            "detail": f"aedit-nb {spread_cell(nb['fraction_of_limit'])}x of the limit, "
-                      f"{cell(speedup)}x edit's tokens/s"})
+            "detail": fill(t["nonblocking_detail"], fraction=spread_cell(
+                nb["fraction_of_limit"]), speedup=cell(speedup))})
         f = e["aedit"]["fraction_of_limit"]["median"]
         if e["aedit"]["fraction_of_limit"]["n"] < enough:
             f = None
         detail = ", ".join(f"{m} {spread_cell(e[m]['fraction_of_limit'])}x" for m in METHODS)
         met = None if f is None else f >= 0.9
         if e["errors"]:
-            met, detail = None, "measurement error, see the top of the page; " + detail
-        targets.append({"name": f"{case}: aedit reaches >= 0.9x of the measured limit "
-                                "(median over repeats)", "met": met, "detail": detail})
+            met, detail = None, fill(t["error"], detail=detail)
+        targets.append({"name": fill(t["aedit"], case=case), "met": met, "detail": detail})
         drifts = spread(d for group in GROUPS  # one pair of brackets per group
                         for d in e[group[0]]["limit_drift_per_repeat"])
         left_out = {m: e[m]["unsteady_repeats"] for m in METHODS if e[m]["unsteady_repeats"]}
-        findings.append(
-            f"{case}: the machine's speed between the two rounds of solo runs around a pair "
-            f"of runs changed by {spread_cell(drifts)} (limit drift, median [min-max]); "
-            + ("left out as unsteady (> " + f"{MAX_DRIFT:.0%}): "
-               + "; ".join(f"{m} repeat(s) {', '.join(map(str, r))}"
-                           for m, r in left_out.items()) if left_out
-               else f"no repeat above {MAX_DRIFT:.0%}")
-            + (f"; fewer than {enough} steady repeats: not evaluated"
-               if min(e[m]["fraction_of_limit"]["n"] for m in ("aedit", "aedit-nb")) < enough
-               else "") + ".")
+        unsteady = "; ".join(f"{m} repeat(s) {', '.join(map(str, r))}"
+                             for m, r in left_out.items())
+        few = min(e[m]["fraction_of_limit"]["n"] for m in ("aedit", "aedit-nb")) < enough
+        findings.append(fill(
+            said["drift"], case=case, drifts=spread_cell(drifts),
+            left_out=fill(said["left_out"] if left_out else said["steady"],
+                          max_drift=MAX_DRIFT, repeats=unsteady),
+            few=fill(said["few"], enough=enough) if few else ""))
         a = e["aedit"]
         if a["rendezvous_wait_s_per_sync"] is not None and a["wait_s_per_sync"] is not None:
-            findings.append(
-                f"{case}: at a sync aedit waits {a['rendezvous_wait_s_per_sync'] * 1000:.0f} ms "
-                f"(median) at the rendezvous, where every replica first finishes the step it "
-                f"is in, plus {a['wait_s_per_sync'] * 1000:.0f} ms for the layer-wise sync; "
-                f"edit waits {cell((e['edit']['wait_s_per_sync'] or 0) * 1000)} ms per sync "
-                "for the slowest replica's whole window.")
+            findings.append(fill(said["waits"], case=case,
+                                 rendezvous=a["rendezvous_wait_s_per_sync"] * 1000,
+                                 wait=a["wait_s_per_sync"] * 1000,
+                                 edit=cell((e["edit"]["wait_s_per_sync"] or 0) * 1000)))
         for c in e["comparisons"]:
             if c["beyond_spread"] is not None and c["difference"] is not None:
-                findings.append(
-                    f"{case}: {c['a']} - {c['b']} = {c['difference']:+.3f}x of the limit, "
-                    + ("beyond" if c["beyond_spread"] else "within")
-                    + f" the spread of {repeats} repeats.")
+                findings.append(fill(said["difference"], case=case, c=c, repeats=repeats,
+                                     where="beyond" if c["beyond_spread"] else "within"))
         losses = {m: e[m]["final_val_loss"]["median"] for m in METHODS}
         if any(v is not None for v in losses.values()):
-            findings.append(f"{case}: final validation loss (median) "
-                            + ", ".join(f"{m} {cell(v)}" for m, v in losses.items())
-                            + "; wall time to the budget "
-                            + ", ".join(f"{m} {spread_cell(e[m]['wall_time_s'])} s"
-                                        for m in METHODS) + ".")
+            findings.append(fill(
+                said["losses"], case=case,
+                losses=", ".join(f"{m} {cell(v)}" for m, v in losses.items()),
+                walls=", ".join(f"{m} {spread_cell(e[m]['wall_time_s'])} s" for m in METHODS)))
     if repeats < 2:
-        findings.append("One repeat only: the spread is not measured.")
+        findings.append(said["one_repeat"])
     return targets, findings
 
 
@@ -445,13 +388,12 @@ def _headline(results: dict[str, Any], cases: tuple[str, ...], repeats: int) -> 
     for case in cases:
         e = results[case]
         if e["errors"]:
-            out.append(f"{case}: measurement error (a fraction of the measured limit above 1 "
-                       "or a utilisation above 1); no result.")
+            out.append(fill(TEXT["headline"]["error"], case=case))
             continue
         parts = ", ".join(f"{m} {spread_cell(e[m]['fraction_of_limit'], 1.0)}"
                           for m in ("aedit-nb", "aedit", "edit", "sync"))
-        out.append(f"{case}: fraction of the measured limit (sum of solo speeds), median "
-                   f"[min-max] of {repeats} repeat(s): {parts}.")
+        out.append(fill(TEXT["headline"]["fractions"], case=case, repeats=repeats,
+                        parts=parts))
     return out
 
 
@@ -478,7 +420,7 @@ def _plot(ctx: Ctx):
 
 SCENARIO = Scenario(
     name="stragglers",
-    description=DESCRIPTION,
+    description=TEXT["description"],
     setup=_setup, runs=_runs, measure=_results, judge=_verdict, notes=_notes,
     settings=_settings, plots=[_plot], repeats=True, methods=lambda ctx: METHODS,
     checks=lambda ctx: [((ctx.common, CASES[case]), layer) for case in ctx.cases
