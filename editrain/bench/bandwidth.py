@@ -17,6 +17,7 @@ from typing import Any
 
 from editrain.bench.measures import replica_stats, steady_throughput, utilisation_errors
 from editrain.bench.plots import pyplot, save_figure
+from editrain.bench.prose import fill, prose
 from editrain.bench.runner import Bench, repeat_label
 from editrain.bench.runs import Run
 from editrain.bench.scenario import Ctx, Job, Scenario, Verdict
@@ -24,6 +25,7 @@ from editrain.bench.stats import beyond_spread, spread
 from editrain.bench.tables import cell, md_table, ratio, spread_cell, verdict_cell
 from editrain.config import ConfigError
 
+TEXT = prose("bandwidth")
 STREAMING = {"overlap_steps": 4, "fragments": 4, "comm_dtype": "int8", "merge": "keep_local"}
 """The streaming settings of ``edit-streaming`` (the sweep shows the alternatives)."""
 SPARSE = {"comm_dtype": "topk2", "merge": "keep_local"}
@@ -55,13 +57,6 @@ SWEEP: dict[str, dict[str, Any]] = {
 }
 """Streaming alternatives run at :data:`SWEEP_LINK` only (``edit`` is tau0-P1-fp32 and
 ``edit-streaming`` tau4-P4-int8 of this grid)."""
-DESCRIPTION = (
-    "Tokens per second of the whole cluster for `sync`, `diloco`, `edit`, "
-    "`edit-streaming`, `edit-sparse` and `edit-sparse-eager` as the simulated cross-replica link gets slower (`sim.link_bandwidth` "
-    "+ `sim.link_latency`), against the ceiling of no communication at all, with the time "
-    "per step split into computation, waiting for the sync and communication hidden behind "
-    "computation, and a sweep over the streaming options at 5 MB/s."
-)
 UNLIMITED = "unlimited"
 COMPARISONS = (("edit-sparse-eager", "edit-sparse"), ("edit-sparse", "edit-streaming"), ("edit-streaming", "edit"), ("edit-streaming", "sync"), ("edit", "diloco"),
                ("edit", "sync"), ("diloco", "sync"))
@@ -220,74 +215,23 @@ def _verdict(ctx: Ctx) -> Verdict:
     above = [f"{m} {n} ({cell(_med(results[m][n]['vs_ceiling']))}x)" for m in METHODS
              for n in names if (_med(results[m][n]["vs_ceiling"]) or 0) > 1.0]
     if above:
-        findings.append("Above the no-communication ceiling (medians): " + ", ".join(above)
-                        + ". A run with communication cannot be faster than one without: "
-                        "these are the machine's noise (see the ceiling's spread), not "
-                        "speed-ups; read them as 1.")
+        findings.append(fill(TEXT["findings"]["above_ceiling"], above=", ".join(above)))
     ceiling = results["ceiling"]["tokens_per_s"]
     if ceiling["n"] >= 2 and ceiling["min"]:
         drift = ceiling["max"] / ceiling["min"] - 1.0
         if drift > 0.1:
-            findings.append(f"The no-communication ceiling varied by {drift:.0%} between "
-                            "repeats: the machine's speed changed during the scenario, so "
-                            "differences below that are noise.")
+            findings.append(fill(TEXT["findings"]["ceiling_drift"], drift=drift))
     return Verdict(targets=targets, findings=findings, shortfalls=shortfalls,
                    errors=ctx.errors,
                    headline=_headline(results, names, ctx.interval, ctx.bench.repeats))
 
 
 def _notes(ctx: Ctx) -> list[str]:
-    interval, local_steps, sync_steps, skip = (ctx.interval, ctx.local_steps, ctx.sync_steps,
-                                               ctx.skip)
-    repeats, bench, sweep_name = ctx.bench.repeats, ctx.bench, link_name(*SWEEP_LINK)
-    return [
-        ("The small preset (tied embeddings: root, 4 blocks = 5 units). " if bench.mode == "full"
-         else "The tiny preset with untied embeddings (5 units with the split root). ")
-        + f"2 replicas; the local-SGD variants sync every H = {interval} steps and train "
-        f"{local_steps} steps; `sync` trains {sync_steps} steps (every step is alike). "
-        "Evaluation only at the end, outside the measured window.",
-        f"{repeats} interleaved repeat(s): in each, the ceiling, then link by link every "
-        "method; the order of the links and of the methods rotates by one place each "
-        "repeat, so that a drift of the machine's speed within a repeat does not always "
-        "land on the same link or method. Tables give the median over repeats and "
-        "[min-max]; ratios are taken within a repeat (against that repeat's ceiling or "
-        "unlimited-link run). A "
-        "difference is 'beyond spread' when the two min-max ranges do not overlap (n/a with "
-        "one repeat).",
-        "Throughput: tokens added between two rows of metrics.jsonl divided by the wall time "
-        "between them. For local SGD the window runs from the first to the last sync that "
-        f"happened inside a training step after step {skip} (whole sync cycles, so each "
-        f"method pays for exactly its share of syncs); for `sync` and the ceiling from step "
-        f"{skip} to the end.",
-        f"Ceiling: `edit` with H = {local_steps + 1} > steps on an unlimited link, i.e. no "
-        "communication during training at all (the final sync after the last step is not "
-        "timed), measured in every repeat.",
-        "Per step: wait = sum of the syncs' `wait_s` (the training thread blocked), comm = "
-        "sum of `comm_time_s` (time inside collectives on the communication thread, "
-        "including simulated link delay, partly hidden behind computation for `edit`), "
-        "divided by the steps of the window. Overhead vs ceiling = step time - ceiling step "
-        "time.",
-        "`sync`: the gradient all-reduce runs inside `after_backward()`; its wait column is "
-        "the per-step `grad_sync_s`, and it has no comm or link-delay columns.",
-        "Per replica (from `ranks/rank{RANK}.jsonl`): utilisation = (compute_s + "
-        "sim_stall_s) / wall time from the replica's step "
-        f"{skip} to its last step; it cannot exceed 1 by construction.",
-        "The link model (docs/streaming.md section 5) is a FIFO per replica shared by its "
-        "ranks: a message waits for the link, occupies it for bytes / bandwidth (bytes a "
-        "ring algorithm transmits), then arrives after the latency; the communication "
-        "thread sleeps until then. The shard group (intra-replica) is not slowed.",
-        f"`edit-sparse`: {_options_text(SPARSE)}, overlap_steps {interval - 1} (H - 1: the "
-        "round in flight for all but one step of the next round; its bytes are 1/128 of "
-        "fp32 plus the statistics, docs/streaming.md section 4b).",
-        f"`edit-sparse-eager`: {_options_text(SPARSE_EAGER)}, overlap_steps {interval} "
-        "(H: the whole round in flight; each replica applies its own pseudo-gradient at "
-        "the launch and the others' one round later, docs/streaming.md section 3c).",
-        f"`edit-streaming`: {_options_text(STREAMING)}. Sweep rows: `edit` with the options "
-        f"named tauT-PP-DTYPE (overlap_steps, fragments, comm_dtype), at {sweep_name} only; "
-        "'x edit unlimited' divides by the plain `edit` run on the unlimited link of the "
-        "same repeat. Exposed = wait / comm (the share of the communication time the "
-        "training thread waited for).",
-    ]
+    return fill(TEXT["notes"], ctx=ctx, preset=TEXT["preset_full" if ctx.bench.mode == "full"
+                                                   else "preset_small"],
+                ceiling_interval=ctx.local_steps + 1, sparse=_options_text(SPARSE),
+                sparse_overlap=ctx.interval - 1, sparse_eager=_options_text(SPARSE_EAGER),
+                streaming=_options_text(STREAMING), sweep_name=link_name(*SWEEP_LINK))
 
 
 def _tables(ctx: Ctx) -> list[tuple[str, str]]:
@@ -430,9 +374,8 @@ def _judge(results: dict[str, Any], names: list[str],
     else:
         met = any(e is not None and e >= 0.9 for _, _, e in checked)
         detail = "; ".join(f"{n}: sync {cell(s)}x, edit {cell(e)}x" for n, s, e in checked)
-    targets = [{"name": f"edit (H = {interval}) keeps >= 0.9x of its unlimited-link throughput "
-                        "at a link where sync falls below 0.5x (medians over repeats)",
-                "met": met, "detail": detail}]
+    said, short, aims = TEXT["findings"], TEXT["shortfalls"], TEXT["targets"]
+    targets = [{"name": fill(aims["edit"], interval=interval), "met": met, "detail": detail}]
     findings, shortfalls = [], []
     link = link_name(*SWEEP_LINK)
     if UNLIMITED in names and link in names:
@@ -442,15 +385,12 @@ def _judge(results: dict[str, Any], names: list[str],
         ok = None if None in (keep, sync_keep) else (
             keep >= 0.95 and sync_keep <= 0.3 and exposed is not None and exposed <= 0.1)
         targets.append({
-            "name": f"edit-streaming keeps >= 0.95x of its unlimited-link throughput at {link} "
-                    f"where sync keeps <= 0.3x, with exposed communication <= 10% of the "
-                    "communication time (medians over repeats)",
-            "met": ok,
-            "detail": f"edit-streaming {spread_cell(st['vs_unlimited'])}x, sync "
-                      f"{spread_cell(sy['vs_unlimited'])}x, exposed "
-                      f"{spread_cell(st['exposed'])}"})
+            "name": fill(aims["streaming"], link=link), "met": ok,
+            "detail": fill(aims["streaming_detail"], kept=spread_cell(st["vs_unlimited"]),
+                           sync=spread_cell(sy["vs_unlimited"]),
+                           exposed=spread_cell(st["exposed"]))})
         if ok is False:
-            shortfalls.append(f"{link}: the streaming target is not met ({targets[-1]['detail']}).")
+            shortfalls.append(fill(short["streaming"], link=link, detail=targets[-1]["detail"]))
     for n, floor in SLOW_TARGETS.items():
         if UNLIMITED not in names or n not in names:
             continue
@@ -462,9 +402,7 @@ def _judge(results: dict[str, Any], names: list[str],
         ok = None if keep is None else (keep >= floor and exposed is not None
                                         and exposed <= 0.05)
         targets.append({
-            "name": f"the best sparse setting (edit-sparse or edit-sparse-eager) keeps >= "
-                    f"{floor}x of its unlimited-link throughput at {n}, with exposed "
-                    "communication <= 5% of the communication time (medians over repeats)",
+            "name": fill(aims["sparse"], floor=floor, n=n),
             "met": ok,
             "detail": f"{best} {spread_cell(sp['vs_unlimited'])}x, exposed "
                       f"{spread_cell(sp['exposed'])}; "
@@ -472,45 +410,37 @@ def _judge(results: dict[str, Any], names: list[str],
                                   for m in ("edit-sparse", "edit-sparse-eager",
                                             "edit-streaming") if m != best)})
         if ok is False:
-            shortfalls.append(f"{n}: the sparse target is not met ({targets[-1]['detail']}).")
+            shortfalls.append(fill(short["sparse"], link=n, detail=targets[-1]["detail"]))
     for n, s, e in checked:
         if e is None or e < 0.9:
-            shortfalls.append(f"{n}: edit keeps only {cell(e)}x of its unlimited-link "
-                              f"throughput (sync {cell(s)}x).")
+            shortfalls.append(fill(short["edit"], n=n, e=cell(e), s=cell(s)))
     for n in names:
         parts = [f"{m} {spread_cell(results[m][n]['tokens_per_s'])} tok/s"
                  f" ({cell(_med(results[m][n]['vs_ceiling']))}x ceiling)" for m in METHODS]
         findings.append(f"{n}: " + ", ".join(parts) + ".")
         for c in results["comparisons"][n]:
             if c["beyond_spread"] is not None and c["difference"] is not None:
-                findings.append(f"{n}: {c['a']} - {c['b']} = {c['difference']:+,.0f} tok/s, "
-                                + ("beyond" if c["beyond_spread"] else "within")
-                                + " the spread of the repeats.")
+                findings.append(fill(said["difference"], n=n, c=c,
+                                     where="beyond" if c["beyond_spread"] else "within"))
     for n in slow:
         for m in ("edit-streaming", "edit-sparse", "edit-sparse-eager"):
             st = results[m][n]
             w, c = _med(st["wait_s_per_step"]), _med(st["comm_time_s_per_step"])
             if w is not None and c:
-                findings.append(f"{n}: {m} waits {cell(_ms(w))} ms/step for "
-                                f"{cell(_ms(c))} ms/step of communication "
-                                f"({max(0.0, 1 - w / c):.0%} hidden) and keeps "
-                                f"{spread_cell(st['vs_unlimited'])}x of its unlimited-link "
-                                "speed.")
+                findings.append(fill(said["hidden"], n=n, m=m, wait=cell(_ms(w)),
+                                     comm=cell(_ms(c)), hidden=max(0.0, 1 - w / c),
+                                     kept=spread_cell(st["vs_unlimited"])))
     for n in slow:
         e, d = results["edit"][n], results["diloco"][n]
         ew, ec, dw = _med(e["wait_s_per_step"]), _med(e["comm_time_s_per_step"]), \
             _med(d["wait_s_per_step"])
         if ew is not None and dw is not None and ec:
             hidden = 1.0 - ew / ec
-            findings.append(
-                f"{n}: edit waits {cell(_ms(ew))} ms/step for {cell(_ms(ec))} ms/step of "
-                f"communication ({max(0.0, hidden):.0%} hidden behind the forward); diloco "
-                f"blocks {cell(_ms(dw))} ms/step.")
+            findings.append(fill(said["edit_hidden"], n=n, wait=cell(_ms(ew)),
+                                 comm=cell(_ms(ec)), hidden=max(0.0, hidden),
+                                 blocks=cell(_ms(dw))))
             if hidden < 0.5:
-                findings.append(
-                    f"{n}: plain edit (overlap_steps 0, one fragment, fp32) hides only "
-                    f"{max(0.0, hidden):.0%} of its sync communication behind the next "
-                    "forward; the streaming options are what hides it.")
+                findings.append(fill(said["edit_exposed"], n=n, hidden=max(0.0, hidden)))
     return targets, findings, shortfalls
 
 
@@ -522,8 +452,8 @@ def _headline(results: dict[str, Any], names: list[str], interval: int,
         return []
     parts = "; ".join(f"{m} " + " / ".join(spread_cell(results[m][n]["vs_unlimited"])
                                            for n in slow) for m in METHODS)
-    return [f"Throughput kept against an unlimited link at {' / '.join(slow)} (H = {interval}, "
-            f"median [min-max] of {repeats} repeat(s)): {parts}."]
+    return [fill(TEXT["headline"], links=" / ".join(slow), interval=interval, repeats=repeats,
+                 parts=parts)]
 
 
 def _plot_throughput(ctx: Ctx):
@@ -581,7 +511,7 @@ def _plot_split(ctx: Ctx):
 
 SCENARIO = Scenario(
     name="bandwidth",
-    description=DESCRIPTION,
+    description=TEXT["description"],
     setup=_setup, runs=_runs, measure=_results, judge=_verdict, notes=_notes,
     tables=[_tables], plots=[_plot_throughput, _plot_split], repeats=True,
     checks=lambda ctx: [(_ceiling(ctx), None)] + [
