@@ -30,6 +30,7 @@ from typing import Any
 
 from editrain.bench.machine import load_average
 from editrain.bench.measures import replica_stats, steady_throughput, utilisation_errors
+from editrain.bench.prose import fill, prose
 from editrain.bench.runner import Bench, child_env, repeat_label
 from editrain.bench.runs import Run, read_run
 from editrain.bench.scenario import Ctx, Job, Scenario, Verdict
@@ -37,18 +38,11 @@ from editrain.bench.stats import beyond_spread, median, spread
 from editrain.bench.tables import md_table, spread_cell, verdict_cell
 from editrain.config import ConfigError
 
+TEXT = prose("peers")
 SYSTEMS = ("torchft-diloco", "diloco", "edit", "diloco-library")
 WORKER_SYSTEMS = {"torchft-diloco": "torchft", "diloco-library": "library"}
 """The systems run by :mod:`editrain.bench.torchft_peer` (its ``system``); the others are
 ``editrain train`` runs."""
-DESCRIPTION = (
-    "torchft's DiLoCo (`torchft.local_sgd.DiLoCo` with a lighthouse and one manager per "
-    "replica group over gloo) next to editrain's `diloco` and `edit` (command line) and "
-    "`diloco` through the library API in the same loop as torchft's (`diloco-library`): "
-    "same model, data, seed, H, inner AdamW and outer Nesterov SGD; final validation loss "
-    "over the validation split and tokens per second (optional: needs the `torchft` "
-    "package)."
-)
 COMPARISONS = (("diloco", "torchft-diloco"), ("edit", "torchft-diloco"), ("edit", "diloco"),
                ("diloco-library", "torchft-diloco"), ("diloco-library", "diloco"))
 """Pairs compared on final validation loss and tokens/s against the spread of repeats."""
@@ -72,9 +66,7 @@ def torchft_version() -> str | None:
 
 
 def _unavailable() -> str | None:
-    return None if torchft_version() is not None else (
-        "skipped: torchft not installed (pip install torchft, or pip install "
-        "'editrain[peers]', to compare with it)")
+    return None if torchft_version() is not None else TEXT["unavailable"]
 
 
 def _skipped_as(reason: str) -> dict[str, Any]:
@@ -82,7 +74,7 @@ def _skipped_as(reason: str) -> dict[str, Any]:
     return {"settings": {"torchft": None}, "methods": ["torchft-diloco"],
             "results": {"torchft-diloco": {"status": "skipped", "reason": reason}},
             "tables": [("Peers", md_table(["peer", "status"], [["torchft DiLoCo", reason]]))],
-            "notes": ["A skipped peer is not a failure of editrain's benchmarks."]}
+            "notes": [TEXT["skipped_note"]]}
 
 
 def _setup(bench: Bench) -> dict[str, Any]:
@@ -97,12 +89,9 @@ def _setup(bench: Bench) -> dict[str, Any]:
     cfg = bench.config(*layers["torchft-diloco"])
     h = cfg.sync.resolve().local_sgd_sync_interval
     if cfg.train.steps % h:
-        raise ConfigError(f"bench peers: train.steps ({cfg.train.steps}) must be a multiple "
-                          f"of sync.local_sgd_sync_interval ({h}), so that every system ends "
-                          "on a sync")
+        raise ConfigError(fill(TEXT["steps_multiple"], steps=cfg.train.steps, h=h))
     if cfg.dist.shard_size != 1:
-        raise ConfigError("bench peers: torchft's side runs one process per replica group; "
-                          f"use dist.shard_size=1 (got {cfg.dist.shard_size})")
+        raise ConfigError(fill(TEXT["shard_size"], shard_size=cfg.dist.shard_size))
     return {"steps": steps, "skip": bench.pick(2, 4, 4), "timeout_s": bench.pick(300, 900, 3600),
             "layers": layers, "cfg": cfg, "h": h, "found": torchft_version(),
             "threads": cfg.dist.threads_per_proc or max(1, (os.cpu_count() or 1)
@@ -131,43 +120,10 @@ def _measure(ctx: Ctx) -> dict[str, Any]:
 
 
 def _notes(ctx: Ctx) -> list[str]:
-    cfg, steps, h, threads, skip = ctx.cfg, ctx.steps, ctx.h, ctx.threads, ctx.skip
-    timeout_s, repeats, bench = ctx.timeout_s, ctx.bench.repeats, ctx.bench
-    outer = cfg.sync.resolve()
-    return [
-        f"2 replicas x 1 process, {steps} steps, H = {h}, the {cfg.model.preset} preset, "
-        f"seed {cfg.train.seed}, inner {cfg.optim.name} (lr {cfg.train.lr}, betas "
-        f"{cfg.train.beta1}/{cfg.train.beta2}, weight decay {cfg.train.weight_decay}, "
-        f"gradient clipping {cfg.train.grad_clip}, editrain's warm-up + cosine schedule), "
-        f"outer {outer.outer_optim_class} {json.dumps(outer.outer_optim_kwargs)} for all "
-        f"four; {threads} thread(s) per process.",
-        "torchft side: a `torchft.coordination.LighthouseServer` (min_replicas = 2, "
-        "join_timeout_ms = 100) per run, one `torchft.Manager` per replica group "
-        "(use_async_quorum = False, init_sync = False: both replicas build the same model "
-        "from the seed) over `ProcessGroupGloo`, `torchft.local_sgd.DiLoCo(sync_every = H)` "
-        f"around the inner optimizer; worker processes time out after {timeout_s} s. Its "
-        "workers are set up as editrain's are: the same intra-op threads and the same "
-        "malloc settings (`editrain.malloc.keep_freed_memory`: freed memory kept for the "
-        "next step instead of page-faulted in again), so that the comparison is of the "
-        "training loops and syncs, not of the processes' heap layouts.",
-        "diloco-library: editrain's diloco through the public API (`editrain.init_mesh("
-        "shard_size=1)`, `editrain.parallelize`, `editrain.edit`, `engine.after_backward()` "
-        "and `engine.step()`) in the same worker loop as torchft's, two processes joined by "
-        "the torchrun variables; `init_mesh` sets malloc up itself, as it does for any "
-        "library user.",
-        "Validation loss: over the whole validation split"
-        + (" (tiny size: about 2,048 tokens of it)" if bench.mode == "tiny" else "")
-        + ", the same windows for every system (editrain.data.eval_batches), at step 0 "
-        "(the same initial model: the four must agree) and after the last sync (the "
-        "global model).",
-        "Throughput: tokens between two rows of metrics.jsonl over the wall time between "
-        f"them, from the first to the last sync inside a training step after step {skip} "
-        "(whole sync cycles); torchft's sync (quorum, all-reduce of the pseudo-gradients, "
-        "outer step) runs inside the inner optimizer's step and is timed there.",
-        f"{repeats} interleaved repeat(s) (torchft-diloco, diloco, edit, diloco-library; "
-        "again); median "
-        "[min-max]. A difference is 'beyond spread' when the min-max ranges do not overlap.",
-    ]
+    outer = ctx.cfg.sync.resolve()
+    return fill(TEXT["notes"], ctx=ctx, cfg=ctx.cfg, outer=outer,
+                outer_kwargs=json.dumps(outer.outer_optim_kwargs),
+                tiny=TEXT["tiny_validation"] if ctx.bench.mode == "tiny" else "")
 
 
 def run_torchft(bench: Bench, label: str, options: dict[str, Any], replicas: int,
@@ -324,8 +280,7 @@ def _results(runs: dict[str, list[Run]], skip: int) -> tuple[dict[str, Any], lis
     gap = (max(starts) - min(starts)) if all(v is not None for v in starts) else None
     results["initial_val_loss_gap"] = gap
     if gap is not None and gap > SAME_START_TOLERANCE:
-        errors.append(f"the systems start from different validation losses (gap {gap:.4g}): "
-                      "they did not train the same model on the same data")
+        errors.append(fill(TEXT["different_start"], gap=gap))
     results["speed_ratios"] = _speed_ratios(results)
     results["comparisons"] = [
         {"a": a, "b": b, "metric": metric,
@@ -339,9 +294,7 @@ def _results(runs: dict[str, list[Run]], skip: int) -> tuple[dict[str, Any], lis
 def _target(results: dict[str, Any]) -> dict[str, Any]:
     """editrain's diloco reproduces torchft's DiLoCo, through the command line and the
     library API alike: equal final losses in every repeat."""
-    name = (f"editrain's diloco (command line and library) ends at torchft DiLoCo's final "
-            f"validation loss (relative difference <= {SAME_RESULT_TOLERANCE:g} in every "
-            "repeat: same algorithm, model and data)")
+    name = fill(TEXT["targets"]["same_loss"], tolerance=SAME_RESULT_TOLERANCE)
     theirs = results["torchft-diloco"]["final_val_loss"]["values"]
     gaps = []
     for system in ("diloco", "diloco-library"):
@@ -356,8 +309,7 @@ def _target(results: dict[str, Any]) -> dict[str, Any]:
 def _speed_target(results: dict[str, Any]) -> dict[str, Any]:
     """editrain's diloco (command line and library) and edit train at least as fast as
     torchft's DiLoCo (medians)."""
-    name = ("editrain's diloco, edit and diloco-library reach at least torchft DiLoCo's "
-            "tokens/s (ratio of the medians over repeats >= 1.0)")
+    name = TEXT["targets"]["speed"]
     ratios = results["speed_ratios"]
     if any(r["median_ratio"] is None for r in ratios.values()):
         return {"name": name, "met": None, "detail": "a run failed"}
@@ -397,21 +349,19 @@ def _tolerance(metric: str, reference: dict[str, Any]) -> float:
 
 def _shortfalls(results: dict[str, Any]) -> list[str]:
     """editrain's systems slower than torchft's DiLoCo, or ending at a higher loss."""
-    out = []
+    out, said = [], TEXT["shortfalls"]
     ref = results["torchft-diloco"]
     for c in results["comparisons"]:
         if c["b"] != "torchft-diloco" or c["difference"] is None or c["beyond_spread"] is False:
             continue
         if c["metric"] == "tokens_per_s" and c["difference"] < 0:
-            out.append(f"{c['a']} runs at {spread_cell(results[c['a']]['tokens_per_s'])} "
-                       f"tok/s, torchft's DiLoCo at {spread_cell(ref['tokens_per_s'])} "
-                       f"({-c['difference'] / ref['tokens_per_s']['median']:.0%} slower) on "
-                       "the same model, data and machine"
-                       + (" (one repeat: the spread is not known)." if c["beyond_spread"]
-                          is None else "."))
+            out.append(fill(said["slower"], c=c,
+                            mine=spread_cell(results[c["a"]]["tokens_per_s"]),
+                            theirs=spread_cell(ref["tokens_per_s"]),
+                            slower=-c["difference"] / ref["tokens_per_s"]["median"],
+                            one=said["one_repeat"] if c["beyond_spread"] is None else "."))
         if c["metric"] == "final_val_loss" and c["difference"] > _tolerance(c["metric"], ref):
-            out.append(f"{c['a']} ends at a validation loss {c['difference']:.4g} above "
-                       "torchft's DiLoCo.")
+            out.append(fill(said["higher_loss"], c=c))
     return out
 
 
@@ -453,19 +403,16 @@ def _comparison_table(results: dict[str, Any]) -> str:
 
 def _findings(results: dict[str, Any], repeats: int, steps: int, h: int) -> list[str]:
     """Plain sentences from the numbers."""
-    out = []
+    out, said = [], TEXT["findings"]
     gap = results["initial_val_loss_gap"]
     if gap is not None:
-        out.append(f"All four start from the same validation loss (largest gap {gap:.2g}): "
-                   "same model, same validation windows.")
+        out.append(fill(said["same_start"], gap=gap))
     syncs = results["torchft-diloco"]["num_syncs"]
     if syncs is not None:
-        out.append(f"torchft committed {syncs:.0f} of the {steps // h} syncs (median over "
-                   "repeats).")
+        out.append(fill(said["syncs"], syncs=syncs, planned=steps // h))
     for system, r in results["speed_ratios"].items():
         if r["median_ratio"] is not None:
-            out.append(f"{system} runs at {r['median_ratio']:.3f}x torchft DiLoCo's tokens/s "
-                       f"(ratio of medians; within each repeat {_range(r['paired'])}).")
+            out.append(fill(said["speed"], system=system, r=r, paired=_range(r["paired"])))
     for c in results["comparisons"]:
         if c["difference"] is None:
             continue
@@ -482,13 +429,12 @@ def _headline(results: dict[str, Any], repeats: int) -> list[str]:
     """The report's summary sentence."""
     parts = "; ".join(f"{s} {spread_cell(results[s]['final_val_loss'])} at "
                       f"{spread_cell(results[s]['tokens_per_s'])} tok/s" for s in SYSTEMS)
-    return [f"Final validation loss and throughput, median [min-max] of {repeats} "
-            f"repeat(s): {parts}."]
+    return [fill(TEXT["headline"], repeats=repeats, parts=parts)]
 
 
 SCENARIO = Scenario(
     name="peers",
-    description=DESCRIPTION,
+    description=TEXT["description"],
     unavailable=_unavailable, skipped_as=_skipped_as, setup=_setup, runs=_runs,
     measure=_measure, notes=_notes, repeats=True, methods=lambda ctx: SYSTEMS,
     checks=lambda ctx: [],  # setup checked every system's options (and the peer's limits)
