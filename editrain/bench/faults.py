@@ -39,28 +39,22 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from editrain.bench.prose import fill, prose
 from editrain.bench.runner import Bench, repeat_label
 from editrain.bench.runs import Run
 from editrain.bench.scenario import Ctx, Job, Scenario, Table, Verdict
 from editrain.bench.stats import spread
 from editrain.bench.tables import spread_cell
 
+TEXT = prose("faults")
 SYSTEMS = ("ft", "ft-fail", "plain", "restart-fail")
-DESCRIPTION = (
-    "One replica dies mid-run: the fault-tolerant mode (`--ft`, torchft; the others train "
-    "on, the dead one restarts and heals from a live peer) against restart-from-checkpoint "
-    "(`--max-restarts 1`: every worker restarts from the last checkpoint); useful tokens, "
-    "useful throughput, time lost and final validation loss, against the no-failure run of "
-    "the same mode (optional: needs the `torchft` package)."
-)
 REPLICAS = 2
 
 
 def _unavailable() -> str | None:
     from editrain.sync.ft import torchft_available
 
-    return None if torchft_available() else \
-        "skipped: torchft not installed (pip install 'editrain[ft]')"
+    return None if torchft_available() else TEXT["unavailable"]
 
 
 def _setup(bench: Bench) -> dict[str, Any]:
@@ -96,31 +90,7 @@ def _results(ctx: Ctx) -> dict[str, Any]:
 
 
 def _notes(ctx: Ctx) -> list[str]:
-    return [
-        f"{REPLICAS} replicas x 1 process, edit, {ctx.steps} steps, H = {ctx.interval}; "
-        f"replica {REPLICAS - 1} is killed (abrupt exit of its processes) right after step "
-        f"{ctx.fail_at} (mid-window); `ft-fail` restarts its group {ctx.restart_s:g} s later "
-        "(as torch elastic restarts at once), `restart-fail` restarts every worker from the "
-        f"last checkpoint (every {ctx.ckpt_every} steps; checkpoint and evaluation time are "
-        "inside the wall time, as a user pays them). "
-        f"The lighthouse drops a silent replica after {ctx.heartbeat_s:g} s "
-        f"(dist.ft_heartbeat_timeout_s; heartbeats every {ctx.beat_every_s:g} s, "
-        "dist.ft_heartbeat_interval_s): a survivor that reaches its next sync sooner waits "
-        "there for the rest of that time.",
-        "Wall time: the whole launch (process start-up included), measured by the bench.",
-        "Useful tokens: tokens that went into the final model (see the module docstring of "
-        "editrain/bench/faults.py); a run's tokens per step per rank from its batch size, "
-        "sequence length and accumulation.",
-        "Window W: from each run's first training step until the first rank of any of "
-        "the repeat's runs has finished its step budget (so that no replica's count in W "
-        "is capped by the budget). Dead replica's share of W: its downtime (the "
-        "launcher's death record to the rejoined group's `ft_join` row) plus its steps "
-        "since its last sync (at the no-failure run's step time), / W / replicas. The "
-        "survivor's and the dead replica's losses: each replica's useful tokens in W "
-        "against the same replica's in the no-failure run.",
-        f"{ctx.bench.repeats} interleaved repeat(s); median [min-max] of per-repeat values; "
-        "ratios are taken within a repeat.",
-    ]
+    return fill(TEXT["notes"], ctx=ctx, replicas=REPLICAS, dead=REPLICAS - 1)
 
 
 # ---------------------------------------------------------------------------- measures
@@ -310,55 +280,36 @@ def _target(results: dict[str, Any]) -> dict[str, Any]:
     check = results["ft_check"]
     n, held = check["repeats"], check["held"]
     diff = check["loss_minus_share"]
-    name = ("ft loses at most the dead replica's share of the window (median over repeats "
-            "of the loss minus the share)")
+    said = TEXT["target"]
+    name = said["name"]
     if not n:
-        return {"name": name, "met": None,
-                "detail": "not evaluated: no repeat with both numbers"}
+        return {"name": name, "met": None, "detail": said["none"]}
     survivor = _get(results, "ft-fail", "survivor_window_loss")
     return {"name": name, "met": diff["median"] <= 0,
-            "detail": f"useful tokens lost in the window minus the dead replica's share: "
-                      f"{spread_cell(diff, 100)} percentage points; held in {held} of {n} "
-                      "repeats on their own; the survivor's own loss in the window: "
-                      f"{spread_cell(survivor, 100)}%"}
+            "detail": fill(said["detail"], diff=spread_cell(diff, 100), held=held, n=n,
+                           survivor=spread_cell(survivor, 100))}
 
 
 def _findings(results: dict[str, Any]) -> list[str]:
-    out = []
+    out, said = [], TEXT["findings"]
     ft, rs = results.get("ft-fail", {}), results.get("restart-fail", {})
     if (ft.get("window_loss") or {}).get("n") and (rs.get("window_loss") or {}).get("n"):
         share = (ft.get("dead_share") or {}).get("median")
-        out.append(f"In the window W (until the first rank of any run had finished its "
-                   f"budget), the "
-                   f"fault-tolerant mode lost {ft['window_loss']['median'] * 100:.1f}% of "
-                   f"its useful tokens and restart-from-checkpoint "
-                   f"{rs['window_loss']['median'] * 100:.1f}% (medians)"
-                   + ("." if share is None else
-                      f"; the dead replica's share of W was {share * 100:.1f}%."))
+        out.append(fill(said["window"], ft=ft, rs=rs, share="." if share is None else
+                        fill(said["share"], share=share)))
     survivor, dead = ft.get("survivor_window_loss"), ft.get("dead_window_loss")
     if (survivor or {}).get("n") and (dead or {}).get("n"):
-        out.append(f"Per replica, in W: the survivor lost {survivor['median'] * 100:.1f}% "
-                   f"[{survivor['min'] * 100:.1f} to {survivor['max'] * 100:.1f}] of its "
-                   f"useful tokens (what the failure cost the replica that did not fail: "
-                   f"waiting for the dead replica to be declared dead and serving its heal, "
-                   f"against running alone, uncontended, meanwhile), the dead replica "
-                   f"{dead['median'] * 100:.1f}% of its own.")
+        out.append(fill(said["per_replica"], survivor=survivor, dead=dead,
+                        low=survivor["min"] * 100, high=survivor["max"] * 100))
     if ft.get("throughput_loss") and rs.get("throughput_loss"):
-        out.append(f"With one replica killed, the fault-tolerant mode lost "
-                   f"{ft['throughput_loss']['median'] * 100:.1f}% of its useful throughput "
-                   f"(median) and restart-from-checkpoint "
-                   f"{rs['throughput_loss']['median'] * 100:.1f}%, each against its own "
-                   "no-failure run.")
+        out.append(fill(said["throughput"], ft=ft, rs=rs))
     clean_ft, clean_plain = results.get("ft", {}), results.get("plain", {})
     if clean_ft.get("useful_tokens_per_s") and clean_plain.get("useful_tokens_per_s"):
         ratio = (clean_ft["useful_tokens_per_s"]["median"]
                  / clean_plain["useful_tokens_per_s"]["median"])
-        out.append(f"Without a failure the fault-tolerant mode ran at {ratio:.2f}x the plain "
-                   "mode's useful tokens/s (medians): its rounds are blocking (no layer-wise "
-                   "overlap), plus torchft's quorum at every sync.")
+        out.append(fill(said["clean"], ratio=ratio))
     if ft.get("time_lost_s") and rs.get("time_lost_s"):
-        out.append(f"Time lost: {ft['time_lost_s']['median']:.1f} s (ft) vs "
-                   f"{rs['time_lost_s']['median']:.1f} s (restart), median.")
+        out.append(fill(said["time_lost"], ft=ft, rs=rs))
     return out
 
 
@@ -367,13 +318,12 @@ def _headline(results: dict[str, Any]) -> list[str]:
     a, b = (ft.get("window_loss") or {}).get("median"), (rs.get("window_loss") or {}).get("median")
     if a is None or b is None:
         return []
-    return [f"one replica killed: in a fixed window --ft loses {a * 100:.1f}% of its useful "
-            f"tokens, restart-from-checkpoint {b * 100:.1f}%"]
+    return [fill(TEXT["headline"], a=a, b=b)]
 
 
 SCENARIO = Scenario(
     name="faults",
-    description=DESCRIPTION,
+    description=TEXT["description"],
     unavailable=_unavailable, setup=_setup, measure=_results, notes=_notes, tables=TABLES,
     runs=lambda ctx: [Job(repeat_label(s, rep), ctx.layers[s], title=f"{s} repeat {rep + 1}")
                       for rep in range(ctx.bench.repeats) for s in SYSTEMS],
