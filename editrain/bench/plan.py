@@ -16,17 +16,14 @@ from typing import Any
 
 from editrain.bench.measures import replica_stats, steady_throughput
 from editrain.bench.plots import pyplot, save_figure
+from editrain.bench.prose import fill, prose
 from editrain.bench.runner import Bench
 from editrain.bench.runs import Run
 from editrain.bench.scenario import Ctx, Job, Scenario, Verdict
 from editrain.bench.tables import cell, md_table
 
-DESCRIPTION = (
-    "`editrain plan --calibrate` on a few runs (on the simulated 5 MB/s + 5 ms link; with a "
-    "2x straggler; with random stalls) predicts runs it did not see (other methods, H, "
-    "links, overlap, fragments, codecs, A-EDiT) from their settings alone: predicted "
-    "against measured tokens/s, utilisation and exposed communication."
-)
+TEXT = prose("plan")
+DESCRIPTION = TEXT["description"]
 CAL_LINK = ("5MB/s", "5ms")
 STRAGGLER = {"straggler": ["1=2"]}
 STALL = {"random_stall": "0.1,0.2"}
@@ -150,59 +147,8 @@ def _results(ctx: Ctx) -> dict[str, Any]:
 
 
 def _notes(ctx: Ctx) -> list[str]:
-    interval, steps, sync_steps, skip = ctx.interval, ctx.steps, ctx.sync_steps, ctx.skip
-    return [
-        ("The tiny preset with untied embeddings (5 sync units). " if ctx.bench.mode != "full"
-         else "The small preset. ")
-        + f"2 replicas x 1 shard; local methods sync every H = {interval} steps (unless the "
-        f"label says otherwise) and train {steps} steps, `sync` on a simulated link "
-        f"{sync_steps}; "
-        "A-EDiT's window is H x the step time (compute + overhead) of the fast replica in "
-        "the calibration run before it. Evaluation only at the end. One run per setting.",
-        "Groups, each its own hardware: `link` (the simulated 5 MB/s + 5 ms link; "
-        "calibration: edit fp32 and edit int8 with 4 fragments), `straggler` (replica 1 2x "
-        "slower, unlimited link; calibration: edit), `stall` (random stalls, probability "
-        "0.1 per step of 0.2 s, unlimited link; calibration: edit). Held-out runs differ in "
-        "method, H, fragments, overlap, codec or link. On this shared 2-core machine a "
-        "replica that sleeps (a simulated straggler or stall) frees a core for the other, "
-        "so how fast each replica computes is part of the group's hardware.",
-        "Every held-out run lies between two calibration runs of its group; it is "
-        "predicted with their mean compute speed, overhead and spread (the machine's speed "
-        "drifts with its load) and with the link fitted on all of the group's calibration "
-        "runs. 'calibrated on' names them.",
-        "Calibration (`editrain.plan.calibrate`): compute per step = the fastest "
-        f"replica's mean `compute_s` after step {skip}, split into the compute of a step "
-        "with no round beside it and the slowdown per round that runs beside the compute "
-        "(layer-wise, overlapped or fragment rounds; the communication thread's CPU work "
-        "on the shared cores): a least-squares line of the runs' mean compute against "
-        "their rounds per step where the calibration runs launch them at different rates "
-        "(`link`), else within the runs (the steps a round ran beside against the "
-        "others); overhead = the median over steps without a "
-        "sync of the `train_time_s` advance minus compute and waits; straggler spread = "
-        "the slow replica's mean busy time (compute + simulated slowdown) over the fast "
-        "one's mean compute, minus 1 (used in the straggler group only); the machine's own "
-        "communication cost = a least-squares fit of `comm_time_s - link_delay_s` (the "
-        "simulated link's share, logged per sync), less the time rank 0 waited in the "
-        "round's first collective for the other replica to launch it (from the rank logs' "
-        "`unix_time`), against collectives and bytes per round, fitted on the `link` "
-        "group's calibration runs and used by the other groups too (the machine's, not "
-        "the link's: on an unlimited link their few, alike rounds cannot separate it).",
-        "Prediction: `editrain.plan.predict` on a cluster of 2 nodes x 1 GPU with the "
-        "calibrated step time, slowdown per round beside the compute (added for the "
-        "settings whose rounds run beside it, none for blocking rounds and sync), "
-        "overhead and spread, the run's simulated link plus the "
-        "machine's own cost per collective and per byte (`latency_per = collective`: the "
-        "simulated link charges its latency per collective), and the run's stall "
-        "probability and length; the method, H, fragments, overlap, codec and A-EDiT "
-        "window read from the run's `config.toml`. Nothing measured in a held-out run "
-        "enters its prediction.",
-        "Measured: tokens/s over whole sync cycles after step "
-        f"{skip} (`editrain.bench.measures.steady_throughput`, as in the bandwidth "
-        "benchmark); utilisation = (compute_s + sim_stall_s) / wall time per rank, mean "
-        "over the ranks, over the same whole sync cycles (A-EDiT, whose replicas count "
-        "their steps apart: from each rank's step 4 to its end, `replica_stats`); exposed "
-        "communication = the syncs' `wait_s` per step (`sync`: `grad_sync_s`).",
-    ]
+    return fill(TEXT["notes"], ctx=ctx, preset=TEXT["preset_small" if ctx.bench.mode != "full"
+                                                   else "preset_full"])
 
 
 def _verdict(ctx: Ctx) -> Verdict:
@@ -415,45 +361,32 @@ def _judge(rows: dict[str, dict[str, Any]]) -> tuple[list[dict[str, Any]], list[
              if e.get("utilisation_diff") is not None]
     med_t = statistics.median(errs) if errs else None
     med_u = statistics.median(udiff) if udiff else None
+    aims, said = TEXT["targets"], TEXT["findings"]
     targets = [
-        {"name": "held-out tokens/s predicted within 10% of measured (median over the "
-                 "held-out settings)", "met": None if med_t is None else med_t <= 0.10,
-         "detail": f"median error {cell(med_t)}, worst {cell(max(errs) if errs else None)} "
-                   f"over {len(errs)} setting(s)"},
-        {"name": "held-out utilisation predicted within 0.05 of measured (median over the "
-                 "held-out settings)", "met": None if med_u is None else med_u <= 0.05,
-         "detail": f"median |difference| {cell(med_u)}, worst "
-                   f"{cell(max(udiff) if udiff else None)}"},
+        {"name": aims["tokens"], "met": None if med_t is None else med_t <= 0.10,
+         "detail": fill(aims["tokens_detail"], med=cell(med_t), n=len(errs),
+                        worst=cell(max(errs) if errs else None))},
+        {"name": aims["utilisation"], "met": None if med_u is None else med_u <= 0.05,
+         "detail": fill(aims["utilisation_detail"], med=cell(med_u),
+                        worst=cell(max(udiff) if udiff else None))},
     ]
-    findings = [
-        f"{k}: predicted {e['predicted']['tokens_per_s']:,.0f} tok/s, measured "
-        f"{e['measured']['tokens_per_s']:,.0f} ({e['tokens_ratio']:.3f}x); utilisation "
-        f"{e['predicted']['utilisation']:.3f} vs {e['measured']['utilisation']:.3f}; exposed "
-        f"{cell(_ms(e['predicted']['exposed_comm_s']))} vs "
-        f"{cell(_ms(e['measured']['exposed_comm_s']))} ms/step."
-        for k, e in ok.items() if e["measured"]["utilisation"] is not None]
+    findings = [fill(said["run"], k=k, e=e, predicted=cell(_ms(e["predicted"]["exposed_comm_s"])),
+                     measured=cell(_ms(e["measured"]["exposed_comm_s"])))
+                for k, e in ok.items() if e["measured"]["utilisation"] is not None]
     matched = [abs(e["compute_matched"]["tokens_per_s"] / e["measured"]["tokens_per_s"] - 1)
                for e in ok.values() if e.get("compute_matched")]
     if matched:
         drift = [abs(e["compute_s"]["measured"] / e["compute_s"]["calibrated"] - 1)
                  for e in ok.values() if e.get("compute_s")]
-        findings.append(
-            "Compute per step: a held-out run computed "
-            f"{statistics.median(drift):.0%} (median; worst {max(drift):.0%}) faster or "
-            "slower per step than predicted (the calibration runs around it, plus the "
-            "slowdown of its rounds beside the compute; the machine is shared and drifts). "
-            "Predicted with each run's own mean compute per step instead (a diagnostic of "
-            "the communication, overlap and straggler model alone, not a prediction), "
-            f"tokens/s are within {statistics.median(matched):.1%} (median; worst "
-            f"{max(matched):.1%}).")
+        findings.append(fill(said["compute"], drift=statistics.median(drift),
+                             worst_drift=max(drift), matched=statistics.median(matched),
+                             worst_matched=max(matched)))
     bad = [k for k, e in ok.items() if abs(e["tokens_ratio"] - 1) > 0.10]
     if bad:
-        findings.append("Off by more than 10% in tokens/s: " + ", ".join(
-            f"{k} ({ok[k]['tokens_ratio']:.3f}x)" for k in bad) + ".")
-    headline = ([f"Held-out tokens/s predicted within {med_t:.1%} of measured (median of "
-                 f"{len(errs)} settings, worst {max(errs):.1%}); utilisation within "
-                 f"{cell(med_u)} (median, worst {cell(max(udiff))})."]
-                if errs and udiff else [])
+        findings.append(fill(said["off"], runs=", ".join(
+            f"{k} ({ok[k]['tokens_ratio']:.3f}x)" for k in bad)))
+    headline = ([fill(TEXT["headline"], med_t=med_t, n=len(errs), worst=max(errs),
+                      med_u=cell(med_u), worst_u=cell(max(udiff)))] if errs and udiff else [])
     return targets, findings, headline
 
 
@@ -482,7 +415,7 @@ def _plot(bench: Bench, rows: dict[str, dict[str, Any]]):
 
 SCENARIO = Scenario(
     name="plan",
-    description=DESCRIPTION,
+    description=TEXT["description"],
     setup=_setup, runs=_runs, measure=_results, judge=_verdict, notes=_notes,
     plots=[lambda ctx: _plot(ctx.bench, ctx.results["held_out"])],
     checks=lambda ctx: [(_layers(ctx, {**sync, "local_sgd_sync_time": 1.0}
