@@ -14,11 +14,13 @@ from typing import Any
 
 from editrain.bench.measures import val_curve
 from editrain.bench.options import pick_names
+from editrain.bench.prose import fill, prose
 from editrain.bench.runner import Bench
 from editrain.bench.scenario import Ctx, Job, Scenario, Table, Verdict, figure
 from editrain.bench.stats import mean_std, median, paired_differences
 from editrain.bench.tables import mean_pm
 
+TEXT = prose("convergence")
 STREAMING = {"fragments": 3, "comm_dtype": "int8"}
 """Streaming settings (the tiny preset has 3 sync units: root, 2 blocks); overlap_steps is
 H / 8 (at least 1), the share of the bandwidth scenario's 4 of 32."""
@@ -58,12 +60,6 @@ RECIPE_H: dict[str, int] = {"edit-recipe": 20, "edit-recipe-h10": 10}
 """H of each recipe variant (20: the tuning study's best level; ``edit-recipe-h10``: syncs
 twice as often); the other variants use the scenario's H."""
 METHODS = tuple(VARIANTS)
-DESCRIPTION = (
-    "Validation loss against tokens for synchronous training (`sync`), Post-Local SGD, "
-    "DiLoCo, EDiT and A-EDiT at an equal token budget, on the same model, data, seeds and "
-    "simulated cluster (no link or straggler simulation), with per-seed paired differences "
-    "against `diloco` and `sync`."
-)
 REFERENCES = ("diloco", "sync", "edit", "edit-streaming")
 """Methods every other method is compared with, seed by seed (those that ran)."""
 
@@ -126,8 +122,8 @@ def _setup(bench: Bench) -> dict[str, Any]:
     common, steps, interval, eval_every = common_options(bench)
     seeds, variants = int(bench.flags.get("seeds") or bench.pick(1, 1, 3)), chosen_variants(bench)
     if bench.mode == "full":
-        bench.log(f"{seeds * len(variants)} runs of {steps} steps ({len(variants)} methods x "
-                  f"{seeds} seeds, tiny preset): this may take about an hour or more on 2 cores")
+        bench.log(fill(TEXT["full_size"], runs=seeds * len(variants), steps=steps,
+                       variants=len(variants), seeds=seeds))
     return {"common": common, "steps": steps, "interval": interval, "eval_every": eval_every,
             "seeds": seeds, "variants": variants, "periods": []}
 
@@ -190,40 +186,13 @@ def _judge(ctx: Ctx) -> Verdict:
 
 
 def _notes(ctx: Ctx) -> list[str]:
-    steps, interval, seeds, periods = ctx.steps, ctx.interval, ctx.seeds, ctx.periods
-    return [
-        f"{steps} inner steps per replica for every method (equal tokens), "
-        f"H = {interval} for the local-SGD methods, validation about every {ctx.eval_every} "
-        "steps (at syncs for local SGD) over the whole validation split"
-        + (" (tiny size: about 2,048 tokens of it)" if ctx.bench.mode == "tiny" else "")
-        + ", 2 replicas, the tiny model preset.",
-        f"Seeds: {seeds} (seeds 0..{seeds - 1}; seed sets model init and data order), all "
-        "methods of a seed before the next seed."
-        + (" One seed: the spread is not measured." if seeds == 1 else ""),
-        "Paired difference: per seed, the method's final validation loss minus the "
-        "reference's (same seed: same initial model and data order), then mean +- std over "
-        "seeds; 'same sign' says whether every seed agrees with the mean's sign.",
-        "A-EDiT syncs on a wall-clock period set to H times the median step time of the "
-        "EDiT run of the same seed" + (f" ({', '.join(f'{p:.2f}' for p in periods)} s)"
-                                       if periods else "") + ".",
-        "The curve of each method is the mean over seeds of its validation losses, "
-        "interpolated on the evaluation points of its first seed.",
-        "edit-streaming: edit with overlap_steps " + str(max(1, interval // 8)) + ", "
-        + ", ".join(f"{k} {v}" for k, v in STREAMING.items())
-        + " and merge keep_local (edit-streaming-blend: merge blend, merge_alpha 0; "
-        "edit-streaming-int4: comm_dtype int4); edit-topk2: edit with comm_dtype topk2 "
-        f"(64 of every 4096 values, 2 bits, error feedback decay 0.95); edit-sparse: the "
-        f"same with merge keep_local and overlap_steps {interval - 1} (H - 1); "
-        f"edit-eager / edit-sparse-eager: edit in fp32 / topk2 with merge eager and "
-        f"overlap_steps {interval} (H: a whole round in flight); with "
-        "fragments or delayed updates the replicas never all hold one model, so these "
-        "variants are evaluated on the anchors (the global model), docs/streaming.md.",
-        f"edit-recipe: edit with bench tune's recipe: synchronous warm-up for the first "
-        f"{steps // 4} steps (a quarter of the run), H = {RECIPE_H['edit-recipe']}, outer "
-        "SGD at lr 1 without momentum; the inner learning rate stays at the other methods' "
-        "(the recipe's higher one is left out: synchronous training shares it); "
-        "edit-recipe-h10: the same with H = 10.",
-    ]
+    periods = f" ({', '.join(f'{p:.2f}' for p in ctx.periods)} s)" if ctx.periods else ""
+    return fill(TEXT["notes"], ctx=ctx, last_seed=ctx.seeds - 1, periods=periods,
+                tiny=TEXT["tiny_validation"] if ctx.bench.mode == "tiny" else "",
+                one_seed=TEXT["one_seed_note"] if ctx.seeds == 1 else "",
+                overlap=max(1, ctx.interval // 8), sparse_overlap=ctx.interval - 1,
+                streaming=", ".join(f"{k} {v}" for k, v in STREAMING.items()),
+                warmup=ctx.steps // 4, recipe_h=RECIPE_H["edit-recipe"])
 
 
 def _h(ctx: Ctx, method: str) -> str:
@@ -254,27 +223,25 @@ def _headline(results: dict[str, Any], seeds: int, steps: int) -> list[str]:
     e = results.get("edit") or {}
     pairs = "; ".join(f"edit - {ref} per seed {mean_pm(e[f'paired_vs_{ref}'])}"
                       for ref in ("diloco", "sync") if f"paired_vs_{ref}" in e)
-    out = [f"Final validation loss after {steps} steps ({seeds} seed(s)): {losses}"
-           + (f"; {pairs}" if pairs else "") + "."]
+    said = TEXT["headline"]
+    out = [fill(said["losses"], steps=steps, seeds=seeds, losses=losses,
+                pairs=f"; {pairs}" if pairs else "")]
     for variant in (v for v in RECIPE_H if v in results and "sync" in results):
         t = recipe_target(results, variant)
         if t["met"] is not None:
-            out.append(f"EDiT with bench tune's recipe (H = {RECIPE_H[variant]}): "
-                       f"{t['detail']}.")
+            out.append(fill(said["recipe"], h=RECIPE_H[variant], detail=t["detail"]))
     if "edit-streaming" in results and "edit" in results and "diloco" in results:
         s = results["edit-streaming"]
-        out.append(f"Streaming EDiT (overlap_steps H/8, "
-                   f"{', '.join(f'{k} {v}' for k, v in STREAMING.items())}, "
-                   f"keep_local): edit-streaming - edit per seed {mean_pm(s['paired_vs_edit'])}"
-                   f", edit-streaming - diloco {mean_pm(s['paired_vs_diloco'])}.")
+        out.append(fill(said["streaming"], vs_edit=mean_pm(s["paired_vs_edit"]),
+                        streaming=", ".join(f"{k} {v}" for k, v in STREAMING.items()),
+                        vs_diloco=mean_pm(s["paired_vs_diloco"])))
     return out
 
 
 def _target(results: dict[str, Any], seeds: int) -> dict[str, Any]:
     """edit no worse than diloco: the mean paired difference is at most its std over seeds
     (at most 0.5% of diloco's loss with one seed)."""
-    name = ("edit reaches a final validation loss no worse than diloco (paired by seed: mean "
-            "difference within its std over seeds; within 0.5% with one seed)")
+    name = TEXT["targets"]["edit"]
     if "edit" not in results or "diloco" not in results:
         return {"name": name, "met": None, "detail": "edit or diloco was not run"}
     d = results["edit"]["paired_vs_diloco"]
@@ -283,8 +250,7 @@ def _target(results: dict[str, Any], seeds: int) -> dict[str, Any]:
         return {"name": name, "met": None, "detail": "a run failed"}
     tol = (d["std"] or 0.0) if seeds > 1 else 0.005 * ref
     return {"name": name, "met": d["mean"] <= tol,
-            "detail": f"edit - diloco {mean_pm(d)} over {d['n']} seed(s), tolerance "
-                      f"{tol:.4f}"}
+            "detail": fill(TEXT["targets"]["edit_detail"], pm=mean_pm(d), d=d, tol=tol)}
 
 
 RECIPE_GAP = 0.02
@@ -296,16 +262,15 @@ def recipe_target(results: dict[str, Any], variant: str = "edit-recipe") -> dict
     (the mean of the per-seed paired differences, relative to sync's mean) and below
     diloco's."""
     h = f" (H = {RECIPE_H[variant]})" if variant in RECIPE_H else ""
-    name = (f"{variant}{h} ends within {RECIPE_GAP:.0%} of synchronous training's "
-            "validation loss at equal tokens (paired by seed) and below diloco's")
+    name = fill(TEXT["targets"]["recipe"], variant=variant, h=h, gap=RECIPE_GAP)
     r = results.get(variant) or {}
     vs_sync, vs_diloco = r.get("paired_vs_sync"), r.get("paired_vs_diloco")
     if not vs_sync or not vs_diloco or vs_sync["mean"] is None or vs_diloco["mean"] is None:
         return {"name": name, "met": None, "detail": f"sync, diloco or {variant} did not run"}
     gap = vs_sync["mean"] / results["sync"]["final_val_loss"]["mean"]
     return {"name": name, "met": gap <= RECIPE_GAP and vs_diloco["mean"] < 0,
-            "detail": f"{variant} - sync {mean_pm(vs_sync)} ({gap:+.1%} of sync's loss); "
-                      f"{variant} - diloco {mean_pm(vs_diloco)}"}
+            "detail": fill(TEXT["targets"]["recipe_detail"], variant=variant, gap=gap,
+                           vs_sync=mean_pm(vs_sync), vs_diloco=mean_pm(vs_diloco))}
 
 
 def _mean_curve(curves: list[list[tuple[float, float, float]]]) -> list[tuple[float, float]]:
@@ -336,7 +301,7 @@ def _findings(results: dict[str, Any], seeds: int) -> list[str]:
     """Plain sentences comparing the methods, generated from the numbers."""
     means = {m: r["final_val_loss"]["mean"] for m, r in results.items()
              if r["final_val_loss"]["mean"] is not None}
-    out = []
+    out, said = [], TEXT["findings"]
     if means:
         order = sorted(means, key=means.get)
         out.append("Final validation loss, best first: "
@@ -353,31 +318,28 @@ def _findings(results: dict[str, Any], seeds: int) -> list[str]:
             verdict = "better" if d["mean"] < 0 else "worse"
             text = f"{a} is {abs(d['mean']):.4f} {verdict} than {ref}"
             if seeds > 1:
-                text += (f" (paired over {d['n']} seeds, std {d['std']:.4f}; "
-                         + ("every seed agrees" if d["same_sign"] else "the seeds disagree")
-                         + ")")
+                text += fill(said["paired"], d=d, agree="every seed agrees" if d["same_sign"]
+                             else "the seeds disagree")
             out.append(text + ".")
     for m, r in results.items():
         curve = list(zip(r["curve_tokens"], r["curve_val_loss"]))
         if len(curve) >= 3:
             best_tokens, best = min(curve, key=lambda p: p[1])
             if curve[-1][1] > best + 0.02:
-                out.append(f"{m} ends {curve[-1][1] - best:.3f} above its best validation loss "
-                           f"({best:.4f} at {best_tokens:,.0f} tokens): it got worse while "
-                           "training went on.")
+                out.append(fill(said["got_worse"], m=m, above=curve[-1][1] - best, best=best,
+                                best_tokens=best_tokens))
     ref = (results.get("sync") or {}).get("tokens")
     got = (results.get("aedit") or {}).get("tokens")
     if ref and got and got != ref:
-        out.append(f"aedit processed {got:,} tokens instead of {ref:,} ({got / ref - 1:+.1%}): "
-                   "A-EDiT ends at the sync where its estimate of the token budget runs out.")
+        out.append(fill(said["aedit_tokens"], got=got, ref=ref, change=got / ref - 1))
     if seeds == 1:
-        out.append("One seed only: differences this small may be noise.")
+        out.append(said["one_seed"])
     return out
 
 
 SCENARIO = Scenario(
     name="convergence",
-    description=DESCRIPTION,
+    description=TEXT["description"],
     setup=_setup, runs=_runs, measure=_results, judge=_judge, notes=_notes, plots=[_plot],
     checks=lambda ctx: [((ctx.common, {"sync": {"local_sgd_sync_interval": ctx.interval}}),
                          None)],
