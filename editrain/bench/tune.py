@@ -17,18 +17,13 @@ from __future__ import annotations
 from typing import Any
 
 from editrain.bench.plots import pyplot, save_figure
+from editrain.bench.prose import fill, prose
 from editrain.bench.runner import Bench
 from editrain.bench.scenario import Ctx, Job, Scenario, Table, Verdict
 from editrain.bench.stats import mean_std, paired_differences
 from editrain.bench.tables import percent
 
-DESCRIPTION = (
-    "What closes the gap between EDiT and synchronous training at equal tokens: one factor "
-    "at a time around EDiT's defaults of before the study (synchronous warm-up, H, outer learning rate and "
-    "momentum, inner learning rate, the penalty, tokens per parameter, model shape), each "
-    "run paired by seed with synchronous training on the same model, data and tokens; then "
-    "the combination of each factor's best level (the recipe)."
-)
+TEXT = prose("tune")
 OUTER_LR = 0.7
 OUTER_MOMENTUM = 0.9
 """The base's outer SGD (Nesterov; EDiT's default until the study's recipe replaced it)."""
@@ -156,49 +151,33 @@ def _judge(ctx: Ctx) -> Verdict:
     base_row = rows[("base", "")]
     rec_key = next(k for k in rows if k[0] == "recipe")
     rec = rows[rec_key]
+    said = TEXT["target"]
     target = {
-        "name": "the recipe's EDiT ends within 2% of synchronous training's validation loss "
-                "at equal tokens (paired over seeds)",
+        "name": said["name"],
         "met": None if rec["relative_gap"] is None else rec["relative_gap"] <= 0.02,
-        "detail": f"recipe gap {_pm(rec['gap'])} ({percent(rec['relative_gap'])}); base gap "
-                  f"{_pm(base_row['gap'])} ({percent(base_row['relative_gap'])})"}
+        "detail": fill(said["detail"], recipe=_pm(rec["gap"]),
+                       recipe_share=percent(rec["relative_gap"]), base=_pm(base_row["gap"]),
+                       base_share=percent(base_row["relative_gap"]))}
     best_key = min((k for k in rows if not k[0].startswith("recipe, ")
                     and k[0] not in SYNC_FACTORS and rows[k]["relative_gap"] is not None),
                    key=lambda k: rows[k]["relative_gap"], default=None)
     shortfalls = []
     if target["met"] is False:
         best = "" if best_key is None else (
-            f"; the best setting tried, {best_key[0]} {best_key[1]}".rstrip() + ", "
+            fill(said["best"], factor=best_key[0], level=best_key[1]).rstrip() + ", "
             f"{percent(rows[best_key]['relative_gap'])}")
-        shortfalls.append(f"The recipe does not bring EDiT within 2% of synchronous "
-                          f"training ({percent(rec['relative_gap'])}{best}).")
+        shortfalls.append(fill(said["shortfall"], recipe=percent(rec["relative_gap"]),
+                               best=best))
     return Verdict(
         targets=[target], shortfalls=shortfalls,
         findings=_findings(ctx.grid, rows, base_row, rec, rec_key[1]),
-        headline=[f"EDiT's gap to synchronous training at equal tokens: base "
-                  f"{percent(base_row['relative_gap'])}, recipe ({rec_key[1]}) "
-                  f"{percent(rec['relative_gap'])} ({ctx.seeds} seed(s), {ctx.steps} steps)."])
+        headline=[fill(TEXT["headline"], ctx=ctx, base=percent(base_row["relative_gap"]),
+                       label=rec_key[1], recipe=percent(rec["relative_gap"]))])
 
 
 def _notes(ctx: Ctx) -> list[str]:
-    return [
-        f"{ctx.steps} inner steps per replica at the base ({ctx.seeds} seed(s), paired: the "
-        "same seed gives the same initial model and data order to edit and sync), 2 "
-        f"replicas, the tiny preset, H = {ctx.interval}; validation over the whole held-out "
-        "split at the end.",
-        "Each row moves one factor from the base to the level shown, everything else at the "
-        "base; sync runs again only where the factor changes its run (tokens, shape). The "
-        "recipe row sets every factor to the level with the smallest mean gap, together "
-        "(tokens and shape stay at the base: they are not settings of the method); the "
-        "'recipe, tokens' and 'recipe, shape' rows run the recipe at those lengths and on "
-        "that shape, against sync's runs there.",
-        f"Outer optimizer levels ('lrX-mY') are SGD with Nesterov momentum Y (plain SGD "
-        f"for m0), the base lr{OUTER_LR}-m{OUTER_MOMENTUM}; shape "
-        f"'blocks' is {', '.join(f'{k} {v}' for k, v in BLOCKS_SHAPE.items())} on the tiny "
-        "preset.",
-        "A gap depends on its run's length and model: the tokens and shape rows compare "
-        "with synchronous training at that length and shape.",
-    ]
+    return fill(TEXT["notes"], ctx=ctx, lr=OUTER_LR, momentum=OUTER_MOMENTUM,
+                shape=", ".join(f"{k} {v}" for k, v in BLOCKS_SHAPE.items()))
 
 
 def _row(edit: list[float | None], sync: list[float | None]) -> dict[str, Any]:
@@ -238,14 +217,14 @@ def _recipe(grid: dict[str, list[tuple[str, dict]]],
 
 
 def _findings(grid, rows, base_row, recipe_row, recipe_label) -> list[str]:
-    out = [f"Base (EDiT's defaults): edit - sync = {_pm(base_row['gap'])} "
-           f"({percent(base_row['relative_gap'])} of sync's loss)."]
+    said = TEXT["findings"]
+    out = [fill(said["base"], gap=_pm(base_row["gap"]), share=percent(base_row["relative_gap"]))]
     for factor, levels in grid.items():
         parts = [f"{levels[0][0]} (base) {percent(base_row['relative_gap'])}"] + [
             f"{label} {percent(rows[(factor, label)]['relative_gap'])}" for label, _ in levels[1:]]
         out.append(f"{factor}: gap " + ", ".join(parts) + ".")
-    out.append(f"Recipe ({recipe_label}): edit - sync = {_pm(recipe_row['gap'])} "
-               f"({percent(recipe_row['relative_gap'])}).")
+    out.append(fill(said["recipe"], label=recipe_label, gap=_pm(recipe_row["gap"]),
+                    share=percent(recipe_row["relative_gap"])))
     for factor in SYNC_FACTORS:
         at = [(lv, r) for (f, lv), r in rows.items() if f == f"recipe, {factor}"]
         if at:
@@ -304,7 +283,7 @@ def _num(x: float | None) -> str:
 
 SCENARIO = Scenario(
     name="tune",
-    description=DESCRIPTION,
+    description=TEXT["description"],
     setup=_setup, runs=_runs, planned=_planned, judge=_judge, notes=_notes, plots=[_plot],
     checks=lambda ctx: [((ctx.common, ctx.base), None)] + [
         ((ctx.common, ctx.base, layer), None)
