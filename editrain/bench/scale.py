@@ -21,17 +21,14 @@ from typing import Any
 from editrain.bench.convergence import RECIPE_GAP, RECIPE_H, common_options, variant_layers
 from editrain.bench.options import pick_names
 from editrain.bench.plots import pyplot, save_figure
+from editrain.bench.prose import fill, prose
 from editrain.bench.runner import Bench
 from editrain.bench.scenario import Ctx, Job, Scenario, Table, Verdict
 from editrain.bench.stats import mean_std, paired_differences
 from editrain.bench.tables import mean_pm, percent
 from editrain.bench.tune import BLOCKS_SHAPE
 
-DESCRIPTION = (
-    "EDiT with bench tune's recipe against synchronous training as the model grows, at "
-    "equal tokens: per model shape, the paired gap of the final validation loss (same data, "
-    "tokens and seeds as bench convergence) against parameters and tokens per parameter."
-)
+TEXT = prose("scale")
 SHAPES: dict[str, dict[str, Any]] = {
     "tiny": {"preset": "tiny"},
     "blocks": {"preset": "tiny", **BLOCKS_SHAPE},
@@ -77,9 +74,8 @@ def _setup(bench: Bench) -> dict[str, Any]:
     common, steps, interval, _ = common_options(bench)
     seeds, shapes = int(bench.flags.get("seeds") or bench.pick(1, 2, 3)), chosen_shapes(bench)
     if bench.mode == "full":
-        bench.log(f"{len(shapes) * 2 * seeds} runs of {steps} steps ({len(shapes)} shapes x 2 "
-                  f"methods x {seeds} seeds): tiny takes a few minutes a run on 2 cores, "
-                  "blocks about a quarter of an hour, small about half an hour")
+        bench.log(fill(TEXT["full_size"], runs=len(shapes) * 2 * seeds, steps=steps,
+                       shapes=len(shapes), seeds=seeds))
     return {"common": common, "steps": steps, "interval": interval, "seeds": seeds,
             "shapes": shapes}
 
@@ -106,35 +102,21 @@ def _judge(ctx: Ctx) -> Verdict:
     rows = ctx.results["shapes"]
     findings = _findings(rows)
     largest = next((r for r in reversed(rows) if r["relative_gap"] is not None), None)
-    target = {"name": f"{RECIPE} ends within {RECIPE_GAP:.0%} of synchronous training's "
-                      "validation loss at equal tokens on the largest shape (paired by seed)",
+    target = {"name": fill(TEXT["target"]["name"], recipe=RECIPE, gap=RECIPE_GAP),
               "met": None if largest is None else largest["relative_gap"] <= RECIPE_GAP,
               "detail": "no shape finished" if largest is None else
               f"{largest['shape']}: {percent(largest['relative_gap'])} ({mean_pm(largest['gap'])})"}
-    headline = ([f"EDiT with bench tune's recipe against sync as the model grows "
-                 f"({ctx.steps} steps, {ctx.seeds} seed(s)): " + "; ".join(
+    headline = ([fill(TEXT["headline"], ctx=ctx, shapes="; ".join(
                      f"{r['shape']} ({r['params'] / 1e6:.1f}M parameters) "
-                     f"{percent(r['relative_gap'])}" for r in rows) + "."]
+                     f"{percent(r['relative_gap'])}" for r in rows))]
                 if rows and all(r["relative_gap"] is not None for r in rows) else [])
     return Verdict(targets=[target], findings=findings, headline=headline,
                    shortfalls=[f for f in findings if "grows" in f])
 
 
 def _notes(ctx: Ctx) -> list[str]:
-    return [
-        f"{ctx.steps} inner steps per replica for both methods (equal tokens), 2 replicas, "
-        "validation over the whole held-out split; the same options as bench convergence "
-        "at this size (learning rate, warm-up, batch, data), only the model changes.",
-        f"{RECIPE}: synchronous warm-up for the first {ctx.steps // 4} steps (a quarter of "
-        f"the run), H = {RECIPE_H[RECIPE]}, outer SGD at lr 1 without momentum (bench tune's "
-        "recipe; EDiT's defaults since #35 but for the warm-up).",
-        "Shapes: " + "; ".join(f"{s} = {_shape_text(SHAPES[s])}" for s in ctx.shapes) + ".",
-        f"Seeds: {ctx.seeds}, paired (the same seed gives both methods the same initial model "
-        "and data order); gap = recipe - sync per seed, then mean +- std.",
-        "Tokens per parameter: the tokens all replicas trained on together, over the "
-        "parameters (every model here sees far fewer than the ~20 of compute-optimal "
-        "training).",
-    ]
+    return fill(TEXT["notes"], ctx=ctx, recipe=RECIPE, warmup=ctx.steps // 4, h=RECIPE_H[RECIPE],
+                shapes="; ".join(f"{s} = {_shape_text(SHAPES[s])}" for s in ctx.shapes))
 
 
 def shape_row(shape: str, counts: dict[str, int], tokens: int | None,
@@ -157,17 +139,16 @@ def _findings(rows: list[dict[str, Any]]) -> list[str]:
     """Sentences from the rows: each shape's gap, and whether it shrinks as the model
     grows (the first finished shape against the last)."""
     done = [r for r in rows if r["relative_gap"] is not None]
-    out = [f"{r['shape']} ({r['params']:,} parameters, {r['block_share']:.0%} in blocks, "
-           f"{r['tokens_per_param']:.2f} tokens per parameter): {RECIPE} - sync "
-           f"{mean_pm(r['gap'])} ({percent(r['relative_gap'])})" for r in done]
+    said = TEXT["findings"]
+    out = [fill(said["shape"], r=r, recipe=RECIPE, gap=mean_pm(r["gap"]),
+                share=percent(r["relative_gap"])) for r in done]
     if len(done) >= 2:
         first, last = done[0], done[-1]
         trend = "shrinks" if last["relative_gap"] < first["relative_gap"] else "grows"
-        out.append(f"The gap {trend} from {percent(first['relative_gap'])} ({first['shape']}) to "
-                   f"{percent(last['relative_gap'])} ({last['shape']}) as the parameters grow "
-                   f"{last['params'] / first['params']:.1f}x at equal tokens (tokens per "
-                   f"parameter {first['tokens_per_param']:.2f} -> "
-                   f"{last['tokens_per_param']:.2f}).")
+        out.append(fill(said["trend"], trend=trend, first=first, last=last,
+                        first_share=percent(first["relative_gap"]),
+                        last_share=percent(last["relative_gap"]),
+                        growth=last["params"] / first["params"]))
     return out
 
 
@@ -205,7 +186,7 @@ def _plot(ctx: Ctx):
 
 SCENARIO = Scenario(
     name="scale",
-    description=DESCRIPTION,
+    description=TEXT["description"],
     setup=_setup, measure=_results, judge=_judge, notes=_notes, plots=[_plot],
     # Smallest shape first: a cut-short invocation has the small shapes.
     runs=lambda ctx: [Job(f"{shape}-{m}-seed{seed}", _layers(ctx, shape, m, seed),
