@@ -14,6 +14,7 @@ from __future__ import annotations
 from typing import Any
 
 from editrain.bench.plots import pyplot, save_figure
+from editrain.bench.prose import fill, prose
 from editrain.bench.scenario import Ctx, Scenario, Table, Verdict
 from editrain.bench.tables import fmt_bytes
 from editrain.spawn import run_ranks
@@ -27,6 +28,8 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "edit": {"method": "edit", **NESTEROV},
     "edit+cpu_offload": {"method": "edit", "cpu_offload": True, **NESTEROV},
 }
+
+TEXT = prose("memory")
 
 
 def measure_rank(presets: list[str]) -> list[dict[str, Any]]:
@@ -139,29 +142,7 @@ def _mib(key: str):
     return lambda row: fmt_bytes(row[1][key])
 
 
-NOTES = [
-    "Each shard size S is one spawned gloo process group of S ranks on the CPU (1 "
-    "replica x S shards: the per-rank outer state does not depend on the number of "
-    "replicas). The model (the preset's own vocabulary) is built on every rank, "
-    "`fully_shard`-ed per block and at the root on the `shard` mesh dimension, wrapped "
-    "in `editrain.sync.EDiT` (H = 1), trained one SGD step and synced once, so the "
-    "outer optimizer (Nesterov SGD, lr 0.7, momentum 0.9, for every variant: DiLoCo's; "
-    "EDiT's default since #35, SGD without momentum, holds no momentum buffer, so its "
-    "outer state is the anchor alone, half of this) has created its momentum buffers.",
-    "Bytes = `engine.extra_memory()`: numel x element size of every anchor tensor and "
-    "every outer-optimizer state tensor on the rank (largest rank reported; FSDP2's "
-    "uneven last shard makes ranks differ by a few rows).",
-    "DiLoCo-style full copy = the same measurement with S = 1 (the whole model's "
-    "anchor and momentum on one rank), which is what a replica-level DiLoCo "
-    "implementation holds on each of its ranks.",
-    "On this CPU-only machine the parameters' device and the offload target are the "
-    "same device type (`cpu`): `extra_memory()` reports every byte under `cpu` in both "
-    "cases. The table therefore reports the `cpu_offload = false` engine as 'on the "
-    "parameters' device' (accelerator memory on a GPU machine) and the "
-    "`cpu_offload = true` engine as 'offloaded' (host memory on a GPU machine).",
-    "editrain's own `diloco` method uses the same sharded engine as `edit`, so its "
-    "column matches `edit`'s; the full-copy column is the published DiLoCo layout.",
-]
+NOTES = TEXT["notes"]
 """How the numbers were measured (the record's notes)."""
 
 
@@ -195,18 +176,16 @@ def _judge(ctx: Ctx) -> Verdict:
             if r is not None:
                 checks.append((preset, s, r))
             if e.get("edit_bytes_per_rank") and results[preset]["full_copy_bytes"]:
-                findings.append(
-                    f"{preset}, S = {s}: edit holds {fmt_bytes(e['edit_bytes_per_rank'])} per "
-                    f"rank vs {fmt_bytes(results[preset]['full_copy_bytes'])} for a full copy "
-                    f"({results[preset]['full_copy_bytes'] / e['edit_bytes_per_rank']:.2f}x "
-                    f"smaller); outer state = "
-                    f"{e['edit_bytes_per_rank'] / e['local_param_bytes']:.2f}x the parameter "
-                    "shard.")
+                full = results[preset]["full_copy_bytes"]
+                findings.append(fill(TEXT["finding"], preset=preset, s=s, full=fmt_bytes(full),
+                                     edit=fmt_bytes(e["edit_bytes_per_rank"]),
+                                     smaller=full / e["edit_bytes_per_rank"],
+                                     over_shard=e["edit_bytes_per_rank"]
+                                     / e["local_param_bytes"]))
     met = all(abs(r - 1.0) <= 0.05 for _, _, r in checks) if checks else None
     detail = "; ".join(f"{p} S={s}: {r:.3f}" for p, s, r in checks) or "no measurements"
-    return Verdict(targets=[{"name": "edit's extra bytes per rank = DiLoCo full copy / shard "
-                                     "size (within 5%, FSDP2 padding)", "met": met,
-                             "detail": detail}], findings=findings)
+    return Verdict(targets=[{"name": TEXT["target"], "met": met, "detail": detail}],
+                   findings=findings)
 
 
 def _plot(ctx: Ctx):
@@ -242,10 +221,7 @@ def _plot(ctx: Ctx):
 
 SCENARIO = Scenario(
     name="memory",
-    description=(
-        "Extra bytes per rank of the outer state (anchor + outer optimizer state) for a "
-        "DiLoCo-style full copy versus `edit` sharded over S ranks, with and without "
-        "`sync.cpu_offload`, measured from real allocations after one sync."),
+    description=TEXT["description"],
     setup=lambda bench: {"shard_sizes": bench.pick((1, 2), (1, 2, 4), (1, 2, 4)),
                          "presets": bench.pick(["tiny"], ["tiny", "small"], ["tiny", "small"]),
                          "errors": {}},
