@@ -10,11 +10,13 @@ from __future__ import annotations
 
 from typing import Any
 
+from editrain.bench.prose import fill, prose
 from editrain.bench.runs import Run
 from editrain.bench.scenario import Ctx, Job, Scenario, Table, Verdict, figure
 from editrain.bench.stats import median
 from editrain.bench.tables import cell
 
+TEXT = prose("overlap")
 LINK = ("20MB/s", "5ms")
 
 
@@ -46,28 +48,8 @@ def _results(ctx: Ctx) -> dict[str, Any]:
 
 
 def _notes(ctx: Ctx) -> list[str]:
-    notes = [
-        f"2 replicas, link {LINK[0]} + {LINK[1]} per message, sync every H = {ctx.interval} "
-        f"steps, {ctx.steps} steps; evaluation only at the end.",
-        "Per sync (metrics.jsonl `sync` entries): `wait_s` = time the training thread "
-        "blocked on the sync (for `edit` inside the forward's pre-hooks, for `diloco` the "
-        "whole blocking sync), `sync_time_s` = from the start of the sync to its last unit, "
-        "`comm_time_s` = time inside collectives (incl. the simulated delay). Medians over "
-        "the syncs that ran inside a training step, leaving out the first one (it also "
-        "absorbs the replicas' start-up skew) and the last one (run by `finish()` before "
-        "the final evaluation, blocking for every method).",
-        "Sync-step overhead = median step time of the steps holding a sync minus the median "
-        "step time of the other steps.",
-        "The wait also contains the time one replica waits for the other to reach the sync "
-        "(their steps are not perfectly in step), which no prefetching can hide.",
-    ]
-    if ctx.units:
-        notes.append(
-            f"Sync units of this model: {ctx.units['count']} (root + blocks); the root unit "
-            f"(embeddings, final norm, head) holds {ctx.units['root_share']:.0%} of the bytes "
-            "and is synced before the forward's first layer, so its transfer cannot overlap "
-            "with any computation of that forward.")
-    return notes
+    notes = fill(TEXT["notes"], ctx=ctx, link=LINK)
+    return notes + [fill(TEXT["units_note"], units=ctx.units)] if ctx.units else notes
 
 
 def _measure(run: Run) -> dict[str, Any]:
@@ -131,32 +113,25 @@ def _judge(ctx: Ctx) -> Verdict:
     waits = {d: results[f"edit-prefetch{d}"]["median_wait_s"] for d in ctx.depths}
     overlapped = {d: w for d, w in waits.items() if d >= 1 and w is not None}
     if blocking is None or not overlapped:
-        met, detail = None, "a run failed or no prefetching depth was run"
+        met, detail = None, TEXT["no_target"]
     else:
         best = min(overlapped, key=overlapped.get)
         met = overlapped[best] < blocking
-        detail = (f"best depth {best}: wait {overlapped[best] * 1000:.1f} ms vs diloco "
-                  f"{blocking * 1000:.1f} ms")
-    findings = []
+        detail = fill(TEXT["detail"], best=best, wait=overlapped[best] * 1000,
+                      blocking=blocking * 1000)
+    findings, said = [], TEXT["findings"]
     if blocking is not None:
         parts = [f"depth {d}: {cell(_ms(w))} ms ({cell(w / blocking if w else None)}x)"
                  for d, w in waits.items()]
-        findings.append(f"diloco blocks {blocking * 1000:.1f} ms per sync; edit waits "
-                        + ", ".join(parts) + ".")
+        findings.append(fill(said["waits"], blocking=blocking * 1000, parts=", ".join(parts)))
     known = [(d, w) for d, w in waits.items() if w is not None]
     if len(known) >= 2:
         decreasing = all(b[1] <= a[1] * 1.05 for a, b in zip(known, known[1:]))
-        findings.append("The wait " + ("falls (or stays level) as the prefetch depth grows."
-                                       if decreasing else
-                                       "does not fall monotonically with the prefetch depth "
-                                       "(noise, or the link is the bottleneck)."))
+        findings.append(said["falls" if decreasing else "not_falls"])
     if units and units["root_share"] > 0.3:
-        findings.append(f"The root unit is {units['root_share']:.0%} of the bytes and is "
-                        "waited for before any layer computes: that part of every sync is "
-                        "never hidden, whatever the depth.")
+        findings.append(fill(said["root"], units=units))
     return Verdict(
-        targets=[{"name": "edit with prefetching (depth >= 1) waits less at a sync step than "
-                          "diloco blocks", "met": met, "detail": detail}],
+        targets=[{"name": TEXT["target"], "met": met, "detail": detail}],
         findings=findings, shortfalls=[f for f in findings if f.startswith("The root unit")])
 
 
@@ -182,11 +157,7 @@ def _ms_of(key: str):
 
 SCENARIO = Scenario(
     name="overlap",
-    description=(
-        "Forward wait at a sync step against the layer-wise prefetch depth "
-        "(`sync.prefetch_depth` 0..3) for `edit` under a slow link, compared with `diloco`'s "
-        "blocking sync time on the same model, from the per-sync `wait_s` / `sync_time_s` in "
-        "the metrics (median over syncs)."),
+    description=TEXT["description"],
     setup=_setup, runs=_runs, measure=_results, judge=_judge, notes=_notes, plots=[_plot],
     checks=lambda ctx: [((ctx.common, {"sync": {"method": "edit",
                                                 "prefetch_depth": max(ctx.depths)}}), None)],
