@@ -11,10 +11,12 @@ from __future__ import annotations
 
 from typing import Any
 
+from editrain.bench.prose import fill, prose
 from editrain.bench.runs import Run
 from editrain.bench.scenario import Ctx, Job, Scenario, Table, Verdict, figure
 from editrain.bench.tables import cell
 
+TEXT = prose("spikes")
 VARIANTS: dict[str, dict[str, Any]] = {
     "diloco": {"sync": {"method": "diloco"}},
     "edit": {"sync": {"method": "edit"}},
@@ -62,26 +64,9 @@ def _results(ctx: Ctx) -> dict[str, Any]:
 
 
 def _notes(ctx: Ctx) -> list[str]:
-    return [
-        f"2 replicas, {ctx.steps} steps, sync every H = {ctx.interval} steps, validation at "
-        f"every sync. Replica 1's pseudo-gradient is scaled by {SCALE:g} just before syncs "
-        f"{', '.join(map(str, ctx.corrupt_at))} (0-based sync index; sync k ends step "
-        f"(k + 1) x H).",
-        f"Anomaly detector: `sync.ewma_warmup_steps = {ctx.ewma_warmup_steps}` syncs, "
-        f"`sync.ewma_alpha = {ctx.ewma_alpha}`, `sync.ewma_threshold = {ctx.ewma_threshold}` "
-        "(the detector's statistics start from its first observations; a short warm-up sees "
-        "few of them).",
-        "Peak increase: the largest (corrupted - clean) validation loss over the evaluations "
-        "from the first corrupted sync on, at equal steps; relative = over the clean loss "
-        "there. Jump: validation loss right after a corrupted sync minus right before it "
-        "(the evaluation at the previous sync), largest over the corrupted syncs.",
-        "Ablations (`edit-no-...`) are compared with "
-        + ("their own clean runs." if ctx.bench.mode == "full" else
-           "the clean `edit` run (without an anomaly, switching one penalty part off changes "
-           "the clean run very little; full size runs their own clean runs)."),
-        "Excluded: units of replica 1 the detector flagged at the corrupted syncs (out of "
-        "all units); false alarms: flags at any other sync or replica.",
-    ]
+    return fill(TEXT["notes"], ctx=ctx, scale=SCALE, syncs=", ".join(map(str, ctx.corrupt_at)),
+                ablations=TEXT["ablations_full" if ctx.bench.mode == "full"
+                               else "ablations_small"])
 
 
 def _evals_by_step(run: Run | None) -> dict[int, float]:
@@ -141,22 +126,19 @@ def _judge(ctx: Ctx) -> Verdict:
     if d is None or e is None:
         met, detail = None, "a run failed"
     elif d <= 0:
-        met, detail = None, "the corruption did not raise diloco's validation loss"
+        met, detail = None, TEXT["no_rise"]
     else:
         met = e < 0.25 * d
-        detail = f"edit {e:.4f} vs diloco {d:.4f} ({e / d:.0%} of diloco's)"
-    findings = [f"{v}: peak increase {cell(x['peak_increase'])} "
-                f"({cell(x['peak_relative'])} relative), largest jump at a corrupted sync "
-                f"{cell(x['max_jump'])}." for v, x in results.items()
-                if x["peak_increase"] is not None]
+        detail = fill(TEXT["detail"], e=e, d=d, share=e / d)
+    findings = [fill(TEXT["finding"], v=v, peak=cell(x["peak_increase"]),
+                     relative=cell(x["peak_relative"]), jump=cell(x["max_jump"]))
+                for v, x in results.items() if x["peak_increase"] is not None]
     return Verdict(
-        targets=[{"name": "edit's peak validation-loss increase < 25% of diloco's",
-                  "met": met, "detail": detail}],
+        targets=[{"name": TEXT["target"], "met": met, "detail": detail}],
         findings=findings,
-        headline=[f"Replica 1's pseudo-gradient x{SCALE:g} at syncs "
-                  f"{', '.join(map(str, ctx.corrupt_at))}: peak validation-loss increase over "
-                  "a clean run " + ", ".join(f"{v} {cell(x['peak_increase'])}"
-                                             for v, x in results.items()) + "."])
+        headline=[fill(TEXT["headline"], scale=SCALE, syncs=", ".join(map(str, ctx.corrupt_at)),
+                       peaks=", ".join(f"{v} {cell(x['peak_increase'])}"
+                                       for v, x in results.items()))])
 
 
 def _plot(ctx: Ctx):
@@ -179,11 +161,7 @@ def _plot(ctx: Ctx):
 
 SCENARIO = Scenario(
     name="spikes",
-    description=(
-        "Validation-loss spikes caused by corrupting replica 1's pseudo-gradient at several "
-        "syncs (`--sim.corrupt_replica 1@K:SCALE`), for `diloco`, `edit` and `edit` with "
-        "each penalty part switched off in turn; the peak increase of the validation loss "
-        "over a clean run of the same method."),
+    description=TEXT["description"],
     setup=_setup, runs=_runs, measure=_results, judge=_judge, notes=_notes, plots=[_plot],
     tables=[Table("Validation-loss spikes", [
         ("method", None), ("peak val-loss increase", "peak_increase"),
