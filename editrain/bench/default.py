@@ -14,9 +14,11 @@ from __future__ import annotations
 
 from typing import Any
 
+from editrain.bench.prose import fill, prose
 from editrain.bench.scenario import Ctx, Job, Scenario, Table, Verdict
 from editrain.config import Config, to_dict
 
+TEXT = prose("default")
 SECTIONS = ("model", "data", "train", "optim", "dist", "sync", "sim", "checkpoint")
 
 
@@ -86,32 +88,22 @@ def _headline(ctx: Ctx) -> Verdict:
     if not result["ok"] or result["final_val_loss"] is None or ctx.bench.mode == "tiny":
         return Verdict()
     overlap = (result.get("split") or {}).get("val_train_overlap")
-    return Verdict(headline=[
-        f"the default `editrain train` run ({result['steps']} steps, "
-        f"{result['launch_s'] / 60:.1f} min) takes the validation loss from "
-        f"{result['initial_val_loss']:.2f} to {result['final_val_loss']:.2f}, the final "
-        f"one over the whole held-out split ({result['val_tokens']:,} tokens"
-        + (f", {100 * overlap:.1f}% of its 32-token windows also in training"
-           if overlap is not None else "") + ")"
-        + _vs_sync_text(result, ctx.results["sync"])])
+    return Verdict(headline=[fill(
+        TEXT["headline"], r=result, minutes=result["launch_s"] / 60,
+        overlap="" if overlap is None else fill(TEXT["overlap"], overlap=overlap),
+        vs_sync=_vs_sync_text(result, ctx.results["sync"]))])
 
 
 def _vs_sync_text(result: dict[str, Any], sync: dict[str, Any]) -> str:
     """``; synchronous training ...`` on the same tokens, or nothing when that run failed."""
     if result.get("vs_sync") is None:
         return ""
-    return (f"; the same run in synchronous mode ends at {sync['final_val_loss']:.2f} "
-            f"({100 * result['vs_sync']:+.1f}% for the default, {sync['launch_s'] / 60:.1f} "
-            "min)")
+    return fill(TEXT["vs_sync"], r=result, sync=sync, minutes=sync["launch_s"] / 60)
 
 
 SCENARIO = Scenario(
     name="default",
-    description=(
-        "`editrain train` with every option at its default (small preset, 2 replicas x 2 "
-        "shards, 100 steps, `edit`): validation loss at the start (over `train.eval_tokens`) "
-        "and at the end (over the whole held-out split), wall time, training time and "
-        "throughput; the same run in synchronous mode beside it (same tokens and seed)."),
+    description=TEXT["description"],
     setup=lambda bench: {"last": _last(bench)},
     runs=lambda ctx: [Job("default", title="editrain train (defaults)", last=ctx.last),
                       Job("sync", title="the same, synchronous", last=_sync_last(ctx.bench))],
@@ -124,17 +116,7 @@ SCENARIO = Scenario(
         ("eval s", "eval_time_s"), ("tokens/s (train)", "tokens_per_s")])],
     settings=lambda ctx: {"options": "defaults", "steps": ctx.results["default"]["steps"]},
     methods=lambda ctx: ["edit", "sync"],
-    notes=lambda ctx: [
-        "Every option at its default (`editrain options` lists them); launch time includes "
-        "starting 4 processes and building or reusing the token cache.",
-        "Row `sync`: the same options with `--sync.method sync` (gradients averaged every "
-        "step over all replicas), the same tokens, seed and data order, run right after.",
-        "`train s` leaves out evaluation and checkpoint time; tokens/s is tokens over it.",
-        f"Validation at the end: the whole held-out split (`data.val_tokens` >= "
-        f"{Config().data.val_tokens:,}, whole documents, families and near-duplicates on one "
-        "side; the tokenizer is trained without it), shared out over all ranks; at the start "
-        f"and during the run about `train.eval_tokens` ({Config().train.eval_tokens:,}) "
-        "tokens of it, whole windows spread over the split."],
+    notes=lambda ctx: fill(TEXT["notes"], cfg=Config()),
 )
 
 
