@@ -10,9 +10,11 @@ from __future__ import annotations
 
 from typing import Any
 
+from editrain.bench.prose import fill, prose
 from editrain.bench.scenario import Ctx, Job, Scenario, Table, Verdict
 from editrain.bench.stats import mean_std
 
+TEXT = prose("optimizers")
 LR = 3e-3
 VARIANTS: dict[str, dict[str, Any]] = {
     "adamw": {"optim": {"name": "adamw"}},
@@ -42,15 +44,14 @@ def _judge(ctx: Ctx) -> Verdict:
     results = ctx.results
     means = {k: v["final_val_loss"]["mean"] for k, v in results.items()
              if v["final_val_loss"]["mean"] is not None}
-    findings = []
+    findings, said = [], TEXT["findings"]
     if means:
         best = min(means, key=means.get)
-        findings.append(f"Lowest mean final validation loss: {best} ({means[best]:.4f}); "
-                        + ", ".join(f"{k} {v:.4f}" for k, v in sorted(means.items(),
-                                                                      key=lambda kv: kv[1])))
+        findings.append(fill(said["lowest"], best=best, loss=means[best], all=", ".join(
+            f"{k} {v:.4f}" for k, v in sorted(means.items(), key=lambda kv: kv[1]))))
     w, a = results["adamw+wsam"]["wall_time_s"]["mean"], results["adamw"]["wall_time_s"]["mean"]
     if w and a:
-        findings.append(f"WSAM's two passes per step cost {w / a:.2f}x AdamW's wall time.")
+        findings.append(fill(said["wsam"], cost=w / a))
     return Verdict(findings=findings)
 
 
@@ -60,10 +61,7 @@ def _loss(key: str):
 
 SCENARIO = Scenario(
     name="optimizers",
-    description=(
-        "Inner optimizers side by side: AdamW, AGD (lr / 10, delta 1e-14) and AdamW wrapped "
-        "by WSAM (rho 0.05, gamma 0.9), synchronous training, equal steps, the same seeds; "
-        "final validation loss (mean and spread over seeds) and wall time."),
+    description=TEXT["description"],
     setup=_setup,
     runs=lambda ctx: [Job(f"{name}-seed{s}", (ctx.common, v, {"train": {"seed": s}}))
                       for name, v in VARIANTS.items() for s in range(ctx.seeds)],
@@ -75,11 +73,7 @@ SCENARIO = Scenario(
         ("wall s (mean)", lambda row: row[1]["wall_time_s"]["mean"])])],
     judge=_judge,
     settings=lambda ctx: {"steps": ctx.steps, "seeds": ctx.seeds, "lr": LR, "agd_lr": LR / 10},
-    notes=lambda ctx: [
-        "Equal inner steps, not equal wall time: WSAM does two forward/backward passes per "
-        "step.",
-        "No hyper-parameter search: AdamW's lr is the trainer default, AGD uses a tenth of it "
-        "as its authors suggest; a tuned AGD or WSAM may do better."],
+    notes=lambda ctx: TEXT["notes"],
 )
 NAME = SCENARIO.name
 DESCRIPTION = SCENARIO.description
