@@ -42,6 +42,7 @@ shared machinery, one job per module:
 
 =============== ========================================================================
 ``scenario``    the declaration (Scenario, Job, Table, Verdict) and the one runner
+``prose``       the scenarios' words as data: ``text/<module>.toml`` templates, filled
 ``options``     sizes, the options every run shares, the bench command line
 ``machine``     the machine record (CPUs, versions, load, commit)
 ``runner``      :class:`~editrain.bench.runner.Bench`: running and repeating the runs,
