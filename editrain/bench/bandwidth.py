@@ -15,14 +15,19 @@ from __future__ import annotations
 
 from typing import Any
 
-from editrain.bench.measures import replica_stats, steady_throughput, utilisation_errors
+from editrain.bench.measures import (
+    replica_spreads,
+    replica_stats,
+    steady_throughput,
+    utilisation_errors,
+)
 from editrain.bench.plots import pyplot, save_figure
 from editrain.bench.prose import fill, prose
 from editrain.bench.runner import Bench, repeat_label
 from editrain.bench.runs import Run
 from editrain.bench.scenario import Ctx, Job, Scenario, Verdict
-from editrain.bench.stats import beyond_spread, spread
-from editrain.bench.tables import cell, md_table, ratio, spread_cell, verdict_cell
+from editrain.bench.stats import compare, spread
+from editrain.bench.tables import cell, md_table, ms, ratio, spread_cell, verdict_cell
 from editrain.config import ConfigError
 
 TEXT = prose("bandwidth")
@@ -200,10 +205,7 @@ def _results(ctx: Ctx) -> dict[str, Any]:
             ratio(w.get("tokens_per_s"), b) for w, b in zip(entry["windows"], edit_base))
         results["sweep"][label] = entry
     results["comparisons"] = {
-        n: [{"a": a, "b": b, "difference": _diff(results[a][n]["tokens_per_s"],
-                                                   results[b][n]["tokens_per_s"]),
-             "beyond_spread": beyond_spread(results[a][n]["tokens_per_s"],
-                                            results[b][n]["tokens_per_s"])}
+        n: [compare(a, b, results[a][n]["tokens_per_s"], results[b][n]["tokens_per_s"])
             for a, b in COMPARISONS] for n in names}
     ctx.errors = errors
     return results
@@ -251,7 +253,6 @@ def _entry(method: str, runs: list[Run], skip: int, ceil_tps: list[float | None]
     windows = [steady_throughput(r, skip) if r.ok else {} for r in runs]
     steps = [w.get("step_time_s") for w in windows]
     per_replica = [replica_stats(r, skip) if r.ok else [] for r in runs]
-    count = max((len(p) for p in per_replica), default=0)
 
     def over_repeats(key: str) -> dict[str, Any]:
         """The spread of a window field over the repeats."""
@@ -275,11 +276,7 @@ def _entry(method: str, runs: list[Run], skip: int, ceil_tps: list[float | None]
             w.get("wait_s_per_step") / w["comm_time_s_per_step"]
             for w in windows if method != "sync" and w.get("comm_time_s_per_step")
             and w.get("wait_s_per_step") is not None),
-        "replicas": [{"replica": i,
-                      "tokens_per_s": spread(p[i]["tokens_per_s"] for p in per_replica
-                                             if len(p) > i),
-                      "utilisation": spread(p[i]["utilisation"] for p in per_replica
-                                            if len(p) > i)} for i in range(count)],
+        "replicas": replica_spreads(per_replica),
         "utilisation_errors": [e for p in per_replica for e in utilisation_errors(p)],
         "windows": windows,
         "load_before": [r.load_before for r in runs],
@@ -288,21 +285,9 @@ def _entry(method: str, runs: list[Run], skip: int, ceil_tps: list[float | None]
     }
 
 
-def _diff(a: dict[str, Any], b: dict[str, Any]) -> float | None:
-    """Difference of two spreads' medians."""
-    if a.get("median") is None or b.get("median") is None:
-        return None
-    return a["median"] - b["median"]
-
-
 def _med(s: dict[str, Any] | None) -> float | None:
     """The median of a spread (None for a missing one)."""
     return None if not s else s.get("median")
-
-
-def _ms(v: float | None) -> float | None:
-    """Seconds to milliseconds (None stays None)."""
-    return None if v is None else v * 1000.0
 
 
 def _table(results: dict[str, Any], names: list[str]) -> str:
@@ -427,8 +412,8 @@ def _judge(results: dict[str, Any], names: list[str],
             st = results[m][n]
             w, c = _med(st["wait_s_per_step"]), _med(st["comm_time_s_per_step"])
             if w is not None and c:
-                findings.append(fill(said["hidden"], n=n, m=m, wait=cell(_ms(w)),
-                                     comm=cell(_ms(c)), hidden=max(0.0, 1 - w / c),
+                findings.append(fill(said["hidden"], n=n, m=m, wait=cell(ms(w)),
+                                     comm=cell(ms(c)), hidden=max(0.0, 1 - w / c),
                                      kept=spread_cell(st["vs_unlimited"])))
     for n in slow:
         e, d = results["edit"][n], results["diloco"][n]
@@ -436,9 +421,9 @@ def _judge(results: dict[str, Any], names: list[str],
             _med(d["wait_s_per_step"])
         if ew is not None and dw is not None and ec:
             hidden = 1.0 - ew / ec
-            findings.append(fill(said["edit_hidden"], n=n, wait=cell(_ms(ew)),
-                                 comm=cell(_ms(ec)), hidden=max(0.0, hidden),
-                                 blocks=cell(_ms(dw))))
+            findings.append(fill(said["edit_hidden"], n=n, wait=cell(ms(ew)),
+                                 comm=cell(ms(ec)), hidden=max(0.0, hidden),
+                                 blocks=cell(ms(dw))))
             if hidden < 0.5:
                 findings.append(fill(said["edit_exposed"], n=n, hidden=max(0.0, hidden)))
     return targets, findings, shortfalls
@@ -485,13 +470,13 @@ def _plot_split(ctx: Ctx):
     results, names = ctx.results, ctx.names
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(max(7, 1.1 * len(names) * len(METHODS)), 4.5))
-    base = _ms(_med(results["ceiling"]["step_time_s"])) or 0.0
+    base = ms(_med(results["ceiling"]["step_time_s"])) or 0.0
     xs: list[str] = []
     comm_labelled = False
     for i, (method, name) in enumerate((m, n) for m in METHODS for n in names):
         e = results[method][name]
-        step = _ms(_med(e["step_time_s"])) or 0.0
-        wait = _ms(_med(e["wait_s_per_step"])) or 0.0
+        step = ms(_med(e["step_time_s"])) or 0.0
+        wait = ms(_med(e["wait_s_per_step"])) or 0.0
         other = max(0.0, step - base - wait)
         ax.bar(i, base, color="#9bbbd4", label="compute (ceiling step)" if i == 0 else None)
         ax.bar(i, wait, bottom=base, color="#d46a6a", label="waiting for sync" if i == 0
@@ -499,7 +484,7 @@ def _plot_split(ctx: Ctx):
         ax.bar(i, other, bottom=base + wait, color="#e0c070", label="other" if i == 0 else None)
         comm = _med(e["comm_time_s_per_step"])
         if comm is not None:
-            ax.plot(i, _ms(comm), "k^", label=None if comm_labelled
+            ax.plot(i, ms(comm), "k^", label=None if comm_labelled
                     else "communication (incl. hidden)")
             comm_labelled = True
         xs.append(f"{method}\n{name}")

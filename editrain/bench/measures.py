@@ -6,7 +6,7 @@ import math
 from typing import Any
 
 from editrain.bench.runs import Run
-from editrain.bench.stats import finite
+from editrain.bench.stats import finite, spread
 
 UTILISATION_TOLERANCE = 1e-6
 """Rounding slack when checking that a utilisation is at most 1."""
@@ -144,6 +144,16 @@ def replica_stats(run: Run, skip: int = 3) -> list[dict[str, Any]]:
             "from_step": windows[0]["from_step"], "to_step": windows[0]["to_step"],
         })
     return out
+
+
+def replica_spreads(per_replica: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """Each replica's tokens/s and utilisation over repeats (:func:`replica_stats` of each
+    repeat's run): ``replica``, ``tokens_per_s`` and ``utilisation`` spreads."""
+    count = max((len(p) for p in per_replica), default=0)
+    return [{"replica": i,
+             "tokens_per_s": spread(p[i]["tokens_per_s"] for p in per_replica if len(p) > i),
+             "utilisation": spread(p[i]["utilisation"] for p in per_replica if len(p) > i)}
+            for i in range(count)]
 
 
 def utilisation_errors(replicas: list[dict[str, Any]]) -> list[str]:

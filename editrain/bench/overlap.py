@@ -14,7 +14,7 @@ from editrain.bench.prose import fill, prose
 from editrain.bench.runs import Run
 from editrain.bench.scenario import Ctx, Job, Scenario, Table, Verdict, figure
 from editrain.bench.stats import median
-from editrain.bench.tables import cell
+from editrain.bench.tables import cell, ms
 
 TEXT = prose("overlap")
 LINK = ("20MB/s", "5ms")
@@ -101,11 +101,6 @@ def _unit_bytes(bench: Any, common: dict[str, Any]) -> dict[str, Any] | None:
         return None
 
 
-def _ms(v: float | None) -> float | None:
-    """Seconds to milliseconds (None stays None)."""
-    return None if v is None else v * 1000.0
-
-
 def _judge(ctx: Ctx) -> Verdict:
     """The target check and the findings, from the numbers."""
     results, units = ctx.results, ctx.units
@@ -121,7 +116,7 @@ def _judge(ctx: Ctx) -> Verdict:
                       blocking=blocking * 1000)
     findings, said = [], TEXT["findings"]
     if blocking is not None:
-        parts = [f"depth {d}: {cell(_ms(w))} ms ({cell(w / blocking if w else None)}x)"
+        parts = [f"depth {d}: {cell(ms(w))} ms ({cell(w / blocking if w else None)}x)"
                  for d, w in waits.items()]
         findings.append(fill(said["waits"], blocking=blocking * 1000, parts=", ".join(parts)))
     known = [(d, w) for d, w in waits.items() if w is not None]
@@ -140,10 +135,10 @@ def _plot(ctx: Ctx):
     with figure(ctx, "wait_vs_prefetch.png",
                 "prefetch depth (units in flight ahead of the computing one)",
                 "ms per sync (median)") as ax:
-        ys = [_ms(ctx.results[f"edit-prefetch{d}"]["median_wait_s"]) for d in ctx.depths]
+        ys = [ms(ctx.results[f"edit-prefetch{d}"]["median_wait_s"]) for d in ctx.depths]
         ax.plot(list(ctx.depths), [float("nan") if y is None else y for y in ys], marker="o",
                 label="edit: forward wait at a sync step")
-        b = _ms(ctx.results["diloco"]["median_sync_time_s"])
+        b = ms(ctx.results["diloco"]["median_sync_time_s"])
         if b is not None:
             ax.axhline(b, color="gray", linestyle="--", label="diloco: blocking sync")
         ax.set_xticks(list(ctx.depths))
@@ -152,7 +147,7 @@ def _plot(ctx: Ctx):
 
 
 def _ms_of(key: str):
-    return lambda row: _ms(row[1][key])
+    return lambda row: ms(row[1][key])
 
 
 SCENARIO = Scenario(

@@ -29,12 +29,17 @@ from pathlib import Path
 from typing import Any
 
 from editrain.bench.machine import load_average
-from editrain.bench.measures import replica_stats, steady_throughput, utilisation_errors
+from editrain.bench.measures import (
+    replica_spreads,
+    replica_stats,
+    steady_throughput,
+    utilisation_errors,
+)
 from editrain.bench.prose import fill, prose
 from editrain.bench.runner import Bench, child_env, repeat_label
 from editrain.bench.runs import Run, read_run
 from editrain.bench.scenario import Ctx, Job, Scenario, Verdict
-from editrain.bench.stats import beyond_spread, median, spread
+from editrain.bench.stats import compare, median, spread
 from editrain.bench.tables import md_table, spread_cell, verdict_cell
 from editrain.config import ConfigError
 
@@ -256,7 +261,6 @@ def _results(runs: dict[str, list[Run]], skip: int) -> tuple[dict[str, Any], lis
     for system, reps in runs.items():
         windows = [steady_throughput(r, skip) if r.ok else {} for r in reps]
         per_replica = [replica_stats(r, skip) if r.ok else [] for r in reps]
-        count = max((len(p) for p in per_replica), default=0)
         errors += [f"{system} repeat {k + 1}: {e}" for k, p in enumerate(per_replica)
                    for e in utilisation_errors(p)]
         results[system] = {
@@ -265,11 +269,7 @@ def _results(runs: dict[str, list[Run]], skip: int) -> tuple[dict[str, Any], lis
             "val_tokens": median(r.summary.get("val_tokens") for r in reps),
             "tokens_per_s": spread(w.get("tokens_per_s") for w in windows),
             "num_syncs": median(r.summary.get("num_syncs") for r in reps),
-            "replicas": [{"replica": i,
-                          "tokens_per_s": spread(p[i]["tokens_per_s"] for p in per_replica
-                                                 if len(p) > i),
-                          "utilisation": spread(p[i]["utilisation"] for p in per_replica
-                                                if len(p) > i)} for i in range(count)],
+            "replicas": replica_spreads(per_replica),
             "windows": windows,
             "runs": [r.label for r in reps],
             "errors": [r.error for r in reps if r.error],
@@ -283,10 +283,8 @@ def _results(runs: dict[str, list[Run]], skip: int) -> tuple[dict[str, Any], lis
         errors.append(fill(TEXT["different_start"], gap=gap))
     results["speed_ratios"] = _speed_ratios(results)
     results["comparisons"] = [
-        {"a": a, "b": b, "metric": metric,
-         "difference": _diff(results[a][metric], results[b][metric]),
-         "beyond_spread": beyond_spread(results[a][metric], results[b][metric],
-                                        _tolerance(metric, results[b][metric]))}
+        compare(a, b, results[a][metric], results[b][metric],
+                _tolerance(metric, results[b][metric]), metric=metric)
         for a, b in COMPARISONS for metric in ("final_val_loss", "tokens_per_s")]
     return results, errors
 
@@ -373,13 +371,6 @@ def _replica_final_losses(run: Run) -> list[float]:
         if isinstance(value, int | float):
             out.append(float(value))
     return out
-
-
-def _diff(a: dict[str, Any], b: dict[str, Any]) -> float | None:
-    """Difference of two spreads' medians."""
-    if a.get("median") is None or b.get("median") is None:
-        return None
-    return a["median"] - b["median"]
 
 
 def _table(results: dict[str, Any]) -> str:

@@ -20,7 +20,7 @@ from editrain.bench.prose import fill, prose
 from editrain.bench.runner import Bench
 from editrain.bench.runs import Run
 from editrain.bench.scenario import Ctx, Job, Scenario, Verdict
-from editrain.bench.tables import cell, md_table
+from editrain.bench.tables import cell, md_table, ms
 
 TEXT = prose("plan")
 DESCRIPTION = TEXT["description"]
@@ -311,10 +311,6 @@ def _calibration_record(cal: Any) -> dict[str, Any]:
             "runs": [s.run_dir for s in cal.samples]}
 
 
-def _ms(v: float | None) -> float | None:
-    return None if v is None else v * 1000.0
-
-
 def _table(rows: dict[str, dict[str, Any]]) -> str:
     out = []
     for label, e in rows.items():
@@ -324,9 +320,9 @@ def _table(rows: dict[str, dict[str, Any]]) -> str:
         p, m = e["predicted"], e["measured"]
         out.append([label, e["link"], p["tokens_per_s"], m["tokens_per_s"], e["tokens_ratio"],
                     p["utilisation"], m["utilisation"], e["utilisation_diff"],
-                    _ms(p["exposed_comm_s"]), _ms(m["exposed_comm_s"]),
-                    f"{_ms(e['compute_s']['calibrated']):.1f} / "
-                    f"{_ms(e['compute_s']['measured']):.1f}",
+                    ms(p["exposed_comm_s"]), ms(m["exposed_comm_s"]),
+                    f"{ms(e['compute_s']['calibrated']):.1f} / "
+                    f"{ms(e['compute_s']['measured']):.1f}",
                     e["compute_matched"]["tokens_per_s"] / m["tokens_per_s"]
                     if m["tokens_per_s"] else None])
     return md_table(["run", "link", "tokens/s predicted", "measured", "ratio",
@@ -340,12 +336,12 @@ def _cal_table(cals: dict[str, Any]) -> str:
     rows = []
     for group, cal in cals.items():
         own = cal.own_bandwidth_bytes_per_s
-        rows.append([group, _ms(cal.step_time_s),
-                     f"{_ms(cal.overlap_cpu_s):.1f} ({cal.overlap_fit})",
-                     _ms(cal.step_overhead_s), cal.straggler_spread,
+        rows.append([group, ms(cal.step_time_s),
+                     f"{ms(cal.overlap_cpu_s):.1f} ({cal.overlap_fit})",
+                     ms(cal.step_overhead_s), cal.straggler_spread,
                      None if not cal.bandwidth_bytes_per_s else cal.bandwidth_bytes_per_s / 1e6,
-                     _ms(cal.latency_s), None if not own else own / 1e6,
-                     _ms(cal.own_latency_s), _ms(cal.residual_rms_s), cal.rounds])
+                     ms(cal.latency_s), None if not own else own / 1e6,
+                     ms(cal.own_latency_s), ms(cal.residual_rms_s), cal.rounds])
     return md_table(["group", "compute ms/step (no round beside)",
                      "ms per round beside the compute (fit)", "overhead ms/step",
                      "straggler spread",
@@ -370,8 +366,8 @@ def _judge(rows: dict[str, dict[str, Any]]) -> tuple[list[dict[str, Any]], list[
          "detail": fill(aims["utilisation_detail"], med=cell(med_u),
                         worst=cell(max(udiff) if udiff else None))},
     ]
-    findings = [fill(said["run"], k=k, e=e, predicted=cell(_ms(e["predicted"]["exposed_comm_s"])),
-                     measured=cell(_ms(e["measured"]["exposed_comm_s"])))
+    findings = [fill(said["run"], k=k, e=e, predicted=cell(ms(e["predicted"]["exposed_comm_s"])),
+                     measured=cell(ms(e["measured"]["exposed_comm_s"])))
                 for k, e in ok.items() if e["measured"]["utilisation"] is not None]
     matched = [abs(e["compute_matched"]["tokens_per_s"] / e["measured"]["tokens_per_s"] - 1)
                for e in ok.values() if e.get("compute_matched")]

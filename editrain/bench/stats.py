@@ -84,5 +84,20 @@ def paired_differences(a: Iterable[Any], b: Iterable[Any]) -> dict[str, Any]:
     return out
 
 
-__all__ = ["beyond_spread", "finite", "mean_std", "median",
+def median_difference(a: dict[str, Any], b: dict[str, Any]) -> float | None:
+    """The difference of two spreads' medians (None when either has none)."""
+    if a.get("median") is None or b.get("median") is None:
+        return None
+    return a["median"] - b["median"]
+
+
+def compare(a: str, b: str, sa: dict[str, Any], sb: dict[str, Any], tolerance: float = 0.0,
+            **labels: Any) -> dict[str, Any]:
+    """A comparison record of two named spreads: ``a``, ``b``, the ``labels``, the
+    difference of the medians and whether it is beyond the spread (:func:`beyond_spread`)."""
+    return {"a": a, "b": b, **labels, "difference": median_difference(sa, sb),
+            "beyond_spread": beyond_spread(sa, sb, tolerance)}
+
+
+__all__ = ["beyond_spread", "compare", "finite", "mean_std", "median", "median_difference",
            "paired_differences", "spread"]

@@ -24,7 +24,7 @@ from editrain.bench.prose import fill, prose
 from editrain.bench.runner import Bench, repeat_label
 from editrain.bench.runs import Run
 from editrain.bench.scenario import Ctx, Job, Scenario, Table, Verdict
-from editrain.bench.stats import beyond_spread, median, spread
+from editrain.bench.stats import compare, median, spread
 from editrain.bench.tables import cell, ratio, spread_cell, verdict_cell
 
 TEXT = prose("stragglers")
@@ -221,20 +221,9 @@ def _case_results(runs: dict[str, list[Run]], limits: list[dict[str, Any]],
             "runs": [r.label for r in reps],
             "errors": [r.error for r in reps if r.error],
         }
-    entry["comparisons"] = [
-        {"a": a, "b": b,
-         "difference": _diff(entry[a]["fraction_of_limit"], entry[b]["fraction_of_limit"]),
-         "beyond_spread": beyond_spread(entry[a]["fraction_of_limit"],
-                                        entry[b]["fraction_of_limit"])}
-        for a, b in COMPARISONS]
+    entry["comparisons"] = [compare(a, b, entry[a]["fraction_of_limit"],
+                                    entry[b]["fraction_of_limit"]) for a, b in COMPARISONS]
     return entry
-
-
-def _diff(a: dict[str, Any], b: dict[str, Any]) -> float | None:
-    """Difference of two spreads' medians."""
-    if a.get("median") is None or b.get("median") is None:
-        return None
-    return a["median"] - b["median"]
 
 
 def _per_sync(run: Run, key: str) -> float | None:

@@ -86,10 +86,15 @@ def mean_pm(stats: dict) -> str:
     return f"{stats['mean']:.4f} +- {stats['std']:.4f}"
 
 
+def ms(v: float | None) -> float | None:
+    """Seconds to milliseconds (None stays None)."""
+    return None if v is None else v * 1000.0
+
+
 def percent(x: float | None) -> str:
     """A fraction as a signed percentage, ``+3.4%``."""
     return "n/a" if x is None else f"{100 * x:+.1f}%"
 
 
-__all__ = ["cell", "fmt_bytes", "md_table", "mean_pm", "percent", "ratio", "spread_cell",
+__all__ = ["cell", "fmt_bytes", "md_table", "mean_pm", "ms", "percent", "ratio", "spread_cell",
            "verdict_cell"]
