@@ -21,11 +21,13 @@ from typing import Any
 
 from editrain.bench.measures import steady_throughput
 from editrain.bench.peers import torchft_version
+from editrain.bench.prose import fill, prose
 from editrain.bench.runner import Bench
 from editrain.bench.runs import read_run
 from editrain.bench.stats import spread
 from editrain.bench.tables import md_table, ratio, spread_cell
 
+TEXT = prose("real_link")
 SKIP = 4
 """Steps left out at the start of every run (start-up)."""
 TARGET = 0.95
@@ -129,64 +131,36 @@ def main(argv: Sequence[str] | None = None) -> int:
                     {"total"}) + ["total"]
     byte_rows = [[s, *(spread_cell(e["cross_replica_bytes"].get(c, {})) for c in causes)]
                  for s, e in results.items() if e["cross_replica_bytes"]]
-    tables = [(f"Tokens/s and wall time over a real link at {args.rate}", table)]
+    tables = [(fill(TEXT["tables"]["speed"], rate=args.rate), table)]
     if byte_rows:
-        tables.append((f"Bytes each rank sent across replicas at {args.rate}, by cause "
-                       "(summary.json)", md_table(["setting", *causes], byte_rows)))
+        tables.append((fill(TEXT["tables"]["bytes"], rate=args.rate),
+                       md_table(["setting", *causes], byte_rows)))
     targets, shortfalls, headline = [], [], []
     for s, e in results.items():
         if s in peers:  # the targets are editrain's; a peer's numbers stand beside them
             continue
         kept = e["kept"].get("median")
         met = None if kept is None else kept >= TARGET
-        targets.append({"name": f"{s} keeps >= {TARGET}x of its unshaped-link tokens/s at "
-                                f"{args.rate} (median of {args.repeats} interleaved repeats)",
+        aims, short = TEXT["targets"], TEXT["shortfalls"]
+        targets.append({"name": fill(aims["kept"], s=s, target=TARGET, args=args),
                         "met": met, "detail": f"{spread_cell(e['kept'])}x"})
         if met is False:
-            shortfalls.append(f"{s} keeps {spread_cell(e['kept'])}x at {args.rate}.")
+            shortfalls.append(fill(short["kept"], s=s, kept=spread_cell(e["kept"]), args=args))
         wall = e["wall_ratio"].get("median")
-        targets.append({"name": f"{s} takes <= {WALL_TARGET}x of its unshaped-link wall time "
-                                f"at {args.rate}, evaluations included (median of "
-                                f"{args.repeats} interleaved repeats)",
+        targets.append({"name": fill(aims["wall"], s=s, target=WALL_TARGET, args=args),
                         "met": None if wall is None else wall <= WALL_TARGET,
                         "detail": f"{spread_cell(e['wall_ratio'])}x"})
         if wall is not None and wall > WALL_TARGET:
-            shortfalls.append(f"{s} takes {spread_cell(e['wall_ratio'])}x the wall time at "
-                              f"{args.rate}.")
+            shortfalls.append(fill(short["wall"], s=s, wall=spread_cell(e["wall_ratio"]),
+                                   args=args))
     best = max(results, key=lambda s: results[s]["kept"].get("median") or 0.0)
     if results[best]["kept"].get("median") is not None:
-        headline.append(f"over a real {args.rate} link (two network namespaces, tc token "
-                        f"bucket) {best} keeps {spread_cell(results[best]['kept'])}x of its "
-                        "unshaped-link tokens/s")
-    notes = [
-        "Two network namespaces joined by a veth pair, both ends shaped with tc's token "
-        f"bucket filter (tbf rate {args.rate}, burst 32 KB, queue limit 4 MB); one torchrun "
-        "node per namespace, one process each (2 replicas x 1 shard), gloo over the veth "
-        "(GLOO_SOCKET_IFNAME). The two replicas share the machine's 2 cores, as in the "
-        "simulated-link benchmark.",
-        f"{args.preset} preset with untied embeddings, vocabulary 2048, batch 8 x 64 tokens, "
-        f"H = {args.H}, {args.steps} steps, an evaluation every {every} steps (and at the "
-        "start and the end). Each setting runs unshaped and shaped within a repeat; "
-        "'x unshaped' (tokens/s) and 'wall x unshaped' (the run's wall time, evaluations "
-        "included) are ratios within a repeat, median [min-max] over repeats.",
-        f"Throughput: whole sync cycles after step {SKIP} (as in bench bandwidth). Wait and "
-        "comm: the syncs' wait_s and comm_time_s per step on the shaped link.",
-    ]
+        headline.append(fill(TEXT["headline"], rate=args.rate, best=best,
+                             kept=spread_cell(results[best]["kept"])))
+    notes = fill(TEXT["notes"], args=args, every=every, skip=SKIP)
     if peers:
-        notes.append(
-            f"{', '.join(peers)}: the peer, torchft {torchft_version() or '?'}'s streaming DiLoCo "
-            f"(torchft.local_sgd.DiLoCo through editrain.bench.torchft_peer, one process per "
-            f"replica, each its own torchft Manager), {args.fragments} fragments (editrain's "
-            "sync units strided as sync.fragments strides them, one outer optimizer each), "
-            "fragment_sync_delay D as named (torchft-dD), fragment_update_alpha 0, fp32 "
-            "all-reduce over gloo (torchft quantizes only with triton, on a GPU); the same "
-            "model, data, inner optimizer and schedule, H and outer optimizer (edit's) as "
-            "the editrain settings. Its lighthouse runs in the first namespace: the second "
-            "replica's quorum requests and heartbeats cross the shaped link (as its "
-            "rendezvous with torchrun's store does for editrain). Its wall time is the "
-            "training loop's (the first evaluation to the last); its final validation loss "
-            "is replica 0's model after the last fragment's sync (the other fragments were "
-            "last synced up to H - H / fragments steps before), editrain's the global model.")
+        notes.append(fill(TEXT["peer_note"], peers=", ".join(peers), args=args,
+                          version=torchft_version() or "?"))
     errors = [err for e in results.values() for err in e["errors"]]
     bench.finish(settings={"rate": args.rate, "repeats": args.repeats,
                            "settings": list(args.settings), "skip_steps": SKIP,
@@ -197,8 +171,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                  tables=tables,
                  targets=targets, notes=notes, shortfalls=shortfalls, errors=errors,
                  headline=headline, repeats=args.repeats,
-                 description="Settings of streaming EDiT over a real shaped network link "
-                             "(not the simulated one), against the same link unshaped.")
+                 description=TEXT["description"])
     return 0
 
 
