@@ -27,18 +27,15 @@ from typing import Any
 from editrain.bench.convergence import RECIPE_H, variant_layers
 from editrain.bench.options import pick_names
 from editrain.bench.plots import pyplot, save_figure
+from editrain.bench.prose import fill, prose
 from editrain.bench.runner import Bench
 from editrain.bench.scale import SHAPES
 from editrain.bench.stats import mean_std, paired_differences
 from editrain.bench.tables import md_table, mean_pm, percent
 
 NAME = "batch"
-DESCRIPTION = (
-    "EDiT with bench tune's recipe against synchronous training as the tokens per replica "
-    "per step grow (512, 2,048, 8,192) at equal tokens, H = 20 steps at every batch: each "
-    "method's learning rate tuned per batch on the same short grid, then seeds paired; the "
-    "relative gap of the final validation loss per batch, with its spread."
-)
+TEXT = prose("batch")
+DESCRIPTION = TEXT["description"]
 RECIPE = "edit-recipe"
 """The convergence variant compared with sync."""
 METHODS = ("sync", RECIPE)
@@ -230,32 +227,28 @@ def grid_table(rows: list[dict[str, Any]]) -> str:
 def findings(rows: list[dict[str, Any]]) -> list[str]:
     """Sentences: each batch's gap, whether it shrinks with the batch (smallest against
     largest batch of each shape) and which batches bring the recipe within ``WITHIN``."""
-    out = []
+    out, said = [], TEXT["findings"]
     for shape in dict.fromkeys(r["shape"] for r in rows):
         done = [r for r in rows if r["shape"] == shape and r["relative_gap"] is not None]
         if not done:
             continue
-        out.append(f"{shape}: {RECIPE} - sync at " + "; ".join(
+        out.append(fill(said["gaps"], shape=shape, recipe=RECIPE, gaps="; ".join(
             f"{r['tokens_per_step']:,} tokens per replica per step {percent(r['relative_gap'])}"
-            f" ({mean_pm(r['gap'])}, {r['gap']['n']} seed(s))" for r in done) + ".")
+            f" ({mean_pm(r['gap'])}, {r['gap']['n']} seed(s))" for r in done)))
         if len(done) >= 2:
             first, last = done[0], done[-1]
             trend = "shrinks" if last["relative_gap"] < first["relative_gap"] else "does not shrink"
-            out.append(f"{shape}: the gap {trend} from {percent(first['relative_gap'])} to "
-                       f"{percent(last['relative_gap'])} as the batch grows "
-                       f"{last['tokens_per_step'] // first['tokens_per_step']}x at equal tokens "
-                       f"(H = {first['h_steps']} steps: {first['syncs'][RECIPE]} -> "
-                       f"{last['syncs'][RECIPE]} syncs).")
-            out.append(f"{shape}: at equal tokens sync itself ends at " + ", ".join(
+            out.append(fill(said["trend"], shape=shape, trend=trend, first=first,
+                            first_gap=percent(first["relative_gap"]),
+                            last_gap=percent(last["relative_gap"]),
+                            growth=last["tokens_per_step"] // first["tokens_per_step"],
+                            first_syncs=first["syncs"][RECIPE], last_syncs=last["syncs"][RECIPE]))
+            out.append(fill(said["sync"], shape=shape, losses=", ".join(
                 f"{r['sync']['mean']:.3f} ({r['tokens_per_step']:,} tokens per step, "
-                f"{r['steps']} steps)" for r in done) + ": a batch's gap is measured at the "
-                "loss its own steps reach.")
+                f"{r['steps']} steps)" for r in done)))
         within = [r for r in done if r["relative_gap"] <= WITHIN]
-        out.append(f"{shape}: the recipe is within {WITHIN:.0%} of sync (or better) at "
-                   + ", ".join(f"{r['tokens_per_step']:,}" for r in within)
-                   + " tokens per replica per step." if within else
-                   f"{shape}: the recipe is not within {WITHIN:.0%} of sync at any batch "
-                   "tried.")
+        out.append(fill(said["within" if within else "not_within"], shape=shape, within=WITHIN,
+                        batches=", ".join(f"{r['tokens_per_step']:,}" for r in within)))
     return out
 
 
@@ -268,37 +261,20 @@ def _write(bench: Bench, settings: dict[str, Any], shapes: list[str], batches: t
                       {m: info.get((shape, tokens, m), {}) for m in METHODS})
             for shape in shapes for tokens in batches if (shape, tokens, "sync") in losses]
     found = findings(rows)
-    notes = [
-        f"Equal tokens: {per_run:,} tokens per replica per run at every batch (2 replicas), "
-        f"sequence length {settings['seq_len']}; the batch is the batch size (no gradient "
-        "accumulation); validation over the whole held-out split at the end.",
-        f"{RECIPE}: synchronous warm-up for the first quarter of each run's steps, H = "
-        f"{RECIPE_H[RECIPE]} steps at every batch (H in tokens = H x the batch), outer SGD "
-        "at lr 1 without momentum. Learning-rate warm-up: a sixteenth of the run's steps; "
-        "cosine decay as train's default.",
-        f"Learning rates: each method's best of {len(LR_FACTORS)} ("
-        + ", ".join(f"{f:g}" for f in LR_FACTORS) + f" x {BASE_LR:g} x sqrt(tokens / "
-        f"{BASE_TOKENS})) on seed 0, the same grid for both, with {EXTEND} more point beyond "
-        "the edge (half the lowest or twice the highest) where the best was at an edge; the "
-        "other seeds at the chosen rate. "
-        "Seed 0 chose the rates, so its gap is the least independent.",
-        f"Seeds: {seeds_done} of {settings['seeds']} finished for the last shape begun; "
-        "paired (the same seed gives both methods the same initial model and data order); "
-        "gap = recipe - sync per seed, then mean +- std; 'per seed (range)' is the smallest "
-        "and largest per-seed gap over sync's mean loss.",
-        "Shapes: " + "; ".join(f"{s} = {SHAPES[s]}" for s in shapes) + ".",
-    ]
+    notes = fill(TEXT["notes"], per_run=per_run, settings=settings, recipe=RECIPE,
+                 h=RECIPE_H[RECIPE], n_factors=len(LR_FACTORS),
+                 factors=", ".join(f"{f:g}" for f in LR_FACTORS), base_lr=BASE_LR,
+                 base_tokens=BASE_TOKENS, extend=EXTEND, seeds_done=seeds_done,
+                 shapes="; ".join(f"{s} = {SHAPES[s]}" for s in shapes))
     plots = [_plot(bench, rows)] if any(r["relative_gap"] is not None for r in rows) else []
-    target = {"name": f"{RECIPE} ends within {WITHIN:.0%} of synchronous training's "
-                      "validation loss at equal tokens at some batch (paired by seed)",
+    target = {"name": fill(TEXT["target"], recipe=RECIPE, within=WITHIN),
               "met": (None if not rows or any(r["relative_gap"] is None for r in rows)
                       else any(r["relative_gap"] <= WITHIN for r in rows)),
               "detail": "; ".join(f"{r['shape']} {r['tokens_per_step']}: "
                                   f"{percent(r['relative_gap'])}" for r in rows)}
-    headline = ([f"EDiT's recipe against sync at equal tokens as the batch grows "
-                 f"({seeds_done} seed(s)): " + "; ".join(
+    headline = ([fill(TEXT["headline"], seeds=seeds_done, rows="; ".join(
                      f"{r['shape']} {r['tokens_per_step']:,} tok/step "
-                     f"{percent(r['relative_gap'])}" for r in rows) + "."]
+                     f"{percent(r['relative_gap'])}" for r in rows))]
                 if rows and all(r["relative_gap"] is not None for r in rows) else [])
     return bench.finish(
         settings={**settings, "seeds_done": seeds_done}, methods=METHODS,
