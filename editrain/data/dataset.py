@@ -50,7 +50,14 @@ import numpy as np
 from editrain.safe_io import Obj, read_json
 
 from .overlap import window_overlap
-from .pretokenized import copy_checked, open_tokens, row_ids, tail_split, write_checked
+from .pretokenized import (
+    TokenFile,
+    copy_checked,
+    open_tokens,
+    row_ids,
+    tail_split,
+    write_checked,
+)
 from .progress import BuildProgress
 from .sources import (
     Document,
@@ -76,6 +83,7 @@ __all__ = [
     "DEFAULT_VAL_TOKENS",
     "EOS_POLICIES",
     "FORMAT_VERSION",
+    "OVERLAP_MAX_WINDOWS",
     "OVERLAP_WINDOW",
     "VAL_DOCUMENTS_FILE",
     "TokenData",
@@ -124,6 +132,11 @@ _COST_ENCODE = 4.0
 
 OVERLAP_WINDOW = 32
 """Window length (tokens) of the val/train overlap recorded in ``meta.json``."""
+OVERLAP_MAX_WINDOWS = 1 << 21
+"""Most validation windows the overlap in ``meta.json`` is measured on: a larger validation
+split is sampled by window hash (see :func:`~editrain.data.overlap.window_overlap`), so the
+measure's memory (about 40 bytes per window) stays bounded; the share's sampling error is
+then below 0.1 percentage point."""
 
 VAL_DOCUMENTS_FILE = "val_documents.json"
 """Cache entry file listing ``[name, family, kind]`` of every validation document."""
@@ -622,10 +635,10 @@ def _copy_sides(all_path: Path, counts: np.ndarray, plan: SplitPlan, dtype: np.d
     ends = np.concatenate([[0], np.cumsum(counts)])
     starts_of_runs = np.concatenate([[0], np.flatnonzero(np.diff(side)) + 1])
     stops_of_runs = np.concatenate([starts_of_runs[1:], [len(side)]])
-    total = int(ends[-1])
-    tokens = (np.memmap(all_path, dtype=dtype, mode="r", shape=(total,)) if total
-              else np.zeros(0, dtype=dtype))
     written = {"train": 0, "val": 0}
+    # Read with plain reads, not a memory map: its pages would stay resident (the whole
+    # encoded corpus by the end of the copy).
+    tokens = TokenFile(all_path, dtype, int(ends[-1]))
     files = {name: open(path, "wb") for name, path in out.items()}
     try:
         for a, b in zip(starts_of_runs.tolist(), stops_of_runs.tolist()):
@@ -647,7 +660,7 @@ def _copy_sides(all_path: Path, counts: np.ndarray, plan: SplitPlan, dtype: np.d
     finally:
         for fh in files.values():
             fh.close()
-        del tokens
+        tokens.close()
     return written["train"], written["val"]
 
 
@@ -774,10 +787,7 @@ def _build_entry(
                     for i in np.flatnonzero(plan.val & ~plan.drop)]
     _atomic_write_bytes(entry / VAL_DOCUMENTS_FILE,
                         json.dumps(val_docs, ensure_ascii=True).encode("ascii"))
-    train = np.memmap(entry / "train.bin", dtype=dtype, mode="r", shape=(n_train,))
-    val = np.memmap(entry / "val.bin", dtype=dtype, mode="r", shape=(n_val,))
-    overlap = window_overlap(val, train, OVERLAP_WINDOW)
-    del train, val
+    overlap = _measure_overlap(entry, dtype)
 
     meta = {
         "format": FORMAT_VERSION,
@@ -816,6 +826,15 @@ def _build_entry(
     )
 
 
+def _measure_overlap(entry: Path, dtype: np.dtype) -> float:
+    """The val/train overlap of the entry's token files (:func:`window_overlap`), read in
+    chunks with plain reads and estimated on at most :data:`OVERLAP_MAX_WINDOWS`
+    validation windows, so that its memory does not grow with the corpus."""
+    with (TokenFile(entry / "val.bin", dtype) as val,
+          TokenFile(entry / "train.bin", dtype) as train):
+        return window_overlap(val, train, OVERLAP_WINDOW, max_windows=OVERLAP_MAX_WINDOWS)
+
+
 def _source_list(spec) -> list[str]:
     """``data.path`` as a list of strings, for ``meta.json``."""
     return [os.fspath(s) for s in ([spec] if isinstance(spec, (str, os.PathLike)) else spec)]
@@ -847,9 +866,9 @@ def _build_token_entry(entry: Path, ref, source_spec, tokenizer_path: str,
             raise ValueError(f"data.path: {ref.label} holds {size} token id(s) in column "
                              f"{ref.text_field!r}: too few to split into training and "
                              f"validation")
-        ids = np.memmap(flat, dtype=dtype, mode="r", shape=(size,))
         n_val = tail_split(size, split["val_fraction"], split["val_tokens"], MAX_VAL_SHARE)
-        sources = {"train": ids[:size - n_val], "val": ids[size - n_val:]}
+        sources = {"train": TokenFile(flat, dtype, size - n_val),
+                   "val": TokenFile(flat, dtype, n_val, start=size - n_val)}
         names = {"train": ref.label, "val": ref.label}
         mode = "tail"
     elif path.is_dir():
@@ -866,15 +885,13 @@ def _build_token_entry(entry: Path, ref, source_spec, tokenizer_path: str,
     counts = {s: copy_checked(sources[s], entry / f"{s}.bin", dtype, vsize, names[s])
               for s in ("train", "val")}
     if ref.kind == "token_rows":
-        del ids, sources
+        for part in sources.values():
+            part.close()
         flat.unlink()
     _atomic_write_bytes(entry / "tokenizer.json",
                         Path(tokenizer_path).expanduser().read_bytes())
     _atomic_write_bytes(entry / VAL_DOCUMENTS_FILE, b"[]")
-    train = np.memmap(entry / "train.bin", dtype=dtype, mode="r", shape=(counts["train"],))
-    val = np.memmap(entry / "val.bin", dtype=dtype, mode="r", shape=(counts["val"],))
-    overlap = window_overlap(val, train, OVERLAP_WINDOW)
-    del train, val
+    overlap = _measure_overlap(entry, dtype)
     meta = {
         "format": FORMAT_VERSION, "key": key, "source": _source_list(source_spec),
         "pretokenized": True, "max_bytes": None, "val_fraction": float(split["val_fraction"]),

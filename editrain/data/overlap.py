@@ -10,6 +10,9 @@ __all__ = ["iter_window_hashes", "window_hashes", "window_overlap"]
 
 _MUL = np.uint64(0x100000001B3)  # FNV-style odd multiplier; collisions are 2**-64-rare
 _CHUNK = 1 << 20  # windows hashed at once
+# An odd multiplier (a bijection of 64-bit integers) that spreads every bit of a window's
+# hash into its top bits, which the sample of max_windows compares.
+_MIX = np.uint64(0xBF58476D1CE4E5B9)
 
 
 def iter_window_hashes(tokens: np.ndarray, n: int, chunk: int = _CHUNK
@@ -42,23 +45,36 @@ def window_hashes(tokens: np.ndarray, n: int) -> np.ndarray:
     return np.concatenate(parts) if parts else np.zeros(0, dtype=np.uint64)
 
 
-def window_overlap(val: np.ndarray, train: np.ndarray, n: int = 32) -> float:
+def window_overlap(val: np.ndarray, train: np.ndarray, n: int = 32,
+                   max_windows: int | None = None) -> float:
     """Share of the validation split's ``n``-token windows that occur anywhere in training.
 
     Token-level and verbatim: a window counts when the same ``n`` ids appear in a row
     somewhere in ``train``. Windows are taken at every position (stride 1). Memory grows
-    with the validation split only: the training split is hashed piece by piece and each
-    piece's hashes looked up among the validation windows' (sorted, distinct).
+    with the validation windows measured only: the training split is hashed piece by piece
+    and each piece's hashes looked up among the validation windows' (sorted, distinct).
 
     Args:
-        val: Validation token ids.
-        train: Training token ids.
+        val: Validation token ids (an array, or anything sliced like one, such as a
+            :class:`~editrain.data.pretokenized.TokenFile`).
+        train: Training token ids (the same).
         n: Window length (32 by default).
+        max_windows: When the validation split has more windows than this, the share is
+            estimated on the windows whose hash, mixed, falls below ``max_windows / windows``
+            of the hash range: about ``max_windows`` of them, the same ones in every run,
+            every copy of a window kept or left out together. None: every window.
 
     Returns:
         A share in [0, 1]; 0.0 when the validation split is shorter than ``n``.
     """
-    v = window_hashes(val, n)
+    windows = len(val) - n + 1
+    if max_windows is not None and windows > max_windows:
+        below = np.uint64(int(2**64 * max_windows / windows))
+        with np.errstate(over="ignore"):
+            parts = [h[h * _MIX < below] for h in iter_window_hashes(val, n)]
+        v = np.concatenate(parts) if parts else np.zeros(0, dtype=np.uint64)
+    else:
+        v = window_hashes(val, n)
     if len(v) == 0:
         return 0.0
     distinct = np.unique(v)

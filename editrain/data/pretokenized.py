@@ -20,14 +20,16 @@ themselves while the cache entry is written, in one chunked pass, before any wor
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import numpy as np
 
 from .optional import require
 
-__all__ = ["BIN_DTYPE", "NANOGPT_SPLITS", "TOKEN_SUFFIXES", "copy_checked", "is_token_dir",
-           "open_tokens", "row_ids", "tail_split", "token_files", "write_checked"]
+__all__ = ["BIN_DTYPE", "NANOGPT_SPLITS", "TOKEN_SUFFIXES", "TokenFile", "copy_checked",
+           "is_token_dir", "open_tokens", "row_ids", "tail_split", "token_files",
+           "write_checked"]
 
 BIN_DTYPE = np.dtype(np.uint16)
 """dtype of a ``.bin`` file (nanoGPT writes ``uint16``)."""
@@ -36,6 +38,68 @@ TOKEN_SUFFIXES = (".bin", ".npy")
 NANOGPT_SPLITS = ("train.bin", "val.bin")
 """Files of a nanoGPT data directory, one per split."""
 _COPY_CHUNK = 1 << 24  # ids converted and checked at a time (32 MB of uint16)
+
+
+class TokenFile:
+    """A flat file of token ids, read-only, sliced with plain reads (``os.pread``).
+
+    Slicing (step 1 only) returns a new array holding just that range, so a pass over a
+    file of any size holds one chunk in memory. A memory map of the same file would give
+    the same values, but every page a pass touches stays in the process's resident set
+    until the kernel needs it back: the build's resident memory then grew with the corpus
+    (its token files are read whole to copy the splits out and measure the overlap). The
+    page cache that reads fill is the kernel's, not the process's.
+
+    Args:
+        path: The file.
+        dtype: dtype of its ids.
+        count: Number of ids (default: from ``start`` to the end of the file).
+        start: Index of the file's id that is this object's first.
+    """
+
+    def __init__(self, path: str | os.PathLike, dtype, count: int | None = None,
+                 start: int = 0) -> None:
+        self.path = Path(path)
+        self.dtype = np.dtype(dtype)
+        self._fd = -1
+        self._fd = os.open(self.path, os.O_RDONLY)
+        self._base = int(start) * self.dtype.itemsize
+        self._len = ((os.fstat(self._fd).st_size - self._base) // self.dtype.itemsize
+                     if count is None else int(count))
+
+    def __len__(self) -> int:
+        return self._len
+
+    def __getitem__(self, key: slice) -> np.ndarray:
+        if not isinstance(key, slice):
+            raise TypeError("TokenFile: only slices (step 1) can be read")
+        start, stop, step = key.indices(self._len)
+        if step != 1:
+            raise TypeError("TokenFile: only slices (step 1) can be read")
+        size = max(0, stop - start) * self.dtype.itemsize
+        data = bytearray(size)
+        view, offset, got = memoryview(data), self._base + start * self.dtype.itemsize, 0
+        while got < size:  # pread may return fewer bytes than asked (never past the end)
+            n = os.preadv(self._fd, [view[got:]], offset + got)
+            if n == 0:
+                raise OSError(f"{self.path}: shorter than {self._len} ids")
+            got += n
+        return np.frombuffer(data, dtype=self.dtype)
+
+    def close(self) -> None:
+        """Close the file (slicing afterwards fails)."""
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+    def __del__(self) -> None:
+        self.close()
+
+    def __enter__(self) -> TokenFile:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
 
 def is_token_dir(path: Path) -> bool:
