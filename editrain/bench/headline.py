@@ -14,14 +14,17 @@ from __future__ import annotations
 
 import os
 import textwrap
+from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from editrain.bench.prose import fill, prose
 from editrain.bench.tables import cell, fmt_bytes, spread_cell
 from editrain.config import ConfigError
 
+TEXT = prose("headline")
 Loaded = tuple[Path, dict[str, Any]]
 """A scenario's results directory and its ``results.json`` record."""
 
@@ -107,6 +110,11 @@ def _repeats(s: dict[str, Any]) -> str:
     return f"median [min-max] of {n} repeats" if n > 1 else "one run"
 
 
+def _settings(record: dict[str, Any]) -> defaultdict:
+    """A record's settings, None for a missing one (as the templates read them)."""
+    return defaultdict(lambda: None, record.get("settings", {}))
+
+
 def _get(record: dict[str, Any], *keys: str) -> Any:
     """``record["results"][k0][k1]...``, or None where a level is missing."""
     value: Any = record.get("results", {})
@@ -155,20 +163,17 @@ def _default_row(p: _Picker) -> list[HeadlineRow]:
     split = run.get("split") or {}
     overlap = split.get("val_train_overlap")
     sync = _get(got[1], "sync") or {}
-    peer = f"{run['initial_val_loss']:.3f} before training"
+    said = TEXT["default"]
+    peer = fill(said["before"], run=run)
     if sync.get("final_val_loss") is not None and run.get("vs_sync") is not None:
-        peer = (f"synchronous {sync['final_val_loss']:.3f} ({100 * run['vs_sync']:+.1f}% for "
-                f"the default), {sync['launch_s']:.0f} s end to end; " + peer)
+        peer = fill(said["sync"], sync=sync, run=run, before=peer)
     return [p.row(
-        "Validation loss of the default `editrain train` run, and of the same run in "
-        "synchronous mode at equal tokens",
-        f"{run['final_val_loss']:.3f} after {run['steps']} steps, "
-        f"{run.get('launch_s', run.get('wall_time_s', 0)):.0f} s end to end",
+        said["what"],
+        fill(said["ours"], run=run, seconds=run.get("launch_s", run.get("wall_time_s", 0))),
         peer,
-        f"the whole held-out split ({run['val_tokens']:,} tokens"
-        + (f", {100 * overlap:.1f}% of its {split.get('overlap_window')}-token windows also "
-           "in training" if overlap is not None else "") + "); one run each, same seed"
-        + _load_text(got[1]), [got])]
+        fill(said["conditions"], run=run, load=_load_text(got[1]), overlap="" if overlap is None
+             else fill(said["overlap"], overlap=overlap, window=split.get("overlap_window"))),
+        [got])]
 
 
 def _load_text(record: dict[str, Any]) -> str:
@@ -178,29 +183,27 @@ def _load_text(record: dict[str, Any]) -> str:
     if not loads:
         return ""
     lo, hi = loads
-    return (f"; load average {lo:.1f} at the runs' starts" if f"{lo:.1f}" == f"{hi:.1f}"
-            else f"; load average {lo:.1f}-{hi:.1f} at the runs' starts")
+    return fill(TEXT["load_one" if f"{lo:.1f}" == f"{hi:.1f}" else "load_range"], lo=lo, hi=hi)
 
 
 def _convergence_rows(p: _Picker) -> list[HeadlineRow]:
     """Final validation loss at equal tokens: EDiT against DiLoCo and synchronous training,
     EDiT with bench tune's recipe, and the variants that hide the communication."""
-    rows = []
+    rows, said = [], TEXT["convergence"]
     got = p.last("convergence", ["edit", "diloco", "sync"])
     if got:
-        res, st = got[1]["results"], got[1].get("settings", {})
+        res, st = got[1]["results"], _settings(got[1])
         vs_d, vs_s = res["edit"].get("paired_vs_diloco"), res["edit"].get("paired_vs_sync")
         if vs_d and vs_s and vs_d.get("mean") is not None and vs_s.get("mean") is not None:
             rows.append(p.row(
-                f"Validation loss after {st.get('steps')} steps",
-                f"EDiT {_loss(res['edit']['final_val_loss'])}",
-                f"DiLoCo {_loss(res['diloco']['final_val_loss'])}; synchronous "
-                f"{_loss(res['sync']['final_val_loss'])}",
-                f"{st.get('seeds')} seeds; EDiT minus DiLoCo per seed {_diff(vs_d)}, minus "
-                f"synchronous {_diff(vs_s)}", [got]))
+                fill(said["what"], st=st), f"EDiT {_loss(res['edit']['final_val_loss'])}",
+                fill(said["peer"], diloco=_loss(res["diloco"]["final_val_loss"]),
+                     sync=_loss(res["sync"]["final_val_loss"])),
+                fill(said["conditions"], st=st, vs_diloco=_diff(vs_d), vs_sync=_diff(vs_s)),
+                [got]))
     got = p.last("convergence", ["edit-recipe", "sync"])
     if got:
-        res, st = got[1]["results"], got[1].get("settings", {})
+        res, st = got[1]["results"], _settings(got[1])
         vs_s = res["edit-recipe"].get("paired_vs_sync") or {}
         sync = res["sync"].get("final_val_loss") or {}
         if vs_s.get("mean") is not None and sync.get("mean"):
@@ -214,27 +217,23 @@ def _convergence_rows(p: _Picker) -> list[HeadlineRow]:
                     f"{100 * s['relative_gap']:+.1f}% at {s['params'] / 1e6:.1f}M parameters"
                     for s in sized)
             rows.append(p.row(
-                f"Validation loss after {st.get('steps')} steps, EDiT with bench tune's "
-                "recipe (`examples/configs/recipe.toml`)",
+                fill(said["recipe_what"], st=st),
                 f"{_loss(res['edit-recipe']['final_val_loss'])} "
                 f"({100 * vs_s['mean'] / sync['mean']:+.1f}%)",
                 f"synchronous {_loss(sync)}",
-                f"{st.get('seeds')} seeds; minus synchronous per seed {_diff(vs_s)}{more}",
-                sources))
+                fill(said["recipe_conditions"], st=st, vs_sync=_diff(vs_s), more=more), sources))
     got = p.last("convergence", ["edit", "edit-streaming", "edit-eager"]) or \
         p.last("convergence", ["edit", "edit-streaming"])
     if got:
-        res, st = got[1]["results"], got[1].get("settings", {})
+        res, st = got[1]["results"], _settings(got[1])
         parts = [f"{name} {_diff(res[v]['paired_vs_edit'])}" for v, name in (
             ("edit-streaming", "streaming"), ("edit-eager", "eager"),
             ("edit-sparse", "sparse 2-bit")) if (res.get(v) or {}).get("paired_vs_edit")]
         if parts and (res["edit"].get("final_val_loss") or {}).get("mean") is not None:
             rows.append(p.row(
-                f"Validation loss after {st.get('steps')} steps with the communication "
-                "hidden, minus EDiT's (per seed)",
-                "; ".join(parts), f"EDiT {_loss(res['edit']['final_val_loss'])}",
-                f"{st.get('seeds')} seeds; streaming: int8 fragments, eager: a whole round "
-                "in flight, sparse: top-k 2-bit codes", [got]))
+                fill(said["hidden_what"], st=st), "; ".join(parts),
+                f"EDiT {_loss(res['edit']['final_val_loss'])}",
+                fill(said["hidden_conditions"], st=st), [got]))
     return rows
 
 
@@ -247,11 +246,11 @@ def _spikes_row(p: _Picker) -> list[HeadlineRow]:
     d, e = res["diloco"].get("peak_increase"), res["edit"].get("peak_increase")
     if d is None or e is None:
         return []
+    said = TEXT["spikes"]
     return [p.row(
-        f"Peak validation-loss rise, one replica's update x{st.get('scale', 0):g} at "
-        f"{len(st.get('corrupt_syncs', []))} syncs",
-        f"EDiT {cell(e)}", f"DiLoCo {cell(d)}",
-        f"{st.get('steps')} steps, H = {st.get('sync_interval')}; one run each", [got])]
+        fill(said["what"], scale=st.get("scale", 0), syncs=len(st.get("corrupt_syncs", []))),
+        f"EDiT {cell(e)}", f"DiLoCo {cell(d)}", fill(said["conditions"], st=_settings(got[1])),
+        [got])]
 
 
 def _straggler_row(p: _Picker) -> list[HeadlineRow]:
@@ -260,10 +259,10 @@ def _straggler_row(p: _Picker) -> list[HeadlineRow]:
     case = _get(got[1], "straggler") if got else None
     if not got or not case:
         return []
-    what = "Throughput with one replica 2x slower, share of the sum of solo speeds"
+    what = TEXT["stragglers"]["what"]
     if case.get("errors"):
         return [p.row(what, "measurement error", "measurement error",
-                      "flagged in docs/benchmarks.md; no figure given", [got])]
+                      TEXT["stragglers"]["flagged"], [got])]
     nb = (case.get("aedit-nb") or {}).get("fraction_of_limit") or {}
     blocking = (case.get("aedit") or {}).get("fraction_of_limit") or {}
     ours, name = (nb, "A-EDiT (non-blocking)") if nb.get("median") is not None else \
@@ -288,7 +287,7 @@ def _link_rows(p: _Picker) -> list[HeadlineRow]:
                 for v in ("edit-streaming", "diloco", "sync")}
         if all(k.get("median") is not None for k in kept.values()):
             rows.append(p.row(
-                f"Throughput kept on a simulated {_link(link)} link, vs an unlimited one",
+                fill(TEXT["links"]["simulated"], link=_link(link)),
                 f"streaming EDiT {_times(kept['edit-streaming'])}",
                 f"DiLoCo {_times(kept['diloco'])}; synchronous {_times(kept['sync'])}",
                 f"H = {st.get('sync_interval')}; "
@@ -302,7 +301,7 @@ def _link_rows(p: _Picker) -> list[HeadlineRow]:
         if runs:
             several = f" ({len(runs)} runs)" if len(runs) > 1 else ""
             rows.append(p.row(
-                f"Throughput kept on a simulated {_link(link)} link, vs an unlimited one",
+                fill(TEXT["links"]["simulated"], link=_link(link)),
                 "sparse 2-bit EDiT " + " / ".join(_times(s) for _, s, _ in runs) + several,
                 "DiLoCo " + " / ".join(_times(d) for _, _, d in runs),
                 f"H = {runs[0][0][1].get('settings', {}).get('sync_interval')}; "
@@ -314,8 +313,7 @@ def _link_rows(p: _Picker) -> list[HeadlineRow]:
         stream = _get(got[1], "streaming-int8", "kept") or {}
         if sparse.get("median") is not None and stream.get("median") is not None:
             rows.append(p.row(
-                f"Throughput kept on a real {st.get('rate')} link (network namespaces, tc), "
-                "vs unshaped",
+                fill(TEXT["links"]["real"], rate=st.get("rate")),
                 f"sparse 2-bit EDiT {_times(sparse)}", f"int8 streaming EDiT {_times(stream)}",
                 f"{_repeats(sparse)}", [got]))
     return rows
@@ -341,14 +339,13 @@ def _real_link_peer_rows(p: _Picker) -> list[HeadlineRow]:
         found.append(((d, r), ours, best))
     rows = []
     for (d, r), ours, best in sorted(found, key=lambda f: -_rate_bits(f[0][1])):
-        st, rate = r.get("settings", {}), r.get("settings", {}).get("rate")
+        st = _settings(r)
         rows.append(p.row(
-            f"Throughput kept on a real {rate} link vs unshaped; validation loss at equal "
-            "tokens, against torchft",
+            fill(TEXT["links"]["real_peer"], rate=st["rate"]),
             "; ".join(_kept_and_loss(r, s, s) for s in ours),
             _kept_and_loss(r, best, "torchft streaming DiLoCo, delay " + best.split("-d")[-1]),
-            f"{st.get('preset')} preset, H = {st.get('H')}, {st.get('fragments')} torchft "
-            f"fragments, {st.get('steps')} steps; {_repeats(r['results'][ours[0]]['kept'])}",
+            fill(TEXT["links"]["real_peer_conditions"], st=st,
+                 repeats=_repeats(r["results"][ours[0]]["kept"])),
             [(d, r)]))
     return rows
 
@@ -394,8 +391,7 @@ def _peers_rows(p: _Picker) -> list[HeadlineRow]:
         agree = (f"; loss {target['detail']}" if target.get("met") and target.get("detail")
                  else "")
         rows.append(p.row(
-            f"DiLoCo against torchft's DiLoCo, H = {r.get('settings', {}).get('sync_interval')}"
-            ": validation loss; tokens/s",
+            fill(TEXT["peers"]["what"], h=r.get("settings", {}).get("sync_interval")),
             f"{_same(losses[0])}; {spread_cell(speeds[0])} tok/s",
             f"{_same(losses[1])}; {spread_cell(speeds[1])} tok/s",
             f"same model and data; {_repeats(speeds[0])}{agree}", [(d, r)]))
@@ -407,17 +403,15 @@ def _faults_row(p: _Picker) -> list[HeadlineRow]:
     got = p.last("faults", ["ft-fail", "restart-fail"])
     if not got:
         return []
-    st = got[1].get("settings", {})
+    st = _settings(got[1])
     ft = _get(got[1], "ft-fail", "window_loss") or {}
     restart = _get(got[1], "restart-fail", "window_loss") or {}
     if ft.get("median") is None or restart.get("median") is None:
         return []
-    return [p.row(
-        f"Useful tokens lost when one of {st.get('replicas')} replicas is killed (in a fixed "
-        "window)",
-        f"--ft {_percent(ft)}", f"restart from a checkpoint {_percent(restart)}",
-        f"{st.get('steps')} steps, H = {st.get('sync_interval')}, killed: {st.get('fail')}; "
-        f"{_repeats(ft)}", [got])]
+    said = TEXT["faults"]
+    return [p.row(fill(said["what"], st=st), f"--ft {_percent(ft)}",
+                  f"restart from a checkpoint {_percent(restart)}",
+                  fill(said["conditions"], st=st, repeats=_repeats(ft)), [got])]
 
 
 def _data_row(p: _Picker) -> list[HeadlineRow]:
@@ -430,14 +424,14 @@ def _data_row(p: _Picker) -> list[HeadlineRow]:
         return []
     q = max(points, key=lambda q: q.get("bytes", 0))
     ours, limit = q["given_tokenizer"], q["limit"]
+    said = TEXT["data"]
     return [p.row(
-        f"Corpus build (`editrain data`, a given tokenizer) of {q['bytes'] / 1e6:.0f} MB of "
-        "Python: tokens/s, peak memory",
+        fill(said["what"], megabytes=q["bytes"] / 1e6),
         f"{cell(ours['tokens_per_s'])}; {fmt_bytes(ours.get('peak_rss'))}",
-        f"the tokenizer's own `encode_batch` {cell(limit['tokens_per_s'])}; "
-        f"{fmt_bytes(limit.get('peak_rss'))}",
-        f"{limit.get('workers')} processes each; the whole command takes "
-        f"{cell(ours['time_vs_limit'])}x the limit's time; one run", [got])]
+        fill(said["peer"], tokens_per_s=cell(limit["tokens_per_s"]),
+             peak=fmt_bytes(limit.get("peak_rss"))),
+        fill(said["conditions"], limit=defaultdict(lambda: None, limit),
+             ratio=cell(ours["time_vs_limit"])), [got])]
 
 
 def headline_rows(loaded: Sequence[Loaded]) -> tuple[list[HeadlineRow], list[Loaded]]:
@@ -479,9 +473,7 @@ def readme_headline(loaded: Sequence[Loaded], base: str | Path = ".") -> str:
     """
     rows, used = headline_rows(loaded)
     if not rows:
-        raise ConfigError("bench report --readme: none of the default, convergence, spikes, "
-                          "stragglers, bandwidth, peers, faults or data results yields a headline "
-                          "row; run them first")
+        raise ConfigError(TEXT["no_rows"])
     base = Path(base)
     machine = used[0][1].get("machine", {})
     sizes = sorted({r.get("mode") for _, r in used} - {None}, key=lambda m: SIZES.get(m, 0))
@@ -491,11 +483,8 @@ def readme_headline(loaded: Sequence[Loaded], base: str | Path = ".") -> str:
         + ["| " + " | ".join([row.what, row.editrain, row.peer, row.conditions + " (" + ", ".join(
             f"[{d.name}]({relative_link(d / 'results.json', base)})" for d in row.sources)
             + ")"]) + " |" for row in rows])
-    intro = (f"Measured on one {machine.get('usable_cpus', '?')}-core "
-             f"{'GPU' if machine.get('cuda') else 'CPU'} machine, {'/'.join(sizes)} size "
-             "(spreads: median [min-max] over repeats, or mean +- std over seeds). Each row "
-             "links the `results.json` it was read from, whose `command` reproduces it; "
-             "`docs/benchmarks.md` has every table.")
+    intro = fill(TEXT["intro"], cpus=machine.get("usable_cpus", "?"),
+                 kind="GPU" if machine.get("cuda") else "CPU", sizes="/".join(sizes))
     lines = [textwrap.fill(intro, width=92, break_on_hyphens=False), "", table]
     p = _Picker(loaded)
     plots = []
