@@ -21,6 +21,7 @@ from editrain.bench.measures import (
     steady_throughput,
     utilisation_errors,
 )
+from editrain.bench.options import timed_train
 from editrain.bench.plots import pyplot, save_figure
 from editrain.bench.prose import fill, prose
 from editrain.bench.runner import Bench, repeat_label
@@ -126,7 +127,7 @@ def _layers(ctx: Ctx, variant: dict[str, Any], steps: int | None, bw: str | None
     if steps is None:
         steps = ctx.sync_steps if variant["method"] == "sync" else ctx.local_steps
     out: list[dict[str, Any]] = [
-        {"train": {"steps": steps, "eval_every": steps, "warmup_steps": min(10, steps // 4)},
+        {"train": timed_train(steps),
          "sync": dict(variant),
          "sim": {"link_bandwidth": bw, "link_latency": lat}, **ctx.model}]
     if variant["method"] != "sync":

@@ -75,6 +75,13 @@ def base_overrides(mode: str) -> dict[str, Any]:
     }
 
 
+def timed_train(steps: int) -> dict[str, Any]:
+    """The ``train`` options of a timed run of ``steps`` steps: one evaluation, at the end
+    (outside every measured window), and a learning-rate warm-up of a quarter of the run
+    (at most 10 steps)."""
+    return {"steps": steps, "eval_every": steps, "warmup_steps": min(10, steps // 4)}
+
+
 def merge(*layers: dict[str, Any] | None) -> dict[str, Any]:
     """Deep merge of nested option dicts; later layers win.
 
@@ -188,4 +195,4 @@ def command_line(scenario: str, quick: bool, out_dir: str | None, extra: Sequenc
 
 
 __all__ = ["DEFAULT_ROOT", "MODES", "REPEATS", "SIZE_FLAGS", "VALUE_FLAGS", "base_overrides",
-           "command_line", "merge", "pick_names", "split_extra"]
+           "command_line", "merge", "pick_names", "split_extra", "timed_train"]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from editrain.bench.options import timed_train
 from editrain.bench.prose import fill, prose
 from editrain.bench.runs import Run
 from editrain.bench.scenario import Ctx, Job, Scenario, Table, Verdict, figure
@@ -23,8 +24,7 @@ LINK = ("20MB/s", "5ms")
 def _setup(bench: Any) -> dict[str, Any]:
     interval = bench.pick(4, 8, 10)
     steps = bench.pick(3 * interval, 7 * interval, 8 * interval)
-    common = {"train": {"steps": steps, "eval_every": steps,
-                        "warmup_steps": min(10, steps // 4)},
+    common = {"train": timed_train(steps),
               "sync": {"local_sgd_sync_interval": interval},
               "sim": {"link_bandwidth": LINK[0], "link_latency": LINK[1]}}
     return {"interval": interval, "steps": steps, "common": common,

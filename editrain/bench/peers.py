@@ -35,6 +35,7 @@ from editrain.bench.measures import (
     steady_throughput,
     utilisation_errors,
 )
+from editrain.bench.options import timed_train
 from editrain.bench.prose import fill, prose
 from editrain.bench.runner import Bench, child_env, repeat_label
 from editrain.bench.runs import Run, read_run
@@ -84,8 +85,7 @@ def _skipped_as(reason: str) -> dict[str, Any]:
 
 def _setup(bench: Bench) -> dict[str, Any]:
     steps = bench.pick(8, 96, 200)
-    common = {"train": {"steps": steps, "eval_every": steps,
-                        "warmup_steps": min(10, steps // 4)},
+    common = {"train": timed_train(steps),
               "sync": {"local_sgd_sync_interval": bench.pick(4, 16, 20)}}
     layers = {s: [common, {"sync": {"method": "edit" if s == "edit" else "diloco"}}]
               for s in SYSTEMS}

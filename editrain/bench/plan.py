@@ -15,6 +15,7 @@ import statistics
 from typing import Any
 
 from editrain.bench.measures import replica_stats, steady_throughput
+from editrain.bench.options import timed_train
 from editrain.bench.plots import pyplot, save_figure
 from editrain.bench.prose import fill, prose
 from editrain.bench.runner import Bench
@@ -89,7 +90,7 @@ def _layers(ctx: Ctx, sync: dict[str, Any], link: tuple[str, str] | None,
     n = ctx.sync_steps if sync["method"] == "sync" and link else ctx.steps
     bw, lat = link if link else (None, None)
     first: dict[str, Any] = {
-        "train": {"steps": n, "eval_every": n, "warmup_steps": min(10, n // 4)},
+        "train": timed_train(n),
         "sync": {}, "sim": {"link_bandwidth": bw, "link_latency": lat, **sim}, **ctx.model}
     if sync["method"] != "sync":
         first["sync"]["local_sgd_sync_interval"] = ctx.interval

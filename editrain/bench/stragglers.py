@@ -19,6 +19,7 @@ from typing import Any
 
 from editrain.bench.limits import SoloPlan, bracketed_limit, measured_limit, plan_solo_runs
 from editrain.bench.measures import replica_stats, steady_throughput, utilisation_errors
+from editrain.bench.options import timed_train
 from editrain.bench.plots import pyplot, save_figure
 from editrain.bench.prose import fill, prose
 from editrain.bench.runner import Bench, repeat_label
@@ -53,8 +54,7 @@ def _setup(bench: Bench) -> dict[str, Any]:
     interval = bench.setting("sync.local_sgd_sync_interval",
                              {"sync": {"local_sgd_sync_interval": bench.pick(4, 16, 20)}})
     steps = bench.setting("train.steps", {"train": {"steps": bench.pick(16, 96, 200)}})
-    common = {"train": {"steps": steps, "eval_every": steps,
-                        "warmup_steps": min(10, steps // 4)},
+    common = {"train": timed_train(steps),
               "sync": {"local_sgd_sync_interval": interval}}
     cases = bench.pick(("straggler",), tuple(CASES), tuple(CASES))
     # tiny: A-EDiT's shortest period (0.2 s) is most of the budget, and a replica's
