@@ -176,13 +176,12 @@ def _results(ctx: Ctx) -> dict[str, Any]:
 
 def _judge(ctx: Ctx) -> Verdict:
     results, seeds = ctx.results, ctx.seeds
-    findings = _findings(results, seeds)
+    findings, worse = _findings(results, seeds)
     return Verdict(
         targets=[_target(results, seeds)] + [recipe_target(results, v) for v in RECIPE_H
                                              if v in results],
         findings=findings, headline=_headline(results, seeds, ctx.steps),
-        shortfalls=[f for f in findings if f.startswith(("edit ", "aedit "))
-                    and "got worse" in f])
+        shortfalls=[worse[m] for m in ("edit", "aedit") if m in worse])
 
 
 def _notes(ctx: Ctx) -> list[str]:
@@ -297,11 +296,12 @@ def _plot(ctx: Ctx):
     return ctx.plot
 
 
-def _findings(results: dict[str, Any], seeds: int) -> list[str]:
-    """Plain sentences comparing the methods, generated from the numbers."""
+def _findings(results: dict[str, Any], seeds: int) -> tuple[list[str], dict[str, str]]:
+    """Plain sentences comparing the methods, generated from the numbers, and (method ->
+    sentence) those of the methods whose loss got worse while training went on."""
     means = {m: r["final_val_loss"]["mean"] for m, r in results.items()
              if r["final_val_loss"]["mean"] is not None}
-    out, said = [], TEXT["findings"]
+    out, said, worse = [], TEXT["findings"], {}
     if means:
         order = sorted(means, key=means.get)
         out.append("Final validation loss, best first: "
@@ -326,15 +326,16 @@ def _findings(results: dict[str, Any], seeds: int) -> list[str]:
         if len(curve) >= 3:
             best_tokens, best = min(curve, key=lambda p: p[1])
             if curve[-1][1] > best + 0.02:
-                out.append(fill(said["got_worse"], m=m, above=curve[-1][1] - best, best=best,
-                                best_tokens=best_tokens))
+                worse[m] = fill(said["got_worse"], m=m, above=curve[-1][1] - best, best=best,
+                                best_tokens=best_tokens)
+                out.append(worse[m])
     ref = (results.get("sync") or {}).get("tokens")
     got = (results.get("aedit") or {}).get("tokens")
     if ref and got and got != ref:
         out.append(fill(said["aedit_tokens"], got=got, ref=ref, change=got / ref - 1))
     if seeds == 1:
         out.append(said["one_seed"])
-    return out
+    return out, worse
 
 
 SCENARIO = Scenario(

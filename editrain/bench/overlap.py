@@ -123,11 +123,10 @@ def _judge(ctx: Ctx) -> Verdict:
     if len(known) >= 2:
         decreasing = all(b[1] <= a[1] * 1.05 for a, b in zip(known, known[1:]))
         findings.append(said["falls" if decreasing else "not_falls"])
-    if units and units["root_share"] > 0.3:
-        findings.append(fill(said["root"], units=units))
-    return Verdict(
-        targets=[{"name": TEXT["target"], "met": met, "detail": detail}],
-        findings=findings, shortfalls=[f for f in findings if f.startswith("The root unit")])
+    # The root unit's transfer is never hidden: a shortfall as well as a finding.
+    hidden = [fill(said["root"], units=units)] if units and units["root_share"] > 0.3 else []
+    return Verdict(targets=[{"name": TEXT["target"], "met": met, "detail": detail}],
+                   findings=findings + hidden, shortfalls=hidden)
 
 
 def _plot(ctx: Ctx):
