@@ -37,8 +37,13 @@ COMMON = [*UNTIED, "--steps", "10", "--sync.local_sgd_sync_interval", "4",
 """Clipping on (train.grad_clip 0.5 bites at these losses), the penalty's clipping and
 detector, Adam as the outer optimizer (its per-unit step counter is a scalar the engine
 saves per unit: the key that would collide between stages)."""
-PLAIN = ["--nproc", "2", "--shard-size", "1", *COMMON]
-PP_RUN = ["--nproc", "4", "--shard-size", "1", "--dist.pp_size", "2", *COMMON]
+BLOCKS = ["--model.n_layers", "4"]
+"""4 blocks, as interleaved 1F1B needs for 2 chunks per rank. A 1F1B case whose
+interleaved twin has the same run without stages (edit_2x2 and interleaved_2x2,
+tp_1x2x1x2 and interleaved_tp) has 4 blocks too, so that the ``runs`` fixture trains that
+run once for both."""
+PLAIN = ["--nproc", "2", "--shard-size", "1", *COMMON, *BLOCKS]
+PP_RUN = ["--nproc", "4", "--shard-size", "1", "--dist.pp_size", "2", *COMMON, *BLOCKS]
 """2 replicas x 2 stages (1F1B, 2 microbatches by default), and the same 2 replicas
 without stages."""
 TOL = RUN_LOSS_RTOL  # relative: see its docstring
@@ -73,11 +78,14 @@ AEDIT = [*UNTIED, "--steps", "10", "--method", "aedit", "--sim.step_schedule=[2,
          "--train.grad_clip", "0.5", "--train.eval_every", "4"]
 SHARDED = [*UNTIED, "--steps", "8", "--method", "diloco", "--sync.local_sgd_sync_interval",
            "3", "--train.grad_clip", "0.5", "--train.eval_every", "4"]
-INTERLEAVED_BLOCKS = ["--model.n_layers", "4"]
 INTERLEAVED = ["--dist.pp_schedule", "interleaved-1f1b", "--dist.pp_stages_per_rank", "2",
                "--dist.pp_microbatches", "4"]
 """Interleaved 1F1B: 2 chunks per rank over 4 blocks (rank 0 holds blocks 0 and 2, rank 1
 blocks 1 and 3), 4 microbatches (2 rounds)."""
+TP_PLAIN = ["--nproc", "2", "--shard-size", "1", "--tp-size", "2", *SHARDED, *BLOCKS]
+TP_PP = ["--nproc", "4", "--shard-size", "1", "--tp-size", "2", "--dist.pp_size", "2",
+         *SHARDED, *BLOCKS]
+"""One replica of 2 tp ranks without stages, and of 2 stages of 2 tp ranks each (1F1B)."""
 CASES = {
     # name: (the run without stages, the same with 2 stages per replica)
     "edit_2x2": (PLAIN, PP_RUN),
@@ -94,28 +102,22 @@ CASES = {
                  ["--nproc", "4", "--shard-size", "1", "--dist.pp_size", "2", *SHARDED,
                   "--train.precision", "bf16"]),
     # interleaved 1F1B: the engine's layer-wise hooks see the chunks' forwards interleave
-    "interleaved_2x2": ([*PLAIN, *INTERLEAVED_BLOCKS],
-                        [*PP_RUN, *INTERLEAVED_BLOCKS, *INTERLEAVED]),
+    "interleaved_2x2": (PLAIN, [*PP_RUN, *INTERLEAVED]),
     # one replica of 2 stages of 2 FSDP2 shards: clipping over DTensor pieces
     "sharded_1x2x2": (["--nproc", "2", "--shard-size", "2", *SHARDED],
                       ["--nproc", "4", "--shard-size", "2", "--dist.pp_size", "2",
                        *SHARDED]),
     # interleaved 1F1B on FSDP2 in bf16 (one replica of 2 ranks x 2 chunks of 2 shards)
     # and on tensor parallelism (2 ranks x 2 chunks of 2 tp ranks)
-    "interleaved_sharded_bf16": (["--nproc", "2", "--shard-size", "2", *SHARDED,
-                                  *INTERLEAVED_BLOCKS, "--train.precision", "bf16"],
+    "interleaved_sharded_bf16": (["--nproc", "2", "--shard-size", "2", *SHARDED, *BLOCKS,
+                                  "--train.precision", "bf16"],
                                  ["--nproc", "4", "--shard-size", "2", "--dist.pp_size", "2",
-                                  *SHARDED, *INTERLEAVED_BLOCKS, *INTERLEAVED,
+                                  *SHARDED, *BLOCKS, *INTERLEAVED,
                                   "--train.precision", "bf16"]),
-    "interleaved_tp": (["--nproc", "2", "--shard-size", "1", "--tp-size", "2", *SHARDED,
-                        *INTERLEAVED_BLOCKS],
-                       ["--nproc", "4", "--shard-size", "1", "--tp-size", "2",
-                        "--dist.pp_size", "2", *SHARDED, *INTERLEAVED_BLOCKS, *INTERLEAVED]),
+    "interleaved_tp": (TP_PLAIN, [*TP_PP, *INTERLEAVED]),
     # one replica of 2 stages of 2 tp ranks: a norm weight held alike by tp peers counts
     # once in the clipping norm, evaluation counts tp rank 0 of the last stage
-    "tp_1x2x1x2": (["--nproc", "2", "--shard-size", "1", "--tp-size", "2", *SHARDED],
-                   ["--nproc", "4", "--shard-size", "1", "--tp-size", "2",
-                    "--dist.pp_size", "2", *SHARDED]),
+    "tp_1x2x1x2": (TP_PLAIN, TP_PP),
 }
 
 
@@ -213,7 +215,8 @@ def test_pp_checkpoint_resumes_bitwise(cache: Path, tmp_path: Path, runs) -> Non
     assert marker["topology"] == [2, 2, 1, 1] and marker["pp_size"] == 2
     keys = set(read_metadata(first).state_dict_metadata)
     units = {k.split(".")[2] for k in keys if k.startswith("engine.units.")}
-    assert units == {"root", "tok_embeddings", "block0", "block1", "output"}, units
+    assert units == {"root", "tok_embeddings", "block0", "block1", "block2", "block3",
+                     "output"}, units
     # every parameter of the whole model, once, under its own name
     model = {k.split(".", 2)[2] for k in keys if k.startswith("replica0.model.")}
     assert {"tok_embeddings.weight", "output.weight", "norm.weight"} <= model
@@ -255,7 +258,7 @@ def test_interleaved_checkpoint_resumes_bitwise(cache: Path, tmp_path: Path, run
     assert units == {"root", "tok_embeddings", "block0", "block1", "block2", "block3",
                      "output"}, units
     _resumes_bitwise(cache, tmp_path, full, args, marker["step"])
-    one_chunk = [*PP_RUN, "--model.n_layers", "4", "--dist.pp_microbatches", "4"]  # 1f1b
+    one_chunk = [*PP_RUN, "--dist.pp_microbatches", "4"]  # 1f1b
     out = train(cache, tmp_path / "other", *one_chunk, "--resume", str(first), check=False)
     assert out.returncode != 0
     assert "dist.pp_stages_per_rank: checkpoint has 2, this run has 1" in out.stderr
@@ -277,7 +280,8 @@ def test_pp_checkpoint_resumes_elastically_on_fewer_replicas(cache: Path, tmp_pa
     dst = tmp_path / "dst"
     mesh = ["--nproc", "4", "--shard-size", "2"] if sharded else ["--nproc", "2",
                                                                     "--shard-size", "1"]
-    train(cache, dst, *mesh, "--dist.pp_size", "2", *COMMON, "--resume", str(first))
+    train(cache, dst, *mesh, "--dist.pp_size", "2", *COMMON, *BLOCKS, "--resume",
+          str(first))
     resume_row = next(r for r in rows(dst) if r.get("event") == "elastic_resume")
     saved_val = next(r["val_loss"] for r in rows(src) if r.get("step") == step
                      and "val_loss" in r)
