@@ -272,21 +272,22 @@ def _cache_key(
     return hashlib.sha256(blob.encode("ascii")).hexdigest()[:32]
 
 
-_ID_CHUNK = 1 << 26
+# Ids read at a time from a token file (16 MB of uint32): what copying a split out of the
+# encoded corpus, or scanning a cache file for ids out of range, holds in memory.
+_ID_CHUNK = 1 << 22
 META_MAX_BYTES = 16 << 20
 """The largest ``meta.json`` of a cache entry read (a few kilobytes are written)."""
-"""Tokens read at a time when a cache file is scanned for ids out of range."""
 
 
 def check_token_ids(tokens: np.ndarray, vocab_size: int, path: Path) -> None:
     """Every id of a cached token file is below the vocabulary size.
 
     A file damaged in place (same size, other bytes) would otherwise index past the
-    embedding inside the workers. One pass of numpy's ``max`` over the memory map, in
-    chunks so that memory stays flat.
+    embedding inside the workers. One pass of numpy's ``max``, in chunks so that memory
+    stays flat.
 
     Args:
-        tokens: the memory-mapped token ids.
+        tokens: the token ids (an array, a memory map or a :class:`TokenFile`).
         vocab_size: the tokenizer's vocabulary size recorded in ``meta.json``.
         path: the file, named in the error.
 
@@ -381,7 +382,9 @@ def _open_entry(entry: Path, reused: bool) -> TokenData | None:
     if reused:  # what we just wrote is trusted; a file found on disk is checked
         verify_checksums(entry, meta)
         for split, tokens in arrays.items():
-            check_token_ids(tokens, int(meta["vocab_size"]), entry / f"{split}.bin")
+            # Plain reads: a scan of the memory map would leave the file resident.
+            with TokenFile(entry / f"{split}.bin", dtype, len(tokens)) as ids:
+                check_token_ids(ids, int(meta["vocab_size"]), entry / f"{split}.bin")
     return TokenData(
         train=arrays["train"],
         val=arrays["val"],

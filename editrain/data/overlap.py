@@ -15,11 +15,13 @@ _CHUNK = 1 << 20  # windows hashed at once
 _MIX = np.uint64(0xBF58476D1CE4E5B9)
 
 
-def iter_window_hashes(tokens: np.ndarray, n: int, chunk: int = _CHUNK
+def iter_window_hashes(tokens: np.ndarray, n: int, chunk: int | None = None
                        ) -> Iterator[np.ndarray]:
     """:func:`window_hashes` of ``tokens`` in consecutive pieces of at most ``chunk``
-    windows, so that a split far larger than memory (a memory map) is hashed in bounded
-    memory: about 24 bytes per window of one piece."""
+    windows (default ``_CHUNK``), so that a split far larger than memory (a memory map, a
+    :class:`~editrain.data.pretokenized.TokenFile`) is hashed in bounded memory: about 24
+    bytes per window of one piece."""
+    chunk = chunk or _CHUNK
     m = len(tokens) - n + 1
     with np.errstate(over="ignore"):
         for s in range(0, max(m, 0), chunk):
