@@ -661,13 +661,17 @@ def _simulate(cfg: RefConfig,
                 probe.setdefault("own", {}).setdefault(u, []).append(mine)
             if trusted:
                 _outer_step(glob[i][u], glob_outers[i][u], got)
-            for a, g, c, p in zip(own[i][u], glob[i][u], corr[i][u], uparams[i][u]):
-                a.copy_(g)
-                c.zero_()
-                p.copy_(g)
-            if own_outers[i][u] is not None:
-                own_outers[i][u].load_state_dict(
-                    copy.deepcopy(glob_outers[i][u].state_dict()))
+            end_on_global(i, u)
+
+    def end_on_global(i: int, u: int) -> None:
+        """Replica ``i`` ends unit ``u`` on ``G_i`` as it is: ``A_i`` and its outer state
+        become ``G_i``'s, ``C_i ← 0``, ``θ_i ← G_i`` (section 3c's end)."""
+        for a, g, c, p in zip(own[i][u], glob[i][u], corr[i][u], uparams[i][u]):
+            a.copy_(g)
+            c.zero_()
+            p.copy_(g)
+        if own_outers[i][u] is not None:
+            own_outers[i][u].load_state_dict(copy.deepcopy(glob_outers[i][u].state_dict()))
 
     def merge(rnd: tuple[int, list[int], Any], replicas: list[int] | None = None) -> None:
         """Section 3: blend ``θ ← lerp(Ã, θ, α)`` or keep_local ``θ ← Ã + (θ − θ⁰)``;
@@ -800,17 +804,30 @@ def _simulate(cfg: RefConfig,
             merge(rnd)
         inflight.clear()
         if eager and cfg.finish_force and own:
-            # eager: the replicas' own anchors still differ and C still waits, so one more
-            # blocking round (every step count 0, D = 0) and the consensus
-            launch(all_units, [0] * cfg.R, 0)
+            # eager: the replicas' own anchors still differ and C still waits; nobody
+            # trained since the launch, so no round: every replica ends on G as it is
+            with torch.no_grad():
+                for u in all_units:
+                    for i in range(cfg.R):
+                        end_on_global(i, u)
     elif streaming:
         # finish(): rounds in flight are merged at once; with force, one more round over
-        # every unit with tau = 0 so that all replicas end on the same model (eager: even
-        # with no step since the last launch, as the replicas' anchors still differ)
+        # every unit with tau = 0 so that all replicas end on the same model. Eager: the
+        # units of fragments launched after the last step trained nothing since; every
+        # replica ends them on G as it is, and the round runs over the others
         for rnd in inflight:
             merge(rnd)
         inflight.clear()
-        if cfg.finish_force and not cfg.sync and (bool(own) if eager else k >= 1):
+        if cfg.finish_force and not cfg.sync and eager and own:
+            fresh = {u for f in fragment_launches(k, cfg.H, P) for u in frags[f]}
+            with torch.no_grad():
+                for u in sorted(fresh):
+                    for i in range(cfg.R):
+                        end_on_global(i, u)
+            rest = [u for u in all_units if u not in fresh]
+            if rest:
+                launch(rest, None, 0)
+        elif cfg.finish_force and not cfg.sync and not eager and k >= 1:
             launch(all_units, None, 0)
     elif cfg.finish_force and not cfg.sync and k % cfg.H != 0:
         launch(all_units, None, 0)
@@ -1036,6 +1053,8 @@ def ref_config(case: dict[str, Any], R: int, S: int, **overrides: Any) -> RefCon
     outer = None if method == "post_local_sgd" else "sgd"
     outer_kwargs = sk.get("outer_optim_kwargs") or (
         {"lr": 2.0, "momentum": 0.0, "nesterov": False}  # the sparse codecs' outer SGD
+        if sk.get("comm_dtype") in TOPK_BITS and not sk.get("overlap_steps") else
+        {"lr": 1.0, "momentum": 0.0, "nesterov": False}  # ... with a round in flight
         if sk.get("comm_dtype") in TOPK_BITS else
         {"lr": 1.0, "momentum": 0.0, "nesterov": False}  # the eager merge's outer SGD
         if sk.get("merge") == "eager" else

@@ -426,6 +426,11 @@ def test_eager_single_replica_is_a_sync_every_h_steps(P, steps):
     Ends mid-window (the final rounds meet), or with P = 2 at a launch (with P > 1 the
     tau = 0 run syncs at the end too)."""
     kw = dict(R=1, S=1, H=3, steps=steps, fragments=P, finish_force=True)
+    if P == 2:
+        # the run ends right after a fragment's launch: tau = 0 syncs its units once more
+        # (D = 0), eager ends them on G without a round (section 3c); the same model
+        # unless momentum steps on a zero pseudo-gradient, so none here
+        kw["outer_kwargs"] = {"lr": 0.7, "momentum": 0.0, "nesterov": False}
     plain = run(**kw)[0]
     got = run(tau=3, merge="eager", **kw)[0]
     assert diff(plain, got) < 1e-6
@@ -508,6 +513,33 @@ def test_eager_feeds_every_replica_the_rounds_results_once(outer):
         assert spread < 1e-6 and gap < 1e-6
     else:
         assert spread > 1e-4 and gap > 1e-4
+
+
+@pytest.mark.parametrize("codec, P, steps", [("topk2", 1, 9), ("topk2", 2, 10),
+                                             ("int8", 2, 9), ("fp32", 1, 6)])
+def test_eager_end_right_after_a_launch_is_the_last_global_model(codec, P, steps):
+    """A run that ends right after a fragment's launch: that fragment trained nothing since,
+    so its units end on G with the round in flight merged, the global model an evaluation
+    at that step sees, bitwise; no last round flushes the error feedback's residual into it
+    (section 3c). The other fragment's units (trained one step since their launch) run the
+    last round and differ from it. Every replica ends on one model."""
+    probe: dict = {}
+    cfg = RefConfig(R=2, S=1, H=3, steps=steps, fragments=P, tau=3, merge="eager",
+                    comm_dtype=codec, finish_force=True, global_at=(steps,),
+                    outer_kwargs={"lr": 1.0, "momentum": 0.0, "nesterov": False},
+                    **({"topk_chunk": 64, "topk_k": 4} if codec == "topk2" else {}))
+    out = run_reference(cfg, probe)
+    assert equal(out[0], out[1])
+    seen = probe["global"][steps]
+    names = unit_names(False, True)
+    fresh = {u for f in fragment_launches(steps, 3, P) for u in fragment_units(3, P, f)}
+    assert fresh  # the case ends right after a launch
+    for u, unit in enumerate(names):
+        for n in unit:
+            if u in fresh:
+                assert torch.equal(out[0][n], seen[0][n]), (u, n)
+            else:
+                assert not torch.equal(out[0][n], seen[0][n]), (u, n)
 
 
 def test_eager_aedit_ends_on_one_model():

@@ -16,7 +16,7 @@ of them at once, so that :class:`editrain.sync.edit.SyncEngine` only decides whe
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -127,6 +127,14 @@ class GlobalModel:
         for unit in self.units:
             if unit.anchor is not None:
                 unit.write_back()
+
+    @torch.no_grad()
+    def end_on_global(self, units: Iterable[int]) -> None:
+        """The eager merge's end for ``units`` that trained nothing since their last
+        launch (that round merged): every replica takes ``G`` as it is, with its outer
+        state, and ``C <- 0``; no round, no byte (docs/streaming.md section 3c)."""
+        for u in units:
+            self.units[u].eager_end(None)
 
     def peer_units(self) -> list[dict[str, Any]]:
         """The units' share of the global state (anchors, outer optimizer state) as CPU

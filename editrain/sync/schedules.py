@@ -114,9 +114,13 @@ class BlockingSchedule(Schedule):
         # A-EDiT replicas may differ in steps_since_sync: they all rendezvous to decide.
         counts = (self.rendezvous(eng.clock.elapsed(), allow_skip=False)
                   if eng.config.use_async else None)
-        eager = eng.config.merge == "eager"  # its last round always runs (C is pending)
-        if not eager and ((counts is None and not eng.counters.steps_since_sync) or (
+        if ((counts is None and not eng.counters.steps_since_sync) or (
                 counts is not None and float(counts.sum()) == 0)):
+            # Nobody trained since the last sync. Eager: the replicas' own anchors still
+            # differ (C is pending); every replica ends on G as it is, without a round
+            # (one would send nothing but the error feedback's residual).
+            if eng.config.merge == "eager":
+                eng.anchors.end_on_global(range(len(eng.units)))
             return
         eng.counters.num_syncs_forced += 1
         eng.run_now(counts)  # eager: every replica ends on the global anchor G
@@ -179,9 +183,21 @@ class StreamingSchedule(Schedule):
         eng = self.engine
         while (rnd := eng.pop_inflight()) is not None:
             eng.merge_now(rnd)
-        if eng.counters.global_step > eng.config.local_sgd_warmup_steps:
-            eng.counters.num_syncs_forced += 1
-            eng.run_now(None, list(range(len(eng.units))))  # eager: every replica on G
+        if eng.counters.global_step <= eng.config.local_sgd_warmup_steps:
+            return
+        units = list(range(len(eng.units)))
+        if eng.config.merge == "eager":
+            # A fragment launched at this very boundary has trained nothing since: its
+            # round (merged above) is in G already, and a last round would send nothing
+            # but the error feedback's residual (docs/streaming.md section 3c). Its units
+            # end on G as it is; the others run the last round.
+            fresh = {u for f in self.launches() for u in eng.fragments[f]}
+            eng.anchors.end_on_global([u for u in units if u in fresh])
+            units = [u for u in units if u not in fresh]
+            if not units:
+                return
+        eng.counters.num_syncs_forced += 1
+        eng.run_now(None, units)  # eager: every replica on G
 
     def sync_point(self) -> float | None:
         # In lock-step, but never all holding one model: every step is a point (evaluate
