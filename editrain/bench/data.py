@@ -34,16 +34,13 @@ import time
 from pathlib import Path
 from typing import Any
 
+from editrain.bench.prose import fill, prose
 from editrain.bench.runner import Bench
 from editrain.bench.tables import fmt_bytes, md_table
 
 NAME = "data"
-DESCRIPTION = (
-    "`editrain data` on corpora of growing size (Python files of the installed packages): "
-    "tokens/s and peak memory of the build with a given tokenizer and with its own BPE, "
-    "against the same tokenizer's `encode_batch_fast` over the same files, one process "
-    "per CPU, measured in the same invocation."
-)
+TEXT = prose("data")
+DESCRIPTION = TEXT["description"]
 SPEED_TARGET = 1.5
 """A build with a given tokenizer takes at most this many times the limit's time."""
 BPE_SPEED_TARGET = 2.0
@@ -328,14 +325,13 @@ def _finish(bench: Bench, points: list[dict[str, Any]], workers: int) -> dict[st
     ok = [p for p in points if p["given_tokenizer"].get("time_vs_limit") is not None]
     if ok:
         worst = max(p["given_tokenizer"]["time_vs_limit"] for p in ok)
-        targets.append({"name": f"with a given tokenizer, build time <= {SPEED_TARGET}x the "
-                                "limit's", "met": worst <= SPEED_TARGET,
+        targets.append({"name": fill(TEXT["targets"]["given"], target=SPEED_TARGET),
+                        "met": worst <= SPEED_TARGET,
                         "detail": f"worst {worst:.2f}x"})
     ok_bpe = [p for p in points if p["bpe"].get("time_vs_limit") is not None]
     if ok_bpe:
         worst = max(p["bpe"]["time_vs_limit"] for p in ok_bpe)
-        targets.append({"name": f"training its BPE on a bounded sample, build time <= "
-                                f"{BPE_SPEED_TARGET}x the limit's",
+        targets.append({"name": fill(TEXT["targets"]["bpe"], target=BPE_SPEED_TARGET),
                         "met": worst <= BPE_SPEED_TARGET, "detail": f"worst {worst:.2f}x"})
     memory: dict[str, float] = {}
     if len(points) >= 2:
@@ -345,50 +341,28 @@ def _finish(bench: Bench, points: list[dict[str, Any]], workers: int) -> dict[st
                 memory[key] = last / first
         if memory:
             growth = max(memory.values())
-            targets.append({"name": f"peak memory at {points[-1]['bytes'] / 1e6:,.0f} MB <= "
-                                    f"{MEMORY_TARGET}x that at "
-                                    f"{points[0]['bytes'] / 1e6:,.0f} MB",
+            targets.append({"name": fill(TEXT["targets"]["memory"], target=MEMORY_TARGET,
+                                         last=points[-1]["bytes"] / 1e6,
+                                         first=points[0]["bytes"] / 1e6),
                             "met": growth <= MEMORY_TARGET,
                             "detail": ", ".join(f"{k} {v:.2f}x" for k, v in memory.items())})
     if ok and bench.mode != "tiny":
         last = ok[-1]
-        headline.append(
-            f"`editrain data` tokenises {last['bytes'] / 1e6:,.0f} MB of Python at "
-            f"{last['given_tokenizer']['tokens_per_s']:,.0f} tokens/s with a given tokenizer "
-            f"({last['given_tokenizer']['time_vs_limit']:.2f}x the time of the tokenizer's own "
-            f"encode_batch on {workers} processes), peak memory "
-            f"{fmt_bytes(last['given_tokenizer']['peak_rss'])}"
-            + (f" ({memory['given_tokenizer']:.2f}x that at "
-               f"{points[0]['bytes'] / 1e6:,.0f} MB)" if "given_tokenizer" in memory else ""))
+        headline.append(fill(
+            TEXT["headline"], megabytes=last["bytes"] / 1e6, given=last["given_tokenizer"],
+            workers=workers, peak=fmt_bytes(last["given_tokenizer"]["peak_rss"]),
+            growth=fill(TEXT["growth"], growth=memory["given_tokenizer"],
+                        megabytes=points[0]["bytes"] / 1e6) if "given_tokenizer" in memory
+            else ""))
     for p in points:
-        findings.append(
-            f"{p['bytes'] / 1e6:,.0f} MB: limit {p['limit'].get('seconds', float('nan')):.1f} s,"
-            f" build with the given tokenizer {p['given_tokenizer'].get('seconds', float('nan')):.1f}"
-            f" s, with its own BPE {p['bpe'].get('seconds', float('nan')):.1f} s")
-    notes = [
-        "Limit: the benchmark's tokenizer (a byte-level BPE of "
-        f"{VOCAB_SIZE:,} ids trained on the corpus's first 4 MB) encoding every file with "
-        f"`encode_batch_fast` in 1 MB batches, {workers} single-threaded processes "
-        "(RAYON_NUM_THREADS=1), files dealt out round robin; from the start of the processes "
-        "to the end of the last.",
-        "Builds: `editrain data --json --data.max_bytes none` into an empty cache, the whole "
-        "command timed (interpreter start, fingerprint, split, tokenizer, both sides, the "
-        "overlap measure); tokens/s is train + validation tokens over that time; x limit "
-        "time = command time / time the limit needs for the same number of tokens; build "
-        "only = the same for the build alone (`build_seconds` of meta.json: without the "
-        "command's start, which imports torch through the configuration, and its report). "
-        "The targets are judged on the command time. x limit CPU = the command's CPU "
-        "seconds per token (user + system, its process and children, from getrusage) over "
-        "the limit's: the build's cost beyond encoding, which other work on a shared machine "
-        "changes little (wall times are stretched by it unevenly).",
-        "Peak memory: largest sum of VmRSS over the process and its descendants, sampled "
-        "every 0.1 s.",
-        "The machine is shared: the load average at the end of each point is in the table; "
-        "limit and builds of one size run back to back so they see about the same load.",
-    ]
+        findings.append(fill(TEXT["finding"], megabytes=p["bytes"] / 1e6,
+                             **{k: p[key].get("seconds", float("nan")) for k, key in (
+                                 ("limit", "limit"), ("given", "given_tokenizer"),
+                                 ("bpe", "bpe"))}))
+    notes = fill(TEXT["notes"], vocab=VOCAB_SIZE, workers=workers)
     if os.environ.get(SIZES_ENV, "").strip():
-        notes.append(f"Corpus sizes from the environment: {SIZES_ENV}="
-                     f"{os.environ[SIZES_ENV].strip()} (run the command with it to repeat this).")
+        notes.append(fill(TEXT["sizes_note"], env=SIZES_ENV,
+                          value=os.environ[SIZES_ENV].strip()))
     results = {"points": points, "workers": workers}
     return bench.finish(settings={"sizes": [p["bytes"] for p in points], "workers": workers,
                                   "vocab_size": VOCAB_SIZE},
