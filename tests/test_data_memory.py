@@ -103,6 +103,7 @@ def _build(corpus: Path, cache: Path, tokenizer: Path) -> dict:
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="reads /proc/self/status (Linux only)")
+@pytest.mark.timeout(300)  # two builds in fresh processes: 45 s at load 5 on 2 cores
 def test_peak_memory_does_not_grow_with_the_corpus(tmp_path):
     tokenizer = _char_tokenizer(tmp_path / "tokenizer.json")
     small = _build(_corpus(tmp_path / "small", SMALL_BYTES), tmp_path / "cache", tokenizer)
