@@ -1053,8 +1053,6 @@ def ref_config(case: dict[str, Any], R: int, S: int, **overrides: Any) -> RefCon
     outer = None if method == "post_local_sgd" else "sgd"
     outer_kwargs = sk.get("outer_optim_kwargs") or (
         {"lr": 2.0, "momentum": 0.0, "nesterov": False}  # the sparse codecs' outer SGD
-        if sk.get("comm_dtype") in TOPK_BITS and not sk.get("overlap_steps") else
-        {"lr": 1.0, "momentum": 0.0, "nesterov": False}  # ... with a round in flight
         if sk.get("comm_dtype") in TOPK_BITS else
         {"lr": 1.0, "momentum": 0.0, "nesterov": False}  # the eager merge's outer SGD
         if sk.get("merge") == "eager" else

@@ -41,7 +41,7 @@ BASE = {
     # Nesterov momentum: G's optimizer state is copied for the evaluation's trial step
     "momentum": _case("edit", 11, **PEN_ON,
                       outer_optim_kwargs={"lr": 0.7, "momentum": 0.9, "nesterov": True}),
-    # the sparse 2-bit codec with its own defaults (plain SGD, lr 1 with a round in flight);
+    # the sparse 2-bit codec with its own defaults (plain SGD at lr 2);
     # it ends right after fragment 0's launch: those units end on G without a last round
     "topk2": _case("diloco", 10, comm_dtype="topk2", topk_chunk=256, topk_k=12),
 }

@@ -155,8 +155,7 @@ class SyncConfig:
     """Keyword arguments of the outer optimizer (default for sgd: edit and aedit lr 1, no
     momentum (the tuning study's recipe); diloco lr 0.7, momentum 0.9, nesterov (DiLoCo's);
     with comm_dtype topk2 / topk1: lr 2, no momentum, the decayed error feedback standing
-    in for it (lr 1 with overlap_steps > 0: a round in flight is stable only at half the
-    step); else with merge = "eager": lr 1, no momentum)."""
+    in for it; else with merge = "eager": lr 1, no momentum)."""
     cpu_offload: bool = False
     """Keep anchors and outer optimizer state in CPU memory between syncs."""
     prefetch_depth: int = 1
@@ -407,9 +406,7 @@ class SyncConfig:
         cls = resolve_optimizer_class(out.outer_optim_class)
         given = out.outer_optim_kwargs
         if given is None and cls is torch.optim.SGD and out.comm_dtype in SPARSE_CODECS:
-            # the sparse codecs' recipe (section 4b): lr 2, or lr 1 with a round in flight
-            given = dict(sparse_codec.DELAYED_OUTER_SGD if out.overlap_steps > 0
-                         else sparse_codec.OUTER_SGD)
+            given = dict(sparse_codec.OUTER_SGD)  # the sparse codecs' recipe (section 4b)
         elif given is None and cls is torch.optim.SGD and out.merge == "eager":
             given = dict(EAGER_OUTER_SGD)  # the eager merge's recipe (section 3c)
         elif given is None and cls is torch.optim.SGD and out.method in OUTER_SGD:

@@ -32,11 +32,6 @@ OUTER_SGD = {"lr": 2.0, "momentum": 0.0, "nesterov": False}
 """The outer SGD's keyword arguments with a sparse codec when none are given: no momentum
 (as in SparseLoCo, the decayed error feedback carries what momentum would) and lr 2
 (docs/streaming.md section 4b says how it was chosen)."""
-DELAYED_OUTER_SGD = {"lr": 1.0, "momentum": 0.0, "nesterov": False}
-"""The same with a round in flight (``overlap_steps > 0``: keep_local, blend, the eager
-merge, non-blocking A-EDiT): lr 1. A round applied one round late is a delayed feedback
-loop, stable only below half the step size that a round applied at once tolerates; at lr 2
-the anchor oscillates with growing amplitude (docs/streaming.md section 4b)."""
 
 
 def chunk_sizes(n: int, chunk: int) -> tuple[int, int]:
