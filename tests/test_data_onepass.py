@@ -5,15 +5,14 @@ counts and copies each side out of the encoded corpus.
 The tests compare the build's token files with a reference written independently (every
 document, or part of a cut document, encoded on its own with the separator the policy
 places), for document and tail splits, every EOS policy and a re-planned split; the
-encoder thread's failures reach the caller; the faster MinHash and overlap measure give the
-values of their plain definitions.
+encoder thread's failures reach the caller; the faster overlap measure gives the value of its
+plain definition (the MinHash signature's own: tests/test_data_split_cost.py).
 """
 
 from __future__ import annotations
 
 import json
 import random
-import zlib
 from pathlib import Path
 
 import numpy as np
@@ -24,7 +23,7 @@ from editrain.data import prepare_tokens
 from editrain.data.dataset import _BYTES_PER_TOKEN_GUESS
 from editrain.data.overlap import window_hashes, window_overlap
 from editrain.data.sources import iter_records, resolve_sources
-from editrain.data.split import _SHINGLE_WORDS, _WORD, _signature, describe_document, plan_split
+from editrain.data.split import describe_documents, plan_split
 from editrain.data.tokenizer import load_tokenizer, train_bpe_tokenizer
 
 WORDS = ("alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron "
@@ -93,7 +92,7 @@ def test_one_pass_build_equals_per_document_reference(tmp_path, tokenizer, monke
     data = prepare_tokens(str(corpus), tmp_path / "cache", tokenizer_path=str(tokenizer),
                           val_tokens=50, val_fraction=0.1, eos=eos_policy, progress=False)
     assert data.meta["split"] == ("documents" if layout == "families" else "tail")
-    infos = [describe_document(d) for d in iter_records(resolve_sources(str(corpus)))]
+    infos = describe_documents(iter_records(resolve_sources(str(corpus))))
     # val_tokens is low enough that the first plan is the build's (no re-plan).
     plan = plan_split(infos, 0.1, int(50 * _BYTES_PER_TOKEN_GUESS), 0)
     want = _reference(corpus, tokenizer, eos_policy, plan)
@@ -124,7 +123,7 @@ def test_replanned_split_counts_tokens_without_encoding_again(tmp_path, tokenize
     assert data.meta["split"] == "documents"
     assert sum(batches) == 61  # every document once, into one encoder
     # The first plan (0.5 bytes a token) held out fewer tokens than the build did.
-    first = plan_split([describe_document(d) for d in iter_records(resolve_sources(str(corpus)))],
+    first = plan_split(describe_documents(iter_records(resolve_sources(str(corpus)))),
                        0.05, int(3000 * 0.5), 0)
     assert len(data.val) > len(_reference(corpus, tokenizer, "append", first)["val"])
     listed = {name for name, _, _ in
@@ -188,34 +187,6 @@ def test_encoder_counts_each_document_across_batches(tmp_path, monkeypatch):
         assert counts.tolist() == [len(t) + extra for t in texts]
         ids = np.fromfile(tmp_path / "out.bin", dtype=np.uint16)
         assert len(ids) == counts.sum() and (ids == 9).sum() == extra * len(texts)
-
-
-def _signature_reference(text: str) -> np.ndarray:
-    """MinHash by its definition: every distinct word 5-gram, each of the 64 hashes."""
-    from editrain.data.split import _HASH_A, _HASH_B, _SHINGLE_MUL
-
-    words = [zlib.crc32(w.encode("utf-8")) for w in _WORD.findall(text)]
-    if len(words) < _SHINGLE_WORDS:
-        return np.zeros(0, dtype=np.uint64)
-    mask = (1 << 64) - 1
-    shingles = set()
-    for i in range(len(words) - _SHINGLE_WORDS + 1):
-        h = 0
-        for w in words[i:i + _SHINGLE_WORDS]:
-            h = (h * int(_SHINGLE_MUL) + w) & mask
-        shingles.add(h)
-    return np.array([min((int(a) * s + int(b)) & mask for s in shingles)
-                     for a, b in zip(_HASH_A, _HASH_B)], dtype=np.uint64)
-
-
-@pytest.mark.parametrize("text", [
-    "def f(x):\n    return x + 1\n" * 20,  # ASCII, repeated shingles
-    "caf\u00e9 na\u00efve \u00fcber stra\u00dfe \u0394\u03b5\u03bb\u03c4\u03b1 one two three",
-    "a b c d",  # too short for a 5-gram
-    "x_1 y2 __init__ " * 3 + "\u00e9t\u00e9 " * 4,
-])
-def test_signature_equals_its_definition(text):
-    assert np.array_equal(_signature(text), _signature_reference(text))
 
 
 def test_overlap_table_keeps_every_match():

@@ -25,7 +25,7 @@ from editrain.data import prepare_tokens
 from editrain.data.overlap import iter_window_hashes, window_hashes, window_overlap
 from editrain.data.progress import BuildProgress
 from editrain.data.sources import Document, parse_sources
-from editrain.data.split import describe_document, plan_split
+from editrain.data.split import describe_documents, plan_split
 from editrain.data.tokenizer import load_tokenizer, train_bpe_tokenizer
 
 WORDS = ("alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron "
@@ -123,7 +123,7 @@ def test_overlap_streams_train_in_pieces(monkeypatch):
 def test_bpe_sample_is_bounded_spread_and_whole_below_the_bound():
     rng = random.Random(0)
     docs = [Document(_text(rng, 20), f"d{i}", f"f{i % 25}", "prose") for i in range(200)]
-    infos = [describe_document(d) for d in docs]
+    infos = describe_documents(docs)
     plan = plan_split(infos, 0.05, 100, 0)
     train_texts = [plan.parts(i, d.text)[0] for i, d in enumerate(docs)]
     train_texts = [t for t in train_texts if t]

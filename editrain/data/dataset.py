@@ -18,8 +18,9 @@ Layout of the token files: the documents of a split are concatenated, separated 
 the files are flat 1-D arrays of ``uint16`` (vocab <= 65535) or ``uint32`` ids.
 
 Documents are streamed through every pass, so corpora larger than memory can be tokenised:
-what stays in memory is the split's metadata, about 1 KB per document (its MinHash
-signature, digest, family; :mod:`editrain.data.split`), one encoder batch
+what stays in memory is the split's metadata, about 330 bytes per document (its MinHash
+signature, digest, family, name, as column arrays; :mod:`editrain.data.split`) and each
+document's token count, one encoder batch
 (``_ENCODE_BATCH_CHARS``), the validation split's window hashes for the overlap measure, and
 the BPE trainer's state, which grows with the text it sees: at most ``BPE_SAMPLE_BYTES``
 (:func:`bpe_sample`). A slow build shows one progress bar for the whole build on a terminal
@@ -68,7 +69,7 @@ from .sources import (
     source_size,
     token_row_batches,
 )
-from .split import MAX_VAL_SHARE, NEAR_DUP_JACCARD, SplitPlan, describe_document, plan_split
+from .split import MAX_VAL_SHARE, NEAR_DUP_JACCARD, DocumentTable, SplitPlan, plan_split
 from .tokenizer import (
     MIN_VOCAB_SIZE,
     eos_id,
@@ -98,7 +99,8 @@ log = logging.getLogger(__name__)
 
 # Bump whenever the bytes written for the same inputs would change (split rule,
 # separator placement, tokenizer recipe), so stale entries are not reused.
-FORMAT_VERSION = 2
+# 3: one-permutation MinHash signatures (near-duplicates found by other hashes).
+FORMAT_VERSION = 3
 
 # Documents are encoded in groups of about this many characters: large enough
 # for encode_batch to use several threads (it releases the GIL and splits a batch over
@@ -533,18 +535,23 @@ def _split_texts(docs: Iterable[Document], plan: SplitPlan, side: int) -> Iterat
             yield text
 
 
-def _unit_interval(digest: bytes) -> float:
-    """A document's digest as a number in [0, 1): a deterministic coin for sampling."""
-    return int.from_bytes(digest[:8], "big") / 2.0**64
+def _unit_interval(digests: np.ndarray) -> np.ndarray:
+    """Every document's digest (``uint8[n, 20]``) as a number in [0, 1): a deterministic
+    coin for sampling (its first 8 bytes, big-endian, over 2**64)."""
+    top = np.ascontiguousarray(digests[:, :8]).view(">u8").ravel()
+    return top.astype(np.float64) / 2.0**64
 
 
-def _train_bytes(infos, plan: SplitPlan) -> int:
+def _train_bytes(table: DocumentTable, plan: SplitPlan) -> int:
     """Bytes of the training side of ``plan`` (the tail document counted whole)."""
-    return sum(info.nbytes for i, info in enumerate(infos)
-               if not plan.drop[i] and (not plan.val[i] or i == plan.tail_doc))
+    train = ~plan.drop & ~plan.val
+    if plan.tail_doc >= 0 and not plan.drop[plan.tail_doc]:
+        train[plan.tail_doc] = True
+    return int(table.nbytes[train].sum())
 
 
-def bpe_sample(docs: Iterable[Document], plan: SplitPlan, infos, limit: int) -> Iterator[str]:
+def bpe_sample(docs: Iterable[Document], plan: SplitPlan, table: DocumentTable,
+               limit: int) -> Iterator[str]:
     """The training texts the BPE tokenizer learns from: all of them when the training side
     has at most ``limit`` bytes, else a sample of whole documents of about ``limit`` bytes.
 
@@ -557,15 +564,15 @@ def bpe_sample(docs: Iterable[Document], plan: SplitPlan, infos, limit: int) -> 
     Args:
         docs: One pass over the corpus, in order.
         plan: The split; only training parts are handed out.
-        infos: The :class:`~editrain.data.split.DocumentInfo` of every document.
+        table: The corpus's :class:`~editrain.data.split.DocumentTable`.
         limit: Most characters handed out (:data:`BPE_SAMPLE_BYTES` in a build).
     """
-    share = limit / max(1, _train_bytes(infos, plan))
+    share = limit / max(1, _train_bytes(table, plan))
+    coins = _unit_interval(table.digests)
     budget = limit
     for i, doc in enumerate(docs):
         text = plan.parts(i, doc.text)[0]
-        if not text or (share < 1 and len(text) < limit
-                        and _unit_interval(infos[i].digest) >= share):
+        if not text or (share < 1 and len(text) < limit and coins[i] >= share):
             continue
         text = text[:budget]
         yield text
@@ -699,15 +706,13 @@ def _build_entry(
 
     bpe = tokenizer_path is None
     expect(min(1.0, BPE_SAMPLE_BYTES / max(1, bar.expected_chars or BPE_SAMPLE_BYTES)))
-    infos: list = []
-    names: list[str] = []
+    table = DocumentTable()
     all_path = entry / f"all.bin.tmp.{os.getpid()}"
     counts = None  # tokens of every document in all_path (None: not encoded yet)
     if bpe:
         # Pass 1: what the split needs of every document (sizes, families, kinds, MinHash).
         for doc in corpus("reading documents", _COST_DESCRIBE):
-            infos.append(describe_document(doc))
-            names.append(doc.name)
+            table.add(doc)
     else:
         tok, eos, vsize, dtype = _encoding_tokenizer(load_tokenizer(tokenizer_path), eos_token)
         log.info("tokenising corpus into %s", entry)
@@ -716,8 +721,7 @@ def _build_entry(
         with open(all_path, "wb") as out:
             encoder = _DocumentEncoder(tok, eos, eos_policy, dtype, out)
             for doc in corpus("reading and tokenising", _COST_DESCRIBE + _COST_ENCODE):
-                infos.append(describe_document(doc))
-                names.append(doc.name)
+                table.add(doc)
                 encoder.add(doc.text)
             counts = encoder.close()
     val_tokens = split["val_tokens"]
@@ -725,9 +729,9 @@ def _build_entry(
     tok_file = entry / "tokenizer.json"
     tmp = {s: entry / f"{s}.bin.tmp.{os.getpid()}" for s in ("train", "val")}
     for attempt in range(_SPLIT_ATTEMPTS):
-        plan = plan_split(infos, split["val_fraction"], int(val_tokens * bytes_per_token),
+        plan = plan_split(table, split["val_fraction"], int(val_tokens * bytes_per_token),
                           split["seed"])
-        total = max(1, sum(info.nbytes for info in infos))
+        total = max(1, int(table.nbytes.sum()))
         val_share = plan.stats.get("val_bytes", 0) / total
         sample_share = min(1.0, BPE_SAMPLE_BYTES / total)
         if attempt == 0:
@@ -738,7 +742,7 @@ def _build_entry(
             log.info("training byte-level BPE tokenizer (vocab_size=%d)", vocab_size)
             tok, eos, vsize, dtype = _encoding_tokenizer(train_bpe_tokenizer(
                 bpe_sample(corpus("training tokenizer", _COST_READ + _COST_BPE * sample_share),
-                           plan, infos, BPE_SAMPLE_BYTES), vocab_size), eos_token)
+                           plan, table, BPE_SAMPLE_BYTES), vocab_size), eos_token)
         if counts is None:
             # The validation side encoded from its texts: a BPE trained for this plan (the
             # floor may need another plan, hence another BPE, and each would encode the
@@ -786,8 +790,7 @@ def _build_entry(
                     for i, d in enumerate(corpus("listing validation documents", _COST_READ))
                     if plan.parts(i, d.text)[1]]
     else:
-        val_docs = [[names[i], infos[i].family, infos[i].kind]
-                    for i in np.flatnonzero(plan.val & ~plan.drop)]
+        val_docs = [table.listing(i) for i in np.flatnonzero(plan.val & ~plan.drop)]
     _atomic_write_bytes(entry / VAL_DOCUMENTS_FILE,
                         json.dumps(val_docs, ensure_ascii=True).encode("ascii"))
     overlap = _measure_overlap(entry, dtype)
@@ -807,7 +810,7 @@ def _build_entry(
         "eos_id": eos,
         "eos": eos_policy,
         "dtype": dtype.name,
-        "documents": len(infos),
+        "documents": len(table),
         "split": plan.mode,
         "groups": plan.groups,
         "near_duplicate_merges": plan.near_dup_merges,

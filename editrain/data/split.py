@@ -16,6 +16,26 @@ side together:
 The target is ``max(val_fraction * corpus, val_bytes_floor)`` bytes, at most
 ``MAX_VAL_SHARE`` of the corpus. When a corpus has too few groups to split by document (one
 big file), its last bytes become validation instead, cut at a line break ("tail" split).
+
+The signature is a one-permutation MinHash: a document's words (runs of ``\\w``
+characters, hashed by the crc32 of their UTF-8 bytes) make word 5-grams, each 5-gram is
+hashed once to 64 bits, the top 6 bits pick one of the signature's 64 bins and each bin
+keeps the smallest hash that falls in it. A bin no 5-gram fell in (a short document) takes
+the value of the first filled bin along a fixed random order of the bins of its own
+("optimal densification", Shrivastava 2017), so that two documents agree in a bin with
+probability equal to the Jaccard similarity of their 5-gram sets, as with 64 independent
+hash functions, at the cost of one hash per 5-gram instead of 64. Each bin keeps the top
+32 bits of its hash (6 bits of bin, 26 of value): two different minima agree by chance
+once in 2**26 comparisons.
+
+Candidate pairs come from 16 bands of 4 bins: two documents are compared when all 4 bins
+of some band agree, which happens with probability ``1 - (1 - J**4)**16`` for Jaccard
+similarity ``J`` (0.64 at ``J = 0.5``, 0.9998 at ``J = 0.8``), then merged when at least
+half of the 64 bins agree. Each document is compared with the first document of its
+bucket, per band.
+
+What the split keeps of each document is one row of column arrays
+(:class:`DocumentTable`): about 330 bytes per document, its name included.
 """
 
 from __future__ import annotations
@@ -23,6 +43,7 @@ from __future__ import annotations
 import hashlib
 import re
 import zlib
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -32,9 +53,9 @@ from .sources import Document
 __all__ = [
     "MAX_VAL_SHARE",
     "NEAR_DUP_JACCARD",
-    "DocumentInfo",
+    "DocumentTable",
     "SplitPlan",
-    "describe_document",
+    "describe_documents",
     "plan_split",
 ]
 
@@ -44,81 +65,230 @@ NEAR_DUP_JACCARD = 0.5
 MAX_VAL_SHARE = 0.3
 """Validation never takes more than this share of the corpus's bytes."""
 
-_NUM_HASHES = 64  # MinHash signature length
-_BANDS = 16  # LSH bands of _NUM_HASHES // _BANDS rows each
+_NUM_BINS = 64  # MinHash signature length (bins of the one permutation)
+_BIN_SHIFT = np.uint64(58)  # the top log2(_NUM_BINS) bits of a 5-gram's hash are its bin
+_BANDS = 16  # LSH bands of _NUM_BINS // _BANDS bins each
 _SHINGLE_WORDS = 5
-_WORD = re.compile(r"\w+")
-_WORD_ASCII = re.compile(rb"\w+")
-_MASK64 = np.uint64(0xFFFFFFFFFFFFFFFF)
-# Fixed multipliers/offsets of the hash family, from a fixed seed: signatures must be
-# identical in every process and every run.
-_RNG = np.random.default_rng(20241209)
-_HASH_A = (_RNG.integers(1, 2**63, size=_NUM_HASHES, dtype=np.uint64) * np.uint64(2) + np.uint64(1))
-_HASH_B = _RNG.integers(0, 2**63, size=_NUM_HASHES, dtype=np.uint64)
+_NONWORD = re.compile(r"\W+")
+# Bytes that are not part of a word become spaces: ASCII letters, digits and "_" are what
+# ``\w`` matches among ASCII characters; bytes of non-ASCII characters are kept (text with
+# any is first cleared of its non-word characters by _NONWORD, so they are all letters).
+_WORD_BYTES = bytes(c if c >= 0x80 or c == 0x5F or chr(c).isalnum() else 0x20
+                    for c in range(256))
 _SHINGLE_MUL = np.uint64(0x9E3779B97F4A7C15)
-_CHUNK = 1 << 14  # shingles hashed at once (bounds memory to _NUM_HASHES x _CHUNK words)
+# The two odd multipliers of a 64-bit finaliser (MurmurHash3's fmix64): a bijection that
+# makes every bit of a 5-gram's polynomial hash reach the top bits that choose its bin.
+_MIX1 = np.uint64(0xFF51AFD7ED558CCD)
+_MIX2 = np.uint64(0xC4CEB9FE1A85EC53)
+_EMPTY = np.uint64(1 << 32)  # above any bin's value: the bin is still empty
+# Densification: the order in which an empty bin looks for a filled one, fixed by a seed
+# so that signatures are identical in every process and every run.
+_PROBE = np.stack([np.random.default_rng(20261128 + b).permutation(_NUM_BINS)
+                   for b in range(_NUM_BINS)])
+_PIECE = 1 << 20  # bytes of text split into words at once (bounds memory per document)
+_DIGEST = 20  # bytes of a sha1 digest
+_BLOCK = 4096  # rows of the column arrays allocated at a time
 
 
-@dataclass(frozen=True)
-class DocumentInfo:
-    """What the split needs of one document (the text itself is not kept).
+def _word_pieces(text: str, data: bytes) -> Iterator[list[bytes]]:
+    """The words of ``text`` (its UTF-8 bytes ``data``), as lists of their UTF-8 bytes, in
+    order, in pieces of about ``_PIECE`` bytes cut between words.
+
+    ``bytes.translate`` and ``bytes.split`` find the words in C without a regular
+    expression; only text with non-ASCII characters goes through ``_NONWORD`` first, which
+    gives the same words as ``re.findall(r"\\w+", text)``."""
+    buf = data if text.isascii() else _NONWORD.sub(" ", text).encode("utf-8", "surrogatepass")
+    buf = buf.translate(_WORD_BYTES)
+    start = 0
+    while len(buf) - start > _PIECE:
+        cut = buf.rfind(b" ", start, start + _PIECE)
+        if cut <= start:  # one word longer than a piece: it ends at the next space
+            cut = buf.find(b" ", start + _PIECE)
+            if cut < 0:
+                break
+        yield buf[start:cut].split()
+        start = cut
+    yield buf[start:].split() if start else buf.split()
+
+
+def _signature(text: str, data: bytes | None = None) -> np.ndarray:
+    """The one-permutation MinHash signature of ``text`` (``uint32[_NUM_BINS]``; see the
+    module's docstring), empty for a text of fewer than ``_SHINGLE_WORDS`` words.
 
     Args:
-        nbytes: UTF-8 size of the document.
-        family: The document's family (see :class:`~editrain.data.sources.Document`).
-        kind: ``"code"`` or ``"prose"``.
-        digest: sha1 of the text, for exact duplicates.
-        signature: MinHash signature (``uint64[_NUM_HASHES]``), empty for documents too
-            short to have a word 5-gram.
+        text: The document.
+        data: ``text`` encoded as UTF-8, when the caller has it already.
+    """
+    if data is None:
+        data = text.encode("utf-8", "surrogatepass")
+    sig = np.full(_NUM_BINS, _EMPTY, dtype=np.uint64)
+    carry = np.zeros(0, dtype=np.uint64)  # the last words of the previous piece
+    for words in _word_pieces(text, data):
+        ids = np.fromiter(map(zlib.crc32, words), dtype=np.uint64, count=len(words))
+        if len(carry):
+            ids = np.concatenate([carry, ids])
+        carry = ids[-(_SHINGLE_WORDS - 1):]
+        n = len(ids) - _SHINGLE_WORDS + 1
+        if n <= 0:
+            continue
+        with np.errstate(over="ignore"):
+            h = ids[:n] * _SHINGLE_MUL  # polynomial hash of each run of 5 word hashes
+            for j in range(1, _SHINGLE_WORDS):
+                h += ids[j : j + n]
+                if j < _SHINGLE_WORDS - 1:
+                    h *= _SHINGLE_MUL
+            h ^= h >> np.uint64(33)
+            h *= _MIX1
+            h ^= h >> np.uint64(33)
+            h *= _MIX2
+            h ^= h >> np.uint64(33)
+        # Repeated 5-grams are kept: the minimum over them is the same.
+        np.minimum.at(sig, (h >> _BIN_SHIFT).astype(np.intp), h >> np.uint64(32))
+    filled = sig < _EMPTY
+    if not filled.any():
+        return np.zeros(0, dtype=np.uint32)
+    empty = np.flatnonzero(~filled)
+    if len(empty):
+        probes = _PROBE[empty]
+        first = np.argmax(filled[probes], axis=1)
+        sig[empty] = sig[probes[np.arange(len(empty)), first]]
+    return sig.astype(np.uint32)
+
+
+class _Codes:
+    """Strings as small integer codes, in order of first appearance."""
+
+    def __init__(self) -> None:
+        self.names: list[str] = []
+        self._code: dict[str, int] = {}
+
+    def code(self, name: str) -> int:
+        c = self._code.get(name)
+        if c is None:
+            c = self._code[name] = len(self.names)
+            self.names.append(name)
+        return c
+
+
+class DocumentTable:
+    """What the split needs of every document of a corpus, as column arrays (no text kept).
+
+    Rows are added in corpus order (:meth:`add`) and stored in blocks of ``_BLOCK`` rows,
+    so that memory grows by one block at a time and nothing is copied while the corpus is
+    read; the columns are joined into one array each on first use. Per document: its size
+    (8 bytes), family and kind codes (4 + 1), sha1 digest (20), MinHash signature
+    (``uint32[64]``, 256) and name (UTF-8 in one shared buffer, plus an 8-byte offset).
     """
 
-    nbytes: int
-    family: str
-    kind: str
-    digest: bytes
-    signature: np.ndarray
+    _COLUMNS = {"nbytes": ((), np.int64), "family": ((), np.int32), "kind": ((), np.uint8),
+                "signed": ((), np.bool_), "digest": ((_DIGEST,), np.uint8),
+                "signature": ((_NUM_BINS,), np.uint32), "name_end": ((), np.int64)}
+
+    def __init__(self) -> None:
+        self._families, self._kinds = _Codes(), _Codes()
+        self._names = bytearray()
+        self._blocks: list[dict[str, np.ndarray]] = []
+        self._joined: dict[str, np.ndarray] | None = None
+        self._n = 0
+
+    def __len__(self) -> int:
+        return self._n
+
+    def add(self, doc: Document) -> None:
+        """Describe ``doc`` (one pass over its text) and append its row."""
+        data = doc.text.encode("utf-8", "surrogatepass")
+        sig = _signature(doc.text, data)
+        kind = self._kinds.code(doc.kind)
+        if kind > np.iinfo(np.uint8).max:
+            raise ValueError(f"data.path: more than 256 document kinds ({doc.kind!r})")
+        r = self._n % _BLOCK
+        if r == 0:
+            self._blocks.append({k: np.zeros((_BLOCK, *shape), dtype=dtype)
+                                 for k, (shape, dtype) in self._COLUMNS.items()})
+        block = self._blocks[-1]
+        block["nbytes"][r] = len(data)
+        block["family"][r] = self._families.code(doc.family)
+        block["kind"][r] = kind
+        block["digest"][r] = np.frombuffer(hashlib.sha1(data).digest(), dtype=np.uint8)
+        if len(sig):
+            block["signed"][r] = True
+            block["signature"][r] = sig
+        self._names += doc.name.encode("utf-8", "surrogatepass")
+        block["name_end"][r] = len(self._names)
+        self._n += 1
+        self._joined = None
+
+    def _column(self, key: str) -> np.ndarray:
+        if self._joined is None:
+            store = {k: np.concatenate([b[k] for b in self._blocks]) if self._blocks
+                     else np.zeros((0, *shape), dtype=dtype)
+                     for k, (shape, dtype) in self._COLUMNS.items()}
+            # The blocks become views of the joined columns (one copy in memory), the last
+            # one keeping its room for rows added later.
+            self._blocks = [{k: v[s : s + _BLOCK] for k, v in store.items()}
+                            for s in range(0, len(store["nbytes"]), _BLOCK)]
+            self._joined = {k: v[: self._n] for k, v in store.items()}
+        return self._joined[key]
+
+    @property
+    def nbytes(self) -> np.ndarray:
+        """``int64[n]``: UTF-8 size of every document."""
+        return self._column("nbytes")
+
+    @property
+    def family_codes(self) -> np.ndarray:
+        """``int32[n]``: every document's family, an index into :attr:`families`."""
+        return self._column("family")
+
+    @property
+    def families(self) -> list[str]:
+        """The family names, in order of first appearance."""
+        return self._families.names
+
+    @property
+    def kind_codes(self) -> np.ndarray:
+        """``uint8[n]``: every document's kind, an index into :attr:`kinds`."""
+        return self._column("kind")
+
+    @property
+    def kinds(self) -> list[str]:
+        """The kind names (``"code"``, ``"prose"``), in order of first appearance."""
+        return self._kinds.names
+
+    @property
+    def digests(self) -> np.ndarray:
+        """``uint8[n, 20]``: sha1 of every document's UTF-8 text, for exact duplicates."""
+        return self._column("digest")
+
+    @property
+    def signatures(self) -> np.ndarray:
+        """``uint32[n, 64]``: MinHash signatures; rows of unsigned documents are zero."""
+        return self._column("signature")
+
+    @property
+    def signed(self) -> np.ndarray:
+        """``bool[n]``: the document has a signature (at least one word 5-gram)."""
+        return self._column("signed")
+
+    def name(self, i: int) -> str:
+        """The name of document ``i``."""
+        ends = self._column("name_end")
+        start = int(ends[i - 1]) if i else 0
+        return self._names[start : int(ends[i])].decode("utf-8", "surrogatepass")
+
+    def listing(self, i: int) -> list[str]:
+        """``[name, family, kind]`` of document ``i`` (a line of the validation list)."""
+        i = int(i)
+        return [self.name(i), self.families[int(self.family_codes[i])],
+                self.kinds[int(self.kind_codes[i])]]
 
 
-def _word_hashes(text: str) -> np.ndarray:
-    """crc32 of the UTF-8 bytes of every word of ``text``, in order.
-
-    Each distinct word is hashed once and the words are mapped through that table by
-    ``map`` (no Python frame per word); ASCII text, most of a code corpus, is matched as
-    bytes, where ``\\w`` means the same as in the text and no word needs encoding."""
-    if text.isascii():
-        words = _WORD_ASCII.findall(text.encode("ascii"))
-        table = {w: zlib.crc32(w) for w in set(words)}
-    else:
-        words = _WORD.findall(text)
-        table = {w: zlib.crc32(w.encode("utf-8")) for w in set(words)}
-    return np.fromiter(map(table.__getitem__, words), dtype=np.uint64, count=len(words))
-
-
-def _signature(text: str) -> np.ndarray:
-    ids = _word_hashes(text)
-    if len(ids) < _SHINGLE_WORDS:
-        return np.zeros(0, dtype=np.uint64)
-    n = len(ids) - _SHINGLE_WORDS + 1
-    with np.errstate(over="ignore"):
-        shingles = np.zeros(n, dtype=np.uint64)
-        for j in range(_SHINGLE_WORDS):  # polynomial hash of each run of 5 word hashes
-            shingles = shingles * _SHINGLE_MUL + ids[j : j + n]
-        # Repeated shingles are kept: the minimum over them is the same, and numpy's unique
-        # (hash-based for integers) cost more than hashing the repeats.
-        sig = np.full(_NUM_HASHES, _MASK64, dtype=np.uint64)
-        for s in range(0, len(shingles), _CHUNK):
-            part = shingles[s : s + _CHUNK]
-            # Multiply-add modulo 2**64, one row per hash function of the family.
-            hashed = part[None, :] * _HASH_A[:, None] + _HASH_B[:, None]
-            np.minimum(sig, hashed.min(axis=1), out=sig)
-    return sig
-
-
-def describe_document(doc: Document) -> DocumentInfo:
-    """The :class:`DocumentInfo` of ``doc`` (one pass over its text)."""
-    data = doc.text.encode("utf-8")
-    return DocumentInfo(len(data), doc.family, doc.kind, hashlib.sha1(data).digest(),
-                        _signature(doc.text))
+def describe_documents(docs: Iterable[Document]) -> DocumentTable:
+    """The :class:`DocumentTable` of ``docs`` (one pass over each text)."""
+    table = DocumentTable()
+    for doc in docs:
+        table.add(doc)
+    return table
 
 
 @dataclass
@@ -160,55 +330,88 @@ class SplitPlan:
         return text[:cut], text[cut:]
 
 
-class _UnionFind:
-    def __init__(self, n: int) -> None:
-        self.parent = list(range(n))
+_PAIR_CHUNK = 1 << 16  # candidate pairs compared at once (bounds memory)
 
-    def find(self, i: int) -> int:
-        while self.parent[i] != i:
-            self.parent[i] = self.parent[self.parent[i]]
-            i = self.parent[i]
+
+def _near_duplicate_pairs(sigs: np.ndarray, rows: np.ndarray, root: np.ndarray) -> np.ndarray:
+    """``int64[m, 2]``: the distinct pairs ``(i, j)`` of documents ``rows`` (in corpus order)
+    where ``j`` is the first document of ``i``'s bucket in some band, ``i`` is not in ``j``'s
+    family group (``root``) and their signatures agree in at least ``NEAR_DUP_JACCARD`` of
+    the bins."""
+    width = _NUM_BINS // _BANDS
+    pairs = []
+    for band in range(_BANDS):
+        key = np.ascontiguousarray(sigs[rows, band * width : (band + 1) * width])
+        key = key.view(np.uint64)  # 4 bins of 32 bits: 2 sort keys
+        order = np.lexsort(key.T[::-1])  # stable: equal keys stay in corpus order
+        ks = key[order]
+        new = np.ones(len(order), dtype=bool)
+        new[1:] = (ks[1:] != ks[:-1]).any(axis=1)
+        first = order[np.flatnonzero(new)[np.cumsum(new) - 1]]  # first row of each bucket
+        i, j = rows[order[~new]], rows[first[~new]]
+        other = root[i] != root[j]
+        pairs.append(np.stack([i[other], j[other]], axis=1))
+    cand = np.unique(np.concatenate(pairs), axis=0) if pairs else np.zeros((0, 2), np.int64)
+    keep = np.zeros(len(cand), dtype=bool)
+    need = int(np.ceil(NEAR_DUP_JACCARD * _NUM_BINS - 1e-9))
+    for s in range(0, len(cand), _PAIR_CHUNK):
+        a, b = cand[s : s + _PAIR_CHUNK, 0], cand[s : s + _PAIR_CHUNK, 1]
+        keep[s : s + _PAIR_CHUNK] = (sigs[a] == sigs[b]).sum(axis=1) >= need
+    return cand[keep]
+
+
+def _groups(table: DocumentTable, keep: np.ndarray) -> tuple[np.ndarray, int]:
+    """Group id of every document (the smallest index of its group; families, then
+    near-duplicates merged; a dropped document is a group of its own) and the number of
+    merges the near-duplicates made."""
+    n = len(table)
+    root = np.arange(n, dtype=np.int64)
+    kept = np.flatnonzero(keep)
+    fam = table.family_codes[kept]
+    codes, first = np.unique(fam, return_index=True)
+    first_of = np.zeros(len(table.families), dtype=np.int64)
+    first_of[codes] = kept[first]
+    root[kept] = first_of[fam]  # the first kept document of the family
+    rows = kept[table.signed[kept]]
+    edges = _near_duplicate_pairs(table.signatures, rows, root).tolist()
+    parent = root.tolist()
+
+    def find(i: int) -> int:
+        while parent[i] != i:
+            parent[i] = parent[parent[i]]
+            i = parent[i]
         return i
 
-    def union(self, a: int, b: int) -> bool:
-        ra, rb = self.find(a), self.find(b)
-        if ra == rb:
-            return False
-        self.parent[max(ra, rb)] = min(ra, rb)
-        return True
-
-
-def _groups(infos: list[DocumentInfo], keep: np.ndarray) -> tuple[np.ndarray, int]:
-    """Group id of every kept document (families, then near-duplicates merged)."""
-    n = len(infos)
-    uf = _UnionFind(n)
-    first_of_family: dict[str, int] = {}
-    for i, info in enumerate(infos):
-        if keep[i]:
-            uf.union(i, first_of_family.setdefault(info.family, i))
     merges = 0
-    rows = _NUM_HASHES // _BANDS
-    for band in range(_BANDS):
-        buckets: dict[bytes, int] = {}
-        for i, info in enumerate(infos):
-            if not keep[i] or len(info.signature) == 0:
-                continue
-            key = info.signature[band * rows : (band + 1) * rows].tobytes()
-            j = buckets.setdefault(key, i)
-            if j != i and uf.find(i) != uf.find(j):
-                similarity = float(np.mean(info.signature == infos[j].signature))
-                if similarity >= NEAR_DUP_JACCARD:
-                    merges += uf.union(i, j)
-    return np.array([uf.find(i) for i in range(n)], dtype=np.int64), merges
+    for i, j in edges:
+        ri, rj = find(i), find(j)
+        if ri != rj:
+            parent[max(ri, rj)] = min(ri, rj)
+            merges += 1
+    group = np.asarray(parent, dtype=np.int64)
+    while True:  # every document straight to its root
+        up = group[group]
+        if np.array_equal(up, group):
+            return group, merges
+        group = up
+
+
+def _first_copies(digests: np.ndarray) -> np.ndarray:
+    """``bool[n]``: the document is the first with its digest."""
+    first = np.zeros(len(digests), dtype=bool)
+    if len(digests):
+        keys = np.ascontiguousarray(digests).view(np.dtype((np.void, _DIGEST))).ravel()
+        first[np.unique(keys, return_index=True)[1]] = True
+    return first
 
 
 def plan_split(
-    infos: list[DocumentInfo], val_fraction: float, val_bytes_floor: int, seed: int
+    table: DocumentTable, val_fraction: float, val_bytes_floor: int, seed: int
 ) -> SplitPlan:
     """Decide the validation split of a corpus.
 
     Args:
-        infos: One :class:`DocumentInfo` per document, in corpus order.
+        table: The corpus's documents, in order (:func:`describe_documents`).
         val_fraction: Share of the corpus (by bytes) to hold out.
         val_bytes_floor: Hold out at least this many bytes (capped at ``MAX_VAL_SHARE``).
         seed: Seed of the group order; the same inputs always give the same plan.
@@ -216,34 +419,33 @@ def plan_split(
     Returns:
         The :class:`SplitPlan`.
     """
-    n = len(infos)
-    sizes = np.array([i.nbytes for i in infos], dtype=np.int64)
-    drop = np.zeros(n, dtype=bool)
-    seen: set[bytes] = set()
-    for i, info in enumerate(infos):
-        drop[i] = info.digest in seen
-        seen.add(info.digest)
-    keep = ~drop
+    sizes = table.nbytes
+    keep = _first_copies(table.digests)
+    drop = ~keep
     total = int(sizes[keep].sum())
     target = min(max(val_fraction * total, float(val_bytes_floor)), MAX_VAL_SHARE * total)
 
-    group_of, merges = _groups(infos, keep)
-    group_ids = sorted({int(g) for g in group_of[keep]})
-    group_bytes = {g: 0 for g in group_ids}
-    group_kind_bytes: dict[int, dict[str, int]] = {g: {} for g in group_ids}
-    for i in np.flatnonzero(keep):
-        g, info = int(group_of[i]), infos[i]
-        group_bytes[g] += info.nbytes
-        group_kind_bytes[g][info.kind] = group_kind_bytes[g].get(info.kind, 0) + info.nbytes
-    # A group's kind is the kind of most of its bytes.
-    group_kind = {g: max(sorted(kb), key=kb.get) for g, kb in group_kind_bytes.items()}
-    kind_total: dict[str, int] = {}
-    for g in group_ids:
-        kind_total[group_kind[g]] = kind_total.get(group_kind[g], 0) + group_bytes[g]
+    group_of, merges = _groups(table, keep)
+    kept = np.flatnonzero(keep)
+    group_ids, dense = np.unique(group_of[kept], return_inverse=True)
+    # Kinds ranked by name: a group's kind is the kind of most of its bytes, the first
+    # by name among equals.
+    kind_names = sorted(table.kinds)
+    rank = np.array([kind_names.index(k) for k in table.kinds], dtype=np.int64)
+    by_kind = np.zeros((len(group_ids), max(1, len(kind_names))), dtype=np.int64)
+    seen = np.zeros_like(by_kind, dtype=bool)
+    kind_rank = rank[table.kind_codes[kept]] if len(kept) else np.zeros(0, np.int64)
+    np.add.at(by_kind, (dense, kind_rank), sizes[kept])
+    seen[dense, kind_rank] = True
+    group_bytes = by_kind.sum(axis=1).tolist()
+    group_kind = np.argmax(np.where(seen, by_kind, -1), axis=1).tolist()
+    kind_total: dict[int, int] = {}
+    for g, k in enumerate(group_kind):
+        kind_total[k] = kind_total.get(k, 0) + group_bytes[g]
 
-    order = list(group_ids)
+    order = list(range(len(group_ids)))  # dense ids follow the group ids' order
     np.random.default_rng(seed).shuffle(order)
-    chosen: set[int] = set()
+    chosen = np.zeros(len(group_ids), dtype=bool)
     taken = 0.0
     slack = 1.25  # a group may overshoot its kind's target by this factor
     for kind in sorted(kind_total):
@@ -253,38 +455,41 @@ def plan_split(
             if got >= goal:
                 break
             if group_kind[g] == kind and got + group_bytes[g] <= slack * goal:
-                chosen.add(g)
+                chosen[g] = True
                 got += group_bytes[g]
         taken += got
     for g in order:  # top up from any kind when big families left a kind short
         if taken >= target:
             break
-        if g not in chosen and taken + group_bytes[g] <= slack * target:
-            chosen.add(g)
+        if not chosen[g] and taken + group_bytes[g] <= slack * target:
+            chosen[g] = True
             taken += group_bytes[g]
 
-    val = np.array([keep[i] and int(group_of[i]) in chosen for i in range(n)], dtype=bool)
+    val = np.zeros(len(table), dtype=bool)
+    val[kept] = chosen[dense]
     if len(group_ids) < 2 or not val.any() or taken >= total:
-        return _tail_plan(infos, sizes, drop, target, len(group_ids), merges)
+        return _tail_plan(table, sizes, drop, target, len(group_ids), merges)
     plan = SplitPlan("documents", val, drop, groups=len(group_ids), near_dup_merges=merges)
-    plan.stats = _stats(infos, val, drop)
+    plan.stats = _stats(table, val, drop)
     plan.stats.update(target_bytes=int(target), val_bytes=int(sizes[val].sum()),
                       capped=bool(target >= MAX_VAL_SHARE * total))
     return plan
 
 
-def _tail_plan(infos, sizes, drop, target, groups, merges) -> SplitPlan:
+def _tail_plan(table, sizes, drop, target, groups, merges) -> SplitPlan:
     # The last ``target`` bytes of the kept text; the document where that begins is cut
     # (at a line break, by the caller, see tail_offset) unless the cut falls between docs.
     kept = np.flatnonzero(~drop)
     remaining = max(1.0, target)
     tail_doc, share = int(kept[-1]), 1.0
-    for i in reversed(kept):
-        if sizes[i] >= remaining:
-            tail_doc, share = int(i), remaining / max(1, sizes[i])
-            break
-        remaining -= sizes[i]
-    val = np.zeros(len(infos), dtype=bool)
+    # From the last document back: the first one whose bytes, with all after it, reach
+    # the target is where validation begins.
+    after = np.concatenate([np.cumsum(sizes[kept][::-1])[::-1][1:], [0]])
+    reach = np.flatnonzero(sizes[kept] >= remaining - after)
+    if len(reach):
+        tail_doc = int(kept[reach[-1]])
+        share = (remaining - int(after[reach[-1]])) / max(1, int(sizes[tail_doc]))
+    val = np.zeros(len(table), dtype=bool)
     val[kept[kept > tail_doc]] = True
     plan = SplitPlan("tail", val, drop, tail_doc=tail_doc, tail_keep_share=1.0 - share,
                      groups=groups, near_dup_merges=merges)
@@ -295,13 +500,15 @@ def _tail_plan(infos, sizes, drop, target, groups, merges) -> SplitPlan:
     return plan
 
 
-def _stats(infos: list[DocumentInfo], val: np.ndarray, drop: np.ndarray) -> dict:
+def _stats(table: DocumentTable, val: np.ndarray, drop: np.ndarray) -> dict:
     out: dict = {"duplicates_dropped": int(drop.sum())}
+    kinds = len(table.kinds)
     for side, mask in (("train", ~val & ~drop), ("val", val)):
-        by_kind: dict[str, dict[str, int]] = {}
-        for i in np.flatnonzero(mask):
-            k = by_kind.setdefault(infos[i].kind, {"documents": 0, "bytes": 0})
-            k["documents"] += 1
-            k["bytes"] += infos[i].nbytes
-        out[side] = dict(sorted(by_kind.items()))
+        codes = table.kind_codes[mask]
+        docs = np.bincount(codes, minlength=kinds)
+        nbytes = np.zeros(kinds, dtype=np.int64)
+        np.add.at(nbytes, codes, table.nbytes[mask])
+        out[side] = {table.kinds[k]: {"documents": int(docs[k]), "bytes": int(nbytes[k])}
+                     for k in sorted(np.flatnonzero(docs).tolist(),
+                                     key=table.kinds.__getitem__)}
     return out
