@@ -175,19 +175,22 @@ class DocumentTable:
 
     Rows are added in corpus order (:meth:`add`) and stored in blocks of ``_BLOCK`` rows,
     so that memory grows by one block at a time and nothing is copied while the corpus is
-    read; the columns are joined into one array each on first use. Per document: its size
-    (8 bytes), family and kind codes (4 + 1), sha1 digest (20), MinHash signature
-    (``uint32[64]``, 256) and name (UTF-8 in one shared buffer, plus an 8-byte offset).
+    read. Per document: its size (8 bytes), family and kind codes (4 + 1), sha1 digest
+    (20), MinHash signature (``uint32[64]``, 256 bytes) and name (UTF-8 in one shared
+    buffer, plus an 8-byte offset). The small columns are joined into one array each on
+    first use; the signatures, most of the table, stay in their blocks and are read by
+    rows (:meth:`signature_rows`), so that planning never holds two copies of them.
     """
 
     _COLUMNS = {"nbytes": ((), np.int64), "family": ((), np.int32), "kind": ((), np.uint8),
                 "signed": ((), np.bool_), "digest": ((_DIGEST,), np.uint8),
-                "signature": ((_NUM_BINS,), np.uint32), "name_end": ((), np.int64)}
+                "name_end": ((), np.int64)}
 
     def __init__(self) -> None:
         self._families, self._kinds = _Codes(), _Codes()
         self._names = bytearray()
         self._blocks: list[dict[str, np.ndarray]] = []
+        self._signatures: list[np.ndarray] = []  # uint32[_BLOCK, _NUM_BINS] each
         self._joined: dict[str, np.ndarray] | None = None
         self._n = 0
 
@@ -205,6 +208,7 @@ class DocumentTable:
         if r == 0:
             self._blocks.append({k: np.zeros((_BLOCK, *shape), dtype=dtype)
                                  for k, (shape, dtype) in self._COLUMNS.items()})
+            self._signatures.append(np.zeros((_BLOCK, _NUM_BINS), dtype=np.uint32))
         block = self._blocks[-1]
         block["nbytes"][r] = len(data)
         block["family"][r] = self._families.code(doc.family)
@@ -212,7 +216,7 @@ class DocumentTable:
         block["digest"][r] = np.frombuffer(hashlib.sha1(data).digest(), dtype=np.uint8)
         if len(sig):
             block["signed"][r] = True
-            block["signature"][r] = sig
+            self._signatures[-1][r] = sig
         self._names += doc.name.encode("utf-8", "surrogatepass")
         block["name_end"][r] = len(self._names)
         self._n += 1
@@ -260,10 +264,23 @@ class DocumentTable:
         """``uint8[n, 20]``: sha1 of every document's UTF-8 text, for exact duplicates."""
         return self._column("digest")
 
-    @property
-    def signatures(self) -> np.ndarray:
-        """``uint32[n, 64]``: MinHash signatures; rows of unsigned documents are zero."""
-        return self._column("signature")
+    def signature_rows(self, rows: np.ndarray, bins: slice = slice(None)) -> np.ndarray:
+        """``uint32[len(rows), k]``: bins ``bins`` of the MinHash signatures of documents
+        ``rows`` (any order, repeats allowed); rows of unsigned documents are zero."""
+        rows = np.asarray(rows, dtype=np.int64)
+        width = len(range(_NUM_BINS)[bins])
+        out = np.empty((len(rows), width), dtype=np.uint32)
+        order = np.argsort(rows, kind="stable")
+        ordered = rows[order]
+        if len(rows) and (ordered[0] < 0 or ordered[-1] >= self._n):
+            raise IndexError(f"document index out of range 0..{self._n - 1}")
+        # The rows in each block are one run of the sorted rows.
+        edges = np.searchsorted(ordered, np.arange(len(self._signatures) + 1) * _BLOCK)
+        for k, block in enumerate(self._signatures):
+            a, b = int(edges[k]), int(edges[k + 1])
+            if a < b:
+                out[order[a:b]] = block[ordered[a:b] - k * _BLOCK, bins]
+        return out
 
     @property
     def signed(self) -> np.ndarray:
@@ -333,7 +350,8 @@ class SplitPlan:
 _PAIR_CHUNK = 1 << 16  # candidate pairs compared at once (bounds memory)
 
 
-def _near_duplicate_pairs(sigs: np.ndarray, rows: np.ndarray, root: np.ndarray) -> np.ndarray:
+def _near_duplicate_pairs(table: DocumentTable, rows: np.ndarray, root: np.ndarray
+                          ) -> np.ndarray:
     """``int64[m, 2]``: the distinct pairs ``(i, j)`` of documents ``rows`` (in corpus order)
     where ``j`` is the first document of ``i``'s bucket in some band, ``i`` is not in ``j``'s
     family group (``root``) and their signatures agree in at least ``NEAR_DUP_JACCARD`` of
@@ -341,7 +359,7 @@ def _near_duplicate_pairs(sigs: np.ndarray, rows: np.ndarray, root: np.ndarray) 
     width = _NUM_BINS // _BANDS
     pairs = []
     for band in range(_BANDS):
-        key = np.ascontiguousarray(sigs[rows, band * width : (band + 1) * width])
+        key = table.signature_rows(rows, slice(band * width, (band + 1) * width))
         key = key.view(np.uint64)  # 4 bins of 32 bits: 2 sort keys
         order = np.lexsort(key.T[::-1])  # stable: equal keys stay in corpus order
         ks = key[order]
@@ -356,7 +374,8 @@ def _near_duplicate_pairs(sigs: np.ndarray, rows: np.ndarray, root: np.ndarray) 
     need = int(np.ceil(NEAR_DUP_JACCARD * _NUM_BINS - 1e-9))
     for s in range(0, len(cand), _PAIR_CHUNK):
         a, b = cand[s : s + _PAIR_CHUNK, 0], cand[s : s + _PAIR_CHUNK, 1]
-        keep[s : s + _PAIR_CHUNK] = (sigs[a] == sigs[b]).sum(axis=1) >= need
+        agree = table.signature_rows(a) == table.signature_rows(b)
+        keep[s : s + _PAIR_CHUNK] = agree.sum(axis=1) >= need
     return cand[keep]
 
 
@@ -373,27 +392,29 @@ def _groups(table: DocumentTable, keep: np.ndarray) -> tuple[np.ndarray, int]:
     first_of[codes] = kept[first]
     root[kept] = first_of[fam]  # the first kept document of the family
     rows = kept[table.signed[kept]]
-    edges = _near_duplicate_pairs(table.signatures, rows, root).tolist()
-    parent = root.tolist()
+    edges = root[_near_duplicate_pairs(table, rows, root)]
+    # Union-find over the family groups that near-duplicates join (few), each merged into
+    # the smallest, so that a group's id stays the smallest index of its documents.
+    parent: dict[int, int] = {}
 
     def find(i: int) -> int:
-        while parent[i] != i:
-            parent[i] = parent[parent[i]]
+        while parent.get(i, i) != i:
+            parent[i] = parent.get(parent[i], parent[i])
             i = parent[i]
         return i
 
     merges = 0
-    for i, j in edges:
-        ri, rj = find(i), find(j)
-        if ri != rj:
-            parent[max(ri, rj)] = min(ri, rj)
+    for a, b in edges.tolist():
+        ra, rb = find(a), find(b)
+        if ra != rb:
+            parent[max(ra, rb)] = min(ra, rb)
             merges += 1
-    group = np.asarray(parent, dtype=np.int64)
-    while True:  # every document straight to its root
-        up = group[group]
-        if np.array_equal(up, group):
-            return group, merges
-        group = up
+    if parent:
+        joined = np.array(sorted(parent), dtype=np.int64)
+        top = np.array([find(int(g)) for g in joined], dtype=np.int64)
+        moved = np.isin(root, joined)
+        root[moved] = top[np.searchsorted(joined, root[moved])]
+    return root, merges
 
 
 def _first_copies(digests: np.ndarray) -> np.ndarray:
