@@ -15,8 +15,9 @@ line imports only what it needs).
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from editrain.lazy import lazy_exports
 
 __version__ = "0.1.0"
 
@@ -79,20 +80,4 @@ if TYPE_CHECKING:  # static analysers and IDEs see the real names
     from editrain.units import find_blocks
 
 
-def __getattr__(name: str) -> Any:
-    """Import a public name on first access (PEP 562).
-
-    Args:
-        name: the attribute looked up on the ``editrain`` package.
-    """
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'editrain' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    """Public names plus the module's own attributes."""
-    return sorted(set(globals()) | set(_EXPORTS))
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, globals())

@@ -3,21 +3,22 @@
 Validation needs these facts before any process starts (``train.seq_len`` against the
 model's maximum, ``dist.tp_size`` against its heads, ``sync.fragments`` against its sync
 units); the trainer and the benchmarks build the model from :func:`model_config`.
+
+The shape and the tokenizer are read without torch (``editrain data`` checks a whole
+configuration and never imports it); only what builds a model on the meta device
+(:func:`meta_model`, :func:`sync_units`) or reads a Hugging Face config file imports the
+model code, inside the function.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-import torch
-
 from editrain.config.schema import Config
 from editrain.errors import as_config_error
-from editrain.models import Llama, LlamaConfig, preset_config
-from editrain.models.hf import HFCausalLM, read_hf_config
 from editrain.models.hf_dir import read_config, special_tokens, tokenizer_file
 from editrain.models.hf_llama import is_llama_config, llama_config_from_hf
-from editrain.sync.setup import find_root_params, unit_modules
+from editrain.models.llama_config import LlamaConfig, preset_config
 
 
 def init_llama(cfg: Config) -> bool:
@@ -61,6 +62,8 @@ def heads(cfg: Config) -> tuple[int, int]:
     """(query heads, key/value heads) of the configured model."""
     source = hf_source(cfg)
     if source is not None:
+        from editrain.models.hf import read_hf_config
+
         data = read_hf_config(source)
         q = int(data.get("num_attention_heads") or 1)
         return q, int(data.get("num_key_value_heads") or q)
@@ -80,6 +83,8 @@ def sync_units(cfg: Config) -> list[str]:
     Returns:
         One name per unit, in the engine's order ("root", "block0", ...).
     """
+    from editrain.sync.setup import find_root_params, unit_modules
+
     model = meta_model(cfg)
     modules = unit_modules(model, model.blocks(), cfg.sync.split_root)
     root = find_root_params(model, [m for _, m in modules])
@@ -89,6 +94,11 @@ def sync_units(cfg: Config) -> list[str]:
 def meta_model(cfg: Config) -> Any:
     """The configured model on the meta device: its parameters' names and shapes, no
     memory, no weights."""
+    import torch
+
+    from editrain.models import Llama
+    from editrain.models.hf import HFCausalLM, read_hf_config
+
     with torch.device("meta"):
         source = hf_source(cfg)
         if source is not None:

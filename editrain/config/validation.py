@@ -7,6 +7,11 @@ specs, the mesh arithmetic, the Hugging Face config) raises ``ValueError`` namin
 and is re-raised as ``ConfigError``. :func:`validate` runs each section's checks, then those
 that span sections; :func:`validate_world` those that need the world size. The ``sync``
 section checks itself when it is constructed (:class:`editrain.sync.config.SyncConfig`).
+
+Nothing here imports torch at import time, nor does a check that only needs names and
+numbers: ``editrain data`` validates the whole configuration and never imports torch.
+A check that needs it (CUDA devices, a model built on the meta device, torchft, the mesh,
+a Hugging Face config) imports it inside, where it runs.
 """
 
 from __future__ import annotations
@@ -15,8 +20,6 @@ import importlib.util
 import os
 from collections.abc import Callable
 from typing import Any
-
-import torch
 
 from editrain.config.model import (
     heads,
@@ -48,17 +51,15 @@ from editrain.config.schema import (
 )
 from editrain.data import check_data_options
 from editrain.errors import ConfigError, as_config_error, require
-from editrain.models.hf import check_hf_config, read_hf_config
 from editrain.sim import check_replicas, parse_sim
-from editrain.sync.config import check_finite
-from editrain.sync.ft import torchft_available
-from editrain.sync.setup import COMM_BACKENDS, check_fault_tolerant
-from editrain.topology import Topology
+from editrain.sync.config import COMM_BACKENDS, check_finite
 from editrain.tracking import WANDB_MODES
 
 
 def cuda_device_count() -> int:
     """CUDA devices this process can use (respects CUDA_VISIBLE_DEVICES); tests replace it."""
+    import torch  # only where dist.* asks for nccl or cuda
+
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
@@ -154,6 +155,8 @@ def check_dist(d: DistSection) -> None:
             f"({d.ft_heartbeat_timeout_s:g} s: a live replica must get two heartbeats "
             f"in), got {d.ft_heartbeat_interval_s:g}")
     if d.fault_tolerance == "torchft":
+        from editrain.sync.ft import torchft_available
+
         require(torchft_available(), "dist.fault_tolerance",
                 "torchft is not installed; pip install 'editrain[ft]' (or torchft)")
     for name, allowed in (("backend", BACKENDS), ("device", DEVICES),
@@ -232,6 +235,8 @@ def validate(cfg: Config) -> None:
                 f"chunks per pipeline rank need pipeline stages (dist.pp_size > 1 with "
                 f"dist.pp_schedule = 'interleaved-1f1b'), got {cfg.dist.pp_stages_per_rank}")
     if cfg.dist.fault_tolerance == "torchft":
+        from editrain.sync.setup import check_fault_tolerant
+
         with as_config_error():
             check_fault_tolerant(s.resolve(), 1)
     if hf_source(cfg) is not None:
@@ -296,6 +301,7 @@ def _hf_pipeline_shape(cfg: Config) -> tuple[int, bool]:
     ``model_type`` must be one :class:`editrain.pipeline.HFStage` splits. A config file
     without ``tie_word_embeddings`` takes its model type's default (transformers' config
     class is imported for that only)."""
+    from editrain.models.hf import read_hf_config
     from editrain.pipeline import check_hf_pipeline
 
     _check_hf(cfg)  # the file, transformers, the sequence length: first
@@ -319,6 +325,8 @@ def _hf_pipeline_shape(cfg: Config) -> tuple[int, bool]:
 def _check_hf(cfg: Config) -> None:
     """``model.hf_config``: the file exists and is a config.json, transformers is installed,
     the sequence length fits, and no preset override is set alongside it."""
+    from editrain.models.hf import check_hf_config
+
     shape = sorted(cfg.model.overrides())
     require(not shape, _hf_option(cfg), f"the model shape comes from the config file; "
             f"remove {', '.join('model.' + k for k in shape)}")
@@ -382,6 +390,8 @@ def _tokenizer_vocab(cfg: Config) -> tuple[int, str]:
 
 def validate_world(cfg: Config, world_size: int) -> None:
     """Checks that need the world size (known before spawning, or from torchrun's env)."""
+    from editrain.topology import Topology
+
     d = cfg.dist
     with as_config_error():  # the mesh's own rank arithmetic says what divides what
         topo = Topology(world_size, d.shard_size, d.tp_size, d.pp_size)

@@ -19,10 +19,12 @@ dropped at the next epoch boundary, where the new world size takes over.
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
-import torch
+
+if TYPE_CHECKING:  # imported where a batch is made: editrain.data loads without torch
+    import torch
 
 __all__ = ["EvalBatch", "SequenceStream", "check_batch_size", "eval_batches", "val_batches"]
 
@@ -37,6 +39,8 @@ def _num_windows(tokens: np.ndarray, seq_len: int) -> int:
 
 def _gather(tokens: np.ndarray, window_ids: np.ndarray, seq_len: int) -> torch.Tensor:
     """Rows ``tokens[i*seq_len : i*seq_len + seq_len + 1]`` for each window id, as int64."""
+    import torch
+
     idx = np.asarray(window_ids, dtype=np.int64)[:, None] * seq_len + np.arange(seq_len + 1)
     # Fancy indexing copies out of the memmap; int64 is what embedding and
     # cross-entropy expect, and the on-disk dtype is unsigned (not torch-friendly).
@@ -398,6 +402,8 @@ def eval_batches(
     Raises:
         ValueError: The split has fewer than 2 tokens, or a bad size.
     """
+    import torch
+
     _check_rank(rank, world_size)
     if batch_size < 1 or max_tokens < 0:
         raise ValueError(f"batch_size must be positive and max_tokens >= 0, got "

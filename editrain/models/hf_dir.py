@@ -16,11 +16,12 @@ import math
 import struct
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
-
-from torch import Tensor, nn
+from typing import TYPE_CHECKING, Any
 
 from editrain.models.hf_llama import to_hf_name
+
+if TYPE_CHECKING:  # annotations only: the file checks run without torch (editrain data)
+    from torch import Tensor, nn
 
 __all__ = [
     "HEADER_LIMIT",

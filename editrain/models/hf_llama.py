@@ -14,7 +14,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from editrain.models.llama import LlamaConfig
+from editrain.models.llama_config import LlamaConfig
 
 __all__ = [
     "LLAMA_ARCHITECTURE",

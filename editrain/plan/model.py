@@ -27,7 +27,7 @@ from typing import Any
 
 from editrain.errors import ConfigError
 from editrain.plan.inputs import Cluster, MethodSpec, ModelSpec
-from editrain.sync import sparse
+from editrain.sync import codecs
 
 GIB = 2**30
 BLOCK = 128
@@ -202,7 +202,11 @@ def payload_bytes(n: float, codec: str) -> float:
     value, plus one fp32 scale per :data:`BLOCK` values for the integer / fp4 codecs; the
     sparse codecs (topk2, topk1) at their default chunk and k, as
     :func:`editrain.sync.sparse.payload_bytes` counts them."""
-    if codec in sparse.BITS:
+    if codec in codecs.BITS:
+        # The codec imports torch: not at import time, since every command imports this
+        # package to build `editrain plan`'s parser (and editrain data imports no torch).
+        from editrain.sync import sparse
+
         return float(sparse.payload_bytes(int(math.ceil(n)), codec))
     if codec in ("fp32", "bf16"):
         return n * CODEC_BITS[codec] / 8
@@ -609,7 +613,7 @@ def unit_bytes(method: MethodSpec, params: float, R: int, dtype_bytes: int = 4) 
 
 
 def gather_break_even_replicas(codec: str, summable_bytes_per_value: float,
-                               n: int = sparse.CHUNK) -> float:
+                               n: int = codecs.CHUNK) -> float:
     """The replica count above which a gathered ``codec`` sends more than a ring
     all-reduce of a codec of ``summable_bytes_per_value`` bytes per value that can be
     summed on the way (fp32 4, bf16 2): ``(R - 1) p > 2 (R - 1) / R b`` for ``R > 2 b /

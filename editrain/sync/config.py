@@ -3,6 +3,10 @@
 ``SyncConfig`` is what the engine consumes. Its fields that are ``None`` mean "the method's
 default" and are filled in by :func:`SyncConfig.resolve`; the per-method defaults live in
 :mod:`editrain.sync.methods` so that one table says what each method is.
+
+This module imports no torch (nor does :mod:`editrain.sync`'s package): the configuration
+is loaded and checked by commands that never train (``editrain data``). The outer
+optimizer's checks import it where a check needs it (:meth:`SyncConfig._check_outer`).
 """
 
 from __future__ import annotations
@@ -11,12 +15,9 @@ import math
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
-import torch
-
 from editrain.errors import as_config_error, require
-from editrain.sync import sparse as sparse_codec
+from editrain.sync import codecs as sparse_codec
 from editrain.sync.methods import METHOD_DEFAULTS, OUTER_SGD, PLAIN_SGD
-from editrain.sync.outer import check_outer, outer_kwargs, resolve_optimizer_class
 
 METHODS = ("sync", "post_local_sgd", "diloco", "edit", "aedit")
 REDUCERS = ("linear", "gta")
@@ -29,6 +30,13 @@ section 3c): Nesterov momentum 0.9 on top of the eager proxy oscillated in the c
 benchmark; without momentum it ended below plain EDiT."""
 COMM_DTYPES = ("fp32", "bf16", "int8", "int4", "topk2", "topk1")
 SPARSE_CODECS = tuple(sparse_codec.BITS)
+COMM_BACKENDS = ("auto", "gloo", "nccl", "default")
+"""``dist.comm_backend``: the backend of the sync engine's private groups (see
+:func:`editrain.sync.setup.comm_group_backend`)."""
+SELF_CHECKED_OUTER = (None, "none", "sgd")
+"""Outer optimizer names whose default keyword arguments need no construction to check:
+no optimizer, or SGD with a constant of :mod:`editrain.sync.methods` (which torch accepts;
+``tests/test_data_no_torch.py`` constructs each)."""
 
 
 INT_MAX = 2**63 - 1
@@ -259,10 +267,19 @@ class SyncConfig:
 
     def _check_outer(self) -> None:
         """The outer optimizer exists and accepts its keyword arguments (constructed once on
-        a dummy parameter), for the method's default class too."""
+        a dummy parameter), for the method's default class too.
+
+        No keyword arguments given and no optimizer or SGD (every method's default): its
+        kwargs are the documented constants, nothing can fail, and torch is not imported
+        (the construction cost ``editrain data`` about 1.35 s of torch.optim imports)."""
         name = self.outer_optim_class
         if name is None:
             name = METHOD_DEFAULTS[self.method].get("outer_optim_class")
+        if self.outer_optim_kwargs is None and (
+                name is None or (isinstance(name, str) and name.lower() in SELF_CHECKED_OUTER)):
+            return
+        from editrain.sync.outer import check_outer, outer_kwargs, resolve_optimizer_class
+
         with as_config_error():  # the optimizer module's own checks name the option
             cls = resolve_optimizer_class(name)
             check_outer(cls, outer_kwargs(cls, self.outer_optim_kwargs))
@@ -403,6 +420,10 @@ class SyncConfig:
             if getattr(self, f.name) is None and f.name in defaults
         }
         out = replace(self, **updates)
+        import torch  # the engine's side: resolving the optimizer class imports it anyway
+
+        from editrain.sync.outer import outer_kwargs, resolve_optimizer_class
+
         cls = resolve_optimizer_class(out.outer_optim_class)
         given = out.outer_optim_kwargs
         if given is None and cls is torch.optim.SGD and out.comm_dtype in SPARSE_CODECS:

@@ -18,7 +18,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
-from editrain.sync.config import SyncConfig
+from editrain.sync.config import COMM_BACKENDS, SyncConfig
 from editrain.sync.outer import SyncUnit, copies_in_replica, resolve_optimizer_class
 from editrain.sync.triggers import IntervalTrigger, SyncTrigger, TimeTrigger
 from editrain.topology import SHARD_DIM, Topology
@@ -89,8 +89,6 @@ def unit_modules(model: nn.Module, blocks: Sequence[nn.Module], split_root: bool
             out.append((names[id(m)], m))
     return out
 
-
-COMM_BACKENDS = ("auto", "gloo", "nccl", "default")
 
 
 def comm_group_backend(choice: str) -> str | None:

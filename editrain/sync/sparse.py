@@ -20,18 +20,9 @@ from __future__ import annotations
 
 import torch
 
-CHUNK = 4096
-"""Default values per chunk (the 64 x 64 tiles of SparseLoCo, flattened)."""
-K = 64
-"""Default values kept per full chunk (1.56%, the density of the Covenant-72B run)."""
-BITS = {"topk2": 2, "topk1": 1}
-"""Code bits per kept value, per codec."""
-DECAY = 0.95
-"""Default error-feedback decay of the sparse codecs (SparseLoCo's beta)."""
-OUTER_SGD = {"lr": 2.0, "momentum": 0.0, "nesterov": False}
-"""The outer SGD's keyword arguments with a sparse codec when none are given: no momentum
-(as in SparseLoCo, the decayed error feedback carries what momentum would) and lr 2
-(docs/streaming.md section 4b says how it was chosen)."""
+# The defaults live in a module without torch (the configuration checks read them); they
+# stay importable from here, where the codecs that use them are.
+from editrain.sync.codecs import BITS, CHUNK, DECAY, OUTER_SGD, K  # noqa: F401
 
 
 def chunk_sizes(n: int, chunk: int) -> tuple[int, int]:
