@@ -1,6 +1,8 @@
 """The ``editrain`` console script and ``python -m editrain``: Ctrl-C handled from the start.
 
-Importing the command line imports torch, a second or more; a Ctrl-C in that time used to
+Importing the command line takes about half a second (numpy, tokenizers, the
+configuration; torch is imported later, by the commands that need it, inside
+:func:`editrain.cli.main`, and never by ``editrain data``); a Ctrl-C in that time used to
 end in a KeyboardInterrupt traceback and a death by signal. :func:`main` installs its
 handler before anything heavy is imported (this module imports only the standard library's
 ``os``, ``signal`` and ``sys``): a SIGINT while importing prints ``editrain: interrupted``
