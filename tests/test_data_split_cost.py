@@ -78,14 +78,16 @@ def _signature_reference(text: str) -> np.ndarray:
 
 
 def test_words_equal_the_regular_expression(monkeypatch):
-    """Words found by bytes.translate/split (whole texts and pieces cut between words) are
-    those of ``re.findall(r"\\w+")``, on ASCII and on mixed text."""
+    """Words found by bytes.translate/split (whole texts and pieces cut between words, the
+    non-word characters of other scripts replaced one by one or by the regular expression)
+    are those of ``re.findall(r"\\w+")``, on ASCII and on mixed text."""
     rng = random.Random(0)
     texts = ["".join(rng.choice(_CHARS) for _ in range(rng.randint(0, 300)))
              for _ in range(300)]
     texts += ["".join(rng.choice("abc _.\n") for _ in range(200)) for _ in range(50)]
-    for piece in (1 << 20, 7):
+    for piece, most in ((1 << 20, 32), (7, 32), (1 << 20, 2)):  # 2: the regex's path
         monkeypatch.setattr(split_mod, "_PIECE", piece)
+        monkeypatch.setattr(split_mod, "_MAX_NONWORD_CHARS", most)
         for text in texts:
             got = [w for part in _word_pieces(text, text.encode("utf-8")) for w in part]
             assert got == _words_reference(text), (piece, text)

@@ -72,7 +72,11 @@ _SHINGLE_WORDS = 5
 _NONWORD = re.compile(r"\W+")
 # Bytes that are not part of a word become spaces: ASCII letters, digits and "_" are what
 # ``\w`` matches among ASCII characters; bytes of non-ASCII characters are kept (text with
-# any is first cleared of its non-word characters by _NONWORD, so they are all letters).
+# any is first cleared of its non-ASCII non-word characters, so they are all letters).
+_ASCII = bytes(range(0x80))
+# Text with more distinct non-ASCII non-word characters than this is cleared by _NONWORD
+# (one pass of the regular expression) instead of one bytes.replace per character.
+_MAX_NONWORD_CHARS = 32
 _WORD_BYTES = bytes(c if c >= 0x80 or c == 0x5F or chr(c).isalnum() else 0x20
                     for c in range(256))
 _SHINGLE_MUL = np.uint64(0x9E3779B97F4A7C15)
@@ -95,9 +99,19 @@ def _word_pieces(text: str, data: bytes) -> Iterator[list[bytes]]:
     order, in pieces of about ``_PIECE`` bytes cut between words.
 
     ``bytes.translate`` and ``bytes.split`` find the words in C without a regular
-    expression; only text with non-ASCII characters goes through ``_NONWORD`` first, which
-    gives the same words as ``re.findall(r"\\w+", text)``."""
-    buf = data if text.isascii() else _NONWORD.sub(" ", text).encode("utf-8", "surrogatepass")
+    expression, the same words as ``re.findall(r"\\w+", text)``: the few non-ASCII
+    characters that are not word characters (dashes, quotes, no-break spaces in code and
+    English) are replaced by spaces in the bytes first, each with one ``bytes.replace``
+    (UTF-8 is self-synchronising: a character's bytes occur only where it does)."""
+    buf = data
+    if not text.isascii():
+        others = set(data.translate(None, _ASCII).decode("utf-8", "surrogatepass"))
+        nonword = [c for c in others if not c.isalnum()]  # "_" is ASCII
+        if len(nonword) > _MAX_NONWORD_CHARS:
+            buf = _NONWORD.sub(" ", text).encode("utf-8", "surrogatepass")
+        else:
+            for c in nonword:
+                buf = buf.replace(c.encode("utf-8", "surrogatepass"), b" ")
     buf = buf.translate(_WORD_BYTES)
     start = 0
     while len(buf) - start > _PIECE:
