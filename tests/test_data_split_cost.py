@@ -12,6 +12,7 @@ document stays small (tracemalloc), so that it cannot grow back unnoticed.
 from __future__ import annotations
 
 import hashlib
+import json
 import random
 import re
 import tracemalloc
@@ -412,3 +413,87 @@ def test_metadata_per_document_stays_small(monkeypatch):
     assert plan.mode == "documents" and len(table) == n
     assert kept < 360, f"{kept:.0f} bytes per document kept"
     assert peak < 560, f"{peak:.0f} bytes per document at the peak"
+
+
+def _one_family_corpus(root):
+    """30 files in one directory (one family: a tail split), one an exact duplicate."""
+    rng = random.Random(5)
+    (root / "x").mkdir(parents=True)
+    for i in range(30):
+        lines = _code_file(rng, rng.randint(5, 80))
+        (root / "x" / f"doc{i:03d}.py").write_text("\n".join(lines) + "\n")
+    (root / "x" / "doc999.py").write_text((root / "x" / "doc010.py").read_text())
+    return root
+
+
+def _listing_reference(corpus, plan) -> list[list[str]]:
+    """The validation documents by reading every text: those with a validation part."""
+    from editrain.data.sources import iter_records, resolve_sources
+
+    return [[d.name, d.family, d.kind]
+            for i, d in enumerate(iter_records(resolve_sources(str(corpus))))
+            if plan.parts(i, d.text)[1]]
+
+
+@pytest.fixture(scope="module")
+def small_tokenizer(tmp_path_factory):
+    from editrain.data.tokenizer import train_bpe_tokenizer
+
+    root = _one_family_corpus(tmp_path_factory.mktemp("tokcorpus"))
+    path = tmp_path_factory.mktemp("tok") / "tokenizer.json"
+    texts = [p.read_text() for p in sorted(root.rglob("*.py"))]
+    train_bpe_tokenizer(texts, 300).save(str(path))
+    return path
+
+
+def test_tail_split_reads_the_corpus_once(tmp_path, small_tokenizer, monkeypatch):
+    """A tail split with a given tokenizer: the document it cuts is taken from the texts
+    kept at the end of the one pass (when the window is too small, read again), and the
+    validation list comes from the table: the same token files and list either way, the
+    list equal to reading every text."""
+    from editrain.data import dataset as dataset_mod
+    from editrain.data import prepare_tokens
+    from editrain.data.sources import iter_records, resolve_sources
+
+    corpus = _one_family_corpus(tmp_path / "corpus")
+    passes = []
+    real = dataset_mod.iter_records
+
+    def counting(*args, **kwargs):
+        passes.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(dataset_mod, "iter_records", counting)
+    builds = {}
+    for window in ("kept", "too_small"):
+        if window == "too_small":
+            monkeypatch.setattr(dataset_mod, "_RECENT_MAX_CHARS", 0)
+        passes.clear()
+        # No token floor: the first plan is the build's.
+        data = prepare_tokens(str(corpus), tmp_path / window, tokenizer_path=str(small_tokenizer),
+                              val_tokens=0, val_fraction=0.1, progress=False)
+        assert data.meta["split"] == "tail"
+        assert len(passes) == (1 if window == "kept" else 2)  # the cut document read again
+        builds[window] = (np.asarray(data.train).tolist(), np.asarray(data.val).tolist(),
+                          (data.cache_dir / "val_documents.json").read_text())
+    assert builds["kept"] == builds["too_small"]
+    plan = plan_split(describe_documents(iter_records(resolve_sources(str(corpus)))), 0.1, 0, 0)
+    assert plan.mode == "tail" and plan.drop.sum() == 1
+    listed = json.loads(builds["kept"][2])
+    assert listed == _listing_reference(corpus, plan) and len(listed) >= 2
+    assert listed[0][0].endswith(f"doc{plan.tail_doc:03d}.py")  # the cut one first
+
+
+def test_tail_split_with_own_tokenizer_lists_the_cut_document(tmp_path):
+    """The same list when the build trains its BPE (the cut document's validation part is
+    seen while the validation side is encoded)."""
+    from editrain.data import prepare_tokens
+    from editrain.data.sources import iter_records, resolve_sources
+
+    corpus = _one_family_corpus(tmp_path / "corpus")
+    data = prepare_tokens(str(corpus), tmp_path / "cache", vocab_size=300, val_tokens=0,
+                          val_fraction=0.1, progress=False)
+    assert data.meta["split"] == "tail"
+    plan = plan_split(describe_documents(iter_records(resolve_sources(str(corpus)))), 0.1, 0, 0)
+    listed = json.loads((data.cache_dir / "val_documents.json").read_text())
+    assert listed == _listing_reference(corpus, plan) and len(listed) >= 2

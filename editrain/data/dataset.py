@@ -42,6 +42,7 @@ import shutil
 import socket
 import threading
 import time
+from collections import deque
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -527,10 +528,15 @@ def _encode_to_file(tok, docs: Iterable[str], eos: int, policy: str, dtype: np.d
     return int(encoder.close().sum())
 
 
-def _split_texts(docs: Iterable[Document], plan: SplitPlan, side: int) -> Iterator[str]:
-    """The texts of one side of ``plan`` (0: training, 1: validation), in corpus order."""
+def _split_texts(docs: Iterable[Document], plan: SplitPlan, side: int,
+                 cut_part: list[bool] | None = None) -> Iterator[str]:
+    """The texts of one side of ``plan`` (0: training, 1: validation), in corpus order;
+    whether the document a tail split cuts has text on this side is appended to
+    ``cut_part`` when it is passed."""
     for i, doc in enumerate(docs):
         text = plan.parts(i, doc.text)[side]
+        if cut_part is not None and i == plan.tail_doc:
+            cut_part.append(bool(text))
         if text:
             yield text
 
@@ -618,15 +624,57 @@ def _encode_text(tok, text: str, eos: int, policy: str, dtype: np.dtype,
         scratch.unlink(missing_ok=True)
 
 
-def _cut_document(plan: SplitPlan, corpus, encode) -> tuple[np.ndarray, np.ndarray]:
-    """``(training tokens, validation tokens)`` of the document a tail split cuts in two,
-    each part encoded as a document of its own (``encode``); two empty arrays when the plan
-    cuts none. The document's text is found by reading the corpus up to it."""
+# Most characters of text _RecentTexts keeps (a tail split cutting further back reads the
+# corpus again up to the document it cuts).
+_RECENT_MAX_CHARS = 32 << 20
+
+
+class _RecentTexts:
+    """The texts of the last documents of a pass over the corpus, as far back as a tail
+    split may cut, so that the cut document need not be read again.
+
+    A tail split's validation part begins in the document whose successors hold fewer
+    bytes than the split's target, ``max(val_fraction of the corpus, the floor)`` at most;
+    every document with fewer than twice that (twice: a re-planned floor) in characters
+    after it is kept (characters: never more than the bytes the plan counts), at most
+    ``_RECENT_MAX_CHARS``. A document that leaves the window never comes back into reach:
+    the characters after it grow at least as fast as the reach."""
+
+    def __init__(self, val_fraction: float, floor_bytes: float) -> None:
+        self._fraction, self._floor = val_fraction, floor_bytes
+        self._docs: deque[str] = deque()
+        self._first = 0  # index of the document _docs[0]
+        self._chars = 0  # characters in the window
+        self._seen = 0  # characters of every document so far
+
+    def add(self, text: str) -> None:
+        """The next document of the pass."""
+        self._docs.append(text)
+        self._chars += len(text)
+        self._seen += len(text)
+        reach = min(_RECENT_MAX_CHARS, 2 * max(self._fraction * self._seen, self._floor))
+        while len(self._docs) > 1 and self._chars - len(self._docs[0]) >= reach:
+            self._chars -= len(self._docs.popleft())
+            self._first += 1
+
+    def get(self, index: int) -> str | None:
+        """The text of document ``index``, or None when it left the window."""
+        k = index - self._first
+        return self._docs[k] if 0 <= k < len(self._docs) else None
+
+
+def _cut_texts(plan: SplitPlan, corpus, recent: _RecentTexts | None) -> tuple[str, str]:
+    """``(training part, validation part)`` of the document a tail split cuts in two;
+    two empty texts when the plan cuts none. The document's text is taken from ``recent``
+    when it is there, else found by reading the corpus up to it."""
     if plan.mode != "tail":
-        return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
+        return "", ""
+    text = recent.get(plan.tail_doc) if recent is not None else None
+    if text is not None:
+        return plan.parts(plan.tail_doc, text)
     for i, doc in enumerate(corpus("reading the document cut by the split", _COST_READ)):
         if i == plan.tail_doc:
-            return tuple(encode(part) for part in plan.parts(i, doc.text))
+            return plan.parts(i, doc.text)
     raise RuntimeError(f"the corpus has no document {plan.tail_doc} any more")
 
 
@@ -720,9 +768,12 @@ def _build_entry(
         # from the descriptions, and each side is then copied out of the encoded corpus.
         with open(all_path, "wb") as out:
             encoder = _DocumentEncoder(tok, eos, eos_policy, dtype, out)
+            recent = _RecentTexts(split["val_fraction"],
+                                  split["val_tokens"] * _BYTES_PER_TOKEN_GUESS)
             for doc in corpus("reading and tokenising", _COST_DESCRIBE + _COST_ENCODE):
                 table.add(doc)
                 encoder.add(doc.text)
+                recent.add(doc.text)
             counts = encoder.close()
     val_tokens = split["val_tokens"]
     bytes_per_token = _BYTES_PER_TOKEN_GUESS
@@ -748,14 +799,17 @@ def _build_entry(
             # floor may need another plan, hence another BPE, and each would encode the
             # whole corpus).
             log.info("tokenising corpus into %s", entry)
+            cut_val: list[bool] = []
             n_val = _encode_split(tok, _split_texts(corpus("tokenising validation",
                                                            _COST_READ + _COST_ENCODE * val_share),
-                                                    plan, 1),
+                                                    plan, 1, cut_val),
                                   eos, eos_policy, dtype, tmp["val"])
         else:
-            cut = _cut_document(plan, corpus, functools.partial(
-                _encode_text, tok, eos=eos, policy=eos_policy, dtype=dtype,
-                scratch=entry / f"cut.bin.tmp.{os.getpid()}"))
+            parts = _cut_texts(plan, corpus, recent)
+            cut_val = [bool(parts[1])]
+            encode = functools.partial(_encode_text, tok, eos=eos, policy=eos_policy,
+                                       dtype=dtype, scratch=entry / f"cut.bin.tmp.{os.getpid()}")
+            cut = (encode(parts[0]), encode(parts[1]))
             n_val = int(counts[plan.val & ~plan.drop].sum()) + len(cut[1])
         val_bytes = plan.stats.get("val_bytes", 0)
         if n_val >= val_tokens or plan.stats.get("capped") or n_val == 0:
@@ -782,15 +836,13 @@ def _build_entry(
         _atomic_write_bytes(tok_file, tok.to_str().encode("utf-8"))
     for s in ("train", "val"):
         os.replace(tmp[s], entry / f"{s}.bin")
-    # Which documents were held out, so anyone can check the split (and tests do).
-    if plan.mode == "tail":
-        # The document cut in two is listed when its validation part is not empty, which
-        # only its text says.
-        val_docs = [[d.name, d.family, d.kind]
-                    for i, d in enumerate(corpus("listing validation documents", _COST_READ))
-                    if plan.parts(i, d.text)[1]]
-    else:
-        val_docs = [table.listing(i) for i in np.flatnonzero(plan.val & ~plan.drop)]
+    # Which documents were held out, so anyone can check the split (and tests do); the
+    # document a tail split cuts in two (before every other one held out) when its
+    # validation part is not empty.
+    held = np.flatnonzero(plan.val & ~plan.drop).tolist()
+    if plan.mode == "tail" and any(cut_val):
+        held.insert(0, plan.tail_doc)
+    val_docs = [table.listing(i) for i in held]
     _atomic_write_bytes(entry / VAL_DOCUMENTS_FILE,
                         json.dumps(val_docs, ensure_ascii=True).encode("ascii"))
     overlap = _measure_overlap(entry, dtype)
