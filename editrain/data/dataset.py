@@ -453,7 +453,10 @@ class _DocumentEncoder:
         self._firsts: list[bool] = []  # whether the piece begins its document
         self._lasts: list[bool] = []  # whether the piece ends its document
         self._chars = 0
-        self._counts: list[int] = []
+        self._docs = 0  # documents added
+        # (first document, token counts of the documents from it) of every encoded batch:
+        # 8 bytes per document, summed by close() (a document may span batches).
+        self._counts: list[tuple[int, np.ndarray]] = []
         self._error: BaseException | None = None
         self._queue: queue.Queue = queue.Queue(maxsize=self._QUEUED)
         self._thread = threading.Thread(target=self._work, name="editrain-encode", daemon=True)
@@ -461,8 +464,8 @@ class _DocumentEncoder:
 
     def add(self, text: str) -> None:
         """Queue the next document (cut into ``_MAX_PIECE_CHARS`` pieces after newlines)."""
-        doc = len(self._counts)
-        self._counts.append(0)
+        doc = self._docs
+        self._docs += 1
         pieces = list(_pieces(text))
         for j, piece in enumerate(pieces):
             self._batch.append(piece)
@@ -481,7 +484,10 @@ class _DocumentEncoder:
         self._thread.join()
         if self._error is not None:
             raise self._error
-        return np.asarray(self._counts, dtype=np.int64)
+        counts = np.zeros(self._docs, dtype=np.int64)
+        for first, part in self._counts:
+            counts[first : first + len(part)] += part
+        return counts
 
     def _flush(self) -> None:
         if self._batch:
@@ -503,6 +509,7 @@ class _DocumentEncoder:
             while (item := self._queue.get()) is not None:
                 batch, owners, firsts, lasts = item
                 parts: list[np.ndarray] = []
+                sizes: list[int] = []  # tokens of every piece, separators included
                 for i, enc in enumerate(self._tok.encode_batch_fast(batch)):
                     ids = np.asarray(enc.ids, dtype=self._dtype)
                     if self._before and firsts[i]:
@@ -510,9 +517,13 @@ class _DocumentEncoder:
                     parts.append(ids)
                     if self._after and lasts[i]:
                         parts.append(self._sep)
-                    self._counts[owners[i]] += (len(ids) + (self._before and firsts[i])
-                                                + (self._after and lasts[i]))
+                    sizes.append(len(ids) + (self._before and firsts[i])
+                                 + (self._after and lasts[i]))
                 np.concatenate(parts).tofile(self._out)
+                # A batch holds consecutive documents: summed per document from its first.
+                per_doc = np.zeros(owners[-1] - owners[0] + 1, dtype=np.int64)
+                np.add.at(per_doc, np.asarray(owners) - owners[0], sizes)
+                self._counts.append((owners[0], per_doc))
         except BaseException as exc:  # noqa: BLE001 - raised in the caller's next add/close
             # The caller's puts time out and see it, so nothing waits on a dead thread.
             self._error = exc

@@ -216,7 +216,7 @@ class DocumentTable:
         data = doc.text.encode("utf-8", "surrogatepass")
         sig = _signature(doc.text, data)
         kind = self._kinds.code(doc.kind)
-        if kind > np.iinfo(np.uint8).max:
+        if kind > 255:  # stored as uint8
             raise ValueError(f"data.path: more than 256 document kinds ({doc.kind!r})")
         r = self._n % _BLOCK
         if r == 0:
