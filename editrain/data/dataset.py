@@ -20,10 +20,11 @@ the files are flat 1-D arrays of ``uint16`` (vocab <= 65535) or ``uint32`` ids.
 Documents are streamed through every pass, so corpora larger than memory can be tokenised:
 what stays in memory is the split's metadata, about 330 bytes per document (its MinHash
 signature, digest, family, name, as column arrays; :mod:`editrain.data.split`) and each
-document's token count, one encoder batch
-(``_ENCODE_BATCH_CHARS``), the validation split's window hashes for the overlap measure, and
-the BPE trainer's state, which grows with the text it sees: at most ``BPE_SAMPLE_BYTES``
-(:func:`bpe_sample`). A slow build shows one progress bar for the whole build on a terminal
+document's token count (8 bytes), one encoder batch (``_ENCODE_BATCH_CHARS``), the texts of
+the last documents a tail split may cut (``_RecentTexts``, about twice the validation
+split), the validation split's window hashes for the overlap measure, and the BPE trainer's
+state, which grows with the text it sees: at most ``BPE_SAMPLE_BYTES`` (:func:`bpe_sample`).
+A slow build shows one progress bar for the whole build on a terminal
 (:mod:`editrain.data.progress`). An entry is built in a private directory
 (``.KEY.HOST.PID``) and renamed into place when complete. A pre-tokenised corpus
 (:mod:`editrain.data.pretokenized`) is copied into an entry without tokenising.
