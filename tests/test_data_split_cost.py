@@ -497,3 +497,23 @@ def test_tail_split_with_own_tokenizer_lists_the_cut_document(tmp_path):
     plan = plan_split(describe_documents(iter_records(resolve_sources(str(corpus)))), 0.1, 0, 0)
     listed = json.loads((data.cache_dir / "val_documents.json").read_text())
     assert listed == _listing_reference(corpus, plan) and len(listed) >= 2
+
+
+@pytest.mark.parametrize("n", [1, 2, 8, 32])
+def test_window_hashes_equal_their_definition(n):
+    """The prefix-sum window hashes equal the polynomial of each window's ids, written
+    plainly, for every piece size (pieces shorter and longer than the window)."""
+    from editrain.data.overlap import _MUL as mul
+    from editrain.data.overlap import iter_window_hashes
+
+    ids = np.random.default_rng(n).integers(0, 65535, 300).astype(np.uint16)
+    want = []
+    for k in range(len(ids) - n + 1):
+        h = 0
+        for t in ids[k : k + n].tolist():
+            h = (h * int(mul) + t + 1) & _MASK
+        want.append(h)
+    for chunk in (1, 7, 1000):
+        got = np.concatenate(list(iter_window_hashes(ids, n, chunk=chunk))).tolist()
+        assert got == want, chunk
+    assert list(iter_window_hashes(ids[: n - 1], n)) == []  # shorter than a window

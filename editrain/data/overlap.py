@@ -9,6 +9,7 @@ import numpy as np
 __all__ = ["iter_window_hashes", "window_hashes", "window_overlap"]
 
 _MUL = np.uint64(0x100000001B3)  # FNV-style odd multiplier; collisions are 2**-64-rare
+_INV = np.uint64(pow(int(_MUL), -1, 1 << 64))  # its inverse modulo 2**64 (odd: one exists)
 _CHUNK = 1 << 20  # windows hashed at once
 # An odd multiplier (a bijection of 64-bit integers) that spreads every bit of a window's
 # hash into its top bits, which the sample of max_windows compares.
@@ -19,17 +20,36 @@ def iter_window_hashes(tokens: np.ndarray, n: int, chunk: int | None = None
                        ) -> Iterator[np.ndarray]:
     """:func:`window_hashes` of ``tokens`` in consecutive pieces of at most ``chunk``
     windows (default ``_CHUNK``), so that a split far larger than memory (a memory map, a
-    :class:`~editrain.data.pretokenized.TokenFile`) is hashed in bounded memory: about 24
-    bytes per window of one piece."""
+    :class:`~editrain.data.pretokenized.TokenFile`) is hashed in bounded memory: about 32
+    bytes per window of one piece.
+
+    A window's hash ``sum(x[k + j] * M**(n - 1 - j))`` (``x`` = id + 1, modulo 2**64) is
+    computed from prefix sums, in a few passes whatever ``n``: with ``c`` the running sum
+    of ``x[t] * M**-t``, it is ``(c[k + n - 1] - c[k - 1]) * M**(k + n - 1)``, ``M**-1``
+    being ``M``'s inverse modulo 2**64 (the ring's arithmetic makes it exact)."""
     chunk = chunk or _CHUNK
     m = len(tokens) - n + 1
+    if m <= 0:
+        return
+    width = min(chunk, m)  # windows of the longest piece
     with np.errstate(over="ignore"):
-        for s in range(0, max(m, 0), chunk):
+        # Powers, relative to a piece's first token: M**-t, and M**(k + n - 1).
+        inv_pow = np.ones(width + n - 1, dtype=np.uint64)
+        np.cumprod(np.full(width + n - 2, _INV), out=inv_pow[1:])
+        mul_pow = np.ones(width, dtype=np.uint64)
+        np.cumprod(np.full(width - 1, _MUL), out=mul_pow[1:])
+        mul_pow *= np.uint64(pow(int(_MUL), n - 1, 1 << 64))
+        for s in range(0, m, chunk):
             e = min(m, s + chunk)
-            ids = np.asarray(tokens[s : e + n - 1], dtype=np.uint64) + np.uint64(1)
-            h = np.zeros(e - s, dtype=np.uint64)
-            for j in range(n):
-                h = h * _MUL + ids[j : j + e - s]
+            x = np.asarray(tokens[s : e + n - 1]).astype(np.uint64)
+            x += np.uint64(1)
+            x *= inv_pow[: len(x)]
+            c = np.cumsum(x, dtype=np.uint64)
+            del x
+            h = c[n - 1 : n - 1 + e - s].copy()
+            h[1:] -= c[: e - s - 1]
+            del c
+            h *= mul_pow[: e - s]
             yield h
 
 
