@@ -11,38 +11,18 @@ from __future__ import annotations
 
 import logging
 import multiprocessing
-import os
 from typing import Any
 
 import torch
 
 from editrain.malloc import keep_freed_memory
+from editrain.spawn import worker_threads
 from editrain.topology import MeshInfo, init_mesh
-
-
-def worker_threads(cfg: Any, local_world: int | None = None) -> int:
-    """Intra-op threads of one worker: ``dist.threads_per_proc`` if set, else what the
-    user (or torchrun, which sets 1 unless told otherwise) put in ``OMP_NUM_THREADS``, else
-    the machine's cores shared out over the local processes.
-
-    Args:
-        cfg: the run's configuration.
-        local_world: the processes on this machine (default: ``LOCAL_WORLD_SIZE``, as a
-            worker sees it; the local launcher passes its ``dist.nproc``).
-    """
-    if cfg.dist.threads_per_proc:
-        return cfg.dist.threads_per_proc
-    omp = os.environ.get("OMP_NUM_THREADS", "").strip()
-    if omp.isdigit() and int(omp) > 0:
-        return int(omp)
-    if local_world is None:
-        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    return max(1, (os.cpu_count() or 1) // local_world)
 
 
 def setup_process(cfg: Any) -> None:
     """Set up a worker process: it dies with the process that started it (also one killed
-    with SIGKILL), ends quietly on SIGINT, runs :func:`worker_threads` intra-op threads,
+    with SIGKILL), ends quietly on SIGINT, runs :func:`~editrain.spawn.worker_threads` intra-op threads,
     keeps freed memory (:func:`keep_freed_memory`) and logs warnings as bare lines.
 
     Args:

@@ -383,7 +383,7 @@ def stop_worker_server() -> None:
 
     A launcher starts the server as soon as it knows it will start workers, so that the
     server imports torch and editrain while the launcher prepares the data
-    (:func:`editrain.launch.elastic.start_worker_server`). A launcher that then refuses its input
+    (:func:`start_worker_server`). A launcher that then refuses its input
     (a corpus too small, a checkpoint that does not fit) exits at once, but the server
     only notices that once its imports are done: it outlived the launcher by 5 to 9 s.
     Killed here instead, and reaped; its children, if any, are the launcher's workers,
@@ -425,6 +425,53 @@ def worker_start_method() -> str:
         raise LaunchError(f"{START_METHOD_ENV}={method!r} is not a start method editrain "
                           f"can use here; allowed: {', '.join(allowed)}", exit_code=2)
     return method
+
+
+def start_worker_server() -> str:
+    """Start the server the workers will be forked from, if they are (see
+    :func:`worker_start_method`), and return the start method.
+
+    Called as soon as a job is known to start workers, before the launcher imports torch
+    itself, so that the server imports torch and editrain on the other core while the
+    launcher imports its own part of torch and prepares the data and the run directory. The
+    server starts with SIGINT blocked (a Ctrl-C meanwhile cannot print a traceback from it;
+    its children unblock it once they can end quietly). Once running, it is reused by every
+    later job and restart of this process; it exits with this process (or at
+    :func:`stop_worker_server`).
+    """
+    import multiprocessing
+    from multiprocessing import forkserver
+
+    method = worker_start_method()
+    if method == "forkserver":
+        # What a worker (or a replica group of --ft) imports anyway, imported once by the
+        # server. torch imports torch._dynamo (2.5 s of CPU here) at the first optimizer a
+        # process builds.
+        multiprocessing.set_forkserver_preload(["editrain.train", "editrain.launch.ft",
+                                                "torch._dynamo"])
+        with children_start_with_sigint_blocked():
+            forkserver.ensure_running()
+    return method
+
+
+def worker_threads(cfg: Any, local_world: int | None = None) -> int:
+    """Intra-op threads of one worker: ``dist.threads_per_proc`` if set, else what the
+    user (or torchrun, which sets 1 unless told otherwise) put in ``OMP_NUM_THREADS``, else
+    the machine's cores shared out over the local processes.
+
+    Args:
+        cfg: the run's configuration.
+        local_world: the processes on this machine (default: ``LOCAL_WORLD_SIZE``, as a
+            worker sees it; the local launcher passes its ``dist.nproc``).
+    """
+    if cfg.dist.threads_per_proc:
+        return cfg.dist.threads_per_proc
+    omp = os.environ.get("OMP_NUM_THREADS", "").strip()
+    if omp.isdigit() and int(omp) > 0:
+        return int(omp)
+    if local_world is None:
+        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    return max(1, (os.cpu_count() or 1) // local_world)
 
 
 def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any,

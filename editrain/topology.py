@@ -22,12 +22,15 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from datetime import timedelta
-
-import torch
-import torch.distributed as dist
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from typing import TYPE_CHECKING
 
 from editrain import malloc
+
+if TYPE_CHECKING:  # torch is imported where a mesh is built: the launcher checks the
+    # topology (Topology) before it imports torch (see editrain.launch)
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
 
 SYNC_DIM = "sync"
 SHARD_DIM = "shard"
@@ -170,6 +173,8 @@ def default_backend(device_type: str) -> str:
 
 def default_device_type() -> str:
     """``cuda`` when a GPU is visible, else ``cpu``."""
+    import torch
+
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
@@ -241,6 +246,8 @@ def _attempt_store(timeout: timedelta) -> dist.Store | None:
     store; without a per-attempt namespace the new workers read the dead attempt's gloo
     addresses and fail to connect. Returns None outside torch elastic.
     """
+    import torch.distributed as dist
+
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         return None
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
@@ -276,6 +283,10 @@ def init_mesh(
             by the next instead of being page-faulted in again); False leaves malloc alone.
         pp_size: pipeline stages per replica (see :mod:`editrain.pipeline`).
     """
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
     if keep_freed_memory:
         malloc.keep_freed_memory()
     device_type = device_type or default_device_type()
@@ -314,6 +325,8 @@ def shutdown() -> None:
     interpreter's exit now and then (``terminate called without an active exception``).
     Does nothing if no process group is initialised.
     """
+    import torch.distributed as dist
+
     if not dist.is_initialized():
         return
     dist.barrier()

@@ -3,7 +3,7 @@
 Each replica group of ``--ft`` starts its workers the same way.
 
 The workers are forked from a server that imported torch and editrain once
-(:func:`start_worker_server`; ``EDITRAIN_START_METHOD=spawn`` spawns each). Their output
+(:func:`editrain.spawn.start_worker_server`; ``EDITRAIN_START_METHOD=spawn`` spawns each). Their output
 stays on the terminal; torch elastic's own multi-line reports go to
 ``RUN_DIR/logs/launcher.log``, and a failed attempt is said in one line naming the rank
 and its error (:func:`describe_failure`), its traceback in the run's logs.
@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import multiprocessing as mp
 import signal
 import threading
 import uuid
@@ -35,7 +34,7 @@ from editrain.spawn import (
     free_port,
     one_line,
     read_error_file,
-    worker_start_method,
+    start_worker_server,
 )
 
 log = logging.getLogger("editrain")
@@ -184,29 +183,6 @@ def _address_in_use(e: BaseException) -> bool:
     """Whether a rendezvous failed because its port was taken."""
     text = f"{e} {e.__cause__}"
     return "EADDRINUSE" in text or "address already in use" in text.lower()
-
-
-def start_worker_server() -> str:
-    """Start the server the workers will be forked from, if they are (see
-    :func:`editrain.spawn.worker_start_method`), and return the start method.
-
-    Called as soon as a job is known to start workers, so that the server imports torch and
-    editrain while this process still prepares the data and the run directory. The server
-    starts with SIGINT blocked (a Ctrl-C meanwhile cannot print a traceback from it; its
-    children unblock it once they can end quietly). Once running, it is reused by every
-    later job and restart of this process; it exits with this process.
-    """
-    from multiprocessing import forkserver
-
-    method = worker_start_method()
-    if method == "forkserver":
-        # What a worker (or a replica group of --ft) imports anyway, imported once by the
-        # server. torch imports torch._dynamo (2.5 s of CPU here) at the first optimizer a
-        # process builds.
-        mp.set_forkserver_preload(["editrain.train", "editrain.launch", "torch._dynamo"])
-        with children_start_with_sigint_blocked():
-            forkserver.ensure_running()
-    return method
 
 
 def run_elastic(cfg: Config, nproc: int, max_restarts: int, data_entry: str | None = None

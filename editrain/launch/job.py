@@ -18,7 +18,7 @@ from pathlib import Path
 
 from editrain import rundir
 from editrain.config import Config, validate_world
-from editrain.runtime import worker_threads
+from editrain.spawn import worker_threads
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,7 +94,7 @@ def check_local(cfg: Config) -> Job:
     nproc = cfg.dist.nproc
     validate_world(cfg, nproc)
     run_dir = choose_run_dir(cfg, default_run_dir)
-    # The user's OMP_NUM_THREADS stands (see editrain.runtime.worker_threads).
+    # The user's OMP_NUM_THREADS stands (see editrain.spawn.worker_threads).
     return Job(dataclasses.replace(cfg, run_dir=str(run_dir)), run_dir, nproc,
                threads=worker_threads(cfg, local_world=nproc))
 

@@ -28,10 +28,10 @@ TORCHRUN_WAIT_S = 300
 def resume_checkpoints(cfg: Config) -> list[Path]:
     """The checkpoint(s) ``--resume`` names: one, or one per replica group of a
     fault-tolerant run (``RUN_DIR/replica{r}``); empty without ``--resume``."""
-    from editrain.checkpoint import resolve_resume
-
     if not cfg.resume:
         return []
+    from editrain.checkpoint import resolve_resume  # imports torch: not for a fresh run
+
     if cfg.dist.fault_tolerance != "torchft":
         return [resolve_resume(cfg.resume)]
     groups = max(1, cfg.dist.nproc // cfg.dist.replica_size)
