@@ -233,8 +233,8 @@ def measure_build(corpus: Path, cache: Path, tokenizer: Path | None) -> dict[str
     r = run_measured(argv)
     try:
         info = json.loads(r["stdout"]) if r["returncode"] == 0 else None
-        # The build alone, without the command's start (imports: torch, through the
-        # configuration) and report: what meta.json recorded.
+        # The build alone, without the command's start (the interpreter, its imports, the
+        # configuration's checks) and report: what meta.json recorded.
         build_s = (json.loads((Path(info["cache_dir"]) / "meta.json").read_text())
                    ["build_seconds"] if info else None)
     finally:
