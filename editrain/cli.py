@@ -259,6 +259,12 @@ def main(argv: list[str] | None = None) -> int:
         argv: the arguments (default: ``sys.argv[1:]``).
     """
     logging.basicConfig(level=logging.INFO, format="%(message)s")
+    # editrain's own lines are INFO; torch's loggers stay at torch's default (WARNING, or
+    # what TORCH_LOGS says: torch sets them when its import completes). Set here too for a
+    # Ctrl-C that cuts torch's import short: its exit handlers (FakeTensor cache statistics)
+    # would otherwise log at this INFO level after the one line the interrupt prints.
+    if "torch" not in sys.modules:  # an imported torch has set its loggers already
+        logging.getLogger("torch").setLevel(logging.WARNING)
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     # SIGTERM and SIGHUP become an exception, as Ctrl-C does, so that a launcher stops its
