@@ -66,8 +66,7 @@ def test_stop_worker_server_ends_a_server_still_importing():
     out = _python(
         "import os, time\n"
         "from multiprocessing import forkserver\n"
-        "from editrain.launch.elastic import start_worker_server\n"
-        "from editrain.spawn import stop_worker_server\n"
+        "from editrain.spawn import start_worker_server, stop_worker_server\n"
         "start_worker_server()\n"
         "pid = forkserver._forkserver._forkserver_pid\n"
         "t = time.monotonic()\n"

@@ -445,7 +445,7 @@ def spec_from_args(args: argparse.Namespace, train_options: list[str]) -> dict[s
 
     Returns:
         The spec; ``threads`` defaults to what an editrain worker alone on this machine
-        takes (``editrain.runtime.worker_threads``).
+        takes (``editrain.spawn.worker_threads``).
 
     Raises:
         ConfigError / ValueError: a bad training option, or a bad streaming option (one

@@ -3,8 +3,8 @@
 Each replica group of ``--ft`` starts its workers the same way.
 
 The workers are forked from a server that imported torch and editrain once
-(:func:`editrain.spawn.start_worker_server`; ``EDITRAIN_START_METHOD=spawn`` spawns each). Their output
-stays on the terminal; torch elastic's own multi-line reports go to
+(:func:`editrain.spawn.start_worker_server`; ``EDITRAIN_START_METHOD=spawn`` spawns
+each). Their output stays on the terminal; torch elastic's own multi-line reports go to
 ``RUN_DIR/logs/launcher.log``, and a failed attempt is said in one line naming the rank
 and its error (:func:`describe_failure`), its traceback in the run's logs.
 """
