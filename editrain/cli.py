@@ -19,7 +19,14 @@ from editrain.config import ConfigError, describe_options, load_config, parse_ov
 from editrain.config.inputs import check_path_options
 from editrain.errors import CheckpointError
 from editrain.paths import check_path
-from editrain.spawn import Interrupted, LaunchError, raise_interrupted
+from editrain.spawn import (
+    Interrupted,
+    LaunchError,
+    import_torch,
+    raise_interrupted,
+    stop_signal_received,
+    stop_signals_seen,
+)
 
 log = logging.getLogger("editrain")
 
@@ -114,6 +121,7 @@ def cmd_plot(args: argparse.Namespace, extra: list[str]) -> int:
 
 
 def cmd_export(args: argparse.Namespace, extra: list[str]) -> int:
+    import_torch()  # a Ctrl-C in torch's import stops the command after it, not inside
     from editrain.hf_checkpoint import export_checkpoint
 
     if extra:
@@ -128,6 +136,7 @@ def cmd_export(args: argparse.Namespace, extra: list[str]) -> int:
 
 
 def cmd_sample(args: argparse.Namespace, extra: list[str]) -> int:
+    import_torch()  # a Ctrl-C in torch's import stops the command after it, not inside
     from editrain.sample import generate, load_for_sampling
 
     if extra:
@@ -267,39 +276,60 @@ def main(argv: list[str] | None = None) -> int:
         logging.getLogger("torch").setLevel(logging.WARNING)
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
-    # SIGTERM and SIGHUP become an exception, as Ctrl-C does, so that a launcher stops its
-    # workers on the way out. Not under torchrun (torchrun is the launcher there), and not
-    # where the signal is ignored (nohup).
+    # Ctrl-C, SIGTERM and SIGHUP raise Interrupted (spawn.raise_interrupted), so that a
+    # launcher stops its workers on the way out. Not under torchrun (torchrun is the
+    # launcher there), and not where the signal is ignored (nohup) or handled by a caller.
+    seen = stop_signals_seen()
     restore = {}
     if not under_torchrun() and threading.current_thread() is threading.main_thread():
-        for sig in (signal.SIGTERM, getattr(signal, "SIGHUP", None)):
-            if sig is not None and signal.getsignal(sig) is signal.SIG_DFL:
+        for sig in (signal.SIGINT, signal.SIGTERM, getattr(signal, "SIGHUP", None)):
+            if sig is not None and signal.getsignal(sig) in (signal.SIG_DFL,
+                                                              signal.default_int_handler):
                 restore[sig] = signal.signal(sig, raise_interrupted)
     try:
         return args.func(args, extra)
-    except BrokenPipeError:  # `editrain options | head`
-        sys.stderr.close()
-        return 0
-    except (ConfigError, FileNotFoundError, ValueError, CheckpointError) as e:
-        print(f"editrain: error: {e}", file=sys.stderr)
-        return 2
-    except OSError as e:  # a path the checks could not foresee (a disk that filled up...)
-        print(f"editrain: error: {e.filename!r}: {e.strerror or e}" if e.filename else
-              f"editrain: error: {e}", file=sys.stderr)
-        return 2
-    except LaunchError as e:
-        print(f"editrain: error: {e}", file=sys.stderr)
-        return e.exit_code
-    except (Interrupted, KeyboardInterrupt) as e:
-        stopped = e if isinstance(e, Interrupted) else Interrupted(signal.SIGINT)
+    except BaseException as e:  # noqa: BLE001 (what is not reported here is raised again)
+        return _report(e, stop_signal_received(seen))
+    finally:
+        for sig, handler in restore.items():
+            signal.signal(sig, handler)
+
+
+def _report(e: BaseException, stop_signal: int | None) -> int:
+    """Print the one line for what ended a command and return its exit code; raise again
+    what is neither a stop nor an error the command line reports.
+
+    Args:
+        e: the exception.
+        stop_signal: the signal that stopped the command, if one did. Whatever exception
+            then ends it is the stop: the exception a signal handler raises lands on any
+            line, and code there can replace it with one of its own.
+    """
+    if isinstance(e, (Interrupted, KeyboardInterrupt)) or stop_signal is not None:
+        if isinstance(e, Interrupted):
+            stopped = e
+        else:
+            stopped = Interrupted(signal.SIGINT if isinstance(e, KeyboardInterrupt)
+                                  else stop_signal)
         with contextlib.suppress(OSError):  # a terminal that hung up (SIGHUP)
             # On a line of its own: after the terminal's "^C", or after a worker that was
             # stopped while it wrote to the shared stderr.
             print(f"\neditrain: {stopped}", file=sys.stderr)
         return stopped.exit_code
-    finally:
-        for sig, handler in restore.items():
-            signal.signal(sig, handler)
+    if isinstance(e, BrokenPipeError):  # `editrain options | head`
+        sys.stderr.close()
+        return 0
+    if isinstance(e, (ConfigError, FileNotFoundError, ValueError, CheckpointError)):
+        print(f"editrain: error: {e}", file=sys.stderr)
+        return 2
+    if isinstance(e, OSError):  # a path the checks could not foresee (a full disk ...)
+        print(f"editrain: error: {e.filename!r}: {e.strerror or e}" if e.filename else
+              f"editrain: error: {e}", file=sys.stderr)
+        return 2
+    if isinstance(e, LaunchError):
+        print(f"editrain: error: {e}", file=sys.stderr)
+        return e.exit_code
+    raise e
 
 
 if __name__ == "__main__":

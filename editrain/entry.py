@@ -6,8 +6,10 @@ configuration; torch is imported later, by the commands that need it, inside
 end in a KeyboardInterrupt traceback and a death by signal. :func:`main` installs its
 handler before anything heavy is imported (this module imports only the standard library's
 ``os``, ``signal`` and ``sys``): a SIGINT while importing prints ``editrain: interrupted``
-and exits 130, as ``editrain train --help`` lists. Once the command line is imported, its
-own handling takes over (:func:`editrain.cli.main`: stop the workers, then 130).
+and exits 130, as ``editrain train --help`` lists. Once the command line is imported, SIGINT
+raises :class:`editrain.spawn.Interrupted` (not ``KeyboardInterrupt``: see
+:func:`editrain.spawn.raise_interrupted`) and the command's own handling takes over
+(:func:`editrain.cli.main`: stop the workers, then 130).
 """
 
 from __future__ import annotations
@@ -34,14 +36,16 @@ def main() -> int:
     if not ignored:
         signal.signal(signal.SIGINT, _interrupted_while_starting)
     from editrain.cli import main as cli_main
+    from editrain.spawn import Interrupted, raise_interrupted
 
     if not ignored:
-        signal.signal(signal.SIGINT, signal.default_int_handler)
+        # Interrupted rather than KeyboardInterrupt: see editrain.spawn.raise_interrupted
+        signal.signal(signal.SIGINT, raise_interrupted)
     try:
         return cli_main()
-    except KeyboardInterrupt:  # before the command's own handling began (argument parsing)
-        print("\neditrain: interrupted", file=sys.stderr)
-        return INTERRUPTED
+    except Interrupted as e:  # before the command's own handling began (argument parsing)
+        print(f"\neditrain: {e}", file=sys.stderr)
+        return e.exit_code
 
 
 if __name__ == "__main__":

@@ -84,14 +84,84 @@ class Interrupted(BaseException):
         return 128 + self.signum
 
 
+_stop_signals: list[int] = []
+"""The signals :func:`raise_interrupted` turned into :class:`Interrupted` in this process,
+first first (see :func:`stop_signal_received`)."""
+
+
 def raise_interrupted(signum: int, frame: Any) -> None:
-    """A signal handler that raises :class:`Interrupted` (in the main thread).
+    """A signal handler that raises :class:`Interrupted` (in the main thread) and records
+    the signal (:func:`stop_signal_received`).
+
+    Also the handler for SIGINT, in place of Python's ``KeyboardInterrupt``: an exception
+    raised from a signal handler lands on whatever line is running, and a bare
+    ``KeyboardInterrupt`` that passes through code compiled from a string (``exec``:
+    ``dataclasses`` and ``namedtuple`` build their methods so, while torch is imported)
+    makes CPython (3.11, 3.12) end the process by SIGINT at exit, whatever status it exits
+    with. A subclass of ``BaseException`` that is not ``KeyboardInterrupt`` is not taken so.
 
     Args:
         signum: the signal received.
         frame: the interrupted frame (unused).
     """
-    raise Interrupted(signum)
+    _stop_signals.append(int(signum))
+    if not _deferring:
+        raise Interrupted(signum)
+
+
+_deferring: list[bool] = []
+"""Non-empty inside :func:`stops_deferred`."""
+
+
+@contextlib.contextmanager
+def stops_deferred() -> Iterator[None]:
+    """Inside the block :func:`raise_interrupted` records a stop signal but raises nothing;
+    the block raises :class:`Interrupted` for it at its end (if it ends without an error).
+
+    For code that an exception raised at any line can crash rather than stop: torch's
+    import runs C++ (pybind11 module initialisation) that calls back into Python, where
+    Python runs a pending signal handler, and the exception thrown through those C++ frames
+    ends the process with ``terminate called after throwing an instance of
+    'pybind11::error_already_set'`` (SIGABRT) instead of the stop. See :func:`import_torch`.
+    """
+    seen = len(_stop_signals)
+    _deferring.append(True)
+    try:
+        yield
+    finally:
+        _deferring.pop()
+    if not _deferring and len(_stop_signals) > seen:
+        raise Interrupted(_stop_signals[seen])
+
+
+def import_torch() -> None:
+    """Import torch and its distributed package with stop signals deferred to the end of the
+    import (:func:`stops_deferred`): a Ctrl-C then stops the command a few seconds later,
+    once the import is done, instead of aborting it. The command line calls this before the
+    first import of torch of a command that needs it; later imports of torch are free."""
+    with stops_deferred():
+        import torch.distributed  # noqa: F401
+
+
+def stop_signal_received(since: int = 0) -> int | None:
+    """The first signal :func:`raise_interrupted` handled in this process after the first
+    ``since`` of them, or None.
+
+    The :class:`Interrupted` it raised lands on whatever line was running; code there that
+    is not written for an exception at any point (a ``finally`` that reads a variable its
+    ``try`` had not set yet, in torch elastic's metrics) can replace it with an error of
+    its own. The command line asks this to report such an error as the stop it is.
+
+    Args:
+        since: how many signals to skip (:func:`stop_signals_seen` at the start of a
+            command).
+    """
+    return _stop_signals[since] if len(_stop_signals) > since else None
+
+
+def stop_signals_seen() -> int:
+    """How many signals :func:`raise_interrupted` has handled in this process so far."""
+    return len(_stop_signals)
 
 
 def _raise_interrupted_once(signum: int, frame: Any) -> None:
@@ -99,7 +169,7 @@ def _raise_interrupted_once(signum: int, frame: Any) -> None:
     # still handled by Python, which would print that it was 'ignored due to race condition'.
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, _do_nothing)
-    raise Interrupted(signum)
+    raise_interrupted(signum, frame)
 
 
 def _do_nothing(signum: int, frame: Any) -> None:

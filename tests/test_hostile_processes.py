@@ -52,6 +52,115 @@ def test_sigint_while_importing_exits_130_in_one_line(entry, tmp_path):
         assert "Traceback" not in err and "KeyboardInterrupt" not in err, where
 
 
+# A command whose work is replaced (before the parser binds it) by code that raises the
+# signal itself, at a line chosen to expose each race deterministically.
+_COMMAND_RAISES = """
+import os, signal, sys, time
+import editrain.cli as cli
+
+def command(args, extra):
+{body}
+
+cli.cmd_options = command
+sys.argv = ["editrain", "options"]
+from editrain.entry import main
+sys.exit(main())
+"""
+
+
+def _run_command(body: str, tmp_path: Path) -> subprocess.CompletedProcess:
+    """Run the command as ``python -m``, as ``python -m editrain`` is run: CPython checks
+    the flag of the first test below only where ``SystemExit`` ends a module run so."""
+    (tmp_path / "raising_command.py").write_text(
+        _COMMAND_RAISES.format(body="\n".join("    " + line for line in body.splitlines())))
+    env = _env()
+    env["PYTHONPATH"] = os.pathsep.join([str(tmp_path), str(ROOT)])
+    return subprocess.run([sys.executable, "-m", "raising_command"], capture_output=True,
+                          text=True, env=env, cwd=tmp_path, timeout=120)
+
+
+def test_ctrl_c_inside_code_compiled_from_a_string_still_exits_130(tmp_path):
+    """The clean-clone CI's ``exit -2`` after ``editrain: interrupted`` (1 run in about 10
+    at 1-3.5 s): the Ctrl-C landed inside a method ``dataclasses`` compiles with ``exec``
+    while torch was being imported; a bare KeyboardInterrupt through such code leaves
+    CPython's flag set that makes the interpreter kill itself by SIGINT at exit, whatever
+    status it exits with. SIGINT raises editrain's Interrupted, which does not set it."""
+    proc = _run_command('exec("import os, signal, time\\n'
+                        'os.kill(os.getpid(), signal.SIGINT)\\ntime.sleep(30)")', tmp_path)
+    assert proc.returncode == 130, (proc.returncode, proc.stderr[-2000:])
+    assert proc.stderr.strip().splitlines()[-1] == "editrain: interrupted", proc.stderr
+    assert "Traceback" not in proc.stderr, proc.stderr
+
+
+@pytest.mark.parametrize("sig, code, line", [(signal.SIGINT, 130, "editrain: interrupted"),
+                                             (signal.SIGTERM, 143,
+                                              "editrain: stopped by SIGTERM")])
+def test_a_stop_signal_replaced_by_another_error_still_ends_as_the_stop(sig, code, line,
+                                                                       tmp_path):
+    """The clean-clone CI's SIGTERM that ended in exit 1 and a traceback: it landed in torch
+    elastic's metrics wrapper before ``start = time.time()`` had run, and the wrapper's
+    ``finally`` then raised UnboundLocalError in place of editrain's Interrupted. Whatever
+    exception ends a command after a stop signal, the command reports the stop."""
+    proc = _run_command(f"try:\n"
+                        f"    os.kill(os.getpid(), {int(sig)})\n"
+                        f"    time.sleep(30)\n"
+                        f"    start = 1\n"
+                        f"finally:\n"
+                        f"    print(start)", tmp_path)
+    assert proc.returncode == code, (proc.returncode, proc.stderr[-2000:])
+    assert proc.stderr.strip().splitlines()[-1] == line, proc.stderr
+    assert "Traceback" not in proc.stderr, proc.stderr
+
+
+def test_an_error_without_a_stop_signal_is_still_an_error(tmp_path):
+    """The other side: an exception no signal caused still ends as a crash (a traceback,
+    exit 1), not as an interrupt."""
+    proc = _run_command("start = undefined_name", tmp_path)
+    assert proc.returncode == 1, (proc.returncode, proc.stderr[-2000:])
+    assert "NameError" in proc.stderr and "interrupted" not in proc.stderr, proc.stderr
+
+
+def test_a_stop_inside_stops_deferred_is_raised_at_the_end_of_the_block():
+    """The clean-clone CI's other Ctrl-C failure (about 1 run in 7 at 1.2-1.4 s): SIGABRT
+    with ``terminate called after throwing an instance of 'pybind11::error_already_set'``,
+    the exception raised inside torch's import (``torch._C._c10d_init``) through C++ frames.
+    Inside ``stops_deferred`` (the launcher's import of torch) the signal is recorded and
+    the block raises it at its end; outside, the handler raises at once."""
+    from editrain.spawn import (
+        Interrupted,
+        raise_interrupted,
+        stop_signal_received,
+        stop_signals_seen,
+        stops_deferred,
+    )
+
+    old = signal.signal(signal.SIGUSR1, raise_interrupted)
+    try:
+        seen = stop_signals_seen()
+        reached = []
+        with pytest.raises(Interrupted) as caught:
+            with stops_deferred():
+                os.kill(os.getpid(), signal.SIGUSR1)
+                for _ in range(1000):  # the handler runs at one of these lines
+                    reached.append(1)
+                with stops_deferred():  # nested: only the outermost raises
+                    reached.append(2)
+                reached.append(3)
+        assert reached[-2:] == [2, 3] and len(reached) == 1002
+        assert caught.value.signum == signal.SIGUSR1 and caught.value.exit_code == 128 + 10
+        assert stop_signal_received(seen) == signal.SIGUSR1
+        with pytest.raises(Interrupted):
+            os.kill(os.getpid(), signal.SIGUSR1)
+            for _ in range(1000):
+                reached.append(4)
+        assert len(reached) < 2002  # raised at once, not at the end of the loop
+        with stops_deferred():  # no signal: nothing raised
+            reached.append(5)
+        assert reached[-1] == 5
+    finally:
+        signal.signal(signal.SIGUSR1, old)
+
+
 def _python(code: str, timeout: float = 300) -> str:
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           env=_env(), cwd=ROOT, timeout=timeout)

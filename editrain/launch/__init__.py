@@ -31,7 +31,7 @@ from editrain.config import Config
 from editrain.launch.data import prepare_job_data
 from editrain.launch.job import Job, check_local, check_torchrun
 from editrain.launch.run_dir import RunDirClaim
-from editrain.spawn import start_worker_server, stop_worker_server
+from editrain.spawn import import_torch, start_worker_server, stop_worker_server
 
 log = logging.getLogger("editrain")
 
@@ -45,6 +45,9 @@ def run_local(cfg: Config) -> dict[str, Any]:
         try:
             run_dir.check()  # refused before anything is written
             start_processes(job)
+            # torch imported for the data and workers stages here, its Ctrl-C deferred to
+            # the end of the import (an interrupt inside it can abort the process)
+            import_torch()
             data = prepare_job_data(job)
             run_dir.claim()
             summary = start_workers(job, str(data.cache_dir))
@@ -60,6 +63,7 @@ def run_local(cfg: Config) -> dict[str, Any]:
 def run_under_torchrun(cfg: Config) -> dict[str, Any]:
     """Join a torchrun job: rank 0 claims the run directory, every rank trains, rank 0
     plots. Returns this rank's summary."""
+    import_torch()
     from editrain.train import run_worker
 
     job = check_torchrun(cfg)
