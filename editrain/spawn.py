@@ -455,8 +455,11 @@ def stop_worker_server() -> None:
     server imports torch and editrain while the launcher prepares the data
     (:func:`start_worker_server`). A launcher that then refuses its input
     (a corpus too small, a checkpoint that does not fit) exits at once, but the server
-    only notices that once its imports are done: it outlived the launcher by 5 to 9 s.
-    Killed here instead, and reaped; its children, if any, are the launcher's workers,
+    only notices that once its imports are done: it outlived the launcher by 5 to 9 s. And
+    a server that ends by itself, after its launcher, tears its interpreter down first
+    (torch loaded: 1.5 s on a 2-core machine) while it holds the launcher's stdout and
+    stderr, so whoever reads them waits. Killed here instead (the launcher does so when its
+    job ends, whatever the outcome), and reaped; its children, if any, are the launcher's workers,
     which watch the launcher themselves (:func:`die_with_parent`). ``multiprocessing``
     offers no public way to stop its server: this uses the fields its own ``_stop``
     resets, and does nothing where a Python lacks them.
@@ -506,8 +509,8 @@ def start_worker_server() -> str:
     launcher imports its own part of torch and prepares the data and the run directory. The
     server starts with SIGINT blocked (a Ctrl-C meanwhile cannot print a traceback from it;
     its children unblock it once they can end quietly). Once running, it is reused by every
-    later job and restart of this process; it exits with this process (or at
-    :func:`stop_worker_server`).
+    restart of the job; :func:`editrain.launch.run_local` stops it when the job ends
+    (:func:`stop_worker_server`).
     """
     import multiprocessing
     from multiprocessing import forkserver

@@ -222,6 +222,26 @@ def test_a_launcher_that_refuses_its_input_leaves_no_fork_server(tmp_path, data_
     assert not left, f"fork server(s) {left} outlived the launcher"
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_a_finished_job_leaves_no_fork_server(tmp_path, data_cache):
+    """A job that ends well stops its fork server too: left to end by itself, the server
+    outlived the launcher by about 1.5 s (its interpreter's teardown, torch loaded), holding
+    the launcher's stdout and stderr for whoever reads them to the end."""
+    with open(tmp_path / "err.txt", "w") as err:
+        proc = subprocess.Popen(
+            [str(BIN), "train", "--data.cache_dir", str(data_cache), "--model.preset", "tiny",
+             "--steps", "1", "--nproc", "1", "--shard-size", "1", "--run-dir",
+             str(tmp_path / "run")],
+            stdout=subprocess.DEVNULL, stderr=err, env=_env(), cwd=tmp_path,
+            start_new_session=True)
+        code = proc.wait(timeout=280)
+    left = _forkservers_in_session(proc.pid)  # at once: the launcher has just exited
+    for pid in left:
+        os.kill(pid, signal.SIGKILL)
+    assert code == 0, (tmp_path / "err.txt").read_text()[-2000:]
+    assert not left, f"fork server(s) {left} outlived the launcher"
+
+
 def _rank_closes_engine(rank: int, world: int) -> list[bool]:
     """A rank of a 2-replica (4-rank) run: an engine's own groups are destroyed by close(),
     which may be called again."""

@@ -51,13 +51,14 @@ def run_local(cfg: Config) -> dict[str, Any]:
             data = prepare_job_data(job)
             run_dir.claim()
             summary = start_workers(job, str(data.cache_dir))
-            summarise(job)
-            return summary
-        except BaseException:
-            # Refused input, a failed job or Ctrl-C: the fork server may still be importing
-            # torch, and would outlive this process by seconds (spawn.stop_worker_server).
+        finally:
+            # The workers are done (or were never started: refused input, a failed job,
+            # Ctrl-C, when the fork server may still be importing torch): the server would
+            # otherwise outlive this process by seconds, its interpreter's teardown holding
+            # the terminal's (or a caller's) stdout and stderr (spawn.stop_worker_server).
             stop_worker_server()
-            raise
+        summarise(job)
+        return summary
 
 
 def run_under_torchrun(cfg: Config) -> dict[str, Any]:
