@@ -124,14 +124,15 @@ def stops_deferred() -> Iterator[None]:
     ends the process with ``terminate called after throwing an instance of
     'pybind11::error_already_set'`` (SIGABRT) instead of the stop. See :func:`import_torch`.
     """
-    seen = len(_stop_signals)
+    seen = stop_signals_seen()
     _deferring.append(True)
     try:
         yield
     finally:
         _deferring.pop()
-    if not _deferring and len(_stop_signals) > seen:
-        raise Interrupted(_stop_signals[seen])
+    received = stop_signal_received(seen)
+    if not _deferring and received is not None:
+        raise Interrupted(received)
 
 
 def import_torch() -> None:
@@ -459,8 +460,8 @@ def stop_worker_server() -> None:
     a server that ends by itself, after its launcher, tears its interpreter down first
     (torch loaded: 1.5 s on a 2-core machine) while it holds the launcher's stdout and
     stderr, so whoever reads them waits. Killed here instead (the launcher does so when its
-    job ends, whatever the outcome), and reaped; its children, if any, are the launcher's workers,
-    which watch the launcher themselves (:func:`die_with_parent`). ``multiprocessing``
+    job ends, whatever the outcome), and reaped; its children, if any, are the launcher's
+    workers, which watch the launcher themselves (:func:`die_with_parent`). ``multiprocessing``
     offers no public way to stop its server: this uses the fields its own ``_stop``
     resets, and does nothing where a Python lacks them.
     """
