@@ -46,7 +46,7 @@ def none_as_text(table: dict) -> dict:
 def test_defaults_are_valid():
     cfg = load_config()
     assert cfg == Config()
-    assert cfg.train.steps == 100
+    assert cfg.train.steps == 80
     # Cheap evaluations during the run, the whole held-out split at the end.
     assert cfg.train.eval_tokens == 8192 and cfg.train.final_eval_tokens == 0
     assert cfg.dist.nproc == 4 and cfg.dist.shard_size == 2

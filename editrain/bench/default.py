@@ -1,8 +1,8 @@
 """Default: the run a new user starts first (``editrain train`` with no options), measured.
 
 The README's quick start promises that ``editrain train`` trains a small Llama on the
-embedded corpus in about three minutes on 2 cores; this scenario runs exactly that (every
-option at its default: small preset, 2 replicas x 2 shards, 100 steps, ``edit``) and
+embedded corpus in under two minutes on 2 cores; this scenario runs exactly that (every
+option at its default: small preset, 2 replicas x 2 shards, 80 steps, ``edit``) and
 records the validation loss (at the start over ``train.eval_tokens``, at the end over the
 whole held-out split), the time taken and the split itself, so the README's figures come
 from a committed result. A second run is the same with ``--sync.method sync`` (every

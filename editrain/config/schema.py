@@ -99,7 +99,7 @@ class DataSection:
 class TrainSection:
     """The inner training loop."""
 
-    steps: int = 100
+    steps: int = 80
     """Inner optimizer steps per replica (the token budget of this many synchronous steps)."""
     batch_size: int = 8
     """Sequences per micro-batch, per rank."""
