@@ -140,7 +140,13 @@ larger training side is sampled by whole documents (chosen by their hash, so the
 corpus always gives the same sample): the trainer's memory and time grow with the text it
 sees (on 20 MB of Python, training on all of it took twice the encoding's time). 8 MB is
 what the default corpus (``data.max_bytes``) has always trained on, so its tokens are
-unchanged."""
+unchanged. A sample is drawn from the documents that stay on the training side of a split
+with twice the validation target too, so that when the validation split is planned again
+(its floor is in tokens, the first plan in guessed bytes) the tokenizer is kept: it is
+trained again only if the final split's validation side holds any text it was trained on."""
+# Bumped when the rule above changes which text a sampled BPE sees (part of the cache key).
+# 2: the sample also avoids the validation side of a split with twice the target.
+_BPE_SAMPLE_RULE = 2
 
 # Relative cost of one character of corpus in each pass of a build, for the progress
 # bar's estimate of the whole build (measured on a 2-core EPYC: reading 0.25 s, describing
@@ -567,14 +573,20 @@ def _encode_to_file(tok, docs: Iterable[str], eos: int, policy: str, dtype: np.d
 
 
 def _split_texts(docs: Iterable[Document], plan: SplitPlan, side: int,
-                 cut_part: list[bool] | None = None) -> Iterator[str]:
+                 cut_part: list[bool] | None = None,
+                 cut_train: list[int] | None = None) -> Iterator[str]:
     """The texts of one side of ``plan`` (0: training, 1: validation), in corpus order;
     whether the document a tail split cuts has text on this side is appended to
-    ``cut_part`` when it is passed."""
+    ``cut_part``, and the characters of its training part to ``cut_train``, when they are
+    passed."""
     for i, doc in enumerate(docs):
-        text = plan.parts(i, doc.text)[side]
-        if cut_part is not None and i == plan.tail_doc:
-            cut_part.append(bool(text))
+        parts = plan.parts(i, doc.text)
+        text = parts[side]
+        if i == plan.tail_doc:
+            if cut_part is not None:
+                cut_part.append(bool(text))
+            if cut_train is not None:
+                cut_train.append(len(parts[0]))
         if text:
             yield text
 
@@ -586,16 +598,21 @@ def _unit_interval(digests: np.ndarray) -> np.ndarray:
     return top.astype(np.float64) / 2.0**64
 
 
-def _train_bytes(table: DocumentTable, plan: SplitPlan) -> int:
-    """Bytes of the training side of ``plan`` (the tail document counted whole)."""
-    train = ~plan.drop & ~plan.val
-    if plan.tail_doc >= 0 and not plan.drop[plan.tail_doc]:
-        train[plan.tail_doc] = True
+def _train_bytes(table: DocumentTable, *plans: SplitPlan) -> int:
+    """Bytes of the documents on the training side of every plan of ``plans`` (a tail
+    document counted whole)."""
+    train = np.ones(len(table), dtype=bool)
+    for plan in plans:
+        mine = ~plan.drop & ~plan.val
+        if plan.tail_doc >= 0 and not plan.drop[plan.tail_doc]:
+            mine[plan.tail_doc] = True
+        train &= mine
     return int(table.nbytes[train].sum())
 
 
 def bpe_sample(docs: Iterable[Document], plan: SplitPlan, table: DocumentTable,
-               limit: int) -> Iterator[str]:
+               limit: int, *, also: tuple[SplitPlan, ...] = (),
+               taken: dict[int, int] | None = None) -> Iterator[str]:
     """The training texts the BPE tokenizer learns from: all of them when the training side
     has at most ``limit`` bytes, else a sample of whole documents of about ``limit`` bytes.
 
@@ -610,19 +627,44 @@ def bpe_sample(docs: Iterable[Document], plan: SplitPlan, table: DocumentTable,
         plan: The split; only training parts are handed out.
         table: The corpus's :class:`~editrain.data.split.DocumentTable`.
         limit: Most characters handed out (:data:`BPE_SAMPLE_BYTES` in a build).
+        also: More plans whose validation sides are left out too: what is handed out of a
+            document is its text on the training side of every plan (each plan's training
+            part of a document is a prefix of it, so the shortest of them).
+        taken: When passed, filled with the characters handed out of every document taken,
+            by index (each a prefix of the document), so that another plan can be checked
+            against the sample (:func:`_sample_kept`).
     """
-    share = limit / max(1, _train_bytes(table, plan))
+    plans = (plan, *also)
+    share = limit / max(1, _train_bytes(table, *plans))
     coins = _unit_interval(table.digests)
     budget = limit
     for i, doc in enumerate(docs):
-        text = plan.parts(i, doc.text)[0]
+        text = min((p.parts(i, doc.text)[0] for p in plans), key=len)
         if not text or (share < 1 and len(text) < limit and coins[i] >= share):
             continue
         text = text[:budget]
+        if taken is not None:
+            taken[i] = len(text)
         yield text
         budget -= len(text)
         if budget <= 0:
             return
+
+
+def _sample_kept(taken: dict[int, int], plan: SplitPlan, cut_train: int | None = None) -> bool:
+    """Whether everything a BPE sample took (``taken``, from :func:`bpe_sample`: characters
+    from the start of each document) is on the training side of ``plan``.
+
+    The document a tail split cuts is on the training side up to its cut, which is known
+    only from its text: ``cut_train`` is the length of its training part; while it is None
+    (the text not read yet), only the other documents are checked."""
+    if not taken:
+        return True
+    rows = np.fromiter(taken, dtype=np.int64, count=len(taken))
+    if (plan.val[rows] | plan.drop[rows]).any():
+        return False
+    cut = plan.tail_doc if plan.mode == "tail" else -1
+    return cut not in taken or cut_train is None or taken[cut] <= cut_train
 
 
 def _encode_split(tok, texts: Iterable[str], eos: int, policy: str, dtype: np.dtype,
@@ -772,7 +814,16 @@ def _build_entry(
     eos_policy: str,
     key: str,
     bar: BuildProgress,
+    *,
+    sample_bytes: int | None = None,
+    train_bpe=None,
 ) -> None:
+    """Build the cache entry ``entry`` from the text sources ``refs`` (see the module's
+    docstring). ``sample_bytes`` (default :data:`BPE_SAMPLE_BYTES`) bounds the text an own
+    BPE tokenizer is trained on, ``train_bpe`` (default
+    :func:`~editrain.data.tokenizer.train_bpe_tokenizer`) trains it: both for tests."""
+    sample_bytes = BPE_SAMPLE_BYTES if sample_bytes is None else sample_bytes
+    train_bpe = train_bpe_tokenizer if train_bpe is None else train_bpe
     t0 = time.monotonic()
     if entry.exists():
         # Leftovers of an interrupted build: never trust partially written files.
@@ -791,7 +842,7 @@ def _build_entry(
                    + (3 * _COST_READ + _COST_BPE * sample_share if bpe else 0.0))
 
     bpe = tokenizer_path is None
-    expect(min(1.0, BPE_SAMPLE_BYTES / max(1, bar.expected_chars or BPE_SAMPLE_BYTES)))
+    expect(min(1.0, sample_bytes / max(1, bar.expected_chars or sample_bytes)))
     table = DocumentTable()
     all_path = entry / f"all.bin.tmp.{os.getpid()}"
     counts = None  # tokens of every document in all_path (None: not encoded yet)
@@ -817,31 +868,64 @@ def _build_entry(
     bytes_per_token = _BYTES_PER_TOKEN_GUESS
     tok_file = entry / "tokenizer.json"
     tmp = {s: entry / f"{s}.bin.tmp.{os.getpid()}" for s in ("train", "val")}
+    taken: dict[int, int] | None = None  # what a sampled BPE took of each document
+
+    def train_tokenizer(plan: SplitPlan, sample_share: float):
+        """``(tokenizer, EOS id, vocabulary size, dtype, taken)``: a BPE trained on the
+        training side of ``plan`` only (validation text must stay unseen, down to which
+        byte pairs got merged); ``taken`` says what its sample took of each document, None
+        when it saw the whole training side."""
+        also, took = (), None
+        if _train_bytes(table, plan) > sample_bytes:
+            # A sample: drawn from the documents that stay on the training side of a plan
+            # with twice this target too, so that a re-plan for the floor (the byte guess
+            # short) most likely finds it on its training side and keeps this tokenizer.
+            also = (plan_split(table, split["val_fraction"], 2 * plan.stats["target_bytes"],
+                               split["seed"]),)
+            took = {}
+        log.info("training byte-level BPE tokenizer (vocab_size=%d)", vocab_size)
+        texts = bpe_sample(corpus("training tokenizer", _COST_READ + _COST_BPE * sample_share),
+                           plan, table, sample_bytes, also=also, taken=took)
+        return (*_encoding_tokenizer(train_bpe(texts, vocab_size), eos_token), took)
+
+    def encode_validation(plan: SplitPlan, val_share: float
+                          ) -> tuple[int, list[bool], int | None]:
+        """Encode the validation side of ``plan`` from its texts (a BPE trained for an
+        earlier plan may not fit this one, and each would encode the whole corpus);
+        ``(tokens, whether the cut document has a validation part, characters of its
+        training part)``, the last two empty and None without a cut document."""
+        log.info("tokenising corpus into %s", entry)
+        cut_val: list[bool] = []
+        cut_train: list[int] = []
+        texts = _split_texts(corpus("tokenising validation",
+                                    _COST_READ + _COST_ENCODE * val_share),
+                             plan, 1, cut_val, cut_train)
+        n = _encode_split(tok, texts, eos, eos_policy, dtype, tmp["val"])
+        return n, cut_val, cut_train[0] if cut_train else None
+
     for attempt in range(_SPLIT_ATTEMPTS):
         plan = plan_split(table, split["val_fraction"], int(val_tokens * bytes_per_token),
                           split["seed"])
         total = max(1, int(table.nbytes.sum()))
         val_share = plan.stats.get("val_bytes", 0) / total
-        sample_share = min(1.0, BPE_SAMPLE_BYTES / total)
+        sample_share = min(1.0, sample_bytes / total)
         if attempt == 0:
             expect(sample_share)
-        if bpe:
-            # Trained on the training side only: validation text must stay unseen, down
-            # to which byte pairs got merged.
-            log.info("training byte-level BPE tokenizer (vocab_size=%d)", vocab_size)
-            tok, eos, vsize, dtype = _encoding_tokenizer(train_bpe_tokenizer(
-                bpe_sample(corpus("training tokenizer", _COST_READ + _COST_BPE * sample_share),
-                           plan, table, BPE_SAMPLE_BYTES), vocab_size), eos_token)
+        if bpe and taken is not None and _sample_kept(taken, plan):
+            log.info("keeping the tokenizer: its sample is on the training side of the new "
+                     "plan")
+        elif bpe:
+            tok, eos, vsize, dtype, taken = train_tokenizer(plan, sample_share)
         if counts is None:
-            # The validation side encoded from its texts: a BPE trained for this plan (the
-            # floor may need another plan, hence another BPE, and each would encode the
-            # whole corpus).
-            log.info("tokenising corpus into %s", entry)
-            cut_val: list[bool] = []
-            n_val = _encode_split(tok, _split_texts(corpus("tokenising validation",
-                                                           _COST_READ + _COST_ENCODE * val_share),
-                                                    plan, 1, cut_val),
-                                  eos, eos_policy, dtype, tmp["val"])
+            n_val, cut_val, cut_train = encode_validation(plan, val_share)
+            if taken and not _sample_kept(taken, plan, cut_train):
+                # The sample took more of the document this plan cuts than its training
+                # part: a tokenizer trained within this plan (then its sample is by
+                # construction), and the validation side encoded with it.
+                log.info("the tokenizer's sample reaches into validation text; training it "
+                         "again")
+                tok, eos, vsize, dtype, taken = train_tokenizer(plan, sample_share)
+                n_val, cut_val, _ = encode_validation(plan, val_share)
         else:
             parts = _cut_texts(plan, corpus, recent)
             cut_val = [bool(parts[1])]
@@ -1131,8 +1215,8 @@ def prepare_tokens(
         eos_id(load_tokenizer(tokenizer_path), eos_token)
         tok_identity = ["file", tokenizer_json_hash(tokenizer_path)]
     else:
-        # The sample bound changes the merges of corpora above it.
-        tok_identity = ["bpe", vocab_size, BPE_SAMPLE_BYTES]
+        # The sample bound and rule change the merges of corpora above the bound.
+        tok_identity = ["bpe", vocab_size, BPE_SAMPLE_BYTES, _BPE_SAMPLE_RULE]
     key = _cache_key(
         source_fingerprint(refs, max_bytes),
         tok_identity,
