@@ -185,6 +185,15 @@ def _address_in_use(e: BaseException) -> bool:
     return "EADDRINUSE" in text or "address already in use" in text.lower()
 
 
+def _worker(cfg: Config, run_dir: str, data_entry: str | None) -> dict[str, Any]:
+    """A worker's entry point as torch elastic starts it: :func:`editrain.train.run_worker`,
+    imported in the worker (where the fork server has it already), so that the launcher
+    never imports the trainer, FSDP and DTensor (about a second before the workers start)."""
+    from editrain.train import run_worker
+
+    return run_worker(cfg, run_dir, data_entry)
+
+
 def run_elastic(cfg: Config, nproc: int, max_restarts: int, data_entry: str | None = None
                 ) -> Any:
     """``nproc`` local workers running :func:`editrain.train.run_worker` under torch elastic.
@@ -210,8 +219,6 @@ def run_elastic(cfg: Config, nproc: int, max_restarts: int, data_entry: str | No
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
-
-    from editrain.train import run_worker
 
     logs = make_dir(logs_dir(cfg, cfg.run_dir), root=cfg.run_dir)
     check_no_links(logs / LAUNCHER_LOG)  # torch's log handler opens it by name
@@ -244,7 +251,7 @@ def run_elastic(cfg: Config, nproc: int, max_restarts: int, data_entry: str | No
         try:
             with (_torch_logs_to(logs / LAUNCHER_LOG), _signal_handlers_kept(),
                   children_start_with_sigint_blocked()):
-                return elastic_launch(launch_cfg, run_worker)(cfg, cfg.run_dir, data_entry)
+                return elastic_launch(launch_cfg, _worker)(cfg, cfg.run_dir, data_entry)
         except RendezvousConnectionError as e:
             if not _address_in_use(e):
                 raise LaunchError(f"cannot start the rendezvous on {LOOPBACK}:{port}: "

@@ -23,7 +23,6 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from editrain.sync.methods import NESTEROV_SGD
 
@@ -125,9 +124,18 @@ def check_outer(cls: type | None, kwargs: dict[str, Any]) -> None:
                          ) from None
 
 
+def _dtensor_type() -> type:
+    """``DTensor``, imported when a parameter is first looked at: the launcher resolves the
+    outer optimizer through this module without ever holding a DTensor, and importing
+    ``torch.distributed.tensor`` costs it about a second before the workers start."""
+    from torch.distributed.tensor import DTensor
+
+    return DTensor
+
+
 def local_view(p: torch.Tensor) -> torch.Tensor:
     """This rank's local shard of a parameter (the tensor FSDP2 all-gathers from)."""
-    return p.to_local() if isinstance(p, DTensor) else p.data
+    return p.to_local() if isinstance(p, _dtensor_type()) else p.data
 
 
 def copies_in_replica(p: torch.Tensor, replica_size: int) -> int:
@@ -138,7 +146,7 @@ def copies_in_replica(p: torch.Tensor, replica_size: int) -> int:
     leaving a norm or an embedding replicated); FSDP2 over the whole replica cuts it into
     as many pieces as ranks."""
     pieces = 1
-    if isinstance(p, DTensor):
+    if isinstance(p, _dtensor_type()):
         for dim, placement in enumerate(p.placements):
             if not placement.is_replicate():
                 pieces *= p.device_mesh.size(dim)
