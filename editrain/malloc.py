@@ -18,11 +18,13 @@ command line's; the peers benchmark sets up torchft's workers the same way.
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 import platform
 import sys
 
-__all__ = ["MALLOC_ENV", "MMAP_THRESHOLD", "TRIM_THRESHOLD", "keep_freed_memory"]
+__all__ = ["MALLOC_ENV", "MMAP_THRESHOLD", "TRIM_THRESHOLD", "keep_freed_memory",
+           "release_freed_memory"]
 
 MMAP_THRESHOLD = 32 * 2**20
 """Blocks of this size or more still get their own ``mmap`` (glibc's largest allowed
@@ -49,14 +51,43 @@ def keep_freed_memory() -> bool:
     Returns:
         Whether both settings were applied.
     """
-    if not sys.platform.startswith("linux") or platform.libc_ver()[0] != "glibc":
+    mallopt = _glibc_function("mallopt", (ctypes.c_int, ctypes.c_int))
+    if mallopt is None or any(name in os.environ for name in MALLOC_ENV):
         return False
-    if any(name in os.environ for name in MALLOC_ENV):
-        return False
-    try:
-        mallopt = ctypes.CDLL(None).mallopt
-    except (OSError, AttributeError):
-        return False
-    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
     return bool(mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD)
                 and mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD))
+
+
+def release_freed_memory() -> bool:
+    """Hand the memory that glibc's malloc holds free back to the kernel (``malloc_trim``).
+
+    glibc returns free memory by itself only from the top of a heap; what is freed below a
+    block still in use, and the heaps of other threads (a tokenizer's worker threads each
+    get one), stay resident. A long pass that frees much and keeps a little at a time (a
+    token-cache build: each encoded batch freed, each document's description kept) then
+    holds far more than it uses: on 150 MB of Python, ``editrain data``'s peak was 194 MiB
+    with glibc's defaults, 156 MiB with a trim every second (2-core AMD EPYC). Does nothing
+    on a C library other than glibc, or when any of :data:`MALLOC_ENV` is set (the user
+    chose how freed memory is kept).
+
+    Returns:
+        Whether memory was handed back.
+    """
+    trim = _glibc_function("malloc_trim", (ctypes.c_size_t,))
+    if trim is None or any(name in os.environ for name in MALLOC_ENV):
+        return False
+    return bool(trim(0))
+
+
+@functools.cache
+def _glibc_function(name: str, argtypes: tuple = ()):
+    """glibc's function ``name`` (returning an int) through ctypes, or None on another C
+    library; looked up once (finding the C library reads the interpreter's binary)."""
+    if not sys.platform.startswith("linux") or platform.libc_ver()[0] != "glibc":
+        return None
+    try:
+        function = getattr(ctypes.CDLL(None), name)
+    except (OSError, AttributeError):
+        return None
+    function.argtypes, function.restype = list(argtypes), ctypes.c_int
+    return function

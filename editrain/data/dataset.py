@@ -51,6 +51,7 @@ from pathlib import Path
 
 import numpy as np
 
+from editrain.malloc import release_freed_memory
 from editrain.safe_io import Obj, read_json
 
 from .overlap import window_overlap
@@ -557,6 +558,12 @@ class _DocumentEncoder:
                 per_doc = np.zeros(owners[-1] - owners[0] + 1, dtype=np.int64)
                 np.add.at(per_doc, np.asarray(owners) - owners[0], sizes)
                 self._counts.append((owners[0], per_doc))
+                del batch, item, parts
+                # The batch's encodings (about 25 bytes per character, in the tokenizer
+                # threads' heaps) are freed now; without a trim the pages stay resident
+                # wherever a block kept since (a description, a recent text) sits above
+                # them, and the build's memory grew with the corpus.
+                release_freed_memory()
         except BaseException as exc:  # noqa: BLE001 - raised in the caller's next add/close
             # The caller's puts time out and see it, so nothing waits on a dead thread.
             self._error = exc
@@ -715,10 +722,14 @@ class _RecentTexts:
 
     A tail split's validation part begins in the document whose successors hold fewer
     bytes than the split's target, ``max(val_fraction of the corpus, the floor)`` at most;
-    every document with fewer than twice that (twice: a re-planned floor) in characters
-    after it is kept (characters: never more than the bytes the plan counts), at most
-    ``_RECENT_MAX_CHARS``. A document that leaves the window never comes back into reach:
-    the characters after it grow at least as fast as the reach."""
+    every document with fewer than ``max(val_fraction of the corpus, twice the floor)``
+    characters after it is kept (characters: never more than the bytes the plan counts;
+    twice: the floor is in tokens, guessed in bytes, and re-planned up to about twice as
+    many bytes; the share of the corpus is not re-planned), at most ``_RECENT_MAX_CHARS``.
+    A document that leaves the window never comes back into reach: the characters after it
+    grow at least as fast as the reach. (Twice the share as well held 20 MB of text at
+    1 GB of corpus; a corpus of mostly multi-byte characters, whose share in bytes reaches
+    further back than in characters, has its cut document read again.)"""
 
     def __init__(self, val_fraction: float, floor_bytes: float) -> None:
         self._fraction, self._floor = val_fraction, floor_bytes
@@ -732,7 +743,7 @@ class _RecentTexts:
         self._docs.append(text)
         self._chars += len(text)
         self._seen += len(text)
-        reach = min(_RECENT_MAX_CHARS, 2 * max(self._fraction * self._seen, self._floor))
+        reach = min(_RECENT_MAX_CHARS, max(self._fraction * self._seen, 2 * self._floor))
         while len(self._docs) > 1 and self._chars - len(self._docs[0]) >= reach:
             self._chars -= len(self._docs.popleft())
             self._first += 1
@@ -1010,6 +1021,7 @@ def _measure_overlap(entry: Path, dtype: np.dtype) -> float:
     """The val/train overlap of the entry's token files (:func:`window_overlap`), read in
     chunks with plain reads and estimated on at most :data:`OVERLAP_MAX_WINDOWS`
     validation windows, so that its memory does not grow with the corpus."""
+    release_freed_memory()  # what planning and copying freed, before its arrays
     with (TokenFile(entry / "val.bin", dtype) as val,
           TokenFile(entry / "train.bin", dtype) as train):
         return window_overlap(val, train, OVERLAP_WINDOW, max_windows=OVERLAP_MAX_WINDOWS)

@@ -269,10 +269,16 @@ def _walk_files(root: Path, extensions: tuple[str, ...] | None) -> Iterator[tupl
             yield full.relative_to(root).as_posix(), full
 
 
+def _dir_names(root: Path, extensions: tuple[str, ...] | None = TEXT_EXTENSIONS) -> list[str]:
+    """The relative posix paths of :func:`_walk_files`, sorted (independent of the file
+    system's listing order). Names, not paths: a pass over a directory holds its listing
+    to the end, and a Path object takes twice a name's memory (68k files: 15 vs 7 MB)."""
+    return sorted(rel for rel, _ in _walk_files(root, extensions))
+
+
 def _dir_files(root: Path, extensions: tuple[str, ...] | None = TEXT_EXTENSIONS) -> list[Path]:
-    """The files of :func:`_walk_files`, sorted by relative path (independent of the file
-    system's listing order)."""
-    return [p for _, p in sorted(_walk_files(root, extensions), key=lambda item: item[0])]
+    """The files of :func:`_walk_files`, sorted by relative path (:func:`_dir_names`)."""
+    return [root / rel for rel in _dir_names(root, extensions)]
 
 
 def _require_pyarrow(load: bool = True):
@@ -583,9 +589,8 @@ def _ref_documents(ref: SourceRef) -> Iterator[Document]:
         name = str(ref.path)
         yield Document(_read_text_file(ref.path), name, name, _kind_of(name))
     elif ref.kind == "dir":
-        for path in _dir_files(ref.path):
-            rel = path.relative_to(ref.path).as_posix()
-            yield Document(_read_text_file(path), f"{ref.path}/{rel}",
+        for rel in _dir_names(ref.path):
+            yield Document(_read_text_file(ref.path / rel), f"{ref.path}/{rel}",
                            f"{ref.path}/{_dir_family(rel)}", _kind_of(rel))
     else:
         # The rows of a file carry no structure to group them by: each is its own family
