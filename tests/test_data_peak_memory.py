@@ -8,8 +8,7 @@ back unnoticed:
 - the overlap measure's arrays, 8 bytes per window of a piece (pieces of 2^20 windows
   added about 50 MB to a 1 GB build's peak);
 - the split's candidate near-duplicate pairs, every band's kept before their union and
-  sorted as rows (``np.unique(axis=0)``);
-- the texts kept for a tail split's cut, twice the validation share where once reaches.
+  sorted as rows (``np.unique(axis=0)``).
 """
 
 from __future__ import annotations
@@ -74,28 +73,28 @@ def _twin_table(n: int) -> split_mod.DocumentTable:
 
 
 def _pairs_plainly(table, rows, root):
-    """The candidate pairs as first written: every band's pairs, then their distinct rows."""
+    """The candidate pairs by their definition, with a dictionary of buckets per band:
+    ``(i, j)`` when ``j`` is the first of ``rows`` with ``i``'s 4 bins of a band, in
+    another family group, and at least half of the 64 bins agree; sorted."""
+    sigs = table.signature_rows(rows)
     width = split_mod._NUM_BINS // split_mod._BANDS
-    pairs = []
+    found = set()
     for band in range(split_mod._BANDS):
-        key = table.signature_rows(rows, slice(band * width, (band + 1) * width))
-        key = key.view(np.uint64)
-        order = np.lexsort(key.T[::-1])
-        ks = key[order]
-        new = np.ones(len(order), dtype=bool)
-        new[1:] = (ks[1:] != ks[:-1]).any(axis=1)
-        first = order[np.flatnonzero(new)[np.cumsum(new) - 1]]
-        i, j = rows[order[~new]], rows[first[~new]]
-        other = root[i] != root[j]
-        pairs.append(np.stack([i[other], j[other]], axis=1))
-    cand = np.unique(np.concatenate(pairs), axis=0)
-    agree = table.signature_rows(cand[:, 0]) == table.signature_rows(cand[:, 1])
-    return cand[agree.sum(axis=1) >= split_mod.NEAR_DUP_JACCARD * split_mod._NUM_BINS]
+        first: dict[bytes, int] = {}
+        for k, i in enumerate(rows.tolist()):
+            j = first.setdefault(sigs[k, band * width:(band + 1) * width].tobytes(), i)
+            if root[i] != root[j]:
+                found.add((i, j))
+    at = {i: k for k, i in enumerate(rows.tolist())}
+    need = split_mod.NEAR_DUP_JACCARD * split_mod._NUM_BINS
+    return np.array(sorted((i, j) for i, j in found
+                           if (sigs[at[i]] == sigs[at[j]]).sum() >= need),
+                    dtype=np.int64).reshape(-1, 2)
 
 
 def test_near_duplicate_pairs_same_as_plainly_in_less_memory(monkeypatch):
     """8,000 documents, 4,000 near-duplicate pairs across two families: the same pairs, in
-    the same order, as every band's pairs joined at the end; planning the split traced
+    the same order, as found by their definition; planning the split traced
     631 bytes per document (746 before: all bands' pairs, sorted as rows, and signatures
     compared 2^16 pairs at a time; 2-core AMD EPYC)."""
     n = 8000
@@ -113,23 +112,6 @@ def test_near_duplicate_pairs_same_as_plainly_in_less_memory(monkeypatch):
     peak = _traced_peak(lambda: plans.append(split_mod.plan_split(table, 0.01, 0, 0)))
     assert plans[0].near_dup_merges == 1  # the two families, joined
     assert peak / n < 690
-
-
-@pytest.mark.parametrize("docs", [50, 20_000])  # the floor's reach; the share's
-def test_recent_texts_keep_the_share_once_and_the_floor_twice(docs):
-    """The window of texts for a tail split's cut: every document with fewer characters
-    after it than ``max(share of the corpus, twice the floor)``, no more (5.3k characters:
-    the floor's 2,000 reach; 2.1M: the share's 21k)."""
-    recent = dataset._RecentTexts(0.01, 1000.0)
-    texts = [chr(97 + i % 26) * (100 + i % 7) for i in range(docs)]
-    for text in texts:
-        recent.add(text)
-    reach = max(0.01 * sum(map(len, texts)), 2000)
-    after = np.concatenate([np.cumsum([len(t) for t in texts[::-1]])[::-1][1:], [0]])
-    kept = [recent.get(i) for i in range(docs)]
-    assert [k is not None for k in kept] == (after < reach).tolist()
-    assert all(k == t for k, t in zip(kept, texts) if k is not None)
-    assert sum(k is not None for k in kept) == (20 if docs == 50 else 200)
 
 
 def test_encoder_hands_freed_memory_back_after_every_batch(monkeypatch, tmp_path):

@@ -24,6 +24,8 @@ document's token count (8 bytes), one encoder batch (``_ENCODE_BATCH_CHARS``), t
 the last documents a tail split may cut (``_RecentTexts``, about twice the validation
 split), the validation split's window hashes for the overlap measure, and the BPE trainer's
 state, which grows with the text it sees: at most ``BPE_SAMPLE_BYTES`` (:func:`bpe_sample`).
+What the encoding frees is handed back to the kernel after every batch
+(:func:`editrain.malloc.release_freed_memory`), so that the resident set follows this list.
 A slow build shows one progress bar for the whole build on a terminal
 (:mod:`editrain.data.progress`). An entry is built in a private directory
 (``.KEY.HOST.PID``) and renamed into place when complete. A pre-tokenised corpus
@@ -722,14 +724,10 @@ class _RecentTexts:
 
     A tail split's validation part begins in the document whose successors hold fewer
     bytes than the split's target, ``max(val_fraction of the corpus, the floor)`` at most;
-    every document with fewer than ``max(val_fraction of the corpus, twice the floor)``
-    characters after it is kept (characters: never more than the bytes the plan counts;
-    twice: the floor is in tokens, guessed in bytes, and re-planned up to about twice as
-    many bytes; the share of the corpus is not re-planned), at most ``_RECENT_MAX_CHARS``.
-    A document that leaves the window never comes back into reach: the characters after it
-    grow at least as fast as the reach. (Twice the share as well held 20 MB of text at
-    1 GB of corpus; a corpus of mostly multi-byte characters, whose share in bytes reaches
-    further back than in characters, has its cut document read again.)"""
+    every document with fewer than twice that (twice: a re-planned floor) in characters
+    after it is kept (characters: never more than the bytes the plan counts), at most
+    ``_RECENT_MAX_CHARS``. A document that leaves the window never comes back into reach:
+    the characters after it grow at least as fast as the reach."""
 
     def __init__(self, val_fraction: float, floor_bytes: float) -> None:
         self._fraction, self._floor = val_fraction, floor_bytes
@@ -743,7 +741,7 @@ class _RecentTexts:
         self._docs.append(text)
         self._chars += len(text)
         self._seen += len(text)
-        reach = min(_RECENT_MAX_CHARS, max(self._fraction * self._seen, 2 * self._floor))
+        reach = min(_RECENT_MAX_CHARS, 2 * max(self._fraction * self._seen, self._floor))
         while len(self._docs) > 1 and self._chars - len(self._docs[0]) >= reach:
             self._chars -= len(self._docs.popleft())
             self._first += 1
