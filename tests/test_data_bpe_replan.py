@@ -23,6 +23,7 @@ from pathlib import Path
 import pytest
 
 from editrain.data import dataset as dataset_mod
+from editrain.data import split as split_mod
 from editrain.data.progress import BuildProgress
 from editrain.data.sources import Document, iter_records, resolve_sources
 from editrain.data.split import DocumentTable, describe_documents, plan_split
@@ -230,3 +231,31 @@ def test_sample_kept_checks_documents_and_the_cut():
     assert dataset_mod._sample_kept({0: 10_000}, tail)  # not known yet
     assert dataset_mod._sample_kept({0: 10_000}, tail, cut_train=10_000)
     assert not dataset_mod._sample_kept({0: 10_001}, tail, cut_train=10_000)
+
+
+def test_plans_for_several_floors_are_each_floors_own_plan(monkeypatch):
+    """``plan_splits`` finds the groups once and gives, for every floor, exactly the plan
+    ``plan_split`` gives for it alone (documents and tail splits, with near-duplicates)."""
+    rng = random.Random(2)
+    words = _words(5)
+    docs = [Document(_text(rng, words, 20), f"d{i}", f"f{i % 30}", ("prose", "code")[i % 2])
+            for i in range(90)]
+    docs += [Document(docs[3].text + " extra words here", "dup", "fdup", "prose")]
+    table = describe_documents(docs)
+    floors = [0, 1500, 2000, 4000, 8000, 10**9]
+    grouped = []
+    real_groups = split_mod._groups
+    monkeypatch.setattr(split_mod, "_groups",
+                        lambda *a: grouped.append(1) or real_groups(*a))
+    several = split_mod.plan_splits(table, 0.05, floors, 7)
+    assert len(grouped) == 1
+    one = describe_documents([Document(docs[0].text * 20, "one", "one", "prose")])
+    for plans, tab in ((several, table), (split_mod.plan_splits(one, 0.05, floors, 7), one)):
+        for plan, floor in zip(plans, floors):
+            alone = split_mod.plan_split(tab, 0.05, floor, 7)
+            assert (plan.mode, plan.tail_doc, plan.tail_keep_share, plan.groups,
+                    plan.near_dup_merges, plan.stats) == (
+                alone.mode, alone.tail_doc, alone.tail_keep_share, alone.groups,
+                alone.near_dup_merges, alone.stats)
+            assert (plan.val == alone.val).all() and (plan.drop == alone.drop).all()
+    assert len({int(p.val.sum()) for p in several}) >= 3  # the floors do differ

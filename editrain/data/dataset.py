@@ -75,7 +75,14 @@ from .sources import (
     source_size,
     token_row_batches,
 )
-from .split import MAX_VAL_SHARE, NEAR_DUP_JACCARD, DocumentTable, SplitPlan, plan_split
+from .split import (
+    MAX_VAL_SHARE,
+    NEAR_DUP_JACCARD,
+    DocumentTable,
+    SplitPlan,
+    plan_split,
+    plan_splits,
+)
 from .tokenizer import (
     MIN_VOCAB_SIZE,
     eos_id,
@@ -901,9 +908,9 @@ def _build_entry(
             # the floor (the byte guess short) most likely finds it on its training side
             # and keeps this tokenizer.
             target = plan.stats["target_bytes"]
-            also = tuple(plan_split(table, split["val_fraction"],
-                                    target + target * k // _RESERVE_STEPS, split["seed"])
-                         for k in range(1, _RESERVE_STEPS + 1))
+            also = tuple(plan_splits(table, split["val_fraction"],
+                                     [target + target * k // _RESERVE_STEPS
+                                      for k in range(1, _RESERVE_STEPS + 1)], split["seed"]))
             took = {}
         log.info("training byte-level BPE tokenizer (vocab_size=%d)", vocab_size)
         texts = bpe_sample(corpus("training tokenizer", _COST_READ + _COST_BPE * sample_share),

@@ -57,6 +57,7 @@ __all__ = [
     "SplitPlan",
     "describe_documents",
     "plan_split",
+    "plan_splits",
 ]
 
 NEAR_DUP_JACCARD = 0.5
@@ -461,61 +462,85 @@ def plan_split(
     Returns:
         The :class:`SplitPlan`.
     """
-    sizes = table.nbytes
-    keep = _first_copies(table.digests)
-    drop = ~keep
-    total = int(sizes[keep].sum())
-    target = min(max(val_fraction * total, float(val_bytes_floor)), MAX_VAL_SHARE * total)
+    return plan_splits(table, val_fraction, [val_bytes_floor], seed)[0]
 
-    group_of, merges = _groups(table, keep)
-    kept = np.flatnonzero(keep)
-    group_ids, dense = np.unique(group_of[kept], return_inverse=True)
-    # Kinds ranked by name: a group's kind is the kind of most of its bytes, the first
-    # by name among equals.
-    kind_names = sorted(table.kinds)
-    rank = np.array([kind_names.index(k) for k in table.kinds], dtype=np.int64)
-    by_kind = np.zeros((len(group_ids), max(1, len(kind_names))), dtype=np.int64)
-    seen = np.zeros_like(by_kind, dtype=bool)
-    kind_rank = rank[table.kind_codes[kept]] if len(kept) else np.zeros(0, np.int64)
-    np.add.at(by_kind, (dense, kind_rank), sizes[kept])
-    seen[dense, kind_rank] = True
-    group_bytes = by_kind.sum(axis=1).tolist()
-    group_kind = np.argmax(np.where(seen, by_kind, -1), axis=1).tolist()
-    kind_total: dict[int, int] = {}
-    for g, k in enumerate(group_kind):
-        kind_total[k] = kind_total.get(k, 0) + group_bytes[g]
 
-    order = list(range(len(group_ids)))  # dense ids follow the group ids' order
-    np.random.default_rng(seed).shuffle(order)
-    chosen = np.zeros(len(group_ids), dtype=bool)
-    taken = 0.0
-    slack = 1.25  # a group may overshoot its kind's target by this factor
-    for kind in sorted(kind_total):
-        goal = target * kind_total[kind] / total
-        got = 0
-        for g in order:
-            if got >= goal:
+def plan_splits(table: DocumentTable, val_fraction: float, val_bytes_floors: Iterable[int],
+                seed: int) -> list[SplitPlan]:
+    """:func:`plan_split` for each of ``val_bytes_floors``, the corpus's groups (exact
+    duplicates, families, near-duplicate merges: the costly part, the same for every floor)
+    found once."""
+    grouping = _Grouping(table, seed)
+    return [grouping.plan(val_fraction, floor) for floor in val_bytes_floors]
+
+
+class _Grouping:
+    """The groups of a corpus's documents, their kinds and sizes, and their seeded order:
+    what :func:`plan_split` draws from, whatever the target."""
+
+    def __init__(self, table: DocumentTable, seed: int) -> None:
+        self.table = table
+        sizes = table.nbytes
+        self.keep = _first_copies(table.digests)
+        self.total = int(sizes[self.keep].sum())
+        group_of, self.merges = _groups(table, self.keep)
+        self.kept = np.flatnonzero(self.keep)
+        group_ids, self.dense = np.unique(group_of[self.kept], return_inverse=True)
+        self.num_groups = len(group_ids)
+        # Kinds ranked by name: a group's kind is the kind of most of its bytes, the first
+        # by name among equals.
+        kind_names = sorted(table.kinds)
+        rank = np.array([kind_names.index(k) for k in table.kinds], dtype=np.int64)
+        by_kind = np.zeros((len(group_ids), max(1, len(kind_names))), dtype=np.int64)
+        seen = np.zeros_like(by_kind, dtype=bool)
+        kind_rank = (rank[table.kind_codes[self.kept]] if len(self.kept)
+                     else np.zeros(0, np.int64))
+        np.add.at(by_kind, (self.dense, kind_rank), sizes[self.kept])
+        seen[self.dense, kind_rank] = True
+        self.group_bytes = by_kind.sum(axis=1).tolist()
+        self.group_kind = np.argmax(np.where(seen, by_kind, -1), axis=1).tolist()
+        self.kind_total: dict[int, int] = {}
+        for g, k in enumerate(self.group_kind):
+            self.kind_total[k] = self.kind_total.get(k, 0) + self.group_bytes[g]
+        self.order = list(range(len(group_ids)))  # dense ids follow the group ids' order
+        np.random.default_rng(seed).shuffle(self.order)
+
+    def plan(self, val_fraction: float, val_bytes_floor: int) -> SplitPlan:
+        """The split for one target (see :func:`plan_split`)."""
+        table, sizes, total = self.table, self.table.nbytes, self.total
+        group_bytes, group_kind, order = self.group_bytes, self.group_kind, self.order
+        drop = ~self.keep
+        target = min(max(val_fraction * total, float(val_bytes_floor)), MAX_VAL_SHARE * total)
+        chosen = np.zeros(self.num_groups, dtype=bool)
+        taken = 0.0
+        slack = 1.25  # a group may overshoot its kind's target by this factor
+        for kind in sorted(self.kind_total):
+            goal = target * self.kind_total[kind] / total
+            got = 0
+            for g in order:
+                if got >= goal:
+                    break
+                if group_kind[g] == kind and got + group_bytes[g] <= slack * goal:
+                    chosen[g] = True
+                    got += group_bytes[g]
+            taken += got
+        for g in order:  # top up from any kind when big families left a kind short
+            if taken >= target:
                 break
-            if group_kind[g] == kind and got + group_bytes[g] <= slack * goal:
+            if not chosen[g] and taken + group_bytes[g] <= slack * target:
                 chosen[g] = True
-                got += group_bytes[g]
-        taken += got
-    for g in order:  # top up from any kind when big families left a kind short
-        if taken >= target:
-            break
-        if not chosen[g] and taken + group_bytes[g] <= slack * target:
-            chosen[g] = True
-            taken += group_bytes[g]
+                taken += group_bytes[g]
 
-    val = np.zeros(len(table), dtype=bool)
-    val[kept] = chosen[dense]
-    if len(group_ids) < 2 or not val.any() or taken >= total:
-        return _tail_plan(table, sizes, drop, target, len(group_ids), merges)
-    plan = SplitPlan("documents", val, drop, groups=len(group_ids), near_dup_merges=merges)
-    plan.stats = _stats(table, val, drop)
-    plan.stats.update(target_bytes=int(target), val_bytes=int(sizes[val].sum()),
-                      capped=bool(target >= MAX_VAL_SHARE * total))
-    return plan
+        val = np.zeros(len(table), dtype=bool)
+        val[self.kept] = chosen[self.dense]
+        if self.num_groups < 2 or not val.any() or taken >= total:
+            return _tail_plan(table, sizes, drop, target, self.num_groups, self.merges)
+        plan = SplitPlan("documents", val, drop, groups=self.num_groups,
+                         near_dup_merges=self.merges)
+        plan.stats = _stats(table, val, drop)
+        plan.stats.update(target_bytes=int(target), val_bytes=int(sizes[val].sum()),
+                          capped=bool(target >= MAX_VAL_SHARE * total))
+        return plan
 
 
 def _tail_plan(table, sizes, drop, target, groups, merges) -> SplitPlan:
