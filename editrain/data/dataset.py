@@ -869,7 +869,10 @@ def _build_entry(
 
     bpe = tokenizer_path is None
     expect(min(1.0, sample_bytes / max(1, bar.expected_chars or sample_bytes)))
-    table = DocumentTable()
+    # The signatures of full blocks of documents wait in a file of the entry while the
+    # corpus is read (removed once the split is planned).
+    spill = entry / f"signatures.tmp.{os.getpid()}"
+    table = DocumentTable(spill=spill)
     all_path = entry / f"all.bin.tmp.{os.getpid()}"
     counts = None  # tokens of every document in all_path (None: not encoded yet)
     if bpe:
@@ -1001,6 +1004,7 @@ def _build_entry(
     # measure's arrays are allocated (the largest part of a build's end).
     n_documents = len(table)
     table = val_docs = None
+    spill.unlink(missing_ok=True)
     overlap = _measure_overlap(entry, dtype)
 
     meta = {

@@ -35,7 +35,8 @@ half of the 64 bins agree. Each document is compared with the first document of 
 bucket, per band.
 
 What the split keeps of each document is one row of column arrays
-(:class:`DocumentTable`): about 330 bytes per document, its name included.
+(:class:`DocumentTable`): about 330 bytes per document, its name included, of which the
+256 of its signature wait in a file while a build reads the corpus.
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ import re
 import zlib
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 
@@ -195,17 +197,28 @@ class DocumentTable:
     buffer, plus an 8-byte offset). The small columns are joined into one array each on
     first use; the signatures, most of the table, stay in their blocks and are read by
     rows (:meth:`signature_rows`), so that planning never holds two copies of them.
+
+    Args:
+        spill: A file (created, then appended to) that every full block of signatures is
+            written to and dropped from memory, read back block by block when rows are
+            asked for: a build's table then holds 256 bytes less per document while the
+            corpus is read (19 MB for 75k documents). The caller removes it. None: all in
+            memory.
     """
 
     _COLUMNS = {"nbytes": ((), np.int64), "family": ((), np.int32), "kind": ((), np.uint8),
                 "signed": ((), np.bool_), "digest": ((_DIGEST,), np.uint8),
                 "name_end": ((), np.int64)}
 
-    def __init__(self) -> None:
+    def __init__(self, spill: Path | None = None) -> None:
         self._families, self._kinds = _Codes(), _Codes()
         self._names = bytearray()
         self._blocks: list[dict[str, np.ndarray]] = []
-        self._signatures: list[np.ndarray] = []  # uint32[_BLOCK, _NUM_BINS] each
+        # uint32[_BLOCK, _NUM_BINS] each; None: the block is in the spill file, at its index
+        self._signatures: list[np.ndarray | None] = []
+        self._spill = spill
+        if spill is not None:
+            spill.write_bytes(b"")
         self._joined: dict[str, np.ndarray] | None = None
         self._n = 0
 
@@ -236,6 +249,10 @@ class DocumentTable:
         block["name_end"][r] = len(self._names)
         self._n += 1
         self._joined = None
+        if self._spill is not None and r == _BLOCK - 1:
+            with open(self._spill, "ab") as out:
+                self._signatures[-1].tofile(out)
+            self._signatures[-1] = None
 
     def _column(self, key: str) -> np.ndarray:
         if self._joined is None:
@@ -294,6 +311,10 @@ class DocumentTable:
         for k, block in enumerate(self._signatures):
             a, b = int(edges[k]), int(edges[k + 1])
             if a < b:
+                if block is None:
+                    block = np.fromfile(self._spill, dtype=np.uint32, count=_BLOCK * _NUM_BINS,
+                                        offset=k * _BLOCK * _NUM_BINS * 4
+                                        ).reshape(_BLOCK, _NUM_BINS)
                 out[order[a:b]] = block[ordered[a:b] - k * _BLOCK, bins]
         return out
 
