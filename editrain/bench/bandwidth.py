@@ -15,12 +15,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from editrain.bench.measures import (
-    replica_spreads,
-    replica_stats,
-    steady_throughput,
-    utilisation_errors,
-)
+from editrain.bench.measures import over_repeats, replica_spreads, run_refs
 from editrain.bench.options import timed_train
 from editrain.bench.plots import pyplot, save_figure
 from editrain.bench.prose import fill, prose
@@ -172,7 +167,7 @@ def _repeats(ctx: Ctx, label: str) -> list[Run]:
 
 def _results(ctx: Ctx) -> dict[str, Any]:
     skip, names = ctx.skip, ctx.names
-    windows = [steady_throughput(r, skip) if r.ok else {} for r in _repeats(ctx, "ceiling")]
+    windows = over_repeats(_repeats(ctx, "ceiling"), skip)[0]
     ceil_tps = [w.get("tokens_per_s") for w in windows]
     ceil_step = [w.get("step_time_s") for w in windows]
     results: dict[str, Any] = {"ceiling": {"tokens_per_s": spread(ceil_tps),
@@ -182,34 +177,35 @@ def _results(ctx: Ctx) -> dict[str, Any]:
     for method in METHODS:
         results[method] = {n: _entry(method, _repeats(ctx, f"{method}-{n.replace('/', '')}"),
                                      skip, ceil_tps, ceil_step) for n in names}
-        base = [e.get("tokens_per_s") for e in results[method].get(UNLIMITED, {})
-                .get("windows", [])]
         for n, entry in results[method].items():
-            speeds = [w.get("tokens_per_s") for w in entry["windows"]]
-            entry["vs_unlimited"] = spread(ratio(s, b) for s, b in zip(speeds, base))
+            entry["vs_unlimited"] = _kept(entry, results[method].get(UNLIMITED))
             errors += [f"{method} {n}: {e}" for e in entry.pop("utilisation_errors")]
     sweep_name = link_name(*SWEEP_LINK)
-    edit_base = [e.get("tokens_per_s") for e in results["edit"].get(UNLIMITED, {})
-                 .get("windows", [])]
+    edit_base = results["edit"].get(UNLIMITED)
     results["sweep"] = {}
     for method in ("edit", "edit-streaming"):
         if sweep_name in results[method]:
             entry = results[method][sweep_name]
-            entry["vs_edit_unlimited"] = spread(
-                ratio(w.get("tokens_per_s"), b) for w, b in zip(entry["windows"], edit_base))
+            entry["vs_edit_unlimited"] = _kept(entry, edit_base)
     for label, variant in ctx.sweep.items():
         entry = _entry("edit", _repeats(ctx, f"sweep-{label}-{sweep_name.replace('/', '')}"),
                        skip, ceil_tps, ceil_step)
         errors += [f"{label}: {e}" for e in entry.pop("utilisation_errors")]
         entry["options"] = {k: v for k, v in variant.items() if k != "method"}
-        entry["vs_edit_unlimited"] = spread(
-            ratio(w.get("tokens_per_s"), b) for w, b in zip(entry["windows"], edit_base))
+        entry["vs_edit_unlimited"] = _kept(entry, edit_base)
         results["sweep"][label] = entry
     results["comparisons"] = {
         n: [compare(a, b, results[a][n]["tokens_per_s"], results[b][n]["tokens_per_s"])
             for a, b in COMPARISONS] for n in names}
     ctx.errors = errors
     return results
+
+
+def _kept(entry: dict[str, Any], base: dict[str, Any] | None) -> dict[str, Any]:
+    """The spread of an entry's tokens/s over ``base``'s (an unlimited-link entry), repeat
+    by repeat (the runs of one repeat ran close together)."""
+    return spread(ratio(w.get("tokens_per_s"), b.get("tokens_per_s"))
+                  for w, b in zip(entry["windows"], (base or {}).get("windows", [])))
 
 
 def _verdict(ctx: Ctx) -> Verdict:
@@ -251,38 +247,34 @@ def _tables(ctx: Ctx) -> list[tuple[str, str]]:
 def _entry(method: str, runs: list[Run], skip: int, ceil_tps: list[float | None],
            ceil_step: list[float | None]) -> dict[str, Any]:
     """The numbers of one method on one link, over its repeats."""
-    windows = [steady_throughput(r, skip) if r.ok else {} for r in runs]
+    windows, per_replica, errors = over_repeats(runs, skip)
     steps = [w.get("step_time_s") for w in windows]
-    per_replica = [replica_stats(r, skip) if r.ok else [] for r in runs]
 
-    def over_repeats(key: str) -> dict[str, Any]:
+    def of(key: str) -> dict[str, Any]:
         """The spread of a window field over the repeats."""
         return spread(w.get(key) for w in windows)
 
     return {
-        "tokens_per_s": over_repeats("tokens_per_s"),
-        "step_time_s": over_repeats("step_time_s"),
+        "tokens_per_s": of("tokens_per_s"),
+        "step_time_s": of("step_time_s"),
         "vs_ceiling": spread(ratio(w.get("tokens_per_s"), c)
                              for w, c in zip(windows, ceil_tps)),
         "overhead_vs_ceiling_s_per_step": spread(
             s - c for s, c in zip(steps, ceil_step) if s is not None and c is not None),
-        "wait_s_per_step": over_repeats("wait_s_per_step" if method != "sync"
-                                 else "grad_sync_s_per_step"),
-        "comm_time_s_per_step": (over_repeats("comm_time_s_per_step")
-                                 if method != "sync" else None),
-        "link_delay_s_per_step": (over_repeats("link_delay_s_per_step")
-                                  if method != "sync" else None),
-        "compute_s_per_step": over_repeats("compute_s_per_step"),
+        "wait_s_per_step": of("wait_s_per_step" if method != "sync"
+                              else "grad_sync_s_per_step"),
+        "comm_time_s_per_step": of("comm_time_s_per_step") if method != "sync" else None,
+        "link_delay_s_per_step": of("link_delay_s_per_step") if method != "sync" else None,
+        "compute_s_per_step": of("compute_s_per_step"),
         "exposed": spread(
             w.get("wait_s_per_step") / w["comm_time_s_per_step"]
             for w in windows if method != "sync" and w.get("comm_time_s_per_step")
             and w.get("wait_s_per_step") is not None),
         "replicas": replica_spreads(per_replica),
-        "utilisation_errors": [e for p in per_replica for e in utilisation_errors(p)],
+        "utilisation_errors": [e for repeat in errors for e in repeat],
         "windows": windows,
         "load_before": [r.load_before for r in runs],
-        "runs": [r.label for r in runs],
-        "errors": [r.error for r in runs if r.error],
+        **run_refs(runs),
     }
 
 

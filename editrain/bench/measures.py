@@ -163,6 +163,21 @@ def utilisation_errors(replicas: list[dict[str, Any]]) -> list[str]:
             and r["max_rank_utilisation"] > 1 + UTILISATION_TOLERANCE]
 
 
+def over_repeats(runs: list[Run], skip: int
+                 ) -> tuple[list[dict[str, Any]], list[list[dict[str, Any]]], list[list[str]]]:
+    """What a timed scenario measures on each repeat of one setting: the steady window
+    (:func:`steady_throughput`), the per-replica numbers (:func:`replica_stats`), both empty
+    for a failed run, and the utilisation errors (:func:`utilisation_errors`)."""
+    windows = [steady_throughput(r, skip) if r.ok else {} for r in runs]
+    per_replica = [replica_stats(r, skip) if r.ok else [] for r in runs]
+    return windows, per_replica, [utilisation_errors(p) for p in per_replica]
+
+
+def run_refs(runs: list[Run]) -> dict[str, list[str]]:
+    """The record's pointers to the runs of a setting: their labels and their errors."""
+    return {"runs": [r.label for r in runs], "errors": [r.error for r in runs if r.error]}
+
+
 def val_curve(run: Run) -> list[tuple[float, float, float]]:
     """``(tokens, wall_time_s, val_loss)`` of every evaluation, in token order."""
     out = []
@@ -173,5 +188,5 @@ def val_curve(run: Run) -> list[tuple[float, float, float]]:
     return sorted(out)
 
 
-__all__ = ["UTILISATION_TOLERANCE", "rank_window", "replica_stats", "steady_throughput",
-           "utilisation_errors", "val_curve"]
+__all__ = ["UTILISATION_TOLERANCE", "over_repeats", "rank_window", "replica_spreads",
+           "replica_stats", "run_refs", "steady_throughput", "utilisation_errors", "val_curve"]

@@ -29,12 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from editrain.bench.machine import load_average
-from editrain.bench.measures import (
-    replica_spreads,
-    replica_stats,
-    steady_throughput,
-    utilisation_errors,
-)
+from editrain.bench.measures import over_repeats, replica_spreads, run_refs
 from editrain.bench.options import timed_train
 from editrain.bench.prose import fill, prose
 from editrain.bench.runner import Bench, child_env, repeat_label
@@ -259,10 +254,8 @@ def _results(runs: dict[str, list[Run]], skip: int) -> tuple[dict[str, Any], lis
     results: dict[str, Any] = {}
     errors: list[str] = []
     for system, reps in runs.items():
-        windows = [steady_throughput(r, skip) if r.ok else {} for r in reps]
-        per_replica = [replica_stats(r, skip) if r.ok else [] for r in reps]
-        errors += [f"{system} repeat {k + 1}: {e}" for k, p in enumerate(per_replica)
-                   for e in utilisation_errors(p)]
+        windows, per_replica, found = over_repeats(reps, skip)
+        errors += [f"{system} repeat {k + 1}: {e}" for k, p in enumerate(found) for e in p]
         results[system] = {
             "final_val_loss": spread(r.final_val_loss for r in reps),
             "initial_val_loss": spread(r.initial_val_loss for r in reps),
@@ -271,8 +264,7 @@ def _results(runs: dict[str, list[Run]], skip: int) -> tuple[dict[str, Any], lis
             "num_syncs": median(r.summary.get("num_syncs") for r in reps),
             "replicas": replica_spreads(per_replica),
             "windows": windows,
-            "runs": [r.label for r in reps],
-            "errors": [r.error for r in reps if r.error],
+            **run_refs(reps),
         }
     replica_losses = [_replica_final_losses(r) for r in runs["torchft-diloco"] if r.ok]
     results["torchft-diloco"]["replica_final_val_loss"] = replica_losses

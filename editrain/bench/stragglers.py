@@ -18,7 +18,7 @@ from __future__ import annotations
 from typing import Any
 
 from editrain.bench.limits import SoloPlan, bracketed_limit, measured_limit, plan_solo_runs
-from editrain.bench.measures import replica_stats, steady_throughput, utilisation_errors
+from editrain.bench.measures import over_repeats, run_refs
 from editrain.bench.options import timed_train
 from editrain.bench.plots import pyplot, save_figure
 from editrain.bench.prose import fill, prose
@@ -169,7 +169,7 @@ def _case_results(runs: dict[str, list[Run]], limits: list[dict[str, Any]],
     }
     for method in METHODS:
         reps = runs[method]
-        windows = [steady_throughput(r, skip) if r.ok else {} for r in reps]
+        windows, per_replica, found = over_repeats(reps, skip)
         speeds = [w.get("tokens_per_s") for w in windows]
         steady = [x["drift"] is not None and x["drift"] <= MAX_DRIFT
                   for x in matched[method]]
@@ -178,7 +178,6 @@ def _case_results(runs: dict[str, list[Run]], limits: list[dict[str, Any]],
                               "per_replica": [None] * len(x["per_replica"])}
                 for x, ok in zip(matched[method], steady)]
         fractions = [ratio(s, x["tokens_per_s"]) for s, x in zip(speeds, used)]
-        per_replica = [replica_stats(r, skip) if r.ok else [] for r in reps]
         count = max((len(p) for p in per_replica), default=0)
         replicas = [{"replica": i,
                      "tokens_per_s": spread(p[i]["tokens_per_s"] for p in per_replica
@@ -193,8 +192,7 @@ def _case_results(runs: dict[str, list[Run]], limits: list[dict[str, Any]],
                      "utilisation": spread(p[i]["utilisation"] for p in per_replica
                                            if len(p) > i)}
                     for i in range(count)]
-        errors = [f"{method} repeat {k + 1}: {e}" for k, p in enumerate(per_replica)
-                  for e in utilisation_errors(p)]
+        errors = [f"{method} repeat {k + 1}: {e}" for k, p in enumerate(found) for e in p]
         errors += [fill(TEXT["above_limit"], method=method, k=k + 1, f=f)
                    for k, f in enumerate(fractions) if f is not None and f > 1.0]
         entry["errors"] += errors
@@ -218,8 +216,7 @@ def _case_results(runs: dict[str, list[Run]], limits: list[dict[str, Any]],
                                                  for r in reps) if "aedit" in method else None,
             "replica_steps": [_replica_steps(r) for r in reps] if "aedit" in method else None,
             "windows": windows,
-            "runs": [r.label for r in reps],
-            "errors": [r.error for r in reps if r.error],
+            **run_refs(reps),
         }
     entry["comparisons"] = [compare(a, b, entry[a]["fraction_of_limit"],
                                     entry[b]["fraction_of_limit"]) for a, b in COMPARISONS]
