@@ -17,11 +17,11 @@ from typing import Any
 
 from editrain.bench.measures import over_repeats, replica_spreads, run_refs
 from editrain.bench.options import timed_train
-from editrain.bench.plots import pyplot, save_figure
+from editrain.bench.plots import median_bars
 from editrain.bench.prose import fill, prose
 from editrain.bench.runner import Bench, repeat_label
 from editrain.bench.runs import Run
-from editrain.bench.scenario import Ctx, Job, Scenario, Verdict
+from editrain.bench.scenario import Ctx, Job, Scenario, Verdict, figure
 from editrain.bench.stats import compare, spread
 from editrain.bench.tables import cell, md_table, ms, ratio, spread_cell, verdict_cell
 from editrain.config import ConfigError
@@ -437,54 +437,47 @@ def _headline(results: dict[str, Any], names: list[str], interval: int,
 def _plot_throughput(ctx: Ctx):
     """tokens/s against the link (median, min-max bars), one line per method."""
     results, names = ctx.results, ctx.names
-    plt = pyplot()
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    xs = list(range(len(names)))
-    for method in METHODS:
-        spreads = [results[method][n]["tokens_per_s"] for n in names]
-        ys = [float("nan") if s["median"] is None else s["median"] for s in spreads]
-        lo = [0.0 if s["median"] is None else s["median"] - s["min"] for s in spreads]
-        hi = [0.0 if s["median"] is None else s["max"] - s["median"] for s in spreads]
-        ax.errorbar(xs, ys, yerr=[lo, hi], marker="o", capsize=3, label=method)
-    c = _med(results["ceiling"]["tokens_per_s"])
-    if c:
-        ax.axhline(c, color="gray", linestyle="--", label="ceiling (no communication)")
-    ax.set_xticks(xs, names)
-    ax.set_xlabel("simulated inter-replica link")
-    ax.set_ylabel("tokens/s (cluster; median, min-max)")
-    ax.set_ylim(bottom=0)
-    ax.grid(alpha=0.3)
-    return save_figure(fig, ctx.bench.out_dir / "throughput_vs_link.png")
+    with figure(ctx, "throughput_vs_link.png", "simulated inter-replica link",
+                "tokens/s (cluster; median, min-max)") as ax:
+        xs = list(range(len(names)))
+        for method in METHODS:
+            ys, bars = median_bars([results[method][n]["tokens_per_s"] for n in names])
+            ax.errorbar(xs, ys, yerr=bars, marker="o", capsize=3, label=method)
+        c = _med(results["ceiling"]["tokens_per_s"])
+        if c:
+            ax.axhline(c, color="gray", linestyle="--", label="ceiling (no communication)")
+        ax.set_xticks(xs, names)
+        ax.set_ylim(bottom=0)
+    return ctx.plot
 
 
 def _plot_split(ctx: Ctx):
     """Stacked ms/step (medians): ceiling step time, waiting for syncs, other overhead;
     triangles: communication time."""
     results, names = ctx.results, ctx.names
-    plt = pyplot()
-    fig, ax = plt.subplots(figsize=(max(7, 1.1 * len(names) * len(METHODS)), 4.5))
-    base = ms(_med(results["ceiling"]["step_time_s"])) or 0.0
-    xs: list[str] = []
-    comm_labelled = False
-    for i, (method, name) in enumerate((m, n) for m in METHODS for n in names):
-        e = results[method][name]
-        step = ms(_med(e["step_time_s"])) or 0.0
-        wait = ms(_med(e["wait_s_per_step"])) or 0.0
-        other = max(0.0, step - base - wait)
-        ax.bar(i, base, color="#9bbbd4", label="compute (ceiling step)" if i == 0 else None)
-        ax.bar(i, wait, bottom=base, color="#d46a6a", label="waiting for sync" if i == 0
-               else None)
-        ax.bar(i, other, bottom=base + wait, color="#e0c070", label="other" if i == 0 else None)
-        comm = _med(e["comm_time_s_per_step"])
-        if comm is not None:
-            ax.plot(i, ms(comm), "k^", label=None if comm_labelled
-                    else "communication (incl. hidden)")
-            comm_labelled = True
-        xs.append(f"{method}\n{name}")
-    ax.set_xticks(range(len(xs)), xs, fontsize=7)
-    ax.set_ylabel("ms per step (medians)")
-    ax.grid(alpha=0.3, axis="y")
-    return save_figure(fig, ctx.bench.out_dir / "time_split.png")
+    with figure(ctx, "time_split.png", ylabel="ms per step (medians)", grid="y",
+                size=(max(7, 1.1 * len(names) * len(METHODS)), 4.5)) as ax:
+        base = ms(_med(results["ceiling"]["step_time_s"])) or 0.0
+        xs: list[str] = []
+        comm_labelled = False
+        for i, (method, name) in enumerate((m, n) for m in METHODS for n in names):
+            e = results[method][name]
+            step = ms(_med(e["step_time_s"])) or 0.0
+            wait = ms(_med(e["wait_s_per_step"])) or 0.0
+            other = max(0.0, step - base - wait)
+            ax.bar(i, base, color="#9bbbd4", label="compute (ceiling step)" if i == 0 else None)
+            ax.bar(i, wait, bottom=base, color="#d46a6a", label="waiting for sync" if i == 0
+                   else None)
+            ax.bar(i, other, bottom=base + wait, color="#e0c070",
+                   label="other" if i == 0 else None)
+            comm = _med(e["comm_time_s_per_step"])
+            if comm is not None:
+                ax.plot(i, ms(comm), "k^", label=None if comm_labelled
+                        else "communication (incl. hidden)")
+                comm_labelled = True
+            xs.append(f"{method}\n{name}")
+        ax.set_xticks(range(len(xs)), xs, fontsize=7)
+    return ctx.plot
 
 
 SCENARIO = Scenario(

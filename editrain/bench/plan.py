@@ -16,11 +16,10 @@ from typing import Any
 
 from editrain.bench.measures import replica_stats, steady_throughput
 from editrain.bench.options import timed_train
-from editrain.bench.plots import pyplot, save_figure
 from editrain.bench.prose import fill, prose
 from editrain.bench.runner import Bench
 from editrain.bench.runs import Run
-from editrain.bench.scenario import Ctx, Job, Scenario, Verdict
+from editrain.bench.scenario import Ctx, Job, Scenario, Verdict, figure
 from editrain.bench.tables import cell, md_table, ms
 
 TEXT = prose("plan")
@@ -387,34 +386,30 @@ def _judge(rows: dict[str, dict[str, Any]]) -> tuple[list[dict[str, Any]], list[
     return targets, findings, headline
 
 
-def _plot(bench: Bench, rows: dict[str, dict[str, Any]]):
+def _plot(ctx: Ctx):
     """Predicted against measured tokens/s, one point per held-out run."""
-    plt = pyplot()
-    fig, ax = plt.subplots(figsize=(6, 5))
-    pts = [(e["measured"]["tokens_per_s"], e["predicted"]["tokens_per_s"], k)
-           for k, e in rows.items() if e.get("ok") and e["measured"]["tokens_per_s"]]
-    for x, y, k in pts:
-        ax.scatter([x], [y], label=k)
-    if pts:
-        hi = 1.1 * max(max(x, y) for x, y, _ in pts)
-        ax.plot([0, hi], [0, hi], color="gray", linestyle="--", label="predicted = measured")
-        ax.fill_between([0, hi], [0, 0.9 * hi], [0, 1.1 * hi], color="gray", alpha=0.15,
-                        label="within 10%")
-        ax.set_xlim(0, hi)
-        ax.set_ylim(0, hi)
-    ax.set_xlabel("measured tokens/s")
-    ax.set_ylabel("predicted tokens/s")
-    ax.grid(alpha=0.3)
-    return save_figure(fig, bench.out_dir / "predicted_vs_measured.png")
-
-
+    rows = ctx.results["held_out"]
+    with figure(ctx, "predicted_vs_measured.png", "measured tokens/s", "predicted tokens/s",
+                size=(6, 5)) as ax:
+        pts = [(e["measured"]["tokens_per_s"], e["predicted"]["tokens_per_s"], k)
+               for k, e in rows.items() if e.get("ok") and e["measured"]["tokens_per_s"]]
+        for x, y, k in pts:
+            ax.scatter([x], [y], label=k)
+        if pts:
+            hi = 1.1 * max(max(x, y) for x, y, _ in pts)
+            ax.plot([0, hi], [0, hi], color="gray", linestyle="--", label="predicted = measured")
+            ax.fill_between([0, hi], [0, 0.9 * hi], [0, 1.1 * hi], color="gray", alpha=0.15,
+                            label="within 10%")
+            ax.set_xlim(0, hi)
+            ax.set_ylim(0, hi)
+    return ctx.plot
 
 
 SCENARIO = Scenario(
     name="plan",
     description=TEXT["description"],
     setup=_setup, runs=_runs, measure=_results, judge=_verdict, notes=_notes,
-    plots=[lambda ctx: _plot(ctx.bench, ctx.results["held_out"])],
+    plots=[_plot],
     checks=lambda ctx: [(_layers(ctx, {**sync, "local_sgd_sync_time": 1.0}
                                  if sync["method"] == "aedit" else sync, link, sim), None)
                         for seq in ctx.groups.values() for _, _, (sync, link, sim) in seq],

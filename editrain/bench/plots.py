@@ -35,4 +35,13 @@ def save_figure(fig: Any, path: Path) -> Path:
     return path
 
 
-__all__ = ["pyplot", "save_figure"]
+def median_bars(spreads: list[dict[str, Any]], missing: float = float("nan")
+                ) -> tuple[list[float], list[list[float]]]:
+    """Bar or point heights and min-max error bars (``yerr``) of ``stats.spread`` records:
+    the medians (``missing`` where a spread has none, with no bar)."""
+    ys = [missing if s["median"] is None else s["median"] for s in spreads]
+    return ys, [[0.0 if s["median"] is None else s["median"] - s["min"] for s in spreads],
+                [0.0 if s["median"] is None else s["max"] - s["median"] for s in spreads]]
+
+
+__all__ = ["median_bars", "pyplot", "save_figure"]

@@ -20,10 +20,9 @@ from typing import Any
 
 from editrain.bench.convergence import RECIPE_GAP, RECIPE_H, common_options, variant_layers
 from editrain.bench.options import pick_names
-from editrain.bench.plots import pyplot, save_figure
 from editrain.bench.prose import fill, prose
 from editrain.bench.runner import Bench
-from editrain.bench.scenario import Ctx, Job, Scenario, Table, Verdict
+from editrain.bench.scenario import Ctx, Job, Scenario, Table, Verdict, figure
 from editrain.bench.stats import mean_std, paired_differences
 from editrain.bench.tables import mean_pm, percent
 from editrain.bench.tune import BLOCKS_SHAPE
@@ -162,26 +161,22 @@ def _plot(ctx: Ctx):
     rows = ctx.results["shapes"]
     if not rows:
         return None
-    plt = pyplot()
-    fig, ax = plt.subplots(figsize=(6, 4))
-    done = [r for r in rows if r["relative_gap"] is not None]
-    xs = [r["params"] for r in done]
-    ax.plot(xs, [100 * r["relative_gap"] for r in done], "o-", label=f"{RECIPE} - sync (mean)")
-    for r in done:
-        mean_sync = r["sync"]["mean"]
-        ax.scatter([r["params"]] * len(r["gap"]["values"]),
-                   [100 * v / mean_sync for v in r["gap"]["values"]], s=12, color="grey")
-        ax.annotate(r["shape"], (r["params"], 100 * r["relative_gap"]),
-                    textcoords="offset points", xytext=(4, 4), fontsize=8)
-    ax.axhline(100 * RECIPE_GAP, color="red", linestyle="--", linewidth=1,
-               label=f"target {RECIPE_GAP:.0%}")
-    ax.axhline(0, color="black", linewidth=0.5)
-    ax.set_xscale("log")
-    ax.set_xlabel("parameters")
-    ax.set_ylabel("final val loss gap to sync (% of sync's)")
-    ax.set_title("EDiT (recipe) vs sync by model size, equal tokens")
-    ax.legend(fontsize=8)
-    return save_figure(fig, ctx.bench.out_dir / "gap_by_size.png")
+    with figure(ctx, "gap_by_size.png", "parameters", "final val loss gap to sync (% of sync's)",
+                size=(6, 4), grid=None, xscale="log",
+                title="EDiT (recipe) vs sync by model size, equal tokens") as ax:
+        done = [r for r in rows if r["relative_gap"] is not None]
+        ax.plot([r["params"] for r in done], [100 * r["relative_gap"] for r in done], "o-",
+                label=f"{RECIPE} - sync (mean)")
+        for r in done:
+            mean_sync = r["sync"]["mean"]
+            ax.scatter([r["params"]] * len(r["gap"]["values"]),
+                       [100 * v / mean_sync for v in r["gap"]["values"]], s=12, color="grey")
+            ax.annotate(r["shape"], (r["params"], 100 * r["relative_gap"]),
+                        textcoords="offset points", xytext=(4, 4), fontsize=8)
+        ax.axhline(100 * RECIPE_GAP, color="red", linestyle="--", linewidth=1,
+                   label=f"target {RECIPE_GAP:.0%}")
+        ax.axhline(0, color="black", linewidth=0.5)
+    return ctx.plot
 
 
 SCENARIO = Scenario(

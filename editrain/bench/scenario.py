@@ -211,27 +211,31 @@ def _train(bench: Any, ctx: Ctx, job: Job | list[Job]) -> Any:
 
 
 @contextmanager
-def figure(ctx: Ctx, file: str, xlabel: str, ylabel: str, size: tuple[float, float] = (7, 4.5),
-           **axes: Any):
+def figure(ctx: Ctx, file: str, xlabel: str = "", ylabel: str = "",
+           size: tuple[float, float] = (7, 4.5), grid: str | None = "both", **axes: Any):
     """One plot of a scenario: yields its axes, then labels them, draws the grid, saves
     the PNG into the results directory and puts its path in ``ctx.plot``.
 
     Args:
         ctx: the scenario's context.
         file: the PNG's name.
-        xlabel: the x axis's label.
-        ylabel: the y axis's label.
+        xlabel: the x axis's label (none when empty).
+        ylabel: the y axis's label (none when empty).
         size: the figure's size in inches.
+        grid: the grid's axis (``both``, ``x``, ``y``), or None for no grid.
         axes: further ``Axes.set`` properties (``title``, ``ylim``...).
     """
     plt = pyplot()
     fig, ax = plt.subplots(figsize=size)
     yield ax
-    ax.set_xlabel(xlabel)
-    ax.set_ylabel(ylabel)
+    if xlabel:
+        ax.set_xlabel(xlabel)
+    if ylabel:
+        ax.set_ylabel(ylabel)
     if axes:
         ax.set(**axes)
-    ax.grid(alpha=0.3)
+    if grid:
+        ax.grid(alpha=0.3, axis=grid)
     ctx.plot = save_figure(fig, ctx.bench.out_dir / file)
 
 

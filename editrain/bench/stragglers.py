@@ -20,11 +20,11 @@ from typing import Any
 from editrain.bench.limits import SoloPlan, bracketed_limit, measured_limit, plan_solo_runs
 from editrain.bench.measures import over_repeats, run_refs
 from editrain.bench.options import timed_train
-from editrain.bench.plots import pyplot, save_figure
+from editrain.bench.plots import median_bars
 from editrain.bench.prose import fill, prose
 from editrain.bench.runner import Bench, repeat_label
 from editrain.bench.runs import Run
-from editrain.bench.scenario import Ctx, Job, Scenario, Table, Verdict
+from editrain.bench.scenario import Ctx, Job, Scenario, Table, Verdict, figure
 from editrain.bench.stats import compare, median, spread
 from editrain.bench.tables import cell, ratio, spread_cell, verdict_cell
 
@@ -386,22 +386,17 @@ def _headline(results: dict[str, Any], cases: tuple[str, ...], repeats: int) -> 
 def _plot(ctx: Ctx):
     """Throughput as a fraction of the measured limit (median, min-max bars)."""
     results, cases = ctx.results, ctx.cases
-    plt = pyplot()
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    width = 0.8 / len(METHODS)
-    for j, m in enumerate(METHODS):
-        spreads = [results[c][m]["fraction_of_limit"] for c in cases]
-        ys = [s["median"] or 0.0 for s in spreads]
-        lo = [y - (s["min"] if s["min"] is not None else y) for y, s in zip(ys, spreads)]
-        hi = [(s["max"] if s["max"] is not None else y) - y for y, s in zip(ys, spreads)]
-        ax.bar([i + j * width for i in range(len(cases))], ys, width, yerr=[lo, hi],
-               capsize=3, label=m)
-    ax.axhline(1.0, color="gray", linestyle="--", label="measured limit")
-    ax.axhline(0.9, color="gray", linestyle=":", label="0.9x target")
-    ax.set_xticks([i + width * (len(METHODS) - 1) / 2 for i in range(len(cases))], cases)
-    ax.set_ylabel("throughput / measured limit (median, min-max)")
-    ax.grid(alpha=0.3, axis="y")
-    return save_figure(fig, ctx.bench.out_dir / "fraction_of_limit.png")
+    with figure(ctx, "fraction_of_limit.png", grid="y",
+                ylabel="throughput / measured limit (median, min-max)") as ax:
+        width = 0.8 / len(METHODS)
+        for j, m in enumerate(METHODS):
+            ys, bars = median_bars([results[c][m]["fraction_of_limit"] for c in cases], 0.0)
+            ax.bar([i + j * width for i in range(len(cases))], ys, width, yerr=bars,
+                   capsize=3, label=m)
+        ax.axhline(1.0, color="gray", linestyle="--", label="measured limit")
+        ax.axhline(0.9, color="gray", linestyle=":", label="0.9x target")
+        ax.set_xticks([i + width * (len(METHODS) - 1) / 2 for i in range(len(cases))], cases)
+    return ctx.plot
 
 
 SCENARIO = Scenario(
