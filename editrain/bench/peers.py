@@ -32,7 +32,7 @@ from editrain.bench.machine import load_average
 from editrain.bench.measures import over_repeats, replica_spreads, run_refs
 from editrain.bench.options import timed_train
 from editrain.bench.prose import fill, prose
-from editrain.bench.runner import Bench, child_env, repeat_label
+from editrain.bench.runner import Bench, child_env, child_failure, repeat_label
 from editrain.bench.runs import Run, read_run
 from editrain.bench.scenario import Ctx, Job, Scenario, Verdict
 from editrain.bench.stats import compare, median, spread
@@ -159,17 +159,13 @@ def run_torchft(bench: Bench, label: str, options: dict[str, Any], replicas: int
     bench.announce(title)
     t0 = time.perf_counter()
     procs: list[subprocess.Popen] = []
-    logs = []
-    error = None
     try:
         address = None
         if system == "torchft":
             # The lighthouse in its own process: its log goes to a file, a crash stays there.
-            logs.append(open(run_dir / "lighthouse.log", "w"))  # noqa: SIM115 (closed below)
-            procs.append(subprocess.Popen(
-                [sys.executable, "-c", _LIGHTHOUSE, str(run_dir / "lighthouse.addr"),
-                 str(replicas)], stdout=logs[0], stderr=subprocess.STDOUT, env=env))
-            address = _lighthouse_address(run_dir / "lighthouse.addr", procs[0], timeout_s)
+            procs.append(_peer(["--serve-lighthouse", "[::]:0", "--replicas", str(replicas)],
+                               run_dir / "lighthouse.log", env))
+            address = _lighthouse_address(run_dir / "lighthouse.log", procs[0], timeout_s)
         port = str(free_port())
         workers = []
         for r in range(replicas):
@@ -181,11 +177,8 @@ def run_torchft(bench: Bench, label: str, options: dict[str, Any], replicas: int
             worker_env = dict(env, MASTER_ADDR="127.0.0.1", MASTER_PORT=port, RANK=str(r),
                               WORLD_SIZE=str(replicas), LOCAL_RANK=str(r),
                               LOCAL_WORLD_SIZE=str(replicas))
-            logs.append(open(run_dir / f"worker{r}.log", "w"))  # noqa: SIM115 (closed below)
-            workers.append(subprocess.Popen(
-                [sys.executable, "-m", "editrain.bench.torchft_peer", "--spec", str(spec_path)],
-                stdout=logs[-1], stderr=subprocess.STDOUT,
-                env=worker_env if system == "library" else env))
+            workers.append(_peer(["--spec", str(spec_path)], run_dir / f"worker{r}.log",
+                                 worker_env if system == "library" else env))
             procs.append(workers[-1])
         error = _wait(workers, run_dir, timeout_s)
     except RuntimeError as e:  # the lighthouse did not come up
@@ -195,39 +188,32 @@ def run_torchft(bench: Bench, label: str, options: dict[str, Any], replicas: int
             if p.poll() is None:
                 p.kill()
                 p.wait()
-        for f in logs:
-            f.close()
     run = read_run(label, run_dir, options, time.perf_counter() - t0, error)
     return bench.record_run(run, load, title)
 
 
-_LIGHTHOUSE = """
-import os, sys, time
-from torchft.coordination import LighthouseServer
-server = LighthouseServer(bind="[::]:0", min_replicas=int(sys.argv[2]), join_timeout_ms=100)
-with open(sys.argv[1] + ".tmp", "w") as f:
-    f.write(server.address())
-os.replace(sys.argv[1] + ".tmp", sys.argv[1])
-while True:
-    time.sleep(60)
-"""
-"""The lighthouse process: starts a ``LighthouseServer`` on a free port, writes its address
-to the file named by its first argument, and serves until it is killed."""
+def _peer(args: list[str], log: Path, env: dict[str, str]) -> subprocess.Popen:
+    """Start ``python -m editrain.bench.torchft_peer ARGS`` (a worker, or the lighthouse
+    with ``--serve-lighthouse``), its output to ``log``."""
+    with open(log, "w") as out:  # the child keeps its own copy of the descriptor
+        return subprocess.Popen([sys.executable, "-m", "editrain.bench.torchft_peer", *args],
+                                stdout=out, stderr=subprocess.STDOUT, env=env)
 
 
-def _lighthouse_address(path: Path, proc: subprocess.Popen, timeout_s: float) -> str:
-    """Wait for the lighthouse process to write its address.
+def _lighthouse_address(log: Path, proc: subprocess.Popen, timeout_s: float) -> str:
+    """Wait for the lighthouse process to print its address (``lighthouse ready at ADDR``).
 
     Raises:
-        RuntimeError: it exited or did not answer within ``timeout_s``.
+        RuntimeError: it exited or did not answer within ``timeout_s`` (at most 2 min).
     """
     deadline = time.monotonic() + min(timeout_s, 120.0)
     while time.monotonic() < deadline:
-        if path.is_file():
-            return path.read_text().strip()
+        ready = [x for x in log.read_text().splitlines() if x.startswith("lighthouse ready at ")]
+        if ready:
+            return ready[0].removeprefix("lighthouse ready at ").strip()
         if proc.poll() is not None:
             raise RuntimeError(f"the torchft lighthouse exited with status {proc.returncode} "
-                               f"(see {path.parent / 'lighthouse.log'})")
+                               f"(see {log})")
         time.sleep(0.1)
     raise RuntimeError("the torchft lighthouse did not start within "
                        f"{min(timeout_s, 120.0):.0f} s")
@@ -240,9 +226,7 @@ def _wait(procs: list[subprocess.Popen], run_dir: Path, timeout_s: float) -> str
         codes = [p.poll() for p in procs]
         for r, code in enumerate(codes):
             if code not in (None, 0):
-                lines = (run_dir / f"worker{r}.log").read_text(errors="replace").splitlines()
-                last = next((x for x in reversed(lines) if x.strip()), "")
-                return f"torchft worker {r} exited with status {code}: {last.strip()}"
+                return f"torchft worker {r}: {child_failure(code, run_dir / f'worker{r}.log')}"
         if all(code == 0 for code in codes):
             return None
         time.sleep(0.2)
