@@ -25,12 +25,12 @@ import math
 from typing import Any
 
 from editrain.bench.convergence import RECIPE_H, variant_layers
-from editrain.bench.options import pick_names
 from editrain.bench.plots import pyplot, save_figure
 from editrain.bench.prose import fill, prose
 from editrain.bench.runner import Bench
 from editrain.bench.scale import SHAPES
-from editrain.bench.stats import mean_std, paired_differences
+from editrain.bench.scale import chosen_shapes as scale_shapes
+from editrain.bench.stats import gap_to_sync
 from editrain.bench.tables import md_table, mean_pm, percent
 
 NAME = "batch"
@@ -87,15 +87,8 @@ def run_layers(shape: str, method: str, seed: int, tokens: int, per_run: int, se
 
 
 def chosen_shapes(bench: Bench) -> list[str]:
-    """``--shapes A,B`` (of ``BATCH_SHAPES``), else all of them (tiny size: tiny only).
-
-    Raises:
-        ConfigError: ``--shapes`` names a shape this scenario does not have.
-    """
-    chosen = bench.flags.get("shapes")
-    if not chosen:
-        return ["tiny"] if bench.mode == "tiny" else list(BATCH_SHAPES)
-    return pick_names(chosen, BATCH_SHAPES, "--shapes", "shape")
+    """``--shapes A,B`` (of ``BATCH_SHAPES``), else all of them (tiny size: tiny only)."""
+    return scale_shapes(bench, BATCH_SHAPES, BATCH_SHAPES)
 
 
 def run(bench: Bench) -> dict[str, Any]:
@@ -179,10 +172,9 @@ def batch_row(shape: str, tokens: int, per_run: int, grid: dict[str, dict[float,
     chosen learning rate, both methods' losses per seed, the paired gap (recipe - sync) and
     the gap relative to sync's mean loss, with the smallest and largest per-seed relative
     gap (the spread)."""
-    gap = paired_differences(edit, sync)
-    s = mean_std(sync)
-    rel = (gap["mean"] / s["mean"]) if gap["mean"] is not None and s["mean"] else None
-    per_seed = [d / s["mean"] for d in gap["values"]] if s["mean"] else []
+    gaps = gap_to_sync(edit, sync)
+    s = gaps["sync"]
+    per_seed = [d / s["mean"] for d in gaps["gap"]["values"]] if s["mean"] else []
     h = RECIPE_H[RECIPE]
     return {"shape": shape, "tokens_per_step": tokens, "steps": per_run // tokens,
             "h_steps": h, "h_tokens": h * tokens,
@@ -191,8 +183,7 @@ def batch_row(shape: str, tokens: int, per_run: int, grid: dict[str, dict[float,
             "lr": {m: best_lr(g) for m, g in grid.items()},
             "lr_at_edge": {m: len(g) > 1 and best_lr(g) in (min(g), max(g)) for m, g in
                            grid.items()},
-            "sync": s, "edit": mean_std(edit), "gap": gap, "relative_gap": rel,
-            "relative_gap_per_seed": per_seed,
+            **gaps, "relative_gap_per_seed": per_seed,
             "relative_gap_range": [min(per_seed), max(per_seed)] if per_seed else None,
             "sync_per_seed": sync, "edit_per_seed": edit,
             "syncs": {m: info.get(m, {}).get("syncs") for m in METHODS},

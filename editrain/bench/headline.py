@@ -133,18 +133,15 @@ class _Picker:
                             key=lambda dr: SIZES.get(dr[1].get("mode"), 0))
         self.used: list[Loaded] = []
 
-    def last(self, scenario: str, needs: Sequence[str] = ()) -> Loaded | None:
-        """The largest (then last) record of ``scenario`` whose results have ``needs``."""
-        for d, r in reversed(self.fresh):
-            if r.get("scenario") == scenario and not r.get("skipped") and \
-                    set(needs) <= set(r.get("results", {})):
-                return d, r
-        return None
-
     def every(self, scenario: str, needs: Sequence[str] = ()) -> list[Loaded]:
-        """Every record of ``scenario`` with ``needs``, in the order :meth:`last` scans."""
+        """Every record of ``scenario`` whose results have ``needs``, smallest size first."""
         return [(d, r) for d, r in self.fresh if r.get("scenario") == scenario
                 and not r.get("skipped") and set(needs) <= set(r.get("results", {}))]
+
+    def last(self, scenario: str, needs: Sequence[str] = ()) -> Loaded | None:
+        """The largest (then last) record of ``scenario`` whose results have ``needs``."""
+        found = self.every(scenario, needs)
+        return found[-1] if found else None
 
     def row(self, what: str, editrain: str, peer: str, conditions: str,
             sources: Sequence[Loaded]) -> HeadlineRow:

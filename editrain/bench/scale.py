@@ -23,7 +23,7 @@ from editrain.bench.options import pick_names
 from editrain.bench.prose import fill, prose
 from editrain.bench.runner import Bench
 from editrain.bench.scenario import Ctx, Job, Scenario, Table, Verdict, figure
-from editrain.bench.stats import mean_std, paired_differences
+from editrain.bench.stats import gap_to_sync
 from editrain.bench.tables import mean_pm, percent
 from editrain.bench.tune import BLOCKS_SHAPE
 
@@ -41,8 +41,9 @@ RECIPE = "edit-recipe"
 """The convergence variant compared with sync."""
 
 
-def chosen_shapes(bench: Bench) -> list[str]:
-    """``--shapes A,B`` (in ``SHAPES`` order), else ``DEFAULT_SHAPES`` (the tiny size:
+def chosen_shapes(bench: Bench, allowed: tuple[str, ...] = tuple(SHAPES),
+                  default: tuple[str, ...] = DEFAULT_SHAPES) -> list[str]:
+    """``--shapes A,B`` (of ``allowed``, in its order), else ``default`` (the tiny size:
     the tiny preset only).
 
     Raises:
@@ -50,8 +51,8 @@ def chosen_shapes(bench: Bench) -> list[str]:
     """
     chosen = bench.flags.get("shapes")
     if not chosen:
-        return ["tiny"] if bench.mode == "tiny" else list(DEFAULT_SHAPES)
-    return pick_names(chosen, tuple(SHAPES), "--shapes", "shape")
+        return ["tiny"] if bench.mode == "tiny" else list(default)
+    return pick_names(chosen, allowed, "--shapes", "shape")
 
 
 def parameter_counts(bench: Bench, *layers: dict[str, Any]) -> dict[str, int]:
@@ -122,16 +123,11 @@ def shape_row(shape: str, counts: dict[str, int], tokens: int | None,
               sync: list[float | None], edit: list[float | None]) -> dict[str, Any]:
     """One shape's record: parameters, tokens per parameter, both methods' losses (mean +-
     std and per seed) and the paired gap, absolute and relative to sync's mean."""
-    gap = paired_differences(edit, sync)
-    s = mean_std(sync)
     return {"shape": shape, "params": counts["params"], "block_params": counts["block_params"],
             "block_share": counts["block_params"] / counts["params"],
             "tokens": tokens,
             "tokens_per_param": (tokens / counts["params"]) if tokens else None,
-            "sync": s, "edit": mean_std(edit), "gap": gap,
-            "relative_gap": (gap["mean"] / s["mean"]) if gap["mean"] is not None and s["mean"]
-            else None,
-            "sync_per_seed": sync, "edit_per_seed": edit}
+            **gap_to_sync(edit, sync), "sync_per_seed": sync, "edit_per_seed": edit}
 
 
 def _findings(rows: list[dict[str, Any]]) -> list[str]:

@@ -84,6 +84,17 @@ def paired_differences(a: Iterable[Any], b: Iterable[Any]) -> dict[str, Any]:
     return out
 
 
+def gap_to_sync(edit: list[float | None], sync: list[float | None]) -> dict[str, Any]:
+    """EDiT's final losses against synchronous training's over paired seeds: both
+    methods' :func:`mean_std` (``edit``, ``sync``), the paired ``gap`` (edit - sync, by
+    :func:`paired_differences`) and ``relative_gap``, the gap's mean over sync's mean loss
+    (None when either is missing)."""
+    gap, s = paired_differences(edit, sync), mean_std(sync)
+    return {"sync": s, "edit": mean_std(edit), "gap": gap,
+            "relative_gap": gap["mean"] / s["mean"] if gap["mean"] is not None and s["mean"]
+            else None}
+
+
 def median_difference(a: dict[str, Any], b: dict[str, Any]) -> float | None:
     """The difference of two spreads' medians (None when either has none)."""
     if a.get("median") is None or b.get("median") is None:

@@ -20,7 +20,7 @@ from editrain.bench.plots import pyplot, save_figure
 from editrain.bench.prose import fill, prose
 from editrain.bench.runner import Bench
 from editrain.bench.scenario import Ctx, Job, Scenario, Table, Verdict
-from editrain.bench.stats import mean_std, paired_differences
+from editrain.bench.stats import gap_to_sync
 from editrain.bench.tables import percent
 
 TEXT = prose("tune")
@@ -182,11 +182,7 @@ def _notes(ctx: Ctx) -> list[str]:
 
 def _row(edit: list[float | None], sync: list[float | None]) -> dict[str, Any]:
     """Losses, the paired gap and the gap relative to sync's mean loss."""
-    gap = paired_differences(edit, sync)
-    s = mean_std(sync)
-    rel = (gap["mean"] / s["mean"]) if gap["mean"] is not None and s["mean"] else None
-    return {"edit": mean_std(edit), "sync": s, "gap": gap, "relative_gap": rel,
-            "edit_per_seed": edit, "sync_per_seed": sync}
+    return {**gap_to_sync(edit, sync), "edit_per_seed": edit, "sync_per_seed": sync}
 
 
 def recipe_options(grid: dict[str, list[tuple[str, dict]]], recipe: dict[str, str]
