@@ -63,24 +63,7 @@ from typing import Any
 
 import torch
 
-from editrain.metrics import to_json
-
-
-class _Lines:
-    """Appends JSON lines to a file, flushed after every line."""
-
-    def __init__(self, path: Path) -> None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        self._file = open(path, "a", encoding="utf-8")  # noqa: SIM115 (closed in close())
-
-    def write(self, row: dict[str, Any]) -> None:
-        """Append one row."""
-        self._file.write(to_json(row, separators=(",", ":")) + "\n")
-        self._file.flush()
-
-    def close(self) -> None:
-        """Close the file."""
-        self._file.close()
+from editrain.metrics import MetricsWriter, RankLog, to_json
 
 
 @torch.no_grad()
@@ -362,12 +345,11 @@ def train_replica(spec: dict[str, Any]) -> dict[str, Any]:
                             betas=(t.beta1, t.beta2), weight_decay=t.weight_decay)
     peer = (_Library(model, info, inner, cfg.sync) if info is not None
             else _Torchft(spec, model, inner, sync))
-    rank_log = _Lines(run_dir / "ranks" / f"rank{replica}.jsonl")
-    metrics = _Lines(run_dir / "metrics.jsonl") if replica == 0 else None
+    rank_log = RankLog(run_dir, replica)
+    metrics = MetricsWriter(run_dir, enabled=replica == 0, trackers=[])  # replica 0 logs
     per_step = t.batch_size * t.seq_len * t.gradient_accumulation_steps
     initial = evaluate(model, val)
-    if metrics is not None:
-        metrics.write({"step": 0, "tokens": 0, **initial, "wall_time_s": 0.0})
+    metrics.write({"step": 0, "tokens": 0, **initial, "wall_time_s": 0.0})
     start = time.perf_counter()
     try:
         with peer:
@@ -398,27 +380,24 @@ def train_replica(spec: dict[str, Any]) -> dict[str, Any]:
                                 "wall_time_s": wall, "step_time_s": step_time,
                                 "compute_s": step_time - sync_s, "sync_wait_s": sync_s,
                                 "grad_sync_s": 0.0})
-                if metrics is not None:
-                    row: dict[str, Any] = {
-                        "step": step + 1, "tokens": (step + 1) * per_step * replicas,
-                        "loss": total, "lr": lr_at(step, cfg), "wall_time_s": wall,
-                        "step_time_s": step_time, "compute_s": step_time - sync_s}
-                    if synced:
-                        # Blocking: (quorum,) all-reduce of the pseudo-gradients, outer step.
-                        row["sync"] = {"step": step + 1, "sync": syncs_before,
-                                       "wait_s": sync_s, "sync_time_s": sync_s,
-                                       "committed": peer.syncs() > syncs_before}
-                    metrics.write(row)
+                row: dict[str, Any] = {
+                    "step": step + 1, "tokens": (step + 1) * per_step * replicas,
+                    "loss": total, "lr": lr_at(step, cfg), "wall_time_s": wall,
+                    "step_time_s": step_time, "compute_s": step_time - sync_s}
+                if synced:
+                    # Blocking: (quorum,) all-reduce of the pseudo-gradients, outer step.
+                    row["sync"] = {"step": step + 1, "sync": syncs_before,
+                                   "wait_s": sync_s, "sync_time_s": sync_s,
+                                   "committed": peer.syncs() > syncs_before}
+                metrics.write(row)
         train_s = time.perf_counter() - start
         peer.finish()
         final = evaluate(model, val)  # after the last sync: the global model
-        if metrics is not None:
-            metrics.write({"step": t.steps, "tokens": t.steps * per_step * replicas, **final,
-                           "wall_time_s": time.perf_counter() - start})
+        metrics.write({"step": t.steps, "tokens": t.steps * per_step * replicas, **final,
+                       "wall_time_s": time.perf_counter() - start})
     finally:
         rank_log.close()
-        if metrics is not None:
-            metrics.close()
+        metrics.close()
     result = {"replica": replica, "initial_val_loss": initial["val_loss"],
               "final_val_loss": final["val_loss"], "val_tokens": final["val_tokens"],
               "num_syncs": peer.syncs(), "train_time_s": train_s, "steps": t.steps}
