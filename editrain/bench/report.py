@@ -13,7 +13,6 @@ number. Measurement errors a scenario flagged (e.g. a fraction of a measured lim
 
 from __future__ import annotations
 
-import re
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -22,7 +21,15 @@ from typing import Any
 from editrain.bench.headline import is_stale, readme_headline, relative_link
 from editrain.bench.machine import describe_machine
 from editrain.bench.prose import fill, prose
-from editrain.bench.results import TABLE_FILE, load_record, record_tables, target_word
+from editrain.bench.results import (
+    TABLE_FILE,
+    bullets,
+    error_lines,
+    load_record,
+    record_tables,
+    tables_lines,
+    target_word,
+)
 from editrain.bench.tables import md_table
 from editrain.config import ConfigError
 
@@ -30,9 +37,6 @@ TEXT = prose("report")
 HEADLINE_START = "<!-- bench-headline -->"
 HEADLINE_END = "<!-- /bench-headline -->"
 """The markers around the README's generated headline (table and plots)."""
-
-_IMAGE = re.compile(r"!\[([^\]]*)\]\(([^)]+)\)")
-
 
 def load_result(results_dir: str | Path) -> tuple[dict[str, Any], str]:
     """A scenario's ``results.json`` record and its ``table.md`` text ('' when absent).
@@ -98,25 +102,18 @@ def _section(results_dir: Path, record: dict[str, Any], table_md: str,
              f"size, {record.get('elapsed_s', 0):.0f} s, started {record.get('started')}"
              + (f", {record['repeats']} interleaved repeat(s) of every timed run"
                 if record.get("repeats") else "") + ".", ""]
-    for error in record.get("measurement_errors", []):
-        lines += [f"**MEASUREMENT ERROR (not a result):** {error}", ""]
+    lines += error_lines(record)
     if is_stale(record):
         lines += [f"**Old methodology:** {STALE_NOTE}", ""]
     lines += ["**What it shows.**", ""] + shows(record) + [""]
     short = falls_short(record)
-    lines += ["**Where editrain falls short.**", ""]
-    lines += [f"- {s}" for s in short] if short else \
-        ["- Nothing measured here: every target was met."]
-    lines.append("")
+    lines += bullets("**Where editrain falls short.**",
+                     short or ["Nothing measured here: every target was met."])
     tables = record_tables(record)
     if not tables and table_md:  # a format-1 record: its tables only exist in table.md
         tables = [("", _strip_page(table_md))]
-    for title, table in tables:
-        if title:
-            lines += [f"### {title}", ""]
-        lines += [table.rstrip("\n"), ""]
-    if record.get("notes"):
-        lines += ["### How it was measured", ""] + [f"- {n}" for n in record["notes"]] + [""]
+    lines += tables_lines(tables, "###")
+    lines += bullets("### How it was measured", record.get("notes", []))
     for plot in record.get("plots", []):
         lines += [f"![{plot}]({relative_link(results_dir / plot, out_dir)})", ""]
     return lines

@@ -54,10 +54,28 @@ def load_record(results_dir: str | Path) -> dict[str, Any]:
                      schema=Obj(), error=ValueError, what="benchmark results")
 
 
-
 def record_tables(record: dict[str, Any]) -> list[tuple[str, str]]:
     """The ``(title, markdown)`` tables stored in a record (none in format-1 records)."""
     return [(t.get("title", ""), t.get("markdown", "")) for t in record.get("tables", [])]
+
+
+def error_lines(record: dict[str, Any]) -> list[str]:
+    """The record's measurement errors, each a loud paragraph (never shown as a result)."""
+    return [x for e in record.get("measurement_errors", [])
+            for x in (f"**MEASUREMENT ERROR (not a result):** {e}", "")]
+
+
+def tables_lines(tables: list[tuple[str, str]], heading: str) -> list[str]:
+    """``(title, markdown)`` tables as page lines, each title a ``heading`` (``##``...)."""
+    lines: list[str] = []
+    for title, table in tables:
+        lines += ([f"{heading} {title}", ""] if title else []) + [table.rstrip("\n"), ""]
+    return lines
+
+
+def bullets(heading: str, items: list[str]) -> list[str]:
+    """A ``heading`` line and a bullet per item, or nothing without items."""
+    return [heading, ""] + [f"- {x}" for x in items] + [""] if items else []
 
 
 def render_page(record: dict[str, Any]) -> str:
@@ -83,36 +101,24 @@ def render_page(record: dict[str, Any]) -> str:
         lines[-1] += (f" Timed runs repeated {record['repeats']} time(s), interleaved; "
                       "tables give the median and [min-max].")
     lines.append("")
-    for error in record.get("measurement_errors", []):
-        lines += [f"**MEASUREMENT ERROR (not a result):** {error}", ""]
+    lines += error_lines(record)
     if record.get("user_overrides"):
         lines += ["Options given on the command line (applied to every run, over the "
                   f"scenario's own): `{json.dumps(record['user_overrides'])}`", ""]
     if record.get("skipped"):
         lines += [f"**Skipped:** {record['skipped']}", ""]
-    for title, table in record_tables(record):
-        if title:
-            lines += [f"## {title}", ""]
-        lines += [table.rstrip("\n"), ""]
-    if record.get("targets"):
-        lines += ["## Targets", ""]
-        for t in record["targets"]:
-            lines.append(f"- {t['name']}: **{target_word(t.get('met'))}**"
-                         + (f" ({t['detail']})" if t.get("detail") else ""))
-        lines.append("")
-    if record.get("findings"):
-        lines += ["## Findings", ""] + [f"- {f}" for f in record["findings"]] + [""]
-    if record.get("shortfalls"):
-        lines += ["## Shortfalls", ""] + [f"- {f}" for f in record["shortfalls"]] + [""]
-    if record.get("notes"):
-        lines += ["## How it was measured", ""] + [f"- {n}" for n in record["notes"]] + [""]
+    lines += tables_lines(record_tables(record), "##")
+    lines += bullets("## Targets", [f"{t['name']}: **{target_word(t.get('met'))}**"
+                                    + (f" ({t['detail']})" if t.get("detail") else "")
+                                    for t in record.get("targets", [])])
+    lines += bullets("## Findings", record.get("findings", []))
+    lines += bullets("## Shortfalls", record.get("shortfalls", []))
+    lines += bullets("## How it was measured", record.get("notes", []))
     if record.get("plots"):
         lines += ["## Plots", ""] + [f"![{p}]({p})" for p in record["plots"]] + [""]
-    failed = [label for label, r in record.get("runs", {}).items() if not r.get("ok")]
-    if failed:
-        lines += ["## Failed runs", ""]
-        lines += [f"- `{label}`: {record['runs'][label].get('error')}" for label in failed]
-        lines.append("")
+    lines += bullets("## Failed runs", [f"`{label}`: {r.get('error')}"
+                                        for label, r in record.get("runs", {}).items()
+                                        if not r.get("ok")])
     return "\n".join(lines)
 
 
@@ -133,5 +139,6 @@ def write_record(out_dir: Path, record: dict[str, Any]) -> str:
     return page
 
 
-__all__ = ["FORMAT", "RESULTS_FILE", "TABLE_FILE", "clean_json", "load_record",
-           "record_tables", "render_page", "target_word", "write_record"]
+__all__ = ["FORMAT", "RESULTS_FILE", "TABLE_FILE", "bullets", "clean_json", "error_lines",
+           "load_record", "record_tables", "render_page", "tables_lines", "target_word",
+           "write_record"]
