@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from editrain.bench.measures import val_curve
+from editrain.bench.measures import aedit_period, val_curve
 from editrain.bench.options import pick_names
 from editrain.bench.prose import fill, prose
 from editrain.bench.runner import Bench
@@ -62,14 +62,6 @@ twice as often); the other variants use the scenario's H."""
 METHODS = tuple(VARIANTS)
 REFERENCES = ("diloco", "sync", "edit", "edit-streaming")
 """Methods every other method is compared with, seed by seed (those that ran)."""
-
-
-def _aedit_period(edit_run: Any, interval: int) -> float:
-    """A-EDiT's sync period: ``H`` times the median step time of the EDiT run without a
-    sync in it, so that A-EDiT syncs about as often as EDiT does."""
-    step = median(r.get("step_time_s") for r in edit_run.rows if "sync" not in r) if edit_run \
-        else None
-    return round(max(0.2, interval * (step or 0.1)), 3)
 
 
 def common_options(bench: Bench) -> tuple[dict[str, Any], int, int, int]:
@@ -136,7 +128,7 @@ def _runs(ctx: Ctx):
         for method in ctx.variants:
             layers = [ctx.common, *variant_layers(method, seed, ctx.steps, ctx.interval)]
             if VARIANTS[method]["method"] == "aedit":
-                period = _aedit_period(edit_run, ctx.interval)
+                period = aedit_period(edit_run, ctx.interval)
                 if method == "aedit":
                     ctx.periods.append(period)
                 layers.append({"sync": {"local_sgd_sync_time": period}})

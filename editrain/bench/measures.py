@@ -6,7 +6,7 @@ import math
 from typing import Any
 
 from editrain.bench.runs import Run
-from editrain.bench.stats import finite, spread
+from editrain.bench.stats import finite, median, spread
 
 UTILISATION_TOLERANCE = 1e-6
 """Rounding slack when checking that a utilisation is at most 1."""
@@ -178,6 +178,18 @@ def run_refs(runs: list[Run]) -> dict[str, list[str]]:
     return {"runs": [r.label for r in runs], "errors": [r.error for r in runs if r.error]}
 
 
+def aedit_period(edit_run: Run | None, interval: int) -> float:
+    """A-EDiT's sync period for a comparison with EDiT: ``H`` times the median step time
+    of the EDiT run's steps without a sync, simulated stalls left out (the fast replica's
+    compute), so that A-EDiT syncs about as often as EDiT does; at least 0.2 s (0.1 s a
+    step without a finished EDiT run)."""
+    step = None
+    if edit_run is not None and edit_run.ok:
+        step = median(r.get("step_time_s", 0.0) - r.get("sim_stall_s", 0.0)
+                      for r in edit_run.rows if "sync" not in r)
+    return round(max(0.2, interval * (step or 0.1)), 3)
+
+
 def val_curve(run: Run) -> list[tuple[float, float, float]]:
     """``(tokens, wall_time_s, val_loss)`` of every evaluation, in token order."""
     out = []
@@ -188,5 +200,5 @@ def val_curve(run: Run) -> list[tuple[float, float, float]]:
     return sorted(out)
 
 
-__all__ = ["UTILISATION_TOLERANCE", "over_repeats", "rank_window", "replica_spreads",
+__all__ = ["UTILISATION_TOLERANCE", "aedit_period", "over_repeats", "rank_window", "replica_spreads",
            "replica_stats", "run_refs", "steady_throughput", "utilisation_errors", "val_curve"]

@@ -18,7 +18,7 @@ from __future__ import annotations
 from typing import Any
 
 from editrain.bench.limits import SoloPlan, bracketed_limit, measured_limit, plan_solo_runs
-from editrain.bench.measures import over_repeats, run_refs
+from editrain.bench.measures import aedit_period, over_repeats, run_refs
 from editrain.bench.options import timed_train
 from editrain.bench.plots import median_bars
 from editrain.bench.prose import fill, prose
@@ -85,7 +85,7 @@ def _runs(ctx: Ctx):
                     layers: list[dict[str, Any]] = [ctx.common, CASES[case], {"sync": sync}]
                     if sync["method"] == "aedit":
                         if case not in ctx.periods:  # timed once, then fixed for every repeat
-                            ctx.periods[case] = _period(runs["edit"][0], ctx.interval)
+                            ctx.periods[case] = aedit_period(runs["edit"][0], ctx.interval)
                         layers.append({"sync": {"local_sgd_sync_time": ctx.periods[case],
                                                 "min_total_global_steps": 2}})
                     runs[method].append((yield Job(repeat_label(f"{case}-{method}", rep),
@@ -137,15 +137,6 @@ def _settings(ctx: Ctx) -> dict[str, Any]:
             "case_options": {c: CASES[c] for c in ctx.cases},
             "solo_runs": {c: {p.labels[k]: {"replicas": p.replicas_of(k), "sim": p.sims[k]}
                               for k in p.layers} for c, p in ctx.solo_plans.items()}}
-
-
-def _period(edit_run: Run | None, interval: int) -> float:
-    """A-EDiT's sync period: H times the fast replica's median step time in ``edit``."""
-    step = None
-    if edit_run is not None and edit_run.ok:
-        step = median(r.get("step_time_s", 0.0) - r.get("sim_stall_s", 0.0)
-                      for r in edit_run.rows if "sync" not in r)
-    return round(max(0.2, interval * (step or 0.1)), 3)
 
 
 def _case_results(runs: dict[str, list[Run]], limits: list[dict[str, Any]],
