@@ -42,14 +42,6 @@ def _last(bench: Any) -> dict[str, Any]:
     return last
 
 
-def _sync_last(bench: Any) -> dict[str, Any]:
-    """The default run's options in synchronous mode (the options that apply to local SGD
-    only are left out by the bench, as ``editrain train`` would refuse them)."""
-    last = _last(bench)
-    last["sync"] = {**last["sync"], "method": "sync"}
-    return last
-
-
 def _results(ctx: Ctx) -> dict[str, Any]:
     out = {"default": _run_result(ctx.runs["default"])}
     if ctx.runs["default"].ok:
@@ -91,14 +83,10 @@ def _headline(ctx: Ctx) -> Verdict:
     return Verdict(headline=[fill(
         TEXT["headline"], r=result, minutes=result["launch_s"] / 60,
         overlap="" if overlap is None else fill(TEXT["overlap"], overlap=overlap),
-        vs_sync=_vs_sync_text(result, ctx.results["sync"]))])
-
-
-def _vs_sync_text(result: dict[str, Any], sync: dict[str, Any]) -> str:
-    """``; synchronous training ...`` on the same tokens, or nothing when that run failed."""
-    if result.get("vs_sync") is None:
-        return ""
-    return fill(TEXT["vs_sync"], r=result, sync=sync, minutes=sync["launch_s"] / 60)
+        # "; synchronous training ..." on the same tokens, nothing when that run failed
+        vs_sync="" if result.get("vs_sync") is None else fill(
+            TEXT["vs_sync"], r=result, sync=ctx.results["sync"],
+            minutes=ctx.results["sync"]["launch_s"] / 60))])
 
 
 SCENARIO = Scenario(
@@ -106,7 +94,10 @@ SCENARIO = Scenario(
     description=TEXT["description"],
     setup=lambda bench: {"last": _last(bench)},
     runs=lambda ctx: [Job("default", title="editrain train (defaults)", last=ctx.last),
-                      Job("sync", title="the same, synchronous", last=_sync_last(ctx.bench))],
+                      # The options that apply to local SGD only are left out by the
+                      # bench, as editrain train would refuse them.
+                      Job("sync", title="the same, synchronous",
+                          last={**ctx.last, "sync": {**ctx.last["sync"], "method": "sync"}})],
     measure=_results, judge=_headline, size_caveat=False,
     tables=[Table("The default run, and the same in synchronous mode", [
         ("run", None), ("val loss at start", "initial_val_loss"), ("final val loss", "final_val_loss"),

@@ -164,12 +164,6 @@ def _window(run: Run, cutoff: int) -> tuple[list[float], dict[int, list[float]]]
     return [rows[-1]["unix_time"] - start for rows in logs], times
 
 
-def _plain_numbers(run: Run) -> dict[str, Any]:
-    s = run.summary
-    return {"final_val_loss": s.get("final_val_loss"),
-            "useful_tokens": int(s.get("steps", 0)) * REPLICAS * _tokens_per_rank_step(run)}
-
-
 def _measure(runs: dict[str, Run], fail_at: int, interval: int, ckpt_every: int
              ) -> dict[str, dict[str, Any]]:
     """One repeat's numbers per system, with ratios against its own no-failure run."""
@@ -184,7 +178,10 @@ def _measure(runs: dict[str, Run], fail_at: int, interval: int, ckpt_every: int
             out[s] = {"error": run.error}
             continue
         nums = (_ft_numbers(run, fail_at if s == "ft-fail" else None, interval)
-                if s.startswith("ft") else _plain_numbers(run))
+                if s.startswith("ft") else
+                {"final_val_loss": run.summary.get("final_val_loss"),
+                 "useful_tokens": int(run.summary.get("steps", 0)) * REPLICAS
+                 * _tokens_per_rank_step(run)})
         nums["wall_s"] = run.launch_s
         nums["useful_tokens_per_s"] = nums["useful_tokens"] / run.launch_s
         if span > 0:

@@ -206,14 +206,6 @@ def group_rows(done: list[tuple[str, str, Spec, Run]], skip: int, straggler: boo
     return whole, held, own
 
 
-def _parse_link(link: tuple[str, str] | None) -> tuple[float | None, float]:
-    from editrain.sim import parse_bandwidth, parse_duration
-
-    if not link:
-        return None, 0.0
-    return parse_bandwidth(link[0]), parse_duration(link[1])
-
-
 def _predict(cal: Any, run_dir: Any, link: tuple[str, str] | None, sim: dict[str, Any],
              straggler: bool, step_time_s: float | None = None) -> Any:
     """The planner's prediction of one run from its settings and the calibration (the
@@ -222,9 +214,10 @@ def _predict(cal: Any, run_dir: Any, link: tuple[str, str] | None, sim: dict[str
     slowdown already, so none is added)."""
     from editrain.plan.calibrate import read_config
     from editrain.plan.model import predict
+    from editrain.sim import parse_bandwidth, parse_duration
 
     method, model = read_config(run_dir)
-    bw, lat = _parse_link(link)
+    bw, lat = (parse_bandwidth(link[0]), parse_duration(link[1])) if link else (None, 0.0)
     spread = cal.straggler_spread if straggler else 0.0
     prob, seconds = 0.0, 0.0
     if sim.get("random_stall"):

@@ -111,7 +111,7 @@ def _section(results_dir: Path, record: dict[str, Any], table_md: str,
                      short or ["Nothing measured here: every target was met."])
     tables = record_tables(record)
     if not tables and table_md:  # a format-1 record: its tables only exist in table.md
-        tables = [("", _strip_page(table_md))]
+        tables = [("", "\n".join(x for x in table_md.splitlines() if x.startswith("|")))]
     lines += tables_lines(tables, "###")
     lines += bullets("### How it was measured", record.get("notes", []))
     for plot in record.get("plots", []):
@@ -121,11 +121,6 @@ def _section(results_dir: Path, record: dict[str, Any], table_md: str,
 
 STALE_NOTE = TEXT["stale"]
 """What the report says of a record in the old (format 1) methodology."""
-
-
-def _strip_page(table_md: str) -> str:
-    """The tables of an old ``table.md`` page (its Markdown tables only)."""
-    return "\n".join(line for line in table_md.splitlines() if line.startswith("|"))
 
 
 def write_benchmarks_md(results_dirs: Sequence[str | Path],

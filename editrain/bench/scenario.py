@@ -90,10 +90,6 @@ class Verdict:
     errors: list[str] = field(default_factory=list)
 
 
-def _nothing(ctx: Ctx) -> Any:
-    return None
-
-
 @dataclass
 class Scenario:
     """A benchmark scenario, declared (see the module's docstring).
@@ -139,7 +135,7 @@ class Scenario:
     methods: Callable[[Ctx], Sequence[str]] = lambda ctx: list(ctx.results)
     plots: Sequence[Callable[[Ctx], Any]] = ()
     checks: Callable[[Ctx], Iterable[tuple[Sequence[dict], dict | None]]] | None = None
-    planned: Callable[[Ctx], int | None] = _nothing
+    planned: Callable[[Ctx], int | None] = lambda ctx: None
     repeats: bool = False
     size_caveat: bool = True
     unavailable: Callable[[], str | None] = lambda: None
