@@ -30,7 +30,7 @@ from editrain.config import load_config, to_dict
 
 GOLDEN = Path(__file__).parent / "golden" / "bench"
 SCENARIOS = ("optimizers", "spikes", "overlap", "convergence", "tune", "scale", "memory",
-             "default", "faults", "stragglers", "bandwidth", "peers")
+             "default", "faults", "stragglers", "bandwidth", "peers", "batch")
 """The scenarios whose whole pipeline runs on synthetic runs (memory's spawned
 measurement and default's read-back of the corpus split are made up too, by
 :data:`STAND_INS`; the others' smoke tests cover them)."""

@@ -25,17 +25,15 @@ import math
 from typing import Any
 
 from editrain.bench.convergence import RECIPE_H, variant_layers
-from editrain.bench.plots import pyplot, save_figure
 from editrain.bench.prose import fill, prose
 from editrain.bench.runner import Bench
 from editrain.bench.scale import SHAPES
 from editrain.bench.scale import chosen_shapes as scale_shapes
+from editrain.bench.scenario import WRITE, Ctx, Job, Scenario, Verdict, figure
 from editrain.bench.stats import gap_to_sync
 from editrain.bench.tables import md_table, mean_pm, percent
 
-NAME = "batch"
 TEXT = prose("batch")
-DESCRIPTION = TEXT["description"]
 RECIPE = "edit-recipe"
 """The convergence variant compared with sync."""
 METHODS = ("sync", RECIPE)
@@ -91,59 +89,52 @@ def chosen_shapes(bench: Bench) -> list[str]:
     return scale_shapes(bench, BATCH_SHAPES, BATCH_SHAPES)
 
 
-def run(bench: Bench) -> dict[str, Any]:
-    """Run the study; returns the record written to ``results.json`` (written after each
-    phase too)."""
+def _setup(bench: Bench) -> dict[str, Any]:
     batches, per_run, seq = sizes(bench)
-    seeds = int(bench.flags.get("seeds") or bench.pick(1, 3, 3))
-    shapes = chosen_shapes(bench)
-    for shape in shapes:
-        for tokens in batches:
+    # grid[shape, tokens, method][lr] = seed 0's loss; losses[shape, tokens, method] = per
+    # seed; info[shape, tokens, method] = the syncs and wall time of its last finished run
+    return {"batches": batches, "per_run": per_run, "seq": seq, "grid": {}, "losses": {},
+            "info": {}, "seeds": int(bench.flags.get("seeds") or bench.pick(1, 3, 3)),
+            "shapes": chosen_shapes(bench), "seeds_done": 0}
+
+
+def _train(ctx: Ctx, shape: str, method: str, seed: int, tokens: int, lr: float):
+    """One run, for ``yield from``: its final loss (None when it failed)."""
+    r = yield Job(f"{shape}-b{tokens}-{method}-lr{lr:g}-seed{seed}",
+                  run_layers(shape, method, seed, tokens, ctx.per_run, ctx.seq, lr),
+                  title=f"{shape} {tokens} tok/step {method} lr {lr:g} seed {seed}")
+    if r.ok:
+        ctx.info.setdefault((shape, tokens, method), {}).update(
+            {"syncs": r.summary.get("num_syncs"), "wall_time_s": r.summary.get("wall_time_s")})
+    return r.final_val_loss if r.ok else None
+
+
+def _runs(ctx: Ctx):
+    """Per shape, smallest first (a cut-short study has it whole): the grid at every batch,
+    then each further seed at the best rates; the record is written after each phase."""
+    for shape in ctx.shapes:
+        for tokens in ctx.batches:
             for method in METHODS:
+                g = {}
                 for lr in grid_lrs(tokens):
-                    bench.check(*run_layers(shape, method, 0, tokens, per_run, seq, lr))
-    bench.plan(len(shapes) * len(batches) * len(METHODS) * (len(LR_FACTORS) + seeds - 1))
-    # (the plan leaves out the points EXTEND may add)
-    settings = {"tokens_per_replica_per_run": per_run, "seq_len": seq, "batches": list(batches),
-                "seeds": seeds, "shapes": shapes, "lr_factors": list(LR_FACTORS),
-                "lr_extend": EXTEND,
-                "base_lr": BASE_LR, "recipe_interval_steps": RECIPE_H[RECIPE]}
-    # grid[shape, tokens, method][lr] = seed 0's loss; losses[shape, tokens, method] = per seed
-    grid: dict[tuple[str, int, str], dict[float, float | None]] = {}
-    losses: dict[tuple[str, int, str], list[float | None]] = {}
-    info: dict[tuple[str, int, str], dict[str, Any]] = {}
-
-    def train(shape: str, method: str, seed: int, tokens: int, lr: float):
-        label = f"{shape}-b{tokens}-{method}-lr{lr:g}-seed{seed}"
-        r = bench.train(label, *run_layers(shape, method, seed, tokens, per_run, seq, lr),
-                        title=f"{shape} {tokens} tok/step {method} lr {lr:g} seed {seed}")
-        if r.ok:
-            info.setdefault((shape, tokens, method), {}).update(
-                {"syncs": r.summary.get("num_syncs"), "wall_time_s": r.summary.get("wall_time_s")})
-        return r.final_val_loss if r.ok else None
-
-    record: dict[str, Any] = {}
-    for shape in shapes:  # smallest shape first: a cut-short study has it whole
-        for tokens in batches:
-            for method in METHODS:
-                g = {lr: train(shape, method, 0, tokens, lr) for lr in grid_lrs(tokens)}
+                    g[lr] = yield from _train(ctx, shape, method, 0, tokens, lr)
                 for _ in range(EXTEND):
                     beyond = next_lr(g)
                     if beyond is None:
                         break
-                    g[beyond] = train(shape, method, 0, tokens, beyond)
-                grid[shape, tokens, method] = dict(sorted(g.items()))
-                losses[shape, tokens, method] = [grid[shape, tokens, method][
-                    best_lr(grid[shape, tokens, method])]]
-        record = _write(bench, settings, shapes, batches, per_run, grid, losses, info, 1)
-        for seed in range(1, seeds):
-            for tokens in batches:
-                for method in METHODS:
-                    lr = best_lr(grid[shape, tokens, method])
-                    losses[shape, tokens, method].append(train(shape, method, seed, tokens, lr))
-            record = _write(bench, settings, shapes, batches, per_run, grid, losses, info,
-                            seed + 1)
-    return record
+                    g[beyond] = yield from _train(ctx, shape, method, 0, tokens, beyond)
+                g = ctx.grid[shape, tokens, method] = dict(sorted(g.items()))
+                ctx.losses[shape, tokens, method] = [g[best_lr(g)]]
+        for seed in range(1, ctx.seeds + 1):
+            ctx.seeds_done = seed
+            if seed > 1:
+                for tokens in ctx.batches:
+                    for method in METHODS:
+                        lr = best_lr(ctx.grid[shape, tokens, method])
+                        ctx.losses[shape, tokens, method].append(
+                            (yield from _train(ctx, shape, method, seed - 1, tokens, lr)))
+            if shape != ctx.shapes[-1] or seed < ctx.seeds:  # the runner writes the last
+                yield WRITE
 
 
 def next_lr(losses_by_lr: dict[float, float | None]) -> float | None:
@@ -243,58 +234,83 @@ def findings(rows: list[dict[str, Any]]) -> list[str]:
     return out
 
 
-def _write(bench: Bench, settings: dict[str, Any], shapes: list[str], batches: tuple[int, ...],
-           per_run: int, grid, losses, info, seeds_done: int) -> dict[str, Any]:
-    """Write the record of what has finished so far (``seeds_done`` seeds of the last
-    shape begun; later shapes not begun are left out)."""
-    rows = [batch_row(shape, tokens, per_run, {m: grid[shape, tokens, m] for m in METHODS},
-                      losses[shape, tokens, "sync"], losses[shape, tokens, RECIPE],
-                      {m: info.get((shape, tokens, m), {}) for m in METHODS})
-            for shape in shapes for tokens in batches if (shape, tokens, "sync") in losses]
+def _measure(ctx: Ctx) -> dict[str, Any]:
+    """The rows of what has finished so far (``seeds_done`` seeds of the last shape begun;
+    later shapes not begun are left out)."""
+    return {"batches": [
+        batch_row(shape, tokens, ctx.per_run,
+                  {m: ctx.grid[shape, tokens, m] for m in METHODS},
+                  ctx.losses[shape, tokens, "sync"], ctx.losses[shape, tokens, RECIPE],
+                  {m: ctx.info.get((shape, tokens, m), {}) for m in METHODS})
+        for shape in ctx.shapes for tokens in ctx.batches
+        if (shape, tokens, "sync") in ctx.losses]}
+
+
+def _settings(ctx: Ctx) -> dict[str, Any]:
+    return {"tokens_per_replica_per_run": ctx.per_run, "seq_len": ctx.seq,
+            "batches": list(ctx.batches), "seeds": ctx.seeds, "shapes": ctx.shapes,
+            "lr_factors": list(LR_FACTORS), "lr_extend": EXTEND, "base_lr": BASE_LR,
+            "recipe_interval_steps": RECIPE_H[RECIPE], "seeds_done": ctx.seeds_done}
+
+
+def _judge(ctx: Ctx) -> Verdict:
+    rows = ctx.results["batches"]
     found = findings(rows)
-    notes = fill(TEXT["notes"], per_run=per_run, settings=settings, recipe=RECIPE,
-                 h=RECIPE_H[RECIPE], n_factors=len(LR_FACTORS),
-                 factors=", ".join(f"{f:g}" for f in LR_FACTORS), base_lr=BASE_LR,
-                 base_tokens=BASE_TOKENS, extend=EXTEND, seeds_done=seeds_done,
-                 shapes="; ".join(f"{s} = {SHAPES[s]}" for s in shapes))
-    plots = [_plot(bench, rows)] if any(r["relative_gap"] is not None for r in rows) else []
     target = {"name": fill(TEXT["target"], recipe=RECIPE, within=WITHIN),
               "met": (None if not rows or any(r["relative_gap"] is None for r in rows)
                       else any(r["relative_gap"] <= WITHIN for r in rows)),
               "detail": "; ".join(f"{r['shape']} {r['tokens_per_step']}: "
                                   f"{percent(r['relative_gap'])}" for r in rows)}
-    headline = ([fill(TEXT["headline"], seeds=seeds_done, rows="; ".join(
+    headline = ([fill(TEXT["headline"], seeds=ctx.seeds_done, rows="; ".join(
                      f"{r['shape']} {r['tokens_per_step']:,} tok/step "
                      f"{percent(r['relative_gap'])}" for r in rows))]
                 if rows and all(r["relative_gap"] is not None for r in rows) else [])
-    return bench.finish(
-        settings={**settings, "seeds_done": seeds_done}, methods=METHODS,
-        results={"batches": rows},
-        tables=[("Gap to synchronous training by batch, equal tokens", table(rows)),
-                ("Learning-rate grid (seed 0)", grid_table(rows))],
-        targets=[target], findings=found, notes=notes, plots=plots, description=DESCRIPTION,
-        headline=headline, shortfalls=[f for f in found if "does not shrink" in f])
+    return Verdict(targets=[target], findings=found, headline=headline,
+                   shortfalls=[f for f in found if "does not shrink" in f])
 
 
-def _plot(bench: Bench, rows: list[dict[str, Any]]):
+def _plot(ctx: Ctx):
     """The relative gap (mean per shape, each seed's as points) against the batch."""
-    plt = pyplot()
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for shape in dict.fromkeys(r["shape"] for r in rows):
-        done = [r for r in rows if r["shape"] == shape and r["relative_gap"] is not None]
-        xs = [r["tokens_per_step"] for r in done]
-        line = ax.plot(xs, [100 * r["relative_gap"] for r in done], "o-",
-                       label=f"{shape}: {RECIPE} - sync (mean)")[0]
-        for r in done:
-            vals = r["relative_gap_per_seed"]
-            ax.scatter([r["tokens_per_step"]] * len(vals), [100 * v for v in vals], s=12,
-                       color=line.get_color(), alpha=0.5)
-    ax.axhline(100 * WITHIN, color="red", linestyle="--", linewidth=1,
-               label=f"within {WITHIN:.0%}")
-    ax.axhline(0, color="black", linewidth=0.5)
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("tokens per replica per step (equal tokens per run)")
-    ax.set_ylabel("final val loss gap to sync (% of sync's)")
-    ax.set_title(f"EDiT (recipe, H = {RECIPE_H[RECIPE]} steps) vs sync by batch")
-    ax.legend(fontsize=8)
-    return save_figure(fig, bench.out_dir / "gap_by_batch.png")
+    rows = ctx.results["batches"]
+    if not any(r["relative_gap"] is not None for r in rows):
+        return None
+    with figure(ctx, "gap_by_batch.png", "tokens per replica per step (equal tokens per run)",
+                "final val loss gap to sync (% of sync's)", size=(6, 4), grid=None,
+                title=f"EDiT (recipe, H = {RECIPE_H[RECIPE]} steps) vs sync by batch") as ax:
+        for shape in dict.fromkeys(r["shape"] for r in rows):
+            done = [r for r in rows if r["shape"] == shape and r["relative_gap"] is not None]
+            xs = [r["tokens_per_step"] for r in done]
+            line = ax.plot(xs, [100 * r["relative_gap"] for r in done], "o-",
+                           label=f"{shape}: {RECIPE} - sync (mean)")[0]
+            for r in done:
+                vals = r["relative_gap_per_seed"]
+                ax.scatter([r["tokens_per_step"]] * len(vals), [100 * v for v in vals], s=12,
+                           color=line.get_color(), alpha=0.5)
+        ax.axhline(100 * WITHIN, color="red", linestyle="--", linewidth=1,
+                   label=f"within {WITHIN:.0%}")
+        ax.axhline(0, color="black", linewidth=0.5)
+        ax.set_xscale("log", base=2)
+    return ctx.plot
+
+
+SCENARIO = Scenario(
+    name="batch",
+    description=TEXT["description"],
+    setup=_setup, runs=_runs, measure=_measure, judge=_judge, settings=_settings,
+    plots=[_plot], methods=lambda ctx: METHODS,
+    checks=lambda ctx: [(run_layers(shape, method, 0, tokens, ctx.per_run, ctx.seq, lr), None)
+                        for shape in ctx.shapes for tokens in ctx.batches
+                        for method in METHODS for lr in grid_lrs(tokens)],
+    # (the plan leaves out the points EXTEND may add)
+    planned=lambda ctx: (len(ctx.shapes) * len(ctx.batches) * len(METHODS)
+                         * (len(LR_FACTORS) + ctx.seeds - 1)),
+    tables=[lambda ctx: [
+        ("Gap to synchronous training by batch, equal tokens", table(ctx.results["batches"])),
+        ("Learning-rate grid (seed 0)", grid_table(ctx.results["batches"]))]],
+    notes=lambda ctx: fill(
+        TEXT["notes"], per_run=ctx.per_run, settings=_settings(ctx), recipe=RECIPE,
+        h=RECIPE_H[RECIPE], n_factors=len(LR_FACTORS),
+        factors=", ".join(f"{f:g}" for f in LR_FACTORS), base_lr=BASE_LR,
+        base_tokens=BASE_TOKENS, extend=EXTEND, seeds_done=ctx.seeds_done,
+        shapes="; ".join(f"{s} = {SHAPES[s]}" for s in ctx.shapes)),
+)

@@ -3,7 +3,7 @@
 A scenario module declares ``SCENARIO = Scenario(...)``: how it sizes itself
 (``setup``), its training runs (``runs``: a list of :class:`Job`, or, for runs that
 depend on earlier ones, a generator that yields a job, or a list of jobs to run at the
-same time, and is sent the finished run or runs), what it measures from them
+same time, and is sent the finished run or runs, or :data:`WRITE`), what it measures from them
 (``measure``), its tables (:class:`Table`), its plots, its verdict (targets, findings, shortfalls, headline) and how it was measured (``notes``).
 :func:`execute` does the rest the same way for every scenario: check every run's options
 before the first starts, run the jobs (progress, time limits, ``--reuse``), derive the
@@ -24,6 +24,10 @@ from typing import Any
 
 from editrain.bench.plots import pyplot, save_figure
 from editrain.bench.tables import md_table
+
+WRITE = object()
+"""Yielded by a generator of runs instead of a job: write the record of what has finished
+so far (a long study cut short keeps its finished phases); it is sent the record."""
 
 
 class Ctx(types.SimpleNamespace):
@@ -172,9 +176,16 @@ def execute(scenario: Scenario, bench: Any) -> dict[str, Any]:
         run = None
         try:
             while True:
-                run = _train(bench, ctx, jobs.send(run))
+                job = jobs.send(run)
+                run = _record(scenario, ctx) if job is WRITE else _train(bench, ctx, job)
         except StopIteration:
             pass
+    return _record(scenario, ctx)
+
+
+def _record(scenario: Scenario, ctx: Ctx) -> dict[str, Any]:
+    """Measure what has finished, judge it and write the record (``Bench.finish``)."""
+    bench = ctx.bench
     ctx.results = scenario.measure(ctx)
     if getattr(ctx, "skipped", None):  # the measure found nothing to report
         return bench.finish(settings={}, methods=[], results=ctx.results, tables=[],
@@ -235,4 +246,4 @@ def figure(ctx: Ctx, file: str, xlabel: str = "", ylabel: str = "",
     ctx.plot = save_figure(fig, ctx.bench.out_dir / file)
 
 
-__all__ = ["Ctx", "Job", "Scenario", "Table", "Verdict", "execute", "figure"]
+__all__ = ["WRITE", "Ctx", "Job", "Scenario", "Table", "Verdict", "execute", "figure"]
