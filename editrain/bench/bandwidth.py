@@ -16,7 +16,7 @@ from __future__ import annotations
 from typing import Any
 
 from editrain.bench.measures import over_repeats, replica_spreads, run_refs
-from editrain.bench.options import timed_train
+from editrain.bench.options import pick_names, timed_train
 from editrain.bench.plots import median_bars
 from editrain.bench.prose import fill, prose
 from editrain.bench.runner import Bench, repeat_label
@@ -77,12 +77,7 @@ def _links(bench: Bench) -> list[tuple[str | None, str | None]]:
     chosen = bench.flags.get("links")
     if not chosen:
         return links
-    by_name = {link_name(*x): x for x in full}
-    names = [n.strip() for n in chosen.split(",") if n.strip()]
-    unknown = [n for n in names if n not in by_name]
-    if unknown:
-        raise ConfigError(f"bench --links: unknown link(s) {', '.join(unknown)}; allowed: "
-                          f"{', '.join(by_name)}")
+    names = pick_names(chosen, [link_name(*x) for x in full], "--links", "link")
     if UNLIMITED not in names:
         raise ConfigError(f"bench --links: include {UNLIMITED!r}; every ratio divides by "
                           "the unlimited-link run")

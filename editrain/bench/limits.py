@@ -158,8 +158,7 @@ def measured_limit(plan: SoloPlan, solo_runs: dict[str, Run], skip: int) -> dict
     """
     speeds = {key: solo_speed(run, skip) for key, run in solo_runs.items()}
     per_replica = [speeds[key]["tokens_per_s"] for key in plan.replica_keys]
-    total = sum(per_replica) if all(v is not None for v in per_replica) else None
-    return {"tokens_per_s": total, "per_replica": per_replica,
+    return {"tokens_per_s": _total(per_replica), "per_replica": per_replica,
             "utilisation": {plan.labels[k]: s["utilisation"] for k, s in speeds.items()}}
 
 
@@ -209,9 +208,7 @@ def matched_limit(plan: SoloPlan, solo_runs: dict[str, Run], run: Run,
         first, last = window["from_step"], window["to_step"]
         steps.append([first, last])
         per_replica.append(solo_speed_over(solo_runs[key], first, last))
-    total = sum(per_replica) if per_replica and all(v is not None for v in per_replica) \
-        else None
-    return {"tokens_per_s": total, "per_replica": per_replica, "steps": steps}
+    return {"tokens_per_s": _total(per_replica), "per_replica": per_replica, "steps": steps}
 
 
 def bracketed_limit(plan: SoloPlan, brackets: Sequence[dict[str, Run]], run: Run,
@@ -231,18 +228,19 @@ def bracketed_limit(plan: SoloPlan, brackets: Sequence[dict[str, Run]], run: Run
         ``brackets`` (each bracket's limit) and ``drift`` (their range over their mean).
     """
     each = [matched_limit(plan, solos, run, skip) for solos in brackets]
-    per_replica: list[float | None] = []
-    for replica in range(len(plan.replica_keys)):
-        values = [x["per_replica"][replica] for x in each]
-        per_replica.append(sum(values) / len(values)
-                           if values and all(v is not None for v in values) else None)
-    total = sum(per_replica) if per_replica and all(v is not None for v in per_replica) \
-        else None
+    per_replica = [None if _total(v) is None else _total(v) / len(v) for v in
+                   ([x["per_replica"][replica] for x in each]
+                    for replica in range(len(plan.replica_keys)))]
     totals = [x["tokens_per_s"] for x in each]
-    drift = ((max(totals) - min(totals)) / (sum(totals) / len(totals))
-             if totals and all(t is not None for t in totals) else None)
-    return {"tokens_per_s": total, "per_replica": per_replica,
+    drift = (None if _total(totals) is None
+             else (max(totals) - min(totals)) / (_total(totals) / len(totals)))
+    return {"tokens_per_s": _total(per_replica), "per_replica": per_replica,
             "steps": each[0]["steps"] if each else [], "brackets": totals, "drift": drift}
+
+
+def _total(values: Sequence[float | None]) -> float | None:
+    """The sum of ``values``; None when there are none or one is missing (a failed run)."""
+    return sum(values) if values and all(v is not None for v in values) else None
 
 
 __all__ = ["SoloPlan", "bracketed_limit", "matched_limit", "measured_limit", "plan_solo_runs",
