@@ -126,6 +126,10 @@ _ENCODE_BATCH_CHARS = 1 << 20
 # with 64 KiB, against 153 for 20 MB of ordinary files; 2-core AMD EPYC), and one huge
 # string would materialise a Python list with an int object per token.
 _MAX_PIECE_CHARS = 1 << 16
+# A pass over at least this much text is encoded in worker processes (encode_pool): their
+# start (an interpreter, the tokenizer loaded) costs about a second, a few percent of such
+# a pass; a smaller one is encoded in the build's process.
+_POOL_MIN_CHARS = 32 << 20
 # Where a piece may end: where a byte-level BPE with GPT-2's pre-tokenizer (editrain's own
 # tokenizer) splits the text anyway, so that the pieces encode into exactly the tokens of
 # the whole document. In order of preference: after a newline between two non-space
@@ -497,7 +501,8 @@ class _DocumentEncoder:
 
     _QUEUED = 2  # batches waiting for the encoder thread at most
 
-    def __init__(self, tok, eos: int, policy: str, dtype: np.dtype, out) -> None:
+    def __init__(self, tok, eos: int, policy: str, dtype: np.dtype, out,
+                 workers: int = 0) -> None:
         self._tok, self._out, self._dtype = tok, out, dtype
         self._before, self._after = policy == "prepend", policy == "append"
         self._sep = np.array([eos], dtype=dtype)
@@ -511,6 +516,14 @@ class _DocumentEncoder:
         # 8 bytes per document, summed by close() (a document may span batches).
         self._counts: list[tuple[int, np.ndarray]] = []
         self._error: BaseException | None = None
+        self._pool = None
+        if workers:
+            # Imported here: the pool's workers run that module, which must not be imported
+            # by its package's __init__ first.
+            from .encode_pool import EncoderPool
+
+            self._pool = EncoderPool(tok.to_str(), eos, policy, dtype, workers, self._write)
+            return
         self._queue: queue.Queue = queue.Queue(maxsize=self._QUEUED)
         self._thread = threading.Thread(target=self._work, name="editrain-encode", daemon=True)
         self._thread.start()
@@ -530,11 +543,20 @@ class _DocumentEncoder:
             if self._chars >= _ENCODE_BATCH_CHARS:
                 self._flush()
 
+    def skip(self) -> None:
+        """Count the next document as one of no tokens (an exact duplicate of an earlier
+        one, which no split keeps)."""
+        self._docs += 1
+
     def close(self) -> np.ndarray:
-        """Encode what is left, wait for the thread; return every document's token count."""
+        """Encode what is left, wait for the thread or processes; return every document's
+        token count."""
         self._flush()
-        self._put(None)
-        self._thread.join()
+        if self._pool is not None:
+            self._pool.close()
+        else:
+            self._put(None)
+            self._thread.join()
         if self._error is not None:
             raise self._error
         counts = np.zeros(self._docs, dtype=np.int64)
@@ -542,8 +564,15 @@ class _DocumentEncoder:
             counts[first : first + len(part)] += part
         return counts
 
+    def abort(self) -> None:
+        """Stop the encoder processes after a failure (the thread is a daemon)."""
+        if self._pool is not None:
+            self._pool.abort()
+
     def _flush(self) -> None:
-        if self._batch:
+        if self._batch and self._pool is not None:
+            self._pool.send(self._batch, self._firsts, self._lasts, tag=self._owners)
+        elif self._batch:
             self._put((self._batch, self._owners, self._firsts, self._lasts))
         self._batch, self._owners, self._firsts, self._lasts, self._chars = [], [], [], [], 0
 
@@ -572,11 +601,7 @@ class _DocumentEncoder:
                         parts.append(self._sep)
                     sizes.append(len(ids) + (self._before and firsts[i])
                                  + (self._after and lasts[i]))
-                np.concatenate(parts).tofile(self._out)
-                # A batch holds consecutive documents: summed per document from its first.
-                per_doc = np.zeros(owners[-1] - owners[0] + 1, dtype=np.int64)
-                np.add.at(per_doc, np.asarray(owners) - owners[0], sizes)
-                self._counts.append((owners[0], per_doc))
+                self._write(np.concatenate(parts), sizes, owners)
                 del batch, item, parts
                 # The batch's encodings (about 25 bytes per character, in the tokenizer
                 # threads' heaps) are freed now; without a trim the pages stay resident
@@ -588,14 +613,29 @@ class _DocumentEncoder:
             self._error = exc
 
 
+    def _write(self, ids: np.ndarray, sizes, owners: list[int]) -> None:
+        """Write one encoded batch (``sizes``: every piece's tokens, separators included;
+        ``owners``: every piece's document)."""
+        ids.tofile(self._out)
+        # A batch holds consecutive documents: summed per document from its first.
+        per_doc = np.zeros(owners[-1] - owners[0] + 1, dtype=np.int64)
+        np.add.at(per_doc, np.asarray(owners) - owners[0], sizes)
+        self._counts.append((owners[0], per_doc))
+
+
 def _encode_to_file(tok, docs: Iterable[str], eos: int, policy: str, dtype: np.dtype,
-                    out) -> int:
+                    out, workers: int = 0) -> int:
     """Encode ``docs`` into ``out``, separated by ``eos`` as ``policy`` (one of
-    ``EOS_POLICIES``) says; return the number of tokens written."""
-    encoder = _DocumentEncoder(tok, eos, policy, dtype, out)
-    for doc in docs:
-        encoder.add(doc)
-    return int(encoder.close().sum())
+    ``EOS_POLICIES``) says, in ``workers`` processes (0: in this one); return the number of
+    tokens written."""
+    encoder = _DocumentEncoder(tok, eos, policy, dtype, out, workers)
+    try:
+        for doc in docs:
+            encoder.add(doc)
+        return int(encoder.close().sum())
+    except BaseException:
+        encoder.abort()
+        raise
 
 
 def _split_texts(docs: Iterable[Document], plan: SplitPlan, side: int,
@@ -694,10 +734,11 @@ def _sample_kept(taken: dict[int, int], plan: SplitPlan, cut_train: int | None =
 
 
 def _encode_split(tok, texts: Iterable[str], eos: int, policy: str, dtype: np.dtype,
-                  path: Path) -> int:
-    """Encode ``texts`` into ``path`` (durably); return the number of tokens written."""
+                  path: Path, workers: int = 0) -> int:
+    """Encode ``texts`` into ``path`` (durably), in ``workers`` processes (0: in this one);
+    return the number of tokens written."""
     with open(path, "wb") as out:
-        n = _encode_to_file(tok, texts, eos, policy, dtype, out)
+        n = _encode_to_file(tok, texts, eos, policy, dtype, out, workers)
         out.flush()
         os.fsync(out.fileno())
     return n
@@ -843,13 +884,24 @@ def _build_entry(
     *,
     sample_bytes: int | None = None,
     train_bpe=None,
+    pool_chars: int | None = None,
 ) -> None:
     """Build the cache entry ``entry`` from the text sources ``refs`` (see the module's
     docstring). ``sample_bytes`` (default :data:`BPE_SAMPLE_BYTES`) bounds the text an own
     BPE tokenizer is trained on, ``train_bpe`` (default
-    :func:`~editrain.data.tokenizer.train_bpe_tokenizer`) trains it: both for tests."""
+    :func:`~editrain.data.tokenizer.train_bpe_tokenizer`) trains it, ``pool_chars``
+    (default ``_POOL_MIN_CHARS``) is the least text encoded in worker processes: all for
+    tests."""
     sample_bytes = BPE_SAMPLE_BYTES if sample_bytes is None else sample_bytes
     train_bpe = train_bpe_tokenizer if train_bpe is None else train_bpe
+    pool_chars = _POOL_MIN_CHARS if pool_chars is None else pool_chars
+
+    def workers(share: float) -> int:
+        """Encoder processes for a pass over ``share`` of the corpus (0: in this one)."""
+        from .encode_pool import pool_workers
+
+        chars = share * (bar.expected_chars or 0)
+        return pool_workers() if chars >= pool_chars else 0
     t0 = time.monotonic()
     if entry.exists():
         # Leftovers of an interrupted build: never trust partially written files.
@@ -885,14 +937,26 @@ def _build_entry(
         # One pass describes and encodes every document: the split is planned afterwards
         # from the descriptions, and each side is then copied out of the encoded corpus.
         with open(all_path, "wb") as out:
-            encoder = _DocumentEncoder(tok, eos, eos_policy, dtype, out)
+            encoder = _DocumentEncoder(tok, eos, eos_policy, dtype, out, workers(1.0))
             recent = _RecentTexts(split["val_fraction"],
                                   split["val_tokens"] * _BYTES_PER_TOKEN_GUESS)
-            for doc in corpus("reading and tokenising", _COST_DESCRIBE + _COST_ENCODE):
-                table.add(doc)
-                encoder.add(doc.text)
-                recent.add(doc.text)
-            counts = encoder.close()
+            # Every split drops exact duplicates but their first copy: later copies are
+            # not encoded (11% of the tokens of 1 GB of installed Python files).
+            seen: set[bytes] = set()
+            try:
+                for doc in corpus("reading and tokenising", _COST_DESCRIBE + _COST_ENCODE):
+                    digest = table.add(doc)
+                    if digest in seen:
+                        encoder.skip()
+                    else:
+                        seen.add(digest)
+                        encoder.add(doc.text)
+                    recent.add(doc.text)
+                counts = encoder.close()
+            except BaseException:
+                encoder.abort()
+                raise
+            seen = None
     val_tokens = split["val_tokens"]
     bytes_per_token = _BYTES_PER_TOKEN_GUESS
     tok_file = entry / "tokenizer.json"
@@ -932,7 +996,7 @@ def _build_entry(
         texts = _split_texts(corpus("tokenising validation",
                                     _COST_READ + _COST_ENCODE * val_share),
                              plan, 1, cut_val, cut_train)
-        n = _encode_split(tok, texts, eos, eos_policy, dtype, tmp["val"])
+        n = _encode_split(tok, texts, eos, eos_policy, dtype, tmp["val"], workers(val_share))
         return n, cut_val, cut_train[0] if cut_train else None
 
     for attempt in range(_SPLIT_ATTEMPTS):
@@ -977,7 +1041,7 @@ def _build_entry(
         n_train = _encode_split(tok, _split_texts(corpus("tokenising training", _COST_READ
                                                      + _COST_ENCODE * (1 - val_share)),
                                                   plan, 0),
-                                eos, eos_policy, dtype, tmp["train"])
+                                eos, eos_policy, dtype, tmp["train"], workers(1 - val_share))
     else:
         n_train, n_val = _copy_sides(all_path, counts, plan, dtype, tmp, cut)
     all_path.unlink(missing_ok=True)

@@ -225,8 +225,9 @@ class DocumentTable:
     def __len__(self) -> int:
         return self._n
 
-    def add(self, doc: Document) -> None:
-        """Describe ``doc`` (one pass over its text) and append its row."""
+    def add(self, doc: Document) -> bytes:
+        """Describe ``doc`` (one pass over its text) and append its row; return its text's
+        sha1 digest (equal digests: exact duplicates)."""
         data = doc.text.encode("utf-8", "surrogatepass")
         sig = _signature(doc.text, data)
         kind = self._kinds.code(doc.kind)
@@ -241,7 +242,8 @@ class DocumentTable:
         block["nbytes"][r] = len(data)
         block["family"][r] = self._families.code(doc.family)
         block["kind"][r] = kind
-        block["digest"][r] = np.frombuffer(hashlib.sha1(data).digest(), dtype=np.uint8)
+        digest = hashlib.sha1(data).digest()
+        block["digest"][r] = np.frombuffer(digest, dtype=np.uint8)
         if len(sig):
             block["signed"][r] = True
             self._signatures[-1][r] = sig
@@ -253,6 +255,7 @@ class DocumentTable:
             with open(self._spill, "ab") as out:
                 self._signatures[-1].tofile(out)
             self._signatures[-1] = None
+        return digest
 
     def _column(self, key: str) -> np.ndarray:
         if self._joined is None:
