@@ -21,9 +21,9 @@ from editrain.bench.plots import median_bars
 from editrain.bench.prose import fill, prose
 from editrain.bench.runner import Bench, repeat_label
 from editrain.bench.runs import Run
-from editrain.bench.scenario import Ctx, Job, Scenario, Verdict, figure
+from editrain.bench.scenario import Ctx, Job, Scenario, Verdict, differences, figure
 from editrain.bench.stats import compare, spread
-from editrain.bench.tables import cell, md_table, ms, ratio, spread_cell, verdict_cell
+from editrain.bench.tables import cell, md_table, ms, ratio, spread_cell
 from editrain.config import ConfigError
 
 TEXT = prose("bandwidth")
@@ -228,15 +228,11 @@ def _notes(ctx: Ctx) -> list[str]:
                 streaming=_options_text(STREAMING), sweep_name=link_name(*SWEEP_LINK))
 
 
-def _tables(ctx: Ctx) -> list[tuple[str, str]]:
-    sweep_name = link_name(*SWEEP_LINK)
-    tables = [("Throughput against link speed", _table(ctx.results, ctx.names)),
-              ("Differences against the spread of the repeats",
-               _comparison_table(ctx.results, ctx.names))]
-    if ctx.sweep and sweep_name in ctx.names:
-        tables.append((f"Streaming options at {sweep_name}",
-                       _sweep_table(ctx.results, sweep_name)))
-    return tables
+def _sweep(ctx: Ctx) -> list[tuple[str, str]]:
+    """The streaming sweep's table, when it ran."""
+    name = link_name(*SWEEP_LINK)
+    return ([(f"Streaming options at {name}", _sweep_table(ctx.results, name))]
+            if ctx.sweep and name in ctx.names else [])
 
 
 def _entry(method: str, runs: list[Run], skip: int, ceil_tps: list[float | None],
@@ -321,13 +317,6 @@ def _sweep_table(results: dict[str, Any], link: str) -> str:
     return md_table(["variant", "overlap_steps", "fragments", "comm_dtype", "tokens/s",
                      "x edit unlimited", "x ceiling", "wait ms/step", "comm ms/step",
                      "exposed (wait / comm)"], rows)
-
-
-def _comparison_table(results: dict[str, Any], names: list[str]) -> str:
-    """tokens/s differences between methods at each link, against the spread."""
-    rows = [[n, f"{c['a']} - {c['b']}", c["difference"], verdict_cell(c["beyond_spread"])]
-            for n in names for c in results["comparisons"][n]]
-    return md_table(["link", "tokens/s difference (medians)", "value", "beyond spread"], rows)
 
 
 def _judge(results: dict[str, Any], names: list[str],
@@ -479,7 +468,10 @@ SCENARIO = Scenario(
     name="bandwidth",
     description=TEXT["description"],
     setup=_setup, runs=_runs, measure=_results, judge=_verdict, notes=_notes,
-    tables=[_tables], plots=[_plot_throughput, _plot_split], repeats=True,
+    tables=[lambda ctx: ("Throughput against link speed", _table(ctx.results, ctx.names)),
+            differences("link", "tokens/s difference (medians)", lambda ctx: [
+                (n, c) for n in ctx.names for c in ctx.results["comparisons"][n]]), _sweep],
+    plots=[_plot_throughput, _plot_split], repeats=True,
     checks=lambda ctx: [(_ceiling(ctx), None)] + [
         (_layers(ctx, variant, None, *ctx.links[-1]), None)
         for variant in [*VARIANTS.values(), *ctx.sweep.values()]],

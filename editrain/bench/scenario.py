@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from editrain.bench.plots import pyplot, save_figure
-from editrain.bench.tables import md_table
+from editrain.bench.tables import md_table, verdict_cell
 
 WRITE = object()
 """Yielded by a generator of runs instead of a job: write the record of what has finished
@@ -72,6 +72,17 @@ class Table:
         body = [[_cell(row, how) for _, how in self.columns] for row in items]
         title = self.title(ctx) if callable(self.title) else self.title
         return title, md_table([h for h, _ in self.columns], body)
+
+
+def differences(lead: str, what: str, rows: Callable[[Ctx], Iterable[Any]]) -> Table:
+    """The table of a scenario's comparisons (``stats.compare`` records) against the spread
+    of the repeats, one row per ``(group, comparison)`` of ``rows``: the group (a link, a
+    case...) under ``lead``, the pair ``a - b`` under ``what``, the difference of the
+    medians and whether it is beyond the spread."""
+    return Table("Differences against the spread of the repeats", [
+        (lead, lambda row: row[0]), (what, lambda row: f"{row[1]['a']} - {row[1]['b']}"),
+        ("value", "difference"),
+        ("beyond spread", lambda row: verdict_cell(row[1]["beyond_spread"]))], rows=rows)
 
 
 def _cell(row: Any, how: str | Callable[[Any], Any] | None) -> Any:
@@ -246,4 +257,5 @@ def figure(ctx: Ctx, file: str, xlabel: str = "", ylabel: str = "",
     ctx.plot = save_figure(fig, ctx.bench.out_dir / file)
 
 
-__all__ = ["WRITE", "Ctx", "Job", "Scenario", "Table", "Verdict", "execute", "figure"]
+__all__ = ["WRITE", "Ctx", "Job", "Scenario", "Table", "Verdict", "differences", "execute",
+           "figure"]

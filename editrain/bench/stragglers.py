@@ -24,9 +24,9 @@ from editrain.bench.plots import median_bars
 from editrain.bench.prose import fill, prose
 from editrain.bench.runner import Bench, repeat_label
 from editrain.bench.runs import Run
-from editrain.bench.scenario import Ctx, Job, Scenario, Table, Verdict, figure
+from editrain.bench.scenario import Ctx, Job, Scenario, Table, Verdict, differences, figure
 from editrain.bench.stats import compare, median, spread
-from editrain.bench.tables import cell, ratio, spread_cell, verdict_cell
+from editrain.bench.tables import cell, ratio, spread_cell
 
 TEXT = prose("stragglers")
 METHODS = ("sync", "edit", "aedit", "aedit-nb")
@@ -288,13 +288,8 @@ TABLES = [
     Table("Per replica", [(h, _column(i)) for i, h in enumerate(
         ["case", "run", "replica", "tokens/s", "solo tokens/s, same steps", "x solo",
          "steps (repeat 1)", "utilisation"])], rows=_replica_rows),
-    Table("Differences against the spread of the repeats", [
-        ("case", _column(0)), ("x limit difference (medians)",
-                               lambda row: f"{row[1]['a']} - {row[1]['b']}"),
-        ("value", "difference"), ("beyond spread", lambda row: verdict_cell(
-            row[1]["beyond_spread"]))],
-        rows=lambda ctx: [(case, c) for case in ctx.cases
-                          for c in ctx.results[case]["comparisons"]]),
+    differences("case", "x limit difference (medians)", lambda ctx: [
+        (case, c) for case in ctx.cases for c in ctx.results[case]["comparisons"]]),
 ]
 
 
