@@ -36,7 +36,6 @@ is measured against the no-failure run of the same mode in the same repeat:
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 from editrain.bench.prose import fill, prose
@@ -45,6 +44,7 @@ from editrain.bench.runs import Run
 from editrain.bench.scenario import Ctx, Job, Scenario, Table, Verdict
 from editrain.bench.stats import spread
 from editrain.bench.tables import spread_cell
+from editrain.metrics import read_jsonl
 
 TEXT = prose("faults")
 SYSTEMS = ("ft", "ft-fail", "plain", "restart-fail")
@@ -115,8 +115,7 @@ def _ft_numbers(run: Run, fail_at: int | None, interval: int) -> dict[str, Any]:
         joined = None
         for r, _ in s.get("per_replica", {}).items():
             path = run.run_dir / f"replica{r}" / "metrics.jsonl"
-            for line in path.read_text().splitlines() if path.is_file() else []:
-                row = json.loads(line)
+            for row in read_jsonl(path) if path.is_file() else []:
                 if row.get("event") == "ft_join" and "unix_time" in row:
                     joined = row["unix_time"]
         if died and joined is not None:
@@ -130,9 +129,7 @@ def _rank_logs(run: Run) -> list[list[dict[str, Any]]]:
     (the bytes by cause at the end of a rank's log) left out."""
     paths = sorted(run.run_dir.glob("replica*/ranks/rank*.jsonl")) or \
         sorted(run.run_dir.glob("ranks/rank*.jsonl"))
-    rows = [[json.loads(line) for line in p.read_text().splitlines() if line.strip()]
-            for p in paths]
-    return [[r for r in rank if "event" not in r] for rank in rows]
+    return [[r for r in read_jsonl(p) if "event" not in r] for p in paths]
 
 
 def _useful_rows(rows: list[dict[str, Any]], cutoff: int) -> list[dict[str, Any]]:
