@@ -215,9 +215,8 @@ class Bench:
                 self.runs[label] = reused
                 self.reused.append(label)
                 val = reused.final_val_loss
-                of = f"/{self.planned_runs}" if self.planned_runs else ""
-                self.log(f"run {len(self.runs)}{of} {title or label} ... reused (finished "
-                         f"earlier with these options), val "
+                self.log(f"{self._run_number(len(self.runs))} {title or label} ... reused "
+                         f"(finished earlier with these options), val "
                          f"{'n/a' if val is None else f'{val:.4f}'}")
                 return reused
         job = self._prepare(label, layers, last)
@@ -304,10 +303,13 @@ class Bench:
         return (run_dir, [sys.executable, "-m", "editrain", "train", "--config",
                           str(config_path)], run_dir.parent / f"{label}.log")
 
+    def _run_number(self, index: int) -> str:
+        """``run k/N`` (``run k`` when the scenario did not say how many runs it starts)."""
+        return f"run {index}" + (f"/{self.planned_runs}" if self.planned_runs else "")
+
     def announce(self, title: str) -> None:
         """Log ``run k/N TITLE ...`` for the run about to start."""
-        of = f"/{self.planned_runs}" if self.planned_runs else ""
-        self.log(f"run {len(self.runs) + 1}{of} {title} ...")
+        self.log(f"{self._run_number(len(self.runs) + 1)} {title} ...")
 
     def record_run(self, run: Run, load: float | None = None, title: str | None = None) -> Run:
         """Keep a finished run (also one started outside :meth:`train`) and log its result.
@@ -321,14 +323,13 @@ class Bench:
         self.runs[run.label] = run
         self._run_seconds.append(run.launch_s)
         index = len(self.runs)
-        of = f"/{self.planned_runs}" if self.planned_runs else ""
-        name = title or run.label
+        text = f"{self._run_number(index)} {title or run.label} ... "
         if run.ok:
             val = run.final_val_loss
-            text = (f"run {index}{of} {name} ... done in {run.launch_s:.0f} s, val "
-                    f"{'n/a' if val is None else f'{val:.4f}'}")
+            text += (f"done in {run.launch_s:.0f} s, val "
+                     f"{'n/a' if val is None else f'{val:.4f}'}")
         else:
-            text = f"run {index}{of} {name} ... FAILED after {run.launch_s:.0f} s: {run.error}"
+            text += f"FAILED after {run.launch_s:.0f} s: {run.error}"
         if self.planned_runs and index < self.planned_runs:
             left = (self.planned_runs - index) * sum(self._run_seconds) / len(self._run_seconds)
             text += (f" (about {left / 60:.0f} min left)" if left >= 120
