@@ -10,7 +10,9 @@ back unnoticed:
 - the split's candidate near-duplicate pairs, every band's kept before their union and
   sorted as rows (``np.unique(axis=0)``);
 - the document table's MinHash signatures (256 bytes a document, 19 MB at 75k documents)
-  while the corpus is read: a build's table keeps them in a file of the entry.
+  while the corpus is read: a build's table keeps them in a file of the entry;
+- the texts a tail split may cut (2% of the corpus with the default split: 20 MB at 1 GB):
+  in files of the entry, each removed once the window has left it.
 """
 
 from __future__ import annotations
@@ -217,3 +219,29 @@ def test_a_spilled_table_reads_back_the_same_signatures_and_holds_less(tmp_path)
                               plain.signature_rows(np.array(rows), bins))
     plan_a, plan_b = (split_mod.plan_split(t, 0.05, 0, 3) for t in (plain, spilled))
     assert (plan_a.val == plan_b.val).all() and plan_a.near_dup_merges == plan_b.near_dup_merges
+
+
+def test_recent_texts_wait_on_disk_and_only_the_windows_files_stay(tmp_path, monkeypatch):
+    monkeypatch.setattr(dataset, "_RECENT_FILE_BYTES", 1000)
+    recent = dataset._RecentTexts(0.1, 2000, tmp_path / "recent")
+    texts = [f"d\u00e9j\u00e0 {i} " * (i % 7 + 1) + "\ud800" * (i % 2) for i in range(400)]
+    for i, text in enumerate(texts):
+        recent.add(text)
+        if i % 20:
+            continue
+        seen = sum(map(len, texts[: i + 1]))
+        reach = 2 * max(0.1 * seen, 2000)
+        # What the window holds: every document with fewer than the reach after it.
+        after = 0
+        for j in range(i, -1, -1):
+            if j < i and after >= reach:
+                assert recent.get(j) is None
+                break
+            assert recent.get(j) == texts[j]
+            after += len(texts[j])
+        on_disk = sum(f.stat().st_size for f in tmp_path.iterdir())
+        window = sum(len(t.encode("utf-8", "surrogatepass")) for t in texts[j: i + 1])
+        assert on_disk <= window + 2 * 1000 + 200  # the window, and the files it begins in
+    assert recent.get(399) == texts[399] and recent.get(0) is None
+    recent.close()
+    assert list(tmp_path.iterdir()) == []

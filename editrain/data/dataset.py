@@ -20,10 +20,13 @@ the files are flat 1-D arrays of ``uint16`` (vocab <= 65535) or ``uint32`` ids.
 Documents are streamed through every pass, so corpora larger than memory can be tokenised:
 what stays in memory is the split's metadata, about 330 bytes per document (its MinHash
 signature, digest, family, name, as column arrays; :mod:`editrain.data.split`) and each
-document's token count (8 bytes), one encoder batch (``_ENCODE_BATCH_CHARS``), the texts of
-the last documents a tail split may cut (``_RecentTexts``, about twice the validation
-split), the validation split's window hashes for the overlap measure, and the BPE trainer's
-state, which grows with the text it sees: at most ``BPE_SAMPLE_BYTES`` (:func:`bpe_sample`).
+document's token count (8 bytes), one encoder batch (``_ENCODE_BATCH_CHARS``; a pass over a
+large corpus is encoded by worker processes, :mod:`editrain.data.encode_pool`, a few small
+batches each), the digests of the documents read (exact duplicates are not encoded), the
+validation split's window hashes for the overlap measure, and the BPE trainer's state,
+which grows with the text it sees: at most ``BPE_SAMPLE_BYTES`` (:func:`bpe_sample`). The
+texts of the last documents a tail split may cut (``_RecentTexts``, about twice the
+validation split) wait in files of the entry.
 What the encoding frees is handed back to the kernel after every batch
 (:func:`editrain.malloc.release_freed_memory`), so that the resident set follows this list.
 A slow build shows one progress bar for the whole build on a terminal
@@ -125,11 +128,13 @@ _ENCODE_BATCH_CHARS = 1 << 20
 # Python files of a site-packages, 21 MB: 438 MiB with 1 MiB pieces, 254 with 256 KiB, 170
 # with 64 KiB, against 153 for 20 MB of ordinary files; 2-core AMD EPYC), and one huge
 # string would materialise a Python list with an int object per token.
+# A worker process encodes alone (one thread): smaller batches keep each one's memory low.
+_POOL_BATCH_CHARS = 1 << 18
 _MAX_PIECE_CHARS = 1 << 16
 # A pass over at least this much text is encoded in worker processes (encode_pool): their
 # start (an interpreter, the tokenizer loaded) costs about a second, a few percent of such
 # a pass; a smaller one is encoded in the build's process.
-_POOL_MIN_CHARS = 32 << 20
+_POOL_MIN_CHARS = 16 << 20
 # Where a piece may end: where a byte-level BPE with GPT-2's pre-tokenizer (editrain's own
 # tokenizer) splits the text anyway, so that the pieces encode into exactly the tokens of
 # the whole document. In order of preference: after a newline between two non-space
@@ -517,6 +522,7 @@ class _DocumentEncoder:
         self._counts: list[tuple[int, np.ndarray]] = []
         self._error: BaseException | None = None
         self._pool = None
+        self._batch_chars = _POOL_BATCH_CHARS if workers else _ENCODE_BATCH_CHARS
         if workers:
             # Imported here: the pool's workers run that module, which must not be imported
             # by its package's __init__ first.
@@ -540,7 +546,7 @@ class _DocumentEncoder:
             self._lasts.append(j == len(pieces) - 1)
             self._chars += len(piece)
             # A batch may end mid-document: firsts/lasts say where the separators go.
-            if self._chars >= _ENCODE_BATCH_CHARS:
+            if self._chars >= self._batch_chars:
                 self._flush()
 
     def skip(self) -> None:
@@ -773,7 +779,9 @@ def _encode_text(tok, text: str, eos: int, policy: str, dtype: np.dtype,
 
 # Most characters of text _RecentTexts keeps (a tail split cutting further back reads the
 # corpus again up to the document it cuts).
-_RECENT_MAX_CHARS = 32 << 20
+_RECENT_MAX_CHARS = 1 << 30
+# The texts wait in files of about this many bytes, each removed once the window left it.
+_RECENT_FILE_BYTES = 4 << 20
 
 
 class _RecentTexts:
@@ -785,29 +793,68 @@ class _RecentTexts:
     every document with fewer than twice that (twice: a re-planned floor) in characters
     after it is kept (characters: never more than the bytes the plan counts), at most
     ``_RECENT_MAX_CHARS``. A document that leaves the window never comes back into reach:
-    the characters after it grow at least as fast as the reach."""
+    the characters after it grow at least as fast as the reach.
 
-    def __init__(self, val_fraction: float, floor_bytes: float) -> None:
+    The texts are kept on disk, in files ``PREFIX.N`` of about ``_RECENT_FILE_BYTES``
+    (the window is 2% of the corpus with the default split: 20 MB held in memory at 1 GB
+    was a third of what a build's memory grew by); a file is removed once no document of
+    the window is in it, so the disk holds about the window. Memory: four ints a
+    document of the window."""
+
+    def __init__(self, val_fraction: float, floor_bytes: float, prefix: Path) -> None:
         self._fraction, self._floor = val_fraction, floor_bytes
-        self._docs: deque[str] = deque()
+        self._prefix = prefix
+        # (file number, offset, UTF-8 bytes, characters) of every document of the window
+        self._docs: deque[tuple[int, int, int, int]] = deque()
         self._first = 0  # index of the document _docs[0]
         self._chars = 0  # characters in the window
         self._seen = 0  # characters of every document so far
+        self._file = -1  # number of the file written
+        self._out = None
+        self._removed = 0  # files below this number are removed
 
     def add(self, text: str) -> None:
         """The next document of the pass."""
-        self._docs.append(text)
+        data = text.encode("utf-8", "surrogatepass")
+        if self._out is None or self._out.tell() >= _RECENT_FILE_BYTES:
+            if self._out is not None:
+                self._out.close()
+            self._file += 1
+            self._out = open(self._path(self._file), "wb")  # noqa: SIM115 - closed above
+        self._docs.append((self._file, self._out.tell(), len(data), len(text)))
+        self._out.write(data)
         self._chars += len(text)
         self._seen += len(text)
         reach = min(_RECENT_MAX_CHARS, 2 * max(self._fraction * self._seen, self._floor))
-        while len(self._docs) > 1 and self._chars - len(self._docs[0]) >= reach:
-            self._chars -= len(self._docs.popleft())
+        while len(self._docs) > 1 and self._chars - self._docs[0][3] >= reach:
+            self._chars -= self._docs.popleft()[3]
             self._first += 1
+        while self._removed < self._docs[0][0]:
+            self._path(self._removed).unlink()
+            self._removed += 1
 
     def get(self, index: int) -> str | None:
         """The text of document ``index``, or None when it left the window."""
         k = index - self._first
-        return self._docs[k] if 0 <= k < len(self._docs) else None
+        if not 0 <= k < len(self._docs):
+            return None
+        number, offset, size, _ = self._docs[k]
+        if number == self._file:
+            self._out.flush()
+        with open(self._path(number), "rb") as fh:
+            fh.seek(offset)
+            return fh.read(size).decode("utf-8", "surrogatepass")
+
+    def close(self) -> None:
+        """Remove the files."""
+        if self._out is not None:
+            self._out.close()
+        for number in range(self._removed, self._file + 1):
+            self._path(number).unlink(missing_ok=True)
+        self._docs.clear()
+
+    def _path(self, number: int) -> Path:
+        return self._prefix.with_name(f"{self._prefix.name}.{number}")
 
 
 def _cut_texts(plan: SplitPlan, corpus, recent: _RecentTexts | None) -> tuple[str, str]:
@@ -939,7 +986,8 @@ def _build_entry(
         with open(all_path, "wb") as out:
             encoder = _DocumentEncoder(tok, eos, eos_policy, dtype, out, workers(1.0))
             recent = _RecentTexts(split["val_fraction"],
-                                  split["val_tokens"] * _BYTES_PER_TOKEN_GUESS)
+                                  split["val_tokens"] * _BYTES_PER_TOKEN_GUESS,
+                                  entry / f"recent.tmp.{os.getpid()}")
             # Every split drops exact duplicates but their first copy: later copies are
             # not encoded (11% of the tokens of 1 GB of installed Python files).
             seen: set[bytes] = set()
@@ -1036,7 +1084,8 @@ def _build_entry(
         bytes_per_token = 1.05 * val_bytes / n_val
         log.info("validation split has %d < data.val_tokens=%d tokens; re-planning "
                  "(attempt %d)", n_val, val_tokens, attempt + 2)
-    recent = None  # the texts kept for the cut: planned, no longer needed
+    if counts is not None:
+        recent.close()  # the texts kept for the cut: planned, no longer needed
     if counts is None:
         n_train = _encode_split(tok, _split_texts(corpus("tokenising training", _COST_READ
                                                      + _COST_ENCODE * (1 - val_share)),

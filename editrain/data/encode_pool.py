@@ -6,7 +6,7 @@ tokenizer's Rust thread pool, the build's Python thread and the conversion of ev
 ids (which holds the GIL) share the cores unevenly: on 2 cores such a build used about 1.5x
 the CPU time per token that two single-threaded processes of the same tokenizer need for the
 same files, and took 1.6-1.7x their time. A :class:`EncoderPool` works as those processes
-do: ``workers`` processes (``python -m editrain.data.encode_pool``, ``RAYON_NUM_THREADS=1``)
+do: ``workers`` processes (this file run as a script, ``RAYON_NUM_THREADS=1``)
 each receive whole batches in turn, encode them and send their ids back; the batches come
 back in the order they were sent.
 
@@ -44,6 +44,9 @@ __all__ = ["EncoderPool", "pool_workers"]
 _U64 = struct.Struct("<Q")
 _BEGINS, _ENDS = 1, 2  # flag bits of a piece
 _QUEUED_PER_WORKER = 2  # batches sent to a worker and not yet collected, at most
+# A worker runs this file as a script: importing the package first (editrain.data and the
+# build's modules) would add about 11 MiB to every worker's memory.
+_BOOT = "import runpy, sys; runpy.run_path(sys.argv[1], run_name='__main__')"
 
 
 def pool_workers(cpus: int | None = None) -> int:
@@ -86,7 +89,7 @@ class EncoderPool:
         self._dtype = np.dtype(dtype)
         self._sink = sink
         env = dict(os.environ, RAYON_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
-        # The worker imports this package: from where this process found it.
+        # The worker imports editrain.malloc: from where this process found the package.
         root = str(Path(__file__).resolve().parents[2])
         env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
         settings = f"{int(eos)} {policy} {self._dtype.name}\n".encode("ascii")
@@ -97,7 +100,7 @@ class EncoderPool:
         self._pending: queue.Queue = queue.Queue(maxsize=_QUEUED_PER_WORKER * workers)
         try:
             for _ in range(workers):
-                proc = subprocess.Popen([sys.executable, "-m", "editrain.data.encode_pool"],
+                proc = subprocess.Popen([sys.executable, "-c", _BOOT, __file__],
                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                         env=env, bufsize=0)
                 self._procs.append(proc)
