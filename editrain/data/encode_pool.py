@@ -6,30 +6,19 @@ tokenizer's Rust thread pool, the build's Python thread and the conversion of ev
 ids (which holds the GIL) share the cores unevenly: on 2 cores such a build used about 1.5x
 the CPU time per token that two single-threaded processes of the same tokenizer need for the
 same files, and took 1.6-1.7x their time. A :class:`EncoderPool` works as those processes
-do: ``workers`` processes (this file run as a script, ``RAYON_NUM_THREADS=1``)
+do: ``workers`` processes (:mod:`editrain.data.encode_worker`, ``RAYON_NUM_THREADS=1``)
 each receive whole batches in turn, encode them and send their ids back; the batches come
 back in the order they were sent.
 
-The processes speak a small binary protocol over their standard input and output (no
-pickle: nothing a worker sends is ever run). Every frame begins with a little-endian
-``uint64`` length:
-
-- to a worker, first the tokenizer (its JSON) and the settings ``(eos id, policy, dtype)``
-  as one ASCII line, then one frame per batch: ``uint64`` piece count, the pieces' UTF-8
-  byte lengths (``uint64[n]``), a flag byte per piece (1: begins a document, 2: ends one),
-  the pieces' UTF-8 bytes; a closed standard input ends the worker;
-- from a worker, per batch: a status byte (0: ok), then ``uint64`` counts of pieces and of
-  tokens, every piece's token count with its separators (``int64[n]``), the ids in the
-  build's dtype; or status 1 and an error message.
-
-Text is sent with ``surrogatepass``, so a worker encodes exactly the strings the build read.
+The processes speak a small binary protocol over their standard input and output, no
+pickle (:mod:`editrain.data.encode_worker` says it); text is sent with ``surrogatepass``, so a
+worker encodes exactly the strings the build read.
 """
 
 from __future__ import annotations
 
 import os
 import queue
-import signal
 import struct
 import subprocess
 import sys
@@ -39,13 +28,14 @@ from pathlib import Path
 
 import numpy as np
 
+from . import encode_worker
+from .encode_worker import BEGINS, ENDS, read_exact, read_frame, write_frame
+
 __all__ = ["EncoderPool", "pool_workers"]
 
-_U64 = struct.Struct("<Q")
-_BEGINS, _ENDS = 1, 2  # flag bits of a piece
 _QUEUED_PER_WORKER = 2  # batches sent to a worker and not yet collected, at most
-# A worker runs this file as a script: importing the package first (editrain.data and the
-# build's modules) would add about 11 MiB to every worker's memory.
+# A worker runs encode_worker.py as a script: importing the package first (editrain.data
+# and the build's modules, numpy) would add about 24 MiB to every worker's memory.
 _BOOT = "import runpy, sys; runpy.run_path(sys.argv[1], run_name='__main__')"
 
 
@@ -100,12 +90,12 @@ class EncoderPool:
         self._pending: queue.Queue = queue.Queue(maxsize=_QUEUED_PER_WORKER * workers)
         try:
             for _ in range(workers):
-                proc = subprocess.Popen([sys.executable, "-c", _BOOT, __file__],
+                proc = subprocess.Popen([sys.executable, "-c", _BOOT, encode_worker.__file__],
                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                         env=env, bufsize=0)
                 self._procs.append(proc)
-                _write_frame(proc.stdin, tokenizer_json.encode("utf-8"))
-                _write_frame(proc.stdin, settings)
+                write_frame(proc.stdin, tokenizer_json.encode("utf-8"))
+                write_frame(proc.stdin, settings)
         except BaseException:
             self.abort()
             raise
@@ -120,11 +110,11 @@ class EncoderPool:
         ``2 x workers`` batches in flight."""
         proc = self._procs[self._sent % len(self._procs)]
         data = [p.encode("utf-8", "surrogatepass") for p in pieces]
-        flags = bytes(_BEGINS * bool(b) | _ENDS * bool(e) for b, e in zip(begins, ends))
+        flags = bytes(BEGINS * bool(b) | ENDS * bool(e) for b, e in zip(begins, ends))
         lengths = np.fromiter(map(len, data), dtype="<u8", count=len(data))
         self._put((proc, tag))
         try:
-            _write_frame(proc.stdin, b"".join([_U64.pack(len(data)), lengths.tobytes(), flags,
+            write_frame(proc.stdin, b"".join([struct.pack("<Q", len(data)), lengths.tobytes(), flags,
                                                *data]))
         except OSError as exc:  # the worker is gone: the collector says why
             self._raise_error()
@@ -172,93 +162,14 @@ class EncoderPool:
                 proc, tag = item
                 status = proc.stdout.read(1)
                 if status != b"\x00":
-                    message = (_read_frame(proc.stdout).decode("utf-8", "replace")
+                    message = (read_frame(proc.stdout).decode("utf-8", "replace")
                                if status == b"\x01" else
                                f"it exited with code {proc.wait()}")
                     raise RuntimeError(f"data: a tokenizer process failed: {message}")
-                n, total = struct.unpack("<QQ", _read_exact(proc.stdout, 16))
-                sizes = np.frombuffer(_read_exact(proc.stdout, 8 * n), dtype="<i8")
-                ids = np.frombuffer(_read_exact(proc.stdout, total * self._dtype.itemsize),
+                n, total = struct.unpack("<QQ", read_exact(proc.stdout, 16))
+                sizes = np.frombuffer(read_exact(proc.stdout, 8 * n), dtype="<i8")
+                ids = np.frombuffer(read_exact(proc.stdout, total * self._dtype.itemsize),
                                     dtype=self._dtype)
                 self._sink(ids, sizes, tag)
         except BaseException as exc:  # noqa: BLE001 - raised by the next send or close
             self._error = exc
-
-
-def _write_frame(pipe, data: bytes) -> None:
-    pipe.write(_U64.pack(len(data)))
-    view = memoryview(data)
-    while view:  # an unbuffered pipe may take part of it
-        view = view[pipe.write(view):]
-
-
-def _read_exact(pipe, n: int) -> bytes:
-    parts, left = [], n
-    while left:
-        chunk = pipe.read(left)
-        if not chunk:
-            raise EOFError("data: a tokenizer process ended in the middle of a batch")
-        parts.append(chunk)
-        left -= len(chunk)
-    return b"".join(parts)
-
-
-def _read_frame(pipe) -> bytes:
-    return _read_exact(pipe, _U64.unpack(_read_exact(pipe, 8))[0])
-
-
-def _serve(stdin, stdout) -> None:
-    """A worker's loop: encode every batch frame from ``stdin`` until it closes."""
-    from tokenizers import Tokenizer
-
-    from editrain.malloc import release_freed_memory
-
-    tok = Tokenizer.from_str(_read_frame(stdin).decode("utf-8"))
-    tok.encode_special_tokens = True  # the build's separators are the only special tokens
-    eos, policy, dtype_name = _read_frame(stdin).decode("ascii").split()
-    dtype = np.dtype(dtype_name)
-    sep = np.array([int(eos)], dtype=dtype)
-    before, after = policy == "prepend", policy == "append"
-    while header := stdin.read(8):  # b"" once the build closed the pipe
-        frame = _read_exact(stdin, _U64.unpack(header + _read_exact(stdin, 8 - len(header)))[0])
-        try:
-            n = _U64.unpack_from(frame)[0]
-            lengths = np.frombuffer(frame, dtype="<u8", count=n, offset=8)
-            flags = frame[8 + 8 * n : 8 + 9 * n]
-            ends = np.cumsum(lengths) + 8 + 9 * n
-            pieces = [frame[int(e - k) : int(e)].decode("utf-8", "surrogatepass")
-                      for e, k in zip(ends.tolist(), lengths.tolist())]
-            parts, sizes = [], np.zeros(n, dtype="<i8")
-            for i, enc in enumerate(tok.encode_batch_fast(pieces)):
-                ids = np.asarray(enc.ids, dtype=dtype)
-                head = before and flags[i] & _BEGINS
-                tail = after and flags[i] & _ENDS
-                if head:
-                    parts.append(sep)
-                parts.append(ids)
-                if tail:
-                    parts.append(sep)
-                sizes[i] = len(ids) + bool(head) + bool(tail)
-            out = np.concatenate(parts) if parts else np.zeros(0, dtype=dtype)
-        except Exception as exc:  # noqa: BLE001 - told to the build, which raises it
-            stdout.write(b"\x01")
-            _write_frame(stdout, f"{type(exc).__name__}: {exc}".encode())
-            stdout.flush()
-            return
-        stdout.write(b"\x00" + struct.pack("<QQ", n, len(out)))
-        stdout.write(sizes.tobytes())
-        stdout.write(out.tobytes())
-        stdout.flush()
-        del frame, pieces, parts, out
-        # The batch's encodings are freed: hand the pages back (see release_freed_memory).
-        release_freed_memory()
-
-
-if __name__ == "__main__":
-    # Ctrl-C reaches the whole process group: the build stops, closes the pipes, and the
-    # worker ends at the end of its input instead of printing a traceback.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    try:
-        _serve(sys.stdin.buffer, sys.stdout.buffer)
-    except BrokenPipeError:  # the build stopped reading: it failed or was stopped
-        pass

@@ -1,0 +1,118 @@
+"""The process an :class:`~editrain.data.encode_pool.EncoderPool` starts: it encodes the
+batches of text it is sent with one single-threaded tokenizer and sends their ids back.
+
+It is run as a script (``runpy.run_path``), not imported through its package, and imports
+no more than ``tokenizers`` and :mod:`editrain.malloc`: every worker of a build pays for
+what it imports in memory (numpy and the data package would add about 24 MiB each).
+
+The protocol, over standard input and output (no pickle: nothing a worker sends is run):
+
+- to the worker, two frames (a little-endian ``uint64`` length, then the bytes): the
+  tokenizer's JSON, and ``"EOS_ID POLICY DTYPE"`` in ASCII; then one frame per batch:
+  ``uint64`` piece count ``n``, the pieces' UTF-8 byte lengths (``uint64[n]``), one flag
+  byte per piece (:data:`BEGINS`: the piece begins a document, :data:`ENDS`: ends one), the
+  pieces' UTF-8 bytes (``surrogatepass``). Standard input closed: the worker ends.
+- from the worker, per batch: ``b"\\x00"``, ``uint64`` piece count and token count, every
+  piece's tokens with its separators (``int64[n]``), the ids (``uint16`` or ``uint32`` in
+  the machine's byte order); or ``b"\\x01"`` and a frame with the error, and it ends.
+"""
+
+from __future__ import annotations
+
+import signal
+import struct
+import sys
+from array import array
+
+BEGINS, ENDS = 1, 2  # flag bits of a piece
+_U64 = struct.Struct("<Q")
+_TYPECODES = {"uint16": "H", "uint32": "I"}  # array's codes of the build's dtypes
+
+
+def write_frame(pipe, data: bytes) -> None:
+    """Write ``data`` to ``pipe`` as one frame."""
+    pipe.write(_U64.pack(len(data)))
+    view = memoryview(data)
+    while view:  # an unbuffered pipe may take part of it
+        view = view[pipe.write(view):]
+
+
+def read_exact(pipe, n: int) -> bytes:
+    """``n`` bytes from ``pipe``; EOFError if it ends before."""
+    parts, left = [], n
+    while left:
+        chunk = pipe.read(left)
+        if not chunk:
+            raise EOFError("data: a tokenizer process ended in the middle of a batch")
+        parts.append(chunk)
+        left -= len(chunk)
+    return b"".join(parts)
+
+
+def read_frame(pipe) -> bytes:
+    """One frame's bytes from ``pipe``."""
+    return read_exact(pipe, _U64.unpack(read_exact(pipe, 8))[0])
+
+
+def encode_batch(tok, frame: bytes, eos: int, policy: str, typecode: str
+                 ) -> tuple[list[int], array]:
+    """``(every piece's tokens with its separators, the ids)`` of one batch frame."""
+    n = _U64.unpack_from(frame)[0]
+    lengths = struct.unpack_from(f"<{n}Q", frame, 8)
+    flags = frame[8 + 8 * n : 8 + 9 * n]
+    pieces, at = [], 8 + 9 * n
+    for k in lengths:
+        pieces.append(frame[at : at + k].decode("utf-8", "surrogatepass"))
+        at += k
+    before, after = policy == "prepend", policy == "append"
+    out, sizes = array(typecode), []
+    for i, enc in enumerate(tok.encode_batch_fast(pieces)):
+        head = before and bool(flags[i] & BEGINS)
+        tail = after and bool(flags[i] & ENDS)
+        if head:
+            out.append(eos)
+        ids = enc.ids
+        out.extend(ids)
+        if tail:
+            out.append(eos)
+        sizes.append(len(ids) + head + tail)
+    return sizes, out
+
+
+def serve(stdin, stdout) -> None:
+    """Encode every batch frame from ``stdin`` until it closes (see the module's
+    docstring)."""
+    from tokenizers import Tokenizer
+
+    from editrain.malloc import release_freed_memory
+
+    tok = Tokenizer.from_str(read_frame(stdin).decode("utf-8"))
+    tok.encode_special_tokens = True  # the build's separators are the only special tokens
+    eos, policy, dtype_name = read_frame(stdin).decode("ascii").split()
+    typecode = _TYPECODES[dtype_name]
+    while header := stdin.read(8):  # b"" once the build closed the pipe
+        frame = read_exact(stdin, _U64.unpack(header + read_exact(stdin, 8 - len(header)))[0])
+        try:
+            sizes, out = encode_batch(tok, frame, int(eos), policy, typecode)
+        except Exception as exc:  # noqa: BLE001 - told to the build, which raises it
+            stdout.write(b"\x01")
+            write_frame(stdout, f"{type(exc).__name__}: {exc}".encode())
+            stdout.flush()
+            return
+        stdout.write(b"\x00" + struct.pack("<QQ", len(sizes), len(out)))
+        stdout.write(struct.pack(f"<{len(sizes)}q", *sizes))
+        stdout.write(out.tobytes())
+        stdout.flush()
+        del frame, out
+        # The batch's encodings are freed: hand the pages back (see release_freed_memory).
+        release_freed_memory()
+
+
+if __name__ == "__main__":
+    # Ctrl-C reaches the whole process group: the build stops, closes the pipes, and the
+    # worker ends at the end of its input instead of printing a traceback.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        serve(sys.stdin.buffer, sys.stdout.buffer)
+    except BrokenPipeError:  # the build stopped reading: it failed or was stopped
+        pass
