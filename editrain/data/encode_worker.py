@@ -1,5 +1,7 @@
-"""The process an :class:`~editrain.data.encode_pool.EncoderPool` starts: it encodes the
-batches of text it is sent with one single-threaded tokenizer and sends their ids back.
+"""One encoder process of a token-cache build's pool (:mod:`editrain.data.encode_pool`).
+
+It encodes the batches of text it is sent with one single-threaded tokenizer and sends
+their ids back.
 
 It is run as a script (``runpy.run_path``), not imported through its package, and imports
 no more than ``tokenizers`` and :mod:`editrain.malloc`: every worker of a build pays for
