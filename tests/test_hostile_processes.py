@@ -227,10 +227,17 @@ def test_a_finished_job_leaves_no_fork_server(tmp_path, data_cache):
     """A job that ends well stops its fork server too: left to end by itself, the server
     outlived the launcher by about 1.5 s (its interpreter's teardown, torch loaded), holding
     the launcher's stdout and stderr for whoever reads them to the end."""
+    # The small corpus and evaluation of tests/test_checkpoint.py's runs: the default
+    # corpus's tokenizer and token cache took 24 s of this test's 35 s to build, and its
+    # whole-split final evaluation more; whether the server outlives the launcher does not
+    # depend on what the job trained on.
+    small = ["--data.max_bytes", "400000", "--data.vocab_size", "512", "--train.batch_size",
+             "4", "--train.seq_len", "32", "--train.eval_tokens", "1024",
+             "--train.final_eval_tokens", "1024"]
     with open(tmp_path / "err.txt", "w") as err:
         proc = subprocess.Popen(
             [str(BIN), "train", "--data.cache_dir", str(data_cache), "--model.preset", "tiny",
-             "--steps", "1", "--nproc", "1", "--shard-size", "1", "--run-dir",
+             *small, "--steps", "1", "--nproc", "1", "--shard-size", "1", "--run-dir",
              str(tmp_path / "run")],
             stdout=subprocess.DEVNULL, stderr=err, env=_env(), cwd=tmp_path,
             start_new_session=True)
