@@ -182,3 +182,36 @@ def test_pool_workers_follows_the_cpus_and_the_users_bounds(monkeypatch):
     monkeypatch.setenv("TOKENIZERS_PARALLELISM", "true")
     assert pool_workers(4) == 4
     assert pool_workers() == len(os.sched_getaffinity(0))
+
+
+def test_a_failed_write_does_not_leave_the_build_waiting_on_a_worker(tokenizer_file):
+    """The build fails to write a batch (a full disk) while it keeps sending large ones:
+    nobody reads the workers' results any more, so a send to a worker blocked writing one
+    would wait for ever; the build must get the write's error instead."""
+    import threading
+
+    from tokenizers import Tokenizer
+
+    def full_disk(*args):
+        time.sleep(1.0)  # a slow disk: meanwhile the build sends on, to a busy worker
+        raise OSError(28, "No space left on device")
+
+    tok = Tokenizer.from_file(str(tokenizer_file))
+    pool = EncoderPool(tok.to_str(), 0, "append", np.dtype(np.uint16), 2, full_disk)
+    big = "alpha beta gamma " * 20_000  # 340K characters: results beyond a pipe's buffer
+    outcome: list[BaseException] = []
+
+    def build() -> None:
+        try:
+            for _ in range(20):
+                pool.send([big], [True], [True])
+            pool.close()
+        except BaseException as exc:  # noqa: BLE001 - what the build would raise
+            outcome.append(exc)
+
+    thread = threading.Thread(target=build, daemon=True)
+    thread.start()
+    thread.join(60)
+    assert not thread.is_alive(), "the build is stuck sending to a worker nobody reads"
+    assert len(outcome) == 1 and "No space left" in str(outcome[0])
+    pool.abort()

@@ -113,9 +113,9 @@ class EncoderPool:
         flags = bytes(BEGINS * bool(b) | ENDS * bool(e) for b, e in zip(begins, ends))
         lengths = np.fromiter(map(len, data), dtype="<u8", count=len(data))
         self._put((proc, tag))
+        frame = b"".join([struct.pack("<Q", len(data)), lengths.tobytes(), flags, *data])
         try:
-            write_frame(proc.stdin, b"".join([struct.pack("<Q", len(data)), lengths.tobytes(), flags,
-                                               *data]))
+            write_frame(proc.stdin, frame)
         except OSError as exc:  # the worker is gone: the collector says why
             self._raise_error()
             raise RuntimeError(f"data: a tokenizer process stopped ({exc})") from exc
@@ -134,13 +134,19 @@ class EncoderPool:
 
     def abort(self) -> None:
         """End the processes now (after a failure: what is in flight is dropped)."""
+        self._kill()
         for proc in self._procs:
             for pipe in (proc.stdin, proc.stdout):
                 try:
                     pipe.close()
                 except OSError:
                     pass
+
+    def _kill(self) -> None:
+        # Killed before their pipes are closed: a thread reading one then sees its end.
+        for proc in self._procs:
             proc.kill()
+        for proc in self._procs:
             proc.wait()
 
     def _put(self, item) -> None:
@@ -173,3 +179,7 @@ class EncoderPool:
                 self._sink(ids, sizes, tag)
         except BaseException as exc:  # noqa: BLE001 - raised by the next send or close
             self._error = exc
+            # Nobody reads the others' results any more: a worker blocked writing one would
+            # never read the batch the build may be blocked sending it. Killed, it breaks
+            # that pipe, and the build's send raises this error.
+            self._kill()
