@@ -502,6 +502,8 @@ class _DocumentEncoder:
     reading and describing the next documents meanwhile (a build with a given tokenizer
     describes and encodes in one pass). At most two batches wait for the thread, so memory
     stays bounded whatever the corpus's size; ids go to the file as one numpy array a batch.
+    With ``workers`` > 0, batches of ``_POOL_BATCH_CHARS`` go to that many encoder processes
+    instead (:class:`~editrain.data.encode_pool.EncoderPool`), and come back in order.
     """
 
     _QUEUED = 2  # batches waiting for the encoder thread at most
@@ -617,7 +619,6 @@ class _DocumentEncoder:
         except BaseException as exc:  # noqa: BLE001 - raised in the caller's next add/close
             # The caller's puts time out and see it, so nothing waits on a dead thread.
             self._error = exc
-
 
     def _write(self, ids: np.ndarray, sizes, owners: list[int]) -> None:
         """Write one encoded batch (``sizes``: every piece's tokens, separators included;
@@ -949,6 +950,7 @@ def _build_entry(
 
         chars = share * (bar.expected_chars or 0)
         return pool_workers() if chars >= pool_chars else 0
+
     t0 = time.monotonic()
     if entry.exists():
         # Leftovers of an interrupted build: never trust partially written files.
