@@ -14,8 +14,10 @@ from __future__ import annotations
 import json
 import math
 import os
+import shlex
 import subprocess
 import sys
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -105,9 +107,23 @@ def _run(name: str, tmp_path: Path, cache: str,
 def _runs_ok(saved: dict, count: int | None = None) -> None:
     """Every training run of the scenario finished (and there were ``count`` of them)."""
     failed = {k: v["error"] for k, v in saved["runs"].items() if not v["ok"]}
+    if failed:
+        _print_logs(saved, failed)
     assert not failed, failed
     if count is not None:
         assert len(saved["runs"]) == count, sorted(saved["runs"])
+
+
+def _print_logs(saved: dict, labels: Iterable[str], lines: int = 60) -> None:
+    """The last ``lines`` of every log of the runs ``labels`` (``runs/LABEL.log`` and
+    ``runs/LABEL/*.log``), printed so that a failure in CI shows why the run failed."""
+    argv = shlex.split(saved["command"])
+    runs = Path(argv[argv.index("--out") + 1]) / "runs"
+    for label in labels:
+        for log in [runs / f"{label}.log", *sorted((runs / label).glob("*.log"))]:
+            if log.is_file():
+                tail = log.read_text(errors="replace").splitlines()[-lines:]
+                print(f"----- {log} (last {len(tail)} lines)", *tail, sep="\n")
 
 
 def _check_replicas(replicas: list[dict], expected: int = 2) -> None:

@@ -22,6 +22,7 @@ import importlib.util
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -41,6 +42,8 @@ from editrain.config import ConfigError
 
 TEXT = prose("peers")
 SYSTEMS = ("torchft-diloco", "diloco", "edit", "diloco-library")
+TIMED_OUT = "torchft workers did not finish"
+"""How the error of a run past its time limit begins."""
 WORKER_SYSTEMS = {"torchft-diloco": "torchft", "diloco-library": "library"}
 """The systems run by :mod:`editrain.bench.torchft_peer` (its ``system``); the others are
 ``editrain train`` runs."""
@@ -92,7 +95,7 @@ def _setup(bench: Bench) -> dict[str, Any]:
         raise ConfigError(fill(TEXT["steps_multiple"], steps=cfg.train.steps, h=h))
     if cfg.dist.shard_size != 1:
         raise ConfigError(fill(TEXT["shard_size"], shard_size=cfg.dist.shard_size))
-    return {"steps": steps, "skip": bench.pick(2, 4, 4), "timeout_s": bench.pick(300, 900, 3600),
+    return {"steps": steps, "skip": bench.pick(2, 4, 4), "timeout_s": bench.pick(180, 900, 3600),
             "layers": layers, "cfg": cfg, "h": h, "found": torchft_version(),
             "threads": cfg.dist.threads_per_proc or max(1, (os.cpu_count() or 1)
                                                         // cfg.dist.nproc)}
@@ -146,18 +149,41 @@ def run_torchft(bench: Bench, label: str, options: dict[str, Any], replicas: int
 
     Returns:
         The run read back like an editrain run; ``error`` set when a worker failed or the
-        time limit was hit (the workers are killed then).
+        time limit was hit (the workers are killed then). A torchft run that hits the time
+        limit is run once more from scratch; ``retried`` holds the first attempt's error
+        (the workers' stacks, dumped before the kill, are in its kept directory).
     """
+    run_dir = bench.out_dir / "runs" / label
+    load = load_average()
+    bench.announce(title)
+    retried: list[str] = []
+    while True:
+        t0 = time.perf_counter()
+        error = _attempt(run_dir, options, replicas, threads, timeout_s, system)
+        if not (error and error.startswith(TIMED_OUT) and system == "torchft" and not retried):
+            break
+        # torchft's workers hung (rarely, under load: once in many CI runs). Run it once
+        # more from scratch, and keep the hung attempt's directory (the workers' stacks
+        # are in its logs) and its error on the record.
+        kept = run_dir.with_name(f"{label}.attempt1")
+        shutil.rmtree(kept, ignore_errors=True)
+        run_dir.rename(kept)
+        retried.append(f"{error} (kept in {kept})")
+        bench.log(f"{title}: {error}; running it again")
+    run = read_run(label, run_dir, options, time.perf_counter() - t0, error)
+    run.retried = retried
+    return bench.record_run(run, load, title)
+
+
+def _attempt(run_dir: Path, options: dict[str, Any], replicas: int, threads: int,
+             timeout_s: float, system: str) -> str | None:
+    """One attempt at :func:`run_torchft`'s run, in a fresh ``run_dir``; its error or None."""
     from editrain.spawn import free_port
 
-    run_dir = bench.out_dir / "runs" / label
     if run_dir.exists():
         shutil.rmtree(run_dir)
     run_dir.mkdir(parents=True)
     env = child_env(threads)
-    load = load_average()
-    bench.announce(title)
-    t0 = time.perf_counter()
     procs: list[subprocess.Popen] = []
     try:
         address = None
@@ -180,16 +206,14 @@ def run_torchft(bench: Bench, label: str, options: dict[str, Any], replicas: int
             workers.append(_peer(["--spec", str(spec_path)], run_dir / f"worker{r}.log",
                                  worker_env if system == "library" else env))
             procs.append(workers[-1])
-        error = _wait(workers, run_dir, timeout_s)
+        return _wait(workers, run_dir, timeout_s)
     except RuntimeError as e:  # the lighthouse did not come up
-        error = str(e)
+        return str(e)
     finally:
         for p in procs:
             if p.poll() is None:
                 p.kill()
                 p.wait()
-    run = read_run(label, run_dir, options, time.perf_counter() - t0, error)
-    return bench.record_run(run, load, title)
 
 
 def _peer(args: list[str], log: Path, env: dict[str, str]) -> subprocess.Popen:
@@ -230,7 +254,36 @@ def _wait(procs: list[subprocess.Popen], run_dir: Path, timeout_s: float) -> str
         if all(code == 0 for code in codes):
             return None
         time.sleep(0.2)
-    return f"torchft workers did not finish within {timeout_s:.0f} s (killed)"
+    return _timed_out(procs, run_dir, timeout_s)
+
+
+def _timed_out(procs: list[subprocess.Popen], run_dir: Path, timeout_s: float) -> str:
+    """The error of a run past its time limit: which workers still ran and the last step
+    each logged. Each of them gets SIGUSR1 first, so that its log ends with every thread's
+    stack (the worker registers faulthandler for it); the caller kills them."""
+    running = [r for r, p in enumerate(procs) if p.poll() is None]
+    for r in running:
+        try:
+            procs[r].send_signal(signal.SIGUSR1)
+        except ProcessLookupError:
+            pass
+    time.sleep(2.0)  # time to write the stacks
+    where = ", ".join(f"worker {r} after step {_last_step(run_dir, r)} "
+                      f"(stacks in {run_dir / f'worker{r}.log'})" for r in running)
+    return f"{TIMED_OUT} within {timeout_s:.0f} s (killed); {where}"
+
+
+def _last_step(run_dir: Path, replica: int) -> int:
+    """The last step replica ``replica`` logged in ``ranks/rank{R}.jsonl`` (0: none)."""
+    path = run_dir / "ranks" / f"rank{replica}.jsonl"
+    last = 0
+    if path.is_file():
+        for line in path.read_text(errors="replace").splitlines():
+            try:
+                last = int(json.loads(line).get("step", last))
+            except (ValueError, AttributeError):
+                continue  # a line cut by the kill
+    return last
 
 
 def _results(runs: dict[str, list[Run]], skip: int) -> tuple[dict[str, Any], list[str]]:

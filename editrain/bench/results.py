@@ -119,6 +119,9 @@ def render_page(record: dict[str, Any]) -> str:
     lines += bullets("## Failed runs", [f"`{label}`: {r.get('error')}"
                                         for label, r in record.get("runs", {}).items()
                                         if not r.get("ok")])
+    lines += bullets("## Runs run again", [f"`{label}`: {error}"
+                                           for label, r in record.get("runs", {}).items()
+                                           for error in r.get("retried", [])])
     return "\n".join(lines)
 
 

@@ -398,7 +398,7 @@ class Bench:
             "runs": {
                 label: {"run_dir": str(r.run_dir), "ok": r.ok, "error": r.error,
                         "launch_s": r.launch_s, "load_before": r.load_before,
-                        "summary": r.summary}
+                        "summary": r.summary, **({"retried": r.retried} if r.retried else {})}
                 for label, r in self.runs.items()
             },
         }

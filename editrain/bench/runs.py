@@ -42,6 +42,9 @@ class Run:
     error: str | None = None
     load_before: float | None = None
     """The machine's 1-minute load average just before the run started."""
+    retried: list[str] = field(default_factory=list)
+    """The errors of earlier attempts that were run again (a peer's hung run; see
+    :func:`editrain.bench.peers.run_torchft`)."""
 
     @property
     def ok(self) -> bool:

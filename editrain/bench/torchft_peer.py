@@ -54,7 +54,9 @@ until it is killed.
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
+import signal
 import sys
 import time
 from datetime import timedelta
@@ -500,6 +502,9 @@ def main(argv: list[str] | None = None) -> int:
         cut = argv.index("--")
         argv, train_options = argv[:cut], argv[cut + 1:]
     args = parser.parse_args(argv)
+    # A run past its time limit gets SIGUSR1 first (peers._wait): every thread's stack
+    # goes to this process's log, so a hang shows where it is.
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     if args.serve_lighthouse:
         serve_lighthouse(args.serve_lighthouse, args.replicas)
         return 0
