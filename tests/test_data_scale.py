@@ -289,3 +289,22 @@ def test_bench_corpus_and_tree_memory(tmp_path, monkeypatch):
                       "b[::4096] = b'x' * len(b[::4096]); time.sleep(1.0); print(len(b))"])
     assert r["returncode"] == 0 and r["stdout"].strip() == str(60 << 20)
     assert r["peak_rss"] >= 60 << 20
+
+
+def test_bench_data_judges_every_measure_by_its_fastest_round():
+    """The limit and both builds get the same rule: the fastest round per token, every
+    round's time on record, the worst peak; a failed round is passed over."""
+    from editrain.bench.data import fastest
+
+    def run(seconds, peak, tokens=1000):
+        return {"ok": True, "seconds": seconds, "tokens": tokens, "peak_rss": peak,
+                "cpu_seconds": seconds * 2}
+
+    best = fastest([run(9.0, 100), run(8.0, 90), {"ok": False, "error": "killed"}])
+    assert best["seconds"] == 8.0 and best["cpu_seconds"] == 16.0  # that round's numbers
+    assert best["runs_seconds"] == [9.0, 8.0, None]
+    assert best["peak_rss"] == 100  # memory: the worst round
+    # per token: a round that encoded more tokens in more time can be the faster
+    assert fastest([run(9.0, 1, tokens=1000), run(10.0, 1, tokens=1200)])["seconds"] == 10.0
+    failed = [{"ok": False, "error": "a"}, {"ok": False, "error": "b"}]
+    assert fastest(failed) == failed[0]

@@ -3,13 +3,16 @@
 A token-cache build reads the corpus several times (describing the documents for the
 split, the tokenizer's sample, both sides encoded) but should cost little more than the
 encoding itself, and its memory should not grow with the corpus. For every corpus size
-this scenario measures, in one invocation and in this order:
+this scenario measures, in one invocation, in :data:`ROUNDS` rounds, each in this order:
 
 1. the limit: the same tokenizer's ``encode_batch_fast`` over the same files, one process
    per CPU (each single-threaded, files dealt out round robin), as tokens per second of
    wall time;
 2. ``editrain data`` with that tokenizer (``--data.tokenizer``) into an empty cache;
 3. ``editrain data`` training its own BPE (the default), into an empty cache.
+
+Each of the three is judged by its fastest round (:func:`fastest`): the same rule for the
+limit and the builds, so that the machine's noise favours none of them.
 
 Each is a child process; its peak memory is the largest sum of the resident sets of the
 process and its children, sampled every 0.1 s. The corpora are Python files of the
@@ -45,6 +48,9 @@ SPEED_TARGET = 1.5
 """A build with a given tokenizer takes at most this many times the limit's time."""
 BPE_SPEED_TARGET = 2.0
 """A build that trains its BPE (on a bounded sample) takes at most this many times."""
+ROUNDS = 2
+"""Rounds per corpus size (limit, build with the given tokenizer, build with its own BPE,
+in turn); each of the three is judged by its fastest round."""
 MEMORY_TARGET = 1.5
 """Peak memory at the largest corpus at most this many times that at the smallest."""
 VOCAB_SIZE = 8192
@@ -223,15 +229,17 @@ def measure_limit(tokenizer: Path, corpus: Path, workers: int) -> dict[str, Any]
             "cpu_seconds": r["cpu_seconds"]}
 
 
-def faster_limit(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
-    """The limit measured before and after a size's builds: the faster of the two (the
-    builds are judged against the best the tokenizer did), with both times
-    (``runs_seconds``, in order), so that the spread is on record."""
-    runs = [r for r in (before, after) if r["ok"]]
-    if not runs:
-        return before
-    best = dict(min(runs, key=lambda r: r["seconds"] / r["tokens"]))
-    best["runs_seconds"] = [r.get("seconds") for r in (before, after)]
+def fastest(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """The rounds of one measure (the limit, or a build) as one: the fastest per token of
+    those that succeeded, with every round's time (``runs_seconds``, in order; None for a
+    failed one) and the largest peak memory of them (``peak_rss``: memory is judged by its
+    worst round); the first round when none succeeded."""
+    ok = [r for r in runs if r["ok"]]
+    if not ok:
+        return runs[0]
+    best = dict(min(ok, key=lambda r: r["seconds"] / r["tokens"]))
+    best["runs_seconds"] = [r.get("seconds") if r["ok"] else None for r in runs]
+    best["peak_rss"] = max(r["peak_rss"] for r in ok)
     return best
 
 
@@ -291,18 +299,21 @@ def run(bench: Bench) -> dict[str, Any]:
             nbytes = make_corpus(corpus, size)
             if tokenizer is None:
                 tokenizer = _seed_tokenizer(corpus, scratch / "tokenizer.json")
-            bench.log(f"corpus of {nbytes / 1e6:,.1f} MB: limit ({workers} processes)")
-            before = measure_limit(tokenizer, corpus, workers)
-            bench.log(f"corpus of {nbytes / 1e6:,.1f} MB: editrain data --data.tokenizer")
-            given = measure_build(corpus, scratch / "cache", tokenizer)
-            bench.log(f"corpus of {nbytes / 1e6:,.1f} MB: editrain data (own BPE)")
-            own = measure_build(corpus, scratch / "cache", None)
-            bench.log(f"corpus of {nbytes / 1e6:,.1f} MB: limit again")
-            after = measure_limit(tokenizer, corpus, workers)
+            rounds: dict[str, list[dict[str, Any]]] = {"limit": [], "given_tokenizer": [],
+                                                        "bpe": []}
+            for k in range(ROUNDS):
+                at = f"corpus of {nbytes / 1e6:,.1f} MB, round {k + 1} of {ROUNDS}"
+                bench.log(f"{at}: limit ({workers} processes)")
+                rounds["limit"].append(measure_limit(tokenizer, corpus, workers))
+                bench.log(f"{at}: editrain data --data.tokenizer")
+                rounds["given_tokenizer"].append(
+                    measure_build(corpus, scratch / "cache", tokenizer))
+                bench.log(f"{at}: editrain data (own BPE)")
+                rounds["bpe"].append(measure_build(corpus, scratch / "cache", None))
             shutil.rmtree(corpus, ignore_errors=True)
-            limit = faster_limit(before, after)
-            point = {"bytes": nbytes, "limit": limit, "given_tokenizer": given, "bpe": own,
+            point = {"bytes": nbytes, **{key: fastest(runs) for key, runs in rounds.items()},
                      "load_average": os.getloadavg()}
+            limit = point["limit"]
             for key in ("given_tokenizer", "bpe"):
                 if limit["ok"] and point[key]["ok"]:
                     # Seconds the limit needs for the build's tokens.
@@ -374,10 +385,15 @@ def _finish(bench: Bench, points: list[dict[str, Any]], workers: int) -> dict[st
                              **{k: p[key].get("seconds", float("nan")) for k, key in (
                                  ("limit", "limit"), ("given", "given_tokenizer"),
                                  ("bpe", "bpe"))}))
-        if "runs_seconds" in p["limit"]:  # records before the limit was measured twice
+        if "runs_seconds" in p["bpe"]:  # records since every measure has its rounds
+            findings[-1] += fill(TEXT["rounds"], **{k: " / ".join(
+                "failed" if t is None else f"{t:.1f}" for t in p[key]["runs_seconds"])
+                for k, key in (("limit", "limit"), ("given", "given_tokenizer"),
+                               ("bpe", "bpe"))})
+        elif "runs_seconds" in p["limit"]:  # records with the limit measured twice
             findings[-1] += fill(TEXT["limit_runs"], runs=" and ".join(
                 "failed" if t is None else f"{t:.1f} s" for t in p["limit"]["runs_seconds"]))
-    notes = fill(TEXT["notes"], vocab=VOCAB_SIZE, workers=workers)
+    notes = fill(TEXT["notes"], vocab=VOCAB_SIZE, workers=workers, rounds=ROUNDS)
     if os.environ.get(SIZES_ENV, "").strip():
         notes.append(fill(TEXT["sizes_note"], env=SIZES_ENV,
                           value=os.environ[SIZES_ENV].strip()))
