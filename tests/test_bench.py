@@ -17,6 +17,7 @@ import os
 import shlex
 import subprocess
 import sys
+import warnings
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -108,22 +109,29 @@ def _runs_ok(saved: dict, count: int | None = None) -> None:
     """Every training run of the scenario finished (and there were ``count`` of them)."""
     failed = {k: v["error"] for k, v in saved["runs"].items() if not v["ok"]}
     if failed:
-        _print_logs(saved, failed)
+        print(_logs(saved, failed))
     assert not failed, failed
     if count is not None:
         assert len(saved["runs"]) == count, sorted(saved["runs"])
+    retried = {k: v["retried"] for k, v in saved["runs"].items() if v.get("retried")}
+    if retried:  # a peer's hung run, run again (peers.run_torchft): its stacks in CI's log
+        warnings.warn(f"runs run again: {retried}\n{_logs(saved, retried, 40)}", stacklevel=2)
 
 
-def _print_logs(saved: dict, labels: Iterable[str], lines: int = 60) -> None:
-    """The last ``lines`` of every log of the runs ``labels`` (``runs/LABEL.log`` and
-    ``runs/LABEL/*.log``), printed so that a failure in CI shows why the run failed."""
+def _logs(saved: dict, labels: Iterable[str], lines: int = 60) -> str:
+    """The last ``lines`` of every log of the runs ``labels`` (``runs/LABEL.log``,
+    ``runs/LABEL/*.log`` and those of earlier attempts, ``runs/LABEL.attempt*/*.log``), for
+    a failure in CI to show why the run failed."""
     argv = shlex.split(saved["command"])
     runs = Path(argv[argv.index("--out") + 1]) / "runs"
+    out = []
     for label in labels:
-        for log in [runs / f"{label}.log", *sorted((runs / label).glob("*.log"))]:
+        for log in [runs / f"{label}.log", *sorted((runs / label).glob("*.log")),
+                    *sorted(runs.glob(f"{label}.attempt*/*.log"))]:
             if log.is_file():
                 tail = log.read_text(errors="replace").splitlines()[-lines:]
-                print(f"----- {log} (last {len(tail)} lines)", *tail, sep="\n")
+                out += [f"----- {log} (last {len(tail)} lines)", *tail]
+    return "\n".join(out)
 
 
 def _check_replicas(replicas: list[dict], expected: int = 2) -> None:

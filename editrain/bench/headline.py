@@ -422,13 +422,15 @@ def _data_row(p: _Picker) -> list[HeadlineRow]:
     q = max(points, key=lambda q: q.get("bytes", 0))
     ours, limit = q["given_tokenizer"], q["limit"]
     said = TEXT["data"]
+    rounds = len(ours.get("runs_seconds") or [None])  # records before rounds: one build
+    runs = fill(said["rounds"], rounds=rounds) if rounds > 1 else _repeats({})
     return [p.row(
         fill(said["what"], megabytes=q["bytes"] / 1e6),
         f"{cell(ours['tokens_per_s'])}; {fmt_bytes(ours.get('peak_rss'))}",
         fill(said["peer"], tokens_per_s=cell(limit["tokens_per_s"]),
              peak=fmt_bytes(limit.get("peak_rss"))),
         fill(said["conditions"], limit=defaultdict(lambda: None, limit),
-             ratio=cell(ours["time_vs_limit"])), [got])]
+             ratio=cell(ours["time_vs_limit"]), runs=runs), [got])]
 
 
 def headline_rows(loaded: Sequence[Loaded]) -> tuple[list[HeadlineRow], list[Loaded]]:
