@@ -308,3 +308,26 @@ def test_bench_data_judges_every_measure_by_its_fastest_round():
     assert fastest([run(9.0, 1, tokens=1000), run(10.0, 1, tokens=1200)])["seconds"] == 10.0
     failed = [{"ok": False, "error": "a"}, {"ok": False, "error": "b"}]
     assert fastest(failed) == failed[0]
+
+
+def test_bench_data_page_survives_a_measure_that_failed_every_round(tmp_path):
+    """The findings list every round's time, "failed" for each failed one, instead of the
+    whole record being lost at the end of a long run."""
+    from editrain.bench import data as bench_data
+    from editrain.bench.runner import Bench
+
+    def ok(seconds, tokens=1000):
+        return {"ok": True, "seconds": seconds, "tokens": tokens, "peak_rss": 1 << 20,
+                "cpu_seconds": seconds, "tokens_per_s": tokens / seconds,
+                "build_seconds": seconds}
+
+    failed = {"ok": False, "error": "exit status 1: boom"}
+    point = {"bytes": 300_000, "rounds": 2, "load_average": (0.5, 0.5, 0.5),
+             "limit": bench_data.fastest([ok(2.0), ok(1.0)]),
+             "given_tokenizer": bench_data.fastest([failed, ok(3.0)]),
+             "bpe": bench_data.fastest([failed, failed])}
+    record = bench_data._finish(Bench("data", "tiny", tmp_path), [point], 2)
+    assert record["findings"][0].endswith(
+        "(every round, in s: limit 2.0 / 1.0, given tokenizer failed / 3.0, own BPE failed "
+        "/ failed; the fastest of each is the one above)")
+    assert (tmp_path / "table.md").is_file()

@@ -312,7 +312,7 @@ def run(bench: Bench) -> dict[str, Any]:
                 rounds["bpe"].append(measure_build(corpus, scratch / "cache", None))
             shutil.rmtree(corpus, ignore_errors=True)
             point = {"bytes": nbytes, **{key: fastest(runs) for key, runs in rounds.items()},
-                     "load_average": os.getloadavg()}
+                     "rounds": ROUNDS, "load_average": os.getloadavg()}
             limit = point["limit"]
             for key in ("given_tokenizer", "bpe"):
                 if limit["ok"] and point[key]["ok"]:
@@ -330,6 +330,13 @@ def run(bench: Bench) -> dict[str, Any]:
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     return _finish(bench, points, workers)
+
+
+def _round_times(measure: dict[str, Any], rounds: int) -> str:
+    """Every round's seconds of one measure, ``" / "``-joined ("failed" for a failed one,
+    every one when none succeeded)."""
+    times = measure.get("runs_seconds") or [None] * rounds
+    return " / ".join("failed" if t is None else f"{t:.1f}" for t in times)
 
 
 def _finish(bench: Bench, points: list[dict[str, Any]], workers: int) -> dict[str, Any]:
@@ -385,11 +392,10 @@ def _finish(bench: Bench, points: list[dict[str, Any]], workers: int) -> dict[st
                              **{k: p[key].get("seconds", float("nan")) for k, key in (
                                  ("limit", "limit"), ("given", "given_tokenizer"),
                                  ("bpe", "bpe"))}))
-        if "runs_seconds" in p["bpe"]:  # records since every measure has its rounds
-            findings[-1] += fill(TEXT["rounds"], **{k: " / ".join(
-                "failed" if t is None else f"{t:.1f}" for t in p[key]["runs_seconds"])
-                for k, key in (("limit", "limit"), ("given", "given_tokenizer"),
-                               ("bpe", "bpe"))})
+        if p.get("rounds"):  # records since every measure has its rounds
+            findings[-1] += fill(TEXT["rounds"], **{
+                k: _round_times(p[key], p["rounds"]) for k, key in (
+                    ("limit", "limit"), ("given", "given_tokenizer"), ("bpe", "bpe"))})
         elif "runs_seconds" in p["limit"]:  # records with the limit measured twice
             findings[-1] += fill(TEXT["limit_runs"], runs=" and ".join(
                 "failed" if t is None else f"{t:.1f} s" for t in p["limit"]["runs_seconds"]))
