@@ -48,6 +48,15 @@ STARTUP_PREFIXES = ("OMP_", "MKL_", "OPENBLAS_", "GOMP_", "KMP_", "MALLOC_", "LD
 import): a command whose values differ from the server's cannot be a fork of it."""
 
 
+def sigint_as_in_a_terminal() -> None:
+    """``preexec_fn`` of a test's child that is to be stopped by Ctrl-C: SIGINT's default
+    disposition, as a terminal gives it. A suite started in the background of a
+    non-interactive shell (``cmd &``, ``nohup``) inherits SIGINT ignored, every process it
+    starts inherits that through ``exec``, and editrain then rightly leaves it ignored
+    (``editrain.entry``): Ctrl-C could not be tested there."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 class _Server:
     """The running server and the one command it runs at a time."""
 

@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.cli import sigint_as_in_a_terminal
+
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).with_name("editrain")
 
@@ -38,7 +40,8 @@ def test_sigint_while_importing_exits_130_in_one_line(entry, tmp_path):
         proc = subprocess.Popen([*command, "train", "--steps", "1", "--nproc", "1",
                                  "--shard-size", "1", "--run-dir", str(tmp_path / f"r{delay}")],
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                env=_env(), cwd=tmp_path, start_new_session=True)
+                                env=_env(), cwd=tmp_path, start_new_session=True,
+                                preexec_fn=sigint_as_in_a_terminal)
         time.sleep(delay)
         proc.send_signal(signal.SIGINT)
         try:
@@ -76,7 +79,8 @@ def _run_command(body: str, tmp_path: Path) -> subprocess.CompletedProcess:
     env = _env()
     env["PYTHONPATH"] = os.pathsep.join([str(tmp_path), str(ROOT)])
     return subprocess.run([sys.executable, "-m", "raising_command"], capture_output=True,
-                          text=True, env=env, cwd=tmp_path, timeout=120)
+                          text=True, env=env, cwd=tmp_path, timeout=120,
+                          preexec_fn=sigint_as_in_a_terminal)
 
 
 def test_ctrl_c_inside_code_compiled_from_a_string_still_exits_130(tmp_path):

@@ -30,6 +30,7 @@ from editrain.spawn import (
     watch_process,
     worker_start_method,
 )
+from tests.cli import sigint_as_in_a_terminal
 from tests.test_cli import COMMAND, editrain, explain, tiny
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -121,14 +122,6 @@ def start_run(cache_dir: Path, run_dir: Path, *args: str) -> subprocess.Popen:
                              "--run-dir", str(run_dir), *args],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
                             start_new_session=True, preexec_fn=sigint_as_in_a_terminal)
-
-
-def sigint_as_in_a_terminal() -> None:
-    """Give the launcher SIGINT's default disposition, as a terminal does. A suite started
-    in the background of a non-interactive shell (``cmd &``, ``nohup``) inherits SIGINT
-    ignored, and Python then installs no KeyboardInterrupt handler: Ctrl-C could not be
-    tested there."""
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def wait_for(proc: subprocess.Popen, ready, what: str, timeout: float = 100) -> None:

@@ -51,3 +51,26 @@ def test_the_bytecode_written_is_removed_and_nothing_else(tmp_path):
     assert not made.exists()  # emptied: removed
     assert sorted(p.name for p in kept.iterdir()) == ["older.cpython-311.pyc"]
     conftest.pytest_unconfigure(SimpleNamespace(stash=pytest.Stash()))  # compiled nothing
+
+
+def test_a_child_that_tests_ctrl_c_gets_sigint_as_in_a_terminal():
+    """A suite started as a background job (``pytest ... &`` in a script) inherits SIGINT
+    ignored, and so would every child a test starts to stop with Ctrl-C: editrain keeps an
+    inherited ignore (``nohup``), and the child would sleep through the signal.
+    ``tests.cli.sigint_as_in_a_terminal`` gives such a child the default back."""
+    import signal
+    import subprocess
+
+    from tests.cli import sigint_as_in_a_terminal
+
+    probe = [sys.executable, "-c", "import signal; "
+             "print(signal.getsignal(signal.SIGINT) is signal.default_int_handler)"]
+    old = signal.signal(signal.SIGINT, signal.SIG_IGN)  # as a background job has it
+    try:
+        inherited = subprocess.run(probe, capture_output=True, text=True, check=True)
+        reset = subprocess.run(probe, capture_output=True, text=True, check=True,
+                               preexec_fn=sigint_as_in_a_terminal)
+    finally:
+        signal.signal(signal.SIGINT, old)
+    assert inherited.stdout.strip() == "False"
+    assert reset.stdout.strip() == "True"
