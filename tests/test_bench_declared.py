@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import sys
 import zlib
 from dataclasses import asdict
@@ -30,10 +31,10 @@ from editrain.config import load_config, to_dict
 
 GOLDEN = Path(__file__).parent / "golden" / "bench"
 SCENARIOS = ("optimizers", "spikes", "overlap", "convergence", "tune", "scale", "memory",
-             "default", "faults", "stragglers", "bandwidth", "peers", "batch")
+             "default", "faults", "stragglers", "bandwidth", "peers", "batch", "data")
 """The scenarios whose whole pipeline runs on synthetic runs (memory's spawned
-measurement and default's read-back of the corpus split are made up too, by
-:data:`STAND_INS`; the others' smoke tests cover them)."""
+measurement, default's read-back of the corpus split and data's corpora, builds and limit
+are made up too, by :data:`STAND_INS`; the others' smoke tests cover them)."""
 VOLATILE = ("elapsed_s", "started", "machine", "argv", "command")
 """Record fields that depend on when and where it ran."""
 
@@ -114,10 +115,43 @@ def fake_peer_run(bench, label, options, replicas, threads, timeout_s, title, sy
                             title)
 
 
-STAND_INS = {"memory": ("_spawn", fake_memory), "peers": ("run_torchft", fake_peer_run),
-             "default": ("_split_facts", lambda run: {"documents": 12, "split": "made up",
-                                                     "val_tokens": 2048})}
-"""Scenario -> (a function of its module, what stands in for it here)."""
+def fake_data_measures() -> dict[str, Any]:
+    """``bench data``'s measurements made up (no corpus written, no tokenizer trained, no
+    process started): each round's numbers fixed by the corpus size, the measure and the
+    round; the first size's first own-BPE round fails, as a killed build would."""
+    rounds: dict[str, int] = {}
+
+    def measured(kind: str, corpus: Path, rate: float) -> dict[str, Any]:
+        key = f"{kind}/{corpus.name}"
+        k = rounds[key] = rounds.get(key, -1) + 1
+        if key == "bpe/corpus-20000000" and k == 0:
+            return {"ok": False, "error": "exit status -9: killed"}
+        tokens = int(corpus.name.split("-")[1]) // 4
+        seconds = tokens / rate * (1 + 0.2 * _noise(key, str(k)))
+        out = {"ok": True, "tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds,
+               "peak_rss": int(150e6 * (1 + 0.3 * _noise(key, f"m{k}"))),
+               "cpu_seconds": 1.9 * seconds}
+        if kind != "limit":
+            out.update(documents=tokens // 900, build_seconds=0.9 * seconds,
+                       train_tokens=tokens - tokens // 100, val_tokens=tokens // 100)
+        return out
+
+    return {"make_corpus": lambda root, size: size,
+            "_seed_tokenizer": lambda corpus, out: out,
+            "measure_limit": lambda tokenizer, corpus, workers: {
+                **measured("limit", corpus, 4e5), "workers": workers},
+            "measure_build": lambda corpus, cache, tokenizer: measured(
+                "bpe" if tokenizer is None else "given", corpus, 3e5)}
+
+
+STAND_INS = {"memory": lambda: {"_spawn": fake_memory},
+             "peers": lambda: {"run_torchft": fake_peer_run},
+             "default": lambda: {"_split_facts": lambda run: {"documents": 12,
+                                                             "split": "made up",
+                                                             "val_tokens": 2048}},
+             "data": fake_data_measures}
+"""Scenario -> the functions of its module that stand in for what it measures here (by
+name; ``data``'s also take ``os.cpu_count`` and ``os.getloadavg`` as 2 CPUs at 0.5)."""
 
 
 class FakeBench(Bench):
@@ -143,17 +177,21 @@ def run_fake(name: str, out: Path) -> dict[str, Any]:
     from editrain.bench import runner
 
     module = importlib.import_module(f"editrain.bench.{name}")
-    attr, stand_in = STAND_INS.get(name, (None, None))
-    saved = runner.Bench, getattr(module, attr) if attr else None
+    stand_ins = STAND_INS[name]() if name in STAND_INS else {}
+    saved = runner.Bench, {attr: getattr(module, attr) for attr in stand_ins}
+    machine = os.cpu_count, os.getloadavg
     runner.Bench = FakeBench  # run_scenario builds its Bench through the runner module
-    if attr:
+    for attr, stand_in in stand_ins.items():
         setattr(module, attr, stand_in)
+    if name == "data":  # its worker count and the load it records
+        os.cpu_count, os.getloadavg = (lambda: 2), (lambda: (0.5, 0.5, 0.5))
     try:
         record = run_scenario(name, quick=True, out_dir=str(out), extra=["--seeds", "2"])
     finally:
         runner.Bench = saved[0]
-        if attr:
-            setattr(module, attr, saved[1])
+        for attr, original in saved[1].items():
+            setattr(module, attr, original)
+        os.cpu_count, os.getloadavg = machine
     for key in VOLATILE:
         record.pop(key, None)
     for r in record["runs"].values():
