@@ -280,7 +280,7 @@ def test_the_runner_records_a_skipped_declaration(tmp_path):
 COMMITTED = Path(__file__).parent.parent / "docs" / "benchmarks"
 REGENERATED = ("convergence-eager", "convergence-full-eager", "convergence-recipe",
                "convergence-streaming", "tune", "spikes", "stragglers", "memory", "overlap",
-               "optimizers", "faults", "scale")
+               "optimizers", "faults", "scale", "data")
 """Committed results whose tables the declarations render again from the record's numbers
 (the others were written by an earlier version of their scenario's tables, or by a
 scenario that is not declared)."""

@@ -310,11 +310,13 @@ def test_bench_data_judges_every_measure_by_its_fastest_round():
     assert fastest(failed) == failed[0]
 
 
-def test_bench_data_page_survives_a_measure_that_failed_every_round(tmp_path):
+def test_bench_data_page_survives_a_measure_that_failed_every_round(tmp_path, monkeypatch):
     """The findings list every round's time, "failed" for each failed one, instead of the
-    whole record being lost at the end of a long run."""
+    whole record being lost at the end of a long run; the scratch directory is removed
+    when a measure raises, too."""
     from editrain.bench import data as bench_data
     from editrain.bench.runner import Bench
+    from editrain.bench.scenario import execute
 
     def ok(seconds, tokens=1000):
         return {"ok": True, "seconds": seconds, "tokens": tokens, "peak_rss": 1 << 20,
@@ -322,12 +324,27 @@ def test_bench_data_page_survives_a_measure_that_failed_every_round(tmp_path):
                 "build_seconds": seconds}
 
     failed = {"ok": False, "error": "exit status 1: boom"}
-    point = {"bytes": 300_000, "rounds": 2, "load_average": (0.5, 0.5, 0.5),
-             "limit": bench_data.fastest([ok(2.0), ok(1.0)]),
-             "given_tokenizer": bench_data.fastest([failed, ok(3.0)]),
-             "bpe": bench_data.fastest([failed, failed])}
-    record = bench_data._finish(Bench("data", "tiny", tmp_path), [point], 2)
+    limits, given = iter([ok(2.0), ok(1.0)]), iter([failed, ok(3.0)])
+    monkeypatch.setenv(bench_data.SIZES_ENV, "300000")
+    monkeypatch.setenv("EDITRAIN_BENCH_DATA_DIR", str(tmp_path))
+    monkeypatch.setattr(bench_data, "make_corpus", lambda root, size: size)
+    monkeypatch.setattr(bench_data, "_seed_tokenizer", lambda corpus, out: out)
+    monkeypatch.setattr(bench_data, "measure_limit", lambda *a: next(limits))
+    monkeypatch.setattr(bench_data, "measure_build",
+                        lambda corpus, cache, tok: failed if tok is None else next(given))
+    record = execute(bench_data.SCENARIO, Bench("data", "tiny", tmp_path / "out"))
     assert record["findings"][0].endswith(
         "(every round, in s: limit 2.0 / 1.0, given tokenizer failed / 3.0, own BPE failed "
         "/ failed; the fastest of each is the one above)")
-    assert (tmp_path / "table.md").is_file()
+    assert (tmp_path / "out" / "table.md").is_file()
+    assert not list(tmp_path.glob("editrain-bench-data-*"))  # the scratch directory
+
+    def broken(*args):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(bench_data, "measure_limit", broken)
+    with pytest.raises(OSError, match="disk full") as caught:
+        execute(bench_data.SCENARIO, Bench("data", "tiny", tmp_path / "again"))
+    # removed by the runner, not by the garbage collector: the error's traceback (held
+    # here, as by any caller that reports it) still holds the runs' generator
+    assert caught.tb is not None and not list(tmp_path.glob("editrain-bench-data-*"))

@@ -36,9 +36,8 @@ report      docs/benchmarks.md from the results (``--readme FILE``: its headline
 
 One module per scenario. A scenario is a declaration, ``SCENARIO =
 scenario.Scenario(...)``: its sizes, its runs, what it measures from them, its tables,
-plots, targets and findings; :func:`editrain.bench.scenario.execute` runs every declared
-scenario the same way (a module without ``SCENARIO`` has a ``run(bench)`` of its own). The
-shared machinery, one job per module:
+plots, targets and findings; :func:`editrain.bench.scenario.execute` runs every scenario
+the same way. The shared machinery, one job per module:
 
 =============== ========================================================================
 ``scenario``    the declaration (Scenario, Job, Table, Verdict) and the one runner
@@ -171,11 +170,9 @@ def run_scenario(name: str, quick: bool = False, out_dir: str | None = None,
     bench = Bench(name, mode, results_dir, user_overrides=overrides,
                   command=command_line(name, quick, out_dir, shown), flags=flags)
     bench.log(f"{mode} size; results in {results_dir}")
-    if hasattr(module, "SCENARIO"):  # a declared scenario: the one runner executes it
-        from editrain.bench.scenario import execute
+    from editrain.bench.scenario import execute
 
-        return execute(module.SCENARIO, bench)
-    return module.run(bench)
+    return execute(module.SCENARIO, bench)
 
 
 __all__ = ["REUSABLE", "SCENARIOS", "TINY_ENV", "run_scenario", "scenario_module"]

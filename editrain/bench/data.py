@@ -34,12 +34,14 @@ import sysconfig
 import tempfile
 import threading
 import time
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 from editrain.bench.prose import fill, prose
 from editrain.bench.runner import Bench
-from editrain.bench.tables import fmt_bytes, md_table
+from editrain.bench.scenario import WRITE, Ctx, Job, Scenario, Table, Verdict
+from editrain.bench.tables import fmt_bytes
 
 NAME = "data"
 TEXT = prose("data")
@@ -285,51 +287,72 @@ def _seed_tokenizer(corpus: Path, out: Path) -> Path:
     return out
 
 
-def run(bench: Bench) -> dict[str, Any]:
-    """Run the scenario; returns the record written to ``results.json``."""
-    sizes = corpus_sizes(bench.mode)
-    workers = os.cpu_count() or 1
+def _setup(bench: Bench) -> dict[str, Any]:
+    return {"sizes": corpus_sizes(bench.mode), "workers": os.cpu_count() or 1, "points": []}
+
+
+def _runs(ctx: Ctx):
+    """Per corpus size, :data:`ROUNDS` rounds of the limit and both builds, in turn; the
+    record is written after each size, so that a long series cut short keeps its finished
+    sizes. The corpora and the tokenizer live in a scratch directory, removed at the end."""
+    bench, workers = ctx.bench, ctx.workers
     scratch = Path(tempfile.mkdtemp(prefix="editrain-bench-data-",
                                     dir=os.environ.get("EDITRAIN_BENCH_DATA_DIR")))
-    points: list[dict[str, Any]] = []
     try:
         tokenizer = None
-        for size in sizes:
+        for size in ctx.sizes:
             corpus = scratch / f"corpus-{size}"
             nbytes = make_corpus(corpus, size)
             if tokenizer is None:
                 tokenizer = _seed_tokenizer(corpus, scratch / "tokenizer.json")
-            rounds: dict[str, list[dict[str, Any]]] = {"limit": [], "given_tokenizer": [],
-                                                        "bpe": []}
+            rounds: dict[str, list[dict[str, Any]]] = {key: [] for key in MEASURES}
             for k in range(ROUNDS):
                 at = f"corpus of {nbytes / 1e6:,.1f} MB, round {k + 1} of {ROUNDS}"
-                bench.log(f"{at}: limit ({workers} processes)")
-                rounds["limit"].append(measure_limit(tokenizer, corpus, workers))
-                bench.log(f"{at}: editrain data --data.tokenizer")
-                rounds["given_tokenizer"].append(
-                    measure_build(corpus, scratch / "cache", tokenizer))
-                bench.log(f"{at}: editrain data (own BPE)")
-                rounds["bpe"].append(measure_build(corpus, scratch / "cache", None))
+                for key, what in MEASURES.items():
+                    rounds[key].append((yield Job(
+                        f"{key}-{size}-r{k}", title=f"{at}: {what.format(workers=workers)}",
+                        start=partial(_measure, key, corpus, tokenizer, scratch / "cache",
+                                      workers))))
             shutil.rmtree(corpus, ignore_errors=True)
-            point = {"bytes": nbytes, **{key: fastest(runs) for key, runs in rounds.items()},
-                     "rounds": ROUNDS, "load_average": os.getloadavg()}
-            limit = point["limit"]
-            for key in ("given_tokenizer", "bpe"):
-                if limit["ok"] and point[key]["ok"]:
-                    # Seconds the limit needs for the build's tokens.
-                    at_limit = point[key]["tokens"] / limit["tokens_per_s"]
-                    point[key]["time_vs_limit"] = point[key]["seconds"] / at_limit
-                    point[key]["build_vs_limit"] = point[key]["build_seconds"] / at_limit
-                    # CPU seconds per token against the limit's: what the build costs
-                    # beyond encoding, whatever else ran on the machine meanwhile.
-                    point[key]["cpu_vs_limit"] = (
-                        point[key]["cpu_seconds"] / point[key]["tokens"]
-                        / (limit["cpu_seconds"] / limit["tokens"]))
-            points.append(point)
-            bench.log(json.dumps(point, default=str))
+            ctx.points.append(_point(nbytes, rounds))
+            bench.log(json.dumps(ctx.points[-1], default=str))
+            yield WRITE
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
-    return _finish(bench, points, workers)
+
+
+MEASURES = {"limit": "limit ({workers} processes)",
+            "given_tokenizer": "editrain data --data.tokenizer",
+            "bpe": "editrain data (own BPE)"}
+"""The measures of a round, in order, and how the progress line names each."""
+
+
+def _measure(key: str, corpus: Path, tokenizer: Path, cache: Path, workers: int,
+             bench: Bench, job: Job) -> dict[str, Any]:
+    """A job's start: say what runs, then measure it (a dict, not a training run)."""
+    bench.log(job.title)
+    if key == "limit":
+        return measure_limit(tokenizer, corpus, workers)
+    return measure_build(corpus, cache, tokenizer if key == "given_tokenizer" else None)
+
+
+def _point(nbytes: int, rounds: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
+    """One corpus size: each measure by its fastest round, the builds against the limit."""
+    point = {"bytes": nbytes, **{key: fastest(runs) for key, runs in rounds.items()},
+             "rounds": ROUNDS, "load_average": os.getloadavg()}
+    limit = point["limit"]
+    for key in ("given_tokenizer", "bpe"):
+        if limit["ok"] and point[key]["ok"]:
+            # Seconds the limit needs for the build's tokens.
+            at_limit = point[key]["tokens"] / limit["tokens_per_s"]
+            point[key]["time_vs_limit"] = point[key]["seconds"] / at_limit
+            point[key]["build_vs_limit"] = point[key]["build_seconds"] / at_limit
+            # CPU seconds per token against the limit's: what the build costs beyond
+            # encoding, whatever else ran on the machine meanwhile.
+            point[key]["cpu_vs_limit"] = (
+                point[key]["cpu_seconds"] / point[key]["tokens"]
+                / (limit["cpu_seconds"] / limit["tokens"]))
+    return point
 
 
 def _round_times(measure: dict[str, Any], rounds: int) -> str:
@@ -339,74 +362,93 @@ def _round_times(measure: dict[str, Any], rounds: int) -> str:
     return " / ".join("failed" if t is None else f"{t:.1f}" for t in times)
 
 
-def _finish(bench: Bench, points: list[dict[str, Any]], workers: int) -> dict[str, Any]:
-    rows = []
-    for p in points:
-        lim, given, own = p["limit"], p["given_tokenizer"], p["bpe"]
-        rows.append([f"{p['bytes'] / 1e6:,.0f} MB", given.get("tokens"),
-                     lim.get("tokens_per_s"), lim.get("peak_rss") and fmt_bytes(lim["peak_rss"]),
-                     given.get("tokens_per_s"), given.get("time_vs_limit"),
-                     given.get("build_vs_limit"), given.get("cpu_vs_limit"),
-                     given.get("peak_rss") and fmt_bytes(given["peak_rss"]),
-                     own.get("tokens_per_s"), own.get("time_vs_limit"), own.get("build_vs_limit"),
-                     own.get("cpu_vs_limit"), own.get("peak_rss") and fmt_bytes(own["peak_rss"]),
-                     "{:.1f}".format(p["load_average"][0])])
-    table = md_table(["corpus", "tokens", "limit tokens/s", "limit peak", "given tok: tokens/s",
-                      "x limit time", "build only", "x limit CPU", "peak", "own BPE: tokens/s",
-                      "x limit time", "build only", "x limit CPU", "peak", "load"], rows)
-    targets, headline, findings = [], [], []
-    ok = [p for p in points if p["given_tokenizer"].get("time_vs_limit") is not None]
-    if ok:
-        worst = max(p["given_tokenizer"]["time_vs_limit"] for p in ok)
-        targets.append({"name": fill(TEXT["targets"]["given"], target=SPEED_TARGET),
-                        "met": worst <= SPEED_TARGET,
-                        "detail": f"worst {worst:.2f}x"})
-    ok_bpe = [p for p in points if p["bpe"].get("time_vs_limit") is not None]
-    if ok_bpe:
-        worst = max(p["bpe"]["time_vs_limit"] for p in ok_bpe)
-        targets.append({"name": fill(TEXT["targets"]["bpe"], target=BPE_SPEED_TARGET),
-                        "met": worst <= BPE_SPEED_TARGET, "detail": f"worst {worst:.2f}x"})
+def _peak(x: dict[str, Any]) -> str | None:
+    return x.get("peak_rss") and fmt_bytes(x["peak_rss"])
+
+
+def _builds(key: str) -> list[tuple[str, Any]]:
+    """The columns of one build: its speed, against the limit, its peak."""
+    return [(f"{'given tok' if key == 'given_tokenizer' else 'own BPE'}: tokens/s",
+             lambda p: p[key].get("tokens_per_s")),
+            ("x limit time", lambda p: p[key].get("time_vs_limit")),
+            ("build only", lambda p: p[key].get("build_vs_limit")),
+            ("x limit CPU", lambda p: p[key].get("cpu_vs_limit")),
+            ("peak", lambda p: _peak(p[key]))]
+
+
+TABLE = Table("editrain data against the tokenizer's own speed", [
+    ("corpus", lambda p: f"{p['bytes'] / 1e6:,.0f} MB"),
+    ("tokens", lambda p: p["given_tokenizer"].get("tokens")),
+    ("limit tokens/s", lambda p: p["limit"].get("tokens_per_s")),
+    ("limit peak", lambda p: _peak(p["limit"])),
+    *_builds("given_tokenizer"), *_builds("bpe"),
+    ("load", lambda p: "{:.1f}".format(p["load_average"][0]))],
+    rows=lambda ctx: ctx.results["points"])
+
+
+def _memory_growth(points: list[dict[str, Any]]) -> dict[str, float]:
+    """Each build's peak memory at the largest corpus over that at the smallest."""
     memory: dict[str, float] = {}
     if len(points) >= 2:
         for key in ("given_tokenizer", "bpe"):
             first, last = points[0][key].get("peak_rss"), points[-1][key].get("peak_rss")
             if first and last:
                 memory[key] = last / first
-        if memory:
-            growth = max(memory.values())
-            targets.append({"name": fill(TEXT["targets"]["memory"], target=MEMORY_TARGET,
-                                         last=points[-1]["bytes"] / 1e6,
-                                         first=points[0]["bytes"] / 1e6),
-                            "met": growth <= MEMORY_TARGET,
-                            "detail": ", ".join(f"{k} {v:.2f}x" for k, v in memory.items())})
-    if ok and bench.mode != "tiny":
+    return memory
+
+
+def _verdict(ctx: Ctx) -> Verdict:
+    points, verdict = ctx.results["points"], Verdict()
+    ok = [p for p in points if p["given_tokenizer"].get("time_vs_limit") is not None]
+    for key, target, name in (("given_tokenizer", SPEED_TARGET, "given"),
+                              ("bpe", BPE_SPEED_TARGET, "bpe")):
+        timed = [p[key]["time_vs_limit"] for p in points
+                 if p[key].get("time_vs_limit") is not None]
+        if timed:
+            verdict.targets.append({"name": fill(TEXT["targets"][name], target=target),
+                                    "met": max(timed) <= target,
+                                    "detail": f"worst {max(timed):.2f}x"})
+    memory = _memory_growth(points)
+    if memory:
+        verdict.targets.append({
+            "name": fill(TEXT["targets"]["memory"], target=MEMORY_TARGET,
+                         last=points[-1]["bytes"] / 1e6, first=points[0]["bytes"] / 1e6),
+            "met": max(memory.values()) <= MEMORY_TARGET,
+            "detail": ", ".join(f"{k} {v:.2f}x" for k, v in memory.items())})
+    if ok and ctx.bench.mode != "tiny":
         last = ok[-1]
-        headline.append(fill(
+        verdict.headline.append(fill(
             TEXT["headline"], megabytes=last["bytes"] / 1e6, given=last["given_tokenizer"],
-            workers=workers, peak=fmt_bytes(last["given_tokenizer"]["peak_rss"]),
+            workers=ctx.workers, peak=fmt_bytes(last["given_tokenizer"]["peak_rss"]),
             growth=fill(TEXT["growth"], growth=memory["given_tokenizer"],
                         megabytes=points[0]["bytes"] / 1e6) if "given_tokenizer" in memory
             else ""))
+    names = (("limit", "limit"), ("given", "given_tokenizer"), ("bpe", "bpe"))
     for p in points:
-        findings.append(fill(TEXT["finding"], megabytes=p["bytes"] / 1e6,
-                             **{k: p[key].get("seconds", float("nan")) for k, key in (
-                                 ("limit", "limit"), ("given", "given_tokenizer"),
-                                 ("bpe", "bpe"))}))
+        verdict.findings.append(fill(TEXT["finding"], megabytes=p["bytes"] / 1e6, **{
+            k: p[key].get("seconds", float("nan")) for k, key in names}))
         if p.get("rounds"):  # records since every measure has its rounds
-            findings[-1] += fill(TEXT["rounds"], **{
-                k: _round_times(p[key], p["rounds"]) for k, key in (
-                    ("limit", "limit"), ("given", "given_tokenizer"), ("bpe", "bpe"))})
+            verdict.findings[-1] += fill(TEXT["rounds"], **{
+                k: _round_times(p[key], p["rounds"]) for k, key in names})
         elif "runs_seconds" in p["limit"]:  # records with the limit measured twice
-            findings[-1] += fill(TEXT["limit_runs"], runs=" and ".join(
+            verdict.findings[-1] += fill(TEXT["limit_runs"], runs=" and ".join(
                 "failed" if t is None else f"{t:.1f} s" for t in p["limit"]["runs_seconds"]))
-    notes = fill(TEXT["notes"], vocab=VOCAB_SIZE, workers=workers, rounds=ROUNDS)
+    return verdict
+
+
+def _notes(ctx: Ctx) -> list[str]:
+    notes = fill(TEXT["notes"], vocab=VOCAB_SIZE, workers=ctx.workers, rounds=ROUNDS)
     if os.environ.get(SIZES_ENV, "").strip():
         notes.append(fill(TEXT["sizes_note"], env=SIZES_ENV,
                           value=os.environ[SIZES_ENV].strip()))
-    results = {"points": points, "workers": workers}
-    return bench.finish(settings={"sizes": [p["bytes"] for p in points], "workers": workers,
-                                  "vocab_size": VOCAB_SIZE},
-                        methods=["limit", "given_tokenizer", "bpe"], results=results,
-                        tables=[("editrain data against the tokenizer's own speed", table)],
-                        targets=targets, findings=findings, notes=notes,
-                        description=DESCRIPTION, headline=headline, size_caveat=False)
+    return notes
+
+
+SCENARIO = Scenario(
+    name=NAME, description=DESCRIPTION, setup=_setup, runs=_runs,
+    measure=lambda ctx: {"points": ctx.points, "workers": ctx.workers},
+    tables=[TABLE], judge=_verdict, notes=_notes,
+    settings=lambda ctx: {"sizes": [p["bytes"] for p in ctx.points], "workers": ctx.workers,
+                          "vocab_size": VOCAB_SIZE},
+    methods=lambda ctx: ["limit", "given_tokenizer", "bpe"], checks=lambda ctx: [],
+    size_caveat=False)

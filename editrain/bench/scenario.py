@@ -45,8 +45,10 @@ class Job:
     title: str | None = None
     last: dict[str, Any] | None = None
     start: Callable[[Any, Job], Any] | None = None
-    """Runs the job instead of ``editrain train`` (e.g. a peer's workers): ``start(bench,
-    job)`` returns the run, recorded on the bench (``Bench.record_run``)."""
+    """Runs the job instead of ``editrain train``: ``start(bench, job)`` returns what the
+    scenario's measure reads, a run it recorded on the bench (``Bench.record_run``: a
+    peer's workers) or the numbers of a measurement that is no training run (``bench
+    data``'s builds)."""
 
 
 @dataclass
@@ -191,6 +193,8 @@ def execute(scenario: Scenario, bench: Any) -> dict[str, Any]:
                 run = _record(scenario, ctx) if job is WRITE else _train(bench, ctx, job)
         except StopIteration:
             pass
+        finally:  # a failed or interrupted run: the generator's own clean-up runs now
+            jobs.close()
     return _record(scenario, ctx)
 
 
