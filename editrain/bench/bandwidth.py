@@ -275,12 +275,13 @@ def _med(s: dict[str, Any] | None) -> float | None:
 
 
 def _table(results: dict[str, Any], names: list[str]) -> str:
-    """The Markdown table: one row per method and link, plus the ceiling."""
+    """The Markdown table: one row per method and link, plus the ceiling (the methods the
+    record has: one from before a variant was added lacks it)."""
     c = results["ceiling"]
     rows: list[list[Any]] = [["ceiling (no comm)", UNLIMITED, spread_cell(c["tokens_per_s"]),
                               None, "1", spread_cell(c["step_time_s"], 1000), None, None, None,
                               None, None]]
-    for method in METHODS:
+    for method in [m for m in METHODS if m in results]:
         for name in names:
             e = results[method][name]
             util = "/".join(cell(r["utilisation"]["median"]) for r in e["replicas"]) or None

@@ -200,9 +200,11 @@ def _stat(key: str):
 
 
 def _pairs(ctx: Ctx):
-    """Per method and reference that ran: ``(method, reference, difference, seeds > 1)``."""
+    """Per method and reference that ran: ``(method, reference, difference, seeds > 1)``
+    (a record from before a reference was added has no differences against it)."""
     return [(m, ref, ctx.results[m][f"paired_vs_{ref}"], ctx.seeds > 1) for m in ctx.results
-            for ref in REFERENCES if m != ref and ref in ctx.results]
+            for ref in REFERENCES
+            if m != ref and ref in ctx.results and f"paired_vs_{ref}" in ctx.results[m]]
 
 
 def _headline(results: dict[str, Any], seeds: int, steps: int) -> list[str]:

@@ -403,9 +403,10 @@ def _replica_final_losses(run: Run) -> list[float]:
 
 
 def _table(results: dict[str, Any]) -> str:
-    """One row per system."""
+    """One row per system the record has (a record from before a system was added lacks
+    it)."""
     rows = []
-    for s in SYSTEMS:
+    for s in [s for s in SYSTEMS if s in results]:
         e = results[s]
         rows.append([s, spread_cell(e["final_val_loss"]), spread_cell(e["initial_val_loss"]),
                      spread_cell(e["tokens_per_s"]), e["num_syncs"], e["val_tokens"],

@@ -121,7 +121,6 @@ def _results(ctx: Ctx) -> dict[str, Any]:
     results: dict[str, Any] = {"groups": {}}
     held_rows: dict[str, dict[str, Any]] = {}
     in_sample: dict[str, dict[str, Any]] = {}
-    ctx.cals = {}
     machine = None  # the first group whose runs measured the machine's own communication
     for group, seq in ctx.groups.items():
         straggler = bool(seq[0][2][2].get("straggler"))
@@ -130,7 +129,6 @@ def _results(ctx: Ctx) -> dict[str, Any]:
             results["groups"][group] = {"error": "no calibration run finished"}
             continue
         whole, held, own = got
-        ctx.cals[group] = whole
         if machine is None and (whole.own_bandwidth_bytes_per_s or whole.own_latency_s):
             machine = whole
         for row in [*held.values(), *own.values()]:
@@ -325,16 +323,21 @@ def _table(rows: dict[str, dict[str, Any]]) -> str:
                      "ratio with this run's compute (diagnostic)"], out)
 
 
-def _cal_table(cals: dict[str, Any]) -> str:
+def _cal_table(groups: dict[str, Any]) -> str:
+    """Each group's calibration, as the record keeps it (groups without one left out)."""
     rows = []
-    for group, cal in cals.items():
-        own = cal.own_bandwidth_bytes_per_s
-        rows.append([group, ms(cal.step_time_s),
-                     f"{ms(cal.overlap_cpu_s):.1f} ({cal.overlap_fit})",
-                     ms(cal.step_overhead_s), cal.straggler_spread,
-                     None if not cal.bandwidth_bytes_per_s else cal.bandwidth_bytes_per_s / 1e6,
-                     ms(cal.latency_s), None if not own else own / 1e6,
-                     ms(cal.own_latency_s), ms(cal.residual_rms_s), cal.rounds])
+    for group, entry in groups.items():
+        if "calibration" not in entry:
+            continue
+        cal = entry["calibration"]
+        own = cal["own_bandwidth_bytes_per_s"]
+        rows.append([group, ms(cal["step_time_s"]),
+                     f"{ms(cal['overlap_cpu_s']):.1f} ({cal['overlap_fit']})",
+                     ms(cal["step_overhead_s"]), cal["straggler_spread"],
+                     None if not cal["bandwidth_bytes_per_s"]
+                     else cal["bandwidth_bytes_per_s"] / 1e6,
+                     ms(cal["latency_s"]), None if not own else own / 1e6,
+                     ms(cal["own_latency_s"]), ms(cal["residual_rms_s"]), cal["rounds"]])
     return md_table(["group", "compute ms/step (no round beside)",
                      "ms per round beside the compute (fit)", "overhead ms/step",
                      "straggler spread",
@@ -413,7 +416,7 @@ SCENARIO = Scenario(
         lambda ctx: ("Predicted against measured, the calibration runs themselves",
                      _table(ctx.results["in_sample"])),
         lambda ctx: ("Calibration per group (all of its calibration runs)",
-                     _cal_table(ctx.cals))],
+                     _cal_table(ctx.results["groups"]))],
     settings=lambda ctx: {"sync_interval": ctx.interval, "steps": ctx.steps,
                           "sync_steps": ctx.sync_steps, "skip": ctx.skip,
                           "groups": {g: [f"{k} {label}" for k, label, _ in seq]
