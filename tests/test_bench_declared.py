@@ -282,8 +282,9 @@ REGENERATED = sorted(d.name for d in COMMITTED.iterdir() if (d / "results.json")
                      and not d.name.startswith("bandwidth-real-link"))
 """Every committed result whose tables a declaration renders again from the record's numbers:
 all but ``bandwidth-real-link*``, the records of ``scripts/real_link.sh``
-(:mod:`editrain.bench.real_link`), which is no scenario. Records from before a variant,
-system or reference was added regenerate with the rows they have."""
+(:mod:`editrain.bench.real_link`, below), which is no scenario. Records from before a
+variant, system or reference was added regenerate with the rows they have."""
+REAL_LINK = sorted(d.name for d in COMMITTED.glob("bandwidth-real-link*"))
 
 
 @pytest.mark.parametrize("name", REGENERATED)
@@ -310,6 +311,19 @@ def test_declared_tables_regenerate_the_committed_tables(name):
         made = table.render(ctx) if isinstance(table, Table) else table(ctx)
         got += made if isinstance(made, list) else [made]
     assert got == [(t["title"], t["markdown"]) for t in record["tables"]]
+
+
+@pytest.mark.parametrize("name", REAL_LINK)
+def test_real_link_tables_regenerate_the_committed_tables(name):
+    """``scripts/real_link.sh``'s records too: the tables from the record's numbers are the
+    committed ones (the first record, from before wall time and bytes were measured, has
+    no columns for them)."""
+    from editrain.bench.real_link import record_tables
+    from editrain.bench.results import load_record
+
+    record = load_record(COMMITTED / name)
+    assert record_tables(record["results"], record["settings"]["rate"]) == [
+        (t["title"], t["markdown"]) for t in record["tables"]]
 
 
 def test_committed_pages_are_their_records():

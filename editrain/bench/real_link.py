@@ -79,6 +79,36 @@ def summarise(out: Path, rate: str, repeats: int, settings: Sequence[str]) -> di
     return results
 
 
+def record_tables(results: dict[str, Any], rate: str) -> list[tuple[str, str]]:
+    """The record's tables from its numbers (:func:`summarise`'s): speed, wall time, loss
+    and waiting per setting on both links, then the bytes by cause on the shaped link. (A
+    record from before wall time, loss and bytes were measured has no columns for them.)"""
+    timed = all("wall_time_s" in e["unshaped"] for e in results.values())
+    columns = [("tokens/s unshaped", lambda e: e["unshaped"]["tokens_per_s"]),
+               (f"tokens/s at {rate}", lambda e: e[rate]["tokens_per_s"]),
+               ("x unshaped", lambda e: e["kept"])]
+    if timed:
+        columns += [("wall s unshaped", lambda e: e["unshaped"]["wall_time_s"]),
+                    (f"wall s at {rate}", lambda e: e[rate]["wall_time_s"]),
+                    ("wall x unshaped", lambda e: e["wall_ratio"]),
+                    ("val loss unshaped", lambda e: e["unshaped"]["final_val_loss"]),
+                    (f"val loss at {rate}", lambda e: e[rate]["final_val_loss"])]
+    columns += [("wait ms/step", lambda e: e["wait_s_per_step"], 1000),
+                ("comm ms/step", lambda e: e["comm_time_s_per_step"], 1000),
+                ("exposed (wait / comm)", lambda e: e["exposed"])]
+    rows = [[s, *(spread_cell(c[1](e), *c[2:]) for c in columns)] for s, e in results.items()]
+    table = md_table(["setting", *(c[0] for c in columns)], rows)
+    sent = {s: e.get("cross_replica_bytes") for s, e in results.items()}
+    causes = sorted({c for b in sent.values() if b for c in b} - {"total"}) + ["total"]
+    byte_rows = [[s, *(spread_cell(b.get(c, {})) for c in causes)]
+                 for s, b in sent.items() if b]
+    tables = [(fill(TEXT["tables"]["speed" if timed else "speed_only"], rate=rate), table)]
+    if byte_rows:
+        tables.append((fill(TEXT["tables"]["bytes"], rate=rate),
+                       md_table(["setting", *causes], byte_rows)))
+    return tables
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Read the script's runs, write ``results.json`` / ``table.md`` into ``OUT``."""
     p = argparse.ArgumentParser(prog="python -m editrain.bench.real_link",
@@ -115,26 +145,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                       extra, shlex.quote(args.rates or args.rate), args.repeats,
                       shlex.quote(" ".join(args.settings))),
                   started=args.started)
-    rows = [[s, spread_cell(e["unshaped"]["tokens_per_s"]),
-             spread_cell(e[args.rate]["tokens_per_s"]), spread_cell(e["kept"]),
-             spread_cell(e["unshaped"]["wall_time_s"]), spread_cell(e[args.rate]["wall_time_s"]),
-             spread_cell(e["wall_ratio"]), spread_cell(e["unshaped"]["final_val_loss"]),
-             spread_cell(e[args.rate]["final_val_loss"]),
-             spread_cell(e["wait_s_per_step"], 1000), spread_cell(e["comm_time_s_per_step"], 1000),
-             spread_cell(e["exposed"])] for s, e in results.items()]
-    table = md_table(["setting", "tokens/s unshaped", f"tokens/s at {args.rate}",
-                      "x unshaped", "wall s unshaped", f"wall s at {args.rate}",
-                      "wall x unshaped", "val loss unshaped", f"val loss at {args.rate}",
-                      "wait ms/step", "comm ms/step",
-                      "exposed (wait / comm)"], rows)
-    causes = sorted({c for e in results.values() for c in e["cross_replica_bytes"]} -
-                    {"total"}) + ["total"]
-    byte_rows = [[s, *(spread_cell(e["cross_replica_bytes"].get(c, {})) for c in causes)]
-                 for s, e in results.items() if e["cross_replica_bytes"]]
-    tables = [(fill(TEXT["tables"]["speed"], rate=args.rate), table)]
-    if byte_rows:
-        tables.append((fill(TEXT["tables"]["bytes"], rate=args.rate),
-                       md_table(["setting", *causes], byte_rows)))
+    tables = record_tables(results, args.rate)
     targets, shortfalls, headline = [], [], []
     for s, e in results.items():
         if s in peers:  # the targets are editrain's; a peer's numbers stand beside them
