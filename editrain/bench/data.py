@@ -55,6 +55,10 @@ ROUNDS = 2
 in turn); each of the three is judged by its fastest round."""
 MEMORY_TARGET = 1.5
 """Peak memory at the largest corpus at most this many times that at the smallest."""
+MEASURES = {"limit": "limit ({workers} processes)",
+            "given_tokenizer": "editrain data --data.tokenizer",
+            "bpe": "editrain data (own BPE)"}
+"""The measures of a round, in order, and how the progress line names each."""
 VOCAB_SIZE = 8192
 _POLL_S = 0.1
 _SEED_TOKENIZER_BYTES = 4_000_000  # text the benchmark's given tokenizer is trained on
@@ -319,12 +323,6 @@ def _runs(ctx: Ctx):
             yield WRITE
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
-
-
-MEASURES = {"limit": "limit ({workers} processes)",
-            "given_tokenizer": "editrain data --data.tokenizer",
-            "bpe": "editrain data (own BPE)"}
-"""The measures of a round, in order, and how the progress line names each."""
 
 
 def _measure(key: str, corpus: Path, tokenizer: Path, cache: Path, workers: int,
