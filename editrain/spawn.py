@@ -331,11 +331,21 @@ def children_start_with_sigint_blocked() -> Iterator[None]:
     this process still receives SIGINT through a helper thread that keeps it unblocked
     (Python runs the handler in the main thread either way, after at most the current
     blocking call). Nothing outside the main thread or without ``pthread_sigmask``.
+
+    :mod:`multiprocessing`'s resource tracker is started first, if it is not running: the
+    first process this one starts through :mod:`multiprocessing` (a fork server, a spawned
+    worker) starts the tracker, and starting it unblocks SIGINT and SIGTERM in the calling
+    thread once the tracker runs, whatever was blocked before. Inside the block, that undid
+    the block for the fork server itself: a Ctrl-C while it imported torch printed its
+    KeyboardInterrupt traceback.
     """
     if (not hasattr(signal, "pthread_sigmask")
             or threading.current_thread() is not threading.main_thread()):
         yield
         return
+    from multiprocessing import resource_tracker
+
+    resource_tracker.ensure_running()
     done = threading.Event()
     helper = threading.Thread(target=done.wait, name="editrain-sigint", daemon=True)
     helper.start()
