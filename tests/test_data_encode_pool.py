@@ -156,6 +156,42 @@ def test_a_failed_worker_stops_the_build_with_an_error(tokenizer_file):
     pool.abort()
 
 
+def test_workers_are_out_of_the_terminals_reach(tokenizer_file):
+    """A terminal's Ctrl-C goes to its foreground process group: the workers are in a
+    session of their own, so that one cannot land in a worker's start-up (a traceback, or
+    'Fatal Python error: init_import_site', 2 builds in 6 interrupted as the workers
+    appeared); the build stops them itself."""
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(tokenizer_file))
+    pool = EncoderPool(tok.to_str(), 0, "append", np.dtype(np.uint16), 2, lambda *a: None)
+    try:
+        groups = {os.getpgid(proc.pid) for proc in pool._procs}
+        assert os.getpgrp() not in groups
+        assert groups == {proc.pid for proc in pool._procs}  # each leads its own
+        pool.send(["alpha beta"], [True], [True])
+        pool.close()
+    finally:
+        pool.abort()
+
+
+def test_a_worker_whose_build_is_gone_ends_quietly():
+    """A build stopped while it started a worker (a Ctrl-C inside ``Popen``, or in the
+    middle of the tokenizer's frame) closes the worker's input early: the worker ends
+    without a traceback on the terminal (it printed an EOFError, 3 builds in 8 interrupted
+    as their workers appeared)."""
+    import struct
+    import subprocess
+    import sys
+
+    from editrain.data import encode_pool, encode_worker
+
+    for sent in (b"", b"\x10\x00", struct.pack("<Q", 1000) + b"{" * 10):
+        proc = subprocess.run([sys.executable, "-c", encode_pool._BOOT, encode_worker.__file__],
+                              input=sent, capture_output=True, timeout=60)
+        assert proc.returncode == 0 and proc.stderr == b"", (sent, proc.stderr[-2000:])
+
+
 def test_text_the_tokenizer_rejects_is_reported(tokenizer_file):
     """A worker's own error (here: a lone surrogate, which the tokenizer's Rust side cannot
     take) comes back as the build's error, with its message."""

@@ -90,9 +90,14 @@ class EncoderPool:
         self._pending: queue.Queue = queue.Queue(maxsize=_QUEUED_PER_WORKER * workers)
         try:
             for _ in range(workers):
+                # In a session of its own: a terminal's Ctrl-C (SIGINT to the foreground
+                # process group) reaches the build, which stops and closes the pipes, and
+                # never a worker still starting, whose interpreter would print a
+                # KeyboardInterrupt traceback or 'Fatal Python error: init_import_site'
+                # before it could ignore the signal. A build that dies closes the pipes too.
                 proc = subprocess.Popen([sys.executable, "-c", _BOOT, encode_worker.__file__],
                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                        env=env, bufsize=0)
+                                        env=env, bufsize=0, start_new_session=True)
                 self._procs.append(proc)
                 write_frame(proc.stdin, tokenizer_json.encode("utf-8"))
                 write_frame(proc.stdin, settings)

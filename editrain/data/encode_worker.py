@@ -115,10 +115,14 @@ def serve(stdin, stdout) -> None:
 
 
 if __name__ == "__main__":
-    # Ctrl-C reaches the whole process group: the build stops, closes the pipes, and the
-    # worker ends at the end of its input instead of printing a traceback.
+    # The build starts the worker in a session of its own, out of the terminal's reach; a
+    # SIGINT sent to it all the same is ignored too: the build stops, closes the pipes, and
+    # the worker ends at the end of its input instead of printing a traceback.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         serve(sys.stdin.buffer, sys.stdout.buffer)
-    except BrokenPipeError:  # the build stopped reading: it failed or was stopped
+    except (BrokenPipeError, EOFError):
+        # The build stopped reading, or closed its end in the middle of a frame: it failed
+        # or was stopped (a Ctrl-C can cut its start of this process short, and then the
+        # tokenizer's frame), and reports that itself. Nothing is left to say here.
         pass
