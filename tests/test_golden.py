@@ -21,8 +21,10 @@ On the machine fingerprint the fixture was recorded on every value must be equal
 bitwise. On another machine (floating point can differ by ~1e-5 in single elements
 across CPU models, see ``tests.reference.reference_mismatches``) losses are compared to a
 relative 1e-5, the other floats to 1e-4, integers and flags exactly, and the tensor
-checksums not at all: a warning says so. Regenerate every fixture with
-``EDITRAIN_REGEN_GOLDEN=1 python -m pytest tests/test_golden.py`` (docs/golden.md).
+checksums not at all: a warning says so, unless that machine has fixtures of its own
+(``golden/machines/``), which it then replays bitwise. Regenerate every fixture with
+``EDITRAIN_REGEN_GOLDEN=1 python -m pytest tests/test_golden.py``; add a machine's with
+``EDITRAIN_REGEN_GOLDEN=machine`` (docs/golden.md).
 """
 
 from __future__ import annotations
@@ -46,7 +48,12 @@ from tests.reference import batch, loss_on, make_inner, make_model
 from tests.test_checkpoint import train
 
 GOLDEN = Path(__file__).resolve().parent / "golden"
-REGEN = os.environ.get("EDITRAIN_REGEN_GOLDEN") == "1"
+MACHINES = GOLDEN / "machines"
+"""Fixtures of the cases recorded on other machines than the main ones, so that a replay
+there is bitwise too: ``<case>.<machine_key>.json``."""
+REGEN = os.environ.get("EDITRAIN_REGEN_GOLDEN", "")
+"""``1``: record the main fixtures (and drop the other machines'); ``machine``: add this
+machine's fixtures, each checked first against the main one to tolerance."""
 # Off the recording machine: losses to a relative LOSS_RTOL; every other float (norms,
 # weights, z-scores divide by small standard deviations) to FLOAT_RTOL.
 LOSS_RTOL = 1e-5
@@ -385,32 +392,57 @@ def data(tmp_path_factory) -> Path:
     return corpus(tmp_path_factory.mktemp("corpus") / "stories.jsonl")
 
 
+def machine_key(fp: dict[str, str]) -> str:
+    """A short name for a machine fingerprint (the file name of its own fixtures)."""
+    return hashlib.sha256(json.dumps(fp, sort_keys=True).encode()).hexdigest()[:12]
+
+
+def fixtures_of(name: str) -> list[Path]:
+    """The fixtures of case ``name``: ``golden/<name>.json``, then those recorded on other
+    machines, ``golden/machines/<name>.<machine_key>.json``."""
+    return [GOLDEN / f"{name}.json", *sorted(MACHINES.glob(f"{name}.*.json"))]
+
+
 def check_or_write(name: str, got: dict[str, Any]) -> None:
-    """Write the fixture (``EDITRAIN_REGEN_GOLDEN=1``) or compare with it."""
+    """Compare with the fixture recorded on this machine (bitwise), else with the main one
+    (to tolerance); or record: ``EDITRAIN_REGEN_GOLDEN=1`` writes the main fixture and
+    drops the other machines' (recorded from older code), ``=machine`` adds this machine's
+    once the run agrees with the main fixture to tolerance."""
     got = {**got, "fingerprint": fingerprint()}
-    path = GOLDEN / f"{name}.json"
-    if REGEN:
+    main = GOLDEN / f"{name}.json"
+    if REGEN == "1":
         GOLDEN.mkdir(exist_ok=True)
-        path.write_text(json.dumps(got, indent=1) + "\n")
+        main.write_text(json.dumps(got, indent=1) + "\n")
+        for old in fixtures_of(name)[1:]:
+            old.unlink()
         return
-    assert path.exists(), f"{path} missing: EDITRAIN_REGEN_GOLDEN=1 records it"
-    want = json.loads(path.read_text())
+    assert main.exists(), f"{main} missing: EDITRAIN_REGEN_GOLDEN=1 records it"
+    fixtures = {p: json.loads(p.read_text()) for p in fixtures_of(name)}
+    own = [p for p, f in fixtures.items() if f["fingerprint"] == got["fingerprint"]]
+    path = own[0] if own and REGEN != "machine" else main
+    want = fixtures[path]
     assert want["args"] == json.loads(json.dumps(got["args"])), (
-        f"{name}: the case's settings changed since it was recorded; regenerate the fixture")
+        f"{name}: the case's settings changed since {path.name} was recorded; regenerate "
+        "the fixtures")
     if "data" in want:
         # Another tokenizer build or corpus: the runs are not comparable at all.
         assert want["data"] == got["data"], (
             f"{name}: the training tokens differ from the recording's ({got['data']} vs "
             f"{want['data']}): tokenizer or data pipeline changed; no comparison possible")
     bitwise = want["fingerprint"] == got["fingerprint"]
-    if not bitwise:
+    if not bitwise and REGEN != "machine":
         warnings.warn(f"{name}: recorded on {want['fingerprint']}, replayed on "
                       f"{got['fingerprint']}: losses compared to {LOSS_RTOL:g}, other floats "
-                      f"to {FLOAT_RTOL:g}, tensor checksums NOT compared", stacklevel=2)
+                      f"to {FLOAT_RTOL:g}, tensor checksums NOT compared (EDITRAIN_REGEN_GOLDEN"
+                      "=machine records this machine's fixture)", stacklevel=2)
     diff = differences(want["runs"], got["runs"], bitwise, "runs")
     mode = "bitwise (same machine)" if bitwise else "to tolerance (another machine)"
     shown = "\n".join(diff[:25]) + (f"\n... {len(diff) - 25} more" if len(diff) > 25 else "")
-    assert not diff, f"{name}: {len(diff)} differences, compared {mode}:\n{shown}"
+    assert not diff, f"{name}: {len(diff)} differences, compared {mode} with {path.name}:\n{shown}"
+    if REGEN == "machine" and not bitwise:
+        MACHINES.mkdir(exist_ok=True)
+        (MACHINES / f"{name}.{machine_key(got['fingerprint'])}.json").write_text(
+            json.dumps(got, indent=1) + "\n")
 
 
 @pytest.mark.slow
