@@ -220,8 +220,10 @@ def test_ctrl_c_while_the_fork_server_imports_torch_exits_130_in_one_line(tmp_pa
                             preexec_fn=sigint_as_in_a_terminal)
     try:
         deadline = time.monotonic() + 60
-        while not _forkservers_in_session(proc.pid) and proc.poll() is None:
-            assert time.monotonic() < deadline, "no fork server started"
+        while not _forkservers_in_session(proc.pid):
+            if proc.poll() is not None or time.monotonic() > deadline:
+                pytest.fail(f"no fork server started (exit {proc.poll()})\n"
+                            f"{proc.communicate(timeout=120)[1][-3000:]}")
             time.sleep(0.02)
         time.sleep(0.5)
         os.killpg(proc.pid, signal.SIGINT)
