@@ -704,6 +704,9 @@ def test_data_command_prepares_cache_and_reports_split(tmp_path):
     assert info["tokenizer_trained_on"] == "train" and info["split"] == "documents"
     assert 0 <= info["val_train_overlap"] <= 1 and info["overlap_window"] == 32
     assert set(info["val"]["kinds"]) <= {"code", "prose"} and info["val"]["kinds"]
+    # What `editrain bench data` reads of a build (bench.data.measure_build).
+    assert info["documents"] > 0
+    assert json.loads((Path(info["cache_dir"]) / "meta.json").read_text())["build_seconds"] > 0
     # A second call reuses the entry; the human-readable report names the cache.
     proc, _ = editrain("data", *args)
     assert proc.returncode == 0, explain(proc)
