@@ -162,6 +162,9 @@ def test_typed_json_keeps_python_types() -> None:
 
 
 # ---------------------------------------------------------------------------- crafted files
+# torch's own warnings about what these tests do on purpose: DCP loads on one process
+# (no_dist=True), and the crafted payload is a pickle of protocol 4, not torch.save's 2.
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
 def test_crafted_bytes_item_is_refused_and_never_unpickled(cache, ckpt, tmp_path, capsys,
                                                            no_workers) -> None:
     sentinel = tmp_path / "pwned"
@@ -185,6 +188,8 @@ def test_crafted_bytes_item_is_refused_and_never_unpickled(cache, ckpt, tmp_path
     assert not sentinel.exists()
 
 
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning",
+                            "ignore:Detected pickle protocol 4:UserWarning")
 def test_format2_param_groups_are_decoded_only_as_plain_data(cache, saved, ckpt, tmp_path,
                                                              capsys, no_workers) -> None:
     """Format 2 stored param_groups as pickled items: they are decoded with
