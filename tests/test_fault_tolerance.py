@@ -114,16 +114,22 @@ def test_a_replica_dying_inside_a_sync_fails_that_round_on_every_survivor(tmp_pa
             "step_sleep": 0.25, "heartbeat_timeout_s": 1.5}
     outs = run_groups(3, 1, case, tmp_path)
     survivors = [outs[0][0], outs[1][0]]
+    failed_at = set()
     for out in survivors:
         by_sync = {e["sync"]: e for e in out["rounds"]}
         failed = by_sync[3]
         assert not failed["committed"] and "error" in failed and failed["units"] == 3
-        assert failed["global_step"] == 6
+        # Round index 3 ends the window of step 6, or of step 4 when a replica needed two
+        # attempts at the first quorum (the index counts them too; which happens depends
+        # on how fast the groups start: a run of the whole suite in one process saw 4).
+        assert failed["global_step"] in (4, 6), failed["global_step"]
+        failed_at.add(failed["global_step"])
         # It is retried at the next step boundary (the window is over), without replica 2.
         assert by_sync[4]["committed"] and by_sync[4]["members"] == [0, 1]
-        assert by_sync[4]["global_step"] == 7
+        assert by_sync[4]["global_step"] == failed["global_step"] + 1
         steps = out["steps_seen"]
         assert all(b == a + 1 for a, b in zip(steps, steps[1:]))
+    assert len(failed_at) == 1  # the same round on both survivors
     # Nothing of the failed round was applied: after it each survivor still holds its own
     # local parameters (a committed round writes the same anchors into both).
     after = [{e["sync"]: e for e in out["rounds"]}[3]["params"] for out in survivors]
