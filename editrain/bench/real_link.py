@@ -84,19 +84,21 @@ def record_tables(results: dict[str, Any], rate: str) -> list[tuple[str, str]]:
     and waiting per setting on both links, then the bytes by cause on the shaped link. (A
     record from before wall time, loss and bytes were measured has no columns for them.)"""
     timed = all("wall_time_s" in e["unshaped"] for e in results.values())
-    columns = [("tokens/s unshaped", lambda e: e["unshaped"]["tokens_per_s"]),
-               (f"tokens/s at {rate}", lambda e: e[rate]["tokens_per_s"]),
-               ("x unshaped", lambda e: e["kept"])]
+    # (header, the entry's spread, scale of its cell)
+    columns = [("tokens/s unshaped", lambda e: e["unshaped"]["tokens_per_s"], 1.0),
+               (f"tokens/s at {rate}", lambda e: e[rate]["tokens_per_s"], 1.0),
+               ("x unshaped", lambda e: e["kept"], 1.0)]
     if timed:
-        columns += [("wall s unshaped", lambda e: e["unshaped"]["wall_time_s"]),
-                    (f"wall s at {rate}", lambda e: e[rate]["wall_time_s"]),
-                    ("wall x unshaped", lambda e: e["wall_ratio"]),
-                    ("val loss unshaped", lambda e: e["unshaped"]["final_val_loss"]),
-                    (f"val loss at {rate}", lambda e: e[rate]["final_val_loss"])]
+        columns += [("wall s unshaped", lambda e: e["unshaped"]["wall_time_s"], 1.0),
+                    (f"wall s at {rate}", lambda e: e[rate]["wall_time_s"], 1.0),
+                    ("wall x unshaped", lambda e: e["wall_ratio"], 1.0),
+                    ("val loss unshaped", lambda e: e["unshaped"]["final_val_loss"], 1.0),
+                    (f"val loss at {rate}", lambda e: e[rate]["final_val_loss"], 1.0)]
     columns += [("wait ms/step", lambda e: e["wait_s_per_step"], 1000),
                 ("comm ms/step", lambda e: e["comm_time_s_per_step"], 1000),
-                ("exposed (wait / comm)", lambda e: e["exposed"])]
-    rows = [[s, *(spread_cell(c[1](e), *c[2:]) for c in columns)] for s, e in results.items()]
+                ("exposed (wait / comm)", lambda e: e["exposed"], 1.0)]
+    rows = [[s, *(spread_cell(value(e), scale) for _, value, scale in columns)]
+            for s, e in results.items()]
     table = md_table(["setting", *(c[0] for c in columns)], rows)
     sent = {s: e.get("cross_replica_bytes") for s, e in results.items()}
     causes = sorted({c for b in sent.values() if b for c in b} - {"total"}) + ["total"]
