@@ -246,8 +246,8 @@ def validate(cfg: Config) -> None:
         require(t.seq_len <= mcfg.max_seq_len, "train.seq_len",
                 f"{t.seq_len} exceeds the model's maximum sequence length {mcfg.max_seq_len} "
                 f"(raise model.max_seq_len or lower train.seq_len)")
-    if s.is_local_sgd and s.fragments > 1:
-        units = sync_units(cfg)
+    if s.is_local_sgd and s.fragments > max(1, _blocks(cfg)):  # else every block is one
+        units = sync_units(cfg)  # built on the meta device, for the message
         blocks = [n for n in units if n.startswith("block")]
         named = ", ".join(units)
         if len(blocks) > 2:  # a deep model's blocks as block0 .. blockN-1
@@ -255,6 +255,18 @@ def validate(cfg: Config) -> None:
         require(s.fragments <= len(units), "sync.fragments",
                 f"must be <= the number of sync units of the model ({len(units)}: {named}), "
                 f"got {s.fragments}")
+
+
+def _blocks(cfg: Config) -> int:
+    """The model's transformer blocks (each a sync unit) as its configuration says, without
+    building it (0 when a Hugging Face config does not say)."""
+    source = hf_source(cfg)
+    if source is None:
+        return model_config(cfg).n_layers
+    from editrain.config.size import hf_layers
+    from editrain.models.hf import read_hf_config
+
+    return hf_layers(read_hf_config(source))
 
 
 def _check_pipeline(cfg: Config) -> None:
@@ -343,7 +355,8 @@ def _check_init_from(cfg: Config) -> None:
     """``model.init_from``: a Hugging Face directory whose weights fit the model of its own
     config.json, no pickle, no link out of it, no corrupt safetensors header, a tokenizer
     whose ids the embedding covers (every file is read only for its headers)."""
-    from editrain.models.hf_dir import check_tensors, hf_parameters, inspect_weights
+    from editrain.config.size import check_weights_match
+    from editrain.models.hf_dir import check_tensors, hf_parameters, inspect_weights, read_config
 
     m = cfg.model
     require(m.hf_config is None, "model.init_from",
@@ -354,6 +367,9 @@ def _check_init_from(cfg: Config) -> None:
     with as_config_error():
         llama = init_llama(cfg)  # the directory and its config.json first
         weights = inspect_weights(m.init_from)
+        # Before the model is built from the file: a config.json that claims more layers
+        # than its weights hold (10**9) would take hours to build on the meta device.
+        check_weights_match(read_config(m.init_from), weights, m.init_from)
     if not llama:
         require(importlib.util.find_spec("transformers") is not None, "model.init_from",
                 f"{m.init_from} is not a LlamaForCausalLM, and other architectures need the "
@@ -390,11 +406,14 @@ def _tokenizer_vocab(cfg: Config) -> tuple[int, str]:
 
 def validate_world(cfg: Config, world_size: int) -> None:
     """Checks that need the world size (known before spawning, or from torchrun's env)."""
+    from editrain.config.size import check_fits
     from editrain.topology import Topology
 
     d = cfg.dist
     with as_config_error():  # the mesh's own rank arithmetic says what divides what
         topo = Topology(world_size, d.shard_size, d.tp_size, d.pp_size)
+    # A model too large for this machine's memory, before a worker spends minutes on it.
+    check_fits(cfg, min(world_size, int(os.environ.get("LOCAL_WORLD_SIZE", world_size))))
     # Replica indices in sim.* must exist (checked here, before any worker starts).
     replicas = topo.num_replicas
     if d.fault_tolerance == "torchft" and d.ft_replicas:

@@ -1,0 +1,218 @@
+"""The model's size before anything is built: a model that cannot fit is refused at once.
+
+A shape option (``--model.n_layers 100000000``, a ``config.json`` whose
+``num_hidden_layers`` was edited) used to pass every check and start the workers, which
+then spent minutes building modules, or failed with the allocator's message from inside a
+rank. Every rank builds the whole model in fp32 in host memory before sharding it
+(:func:`editrain.build.build_model`, whatever ``dist.device`` is), so a model whose
+weights alone exceed this machine's memory can never train here: :func:`check_fits`
+refuses it before any process starts, naming the option that set the shape.
+
+The counts are lower bounds that hold for every model editrain can build, computed from
+the configuration alone (no torch, no model, no weights read):
+
+- editrain's Llama (a preset, its overrides, or a Llama ``model.init_from`` directory):
+  exactly, from :class:`~editrain.models.LlamaConfig` (:func:`llama_parameters`), with
+  the vocabulary at its smallest when the tokenizer is not known yet;
+- a Hugging Face config built through transformers (``model.hf_config``, a
+  ``model.init_from`` directory of another architecture): its input embedding
+  (``vocab_size x hidden_size``) and, per layer, one linear map that reads the residual
+  stream (``hidden_size`` inputs), the least any decoder layer holds.
+
+:func:`check_weights_match` compares a ``model.init_from`` directory's layer count with
+the layers its safetensors headers hold, before the model is built on the meta device: a
+``config.json`` that claims more layers than its weights is refused in one line.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+from editrain.errors import ConfigError
+
+MIN_VOCAB = 257
+"""The smallest vocabulary a run can have (a byte-level BPE: 256 bytes and end of text)."""
+FP32 = 4
+CGROUP_LIMITS = ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes")
+"""Where a container's memory limit is (cgroup v2, then v1)."""
+HF_KEYS = {"layers": ("num_hidden_layers", "n_layer", "num_layers"),
+           "hidden": ("hidden_size", "n_embd", "d_model"),
+           "vocab": ("vocab_size",)}
+"""The names transformers' configs give the layer count, the width and the vocabulary."""
+
+
+def llama_parameters(mcfg: Any) -> int:
+    """The parameters of editrain's Llama of ``mcfg`` (a ``LlamaConfig``), exactly: per
+    block the query and output projections, the key and value projections (grouped
+    heads), the SwiGLU's three maps and two norms; the embedding, the final norm and an
+    untied output head."""
+    dim, hd = mcfg.dim, mcfg.head_dim
+    block = (2 * dim * mcfg.n_heads * hd + 2 * dim * mcfg.n_kv_heads * hd
+             + 3 * dim * mcfg.ffn_hidden + 2 * dim)
+    embedding = mcfg.vocab_size * dim
+    return (mcfg.n_layers * block + embedding + dim
+            + (0 if mcfg.tie_embeddings else embedding))
+
+
+def _hf_int(data: dict[str, Any], kind: str) -> int:
+    """The first of ``HF_KEYS[kind]`` that ``data`` holds as a positive integer, else 0."""
+    for key in HF_KEYS[kind]:
+        value = data.get(key)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    return 0
+
+
+def hf_layers(data: dict[str, Any]) -> int:
+    """The layer count of a Hugging Face ``config.json`` (0 when it does not say)."""
+    return _hf_int(data, "layers")
+
+
+def hf_parameters_at_least(data: dict[str, Any]) -> int:
+    """A lower bound on the parameters of the model of a Hugging Face ``config.json``: its
+    input embedding and one ``hidden_size``-input linear map per layer (0 for what the
+    file does not say)."""
+    hidden = _hf_int(data, "hidden")
+    return hidden * (_hf_int(data, "vocab") + _hf_int(data, "layers"))
+
+
+def least_parameters(cfg: Any) -> tuple[int, str, int, int]:
+    """``(parameters at least, the option that set the shape, RoPE table bytes, positions)``
+    of the configured model (see the module's docstring)."""
+    from editrain.config.model import hf_source, model_config
+
+    source = hf_source(cfg)
+    if source is not None:
+        from editrain.models.hf import read_hf_config
+
+        option = "model.hf_config" if cfg.model.hf_config is not None else "model.init_from"
+        return hf_parameters_at_least(read_hf_config(source)), option, 0, 0
+    if cfg.model.init_from is not None:
+        mcfg, option = model_config(cfg), "model.init_from"
+    else:
+        mcfg = model_config(cfg, vocab_size=MIN_VOCAB)
+        given = sorted(cfg.model.overrides())
+        option = ", ".join(f"model.{k}" for k in given) if given else "model.preset"
+    # RoPE's cosine and sine tables, fp32, max_seq_len x head_dim / 2 values each at least.
+    rope = FP32 * mcfg.max_seq_len * mcfg.head_dim
+    return llama_parameters(mcfg), option, rope, mcfg.max_seq_len
+
+
+def host_memory() -> int | None:
+    """This machine's memory in bytes, or a container's limit where it is lower (None when
+    neither can be read)."""
+    names = getattr(os, "sysconf_names", {})
+    total = (os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+             if "SC_PAGE_SIZE" in names and "SC_PHYS_PAGES" in names else None)
+    for path in CGROUP_LIMITS:
+        try:
+            text = Path(path).read_text().strip()
+        except OSError:
+            continue
+        if text.isdigit():
+            limit = int(text)
+            total = limit if total is None else min(total, limit)
+        break
+    return total if total and total > 0 else None
+
+
+def _size(n: float) -> str:
+    """``24.0 GiB`` style, up to EiB."""
+    for unit in ("EiB", "PiB", "TiB", "GiB", "MiB", "KiB"):
+        scale = 2.0 ** (10 * ("KMGTPE".index(unit[0]) + 1))
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n:.0f} B"
+
+
+def _count(n: int) -> str:
+    """``1.3e+15`` for a huge count, ``5,012,480`` otherwise."""
+    return f"{n:.2g}" if n >= 10**12 else f"{n:,}"
+
+
+def check_fits(cfg: Any, local_ranks: int, memory: int | None = None) -> None:
+    """Refuse a model that cannot fit this machine's memory.
+
+    At least: every rank builds the whole model in fp32 on the host before sharding it (so
+    one rank's build needs ``4 x parameters`` plus the RoPE tables), and on a CPU device
+    the ``local_ranks`` ranks then hold their shards of the weights and gradients (``8 x
+    parameters / (dist.shard_size x dist.tp_size x dist.pp_size)`` each).
+
+    Args:
+        cfg: the configuration.
+        local_ranks: the ranks this machine runs.
+        memory: the machine's memory in bytes (default: :func:`host_memory`; no check
+            when it is unknown).
+
+    Raises:
+        ConfigError: the model does not fit, naming the option that set its shape.
+    """
+    memory = host_memory() if memory is None else memory
+    if memory is None:
+        return
+    params, option, rope, positions = least_parameters(cfg)
+    d = cfg.dist
+    need = FP32 * params + rope
+    if d.device == "cpu" or (d.device == "auto" and _no_cuda()):
+        per_rank = 2 * FP32 * params / (d.shard_size * d.tp_size * d.pp_size)
+        need = max(need, math.ceil(local_ranks * per_rank))
+    if need > memory:
+        what = f"the model has at least {_count(params)} parameters"
+        if rope > FP32 * params:
+            what += f" and RoPE tables of {_size(rope)} for {positions:,} positions"
+            option = "model.max_seq_len" if cfg.model.max_seq_len else option
+        raise ConfigError(
+            f"{option}: {what}; training it here needs at least {_size(need)} of host "
+            f"memory (every rank builds the whole model in fp32 before sharding it; on a "
+            f"CPU device {local_ranks} local rank{'s' if local_ranks != 1 else ''} then hold "
+            f"their shards and gradients), "
+            f"more than this machine's {_size(memory)}; choose a smaller shape")
+
+
+def _no_cuda() -> bool:
+    """Whether ``dist.device = auto`` resolves to the CPU here."""
+    from editrain.config.validation import cuda_device_count
+
+    return cuda_device_count() == 0
+
+
+def weight_layers(names: Any) -> int:
+    """The layers a set of tensor names holds: the most distinct indices under one prefix
+    (``model.layers.0.``, ``transformer.h.11.``: the first numeric part of a name)."""
+    seen: dict[str, set[str]] = {}
+    for name in names:
+        parts = name.split(".")
+        for k, part in enumerate(parts):
+            if part.isdigit():
+                seen.setdefault(".".join(parts[:k]), set()).add(part)
+                break
+    return max((len(v) for v in seen.values()), default=0)
+
+
+def check_weights_match(data: dict[str, Any], weights: Any, where: str) -> None:
+    """Refuse a ``model.init_from`` directory whose ``config.json`` has more layers than
+    its safetensors hold, before the model is built from the file (a build takes about a
+    millisecond a layer even on the meta device, so 10**9 layers would not end; the
+    tensors' shapes are compared once it is built).
+
+    Args:
+        data: the directory's ``config.json``.
+        weights: its :class:`~editrain.models.hf_dir.HFWeights`.
+        where: the directory, for the message.
+
+    Raises:
+        ConfigError: naming ``model.init_from``, the file's field and both counts.
+    """
+    layers, held = hf_layers(data), weight_layers(weights.tensors)
+    if layers > held:
+        key = next(k for k in HF_KEYS["layers"] if data.get(k) == layers)
+        raise ConfigError(
+            f"model.init_from: {where}/config.json has {key} = {_count(layers)}, but its "
+            f"safetensors hold {held} layers; the file does not belong to these weights")
+
+
+__all__ = ["check_fits", "check_weights_match", "hf_layers", "hf_parameters_at_least", "host_memory",
+           "least_parameters", "llama_parameters", "weight_layers"]

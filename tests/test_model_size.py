@@ -1,0 +1,198 @@
+"""A model that cannot fit is refused before any process starts (``editrain.config.size``).
+
+The counts are checked against real models (editrain's Llama exactly, transformers'
+architectures as lower bounds, both built on the meta device); the refusal against a given
+memory size, and end to end: ``editrain train`` with a shape of 10**8 layers, or a
+``model.init_from`` directory whose ``config.json`` claims 10**9 layers, ends in one line
+with exit 2 within seconds, before the corpus is read or a run directory exists (both took
+more than 13 minutes without ending before).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from editrain.config import load_config, validate_world
+from editrain.config import size as size_mod
+from editrain.config.size import (
+    check_fits,
+    hf_parameters_at_least,
+    host_memory,
+    least_parameters,
+    llama_parameters,
+    weight_layers,
+)
+from editrain.errors import ConfigError
+from editrain.models import Llama
+from editrain.models.llama_config import preset_config
+from tests.cli import run_cli
+
+GIB = 2**30
+
+
+@pytest.mark.parametrize("shape", [
+    dict(name="tiny"), dict(name="small"), dict(name="tiny", tie_embeddings=False),
+    dict(name="tiny", n_heads=8, n_kv_heads=2, ffn_hidden=100, n_layers=3),
+    dict(name="1b"), dict(name="7b", vocab_size=32000)])
+def test_llama_count_is_exact(shape):
+    mcfg = preset_config(**shape)
+    with torch.device("meta"):
+        model = Llama(mcfg)
+    assert llama_parameters(mcfg) == sum(p.numel() for p in model.parameters())
+
+
+@pytest.mark.parametrize("arch, extra", [
+    ("LlamaConfig", {"tie_word_embeddings": False}), ("Qwen2Config", {}),
+    ("GPT2Config", {"n_embd": 48, "n_layer": 3, "n_head": 4}),
+    ("MistralConfig", {"num_key_value_heads": 1})])
+def test_hugging_face_bound_is_below_the_real_count(arch, extra):
+    transformers = pytest.importorskip("transformers")
+    config = getattr(transformers, arch)(
+        vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+        num_attention_heads=4, **extra)
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config)
+    real = sum(p.numel() for p in model.parameters())
+    bound = hf_parameters_at_least(config.to_dict())
+    width = config.to_dict().get("n_embd") or 32
+    assert bound == width * (300 + 3)  # the embedding and one map per layer ...
+    assert 0 < bound <= real  # ... never more than the model holds
+
+
+def test_the_least_parameters_name_the_option():
+    assert least_parameters(load_config(None, {}))[1] == "model.preset"
+    params, option, rope, positions = least_parameters(
+        load_config(None, {"model": {"preset": "tiny", "n_layers": 7, "dim": 128}}))
+    assert option == "model.dim, model.n_layers"
+    mcfg = preset_config("tiny", vocab_size=257, n_layers=7, dim=128)
+    assert params == llama_parameters(mcfg)  # the vocabulary at its least: 257
+    assert (rope, positions) == (4 * mcfg.max_seq_len * mcfg.head_dim, mcfg.max_seq_len)
+
+
+def _cfg(**model):
+    return load_config(None, {"model": model})
+
+
+def test_refused_when_the_build_alone_exceeds_memory():
+    cfg = _cfg(preset="tiny")
+    params = least_parameters(cfg)[0]
+    check_fits(cfg, 4, memory=GIB)  # 0.6M parameters fit in a GiB
+    with pytest.raises(ConfigError) as e:
+        check_fits(_cfg(preset="tiny", n_layers=10**8), 4, memory=GIB)
+    msg = str(e.value)
+    assert msg.startswith("model.n_layers: the model has at least ") and "\n" not in msg
+    assert "more than this machine's 1.0 GiB" in msg
+    # the bound: one rank's fp32 build, or on a CPU the local ranks' shards and gradients
+    cpu = dict(dist={"device": "cpu", "nproc": 4, "shard_size": 2})
+    cfg = load_config(None, {"model": {"preset": "tiny"}, **cpu})
+    _, _, rope, _ = least_parameters(cfg)
+    need = max(4 * params + rope, 4 * 8 * params // 2)
+    check_fits(cfg, 4, memory=need)
+    with pytest.raises(ConfigError, match="model.preset: .* 4 local ranks"):
+        check_fits(cfg, 4, memory=need - 1)
+
+
+def test_on_cuda_only_the_host_build_counts(monkeypatch):
+    cfg = load_config(None, {"model": {"preset": "tiny"}, "dist": {"device": "auto"}})
+    params, _, rope, _ = least_parameters(cfg)
+    one_build = 4 * params + rope
+    monkeypatch.setattr("editrain.config.validation.cuda_device_count", lambda: 4)
+    check_fits(cfg, 4, memory=one_build)  # the shards live on the GPUs
+    monkeypatch.setattr("editrain.config.validation.cuda_device_count", lambda: 0)
+    with pytest.raises(ConfigError):
+        check_fits(cfg, 4, memory=one_build)  # auto is the CPU here: 4 ranks' shards
+
+
+def test_rope_tables_are_counted_and_named():
+    with pytest.raises(ConfigError, match=r"model.max_seq_len: .* RoPE tables of 5.8 TiB "
+                                          r"for 100,000,000,000 positions"):
+        check_fits(_cfg(preset="tiny", max_seq_len=10**11), 1, memory=GIB)
+
+
+def test_host_memory_takes_a_lower_container_limit(tmp_path, monkeypatch):
+    physical = host_memory()
+    assert physical and physical >= GIB
+    limit = tmp_path / "memory.max"
+    limit.write_text(f"{GIB}\n")
+    monkeypatch.setattr(size_mod, "CGROUP_LIMITS", (str(limit),))
+    assert host_memory() == min(physical, GIB)
+    limit.write_text("max\n")  # cgroup v2's "no limit"
+    monkeypatch.setattr(size_mod, "CGROUP_LIMITS", (str(limit), str(tmp_path / "none")))
+    assert host_memory() == physical or physical < GIB
+
+
+def test_world_check_uses_local_world_size(monkeypatch):
+    """Under torchrun the ranks of this machine are LOCAL_WORLD_SIZE, not the world."""
+    cfg = load_config(None, {"model": {"preset": "tiny"}, "dist": {"device": "cpu"}})
+    seen = []
+    monkeypatch.setattr("editrain.config.size.check_fits",
+                        lambda c, local, memory=None: seen.append(local))
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    validate_world(cfg, 8)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE")
+    validate_world(cfg, 4)
+    assert seen == [2, 4]
+
+
+def test_weight_layers_count_the_indices_under_one_prefix():
+    assert weight_layers(["model.embed_tokens.weight", "model.layers.0.a", "model.layers.0.b",
+                          "model.layers.1.a", "lm_head.weight"]) == 2
+    assert weight_layers(["transformer.h.0.attn", "transformer.h.11.mlp",
+                          "transformer.wte"]) == 2
+    assert weight_layers(["w"]) == 0
+
+
+def test_fragments_check_builds_no_model_when_every_block_is_a_unit(monkeypatch):
+    def no_build(cfg):
+        raise AssertionError("built the model")
+
+    monkeypatch.setattr("editrain.config.validation.sync_units", no_build)
+    load_config(None, {"model": {"preset": "tiny", "n_layers": 6}, "sync": {"fragments": 6}})
+    with pytest.raises(AssertionError):  # more fragments than blocks: counted on the model
+        load_config(None, {"model": {"preset": "tiny", "n_layers": 6}, "sync": {"fragments": 7}})
+
+
+def _refused_fast(args: list[str], tmp: Path, start: str) -> str:
+    run = tmp / "run"
+    t0 = time.monotonic()
+    out = run_cli(["train", *args, "--run-dir", str(run),
+                   "--data.cache_dir", str(tmp / "cache")], timeout=120)
+    took = time.monotonic() - t0
+    assert out.returncode == 2, out.stderr
+    err = out.stderr.strip()
+    assert err.startswith(f"editrain: error: {start}") and "\n" not in err, err
+    assert not run.exists() and not (tmp / "cache").exists()
+    assert took < 60, took  # not a timing claim: the unfixed command never ended
+    return err
+
+
+def test_a_shape_too_large_is_refused_before_launch(tmp_path):
+    err = _refused_fast(["--model.n_layers", "100000000"], tmp_path, "model.n_layers: ")
+    assert "parameters" in err and "host memory" in err
+
+
+def test_a_config_json_claiming_more_layers_than_its_weights(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(vocab_size=300, hidden_size=32, intermediate_size=64,
+                                      num_hidden_layers=2, num_attention_heads=4,
+                                      max_position_embeddings=64)
+    good = tmp_path / "good"
+    transformers.LlamaForCausalLM(config).save_pretrained(good, max_shard_size="20KB")
+    for layers, name in ((10**9, "llama"), (3, "llama3")):
+        bad = tmp_path / name
+        shutil.copytree(good, bad)
+        data = json.loads((bad / "config.json").read_text())
+        (bad / "config.json").write_text(json.dumps({**data, "num_hidden_layers": layers}))
+        with pytest.raises(ConfigError, match=rf"model.init_from: .*config.json has "
+                                              rf"num_hidden_layers = {layers:,}, but its "
+                                              r"safetensors hold 2 layers"):
+            load_config(None, {"model": {"init_from": str(bad)}})
+    err = _refused_fast(["--model.init_from", str(tmp_path / "llama")], tmp_path / "t",
+                        "model.init_from: ")
+    assert "num_hidden_layers = 1,000,000,000" in err
