@@ -17,6 +17,7 @@ from pathlib import Path
 
 from editrain.config import ConfigError, describe_options, load_config, parse_overrides
 from editrain.config.inputs import check_path_options
+from editrain.config.schema import SEED_MAX
 from editrain.errors import CheckpointError
 from editrain.paths import check_path
 from editrain.spawn import (
@@ -147,9 +148,13 @@ def cmd_sample(args: argparse.Namespace, extra: list[str]) -> int:
                               f"{getattr(args, name)}")
     if not args.temperature >= 0:  # NaN too
         raise ConfigError(f"sample --temperature: must be >= 0, got {args.temperature}")
+    if not 0 <= args.seed <= SEED_MAX:
+        raise ConfigError(f"sample --seed: must be in [0, {SEED_MAX}], got {args.seed}")
     check_path("sample: CHECKPOINT_OR_HF_DIR", args.path, "in_dir")
     loaded = load_for_sampling(args.path, replica=args.replica)
     prompt = loaded.tokenizer.encode(args.prompt).ids
+    if not prompt and loaded.eos_id is not None:  # a new document: after an end of text
+        prompt = [loaded.eos_id]
     new = generate(loaded.model, prompt, args.max_new_tokens, temperature=args.temperature,
                    top_k=args.top_k, seed=args.seed, eos_id=loaded.eos_id,
                    max_len=loaded.max_len)
@@ -217,12 +222,14 @@ def build_parser() -> argparse.ArgumentParser:
                                    "directory: greedy at --temperature 0, else sampling with "
                                    "an optional --top-k, seeded.")
     p.add_argument("path", metavar="CHECKPOINT_OR_HF_DIR")
-    p.add_argument("--prompt", required=True, help="the text to continue")
-    p.add_argument("--max-new-tokens", type=int, default=100, metavar="N")
+    p.add_argument("--prompt", required=True, help="the text to continue (empty: a new "
+                   "document, after the tokenizer's end-of-text token)")
+    p.add_argument("--max-new-tokens", "--max_new_tokens", type=int, default=100, metavar="N")
     p.add_argument("--temperature", type=float, default=0.0, metavar="T",
                    help="0 (default): greedy")
-    p.add_argument("--top-k", type=int, default=0, metavar="K", help="0 (default): no cut")
-    p.add_argument("--seed", type=int, default=0, metavar="S")
+    p.add_argument("--top-k", "--top_k", type=int, default=0, metavar="K",
+                   help="0 (default): no cut")
+    p.add_argument("--seed", type=int, default=0, metavar="S", help=f"0 .. {SEED_MAX}")
     p.add_argument("--replica", type=int, default=None, metavar="R",
                    help="a checkpoint's replica R instead of its global model")
     p.set_defaults(func=cmd_sample)

@@ -18,7 +18,7 @@ import json
 import os
 import shutil
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -188,7 +188,7 @@ def _model_names(marker: Mapping[str, Any]) -> tuple[bool, dict[str, Any]]:
     return "dim" in model and "n_layers" in model, model
 
 
-def read_model_weights(ckpt: Path, replica: int | None = None
+def read_model_weights(ckpt: Path, replica: int | None = None, command: str = "export"
                        ) -> tuple[dict[str, torch.Tensor], str]:
     """One model of a checkpoint, every tensor whole, under the model's parameter names.
 
@@ -197,6 +197,7 @@ def read_model_weights(ckpt: Path, replica: int | None = None
         replica: None: the global model (the sync engine's anchors; replica 0's weights
             where there are none: a method without a global model, or a run still in its
             warm-up, whose replicas then agree); else that replica's live weights.
+        command: the command the messages name (``export``, ``sample``).
 
     Returns:
         ``(tensors, source)``; ``source`` says which model was read.
@@ -213,7 +214,7 @@ def read_model_weights(ckpt: Path, replica: int | None = None
         source = "the global model (the anchors)"
         missing = sorted(set(saved_tensors(ckpt, "replica0.model")) - set(keys))
         if keys and missing:
-            raise CheckpointError(f"export: {ckpt} has no global copy of {missing[0]!r}")
+            raise CheckpointError(f"{command}: {ckpt} has no global copy of {missing[0]!r}")
         if not keys:
             replica, source = 0, "replica 0 (the checkpoint holds no global model)"
     if not keys:
@@ -222,7 +223,7 @@ def read_model_weights(ckpt: Path, replica: int | None = None
     if not keys:
         saved = sorted({k.split(".")[0] for k in metadata.state_dict_metadata
                         if k.startswith("replica")})
-        raise CheckpointError(f"export --replica: {ckpt} holds no replica {replica} "
+        raise CheckpointError(f"{command} --replica: {ckpt} holds no replica {replica} "
                               f"(it holds {', '.join(saved) or 'none'})")
     sizes = metadata.state_dict_metadata
     state = {key: torch.empty(tuple(sizes[key].size), dtype=sizes[key].properties.dtype)
@@ -233,8 +234,68 @@ def read_model_weights(ckpt: Path, replica: int | None = None
             dcp.load(state, storage_reader=SafeFileSystemReader(ckpt),
                      planner=SafeLoadPlanner(), no_dist=True)
     except Exception as e:  # corrupt or truncated files: say so in one line
-        raise CheckpointError(f"export: cannot read {ckpt}: {e!r}") from None
+        raise CheckpointError(f"{command}: cannot read {ckpt}: {e!r}") from None
     return {name: state[key] for name, key in keys.items()}, source
+
+
+def build_checked(make: Callable[[], nn.Module], shapes: Mapping[str, Any], where: str,
+                  command: str, names: Callable[[nn.Module], Mapping[str, Any]] | None = None,
+                  real: bool = True) -> nn.Module:
+    """``make()``, once the model it builds on the meta device has the shapes the weights
+    have: a description whose widths disagree with its weights is refused before a real
+    build allocates them.
+
+    Args:
+        make: builds the model.
+        shapes: the weights' tensor name -> shape.
+        where: the weights, for the message.
+        command: the command the message names.
+        names: a model's parameters under the weights' names (default:
+            :func:`~editrain.models.hf_dir.hf_parameters`, Hugging Face names).
+        real: build the model for real once it is checked (else return the meta one).
+
+    Raises:
+        CheckpointError: a parameter whose tensor has another shape.
+    """
+    with torch.device("meta"):
+        meta = make()
+    for name, p in (names or hf_parameters)(meta).items():
+        have = shapes.get(name)
+        if have is not None and tuple(have) != tuple(p.shape):
+            raise CheckpointError(f"{command}: {where}: tensor {name!r} has shape "
+                                  f"{list(have)}, the model its description builds needs "
+                                  f"{list(p.shape)}")
+    return make() if real else meta
+
+
+def checkpoint_model(marker: Mapping[str, Any], tensors: Mapping[str, torch.Tensor],
+                     ckpt: Path, command: str, real: bool = True) -> tuple[nn.Module, int]:
+    """The model a checkpoint's marker describes, checked against the checkpoint's model
+    tensors (:func:`read_model_weights`: the model's own names) before it is built: its
+    layers (:func:`~editrain.config.size.check_weights_match`), then every parameter's
+    shape (:func:`build_checked`). Returns ``(model, longest window)``.
+
+    Raises:
+        ConfigError, CheckpointError: one line naming ``command``.
+    """
+    from editrain.config.size import check_weights_match
+    from editrain.models.hf import HFCausalLM
+    from editrain.models.llama import Llama
+
+    llama, model_cfg = _model_names(marker)
+    check_weights_match(model_cfg, tensors, f"{ckpt}/{MARKER}", option=command)
+    shapes = {n: t.shape for n, t in tensors.items()}
+
+    def own(model: nn.Module) -> dict[str, Any]:
+        return dict(model.named_parameters())
+
+    if llama:
+        cfg = LlamaConfig(**model_cfg)
+        return build_checked(lambda: Llama(cfg), shapes, str(ckpt), command, own,
+                             real), cfg.max_seq_len
+    model = build_checked(lambda: HFCausalLM.from_config_dict(model_cfg), shapes, str(ckpt),
+                          command, own, real)
+    return model, int(model_cfg.get("max_position_embeddings") or 2048)
 
 
 def _hf_tensors(tensors: Mapping[str, torch.Tensor], llama: bool, config: Mapping[str, Any]
@@ -356,6 +417,7 @@ def export_checkpoint(path: str | Path, out: str | Path, replica: int | None = N
     out = Path(out).expanduser()
     llama, model_cfg = _model_names(marker)
     tensors, source = read_model_weights(ckpt, replica)
+    checkpoint_model(marker, tensors, ckpt, "export", real=False)  # config.json fits them
     hf = _hf_tensors(tensors, llama, model_cfg)
     run_dir = ckpt.parent.parent
     run_cfg = marker.get("config") or {}

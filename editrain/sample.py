@@ -17,9 +17,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from editrain.checkpoint import MARKER, read_marker
+from editrain.checkpoint import MARKER, open_checkpoint
+from editrain.config.size import check_weights_match
 from editrain.hf_checkpoint import (
     RUN_TOKENIZER_DIR,
+    build_checked,
+    checkpoint_model,
     find_checkpoint,
     load_hf_weights,
     read_model_weights,
@@ -27,7 +30,7 @@ from editrain.hf_checkpoint import (
 from editrain.models.hf import HFCausalLM
 from editrain.models.hf_dir import inspect_weights, read_config, special_tokens, tokenizer_file
 from editrain.models.hf_llama import is_llama_config, llama_config_from_hf
-from editrain.models.llama import Llama, LlamaConfig
+from editrain.models.llama import Llama
 
 __all__ = ["Loaded", "generate", "load_for_sampling"]
 
@@ -46,12 +49,15 @@ class Loaded:
 def _hf_dir_model(path: Path) -> tuple[nn.Module, int]:
     data = read_config(path, option="sample")
     weights = inspect_weights(path, option="sample")
+    check_weights_match(data, weights.tensors, f"{path}/config.json", option="sample")
+    shapes = {n: t.shape for n, t in weights.tensors.items()}
     if is_llama_config(data):
         cfg = llama_config_from_hf(data, f"sample: {path}/config.json")
-        model: nn.Module = Llama(cfg)
+        model: nn.Module = build_checked(lambda: Llama(cfg), shapes, str(path), "sample")
         max_len = cfg.max_seq_len
     else:
-        model = HFCausalLM.from_config_dict(data, path=path)
+        model = build_checked(lambda: HFCausalLM.from_config_dict(data, path=path), shapes,
+                              str(path), "sample")
         max_len = int(data.get("max_position_embeddings") or data.get("n_positions") or 2048)
     load_hf_weights(model, path, weights)
     return model, max_len
@@ -59,16 +65,9 @@ def _hf_dir_model(path: Path) -> tuple[nn.Module, int]:
 
 def _checkpoint_model(path: Path, replica: int | None) -> tuple[nn.Module, int, Path, str]:
     ckpt = find_checkpoint(path, option="sample")
-    marker = read_marker(ckpt)
-    model_cfg = dict(marker.get("model") or {})
-    tensors, source = read_model_weights(ckpt, replica)
-    if "dim" in model_cfg and "n_layers" in model_cfg:
-        cfg = LlamaConfig(**model_cfg)
-        model: nn.Module = Llama(cfg)
-        max_len = cfg.max_seq_len
-    else:
-        model = HFCausalLM.from_config_dict(model_cfg)
-        max_len = int(model_cfg.get("max_position_embeddings") or 2048)
+    marker = open_checkpoint(ckpt)  # regular files only, no link, bounded marker
+    tensors, source = read_model_weights(ckpt, replica, command="sample")
+    model, max_len = checkpoint_model(marker, tensors, ckpt, "sample")
     # strict=False only for what the state does not hold: a tied head (one tensor);
     # every tensor of the checkpoint must land on a parameter.
     missing, unexpected = model.load_state_dict(tensors, strict=False)

@@ -98,15 +98,25 @@ def test_refused_when_the_build_alone_exceeds_memory():
         check_fits(cfg, 4, memory=need - 1)
 
 
-def test_on_cuda_only_the_host_build_counts(monkeypatch):
+def test_on_a_gpu_only_the_host_build_counts(monkeypatch):
     cfg = load_config(None, {"model": {"preset": "tiny"}, "dist": {"device": "auto"}})
     params, _, rope, _ = least_parameters(cfg)
     one_build = 4 * params + rope
-    monkeypatch.setattr("editrain.config.validation.cuda_device_count", lambda: 4)
+    monkeypatch.setattr(size_mod, "_no_gpu", lambda: False)
     check_fits(cfg, 4, memory=one_build)  # the shards live on the GPUs
-    monkeypatch.setattr("editrain.config.validation.cuda_device_count", lambda: 0)
+    monkeypatch.setattr(size_mod, "_no_gpu", lambda: True)
     with pytest.raises(ConfigError):
         check_fits(cfg, 4, memory=one_build)  # auto is the CPU here: 4 ranks' shards
+
+
+def test_no_gpu_is_decided_without_torch(monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    assert size_mod._no_gpu()
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "-1")
+    assert size_mod._no_gpu()
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    gpu = any(Path("/dev").glob("nvidia[0-9]*")) or Path("/dev/kfd").exists()
+    assert size_mod._no_gpu() is not gpu
 
 
 def test_rope_tables_are_counted_and_named():
@@ -191,8 +201,100 @@ def test_a_config_json_claiming_more_layers_than_its_weights(tmp_path):
         (bad / "config.json").write_text(json.dumps({**data, "num_hidden_layers": layers}))
         with pytest.raises(ConfigError, match=rf"model.init_from: .*config.json has "
                                               rf"num_hidden_layers = {layers:,}, but its "
-                                              r"safetensors hold 2 layers"):
+                                              r"weights hold 2 layers"):
             load_config(None, {"model": {"init_from": str(bad)}})
     err = _refused_fast(["--model.init_from", str(tmp_path / "llama")], tmp_path / "t",
                         "model.init_from: ")
     assert "num_hidden_layers = 1,000,000,000" in err
+
+
+# ------------------------------------------------------------------- sample and export
+def _main(capsys, *argv) -> tuple[int, str, str]:
+    from editrain.cli import main
+
+    capsys.readouterr()
+    code = main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory) -> Path:
+    """A tiny Llama directory with a tokenizer that names its end of text."""
+    transformers = pytest.importorskip("transformers")
+    from tests.test_examples import write_corpus
+    from tests.test_hf_io import _save_tokenizer
+
+    root = tmp_path_factory.mktemp("size")
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=320, hidden_size=32, intermediate_size=64,
+                                      num_hidden_layers=2, num_attention_heads=4,
+                                      max_position_embeddings=64, tie_word_embeddings=False)
+    transformers.LlamaForCausalLM(config).save_pretrained(root / "llama")
+    _save_tokenizer(root / "llama", write_corpus(root / "corpus.txt", lines=300))
+    return root / "llama"
+
+
+def _edited(src: Path, dst: Path, **fields) -> Path:
+    shutil.copytree(src, dst)
+    data = json.loads((dst / "config.json").read_text())
+    (dst / "config.json").write_text(json.dumps({**data, **fields}))
+    return dst
+
+
+def test_sample_refuses_a_config_json_that_does_not_fit_its_weights(hf_dir, tmp_path,
+                                                                   capsys):
+    deep = _edited(hf_dir, tmp_path / "deep", num_hidden_layers=10**9)
+    t0 = time.monotonic()
+    code, _, err = _main(capsys, "sample", deep, "--prompt", "x")
+    assert code == 2 and err.count("\n") == 1, err
+    assert "sample: " in err and "num_hidden_layers = 1,000,000,000, but its weights hold 2 " \
+        "layers" in err
+    wide = _edited(hf_dir, tmp_path / "wide", intermediate_size=10**9)
+    code, _, err = _main(capsys, "sample", wide, "--prompt", "x")
+    assert code == 2 and err.count("\n") == 1, err
+    assert "tensor 'model.layers.0.mlp.gate_proj.weight' has shape [64, 32], the model its " \
+        "description builds needs [1000000000, 32]" in err
+    assert time.monotonic() - t0 < 60  # neither model was built for real
+
+
+def test_a_checkpoints_marker_is_checked_against_its_tensors():
+    """sample and export build (or describe) the model of a checkpoint's marker: its layers
+    and every shape are compared with the checkpoint's tensors first."""
+    from editrain.errors import CheckpointError
+    from editrain.hf_checkpoint import checkpoint_model
+
+    mcfg = preset_config("tiny", vocab_size=300, n_layers=2)
+    tensors = {n: p.detach() for n, p in Llama(mcfg, seed=0).named_parameters()}
+    fields = {k: getattr(mcfg, k) for k in ("vocab_size", "dim", "n_layers", "n_heads",
+                                            "n_kv_heads", "ffn_hidden", "max_seq_len",
+                                            "tie_embeddings")}
+    model, window = checkpoint_model({"model": fields}, tensors, Path("ck"), "sample")
+    assert window == mcfg.max_seq_len and model.state_dict().keys() >= tensors.keys()
+    with pytest.raises(ConfigError, match=r"^export: ck/editrain.json has n_layers = "
+                                          r"1,000,000,000, but its weights hold 2 layers"):
+        checkpoint_model({"model": {**fields, "n_layers": 10**9}}, tensors, Path("ck"),
+                         "export", real=False)
+    with pytest.raises(CheckpointError, match=r"^sample: ck: tensor 'tok_embeddings.weight' "
+                                              r"has shape \[300, 64\], the model its "
+                                              r"description builds needs \[300, 4096\]"):
+        checkpoint_model({"model": {**fields, "dim": 4096, "n_heads": 64, "n_kv_heads": 64}},
+                         tensors, Path("ck"), "sample")
+
+
+def test_sample_of_an_empty_prompt_starts_a_new_document(hf_dir, capsys):
+    from editrain.sample import generate, load_for_sampling
+
+    loaded = load_for_sampling(hf_dir)
+    assert loaded.eos_id is not None
+    new = generate(loaded.model, [loaded.eos_id], 6, eos_id=loaded.eos_id,
+                   max_len=loaded.max_len)
+    code, out, err = _main(capsys, "sample", hf_dir, "--prompt", "", "--max_new_tokens", "6")
+    assert code == 0, err
+    assert out == loaded.tokenizer.decode(new) + "\n"
+
+
+@pytest.mark.parametrize("seed", ["-1", str(2**63), str(10**23)])
+def test_sample_seed_out_of_range_is_refused_by_name(hf_dir, capsys, seed):
+    code, _, err = _main(capsys, "sample", hf_dir, "--prompt", "x", "--seed", seed)
+    assert code == 2 and err.startswith("editrain: error: sample --seed: must be in [0, ")

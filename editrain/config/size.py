@@ -38,10 +38,11 @@ MIN_VOCAB = 257
 FP32 = 4
 CGROUP_LIMITS = ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes")
 """Where a container's memory limit is (cgroup v2, then v1)."""
-HF_KEYS = {"layers": ("num_hidden_layers", "n_layer", "num_layers"),
+HF_KEYS = {"layers": ("num_hidden_layers", "n_layer", "num_layers", "n_layers"),
            "hidden": ("hidden_size", "n_embd", "d_model"),
            "vocab": ("vocab_size",)}
-"""The names transformers' configs give the layer count, the width and the vocabulary."""
+"""The names transformers' configs give the layer count, the width and the vocabulary
+(``n_layers``: editrain's Llama, as a checkpoint's marker writes it)."""
 
 
 def llama_parameters(mcfg: Any) -> int:
@@ -156,7 +157,7 @@ def check_fits(cfg: Any, local_ranks: int, memory: int | None = None) -> None:
     params, option, rope, positions = least_parameters(cfg)
     d = cfg.dist
     need = FP32 * params + rope
-    if d.device == "cpu" or (d.device == "auto" and _no_cuda()):
+    if d.device == "cpu" or (d.device == "auto" and _no_gpu()):
         per_rank = 2 * FP32 * params / (d.shard_size * d.tp_size * d.pp_size)
         need = max(need, math.ceil(local_ranks * per_rank))
     if need > memory:
@@ -172,11 +173,17 @@ def check_fits(cfg: Any, local_ranks: int, memory: int | None = None) -> None:
             f"more than this machine's {_size(memory)}; choose a smaller shape")
 
 
-def _no_cuda() -> bool:
-    """Whether ``dist.device = auto`` resolves to the CPU here."""
-    from editrain.config.validation import cuda_device_count
-
-    return cuda_device_count() == 0
+def _no_gpu() -> bool:
+    """Whether ``dist.device = auto`` surely resolves to the CPU here, decided without
+    importing torch (the launcher starts the workers' fork server before it imports
+    torch): no device is visible (``CUDA_VISIBLE_DEVICES`` empty or -1), or the machine has
+    no NVIDIA or ROCm device node. Where unsure it says False: the check is then only less
+    strict."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None and visible.strip() in ("", "-1"):
+        return True
+    dev = Path("/dev")
+    return not (any(dev.glob("nvidia[0-9]*")) or (dev / "kfd").exists())
 
 
 def weight_layers(names: Any) -> int:
@@ -192,26 +199,28 @@ def weight_layers(names: Any) -> int:
     return max((len(v) for v in seen.values()), default=0)
 
 
-def check_weights_match(data: dict[str, Any], weights: Any, where: str) -> None:
-    """Refuse a ``model.init_from`` directory whose ``config.json`` has more layers than
-    its safetensors hold, before the model is built from the file (a build takes about a
-    millisecond a layer even on the meta device, so 10**9 layers would not end; the
-    tensors' shapes are compared once it is built).
+def check_weights_match(data: dict[str, Any], names: Any, source: str,
+                        option: str = "model.init_from") -> None:
+    """Refuse a model description (a ``config.json``, a checkpoint's marker) with more
+    layers than the weights beside it hold, before a model is built from it (a build takes
+    about a millisecond a layer even on the meta device, so 10**9 layers would not end;
+    the tensors' shapes are compared once the model is built on the meta device).
 
     Args:
-        data: the directory's ``config.json``.
-        weights: its :class:`~editrain.models.hf_dir.HFWeights`.
-        where: the directory, for the message.
+        data: the description (Hugging Face names, or editrain's Llama's ``n_layers``).
+        names: the names of the tensors the weights hold.
+        source: the file ``data`` was read from, for the message.
+        option: the option or command the message names.
 
     Raises:
-        ConfigError: naming ``model.init_from``, the file's field and both counts.
+        ConfigError: naming ``option``, the file's field and both counts.
     """
-    layers, held = hf_layers(data), weight_layers(weights.tensors)
+    layers, held = hf_layers(data), weight_layers(names)
     if layers > held:
         key = next(k for k in HF_KEYS["layers"] if data.get(k) == layers)
         raise ConfigError(
-            f"model.init_from: {where}/config.json has {key} = {_count(layers)}, but its "
-            f"safetensors hold {held} layers; the file does not belong to these weights")
+            f"{option}: {source} has {key} = {_count(layers)}, but its weights hold {held} "
+            f"layers; the file does not belong to these weights")
 
 
 __all__ = ["check_fits", "check_weights_match", "hf_layers", "hf_parameters_at_least", "host_memory",

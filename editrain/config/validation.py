@@ -369,7 +369,8 @@ def _check_init_from(cfg: Config) -> None:
         weights = inspect_weights(m.init_from)
         # Before the model is built from the file: a config.json that claims more layers
         # than its weights hold (10**9) would take hours to build on the meta device.
-        check_weights_match(read_config(m.init_from), weights, m.init_from)
+        check_weights_match(read_config(m.init_from), weights.tensors,
+                            f"{m.init_from}/config.json")
     if not llama:
         require(importlib.util.find_spec("transformers") is not None, "model.init_from",
                 f"{m.init_from} is not a LlamaForCausalLM, and other architectures need the "
