@@ -546,11 +546,11 @@ def run_meta(cfg: Any, vocab_size: int, topology: tuple[int, ...] | None = None,
 
     from editrain.config import model_config, to_dict
     from editrain.config.model import hf_source
-    from editrain.models.hf import config_path
+    from editrain.models.hf import read_hf_config
 
     source = hf_source(cfg)
     if source:
-        model = json.loads(config_path(source).read_text())
+        model = dict(read_hf_config(source))
         model.pop("transformers_version", None)
         num_units = int(model.get("num_hidden_layers", model.get("n_layer", 0))) + 1
     else:

@@ -150,7 +150,8 @@ def cmd_sample(args: argparse.Namespace, extra: list[str]) -> int:
         raise ConfigError(f"sample --temperature: must be >= 0, got {args.temperature}")
     if not 0 <= args.seed <= SEED_MAX:
         raise ConfigError(f"sample --seed: must be in [0, {SEED_MAX}], got {args.seed}")
-    check_path("sample: CHECKPOINT_OR_HF_DIR", args.path, "in_dir")
+    if not args.path.startswith("hf:"):  # else a model of the hub cache, by its id
+        check_path("sample: CHECKPOINT_OR_HF_DIR", args.path, "in_dir")
     loaded = load_for_sampling(args.path, replica=args.replica)
     prompt = loaded.tokenizer.encode(args.prompt).ids
     if not prompt and loaded.eos_id is not None:  # a new document: after an end of text
@@ -219,8 +220,9 @@ def build_parser() -> argparse.ArgumentParser:
                        "directory (CPU, one process)",
                        description="Continue a prompt with the model of a checkpoint (its "
                                    "global model, or --replica R) or of a Hugging Face "
-                                   "directory: greedy at --temperature 0, else sampling with "
-                                   "an optional --top-k, seeded.")
+                                   "directory (or hf:ORG/NAME[@REVISION], a model in the "
+                                   "Hugging Face hub cache): greedy at --temperature 0, else "
+                                   "sampling with an optional --top-k, seeded.")
     p.add_argument("path", metavar="CHECKPOINT_OR_HF_DIR")
     p.add_argument("--prompt", required=True, help="the text to continue (empty: a new "
                    "document, after the tokenizer's end-of-text token)")

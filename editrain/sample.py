@@ -28,7 +28,14 @@ from editrain.hf_checkpoint import (
     read_model_weights,
 )
 from editrain.models.hf import HFCausalLM
-from editrain.models.hf_dir import inspect_weights, read_config, special_tokens, tokenizer_file
+from editrain.models.hf_dir import (
+    HUB_PREFIX,
+    hub_snapshot,
+    inspect_weights,
+    read_config,
+    special_tokens,
+    tokenizer_file,
+)
 from editrain.models.hf_llama import is_llama_config, llama_config_from_hf
 from editrain.models.llama import Llama
 
@@ -87,6 +94,8 @@ def load_for_sampling(path: str | Path, replica: int | None = None) -> Loaded:
     """
     from tokenizers import Tokenizer
 
+    if str(path).startswith(HUB_PREFIX):  # a model of the Hugging Face hub cache
+        path = hub_snapshot(str(path), "sample")
     p = Path(path).expanduser()
     if (p / "config.json").is_file() and not (p / MARKER).is_file():
         if replica is not None:

@@ -121,6 +121,28 @@ def test_json_file_as_list_or_json_lines(tmp_path):
     assert docs[0].name == f"{listed}:0" and docs[2].name == f"{lines}:1"
 
 
+@pytest.mark.parametrize("kind", ["jsonl", "json"])
+def test_a_record_nested_too_deep_is_one_line_not_a_recursion_error(tmp_path, kind):
+    """A corpus record of 100,000 nested lists (the JSON parser's RecursionError before):
+    refused naming the option, the file and the line; a depth of 200 is read."""
+    deep = "[" * 100_000 + "]" * 100_000
+    fine = "[" * 200 + "]" * 200
+    good = [json.dumps({"text": f"doc {i}"}) for i in range(3)]
+    for nested, ok in ((fine, True), (deep, False)):
+        record = '{"text": "x", "meta": ' + nested + '}'
+        text = ("\n".join([*good, record]) + "\n" if kind == "jsonl"
+                else "[" + ", ".join([*good, record]) + "]")
+        path = _write(tmp_path / f"c.{kind}", text)
+        if ok:
+            assert [d.text for d in iter_records(resolve_sources([str(path)]))][-1] == "x"
+            continue
+        with pytest.raises(ValueError) as e:  # when the sources are checked, or read
+            list(iter_records(resolve_sources([str(path)])))
+        where = f"{path}:4" if kind == "jsonl" else str(path)
+        assert str(e.value) == (f"data.path: {where}: not JSON editrain reads: nested deeper "
+                                "than 256 levels")
+
+
 # ------------------------------------------------------------------ text_field
 
 

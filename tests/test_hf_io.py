@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import struct
 from pathlib import Path
 
@@ -266,6 +267,85 @@ def test_bad_directories_are_refused_in_one_line(dirs, tmp_path):
     _refused(tmp_path, odd, "model.init_from: .*describes no causal LM")
     with pytest.raises(ConfigError, match="remove model.dim"):
         load_config(overrides={"model": {"init_from": str(dirs["llama"]), "dim": 64}})
+
+
+REVISION = "0123abcd" * 5
+"""The commit of the made-up hub cache's snapshot (40 hex digits, as the hub's)."""
+
+
+def _hub_snapshot(src: Path, hub: Path, tokenizer: Path | None = None) -> Path:
+    """``src`` laid out as the Hugging Face hub cache keeps a model: every file once in
+    ``models--ORG--NAME/blobs/`` and linked from ``snapshots/REVISION/``."""
+    import hashlib
+
+    repo = hub / "models--me--tiny"
+    snap, blobs = repo / "snapshots" / REVISION, repo / "blobs"
+    snap.mkdir(parents=True)
+    blobs.mkdir()
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(REVISION)
+    files = {f.name: f for f in sorted(tokenizer.glob("tokenizer*.json"))} if tokenizer else {}
+    files.update((f.name, f) for f in sorted(src.iterdir()))
+    for f in files.values():
+        blob = blobs / hashlib.sha256(f.read_bytes()).hexdigest()
+        blob.write_bytes(f.read_bytes())
+        (snap / f.name).symlink_to(Path("../../blobs") / blob.name)
+    return snap
+
+
+def test_a_snapshot_of_the_hub_cache_is_a_model_directory(dirs, tmp_path):
+    """A model in the hub cache (HF_HOME) is used where it is: its snapshot's links into
+    the repository's blobs/ are the cache's layout, not a link out of the directory. Any
+    other link out is still refused."""
+    from editrain.sample import _hf_dir_model, load_for_sampling
+
+    for name in ("llama", "llama_sharded"):
+        snap = _hub_snapshot(dirs[name], tmp_path / name, tokenizer=dirs["llama"])
+        cfg = load_config(overrides={"model": {"init_from": str(snap)}})
+        assert cfg.model.init_from == str(snap)
+        x = tokens()
+        with torch.no_grad():
+            ours = load_for_sampling(snap).model(x)
+            theirs = _hf_dir_model(dirs[name])[0](x)  # the directory itself, no tokenizer
+        assert torch.equal(ours, theirs)
+    # a file linked from outside the repository's blobs/ is refused, as anywhere
+    victim = sorted(snap.glob("model-*.safetensors"))[0]
+    victim.unlink()
+    victim.symlink_to(dirs["llama_sharded"] / victim.name)
+    _refused(tmp_path, snap, f"{victim.name} is a link to .*, outside .*{REVISION} \\(and not "
+             "into its Hugging Face cache's blobs/\\)")
+    # the same links without the cache's layout (no models--ORG--NAME above snapshots/)
+    plain = tmp_path / "plain"
+    shutil.copytree(tmp_path / "llama" / "models--me--tiny", plain, symlinks=True)
+    _refused(tmp_path, plain / "snapshots" / REVISION, "model.safetensors is a link to .*"
+             "outside")
+
+
+def test_hf_ids_name_models_of_the_hub_cache_where_the_user_keeps_it(dirs, tmp_path):
+    """model.init_from, data.tokenizer and sample take hf:ORG/NAME[@REVISION]: the snapshot
+    of the hub cache that HF_HUB_CACHE (or HF_HOME) names, as huggingface_hub finds it, never
+    downloaded; a model the cache does not hold is one line saying where the cache is."""
+    hub = tmp_path / "hub"
+    snap = _hub_snapshot(dirs["llama"], hub)
+    env = {**os.environ, "HF_HUB_CACHE": str(hub), "HF_HUB_OFFLINE": "1"}
+    cache = tmp_path / "cache"
+    out = run_cli(["data", "--model.init_from", "hf:me/tiny", "--data.path",
+                   str(dirs["corpus"]), "--data.cache_dir", str(cache), "--json"], env=env)
+    assert out.returncode == 0, out.stderr
+    info = json.loads(out.stdout)
+    assert info["vocab_size"] == 300  # the snapshot's tokenizer, not a BPE of 8192
+    sample = ["sample", "--prompt", "def", "--max-new-tokens", "4"]  # the id as its path
+    by_id = run_cli([*sample[:1], f"hf:me/tiny@{REVISION}", *sample[1:]], env=env)
+    by_path = run_cli([*sample[:1], str(snap), *sample[1:]], env=env)
+    assert by_id.returncode == 0 and by_id.stdout == by_path.stdout, by_id.stderr
+    for spec, said in (("hf:me/other", "me/other is not in the Hugging Face cache "
+                        f"({hub}, set by HF_HOME or HF_HUB_CACHE)"),
+                       ("hf:me/tiny@v2", "me/tiny@v2 is not in the Hugging Face cache"),
+                       ("hf:not a repo", "'hf:not a repo' is not hf:ORG/NAME[@REVISION]")):
+        out = run_cli(["data", "--model.init_from", spec, "--data.path", str(dirs["corpus"]),
+                       "--data.cache_dir", str(cache)], env=env)
+        assert out.returncode == 2 and out.stderr.count("\n") == 1, out.stderr
+        assert out.stderr.startswith(f"editrain: error: model.init_from: {said}"), out.stderr
 
 
 def test_the_command_refuses_before_launch(dirs, tmp_path, capsys):

@@ -38,6 +38,28 @@ SHOWN_AS = {"run_dir": "--run-dir", "resume": "--resume"}
 """Options named as their command-line shorthand in messages."""
 
 
+HUB_OPTIONS = ("model.init_from", "data.tokenizer")
+"""The options that also take ``hf:ORG/NAME[@REVISION]``, a model of the Hugging Face hub
+cache (:func:`editrain.models.hf_dir.hub_snapshot`)."""
+
+
+def resolve_hub_models(cfg: Config) -> Config:
+    """``cfg`` with every ``hf:ORG/NAME[@REVISION]`` of :data:`HUB_OPTIONS` replaced by the
+    snapshot directory of the hub cache it names (the run then records that directory, so
+    a resume reads the same files)."""
+    from editrain.models.hf_dir import HUB_PREFIX, hub_snapshot
+
+    for option in HUB_OPTIONS:
+        section, key = option.split(".")
+        value = getattr(getattr(cfg, section), key)
+        if isinstance(value, str) and value.startswith(HUB_PREFIX):
+            with as_config_error():
+                path = hub_snapshot(value, option)
+            cfg = dataclasses.replace(cfg, **{section: dataclasses.replace(
+                getattr(cfg, section), **{key: path})})
+    return cfg
+
+
 def _walk(value: Any, option: str):
     """Every string inside ``value`` (dataclasses, lists, table keys and values), with the
     name of where it is."""

@@ -51,9 +51,10 @@ class ModelSection:
     """A Hugging Face config.json: train that model from scratch instead (needs transformers)."""
     init_from: str | None = None
     """A local Hugging Face model directory (config.json and model.safetensors, or shards
-    with model.safetensors.index.json): its shape, weights and tokenizer files seed step 0
-    (a LlamaForCausalLM trains as editrain's Llama, other architectures through
-    transformers); --resume still restores the run."""
+    with model.safetensors.index.json), or hf:ORG/NAME[@REVISION], a model already in the
+    Hugging Face hub cache (HF_HOME; never downloaded): its shape, weights and tokenizer
+    files seed step 0 (a LlamaForCausalLM trains as editrain's Llama, other architectures
+    through transformers); --resume still restores the run."""
 
     def overrides(self) -> dict[str, Any]:
         """The preset overrides that were set."""
@@ -78,8 +79,9 @@ class DataSection:
     none (documents concatenated)."""
     tokenizer: str | None = None
     """A tokenizer.json, or a model directory holding one (its tokenizer_config.json names
-    the end-of-text token), to use instead of training a byte-level BPE on the corpus
-    (default with model.init_from: that directory's tokenizer, where it has one)."""
+    the end-of-text token; hf:ORG/NAME[@REVISION]: one in the Hugging Face hub cache), to
+    use instead of training a byte-level BPE on the corpus (default with model.init_from:
+    that directory's tokenizer, where it has one)."""
     vocab_size: int = 8192
     """Vocabulary size of the trained BPE tokenizer (>= 257)."""
     val_fraction: float = 0.01

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from editrain.config.applicability import check_applicable
-from editrain.config.inputs import check_list_options, check_text_options
+from editrain.config.inputs import check_list_options, check_text_options, resolve_hub_models
 from editrain.config.schema import SECTIONS, Config
 from editrain.config.validation import validate
 from editrain.errors import ConfigError, require
@@ -127,6 +127,7 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None
     raw = _merge(raw, overrides or {})
     cfg = _build(Config, raw, "")
     check_text_options(cfg)  # first: a NUL in a path would fail any file check obscurely
+    cfg = resolve_hub_models(cfg)  # hf:ORG/NAME: its directory in the hub cache
     validate(cfg)
     check_applicable(cfg)
     check_list_options(cfg)

@@ -18,11 +18,12 @@ memory-mapped Arrow files. This module knows nothing of :class:`~editrain.data.s
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+
+from editrain.safe_io import read_json_value
 
 from .optional import require
 
@@ -123,9 +124,14 @@ def check_saved_split(path: Path, kind: str, split: str | None) -> str | None:
                              f"has no splits; drop '@{split}'")
         return None
     try:
-        splits = list(json.loads((path / _DICT_FILE).read_text(encoding="utf-8"))["splits"])
-    except (OSError, ValueError, KeyError, TypeError) as exc:
+        text = (path / _DICT_FILE).read_bytes()
+    except OSError as exc:
         raise ValueError(f"data.path: {str(path / _DICT_FILE)!r} is unreadable ({exc})") from exc
+    info = read_json_value(text, f"data.path: {path / _DICT_FILE}", error=ValueError)
+    splits = info.get("splits") if isinstance(info, dict) else None
+    if not isinstance(splits, list):
+        raise ValueError(f"data.path: {str(path / _DICT_FILE)!r} is unreadable (no list of "
+                         "splits)")
     split = DEFAULT_SPLIT if split is None else split
     if split not in splits:
         raise ValueError(f"data.path: the saved DatasetDict {str(path)!r} has no split "

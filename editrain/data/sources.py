@@ -34,6 +34,8 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from editrain.safe_io import read_json_value
+
 from .hf import (
     HF_PREFIX,
     check_saved_split,
@@ -123,6 +125,9 @@ _ROW_KINDS = ("jsonl", "json", "parquet", "hf", "hf_disk")
 _GLOB_CHARS = frozenset("*?[")
 # Rows read per batch from parquet files and datasets: bounded memory, few round trips.
 _ROW_BATCH = 1024
+RECORD_DEPTH = 256
+"""The deepest nesting a corpus record may have (deeper: refused in one line, not a
+RecursionError from the JSON parser)."""
 
 
 @dataclass(frozen=True)
@@ -487,22 +492,19 @@ def _jsonl_rows(path: Path, field: str) -> Iterator[tuple[int, object]]:
         for lineno, line in enumerate(fh, start=1):
             if not line.strip():
                 continue  # tolerate blank lines, common at the end of files
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"data.path: {path}:{lineno}: invalid JSON ({exc.msg})") from exc
+            record = read_json_value(line, f"data.path: {path}:{lineno}", error=ValueError,
+                                     max_depth=RECORD_DEPTH)
             yield lineno, _record_text(record, field, f"{path}:{lineno}")
 
 
 def _json_rows(path: Path, field: str) -> Iterator[tuple[int, object]]:
     """``(index, text)`` of a ``.json`` file holding a list of records. The file is parsed
     whole: corpora larger than memory belong in JSON Lines."""
-    try:
-        with open(path, encoding="utf-8") as fh:
-            records = json.load(fh)
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"data.path: {path}: invalid JSON ({exc.msg}, line {exc.lineno})"
-                         ) from exc
+    records = read_json_value(path.read_bytes(), f"data.path: {path}", error=ValueError,
+                              max_depth=RECORD_DEPTH)
+    if not isinstance(records, list):
+        raise ValueError(f"data.path: {path}: expected a JSON list of records, got "
+                         f"{type(records).__name__}")
     for index, record in enumerate(records):
         yield index, _record_text(record, field, f"{path}[{index}]")
 

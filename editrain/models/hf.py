@@ -11,13 +11,13 @@ blocks (found by :func:`editrain.units.find_blocks`, e.g. ``model.model.layers``
 from __future__ import annotations
 
 import importlib.util
-import json
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
+from editrain.safe_io import read_json_value
 from editrain.units import find_blocks
 
 INSTALL_HINT = "pip install 'editrain[hf]' (or pip install transformers)"
@@ -57,9 +57,10 @@ def read_hf_config(path: str | Path) -> dict[str, Any]:
     """
     p = config_path(path)
     try:
-        data = json.loads(p.read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise ValueError(f"model.hf_config: {p} is not valid JSON: {e}") from None
+        text = p.read_bytes()
+    except OSError as e:
+        raise ValueError(f"model.hf_config: {p}: cannot read it ({e.strerror})") from None
+    data = read_json_value(text, f"model.hf_config: {p}", error=ValueError)
     if not isinstance(data, dict) or not isinstance(data.get("model_type"), str):
         raise ValueError(f"model.hf_config: {p} has no \"model_type\" (e.g. \"llama\"); it must "
                          "be a Hugging Face config.json")

@@ -3,7 +3,9 @@
 What :func:`inspect_weights` accepts is checked without running anything from the files and
 without reading the tensors: only ``*.safetensors`` files are weights (a pickle-based
 ``pytorch_model.bin``, ``*.pt`` or ``*.ckpt`` is refused with the reason, never opened),
-every weight file must lie in the directory (a symlink resolving elsewhere is refused), and
+every weight file must lie in the directory (a symlink resolving elsewhere is refused, but
+for a snapshot of the Hugging Face hub cache, whose files are links into the repository's
+``blobs/``), every JSON file is parsed with a bounded nesting depth, and
 each file's header is validated by hand (8-byte length, bounded JSON, every tensor's byte
 range inside the file and as long as its shape and dtype say) before the safetensors
 library or DCP opens it. Every error is one line that names the option it came from.
@@ -11,7 +13,6 @@ library or DCP opens it. Every error is one line that names the option it came f
 
 from __future__ import annotations
 
-import json
 import math
 import struct
 from dataclasses import dataclass, field
@@ -19,18 +20,21 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from editrain.models.hf_llama import to_hf_name
+from editrain.safe_io import read_json_value
 
 if TYPE_CHECKING:  # annotations only: the file checks run without torch (editrain data)
     from torch import Tensor, nn
 
 __all__ = [
     "HEADER_LIMIT",
+    "HUB_PREFIX",
     "INDEX_FILE",
     "SINGLE_FILE",
     "HFWeights",
     "TensorInfo",
     "check_tensors",
     "hf_parameters",
+    "hub_snapshot",
     "inspect_weights",
     "read_config",
     "read_safetensors_header",
@@ -87,21 +91,42 @@ def read_config(path: str | Path, option: str = "model.init_from") -> dict[str, 
     cfg = root / "config.json"
     if not cfg.is_file():
         raise _fail(option, f"{root} has no config.json")
-    try:
-        data = json.loads(cfg.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise _fail(option, f"{cfg} is not valid JSON ({e})") from None
+    data = _json(cfg, option)
     if not isinstance(data, dict) or not isinstance(data.get("model_type"), str):
         raise _fail(option, f"{cfg} has no \"model_type\"; it is not a Hugging Face config")
     return data
 
 
+def _json(path: Path, option: str) -> Any:
+    """A JSON file of a model directory, parsed with a bounded nesting depth
+    (:func:`editrain.safe_io.read_json_value`): one line naming ``option`` otherwise."""
+    try:
+        text = path.read_bytes()
+    except OSError as e:
+        raise _fail(option, f"{path}: cannot read it ({e.strerror})") from None
+    return read_json_value(text, f"{option}: {path}", error=ValueError)
+
+
 def _inside(root: Path, p: Path, option: str) -> Path:
-    real, base = p.resolve(), root.resolve()
-    if real != base and base not in real.parents:
-        raise _fail(option, f"{p} is a link to {real}, outside {root}; copy the file into "
-                    "the directory")
-    return real
+    real = p.resolve()
+    for base in _trusted_roots(root):
+        if real == base or base in real.parents:
+            return real
+    raise _fail(option, f"{p} is a link to {real}, outside {root} (and not into its Hugging "
+                "Face cache's blobs/); copy the file into the directory")
+
+
+def _trusted_roots(root: Path) -> list[Path]:
+    """Where a model directory's files may resolve to: the directory itself, and for a
+    snapshot of the Hugging Face hub cache (``models--ORG--NAME/snapshots/REVISION``, whose
+    files are links to ``../../blobs/HASH``) that repository's ``blobs/``."""
+    trusted = [root.resolve()]
+    here = root.absolute()
+    blobs = here.parent.parent / "blobs"
+    if here.parent.name == "snapshots" and here.parent.parent.name.startswith("models--") \
+            and blobs.is_dir() and not blobs.is_symlink():
+        trusted.append(blobs.resolve())
+    return trusted
 
 
 def read_safetensors_header(path: Path, option: str = "model.init_from"
@@ -124,9 +149,9 @@ def read_safetensors_header(path: Path, option: str = "model.init_from"
                         f"file of {size})")
         raw = f.read(n)
     try:
-        header = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError):
-        raise _fail(option, f"{path} is corrupt (its safetensors header is not JSON)") from None
+        header = read_json_value(raw, str(path), error=ValueError)
+    except ValueError as e:
+        raise _fail(option, f"{path} is corrupt (its safetensors header: {e})") from None
     if not isinstance(header, dict):
         raise _fail(option, f"{path} is corrupt (its safetensors header is not an object)")
     data_size = size - 8 - n
@@ -172,12 +197,10 @@ def inspect_weights(path: str | Path, option: str = "model.init_from") -> HFWeig
     index = root / INDEX_FILE
     if index.exists():
         _inside(root, index, option)
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-            if not isinstance(weight_map, dict):
-                raise TypeError
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError):
-            raise _fail(option, f"{index} is not a safetensors index (no weight_map)") from None
+        data = _json(index, option)
+        weight_map = data.get("weight_map") if isinstance(data, dict) else None
+        if not isinstance(weight_map, dict):
+            raise _fail(option, f"{index} is not a safetensors index (no weight_map)")
         files = sorted(set(weight_map.values()))
         for name in files:
             if not isinstance(name, str) or "/" in name or not (root / name).is_file():
@@ -219,6 +242,42 @@ def inspect_weights(path: str | Path, option: str = "model.init_from") -> HFWeig
     return weights
 
 
+HUB_PREFIX = "hf:"
+"""``hf:ORG/NAME[@REVISION]``: a model of the Hugging Face hub cache, by its id."""
+
+
+def hub_snapshot(spec: str, option: str) -> str:
+    """The local directory of ``hf:ORG/NAME[@REVISION]`` in the Hugging Face hub cache
+    (where ``HF_HUB_CACHE``, else ``HF_HOME``, puts it), found with ``huggingface_hub``'s
+    own lookup and never downloaded: the snapshot of ``REVISION`` (a branch, tag or commit;
+    default ``main``).
+
+    Raises:
+        ValueError: one line naming ``option``: a malformed id, or a model the cache does
+            not hold (with where the cache is and how to fill it).
+    """
+    repo, _, revision = spec[len(HUB_PREFIX):].partition("@")
+    try:
+        from huggingface_hub import constants, snapshot_download
+        from huggingface_hub.utils import validate_repo_id
+    except ImportError:  # tokenizers depends on it; a broken install may still lack it
+        raise _fail(option, f"{spec} needs the huggingface_hub package (pip install "
+                    "huggingface_hub)") from None
+    try:
+        validate_repo_id(repo)
+    except Exception as e:  # HFValidationError (its module moved between versions)
+        raise _fail(option, f"{spec!r} is not hf:ORG/NAME[@REVISION] "
+                    f"({str(e).splitlines()[0][:200]})") from None
+    try:
+        return snapshot_download(repo, revision=revision or None, local_files_only=True)
+    except Exception:  # LocalEntryNotFoundError, RevisionNotFoundError...
+        at = f"@{revision}" if revision else ""
+        raise _fail(option, f"{repo}{at} is not in the Hugging Face cache "
+                    f"({constants.HF_HUB_CACHE}, set by HF_HOME or HF_HUB_CACHE); editrain "
+                    f"never downloads: fetch it first (hf download {repo}"
+                    f"{f' --revision {revision}' if revision else ''})") from None
+
+
 def tokenizer_file(path: str | Path) -> Path | None:
     """``DIR/tokenizer.json`` when a directory has one, else None."""
     p = Path(path).expanduser() / "tokenizer.json"
@@ -245,10 +304,7 @@ def special_tokens(path: str | Path) -> dict[str, str]:
         f = root / name
         if not f.is_file():
             continue
-        try:
-            data = json.loads(f.read_text())
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise ValueError(f"data.tokenizer: {f} is not valid JSON ({e})") from None
+        data = _json(f, "data.tokenizer")
         if not isinstance(data, dict):
             raise ValueError(f"data.tokenizer: {f} is not a JSON object")
         for kind in ("eos", "bos", "pad"):

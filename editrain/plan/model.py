@@ -19,7 +19,6 @@ the pieces, bottom up:
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass, field
 from functools import lru_cache
@@ -27,6 +26,7 @@ from typing import Any
 
 from editrain.errors import ConfigError
 from editrain.plan.inputs import Cluster, MethodSpec, ModelSpec
+from editrain.safe_io import read_json_value
 from editrain.sync import codecs
 
 GIB = 2**30
@@ -124,7 +124,9 @@ def model_shape(spec: ModelSpec) -> Shape:
                             else spec.tie_embeddings)
     if spec.hf_config is not None:
         try:
-            c = json.loads(open(spec.hf_config).read())
+            with open(spec.hf_config, "rb") as f:
+                c = read_json_value(f.read(), f"model.hf_config: {spec.hf_config}",
+                                    error=ValueError)
             dim, layers = int(c["hidden_size"]), int(c["num_hidden_layers"])
             heads = int(c["num_attention_heads"])
             return _llama_shape(dim, layers, heads,
