@@ -38,7 +38,7 @@ def prepare_data(cfg: Config, entry: str | Path | None = None) -> TokenData:
     return prepare_tokens(
         d.path, Path(d.cache_dir).expanduser(), d.vocab_size, tokenizer, d.val_fraction,
         d.max_bytes, val_tokens=d.val_tokens, split_seed=d.split_seed,
-        text_field=d.text_field, eos_token=eos_token, eos=d.eos,
+        text_field=d.text_field, eos_token=eos_token, eos=d.eos, separator=d.separator,
         progress=not cfg.quiet,
     )
 

@@ -424,6 +424,7 @@ FROZEN_OPTIONS = [
     "data.path",
     "data.text_field",
     "data.eos",
+    "data.separator",
     "data.tokenizer",
     "data.vocab_size",
     "data.val_fraction",

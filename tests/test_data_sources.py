@@ -371,3 +371,104 @@ def test_progress_bar_only_on_a_terminal(monkeypatch):
     with BuildProgress(True) as bar:
         list(bar.track(iter(docs), "data: reading documents"))
     assert stream.getvalue() == ""
+
+
+# ------------------------------------------------------------------ separator
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+import editrain.data.sources as sources_mod  # noqa: E402
+
+
+@settings(max_examples=200, deadline=None)
+@given(docs=st.lists(st.text(min_size=0, max_size=30), max_size=8),
+       sep=st.sampled_from(["<|endoftext|>", "\n\n", "§", "ab"]),
+       chunk=st.integers(1, 9), trailing=st.booleans())
+def test_separated_texts_are_the_documents_at_any_chunk_size(tmp_path_factory, docs, sep,
+                                                              chunk, trailing):
+    """Whatever the chunk size (a separator and a character across two chunks), the file
+    reads back as the documents it was written from, whitespace-only ones left out."""
+    docs = [d for d in docs if sep not in d and not d.endswith(sep[:-1] or "\0")]
+    path = tmp_path_factory.mktemp("sep") / "c.txt"
+    path.write_bytes((sep.join(docs) + (sep if trailing else "")).encode())
+    old = sources_mod._READ_CHUNK
+    sources_mod._READ_CHUNK = chunk
+    try:
+        got = list(sources_mod._separated_texts(path, sep))
+    finally:
+        sources_mod._READ_CHUNK = old
+    joined = sep.join(docs)
+    assert got == [d for d in joined.split(sep) if d.strip()]
+
+
+def test_a_separated_file_is_read_as_it_streams(tmp_path):
+    """The first document is out while the file is still being written (a FIFO): the reader
+    holds a chunk and a document, never the file."""
+    import threading
+
+    fifo = tmp_path / "stream.txt"
+    os.mkfifo(fifo)
+    first_out = threading.Event()
+
+    def write():
+        with open(fifo, "wb") as fh:
+            fh.write(b"first document<|endoftext|>")
+            fh.flush()
+            assert first_out.wait(20), "the reader waited for the end of the file"
+            fh.write(b"second")
+
+    writer = threading.Thread(target=write)
+    writer.start()
+    texts = sources_mod._separated_texts(fifo, "<|endoftext|>")
+    assert next(texts) == "first document"
+    first_out.set()
+    assert list(texts) == ["second"]
+    writer.join()
+
+
+def test_separator_cuts_files_and_directories_into_documents(tmp_path):
+    one = _write(tmp_path / "one.txt", "a story.\n<|endoftext|>\nanother one\n<|endoftext|>\n")
+    folder = tmp_path / "dir"
+    _write(folder / "x" / "p.md", "alpha<|endoftext|>beta")
+    refs = resolve_sources([str(one), str(folder)], separator="<|endoftext|>")
+    docs = list(iter_records(refs))
+    assert [d.text for d in docs] == ["a story.\n", "\nanother one\n", "alpha", "beta"]
+    assert [d.name for d in docs] == [f"{one}:0", f"{one}:1", f"{folder}/x/p.md:0",
+                                      f"{folder}/x/p.md:1"]
+    # a single file's documents are families of their own; a directory's keep its family
+    assert docs[0].family != docs[1].family and docs[2].family == docs[3].family
+    bad = _write(tmp_path / "bad.txt", "fine<|endoftext|>\xff".encode("latin-1").decode("latin-1"))
+    bad.write_bytes(b"fine<|endoftext|>ok \xff")
+    with pytest.raises(ValueError, match=r"not valid UTF-8 at byte 20$"):
+        list(iter_records(resolve_sources([str(bad)], separator="<|endoftext|>")))
+
+
+def test_separator_options_are_checked_before_reading(tmp_path):
+    lines = _write(tmp_path / "c.jsonl", '{"text": "x"}\n')
+    with pytest.raises(ValueError, match=r"^data.separator: cuts text files .* data.path has "
+                                         r"none \(jsonl\); unset it"):
+        check_data_options(str(lines), separator="<|endoftext|>")
+    with pytest.raises(ValueError, match=r"^data.separator: must be non-empty text"):
+        check_data_options(str(_write(tmp_path / "t.txt")), separator="")
+    check_data_options([str(lines), str(_write(tmp_path / "t.txt"))], separator="\n\n")
+
+
+def test_separator_changes_the_documents_and_the_cache_key(tmp_path):
+    from editrain.data.dataset import _cache_key
+
+    args = ("fp", ["bpe"], None, {}, "text", None, "append")
+    assert _cache_key(*args) == _cache_key(*args, None)  # the keys of caches built before
+    assert _cache_key(*args, "<|endoftext|>") != _cache_key(*args)
+    stories = [f"Story {i}: " + " ".join(f"w{random.Random(i * 1000 + j).randrange(50000)}"
+                                         for j in range(120)) for i in range(60)]
+    path = _write(tmp_path / "stories.txt", "<|endoftext|>".join(stories + stories[:10]))
+    whole = prepare_tokens(str(path), tmp_path / "cache", vocab_size=300, val_tokens=0,
+                           val_fraction=0.2, progress=False)
+    cut = prepare_tokens(str(path), tmp_path / "cache", vocab_size=300, val_tokens=0,
+                         val_fraction=0.2, separator="<|endoftext|>", progress=False)
+    assert whole.cache_dir != cut.cache_dir
+    assert whole.meta["split"] == "tail" and cut.meta["split"] == "documents"
+    assert cut.meta["documents"] == 70 and whole.meta["documents"] == 1
+    kinds = cut.meta["kinds"]
+    assert kinds["duplicates_dropped"] == 10  # the repeated stories
+    assert kinds["train"]["prose"]["documents"] + kinds["val"]["prose"]["documents"] == 60

@@ -77,7 +77,8 @@ APPLIES: dict[str, Rule] = {
     "model.hf_config": ALWAYS,
     "model.init_from": ALWAYS,
     **{f"data.{k}": ALWAYS for k in ("path", "text_field", "eos", "tokenizer", "val_fraction",
-                                     "val_tokens", "split_seed", "max_bytes", "cache_dir")},
+                                     "val_tokens", "split_seed", "max_bytes", "cache_dir",
+                                     "separator")},
     "data.vocab_size": Rule(lambda cfg: cfg.data.tokenizer is None, "data.tokenizer is unset "
                             "(the size of the BPE tokenizer editrain trains)",
                             lambda cfg: "data.tokenizer is set (its vocabulary is the file's)"),

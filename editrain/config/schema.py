@@ -77,6 +77,11 @@ class DataSection:
     eos: str = "append"
     """End-of-text token between documents: append (after each), prepend (before each) or
     none (documents concatenated)."""
+    separator: str | None = None
+    """Text that separates documents inside text files (e.g. "<|endoftext|>" for a corpus
+    concatenated into one file, "\n\n" for paragraphs): each file is read in chunks and
+    cut there, so memory holds one document at a time, and documents are held out and
+    deduplicated one by one; none (default): every text file is one document."""
     tokenizer: str | None = None
     """A tokenizer.json, or a model directory holding one (its tokenizer_config.json names
     the end-of-text token; hf:ORG/NAME[@REVISION]: one in the Hugging Face hub cache), to

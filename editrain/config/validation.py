@@ -90,7 +90,7 @@ def check_model(m: ModelSection) -> None:
 def check_data(d: DataSection) -> None:
     """Sources exist and are of a supported kind, options in range (no data is read)."""
     with as_config_error():
-        check_data_options(d.path, d.text_field, d.eos)
+        check_data_options(d.path, d.text_field, d.eos, d.separator)
     require(d.vocab_size >= 257, "data.vocab_size",
             f"must be >= 257 (256 bytes + end-of-text), got {d.vocab_size}")
     require(0 < d.val_fraction < 0.5, "data.val_fraction",

@@ -253,7 +253,7 @@ def _check_eos(eos: str) -> None:
 
 
 def check_data_options(path: str | list[str], text_field: str = "text",
-                       eos: str = "append") -> None:
+                       eos: str = "append", separator: str | None = None) -> None:
     """Check ``data.path``, ``data.text_field`` and ``data.eos`` without reading any data.
 
     Cheap enough for configuration validation before any process starts: the ``eos`` value,
@@ -267,14 +267,16 @@ def check_data_options(path: str | list[str], text_field: str = "text",
         path: The ``data.path`` spec.
         text_field: The ``data.text_field`` option.
         eos: The ``data.eos`` option.
+        separator: The ``data.separator`` option.
 
     Raises:
         ValueError: The message starts with the option's name (``data.path:``,
-            ``data.text_field:``, ``data.eos:``) and says what is allowed.
+            ``data.text_field:``, ``data.eos:``, ``data.separator:``) and says what is
+            allowed.
     """
     _check_eos(eos)
     try:
-        parse_sources(path, text_field)
+        parse_sources(path, text_field, separator)
     except (OSError, ImportError) as exc:
         # A missing path or package (their messages name data.path), or an unreadable file.
         message = str(exc)
@@ -309,21 +311,21 @@ def _cache_key(
     text_field: str,
     eos_token: str | None,
     eos: str,
+    separator: str | None = None,
 ) -> str:
-    blob = json.dumps(
-        {
-            "format": FORMAT_VERSION,
-            "source": fingerprint,
-            "tokenizer": tokenizer_identity,
-            "max_bytes": max_bytes,
-            "split": split,
-            "text_field": text_field,
-            "eos_token": eos_token,
-            "eos": eos,
-        },
-        sort_keys=True,
-        ensure_ascii=True,
-    )
+    fields = {
+        "format": FORMAT_VERSION,
+        "source": fingerprint,
+        "tokenizer": tokenizer_identity,
+        "max_bytes": max_bytes,
+        "split": split,
+        "text_field": text_field,
+        "eos_token": eos_token,
+        "eos": eos,
+    }
+    if separator is not None:  # unset: the keys of caches built before it existed
+        fields["separator"] = separator
+    blob = json.dumps(fields, sort_keys=True, ensure_ascii=True)
     # 32 hex chars (128 bits) keep directory names short while collisions
     # stay impossible in practice.
     return hashlib.sha256(blob.encode("ascii")).hexdigest()[:32]
@@ -1295,6 +1297,7 @@ def prepare_tokens(
     text_field: str = "text",
     eos_token: str | None = None,
     eos: str = "append",
+    separator: str | None = None,
     progress: bool = True,
 ) -> TokenData:
     """Return the tokenised train/val split of ``source``, building it if needed.
@@ -1331,6 +1334,8 @@ def prepare_tokens(
             ``None`` auto-detects (see :func:`editrain.data.tokenizer.eos_id`).
         eos: Where the separator goes (``data.eos``, one of ``EOS_POLICIES``):
             ``"append"`` after every document, ``"prepend"`` before it, ``"none"`` nowhere.
+        separator: Text that separates documents inside text files (``data.separator``;
+            see :func:`editrain.data.sources.parse_sources`); None: a file is a document.
         progress: Show a progress bar on stderr when a build is slow and stderr is a
             terminal; False keeps it quiet.
 
@@ -1351,7 +1356,7 @@ def prepare_tokens(
     vocab_size = int(vocab_size)
     if tokenizer_path is not None:
         tokenizer_path = os.fspath(tokenizer_path)
-    refs = resolve_sources(source, text_field)
+    refs = resolve_sources(source, text_field, separator)
     pretokenized = refs[0].kind in ("tokens", "token_rows")
     if pretokenized:
         if tokenizer_path is None:
@@ -1379,6 +1384,7 @@ def prepare_tokens(
         text_field,
         eos_token,
         eos,
+        separator,
     )
     root = Path(cache_root).expanduser()
     root.mkdir(parents=True, exist_ok=True)

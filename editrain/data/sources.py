@@ -24,6 +24,7 @@ the whole library (prose included), not an alphabetical prefix.
 
 from __future__ import annotations
 
+import dataclasses
 import glob
 import hashlib
 import json
@@ -125,6 +126,10 @@ _ROW_KINDS = ("jsonl", "json", "parquet", "hf", "hf_disk")
 _GLOB_CHARS = frozenset("*?[")
 # Rows read per batch from parquet files and datasets: bounded memory, few round trips.
 _ROW_BATCH = 1024
+_TEXT_KINDS = ("text", "dir")
+"""Kinds whose files are text that ``data.separator`` cuts into documents."""
+_READ_CHUNK = 1 << 22
+"""Bytes read at a time from a text file cut by ``data.separator``."""
 RECORD_DEPTH = 256
 """The deepest nesting a corpus record may have (deeper: refused in one line, not a
 RecursionError from the JSON parser)."""
@@ -172,6 +177,8 @@ class SourceRef:
         config: ``hf``: the dataset configuration, or None.
         split: ``hf``: the split; ``hf_disk``: the split of a saved ``DatasetDict``
             (None for a saved ``Dataset``).
+        separator: ``text`` and ``dir``: the text that separates documents inside a file
+            (``data.separator``), or None: a file is one document.
     """
 
     kind: str
@@ -180,6 +187,7 @@ class SourceRef:
     name: str | None = None
     config: str | None = None
     split: str | None = None
+    separator: str | None = None
 
     def __post_init__(self) -> None:
         if self.kind not in _KINDS:
@@ -385,7 +393,8 @@ def _classify(entry: str, text_field: str) -> SourceRef:
                      f"{suffix or 'none'}); supported: {'; '.join(SUPPORTED_SOURCES)}")
 
 
-def parse_sources(spec: str | Iterable[str], text_field: str = "text") -> list[SourceRef]:
+def parse_sources(spec: str | Iterable[str], text_field: str = "text",
+                  separator: str | None = None) -> list[SourceRef]:
     """Check a ``data.path`` spec without reading any data.
 
     Checks the form of every entry, that paths exist and are of a supported kind, that
@@ -399,6 +408,8 @@ def parse_sources(spec: str | Iterable[str], text_field: str = "text") -> list[S
             directory (``DIR@SPLIT`` for a split of a ``DatasetDict``), or a list of those
             (see ``SUPPORTED_SOURCES``).
         text_field: Field/column holding the text of record sources (``data.text_field``).
+        separator: Text that separates documents inside text files and the files of
+            directories (``data.separator``); None: every file is one document.
 
     Returns:
         One :class:`SourceRef` per distinct source in the given order, glob matches
@@ -408,14 +419,26 @@ def parse_sources(spec: str | Iterable[str], text_field: str = "text") -> list[S
         FileNotFoundError: A path does not exist (the message starts with ``data.path:``).
         ValueError: An empty spec, a pattern matching nothing, an unsupported file, a
             directory without text, a malformed ``hf:`` spec or a missing split (messages
-            start with ``data.path:``), or an empty ``text_field`` (``data.text_field:``).
+            start with ``data.path:``), an empty ``text_field`` (``data.text_field:``), or
+            an empty ``separator``, or one where no source is text files
+            (``data.separator:``).
         ImportError: ``pyarrow`` or ``datasets`` is needed but not installed.
     """
     if not isinstance(text_field, str) or not text_field:
         raise ValueError(f"data.text_field: must be a non-empty string naming the field "
                          f"(.jsonl/.json) or column (.parquet, Hugging Face datasets) that "
                          f"holds the text, got {text_field!r}")
+    if separator is not None and (not isinstance(separator, str) or not separator):
+        raise ValueError(f"data.separator: must be non-empty text (or unset: a file is one "
+                         f"document), got {separator!r}")
     refs = list(dict.fromkeys(_classify(entry, text_field) for entry in _expand(spec)))
+    if separator is not None:
+        if not any(r.kind in _TEXT_KINDS for r in refs):
+            raise ValueError(f"data.separator: cuts text files (a file or a directory of "
+                             f"them) into documents, and data.path has none "
+                             f"({', '.join(r.kind for r in refs)}); unset it")
+        refs = [dataclasses.replace(r, separator=separator) if r.kind in _TEXT_KINDS else r
+                for r in refs]
     tokens = [r for r in refs if r.kind in ("tokens", "token_rows")]
     if tokens and len(refs) > 1:
         raise ValueError(f"data.path: the pre-tokenised corpus {tokens[0].label!r} must be the "
@@ -424,7 +447,8 @@ def parse_sources(spec: str | Iterable[str], text_field: str = "text") -> list[S
     return refs
 
 
-def resolve_sources(spec: str | Iterable[str], text_field: str = "text") -> list[SourceRef]:
+def resolve_sources(spec: str | Iterable[str], text_field: str = "text",
+                    separator: str | None = None) -> list[SourceRef]:
     """Turn a ``data.path`` spec into validated sources, ready to read.
 
     Does what :func:`parse_sources` does, then opens every record source (``.jsonl``,
@@ -434,6 +458,7 @@ def resolve_sources(spec: str | Iterable[str], text_field: str = "text") -> list
     Args:
         spec: As for :func:`parse_sources`.
         text_field: Field/column holding the text of record sources.
+        separator: As for :func:`parse_sources`.
 
     Returns:
         The sources of :func:`parse_sources`.
@@ -444,7 +469,7 @@ def resolve_sources(spec: str | Iterable[str], text_field: str = "text") -> list
             with ``data.text_field:``, names the source and lists its fields) or a dataset
             that cannot be loaded (not cached and no network, for instance).
     """
-    refs = parse_sources(spec, text_field)
+    refs = parse_sources(spec, text_field, separator)
     for ref in refs:
         if ref.kind == "token_rows":
             batches = token_row_batches(ref)
@@ -467,6 +492,50 @@ def _read_text_file(path: Path) -> str:
     except UnicodeDecodeError as exc:
         # Strict on user data: silently replacing bytes would train on garbage.
         raise ValueError(f"data.path: {str(path)!r} is not valid UTF-8 ({exc})") from exc
+
+
+def _separated_texts(path: Path, separator: str) -> Iterator[str]:
+    """The documents of a text file cut at ``separator`` (which is not part of either),
+    read in :data:`_READ_CHUNK` chunks, so that memory holds one document (and a chunk);
+    documents that are only whitespace (say after a final separator) are left out.
+
+    Raises:
+        ValueError: a document that is not valid UTF-8 (its byte offset in the file).
+    """
+    sep = separator.encode("utf-8")
+    buf, start, offset = bytearray(), 0, 0  # offset: file position of buf[0]
+    with open(path, "rb") as fh:
+        while True:
+            chunk = fh.read1(_READ_CHUNK)  # what one read gives (a pipe: what is there)
+            buf += chunk
+            while (at := buf.find(sep, start)) >= 0 or (not chunk and buf):
+                end = at if at >= 0 else len(buf)
+                try:
+                    text = buf[:end].decode("utf-8")
+                except UnicodeDecodeError as exc:
+                    raise ValueError(f"data.path: {str(path)!r} is not valid UTF-8 at "
+                                     f"byte {offset + exc.start}") from None
+                if text.strip():
+                    yield text
+                cut = min(len(buf), end + len(sep))
+                del buf[:cut]
+                offset, start = offset + cut, 0
+            if not chunk:
+                return
+            start = max(0, len(buf) - len(sep) + 1)  # a separator may span two chunks
+
+
+def _file_documents(path: Path, name: str, family: str, kind: str,
+                    separator: str | None) -> Iterator[Document]:
+    """One text file's documents: the whole file, or its ``separator``-cut pieces named
+    ``NAME:INDEX`` (a single file's pieces are families of their own; the files of a
+    directory keep the directory's family)."""
+    if separator is None:
+        yield Document(_read_text_file(path), name, family, kind)
+        return
+    for i, text in enumerate(_separated_texts(path, separator)):
+        yield Document(text, f"{name}:{i}", f"{family}:{i}" if family == name else family,
+                       kind)
 
 
 def _dir_family(rel: str) -> str:
@@ -589,11 +658,12 @@ def _ref_documents(ref: SourceRef) -> Iterator[Document]:
         yield from _default_documents()
     elif ref.kind == "text":
         name = str(ref.path)
-        yield Document(_read_text_file(ref.path), name, name, _kind_of(name))
+        yield from _file_documents(ref.path, name, name, _kind_of(name), ref.separator)
     elif ref.kind == "dir":
         for rel in _dir_names(ref.path):
-            yield Document(_read_text_file(ref.path / rel), f"{ref.path}/{rel}",
-                           f"{ref.path}/{_dir_family(rel)}", _kind_of(rel))
+            yield from _file_documents(ref.path / rel, f"{ref.path}/{rel}",
+                                       f"{ref.path}/{_dir_family(rel)}", _kind_of(rel),
+                                       ref.separator)
     else:
         # The rows of a file carry no structure to group them by: each is its own family
         # (near-duplicates are still grouped by content). Dataset rows are grouped in
