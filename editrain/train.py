@@ -177,7 +177,7 @@ class Trainer:
         """Run to the end of the budget; returns the final summary."""
         cfg, engine = self.cfg, self.engine
         final_val = self._begin()
-        progress = self._progress_bar()
+        progress, shown = self._progress_bar(), ""
         try:
             while not self._budget_done():
                 row = self.train_step()
@@ -207,11 +207,14 @@ class Trainer:
                     self.loop.next_ckpt = next_after(self.loop.next_ckpt, point,
                                                      cfg.checkpoint.every)
                     self.save()
+                shown = f"loss {row['loss']:.3f}"
                 if progress is not None:
                     progress.update(self._task, completed=min(engine.progress_steps,
                                                               cfg.train.steps),
-                                    info=f"loss {row['loss']:.3f}  val {final_val:.3f}")
+                                    info=f"{shown}  val {final_val:.3f}")
             final_val = self._end(final_val)
+            if progress is not None:  # the final evaluation's loss, not the last periodic one
+                progress.update(self._task, info=f"{shown}  val {final_val:.3f}")
             # This rank's cross-replica bytes by cause, the last row of its rank log.
             self.rank_log.write({"event": "cross_replica_bytes", "step": self.loop.step,
                                  **engine.comm.ledger.totals()})

@@ -241,6 +241,9 @@ def test_train_diloco_and_cache_reuse(edit_run, diloco_run, cache_dir):
     assert max(r["step"] for r in rows) == 20
     evals = [r["val_loss"] for r in rows if r.get("val_loss") is not None]
     assert len(evals) >= 2 and evals[-1] < evals[0]
+    # the progress bar ends on the final evaluation (it showed step 10's before)
+    bar = [ln for ln in (proc.stdout + proc.stderr).splitlines() if ln.startswith("train ")]
+    assert bar and bar[-1].rstrip().endswith(f"val {evals[-1]:.3f}"), bar
     assert_png(run_dir / "loss_vs_tokens.png")
     # The same corpus settings: the second run reused the first run's token cache.
     entries_before = edit_run[3]
