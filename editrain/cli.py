@@ -284,6 +284,11 @@ def main(argv: list[str] | None = None) -> int:
     if "torch" not in sys.modules:  # an imported torch has set its loggers already
         logging.getLogger("torch").setLevel(logging.WARNING)
     parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["plan"]:  # its optional PLAN.toml must not take an option's value
+        from editrain.plan.cli import attach_values
+
+        argv = ["plan", *attach_values(argv[1:])]
     args, extra = parser.parse_known_args(argv)
     # Ctrl-C, SIGTERM and SIGHUP raise Interrupted (spawn.raise_interrupted), so that a
     # launcher stops its workers on the way out. Not under torchrun (torchrun is the

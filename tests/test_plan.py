@@ -636,6 +636,37 @@ def test_cli_bad_cluster_is_one_line(tmp_path, capsys):
     assert "unexpected argument" in capsys.readouterr().err
 
 
+def test_cli_options_take_their_value_after_a_space(tmp_path, capsys):
+    """--model.preset 7b as editrain train writes options: the value is the option's, not
+    PLAN.toml (it said "PLAN.toml: file not found: '7b'")."""
+    path = tmp_path / "c.toml"
+    path.write_text(PLAN_TOML)
+    spaced = ["plan", "--cluster.inter_node_gbps", "400", str(path), "--json", "--no-plot",
+              "--out", str(tmp_path / "o"), "--method", "edit:H=32"]
+    assert main(spaced) == 0
+    assert json.loads(capsys.readouterr().out)["cluster"]["inter_node_gbps"] == 400
+    joined = [a if a != "--cluster.inter_node_gbps" else "--cluster.inter_node_gbps=400"
+              for a in spaced if a != "400"]
+    assert main(joined) == 0
+    assert json.loads(capsys.readouterr().out)["cluster"]["inter_node_gbps"] == 400
+
+
+def test_plan_sizes_beyond_what_it_models_are_one_line(tmp_path, capsys):
+    """A cluster of 10**9 nodes ran without end (the plan follows every replica)."""
+    path = tmp_path / "c.toml"
+    path.write_text(PLAN_TOML)
+    code = main(["plan", str(path), "--no-plot", "--out", str(tmp_path / "o"),
+                 "--cluster.nodes", str(10**9)])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1
+    assert err.startswith("editrain: error: cluster.nodes: 1,000,000,000 nodes x 8 GPUs is "
+                          "more than the 1,000,000 GPUs the planner models")
+    ModelSpec(params=1e10, layers=10**5)
+    with pytest.raises(ConfigError, match=r"^model.layers: must be at most 100,000 .*got "
+                                          r"1,000,000$"):
+        ModelSpec(params=1e10, layers=10**6)
+
+
 def test_cli_calibrate(tmp_path, capsys):
     write_synthetic_run(tmp_path / "run")
     out = tmp_path / "out"

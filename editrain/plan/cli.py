@@ -55,6 +55,23 @@ def add_plan_parser(sub: Any) -> None:
     p.set_defaults(func=cmd_plan)
 
 
+def attach_values(argv: list[str]) -> list[str]:
+    """``plan``'s arguments with every ``--cluster.X VALUE`` / ``--model.X VALUE`` written
+    ``--cluster.X=VALUE``, before argparse sees them: its optional ``PLAN.toml`` positional
+    would otherwise take the first such VALUE (``--model.preset 7b``: "file not found:
+    '7b'")."""
+    out: list[str] = []
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        i += 1
+        if (arg.startswith(("--cluster.", "--model.")) and "=" not in arg
+                and i < len(argv) and not argv[i].startswith("--")):
+            arg, i = f"{arg}={argv[i]}", i + 1
+        out.append(arg)
+    return out
+
+
 def _overrides(extra: list[str]) -> dict[str, dict[str, Any]]:
     """``--cluster.x=v`` / ``--model.x v`` options into ``{"cluster": {...}, ...}``."""
     from editrain.plan.inputs import parse_scalar

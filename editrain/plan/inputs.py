@@ -75,6 +75,14 @@ def _non_negative(value: Any, option: str) -> float:
     return v
 
 
+MAX_GPUS = 10**6
+"""The largest cluster :func:`editrain.plan.model.predict` models (its work grows with the
+replicas; the largest clusters trained on have about 10**5 GPUs)."""
+MAX_LAYERS = 10**5
+"""The most transformer blocks a planned model may have (the plan keeps one sync unit per
+block; the deepest models have about 10**2)."""
+
+
 def _count(value: Any, option: str, least: int = 1) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise _fail(option, f"must be an integer, got {value!r}")
@@ -144,6 +152,10 @@ class Cluster:
     def __post_init__(self) -> None:
         _count(self.nodes, "cluster.nodes")
         _count(self.gpus_per_node, "cluster.gpus_per_node")
+        if self.nodes * self.gpus_per_node > MAX_GPUS:
+            raise _fail("cluster.nodes", f"{self.nodes:,} nodes x {self.gpus_per_node:,} GPUs "
+                        f"is more than the {MAX_GPUS:,} GPUs the planner models (it follows "
+                        "every replica)")
         _positive(self.inter_node_gbps, "cluster.inter_node_gbps")
         _positive(self.intra_node_gbps, "cluster.intra_node_gbps")
         _non_negative(self.inter_node_latency_ms, "cluster.inter_node_latency_ms")
@@ -247,6 +259,9 @@ class ModelSpec:
         for name in ("layers", "dim", "vocab_size", "heads", "micro_batch"):
             if getattr(self, name) is not None:
                 _count(getattr(self, name), f"model.{name}")
+        if self.layers is not None and self.layers > MAX_LAYERS:
+            raise _fail("model.layers", f"must be at most {MAX_LAYERS:,} (the plan follows "
+                        f"every block's sync), got {self.layers:,}")
         _count(self.seq_len, "model.seq_len")
         _count(self.batch_size, "model.batch_size")
         _choice(self.dtype, "model.dtype", DTYPES)
