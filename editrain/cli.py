@@ -18,6 +18,7 @@ from pathlib import Path
 from editrain.config import ConfigError, describe_options, load_config, parse_overrides
 from editrain.config.inputs import check_path_options
 from editrain.config.schema import SEED_MAX
+from editrain.config.toml_io import load_resumed_config
 from editrain.errors import CheckpointError
 from editrain.paths import check_path
 from editrain.spawn import (
@@ -71,7 +72,15 @@ def config_from_args(args: argparse.Namespace, extra: list[str], command: str):
     if rest:
         raise ConfigError(f"{command}: unexpected argument(s) {' '.join(rest)}; options look "
                           f"like --train.steps=100 (see `editrain {command} --help`)")
-    cfg = load_config(args.config, overrides)
+    if command == "train" and args.config is None and isinstance(overrides.get("resume"), str):
+        # --resume RUN without --config: that run's configuration, the options given here
+        # over it (a resumed run is that run, not a default one with its checkpoint)
+        cfg, source = load_resumed_config(overrides["resume"], overrides)
+        if source is not None:
+            logging.info("resume: the configuration of %s, with the options given here "
+                         "over it", source)
+    else:
+        cfg = load_config(args.config, overrides)
     # Every path option checked on the file system before any work (editrain data uses
     # neither the run directory nor a checkpoint).
     check_path_options(cfg, skip=() if command == "train" else ("run_dir", "resume"))

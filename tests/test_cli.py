@@ -252,6 +252,20 @@ def test_train_diloco_and_cache_reuse(edit_run, diloco_run, cache_dir):
     assert "reused cache" in proc.stderr
 
 
+def test_resume_of_a_run_takes_its_configuration(edit_run, tmp_path):
+    """--resume RUN --steps 44 alone continues the tiny edit run (its config.toml is the
+    base); before, the defaults were, and the resume was refused for another model."""
+    import shutil
+
+    run = tmp_path / "copy"
+    shutil.copytree(edit_run[0], run)
+    proc, _ = editrain("train", "--resume", str(run), "--steps", "44", "--quiet")
+    assert proc.returncode == 0, explain(proc)
+    steps = [r["step"] for r in rows_of(run) if "loss" in r]
+    assert steps[-1] == 44 and steps[-4:] == [41, 42, 43, 44]
+    assert load_config(run / "config.toml").model.preset == "tiny"  # the run's record stays
+
+
 @pytest.mark.slow
 def test_train_sync_method_single_replica(tmp_path, cache_dir, edit_run):
     """The synchronous baseline on one replica of two shards (R = 1)."""

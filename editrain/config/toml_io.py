@@ -110,6 +110,48 @@ def _merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+RUN_CONFIG_MAX_BYTES = 1 << 20
+"""The largest ``config.toml`` a resumed run's configuration is read from."""
+
+
+def resumed_run_config(resume: str) -> Path | None:
+    """The ``config.toml`` of the run ``--resume`` names (a run directory, or a checkpoint
+    in its ``checkpoints/``), or None where there is none."""
+    from editrain.rundir import CKPT_DIR, MARKER  # no torch: the fork server starts first
+
+    p = Path(resume).expanduser()
+    run = p.parent.parent if (p / MARKER).is_file() and p.parent.name == CKPT_DIR else p
+    found = run / "config.toml"
+    return found if found.is_file() else None
+
+
+def load_resumed_config(resume: str, overrides: dict[str, Any]) -> tuple[Config, Path | None]:
+    """The configuration of a job that resumes a run without ``--config``: the run's own
+    ``config.toml`` (its sections; not its run directory, ``resume``, ``overwrite`` or
+    ``quiet``), with ``overrides`` over it, so that ``--resume RUN --train.steps 200``
+    continues that run rather than a default one. Returns the configuration and the file
+    it came from (None: the run has no ``config.toml``, and the defaults stand).
+
+    Raises:
+        ConfigError: the file cannot be read as a run's configuration (named with
+            ``--resume``).
+    """
+    from editrain.safe_io import read_bytes
+
+    path = resumed_run_config(resume)
+    if path is None:
+        return load_config(None, overrides), None
+    try:
+        data = read_bytes(path, RUN_CONFIG_MAX_BYTES, error=ConfigError,
+                          what="run's configuration")
+        saved = tomllib.loads(data.decode("utf-8"))
+    except (UnicodeDecodeError, tomllib.TOMLDecodeError) as e:
+        raise ConfigError(f"--resume: {shown(str(path))} is not the TOML editrain writes "
+                          f"({str(e)[:200]}); give the run's options with --config") from None
+    sections = {k: v for k, v in saved.items() if k in SECTIONS and isinstance(v, dict)}
+    return load_config(None, _merge(sections, overrides)), path
+
+
 def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None = None) -> Config:
     """Build a validated :class:`Config` from an optional TOML file and CLI overrides."""
     raw: dict[str, Any] = {}

@@ -1,0 +1,62 @@
+"""``editrain train --resume RUN`` without ``--config`` continues that run: its own
+``config.toml`` is the base, the options given on the command line go over it (before, the
+defaults were the base, so ``--resume runs/x --train.steps 200`` of a tiny-preset run was
+refused for a model of another shape, another corpus and another method)."""
+
+from __future__ import annotations
+
+import pytest
+
+from editrain.config import load_config, to_dict
+from editrain.config.applicability import drop_inapplicable
+from editrain.config.toml_io import dumps_toml, load_resumed_config, resumed_run_config
+from editrain.errors import ConfigError
+from editrain.launch.job import resolved
+
+
+def _run(tmp_path, **sections):
+    """A run directory whose config.toml is written as the launcher writes it."""
+    run = tmp_path / "run"
+    (run / "checkpoints" / "step_00000004").mkdir(parents=True)
+    (run / "checkpoints" / "step_00000004" / "editrain.json").write_text("{}")
+    cfg = load_config(None, sections)
+    data = drop_inapplicable(to_dict(resolved(cfg)))
+    data.update(run_dir=str(run), overwrite=True, quiet=True)
+    (run / "config.toml").write_text(dumps_toml(data))
+    return run
+
+
+def test_the_runs_configuration_is_the_base_and_the_options_go_over_it(tmp_path):
+    run = _run(tmp_path, model={"preset": "tiny", "n_layers": 3}, train={"steps": 8},
+               sync={"method": "diloco", "local_sgd_sync_interval": 4},
+               dist={"nproc": 2, "shard_size": 1})
+    for resume in (run, run / "checkpoints" / "step_00000004"):
+        cfg, source = load_resumed_config(str(resume), {"resume": str(resume),
+                                                        "train": {"steps": 12}})
+        assert source == run / "config.toml" == resumed_run_config(str(resume))
+        assert (cfg.model.preset, cfg.model.n_layers) == ("tiny", 3)
+        assert (cfg.sync.method, cfg.sync.local_sgd_sync_interval) == ("diloco", 4)
+        assert (cfg.dist.nproc, cfg.dist.shard_size) == (2, 1)
+        assert cfg.train.steps == 12  # the option given now
+        # the job's own flags are not the run's: never overwrite, quiet or a run dir
+        assert (cfg.overwrite, cfg.quiet, cfg.run_dir) == (False, False, None)
+        assert cfg.resume == str(resume)
+
+
+def test_without_a_config_toml_the_defaults_stand(tmp_path):
+    (tmp_path / "bare").mkdir()
+    cfg, source = load_resumed_config(str(tmp_path / "bare"), {"train": {"steps": 5}})
+    assert source is None and cfg.model.preset == load_config(None, {}).model.preset
+
+
+@pytest.mark.parametrize("text, said", [
+    ("[train\nsteps = 1", "is not the TOML editrain writes"),
+    ("x" * (2 << 20), "more than the 1048576 it can hold"),
+    ("[train]\nsteps = -3\n", "train.steps: must be > 0, got -3")])
+def test_a_hostile_config_toml_is_one_line(tmp_path, text, said):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.toml").write_text(text)
+    with pytest.raises(ConfigError) as e:
+        load_resumed_config(str(run), {})
+    assert said in str(e.value) and "\n" not in str(e.value)
