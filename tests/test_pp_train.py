@@ -223,7 +223,9 @@ def test_pp_checkpoint_resumes_bitwise(cache: Path, tmp_path: Path, runs) -> Non
     assert any(k.startswith("layers.0.") for k in model)
     assert any(k.startswith("layers.1.") for k in model)
     _resumes_bitwise(cache, tmp_path, full, PP_RUN, marker["step"])
-    out = train(cache, tmp_path / "other", *PLAIN, "--resume", str(first), check=False)
+    # (given explicitly: a resume takes what it does not give from the run it resumes)
+    out = train(cache, tmp_path / "other", *PLAIN, "--dist.pp_size", "1", "--resume",
+                str(first), check=False)
     assert out.returncode != 0
     assert "dist.pp_size: checkpoint has 2, this run has 1" in out.stderr
 
@@ -258,7 +260,8 @@ def test_interleaved_checkpoint_resumes_bitwise(cache: Path, tmp_path: Path, run
     assert units == {"root", "tok_embeddings", "block0", "block1", "block2", "block3",
                      "output"}, units
     _resumes_bitwise(cache, tmp_path, full, args, marker["step"])
-    one_chunk = [*PP_RUN, "--dist.pp_microbatches", "4"]  # 1f1b
+    one_chunk = [*PP_RUN, "--dist.pp_microbatches", "4", "--dist.pp_schedule", "1f1b",
+                 "--dist.pp_stages_per_rank", "1"]  # given: a resume takes the run's else
     out = train(cache, tmp_path / "other", *one_chunk, "--resume", str(first), check=False)
     assert out.returncode != 0
     assert "dist.pp_stages_per_rank: checkpoint has 2, this run has 1" in out.stderr

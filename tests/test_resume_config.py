@@ -60,3 +60,18 @@ def test_a_hostile_config_toml_is_one_line(tmp_path, text, said):
     with pytest.raises(ConfigError) as e:
         load_resumed_config(str(run), {})
     assert said in str(e.value) and "\n" not in str(e.value)
+
+
+def test_what_the_options_make_inapplicable_is_dropped_if_the_run_set_it(tmp_path):
+    """A pipeline run resumed with --dist.pp_size 1: its pp_microbatches no longer applies
+    and goes (the checkpoint check then names the pp size); the same option given now is
+    refused, as for any job."""
+    run = _run(tmp_path, model={"preset": "tiny", "n_layers": 4, "tie_embeddings": False},
+               dist={"nproc": 4, "shard_size": 1, "pp_size": 2, "pp_microbatches": 4})
+    base = {"resume": str(run)}
+    cfg, _ = load_resumed_config(str(run), base)
+    assert (cfg.dist.pp_size, cfg.dist.pp_microbatches) == (2, 4)
+    cfg, _ = load_resumed_config(str(run), {**base, "dist": {"pp_size": 1}})
+    assert cfg.dist.pp_size == 1 and cfg.dist.pp_microbatches == load_config().dist.pp_microbatches
+    with pytest.raises(ConfigError, match="dist.pp_microbatches: applies only where"):
+        load_resumed_config(str(run), {**base, "dist": {"pp_size": 1, "pp_microbatches": 8}})

@@ -101,8 +101,8 @@ def test_tp_checkpoint_resumes_bitwise(cache: Path, tmp_path: Path, runs) -> Non
     for step, loss in b.items():
         assert loss == a[step], (step, loss, a[step])  # bitwise
     assert final_val(resumed) == final_val(full)
-    out = train(cache, tmp_path / "other", "--nproc", "2", "--shard-size", "1", *COMMON,
-                "--resume", str(first), check=False)
+    out = train(cache, tmp_path / "other", "--nproc", "2", "--shard-size", "1", "--tp-size",
+                "1", *COMMON, "--resume", str(first), check=False)  # given: else the run's
     assert out.returncode != 0
     assert "dist.tp_size: checkpoint has 2, this run has 1" in out.stderr
 

@@ -16,7 +16,7 @@ import typing
 from pathlib import Path
 from typing import Any
 
-from editrain.config.applicability import check_applicable
+from editrain.config.applicability import check_applicable, drop_inapplicable
 from editrain.config.inputs import check_list_options, check_text_options, resolve_hub_models
 from editrain.config.schema import SECTIONS, Config
 from editrain.config.validation import validate
@@ -149,7 +149,16 @@ def load_resumed_config(resume: str, overrides: dict[str, Any]) -> tuple[Config,
         raise ConfigError(f"--resume: {shown(str(path))} is not the TOML editrain writes "
                           f"({str(e)[:200]}); give the run's options with --config") from None
     sections = {k: v for k, v in saved.items() if k in SECTIONS and isinstance(v, dict)}
-    return load_config(None, _merge(sections, overrides)), path
+    try:
+        run = to_dict(load_config(None, sections))  # the run's own, valid by construction
+    except ConfigError as e:
+        raise ConfigError(f"--resume: {shown(str(path))}: {e}") from None
+    base = {k: v for k, v in run.items() if k in SECTIONS}
+    # What the run set and the options given here make inapplicable goes (pp_microbatches
+    # of a run resumed with --dist.pp_size 1, say); what is given here stays, and is
+    # refused where it does nothing, as for any job.
+    kept = drop_inapplicable(_merge(base, overrides))
+    return load_config(None, _merge(kept, overrides)), path
 
 
 def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None = None) -> Config:
