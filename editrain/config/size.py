@@ -19,9 +19,11 @@ the configuration alone (no torch, no model, no weights read):
   (``vocab_size x hidden_size``) and, per layer, one linear map that reads the residual
   stream (``hidden_size`` inputs), the least any decoder layer holds.
 
-:func:`check_weights_match` compares a ``model.init_from`` directory's layer count with
-the layers its safetensors headers hold, before the model is built on the meta device: a
-``config.json`` that claims more layers than its weights is refused in one line.
+:func:`check_weights_match` compares a model description's layer count (a
+``model.init_from`` directory's or a sampled one's ``config.json``, a checkpoint's marker
+for ``sample`` and ``export``) with the layers its weights hold, before any model is built
+from it, even on the meta device: a description that claims more layers than its weights
+is refused in one line.
 """
 
 from __future__ import annotations
