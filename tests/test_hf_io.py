@@ -348,6 +348,20 @@ def test_hf_ids_name_models_of_the_hub_cache_where_the_user_keeps_it(dirs, tmp_p
         assert out.stderr.startswith(f"editrain: error: model.init_from: {said}"), out.stderr
 
 
+def test_hf_config_takes_a_hub_id_as_its_config_json(dirs, tmp_path, monkeypatch):
+    """model.hf_config (a file) of hf:ORG/NAME is that snapshot's config.json."""
+    import huggingface_hub
+
+    snap = _hub_snapshot(dirs["qwen"], tmp_path / "hub")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    cfg = load_config(overrides={"model": {"hf_config": "hf:me/tiny"},
+                                 "data": {"vocab_size": 300}})
+    assert cfg.model.hf_config == str(snap / "config.json")
+    with pytest.raises(ConfigError, match=r"^model.hf_config: me/nothing is not in the "
+                                          r"Hugging Face cache"):
+        load_config(overrides={"model": {"hf_config": "hf:me/nothing"}})
+
+
 def test_the_command_refuses_before_launch(dirs, tmp_path, capsys):
     """editrain train with a pickle-only directory: exit 2, one line, no run directory."""
     pickled = tmp_path / "pickled"

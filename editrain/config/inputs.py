@@ -38,9 +38,10 @@ SHOWN_AS = {"run_dir": "--run-dir", "resume": "--resume"}
 """Options named as their command-line shorthand in messages."""
 
 
-HUB_OPTIONS = ("model.init_from", "data.tokenizer")
+HUB_OPTIONS = ("model.init_from", "data.tokenizer", "model.hf_config")
 """The options that also take ``hf:ORG/NAME[@REVISION]``, a model of the Hugging Face hub
-cache (:func:`editrain.models.hf_dir.hub_snapshot`)."""
+cache (:func:`editrain.models.hf_dir.hub_snapshot`): its snapshot directory, or for
+``model.hf_config`` (a file) that directory's ``config.json``."""
 
 
 def resolve_hub_models(cfg: Config) -> Config:
@@ -55,6 +56,8 @@ def resolve_hub_models(cfg: Config) -> Config:
         if isinstance(value, str) and value.startswith(HUB_PREFIX):
             with as_config_error():
                 path = hub_snapshot(value, option)
+            if option == "model.hf_config":
+                path = str(Path(path) / "config.json")
             cfg = dataclasses.replace(cfg, **{section: dataclasses.replace(
                 getattr(cfg, section), **{key: path})})
     return cfg

@@ -48,7 +48,8 @@ class ModelSection:
     tie_embeddings: bool | None = None
     """Override whether the LM head shares the embedding matrix."""
     hf_config: str | None = None
-    """A Hugging Face config.json: train that model from scratch instead (needs transformers)."""
+    """A Hugging Face config.json (or hf:ORG/NAME[@REVISION]: the config of a model in the
+    Hugging Face hub cache): train that model from scratch instead (needs transformers)."""
     init_from: str | None = None
     """A local Hugging Face model directory (config.json and model.safetensors, or shards
     with model.safetensors.index.json), or hf:ORG/NAME[@REVISION], a model already in the
