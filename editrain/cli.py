@@ -159,7 +159,9 @@ def cmd_sample(args: argparse.Namespace, extra: list[str]) -> int:
         raise ConfigError(f"sample --temperature: must be >= 0, got {args.temperature}")
     if not 0 <= args.seed <= SEED_MAX:
         raise ConfigError(f"sample --seed: must be in [0, {SEED_MAX}], got {args.seed}")
-    if not args.path.startswith("hf:"):  # else a model of the hub cache, by its id
+    from editrain.models.hf_dir import HUB_PREFIX
+
+    if not args.path.startswith(HUB_PREFIX):  # else a model of the hub cache, by its id
         check_path("sample: CHECKPOINT_OR_HF_DIR", args.path, "in_dir")
     loaded = load_for_sampling(args.path, replica=args.replica)
     prompt = loaded.tokenizer.encode(args.prompt).ids

@@ -105,6 +105,18 @@ class RunRecord:
                 "resumed_from": self.resumed_from}
 
 
+def resumed_run_dir(resume: str | Path) -> Path | None:
+    """The run directory a ``--resume`` path names: the run of a checkpoint in its
+    ``checkpoints/``, or the path itself when it is a run directory (it has checkpoints or
+    a run record); None otherwise."""
+    p = Path(resume)
+    if (p / MARKER).is_file() and p.parent.name == CKPT_DIR:
+        return p.parent.parent
+    if (p / CKPT_DIR).is_dir() or (p / RECORD).is_file():
+        return p
+    return None
+
+
 def new_id() -> str:
     """A fresh run or branch identifier."""
     return uuid.uuid4().hex[:16]

@@ -117,11 +117,10 @@ RUN_CONFIG_MAX_BYTES = 1 << 20
 def resumed_run_config(resume: str) -> Path | None:
     """The ``config.toml`` of the run ``--resume`` names (a run directory, or a checkpoint
     in its ``checkpoints/``), or None where there is none."""
-    from editrain.rundir import CKPT_DIR, MARKER  # no torch: the fork server starts first
+    from editrain.rundir import resumed_run_dir  # no torch: the fork server starts first
 
     p = Path(resume).expanduser()
-    run = p.parent.parent if (p / MARKER).is_file() and p.parent.name == CKPT_DIR else p
-    found = run / "config.toml"
+    found = (resumed_run_dir(p) or p) / "config.toml"
     return found if found.is_file() else None
 
 

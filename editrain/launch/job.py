@@ -74,15 +74,8 @@ def choose_run_dir(cfg: Config, default: Callable[[], Path]) -> Path:
     """``--run-dir``; else, when resuming a run directory, that directory; else a new one."""
     if cfg.run_dir:
         return Path(cfg.run_dir)
-    if cfg.resume:
-        from editrain.checkpoint import CKPT_DIR, MARKER
-
-        p = Path(cfg.resume)
-        if (p / MARKER).is_file() and p.parent.name == CKPT_DIR:
-            return p.parent.parent
-        if (p / CKPT_DIR).is_dir() or (p / rundir.RECORD).is_file():
-            return p
-    return default()
+    run = rundir.resumed_run_dir(cfg.resume) if cfg.resume else None
+    return run if run is not None else default()
 
 
 def check_local(cfg: Config) -> Job:
