@@ -19,7 +19,7 @@ from editrain.config import ConfigError, describe_options, load_config, parse_ov
 from editrain.config.inputs import check_path_options
 from editrain.config.schema import SEED_MAX
 from editrain.config.toml_io import load_resumed_config
-from editrain.errors import CheckpointError
+from editrain.errors import CheckpointError, bounded
 from editrain.paths import check_path
 from editrain.spawn import (
     Interrupted,
@@ -115,6 +115,7 @@ def cmd_data(args: argparse.Namespace, extra: list[str]) -> int:
 
 def cmd_plot(args: argparse.Namespace, extra: list[str]) -> int:
     from editrain.metrics import plot_runs
+    from editrain.rundir import replica_groups
 
     if extra:
         raise ConfigError(f"plot: unexpected argument(s) {' '.join(extra)}")
@@ -122,10 +123,15 @@ def cmd_plot(args: argparse.Namespace, extra: list[str]) -> int:
         check_path("plot: RUN_DIR", d, "in_dir")
     if args.out is not None:
         check_path("plot --out", args.out, "out_dir")
-    for d in args.run_dirs:
-        if not (Path(d) / "metrics.jsonl").is_file():
-            raise ConfigError(f"plot: {d} holds no metrics.jsonl")
-    for p in plot_runs(args.run_dirs, args.out):
+    runs: list[Path] = []
+    for d in map(Path, args.run_dirs):
+        # A fault-tolerant run's replica groups keep their metrics apart: one curve each.
+        groups = [g for g in replica_groups(d) if (g / "metrics.jsonl").is_file()]
+        if not (d / "metrics.jsonl").is_file() and not groups:
+            raise ConfigError(f"plot: {d} holds no metrics.jsonl (nor replica*/metrics.jsonl, "
+                              "a fault-tolerant run's)")
+        runs += [d] if (d / "metrics.jsonl").is_file() else groups
+    for p in plot_runs(runs, args.out if args.out is not None else args.run_dirs[0]):
         print(p)
     return 0
 
@@ -345,14 +351,14 @@ def _report(e: BaseException, stop_signal: int | None) -> int:
         sys.stderr.close()
         return 0
     if isinstance(e, (ConfigError, FileNotFoundError, ValueError, CheckpointError)):
-        print(f"editrain: error: {e}", file=sys.stderr)
+        print(f"editrain: error: {bounded(str(e))}", file=sys.stderr)
         return 2
     if isinstance(e, OSError):  # a path the checks could not foresee (a full disk ...)
-        print(f"editrain: error: {e.filename!r}: {e.strerror or e}" if e.filename else
-              f"editrain: error: {e}", file=sys.stderr)
+        print("editrain: error: " + bounded(f"{e.filename!r}: {e.strerror or e}" if e.filename
+                                            else str(e)), file=sys.stderr)
         return 2
     if isinstance(e, LaunchError):
-        print(f"editrain: error: {e}", file=sys.stderr)
+        print(f"editrain: error: {bounded(str(e))}", file=sys.stderr)
         return e.exit_code
     raise e
 

@@ -49,6 +49,7 @@ from editrain.models.hf_dir import (
 )
 from editrain.models.hf_llama import llama_config_to_hf, to_hf_name
 from editrain.models.llama import LlamaConfig
+from editrain.rundir import group_index, replica_groups
 from editrain.safe_io import (
     List,
     Obj,
@@ -166,20 +167,40 @@ class Exported:
     files: list[str]
 
 
-def find_checkpoint(path: str | Path, option: str = "export") -> Path:
-    """A complete checkpoint: ``path`` itself, or the latest of a run directory.
+def find_checkpoint(path: str | Path, option: str = "export", replica: int | None = None
+                    ) -> tuple[Path, int | None]:
+    """A complete checkpoint and the replica to read in it (None: its global model).
+
+    ``path`` is a checkpoint, a run directory (its latest checkpoint) or a fault-tolerant
+    run's directory, whose replica groups keep their checkpoints apart
+    (``replica{r}/checkpoints/``): there the global model, which the groups agree on, is read
+    from the latest checkpoint of any group (the lowest group at equal steps), and
+    ``replica=R`` reads group ``R``'s latest checkpoint, where that replica is replica 0.
 
     Raises:
-        CheckpointError: one line naming ``option``: neither, or incomplete.
+        CheckpointError: one line naming ``option``: none of these, incomplete, or a group
+            the run does not have.
     """
     p = Path(path).expanduser()
     if (p / MARKER).is_file():
-        return p
+        return p, replica
     found = list_checkpoints(p) if p.is_dir() else []
     if found:
-        return found[-1]
+        return found[-1], replica
+    groups = {int(g.name[len("replica"):]): list_checkpoints(g) for g in replica_groups(p)}
+    if replica is not None and groups:
+        if not groups.get(replica):
+            have = ", ".join(str(r) for r, c in groups.items() if c) or "none"
+            raise CheckpointError(f"{option} --replica: {p} is a fault-tolerant run whose "
+                                  f"replica group {replica} has no checkpoint (groups with "
+                                  f"checkpoints: {have})")
+        return groups[replica][-1], 0
+    latest = [c[-1] for c in groups.values() if c]  # in group order: max keeps the first
+    if latest:
+        return max(latest, key=lambda c: int(c.name[len("step_"):])), None
     raise CheckpointError(f"{option}: {p} is neither a complete checkpoint (with {MARKER}) nor "
-                          f"a run directory with one in {CKPT_DIR}/")
+                          f"a run directory with one in {CKPT_DIR}/ (or in replica*/{CKPT_DIR}/, "
+                          f"a fault-tolerant run's)")
 
 
 def _model_names(marker: Mapping[str, Any]) -> tuple[bool, dict[str, Any]]:
@@ -206,7 +227,8 @@ def read_model_weights(ckpt: Path, replica: int | None = None, command: str = "e
         CheckpointError: the replica does not exist, or the files cannot be read.
     """
     metadata = read_metadata(ckpt)
-    source = f"replica {replica}"
+    group = group_index(ckpt.parent.parent)  # a fault-tolerant run's replica group
+    source = f"replica {replica}" if group is None else f"replica {group} (replica group {group} of a fault-tolerant run)"
     keys: dict[str, str] = {}
     if replica is None:
         engine = saved_tensors(ckpt, ENGINE_KEY)
@@ -223,8 +245,11 @@ def read_model_weights(ckpt: Path, replica: int | None = None, command: str = "e
     if not keys:
         saved = sorted({k.split(".")[0] for k in metadata.state_dict_metadata
                         if k.startswith("replica")})
+        hint = "" if group is None else (
+            f"; a replica group of a fault-tolerant run holds its own replica as replica 0: "
+            f"name the run's directory with --replica {group} for this one")
         raise CheckpointError(f"{command} --replica: {ckpt} holds no replica {replica} "
-                              f"(it holds {', '.join(saved) or 'none'})")
+                              f"(it holds {', '.join(saved) or 'none'}){hint}")
     sizes = metadata.state_dict_metadata
     state = {key: torch.empty(tuple(sizes[key].size), dtype=sizes[key].properties.dtype)
              for key in keys.values()}
@@ -412,7 +437,7 @@ def export_checkpoint(path: str | Path, out: str | Path, replica: int | None = N
         CheckpointError: one line: no checkpoint, a replica it lacks, unreadable files, an
             ``out`` that holds other files.
     """
-    ckpt = find_checkpoint(path)
+    ckpt, replica = find_checkpoint(path, replica=replica)
     marker = open_checkpoint(ckpt)  # regular files only, no link, bounded marker
     out = Path(out).expanduser()
     llama, model_cfg = _model_names(marker)

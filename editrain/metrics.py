@@ -217,14 +217,27 @@ def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
 
 
 def _label(run_dir: Path) -> str:
+    """A run's name in a legend: its directory's (a fault-tolerant run's replica group: the
+    run's and the group's), and its method."""
+    from editrain.rundir import group_index
+
+    name = run_dir.name
+    if group_index(run_dir) is not None:
+        name = f"{run_dir.resolve().parent.name}/{name}"
+        run_dir = run_dir.parent  # the group's config.toml is the run's
     cfg = run_dir / "config.toml"
     if cfg.is_file():
-        import tomllib
+        from editrain.safe_io import read_bytes, read_toml_value
 
-        method = tomllib.loads(cfg.read_text()).get("sync", {}).get("method")
-        if method:
-            return f"{run_dir.name} ({method})"
-    return run_dir.name
+        try:  # only the legend needs it: a file that is not a run's leaves the method out
+            sync = read_toml_value(read_bytes(cfg, 1 << 20, error=ValueError),
+                                   str(cfg), error=ValueError).get("sync")
+        except ValueError:
+            sync = None
+        method = sync.get("method") if isinstance(sync, dict) else None
+        if isinstance(method, str) and 0 < len(method) <= 40:
+            return f"{name} ({method})"
+    return name
 
 
 SMOOTHING = 0.8

@@ -79,6 +79,26 @@ def _is_replica_dir(name: str) -> bool:
     return name.startswith("replica") and name[len("replica"):].isdigit()
 
 
+def group_index(path: str | Path) -> int | None:
+    """``r`` for a fault-tolerant run's replica group directory ``replica{r}`` (one holding
+    checkpoints or metrics), else None."""
+    p = Path(path)
+    if not _is_replica_dir(p.name) or not any(
+            (p / n).exists() for n in (CKPT_DIR, "metrics.jsonl")):
+        return None
+    return int(p.name[len("replica"):])
+
+
+def replica_groups(run_dir: str | Path) -> list[Path]:
+    """The replica groups' directories of a fault-tolerant run (``RUN_DIR/replica{r}/``, each
+    a run directory of its own), in group order; empty for any other directory."""
+    p = Path(run_dir)
+    if not p.is_dir():
+        return []
+    found = [c for c in p.iterdir() if _is_replica_dir(c.name) and c.is_dir()]
+    return sorted(found, key=lambda c: int(c.name[len("replica"):]))
+
+
 def run_entries(run_dir: Path) -> list[str]:
     """The editrain entries present in ``run_dir`` (what makes it hold a run)."""
     if not run_dir.is_dir():

@@ -16,7 +16,9 @@ metrics rows, a token cache's ``meta.json``, calibration and bench results) goes
 :func:`read_json`: a regular file (not followed if a link), refused by its size from
 ``fstat`` before a byte is read, parsed with a bounded nesting depth, then checked against a
 schema (:class:`Field` and friends) whose errors name the file and the field and quote at
-most :data:`QUOTE_CHARS` characters of a bad value.
+most :data:`QUOTE_CHARS` characters of a bad value. Every TOML text (``--config``, a run's
+``config.toml``, a planner configuration, a command-line value) goes through
+:func:`read_toml_value`, with the same bound on its nesting.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import json
 import math
 import os
 import stat
+import tomllib
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import IO, Any
@@ -33,11 +36,11 @@ from editrain.errors import CheckpointError, RunDirError
 
 __all__ = ["MAX_DEPTH", "QUOTE_CHARS", "Bool", "Field", "Int", "List", "Num", "Obj", "Str",
            "check_no_links", "make_dir", "open_write", "quote", "read_bytes", "read_json",
-           "read_json_value", "regular_size", "write_atomic"]
+           "read_json_value", "read_toml_value", "regular_size", "write_atomic"]
 
 MAX_DEPTH = 64
-"""Deepest nesting of arrays and objects a JSON file editrain reads may have (its own are
-at most a few levels deep)."""
+"""Deepest nesting of arrays and objects (tables) a JSON or TOML file editrain reads may
+have (its own are at most a few levels deep)."""
 QUOTE_CHARS = 60
 """Most characters of a value that an error message quotes."""
 
@@ -267,7 +270,7 @@ def read_bytes(path: str | Path, max_bytes: int, *, error: type[Exception] = Che
 
 
 def _depth(value: Any) -> int:
-    """The nesting depth of parsed JSON (iterative: no recursion limit)."""
+    """The nesting depth of parsed JSON or TOML (iterative: no recursion limit)."""
     deepest, stack = 0, [(value, 1)]
     while stack:
         v, d = stack.pop()
@@ -296,6 +299,35 @@ def read_json_value(text: str | bytes, where: str, *, error: type[Exception] = C
         raise error(f"{where}: not valid JSON ({str(e)[:120]})") from None
     if _depth(value) > max_depth:
         raise error(f"{where}: not JSON editrain reads: nested deeper than {max_depth} levels")
+    return value
+
+
+def read_toml_value(text: str | bytes, where: str, *, error: type[Exception] = CheckpointError,
+                    max_depth: int = MAX_DEPTH, hint: str = "") -> dict[str, Any]:
+    """Parse TOML text with a bounded nesting depth (``tomllib`` recurses once per level of
+    arrays and inline tables: a file nested 100,000 deep would end in a RecursionError).
+
+    Args:
+        text: the text (bytes: UTF-8, as TOML is).
+        where: what the message names first (the option and the file).
+        error: the exception type to raise.
+        max_depth: the deepest nesting accepted.
+        hint: appended to every message (what to do instead).
+
+    Raises:
+        ``error``: one line, ``WHERE: WHY[HINT]``.
+    """
+    try:
+        value = tomllib.loads(text.decode("utf-8") if isinstance(text, bytes) else text)
+    except UnicodeDecodeError as e:
+        raise error(f"{where}: not UTF-8 text (TOML is; byte {e.start}){hint}") from None
+    except RecursionError:
+        value = None
+    except tomllib.TOMLDecodeError as e:
+        raise error(f"{where}: not valid TOML ({str(e)[:120]}){hint}") from None
+    if value is None or _depth(value) > max_depth:
+        raise error(f"{where}: not TOML editrain reads: nested deeper than {max_depth} "
+                    f"levels{hint}")
     return value
 
 

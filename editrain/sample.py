@@ -71,7 +71,7 @@ def _hf_dir_model(path: Path) -> tuple[nn.Module, int]:
 
 
 def _checkpoint_model(path: Path, replica: int | None) -> tuple[nn.Module, int, Path, str]:
-    ckpt = find_checkpoint(path, option="sample")
+    ckpt, replica = find_checkpoint(path, option="sample", replica=replica)
     marker = open_checkpoint(ckpt)  # regular files only, no link, bounded marker
     tensors, source = read_model_weights(ckpt, replica, command="sample")
     model, max_len = checkpoint_model(marker, tensors, ckpt, "sample")

@@ -184,6 +184,35 @@ def test_cli_ft_run_survives_a_dead_replica_group(tmp_path, data_cache):
     assert len(joins) == 1 and rows2[joins[0]]["step"] == groups["2"]["healed_at"]
     after = [r["step"] for r in rows2[joins[0] + 1:] if "loss" in r and "event" not in r]
     assert after[0] > groups["2"]["healed_at"] and after[-1] == total
+    _the_run_directory_serves_export_sample_and_plot(run, tmp_path, groups=3)
+
+
+def _the_run_directory_serves_export_sample_and_plot(run, tmp_path, groups: int) -> None:
+    """A fault-tolerant run's directory (checkpoints and metrics in ``replica{r}/``) is what
+    ``export``, ``sample`` and ``plot`` take, as any run directory: the global model (every
+    group holds the same anchors), a group's replica by ``--replica``, one curve per group."""
+    from editrain.checkpoint import list_checkpoints
+    from editrain.cli import main
+    from editrain.hf_checkpoint import find_checkpoint, read_model_weights
+
+    last = [list_checkpoints(run / f"replica{r}")[-1] for r in range(groups)]
+    anchors = [read_model_weights(c)[0] for c in last]
+    for other in anchors[1:]:
+        assert other.keys() == anchors[0].keys()
+        assert all(torch.equal(other[k], anchors[0][k]) for k in other)
+    assert find_checkpoint(run) == (last[0], None)
+    assert main(["export", str(run), str(tmp_path / "global")]) == 0
+    assert "the global model" in (tmp_path / "global" / "README.md").read_text()
+    r = groups - 1
+    assert find_checkpoint(run, replica=r) == (last[r], 0)
+    assert main(["export", str(run), str(tmp_path / "one"), "--replica", str(r)]) == 0
+    assert f"replica {r} (replica group {r}" in (tmp_path / "one" / "README.md").read_text()
+    assert main(["export", str(run), str(tmp_path / "none"), "--replica", str(groups)]) == 2
+    assert main(["sample", str(run), "--prompt", "a", "--max-new-tokens", "2"]) == 0
+    for png in ("loss_vs_tokens.png", "loss_vs_time.png"):
+        (run / png).unlink(missing_ok=True)
+    assert main(["plot", str(run)]) == 0
+    assert (run / "loss_vs_tokens.png").is_file() and (run / "loss_vs_time.png").is_file()
 
 
 def _without_ft_options(args: list[str]) -> list[str]:

@@ -640,3 +640,37 @@ def test_a_trained_bpe_is_exported_as_a_tokenizer_transformers_reads(dirs, tmp_p
     text = "The of and to in is that."
     assert loaded(text).input_ids == tok.encode(text).ids
     assert loaded.decode(tok.encode(text).ids) == text
+
+
+def test_a_fault_tolerant_runs_directory_names_its_checkpoints(tmp_path):
+    """``export``/``sample`` of a fault-tolerant run's directory: its groups keep their
+    checkpoints apart (``replica{r}/checkpoints/``); the global model comes from the latest
+    of any group (the lowest group at equal steps), ``--replica R`` from group R's latest,
+    where that replica is replica 0. (tests/test_fault_tolerance.py exports a real one.)"""
+    from editrain.checkpoint import MARKER
+    from editrain.errors import CheckpointError
+    from editrain.hf_checkpoint import find_checkpoint
+
+    run = tmp_path / "ft"
+
+    def ckpt(group: int, step: int) -> Path:
+        path = run / f"replica{group}" / "checkpoints" / f"step_{step:08d}"
+        path.mkdir(parents=True)
+        (path / MARKER).write_text("{}")
+        return path
+
+    ckpt(0, 4), ckpt(1, 4)
+    g0, g1 = ckpt(0, 8), ckpt(1, 8)
+    (run / "replica2").mkdir()  # a group that died before its first checkpoint
+    assert find_checkpoint(run) == (g0, None)
+    assert find_checkpoint(run, replica=1) == (g1, 0)
+    later = ckpt(1, 12)
+    assert find_checkpoint(run) == (later, None)
+    assert find_checkpoint(run / "replica0", replica=0) == (g0, 0)  # a group: a run
+    with pytest.raises(CheckpointError, match=r"^sample --replica: .* replica group 2 has no "
+                                              r"checkpoint \(groups with checkpoints: 0, 1\)$"):
+        find_checkpoint(run, "sample", replica=2)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(CheckpointError, match=r"^export: .*empty is neither a complete "
+                                              r"checkpoint .* a fault-tolerant run's\)$"):
+        find_checkpoint(tmp_path / "empty")

@@ -42,7 +42,7 @@ from editrain.checkpoint import (
     rank_file,
     read_marker,
 )
-from editrain.errors import CheckpointError, RunDirError
+from editrain.errors import CheckpointError, ConfigError, RunDirError
 from editrain.metrics import MetricsWriter, RankLog, plot_runs, read_jsonl
 from editrain.safe_io import (
     check_no_links,
@@ -400,6 +400,109 @@ def test_every_json_a_user_can_hand_us_goes_through_the_bounded_reader():
                     and isinstance(node.value, ast.Name) and node.value.id == "json"):
                 found.append(f"{rel}:{node.lineno}")
     assert not found, found
+
+
+def test_every_toml_goes_through_the_bounded_reader():
+    """The same class for TOML (``tomllib`` recurses once per nesting level): no module
+    parses TOML itself but ``editrain.safe_io``, so ``--config``, a run's ``config.toml``
+    (resume, plot, plan --calibrate), a planner configuration and a command-line value are
+    depth-bounded with one-line errors."""
+    import ast
+
+    root = Path(__file__).resolve().parents[1] / "editrain"
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        rel = path.relative_to(root).as_posix()
+        if rel == "safe_io.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (isinstance(node, ast.Attribute) and node.attr in ("load", "loads")
+                    and isinstance(node.value, ast.Name) and node.value.id == "tomllib"):
+                found.append(f"{rel}:{node.lineno}")
+    assert not found, found
+
+
+DEEP_TOML = "x = " + "[" * 100_000 + "]" * 100_000
+
+
+def test_toml_nested_too_deep_is_one_line_everywhere(tmp_path, capsys):
+    from editrain.cli import main
+    from editrain.config import load_config
+    from editrain.config.toml_io import load_resumed_config, parse_scalar
+    from editrain.plan.calibrate import read_config
+    from editrain.plan.inputs import load_inputs
+    from editrain.safe_io import read_toml_value
+
+    deep = tmp_path / "deep.toml"
+    deep.write_text(DEEP_TOML)
+    said = "not TOML editrain reads: nested deeper than 64 levels"
+    with pytest.raises(ConfigError, match=f"^--config: .*deep.toml'?: {said}$"):
+        load_config(deep)
+    with pytest.raises(ConfigError, match=f"^plan: .*deep.toml: {said}$"):
+        load_inputs(deep)
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.toml").write_text(DEEP_TOML)
+    with pytest.raises(ConfigError, match=f"^--resume: .*: {said}; give the run's options"):
+        load_resumed_config(str(run), {})
+    with pytest.raises(ConfigError, match=f"^plan: .*config.toml: {said}$"):
+        read_config(run)
+    # a command-line value nested that deep is a string, refused by the option's type
+    assert parse_scalar("[" * 5000 + "]" * 5000) == "[" * 5000 + "]" * 5000
+    assert main(["train", "--train.steps", "[" * 5000 + "]" * 5000]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("editrain: error: train.steps: expected an integer") and len(err) < 1200
+    # 64 levels are read, the document's table the first; 65 are not (JSON's bound)
+    assert read_toml_value("x = " + "[" * 63 + "]" * 63, "t")["x"] is not None
+    with pytest.raises(CheckpointError, match="nested deeper than 64"):
+        read_toml_value("x = " + "[" * 64 + "]" * 64, "t")
+    with pytest.raises(ValueError, match="^t: not UTF-8 text"):
+        read_toml_value(b"x = '\xff'", "t", error=ValueError)
+    with pytest.raises(ValueError, match=r"^t: not valid TOML \(.*\); do this$"):
+        read_toml_value("x = [", "t", error=ValueError, hint="; do this")
+
+
+def test_a_config_file_is_read_bounded_and_a_link_to_it_followed(tmp_path):
+    from editrain.config import load_config
+    from editrain.config.toml_io import CONFIG_MAX_BYTES
+
+    mine = tmp_path / "mine.toml"
+    mine.write_text("[train]\nsteps = 7\n")
+    (tmp_path / "link.toml").symlink_to(mine)  # a user's own link: followed
+    assert load_config(tmp_path / "link.toml").train.steps == 7
+    with open(tmp_path / "big.toml", "wb") as f:
+        f.truncate(CONFIG_MAX_BYTES + 1)
+    with pytest.raises(ConfigError, match="^--config: .*big.toml: the configuration has "):
+        load_config(tmp_path / "big.toml")
+
+
+def test_an_error_message_never_echoes_an_unbounded_value(capsys):
+    """A refusal quotes what it refuses, and a value (on the command line, in a config
+    file, a checkpoint's marker) can be megabytes: every word of a message is cut to
+    LONGEST_WORD characters and its length, the message to LONGEST_MESSAGE, at the
+    exception (ConfigError, CheckpointError) and where the CLI prints any error."""
+    import pickle
+
+    from editrain.cli import main
+    from editrain.errors import LONGEST_MESSAGE, LONGEST_WORD, bounded
+
+    value = "x" * 50_000
+    assert main(["train", "--train.steps", value]) == 2
+    err = capsys.readouterr().err
+    assert err == (f"editrain: error: train.steps: expected an integer, got "
+                   f"'{value[:LONGEST_WORD - 11]}... (50002 characters)\n")
+    assert main(["train", "--data.path", value]) == 2  # an OSError's own text: a path
+    assert len(capsys.readouterr().err) < LONGEST_WORD + 200
+    for text in ("a" * 50_000, "b " * 50_000, "c" * LONGEST_WORD, "d" * (LONGEST_WORD + 1),
+                 "short: kept as it is"):
+        once = bounded(text)
+        assert bounded(once) == once and len(once) <= LONGEST_MESSAGE
+        assert once == text or len(text) > LONGEST_WORD
+    assert bounded("c" * LONGEST_WORD) == "c" * LONGEST_WORD
+    for kind in (ConfigError, CheckpointError):
+        e = kind(f"opt: {value}")
+        assert len(str(e)) < LONGEST_WORD + 40
+        assert str(pickle.loads(pickle.dumps(e))) == str(e)  # sent between processes
 
 
 def test_model_directory_json_nested_too_deep_is_one_line(tmp_path):

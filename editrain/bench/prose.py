@@ -10,10 +10,11 @@ ship with the package (``[tool.setuptools.package-data]`` in ``pyproject.toml``)
 
 from __future__ import annotations
 
-import tomllib
 from functools import cache
 from importlib.resources import files
 from typing import Any
+
+from editrain.safe_io import read_toml_value
 
 TEXT_DIR = "text"
 """The folder of the text files inside ``editrain.bench``."""
@@ -23,7 +24,7 @@ TEXT_DIR = "text"
 def prose(name: str) -> dict[str, Any]:
     """The texts of module ``name`` (the parsed ``text/<name>.toml``)."""
     path = files("editrain.bench").joinpath(TEXT_DIR, f"{name}.toml")
-    return tomllib.loads(path.read_text(encoding="utf-8"))
+    return read_toml_value(path.read_text(encoding="utf-8"), str(path), error=ValueError)
 
 
 def fill(template: str | list[str], /, **values: Any) -> Any:

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from editrain.metrics import RANKS_DIR
+from editrain.safe_io import read_toml_value
 
 
 @dataclass
@@ -158,7 +159,6 @@ def read_run(label: str, run_dir: Path, overrides: dict[str, Any], launch_s: flo
     Returns:
         The run; ``error`` is set when there is no ``summary.json``.
     """
-    import tomllib
 
     from editrain.metrics import read_metrics
 
@@ -172,7 +172,8 @@ def read_run(label: str, run_dir: Path, overrides: dict[str, Any], launch_s: flo
     if (run_dir / "summary.json").is_file():
         run.summary = json.loads((run_dir / "summary.json").read_text())
     if (run_dir / "config.toml").is_file():
-        run.config = tomllib.loads((run_dir / "config.toml").read_text())
+        run.config = read_toml_value((run_dir / "config.toml").read_text(),
+                                     str(run_dir / "config.toml"), error=ValueError)
     if run.error is None and not run.summary:
         run.error = "no summary.json (the run did not finish)"
     return run

@@ -10,7 +10,6 @@ every key and type checked against the schema, and validates the result.
 from __future__ import annotations
 
 import dataclasses
-import tomllib
 import types
 import typing
 from pathlib import Path
@@ -25,10 +24,13 @@ from editrain.paths import check_path, shown
 
 
 def parse_scalar(text: str) -> Any:
-    """Parse a CLI value as TOML (numbers, booleans, lists, inline tables), else a string."""
+    """Parse a CLI value as TOML (numbers, booleans, lists, inline tables), else a string
+    (the option's check then says what it takes)."""
+    from editrain.safe_io import read_toml_value
+
     try:
-        return tomllib.loads(f"v = {text}")["v"]
-    except tomllib.TOMLDecodeError:
+        return read_toml_value(f"v = {text}", "value", error=ConfigError)["v"]
+    except ConfigError:
         return text
 
 
@@ -110,6 +112,8 @@ def _merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+CONFIG_MAX_BYTES = 16 << 20
+"""The largest ``--config`` file read (a configuration is a few kilobytes)."""
 RUN_CONFIG_MAX_BYTES = 1 << 20
 """The largest ``config.toml`` a resumed run's configuration is read from."""
 
@@ -135,18 +139,15 @@ def load_resumed_config(resume: str, overrides: dict[str, Any]) -> tuple[Config,
         ConfigError: the file cannot be read as a run's configuration (named with
             ``--resume``).
     """
-    from editrain.safe_io import read_bytes
+    from editrain.safe_io import read_bytes, read_toml_value
 
     path = resumed_run_config(resume)
     if path is None:
         return load_config(None, overrides), None
-    try:
-        data = read_bytes(path, RUN_CONFIG_MAX_BYTES, error=ConfigError,
-                          what="run's configuration")
-        saved = tomllib.loads(data.decode("utf-8"))
-    except (UnicodeDecodeError, tomllib.TOMLDecodeError) as e:
-        raise ConfigError(f"--resume: {shown(str(path))} is not the TOML editrain writes "
-                          f"({str(e)[:200]}); give the run's options with --config") from None
+    data = read_bytes(path, RUN_CONFIG_MAX_BYTES, error=ConfigError, what="run's configuration")
+    saved = read_toml_value(data, f"--resume: {shown(str(path))} is not the TOML editrain "
+                            "writes", error=ConfigError,
+                            hint="; give the run's options with --config")
     sections = {k: v for k, v in saved.items() if k in SECTIONS and isinstance(v, dict)}
     try:
         run = to_dict(load_config(None, sections))  # the run's own, valid by construction
@@ -164,16 +165,16 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None
     """Build a validated :class:`Config` from an optional TOML file and CLI overrides."""
     raw: dict[str, Any] = {}
     if path is not None:
+        from editrain.safe_io import read_bytes, read_toml_value
+
         p = check_path("--config", path, "in_file")
-        try:
-            raw = tomllib.loads(p.read_bytes().decode("utf-8"))
-        except UnicodeDecodeError as e:
-            raise ConfigError(f"--config: {shown(str(p))} is not UTF-8 text (TOML is; byte "
-                              f"{e.start})") from None
-        except tomllib.TOMLDecodeError as e:
-            raise ConfigError(f"--config: {shown(str(p))} is not valid TOML: {e}") from None
-        except OSError as e:
-            raise ConfigError(f"--config: cannot read {shown(str(p))}: {e.strerror}") from None
+        where = f"--config: {shown(str(p))}"
+        try:  # the user's file: a link to it is followed (their choice), its size bounded
+            data = read_bytes(p.resolve(), CONFIG_MAX_BYTES, error=ConfigError,
+                              what="configuration")
+        except ConfigError as e:
+            raise ConfigError(f"--config: {e}") from None
+        raw = read_toml_value(data, where, error=ConfigError)
     raw = _merge(raw, overrides or {})
     cfg = _build(Config, raw, "")
     check_text_options(cfg)  # first: a NUL in a path would fail any file check obscurely

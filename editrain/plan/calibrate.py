@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import math
 import statistics
-import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -37,7 +36,7 @@ from typing import Any
 from editrain.errors import ConfigError
 from editrain.metrics import read_jsonl
 from editrain.plan.inputs import GBIT, Cluster, MethodSpec, ModelSpec
-from editrain.safe_io import read_bytes
+from editrain.safe_io import read_bytes, read_toml_value
 
 
 @dataclass
@@ -210,10 +209,7 @@ def _read_toml(path: Path) -> dict[str, Any]:
     """A run's ``config.toml``: a regular file within :data:`CONFIG_MAX_BYTES` (a link is
     not followed), parsed; one :class:`ConfigError` line naming it otherwise."""
     data = read_bytes(path, CONFIG_MAX_BYTES, error=ConfigError, what="run configuration")
-    try:
-        return tomllib.loads(data.decode("utf-8"))
-    except (UnicodeDecodeError, tomllib.TOMLDecodeError) as e:
-        raise ConfigError(f"plan: {path}: not valid TOML ({str(e)[:120]})") from None
+    return read_toml_value(data, f"plan: {path}", error=ConfigError)
 
 
 def _settings(cfg: dict[str, Any]) -> tuple[MethodSpec, ModelSpec]:

@@ -32,12 +32,12 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from editrain.errors import ConfigError
+from editrain.safe_io import read_bytes, read_toml_value
 from editrain.sync.methods import OUTER_SGD
 
 METHODS = ("sync", "post_local_sgd", "diloco", "edit", "aedit")
@@ -423,8 +423,8 @@ def parse_method(spec: str) -> dict[str, Any]:
 def parse_scalar(text: str) -> Any:
     """A TOML scalar (``4``, ``0.5``, ``true``), or the text itself."""
     try:
-        return tomllib.loads(f"v = {text}")["v"]
-    except tomllib.TOMLDecodeError:
+        return read_toml_value(f"v = {text}", "value", error=ValueError)["v"]
+    except ValueError:
         return text
 
 
@@ -435,6 +435,10 @@ class PlanInputs:
     cluster: Cluster
     model: ModelSpec
     methods: list[MethodSpec] = field(default_factory=list)
+
+
+PLAN_MAX_BYTES = 16 << 20
+"""The largest plan configuration read (one is a few hundred bytes)."""
 
 
 def load_inputs(path: str | Path | None = None, overrides: dict[str, dict[str, Any]] | None = None,
@@ -454,10 +458,12 @@ def load_inputs(path: str | Path | None = None, overrides: dict[str, dict[str, A
         p = Path(path)
         if not p.is_file():
             raise ConfigError(f"plan: file not found: {p}")
-        try:
-            data = tomllib.loads(p.read_text())
-        except tomllib.TOMLDecodeError as e:
-            raise ConfigError(f"plan: {p} is not valid TOML: {e}") from None
+        try:  # the user's file: a link to it is followed (their choice), its size bounded
+            text = read_bytes(p.resolve(), PLAN_MAX_BYTES, error=ConfigError,
+                              what="plan configuration")
+        except ConfigError as e:
+            raise ConfigError(f"plan: {e}") from None
+        data = read_toml_value(text, f"plan: {p}", error=ConfigError)
     unknown = sorted(set(data) - {"cluster", "model", "method"})
     if unknown:
         raise _fail(unknown[0], "unknown table; allowed: cluster, model, method")
