@@ -4,12 +4,16 @@ The model is editrain's own (its Llama, or a Hugging Face architecture through t
 so what is sampled is what was trained: a checkpoint's global model (its anchors, or one
 replica's weights), or a directory's safetensors read by the same loader as
 ``model.init_from``. Decoding is plain: greedy at temperature 0, else softmax sampling with an
-optional top-k cut, from a seeded generator, without a KV cache (each new token runs the
-whole window again: fine for a look at a few hundred tokens).
+optional top-k cut, from a seeded generator. The keys and values of the tokens already
+seen are kept (a KV cache: editrain's :class:`~editrain.models.llama.KVCache`, or the
+Hugging Face model's own), so each new token runs one position through the model, until the
+text outgrows the model's window; from there the oldest tokens fall out and each new token
+runs the whole window again.
 """
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -37,7 +41,7 @@ from editrain.models.hf_dir import (
     tokenizer_file,
 )
 from editrain.models.hf_llama import is_llama_config, llama_config_from_hf
-from editrain.models.llama import Llama
+from editrain.models.llama import KVCache, Llama
 
 __all__ = ["Loaded", "generate", "load_for_sampling"]
 
@@ -142,9 +146,9 @@ def generate(model: nn.Module, prompt: list[int], max_new_tokens: int, *,
     gen = torch.Generator().manual_seed(seed)
     ids = list(prompt)
     new: list[int] = []
+    decoder = _Decoder(model, max_len)
     for _ in range(max_new_tokens):
-        window = torch.tensor([ids[-max_len:]], dtype=torch.long)
-        logits = model(window)[0, -1].float()
+        logits = decoder.next_logits(ids)
         if temperature == 0:
             nxt = int(logits.argmax())
         else:
@@ -158,3 +162,34 @@ def generate(model: nn.Module, prompt: list[int], max_new_tokens: int, *,
         if eos_id is not None and nxt == eos_id:
             break
     return new
+
+
+class _Decoder:
+    """Next-token logits of a growing text, with a KV cache where the model has one
+    (editrain's Llama, a Hugging Face model through the adapter): the first call runs the
+    prompt, each later one only the tokens added since. Once the text is longer than the
+    window (``max_len``), each call runs the last ``max_len`` tokens from scratch."""
+
+    def __init__(self, model: nn.Module, max_len: int) -> None:
+        self.model, self.max_len = model, max_len
+        self.cache: Any = None
+        self.seen = 0
+        """Tokens the cache holds (the text's first ``seen``)."""
+
+    def next_logits(self, ids: list[int]) -> torch.Tensor:
+        """The logits ``[V]`` (float32) of the token after ``ids``."""
+        if len(ids) > self.max_len or not isinstance(self.model, Llama | HFCausalLM):
+            window = torch.tensor([ids[-self.max_len:]], dtype=torch.long)
+            return self.model(window)[0, -1].float()
+        fresh = torch.tensor([ids[self.seen:]], dtype=torch.long)
+        if isinstance(self.model, Llama):
+            if self.cache is None:
+                self.cache = KVCache(len(self.model.layers))
+            logits = self.model(fresh, cache=self.cache)
+        else:  # the model's own cache: ``cache`` in transformers 5, ``past_key_values`` before
+            name = ("cache" if "cache" in inspect.signature(self.model.hf.forward).parameters
+                    else "past_key_values")
+            out = self.model.hf(input_ids=fresh, use_cache=True, **{name: self.cache})
+            logits, self.cache = out.logits, out[name]
+        self.seen = len(ids)
+        return logits[0, -1].float()

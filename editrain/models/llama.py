@@ -33,6 +33,7 @@ __all__ = [
     "PRESETS",
     "Attention",
     "FeedForward",
+    "KVCache",
     "Llama",
     "LlamaConfig",
     "RMSNorm",
@@ -140,6 +141,31 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return x * cos + _rotate_half(x) * sin
 
 
+class KVCache:
+    """The keys and values of the positions a model has already seen, per block, so that
+    decoding one more token runs one position through the model instead of the whole
+    sequence (``editrain sample``). Training never uses one.
+
+    Args:
+        n_layers: the model's number of blocks.
+    """
+
+    def __init__(self, n_layers: int) -> None:
+        self.keys: list[Tensor | None] = [None] * n_layers
+        self.values: list[Tensor | None] = [None] * n_layers
+        self.length = 0
+        """Positions held (every block holds as many once a forward has finished)."""
+
+    def extend(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """Append block ``layer``'s new keys and values ``[B, K, T, E]``; returns all of
+        them, the earlier positions first."""
+        if self.keys[layer] is not None:
+            k = torch.cat([self.keys[layer], k], dim=2)
+            v = torch.cat([self.values[layer], v], dim=2)
+        self.keys[layer], self.values[layer] = k, v
+        return k, v
+
+
 class Attention(nn.Module):
     """Causal multi-head attention with grouped-query key/value heads and RoPE.
 
@@ -169,13 +195,16 @@ class Attention(nn.Module):
         b, k, t, e = x.shape
         return x[:, :, None].expand(b, k, rep, t, e).reshape(b, k * rep, t, e)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor,
+                cache: tuple[KVCache, int] | None = None) -> Tensor:
         """Apply causal self-attention.
 
         Args:
             x: Input of shape ``[B, T, D]``.
-            cos: RoPE cosine table ``[T, E]``.
+            cos: RoPE cosine table ``[T, E]`` (of these T positions).
             sin: RoPE sine table ``[T, E]``.
+            cache: ``(cache, block index)``: the keys and values of the earlier positions,
+                which ``x`` follows (decoding); this call's are appended to it.
 
         Returns:
             Output of shape ``[B, T, D]``.
@@ -189,9 +218,16 @@ class Attention(nn.Module):
         # RoPE is applied before repeating k so the rotation runs on K heads, not H.
         q = apply_rope(q, cos, sin)
         k = apply_rope(k, cos, sin)
+        if cache is not None:
+            k, v = cache[0].extend(cache[1], k, v)  # [B, K, P + T, E]
         k = self._repeat_kv(k)
         v = self._repeat_kv(v)
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # [B, H, T, E]
+        past = k.shape[2] - t
+        if past == 0:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # [B, H, T, E]
+        else:  # query i is position past + i: it sees every key up to there
+            seen = torch.ones(t, past + t, dtype=torch.bool, device=x.device).tril(past)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=seen)
         out = out.transpose(1, 2).reshape(b, t, -1)  # [B, T, H*E]
         return self.wo(out)
 
@@ -236,18 +272,20 @@ class TransformerBlock(nn.Module):
         self.ffn_norm = RMSNorm(config.dim, config.norm_eps)
         self.feed_forward = FeedForward(config.dim, config.ffn_hidden)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor,
+                cache: tuple[KVCache, int] | None = None) -> Tensor:
         """Run one block.
 
         Args:
             x: Residual stream ``[B, T, D]``.
             cos: RoPE cosine table already sliced to ``[T, E]``.
             sin: RoPE sine table already sliced to ``[T, E]``.
+            cache: see :meth:`Attention.forward`.
 
         Returns:
             Updated residual stream ``[B, T, D]``.
         """
-        h = x + self.attention(self.attention_norm(x), cos, sin)
+        h = x + self.attention(self.attention_norm(x), cos, sin, cache)
         return h + self.feed_forward(self.ffn_norm(h))
 
 
@@ -347,27 +385,33 @@ class Llama(nn.Module):
             self.rope_cos.copy_(cos)
             self.rope_sin.copy_(sin)
 
-    def forward(self, tokens: Tensor) -> Tensor:
+    def forward(self, tokens: Tensor, cache: KVCache | None = None) -> Tensor:
         """Compute next-token logits.
 
         Args:
             tokens: Token ids of shape ``[B, T]`` (int64), ``T <= max_seq_len``.
+            cache: decoding: ``tokens`` follow the positions the cache holds (a new
+                :class:`KVCache` holds none), whose keys and values are not computed
+                again; this call's are added to it.
 
         Returns:
             Logits of shape ``[B, T, V]`` in the model's compute dtype.
 
         Raises:
-            ValueError: If ``tokens`` is not 2-D or ``T > max_seq_len``.
+            ValueError: If ``tokens`` is not 2-D or the positions exceed ``max_seq_len``.
         """
         if tokens.dim() != 2:
             raise ValueError(f"tokens must have shape [B, T], got {tuple(tokens.shape)}")
-        t = tokens.shape[1]
+        start = 0 if cache is None else cache.length
+        t = start + tokens.shape[1]
         if t > self.config.max_seq_len:
             raise ValueError(f"sequence length {t} exceeds max_seq_len ({self.config.max_seq_len})")
         h = self.tok_embeddings(tokens)  # [B, T, D]
-        cos, sin = self.rope_cos[:t], self.rope_sin[:t]  # [T, E]
-        for layer in self.layers:
-            h = layer(h, cos, sin)
+        cos, sin = self.rope_cos[start:t], self.rope_sin[start:t]  # [T, E]
+        for i, layer in enumerate(self.layers):
+            h = layer(h, cos, sin, None if cache is None else (cache, i))
+        if cache is not None:
+            cache.length = t
         h = self.norm(h)
         if self.output is None:
             return F.linear(h, self.tok_embeddings.weight)  # [B, T, V]
