@@ -160,7 +160,8 @@ def test_cli_ft_run_survives_a_dead_replica_group(tmp_path, data_cache):
     train(data_cache, run, "--ft", "--nproc", "3", "--shard-size", "1", "--steps",
           str(total), "--sync.local_sgd_sync_interval", "4", "--sim.fail", "2@10",
           "--sim.fail_restart_s", "4", "--sim.random_stall", "1.0,0.25",
-          "--dist.ft_heartbeat_timeout_s", "2", "--train.eval_every", "20")
+          "--dist.ft_heartbeat_timeout_s", "2", "--train.eval_every", "20",
+          "--checkpoint.export_final", "true")
     summary = json.loads((run / "summary.json").read_text())
     assert summary["finished_replicas"] == 3
     events = [(e["event"], e["replica"], e["attempt"]) for e in summary["events"]]
@@ -184,6 +185,10 @@ def test_cli_ft_run_survives_a_dead_replica_group(tmp_path, data_cache):
     assert len(joins) == 1 and rows2[joins[0]]["step"] == groups["2"]["healed_at"]
     after = [r["step"] for r in rows2[joins[0] + 1:] if "loss" in r and "event" not in r]
     assert after[0] > groups["2"]["healed_at"] and after[-1] == total
+    # The launcher exported the global model once, into RUN_DIR/export, and drew one
+    # curve per group into RUN_DIR
+    assert (run / "export" / "model.safetensors").is_file()
+    assert not any((run / f"replica{r}" / "export").exists() for r in range(3))
     _the_run_directory_serves_export_sample_and_plot(run, tmp_path, groups=3)
 
 
@@ -203,6 +208,8 @@ def _the_run_directory_serves_export_sample_and_plot(run, tmp_path, groups: int)
     assert find_checkpoint(run) == (last[0], None)
     assert main(["export", str(run), str(tmp_path / "global")]) == 0
     assert "the global model" in (tmp_path / "global" / "README.md").read_text()
+    assert ((tmp_path / "global" / "model.safetensors").read_bytes()
+            == (run / "export" / "model.safetensors").read_bytes())
     r = groups - 1
     assert find_checkpoint(run, replica=r) == (last[r], 0)
     assert main(["export", str(run), str(tmp_path / "one"), "--replica", str(r)]) == 0
@@ -210,7 +217,8 @@ def _the_run_directory_serves_export_sample_and_plot(run, tmp_path, groups: int)
     assert main(["export", str(run), str(tmp_path / "none"), "--replica", str(groups)]) == 2
     assert main(["sample", str(run), "--prompt", "a", "--max-new-tokens", "2"]) == 0
     for png in ("loss_vs_tokens.png", "loss_vs_time.png"):
-        (run / png).unlink(missing_ok=True)
+        assert (run / png).is_file()  # the launcher's
+        (run / png).unlink()
     assert main(["plot", str(run)]) == 0
     assert (run / "loss_vs_tokens.png").is_file() and (run / "loss_vs_time.png").is_file()
 

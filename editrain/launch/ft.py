@@ -101,7 +101,9 @@ def _group_main(cfg: Config, replica: int, attempt: int, lighthouse: str,
 def run_ft(job: Job, data_entry: str | None = None) -> dict[str, Any]:
     """``editrain train --ft``: a lighthouse here, one process tree per replica group, a
     group that dies started again (after ``sim.fail_restart_s``) as long as the others
-    still train. Returns the run's summary (also written to ``summary.json``).
+    still train. Returns the run's summary (also written to ``summary.json``). With
+    ``checkpoint.export_final``, the global model of the groups' latest checkpoint is then
+    exported into ``RUN_DIR/export``.
 
     A group says why it failed in one line (see :func:`_group_main`). On Ctrl-C or SIGTERM
     here (``KeyboardInterrupt`` / :class:`editrain.spawn.Interrupted`), or any error, the
@@ -144,6 +146,11 @@ def run_ft(job: Job, data_entry: str | None = None) -> dict[str, Any]:
         raise LaunchError("every replica group failed (each one's reason is above; the "
                           f"tracebacks are in {job.run_dir}/replica*/logs/); nothing "
                           "finished", 2 if codes and all(c == 2 for c in codes) else 1)
+    if job.cfg.checkpoint.export_final:  # the global model, which every group holds
+        from editrain.hf_checkpoint import export_checkpoint
+
+        done = export_checkpoint(job.run_dir, job.run_dir / "export")
+        log.warning("exported %s (%s) to %s", done.checkpoint, done.source, done.out)
     return summary
 
 
@@ -160,9 +167,12 @@ class ReplicaGroups:
     def __init__(self, job: Job, lighthouse: str, data_entry: str | None) -> None:
         d = job.cfg.dist
         self.job, self.lighthouse, self.data_entry = job, lighthouse, data_entry
-        # Every group knows how many there are, and that it is one of them.
-        self.cfg = dataclasses.replace(job.cfg, dist=dataclasses.replace(
-            d, ft_replicas=job.groups, fault_tolerance="torchft"))
+        # Every group knows how many there are, and that it is one of them; the final
+        # export is the launcher's, once, when they are done (see run_ft).
+        self.cfg = dataclasses.replace(
+            job.cfg, dist=dataclasses.replace(d, ft_replicas=job.groups,
+                                              fault_tolerance="torchft"),
+            checkpoint=dataclasses.replace(job.cfg.checkpoint, export_final=False))
         # The groups start as the workers of a local job do: forked from the server that
         # has imported torch (a restarted group is back sooner), or spawned as
         # EDITRAIN_START_METHOD says; never forked from this process, which runs the
