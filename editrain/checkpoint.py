@@ -69,6 +69,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 from editrain.errors import CheckpointError
 from editrain.rundir import read_marker as _read_marker_file
+from editrain.rundir import replica_groups
 from editrain.safe_io import (
     Bool,
     Int,
@@ -144,6 +145,9 @@ def resolve_resume(path: str | Path) -> Path:
     if p.is_dir() and p.name.startswith("step_"):
         raise CheckpointError(f"--resume: {p} is incomplete (no {MARKER}); it was not "
                               "finished and cannot be used")
+    if any((g / CKPT_DIR).is_dir() for g in replica_groups(p)):
+        raise CheckpointError(f"--resume: {p} is a --ft run (each replica group's checkpoints "
+                              "are in replica*/checkpoints/): resume it with --ft")
     raise CheckpointError(f"--resume: {p} is neither a run directory with checkpoints nor a "
                           "checkpoint directory")
 
@@ -850,6 +854,11 @@ def check_compatible(marker: dict[str, Any], meta: dict[str, Any]) -> list[str]:
         problems.append(f"dist.pp_stages_per_rank: checkpoint has {old_v}, this run has "
                         f"{new_v} (each rank's blocks and engine state follow the chunks it "
                         "holds)")
+    if _fault_tolerance(marker) == "torchft" and _fault_tolerance(meta) != "torchft":
+        problems.append("dist.fault_tolerance: the checkpoint is one replica group's of a "
+                        "--ft run (the data positions it holds are that group's alone); "
+                        "resume that run with --ft (editrain train --ft --resume RUN_DIR): "
+                        "a --ft run does not resume as a plain job")
     old_model, new_model = marker.get("model") or {}, meta.get("model") or {}
     for key in sorted(set(old_model) | set(new_model)):
         if old_model.get(key) != new_model.get(key):
@@ -857,6 +866,12 @@ def check_compatible(marker: dict[str, Any], meta: dict[str, Any]) -> list[str]:
                             f"this run has {new_model.get(key)!r}")
     problems += _stream_problems(marker, meta)
     return problems
+
+
+def _fault_tolerance(record: dict[str, Any]) -> str | None:
+    """``dist.fault_tolerance`` of a marker's or a run's configuration (None: not recorded)."""
+    dist = (record.get("config") or {}).get("dist")
+    return dist.get("fault_tolerance") if isinstance(dist, dict) else None
 
 
 def _stream_problems(marker: dict[str, Any], meta: dict[str, Any]) -> list[str]:

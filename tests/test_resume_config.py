@@ -75,3 +75,29 @@ def test_what_the_options_make_inapplicable_is_dropped_if_the_run_set_it(tmp_pat
     assert cfg.dist.pp_size == 1 and cfg.dist.pp_microbatches == load_config().dist.pp_microbatches
     with pytest.raises(ConfigError, match="dist.pp_microbatches: applies only where"):
         load_resumed_config(str(run), {**base, "dist": {"pp_size": 1, "pp_microbatches": 8}})
+
+
+def test_a_ft_runs_checkpoints_resume_only_with_ft(tmp_path):
+    """A --ft run's group checkpoint holds that group's data positions alone: a plain job
+    refuses it before any worker starts, naming the option and what to do; the run's
+    directory says the same; a group's checkpoint takes the run's config.toml (above it)."""
+    from editrain.checkpoint import MARKER, check_compatible, resolve_resume
+    from editrain.config.toml_io import resumed_run_config
+    from editrain.errors import CheckpointError
+
+    ft = {"format": 3, "config": {"dist": {"fault_tolerance": "torchft"}}}
+    plain = {"format": 3, "config": {"dist": {"fault_tolerance": "none"}}}
+    (said,) = check_compatible(ft, plain)
+    assert said.startswith("dist.fault_tolerance: the checkpoint is one replica group's")
+    assert "--ft --resume RUN_DIR" in said
+    assert check_compatible(ft, ft) == [] and check_compatible(plain, ft) == []
+    run = tmp_path / "ft"
+    ckpt = run / "replica0" / "checkpoints" / "step_00000004"
+    ckpt.mkdir(parents=True)
+    (ckpt / MARKER).write_text("{}")
+    with pytest.raises(CheckpointError, match=r"^--resume: .* is a --ft run .* resume it with "
+                                              r"--ft$"):
+        resolve_resume(run)
+    (run / "config.toml").write_text("[train]\nsteps = 3\n")
+    assert resumed_run_config(str(ckpt)) == run / "config.toml"
+    assert resumed_run_config(str(run / "replica0")) == run / "config.toml"

@@ -120,11 +120,15 @@ RUN_CONFIG_MAX_BYTES = 1 << 20
 
 def resumed_run_config(resume: str) -> Path | None:
     """The ``config.toml`` of the run ``--resume`` names (a run directory, or a checkpoint
-    in its ``checkpoints/``), or None where there is none."""
-    from editrain.rundir import resumed_run_dir  # no torch: the fork server starts first
+    in its ``checkpoints/``; a ``--ft`` run's replica group or its checkpoint: the run's),
+    or None where there is none."""
+    from editrain.rundir import group_index, resumed_run_dir  # no torch yet
 
     p = Path(resume).expanduser()
-    found = (resumed_run_dir(p) or p) / "config.toml"
+    run = resumed_run_dir(p) or p
+    if group_index(run) is not None and not (run / "config.toml").is_file():
+        run = run.parent  # a --ft run's replica group: the run's configuration is above it
+    found = run / "config.toml"
     return found if found.is_file() else None
 
 
