@@ -472,3 +472,107 @@ def test_separator_changes_the_documents_and_the_cache_key(tmp_path):
     kinds = cut.meta["kinds"]
     assert kinds["duplicates_dropped"] == 10  # the repeated stories
     assert kinds["train"]["prose"]["documents"] + kinds["val"]["prose"]["documents"] == 60
+
+
+# ------------------------------------------------------------- compressed files
+
+_COMPRESSORS = {".gz": "gzip", ".bz2": "bz2", ".xz": "lzma", ".zst": "zstandard"}
+
+
+def _compress(path: Path, suffix: str) -> Path:
+    """``path`` compressed into ``path`` + ``suffix`` (the zstd file in two frames, as
+    multi-threaded writers make them)."""
+    import importlib
+
+    data, out = path.read_bytes(), Path(str(path) + suffix)
+    module = importlib.import_module(_COMPRESSORS[suffix])
+    if suffix == ".zst":
+        half = len(data) // 2
+        out.write_bytes(b"".join(module.ZstdCompressor().compress(part)
+                                 for part in (data[:half], data[half:])))
+    else:
+        out.write_bytes(module.compress(data))
+    return out
+
+
+@pytest.mark.parametrize("suffix", list(_COMPRESSORS))
+def test_compressed_files_give_the_documents_of_what_they_hold(tmp_path, suffix):
+    """x.jsonl.gz, a C4-style x.json.gz of JSON lines, a .json list, a text file read whole
+    and one cut by data.separator: the documents of the file decompressed, named by the
+    compressed file; a compressed .py is code."""
+    if suffix == ".zst":
+        pytest.importorskip("zstandard")
+    texts = _texts(30, seed=3)
+    plain = {
+        "c.jsonl": "".join(json.dumps({"text": t}) + "\n" for t in texts),
+        "c4.json": "".join(json.dumps({"text": t, "url": "u"}) + "\n" for t in texts),
+        "list.json": json.dumps([{"text": t} for t in texts]),
+        "whole.txt": texts[0],
+        "code.py": "def f():\n    return 1\n",
+    }
+    for name, text in plain.items():
+        _write(tmp_path / "plain" / name, text)
+        _compress(tmp_path / "plain" / name, suffix).replace(tmp_path / f"{name}{suffix}")
+    for name in ("c.jsonl", "c4.json", "list.json", "whole.txt", "code.py"):
+        want = list(iter_records(resolve_sources(str(tmp_path / "plain" / name))))
+        zipped = tmp_path / f"{name}{suffix}"
+        refs = resolve_sources(str(zipped))
+        got = list(iter_records(refs))
+        assert [d.text for d in got] == [d.text for d in want], name
+        assert [d.kind for d in got] == [d.kind for d in want], name
+        assert all(d.name.startswith(str(zipped)) for d in got)
+    sep = _write(tmp_path / "plain" / "stories.txt", "<|endoftext|>".join(texts))
+    refs = resolve_sources(str(_compress(sep, suffix)), separator="<|endoftext|>")
+    assert [d.text for d in iter_records(refs)] == texts
+    assert source_fingerprint(refs) != source_fingerprint(resolve_sources(str(sep)))
+
+
+def test_a_compressed_corpus_trains_through_the_token_cache(tmp_path):
+    texts = _texts(80, seed=4)
+    plain = _write(tmp_path / "c.jsonl", "".join(json.dumps({"text": t}) + "\n" for t in texts))
+    zipped = _compress(plain, ".gz")
+    kw = dict(vocab_size=300, val_tokens=0, val_fraction=0.2, progress=False)
+    a = prepare_tokens(str(plain), tmp_path / "cache", **kw)
+    b = prepare_tokens(str(zipped), tmp_path / "cache", **kw)
+    assert a.cache_dir != b.cache_dir  # another file, its own cache entry
+    assert np.array_equal(np.asarray(a.train), np.asarray(b.train))
+    assert np.array_equal(np.asarray(a.val), np.asarray(b.val))
+
+
+def test_a_damaged_or_unreadable_compressed_file_is_one_line(tmp_path, monkeypatch):
+    import gzip
+
+    import editrain.data.compressed as compressed
+
+    docs = "".join(json.dumps({"text": t}) + "\n" for t in _texts(200, seed=5))
+    whole = gzip.compress(docs.encode())
+    cut = tmp_path / "cut.jsonl.gz"
+    cut.write_bytes(whole[: len(whole) // 2])
+    refs = resolve_sources(str(cut))  # its first record is intact
+    with pytest.raises(ValueError, match=r"^data.path: .*cut.jsonl.gz' is not a complete gzip "
+                                         r"file \(.+\)$"):
+        list(iter_records(refs))
+    fake = _write(tmp_path / "fake.txt.gz", "not gzip at all")
+    with pytest.raises(ValueError, match=r"^data.path: .*fake.txt.gz' is not a complete gzip"):
+        list(iter_records(resolve_sources(str(fake))))
+    ids = tmp_path / "ids.bin.gz"
+    ids.write_bytes(gzip.compress(b"\0\1"))
+    with pytest.raises(ValueError, match=r"^data.path: .*ids.bin.gz': a compressed file is read "
+                                         r"as .* and that is \.bin; decompress it$"):
+        parse_sources(str(ids))
+    # a file read whole is bounded by what it decompresses to, not by its size on disk
+    monkeypatch.setattr(compressed, "WHOLE_MAX_BYTES", 1000)
+    big = tmp_path / "big.txt.gz"
+    big.write_bytes(gzip.compress(b"a" * 5000))
+    with pytest.raises(ValueError, match=r"decompresses to more than 1000 bytes, read whole"):
+        list(iter_records(resolve_sources(str(big))))
+    # a separated one streams: no such bound
+    assert len(list(iter_records(resolve_sources(str(big), separator="b")))) == 1
+    # .zst needs zstandard: said before any work, with the extra that installs it
+    monkeypatch.setitem(sys.modules, "zstandard", None)
+    zst = tmp_path / "c.jsonl.zst"
+    zst.write_bytes(b"\x28\xb5\x2f\xfd")
+    with pytest.raises(ImportError, match=r'^data.path: reading .zst files needs the zstandard '
+                                          r'package; install it with pip install '
+                                          r'"editrain\[zstd\]"$'):
+        parse_sources(str(zst))

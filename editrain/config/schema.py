@@ -72,7 +72,7 @@ class DataSection:
     """Corpus: "default" (the running Python's standard library and pydoc topics), a text
     file, a directory, a .jsonl/.json/.parquet file, a glob, hf:NAME[:CONFIG][@SPLIT] (a
     Hugging Face dataset in the local cache), a save_to_disk directory[@SPLIT], or a list
-    of these."""
+    of these. Text, .jsonl and .json files may be compressed (.gz, .bz2, .xz, .zst)."""
     text_field: str = "text"
     """Field or column holding the text in .jsonl, .json, .parquet and datasets; input_ids reads a .parquet or save_to_disk dataset as pre-tokenised rows of ids."""
     eos: str = "append"

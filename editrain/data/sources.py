@@ -27,6 +27,7 @@ from __future__ import annotations
 import dataclasses
 import glob
 import hashlib
+import io
 import json
 import os
 import random
@@ -37,6 +38,14 @@ from pathlib import Path
 
 from editrain.safe_io import read_json_value
 
+from .compressed import (
+    COMPRESSIONS,
+    check_compressed,
+    compression,
+    inner_suffix,
+    open_binary,
+    read_whole,
+)
 from .hf import (
     HF_PREFIX,
     check_saved_split,
@@ -86,6 +95,8 @@ SUPPORTED_SOURCES = (
     "directories of such files",
     ".jsonl and .json files (JSON Lines, or a JSON list of records)",
     ".parquet files",
+    f"those text, .jsonl and .json files compressed ({', '.join(COMPRESSIONS)}: "
+    "x.jsonl.gz, x.txt.zst...)",
     "Hugging Face datasets as hf:NAME[:CONFIG][@SPLIT]",
     "save_to_disk directories (DIR, or DIR@SPLIT for a DatasetDict)",
     "glob patterns of files and directories",
@@ -157,7 +168,10 @@ class Document:
 
 
 def _kind_of(path: str) -> str:
-    return "code" if path.lower().endswith(CODE_EXTENSIONS) else "prose"
+    plain = path.lower()
+    if Path(plain).suffix in COMPRESSIONS:  # x.py.gz is code
+        plain = plain[:-len(Path(plain).suffix)]
+    return "code" if plain.endswith(CODE_EXTENSIONS) else "prose"
 
 
 @dataclass(frozen=True)
@@ -335,7 +349,7 @@ def _expand(spec: str | os.PathLike | Iterable[str]) -> list[str]:
 
 def _json_is_list(path: Path) -> bool:
     """Whether a ``.json`` file holds one JSON list (otherwise it is read as JSON Lines)."""
-    with open(path, "rb") as fh:
+    with open_binary(path) as fh:
         while chunk := fh.read(1 << 12):
             head = chunk.lstrip()
             if head:
@@ -374,7 +388,13 @@ def _classify(entry: str, text_field: str) -> SourceRef:
                              f"extensions {', '.join(TEXT_EXTENSIONS)}, and it is not a "
                              f"save_to_disk directory")
         return SourceRef("dir", path, text_field)
-    suffix = path.suffix.lower()
+    suffix = inner_suffix(path)
+    if compression(path):
+        if suffix not in (*TEXT_EXTENSIONS, ".jsonl", ".json"):
+            raise ValueError(f"data.path: {str(path)!r}: a compressed file is read as what "
+                             f"its name says without {path.suffix} (text, .jsonl or .json), "
+                             f"and that is {suffix or 'no extension'}; decompress it")
+        check_compressed(path)
     if suffix in TOKEN_SUFFIXES:
         open_tokens(path)  # the form is checked here; the ids while the cache is written
         return SourceRef("tokens", path, text_field)
@@ -488,7 +508,7 @@ def resolve_sources(spec: str | Iterable[str], text_field: str = "text",
 
 def _read_text_file(path: Path) -> str:
     try:
-        return path.read_bytes().decode("utf-8")
+        return read_whole(path).decode("utf-8")
     except UnicodeDecodeError as exc:
         # Strict on user data: silently replacing bytes would train on garbage.
         raise ValueError(f"data.path: {str(path)!r} is not valid UTF-8 ({exc})") from exc
@@ -504,9 +524,10 @@ def _separated_texts(path: Path, separator: str) -> Iterator[str]:
     """
     sep = separator.encode("utf-8")
     buf, start, offset = bytearray(), 0, 0  # offset: file position of buf[0]
-    with open(path, "rb") as fh:
+    with open_binary(path) as fh:
+        read = getattr(fh, "read1", fh.read)
         while True:
-            chunk = fh.read1(_READ_CHUNK)  # what one read gives (a pipe: what is there)
+            chunk = read(_READ_CHUNK)  # what one read gives (a pipe: what is there)
             buf += chunk
             while (at := buf.find(sep, start)) >= 0 or (not chunk and buf):
                 end = at if at >= 0 else len(buf)
@@ -557,7 +578,8 @@ def _record_text(record: object, field: str, where: str) -> object:
 
 def _jsonl_rows(path: Path, field: str) -> Iterator[tuple[int, object]]:
     """``(line number, text)`` of a JSON Lines file, read line by line."""
-    with open(path, encoding="utf-8") as fh:
+    with open_binary(path) as raw:
+        fh = io.TextIOWrapper(raw, encoding="utf-8")
         for lineno, line in enumerate(fh, start=1):
             if not line.strip():
                 continue  # tolerate blank lines, common at the end of files
@@ -569,7 +591,7 @@ def _jsonl_rows(path: Path, field: str) -> Iterator[tuple[int, object]]:
 def _json_rows(path: Path, field: str) -> Iterator[tuple[int, object]]:
     """``(index, text)`` of a ``.json`` file holding a list of records. The file is parsed
     whole: corpora larger than memory belong in JSON Lines."""
-    records = read_json_value(path.read_bytes(), f"data.path: {path}", error=ValueError,
+    records = read_json_value(read_whole(path), f"data.path: {path}", error=ValueError,
                               max_depth=RECORD_DEPTH)
     if not isinstance(records, list):
         raise ValueError(f"data.path: {path}: expected a JSON list of records, got "
@@ -821,7 +843,8 @@ def source_fingerprint(refs: list[SourceRef], max_bytes: int | None = None) -> s
 def source_size(refs: list[SourceRef], max_bytes: int | None = None) -> int | None:
     """Bytes of the files behind ``refs`` (at most ``max_bytes``), from the file system
     alone: what a build's progress bar expects before its first pass has counted the
-    text. None when a source's size is not known without reading it (``hf:`` datasets).
+    text. None when a source's size is not known without reading it (``hf:`` datasets,
+    compressed files).
 
     Args:
         refs: Sources from :func:`resolve_sources`.
@@ -837,5 +860,7 @@ def source_size(refs: list[SourceRef], max_bytes: int | None = None) -> int | No
             return None
         else:
             files = [ref.path]
+        if any(compression(p) for p in files):  # its text's size is known once read
+            return None
         total += sum(p.stat().st_size for p in files)
     return total if max_bytes is None else min(total, max_bytes)
