@@ -116,7 +116,8 @@ def test_the_summary_plots_the_run_or_the_groups_that_wrote_metrics(tmp_path, mo
     import editrain.metrics
 
     plotted = []
-    monkeypatch.setattr(editrain.metrics, "plot_runs", lambda runs: plotted.append(runs) or [])
+    monkeypatch.setattr(editrain.metrics, "plot_runs",
+                        lambda runs, out: plotted.append((runs, out)) or [])
     run_dir = tmp_path / "run"
     cfg = load_config(None, {"run_dir": str(run_dir)})
     summarise(Job(cfg, run_dir, 2))
@@ -126,7 +127,8 @@ def test_the_summary_plots_the_run_or_the_groups_that_wrote_metrics(tmp_path, mo
         (run_dir / f"replica{r}").mkdir(parents=True)
     (run_dir / "replica2" / "metrics.jsonl").write_text("")
     summarise(Job(ft, run_dir, 6))  # 3 groups of 2: only group 2 wrote metrics
-    assert plotted == [[run_dir], [run_dir / "replica2"]]
+    # the curves are drawn into the run directory, the groups' too
+    assert plotted == [([run_dir], run_dir), ([run_dir / "replica2"], run_dir)]
 
 
 class FakeGroup:
