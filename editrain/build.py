@@ -16,8 +16,9 @@ from torch import nn
 
 from editrain.api import parallelize
 from editrain.config import model_config
-from editrain.config.model import hf_source
+from editrain.config.model import builds_on_meta, hf_source
 from editrain.models import Llama
+from editrain.models.llama import fill_rope
 from editrain.sync import StepScheduleTrigger, SyncEngine
 from editrain.topology import MeshInfo
 
@@ -26,9 +27,13 @@ def build_model(cfg: Any, vocab_size: int, device: torch.device) -> nn.Module:
     """The model ``cfg.model`` names, seeded with ``train.seed``, on ``device``: a Hugging
     Face model from ``model.hf_config`` (or a ``model.init_from`` directory of another
     architecture), else the compact Llama of ``model.preset`` (or of a Llama
-    ``model.init_from`` directory). ``model.init_from``'s weights are loaded later, into
-    the sharded model (:func:`editrain.hf_checkpoint.load_hf_weights`)."""
+    ``model.init_from`` directory: on the meta device, see :func:`builds_on_meta`).
+    ``model.init_from``'s weights are loaded later, into the sharded model
+    (:func:`editrain.hf_checkpoint.load_hf_weights`)."""
     seed = cfg.train.seed
+    if builds_on_meta(cfg):
+        with torch.device("meta"):
+            return Llama(model_config(cfg, vocab_size=vocab_size), seed=seed)
     source = hf_source(cfg)
     if source is not None:
         from editrain.models.hf import HFCausalLM
@@ -36,6 +41,19 @@ def build_model(cfg: Any, vocab_size: int, device: torch.device) -> nn.Module:
         return HFCausalLM.from_config_file(source, tokenizer_vocab_size=vocab_size,
                                            seed=seed).to(device)
     return Llama(model_config(cfg, vocab_size=vocab_size), seed=seed).to(device)
+
+
+def load_init_weights(cfg: Any, model: nn.Module, device: torch.device) -> None:
+    """``model.init_from``'s weights into the sharded model (or stage), each rank reading
+    its own slices (collective); a model still on the meta device (:func:`builds_on_meta`)
+    is first materialised on ``device``, this rank's shards only, and its RoPE tables
+    computed."""
+    from editrain.hf_checkpoint import load_hf_weights
+
+    if builds_on_meta(cfg):
+        model.to_empty(device=device)
+        fill_rope(model)
+    load_hf_weights(model, cfg.model.init_from)
 
 
 def shard_model(cfg: Any, model: nn.Module, info: MeshInfo) -> list[nn.Module]:

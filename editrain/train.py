@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from editrain.batches import RankData
-from editrain.build import build_engine, build_model, shard_model
+from editrain.build import build_engine, build_model, load_init_weights, shard_model
 from editrain.checkpoint import (
     list_checkpoints,
     load_checkpoint,
@@ -45,7 +45,7 @@ from editrain.fault import (
     make_group,
     replica_run_dir,
 )
-from editrain.hf_checkpoint import export_checkpoint, load_hf_weights, save_run_tokenizer
+from editrain.hf_checkpoint import export_checkpoint, save_run_tokenizer
 from editrain.loop_state import LoopState, next_after
 from editrain.metrics import MetricsWriter, RankLog, read_metrics, to_json
 from editrain.models import causal_lm_loss, num_parameters
@@ -113,7 +113,7 @@ class Trainer:
         if cfg.model.init_from is not None and not cfg.resume:
             # Pretrained weights seed step 0, into the shards (each rank reads its own),
             # before the engine takes its anchors from them; a resume overwrites them.
-            load_hf_weights(self.model, cfg.model.init_from)
+            load_init_weights(cfg, self.model, info.device)
         # The simulated link is one FIFO per replica, shared by the replica's ranks.
         self.sim = Simulation(plan, self.replica, cfg.sim.replica_offset, self.global_rank,
                               t.seed, self.run_dir / ".link" / f"replica{self.replica}.state")

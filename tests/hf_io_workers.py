@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 
 from editrain.config import Config
@@ -29,8 +31,7 @@ def load_worker(rank: int, world: int, paths: dict[str, str], x: torch.Tensor) -
 def _load_case(path: str, shard: int, tp: int, pp: int, x: torch.Tensor) -> dict:
     from torch.distributed.tensor import DTensor
 
-    from editrain.build import build_model, shard_model
-    from editrain.hf_checkpoint import load_hf_weights
+    from editrain.build import build_model, load_init_weights, shard_model
     from editrain.pipeline import build_stage
     from editrain.topology import init_mesh
 
@@ -39,10 +40,13 @@ def _load_case(path: str, shard: int, tp: int, pp: int, x: torch.Tensor) -> dict
     cfg.dist.shard_size, cfg.dist.tp_size, cfg.dist.pp_size = shard, tp, pp
     info = init_mesh(shard, tp_size=tp, pp_size=pp)
     model = build_model(cfg, 300, torch.device("cpu"))
+    # editrain's Llama starts on the meta device (no whole model in host memory), a model
+    # through the adapter on the host
+    assert {p.is_meta for p in model.parameters()} == {Path(path).name.startswith("llama")}
     if pp > 1:
         model = build_stage(model, info.stage, pp)
     shard_model(cfg, model, info)
-    load_hf_weights(model, path)
+    load_init_weights(cfg, model, torch.device("cpu"))  # the trainer's: from the meta device
     out: dict = {"weights": {}, "local": 0}
     for name, p in hf_parameters(model).items():
         full = p.full_tensor() if isinstance(p, DTensor) else p

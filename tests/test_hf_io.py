@@ -44,6 +44,9 @@ transformers = pytest.importorskip(
 SHAPE = dict(vocab_size=320, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
 RTOL, ATOL = 1e-5, 1e-6
+LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0,
+               "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 16}
 EOT = "<|endoftext|>"
 
 
@@ -69,6 +72,10 @@ def dirs(tmp_path_factory) -> dict[str, Path]:
         ("llama_sharded", "LlamaForCausalLM", "LlamaConfig", {"tie_word_embeddings": False},
          "20KB"),
         ("qwen", "Qwen2ForCausalLM", "Qwen2Config", {"tie_word_embeddings": False}, "20KB"),
+        # Llama 3's RoPE scaling, its band edges at 4 and 16 positions: every frequency of
+        # the 8-wide heads is kept, blended or divided within the tests' 16 positions
+        ("llama3_rope", "LlamaForCausalLM", "LlamaConfig", {"tie_word_embeddings": False,
+         "rope_parameters": LLAMA3_ROPE}, None),
     ]:
         config = getattr(transformers, cfg_cls)(**SHAPE, **extra)
         model = getattr(transformers, cls)(config)
@@ -140,7 +147,7 @@ def test_config_map_both_ways(dirs):
 
 
 # ---------------------------------------------------------------------------- one process
-@pytest.mark.parametrize("name", ["llama", "llama_tied", "llama_sharded"])
+@pytest.mark.parametrize("name", ["llama", "llama_tied", "llama_sharded", "llama3_rope"])
 def test_llama_directory_gives_transformers_logits(dirs, name):
     from editrain.hf_checkpoint import load_hf_weights
 
@@ -152,6 +159,39 @@ def test_llama_directory_gives_transformers_logits(dirs, name):
     saved = file_tensors(dirs[name])
     for hf_name, p in hf_parameters(model).items():
         assert torch.equal(p, saved[hf_name]), hf_name
+
+
+def test_llama3_rope_scaling_is_computed_not_dropped(dirs):
+    """Llama 3's scaled RoPE: the config maps both ways (an export writes what transformers
+    4 and 5 read), and the plain RoPE on the same weights is far from transformers' logits
+    (the scaling matters at these positions: the test above is not vacuous)."""
+    import dataclasses
+
+    from editrain.hf_checkpoint import load_hf_weights
+
+    cfg = llama_config_from_hf(read_config(dirs["llama3_rope"]))
+    assert cfg.rope_scaling == {k: v for k, v in LLAMA3_ROPE.items()
+                                if k not in ("rope_type", "rope_theta")}
+    data = llama_config_to_hf(cfg)
+    assert llama_config_from_hf(data) == cfg
+    assert data["rope_parameters"] == LLAMA3_ROPE
+    assert data["rope_scaling"]["rope_type"] == "llama3"
+    read = transformers.LlamaConfig(**data)
+    params = getattr(read, "rope_parameters", None) or read.rope_scaling
+    assert params["rope_type"] == "llama3" and params["factor"] == 8.0
+    plain = Llama(dataclasses.replace(cfg, rope_scaling=None))
+    load_hf_weights(plain, dirs["llama3_rope"])
+    x = tokens()
+    with torch.no_grad():
+        assert (plain(x) - hf_logits(dirs["llama3_rope"], x)).abs().max() > 1e-4
+    with pytest.raises(ValueError, match=r"rope_parameters \(llama3\): rope_scaling.high_freq_"
+                                         r"factor must exceed low_freq_factor"):
+        llama_config_from_hf({**read_config(dirs["llama3_rope"]),
+                              "rope_parameters": {**LLAMA3_ROPE, "high_freq_factor": 1.0}})
+    with pytest.raises(ValueError, match=r"rope_type 'yarn' \(only the default RoPE and "
+                                         r"llama3's"):
+        llama_config_from_hf({**read_config(dirs["llama3_rope"]),
+                              "rope_parameters": {"rope_type": "yarn", "factor": 2.0}})
 
 
 def test_other_architecture_through_the_adapter(dirs):

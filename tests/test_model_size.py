@@ -10,6 +10,7 @@ more than 13 minutes without ending before).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 import time
@@ -298,3 +299,25 @@ def test_sample_of_an_empty_prompt_starts_a_new_document(hf_dir, capsys):
 def test_sample_seed_out_of_range_is_refused_by_name(hf_dir, capsys, seed):
     code, _, err = _main(capsys, "sample", hf_dir, "--prompt", "x", "--seed", seed)
     assert code == 2 and err.startswith("editrain: error: sample --seed: must be in [0, ")
+
+
+def test_a_llama_from_init_from_counts_only_its_shards(hf_dir, tmp_path, monkeypatch):
+    """``model.init_from`` of a Llama builds on the meta device and each rank materialises
+    its shards only (editrain.build.load_init_weights): the host bound is 4P / (shard x tp
+    x pp); a resume of that run builds the whole model first, as before."""
+    from editrain.config.model import builds_on_meta
+
+    monkeypatch.setattr(size_mod, "_no_gpu", lambda: False)
+    dist = {"device": "auto", "nproc": 4, "shard_size": 4}
+    cfg = load_config(None, {"model": {"init_from": str(hf_dir)}, "dist": dist})
+    assert builds_on_meta(cfg)
+    params, option, rope, _ = least_parameters(cfg)
+    assert option == "model.init_from"
+    check_fits(cfg, 4, memory=4 * params // 4 + rope)
+    with pytest.raises(ConfigError, match="every rank materialises its shards in fp32"):
+        check_fits(cfg, 4, memory=4 * params // 4 + rope - 1)
+    (tmp_path / "ckpt").mkdir()
+    resumed = dataclasses.replace(cfg, resume=str(tmp_path / "ckpt"))
+    assert not builds_on_meta(resumed)
+    with pytest.raises(ConfigError, match="builds the whole model in fp32 before sharding"):
+        check_fits(resumed, 4, memory=4 * params // 4 + rope)

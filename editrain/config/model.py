@@ -40,6 +40,15 @@ def hf_source(cfg: Config) -> str | None:
     return None
 
 
+def builds_on_meta(cfg: Config) -> bool:
+    """Whether the job's model starts on the meta device: editrain's Llama whose every
+    weight comes from a ``model.init_from`` directory at the start (not a resume). Its
+    ranks then build no whole model in host memory: each materialises its shards only,
+    which the directory's weights fill (:func:`editrain.build.load_init_weights`)."""
+    return (getattr(cfg.model, "init_from", None) is not None and not cfg.resume
+            and hf_source(cfg) is None)
+
+
 def model_config(cfg: Config, vocab_size: int | None = None) -> LlamaConfig:
     """The model's :class:`~editrain.models.LlamaConfig` from the preset and its overrides,
     or from a Llama ``model.init_from`` directory's ``config.json`` (then ``vocab_size`` is

@@ -4,9 +4,10 @@ A shape option (``--model.n_layers 100000000``, a ``config.json`` whose
 ``num_hidden_layers`` was edited) used to pass every check and start the workers, which
 then spent minutes building modules, or failed with the allocator's message from inside a
 rank. Every rank builds the whole model in fp32 in host memory before sharding it
-(:func:`editrain.build.build_model`, whatever ``dist.device`` is), so a model whose
-weights alone exceed this machine's memory can never train here: :func:`check_fits`
-refuses it before any process starts, naming the option that set the shape.
+(:func:`editrain.build.build_model`, whatever ``dist.device`` is; a Llama that starts from
+``model.init_from`` materialises only its shards), so a model whose weights alone exceed
+this machine's memory can never train here: :func:`check_fits` refuses it before any
+process starts, naming the option that set the shape.
 
 The counts are lower bounds that hold for every model editrain can build, computed from
 the configuration alone (no torch, no model, no weights read):
@@ -140,7 +141,9 @@ def check_fits(cfg: Any, local_ranks: int, memory: int | None = None) -> None:
     """Refuse a model that cannot fit this machine's memory.
 
     At least: every rank builds the whole model in fp32 on the host before sharding it (so
-    one rank's build needs ``4 x parameters`` plus the RoPE tables), and on a CPU device
+    one rank's build needs ``4 x parameters`` plus the RoPE tables; a Llama that starts
+    from ``model.init_from`` builds on the meta device and materialises only its shards:
+    ``4 x parameters / (shard x tp x pp)``), and on a CPU device
     the ``local_ranks`` ranks then hold their shards of the weights and gradients (``8 x
     parameters / (dist.shard_size x dist.tp_size x dist.pp_size)`` each).
 
@@ -156,20 +159,26 @@ def check_fits(cfg: Any, local_ranks: int, memory: int | None = None) -> None:
     memory = host_memory() if memory is None else memory
     if memory is None:
         return
+    from editrain.config.model import builds_on_meta
+
     params, option, rope, positions = least_parameters(cfg)
     d = cfg.dist
-    need = FP32 * params + rope
+    split = d.shard_size * d.tp_size * d.pp_size
+    meta = builds_on_meta(cfg)  # then a rank materialises its shards only
+    need = FP32 * params // (split if meta else 1) + rope
     if d.device == "cpu" or (d.device == "auto" and _no_gpu()):
-        per_rank = 2 * FP32 * params / (d.shard_size * d.tp_size * d.pp_size)
+        per_rank = 2 * FP32 * params / split
         need = max(need, math.ceil(local_ranks * per_rank))
     if need > memory:
+        build = ("every rank materialises its shards in fp32" if meta else
+                 "every rank builds the whole model in fp32 before sharding it")
         what = f"the model has at least {_count(params)} parameters"
         if rope > FP32 * params:
             what += f" and RoPE tables of {_size(rope)} for {positions:,} positions"
             option = "model.max_seq_len" if cfg.model.max_seq_len else option
         raise ConfigError(
             f"{option}: {what}; training it here needs at least {_size(need)} of host "
-            f"memory (every rank builds the whole model in fp32 before sharding it; on a "
+            f"memory ({build}; on a "
             f"CPU device {local_ranks} local rank{'s' if local_ranks != 1 else ''} then hold "
             f"their shards and gradients), "
             f"more than this machine's {_size(memory)}; choose a smaller shape")

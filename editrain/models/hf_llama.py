@@ -14,7 +14,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from editrain.models.llama_config import LlamaConfig
+from editrain.models.llama_config import ROPE_SCALING_KEYS, LlamaConfig, check_rope_scaling
 
 __all__ = [
     "LLAMA_ARCHITECTURE",
@@ -102,7 +102,8 @@ def llama_config_from_hf(data: dict[str, Any], where: str = "config.json") -> Ll
     """The :class:`LlamaConfig` of a ``LlamaForCausalLM`` ``config.json``.
 
     Only what editrain's Llama computes is accepted: SiLU, no attention or MLP bias, plain
-    RoPE (no scaling), ``head_dim = hidden_size / num_attention_heads``.
+    RoPE or Llama 3's scaling of it (``rope_type = "llama3"``), ``head_dim = hidden_size /
+    num_attention_heads``.
 
     Args:
         data: the file's contents.
@@ -120,9 +121,16 @@ def llama_config_from_hf(data: dict[str, Any], where: str = "config.json") -> Ll
         if data.get(flag):
             raise bad(flag, "is true")
     params = data.get("rope_parameters") or data.get("rope_scaling") or {}
-    if params.get("rope_type", params.get("type", "default")) != "default":
-        raise bad("rope_parameters", f"has rope_type {params.get('rope_type')!r} "
-                  "(only the default RoPE)")
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type not in ("default", "llama3"):
+        raise bad("rope_parameters", f"has rope_type {rope_type!r} (only the default RoPE "
+                  "and llama3's scaling of it)")
+    scaling = None
+    if rope_type == "llama3":
+        try:
+            scaling = check_rope_scaling({k: params.get(k) for k in ROPE_SCALING_KEYS})
+        except ValueError as e:
+            raise ValueError(f"{where}: rope_parameters (llama3): {e}") from None
     try:
         heads = int(data["num_attention_heads"])
         hidden = int(data["hidden_size"])
@@ -132,7 +140,8 @@ def llama_config_from_hf(data: dict[str, Any], where: str = "config.json") -> Ll
             n_kv_heads=int(data.get("num_key_value_heads") or heads),
             ffn_hidden=int(data["intermediate_size"]),
             max_seq_len=int(data.get("max_position_embeddings", 2048)),
-            rope_theta=_rope_theta(data), norm_eps=float(data.get("rms_norm_eps", 1e-6)),
+            rope_theta=_rope_theta(data), rope_scaling=scaling,
+            norm_eps=float(data.get("rms_norm_eps", 1e-6)),
             tie_embeddings=bool(data.get("tie_word_embeddings", False)),
             init_std=float(data.get("initializer_range", 0.02)))
     except KeyError as e:
@@ -168,6 +177,11 @@ def llama_config_to_hf(cfg: LlamaConfig, **extra: Any) -> dict[str, Any]:
         "rms_norm_eps": cfg.norm_eps,
         "rope_theta": cfg.rope_theta,
         "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
+        # transformers 4 reads the scaling from rope_scaling, 5 from rope_parameters
+        **({"rope_parameters": {"rope_type": "llama3", "rope_theta": cfg.rope_theta,
+                                **cfg.rope_scaling},
+            "rope_scaling": {"rope_type": "llama3", **cfg.rope_scaling}}
+           if cfg.rope_scaling else {}),
         "tie_word_embeddings": cfg.tie_embeddings,
         "initializer_range": cfg.init_std,
         "hidden_act": "silu",

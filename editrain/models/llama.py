@@ -40,6 +40,7 @@ __all__ = [
     "TransformerBlock",
     "apply_rope",
     "causal_lm_loss",
+    "fill_rope",
     "num_parameters",
     "precompute_rope",
     "preset_config",
@@ -85,11 +86,18 @@ def precompute_rope(
     theta: float = 10000.0,
     dtype: torch.dtype = torch.float32,
     device: torch.device | str | None = None,
+    scaling: dict[str, float] | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Precompute the RoPE cosine and sine tables ("rotate half" layout).
 
     Channel ``i`` and channel ``i + E/2`` form one rotation pair with angular
-    frequency ``theta ** (-2i / E)``.
+    frequency ``f_i = theta ** (-2i / E)``. Llama 3's ``scaling`` (its long-context
+    recipe) keeps the frequencies whose wavelength ``2 pi / f`` is below
+    ``original_max_position_embeddings / high_freq_factor``, divides those whose
+    wavelength is above ``original_max_position_embeddings / low_freq_factor`` by
+    ``factor``, and blends the two linearly in between, with the weight
+    ``s = (original_max_position_embeddings / wavelength - low_freq_factor) /
+    (high_freq_factor - low_freq_factor)`` on the kept frequency.
 
     Args:
         head_dim: Per-head width E (must be even).
@@ -97,6 +105,8 @@ def precompute_rope(
         theta: Base of the frequency schedule.
         dtype: Dtype of the returned tables.
         device: Device of the returned tables.
+        scaling: Llama 3's RoPE scaling (:class:`LlamaConfig`'s ``rope_scaling``), or
+            None.
 
     Returns:
         ``(cos, sin)``, each of shape ``[max_seq_len, head_dim]``.
@@ -111,6 +121,15 @@ def precompute_rope(
     inv_freq = 1.0 / (
         theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64, device=device) / head_dim)
     )
+    if scaling is not None:
+        old_len, low, high = (scaling["original_max_position_embeddings"],
+                              scaling["low_freq_factor"], scaling["high_freq_factor"])
+        wavelen = 2 * math.pi / inv_freq
+        blend = (old_len / wavelen - low) / (high - low)  # in [0, 1] where it is used
+        scaled = blend * inv_freq + (1 - blend) * inv_freq / scaling["factor"]
+        inv_freq = torch.where(wavelen < old_len / high, inv_freq,
+                               torch.where(wavelen > old_len / low,
+                                           inv_freq / scaling["factor"], scaled))
     pos = torch.arange(max_seq_len, dtype=torch.float64, device=device)
     angles = torch.outer(pos, inv_freq)  # [T, E/2]
     angles = torch.cat([angles, angles], dim=-1)  # [T, E]: both halves of a pair share an angle
@@ -313,7 +332,8 @@ class Llama(nn.Module):
         )
         # Non-persistent: the tables are a pure function of the config, so
         # they stay out of checkpoints; kept in fp32 for angle precision.
-        cos, sin = precompute_rope(config.head_dim, config.max_seq_len, config.rope_theta)
+        cos, sin = precompute_rope(config.head_dim, config.max_seq_len, config.rope_theta,
+                                   scaling=config.rope_scaling)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
         self.init_weights(seed)
@@ -378,12 +398,7 @@ class Llama(nn.Module):
         self.norm.reset_parameters()
         if self.output is not None:
             normal(self.output.weight, cfg.init_std)
-        if not self.rope_cos.is_meta:
-            cos, sin = precompute_rope(
-                cfg.head_dim, cfg.max_seq_len, cfg.rope_theta, device=self.rope_cos.device
-            )
-            self.rope_cos.copy_(cos)
-            self.rope_sin.copy_(sin)
+        fill_rope(self)
 
     def forward(self, tokens: Tensor, cache: KVCache | None = None) -> Tensor:
         """Compute next-token logits.
@@ -416,6 +431,20 @@ class Llama(nn.Module):
         if self.output is None:
             return F.linear(h, self.tok_embeddings.weight)  # [B, T, V]
         return self.output(h)  # [B, T, V]
+
+
+def fill_rope(module: nn.Module) -> None:
+    """(Re)compute the RoPE tables of a Llama, or of a pipeline stage of one, in place on
+    their device (they are buffers left out of checkpoints: a model materialised from the
+    meta device with ``to_empty`` holds garbage there until this runs); nothing on meta."""
+    if module.rope_cos.is_meta:
+        return
+    cfg = module.config
+    cos, sin = precompute_rope(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta,
+                               device=module.rope_cos.device, scaling=cfg.rope_scaling)
+    with torch.no_grad():
+        module.rope_cos.copy_(cos)
+        module.rope_sin.copy_(sin)
 
 
 def num_parameters(model: nn.Module) -> int:

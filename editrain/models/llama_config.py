@@ -10,6 +10,37 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+ROPE_SCALING_KEYS = ("factor", "low_freq_factor", "high_freq_factor",
+                     "original_max_position_embeddings")
+"""The fields of Llama 3's RoPE scaling (``rope_type = "llama3"`` in a ``config.json``)."""
+
+
+def check_rope_scaling(scaling: object) -> dict[str, float]:
+    """Llama 3's RoPE scaling as :class:`LlamaConfig` keeps it: exactly
+    :data:`ROPE_SCALING_KEYS`, positive numbers, ``high_freq_factor > low_freq_factor``.
+
+    Raises:
+        ValueError: naming ``rope_scaling`` and what is wrong.
+    """
+    if not isinstance(scaling, dict) or set(scaling) != set(ROPE_SCALING_KEYS):
+        raise ValueError(f"rope_scaling must hold exactly {', '.join(ROPE_SCALING_KEYS)}, got "
+                         f"{sorted(scaling) if isinstance(scaling, dict) else scaling!r}")
+    out = {}
+    for key in ROPE_SCALING_KEYS:
+        value = scaling[key]
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+            raise ValueError(f"rope_scaling.{key} must be a positive number, got {value!r}")
+        out[key] = float(value)
+    length = out["original_max_position_embeddings"]
+    if length != int(length):
+        raise ValueError("rope_scaling.original_max_position_embeddings must be a whole "
+                         f"number of positions, got {length}")
+    out["original_max_position_embeddings"] = int(length)
+    if not out["high_freq_factor"] > out["low_freq_factor"]:
+        raise ValueError("rope_scaling.high_freq_factor must exceed low_freq_factor, got "
+                         f"{out['high_freq_factor']} and {out['low_freq_factor']}")
+    return out
+
 
 # kw_only lets the fields appear in their natural order (vocab first) while
 # the architecture-defining fields stay required; there is no sensible
@@ -29,6 +60,10 @@ class LlamaConfig:
         ffn_hidden: Hidden width of the SwiGLU feed-forward network.
         max_seq_len: Longest sequence the model accepts (RoPE table length).
         rope_theta: Base of the RoPE frequency schedule.
+        rope_scaling: Llama 3's scaling of the RoPE frequencies (``factor``,
+            ``low_freq_factor``, ``high_freq_factor``,
+            ``original_max_position_embeddings``; see
+            :func:`editrain.models.llama.precompute_rope`), or None: plain RoPE.
         norm_eps: Epsilon added inside the RMSNorm square root.
         tie_embeddings: Reuse the token embedding matrix as output projection.
         init_std: Standard deviation of the normal weight initialisation.
@@ -53,6 +88,8 @@ class LlamaConfig:
     """Maximum sequence length the model accepts."""
     rope_theta: float = 10000.0
     """Base frequency of the rotary position embedding."""
+    rope_scaling: dict[str, float] | None = None
+    """Llama 3's scaling of the RoPE frequencies, or None (plain RoPE)."""
     norm_eps: float = 1e-5
     """Epsilon used by RMSNorm for numerical stability."""
     tie_embeddings: bool = True
@@ -78,6 +115,8 @@ class LlamaConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
                 raise ValueError(f"{name} must be a positive number, got {value!r}")
+        if self.rope_scaling is not None:
+            self.rope_scaling = check_rope_scaling(self.rope_scaling)
         if not isinstance(self.tie_embeddings, bool):
             raise ValueError(f"tie_embeddings must be a bool, got {self.tie_embeddings!r}")
         if self.dim % self.n_heads != 0:
