@@ -387,19 +387,25 @@ def test_every_json_a_user_can_hand_us_goes_through_the_bounded_reader():
     safetensors headers, a corpus's records, a dataset's split list, a planner config) is
     depth-bounded with one-line errors. The benchmarks alone read JSON they wrote
     themselves in the same invocation."""
+    assert not _parsers_outside_safe_io("json", skip="bench/")
+
+
+def _parsers_outside_safe_io(module: str, skip: str | None = None) -> list[str]:
+    """``FILE:LINE`` of every ``MODULE.load``/``MODULE.loads`` in editrain outside
+    ``safe_io.py`` (and the modules under ``skip``)."""
     import ast
 
     root = Path(__file__).resolve().parents[1] / "editrain"
     found = []
     for path in sorted(root.rglob("*.py")):
         rel = path.relative_to(root).as_posix()
-        if rel == "safe_io.py" or rel.startswith("bench/"):
+        if rel == "safe_io.py" or (skip and rel.startswith(skip)):
             continue
         for node in ast.walk(ast.parse(path.read_text())):
             if (isinstance(node, ast.Attribute) and node.attr in ("load", "loads")
-                    and isinstance(node.value, ast.Name) and node.value.id == "json"):
+                    and isinstance(node.value, ast.Name) and node.value.id == module):
                 found.append(f"{rel}:{node.lineno}")
-    assert not found, found
+    return found
 
 
 def test_every_toml_goes_through_the_bounded_reader():
@@ -407,19 +413,7 @@ def test_every_toml_goes_through_the_bounded_reader():
     parses TOML itself but ``editrain.safe_io``, so ``--config``, a run's ``config.toml``
     (resume, plot, plan --calibrate), a planner configuration and a command-line value are
     depth-bounded with one-line errors."""
-    import ast
-
-    root = Path(__file__).resolve().parents[1] / "editrain"
-    found = []
-    for path in sorted(root.rglob("*.py")):
-        rel = path.relative_to(root).as_posix()
-        if rel == "safe_io.py":
-            continue
-        for node in ast.walk(ast.parse(path.read_text())):
-            if (isinstance(node, ast.Attribute) and node.attr in ("load", "loads")
-                    and isinstance(node.value, ast.Name) and node.value.id == "tomllib"):
-                found.append(f"{rel}:{node.lineno}")
-    assert not found, found
+    assert not _parsers_outside_safe_io("tomllib")
 
 
 DEEP_TOML = "x = " + "[" * 100_000 + "]" * 100_000
