@@ -146,7 +146,7 @@ def cmd_export(args: argparse.Namespace, extra: list[str]) -> int:
         raise ConfigError(f"export --replica: must be >= 0, got {args.replica}")
     check_path("export: CHECKPOINT", args.checkpoint, "in_dir")
     check_path("export: OUT", args.out, "out_dir")
-    done = export_checkpoint(args.checkpoint, args.out, replica=args.replica)
+    done = export_checkpoint(args.checkpoint, args.out, replica=args.replica, dtype=args.dtype)
     print(f"exported {done.checkpoint} ({done.source}) to {done.out}")
     return 0
 
@@ -232,6 +232,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("out", metavar="OUT")
     p.add_argument("--replica", type=int, default=None, metavar="R",
                    help="export replica R's live weights instead of the global model")
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
+                   help="the weights' dtype in OUT (default float32: as trained; bfloat16 "
+                        "halves the files, as most published models are)")
     p.set_defaults(func=cmd_export)
     p = sub.add_parser("sample", help="generate text from a checkpoint or a Hugging Face "
                        "directory (CPU, one process)",

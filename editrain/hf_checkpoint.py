@@ -421,8 +421,13 @@ def _token_ids(tok_dir: Path | None) -> dict[str, int]:
     return ids
 
 
+EXPORT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16,
+                 "float16": torch.float16}
+"""The dtypes ``editrain export --dtype`` writes the weights in (float32: as trained)."""
+
+
 def export_checkpoint(path: str | Path, out: str | Path, replica: int | None = None,
-                      max_shard_bytes: int = 2 * 2**30) -> Exported:
+                      max_shard_bytes: int = 2 * 2**30, dtype: str = "float32") -> Exported:
     """Write a checkpoint's model as a Hugging Face directory (one process, no workers).
 
     Args:
@@ -432,18 +437,24 @@ def export_checkpoint(path: str | Path, out: str | Path, replica: int | None = N
         replica: None: the global model (the anchors); else that replica's live weights.
         max_shard_bytes: the largest safetensors file; more weights go to several shards
             and ``model.safetensors.index.json``.
+        dtype: what the weights are written in (:data:`EXPORT_DTYPES`; the
+            ``config.json`` says it, so that transformers loads them in it).
 
     Raises:
         CheckpointError: one line: no checkpoint, a replica it lacks, unreadable files, an
             ``out`` that holds other files.
     """
+    if dtype not in EXPORT_DTYPES:
+        raise CheckpointError(f"export --dtype: {dtype!r} is not one of "
+                              f"{', '.join(EXPORT_DTYPES)}")
     ckpt, replica = find_checkpoint(path, replica=replica)
     marker = open_checkpoint(ckpt)  # regular files only, no link, bounded marker
     out = Path(out).expanduser()
     llama, model_cfg = _model_names(marker)
     tensors, source = read_model_weights(ckpt, replica)
     checkpoint_model(marker, tensors, ckpt, "export", real=False)  # config.json fits them
-    hf = _hf_tensors(tensors, llama, model_cfg)
+    hf = {name: t.to(EXPORT_DTYPES[dtype])
+          for name, t in _hf_tensors(tensors, llama, model_cfg).items()}
     run_dir = ckpt.parent.parent
     run_cfg = marker.get("config") or {}
     tok_dir = _tokenizer(run_dir, run_cfg)
@@ -454,6 +465,9 @@ def export_checkpoint(path: str | Path, out: str | Path, replica: int | None = N
         config = llama_config_to_hf(LlamaConfig(**model_cfg), **ids)
     else:
         config = {**model_cfg, **ids}
+    # transformers 4 reads torch_dtype, 5 dtype: the weights' own, or it would load
+    # float32 weights in the dtype the source model was saved in
+    config.update(torch_dtype=dtype, dtype=dtype)
     _write(out, "config.json", json.dumps(config, indent=1) + "\n")
     files.append("config.json")
     if tok_dir is not None:
@@ -468,7 +482,7 @@ def export_checkpoint(path: str | Path, out: str | Path, replica: int | None = N
         f"- run: {marker.get('run_id') or run_dir}\n"
         f"- method: {method}\n"
         f"- step: {step}\n"
-        f"- weights: {source}\n"
+        f"- weights: {source}, in {dtype}\n"
         f"- checkpoint: {ckpt}\n"
         f"- topology (replicas, shards[, tp]): {marker.get('topology')}\n\n"
         f"Load it with `transformers.AutoModelForCausalLM.from_pretrained(<this directory>)`"
@@ -476,5 +490,5 @@ def export_checkpoint(path: str | Path, out: str | Path, replica: int | None = N
     files.append("README.md")
     _write(out, EXPORT_RECORD, json.dumps(
         {"files": files, "checkpoint": str(ckpt), "step": step, "method": method,
-         "source": source}, indent=1) + "\n")
+         "source": source, "dtype": dtype}, indent=1) + "\n")
     return Exported(out, ckpt, source, files)

@@ -578,6 +578,7 @@ def test_export_and_sample_from_the_cli(trained, tmp_path, capsys):
     (out / "mine.txt").write_text("user file")
     code, stdout, err = _main(capsys, "export", run, out)  # an earlier export is replaced
     assert code == 0, err
+    assert _main(capsys, "export", run, tmp_path / "global")[0] == 0
     assert "the global model" in (out / "README.md").read_text()
     assert (out / "mine.txt").read_text() == "user file"  # never deleted
     other = tmp_path / "other"
@@ -610,6 +611,24 @@ def test_export_and_sample_from_the_cli(trained, tmp_path, capsys):
         assert foreign_entry(run / "export") == run / "export" / "notes.md"
     finally:
         (run / "export" / "notes.md").unlink()
+    # --dtype bfloat16: the same weights rounded, and config.json says so (transformers
+    # loads them as they are); the default is float32, as trained
+    code, _, err = _main(capsys, "export", run, tmp_path / "bf16", "--dtype", "bfloat16")
+    assert code == 0, err
+    from safetensors.torch import load_file
+
+    half, full = (load_file(tmp_path / d / "model.safetensors") for d in ("bf16", "global"))
+    assert half.keys() == full.keys() and all(
+        half[k].dtype == torch.bfloat16 and torch.equal(half[k], full[k].to(torch.bfloat16))
+        for k in half)
+    config = json.loads((tmp_path / "bf16" / "config.json").read_text())
+    assert config["torch_dtype"] == config["dtype"] == "bfloat16"
+    assert json.loads((tmp_path / "global" / "config.json").read_text())["dtype"] == "float32"
+    loaded_half = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "bf16")
+    assert {p.dtype for p in loaded_half.parameters()} == {torch.bfloat16}
+    with pytest.raises(SystemExit) as stop:  # argparse's own refusal, before any work
+        _main(capsys, "export", run, tmp_path / "x", "--dtype", "int8")
+    assert stop.value.code == 2 and "invalid choice: 'int8'" in capsys.readouterr().err
     # several shards with their index: transformers reads them
     many = export_checkpoint(run, tmp_path / "many", max_shard_bytes=20_000)
     assert "model.safetensors.index.json" in many.files
