@@ -43,17 +43,22 @@ def build_model(cfg: Any, vocab_size: int, device: torch.device) -> nn.Module:
     return Llama(model_config(cfg, vocab_size=vocab_size), seed=seed).to(device)
 
 
-def load_init_weights(cfg: Any, model: nn.Module, device: torch.device) -> None:
-    """``model.init_from``'s weights into the sharded model (or stage), each rank reading
-    its own slices (collective); a model still on the meta device (:func:`builds_on_meta`)
-    is first materialised on ``device``, this rank's shards only, and its RoPE tables
-    computed."""
+def materialise(cfg: Any, model: nn.Module, device: torch.device) -> None:
+    """The sharded model (or stage) ready for its first step: one still on the meta device
+    (:func:`~editrain.config.model.builds_on_meta`) gets this rank's shards on ``device``,
+    zeros until a resume loads the checkpoint over them (zeros, not whatever the memory
+    held: the same on every rank), and its RoPE tables; then ``model.init_from``'s
+    weights, at the start of a run, each rank reading its own slices (collective)."""
     from editrain.hf_checkpoint import load_hf_weights
 
     if builds_on_meta(cfg):
         model.to_empty(device=device)
+        with torch.no_grad():
+            for t in (*model.parameters(), *model.buffers()):
+                t.zero_()
         fill_rope(model)
-    load_hf_weights(model, cfg.model.init_from)
+    if cfg.model.init_from is not None and not cfg.resume:
+        load_hf_weights(model, cfg.model.init_from)
 
 
 def shard_model(cfg: Any, model: nn.Module, info: MeshInfo) -> list[nn.Module]:

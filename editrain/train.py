@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from editrain.batches import RankData
-from editrain.build import build_engine, build_model, load_init_weights, shard_model
+from editrain.build import build_engine, build_model, materialise, shard_model
 from editrain.checkpoint import (
     list_checkpoints,
     load_checkpoint,
@@ -110,10 +110,10 @@ class Trainer:
             self.model = build_stage(self.model, info.stage, info.topo.pp_size,
                                      cfg.dist.pp_stages_per_rank)
         blocks = shard_model(cfg, self.model, info)
-        if cfg.model.init_from is not None and not cfg.resume:
-            # Pretrained weights seed step 0, into the shards (each rank reads its own),
-            # before the engine takes its anchors from them; a resume overwrites them.
-            load_init_weights(cfg, self.model, info.device)
+        # A model built on the meta device gets its shards; pretrained weights seed step 0,
+        # into them (each rank reads its own), before the engine takes its anchors from
+        # them; a resume overwrites them all.
+        materialise(cfg, self.model, info.device)
         # The simulated link is one FIFO per replica, shared by the replica's ranks.
         self.sim = Simulation(plan, self.replica, cfg.sim.replica_offset, self.global_rank,
                               t.seed, self.run_dir / ".link" / f"replica{self.replica}.state")

@@ -31,7 +31,7 @@ def load_worker(rank: int, world: int, paths: dict[str, str], x: torch.Tensor) -
 def _load_case(path: str, shard: int, tp: int, pp: int, x: torch.Tensor) -> dict:
     from torch.distributed.tensor import DTensor
 
-    from editrain.build import build_model, load_init_weights, shard_model
+    from editrain.build import build_model, materialise, shard_model
     from editrain.pipeline import build_stage
     from editrain.topology import init_mesh
 
@@ -46,7 +46,7 @@ def _load_case(path: str, shard: int, tp: int, pp: int, x: torch.Tensor) -> dict
     if pp > 1:
         model = build_stage(model, info.stage, pp)
     shard_model(cfg, model, info)
-    load_init_weights(cfg, model, torch.device("cpu"))  # the trainer's: from the meta device
+    materialise(cfg, model, torch.device("cpu"))  # the trainer's: from the meta device
     out: dict = {"weights": {}, "local": 0}
     for name, p in hf_parameters(model).items():
         full = p.full_tensor() if isinstance(p, DTensor) else p

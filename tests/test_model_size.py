@@ -301,10 +301,10 @@ def test_sample_seed_out_of_range_is_refused_by_name(hf_dir, capsys, seed):
     assert code == 2 and err.startswith("editrain: error: sample --seed: must be in [0, ")
 
 
-def test_a_llama_from_init_from_counts_only_its_shards(hf_dir, tmp_path, monkeypatch):
+def test_a_llama_from_init_from_or_a_resume_counts_only_its_shards(hf_dir, tmp_path, monkeypatch):
     """``model.init_from`` of a Llama builds on the meta device and each rank materialises
-    its shards only (editrain.build.load_init_weights): the host bound is 4P / (shard x tp
-    x pp); a resume of that run builds the whole model first, as before."""
+    its shards only (editrain.build.materialise): the host bound is 4P / (shard x tp x
+    pp)."""
     from editrain.config.model import builds_on_meta
 
     monkeypatch.setattr(size_mod, "_no_gpu", lambda: False)
@@ -316,8 +316,14 @@ def test_a_llama_from_init_from_counts_only_its_shards(hf_dir, tmp_path, monkeyp
     check_fits(cfg, 4, memory=4 * params // 4 + rope)
     with pytest.raises(ConfigError, match="every rank materialises its shards in fp32"):
         check_fits(cfg, 4, memory=4 * params // 4 + rope - 1)
-    (tmp_path / "ckpt").mkdir()
+    # a resume of it, or of a preset's run, too (the checkpoint's weights fill the shards);
+    # a preset's run at its start builds the whole model, seeded
     resumed = dataclasses.replace(cfg, resume=str(tmp_path / "ckpt"))
-    assert not builds_on_meta(resumed)
+    assert builds_on_meta(resumed)
+    check_fits(resumed, 4, memory=4 * params // 4 + rope)
+    preset = load_config(None, {"model": {"preset": "tiny"}, "dist": dist})
+    p, _, r, _ = least_parameters(preset)
+    assert not builds_on_meta(preset)
     with pytest.raises(ConfigError, match="builds the whole model in fp32 before sharding"):
-        check_fits(resumed, 4, memory=4 * params // 4 + rope)
+        check_fits(preset, 4, memory=4 * p // 4 + r)
+    assert builds_on_meta(dataclasses.replace(preset, resume=str(tmp_path / "ckpt")))

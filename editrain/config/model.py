@@ -42,11 +42,12 @@ def hf_source(cfg: Config) -> str | None:
 
 def builds_on_meta(cfg: Config) -> bool:
     """Whether the job's model starts on the meta device: editrain's Llama whose every
-    weight comes from a ``model.init_from`` directory at the start (not a resume). Its
-    ranks then build no whole model in host memory: each materialises its shards only,
-    which the directory's weights fill (:func:`editrain.build.load_init_weights`)."""
-    return (getattr(cfg.model, "init_from", None) is not None and not cfg.resume
-            and hf_source(cfg) is None)
+    weight comes from elsewhere, a ``model.init_from`` directory or the checkpoint
+    ``--resume`` names. Its ranks then build no whole model in host memory: each
+    materialises its shards only, which those weights fill
+    (:func:`editrain.build.materialise`)."""
+    return (hf_source(cfg) is None
+            and (getattr(cfg.model, "init_from", None) is not None or bool(cfg.resume)))
 
 
 def model_config(cfg: Config, vocab_size: int | None = None) -> LlamaConfig:

@@ -4,10 +4,10 @@ A shape option (``--model.n_layers 100000000``, a ``config.json`` whose
 ``num_hidden_layers`` was edited) used to pass every check and start the workers, which
 then spent minutes building modules, or failed with the allocator's message from inside a
 rank. Every rank builds the whole model in fp32 in host memory before sharding it
-(:func:`editrain.build.build_model`, whatever ``dist.device`` is; a Llama that starts from
-``model.init_from`` materialises only its shards), so a model whose weights alone exceed
-this machine's memory can never train here: :func:`check_fits` refuses it before any
-process starts, naming the option that set the shape.
+(:func:`editrain.build.build_model`, whatever ``dist.device`` is; a Llama whose weights
+come from ``model.init_from`` or ``--resume`` materialises only its shards), so a model
+whose weights alone exceed this machine's memory can never train here: :func:`check_fits`
+refuses it before any process starts, naming the option that set the shape.
 
 The counts are lower bounds that hold for every model editrain can build, computed from
 the configuration alone (no torch, no model, no weights read):
@@ -141,9 +141,10 @@ def check_fits(cfg: Any, local_ranks: int, memory: int | None = None) -> None:
     """Refuse a model that cannot fit this machine's memory.
 
     At least: every rank builds the whole model in fp32 on the host before sharding it (so
-    one rank's build needs ``4 x parameters`` plus the RoPE tables; a Llama that starts
-    from ``model.init_from`` builds on the meta device and materialises only its shards:
-    ``4 x parameters / (shard x tp x pp)``), and on a CPU device
+    one rank's build needs ``4 x parameters`` plus the RoPE tables; a Llama whose weights
+    come from ``model.init_from`` or ``--resume`` builds on the meta device and
+    materialises only its shards: ``4 x parameters / (shard x tp x pp)``), and on a CPU
+    device
     the ``local_ranks`` ranks then hold their shards of the weights and gradients (``8 x
     parameters / (dist.shard_size x dist.tp_size x dist.pp_size)`` each).
 
