@@ -203,6 +203,21 @@ def find_checkpoint(path: str | Path, option: str = "export", replica: int | Non
                           f"a fault-tolerant run's)")
 
 
+def _marker_llama(model_cfg: Mapping[str, Any], ckpt: Path, command: str) -> LlamaConfig:
+    """The :class:`LlamaConfig` a checkpoint's marker records.
+
+    Raises:
+        CheckpointError: a field the Llama does not have (a marker edited, or written by
+            another editrain) or a value it refuses, in one line naming ``command`` and the
+            file.
+    """
+    try:
+        return LlamaConfig(**model_cfg)
+    except (TypeError, ValueError) as e:
+        raise CheckpointError(f"{command}: {ckpt}/{MARKER}: its model is not one editrain's "
+                              f"Llama can be ({e})") from None
+
+
 def _model_names(marker: Mapping[str, Any]) -> tuple[bool, dict[str, Any]]:
     """(whether the checkpoint's model is editrain's Llama, its configuration)."""
     model = dict(marker.get("model") or {})
@@ -315,7 +330,7 @@ def checkpoint_model(marker: Mapping[str, Any], tensors: Mapping[str, torch.Tens
         return dict(model.named_parameters())
 
     if llama:
-        cfg = LlamaConfig(**model_cfg)
+        cfg = _marker_llama(model_cfg, ckpt, command)
         return build_checked(lambda: Llama(cfg), shapes, str(ckpt), command, own,
                              real), cfg.max_seq_len
     model = build_checked(lambda: HFCausalLM.from_config_dict(model_cfg), shapes, str(ckpt),
@@ -462,7 +477,7 @@ def export_checkpoint(path: str | Path, out: str | Path, replica: int | None = N
     files = _write_shards(out, hf, max_shard_bytes)
     ids = _token_ids(tok_dir)
     if llama:
-        config = llama_config_to_hf(LlamaConfig(**model_cfg), **ids)
+        config = llama_config_to_hf(_marker_llama(model_cfg, ckpt, "export"), **ids)
     else:
         config = {**model_cfg, **ids}
     # transformers 4 reads torch_dtype, 5 dtype: the weights' own, or it would load

@@ -281,6 +281,14 @@ def test_a_checkpoints_marker_is_checked_against_its_tensors():
                                               r"description builds needs \[300, 4096\]"):
         checkpoint_model({"model": {**fields, "dim": 4096, "n_heads": 64, "n_kv_heads": 64}},
                          tensors, Path("ck"), "sample")
+    # a field the Llama does not have, a value or a RoPE scaling it refuses: one line
+    for bad, said in (({"foo": 1}, "unexpected keyword argument 'foo'"),
+                      ({"n_heads": -1}, "n_heads must be a positive integer, got -1"),
+                      ({"rope_scaling": {"factor": 2}}, "rope_scaling must hold exactly")):
+        with pytest.raises(CheckpointError) as e:
+            checkpoint_model({"model": {**fields, **bad}}, tensors, Path("ck"), "sample")
+        assert str(e.value).startswith("sample: ck/editrain.json: its model is not one "
+                                       "editrain's Llama can be (") and said in str(e.value)
 
 
 def test_sample_of_an_empty_prompt_starts_a_new_document(hf_dir, capsys):
