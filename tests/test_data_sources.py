@@ -576,3 +576,21 @@ def test_a_damaged_or_unreadable_compressed_file_is_one_line(tmp_path, monkeypat
                                           r'package; install it with pip install '
                                           r'"editrain\[zstd\]"$'):
         parse_sources(str(zst))
+
+
+def test_a_directory_of_record_shards_says_which_glob_names_them(tmp_path):
+    """A directory stands for its text files; C4's layout (shards of JSON lines, gzipped)
+    is refused with the glob that reads it, and that glob does."""
+    shards = tmp_path / "c4" / "en"
+    for i in range(3):
+        _write(shards / f"c4-train.{i:05d}-of-01024.json", json.dumps({"text": f"doc {i}"}))
+        _compress(shards / f"c4-train.{i:05d}-of-01024.json", ".gz")
+        (shards / f"c4-train.{i:05d}-of-01024.json").unlink()
+    _write(shards / "notes.jsonl", json.dumps({"text": "x"}))
+    with pytest.raises(ValueError) as e:
+        parse_sources(str(tmp_path / "c4"))
+    pattern = str(tmp_path / "c4" / "**" / "*.json.gz")
+    assert str(e.value).endswith(f"; it holds 3 .json.gz files: name them with a glob "
+                                 f"pattern, {pattern!r}")
+    assert [d.text for d in iter_records(resolve_sources(pattern))] == ["doc 0", "doc 1",
+                                                                        "doc 2"]

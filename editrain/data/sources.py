@@ -357,6 +357,22 @@ def _json_is_list(path: Path) -> bool:
     return False
 
 
+def _records_hint(root: Path) -> str:
+    """How to name the record files a directory holds, if it holds any (a directory stands
+    for its text files; shards of records, C4's ``*.json.gz`` say, are named by a glob)."""
+    kinds: dict[str, int] = {}
+    for _, p in _walk_files(root, None):
+        compressed = compression(p)
+        suffix = inner_suffix(p) + (p.suffix.lower() if compressed else "")
+        if inner_suffix(p) in (".jsonl", ".json", ".parquet"):
+            kinds[suffix] = kinds.get(suffix, 0) + 1
+    if not kinds:
+        return ""
+    suffix, count = max(kinds.items(), key=lambda kv: kv[1])
+    return (f"; it holds {count} {suffix} file{'s' if count > 1 else ''}: name them with a "
+            f"glob pattern, {str(root / ('**/*' + suffix))!r}")
+
+
 def _classify(entry: str, text_field: str) -> SourceRef:
     """The :class:`SourceRef` of one glob-free entry, judged by its form, its extension or
     the files of its directory; no data is read."""
@@ -386,7 +402,7 @@ def _classify(entry: str, text_field: str) -> SourceRef:
         if next(_walk_files(path, TEXT_EXTENSIONS), None) is None:
             raise ValueError(f"data.path: {str(path)!r} contains no text: no files with "
                              f"extensions {', '.join(TEXT_EXTENSIONS)}, and it is not a "
-                             f"save_to_disk directory")
+                             f"save_to_disk directory{_records_hint(path)}")
         return SourceRef("dir", path, text_field)
     suffix = inner_suffix(path)
     if compression(path):
