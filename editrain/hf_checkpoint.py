@@ -70,6 +70,7 @@ __all__ = [
     "export_checkpoint",
     "find_checkpoint",
     "load_hf_weights",
+    "marker_model",
     "save_run_tokenizer",
 ]
 
@@ -218,7 +219,7 @@ def _marker_llama(model_cfg: Mapping[str, Any], ckpt: Path, command: str) -> Lla
                               f"Llama can be ({e})") from None
 
 
-def _model_names(marker: Mapping[str, Any]) -> tuple[bool, dict[str, Any]]:
+def marker_model(marker: Mapping[str, Any]) -> tuple[bool, dict[str, Any]]:
     """(whether the checkpoint's model is editrain's Llama, its configuration)."""
     model = dict(marker.get("model") or {})
     return "dim" in model and "n_layers" in model, model
@@ -322,7 +323,7 @@ def checkpoint_model(marker: Mapping[str, Any], tensors: Mapping[str, torch.Tens
     from editrain.models.hf import HFCausalLM
     from editrain.models.llama import Llama
 
-    llama, model_cfg = _model_names(marker)
+    llama, model_cfg = marker_model(marker)
     check_weights_match(model_cfg, tensors, f"{ckpt}/{MARKER}", option=command)
     shapes = {n: t.shape for n, t in tensors.items()}
 
@@ -465,7 +466,7 @@ def export_checkpoint(path: str | Path, out: str | Path, replica: int | None = N
     ckpt, replica = find_checkpoint(path, replica=replica)
     marker = open_checkpoint(ckpt)  # regular files only, no link, bounded marker
     out = Path(out).expanduser()
-    llama, model_cfg = _model_names(marker)
+    llama, model_cfg = marker_model(marker)
     tensors, source = read_model_weights(ckpt, replica)
     checkpoint_model(marker, tensors, ckpt, "export", real=False)  # config.json fits them
     hf = {name: t.to(EXPORT_DTYPES[dtype])

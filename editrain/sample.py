@@ -29,6 +29,7 @@ from editrain.hf_checkpoint import (
     checkpoint_model,
     find_checkpoint,
     load_hf_weights,
+    marker_model,
     read_model_weights,
 )
 from editrain.models.hf import HFCausalLM
@@ -41,7 +42,7 @@ from editrain.models.hf_dir import (
     tokenizer_file,
 )
 from editrain.models.hf_llama import is_llama_config, llama_config_from_hf
-from editrain.models.llama import KVCache, Llama
+from editrain.models.llama import KVCache, Llama, fill_rope
 
 __all__ = ["Loaded", "generate", "load_for_sampling"]
 
@@ -64,7 +65,10 @@ def _hf_dir_model(path: Path) -> tuple[nn.Module, int]:
     shapes = {n: t.shape for n, t in weights.tensors.items()}
     if is_llama_config(data):
         cfg = llama_config_from_hf(data, f"sample: {path}/config.json")
-        model: nn.Module = build_checked(lambda: Llama(cfg), shapes, str(path), "sample")
+        # every weight comes from the directory: no seeded build first
+        model: nn.Module = build_checked(lambda: Llama(cfg), shapes, str(path), "sample",
+                                         real=False).to_empty(device="cpu")
+        fill_rope(model)
         max_len = cfg.max_seq_len
     else:
         model = build_checked(lambda: HFCausalLM.from_config_dict(data, path=path), shapes,
@@ -78,13 +82,19 @@ def _checkpoint_model(path: Path, replica: int | None) -> tuple[nn.Module, int, 
     ckpt, replica = find_checkpoint(path, option="sample", replica=replica)
     marker = open_checkpoint(ckpt)  # regular files only, no link, bounded marker
     tensors, source = read_model_weights(ckpt, replica, command="sample")
-    model, max_len = checkpoint_model(marker, tensors, ckpt, "sample")
-    # strict=False only for what the state does not hold: a tied head (one tensor);
-    # every tensor of the checkpoint must land on a parameter.
-    missing, unexpected = model.load_state_dict(tensors, strict=False)
-    if unexpected or [m for m in missing if not m.endswith("lm_head.weight")]:
+    # editrain's Llama stays on the meta device and takes the checkpoint's tensors as its
+    # parameters (no seeded build, no second copy); a Hugging Face model is built (its
+    # rotary tables are buffers of its own) and the tensors copied in
+    llama = marker_model(marker)[0]
+    model, max_len = checkpoint_model(marker, tensors, ckpt, "sample", real=not llama)
+    # strict=False only for what the state does not hold: a tied head (one tensor) of a
+    # Hugging Face model; every tensor of the checkpoint must land on a parameter.
+    missing, unexpected = model.load_state_dict(tensors, strict=False, assign=llama)
+    if unexpected or [m for m in missing if llama or not m.endswith("lm_head.weight")]:
         raise ValueError(f"sample: {ckpt} does not fit its own model: missing {missing[:3]}, "
                          f"unexpected {unexpected[:3]}")
+    if llama:
+        fill_rope(model, "cpu")
     return model, max_len, ckpt.parent.parent / RUN_TOKENIZER_DIR, f"{ckpt}: {source}"
 
 

@@ -433,15 +433,22 @@ class Llama(nn.Module):
         return self.output(h)  # [B, T, V]
 
 
-def fill_rope(module: nn.Module) -> None:
-    """(Re)compute the RoPE tables of a Llama, or of a pipeline stage of one, in place on
-    their device (they are buffers left out of checkpoints: a model materialised from the
-    meta device with ``to_empty`` holds garbage there until this runs); nothing on meta."""
-    if module.rope_cos.is_meta:
+def fill_rope(module: nn.Module, device: torch.device | str | None = None) -> None:
+    """(Re)compute the RoPE tables of a Llama, or of a pipeline stage of one (they are
+    buffers left out of checkpoints: a model materialised from the meta device with
+    ``to_empty`` holds garbage there until this runs): in place on their device, or, for
+    tables still on the meta device, new ones on ``device`` (none given: they stay)."""
+    meta = module.rope_cos.is_meta
+    device = device if meta else module.rope_cos.device
+    if device is None or torch.device(device).type == "meta":
         return
     cfg = module.config
-    cos, sin = precompute_rope(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta,
-                               device=module.rope_cos.device, scaling=cfg.rope_scaling)
+    cos, sin = precompute_rope(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta, device=device,
+                               scaling=cfg.rope_scaling)
+    if meta:  # the parameters were assigned (load_state_dict(assign=True)); these follow
+        module.register_buffer("rope_cos", cos, persistent=False)
+        module.register_buffer("rope_sin", sin, persistent=False)
+        return
     with torch.no_grad():
         module.rope_cos.copy_(cos)
         module.rope_sin.copy_(sin)
