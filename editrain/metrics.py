@@ -36,6 +36,8 @@ from editrain.tracking import open_trackers, standard_metrics
 
 METRICS_FILE = "metrics.jsonl"
 RANKS_DIR = "ranks"
+CONFIG_MAX_BYTES = 1 << 20
+"""The largest run ``config.toml`` a plot's legend reads its method from."""
 
 
 def _clean(v: Any) -> Any:
@@ -227,11 +229,11 @@ def _label(run_dir: Path) -> str:
         run_dir = run_dir.parent  # the group's config.toml is the run's
     cfg = run_dir / "config.toml"
     if cfg.is_file():
-        from editrain.safe_io import read_bytes, read_toml_value
+        from editrain.safe_io import read_toml
 
         try:  # only the legend needs it: a file that is not a run's leaves the method out
-            sync = read_toml_value(read_bytes(cfg, 1 << 20, error=ValueError),
-                                   str(cfg), error=ValueError).get("sync")
+            sync = read_toml(cfg, max_bytes=CONFIG_MAX_BYTES, where=str(cfg),
+                             error=ValueError).get("sync")
         except ValueError:
             sync = None
         method = sync.get("method") if isinstance(sync, dict) else None

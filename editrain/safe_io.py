@@ -36,7 +36,8 @@ from editrain.errors import CheckpointError, RunDirError
 
 __all__ = ["MAX_DEPTH", "QUOTE_CHARS", "Bool", "Field", "Int", "List", "Num", "Obj", "Str",
            "check_no_links", "make_dir", "open_write", "quote", "read_bytes", "read_json",
-           "read_json_value", "read_toml_value", "regular_size", "write_atomic"]
+           "parse_toml_scalar", "read_json_value", "read_toml", "read_toml_value", "regular_size",
+           "write_atomic"]
 
 MAX_DEPTH = 64
 """Deepest nesting of arrays and objects (tables) a JSON or TOML file editrain reads may
@@ -329,6 +330,42 @@ def read_toml_value(text: str | bytes, where: str, *, error: type[Exception] = C
         raise error(f"{where}: not TOML editrain reads: nested deeper than {max_depth} "
                     f"levels{hint}")
     return value
+
+
+def read_toml(path: str | Path, *, max_bytes: int, where: str, option: str = "",
+              error: type[Exception] = CheckpointError, what: str = "file", hint: str = "",
+              follow: bool = False) -> dict[str, Any]:
+    """The one reader of every TOML file editrain reads: :func:`read_bytes` (a regular file
+    within ``max_bytes``), then :func:`read_toml_value`.
+
+    Args:
+        path: the file.
+        max_bytes: its largest accepted size.
+        where: what a parse error names first (the option and the file).
+        option: put before a read error's message (``--config``), when given.
+        error: the exception type to raise.
+        what: what the file is, for a read error.
+        hint: appended to a parse error (what to do instead).
+        follow: read through a symbolic link (a file the user named: theirs to link);
+            otherwise a link is refused.
+    """
+    try:
+        data = read_bytes(Path(path).resolve() if follow else path, max_bytes, error=error,
+                          what=what)
+    except error as e:
+        if not option:
+            raise
+        raise error(f"{option}: {e}") from None
+    return read_toml_value(data, where, error=error, hint=hint)
+
+
+def parse_toml_scalar(text: str) -> Any:
+    """A command-line value as TOML (a number, a boolean, a list, an inline table), or the
+    text itself when it is none (the option's check then says what it takes)."""
+    try:
+        return read_toml_value(f"v = {text}", "value", error=ValueError)["v"]
+    except ValueError:
+        return text
 
 
 def read_json(path: str | Path, *, max_bytes: int, schema: Field | None = None,

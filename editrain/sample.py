@@ -183,6 +183,10 @@ class _Decoder:
     def __init__(self, model: nn.Module, max_len: int) -> None:
         self.model, self.max_len = model, max_len
         self.cache: Any = None
+        # a Hugging Face model's cache argument: ``cache`` in transformers 5, before
+        # ``past_key_values`` (looked up once, not at every token)
+        self.cache_arg = ("cache" if isinstance(model, HFCausalLM) and "cache" in
+                          inspect.signature(model.hf.forward).parameters else "past_key_values")
         self.seen = 0
         """Tokens the cache holds (the text's first ``seen``)."""
 
@@ -196,10 +200,8 @@ class _Decoder:
             if self.cache is None:
                 self.cache = KVCache(len(self.model.layers))
             logits = self.model(fresh, cache=self.cache)
-        else:  # the model's own cache: ``cache`` in transformers 5, ``past_key_values`` before
-            name = ("cache" if "cache" in inspect.signature(self.model.hf.forward).parameters
-                    else "past_key_values")
-            out = self.model.hf(input_ids=fresh, use_cache=True, **{name: self.cache})
-            logits, self.cache = out.logits, out[name]
+        else:  # the Hugging Face model's own cache
+            out = self.model.hf(input_ids=fresh, use_cache=True, **{self.cache_arg: self.cache})
+            logits, self.cache = out.logits, out[self.cache_arg]
         self.seen = len(ids)
         return logits[0, -1].float()

@@ -25,13 +25,10 @@ from editrain.paths import check_path, shown
 
 def parse_scalar(text: str) -> Any:
     """Parse a CLI value as TOML (numbers, booleans, lists, inline tables), else a string
-    (the option's check then says what it takes)."""
-    from editrain.safe_io import read_toml_value
+    (:func:`editrain.safe_io.parse_toml_scalar`)."""
+    from editrain.safe_io import parse_toml_scalar
 
-    try:
-        return read_toml_value(f"v = {text}", "value", error=ConfigError)["v"]
-    except ConfigError:
-        return text
+    return parse_toml_scalar(text)
 
 
 def _coerce(value: Any, tp: Any, option: str) -> Any:
@@ -143,15 +140,15 @@ def load_resumed_config(resume: str, overrides: dict[str, Any]) -> tuple[Config,
         ConfigError: the file cannot be read as a run's configuration (named with
             ``--resume``).
     """
-    from editrain.safe_io import read_bytes, read_toml_value
+    from editrain.safe_io import read_toml
 
     path = resumed_run_config(resume)
     if path is None:
         return load_config(None, overrides), None
-    data = read_bytes(path, RUN_CONFIG_MAX_BYTES, error=ConfigError, what="run's configuration")
-    saved = read_toml_value(data, f"--resume: {shown(str(path))} is not the TOML editrain "
-                            "writes", error=ConfigError,
-                            hint="; give the run's options with --config")
+    saved = read_toml(path, max_bytes=RUN_CONFIG_MAX_BYTES, option="--resume",
+                      where=f"--resume: {shown(str(path))} is not the TOML editrain writes",
+                      error=ConfigError, what="run's configuration",
+                      hint="; give the run's options with --config")
     sections = {k: v for k, v in saved.items() if k in SECTIONS and isinstance(v, dict)}
     try:
         run = to_dict(load_config(None, sections))  # the run's own, valid by construction
@@ -169,16 +166,13 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None
     """Build a validated :class:`Config` from an optional TOML file and CLI overrides."""
     raw: dict[str, Any] = {}
     if path is not None:
-        from editrain.safe_io import read_bytes, read_toml_value
+        from editrain.safe_io import read_toml
 
         p = check_path("--config", path, "in_file")
-        where = f"--config: {shown(str(p))}"
-        try:  # the user's file: a link to it is followed (their choice), its size bounded
-            data = read_bytes(p.resolve(), CONFIG_MAX_BYTES, error=ConfigError,
-                              what="configuration")
-        except ConfigError as e:
-            raise ConfigError(f"--config: {e}") from None
-        raw = read_toml_value(data, where, error=ConfigError)
+        # the user's file: a link to it is followed (their choice), its size bounded
+        raw = read_toml(p, max_bytes=CONFIG_MAX_BYTES, where=f"--config: {shown(str(p))}",
+                        option="--config", error=ConfigError, what="configuration",
+                        follow=True)
     raw = _merge(raw, overrides or {})
     cfg = _build(Config, raw, "")
     check_text_options(cfg)  # first: a NUL in a path would fail any file check obscurely

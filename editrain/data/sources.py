@@ -362,9 +362,9 @@ def _records_hint(root: Path) -> str:
     for its text files; shards of records, C4's ``*.json.gz`` say, are named by a glob)."""
     kinds: dict[str, int] = {}
     for _, p in _walk_files(root, None):
-        compressed = compression(p)
-        suffix = inner_suffix(p) + (p.suffix.lower() if compressed else "")
-        if inner_suffix(p) in (".jsonl", ".json", ".parquet"):
+        inner = inner_suffix(p)
+        if inner in (".jsonl", ".json", ".parquet"):
+            suffix = inner + (p.suffix.lower() if compression(p) else "")
             kinds[suffix] = kinds.get(suffix, 0) + 1
     if not kinds:
         return ""

@@ -36,7 +36,7 @@ from typing import Any
 from editrain.errors import ConfigError
 from editrain.metrics import read_jsonl
 from editrain.plan.inputs import GBIT, Cluster, MethodSpec, ModelSpec
-from editrain.safe_io import read_bytes, read_toml_value
+from editrain.safe_io import read_toml
 
 
 @dataclass
@@ -208,8 +208,8 @@ CONFIG_MAX_BYTES = 4 << 20
 def _read_toml(path: Path) -> dict[str, Any]:
     """A run's ``config.toml``: a regular file within :data:`CONFIG_MAX_BYTES` (a link is
     not followed), parsed; one :class:`ConfigError` line naming it otherwise."""
-    data = read_bytes(path, CONFIG_MAX_BYTES, error=ConfigError, what="run configuration")
-    return read_toml_value(data, f"plan: {path}", error=ConfigError)
+    return read_toml(path, max_bytes=CONFIG_MAX_BYTES, where=f"plan: {path}", option="plan",
+                     error=ConfigError, what="run configuration")
 
 
 def _settings(cfg: dict[str, Any]) -> tuple[MethodSpec, ModelSpec]:

@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from editrain.errors import ConfigError
-from editrain.safe_io import read_bytes, read_toml_value
+from editrain.safe_io import parse_toml_scalar, read_toml
 from editrain.sync.methods import OUTER_SGD
 
 METHODS = ("sync", "post_local_sgd", "diloco", "edit", "aedit")
@@ -421,11 +421,9 @@ def parse_method(spec: str) -> dict[str, Any]:
 
 
 def parse_scalar(text: str) -> Any:
-    """A TOML scalar (``4``, ``0.5``, ``true``), or the text itself."""
-    try:
-        return read_toml_value(f"v = {text}", "value", error=ValueError)["v"]
-    except ValueError:
-        return text
+    """A TOML scalar (``4``, ``0.5``, ``true``), or the text itself
+    (:func:`editrain.safe_io.parse_toml_scalar`)."""
+    return parse_toml_scalar(text)
 
 
 @dataclass
@@ -458,12 +456,9 @@ def load_inputs(path: str | Path | None = None, overrides: dict[str, dict[str, A
         p = Path(path)
         if not p.is_file():
             raise ConfigError(f"plan: file not found: {p}")
-        try:  # the user's file: a link to it is followed (their choice), its size bounded
-            text = read_bytes(p.resolve(), PLAN_MAX_BYTES, error=ConfigError,
-                              what="plan configuration")
-        except ConfigError as e:
-            raise ConfigError(f"plan: {e}") from None
-        data = read_toml_value(text, f"plan: {p}", error=ConfigError)
+        # the user's file: a link to it is followed (their choice), its size bounded
+        data = read_toml(p, max_bytes=PLAN_MAX_BYTES, where=f"plan: {p}", option="plan",
+                         error=ConfigError, what="plan configuration", follow=True)
     unknown = sorted(set(data) - {"cluster", "model", "method"})
     if unknown:
         raise _fail(unknown[0], "unknown table; allowed: cluster, model, method")
