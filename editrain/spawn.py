@@ -209,22 +209,61 @@ def die_with_parent(sig: int | None = None) -> None:
     if not sys.platform.startswith("linux"):
         return
     sig = signal.SIGKILL if sig is None else sig
-    import ctypes
     import multiprocessing
 
-    try:
-        prctl = ctypes.CDLL(None, use_errno=True).prctl
-    except (OSError, AttributeError):
-        return
-    pr_set_pdeathsig = 1  # <linux/prctl.h>
-    args = [ctypes.c_ulong(v) for v in (int(sig), 0, 0, 0)]  # prctl reads unsigned longs
-    if prctl(ctypes.c_int(pr_set_pdeathsig), *args) != 0:
+    if not _set_parent_death_signal(sig):
         return
     parent = multiprocessing.parent_process()
     if parent is not None and os.getppid() != parent.pid:
         # A fork server's child, or a spawned process whose parent died already (it was
         # handed to another parent): either way the process that started it is watched.
         watch_process(parent.pid, lambda: os.kill(os.getpid(), sig))
+
+
+def _set_parent_death_signal(sig: int) -> bool:
+    """``prctl(PR_SET_PDEATHSIG, sig)``: whether it was set (Linux only)."""
+    import ctypes
+
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return False
+    pr_set_pdeathsig = 1  # <linux/prctl.h>
+    args = [ctypes.c_ulong(v) for v in (int(sig), 0, 0, 0)]  # prctl reads unsigned longs
+    return prctl(ctypes.c_int(pr_set_pdeathsig), *args) == 0
+
+
+def children_die_with_this_process() -> None:
+    """Every process this one forks from now on is killed (SIGKILL) when this one dies.
+
+    For the fork server the workers are forked from (:mod:`editrain.worker_server` calls
+    it there). A worker watches its launcher once it runs (:func:`die_with_parent`), but a
+    forked child first reads its orders from the launcher: the function and its arguments,
+    among them torch elastic's semaphores. A launcher interrupted in that moment stops the
+    server (:func:`stop_worker_server`) and exits, removing the semaphores; the child, not
+    yet known to torch elastic and so never stopped by it, then failed to open them and
+    printed a ``FileNotFoundError`` traceback to the terminal after the launcher's
+    ``editrain: interrupted``. Now it dies with the server, before the launcher exits. Only
+    the server's own children are marked (not the processes its children fork in turn);
+    only on Linux.
+    """
+    if not sys.platform.startswith("linux") or not hasattr(os, "register_at_fork"):
+        return
+    server = os.getpid()
+    forking = {"from_server": False}
+
+    def before() -> None:
+        forking["from_server"] = os.getpid() == server
+
+    def in_child() -> None:
+        if not forking["from_server"]:
+            return
+        forking["from_server"] = False
+        # the server may have died between the fork and here: its signal is then missed
+        if _set_parent_death_signal(signal.SIGKILL) and os.getppid() != server:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    os.register_at_fork(before=before, after_in_child=in_child)
 
 
 def watch_process(pid: int, on_exit: Callable[[], None]) -> None:
@@ -528,11 +567,11 @@ def start_worker_server() -> str:
 
     method = worker_start_method()
     if method == "forkserver":
-        # What a worker (or a replica group of --ft) imports anyway, imported once by the
-        # server. torch imports torch._dynamo (2.5 s of CPU here) at the first optimizer a
+        # editrain.worker_server: the server's children die with it. Then what a worker
+        # (or a replica group of --ft) imports anyway, imported once by the server. torch imports torch._dynamo (2.5 s of CPU here) at the first optimizer a
         # process builds.
-        multiprocessing.set_forkserver_preload(["editrain.train", "editrain.launch.ft",
-                                                "torch._dynamo"])
+        multiprocessing.set_forkserver_preload(["editrain.worker_server", "editrain.train",
+                                                "editrain.launch.ft", "torch._dynamo"])
         with children_start_with_sigint_blocked():
             forkserver.ensure_running()
     return method

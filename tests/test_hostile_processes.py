@@ -190,6 +190,38 @@ def test_stop_worker_server_ends_a_server_still_importing():
     assert float(seconds) < 2.0, out
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG, /proc")
+def test_a_child_still_reading_its_orders_dies_with_the_fork_server():
+    """The clean-clone CI's rare ``FileNotFoundError`` traceback after ``editrain:
+    interrupted``: a worker the fork server had forked was still unpickling its arguments
+    (torch elastic's semaphores) when the interrupted launcher stopped the server and
+    exited. Here the child's arguments take 60 s to unpickle; stopping the server ends it
+    within seconds (before: it lived on, reparented, for the whole minute)."""
+    out = _python(
+        "import multiprocessing, os, time\n"
+        "from editrain.spawn import start_worker_server, stop_worker_server\n"
+        "class SlowToUnpickle:\n"
+        "    def __reduce__(self):\n"
+        "        return (time.sleep, (60,))\n"
+        "ctx = multiprocessing.get_context(start_worker_server())\n"
+        "child = ctx.Process(target=print, args=(SlowToUnpickle(),))\n"
+        "child.start()\n"
+        "time.sleep(0.5)\n"
+        "alive_before = os.path.exists(f'/proc/{child.pid}')\n"
+        "stop_worker_server()\n"
+        "t = time.monotonic()\n"
+        "def running(pid):\n"
+        "    try:\n"
+        "        return open(f'/proc/{pid}/stat').read().rsplit(')', 1)[1].split()[0] != 'Z'\n"
+        "    except OSError:\n"
+        "        return False\n"
+        "while running(child.pid) and time.monotonic() - t < 20:\n"
+        "    time.sleep(0.05)\n"
+        "print(ctx.get_start_method(), alive_before, running(child.pid))\n")
+    method, alive_before, alive_after = out.split()
+    assert (method, alive_before, alive_after) == ("forkserver", "True", "False"), out
+
+
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 def test_the_fork_server_starts_with_sigint_blocked():
     """Started inside ``children_start_with_sigint_blocked``, the fork server has SIGINT
