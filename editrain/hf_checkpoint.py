@@ -72,6 +72,7 @@ __all__ = [
     "load_hf_weights",
     "marker_model",
     "save_run_tokenizer",
+    "tied_aliases",
 ]
 
 EXPORT_RECORD = "editrain_export.json"
@@ -225,9 +226,36 @@ def marker_model(marker: Mapping[str, Any]) -> tuple[bool, dict[str, Any]]:
     return "dim" in model and "n_layers" in model, model
 
 
-def read_model_weights(ckpt: Path, replica: int | None = None, command: str = "export"
+def tied_aliases(model: nn.Module) -> dict[str, str]:
+    """The names under which a model holds a parameter it holds under another name too (tied
+    weights: a Hugging Face model's head that is its embedding), each mapped to the first
+    name, which ``named_parameters()`` gives and the sync engine's anchors are saved under."""
+    first: dict[int, str] = {}
+    aliases = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if first.setdefault(id(p), name) != name:
+            aliases[name] = first[id(p)]
+    return aliases
+
+
+def _marker_aliases(marker: Mapping[str, Any], ckpt: Path, command: str) -> dict[str, str]:
+    """:func:`tied_aliases` of the model a checkpoint's marker describes, built on the meta
+    device (nothing allocated)."""
+    from editrain.models.hf import HFCausalLM
+    from editrain.models.llama import Llama
+
+    llama, model_cfg = marker_model(marker)
+    with torch.device("meta"):
+        model = (Llama(_marker_llama(model_cfg, ckpt, command)) if llama
+                 else HFCausalLM.from_config_dict(model_cfg))
+    return tied_aliases(model)
+
+
+def read_model_weights(ckpt: Path, replica: int | None = None, command: str = "export",
+                       marker: Mapping[str, Any] | None = None
                        ) -> tuple[dict[str, torch.Tensor], str]:
-    """One model of a checkpoint, every tensor whole, under the model's parameter names.
+    """One model of a checkpoint, every tensor whole, under the model's parameter names (a
+    tied parameter once, under its first name: :func:`tied_aliases`).
 
     Args:
         ckpt: a complete checkpoint directory.
@@ -235,6 +263,7 @@ def read_model_weights(ckpt: Path, replica: int | None = None, command: str = "e
             where there are none: a method without a global model, or a run still in its
             warm-up, whose replicas then agree); else that replica's live weights.
         command: the command the messages name (``export``, ``sample``).
+        marker: the checkpoint's marker, if the caller has opened it already.
 
     Returns:
         ``(tensors, source)``; ``source`` says which model was read.
@@ -243,6 +272,8 @@ def read_model_weights(ckpt: Path, replica: int | None = None, command: str = "e
         CheckpointError: the replica does not exist, or the files cannot be read.
     """
     metadata = read_metadata(ckpt)
+    aliases = _marker_aliases(open_checkpoint(ckpt) if marker is None else marker, ckpt,
+                              command)
     group = group_index(ckpt.parent.parent)  # a fault-tolerant run's replica group
     source = f"replica {replica}" if group is None else f"replica {group} (replica group {group} of a fault-tolerant run)"
     keys: dict[str, str] = {}
@@ -250,14 +281,15 @@ def read_model_weights(ckpt: Path, replica: int | None = None, command: str = "e
         engine = saved_tensors(ckpt, ENGINE_KEY)
         keys = {name: f"{ENGINE_KEY}.{key}" for name, key in global_model_keys(engine).items()}
         source = "the global model (the anchors)"
-        missing = sorted(set(saved_tensors(ckpt, "replica0.model")) - set(keys))
+        missing = sorted(set(saved_tensors(ckpt, "replica0.model")) - set(keys) - set(aliases))
         if keys and missing:
             raise CheckpointError(f"{command}: {ckpt} has no global copy of {missing[0]!r}")
         if not keys:
             replica, source = 0, "replica 0 (the checkpoint holds no global model)"
     if not keys:
         keys = {name: f"replica{replica}.model.{name}"
-                for name in saved_tensors(ckpt, f"replica{replica}.model")}
+                for name in saved_tensors(ckpt, f"replica{replica}.model")
+                if name not in aliases}
     if not keys:
         saved = sorted({k.split(".")[0] for k in metadata.state_dict_metadata
                         if k.startswith("replica")})
@@ -339,15 +371,12 @@ def checkpoint_model(marker: Mapping[str, Any], tensors: Mapping[str, torch.Tens
     return model, int(model_cfg.get("max_position_embeddings") or 2048)
 
 
-def _hf_tensors(tensors: Mapping[str, torch.Tensor], llama: bool, config: Mapping[str, Any]
-                ) -> dict[str, torch.Tensor]:
+def _hf_tensors(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     out = {}
+    # a tied parameter is in ``tensors`` once (read_model_weights), as save_pretrained
+    # writes it: transformers ties the head to the embedding again when it loads
     for name, t in tensors.items():
         out[name[3:] if name.startswith("hf.") else to_hf_name(name)] = t.contiguous()
-    if not llama and config.get("tie_word_embeddings") is True:
-        # A tied head is the embedding; save_pretrained writes it once. (Where the config
-        # does not say, the head is kept: a tied model reads it as the same tensor.)
-        out.pop("lm_head.weight", None)
     return out
 
 
@@ -467,10 +496,10 @@ def export_checkpoint(path: str | Path, out: str | Path, replica: int | None = N
     marker = open_checkpoint(ckpt)  # regular files only, no link, bounded marker
     out = Path(out).expanduser()
     llama, model_cfg = marker_model(marker)
-    tensors, source = read_model_weights(ckpt, replica)
+    tensors, source = read_model_weights(ckpt, replica, marker=marker)
     checkpoint_model(marker, tensors, ckpt, "export", real=False)  # config.json fits them
     hf = {name: t.to(EXPORT_DTYPES[dtype])
-          for name, t in _hf_tensors(tensors, llama, model_cfg).items()}
+          for name, t in _hf_tensors(tensors).items()}
     run_dir = ckpt.parent.parent
     run_cfg = marker.get("config") or {}
     tok_dir = _tokenizer(run_dir, run_cfg)

@@ -31,6 +31,7 @@ from editrain.hf_checkpoint import (
     load_hf_weights,
     marker_model,
     read_model_weights,
+    tied_aliases,
 )
 from editrain.models.hf import HFCausalLM
 from editrain.models.hf_dir import (
@@ -81,16 +82,16 @@ def _hf_dir_model(path: Path) -> tuple[nn.Module, int]:
 def _checkpoint_model(path: Path, replica: int | None) -> tuple[nn.Module, int, Path, str]:
     ckpt, replica = find_checkpoint(path, option="sample", replica=replica)
     marker = open_checkpoint(ckpt)  # regular files only, no link, bounded marker
-    tensors, source = read_model_weights(ckpt, replica, command="sample")
+    tensors, source = read_model_weights(ckpt, replica, command="sample", marker=marker)
     # editrain's Llama stays on the meta device and takes the checkpoint's tensors as its
     # parameters (no seeded build, no second copy); a Hugging Face model is built (its
     # rotary tables are buffers of its own) and the tensors copied in
     llama = marker_model(marker)[0]
     model, max_len = checkpoint_model(marker, tensors, ckpt, "sample", real=not llama)
-    # strict=False only for what the state does not hold: a tied head (one tensor) of a
-    # Hugging Face model; every tensor of the checkpoint must land on a parameter.
+    # strict=False only for what the tensors hold once: a tied parameter's other name (a
+    # Hugging Face model's head); every tensor of the checkpoint must land on a parameter.
     missing, unexpected = model.load_state_dict(tensors, strict=False, assign=llama)
-    if unexpected or [m for m in missing if llama or not m.endswith("lm_head.weight")]:
+    if unexpected or set(missing) - set(tied_aliases(model)):
         raise ValueError(f"sample: {ckpt} does not fit its own model: missing {missing[:3]}, "
                          f"unexpected {unexpected[:3]}")
     if llama:

@@ -72,6 +72,8 @@ def dirs(tmp_path_factory) -> dict[str, Path]:
         ("llama_sharded", "LlamaForCausalLM", "LlamaConfig", {"tie_word_embeddings": False},
          "20KB"),
         ("qwen", "Qwen2ForCausalLM", "Qwen2Config", {"tie_word_embeddings": False}, "20KB"),
+        # the head is the embedding, as in Qwen2.5-0.5B or Gemma: one tensor in the files
+        ("qwen_tied", "Qwen2ForCausalLM", "Qwen2Config", {"tie_word_embeddings": True}, None),
         # Llama 3's RoPE scaling, its band edges at 4 and 16 positions: every frequency of
         # the 8-wide heads is kept, blended or divided within the tests' 16 positions
         ("llama3_rope", "LlamaForCausalLM", "LlamaConfig", {"tie_word_embeddings": False,
@@ -86,7 +88,7 @@ def dirs(tmp_path_factory) -> dict[str, Path]:
         kw = {"max_shard_size": shard} if shard else {}
         model.save_pretrained(root / name, **kw)
         out[name] = root / name
-    for name in ("llama", "qwen"):
+    for name in ("llama", "qwen", "qwen_tied"):
         _save_tokenizer(out[name], corpus)
     assert (out["llama_sharded"] / "model.safetensors.index.json").is_file()
     return out
@@ -492,7 +494,8 @@ def trained(dirs) -> dict[str, Path]:
     load, the anchors and the checkpoint)."""
     root = dirs["root"]
     runs: dict = {"llama": root / "run_llama", "still": root / "run_still",
-                  "still_qwen": root / "run_still_qwen"}
+                  "still_qwen": root / "run_still_qwen",
+                  "still_qwen_tied": root / "run_still_qwen_tied"}
     # README's commands, on the tiny directory: train (at test size), export, sample
     train, export, sample = readme_commands({
         "./my-llama": dirs["llama"], "./my_corpus.txt": dirs["corpus"],
@@ -503,7 +506,8 @@ def trained(dirs) -> dict[str, Path]:
         proc = run_cli(cmd[1:], env=env, timeout=200)
         assert proc.returncode == 0, proc.stderr[-3000:]
     runs["readme_sample"] = proc.stdout
-    for still, init in (("still", "llama"), ("still_qwen", "qwen")):
+    for still, init in (("still", "llama"), ("still_qwen", "qwen"),
+                        ("still_qwen_tied", "qwen_tied")):
         _train(dirs, runs[still], dirs[init], "--train.lr", "1e-30",
                "--train.weight_decay", "0")
     return runs
@@ -518,7 +522,7 @@ def _global_logits(run: Path, x: torch.Tensor) -> torch.Tensor:
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("name", ["llama", "still_qwen"])
+@pytest.mark.parametrize("name", ["llama", "still_qwen", "still_qwen_tied"])
 def test_trained_export_loads_in_transformers_with_equal_logits(trained, dirs, name):
     out = trained[name] / "export"
     tok = transformers.AutoTokenizer.from_pretrained(out)
@@ -530,6 +534,9 @@ def test_trained_export_loads_in_transformers_with_equal_logits(trained, dirs, n
     torch.testing.assert_close(_global_logits(trained[name], x), theirs, rtol=RTOL, atol=ATOL)
     saved, exported = file_tensors(dirs[name.replace("still_", "")]), file_tensors(out)
     assert set(saved) == set(exported)
+    # a tied head is written once, as save_pretrained writes it, and tied again on loading
+    tied = model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+    assert tied == name.endswith("_tied") == ("lm_head.weight" not in exported)
     if name == "llama":  # it trained: the exported weights moved away from the directory's
         assert not torch.equal(saved["model.norm.weight"], exported["model.norm.weight"])
     readme = (out / "README.md").read_text()
@@ -538,15 +545,22 @@ def test_trained_export_loads_in_transformers_with_equal_logits(trained, dirs, n
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("name", ["llama", "qwen"])
-def test_round_trip_is_bitwise(trained, dirs, name):
+@pytest.mark.parametrize("name", ["llama", "qwen", "qwen_tied"])
+def test_round_trip_is_bitwise(trained, dirs, name, tmp_path):
     """HF -> editrain's Llama (or the adapter), sharded 2 x 2 through DCP -> anchors in a
-    checkpoint -> HF: the same bytes."""
-    out = trained["still" if name == "llama" else "still_qwen"] / "export"
-    saved, exported = file_tensors(dirs[name]), file_tensors(out)
-    assert set(saved) == set(exported)
-    for key, t in saved.items():
-        assert torch.equal(t, exported[key]), key
+    checkpoint -> HF: the same bytes; so is one replica's export (``--replica 1``). A tied
+    head (one tensor in the directory, two names in the model) was refused by the global
+    model's export ("no global copy of 'hf.lm_head.weight'")."""
+    from editrain.hf_checkpoint import export_checkpoint
+
+    run = trained["still" if name == "llama" else f"still_{name}"]
+    export_checkpoint(run, tmp_path / "replica1", replica=1)
+    saved = file_tensors(dirs[name])
+    for out in (run / "export", tmp_path / "replica1"):
+        exported = file_tensors(out)
+        assert set(saved) == set(exported), out
+        for key, t in saved.items():
+            assert torch.equal(t, exported[key]), (out, key)
     data, back = read_config(dirs[name]), read_config(out)
     for key in SHAPE:
         assert back[key] == data[key], key
