@@ -136,6 +136,31 @@ def cmd_plot(args: argparse.Namespace, extra: list[str]) -> int:
     return 0
 
 
+DEFAULT_SHARD_SIZE = "2GiB"
+"""``editrain export``'s largest safetensors file."""
+_SIZE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+               "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_size(text: str, option: str) -> int:
+    """``"5GB"`` (10**9 bytes a GB, as ``save_pretrained`` counts), ``"500MiB"`` (2**20 a
+    MiB) or a number of bytes -> bytes, at least one.
+
+    Raises:
+        ConfigError: naming ``option``: not such a size.
+    """
+    import re
+    from fractions import Fraction
+
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", text) if len(text) < 64 else None
+    unit = m.group(2).lower() if m else None
+    size = Fraction(m.group(1)) * _SIZE_UNITS[unit] if m and unit in _SIZE_UNITS else 0
+    if size < 1:
+        raise ConfigError(f"{option}: {text!r} is not a size of at least 1 byte (a number and "
+                          f"B, KB, MB, GB, TB, KiB, MiB, GiB or TiB: 5GB, 500MiB)")
+    return int(size)
+
+
 def cmd_export(args: argparse.Namespace, extra: list[str]) -> int:
     import_torch()  # a Ctrl-C in torch's import stops the command after it, not inside
     from editrain.hf_checkpoint import export_checkpoint
@@ -144,9 +169,11 @@ def cmd_export(args: argparse.Namespace, extra: list[str]) -> int:
         raise ConfigError(f"export: unexpected argument(s) {' '.join(extra)}")
     if args.replica is not None and args.replica < 0:
         raise ConfigError(f"export --replica: must be >= 0, got {args.replica}")
+    max_shard_bytes = parse_size(args.max_shard_size, "export --max-shard-size")
     check_path("export: CHECKPOINT", args.checkpoint, "in_dir")
     check_path("export: OUT", args.out, "out_dir")
-    done = export_checkpoint(args.checkpoint, args.out, replica=args.replica, dtype=args.dtype)
+    done = export_checkpoint(args.checkpoint, args.out, replica=args.replica, dtype=args.dtype,
+                             max_shard_bytes=max_shard_bytes)
     print(f"exported {done.checkpoint} ({done.source}) to {done.out}")
     return 0
 
@@ -235,6 +262,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
                    help="the weights' dtype in OUT (default float32: as trained; bfloat16 "
                         "halves the files, as most published models are)")
+    p.add_argument("--max-shard-size", "--max_shard_size", default=DEFAULT_SHARD_SIZE,
+                   metavar="SIZE", help="the largest safetensors file (e.g. 5GB, 500MiB; "
+                   f"default {DEFAULT_SHARD_SIZE}); more weights go to several files and "
+                   "model.safetensors.index.json. The export holds one file's tensors in "
+                   "memory at a time.")
     p.set_defaults(func=cmd_export)
     p = sub.add_parser("sample", help="generate text from a checkpoint or a Hugging Face "
                        "directory (CPU, one process)",

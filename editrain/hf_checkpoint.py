@@ -18,7 +18,7 @@ import json
 import os
 import shutil
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -70,7 +70,9 @@ __all__ = [
     "export_checkpoint",
     "find_checkpoint",
     "load_hf_weights",
+    "ModelWeights",
     "marker_model",
+    "model_weights",
     "save_run_tokenizer",
     "tied_aliases",
 ]
@@ -251,11 +253,50 @@ def _marker_aliases(marker: Mapping[str, Any], ckpt: Path, command: str) -> dict
     return tied_aliases(model)
 
 
-def read_model_weights(ckpt: Path, replica: int | None = None, command: str = "export",
-                       marker: Mapping[str, Any] | None = None
-                       ) -> tuple[dict[str, torch.Tensor], str]:
-    """One model of a checkpoint, every tensor whole, under the model's parameter names (a
-    tied parameter once, under its first name: :func:`tied_aliases`).
+@dataclass(frozen=True)
+class ModelWeights:
+    """Where one model of a checkpoint is (:func:`model_weights`): what its tensors are,
+    before any is read.
+
+    Attributes:
+        ckpt: the checkpoint directory.
+        keys: the model's parameter name -> the tensor's key in the checkpoint.
+        meta: the model's parameter name -> a tensor on the meta device of the saved shape
+            and dtype.
+        source: which model it is, for messages (the global model, a replica).
+        command: the command the messages name.
+    """
+
+    ckpt: Path
+    keys: dict[str, str]
+    meta: dict[str, torch.Tensor]
+    source: str
+    command: str
+
+    def load(self, names: Iterable[str] | None = None) -> dict[str, torch.Tensor]:
+        """The tensors of ``names`` (default: all), whole, on the host: only these are
+        read from the files (an export reads one output shard at a time).
+
+        Raises:
+            CheckpointError: the files cannot be read (corrupt, truncated).
+        """
+        names = list(self.keys) if names is None else list(names)
+        state = {self.keys[n]: torch.empty(self.meta[n].shape, dtype=self.meta[n].dtype)
+                 for n in names}
+        try:
+            with warnings.catch_warnings():  # one process on purpose: no_dist says so already
+                warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+                dcp.load(state, storage_reader=SafeFileSystemReader(self.ckpt),
+                         planner=SafeLoadPlanner(), no_dist=True)
+        except Exception as e:  # corrupt or truncated files: say so in one line
+            raise CheckpointError(f"{self.command}: cannot read {self.ckpt}: {e!r}") from None
+        return {n: state[self.keys[n]] for n in names}
+
+
+def model_weights(ckpt: Path, replica: int | None = None, command: str = "export",
+                  marker: Mapping[str, Any] | None = None) -> ModelWeights:
+    """Locate one model of a checkpoint under the model's parameter names (a tied parameter
+    once, under its first name: :func:`tied_aliases`), reading no tensor.
 
     Args:
         ckpt: a complete checkpoint directory.
@@ -265,15 +306,15 @@ def read_model_weights(ckpt: Path, replica: int | None = None, command: str = "e
         command: the command the messages name (``export``, ``sample``).
         marker: the checkpoint's marker, if the caller has opened it already.
 
-    Returns:
-        ``(tensors, source)``; ``source`` says which model was read.
-
     Raises:
-        CheckpointError: the replica does not exist, or the files cannot be read.
+        CheckpointError: the replica does not exist, or the global model lacks a parameter.
+        ConfigError: the marker describes more layers than the weights hold (refused before
+            a model is built from it to find the tied parameters).
     """
+    from editrain.config.size import check_weights_match
+
+    marker = open_checkpoint(ckpt) if marker is None else marker
     metadata = read_metadata(ckpt)
-    aliases = _marker_aliases(open_checkpoint(ckpt) if marker is None else marker, ckpt,
-                              command)
     group = group_index(ckpt.parent.parent)  # a fault-tolerant run's replica group
     source = f"replica {replica}" if group is None else f"replica {group} (replica group {group} of a fault-tolerant run)"
     keys: dict[str, str] = {}
@@ -281,15 +322,12 @@ def read_model_weights(ckpt: Path, replica: int | None = None, command: str = "e
         engine = saved_tensors(ckpt, ENGINE_KEY)
         keys = {name: f"{ENGINE_KEY}.{key}" for name, key in global_model_keys(engine).items()}
         source = "the global model (the anchors)"
-        missing = sorted(set(saved_tensors(ckpt, "replica0.model")) - set(keys) - set(aliases))
-        if keys and missing:
-            raise CheckpointError(f"{command}: {ckpt} has no global copy of {missing[0]!r}")
         if not keys:
             replica, source = 0, "replica 0 (the checkpoint holds no global model)"
+    anchors = bool(keys)
+    live = saved_tensors(ckpt, f"replica{replica or 0}.model")
     if not keys:
-        keys = {name: f"replica{replica}.model.{name}"
-                for name in saved_tensors(ckpt, f"replica{replica}.model")
-                if name not in aliases}
+        keys = {name: f"replica{replica}.model.{name}" for name in live}
     if not keys:
         saved = sorted({k.split(".")[0] for k in metadata.state_dict_metadata
                         if k.startswith("replica")})
@@ -298,17 +336,25 @@ def read_model_weights(ckpt: Path, replica: int | None = None, command: str = "e
             f"name the run's directory with --replica {group} for this one")
         raise CheckpointError(f"{command} --replica: {ckpt} holds no replica {replica} "
                               f"(it holds {', '.join(saved) or 'none'}){hint}")
+    check_weights_match(marker_model(marker)[1], live, f"{ckpt}/{MARKER}", option=command)
+    aliases = _marker_aliases(marker, ckpt, command)
+    missing = sorted(set(live) - set(keys) - set(aliases)) if anchors else []
+    if missing:
+        raise CheckpointError(f"{command}: {ckpt} has no global copy of {missing[0]!r}")
+    keys = {name: key for name, key in keys.items() if name not in aliases}
     sizes = metadata.state_dict_metadata
-    state = {key: torch.empty(tuple(sizes[key].size), dtype=sizes[key].properties.dtype)
-             for key in keys.values()}
-    try:
-        with warnings.catch_warnings():  # one process on purpose: no_dist says so already
-            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            dcp.load(state, storage_reader=SafeFileSystemReader(ckpt),
-                     planner=SafeLoadPlanner(), no_dist=True)
-    except Exception as e:  # corrupt or truncated files: say so in one line
-        raise CheckpointError(f"{command}: cannot read {ckpt}: {e!r}") from None
-    return {name: state[key] for name, key in keys.items()}, source
+    meta = {name: torch.empty(tuple(sizes[key].size), dtype=sizes[key].properties.dtype,
+                              device="meta") for name, key in keys.items()}
+    return ModelWeights(ckpt, keys, meta, source, command)
+
+
+def read_model_weights(ckpt: Path, replica: int | None = None, command: str = "export",
+                       marker: Mapping[str, Any] | None = None
+                       ) -> tuple[dict[str, torch.Tensor], str]:
+    """One model of a checkpoint (:func:`model_weights`), every tensor read whole: ``(tensors,
+    source)``; ``source`` says which model was read."""
+    weights = model_weights(ckpt, replica, command, marker)
+    return weights.load(), weights.source
 
 
 def build_checked(make: Callable[[], nn.Module], shapes: Mapping[str, Any], where: str,
@@ -371,41 +417,45 @@ def checkpoint_model(marker: Mapping[str, Any], tensors: Mapping[str, torch.Tens
     return model, int(model_cfg.get("max_position_embeddings") or 2048)
 
 
-def _hf_tensors(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    out = {}
-    # a tied parameter is in ``tensors`` once (read_model_weights), as save_pretrained
-    # writes it: transformers ties the head to the embedding again when it loads
-    for name, t in tensors.items():
-        out[name[3:] if name.startswith("hf.") else to_hf_name(name)] = t.contiguous()
-    return out
+def _hf_name(name: str) -> str:
+    """A model parameter's name in the Hugging Face directory."""
+    return name[3:] if name.startswith("hf.") else to_hf_name(name)
 
 
-def _write_shards(out: Path, tensors: dict[str, torch.Tensor], max_shard_bytes: int
+def _write_shards(out: Path, weights: ModelWeights, dtype: torch.dtype, max_shard_bytes: int
                   ) -> list[str]:
+    """Write the model's tensors in ``dtype`` as safetensors files of at most
+    ``max_shard_bytes`` each (one tensor larger than that: a file of its own), reading only
+    one file's tensors at a time: an export needs the memory of one file, not of the model.
+    A tied parameter is written once (:func:`model_weights`), as ``save_pretrained`` writes
+    it: transformers ties the head to the embedding again when it loads."""
     from safetensors.torch import save
 
-    shards: list[dict[str, torch.Tensor]] = [{}]
-    size = 0
-    for name, t in tensors.items():
-        n = t.numel() * t.element_size()
-        if shards[-1] and size + n > max_shard_bytes:
-            shards.append({})
+    item = torch.empty((), dtype=dtype).element_size()
+    plan: list[list[str]] = [[]]
+    size = total = 0
+    for name, t in weights.meta.items():
+        n = t.numel() * item
+        if plan[-1] and size + n > max_shard_bytes:
+            plan.append([])
             size = 0
-        shards[-1][name] = t
+        plan[-1].append(name)
         size += n
-    if len(shards) == 1:
-        _write(out, SINGLE_FILE, save(shards[0], metadata={"format": "pt"}))
-        return [SINGLE_FILE]
-    names = [f"model-{i:05d}-of-{len(shards):05d}.safetensors"
-             for i in range(1, len(shards) + 1)]
+        total += n
+    files = [SINGLE_FILE] if len(plan) == 1 else [
+        f"model-{i:05d}-of-{len(plan):05d}.safetensors" for i in range(1, len(plan) + 1)]
     weight_map = {}
-    for name, shard in zip(names, shards):
-        _write(out, name, save(shard, metadata={"format": "pt"}))
-        weight_map.update(dict.fromkeys(shard, name))
-    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    for file, names in zip(files, plan):
+        shard = {_hf_name(name): t.to(dtype).contiguous()
+                 for name, t in weights.load(names).items()}
+        _write(out, file, save(shard, metadata={"format": "pt"}))
+        weight_map.update(dict.fromkeys(shard, file))
+        del shard
+    if len(files) == 1:
+        return files
     _write(out, INDEX_FILE, json.dumps(
         {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1) + "\n")
-    return [*names, INDEX_FILE]
+    return [*files, INDEX_FILE]
 
 
 def _write(out: Path, name: str, data: str | bytes) -> None:
@@ -496,15 +546,14 @@ def export_checkpoint(path: str | Path, out: str | Path, replica: int | None = N
     marker = open_checkpoint(ckpt)  # regular files only, no link, bounded marker
     out = Path(out).expanduser()
     llama, model_cfg = marker_model(marker)
-    tensors, source = read_model_weights(ckpt, replica, marker=marker)
-    checkpoint_model(marker, tensors, ckpt, "export", real=False)  # config.json fits them
-    hf = {name: t.to(EXPORT_DTYPES[dtype])
-          for name, t in _hf_tensors(tensors).items()}
+    weights = model_weights(ckpt, replica, "export", marker)
+    checkpoint_model(marker, weights.meta, ckpt, "export", real=False)  # config.json fits them
+    source = weights.source
     run_dir = ckpt.parent.parent
     run_cfg = marker.get("config") or {}
     tok_dir = _tokenizer(run_dir, run_cfg)
     _prepare_out(out)
-    files = _write_shards(out, hf, max_shard_bytes)
+    files = _write_shards(out, weights, EXPORT_DTYPES[dtype], max_shard_bytes)
     ids = _token_ids(tok_dir)
     if llama:
         config = llama_config_to_hf(_marker_llama(model_cfg, ckpt, "export"), **ids)

@@ -30,7 +30,7 @@ from editrain.hf_checkpoint import (
     find_checkpoint,
     load_hf_weights,
     marker_model,
-    read_model_weights,
+    model_weights,
     tied_aliases,
 )
 from editrain.models.hf import HFCausalLM
@@ -82,12 +82,13 @@ def _hf_dir_model(path: Path) -> tuple[nn.Module, int]:
 def _checkpoint_model(path: Path, replica: int | None) -> tuple[nn.Module, int, Path, str]:
     ckpt, replica = find_checkpoint(path, option="sample", replica=replica)
     marker = open_checkpoint(ckpt)  # regular files only, no link, bounded marker
-    tensors, source = read_model_weights(ckpt, replica, command="sample", marker=marker)
+    weights = model_weights(ckpt, replica, "sample", marker)
     # editrain's Llama stays on the meta device and takes the checkpoint's tensors as its
     # parameters (no seeded build, no second copy); a Hugging Face model is built (its
     # rotary tables are buffers of its own) and the tensors copied in
     llama = marker_model(marker)[0]
-    model, max_len = checkpoint_model(marker, tensors, ckpt, "sample", real=not llama)
+    model, max_len = checkpoint_model(marker, weights.meta, ckpt, "sample", real=not llama)
+    tensors = weights.load()  # once the model they describe fits them
     # strict=False only for what the tensors hold once: a tied parameter's other name (a
     # Hugging Face model's head); every tensor of the checkpoint must land on a parameter.
     missing, unexpected = model.load_state_dict(tensors, strict=False, assign=llama)
@@ -96,7 +97,7 @@ def _checkpoint_model(path: Path, replica: int | None) -> tuple[nn.Module, int, 
                          f"unexpected {unexpected[:3]}")
     if llama:
         fill_rope(model, "cpu")
-    return model, max_len, ckpt.parent.parent / RUN_TOKENIZER_DIR, f"{ckpt}: {source}"
+    return model, max_len, ckpt.parent.parent / RUN_TOKENIZER_DIR, f"{ckpt}: {weights.source}"
 
 
 def load_for_sampling(path: str | Path, replica: int | None = None) -> Loaded:

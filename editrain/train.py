@@ -408,9 +408,10 @@ class Trainer:
             # strict JSON: a NaN loss is written null
             write_atomic(self.run_dir / "summary.json", to_json(summary, indent=1),
                          root=self.run_dir)
-            log.warning("done: %d steps, %d tokens, val loss %.4f, %.1f s, %d syncs, %s",
+            syncs = summary["num_syncs"]
+            log.warning("done: %d steps, %d tokens, val loss %.4f, %.1f s, %d sync%s, %s",
                         summary["steps"], summary["tokens"], final_val, summary["wall_time_s"],
-                        summary["num_syncs"],
+                        syncs, "" if syncs == 1 else "s",
                         format_bytes_by_cause(summary["cross_replica_bytes"]))
         return summary
 

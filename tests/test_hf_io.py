@@ -579,8 +579,8 @@ def _main(capsys, *argv: str) -> tuple[int, str, str]:
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_export_and_sample_from_the_cli(trained, tmp_path, capsys):
-    from editrain.hf_checkpoint import EXPORT_RECORD, export_checkpoint
+def test_export_and_sample_from_the_cli(trained, tmp_path, capsys, monkeypatch):
+    from editrain.hf_checkpoint import EXPORT_RECORD, ModelWeights
     from editrain.sample import generate, load_for_sampling
 
     run = trained["llama"]
@@ -643,13 +643,41 @@ def test_export_and_sample_from_the_cli(trained, tmp_path, capsys):
     with pytest.raises(SystemExit) as stop:  # argparse's own refusal, before any work
         _main(capsys, "export", run, tmp_path / "x", "--dtype", "int8")
     assert stop.value.code == 2 and "invalid choice: 'int8'" in capsys.readouterr().err
-    # several shards with their index: transformers reads them
-    many = export_checkpoint(run, tmp_path / "many", max_shard_bytes=20_000)
-    assert "model.safetensors.index.json" in many.files
+    # several shards with their index: transformers reads them; the checkpoint is read one
+    # shard's tensors at a time (an export needs the memory of a shard, not of the model)
+    loads: list[list[str]] = []
+    whole = ModelWeights.load
+
+    def load(self, names=None):
+        got = whole(self, names)
+        loads.append(sorted(got))
+        return got
+
+    monkeypatch.setattr(ModelWeights, "load", load)
+    many = tmp_path / "many"
+    assert _main(capsys, "export", run, many, "--max-shard-size", "20KB")[0] == 0
+    monkeypatch.undo()
+    index = json.loads((many / "model.safetensors.index.json").read_text())["weight_map"]
+    shards = sorted(set(index.values()))
+    assert len(shards) == len(loads) >= 3
+    to_hf = {to_hf_name(n): n for names in loads for n in names}
+    assert sorted(sorted(to_hf[k] for k, f in index.items() if f == shard)
+                  for shard in shards) == sorted(loads)
+    for shard in shards:
+        held = load_file(many / shard)
+        assert len(held) == 1 or sum(t.numel() * t.element_size() for t in held.values()) \
+            <= 20_000, shard
+    one = file_tensors(tmp_path / "global")
+    assert {k: torch.equal(t, one[k]) for k, t in file_tensors(many).items()} == \
+        dict.fromkeys(one, True)  # the same tensors as the one-file export, bitwise
     x = tokens()
     with torch.no_grad():
-        theirs = transformers.AutoModelForCausalLM.from_pretrained(many.out)(input_ids=x).logits
+        theirs = transformers.AutoModelForCausalLM.from_pretrained(many)(input_ids=x).logits
     torch.testing.assert_close(_global_logits(run, x), theirs, rtol=RTOL, atol=ATOL)
+    code, _, err = _main(capsys, "export", run, tmp_path / "none", "--max-shard-size", "0.5B")
+    assert code == 2 and err.strip().endswith(
+        "export --max-shard-size: '0.5B' is not a size of at least 1 byte (a number and B, KB, "
+        "MB, GB, TB, KiB, MiB, GiB or TiB: 5GB, 500MiB)") and not (tmp_path / "none").exists()
     # sample: greedy is the argmax chain of the global model, from the checkpoint and from
     # the export alike
     loaded = load_for_sampling(run)

@@ -764,6 +764,30 @@ def test_a_resumed_run_keeps_its_checkpoint_schedule(run8, data_cache, tmp_path)
     assert [int(p.name[5:]) for p in list_checkpoints(run)] == [4, 8, 12]
 
 
+@pytest.mark.timeout(120)
+def test_a_marker_claiming_more_layers_than_its_weights_is_refused_before_a_build(
+        run8, tmp_path):
+    """A checkpoint's marker edited to claim 10**9 layers: export and sample refuse it in
+    one line before they build the model it describes on the meta device (to find its tied
+    parameters, or to check its shapes): a build takes about a millisecond a layer."""
+    from editrain.config import ConfigError
+    from editrain.hf_checkpoint import export_checkpoint
+    from editrain.sample import load_for_sampling
+
+    run = _copy_run(run8, tmp_path)
+    ckpt = list_checkpoints(run)[-1]
+    marker = json.loads((ckpt / "editrain.json").read_text())
+    marker["model"]["n_layers"] = 10**9
+    (ckpt / "editrain.json").write_text(json.dumps(marker))
+    for command in (lambda: export_checkpoint(run, tmp_path / "out"),
+                    lambda: load_for_sampling(run)):
+        with pytest.raises(ConfigError, match=r"editrain.json has n_layers = .*, but its "
+                                              r"weights hold 2 layers") as e:
+            command()
+        assert "\n" not in str(e.value)
+    assert not (tmp_path / "out").exists()
+
+
 def _resume_error(run: Path, data_cache: Path) -> str:
     from tests.test_cli import editrain, error_line, tiny
 
