@@ -44,6 +44,7 @@ from editrain.models.hf_dir import (
     HFWeights,
     hf_parameters,
     inspect_weights,
+    listed_files_only,
     special_tokens,
     tokenizer_file,
 )
@@ -119,9 +120,9 @@ def load_hf_weights(model: nn.Module, path: str | Path, weights: HFWeights | Non
     # The values are the parameters themselves (detached views of the same storage, and
     # for a DTensor its local shard): DCP copies each rank's slices straight into them.
     state = {name: p.detach() for name, p in params.items()}
-    with torch.no_grad(), warnings.catch_warnings():
+    with torch.no_grad(), warnings.catch_warnings(), listed_files_only(weights) as where:
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.load(state, storage_reader=HuggingFaceStorageReader(str(weights.root)),
+        dcp.load(state, storage_reader=HuggingFaceStorageReader(where),
                  no_dist=not dist.is_initialized())
     return len(state)
 

@@ -289,7 +289,8 @@ def test_bad_directories_are_refused_in_one_line(dirs, tmp_path):
     shards = _copy(dirs["llama_sharded"], tmp_path / "shards")
     victim = sorted(shards.glob("model-*.safetensors"))[0]
     victim.unlink()
-    _refused(tmp_path, shards, f"names the shard '{victim.name}', which is not a file")
+    _refused(tmp_path, shards, f"names the shard '{victim.name}', which is not a "
+             "safetensors file")
     # shape: config.json says another width than the weights have
     wide = _copy(dirs["llama"], tmp_path / "wide")
     data = read_config(wide)
@@ -309,6 +310,94 @@ def test_bad_directories_are_refused_in_one_line(dirs, tmp_path):
     _refused(tmp_path, odd, "model.init_from: .*describes no causal LM")
     with pytest.raises(ConfigError, match="remove model.dim"):
         load_config(overrides={"model": {"init_from": str(dirs["llama"]), "dim": 64}})
+
+
+def test_only_the_files_the_index_names_are_weights(dirs, tmp_path):
+    """As transformers reads a directory: a ``*.safetensors`` file the index does not name
+    (a Mistral repository's ``consolidated.safetensors``, a stale shard), or one beside
+    ``model.safetensors`` without an index, is not read, though DCP's reader reads every
+    such file of a directory; ``./`` before a shard's name is the same shard. A stale file
+    holding the model's own names with other values proves it is not read."""
+    from safetensors.torch import save_file
+
+    from editrain.hf_checkpoint import load_hf_weights
+
+    x = tokens()
+    stale = {k: torch.zeros_like(t) for k, t in file_tensors(dirs["llama"]).items()}
+    shards = _copy(dirs["llama_sharded"], tmp_path / "shards")
+    save_file(stale, shards / "consolidated.safetensors")
+    single = _copy(dirs["llama"], tmp_path / "single")
+    save_file(stale, single / "model-old.safetensors")
+    dotted = _copy(dirs["llama_sharded"], tmp_path / "dotted")
+    index = json.loads((dotted / "model.safetensors.index.json").read_text())
+    index["weight_map"] = {k: f"./{v}" for k, v in index["weight_map"].items()}
+    (dotted / "model.safetensors.index.json").write_text(json.dumps(index))
+    for d, source in ((shards, "llama_sharded"), (single, "llama"), (dotted, "llama_sharded")):
+        model = Llama(llama_config_from_hf(read_config(d)))
+        load_hf_weights(model, d)
+        with torch.no_grad():
+            torch.testing.assert_close(model(x), hf_logits(dirs[source], x), rtol=RTOL,
+                                       atol=ATOL)
+    assert not list(Path(tempfile_root()).glob("editrain-weights-*"))  # the view is gone
+    # an index that disagrees with its shards is refused with what it says and what is
+    names = json.loads((dirs["llama_sharded"] / "model.safetensors.index.json").read_text())
+    files = sorted(set(names["weight_map"].values()))
+    moved = next(k for k, v in names["weight_map"].items() if v == files[-1])
+    for case, weight_map, match in (
+            ("elsewhere", {**names["weight_map"], moved: files[0]},
+             f"{files[-1]} holds '{moved}', which model.safetensors.index.json places in "
+             f"{files[0]}"),
+            ("unlisted", {k: v for k, v in names["weight_map"].items() if k != moved},
+             f"{files[-1]} holds '{moved}', which model.safetensors.index.json does not list")):
+        bad = _copy(dirs["llama_sharded"], tmp_path / case)
+        (bad / "model.safetensors.index.json").write_text(
+            json.dumps({**names, "weight_map": weight_map}))
+        _refused(tmp_path, bad, "model.init_from: " + match)
+    # a listed shard that lacks a tensor the index places there
+    lost = _copy(dirs["llama_sharded"], tmp_path / "lost")
+    rest = {k: t for k, t in _file(lost / files[-1]).items() if k != moved}
+    save_file(rest, lost / files[-1], metadata={"format": "pt"})
+    _refused(tmp_path, lost, f"model.init_from: model.safetensors.index.json places "
+             f"'{moved}' in {files[-1]}, which does not hold it")
+
+
+def test_the_hubs_layout_of_a_converted_architecture_is_refused_with_the_way_out(
+        dirs, tmp_path):
+    """GPT-NeoX's files name its head ``embed_out`` (``save_pretrained`` writes the hub's
+    layout; transformers renames it to ``lm_head`` as it loads): refused in one line that
+    says so and how to convert, and the conversion it names trains."""
+    import shutil
+
+    from safetensors.torch import save_model
+
+    config = transformers.GPTNeoXConfig(vocab_size=320, hidden_size=32, intermediate_size=64,
+                                        num_hidden_layers=2, num_attention_heads=4,
+                                        max_position_embeddings=64, tie_word_embeddings=False)
+    hub = tmp_path / "neox"
+    transformers.GPTNeoXForCausalLM(config).save_pretrained(hub)
+    assert "embed_out.weight" in file_tensors(hub)
+    _refused(tmp_path, hub, r"has no tensor 'lm_head.weight', .* but 1 it has no parameter "
+             r"for \('embed_out.weight', ...\): the hub's layout .* safetensors.torch.save_model")
+    new = tmp_path / "converted"
+    new.mkdir()
+    save_model(transformers.AutoModelForCausalLM.from_pretrained(hub), new / "model.safetensors")
+    shutil.copy(hub / "config.json", new / "config.json")
+    _save_tokenizer(new, dirs["corpus"])
+    cfg = load_config(overrides={"model": {"init_from": str(new)},
+                                 "data": {"cache_dir": str(tmp_path / "cache")}})
+    assert cfg.model.init_from == str(new)
+
+
+def tempfile_root() -> str:
+    import tempfile
+
+    return tempfile.gettempdir()
+
+
+def _file(path: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(path)
 
 
 REVISION = "0123abcd" * 5

@@ -13,8 +13,12 @@ library or DCP opens it. Every error is one line that names the option it came f
 
 from __future__ import annotations
 
+import contextlib
 import math
+import os
 import struct
+import tempfile
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -36,6 +40,7 @@ __all__ = [
     "hf_parameters",
     "hub_snapshot",
     "inspect_weights",
+    "listed_files_only",
     "read_config",
     "read_safetensors_header",
     "special_tokens",
@@ -184,16 +189,17 @@ def read_safetensors_header(path: Path, option: str = "model.init_from"
 def inspect_weights(path: str | Path, option: str = "model.init_from") -> HFWeights:
     """The safetensors weights of a model directory, checked (see the module's docstring).
 
-    One ``model.safetensors``, or the shards ``model.safetensors.index.json`` names (and no
-    other ``*.safetensors``: DCP's reader reads every such file of the directory).
+    One ``model.safetensors``, or the shards ``model.safetensors.index.json`` names; as for
+    transformers, any other ``*.safetensors`` file is not weights of the model (the
+    original checkpoint's ``consolidated.safetensors`` of a Mistral repository) and is
+    never read (:func:`listed_files_only`).
 
     Raises:
         ValueError: one line naming ``option``: no weights, pickle files only, a weight
-            file outside the directory, a shard missing or not in the index, a tensor the
-            index places in another file, a bad header.
+            file outside the directory, a shard missing, a tensor the index places in
+            another file or does not list, a bad header.
     """
     root = Path(path).expanduser()
-    present = sorted(p.name for p in root.iterdir() if p.name.endswith(".safetensors"))
     index = root / INDEX_FILE
     if index.exists():
         _inside(root, index, option)
@@ -201,20 +207,11 @@ def inspect_weights(path: str | Path, option: str = "model.init_from") -> HFWeig
         weight_map = data.get("weight_map") if isinstance(data, dict) else None
         if not isinstance(weight_map, dict):
             raise _fail(option, f"{index} is not a safetensors index (no weight_map)")
+        weight_map = {tname: _shard_name(root, name, index, option)
+                      for tname, name in weight_map.items()}
         files = sorted(set(weight_map.values()))
-        for name in files:
-            if not isinstance(name, str) or "/" in name or not (root / name).is_file():
-                raise _fail(option, f"{index} names the shard {name!r}, which is not a "
-                            f"file of {root}")
-        extra = sorted(set(present) - set(files))
-        if extra:
-            raise _fail(option, f"{root} holds {extra[0]}, which {INDEX_FILE} does not "
-                        "name; remove it (every *.safetensors file there is read)")
     elif (root / SINGLE_FILE).is_file():
         files, weight_map = [SINGLE_FILE], None
-        if len(present) > 1:
-            raise _fail(option, f"{root} holds {SINGLE_FILE} and other *.safetensors "
-                        f"files ({', '.join(present)}) without {INDEX_FILE}")
     else:
         pickles = sorted(p.name for p in root.iterdir() if p.suffix in PICKLE_SUFFIXES)
         if pickles:
@@ -231,15 +228,49 @@ def inspect_weights(path: str | Path, option: str = "model.init_from") -> HFWeig
             if tname in weights.tensors:
                 raise _fail(option, f"tensor {tname!r} is in both {weights.tensors[tname].file}"
                             f" and {name}")
-            if weight_map is not None and weight_map.get(tname) != name:
+            if weight_map is not None and tname not in weight_map:
+                raise _fail(option, f"{name} holds {tname!r}, which {INDEX_FILE} does not "
+                            "list")
+            if weight_map is not None and weight_map[tname] != name:
                 raise _fail(option, f"{name} holds {tname!r}, which {INDEX_FILE} places in "
-                            f"{weight_map.get(tname)!r}")
+                            f"{weight_map[tname]}")
             weights.tensors[tname] = TensorInfo(info.dtype, info.shape, name)
     if weight_map is not None:
         missing = sorted(set(weight_map) - set(weights.tensors))
         if missing:
-            raise _fail(option, f"{INDEX_FILE} names {missing[0]!r}, which no shard holds")
+            raise _fail(option, f"{INDEX_FILE} places {missing[0]!r} in "
+                        f"{weight_map[missing[0]]}, which does not hold it")
     return weights
+
+
+def _shard_name(root: Path, name: Any, index: Path, option: str) -> str:
+    """A file the index names, as a name in ``root`` (``./model-1.safetensors`` is
+    ``model-1.safetensors``, as transformers reads it)."""
+    import posixpath
+
+    plain = posixpath.normpath(name) if isinstance(name, str) else None
+    if (plain is None or "/" in plain or not plain.endswith(".safetensors")
+            or not (root / plain).is_file()):
+        raise _fail(option, f"{index} names the shard {name!r}, which is not a safetensors "
+                    f"file of {root}")
+    return plain
+
+
+@contextlib.contextmanager
+def listed_files_only(weights: HFWeights) -> Iterator[str]:
+    """A directory that holds the model's weight files and nothing else, for DCP's
+    ``HuggingFaceStorageReader``, which reads every ``*.safetensors`` file of the directory
+    it is given: ``weights.root`` itself when that holds no other, else a temporary
+    directory of links to them (removed after the block)."""
+    root = weights.root
+    present = {p.name for p in root.iterdir() if p.name.endswith(".safetensors")}
+    if present == set(weights.files):
+        yield str(root)
+        return
+    with tempfile.TemporaryDirectory(prefix="editrain-weights-") as view:
+        for name in weights.files:
+            os.symlink((root / name).resolve(), Path(view) / name)
+        yield view
 
 
 HUB_PREFIX = "hf:"
@@ -342,8 +373,19 @@ def check_tensors(weights: HFWeights, expected: dict[str, tuple[int, ...]],
             the model has no parameter for (it would be dropped silently).
     """
     root = weights.root
+    extra = sorted(set(weights.tensors) - set(expected))
     for name, shape in expected.items():
         info = weights.tensors.get(name)
+        if info is None and extra:
+            # e.g. GPT-NeoX's embed_out (lm_head now), Mixtral's per-expert w1/w2/w3 (one
+            # fused tensor now): transformers converts such files as it loads them
+            raise _fail(option, f"{root} has no tensor {name!r}, which the model of its "
+                        f"config.json needs, but {len(extra)} it has no parameter for "
+                        f"({extra[0]!r}, ...): the hub's layout of this architecture, which "
+                        "transformers renames or merges as it loads it, while editrain reads "
+                        "the model's own names; convert it once: load it with transformers "
+                        "and write NEW/model.safetensors with safetensors.torch.save_model, "
+                        "beside copies of its config.json and tokenizer files")
         if info is None:
             raise _fail(option, f"{root} has no tensor {name!r}, which the model of its "
                         "config.json needs")
@@ -351,7 +393,6 @@ def check_tensors(weights: HFWeights, expected: dict[str, tuple[int, ...]],
             raise _fail(option, f"tensor {name!r} in {root}/{info.file} has shape "
                         f"{list(info.shape)}, the model of its config.json needs "
                         f"{list(shape)} (a shape or vocabulary mismatch)")
-    extra = sorted(set(weights.tensors) - set(expected))
     if extra:
         raise _fail(option, f"{root} holds the tensor {extra[0]!r}, which the model of its "
                     "config.json has no parameter for")
