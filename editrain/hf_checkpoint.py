@@ -42,6 +42,7 @@ from editrain.models.hf_dir import (
     INDEX_FILE,
     SINGLE_FILE,
     HFWeights,
+    hf_int,
     hf_parameters,
     inspect_weights,
     listed_files_only,
@@ -415,7 +416,7 @@ def checkpoint_model(marker: Mapping[str, Any], tensors: Mapping[str, torch.Tens
                              real), cfg.max_seq_len
     model = build_checked(lambda: HFCausalLM.from_config_dict(model_cfg), shapes, str(ckpt),
                           command, own, real)
-    return model, int(model_cfg.get("max_position_embeddings") or 2048)
+    return model, hf_int(model_cfg, "positions") or 2048
 
 
 def _hf_name(name: str) -> str:

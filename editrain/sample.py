@@ -36,6 +36,7 @@ from editrain.hf_checkpoint import (
 from editrain.models.hf import HFCausalLM
 from editrain.models.hf_dir import (
     HUB_PREFIX,
+    hf_int,
     hub_snapshot,
     inspect_weights,
     read_config,
@@ -74,7 +75,7 @@ def _hf_dir_model(path: Path) -> tuple[nn.Module, int]:
     else:
         model = build_checked(lambda: HFCausalLM.from_config_dict(data, path=path), shapes,
                               str(path), "sample")
-        max_len = int(data.get("max_position_embeddings") or data.get("n_positions") or 2048)
+        max_len = hf_int(data, "positions") or 2048
     load_hf_weights(model, path, weights)
     return model, max_len
 

@@ -409,9 +409,10 @@ class Trainer:
             write_atomic(self.run_dir / "summary.json", to_json(summary, indent=1),
                          root=self.run_dir)
             syncs = summary["num_syncs"]
-            log.warning("done: %d steps, %d tokens, val loss %.4f, %.1f s, %d sync%s, %s",
-                        summary["steps"], summary["tokens"], final_val, summary["wall_time_s"],
-                        syncs, "" if syncs == 1 else "s",
+            steps = summary["steps"]
+            log.warning("done: %d step%s, %d tokens, val loss %.4f, %.1f s, %d sync%s, %s",
+                        steps, "" if steps == 1 else "s", summary["tokens"], final_val,
+                        summary["wall_time_s"], syncs, "" if syncs == 1 else "s",
                         format_bytes_by_cause(summary["cross_replica_bytes"]))
         return summary
 

@@ -63,7 +63,7 @@ def test_hf_config_validation(tmp_path):
     with pytest.raises(ValueError, match="model_type"):
         check_hf_config(bad)
     cfg = write_config(tmp_path / "config.json")
-    with pytest.raises(ValueError, match="max_position_embeddings 64"):
+    with pytest.raises(ValueError, match="max_position_embeddings = 64"):
         check_hf_config(cfg, seq_len=65)
     check_hf_config(cfg, seq_len=64)
     # Through the run configuration: errors name the option, before any process starts.
@@ -100,3 +100,21 @@ def test_train_hf_llama_end_to_end(tmp_path):
     assert summary["steps"] == 30 and summary["num_syncs"] >= 5
     assert (summary["replicas"], summary["shard_size"]) == (2, 2)
     assert any("sync" in r for r in rows)
+
+
+def test_gpt2_style_names_are_read_as_transformers_maps_them(tmp_path):
+    """GPT-2's config.json names its limits ``n_positions``, ``n_head``, ``n_layer``
+    (transformers' ``attribute_map``): a ``train.seq_len`` beyond ``n_positions`` is refused
+    before launch (it was an IndexError in every worker), and ``dist.tp_size`` is checked
+    against its 4 heads (it read 1)."""
+    from editrain.config.model import heads
+
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({"model_type": "gpt2", "vocab_size": 320, "n_embd": 32,
+                                "n_layer": 2, "n_head": 4, "n_positions": 32}))
+    with pytest.raises(ConfigError, match=r"train.seq_len: 64 exceeds n_positions = 32 of "
+                                          r"model.hf_config .* \(raise it there or lower "
+                                          r"train.seq_len\)"):
+        load_config(None, {"model": {"hf_config": str(path)}, "train": {"seq_len": 64}})
+    cfg = load_config(None, {"model": {"hf_config": str(path)}, "train": {"seq_len": 32}})
+    assert heads(cfg) == (4, 4)

@@ -16,7 +16,7 @@ from typing import Any
 
 from editrain.config.schema import Config
 from editrain.errors import as_config_error
-from editrain.models.hf_dir import read_config, special_tokens, tokenizer_file
+from editrain.models.hf_dir import hf_int, read_config, special_tokens, tokenizer_file
 from editrain.models.hf_llama import is_llama_config, llama_config_from_hf
 from editrain.models.llama_config import LlamaConfig, preset_config
 
@@ -75,8 +75,8 @@ def heads(cfg: Config) -> tuple[int, int]:
         from editrain.models.hf import read_hf_config
 
         data = read_hf_config(source)
-        q = int(data.get("num_attention_heads") or 1)
-        return q, int(data.get("num_key_value_heads") or q)
+        q = hf_int(data, "heads") or 1
+        return q, hf_int(data, "kv_heads") or q
     mcfg = model_config(cfg)
     return mcfg.n_heads, mcfg.n_kv_heads or mcfg.n_heads
 

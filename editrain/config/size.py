@@ -35,19 +35,13 @@ from pathlib import Path
 from typing import Any
 
 from editrain.errors import ConfigError
+from editrain.models.hf_dir import hf_int, hf_key
 
 MIN_VOCAB = 257
 """The smallest vocabulary a run can have (a byte-level BPE: 256 bytes and end of text)."""
 FP32 = 4
 CGROUP_LIMITS = ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes")
 """Where a container's memory limit is (cgroup v2, then v1)."""
-HF_KEYS = {"layers": ("num_hidden_layers", "n_layer", "num_layers", "n_layers"),
-           "hidden": ("hidden_size", "n_embd", "d_model"),
-           "vocab": ("vocab_size",)}
-"""The names transformers' configs give the layer count, the width and the vocabulary
-(``n_layers``: editrain's Llama, as a checkpoint's marker writes it)."""
-
-
 def llama_parameters(mcfg: Any) -> int:
     """The parameters of editrain's Llama of ``mcfg`` (a ``LlamaConfig``), exactly: per
     block the query and output projections, the key and value projections (grouped
@@ -61,26 +55,17 @@ def llama_parameters(mcfg: Any) -> int:
             + (0 if mcfg.tie_embeddings else embedding))
 
 
-def _hf_int(data: dict[str, Any], kind: str) -> int:
-    """The first of ``HF_KEYS[kind]`` that ``data`` holds as a positive integer, else 0."""
-    for key in HF_KEYS[kind]:
-        value = data.get(key)
-        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
-            return value
-    return 0
-
-
 def hf_layers(data: dict[str, Any]) -> int:
     """The layer count of a Hugging Face ``config.json`` (0 when it does not say)."""
-    return _hf_int(data, "layers")
+    return hf_int(data, "layers")
 
 
 def hf_parameters_at_least(data: dict[str, Any]) -> int:
     """A lower bound on the parameters of the model of a Hugging Face ``config.json``: its
     input embedding and one ``hidden_size``-input linear map per layer (0 for what the
     file does not say)."""
-    hidden = _hf_int(data, "hidden")
-    return hidden * (_hf_int(data, "vocab") + _hf_int(data, "layers"))
+    hidden = hf_int(data, "hidden")
+    return hidden * (hf_int(data, "vocab") + hf_int(data, "layers"))
 
 
 def least_parameters(cfg: Any) -> tuple[int, str, int, int]:
@@ -229,7 +214,7 @@ def check_weights_match(data: dict[str, Any], names: Any, source: str,
     """
     layers, held = hf_layers(data), weight_layers(names)
     if layers > held:
-        key = next(k for k in HF_KEYS["layers"] if data.get(k) == layers)
+        key = hf_key(data, "layers")
         raise ConfigError(
             f"{option}: {source} has {key} = {_count(layers)}, but its weights hold {held} "
             f"layers; the file does not belong to these weights")

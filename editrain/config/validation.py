@@ -223,6 +223,16 @@ def validate(cfg: Config) -> None:
                 f"(the worker dies after that step), got {cfg.sim.fail!r}")
     if cfg.model.init_from is not None:  # first: the checks below read its config.json
         _check_init_from(cfg)
+    if cfg.dist.tp_size > 1 and hf_source(cfg) is not None:
+        from editrain.models.hf import read_hf_config
+        from editrain.models.tensor_parallel import HF_MODEL_TYPES
+
+        kind = read_hf_config(hf_source(cfg))["model_type"]
+        require(kind in HF_MODEL_TYPES, "dist.tp_size",
+                f"tensor parallelism splits Hugging Face models of the types editrain checks "
+                f"it on ({', '.join(HF_MODEL_TYPES)}), not {kind!r} of {_hf_option(cfg)} (its "
+                f"attention may reshape by the whole model's head count or norm across heads); "
+                f"train it with FSDP alone (dist.tp_size = 1)")
     if cfg.dist.tp_size > 1:
         q, kv = heads(cfg)
         require(q % cfg.dist.tp_size == 0 and kv % cfg.dist.tp_size == 0, "dist.tp_size",
@@ -243,9 +253,12 @@ def validate(cfg: Config) -> None:
         _check_hf(cfg)
     else:
         mcfg = model_config(cfg)
+        how = (f"max_position_embeddings of the model.init_from directory "
+               f"{cfg.model.init_from}; lower train.seq_len" if init_llama(cfg) else
+               "raise model.max_seq_len or lower train.seq_len")
         require(t.seq_len <= mcfg.max_seq_len, "train.seq_len",
                 f"{t.seq_len} exceeds the model's maximum sequence length {mcfg.max_seq_len} "
-                f"(raise model.max_seq_len or lower train.seq_len)")
+                f"({how})")
     if s.is_local_sgd and s.fragments > max(1, _blocks(cfg)):  # else every block is one
         units = sync_units(cfg)  # built on the meta device, for the message
         blocks = [n for n in units if n.startswith("block")]
@@ -343,7 +356,7 @@ def _check_hf(cfg: Config) -> None:
     require(not shape, _hf_option(cfg), f"the model shape comes from the config file; "
             f"remove {', '.join('model.' + k for k in shape)}")
     with as_config_error(FileNotFoundError):
-        check_hf_config(hf_source(cfg), cfg.train.seq_len)
+        check_hf_config(hf_source(cfg), cfg.train.seq_len, _hf_option(cfg))
 
 
 def _hf_option(cfg: Config) -> str:

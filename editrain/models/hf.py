@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from editrain.models.hf_dir import hf_key
 from editrain.safe_io import read_json_value
 from editrain.units import find_blocks
 
@@ -67,13 +68,16 @@ def read_hf_config(path: str | Path) -> dict[str, Any]:
     return data
 
 
-def check_hf_config(path: str | Path, seq_len: int | None = None) -> None:
+def check_hf_config(path: str | Path, seq_len: int | None = None,
+                    option: str = "model.hf_config") -> None:
     """Validate ``model.hf_config`` before any process starts (cheap: transformers is only
     looked up, not imported).
 
     Args:
         path: the ``config.json`` (or a directory holding one).
-        seq_len: the training sequence length, checked against ``max_position_embeddings``.
+        seq_len: the training sequence length, checked against the model's longest
+            sequence (``max_position_embeddings``, GPT-2's ``n_positions``...).
+        option: where ``path`` came from (``model.hf_config``, ``model.init_from``).
 
     Raises:
         FileNotFoundError: the file is missing.
@@ -83,10 +87,12 @@ def check_hf_config(path: str | Path, seq_len: int | None = None) -> None:
     data = read_hf_config(path)
     if not transformers_available():
         raise ValueError(f"model.hf_config needs the transformers package: {INSTALL_HINT}")
-    limit = data.get("max_position_embeddings")
-    if seq_len is not None and isinstance(limit, int) and seq_len > limit:
-        raise ValueError(f"train.seq_len: {seq_len} exceeds max_position_embeddings {limit} of "
-                         f"model.hf_config {path} (raise it there or lower train.seq_len)")
+    key = hf_key(data, "positions")
+    if seq_len is not None and key is not None and seq_len > data[key]:
+        # a pretrained model's positions are what it learned: only a new model may have more
+        how = "raise it there or lower" if option == "model.hf_config" else "lower"
+        raise ValueError(f"train.seq_len: {seq_len} exceeds {key} = {data[key]} of {option} "
+                         f"{path} ({how} train.seq_len)")
 
 
 def check_vocab(hf_vocab_size: int, tokenizer_vocab_size: int, path: str | Path = "") -> None:

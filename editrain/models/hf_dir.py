@@ -31,12 +31,15 @@ if TYPE_CHECKING:  # annotations only: the file checks run without torch (editra
 
 __all__ = [
     "HEADER_LIMIT",
+    "HF_KEYS",
     "HUB_PREFIX",
     "INDEX_FILE",
     "SINGLE_FILE",
     "HFWeights",
     "TensorInfo",
     "check_tensors",
+    "hf_int",
+    "hf_key",
     "hf_parameters",
     "hub_snapshot",
     "inspect_weights",
@@ -77,6 +80,34 @@ class HFWeights:
     root: Path
     files: list[str]
     tensors: dict[str, TensorInfo] = field(default_factory=dict)
+
+
+HF_KEYS = {"layers": ("num_hidden_layers", "n_layer", "num_layers", "n_layers"),
+           "hidden": ("hidden_size", "n_embd", "d_model"),
+           "vocab": ("vocab_size",),
+           "heads": ("num_attention_heads", "n_head", "num_heads", "n_heads"),
+           "kv_heads": ("num_key_value_heads", "num_kv_heads", "n_head_kv", "n_kv_heads"),
+           "positions": ("max_position_embeddings", "n_positions", "max_seq_len",
+                         "max_sequence_length", "n_ctx")}
+"""The names transformers' configs give the layer count, the width, the vocabulary, the
+query and key/value heads and the longest sequence (GPT-2's ``n_layer``, ``n_head``,
+``n_positions``...: what a config class's ``attribute_map`` maps the standard names to;
+``n_layers`` and ``n_heads``: editrain's Llama, as a checkpoint's marker writes it)."""
+
+
+def hf_key(data: dict[str, Any], kind: str) -> str | None:
+    """The first of ``HF_KEYS[kind]`` that ``data`` holds as a positive integer, or None."""
+    for key in HF_KEYS[kind]:
+        value = data.get(key)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return key
+    return None
+
+
+def hf_int(data: dict[str, Any], kind: str) -> int:
+    """The value of :func:`hf_key` in ``data``, else 0 (the config does not say)."""
+    key = hf_key(data, kind)
+    return 0 if key is None else data[key]
 
 
 def _fail(option: str, msg: str) -> ValueError:

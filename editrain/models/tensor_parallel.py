@@ -37,6 +37,12 @@ LAYOUTS: dict[str, dict[str, str]] = {
                  "mlp.gate_proj": "col", "mlp.up_proj": "col", "mlp.down_proj": "row"},
 }
 """Per block layout: sub-module path -> column-wise or row-wise."""
+HF_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text",
+                  "granite")
+"""Hugging Face architectures split by the ``hf-llama`` layout, checked against the whole
+model (the same step-0 validation loss): their attention reshapes by the local head count
+and norms nothing across heads. Others with the same layer names do not run split (OLMo 2
+norms the queries across all heads; StableLM reshapes by the whole model's head count)."""
 
 
 def _layout_of(block: nn.Module) -> dict[str, str]:
