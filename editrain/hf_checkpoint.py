@@ -86,7 +86,11 @@ RUN_TOKENIZER_DIR = "tokenizer"
 TOKENIZER_MAX_BYTES = 256 << 20
 """The largest tokenizer file an export copies (a large vocabulary's tokenizer.json is tens
 of MB)."""
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                   "generation_config.json")
+"""What a run keeps of its tokenizer's model directory and an export writes beside the
+weights: the tokenizer, and how the model generates (its end-of-text ids: Llama 3 names
+several there)."""
 DEFAULT_EOS = "<|endoftext|>"
 """The end-of-text token of the BPE editrain trains (:mod:`editrain.data.tokenizer`)."""
 
@@ -136,9 +140,9 @@ def save_run_tokenizer(run_dir: str | Path, tokenizer_json: str | Path,
         run_dir: the run directory.
         tokenizer_json: the tokenizer the run uses (the token cache's copy).
         source_dir: the model directory the tokenizer came from (``data.tokenizer`` or
-            ``model.init_from``), whose ``tokenizer_config.json`` and
-            ``special_tokens_map.json`` are kept too; None: a trained BPE, whose
-            ``tokenizer_config.json`` is written here.
+            ``model.init_from``), whose ``tokenizer_config.json``,
+            ``special_tokens_map.json`` and ``generation_config.json`` are kept too; None:
+            a trained BPE, whose ``tokenizer_config.json`` is written here.
     """
     out = make_dir(Path(run_dir) / RUN_TOKENIZER_DIR, root=run_dir)
 
@@ -153,7 +157,7 @@ def save_run_tokenizer(run_dir: str | Path, tokenizer_json: str | Path,
         for name in TOKENIZER_FILES[1:]:
             if (Path(source_dir) / name).is_file():
                 copy(Path(source_dir) / name, name)
-                copied = True
+                copied |= name != "generation_config.json"
     if not copied:
         write_atomic(out / "tokenizer_config.json", json.dumps(
             {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": DEFAULT_EOS,

@@ -266,10 +266,11 @@ _FILES_IN = {
     # (editrain.hf_checkpoint: RUN_TOKENIZER_DIR, export_checkpoint), with the leftovers
     # of their atomic writes
     "tokenizer": re.compile(r"(tokenizer\.json|tokenizer_config\.json|"
-                            r"special_tokens_map\.json)(\.tmp)?"),
+                            r"special_tokens_map\.json|generation_config\.json)(\.tmp)?"),
     "export": re.compile(r"(config\.json|model\.safetensors|model-\d{5}-of-\d{5}\.safetensors|"
                          r"model\.safetensors\.index\.json|tokenizer\.json|"
-                         r"tokenizer_config\.json|special_tokens_map\.json|README\.md|"
+                         r"tokenizer_config\.json|special_tokens_map\.json|generation_config\.json|"
+                         r"README\.md|"
                          r"editrain_export\.json)(\.tmp)?"),
 }
 """Directories of a run that hold only files editrain writes, and those files' names."""

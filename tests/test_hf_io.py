@@ -630,6 +630,11 @@ def test_trained_export_loads_in_transformers_with_equal_logits(trained, dirs, n
         assert not torch.equal(saved["model.norm.weight"], exported["model.norm.weight"])
     readme = (out / "README.md").read_text()
     assert "method: edit" in readme and "step: 4" in readme and "anchors" in readme
+    # how the model generates (its end-of-text ids) comes along from the directory
+    generation = dirs[name.replace("still_", "")] / "generation_config.json"
+    assert (out / "generation_config.json").read_bytes() == generation.read_bytes()
+    assert transformers.GenerationConfig.from_pretrained(out).to_dict() == \
+        transformers.GenerationConfig.from_pretrained(generation.parent).to_dict()
 
 
 @pytest.mark.slow
