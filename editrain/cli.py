@@ -114,7 +114,7 @@ def cmd_data(args: argparse.Namespace, extra: list[str]) -> int:
 
 
 def cmd_plot(args: argparse.Namespace, extra: list[str]) -> int:
-    from editrain.metrics import plot_runs
+    from editrain.metrics import has_losses, plot_runs
     from editrain.rundir import replica_groups
 
     if extra:
@@ -131,7 +131,14 @@ def cmd_plot(args: argparse.Namespace, extra: list[str]) -> int:
             raise ConfigError(f"plot: {d} holds no metrics.jsonl (nor replica*/metrics.jsonl, "
                               "a fault-tolerant run's)")
         runs += [d] if (d / "metrics.jsonl").is_file() else groups
-    for p in plot_runs(runs, args.out if args.out is not None else args.run_dirs[0]):
+    drawn = [r for r in runs if has_losses(r)]
+    empty = [f"plot: {r}/metrics.jsonl holds no loss yet (the run has not finished a step)"
+             for r in runs if r not in drawn]
+    if not drawn:
+        raise ConfigError(empty[0])
+    for line in empty:  # the other runs are drawn
+        print(f"editrain: {line}; left out", file=sys.stderr)
+    for p in plot_runs(drawn, args.out if args.out is not None else args.run_dirs[0]):
         print(p)
     return 0
 

@@ -296,6 +296,12 @@ def loss_series(rows: Sequence[dict[str, Any]], x_key: str,
             "sync_x": [r[x_key] for r in rows if r.get("sync") and x_key in r]}
 
 
+def has_losses(run_dir: str | Path) -> bool:
+    """Whether a run's ``metrics.jsonl`` holds a training or validation loss to draw."""
+    s = loss_series(read_metrics(Path(run_dir)), "tokens")
+    return bool(s["train_x"] or s["val_x"])
+
+
 def plot_runs(run_dirs: Sequence[str | Path], out_dir: str | Path | None = None) -> list[Path]:
     """Draw loss-vs-tokens and loss-vs-time PNGs for one or more runs.
 
@@ -336,7 +342,8 @@ def plot_runs(run_dirs: Sequence[str | Path], out_dir: str | Path | None = None)
         ax.set_xlabel(x_label)
         ax.set_ylabel("loss")
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
+        if ax.get_legend_handles_labels()[0]:  # else matplotlib warns of an empty legend
+            ax.legend(fontsize=8)
         fig.tight_layout()
         path = out / name
         with open_write(path, "w", binary=True) as f:  # never through a link

@@ -11,6 +11,7 @@ import re
 import subprocess
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import pytest
@@ -330,6 +331,27 @@ def test_plot_without_metrics(tmp_path, capsys):
     assert cli.main(["plot", str(tmp_path)]) == 2
     err = capsys.readouterr().err
     assert "metrics.jsonl" in err and str(tmp_path) in err
+
+
+def test_plot_of_a_run_without_a_loss_yet(edit_run, tmp_path, capsys):
+    """A run that failed before its first step has a metrics.jsonl without a loss: refused
+    in one line, or left out of a comparison with a note (it drew empty axes, and
+    matplotlib warned of a legend without labels)."""
+    failed = tmp_path / "failed"
+    failed.mkdir()
+    (failed / "metrics.jsonl").write_text(json.dumps({"event": "start"}) + "\n")
+    assert cli.main(["plot", str(failed)]) == 2
+    assert capsys.readouterr().err.strip() == (
+        f"editrain: error: plot: {failed}/metrics.jsonl holds no loss yet (the run has not "
+        f"finished a step)")
+    assert not (failed / "loss_vs_tokens.png").exists()
+    out = tmp_path / "plots"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no matplotlib warning either
+        assert cli.main(["plot", str(edit_run[0]), str(failed), "--out", str(out)]) == 0
+    err = capsys.readouterr().err
+    assert err.strip().endswith("holds no loss yet (the run has not finished a step); left out")
+    assert_png(out / "loss_vs_tokens.png")
 
 
 # ---------------------------------------------------------------------------- help and options

@@ -303,7 +303,8 @@ def test_bad_directories_are_refused_in_one_line(dirs, tmp_path):
     for f in ("config.json", "model.safetensors"):
         (bare / f).write_bytes((dirs["llama"] / f).read_bytes())
     _refused(tmp_path, bare, "data.vocab_size: the tokenizer has 8192 ids, more than the "
-             "embedding .* has rows \\(320\\)")
+             "embedding .* has rows \\(320\\); .*bare has no tokenizer.json, so the run would "
+             "train a new one .* name the model's tokenizer with data.tokenizer")
     # an architecture transformers does not know
     odd = _copy(dirs["qwen"], tmp_path / "odd")
     (odd / "config.json").write_text(json.dumps({**read_config(odd), "model_type": "nosuch"}))

@@ -400,8 +400,12 @@ def _check_init_from(cfg: Config) -> None:
         check_tensors(weights, expected)
     vocab = int(model.config.vocab_size)
     tok_vocab, option = _tokenizer_vocab(cfg)
+    trained = "" if option != "data.vocab_size" else (
+        f"; {m.init_from} has no tokenizer.json, so the run would train a new one of "
+        f"data.vocab_size ids, which the model's weights do not know: name the model's "
+        f"tokenizer with data.tokenizer (a model directory or hf:ORG/NAME)")
     require(tok_vocab <= vocab, option, f"the tokenizer has {tok_vocab} ids, more than the "
-            f"embedding of model.init_from {m.init_from} has rows ({vocab})")
+            f"embedding of model.init_from {m.init_from} has rows ({vocab}){trained}")
 
 
 def _tokenizer_vocab(cfg: Config) -> tuple[int, str]:
