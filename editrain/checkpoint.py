@@ -248,6 +248,17 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 
 # ---------------------------------------------------------------------------- metadata
+def first_failure(e: BaseException) -> BaseException:
+    """What failed inside DCP's ``CheckpointException`` (a ``BaseException`` holding each
+    rank's exception and traceback): an editrain error raised on purpose by any rank, else
+    the lowest rank's; any other exception itself."""
+    failures = [f[0] if isinstance(f, tuple) else f
+                for _, f in sorted(getattr(e, "failures", {}).items())]
+    failures = [f for f in failures if isinstance(f, BaseException)]
+    ours = [f for f in failures if isinstance(f, CheckpointError)]
+    return (ours or failures or [e])[0]
+
+
 def saved_tensors(checkpoint_id: str | os.PathLike, key: str) -> dict[str, torch.Tensor]:
     """What a DCP checkpoint holds under ``key``: each tensor's flattened key (without the
     leading ``key.``) -> an empty tensor on the meta device with the saved shape and dtype.
@@ -550,13 +561,14 @@ def run_meta(cfg: Any, vocab_size: int, topology: tuple[int, ...] | None = None,
 
     from editrain.config import model_config, to_dict
     from editrain.config.model import hf_source
+    from editrain.config.size import hf_layers
     from editrain.models.hf import read_hf_config
 
     source = hf_source(cfg)
     if source:
         model = dict(read_hf_config(source))
         model.pop("transformers_version", None)
-        num_units = int(model.get("num_hidden_layers", model.get("n_layer", 0))) + 1
+        num_units = hf_layers(model) + 1
     else:
         model = dataclasses.asdict(model_config(cfg, vocab_size=vocab_size))
         num_units = model["n_layers"] + 1
@@ -957,10 +969,10 @@ def load_checkpoint(ckpt: Path, *, model: torch.nn.Module, optimizer: torch.opti
     except CheckpointError:
         raise
     except dcp.CheckpointException as e:  # a BaseException, holding each rank's failure
-        for failure in e.failures.values():
-            if isinstance(failure[0], CheckpointError):
-                raise CheckpointError(str(failure[0])) from None
-        raise CheckpointError(f"{ckpt}: cannot read checkpoint data: {e!r}") from e
+        failure = first_failure(e)
+        if isinstance(failure, CheckpointError):
+            raise CheckpointError(str(failure)) from None
+        raise CheckpointError(f"{ckpt}: cannot read checkpoint data: {failure!r}") from e
     except Exception as e:
         # Corrupt or truncated files: say so, never continue silently.
         raise CheckpointError(f"{ckpt}: cannot read checkpoint data: {e!r}") from e

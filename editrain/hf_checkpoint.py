@@ -33,6 +33,7 @@ from editrain.checkpoint import (
     CKPT_DIR,
     ENGINE_KEY,
     MARKER,
+    first_failure,
     list_checkpoints,
     open_checkpoint,
     saved_tensors,
@@ -56,6 +57,7 @@ from editrain.safe_io import (
     List,
     Obj,
     Str,
+    check_no_links,
     make_dir,
     open_write,
     read_bytes,
@@ -63,6 +65,7 @@ from editrain.safe_io import (
     write_atomic,
 )
 from editrain.safe_load import SafeFileSystemReader, SafeLoadPlanner, read_metadata
+from editrain.spawn import one_line
 from editrain.sync.state import global_model_keys
 
 __all__ = [
@@ -86,8 +89,9 @@ RUN_TOKENIZER_DIR = "tokenizer"
 TOKENIZER_MAX_BYTES = 256 << 20
 """The largest tokenizer file an export copies (a large vocabulary's tokenizer.json is tens
 of MB)."""
+GENERATION_FILE = "generation_config.json"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
-                   "generation_config.json")
+                   GENERATION_FILE)
 """What a run keeps of its tokenizer's model directory and an export writes beside the
 weights: the tokenizer, and how the model generates (its end-of-text ids: Llama 3 names
 several there)."""
@@ -133,7 +137,8 @@ def load_hf_weights(model: nn.Module, path: str | Path, weights: HFWeights | Non
 
 
 def save_run_tokenizer(run_dir: str | Path, tokenizer_json: str | Path,
-                       source_dir: str | Path | None = None) -> Path:
+                       source_dir: str | Path | None = None,
+                       model_dir: str | Path | None = None) -> Path:
     """Keep the run's tokenizer in ``RUN_DIR/tokenizer/`` for ``editrain export``.
 
     Args:
@@ -143,6 +148,8 @@ def save_run_tokenizer(run_dir: str | Path, tokenizer_json: str | Path,
             ``model.init_from``), whose ``tokenizer_config.json``,
             ``special_tokens_map.json`` and ``generation_config.json`` are kept too; None:
             a trained BPE, whose ``tokenizer_config.json`` is written here.
+        model_dir: the ``model.init_from`` directory, whose ``generation_config.json`` is
+            kept in preference to ``source_dir``'s (the model's own generation settings).
     """
     out = make_dir(Path(run_dir) / RUN_TOKENIZER_DIR, root=run_dir)
 
@@ -154,10 +161,14 @@ def save_run_tokenizer(run_dir: str | Path, tokenizer_json: str | Path,
     copy(Path(tokenizer_json), "tokenizer.json")
     copied = False
     if source_dir is not None:
-        for name in TOKENIZER_FILES[1:]:
+        for name in TOKENIZER_FILES[1:-1]:
             if (Path(source_dir) / name).is_file():
                 copy(Path(source_dir) / name, name)
-                copied |= name != "generation_config.json"
+                copied = True
+    for where in (model_dir, source_dir):
+        if where is not None and (Path(where) / GENERATION_FILE).is_file():
+            copy(Path(where) / GENERATION_FILE, GENERATION_FILE)
+            break
     if not copied:
         write_atomic(out / "tokenizer_config.json", json.dumps(
             {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": DEFAULT_EOS,
@@ -294,8 +305,10 @@ class ModelWeights:
                 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
                 dcp.load(state, storage_reader=SafeFileSystemReader(self.ckpt),
                          planner=SafeLoadPlanner(), no_dist=True)
-        except Exception as e:  # corrupt or truncated files: say so in one line
-            raise CheckpointError(f"{self.command}: cannot read {self.ckpt}: {e!r}") from None
+        except (Exception, dcp.CheckpointException) as e:  # corrupt or truncated files
+            failure = first_failure(e)
+            raise CheckpointError(f"{self.command}: cannot read {self.ckpt}: "
+                                  f"{one_line(repr(failure))} (damaged or cut short)") from None
         return {n: state[self.keys[n]] for n in names}
 
 
@@ -342,9 +355,10 @@ def model_weights(ckpt: Path, replica: int | None = None, command: str = "export
             f"name the run's directory with --replica {group} for this one")
         raise CheckpointError(f"{command} --replica: {ckpt} holds no replica {replica} "
                               f"(it holds {', '.join(saved) or 'none'}){hint}")
-    check_weights_match(marker_model(marker)[1], live, f"{ckpt}/{MARKER}", option=command)
+    # the model read: before a model is built from the marker to find its tied parameters
+    check_weights_match(marker_model(marker)[1], keys, f"{ckpt}/{MARKER}", option=command)
     aliases = _marker_aliases(marker, ckpt, command)
-    missing = sorted(set(live) - set(keys) - set(aliases)) if anchors else []
+    missing = sorted(set(live) - set(keys) - set(aliases)) if anchors and live else []
     if missing:
         raise CheckpointError(f"{command}: {ckpt} has no global copy of {missing[0]!r}")
     keys = {name: key for name, key in keys.items() if name not in aliases}
@@ -428,18 +442,14 @@ def _hf_name(name: str) -> str:
     return name[3:] if name.startswith("hf.") else to_hf_name(name)
 
 
-def _write_shards(out: Path, weights: ModelWeights, dtype: torch.dtype, max_shard_bytes: int
-                  ) -> list[str]:
-    """Write the model's tensors in ``dtype`` as safetensors files of at most
-    ``max_shard_bytes`` each (one tensor larger than that: a file of its own), reading only
-    one file's tensors at a time: an export needs the memory of one file, not of the model.
-    A tied parameter is written once (:func:`model_weights`), as ``save_pretrained`` writes
-    it: transformers ties the head to the embedding again when it loads."""
-    from safetensors.torch import save
-
+def _plan_shards(weights: ModelWeights, dtype: torch.dtype, max_shard_bytes: int
+                 ) -> list[tuple[str, list[str]]]:
+    """The safetensors files of an export and the parameters each holds, in order: at most
+    ``max_shard_bytes`` a file in ``dtype`` (one tensor larger than that: a file of its
+    own)."""
     item = torch.empty((), dtype=dtype).element_size()
     plan: list[list[str]] = [[]]
-    size = total = 0
+    size = 0
     for name, t in weights.meta.items():
         n = t.numel() * item
         if plan[-1] and size + n > max_shard_bytes:
@@ -447,21 +457,32 @@ def _write_shards(out: Path, weights: ModelWeights, dtype: torch.dtype, max_shar
             size = 0
         plan[-1].append(name)
         size += n
-        total += n
     files = [SINGLE_FILE] if len(plan) == 1 else [
         f"model-{i:05d}-of-{len(plan):05d}.safetensors" for i in range(1, len(plan) + 1)]
+    return list(zip(files, plan))
+
+
+def _write_shards(out: Path, weights: ModelWeights, dtype: torch.dtype,
+                  plan: list[tuple[str, list[str]]]) -> dict[str, str]:
+    """Write each file of ``plan`` as ``out/FILE.partial``, reading only that file's tensors
+    from the checkpoint (an export needs the memory of one file, not of the model);
+    returns the Hugging Face name of every tensor -> its file. A tied parameter is written
+    once (:func:`model_weights`), as ``save_pretrained`` writes it: transformers ties the
+    head to the embedding again when it loads."""
+    from safetensors.torch import save
+
     weight_map = {}
-    for file, names in zip(files, plan):
+    for file, names in plan:
         shard = {_hf_name(name): t.to(dtype).contiguous()
                  for name, t in weights.load(names).items()}
-        _write(out, file, save(shard, metadata={"format": "pt"}))
+        _write(out, file + PARTIAL, save(shard, metadata={"format": "pt"}))
         weight_map.update(dict.fromkeys(shard, file))
         del shard
-    if len(files) == 1:
-        return files
-    _write(out, INDEX_FILE, json.dumps(
-        {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1) + "\n")
-    return [*files, INDEX_FILE]
+    return weight_map
+
+
+PARTIAL = ".partial"
+"""The suffix of an export's weight files until every one of them is written."""
 
 
 def _write(out: Path, name: str, data: str | bytes) -> None:
@@ -473,13 +494,14 @@ def _write(out: Path, name: str, data: str | bytes) -> None:
         raise CheckpointError(f"export: {e}") from None
 
 
-def _prepare_out(out: Path) -> None:
-    """``out`` empty, absent, or a previous export (whose own files alone are removed)."""
+def _prepare_out(out: Path) -> list[str]:
+    """``out`` empty, absent (then made), or an earlier export, whose files are returned
+    (names inside ``out`` only); nothing is removed yet."""
     if out.exists() and not out.is_dir():
         raise CheckpointError(f"export: {out} exists and is not a directory")
     if not out.exists() or not any(out.iterdir()):
         out.mkdir(parents=True, exist_ok=True)
-        return
+        return []
     record = out / EXPORT_RECORD
     if not os.path.lexists(record):
         raise CheckpointError(f"export: {out} is not empty and is not an earlier export (no "
@@ -487,8 +509,13 @@ def _prepare_out(out: Path) -> None:
     files = read_json(record, max_bytes=1 << 20, what="export record",
                       schema=Obj({"files": List(Str(255), 1 << 16)}, required=("files",)),
                       error=CheckpointError)["files"]
-    for name in [*files, EXPORT_RECORD]:
-        p = out / Path(str(name)).name  # never anything outside ``out``
+    return [Path(str(name)).name for name in files]  # never anything outside ``out``
+
+
+def _remove(out: Path, names: Iterable[str]) -> None:
+    """Remove the export's own files ``names`` from ``out`` (regular files only)."""
+    for name in names:
+        p = out / name
         if p.is_file() and not p.is_symlink():
             p.unlink()
 
@@ -558,8 +585,32 @@ def export_checkpoint(path: str | Path, out: str | Path, replica: int | None = N
     run_dir = ckpt.parent.parent
     run_cfg = marker.get("config") or {}
     tok_dir = _tokenizer(run_dir, run_cfg)
-    _prepare_out(out)
-    files = _write_shards(out, weights, EXPORT_DTYPES[dtype], max_shard_bytes)
+    earlier = _prepare_out(out)
+    plan = _plan_shards(weights, EXPORT_DTYPES[dtype], max_shard_bytes)
+    # Before anything is written, a record of all this attempt may leave: one that fails (a
+    # damaged checkpoint, a full disk, Ctrl-C) leaves an earlier export to the next, which
+    # then replaces it. The earlier export's files stay as they are until every weight is
+    # written, under names of their own.
+    staged = [file + PARTIAL for file, _ in plan]
+    own = {*earlier, *staged, *(f for f, _ in plan), INDEX_FILE, "config.json", "README.md",
+           *TOKENIZER_FILES}
+    for name in sorted(own | {EXPORT_RECORD}):  # a link put there is refused, not replaced
+        try:
+            check_no_links(out / name, out)
+        except RunDirError as e:
+            raise CheckpointError(f"export: {e}") from None
+    _write(out, EXPORT_RECORD, json.dumps({"files": sorted(own), "complete": False}) + "\n")
+    weight_map = _write_shards(out, weights, EXPORT_DTYPES[dtype], plan)
+    files = [file for file, _ in plan]
+    _remove(out, [f for f in earlier if f not in staged and f != EXPORT_RECORD])
+    for file in files:
+        os.replace(out / (file + PARTIAL), out / file)
+    if len(files) > 1:
+        total = sum(weights.meta[n].numel() for _, names in plan for n in names) * \
+            torch.empty((), dtype=EXPORT_DTYPES[dtype]).element_size()
+        _write(out, INDEX_FILE, json.dumps(
+            {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1) + "\n")
+        files.append(INDEX_FILE)
     ids = _token_ids(tok_dir)
     if llama:
         config = llama_config_to_hf(_marker_llama(model_cfg, ckpt, "export"), **ids)

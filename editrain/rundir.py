@@ -271,7 +271,7 @@ _FILES_IN = {
                          r"model\.safetensors\.index\.json|tokenizer\.json|"
                          r"tokenizer_config\.json|special_tokens_map\.json|generation_config\.json|"
                          r"README\.md|"
-                         r"editrain_export\.json)(\.tmp)?"),
+                         r"editrain_export\.json)(\.partial)?(\.tmp)?"),
 }
 """Directories of a run that hold only files editrain writes, and those files' names."""
 _WALK_LIMIT = 1 << 16

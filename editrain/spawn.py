@@ -509,8 +509,8 @@ def stop_worker_server() -> None:
     a server that ends by itself, after its launcher, tears its interpreter down first
     (torch loaded: 1.5 s on a 2-core machine) while it holds the launcher's stdout and
     stderr, so whoever reads them waits. Killed here instead (the launcher does so when its
-    job ends, whatever the outcome), and reaped; its children, if any, are the launcher's
-    workers, which watch the launcher themselves (:func:`die_with_parent`). ``multiprocessing``
+    job ends, whatever the outcome), and reaped; its children, if any, die with it
+    (:func:`children_die_with_this_process`). ``multiprocessing``
     offers no public way to stop its server: this uses the fields its own ``_stop``
     resets, and does nothing where a Python lacks them.
     """

@@ -169,7 +169,7 @@ class Trainer:
         self.rank_log = RankLog(self.run_dir, info.rank)
         if self.is_logger:  # for editrain export
             save_run_tokenizer(self.run_dir, self.data.corpus.tokenizer_path,
-                               tokenizer_source(cfg)[1])
+                               tokenizer_source(cfg)[1], cfg.model.init_from)
         self.loop.start_clock()
 
     # ------------------------------------------------------------------ the loop

@@ -108,6 +108,11 @@ def _fork_worker_server() -> None:
         os.close(alive_w)
         try:
             signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+            # as the real server's preload (editrain.worker_server) does: its children
+            # die with it
+            from editrain.spawn import children_die_with_this_process
+
+            children_die_with_this_process()
             forkserver.main(listener.fileno(), alive_r, [])
         finally:
             os._exit(0)

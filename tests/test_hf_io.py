@@ -256,6 +256,17 @@ def _refused(tmp: Path, init: Path, match: str, **data) -> None:
     assert "\n" not in str(e.value)
 
 
+def big_tokenizer(tmp: Path) -> Path:
+    """A tokenizer.json of 401 ids (more than the test models' 320 rows)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {f"w{i}": i for i in range(400)} | {"<|endoftext|>": 400}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(tmp / "big_tokenizer.json"))
+    return tmp / "big_tokenizer.json"
+
+
 def test_bad_directories_are_refused_in_one_line(dirs, tmp_path):
     ok = load_config(overrides={"model": {"init_from": str(dirs["llama"])}})
     assert ok.model.init_from == str(dirs["llama"])
@@ -302,9 +313,12 @@ def test_bad_directories_are_refused_in_one_line(dirs, tmp_path):
     bare.mkdir()
     for f in ("config.json", "model.safetensors"):
         (bare / f).write_bytes((dirs["llama"] / f).read_bytes())
-    _refused(tmp_path, bare, "data.vocab_size: the tokenizer has 8192 ids, more than the "
-             "embedding .* has rows \\(320\\); .*bare has no tokenizer.json, so the run would "
-             "train a new one .* name the model's tokenizer with data.tokenizer")
+    _refused(tmp_path, bare, "model.init_from: .*bare has no tokenizer.json, and a new "
+             "tokenizer's ids would mean nothing to its weights: name the model's tokenizer "
+             "with data.tokenizer")
+    # a tokenizer of more ids than the embedding has rows
+    _refused(tmp_path, bare, "data.tokenizer: the tokenizer has 401 ids, more than the "
+             "embedding .* has rows \\(320\\)", tokenizer=str(big_tokenizer(tmp_path)))
     # an architecture transformers does not know
     odd = _copy(dirs["qwen"], tmp_path / "odd")
     (odd / "config.json").write_text(json.dumps({**read_config(odd), "model_type": "nosuch"}))
@@ -313,33 +327,42 @@ def test_bad_directories_are_refused_in_one_line(dirs, tmp_path):
         load_config(overrides={"model": {"init_from": str(dirs["llama"]), "dim": 64}})
 
 
-def test_only_the_files_the_index_names_are_weights(dirs, tmp_path):
+def test_only_the_files_the_index_names_are_weights(dirs, tmp_path, monkeypatch):
     """As transformers reads a directory: a ``*.safetensors`` file the index does not name
     (a Mistral repository's ``consolidated.safetensors``, a stale shard), or one beside
     ``model.safetensors`` without an index, is not read, though DCP's reader reads every
     such file of a directory; ``./`` before a shard's name is the same shard. A stale file
     holding the model's own names with other values proves it is not read."""
+    import shutil
+    import tempfile
+
     from safetensors.torch import save_file
 
     from editrain.hf_checkpoint import load_hf_weights
 
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # where the view is made
     x = tokens()
     stale = {k: torch.zeros_like(t) for k, t in file_tensors(dirs["llama"]).items()}
     shards = _copy(dirs["llama_sharded"], tmp_path / "shards")
     save_file(stale, shards / "consolidated.safetensors")
     single = _copy(dirs["llama"], tmp_path / "single")
     save_file(stale, single / "model-old.safetensors")
+    both = _copy(dirs["llama_sharded"], tmp_path / "both")  # model.safetensors wins
+    shutil.copy(dirs["llama"] / "model.safetensors", both / "model.safetensors")
     dotted = _copy(dirs["llama_sharded"], tmp_path / "dotted")
     index = json.loads((dotted / "model.safetensors.index.json").read_text())
     index["weight_map"] = {k: f"./{v}" for k, v in index["weight_map"].items()}
     (dotted / "model.safetensors.index.json").write_text(json.dumps(index))
-    for d, source in ((shards, "llama_sharded"), (single, "llama"), (dotted, "llama_sharded")):
+    for d, source in ((shards, "llama_sharded"), (single, "llama"), (dotted, "llama_sharded"),
+                      (both, "llama")):
         model = Llama(llama_config_from_hf(read_config(d)))
         load_hf_weights(model, d)
         with torch.no_grad():
-            torch.testing.assert_close(model(x), hf_logits(dirs[source], x), rtol=RTOL,
-                                       atol=ATOL)
-    assert not list(Path(tempfile_root()).glob("editrain-weights-*"))  # the view is gone
+            got = model(x)
+            torch.testing.assert_close(got, hf_logits(dirs[source], x), rtol=RTOL, atol=ATOL)
+            # what transformers reads of the directory as it is
+            torch.testing.assert_close(got, hf_logits(d, x), rtol=RTOL, atol=ATOL)
+    assert not list(tmp_path.glob("editrain-weights-*"))  # the view is gone
     # an index that disagrees with its shards is refused with what it says and what is
     names = json.loads((dirs["llama_sharded"] / "model.safetensors.index.json").read_text())
     files = sorted(set(names["weight_map"].values()))
@@ -387,12 +410,6 @@ def test_the_hubs_layout_of_a_converted_architecture_is_refused_with_the_way_out
     cfg = load_config(overrides={"model": {"init_from": str(new)},
                                  "data": {"cache_dir": str(tmp_path / "cache")}})
     assert cfg.model.init_from == str(new)
-
-
-def tempfile_root() -> str:
-    import tempfile
-
-    return tempfile.gettempdir()
 
 
 def _file(path: Path) -> dict[str, torch.Tensor]:
@@ -661,6 +678,38 @@ def test_round_trip_is_bitwise(trained, dirs, name, tmp_path):
         assert back[key] == data[key], key
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_failed_export_leaves_the_earlier_one_whole(trained, tmp_path):
+    """An export into an earlier one that fails while it reads the checkpoint (here a
+    truncated data file, read shard by shard) leaves the earlier export as it was, byte for
+    byte, and the next export replaces it."""
+    import shutil
+
+    from editrain.errors import CheckpointError
+    from editrain.hf_checkpoint import export_checkpoint
+
+    run = tmp_path / "run"
+    shutil.copytree(trained["llama"] / "checkpoints", run / "checkpoints")
+    out = tmp_path / "out"
+    export_checkpoint(run, out, max_shard_bytes=20_000)
+    before = {f.name: f.read_bytes() for f in out.iterdir()}
+    data = max((run / "checkpoints").glob("*/*.distcp"), key=lambda f: f.stat().st_size)
+    whole = data.read_bytes()
+    data.write_bytes(whole[: len(whole) // 2])
+    with pytest.raises(CheckpointError, match=r"export: cannot read .*: EOFError\(\) \(damaged "
+                                              r"or cut short\)$") as e:
+        export_checkpoint(run, out, max_shard_bytes=20_000)
+    assert "\n" not in str(e.value)
+    after = {f.name: f.read_bytes() for f in out.iterdir() if not f.name.endswith(".partial")}
+    assert after.keys() - {"editrain_export.json"} == before.keys() - {"editrain_export.json"}
+    assert all(after[k] == v for k, v in before.items() if k != "editrain_export.json")
+    data.write_bytes(whole)
+    done = export_checkpoint(run, out)  # one file now: the shards of before are gone
+    assert sorted(f.name for f in out.iterdir()) == sorted([*done.files, "editrain_export.json"])
+    assert not [f for f in out.iterdir() if f.name.endswith(".partial")]
+
+
 def _main(capsys, *argv: str) -> tuple[int, str, str]:
     """``editrain ARGV`` in this process (export and sample start no workers): the exit code,
     stdout and stderr."""
@@ -870,3 +919,19 @@ def test_a_fault_tolerant_runs_directory_names_its_checkpoints(tmp_path):
     with pytest.raises(CheckpointError, match=r"^export: .*empty is neither a complete "
                                               r"checkpoint .* a fault-tolerant run's\)$"):
         find_checkpoint(tmp_path / "empty")
+
+
+def test_the_run_keeps_the_models_own_generation_config(tmp_path):
+    """The tokenizer may come from another model (data.tokenizer) than the weights
+    (model.init_from): the run keeps the weights' generation_config.json, else the
+    tokenizer's directory's."""
+    from editrain.hf_checkpoint import save_run_tokenizer
+
+    tok_dir, model_dir = tmp_path / "tok", tmp_path / "model"
+    for d, eos in ((tok_dir, 7), (model_dir, [2, 3])):
+        d.mkdir()
+        (d / "generation_config.json").write_text(json.dumps({"eos_token_id": eos}))
+    (tok_dir / "tokenizer.json").write_text(big_tokenizer(tmp_path).read_text())
+    for run, model, eos in (("r1", model_dir, [2, 3]), ("r2", None, 7)):
+        out = save_run_tokenizer(tmp_path / run, tok_dir / "tokenizer.json", tok_dir, model)
+        assert json.loads((out / "generation_config.json").read_text())["eos_token_id"] == eos

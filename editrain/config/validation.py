@@ -28,6 +28,7 @@ from editrain.config.model import (
     meta_model,
     model_config,
     sync_units,
+    tokenizer_source,
 )
 from editrain.config.schema import (
     BACKENDS,
@@ -398,21 +399,22 @@ def _check_init_from(cfg: Config) -> None:
     expected = {n: tuple(p.shape) for n, p in hf_parameters(model).items()}
     with as_config_error():
         check_tensors(weights, expected)
+    # Without the model's tokenizer the run would train a new BPE, whose ids mean nothing
+    # to the pretrained embedding.
+    require(tokenizer_source(cfg)[0] is not None, "model.init_from",
+            f"{m.init_from} has no tokenizer.json, and a new tokenizer's ids would mean "
+            f"nothing to its weights: name the model's tokenizer with data.tokenizer (its "
+            f"tokenizer.json, its model directory or hf:ORG/NAME)")
     vocab = int(model.config.vocab_size)
     tok_vocab, option = _tokenizer_vocab(cfg)
-    trained = "" if option != "data.vocab_size" else (
-        f"; {m.init_from} has no tokenizer.json, so the run would train a new one of "
-        f"data.vocab_size ids, which the model's weights do not know: name the model's "
-        f"tokenizer with data.tokenizer (a model directory or hf:ORG/NAME)")
     require(tok_vocab <= vocab, option, f"the tokenizer has {tok_vocab} ids, more than the "
-            f"embedding of model.init_from {m.init_from} has rows ({vocab}){trained}")
+            f"embedding of model.init_from {m.init_from} has rows ({vocab})")
 
 
 def _tokenizer_vocab(cfg: Config) -> tuple[int, str]:
     """The id space of the tokenizer the run will use, and the option that chose it:
     ``data.tokenizer`` (or the ``model.init_from`` directory's), else the BPE it will train
     (``data.vocab_size``)."""
-    from editrain.config.model import tokenizer_source
     from editrain.data import load_tokenizer, tokenizer_vocab_size
 
     path = tokenizer_source(cfg)[0]

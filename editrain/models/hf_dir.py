@@ -220,10 +220,10 @@ def read_safetensors_header(path: Path, option: str = "model.init_from"
 def inspect_weights(path: str | Path, option: str = "model.init_from") -> HFWeights:
     """The safetensors weights of a model directory, checked (see the module's docstring).
 
-    One ``model.safetensors``, or the shards ``model.safetensors.index.json`` names; as for
-    transformers, any other ``*.safetensors`` file is not weights of the model (the
-    original checkpoint's ``consolidated.safetensors`` of a Mistral repository) and is
-    never read (:func:`listed_files_only`).
+    One ``model.safetensors``, else the shards ``model.safetensors.index.json`` names; as
+    for transformers, any other ``*.safetensors`` file is not weights of the model (the
+    original checkpoint's ``consolidated.safetensors`` of a Mistral repository, an index's
+    shards beside ``model.safetensors``) and is never read (:func:`listed_files_only`).
 
     Raises:
         ValueError: one line naming ``option``: no weights, pickle files only, a weight
@@ -232,7 +232,9 @@ def inspect_weights(path: str | Path, option: str = "model.init_from") -> HFWeig
     """
     root = Path(path).expanduser()
     index = root / INDEX_FILE
-    if index.exists():
+    if (root / SINGLE_FILE).is_file():  # transformers, too, reads it before any index
+        files, weight_map = [SINGLE_FILE], None
+    elif index.exists():
         _inside(root, index, option)
         data = _json(index, option)
         weight_map = data.get("weight_map") if isinstance(data, dict) else None
@@ -241,8 +243,6 @@ def inspect_weights(path: str | Path, option: str = "model.init_from") -> HFWeig
         weight_map = {tname: _shard_name(root, name, index, option)
                       for tname, name in weight_map.items()}
         files = sorted(set(weight_map.values()))
-    elif (root / SINGLE_FILE).is_file():
-        files, weight_map = [SINGLE_FILE], None
     else:
         pickles = sorted(p.name for p in root.iterdir() if p.suffix in PICKLE_SUFFIXES)
         if pickles:
