@@ -592,8 +592,9 @@ def export_checkpoint(path: str | Path, out: str | Path, replica: int | None = N
     # then replaces it. The earlier export's files stay as they are until every weight is
     # written, under names of their own.
     staged = [file + PARTIAL for file, _ in plan]
-    own = {*earlier, *staged, *(f for f, _ in plan), INDEX_FILE, "config.json", "README.md",
-           *TOKENIZER_FILES}
+    carried = [n for n in TOKENIZER_FILES if tok_dir is not None and (tok_dir / n).is_file()]
+    own = {*earlier, *staged, *(f for f, _ in plan), *([INDEX_FILE] if len(plan) > 1 else []),
+           "config.json", "README.md", *carried}
     for name in sorted(own | {EXPORT_RECORD}):  # a link put there is refused, not replaced
         try:
             check_no_links(out / name, out)
@@ -621,11 +622,9 @@ def export_checkpoint(path: str | Path, out: str | Path, replica: int | None = N
     config.update(torch_dtype=dtype, dtype=dtype)
     _write(out, "config.json", json.dumps(config, indent=1) + "\n")
     files.append("config.json")
-    if tok_dir is not None:
-        for name in TOKENIZER_FILES:
-            if (tok_dir / name).is_file():
-                _write(out, name, read_bytes(tok_dir / name, TOKENIZER_MAX_BYTES))
-                files.append(name)
+    for name in carried:
+        _write(out, name, read_bytes(tok_dir / name, TOKENIZER_MAX_BYTES))
+        files.append(name)
     method = marker.get("method", "?")
     step = marker.get("step", "?")
     _write(out, "README.md",
