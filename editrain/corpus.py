@@ -13,6 +13,7 @@ from typing import Any
 from editrain.config import Config
 from editrain.config.model import tokenizer_source
 from editrain.data import OVERLAP_WINDOW, TokenData, open_prepared, prepare_tokens
+from editrain.data.sources import DEFAULT_SOURCE
 
 __all__ = ["describe_data", "format_data", "prepare_data"]
 
@@ -37,10 +38,24 @@ def prepare_data(cfg: Config, entry: str | Path | None = None) -> TokenData:
     tokenizer, _, eos_token = tokenizer_source(cfg)
     return prepare_tokens(
         d.path, Path(d.cache_dir).expanduser(), d.vocab_size, tokenizer, d.val_fraction,
-        d.max_bytes, val_tokens=d.val_tokens, split_seed=d.split_seed,
+        corpus_bytes(d), val_tokens=d.val_tokens, split_seed=d.split_seed,
         text_field=d.text_field, eos_token=eos_token, eos=d.eos, separator=d.separator,
         progress=not cfg.quiet,
     )
+
+
+DEFAULT_CORPUS_BYTES = 8_000_000
+"""What ``data.max_bytes = "auto"`` reads of the embedded default corpus (the running
+Python's standard library: the main job and the benchmarks train on this slice)."""
+
+
+def corpus_bytes(d: Any) -> int | None:
+    """The cap ``data.max_bytes`` puts on the corpus (None: all of it): ``auto`` reads all
+    of a corpus ``data.path`` names (a user's corpus is never cut short unasked) and
+    :data:`DEFAULT_CORPUS_BYTES` of the embedded default one."""
+    if d.max_bytes == "auto":
+        return DEFAULT_CORPUS_BYTES if d.path == DEFAULT_SOURCE else None
+    return d.max_bytes
 
 
 def describe_data(data: TokenData) -> dict[str, Any]:

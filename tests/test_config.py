@@ -847,3 +847,25 @@ def test_require_and_as_config_error():
     with pytest.raises(KeyError):  # anything else passes through
         with as_config_error():
             raise KeyError("x")
+
+
+def test_a_named_corpus_is_read_whole_unless_data_max_bytes_says_otherwise(tmp_path):
+    """data.max_bytes = auto (the default) caps the embedded default corpus at 8 MB, as
+    the main job and the benchmarks have always read it, and never a corpus data.path
+    names: a 12 MB .jsonl lost a third of its documents, silently, to the old default."""
+    from editrain.corpus import DEFAULT_CORPUS_BYTES, corpus_bytes
+
+    assert DEFAULT_CORPUS_BYTES == 8_000_000
+    corpus, a, b = (tmp_path / n for n in ("corpus.jsonl", "a.txt", "b.txt"))
+    corpus.write_text('{"text": "x"}\n')
+    a.write_text("a")
+    b.write_text("b")
+    cases = [({}, 8_000_000), ({"path": str(corpus)}, None),
+             ({"path": str(corpus), "max_bytes": 1000}, 1000),
+             ({"max_bytes": None}, None), ({"path": [str(a), str(b)]}, None)]
+    for data, cap in cases:
+        assert corpus_bytes(load_config(None, {"data": data}).data) == cap, data
+    assert load_config(None, {}).data.max_bytes == "auto"
+    with pytest.raises(ConfigError, match="data.max_bytes: must be a number > 0, none or "
+                                          "auto, got 'all'"):
+        load_config(None, {"data": {"max_bytes": "all"}})

@@ -396,10 +396,11 @@ def test_cache_key_changes_with_content_at_equal_size(tmp_path):
 def default_corpus(tmp_path_factory):
     """The default run's corpus, as ``editrain train`` builds it (about 10 s)."""
     from editrain.config import Config
+    from editrain.corpus import corpus_bytes
 
     d = Config().data
     return prepare_tokens(d.path, tmp_path_factory.mktemp("default-cache"), d.vocab_size,
-                          None, d.val_fraction, d.max_bytes, val_tokens=d.val_tokens,
+                          None, d.val_fraction, corpus_bytes(d), val_tokens=d.val_tokens,
                           split_seed=d.split_seed)
 
 
@@ -407,6 +408,7 @@ def test_default_corpus_split_is_clean(default_corpus):
     """The acceptance of the honest yardstick: the default split leaks little, keeps
     families on one side, is large enough and has prose and code on both sides."""
     from editrain.config import Config
+    from editrain.corpus import corpus_bytes
 
     data, d = default_corpus, Config().data
     assert data.meta["split"] == "documents"
@@ -419,7 +421,8 @@ def test_default_corpus_split_is_clean(default_corpus):
     listed = json.loads((data.cache_dir / "val_documents.json").read_text())
     val_names = {name for name, _, _ in listed}
     val_families = {family for _, family, _ in listed}
-    train_families = {doc.family for doc in iter_records(resolve_sources(d.path), d.max_bytes)
+    train_families = {doc.family
+                      for doc in iter_records(resolve_sources(d.path), corpus_bytes(d))
                       if doc.name not in val_names}
     assert not val_families & train_families
     kinds = data.meta["kinds"]

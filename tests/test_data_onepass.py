@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import random
+import struct
 from pathlib import Path
 
 import numpy as np
@@ -149,7 +150,10 @@ class _FailingTokenizer:
     def __init__(self) -> None:
         self.calls = 0
 
-    def encode_batch_fast(self, texts):
+    def encode(self, text, add_special_tokens=True):
+        return type("E", (), {"ids": [1] * len(text)})()
+
+    def encode_batch_fast(self, texts, add_special_tokens=True):
         self.calls += 1
         if self.calls > 1:
             raise RuntimeError("encoder broke")
@@ -175,7 +179,10 @@ def test_encoder_counts_each_document_across_batches(tmp_path, monkeypatch):
     texts = ["a" * 7, "b\n" * 40, "c" * 3, "d" * 120]
 
     class _PerChar:
-        def encode_batch_fast(self, batch):
+        def encode(self, text, add_special_tokens=True):
+            return type("E", (), {"ids": [5] * len(text)})()
+
+        def encode_batch_fast(self, batch, add_special_tokens=True):
             return [type("E", (), {"ids": [5] * len(t)})() for t in batch]
 
     for policy, extra in (("append", 1), ("prepend", 1), ("none", 0)):
@@ -188,6 +195,51 @@ def test_encoder_counts_each_document_across_batches(tmp_path, monkeypatch):
         assert counts.tolist() == [len(t) + extra for t in texts]
         ids = np.fromfile(tmp_path / "out.bin", dtype=np.uint16)
         assert len(ids) == counts.sum() and (ids == 9).sum() == extra * len(texts)
+
+
+def _templated(single: str):
+    """A Llama 2 style tokenizer: words, and a post-processor that puts ``<s>`` (id 1) and
+    maybe ``</s>`` (id 2) around every text it encodes."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2} | {f"w{i}": 3 + i for i in range(50)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.post_processor = processors.TemplateProcessing(
+        single=single, special_tokens=[("<s>", 1), ("</s>", 2)])
+    return tok
+
+
+@pytest.mark.parametrize("single", ["<s> $A", "<s> $A </s>"])
+def test_a_tokenizer_template_goes_once_around_each_document(tmp_path, monkeypatch, single):
+    """A document longer than a piece is encoded in pieces: its tokenizer's template (BOS,
+    maybe EOS) goes before its first piece and after its last only, and the end-of-text
+    separator is not doubled where the template ends with it; in the encoder thread and in
+    the encoder processes alike. Each piece began with <s> (9 in 3 documents of about 173
+    KB), and a template ending with </s> gave </s></s>."""
+    from editrain.data.encode_worker import BEGINS, ENDS, encode_batch, template_ids
+
+    monkeypatch.setattr(dataset_mod, "_ENCODE_BATCH_CHARS", 40)
+    monkeypatch.setattr(dataset_mod, "_MAX_PIECE_CHARS", 30)
+    tok = _templated(single)
+    assert template_ids(tok) == ([1], [2] if "</s>" in single else [])
+    texts = [" ".join(f"w{i % 50}" for i in range(n)) for n in (3, 40, 7)]
+    words = [[3 + i % 50 for i in range(n)] for n in (3, 40, 7)]
+    want = [1, *words[0], 2, 1, *words[1], 2, 1, *words[2], 2]
+    with open(tmp_path / "out.bin", "wb") as out:
+        encoder = dataset_mod._DocumentEncoder(tok, 2, "append", np.dtype(np.uint16), out)
+        for t in texts:
+            encoder.add(t)
+        counts = encoder.close()
+    assert np.fromfile(tmp_path / "out.bin", dtype=np.uint16).tolist() == want
+    assert counts.tolist() == [len(w) + 2 for w in words]
+    # the encoder processes' path: the long document in two pieces of one frame
+    cut = texts[1].index(" ", 60)  # the pieces split between words, as the build's do
+    pieces = [texts[1][:cut], texts[1][cut:]]
+    frame = (struct.pack("<Q", 2) + struct.pack("<2Q", *(len(p) for p in pieces))
+             + bytes([BEGINS, ENDS]) + "".join(pieces).encode())
+    sizes, ids = encode_batch(tok, frame, 2, "append", "H", template_ids(tok))
+    assert list(ids) == [1, *words[1], 2] and sum(sizes) == len(ids)
 
 
 def test_overlap_table_keeps_every_match():

@@ -45,7 +45,8 @@ def _is_text_option(dotted: str) -> bool:
         tp = typing.get_type_hints(tp).get(part)
     args = (typing.get_args(tp) if typing.get_origin(tp) in (typing.Union, types.UnionType)
             else (tp,))
-    return any(a is str or a == list[str] for a in args)
+    # a number or a word (data.max_bytes: 300000 or auto) takes the number as a number
+    return any(a is str or a == list[str] for a in args) and int not in args
 
 
 def _parse_value(dotted: str, text: str) -> Any:

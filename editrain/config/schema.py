@@ -97,8 +97,9 @@ class DataSection:
     """Hold out at least this many validation tokens (at most 30% of the corpus)."""
     split_seed: int = 0
     """Seed of the choice of validation documents (0 to 2^63 - 1)."""
-    max_bytes: int | None = 8_000_000
-    """Read at most this many bytes of the corpus (none: all of it)."""
+    max_bytes: int | str | None = "auto"
+    """Read at most this many bytes of the corpus: a number, none (all of it) or auto (all of
+    a corpus data.path names, 8000000 of the embedded default corpus)."""
     cache_dir: str = "~/.cache/editrain"
     """Where tokenised corpora and tokenizers are cached, keyed by content."""
 

@@ -98,7 +98,10 @@ def check_data(d: DataSection) -> None:
             f"must be in (0, 0.5), got {d.val_fraction}")
     _counts(d, "data", ("val_tokens",), least=0)
     _seed(d.split_seed, "data.split_seed")
-    if d.max_bytes is not None:
+    if isinstance(d.max_bytes, str):
+        require(d.max_bytes == "auto", "data.max_bytes",
+                f"must be a number > 0, none or auto, got {d.max_bytes!r}")
+    elif d.max_bytes is not None:
         require(d.max_bytes > 0, "data.max_bytes", f"must be > 0, got {d.max_bytes}")
 
 

@@ -59,6 +59,7 @@ import numpy as np
 from editrain.malloc import release_freed_memory
 from editrain.safe_io import Obj, read_json
 
+from .encode_worker import edges, template_ids
 from .overlap import window_overlap
 from .pretokenized import (
     TokenFile,
@@ -513,8 +514,8 @@ class _DocumentEncoder:
     def __init__(self, tok, eos: int, policy: str, dtype: np.dtype, out,
                  workers: int = 0) -> None:
         self._tok, self._out, self._dtype = tok, out, dtype
-        self._before, self._after = policy == "prepend", policy == "append"
-        self._sep = np.array([eos], dtype=dtype)
+        head, tail = edges(eos, policy, *template_ids(tok))
+        self._head, self._tail = np.array(head, dtype=dtype), np.array(tail, dtype=dtype)
         self._batch: list[str] = []
         self._owners: list[int] = []  # document index of every piece of the batch
         self._firsts: list[bool] = []  # whether the piece begins its document
@@ -602,15 +603,16 @@ class _DocumentEncoder:
                 batch, owners, firsts, lasts = item
                 parts: list[np.ndarray] = []
                 sizes: list[int] = []  # tokens of every piece, separators included
-                for i, enc in enumerate(self._tok.encode_batch_fast(batch)):
+                encoded = self._tok.encode_batch_fast(batch, add_special_tokens=False)
+                for i, enc in enumerate(encoded):
                     ids = np.asarray(enc.ids, dtype=self._dtype)
-                    if self._before and firsts[i]:
-                        parts.append(self._sep)
+                    if firsts[i]:
+                        parts.append(self._head)
                     parts.append(ids)
-                    if self._after and lasts[i]:
-                        parts.append(self._sep)
-                    sizes.append(len(ids) + (self._before and firsts[i])
-                                 + (self._after and lasts[i]))
+                    if lasts[i]:
+                        parts.append(self._tail)
+                    sizes.append(len(ids) + firsts[i] * len(self._head)
+                                 + lasts[i] * len(self._tail))
                 self._write(np.concatenate(parts), sizes, owners)
                 del batch, item, parts
                 # The batch's encodings (about 25 bytes per character, in the tokenizer
@@ -1371,8 +1373,13 @@ def prepare_tokens(
     if tokenizer_path is not None:
         # Loading validates the file (and the EOS token) before any waiting or
         # building, so a bad path fails fast on every rank.
-        eos_id(load_tokenizer(tokenizer_path), eos_token)
+        user_tok = load_tokenizer(tokenizer_path)
+        eos_id(user_tok, eos_token)
         tok_identity = ["file", tokenizer_json_hash(tokenizer_path)]
+        if any(template_ids(user_tok)):
+            # its template goes once around a document, no longer around each piece of it
+            # (keys of tokenizers without one are those of caches built before)
+            tok_identity.append("template-once")
     else:
         # The sample bound and rule change the merges of corpora above the bound.
         tok_identity = ["bpe", vocab_size, BPE_SAMPLE_BYTES, _BPE_SAMPLE_RULE]

@@ -56,7 +56,33 @@ def read_frame(pipe) -> bytes:
     return read_exact(pipe, _U64.unpack(read_exact(pipe, 8))[0])
 
 
-def encode_batch(tok, frame: bytes, eos: int, policy: str, typecode: str
+def template_ids(tok) -> tuple[list[int], list[int]]:
+    """The ids a tokenizer's post-processor puts before and after a text it encodes (a Llama
+    2 or Mistral tokenizer's ``<s>``; some also append ``</s>``), found by encoding a probe
+    with and without them. A document is encoded in pieces without them
+    (``add_special_tokens=False``), and they go once before its first piece and once after
+    its last (:func:`edges`): every piece of a long document began with ``<s>``."""
+    probe = "a"
+    bare = tok.encode(probe, add_special_tokens=False).ids
+    full = tok.encode(probe, add_special_tokens=True).ids
+    for k in range(len(full) - len(bare) + 1):
+        if full[k:k + len(bare)] == bare:
+            return list(full[:k]), list(full[k + len(bare):])
+    return [], []
+
+
+def edges(eos: int, policy: str, prefix: list[int], suffix: list[int]
+          ) -> tuple[list[int], list[int]]:
+    """The ids before a document's first piece and after its last: the separator where
+    ``policy`` puts it and the tokenizer's own :func:`template_ids`, the end-of-text once
+    (a template that already ends a text with it gets no second one)."""
+    head = ([eos] if policy == "prepend" and prefix[:1] != [eos] else []) + prefix
+    tail = suffix + ([eos] if policy == "append" and suffix[-1:] != [eos] else [])
+    return head, tail
+
+
+def encode_batch(tok, frame: bytes, eos: int, policy: str, typecode: str,
+                 template: tuple[list[int], list[int]] = ([], [])
                  ) -> tuple[list[int], array]:
     """``(every piece's tokens with its separators, the ids)`` of one batch frame."""
     n = _U64.unpack_from(frame)[0]
@@ -66,18 +92,17 @@ def encode_batch(tok, frame: bytes, eos: int, policy: str, typecode: str
     for k in lengths:
         pieces.append(frame[at : at + k].decode("utf-8", "surrogatepass"))
         at += k
-    before, after = policy == "prepend", policy == "append"
+    head, tail = edges(eos, policy, *template)
     out, sizes = array(typecode), []
-    for i, enc in enumerate(tok.encode_batch_fast(pieces)):
-        head = before and bool(flags[i] & BEGINS)
-        tail = after and bool(flags[i] & ENDS)
-        if head:
-            out.append(eos)
+    for i, enc in enumerate(tok.encode_batch_fast(pieces, add_special_tokens=False)):
+        first, last = bool(flags[i] & BEGINS), bool(flags[i] & ENDS)
+        if first:
+            out.extend(head)
         ids = enc.ids
         out.extend(ids)
-        if tail:
-            out.append(eos)
-        sizes.append(len(ids) + head + tail)
+        if last:
+            out.extend(tail)
+        sizes.append(len(ids) + first * len(head) + last * len(tail))
     return sizes, out
 
 
@@ -99,10 +124,11 @@ def serve(stdin, stdout) -> None:
     tok.encode_special_tokens = True  # the build's separators are the only special tokens
     eos, policy, dtype_name = read_frame(stdin).decode("ascii").split()
     typecode = _TYPECODES[dtype_name]
+    template = template_ids(tok)
     while header := stdin.read(8):  # b"" once the build closed the pipe
         frame = read_exact(stdin, _U64.unpack(header + read_exact(stdin, 8 - len(header)))[0])
         try:
-            sizes, out = encode_batch(tok, frame, int(eos), policy, typecode)
+            sizes, out = encode_batch(tok, frame, int(eos), policy, typecode, template)
         except Exception as exc:  # noqa: BLE001 - told to the build, which raises it
             stdout.write(b"\x01")
             write_frame(stdout, f"{type(exc).__name__}: {exc}".encode())
