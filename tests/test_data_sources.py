@@ -594,3 +594,36 @@ def test_a_directory_of_record_shards_says_which_glob_names_them(tmp_path):
                                  f"pattern, {pattern!r}")
     assert [d.text for d in iter_records(resolve_sources(pattern))] == ["doc 0", "doc 1",
                                                                         "doc 2"]
+
+
+def test_a_directory_reads_its_compressed_text_and_says_what_it_leaves(tmp_path, caplog):
+    """A directory stands for its text files, compressed ones too (x.txt.gz was skipped in
+    silence, and a directory of only those held 'no text'); record files beside them are
+    not read, and the build says so once, with the glob that names them."""
+    import logging
+
+    d = tmp_path / "mixed"
+    _write(d / "a.txt", "plain one")
+    _write(d / "b.txt", "gzipped two")
+    _compress(d / "b.txt", ".gz")
+    (d / "b.txt").unlink()
+    _write(d / "sub" / "c.md", "xz three")
+    _compress(d / "sub" / "c.md", ".xz")
+    (d / "sub" / "c.md").unlink()
+    _write(d / "r.jsonl", json.dumps({"text": "a record"}))
+    with caplog.at_level(logging.WARNING, logger="editrain"):
+        refs = resolve_sources(str(d))
+        resolve_sources(str(d))
+    assert sorted(doc.text for doc in iter_records(refs)) == ["gzipped two", "plain one",
+                                                             "xz three"]
+    warned = [r.getMessage() for r in caplog.records if "stands for its text files" in
+              r.getMessage()]
+    assert warned == [f"data.path: {d} stands for its text files, not the 1 .jsonl file: "
+                      f"name them with a glob pattern, {str(d / '**' / '*.jsonl')!r}, if "
+                      f"they belong to the corpus too"]
+    only = tmp_path / "only"
+    _write(only / "x.txt", "just compressed")
+    _compress(only / "x.txt", ".bz2")
+    (only / "x.txt").unlink()
+    assert [doc.text for doc in iter_records(resolve_sources(str(only)))] == [
+        "just compressed"]

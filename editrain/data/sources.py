@@ -29,6 +29,7 @@ import glob
 import hashlib
 import io
 import json
+import logging
 import os
 import random
 import sys
@@ -81,10 +82,14 @@ __all__ = [
 
 DEFAULT_SOURCE = "default"
 
+log = logging.getLogger("editrain")
+
 # Extensions of text files: read whole as one document when named in data.path, and the
 # files picked up when a directory is given. Anything else in a directory (binaries,
 # images, caches) is ignored rather than decoded.
 TEXT_EXTENSIONS = (".txt", ".md", ".py", ".rst", ".text")
+# The files a directory stands for: its text files, compressed or not (x.txt.gz).
+DIR_EXTENSIONS = TEXT_EXTENSIONS + tuple(e + c for e in TEXT_EXTENSIONS for c in COMPRESSIONS)
 # Extensions whose documents count as source code (everything else is prose) when
 # the split stratifies by kind.
 CODE_EXTENSIONS = (".py",)
@@ -92,7 +97,7 @@ CODE_EXTENSIONS = (".py",)
 SUPPORTED_SOURCES = (
     "'default' (the Python standard library and pydoc topics)",
     f"text files ({', '.join(TEXT_EXTENSIONS)})",
-    "directories of such files",
+    "directories of such files (compressed or not)",
     ".jsonl and .json files (JSON Lines, or a JSON list of records)",
     ".parquet files",
     f"those text, .jsonl and .json files compressed ({', '.join(COMPRESSIONS)}: "
@@ -296,14 +301,14 @@ def _walk_files(root: Path, extensions: tuple[str, ...] | None) -> Iterator[tupl
             yield full.relative_to(root).as_posix(), full
 
 
-def _dir_names(root: Path, extensions: tuple[str, ...] | None = TEXT_EXTENSIONS) -> list[str]:
+def _dir_names(root: Path, extensions: tuple[str, ...] | None = DIR_EXTENSIONS) -> list[str]:
     """The relative posix paths of :func:`_walk_files`, sorted (independent of the file
     system's listing order). Names, not paths: a pass over a directory holds its listing
     to the end, and a Path object takes twice a name's memory (68k files: 15 vs 7 MB)."""
     return sorted(rel for rel, _ in _walk_files(root, extensions))
 
 
-def _dir_files(root: Path, extensions: tuple[str, ...] | None = TEXT_EXTENSIONS) -> list[Path]:
+def _dir_files(root: Path, extensions: tuple[str, ...] | None = DIR_EXTENSIONS) -> list[Path]:
     """The files of :func:`_walk_files`, sorted by relative path (:func:`_dir_names`)."""
     return [root / rel for rel in _dir_names(root, extensions)]
 
@@ -373,6 +378,10 @@ def _records_hint(root: Path) -> str:
             f"glob pattern, {str(root / ('**/*' + suffix))!r}")
 
 
+_WARNED: set[str] = set()
+"""The directories whose unread records this process has warned of (once each)."""
+
+
 def _classify(entry: str, text_field: str) -> SourceRef:
     """The :class:`SourceRef` of one glob-free entry, judged by its form, its extension or
     the files of its directory; no data is read."""
@@ -399,10 +408,15 @@ def _classify(entry: str, text_field: str) -> SourceRef:
     if is_token_dir(path):
         return SourceRef("tokens", path, text_field)
     if path.is_dir():
-        if next(_walk_files(path, TEXT_EXTENSIONS), None) is None:
+        if next(_walk_files(path, DIR_EXTENSIONS), None) is None:
             raise ValueError(f"data.path: {str(path)!r} contains no text: no files with "
-                             f"extensions {', '.join(TEXT_EXTENSIONS)}, and it is not a "
-                             f"save_to_disk directory{_records_hint(path)}")
+                             f"extensions {', '.join(TEXT_EXTENSIONS)} (compressed or not), "
+                             f"and it is not a save_to_disk directory{_records_hint(path)}")
+        hint = _records_hint(path)
+        if hint and str(path) not in _WARNED:  # said, not dropped in silence: records
+            _WARNED.add(str(path))            # beside the text are not read
+            log.warning("data.path: %s stands for its text files%s, if they belong to the "
+                        "corpus too", path, hint.replace("; it holds", ", not the"))
         return SourceRef("dir", path, text_field)
     suffix = inner_suffix(path)
     if compression(path):
@@ -838,7 +852,7 @@ def source_fingerprint(refs: list[SourceRef], max_bytes: int | None = None) -> s
             files = [_file_entry(p, rel, with_mtime=False) for rel, p in _stdlib_files()]
             parts.append(["default", sys.version, str(root), topics_hash, files])
         elif ref.kind == "dir":
-            parts.append(["dir", str(ref.path), _tree_entries(ref.path, TEXT_EXTENSIONS)])
+            parts.append(["dir", str(ref.path), _tree_entries(ref.path, DIR_EXTENSIONS)])
         elif ref.kind == "hf":
             parts.append(["hf", ref.label, ref.text_field, loaded_identity(_open_dataset(ref))])
         elif ref.kind == "hf_disk":
@@ -871,7 +885,7 @@ def source_size(refs: list[SourceRef], max_bytes: int | None = None) -> int | No
         if ref.kind == "default":
             files = [p for _, p in _stdlib_files()]
         elif ref.kind == "dir":
-            files = _dir_files(ref.path, TEXT_EXTENSIONS)
+            files = _dir_files(ref.path, DIR_EXTENSIONS)
         elif ref.kind in ("hf", "hf_disk"):
             return None
         else:
