@@ -627,3 +627,32 @@ def test_a_directory_reads_its_compressed_text_and_says_what_it_leaves(tmp_path,
     (only / "x.txt").unlink()
     assert [doc.text for doc in iter_records(resolve_sources(str(only)))] == [
         "just compressed"]
+
+
+def test_records_as_scraped_dumps_have_them(tmp_path, caplog):
+    """A null text is left out of .jsonl and .json as of .parquet (it stopped the build);
+    a byte order mark at the start of a .jsonl, .json or text file is not text (a .jsonl
+    was refused, a text file trained on U+FEFF); a lone surrogate escape (valid JSON, no
+    UTF-8) is replaced by U+FFFD with a warning naming the line (the encoder stopped the
+    build with a message naming no file)."""
+    import logging
+
+    bom = b"\xef\xbb\xbf"
+    lines = [{"text": "first"}, {"text": None}, {"text": "broken \ud800 here"}]
+    jsonl = tmp_path / "dump.jsonl"
+    jsonl.write_bytes(bom + "\n".join(json.dumps(r) for r in lines).encode())
+    listed = tmp_path / "list.json"
+    listed.write_bytes(bom + json.dumps(lines).encode())
+    text = tmp_path / "t.txt"
+    text.write_bytes(bom + b"with a mark")
+    with caplog.at_level(logging.WARNING, logger="editrain"):
+        got = [d.text for d in iter_records(resolve_sources([str(jsonl), str(listed),
+                                                             str(text)]))]
+    assert got == ["first", "broken \ufffd here", "first", "broken \ufffd here",
+                   "with a mark"]
+    warned = [r.getMessage() for r in caplog.records if "surrogate" in r.getMessage()]
+    assert warned[0] == (f"data.path: {jsonl}:3: a lone UTF-16 surrogate escape ('\\ud800') "
+                         f"replaced by U+FFFD (and any others in this file)")
+    assert len(warned) == 2  # once a file
+    separated = [d.text for d in iter_records(resolve_sources(str(text), separator="mark"))]
+    assert separated == ["with a "]

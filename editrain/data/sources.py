@@ -32,6 +32,7 @@ import json
 import logging
 import os
 import random
+import re
 import sys
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -356,7 +357,7 @@ def _json_is_list(path: Path) -> bool:
     """Whether a ``.json`` file holds one JSON list (otherwise it is read as JSON Lines)."""
     with open_binary(path) as fh:
         while chunk := fh.read(1 << 12):
-            head = chunk.lstrip()
+            head = chunk.removeprefix(_BOM).lstrip()
             if head:
                 return head.startswith(b"[")
     return False
@@ -379,7 +380,12 @@ def _records_hint(root: Path) -> str:
 
 
 _WARNED: set[str] = set()
-"""The directories whose unread records this process has warned of (once each)."""
+"""The directories whose unread records, and the files whose lone surrogates, this process
+has warned of (once each)."""
+_BOM = b"\xef\xbb\xbf"
+"""UTF-8's byte order mark: not text where a file starts with it."""
+_SURROGATE = re.compile("[\ud800-\udfff]")
+"""A UTF-16 surrogate left alone by a JSON escape (a pair is one character once parsed)."""
 
 
 def _classify(entry: str, text_field: str) -> SourceRef:
@@ -537,8 +543,8 @@ def resolve_sources(spec: str | Iterable[str], text_field: str = "text",
 
 
 def _read_text_file(path: Path) -> str:
-    try:
-        return read_whole(path).decode("utf-8")
+    try:  # utf-8-sig: a byte order mark at the start is not text
+        return read_whole(path).decode("utf-8-sig")
     except UnicodeDecodeError as exc:
         # Strict on user data: silently replacing bytes would train on garbage.
         raise ValueError(f"data.path: {str(path)!r} is not valid UTF-8 ({exc})") from exc
@@ -559,6 +565,9 @@ def _separated_texts(path: Path, separator: str) -> Iterator[str]:
         while True:
             chunk = read(_READ_CHUNK)  # what one read gives (a pipe: what is there)
             buf += chunk
+            if offset == 0 and buf.startswith(_BOM):
+                del buf[:len(_BOM)]  # a byte order mark at the start is not text
+                offset = len(_BOM)
             while (at := buf.find(sep, start)) >= 0 or (not chunk and buf):
                 end = at if at >= 0 else len(buf)
                 try:
@@ -603,31 +612,48 @@ def _record_text(record: object, field: str, where: str) -> object:
     if field not in record:
         raise ValueError(f"data.text_field: {where}: the JSON object has no {field!r} field; "
                          f"its fields: {', '.join(record) or 'none'}")
-    return record[field]
+    text = record[field]
+    if isinstance(text, str) and _SURROGATE.search(text):
+        # JSON may escape half of a UTF-16 pair alone (\ud800), which no UTF-8 text holds:
+        # it stopped the build at the encoder without saying where. Replaced, as invalid
+        # bytes are by a decoder that replaces them, and said once a file.
+        file = where.rsplit(":", 1)[0].rsplit("[", 1)[0]
+        if file not in _WARNED:
+            _WARNED.add(file)
+            log.warning("data.path: %s: a lone UTF-16 surrogate escape (%r) replaced by "
+                        "U+FFFD (and any others in this file)", where,
+                        _SURROGATE.search(text).group())
+        text = _SURROGATE.sub("\ufffd", text)
+    return text
 
 
 def _jsonl_rows(path: Path, field: str) -> Iterator[tuple[int, object]]:
     """``(line number, text)`` of a JSON Lines file, read line by line."""
     with open_binary(path) as raw:
-        fh = io.TextIOWrapper(raw, encoding="utf-8")
+        fh = io.TextIOWrapper(raw, encoding="utf-8-sig")  # a byte order mark is not text
         for lineno, line in enumerate(fh, start=1):
             if not line.strip():
                 continue  # tolerate blank lines, common at the end of files
             record = read_json_value(line, f"data.path: {path}:{lineno}", error=ValueError,
                                      max_depth=RECORD_DEPTH)
-            yield lineno, _record_text(record, field, f"{path}:{lineno}")
+            text = _record_text(record, field, f"{path}:{lineno}")
+            if text is not None:  # a null text is left out, as in .parquet and datasets
+                yield lineno, text
 
 
 def _json_rows(path: Path, field: str) -> Iterator[tuple[int, object]]:
     """``(index, text)`` of a ``.json`` file holding a list of records. The file is parsed
     whole: corpora larger than memory belong in JSON Lines."""
-    records = read_json_value(read_whole(path), f"data.path: {path}", error=ValueError,
-                              max_depth=RECORD_DEPTH)
+    whole = read_whole(path)
+    records = read_json_value(whole[len(_BOM):] if whole.startswith(_BOM) else whole,
+                              f"data.path: {path}", error=ValueError, max_depth=RECORD_DEPTH)
     if not isinstance(records, list):
         raise ValueError(f"data.path: {path}: expected a JSON list of records, got "
                          f"{type(records).__name__}")
     for index, record in enumerate(records):
-        yield index, _record_text(record, field, f"{path}[{index}]")
+        text = _record_text(record, field, f"{path}[{index}]")
+        if text is not None:  # a null text is left out, as in .parquet and datasets
+            yield index, text
 
 
 def _parquet_rows(path: Path, field: str) -> Iterator[tuple[int, object]]:
