@@ -48,3 +48,65 @@ def init_distributed(cfg: Any) -> MeshInfo:
     return init_mesh(d.shard_size, backend=None if d.backend == "auto" else d.backend,
                      device_type=None if d.device == "auto" else d.device,
                      tp_size=d.tp_size, pp_size=d.pp_size)
+
+
+PER_NODE_OPTIONS = frozenset({"quiet", "run_dir", "data.cache_dir", "dist.nproc"})
+"""Options that may differ between the nodes of one job: the output, the run directory's
+mount path (the directory itself must be the same: :func:`check_ranks_agree`), a
+node-local token cache, the local launcher's process count."""
+
+
+def _flat(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in tree.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            out.update(_flat(value, f"{name}."))
+        else:
+            out[name] = value
+    return out
+
+
+def check_ranks_agree(cfg: Any, run_dir: Any) -> None:
+    """Every rank of the job runs the same options and sees the same run directory (a
+    collective: every rank calls it once its process group is up).
+
+    Under torchrun each node is started with its own command line: one given other options
+    hung at its first differing collective (``--steps``) or trained another model than the
+    rest without a word (``--train.lr``); one whose run directory is not on storage every
+    node sees failed at its first checkpoint, leaving one marked complete without its
+    files. Ranks started by editrain's own launcher agree by construction; the check costs
+    one small gather.
+
+    Raises:
+        ConfigError: options that differ from rank 0's (up to three named, with both
+            values), outside :data:`PER_NODE_OPTIONS`.
+        RunDirError: a rank that does not see rank 0's run directory.
+    """
+    import torch.distributed as dist
+
+    from editrain.config import to_dict
+    from editrain.errors import ConfigError, RunDirError
+    from editrain.rundir import read_record
+
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return
+    options = {k: v for k, v in _flat(to_dict(cfg)).items() if k not in PER_NODE_OPTIONS}
+    record = read_record(run_dir)
+    mine = {"options": options, "run": record.run_id if record else None}
+    everyone: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    first = everyone[0]
+    for rank, theirs in enumerate(everyone[1:], start=1):
+        differ = sorted(k for k in first["options"].keys() | theirs["options"].keys()
+                        if first["options"].get(k) != theirs["options"].get(k))
+        if differ:
+            named = "; ".join(f"{k} = {theirs['options'].get(k)!r} (rank 0: "
+                              f"{first['options'].get(k)!r})" for k in differ[:3])
+            more = f" and {len(differ) - 3} more" if len(differ) > 3 else ""
+            raise ConfigError(f"rank {rank} was given other options than rank 0: {named}"
+                              f"{more}; every node of a job must run the same ones")
+        if theirs["run"] != first["run"]:
+            raise RunDirError(f"rank {rank} does not see the run directory rank 0 claimed "
+                              f"({run_dir}: run {first['run']}, there {theirs['run']}): it "
+                              f"must be on storage every node sees, at the same path")

@@ -27,6 +27,7 @@ from editrain.spawn import (
     LaunchError,
     one_line,
     read_error_file,
+    run_ranks,
     watch_process,
     worker_start_method,
 )
@@ -502,3 +503,51 @@ def test_worker_start_method_follows_the_environment(monkeypatch):
                                           "spawn") as e:
         worker_start_method()
     assert e.value.exit_code == 2
+
+
+def _agree_worker(rank: int, world: int, case: str, root: str) -> str:
+    """What check_ranks_agree says on this rank for a case of rank 1's command line."""
+    from pathlib import Path
+
+    from editrain import rundir
+    from editrain.config import load_config
+    from editrain.runtime import check_ranks_agree
+
+    over: dict = {"train": {"steps": 8}}
+    if rank == 1 and case == "steps":
+        over = {"train": {"steps": 12, "lr": 0.03}}
+    if rank == 1 and case == "quiet":
+        over = {"train": {"steps": 8}, "quiet": True}
+    run_dir = Path(root) / ("node1" if rank == 1 and case == "unshared" else "shared")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    if rank == 0 or case == "unshared":
+        rundir.write_record(run_dir, rundir.RunRecord(run_id=f"run{rank}", branch="b"))
+    import torch.distributed as dist
+
+    dist.barrier()  # rank 0 has claimed it, as join() waits for
+    try:
+        check_ranks_agree(load_config(None, over), run_dir)
+    except Exception as e:  # noqa: BLE001 - the message is the result
+        return f"{type(e).__name__}: {e}"
+    return "ok"
+
+
+@pytest.mark.parametrize("case", ["same", "quiet", "steps", "unshared"])
+def test_every_rank_runs_rank_0s_options_in_rank_0s_run_directory(case, tmp_path):
+    """Under torchrun every node has its own command line: a node given other options (it
+    hung at --steps, trained another model at --train.lr) or a run directory other nodes
+    do not see (it failed at the first checkpoint, one marked complete without its files)
+    is refused on every rank at once; a node-local difference (--quiet) is not."""
+    got = run_ranks(_agree_worker, 2, case, str(tmp_path))
+    if case in ("same", "quiet"):
+        assert got == ["ok", "ok"]
+    elif case == "steps":
+        assert got[0] == got[1] == (
+            "ConfigError: rank 1 was given other options than rank 0: train.lr = 0.03 "
+            "(rank 0: 0.003); train.steps = 12 (rank 0: 8); every node of a job must run "
+            "the same ones")
+    else:
+        for said in got:  # each rank names the directory at its own path
+            assert said.startswith("RunDirError: rank 1 does not see the run directory rank "
+                                   "0 claimed") and "run run0, there run1" in said
+            assert said.endswith("it must be on storage every node sees, at the same path")

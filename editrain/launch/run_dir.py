@@ -18,10 +18,11 @@ from typing import Any
 from editrain import rundir
 from editrain.config import Config, dumps_toml, to_dict
 from editrain.config.applicability import drop_inapplicable
+from editrain.errors import RunDirError
 from editrain.launch.job import Job, resolved
 from editrain.safe_io import write_atomic
 
-TORCHRUN_WAIT_S = 300
+TORCHRUN_WAIT_S = 120
 """How long a torchrun rank other than 0 waits for rank 0 to claim the run directory."""
 
 
@@ -126,8 +127,12 @@ class RunDirClaim:
         job = self.job
         if job.rank != 0:
             deadline = time.monotonic() + TORCHRUN_WAIT_S
-            while (not (job.run_dir / "config.toml").exists()
-                   and time.monotonic() < deadline):
+            while not (job.run_dir / "config.toml").exists():
+                if time.monotonic() > deadline:
+                    raise RunDirError(
+                        f"--run-dir: rank {job.rank} saw no config.toml from rank 0 in "
+                        f"{job.run_dir} within {TORCHRUN_WAIT_S} s: the run directory must "
+                        f"be on storage every node sees, at the same path")
                 time.sleep(0.1)
             return
         self.lock.acquire()
