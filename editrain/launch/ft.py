@@ -74,7 +74,6 @@ def _group_main(cfg: Config, replica: int, attempt: int, lighthouse: str,
     os.environ[REPLICA_ENV] = str(replica)
     os.environ[ATTEMPT_ENV] = str(attempt)
     os.environ[LIGHTHOUSE_ENV] = lighthouse
-    os.environ.setdefault("RUST_LOG", "warn")  # torchft's servers log every quorum at info
     try:
         interrupts_raise()  # inside the try: a Ctrl-C held back while starting comes now
         if cfg.dist.replica_size > 1:

@@ -57,8 +57,16 @@ class Quorum:
     """This replica was behind and has just loaded the global state from a peer."""
 
 
+def _torchft_logs_warnings() -> None:
+    """torchft's servers (Rust) log every quorum at info, three lines a sync, unless
+    ``RUST_LOG`` says otherwise: warnings only, but what the user set wins. Read once, when
+    torchft is first imported, so this comes before every import of it."""
+    os.environ.setdefault("RUST_LOG", "warn")
+
+
 def torchft_available() -> bool:
     """Whether torchft can be imported (the ``editrain[ft]`` extra)."""
+    _torchft_logs_warnings()
     try:
         import torchft  # noqa: F401
     except ImportError:
@@ -80,6 +88,7 @@ def start_lighthouse(min_replicas: int, join_timeout_s: float, heartbeat_timeout
             dead replica forms at most this long after its heartbeat timed out).
         bind: address to listen on.
     """
+    _torchft_logs_warnings()
     from torchft.coordination import LighthouseServer
 
     return LighthouseServer(bind=bind, min_replicas=min_replicas,
@@ -111,6 +120,7 @@ class TorchftGroup:
                  lighthouse: str | None = None, min_replicas: int = 1,
                  timeout_s: float = 60.0, quorum_timeout_s: float = 600.0,
                  heartbeat_interval_s: float = 0.1, store_addr: str | None = None, store_port: int | None = None) -> None:
+        _torchft_logs_warnings()
         from torchft.manager import Manager
         from torchft.process_group import ProcessGroupGloo
 
