@@ -101,3 +101,17 @@ def test_a_ft_runs_checkpoints_resume_only_with_ft(tmp_path):
     (run / "config.toml").write_text("[train]\nsteps = 3\n")
     assert resumed_run_config(str(ckpt)) == run / "config.toml"
     assert resumed_run_config(str(run / "replica0")) == run / "config.toml"
+
+
+def test_a_resumed_run_does_not_fail_again_unless_told_so(tmp_path):
+    """sim.fail killed a worker of the job that was; a --resume of the run died again at
+    the same step on every resume (exit 17) until --sim.fail none. The stragglers and
+    links of the simulated cluster stay; a fault given again applies."""
+    run = _run(tmp_path, model={"preset": "tiny"}, train={"steps": 8},
+               dist={"nproc": 2, "shard_size": 1},
+               sim={"fail": "1@4:checkpoint", "straggler": "1=2"})
+    cfg, _ = load_resumed_config(str(run), {"resume": str(run), "train": {"steps": 12}})
+    assert cfg.sim.fail is None and cfg.sim.straggler == ["1=2"]
+    again, _ = load_resumed_config(str(run), {"resume": str(run), "train": {"steps": 12},
+                                              "sim": {"fail": "0@10"}})
+    assert again.sim.fail == "0@10"

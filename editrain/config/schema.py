@@ -282,7 +282,7 @@ class SimSection:
     data rank, replica x dist.shard_size + shard (its tensor-parallel peers and pipeline
     stages die with it), STEP
     from 1 to train.steps. With --ft the worker's whole replica group dies and restarts
-    after sim.fail_restart_s."""
+    after sim.fail_restart_s. A --resume of the run does not fail again unless told so."""
     fail_restart_s: float = 0.0
     """--ft: seconds before a replica group killed by sim.fail is started again (0 to
     3600)."""

@@ -155,6 +155,9 @@ def load_resumed_config(resume: str, overrides: dict[str, Any]) -> tuple[Config,
     except ConfigError as e:
         raise ConfigError(f"--resume: {shown(str(path))}: {e}") from None
     base = {k: v for k, v in run.items() if k in SECTIONS}
+    # sim.fail is a fault of the job that was (it killed a worker once): the resumed job,
+    # a new one, fails only where told so again (it died at the same step on every resume)
+    base["sim"] = {k: v for k, v in base.get("sim", {}).items() if k != "fail"}
     # What the run set and the options given here make inapplicable goes (pp_microbatches
     # of a run resumed with --dist.pp_size 1, say); what is given here stays, and is
     # refused where it does nothing, as for any job.
