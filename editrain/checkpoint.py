@@ -612,6 +612,12 @@ def preflight_resume(resume: str | Path, cfg: Any, vocab_size: int, data: Any = 
     ckpt = resolve_resume(resume)
     marker = open_checkpoint(ckpt)
     problems = check_compatible(marker, run_meta(cfg, vocab_size, data=data))
+    step, steps = marker.get("step"), cfg.train.steps
+    if (isinstance(step, int) and cfg.sync.method != "aedit" and steps <= step):
+        # it trained nothing, evaluated again and wrote that step's checkpoint again
+        problems.append(f"train.steps: {steps} is not beyond the checkpoint's step {step}, "
+                        f"so the resumed run would train nothing; give a larger "
+                        f"--train.steps")
     if problems:
         raise _incompatible(ckpt, problems)
     check_files(ckpt, marker)

@@ -788,6 +788,26 @@ def test_a_marker_claiming_more_layers_than_its_weights_is_refused_before_a_buil
     assert not (tmp_path / "out").exists()
 
 
+def test_a_resume_with_no_step_left_is_refused_before_any_worker(run8, data_cache, tmp_path):
+    """--resume of a run whose latest checkpoint is at step 8 with --steps 8 trained
+    nothing, evaluated again, wrote step 8's checkpoint again and appended its rows to
+    metrics.jsonl a second time, without a word."""
+    from tests.test_cli import editrain, error_line, tiny
+
+    run = _copy_run(run8, tmp_path)
+    before = (run / "metrics.jsonl").read_bytes()
+    proc, _ = editrain("train", *tiny(data_cache), "--nproc", "2", "--shard-size", "1",
+                       "--method", "diloco", "--sync.local_sgd_sync_interval", "2",
+                       "--train.batch_size", "4", "--train.seq_len", "32",
+                       "--train.eval_tokens", "1024", "--quiet", "--steps", "8",
+                       "--run-dir", str(run), "--resume", str(run), timeout=120)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert error_line(proc.stderr).endswith(
+        "train.steps: 8 is not beyond the checkpoint's step 8, so the resumed run would "
+        "train nothing; give a larger --train.steps")
+    assert (run / "metrics.jsonl").read_bytes() == before
+
+
 def _resume_error(run: Path, data_cache: Path) -> str:
     from tests.test_cli import editrain, error_line, tiny
 
