@@ -681,6 +681,7 @@ RANK_STATE_SCHEMA = Obj({
                 "cuda": Str(1 << 16)}, required=("cpu",)),
     "sim_rng": List(Int(0, 2**32 - 1), length=_MT_STATE),
     "tp": Int(0, 1 << 20), "stage": Int(0, 1 << 20), "ft_committed": _COUNT,
+    "tokens": _COUNT,
 }, required=("step", "next_eval", "next_ckpt", "last_eval", "finished", "wall_time_s",
              "data", "rng", "sim_rng"))
 """What a rank's JSON must hold (the trainer's ``rank_state``; the optimizer's entry is

@@ -76,6 +76,12 @@ class LoopState:
     """The checkpoint this process resumed from (a path), or None."""
     elastic: bool = False
     """The resume changed the topology."""
+    tokens_base: int | None = None
+    """The run's tokens when this process resumed it (the checkpoint's ``tokens``); None:
+    a new run, or a checkpoint written before it was saved."""
+    progress_base: float = 0.0
+    """The engine's progress in steps when this process resumed the run: the tokens since
+    count at this process's global batch, whatever the run's was before."""
     wall_start: float = dataclasses.field(default_factory=time.perf_counter)
     """``time.perf_counter()`` when this process's clock started."""
 

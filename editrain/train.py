@@ -471,6 +471,7 @@ class Trainer:
         label = int(round(self.engine.progress_steps)) if self.aedit else self.loop.step
         rank_state = {
             **self.loop.to_dict(),
+            "tokens": self._tokens(),
             "data": self.data.state_dict(),
             "rng": rng_state(),
             "sim_rng": self.sim.state_dict(),
@@ -503,7 +504,9 @@ class Trainer:
         resumed = {"resumed_from": ckpt,
                    "replay_until": _last_logged_step(self.run_dir) if self.is_logger else None}
         if state is not None:  # same topology: exact
-            self.loop = dataclasses.replace(LoopState.from_dict(state, str(ckpt)), **resumed)
+            self.loop = dataclasses.replace(LoopState.from_dict(state, str(ckpt)), **resumed,
+                                            tokens_base=state.get("tokens"),
+                                            progress_base=self.engine.progress_steps)
             self._resume_schedule(marker)
             self.data.load_state_dict(state["data"])
             set_rng_state(state["rng"])
@@ -520,7 +523,8 @@ class Trainer:
         # every replica at one step (A-EDiT: the mean of the last sync), not yet finished.
         self.loop = dataclasses.replace(LoopState.from_dict(old[0], str(ckpt)), **resumed,
                                         step=self.engine.global_step, finished=False,
-                                        elastic=True)
+                                        elastic=True, tokens_base=old[0].get("tokens"),
+                                        progress_base=self.engine.progress_steps)
         self._resume_schedule(marker)
         self.data.repartition([o["data"] for o in old])
         if self.is_logger:
@@ -554,7 +558,12 @@ class Trainer:
     def _tokens(self) -> int:
         # A-EDiT after an elastic resume counts progress in the first topology's steps.
         ranks = self.engine.tokens_scale if self.aedit else self.global_world
-        return int(round(self.engine.progress_steps * ranks * self.tokens_per_step))
+        base, since = 0, self.engine.progress_steps
+        if self.loop.tokens_base is not None and not self.aedit:
+            # the run's tokens at the resume, then this job's global batch: a resume with
+            # other replicas or another batch counted every step at the new batch
+            base, since = self.loop.tokens_base, since - self.loop.progress_base
+        return base + int(round(since * ranks * self.tokens_per_step))
 
     def _log_start(self) -> None:
         if not self.is_logger:

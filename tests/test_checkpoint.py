@@ -201,6 +201,13 @@ def test_elastic_resume_changes_topology(cache: Path, tmp_path: Path, full_runs)
         assert sorted(losses) == list(range(9, 13))
         assert abs(losses[9] - before[8]["loss"]) < 0.5, (losses[9], before[8]["loss"])
         assert final_val(dst) < before[8]["val_loss"] + 0.05
+        # tokens: the run's at the resume, then this job's global batch (1 x 2 ranks: half
+        # the batch of 2 x 2; every step was counted at the new batch from step 0)
+        per_step = (before[9]["tokens"] - before[8]["tokens"]) * int(nproc) // 4
+        assert resume_row["tokens"] == before[8]["tokens"]
+        after = {r["step"]: r["tokens"] for r in rows(dst) if "event" not in r
+                 and "loss" in r}
+        assert after[12] == before[8]["tokens"] + 4 * per_step, (after, per_step)
 
 
 RESTART_ARGS = ["--method", "edit", "--steps", "24", "--sync.local_sgd_sync_interval", "4",
