@@ -314,7 +314,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "also "
                    "rewrite the README's headline between its bench-headline markers), and "
                    "any --section.key=value applied to every run")
-    p.add_argument("--quick", action="store_true", help="tiny settings (minutes on 2 cores)")
+    p.add_argument("--quick", action="store_true", help="the quick size, between --tiny and "
+                   "the full size that is the default (tiny model, small data: minutes on 2 "
+                   "cores)")
     p.add_argument("--out", help="results directory (default bench_results/<scenario>)")
     p.set_defaults(func=cmd_bench)
     from editrain.plan.cli import add_plan_parser

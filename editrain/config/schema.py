@@ -300,7 +300,9 @@ class CheckpointSection:
     """Checkpoints."""
 
     every: int = 0
-    """Save a checkpoint every this many steps (0: only at the end if `final` is set)."""
+    """Save a checkpoint about every this many steps (0: only at the end if `final` is
+    set); local SGD saves at the first sync at or after each point, where the replicas
+    agree (none before the first sync)."""
     keep: int = 2
     """Keep this many most recent checkpoints."""
     final: bool = True
