@@ -131,6 +131,9 @@ def test_resuming_into_a_directory_of_another_run_is_refused(tmp_path):
     c = tmp_path / "c"
     rec_c = prepare_run_dir(cfg_for(c, resume=str(ckpt)), c)
     assert rec_c.run_id == rec_a.run_id and rec_c.branch != rec_a.branch
+    # --overwrite of the run being resumed, in its own directory: refused, not ignored
+    with pytest.raises(RunDirError, match="--overwrite: .* holds the run --resume continues"):
+        check_run_dir(cfg_for(a, resume=str(ckpt), overwrite=True), a)
     # With --overwrite, b's run is replaced.
     rec_b = prepare_run_dir(cfg_for(b, resume=str(ckpt), overwrite=True), b)
     assert rec_b.run_id == rec_a.run_id and not (b / "checkpoints").exists()
