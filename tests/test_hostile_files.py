@@ -792,29 +792,21 @@ def test_a_resume_with_no_step_left_is_refused_before_any_worker(run8, data_cach
     """--resume of a run whose latest checkpoint is at step 8 with --steps 8 trained
     nothing, evaluated again, wrote step 8's checkpoint again and appended its rows to
     metrics.jsonl a second time, without a word."""
-    from tests.test_cli import editrain, error_line, tiny
-
     run = _copy_run(run8, tmp_path)
     before = (run / "metrics.jsonl").read_bytes()
-    proc, _ = editrain("train", *tiny(data_cache), "--nproc", "2", "--shard-size", "1",
-                       "--method", "diloco", "--sync.local_sgd_sync_interval", "2",
-                       "--train.batch_size", "4", "--train.seq_len", "32",
-                       "--train.eval_tokens", "1024", "--quiet", "--steps", "8",
-                       "--run-dir", str(run), "--resume", str(run), timeout=120)
-    assert proc.returncode == 2, proc.stderr[-3000:]
-    assert error_line(proc.stderr).endswith(
+    assert _resume_error(run, data_cache, steps=8).endswith(
         "train.steps: 8 is not beyond the checkpoint's step 8, so the resumed run would "
         "train nothing; give a larger --train.steps")
     assert (run / "metrics.jsonl").read_bytes() == before
 
 
-def _resume_error(run: Path, data_cache: Path) -> str:
+def _resume_error(run: Path, data_cache: Path, steps: int = 12) -> str:
     from tests.test_cli import editrain, error_line, tiny
 
     proc, _ = editrain("train", *tiny(data_cache), "--nproc", "2", "--shard-size", "1",
                        "--method", "diloco", "--sync.local_sgd_sync_interval", "2",
                        "--train.batch_size", "4", "--train.seq_len", "32",
-                       "--train.eval_tokens", "1024", "--quiet", "--steps", "12",
+                       "--train.eval_tokens", "1024", "--quiet", "--steps", str(steps),
                        "--run-dir", str(run), "--resume", str(run), timeout=120)
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr and "Logging error" not in proc.stderr
