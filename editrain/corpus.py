@@ -53,8 +53,9 @@ def corpus_bytes(d: Any) -> int | None:
     """The cap ``data.max_bytes`` puts on the corpus (None: all of it): ``auto`` reads all
     of a corpus ``data.path`` names (a user's corpus is never cut short unasked) and
     :data:`DEFAULT_CORPUS_BYTES` of the embedded default one."""
-    if d.max_bytes == "auto":
-        return DEFAULT_CORPUS_BYTES if d.path == DEFAULT_SOURCE else None
+    if d.max_bytes == "auto":  # a list holding the default corpus: capped as it was
+        paths = [d.path] if isinstance(d.path, str) else list(d.path)
+        return DEFAULT_CORPUS_BYTES if DEFAULT_SOURCE in paths else None
     return d.max_bytes
 
 

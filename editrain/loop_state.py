@@ -127,11 +127,15 @@ class LoopState:
         """What a healthy replica sends one that (re)joins, of the loop: ``step`` (the
         engine's global step) and the schedule."""
         return {"step": step, "next_eval": self.next_eval, "next_ckpt": self.next_ckpt,
-                "last_eval": self.last_eval}
+                "last_eval": self.last_eval, "tokens_base": self.tokens_base,
+                "progress_base": self.progress_base}
 
     def adopt(self, sd: Mapping[str, Any]) -> None:
         """Take a peer's :meth:`heal_state`: this replica has healed at its step."""
         self.step = int(sd["step"])
         self.next_eval, self.next_ckpt = sd["next_eval"], sd["next_ckpt"]
         self.last_eval = sd["last_eval"]
+        # the peers' token count (a run resumed at another global batch counts from there)
+        self.tokens_base, self.progress_base = sd.get("tokens_base"), sd.get("progress_base",
+                                                                             0.0)
         self.healed_at = self.step

@@ -481,10 +481,12 @@ def check(run_dir: Path, *, overwrite: bool, resume: list[Path]) -> Claim:
             # checkpoint lies in this directory.
             same_run = all(_inside(c, run_dir) for c in resume)
     if same_run and overwrite:  # it was ignored without a word
-        raise RunDirError(f"--overwrite: {run_dir} holds the run --resume continues, and "
-                          f"overwriting it would remove the checkpoint resumed; drop "
-                          f"--overwrite to continue the run there, or resume into another "
-                          f"directory")
+        if any(_inside(c, run_dir) for c in resume):
+            raise RunDirError(f"--overwrite: {run_dir} holds the run --resume continues, and "
+                              f"overwriting it would remove the checkpoint resumed; drop "
+                              f"--overwrite to continue the run there, or resume into "
+                              f"another directory")
+        same_run = False  # a checkpoint from elsewhere: the directory is replaced as asked
     if existing and not same_run and not overwrite:
         what = "another run" if resume else "a run"
         how = ("choose an empty directory (or the run's own) with --run-dir, or pass "

@@ -50,10 +50,14 @@ def init_distributed(cfg: Any) -> MeshInfo:
                      tp_size=d.tp_size, pp_size=d.pp_size)
 
 
-PER_NODE_OPTIONS = frozenset({"quiet", "run_dir", "data.cache_dir", "dist.nproc"})
-"""Options that may differ between the nodes of one job: the output, the run directory's
-mount path (the directory itself must be the same: :func:`check_ranks_agree`), a
-node-local token cache, the local launcher's process count."""
+PER_NODE_OPTIONS = frozenset({"quiet", "run_dir", "resume", "data.cache_dir", "dist.nproc",
+                              "dist.threads_per_proc", "dist.ft_lighthouse",
+                              "model.init_from", "model.hf_config", "data.tokenizer"})
+"""Options that may differ between the nodes of one job: the output, paths (the run
+directory's mount path, the directory itself must be the same: :func:`check_ranks_agree`;
+a model or tokenizer of the hub cache resolves to each node's own cache), a node-local
+token cache, the local launcher's process count and threads, the lighthouse's address as
+each node reaches it."""
 
 
 def _flat(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:

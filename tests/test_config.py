@@ -862,7 +862,8 @@ def test_a_named_corpus_is_read_whole_unless_data_max_bytes_says_otherwise(tmp_p
     b.write_text("b")
     cases = [({}, 8_000_000), ({"path": str(corpus)}, None),
              ({"path": str(corpus), "max_bytes": 1000}, 1000),
-             ({"max_bytes": None}, None), ({"path": [str(a), str(b)]}, None)]
+             ({"max_bytes": None}, None), ({"path": [str(a), str(b)]}, None),
+             ({"path": ["default", str(a)]}, 8_000_000)]  # capped as it always was
     for data, cap in cases:
         assert corpus_bytes(load_config(None, {"data": data}).data) == cap, data
     assert load_config(None, {}).data.max_bytes == "auto"

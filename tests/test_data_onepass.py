@@ -217,7 +217,7 @@ def test_a_tokenizer_template_goes_once_around_each_document(tmp_path, monkeypat
     separator is not doubled where the template ends with it; in the encoder thread and in
     the encoder processes alike. Each piece began with <s> (9 in 3 documents of about 173
     KB), and a template ending with </s> gave </s></s>."""
-    from editrain.data.encode_worker import BEGINS, ENDS, encode_batch, template_ids
+    from editrain.data.encode_worker import BEGINS, ENDS, edges, encode_batch, template_ids
 
     monkeypatch.setattr(dataset_mod, "_ENCODE_BATCH_CHARS", 40)
     monkeypatch.setattr(dataset_mod, "_MAX_PIECE_CHARS", 30)
@@ -240,6 +240,24 @@ def test_a_tokenizer_template_goes_once_around_each_document(tmp_path, monkeypat
              + bytes([BEGINS, ENDS]) + "".join(pieces).encode())
     sizes, ids = encode_batch(tok, frame, 2, "append", "H", template_ids(tok))
     assert list(ids) == [1, *words[1], 2] and sum(sizes) == len(ids)
+    # the separator before a document, after a template that ends one with it: once
+    assert edges(2, "prepend", [1], [2]) == ([1], [2])
+    assert edges(2, "prepend", [1], []) == ([2, 1], [])
+
+
+def test_a_probe_the_tokenizer_cannot_encode_finds_no_template():
+    """A vocabulary without the probe's text (and no unknown token) encodes it to nothing:
+    no template is found in that case rather than all of it taken for a suffix."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+
+    from editrain.data.encode_worker import template_ids
+
+    tok = Tokenizer(models.BPE({"<s>": 0, "</s>": 1, "b": 2}, []))  # no unknown token
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.post_processor = processors.TemplateProcessing(
+        single="<s> $A </s>", special_tokens=[("<s>", 0), ("</s>", 1)])
+    assert tok.encode("a", add_special_tokens=False).ids == []
+    assert template_ids(tok) == ([], [])
 
 
 def test_overlap_table_keeps_every_match():

@@ -105,9 +105,13 @@ def test_skip_due_is_next_after_for_both_schedules():
 
 def test_a_healed_replica_adopts_its_peers_schedule_and_step():
     peer = _state(next_eval=60, next_ckpt=80, last_eval=50, step=55)
+    peer.tokens_base, peer.progress_base = 40_960, 40.0  # a resume at another batch
     sent = peer.heal_state(step=52)  # the engine's global step, not the replica's own
-    assert sent == {"step": 52, "next_eval": 60, "next_ckpt": 80, "last_eval": 50}
+    assert sent == {"step": 52, "next_eval": 60, "next_ckpt": 80, "last_eval": 50,
+                    "tokens_base": 40_960, "progress_base": 40.0}
     joining = LoopState(next_eval=10, next_ckpt=20)
     joining.adopt(sent)
     assert (joining.step, joining.next_eval, joining.next_ckpt, joining.last_eval,
             joining.healed_at) == (52, 60, 80, 50, 52)
+    # the peers' token count: a healed group counts tokens as they do
+    assert (joining.tokens_base, joining.progress_base) == (40_960, 40.0)

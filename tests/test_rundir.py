@@ -134,6 +134,12 @@ def test_resuming_into_a_directory_of_another_run_is_refused(tmp_path):
     # --overwrite of the run being resumed, in its own directory: refused, not ignored
     with pytest.raises(RunDirError, match="--overwrite: .* holds the run --resume continues"):
         check_run_dir(cfg_for(a, resume=str(ckpt), overwrite=True), a)
+    # ... and of a directory of the same run whose checkpoint lies elsewhere: replaced
+    same = tmp_path / "same"
+    prepare_run_dir(cfg_for(same, resume=str(ckpt)), same)
+    (same / "metrics.jsonl").write_text('{"step": 1}\n')
+    prepare_run_dir(cfg_for(same, resume=str(ckpt), overwrite=True), same)
+    assert not (same / "metrics.jsonl").exists()
     # With --overwrite, b's run is replaced.
     rec_b = prepare_run_dir(cfg_for(b, resume=str(ckpt), overwrite=True), b)
     assert rec_b.run_id == rec_a.run_id and not (b / "checkpoints").exists()

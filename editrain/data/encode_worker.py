@@ -65,6 +65,8 @@ def template_ids(tok) -> tuple[list[int], list[int]]:
     probe = "a"
     bare = tok.encode(probe, add_special_tokens=False).ids
     full = tok.encode(probe, add_special_tokens=True).ids
+    if not bare:  # nothing to find the template around: the tokens as encoded
+        return [], []
     for k in range(len(full) - len(bare) + 1):
         if full[k:k + len(bare)] == bare:
             return list(full[:k]), list(full[k + len(bare):])
@@ -76,7 +78,8 @@ def edges(eos: int, policy: str, prefix: list[int], suffix: list[int]
     """The ids before a document's first piece and after its last: the separator where
     ``policy`` puts it and the tokenizer's own :func:`template_ids`, the end-of-text once
     (a template that already ends a text with it gets no second one)."""
-    head = ([eos] if policy == "prepend" and prefix[:1] != [eos] else []) + prefix
+    head = ([eos] if policy == "prepend" and prefix[:1] != [eos] and suffix[-1:] != [eos]
+            else []) + prefix
     tail = suffix + ([eos] if policy == "append" and suffix[-1:] != [eos] else [])
     return head, tail
 
