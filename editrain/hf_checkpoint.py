@@ -447,7 +447,7 @@ def _plan_shards(weights: ModelWeights, dtype: torch.dtype, max_shard_bytes: int
     """The safetensors files of an export and the parameters each holds, in order: at most
     ``max_shard_bytes`` a file in ``dtype`` (one tensor larger than that: a file of its
     own)."""
-    item = torch.empty((), dtype=dtype).element_size()
+    item = dtype.itemsize
     plan: list[list[str]] = [[]]
     size = 0
     for name, t in weights.meta.items():
@@ -479,6 +479,24 @@ def _write_shards(out: Path, weights: ModelWeights, dtype: torch.dtype,
         weight_map.update(dict.fromkeys(shard, file))
         del shard
     return weight_map
+
+
+def _publish_weights(out: Path, weights: ModelWeights, dtype: torch.dtype,
+                     plan: list[tuple[str, list[str]]], earlier: list[str]) -> list[str]:
+    """Write the weights (:func:`_write_shards`), then, every one written, put them in place
+    of an earlier export's files and write the index of several; returns the files."""
+    weight_map = _write_shards(out, weights, dtype, plan)
+    files = [file for file, _ in plan]
+    staged = {file + PARTIAL for file in files}
+    _remove(out, [f for f in earlier if f not in staged and f != EXPORT_RECORD])
+    for file in files:
+        os.replace(out / (file + PARTIAL), out / file)
+    if len(files) > 1:
+        total = sum(t.numel() for t in weights.meta.values()) * dtype.itemsize
+        _write(out, INDEX_FILE, json.dumps(
+            {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1) + "\n")
+        files.append(INDEX_FILE)
+    return files
 
 
 PARTIAL = ".partial"
@@ -601,17 +619,7 @@ def export_checkpoint(path: str | Path, out: str | Path, replica: int | None = N
         except RunDirError as e:
             raise CheckpointError(f"export: {e}") from None
     _write(out, EXPORT_RECORD, json.dumps({"files": sorted(own), "complete": False}) + "\n")
-    weight_map = _write_shards(out, weights, EXPORT_DTYPES[dtype], plan)
-    files = [file for file, _ in plan]
-    _remove(out, [f for f in earlier if f not in staged and f != EXPORT_RECORD])
-    for file in files:
-        os.replace(out / (file + PARTIAL), out / file)
-    if len(files) > 1:
-        total = sum(weights.meta[n].numel() for _, names in plan for n in names) * \
-            torch.empty((), dtype=EXPORT_DTYPES[dtype]).element_size()
-        _write(out, INDEX_FILE, json.dumps(
-            {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1) + "\n")
-        files.append(INDEX_FILE)
+    files = _publish_weights(out, weights, EXPORT_DTYPES[dtype], plan, earlier)
     ids = _token_ids(tok_dir)
     if llama:
         config = llama_config_to_hf(_marker_llama(model_cfg, ckpt, "export"), **ids)
