@@ -17,7 +17,7 @@ import torch
 
 from editrain.malloc import keep_freed_memory
 from editrain.spawn import worker_threads
-from editrain.topology import MeshInfo, init_mesh
+from editrain.topology import MeshInfo, init_default_group, init_mesh
 
 
 def setup_process(cfg: Any) -> None:
@@ -41,12 +41,21 @@ def setup_process(cfg: Any) -> None:
                         force=multiprocessing.parent_process() is not None)
 
 
-def init_distributed(cfg: Any) -> MeshInfo:
+def init_distributed(cfg: Any, run_dir: Any) -> MeshInfo:
     """The default process group and the mesh of ``cfg.dist`` (``device`` and ``backend``
-    ``"auto"``: chosen from the hardware; see :func:`editrain.topology.init_mesh`)."""
+    ``"auto"``: chosen from the hardware; see :func:`editrain.topology.init_mesh`).
+
+    Between the two, every rank checks it runs rank 0's options in rank 0's run directory
+    (:func:`check_ranks_agree`): the mesh's groups are made by every rank in the same order,
+    so nodes given another ``dist.shard_size``, ``tp_size`` or ``pp_size`` would hang there,
+    before any later check is reached.
+    """
     d = cfg.dist
-    return init_mesh(d.shard_size, backend=None if d.backend == "auto" else d.backend,
-                     device_type=None if d.device == "auto" else d.device,
+    backend = None if d.backend == "auto" else d.backend
+    device_type = None if d.device == "auto" else d.device
+    init_default_group(backend, device_type)
+    check_ranks_agree(cfg, run_dir)
+    return init_mesh(d.shard_size, backend=backend, device_type=device_type,
                      tp_size=d.tp_size, pp_size=d.pp_size)
 
 
@@ -58,6 +67,54 @@ directory's mount path, the directory itself must be the same: :func:`check_rank
 a model or tokenizer of the hub cache resolves to each node's own cache), a node-local
 token cache, the local launcher's process count and threads, the lighthouse's address as
 each node reaches it."""
+
+
+NODE_PATH_OPTIONS = ("model.init_from", "model.hf_config", "data.tokenizer")
+"""Per-node options naming files the model is built from: their paths may differ (each
+node's own hub cache), what the paths hold is compared (:func:`input_digest`)."""
+
+SAMPLED_BYTES = 1 << 20
+"""How much of each end of a weight file :func:`input_digest` reads: a safetensors file's
+header (names, shapes, offsets) is at its start and its first tensors after it, so another
+revision or fine-tune of the same model differs there, and the digest reads 2 MiB per file
+whatever the model's size."""
+
+_DIGESTED = ("config.json", "generation_config.json", "tokenizer.json",
+             "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+             "model.safetensors.index.json")
+
+
+def input_digest(path: Any) -> str | None:
+    """A digest of what a model or tokenizer path holds (None for no path, the value
+    itself for one that is no file or directory here): the whole of a small file (a
+    config, a tokenizer), and each ``*.safetensors`` file's size and both ends
+    (:data:`SAMPLED_BYTES`)."""
+    import hashlib
+    from pathlib import Path
+
+    if not isinstance(path, str) or not path:
+        return None
+    here = Path(path)
+    if here.is_dir():
+        files = [here / n for n in _DIGESTED] + sorted(here.glob("*.safetensors"))
+    elif here.is_file():
+        files = [here]
+    else:
+        return f"not here: {path}"
+    digest = hashlib.sha256()
+    for file in files:
+        if not file.is_file():
+            continue
+        size = file.stat().st_size
+        digest.update(f"{file.name}:{size}:".encode())
+        with open(file, "rb") as f:
+            if file.suffix != ".safetensors" or size <= 2 * SAMPLED_BYTES:
+                digest.update(f.read())
+            else:
+                digest.update(f.read(SAMPLED_BYTES))
+                f.seek(size - SAMPLED_BYTES)
+                digest.update(f.read())
+    return digest.hexdigest()
 
 
 def _flat(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -95,9 +152,12 @@ def check_ranks_agree(cfg: Any, run_dir: Any) -> None:
 
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return
-    options = {k: v for k, v in _flat(to_dict(cfg)).items() if k not in PER_NODE_OPTIONS}
+    flat = _flat(to_dict(cfg))
+    options = {k: v for k, v in flat.items() if k not in PER_NODE_OPTIONS}
     record = read_record(run_dir)
-    mine = {"options": options, "run": record.run_id if record else None}
+    mine = {"options": options, "run": record.run_id if record else None,
+            "reads": {k: (flat.get(k), input_digest(flat.get(k)))
+                      for k in NODE_PATH_OPTIONS}}
     everyone: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine)
     first = everyone[0]
@@ -110,6 +170,15 @@ def check_ranks_agree(cfg: Any, run_dir: Any) -> None:
             more = f" and {len(differ) - 3} more" if len(differ) > 3 else ""
             raise ConfigError(f"rank {rank} was given other options than rank 0: {named}"
                               f"{more}; every node of a job must run the same ones")
+        differ = [k for k in NODE_PATH_OPTIONS
+                  if theirs["reads"][k][1] != first["reads"][k][1]]
+        if differ:
+            option = differ[0]
+            raise ConfigError(
+                f"rank {rank} reads other files than rank 0 for {option} (there "
+                f"{theirs['reads'][option][0]}, rank 0: {first['reads'][option][0]}): its "
+                f"path may differ between nodes, what it holds may not (another revision "
+                f"of a hub model, a tokenizer or weights changed on one node)")
         if theirs["run"] != first["run"]:
             raise RunDirError(f"rank {rank} does not see the run directory rank 0 claimed "
                               f"({run_dir}: run {first['run']}, there {theirs['run']}): it "

@@ -283,12 +283,38 @@ def init_mesh(
             by the next instead of being page-faulted in again); False leaves malloc alone.
         pp_size: pipeline stages per replica (see :mod:`editrain.pipeline`).
     """
-    import torch
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
     if keep_freed_memory:
         malloc.keep_freed_memory()
+    device_type = device_type or default_device_type()
+    device = init_default_group(backend, device_type, timeout_s)
+    world, rank = dist.get_world_size(), dist.get_rank()
+    topo = Topology(world, shard_size, tp_size, pp_size)
+    if pp_size > 1:
+        names: tuple[str, ...] = (SYNC_DIM, PP_DIM, SHARD_DIM, TP_DIM)
+    elif tp_size == 1:
+        names = (SYNC_DIM, SHARD_DIM)
+    else:
+        names = (SYNC_DIM, SHARD_DIM, TP_DIM)
+    mesh = init_device_mesh(device_type, topo.shape, mesh_dim_names=names)
+    return MeshInfo(mesh=mesh, topo=topo, rank=rank, device=device)
+
+
+def init_default_group(backend: str | None = None, device_type: str | None = None,
+                       timeout_s: float = 600.0) -> torch.device:
+    """Initialise the default process group if it is not yet, and make this rank's device
+    the current one (the ``LOCAL_RANK``-th GPU on CUDA); returns that device.
+
+    :func:`init_mesh` calls it first; a caller that must agree with the other ranks on the
+    mesh's shape before the mesh's groups are made (``editrain train`` under torchrun, where
+    every node has its own command line: :func:`editrain.runtime.init_distributed`) calls
+    it, gathers, then calls :func:`init_mesh`. Arguments as :func:`init_mesh`'s.
+    """
+    import torch
+    import torch.distributed as dist
+
     device_type = device_type or default_device_type()
     if not dist.is_initialized():
         timeout = timedelta(seconds=timeout_s)
@@ -298,22 +324,12 @@ def init_mesh(
             "world_size": int(os.environ["WORLD_SIZE"])}
         dist.init_process_group(backend=backend or default_backend(device_type),
                                 timeout=timeout, **extra)
-    world, rank = dist.get_world_size(), dist.get_rank()
-    topo = Topology(world, shard_size, tp_size, pp_size)
-    if device_type == "cuda":
-        local_rank = int(os.environ.get("LOCAL_RANK", rank % max(1, torch.cuda.device_count())))
-        torch.cuda.set_device(local_rank)
-        device = torch.device("cuda", local_rank)
-    else:
-        device = torch.device(device_type)
-    if pp_size > 1:
-        names: tuple[str, ...] = (SYNC_DIM, PP_DIM, SHARD_DIM, TP_DIM)
-    elif tp_size == 1:
-        names = (SYNC_DIM, SHARD_DIM)
-    else:
-        names = (SYNC_DIM, SHARD_DIM, TP_DIM)
-    mesh = init_device_mesh(device_type, topo.shape, mesh_dim_names=names)
-    return MeshInfo(mesh=mesh, topo=topo, rank=rank, device=device)
+    if device_type != "cuda":
+        return torch.device(device_type)
+    rank = dist.get_rank()
+    local_rank = int(os.environ.get("LOCAL_RANK", rank % max(1, torch.cuda.device_count())))
+    torch.cuda.set_device(local_rank)
+    return torch.device("cuda", local_rank)
 
 
 def shutdown() -> None:

@@ -53,7 +53,7 @@ from editrain.optim.inner import build_inner_optimizer, clip_gradients, uses_sam
 from editrain.optim.schedule import lr_at, set_lr
 from editrain.pipeline import PipelineRunner, build_stage, pipeline_eval_loss
 from editrain.rundir import lineage_of, logs_dir
-from editrain.runtime import check_ranks_agree, init_distributed, setup_process
+from editrain.runtime import init_distributed, setup_process
 from editrain.safe_io import make_dir, write_atomic
 from editrain.sim import Simulation, check_replicas, parse_sim
 from editrain.sync.comm import format_bytes_by_cause
@@ -77,8 +77,7 @@ class Trainer:
         self.run_dir = Path(run_dir)
         validate_world(cfg, int(os.environ.get("WORLD_SIZE", "1")))
         plan = parse_sim(cfg.sim)
-        self.info = info = init_distributed(cfg)
-        check_ranks_agree(cfg, self.run_dir)  # nodes started with their own command lines
+        self.info = info = init_distributed(cfg, self.run_dir)  # every rank agreeing
         # The fault-tolerant mode: this job is one replica group of several (its world is
         # the group's ranks); every other mode: the world holds every replica.
         self.ft = cfg.dist.fault_tolerance == "torchft"

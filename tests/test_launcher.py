@@ -506,18 +506,26 @@ def test_worker_start_method_follows_the_environment(monkeypatch):
 
 
 def _agree_worker(rank: int, world: int, case: str, root: str) -> str:
-    """What check_ranks_agree says on this rank for a case of rank 1's command line."""
+    """What a worker's process-group setup (:func:`init_distributed`, whose check is
+    :func:`check_ranks_agree`) says on this rank for a case of rank 1's command line."""
     from pathlib import Path
 
     from editrain import rundir
     from editrain.config import load_config
-    from editrain.runtime import check_ranks_agree
+    from editrain.runtime import init_distributed
 
-    over: dict = {"train": {"steps": 8}}
+    over: dict = {"train": {"steps": 8}, "dist": {"shard_size": 1}}
     if rank == 1 and case == "steps":
-        over = {"train": {"steps": 12, "lr": 0.03}}
+        over = {"train": {"steps": 12, "lr": 0.03}, "dist": {"shard_size": 1}}
     if rank == 1 and case == "quiet":
-        over = {"train": {"steps": 8}, "quiet": True}
+        over = {**over, "quiet": True}
+    if case == "mesh":  # 4 ranks: rank 1's mesh's groups would not be the others'
+        over = {**over, "dist": {"shard_size": 1 if rank == 1 else 2}}
+    if case in ("tokenizer", "same tokenizer"):  # each node's own copy
+        copy = Path(root) / f"node{rank}" / "tokenizer.json"
+        copy.parent.mkdir(parents=True)
+        copy.write_text('{"model": "' + ("b" if rank and case == "tokenizer" else "a") + '"}')
+        over = {**over, "data": {"tokenizer": str(copy)}}
     run_dir = Path(root) / ("node1" if rank == 1 and case == "unshared" else "shared")
     run_dir.mkdir(parents=True, exist_ok=True)
     if rank == 0 or case == "unshared":
@@ -526,26 +534,63 @@ def _agree_worker(rank: int, world: int, case: str, root: str) -> str:
 
     dist.barrier()  # rank 0 has claimed it, as join() waits for
     try:
-        check_ranks_agree(load_config(None, over), run_dir)
+        init_distributed(load_config(None, over), run_dir)
     except Exception as e:  # noqa: BLE001 - the message is the result
         return f"{type(e).__name__}: {e}"
     return "ok"
 
 
-@pytest.mark.parametrize("case", ["same", "quiet", "steps", "unshared"])
+def test_the_digest_of_a_model_directory_is_of_its_files_not_its_path(tmp_path):
+    """What check_ranks_agree compares for the per-node paths: the same files anywhere give
+    the same digest; another config or other weights (at the start of a file larger than
+    the two sampled ends) give another."""
+    from editrain.runtime import SAMPLED_BYTES, input_digest
+
+    weights = bytes(range(256)) * (3 * SAMPLED_BYTES // 256)
+    for node in ("a", "b", "c", "d"):
+        (tmp_path / node).mkdir()
+        (tmp_path / node / "config.json").write_text('{"hidden_size": 8}')
+        (tmp_path / node / "model.safetensors").write_bytes(weights)
+        (tmp_path / node / "README.md").write_text(f"read by no one: {node}")
+    (tmp_path / "c" / "config.json").write_text('{"hidden_size": 16}')
+    (tmp_path / "d" / "model.safetensors").write_bytes(b"x" + weights[1:])
+    digest = {node: input_digest(str(tmp_path / node)) for node in "abcd"}
+    assert digest["a"] == digest["b"]
+    assert len({digest["a"], digest["c"], digest["d"]}) == 3
+    assert input_digest(str(tmp_path / "a" / "config.json")) != input_digest(
+        str(tmp_path / "c" / "config.json"))
+    assert input_digest(None) is None
+    assert input_digest(str(tmp_path / "nowhere")) == f"not here: {tmp_path / 'nowhere'}"
+
+
+@pytest.mark.parametrize("case", ["same", "quiet", "same tokenizer", "steps", "mesh",
+                                  "tokenizer", "unshared"])
 def test_every_rank_runs_rank_0s_options_in_rank_0s_run_directory(case, tmp_path):
     """Under torchrun every node has its own command line: a node given other options (it
-    hung at --steps, trained another model at --train.lr) or a run directory other nodes
-    do not see (it failed at the first checkpoint, one marked complete without its files)
-    is refused on every rank at once; a node-local difference (--quiet) is not."""
-    got = run_ranks(_agree_worker, 2, case, str(tmp_path))
-    if case in ("same", "quiet"):
+    hung at --steps, trained another model at --train.lr, hung making the mesh's groups
+    with another --shard-size), other files at a per-node path (a tokenizer or a hub model's
+    other revision) or a run directory other nodes do not see (it failed at the first
+    checkpoint, one marked complete without its files) is refused on every rank at once,
+    before the mesh is made; a node-local difference (--quiet, the path of the same
+    tokenizer) is not."""
+    got = run_ranks(_agree_worker, 4 if case == "mesh" else 2, case, str(tmp_path))
+    if case in ("same", "quiet", "same tokenizer"):
         assert got == ["ok", "ok"]
     elif case == "steps":
         assert got[0] == got[1] == (
             "ConfigError: rank 1 was given other options than rank 0: train.lr = 0.03 "
             "(rank 0: 0.003); train.steps = 12 (rank 0: 8); every node of a job must run "
             "the same ones")
+    elif case == "mesh":  # before the fix: every rank hung making the mesh's groups
+        assert got == 4 * [
+            "ConfigError: rank 1 was given other options than rank 0: dist.shard_size = 1 "
+            "(rank 0: 2); every node of a job must run the same ones"]
+    elif case == "tokenizer":
+        assert got[0] == got[1] == (
+            f"ConfigError: rank 1 reads other files than rank 0 for data.tokenizer (there "
+            f"{tmp_path}/node1/tokenizer.json, rank 0: {tmp_path}/node0/tokenizer.json): "
+            "its path may differ between nodes, what it holds may not (another revision "
+            "of a hub model, a tokenizer or weights changed on one node)")
     else:
         for said in got:  # each rank names the directory at its own path
             assert said.startswith("RunDirError: rank 1 does not see the run directory rank "
