@@ -36,7 +36,8 @@ from editrain.data import (
     val_batches,
     window_overlap,
 )
-from editrain.data.sources import _stdlib_files
+from editrain.data.sources import Document, _stdlib_files
+from editrain.data.split import MAX_VAL_SHARE, describe_documents, plan_splits
 
 SMALL = 200_000  # bytes of default corpus used by cache tests
 
@@ -326,6 +327,27 @@ def test_val_tokens_floor_and_cap(tmp_path):
                             val_tokens=10**9)
     share = len(capped.val) / (len(capped.train) + len(capped.val))
     assert 0.15 < share < 0.4
+
+
+def test_coarse_families_reach_the_validation_floor():
+    """Every uncapped floor is reached when the families are coarse (blocks of dataset
+    rows, directories, packages: 20 of 32 equal documents here), the smallest family that
+    completes it added where a quarter's overshoot was not enough; a capped one stays
+    within ``MAX_VAL_SHARE``. (A floor a little above a whole number of families used to
+    be left at that number: the next family overshot it by more than a quarter.)"""
+    docs = [Document(f"document {i} " + "lorem ipsum " * 10, f"d{i}", f"f{i // 32}", "prose")
+            for i in range(640)]
+    table = describe_documents(docs)
+    total = int(table.nbytes.sum())
+    floors = range(0, total // 2, total // 97)
+    for floor, plan in zip(floors, plan_splits(table, 0.01, floors, 0)):
+        val_bytes = plan.stats["val_bytes"]
+        if plan.stats["capped"]:
+            assert val_bytes <= MAX_VAL_SHARE * total, floor
+        else:
+            assert val_bytes >= floor, floor
+    modes = {plan.mode for plan in plan_splits(table, 0.01, floors, 0)}
+    assert modes == {"documents", "tail"}  # tail: no family is small enough for 1%
 
 
 def test_exact_duplicates_dropped_and_near_duplicates_grouped(tmp_path):

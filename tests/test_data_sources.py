@@ -235,6 +235,21 @@ def test_prepare_tokens_on_a_saved_dataset_with_text_field(tmp_path, hf_datasets
     assert rows and rows == {r for r in range(n) if r // HF_FAMILY_ROWS in blocks}
 
 
+def test_a_saved_dataset_holds_out_at_least_val_tokens(tmp_path, hf_datasets):
+    """Rows are grouped in blocks of ``HF_FAMILY_ROWS``: with 20 blocks of about 1,440
+    tokens, a floor of 1,500 tokens needs two; the split used to stop at one block (a
+    second overshot its target by more than the draw allows) and stay there however often
+    it was planned again."""
+    rng = random.Random(0)
+    texts = [" ".join(rng.choice(WORDS[:19]) for _ in range(20)) for _ in range(640)]
+    path = tmp_path / "saved"
+    hf_datasets.Dataset.from_dict({"text": texts}).save_to_disk(str(path))
+    data = prepare_tokens(str(path), tmp_path / "cache", vocab_size=300, val_fraction=0.01,
+                          val_tokens=1500, progress=False)
+    assert data.meta["split"] == "documents" and not data.meta["kinds"]["capped"]
+    assert len(data.val) >= 1500
+
+
 # ------------------------------------------------------------------- hf: specs
 
 

@@ -117,7 +117,8 @@ log = logging.getLogger(__name__)
 # Bump whenever the bytes written for the same inputs would change (split rule,
 # separator placement, tokenizer recipe), so stale entries are not reused.
 # 3: one-permutation MinHash signatures (near-duplicates found by other hashes).
-FORMAT_VERSION = 3
+# 4: a draw of coarse families short of data.val_tokens is completed by one more family.
+FORMAT_VERSION = 4
 
 # Documents are encoded in groups of about this many characters: large enough
 # for encode_batch to use several threads (it releases the GIL and splits a batch over

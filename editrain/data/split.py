@@ -11,7 +11,10 @@ side together:
    locality-sensitive hashing for candidate pairs, and a pair counts when its estimated
    Jaccard similarity reaches ``NEAR_DUP_JACCARD``;
 4. groups are drawn in a seeded random order, per kind (code, prose), until each kind's
-   validation share reaches its part of the target, so validation has the corpus's mix.
+   validation share reaches its part of the target, so validation has the corpus's mix;
+   where the groups are coarse and the draw stops short of the floor (a group may
+   overshoot its target by a quarter only), the smallest group that completes the floor
+   is added (none does: the tail split below).
 
 The target is ``max(val_fraction * corpus, val_bytes_floor)`` bytes, at most
 ``MAX_VAL_SHARE`` of the corpus. When a corpus has too few groups to split by document (one
@@ -554,17 +557,46 @@ class _Grouping:
             if not chosen[g] and taken + group_bytes[g] <= slack * target:
                 chosen[g] = True
                 taken += group_bytes[g]
+        capped = target >= MAX_VAL_SHARE * total
+        # The floor (``data.val_tokens``) is a floor, the share a share: a draw below a
+        # floor under the cap is completed by one more group, or it is the corpus's last
+        # bytes.
+        short = taken < val_bytes_floor < MAX_VAL_SHARE * total
+        if short and chosen.any():
+            taken += self._complete(chosen, taken, val_bytes_floor)
+            short = taken < val_bytes_floor
 
         val = np.zeros(len(table), dtype=bool)
         val[self.kept] = chosen[self.dense]
-        if self.num_groups < 2 or not val.any() or taken >= total:
+        if self.num_groups < 2 or not val.any() or short or taken >= total:
             return _tail_plan(table, sizes, drop, target, self.num_groups, self.merges)
         plan = SplitPlan("documents", val, drop, groups=self.num_groups,
                          near_dup_merges=self.merges)
         plan.stats = _stats(table, val, drop)
         plan.stats.update(target_bytes=int(target), val_bytes=int(sizes[val].sum()),
-                          capped=bool(target >= MAX_VAL_SHARE * total))
+                          capped=bool(capped))
         return plan
+
+    def _complete(self, chosen: np.ndarray, taken: float, floor: float) -> int:
+        """Add to ``chosen`` the group that brings ``taken`` bytes up to ``floor``: the
+        smallest that does (the first in the seeded order among equals) and keeps validation
+        within ``MAX_VAL_SHARE``; return its bytes (0, ``chosen`` unchanged: none does).
+
+        The draw lets a group overshoot its target by a quarter at most, so that validation
+        stays near the target; where the groups are coarse (a directory, a package,
+        ``HF_FAMILY_ROWS`` rows of a dataset) every group left may overshoot by more, and
+        the split stayed below its floor (``data.val_tokens``) however often it was planned
+        again."""
+        cap = MAX_VAL_SHARE * self.total
+        order = np.asarray(self.order, dtype=np.int64)
+        sizes = np.asarray(self.group_bytes, dtype=np.int64)[order]  # in the seeded order
+        fits = ~chosen[order] & (taken + sizes >= floor) & (taken + sizes <= cap)
+        if not fits.any():
+            return 0
+        at = np.flatnonzero(fits)
+        best = int(order[at[np.argmin(sizes[at])]])  # argmin: the first of equal sizes
+        chosen[best] = True
+        return self.group_bytes[best]
 
 
 def _tail_plan(table, sizes, drop, target, groups, merges) -> SplitPlan:
