@@ -109,6 +109,26 @@ def test_a_given_tokenizers_build_in_processes_writes_the_same_bytes(tmp_path, c
     assert meta["train_tokens"] + meta["val_tokens"] == expected
 
 
+def test_a_tokenizer_without_eos_builds_in_processes_with_eos_none(tmp_path, corpus):
+    """``data.eos = none`` with a tokenizer that has no end-of-text token: the workers are
+    told there is no separator id, and write what the build's own process writes."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    texts = [d.text for d in iter_records(resolve_sources(str(corpus)))]
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(texts[:40], trainers.BpeTrainer(
+        vocab_size=600, special_tokens=["<pad>"], show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    path = tmp_path / "no-eos.json"
+    tok.save(str(path))
+    pooled, meta = _build(tmp_path, corpus, path, pool=True, policy="none")
+    inproc, _ = _build(tmp_path, corpus, path, pool=False, policy="none")
+    _same_entries(pooled, inproc)
+    assert meta["eos_id"] is None and meta["train_tokens"] > 0 and meta["val_tokens"] > 0
+
+
 def test_an_own_bpe_build_in_processes_writes_the_same_bytes(tmp_path, corpus):
     pooled, meta = _build(tmp_path, corpus, None, pool=True)
     inproc, _ = _build(tmp_path, corpus, None, pool=False)

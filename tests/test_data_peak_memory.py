@@ -124,7 +124,8 @@ def test_encoder_hands_freed_memory_back_after_every_batch(monkeypatch, tmp_path
     from editrain.data.tokenizer import load_tokenizer, train_bpe_tokenizer
 
     texts = [f"def f{i}(x):\n    return x + {i}\n" * 40 for i in range(60)]
-    tok, eos, _, dtype = dataset._encoding_tokenizer(train_bpe_tokenizer(texts, 300), None)
+    tok, eos, _, dtype = dataset._encoding_tokenizer(train_bpe_tokenizer(texts, 300), None,
+                                                   "append")
     path = tmp_path / "tok.json"
     path.write_text(tok.to_str())
     calls = []

@@ -332,6 +332,51 @@ def test_eos_policy_changes_tokens_and_cache_key(tmp_path):
         prepare_tokens(str(corpus), tmp_path / "cache", vocab_size=300, eos="after")
 
 
+def _tokenizer_without_eos(path: Path, texts: list[str]) -> Path:
+    """A byte-level BPE ``tokenizer.json`` whose only special token is ``<pad>``: none of
+    the end-of-text names (:data:`editrain.data.EOS_FALLBACK_TOKENS`)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(texts, trainers.BpeTrainer(
+        vocab_size=300, special_tokens=["<pad>"], show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok.save(str(path))
+    return path
+
+
+def test_eos_none_needs_no_end_of_text_token(tmp_path):
+    """``data.eos = none`` places no separator, so a tokenizer without an end-of-text token
+    builds (text, and ids stored flat); ``append`` and ``prepend`` are refused before any
+    work, naming ``data.eos`` and what it allows."""
+    texts = _texts(40)
+    corpus = _write(tmp_path / "c.jsonl", "".join(json.dumps({"text": t}) + "\n"
+                                                  for t in texts))
+    tok = _tokenizer_without_eos(tmp_path / "tokenizer.json", texts)
+    kw = dict(tokenizer_path=str(tok), val_fraction=0.2, val_tokens=64, progress=False)
+    for policy in ("append", "prepend"):
+        with pytest.raises(ValueError, match=rf"^data\.eos: '{policy}' puts an end-of-text "
+                                             r"token .*data\.tokenizer has no end-of-text "
+                                             r".*allowed: append, prepend, none\)$"):
+            prepare_tokens(str(corpus), tmp_path / "cache", eos=policy, **kw)
+    assert not any((tmp_path / "cache").glob("*/meta.json"))  # refused before building
+    built = prepare_tokens(str(corpus), tmp_path / "cache", eos="none", **kw)
+    assert built.eos_id is None and built.meta["eos_id"] is None
+    reused = prepare_tokens(str(corpus), tmp_path / "cache", eos="none", **kw)
+    assert reused.reused and reused.eos_id is None
+    from tokenizers import Tokenizer
+
+    ids = Tokenizer.from_file(str(tok)).encode_batch(texts)
+    assert len(built.train) + len(built.val) == sum(len(e.ids) for e in ids)
+    flat = tmp_path / "ids.npy"  # a pre-tokenised corpus: its ids copied, no separator
+    np.save(flat, np.concatenate([e.ids for e in ids]).astype(np.uint16))
+    stored = prepare_tokens(str(flat), tmp_path / "cache", **kw)
+    assert stored.eos_id is None and len(stored.train) + len(stored.val) == len(
+        built.train) + len(built.val)
+
+
 # ---------------------------------------------------------- check_data_options
 
 

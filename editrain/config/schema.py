@@ -77,7 +77,8 @@ class DataSection:
     """Field or column holding the text in .jsonl, .json, .parquet and datasets; input_ids reads a .parquet or save_to_disk dataset as pre-tokenised rows of ids."""
     eos: str = "append"
     """End-of-text token between documents: append (after each), prepend (before each) or
-    none (documents concatenated)."""
+    none (documents concatenated; a data.tokenizer without an end-of-text token needs
+    it)."""
     separator: str | None = None
     """Text that separates documents inside text files (e.g. "<|endoftext|>" for a corpus
     concatenated into one file, "\n\n" for paragraphs): each file is read in chunks and

@@ -107,6 +107,7 @@ __all__ = [
     "TokenData",
     "check_data_options",
     "bpe_sample",
+    "separator_id",
     "check_token_ids",
     "prepare_tokens",
     "token_dtype",
@@ -233,7 +234,8 @@ class TokenData:
             when the corpus is too small to learn that many merges).
         tokenizer_path: The ``tokenizer.json`` saved in the entry.
         cache_dir: The cache entry directory.
-        eos_id: Id of the document separator token.
+        eos_id: Id of the document separator token; None where ``data.eos`` is ``none`` and
+            the tokenizer has no end-of-text token.
         reused: True if an existing entry was used (this call tokenised nothing).
         meta: Contents of the entry's ``meta.json``.
     """
@@ -243,7 +245,7 @@ class TokenData:
     vocab_size: int
     tokenizer_path: Path
     cache_dir: Path
-    eos_id: int = 0
+    eos_id: int | None = 0
     reused: bool = False
     meta: dict = field(default_factory=dict)
 
@@ -252,6 +254,28 @@ def _check_eos(eos: str) -> None:
     if eos not in EOS_POLICIES:
         raise ValueError(f"data.eos: must be one of {', '.join(EOS_POLICIES)} (end-of-text "
                          f"token after every document, before it, or no separator), got {eos!r}")
+
+
+def separator_id(tok, eos_token: str | None, policy: str) -> int | None:
+    """The end-of-text id that ``data.eos`` (``policy``) places between documents.
+
+    A tokenizer without an end-of-text token is refused only where one is placed: with
+    ``data.eos = none`` (and ``"stored"``, ids copied as they are) nothing is, so such a
+    tokenizer builds, with no separator id (None).
+
+    Raises:
+        ValueError: ``append`` or ``prepend`` with a tokenizer that has no such token (the
+            message starts with ``data.eos:`` and says what is allowed).
+    """
+    try:
+        return eos_id(tok, eos_token)
+    except ValueError as exc:
+        if policy not in ("append", "prepend"):
+            return None
+        raise ValueError(
+            f"data.eos: {policy!r} puts an end-of-text token between documents, and {exc}; "
+            f"or set data.eos to none (documents concatenated without a separator; allowed: "
+            f"{', '.join(EOS_POLICIES)})") from None
 
 
 def check_data_options(path: str | list[str], text_field: str = "text",
@@ -452,7 +476,7 @@ def _open_entry(entry: Path, reused: bool) -> TokenData | None:
         vocab_size=int(meta["vocab_size"]),
         tokenizer_path=tok_path,
         cache_dir=entry,
-        eos_id=int(meta["eos_id"]),
+        eos_id=None if meta["eos_id"] is None else int(meta["eos_id"]),
         reused=reused,
         meta=meta,
     )
@@ -512,7 +536,7 @@ class _DocumentEncoder:
 
     _QUEUED = 2  # batches waiting for the encoder thread at most
 
-    def __init__(self, tok, eos: int, policy: str, dtype: np.dtype, out,
+    def __init__(self, tok, eos: int | None, policy: str, dtype: np.dtype, out,
                  workers: int = 0) -> None:
         self._tok, self._out, self._dtype = tok, out, dtype
         head, tail = edges(eos, policy, *template_ids(tok))
@@ -635,7 +659,7 @@ class _DocumentEncoder:
         self._counts.append((owners[0], per_doc))
 
 
-def _encode_to_file(tok, docs: Iterable[str], eos: int, policy: str, dtype: np.dtype,
+def _encode_to_file(tok, docs: Iterable[str], eos: int | None, policy: str, dtype: np.dtype,
                     out, workers: int = 0) -> int:
     """Encode ``docs`` into ``out``, separated by ``eos`` as ``policy`` (one of
     ``EOS_POLICIES``) says, in ``workers`` processes (0: in this one); return the number of
@@ -745,7 +769,7 @@ def _sample_kept(taken: dict[int, int], plan: SplitPlan, cut_train: int | None =
     return cut not in taken or cut_train is None or taken[cut] <= cut_train
 
 
-def _encode_split(tok, texts: Iterable[str], eos: int, policy: str, dtype: np.dtype,
+def _encode_split(tok, texts: Iterable[str], eos: int | None, policy: str, dtype: np.dtype,
                   path: Path, workers: int = 0) -> int:
     """Encode ``texts`` into ``path`` (durably), in ``workers`` processes (0: in this one);
     return the number of tokens written."""
@@ -756,10 +780,11 @@ def _encode_split(tok, texts: Iterable[str], eos: int, policy: str, dtype: np.dt
     return n
 
 
-def _encoding_tokenizer(tok, eos_token: str | None):
+def _encoding_tokenizer(tok, eos_token: str | None, policy: str):
     """``(tokenizer, EOS id, vocabulary size, token dtype)`` of ``tok``, made ready to
-    encode a corpus."""
-    eos = eos_id(tok, eos_token)
+    encode a corpus with separators as ``policy`` says (the EOS id: see
+    :func:`separator_id`)."""
+    eos = separator_id(tok, eos_token, policy)
     vsize = tokenizer_vocab_size(tok)
     # Text that happens to contain "<|endoftext|>" must stay text: separators are only the
     # ones inserted between documents here.
@@ -767,7 +792,7 @@ def _encoding_tokenizer(tok, eos_token: str | None):
     return tok, eos, vsize, token_dtype(vsize)
 
 
-def _encode_text(tok, text: str, eos: int, policy: str, dtype: np.dtype,
+def _encode_text(tok, text: str, eos: int | None, policy: str, dtype: np.dtype,
                  scratch: Path) -> np.ndarray:
     """The tokens of one document ``text`` as a build writes them (separator included; none
     for an empty text), through the scratch file ``scratch``, which is removed."""
@@ -986,7 +1011,8 @@ def _build_entry(
         for doc in corpus("reading documents", _COST_DESCRIBE):
             table.add(doc)
     else:
-        tok, eos, vsize, dtype = _encoding_tokenizer(load_tokenizer(tokenizer_path), eos_token)
+        tok, eos, vsize, dtype = _encoding_tokenizer(load_tokenizer(tokenizer_path), eos_token,
+                                                    eos_policy)
         log.info("tokenising corpus into %s", entry)
         # One pass describes and encodes every document: the split is planned afterwards
         # from the descriptions, and each side is then copied out of the encoded corpus.
@@ -1037,7 +1063,8 @@ def _build_entry(
         log.info("training byte-level BPE tokenizer (vocab_size=%d)", vocab_size)
         texts = bpe_sample(corpus("training tokenizer", _COST_READ + _COST_BPE * sample_share),
                            plan, table, sample_bytes, also=also, taken=took)
-        return (*_encoding_tokenizer(train_bpe(texts, vocab_size), eos_token), took)
+        return (*_encoding_tokenizer(train_bpe(texts, vocab_size), eos_token,
+                                                eos_policy), took)
 
     def encode_validation(plan: SplitPlan, val_share: float
                           ) -> tuple[int, list[bool], int | None]:
@@ -1190,6 +1217,7 @@ def _build_token_entry(entry: Path, ref, source_spec, tokenizer_path: str,
     tok = load_tokenizer(tokenizer_path)
     vsize = tokenizer_vocab_size(tok)
     dtype = token_dtype(vsize)
+    eos = separator_id(tok, eos_token, eos_policy)
     path = ref.path
     if ref.kind == "token_rows":
         # The rows streamed once into one flat file (ids checked on the way), then split
@@ -1197,7 +1225,7 @@ def _build_token_entry(entry: Path, ref, source_spec, tokenizer_path: str,
         flat = entry / f"rows.bin.tmp.{os.getpid()}"
         with open(flat, "wb") as out:
             for rows in token_row_batches(ref):
-                write_checked(row_ids(rows, eos_id(tok, eos_token), eos_policy), out, dtype,
+                write_checked(row_ids(rows, eos, eos_policy), out, dtype,
                               vsize, ref.label)
         size = flat.stat().st_size // dtype.itemsize
         if size < 2:
@@ -1236,7 +1264,7 @@ def _build_token_entry(entry: Path, ref, source_spec, tokenizer_path: str,
         "pretokenized": True, "max_bytes": None, "val_fraction": float(split["val_fraction"]),
         "requested_val_tokens": int(split["val_tokens"]), "split_seed": int(split["seed"]),
         "tokenizer": "user", "tokenizer_trained_on": None, "requested_vocab_size": vsize,
-        "vocab_size": vsize, "eos_id": eos_id(tok, eos_token), "eos": eos_policy,
+        "vocab_size": vsize, "eos_id": eos, "eos": eos_policy,
         "dtype": dtype.name, "documents": None, "split": mode, "groups": None,
         "near_duplicate_merges": 0, "val_documents": None, "train_tokens": counts["train"],
         "val_tokens": counts["val"], f"val_train_overlap_{OVERLAP_WINDOW}": round(overlap, 6),
@@ -1348,7 +1376,8 @@ def prepare_tokens(
     Raises:
         ValueError: Invalid ``vocab_size``/``val_fraction``/``eos``, a ``data.path``
             entry that is unsupported or cannot be loaded, a missing ``text_field``, an
-            empty corpus, or a user tokenizer without an end-of-text token.
+            empty corpus, or a user tokenizer without the end-of-text token
+            ``data.eos`` places (``append``, ``prepend``; the message names ``data.eos``).
         FileNotFoundError: A ``data.path`` or ``data.tokenizer`` path is missing.
         ImportError: A source needs ``pyarrow`` or ``datasets``, which is not installed.
     """
@@ -1372,10 +1401,10 @@ def prepare_tokens(
         if refs[0].kind == "tokens":
             text_field, eos = "", "stored"
     if tokenizer_path is not None:
-        # Loading validates the file (and the EOS token) before any waiting or
-        # building, so a bad path fails fast on every rank.
+        # Loading validates the file (and the EOS token data.eos places) before any
+        # waiting or building, so a bad path fails fast on every rank.
         user_tok = load_tokenizer(tokenizer_path)
-        eos_id(user_tok, eos_token)
+        separator_id(user_tok, eos_token, eos)
         tok_identity = ["file", tokenizer_json_hash(tokenizer_path)]
         if any(template_ids(user_tok)):
             # its template goes once around a document, no longer around each piece of it

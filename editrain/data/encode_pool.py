@@ -64,7 +64,8 @@ class EncoderPool:
     Args:
         tokenizer_json: The tokenizer (``Tokenizer.to_str()``); special tokens in the text
             are encoded as text, as a build does.
-        eos: The separator's id.
+        eos: The separator's id (None: the tokenizer has none, and ``policy`` is
+            ``"none"``).
         policy: Where separators go: ``"append"``, ``"prepend"`` or ``"none"``.
         dtype: The ids' dtype.
         workers: Number of processes (at least 1).
@@ -72,7 +73,7 @@ class EncoderPool:
             ``batch`` is what was passed to :meth:`send` as ``tag``.
     """
 
-    def __init__(self, tokenizer_json: str, eos: int, policy: str, dtype: np.dtype,
+    def __init__(self, tokenizer_json: str, eos: int | None, policy: str, dtype: np.dtype,
                  workers: int, sink) -> None:
         if workers < 1:
             raise ValueError(f"an encoder pool needs a worker, got {workers}")
@@ -82,7 +83,9 @@ class EncoderPool:
         # The worker imports editrain.malloc: from where this process found the package.
         root = str(Path(__file__).resolve().parents[2])
         env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
-        settings = f"{int(eos)} {policy} {self._dtype.name}\n".encode("ascii")
+        # "-": no separator id (data.eos none with a tokenizer that has none)
+        settings = (f"{'-' if eos is None else int(eos)} {policy} {self._dtype.name}\n"
+                    ).encode("ascii")
         self._procs: list[subprocess.Popen] = []
         self._error: BaseException | None = None
         self._sent = 0

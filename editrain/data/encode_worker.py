@@ -73,7 +73,7 @@ def template_ids(tok) -> tuple[list[int], list[int]]:
     return [], []
 
 
-def edges(eos: int, policy: str, prefix: list[int], suffix: list[int]
+def edges(eos: int | None, policy: str, prefix: list[int], suffix: list[int]
           ) -> tuple[list[int], list[int]]:
     """The ids before a document's first piece and after its last: the separator where
     ``policy`` puts it and the tokenizer's own :func:`template_ids`, the end-of-text once
@@ -84,7 +84,7 @@ def edges(eos: int, policy: str, prefix: list[int], suffix: list[int]
     return head, tail
 
 
-def encode_batch(tok, frame: bytes, eos: int, policy: str, typecode: str,
+def encode_batch(tok, frame: bytes, eos: int | None, policy: str, typecode: str,
                  template: tuple[list[int], list[int]] = ([], [])
                  ) -> tuple[list[int], array]:
     """``(every piece's tokens with its separators, the ids)`` of one batch frame."""
@@ -126,12 +126,13 @@ def serve(stdin, stdout) -> None:
     tok = Tokenizer.from_str(read_frame(stdin).decode("utf-8"))
     tok.encode_special_tokens = True  # the build's separators are the only special tokens
     eos, policy, dtype_name = read_frame(stdin).decode("ascii").split()
+    eos_id = None if eos == "-" else int(eos)  # "-": no separator id (data.eos none)
     typecode = _TYPECODES[dtype_name]
     template = template_ids(tok)
     while header := stdin.read(8):  # b"" once the build closed the pipe
         frame = read_exact(stdin, _U64.unpack(header + read_exact(stdin, 8 - len(header)))[0])
         try:
-            sizes, out = encode_batch(tok, frame, int(eos), policy, typecode, template)
+            sizes, out = encode_batch(tok, frame, eos_id, policy, typecode, template)
         except Exception as exc:  # noqa: BLE001 - told to the build, which raises it
             stdout.write(b"\x01")
             write_frame(stdout, f"{type(exc).__name__}: {exc}".encode())

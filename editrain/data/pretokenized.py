@@ -158,7 +158,7 @@ def tail_split(n: int, val_fraction: float, val_tokens: int, max_share: float) -
     return int(min(max(1, min(want, int(max_share * n))), n - 1))
 
 
-def row_ids(rows, eos: int, policy: str) -> np.ndarray:
+def row_ids(rows, eos: int | None, policy: str) -> np.ndarray:
     """The ids of a batch of pre-tokenised rows (a pyarrow list array, one document a row)
     as one flat ``int64`` array, ``eos`` placed as ``policy`` says (``"append"``: after
     every row, ``"prepend"``: before it, ``"none"``). Null and empty rows are left out, as
