@@ -11,6 +11,7 @@ import io
 import json
 import os
 import random
+import re
 import shutil
 import subprocess
 import sys
@@ -632,10 +633,36 @@ def test_a_damaged_or_unreadable_compressed_file_is_one_line(tmp_path, monkeypat
     monkeypatch.setitem(sys.modules, "zstandard", None)
     zst = tmp_path / "c.jsonl.zst"
     zst.write_bytes(b"\x28\xb5\x2f\xfd")
-    with pytest.raises(ImportError, match=r'^data.path: reading .zst files needs the zstandard '
-                                          r'package; install it with pip install '
-                                          r'"editrain\[zstd\]"$'):
+    with pytest.raises(ImportError, match=r"^data.path: reading .zst files \('.*c.jsonl.zst'\) "
+                                          r"needs the zstandard package; install it with pip "
+                                          r'install "editrain\[zstd\]"$'):
         parse_sources(str(zst))
+
+
+@pytest.mark.parametrize("suffix,module", [(".zst", "zstandard"), (".xz", "lzma")])
+def test_a_missing_decompressor_is_refused_for_every_file_a_path_names(tmp_path, monkeypatch,
+                                                                       suffix, module):
+    """A compressed file in a directory (the directory itself, a glob matching it, a list
+    holding it) whose decompressor is missing is refused while data.path is checked, as a
+    file named alone is, naming the file and what to install; no cache entry is begun."""
+    corpus = tmp_path / "corpus"
+    for i in range(3):
+        _write(corpus / f"a{i}.txt", _texts(1, seed=i)[0])
+    (corpus / "deep" / "b.txt" / "c").mkdir(parents=True)  # the file sits below others
+    zipped = corpus / "deep" / "b.txt" / "c" / f"b.txt{suffix}"
+    zipped.write_bytes(b"\x28\xb5\x2f\xfd")  # never read: refused before
+    monkeypatch.setitem(sys.modules, module, None)  # as if it were not installed
+    want = (r'the zstandard package; install it with pip install "editrain\[zstd\]"'
+            if module == "zstandard" else r"Python's lzma module")
+    message = rf"^data\.path: reading \{suffix} files \({re.escape(repr(str(zipped)))}\) needs {want}"
+    for spec in (str(corpus), str(tmp_path / "corp*"), [str(corpus / "a0.txt"), str(corpus)]):
+        with pytest.raises(ImportError, match=message):
+            parse_sources(spec)
+        with pytest.raises(ValueError, match=message):
+            check_data_options(spec)
+        with pytest.raises(ImportError, match=message):
+            prepare_tokens(spec, tmp_path / "cache", vocab_size=300, progress=False)
+        assert not (tmp_path / "cache").exists() or not any((tmp_path / "cache").iterdir())
 
 
 def test_a_directory_of_record_shards_says_which_glob_names_them(tmp_path):

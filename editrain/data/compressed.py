@@ -1,7 +1,10 @@
 """Compressed corpus files (``.gz``, ``.bz2``, ``.xz``, ``.zst``), read as streams.
 
-``.gz``, ``.bz2`` and ``.xz`` are read with the standard library, ``.zst`` with the
-``zstandard`` package (the ``zstd`` extra).
+``.gz``, ``.bz2`` and ``.xz`` are read with the standard library (whose ``bz2`` and
+``lzma`` modules a Python may be built without), ``.zst`` with the ``zstandard`` package
+(the ``zstd`` extra). Each is imported when a file of its format is checked or read, and
+a missing one is refused while ``data.path`` is checked (:func:`check_compressed`, for
+every format a directory holds too), before anything is read or written.
 
 A compressed file is the file its name has without the last suffix (``c4-00000.json.gz`` is
 JSON Lines, ``pile-00.jsonl.zst`` too, ``book.txt.xz`` a text file), decompressed while it
@@ -14,10 +17,7 @@ suffix says, or is cut short, is refused in one line naming it.
 
 from __future__ import annotations
 
-import bz2
-import gzip
-import lzma
-import zlib
+import importlib
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
@@ -30,6 +30,10 @@ __all__ = ["COMPRESSIONS", "WHOLE_MAX_BYTES", "check_compressed", "compression",
 
 COMPRESSIONS = {".gz": "gzip", ".bz2": "bzip2", ".xz": "xz", ".zst": "zstd"}
 """The suffixes of the compressed files a ``data.path`` entry may name, and their formats."""
+_READERS = {"gzip": ("gzip", None), "bzip2": ("bz2", None), "xz": ("lzma", None),
+            "zstd": ("zstandard", "zstd")}
+"""The module that reads each format, and the ``editrain`` extra that installs it (None:
+Python's own, missing only from a Python built without its library)."""
 WHOLE_MAX_BYTES = 1 << 30
 """The most text a compressed file read whole may decompress to (a larger corpus belongs in
 JSON Lines, or cut into documents by ``data.separator``, which are streamed)."""
@@ -50,21 +54,38 @@ def check_compressed(path: Path) -> None:
     """Refuse, before any work, a compressed file whose decompressor is not installed.
 
     Raises:
-        ImportError: ``.zst`` without ``zstandard``, with the ``pip install`` command.
+        ImportError: the message starts with ``data.path:``, names the file and says what
+            to install (``.zst`` without ``zstandard``: the ``pip install`` command).
     """
-    if compression(path) == "zstd":
-        require("zstandard", "zstd", "reading .zst files", load=False)
+    kind = compression(path)
+    if kind is not None:
+        _reader(kind, path, load=False)
+
+
+def _reader(kind: str, path: Path, load: bool = True):
+    """The module that decompresses ``kind`` (None with ``load=False`` for a package that
+    is only looked up; see :func:`~editrain.data.optional.require`)."""
+    module, extra = _READERS[kind]
+    suffix = next(s for s, k in COMPRESSIONS.items() if k == kind)
+    purpose = f"reading {suffix} files ({str(path)!r})"
+    if extra is not None:
+        return require(module, extra, purpose, load=load)
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        raise ImportError(f"data.path: {purpose} needs Python's {module} module, which "
+                          f"this Python was built without; decompress the files, or use "
+                          f"a Python built with it") from None
 
 
 def _errors() -> tuple[type[BaseException], ...]:
     """What the decompressors raise on data that is not theirs or is cut short."""
-    kinds: list[type[BaseException]] = [OSError, EOFError, lzma.LZMAError, zlib.error]
-    try:
-        import zstandard
-
-        kinds.append(zstandard.ZstdError)
-    except ImportError:
-        pass
+    kinds: list[type[BaseException]] = [OSError, EOFError]
+    for module, name in (("zlib", "error"), ("lzma", "LZMAError"), ("zstandard", "ZstdError")):
+        try:
+            kinds.append(getattr(importlib.import_module(module), name))
+        except ImportError:
+            pass
     return tuple(kinds)
 
 
@@ -83,13 +104,14 @@ def open_binary(path: Path) -> Iterator[IO[bytes]]:
         if kind is None:
             yield raw
             return
+        reader = _reader(kind, path)
         if kind == "zstd":
-            zstandard = require("zstandard", "zstd", "reading .zst files")
-            fh = stack.enter_context(zstandard.ZstdDecompressor().stream_reader(
+            fh = stack.enter_context(reader.ZstdDecompressor().stream_reader(
                 raw, read_across_frames=True))
+        elif kind == "gzip":
+            fh = stack.enter_context(reader.GzipFile(fileobj=raw))
         else:
-            opener = {"gzip": gzip.GzipFile, "bzip2": bz2.BZ2File, "xz": lzma.LZMAFile}[kind]
-            fh = stack.enter_context(opener(fileobj=raw) if kind == "gzip" else opener(raw))
+            fh = stack.enter_context((reader.BZ2File if kind == "bzip2" else reader.LZMAFile)(raw))
         try:
             yield fh
         except _errors() as e:  # raised by a read of the body: the data is damaged

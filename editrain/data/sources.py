@@ -388,6 +388,18 @@ _SURROGATE = re.compile("[\ud800-\udfff]")
 """A UTF-16 surrogate left alone by a JSON escape (a pair is one character once parsed)."""
 
 
+def _check_dir_compressed(root: Path) -> None:
+    """:func:`check_compressed` of the first file of every compressed format among the
+    files a directory stands for: a ``.zst`` file deep in a tree without ``zstandard`` is
+    refused while ``data.path`` is checked, not once the build reaches it."""
+    formats: set[str] = set()
+    for _, path in _walk_files(root, DIR_EXTENSIONS):
+        kind = compression(path)
+        if kind is not None and kind not in formats:
+            formats.add(kind)
+            check_compressed(path)
+
+
 def _classify(entry: str, text_field: str) -> SourceRef:
     """The :class:`SourceRef` of one glob-free entry, judged by its form, its extension or
     the files of its directory; no data is read."""
@@ -418,6 +430,7 @@ def _classify(entry: str, text_field: str) -> SourceRef:
             raise ValueError(f"data.path: {str(path)!r} contains no text: no files with "
                              f"extensions {', '.join(TEXT_EXTENSIONS)} (compressed or not), "
                              f"and it is not a save_to_disk directory{_records_hint(path)}")
+        _check_dir_compressed(path)
         hint = _records_hint(path)
         if hint and str(path) not in _WARNED:  # said, not dropped in silence: records
             _WARNED.add(str(path))            # beside the text are not read
