@@ -47,10 +47,16 @@ from editrain.models.hf_dir import (
     hf_parameters,
     inspect_weights,
     listed_files_only,
-    special_tokens,
+    read_config,
     tokenizer_file,
 )
 from editrain.models.hf_llama import llama_config_to_hf, to_hf_name
+from editrain.models.hf_tokens import (
+    TOKEN_ID_KEYS,
+    check_special_ids,
+    config_special_ids,
+    tokenizer_special_ids,
+)
 from editrain.models.llama import LlamaConfig
 from editrain.rundir import group_index, replica_groups
 from editrain.safe_io import (
@@ -62,6 +68,7 @@ from editrain.safe_io import (
     open_write,
     read_bytes,
     read_json,
+    read_json_value,
     write_atomic,
 )
 from editrain.safe_load import SafeFileSystemReader, SafeLoadPlanner, read_metadata
@@ -97,6 +104,13 @@ weights: the tokenizer, and how the model generates (its end-of-text ids: Llama 
 several there)."""
 DEFAULT_EOS = "<|endoftext|>"
 """The end-of-text token of the BPE editrain trains (:mod:`editrain.data.tokenizer`)."""
+MODEL_IDS_FILE = "model_token_ids.json"
+"""In ``RUN_DIR/tokenizer/`` where the run's tokenizer is its ``model.init_from``
+directory's: that directory's ``config.json`` special-token ids, which an export writes
+back (the tokenizer's own may differ: Llama 3 Instruct ends a turn with one token and
+names three that end a text). Not copied into an export."""
+CONFIG_MAX_BYTES = 16 << 20
+"""The largest ``config.json`` / ``generation_config.json`` an export reads ids from."""
 
 
 # ---------------------------------------------------------------------------- in
@@ -149,7 +163,9 @@ def save_run_tokenizer(run_dir: str | Path, tokenizer_json: str | Path,
             ``special_tokens_map.json`` and ``generation_config.json`` are kept too; None:
             a trained BPE, whose ``tokenizer_config.json`` is written here.
         model_dir: the ``model.init_from`` directory, whose ``generation_config.json`` is
-            kept in preference to ``source_dir``'s (the model's own generation settings).
+            kept in preference to ``source_dir``'s (the model's own generation settings),
+            and whose special-token ids are kept (:data:`MODEL_IDS_FILE`) where it is
+            ``source_dir``.
     """
     out = make_dir(Path(run_dir) / RUN_TOKENIZER_DIR, root=run_dir)
 
@@ -173,7 +189,27 @@ def save_run_tokenizer(run_dir: str | Path, tokenizer_json: str | Path,
         write_atomic(out / "tokenizer_config.json", json.dumps(
             {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": DEFAULT_EOS,
              "bos_token": DEFAULT_EOS, "unk_token": DEFAULT_EOS}, indent=1) + "\n")
+    _record_model_ids(out, run_dir, source_dir, model_dir)
     return out
+
+
+def _same_dir(a: str | Path | None, b: str | Path | None) -> bool:
+    """Whether two paths name the same directory (neither None)."""
+    return (a is not None and b is not None
+            and Path(a).expanduser().resolve() == Path(b).expanduser().resolve())
+
+
+def _record_model_ids(out: Path, run_dir: str | Path, source_dir: str | Path | None,
+                      model_dir: str | Path | None) -> None:
+    """Write :data:`MODEL_IDS_FILE` where the tokenizer is the ``model.init_from``
+    directory's; otherwise remove one an earlier job of the run directory wrote (its ids
+    would name another tokenizer's tokens)."""
+    record = out / MODEL_IDS_FILE
+    if _same_dir(source_dir, model_dir):
+        ids = config_special_ids(read_config(model_dir))
+        write_atomic(record, json.dumps(ids, indent=1) + "\n", root=run_dir)
+    elif record.is_symlink() or record.is_file():
+        record.unlink()
 
 
 # ---------------------------------------------------------------------------- out
@@ -551,20 +587,97 @@ def _tokenizer(run_dir: Path, cfg: Mapping[str, Any]) -> Path | None:
     return None
 
 
-def _token_ids(tok_dir: Path | None) -> dict[str, int]:
-    """``eos_token_id`` / ``bos_token_id`` / ``pad_token_id`` for the config, from the
-    tokenizer files."""
-    if tok_dir is None:
-        return {}
-    from tokenizers import Tokenizer
+def _json_object(path: Path, what: str) -> dict[str, Any]:
+    """A JSON object file an export reads ids from (bounded, never through a link)."""
+    return read_json(path, max_bytes=CONFIG_MAX_BYTES, schema=Obj(), what=what,
+                     error=CheckpointError)
 
-    tok = Tokenizer.from_file(str(tok_dir / "tokenizer.json"))
-    ids = {}
-    for kind, text in special_tokens(tok_dir).items():
-        tid = tok.token_to_id(text)
-        if tid is not None:
-            ids[f"{kind}_token_id"] = int(tid)
-    return ids
+
+def _original_ids(tok_dir: Path, run_cfg: Mapping[str, Any]
+                  ) -> tuple[dict[str, Any], Path] | None:
+    """The special-token ids of the ``model.init_from`` directory whose tokenizer the run
+    uses, and the file they come from: the run's record of them (:data:`MODEL_IDS_FILE`),
+    or the directory's ``config.json`` where the run's tokenizer is read from that
+    directory itself (a run older than the record). None: the tokenizer is another's."""
+    record = tok_dir / MODEL_IDS_FILE
+    if record.is_file():
+        return config_special_ids(_json_object(record, "token-id record")), record
+    if _same_dir(tok_dir, (run_cfg.get("model") or {}).get("init_from")):
+        config = tok_dir / "config.json"
+        return config_special_ids(_json_object(config, "model config")), config
+    return None
+
+
+def _special_ids(tok_dir: Path | None, run_cfg: Mapping[str, Any], vocab_size: int
+                 ) -> tuple[dict[str, Any], bool]:
+    """``config.json``'s special-token ids, and whether they are the original model's.
+
+    The ``model.init_from`` directory's where the run's tokenizer is that directory's (the
+    export then loads with the ids it started from: its round trip); else the tokenizer's
+    own special tokens (:func:`~editrain.models.hf_tokens.tokenizer_special_ids`), ``null``
+    for those it names none of and all three without a tokenizer: a config class's
+    default (Llama's 1 and 2) is never left to stand for the tokenizer's.
+
+    Raises:
+        CheckpointError: an id that is not a token of the model's vocabulary, or a special
+            token the tokenizer lacks, in one line naming the file.
+    """
+    if tok_dir is None:
+        return dict.fromkeys(TOKEN_ID_KEYS), False
+    original = _original_ids(tok_dir, run_cfg)
+    try:
+        if original is not None:
+            ids, where = original
+        else:
+            ids, where = tokenizer_special_ids(tok_dir), tok_dir
+        check_special_ids(ids, vocab_size, str(where))
+    except ValueError as e:
+        raise CheckpointError(f"export: {e}") from None
+    return ids, original is not None
+
+
+def _generation_config(tok_dir: Path, ids: Mapping[str, Any], original: bool,
+                       vocab_size: int) -> bytes:
+    """The export's ``generation_config.json``: the run's copy as it is beside the original
+    model's ids (both files as that model has them); else with ``config.json``'s ids in
+    place of its own, which name the tokens of the tokenizer it came with (the
+    ``model.init_from`` directory's), not of the run's, while its other settings (sampling,
+    lengths) stay the model's.
+
+    Raises:
+        CheckpointError: an id that is not a token of the model's vocabulary.
+    """
+    path = tok_dir / GENERATION_FILE
+    data = read_bytes(path, CONFIG_MAX_BYTES, what="generation config")
+    value = read_json_value(data, str(path), error=CheckpointError)
+    if not isinstance(value, dict):
+        raise CheckpointError(f"export: {path} is not a JSON object")
+    if not original:
+        value = {**value, **ids}
+        data = (json.dumps(value, indent=2) + "\n").encode()
+    try:
+        check_special_ids(value, vocab_size, str(path))
+    except ValueError as e:
+        raise CheckpointError(f"export: {e}") from None
+    return data
+
+
+def _export_config(llama: bool, model_cfg: Mapping[str, Any], ckpt: Path,
+                   tok_dir: Path | None, run_cfg: Mapping[str, Any], dtype: str
+                   ) -> tuple[dict[str, Any], bool]:
+    """The export's ``config.json`` (the Llama's mapped, another architecture's the run's
+    own) with its special-token ids (:func:`_special_ids`), and whether those are the
+    original model's."""
+    if llama:
+        config = llama_config_to_hf(_marker_llama(model_cfg, ckpt, "export"))
+    else:  # the ids of the directory it came from, replaced by the ones that hold here
+        config = {k: v for k, v in model_cfg.items() if k not in TOKEN_ID_KEYS}
+    ids, original = _special_ids(tok_dir, run_cfg, hf_int(config, "vocab"))
+    config.update(ids)
+    # transformers 4 reads torch_dtype, 5 dtype: the weights' own, or it would load
+    # float32 weights in the dtype the source model was saved in
+    config.update(torch_dtype=dtype, dtype=dtype)
+    return config, original
 
 
 EXPORT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16,
@@ -603,6 +716,13 @@ def export_checkpoint(path: str | Path, out: str | Path, replica: int | None = N
     run_dir = ckpt.parent.parent
     run_cfg = marker.get("config") or {}
     tok_dir = _tokenizer(run_dir, run_cfg)
+    carried = [n for n in TOKENIZER_FILES if tok_dir is not None and (tok_dir / n).is_file()]
+    # every file but the weights made before anything is written: a refusal leaves OUT as
+    # it was
+    config, original = _export_config(llama, model_cfg, ckpt, tok_dir, run_cfg, dtype)
+    generation = (_generation_config(tok_dir, config_special_ids(config), original,
+                                     hf_int(config, "vocab"))
+                  if tok_dir is not None and GENERATION_FILE in carried else None)
     earlier = _prepare_out(out)
     plan = _plan_shards(weights, EXPORT_DTYPES[dtype], max_shard_bytes)
     # Before anything is written, a record of all this attempt may leave: one that fails (a
@@ -610,7 +730,6 @@ def export_checkpoint(path: str | Path, out: str | Path, replica: int | None = N
     # then replaces it. The earlier export's files stay as they are until every weight is
     # written, under names of their own.
     staged = [file + PARTIAL for file, _ in plan]
-    carried = [n for n in TOKENIZER_FILES if tok_dir is not None and (tok_dir / n).is_file()]
     own = {*earlier, *staged, *(f for f, _ in plan), *([INDEX_FILE] if len(plan) > 1 else []),
            "config.json", "README.md", *carried}
     for name in sorted(own | {EXPORT_RECORD}):  # a link put there is refused, not replaced
@@ -620,18 +739,11 @@ def export_checkpoint(path: str | Path, out: str | Path, replica: int | None = N
             raise CheckpointError(f"export: {e}") from None
     _write(out, EXPORT_RECORD, json.dumps({"files": sorted(own), "complete": False}) + "\n")
     files = _publish_weights(out, weights, EXPORT_DTYPES[dtype], plan, earlier)
-    ids = _token_ids(tok_dir)
-    if llama:
-        config = llama_config_to_hf(_marker_llama(model_cfg, ckpt, "export"), **ids)
-    else:
-        config = {**model_cfg, **ids}
-    # transformers 4 reads torch_dtype, 5 dtype: the weights' own, or it would load
-    # float32 weights in the dtype the source model was saved in
-    config.update(torch_dtype=dtype, dtype=dtype)
     _write(out, "config.json", json.dumps(config, indent=1) + "\n")
     files.append("config.json")
     for name in carried:
-        _write(out, name, read_bytes(tok_dir / name, TOKENIZER_MAX_BYTES))
+        _write(out, name, generation if name == GENERATION_FILE
+               else read_bytes(tok_dir / name, TOKENIZER_MAX_BYTES))
         files.append(name)
     method = marker.get("method", "?")
     step = marker.get("step", "?")

@@ -266,7 +266,8 @@ _FILES_IN = {
     # (editrain.hf_checkpoint: RUN_TOKENIZER_DIR, export_checkpoint), with the leftovers
     # of their atomic writes
     "tokenizer": re.compile(r"(tokenizer\.json|tokenizer_config\.json|"
-                            r"special_tokens_map\.json|generation_config\.json)(\.tmp)?"),
+                            r"special_tokens_map\.json|generation_config\.json|"
+                            r"model_token_ids\.json)(\.tmp)?"),
     "export": re.compile(r"(config\.json|model\.safetensors|model-\d{5}-of-\d{5}\.safetensors|"
                          r"model\.safetensors\.index\.json|tokenizer\.json|"
                          r"tokenizer_config\.json|special_tokens_map\.json|generation_config\.json|"

@@ -634,7 +634,10 @@ def test_trained_export_loads_in_transformers_with_equal_logits(trained, dirs, n
     out = trained[name] / "export"
     tok = transformers.AutoTokenizer.from_pretrained(out)
     model = transformers.AutoModelForCausalLM.from_pretrained(out)
-    assert tok.eos_token == EOT and model.config.eos_token_id == tok.eos_token_id
+    assert tok.eos_token == EOT
+    # the special-token ids of the directory it started from (the Llama's config says 1 and
+    # 2, its tokenizer 0; Qwen's config names none)
+    assert _special_ids(out) == _special_ids(dirs[name.replace("still_", "")])
     x = tokens()
     with torch.no_grad():
         theirs = model(input_ids=x).logits
@@ -935,3 +938,229 @@ def test_the_run_keeps_the_models_own_generation_config(tmp_path):
     for run, model, eos in (("r1", model_dir, [2, 3]), ("r2", None, 7)):
         out = save_run_tokenizer(tmp_path / run, tok_dir / "tokenizer.json", tok_dir, model)
         assert json.loads((out / "generation_config.json").read_text())["eos_token_id"] == eos
+
+
+# ---------------------------------------------------------------------------- special tokens
+BOT, EOT_ID = "<|begin_of_text|>", "<|eot_id|>"
+
+
+@pytest.fixture(scope="module")
+def llama3_eos(dirs) -> Path:
+    """A Llama 3 style directory: its own begin-of-text token, and a config (and generation
+    config) naming two end-of-text ids while its tokenizer's eos is the end of a turn, as
+    Llama 3 Instruct's do; its pad token is the BPE's end-of-text."""
+    from editrain.data.tokenizer import train_bpe_tokenizer
+
+    out = dirs["root"] / "llama3_eos"
+    tok = train_bpe_tokenizer(dirs["corpus"].read_text().splitlines(), 300)
+    tok.add_special_tokens([BOT, EOT_ID])
+    bos, eot = tok.token_to_id(BOT), tok.token_to_id(EOT_ID)
+    config = transformers.LlamaConfig(**SHAPE, bos_token_id=bos, eos_token_id=[0, eot])
+    transformers.LlamaForCausalLM(config).save_pretrained(out)
+    transformers.PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=BOT, eos_token=EOT_ID,
+                                         pad_token=EOT).save_pretrained(out)
+    return out
+
+
+def _one_process_run(run: Path, model_cfg: dict, cfg: dict) -> None:
+    """A run directory with one checkpoint that no training wrote: replica 0's weights of
+    the model ``model_cfg`` describes (editrain's Llama where it has ``n_layers``), which an
+    export reads where there are no anchors, and ``cfg`` as the run's configuration."""
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+
+    from editrain.checkpoint import MARKER
+    from editrain.models.hf import HFCausalLM
+    from editrain.models.llama import LlamaConfig
+
+    ckpt = run / "checkpoints" / "step_00000001"
+    ckpt.mkdir(parents=True)
+    model = (Llama(LlamaConfig(**model_cfg)) if "n_layers" in model_cfg
+             else HFCausalLM.from_config_dict(model_cfg))
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.save({"replica0": {"model": dict(model.named_parameters())}}, checkpoint_id=ckpt,
+                 no_dist=True)
+    (ckpt / MARKER).write_text(json.dumps({"format": 3, "step": 1, "method": "edit",
+                                           "model": model_cfg, "config": cfg}))
+
+
+def _init_from_run(run: Path, model_dir: Path, tok_dir: Path) -> None:
+    """A run that started from ``model_dir`` with ``tok_dir``'s tokenizer (the directory
+    itself unless ``data.tokenizer`` names another), its tokenizer kept as training keeps
+    it."""
+    import dataclasses
+
+    from editrain.hf_checkpoint import save_run_tokenizer
+
+    cfg = {"model": {"init_from": str(model_dir)},
+           "data": {"tokenizer": None if tok_dir == model_dir else str(tok_dir)}}
+    llama = dataclasses.asdict(llama_config_from_hf(read_config(model_dir)))
+    _one_process_run(run, llama, cfg)
+    save_run_tokenizer(run, tok_dir / "tokenizer.json", tok_dir, model_dir)
+
+
+def _special_ids(path: Path) -> dict[str, tuple]:
+    """(bos, eos, pad) ids as transformers reads a directory's config, the generation
+    config its model generates with (generation_config.json, else made from the config)
+    and its tokenizer."""
+    def ids(obj) -> tuple:
+        return obj.bos_token_id, obj.eos_token_id, obj.pad_token_id
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(path)
+    return {"config": ids(transformers.AutoConfig.from_pretrained(path)),
+            "generation": ids(model.generation_config),
+            "tokenizer": ids(transformers.AutoTokenizer.from_pretrained(path))}
+
+
+def _in_vocabulary(out: Path) -> bool:
+    """Every special-token id the export's config.json and generation_config.json write is
+    null or below the config's vocab_size."""
+    config = json.loads((out / "config.json").read_text())
+    files = [config] + ([json.loads((out / "generation_config.json").read_text())]
+                        if (out / "generation_config.json").is_file() else [])
+    values = [v for f in files for key in ("bos_token_id", "eos_token_id", "pad_token_id")
+              for v in (f.get(key) if isinstance(f.get(key), list) else [f.get(key)])]
+    return all(v is None or 0 <= v < config["vocab_size"] for v in values)
+
+
+@pytest.mark.parametrize("name", ["llama", "llama3_eos", "qwen"])
+def test_an_export_has_the_special_token_ids_of_the_directory_it_started_from(
+        dirs, llama3_eos, name, tmp_path):
+    """A run from a directory with that directory's tokenizer: config.json, the generation
+    config and the tokenizer of the export give the directory's bos/eos/pad ids, which
+    need not be the tokenizer's own (the Llama's config says 1 and 2, its tokenizer 0;
+    Llama 3's eos is a list; Qwen's config names none). The export took eos and bos from
+    the tokenizer and dropped the rest."""
+    from editrain.hf_checkpoint import export_checkpoint
+    from editrain.rundir import foreign_entry
+
+    source = llama3_eos if name == "llama3_eos" else dirs[name]
+    run = tmp_path / "run"
+    if name == "qwen":  # another architecture: the marker holds its config.json
+        model_cfg = {k: v for k, v in read_config(source).items() if k != "transformers_version"}
+        _one_process_run(run, model_cfg, {"model": {"init_from": str(source)}})
+        from editrain.hf_checkpoint import save_run_tokenizer
+
+        save_run_tokenizer(run, source / "tokenizer.json", source, source)
+    else:
+        _init_from_run(run, source, source)
+    assert foreign_entry(run / "tokenizer") is None  # the record is the run's own file
+    export_checkpoint(run, tmp_path / "out")
+    assert _special_ids(tmp_path / "out") == _special_ids(source)
+    assert _in_vocabulary(tmp_path / "out")
+    # a run older than RUN_DIR/tokenizer: the tokenizer and the ids from the directory
+    shutil.rmtree(run / "tokenizer")
+    export_checkpoint(run, tmp_path / "old")
+    assert (tmp_path / "old" / "config.json").read_bytes() == \
+        (tmp_path / "out" / "config.json").read_bytes()
+    if name == "llama3_eos":
+        assert _special_ids(source)["config"][1] == [0, 301]
+
+
+def test_an_export_with_another_models_tokenizer_has_that_tokenizers_ids(
+        dirs, llama3_eos, tmp_path):
+    """A run from the Llama 3 style directory with another tokenizer (data.tokenizer: the
+    Qwen directory's, eos and bos <|endoftext|>, no pad): config.json, the generation config
+    (the model's own, kept for its settings) and the tokenizer agree on that tokenizer's ids.
+    The generation config kept the directory's eos ids [0, 301], another tokenizer's. A
+    record of the directory's ids that an earlier job of the run directory wrote, with the
+    directory's tokenizer, is not taken for this tokenizer's."""
+    from editrain.hf_checkpoint import export_checkpoint, save_run_tokenizer
+
+    _init_from_run(tmp_path / "run", llama3_eos, dirs["qwen"])
+    export_checkpoint(tmp_path / "run", tmp_path / "out")
+    got = _special_ids(tmp_path / "out")
+    assert got == dict.fromkeys(got, (0, 0, None))
+    rerun = tmp_path / "rerun"  # an earlier job recorded the directory's ids
+    save_run_tokenizer(rerun, llama3_eos / "tokenizer.json", llama3_eos, llama3_eos)
+    assert (rerun / "tokenizer" / "model_token_ids.json").is_file()
+    _init_from_run(rerun, llama3_eos, dirs["qwen"])
+    assert not (rerun / "tokenizer" / "model_token_ids.json").exists()
+    export_checkpoint(rerun, tmp_path / "out2")
+    assert (tmp_path / "out2" / "config.json").read_bytes() == \
+        (tmp_path / "out" / "config.json").read_bytes()
+    generation = json.loads((tmp_path / "out" / "generation_config.json").read_text())
+    assert {k: v for k, v in generation.items() if "token_id" not in k} == {
+        k: v for k, v in json.loads((llama3_eos / "generation_config.json").read_text()).items()
+        if "token_id" not in k}  # its other settings stay the model's
+
+
+def test_an_export_writes_null_for_a_special_token_the_tokenizer_lacks(dirs, tmp_path):
+    """A GPT-2 from model.hf_config (its class's default ids 50256, past this vocabulary
+    of 320) trained with a tokenizer naming an eos token only: the export names that eos,
+    and null for bos and pad, as AutoTokenizer reads them. The export kept bos 50256."""
+    from editrain.hf_checkpoint import export_checkpoint, save_run_tokenizer
+    from editrain.models.hf import read_hf_config
+
+    gpt2 = tmp_path / "gpt2"
+    transformers.GPT2Config(vocab_size=320, n_positions=64, n_embd=32, n_layer=2,
+                            n_head=4).save_pretrained(gpt2)
+    model_cfg = {k: v for k, v in read_hf_config(gpt2).items() if k != "transformers_version"}
+    assert model_cfg["bos_token_id"] == 50256
+    tok_dir = tmp_path / "tok"
+    fast = transformers.AutoTokenizer.from_pretrained(dirs["qwen"])
+    transformers.PreTrainedTokenizerFast(tokenizer_object=fast.backend_tokenizer,
+                                         eos_token=EOT).save_pretrained(tok_dir)
+    run = tmp_path / "run"
+    _one_process_run(run, model_cfg, {"model": {"hf_config": str(gpt2)},
+                                      "data": {"tokenizer": str(tok_dir)}})
+    save_run_tokenizer(run, tok_dir / "tokenizer.json", tok_dir, None)
+    export_checkpoint(run, tmp_path / "out")
+    got = _special_ids(tmp_path / "out")
+    assert got == dict.fromkeys(got, (None, 0, None))
+    assert _in_vocabulary(tmp_path / "out")
+
+
+@pytest.mark.parametrize("file, key, value, allowed", [
+    ("model_token_ids.json", "eos_token_id", 320, "0 to 319, or a non-empty list"),
+    ("model_token_ids.json", "eos_token_id", [0, 320], "0 to 319, or a non-empty list"),
+    ("model_token_ids.json", "eos_token_id", [], "0 to 319, or a non-empty list"),
+    ("model_token_ids.json", "bos_token_id", -1, "0 to 319, or null"),
+    ("model_token_ids.json", "pad_token_id", True, "0 to 319, or null"),
+    ("model_token_ids.json", "bos_token_id", [1], "0 to 319, or null"),
+    ("generation_config.json", "eos_token_id", [0, 999], "0 to 319, or a non-empty list"),
+    ("generation_config.json", "pad_token_id", "2", "0 to 319, or null"),
+])
+def test_an_id_outside_the_vocabulary_is_refused_before_the_export_writes(
+        dirs, file, key, value, allowed, tmp_path):
+    """An id that is not a token of the model's 320 (RUN_DIR/tokenizer's record of the
+    directory's ids, or its generation config, edited) is refused in one line naming the
+    file and the field, before anything is written: an earlier export stays as it was."""
+    from editrain.errors import CheckpointError
+    from editrain.hf_checkpoint import export_checkpoint
+
+    run, out = tmp_path / "run", tmp_path / "out"
+    _init_from_run(run, dirs["llama"], dirs["llama"])
+    export_checkpoint(run, out)
+    before = {f.name: f.read_bytes() for f in out.iterdir()}
+    path = run / "tokenizer" / file
+    path.write_text(json.dumps({**json.loads(path.read_text()), key: value}))
+    with pytest.raises(CheckpointError) as e:
+        export_checkpoint(run, out)
+    assert str(e.value) == (f"export: {path}: {key} is {value!r}, not a token of the model's "
+                            f"vocabulary (an id from {allowed}" + (
+                                " of such ids, or null)" if "list" in allowed else ")"))
+    assert {f.name: f.read_bytes() for f in out.iterdir()} == before
+
+
+def test_a_special_token_the_tokenizer_lacks_is_refused(dirs, llama3_eos, tmp_path):
+    """A tokenizer whose files name a pad token its tokenizer.json does not hold (which
+    AutoTokenizer adds past the vocabulary) is refused in one line, nothing written; the
+    export left it out of config.json."""
+    from editrain.errors import CheckpointError
+    from editrain.hf_checkpoint import export_checkpoint
+
+    tok_dir = tmp_path / "tok"
+    shutil.copytree(dirs["qwen"], tok_dir)
+    config = json.loads((tok_dir / "tokenizer_config.json").read_text())
+    (tok_dir / "tokenizer_config.json").write_text(json.dumps({**config,
+                                                                "pad_token": "<pad>"}))
+    _init_from_run(tmp_path / "run", llama3_eos, tok_dir)
+    with pytest.raises(CheckpointError, match=r"^export: .*tokenizer: its tokenizer files "
+                                              r"name the pad token '<pad>', which its "
+                                              r"tokenizer.json does not hold; name a token "
+                                              r"of its vocabulary$"):
+        export_checkpoint(tmp_path / "run", tmp_path / "out")
+    assert not (tmp_path / "out").exists()

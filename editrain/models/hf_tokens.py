@@ -1,0 +1,85 @@
+"""The bos/eos/pad ids a Hugging Face config names, a tokenizer's, checked against a vocabulary.
+
+transformers reads ``bos_token_id`` / ``eos_token_id`` / ``pad_token_id`` from
+``config.json`` (and ``generation_config.json``) and takes a config class's default for a
+field the file does not name (Llama's 1 and 2, GPT-2's 50256). An export writes the ids of
+the model directory a run started from as that directory names them, where its tokenizer
+is that directory's; else all three of the tokenizer's own, ``null`` where it names no such
+token, so that no class default stands for one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from editrain.models.hf_dir import special_tokens
+
+__all__ = ["TOKEN_ID_KEYS", "check_special_ids", "config_special_ids", "tokenizer_special_ids"]
+
+TOKEN_ID_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id")
+"""The special-token ids of a config, in ``config.json``'s and ``generation_config.json``'s
+names."""
+
+
+def config_special_ids(config: Mapping[str, Any]) -> dict[str, Any]:
+    """The special-token ids a ``config.json`` names (``null`` included): written back as
+    they are, they load as they did, the class's defaults standing in for the others."""
+    return {key: config[key] for key in TOKEN_ID_KEYS if key in config}
+
+
+def tokenizer_special_ids(tok_dir: str | Path) -> dict[str, int | None]:
+    """The ids of the special tokens a tokenizer directory names (``tokenizer_config.json``,
+    else ``special_tokens_map.json``), ``None`` for a kind it names none of: what
+    ``AutoTokenizer`` gives for them, nothing made up.
+
+    Raises:
+        ValueError: a special token its ``tokenizer.json`` does not hold (``AutoTokenizer``
+            would add it, at an id past the model's vocabulary).
+    """
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(Path(tok_dir) / "tokenizer.json"))
+    ids: dict[str, int | None] = dict.fromkeys(TOKEN_ID_KEYS)
+    for kind, text in special_tokens(tok_dir).items():
+        tid = tok.token_to_id(text)
+        if tid is None:
+            raise ValueError(f"{tok_dir}: its tokenizer files name the {kind} token {text!r}, "
+                             f"which its tokenizer.json does not hold; name a token of its "
+                             f"vocabulary")
+        ids[f"{kind}_token_id"] = int(tid)
+    return ids
+
+
+def _is_id(value: Any, vocab_size: int) -> bool:
+    """An integer id of the vocabulary (any non-negative one where ``vocab_size`` is 0)."""
+    if not isinstance(value, int) or isinstance(value, bool):
+        return False
+    return value >= 0 and (not vocab_size or value < vocab_size)
+
+
+def check_special_ids(ids: Mapping[str, Any], vocab_size: int, where: str) -> None:
+    """Every id of ``ids`` is ``null`` or a token of the model's vocabulary (a non-empty
+    list of them for ``eos_token_id``, as Llama 3 names several).
+
+    Args:
+        ids: :data:`TOKEN_ID_KEYS` (or some of them) -> the value to write.
+        vocab_size: the model's vocabulary (its embedding's rows); 0: not known, then an
+            id is only checked to be a non-negative integer.
+        where: the file the ids came from, for the message.
+
+    Raises:
+        ValueError: one line naming ``where``, the field, its value and what is allowed.
+    """
+    for key in TOKEN_ID_KEYS:
+        value = ids.get(key)
+        if value is None or _is_id(value, vocab_size):
+            continue
+        if (key == "eos_token_id" and isinstance(value, list) and value
+                and all(_is_id(v, vocab_size) for v in value)):
+            continue
+        ids_of = f"0 to {vocab_size - 1}" if vocab_size else "a non-negative integer"
+        lists = ", or a non-empty list of such ids" if key == "eos_token_id" else ""
+        raise ValueError(f"{where}: {key} is {value!r}, not a token of the model's vocabulary "
+                         f"(an id from {ids_of}{lists}, or null)")
