@@ -612,16 +612,39 @@ def preflight_resume(resume: str | Path, cfg: Any, vocab_size: int, data: Any = 
     ckpt = resolve_resume(resume)
     marker = open_checkpoint(ckpt)
     problems = check_compatible(marker, run_meta(cfg, vocab_size, data=data))
-    step, steps = marker.get("step"), cfg.train.steps
-    if (isinstance(step, int) and cfg.sync.method != "aedit" and steps <= step):
-        # it trained nothing, evaluated again and wrote that step's checkpoint again
-        problems.append(f"train.steps: {steps} is not beyond the checkpoint's step {step}, "
-                        f"so the resumed run would train nothing; give a larger "
-                        f"--train.steps")
+    nothing_left = steps_left_problem(marker, cfg)
+    if nothing_left:
+        problems.append(nothing_left)
     if problems:
         raise _incompatible(ckpt, problems)
     check_files(ckpt, marker)
     return ckpt
+
+
+def steps_left_problem(marker: dict[str, Any], cfg: Any) -> str | None:
+    """Why a ``--resume`` of the checkpoint whose marker is ``marker`` would train nothing
+    (``train.steps`` not beyond its step: it evaluated again, wrote that step's checkpoint
+    again and repeated its rows in the metrics), or None. A-EDiT's runs end on the clock
+    (``sync.aedit_duration_s``), not at a step. Checked by the launcher before any worker
+    starts (:func:`preflight_resume`) and by every worker of a job it did not start
+    (torchrun) before the checkpoint is read; not for a worker's restart, which resumes the
+    latest checkpoint of a run that may have finished."""
+    step, steps = marker.get("step"), cfg.train.steps
+    if isinstance(step, int) and cfg.sync.method != "aedit" and steps <= step:
+        return (f"train.steps: {steps} is not beyond the checkpoint's step {step}, so the "
+                f"resumed run would train nothing; give a larger --train.steps")
+    return None
+
+
+def refuse_no_steps_left(ckpt: Path, cfg: Any) -> None:
+    """:func:`steps_left_problem` of the checkpoint ``ckpt``, raised.
+
+    Raises:
+        CheckpointError: ``train.steps`` is not beyond the checkpoint's step.
+    """
+    problem = steps_left_problem(open_checkpoint(ckpt), cfg)
+    if problem:
+        raise _incompatible(ckpt, [problem])
 
 
 def _incompatible(ckpt: Path, problems: list[str]) -> CheckpointError:

@@ -26,6 +26,8 @@ import copy
 import json
 import os
 import shutil
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -798,6 +800,33 @@ def test_a_resume_with_no_step_left_is_refused_before_any_worker(run8, data_cach
         "train.steps: 8 is not beyond the checkpoint's step 8, so the resumed run would "
         "train nothing; give a larger --train.steps")
     assert (run / "metrics.jsonl").read_bytes() == before
+
+
+@pytest.mark.timeout(200)
+def test_a_resume_with_no_step_left_is_refused_under_torchrun(run8, data_cache, tmp_path):
+    """The same resume as a torchrun job, whose workers editrain's launcher does not
+    start: every worker refuses it before it reads the checkpoint, metrics.jsonl and the
+    checkpoint untouched."""
+    from tests.test_cli import tiny
+
+    run = _copy_run(run8, tmp_path)
+    ckpt = list_checkpoints(run)[-1]
+    before = {p: p.read_bytes() for p in [run / "metrics.jsonl", *ckpt.rglob("*")]
+              if p.is_file()}
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
+    env["OMP_NUM_THREADS"] = "1"
+    torchrun = Path(sys.executable).with_name("torchrun")
+    proc = subprocess.run(
+        [str(torchrun), "--standalone", "--nproc-per-node", "2", "-m", "editrain", "train",
+         *tiny(data_cache), "--shard-size", "1", "--method", "diloco",
+         "--sync.local_sgd_sync_interval", "2", "--train.batch_size", "4",
+         "--train.seq_len", "32", "--train.eval_tokens", "1024", "--quiet", "--steps", "8",
+         "--run-dir", str(run), "--resume", str(run)],
+        capture_output=True, text=True, env=env, timeout=180)
+    assert proc.returncode != 0, proc.stderr[-3000:]
+    assert proc.stderr.count("train.steps: 8 is not beyond the checkpoint's step 8, so the "
+                             "resumed run would train nothing") == 2, proc.stderr[-3000:]
+    assert {p: p.read_bytes() for p in before} == before
 
 
 def _resume_error(run: Path, data_cache: Path, steps: int = 12) -> str:
