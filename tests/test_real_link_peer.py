@@ -6,6 +6,9 @@ the command line scripts/real_link.sh uses, and the record of a run with a torch
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -96,6 +99,44 @@ def test_bad_command_line_is_refused_before_any_work(monkeypatch):
         torchft_peer.main([*base, "--", *COMMON, "stray"])
     with pytest.raises(SystemExit):  # no training options: argparse's one-line error
         torchft_peer.main(base)
+
+
+ROOT = Path(__file__).resolve().parent.parent
+
+FAKE_TORCHFT = """import os, sys
+print("RUST_LOG at import:", os.environ.get("RUST_LOG"), flush=True)
+sys.exit(0)
+"""
+"""A torchft that says what ``RUST_LOG`` was when it was first imported, and ends the
+process there: nothing after the import runs."""
+
+PEER_ENTRIES = {
+    "lighthouse": ["-m", "editrain.bench.torchft_peer", "--serve-lighthouse", "[::]:0"],
+    "diloco": ["-c", "from editrain.bench.torchft_peer import _Torchft\n"
+                     "_Torchft({}, None, None, None)"],
+}
+"""The peer's two paths into torchft: its lighthouse (the command line
+``scripts/real_link.sh`` runs) and the DiLoCo worker."""
+
+
+@pytest.mark.parametrize("entry, user_value, seen", [
+    ("lighthouse", None, "warn"), ("diloco", None, "warn"), ("lighthouse", "debug", "debug"),
+])
+def test_the_peer_imports_torchft_with_its_logs_at_warnings(tmp_path, entry, user_value,
+                                                            seen):
+    """The bench peer's torchft, as editrain's own, is imported with ``RUST_LOG=warn`` set
+    first (torchft reads it once, then logs three info lines a sync), and a value the user
+    set is kept."""
+    (tmp_path / "torchft").mkdir()
+    (tmp_path / "torchft" / "__init__.py").write_text(FAKE_TORCHFT)
+    env = {k: v for k, v in os.environ.items() if k != "RUST_LOG"}
+    env["PYTHONPATH"] = os.pathsep.join([str(tmp_path), str(ROOT)])
+    if user_value is not None:
+        env["RUST_LOG"] = user_value
+    done = subprocess.run([sys.executable, *PEER_ENTRIES[entry]], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == [f"RUST_LOG at import: {seen}"]
 
 
 def test_library_system_takes_no_streaming_options(tmp_path):

@@ -172,10 +172,12 @@ class _Torchft:
 
     def __init__(self, spec: dict[str, Any], model: torch.nn.Module,
                  inner: torch.optim.Optimizer, sync: Any) -> None:
-        from torchft import Manager, ProcessGroupGloo
-        from torchft.local_sgd import DiLoCo
-
+        from editrain.sync.ft import import_torchft
         from editrain.sync.outer import resolve_optimizer_class
+
+        torchft = import_torchft()
+        Manager, ProcessGroupGloo = torchft.Manager, torchft.ProcessGroupGloo
+        DiLoCo = import_torchft("torchft.local_sgd").DiLoCo
 
         h = sync.local_sgd_sync_interval
         fragments, delay, alpha = check_streaming(spec, h)
@@ -459,10 +461,11 @@ def serve_lighthouse(bind: str, replicas: int) -> None:
     replica's heartbeats may queue behind its all-reduce on a slow link, and the runs here
     have no failures to detect.
     """
-    from torchft.coordination import LighthouseServer
+    from editrain.sync.ft import import_torchft
 
-    server = LighthouseServer(bind=bind, min_replicas=replicas, join_timeout_ms=100,
-                              heartbeat_timeout_ms=60_000)
+    lighthouse = import_torchft("torchft.coordination").LighthouseServer
+    server = lighthouse(bind=bind, min_replicas=replicas, join_timeout_ms=100,
+                        heartbeat_timeout_ms=60_000)
     print(f"lighthouse ready at {server.address()}", flush=True)
     while True:
         time.sleep(60)

@@ -11,7 +11,8 @@ that (re)joins is behind in committed syncs, so the quorum tells it to *heal*: i
 the global state (anchors, outer optimizer, counters, the trainer's state) from a healthy
 peer, rank by rank over HTTP, with nothing read from disk.
 
-This module is the only one in editrain that imports torchft. :class:`TorchftGroup` offers
+This module is the only one in editrain that imports torchft, and it does so only through
+:func:`import_torchft` (which quiets torchft's Rust logs first). :class:`TorchftGroup` offers
 what the engine's communication path needs (sum all-reduce, all-gather, the quorum's size
 and this replica's place in it) plus the round protocol: :meth:`TorchftGroup.begin`
 before a sync, :meth:`TorchftGroup.commit` after it. A collective that fails (a replica left
@@ -21,11 +22,13 @@ applied (see ``docs/fault_tolerance.md``).
 
 from __future__ import annotations
 
+import importlib
 import logging
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
+from types import ModuleType
 from typing import Any
 
 import torch
@@ -64,11 +67,27 @@ def _torchft_logs_warnings() -> None:
     os.environ.setdefault("RUST_LOG", "warn")
 
 
+def import_torchft(module: str = "torchft") -> ModuleType:
+    """torchft's ``module`` (``"torchft"``, ``"torchft.manager"``, ...), imported with its
+    Rust logs at warnings. Every import of torchft in editrain goes through here, the
+    benchmark's peer workers' too: the log level is read when torchft is first imported,
+    so one import that skipped :func:`_torchft_logs_warnings` would print three info lines
+    a sync for the rest of the process, whoever imports torchft after it.
+
+    Raises:
+        ValueError: ``module`` is not torchft or one of its submodules.
+        ImportError: torchft is not installed.
+    """
+    if module != "torchft" and not module.startswith("torchft."):
+        raise ValueError(f"import_torchft imports torchft's modules only, got {module!r}")
+    _torchft_logs_warnings()
+    return importlib.import_module(module)
+
+
 def torchft_available() -> bool:
     """Whether torchft can be imported (the ``editrain[ft]`` extra)."""
-    _torchft_logs_warnings()
     try:
-        import torchft  # noqa: F401
+        import_torchft()
     except ImportError:
         return False
     return True
@@ -88,10 +107,7 @@ def start_lighthouse(min_replicas: int, join_timeout_s: float, heartbeat_timeout
             dead replica forms at most this long after its heartbeat timed out).
         bind: address to listen on.
     """
-    _torchft_logs_warnings()
-    from torchft.coordination import LighthouseServer
-
-    return LighthouseServer(bind=bind, min_replicas=min_replicas,
+    return import_torchft("torchft.coordination").LighthouseServer(bind=bind, min_replicas=min_replicas,
                             join_timeout_ms=int(join_timeout_s * 1000),
                             heartbeat_timeout_ms=int(heartbeat_timeout_s * 1000),
                             quorum_tick_ms=max(1, int(tick_s * 1000)))
@@ -120,9 +136,8 @@ class TorchftGroup:
                  lighthouse: str | None = None, min_replicas: int = 1,
                  timeout_s: float = 60.0, quorum_timeout_s: float = 600.0,
                  heartbeat_interval_s: float = 0.1, store_addr: str | None = None, store_port: int | None = None) -> None:
-        _torchft_logs_warnings()
-        from torchft.manager import Manager
-        from torchft.process_group import ProcessGroupGloo
+        Manager = import_torchft("torchft.manager").Manager
+        ProcessGroupGloo = import_torchft("torchft.process_group").ProcessGroupGloo
 
         if not 0 <= replica < replicas:
             raise ValueError(f"replica id {replica} outside 0..{replicas - 1}")
