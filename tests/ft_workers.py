@@ -59,9 +59,21 @@ def ft_rank(rank: int, S: int, case: dict[str, Any], replica: int, R: int, light
         return {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
                 for n, p in model.named_parameters()}
 
+    sent = [engine.comm.ledger.totals()]  # the ledger at the last record
+
     def record() -> None:
-        for entry in engine.pop_sync_log():
-            rounds.append({**entry, "global_step": engine.global_step, "params": full()})
+        """The rounds logged since the last call; the first carries the bytes the ledger
+        counted since the previous round was recorded, by cause (``ledger``)."""
+        entries = engine.pop_sync_log()
+        if not entries:
+            return
+        now = engine.comm.ledger.totals()
+        ledger = {cause: now[cause] - sent[0][cause] for cause in now}
+        sent[0] = now
+        for entry in entries:
+            rounds.append({**entry, "global_step": engine.global_step, "params": full(),
+                           "ledger": ledger})
+            ledger = dict.fromkeys(ledger, 0)
 
     engine.join(start_quorum=2 if attempt else None)
     record()

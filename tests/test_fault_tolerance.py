@@ -23,8 +23,42 @@ def _synced(outs: dict, case: dict, R: int, S: int = 1) -> list[list[dict]]:
         for out in ranks:
             for name, p in out["params"].items():
                 assert float((p - ref[r][name]).abs().max()) < PARAM_TOL, (r, name)
+    for ranks in outs.values():
+        for out in ranks:
+            _rounds_log_their_bytes(out["rounds"])
     return [[e for e in outs[r][0]["rounds"] if e["committed"] and e["units"]]
             for r in sorted(outs)]
+
+
+RENDEZVOUS_ROW = 7 * 8
+"""Bytes of one member's row in a fault-tolerant round's rendezvous (7 float64)."""
+
+
+def _others(entry: dict) -> int:
+    """The other members of a round's quorum (none where its quorum failed)."""
+    return max(0, len(entry["members"] or []) - 1)
+
+
+def _rounds_log_their_bytes(rounds: list[dict]) -> None:
+    """The logged rounds' comm fields count what the rounds sent: their reductions, their
+    statistics gathers and their rendezvous, as the run's bytes by cause count them (the
+    ledger's counts between records, ``tests/ft_workers.py``: rounds, statistics and
+    control, the rendezvous under control as A-EDiT's in the plain mode), and nothing else
+    crossed replicas. Summed over the run: a delayed round's collectives run between
+    records, its entry comes at its merge."""
+    sent = {cause: sum(e["ledger"][cause] for e in rounds) for cause in rounds[0]["ledger"]}
+    assert sum(e["bytes_sent"] for e in rounds) == sent["total"] == (
+        sent["rounds"] + sent["statistics"] + sent["control"]), sent
+    assert sent["control"] == sum(_others(e) * RENDEZVOUS_ROW for e in rounds)
+    for e in rounds:
+        others = _others(e)
+        assert e["bytes_sent"] >= others * RENDEZVOUS_ROW, e
+        assert e["max_message_bytes"] <= e["bytes_sent"]
+        if e["committed"] and e["units"] and others:
+            assert others * RENDEZVOUS_ROW < e["max_message_bytes"] < e["bytes_sent"]
+            assert e["compression"] > 0 and e["sync_collectives"] > e["units"]
+            # the training thread waited for the round's jobs, which did work
+            assert e["wait_s"] > 0 and e["work_s"] > 0 and e["hidden"] is not None
 
 
 @pytest.mark.timeout(300)
@@ -130,6 +164,9 @@ def test_a_replica_dying_inside_a_sync_fails_that_round_on_every_survivor(tmp_pa
         steps = out["steps_seen"]
         assert all(b == a + 1 for a, b in zip(steps, steps[1:]))
     assert len(failed_at) == 1  # the same round on both survivors
+    for out in survivors:  # the failed round's row: what it sent before the failure
+        _rounds_log_their_bytes(out["rounds"])
+        assert {e["sync"]: e for e in out["rounds"]}[3]["bytes_sent"] > 2 * RENDEZVOUS_ROW
     # Nothing of the failed round was applied: after it each survivor still holds its own
     # local parameters (a committed round writes the same anchors into both).
     after = [{e["sync"]: e for e in out["rounds"]}[3]["params"] for out in survivors]
@@ -331,6 +368,24 @@ def _global_state(ckpt) -> dict[str, torch.Tensor]:
     return state
 
 
+def _rows_send_the_plain_runs_bytes(syncs: list[dict], plain) -> None:
+    """``--ft`` sync rows of 2 replica groups against the plain run's: the same messages
+    plus each round's rendezvous (one more all-gather, of a 7-float64 row from the other
+    group), the same largest message, and the compression of those bytes."""
+    import json
+
+    want = [x["sync"] for x in map(json.loads, (plain / "metrics.jsonl").read_text()
+                                   .splitlines()) if x.get("sync")]
+    assert len(want) == len(syncs)
+    for got, base in zip(syncs, want):
+        assert got["bytes_sent"] == base["bytes_sent"] + RENDEZVOUS_ROW, (got, base)
+        assert got["sync_collectives"] == base["sync_collectives"] + 1
+        assert got["max_message_bytes"] == base["max_message_bytes"] > RENDEZVOUS_ROW
+        # (class 6: the same float64 quotient, of a numerator 56 bytes larger)
+        assert got["compression"] == pytest.approx(
+            base["compression"] * got["bytes_sent"] / base["bytes_sent"])
+
+
 PP_FT = ["--model.tie_embeddings", "false", "--nproc", "4", "--shard-size", "1",
          "--dist.pp_size", "2", "--sync.local_sgd_sync_interval", "4",
          "--dist.ft_heartbeat_timeout_s", "1", "--dist.ft_heartbeat_interval_s", "0.2"]
@@ -377,6 +432,8 @@ def test_cli_ft_with_pipeline_stages(tmp_path, data_cache):
         rows = [json.loads(x) for x in (ft / f"replica{r}" / "metrics.jsonl").open()]
         syncs = [x["sync"] for x in rows if x.get("sync")]
         assert len(syncs) == 3
+        if r == "0":  # the logging ranks (stage 0 of replica 0) sent what the plain one
+            _rows_send_the_plain_runs_bytes(syncs, plain)
         assert all(e["committed"] and e["quorum_size"] == 2 for e in syncs), syncs
         assert g["num_syncs"] == base["num_syncs"] == 3  # at steps 4, 8 and 12
         # (evaluation sums over one group here, over both replicas there: 1e-7 apart)
@@ -597,3 +654,43 @@ def test_an_error_of_one_stage_drops_the_round_on_every_stage_of_its_group():
     assert results == {0: False, 1: False}
     assert [r[0].engine.closed for r in ranks] == [[(False, False)], [(False, False)]]
     assert [r[0].failed_rounds for r in ranks] == [1, 1]
+
+
+def test_one_job_counts_each_part_under_its_own_cause():
+    """The fault-tolerant round is one job (its first failure ends the rest) holding
+    collectives of several causes: each part counts under its own in the run's bytes by
+    cause, and all of them in the round's counters; a cause not in the list, or the
+    switch asked for outside a job, is refused."""
+    from editrain.sync.comm import CommPath, CommStats
+
+    class Pair:
+        """A cross-replica group of two whose collectives do nothing."""
+
+        size = 2
+
+        def all_reduce(self, tensor):
+            pass
+
+    comm = CommPath(None, None, torch.device("cpu"), cross=Pair())
+    t = torch.zeros(8)  # 32 bytes: a ring all-reduce of 2 sends 32 per rank
+
+    def job():
+        comm.all_reduce_sync(t)
+        with comm.counted_as("statistics"):
+            comm.all_reduce_sync(t)
+            with pytest.raises(ValueError, match="unknown cause 'stats'; allowed: rounds"):
+                with comm.counted_as("stats"):
+                    pass
+        comm.all_reduce_sync(t)
+
+    stats = CommStats()
+    try:
+        comm.run(job, stats=stats, cause="rounds")
+        with pytest.raises(RuntimeError, match="for jobs on the communication thread"):
+            with comm.counted_as("control"):
+                pass
+    finally:
+        comm.close()
+    totals = comm.ledger.totals()
+    assert (totals["rounds"], totals["statistics"], totals["total"]) == (64, 32, 96)
+    assert (stats.bytes_sent, stats.sync_collectives, stats.max_message_bytes) == (96, 3, 32)

@@ -231,9 +231,28 @@ class CommPath:
         finally:
             self._sink, self._cause = None, "control"
 
-    def run(self, fn: Callable[..., Any], *args: Any, cause: str = "control") -> Any:
-        """Queue ``fn(*args)`` and wait for its result (blocking)."""
-        return self.submit(fn, *args, cause=cause).result()
+    def run(self, fn: Callable[..., Any], *args: Any, stats: CommStats | None = None,
+            cause: str = "control") -> Any:
+        """Queue ``fn(*args)`` and wait for its result (blocking); ``stats`` and ``cause``
+        as for :meth:`submit`."""
+        return self.submit(fn, *args, stats=stats, cause=cause).result()
+
+    @contextlib.contextmanager
+    def counted_as(self, cause: str):
+        """Inside a job: the block's cross-replica bytes count as ``cause`` in
+        :attr:`ledger` (the job's own counters still get them). For one job that runs
+        collectives of several causes, such as the fault-tolerant round, whose rendezvous,
+        statistics and reductions are one job because its first failure must end the
+        rest: each part is counted as it would be in a job of its own."""
+        if cause not in CAUSES:
+            raise ValueError(f"unknown cause {cause!r}; allowed: {', '.join(CAUSES)}")
+        if threading.get_ident() != self._thread_id:
+            raise RuntimeError("counted_as is for jobs on the communication thread")
+        previous, self._cause = self._cause, cause
+        try:
+            yield
+        finally:
+            self._cause = previous
 
     def call(self, fn: Callable[..., Any], *args: Any) -> Any:
         """``fn(*args)`` on the communication thread: at once when called from inside a job

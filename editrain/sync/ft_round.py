@@ -37,6 +37,7 @@ the vote.
 from __future__ import annotations
 
 import time
+from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -164,8 +165,9 @@ class FaultTolerantSchedule(BlockingSchedule):
         rnd, quorum, contribute, error = self._begin(contribute, units, fragment)
         try:
             if error is None:
-                self.engine.comm.run(self._jobs, rnd, contribute, elapsed, allow_skip,
-                                     cause="rounds")
+                self._wait(rnd, self.engine.comm.submit(
+                    self._jobs, rnd, contribute, elapsed, allow_skip, stats=rnd.comm,
+                    cause="rounds"))
             if start_quorum and len(rnd.members or []) < start_quorum:
                 error = (f"joining: waiting for {start_quorum} replicas in the quorum, "
                          f"{len(rnd.members or [])} present")
@@ -173,6 +175,18 @@ class FaultTolerantSchedule(BlockingSchedule):
         except QuorumError as exc:
             error = str(exc).splitlines()[0][:200]
         return self._end(rnd, quorum, error)
+
+    def _wait(self, rnd: SyncRound, jobs: Future) -> None:
+        """Wait for the round's jobs on the training thread, counted as a plain round's
+        wait for its units is (the log entry's ``wait_s``, the engine's total, which the
+        trainer takes out of the step's compute time); re-raises their error."""
+        t0 = time.perf_counter()
+        try:
+            jobs.result()
+        finally:
+            waited = time.perf_counter() - t0
+            rnd.wait_s += waited
+            self.engine.counters.total_wait_s += waited
 
     def _begin(self, contribute: bool, units: list[int] | None, fragment: int,
                apply_at: int | None = None
@@ -262,7 +276,7 @@ class FaultTolerantSchedule(BlockingSchedule):
                     eng.units[u].launch = eng.units[u].flat_params()
             rnd.quorum = quorum
             rnd.rendezvous = eng.comm.submit(self._jobs, rnd, contribute, None, True,
-                                             cause="rounds")
+                                             stats=rnd.comm, cause="rounds")
             self.inflight = rnd
 
     def merge_inflight(self) -> None:
@@ -272,7 +286,7 @@ class FaultTolerantSchedule(BlockingSchedule):
             return
         error = None
         try:
-            rnd.rendezvous.result()
+            self._wait(rnd, rnd.rendezvous)
         except QuorumError as exc:
             error = str(exc).splitlines()[0][:200]
         self._end(rnd, rnd.quorum, error)
@@ -288,11 +302,16 @@ class FaultTolerantSchedule(BlockingSchedule):
     def _jobs(self, rnd: SyncRound, contribute: bool, elapsed: float | None,
               allow_skip: bool) -> None:
         """The round's collectives, in order, on the communication thread; the first
-        failure ends the round (later collectives would run on a broken group)."""
+        failure ends the round (later collectives would run on a broken group). One job,
+        counted into the round's own counters (its log entry's bytes) and, part by part,
+        under the cause each part has in the plain mode's jobs: the rendezvous as A-EDiT's
+        (``control``), the statistics and loss gathers, the reductions (``rounds``)."""
         eng = self.engine
-        got = eng.clock.exchange([eng.replica, float(contribute), eng.counters.steps_since_sync,
-                                  self.group.committed_syncs, rnd.index, elapsed or 0.0,
-                                  rnd.fragment])  # [quorum, 7]
+        with eng.comm.counted_as("control"):
+            got = eng.clock.exchange([eng.replica, float(contribute),
+                                      eng.counters.steps_since_sync,
+                                      self.group.committed_syncs, rnd.index, elapsed or 0.0,
+                                      rnd.fragment])  # [quorum, 7]
         # The round's units: a streaming fragment's, which a joining replica (whose round
         # covers every unit) learns here; -1 everywhere: every unit.
         fragment = int(got[:, 6].max())
@@ -321,12 +340,13 @@ class FaultTolerantSchedule(BlockingSchedule):
         if not any(rnd.contributes):
             rnd.units = []  # nobody trained since the last sync (a start or a join)
             return
-        if eng.config.penalty_enabled or rnd.step_counts is not None:
-            eng.reduction.statistics(rnd)
-        elif rnd.loss is not None:
-            eng.reduction.replica_losses(rnd)
+        with eng.comm.counted_as("statistics"):
+            if eng.config.penalty_enabled or rnd.step_counts is not None:
+                eng.reduction.statistics(rnd)
+            elif rnd.loss is not None:
+                eng.reduction.replica_losses(rnd)
         for i in range(len(rnd.units)):
-            eng.reduction.reduce_unit(rnd, i)
+            eng.reduction.unit_job(rnd, i)  # (timed: the round's work_s)
 
     def _apply(self, rnd: SyncRound) -> None:
         """Committed: the outer steps, then the new anchors into the parameters (a delayed
