@@ -503,8 +503,9 @@ class Trainer:
                                         engine=self.engine, replica=self.info.replica,
                                         rank=self.info.rank, meta=self._meta(),
                                         stage=self.info.stage)
+        replays = self.is_logger and replays_logged_rows(self.cfg, exact=state is not None)
         resumed = {"resumed_from": ckpt,
-                   "replay_until": _last_logged_step(self.run_dir) if self.is_logger else None}
+                   "replay_until": _last_logged_step(self.run_dir) if replays else None}
         if state is not None:  # same topology: exact
             self.loop = dataclasses.replace(LoopState.from_dict(state, str(ckpt)), **resumed,
                                             tokens_base=state.get("tokens"),
@@ -667,6 +668,24 @@ def sync_summary(entry: dict[str, Any]) -> str:
     if clip and min(clip) < 1.0:
         parts.append(f"clipped {sum(c < 1.0 for c in clip)} units (min x{min(clip):.2f})")
     return "; ".join(parts)
+
+
+def replays_logged_rows(cfg: Config, exact: bool) -> bool:
+    """Whether a job resumed from a checkpoint (``exact``: on the topology that saved it)
+    computes again the rows ``metrics.jsonl`` already holds past the checkpoint, so that
+    its own rows up to the last step logged are replays (``"replayed": true``, which
+    readers leave out as duplicates).
+
+    Only an exact resume of a run whose steps do not depend on the clock does. An elastic
+    resume trains other batches on other replicas from the global model, and after one
+    A-EDiT numbers steps anew (the mean of the last sync, in the new topology's steps):
+    what it logs at a step logged before is another computation, its final evaluation
+    the run's. A-EDiT on the wall clock (no ``sim.step_schedule``) syncs when the time is
+    up, so even an exact resume takes other steps per window: its rows are new too.
+    """
+    if not exact:
+        return False
+    return not (cfg.sync.use_async and not cfg.sim.step_schedule)
 
 
 def _last_logged_step(run_dir: Path) -> int | None:

@@ -334,7 +334,11 @@ def test_checkpoints_of_another_format_are_refused():
 def test_aedit_elastic_resume_keeps_the_token_budget_and_schedule(
         cache: Path, tmp_path: Path, src_nproc: str, dst_nproc: str) -> None:
     """A-EDiT onto another number of replicas: the budget stays the first run's tokens and
-    the learning rate continues where the schedule is at the checkpoint's token count."""
+    the learning rate continues where the schedule is at the checkpoint's token count.
+    Resumed in the run's directory (a copy: its later checkpoints are set aside, a new
+    timeline), none of the new rows is marked replayed, though the steps restart at the
+    mean of the checkpoint's sync, below the steps logged before: they train other
+    replicas, and the final evaluation is this run's."""
     schedule = {"1": "[3]", "2": "[2,3]"}
     common = ["--method", "aedit", "--steps", "16", "--shard-size", "1",
               "--sync.ewma_warmup_steps", "1", "--train.eval_every", "8"]
@@ -349,11 +353,16 @@ def test_aedit_elastic_resume_keeps_the_token_budget_and_schedule(
     after = [r for r in rows(src) if "event" not in r and r["step"] > saved["step"]
              and "lr" in r]
     dst = tmp_path / "dst"
+    shutil.copytree(src, dst, symlinks=True)
     train(cache, dst, "--nproc", dst_nproc, f"--sim.step_schedule={schedule[dst_nproc]}",
-          "--resume", str(ckpt), *common)
-    resumed = next(r for r in rows(dst) if r.get("event") == "elastic_resume")
+          "--resume", str(dst / ckpt.relative_to(src)), *common)
+    logged = rows(dst)
+    start = next(i for i, r in enumerate(logged) if r.get("event") == "elastic_resume")
+    resumed, new = logged[start], [r for r in logged[start + 1:] if "event" not in r]
     assert resumed["tokens"] == at_save["tokens"]  # no token lost or invented
-    first = next(r for r in rows(dst) if "event" not in r and "lr" in r)
+    assert new and not any(r.get("replayed") for r in new), new
+    assert "val_loss" in new[-1] and new[-1]["val_loss"] == final_val(dst)
+    first = next(r for r in new if "lr" in r)
     # (one float64 schedule formula at one step: tests/README.md class 6)
     assert first["lr"] == pytest.approx(after[0]["lr"], rel=1e-9)
     total = json.loads((dst / "summary.json").read_text())["tokens"]

@@ -115,3 +115,24 @@ def test_a_healed_replica_adopts_its_peers_schedule_and_step():
             joining.healed_at) == (52, 60, 80, 50, 52)
     # the peers' token count: a healed group counts tokens as they do
     assert (joining.tokens_base, joining.progress_base) == (40_960, 40.0)
+
+
+@pytest.mark.parametrize("options, exact, replays", [
+    ({"sync": {"method": "edit"}}, True, True),       # the same steps, bitwise
+    ({"sync": {"method": "diloco"}}, True, True),
+    ({"sync": {"method": "edit"}}, False, False),     # other replicas, other batches
+    ({"sync": {"method": "aedit"}, "sim": {"step_schedule": [2, 3]}}, True, True),
+    ({"sync": {"method": "aedit"}, "sim": {"step_schedule": [2, 3]}}, False, False),
+    ({"sync": {"method": "aedit"}}, True, False),     # the wall clock: other windows
+    ({"sync": {"method": "aedit"}}, False, False),
+])
+def test_only_a_resume_that_computes_the_logged_rows_again_replays_them(options, exact,
+                                                                        replays):
+    """Rows marked replayed are left out by readers as duplicates of rows logged before:
+    only an exact resume of a run whose steps do not depend on the clock writes such
+    duplicates; an elastic one, or A-EDiT on the wall clock, logs new rows (its final
+    evaluation is the run's)."""
+    from editrain.config import load_config
+    from editrain.train import replays_logged_rows
+
+    assert replays_logged_rows(load_config(None, options), exact=exact) is replays
