@@ -218,6 +218,27 @@ def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
     return read_jsonl(path)
 
 
+def current_rows(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The measurement rows of a run's ``metrics.jsonl`` that hold its current history, in
+    file order: events are left out, and so are rows a resumed job logged again
+    (``"replayed": true``: the same computation as a row the file holds); where a later
+    job's steps go back without being replays (an elastic resume, A-EDiT's, a new
+    timeline's from an earlier checkpoint), its rows replace the earlier job's from that
+    step on, which belong to a history the run left.
+
+    Args:
+        rows: the file's rows in file order (:func:`read_metrics`).
+    """
+    kept: list[dict[str, Any]] = []
+    for row in rows:
+        if "event" in row or "step" not in row or row.get("replayed"):
+            continue
+        if kept and row["step"] < kept[-1]["step"]:
+            kept = [r for r in kept if r["step"] < row["step"]]
+        kept.append(row)
+    return kept
+
+
 def _label(run_dir: Path) -> str:
     """A run's name in a legend: its directory's (a fault-tolerant run's replica group: the
     run's and the group's), and its method."""
@@ -298,7 +319,7 @@ def loss_series(rows: Sequence[dict[str, Any]], x_key: str,
 
 def has_losses(run_dir: str | Path) -> bool:
     """Whether a run's ``metrics.jsonl`` holds a training or validation loss to draw."""
-    s = loss_series(read_metrics(Path(run_dir)), "tokens")
+    s = loss_series(current_rows(read_metrics(Path(run_dir))), "tokens")
     return bool(s["train_x"] or s["val_x"])
 
 
@@ -326,7 +347,7 @@ def plot_runs(run_dirs: Sequence[str | Path], out_dir: str | Path | None = None)
         fig, ax = plt.subplots(figsize=(7, 4.5))
         for d in dirs:
             label = _label(d)
-            s = loss_series(read_metrics(d), x_key)
+            s = loss_series(current_rows(read_metrics(d)), x_key)
             color = None
             if s["train_x"]:  # the raw loss faint, its moving average over it
                 raw, = ax.plot(s["train_x"], s["train_y"], alpha=0.25, linewidth=0.8)

@@ -48,7 +48,7 @@ from editrain.fault import (
 )
 from editrain.hf_checkpoint import export_checkpoint, save_run_tokenizer
 from editrain.loop_state import LoopState, next_after
-from editrain.metrics import MetricsWriter, RankLog, read_metrics, to_json
+from editrain.metrics import MetricsWriter, RankLog, current_rows, read_metrics, to_json
 from editrain.models import causal_lm_loss, num_parameters
 from editrain.optim.inner import build_inner_optimizer, clip_gradients, uses_sam
 from editrain.optim.schedule import lr_at, set_lr
@@ -689,12 +689,13 @@ def replays_logged_rows(cfg: Config, exact: bool) -> bool:
 
 
 def _last_logged_step(run_dir: Path) -> int | None:
-    """The highest step already in ``metrics.jsonl`` (rows up to it are replays)."""
+    """The highest step of the run's current history in ``metrics.jsonl``
+    (:func:`~editrain.metrics.current_rows`; rows up to it are replays)."""
     try:
-        rows = read_metrics(run_dir)
+        rows = current_rows(read_metrics(run_dir))
     except FileNotFoundError:
         return None
-    steps = [r["step"] for r in rows if "step" in r and "event" not in r]
+    steps = [r["step"] for r in rows]
     return max(steps) if steps else None
 
 

@@ -25,6 +25,7 @@ from editrain.checkpoint import (
     saved_ranks,
 )
 from editrain.errors import CheckpointError
+from editrain.metrics import current_rows
 from tests.cli import run_cli
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -362,6 +363,9 @@ def test_aedit_elastic_resume_keeps_the_token_budget_and_schedule(
     assert resumed["tokens"] == at_save["tokens"]  # no token lost or invented
     assert new and not any(r.get("replayed") for r in new), new
     assert "val_loss" in new[-1] and new[-1]["val_loss"] == final_val(dst)
+    current = current_rows(logged)  # what plots and benchmarks read: no abandoned row
+    assert current[-1] is new[-1] and all(
+        r in new for r in current if r["step"] >= new[0]["step"]), current
     first = next(r for r in new if "lr" in r)
     # (one float64 schedule formula at one step: tests/README.md class 6)
     assert first["lr"] == pytest.approx(after[0]["lr"], rel=1e-9)

@@ -136,3 +136,39 @@ def test_only_a_resume_that_computes_the_logged_rows_again_replays_them(options,
     from editrain.train import replays_logged_rows
 
     assert replays_logged_rows(load_config(None, options), exact=exact) is replays
+
+
+def _rows(*spec: tuple) -> list[dict]:
+    """Rows of a metrics file: ``(step, loss)``, ``(step, loss, "replayed")`` or
+    ``("event", name, step)``."""
+    out = []
+    for item in spec:
+        if item[0] == "event":
+            out.append({"event": item[1], "step": item[2]})
+        else:
+            out.append({"step": item[0], "loss": item[1],
+                        **({"replayed": True} if len(item) > 2 else {})})
+    return out
+
+
+def test_readers_keep_the_runs_current_history():
+    """What plots, benchmarks and plan --calibrate read of a metrics file appended to by
+    resumed jobs: a replay's rows are duplicates (left out); a later job whose steps go
+    back without being replays (elastic, A-EDiT, a new timeline) replaces the earlier
+    job's rows from that step on, also those past where it ends."""
+    from editrain.metrics import current_rows
+
+    def history(rows):
+        return [(r["step"], r["loss"]) for r in current_rows(rows)]
+
+    first = [(s, 10.0 + s) for s in range(1, 9)]  # a job to step 8, checkpoints at 4, 8
+    exact = _rows(*first, ("event", "checkpoint", 8), (5, 15.0, "r"), (8, 18.0, "r"),
+                  (9, 19.0), (10, 20.0))
+    assert history(exact) == first + [(9, 19.0), (10, 20.0)]
+    elastic = _rows(*first, ("event", "timeline", 4), (5, 5.0), (6, 6.0))
+    assert history(elastic) == first[:4] + [(5, 5.0), (6, 6.0)]
+    # then an exact resume of the elastic history from step 5, run on to 7
+    again = elastic + _rows((6, 6.0, "r"), (7, 7.0))
+    assert history(again) == first[:4] + [(5, 5.0), (6, 6.0), (7, 7.0)]
+    aedit = _rows(*first, (3, 3.0), (4, 4.0), (4, 4.5))  # steps anew, from the mean
+    assert history(aedit) == first[:2] + [(3, 3.0), (4, 4.0), (4, 4.5)]

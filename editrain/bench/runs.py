@@ -160,11 +160,11 @@ def read_run(label: str, run_dir: Path, overrides: dict[str, Any], launch_s: flo
         The run; ``error`` is set when there is no ``summary.json``.
     """
 
-    from editrain.metrics import read_metrics
+    from editrain.metrics import current_rows, read_metrics
 
     run = Run(label=label, run_dir=run_dir, overrides=overrides, launch_s=launch_s, error=error)
     if (run_dir / "metrics.jsonl").is_file():
-        rows = [r for r in read_metrics(run_dir) if "event" not in r and not r.get("replayed")]
+        rows = current_rows(read_metrics(run_dir))
         run.rows = sorted((r for r in rows if r.get("loss") is not None and "step" in r),
                           key=lambda r: r["step"])
         run.evals = [r for r in rows if r.get("val_loss") is not None]

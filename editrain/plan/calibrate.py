@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from editrain.errors import ConfigError
-from editrain.metrics import read_jsonl
+from editrain.metrics import current_rows, read_jsonl
 from editrain.plan.inputs import GBIT, Cluster, MethodSpec, ModelSpec
 from editrain.safe_io import read_toml
 
@@ -259,9 +259,8 @@ def read_run(run_dir: str | Path, skip: int = 4) -> RunSample:
         raise ConfigError(f"plan --calibrate: {d} is not a run directory (no metrics.jsonl "
                           "and config.toml)")
     cfg = _read_toml(d / "config.toml")
-    rows = [r for r in read_jsonl(d / "metrics.jsonl")
-            if "event" not in r and not r.get("replayed") and r.get("loss") is not None
-            and "step" in r]
+    rows = [r for r in current_rows(read_jsonl(d / "metrics.jsonl"))
+            if r.get("loss") is not None]
     rows.sort(key=lambda r: r["step"])
     window = [r for r in rows if r["step"] > skip]
     if len(window) < 2:
