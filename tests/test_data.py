@@ -315,7 +315,7 @@ def test_val_split_takes_whole_documents(tmp_path):
     assert _decode_docs(other, other.val) != val
 
 
-def test_val_tokens_floor_and_cap(tmp_path):
+def test_val_tokens_floor_and_cap(tmp_path, caplog):
     docs = [f"doc {i} " + " ".join(f"w{i}x{j}" for j in range(60)) for i in range(100)]
     path = tmp_path / "docs.jsonl"
     path.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs), encoding="utf-8")
@@ -323,10 +323,14 @@ def test_val_tokens_floor_and_cap(tmp_path):
                            val_tokens=3000)
     assert len(small.val) >= 3000 > 0.01 * (len(small.train) + len(small.val))
     # A floor larger than the corpus is capped at 30% of it (by bytes).
+    assert "data.val_tokens" not in caplog.text
     capped = prepare_tokens(str(path), tmp_path / "c", vocab_size=300, val_fraction=0.01,
                             val_tokens=10**9)
     share = len(capped.val) / (len(capped.train) + len(capped.val))
     assert 0.15 < share < 0.4
+    assert (f"data.val_tokens: the validation split holds {len(capped.val)} tokens, fewer "
+            f"than the 1000000000 asked: validation is at most 30% of the corpus"
+            ) in caplog.text  # said at the build, not left to be found
 
 
 def test_coarse_families_reach_the_validation_floor():

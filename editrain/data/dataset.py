@@ -792,6 +792,16 @@ def _encoding_tokenizer(tok, eos_token: str | None, policy: str):
     return tok, eos, vsize, token_dtype(vsize)
 
 
+def _say_short_validation(n_val: int, val_tokens: int) -> None:
+    """Warn that a split holds fewer validation tokens than ``data.val_tokens`` asked (the
+    corpus is too small: validation is at most ``MAX_VAL_SHARE`` of it), instead of leaving
+    the user to find it in ``meta.json``."""
+    if 0 < n_val < val_tokens:
+        log.warning("data.val_tokens: the validation split holds %d tokens, fewer than the "
+                    "%d asked: validation is at most %d%% of the corpus, which is too small "
+                    "for more", n_val, val_tokens, round(100 * MAX_VAL_SHARE))
+
+
 def _encode_text(tok, text: str, eos: int | None, policy: str, dtype: np.dtype,
                  scratch: Path) -> np.ndarray:
     """The tokens of one document ``text`` as a build writes them (separator included; none
@@ -1118,6 +1128,7 @@ def _build_entry(
         bytes_per_token = 1.05 * val_bytes / n_val
         log.info("validation split has %d < data.val_tokens=%d tokens; re-planning "
                  "(attempt %d)", n_val, val_tokens, attempt + 2)
+    _say_short_validation(n_val, val_tokens)
     if counts is not None:
         recent.close()  # the texts kept for the cut: planned, no longer needed
     if counts is None:
@@ -1234,6 +1245,7 @@ def _build_token_entry(entry: Path, ref, source_spec, tokenizer_path: str,
                              f"{ref.text_field!r}: too few to split into training and "
                              f"validation")
         n_val = tail_split(size, split["val_fraction"], split["val_tokens"], MAX_VAL_SHARE)
+        _say_short_validation(n_val, split["val_tokens"])
         sources = {"train": TokenFile(flat, dtype, size - n_val),
                    "val": TokenFile(flat, dtype, n_val, start=size - n_val)}
         names = {"train": ref.label, "val": ref.label}
@@ -1246,6 +1258,7 @@ def _build_token_entry(entry: Path, ref, source_spec, tokenizer_path: str,
         ids = open_tokens(path)
         n_val = tail_split(len(ids), split["val_fraction"], split["val_tokens"],
                            MAX_VAL_SHARE)
+        _say_short_validation(n_val, split["val_tokens"])
         sources = {"train": ids[:len(ids) - n_val], "val": ids[len(ids) - n_val:]}
         names = {"train": path, "val": path}
         mode = "tail"
