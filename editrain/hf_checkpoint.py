@@ -181,16 +181,39 @@ def save_run_tokenizer(run_dir: str | Path, tokenizer_json: str | Path,
             if (Path(source_dir) / name).is_file():
                 copy(Path(source_dir) / name, name)
                 copied = True
-    for where in (model_dir, source_dir):
-        if where is not None and (Path(where) / GENERATION_FILE).is_file():
-            copy(Path(where) / GENERATION_FILE, GENERATION_FILE)
-            break
     if not copied:
         write_atomic(out / "tokenizer_config.json", json.dumps(
             {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": DEFAULT_EOS,
              "bos_token": DEFAULT_EOS, "unk_token": DEFAULT_EOS}, indent=1) + "\n")
+    for where in (model_dir, source_dir):
+        if where is not None and (Path(where) / GENERATION_FILE).is_file():
+            if _same_dir(where, source_dir):  # its ids name this tokenizer's tokens
+                copy(Path(where) / GENERATION_FILE, GENERATION_FILE)
+            else:
+                _keep_generation_config(Path(where) / GENERATION_FILE, out, run_dir)
+            break
     _record_model_ids(out, run_dir, source_dir, model_dir)
     return out
+
+
+def _keep_generation_config(path: Path, out: Path, run_dir: str | Path) -> None:
+    """Keep the ``model.init_from`` directory's ``generation_config.json`` beside another
+    tokenizer (``data.tokenizer``, or a BPE editrain trained): its sampling settings and
+    lengths are the model's, its special-token ids are replaced by the run's tokenizer's
+    (:func:`~editrain.models.hf_tokens.tokenizer_special_ids`; ``null`` where that names
+    a token it lacks, which export then refuses), since they name another tokenizer's
+    tokens. Where its tokenizer is the run's, the file is kept as it is (Llama 3 Instruct's
+    list of end-of-text ids included)."""
+    data = read_bytes(path, CONFIG_MAX_BYTES, what="generation config")
+    value = read_json_value(data, str(path), error=ValueError)
+    if not isinstance(value, dict):
+        raise ValueError(f"{path} is not a JSON object")
+    try:
+        ids = tokenizer_special_ids(out)
+    except ValueError:
+        ids = dict.fromkeys(TOKEN_ID_KEYS)
+    write_atomic(out / GENERATION_FILE, json.dumps({**value, **ids}, indent=2) + "\n",
+                 root=run_dir)
 
 
 def _same_dir(a: str | Path | None, b: str | Path | None) -> bool:
@@ -609,8 +632,8 @@ def _original_ids(tok_dir: Path, run_cfg: Mapping[str, Any]
 
 
 def _special_ids(tok_dir: Path | None, run_cfg: Mapping[str, Any], vocab_size: int
-                 ) -> tuple[dict[str, Any], bool]:
-    """``config.json``'s special-token ids, and whether they are the original model's.
+                 ) -> dict[str, Any]:
+    """``config.json``'s special-token ids.
 
     The ``model.init_from`` directory's where the run's tokenizer is that directory's (the
     export then loads with the ids it started from: its round trip); else the tokenizer's
@@ -623,7 +646,7 @@ def _special_ids(tok_dir: Path | None, run_cfg: Mapping[str, Any], vocab_size: i
             token the tokenizer lacks, in one line naming the file.
     """
     if tok_dir is None:
-        return dict.fromkeys(TOKEN_ID_KEYS), False
+        return dict.fromkeys(TOKEN_ID_KEYS)
     original = _original_ids(tok_dir, run_cfg)
     try:
         if original is not None:
@@ -633,28 +656,22 @@ def _special_ids(tok_dir: Path | None, run_cfg: Mapping[str, Any], vocab_size: i
         check_special_ids(ids, vocab_size, str(where))
     except ValueError as e:
         raise CheckpointError(f"export: {e}") from None
-    return ids, original is not None
+    return ids
 
 
-def _generation_config(tok_dir: Path, ids: Mapping[str, Any], original: bool,
-                       vocab_size: int) -> bytes:
-    """The export's ``generation_config.json``: the run's copy as it is beside the original
-    model's ids (both files as that model has them); else with ``config.json``'s ids in
-    place of its own, which name the tokens of the tokenizer it came with (the
-    ``model.init_from`` directory's), not of the run's, while its other settings (sampling,
-    lengths) stay the model's.
+def _generation_config(tok_dir: Path, vocab_size: int) -> bytes:
+    """The export's ``generation_config.json``: the run's copy as it is (training kept it
+    with ids of the run's tokenizer: :func:`save_run_tokenizer`), checked.
 
     Raises:
-        CheckpointError: an id that is not a token of the model's vocabulary.
+        CheckpointError: a file that is no JSON object, or an id that is not a token of the
+            model's vocabulary.
     """
     path = tok_dir / GENERATION_FILE
     data = read_bytes(path, CONFIG_MAX_BYTES, what="generation config")
     value = read_json_value(data, str(path), error=CheckpointError)
     if not isinstance(value, dict):
         raise CheckpointError(f"export: {path} is not a JSON object")
-    if not original:
-        value = {**value, **ids}
-        data = (json.dumps(value, indent=2) + "\n").encode()
     try:
         check_special_ids(value, vocab_size, str(path))
     except ValueError as e:
@@ -664,20 +681,18 @@ def _generation_config(tok_dir: Path, ids: Mapping[str, Any], original: bool,
 
 def _export_config(llama: bool, model_cfg: Mapping[str, Any], ckpt: Path,
                    tok_dir: Path | None, run_cfg: Mapping[str, Any], dtype: str
-                   ) -> tuple[dict[str, Any], bool]:
+                   ) -> dict[str, Any]:
     """The export's ``config.json`` (the Llama's mapped, another architecture's the run's
-    own) with its special-token ids (:func:`_special_ids`), and whether those are the
-    original model's."""
+    own) with its special-token ids (:func:`_special_ids`)."""
     if llama:
         config = llama_config_to_hf(_marker_llama(model_cfg, ckpt, "export"))
     else:  # the ids of the directory it came from, replaced by the ones that hold here
         config = {k: v for k, v in model_cfg.items() if k not in TOKEN_ID_KEYS}
-    ids, original = _special_ids(tok_dir, run_cfg, hf_int(config, "vocab"))
-    config.update(ids)
+    config.update(_special_ids(tok_dir, run_cfg, hf_int(config, "vocab")))
     # transformers 4 reads torch_dtype, 5 dtype: the weights' own, or it would load
     # float32 weights in the dtype the source model was saved in
     config.update(torch_dtype=dtype, dtype=dtype)
-    return config, original
+    return config
 
 
 EXPORT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16,
@@ -719,9 +734,8 @@ def export_checkpoint(path: str | Path, out: str | Path, replica: int | None = N
     carried = [n for n in TOKENIZER_FILES if tok_dir is not None and (tok_dir / n).is_file()]
     # every file but the weights made before anything is written: a refusal leaves OUT as
     # it was
-    config, original = _export_config(llama, model_cfg, ckpt, tok_dir, run_cfg, dtype)
-    generation = (_generation_config(tok_dir, config_special_ids(config), original,
-                                     hf_int(config, "vocab"))
+    config = _export_config(llama, model_cfg, ckpt, tok_dir, run_cfg, dtype)
+    generation = (_generation_config(tok_dir, hf_int(config, "vocab"))
                   if tok_dir is not None and GENERATION_FILE in carried else None)
     earlier = _prepare_out(out)
     plan = _plan_shards(weights, EXPORT_DTYPES[dtype], max_shard_bytes)

@@ -926,18 +926,44 @@ def test_a_fault_tolerant_runs_directory_names_its_checkpoints(tmp_path):
 
 def test_the_run_keeps_the_models_own_generation_config(tmp_path):
     """The tokenizer may come from another model (data.tokenizer) than the weights
-    (model.init_from): the run keeps the weights' generation_config.json, else the
-    tokenizer's directory's."""
+    (model.init_from): the run keeps the weights' generation_config.json, its settings
+    with the ids of the run's tokenizer (<|endoftext|>, 400: its own name another
+    tokenizer's tokens), else the tokenizer's directory's as it is."""
     from editrain.hf_checkpoint import save_run_tokenizer
 
     tok_dir, model_dir = tmp_path / "tok", tmp_path / "model"
     for d, eos in ((tok_dir, 7), (model_dir, [2, 3])):
         d.mkdir()
-        (d / "generation_config.json").write_text(json.dumps({"eos_token_id": eos}))
+        (d / "generation_config.json").write_text(json.dumps({"eos_token_id": eos,
+                                                             "max_length": 99}))
     (tok_dir / "tokenizer.json").write_text(big_tokenizer(tmp_path).read_text())
-    for run, model, eos in (("r1", model_dir, [2, 3]), ("r2", None, 7)):
+    for run, model, eos in (("r1", model_dir, 400), ("r2", None, 7)):
         out = save_run_tokenizer(tmp_path / run, tok_dir / "tokenizer.json", tok_dir, model)
-        assert json.loads((out / "generation_config.json").read_text())["eos_token_id"] == eos
+        kept = json.loads((out / "generation_config.json").read_text())
+        assert (kept["eos_token_id"], kept["max_length"]) == (eos, 99)
+
+
+def test_an_export_with_a_models_tokenizer_keeps_its_generation_config(
+        llama3_eos, tmp_path):
+    """A model of its own shape (no model.init_from) trained with the Llama 3 style
+    directory's tokenizer (data.tokenizer): the export's generation config is that
+    directory's as it is, its two end-of-text ids included (they name this tokenizer's
+    tokens), and config.json has the tokenizer's own ids. The export replaced the list by
+    the tokenizer's one eos."""
+    import dataclasses
+
+    from editrain.hf_checkpoint import export_checkpoint, save_run_tokenizer
+
+    run = tmp_path / "run"
+    llama = dataclasses.asdict(llama_config_from_hf(read_config(llama3_eos)))
+    _one_process_run(run, llama, {"data": {"tokenizer": str(llama3_eos)}})
+    save_run_tokenizer(run, llama3_eos / "tokenizer.json", llama3_eos, None)
+    export_checkpoint(run, tmp_path / "out")
+    assert (tmp_path / "out" / "generation_config.json").read_bytes() == \
+        (llama3_eos / "generation_config.json").read_bytes()
+    got, source = _special_ids(tmp_path / "out"), _special_ids(llama3_eos)
+    assert got["generation"][1] == [0, 301] and got["tokenizer"] == source["tokenizer"]
+    assert got["config"] == got["tokenizer"] and _in_vocabulary(tmp_path / "out")
 
 
 # ---------------------------------------------------------------------------- special tokens
