@@ -568,7 +568,10 @@ def claim(c: Claim) -> RunRecord:
         marker = c.resume_marker or {}
         step = int(marker.get("step", -1))  # checked by read_marker
         run_id = marker.get("run_id") or (record.run_id if record is not None else new_id())
-        roots = sorted({p.parent for p in c.resume} | _checkpoint_roots(run_dir))
+        # Only this run directory's own timelines are left: a checkpoint of another
+        # directory resumed here forks it, and that run keeps its later checkpoints.
+        roots = sorted({p.parent for p in c.resume if _inside(p, run_dir)}
+                       | _checkpoint_roots(run_dir))
         newer = newer_checkpoints(c.resume[0], roots, step)
         branch = marker.get("branch")
         continues = (branch is not None and record is not None and branch == record.branch
@@ -604,6 +607,11 @@ def _append_event(path: Path, row: dict[str, Any]) -> None:
     cut_partial_line(path, root=path.parent)
     with open_write(path, "a", root=path.parent) as f:
         f.write(json.dumps(row) + "\n")
+
+
+def _inside(path: Path, run_dir: Path) -> bool:
+    """Whether ``path`` is inside ``run_dir`` (links resolved)."""
+    return path.resolve().is_relative_to(run_dir.resolve())
 
 
 def _checkpoint_roots(run_dir: Path) -> set[Path]:

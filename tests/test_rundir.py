@@ -127,10 +127,14 @@ def test_resuming_into_a_directory_of_another_run_is_refused(tmp_path):
     with pytest.raises(RunDirError, match="--overwrite"):
         prepare_run_dir(cfg_for(b, resume=str(ckpt)), b)
     assert sorted(str(p.relative_to(b)) for p in b.rglob("*")) == before
-    # Into an empty directory: the same run, a new timeline there.
+    # Into an empty directory: the same run, a new timeline there; a's later checkpoint
+    # stays where it is (it was set aside in a, and --resume a then picked step 5).
+    later = fake_ckpt(a, 7, rec_a.branch, rec_a.run_id)
     c = tmp_path / "c"
     rec_c = prepare_run_dir(cfg_for(c, resume=str(ckpt)), c)
     assert rec_c.run_id == rec_a.run_id and rec_c.branch != rec_a.branch
+    assert list_checkpoints(a) == [ckpt, later] and resolve_resume(a) == later
+    assert not (a / "checkpoints" / "abandoned").exists()
     # --overwrite of the run being resumed, in its own directory: refused, not ignored
     with pytest.raises(RunDirError, match="--overwrite: .* holds the run --resume continues"):
         check_run_dir(cfg_for(a, resume=str(ckpt), overwrite=True), a)
