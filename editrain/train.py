@@ -559,12 +559,15 @@ class Trainer:
         return self.loop.wall()
 
     def _tokens(self) -> int:
-        # A-EDiT after an elastic resume counts progress in the first topology's steps.
+        """The run's tokens: those at the resume (the checkpoint's), then the progress
+        since at this job's global batch. A resume with other replicas or another
+        ``train.batch_size`` (A-EDiT's too) counted every step at the new batch from step 0
+        otherwise."""
+        # A-EDiT counts progress in the steps of the run's first topology (an elastic
+        # resume keeps that reference), each worth tokens_scale ranks' batches.
         ranks = self.engine.tokens_scale if self.aedit else self.global_world
         base, since = 0, self.engine.progress_steps
-        if self.loop.tokens_base is not None and not self.aedit:
-            # the run's tokens at the resume, then this job's global batch: a resume with
-            # other replicas or another batch counted every step at the new batch
+        if self.loop.tokens_base is not None:
             base, since = self.loop.tokens_base, since - self.loop.progress_base
         return base + int(round(since * ranks * self.tokens_per_step))
 

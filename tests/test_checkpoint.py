@@ -374,6 +374,38 @@ def test_aedit_elastic_resume_keeps_the_token_budget_and_schedule(
     assert budget - window <= total <= budget + window, (budget, total)
 
 
+@pytest.mark.slow
+def test_aedit_resume_with_another_batch_counts_each_step_at_its_batch(
+        cache: Path, tmp_path: Path, full_runs) -> None:
+    """A-EDiT's 12-step run resumed exactly (same topology and step schedule, so the same
+    progress at every step) from its first checkpoint with half the batch: its tokens are
+    the checkpoint's plus half of what the full run counted since. Before, A-EDiT had no
+    resume base: every step, those before the resume too, counted at the new batch (the
+    first row after the resume said fewer tokens than the checkpoint held)."""
+    src, ckpts = full_runs("aedit")
+    copy = tmp_path / "copy"  # resuming an older checkpoint sets the later ones aside
+    shutil.copytree(src, copy, symlinks=True)
+    ckpt = copy / ckpts[0].relative_to(src)
+    at_save = json.loads((ckpt / "rank_00000.json").read_text())["tokens"]
+    assert "--train.batch_size" not in run_args("aedit")  # _base_args' 4 per rank
+    resumed = tmp_path / "resumed"
+    train(cache, resumed, *run_args("aedit"), "--train.batch_size", "2", "--resume",
+          str(ckpt))
+
+    def at_syncs(run: Path) -> dict[int, int]:
+        # At a sync A-EDiT's progress is exact (gathered counts): whole tokens at both
+        # batches, so the comparison below is exact integer arithmetic.
+        return {r["step"]: r["tokens"] for r in rows(run) if "sync" in r and "event" not in r}
+
+    full, new = at_syncs(src), at_syncs(resumed)
+    assert new and min(new) > step_of(ckpt), new
+    for step, tokens in new.items():
+        assert tokens - at_save == (full[step] - at_save) // 2, (step, tokens, full[step])
+    total = json.loads((resumed / "summary.json").read_text())["tokens"]
+    assert total == at_save + (json.loads((src / "summary.json").read_text())["tokens"]
+                               - at_save) // 2
+
+
 def test_rank_states_are_read_in_rank_order(tmp_path: Path) -> None:
     """The module that writes the per-rank JSON files names and finds them (an elastic
     resume re-partitions the data positions from every saved rank's state)."""
