@@ -624,13 +624,14 @@ def preflight_resume(resume: str | Path, cfg: Any, vocab_size: int, data: Any = 
 def steps_left_problem(marker: dict[str, Any], cfg: Any) -> str | None:
     """Why a ``--resume`` of the checkpoint whose marker is ``marker`` would train nothing
     (``train.steps`` not beyond its step: it evaluated again, wrote that step's checkpoint
-    again and repeated its rows in the metrics), or None. A-EDiT's runs end on the clock
-    (``sync.aedit_duration_s``), not at a step. Checked by the launcher before any worker
-    starts (:func:`preflight_resume`) and by every worker of a job it did not start
-    (torchrun) before the checkpoint is read; not for a worker's restart, which resumes the
-    latest checkpoint of a run that may have finished."""
+    again and repeated its rows in the metrics), or None. A-EDiT's checkpoints are labelled
+    by the run's progress rounded to a step (its budget is ``train.steps`` of that
+    progress), so a ``train.steps`` beyond the label is beyond the progress too. Checked by
+    the launcher before any worker starts (:func:`preflight_resume`) and by every worker of
+    a job it did not start (torchrun) before the checkpoint is read; not for a worker's
+    restart, which resumes the latest checkpoint of a run that may have finished."""
     step, steps = marker.get("step"), cfg.train.steps
-    if isinstance(step, int) and cfg.sync.method != "aedit" and steps <= step:
+    if isinstance(step, int) and steps <= step:
         return (f"train.steps: {steps} is not beyond the checkpoint's step {step}, so the "
                 f"resumed run would train nothing; give a larger --train.steps")
     return None

@@ -507,7 +507,11 @@ class Trainer:
         resumed = {"resumed_from": ckpt,
                    "replay_until": _last_logged_step(self.run_dir) if replays else None}
         if state is not None:  # same topology: exact
+            # A-EDiT's run is finished where this run's budget is spent: the final
+            # checkpoint of a run resumed with a larger train.steps trains on.
             self.loop = dataclasses.replace(LoopState.from_dict(state, str(ckpt)), **resumed,
+                                            finished=state["finished"]
+                                            and self.engine.budget_spent,
                                             tokens_base=state.get("tokens"),
                                             progress_base=self.engine.progress_steps)
             self._resume_schedule(marker)

@@ -406,6 +406,40 @@ def test_aedit_resume_with_another_batch_counts_each_step_at_its_batch(
                                - at_save) // 2
 
 
+@pytest.mark.slow
+def test_aedit_resume_of_a_finished_run_trains_to_the_new_budget(
+        cache: Path, tmp_path: Path, full_runs, train_here) -> None:
+    """The final checkpoint of A-EDiT's 12-step run (saved after the sync that spent the
+    budget) resumed with ``--steps 16`` trains on to the new budget, as every other method
+    does; with ``--steps`` not beyond the checkpoint's label it is refused before any
+    worker starts. Before, the saved "finished" flag and the engine's "budget spent" held
+    against the new budget: the resume trained nothing, reported a validation loss of nan
+    and wrote the same checkpoint again, and a resume at the old budget was not refused."""
+    src, ckpts = full_runs("aedit")
+    # A copy: an exact resume from the run's first checkpoint (test_exact_resume_is_bitwise)
+    # may have set this one aside under checkpoints/abandoned/, where its path still works.
+    copy = tmp_path / "copy"
+    shutil.copytree(src, copy, symlinks=True)
+    final = next(p for p in copy.rglob(ckpts[-1].name) if p.is_dir())
+    label = step_of(final)
+    assert label >= 12, ckpts  # A-EDiT's label: the progress of the sync that ended it
+    out = train_here(cache, tmp_path / "same", *run_args("aedit"), "--steps", str(label),
+                     "--resume", str(final))
+    assert out.returncode == 2 and (f"train.steps: {label} is not beyond the checkpoint's "
+                                    f"step {label}") in out.stderr, out.stderr
+    assert not (tmp_path / "same").exists()
+    longer = tmp_path / "longer"
+    train(cache, longer, *run_args("aedit"), "--steps", "16", "--resume", str(final))
+    saved = json.loads((final / "rank_00000.json").read_text())  # replica 0's own steps
+    new = [r for r in rows(longer) if "loss" in r and "event" not in r]
+    assert new and all(r["step"] > saved["step"] and r["tokens"] > saved["tokens"]
+                       for r in new), (saved["step"], new)
+    summary = json.loads((longer / "summary.json").read_text())
+    # the budget: the tokens of 16 synchronous steps of 2 ranks at _base_args' batch
+    assert summary["tokens"] >= 16 * 2 * 4 * 32, summary
+    assert summary["final_val_loss"] == summary["final_val_loss"], summary  # not nan
+
+
 def test_rank_states_are_read_in_rank_order(tmp_path: Path) -> None:
     """The module that writes the per-rank JSON files names and finds them (an elastic
     resume re-partitions the data positions from every saved rank's state)."""

@@ -18,7 +18,7 @@ the token budget and the place in the learning-rate schedule (:meth:`Progress.re
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 
@@ -44,8 +44,13 @@ class Progress:
     last_window_s: float = 0.0
     """Length of the last window: the longest of the replicas' agreed elapsed times
     (gathered, so identical on every rank)."""
-    spent: bool = field(default=False)
-    """Whether a sync has reached the budget (decided from gathered counts: agreed)."""
+
+    @property
+    def spent(self) -> bool:
+        """Whether a sync has reached the budget (decided from gathered counts: agreed).
+        Derived, not stored: a resume whose ``train.steps`` is larger than the saving run's
+        trains on from a checkpoint of the sync that spent the old budget."""
+        return self.budget is not None and self.synced_replica_steps * self.unit >= self.budget
 
     @property
     def unit(self) -> float:
@@ -79,8 +84,6 @@ class Progress:
         self.synced_replica_steps += float(sum(counts))
         self.last_window_counts = [float(c) for c in counts]
         self.last_window_s = float(max(windows_s)) if windows_s else 0.0
-        if self.budget is not None and self.synced_replica_steps * self.unit >= self.budget:
-            self.spent = True
 
     def budget_due(self, elapsed_s: float, steps_since_sync: int) -> bool:
         """Whether the cluster has probably used up the budget ``elapsed_s`` seconds into
@@ -103,10 +106,10 @@ class Progress:
                 "reference_topology": list(self.reference) if self.reference else None}
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
-        """Inverse of :meth:`state_dict`."""
+        """Inverse of :meth:`state_dict` (``spent`` is saved for readers of the state; it
+        is measured against this run's budget, which may differ from the saving run's)."""
         self.synced_replica_steps = float(sd["synced_replica_steps"])
         self.last_window_counts = sd.get("last_window_counts")
         self.last_window_s = float(sd.get("last_window_s", 0.0))
-        self.spent = bool(sd.get("spent", False))
         ref = sd.get("reference_topology")
         self.reference = tuple(ref) if ref else None
