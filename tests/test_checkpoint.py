@@ -271,8 +271,9 @@ def train_here(cache: Path, capsys, monkeypatch):
 @pytest.mark.slow
 def test_bad_resume_inputs_are_reported(cache: Path, tmp_path: Path, full_runs,
                                         train_here) -> None:
-    """Checkpoints of diloco's 12-step run (``full_runs``; its first, step 6: an exact
-    resume from there sets the later ones aside) resumed by runs that do not fit."""
+    """Checkpoints of diloco's 12-step run (``full_runs``, steps 6 and 12; resumed into
+    directories of their own, which leaves the run as it is) resumed by runs that do not
+    fit."""
     src, ckpts = full_runs("diloco")
     ckpt = ckpts[0]
     common = [*METHODS["diloco"][0], "--steps", "12"]
@@ -305,8 +306,8 @@ def test_bad_resume_inputs_are_reported(cache: Path, tmp_path: Path, full_runs,
     assert files, latest
     for f in files:
         f.write_bytes(b"garbage")
-    out = train_here(cache, tmp_path / "b5", *common, "--method", "diloco", "--resume",
-                     str(broken), check=False)
+    out = train_here(cache, tmp_path / "b5", *METHODS["diloco"][0], "--steps", "24",
+                     "--method", "diloco", "--resume", str(broken), check=False)
     assert out.returncode != 0 and "cannot read checkpoint data" in out.stderr
 
 
