@@ -187,7 +187,7 @@ def cmd_export(args: argparse.Namespace, extra: list[str]) -> int:
 
 def cmd_sample(args: argparse.Namespace, extra: list[str]) -> int:
     import_torch()  # a Ctrl-C in torch's import stops the command after it, not inside
-    from editrain.sample import generate, load_for_sampling
+    from editrain.sample import continuation, generate, load_for_sampling
 
     if extra:
         raise ConfigError(f"sample: unexpected argument(s) {' '.join(extra)}")
@@ -210,7 +210,7 @@ def cmd_sample(args: argparse.Namespace, extra: list[str]) -> int:
     new = generate(loaded.model, prompt, args.max_new_tokens, temperature=args.temperature,
                    top_k=args.top_k, seed=args.seed, eos_id=loaded.eos_id,
                    max_len=loaded.max_len)
-    print(args.prompt + loaded.tokenizer.decode(new))
+    print(args.prompt + continuation(loaded.tokenizer, prompt, new))
     return 0
 
 

@@ -46,7 +46,7 @@ from editrain.models.hf_dir import (
 from editrain.models.hf_llama import is_llama_config, llama_config_from_hf
 from editrain.models.llama import KVCache, Llama, fill_rope
 
-__all__ = ["Loaded", "generate", "load_for_sampling"]
+__all__ = ["Loaded", "continuation", "generate", "load_for_sampling"]
 
 
 @dataclass
@@ -175,6 +175,20 @@ def generate(model: nn.Module, prompt: list[int], max_new_tokens: int, *,
         if eos_id is not None and nxt == eos_id:
             break
     return new
+
+
+def continuation(tokenizer: Any, prompt: list[int], new: list[int]) -> str:
+    """The text of ``new`` as it reads after ``prompt``: the decoded whole less the decoded
+    prompt.
+
+    A tokenizer's decoder is not made to decode a continuation on its own: a SentencePiece
+    style one (Llama 2, Mistral, T5: ``▁`` for a space, Metaspace or a Strip step) drops
+    the first token's space as the start of a text, so ``Once upon a`` and ``▁time`` read
+    ``Once upon atime``. Decoding the whole keeps what the tokens mean at that position;
+    should the whole not begin with the prompt's own text (no decoder known here does
+    that), the new tokens are decoded alone as before."""
+    head, whole = tokenizer.decode(prompt), tokenizer.decode(prompt + new)
+    return whole[len(head):] if whole.startswith(head) else tokenizer.decode(new)
 
 
 class _Decoder:

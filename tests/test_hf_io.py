@@ -860,6 +860,48 @@ def test_top_k_one_is_greedy_and_generation_stops_at_eos():
         generate(Fixed(), [], 3)
 
 
+def _metaspace_llama(out: Path) -> list[str]:
+    """A Llama directory with a SentencePiece-style tokenizer (Llama 2's, Mistral's: ``▁``
+    for a space, Metaspace's decoder dropping the first one of a text): one token per
+    word, every word token beginning with ``▁``. Returns the words."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    words = "once upon a time there was fox dog river city light dark".split()
+    specials = ["<unk>", "<s>", "</s>"]
+    vocab = {t: i for i, t in enumerate(specials + [f"▁{w}" for w in words])}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer, tok.decoder = pre_tokenizers.Metaspace(), decoders.Metaspace()
+    tok.add_special_tokens(specials)  # left out of decoded text
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(**{**SHAPE, "vocab_size": len(vocab)})
+    transformers.LlamaForCausalLM(config).save_pretrained(out)
+    transformers.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>",
+                                         bos_token="<s>", eos_token="</s>").save_pretrained(out)
+    return words
+
+
+def test_sample_keeps_the_space_between_the_prompt_and_a_sentencepiece_token(tmp_path, capsys):
+    """``editrain sample`` prints the new tokens as they read after the prompt: with a
+    SentencePiece-style tokenizer every word token starts with its space, which the
+    decoder drops at the start of a text, so decoding the new tokens alone glued the first
+    one to the prompt (``once upon atime``)."""
+    from tokenizers import Tokenizer
+
+    from editrain.sample import continuation
+
+    words = _metaspace_llama(tmp_path / "llama")
+    prompt = "once upon a"
+    code, out, err = _main(capsys, "sample", tmp_path / "llama", "--prompt", prompt,
+                           "--max-new-tokens", "8")
+    assert code == 0, err
+    new = out.removeprefix(prompt).removesuffix("\n")
+    assert new.startswith(" ") and new.split() and set(new.split()) <= set(words), out
+    tok = Tokenizer.from_file(str(tmp_path / "llama" / "tokenizer.json"))
+    ids = tok.encode(prompt).ids
+    assert continuation(tok, ids, tok.encode(" time there").ids) == " time there"
+    assert continuation(tok, ids, []) == ""
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_resume_restores_the_run_not_the_directory(trained, dirs):
