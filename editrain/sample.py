@@ -165,16 +165,31 @@ def generate(model: nn.Module, prompt: list[int], max_new_tokens: int, *,
         if temperature == 0:
             nxt = int(logits.argmax())
         else:
-            logits = logits / temperature
-            if 0 < top_k < logits.numel():
-                cut = torch.topk(logits, top_k).values[-1]
-                logits = logits.masked_fill(logits < cut, float("-inf"))
-            nxt = int(torch.multinomial(torch.softmax(logits, -1), 1, generator=gen))
+            probs = _probabilities(logits, temperature, top_k)
+            nxt = int(torch.multinomial(probs, 1, generator=gen))
         ids.append(nxt)
         new.append(nxt)
         if eos_id is not None and nxt == eos_id:
             break
     return new
+
+
+def _probabilities(logits: torch.Tensor, temperature: float, top_k: int) -> torch.Tensor:
+    """``softmax(logits / temperature)`` over the ``top_k`` most likely tokens (all at 0).
+
+    The logits are shifted so that the largest is 0 before the division (the softmax is
+    the same), in float64 (a Python float, every temperature is a positive float64): a
+    tiny temperature (``1e-40``, ``1e-300``) then makes the others -inf and samples the
+    most likely token, where every logit became inf, or 0 / 0 where the temperature
+    rounded to a float32 0 (NaN probabilities, a traceback). The top-k cut is found on the logits themselves (a
+    positive temperature keeps their order) and applied after the division, so an
+    infinite temperature samples uniformly among the ``top_k`` (the division turned the
+    logits into zeros, which the cut then kept)."""
+    scaled = (logits.double() - logits.max()) / temperature
+    if 0 < top_k < logits.numel():
+        cut = torch.topk(logits, top_k).values[-1]
+        scaled = scaled.masked_fill(logits < cut, float("-inf"))
+    return torch.softmax(scaled, -1)
 
 
 def continuation(tokenizer: Any, prompt: list[int], new: list[int]) -> str:

@@ -860,6 +860,26 @@ def test_top_k_one_is_greedy_and_generation_stops_at_eos():
         generate(Fixed(), [], 3)
 
 
+def test_any_positive_temperature_samples_and_top_k_holds_at_infinity():
+    """``--temperature`` takes any number >= 0: one too small for float32 (1e-40) or
+    rounding to a float32 0 (1e-300) samples the most likely token (it was NaN
+    probabilities: a RuntimeError traceback, exit 1), and ``inf`` samples uniformly among
+    the ``--top-k`` most likely (the cut kept every token: the logits divided by inf were
+    all 0)."""
+    from editrain.sample import generate
+
+    class Ranked(torch.nn.Module):
+        def forward(self, x):  # (last + 1) % 5 the most likely, then (last + 2) % 5, ...
+            ranks = (torch.arange(5) - x[0, :, None] - 1) % 5
+            return -ranks[None].float()
+
+    for tiny in (1e-40, 1e-300, 5e-324):
+        assert generate(Ranked(), [0], 6, temperature=tiny, seed=1) == [1, 2, 3, 4, 0, 1]
+    ids = [0] + generate(Ranked(), [0], 200, temperature=float("inf"), top_k=2, seed=2)
+    steps = [(b - a) % 5 for a, b in zip(ids, ids[1:], strict=False)]
+    assert set(steps) == {1, 2}  # both of the top 2, nothing else (each 1/2: all 200 seen)
+
+
 def _metaspace_llama(out: Path) -> list[str]:
     """A Llama directory with a SentencePiece-style tokenizer (Llama 2's, Mistral's: ``▁``
     for a space, Metaspace's decoder dropping the first one of a text): one token per
