@@ -72,18 +72,19 @@ def config_from_args(args: argparse.Namespace, extra: list[str], command: str):
     if rest:
         raise ConfigError(f"{command}: unexpected argument(s) {' '.join(rest)}; options look "
                           f"like --train.steps=100 (see `editrain {command} --help`)")
-    if command == "train" and args.config is None and isinstance(overrides.get("resume"), str):
+    if args.config is None and isinstance(overrides.get("resume"), str):
         # --resume RUN without --config: that run's configuration, the options given here
-        # over it (a resumed run is that run, not a default one with its checkpoint)
+        # over it (a resumed run is that run, not a default one with its checkpoint; and
+        # `editrain data --resume RUN` prepares that run's corpus, not the default one)
         cfg, source = load_resumed_config(overrides["resume"], overrides)
         if source is not None:
             logging.info("resume: the configuration of %s, with the options given here "
                          "over it", source)
     else:
         cfg = load_config(args.config, overrides)
-    # Every path option checked on the file system before any work (editrain data uses
-    # neither the run directory nor a checkpoint).
-    check_path_options(cfg, skip=() if command == "train" else ("run_dir", "resume"))
+    # Every path option checked on the file system before any work (editrain data writes
+    # no run directory; a --resume it reads the configuration of must exist).
+    check_path_options(cfg, skip=() if command == "train" else ("run_dir",))
     return cfg
 
 
@@ -246,7 +247,8 @@ def build_parser() -> argparse.ArgumentParser:
                                    "it, and print the splits: documents, tokens, kinds, the "
                                    "share of validation 32-token windows found in train.bin and "
                                    "the cache path. Takes the same --config and --data.* "
-                                   "options as train.")
+                                   "options as train, and --resume RUN_DIR: that run's "
+                                   "configuration (with the options given over it).")
     p.add_argument("--config", metavar="FILE.toml", help="TOML file with any of the sections")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.set_defaults(func=cmd_data)

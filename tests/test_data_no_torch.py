@@ -135,3 +135,27 @@ def test_given_outer_kwargs_are_still_checked_by_the_optimizer():
         SyncConfig(outer_optim_class="sgd", outer_optim_kwargs={"lr": 0.0})
     with pytest.raises(ConfigError, match=r"sync.outer_optim_class: unknown optimizer"):
         SyncConfig(outer_optim_class="nosuch")
+
+
+def test_data_resume_prepares_that_runs_corpus(tmp_path):
+    """``editrain data --resume RUN`` (no --config) reads the run's own ``config.toml`` with
+    the options given over it, as ``train --resume RUN`` does: the run's corpus, cache
+    directory and vocabulary; before, --resume was accepted and ignored, and the default
+    corpus was tokenised into the default cache. A --resume that names nothing is refused."""
+    from editrain.config import load_config, to_dict
+    from editrain.config.toml_io import dumps_toml
+
+    run, cache = tmp_path / "run", tmp_path / "cache"
+    run.mkdir()
+    cfg = load_config(None, {"data": {"path": str(_corpus(tmp_path / "corpus")),
+                                      "cache_dir": str(cache), "val_tokens": 256,
+                                      "vocab_size": 300}})
+    (run / "config.toml").write_text(dumps_toml({**to_dict(cfg), "run_dir": str(run)}))
+    result, proc = run_data(["data", "--json", "--quiet", "--resume", str(run),
+                             "--data.vocab_size", "280"], tmp_path)
+    assert result["rc"] == 0, proc.stderr[-2000:]
+    info = json.loads(proc.stdout)
+    assert Path(info["cache_dir"]).parent == cache and info["vocab_size"] == 280
+    assert result["torch"] == [], f"editrain data imported {result['torch'][:5]}"
+    result, proc = run_data(["data", "--resume", str(tmp_path / "nothing")], tmp_path)
+    assert result["rc"] == 2 and "--resume" in proc.stderr and "not found" in proc.stderr
