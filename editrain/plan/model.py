@@ -325,12 +325,15 @@ def timeline(step_s: float, fwd_s: list[float], rounds: list[Round], H: int, ove
             arrival: dict[int, float] = {}
             for d in due:
                 arrival.update(d)
-            t = max(clock, arrival.get(-1, clock))
+            # The forward's end, from the step's start: summed unit by unit from 0 as
+            # fwd_total is, so a round that arrived in time waits exactly 0 (from the
+            # clock, the two sums rounded apart: +-1e-17 s waits, -2.9e-12 ms printed)
+            t = max(0.0, arrival.get(-1, clock) - clock)
             for u, f in enumerate(fwd_s):
                 if u in arrival:
-                    t = max(t, arrival[u])
+                    t = max(t, arrival[u] - clock)
                 t += f
-            wait = t - (clock + fwd_total)
+            wait = t - fwd_total
             clock += wait
             waited += wait
             in_flight -= len(due)
