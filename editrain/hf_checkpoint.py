@@ -58,7 +58,7 @@ from editrain.models.hf_tokens import (
     tokenizer_special_ids,
 )
 from editrain.models.llama import LlamaConfig
-from editrain.rundir import group_index, replica_groups
+from editrain.rundir import RECORD, RUN_FILES, group_index, replica_groups
 from editrain.safe_io import (
     List,
     Obj,
@@ -571,6 +571,36 @@ def _write(out: Path, name: str, data: str | bytes) -> None:
         raise CheckpointError(f"export: {e}") from None
 
 
+EXPORT_DIR = "export"
+"""``RUN_DIR/export``: where ``checkpoint.export_final`` exports, the one entry of a run
+directory an export may be."""
+
+
+def _check_out_place(out: Path) -> None:
+    """``out`` lies in no directory that editrain keeps for a run: a checkpoint directory
+    (one with anything else in it is refused by ``--resume``, and rotation deletes it with
+    the export), nor a run's ``checkpoints/``, ``ranks/``, ``logs/``, ``tokenizer/``...
+    (:data:`~editrain.rundir.RUN_FILES`; ``--overwrite`` deletes them, or refuses to while
+    they hold the export). ``RUN_DIR/export`` itself is where ``export_final`` writes.
+
+    Raises:
+        CheckpointError: naming the directory and the run.
+    """
+    target = out.resolve()
+    for inner, outer in zip([target, *target.parents], target.parents, strict=False):
+        if inner != target and (inner / MARKER).is_file():
+            raise CheckpointError(f"export: OUT {out} lies inside the checkpoint {inner}, "
+                                  "which then no longer resumes (and rotation deletes); "
+                                  "choose a directory outside the run's checkpoints")
+        if inner.name in RUN_FILES and ((outer / CKPT_DIR).is_dir()
+                                        or (outer / RECORD).is_file()) \
+                and not (inner == target and inner.name == EXPORT_DIR):
+            raise CheckpointError(f"export: OUT {out} lies in {inner}, which editrain keeps "
+                                  f"for the run in {outer} (--overwrite deletes its files, or "
+                                  f"is refused while it holds others); choose another "
+                                  f"directory, e.g. {outer / EXPORT_DIR}")
+
+
 def _prepare_out(out: Path) -> list[str]:
     """``out`` empty, absent (then made), or an earlier export, whose files are returned
     (names inside ``out`` only); nothing is removed yet."""
@@ -724,6 +754,7 @@ def export_checkpoint(path: str | Path, out: str | Path, replica: int | None = N
     ckpt, replica = find_checkpoint(path, replica=replica)
     marker = open_checkpoint(ckpt)  # regular files only, no link, bounded marker
     out = Path(out).expanduser()
+    _check_out_place(out)
     llama, model_cfg = marker_model(marker)
     weights = model_weights(ckpt, replica, "export", marker)
     checkpoint_model(marker, weights.meta, ckpt, "export", real=False)  # config.json fits them

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import struct
 from pathlib import Path
@@ -1231,6 +1232,33 @@ def test_an_id_outside_the_vocabulary_is_refused_before_the_export_writes(
                             f"vocabulary (an id from {allowed}" + (
                                 " of such ids, or null)" if "list" in allowed else ")"))
     assert {f.name: f.read_bytes() for f in out.iterdir()} == before
+
+
+def test_an_export_into_what_editrain_keeps_for_a_run_is_refused(dirs, tmp_path):
+    """OUT inside a checkpoint (which then held a directory: --resume refused the
+    checkpoint, and rotation would delete the export with it), or inside a run's
+    checkpoints/, ranks/, tokenizer/ or export/ (--overwrite's to delete), is refused in
+    one line before anything is written; RUN_DIR/export itself, export_final's place, and a
+    new entry of the run directory are fine."""
+    from editrain.checkpoint import open_checkpoint
+    from editrain.errors import CheckpointError
+    from editrain.hf_checkpoint import export_checkpoint
+
+    run = tmp_path / "run"
+    _init_from_run(run, dirs["llama"], dirs["llama"])
+    ckpt = run / "checkpoints" / "step_00000001"
+    files = sorted(p.name for p in ckpt.iterdir())
+    for out, inside in [(ckpt / "hf", f"lies inside the checkpoint {ckpt}"),
+                        (run / "checkpoints" / "hf", f"lies in {run / 'checkpoints'}"),
+                        (run / "tokenizer" / "hf", f"lies in {run / 'tokenizer'}"),
+                        (run / "export" / "hf", f"lies in {run / 'export'}")]:
+        with pytest.raises(CheckpointError, match=re.escape(f"export: OUT {out} {inside}")) as e:
+            export_checkpoint(run, out)
+        assert "\n" not in str(e.value) and not out.exists()
+    assert sorted(p.name for p in ckpt.iterdir()) == files
+    open_checkpoint(ckpt)  # still a checkpoint --resume takes
+    for out in (run / "export", run / "hf"):
+        assert export_checkpoint(run, out).out == out
 
 
 def test_a_special_token_the_tokenizer_lacks_is_refused(dirs, llama3_eos, tmp_path):
