@@ -112,6 +112,23 @@ def test_cli_overrides_the_file(tmp_path, argv):
     assert cfg.train.lr == 0.01  # from the file, not overridden
 
 
+@pytest.mark.parametrize("argv, said", [
+    (["--overwite", "--steps", "5"], "--overwite: unknown option"),  # was: unexpected 5
+    (["--steps", "5", "--overwite"], "--overwite: unknown option"),  # was: missing value
+    (["--train.steps", "--quiet"], "--train.steps: missing value"),  # was: got '--quiet'
+    (["--steps"], "--steps: missing value")])
+def test_an_option_without_its_value_says_which_and_why(argv, said):
+    """An option followed by the next option (or nothing) has no value: a misspelt flag is
+    named as unknown, a real option as missing its value; the next option is never taken
+    as the value."""
+    with pytest.raises(ConfigError) as e:
+        parse_overrides(argv)
+    assert str(e.value).startswith(said)
+    # values that only look like options are values
+    assert parse_overrides(["--train.lr", "-1", "--data.separator", "--8<--"])[0] == {
+        "train": {"lr": -1}, "data": {"separator": "--8<--"}}
+
+
 def test_later_cli_value_wins():
     assert cli("--train.steps=10", "--steps", "20").train.steps == 20
 

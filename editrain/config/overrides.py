@@ -49,6 +49,21 @@ def _is_text_option(dotted: str) -> bool:
     return any(a is str or a == list[str] for a in args) and int not in args
 
 
+def _is_option(dotted: str) -> bool:
+    """Whether ``dotted`` names an option (or section) of :class:`Config`."""
+    tp: Any = Config
+    for part in dotted.split("."):
+        if not dataclasses.is_dataclass(tp) or part not in typing.get_type_hints(tp):
+            return False
+        tp = typing.get_type_hints(tp)[part]
+    return True
+
+
+def _looks_like_option(arg: str) -> bool:
+    """``--name...``: the next option, never a value (``-1``, ``--8<--`` are values)."""
+    return arg.startswith("--") and arg[2:3].isalpha()
+
+
 def _parse_value(dotted: str, text: str) -> Any:
     """A CLI value for option ``dotted``: TOML, except that a string option keeps the text as
     typed (``--run-dir 2024-01-01`` or ``--sim.link_latency 0.005`` are not a date/number)."""
@@ -96,7 +111,13 @@ def parse_overrides(argv: list[str]) -> tuple[dict[str, Any], list[str]]:
             continue
         dotted = SHORTHANDS.get(name, name[2:].replace("-", "_"))
         if not eq:
-            require(i < len(argv), name, "missing value")
+            # No value follows (the end, or the next option): a misspelt flag says so
+            # rather than 'missing value', or taking the next option as its value
+            # (`--overwite --steps 5`: 'unexpected argument(s) 5')
+            given = i < len(argv) and not _looks_like_option(argv[i])
+            require(given or _is_option(dotted), name,
+                    "unknown option (`editrain options` lists every option)")
+            require(given, name, "missing value")
             value = argv[i]
             i += 1
         _set_path(raw, dotted, _parse_value(dotted, value))
