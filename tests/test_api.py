@@ -404,3 +404,70 @@ def test_one_process_replica_is_left_unsharded():
 
     out, = run_ranks(_parallelize_worker, 1)
     assert out == {"fp32": False, "bf16": True, "forced": True, "refused": False}
+
+
+class PartlyTrained(nn.Module):
+    """Frozen embeddings, a layer only replica 0 uses, a layer nobody uses."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(16, 8)
+        self.embed.weight.requires_grad_(False)
+        self.layers = nn.ModuleList(Block(8) for _ in range(2))
+        self.extra = nn.Linear(8, 8)
+        self.unused = nn.Linear(8, 8)
+        self.head = nn.Linear(8, 16, bias=False)
+
+    def forward(self, tokens: torch.Tensor, use_extra: bool) -> torch.Tensor:
+        h = self.embed(tokens)
+        if use_extra:
+            h = h + self.extra(h)
+        for layer in self.layers:
+            h = layer(h)
+        return self.head(h)
+
+
+def _missing_grads_worker(rank: int, world: int) -> dict[str, Any]:
+    """Warm-up steps of AdamW with weight decay on 2 replicas of PartlyTrained."""
+    info = editrain.init_mesh(shard_size=1, backend="gloo", device_type="cpu")
+    torch.manual_seed(0)
+    model = PartlyTrained()
+    editrain.parallelize(model, info)
+    start = {n: p.detach().clone() for n, p in model.named_parameters()}
+    opt = torch.optim.AdamW(model.parameters(), lr=0.05, weight_decay=0.1)
+    engine = editrain.edit(model, info, SyncConfig(method="edit", local_sgd_sync_interval=2,
+                                                   local_sgd_warmup_steps=3))
+    out: dict[str, Any] = {}
+    for step in range(3):
+        x = _batch(step, rank)
+        nn.functional.cross_entropy(model(x[:, :-1], use_extra=rank == 0).flatten(0, 1),
+                                    x[:, 1:].flatten()).backward()
+        if step == 0:
+            g = model.extra.weight.grad
+            out["extra_own"] = None if g is None else g.clone()
+        engine.after_backward()
+        if step == 0:
+            out["extra_avg"] = model.extra.weight.grad.clone()
+            out["none_after"] = [n for n, p in model.named_parameters() if p.grad is None]
+        opt.step()
+        opt.zero_grad()
+        engine.step()
+    out["moved"] = sorted(n for n, p in model.named_parameters()
+                          if not torch.equal(p.detach(), start[n]))
+    engine.close()
+    return out
+
+
+def test_warmup_averaging_leaves_frozen_and_unused_parameters_alone():
+    """Warm-up averaging treats a missing gradient as DDP does: zero where another replica
+    has one (the average), None where no replica has one (frozen or unused), so AdamW's
+    weight decay and momentum leave those parameters exactly as they were. Before, every
+    missing gradient became a zero gradient and AdamW moved them."""
+    first, second = run_ranks(_missing_grads_worker, 2)
+    for r in (first, second):
+        assert r["none_after"] == ["embed.weight", "unused.weight", "unused.bias"]
+        assert r["moved"] == ["extra.bias", "extra.weight", "head.weight", "layers.0.fc.bias",
+                              "layers.0.fc.weight", "layers.1.fc.bias", "layers.1.fc.weight"]
+        # bitwise: g + 0 and g / 2 are exact
+        assert torch.equal(r["extra_avg"], first["extra_own"] / 2)
+    assert second["extra_own"] is None

@@ -63,24 +63,36 @@ class Reduction:
     @torch.no_grad()
     def grad_allreduce(self) -> None:
         """Warm-up and the synchronous method: average every gradient over the sync group
-        (comm thread)."""
+        (comm thread).
+
+        A parameter without a gradient on a replica (frozen, or unused in this step's
+        forward) counts as a zero gradient there, as DistributedDataParallel counts it; one
+        without a gradient on *every* replica keeps ``grad`` None, so the optimizer skips
+        it as it would without replicas (a zero gradient would let AdamW's weight decay
+        and momentum move a frozen or unused parameter). Whether each parameter has a
+        gradient travels with the unit's gradients: one more element per parameter."""
         for unit in self.units:
-            grads = []
-            for p in unit.params:
-                if p.grad is None:
-                    p.grad = torch.zeros_like(p)
-                grads.append(local_view(p.grad))
-            if not grads:
+            if not unit.params:
                 continue
+            grads = [local_view(p.grad) if p.grad is not None
+                     else torch.zeros_like(local_view(p)) for p in unit.params]
             flat = torch.cat([g.reshape(-1) for g in grads])
             piece = unit.own_part(flat)  # full copies: this rank's slice, then all-gathered
-            self.comm.all_reduce_sync(piece)
+            has = torch.tensor([p.grad is not None for p in unit.params],
+                               dtype=flat.dtype, device=flat.device)
+            wire = torch.cat([piece, has])
+            self.comm.all_reduce_sync(wire)
+            piece, with_grad = wire[:piece.numel()], wire[piece.numel():].tolist()
             piece.div_(self.num_replicas)
             flat = unit.assemble(piece)
             offset = 0
-            for g in grads:
-                g.copy_(flat[offset:offset + g.numel()].view_as(g))
-                offset += g.numel()
+            for p, g, n, count in zip(unit.params, grads, unit.numels, with_grad):
+                if count > 0:
+                    if p.grad is None:
+                        p.grad = torch.zeros_like(p)
+                        g = local_view(p.grad)
+                    g.copy_(flat[offset:offset + n].view_as(g))
+                offset += n
 
     def pseudo_grad(self, rnd: SyncRound, u: int) -> torch.Tensor:
         """Unit ``u``'s pseudo-gradient in ``rnd`` (a delayed round: from its launch snapshot)."""
