@@ -54,9 +54,29 @@ class StatefulPostLocalSGDOptimizer(torch.optim.Optimizer):
         # the parameter groups and the state; the wrapper shares them.
         self.optim = optim
         self.engine = engine
-        self.param_groups = optim.param_groups
-        self.defaults = optim.defaults
         self._averaged = False
+
+    # Read through to the inner optimizer every time, never copied: its load_state_dict()
+    # replaces its param_groups list, and a copy taken here would go on holding the old
+    # one (a learning-rate scheduler on the wrapper would then set learning rates that the
+    # inner optimizer no longer reads).
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]
+        """The inner optimizer's parameter groups (learning rates and other options)."""
+        return self.optim.param_groups
+
+    @param_groups.setter
+    def param_groups(self, groups: list[dict[str, Any]]) -> None:
+        self.optim.param_groups = groups
+
+    @property
+    def defaults(self) -> dict[str, Any]:  # type: ignore[override]
+        """The inner optimizer's default options."""
+        return self.optim.defaults
+
+    @defaults.setter
+    def defaults(self, defaults: dict[str, Any]) -> None:
+        self.optim.defaults = defaults
 
     @property
     def state(self) -> Any:  # type: ignore[override]

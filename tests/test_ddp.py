@@ -119,22 +119,29 @@ def _wrapper_run(info, rank: int, resume_from: bytes | None) -> tuple[dict, byte
     model, wrapped, engine = _build(info, RESUME, "ddp")
     opt = editrain.StatefulPostLocalSGDOptimizer(make_inner(wrapped.parameters(), "adamw"),
                                                  engine)
+    # A schedule on the wrapper, as a reference loop has: it must still reach the inner
+    # optimizer after opt.load_state_dict() (which replaces the inner param_groups).
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
     first, saved = 0, None
     if resume_from is not None:
         state = torch.load(io.BytesIO(resume_from), weights_only=False)
         model.load_state_dict(state["model"])
         opt.load_state_dict(state["opt"])
+        sched.load_state_dict(state["sched"])
         first = SAVE_AT
     for step in range(first, RESUME_TOTAL):
         if step == SAVE_AT and resume_from is None:
             buf = io.BytesIO()
-            torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, buf)
+            torch.save({"model": model.state_dict(), "opt": opt.state_dict(),
+                        "sched": sched.state_dict()}, buf)
             saved = buf.getvalue()
         loss_on(wrapped, batch(rank, step, 0)).backward()
         opt.step()
         opt.zero_grad()
+        sched.step()
     engine.finish(force=True)
-    out = {"params": _full(model), "num_syncs": engine.num_syncs}
+    out = {"params": _full(model), "num_syncs": engine.num_syncs,
+           "inner_lr": opt.optim.param_groups[0]["lr"]}
     engine.close()
     return out, saved
 
@@ -285,5 +292,6 @@ def test_optimizer_wrapper_resumes_bitwise(runs):
     for r in runs:
         cont, res = r["resume"]["continuous"], r["resume"]["resumed"]
         assert cont["num_syncs"] >= 3 and res["num_syncs"] == cont["num_syncs"]
+        assert res["inner_lr"] == cont["inner_lr"]  # the schedule goes on after the load
         for n, p in cont["params"].items():
             assert torch.equal(p, res["params"][n]), n
