@@ -365,9 +365,18 @@ def _attach_worker(rank: int, world: int) -> dict[str, Any]:
         engine.finish(force=True)
         out[f"attached={attached}"] = ([p.detach().clone() for p in model.parameters()],
                                        engine.num_syncs, engine.global_step)
-        for h in handles:
-            h.remove()
         engine.close()
+    # close() removed the optimizer's hooks too: the optimizer steps on without the engine,
+    # and a loop call on the closed engine is refused with a clear error.
+    x = _batch(7, rank)
+    nn.functional.cross_entropy(model(x[:, :-1]).flatten(0, 1), x[:, 1:].flatten()).backward()
+    opt.step()
+    out["after_close"] = {"global_step": engine.global_step, "hooks": len(handles)}
+    for call in (engine.step, engine.after_backward, engine.finish):
+        try:
+            call()
+        except RuntimeError as e:
+            out["after_close"][call.__name__] = str(e)
     return out
 
 
@@ -376,6 +385,10 @@ def test_an_engine_attached_to_the_optimizer_trains_like_the_explicit_loop():
         plain, attached = r["attached=False"], r["attached=True"]
         assert plain[1:] == attached[1:] == (3, 7)
         assert all(torch.equal(a, b) for a, b in zip(plain[0], attached[0]))
+        closed = r["after_close"]
+        assert closed["global_step"] == 7 and closed["hooks"] == 2
+        for call in ("step", "after_backward", "finish"):
+            assert closed[call].startswith(f"engine.{call}(): the engine is closed"), closed
 
 
 def _parallelize_worker(rank: int, world: int) -> dict[str, bool]:

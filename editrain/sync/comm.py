@@ -188,6 +188,7 @@ class CommPath:
         self._cause = "control"  # the running job's cause (comm thread)
         self._thread_id: int | None = None  # the communication thread, once it has run a job
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="editrain-comm")
+        self._closed = False
         self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self.stage_on_host = stage_on_host
         self.trace: list[tuple[str, str, int, str]] | None = None
@@ -216,6 +217,9 @@ class CommPath:
         """
         if cause not in CAUSES:
             raise ValueError(f"unknown cause {cause!r}; allowed: {', '.join(CAUSES)}")
+        if self._closed:
+            raise RuntimeError("the sync engine is closed (engine.close() or the end of its "
+                               "`with` block): its communication thread has stopped")
         if self._stream is None:
             return self._pool.submit(self._run_counted, stats, cause, fn, *args)
         # The job reads tensors the main stream wrote: order it after them.
@@ -274,7 +278,8 @@ class CommPath:
         return out
 
     def close(self) -> None:
-        """Finish queued jobs and stop the thread."""
+        """Finish queued jobs and stop the thread; later jobs are refused."""
+        self._closed = True
         self._pool.shutdown(wait=True)
 
     # ------------------------------------------------------------------ collectives

@@ -319,6 +319,7 @@ class SyncEngine:
         shard over its sync group, completing HSDP semantics; FSDP2 already averaged over
         the shard group. In the local phase it does nothing: no cross-replica traffic.
         """
+        self._check_open("after_backward")
         if self.in_warmup and self.num_replicas > 1:
             self.averaging.average()
 
@@ -330,6 +331,7 @@ class SyncEngine:
         method without statistics). No host synchronisation: the loss is summed on its
         device. Call it on every rank or on none (the rounds' collectives must match);
         ``editrain train`` calls it at every step."""
+        self._check_open("record_loss")
         self.losses.record(loss)
 
     def track_losses(self) -> None:
@@ -343,6 +345,7 @@ class SyncEngine:
     def step(self) -> None:
         """Call once after each inner ``optimizer.step()``: counts steps; the schedule
         starts, arms or merges rounds as due."""
+        self._check_open("step")
         self.rounds.drain()  # a forward that skipped some units must not leave jobs behind
         c, cfg = self.counters, self.config
         c.global_step += 1
@@ -362,12 +365,15 @@ class SyncEngine:
         post-hook runs :meth:`step`. Clip gradients yourself? During warm-up they are then
         clipped before the cross-replica average: call :meth:`after_backward` before
         clipping and attach with ``average_gradients=False``. Returns the hooks' handles
-        (``handle.remove()`` detaches)."""
+        (``handle.remove()`` detaches); :meth:`close` removes them too, so the optimizer
+        steps on without the engine afterwards."""
+        self._check_open("attach")
         handles = []
         if average_gradients:
             handles.append(optimizer.register_step_pre_hook(
                 lambda opt, args, kwargs: self.after_backward()))
         handles.append(optimizer.register_step_post_hook(lambda opt, args, kwargs: self.step()))
+        self._handles.extend(handles)
         return handles
 
     def finish(self, force: bool = False) -> None:
@@ -377,6 +383,7 @@ class SyncEngine:
         sync is due (the end of training), so that every replica holds the global model:
         with streaming, rounds in flight are merged at once and every unit syncs once more.
         Every rank must call it at the same point."""
+        self._check_open("finish")
         self.rounds.drain()
         ran_armed = self.rounds.settle()
         if not force or not self.config.is_local_sgd or self.in_warmup:
@@ -395,13 +402,23 @@ class SyncEngine:
         need = self.num_replicas if start_quorum is None else start_quorum
         return self.ft.join(need, timeout_s)
 
+    def _check_open(self, call: str) -> None:
+        """Refuse a loop call on a closed engine: its hooks are gone and its thread has
+        stopped, so the call could neither count a step nor run a sync."""
+        if self._closed:
+            raise RuntimeError(f"engine.{call}(): the engine is closed (engine.close() or "
+                               "the end of its `with` block); build a new engine with "
+                               "editrain.edit(...) to go on syncing")
+
     def close(self, release: bool = True) -> None:
-        """End the engine: finish the round in flight, remove every hook, stop the
-        communication thread and, with ``release``, destroy the process groups the engine
-        created, after a barrier on the default group (every rank must call it then; the
-        context manager does, unless the block raised). Destroy the default group after
-        this (:func:`editrain.shutdown`): groups left to the interpreter's exit make gloo
-        abort the process now and then. Calling it again does nothing more."""
+        """End the engine: finish the round in flight, remove every hook (the forward
+        hooks, and the optimizer hooks of :meth:`attach`), stop the communication thread
+        and, with ``release``, destroy the process groups the engine created, after a
+        barrier on the default group (every rank must call it then; the context manager
+        does, unless the block raised). Destroy the default group after this
+        (:func:`editrain.shutdown`): groups left to the interpreter's exit make gloo abort
+        the process now and then. Calling it again does nothing more; the loop's calls
+        (:meth:`step`, :meth:`after_backward`, :meth:`finish`, ...) are refused after it."""
         if not self._closed:
             self._closed = True
             self.rounds.drain()
@@ -471,6 +488,7 @@ class SyncEngine:
         ``G`` with its round in flight merged as sent (``docs/streaming.md`` section 3c):
         computed by every replica alike from the rounds' own messages, so entering the
         block sends nothing across replicas."""
+        self._check_open("global_model")
         self.rounds.drain()
         self._wait_inflight()
         with self.anchors.swapped_in():
