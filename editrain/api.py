@@ -33,7 +33,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from editrain.checkpoint import saved_tensors
 from editrain.errors import CheckpointError
-from editrain.sync.config import GTAConfig, SyncConfig
+from editrain.sync.config import GTAConfig, SyncConfig, check_types
 from editrain.sync.edit import EDiT, SyncEngine
 from editrain.sync.outer import resolve_optimizer_class
 from editrain.sync.setup import root_leaf_units
@@ -89,6 +89,7 @@ class LocalSGDConfig:
     weights and anomaly flags are in ``engine.pop_sync_log()``."""
 
     def __post_init__(self) -> None:
+        check_types(self, "LocalSGDConfig")  # e.g. use_async="false" would mean A-EDiT
         if self.gradient_accumulation_steps < 1:
             raise ValueError("LocalSGDConfig.gradient_accumulation_steps: must be >= 1, got "
                              f"{self.gradient_accumulation_steps}")

@@ -171,6 +171,36 @@ def test_reference_config_validation():
         OuterOptimizerConfig(outer_optim_class="sgd", outer_optim_kwargs=[1])
 
 
+@pytest.mark.parametrize("make,message", [
+    # a computed warm-up of 2.5 steps never ended (the step counter never equals it): the
+    # first sync crashed with "sync before anchors exist"
+    (lambda: SyncConfig(local_sgd_warmup_steps=2.5),
+     "sync.local_sgd_warmup_steps: expected an integer, got 2.5"),
+    (lambda: SyncConfig(method="diloco", local_sgd_sync_interval=2.5),  # synced every 3
+     "sync.local_sgd_sync_interval: expected an integer, got 2.5"),
+    (lambda: SyncConfig(skip_anomaly="false"),  # a true string: the detector was on
+     "sync.skip_anomaly: expected true or false, got 'false'"),
+    (lambda: SyncConfig(ewma_alpha=True), "sync.ewma_alpha: expected a number, got True"),
+    (lambda: GTAConfig(density="0.5"), "sync.gta.density: expected a number, got '0.5'"),
+    (lambda: LocalSGDConfig(use_async="false"),  # was A-EDiT
+     "LocalSGDConfig.use_async: expected true or false, got 'false'"),
+    (lambda: LocalSGDConfig(local_sgd_warmup_steps=12.5),
+     "LocalSGDConfig.local_sgd_warmup_steps: expected an integer, got 12.5"),
+])
+def test_configs_built_in_python_check_their_types(make, message):
+    """A config built in Python is checked as the config files' loader checks one: each
+    bool, int and float option holds its type, and the error names it."""
+    with pytest.raises(ValueError) as e:
+        make()
+    assert str(e.value) == message
+
+
+def test_configs_built_in_python_take_ints_for_floats_and_none_where_allowed():
+    config = SyncConfig(ewma_threshold=3, local_sgd_sync_interval=None, clip_pseudo_grad=None)
+    assert config.resolve().local_sgd_sync_interval == 20  # edit's default
+    assert LocalSGDConfig(clip_pseudo_grad=1, local_sgd_sync_time=30).clip_pseudo_grad == 1
+
+
 def test_edit_factory_rejects_mixed_configs():
     model = TitanStyle()
     with pytest.raises(ValueError, match="not both"):

@@ -12,6 +12,7 @@ optimizer's checks import it where a check needs it (:meth:`SyncConfig._check_ou
 from __future__ import annotations
 
 import math
+import typing
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
@@ -68,6 +69,42 @@ def check_number(value: Any, option: str) -> None:
     elif isinstance(value, list | tuple):
         for i, v in enumerate(value):
             check_number(v, f"{option}[{i}]")
+
+
+_SCALARS: dict[Any, tuple[tuple[type, ...], str]] = {
+    bool: ((bool,), "true or false"),
+    int: ((int,), "an integer"),
+    float: ((int, float), "a number"),
+}
+"""The scalar types :func:`check_types` checks: what each accepts, and how it is named."""
+
+
+def check_types(section: Any, prefix: str) -> None:
+    """Every bool, int and float field of a config dataclass holds a value of its type
+    (``None`` where the field allows it), as the config files' loader checks them. Built
+    in Python, a config is not parsed: a computed ``local_sgd_warmup_steps = 0.05 * steps``
+    of 2.5 would never end the warm-up (the step counter never equals it), an interval of
+    2.5 would sync every 3 steps, and the string "false" would switch a flag on.
+
+    Args:
+        section: a config dataclass instance.
+        prefix: the section's name, e.g. ``"sync"``.
+
+    Raises:
+        ConfigError: naming the option, the type it takes and the value given.
+    """
+    hints = typing.get_type_hints(type(section))
+    for f in fields(section):
+        args = typing.get_args(hints[f.name]) or (hints[f.name],)
+        scalar = [a for a in args if a is not type(None)]
+        if len(scalar) != 1 or scalar[0] not in _SCALARS:
+            continue  # strings, tables, nested sections: checked by their own rules
+        value = getattr(section, f.name)
+        if value is None and type(None) in args:
+            continue
+        kinds, name = _SCALARS[scalar[0]]
+        require(isinstance(value, kinds) and (scalar[0] is bool or not isinstance(value, bool)),
+                f"{prefix}.{f.name}", f"expected {name}, got {value!r}")
 
 
 def check_finite(section: Any, prefix: str) -> None:
@@ -129,6 +166,7 @@ class GTAConfig:
     """GTA: keep masks as int8 to save memory (no numeric change)."""
 
     def __post_init__(self) -> None:
+        check_types(self, "sync.gta")
         check_finite(self, "sync.gta")
         if self.reducer is not None:
             require(self.reducer in REDUCERS, "sync.gta.reducer",
@@ -232,6 +270,7 @@ class SyncConfig:
     def __post_init__(self) -> None:
         if isinstance(self.gta, dict):
             self.gta = GTAConfig(**self.gta)
+        check_types(self, "sync")
         check_finite(self, "sync")
         require(self.method in METHODS, "sync.method",
                 f"unknown method {self.method!r}; allowed: {', '.join(METHODS)}")
