@@ -329,6 +329,29 @@ EXPECTED_METHODS: dict[str, set[str]] = {
 }
 """Sync options that do not apply to every local-SGD method (the rest: all but sync)."""
 
+_EDIT_PENALTY = ("edit", "aedit")
+EXPECTED_SWITCHED_ON: dict[str, typing.Callable[[str], bool]] = {
+    # the anomaly detector, the norm softmax and layer-wise rounds are on by default under
+    # edit and aedit only; post-local SGD has no outer optimizer; no method has a delayed
+    # merge without sync.overlap_steps; A-EDiT's step weights are on by default
+    **{k: (lambda m: m in _EDIT_PENALTY) for k in (
+        "ewma_alpha", "ewma_warmup_steps", "ewma_threshold", "weight_softmax_temperature",
+        "prefetch_depth")},
+    "outer_optim_kwargs": lambda m: m != "post_local_sgd",
+    "merge": lambda m: False,
+    "step_weight_ratio": lambda m: True,
+}
+"""Sync options that tune a part another option switches on: whether, with every other
+option at its default, that part is on under a method."""
+
+
+def _sync_applies(key: str, method: str) -> bool:
+    """Whether ``sync.<key>`` applies under ``method`` with the other options at their
+    defaults."""
+    if method not in EXPECTED_METHODS.get(key, set(METHODS) - {"sync"}):
+        return False
+    return EXPECTED_SWITCHED_ON.get(key, lambda m: True)(method)
+
 CONTEXTS: dict[str, dict[str, typing.Any]] = {
     **{f"method={m}": {"sync.method": m} for m in METHODS},
     "ft": {"dist.fault_tolerance": "torchft"},
@@ -350,7 +373,7 @@ def _expected(option: str, context: str) -> bool:
     section, _, key = option.partition(".")
     method = CONTEXTS[context].get("sync.method", "edit")
     if section == "sync":
-        return method in EXPECTED_METHODS.get(key, set(METHODS) - {"sync"})
+        return _sync_applies(key, method)
     if option in ("sim.corrupt_replica",):
         return method != "sync"
     if option == "sim.step_schedule":
@@ -433,12 +456,42 @@ def test_every_sync_option_through_the_command_line(method):
             refused = None
         except ConfigError as e:
             refused = str(e)
-        applies = method in EXPECTED_METHODS.get(key, set(METHODS) - {"sync"})
+        applies = _sync_applies(key, method)
         if applies:
             assert refused is None or "applies only where" not in refused, (key, refused)
         else:
             assert refused is not None, f"sync.{key} = {value!r} accepted with {method}"
             assert f"sync.{key}" in refused or "sync.method" in refused, refused
+
+
+@pytest.mark.parametrize("method, options, switch", [
+    ("diloco", {"ewma_alpha": 0.5}, {"skip_anomaly": True}),
+    ("post_local_sgd", {"ewma_threshold": 2.0}, {"skip_anomaly": True}),
+    ("edit", {"ewma_warmup_steps": 3}, None),
+    ("edit", {"weight_softmax_temperature": 2.0, "pseudo_gradnorm_reduce": False},
+     {"pseudo_gradnorm_reduce": True}),
+    ("diloco", {"prefetch_depth": 2}, {"layerwise": True}),
+    ("post_local_sgd", {"outer_optim_kwargs": {"lr": 0.5}}, {"outer_optim_class": "sgd"}),
+    ("edit", {"merge": "blend"}, {"overlap_steps": 1}),
+    ("aedit", {"use_step_weight": False, "step_weight_ratio": 0.25},
+     {"use_step_weight": True}),
+    ("edit", {"gta": {"density": 0.5}}, {"gta": {"reducer": "gta", "density": 0.5}}),
+])
+def test_a_tuning_of_a_part_that_is_off_is_refused(method, options, switch):
+    """An option that tunes a part another option switches off (the anomaly detector's
+    EWMA without skip_anomaly, diloco's default; prefetching without layer-wise rounds; the
+    outer optimizer's settings without one; a merge without a delayed round; GTA's density
+    without the GTA reducer) was accepted and did nothing; it is refused naming the
+    switch, and accepted once the part is on."""
+    over = {"sync": {"method": method, **options}, "train": {"steps": 50}}
+    key = next(k for k in options if k not in (switch or {}) or k == "gta")
+    if switch is None:  # on by default under this method
+        load_config(None, over)
+        return
+    with pytest.raises(ConfigError, match=rf"^sync\.{key}: applies only where .*; leave it "
+                                          r"unset$"):
+        load_config(None, over)
+    load_config(None, {**over, "sync": {**over["sync"], **switch}})
 
 
 @FAST

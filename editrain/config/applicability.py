@@ -23,8 +23,8 @@ from typing import Any
 
 from editrain.config.schema import SECTIONS, Config
 from editrain.errors import require
-from editrain.sync.config import METHODS
-from editrain.sync.methods import SYNC_OPTION_METHODS
+from editrain.sync.config import METHODS, GTAConfig
+from editrain.sync.methods import METHOD_DEFAULTS, SYNC_OPTION_METHODS
 
 
 @dataclass(frozen=True)
@@ -61,6 +61,67 @@ def _when(option: str, values: tuple[Any, ...]) -> Rule:
     return Rule(lambda cfg: get(cfg) in values,
                 f"{option} = {' or '.join(str(v) for v in values)}",
                 lambda cfg: f"{option} is {get(cfg)!r}")
+
+
+def _both(first: Rule, then: Rule) -> Rule:
+    """Applies where ``first`` and ``then`` both do (``now``: the one that does not)."""
+    return Rule(lambda cfg: first.test(cfg) and then.test(cfg), f"{first.where} and {then.where}",
+                lambda cfg: first.now(cfg) if not first.test(cfg) else then.now(cfg))
+
+
+def _sync_value(cfg: Any, key: str) -> Any:
+    """``sync.<key>`` as the run resolves it: the value set, else the method's own default
+    (:data:`~editrain.sync.methods.METHOD_DEFAULTS`), else the schema's."""
+    value = getattr(cfg.sync, key)
+    if value is None:
+        value = METHOD_DEFAULTS.get(cfg.sync.method, {}).get(key, value)
+    return value
+
+
+def _sync_on(key: str, why: str) -> Rule:
+    """Applies where the run's ``sync.<key>`` (resolved per method) is on; ``why``: what
+    it switches on."""
+    return Rule(lambda cfg: bool(_sync_value(cfg, key)), f"sync.{key} is on ({why})",
+                lambda cfg: f"sync.{key} is {_sync_value(cfg, key)!r} for sync.method = "
+                            f"{cfg.sync.method}")
+
+
+def _gta_fields_apply(cfg: Any) -> bool:
+    """The GTA table's fields other than ``reducer`` apply where the reducer is GTA (the
+    table may be a dict: :func:`drop_inapplicable`'s raw options)."""
+    gta = cfg.sync.gta
+    if isinstance(gta, dict):
+        fields = gta
+    elif dataclasses.is_dataclass(gta):
+        fields = dataclasses.asdict(gta)
+    else:  # not a table: the schema's type check refuses it
+        return True
+    if fields.get("reducer") == "gta":
+        return True
+    return all(v == getattr(GTAConfig(), k) for k, v in fields.items() if k != "reducer")
+
+
+_GTA = Rule(_gta_fields_apply, "sync.gta.reducer = gta (its other fields tune GTA)",
+            lambda cfg: "sync.gta.reducer is not gta")
+_DEPENDS_ON = {
+    "ewma_alpha": _sync_on("skip_anomaly", "the anomaly detector they tune"),
+    "ewma_warmup_steps": _sync_on("skip_anomaly", "the anomaly detector they tune"),
+    "ewma_threshold": _sync_on("skip_anomaly", "the anomaly detector they tune"),
+    "weight_softmax_temperature": _sync_on("pseudo_gradnorm_reduce",
+                                           "the norm softmax it tempers"),
+    "step_weight_ratio": _sync_on("use_step_weight", "the step weights it mixes in"),
+    "prefetch_depth": _sync_on("layerwise", "rounds synced unit by unit in the forward"),
+    "outer_optim_kwargs": Rule(
+        lambda cfg: _sync_value(cfg, "outer_optim_class") not in ("none", None),
+        "sync.outer_optim_class is not none (the outer optimizer they configure)",
+        lambda cfg: f"the outer optimizer is none for sync.method = {cfg.sync.method}"),
+    "merge": Rule(lambda cfg: (cfg.sync.overlap_steps or 0) > 0,
+                  "sync.overlap_steps > 0 (a delayed merge)",
+                  lambda cfg: "sync.overlap_steps is 0: rounds are merged as they end"),
+    "gta": _GTA,
+}
+"""``sync`` options that also depend on another option's value (set or the method's
+default), beyond the methods they apply under: a tuning of a part that is off."""
 
 
 _PIPELINE = Rule(lambda cfg: cfg.dist.pp_size > 1, "dist.pp_size > 1",
@@ -104,7 +165,8 @@ APPLIES: dict[str, Rule] = {
                                   "ft_min_replicas", "ft_heartbeat_timeout_s",
                                   "ft_heartbeat_interval_s", "ft_join_timeout_s",
                                   "ft_timeout_s")},
-    **{f"sync.{k}": _methods(v) for k, v in SYNC_OPTION_METHODS.items()},
+    **{f"sync.{k}": (_both(_methods(v), _DEPENDS_ON[k]) if k in _DEPENDS_ON
+                     else _methods(v)) for k, v in SYNC_OPTION_METHODS.items()},
     **{f"sim.{k}": ALWAYS for k in ("link_bandwidth", "link_latency", "straggler",
                                     "random_stall", "fail", "replica_offset")},
     "sim.corrupt_replica": _LOCAL_SGD,
