@@ -162,8 +162,8 @@ class Trainer:
         None without one): stored in checkpoints, and rotation keeps to the timeline."""
         ckpt = self._checkpoint_to_resume()
         if ckpt is not None:
-            if self.cfg.resume:  # said by the launcher too; not under torchrun
-                refuse_no_steps_left(ckpt, cfg)
+            if self.cfg.resume and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
+                refuse_no_steps_left(ckpt, cfg)  # said by the launcher too; not under torchrun
             self._resume(ckpt)
         self.metrics = MetricsWriter(self.run_dir, enabled=self.is_logger, trackers=(
             open_trackers(self.run_dir, wandb=cfg.train.wandb,
@@ -441,23 +441,23 @@ class Trainer:
 
     # ------------------------------------------------------------------ checkpoints
     def _checkpoint_to_resume(self) -> Path | None:
-        """``--resume``, or the latest checkpoint of this run after a worker restart. In
-        the fault-tolerant mode each replica group resumes its own checkpoint
+        """``--resume``, or after a worker restart the latest checkpoint of this run (that
+        job's own progress; ``--resume`` again where it has written none yet). In the
+        fault-tolerant mode each replica group resumes its own checkpoint
         (``RUN_DIR/replica{r}``), and a group the launcher restarted reads nothing: it
         heals from a live peer."""
         if self.ft and int(os.environ.get(ATTEMPT_ENV, "0")) > 0:
             return None
-        if self.cfg.resume:
-            return resolve_resume(replica_run_dir(self.cfg.resume, self.replica)
+        restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        found = list_checkpoints(self.run_dir) if int(restart) > 0 else []
+        ckpt = found[-1] if found else None
+        if ckpt is None and self.cfg.resume:
+            ckpt = resolve_resume(replica_run_dir(self.cfg.resume, self.replica)
                                   if self.ft else self.cfg.resume)
-        if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
-            found = list_checkpoints(self.run_dir)
-            if self.is_logger:
-                log.warning("worker restart %s: %s", os.environ["TORCHELASTIC_RESTART_COUNT"],
-                            f"resuming from {found[-1]}" if found else "no checkpoint yet, "
-                            "starting over")
-            return found[-1] if found else None
-        return None
+        if int(restart) > 0 and self.is_logger:
+            log.warning("worker restart %s: %s", restart, f"resuming from {ckpt}"
+                        if ckpt else "no checkpoint yet, starting over")
+        return ckpt
 
     def _meta(self) -> dict[str, Any]:
         return run_meta(self.cfg, self.data.vocab_size, self.info.topo.shape,

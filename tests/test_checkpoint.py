@@ -244,6 +244,25 @@ def test_restart_after_worker_dies(cache: Path, tmp_path: Path, clean_run: Path,
     assert not any(p.name.endswith(".tmp") for p in (crashed / "checkpoints").iterdir())
 
 
+@pytest.mark.slow
+def test_restart_of_a_resumed_run_resumes_its_own_latest_checkpoint(
+        cache: Path, tmp_path: Path, clean_run: Path) -> None:
+    """A job started with --resume (clean_run's step 16, into a directory of its own, on
+    to step 32) whose worker dies after its own step 24 checkpoint: the restart resumes
+    step 24, not the --resume checkpoint again (which trained steps 17-24 a second time).
+    The run ends as the same job without the failure does, bitwise."""
+    start = clean_run / "checkpoints" / "step_00000016"
+    longer = [*RESTART_ARGS, "--steps", "32", "--resume", str(start)]
+    whole, resumed = tmp_path / "whole", tmp_path / "resumed"
+    train(cache, whole, *longer)
+    out = train(cache, resumed, *longer, "--max-restarts", "1", "--sim.fail", "1@28")
+    assert f"resuming from {resumed / 'checkpoints' / 'step_00000024'}" in (
+        out.stderr + out.stdout)
+    assert final_val(resumed) == final_val(whole)  # bitwise: the restart is invisible
+    replayed = [r["step"] for r in rows(resumed) if r.get("replayed") and "loss" in r]
+    assert replayed and min(replayed) == 25, replayed
+
+
 @pytest.fixture
 def train_here(cache: Path, capsys, monkeypatch):
     """``train`` for a run that must fail before any worker starts: ``editrain train`` in
