@@ -270,6 +270,9 @@ def init_mesh(
     ``("sync", "pp", "shard", "tp")`` mesh when ``pp_size > 1`` (whatever ``tp_size``).
 
     Reads the usual ``torchrun`` environment (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``...).
+    The sizes are checked against the world size (``WORLD_SIZE`` while no group exists)
+    before the default group is started: a wrong ``shard_size`` fails on its own rank,
+    before any rendezvous.
 
     Args:
         shard_size: FSDP2 ranks per replica (per stage with ``pp_size > 1``); ``pp_size x
@@ -282,10 +285,15 @@ def init_mesh(
             (:func:`editrain.malloc.keep_freed_memory`: a step's freed buffers are reused
             by the next instead of being page-faulted in again); False leaves malloc alone.
         pp_size: pipeline stages per replica (see :mod:`editrain.pipeline`).
+
+    Raises:
+        ValueError: ``pp_size x shard_size x tp_size`` does not divide the world size (the
+            message names the option and the allowed values).
     """
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
+    _check_sizes_before_group(shard_size, tp_size, pp_size)
     if keep_freed_memory:
         malloc.keep_freed_memory()
     device_type = device_type or default_device_type()
@@ -300,6 +308,28 @@ def init_mesh(
         names = (SYNC_DIM, SHARD_DIM, TP_DIM)
     mesh = init_device_mesh(device_type, topo.shape, mesh_dim_names=names)
     return MeshInfo(mesh=mesh, topo=topo, rank=rank, device=device)
+
+
+def _check_sizes_before_group(shard_size: int, tp_size: int, pp_size: int) -> None:
+    """Refuse sizes that cannot divide the world before any process group exists.
+
+    Under torchrun a rank that started the default group and only then found its
+    ``shard_size`` wrong leaves the other ranks waiting in the group's rendezvous or in the
+    mesh's first collective; checked here against ``WORLD_SIZE`` (the group's size once it
+    exists), it fails alone with :class:`Topology`'s message and nothing started. Without
+    a world size to check against (no group, no ``WORLD_SIZE``) the check is left to
+    :class:`Topology` after the group is up, as before.
+    """
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        world = dist.get_world_size()
+    else:
+        try:
+            world = int(os.environ["WORLD_SIZE"])
+        except (KeyError, ValueError):
+            return  # init_process_group reports a missing or malformed WORLD_SIZE itself
+    Topology(world, shard_size, tp_size, pp_size)
 
 
 def init_default_group(backend: str | None = None, device_type: str | None = None,

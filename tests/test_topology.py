@@ -331,3 +331,27 @@ def test_tp_size_must_divide():
     with pytest.raises(ValueError,
                        match=r"dist.shard_size=3 must divide world size / dist.tp_size = 4"):
         Topology(8, 3, 2)
+
+
+@pytest.mark.parametrize("sizes, message", [
+    (dict(shard_size=3), "dist.shard_size=3 must divide the world size 4"),
+    (dict(shard_size=1, tp_size=3), "dist.tp_size=3 must divide the world size 4"),
+    (dict(shard_size=1, pp_size=3), "dist.pp_size=3 must divide the world size 4"),
+])
+def test_init_mesh_checks_sizes_before_starting_the_group(monkeypatch, sizes, message):
+    """A size that cannot divide WORLD_SIZE is refused with Topology's message before the
+    default group (or torch elastic's store, or malloc's settings) is touched: under
+    torchrun the other ranks would otherwise wait in the rendezvous for this one."""
+    import editrain.malloc
+
+    def started(*args, **kwargs):
+        raise AssertionError("the default process group was started before the check")
+
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(dist, "init_process_group", started)
+    monkeypatch.setattr(editrain.malloc, "keep_freed_memory", started)
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("RANK", "0")
+    with pytest.raises(ValueError) as info:
+        init_mesh(backend="gloo", device_type="cpu", **sizes)
+    assert message in str(info.value) and "allowed values: [1, 2, 4]" in str(info.value)
