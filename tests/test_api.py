@@ -514,3 +514,39 @@ def test_warmup_averaging_leaves_frozen_and_unused_parameters_alone():
         # bitwise: g + 0 and g / 2 are exact
         assert torch.equal(r["extra_avg"], first["extra_own"] / 2)
     assert second["extra_own"] is None
+
+
+def _second_engine_worker(rank: int, world: int) -> dict[str, Any]:
+    """A second engine on a model whose engine is live is refused; once that one is
+    closed (explicitly or by its with block) the model takes a new one."""
+    info = editrain.init_mesh(shard_size=1, backend="gloo", device_type="cpu")
+    torch.manual_seed(0)
+    model = TitanStyle(dim=8, n=2)
+    editrain.parallelize(model, info)
+    config = SyncConfig(method="diloco", local_sgd_sync_interval=1)
+    out: dict[str, Any] = {"refused": []}
+    first = editrain.edit(model, info, config)
+    for target, blocks in ((model, None), (model.layers, list(model.layers))):
+        try:
+            editrain.edit(target, info, config, blocks=blocks).close()
+        except RuntimeError as e:
+            out["refused"].append(str(e))
+    first.close()
+    with editrain.edit(model, info, config) as second:  # the closed engine's model
+        x = _batch(0, rank)
+        nn.functional.cross_entropy(model(x[:, :-1]).flatten(0, 1), x[:, 1:].flatten()).backward()
+        second.step()
+        out["second_syncs"] = second.num_syncs
+    third = editrain.edit(model, info, config)  # after the with block closed it
+    out["third_open"] = not third.closed
+    third.close()
+    return out
+
+
+def test_a_second_live_engine_on_one_model_is_refused():
+    out, = run_ranks(_second_engine_worker, 1)
+    assert len(out["refused"]) == 2, out  # the model, and its blocks under another root
+    for message in out["refused"]:
+        assert "already has a live sync engine" in message and "engine.close()" in message
+        assert "\n" not in message
+    assert out["second_syncs"] == 1 and out["third_open"]

@@ -70,7 +70,9 @@ from editrain.sync.schedules import NonBlockingSchedule, Schedule, plain_schedul
 from editrain.sync.setup import (
     build_units,
     check_fault_tolerant,
+    check_no_live_engine,
     check_replica_wrapper,
+    claim_modules,
     comm_group_backend,
     default_trigger,
     private_groups,
@@ -160,6 +162,7 @@ class SyncEngine:
         blocks = list(blocks)
         if not blocks:
             raise ValueError("the sync engine needs at least one block (sync unit) in `blocks`")
+        check_no_live_engine([unwrap_ddp(model), *blocks])
 
         # Units in forward order: the root first (its all-gather happens first), then every
         # block and every other separately sharded module (embeddings, output head).
@@ -226,6 +229,7 @@ class SyncEngine:
         reshard(model)  # anchors must be taken from the shards, not a gathered copy
         if cfg.is_local_sgd and cfg.local_sgd_warmup_steps == 0:
             self._create_anchors()
+        claim_modules([model, *(m for _, m in built.modules)], self)
 
     def _view(self) -> EngineView:
         """What the schedule sees of this engine (:mod:`editrain.sync.view`)."""
@@ -401,6 +405,12 @@ class SyncEngine:
             return False
         need = self.num_replicas if start_quorum is None else start_quorum
         return self.ft.join(need, timeout_s)
+
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` has run: the hooks are gone, and the model may get a new
+        engine (a second live engine on one model is refused)."""
+        return self._closed
 
     def _check_open(self, call: str) -> None:
         """Refuse a loop call on a closed engine: its hooks are gone and its thread has

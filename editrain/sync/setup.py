@@ -7,8 +7,10 @@ checks here refuse layouts the layer-wise sync cannot serve, before any collecti
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -145,6 +147,39 @@ def check_replica_wrapper(model: nn.Module, replica_ranks: Sequence[int]) -> Non
             f"but this rank's replica is ranks {sorted(replica_ranks)}: wrap the model over "
             "the replica's own group, DistributedDataParallel(model, "
             "process_group=mesh.get_group('shard')) (info.shard_mesh.get_group())")
+
+
+_LIVE_ENGINES: weakref.WeakKeyDictionary[nn.Module, weakref.ref[Any]] = (
+    weakref.WeakKeyDictionary())
+"""Module -> the engine whose forward hooks it carries (weak both ways: a model and its
+engine are collected as if this table did not exist)."""
+
+
+def check_no_live_engine(modules: Sequence[nn.Module]) -> None:
+    """Refuse a second engine on modules that a live (not closed) engine already hooks.
+
+    Both engines' hooks would run in every forward and each engine, stepped, would run its
+    own syncs and outer steps on the same parameters: wrong results, no error. A closed
+    engine has removed its hooks, so its model may get a new engine (a notebook cell run
+    again after ``engine.close()``).
+
+    Raises:
+        RuntimeError: one of ``modules`` (the root or a block) has a live engine.
+    """
+    for module in modules:
+        ref = _LIVE_ENGINES.get(module)
+        engine = None if ref is None else ref()
+        if engine is not None and not engine.closed:
+            raise RuntimeError(
+                f"editrain.edit(): {type(module).__name__} already has a live sync engine "
+                "on it; close that engine first (engine.close(), or let its `with` block "
+                "end), then build the new one")
+
+
+def claim_modules(modules: Sequence[nn.Module], engine: Any) -> None:
+    """Record ``engine`` as the live engine of ``modules`` (see :func:`check_no_live_engine`)."""
+    for module in modules:
+        _LIVE_ENGINES[module] = weakref.ref(engine)
 
 
 def find_root_params(model: nn.Module, blocks: Sequence[nn.Module]) -> list[nn.Parameter]:
