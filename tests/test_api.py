@@ -550,3 +550,74 @@ def test_a_second_live_engine_on_one_model_is_refused():
         assert "already has a live sync engine" in message and "engine.close()" in message
         assert "\n" not in message
     assert out["second_syncs"] == 1 and out["third_open"]
+
+
+class NormedBlock(nn.Module):
+    """A block with BatchNorm: running statistics (float) and a step counter (int64) that
+    every training forward changes, and a non-persistent scratch buffer."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.fc = nn.Linear(dim, dim)
+        self.norm = nn.BatchNorm1d(dim)
+        self.register_buffer("scratch", torch.zeros(dim), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.norm(self.fc(x).flatten(0, 1)).view_as(x)
+        if self.training:
+            self.scratch.copy_(h.detach()[0, 0])  # this replica's own, never synced
+        return x + torch.tanh(h)
+
+
+class Normed(TitanStyle):
+    def __init__(self) -> None:
+        super().__init__(dim=8, n=2)
+        self.layers = nn.ModuleList(NormedBlock(8) for _ in range(2))
+
+
+def _buffers_worker(rank: int, world: int) -> dict[str, Any]:
+    """Each method trains 2 replicas of Normed on different data, then finish(force=True)."""
+    info = editrain.init_mesh(shard_size=1, backend="gloo", device_type="cpu")
+    out: dict[str, Any] = {}
+    for method, steps in (("diloco", 3), ("edit", 4), ("sync", 2)):
+        torch.manual_seed(0)
+        model = Normed()
+        editrain.parallelize(model, info)
+        opt = torch.optim.AdamW(model.parameters(), lr=0.05)
+        config = SyncConfig(method=method) if method == "sync" else SyncConfig(
+            method=method, local_sgd_sync_interval=2, local_sgd_warmup_steps=0)
+        with editrain.edit(model, info, config) as engine:
+            engine.attach(opt)
+            for step in range(steps):
+                x = _batch(step, rank)
+                nn.functional.cross_entropy(model(x[:, :-1]).flatten(0, 1),
+                                            x[:, 1:].flatten()).backward()
+                opt.step()
+                opt.zero_grad()
+            before = {n: b.clone() for n, b in model.named_buffers()}
+            engine.finish(force=True)
+            out[method] = {"before": before, "synced": engine.buffers.names,
+                           "after": {n: b.clone() for n, b in model.named_buffers()}}
+    return out
+
+
+def test_every_sync_leaves_the_replicas_with_the_same_buffers():
+    """Before, BatchNorm's running statistics (and any buffer a forward changes) stayed each
+    replica's own, even after finish(force=True): the global model evaluated differently
+    on every replica. Now floating buffers are averaged and the others taken from replica
+    0 at every sync; non-persistent buffers (derived, as Llama's rotary tables) are not."""
+    first, second = run_ranks(_buffers_worker, 2)
+    for method in ("diloco", "edit", "sync"):
+        a, b = first[method], second[method]
+        assert a["synced"] == [f"layers.{i}.norm.{n}" for i in range(2) for n in
+                               ("running_mean", "running_var", "num_batches_tracked")]
+        stat = "layers.0.norm.running_mean"
+        assert not torch.equal(a["before"][stat], b["before"][stat]), method  # trained apart
+        for name in a["synced"]:
+            assert torch.equal(a["after"][name], b["after"][name]), (method, name)
+        # bitwise the mean of what the replicas held (no forward between: the same sum of
+        # two and halving, gloo's sum of two being the one rounding of a + b)
+        assert torch.equal(a["after"][stat], (a["before"][stat] + b["before"][stat]) / 2)
+        assert torch.equal(a["after"]["layers.0.norm.num_batches_tracked"],
+                           a["before"]["layers.0.norm.num_batches_tracked"])
+        assert not torch.equal(a["after"]["layers.0.scratch"], b["after"]["layers.0.scratch"])

@@ -56,6 +56,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from editrain.sync.buffers import BufferSync
 from editrain.sync.clock import SyncClock
 from editrain.sync.comm import CommPath, LinkDelay
 from editrain.sync.config import SyncConfig
@@ -94,6 +95,14 @@ def _part(part: str, name: str, doc: str) -> property:
     """A read-only engine attribute that is ``name`` of one of its parts (e.g. a counter)."""
     def get(self: SyncEngine) -> Any:
         return getattr(getattr(self, part), name)
+    get.__doc__ = doc
+    return property(get)
+
+
+def _flag(name: str, doc: str) -> property:
+    """A read-only engine attribute that is its own private ``name``."""
+    def get(self: SyncEngine) -> Any:
+        return getattr(self, name)
     get.__doc__ = doc
     return property(get)
 
@@ -219,6 +228,9 @@ class SyncEngine:
         self.schedule: Schedule = self.ft or plain_schedule(view)
         """When rounds start and merge (:mod:`editrain.sync.schedules`)."""
         self.rounds.reset_at_launch = isinstance(self.schedule, NonBlockingSchedule)
+        self.buffers = BufferSync(model, self.comm, self.replica, self.ft is None)
+        """Makes the replicas' buffers agree after syncs (:mod:`editrain.sync.buffers`)."""
+        self.rounds.on_sync = self.buffers.mark_due
 
         self._first_module_unit = built.first_module_unit
         self._handles = [model.register_forward_pre_hook(self._root_pre_hook, prepend=True)]
@@ -351,6 +363,7 @@ class SyncEngine:
         starts, arms or merges rounds as due."""
         self._check_open("step")
         self.rounds.drain()  # a forward that skipped some units must not leave jobs behind
+        self.buffers.sync_if_due()  # a round that closed in this step's forward
         c, cfg = self.counters, self.config
         c.global_step += 1
         if not cfg.is_local_sgd:
@@ -361,6 +374,7 @@ class SyncEngine:
             return
         c.steps_since_sync += 1
         self.schedule.step()
+        self.buffers.sync_if_due()  # a round that ran at this step boundary
 
     def attach(self, optimizer: torch.optim.Optimizer, average_gradients: bool = True
                ) -> list[Any]:
@@ -386,13 +400,15 @@ class SyncEngine:
         With ``force``, also sync replicas that trained since the last sync although no
         sync is due (the end of training), so that every replica holds the global model:
         with streaming, rounds in flight are merged at once and every unit syncs once more.
-        Every rank must call it at the same point."""
+        Syncs, and ``force`` always, also make the persistent buffers agree
+        (:mod:`editrain.sync.buffers`). Every rank must call it at the same point."""
         self._check_open("finish")
         self.rounds.drain()
         ran_armed = self.rounds.settle()
-        if not force or not self.config.is_local_sgd or self.in_warmup:
-            return
-        self.schedule.finish(force, ran_armed)
+        if force and self.config.is_local_sgd and not self.in_warmup:
+            self.schedule.finish(force, ran_armed)
+        self.buffers.due |= force  # the end: the buffers agree too, whatever ran
+        self.buffers.sync_if_due()
 
     def join(self, start_quorum: int | None = None, timeout_s: float = 600.0) -> bool:
         """The fault-tolerant mode: take part in the quorum before training (every replica
@@ -406,11 +422,8 @@ class SyncEngine:
         need = self.num_replicas if start_quorum is None else start_quorum
         return self.ft.join(need, timeout_s)
 
-    @property
-    def closed(self) -> bool:
-        """Whether :meth:`close` has run: the hooks are gone, and the model may get a new
-        engine (a second live engine on one model is refused)."""
-        return self._closed
+    closed = _flag("_closed", "Whether :meth:`close` has run (the model may then get a "
+                   "new engine; a second live one is refused).")
 
     def _check_open(self, call: str) -> None:
         """Refuse a loop call on a closed engine: its hooks are gone and its thread has

@@ -21,7 +21,7 @@ from torch import nn
 from torch.autograd.profiler import record_function
 
 from editrain.sync.clock import SyncClock
-from editrain.sync.comm import CommPath
+from editrain.sync.comm import CommPath, CommStats
 from editrain.sync.config import SyncConfig
 from editrain.sync.losses import LossTracker
 from editrain.sync.outer import SyncUnit
@@ -76,6 +76,9 @@ class Rounds:
         """Whether log entries name the round's fragment (streaming)."""
         self.reset_at_launch = False
         """Non-blocking A-EDiT: a window starts at the launch, not when the round closes."""
+        self.on_sync: Callable[[CommStats], None] | None = None
+        """Called with the round's counters when a round is applied (the engine then syncs
+        the model's buffers at the next step boundary: :mod:`editrain.sync.buffers`)."""
 
     @property
     def pending(self) -> bool:
@@ -202,6 +205,8 @@ class Rounds:
             else:
                 self.clock.restart()
         elif applied and rnd.units:
+            if self.on_sync is not None:
+                self.on_sync(rnd.comm)
             c.num_syncs += 1
             c.last_sync_step = c.global_step
             if rnd.step_counts is not None:

@@ -1,0 +1,108 @@
+"""The model's buffers at a sync: every replica leaves it with the same ones.
+
+A sync makes the replicas' parameters one global model, but a model also carries state that
+training changes outside its parameters: BatchNorm's ``running_mean`` / ``running_var`` and
+``num_batches_tracked``, or any buffer a forward updates. Left alone, the replicas would end
+a run (``finish(force=True)``) with one set of parameters and R sets of buffers, and the
+"global model" would evaluate differently on every replica. So at every applied sync the
+engine makes them agree, as local-SGD implementations that average the whole model do:
+
+* a floating-point buffer becomes the mean over the replicas (running statistics are
+  averages over data, so the mean is the statistic over all replicas' data);
+* any other buffer (integer counters such as ``num_batches_tracked``, flags) is taken from
+  replica 0, as ``DistributedDataParallel`` takes buffers from rank 0: an average of
+  counters or flags would mean nothing.
+
+Only persistent buffers are synced (those in ``model.state_dict()``): a non-persistent
+buffer is derived from the configuration (editrain's Llama's rotary tables) and identical
+everywhere by construction, so a model without persistent buffers sends nothing more. The
+buffers are synced over the sync group (the ranks at one position of every replica); the
+ranks of one replica hold their own copies, kept as the user's loop keeps them.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from editrain.sync.comm import CommPath, CommStats
+
+
+def persistent_buffer_names(model: nn.Module) -> list[str]:
+    """Names of ``model``'s persistent buffers (the buffers its state dict holds), in
+    ``named_buffers()`` order."""
+    saved = {id(t) for t in model.state_dict(keep_vars=True).values()}
+    return [name for name, b in model.named_buffers() if id(b) in saved]
+
+
+class BufferSync:
+    """Averages a model's floating persistent buffers over the replicas and gives them every
+    other persistent buffer of replica 0 (see the module docstring).
+
+    A sync marks the buffers due (:meth:`mark_due`) and the engine syncs them at the next
+    step boundary (:meth:`sync_if_due`): a layer-wise round closes inside the forward,
+    where autograd has saved BatchNorm's running statistics for the backward (writing
+    them there fails the backward), and the rest of that forward changes them again.
+
+    Args:
+        model: the module whose buffers are synced (the engine's, DDP unwrapped).
+        comm: the engine's communication path (its sync group spans the replicas).
+        replica: this rank's replica index.
+        enabled: False in the fault-tolerant mode, whose replicas come and go between
+            rounds: there each replica keeps its own buffers.
+    """
+
+    def __init__(self, model: nn.Module, comm: CommPath, replica: int,
+                 enabled: bool = True) -> None:
+        self.model = model
+        self.comm = comm
+        self.replica = replica
+        self.names = persistent_buffer_names(model) if enabled else []
+        """The buffers synced (looked up by name at every sync: a module may replace one)."""
+        self.due = False
+        """Whether a sync was applied since the buffers were last synced."""
+
+    def mark_due(self, stats: CommStats | None = None) -> None:
+        """A round was applied (or the run ends in lock-step): sync at the next boundary."""
+        self.due = True
+
+    def sync_if_due(self) -> None:
+        """At a step boundary (every rank at the same one): :meth:`sync` if due."""
+        if self.due:
+            self.due = False
+            self.sync()
+
+    def sync(self, stats: CommStats | None = None) -> None:
+        """Make every replica's persistent buffers equal; a collective of the sync group, on
+        the communication thread (behind every job queued before it). Sends nothing
+        without persistent buffers or with one replica."""
+        if not self.names or self.comm.sync_size == 1:
+            return
+        self.comm.run(self._sync_now, stats=stats, cause="consensus")
+
+    def _sync_now(self) -> None:
+        buffers = dict(self.model.named_buffers())
+        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+        for name in self.names:
+            b = buffers.get(name)
+            if b is not None and b.numel():
+                by_dtype.setdefault(b.dtype, []).append(b)
+        for dtype, group in by_dtype.items():
+            self._reduce(group, mean=dtype.is_floating_point or dtype.is_complex)
+
+    def _reduce(self, group: list[torch.Tensor], mean: bool) -> None:
+        """One all-reduce for buffers of one dtype: the sum of every replica's (then divided
+        by the replicas: the mean), or of replica 0's alone (the others send zeros)."""
+        flat = torch.cat([b.detach().reshape(-1) for b in group])
+        if flat.dtype == torch.bool:
+            flat = flat.to(torch.uint8)  # collectives sum numbers, not truth values
+        if not mean and self.replica != 0:
+            flat.zero_()
+        self.comm.all_reduce_sync(flat)
+        if mean:
+            flat /= self.comm.sync_size
+        offset = 0
+        with torch.no_grad():
+            for b in group:
+                b.copy_(flat[offset:offset + b.numel()].view_as(b))
+                offset += b.numel()
