@@ -621,3 +621,34 @@ def test_every_sync_leaves_the_replicas_with_the_same_buffers():
         assert torch.equal(a["after"]["layers.0.norm.num_batches_tracked"],
                            a["before"]["layers.0.norm.num_batches_tracked"])
         assert not torch.equal(a["after"]["layers.0.scratch"], b["after"]["layers.0.scratch"])
+
+
+def _three_replica_buffers_worker(rank: int, world: int) -> dict[str, Any]:
+    """BufferSync over 3 replicas of one module: a buffer they agree on, one they do not."""
+    from editrain.sync.buffers import BufferSync
+    from editrain.sync.comm import CommPath
+
+    info = editrain.init_mesh(shard_size=1, backend="gloo", device_type="cpu")
+    module = nn.Module()
+    module.register_buffer("same", torch.full((4,), 0.123456789))
+    module.register_buffer("apart", torch.full((4,), 0.1 * (rank + 1)))
+    comm = CommPath(info.mesh.get_group("sync"), info.mesh.get_group("shard"),
+                    torch.device("cpu"))
+    try:
+        BufferSync(module, comm, replica=rank).sync()
+    finally:
+        comm.close()
+    return {n: b.clone() for n, b in module.named_buffers()}
+
+
+def test_buffers_the_replicas_agree_on_stay_bitwise():
+    """A buffer every replica holds the same value of is kept as it is: over 3 replicas the
+    sum of three float32 0.123456789s divided by 3 is one ulp off it, and a mean at every sync
+    moved a constant buffer; one they differ on is their mean, on every replica."""
+    got = run_ranks(_three_replica_buffers_worker, 3)
+    same = torch.full((4,), 0.123456789)
+    assert ((same + same + same) / 3 != same).all()  # what the plain mean gave
+    for out in got:
+        assert torch.equal(out["same"], same)
+        assert torch.equal(out["apart"], got[0]["apart"])
+        assert torch.allclose(out["apart"], torch.full((4,), 0.2))  # (0.1+0.2+0.3)/3

@@ -8,7 +8,8 @@ a run (``finish(force=True)``) with one set of parameters and R sets of buffers,
 engine makes them agree, as local-SGD implementations that average the whole model do:
 
 * a floating-point buffer becomes the mean over the replicas (running statistics are
-  averages over data, so the mean is the statistic over all replicas' data);
+  averages over data, so the mean is the statistic over all replicas' data), except where
+  every replica holds the same value, which is kept bitwise;
 * any other buffer (integer counters such as ``num_batches_tracked``, flags) is taken from
   replica 0, as ``DistributedDataParallel`` takes buffers from rank 0: an average of
   counters or flags would mean nothing.
@@ -91,18 +92,34 @@ class BufferSync:
             self._reduce(group, mean=dtype.is_floating_point or dtype.is_complex)
 
     def _reduce(self, group: list[torch.Tensor], mean: bool) -> None:
-        """One all-reduce for buffers of one dtype: the sum of every replica's (then divided
-        by the replicas: the mean), or of replica 0's alone (the others send zeros)."""
+        """Buffers of one dtype: replica 0's (an all-reduce where the others send zeros),
+        or, ``mean``, the mean over the replicas where they differ (see :meth:`_mean`)."""
         flat = torch.cat([b.detach().reshape(-1) for b in group])
         if flat.dtype == torch.bool:
             flat = flat.to(torch.uint8)  # collectives sum numbers, not truth values
-        if not mean and self.replica != 0:
-            flat.zero_()
-        self.comm.all_reduce_sync(flat)
         if mean:
-            flat /= self.comm.sync_size
+            flat = self._mean(flat)
+        else:
+            if self.replica != 0:
+                flat.zero_()
+            self.comm.all_reduce_sync(flat)
         offset = 0
         with torch.no_grad():
             for b in group:
                 b.copy_(flat[offset:offset + b.numel()].view_as(b))
                 offset += b.numel()
+
+    def _mean(self, flat: torch.Tensor) -> torch.Tensor:
+        """The replicas' mean of ``flat`` where they hold different values, replica 0's
+        (everyone's) where they hold the same: a buffer the replicas agree on (a constant,
+        statistics of a layer no replica trained) stays bitwise what it was, where the sum
+        of R equal values divided by R is not (0.123456789 in float32 over 3 replicas:
+        one ulp off, and again at every sync). Two all-reduces: the sum beside replica 0's values,
+        then whether any replica differs from them."""
+        n = flat.numel()
+        both = torch.cat([flat, flat if self.replica == 0 else torch.zeros_like(flat)])
+        self.comm.all_reduce_sync(both)
+        total, first = both[:n], both[n:]
+        differs = (flat != first).to(flat.dtype)  # a NaN differs: the mean, NaN everywhere
+        self.comm.all_reduce_sync(differs)
+        return torch.where(differs != 0, total / self.comm.sync_size, first)
