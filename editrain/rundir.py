@@ -13,7 +13,9 @@ starts) holds:
   in the fault-tolerant mode; never rotated away by it);
 * ``owned``: the entries of the directory editrain created, so ``--overwrite`` removes
   those and nothing else;
-* ``history``: one line per job (branch, start, what it resumed from, what it set aside).
+* ``history``: one line per job (branch, start, what it resumed from, what it set aside,
+  and the ``config.toml`` it replaced: each job writes its own, see
+  :func:`editrain.launch.run_dir.prepare_run_dir`).
 
 When a job resumes from an older checkpoint, the newer checkpoints of the abandoned
 timeline are moved to ``checkpoints/abandoned/<branch>/``: kept, never rotated, never
@@ -539,9 +541,15 @@ def newer_checkpoints(ckpt: Path, roots: list[Path], step: int) -> list[Path]:
     return out
 
 
-def claim(c: Claim) -> RunRecord:
+def claim(c: Claim, note: dict[str, Any] | None = None) -> RunRecord:
     """Make ``c.run_dir`` this job's: replace the old run if decided, set newer checkpoints
-    of an abandoned timeline aside, write the record. Call with the lock held."""
+    of an abandoned timeline aside, write the record. Call with the lock held.
+
+    Args:
+        c: what :func:`check` found.
+        note: more for this job's line of the history (the configuration it replaces:
+            :func:`editrain.launch.run_dir.config_change`).
+    """
     run_dir = c.run_dir
     record = c.record
     if c.replace:
@@ -588,6 +596,7 @@ def claim(c: Claim) -> RunRecord:
                         "resumed by --resume RUN_DIR: %s", c.resume[0], step,
                         ", ".join(str(p) for p in moved))
     event["branch"] = rec.branch
+    event.update(note or {})
     rec.owned = sorted(owned)
     rec.history = (list(record.history) if record is not None else []) + [event]
     make_dir(run_dir, root=run_dir)

@@ -115,3 +115,67 @@ def test_a_resumed_run_does_not_fail_again_unless_told_so(tmp_path):
     again, _ = load_resumed_config(str(run), {"resume": str(run), "train": {"steps": 12},
                                               "sim": {"fail": "0@10"}})
     assert again.sim.fail == "0@10"
+
+
+def test_each_job_that_resumes_the_run_writes_its_configuration_and_keeps_the_old(tmp_path):
+    """``config.toml`` stayed the first job's: after ``--resume RUN --nproc 1 --steps 28`` a
+    plain ``--resume RUN`` went back to nproc 2 (an elastic resume) and steps 12 (refused:
+    no steps left). Each job that resumes the run now writes its own configuration there,
+    and its line of the run record's history keeps the file it replaced."""
+    import json
+
+    from editrain import rundir
+    from editrain.launch.run_dir import prepare_run_dir
+
+    run = tmp_path / "run"
+    first = {"model": {"preset": "tiny"}, "train": {"steps": 12},
+             "dist": {"nproc": 2, "shard_size": 1}, "run_dir": str(run)}
+    record = prepare_run_dir(load_config(None, first), run)
+    original = (run / "config.toml").read_text()
+    ckpt = run / "checkpoints" / "step_00000012"
+    ckpt.mkdir(parents=True)
+    (ckpt / "editrain.json").write_text(json.dumps(
+        {"step": 12, "run_id": record.run_id, "branch": record.branch}))
+
+    over = {"resume": str(run), "dist": {"nproc": 1}, "train": {"steps": 28}}
+    cfg, _ = load_resumed_config(str(run), over)
+    prepare_run_dir(cfg, run)
+    # the next plain --resume RUN continues with the latest job's settings
+    plain, _ = load_resumed_config(str(run), {"resume": str(run)})
+    assert (plain.dist.nproc, plain.train.steps, plain.model.preset) == (1, 28, "tiny")
+    last = rundir.read_record(run).history[-1]
+    assert last["config_before"] == original  # nothing of the first job's file is lost
+    assert last["config_changed"] == {"dist.nproc": "2 -> 1", "train.steps": "12 -> 28"}
+
+    # A job that changes nothing keeps the file as it is, and its line says nothing of it.
+    before = (run / "config.toml").read_text()
+    prepare_run_dir(plain, run)
+    assert (run / "config.toml").read_text() == before
+    assert "config_before" not in rundir.read_record(run).history[-1]
+
+
+def test_a_config_toml_that_cannot_be_kept_is_refused_before_any_work(tmp_path):
+    """The job replaces the run's config.toml and keeps the old one in the record: one it
+    cannot read back within the bound (here a resume with --config, which does not read
+    it) is refused by the check, naming it, and nothing is written."""
+    import json
+
+    from editrain.errors import RunDirError
+    from editrain.launch.run_dir import check_run_dir, prepare_run_dir
+
+    run = tmp_path / "run"
+    record = prepare_run_dir(load_config(None, {"run_dir": str(run)}), run)
+    ckpt = run / "checkpoints" / "step_00000004"
+    ckpt.mkdir(parents=True)
+    (ckpt / "editrain.json").write_text(json.dumps(
+        {"step": 4, "run_id": record.run_id, "branch": record.branch}))
+    (run / "config.toml").write_text("# " + "x" * (2 << 20) + "\n")
+    before = (run / "editrain-run.json").read_text()
+    cfg = load_config(None, {"run_dir": str(run), "resume": str(run)})
+    with pytest.raises(RunDirError, match=r"config\.toml: the run's configuration has .* "
+                                          r"move it away first"):
+        check_run_dir(cfg, run)
+    with pytest.raises(RunDirError, match="cannot be kept in the run record"):
+        prepare_run_dir(cfg, run)
+    assert (run / "editrain-run.json").read_text() == before
+    assert (run / "config.toml").stat().st_size > 2 << 20

@@ -131,10 +131,12 @@ def resumed_run_config(resume: str) -> Path | None:
 
 def load_resumed_config(resume: str, overrides: dict[str, Any]) -> tuple[Config, Path | None]:
     """The configuration of a job that resumes a run without ``--config``: the run's own
-    ``config.toml`` (its sections; not its run directory, ``resume``, ``overwrite`` or
-    ``quiet``), with ``overrides`` over it, so that ``--resume RUN --train.steps 200``
-    continues that run rather than a default one. Returns the configuration and the file
-    it came from (None: the run has no ``config.toml``, and the defaults stand).
+    ``config.toml`` (its latest job's: every job writes its own there,
+    :func:`editrain.launch.run_dir.prepare_run_dir`; its sections, not its run directory,
+    ``resume``, ``overwrite`` or ``quiet``), with ``overrides`` over it, so that
+    ``--resume RUN --train.steps 200`` continues that run, with the settings it last ran
+    with, rather than a default one. Returns the configuration and the file it came from
+    (None: the run has no ``config.toml``, and the defaults stand).
 
     Raises:
         ConfigError: the file cannot be read as a run's configuration (named with

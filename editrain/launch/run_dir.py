@@ -5,22 +5,25 @@ work, and claimed once the data and the checkpoint are known usable.
 
 A directory holding a different run is refused unless ``--overwrite``, a directory another
 job is using is refused, and the job holds the directory's lock until it ends; claiming it
-writes the run record (identity, timeline) and the resolved configuration
-(``RUN_DIR/config.toml``).
+writes the run record (identity, timeline) and the resolved configuration of the job
+(``RUN_DIR/config.toml``: the latest job's; the one it replaces is kept in the record's
+history).
 """
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 from typing import Any
 
 from editrain import rundir
-from editrain.config import Config, dumps_toml, to_dict
+from editrain.config import SECTIONS, Config, dumps_toml, to_dict, toml_value
 from editrain.config.applicability import drop_inapplicable
+from editrain.config.toml_io import RUN_CONFIG_MAX_BYTES
 from editrain.errors import RunDirError
 from editrain.launch.job import Job, resolved
-from editrain.safe_io import write_atomic
+from editrain.safe_io import read_bytes, read_toml_value, write_atomic
 
 TORCHRUN_WAIT_S = 120
 """How long a torchrun rank other than 0 waits for rank 0 to claim the run directory."""
@@ -46,8 +49,13 @@ def resume_checkpoints(cfg: Config) -> list[Path]:
 def check_run_dir(cfg: Config, run_dir: Path) -> rundir.Claim:
     """Whether this job may use ``run_dir`` (:func:`editrain.rundir.check`): a directory
     holding a run is refused unless this job resumes that same run or ``--overwrite`` is
-    given, and ``--overwrite`` never removes what editrain did not write. Touches nothing."""
-    return rundir.check(run_dir, overwrite=cfg.overwrite, resume=resume_checkpoints(cfg))
+    given, and ``--overwrite`` never removes what editrain did not write; the run's
+    ``config.toml``, which this job replaces, must be one it can keep
+    (:func:`kept_config`). Touches nothing."""
+    checked = rundir.check(run_dir, overwrite=cfg.overwrite, resume=resume_checkpoints(cfg))
+    if not checked.replace:
+        kept_config(run_dir / CONFIG_FILE)
+    return checked
 
 
 def prepare_run_dir(cfg: Config, run_dir: Path, lock: rundir.RunLock | None = None
@@ -55,6 +63,13 @@ def prepare_run_dir(cfg: Config, run_dir: Path, lock: rundir.RunLock | None = No
     """Make ``run_dir`` this job's: checked again under the directory's lock, the old run
     replaced if ``--overwrite``, a timeline abandoned by resuming an older checkpoint set
     aside, the run record and ``config.toml`` written.
+
+    ``config.toml`` is the configuration of the run's latest job: a job that resumes the
+    run writes its own over the earlier one, so that the next plain ``--resume RUN_DIR``
+    (which takes the run's ``config.toml`` as its base) continues with the settings the
+    run last ran with (after ``--resume RUN --nproc 1 --steps 28``, that nproc and those
+    steps; before, the first job's came back). The file it replaces is kept in the job's
+    line of the record's ``history`` (:func:`config_change`).
 
     Args:
         cfg: the configuration.
@@ -70,19 +85,96 @@ def prepare_run_dir(cfg: Config, run_dir: Path, lock: rundir.RunLock | None = No
     try:
         if not lock.held:
             lock.acquire()
-        record = rundir.claim(check_run_dir(cfg, run_dir))
-        if cfg.resume and (run_dir / "config.toml").exists():
-            return record  # the run's own record of its configuration stays as it was
-        # Resolved, less what the method or mode does not use (a method's resolved sync
-        # interval under `sync`, say): the file must load back as the run's configuration,
-        # and the loader refuses an option set where it does nothing.
-        data = drop_inapplicable(to_dict(resolved(cfg)))
-        data["run_dir"] = str(run_dir)
-        write_atomic(run_dir / "config.toml", dumps_toml(data), root=run_dir)
+        checked = check_run_dir(cfg, run_dir)
+        text = config_text(cfg, run_dir)
+        path = run_dir / CONFIG_FILE
+        before = None if checked.replace else kept_config(path)  # (checked: readable)
+        # The record first, with the configuration this job replaces: a job that dies
+        # between the two writes leaves the old file and its copy, never neither.
+        record = rundir.claim(checked, note=config_change(before, text))
+        if before != text.encode():
+            write_atomic(path, text, root=run_dir)
         return record
     finally:
         if own:
             lock.release()
+
+
+CONFIG_FILE = "config.toml"
+"""The run's configuration: the latest job's (see :func:`prepare_run_dir`)."""
+
+
+def config_text(cfg: Config, run_dir: Path) -> str:
+    """The ``config.toml`` of a job: its configuration resolved, less what the method or
+    mode does not use (a method's resolved sync interval under ``sync``, say), since the
+    file must load back as the run's configuration and the loader refuses an option set
+    where it does nothing."""
+    data = drop_inapplicable(to_dict(resolved(cfg)))
+    data["run_dir"] = str(run_dir)
+    return dumps_toml(data)
+
+
+def kept_config(path: Path) -> bytes | None:
+    """The run's ``config.toml`` as it is before this job replaces it (None: there is none).
+
+    Raises:
+        RunDirError: it cannot be read (not a regular file, larger than editrain writes):
+            replacing it would lose it, and it is not copied into the run record.
+    """
+    if not os.path.lexists(path):
+        return None
+    try:
+        return read_bytes(path, RUN_CONFIG_MAX_BYTES, error=RunDirError,
+                          what="run's configuration")
+    except RunDirError as e:
+        raise RunDirError(f"--resume: {e}; it would be replaced by this job's configuration "
+                          "and cannot be kept in the run record: move it away first") from None
+
+
+def config_change(before: bytes | None, text: str) -> dict[str, Any]:
+    """What a job's history line keeps of the ``config.toml`` it replaces: ``config_before``,
+    the file's text as it was (nothing is lost), and ``config_changed``, the options whose
+    value this job changed, ``"OLD -> NEW"`` in TOML (``unset`` where one side has none).
+    Empty when there is nothing to replace or the file stays the same."""
+    if before is None or before == text.encode():
+        return {}
+    old_text = before.decode("utf-8", "replace")
+    note: dict[str, Any] = {"config_before": old_text}
+    try:
+        old = read_toml_value(old_text, CONFIG_FILE, error=ValueError)
+    except ValueError:
+        return note  # a file editrain did not write: kept as it was, not compared
+    new = read_toml_value(text, CONFIG_FILE, error=ValueError)
+    a, b = _options(old), _options(new)
+    changed = {name: f"{_shown(a.get(name))} -> {_shown(b.get(name))}"
+               for name in sorted(a.keys() | b.keys()) if a.get(name) != b.get(name)}
+    if changed:
+        note["config_changed"] = changed
+    return note
+
+
+def _options(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """Every option of a configuration's sections by its dotted name (the job's own flags,
+    its run directory and ``--resume``, are not the run's configuration)."""
+    out: dict[str, Any] = {}
+    for key, value in data.items():
+        if not prefix and key not in SECTIONS:
+            continue
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            out.update(_options(value, name + "."))
+        else:
+            out[name] = value
+    return out
+
+
+def _shown(value: Any) -> str:
+    if value is None:
+        return "unset"
+    try:
+        return toml_value(value)
+    except TypeError:  # a TOML date of a file editrain did not write
+        return str(value)
 
 
 class RunDirClaim:
