@@ -68,8 +68,8 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from editrain.errors import CheckpointError
+from editrain.rundir import list_checkpoints, replica_groups
 from editrain.rundir import read_marker as _read_marker_file
-from editrain.rundir import replica_groups
 from editrain.safe_io import (
     Bool,
     Int,
@@ -118,18 +118,6 @@ _LEGACY_BYTES = re.compile(r"replica\d+\.optim\.param_groups\..+")
 def checkpoint_root(run_dir: str | Path) -> Path:
     """``RUN_DIR/checkpoints``."""
     return Path(run_dir) / CKPT_DIR
-
-
-def list_checkpoints(run_dir: str | Path) -> list[Path]:
-    """Complete checkpoints of a run's current timeline (``checkpoints/step_*``; those set
-    aside in ``checkpoints/abandoned/`` are not listed), oldest first (by step)."""
-    root = checkpoint_root(run_dir)
-    if not root.is_dir():
-        return []
-    # A link named step_* is listed (and refused by check_checkpoint_dir when resumed).
-    done = [p for p in root.iterdir() if p.is_dir() and p.name.startswith("step_")
-            and p.name[len("step_"):].isdigit() and (p / MARKER).is_file()]
-    return sorted(done, key=lambda p: int(p.name[len("step_"):]))
 
 
 def resolve_resume(path: str | Path) -> Path:

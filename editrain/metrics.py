@@ -239,6 +239,47 @@ def current_rows(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     return kept
 
 
+def read_rank_steps(run_dir: str | Path) -> dict[int, list[dict[str, Any]]]:
+    """The per-rank step rows of a run directory (``ranks/rank{RANK}.jsonl``), cleaned.
+
+    Reads the files with :func:`read_rank_logs` and keeps the step rows: rows
+    without a ``step`` and a ``wall_time_s`` (events) and replayed rows of a resumed run
+    are left out, and a later attempt's rows replace an earlier one's (:func:`latest_rows`).
+
+    Args:
+        run_dir: the run directory.
+
+    Returns:
+        rank -> rows in step order; empty when the directory has no per-rank files.
+    """
+    out: dict[int, list[dict[str, Any]]] = {}
+    if not (Path(run_dir) / RANKS_DIR).is_dir():
+        return out
+    for rank, raw in read_rank_logs(run_dir).items():
+        rows = [r for r in raw if isinstance(r, dict) and "step" in r and "wall_time_s" in r
+                and "event" not in r and not r.get("replayed")]
+        out[int(rows[0].get("rank", rank)) if rows else rank] = latest_rows(rows)
+    return out
+
+
+def latest_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One row per step, the last one written, in step order.
+
+    A file appended to by a later attempt (a restarted worker going back to its last
+    checkpoint, or a second run into the same directory) has steps that go back; the later
+    attempt's rows replace the earlier ones from the step it restarted at.
+
+    Args:
+        rows: rows in file order.
+    """
+    kept: list[dict[str, Any]] = []
+    for row in rows:
+        while kept and kept[-1]["step"] >= row["step"]:
+            kept.pop()
+        kept.append(row)
+    return kept
+
+
 def _label(run_dir: Path) -> str:
     """A run's name in a legend: its directory's (a fault-tolerant run's replica group: the
     run's and the group's), and its method."""

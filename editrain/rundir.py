@@ -178,15 +178,34 @@ def write_record(run_dir: Path, record: RunRecord) -> None:
     write_atomic(run_dir / RECORD, json.dumps(asdict(record), indent=1), root=run_dir)
 
 
-def lineage_of(run_dir: str | Path) -> dict[str, Any] | None:
-    """The current job's lineage for a worker whose run directory is ``run_dir`` (a
-    fault-tolerant replica group's ``RUN_DIR/replica{r}`` reads its parent's record)."""
+def record_of(run_dir: str | Path) -> RunRecord | None:
+    """The run record that governs ``run_dir``: its own, or for a fault-tolerant replica
+    group's ``RUN_DIR/replica{r}`` its parent's; None without one."""
     p = Path(run_dir)
     for d in (p, p.parent) if _is_replica_dir(p.name) else (p,):
         record = read_record(d)
         if record is not None:
-            return record.lineage()
+            return record
     return None
+
+
+def lineage_of(run_dir: str | Path) -> dict[str, Any] | None:
+    """The current job's lineage for a worker whose run directory is ``run_dir`` (a
+    fault-tolerant replica group's ``RUN_DIR/replica{r}`` reads its parent's record)."""
+    record = record_of(run_dir)
+    return record.lineage() if record is not None else None
+
+
+def latest_job_start(run_dir: str | Path) -> int:
+    """The step the run's latest job started after: the step of the checkpoint it resumed
+    (its ``from_step`` in the record's history), 0 for a job that started the run or a run
+    without a record. Its rows in the run's logs are those of later steps (an elastic
+    A-EDiT resume, which numbers its steps anew, may log a few at or before it)."""
+    record = record_of(run_dir)
+    if record is None or not record.history:
+        return 0
+    step = record.history[-1].get("from_step")
+    return step if isinstance(step, int) and not isinstance(step, bool) and step > 0 else 0
 
 
 # ---------------------------------------------------------------------------- the lock
@@ -524,6 +543,19 @@ def check(run_dir: Path, *, overwrite: bool, resume: list[Path]) -> Claim:
                 f"not write{f' ({where})' if where else ''}; move them away first (editrain "
                 "removes only what it wrote)")
     return Claim(run_dir, record, existing, replace, list(resume), marker)
+
+
+def list_checkpoints(run_dir: str | Path) -> list[Path]:
+    """Complete checkpoints of a run's current timeline (``checkpoints/step_*``; those set
+    aside in ``checkpoints/abandoned/`` are not listed), oldest first (by step). (Here,
+    without torch, for the readers of a run that need none: ``editrain plan``.)"""
+    root = Path(run_dir) / CKPT_DIR
+    if not root.is_dir():
+        return []
+    # A link named step_* is listed (and refused by check_checkpoint_dir when resumed).
+    done = [p for p in root.iterdir() if p.is_dir() and p.name.startswith("step_")
+            and p.name[len("step_"):].isdigit() and (p / MARKER).is_file()]
+    return sorted(done, key=lambda p: int(p.name[len("step_"):]))
 
 
 def newer_checkpoints(ckpt: Path, roots: list[Path], step: int) -> list[Path]:

@@ -11,7 +11,14 @@ import pytest
 
 from editrain.cli import main
 from editrain.errors import ConfigError
-from editrain.plan.calibrate import calibrate, fit_compute, fit_link, peer_lag_s
+from editrain.plan.calibrate import (
+    calibrate,
+    fit_compute,
+    fit_link,
+    job_rows,
+    peer_lag_s,
+    run_vocab_size,
+)
 from editrain.plan.inputs import GBIT, Cluster, MethodSpec, ModelSpec, load_inputs, parse_method
 from editrain.plan.model import (
     Round,
@@ -573,6 +580,48 @@ def test_fit_link_with_one_kind_of_round_assumes_the_latency():
     assert not fitted and lat == 0.01 and bw == pytest.approx(5e6)
     bw0, lat0, _, _ = fit_link(rounds)
     assert lat0 == 0.0 and bw0 < 5e6  # the latency is folded into the bandwidth
+
+
+def test_calibration_of_a_resumed_run_reads_its_latest_job_only(tmp_path):
+    """A run of 2 replicas (replica 1 1.5x slower) to step 24, resumed elastically from its
+    step-8 checkpoint on 1 replica to step 30 (config.toml is the latest job's): replica
+    1's file still holds steps 9 to 24 of the timeline the job left, and metrics.jsonl the
+    first job's rows. Before, those were read with the latest job's (a straggler spread of
+    a replica it does not have, the first job's compute beside its own)."""
+    from editrain import rundir
+
+    run = tmp_path / "run"
+    write_synthetic_run(run, steps=24)
+    rundir.write_record(run, rundir.RunRecord("r", "b2", history=[
+        {"branch": "b1"}, {"branch": "b2", "from_step": 8}]))
+    text = (run / "config.toml").read_text().replace("nproc = 2", "nproc = 1")
+    (run / "config.toml").write_text(text)
+    t = json.loads((run / "metrics.jsonl").read_text().splitlines()[-1])["wall_time_s"]
+    with open(run / "metrics.jsonl", "a") as rows, open(run / "ranks" / "rank0.jsonl",
+                                                          "a") as rank0:
+        for step in range(9, 31):
+            t += 0.021
+            rows.write(json.dumps({"step": step, "loss": 5.0, "compute_s": 0.02,
+                                   "wall_time_s": t, "train_time_s": t}) + "\n")
+            rank0.write(json.dumps({"rank": 0, "replica": 0, "step": step, "wall_time_s": t,
+                                    "compute_s": 0.02}) + "\n")
+    start, rows, ranks = job_rows(run, 1)
+    assert start == 8 and [r["step"] for r in rows] == list(range(9, 31))
+    assert list(ranks) == [0] and all(r["compute_s"] == 0.02 for r in ranks[0])
+    cal = calibrate([run])
+    assert (cal.cluster().nodes, cal.straggler_spread) == (1, 0.0)
+    assert cal.step_time_s == pytest.approx(0.02)  # (class 6: float64 sums of one value)
+    assert cal.step_overhead_s == pytest.approx(0.001)
+    # The vocabulary: the summary's, else the newest checkpoint's, else the configured.
+    assert run_vocab_size(run, {"data": {"vocab_size": 512}}) == 512
+    for step, vocab in ((20, 290), (30, 300)):
+        ckpt = run / "checkpoints" / f"step_{step:08d}"
+        ckpt.mkdir(parents=True)
+        (ckpt / "editrain.json").write_text(json.dumps({"step": step, "vocab_size": vocab}))
+    assert run_vocab_size(run, {}) == 300
+    (run / "summary.json").write_text(json.dumps({"steps": 30, "vocab_size": 310}))
+    assert cal.samples[0].model.vocab_size == 512 and calibrate([run]).samples[0] \
+        .model.vocab_size == 310
 
 
 def test_calibrate_rejects_a_non_run(tmp_path):

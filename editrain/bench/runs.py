@@ -7,6 +7,10 @@ rank, ``ranks/rank{RANK}.jsonl``: one line per step of that rank with ``rank``,
 cumulative tokens), ``wall_time_s``, ``step_time_s``, ``compute_s``, ``sync_wait_s``,
 ``grad_sync_s`` and ``sim_stall_s`` when a simulated stall or slowdown happened.
 Evaluation time is in no row's ``step_time_s``.
+
+The per-rank readers (:func:`read_rank_steps`, :func:`latest_rows`) live in
+:mod:`editrain.metrics`, beside ``current_rows``, so that ``editrain plan --calibrate``
+reads a run as the benchmarks do; they are re-exported here.
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from editrain.metrics import RANKS_DIR
+from editrain.metrics import latest_rows, read_rank_steps
 from editrain.safe_io import read_toml_value
 
 
@@ -100,49 +104,6 @@ class Run:
                 continue
             out.append((i, s))
         return out
-
-
-def read_rank_steps(run_dir: str | Path) -> dict[int, list[dict[str, Any]]]:
-    """The per-rank step rows of a run directory (``ranks/rank{RANK}.jsonl``), cleaned.
-
-    Reads the files with ``editrain.metrics.read_rank_logs`` and keeps the step rows: rows
-    without a ``step`` and a ``wall_time_s`` (events) and replayed rows of a resumed run
-    are left out, and a later attempt's rows replace an earlier one's (:func:`latest_rows`).
-
-    Args:
-        run_dir: the run directory.
-
-    Returns:
-        rank -> rows in step order; empty when the directory has no per-rank files.
-    """
-    from editrain.metrics import read_rank_logs
-
-    out: dict[int, list[dict[str, Any]]] = {}
-    if not (Path(run_dir) / RANKS_DIR).is_dir():
-        return out
-    for rank, raw in read_rank_logs(run_dir).items():
-        rows = [r for r in raw if isinstance(r, dict) and "step" in r and "wall_time_s" in r
-                and "event" not in r and not r.get("replayed")]
-        out[int(rows[0].get("rank", rank)) if rows else rank] = latest_rows(rows)
-    return out
-
-
-def latest_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """One row per step, the last one written, in step order.
-
-    A file appended to by a later attempt (a restarted worker going back to its last
-    checkpoint, or a second run into the same directory) has steps that go back; the later
-    attempt's rows replace the earlier ones from the step it restarted at.
-
-    Args:
-        rows: rows in file order.
-    """
-    kept: list[dict[str, Any]] = []
-    for row in rows:
-        while kept and kept[-1]["step"] >= row["step"]:
-            kept.pop()
-        kept.append(row)
-    return kept
 
 
 def read_run(label: str, run_dir: Path, overrides: dict[str, Any], launch_s: float = 0.0,

@@ -288,6 +288,8 @@ def summarise_groups(run_dir: Path, replicas: int, events: list[dict[str, Any]],
         "tokens_processed": sum(g.get("tokens_processed", 0) for g in finished),
         "final_val_loss": finished[0]["final_val_loss"] if finished else float("nan"),
         "steps": max((g["steps"] for g in finished), default=0),
+        # the tokenizer's vocabulary, the model's (data.vocab_size is what was asked for)
+        "vocab_size": finished[0].get("vocab_size") if finished else None,
         "events": events,
         "per_replica": groups,
     }

@@ -1,6 +1,9 @@
 """Calibration: compute speed and the link's bandwidth and latency, fitted to measured runs.
 
-From each run directory (``metrics.jsonl``, ``ranks/rank{RANK}.jsonl``, ``config.toml``):
+From each run directory (``metrics.jsonl``, ``ranks/rank{RANK}.jsonl``, ``config.toml``),
+its latest job's steps and settings only (a run resumed elastically ran its earlier jobs
+on another layout; :func:`job_rows`), with the vocabulary the run's tokenizer really has
+(:func:`run_vocab_size`):
 
 * compute per step: the mean ``compute_s`` of the fastest replica's steps after the first
   ``skip`` (the replica-internal collectives are inside it; the mean, since a loaded
@@ -27,6 +30,7 @@ From each run directory (``metrics.jsonl``, ``ranks/rank{RANK}.jsonl``, ``config
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import statistics
 from dataclasses import dataclass, field
@@ -34,9 +38,10 @@ from pathlib import Path
 from typing import Any
 
 from editrain.errors import ConfigError
-from editrain.metrics import current_rows, read_jsonl
+from editrain.metrics import current_rows, read_jsonl, read_rank_steps
 from editrain.plan.inputs import GBIT, Cluster, MethodSpec, ModelSpec
-from editrain.safe_io import read_toml
+from editrain.rundir import latest_job_start, list_checkpoints, read_marker
+from editrain.safe_io import Obj, read_json, read_toml
 
 
 @dataclass
@@ -187,7 +192,9 @@ def _replicas(cfg: dict[str, Any]) -> int:
 
 
 def read_config(run_dir: str | Path) -> tuple[MethodSpec, ModelSpec]:
-    """The method setting and the model of a run, from its ``config.toml`` only.
+    """The method setting and the model of a run's latest job, from its ``config.toml``
+    (every job writes its own there), with the vocabulary the run's tokenizer has
+    (:func:`run_vocab_size`).
 
     Args:
         run_dir: a directory written by ``editrain train``.
@@ -198,7 +205,68 @@ def read_config(run_dir: str | Path) -> tuple[MethodSpec, ModelSpec]:
     path = Path(run_dir) / "config.toml"
     if not path.is_file():
         raise ConfigError(f"plan: {run_dir} holds no config.toml")
-    return _settings(_read_toml(path))
+    cfg = _read_toml(path)
+    method, model = _settings(cfg)
+    return method, dataclasses.replace(model, vocab_size=run_vocab_size(run_dir, cfg))
+
+
+SUMMARY_MAX_BYTES = 16 << 20
+"""The largest ``summary.json`` of a run directory read (a few kilobytes are written)."""
+
+
+def run_vocab_size(run_dir: str | Path, cfg: dict[str, Any]) -> int | None:
+    """The vocabulary the run trained with: its tokenizer's, which a trained BPE makes
+    smaller than ``data.vocab_size`` where the corpus has fewer distinct pieces (347 of
+    512 asked for on a small corpus).
+
+    Read from ``summary.json`` (the trainer's ``vocab_size``), else from the newest
+    checkpoint's marker (a run that has not finished a job); the configured
+    ``data.vocab_size`` only for a run with neither (an editrain older than both).
+
+    Args:
+        run_dir: the run directory.
+        cfg: its ``config.toml``.
+    """
+    d = Path(run_dir)
+    if (d / "summary.json").is_file():
+        summary = read_json(d / "summary.json", max_bytes=SUMMARY_MAX_BYTES, schema=Obj(),
+                            error=ConfigError, what="run summary")
+        if _count(summary.get("vocab_size")):
+            return summary["vocab_size"]
+    found = list_checkpoints(d)
+    if found:
+        marker = read_marker(found[-1])  # checked: vocab_size a positive integer or null
+        if marker.get("vocab_size") is not None:
+            return marker["vocab_size"]
+    return _get(cfg, "data", "vocab_size", None)
+
+
+def _count(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v > 0
+
+
+def job_rows(run_dir: Path, world: int
+             ) -> tuple[int, list[dict[str, Any]], dict[int, list[dict[str, Any]]]]:
+    """The rows of the run's latest job: ``(the step it started after, its rows of
+    metrics.jsonl, its per-rank rows by data rank)``.
+
+    The files hold every job's rows. Those of the current history are the readers' own
+    (:func:`editrain.metrics.current_rows`, :func:`editrain.metrics.read_rank_steps`);
+    of them, the latest job's are the steps after the one it resumed from
+    (:func:`editrain.rundir.latest_job_start`), and its ranks the ``world`` data ranks of
+    its layout: a rank of an earlier, larger layout may have logged later steps on a
+    timeline the job left.
+
+    Args:
+        run_dir: the run directory.
+        world: the latest job's data ranks (replicas x shards).
+    """
+    start = latest_job_start(run_dir)
+    rows = [r for r in current_rows(read_jsonl(run_dir / "metrics.jsonl"))
+            if r["step"] > start]
+    ranks = {rank: [r for r in got if r["step"] > start]
+             for rank, got in read_rank_steps(run_dir).items() if rank < world}
+    return start, rows, ranks
 
 
 CONFIG_MAX_BYTES = 4 << 20
@@ -259,34 +327,33 @@ def read_run(run_dir: str | Path, skip: int = 4) -> RunSample:
         raise ConfigError(f"plan --calibrate: {d} is not a run directory (no metrics.jsonl "
                           "and config.toml)")
     cfg = _read_toml(d / "config.toml")
-    rows = [r for r in current_rows(read_jsonl(d / "metrics.jsonl"))
-            if r.get("loss") is not None]
-    rows.sort(key=lambda r: r["step"])
-    window = [r for r in rows if r["step"] > skip]
-    if len(window) < 2:
-        raise ConfigError(f"plan --calibrate: {d} has {len(rows)} steps; it needs more than "
-                          f"{skip + 2}")
-    method, model = _settings(cfg)
+    method, model = read_config(d)
     S, replicas = method.shard_size or 1, _replicas(cfg)
+    start, rows, ranks = job_rows(d, replicas * S)
+    rows = sorted((r for r in rows if r.get("loss") is not None), key=lambda r: r["step"])
+    first = start + skip  # each job starts up again: its own first steps are left out
+    window = [r for r in rows if r["step"] > first]
+    if len(window) < 2:
+        job = f" in its latest job (after step {start})" if start else ""
+        raise ConfigError(f"plan --calibrate: {d} has {len(rows)} steps{job}; it needs more "
+                          f"than {skip + 2}")
 
     # Per-replica compute from the per-rank logs (the global rows are one replica's).
     # Per replica: (compute, compute + simulated slowdown) per step. Means, not medians:
     # throughput is set by the total time, and a shared machine's step times have a long
     # tail.
     per_replica: dict[int, list[tuple[float, float, int]]] = {}
-    ranks_dir = d / "ranks"
     # Each rank's clock at the end of each step (after the round's launch), for the
     # logging rank's wait for the others inside a round's first collective.
     clocks: dict[int, dict[int, float]] = {}
-    if ranks_dir.is_dir():
-        for path in sorted(ranks_dir.glob("rank*.jsonl")):
-            for r in read_jsonl(path):
-                if isinstance(r.get("unix_time"), int | float) and "step" in r:
-                    clocks.setdefault(int(r.get("rank", 0)), {})[r["step"]] = r["unix_time"]
-                if r.get("step", 0) > skip and isinstance(r.get("compute_s"), int | float):
-                    c = r["compute_s"]
-                    per_replica.setdefault(int(r.get("replica", 0)), []).append(
-                        (c, c + (r.get("sim_stall_s") or 0.0), r["step"]))
+    for rank, got in ranks.items():
+        for r in got:
+            if isinstance(r.get("unix_time"), int | float):
+                clocks.setdefault(rank, {})[r["step"]] = r["unix_time"]
+            if r["step"] > first and isinstance(r.get("compute_s"), int | float):
+                c = r["compute_s"]
+                per_replica.setdefault(int(r.get("replica", 0)), []).append(
+                    (c, c + (r.get("sim_stall_s") or 0.0), r["step"]))
     if not per_replica:
         per_replica = {0: [(r["compute_s"], r["compute_s"], r["step"]) for r in window
                            if "compute_s" in r]}
@@ -473,5 +540,5 @@ def calibrate(run_dirs: list[str | Path], skip: int = 4, latency_s: float | None
         overlap_fit=how)
 
 
-__all__ = ["Calibration", "RunSample", "calibrate", "fit_compute", "fit_link", "peer_lag_s",
-           "read_config", "read_run"]
+__all__ = ["Calibration", "RunSample", "calibrate", "fit_compute", "fit_link", "job_rows",
+           "peer_lag_s", "read_config", "read_run", "run_vocab_size"]
