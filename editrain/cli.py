@@ -13,6 +13,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from pathlib import Path
 
 from editrain.config import ConfigError, describe_options, load_config, parse_overrides
@@ -95,9 +96,9 @@ def cmd_train(args: argparse.Namespace, extra: list[str]) -> int:
     if cfg.quiet:
         logging.getLogger().setLevel(logging.WARNING)
     if under_torchrun():
-        launch.run_under_torchrun(cfg)
+        launch.run_under_torchrun(cfg, args.started_at)
     else:
-        launch.run_local(cfg)
+        launch.run_local(cfg, args.started_at)
     return 0
 
 
@@ -327,7 +328,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, started_at: float | None = None) -> int:
     """The ``editrain`` command; returns its exit code.
 
     Whatever fails comes back as one ``editrain: error: ...`` line: exit code 2 for bad
@@ -338,7 +339,10 @@ def main(argv: list[str] | None = None) -> int:
 
     Args:
         argv: the arguments (default: ``sys.argv[1:]``).
+        started_at: the Unix time the command started (``editrain.entry``: before its
+            imports); default now. ``editrain train`` reports its time from it.
     """
+    started_at = time.time() if started_at is None else started_at
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     # editrain's own lines are INFO; torch's loggers stay at torch's default (WARNING, or
     # what TORCH_LOGS says: torch sets them when its import completes). Set here too for a
@@ -353,6 +357,7 @@ def main(argv: list[str] | None = None) -> int:
 
         argv = ["plan", *attach_values(argv[1:])]
     args, extra = parser.parse_known_args(argv)
+    args.started_at = started_at
     # Ctrl-C, SIGTERM and SIGHUP raise Interrupted (spawn.raise_interrupted), so that a
     # launcher stops its workers on the way out. Not under torchrun (torchrun is the
     # launcher there), and not where the signal is ignored (nohup) or handled by a caller.

@@ -7,8 +7,10 @@ Stable field names of a step row: ``step``, ``tokens`` (cumulative, all ranks), 
 (that step's training loss: the mean over all ranks while training is synchronous, over
 the logging replica's ranks in the local phase), ``val_loss`` (when
 computed, with ``val_tokens`` evaluated and ``eval_time_s``), ``lr``, ``tokens_per_s``,
-``step_time_s``, ``wall_time_s``, ``train_time_s`` (wall time minus evaluation and
-checkpoint time). Later fields only add to these.
+``step_time_s``, ``wall_time_s`` (the run's clock of its training loop: from a job's first
+evaluation and step on, continued across resumes; the start-up of a job is not in it,
+see docs/metrics.md), ``train_time_s`` (wall time minus evaluation and checkpoint time).
+Later fields only add to these.
 
 Besides that global record, every rank writes ``ranks/rank{RANK}.jsonl`` (:class:`RankLog`):
 one line per step with its own timings, so benchmarks can report every replica.

@@ -13,9 +13,9 @@ starts) holds:
   in the fault-tolerant mode; never rotated away by it);
 * ``owned``: the entries of the directory editrain created, so ``--overwrite`` removes
   those and nothing else;
-* ``history``: one line per job (branch, start, what it resumed from, what it set aside,
-  and the ``config.toml`` it replaced: each job writes its own, see
-  :func:`editrain.launch.run_dir.prepare_run_dir`).
+* ``history``: one line per job (branch, start, when its command started, what it resumed
+  from, what it set aside, and the ``config.toml`` it replaced: each job writes its own,
+  see :func:`editrain.launch.run_dir.prepare_run_dir`).
 
 When a job resumes from an older checkpoint, the newer checkpoints of the abandoned
 timeline are moved to ``checkpoints/abandoned/<branch>/``: kept, never rotated, never
@@ -194,6 +194,21 @@ def lineage_of(run_dir: str | Path) -> dict[str, Any] | None:
     fault-tolerant replica group's ``RUN_DIR/replica{r}`` reads its parent's record)."""
     record = record_of(run_dir)
     return record.lineage() if record is not None else None
+
+
+COMMAND_STARTED = "command_started"
+"""The key of a job's history line holding the Unix time its ``editrain train`` command
+started (the trainer's ``done:`` line counts the job's end-to-end time from it)."""
+
+
+def command_started(run_dir: str | Path) -> float | None:
+    """The Unix time the current job's command started (:data:`COMMAND_STARTED` of the
+    record's last history line), or None where it is not known (a library call, a run
+    without a record)."""
+    record = record_of(run_dir)
+    started = record.history[-1].get(COMMAND_STARTED) if record and record.history else None
+    return float(started) if isinstance(started, int | float) and not isinstance(
+        started, bool) else None
 
 
 def latest_job_start(run_dir: str | Path) -> int:

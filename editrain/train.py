@@ -53,7 +53,7 @@ from editrain.models import causal_lm_loss, num_parameters
 from editrain.optim.inner import build_inner_optimizer, clip_gradients, uses_sam
 from editrain.optim.schedule import lr_at, set_lr
 from editrain.pipeline import PipelineRunner, build_stage, pipeline_eval_loss
-from editrain.rundir import lineage_of, logs_dir
+from editrain.rundir import command_started, lineage_of, logs_dir
 from editrain.runtime import init_distributed, setup_process
 from editrain.safe_io import make_dir, write_atomic
 from editrain.sim import Simulation, check_replicas, parse_sim
@@ -414,11 +414,20 @@ class Trainer:
                          root=self.run_dir)
             syncs = summary["num_syncs"]
             steps = summary["steps"]
-            log.warning("done: %d step%s, %d tokens, val loss %.4f, %.1f s, %d sync%s, %s",
+            log.warning("done: %d step%s, %d tokens, val loss %.4f, %s, %d sync%s, %s",
                         steps, "" if steps == 1 else "s", summary["tokens"], final_val,
-                        summary["wall_time_s"], syncs, "" if syncs == 1 else "s",
+                        times_said(wall, wall - self.loop.wall_offset,
+                                   self.loop.wall_offset > 0 or self.loop.resumed_from
+                                   is not None, self._command_s()),
+                        syncs, "" if syncs == 1 else "s",
                         format_bytes_by_cause(summary["cross_replica_bytes"]))
         return summary
+
+    def _command_s(self) -> float | None:
+        """Seconds since this job's ``editrain train`` command started (its run record
+        says when: :func:`editrain.rundir.command_started`), or None where not known."""
+        started = command_started(self.run_dir)
+        return None if started is None else max(0.0, time.time() - started)
 
     @property
     def _own_final_eval(self) -> bool:
@@ -676,6 +685,29 @@ def sync_summary(entry: dict[str, Any]) -> str:
     if clip and min(clip) < 1.0:
         parts.append(f"clipped {sum(c < 1.0 for c in clip)} units (min x{min(clip):.2f})")
     return "; ".join(parts)
+
+
+def times_said(run_s: float, job_s: float, resumed: bool, command_s: float | None) -> str:
+    """The times of the ``done:`` line, each saying what it counts.
+
+    ``run_s`` is ``summary.json``'s ``wall_time_s``: the run's clock of its training
+    loop, which starts once a job's model and data are ready (its evaluations and
+    checkpoints included) and goes on across resumes from the checkpoint's. A short run's
+    is a small part of the command's time (0.2 s of 3 s), which also starts the
+    interpreter, checks the inputs, reads the data and starts the workers: that is given
+    beside it ("end to end"), where it is known, and for a resumed run, whose clock holds
+    its earlier jobs' too, this job's part.
+
+    Args:
+        run_s: the run's clock at the end.
+        job_s: the part of it this job ran.
+        resumed: the job resumed the run (its clock did not start at 0).
+        command_s: seconds since this job's ``editrain train`` command started (None:
+            not known, e.g. a library call).
+    """
+    said = (f"{run_s:.1f} s training over the run's jobs, {job_s:.1f} s in this one"
+            if resumed else f"{run_s:.1f} s training")
+    return said + (f", {command_s:.1f} s end to end" if command_s is not None else "")
 
 
 def replays_logged_rows(cfg: Config, exact: bool) -> bool:

@@ -1,6 +1,6 @@
 """A run directory appended to by several jobs, read back: ``--resume RUN`` continues with the
-latest job's settings, and ``editrain plan --calibrate`` measures the latest job only, with
-the vocabulary the tokenizer really has.
+latest job's settings, ``editrain plan --calibrate`` measures the latest job only, with the
+vocabulary the tokenizer really has, and each job's last line says what its time counts.
 
 One run (the brief's case): 2 replicas for 12 steps, then resumed elastically on 1 replica
 to step 28 (``resumed``); a corpus of few distinct words, on which the trained BPE has far
@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -102,3 +103,24 @@ def test_a_plain_resume_continues_with_the_latest_jobs_settings(resumed, tmp_pat
     assert history[-1]["config_changed"] == {"train.steps": "28 -> 32"}
     cfg, _ = load_resumed_config(str(run), {"resume": str(run)})
     assert (cfg.dist.nproc, cfg.train.steps) == (1, 32)
+
+
+DONE = re.compile(r"done: (\d+) steps, .*?, ([\d.]+) s training(?: over the run's jobs, "
+                  r"([\d.]+) s in this one)?, ([\d.]+) s end to end, ")
+
+
+def test_the_done_line_says_what_its_times_count(resumed):
+    """Before: "done: 12 steps, ..., 0.2 s, ..." for a command of about 3 s. The run's
+    clock (summary.json's wall_time_s) is called training; beside it the command's own
+    time, and after a resume this job's part of the clock."""
+    run, outputs = resumed
+    first, second = (DONE.search(o) for o in outputs)
+    assert first is not None and second is not None, outputs
+    assert first[1] == "12" and first[3] is None
+    assert second[1] == "28" and second[3] is not None
+    summary = json.loads((run / "summary.json").read_text())
+    assert float(second[2]) == pytest.approx(summary["wall_time_s"], abs=0.05)  # printed .1f
+    # Not a rounding: the command started before its clock (class 5: it also starts the
+    # interpreter's work, reads the data and starts the workers, seconds here)
+    assert float(first[4]) > float(first[2])
+    assert float(second[4]) > float(second[3]) and float(second[2]) > float(second[3])

@@ -1,7 +1,7 @@
 """The compact per-sync log line, how metrics.jsonl reaches the disk, and when the loop
 evaluates and checkpoints next."""
 
-from editrain.train import next_after, sync_summary
+from editrain.train import next_after, sync_summary, times_said
 
 
 def test_sync_summary_names_weights_outliers_and_clipping() -> None:
@@ -53,3 +53,13 @@ def test_next_evaluation_or_checkpoint_is_past_the_sync_point() -> None:
     assert next_after(10, 25.5, 10) == 30  # a sync point past several due ones (A-EDiT)
     assert next_after(30, 25.5, 10) == 30  # not due yet
     assert next_after(0, 12, 0) == 0  # never (every 0)
+
+
+def test_the_done_lines_times_say_what_they_count() -> None:
+    """The run's clock of its training loop is called training; the command's own time
+    beside it where known (not from a library call); a resumed run's clock holds its
+    earlier jobs' too, so this job's part is given."""
+    assert times_said(0.24, 0.24, False, 3.41) == "0.2 s training, 3.4 s end to end"
+    assert times_said(0.24, 0.24, False, None) == "0.2 s training"
+    assert times_said(1.32, 0.41, True, 9.8) == \
+        "1.3 s training over the run's jobs, 0.4 s in this one, 9.8 s end to end"

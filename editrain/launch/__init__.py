@@ -36,11 +36,12 @@ from editrain.spawn import import_torch, start_worker_server, stop_worker_server
 log = logging.getLogger("editrain")
 
 
-def run_local(cfg: Config) -> dict[str, Any]:
+def run_local(cfg: Config, started_at: float | None = None) -> dict[str, Any]:
     """``editrain train`` without torchrun: ``dist.nproc`` local workers under torch
     elastic (restarts from torch), or with ``dist.fault_tolerance = torchft`` one process
-    tree per replica group around a lighthouse. Returns the run's summary."""
-    job = check_local(cfg)
+    tree per replica group around a lighthouse (``started_at``: when the command started,
+    :attr:`Job.started_at`). Returns the run's summary."""
+    job = check_local(cfg, started_at)
     with RunDirClaim(job) as run_dir:  # locked at once if editrain used it before
         try:
             run_dir.check()  # refused before anything is written
@@ -61,13 +62,14 @@ def run_local(cfg: Config) -> dict[str, Any]:
         return summary
 
 
-def run_under_torchrun(cfg: Config) -> dict[str, Any]:
+def run_under_torchrun(cfg: Config, started_at: float | None = None) -> dict[str, Any]:
     """Join a torchrun job: rank 0 claims the run directory, every rank trains, rank 0
-    plots. Returns this rank's summary."""
+    plots (``started_at``: when this rank's command started, :attr:`Job.started_at`).
+    Returns this rank's summary."""
     import_torch()
     from editrain.train import run_worker
 
-    job = check_torchrun(cfg)
+    job = check_torchrun(cfg, started_at)
     with RunDirClaim(job) as run_dir:
         run_dir.join()
         summary = run_worker(job.cfg, str(job.run_dir))

@@ -35,6 +35,9 @@ class Job:
         rank: this process's rank under torchrun (0 for the local launcher).
         restart: torchrun's restart count of this process (0 for the local launcher).
         under_torchrun: this process is a worker of a torchrun job.
+        started_at: the Unix time the ``editrain train`` command started (recorded in the
+            run record's history: the trainer's ``done:`` line counts the job's end-to-end
+            time from it); None where no command said (a library call).
     """
 
     cfg: Config
@@ -44,6 +47,7 @@ class Job:
     rank: int = 0
     restart: int = 0
     under_torchrun: bool = False
+    started_at: float | None = None
 
     @property
     def ft(self) -> bool:
@@ -78,8 +82,9 @@ def choose_run_dir(cfg: Config, default: Callable[[], Path]) -> Path:
     return run if run is not None else default()
 
 
-def check_local(cfg: Config) -> Job:
-    """The job of a local launch: ``dist.nproc`` workers on this machine.
+def check_local(cfg: Config, started_at: float | None = None) -> Job:
+    """The job of a local launch: ``dist.nproc`` workers on this machine (``started_at``:
+    :attr:`Job.started_at`).
 
     Raises:
         ConfigError: the world does not fit the configuration (the mesh, ``sim.*``).
@@ -89,13 +94,14 @@ def check_local(cfg: Config) -> Job:
     run_dir = choose_run_dir(cfg, default_run_dir)
     # The user's OMP_NUM_THREADS stands (see editrain.spawn.worker_threads).
     return Job(dataclasses.replace(cfg, run_dir=str(run_dir)), run_dir, nproc,
-               threads=worker_threads(cfg, local_world=nproc))
+               threads=worker_threads(cfg, local_world=nproc), started_at=started_at)
 
 
-def check_torchrun(cfg: Config) -> Job:
+def check_torchrun(cfg: Config, started_at: float | None = None) -> Job:
     """The job this process joins as a worker of torchrun (its environment: ``RANK``,
     ``WORLD_SIZE``, ``TORCHELASTIC_RUN_ID``, ``TORCHELASTIC_RESTART_COUNT``); the run
-    directory defaults to ``runs/<run id>``, the same on every rank.
+    directory defaults to ``runs/<run id>``, the same on every rank (``started_at``:
+    :attr:`Job.started_at`).
 
     Raises:
         ConfigError: the world does not fit the configuration.
@@ -107,4 +113,4 @@ def check_torchrun(cfg: Config) -> Job:
     validate_world(cfg, world)
     return Job(cfg, run_dir, world, rank=int(os.environ.get("RANK", "0")),
                restart=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
-               under_torchrun=True)
+               under_torchrun=True, started_at=started_at)

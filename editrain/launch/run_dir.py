@@ -58,8 +58,8 @@ def check_run_dir(cfg: Config, run_dir: Path) -> rundir.Claim:
     return checked
 
 
-def prepare_run_dir(cfg: Config, run_dir: Path, lock: rundir.RunLock | None = None
-                    ) -> rundir.RunRecord:
+def prepare_run_dir(cfg: Config, run_dir: Path, lock: rundir.RunLock | None = None,
+                    started_at: float | None = None) -> rundir.RunRecord:
     """Make ``run_dir`` this job's: checked again under the directory's lock, the old run
     replaced if ``--overwrite``, a timeline abandoned by resuming an older checkpoint set
     aside, the run record and ``config.toml`` written.
@@ -76,6 +76,9 @@ def prepare_run_dir(cfg: Config, run_dir: Path, lock: rundir.RunLock | None = No
         run_dir: the run directory (created if missing).
         lock: the job's lock on ``run_dir``, held by the caller for the whole job; without
             one, the directory is locked while it is prepared.
+        started_at: the Unix time the job's command started (:attr:`Job.started_at`),
+            kept in its history line (``command_started``) for the trainer's end-to-end
+            time; None: not known.
 
     Returns:
         The run record of this job.
@@ -91,7 +94,10 @@ def prepare_run_dir(cfg: Config, run_dir: Path, lock: rundir.RunLock | None = No
         before = None if checked.replace else kept_config(path)  # (checked: readable)
         # The record first, with the configuration this job replaces: a job that dies
         # between the two writes leaves the old file and its copy, never neither.
-        record = rundir.claim(checked, note=config_change(before, text))
+        note = config_change(before, text)
+        if started_at is not None:
+            note[rundir.COMMAND_STARTED] = started_at
+        record = rundir.claim(checked, note=note)
         if before != text.encode():
             write_atomic(path, text, root=run_dir)
         return record
@@ -209,7 +215,8 @@ class RunDirClaim:
 
     def claim(self) -> rundir.RunRecord:
         """Make the directory this job's (:func:`prepare_run_dir`, under the lock)."""
-        return prepare_run_dir(self.job.cfg, self.job.run_dir, self.lock)
+        return prepare_run_dir(self.job.cfg, self.job.run_dir, self.lock,
+                               self.job.started_at)
 
     def join(self) -> None:
         """Under torchrun: rank 0 holds the directory's lock for the job and claims it
