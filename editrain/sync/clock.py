@@ -5,7 +5,8 @@ Each replica measures the time since its window started with a monotonic clock, 
 rank of a replica decides alike (docs/algorithm.md section 8). At the rendezvous every replica contributes one row (at
 least its steps since the last sync and that agreed time); the all-gathered rows are
 identical on every rank, and a round whose steps add up to fewer than
-``sync.min_total_global_steps`` is skipped.
+``sync.min_total_global_steps`` is skipped, unless it reaches the run's budget (the run
+ends at that sync).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from editrain.sync.comm import CommPath, CommStats
+from editrain.sync.progress import Progress
 from editrain.sync.round import SyncRound
 
 
@@ -28,13 +30,17 @@ class SyncClock:
         device: where the gathered rows live before they are copied to the CPU.
         min_total_steps: a round is skipped below this many steps over all replicas.
         clock: seconds of a monotonic clock (tests inject their own).
+        progress: the run's progress and budget: the round that reaches the budget is
+            never skipped (None: no budget).
     """
 
     def __init__(self, comm: CommPath, device: torch.device, min_total_steps: int,
-                 clock: Callable[[], float] | None = None) -> None:
+                 clock: Callable[[], float] | None = None,
+                 progress: Progress | None = None) -> None:
         self.comm = comm
         self.device = device
         self.min_total_steps = min_total_steps
+        self.progress = progress
         self.now = clock or time.perf_counter
         self.start = self.now()
         """When this replica's current window started."""
@@ -73,7 +79,13 @@ class SyncClock:
         return float(t)
 
     def too_few(self, counts: torch.Tensor) -> bool:
-        """Whether the gathered step counts are too few for a round (it is skipped)."""
+        """Whether the gathered step counts are too few for a round (it is skipped). The
+        round that reaches the budget is run whatever its steps: the run ends there, and
+        skipping it would train on past the budget until the steps since the last sync
+        reached the minimum (a budget of 6 steps on 2 replicas with a minimum of 100
+        trained 50)."""
+        if self.progress is not None and self.progress.reached_by(counts.tolist()):
+            return False
         return float(counts.sum()) < self.min_total_steps
 
     def exchange(self, row: Sequence[float]) -> torch.Tensor:

@@ -225,7 +225,8 @@ class SyncConfig:
     local_sgd_sync_time: float = 600.0
     """A-EDiT: wall-clock seconds between syncs."""
     min_total_global_steps: int = 1
-    """A-EDiT: skip a sync (and restart clocks) when replicas did fewer steps in total."""
+    """A-EDiT: skip a sync (and restart clocks) when replicas did fewer steps in total (never
+    the sync that reaches the train.steps budget: the run ends there)."""
     use_step_weight: bool = True
     """A-EDiT: mix step-count weights (steps since the last sync) into the replica weights."""
     step_weight_ratio: float = 0.5

@@ -213,7 +213,8 @@ class SyncEngine:
         """:meth:`record_loss`'s losses since the last round opened."""
         self.progress = Progress(self.num_replicas, self.topo.shard_size)
         """A-EDiT's progress and budget (:mod:`editrain.sync.progress`)."""
-        self.clock = SyncClock(self.comm, self.device, cfg.min_total_global_steps, clock)
+        self.clock = SyncClock(self.comm, self.device, cfg.min_total_global_steps, clock,
+                               self.progress)
         """A-EDiT's clock and rendezvous (:mod:`editrain.sync.clock`)."""
 
         self.rounds = Rounds(cfg, self.units, self.fragments, self.model, self.comm,

@@ -79,6 +79,13 @@ class Progress:
         """Exact progress once a sync with these gathered step counts is done."""
         return (self.synced_replica_steps + sum(counts)) * self.unit
 
+    def reached_by(self, counts: list[float]) -> bool:
+        """Whether a sync with these gathered step counts reaches the budget (agreed: the
+        counts are gathered). That sync ends the run, so it is never skipped for too few
+        steps: a skipped last round would train on past the budget until the steps since
+        the last sync reached ``sync.min_total_global_steps``."""
+        return self.budget is not None and self.at_sync(counts) >= self.budget
+
     def record_sync(self, counts: list[float], windows_s: list[float]) -> None:
         """Account for a finished sync (identical arguments on every rank)."""
         self.synced_replica_steps += float(sum(counts))
