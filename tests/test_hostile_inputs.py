@@ -494,6 +494,20 @@ def test_a_tuning_of_a_part_that_is_off_is_refused(method, options, switch):
     load_config(None, {**over, "sync": {**over["sync"], **switch}})
 
 
+def test_a_sync_time_under_a_step_schedule_is_refused():
+    """``sim.step_schedule`` replaces A-EDiT's wall-clock trigger, so
+    ``sync.local_sgd_sync_time`` set with it did nothing (the run synced after the fixed
+    step counts); it is refused naming the schedule, and accepted without it."""
+    over = {"sync": {"method": "aedit", "local_sgd_sync_time": 5.0},
+            "sim": {"step_schedule": [2, 2]}, "train": {"steps": 50}}
+    with pytest.raises(ConfigError, match=r"^sync\.local_sgd_sync_time: applies only where "
+                                          r".*sim\.step_schedule is unset.*\[2, 2\].*; leave "
+                                          r"it unset$"):
+        load_config(None, over)
+    load_config(None, {**over, "sim": {}})
+    load_config(None, {**over, "sync": {"method": "aedit"}})  # the schedule alone
+
+
 @FAST
 @given(replica=st.integers(0, 3), a=st.integers(0, 20), b=st.integers(0, 20),
        c=st.integers(0, 20), d=st.integers(0, 20), other=st.integers(0, 3))

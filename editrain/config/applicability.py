@@ -119,6 +119,11 @@ _DEPENDS_ON = {
                   "sync.overlap_steps > 0 (a delayed merge)",
                   lambda cfg: "sync.overlap_steps is 0: rounds are merged as they end"),
     "gta": _GTA,
+    "local_sgd_sync_time": Rule(
+        lambda cfg: not cfg.sim.step_schedule,
+        "sim.step_schedule is unset (the wall-clock trigger it replaces)",
+        lambda cfg: f"sim.step_schedule is {list(cfg.sim.step_schedule)!r}: replicas sync "
+                    f"after fixed step counts, never on the clock"),
 }
 """``sync`` options that also depend on another option's value (set or the method's
 default), beyond the methods they apply under: a tuning of a part that is off."""
