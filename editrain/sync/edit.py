@@ -214,8 +214,7 @@ class SyncEngine:
         self.progress = Progress(self.num_replicas, self.topo.shard_size)
         """A-EDiT's progress and budget (:mod:`editrain.sync.progress`)."""
         self.clock = SyncClock(self.comm, self.device, cfg.min_total_global_steps, clock,
-                               self.progress)
-        """A-EDiT's clock and rendezvous (:mod:`editrain.sync.clock`)."""
+                               self.progress)  # A-EDiT's clock, rendezvous: sync/clock.py
 
         self.rounds = Rounds(cfg, self.units, self.fragments, self.model, self.comm,
                              self.reduction, self.clock, self.progress, self.counters,
