@@ -652,3 +652,40 @@ def test_buffers_the_replicas_agree_on_stay_bitwise():
         assert torch.equal(out["same"], same)
         assert torch.equal(out["apart"], got[0]["apart"])
         assert torch.allclose(out["apart"], torch.full((4,), 0.2))  # (0.1+0.2+0.3)/3
+
+
+def _nonblocking_buffers_worker(rank: int, world: int) -> dict[str, Any]:
+    """Non-blocking A-EDiT on Normed, replicas at 2 and 3 steps per window: each merges a
+    round at a step of its own."""
+    from editrain.sync import StepScheduleTrigger
+
+    info = editrain.init_mesh(shard_size=1, backend="gloo", device_type="cpu")
+    torch.manual_seed(0)
+    model = Normed()
+    editrain.parallelize(model, info)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.05)
+    schedule = [2, 3]
+    config = SyncConfig(method="aedit", overlap_steps=2, local_sgd_warmup_steps=0)
+    with editrain.edit(model, info, config, trigger=StepScheduleTrigger(schedule)) as engine:
+        engine.attach(opt)
+        for step in range(4 * schedule[info.replica]):
+            x = _batch(step, rank)
+            nn.functional.cross_entropy(model(x[:, :-1]).flatten(0, 1),
+                                        x[:, 1:].flatten()).backward()
+            opt.step()
+            opt.zero_grad()
+        engine.finish(force=True)
+        return {"syncs": engine.num_syncs,
+                "buffers": {n: b.clone() for n, b in model.named_buffers()
+                            if n in engine.buffers.names}}
+
+
+@pytest.mark.timeout(90)
+def test_nonblocking_aedit_syncs_buffers_at_the_end_only():
+    """A buffer sync after each merge deadlocked non-blocking A-EDiT: a replica that merged
+    and launched at one boundary queued the next rendezvous before the buffers, the other
+    the buffers first. The buffers agree at finish(force=True)."""
+    first, second = run_ranks(_nonblocking_buffers_worker, 2)
+    assert first["syncs"] == second["syncs"] >= 3
+    for name, value in first["buffers"].items():
+        assert torch.equal(value, second["buffers"][name]), name

@@ -14,6 +14,11 @@ engine makes them agree, as local-SGD implementations that average the whole mod
   replica 0, as ``DistributedDataParallel`` takes buffers from rank 0: an average of
   counters or flags would mean nothing.
 
+Non-blocking A-EDiT (``overlap_steps > 0`` with ``aedit``) syncs them at
+``finish(force=True)`` only: each replica merges a round at a step of its own there, so a
+collective after the merge would meet another replica's next rendezvous on the sync group
+(a deadlock, seen with a step schedule of 2 and 3 steps per window).
+
 Only persistent buffers are synced (those in ``model.state_dict()``): a non-persistent
 buffer is derived from the configuration (editrain's Llama's rotary tables) and identical
 everywhere by construction, so a model without persistent buffers sends nothing more. The

@@ -228,9 +228,9 @@ class SyncEngine:
         self.schedule: Schedule = self.ft or plain_schedule(view)
         """When rounds start and merge (:mod:`editrain.sync.schedules`)."""
         self.rounds.reset_at_launch = isinstance(self.schedule, NonBlockingSchedule)
-        self.buffers = BufferSync(model, self.comm, self.replica, self.ft is None)
-        """Makes the replicas' buffers agree after syncs (:mod:`editrain.sync.buffers`)."""
-        self.rounds.on_sync = self.buffers.mark_due
+        self.buffers = BufferSync(model, self.comm, self.replica, self.ft is None)  # buffers.py
+        if not self.rounds.reset_at_launch:  # non-blocking: finish(force=True) only
+            self.rounds.on_sync = self.buffers.mark_due
 
         self._first_module_unit = built.first_module_unit
         self._handles = [model.register_forward_pre_hook(self._root_pre_hook, prepend=True)]
