@@ -615,9 +615,10 @@ def steps_left_problem(marker: dict[str, Any], cfg: Any) -> str | None:
     again and repeated its rows in the metrics), or None. A-EDiT's checkpoints are labelled
     by the run's progress rounded to a step (its budget is ``train.steps`` of that
     progress), so a ``train.steps`` beyond the label is beyond the progress too. Checked by
-    the launcher before any worker starts (:func:`preflight_resume`) and by every worker of
-    a job it did not start (torchrun) before the checkpoint is read; not for a worker's
-    restart, which resumes the latest checkpoint of a run that may have finished."""
+    the launcher before any worker starts (:func:`preflight_resume`) and by every rank of a
+    torchrun job before the run directory is claimed
+    (:meth:`editrain.launch.run_dir.RunDirClaim.join`); not for a worker's restart, which
+    resumes the latest checkpoint of a run that may have finished."""
     step, steps = marker.get("step"), cfg.train.steps
     if isinstance(step, int) and steps <= step:
         return (f"train.steps: {steps} is not beyond the checkpoint's step {step}, so the "

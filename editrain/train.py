@@ -26,7 +26,6 @@ from editrain.checkpoint import (
     list_checkpoints,
     load_checkpoint,
     rank_states,
-    refuse_no_steps_left,
     replicas_and_shards,
     resolve_resume,
     rng_state,
@@ -162,8 +161,6 @@ class Trainer:
         None without one): stored in checkpoints, and rotation keeps to the timeline."""
         ckpt = self._checkpoint_to_resume()
         if ckpt is not None:
-            if self.cfg.resume and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
-                refuse_no_steps_left(ckpt, cfg)  # said by the launcher too; not under torchrun
             self._resume(ckpt)
         self.metrics = MetricsWriter(self.run_dir, enabled=self.is_logger, trackers=(
             open_trackers(self.run_dir, wandb=cfg.train.wandb,

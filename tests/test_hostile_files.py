@@ -805,13 +805,15 @@ def test_a_resume_with_no_step_left_is_refused_before_any_worker(run8, data_cach
 @pytest.mark.timeout(200)
 def test_a_resume_with_no_step_left_is_refused_under_torchrun(run8, data_cache, tmp_path):
     """The same resume as a torchrun job, whose workers editrain's launcher does not
-    start: every worker refuses it before it reads the checkpoint, metrics.jsonl and the
-    checkpoint untouched."""
+    start: every rank refuses it before the run directory is claimed, metrics.jsonl, the
+    checkpoint, config.toml and the run's record untouched (the claim rewrites the last
+    two: the next plain --resume would take the refused job's options)."""
     from tests.test_cli import tiny
 
     run = _copy_run(run8, tmp_path)
     ckpt = list_checkpoints(run)[-1]
-    before = {p: p.read_bytes() for p in [run / "metrics.jsonl", *ckpt.rglob("*")]
+    before = {p: p.read_bytes() for p in [run / "metrics.jsonl", run / "config.toml",
+                                          run / rundir.RECORD, *ckpt.rglob("*")]
               if p.is_file()}
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
     env["OMP_NUM_THREADS"] = "1"

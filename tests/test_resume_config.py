@@ -77,6 +77,18 @@ def test_what_the_options_make_inapplicable_is_dropped_if_the_run_set_it(tmp_pat
         load_resumed_config(str(run), {**base, "dist": {"pp_size": 1, "pp_microbatches": 8}})
 
 
+def test_a_run_written_under_older_rules_resumes(tmp_path):
+    """A config.toml an older editrain wrote with an option that did nothing then and is
+    refused now (a diloco run's sync.prefetch_depth: its rounds are not layer-wise) resumes
+    without it; refused from the run's own file, no option given could have helped."""
+    run = _run(tmp_path, sync={"method": "diloco"})
+    text = (run / "config.toml").read_text()
+    (run / "config.toml").write_text(text.replace("[sync]\n", "[sync]\nprefetch_depth = 2\n"))
+    assert "prefetch_depth = 2" in (run / "config.toml").read_text()
+    cfg, _ = load_resumed_config(str(run), {"resume": str(run)})
+    assert (cfg.sync.method, cfg.sync.prefetch_depth) == ("diloco", 1)
+
+
 def test_a_ft_runs_checkpoints_resume_only_with_ft(tmp_path):
     """A --ft run's group checkpoint holds that group's data positions alone: a plain job
     refuses it before any worker starts, naming the option and what to do; the run's

@@ -152,8 +152,11 @@ def load_resumed_config(resume: str, overrides: dict[str, Any]) -> tuple[Config,
                       error=ConfigError, what="run's configuration",
                       hint="; give the run's options with --config")
     sections = {k: v for k, v in saved.items() if k in SECTIONS and isinstance(v, dict)}
-    try:
-        run = to_dict(load_config(None, sections))  # the run's own, valid by construction
+    try:  # the run's own, valid by construction under the rules it was written with: an
+        # option that did nothing then and is refused now (sync.prefetch_depth of a diloco
+        # run, say) is left out, as it changed nothing
+        read = {k: v for k, v in to_dict(_build(Config, sections, "")).items() if k in SECTIONS}
+        run = to_dict(load_config(None, drop_inapplicable(read)))
     except ConfigError as e:
         raise ConfigError(f"--resume: {shown(str(path))}: {e}") from None
     base = {k: v for k, v in run.items() if k in SECTIONS}

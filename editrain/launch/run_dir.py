@@ -46,6 +46,23 @@ def resume_checkpoints(cfg: Config) -> list[Path]:
     return out
 
 
+def _refuse_nothing_left(cfg: Config) -> None:
+    """A torchrun job's ``--resume`` with no step left (``train.steps`` not beyond the
+    checkpoint's step) is refused before the run directory is claimed: the claim rewrites
+    ``config.toml`` and the record, and the next plain ``--resume`` would take the refused
+    job's options. (Editrain's own launcher refuses it in its preflight.)
+
+    Raises:
+        CheckpointError: the first checkpoint ``--resume`` names that leaves no step.
+    """
+    from editrain.checkpoint import refuse_no_steps_left
+
+    if cfg.dist.fault_tolerance == "torchft":  # each group resumes its own, or heals
+        return
+    for ckpt in resume_checkpoints(cfg):
+        refuse_no_steps_left(ckpt, cfg)
+
+
 def check_run_dir(cfg: Config, run_dir: Path) -> rundir.Claim:
     """Whether this job may use ``run_dir`` (:func:`editrain.rundir.check`): a directory
     holding a run is refused unless this job resumes that same run or ``--overwrite`` is
@@ -224,6 +241,8 @@ class RunDirClaim:
         there: it resumes it as is); every other rank waits for rank 0 to have written
         ``config.toml``, which it writes last."""
         job = self.job
+        if job.restart == 0:  # every rank, before rank 0 writes anything
+            _refuse_nothing_left(job.cfg)
         if job.rank != 0:
             deadline = time.monotonic() + TORCHRUN_WAIT_S
             while not (job.run_dir / "config.toml").exists():
