@@ -155,6 +155,9 @@ def test_each_job_that_resumes_the_run_writes_its_configuration_and_keeps_the_ol
     # the next plain --resume RUN continues with the latest job's settings
     plain, _ = load_resumed_config(str(run), {"resume": str(run)})
     assert (plain.dist.nproc, plain.train.steps, plain.model.preset) == (1, 28, "tiny")
+    # as --config of a new run, the file starts a run: no job flag of the resume in it
+    as_config = load_config(run / "config.toml", {"run_dir": str(tmp_path / "new")})
+    assert (as_config.resume, as_config.overwrite) == (None, False)
     last = rundir.read_record(run).history[-1]
     assert last["config_before"] == original  # nothing of the first job's file is lost
     assert last["config_changed"] == {"dist.nproc": "2 -> 1", "train.steps": "12 -> 28"}

@@ -133,7 +133,9 @@ def config_text(cfg: Config, run_dir: Path) -> str:
     file must load back as the run's configuration and the loader refuses an option set
     where it does nothing."""
     data = drop_inapplicable(to_dict(resolved(cfg)))
-    data["run_dir"] = str(run_dir)
+    # The job's own flags are not the run's configuration: `--config RUN/config.toml
+    # --run-dir NEW` must start a run, not resume this one's checkpoint or overwrite.
+    data.update(run_dir=str(run_dir), resume=None, overwrite=False)
     return dumps_toml(data)
 
 
