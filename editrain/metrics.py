@@ -220,19 +220,29 @@ def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
     return read_jsonl(path)
 
 
-def current_rows(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+def current_rows(rows: Sequence[dict[str, Any]], resume_evaluations: bool = False
+                 ) -> list[dict[str, Any]]:
     """The measurement rows of a run's ``metrics.jsonl`` that hold its current history, in
     file order: events are left out, and so are rows a resumed job logged again
     (``"replayed": true``: the same computation as a row the file holds); where a later
     job's steps go back without being replays (an elastic resume, A-EDiT's, a new
     timeline's from an earlier checkpoint), its rows replace the earlier job's from that
-    step on, which belong to a history the run left.
+    step on, which belong to a history the run left. An elastic resume's event (its step:
+    the checkpoint's) also ends the earlier job's rows after it, those at the new job's
+    first step included.
 
     Args:
         rows: the file's rows in file order (:func:`read_metrics`).
+        resume_evaluations: keep the elastic resume events that carry an evaluation (the
+            global model at the resume, which continues a loss curve) among the rows.
     """
     kept: list[dict[str, Any]] = []
     for row in rows:
+        if row.get("event") == "elastic_resume" and isinstance(row.get("step"), int | float):
+            kept = [r for r in kept if r["step"] <= row["step"]]
+            if resume_evaluations and row.get("val_loss") is not None:
+                kept.append(row)
+            continue
         if "event" in row or "step" not in row or row.get("replayed"):
             continue
         if kept and row["step"] < kept[-1]["step"]:
@@ -362,7 +372,8 @@ def loss_series(rows: Sequence[dict[str, Any]], x_key: str,
 
 def has_losses(run_dir: str | Path) -> bool:
     """Whether a run's ``metrics.jsonl`` holds a training or validation loss to draw."""
-    s = loss_series(current_rows(read_metrics(Path(run_dir))), "tokens")
+    s = loss_series(current_rows(read_metrics(Path(run_dir)), resume_evaluations=True),
+                    "tokens")
     return bool(s["train_x"] or s["val_x"])
 
 
@@ -390,7 +401,7 @@ def plot_runs(run_dirs: Sequence[str | Path], out_dir: str | Path | None = None)
         fig, ax = plt.subplots(figsize=(7, 4.5))
         for d in dirs:
             label = _label(d)
-            s = loss_series(current_rows(read_metrics(d)), x_key)
+            s = loss_series(current_rows(read_metrics(d), resume_evaluations=True), x_key)
             color = None
             if s["train_x"]:  # the raw loss faint, its moving average over it
                 raw, = ax.plot(s["train_x"], s["train_y"], alpha=0.25, linewidth=0.8)

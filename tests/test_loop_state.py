@@ -172,3 +172,10 @@ def test_readers_keep_the_runs_current_history():
     assert history(again) == first[:4] + [(5, 5.0), (6, 6.0), (7, 7.0)]
     aedit = _rows(*first, (3, 3.0), (4, 4.0), (4, 4.5))  # steps anew, from the mean
     assert history(aedit) == first[:2] + [(3, 3.0), (4, 4.0), (4, 4.5)]
+    # a job that logged 1-5 and died after its step-4 checkpoint, resumed elastically: its
+    # step 5 is the abandoned history's (the new job's first row is at 5 too)
+    died = _rows(*first[:5]) + [{"event": "elastic_resume", "step": 4, "val_loss": 3.65}]
+    died += _rows((5, 105.0), (6, 106.0))
+    assert history(died) == first[:4] + [(5, 105.0), (6, 106.0)]
+    plotted = current_rows(died, resume_evaluations=True)  # the resume's evaluation too
+    assert [r.get("val_loss") for r in plotted if r.get("event")] == [3.65]
