@@ -791,3 +791,29 @@ def test_bench_plan_utilisation_covers_the_throughput_window(tmp_path):
     # Steps 5..12: 8 steps of 0.05 s compute in 0.8 s + 0.3 s of waiting.
     got = _window_utilisation(run, {"from_step": 4, "to_step": 12}, 4, False)
     assert got == [pytest.approx(0.4 / 1.1)] * 2
+
+
+def test_calibrate_reads_every_replica_of_a_tensor_parallel_run(tmp_path):
+    """nproc 4 with tp 2: 2 replicas of global ranks 0-1 and 2-3 (tp innermost), replica 1
+    three times slower. Calibrate kept the ranks below replicas x shards (0 and 1, both
+    replica 0's) and saw no straggler; every rank of the job is read now."""
+    from editrain.plan.calibrate import read_run as read_calibration
+
+    run = tmp_path / "run"
+    (run / "ranks").mkdir(parents=True)
+    (run / "config.toml").write_text('[dist]\nnproc = 4\ntp_size = 2\nshard_size = 1\n'
+                                     '[sync]\nmethod = "diloco"\nlocal_sgd_sync_interval = 4\n')
+    with open(run / "metrics.jsonl", "w") as f:
+        for s in range(1, 13):
+            f.write(json.dumps({"step": s, "tokens": 64 * s, "loss": 3.0, "compute_s": 0.1,
+                                "wall_time_s": 0.11 * s, "train_time_s": 0.11 * s}) + "\n")
+    for rank in range(4):
+        with open(run / "ranks" / f"rank{rank}.jsonl", "w") as f:
+            for s in range(1, 13):
+                f.write(json.dumps({"rank": rank, "replica": rank // 2, "step": s,
+                                    "wall_time_s": 0.11 * s, "unix_time": 1000 + 0.11 * s,
+                                    "compute_s": 0.1 if rank < 2 else 0.3}) + "\n")
+    sample = read_calibration(run)
+    assert sample.replicas == 2
+    # (means of a few float64 sums: tests/README.md class 6)
+    assert sample.factors == pytest.approx([1.0, 3.0])

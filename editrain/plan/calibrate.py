@@ -259,7 +259,7 @@ def job_rows(run_dir: Path, world: int
 
     Args:
         run_dir: the run directory.
-        world: the latest job's data ranks (replicas x shards).
+        world: the latest job's processes (``dist.nproc``: every rank writes a file).
     """
     start = latest_job_start(run_dir)
     rows = [r for r in current_rows(read_jsonl(run_dir / "metrics.jsonl"))
@@ -329,7 +329,8 @@ def read_run(run_dir: str | Path, skip: int = 4) -> RunSample:
     cfg = _read_toml(d / "config.toml")
     method, model = read_config(d)
     S, replicas = method.shard_size or 1, _replicas(cfg)
-    start, rows, ranks = job_rows(d, replicas * S)
+    # the rank files are keyed by global rank: the job's processes (tp peers included)
+    start, rows, ranks = job_rows(d, int(_get(cfg, "dist", "nproc", replicas * S * method.tp)))
     rows = sorted((r for r in rows if r.get("loss") is not None), key=lambda r: r["step"])
     first = start + skip  # each job starts up again: its own first steps are left out
     window = [r for r in rows if r["step"] > first]
