@@ -89,18 +89,27 @@ def input_digest(path: Any) -> str | None:
     itself for one that is no file or directory here): the whole of a small file (a
     config, a tokenizer), and each ``*.safetensors`` file's size and both ends
     (:data:`SAMPLED_BYTES`)."""
-    import hashlib
     from pathlib import Path
 
     if not isinstance(path, str) or not path:
         return None
     here = Path(path)
+    try:  # an error here would leave the other ranks waiting in the gather: it is compared
+        return _digest_files(here)
+    except OSError as e:
+        return f"unreadable: {path}: {e.strerror or e}"
+
+
+def _digest_files(here: Any) -> str:
+    """:func:`input_digest` of an existing or missing path (raises OSError)."""
+    import hashlib
+
     if here.is_dir():
         files = [here / n for n in _DIGESTED] + sorted(here.glob("*.safetensors"))
     elif here.is_file():
         files = [here]
     else:
-        return f"not here: {path}"
+        return f"not here: {here}"
     digest = hashlib.sha256()
     for file in files:
         if not file.is_file():

@@ -540,7 +540,7 @@ def _agree_worker(rank: int, world: int, case: str, root: str) -> str:
     return "ok"
 
 
-def test_the_digest_of_a_model_directory_is_of_its_files_not_its_path(tmp_path):
+def test_the_digest_of_a_model_directory_is_of_its_files_not_its_path(tmp_path, monkeypatch):
     """What check_ranks_agree compares for the per-node paths: the same files anywhere give
     the same digest; another config or other weights (at the start of a file larger than
     the two sampled ends) give another."""
@@ -561,6 +561,21 @@ def test_the_digest_of_a_model_directory_is_of_its_files_not_its_path(tmp_path):
         str(tmp_path / "c" / "config.json"))
     assert input_digest(None) is None
     assert input_digest(str(tmp_path / "nowhere")) == f"not here: {tmp_path / 'nowhere'}"
+    # a file this rank cannot read is a value to compare, not an error that would leave
+    # the other ranks waiting in the gather
+    import builtins
+
+    real_open = builtins.open
+
+    def refuse(file, *args, **kwargs):
+        if str(file).endswith("config.json"):
+            raise PermissionError(13, "Permission denied")
+        return real_open(file, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "open", refuse)
+    said = input_digest(str(tmp_path / "a"))
+    monkeypatch.undo()
+    assert said == f"unreadable: {tmp_path / 'a'}: Permission denied"
 
 
 @pytest.mark.parametrize("case", ["same", "quiet", "same tokenizer", "steps", "mesh",
