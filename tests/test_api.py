@@ -201,6 +201,77 @@ def test_configs_built_in_python_take_ints_for_floats_and_none_where_allowed():
     assert LocalSGDConfig(clip_pseudo_grad=1, local_sgd_sync_time=30).clip_pseudo_grad == 1
 
 
+def _plain(value: Any) -> bool:
+    """Exactly a Python bool, int, float, str or None (no numpy or other subclass)."""
+    return value is None or type(value) in (bool, int, float, str)
+
+
+def test_configs_built_in_python_take_numpy_numbers_and_store_plain_ones():
+    """``np.arange`` yields ``np.int64`` and a computed lr is often ``np.float32``: both
+    were refused ("expected an integer, got np.int64(4)"), and an ``np.float64`` was taken
+    but kept, to reach the engine's json state and the run record as numpy."""
+    np = pytest.importorskip("numpy")
+    sync = SyncConfig(method="diloco", local_sgd_sync_interval=np.arange(1, 5)[3],
+                      local_sgd_warmup_steps=np.int32(2), ewma_alpha=np.float32(0.25),
+                      ewma_threshold=np.int64(3), local_sgd_sync_time=np.float64(30.0),
+                      outer_optim_kwargs={"lr": np.float32(0.5), "momentum": np.float64(0.9),
+                                          "nesterov": True},
+                      gta=GTAConfig(density=np.float64(0.5)))
+    assert sync.local_sgd_sync_interval == 4 and sync.local_sgd_warmup_steps == 2
+    assert sync.ewma_alpha == 0.25 and sync.ewma_threshold == 3.0
+    assert sync.outer_optim_kwargs == {"lr": 0.5, "momentum": pytest.approx(0.9),
+                                       "nesterov": True}
+    for value in [*dataclasses.asdict(sync).values(), *sync.outer_optim_kwargs.values(),
+                  *dataclasses.asdict(sync.gta).values()]:
+        if not isinstance(value, dict):
+            assert _plain(value), value
+    assert type(sync.ewma_threshold) is float  # an int given for a float, as a file's
+    assert type(sync.resolve().local_sgd_sync_interval) is int
+    reference = LocalSGDConfig(local_sgd_sync_interval=np.int64(4), ewma_alpha=np.float32(0.5),
+                               min_total_global_steps=np.uint8(7))
+    assert type(reference.local_sgd_sync_interval) is int
+    assert type(reference.min_total_global_steps) is int
+    assert type(reference.ewma_alpha) is float
+    assert sync_config_from_reference(reference).local_sgd_sync_interval == 4
+
+
+def test_numpy_numbers_in_outer_kwargs_are_range_checked():
+    """A numpy lr of 0 skipped the outer optimizer's range check (not an int or float)."""
+    np = pytest.importorskip("numpy")
+    with pytest.raises(ValueError) as e:
+        SyncConfig(method="diloco", outer_optim_kwargs={"lr": np.float32(0.0)})
+    assert str(e.value).startswith("sync.outer_optim_kwargs.lr: must be > 0")
+    with pytest.raises(ValueError, match="sync.outer_optim_kwargs.lr: must be a finite"):
+        SyncConfig(method="diloco", outer_optim_kwargs={"lr": np.float64("nan")})
+
+
+@pytest.mark.parametrize("make, message", [
+    (lambda np: SyncConfig(local_sgd_warmup_steps=True),
+     "sync.local_sgd_warmup_steps: expected an integer, got True"),
+    (lambda np: SyncConfig(local_sgd_warmup_steps=np.True_),
+     "sync.local_sgd_warmup_steps: expected an integer, got np.True_ (a numpy.bool: pass a "
+     "plain Python value, e.g. value.item())"),
+    (lambda np: LocalSGDConfig(local_sgd_sync_interval=np.float64(2.5)),
+     "LocalSGDConfig.local_sgd_sync_interval: expected an integer, got np.float64(2.5)"),
+    (lambda np: SyncConfig(ewma_alpha=np.bool_(False)),
+     "sync.ewma_alpha: expected a number, got np.False_ (a numpy.bool: pass a plain Python "
+     "value, e.g. value.item())"),
+    # a tensor is no config value, not even a 0-dim one (it may sit on a GPU): refused,
+    # saying what to pass
+    (lambda np: SyncConfig(local_sgd_warmup_steps=torch.tensor(3)),
+     "sync.local_sgd_warmup_steps: expected an integer, got tensor(3) (a torch.Tensor: pass "
+     "a plain Python value, e.g. value.item())"),
+    (lambda np: GTAConfig(density=np.array(0.5)),
+     "sync.gta.density: expected a number, got array(0.5) (a numpy.ndarray: pass a plain "
+     "Python value, e.g. value.item())"),
+])
+def test_configs_built_in_python_refuse_bools_and_tensors_for_numbers(make, message):
+    np = pytest.importorskip("numpy")
+    with pytest.raises(ValueError) as e:
+        make(np)
+    assert str(e.value) == message
+
+
 def test_edit_factory_rejects_mixed_configs():
     model = TitanStyle()
     with pytest.raises(ValueError, match="not both"):

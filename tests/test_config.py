@@ -101,6 +101,20 @@ def test_integer_is_accepted_for_a_float_option(tmp_path):
     assert cfg.train.lr == 1.0 and isinstance(cfg.train.lr, float)
 
 
+def test_overrides_built_in_python_take_numpy_numbers_as_plain_ones():
+    """``load_config``'s overrides from Python (the benchmarks build them) took no numpy
+    integer ("expected an integer, got np.int64(50)"); now they are stored plain, as a
+    file's values, and a bool is still no integer."""
+    np = pytest.importorskip("numpy")
+    cfg = load_config(None, {"train": {"steps": np.int64(50), "lr": np.float32(0.5)},
+                             "sync": {"local_sgd_sync_interval": np.int16(5)}})
+    assert type(cfg.train.steps) is int and cfg.train.steps == 50
+    assert type(cfg.train.lr) is float and cfg.train.lr == 0.5
+    assert type(cfg.sync.local_sgd_sync_interval) is int
+    with pytest.raises(ConfigError, match=r"^train.steps: expected an integer, got True$"):
+        load_config(None, {"train": {"steps": True}})
+
+
 @pytest.mark.parametrize("argv", [["--train.steps=200"], ["--train.steps", "200"],
                                   ["--steps", "200"], ["--steps=200"]])
 def test_cli_overrides_the_file(tmp_path, argv):

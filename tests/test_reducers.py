@@ -677,3 +677,13 @@ def test_build_reducer_validation():
 def test_bad_weight_is_rejected(reducer, weight):
     with pytest.raises(ValueError, match="weight"):
         reducer.reduce(torch.ones(3), weight, lambda t: None)
+
+
+def test_gta_reducer_takes_a_numpy_density_and_refuses_a_bool():
+    """A numpy density (``np.float32(0.5)``) was refused as "not a number"; it is stored as
+    a plain float. A bool is still no density."""
+    np = pytest.importorskip("numpy")
+    reducer = GTAReducer(sparsification_method="magnitude", density=np.float32(0.5))
+    assert type(reducer.density) is float and reducer.density == 0.5
+    with pytest.raises(ValueError, match="density must be a number in"):
+        GTAReducer(sparsification_method="magnitude", density=True)

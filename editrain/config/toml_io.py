@@ -21,6 +21,7 @@ from editrain.config.schema import SECTIONS, Config
 from editrain.config.validation import validate
 from editrain.errors import ConfigError, require
 from editrain.paths import check_path, shown
+from editrain.sync.config import plain_scalar
 
 
 def parse_scalar(text: str) -> Any:
@@ -55,14 +56,8 @@ def _coerce(value: Any, tp: Any, option: str) -> Any:
             return value.lower() in ("true", "1", "yes")
         require(isinstance(value, bool), option, f"expected true or false, got {value!r}")
         return value
-    if tp is int:
-        require(isinstance(value, int) and not isinstance(value, bool), option,
-                f"expected an integer, got {value!r}")
-        return value
-    if tp is float:
-        require(isinstance(value, int | float) and not isinstance(value, bool), option,
-                f"expected a number, got {value!r}")
-        return float(value)
+    if tp is int or tp is float:  # overrides built in Python may hold numpy numbers
+        return plain_scalar(value, tp, option)
     if tp is str:
         require(isinstance(value, str), option, f"expected a string, got {value!r}")
         return value

@@ -12,11 +12,12 @@ optimizer's checks import it where a check needs it (:meth:`SyncConfig._check_ou
 from __future__ import annotations
 
 import math
+import numbers
 import typing
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
-from editrain.errors import as_config_error, require
+from editrain.errors import ConfigError, as_config_error, require
 from editrain.sync import codecs as sparse_codec
 from editrain.sync.methods import METHOD_DEFAULTS, OUTER_SGD, PLAIN_SGD
 
@@ -71,23 +72,58 @@ def check_number(value: Any, option: str) -> None:
             check_number(v, f"{option}[{i}]")
 
 
-_SCALARS: dict[Any, tuple[tuple[type, ...], str]] = {
-    bool: ((bool,), "true or false"),
-    int: ((int,), "an integer"),
-    float: ((int, float), "a number"),
+_SCALARS: dict[Any, tuple[Any, str]] = {
+    bool: (bool, "true or false"),
+    int: (numbers.Integral, "an integer"),
+    float: (numbers.Real, "a number"),
 }
-"""The scalar types :func:`check_types` checks: what each accepts, and how it is named."""
+"""The scalar types :func:`check_types` checks: the abstract type each accepts (numpy's
+integer and float scalars are registered as ``numbers.Integral`` / ``numbers.Real``), and
+how it is named."""
+
+
+def plain_scalar(value: Any, kind: type, option: str) -> Any:
+    """``value`` as the plain Python ``bool``, ``int`` or ``float`` an option of type
+    ``kind`` holds, or a :class:`ConfigError`.
+
+    Python users pass numpy scalars all the time (``np.arange`` yields ``np.int64``, a
+    computed learning rate is often ``np.float32``); they are taken, and stored as plain
+    numbers, so that every later use (json state, checkpoints, TOML, the run record,
+    comparisons on resume) sees the type a config file gives. A bool is never a number
+    here (``True`` as an interval is a slip, not 1; numpy's bools are not taken either),
+    and an array or tensor is never a scalar, not even with zero dimensions: a tensor may
+    live on an accelerator or carry autograd history, and converting it here would hide a
+    device sync in a constructor; the message says to pass ``.item()``.
+
+    Args:
+        value: the option's value (not ``None``).
+        kind: ``bool``, ``int`` or ``float``: the option's annotated type.
+        option: the option's dotted name, for the message.
+
+    Raises:
+        ConfigError: naming the option, the type it takes and the value given.
+    """
+    accepted, name = _SCALARS[kind]
+    if isinstance(value, accepted) and (kind is bool or not isinstance(value, bool)):
+        return kind(value)
+    hint = ""
+    if hasattr(value, "item") and not isinstance(value, numbers.Number):  # tensor, array
+        kind_name = f"{type(value).__module__}.{type(value).__qualname__}"
+        hint = f" (a {kind_name}: pass a plain Python value, e.g. value.item())"
+    raise ConfigError(f"{option}: expected {name}, got {value!r}{hint}")
 
 
 def check_types(section: Any, prefix: str) -> None:
     """Every bool, int and float field of a config dataclass holds a value of its type
-    (``None`` where the field allows it), as the config files' loader checks them. Built
-    in Python, a config is not parsed: a computed ``local_sgd_warmup_steps = 0.05 * steps``
-    of 2.5 would never end the warm-up (the step counter never equals it), an interval of
-    2.5 would sync every 3 steps, and the string "false" would switch a flag on.
+    (``None`` where the field allows it), as the config files' loader checks them, and is
+    stored as a plain Python value (see :func:`plain_scalar`: numpy scalars are taken).
+    Built in Python, a config is not parsed: a computed ``local_sgd_warmup_steps = 0.05 *
+    steps`` of 2.5 would never end the warm-up (the step counter never equals it), an
+    interval of 2.5 would sync every 3 steps, and the string "false" would switch a flag on.
 
     Args:
-        section: a config dataclass instance.
+        section: a config dataclass instance; its scalar fields are replaced by their
+            plain values.
         prefix: the section's name, e.g. ``"sync"``.
 
     Raises:
@@ -102,9 +138,28 @@ def check_types(section: Any, prefix: str) -> None:
         value = getattr(section, f.name)
         if value is None and type(None) in args:
             continue
-        kinds, name = _SCALARS[scalar[0]]
-        require(isinstance(value, kinds) and (scalar[0] is bool or not isinstance(value, bool)),
-                f"{prefix}.{f.name}", f"expected {name}, got {value!r}")
+        setattr(section, f.name, plain_scalar(value, scalar[0], f"{prefix}.{f.name}"))
+
+
+def plain_numbers(value: Any) -> Any:
+    """``value`` with every numpy (or other ``numbers``) integer and real inside its dicts,
+    lists and tuples replaced by a plain ``int`` / ``float`` (bools, strings, tensors and
+    anything else kept as they are): ``sync.outer_optim_kwargs`` as a Python user builds it
+    (``{"lr": np.float32(0.7)}``), so that its range checks see a number and the outer
+    optimizer's state saves plain values."""
+    if isinstance(value, dict):
+        return {k: plain_numbers(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [plain_numbers(v) for v in value]
+    if isinstance(value, tuple):  # e.g. betas
+        return tuple(plain_numbers(v) for v in value)
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, numbers.Integral):
+        return int(value)
+    if isinstance(value, numbers.Real):
+        return float(value)
+    return value
 
 
 def check_finite(section: Any, prefix: str) -> None:
@@ -272,6 +327,8 @@ class SyncConfig:
         if isinstance(self.gta, dict):
             self.gta = GTAConfig(**self.gta)
         check_types(self, "sync")
+        # First: numpy numbers inside would pass the finiteness and range checks unseen.
+        self.outer_optim_kwargs = plain_numbers(self.outer_optim_kwargs)
         check_finite(self, "sync")
         require(self.method in METHODS, "sync.method",
                 f"unknown method {self.method!r}; allowed: {', '.join(METHODS)}")

@@ -29,6 +29,7 @@ Available reducers:
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Callable, Sequence
 from typing import Protocol, runtime_checkable
 
@@ -319,7 +320,7 @@ class GTAReducer:
                 f"sparsification_method must be one of {list(SPARSIFICATION_METHODS)}, "
                 f"got {sparsification_method!r}"
             )
-        if isinstance(density, bool) or not isinstance(density, (int, float)):
+        if isinstance(density, bool) or not isinstance(density, numbers.Real):  # numpy too
             raise ValueError(f"density must be a number in (0, 1], got {density!r}")
         if not (0.0 < density <= 1.0):
             raise ValueError(f"density must be in (0, 1], got {density!r}")
