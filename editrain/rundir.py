@@ -594,8 +594,8 @@ def claim(c: Claim, note: dict[str, Any] | None = None) -> RunRecord:
 
     Args:
         c: what :func:`check` found.
-        note: more for this job's line of the history (the configuration it replaces:
-            :func:`editrain.launch.run_dir.config_change`).
+        note: more for this job's line of the history (the options it changes in the
+            run's configuration: :func:`editrain.launch.run_dir.config_change`).
     """
     run_dir = c.run_dir
     record = c.record

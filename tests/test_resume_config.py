@@ -159,14 +159,121 @@ def test_each_job_that_resumes_the_run_writes_its_configuration_and_keeps_the_ol
     as_config = load_config(run / "config.toml", {"run_dir": str(tmp_path / "new")})
     assert (as_config.resume, as_config.overwrite) == (None, False)
     last = rundir.read_record(run).history[-1]
-    assert last["config_before"] == original  # nothing of the first job's file is lost
+    # what the first job's file held and this job changed; not the file's ~4 KB of text
     assert last["config_changed"] == {"dist.nproc": "2 -> 1", "train.steps": "12 -> 28"}
+    assert "config_before" not in last and "nproc = 2\n" in original
 
     # A job that changes nothing keeps the file as it is, and its line says nothing of it.
     before = (run / "config.toml").read_text()
     prepare_run_dir(plain, run)
     assert (run / "config.toml").read_text() == before
     assert "config_before" not in rundir.read_record(run).history[-1]
+
+
+def _resumable_run(tmp_path, steps=12):
+    """A run claimed by a first job, with a checkpoint at step 4 to resume from."""
+    import json
+
+    from editrain.launch.run_dir import prepare_run_dir
+
+    run = tmp_path / "run"
+    record = prepare_run_dir(load_config(None, {"model": {"preset": "tiny"},
+                                                "train": {"steps": steps},
+                                                "run_dir": str(run)}), run)
+    ckpt = run / "checkpoints" / "step_00000004"
+    ckpt.mkdir(parents=True)
+    (ckpt / "editrain.json").write_text(json.dumps(
+        {"step": 4, "run_id": record.run_id, "branch": record.branch}))
+    return run
+
+
+def _resume(run, **sections):
+    from editrain.launch.run_dir import prepare_run_dir
+
+    cfg, _ = load_resumed_config(str(run), {"resume": str(run), **sections})
+    return prepare_run_dir(cfg, run)
+
+
+def test_resumes_that_change_options_keep_the_record_small_and_say_what_changed(tmp_path):
+    """Each job that resumed with a changed option kept the whole old config.toml (2 to 4
+    KB) in its history line: the record grew by that per resume (2.5 KB here, 360 bytes now).
+    Now a line keeps the options changed, old and new; the run's options before each job
+    are the latest config.toml with the lines' changes undone, from the last line back."""
+    import itertools
+    import tomllib
+
+    from editrain import rundir
+
+    run = _resumable_run(tmp_path)
+    first = tomllib.loads((run / "config.toml").read_text())
+    assert len((run / "config.toml").read_bytes()) > 1500  # what a line used to copy
+    record = run / "editrain-run.json"
+    sizes = [record.stat().st_size]
+    jobs = 8
+    for job in range(jobs):
+        _resume(run, train={"steps": 20 + job, "lr": 1e-3 * (job + 1)})
+        sizes.append(record.stat().st_size)
+    growth = [b - a for a, b in itertools.pairwise(sizes)]
+    assert max(growth) < 600, growth  # a line's own fields and two changes
+    history = rundir.read_record(run).history
+    assert len(history) == jobs + 1 and all("config_before" not in h for h in history)
+    assert history[1]["config_changed"] == {"train.lr": f"{first['train']['lr']!r} -> 0.001",
+                                            "train.steps": "12 -> 20"}
+    assert history[-1]["config_changed"] == {"train.lr": "0.007 -> 0.008",
+                                             "train.steps": "26 -> 27"}
+    # undoing the changes from the last line back gives the first job's options
+    options = tomllib.loads((run / "config.toml").read_text())
+    for line in reversed(history[1:]):
+        for name, change in line["config_changed"].items():
+            section, key = name.split(".")
+            old, new = change.split(" -> ")
+            assert options[section][key] == tomllib.loads(f"v = {new}")["v"]
+            options[section][key] = tomllib.loads(f"v = {old}")["v"]
+    assert options == first
+
+
+def test_a_record_of_an_older_editrain_with_config_before_still_reads(tmp_path):
+    """Records written before kept the replaced file's text (``config_before``) in history
+    lines: they read as before, keep those lines as they are, and the next job's line holds
+    its changes only."""
+    import json
+
+    from editrain import rundir
+
+    run = _resumable_run(tmp_path)
+    path = run / "editrain-run.json"
+    data = json.loads(path.read_text())
+    old_text = (run / "config.toml").read_text()
+    data["history"].append({"started_at": "2024-01-01 00:00:00", "pid": 1,
+                            "config_before": old_text,
+                            "config_changed": {"train.steps": "8 -> 12"}})
+    path.write_text(json.dumps(data, indent=1))
+    assert rundir.read_record(run).history[-1]["config_before"] == old_text
+    _resume(run, train={"steps": 30})
+    history = rundir.read_record(run).history
+    assert history[-2]["config_before"] == old_text  # the older line is kept as it was
+    assert history[-1]["config_changed"] == {"train.steps": "12 -> 30"}
+    assert "config_before" not in history[-1]
+
+
+def test_a_config_toml_that_is_not_toml_is_kept_as_text(tmp_path):
+    """A config.toml editrain did not write (not TOML) cannot be compared option by option:
+    its text is the one record of what it held, so that line keeps it, once (the job
+    writes its own file, and the next change is recorded as options)."""
+    from editrain import rundir
+
+    run = _resumable_run(tmp_path)
+    (run / "config.toml").write_text("this is [not toml\n")
+    cfg = load_config(None, {"model": {"preset": "tiny"}, "train": {"steps": 20},
+                             "run_dir": str(run), "resume": str(run)})
+    from editrain.launch.run_dir import prepare_run_dir
+
+    prepare_run_dir(cfg, run)
+    last = rundir.read_record(run).history[-1]
+    assert last["config_before"] == "this is [not toml\n" and "config_changed" not in last
+    _resume(run, train={"steps": 24})
+    last = rundir.read_record(run).history[-1]
+    assert last["config_changed"] == {"train.steps": "20 -> 24"} and "config_before" not in last
 
 
 def test_a_config_toml_that_cannot_be_kept_is_refused_before_any_work(tmp_path):

@@ -6,8 +6,8 @@ work, and claimed once the data and the checkpoint are known usable.
 A directory holding a different run is refused unless ``--overwrite``, a directory another
 job is using is refused, and the job holds the directory's lock until it ends; claiming it
 writes the run record (identity, timeline) and the resolved configuration of the job
-(``RUN_DIR/config.toml``: the latest job's; the one it replaces is kept in the record's
-history).
+(``RUN_DIR/config.toml``: the latest job's; the options it changes over the one it
+replaces are kept in the record's history).
 """
 
 from __future__ import annotations
@@ -85,8 +85,8 @@ def prepare_run_dir(cfg: Config, run_dir: Path, lock: rundir.RunLock | None = No
     run writes its own over the earlier one, so that the next plain ``--resume RUN_DIR``
     (which takes the run's ``config.toml`` as its base) continues with the settings the
     run last ran with (after ``--resume RUN --nproc 1 --steps 28``, that nproc and those
-    steps; before, the first job's came back). The file it replaces is kept in the job's
-    line of the record's ``history`` (:func:`config_change`).
+    steps; before, the first job's came back). The options it changes over the file it
+    replaces are kept in the job's line of the record's ``history`` (:func:`config_change`).
 
     Args:
         cfg: the configuration.
@@ -109,8 +109,8 @@ def prepare_run_dir(cfg: Config, run_dir: Path, lock: rundir.RunLock | None = No
         text = config_text(cfg, run_dir)
         path = run_dir / CONFIG_FILE
         before = None if checked.replace else kept_config(path)  # (checked: readable)
-        # The record first, with the configuration this job replaces: a job that dies
-        # between the two writes leaves the old file and its copy, never neither.
+        # The record first, with what this job changes: a job that dies between the two
+        # writes leaves the old file and the line naming the changes, never neither.
         note = config_change(before, text)
         if started_at is not None:
             note[rundir.COMMAND_STARTED] = started_at
@@ -144,7 +144,8 @@ def kept_config(path: Path) -> bytes | None:
 
     Raises:
         RunDirError: it cannot be read (not a regular file, larger than editrain writes):
-            replacing it would lose it, and it is not copied into the run record.
+            replacing it would lose it, with nothing of it (its options, or its text) in
+            the run record.
     """
     if not os.path.lexists(path):
         return None
@@ -157,25 +158,32 @@ def kept_config(path: Path) -> bytes | None:
 
 
 def config_change(before: bytes | None, text: str) -> dict[str, Any]:
-    """What a job's history line keeps of the ``config.toml`` it replaces: ``config_before``,
-    the file's text as it was (nothing is lost), and ``config_changed``, the options whose
-    value this job changed, ``"OLD -> NEW"`` in TOML (``unset`` where one side has none).
-    Empty when there is nothing to replace or the file stays the same."""
+    """What a job's history line keeps of the ``config.toml`` it replaces:
+    ``config_changed``, each option whose value this job changed, ``"OLD -> NEW"`` with
+    both values in TOML (``unset`` where one side has none). Empty when there is nothing to
+    replace or no option changed.
+
+    The old file's text is not kept: it is about 4 KB, and the record grew by that on every
+    resume that changed an option (``config_before``, as records of an older editrain still
+    hold). Nothing is lost by leaving it out: the run's ``config.toml`` is the latest job's,
+    and each history line's changes, read from the last line back, give every earlier
+    job's options (the job's own flags, its run directory and ``--resume``, are not the
+    run's configuration and are not compared). Only a file that is not TOML (not one
+    editrain wrote) is kept as text, ``config_before``: its options cannot be compared, so
+    its text is the one record of them (at most :data:`RUN_CONFIG_MAX_BYTES`, and once:
+    the job writes a file of its own)."""
     if before is None or before == text.encode():
         return {}
     old_text = before.decode("utf-8", "replace")
-    note: dict[str, Any] = {"config_before": old_text}
     try:
         old = read_toml_value(old_text, CONFIG_FILE, error=ValueError)
     except ValueError:
-        return note  # a file editrain did not write: kept as it was, not compared
+        return {"config_before": old_text}  # a file editrain did not write: not compared
     new = read_toml_value(text, CONFIG_FILE, error=ValueError)
     a, b = _options(old), _options(new)
     changed = {name: f"{_shown(a.get(name))} -> {_shown(b.get(name))}"
                for name in sorted(a.keys() | b.keys()) if a.get(name) != b.get(name)}
-    if changed:
-        note["config_changed"] = changed
-    return note
+    return {"config_changed": changed} if changed else {}
 
 
 def _options(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
