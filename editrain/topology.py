@@ -19,6 +19,7 @@ stages, so nothing changes without them).
 
 from __future__ import annotations
 
+import numbers
 import os
 from dataclasses import dataclass
 from datetime import timedelta
@@ -56,6 +57,13 @@ class Topology:
     pp_size: int = 1
 
     def __post_init__(self) -> None:
+        # The sizes come from Python callers too (``init_mesh(shard_size=...)``): a numpy
+        # integer (``np.int64`` from ``np.arange``) is taken and stored as a plain int, so
+        # that the mesh shape and every rank list built from it are plain; a bool, a float
+        # (``2.0`` divides like 2 but is no mesh size) or a tensor is refused by name.
+        for name, option in (("world_size", "world size"), ("shard_size", "dist.shard_size"),
+                             ("tp_size", "dist.tp_size"), ("pp_size", "dist.pp_size")):
+            object.__setattr__(self, name, _plain_size(getattr(self, name), option))
         if self.world_size < 1:
             raise ValueError(f"world size must be >= 1, got {self.world_size}")
         if self.tp_size < 1 or self.world_size % self.tp_size != 0:
@@ -64,8 +72,7 @@ class Topology:
                 f"dist.tp_size={self.tp_size} must divide the world size {self.world_size}; "
                 f"allowed values: {divisors}")
         per_tp = self.world_size // self.tp_size
-        if (isinstance(self.pp_size, bool) or not isinstance(self.pp_size, int)
-                or self.pp_size < 1 or per_tp % self.pp_size != 0):
+        if self.pp_size < 1 or per_tp % self.pp_size != 0:
             what = (f"the world size {self.world_size}" if self.tp_size == 1 else
                     f"world size / dist.tp_size = {per_tp}")
             raise ValueError(
@@ -254,6 +261,15 @@ def _attempt_store(timeout: timedelta) -> dist.Store | None:
                           is_master=False, timeout=timeout)
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     return dist.PrefixStore(f"editrain/attempt_{attempt}", store)
+
+
+def _plain_size(value: object, option: str) -> int:
+    """``value`` as a plain ``int`` if it is an integer (``numbers.Integral``, not a bool),
+    else a ``ValueError`` naming ``option``."""
+    if isinstance(value, numbers.Integral) and not isinstance(value, bool):
+        return int(value)
+    raise ValueError(f"{option} must be an integer, got {value!r} "
+                     f"({type(value).__module__}.{type(value).__qualname__})")
 
 
 def init_mesh(

@@ -355,3 +355,20 @@ def test_init_mesh_checks_sizes_before_starting_the_group(monkeypatch, sizes, me
     with pytest.raises(ValueError) as info:
         init_mesh(backend="gloo", device_type="cpu", **sizes)
     assert message in str(info.value) and "allowed values: [1, 2, 4]" in str(info.value)
+
+
+def test_sizes_take_numpy_integers_as_plain_ints_and_refuse_other_types():
+    """``init_mesh(shard_size=np.int64(2))`` is what a Python caller writes after
+    ``np.arange``: the sizes are stored as plain ints (the mesh shape and rank lists
+    stay plain). A float divides like an integer (``4 % 2.0 == 0``) but is no mesh size, a
+    bool is a slip: both are refused by the option's name, every size alike (only
+    ``pp_size`` was type-checked before)."""
+    np = pytest.importorskip("numpy")
+    t = Topology(np.int64(8), np.int64(2), np.int32(1), np.int16(2))
+    assert t.shape == (2, 2, 2, 1) and t.replica_ranks(1) == [4, 5, 6, 7]
+    assert all(type(v) is int for v in (t.world_size, t.shard_size, t.tp_size, t.pp_size))
+    for sizes, option in [((8, 2.0), "dist.shard_size"), ((8, True), "dist.shard_size"),
+                          ((8, 1, np.float64(2)), "dist.tp_size"),
+                          ((8, 1, 1, True), "dist.pp_size"), ((8.0, 1), "world size")]:
+        with pytest.raises(ValueError, match=rf"{option} must be an integer, got "):
+            Topology(*sizes)
