@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from editrain.config.schema import Config
+from editrain.config.schema import Config, ModelSection
 from editrain.errors import as_config_error
 from editrain.models.hf_dir import hf_int, read_config, special_tokens, tokenizer_file
 from editrain.models.hf_llama import is_llama_config, llama_config_from_hf
@@ -24,7 +24,13 @@ from editrain.models.llama_config import LlamaConfig, preset_config
 def init_llama(cfg: Config) -> bool:
     """Whether ``model.init_from`` names a ``LlamaForCausalLM`` directory (which trains as
     editrain's own Llama)."""
-    init = getattr(cfg.model, "init_from", None)  # duck-typed configurations lack it
+    return section_init_llama(cfg.model)
+
+
+def section_init_llama(model: ModelSection) -> bool:
+    """:func:`init_llama` of a ``[model]`` section alone (the planner has no whole
+    configuration)."""
+    init = getattr(model, "init_from", None)  # duck-typed configurations lack it
     return init is not None and is_llama_config(read_config(init))
 
 
@@ -32,10 +38,15 @@ def hf_source(cfg: Config) -> str | None:
     """The Hugging Face config the model is built from through transformers:
     ``model.hf_config``, or a ``model.init_from`` directory of another architecture than
     Llama; None for editrain's own Llama."""
-    if getattr(cfg.model, "hf_config", None) is not None:
-        return cfg.model.hf_config
-    init = getattr(cfg.model, "init_from", None)
-    if init is not None and not init_llama(cfg):
+    return section_hf_source(cfg.model)
+
+
+def section_hf_source(model: ModelSection) -> str | None:
+    """:func:`hf_source` of a ``[model]`` section alone."""
+    if getattr(model, "hf_config", None) is not None:
+        return model.hf_config
+    init = getattr(model, "init_from", None)
+    if init is not None and not section_init_llama(model):
         return init
     return None
 
@@ -60,12 +71,27 @@ def model_config(cfg: Config, vocab_size: int | None = None) -> LlamaConfig:
             ``model.init_from: ...`` when the directory's config cannot be the Llama's.
     """
     if getattr(cfg.model, "init_from", None) is not None:
+        return section_model_config(cfg.model)
+    return section_model_config(cfg.model, vocab_size or cfg.data.vocab_size)
+
+
+def section_model_config(model: ModelSection, vocab_size: int | None = None) -> LlamaConfig:
+    """:func:`model_config` of a ``[model]`` section alone: the preset with its overrides
+    and ``vocab_size`` (None: the preset's own), or a Llama ``model.init_from``
+    directory's ``config.json`` (its own vocabulary; ``vocab_size`` is not used).
+
+    Raises:
+        ConfigError: as :func:`model_config`.
+    """
+    if getattr(model, "init_from", None) is not None:
         with as_config_error():
-            data = read_config(cfg.model.init_from)
-            return llama_config_from_hf(data, f"model.init_from {cfg.model.init_from}")
+            data = read_config(model.init_from)
+            return llama_config_from_hf(data, f"model.init_from {model.init_from}")
+    overrides = model.overrides()
+    if vocab_size is not None:
+        overrides["vocab_size"] = vocab_size
     with as_config_error(prefix="model: "):
-        return preset_config(cfg.model.preset, vocab_size=vocab_size or cfg.data.vocab_size,
-                             **cfg.model.overrides())
+        return preset_config(model.preset, **overrides)
 
 
 def heads(cfg: Config) -> tuple[int, int]:

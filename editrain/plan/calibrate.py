@@ -39,7 +39,7 @@ from typing import Any
 
 from editrain.errors import ConfigError
 from editrain.metrics import current_rows, read_jsonl, read_rank_steps
-from editrain.plan.inputs import GBIT, Cluster, MethodSpec, ModelSpec
+from editrain.plan.inputs import GBIT, SHAPE_FIELDS, Cluster, MethodSpec, ModelSpec
 from editrain.rundir import latest_job_start, list_checkpoints, read_marker
 from editrain.safe_io import Obj, read_json, read_toml
 
@@ -163,7 +163,8 @@ class Calibration:
                     "overlap_cpu_s"):
             lines.append(f"{key} = {_toml_value(getattr(c, key))}")
         lines += ["", "[model]"]
-        for key in ("preset", "vocab_size", "tie_embeddings", "seq_len", "batch_size", "dtype"):
+        for key in ("preset", "hf_config", "init_from", "vocab_size", *SHAPE_FIELDS,
+                    "seq_len", "batch_size", "dtype"):
             v = getattr(m, key)
             if v is not None:
                 lines.append(f"{key} = {_toml_value(v)}")
@@ -193,8 +194,10 @@ def _replicas(cfg: dict[str, Any]) -> int:
 
 def read_config(run_dir: str | Path) -> tuple[MethodSpec, ModelSpec]:
     """The method setting and the model of a run's latest job, from its ``config.toml``
-    (every job writes its own there), with the vocabulary the run's tokenizer has
-    (:func:`run_vocab_size`).
+    (every job writes its own there): the model training built, its shape overrides,
+    ``model.hf_config`` or ``model.init_from`` included, with the vocabulary the run's
+    tokenizer has (:func:`run_vocab_size`; a Hugging Face config's own for a model read
+    from one).
 
     Args:
         run_dir: a directory written by ``editrain train``.
@@ -206,7 +209,12 @@ def read_config(run_dir: str | Path) -> tuple[MethodSpec, ModelSpec]:
     if not path.is_file():
         raise ConfigError(f"plan: {run_dir} holds no config.toml")
     cfg = _read_toml(path)
-    method, model = _settings(cfg)
+    try:
+        method, model = _settings(cfg)
+    except ConfigError as e:  # e.g. a model.hf_config moved since, or relative elsewhere
+        raise ConfigError(f"plan: {path}: {e}") from None
+    if model.preset is None:  # the model's vocabulary is its config.json's
+        return method, model
     return method, dataclasses.replace(model, vocab_size=run_vocab_size(run_dir, cfg))
 
 
@@ -300,9 +308,7 @@ def _settings(cfg: dict[str, Any]) -> tuple[MethodSpec, ModelSpec]:
         shard_size=S, tp=tp, ft=_get(cfg, "dist", "fault_tolerance", "none") == "torchft")
     train = cfg.get("train", {})
     model = ModelSpec(
-        preset=_get(cfg, "model", "preset", "small"),
-        vocab_size=_get(cfg, "data", "vocab_size", None),
-        tie_embeddings=_opt_bool(_get(cfg, "model", "tie_embeddings", None)),
+        **_model_source(cfg),
         seq_len=int(train.get("seq_len", 64)),
         batch_size=int(train.get("batch_size", 8)) * S
         * int(train.get("gradient_accumulation_steps", 1)),
@@ -310,6 +316,20 @@ def _settings(cfg: dict[str, Any]) -> tuple[MethodSpec, ModelSpec]:
         else "fp32")
 
     return method, model
+
+
+def _model_source(cfg: dict[str, Any]) -> dict[str, Any]:
+    """The :class:`ModelSpec` fields of the model the run trained, from its ``[model]``
+    section as training reads it: a ``model.hf_config`` file or a ``model.init_from``
+    directory (its shape and vocabulary are the file's), else the preset with every
+    shape override (``model.n_layers``, ``model.dim``...) and ``data.vocab_size``."""
+    files = {name: _get(cfg, "model", name, None) for name in ("hf_config", "init_from")}
+    if any(v is not None for v in files.values()):
+        return files
+    shape = {name: _get(cfg, "model", option, None) for name, option in SHAPE_FIELDS.items()}
+    shape["tie_embeddings"] = _opt_bool(shape["tie_embeddings"])
+    return {"preset": _get(cfg, "model", "preset", "small"),
+            "vocab_size": _get(cfg, "data", "vocab_size", None), **shape}
 
 
 def read_run(run_dir: str | Path, skip: int = 4) -> RunSample:

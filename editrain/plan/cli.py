@@ -164,12 +164,12 @@ def _calibrated_inputs(args: argparse.Namespace, overrides: dict[str, dict[str, 
     import dataclasses
 
     from editrain.plan.calibrate import calibrate
-    from editrain.plan.inputs import GBIT, MethodSpec, ModelSpec, PlanInputs, parse_method
+    from editrain.plan.inputs import GBIT, MethodSpec, PlanInputs, parse_method
 
     cal = calibrate(args.calibrate)
     cluster = cal.cluster(**overrides.get("cluster", {}))
     first = cal.samples[0]
-    model = ModelSpec(**{**vars(first.model), **overrides.get("model", {})})
+    model = _model_over_run(first.model, overrides.get("model", {}))
     if args.methods:
         methods = [MethodSpec(**{"shard_size": first.shard_size, **parse_method(m)})
                    for m in args.methods]
@@ -200,6 +200,21 @@ def _calibrated_inputs(args: argparse.Namespace, overrides: dict[str, dict[str, 
     return PlanInputs(cluster, model, methods), "\n".join(lines)
 
 
+def _model_over_run(run_model: Any, given: dict[str, Any]) -> Any:
+    """The calibrated run's model with ``--model.X`` values over it. A value naming
+    another model (``--model.preset=1b``, ``--model.hf_config=...``) plans that model on
+    the calibrated hardware: the run's own model and shape overrides are left out (a
+    preset keeps the run's vocabulary, a Hugging Face config has its own)."""
+    from editrain.plan.inputs import MODEL_SOURCES, SHAPE_FIELDS, ModelSpec
+
+    fields = vars(run_model)
+    if any(name in given for name in MODEL_SOURCES):
+        dropped = (*MODEL_SOURCES, *SHAPE_FIELDS,
+                   *(() if {"preset", "params"} & set(given) else ("vocab_size",)))
+        fields = {k: v for k, v in fields.items() if k not in dropped}
+    return ModelSpec(**{**fields, **given})
+
+
 def _header(inputs: Any, shape: Any) -> str:
     c, m = inputs.cluster, inputs.model
     speed = (f"{c.step_time_s * 1000:.1f} ms compute per step" if c.step_time_s else
@@ -208,7 +223,7 @@ def _header(inputs: Any, shape: Any) -> str:
         speed += f" (+ {c.overlap_cpu_s * 1000:.1f} ms per round beside it)"
     return (f"{c.nodes} node(s) x {c.gpus_per_node} GPU(s), {speed}, inter-node "
             f"{c.inter_node_gbps:.4g} Gbit/s + {c.inter_node_latency_ms:g} ms, straggler "
-            f"spread {c.straggler_spread:g}; model {m.preset or m.hf_config or 'custom'} "
+            f"spread {c.straggler_spread:g}; model {m.label} "
             f"({shape.params / 1e6:,.1f}M parameters, {len(shape.units)} sync units), "
             f"{m.batch_size} x {m.seq_len} tokens per replica per step")
 

@@ -15,7 +15,8 @@ A plan file is TOML with three kinds of tables (every field is documented below)
     straggler_spread = 0.1         # the slowest replica computes 10% slower
 
     [model]
-    preset = "1b"                  # or hf_config = "config.json", or params + layers
+    preset = "1b"                  # or hf_config = "config.json", init_from = DIR, or
+                                   # params + layers
     seq_len = 2048
     batch_size = 64                # sequences per replica per step
 
@@ -207,26 +208,48 @@ class Cluster:
         return dataclasses.replace(self, **changes)
 
 
+SHAPE_FIELDS = {"layers": "n_layers", "dim": "dim", "heads": "n_heads",
+                "kv_heads": "n_kv_heads", "ffn_hidden": "ffn_hidden",
+                "tie_embeddings": "tie_embeddings"}
+"""The plan's shape fields and the training option (``model.X``) each one is, for a preset."""
+MODEL_SOURCES = ("preset", "hf_config", "init_from", "params")
+"""The [model] fields that name which model is planned (exactly one is given)."""
+
+
 @dataclass
 class ModelSpec:
     """The model and the batch. Give ``preset`` (an editrain preset: tiny, small, 350m,
-    1b, 3b, 7b), ``hf_config`` (a Hugging Face ``config.json``) or ``params`` and
-    ``layers`` (with ``dim`` for activations)."""
+    1b, 3b, 7b; the shape fields override it as training's ``model.n_layers``... do),
+    ``hf_config`` (a Hugging Face ``config.json``), ``init_from`` (a Hugging Face model
+    directory) or ``params`` and ``layers`` (with ``dim`` for activations). The model is
+    the one ``editrain train`` would build from the same options
+    (:func:`training_section`)."""
 
     preset: str | None = None
     """An editrain model preset."""
     hf_config: str | None = None
-    """Path of a Hugging Face ``config.json`` (llama-like fields are read)."""
+    """Path of a Hugging Face ``config.json``, as training's ``model.hf_config`` (the
+    model, its vocabulary included, is the file's)."""
+    init_from: str | None = None
+    """A Hugging Face model directory, as training's ``model.init_from``: the shape (its
+    vocabulary included) is its ``config.json``'s."""
     params: float | None = None
     """Parameter count (with ``layers``; the blocks hold them, split evenly)."""
     layers: int | None = None
-    """Transformer blocks."""
+    """Transformer blocks (with a preset: training's ``model.n_layers``)."""
     dim: int | None = None
-    """Model width (activations, attention FLOPs); default from ``params`` and ``layers``."""
+    """Model width (with a preset: training's ``model.dim``; with ``params``: activations
+    and attention FLOPs, default from ``params`` and ``layers``)."""
     vocab_size: int | None = None
-    """Vocabulary (presets: their own, or what editrain's tokenizer gives)."""
+    """Vocabulary (presets: their own, or what editrain's tokenizer gives; not with
+    hf_config or init_from, whose file sets it)."""
     heads: int | None = None
-    """Attention heads (activation memory)."""
+    """Attention heads (with a preset: training's ``model.n_heads``; with ``params``:
+    activation memory)."""
+    kv_heads: int | None = None
+    """Presets: key/value heads (training's ``model.n_kv_heads``)."""
+    ffn_hidden: int | None = None
+    """Presets: SwiGLU hidden size (training's ``model.ffn_hidden``)."""
     seq_len: int = 2048
     """Tokens per sequence."""
     batch_size: int = 32
@@ -237,34 +260,84 @@ class ModelSpec:
     """Training precision of parameters and gradients (fp32 or bf16; optimizer state is
     fp32 either way)."""
     tie_embeddings: bool | None = None
-    """Presets: override whether the output projection reuses the embedding."""
+    """Presets: override whether the output projection reuses the embedding (training's
+    ``model.tie_embeddings``)."""
     activation_checkpointing: bool = False
     """Recompute activations in the backward (one layer's kept, 4/3 of the compute)."""
 
     def __post_init__(self) -> None:
-        given = [n for n in ("preset", "hf_config", "params") if getattr(self, n) is not None]
+        given = [n for n in MODEL_SOURCES if getattr(self, n) is not None]
         if len(given) != 1:
-            raise _fail("model", "give exactly one of preset, hf_config or params (with "
-                        f"layers); got {', '.join(given) or 'none'}")
-        if self.preset is not None:
-            from editrain.config import PRESETS
-
-            _choice(self.preset, "model.preset", PRESETS)
-        if self.hf_config is not None and not Path(self.hf_config).exists():
-            raise _fail("model.hf_config", f"file not found: {self.hf_config}")
-        if self.params is not None:
-            _positive(self.params, "model.params")
-            if self.layers is None:
-                raise _fail("model.layers", "missing: params needs layers")
-        for name in ("layers", "dim", "vocab_size", "heads", "micro_batch"):
+            raise _fail("model", "give exactly one of preset, hf_config, init_from or params "
+                        f"(with layers); got {', '.join(given) or 'none'}")
+        for name in ("layers", "dim", "vocab_size", "heads", "kv_heads", "ffn_hidden",
+                     "micro_batch"):
             if getattr(self, name) is not None:
                 _count(getattr(self, name), f"model.{name}")
         if self.layers is not None and self.layers > MAX_LAYERS:
             raise _fail("model.layers", f"must be at most {MAX_LAYERS:,} (the plan follows "
                         f"every block's sync), got {self.layers:,}")
+        if self.preset is not None:
+            self._check_preset()
+        if self.hf_config is not None or self.init_from is not None:
+            self._check_file_shape()
+        if self.params is not None:
+            _positive(self.params, "model.params")
+            if self.layers is None:
+                raise _fail("model.layers", "missing: params needs layers")
+            for name in ("kv_heads", "ffn_hidden", "tie_embeddings"):
+                if getattr(self, name) is not None:
+                    raise _fail(f"model.{name}", "overrides a preset's shape: give preset, "
+                                "or leave it out with params")
         _count(self.seq_len, "model.seq_len")
         _count(self.batch_size, "model.batch_size")
         _choice(self.dtype, "model.dtype", DTYPES)
+
+    def _check_preset(self) -> None:
+        """The preset exists and its overrides make a model training can build."""
+        from editrain.config import PRESETS
+        from editrain.config.model import section_model_config
+
+        _choice(self.preset, "model.preset", PRESETS)
+        section_model_config(training_section(self), self.vocab_size)
+
+    def _check_file_shape(self) -> None:
+        """hf_config and init_from: the file exists, and no field overrides its shape
+        (training refuses them too: the model is the file's)."""
+        option = "hf_config" if self.hf_config is not None else "init_from"
+        if self.hf_config is not None and not Path(self.hf_config).exists():
+            raise _fail("model.hf_config", f"file not found: {self.hf_config}")
+        if self.init_from is not None and not Path(self.init_from).is_dir():
+            raise _fail("model.init_from", f"not a directory: {self.init_from}")
+        for name in (*SHAPE_FIELDS, "vocab_size"):
+            if getattr(self, name) is not None:
+                raise _fail(f"model.{name}", f"the model's shape comes from model.{option} "
+                            "(as training builds it); remove it")
+
+    @property
+    def label(self) -> str:
+        """The model's name in the plan's header: the preset with its overrides, the file,
+        or ``custom``."""
+        if self.preset is not None:
+            changed = [f"{name}={getattr(self, name)}" for name in SHAPE_FIELDS
+                       if getattr(self, name) is not None]
+            return self.preset + (f" ({', '.join(changed)})" if changed else "")
+        return self.hf_config or self.init_from or "custom"
+
+
+def training_section(spec: ModelSpec) -> Any:
+    """The ``[model]`` section of ``editrain train`` that builds the model of ``spec``
+    (a preset with its overrides, ``model.hf_config`` or ``model.init_from``), so that the
+    plan reads the shape with training's own functions (:mod:`editrain.config.model`).
+
+    Args:
+        spec: a model given by preset, hf_config or init_from (not by params).
+    """
+    from editrain.config.schema import ModelSection
+
+    shape = {option: getattr(spec, name) for name, option in SHAPE_FIELDS.items()}
+    return ModelSection(preset=spec.preset or ModelSection.preset, hf_config=spec.hf_config,
+                        init_from=spec.init_from, **shape)
 
 
 @dataclass
@@ -479,5 +552,5 @@ def load_inputs(path: str | Path | None = None, overrides: dict[str, dict[str, A
     return PlanInputs(cluster, model, [_build(MethodSpec, s, "method") for s in specs])
 
 
-__all__ = ["CODECS", "Cluster", "GBIT", "METHODS", "MethodSpec", "ModelSpec", "PlanInputs",
-           "load_inputs", "parse_method"]
+__all__ = ["CODECS", "Cluster", "GBIT", "METHODS", "MODEL_SOURCES", "MethodSpec", "ModelSpec",
+           "PlanInputs", "SHAPE_FIELDS", "load_inputs", "parse_method", "training_section"]

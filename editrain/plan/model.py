@@ -24,9 +24,8 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any
 
-from editrain.errors import ConfigError
-from editrain.plan.inputs import Cluster, MethodSpec, ModelSpec
-from editrain.safe_io import read_json_value
+from editrain.errors import ConfigError, as_config_error
+from editrain.plan.inputs import Cluster, MethodSpec, ModelSpec, training_section
 from editrain.sync import codecs
 
 GIB = 2**30
@@ -78,15 +77,14 @@ class Shape:
         return 6.0 * self.matmul_params + 12.0 * self.layers * self.dim * seq_len
 
 
-def _block_params(dim: int, heads: int, kv_heads: int, ffn: int) -> int:
-    head_dim = dim // heads
-    attn = 2 * dim * dim + 2 * dim * kv_heads * head_dim
+def _block_params(dim: int, heads: int, kv_heads: int, ffn: int, head_dim: int) -> int:
+    attn = 2 * dim * heads * head_dim + 2 * dim * kv_heads * head_dim
     return attn + 3 * dim * ffn + 2 * dim
 
 
 def _llama_shape(dim: int, layers: int, heads: int, kv_heads: int, ffn: int, vocab: int,
-                 tied: bool) -> Shape:
-    block = _block_params(dim, heads, kv_heads, ffn)
+                 tied: bool, head_dim: int | None = None) -> Shape:
+    block = _block_params(dim, heads, kv_heads, ffn, head_dim or dim // heads)
     emb = vocab * dim
     units: list[tuple[str, int]] = [("root", dim + (emb if tied else 0))]
     if not tied:
@@ -105,37 +103,73 @@ def _llama_shape(dim: int, layers: int, heads: int, kv_heads: int, ffn: int, voc
                  vocab, tied)
 
 
+def llama_shape(mcfg: Any) -> Shape:
+    """The :class:`Shape` of editrain's Llama of ``mcfg`` (a
+    :class:`~editrain.models.LlamaConfig`): exactly its parameters."""
+    return _llama_shape(mcfg.dim, mcfg.n_layers, mcfg.n_heads, mcfg.n_kv_heads,
+                        mcfg.ffn_hidden, mcfg.vocab_size, mcfg.tie_embeddings, mcfg.head_dim)
+
+
 def model_shape(spec: ModelSpec) -> Shape:
-    """The :class:`Shape` of a model spec (a preset, a Hugging Face config or counts).
+    """The :class:`Shape` of a model spec: the model ``editrain train`` builds from the
+    same options (a preset with its overrides, a ``model.hf_config`` file, a
+    ``model.init_from`` directory; read with training's own functions,
+    :mod:`editrain.config.model`), or one made of counts (``params`` and ``layers``).
 
     Args:
         spec: the model.
 
     Raises:
-        ConfigError: an unreadable Hugging Face config.
+        ConfigError: an unreadable Hugging Face config, naming the option.
     """
-    if spec.preset is not None:
-        from editrain.models.llama import PRESETS
+    if spec.params is not None:
+        return _counted_shape(spec)
+    from editrain.config.model import section_hf_source, section_model_config
 
-        p = dict(PRESETS[spec.preset])
-        return _llama_shape(p["dim"], p["n_layers"], p["n_heads"], p["n_kv_heads"],
-                            p["ffn_hidden"], spec.vocab_size or p["vocab_size"],
-                            bool(p.get("tie_embeddings", True)) if spec.tie_embeddings is None
-                            else spec.tie_embeddings)
-    if spec.hf_config is not None:
-        try:
-            with open(spec.hf_config, "rb") as f:
-                c = read_json_value(f.read(), f"model.hf_config: {spec.hf_config}",
-                                    error=ValueError)
-            dim, layers = int(c["hidden_size"]), int(c["num_hidden_layers"])
-            heads = int(c["num_attention_heads"])
-            return _llama_shape(dim, layers, heads,
-                                int(c.get("num_key_value_heads", heads)),
-                                int(c["intermediate_size"]),
-                                spec.vocab_size or int(c["vocab_size"]),
-                                bool(c.get("tie_word_embeddings", False)))
-        except (OSError, ValueError, KeyError, TypeError) as e:
-            raise ConfigError(f"model.hf_config: cannot read {spec.hf_config}: {e}") from None
+    section = training_section(spec)
+    with as_config_error():  # an init_from directory's config.json is read here
+        source = section_hf_source(section)
+    if source is None:  # editrain's Llama: a preset, or a Llama init_from directory
+        return llama_shape(section_model_config(section, spec.vocab_size))
+    return _hf_shape(source, "model.hf_config" if spec.hf_config is not None
+                     else "model.init_from")
+
+
+HF_SHAPE_KEYS = ("hidden", "layers", "heads", "vocab")
+"""What a Hugging Face config must say for the plan (:data:`editrain.models.hf_dir.HF_KEYS`
+names each one's spellings)."""
+
+
+def _hf_shape(source: str, option: str) -> Shape:
+    """The shape of a model built through transformers from the ``config.json`` at
+    ``source`` (read as training reads it, :func:`editrain.models.hf.read_hf_config`), as
+    llama-like blocks: its vocabulary, width, heads, key/value heads, ``head_dim`` and
+    ``intermediate_size`` (biases and other architectures' extras are not counted)."""
+    from editrain.models.hf import read_hf_config
+    from editrain.models.hf_dir import HF_KEYS, hf_int
+
+    with as_config_error(FileNotFoundError):
+        data = read_hf_config(source)
+    missing = [HF_KEYS[k][0] for k in HF_SHAPE_KEYS if not hf_int(data, k)]
+    ffn = data.get("intermediate_size")
+    if not isinstance(ffn, int) or isinstance(ffn, bool) or ffn <= 0:
+        missing.append("intermediate_size")
+    if missing:
+        raise ConfigError(f"{option}: {source} gives no positive {missing[0]}; the plan "
+                          "reads a llama-like config.json (hidden_size, num_hidden_layers, "
+                          "num_attention_heads, intermediate_size, vocab_size)")
+    dim, heads = hf_int(data, "hidden"), hf_int(data, "heads")
+    head_dim = data.get("head_dim")
+    if not isinstance(head_dim, int) or isinstance(head_dim, bool) or head_dim <= 0:
+        head_dim = dim // heads
+    return _llama_shape(dim, hf_int(data, "layers"), heads, hf_int(data, "kv_heads") or heads,
+                        ffn, hf_int(data, "vocab"), data.get("tie_word_embeddings") is True,
+                        head_dim)
+
+
+def _counted_shape(spec: ModelSpec) -> Shape:
+    """A model made of counts: ``params`` split evenly over ``layers`` blocks beside the
+    embeddings."""
     assert spec.params is not None and spec.layers is not None  # checked by ModelSpec
     layers = spec.layers
     dim = spec.dim or max(64, int(round(math.sqrt(spec.params / (12.0 * layers)) / 64) * 64))
@@ -697,8 +731,9 @@ def predict(cluster: Cluster, spec: ModelSpec, method: MethodSpec,
     if check_memory and cluster.gpu_memory_gb is not None \
             and mem.gpu_bytes > cluster.gpu_memory_gb * GIB:
         top = max(mem.parts, key=mem.parts.get)  # type: ignore[arg-type]
+        model = spec.label if spec.params is None else "the model"
         raise ConfigError(
-            f"cluster.gpu_memory_gb: {spec.preset or 'the model'} with {method.label} needs "
+            f"cluster.gpu_memory_gb: {model} with {method.label} needs "
             f"{mem.gpu_bytes / GIB:.1f} GiB per GPU (most: {top} "
             f"{mem.parts[top] / GIB:.1f} GiB), more than the {cluster.gpu_memory_gb:g} GiB "
             "of a GPU; use more shards, tp, micro_batch or activation_checkpointing")
@@ -812,6 +847,6 @@ def _predict_aedit(cluster: Cluster, method: MethodSpec, lay: Layout, compute: f
 __all__ = ["CODEC_BITS", "Layout", "Memory", "Prediction", "Round", "Shape", "Timeline",
            "allgather_s", "compute_step_s", "expected_max_stall_s",
            "gather_break_even_replicas", "layerwise_exposure_s",
-           "layout", "memory_per_rank", "model_shape", "overlap_slowdown_s",
+           "layout", "llama_shape", "memory_per_rank", "model_shape", "overlap_slowdown_s",
            "payload_bytes", "predict",
            "replica_factors", "ring_allreduce_s", "timeline", "unit_bytes"]
