@@ -8,6 +8,8 @@ The library API, for your own model and training loop (see ``docs/api.md``)::
     editrain.parallelize(model, info)                      # FSDP2: one unit per block + root
     with editrain.edit(model, info, editrain.SyncConfig(method="edit")) as engine:
         ...  # forward, backward, engine.after_backward(), opt.step(), engine.step()
+        engine.finish(force=True)                          # every replica ends on the global model
+    editrain.shutdown()                                    # every rank, after the engine closed
 
 The names below are imported on first use, so ``import editrain`` stays cheap (the command
 line imports only what it needs).

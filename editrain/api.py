@@ -12,6 +12,7 @@ Five calls wrap any loop (see ``examples/custom_loop.py``)::
             opt.step(); opt.zero_grad()
             engine.step()
         engine.finish(force=True)                          # every replica ends on the global model
+    editrain.shutdown()                                    # every rank, after the engine closed
 
 The engine can also be configured with the EDiT reference's own classes
 (:class:`LocalSGDConfig`, :class:`OuterOptimizerConfig`, :class:`GTAConfig`), and its state
