@@ -598,6 +598,69 @@ def test_cli_ft_run_resumes_from_its_checkpoints(tmp_path, data_cache):
         assert (run / f"replica{r}" / "checkpoints" / "step_00000024").is_dir()
 
 
+def _run_files(run) -> dict:
+    """Every file of a run directory and its bytes (the job lock aside: it says who holds
+    the directory, not what the run is)."""
+    from editrain import rundir
+
+    return {p: p.read_bytes() for p in sorted(run.rglob("*"))
+            if p.is_file() and p.name != rundir.LOCK}
+
+
+@pytest.mark.timeout(400)
+def test_cli_ft_resume_with_no_step_left_is_refused_before_anything_is_written(
+        tmp_path, data_cache):
+    """A finished `--ft` run resumed with the same --steps: editrain's launcher refuses it
+    in its preflight, and so does every rank of each replica group started by torchrun
+    (`--dist.ft_replica_id r`), before the run directory is claimed. Before, a torchrun
+    group skipped the check: its rank 0 rewrote config.toml and the run record, and the
+    groups evaluated again, wrote step 8's checkpoints again and appended its rows to every
+    replica's metrics.jsonl a second time. Every file of the run, every replica
+    directory's included, is left byte-identical."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from editrain.metrics import current_rows, read_metrics
+    from tests.test_checkpoint import _base_args, train
+
+    run = tmp_path / "run"
+    args = ["--ft", "--shard-size", "1", "--sync.local_sgd_sync_interval", "2",
+            "--steps", "8"]
+    train(data_cache, run, *args, "--nproc", "2")
+    summary = json.loads((run / "summary.json").read_text())
+    for r in range(2):  # each group's final evaluation row, as a plain run's
+        final = current_rows(read_metrics(run / f"replica{r}"))[-1]
+        assert final["step"] == 8 and final["val_loss"] == summary["final_val_loss"]
+    before = _run_files(run)
+    assert any("replica1/checkpoints/step_00000008" in str(p) for p in before)
+    refusal = "train.steps: 8 is not beyond the checkpoint's step 8, so the resumed run " \
+              "would train nothing"
+
+    out = train(data_cache, run, *args, "--nproc", "2", "--resume", str(run), check=False)
+    assert out.returncode == 2 and refusal in out.stderr, out.stderr[-3000:]
+    assert _run_files(run) == before
+
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT",
+                        "TORCHELASTIC_RUN_ID", "EDITRAIN_FT_REPLICA", "TORCHFT_LIGHTHOUSE")}
+    env["OMP_NUM_THREADS"] = "1"
+    torchrun = Path(sys.executable).with_name("torchrun")
+    for r in range(2):  # no lighthouse: a group that went on failed only after its claim
+        proc = subprocess.run(
+            [str(torchrun), "--standalone", "--nproc-per-node", "1", "-m", "editrain",
+             "train", *_base_args(data_cache), *args, "--dist.ft_replicas", "2",
+             "--dist.ft_replica_id", str(r), "--dist.ft_lighthouse", "http://127.0.0.1:9",
+             "--dist.ft_timeout_s", "5", "--run-dir", str(run), "--resume", str(run)],
+            capture_output=True, text=True, env=env, timeout=150)
+        assert proc.returncode != 0, proc.stderr[-3000:]
+        assert proc.stderr.count(f"cannot resume from {run}/replica{r}/checkpoints/"
+                                 f"step_00000008: {refusal}") == 1, proc.stderr[-3000:]
+        assert _run_files(run) == before, r
+
+
 def test_an_error_of_one_stage_drops_the_round_on_every_stage_of_its_group():
     """The commit vote is torchft's AND over the ranks of a replica group (every stage,
     shard and tp rank). Two ranks of one group (two pipeline stages) end a round: stage

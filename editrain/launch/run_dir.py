@@ -46,20 +46,34 @@ def resume_checkpoints(cfg: Config) -> list[Path]:
     return out
 
 
-def _refuse_nothing_left(cfg: Config) -> None:
+def _refuse_nothing_left(cfg: Config, world: int) -> None:
     """A torchrun job's ``--resume`` with no step left (``train.steps`` not beyond the
     checkpoint's step) is refused before the run directory is claimed: the claim rewrites
     ``config.toml`` and the record, and the next plain ``--resume`` would take the refused
-    job's options. (Editrain's own launcher refuses it in its preflight.)
+    job's options; the workers would then evaluate again, write the checkpoint's step
+    again and append its rows to the metrics a second time. (Editrain's own launcher
+    refuses it in its preflight, for every replica group of a ``--ft`` run.)
+
+    A fault-tolerant torchrun job is one replica group (``dist.ft_replica_id``) of
+    ``world`` ranks: it checks the checkpoint its trainer resumes, its own
+    ``replica{r}``'s (the other groups are other jobs, which check theirs).
 
     Raises:
         CheckpointError: the first checkpoint ``--resume`` names that leaves no step.
+        ConfigError: a fault-tolerant job that does not know its replica group.
     """
-    from editrain.checkpoint import refuse_no_steps_left
+    from editrain.checkpoint import refuse_no_steps_left, resolve_resume
 
-    if cfg.dist.fault_tolerance == "torchft":  # each group resumes its own, or heals
-        return
-    for ckpt in resume_checkpoints(cfg):
+    if cfg.dist.fault_tolerance == "torchft":
+        if not cfg.resume:
+            return
+        from editrain.fault import ft_identity, replica_run_dir
+
+        replica, _ = ft_identity(cfg, world)
+        checkpoints = [resolve_resume(replica_run_dir(cfg.resume, replica))]
+    else:
+        checkpoints = resume_checkpoints(cfg)
+    for ckpt in checkpoints:
         refuse_no_steps_left(ckpt, cfg)
 
 
@@ -252,7 +266,7 @@ class RunDirClaim:
         ``config.toml``, which it writes last."""
         job = self.job
         if job.restart == 0:  # every rank, before rank 0 writes anything
-            _refuse_nothing_left(job.cfg)
+            _refuse_nothing_left(job.cfg, job.world)
         if job.rank != 0:
             deadline = time.monotonic() + TORCHRUN_WAIT_S
             while not (job.run_dir / "config.toml").exists():
