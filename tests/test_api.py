@@ -760,3 +760,72 @@ def test_nonblocking_aedit_syncs_buffers_at_the_end_only():
     assert first["syncs"] == second["syncs"] >= 3
     for name, value in first["buffers"].items():
         assert torch.equal(value, second["buffers"][name]), name
+
+
+class _NoPeers:
+    """A fault-tolerant cross-replica group that is never asked for a collective: the
+    engine is only built (before any quorum, a replica is alone)."""
+
+    size = 1
+
+    def __init__(self, replica: int) -> None:
+        self.replica, self.replicas = replica, 2
+
+    def register_state(self, key: str, state_dict: Any, load_state_dict: Any) -> None:
+        pass
+
+
+def _ft_buffers_worker(rank: int, world: int) -> dict[str, list[str]]:
+    """The warnings of engines built in the fault-tolerant mode (replica 0 and 1) and in the
+    plain mode over Normed, and in the fault-tolerant mode over a model without buffers."""
+    import logging
+
+    info = editrain.init_mesh(shard_size=1, backend="gloo", device_type="cpu")
+    config = SyncConfig(method="diloco", local_sgd_sync_interval=2, local_sgd_warmup_steps=0)
+    said: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            said.append(record.getMessage())
+
+    handler = Keep(logging.WARNING)
+    logging.getLogger("editrain").addHandler(handler)
+    out: dict[str, list[str]] = {}
+    try:
+        for case, make, cross in (("ft_replica0", Normed, _NoPeers(0)),
+                                  ("ft_replica1", Normed, _NoPeers(1)),
+                                  ("plain", Normed, None),
+                                  ("ft_no_buffers", TitanStyle, _NoPeers(0))):
+            said.clear()
+            model = make()
+            editrain.parallelize(model, info)
+            with editrain.edit(model, info, config, cross_replica=cross) as engine:
+                out[case] = [*said, f"left alone: {engine.buffers.left_alone}"]
+    finally:
+        logging.getLogger("editrain").removeHandler(handler)
+    return out
+
+
+def test_ft_warns_once_that_floating_buffers_stay_each_replicas_own():
+    """The fault-tolerant mode does not sync buffers (a round's vote may differ between
+    replicas, and a heal carries no buffers): a model with floating persistent buffers
+    (BatchNorm's running statistics) used to train there without a word, each replica's
+    global model evaluating on statistics of its own. Now the first rank of replica 0
+    warns once, naming the option, when the engine is built; a replica other than 0, the
+    plain mode (which syncs them) and a model without persistent buffers (editrain's
+    Llama: its rotary tables are not persistent) say nothing."""
+    from editrain.models import Llama, preset_config
+    from editrain.sync.buffers import persistent_buffer_names
+
+    out, = run_ranks(_ft_buffers_worker, 1)
+    floating = [f"layers.{i}.norm.{n}" for i in range(2) for n in ("running_mean", "running_var")]
+    warning, = out["ft_replica0"][:-1]
+    assert warning.startswith("dist.fault_tolerance = 'torchft' (--ft): the model's floating "
+                              "persistent buffers (layers.0.norm.running_mean, "
+                              "layers.0.norm.running_var, layers.1.norm.running_mean and 1 "
+                              "more) are not synced across replica groups"), warning
+    assert out["ft_replica0"][-1] == out["ft_replica1"][-1] == f"left alone: {floating}"
+    assert out["ft_replica1"] == [f"left alone: {floating}"]
+    assert out["plain"] == ["left alone: []"]
+    assert out["ft_no_buffers"] == ["left alone: []"]
+    assert persistent_buffer_names(Llama(preset_config("tiny", vocab_size=64))) == []

@@ -24,14 +24,28 @@ buffer is derived from the configuration (editrain's Llama's rotary tables) and 
 everywhere by construction, so a model without persistent buffers sends nothing more. The
 buffers are synced over the sync group (the ranks at one position of every replica); the
 ranks of one replica hold their own copies, kept as the user's loop keeps them.
+
+Not in the fault-tolerant mode (``dist.fault_tolerance = "torchft"``): there a round is
+all or nothing over the replicas of its quorum, may commit on one replica and not on
+another, and a replica that heals receives the engine's and the trainer's state, not the
+model's buffers; a buffer collective at a step boundary, outside the round's vote, could
+meet a replica that left or one that did not commit. So each replica keeps its own, and
+the engine says so once, before training (:func:`unsynced_buffers_warning`), where the
+model has floating persistent buffers (integer ones, such as ``num_batches_tracked``, are
+counters the replicas mostly agree on anyway).
 """
 
 from __future__ import annotations
 
+import logging
+
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from editrain.sync.comm import CommPath, CommStats
+
+log = logging.getLogger("editrain")
 
 
 def persistent_buffer_names(model: nn.Module) -> list[str]:
@@ -39,6 +53,17 @@ def persistent_buffer_names(model: nn.Module) -> list[str]:
     ``named_buffers()`` order."""
     saved = {id(t) for t in model.state_dict(keep_vars=True).values()}
     return [name for name, b in model.named_buffers() if id(b) in saved]
+
+
+def unsynced_buffers_warning(names: list[str]) -> str:
+    """The warning of a fault-tolerant run whose model has the floating persistent buffers
+    ``names``, which no replica shares with another (see the module docstring)."""
+    shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+    return (f"dist.fault_tolerance = 'torchft' (--ft): the model's floating persistent "
+            f"buffers ({shown}) are not synced across replica groups: each group keeps its "
+            f"own (a healed group too), so the global model evaluates differently on every "
+            f"replica; without --ft they are averaged at every sync (see "
+            f"docs/fault_tolerance.md)")
 
 
 class BufferSync:
@@ -55,7 +80,9 @@ class BufferSync:
         comm: the engine's communication path (its sync group spans the replicas).
         replica: this rank's replica index.
         enabled: False in the fault-tolerant mode, whose replicas come and go between
-            rounds: there each replica keeps its own buffers.
+            rounds: there each replica keeps its own buffers, and the first rank of
+            replica 0 warns once (:func:`unsynced_buffers_warning`) if the model has
+            floating persistent buffers.
     """
 
     def __init__(self, model: nn.Module, comm: CommPath, replica: int,
@@ -65,6 +92,12 @@ class BufferSync:
         self.replica = replica
         self.names = persistent_buffer_names(model) if enabled else []
         """The buffers synced (looked up by name at every sync: a module may replace one)."""
+        self.left_alone = [] if enabled else _floating(model, persistent_buffer_names(model))
+        """The floating persistent buffers each replica keeps for itself (the
+        fault-tolerant mode)."""
+        # Once per run: each replica group is a job of its own, whose rank 0 is its first.
+        if self.left_alone and replica == 0 and dist.get_rank() == 0:
+            log.warning("%s", unsynced_buffers_warning(self.left_alone))
         self.due = False
         """Whether a sync was applied since the buffers were last synced."""
 
@@ -128,3 +161,9 @@ class BufferSync:
         differs = (flat != first).to(flat.dtype)  # a NaN differs: the mean, NaN everywhere
         self.comm.all_reduce_sync(differs)
         return torch.where(differs != 0, total / self.comm.sync_size, first)
+
+
+def _floating(model: nn.Module, names: list[str]) -> list[str]:
+    """Those of the buffers ``names`` that hold floating-point (or complex) values."""
+    buffers = dict(model.named_buffers())
+    return [n for n in names if buffers[n].dtype.is_floating_point or buffers[n].dtype.is_complex]
