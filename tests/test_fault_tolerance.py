@@ -661,6 +661,41 @@ def test_cli_ft_resume_with_no_step_left_is_refused_before_anything_is_written(
         assert _run_files(run) == before, r
 
 
+@pytest.mark.timeout(200)
+def test_cli_ft_replica_group_under_torchrun_ends_with_exit_0(tmp_path, data_cache):
+    """A replica group started by torchrun (`--ft --dist.ft_replica_id 0`, here the run's
+    only group, around a lighthouse of its own) trains, and its rank 0 plots its curve from
+    RUN/replica0 and exits 0. Before, it plotted RUN itself, which holds no metrics.jsonl,
+    and every torchrun group ended with exit 2 after its training ("no metrics file")."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from editrain.sync.ft import start_lighthouse
+    from tests.test_checkpoint import _base_args
+
+    run = tmp_path / "run"
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT",
+                        "TORCHELASTIC_RUN_ID", "EDITRAIN_FT_REPLICA", "TORCHFT_LIGHTHOUSE")}
+    env["OMP_NUM_THREADS"] = "1"
+    lighthouse = start_lighthouse(1, 30.0, 5.0)
+    try:
+        proc = subprocess.run(
+            [str(Path(sys.executable).with_name("torchrun")), "--standalone",
+             "--nproc-per-node", "1", "-m", "editrain", "train", *_base_args(data_cache),
+             "--ft", "--shard-size", "1", "--sync.local_sgd_sync_interval", "2", "--steps",
+             "4", "--dist.ft_replicas", "1", "--dist.ft_replica_id", "0",
+             "--dist.ft_lighthouse", lighthouse.address(), "--run-dir", str(run)],
+            capture_output=True, text=True, env=env, timeout=150)
+    finally:
+        lighthouse.shutdown()
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert (run / "replica0" / "summary.json").is_file()
+    assert (run / "loss_vs_tokens.png").is_file()
+
+
 def test_an_error_of_one_stage_drops_the_round_on_every_stage_of_its_group():
     """The commit vote is torchft's AND over the ranks of a replica group (every stage,
     shard and tp rank). Two ranks of one group (two pipeline stages) end a round: stage

@@ -110,13 +110,18 @@ def start_workers(job: Job, data_entry: str) -> dict[str, Any]:
 
 def summarise(job: Job) -> None:
     """Plot the run's loss curves into its directory: its own, or those of the ``--ft``
-    replica groups that wrote metrics (each plot logged, unless quiet or under torchrun)."""
+    replica groups that wrote metrics (a torchrun job of one group: that group's), each
+    plot logged, unless quiet or under torchrun."""
     from editrain.metrics import plot_runs
 
     runs = [job.run_dir]
     if job.ft and not job.under_torchrun:  # one curve per group, drawn in the run directory
         runs = [job.group_dir(r) for r in range(job.groups)]
         runs = [p for p in runs if (p / "metrics.jsonl").exists()]
+    elif job.ft:  # a torchrun job is one group: its metrics are in its own directory
+        from editrain.fault import ft_identity
+
+        runs = [job.group_dir(ft_identity(job.cfg, job.world)[0])]
     plots = plot_runs(runs, job.run_dir) if runs else []
     for path in plots if not (job.cfg.quiet or job.under_torchrun) else []:
         log.info("plot: %s", path)
