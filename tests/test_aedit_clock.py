@@ -43,13 +43,16 @@ def _train_step(model, opt, engine, rank: int, step: int) -> None:
 
 
 def _worker(rank: int, world: int, S: int, dts: list[float], sync: dict, steps: int,
-            budget: float | None, max_syncs: int | None, T: int) -> dict:
+            budget: float | None, max_syncs: int | None, T: int,
+            schedule: list[int] | None, end_force: bool) -> dict:
     from editrain.sync import SyncConfig, SyncEngine
+    from editrain.sync.triggers import StepScheduleTrigger
 
     info, model, opt = _sharded(S, T)
     now = [0.0]
     engine = SyncEngine(model, info.mesh, SyncConfig(method="aedit", **sync),
-                        blocks=model.layers, clock=lambda: now[0])
+                        blocks=model.layers, clock=lambda: now[0],
+                        trigger=None if schedule is None else StepScheduleTrigger(schedule))
     engine.set_budget(budget)
     stopped_at = None
     points = []
@@ -66,9 +69,10 @@ def _worker(rank: int, world: int, S: int, dts: list[float], sync: dict, steps: 
         if budget is not None and point is not None and point >= budget:
             stopped_at = (engine.global_step, engine.num_syncs, engine.budget_spent)
             break
-    engine.finish()
+    engine.finish(force=end_force)
     out = {"log": engine.pop_sync_log(), "num_syncs": engine.num_syncs,
            "skipped": engine.num_skipped_syncs, "stopped_at": stopped_at,
+           "forced": engine.num_syncs_forced,
            "replica": info.replica, "points": points,
            "synced": engine.synced_replica_steps, "window_s": engine.last_window_s}
     engine.close()
@@ -76,10 +80,14 @@ def _worker(rank: int, world: int, S: int, dts: list[float], sync: dict, steps: 
 
 
 def _run(world: int, S: int, dts: list[float], sync: dict, steps: int,
-         budget: float | None = None, max_syncs: int | None = None, T: int = 1) -> list[dict]:
+         budget: float | None = None, max_syncs: int | None = None, T: int = 1,
+         schedule: list[int] | None = None, end_force: bool = False) -> list[dict]:
+    """Every rank's outcome; ``schedule``: a forced step schedule instead of the time
+    trigger; ``end_force``: end with ``finish(force=True)``, as the trainer does."""
     from editrain.spawn import run_ranks
 
-    return run_ranks(_worker, world, S, dts, sync, steps, budget, max_syncs, T)
+    return run_ranks(_worker, world, S, dts, sync, steps, budget, max_syncs, T, schedule,
+                     end_force)
 
 
 PEN_OFF = dict(pseudo_gradnorm_reduce=False, skip_anomaly=False, clip_pseudo_grad=0.0)
@@ -170,6 +178,24 @@ def test_nonblocking_skip_carries_the_steps_to_the_next_sync():
         assert second["replica_steps"][mine] == second["launch_step"] - first["launch_step"]
         # merged no earlier than two steps after each launch
         assert all(e["step"] - e["launch_step"] >= 2 for e in o["log"])
+
+
+@pytest.mark.parametrize("schedule,budget,stops", [([3, 3], 6, {0: 6, 1: 6}),
+                                                   ([2, 3], 10, {0: 8, 1: 12})])
+def test_nonblocking_run_ends_at_the_launch_that_reaches_the_budget(schedule, budget, stops):
+    """Non-blocking on a forced schedule: the round that reaches the budget is merged at
+    its launch, where each replica ends, and the final forced sync finds nothing trained
+    since: exactly ``budget`` synchronous steps of tokens (2 x budget replica-steps).
+    Before, every replica trained ``overlap_steps`` more steps until that round's merge,
+    which the forced sync then synced: ``--steps 6`` trained 7 steps."""
+    outs = _run(2, 1, [1.0, 1.0], dict(**NONBLOCKING, **PEN_OFF), steps=40, budget=budget,
+                schedule=schedule, end_force=True)
+    for o in outs:
+        step, syncs, spent = o["stopped_at"]
+        assert spent and step == stops[o["replica"]], o["stopped_at"]
+        assert o["synced"] == 2 * budget and o["forced"] == 0, (o["synced"], o["forced"])
+        last = o["log"][-1]
+        assert last["launch_step"] == last["step"] == step  # merged at its launch
 
 
 def _gated_worker(rank: int, world: int, dts: list[float], sync: dict, steps: int,

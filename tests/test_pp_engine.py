@@ -272,9 +272,17 @@ def test_aedit_budget_end_is_agreed_by_every_stage(overlap):
     assert all(len(v) == 1 for v in by_replica.values()), by_replica
     if not overlap:
         assert max(by_replica[1]) < max(by_replica[0]), by_replica
-    # every rank saw the same rounds (the same gathered step counts) and the same progress
-    assert all(o["steps"] == outs[0]["steps"] and o["points"] == outs[0]["points"]
+    # every rank saw the same rounds (the same gathered step counts) and the same progress;
+    # the stages of a replica the same sync points. (Non-blocking, a replica may merge a
+    # round and, its launch at that very boundary reaching the budget, merge that one at
+    # once too: it sees the second sync's point only, the other replica both.)
+    assert all(o["steps"] == outs[0]["steps"] and o["points"][-1] == outs[0]["points"][-1]
                and o["synced"] == outs[0]["synced"] for o in outs)
+    for r in range(R):
+        points = [o["points"] for o in outs if o["replica"] == r]
+        assert all(p == points[0] for p in points), (r, points)
+        if not overlap:
+            assert points[0] == outs[0]["points"]
     assert outs[0]["points"][-1] >= 12
 
 

@@ -21,6 +21,7 @@ add a schedule") walks through writing one.
 
 from __future__ import annotations
 
+import time
 from abc import ABC, abstractmethod
 from typing import TYPE_CHECKING
 
@@ -240,14 +241,55 @@ class NonBlockingSchedule(BlockingSchedule):
             return
         window = elapsed + clock.window_offset  # since the last launch (agreed)
         units = list(range(len(eng.units)))
-        eng.launch(units, 0, apply_at=c.global_step + cfg.overlap_steps,
-                   rendezvous=[c.steps_since_sync, window])
+        last = self.probably_last(c.steps_since_sync, window)
+        rnd = eng.launch(units, 0, apply_at=c.global_step + cfg.overlap_steps,
+                         rendezvous=[c.steps_since_sync, window])
         # This replica's next window starts at its snapshot: later steps count towards it.
         c.steps_since_sync = 0
         clock.launch = clock.now()
         clock.window_offset = 0.0
         if not self.merge_when_done:
             clock.start = clock.launch
+        if last:
+            self.end_if_spent(rnd)
+
+    def probably_last(self, steps: int, window_s: float) -> bool:
+        """Whether the round this replica launches now probably reaches the budget: the
+        progress it estimates with this round's steps (the trainer's own estimate), or
+        with the time trigger the budget's rate over ``window_s``, the agreed seconds since
+        the last launch. Agreed within the replica (gathered counts, the replica's own
+        steps and agreed time)."""
+        progress = self.engine.progress
+        if progress.budget is None:
+            return False
+        if progress.estimate(self.engine.replica, steps) >= progress.budget:
+            return True
+        return self.needs_clock and progress.budget_due(window_s, steps)
+
+    def end_if_spent(self, rnd: SyncRound) -> None:
+        """The round just launched probably ends the run: wait for its rendezvous, and if
+        the gathered counts reach the budget, merge it now (waiting for its reductions) so
+        that the run ends at this launch, with no step trained past the budget. Trained on,
+        those steps would be the next window's, synced only by the final forced round:
+        ``overlap_steps`` or more steps per replica past ``train.steps``. Otherwise the
+        round stays in flight as usual (this launch only waited for the slowest replica's
+        launch, as a blocking rendezvous does)."""
+        eng = self.engine
+        assert rnd.rendezvous is not None
+        t0 = time.perf_counter()
+        rnd.rendezvous.result()  # re-raises a failed rendezvous's exception
+        waited = time.perf_counter() - t0
+        rnd.wait_s += waited
+        eng.counters.total_wait_s += waited
+        if rnd.skipped or rnd.step_counts is None:
+            return
+        if not eng.progress.reached_by(rnd.step_counts.tolist()):
+            return
+        eng.pop_inflight()
+        eng.merge_now(rnd)
+        # The next window (a resume with a larger budget trains on) starts at this launch,
+        # as the exact schedule's do: nothing trained since, no offset.
+        eng.clock.start = eng.clock.launch
 
     def ready_to_merge(self, rnd: SyncRound) -> bool:
         """Whether to merge ``rnd`` now (its ``apply_at`` reached). Exact schedule: always
