@@ -68,7 +68,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from editrain.errors import CheckpointError
-from editrain.rundir import list_checkpoints, replica_groups
+from editrain.rundir import checkpoint_progress, list_checkpoints, replica_groups
 from editrain.rundir import read_marker as _read_marker_file
 from editrain.safe_io import (
     Bool,
@@ -386,8 +386,8 @@ class Saved:
 def save_checkpoint(run_dir: str | Path, step: int, *, model: torch.nn.Module,
                     optimizer: torch.optim.Optimizer, engine: Any, replica: int,
                     rank_state: dict[str, Any], meta: dict[str, Any], keep: int,
-                    before_commit: Any = None, lineage: dict[str, Any] | None = None
-                    ) -> Saved:
+                    before_commit: Any = None, lineage: dict[str, Any] | None = None,
+                    progress: float | None = None) -> Saved:
     """Collective: every rank of the world calls it at the same point of training.
 
     Args:
@@ -405,6 +405,9 @@ def save_checkpoint(run_dir: str | Path, step: int, *, model: torch.nn.Module,
         lineage: the job's ``run_id``, ``branch`` and ``resumed_from``
             (:func:`editrain.rundir.lineage_of`), stored in the marker; rotation deletes
             only checkpoints of this branch.
+        progress: A-EDiT's progress in synchronous steps, which ``step`` labels rounded;
+            stored in the marker for the readers that compare it
+            (:func:`editrain.rundir.checkpoint_progress`). None: the label is the step.
     """
     t0 = time.perf_counter()
     rank = dist.get_rank()
@@ -443,6 +446,8 @@ def save_checkpoint(run_dir: str | Path, step: int, *, model: torch.nn.Module,
         lineage = lineage or {}
         marker = dict(meta, step=step, saved_at=time.time(), run_id=lineage.get("run_id"),
                       branch=lineage.get("branch"))
+        if progress is not None:
+            marker["progress"] = float(progress)
         write_atomic(tmp / MARKER, json.dumps(marker, indent=1), root=run_dir)
         # A checkpoint of the same label (the final one at a periodic one's step) is
         # replaced only once the new one is complete on disk.
@@ -614,14 +619,19 @@ def steps_left_problem(marker: dict[str, Any], cfg: Any) -> str | None:
     (``train.steps`` not beyond its step: it evaluated again, wrote that step's checkpoint
     again and repeated its rows in the metrics), or None. A-EDiT's checkpoints are labelled
     by the run's progress rounded to a step (its budget is ``train.steps`` of that
-    progress), so a ``train.steps`` beyond the label is beyond the progress too. Checked by
+    progress), so the progress itself is compared where the marker records it: a progress
+    of 7.5, labelled 8, still has half a step left under ``train.steps`` 8. Checked by
     the launcher before any worker starts (:func:`preflight_resume`) and by every rank of a
     torchrun job before the run directory is claimed
     (:meth:`editrain.launch.run_dir.RunDirClaim.join`); not for a worker's restart, which
     resumes the latest checkpoint of a run that may have finished."""
     step, steps = marker.get("step"), cfg.train.steps
-    if isinstance(step, int) and steps <= step:
-        return (f"train.steps: {steps} is not beyond the checkpoint's step {step}, so the "
+    if not isinstance(step, int):
+        return None
+    progress = checkpoint_progress(marker)
+    if steps <= progress:
+        at = f"step {step}" if progress == step else f"progress {progress:g}"
+        return (f"train.steps: {steps} is not beyond the checkpoint's {at}, so the "
                 f"resumed run would train nothing; give a larger --train.steps")
     return None
 

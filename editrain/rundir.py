@@ -458,9 +458,21 @@ MARKER_SCHEMA = Obj({
     "train_data": Obj({"tokens": Int(0, 2**53), "sha256": Str(64)}, nullable=True),
     "run_id": Str(64, nullable=True), "branch": Str(64, nullable=True),
     "saved_at": Num(0.0, 1e12, nullable=True),
+    "progress": Num(0.0, 2.0**53, nullable=True),
 }, required=("step",))
 """What a checkpoint's ``editrain.json`` must be: every counter and size an integer in
 range (never a bool, a float or a string), checked before anything else reads it."""
+
+
+def checkpoint_progress(marker: dict[str, Any]) -> float:
+    """The run's progress in synchronous steps at a checkpoint (its marker, checked by
+    :func:`read_marker`): A-EDiT's ``progress``, which may be fractional, where the marker
+    records it; else the label ``step`` (every other method's step, and A-EDiT's progress
+    rounded in checkpoints written before ``progress`` was recorded). The label is a
+    directory name only: compared with ``train.steps`` or an evaluation's due step, a
+    progress of 7.5 labelled 8 looked like step 8."""
+    progress = marker.get("progress")
+    return float(progress) if progress is not None else float(marker["step"])
 
 
 def read_marker(ckpt: Path) -> dict[str, Any]:

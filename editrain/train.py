@@ -52,7 +52,7 @@ from editrain.models import causal_lm_loss, num_parameters
 from editrain.optim.inner import build_inner_optimizer, clip_gradients, uses_sam
 from editrain.optim.schedule import lr_at, set_lr
 from editrain.pipeline import PipelineRunner, build_stage, pipeline_eval_loss
-from editrain.rundir import command_started, lineage_of, logs_dir
+from editrain.rundir import checkpoint_progress, command_started, lineage_of, logs_dir
 from editrain.runtime import init_distributed, setup_process
 from editrain.safe_io import make_dir, write_atomic
 from editrain.sim import Simulation, check_replicas, parse_sim
@@ -496,6 +496,7 @@ class Trainer:
                                 engine=self.engine, replica=self.info.replica,
                                 rank_state=rank_state, meta=self._meta(),
                                 keep=self.cfg.checkpoint.keep, lineage=self.lineage,
+                                progress=self.engine.progress_steps if self.aedit else None,
                                 before_commit=lambda: self.sim.before_checkpoint_commit(
                                     self.loop.step))
         if self.is_logger:
@@ -556,8 +557,10 @@ class Trainer:
         """The evaluations and checkpoints due after a resume: the schedule the run would
         have had without the stop. The final save of a run does not advance them past its
         own step (the loop's last evaluation and checkpoint are not taken), so they are
-        advanced past the checkpoint's step here, with this run's intervals."""
-        self.loop.skip_due(marker["step"], self.cfg.train.eval_every, self.cfg.checkpoint.every)
+        advanced past the checkpoint's progress here, with this run's intervals (A-EDiT's
+        real progress, not its rounded label: an evaluation due at 8 was not taken at 7.5)."""
+        self.loop.skip_due(checkpoint_progress(marker), self.cfg.train.eval_every,
+                           self.cfg.checkpoint.every)
 
     # ------------------------------------------------------------------ helpers
     def _write(self, row: dict[str, Any]) -> None:

@@ -1,4 +1,5 @@
-"""A-EDiT's budget through ``editrain train``: the steps a run trains.
+"""A-EDiT's budget through ``editrain train``: the steps a run trains, and a resume from a
+checkpoint whose progress is fractional (its label is that progress rounded).
 
 The forced step schedule ``[2, 3]`` (replica 0 syncs every 2 of its steps, replica 1 every
 3) makes every round 5 replica-steps, 2.5 synchronous steps of progress on 2 replicas, so
@@ -10,10 +11,13 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
+from editrain.checkpoint import steps_left_problem
 from editrain.metrics import current_rows
+from editrain.rundir import read_marker
 from tests.cli import run_cli
 
 pytestmark = pytest.mark.slow
@@ -64,3 +68,49 @@ def test_nonblocking_run_trains_its_budget(cache, tmp_path, schedule, steps, tra
     assert summary["tokens"] == steps * TOKENS_PER_STEP
     assert max(r["step"] for r in _rows(run)) == trained
     assert [p.name for p in sorted((run / "checkpoints").iterdir())] == [f"step_{steps:08d}"]
+
+
+def test_steps_left_compares_the_progress_not_its_label():
+    """A checkpoint at progress 7.5 is labelled 8: ``train.steps`` 8 leaves half a step.
+    A marker without ``progress`` (written before it was recorded) is judged by its label,
+    as before."""
+    def cfg(steps: int) -> SimpleNamespace:
+        return SimpleNamespace(train=SimpleNamespace(steps=steps))
+
+    assert steps_left_problem({"step": 8, "progress": 7.5}, cfg(8)) is None
+    refused = steps_left_problem({"step": 8, "progress": 7.5}, cfg(7))
+    assert refused is not None and "progress 7.5" in refused
+    assert "step 8" in steps_left_problem({"step": 8}, cfg(8))
+    assert steps_left_problem({"step": 8}, cfg(9)) is None
+
+
+def test_resume_from_a_fractional_progress(cache, tmp_path):
+    """A run saves at progress 7.5 (``checkpoint.every 7``), labelled ``step_00000008``.
+    Resumed with ``--steps 8`` it trains the half step left (before: refused, "not beyond
+    the checkpoint's step 8"). Resumed with the run's own ``--steps 12`` it evaluates where
+    the run that never stopped did: at progress 10, due at 8 (before, the evaluations were
+    moved past the label 8, and the one at 10 was lost)."""
+    common = ["--sim.step_schedule=[2,3]", "--train.eval_every", "8",
+              "--checkpoint.every", "7"]
+    full = tmp_path / "full"
+    _ok(_train(cache, full, "--steps", "12", *common))
+    ckpt = full / "checkpoints" / "step_00000008"
+    marker = read_marker(ckpt)
+    assert (marker["step"], marker["progress"]) == (8, 7.5)
+    assert read_marker(full / "checkpoints" / "step_00000012")["progress"] == 12.5
+
+    half = tmp_path / "half"
+    _ok(_train(cache, half, "--steps", "8", "--resume", str(ckpt), *common))
+    assert _summary(half)["tokens"] == 10 * TOKENS_PER_STEP  # the sync at 10 reaches 8
+
+    resumed = tmp_path / "resumed"
+    _ok(_train(cache, resumed, "--steps", "12", "--resume", str(ckpt), *common))
+
+    def evaluations(run: Path) -> list[tuple[int, int, float]]:
+        return [(r["step"], r["tokens"], r["val_loss"]) for r in _rows(run)
+                if r.get("val_loss") is not None and r["step"] > 6]
+
+    # replica 0's step 8 is progress 10; step 10 the end (12.5); bitwise: an exact resume
+    assert [e[:2] for e in evaluations(full)] == [(8, 10 * TOKENS_PER_STEP),
+                                                  (10, 12.5 * TOKENS_PER_STEP)]
+    assert evaluations(resumed) == evaluations(full)
