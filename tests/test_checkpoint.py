@@ -445,8 +445,9 @@ def test_aedit_resume_of_a_finished_run_trains_to_the_new_budget(
     assert label >= 12, ckpts  # A-EDiT's label: the progress of the sync that ended it
     out = train_here(cache, tmp_path / "same", *run_args("aedit"), "--steps", str(label),
                      "--resume", str(final))
+    progress = json.loads((final / "editrain.json").read_text())["progress"]  # 12.5
     assert out.returncode == 2 and (f"train.steps: {label} is not beyond the checkpoint's "
-                                    f"step {label}") in out.stderr, out.stderr
+                                    f"progress {progress:g}") in out.stderr, out.stderr
     assert not (tmp_path / "same").exists()
     longer = tmp_path / "longer"
     train(cache, longer, *run_args("aedit"), "--steps", "16", "--resume", str(final))
