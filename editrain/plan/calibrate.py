@@ -26,6 +26,12 @@ on another layout; :func:`job_rows`), with the vocabulary the run's tokenizer re
   the runs' rounds gives the effective latency per collective and bandwidth. When every
   round has the same bytes and collectives (one setting), the two cannot be told apart:
   the latency is then taken as given (``latency_s``, default 0) and the bandwidth fitted.
+
+The compute per step is the calibrated job's: the cluster names that job's FLOPs per step
+and GPUs per replica (:meth:`Calibration.measured_job`), so that a plan of another model,
+batch or layout converts it at the same achieved FLOP/s per GPU
+(:func:`editrain.plan.model.measured_scale`); the other fitted numbers carry over as they
+are (:meth:`Calibration.cluster` says why).
 """
 
 from __future__ import annotations
@@ -40,6 +46,7 @@ from typing import Any
 from editrain.errors import ConfigError
 from editrain.metrics import current_rows, read_jsonl, read_rank_steps
 from editrain.plan.inputs import GBIT, SHAPE_FIELDS, Cluster, MethodSpec, ModelSpec
+from editrain.plan.model import model_shape, step_flops
 from editrain.rundir import latest_job_start, list_checkpoints, read_marker
 from editrain.safe_io import Obj, read_json, read_toml
 
@@ -132,10 +139,28 @@ class Calibration:
         return {"inter_node_gbps": gbps,
                 "inter_node_latency_ms": (latency_s + self.own_latency_s) * 1000.0}
 
+    def measured_job(self) -> tuple[float, int]:
+        """``(FLOPs per step of one replica, GPUs per replica)`` of the job the compute
+        per step was measured on: the first run's (the runs share one model and layout;
+        :func:`calibrate`). With them a plan converts :attr:`step_time_s` to another
+        model, batch or layout (:func:`editrain.plan.model.measured_scale`)."""
+        first = self.samples[0]
+        return (step_flops(model_shape(first.model), first.model),
+                first.shard_size * first.method.tp)
+
     def cluster(self, **changes: Any) -> Cluster:
         """The calibrated cluster: one replica per node (the runs' layout), the measured
-        step time and overhead, the fitted link (``latency_per = "collective"``: the
-        latency was fitted per collective).
+        step time and the job it was measured on (``step_time_flops``,
+        ``step_time_gpus``: another job planned on it gets the step time scaled), the
+        overhead, the fitted link (``latency_per = "collective"``: the latency was fitted
+        per collective).
+
+        The overhead per step and the compute a round beside it adds are taken as they
+        are for any job: the overhead is the step boundary's bookkeeping (logging, the
+        sync engine's step), no work on the model; the rounds' CPU cost was measured to
+        follow the rounds, not their bytes (``docs/planning.md``, Assumptions and
+        limits). The link is fitted per byte and per collective, which the plan counts
+        for the planned model itself.
 
         Args:
             changes: fields to replace (e.g. ``straggler_spread``).
@@ -143,10 +168,12 @@ class Calibration:
         first = self.samples[0]
         gbps = (self.bandwidth_bytes_per_s / GBIT if self.bandwidth_bytes_per_s
                 else 1e6)  # no rounds measured: an unlimited link
+        flops, gpus = self.measured_job()
         data: dict[str, Any] = dict(
             nodes=first.replicas, gpus_per_node=first.shard_size * first.method.tp,
             inter_node_gbps=gbps, inter_node_latency_ms=self.latency_s * 1000.0,
             latency_per="collective", step_time_s=self.step_time_s,
+            step_time_flops=flops, step_time_gpus=gpus,
             step_overhead_s=self.step_overhead_s, straggler_spread=self.straggler_spread,
             overlap_cpu_s=self.overlap_cpu_s)
         data.update(changes)
@@ -159,8 +186,8 @@ class Calibration:
         lines = ["# calibrated by `editrain plan --calibrate` from "
                  + ", ".join(s.run_dir for s in self.samples), "[cluster]"]
         for key in ("nodes", "gpus_per_node", "inter_node_gbps", "inter_node_latency_ms",
-                    "latency_per", "step_time_s", "step_overhead_s", "straggler_spread",
-                    "overlap_cpu_s"):
+                    "latency_per", "step_time_s", "step_time_flops", "step_time_gpus",
+                    "step_overhead_s", "straggler_spread", "overlap_cpu_s"):
             lines.append(f"{key} = {_toml_value(getattr(c, key))}")
         lines += ["", "[model]"]
         for key in ("preset", "hf_config", "init_from", "vocab_size", *SHAPE_FIELDS,

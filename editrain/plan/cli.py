@@ -177,9 +177,13 @@ def _calibrated_inputs(args: argparse.Namespace, overrides: dict[str, dict[str, 
         methods = [dataclasses.replace(s.method, name=f"{Path(s.run_dir).name} (as run)")
                    for s in cal.samples]
     bw = cal.bandwidth_bytes_per_s
+    flops, gpus = cal.measured_job()
     lines = [f"calibrated from {len(cal.samples)} run(s), {cal.rounds} sync round(s):",
              f"  compute per step {cal.step_time_s * 1000:.2f} ms, overhead per step "
              f"{cal.step_overhead_s * 1000:.2f} ms, straggler spread {cal.straggler_spread:.3f}",
+             f"  the compute is the run's job's: {flops / 1e9:.4g} GFLOP per step on {gpus} "
+             f"GPU(s) per replica, {flops / cal.step_time_s / gpus / 1e9:.4g} GFLOP/s per "
+             "GPU achieved (another model, batch or layout is planned at that rate)",
              f"  compute slowdown per round beside the compute {cal.overlap_cpu_s * 1000:.2f} "
              f"ms (fitted {cal.overlap_fit}; the compute per step above is without it)",
              "  link: " + (f"{bw / 1e6:.3f} MB/s ({bw / GBIT:.4g} Gbit/s)" if bw
@@ -219,6 +223,7 @@ def _header(inputs: Any, shape: Any) -> str:
     c, m = inputs.cluster, inputs.model
     speed = (f"{c.step_time_s * 1000:.1f} ms compute per step" if c.step_time_s else
              f"{c.gpu_peak_tflops:g} TFLOP/s x MFU {c.mfu:g}")
+    speed += _scaled_compute_text(c, m, shape)
     if c.overlap_cpu_s:
         speed += f" (+ {c.overlap_cpu_s * 1000:.1f} ms per round beside it)"
     return (f"{c.nodes} node(s) x {c.gpus_per_node} GPU(s), {speed}, inter-node "
@@ -226,6 +231,25 @@ def _header(inputs: Any, shape: Any) -> str:
             f"spread {c.straggler_spread:g}; model {m.label} "
             f"({shape.params / 1e6:,.1f}M parameters, {len(shape.units)} sync units), "
             f"{m.batch_size} x {m.seq_len} tokens per replica per step")
+
+
+def _scaled_compute_text(cluster: Any, model: Any, shape: Any) -> str:
+    """What the header adds when the measured compute per step belongs to another job
+    than the planned model's (other FLOPs per step): that the predictions scale it, so
+    that nobody reads the measured number as this model's. A setting whose layout alone
+    differs says so in its own note (:func:`editrain.plan.model.predict`)."""
+    from editrain.plan.model import step_flops
+
+    if cluster.step_time_s is None or cluster.step_time_flops is None:
+        return ""
+    flops = step_flops(shape, model)
+    if flops == cluster.step_time_flops:
+        return ""
+    return (f" measured on another job ({cluster.step_time_flops / 1e9:.4g} GFLOP per step "
+            f"on {cluster.step_time_gpus} GPU(s) per replica), scaled to this model's "
+            f"{flops / 1e9:.4g} GFLOP per step (x{flops / cluster.step_time_flops:.4g}; the "
+            "same achieved FLOP/s per GPU assumed: a rough guide across very different "
+            "sizes)")
 
 
 def plan_table(preds: list[Any]) -> str:

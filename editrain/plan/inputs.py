@@ -119,6 +119,15 @@ class Cluster:
     step_time_s: float | None = None
     """Measured compute seconds of one training step of one replica (instead of peak and
     MFU); it holds the replica-internal collectives (FSDP2, tp) already."""
+    step_time_flops: float | None = None
+    """FLOPs per step of one replica of the job ``step_time_s`` was measured on (with
+    ``step_time_gpus``; calibration writes its run's). A planned job of other FLOPs per
+    step (model, batch, sequence, activation checkpointing) or other GPUs per replica then
+    gets ``step_time_s`` scaled to it: the same achieved FLOP/s per GPU. Not given:
+    ``step_time_s`` is every planned job's own."""
+    step_time_gpus: int | None = None
+    """GPUs (ranks) of one replica of the job ``step_time_s`` was measured on (``shard_size
+    x tp``; with ``step_time_flops``)."""
     step_overhead_s: float = 0.0
     """Seconds per step outside compute and communication (data loading, logging, the
     step boundary); calibration measures it."""
@@ -172,6 +181,7 @@ class Cluster:
         _non_negative(self.ft_quorum_ms, "cluster.ft_quorum_ms")
         if self.gpu_memory_gb is not None:
             _positive(self.gpu_memory_gb, "cluster.gpu_memory_gb")
+        self._check_measured_job()
         if self.step_time_s is not None:
             _positive(self.step_time_s, "cluster.step_time_s")
         else:
@@ -187,6 +197,23 @@ class Cluster:
             m = _positive(self.mfu, "cluster.mfu")
             if m > 1:
                 raise _fail("cluster.mfu", f"must be <= 1 (a share of the peak), got {m!r}")
+
+    def _check_measured_job(self) -> None:
+        """``step_time_flops`` and ``step_time_gpus`` come together and with the
+        ``step_time_s`` they describe."""
+        given = [name for name in ("step_time_flops", "step_time_gpus")
+                 if getattr(self, name) is not None]
+        if not given:
+            return
+        if self.step_time_s is None:
+            raise _fail(f"cluster.{given[0]}", "describes the job step_time_s was measured "
+                        "on: give step_time_s with it, or leave it out")
+        if len(given) == 1:
+            missing = "step_time_gpus" if given[0] == "step_time_flops" else "step_time_flops"
+            raise _fail(f"cluster.{missing}", f"missing: give it with {given[0]} (the "
+                        "measured job's FLOPs per step and GPUs per replica go together)")
+        _positive(self.step_time_flops, "cluster.step_time_flops")
+        _count(self.step_time_gpus, "cluster.step_time_gpus")
 
     @property
     def gpus(self) -> int:

@@ -584,13 +584,55 @@ def replica_factors(cluster: Cluster, replicas: int) -> list[float]:
     return [1.0 + cluster.straggler_spread * i / (replicas - 1) for i in range(replicas)]
 
 
+def step_flops(shape: Shape, spec: ModelSpec) -> float:
+    """Training FLOPs of one replica's step: its ``batch_size x seq_len`` tokens times
+    :meth:`Shape.flops_per_token`, x 4/3 with activation checkpointing (the forward runs
+    twice).
+
+    Args:
+        shape: the model's shape.
+        spec: the model spec (batch, sequence, checkpointing).
+    """
+    tokens = spec.batch_size * spec.seq_len
+    flops = tokens * shape.flops_per_token(spec.seq_len)
+    if spec.activation_checkpointing:
+        flops *= 4.0 / 3.0
+    return flops
+
+
+def measured_scale(cluster: Cluster, shape: Shape, spec: ModelSpec, lay: Layout) -> float:
+    """How many times the measured ``cluster.step_time_s`` this job's compute per step is.
+
+    The measured step belongs to one job (``cluster.step_time_flops`` FLOPs per step on
+    ``cluster.step_time_gpus`` GPUs per replica: calibration's run); what carries over to
+    another model, batch, checkpointing or replica size is the machine's achieved FLOP/s
+    per GPU, so the compute scales with the FLOPs per step and inversely with the GPUs
+    per replica. Exactly 1 for the measured job itself, and when the cluster does not
+    say which job was measured (``step_time_s`` is then the planned job's own).
+
+    Args:
+        cluster: the cluster (its ``step_time_flops`` and ``step_time_gpus``).
+        shape: the planned model's shape.
+        spec: the planned model spec.
+        lay: the planned setting's layout.
+    """
+    measured_flops, measured_gpus = cluster.step_time_flops, cluster.step_time_gpus
+    if measured_flops is None or measured_gpus is None:
+        return 1.0
+    flops, gpus = step_flops(shape, spec), lay.gpus_per_replica
+    if flops == measured_flops and gpus == measured_gpus:
+        return 1.0
+    return flops / measured_flops * measured_gpus / gpus
+
+
 def compute_step_s(cluster: Cluster, shape: Shape, spec: ModelSpec, lay: Layout,
                    method: MethodSpec | None = None) -> tuple[float, float]:
     """Compute seconds per step of one replica at nominal speed, and the exposed seconds
     of its replica-internal collectives (FSDP2 all-gathers and reduce-scatter, tp
     all-reduces) inside that figure.
 
-    With a measured ``cluster.step_time_s`` that is the answer (it holds the collectives).
+    With a measured ``cluster.step_time_s`` that is the answer (it holds the collectives),
+    converted to this job when it was measured on another one (:func:`measured_scale`).
     Otherwise ``tokens * flops_per_token / (gpus * peak * mfu)`` plus the collectives:
     FSDP2 moves ``3 (S - 1) / S`` of the replica's parameter bytes per rank per
     micro-batch pass, overlapped with compute except for the first unit's gather; tp
@@ -604,12 +646,9 @@ def compute_step_s(cluster: Cluster, shape: Shape, spec: ModelSpec, lay: Layout,
         method: unused, for symmetry.
     """
     if cluster.step_time_s is not None:
-        return cluster.step_time_s, 0.0
+        return cluster.step_time_s * measured_scale(cluster, shape, spec, lay), 0.0
     assert cluster.gpu_peak_tflops is not None and cluster.mfu is not None
-    tokens = spec.batch_size * spec.seq_len
-    flops = tokens * shape.flops_per_token(spec.seq_len)
-    if spec.activation_checkpointing:
-        flops *= 4.0 / 3.0
+    flops = step_flops(shape, spec)
     compute = flops / (lay.gpus_per_replica * cluster.gpu_peak_tflops * 1e12 * cluster.mfu)
     b = DTYPE_BYTES[spec.dtype]
     micro = spec.micro_batch or max(1, math.ceil(spec.batch_size / lay.shard_size))
@@ -744,7 +783,7 @@ def predict(cluster: Cluster, spec: ModelSpec, method: MethodSpec,
     p, s = cluster.stall_prob, cluster.stall_s
     fwd = [compute / 3.0 * w for w in shape.fwd_share]
     db = DTYPE_BYTES[spec.dtype]
-    notes: list[str] = []
+    notes = _scaled_compute_notes(cluster, shape, spec, lay)
     mean_busy_step = compute * sum(factors) / R + p * s  # per step, mean over replicas
 
     if method.method == "sync":
@@ -775,8 +814,10 @@ def predict(cluster: Cluster, spec: ModelSpec, method: MethodSpec,
     # model of one job, Compute).
     beside = overlap_slowdown_s(cluster, method)
     if method.method == "aedit":
-        return _predict_aedit(cluster, method, lay, compute, factors, fwd, rounds,
+        pred = _predict_aedit(cluster, method, lay, compute, factors, fwd, rounds,
                               round_bytes, round_s, tokens_step, mem, beside)
+        pred.notes[:0] = notes
+        return pred
 
     mean_busy_step += beside
     pace = compute * max(factors) + beside + over + expected_max_stall_s(H, R, p, s) / H
@@ -788,6 +829,23 @@ def predict(cluster: Cluster, spec: ModelSpec, method: MethodSpec,
     return Prediction(method.label, method, lay, compute + beside, wall,
                       R * tokens_step / wall, mean_busy_step / wall, tl.wait_per_step_s,
                       pace - over - mean_busy_step, round_bytes, round_s, mem, stale, notes)
+
+
+def _scaled_compute_notes(cluster: Cluster, shape: Shape, spec: ModelSpec, lay: Layout
+                          ) -> list[str]:
+    """The note a setting gets when its compute is the measured step time converted from
+    another job (:func:`measured_scale`), so that a reader knows the number is no
+    measurement of this job; none otherwise."""
+    if cluster.step_time_s is None:
+        return []
+    scale = measured_scale(cluster, shape, spec, lay)
+    if scale == 1.0:
+        return []
+    return [f"compute scaled from the measured job's {cluster.step_time_s * 1000:.3g} ms "
+            f"per step x{scale:.4g} ({step_flops(shape, spec) / 1e9:.4g} GFLOP per step on "
+            f"{lay.gpus_per_replica} GPU(s) per replica against its "
+            f"{cluster.step_time_flops / 1e9:.4g} on {cluster.step_time_gpus}; the same "
+            "achieved FLOP/s per GPU assumed)"]
 
 
 def overlap_slowdown_s(cluster: Cluster, method: MethodSpec) -> float:
@@ -847,6 +905,6 @@ def _predict_aedit(cluster: Cluster, method: MethodSpec, lay: Layout, compute: f
 __all__ = ["CODEC_BITS", "Layout", "Memory", "Prediction", "Round", "Shape", "Timeline",
            "allgather_s", "compute_step_s", "expected_max_stall_s",
            "gather_break_even_replicas", "layerwise_exposure_s",
-           "layout", "llama_shape", "memory_per_rank", "model_shape", "overlap_slowdown_s",
-           "payload_bytes", "predict",
-           "replica_factors", "ring_allreduce_s", "timeline", "unit_bytes"]
+           "layout", "llama_shape", "measured_scale", "memory_per_rank", "model_shape",
+           "overlap_slowdown_s", "payload_bytes", "predict",
+           "replica_factors", "ring_allreduce_s", "step_flops", "timeline", "unit_bytes"]
