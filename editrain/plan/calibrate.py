@@ -14,8 +14,8 @@ on another layout; :func:`job_rows`), with the vocabulary the run's tokenizer re
   runs' mean compute against their rounds per step; with one rate, within the runs, the
   steps a round ran beside against the others;
 * the step overhead: the median over steps without a sync of the ``train_time_s`` advance
-  minus the step's compute, sync wait and gradient sync (data loading, logging, the step
-  boundary);
+  minus the step's compute, sync wait and gradient sync (logging, the step boundary; the
+  step's data loading and optimizer step are in its compute: ``Trainer.train_step``);
 * the replicas' speeds: each replica's mean busy time (``compute_s`` plus a simulated
   slowdown) over the fastest one's (a straggler spread);
 * the link: every sync row gives ``comm_time_s`` (seconds inside the round's collectives,

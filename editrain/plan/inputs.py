@@ -129,8 +129,9 @@ class Cluster:
     """GPUs (ranks) of one replica of the job ``step_time_s`` was measured on (``shard_size
     x tp``; with ``step_time_flops``)."""
     step_overhead_s: float = 0.0
-    """Seconds per step outside compute and communication (data loading, logging, the
-    step boundary); calibration measures it."""
+    """Seconds per step outside compute and communication (logging, the engine's step
+    boundary; a step's data loading and optimizer step are in its measured compute);
+    calibration measures it."""
     gpu_memory_gb: float | None = None
     """Memory of one GPU, GiB; when given, a plan that does not fit fails."""
     intra_node_gbps: float = 1600.0
