@@ -374,6 +374,13 @@ def read_run(run_dir: str | Path, skip: int = 4) -> RunSample:
         raise ConfigError(f"plan --calibrate: {d} is not a run directory (no metrics.jsonl "
                           "and config.toml)")
     cfg = _read_toml(d / "config.toml")
+    pp = _get(cfg, "dist", "pp_size", 1)
+    if pp not in (None, 1):
+        # The job model has no pipeline stages: a stage's compute per step and a
+        # replica's ranks (pp x shard x tp) would be read as a whole replica's.
+        raise ConfigError(f"plan --calibrate: {d} ran with dist.pp_size = {pp}; the planner "
+                          "models replicas of FSDP2 shards and tensor parallelism, not "
+                          "pipeline stages: calibrate from a run with dist.pp_size = 1")
     method, model = read_config(d)
     S, replicas = method.shard_size or 1, _replicas(cfg)
     # the rank files are keyed by global rank: the job's processes (tp peers included)
