@@ -830,3 +830,23 @@ def test_calibrate_refuses_a_pipeline_parallel_run(tmp_path):
     with pytest.raises(ConfigError, match=r"ran with dist.pp_size = 2; .* calibrate from a "
                                           r"run with dist.pp_size = 1"):
         calibrate([tmp_path])
+
+
+def test_calibrate_refuses_runs_of_different_jobs(tmp_path):
+    """Several runs are fitted as one job's compute (with and without rounds beside it)
+    and the plan scales from the first run's job: runs of another batch or layout were
+    mixed into that fit silently. Other methods and links are what several runs are for."""
+    for name in ("a", "b", "c"):
+        write_synthetic_run(tmp_path / name)
+    b, c = tmp_path / "b" / "config.toml", tmp_path / "c" / "config.toml"
+    b.write_text(b.read_text().replace("batch_size = 8", "batch_size = 16"))
+    c.write_text(c.read_text().replace("nproc = 2\nshard_size = 1",
+                                       "nproc = 4\nshard_size = 2"))
+    with pytest.raises(ConfigError, match=r"b ran another job than .*a \(model.batch_size 8 "
+                                          r"vs 16\): calibrate from runs of one model"):
+        calibrate([tmp_path / "a", tmp_path / "b"])
+    with pytest.raises(ConfigError, match=r"shard_size 1 vs 2\)"):
+        calibrate([tmp_path / "a", tmp_path / "c"])
+    same = tmp_path / "d"
+    write_synthetic_run(same, simulated=False)  # another link: still one job
+    assert len(calibrate([tmp_path / "a", same]).samples) == 2

@@ -561,6 +561,27 @@ def fit_compute(runs: list[tuple[float, float, float | None]]
     return step, cost, "within runs"
 
 
+def _check_one_job(samples: list[RunSample]) -> None:
+    """Refuse runs of different models, batches or replica layouts: the compute per step
+    is fitted across the runs as one job's (with and without rounds beside it), and the
+    plan scales it from the first run's job (:meth:`Calibration.measured_job`). The
+    methods, links and stragglers may differ; that is what several runs are for."""
+    first = samples[0]
+    want = dataclasses.asdict(first.model)
+    for s in samples[1:]:
+        got = dataclasses.asdict(s.model)
+        diff = [f"model.{k} {want[k]!r} vs {got[k]!r}" for k in want if want[k] != got[k]]
+        for name, a, b in (("shard_size", first.shard_size, s.shard_size),
+                           ("tp", first.method.tp, s.method.tp)):
+            if a != b:
+                diff.append(f"{name} {a} vs {b}")
+        if diff:
+            raise ConfigError(
+                f"plan --calibrate: {s.run_dir} ran another job than {first.run_dir} ("
+                + ", ".join(diff) + "): calibrate from runs of one model, batch and replica "
+                "layout (their methods, links and stragglers may differ)")
+
+
 def calibrate(run_dirs: list[str | Path], skip: int = 4, latency_s: float | None = None
               ) -> Calibration:
     """Fit compute speed, overhead, stragglers and the link from one or more runs.
@@ -576,6 +597,7 @@ def calibrate(run_dirs: list[str | Path], skip: int = 4, latency_s: float | None
     if not run_dirs:
         raise ConfigError("plan --calibrate: give at least one run directory")
     samples = [read_run(d, skip) for d in run_dirs]
+    _check_one_job(samples)
     rounds = [r for s in samples for r in s.syncs]
     bw, lat, rms, fitted = fit_link(rounds, latency_s)
     own_bw, own_lat = None, 0.0
