@@ -25,7 +25,10 @@ picked by ``--resume RUN_DIR`` (which takes the newest checkpoint of ``checkpoin
 second job on the same directory is refused. The kernel releases the lock when its holder
 exits in any way (``kill -9`` included), so a stale lock file from a dead process is
 detected by simply taking the lock. (``flock`` on network file systems may be local to a
-node; a multi-node job takes it on the node of rank 0.)
+node; a multi-node job takes it on the node of rank 0.) The replica groups of a
+fault-tolerant run started as torchrun jobs of their own share the run directory: each
+holds its group's lock (:func:`group_lock_name`) for the job, and the run's lock only a
+moment, to write the run's files (see :meth:`editrain.launch.run_dir.RunDirClaim.join`).
 
 ``RUN_DIR/logs`` (:func:`logs_dir`; per replica group of a fault-tolerant run
 ``RUN_DIR/replica{r}/logs``) holds the workers' tracebacks and torch elastic's own log.
@@ -224,15 +227,31 @@ def latest_job_start(run_dir: str | Path) -> int:
 
 
 # ---------------------------------------------------------------------------- the lock
+def group_lock_name(replica: int) -> str:
+    """The lock file of replica group ``replica`` of a fault-tolerant run whose groups are
+    jobs of their own (torchrun): ``RUN_DIR/.editrain.replica{r}.lock``. It lies beside the
+    run's lock rather than in ``replica{r}/``: taking it must not make the directory look
+    like it holds a run before the group has checked the directory."""
+    return f".editrain.replica{replica}.lock"
+
+
+_GROUP_LOCK = re.compile(r"\.editrain\.replica(\d+)\.lock")
+
+
 class RunLock:
-    """An exclusive ``flock`` on ``RUN_DIR/.editrain.lock`` for the life of a job.
+    """An exclusive ``flock`` on ``RUN_DIR/.editrain.lock`` for the life of a job, or with
+    ``replica``, on replica group ``replica``'s own lock (:func:`group_lock_name`): the
+    lock of one torchrun job of a fault-tolerant run, which shares the run directory
+    with the other groups' jobs and owns only its ``replica{r}/``.
 
     Args:
         run_dir: the run directory (created if missing).
+        replica: the replica group whose lock this is (None: the run's).
     """
 
-    def __init__(self, run_dir: str | Path) -> None:
-        self.path = Path(run_dir) / LOCK
+    def __init__(self, run_dir: str | Path, replica: int | None = None) -> None:
+        self.path = Path(run_dir) / (LOCK if replica is None else group_lock_name(replica))
+        self.replica = replica
         self._fd: int | None = None
 
     @property
@@ -240,9 +259,15 @@ class RunLock:
         """Whether this object holds the lock."""
         return self._fd is not None
 
-    def acquire(self) -> RunLock:
+    def acquire(self, wait_s: float = 0.0) -> RunLock:
         """Take the lock (creating the directory and the lock file if needed) or raise
-        :class:`RunDirError` naming the job that holds it."""
+        :class:`RunDirError` naming the job that holds it.
+
+        Args:
+            wait_s: how long to wait for a holder to let go (0: refused at once). The
+                replica groups of a torchrun ``--ft`` run take the run's lock in turn, a
+                moment each, to write the run's shared files.
+        """
         import fcntl
 
         make_dir(self.path.parent, root=self.path.parent)  # the run directory: may be a link
@@ -257,20 +282,33 @@ class RunLock:
             os.close(fd)
             raise RunDirError(f"--run-dir: {self.path} is not a regular file; it is "
                               "editrain's lock of the run directory (move it away)")
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            holder = os.pread(fd, 4096, 0).decode("utf-8", "replace").strip() or "unknown"
-            os.close(fd)
-            raise RunDirError(
-                f"--run-dir: {self.path.parent} is in use by another editrain job ({holder}); "
-                "wait for it to end or choose another directory") from None
+        deadline = time.monotonic() + wait_s
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except OSError:
+                if time.monotonic() < deadline:
+                    time.sleep(0.05)
+                    continue
+                holder = os.pread(fd, 4096, 0).decode("utf-8", "replace").strip() or "unknown"
+                os.close(fd)
+                raise RunDirError(self._refusal(holder)) from None
         os.set_inheritable(fd, False)
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}, since "
                       f"{time.strftime('%Y-%m-%d %H:%M:%S')}\n".encode(), 0)
         self._fd = fd
         return self
+
+    def _refusal(self, holder: str) -> str:
+        run_dir = self.path.parent
+        if self.replica is None:
+            return (f"--run-dir: {run_dir} is in use by another editrain job ({holder}); "
+                    "wait for it to end or choose another directory")
+        return (f"--dist.ft_replica_id: replica group {self.replica} of {run_dir} is in use "
+                f"by another editrain job ({holder}); wait for it to end, or start this job "
+                "as another replica group")
 
     def release(self) -> None:
         """Give the lock back (the file stays: removing it would race with a new holder)."""
@@ -287,6 +325,37 @@ class RunLock:
 
     def __exit__(self, *exc: Any) -> None:
         self.release()
+
+
+def running_groups(run_dir: str | Path, but: int | None = None) -> list[int]:
+    """The replica groups of a fault-tolerant run whose torchrun jobs hold their locks
+    (:func:`group_lock_name`) in ``run_dir`` now, ``but`` left out (this job's own).
+
+    Look only while holding the run's lock: every group takes its own under it, so a look
+    (which takes each free lock for a moment) never makes a starting group's fail.
+    """
+    import fcntl
+
+    p = Path(run_dir)
+    if not p.is_dir():
+        return []
+    found = []
+    for entry in sorted(p.iterdir()):
+        match = _GROUP_LOCK.fullmatch(entry.name)
+        if match is None or int(match.group(1)) == but or _kind(entry) != "file":
+            continue
+        try:
+            fd = os.open(entry, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            fcntl.flock(fd, fcntl.LOCK_UN)
+        except OSError:
+            found.append(int(match.group(1)))
+        finally:
+            os.close(fd)
+    return sorted(found)
 
 
 # ---------------------------------------------------------------------------- ownership

@@ -696,6 +696,115 @@ def test_cli_ft_replica_group_under_torchrun_ends_with_exit_0(tmp_path, data_cac
     assert (run / "loss_vs_tokens.png").is_file()
 
 
+def _torchrun_group_env() -> dict:
+    """The environment of a torchrun job started by a test: none of this process's own
+    torchrun or fault-tolerance variables, one thread per worker."""
+    import os
+
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT",
+                        "TORCHELASTIC_RUN_ID", "EDITRAIN_FT_REPLICA", "TORCHFT_LIGHTHOUSE")}
+    env["OMP_NUM_THREADS"] = "1"
+    return env
+
+
+@pytest.mark.timeout(600)
+def test_cli_ft_replica_groups_under_torchrun_share_one_run_directory(tmp_path, data_cache):
+    """Two replica groups started as torchrun jobs of their own with one --run-dir (as on
+    a cluster, where the run directory is on storage every machine sees): both train to
+    the end (exit 0), each into its own replica{r}/, and the run's summary.json gathers
+    both. While group 0 runs (waiting for group 1 in its first quorum), a second job as
+    group 0 is refused (the group's lock), and a job as group 1 with another --steps is
+    refused naming train.steps. A resume of both groups (--resume RUN each) continues
+    them. Before, each group's rank 0 locked and claimed the whole run directory: the
+    second group was refused ("in use by another editrain job") and only one directory
+    per machine worked."""
+    import json
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    from editrain.sync.ft import start_lighthouse
+    from tests.test_checkpoint import _base_args
+
+    run = tmp_path / "run"
+    torchrun = str(Path(sys.executable).with_name("torchrun"))
+
+    def group(r: int, *extra: str) -> list[str]:
+        return [torchrun, "--standalone", "--nproc-per-node", "1", "-m", "editrain", "train",
+                *_base_args(data_cache), "--ft", "--shard-size", "1",
+                "--sync.local_sgd_sync_interval", "2", "--dist.ft_replicas", "2",
+                "--dist.ft_replica_id", str(r), "--dist.ft_lighthouse", lighthouse.address(),
+                "--run-dir", str(run), *extra]
+
+    def run_job(r: int, *extra: str) -> subprocess.CompletedProcess:
+        return subprocess.run(group(r, *extra), capture_output=True, text=True,
+                              env=_torchrun_group_env(), timeout=240)
+
+    lighthouse = start_lighthouse(1, 30.0, 5.0)
+    first = None
+    try:
+        with open(tmp_path / "group0.err", "w") as err:
+            first = subprocess.Popen(group(0, "--steps", "4"), stdout=subprocess.DEVNULL,
+                                     stderr=err, env=_torchrun_group_env())
+        # Group 0 holds its lock once its trainer has made replica0/; it then waits for
+        # group 1 in its first quorum.
+        deadline = time.monotonic() + 120
+        while not (run / "replica0").is_dir() and first.poll() is None:
+            assert time.monotonic() < deadline, "group 0 did not start"
+            time.sleep(0.2)
+        again = run_job(0, "--steps", "4")
+        assert again.returncode != 0
+        assert (f"--dist.ft_replica_id: replica group 0 of {run} is in use by another "
+                "editrain job") in again.stderr, again.stderr[-3000:]
+        other = run_job(1, "--steps", "6")
+        assert other.returncode != 0
+        assert "train.steps: this group 6, the run 4" in other.stderr, other.stderr[-3000:]
+        second = run_job(1, "--steps", "4")
+        first.wait(timeout=240)
+    finally:
+        if first is not None and first.poll() is None:
+            first.kill()
+            first.wait()
+        lighthouse.shutdown()
+    assert first.returncode == 0, (tmp_path / "group0.err").read_text()[-3000:]
+    assert second.returncode == 0, second.stderr[-3000:]
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["finished_replicas"] == 2
+    for r in (0, 1):
+        assert (run / f"replica{r}" / "metrics.jsonl").is_file()
+        assert (run / f"replica{r}" / "checkpoints" / "step_00000004").is_dir()
+        assert summary["per_replica"][str(r)]["steps"] == 4
+    assert (run / "loss_vs_tokens.png").is_file()
+    record = json.loads((run / "editrain-run.json").read_text())
+    assert len(record["history"]) == 1  # one job of the run: the first group's claim
+
+    # --resume RUN per group: the first group to start claims the run again (a second
+    # history line), the other joins it; both continue from their own checkpoints.
+    lighthouse = start_lighthouse(1, 30.0, 5.0)
+    resumed = []
+    try:
+        resumed = [subprocess.Popen(group(r, "--steps", "6", "--resume", str(run)),
+                                    stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                    text=True, env=_torchrun_group_env()) for r in (0, 1)]
+        errors = [p.communicate(timeout=240)[1] for p in resumed]
+    finally:
+        for p in resumed:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        lighthouse.shutdown()
+    for p, stderr in zip(resumed, errors):
+        assert p.returncode == 0, stderr[-3000:]
+    summary = json.loads((run / "summary.json").read_text())
+    for r in (0, 1):
+        assert summary["per_replica"][str(r)]["steps"] == 6
+        assert summary["per_replica"][str(r)]["steps_run"] == 2
+    record = json.loads((run / "editrain-run.json").read_text())
+    assert len(record["history"]) == 2 and record["history"][1]["from_step"] == 4
+
+
 def test_an_error_of_one_stage_drops_the_round_on_every_stage_of_its_group():
     """The commit vote is torchft's AND over the ranks of a replica group (every stage,
     shard and tp rank). Two ranks of one group (two pipeline stages) end a round: stage

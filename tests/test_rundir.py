@@ -58,6 +58,49 @@ def test_a_dead_holders_lock_is_taken_over(tmp_path):
     rundir.RunLock(run).acquire().release()  # the stale lock file is no obstacle
 
 
+def test_a_torchrun_replica_groups_lock_refuses_only_a_second_job_as_that_group(tmp_path):
+    """The replica groups of a fault-tolerant run started as torchrun jobs share the run
+    directory: each holds its own group's lock, so a second job as group 0 is refused
+    (naming --dist.ft_replica_id) while group 1's job and the run's own lock (which the
+    groups take in turn, a moment each) are free; a local job on the directory is refused
+    while a group trains there."""
+    run = tmp_path / "run"
+    group0 = rundir.RunLock(run, 0).acquire()
+    with pytest.raises(RunDirError, match=r"--dist.ft_replica_id: replica group 0 of .* is in "
+                                          rf"use by another editrain job \(pid {os.getpid()}"):
+        rundir.RunLock(run, 0).acquire()
+    with rundir.RunLock(run, 1), rundir.RunLock(run):
+        assert rundir.running_groups(run) == [0, 1]
+        assert rundir.running_groups(run, but=1) == [0]
+    assert rundir.running_groups(run) == [0]
+    with pytest.raises(RunDirError, match="in use by the torchrun job.* replica group.* 0"):
+        check_run_dir(cfg_for(run), run)
+    check_run_dir(cfg_for(run), run, replica=0)  # its own lock is no other job's
+    assert not any(p.name.startswith("replica") for p in run.iterdir())  # no run entry
+    group0.release()
+    assert rundir.running_groups(run) == []
+    check_run_dir(cfg_for(run), run)
+
+
+def test_a_replica_group_joining_a_run_must_have_its_options_apart_from_its_own(tmp_path):
+    """A torchrun job of a replica group that starts while others train joins their run:
+    its options must be the run's (config.toml, which holds no group's id), apart from
+    the group's identity and its machine's own (lighthouse address, cache); another
+    value is refused naming the option and both values."""
+    from editrain.launch.run_dir import refuse_other_options
+
+    run = tmp_path / "run"
+    ft = {"dist": {"fault_tolerance": "torchft", "ft_replicas": 2, "shard_size": 1}}
+    prepare_run_dir(cfg_for(run, **ft, train={"steps": 8}), run, replica=0)
+    assert "ft_replica_id" not in (run / "config.toml").read_text()
+    same = {"dist": {**ft["dist"], "ft_replica_id": 1, "ft_lighthouse": "http://h:1"},
+            "data": {"cache_dir": str(tmp_path / "cache")}, "train": {"steps": 8}}
+    refuse_other_options(cfg_for(run, **same), run)
+    with pytest.raises(RunDirError, match=r"\(train.seed: this group 3, the run 0; "
+                                          r"train.steps: this group 6, the run 8\)"):
+        refuse_other_options(cfg_for(run, **{**same, "train": {"steps": 6, "seed": 3}}), run)
+
+
 # ---------------------------------------------------------------------------- rotation
 def test_rotation_deletes_only_the_current_timeline_oldest_first_by_step(tmp_path):
     run = tmp_path / "run"

@@ -110,18 +110,41 @@ def start_workers(job: Job, data_entry: str) -> dict[str, Any]:
 
 def summarise(job: Job) -> None:
     """Plot the run's loss curves into its directory: its own, or those of the ``--ft``
-    replica groups that wrote metrics (a torchrun job of one group: that group's), each
-    plot logged, unless quiet or under torchrun."""
+    replica groups that wrote metrics, each plot logged, unless quiet or under torchrun.
+
+    A torchrun job of a fault-tolerant run is one replica group of several jobs sharing
+    the directory: each gathers the run's ``summary.json`` and draws every group's curve
+    when it ends, under the run's lock, so that they never write the run's files at once
+    and the last group to end leaves them whole."""
     from editrain.metrics import plot_runs
 
-    runs = [job.run_dir]
-    if job.ft and not job.under_torchrun:  # one curve per group, drawn in the run directory
-        runs = [job.group_dir(r) for r in range(job.groups)]
-        runs = [p for p in runs if (p / "metrics.jsonl").exists()]
-    elif job.ft:  # a torchrun job is one group: its metrics are in its own directory
-        from editrain.fault import ft_identity
+    if job.ft and job.under_torchrun:
+        from editrain import rundir
+        from editrain.launch.ft import summarise_groups
+        from editrain.launch.run_dir import RUN_LOCK_WAIT_S
 
-        runs = [job.group_dir(ft_identity(job.cfg, job.world)[0])]
+        with rundir.RunLock(job.run_dir).acquire(wait_s=RUN_LOCK_WAIT_S):
+            summarise_groups(job.run_dir, _group_count(job), events=[])
+            plot_runs(_groups_with_metrics(job), job.run_dir)
+        return
+    runs = _groups_with_metrics(job) if job.ft else [job.run_dir]
     plots = plot_runs(runs, job.run_dir) if runs else []
     for path in plots if not (job.cfg.quiet or job.under_torchrun) else []:
         log.info("plot: %s", path)
+
+
+def _group_count(job: Job) -> int:
+    """The replica groups of a fault-tolerant run: the launcher's, or under torchrun
+    (where this job is one of them) ``dist.ft_replicas``."""
+    if not job.under_torchrun:
+        return job.groups
+    from editrain.fault import ft_identity
+
+    return ft_identity(job.cfg, job.world)[1]
+
+
+def _groups_with_metrics(job: Job) -> list:
+    """The directories of a fault-tolerant run's replica groups that wrote metrics (one
+    curve per group, drawn in the run directory)."""
+    runs = [job.group_dir(r) for r in range(_group_count(job))]
+    return [p for p in runs if (p / "metrics.jsonl").exists()]

@@ -270,9 +270,17 @@ SUMMARY_MAX_BYTES = 16 << 20
 
 
 def summarise_groups(run_dir: Path, replicas: int, events: list[dict[str, Any]],
-                     wall_s: float) -> dict[str, Any]:
+                     wall_s: float | None = None) -> dict[str, Any]:
     """The run's summary from every replica group's own ``summary.json`` (also written to
-    ``RUN_DIR/summary.json``)."""
+    ``RUN_DIR/summary.json``).
+
+    Args:
+        run_dir: the run directory.
+        replicas: the run's replica groups.
+        events: what the launcher saw of the groups (start, died, stopped_late).
+        wall_s: the run's wall time; None (the groups are torchrun jobs, nobody timed the
+            run): the longest group's.
+    """
     groups = {}
     for r in range(replicas):
         path = run_dir / f"replica{r}" / "summary.json"
@@ -280,6 +288,8 @@ def summarise_groups(run_dir: Path, replicas: int, events: list[dict[str, Any]],
             groups[r] = read_json(path, max_bytes=SUMMARY_MAX_BYTES, schema=Obj(),
                                   error=rundir.RunDirError, what="replica group's summary")
     finished = [g for g in groups.values()]
+    if wall_s is None:
+        wall_s = max((g.get("wall_time_s", 0.0) for g in finished), default=0.0)
     summary = {
         "fault_tolerance": "torchft",
         "replicas": replicas,

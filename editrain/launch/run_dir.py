@@ -8,6 +8,10 @@ job is using is refused, and the job holds the directory's lock until it ends; c
 writes the run record (identity, timeline) and the resolved configuration of the job
 (``RUN_DIR/config.toml``: the latest job's; the options it changes over the one it
 replaces are kept in the record's history).
+
+The replica groups of a fault-tolerant run started as torchrun jobs of their own share
+one run directory: each job locks its own group, the first to start claims the run, and
+the others join it (:meth:`RunDirClaim.join`).
 """
 
 from __future__ import annotations
@@ -27,26 +31,45 @@ from editrain.safe_io import read_bytes, read_toml_value, write_atomic
 
 TORCHRUN_WAIT_S = 120
 """How long a torchrun rank other than 0 waits for rank 0 to claim the run directory."""
+RUN_LOCK_WAIT_S = 60
+"""How long a torchrun job of a fault-tolerant run's replica group waits for the run's
+lock, which the other groups' jobs hold a moment each (to claim the run, to gather its
+summary) and editrain's own ``--ft`` launcher for its whole job."""
 
 
-def resume_checkpoints(cfg: Config) -> list[Path]:
-    """The checkpoint(s) ``--resume`` names: one, or one per replica group of a
-    fault-tolerant run (``RUN_DIR/replica{r}``); empty without ``--resume``."""
+def resume_checkpoints(cfg: Config, replica: int | None = None) -> list[Path]:
+    """The checkpoint(s) ``--resume`` names: one, or for a fault-tolerant run one per
+    replica group of the launcher's (``RUN_DIR/replica{r}``), or with ``replica`` (a
+    torchrun job, which is that one group) that group's alone; empty without
+    ``--resume``."""
     if not cfg.resume:
         return []
     from editrain.checkpoint import resolve_resume  # imports torch: not for a fresh run
+    from editrain.fault import replica_run_dir
 
     if cfg.dist.fault_tolerance != "torchft":
         return [resolve_resume(cfg.resume)]
-    groups = max(1, cfg.dist.nproc // cfg.dist.replica_size)
-    out = []
-    for r in range(groups):
-        sub = Path(cfg.resume) / f"replica{r}"
-        out.append(resolve_resume(sub if sub.is_dir() else cfg.resume))
-    return out
+    groups = [replica] if replica is not None else range(
+        max(1, cfg.dist.nproc // cfg.dist.replica_size))
+    return [resolve_resume(replica_run_dir(cfg.resume, r)) for r in groups]
 
 
-def _refuse_nothing_left(cfg: Config, world: int) -> None:
+def torchrun_group(job: Job) -> int | None:
+    """The replica group a torchrun job of a fault-tolerant run is
+    (:func:`editrain.fault.ft_identity`); None for any other job (the local launcher's
+    ``--ft`` job holds every group).
+
+    Raises:
+        ConfigError: a fault-tolerant torchrun job that does not know its replica group.
+    """
+    if not (job.ft and job.under_torchrun):
+        return None
+    from editrain.fault import ft_identity
+
+    return ft_identity(job.cfg, job.world)[0]
+
+
+def _refuse_nothing_left(cfg: Config, replica: int | None) -> None:
     """A torchrun job's ``--resume`` with no step left (``train.steps`` not beyond the
     checkpoint's step) is refused before the run directory is claimed: the claim rewrites
     ``config.toml`` and the record, and the next plain ``--resume`` would take the refused
@@ -54,43 +77,47 @@ def _refuse_nothing_left(cfg: Config, world: int) -> None:
     again and append its rows to the metrics a second time. (Editrain's own launcher
     refuses it in its preflight, for every replica group of a ``--ft`` run.)
 
-    A fault-tolerant torchrun job is one replica group (``dist.ft_replica_id``) of
-    ``world`` ranks: it checks the checkpoint its trainer resumes, its own
-    ``replica{r}``'s (the other groups are other jobs, which check theirs).
+    A fault-tolerant torchrun job is one replica group (``replica``): it checks the
+    checkpoint its trainer resumes, its own ``replica{r}``'s (the other groups are other
+    jobs, which check theirs).
 
     Raises:
         CheckpointError: the first checkpoint ``--resume`` names that leaves no step.
-        ConfigError: a fault-tolerant job that does not know its replica group.
     """
-    from editrain.checkpoint import refuse_no_steps_left, resolve_resume
+    from editrain.checkpoint import refuse_no_steps_left
 
-    if cfg.dist.fault_tolerance == "torchft":
-        if not cfg.resume:
-            return
-        from editrain.fault import ft_identity, replica_run_dir
-
-        replica, _ = ft_identity(cfg, world)
-        checkpoints = [resolve_resume(replica_run_dir(cfg.resume, replica))]
-    else:
-        checkpoints = resume_checkpoints(cfg)
-    for ckpt in checkpoints:
+    for ckpt in resume_checkpoints(cfg, replica):
         refuse_no_steps_left(ckpt, cfg)
 
 
-def check_run_dir(cfg: Config, run_dir: Path) -> rundir.Claim:
+def check_run_dir(cfg: Config, run_dir: Path, replica: int | None = None) -> rundir.Claim:
     """Whether this job may use ``run_dir`` (:func:`editrain.rundir.check`): a directory
     holding a run is refused unless this job resumes that same run or ``--overwrite`` is
     given, and ``--overwrite`` never removes what editrain did not write; the run's
     ``config.toml``, which this job replaces, must be one it can keep
-    (:func:`kept_config`). Touches nothing."""
-    checked = rundir.check(run_dir, overwrite=cfg.overwrite, resume=resume_checkpoints(cfg))
+    (:func:`kept_config`); a directory where replica groups of a torchrun ``--ft`` job
+    still train is refused. Touches nothing.
+
+    ``replica``: this job is that replica group of a fault-tolerant run, started by
+    torchrun (it resumes its own group's checkpoint; its own lock is not another job's).
+    Call it holding the run's lock where groups may run (:func:`editrain.rundir.running_groups`).
+    """
+    running = rundir.running_groups(run_dir, but=replica)
+    if running:
+        raise RunDirError(
+            f"--run-dir: {run_dir} is in use by the torchrun job(s) of replica group(s) "
+            f"{', '.join(map(str, running))} of a fault-tolerant run; wait for them to end, "
+            "or choose another directory")
+    checked = rundir.check(run_dir, overwrite=cfg.overwrite,
+                           resume=resume_checkpoints(cfg, replica))
     if not checked.replace:
         kept_config(run_dir / CONFIG_FILE)
     return checked
 
 
 def prepare_run_dir(cfg: Config, run_dir: Path, lock: rundir.RunLock | None = None,
-                    started_at: float | None = None) -> rundir.RunRecord:
+                    started_at: float | None = None,
+                    replica: int | None = None) -> rundir.RunRecord:
     """Make ``run_dir`` this job's: checked again under the directory's lock, the old run
     replaced if ``--overwrite``, a timeline abandoned by resuming an older checkpoint set
     aside, the run record and ``config.toml`` written.
@@ -110,6 +137,9 @@ def prepare_run_dir(cfg: Config, run_dir: Path, lock: rundir.RunLock | None = No
         started_at: the Unix time the job's command started (:attr:`Job.started_at`),
             kept in its history line (``command_started``) for the trainer's end-to-end
             time; None: not known.
+        replica: this job is that replica group of a fault-tolerant run, started by
+            torchrun, and the first of the run's groups to start (see
+            :meth:`RunDirClaim.join`).
 
     Returns:
         The run record of this job.
@@ -119,7 +149,7 @@ def prepare_run_dir(cfg: Config, run_dir: Path, lock: rundir.RunLock | None = No
     try:
         if not lock.held:
             lock.acquire()
-        checked = check_run_dir(cfg, run_dir)
+        checked = check_run_dir(cfg, run_dir, replica)
         text = config_text(cfg, run_dir)
         path = run_dir / CONFIG_FILE
         before = None if checked.replace else kept_config(path)  # (checked: readable)
@@ -150,7 +180,54 @@ def config_text(cfg: Config, run_dir: Path) -> str:
     # The job's own flags are not the run's configuration: `--config RUN/config.toml
     # --run-dir NEW` must start a run, not resume this one's checkpoint or overwrite.
     data.update(run_dir=str(run_dir), resume=None, overwrite=False)
+    # Nor is the replica group a torchrun job of a fault-tolerant run is: every group's
+    # job shares the run's file.
+    data.get("dist", {}).pop("ft_replica_id", None)
     return dumps_toml(data)
+
+
+GROUP_OPTIONS = {
+    "dist.ft_replica_id": "which replica group the job is",
+    "dist.ft_lighthouse": "how the job's machine reaches the lighthouse",
+    "dist.nproc": "ignored under torchrun",
+    "dist.threads_per_proc": "the job's machine's cores",
+    "data.cache_dir": "the token cache of the job's machine",
+}
+"""Options that may differ between the torchrun jobs of one fault-tolerant run's replica
+groups (why, by option); every other option must be the run's
+(:func:`refuse_other_options`)."""
+
+
+def refuse_other_options(cfg: Config, run_dir: Path) -> None:
+    """A torchrun job of a fault-tolerant run's replica group that joins the groups
+    training there (which wrote the run's ``config.toml``) must run their configuration:
+    the same options, apart from :data:`GROUP_OPTIONS`.
+
+    Raises:
+        RunDirError: the run has no readable ``config.toml``, or this job sets an option
+            otherwise than the run (named, with both values).
+    """
+    run = kept_config(run_dir / CONFIG_FILE)
+    if run is None:
+        raise RunDirError(f"--run-dir: {run_dir} has no {CONFIG_FILE}, though replica groups "
+                          "of a fault-tolerant run train there; start this group once they "
+                          "have ended, or in another directory")
+    try:
+        theirs = _options(read_toml_value(run.decode("utf-8", "replace"), CONFIG_FILE,
+                                          error=ValueError))
+    except ValueError as e:
+        raise RunDirError(f"--run-dir: {run_dir / CONFIG_FILE} cannot be read as the "
+                          f"run's configuration ({e})") from None
+    ours = _options(read_toml_value(config_text(cfg, run_dir), CONFIG_FILE, error=ValueError))
+    differ = [name for name in sorted(theirs.keys() | ours.keys())
+              if name not in GROUP_OPTIONS and theirs.get(name) != ours.get(name)]
+    if differ:
+        said = "; ".join(f"{name}: this group {_shown(ours.get(name))}, the run "
+                         f"{_shown(theirs.get(name))}" for name in differ)
+        raise RunDirError(
+            f"--run-dir: {run_dir} holds a fault-tolerant run whose replica groups train "
+            f"there with other options than this group's ({said}); start every group with "
+            f"the run's options (only {', '.join(GROUP_OPTIONS)} may differ)")
 
 
 def kept_config(path: Path) -> bytes | None:
@@ -231,7 +308,8 @@ class RunDirClaim:
     A local launch takes the lock at once when editrain has used the directory before
     (so a second job on it is refused before any work), checks it (:meth:`check`), and
     claims it once its inputs are known usable (:meth:`claim`). Under torchrun the
-    ranks :meth:`join` it.
+    ranks :meth:`join` it; a torchrun job of a fault-tolerant run's replica group holds
+    only its group's lock for the job (see :meth:`join`).
 
     Args:
         job: the checked job.
@@ -263,10 +341,12 @@ class RunDirClaim:
         """Under torchrun: rank 0 holds the directory's lock for the job and claims it
         (after a restart by torchrun the directory is this job's already, its record is
         there: it resumes it as is); every other rank waits for rank 0 to have written
-        ``config.toml``, which it writes last."""
+        ``config.toml``, which it writes last. A fault-tolerant run's replica group is a
+        job of its own (:meth:`_join_run`)."""
         job = self.job
+        replica = torchrun_group(job)
         if job.restart == 0:  # every rank, before rank 0 writes anything
-            _refuse_nothing_left(job.cfg, job.world)
+            _refuse_nothing_left(job.cfg, replica)
         if job.rank != 0:
             deadline = time.monotonic() + TORCHRUN_WAIT_S
             while not (job.run_dir / "config.toml").exists():
@@ -277,6 +357,29 @@ class RunDirClaim:
                         f"be on storage every node sees, at the same path")
                 time.sleep(0.1)
             return
+        if replica is not None:
+            self._join_run(replica)
+            return
         self.lock.acquire()
         if not (job.restart > 0 and rundir.read_record(job.run_dir) is not None):
             self.claim()
+
+    def _join_run(self, replica: int) -> None:
+        """Rank 0 of a torchrun job of a fault-tolerant run's replica group ``replica``:
+        the groups' jobs share the run directory, each owning its ``replica{r}/``.
+
+        The group holds its own lock for the job (a second job as the same group is
+        refused). Under the run's lock, a moment: the first group to start (no other
+        group's job holds its lock) claims the run directory as a local job does (record,
+        ``config.toml``); a group that starts while others train joins their run, whose
+        options it must have (:func:`refuse_other_options`), and writes nothing of it."""
+        job = self.job
+        self.lock = rundir.RunLock(job.run_dir, replica)
+        with rundir.RunLock(job.run_dir).acquire(wait_s=RUN_LOCK_WAIT_S) as run_lock:
+            self.lock.acquire()
+            if job.restart > 0 and rundir.read_record(job.run_dir) is not None:
+                return  # restarted by torchrun: the run is as the group left it
+            if rundir.running_groups(job.run_dir, but=replica):
+                refuse_other_options(job.cfg, job.run_dir)
+            else:
+                prepare_run_dir(job.cfg, job.run_dir, run_lock, job.started_at, replica)
