@@ -664,10 +664,13 @@ class Trainer:
 def sync_summary(entry: dict[str, Any]) -> str:
     """One compact log line for a finished sync (the full record is in metrics.jsonl)."""
     head = f"sync {entry['sync']}"
-    if "fragment" in entry:
-        head += f" (fragment {entry['fragment']}, launched @step {entry['launch_step']})"
-    elif "launch_step" in entry:
-        head += f" (launched @step {entry['launch_step']})"
+    # A streaming round names its fragment; a delayed one its launch (the rounds the end
+    # forces on a streaming run run at once: a fragment and no launch step).
+    where = [f"fragment {entry['fragment']}"] if "fragment" in entry else []
+    if "launch_step" in entry:
+        where.append(f"launched @step {entry['launch_step']}")
+    if where:
+        head += f" ({', '.join(where)})"
     parts = [f"{head} @step {entry['step']}: waited {entry['wait_s'] * 1e3:.0f} ms, "
              f"comm {entry['comm_time_s'] * 1e3:.0f} ms, {entry['bytes_sent'] / 2**20:.2f} MiB sent"]
     if entry.get("hidden") is not None:

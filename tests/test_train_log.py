@@ -23,6 +23,19 @@ def test_sync_summary_without_penalty_fields() -> None:
     assert line == "sync 0 @step 10: waited 0 ms, comm 1 ms, 0.00 MiB sent"
 
 
+def test_sync_summary_names_a_fragment_and_a_launch_where_the_round_has_them() -> None:
+    """A streaming run's end syncs a fragment at once (no launch step): its line names the
+    fragment. Before, the line needed both and raised KeyError on it, once the end's
+    rounds were logged."""
+    base = {"step": 12, "wait_s": 0.0, "comm_time_s": 0.001, "bytes_sent": 0}
+    assert sync_summary({**base, "sync": 6, "fragment": 0}).startswith(
+        "sync 6 (fragment 0) @step 12: ")
+    assert sync_summary({**base, "sync": 5, "fragment": 1, "launch_step": 12}).startswith(
+        "sync 5 (fragment 1, launched @step 12) @step 12: ")
+    assert sync_summary({**base, "sync": 4, "launch_step": 11}).startswith(
+        "sync 4 (launched @step 11) @step 12: ")
+
+
 def test_metrics_rows_are_flushed_at_once_and_fsynced_rarely(tmp_path, monkeypatch) -> None:
     """Every row reaches the file at once (a killed worker loses at most the row it was
     writing), but fsync runs at most every fsync_every_s and on close, not at every step."""
