@@ -1,7 +1,10 @@
 """The run's record: ``metrics.jsonl``, per-rank step logs, TensorBoard files, loss plots.
 
-``metrics.jsonl`` holds one JSON object per logged step; TensorBoard event files are
-optional.
+``metrics.jsonl`` holds one JSON object per logged step, evaluation and event; TensorBoard
+event files are optional. A round's ``sync`` entry is in the row of the step where it
+ended; a round that ends between steps (those ``engine.finish(force=True)`` completes after
+the last step) has a row of its own without a loss (docs/metrics.md, "Rows of
+metrics.jsonl").
 
 Stable field names of a step row: ``step``, ``tokens`` (cumulative, all ranks), ``loss``
 (that step's training loss: the mean over all ranks while training is synchronous, over

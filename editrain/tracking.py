@@ -93,8 +93,8 @@ def standard_metrics(row: dict[str, Any]) -> dict[str, float]:
     :data:`STANDARD_METRICS`); an event row (checkpoint, restart) gives none.
 
     Args:
-        row: a step row (with its ``sync`` entry, if a round ended at the step) or an
-            evaluation row.
+        row: a step row (with its ``sync`` entry, if a round ended at the step), a
+            round's own row (a round that ended between steps) or an evaluation row.
     """
     if "event" in row:
         return {}

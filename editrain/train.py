@@ -194,11 +194,10 @@ class Trainer:
                     final_val, self.loop.last_eval = row["val_loss"], self.loop.step
                     self.loop.next_eval = next_after(self.loop.next_eval, point,
                                                      cfg.train.eval_every)
-                syncs = engine.pop_sync_log()
-                if syncs:
+                syncs = self._take_syncs()
+                if syncs:  # the step's row carries its last round; any earlier ones their own
+                    self._log_sync_rows(syncs[:-1])
                     row["sync"] = syncs[-1]
-                    if self.is_logger and not cfg.quiet:
-                        log.warning("%s", sync_summary(syncs[-1]))
                 if self.loop.step % cfg.train.log_every == 0 or "val_loss" in row or "sync" in row:
                     self._log_step(row)
                 if (cfg.checkpoint.every and point is not None and point >= self.loop.next_ckpt
@@ -345,6 +344,26 @@ class Trainer:
         row["train_time_s"] = row["wall_time_s"] - self.loop.off_train_s
         self._write(row)
 
+    def _take_syncs(self) -> list[dict[str, Any]]:
+        """The engine's entries of the rounds finished since the last call, in order, each
+        said in one log line (:func:`sync_summary`) on the logging rank."""
+        syncs = self.engine.pop_sync_log()
+        if self.is_logger and not self.cfg.quiet:
+            for entry in syncs:
+                log.warning("%s", sync_summary(entry))
+        return syncs
+
+    def _log_sync_rows(self, syncs: list[dict[str, Any]]) -> None:
+        """Write a row of its own for each round no step's row carries: those that
+        ``engine.finish(force=True)`` completes after the last step (several at once with
+        streaming or rounds in flight), and all but the last of several that end at one
+        step. Each has the step and clocks of where it ended and no loss (docs/metrics.md),
+        so that every round is in ``metrics.jsonl`` once, in order."""
+        for entry in syncs:
+            wall = self._wall()
+            self._write({"step": self.loop.step, "tokens": self._tokens(), "sync": entry,
+                         "wall_time_s": wall, "train_time_s": wall - self.loop.off_train_s})
+
     def _begin(self) -> float:
         """Before the first step: the start line, the first quorum (fault-tolerant), the
         initial (or elastic-resume) evaluation; returns the validation loss (NaN if none)."""
@@ -370,6 +389,9 @@ class Trainer:
         """After the last step: every replica on the global model (even mid-window), the
         final evaluation and checkpoint; returns the final validation loss."""
         self.engine.finish(force=True)
+        # The rounds it completed (an armed one, those in flight, the forced ones) come
+        # after the last step's row: rows of their own, before the final evaluation's.
+        self._log_sync_rows(self._take_syncs())
         # The final evaluation: unless the loop's last one was at this step over the same
         # tokens (train.final_eval_tokens == train.eval_tokens) and no sync was forced.
         if (self.loop.last_eval != self.loop.step or self.engine.num_syncs_forced

@@ -257,9 +257,13 @@ def record_run_dir(run: Path, drop: tuple[str, ...] = ()) -> dict[str, Any]:
         run: the run directory (of one replica group with --ft).
         drop: sync fields to leave out (:data:`UNSTABLE_SYNC_FIELDS`).
     """
-    steps = [_untimed(r) for r in _jsonl(run / "metrics.jsonl") if "event" not in r]
+    rows = [_untimed(r) for r in _jsonl(run / "metrics.jsonl") if "event" not in r]
     syncs = [{k: v for k, v in s.items() if k not in drop}
-             for s in (r.pop("sync", None) for r in steps) if s is not None]
+             for s in (r.pop("sync", None) for r in rows) if s is not None]
+    # A round that ended between steps (completed by finish() after the last step) has a
+    # row of its own: its entry is among the syncs, and the row, which then holds only the
+    # step and tokens, is no step.
+    steps = [r for r in rows if "loss" in r or "val_loss" in r]
     ranks = {}
     for path in sorted((run / "ranks").glob("rank*.jsonl")):
         ranks[path.stem] = [_untimed({k: v for k, v in r.items() if k != "unix_time"})

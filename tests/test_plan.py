@@ -329,11 +329,13 @@ def test_bandwidth_for_is_monotone():
 # ---------------------------------------------------------------------------- calibration
 def write_synthetic_run(path, compute_s=0.05, overhead_s=0.004, latency_s=0.005,
                         bandwidth=2e6, slow=1.5, steps=40, H=4, own_latency_s=0.0,
-                        own_bandwidth=None, simulated=True):
+                        own_bandwidth=None, simulated=True, final_round=False):
     """A run directory as ``editrain train`` writes it, from known parameters: rounds of
     varying size (fragments of unequal units) on a link of ``bandwidth`` and
     ``latency_s`` per collective, replica 1 ``slow`` times slower. ``simulated``: the
-    link is a simulated one (its share logged as ``link_delay_s``), else the machine's."""
+    link is a simulated one (its share logged as ``link_delay_s``), else the machine's.
+    ``final_round``: one more round after the last step, in a row of its own (as the end's
+    ``finish()`` logs it), on the same link."""
     (path / "ranks").mkdir(parents=True)
     (path / "config.toml").write_text(
         '[model]\npreset = "tiny"\n[data]\nvocab_size = 512\n'
@@ -366,6 +368,15 @@ def write_synthetic_run(path, compute_s=0.05, overhead_s=0.004, latency_s=0.005,
         for r in (0, 1):
             ranks[r].append({"rank": r, "replica": r, "step": step, "wall_time_s": t,
                              "compute_s": compute_s * (slow if r else 1.0)})
+    if final_round:
+        nbytes, coll = 123_000, 4
+        delay = coll * latency_s + nbytes / bandwidth
+        t, train = t + delay, train + delay
+        rows.append({"step": steps, "tokens": 1024 * steps, "wall_time_s": t,
+                     "train_time_s": train,
+                     "sync": {"sync": steps + 1, "step": steps, "bytes_sent": nbytes,
+                              "sync_collectives": coll, "comm_time_s": delay,
+                              "link_delay_s": delay if simulated else 0.0, "wait_s": delay}})
     write_run_files(path, rows, ranks)
 
 
@@ -386,6 +397,22 @@ def test_calibration_recovers_known_parameters(tmp_path):
         ("edit", 4, 2, 1)
     assert (s.model.preset, s.model.vocab_size, s.model.batch_size) == ("tiny", 512, 8)
     assert "inter_node_gbps = " in cal.to_toml()
+
+
+def test_calibration_counts_the_round_the_end_logs_in_a_row_of_its_own(tmp_path):
+    """The round ``finish()`` completes after the last step has a row of its own, without
+    a loss: it is one more sample of the link (before, a run's rows were read for rounds
+    only where they held a loss, so the last round was never seen), and the step times and
+    overhead, read from the steps, are those of the run without it."""
+    write_synthetic_run(tmp_path / "plain")
+    write_synthetic_run(tmp_path / "final", final_round=True)
+    plain, final = calibrate([tmp_path / "plain"]), calibrate([tmp_path / "final"])
+    assert len(final.samples[0].syncs) == len(plain.samples[0].syncs) + 1
+    assert final.samples[0].syncs[-1] == (4.0, 123_000.0, pytest.approx(4 * 0.005 + 0.0615))
+    assert final.step_time_s == plain.step_time_s
+    assert final.step_overhead_s == pytest.approx(plain.step_overhead_s, abs=1e-12)
+    assert final.bandwidth_bytes_per_s == pytest.approx(2e6, rel=1e-6)
+    assert final.latency_s == pytest.approx(0.005, rel=1e-6)
 
 
 def test_calibration_separates_the_machines_own_cost(tmp_path):

@@ -1,8 +1,9 @@
 """A finished training run read back from its run directory (global and per-rank logs).
 
 A run directory written by ``editrain train`` holds ``metrics.jsonl`` (rank 0: one global
-row per step, evaluations, sync entries), ``summary.json``, ``config.toml`` and, from every
-rank, ``ranks/rank{RANK}.jsonl``: one line per step of that rank with ``rank``,
+row per step, evaluations, sync entries; a round completed between steps, such as by the
+end's ``finish()``, in a row of its own without a loss), ``summary.json``, ``config.toml``
+and, from every rank, ``ranks/rank{RANK}.jsonl``: one line per step of that rank with ``rank``,
 ``replica``, ``shard``, ``step`` (this replica's step count), ``tokens`` (this rank's
 cumulative tokens), ``wall_time_s``, ``step_time_s``, ``compute_s``, ``sync_wait_s``,
 ``grad_sync_s`` and ``sim_stall_s`` when a simulated stall or slowdown happened.
@@ -34,6 +35,10 @@ class Run:
     overrides: dict[str, Any]
     rows: list[dict[str, Any]] = field(default_factory=list)
     """Step rows of ``metrics.jsonl`` (those with a training loss), in step order."""
+    sync_rows: list[dict[str, Any]] = field(default_factory=list)
+    """Rows of ``metrics.jsonl`` that hold a round and no training loss: the rounds that
+    ``finish()`` completed after the last step (and any but the last of several that
+    ended at one step), in file order. Their time is in no step's row."""
     evals: list[dict[str, Any]] = field(default_factory=list)
     """Rows holding a validation loss (including the step-0 and final evaluations)."""
     ranks: dict[int, list[dict[str, Any]]] = field(default_factory=dict)
@@ -85,6 +90,13 @@ class Run:
             out.setdefault(int(replica), []).append(rank)
         return out
 
+    def sync_entries(self) -> list[dict[str, Any]]:
+        """Every round's sync entry, by the step it ended at: those the step rows carry
+        and those of :attr:`sync_rows` (for what a round did, such as its replicas' steps
+        or its outlier flags; its time is :meth:`timed_syncs`'s)."""
+        rows = sorted((*self.rows, *self.sync_rows), key=lambda r: r["step"])
+        return [r["sync"] for r in rows if isinstance(r.get("sync"), dict)]
+
     def timed_syncs(self) -> list[tuple[int, dict[str, Any]]]:
         """``(row index, sync entry)`` of the syncs whose time is inside the step rows.
 
@@ -128,6 +140,8 @@ def read_run(label: str, run_dir: Path, overrides: dict[str, Any], launch_s: flo
         rows = current_rows(read_metrics(run_dir))
         run.rows = sorted((r for r in rows if r.get("loss") is not None and "step" in r),
                           key=lambda r: r["step"])
+        run.sync_rows = [r for r in rows if r.get("loss") is None
+                         and isinstance(r.get("sync"), dict)]
         run.evals = [r for r in rows if r.get("val_loss") is not None]
     run.ranks = read_rank_steps(run_dir)
     if (run_dir / "summary.json").is_file():

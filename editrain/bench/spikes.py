@@ -91,9 +91,8 @@ def _measure(clean: Run | None, bad: Run, corrupt_at: list[int],
         if after in b and before in b:
             jumps.append(b[after] - b[before])
     excluded, units, false_alarms = 0, 0, 0
-    for r in bad.rows:
-        s = r.get("sync")
-        if not isinstance(s, dict) or s.get("outlier") is None:
+    for s in bad.sync_entries():  # every round the detector judged, the end's included
+        if s.get("outlier") is None:
             continue
         flags = s["outlier"]
         idx = s.get("sync")

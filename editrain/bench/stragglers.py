@@ -222,10 +222,11 @@ def _per_sync(run: Run, key: str) -> float | None:
 
 
 def _replica_steps(run: Run) -> list[float] | None:
-    """A-EDiT: steps each replica did over the run (sum of the syncs' ``replica_steps``)."""
+    """A-EDiT: steps each replica did over the run (sum of the syncs' ``replica_steps``,
+    the last round's, which the end's ``finish()`` completes, included)."""
     total: list[float] | None = None
-    for r in run.rows:
-        counts = (r.get("sync") or {}).get("replica_steps")
+    for s in run.sync_entries():
+        counts = s.get("replica_steps")
         if counts:
             total = [a + b for a, b in zip(total, counts)] if total else list(counts)
     return total

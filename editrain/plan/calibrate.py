@@ -385,6 +385,9 @@ def read_run(run_dir: str | Path, skip: int = 4) -> RunSample:
     S, replicas = method.shard_size or 1, _replicas(cfg)
     # the rank files are keyed by global rank: the job's processes (tp peers included)
     start, rows, ranks = job_rows(d, int(_get(cfg, "dist", "nproc", replicas * S * method.tp)))
+    # Every round of the job, by the step it ended at: those a step's row carries and
+    # those with a row of their own (completed by finish() after the last step).
+    rounds = [(r["step"], r["sync"]) for r in rows if isinstance(r.get("sync"), dict)]
     rows = sorted((r for r in rows if r.get("loss") is not None), key=lambda r: r["step"])
     first = start + skip  # each job starts up again: its own first steps are left out
     window = [r for r in rows if r["step"] > first]
@@ -423,34 +426,32 @@ def read_run(run_dir: str | Path, skip: int = 4) -> RunSample:
     steps = {k for k, _ in means[0][2]}
     beside: set[int] = set()
     counted = 0
-    for r in rows:
-        s = r.get("sync")
-        if method.overlapped_steps and isinstance(s, dict):
-            k = int(s.get("step", r["step"]))
+    for row_step, s in rounds:
+        if method.overlapped_steps:
+            k = int(s.get("step", row_step))
             mine = steps & set(range(k + 1, k + method.overlapped_steps + 1))
             counted += bool(mine)
             beside |= mine
     quiet_steps = [c for k, c in means[0][2] if k not in beside]
     quiet = statistics.fmean(quiet_steps) if quiet_steps else None
     # Overhead: per step, the clock's advance minus compute and waits; the median over
-    # steps without a sync (a sync run by finish() after the last step is in the clock
-    # but in no row's wait).
+    # steps without a sync (a sync run by finish() between steps, before an evaluation or
+    # a checkpoint, is in the clock but in no row's wait; one after the last step has a
+    # row of its own, without a loss, so it is in no step's gap).
     clock = "train_time_s" if all("train_time_s" in r for r in window) else "wall_time_s"
     gaps = [b[clock] - a[clock] - (b.get("compute_s") or 0.0) - (b.get("sync_wait_s") or 0.0)
             - (b.get("grad_sync_s") or 0.0) for a, b in zip(window, window[1:])
             if b["step"] == a["step"] + 1 and "sync" not in b]
     overhead = max(0.0, statistics.median(gaps)) if gaps else 0.0
     syncs, delays = [], []
-    for r in rows:
-        s = r.get("sync")
-        if isinstance(s, dict) and s.get("comm_time_s") is not None \
-                and s.get("bytes_sent") is not None:
+    for row_step, s in rounds:
+        if s.get("comm_time_s") is not None and s.get("bytes_sent") is not None:
             delay = float(s.get("link_delay_s") or 0.0)
             # The logging rank (rank 0) waits inside the round's first collective for the
             # ranks that launched it later; that is no cost of the link or the machine.
             # (A-EDiT's replicas count their steps apart: no common step to compare.)
             late = 0.0 if method.method == "aedit" else peer_lag_s(
-                clocks, int(s.get("step", r["step"])))
+                clocks, int(s.get("step", row_step)))
             syncs.append((float(s.get("sync_collectives") or 1), float(s["bytes_sent"]) * S,
                           max(delay, float(s["comm_time_s"]) - late)))
             delays.append(delay)
