@@ -499,7 +499,7 @@ class Trainer:
         # global model of this step, which an elastic resume starts from.
         self.engine.finish()
         t_save = time.perf_counter()
-        label = int(round(self.engine.progress_steps)) if self.aedit else self.loop.step
+        label = int(round(self._saved_progress())) if self.aedit else self.loop.step
         rank_state = {
             **self.loop.to_dict(),
             "tokens": self._tokens(),
@@ -518,7 +518,7 @@ class Trainer:
                                 engine=self.engine, replica=self.info.replica,
                                 rank_state=rank_state, meta=self._meta(),
                                 keep=self.cfg.checkpoint.keep, lineage=self.lineage,
-                                progress=self.engine.progress_steps if self.aedit else None,
+                                progress=self._saved_progress() if self.aedit else None,
                                 before_commit=lambda: self.sim.before_checkpoint_commit(
                                     self.loop.step))
         if self.is_logger:
@@ -527,6 +527,14 @@ class Trainer:
             self._write({"event": "checkpoint", "step": self.loop.step, "path": str(saved.path),
                          "bytes": saved.bytes, "save_time_s": saved.seconds})
         self.loop.off_train_s += time.perf_counter() - t_save
+
+    def _saved_progress(self) -> float:
+        """A-EDiT's progress a checkpoint records (and is labelled with, rounded): the
+        exact count of the last sync, identical on every rank, since the replicas' own
+        positions differ between syncs (every save is at a sync point); the step count
+        during warm-up."""
+        engine = self.engine
+        return float(engine.global_step) if engine.in_warmup else engine.progress.synced
 
     def _resume(self, ckpt: Path) -> None:
         state, marker = load_checkpoint(ckpt, model=self.model, optimizer=self.optimizer,

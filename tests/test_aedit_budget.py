@@ -16,7 +16,7 @@ from types import SimpleNamespace
 import pytest
 
 from editrain.checkpoint import steps_left_problem
-from editrain.metrics import current_rows
+from editrain.metrics import current_rows, read_rank_steps
 from editrain.rundir import read_marker
 from tests.cli import run_cli
 
@@ -70,6 +70,25 @@ def test_nonblocking_run_trains_its_budget(cache, tmp_path, schedule, steps, tra
     assert [p.name for p in sorted((run / "checkpoints").iterdir())] == [f"step_{steps:08d}"]
 
 
+@pytest.mark.parametrize("overlap", [1, 2])
+def test_nonblocking_tokens_and_lr_never_go_back(cache, tmp_path, overlap):
+    """Non-blocking on ``[2, 3]``: the tokens and the learning rate (still in its warm-up,
+    so rising with the progress) of every logged step never go back, and the tokens end
+    at every replica's steps (the rank files'). Before, a round's steps were counted
+    nowhere from its launch to its merge: replica 0 logged 256 tokens at step 1, 0 at its
+    launch at step 2, and trained step 3 at the learning rate of step 1."""
+    run = tmp_path / "run"
+    _ok(_train(cache, run, "--steps", "10", "--sim.step_schedule=[2,3]",
+               "--sync.overlap_steps", str(overlap)))
+    rows = [r for r in _rows(run) if "loss" in r]
+    tokens, lrs = [r["tokens"] for r in rows], [r["lr"] for r in rows]
+    assert all(b > a for a, b in zip(tokens, tokens[1:])), tokens
+    assert all(b > a for a, b in zip(lrs, lrs[1:])), lrs
+    ranks = read_rank_steps(run)
+    replica_steps = sum(max(r["step"] for r in got) for got in ranks.values())
+    assert tokens[-1] == _summary(run)["tokens"] == replica_steps * TOKENS_PER_STEP // 2
+
+
 def test_steps_left_compares_the_progress_not_its_label():
     """A checkpoint at progress 7.5 is labelled 8: ``train.steps`` 8 leaves half a step.
     A marker without ``progress`` (written before it was recorded) is judged by its label,
@@ -114,3 +133,4 @@ def test_resume_from_a_fractional_progress(cache, tmp_path):
     assert [e[:2] for e in evaluations(full)] == [(8, 10 * TOKENS_PER_STEP),
                                                   (10, 12.5 * TOKENS_PER_STEP)]
     assert evaluations(resumed) == evaluations(full)
+

@@ -55,10 +55,11 @@ def _worker(rank: int, world: int, S: int, dts: list[float], sync: dict, steps: 
                         trigger=None if schedule is None else StepScheduleTrigger(schedule))
     engine.set_budget(budget)
     stopped_at = None
-    points = []
+    points, positions = [], []
     for step in range(steps):
         if max_syncs is not None and engine.num_syncs >= max_syncs:
             break  # replicas do different numbers of steps: stop after a sync, together
+        positions.append(engine.progress_steps)  # where the trainer reads its lr
         _train_step(model, opt, engine, info.topo.data_rank(rank), step)
         now[0] += dts[rank]
         if settle:
@@ -73,10 +74,12 @@ def _worker(rank: int, world: int, S: int, dts: list[float], sync: dict, steps: 
             stopped_at = (engine.global_step, engine.num_syncs, engine.budget_spent)
             break
     engine.finish(force=end_force)
+    positions.append(engine.progress_steps)
     out = {"log": engine.pop_sync_log(), "num_syncs": engine.num_syncs,
            "skipped": engine.num_skipped_syncs, "stopped_at": stopped_at,
            "forced": engine.num_syncs_forced,
-           "replica": info.replica, "points": points,
+           "replica": info.replica, "points": points, "positions": positions,
+           "steps": engine.global_step,
            "synced": engine.synced_replica_steps, "window_s": engine.last_window_s}
     engine.close()
     return out
@@ -209,6 +212,43 @@ def test_nonblocking_run_ends_at_the_launch_that_reaches_the_budget(schedule, bu
         assert o["synced"] == 2 * budget and o["forced"] == 0, (o["synced"], o["forced"])
         last = o["log"][-1]
         assert last["launch_step"] == last["step"] == step  # merged at its launch
+
+
+@pytest.mark.parametrize("overlap", [1, 2])
+@pytest.mark.parametrize("schedule", [[2, 3], [3, 3]])
+def test_nonblocking_progress_never_goes_back(schedule, overlap):
+    """The progress each rank trains at (its learning rate, its tokens) grows at every
+    step and ends at the replica-steps every replica trained. Before, the steps up to a
+    round's launch were counted nowhere until its merge: on ``[2, 3]`` replica 0's went
+    from 2 (two steps x two replicas, in synchronous steps) back to 0 at its launch, the
+    learning rate with it."""
+    outs = _run(2, 1, [1.0, 1.0], dict(overlap_steps=overlap, merge="keep_local", **PEN_OFF),
+                steps=40, budget=10, schedule=schedule, end_force=True)
+    total = sum(o["steps"] for o in outs)
+    for o in outs:
+        got = o["positions"]
+        assert all(b > a for a, b in zip(got, got[1:])), (o["replica"], got)
+        assert o["synced"] == total and got[-1] == total / 2, (o["synced"], got, total)
+
+
+def test_progress_position_holds_an_overshoot():
+    """A replica faster than in the last window estimates more than its sync then counts:
+    its position (learning rate, tokens) holds there until the count catches up, and a
+    checkpoint records the exact count. Pure logic: 2 replicas, a window of [2, 2]."""
+    from editrain.sync.progress import Progress
+
+    p = Progress(2)
+    p.record_sync([2.0, 2.0], [1.0, 1.0])  # progress 2; replica 0 had half the steps
+    assert p.position(0, 4) == 6.0  # 4 more steps, as if the other replica made 4 too
+    p.record_sync([4.0, 1.0], [1.0, 1.0])  # it made 1: progress 4.5, ratio 5 / 4
+    assert p.estimate(0, 0) == p.synced == 4.5 and p.position(0, 0) == 6.0
+    assert p.position(0, 1) == p.position(0, 2) == 6.0  # (5.125, 5.75 estimated)
+    assert p.position(0, 3) == 4.5 + 3 * 5 / 8
+    restored = Progress(2)
+    restored.load_state_dict(p.state_dict())
+    assert restored.position(0, 3) == p.position(0, 3)
+    restored.rescale((2, 1))  # elastic: the count, not the saving replica's position
+    assert restored.position(0, 0) == 4.5
 
 
 def _gated_worker(rank: int, world: int, dts: list[float], sync: dict, steps: int,

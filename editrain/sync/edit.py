@@ -311,7 +311,7 @@ class SyncEngine:
         A-EDiT, whose replicas run at their own pace (exact at syncs, estimated between)."""
         if not self.config.use_async or self.in_warmup:
             return float(self.global_step)
-        return self.progress.estimate(self.replica, self.steps_since_sync)
+        return self.progress.position(self.replica, self.rounds.unsynced_steps())
 
     def sync_point(self) -> float | None:
         """Progress if this step boundary is a sync point (identical on every rank), else

@@ -4,7 +4,11 @@ Replicas run at their own pace, so progress is counted in *replica-steps* (inner
 one replica) and reported in synchronous-step equivalents (replica-steps of all replicas
 divided by ``R``). It is known exactly at each sync, whose rendezvous gathers every
 replica's steps since the last sync and the length of its window; in between, a replica
-estimates it from its own steps, scaled by its share of all steps in the last window.
+estimates it from its own steps not synced yet (non-blocking: those of the round in flight
+too, until its merge brings the gathered counts), scaled by its share of all steps in the
+last window. The learning rate and the tokens logged follow that estimate, so it never goes
+back (:meth:`Progress.position`): a replica faster than in the last window overshoots, and
+holds its position until the exact count its sync brings catches up.
 
 Every quantity a decision depends on is either gathered (identical on every rank) or the
 elapsed time agreed within the replica, so the ranks of a replica always decide alike.
@@ -44,6 +48,9 @@ class Progress:
     last_window_s: float = 0.0
     """Length of the last window: the longest of the replicas' agreed elapsed times
     (gathered, so identical on every rank)."""
+    floor: float = 0.0
+    """The furthest :meth:`position` this replica reported (identical on its ranks: it is
+    made of gathered counts and the replica's own steps)."""
 
     @property
     def spent(self) -> bool:
@@ -51,6 +58,12 @@ class Progress:
         Derived, not stored: a resume whose ``train.steps`` is larger than the saving run's
         trains on from a checkpoint of the sync that spent the old budget."""
         return self.budget is not None and self.synced_replica_steps * self.unit >= self.budget
+
+    @property
+    def synced(self) -> float:
+        """Exact progress up to the last sync (identical on every rank): what a checkpoint
+        records, since the estimates of replicas at different steps differ."""
+        return self.synced_replica_steps * self.unit
 
     @property
     def unit(self) -> float:
@@ -63,17 +76,27 @@ class Progress:
         replica-steps of this topology with the same tokens; the reference stays."""
         self.reference = self.reference or tuple(old)
         self.synced_replica_steps *= old[1] / self.shard_size
+        self.floor = 0.0  # the saving replicas' positions differed: restart from the count
 
     def start(self, global_step: int) -> None:
         """The local phase starts with every replica at ``global_step``."""
         self.synced_replica_steps = float(global_step * self.num_replicas)
 
-    def estimate(self, replica: int, steps_since_sync: int) -> float:
-        """Progress now, as seen from ``replica``: exact at a sync, estimated between."""
+    def estimate(self, replica: int, unsynced_steps: int) -> float:
+        """Progress now, as seen from ``replica`` with ``unsynced_steps`` of its own steps
+        that no sync counted yet: exact at a sync, estimated between (may go back at the
+        next sync; :meth:`position` does not)."""
         counts = self.last_window_counts
         mine = counts[replica] if counts and replica < len(counts) else 0.0
         scale = sum(counts) / mine if counts and mine > 0 else float(self.num_replicas)
-        return (self.synced_replica_steps + steps_since_sync * scale) * self.unit
+        return (self.synced_replica_steps + unsynced_steps * scale) * self.unit
+
+    def position(self, replica: int, unsynced_steps: int) -> float:
+        """The progress this replica trains at (its learning rate, its tokens): the
+        furthest of its :meth:`estimate` so far, so that the schedule never runs backwards
+        when a sync's exact count falls short of the estimate before it."""
+        self.floor = max(self.floor, self.estimate(replica, unsynced_steps))
+        return self.floor
 
     def at_sync(self, counts: list[float]) -> float:
         """Exact progress once a sync with these gathered step counts is done."""
@@ -110,6 +133,7 @@ class Progress:
         return {"synced_replica_steps": self.synced_replica_steps,
                 "last_window_counts": self.last_window_counts,
                 "last_window_s": self.last_window_s, "spent": self.spent,
+                "progress_floor": self.floor,
                 "reference_topology": list(self.reference) if self.reference else None}
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
@@ -118,5 +142,6 @@ class Progress:
         self.synced_replica_steps = float(sd["synced_replica_steps"])
         self.last_window_counts = sd.get("last_window_counts")
         self.last_window_s = float(sd.get("last_window_s", 0.0))
+        self.floor = float(sd.get("progress_floor", 0.0))  # (older states: none)
         ref = sd.get("reference_topology")
         self.reference = tuple(ref) if ref else None

@@ -155,6 +155,13 @@ class Rounds:
         """Take :meth:`oldest_inflight` out of the slots (the caller merges it)."""
         return self.inflight.pop(0) if self.inflight else None
 
+    def unsynced_steps(self) -> int:
+        """This replica's steps that no merged round counted yet: those since its last
+        sync (non-blocking: since its last launch) and those up to the launch of each
+        round in flight, until its merge adds the gathered counts (a skipped round's
+        return to the steps since the sync there). Each step is counted exactly once."""
+        return self.counters.steps_since_sync + sum(r.my_steps for r in self.inflight)
+
     # ------------------------------------------------------------------ a round's life
     def open_round(self, step_counts: torch.Tensor | None, units: Sequence[int],
                    fragment: int = 0, apply_at: int | None = None,

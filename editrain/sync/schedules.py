@@ -254,15 +254,15 @@ class NonBlockingSchedule(BlockingSchedule):
             self.end_if_spent(rnd)
 
     def probably_last(self, steps: int, window_s: float) -> bool:
-        """Whether the round this replica launches now probably reaches the budget: the
-        progress it estimates with this round's steps (the trainer's own estimate), or
-        with the time trigger the budget's rate over ``window_s``, the agreed seconds since
-        the last launch. Agreed within the replica (gathered counts, the replica's own
-        steps and agreed time)."""
+        """Whether the round this replica launches now probably reaches the budget: its
+        position with this round's steps (the trainer's own, which counts them on while
+        the round is in flight), or with the time trigger the budget's rate over
+        ``window_s``, the agreed seconds since the last launch. Agreed within the replica
+        (gathered counts, the replica's own steps and agreed time)."""
         progress = self.engine.progress
         if progress.budget is None:
             return False
-        if progress.estimate(self.engine.replica, steps) >= progress.budget:
+        if progress.position(self.engine.replica, steps) >= progress.budget:
             return True
         return self.needs_clock and progress.budget_due(window_s, steps)
 
