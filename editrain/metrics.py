@@ -254,7 +254,26 @@ def current_rows(rows: Sequence[dict[str, Any]], resume_evaluations: bool = Fals
     return kept
 
 
-def read_rank_steps(run_dir: str | Path) -> dict[int, list[dict[str, Any]]]:
+JOB_START = "job_start"
+"""The event a job writes first, to ``metrics.jsonl`` and to each rank's file: its
+``step`` is where that file's numbering stood (its rank's own steps: for A-EDiT, whose
+replicas count apart, neither the checkpoint's label, a progress, nor another rank's)."""
+
+
+def latest_job(rows: Sequence[dict[str, Any]]) -> tuple[int, list[dict[str, Any]]] | None:
+    """``(the step it started after, the rows it wrote)`` of the latest job in one file's
+    rows (file order), from its :data:`JOB_START` event; None where the file has none (a
+    run of an older editrain, or a rank the latest job did not have)."""
+    for i in range(len(rows) - 1, -1, -1):
+        row, step = rows[i], rows[i].get("step")
+        if row.get("event") == JOB_START and isinstance(step, int) \
+                and not isinstance(step, bool):
+            return step, list(rows[i + 1:])
+    return None
+
+
+def read_rank_steps(run_dir: str | Path, latest_job_only: bool = False
+                    ) -> dict[int, list[dict[str, Any]]]:
     """The per-rank step rows of a run directory (``ranks/rank{RANK}.jsonl``), cleaned.
 
     Reads the files with :func:`read_rank_logs` and keeps the step rows: rows
@@ -263,6 +282,8 @@ def read_rank_steps(run_dir: str | Path) -> dict[int, list[dict[str, Any]]]:
 
     Args:
         run_dir: the run directory.
+        latest_job_only: keep each file's rows after its last :data:`JOB_START` event
+            only (:func:`latest_job`; none from a file without one).
 
     Returns:
         rank -> rows in step order; empty when the directory has no per-rank files.
@@ -271,6 +292,9 @@ def read_rank_steps(run_dir: str | Path) -> dict[int, list[dict[str, Any]]]:
     if not (Path(run_dir) / RANKS_DIR).is_dir():
         return out
     for rank, raw in read_rank_logs(run_dir).items():
+        if latest_job_only:
+            job = latest_job(raw)
+            raw = job[1] if job is not None else []
         rows = [r for r in raw if isinstance(r, dict) and "step" in r and "wall_time_s" in r
                 and "event" not in r and not r.get("replayed")]
         out[int(rows[0].get("rank", rank)) if rows else rank] = latest_rows(rows)

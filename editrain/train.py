@@ -47,7 +47,7 @@ from editrain.fault import (
 )
 from editrain.hf_checkpoint import export_checkpoint, save_run_tokenizer
 from editrain.loop_state import LoopState, next_after
-from editrain.metrics import MetricsWriter, RankLog, current_rows, read_metrics, to_json
+from editrain.metrics import JOB_START, MetricsWriter, RankLog, current_rows, read_metrics, to_json
 from editrain.models import causal_lm_loss, num_parameters
 from editrain.optim.inner import build_inner_optimizer, clip_gradients, uses_sam
 from editrain.optim.schedule import lr_at, set_lr
@@ -370,6 +370,7 @@ class Trainer:
         self._log_start()
         if self.ft:
             self._ft_join()
+        self._mark_job_start()
         if self.loop.healed_at is not None:
             return float("nan")  # joined a running job: its curve goes on from the peers'
         if self.loop.resumed_from is None:
@@ -634,6 +635,15 @@ class Trainer:
             self.num_params / 1e6,
             ", ".join(f"{k} {v / 2**20:.2f} MiB" for k, v in mem.items()) or "none yet",
         )
+
+    def _mark_job_start(self) -> None:
+        """The first row of this job in this rank's file (and ``metrics.jsonl``): its rows
+        follow, numbered from ``step``. Readers tell a resumed run's latest job by it
+        (:func:`editrain.metrics.latest_job`): A-EDiT's checkpoint label is a progress,
+        and its replicas count their own steps, so no step says where a job started."""
+        row = {"event": JOB_START, "step": self.loop.step}
+        self.rank_log.write(row)
+        self._write(dict(row))
 
     def _progress_bar(self):
         if self.quiet:

@@ -17,7 +17,8 @@ import pytest
 
 from editrain.checkpoint import steps_left_problem
 from editrain.metrics import current_rows, read_rank_steps
-from editrain.rundir import read_marker
+from editrain.plan.calibrate import calibrate, job_rows
+from editrain.rundir import latest_job_start, read_marker
 from tests.cli import run_cli
 
 pytestmark = pytest.mark.slow
@@ -134,3 +135,23 @@ def test_resume_from_a_fractional_progress(cache, tmp_path):
                                                   (10, 12.5 * TOKENS_PER_STEP)]
     assert evaluations(resumed) == evaluations(full)
 
+
+def test_latest_job_rows_of_a_resumed_run(cache, tmp_path):
+    """A run resumed in its own directory from its checkpoint at progress 7.5 (labelled
+    8), where replica 0 was at its step 6 and replica 1 at its step 9: the latest job's
+    rows (``plan --calibrate``) are each file's from the step its rank resumed at. Before,
+    they were the rows after the label 8: replica 0's first two were lost, and replica 1's
+    step 9 of the first job counted as the latest's."""
+    run = tmp_path / "run"
+    common = ["--sim.step_schedule=[2,3]", "--checkpoint.every", "7"]
+    _ok(_train(cache, run, "--steps", "12", *common))
+    _ok(_train(cache, run, "--steps", "16", "--resume",
+               str(run / "checkpoints" / "step_00000008"), *common))
+    start, rows, ranks = job_rows(run, 2)
+    assert start == latest_job_start(run) == 6
+    # (rows up to step 10 replay the first job's: the latest job's own measurements)
+    assert [r["step"] for r in rows if "loss" in r][:5] == [7, 8, 9, 10, 11]
+    assert [r["step"] for r in ranks[0]] == list(range(7, 15))
+    assert [r["step"] for r in ranks[1]] == list(range(10, 22))
+    (sample,) = calibrate([run]).samples
+    assert sample.replicas == 2

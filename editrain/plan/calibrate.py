@@ -44,7 +44,7 @@ from pathlib import Path
 from typing import Any
 
 from editrain.errors import ConfigError
-from editrain.metrics import current_rows, read_jsonl, read_rank_steps
+from editrain.metrics import current_rows, latest_job, read_jsonl, read_rank_steps
 from editrain.plan.inputs import GBIT, SHAPE_FIELDS, Cluster, MethodSpec, ModelSpec
 from editrain.plan.model import model_shape, step_flops
 from editrain.rundir import latest_job_start, list_checkpoints, read_marker
@@ -292,13 +292,25 @@ def job_rows(run_dir: Path, world: int
     its layout: a rank of an earlier, larger layout may have logged later steps on a
     timeline the job left.
 
+    Each file's rows of the latest job are those after its start event
+    (:func:`editrain.metrics.latest_job`), which numbers them as that file does (A-EDiT's
+    replicas count their own steps). A run of an older editrain has no such event: its
+    rows are those after the step of the checkpoint the job resumed.
+
     Args:
         run_dir: the run directory.
         world: the latest job's processes (``dist.nproc``: every rank writes a file).
     """
+    logged = read_jsonl(run_dir / "metrics.jsonl")
+    job = latest_job(logged)
+    if job is not None:
+        start, own = job
+        rows = [r for r in own if "event" not in r and isinstance(r.get("step"), int)]
+        ranks = {rank: got for rank, got in read_rank_steps(run_dir, latest_job_only=True)
+                 .items() if rank < world}
+        return start, rows, ranks
     start = latest_job_start(run_dir)
-    rows = [r for r in current_rows(read_jsonl(run_dir / "metrics.jsonl"))
-            if r["step"] > start]
+    rows = [r for r in current_rows(logged) if r["step"] > start]
     ranks = {rank: [r for r in got if r["step"] > start]
              for rank, got in read_rank_steps(run_dir).items() if rank < world}
     return start, rows, ranks
@@ -405,10 +417,12 @@ def read_run(run_dir: str | Path, skip: int = 4) -> RunSample:
     # logging rank's wait for the others inside a round's first collective.
     clocks: dict[int, dict[int, float]] = {}
     for rank, got in ranks.items():
+        # its own first steps: a rank's file counts its replica's steps (A-EDiT's apart)
+        own_first = got[0]["step"] - 1 + skip if got else first
         for r in got:
             if isinstance(r.get("unix_time"), int | float):
                 clocks.setdefault(rank, {})[r["step"]] = r["unix_time"]
-            if r["step"] > first and isinstance(r.get("compute_s"), int | float):
+            if r["step"] > own_first and isinstance(r.get("compute_s"), int | float):
                 c = r["compute_s"]
                 per_replica.setdefault(int(r.get("replica", 0)), []).append(
                     (c, c + (r.get("sim_stall_s") or 0.0), r["step"]))
