@@ -234,24 +234,114 @@ def current_rows(rows: Sequence[dict[str, Any]], resume_evaluations: bool = Fals
     the checkpoint's) also ends the earlier job's rows after it, those at the new job's
     first step included.
 
+    A job's start (its :data:`JOB_START` event, at the step it resumed) also ends, at the
+    job's first row of its own, what the earlier jobs logged past that step and it did not
+    compute again (:func:`_left_by_a_later_job`): the rows at and after that row's step,
+    and the end of the history (the rounds ``engine.finish(force=True)`` completed after
+    the last step and the final evaluation: a later job that resumed before them and
+    trained on completes those rounds at later steps, each then logged once).
+
     Args:
         rows: the file's rows in file order (:func:`read_metrics`).
         resume_evaluations: keep the elastic resume events that carry an evaluation (the
             global model at the resume, which continues a loss curve) among the rows.
     """
     kept: list[dict[str, Any]] = []
+    resumed = _ResumePoint()
     for row in rows:
+        if row.get("event") == JOB_START and _is_step(row.get("step")):
+            resumed.job_started(row["step"])
+            continue
         if row.get("event") == "elastic_resume" and isinstance(row.get("step"), int | float):
             kept = [r for r in kept if r["step"] <= row["step"]]
             if resume_evaluations and row.get("val_loss") is not None:
                 kept.append(row)
             continue
-        if "event" in row or "step" not in row or row.get("replayed"):
+        if "event" in row or "step" not in row:
             continue
+        if row.get("replayed"):
+            resumed.replayed(row)
+            continue
+        start = resumed.take()
+        if start is not None:
+            kept = _left_by_a_later_job(kept, start, row["step"])
         if kept and row["step"] < kept[-1]["step"]:
             kept = [r for r in kept if r["step"] < row["step"]]
         kept.append(row)
     return kept
+
+
+class _ResumePoint:
+    """Where the history that the next row of its own continues was resumed (for
+    :func:`current_rows`), from the jobs' :data:`JOB_START` events since the last such row.
+
+    Usually the latest job's start. A job that logged only replays and stopped before the
+    end it replayed (killed, restarted by torchrun from a checkpoint it saved while
+    replaying) and the job after it are one history from the earlier start: the checkpoint
+    it saved at the earlier job's last step does not hold the rounds that job's end
+    completed. A job that replayed up to its end (the same end again, with its own final
+    checkpoint) leaves the history as it was: the job after it is on its own.
+    """
+
+    def __init__(self) -> None:
+        self.start: int | None = None
+        self.replayed_end = False
+        """Whether the last replayed row was one without a loss (the end: a round's own
+        row or the final evaluation after the last step)."""
+
+    def job_started(self, step: int) -> None:
+        """A job's :data:`JOB_START` event at ``step``."""
+        if self.replayed_end:
+            self.start = None
+        self.start = step if self.start is None else min(self.start, step)
+        self.replayed_end = False
+
+    def replayed(self, row: dict[str, Any]) -> None:
+        """A replayed row of the latest job."""
+        self.replayed_end = "loss" not in row
+
+    def take(self) -> int | None:
+        """The resume point, at the first row of its own since the last (then forgotten);
+        None where no job started since."""
+        start, self.start = self.start, None
+        self.replayed_end = False
+        return start
+
+
+def _is_step(value: Any) -> bool:
+    """Whether ``value`` is a step number (an int, not a bool)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _left_by_a_later_job(kept: list[dict[str, Any]], start: int, first: int
+                         ) -> list[dict[str, Any]]:
+    """The current rows once a job that started after step ``start`` logs its first row
+    that is no replay, at step ``first``.
+
+    Of the earlier jobs' rows past ``start``, those that the new job computed again are
+    current (its rows of them are marked replayed); two kinds it did not compute again
+    belong to a history the run left:
+
+    * those at ``first`` and later: the new job logged that step anew (a resume that
+      replays nothing, such as A-EDiT's on the wall clock, even at the step where the
+      earlier job's rows end);
+    * the end of the history: the rows after the last one with a training loss (the
+      rounds ``engine.finish(force=True)`` completed after the last step, and the final
+      evaluation). A job that replays steps up to there and trains on does not end
+      there: the rounds that end completed, it completes at later steps, in rows of its
+      own. A job that resumed at their step (the final checkpoint, saved after them)
+      keeps them: its start is not before them.
+
+    Args:
+        kept: the current rows so far, in file order.
+        start: the new job's start (its :data:`JOB_START` event's step).
+        first: the step of the new job's first row that is no replay.
+    """
+    end = len(kept)
+    while end and "loss" not in kept[end - 1]:
+        end -= 1
+    return [r for i, r in enumerate(kept)
+            if r["step"] <= start or (r["step"] < first and i < end)]
 
 
 JOB_START = "job_start"
@@ -266,8 +356,7 @@ def latest_job(rows: Sequence[dict[str, Any]]) -> tuple[int, list[dict[str, Any]
     run of an older editrain, or a rank the latest job did not have)."""
     for i in range(len(rows) - 1, -1, -1):
         row, step = rows[i], rows[i].get("step")
-        if row.get("event") == JOB_START and isinstance(step, int) \
-                and not isinstance(step, bool):
+        if row.get("event") == JOB_START and _is_step(step):
             return step, list(rows[i + 1:])
     return None
 

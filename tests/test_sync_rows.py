@@ -62,6 +62,83 @@ def entries(run_dir: Path) -> list[dict]:
     return [r["sync"] for r in current_rows(read_metrics(run_dir)) if r.get("sync")]
 
 
+def _job(start: int, *rows: tuple, replay_until: int = -1) -> list[dict]:
+    """One job's rows of ``metrics.jsonl``: its start event, then ``(step, round)`` (a step
+    row, with the round that ended there or None), ``(step, round, "end")`` (a round's own
+    row, without a loss) or ``(step, "eval")`` (an evaluation's row); rows up to
+    ``replay_until`` are marked replayed, as the trainer marks them."""
+    out: list[dict] = [{"event": "job_start", "step": start}]
+    for step, what, *own in rows:
+        row: dict = {"step": step}
+        if what == "eval":
+            row["val_loss"] = 5.0
+        else:
+            row.update({} if own else {"loss": 6.0})
+            if what is not None:
+                row["sync"] = {"sync": what, "step": step}
+        if step <= replay_until:
+            row["replayed"] = True
+        out.append(row)
+    return out
+
+
+# A finished 12-step run: rounds ending at steps 5 and 8, the end's round at 12, in a row of
+# its own after step 12's, and the final evaluation.
+FINISHED = _job(0, (0, "eval"), *[(s, {5: 0, 8: 1}.get(s)) for s in range(1, 13)],
+                (12, 2, "end"), (12, "eval"))
+
+
+@pytest.mark.parametrize("name, later, rounds, evals", [
+    # the same --steps from step 8: steps 9-12 and the end computed again (replays)
+    ("exact resume", _job(8, *[(s, None) for s in range(9, 13)], (12, 2, "end"),
+                          (12, "eval"), replay_until=12),
+     [(5, 0), (8, 1), (12, 2)], [0, 12]),
+    # on from the final checkpoint (saved after the end's round): it stays
+    ("extension from the final checkpoint",
+     _job(12, *[(s, None) for s in range(13, 17)], (16, 3, "end"), (16, "eval")),
+     [(5, 0), (8, 1), (12, 2), (16, 3)], [0, 12, 16]),
+    # on from step 8: round 2 completes at step 13, and the old end is not this history's
+    ("extension from an earlier checkpoint",
+     _job(8, *[(s, {13: 2}.get(s)) for s in range(9, 17)], (16, 3, "end"), (16, "eval"),
+          replay_until=12),
+     [(5, 0), (8, 1), (13, 2), (16, 3)], [0, 16]),
+    # ... whose first job stopped in step 13, after saving step 12 while replaying: its
+    # restart resumes that checkpoint, still not the old end's
+    ("extension restarted after its own checkpoint",
+     _job(8, *[(s, None) for s in range(9, 13)], replay_until=12)
+     + _job(12, *[(s, {13: 2}.get(s)) for s in range(13, 17)], (16, 3, "end")),
+     [(5, 0), (8, 1), (13, 2), (16, 3)], [0]),
+    # the same --steps from step 8 (to its own final checkpoint, after the same end), then
+    # on from there: that end is in the checkpoint
+    ("exact resume, then extension from its final checkpoint",
+     _job(8, *[(s, None) for s in range(9, 13)], (12, 2, "end"), (12, "eval"),
+          replay_until=12)
+     + _job(12, *[(s, None) for s in range(13, 17)], (16, 3, "end")),
+     [(5, 0), (8, 1), (12, 2), (16, 3)], [0, 12]),
+    # elastic from step 8: other replicas, rounds of their own from step 9
+    ("elastic resume", _job(8) + [{"event": "elastic_resume", "step": 8, "val_loss": 5.0}]
+     + _job(8, *[(s, {12: 2}.get(s)) for s in range(9, 13)], (12, "eval"))[1:],
+     [(5, 0), (8, 1), (12, 2)], [0, 12]),
+    # A-EDiT on the wall clock from step 11: no replays, and its first row is at step 12,
+    # the step where the old rows end (its last round merged there, in the step's row)
+    ("A-EDiT without replays", _job(11, (12, 2), (13, None), (14, 3), (14, "eval")),
+     [(5, 0), (8, 1), (12, 2), (14, 3)], [0, 14]),
+])
+def test_each_round_is_current_once_in_every_resume_pattern(name: str, later: list[dict],
+                                                            rounds: list, evals: list
+                                                            ) -> None:
+    """``current_rows`` (what every reader of the sync entries reads) holds each round
+    once after a resume. A job that resumed before the end of the history and trains past
+    it ends the earlier job's end rows: before, a job resumed from an earlier checkpoint
+    with a larger --steps kept the old end row of round 2 beside its own (step 13), and
+    a wall-clock A-EDiT job whose first row was at the old last step kept both rows."""
+    current = current_rows(FINISHED + later)
+    assert [(r["step"], r["sync"]["sync"]) for r in current if r.get("sync")] == rounds, name
+    assert [r["step"] for r in current if "val_loss" in r] == evals, name
+    # one history, in step order
+    assert [r["step"] for r in current] == sorted(r["step"] for r in current), name
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("case", list(CASES))
@@ -117,3 +194,46 @@ def test_a_resumed_run_neither_repeats_nor_loses_the_end_rounds(cache: Path,
     train(cache, run, *args, "--resume", str(run), "--steps", "16")
     assert [e["sync"] for e in entries(run)] == [0, 1, 2, 3]
     assert json.loads((run / "summary.json").read_text())["num_syncs"] == 4
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_a_job_that_trains_past_the_end_round_of_an_earlier_checkpoint_logs_it_once(
+        cache: Path, tmp_path: Path) -> None:
+    """A finished 12-step run resumed from its step-8 checkpoint with a larger --steps: the
+    new job computes steps 9-12 again (replays), but does not end there: the round armed at
+    step 12, which the first job's end completed in a row of its own at step 12, it
+    completes in step 13's forward. Before, the old end row stayed current beside the new
+    step-13 row (entries [0, 1, 2, 2, 3] where summary.json said 4 syncs); the new job's
+    start now supersedes the old job's end rows (``metrics.current_rows``)."""
+    run = tmp_path / "run"
+    args = [*SHORT, *CASES["edit"], "--checkpoint.every", "8", "--train.eval_every", "8",
+            "--quiet"]
+    train(cache, run, *args)
+    assert [e["sync"] for e in entries(run)] == [0, 1, 2]
+    train(cache, run, *args, "--resume", str(run / "checkpoints" / "step_00000008"),
+          "--steps", "16")
+    current = current_rows(read_metrics(run))
+    got = [(r["step"], r["sync"]["sync"]) for r in current if r.get("sync")]
+    assert got == [(5, 0), (8, 1), (13, 2), (16, 3)]
+    assert json.loads((run / "summary.json").read_text())["num_syncs"] == len(got)
+    # The first job's final evaluation (of its end, after round 2) is not this history's.
+    assert [r["step"] for r in current if "val_loss" in r] == [0, 8, 16]
+
+
+def test_the_benchmarks_read_the_rounds_of_one_step_in_their_order(tmp_path: Path) -> None:
+    """Rounds that end at one step: all but the last in rows of their own before the
+    step's row, which carries the last; the end's after it. ``Run.sync_entries`` (the
+    stragglers' per-replica steps, the spikes' outlier counts) gives them in the order
+    they ended; before, a sort by step alone put the step row's round before the earlier
+    rounds of its step ([2, 5, 3, 4, 6, 7])."""
+    from editrain.bench.runs import Run
+
+    def own(step: int, index: int) -> dict:
+        return {"step": step, "sync": {"sync": index, "step": step}}
+
+    rows = [{"step": 8, "loss": 6.0, "sync": {"sync": 2, "step": 8}},
+            {"step": 12, "loss": 5.0, "sync": {"sync": 5, "step": 12}}]
+    run = Run("streaming", tmp_path, {}, rows=rows,
+              sync_rows=[own(12, 3), own(12, 4), own(12, 6), own(12, 7)])
+    assert [s["sync"] for s in run.sync_entries()] == [2, 3, 4, 5, 6, 7]

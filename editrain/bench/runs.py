@@ -91,11 +91,17 @@ class Run:
         return out
 
     def sync_entries(self) -> list[dict[str, Any]]:
-        """Every round's sync entry, by the step it ended at: those the step rows carry
-        and those of :attr:`sync_rows` (for what a round did, such as its replicas' steps
-        or its outlier flags; its time is :meth:`timed_syncs`'s)."""
-        rows = sorted((*self.rows, *self.sync_rows), key=lambda r: r["step"])
-        return [r["sync"] for r in rows if isinstance(r.get("sync"), dict)]
+        """Every round's sync entry, in the order the rounds ended: those the step rows
+        carry and those of :attr:`sync_rows` (for what a round did, such as its replicas'
+        steps or its outlier flags; its time is :meth:`timed_syncs`'s).
+
+        By the step each ended at, and at one step by the round's index: several rounds
+        that end at one step have rows of their own before the step's row, which carries
+        the last of them (a sort by step alone put that one first)."""
+        rows = sorted((r for r in (*self.rows, *self.sync_rows)
+                       if isinstance(r.get("sync"), dict)),
+                      key=lambda r: (r["step"], _round_index(r["sync"])))
+        return [r["sync"] for r in rows]
 
     def timed_syncs(self) -> list[tuple[int, dict[str, Any]]]:
         """``(row index, sync entry)`` of the syncs whose time is inside the step rows.
@@ -116,6 +122,14 @@ class Run:
                 continue
             out.append((i, s))
         return out
+
+
+def _round_index(entry: dict[str, Any]) -> float:
+    """A sync entry's round index (``sync``), for the order of rounds ending at one step;
+    one without a number after those with one, in the order given."""
+    index = entry.get("sync")
+    return index if isinstance(index, int | float) and not isinstance(index, bool) \
+        else math.inf
 
 
 def read_run(label: str, run_dir: Path, overrides: dict[str, Any], launch_s: float = 0.0,
