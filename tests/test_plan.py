@@ -492,9 +492,12 @@ def write_overlap_run(path, fragments=1, H=8, step_s=0.03, cost_s=0.012, steps=4
         t += c
         row = {"step": step, "tokens": 1024 * step, "loss": 5.0, "compute_s": c,
                "sync_wait_s": 0.0, "grad_sync_s": 0.0, "wall_time_s": t, "train_time_s": t}
-        if step - overlap - 1 in launches:  # logged at the merge
-            row["sync"] = {"step": step - overlap - 1, "bytes_sent": 1000,
-                           "sync_collectives": 2, "comm_time_s": 0.001, "wait_s": 0.0}
+        if step - overlap - 1 in launches:  # logged at the merge (in the next forward)
+            launch = step - overlap - 1
+            # a delayed round's entry: the step of its merge and that of its launch
+            row["sync"] = {"step": launch + overlap, "bytes_sent": 1000,
+                           "sync_collectives": 2, "comm_time_s": 0.001, "wait_s": 0.0,
+                           **({"launch_step": launch} if overlap else {})}
         rows.append(row)
         for r in (0, 1):
             ranks[r].append({"rank": r, "replica": r, "step": step, "wall_time_s": t,
@@ -599,6 +602,46 @@ def test_calibration_leaves_out_the_wait_for_a_late_replica(tmp_path):
     assert peer_lag_s({0: {4: 10.5}, 1: {4: 10.0}}, 4) == 0.0
     assert peer_lag_s({0: {4: 10.0}, 1: {4: 10.25}, 2: {4: 10.5}}, 4) == 0.5
     assert peer_lag_s({0: {4: 10.0}}, 4) == 0.0
+
+
+def test_calibration_reads_the_wait_for_a_late_replica_where_each_round_launched(tmp_path):
+    """Rank 0 waits inside a round's first collective for ranks that launched it later:
+    a delayed (streaming) round launched at its ``launch_step``, not at its entry's
+    ``step`` (its merge); of the rounds the end launches one after the other (rows of their
+    own after the last step), the first waits for the ranks' arrival there, the next start
+    on ranks its collectives brought together. Before, the lag was read at the merge step
+    (none: rank 1 lags at the launches) and taken off every end round again."""
+    def lagged(run, lag):
+        rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+        last = max(r["step"] for r in rows)
+        end = [r for r in rows if "loss" not in r]
+        end.append(dict(end[-1], sync=dict(end[-1]["sync"], sync=last + 2, bytes_sent=51_000,
+                                           sync_collectives=2,
+                                           comm_time_s=2 * 0.005 + 51_000 / 2e6)))
+        rows = [r for r in rows if "loss" in r] + end
+        for r in rows:
+            s = r.get("sync")
+            if s and "loss" in r:  # launched one step before its merge
+                s["launch_step"] = s["step"] - 1
+            if s and (r is end[0] or "loss" in r):
+                s["comm_time_s"] += lag  # the waits: at the launches and the end's first
+        (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        for rank in (0, 1):
+            path = run / "ranks" / f"rank{rank}.jsonl"
+            lines = [json.loads(x) for x in path.read_text().splitlines()]
+            for x in lines:
+                late = rank and (x["step"] % 2 or x["step"] == last)
+                x["unix_time"] = 1e9 + x["wall_time_s"] + (lag if late else 0.0)
+            path.write_text("".join(json.dumps(x) + "\n" for x in lines))
+
+    for name, lag in (("plain", 0.0), ("late", 0.03)):
+        write_synthetic_run(tmp_path / name, simulated=False, final_round=True)
+        lagged(tmp_path / name, lag)
+    plain, late = calibrate([tmp_path / "plain"]), calibrate([tmp_path / "late"])
+    assert [s[2] for s in late.samples[0].syncs] == pytest.approx(
+        [s[2] for s in plain.samples[0].syncs], abs=1e-6)
+    assert late.bandwidth_bytes_per_s == pytest.approx(plain.bandwidth_bytes_per_s, rel=1e-4)
+    assert late.latency_s == pytest.approx(plain.latency_s, rel=1e-4)
 
 
 def test_fit_link_with_one_kind_of_round_assumes_the_latency():

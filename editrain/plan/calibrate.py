@@ -397,9 +397,10 @@ def read_run(run_dir: str | Path, skip: int = 4) -> RunSample:
     S, replicas = method.shard_size or 1, _replicas(cfg)
     # the rank files are keyed by global rank: the job's processes (tp peers included)
     start, rows, ranks = job_rows(d, int(_get(cfg, "dist", "nproc", replicas * S * method.tp)))
-    # Every round of the job, by the step it ended at: those a step's row carries and
-    # those with a row of their own (completed by finish() after the last step).
-    rounds = [(r["step"], r["sync"]) for r in rows if isinstance(r.get("sync"), dict)]
+    # Every round of the job: those a step's row carries and those with a row of their
+    # own (completed by finish() after the last step), each with the step it launched at.
+    rounds = [(launch_step(r), r["sync"]) for r in rows if isinstance(r.get("sync"), dict)]
+    at_end = _launched_by_the_end(rows)
     rows = sorted((r for r in rows if r.get("loss") is not None), key=lambda r: r["step"])
     first = start + skip  # each job starts up again: its own first steps are left out
     window = [r for r in rows if r["step"] > first]
@@ -440,9 +441,8 @@ def read_run(run_dir: str | Path, skip: int = 4) -> RunSample:
     steps = {k for k, _ in means[0][2]}
     beside: set[int] = set()
     counted = 0
-    for row_step, s in rounds:
+    for k, _ in rounds:
         if method.overlapped_steps:
-            k = int(s.get("step", row_step))
             mine = steps & set(range(k + 1, k + method.overlapped_steps + 1))
             counted += bool(mine)
             beside |= mine
@@ -458,20 +458,54 @@ def read_run(run_dir: str | Path, skip: int = 4) -> RunSample:
             if b["step"] == a["step"] + 1 and "sync" not in b]
     overhead = max(0.0, statistics.median(gaps)) if gaps else 0.0
     syncs, delays = [], []
-    for row_step, s in rounds:
+    for i, (k, s) in enumerate(rounds):
         if s.get("comm_time_s") is not None and s.get("bytes_sent") is not None:
             delay = float(s.get("link_delay_s") or 0.0)
             # The logging rank (rank 0) waits inside the round's first collective for the
             # ranks that launched it later; that is no cost of the link or the machine.
             # (A-EDiT's replicas count their steps apart: no common step to compare.)
-            late = 0.0 if method.method == "aedit" else peer_lag_s(
-                clocks, int(s.get("step", row_step)))
+            # Of the rounds the end launches one after the other, the first has waited for
+            # the ranks' arrival: the next start on ranks that its collectives brought
+            # together.
+            late = 0.0 if method.method == "aedit" or i in at_end[1:] else peer_lag_s(
+                clocks, k)
             syncs.append((float(s.get("sync_collectives") or 1), float(s["bytes_sent"]) * S,
                           max(delay, float(s["comm_time_s"]) - late)))
             delays.append(delay)
     return RunSample(str(d), method, model, replicas, S, fastest, overhead,
                      [m / fastest for m in medians], syncs, delays, dict(cfg.get("sim", {})),
                      quiet, counted / len(means[0][2]))
+
+
+def launch_step(row: dict[str, Any]) -> int:
+    """The step at whose boundary the round of ``row`` (a row with a ``sync`` entry) was
+    launched, where each rank's clock of that step (``unix_time``, written after the
+    step's launches) says when it joined the round's first collective.
+
+    A delayed round (streaming, non-blocking: its entry's ``launch_step``) launched there
+    and ran behind the steps up to its merge, whose step is the entry's ``step``. Any other
+    round launched at its entry's ``step``: a layer-wise round runs in the next forward
+    (its row is that step's), a blocking one at that boundary, and those
+    ``finish(force=True)`` runs after the last step there (the last step's clock: each
+    rank gets there after it)."""
+    entry = row["sync"]
+    for key in ("launch_step", "step"):
+        value = entry.get(key)
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            return int(value)
+    return int(row["step"])
+
+
+def _launched_by_the_end(rows: list[dict[str, Any]]) -> list[int]:
+    """Indexes (among the rows with a ``sync`` entry, in file order) of the rounds that
+    ``finish(force=True)`` launched after the last step, in order: rows of their own
+    after the last row with a loss, without a ``launch_step`` (a delayed round merged
+    there launched at its own step)."""
+    synced = [r for r in rows if isinstance(r.get("sync"), dict)]
+    last = max((i for i, r in enumerate(rows) if r.get("loss") is not None), default=-1)
+    after = [r for r in rows[last + 1:] if isinstance(r.get("sync"), dict)]
+    first = len(synced) - len(after)
+    return [first + j for j, r in enumerate(after) if "launch_step" not in r["sync"]]
 
 
 def peer_lag_s(clocks: dict[int, dict[int, float]], step: int) -> float:
@@ -633,4 +667,4 @@ def calibrate(run_dirs: list[str | Path], skip: int = 4, latency_s: float | None
 
 
 __all__ = ["Calibration", "RunSample", "calibrate", "fit_compute", "fit_link", "job_rows",
-           "peer_lag_s", "read_config", "read_run", "run_vocab_size"]
+           "launch_step", "peer_lag_s", "read_config", "read_run", "run_vocab_size"]
