@@ -829,3 +829,23 @@ def test_ft_warns_once_that_floating_buffers_stay_each_replicas_own():
     assert out["plain"] == ["left alone: []"]
     assert out["ft_no_buffers"] == ["left alone: []"]
     assert persistent_buffer_names(Llama(preset_config("tiny", vocab_size=64))) == []
+
+
+def test_ft_buffer_warning_comes_from_the_first_rank_of_each_stage():
+    """With pipeline stages each stage's model holds the buffers of its own layers: the
+    fault-tolerant warning about them comes from the first rank (shard 0, tp 0) of every
+    stage of replica group 0, once per stage, and names the stage. Before, only global
+    rank 0 (stage 0) could warn: buffers of a later stage were never named."""
+    from editrain.sync.buffers import unsynced_buffers_warning, warns_for_its_stage
+    from editrain.topology import Topology
+
+    topo = Topology(world_size=8, shard_size=2, pp_size=2)  # 2 replicas x 2 stages x 2
+    assert [r for r in range(8) if warns_for_its_stage(topo, r, topo.replica_of(r))] == [0, 2]
+    # a fault-tolerant group's job is one replica: its own index decides
+    group = Topology(world_size=4, shard_size=1, tp_size=2, pp_size=2)
+    assert [r for r in range(4) if warns_for_its_stage(group, r, 0)] == [0, 2]
+    assert not any(warns_for_its_stage(group, r, 1) for r in range(4))
+    flat = Topology(world_size=2, shard_size=2)
+    assert [r for r in range(2) if warns_for_its_stage(flat, r, 0)] == [0]
+    said = unsynced_buffers_warning(["norm.running_mean"], stage=1)
+    assert "buffers (pipeline stage 1) (norm.running_mean) are not synced" in said

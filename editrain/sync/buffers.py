@@ -31,8 +31,9 @@ another, and a replica that heals receives the engine's and the trainer's state,
 model's buffers; a buffer collective at a step boundary, outside the round's vote, could
 meet a replica that left or one that did not commit. So each replica keeps its own, and
 the engine says so once, before training (:func:`unsynced_buffers_warning`), where the
-model has floating persistent buffers (integer ones, such as ``num_batches_tracked``, are
-counters the replicas mostly agree on anyway).
+model has floating persistent buffers, with pipeline stages once for each stage that has
+some (integer ones, such as ``num_batches_tracked``, are counters the replicas mostly
+agree on anyway).
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ import torch.distributed as dist
 from torch import nn
 
 from editrain.sync.comm import CommPath, CommStats
+from editrain.topology import Topology
 
 log = logging.getLogger("editrain")
 
@@ -55,12 +57,28 @@ def persistent_buffer_names(model: nn.Module) -> list[str]:
     return [name for name, b in model.named_buffers() if id(b) in saved]
 
 
-def unsynced_buffers_warning(names: list[str]) -> str:
+def warns_for_its_stage(topo: Topology, rank: int, replica: int) -> bool:
+    """Whether ``rank`` says :func:`unsynced_buffers_warning` of its model: the first rank
+    (shard 0, tp 0) of its pipeline stage in replica group 0. Each stage holds the
+    buffers of its own layers (a stage's ranks the same ones), so one rank per stage
+    names them all, once; without pipeline parallelism that is the group's rank 0.
+
+    Args:
+        topo: the job's topology (of one replica group in the fault-tolerant mode).
+        rank: this process's rank in it.
+        replica: this rank's replica (group) index.
+    """
+    return replica == 0 and topo.position_of(rank) % topo.stage_size == 0
+
+
+def unsynced_buffers_warning(names: list[str], stage: int | None = None) -> str:
     """The warning of a fault-tolerant run whose model has the floating persistent buffers
-    ``names``, which no replica shares with another (see the module docstring)."""
+    ``names``, which no replica shares with another (see the module docstring); ``stage``:
+    the pipeline stage that holds them (None without pipeline parallelism)."""
     shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+    held = f" (pipeline stage {stage})" if stage is not None else ""
     return (f"dist.fault_tolerance = 'torchft' (--ft): the model's floating persistent "
-            f"buffers ({shown}) are not synced across replica groups: each group keeps its "
+            f"buffers{held} ({shown}) are not synced across replica groups: each group keeps its "
             f"own (a healed group too), so the global model evaluates differently on every "
             f"replica; without --ft they are averaged at every sync (see "
             f"docs/fault_tolerance.md)")
@@ -80,13 +98,16 @@ class BufferSync:
         comm: the engine's communication path (its sync group spans the replicas).
         replica: this rank's replica index.
         enabled: False in the fault-tolerant mode, whose replicas come and go between
-            rounds: there each replica keeps its own buffers, and the first rank of
-            replica 0 warns once (:func:`unsynced_buffers_warning`) if the model has
-            floating persistent buffers.
+            rounds: there each replica keeps its own buffers, and the first rank of each
+            pipeline stage in replica 0 (:func:`warns_for_its_stage`) warns once
+            (:func:`unsynced_buffers_warning`) if its model has floating persistent
+            buffers.
+        topo: the job's topology (which stage this rank's ``model`` is; default: one
+            replica without pipeline stages, whose rank 0 warns).
     """
 
     def __init__(self, model: nn.Module, comm: CommPath, replica: int,
-                 enabled: bool = True) -> None:
+                 enabled: bool = True, topo: Topology | None = None) -> None:
         self.model = model
         self.comm = comm
         self.replica = replica
@@ -95,9 +116,13 @@ class BufferSync:
         self.left_alone = [] if enabled else _floating(model, persistent_buffer_names(model))
         """The floating persistent buffers each replica keeps for itself (the
         fault-tolerant mode)."""
-        # Once per run: each replica group is a job of its own, whose rank 0 is its first.
-        if self.left_alone and replica == 0 and dist.get_rank() == 0:
-            log.warning("%s", unsynced_buffers_warning(self.left_alone))
+        # Once per stage: each stage's model holds the buffers of its own layers only.
+        rank = dist.get_rank()
+        world = dist.get_world_size()
+        topo = topo or Topology(world_size=world, shard_size=world)
+        if self.left_alone and warns_for_its_stage(topo, rank, replica):
+            stage = topo.stage_of(rank) if topo.pp_size > 1 else None
+            log.warning("%s", unsynced_buffers_warning(self.left_alone, stage))
         self.due = False
         """Whether a sync was applied since the buffers were last synced."""
 

@@ -228,7 +228,7 @@ class SyncEngine:
         self.schedule: Schedule = self.ft or plain_schedule(view)
         """When rounds start and merge (:mod:`editrain.sync.schedules`)."""
         self.rounds.reset_at_launch = isinstance(self.schedule, NonBlockingSchedule)
-        self.buffers = BufferSync(model, self.comm, self.replica, self.ft is None)  # buffers.py
+        self.buffers = BufferSync(model, self.comm, self.replica, self.ft is None, self.topo)
         if not self.rounds.reset_at_launch:  # non-blocking: finish(force=True) only
             self.rounds.on_sync = self.buffers.mark_due
 
