@@ -22,10 +22,12 @@ across replicas and the replica all-gathers the result (see ``docs/api.md``).
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch.utils.hooks import RemovableHandle
 
 from editrain.sync.edit import SyncEngine
 from editrain.sync.state import rank_key
@@ -42,7 +44,12 @@ class StatefulPostLocalSGDOptimizer(torch.optim.Optimizer):
     gradients across replicas; skipped when :meth:`after_backward` was already called for
     this step, e.g. before clipping the gradients), the inner ``optim.step()``, and
     ``engine.step()`` (counts the step; arms or runs a sync). ``param_groups`` and ``state``
-    are the inner optimizer's, so learning-rate schedulers work on the wrapper.
+    are the inner optimizer's, so learning-rate schedulers work on the wrapper; step hooks
+    registered on the wrapper run around all of it. (torch's DCP helpers
+    ``get_optimizer_state_dict`` / ``set_optimizer_state_dict`` take the inner optimizer,
+    ``opt.optim``, with :func:`editrain.engine_state_dict` for the engine: given the
+    wrapper, their initialisation of an empty state would call :meth:`step`, which
+    counts a step.)
 
     Args:
         optim: the inner optimizer over the model's parameters (the DDP-wrapped model's).
@@ -55,6 +62,10 @@ class StatefulPostLocalSGDOptimizer(torch.optim.Optimizer):
         self.optim = optim
         self.engine = engine
         self._averaged = False
+        # The wrapper's own step hooks (torch's registries are made by the __init__ not
+        # called here): run around the whole step, the engine's book-keeping included.
+        self._step_pre_hooks: OrderedDict[int, Callable[..., Any]] = OrderedDict()
+        self._step_post_hooks: OrderedDict[int, Callable[..., Any]] = OrderedDict()
 
     # Read through to the inner optimizer every time, never copied: its load_state_dict()
     # replaces its param_groups list, and a copy taken here would go on holding the old
@@ -104,12 +115,53 @@ class StatefulPostLocalSGDOptimizer(torch.optim.Optimizer):
         Returns:
             What the inner ``step`` returns.
         """
+        args: tuple[Any, ...] = () if closure is None else (closure,)
+        kwargs: dict[str, Any] = {}
+        for hook in list(self._step_pre_hooks.values()):
+            changed = hook(self, args, kwargs)
+            if changed is not None:
+                if not (isinstance(changed, tuple) and len(changed) == 2):
+                    raise RuntimeError(f"a step pre-hook must return None or (args, kwargs), "
+                                       f"got {changed!r}")
+                args, kwargs = changed
+        closure = kwargs.get("closure", args[0] if args else None)
         if not self._averaged and closure is None:
             self.engine.after_backward()
         self._averaged = False
         loss = self.optim.step() if closure is None else self.optim.step(closure)
         self.engine.step()
+        for hook in list(self._step_post_hooks.values()):
+            hook(self, args, kwargs)
         return loss
+
+    def register_step_pre_hook(self, hook: Callable[..., Any]) -> RemovableHandle:
+        """A hook called before each :meth:`step` as ``hook(optimizer, args, kwargs)``
+        (``optimizer`` is this wrapper); it may return ``(args, kwargs)`` to replace the
+        step's arguments (the ``closure``), as :class:`torch.optim.Optimizer`'s do.
+
+        Args:
+            hook: the hook.
+
+        Returns:
+            A handle whose ``remove()`` removes the hook.
+        """
+        handle = RemovableHandle(self._step_pre_hooks)
+        self._step_pre_hooks[handle.id] = hook
+        return handle
+
+    def register_step_post_hook(self, hook: Callable[..., Any]) -> RemovableHandle:
+        """A hook called after each :meth:`step`, the engine's book-keeping included (a
+        sync that step ran is done), as ``hook(optimizer, args, kwargs)``.
+
+        Args:
+            hook: the hook.
+
+        Returns:
+            A handle whose ``remove()`` removes the hook.
+        """
+        handle = RemovableHandle(self._step_post_hooks)
+        self._step_post_hooks[handle.id] = hook
+        return handle
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """The inner optimizer's ``zero_grad``.

@@ -123,6 +123,13 @@ def _wrapper_run(info, rank: int, resume_from: bytes | None) -> tuple[dict, byte
     # optimizer after opt.load_state_dict() (which replaces the inner param_groups).
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
     first, saved = 0, None
+    # Step hooks on the wrapper (torch.optim.Optimizer's API): the pre hook sees the
+    # engine before the step counts, the post hook after; a removed hook stops.
+    seen: dict[str, list[int]] = {"pre": [], "post": []}
+    pre = opt.register_step_pre_hook(
+        lambda o, args, kwargs: seen["pre"].append(o.engine.global_step))
+    opt.register_step_post_hook(lambda o, args, kwargs: seen["post"].append(
+        o.engine.global_step))
     if resume_from is not None:
         state = torch.load(io.BytesIO(resume_from), weights_only=False)
         model.load_state_dict(state["model"])
@@ -139,9 +146,11 @@ def _wrapper_run(info, rank: int, resume_from: bytes | None) -> tuple[dict, byte
         opt.step()
         opt.zero_grad()
         sched.step()
+        if step == first + 1:
+            pre.remove()
     engine.finish(force=True)
     out = {"params": _full(model), "num_syncs": engine.num_syncs,
-           "inner_lr": opt.optim.param_groups[0]["lr"]}
+           "inner_lr": opt.optim.param_groups[0]["lr"], "hooks": seen, "first": first}
     engine.close()
     return out, saved
 
@@ -295,3 +304,15 @@ def test_optimizer_wrapper_resumes_bitwise(runs):
         assert res["inner_lr"] == cont["inner_lr"]  # the schedule goes on after the load
         for n, p in cont["params"].items():
             assert torch.equal(p, res["params"][n]), n
+
+
+def test_step_hooks_on_the_optimizer_wrapper(runs):
+    """register_step_pre_hook / register_step_post_hook on the wrapper (they raised
+    AttributeError: torch's registries come from the Optimizer.__init__ the wrapper does
+    not call). Pre hooks run before the engine counts the step, post hooks after it; a
+    removed hook is not called again."""
+    for r in runs:
+        for run in r["resume"].values():
+            first = run["first"]
+            assert run["hooks"]["pre"] == [first, first + 1]
+            assert run["hooks"]["post"] == list(range(first + 1, RESUME_TOTAL + 1))
