@@ -29,6 +29,9 @@ node; a multi-node job takes it on the node of rank 0.) The replica groups of a
 fault-tolerant run started as torchrun jobs of their own share the run directory: each
 holds its group's lock (:func:`group_lock_name`) for the job, and the run's lock only a
 moment, to write the run's files (see :meth:`editrain.launch.run_dir.RunDirClaim.join`).
+The groups started together are one *start* of the run, claimed once (its history line
+lists them: :func:`current_start`); each group's checkpoints and timeline are its own
+(:func:`join_start`).
 
 ``RUN_DIR/logs`` (:func:`logs_dir`; per replica group of a fault-tolerant run
 ``RUN_DIR/replica{r}/logs``) holds the workers' tracebacks and torch elastic's own log.
@@ -583,7 +586,7 @@ def _inside(path: Path, root: Path) -> bool:
         return False
 
 
-def check(run_dir: Path, *, overwrite: bool, resume: list[Path]) -> Claim:
+def check(run_dir: Path, *, overwrite: bool, resume: list[Path], join: bool = False) -> Claim:
     """Decide whether this job may use ``run_dir``; touches nothing.
 
     Refused (:class:`RunDirError`): a directory holding a run, unless this job resumes that
@@ -593,11 +596,22 @@ def check(run_dir: Path, *, overwrite: bool, resume: list[Path]) -> Claim:
         run_dir: the run directory.
         overwrite: ``--overwrite``.
         resume: the checkpoint directories to resume from (empty for a new run).
+        join: this job joins the run the directory holds (a torchrun job of a
+            fault-tolerant run's replica group that starts while the run's other groups
+            train, :func:`join_start`): the run is never replaced (``overwrite`` does not
+            apply to it), a group that resumes must resume a checkpoint of that run, one
+            that does not starts its group afresh in it; the other checks are a claim's.
     """
     record = read_record(run_dir)
     existing = run_entries(run_dir)
     marker = _marker(resume[0]) if resume else None
-    same_run = False
+    if join:
+        overwrite = False
+        if record is None:
+            raise RunDirError(f"--run-dir: {run_dir} has no run record ({RECORD}), though "
+                              "replica groups of a fault-tolerant run train there; start "
+                              "this group once they have ended, or in another directory")
+    same_run = join and not resume
     if resume and (existing or record is not None):
         ckpt_run = marker.get("run_id") if marker else None
         if record is not None and ckpt_run is not None:
@@ -613,6 +627,11 @@ def check(run_dir: Path, *, overwrite: bool, resume: list[Path]) -> Claim:
                               f"--overwrite to continue the run there, or resume into "
                               f"another directory")
         same_run = False  # a checkpoint from elsewhere: the directory is replaced as asked
+    if join and not same_run:
+        raise RunDirError(f"--resume: {resume[0]} is a checkpoint of another run than the one "
+                          f"the replica groups training in {run_dir} continue; resume this "
+                          "group from the run's own checkpoint (--resume RUN_DIR), or start "
+                          "it once they have ended")
     if existing and not same_run and not overwrite:
         what = "another run" if resume else "a run"
         how = ("choose an empty directory (or the run's own) with --run-dir, or pass "
@@ -677,7 +696,8 @@ def newer_checkpoints(ckpt: Path, roots: list[Path], step: int) -> list[Path]:
     return out
 
 
-def claim(c: Claim, note: dict[str, Any] | None = None) -> RunRecord:
+def claim(c: Claim, note: dict[str, Any] | None = None, replica: int | None = None,
+          groups: int = 0) -> RunRecord:
     """Make ``c.run_dir`` this job's: replace the old run if decided, set newer checkpoints
     of an abandoned timeline aside, write the record. Call with the lock held.
 
@@ -685,6 +705,15 @@ def claim(c: Claim, note: dict[str, Any] | None = None) -> RunRecord:
         c: what :func:`check` found.
         note: more for this job's line of the history (the options it changes in the
             run's configuration: :func:`editrain.launch.run_dir.config_change`).
+        replica: this job is that replica group of a fault-tolerant run, started by
+            torchrun, that claims the run for a start of its groups
+            (:func:`current_start`): it sets
+            aside only its own later checkpoints (``replica{r}/checkpoints``), since every
+            other group resumes its own checkpoint and keeps its own timeline
+            (:func:`join_start`), and its history line lists the groups of the start.
+        groups: the run's replica groups (0: not a fault-tolerant run): their directories
+            ``replica{r}/``, which the groups create, are editrain's (``--overwrite``
+            removes them).
     """
     run_dir = c.run_dir
     record = c.record
@@ -704,6 +733,7 @@ def claim(c: Claim, note: dict[str, Any] | None = None) -> RunRecord:
         owned |= {n for n in RUN_FILES if n not in before}
     else:
         owned |= before | {n for n in RUN_FILES if n not in before}
+    owned |= {n for n in (f"replica{r}" for r in range(groups)) if n not in before}
     event: dict[str, Any] = {"started_at": time.strftime("%Y-%m-%d %H:%M:%S"),
                              "pid": os.getpid()}
     if not c.resume:
@@ -715,7 +745,8 @@ def claim(c: Claim, note: dict[str, Any] | None = None) -> RunRecord:
         # Only this run directory's own timelines are left: a checkpoint of another
         # directory resumed here forks it, and that run keeps its later checkpoints.
         roots = sorted({p.parent for p in c.resume if _inside(p, run_dir)}
-                       | _checkpoint_roots(run_dir))
+                       | _checkpoint_roots(run_dir)) if replica is None else [
+            run_dir / f"replica{replica}" / CKPT_DIR]
         newer = newer_checkpoints(c.resume[0], roots, step)
         branch = marker.get("branch")
         continues = (branch is not None and record is not None and branch == record.branch
@@ -732,6 +763,8 @@ def claim(c: Claim, note: dict[str, Any] | None = None) -> RunRecord:
                         "resumed by --resume RUN_DIR: %s", c.resume[0], step,
                         ", ".join(str(p) for p in moved))
     event["branch"] = rec.branch
+    if replica is not None:
+        event[FT_GROUPS] = [replica]
     event.update(note or {})
     rec.owned = sorted(owned)
     rec.history = (list(record.history) if record is not None else []) + [event]
@@ -743,6 +776,104 @@ def claim(c: Claim, note: dict[str, Any] | None = None) -> RunRecord:
         _append_event(run_dir / "metrics.jsonl",
                       {"event": "timeline", "step": event["from_step"], **event})
     return rec
+
+
+# ------------------------------------------------- a fault-tolerant run's torchrun groups
+FT_GROUPS = "ft_groups"
+"""The key of a history line listing the replica groups of a fault-tolerant run, each a
+torchrun job of its own, that took part in the start it records: the group that claimed
+the run first, then each group that joined it (:func:`join_start`)."""
+FT_ENDED = "ft_groups_ended"
+"""The key of that line listing those of its groups whose job is over: it ended (its rank
+0 returned), or a new job of the group started since (:func:`note_group`)."""
+
+
+def current_start(record: RunRecord | None) -> dict[str, Any] | None:
+    """The history line of the run's latest job when that job is a start of a
+    fault-tolerant run's replica groups as torchrun jobs (it lists :data:`FT_GROUPS`);
+    None otherwise (no record, the latest job a plain one or editrain's own ``--ft``
+    launcher's).
+
+    The groups of one start claim the run once: the first to start claims it (a history
+    line, the run's ``config.toml``), the others join that start; a group that torchrun
+    restarts, or whose job died and was started again, joins the start it was in. A new
+    start (a claim, which may begin a new timeline) is made only once none of the groups
+    of the current one trains or may yet come back."""
+    line = record.history[-1] if record is not None and record.history else None
+    return line if isinstance(line, dict) and isinstance(line.get(FT_GROUPS), list) else None
+
+
+def awaited_groups(record: RunRecord | None, but: int) -> list[int]:
+    """The groups of the current start (:func:`current_start`) whose job is not over
+    (:data:`FT_ENDED`), ``but`` left out: while none of them holds its lock (look under the
+    run's lock, as for :func:`running_groups`), torchrun may be restarting it, or its job
+    died."""
+    start = current_start(record)
+    if start is None:
+        return []
+    ended = set(start.get(FT_ENDED) or [])
+    return [g for g in start[FT_GROUPS] if g != but and g not in ended]
+
+
+def note_group(run_dir: Path, replica: int, *, ended: bool) -> None:
+    """Note in the current start's line (:func:`current_start`) that group ``replica``'s
+    job takes part in it, or with ``ended`` that it is over (its job ended, or a new job of
+    the group is starting). Nothing for a run whose latest job is no such start. Call
+    holding the run's lock."""
+    record = read_record(run_dir)
+    start = current_start(record)
+    if record is None or start is None:
+        return
+    members, over = list(start[FT_GROUPS]), list(start.get(FT_ENDED) or [])
+    if ended:
+        if replica not in members or replica in over:
+            return
+        over.append(replica)
+    else:
+        if replica in members and replica not in over:
+            return
+        members += [] if replica in members else [replica]
+        over = [g for g in over if g != replica]
+    start[FT_GROUPS], start[FT_ENDED] = members, sorted(over)
+    write_record(run_dir, record)
+
+
+def join_start(c: Claim, replica: int) -> list[Path]:
+    """Join replica group ``replica`` (a torchrun job of a fault-tolerant run) to the run's
+    current start, which another group claimed (:func:`current_start`; ``c`` from
+    :func:`check` with ``join``). The group's timeline is its own: resuming one of its
+    checkpoints older than its latest sets its own later ones aside
+    (``replica{r}/checkpoints/abandoned/<branch>/``), as a claim does; nothing of another
+    group is touched. The checkpoint it resumes is added to the record's ``resumed_from``
+    (never rotated away), and the group to the start's line. Call holding the run's lock.
+
+    Returns:
+        The checkpoints set aside.
+    """
+    record = c.record
+    if record is None:  # check(join=True) refuses it first
+        raise RunDirError(f"--run-dir: {c.run_dir} has no run record to join")
+    moved: list[Path] = []
+    if c.resume:
+        marker = c.resume_marker or {}
+        step = int(marker.get("step", -1))
+        newer = newer_checkpoints(c.resume[0], [c.run_dir / f"replica{replica}" / CKPT_DIR],
+                                  step)
+        if newer:
+            moved = _set_aside(newer, marker.get("branch") or "unknown")
+            log.warning("replica group %d: resuming from %s (step %d) leaves the later "
+                        "checkpoints of its own timeline; moved aside, kept and never "
+                        "resumed by --resume RUN_DIR: %s", replica, c.resume[0], step,
+                        ", ".join(str(p) for p in moved))
+        resumed = str(c.resume[0].resolve())
+        if resumed not in record.resumed_from:
+            record.resumed_from.append(resumed)
+    start = current_start(record)
+    if start is not None and moved:
+        start["set_aside"] = list(start.get("set_aside") or []) + [str(p) for p in moved]
+    write_record(c.run_dir, record)
+    note_group(c.run_dir, replica, ended=False)
+    return moved
 
 
 def _append_event(path: Path, row: dict[str, Any]) -> None:

@@ -101,6 +101,272 @@ def test_a_replica_group_joining_a_run_must_have_its_options_apart_from_its_own(
         refuse_other_options(cfg_for(run, **{**same, "train": {"steps": 6, "seed": 3}}), run)
 
 
+def group_job(run: Path, r: int, restart: int = 0, **over):
+    """The job of replica group ``r`` of a fault-tolerant run started by torchrun (two
+    groups of one rank each), as its rank 0 sees it."""
+    from editrain.launch.job import Job
+
+    ft = {"fault_tolerance": "torchft", "ft_replicas": 2, "shard_size": 1,
+          "ft_replica_id": r, "ft_lighthouse": "http://h:1"}
+    return Job(cfg_for(run, dist=ft, **over), run, world=1, under_torchrun=True,
+               restart=restart)
+
+
+def group_ckpt(run: Path, r: int, step: int, **marker) -> Path:
+    """A checkpoint of group ``r``'s own timeline, of the run's current job."""
+    record = rundir.read_record(run)
+    p = run / f"replica{r}" / "checkpoints" / f"step_{step:08d}"
+    p.mkdir(parents=True)
+    (p / MARKER).write_text(json.dumps({"step": step, "run_id": record.run_id,
+                                        "branch": record.branch, **marker}))
+    return p
+
+
+def start_groups(run: Path, *groups: int, **over) -> list:
+    """Rank 0 of each group's job joins the run directory (in this order); returns their
+    claims, each holding its group's lock."""
+    from editrain.launch.run_dir import RunDirClaim
+
+    claims = [RunDirClaim(group_job(run, r, **over)) for r in groups]
+    for claim in claims:
+        try:
+            claim.join()
+        except RunDirError:
+            claim.lock.release()  # as run_under_torchrun's `with RunDirClaim` does
+            raise
+    return claims
+
+
+def end_groups(run: Path, claims: list) -> None:
+    """The groups' jobs end as rank 0 ends them (launch.summarise): lock released, end
+    noted."""
+    for claim in claims:
+        claim.lock.release()
+        with rundir.RunLock(run):
+            rundir.note_group(run, claim.lock.replica, ended=True)
+
+
+def test_a_torchrun_group_that_claims_the_run_first_sets_aside_no_other_groups_checkpoint(
+        tmp_path):
+    """Each replica group started by torchrun resumes its own checkpoint: the one that
+    claims the run first (here group 1, at its step 20) sets aside only its own later
+    checkpoints, never another group's. Before, its claim set aside every replica{r}/
+    checkpoint later than its own step: group 0's step 40 went to abandoned/ and both
+    groups resumed step 20, whichever group happened to start first deciding."""
+    run = tmp_path / "run"
+    end_groups(run, start_groups(run, 0, 1))
+    for r, step in ((0, 20), (0, 40), (1, 20)):  # group 1 was down when group 0 saved 40
+        group_ckpt(run, r, step)
+    claims = start_groups(run, 1, 0, resume=str(run), train={"steps": 100})
+    assert resolve_resume(run / "replica0").name == "step_00000040"
+    assert resolve_resume(run / "replica1").name == "step_00000020"
+    assert not (run / "replica0" / "checkpoints" / "abandoned").exists()
+    record = rundir.read_record(run)
+    assert len(record.history) == 2 and record.history[-1]["ft_groups"] == [1, 0]
+    assert sorted(Path(p).name for p in record.resumed_from) == ["step_00000020",
+                                                                 "step_00000040"]
+    end_groups(run, claims)
+
+
+def test_a_joining_torchrun_group_sets_aside_only_its_own_later_checkpoints(tmp_path):
+    """A group that joins the run's start and resumes an older checkpoint of its own
+    leaves its own later ones (set aside, as a claim does), nothing of the others'."""
+    run = tmp_path / "run"
+    end_groups(run, start_groups(run, 0, 1))
+    for r, step in ((0, 20), (0, 40), (1, 20), (1, 40)):
+        group_ckpt(run, r, step)
+    first = start_groups(run, 0, resume=str(run))
+    older = run / "replica1" / "checkpoints" / "step_00000020"
+    second = start_groups(run, 1, resume=str(older))
+    assert resolve_resume(run / "replica0").name == "step_00000040"
+    assert resolve_resume(run / "replica1") == older
+    assert [p.name for p in (run / "replica1" / "checkpoints" / "abandoned").rglob("step_*")] \
+        == ["step_00000040"]
+    end_groups(run, first + second)
+
+
+@pytest.mark.parametrize("fresh", [{"resume": "RUN"}, {"overwrite": True}])
+def test_a_torchrun_group_started_while_another_is_restarted_by_torchrun_joins_its_start(
+        tmp_path, monkeypatch, fresh):
+    """Group 1's job died; group 0's rank 0 died too and torchrun is restarting it (no
+    group holds its lock meanwhile). A new job of group 1 (--resume RUN, as the docs say,
+    or the --overwrite of a script that starts every group) waits for group 0 and joins
+    the start it is in once torchrun has restarted it: no second claim of the run (a
+    history line, a new timeline, group 0's later checkpoints set aside, the run
+    removed). Before, group 1 claimed the run as its first group."""
+    import threading
+
+    from editrain.launch import run_dir
+
+    monkeypatch.setattr(run_dir, "GROUP_POLL_S", 0.05, raising=False)
+    run = tmp_path / "run"
+    group0, group1 = start_groups(run, 0, 1)
+    ckpts = [group_ckpt(run, 0, s) for s in (20, 40)] + [group_ckpt(run, 1, 20)]
+    group1.lock.release()  # group 1's job died
+    group0.lock.release()  # group 0's rank 0 died: torchrun restarts it
+    over = {k: str(run) if v == "RUN" else v for k, v in fresh.items()}
+    new1 = run_dir.RunDirClaim(group_job(run, 1, **over))
+    errors = []
+    thread = threading.Thread(target=lambda: _catching(errors, new1.join))
+    thread.start()
+    deadline = time.monotonic() + 10
+    while 1 not in (rundir.current_start(rundir.read_record(run)) or {}).get(
+            "ft_groups_ended", []):  # group 1's new job waits
+        assert time.monotonic() < deadline and thread.is_alive(), errors
+        time.sleep(0.02)
+    restarted = run_dir.RunDirClaim(group_job(run, 0, restart=1))
+    restarted.join()
+    thread.join(timeout=10)
+    assert not thread.is_alive() and not errors, errors
+    assert all(p.is_dir() for p in ckpts)
+    record = rundir.read_record(run)
+    assert len(record.history) == 1
+    assert record.history[0]["ft_groups"] == [0, 1]
+    assert record.history[0]["ft_groups_ended"] == []
+    end_groups(run, [restarted, new1])
+
+
+def _catching(errors: list, call) -> None:
+    try:
+        call()
+    except Exception as e:  # the test's thread: reported by the test
+        errors.append(e)
+
+
+def test_torchrun_groups_restarted_together_start_the_run_anew(tmp_path, monkeypatch):
+    """Every group of a start whose jobs died (a cluster's time limit) is started again:
+    each new job notes its group's earlier job over, so the first of them claims the run
+    anew at once (a new history line, the options it may change) and the others join;
+    a lone group whose peers never come back claims it after GROUP_RESTART_WAIT_S (and
+    its --overwrite is refused then: the others may be slow to restart)."""
+    import threading
+
+    from editrain.launch import run_dir
+
+    monkeypatch.setattr(run_dir, "GROUP_POLL_S", 0.05, raising=False)
+    run = tmp_path / "run"
+    for claim in start_groups(run, 0, 1):
+        group_ckpt(run, claim.lock.replica, 4)
+        claim.lock.release()  # killed: no end noted
+    claims = [run_dir.RunDirClaim(group_job(run, r, resume=str(run), train={"steps": 9}))
+              for r in (0, 1)]
+    errors = []
+    threads = [threading.Thread(target=lambda c=c: _catching(errors, c.join)) for c in claims]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=20)
+    assert not errors and not any(t.is_alive() for t in threads), errors
+    record = rundir.read_record(run)
+    assert len(record.history) == 2
+    assert sorted(record.history[-1]["ft_groups"]) == [0, 1]
+    assert "train.steps" in record.history[-1]["config_changed"]
+    for claim in claims:
+        claim.lock.release()  # killed again
+    monkeypatch.setattr(run_dir, "GROUP_RESTART_WAIT_S", 0.2)
+    with pytest.raises(RunDirError, match=r"--overwrite: replica group\(s\) 0 of the run .* "
+                                          "have not ended and hold no lock"):
+        start_groups(run, 1, overwrite=True)  # never removes what a group may still write
+    (alone,) = start_groups(run, 1, resume=str(run), train={"steps": 9})
+    assert len(rundir.read_record(run).history) == 3
+    alone.lock.release()
+
+
+def test_a_joining_torchrun_group_is_checked_as_a_claim_is(tmp_path):
+    """A group that joins the run's start runs the checks of a claim on what it resumes
+    and where it writes: a checkpoint of another run is refused (as it is with no group
+    running), as is a link in its replica{r}/. Before, a joining group only compared its
+    options."""
+    other = tmp_path / "other"
+    end_groups(other, start_groups(other, 0))
+    group_ckpt(other, 1, 20)
+    run = tmp_path / "run"
+    (group0,) = start_groups(run, 0)
+    with pytest.raises(RunDirError, match=r"--resume: .*other/replica1/checkpoints/"
+                                          r"step_00000020 is a checkpoint of another run"):
+        start_groups(run, 1, resume=str(other))
+    (run / "replica1").mkdir()
+    (run / "replica1" / "metrics.jsonl").symlink_to(tmp_path / "elsewhere")
+    with pytest.raises(RunDirError, match=r"replica1/metrics.jsonl is a symbolic link"):
+        start_groups(run, 1)
+    assert len(rundir.read_record(run).history) == 1
+    end_groups(run, [group0])
+
+
+def test_overwrite_of_a_fault_tolerant_run_removes_its_replica_groups(tmp_path):
+    """The replica groups' directories of a --ft run are editrain's: --overwrite removes
+    them (their own files only). Before, the record never listed them as editrain's and
+    --overwrite of any --ft run was refused ("files editrain did not write")."""
+    run = tmp_path / "run"
+    (group0,) = start_groups(run, 0)
+    group_ckpt(run, 0, 10)
+    (run / "replica0" / "metrics.jsonl").write_text('{"step": 1}\n')
+    end_groups(run, [group0])
+    (group1,) = start_groups(run, 1, overwrite=True)
+    assert not (run / "replica0").exists()
+    end_groups(run, [group1])
+    ft = {"fault_tolerance": "torchft", "shard_size": 1, "nproc": 2}
+    prepare_run_dir(cfg_for(run, dist=ft, overwrite=True), run)  # the local launcher's
+    (run / "replica1" / "checkpoints").mkdir(parents=True)
+    prepare_run_dir(cfg_for(run, dist=ft, overwrite=True), run)
+    assert not (run / "replica1").exists()
+
+
+def test_a_torchrun_group_must_name_the_runs_group_count(tmp_path, monkeypatch):
+    """dist.ft_replicas is required under torchrun: derived from dist.nproc (which
+    torchrun ignores, and which may differ between the groups' jobs) each group would
+    count the groups its own way."""
+    from editrain.errors import ConfigError
+    from editrain.launch.job import check_torchrun
+
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    ft = {"fault_tolerance": "torchft", "shard_size": 1, "ft_replica_id": 0}
+    with pytest.raises(ConfigError, match="dist.ft_replicas: a replica group"):
+        check_torchrun(cfg_for(tmp_path / "run", dist=ft))
+    check_torchrun(cfg_for(tmp_path / "run", dist={**ft, "ft_replicas": 2}))
+
+
+def test_a_joining_group_may_read_its_inputs_elsewhere_but_not_other_ones(tmp_path):
+    """The paths of a group's model and tokenizer files are its machine's: they may differ
+    from the first group's, what they hold may not; data.path may differ too (a resumed
+    checkpoint's train split is compared)."""
+    from tests.test_hf import TINY
+
+    def hf_config(where: str, layers: int) -> str:
+        path = tmp_path / where / "config.json"
+        path.parent.mkdir()
+        path.write_text(json.dumps({**TINY, "num_hidden_layers": layers}))
+        return str(path.parent)
+
+    def inputs(config: str, corpus: str) -> dict:
+        (tmp_path / corpus).write_text("the same text on every machine\n")
+        return {"model": {"hf_config": config}, "data": {"path": str(tmp_path / corpus)}}
+
+    run = tmp_path / "run"
+    (group0,) = start_groups(run, 0, **inputs(hf_config("a", 2), "corpus-a.txt"))
+    (group1,) = start_groups(run, 1, **inputs(hf_config("b", 2), "corpus-b.txt"))
+    group1.lock.release()
+    with pytest.raises(RunDirError, match=r"this group's model.hf_config \(\S+/c\) "
+                                          r"holds other files"):
+        start_groups(run, 1, **inputs(hf_config("c", 3), "corpus-b.txt"))
+    end_groups(run, [group0])
+
+
+def test_a_joining_group_must_resume_a_checkpoint_of_the_first_groups_train_split(tmp_path):
+    """Its data.path may differ from the first group's, the token stream may not: a group
+    resuming a checkpoint of another train split than the first group's is refused."""
+    run = tmp_path / "run"
+    end_groups(run, start_groups(run, 0, 1))
+    split = {"tokens": 1000, "sha256": "a" * 64}
+    group_ckpt(run, 0, 4, train_data=split)
+    group_ckpt(run, 1, 4, train_data={**split, "sha256": "b" * 64})
+    (group0,) = start_groups(run, 0, resume=str(run))
+    with pytest.raises(RunDirError, match=r"--resume: \S+/replica1/checkpoints/step_00000004 "
+                                          r"was trained on another train split"):
+        start_groups(run, 1, resume=str(run))
+    end_groups(run, [group0])
+
+
 # ---------------------------------------------------------------------------- rotation
 def test_rotation_deletes_only_the_current_timeline_oldest_first_by_step(tmp_path):
     run = tmp_path / "run"

@@ -120,10 +120,14 @@ def summarise(job: Job) -> None:
 
     if job.ft and job.under_torchrun:
         from editrain import rundir
+        from editrain.fault import ft_identity
         from editrain.launch.ft import summarise_groups
         from editrain.launch.run_dir import RUN_LOCK_WAIT_S
 
         with rundir.RunLock(job.run_dir).acquire(wait_s=RUN_LOCK_WAIT_S):
+            # This group's job is over: a group that starts now need not wait for it
+            # (editrain.launch.run_dir.RunDirClaim.join).
+            rundir.note_group(job.run_dir, ft_identity(job.cfg, job.world)[0], ended=True)
             summarise_groups(job.run_dir, _group_count(job), events=[])
             plot_runs(_groups_with_metrics(job), job.run_dir)
         return

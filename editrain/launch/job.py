@@ -18,6 +18,7 @@ from pathlib import Path
 
 from editrain import rundir
 from editrain.config import Config, validate_world
+from editrain.errors import ConfigError
 from editrain.spawn import worker_threads
 
 
@@ -104,8 +105,15 @@ def check_torchrun(cfg: Config, started_at: float | None = None) -> Job:
     :attr:`Job.started_at`).
 
     Raises:
-        ConfigError: the world does not fit the configuration.
+        ConfigError: the world does not fit the configuration; a fault-tolerant job
+            without ``dist.ft_replicas``.
     """
+    if cfg.dist.fault_tolerance == "torchft" and not cfg.dist.ft_replicas:
+        # Derived from dist.nproc, which torchrun ignores and may differ between the
+        # groups' jobs, the count would be each job's own.
+        raise ConfigError("dist.ft_replicas: a replica group of a fault-tolerant run started "
+                          "by torchrun must name the run's number of groups (the same in "
+                          "every group's job), with dist.ft_replica_id and dist.ft_lighthouse")
     run_id = os.environ.get("TORCHELASTIC_RUN_ID", "torchrun")
     run_dir = choose_run_dir(cfg, lambda: Path("runs") / run_id)
     cfg = dataclasses.replace(cfg, run_dir=str(run_dir))

@@ -16,6 +16,7 @@ the others join it (:meth:`RunDirClaim.join`).
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from pathlib import Path
@@ -29,8 +30,16 @@ from editrain.errors import RunDirError
 from editrain.launch.job import Job, resolved
 from editrain.safe_io import read_bytes, read_toml_value, write_atomic
 
+log = logging.getLogger("editrain")
+
 TORCHRUN_WAIT_S = 120
 """How long a torchrun rank other than 0 waits for rank 0 to claim the run directory."""
+GROUP_RESTART_WAIT_S = 180
+"""How long a torchrun job of a fault-tolerant run's replica group waits for the groups
+of the run's current start that have not ended and hold no lock (torchrun may be
+restarting them) before it claims the run anew (see :meth:`RunDirClaim.join`)."""
+GROUP_POLL_S = 1.0
+"""How often it looks for them meanwhile."""
 RUN_LOCK_WAIT_S = 60
 """How long a torchrun job of a fault-tolerant run's replica group waits for the run's
 lock, which the other groups' jobs hold a moment each (to claim the run, to gather its
@@ -139,7 +148,9 @@ def prepare_run_dir(cfg: Config, run_dir: Path, lock: rundir.RunLock | None = No
             time; None: not known.
         replica: this job is that replica group of a fault-tolerant run, started by
             torchrun, and the first of the run's groups to start (see
-            :meth:`RunDirClaim.join`).
+            :meth:`RunDirClaim.join`): it sets aside only its own later checkpoints, and
+            its history line lists the groups of the start and what the machine-local
+            inputs hold (:func:`input_digests`), for the groups that join it.
 
     Returns:
         The run record of this job.
@@ -158,7 +169,12 @@ def prepare_run_dir(cfg: Config, run_dir: Path, lock: rundir.RunLock | None = No
         note = config_change(before, text)
         if started_at is not None:
             note[rundir.COMMAND_STARTED] = started_at
-        record = rundir.claim(checked, note=note)
+        if replica is not None:
+            note[INPUTS] = input_digests(cfg)
+            split = (checked.resume_marker or {}).get("train_data")
+            if split:
+                note[TRAIN_DATA] = split
+        record = rundir.claim(checked, note=note, replica=replica, groups=_groups(cfg))
         if before != text.encode():
             write_atomic(path, text, root=run_dir)
         return record
@@ -169,6 +185,90 @@ def prepare_run_dir(cfg: Config, run_dir: Path, lock: rundir.RunLock | None = No
 
 CONFIG_FILE = "config.toml"
 """The run's configuration: the latest job's (see :func:`prepare_run_dir`)."""
+
+
+def _groups(cfg: Config) -> int:
+    """The replica groups of a fault-tolerant run (0 for any other): ``dist.ft_replicas``,
+    which a torchrun job of one group must set, else the local launcher's."""
+    if cfg.dist.fault_tolerance != "torchft":
+        return 0
+    return cfg.dist.ft_replicas or max(1, cfg.dist.nproc // cfg.dist.replica_size)
+
+
+def join_run(cfg: Config, run_dir: Path, replica: int) -> None:
+    """Join replica group ``replica`` (a torchrun job of a fault-tolerant run) to the run
+    the other groups train in ``run_dir``: it must run their configuration
+    (:func:`refuse_other_options`) on inputs that hold what theirs hold
+    (:func:`refuse_other_inputs`), and the directory is checked as a claim checks it
+    (:func:`editrain.rundir.check`: a checkpoint resumed must be this run's, no link where
+    the group writes); then the group joins the run's current start
+    (:func:`editrain.rundir.join_start`), writing none of the run's files. Call holding the
+    run's lock.
+
+    Raises:
+        RunDirError: any of these refused.
+    """
+    refuse_other_options(cfg, run_dir)
+    checked = rundir.check(run_dir, overwrite=False, resume=resume_checkpoints(cfg, replica),
+                           join=True)
+    refuse_other_inputs(cfg, run_dir, checked)
+    rundir.join_start(checked, replica)
+
+
+INPUTS = "ft_inputs"
+"""The key of a torchrun ``--ft`` start's history line holding what its first group's
+model and tokenizer paths hold (:func:`input_digests`), for the groups that join it
+(:func:`refuse_other_inputs`)."""
+
+
+def input_digests(cfg: Config) -> dict[str, str | None]:
+    """What the options naming a model's or tokenizer's files hold, by option
+    (:func:`editrain.runtime.input_digest`): their paths may differ between the machines of
+    a fault-tolerant run's groups (each machine's own hub cache, say), as between the
+    nodes of one job, what they hold may not."""
+    from editrain.config import to_dict
+    from editrain.runtime import NODE_PATH_OPTIONS, input_digest
+
+    flat = _options(to_dict(cfg))
+    return {name: input_digest(flat.get(name)) for name in NODE_PATH_OPTIONS}
+
+
+def refuse_other_inputs(cfg: Config, run_dir: Path, checked: rundir.Claim) -> None:
+    """A group joining the run's start must build its model from files that hold what the
+    first group's did (:func:`input_digests`, kept in the start's history line), and a
+    group that resumes must resume a checkpoint of the same train split as the first
+    group's (the checkpoints' ``train_data``; each group's own resume checks its split
+    against its checkpoint's, so every group then reads the same token stream, whatever
+    ``data.path`` is on its machine).
+
+    Raises:
+        RunDirError: an input that differs, named with both paths (or both splits).
+    """
+    start = rundir.current_start(checked.record) or {}
+    theirs = start.get(INPUTS)
+    if isinstance(theirs, dict):
+        from editrain.config import to_dict
+
+        flat = _options(to_dict(cfg))
+        for name, digest in input_digests(cfg).items():
+            if name in theirs and theirs[name] != digest:
+                raise RunDirError(
+                    f"--run-dir: this group's {name} ({flat.get(name)}) holds other "
+                    f"files than the first group's of the run in {run_dir}; its path may "
+                    "differ between machines, what it holds may not")
+    split = start.get(TRAIN_DATA)
+    mine = (checked.resume_marker or {}).get("train_data")
+    if isinstance(split, dict) and isinstance(mine, dict) and split != mine:
+        raise RunDirError(
+            f"--resume: {checked.resume[0]} was trained on another train split "
+            f"({mine.get('tokens')} tokens) than the checkpoint the first group of the run "
+            f"in {run_dir} resumed ({split.get('tokens')} tokens; another data.path, "
+            "data.tokenizer or split setting): every group must read the same token stream")
+
+
+TRAIN_DATA = "ft_train_data"
+"""The key of a torchrun ``--ft`` start's history line holding the train split
+(``train_data`` of its marker) of the checkpoint the first group resumed."""
 
 
 def config_text(cfg: Config, run_dir: Path) -> str:
@@ -189,9 +289,14 @@ def config_text(cfg: Config, run_dir: Path) -> str:
 GROUP_OPTIONS = {
     "dist.ft_replica_id": "which replica group the job is",
     "dist.ft_lighthouse": "how the job's machine reaches the lighthouse",
-    "dist.nproc": "ignored under torchrun",
+    "dist.nproc": "ignored under torchrun (the groups' count is dist.ft_replicas)",
     "dist.threads_per_proc": "the job's machine's cores",
     "data.cache_dir": "the token cache of the job's machine",
+    "data.path": "a path on the job's machine (the train split a checkpoint resumed was "
+                 "trained on is compared: refuse_other_inputs)",
+    "data.tokenizer": "a path on the job's machine (what it holds is compared)",
+    "model.hf_config": "a path on the job's machine (what it holds is compared)",
+    "model.init_from": "a path on the job's machine (what it holds is compared)",
 }
 """Options that may differ between the torchrun jobs of one fault-tolerant run's replica
 groups (why, by option); every other option must be the run's
@@ -369,17 +474,58 @@ class RunDirClaim:
         the groups' jobs share the run directory, each owning its ``replica{r}/``.
 
         The group holds its own lock for the job (a second job as the same group is
-        refused). Under the run's lock, a moment: the first group to start (no other
-        group's job holds its lock) claims the run directory as a local job does (record,
-        ``config.toml``); a group that starts while others train joins their run, whose
-        options it must have (:func:`refuse_other_options`), and writes nothing of it."""
+        refused). The groups of one start of the run claim it once
+        (:func:`editrain.rundir.current_start`): under the run's lock, a moment, the first
+        group claims the run directory as a local job does (record, ``config.toml``), and
+        a group that starts while others train joins their start (:func:`join_run`),
+        writing none of the run's files. A group that torchrun restarts rejoins the start
+        as it left it. While a group of the current start holds no lock and has not ended,
+        torchrun may be restarting it: a new group's job waits for it (up to
+        :data:`GROUP_RESTART_WAIT_S`) and joins the start once it is back, rather than
+        claiming the run anew under a group that still trains."""
         job = self.job
         self.lock = rundir.RunLock(job.run_dir, replica)
+        if job.restart > 0 and rundir.read_record(job.run_dir) is not None:
+            with rundir.RunLock(job.run_dir).acquire(wait_s=RUN_LOCK_WAIT_S):
+                self.lock.acquire()
+                # restarted by torchrun: the run is as the group left it
+                rundir.note_group(job.run_dir, replica, ended=False)
+            return
+        deadline = time.monotonic() + GROUP_RESTART_WAIT_S
+        waited = False
+        while not self._start_or_join(replica, time.monotonic() > deadline):
+            if not waited and not job.cfg.quiet:
+                log.warning("replica group %d: waiting up to %d s for the other groups of "
+                            "the run in %s, whose jobs have not ended and hold no lock "
+                            "(torchrun may be restarting them)", replica,
+                            GROUP_RESTART_WAIT_S, job.run_dir)
+            waited = True
+            time.sleep(GROUP_POLL_S)
+
+    def _start_or_join(self, replica: int, waited_enough: bool) -> bool:
+        """One look under the run's lock (see :meth:`_join_run`): join the start the
+        other groups train in, or claim the run when none of the current start's groups
+        can come back (or ``waited_enough``); False (this group's lock released again)
+        to wait for them."""
+        job = self.job
         with rundir.RunLock(job.run_dir).acquire(wait_s=RUN_LOCK_WAIT_S) as run_lock:
-            self.lock.acquire()
-            if job.restart > 0 and rundir.read_record(job.run_dir) is not None:
-                return  # restarted by torchrun: the run is as the group left it
+            self.lock.acquire()  # refused if another job is this group
             if rundir.running_groups(job.run_dir, but=replica):
-                refuse_other_options(job.cfg, job.run_dir)
-            else:
+                join_run(job.cfg, job.run_dir, replica)
+                return True
+            awaited = rundir.awaited_groups(rundir.read_record(job.run_dir), but=replica)
+            if awaited and waited_enough and job.cfg.overwrite:
+                # Setting a timeline aside moves nothing of theirs; --overwrite would
+                # remove what a group that is slow to restart still writes.
+                raise RunDirError(
+                    f"--overwrite: replica group(s) {', '.join(map(str, awaited))} of the run "
+                    f"in {job.run_dir} have not ended and hold no lock (torchrun may be "
+                    "restarting them, or their jobs died); start every group of the run "
+                    "again together, or choose another directory")
+            if waited_enough or not awaited:
                 prepare_run_dir(job.cfg, job.run_dir, run_lock, job.started_at, replica)
+                return True
+            # This group's own earlier job in the start is over: this one replaces it.
+            rundir.note_group(job.run_dir, replica, ended=True)
+            self.lock.release()
+            return False
