@@ -803,16 +803,33 @@ def current_start(record: RunRecord | None) -> dict[str, Any] | None:
     return line if isinstance(line, dict) and isinstance(line.get(FT_GROUPS), list) else None
 
 
-def awaited_groups(record: RunRecord | None, but: int) -> list[int]:
-    """The groups of the current start (:func:`current_start`) whose job is not over
-    (:data:`FT_ENDED`), ``but`` left out: while none of them holds its lock (look under the
-    run's lock, as for :func:`running_groups`), torchrun may be restarting it, or its job
-    died."""
+def awaited_groups(run_dir: Path, record: RunRecord | None,
+                   but: int | None = None) -> list[int]:
+    """The groups of the current start (:func:`current_start`) of the run in ``run_dir``
+    whose job is not over (:data:`FT_ENDED`) and whose directory ``replica{r}/`` is there,
+    ``but`` left out: while none of them holds its lock (look under the run's lock, as for
+    :func:`running_groups`), torchrun may be restarting it, or its job died.
+
+    A group without its directory is not awaited: it wrote nothing a new start could
+    remove or set aside, and moving its directory out of the run directory is how a user
+    drops a group that will not be started again (the run has fewer groups now, its
+    machine is gone), which would otherwise be awaited by every start."""
     start = current_start(record)
     if start is None:
         return []
     ended = set(start.get(FT_ENDED) or [])
-    return [g for g in start[FT_GROUPS] if g != but and g not in ended]
+    return [g for g in start[FT_GROUPS] if g != but and g not in ended
+            and os.path.lexists(Path(run_dir) / f"replica{g}")]
+
+
+def in_current_start(record: RunRecord | None, replica: int) -> bool:
+    """Whether group ``replica`` takes part in the run's current start
+    (:func:`current_start`) and its job is not over: a job of it that torchrun restarts
+    is that job again, and rejoins the start as it left it. A group refused before it
+    joined, or whose start is over, is not in it."""
+    start = current_start(record)
+    return (start is not None and replica in start[FT_GROUPS]
+            and replica not in (start.get(FT_ENDED) or []))
 
 
 def note_group(run_dir: Path, replica: int, *, ended: bool) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -101,12 +102,12 @@ def test_a_replica_group_joining_a_run_must_have_its_options_apart_from_its_own(
         refuse_other_options(cfg_for(run, **{**same, "train": {"steps": 6, "seed": 3}}), run)
 
 
-def group_job(run: Path, r: int, restart: int = 0, **over):
-    """The job of replica group ``r`` of a fault-tolerant run started by torchrun (two
-    groups of one rank each), as its rank 0 sees it."""
+def group_job(run: Path, r: int, restart: int = 0, replicas: int = 2, **over):
+    """The job of replica group ``r`` of a fault-tolerant run started by torchrun
+    (``replicas`` groups of one rank each), as its rank 0 sees it."""
     from editrain.launch.job import Job
 
-    ft = {"fault_tolerance": "torchft", "ft_replicas": 2, "shard_size": 1,
+    ft = {"fault_tolerance": "torchft", "ft_replicas": replicas, "shard_size": 1,
           "ft_replica_id": r, "ft_lighthouse": "http://h:1"}
     return Job(cfg_for(run, dist=ft, **over), run, world=1, under_torchrun=True,
                restart=restart)
@@ -366,6 +367,132 @@ def test_a_joining_group_must_resume_a_checkpoint_of_the_first_groups_train_spli
         start_groups(run, 1, resume=str(run))
     end_groups(run, [group0])
 
+
+
+def test_a_local_overwrite_is_refused_while_a_torchrun_group_may_be_restarting(tmp_path):
+    """Group 0 of a torchrun start holds no lock and has not ended (torchrun is restarting
+    it); group 1 ended. A local --overwrite (editrain's own --ft launcher, or a plain job)
+    is refused as a group's --overwrite is, naming the group and its directory, and removes
+    nothing; once group 0 has ended it replaces the run. Before, the local claim only
+    refused groups holding their lock: it removed replica0/ ("--overwrite: removed
+    config.toml, replica0")."""
+    run = tmp_path / "run"
+    group0, group1 = start_groups(run, 0, 1)
+    ckpt = group_ckpt(run, 0, 20)
+    group0.lock.release()  # torchrun is restarting group 0
+    end_groups(run, [group1])
+    ft = {"fault_tolerance": "torchft", "shard_size": 1, "nproc": 2}
+    refusal = (r"--overwrite: replica group\(s\) 0 of the run in \S+ have not ended and hold "
+               r"no lock .* move its directory out of the run directory \(\S+/run/replica0\)")
+    for cfg in (cfg_for(run, dist=ft, overwrite=True), cfg_for(run, overwrite=True)):
+        with rundir.RunLock(run) as lock:
+            with pytest.raises(RunDirError, match=refusal):
+                check_run_dir(cfg, run)
+            with pytest.raises(RunDirError, match=refusal):
+                prepare_run_dir(cfg, run, lock)
+    assert ckpt.is_dir() and (run / "config.toml").is_file()
+    assert len(rundir.read_record(run).history) == 1
+    end_groups(run, [group0])  # its job ended after all
+    prepare_run_dir(cfg_for(run, dist=ft, overwrite=True), run)
+    assert not (run / "replica0").exists()
+
+
+def test_a_torchrun_restart_of_a_refused_group_is_checked_again(tmp_path):
+    """torchrun (--max-restarts >= 1) restarts a group whose rank 0 was refused: the
+    restarted job is checked again, as a first job is (here the --resume checkpoint of
+    another run), since the group never joined the start. A restart of a group that takes
+    part in the start still rejoins it as it left it. Before, every restarted job with a
+    run record there was accepted unchecked and added to the start."""
+    other = tmp_path / "other"
+    end_groups(other, start_groups(other, 0))
+    group_ckpt(other, 1, 20)
+    run = tmp_path / "run"
+    (group0,) = start_groups(run, 0)
+    for restart in (0, 1):
+        with pytest.raises(RunDirError, match=r"--resume: \S+/other/replica1/checkpoints/"
+                                              r"step_00000020 is a checkpoint of another run"):
+            start_groups(run, 1, restart=restart, resume=str(other))
+    assert rundir.read_record(run).history[-1]["ft_groups"] == [0]
+    group0.lock.release()  # group 0's rank 0 died: torchrun restarts it
+    (again,) = start_groups(run, 0, restart=1, resume=str(other))  # rejoins unchecked
+    record = rundir.read_record(run)
+    assert len(record.history) == 1 and record.history[0]["ft_groups"] == [0]
+    assert record.resumed_from == []
+    end_groups(run, [again])
+
+
+def test_a_torchrun_restart_of_a_group_whose_start_ended_is_checked_again(tmp_path):
+    """A restarted job of a group whose start is over (every group ended) is a new job
+    of the run: with other options and neither --resume nor --overwrite it is refused, as
+    its first job was. Before, the restart was accepted and re-added to the ended start
+    (no history line, config.toml not rewritten)."""
+    run = tmp_path / "run"
+    end_groups(run, start_groups(run, 0, 1))
+    group_ckpt(run, 0, 20)
+    for restart in (0, 1):
+        with pytest.raises(RunDirError, match=r"--run-dir: \S+/run already holds a run "
+                                              r"\(config.toml, replica0\)"):
+            start_groups(run, 0, restart=restart, train={"steps": 7})
+    start = rundir.current_start(rundir.read_record(run))
+    assert start["ft_groups"] == [0, 1] and start["ft_groups_ended"] == [0, 1]
+
+
+def test_a_group_that_will_not_be_started_again_is_dropped_by_moving_its_directory(
+        tmp_path, monkeypatch):
+    """A run of three torchrun groups, all killed, is started again with two: group 2 of
+    the last start is awaited, so their --overwrite is refused (naming replica2/, and how
+    to drop it), and removes nothing; once the user moved replica2/ out of the run
+    directory, group 2 is no longer awaited and the two groups replace the run (the moved
+    directory is untouched). Before, every such start waited GROUP_RESTART_WAIT_S and was
+    refused, advising to start every group again."""
+    import threading
+
+    from editrain.launch import run_dir
+
+    monkeypatch.setattr(run_dir, "GROUP_POLL_S", 0.02)
+    monkeypatch.setattr(run_dir, "GROUP_RESTART_WAIT_S", 0.3)
+    run = tmp_path / "run"
+    for claim in start_groups(run, 0, 1, 2, replicas=3):
+        group_ckpt(run, claim.lock.replica, 10)
+        claim.lock.release()  # killed: no end noted
+    run_id = rundir.read_record(run).run_id
+
+    def start_two() -> tuple[list, list]:
+        claims = [run_dir.RunDirClaim(group_job(run, r, overwrite=True)) for r in (0, 1)]
+        errors = []
+
+        def join(claim) -> None:
+            try:
+                claim.join()
+            except RunDirError as e:
+                claim.lock.release()  # the refused job ends
+                errors.append(e)
+
+        threads = [threading.Thread(target=join, args=(c,)) for c in claims]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=20)
+        assert not any(t.is_alive() for t in threads)
+        return claims, errors
+
+    claims, errors = start_two()
+    assert len(errors) == 2 and all(re.match(
+        r"--overwrite: replica group\(s\) 2 of the run in \S+ have not ended .* move its "
+        r"directory out of the run directory \(\S+/run/replica2\): a group without one is "
+        r"not awaited", str(e)) for e in errors), errors
+    assert all((run / f"replica{r}" / "checkpoints" / "step_00000010").is_dir()
+               for r in range(3))
+    (run / "replica2").rename(tmp_path / "replica2.kept")
+    monkeypatch.setattr(run_dir, "GROUP_RESTART_WAIT_S", 10)
+    claims, errors = start_two()
+    assert not errors, errors
+    record = rundir.read_record(run)
+    assert record.run_id != run_id and len(record.history) == 1  # a new run
+    assert sorted(record.history[0]["ft_groups"]) == [0, 1]
+    assert not (run / "replica0").exists() and not (run / "replica1").exists()
+    assert (tmp_path / "replica2.kept" / "checkpoints" / "step_00000010").is_dir()
+    end_groups(run, claims)
 
 # ---------------------------------------------------------------------------- rotation
 def test_rotation_deletes_only_the_current_timeline_oldest_first_by_step(tmp_path):

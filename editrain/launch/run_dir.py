@@ -105,7 +105,8 @@ def check_run_dir(cfg: Config, run_dir: Path, replica: int | None = None) -> run
     given, and ``--overwrite`` never removes what editrain did not write; the run's
     ``config.toml``, which this job replaces, must be one it can keep
     (:func:`kept_config`); a directory where replica groups of a torchrun ``--ft`` job
-    still train is refused. Touches nothing.
+    still train is refused, and so is its ``--overwrite`` while one may yet come back
+    (:func:`refuse_overwrite_of_awaited_groups`). Touches nothing.
 
     ``replica``: this job is that replica group of a fault-tolerant run, started by
     torchrun (it resumes its own group's checkpoint; its own lock is not another job's).
@@ -119,9 +120,37 @@ def check_run_dir(cfg: Config, run_dir: Path, replica: int | None = None) -> run
             "or choose another directory")
     checked = rundir.check(run_dir, overwrite=cfg.overwrite,
                            resume=resume_checkpoints(cfg, replica))
-    if not checked.replace:
+    if checked.replace:
+        refuse_overwrite_of_awaited_groups(run_dir, checked.record, replica)
+    else:
         kept_config(run_dir / CONFIG_FILE)
     return checked
+
+
+def refuse_overwrite_of_awaited_groups(run_dir: Path, record: rundir.RunRecord | None,
+                                       replica: int | None) -> None:
+    """``--overwrite`` of a run whose current start has replica groups (torchrun jobs)
+    that have not ended, hold no lock and still have their ``replica{r}/``
+    (:func:`editrain.rundir.awaited_groups`; ``replica``, this job's own group, left out)
+    is refused, whichever job asks (a plain job, editrain's own ``--ft`` launcher, a
+    group's job): torchrun may be restarting such a group, and the overwrite would remove
+    the directory it writes into. The way out for a group that will never be started
+    again is the user's explicit act of moving its directory away.
+
+    Raises:
+        RunDirError: such groups, named with their directories.
+    """
+    awaited = rundir.awaited_groups(run_dir, record, but=replica)
+    if not awaited:
+        return
+    dirs = ", ".join(str(run_dir / f"replica{g}") for g in awaited)
+    raise RunDirError(
+        f"--overwrite: replica group(s) {', '.join(map(str, awaited))} of the run in "
+        f"{run_dir} have not ended and hold no lock (torchrun may be restarting them, or "
+        f"their jobs died), and --overwrite would remove what they write; start every group "
+        f"of the run again together, or, for a group that will not be started again (fewer "
+        f"groups now, its machine gone), move its directory out of the run directory "
+        f"({dirs}): a group without one is not awaited; or choose another directory")
 
 
 def prepare_run_dir(cfg: Config, run_dir: Path, lock: rundir.RunLock | None = None,
@@ -479,28 +508,45 @@ class RunDirClaim:
         group claims the run directory as a local job does (record, ``config.toml``), and
         a group that starts while others train joins their start (:func:`join_run`),
         writing none of the run's files. A group that torchrun restarts rejoins the start
-        as it left it. While a group of the current start holds no lock and has not ended,
-        torchrun may be restarting it: a new group's job waits for it (up to
+        as it left it when it takes part in it and has not ended (:meth:`_rejoin`); a
+        restarted job of any other group (its first job was refused, or its start is over)
+        is checked as a new one is. While a group of the current start holds no lock and
+        has not ended, torchrun may be restarting it: a new group's job waits for it (up to
         :data:`GROUP_RESTART_WAIT_S`) and joins the start once it is back, rather than
         claiming the run anew under a group that still trains."""
         job = self.job
         self.lock = rundir.RunLock(job.run_dir, replica)
-        if job.restart > 0 and rundir.read_record(job.run_dir) is not None:
-            with rundir.RunLock(job.run_dir).acquire(wait_s=RUN_LOCK_WAIT_S):
-                self.lock.acquire()
-                # restarted by torchrun: the run is as the group left it
-                rundir.note_group(job.run_dir, replica, ended=False)
-            return
+        if job.restart > 0:
+            if self._rejoin(replica):
+                return
+            # Not a restart of a group that trains in the run: its first job was refused
+            # (torchrun restarts a refused job too), or its start is over. Checked as a
+            # first job is.
+            _refuse_nothing_left(job.cfg, replica)
         deadline = time.monotonic() + GROUP_RESTART_WAIT_S
         waited = False
         while not self._start_or_join(replica, time.monotonic() > deadline):
             if not waited and not job.cfg.quiet:
                 log.warning("replica group %d: waiting up to %d s for the other groups of "
                             "the run in %s, whose jobs have not ended and hold no lock "
-                            "(torchrun may be restarting them)", replica,
-                            GROUP_RESTART_WAIT_S, job.run_dir)
+                            "(torchrun may be restarting them; a group that will not be "
+                            "started again is not awaited once its replica{r}/ is moved out "
+                            "of the run directory)", replica, GROUP_RESTART_WAIT_S,
+                            job.run_dir)
             waited = True
             time.sleep(GROUP_POLL_S)
+
+    def _rejoin(self, replica: int) -> bool:
+        """A job of group ``replica`` that torchrun restarted: when the group takes part
+        in the run's current start and has not ended (:func:`editrain.rundir.in_current_start`),
+        the run is as the group left it and the job rejoins the start unchecked (True,
+        holding the group's lock); otherwise False."""
+        job = self.job
+        with rundir.RunLock(job.run_dir).acquire(wait_s=RUN_LOCK_WAIT_S):
+            if not rundir.in_current_start(rundir.read_record(job.run_dir), replica):
+                return False
+            self.lock.acquire()
+            return True
 
     def _start_or_join(self, replica: int, waited_enough: bool) -> bool:
         """One look under the run's lock (see :meth:`_join_run`): join the start the
@@ -513,16 +559,12 @@ class RunDirClaim:
             if rundir.running_groups(job.run_dir, but=replica):
                 join_run(job.cfg, job.run_dir, replica)
                 return True
-            awaited = rundir.awaited_groups(rundir.read_record(job.run_dir), but=replica)
-            if awaited and waited_enough and job.cfg.overwrite:
-                # Setting a timeline aside moves nothing of theirs; --overwrite would
-                # remove what a group that is slow to restart still writes.
-                raise RunDirError(
-                    f"--overwrite: replica group(s) {', '.join(map(str, awaited))} of the run "
-                    f"in {job.run_dir} have not ended and hold no lock (torchrun may be "
-                    "restarting them, or their jobs died); start every group of the run "
-                    "again together, or choose another directory")
+            awaited = rundir.awaited_groups(job.run_dir, rundir.read_record(job.run_dir),
+                                            but=replica)
             if waited_enough or not awaited:
+                # Setting a timeline aside moves nothing of theirs; --overwrite, which
+                # would remove what a group that is slow to restart still writes, is
+                # refused by the check (refuse_overwrite_of_awaited_groups).
                 prepare_run_dir(job.cfg, job.run_dir, run_lock, job.started_at, replica)
                 return True
             # This group's own earlier job in the start is over: this one replaces it.
