@@ -237,9 +237,10 @@ def current_rows(rows: Sequence[dict[str, Any]], resume_evaluations: bool = Fals
     A job's start (its :data:`JOB_START` event, at the step it resumed) also ends, at the
     job's first row of its own, what the earlier jobs logged past that step and it did not
     compute again (:func:`_left_by_a_later_job`): the rows at and after that row's step,
-    and the end of the history (the rounds ``engine.finish(force=True)`` completed after
-    the last step and the final evaluation: a later job that resumed before them and
-    trained on completes those rounds at later steps, each then logged once).
+    and the end of the history (the rows marked :data:`END`: the rounds
+    ``engine.finish(force=True)`` completed after the last step and the final evaluation;
+    a later job that resumed before them and trained on completes those rounds at later
+    steps, each then logged once).
 
     Args:
         rows: the file's rows in file order (:func:`read_metrics`).
@@ -286,8 +287,10 @@ class _ResumePoint:
     def __init__(self) -> None:
         self.start: int | None = None
         self.replayed_end = False
-        """Whether the last replayed row was one without a loss (the end: a round's own
-        row or the final evaluation after the last step)."""
+        """Whether the last replayed row was one of the end (marked :data:`END`: a round
+        the end completed or the final evaluation). Not any row without a loss: an
+        evaluation at the old last step or a round's own row before its step's row has
+        that shape too, and the job that replayed it may not have reached its end."""
 
     def job_started(self, step: int) -> None:
         """A job's :data:`JOB_START` event at ``step``."""
@@ -298,7 +301,7 @@ class _ResumePoint:
 
     def replayed(self, row: dict[str, Any]) -> None:
         """A replayed row of the latest job."""
-        self.replayed_end = "loss" not in row
+        self.replayed_end = row.get(END) is True
 
     def take(self) -> int | None:
         """The resume point, at the first row of its own since the last (then forgotten);
@@ -325,12 +328,15 @@ def _left_by_a_later_job(kept: list[dict[str, Any]], start: int, first: int
     * those at ``first`` and later: the new job logged that step anew (a resume that
       replays nothing, such as A-EDiT's on the wall clock, even at the step where the
       earlier job's rows end);
-    * the end of the history: the rows after the last one with a training loss (the
-      rounds ``engine.finish(force=True)`` completed after the last step, and the final
-      evaluation). A job that replays steps up to there and trains on does not end
-      there: the rounds that end completed, it completes at later steps, in rows of its
-      own. A job that resumed at their step (the final checkpoint, saved after them)
-      keeps them: its start is not before them.
+    * the end of the history: the rows after the last one with a training loss that are
+      marked :data:`END` (the rounds ``engine.finish(force=True)`` completed after the
+      last step, and the final evaluation). A job that replays steps up to there and
+      trains on does not end there: the rounds that end completed, it completes at later
+      steps, in rows of its own. A job that resumed at their step (the final checkpoint,
+      saved after them) keeps them: its start is not before them. Unmarked rows after
+      the last loss stay (a job that died after an evaluation's row or a round's own row
+      before its step's row: the new job's copies of them are replays), and so do those
+      of a run written before the marker, as they did then.
 
     Args:
         kept: the current rows so far, in file order.
@@ -341,7 +347,15 @@ def _left_by_a_later_job(kept: list[dict[str, Any]], start: int, first: int
     while end and "loss" not in kept[end - 1]:
         end -= 1
     return [r for i, r in enumerate(kept)
-            if r["step"] <= start or (r["step"] < first and i < end)]
+            if r["step"] <= start
+            or (r["step"] < first and (i < end or r.get(END) is not True))]
+
+
+END = "end"
+"""The field (``"end": true``) of every row the end of training writes after the last
+step's row (:meth:`editrain.train.Trainer._end`): the rounds ``engine.finish(force=True)``
+completes and the final evaluation. :func:`current_rows` tells the end of a history by it
+(not by a row's shape: an evaluation's row or a round's own row has no loss either)."""
 
 
 JOB_START = "job_start"

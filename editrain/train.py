@@ -47,7 +47,15 @@ from editrain.fault import (
 )
 from editrain.hf_checkpoint import export_checkpoint, save_run_tokenizer
 from editrain.loop_state import LoopState, next_after
-from editrain.metrics import JOB_START, MetricsWriter, RankLog, current_rows, read_metrics, to_json
+from editrain.metrics import (
+    END,
+    JOB_START,
+    MetricsWriter,
+    RankLog,
+    current_rows,
+    read_metrics,
+    to_json,
+)
 from editrain.models import causal_lm_loss, num_parameters
 from editrain.optim.inner import build_inner_optimizer, clip_gradients, uses_sam
 from editrain.optim.schedule import lr_at, set_lr
@@ -353,16 +361,21 @@ class Trainer:
                 log.warning("%s", sync_summary(entry))
         return syncs
 
-    def _log_sync_rows(self, syncs: list[dict[str, Any]]) -> None:
+    def _log_sync_rows(self, syncs: list[dict[str, Any]], end: bool = False) -> None:
         """Write a row of its own for each round no step's row carries: those that
         ``engine.finish(force=True)`` completes after the last step (several at once with
         streaming or rounds in flight), and all but the last of several that end at one
         step. Each has the step and clocks of where it ended and no loss (docs/metrics.md),
-        so that every round is in ``metrics.jsonl`` once, in order."""
+        so that every round is in ``metrics.jsonl`` once, in order.
+
+        ``end``: the rounds the end completed, marked :data:`editrain.metrics.END`: a job
+        resumed before them that trains on completes them at later steps, and readers tell
+        these rows from a round's own row before its step's row by the mark alone."""
         for entry in syncs:
             wall = self._wall()
             self._write({"step": self.loop.step, "tokens": self._tokens(), "sync": entry,
-                         "wall_time_s": wall, "train_time_s": wall - self.loop.off_train_s})
+                         "wall_time_s": wall, "train_time_s": wall - self.loop.off_train_s,
+                         **({END: True} if end else {})})
 
     def _begin(self) -> float:
         """Before the first step: the start line, the first quorum (fault-tolerant), the
@@ -391,8 +404,9 @@ class Trainer:
         final evaluation and checkpoint; returns the final validation loss."""
         self.engine.finish(force=True)
         # The rounds it completed (an armed one, those in flight, the forced ones) come
-        # after the last step's row: rows of their own, before the final evaluation's.
-        self._log_sync_rows(self._take_syncs())
+        # after the last step's row: rows of their own, before the final evaluation's, both
+        # marked as the end's (editrain.metrics.END).
+        self._log_sync_rows(self._take_syncs(), end=True)
         # The final evaluation: unless the loop's last one was at this step over the same
         # tokens (train.final_eval_tokens == train.eval_tokens) and no sync was forced.
         if (self.loop.last_eval != self.loop.step or self.engine.num_syncs_forced
@@ -400,7 +414,7 @@ class Trainer:
             ev = self.evaluate(final=True)
             final_val = ev["val_loss"]
             self._write({"step": self.loop.step, "tokens": self._tokens(), **ev,
-                         "wall_time_s": self._wall()})
+                         "wall_time_s": self._wall(), END: True})
         if self.cfg.checkpoint.final or self.cfg.checkpoint.every:
             self.save()
         if self.cfg.checkpoint.export_final and self.is_logger:

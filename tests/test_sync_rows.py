@@ -19,7 +19,7 @@ import pytest
 
 from editrain.bench.runs import read_run
 from editrain.bench.stragglers import _replica_steps
-from editrain.metrics import current_rows, read_metrics
+from editrain.metrics import END, current_rows, read_metrics
 from editrain.tracking import standard_metrics
 from tests.cli import run_cli
 from tests.test_checkpoint import _base_args
@@ -64,42 +64,52 @@ def entries(run_dir: Path) -> list[dict]:
 
 def _job(start: int, *rows: tuple, replay_until: int = -1) -> list[dict]:
     """One job's rows of ``metrics.jsonl``: its start event, then ``(step, round)`` (a step
-    row, with the round that ended there or None), ``(step, round, "end")`` (a round's own
-    row, without a loss) or ``(step, "eval")`` (an evaluation's row); rows up to
-    ``replay_until`` are marked replayed, as the trainer marks them."""
+    row, with the round that ended there or None), ``(step, round, "own")`` (a round's own
+    row before its step's row, without a loss), ``(step, round, "end")`` (a round the end
+    completed: its own row, marked ``"end": true``), ``(step, "eval")`` (an evaluation's
+    row without a loss, such as step 0's) or ``(step, "final")`` (the final evaluation's,
+    marked ``"end": true``); rows up to ``replay_until`` are marked replayed, as the
+    trainer marks them."""
     out: list[dict] = [{"event": "job_start", "step": start}]
     for step, what, *own in rows:
         row: dict = {"step": step}
-        if what == "eval":
+        if what in ("eval", "final"):
             row["val_loss"] = 5.0
         else:
             row.update({} if own else {"loss": 6.0})
             if what is not None:
                 row["sync"] = {"sync": what, "step": step}
+        if what == "final" or own == ["end"]:
+            row[END] = True
         if step <= replay_until:
             row["replayed"] = True
         out.append(row)
     return out
 
 
+def _unmarked(rows: list[dict]) -> list[dict]:
+    """``rows`` as editrain wrote them before the end's rows were marked (no ``end``)."""
+    return [{k: v for k, v in r.items() if k != END} for r in rows]
+
+
 # A finished 12-step run: rounds ending at steps 5 and 8, the end's round at 12, in a row of
 # its own after step 12's, and the final evaluation.
 FINISHED = _job(0, (0, "eval"), *[(s, {5: 0, 8: 1}.get(s)) for s in range(1, 13)],
-                (12, 2, "end"), (12, "eval"))
+                (12, 2, "end"), (12, "final"))
 
 
 @pytest.mark.parametrize("name, later, rounds, evals", [
     # the same --steps from step 8: steps 9-12 and the end computed again (replays)
     ("exact resume", _job(8, *[(s, None) for s in range(9, 13)], (12, 2, "end"),
-                          (12, "eval"), replay_until=12),
+                          (12, "final"), replay_until=12),
      [(5, 0), (8, 1), (12, 2)], [0, 12]),
     # on from the final checkpoint (saved after the end's round): it stays
     ("extension from the final checkpoint",
-     _job(12, *[(s, None) for s in range(13, 17)], (16, 3, "end"), (16, "eval")),
+     _job(12, *[(s, None) for s in range(13, 17)], (16, 3, "end"), (16, "final")),
      [(5, 0), (8, 1), (12, 2), (16, 3)], [0, 12, 16]),
     # on from step 8: round 2 completes at step 13, and the old end is not this history's
     ("extension from an earlier checkpoint",
-     _job(8, *[(s, {13: 2}.get(s)) for s in range(9, 17)], (16, 3, "end"), (16, "eval"),
+     _job(8, *[(s, {13: 2}.get(s)) for s in range(9, 17)], (16, 3, "end"), (16, "final"),
           replay_until=12),
      [(5, 0), (8, 1), (13, 2), (16, 3)], [0, 16]),
     # ... whose first job stopped in step 13, after saving step 12 while replaying: its
@@ -111,17 +121,17 @@ FINISHED = _job(0, (0, "eval"), *[(s, {5: 0, 8: 1}.get(s)) for s in range(1, 13)
     # the same --steps from step 8 (to its own final checkpoint, after the same end), then
     # on from there: that end is in the checkpoint
     ("exact resume, then extension from its final checkpoint",
-     _job(8, *[(s, None) for s in range(9, 13)], (12, 2, "end"), (12, "eval"),
+     _job(8, *[(s, None) for s in range(9, 13)], (12, 2, "end"), (12, "final"),
           replay_until=12)
      + _job(12, *[(s, None) for s in range(13, 17)], (16, 3, "end")),
      [(5, 0), (8, 1), (12, 2), (16, 3)], [0, 12]),
     # elastic from step 8: other replicas, rounds of their own from step 9
     ("elastic resume", _job(8) + [{"event": "elastic_resume", "step": 8, "val_loss": 5.0}]
-     + _job(8, *[(s, {12: 2}.get(s)) for s in range(9, 13)], (12, "eval"))[1:],
+     + _job(8, *[(s, {12: 2}.get(s)) for s in range(9, 13)], (12, "final"))[1:],
      [(5, 0), (8, 1), (12, 2)], [0, 12]),
     # A-EDiT on the wall clock from step 11: no replays, and its first row is at step 12,
     # the step where the old rows end (its last round merged there, in the step's row)
-    ("A-EDiT without replays", _job(11, (12, 2), (13, None), (14, 3), (14, "eval")),
+    ("A-EDiT without replays", _job(11, (12, 2), (13, None), (14, 3), (14, "final")),
      [(5, 0), (8, 1), (12, 2), (14, 3)], [0, 14]),
 ])
 def test_each_round_is_current_once_in_every_resume_pattern(name: str, later: list[dict],
@@ -137,6 +147,105 @@ def test_each_round_is_current_once_in_every_resume_pattern(name: str, later: li
     assert [r["step"] for r in current if "val_loss" in r] == evals, name
     # one history, in step order
     assert [r["step"] for r in current] == sorted(r["step"] for r in current), name
+
+
+def _current(rows: list[dict]) -> tuple[list, list, list]:
+    """``current_rows(rows)``: the rounds ``(step, index)``, the evaluations' steps and the
+    steps with a training loss."""
+    current = current_rows(rows)
+    return ([(r["step"], r["sync"]["sync"]) for r in current if r.get("sync")],
+            [r["step"] for r in current if "val_loss" in r],
+            [r["step"] for r in current if "loss" in r])
+
+
+def test_a_job_that_died_after_a_row_without_a_loss_keeps_it_through_a_replay() -> None:
+    """Evaluations every 6 steps, checkpoints every 4: the first job logs an evaluation's
+    row at step 6 and dies in step 7; the job resumed from step 4 computes steps 5 and 6
+    and that evaluation again (replays) and trains on. The first job's evaluation at step
+    6 is the current one (the new job's copy is a replay). Before, every row after the
+    last loss was taken for the end of the history and dropped at the new job's first
+    row of its own: the evaluations were [0, 12], the one at step 6 in neither copy.
+    Only rows the end writes (marked ``"end": true``) are the end now."""
+    first = _job(0, (0, "eval"), *[(s, {5: 0}.get(s)) for s in range(1, 7)], (6, "eval"))
+    resumed = _job(4, (5, 0), (6, None), (6, "eval"),
+                   *[(s, {8: 1}.get(s)) for s in range(7, 13)], (12, 2, "end"),
+                   (12, "final"), replay_until=6)
+    assert _current(first + resumed) == ([(5, 0), (8, 1), (12, 2)], [0, 6, 12],
+                                         list(range(1, 13)))
+
+
+def test_a_job_that_died_between_a_rounds_own_row_and_its_steps_keeps_the_round() -> None:
+    """Two rounds end at step 5: round 0 in a row of its own, written before step 5's row
+    (which carries round 1); the first job dies between the two writes. The job resumed
+    from step 4 logs round 0's row again (a replay). Before, the first job's row, the last
+    one without a loss, was dropped as the end of the history, and round 0 was in no
+    current row; it is no end's row (unmarked), so it stays."""
+    first = _job(0, (0, "eval"), *[(s, None) for s in range(1, 5)], (5, 0, "own"))
+    resumed = _job(4, (5, 0, "own"), (5, 1), *[(s, None) for s in range(6, 9)],
+                   replay_until=5)
+    rounds, evals, _ = _current(first + resumed)
+    # (Step 5's row, with round 1, is the resumed job's alone, but marked replayed: the
+    # trainer marks every row up to the last step the file holds. Not this rule's matter.)
+    assert [r for r in rounds if r[1] == 0] == [(5, 0)]
+    assert evals == [0]
+
+
+def test_a_restart_after_replaying_an_evaluation_at_the_old_last_step_drops_the_old_end(
+        ) -> None:
+    """A finished 12-step run (rounds at steps 5 and 8, round 2 completed by its end at
+    step 12, the final evaluation); a job resumed from step 8 with --steps 16 replays
+    steps 9-12 and an evaluation's row at step 12, saves step 12 and dies in step 13
+    (round 2 still in flight); torchrun restarts it from that checkpoint and round 2
+    completes at step 13. The two jobs are one history from step 8, which the old end is
+    not part of. Before, the replayed evaluation's row (no loss) was taken for the replayed
+    end, the restart was read as a history on its own from step 12, and round 2 was
+    current twice: [(5, 0), (8, 1), (12, 2), (13, 2), (16, 3)]."""
+    extension = _job(8, *[(s, None) for s in range(9, 13)], (12, "eval"), replay_until=12)
+    restart = _job(12, *[(s, {13: 2}.get(s)) for s in range(13, 17)], (16, 3, "end"),
+                   (16, "final"))
+    assert _current(FINISHED + extension + restart) == (
+        [(5, 0), (8, 1), (13, 2), (16, 3)], [0, 16], list(range(1, 17)))
+
+
+def _current_before_the_end_rule(rows: list[dict]) -> list[dict]:
+    """What ``current_rows`` kept before a later job superseded the end rows (0b86403):
+    replays and events out, and a step that goes back ends the rows from it on."""
+    kept: list[dict] = []
+    for row in rows:
+        if row.get("event") == "elastic_resume":
+            kept = [r for r in kept if r["step"] <= row["step"]]
+            continue
+        if "event" in row or row.get("replayed"):
+            continue
+        if kept and row["step"] < kept[-1]["step"]:
+            kept = [r for r in kept if r["step"] < row["step"]]
+        kept.append(row)
+    return kept
+
+
+@pytest.mark.parametrize("later, rounds, evals", [
+    # extension from an earlier checkpoint: the old end stays beside the new round 2
+    (_job(8, *[(s, {13: 2}.get(s)) for s in range(9, 17)], (16, 3, "end"), (16, "final"),
+          replay_until=12),
+     [(5, 0), (8, 1), (12, 2), (13, 2), (16, 3)], [0, 12, 16]),
+    # ... restarted after its own checkpoint, having replayed an evaluation at step 12
+    (_job(8, *[(s, None) for s in range(9, 13)], (12, "eval"), replay_until=12)
+     + _job(12, *[(s, {13: 2}.get(s)) for s in range(13, 17)], (16, 3, "end")),
+     [(5, 0), (8, 1), (12, 2), (13, 2), (16, 3)], [0, 12]),
+    # exact resume, then extension from its final checkpoint
+    (_job(8, *[(s, None) for s in range(9, 13)], (12, 2, "end"), (12, "final"),
+          replay_until=12) + _job(12, *[(s, None) for s in range(13, 17)], (16, 3, "end")),
+     [(5, 0), (8, 1), (12, 2), (16, 3)], [0, 12]),
+], ids=["extension", "restart", "exact then extension"])
+def test_rows_written_before_the_end_mark_are_read_as_before(later: list[dict], rounds: list,
+                                                             evals: list) -> None:
+    """A run written before the end's rows were marked: nothing tells its end rows from
+    other rows without a loss, so a later job drops none of them; the rows current are
+    exactly those the rule before 0b86403 kept (round 2 twice where a job resumed before
+    the old end and trained past it, as then)."""
+    rows = _unmarked(FINISHED + later)
+    assert current_rows(rows) == _current_before_the_end_rule(rows)
+    assert _current(rows)[:2] == (rounds, evals)
 
 
 @pytest.mark.slow
@@ -164,6 +273,9 @@ def test_every_round_has_one_log_line_and_one_entry(case: str, cache: Path,
                        and r["tokens"] == summary["tokens"] and "loss" not in r
                        and r["train_time_s"] <= r["wall_time_s"] for r in own), own
     assert "val_loss" in rows[-1] and "sync" not in rows[-1]
+    # The end's rows (its rounds, the final evaluation) are marked, and only they: readers
+    # tell the end of a history by the mark (editrain.metrics.current_rows).
+    assert [i for i, r in enumerate(rows) if r.get(END)] == list(range(last + 1, len(rows)))
     assert all(standard_metrics(r)["sync/index"] == r["sync"]["sync"] for r in own)
     if case == "streaming":  # a round launched at the last step, merged by the end
         assert any(r["sync"].get("launch_step") == rows[last]["step"] for r in own), own
