@@ -217,26 +217,6 @@ def command_started(run_dir: str | Path) -> float | None:
         started, bool) else None
 
 
-def latest_job_start(run_dir: str | Path) -> int:
-    """The step the run's latest job started after, in the numbering of ``metrics.jsonl``'s
-    rows (which are its first rank's): the ``step`` of the job's start event there
-    (:func:`editrain.metrics.latest_job`). A run of an older editrain has none: the step of
-    the checkpoint the job resumed (its ``from_step`` in the record's history), 0 for a job
-    that started the run or a run without a record; for A-EDiT that is a label of the
-    progress, not a step of the rows (its replicas count their own steps)."""
-    from editrain.metrics import latest_job, read_jsonl
-
-    path = Path(run_dir) / "metrics.jsonl"
-    job = latest_job(read_jsonl(path)) if path.is_file() else None
-    if job is not None:
-        return job[0]
-    record = record_of(run_dir)
-    if record is None or not record.history:
-        return 0
-    step = record.history[-1].get("from_step")
-    return step if isinstance(step, int) and not isinstance(step, bool) and step > 0 else 0
-
-
 # ---------------------------------------------------------------------------- the lock
 def group_lock_name(replica: int) -> str:
     """The lock file of replica group ``replica`` of a fault-tolerant run whose groups are

@@ -16,9 +16,9 @@ from types import SimpleNamespace
 import pytest
 
 from editrain.checkpoint import steps_left_problem
-from editrain.metrics import current_rows, read_rank_steps
+from editrain.metrics import current_rows, latest_job_start, read_rank_steps
 from editrain.plan.calibrate import calibrate, job_rows
-from editrain.rundir import latest_job_start, read_marker
+from editrain.rundir import read_marker
 from tests.cli import run_cli
 
 pytestmark = pytest.mark.slow

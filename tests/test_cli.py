@@ -215,14 +215,17 @@ def test_train_end_to_end(edit_run, cache_dir):
     # replica's ranks, which read different data; no cross-replica reduction per step.
     ranks = read_rank_logs(run_dir)
     assert sorted(ranks) == [0, 1, 2, 3]
+    steps_of = {}
     for rank, rows_and_events in ranks.items():
-        # the last row is the rank's cross-replica bytes by cause, an event row
+        # the first row is the job's start, the last the rank's cross-replica bytes by
+        # cause: event rows
+        assert rows_and_events[0]["event"] == "job_start"
         assert rows_and_events[-1]["event"] == "cross_replica_bytes"
-        rank_rows = [r for r in rows_and_events if "event" not in r]
+        rank_rows = steps_of[rank] = [r for r in rows_and_events if "event" not in r]
         assert [r["step"] for r in rank_rows] == list(range(1, 41))
         assert {r["replica"] for r in rank_rows} == {rank // 2}
     for r in train_rows:
-        losses = [ranks[k][r["step"] - 1]["loss"] for k in range(4)]
+        losses = [steps_of[k][r["step"] - 1]["loss"] for k in range(4)]
         assert len(set(losses)) > 1  # different data on different ranks
         # replica 0's mean: a float64 all-reduce of two ranks' losses, halved, is the same
         # two-term float64 sum as here (addition commutes), so bitwise on every CPU

@@ -44,10 +44,16 @@ from pathlib import Path
 from typing import Any
 
 from editrain.errors import ConfigError
-from editrain.metrics import current_rows, latest_job, read_jsonl, read_rank_steps
+from editrain.metrics import (
+    current_rows,
+    latest_job,
+    latest_job_start,
+    read_jsonl,
+    read_rank_steps,
+)
 from editrain.plan.inputs import GBIT, SHAPE_FIELDS, Cluster, MethodSpec, ModelSpec
 from editrain.plan.model import model_shape, step_flops
-from editrain.rundir import latest_job_start, list_checkpoints, read_marker
+from editrain.rundir import list_checkpoints, read_marker
 from editrain.safe_io import Obj, read_json, read_toml
 
 
@@ -288,7 +294,7 @@ def job_rows(run_dir: Path, world: int
     The files hold every job's rows. Those of the current history are the readers' own
     (:func:`editrain.metrics.current_rows`, :func:`editrain.metrics.read_rank_steps`);
     of them, the latest job's are the steps after the one it resumed from
-    (:func:`editrain.rundir.latest_job_start`), and its ranks the ``world`` data ranks of
+    (:func:`editrain.metrics.latest_job_start`), and its ranks the ``world`` data ranks of
     its layout: a rank of an earlier, larger layout may have logged later steps on a
     timeline the job left.
 
