@@ -708,3 +708,44 @@ def test_cli_overwrite_never_deletes_a_users_files(cache_dir, tmp_path):
     assert "--overwrite" in line and "tb, checkpoints" in line and "did not write" in line
     assert (run / "tb" / "my_plots.ipynb").read_text() == "mine"
     assert (run / "checkpoints" / "README").exists() and (run / "metrics.jsonl").exists()
+
+
+def plain_torchrun_job(run: Path, restart: int = 0, **over):
+    """Rank 0's job of a plain (not fault-tolerant) torchrun job of one rank."""
+    from editrain.launch.job import Job
+
+    return Job(cfg_for(run, **over), run, world=1, under_torchrun=True, restart=restart)
+
+
+def test_a_torchrun_restart_is_only_this_jobs_own(tmp_path, monkeypatch):
+    """torchrun restarts a job's workers after a failure (--max-restarts), a refused
+    first attempt's too. A restart finds the directory as its own job claimed it and goes
+    on unchecked; but a restart of another job (its first attempt refused: the directory
+    holds another run) is refused again. Before, any restart took the record's presence
+    for its own claim: the refused job was accepted and trained into the other run."""
+    from editrain.launch.run_dir import TORCHRUN_JOB, RunDirClaim
+
+    run = tmp_path / "run"
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job-a")
+    with RunDirClaim(plain_torchrun_job(run, train={"steps": 8})) as first:
+        first.join()
+    record = rundir.read_record(run)
+    assert record.history[-1][TORCHRUN_JOB] == "rdzv:job-a"
+    with RunDirClaim(plain_torchrun_job(run, restart=1, train={"steps": 8})) as again:
+        again.join()  # job a's workers restarted: the directory is theirs as it is
+    assert rundir.read_record(run).history == record.history
+
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job-b")  # another job, other options
+    for restart in (0, 1):
+        with pytest.raises(RunDirError, match=r"already holds a run"):
+            with RunDirClaim(plain_torchrun_job(run, restart=restart,
+                                                train={"steps": 7})) as other:
+                other.join()
+    assert rundir.read_record(run).history == record.history
+
+    # torchrun's default run id ("none"): the elastic agent (this worker's parent) is the
+    # job's identity
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "none")
+    with pytest.raises(RunDirError, match=r"already holds a run"):
+        with RunDirClaim(plain_torchrun_job(run, restart=1, train={"steps": 7})) as other:
+            other.join()
