@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
 import time
 from pathlib import Path
 from typing import Any
@@ -156,8 +155,7 @@ def refuse_overwrite_of_awaited_groups(run_dir: Path, record: rundir.RunRecord |
 
 def prepare_run_dir(cfg: Config, run_dir: Path, lock: rundir.RunLock | None = None,
                     started_at: float | None = None,
-                    replica: int | None = None,
-                    torchrun_job: str | None = None) -> rundir.RunRecord:
+                    replica: int | None = None) -> rundir.RunRecord:
     """Make ``run_dir`` this job's: checked again under the directory's lock, the old run
     replaced if ``--overwrite``, a timeline abandoned by resuming an older checkpoint set
     aside, the run record and ``config.toml`` written.
@@ -182,9 +180,6 @@ def prepare_run_dir(cfg: Config, run_dir: Path, lock: rundir.RunLock | None = No
             :meth:`RunDirClaim.join`): it sets aside only its own later checkpoints, and
             its history line lists the groups of the start and what the machine-local
             inputs hold (:func:`input_digests`), for the groups that join it.
-        torchrun_job: the torchrun job that claims the directory (:func:`torchrun_job`),
-            kept in its history line so that a restart of that job's workers is told
-            from another job's.
 
     Returns:
         The run record of this job.
@@ -203,8 +198,6 @@ def prepare_run_dir(cfg: Config, run_dir: Path, lock: rundir.RunLock | None = No
         note = config_change(before, text)
         if started_at is not None:
             note[rundir.COMMAND_STARTED] = started_at
-        if torchrun_job is not None:
-            note[TORCHRUN_JOB] = torchrun_job
         if replica is not None:
             note[INPUTS] = input_digests(cfg)
             split = (checked.resume_marker or {}).get("train_data")
@@ -220,32 +213,6 @@ def prepare_run_dir(cfg: Config, run_dir: Path, lock: rundir.RunLock | None = No
 
 
 CONFIG_FILE = "config.toml"
-TORCHRUN_JOB = "torchrun_job"
-"""The history line's key of the torchrun job that claimed the run (:func:`torchrun_job`)."""
-
-
-def torchrun_job() -> str:
-    """This torchrun job's identity, the same in every restart of its workers and
-    different for another job: torch elastic's run id (``--rdzv-id``: a fresh one per
-    ``--standalone`` launch, the user's otherwise, e.g. the SLURM job's), or, where it is
-    torchrun's default ``none``, the host and process id of the elastic agent that
-    started this worker (it restarts its workers itself)."""
-    run_id = os.environ.get("TORCHELASTIC_RUN_ID", "none")
-    if run_id and run_id != "none":
-        return f"rdzv:{run_id}"
-    return f"agent:{socket.gethostname()}:{os.getppid()}"
-
-
-def _claimed_by_this_job(run_dir: Path) -> bool:
-    """Whether the run's latest claim is this torchrun job's (:func:`torchrun_job`). A
-    restart of its workers then finds the directory as the job left it. Any other job's
-    restart (its first attempt refused, e.g. the directory held another run) is checked
-    and claims as a first attempt does: it used to take a record's presence for its own
-    claim and train into another run's directory."""
-    record = rundir.read_record(run_dir)
-    if record is None or not record.history:
-        return False
-    return record.history[-1].get(TORCHRUN_JOB) == torchrun_job()
 """The run's configuration: the latest job's (see :func:`prepare_run_dir`)."""
 
 
@@ -502,8 +469,7 @@ class RunDirClaim:
     def claim(self) -> rundir.RunRecord:
         """Make the directory this job's (:func:`prepare_run_dir`, under the lock)."""
         return prepare_run_dir(self.job.cfg, self.job.run_dir, self.lock,
-                               self.job.started_at,
-                               torchrun_job=torchrun_job() if self.job.under_torchrun else None)
+                               self.job.started_at)
 
     def join(self) -> None:
         """Under torchrun: rank 0 holds the directory's lock for the job and claims it
@@ -529,11 +495,8 @@ class RunDirClaim:
             self._join_run(replica)
             return
         self.lock.acquire()
-        if job.restart > 0 and _claimed_by_this_job(job.run_dir):
-            return  # torchrun restarted this job's workers: the directory is theirs as is
-        if job.restart > 0:  # (a refused first attempt, restarted: checked as it was)
-            _refuse_nothing_left(job.cfg, replica)
-        self.claim()
+        if not (job.restart > 0 and rundir.read_record(job.run_dir) is not None):
+            self.claim()
 
     def _join_run(self, replica: int) -> None:
         """Rank 0 of a torchrun job of a fault-tolerant run's replica group ``replica``:
