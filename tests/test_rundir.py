@@ -708,3 +708,21 @@ def test_cli_overwrite_never_deletes_a_users_files(cache_dir, tmp_path):
     assert "--overwrite" in line and "tb, checkpoints" in line and "did not write" in line
     assert (run / "tb" / "my_plots.ipynb").read_text() == "mine"
     assert (run / "checkpoints" / "README").exists() and (run / "metrics.jsonl").exists()
+
+
+@pytest.mark.parametrize("other_running", [True, False])
+def test_a_refused_new_job_of_a_group_whose_job_died_is_checked_again_on_restart(
+        tmp_path, other_running):
+    """A group whose job died (never ended: killed, its machine rebooted) is started again
+    with other options: refused, whether it would join group 0 training or claim the run.
+    Its torchrun restart must be refused too; it rejoined the start unchecked, as a member
+    that had not ended, and trained with the refused options (found by review)."""
+    run = tmp_path / "run"
+    g0, g1 = start_groups(run, 0, 1)
+    g1.lock.release()  # group 1's job died
+    if not other_running:
+        end_groups(run, [g0])
+    for restart in (0, 1):
+        with pytest.raises(RunDirError):
+            start_groups(run, 1, restart=restart, train={"steps": 7})
+    assert "steps = 7" not in (run / "config.toml").read_text()

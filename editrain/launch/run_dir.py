@@ -556,6 +556,12 @@ class RunDirClaim:
         job = self.job
         with rundir.RunLock(job.run_dir).acquire(wait_s=RUN_LOCK_WAIT_S) as run_lock:
             self.lock.acquire()  # refused if another job is this group
+            # This group's earlier job in the start is over (this one holds the group's
+            # lock): noted before the checks below, so that if they refuse this job,
+            # torchrun's restart of it is checked again instead of rejoining the start
+            # unchecked as a member that has not ended (_rejoin). A job that passes joins
+            # or claims the start as a member again.
+            rundir.note_group(job.run_dir, replica, ended=True)
             if rundir.running_groups(job.run_dir, but=replica):
                 join_run(job.cfg, job.run_dir, replica)
                 return True
@@ -567,7 +573,5 @@ class RunDirClaim:
                 # refused by the check (refuse_overwrite_of_awaited_groups).
                 prepare_run_dir(job.cfg, job.run_dir, run_lock, job.started_at, replica)
                 return True
-            # This group's own earlier job in the start is over: this one replaces it.
-            rundir.note_group(job.run_dir, replica, ended=True)
             self.lock.release()
             return False
