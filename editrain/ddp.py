@@ -145,9 +145,7 @@ class StatefulPostLocalSGDOptimizer(torch.optim.Optimizer):
         Returns:
             A handle whose ``remove()`` removes the hook.
         """
-        handle = RemovableHandle(self._step_pre_hooks)
-        self._step_pre_hooks[handle.id] = hook
-        return handle
+        return _register(self._step_pre_hooks, hook)
 
     def register_step_post_hook(self, hook: Callable[..., Any]) -> RemovableHandle:
         """A hook called after each :meth:`step`, the engine's book-keeping included (a
@@ -159,9 +157,7 @@ class StatefulPostLocalSGDOptimizer(torch.optim.Optimizer):
         Returns:
             A handle whose ``remove()`` removes the hook.
         """
-        handle = RemovableHandle(self._step_post_hooks)
-        self._step_post_hooks[handle.id] = hook
-        return handle
+        return _register(self._step_post_hooks, hook)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """The inner optimizer's ``zero_grad``.
@@ -218,6 +214,14 @@ class StatefulPostLocalSGDOptimizer(torch.optim.Optimizer):
         self.optim.load_state_dict(state)
         self.engine.load_state_dict(engine_state)
         self._averaged = False
+
+
+def _register(table: OrderedDict[int, Callable[..., Any]], hook: Callable[..., Any]
+              ) -> RemovableHandle:
+    """Add ``hook`` to ``table``; the handle's ``remove()`` takes it out again."""
+    handle = RemovableHandle(table)
+    table[handle.id] = hook
+    return handle
 
 
 __all__ = ["STATE_KEY", "StatefulPostLocalSGDOptimizer"]
