@@ -514,7 +514,8 @@ class Trainer:
         # global model of this step, which an elastic resume starts from.
         self.engine.finish()
         t_save = time.perf_counter()
-        label = int(round(self._saved_progress())) if self.aedit else self.loop.step
+        progress = self._saved_progress() if self.aedit else None
+        label = self.loop.step if progress is None else int(round(progress))
         rank_state = {
             **self.loop.to_dict(),
             "tokens": self._tokens(),
@@ -533,7 +534,7 @@ class Trainer:
                                 engine=self.engine, replica=self.info.replica,
                                 rank_state=rank_state, meta=self._meta(),
                                 keep=self.cfg.checkpoint.keep, lineage=self.lineage,
-                                progress=self._saved_progress() if self.aedit else None,
+                                progress=progress,
                                 before_commit=lambda: self.sim.before_checkpoint_commit(
                                     self.loop.step))
         if self.is_logger:
