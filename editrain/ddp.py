@@ -29,6 +29,7 @@ from typing import Any
 import torch
 from torch.utils.hooks import RemovableHandle
 
+from editrain.optim.hooks import StateDictHooks
 from editrain.sync.edit import SyncEngine
 from editrain.sync.state import rank_key
 
@@ -36,7 +37,7 @@ STATE_KEY = "editrain"
 """The key of the engine's state in :meth:`StatefulPostLocalSGDOptimizer.state_dict`."""
 
 
-class StatefulPostLocalSGDOptimizer(torch.optim.Optimizer):
+class StatefulPostLocalSGDOptimizer(StateDictHooks, torch.optim.Optimizer):
     """An inner optimizer whose ``step()`` also does the sync engine's book-keeping, and
     whose state dict also holds the engine's state (the reference's DDP optimizer wrapper).
 
@@ -45,7 +46,10 @@ class StatefulPostLocalSGDOptimizer(torch.optim.Optimizer):
     this step, e.g. before clipping the gradients), the inner ``optim.step()``, and
     ``engine.step()`` (counts the step; arms or runs a sync). ``param_groups`` and ``state``
     are the inner optimizer's, so learning-rate schedulers work on the wrapper; step hooks
-    registered on the wrapper run around all of it. (torch's DCP helpers
+    registered on the wrapper run around all of it, and its state-dict hooks
+    (``register_state_dict_pre_hook`` and the three others of ``torch.optim.Optimizer``)
+    around its own :meth:`state_dict` / :meth:`load_state_dict`, the engine's state
+    included. (torch's DCP helpers
     ``get_optimizer_state_dict`` / ``set_optimizer_state_dict`` take the inner optimizer,
     ``opt.optim``, with :func:`editrain.engine_state_dict` for the engine: given the
     wrapper, their initialisation of an empty state would call :meth:`step`, which
@@ -187,6 +191,9 @@ class StatefulPostLocalSGDOptimizer(torch.optim.Optimizer):
         checkpoints that also resume on another topology, use
         :func:`editrain.engine_state_dict` instead.
         """
+        return self._state_dict_with_hooks(self._build_state_dict)
+
+    def _build_state_dict(self) -> dict[str, Any]:
         out = self.optim.state_dict()
         out[STATE_KEY] = self.engine.state_dict()
         return out
@@ -201,6 +208,11 @@ class StatefulPostLocalSGDOptimizer(torch.optim.Optimizer):
         Raises:
             ValueError: the state has no engine state, or another rank saved it.
         """
+        # Load pre hooks see (and may replace) the whole dict, the engine's entry included,
+        # before it is checked: a hook may adapt a state saved in another layout.
+        self._load_state_dict_with_hooks(state_dict, self._load_checked)
+
+    def _load_checked(self, state_dict: dict[str, Any]) -> None:
         state = dict(state_dict)
         engine_state = state.pop(STATE_KEY, None)
         if engine_state is None:

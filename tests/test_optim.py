@@ -16,6 +16,7 @@ from torch import nn
 
 from editrain.optim import AGD, WSAM, WeightedSAM, build_optimizer, wrap_sam
 from editrain.spawn import run_ranks
+from tests.optimizer_hooks import check_every_registration, check_state_dict_hooks
 
 # ============================================================================ references
 # Everything below is written directly from the project's specification of AGD and WSAM
@@ -625,3 +626,14 @@ def test_fsdp2_wsam_agd_matches_single_process():
         torch.testing.assert_close(sharded, single.detach(), atol=1e-5, rtol=0.0)
         moved |= not torch.allclose(single.detach(), start, atol=1e-3)
     assert moved
+
+
+def test_wsam_runs_the_state_dict_hooks_registered_on_it():
+    """WSAM's own state_dict / load_state_dict (the base optimizer's) skipped the hooks of
+    register_state_dict_pre_hook and its three siblings (torch runs them inside the
+    Optimizer methods WSAM overrides): they now run as torch documents them."""
+    model = _make_mlp()
+    opt = WSAM(model, torch.optim.AdamW(model.parameters(), lr=0.01))
+    check_every_registration(opt)
+    check_state_dict_hooks(opt)
+    assert opt.param_groups is opt.base_optimizer.param_groups  # the sharing survives

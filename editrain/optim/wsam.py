@@ -32,6 +32,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Partial
 from torch.optim import Optimizer
 
+from editrain.optim.hooks import StateDictHooks
+
 __all__ = ["WSAM", "WeightedSAM", "global_norm"]
 
 # Added to the gradient norm before dividing by it when clipping; the same guard as
@@ -70,7 +72,7 @@ def _shard_count(t: DTensor) -> int:
     return count
 
 
-class WSAM(Optimizer):
+class WSAM(StateDictHooks, Optimizer):
     """Weighted sharpness-aware minimization around a base optimizer.
 
     ``step(closure)`` does, per the paper:
@@ -93,7 +95,9 @@ class WSAM(Optimizer):
     exactly twice per step. It must not scale or accumulate gradients across calls.
 
     ``state_dict()`` is the base optimizer's ``state_dict()`` (WSAM has no state that
-    outlives a step), so checkpoints are interchangeable with the base optimizer's. For
+    outlives a step), so checkpoints are interchangeable with the base optimizer's; state-dict
+    hooks registered on the wrapper run around it (torch runs them inside the
+    ``Optimizer.state_dict`` this class overrides: :class:`StateDictHooks` runs them). For
     ``torch.distributed.checkpoint`` helpers that may call ``step()`` without a closure
     to initialize state, pass ``wsam.base_optimizer`` instead.
 
@@ -206,8 +210,9 @@ class WSAM(Optimizer):
     # ------------------------------------------------------------------ checkpointing
 
     def state_dict(self) -> dict[str, Any]:
-        """Return the base optimizer's state dict (its groups carry WSAM's keys too)."""
-        return self.base_optimizer.state_dict()
+        """Return the base optimizer's state dict (its groups carry WSAM's keys too), with
+        the state-dict hooks registered on this wrapper run around it."""
+        return self._state_dict_with_hooks(self.base_optimizer.state_dict)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a state dict produced by :meth:`state_dict` (or by the base optimizer).
@@ -216,6 +221,9 @@ class WSAM(Optimizer):
             state_dict: the dict to load; WSAM keys missing from its groups take this
                 wrapper's defaults.
         """
+        self._load_state_dict_with_hooks(state_dict, self._load_into_base)
+
+    def _load_into_base(self, state_dict: dict[str, Any]) -> None:
         self.base_optimizer.load_state_dict(state_dict)
         # Optimizer.load_state_dict replaces the group list and state object, so the
         # sharing has to be re-established.
