@@ -3,14 +3,18 @@
 Kept import-light for the CLI. Every configuration check, in ``editrain.config`` and in
 ``editrain.sync.config``, is written as :func:`require` (the option, and what is allowed);
 errors of lower layers (``ValueError`` naming the option) become :class:`ConfigError` through
-:func:`as_config_error`.
+:func:`as_config_error`. The type of a bool, integer or float option, wherever it is set (a
+config file, a config dataclass built in Python, ``init_mesh``'s sizes), is checked by
+:func:`plain_scalar`, so that one rule has one wording.
 """
 
 from __future__ import annotations
 
 import contextlib
+import numbers
 import re
 from collections.abc import Iterator
+from typing import Any
 
 LONGEST_WORD = 1000
 """Most characters an error message shows of one word (a run of non-space characters: a
@@ -65,6 +69,50 @@ def require(cond: bool, option: str, allowed: str) -> None:
     """
     if not cond:
         raise ConfigError(f"{option}: {allowed}")
+
+
+SCALAR_KINDS: dict[type, tuple[type, str]] = {
+    bool: (bool, "true or false"),
+    int: (numbers.Integral, "an integer"),
+    float: (numbers.Real, "a number"),
+}
+"""The option types :func:`plain_scalar` checks: the abstract type each accepts (numpy's
+integer and float scalars are registered as ``numbers.Integral`` / ``numbers.Real``), and
+how it is named."""
+
+
+def plain_scalar(value: Any, kind: type, option: str) -> Any:
+    """``value`` as the plain Python ``bool``, ``int`` or ``float`` an option of type
+    ``kind`` holds, or a :class:`ConfigError`.
+
+    Python users pass numpy scalars all the time (``np.arange`` yields ``np.int64``, a
+    computed learning rate is often ``np.float32``); they are taken, and stored as plain
+    numbers, so that every later use (json state, checkpoints, TOML, the run record,
+    comparisons on resume, a mesh's shape and rank lists) sees the type a config file
+    gives. A bool is never a number here (``True`` as an interval is a slip, not 1; numpy's
+    bools are not taken either), a float is never an integer (``2.0`` divides like 2 but a
+    warm-up of 2.5 steps never ends), and an array or tensor is never a scalar, not even
+    with zero dimensions: a tensor may live on an accelerator or carry autograd history,
+    and converting it here would hide a device sync in a constructor; the message says to
+    pass ``.item()``.
+
+    Args:
+        value: the option's value (not ``None``).
+        kind: ``bool``, ``int`` or ``float``: the option's type.
+        option: the option's dotted name, for the message.
+
+    Raises:
+        ConfigError: ``"OPTION: expected TYPE, got VALUE"``, with what to pass instead for
+            an array or tensor.
+    """
+    accepted, name = SCALAR_KINDS[kind]
+    if isinstance(value, accepted) and (kind is bool or not isinstance(value, bool)):
+        return kind(value)
+    hint = ""
+    if hasattr(value, "item") and not isinstance(value, numbers.Number):  # tensor, array
+        kind_name = f"{type(value).__module__}.{type(value).__qualname__}"
+        hint = f" (a {kind_name}: pass a plain Python value, e.g. value.item())"
+    raise ConfigError(f"{option}: expected {name}, got {value!r}{hint}")
 
 
 @contextlib.contextmanager

@@ -19,13 +19,13 @@ stages, so nothing changes without them).
 
 from __future__ import annotations
 
-import numbers
 import os
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import TYPE_CHECKING
 
 from editrain import malloc
+from editrain.errors import plain_scalar
 
 if TYPE_CHECKING:  # torch is imported where a mesh is built: the launcher checks the
     # topology (Topology) before it imports torch (see editrain.launch)
@@ -60,10 +60,11 @@ class Topology:
         # The sizes come from Python callers too (``init_mesh(shard_size=...)``): a numpy
         # integer (``np.int64`` from ``np.arange``) is taken and stored as a plain int, so
         # that the mesh shape and every rank list built from it are plain; a bool, a float
-        # (``2.0`` divides like 2 but is no mesh size) or a tensor is refused by name.
+        # (``2.0`` divides like 2 but is no mesh size) or a tensor is refused by name, as
+        # the config options' types are (the same check: errors.plain_scalar).
         for name, option in (("world_size", "world size"), ("shard_size", "dist.shard_size"),
                              ("tp_size", "dist.tp_size"), ("pp_size", "dist.pp_size")):
-            object.__setattr__(self, name, _plain_size(getattr(self, name), option))
+            object.__setattr__(self, name, plain_scalar(getattr(self, name), int, option))
         if self.world_size < 1:
             raise ValueError(f"world size must be >= 1, got {self.world_size}")
         if self.tp_size < 1 or self.world_size % self.tp_size != 0:
@@ -261,15 +262,6 @@ def _attempt_store(timeout: timedelta) -> dist.Store | None:
                           is_master=False, timeout=timeout)
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     return dist.PrefixStore(f"editrain/attempt_{attempt}", store)
-
-
-def _plain_size(value: object, option: str) -> int:
-    """``value`` as a plain ``int`` if it is an integer (``numbers.Integral``, not a bool),
-    else a ``ValueError`` naming ``option``."""
-    if isinstance(value, numbers.Integral) and not isinstance(value, bool):
-        return int(value)
-    raise ValueError(f"{option} must be an integer, got {value!r} "
-                     f"({type(value).__module__}.{type(value).__qualname__})")
 
 
 def init_mesh(

@@ -6,6 +6,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from editrain.config import load_config
+from editrain.errors import ConfigError
 from editrain.spawn import run_ranks
 from editrain.topology import SHARD_DIM, SYNC_DIM, Topology, init_mesh, topology_of
 
@@ -370,5 +372,26 @@ def test_sizes_take_numpy_integers_as_plain_ints_and_refuse_other_types():
     for sizes, option in [((8, 2.0), "dist.shard_size"), ((8, True), "dist.shard_size"),
                           ((8, 1, np.float64(2)), "dist.tp_size"),
                           ((8, 1, 1, True), "dist.pp_size"), ((8.0, 1), "world size")]:
-        with pytest.raises(ValueError, match=rf"{option} must be an integer, got "):
+        with pytest.raises(ValueError, match=rf"^{option}: expected an integer, got "):
             Topology(*sizes)
+
+
+@pytest.mark.parametrize("make", [
+    lambda np: True, lambda np: np.True_, lambda np: 2.0, lambda np: np.float64(2.0),
+    lambda np: "2", lambda np: torch.tensor(2), lambda np: np.array(2)])
+def test_a_mesh_size_is_refused_in_the_words_of_the_config_option(make):
+    """The same rule (an integer, numpy's taken; a bool, float or tensor not) was checked
+    twice and worded twice: ``init_mesh``'s sizes said "dist.shard_size must be an integer,
+    got ... (numpy.bool)", the config option "dist.shard_size: expected an integer, got
+    ...". One check now (errors.plain_scalar): one message from both."""
+    np = pytest.importorskip("numpy")
+    value = make(np)
+    with pytest.raises(ConfigError) as mesh:
+        Topology(8, value)
+    with pytest.raises(ConfigError) as option:
+        load_config(None, {"dist": {"shard_size": value}})
+    assert str(mesh.value) == str(option.value)
+    assert str(mesh.value).startswith("dist.shard_size: expected an integer, got ")
+    for plain in (np.int64(2), np.uint8(2), np.int32(2)):
+        assert type(Topology(8, plain).shard_size) is int
+        assert type(load_config(None, {"dist": {"shard_size": plain}}).dist.shard_size) is int

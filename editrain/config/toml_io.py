@@ -19,9 +19,8 @@ from editrain.config.applicability import check_applicable, drop_inapplicable
 from editrain.config.inputs import check_list_options, check_text_options, resolve_hub_models
 from editrain.config.schema import SECTIONS, Config
 from editrain.config.validation import validate
-from editrain.errors import ConfigError, require
+from editrain.errors import ConfigError, plain_scalar, require
 from editrain.paths import check_path, shown
-from editrain.sync.config import plain_scalar
 
 
 def parse_scalar(text: str) -> Any:

@@ -17,7 +17,7 @@ import typing
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
-from editrain.errors import ConfigError, as_config_error, require
+from editrain.errors import SCALAR_KINDS, as_config_error, plain_scalar, require
 from editrain.sync import codecs as sparse_codec
 from editrain.sync.methods import METHOD_DEFAULTS, OUTER_SGD, PLAIN_SGD
 
@@ -72,47 +72,6 @@ def check_number(value: Any, option: str) -> None:
             check_number(v, f"{option}[{i}]")
 
 
-_SCALARS: dict[Any, tuple[Any, str]] = {
-    bool: (bool, "true or false"),
-    int: (numbers.Integral, "an integer"),
-    float: (numbers.Real, "a number"),
-}
-"""The scalar types :func:`check_types` checks: the abstract type each accepts (numpy's
-integer and float scalars are registered as ``numbers.Integral`` / ``numbers.Real``), and
-how it is named."""
-
-
-def plain_scalar(value: Any, kind: type, option: str) -> Any:
-    """``value`` as the plain Python ``bool``, ``int`` or ``float`` an option of type
-    ``kind`` holds, or a :class:`ConfigError`.
-
-    Python users pass numpy scalars all the time (``np.arange`` yields ``np.int64``, a
-    computed learning rate is often ``np.float32``); they are taken, and stored as plain
-    numbers, so that every later use (json state, checkpoints, TOML, the run record,
-    comparisons on resume) sees the type a config file gives. A bool is never a number
-    here (``True`` as an interval is a slip, not 1; numpy's bools are not taken either),
-    and an array or tensor is never a scalar, not even with zero dimensions: a tensor may
-    live on an accelerator or carry autograd history, and converting it here would hide a
-    device sync in a constructor; the message says to pass ``.item()``.
-
-    Args:
-        value: the option's value (not ``None``).
-        kind: ``bool``, ``int`` or ``float``: the option's annotated type.
-        option: the option's dotted name, for the message.
-
-    Raises:
-        ConfigError: naming the option, the type it takes and the value given.
-    """
-    accepted, name = _SCALARS[kind]
-    if isinstance(value, accepted) and (kind is bool or not isinstance(value, bool)):
-        return kind(value)
-    hint = ""
-    if hasattr(value, "item") and not isinstance(value, numbers.Number):  # tensor, array
-        kind_name = f"{type(value).__module__}.{type(value).__qualname__}"
-        hint = f" (a {kind_name}: pass a plain Python value, e.g. value.item())"
-    raise ConfigError(f"{option}: expected {name}, got {value!r}{hint}")
-
-
 def check_types(section: Any, prefix: str) -> None:
     """Every bool, int and float field of a config dataclass holds a value of its type
     (``None`` where the field allows it), as the config files' loader checks them, and is
@@ -133,7 +92,7 @@ def check_types(section: Any, prefix: str) -> None:
     for f in fields(section):
         args = typing.get_args(hints[f.name]) or (hints[f.name],)
         scalar = [a for a in args if a is not type(None)]
-        if len(scalar) != 1 or scalar[0] not in _SCALARS:
+        if len(scalar) != 1 or scalar[0] not in SCALAR_KINDS:
             continue  # strings, tables, nested sections: checked by their own rules
         value = getattr(section, f.name)
         if value is None and type(None) in args:
