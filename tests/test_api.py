@@ -272,6 +272,25 @@ def test_configs_built_in_python_refuse_bools_and_tensors_for_numbers(make, mess
     assert str(e.value) == message
 
 
+@pytest.mark.parametrize("option,least", [
+    ("local_sgd_sync_interval", 1), ("local_sgd_warmup_steps", 0), ("overlap_steps", 0),
+    ("fragments", 1), ("topk_chunk", 1), ("topk_k", 1)])
+def test_every_count_of_the_sync_config_is_checked_in_the_same_words(option, least):
+    """overlap_steps, fragments, topk_chunk and topk_k checked their type again by hand,
+    worded their own way ("sync.fragments: must be an integer >= 1, got 0") beside every
+    other count's "must be >= 1, got 0"; their type is errors.plain_scalar's (check_types),
+    as every option's: one wording for the type, one for the range."""
+    np = pytest.importorskip("numpy")
+    base = dict(comm_dtype="topk2") if option.startswith("topk") else {}
+    with pytest.raises(ValueError) as e:
+        SyncConfig(**base, **{option: least - 1})
+    assert str(e.value) == f"sync.{option}: must be >= {least}, got {least - 1}"
+    for wrong in (least + 0.5, True, np.float64(least)):
+        with pytest.raises(ValueError) as e:
+            SyncConfig(**base, **{option: wrong})
+        assert str(e.value) == f"sync.{option}: expected an integer, got {wrong!r}"
+
+
 def test_edit_factory_rejects_mixed_configs():
     model = TitanStyle()
     with pytest.raises(ValueError, match="not both"):

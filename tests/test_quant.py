@@ -272,7 +272,7 @@ def test_sparse_options_are_checked():
     assert SyncConfig(method="edit", comm_dtype="int8").ef_decay == 1.0
     for kw, words in [
         (dict(topk_k=3), "sync.topk_k: applies to the sparse codecs"),
-        (dict(comm_dtype="topk2", topk_chunk=0), "sync.topk_chunk: must be an integer >= 1"),
+        (dict(comm_dtype="topk2", topk_chunk=0), "sync.topk_chunk: must be >= 1, got 0"),
         (dict(comm_dtype="topk2", topk_k=65, topk_chunk=64), "must be <= sync.topk_chunk (64)"),
         (dict(comm_dtype="topk2", error_decay=0.0), "sync.error_decay: must be in (0, 1]"),
         (dict(comm_dtype="int8", error_feedback=False, error_decay=0.5),

@@ -343,10 +343,11 @@ class SyncConfig:
             check_outer_kwargs(self.outer_optim_kwargs or {})
 
     def _check_streaming(self) -> None:
-        require(isinstance(self.overlap_steps, int) and self.overlap_steps >= 0,
-                "sync.overlap_steps", f"must be an integer >= 0, got {self.overlap_steps!r}")
-        require(isinstance(self.fragments, int) and self.fragments >= 1, "sync.fragments",
-                f"must be an integer >= 1, got {self.fragments!r}")
+        # The types were checked by check_types (errors.plain_scalar); the ranges here are
+        # worded as every other count's.
+        require(self.overlap_steps >= 0, "sync.overlap_steps",
+                f"must be >= 0, got {self.overlap_steps}")
+        require(self.fragments >= 1, "sync.fragments", f"must be >= 1, got {self.fragments}")
         require(self.merge in MERGES, "sync.merge",
                 f"unknown rule {self.merge!r}; allowed: {', '.join(MERGES)}")
         require(isinstance(self.merge_alpha, (int, float)) and 0.0 <= self.merge_alpha <= 1.0,
@@ -415,8 +416,7 @@ class SyncConfig:
             require(sparse, f"sync.{name}",
                     f"applies to the sparse codecs (sync.comm_dtype = topk2 or topk1), but "
                     f"comm_dtype is {self.comm_dtype!r}: leave it unset")
-            require(isinstance(value, int) and not isinstance(value, bool) and value >= 1,
-                    f"sync.{name}", f"must be an integer >= 1, got {value!r}")
+            require(value >= 1, f"sync.{name}", f"must be >= 1, got {value}")
         require(self.sparse_k <= self.sparse_chunk, "sync.topk_k",
                 f"must be <= sync.topk_chunk ({self.sparse_chunk}), got {self.sparse_k}")
         if self.error_decay is not None:
