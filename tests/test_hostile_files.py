@@ -834,6 +834,74 @@ def test_a_resume_with_no_step_left_is_refused_under_torchrun(run8, data_cache, 
     assert {p: p.read_bytes() for p in before} == before
 
 
+def _torchrun_env() -> dict[str, str]:
+    """This process's environment less its own torchrun variables, one thread a worker."""
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
+    env["OMP_NUM_THREADS"] = "1"
+    return env
+
+
+def _files(run: Path) -> dict[Path, bytes]:
+    """Every file of a run directory and its bytes (its lock file, which a job that only
+    asks for the directory writes its pid into, left out)."""
+    return {p: p.read_bytes() for p in sorted(run.rglob("*"))
+            if p.is_file() and p.name != rundir.LOCK}
+
+
+@pytest.mark.timeout(200)
+def test_a_refused_torchrun_job_is_refused_again_when_torchrun_restarts_it(
+        run8, data_cache, tmp_path):
+    """A plain torchrun job (--max-restarts 1, neither --resume nor --overwrite) into a
+    directory holding another run is refused, and torchrun restarts it: the restart is
+    refused the same way, and no file of the other run changes. Before, the restarted rank
+    0 took the other run's record for its own job's claim (a restart skipped the check)
+    and trained into that run: its metrics, checkpoints and config.toml."""
+    from tests.test_cli import tiny
+
+    run = _copy_run(run8, tmp_path)
+    before = _files(run)
+    torchrun = Path(sys.executable).with_name("torchrun")
+    proc = subprocess.run(
+        [str(torchrun), "--standalone", "--nproc-per-node", "1", "--max-restarts", "1",
+         "-m", "editrain", "train", *tiny(data_cache), "--shard-size", "1", "--method",
+         "diloco", "--sync.local_sgd_sync_interval", "2", "--train.batch_size", "4",
+         "--train.seq_len", "32", "--train.eval_tokens", "1024", "--quiet", "--steps", "4",
+         "--checkpoint.every", "2", "--run-dir", str(run)],
+        capture_output=True, text=True, env=_torchrun_env(), timeout=180)
+    assert proc.returncode != 0, proc.stderr[-3000:]
+    assert proc.stderr.count(f"--run-dir: {run} already holds a run") == 2, \
+        proc.stderr[-3000:]
+    assert _files(run) == before
+
+
+@pytest.mark.timeout(200)
+def test_a_torchrun_restart_goes_on_with_its_own_launchs_run(data_cache, tmp_path):
+    """The restart the check above must not break: a worker of a plain torchrun job dies
+    after its step 4 checkpoint (sim.fail), torchrun restarts it, and it goes on with its
+    launch's own run from that checkpoint, unchecked and unclaimed again (one history
+    line). torchrun's store is what tells it so: the record's token is the one the launch
+    put there (the restart says no warning of a claim it could not compare)."""
+    from editrain.launch.torchrun_claim import CLAIM_TOKEN
+    from tests.test_cli import tiny
+
+    run = tmp_path / "run"
+    torchrun = Path(sys.executable).with_name("torchrun")
+    proc = subprocess.run(
+        [str(torchrun), "--standalone", "--nproc-per-node", "1", "--max-restarts", "1",
+         "-m", "editrain", "train", *tiny(data_cache), "--shard-size", "1", "--method",
+         "diloco", "--sync.local_sgd_sync_interval", "2", "--train.batch_size", "4",
+         "--train.seq_len", "32", "--train.eval_tokens", "1024", "--quiet", "--steps", "8",
+         "--checkpoint.every", "4", "--sim.fail", "0@6", "--run-dir", str(run)],
+        capture_output=True, text=True, env=_torchrun_env(), timeout=180)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-3000:]
+    assert f"resuming from {run / 'checkpoints' / 'step_00000004'}" in out, out[-3000:]
+    assert "without a check" not in out, out[-3000:]
+    (line,) = rundir.read_record(run).history
+    assert isinstance(line[CLAIM_TOKEN], str)
+    assert [p.name for p in list_checkpoints(run)][-1] == "step_00000008"
+
+
 def _resume_error(run: Path, data_cache: Path, steps: int = 12) -> str:
     from tests.test_cli import editrain, error_line, tiny
 

@@ -726,3 +726,116 @@ def test_a_refused_new_job_of_a_group_whose_job_died_is_checked_again_on_restart
         with pytest.raises(RunDirError):
             start_groups(run, 1, restart=restart, train={"steps": 7})
     assert "steps = 7" not in (run / "config.toml").read_text()
+
+
+# --------------------------------------------------- torchrun restarts of a plain job
+def plain_torchrun_job(run: Path, restart: int = 0, **over):
+    """Rank 0's job of a plain (not fault-tolerant) torchrun job of one rank."""
+    from editrain.launch.job import Job
+
+    return Job(cfg_for(run, **over), run, world=1, under_torchrun=True, restart=restart)
+
+
+def join_as_rank0(run: Path, restart: int = 0, **over) -> None:
+    """Rank 0 of a plain torchrun job joins ``run`` (its lock released on the way out, as
+    when the worker dies)."""
+    from editrain.launch.run_dir import RunDirClaim
+
+    with RunDirClaim(plain_torchrun_job(run, restart, **over)) as claim:
+        claim.join()
+
+
+@pytest.fixture
+def torchrun_store(monkeypatch):
+    """Start a torchrun launch's store, as the elastic agent does for its workers
+    (``TORCHELASTIC_USE_AGENT_STORE``, ``MASTER_ADDR``, ``MASTER_PORT``); call it again
+    for another launch (a store of its own)."""
+    import torch.distributed as dist
+
+    servers = []
+
+    def start():
+        server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+        servers.append(server)
+        monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
+        monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+        monkeypatch.setenv("MASTER_PORT", str(server.port))
+        return server
+
+    yield start
+    servers.clear()
+
+
+@pytest.mark.parametrize(("stored", "recorded", "own"), [
+    ("a", "a", True),      # this launch's token in the record: its own claim
+    ("a", "b", False),     # another launch's claim, or a claim since this launch's
+    (None, None, False),   # a line of no torchrun launch (a local job's): never this one's
+    ("a", None, False),
+    (None, "b", None),     # some launch's claim, none of this launch's to compare
+])
+def test_own_claim_compares_the_launchs_token_with_the_records(stored, recorded, own):
+    from editrain.launch.torchrun_claim import own_claim
+
+    assert own_claim(stored, recorded) is own
+
+
+def test_a_torchrun_restart_rejoins_only_its_own_launchs_claim(tmp_path, torchrun_store):
+    """torchrun restarts a launch's workers after a failure (--max-restarts), a refused
+    first attempt's too. A restart whose store holds the token of the record's latest
+    claim goes on with the run as it is; a restart of another launch (refused: the
+    directory holds a run of an earlier torchrun launch) is refused again, on every
+    restart. Before, any restart took a record's presence for its own launch's claim: the
+    refused job was accepted and trained into the other run."""
+    from editrain.launch.torchrun_claim import CLAIM_TOKEN, LaunchStore
+
+    run = tmp_path / "run"
+    torchrun_store()  # launch a
+    join_as_rank0(run, train={"steps": 8})
+    record = rundir.read_record(run)
+    token = record.history[-1][CLAIM_TOKEN]
+    assert LaunchStore.connect().latest(run) == token
+    join_as_rank0(run, restart=1, train={"steps": 8})  # a's workers restarted: its run
+    assert rundir.read_record(run).history == record.history
+
+    torchrun_store()  # launch b: other options, neither --resume nor --overwrite
+    for restart in (0, 1, 2):
+        with pytest.raises(RunDirError, match=r"already holds a run"):
+            join_as_rank0(run, restart=restart, train={"steps": 7})
+    assert rundir.read_record(run).history == record.history
+
+
+def test_a_torchrun_restart_checks_a_run_that_another_job_claimed_since(
+        tmp_path, torchrun_store):
+    """A launch's workers died and another job claimed the directory meanwhile (a local
+    --overwrite): the restart is checked as a first attempt, and refused."""
+    from editrain.launch.torchrun_claim import CLAIM_TOKEN
+
+    run = tmp_path / "run"
+    torchrun_store()
+    join_as_rank0(run)
+    prepare_run_dir(cfg_for(run, overwrite=True, train={"steps": 7}), run)
+    assert CLAIM_TOKEN not in rundir.read_record(run).history[-1]
+    with pytest.raises(RunDirError, match=r"already holds a run"):
+        join_as_rank0(run, restart=1)
+
+
+def test_without_torchruns_store_a_restart_keeps_a_torchrun_claim_and_says_so(
+        tmp_path, monkeypatch, caplog):
+    """Without torchrun's store (etcd rendezvous: TORCHELASTIC_USE_AGENT_STORE False) a
+    restart cannot compare its launch's token: it goes on with a torchrun launch's claim
+    as it is, as before, and says why in a warning; a run of a job that is no torchrun
+    launch (no token: a local job's) is checked and refused even so."""
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "False")
+    run = tmp_path / "run"
+    join_as_rank0(run, train={"steps": 8})
+    history = rundir.read_record(run).history
+    with caplog.at_level("WARNING", logger="editrain"):
+        join_as_rank0(run, restart=1, train={"steps": 7})
+    assert rundir.read_record(run).history == history
+    assert "taken as this launch's without a check" in caplog.text
+    assert "TORCHELASTIC_USE_AGENT_STORE is not True" in caplog.text
+
+    local = tmp_path / "local"
+    prepare_run_dir(cfg_for(local), local)
+    with pytest.raises(RunDirError, match=r"already holds a run"):
+        join_as_rank0(local, restart=1, train={"steps": 7})

@@ -28,6 +28,7 @@ from editrain.config.applicability import drop_inapplicable
 from editrain.config.toml_io import RUN_CONFIG_MAX_BYTES
 from editrain.errors import RunDirError
 from editrain.launch.job import Job, resolved
+from editrain.launch.torchrun_claim import CLAIM_TOKEN, LaunchStore, own_claim, recorded_token
 from editrain.safe_io import read_bytes, read_toml_value, write_atomic
 
 log = logging.getLogger("editrain")
@@ -155,7 +156,8 @@ def refuse_overwrite_of_awaited_groups(run_dir: Path, record: rundir.RunRecord |
 
 def prepare_run_dir(cfg: Config, run_dir: Path, lock: rundir.RunLock | None = None,
                     started_at: float | None = None,
-                    replica: int | None = None) -> rundir.RunRecord:
+                    replica: int | None = None,
+                    torchrun_claim: str | None = None) -> rundir.RunRecord:
     """Make ``run_dir`` this job's: checked again under the directory's lock, the old run
     replaced if ``--overwrite``, a timeline abandoned by resuming an older checkpoint set
     aside, the run record and ``config.toml`` written.
@@ -180,6 +182,10 @@ def prepare_run_dir(cfg: Config, run_dir: Path, lock: rundir.RunLock | None = No
             :meth:`RunDirClaim.join`): it sets aside only its own later checkpoints, and
             its history line lists the groups of the start and what the machine-local
             inputs hold (:func:`input_digests`), for the groups that join it.
+        torchrun_claim: the token of a plain torchrun launch's attempt
+            (:class:`editrain.launch.torchrun_claim.LaunchStore`), kept in its history
+            line, so that torchrun's restarts of the launch tell its claim from another
+            job's.
 
     Returns:
         The run record of this job.
@@ -198,6 +204,8 @@ def prepare_run_dir(cfg: Config, run_dir: Path, lock: rundir.RunLock | None = No
         note = config_change(before, text)
         if started_at is not None:
             note[rundir.COMMAND_STARTED] = started_at
+        if torchrun_claim is not None:
+            note[CLAIM_TOKEN] = torchrun_claim
         if replica is not None:
             note[INPUTS] = input_digests(cfg)
             split = (checked.resume_marker or {}).get("train_data")
@@ -466,19 +474,23 @@ class RunDirClaim:
         nothing is written."""
         check_run_dir(self.job.cfg, self.job.run_dir)
 
-    def claim(self) -> rundir.RunRecord:
-        """Make the directory this job's (:func:`prepare_run_dir`, under the lock)."""
+    def claim(self, torchrun_claim: str | None = None) -> rundir.RunRecord:
+        """Make the directory this job's (:func:`prepare_run_dir`, under the lock;
+        ``torchrun_claim``: the token of a torchrun launch's attempt)."""
         return prepare_run_dir(self.job.cfg, self.job.run_dir, self.lock,
-                               self.job.started_at)
+                               self.job.started_at, torchrun_claim=torchrun_claim)
 
     def join(self) -> None:
         """Under torchrun: rank 0 holds the directory's lock for the job and claims it
-        (after a restart by torchrun the directory is this job's already, its record is
-        there: it resumes it as is); every other rank waits for rank 0 to have written
-        ``config.toml``, which it writes last. A fault-tolerant run's replica group is a
-        job of its own (:meth:`_join_run`)."""
+        (:meth:`_claim_as_rank0`: a restart by torchrun finds the directory as its launch
+        left it); every other rank waits for rank 0 to have written ``config.toml``,
+        which it writes last. A fault-tolerant run's replica group is a job of its own
+        (:meth:`_join_run`)."""
         job = self.job
         replica = torchrun_group(job)
+        if job.rank == 0 and replica is None:
+            self._claim_as_rank0()
+            return
         if job.restart == 0:  # every rank, before rank 0 writes anything
             _refuse_nothing_left(job.cfg, replica)
         if job.rank != 0:
@@ -491,12 +503,42 @@ class RunDirClaim:
                         f"be on storage every node sees, at the same path")
                 time.sleep(0.1)
             return
-        if replica is not None:
-            self._join_run(replica)
-            return
-        self.lock.acquire()
-        if not (job.restart > 0 and rundir.read_record(job.run_dir) is not None):
-            self.claim()
+        self._join_run(replica)
+
+    def _claim_as_rank0(self) -> None:
+        """Rank 0 of a plain torchrun job: checks and claims the directory, unless
+        torchrun restarted the workers of the launch whose claim the directory holds
+        (:meth:`_restarted_own_run`), which go on with it as it is. A restart of a refused
+        attempt is checked again, as the first attempt was: it used to take the record
+        of the run it was refused for as its own launch's and train into that run."""
+        job = self.job
+        launch = LaunchStore.connect()
+        if job.restart > 0:
+            self.lock.acquire()
+            if self._restarted_own_run(launch):
+                return
+        token = launch.mark(job.run_dir)  # before the checks: a refusal leaves it unclaimed
+        _refuse_nothing_left(job.cfg, None)
+        if not self.lock.held:
+            self.lock.acquire()
+        self.claim(token)
+
+    def _restarted_own_run(self, launch: LaunchStore) -> bool:
+        """Whether the run directory's latest claim is this launch's
+        (:func:`editrain.launch.torchrun_claim.own_claim`: its token in torchrun's store
+        and in the record). Where that cannot be told (no store, or a store that holds no
+        token of the launch), a claim of a torchrun launch is taken as this one's, said
+        in a warning: checking it again would refuse this launch's own run, or with
+        ``--overwrite`` remove it."""
+        job = self.job
+        recorded = recorded_token(rundir.read_record(job.run_dir))
+        own = own_claim(launch.latest(job.run_dir), recorded)
+        if own is None:
+            log.warning("torchrun restart %d: the run in %s is taken as this launch's "
+                        "without a check: its record holds a torchrun launch's claim, and "
+                        "%s", job.restart, job.run_dir, launch.why_not or
+                        "torchrun's store holds no token of this launch to compare it with")
+        return own is not False
 
     def _join_run(self, replica: int) -> None:
         """Rank 0 of a torchrun job of a fault-tolerant run's replica group ``replica``:

@@ -1,0 +1,131 @@
+"""Whether a run directory is the claim of this torchrun launch, told by torchrun's store.
+
+torchrun restarts every worker of a launch after a failure (``--max-restarts``), the
+workers of a refused first attempt too. The restarted rank 0 of a plain (not
+fault-tolerant) job must tell its own launch's run, which it goes on training as it is,
+from another run in the directory, which it must check as a first attempt does. It used
+to take any run record there for its own: a job refused because the directory held
+another run was accepted on its restart and trained into that run.
+
+The identity of a launch lives where the launch lives: torchrun's own TCP store, hosted
+by the elastic agent (``c10d`` and ``static`` rendezvous: the workers see
+``TORCHELASTIC_USE_AGENT_STORE=True`` and reach the store at ``MASTER_ADDR:MASTER_PORT``).
+It outlives the workers' restarts and no other launch sees it. Rendezvous ids and
+process ids are not used: one id serves every launch of a script or a requeued SLURM job,
+a containerised agent is often pid 1, and either would let another launch pass for this
+one.
+
+Rank 0 puts a fresh token under the run directory's key at each attempt that checks the
+directory, before the checks (a refused attempt leaves a token that no record holds),
+and its claim writes the same token in its history line (:data:`CLAIM_TOKEN`). A
+restart then compares the two (:func:`own_claim`).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import uuid
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+from editrain import rundir
+
+log = logging.getLogger("editrain")
+
+CLAIM_TOKEN = "torchrun_claim"
+"""The key of a history line holding the token of the plain torchrun launch whose rank 0
+claimed the run there (absent from a line of any other job)."""
+STORE_KEY = "editrain/run_dir_claim/"
+"""The prefix of a run directory's key in torchrun's store (the resolved path follows)."""
+STORE_TIMEOUT_S = 30
+"""How long rank 0 tries to reach torchrun's store (the agent serves it before it
+starts the workers: a store that does not answer is one the process group cannot use
+either)."""
+
+
+def own_claim(stored: str | None, recorded: str | None) -> bool | None:
+    """Whether the run directory's latest claim is this launch's.
+
+    Args:
+        stored: the token this launch last put in torchrun's store for the directory;
+            None: the store is not available or holds none.
+        recorded: the token of the run record's latest history line; None: the line is
+            not a plain torchrun launch's claim (or there is no record).
+
+    Returns:
+        True: the same token, this launch's claim. False: the line is another job's (no
+        token: a local job's, a fault-tolerant start's; another token: another launch's,
+        or a claim since this launch's). None: a claim of some torchrun launch, and no
+        token of this launch to compare it with (no store; or a store where no earlier
+        rank 0 of the launch got as far as the run directory, as when torch elastic moves
+        rank 0 to another node, whose agent then serves a new store).
+    """
+    if recorded is None:
+        return False
+    if stored is None:
+        return None
+    return stored == recorded
+
+
+def recorded_token(record: rundir.RunRecord | None) -> str | None:
+    """The token of the record's latest history line (:data:`CLAIM_TOKEN`), if any."""
+    if record is None or not record.history:
+        return None
+    token = record.history[-1].get(CLAIM_TOKEN)
+    return token if isinstance(token, str) else None
+
+
+class LaunchStore:
+    """This launch's tokens in torchrun's store, or none where the store is not available
+    (:meth:`connect`).
+
+    Args:
+        store: a client of the agent's store; None: not available.
+        why_not: why not (for the warning of a restart that cannot tell its claim).
+    """
+
+    def __init__(self, store: Any | None, why_not: str = "") -> None:
+        self.store = store
+        self.why_not = why_not
+
+    @classmethod
+    def connect(cls) -> LaunchStore:
+        """The agent's store as the workers' environment names it; without one (etcd
+        rendezvous, ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``: the workers' store is then
+        rank 0's own, gone with each attempt), or where it does not answer, none."""
+        if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+            return cls(None, "torchrun keeps no store for the workers "
+                             "(TORCHELASTIC_USE_AGENT_STORE is not True)")
+        host, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT", "")
+        if not host or not port.isdigit():
+            return cls(None, "MASTER_ADDR and MASTER_PORT do not name torchrun's store")
+        import torch.distributed as dist
+
+        try:
+            store = dist.TCPStore(host, int(port), is_master=False, wait_for_workers=False,
+                                  timeout=timedelta(seconds=STORE_TIMEOUT_S))
+        except dist.DistError as e:
+            log.warning("cannot reach torchrun's store at %s:%s (%s)", host, port,
+                        str(e).splitlines()[0] if str(e) else type(e).__name__)
+            return cls(None, f"torchrun's store at {host}:{port} did not answer")
+        return cls(store)
+
+    def latest(self, run_dir: Path) -> str | None:
+        """The token this launch last put for ``run_dir``; None: none, or no store."""
+        if self.store is None or not self.store.check([_key(run_dir)]):
+            return None
+        return self.store.get(_key(run_dir)).decode("utf-8", "replace")
+
+    def mark(self, run_dir: Path) -> str:
+        """A new token for an attempt that checks ``run_dir``, put in the store (if
+        any) before the checks; its claim records it."""
+        token = uuid.uuid4().hex
+        if self.store is not None:
+            self.store.set(_key(run_dir), token)
+        return token
+
+
+def _key(run_dir: Path) -> str:
+    return STORE_KEY + str(Path(run_dir).resolve())
