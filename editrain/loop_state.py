@@ -14,11 +14,14 @@ import dataclasses
 import time
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from editrain.checkpoint import RANK_STATE_SCHEMA
 from editrain.errors import CheckpointError
 from editrain.safe_io import Obj
+
+if TYPE_CHECKING:
+    from editrain.metrics import ReplayMarks
 
 SAVED = ("step", "next_eval", "next_ckpt", "last_eval", "finished", "wall_time_s",
          "off_train_s")
@@ -46,7 +49,7 @@ class LoopState:
 
     Saved in checkpoints (:meth:`to_dict`): ``step``, ``next_eval``, ``next_ckpt``,
     ``last_eval``, ``finished``, the wall clock (``wall_time_s``) and ``off_train_s``.
-    This process's own: ``steps_run``, ``val_tokens``, ``healed_at``, ``replay_until``,
+    This process's own: ``steps_run``, ``val_tokens``, ``healed_at``, ``replays``,
     ``resumed_from``, ``elastic`` and the clock's start.
     """
 
@@ -70,8 +73,10 @@ class LoopState:
     """Tokens of the latest evaluation."""
     healed_at: int | None = None
     """The step at which this replica joined a running job from a peer (``--ft``)."""
-    replay_until: int | None = None
-    """The highest step already in ``metrics.jsonl`` when resuming: rows up to it replay."""
+    replays: ReplayMarks | None = None
+    """How this job marks its rows up to the highest step already in ``metrics.jsonl``
+    when it resumed (a replay, or a row the earlier job died before writing); None: its
+    rows are new (no resume, or one that computes other rows)."""
     resumed_from: Path | None = None
     """The checkpoint this process resumed from (a path), or None."""
     elastic: bool = False

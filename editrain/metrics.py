@@ -25,6 +25,7 @@ import json
 import math
 import os
 import time
+from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -242,6 +243,10 @@ def current_rows(rows: Sequence[dict[str, Any]], resume_evaluations: bool = Fals
     a later job that resumed before them and trained on completes those rounds at later
     steps, each then logged once).
 
+    A row a resumed job computed again that the history lacked (marked
+    :data:`FILLS_GAP`: the earlier job died before writing it) takes its place among the
+    rows of its step, as a replay's original holds it.
+
     Args:
         rows: the file's rows in file order (:func:`read_metrics`).
         resume_evaluations: keep the elastic resume events that carry an evaluation (the
@@ -263,6 +268,10 @@ def current_rows(rows: Sequence[dict[str, Any]], resume_evaluations: bool = Fals
         if row.get("replayed"):
             resumed.replayed(row)
             continue
+        if row.get(FILLS_GAP) is True:
+            resumed.replayed(row)
+            kept = _with_gap_filled(kept, row)
+            continue
         start = resumed.take()
         if start is not None:
             kept = _left_by_a_later_job(kept, start, row["step"])
@@ -270,6 +279,17 @@ def current_rows(rows: Sequence[dict[str, Any]], resume_evaluations: bool = Fals
             kept = [r for r in kept if r["step"] < row["step"]]
         kept.append(row)
     return kept
+
+
+def _with_gap_filled(kept: list[dict[str, Any]], row: dict[str, Any]
+                     ) -> list[dict[str, Any]]:
+    """``kept`` with a :data:`FILLS_GAP` row after the rows of its step and those before:
+    where the earlier job would have written it (its rows up to that step are the
+    history's; a replaying job's rows never go past the history's last step)."""
+    at = len(kept)
+    while at and kept[at - 1]["step"] > row["step"]:
+        at -= 1
+    return [*kept[:at], row, *kept[at:]]
 
 
 class _ResumePoint:
@@ -300,7 +320,8 @@ class _ResumePoint:
         self.replayed_end = False
 
     def replayed(self, row: dict[str, Any]) -> None:
-        """A replayed row of the latest job."""
+        """A row the latest job logged while replaying: a replay, or one that fills a gap
+        (:data:`FILLS_GAP`)."""
         self.replayed_end = row.get(END) is True
 
     def take(self) -> int | None:
@@ -356,6 +377,70 @@ END = "end"
 step's row (:meth:`editrain.train.Trainer._end`): the rounds ``engine.finish(force=True)``
 completes and the final evaluation. :func:`current_rows` tells the end of a history by it
 (not by a row's shape: an evaluation's row or a round's own row has no loss either)."""
+
+
+FILLS_GAP = "fills_gap"
+"""The field (``"fills_gap": true``) of a row that a resumed job computed again while it
+replayed the rows the file held (up to their last step) and that the run's current history
+lacked: the earlier job died between two rows of one step (a round's own row and the
+step's row) or inside its end (before the end's rounds' rows or the final evaluation's).
+It is no duplicate, so it is not marked ``"replayed"``; :func:`current_rows` keeps it
+among the rows of its step, not as the first row of a new history (which would end the
+earlier job's rows at that step). Which rows are replays is told by what each row
+records (:func:`computation_of`), not by its step alone (:class:`ReplayMarks`)."""
+
+
+def computation_of(row: dict[str, Any]) -> tuple[Any, ...]:
+    """What a row of ``metrics.jsonl`` is the record of, the same in a replay of it: the
+    step's row (it has a loss; an evaluation or a round at that step rides in it), a round
+    in a row of its own (its index, and its fragment where it names one), an evaluation in
+    a row of its own (step 0's, the final one), at the row's step. Not the end's mark
+    (:data:`END`): a run an older editrain wrote lacks it."""
+    step = _plain(row.get("step"))
+    if "loss" in row:
+        return ("step", step)
+    sync = row.get("sync")
+    if isinstance(sync, dict):
+        return ("round", step, _plain(sync.get("sync")), _plain(sync.get("fragment")))
+    if "val_loss" in row:
+        return ("evaluation", step)
+    return ("other", step)
+
+
+def _plain(value: Any) -> Any:
+    """``value`` as a key can hold it (a hostile file's list or object: its text)."""
+    return value if isinstance(value, int | float | str | None) else repr(value)
+
+
+class ReplayMarks:
+    """How a resumed job that computes logged rows again marks its rows up to the last
+    step the run's current history holds (:attr:`until`): ``"replayed": true`` on a row
+    of a computation the history holds a row of (each of those matches one row), and
+    :data:`FILLS_GAP` on one it lacks. Before, every row up to that step was marked
+    replayed, so the rows the earlier job died before writing (a step's row after its
+    round's own row, the final evaluation after the end's rounds) were in no current row.
+
+    Args:
+        history: the run's current rows when the job resumed (:func:`current_rows`).
+    """
+
+    def __init__(self, history: Sequence[dict[str, Any]]) -> None:
+        steps = [r["step"] for r in history]
+        self.until: int | None = max(steps) if steps else None
+        """The last step of the history: the job's rows after it are its own."""
+        self._unmatched = Counter(computation_of(r) for r in history)
+
+    def mark(self, row: dict[str, Any]) -> None:
+        """Mark ``row`` (a measurement row the job is about to write) where it is at or
+        before :attr:`until`; events and later rows are left as they are."""
+        if self.until is None or "event" in row or row.get("step", 0) > self.until:
+            return
+        computation = computation_of(row)
+        if self._unmatched[computation] > 0:
+            self._unmatched[computation] -= 1
+            row["replayed"] = True
+        else:
+            row[FILLS_GAP] = True
 
 
 JOB_START = "job_start"

@@ -52,6 +52,7 @@ from editrain.metrics import (
     JOB_START,
     MetricsWriter,
     RankLog,
+    ReplayMarks,
     current_rows,
     read_metrics,
     to_json,
@@ -559,7 +560,7 @@ class Trainer:
                                         stage=self.info.stage)
         replays = self.is_logger and replays_logged_rows(self.cfg, exact=state is not None)
         resumed = {"resumed_from": ckpt,
-                   "replay_until": _last_logged_step(self.run_dir) if replays else None}
+                   "replays": ReplayMarks(_logged_history(self.run_dir)) if replays else None}
         if state is not None:  # same topology: exact
             # A-EDiT's run is finished where this run's budget is spent: the final
             # checkpoint of a run resumed with a larger train.steps trains on.
@@ -610,9 +611,8 @@ class Trainer:
 
     # ------------------------------------------------------------------ helpers
     def _write(self, row: dict[str, Any]) -> None:
-        if self.loop.replay_until is not None and row.get("step", 0) <= self.loop.replay_until \
-                and "event" not in row:
-            row["replayed"] = True
+        if self.loop.replays is not None:  # a replay, or a row the earlier job did not write
+            self.loop.replays.mark(row)
         self.metrics.write(row)
 
     def _wall(self) -> float:
@@ -786,15 +786,14 @@ def replays_logged_rows(cfg: Config, exact: bool) -> bool:
     return not (cfg.sync.use_async and not cfg.sim.step_schedule)
 
 
-def _last_logged_step(run_dir: Path) -> int | None:
-    """The highest step of the run's current history in ``metrics.jsonl``
-    (:func:`~editrain.metrics.current_rows`; rows up to it are replays)."""
+def _logged_history(run_dir: Path) -> list[dict[str, Any]]:
+    """The run's current history in ``metrics.jsonl``
+    (:func:`~editrain.metrics.current_rows`; empty without the file): what a resumed job
+    that computes logged rows again replays (:class:`~editrain.metrics.ReplayMarks`)."""
     try:
-        rows = current_rows(read_metrics(run_dir))
+        return current_rows(read_metrics(run_dir))
     except FileNotFoundError:
-        return None
-    steps = [r["step"] for r in rows]
-    return max(steps) if steps else None
+        return []
 
 
 def run_worker(cfg: Config, run_dir: str | Path, data_entry: str | None = None

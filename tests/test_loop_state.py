@@ -12,12 +12,14 @@ import pytest
 from editrain.checkpoint import RANK_STATE_SCHEMA
 from editrain.errors import CheckpointError
 from editrain.loop_state import LOOP_STATE_SCHEMA, SAVED, LoopState, next_after
+from editrain.metrics import ReplayMarks
 
 
 def _state(**changes) -> LoopState:
     loop = LoopState(next_eval=30, next_ckpt=40, step=27, last_eval=20, finished=True,
                      wall_offset=12.5, off_train_s=3.25, steps_run=7, val_tokens=4096,
-                     healed_at=None, replay_until=25, elastic=False)
+                     healed_at=None, replays=ReplayMarks([{"step": 25, "loss": 5.0}]),
+                     elastic=False)
     for k, v in changes.items():
         setattr(loop, k, v)
     return loop
@@ -54,7 +56,7 @@ def test_from_dict_restores_the_saved_part_and_starts_a_new_clock():
     assert back.wall_offset == saved["wall_time_s"]  # exactly: the resumed clock's offset
     assert back.wall_start >= before
     # This process's own fields start afresh.
-    assert (back.steps_run, back.val_tokens, back.healed_at, back.replay_until,
+    assert (back.steps_run, back.val_tokens, back.healed_at, back.replays,
             back.resumed_from, back.elastic) == (0, 0, None, None, None, False)
     # Saved again at once: the same values (the clock only moved on).
     again = back.to_dict()

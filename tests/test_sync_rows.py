@@ -69,7 +69,8 @@ def _job(start: int, *rows: tuple, replay_until: int = -1) -> list[dict]:
     completed: its own row, marked ``"end": true``), ``(step, "eval")`` (an evaluation's
     row without a loss, such as step 0's) or ``(step, "final")`` (the final evaluation's,
     marked ``"end": true``); rows up to ``replay_until`` are marked replayed, as the
-    trainer marks them."""
+    trainer marks them where the history holds each of them (one it lacks is marked
+    ``"fills_gap"`` now: tests/test_metrics_replay.py)."""
     out: list[dict] = [{"event": "job_start", "step": start}]
     for step, what, *own in rows:
         row: dict = {"step": step}
@@ -184,8 +185,9 @@ def test_a_job_that_died_between_a_rounds_own_row_and_its_steps_keeps_the_round(
     resumed = _job(4, (5, 0, "own"), (5, 1), *[(s, None) for s in range(6, 9)],
                    replay_until=5)
     rounds, evals, _ = _current(first + resumed)
-    # (Step 5's row, with round 1, is the resumed job's alone, but marked replayed: the
-    # trainer marks every row up to the last step the file holds. Not this rule's matter.)
+    # (Step 5's row, with round 1, is the resumed job's alone, but marked replayed here,
+    # as the trainer marked every row up to the last step the file holds before it marked
+    # such a row "fills_gap" instead: tests/test_metrics_replay.py. Not this rule's matter.)
     assert [r for r in rounds if r[1] == 0] == [(5, 0)]
     assert evals == [0]
 
