@@ -890,15 +890,15 @@ def test_calibrate_reads_every_replica_of_a_tensor_parallel_run(tmp_path):
 
 
 def test_calibrate_refuses_a_pipeline_parallel_run(tmp_path):
-    """The job model has no pipeline stages: a pp run's compute per step is one stage's
-    and its replica is pp x shard x tp ranks, which calibration counted as pp replicas
-    (nproc 4, pp 2: 4 'replicas' of one shard). It is refused, naming the option."""
+    """A pp run is read with its stages (tests/test_plan_pipeline.py); one whose pipeline
+    training itself refuses (the tiny preset ties its embeddings, which the first and last
+    stage would share) is refused, naming the option."""
     write_synthetic_run(tmp_path)
     config = tmp_path / "config.toml"
     config.write_text(config.read_text().replace("shard_size = 1\n",
                                                  "shard_size = 1\npp_size = 2\n"))
-    with pytest.raises(ConfigError, match=r"ran with dist.pp_size = 2; .* calibrate from a "
-                                          r"run with dist.pp_size = 1"):
+    with pytest.raises(ConfigError, match=r"method.pp: 2 stages need untied embeddings .*"
+                                          r"model.tie_embeddings = false"):
         calibrate([tmp_path])
 
 

@@ -111,6 +111,8 @@ class Calibration:
             communication thread's CPU work; :func:`fit_compute`).
         overlap_fit: how it was fitted: ``across settings``, ``within runs`` or ``none``
             (no run had such rounds).
+        pipeline_factor: the runs' pipelined step over :attr:`step_time_s` (the bubble
+            and the stages' imbalance taken out; 1 without pipeline stages).
     """
 
     step_time_s: float
@@ -126,6 +128,7 @@ class Calibration:
     own_latency_s: float = 0.0
     overlap_cpu_s: float = 0.0
     overlap_fit: str = "none"
+    pipeline_factor: float = 1.0
 
     def with_link(self, bandwidth_bytes_per_s: float | None, latency_s: float) -> dict[str, Any]:
         """Cluster fields for another simulated link on the same machine: the link's
@@ -152,7 +155,7 @@ class Calibration:
         model, batch or layout (:func:`editrain.plan.model.measured_scale`)."""
         first = self.samples[0]
         return (step_flops(model_shape(first.model), first.model),
-                first.shard_size * first.method.tp)
+                first.method.pp * first.shard_size * first.method.tp)
 
     def cluster(self, **changes: Any) -> Cluster:
         """The calibrated cluster: one replica per node (the runs' layout), the measured
@@ -176,7 +179,7 @@ class Calibration:
                 else 1e6)  # no rounds measured: an unlimited link
         flops, gpus = self.measured_job()
         data: dict[str, Any] = dict(
-            nodes=first.replicas, gpus_per_node=first.shard_size * first.method.tp,
+            nodes=first.replicas, gpus_per_node=gpus,
             inter_node_gbps=gbps, inter_node_latency_ms=self.latency_s * 1000.0,
             latency_per="collective", step_time_s=self.step_time_s,
             step_time_flops=flops, step_time_gpus=gpus,
@@ -222,7 +225,8 @@ def _get(cfg: dict[str, Any], section: str, key: str, default: Any) -> Any:
 def _replicas(cfg: dict[str, Any]) -> int:
     S = int(_get(cfg, "dist", "shard_size", 1))
     tp = int(_get(cfg, "dist", "tp_size", 1))
-    return max(1, int(_get(cfg, "dist", "nproc", S * tp)) // (S * tp))
+    per_replica = S * tp * int(_get(cfg, "dist", "pp_size", 1) or 1)
+    return max(1, int(_get(cfg, "dist", "nproc", per_replica)) // per_replica)
 
 
 def read_config(run_dir: str | Path) -> tuple[MethodSpec, ModelSpec]:
@@ -350,7 +354,8 @@ def _settings(cfg: dict[str, Any]) -> tuple[MethodSpec, ModelSpec]:
         layerwise=_bool(sync.get("layerwise", method_name in ("edit", "aedit"))),
         sync_time_s=float(sync["local_sgd_sync_time"]) if method_name == "aedit"
         and isinstance(sync.get("local_sgd_sync_time"), int | float) else None,
-        shard_size=S, tp=tp, ft=_get(cfg, "dist", "fault_tolerance", "none") == "torchft")
+        shard_size=S, tp=tp, ft=_get(cfg, "dist", "fault_tolerance", "none") == "torchft",
+        **_pipeline_settings(cfg))
     train = cfg.get("train", {})
     model = ModelSpec(
         **_model_source(cfg),
@@ -361,6 +366,17 @@ def _settings(cfg: dict[str, Any]) -> tuple[MethodSpec, ModelSpec]:
         else "fp32")
 
     return method, model
+
+
+def _pipeline_settings(cfg: dict[str, Any]) -> dict[str, Any]:
+    """The :class:`MethodSpec` pipeline fields of a run's ``[dist]`` section (none without
+    stages: training ignores the others then)."""
+    pp = int(_get(cfg, "dist", "pp_size", 1) or 1)
+    if pp == 1:
+        return {}
+    return {"pp": pp, "pp_schedule": _get(cfg, "dist", "pp_schedule", "1f1b"),
+            "pp_microbatches": int(_get(cfg, "dist", "pp_microbatches", 0)),
+            "pp_stages_per_rank": int(_get(cfg, "dist", "pp_stages_per_rank", 1))}
 
 
 def _model_source(cfg: dict[str, Any]) -> dict[str, Any]:
@@ -392,17 +408,12 @@ def read_run(run_dir: str | Path, skip: int = 4) -> RunSample:
         raise ConfigError(f"plan --calibrate: {d} is not a run directory (no metrics.jsonl "
                           "and config.toml)")
     cfg = _read_toml(d / "config.toml")
-    pp = _get(cfg, "dist", "pp_size", 1)
-    if pp not in (None, 1):
-        # The job model has no pipeline stages: a stage's compute per step and a
-        # replica's ranks (pp x shard x tp) would be read as a whole replica's.
-        raise ConfigError(f"plan --calibrate: {d} ran with dist.pp_size = {pp}; the planner "
-                          "models replicas of FSDP2 shards and tensor parallelism, not "
-                          "pipeline stages: calibrate from a run with dist.pp_size = 1")
     method, model = read_config(d)
     S, replicas = method.shard_size or 1, _replicas(cfg)
-    # the rank files are keyed by global rank: the job's processes (tp peers included)
-    start, rows, ranks = job_rows(d, int(_get(cfg, "dist", "nproc", replicas * S * method.tp)))
+    # the rank files are keyed by global rank: the job's processes (tp peers and the
+    # pipeline's stages included)
+    start, rows, ranks = job_rows(d, int(_get(cfg, "dist", "nproc",
+                                              replicas * method.pp * S * method.tp)))
     # Every round of the job: those a step's row carries and those with a row of their
     # own (completed by finish() after the last step), each with the step it launched at.
     rounds = [(launch_step(r), r["sync"]) for r in rows if isinstance(r.get("sync"), dict)]
@@ -464,7 +475,9 @@ def read_run(run_dir: str | Path, skip: int = 4) -> RunSample:
             if b["step"] == a["step"] + 1 and "sync" not in b]
     overhead = max(0.0, statistics.median(gaps)) if gaps else 0.0
     syncs, delays = [], []
-    for i, (k, s) in enumerate(rounds):
+    # With pipeline stages the logging rank's rounds are its stage's alone, on a link the
+    # other stages' rounds share at the same time: they fit no link (docs/planning.md).
+    for i, (k, s) in enumerate(rounds if method.pp == 1 else []):
         if s.get("comm_time_s") is not None and s.get("bytes_sent") is not None:
             delay = float(s.get("link_delay_s") or 0.0)
             # The logging rank (rank 0) waits inside the round's first collective for the
@@ -627,14 +640,23 @@ def _check_one_job(samples: list[RunSample]) -> None:
         got = dataclasses.asdict(s.model)
         diff = [f"model.{k} {want[k]!r} vs {got[k]!r}" for k in want if want[k] != got[k]]
         for name, a, b in (("shard_size", first.shard_size, s.shard_size),
-                           ("tp", first.method.tp, s.method.tp)):
+                           ("tp", first.method.tp, s.method.tp),
+                           ("pipeline", _pipeline_of(first.method),
+                            _pipeline_of(s.method))):
             if a != b:
                 diff.append(f"{name} {a} vs {b}")
         if diff:
             raise ConfigError(
                 f"plan --calibrate: {s.run_dir} ran another job than {first.run_dir} ("
                 + ", ".join(diff) + "): calibrate from runs of one model, batch and replica "
-                "layout (their methods, links and stragglers may differ)")
+                "layout, pipeline included (their methods, links and stragglers may "
+                "differ)")
+
+
+def _pipeline_of(method: MethodSpec) -> str:
+    """A run's pipeline as the refusal names it: ``pp 2, 1f1b, 4 microbatches, 1 chunk``."""
+    return (f"pp {method.pp}, {method.pp_schedule}, {method.microbatches} microbatches, "
+            f"{method.pp_stages_per_rank} chunk(s) per rank" if method.pp > 1 else "none")
 
 
 def calibrate(run_dirs: list[str | Path], skip: int = 4, latency_s: float | None = None
@@ -663,13 +685,41 @@ def calibrate(run_dirs: list[str | Path], skip: int = 4, latency_s: float | None
     spread = max(max(s.factors) for s in samples) - 1.0
     step, cost, how = fit_compute([(s.rounds_per_step, s.compute_s, s.quiet_compute_s)
                                    for s in samples])
+    # A pipelined step holds the schedule's bubble: the cluster's step_time_s is the step
+    # with every GPU busy (the rounds' slowdown stays per pipelined step, as measured).
+    factor = pipeline_factor(samples[0])
+    step /= factor
     return Calibration(
         step_time_s=step,
         step_overhead_s=statistics.median(s.overhead_s for s in samples),
         bandwidth_bytes_per_s=bw, latency_s=lat, straggler_spread=spread,
         residual_rms_s=rms, rounds=len(rounds), latency_fitted=fitted, samples=samples,
         own_bandwidth_bytes_per_s=own_bw, own_latency_s=own_lat, overlap_cpu_s=cost,
-        overlap_fit=how)
+        overlap_fit=how, pipeline_factor=factor)
+
+
+def pipeline_factor(sample: RunSample) -> float:
+    """How many times the step with every GPU busy a run's pipelined step takes: the
+    schedule's bubble and the stages' imbalance (:func:`editrain.plan.pipeline.
+    schedule_factor`; the activations' transfers are left in the compute). 1 without
+    pipeline stages.
+
+    Raises:
+        ConfigError: the run's pipeline does not suit its model (as training checks).
+    """
+    method = sample.method
+    if method.pp == 1:
+        return 1.0
+    from editrain.plan.model import Layout
+    from editrain.plan.pipeline import check_pipeline, schedule_factor
+
+    shape = model_shape(sample.model)
+    lay = Layout(sample.replicas, sample.shard_size, method.tp, method.pp)
+    try:
+        pipe = check_pipeline(shape, sample.model, method, lay)
+    except ConfigError as e:
+        raise ConfigError(f"plan --calibrate: {sample.run_dir}: {e}") from None
+    return schedule_factor(shape, sample.model, pipe)
 
 
 __all__ = ["Calibration", "RunSample", "calibrate", "fit_compute", "fit_link", "job_rows",

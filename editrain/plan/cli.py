@@ -23,6 +23,7 @@ input: a TOML file with [cluster], [model] and [[method]] tables, and/or options
   --cluster.FIELD=VALUE      e.g. --cluster.inter_node_gbps=10 (overrides the file)
   --model.FIELD=VALUE        e.g. --model.preset=7b --model.batch_size=64
   --method SPEC              repeatable: edit, or edit:H=64,fragments=4,overlap=1,codec=int8
+                             (pipeline stages: edit:pp=4,pp_microbatches=8,pp_schedule=1f1b)
 
 examples:
   editrain plan cluster.toml --method sync --method diloco:H=128 --method edit:H=128
@@ -171,8 +172,16 @@ def _calibrated_inputs(args: argparse.Namespace, overrides: dict[str, dict[str, 
     first = cal.samples[0]
     model = _model_over_run(first.model, overrides.get("model", {}))
     if args.methods:
-        methods = [MethodSpec(**{"shard_size": first.shard_size, **parse_method(m)})
-                   for m in args.methods]
+        # The run's layout, its pipeline included, unless the setting gives its own pp.
+        methods = []
+        for m in args.methods:
+            given = parse_method(m)
+            run: dict[str, Any] = {"shard_size": first.shard_size}
+            if first.method.pp > 1 and "pp" not in given:
+                run.update(pp=first.method.pp, pp_schedule=first.method.pp_schedule,
+                           pp_microbatches=first.method.pp_microbatches,
+                           pp_stages_per_rank=first.method.pp_stages_per_rank)
+            methods.append(MethodSpec(**{**run, **given}))
     else:
         methods = [dataclasses.replace(s.method, name=f"{Path(s.run_dir).name} (as run)")
                    for s in cal.samples]
@@ -184,6 +193,11 @@ def _calibrated_inputs(args: argparse.Namespace, overrides: dict[str, dict[str, 
              f"  the compute is the run's job's: {flops / 1e9:.4g} GFLOP per step on {gpus} "
              f"GPU(s) per replica, {flops / cal.step_time_s / gpus / 1e9:.4g} GFLOP/s per "
              "GPU achieved (another model, batch or layout is planned at that rate)",
+             *([f"  pipeline stages: the runs' pipelined step is {cal.pipeline_factor:.4g}x "
+                "the compute per step above (the schedule's bubble and the stages' "
+                "imbalance; the plan adds them back for its pipeline); their rounds fit no "
+                "link (each rank logs its own stage's only)"] if cal.pipeline_factor != 1
+              else []),
              f"  compute slowdown per round beside the compute {cal.overlap_cpu_s * 1000:.2f} "
              f"ms (fitted {cal.overlap_fit}; the compute per step above is without it)",
              "  link: " + (f"{bw / 1e6:.3f} MB/s ({bw / GBIT:.4g} Gbit/s)" if bw
@@ -260,16 +274,25 @@ def plan_table(preds: list[Any]) -> str:
     """
     from editrain.bench.tables import md_table
 
+    # Pipeline stages add their degree and bubble; a plan without them reads as before.
+    staged = any(p.layout.pp > 1 for p in preds)
     rows = []
     for p in preds:
         mem = f"{p.memory.gpu_bytes / 2**30:.3g}"
         if p.memory.host_bytes:
             mem += f" (+{p.memory.host_bytes / 2**30:.3g} host)"
-        rows.append([p.label, f"{p.layout.replicas}x{p.layout.shard_size}x{p.layout.tp}",
-                     p.wall_per_step_s * 1000, p.tokens_per_s, p.utilisation,
-                     p.exposed_comm_s * 1000, p.straggler_wait_s * 1000,
+        lay = p.layout
+        shape = f"{lay.replicas}x{lay.shard_size}x{lay.tp}"
+        extra = []
+        if staged:
+            shape = f"{lay.replicas}x{lay.pp}x{lay.shard_size}x{lay.tp}"
+            extra = [p.bubble]
+        rows.append([p.label, shape, *extra, p.wall_per_step_s * 1000, p.tokens_per_s,
+                     p.utilisation, p.exposed_comm_s * 1000, p.straggler_wait_s * 1000,
                      p.bytes_per_round / 1e6, p.round_link_s * 1000, mem])
-    return md_table(["setting", "replicas x shards x tp", "step ms", "tokens/s",
+    head = (["replicas x pp x shards x tp", "pp bubble"] if staged
+            else ["replicas x shards x tp"])
+    return md_table(["setting", *head, "step ms", "tokens/s",
                      "utilisation", "exposed comm ms/step", "straggler wait ms/step",
                      "MB per round (node)", "link ms per round", "GiB per GPU"], rows)
 

@@ -45,6 +45,8 @@ METHODS = ("sync", "post_local_sgd", "diloco", "edit", "aedit")
 CODECS = ("fp32", "bf16", "int8", "int4", "fp4", "topk2", "topk1")
 DTYPES = ("fp32", "bf16")
 LATENCY_MODES = ("hop", "collective")
+PP_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
+"""The pipeline schedules, by training's names (``dist.pp_schedule``)."""
 GBIT = 1e9 / 8
 """Bytes per second in one Gbit/s."""
 
@@ -118,7 +120,9 @@ class Cluster:
     """Model FLOPs utilisation in (0, 1]: the share of the peak the compute reaches."""
     step_time_s: float | None = None
     """Measured compute seconds of one training step of one replica (instead of peak and
-    MFU); it holds the replica-internal collectives (FSDP2, tp) already."""
+    MFU); it holds the replica-internal collectives (FSDP2, tp) already. With pipeline
+    stages it is the step with every GPU of the replica busy: the plan adds the
+    schedule's bubble (calibration from a pipelined run takes it out)."""
     step_time_flops: float | None = None
     """FLOPs per step of one replica of the job ``step_time_s`` was measured on (with
     ``step_time_gpus``; calibration writes its run's). A planned job of other FLOPs per
@@ -396,6 +400,19 @@ class MethodSpec:
     """GPUs per replica's FSDP2 group (default: one node's GPUs, over tp)."""
     tp: int = 1
     """Tensor-parallel degree inside a replica."""
+    pp: int = 1
+    """Pipeline stages per replica (``dist.pp_size``): a replica is ``pp x shard_size x
+    tp`` GPUs, each stage a contiguous run of the blocks (the embeddings on the first,
+    the final norm and the output on the last) on its own ``shard_size x tp`` GPUs."""
+    pp_schedule: str = "1f1b"
+    """Pipeline schedule (``dist.pp_schedule``): gpipe, 1f1b or interleaved-1f1b."""
+    pp_microbatches: int = 0
+    """Microbatches each GPU's forward batch (``model.micro_batch``, training's
+    ``train.batch_size``) is split into for the pipeline (``dist.pp_microbatches``; 0:
+    ``pp``). A step runs them for each of its accumulation steps, all in one schedule."""
+    pp_stages_per_rank: int = 1
+    """Chunks of blocks each pipeline rank holds (``dist.pp_stages_per_rank``): >= 2 with
+    interleaved-1f1b, 1 with gpipe and 1f1b."""
     sync_time_s: float | None = None
     """aedit: seconds per window (default: H nominal step times)."""
     ft: bool = False
@@ -425,6 +442,7 @@ class MethodSpec:
             _count(self.shard_size, f"{p}.shard_size")
         if self.sync_time_s is not None:
             _positive(self.sync_time_s, f"{p}.sync_time_s")
+        self._check_pipeline()
         if self.fragments > self.H:
             raise _fail(f"{p}.fragments", f"must be <= H ({self.H}), got {self.fragments}")
         if self.overlap >= self.H and not self.eager:
@@ -439,13 +457,48 @@ class MethodSpec:
             self.outer_momentum = (OUTER_SGD.get(self.method, {}).get("momentum", 0) > 0
                                    and not self.eager and not self.codec.startswith("topk"))
 
+    def _check_pipeline(self) -> None:
+        """The pipeline options training accepts, as far as they do not depend on the
+        model and the batch (:func:`editrain.plan.pipeline.check_pipeline` checks those):
+        a schedule it knows, chunks per rank that suit the schedule, and 1F1B's
+        microbatches at least the stages."""
+        p = "method"
+        _count(self.pp, f"{p}.pp")
+        _choice(self.pp_schedule, f"{p}.pp_schedule", PP_SCHEDULES)
+        _count(self.pp_microbatches, f"{p}.pp_microbatches", least=0)
+        _count(self.pp_stages_per_rank, f"{p}.pp_stages_per_rank")
+        v = self.pp_stages_per_rank
+        if self.pp == 1:
+            if v != 1 or self.pp_microbatches:
+                name = "pp_stages_per_rank" if v != 1 else "pp_microbatches"
+                raise _fail(f"{p}.{name}", f"needs pipeline stages (method.pp > 1), got "
+                            f"{getattr(self, name)} with pp = 1")
+            return
+        interleaved = self.pp_schedule == "interleaved-1f1b"
+        if interleaved and v < 2:
+            raise _fail(f"{p}.pp_stages_per_rank", "must be >= 2 with pp_schedule = "
+                        f"interleaved-1f1b (each rank holds that many chunks), got {v}")
+        if not interleaved and v != 1:
+            raise _fail(f"{p}.pp_stages_per_rank", f"must be 1 with pp_schedule = "
+                        f"{self.pp_schedule} (one stage per rank; chunks need "
+                        f"interleaved-1f1b), got {v}")
+        if self.pp_schedule == "1f1b" and self.microbatches < self.pp:
+            raise _fail(f"{p}.pp_microbatches", f"pp_schedule = 1f1b needs at least pp "
+                        f"({self.pp}) microbatches, got {self.microbatches}; use more "
+                        "microbatches or pp_schedule = gpipe")
+
+    @property
+    def microbatches(self) -> int:
+        """``pp_microbatches`` with its default (0) resolved: ``pp``, as training's."""
+        return self.pp_microbatches or self.pp
+
     @property
     def label(self) -> str:
         """The table's name for this setting."""
         if self.name:
             return self.name
         if self.method == "sync":
-            return "sync"
+            return "sync" + self._pipeline_label()
         parts = [self.method, f"H={self.H}"]
         if self.fragments > 1:
             parts.append(f"P={self.fragments}")
@@ -457,7 +510,14 @@ class MethodSpec:
             parts.append(self.codec)
         if self.ft:
             parts.append("ft")
-        return " ".join(parts)
+        return " ".join(parts) + self._pipeline_label()
+
+    def _pipeline_label(self) -> str:
+        """`` pp=4 1f1b m=8`` (and ``v=2`` interleaved) with stages; empty without."""
+        if self.pp == 1:
+            return ""
+        text = f" pp={self.pp} {self.pp_schedule} m={self.microbatches}"
+        return text + (f" v={self.pp_stages_per_rank}" if self.pp_stages_per_rank > 1 else "")
 
     @property
     def local(self) -> bool:
@@ -581,4 +641,4 @@ def load_inputs(path: str | Path | None = None, overrides: dict[str, dict[str, A
 
 
 __all__ = ["CODECS", "Cluster", "GBIT", "METHODS", "MODEL_SOURCES", "MethodSpec", "ModelSpec",
-           "PlanInputs", "SHAPE_FIELDS", "load_inputs", "parse_method", "training_section"]
+           "PP_SCHEDULES", "PlanInputs", "SHAPE_FIELDS", "load_inputs", "parse_method", "training_section"]

@@ -19,12 +19,14 @@ the pieces, bottom up:
 
 from __future__ import annotations
 
+import copy
 import math
 from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any
 
 from editrain.errors import ConfigError, as_config_error
+from editrain.plan import pipeline
 from editrain.plan.inputs import Cluster, MethodSpec, ModelSpec, training_section
 from editrain.sync import codecs
 
@@ -432,26 +434,38 @@ class Layout:
     replicas: int
     shard_size: int
     tp: int
+    pp: int = 1
+    """Pipeline stages per replica (each on its own ``shard_size x tp`` GPUs)."""
+
+    @property
+    def stage_gpus(self) -> int:
+        """GPUs of one pipeline stage (the whole replica without stages)."""
+        return self.shard_size * self.tp
 
     @property
     def gpus_per_replica(self) -> int:
         """GPUs of one replica."""
-        return self.shard_size * self.tp
+        return self.pp * self.stage_gpus
 
 
 def layout(cluster: Cluster, method: MethodSpec) -> Layout:
-    """Replicas x shards x tp of a setting on a cluster.
+    """Replicas x pipeline stages x shards x tp of a setting on a cluster (default
+    shards: one node's GPUs over tp and the stages).
 
     Raises:
         ConfigError: the GPUs do not split evenly.
     """
-    tp = method.tp
-    shard = method.shard_size or max(1, cluster.gpus_per_node // tp)
-    per_replica = shard * tp
+    tp, pp = method.tp, method.pp
+    if pp == 1:
+        shard = method.shard_size or max(1, cluster.gpus_per_node // tp)
+    else:
+        shard = method.shard_size or max(1, cluster.gpus_per_node // (tp * pp))
+    per_replica = pp * shard * tp
     if cluster.gpus % per_replica:
+        stages = f"pp {pp} x " if pp > 1 else ""
         raise ConfigError(f"method.shard_size: {cluster.gpus} GPUs do not split into "
-                          f"replicas of {shard} x tp {tp} GPUs")
-    return Layout(cluster.gpus // per_replica, shard, tp)
+                          f"replicas of {stages}{shard} x tp {tp} GPUs")
+    return Layout(cluster.gpus // per_replica, shard, tp, pp)
 
 
 @dataclass
@@ -521,10 +535,9 @@ def memory_per_rank(shape: Shape, spec: ModelSpec, method: MethodSpec, lay: Layo
     micro = spec.micro_batch or max(1, math.ceil(spec.batch_size / lay.shard_size))
     s, d = spec.seq_len, shape.dim
     scale = 2 if spec.dtype == "fp32" else 1
-    # Activations of one layer, bf16, no recomputation: s*b*d*(34 + 5*heads*s/d) bytes
-    # (Korthikanti et al. 2022), split by tp; with checkpointing only each layer's input
-    # is kept, plus one layer's full set during its backward.
-    per_layer = s * micro * d * (34 + 5 * shape.heads * s / d) * scale / lay.tp
+    # With checkpointing only each layer's input is kept, plus one layer's full set
+    # during its backward.
+    per_layer = layer_activation_bytes(shape, spec, lay.tp, micro)
     if spec.activation_checkpointing:
         acts = shape.layers * 2 * s * micro * d * scale / lay.tp + per_layer
     else:
@@ -532,6 +545,24 @@ def memory_per_rank(shape: Shape, spec: ModelSpec, method: MethodSpec, lay: Layo
     parts["activations"] = acts
     parts["logits"] = s * micro * shape.vocab * 8 / lay.tp
     return Memory(parts, host)
+
+
+def layer_activation_bytes(shape: Shape, spec: ModelSpec, tp: int, micro: int | None = None
+                           ) -> float:
+    """Activations one layer keeps for its backward, bytes per GPU, without recomputation:
+    ``s b d (34 + 5 heads s / d)`` in bf16 (Korthikanti et al. 2022; x2 in fp32), split by
+    tp, for ``micro`` sequences (default ``spec.micro_batch``).
+
+    Args:
+        shape: the model's shape (width, heads).
+        spec: the model spec (sequence length, precision).
+        tp: the tensor-parallel degree.
+        micro: sequences per forward.
+    """
+    micro = spec.micro_batch if micro is None else micro
+    s, d = spec.seq_len, shape.dim
+    scale = 2 if spec.dtype == "fp32" else 1
+    return s * micro * d * (34 + 5 * shape.heads * s / d) * scale / tp
 
 
 @dataclass
@@ -562,12 +593,26 @@ class Prediction:
     staleness_steps: float = 0.0
     """Steps between a round's launch and its merge (overlap / eager / non-blocking)."""
     notes: list[str] = field(default_factory=list)
+    bubble_s: float = 0.0
+    """Seconds per step a replica's GPUs idle in the pipeline's schedule (fill, drain and
+    the stages' imbalance; inside ``compute_s``; 0 without pipeline stages)."""
+    pp_transfer_s: float = 0.0
+    """Seconds per step of activation transfers between stages that nothing hides
+    (inside ``compute_s``)."""
+
+    @property
+    def bubble(self) -> float:
+        """The share of a step the pipeline's GPUs idle in the schedule (0 without
+        stages)."""
+        return self.bubble_s / self.compute_s if self.bubble_s else 0.0
 
     def row(self) -> dict[str, Any]:
         """A flat dict of the numbers (for JSON and tables)."""
         return {"label": self.label, "method": self.method.method,
-                "replicas": self.layout.replicas, "shard_size": self.layout.shard_size,
-                "tp": self.layout.tp, "compute_s": self.compute_s,
+                "replicas": self.layout.replicas, "pp": self.layout.pp,
+                "shard_size": self.layout.shard_size,
+                "tp": self.layout.tp, "bubble": self.bubble, "bubble_s": self.bubble_s,
+                "pp_transfer_s": self.pp_transfer_s, "compute_s": self.compute_s,
                 "wall_per_step_s": self.wall_per_step_s, "tokens_per_s": self.tokens_per_s,
                 "utilisation": self.utilisation, "exposed_comm_s": self.exposed_comm_s,
                 "straggler_wait_s": self.straggler_wait_s,
@@ -749,6 +794,10 @@ def predict(cluster: Cluster, spec: ModelSpec, method: MethodSpec,
             shape: Shape | None = None, check_memory: bool = True) -> Prediction:
     """Plan one setting on one cluster.
 
+    With pipeline stages (``method.pp > 1``, :mod:`editrain.plan.pipeline`) a step is the
+    pipelined step (bubble and activation transfers included), the memory the busiest
+    stage's, and the rounds those of the stages that share the busiest node link.
+
     Args:
         cluster: the cluster.
         spec: the model.
@@ -757,16 +806,20 @@ def predict(cluster: Cluster, spec: ModelSpec, method: MethodSpec,
         check_memory: fail when the setting does not fit ``cluster.gpu_memory_gb``.
 
     Raises:
-        ConfigError: the layout does not split, the fragments exceed the units, or the
-            setting does not fit a GPU's memory.
+        ConfigError: the layout does not split, the fragments exceed the units, the
+            pipeline does not suit the model or the batch, or the setting does not fit a
+            GPU's memory.
     """
     shape = shape or model_shape(spec)
     lay = layout(cluster, method)
-    R = lay.replicas
-    if method.fragments > len(shape.units):
+    if lay.pp > 1:
+        pipe = pipeline.check_pipeline(shape, spec, method, lay)
+        mem = _stage_memory(shape, spec, method, lay, pipe)
+    elif method.fragments > len(shape.units):
         raise ConfigError(f"method.fragments: {method.fragments} is more than the model's "
                           f"{len(shape.units)} sync units")
-    mem = memory_per_rank(shape, spec, method, lay)
+    else:
+        mem = memory_per_rank(shape, spec, method, lay)
     if check_memory and cluster.gpu_memory_gb is not None \
             and mem.gpu_bytes > cluster.gpu_memory_gb * GIB:
         top = max(mem.parts, key=mem.parts.get)  # type: ignore[arg-type]
@@ -776,28 +829,77 @@ def predict(cluster: Cluster, spec: ModelSpec, method: MethodSpec,
             f"{mem.gpu_bytes / GIB:.1f} GiB per GPU (most: {top} "
             f"{mem.parts[top] / GIB:.1f} GiB), more than the {cluster.gpu_memory_gb:g} GiB "
             "of a GPU; use more shards, tp, micro_batch or activation_checkpointing")
-    compute, _intra = compute_step_s(cluster, shape, spec, lay)
+    notes = _scaled_compute_notes(cluster, shape, spec, lay)
+    if lay.pp == 1:
+        compute, _intra = compute_step_s(cluster, shape, spec, lay)
+        fwd = [compute / 3.0 * w for w in shape.fwd_share]
+        return _predict_on_link(cluster, shape, spec, method, lay, compute, fwd, mem, notes,
+                                [list(range(len(shape.units)))])
+    step = _pipeline_step(cluster, shape, spec, lay, pipe)
+    if step.link_bound:
+        notes.append("the activations' transfers between stages set the pace")
+    # Each group of stages shares a node's link; the slowest sets the replica's pace.
+    preds = [_predict_on_link(cluster, shape, spec, method, lay, step.step_s, step.fwd_s,
+                              mem, list(notes), [pipe.units[r] for r in ranks])
+             for ranks in pipeline.link_groups(cluster, lay)]
+    pred = min(preds, key=lambda x: x.tokens_per_s)
+    pred.bubble_s, pred.pp_transfer_s = step.bubble_s, step.transfer_s
+    return pred
+
+
+def _link_rounds(cluster: Cluster, shape: Shape, method: MethodSpec, R: int,
+                 dtype_bytes: int, stages: list[list[int]]
+                 ) -> tuple[list[Round], float, float]:
+    """:func:`_rounds` of the units on one node's link: every unit without pipeline
+    stages; with them, each stage's own rounds (its units split into the fragments)
+    merged on the shared link (:func:`editrain.plan.pipeline.merge_rounds`)."""
+    if len(stages) == 1 and len(stages[0]) == len(shape.units):
+        return _rounds(cluster, shape, method, R, dtype_bytes)
+    per_stage, total_bytes, total_s = [], 0.0, 0.0
+    for units in stages:
+        stage = pipeline.stage_shape(shape, units, shape.layers)
+        rounds, nbytes, seconds = _rounds(cluster, stage, method, R, dtype_bytes)
+        per_stage.append(pipeline.to_global(rounds, units))
+        total_bytes += nbytes
+        total_s += seconds
+    return pipeline.merge_rounds(per_stage), total_bytes, total_s
+
+
+def _predict_on_link(cluster: Cluster, shape: Shape, spec: ModelSpec, method: MethodSpec,
+                     lay: Layout, compute: float, fwd: list[float], mem: Memory,
+                     notes: list[str], stages: list[list[int]]) -> Prediction:
+    """The setting's prediction with the cross-replica traffic of ``stages`` (lists of
+    unit indices) on one node's link: all the units without pipeline stages.
+
+    Args:
+        compute: compute seconds per step of a replica (a pipelined step with stages).
+        fwd: forward seconds per unit (the layer-wise merge waits unit by unit).
+        stages: the units on this link, stage by stage.
+    """
+    R = lay.replicas
     tokens_step = spec.batch_size * spec.seq_len  # per replica
     factors = replica_factors(cluster, R)
     over = cluster.step_overhead_s
     p, s = cluster.stall_prob, cluster.stall_s
-    fwd = [compute / 3.0 * w for w in shape.fwd_share]
     db = DTYPE_BYTES[spec.dtype]
-    notes = _scaled_compute_notes(cluster, shape, spec, lay)
     mean_busy_step = compute * sum(factors) / R + p * s  # per step, mean over replicas
 
     if method.method == "sync":
-        jobs = [(u, _unit_job_s(cluster, method, n, R, db)[0])
-                for u, (_, n) in enumerate(shape.units)]
-        nbytes = sum(_unit_job_s(cluster, method, n, R, db)[1] for _, n in shape.units)
+        on_link = [u for units in stages for u in units]
+        jobs = [(u, _unit_job_s(cluster, method, shape.units[u][1], R, db)[0])
+                for u in on_link]
+        nbytes = sum(_unit_job_s(cluster, method, shape.units[u][1], R, db)[1]
+                     for u in on_link)
         link = sum(x for _, x in jobs)
         if method.grad_overlap:
             # Units' backwards run last to first (2x their forward); each reduction starts
             # when its unit's backward is done and the link is free.
+            job_s = dict(jobs)
             t, link_free = 0.0, 0.0
             for u in reversed(range(len(shape.units))):
                 t += 2 * fwd[u]
-                link_free = max(link_free, t) + jobs[u][1]
+                if u in job_s:
+                    link_free = max(link_free, t) + job_s[u]
             exposed = max(0.0, link_free - t)
         else:
             exposed = link
@@ -807,7 +909,7 @@ def predict(cluster: Cluster, spec: ModelSpec, method: MethodSpec,
                           mean_busy_step / wall, exposed, pace - over - mean_busy_step,
                           nbytes, link, mem, notes=notes)
 
-    rounds, round_bytes, round_s = _rounds(cluster, shape, method, R, db)
+    rounds, round_bytes, round_s = _link_rounds(cluster, shape, method, R, db, stages)
     H = method.H
     # The communication thread's CPU work slows the compute of the steps its rounds run
     # beside, on every replica alike; spread over the H steps (docs/planning.md, The
@@ -829,6 +931,89 @@ def predict(cluster: Cluster, spec: ModelSpec, method: MethodSpec,
     return Prediction(method.label, method, lay, compute + beside, wall,
                       R * tokens_step / wall, mean_busy_step / wall, tl.wait_per_step_s,
                       pace - over - mean_busy_step, round_bytes, round_s, mem, stale, notes)
+
+
+# --------------------------------------------------------------------------- stages
+def _stage_spec(spec: ModelSpec, pipe: pipeline.Pipeline) -> ModelSpec:
+    """``spec`` with one pipeline microbatch as the forward batch, unvalidated (a copy:
+    the planned model is the same, only the unit of a forward changes)."""
+    out = copy.copy(spec)
+    out.micro_batch = pipe.sequences
+    return out
+
+
+def _rank_compute_s(cluster: Cluster, shape: Shape, spec: ModelSpec, lay: Layout,
+                    pipe: pipeline.Pipeline) -> list[float]:
+    """Each pipeline rank's compute seconds per step (all microbatches).
+
+    A measured ``cluster.step_time_s`` is the step of the replica with every GPU busy
+    (no bubble; converted to this job by :func:`measured_scale`): rank ``r`` takes ``pp``
+    times its share of the FLOPs of it. Otherwise each rank is a job of its own units on
+    ``shard_size x tp`` GPUs (:func:`compute_step_s`), its FSDP2 gathers and tp
+    all-reduces counted per pipeline microbatch."""
+    flops = pipeline.unit_flops_per_token(shape, spec.seq_len)
+    if cluster.step_time_s is not None:
+        ideal = cluster.step_time_s * measured_scale(cluster, shape, spec, lay)
+        total = sum(flops)
+        return [lay.pp * ideal * sum(flops[u] for u in units) / total
+                for units in pipe.units]
+    stage_lay = Layout(lay.replicas, lay.shard_size, lay.tp)
+    micro = _stage_spec(spec, pipe)
+    return [compute_step_s(cluster, pipeline.stage_shape(shape, units, len(blocks)), micro,
+                           stage_lay)[0] for units, blocks in zip(pipe.units, pipe.blocks)]
+
+
+def _pipeline_step(cluster: Cluster, shape: Shape, spec: ModelSpec, lay: Layout,
+                   pipe: pipeline.Pipeline) -> pipeline.PipelineStep:
+    """The pipelined step of one replica: its ranks' compute through the schedule
+    (:func:`editrain.plan.pipeline.pipelined_step_s`), then the activations' transfers.
+    The fill and the drain wait for ``2 (pp V - 1)`` of them (the first microbatch's
+    forward and the last one's backward cross every chunk boundary in turn); in the steady
+    state a rank sends ``2 V M`` (activations forward, gradients backward), hidden behind
+    its compute unless they take longer (then the link sets the pace)."""
+    rank_s = _rank_compute_s(cluster, shape, spec, lay, pipe)
+    M, v = pipe.microbatches, pipe.stages_per_rank
+    scheduled = pipeline.pipelined_step_s(rank_s, M, v)
+    mean = sum(rank_s) / len(rank_s)
+    act = pipe.sequences * spec.seq_len * shape.dim * DTYPE_BYTES[spec.dtype]
+    one = pipeline.transfer_s(cluster, lay, act)
+    step = max(scheduled, 2 * v * M * one) + 2 * (pipe.pp * v - 1) * one
+    flops = pipeline.unit_flops_per_token(shape, spec.seq_len)
+    fwd = [0.0] * len(shape.units)
+    for r, units in enumerate(pipe.units):
+        own = sum(flops[u] for u in units) or 1.0
+        for u in units:
+            fwd[u] = rank_s[r] * flops[u] / own / (3.0 * M)
+    return pipeline.PipelineStep(step, rank_s, scheduled - mean, step - scheduled, fwd,
+                                 2 * v * M * one > scheduled)
+
+
+def _stage_memory(shape: Shape, spec: ModelSpec, method: MethodSpec, lay: Layout,
+                  pipe: pipeline.Pipeline) -> Memory:
+    """The memory of the busiest pipeline rank: its units' parameters, gradients,
+    optimizer and outer state over its ``shard_size x tp`` GPUs (:func:`memory_per_rank`
+    on its units), the activations of the microbatches its schedule holds
+    (:func:`editrain.plan.pipeline.in_flight`) and, on the last rank, their logits."""
+    stage_lay = Layout(lay.replicas, lay.shard_size, lay.tp)
+    micro = _stage_spec(spec, pipe)
+    checkpointing = spec.activation_checkpointing
+    worst: Memory | None = None
+    for r, (units, blocks) in enumerate(zip(pipe.units, pipe.blocks)):
+        mem = memory_per_rank(pipeline.stage_shape(shape, units, len(blocks)), micro,
+                              method, stage_lay)
+        held = pipeline.in_flight(pipe.schedule, pipe.pp, pipe.microbatches,
+                                  pipe.stages_per_rank, r)
+        # With checkpointing only the layer being recomputed holds its whole set.
+        full = layer_activation_bytes(shape, micro, lay.tp) if checkpointing else 0.0
+        mem.parts["activations"] = (mem.parts["activations"] - full) * held + full
+        if r == pipe.pp - 1:
+            mem.parts["logits"] *= held
+        else:
+            del mem.parts["logits"]
+        if worst is None or mem.gpu_bytes > worst.gpu_bytes:
+            worst = mem
+    assert worst is not None  # a pipeline has ranks
+    return worst
 
 
 def _scaled_compute_notes(cluster: Cluster, shape: Shape, spec: ModelSpec, lay: Layout
