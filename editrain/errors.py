@@ -5,7 +5,8 @@ Kept import-light for the CLI. Every configuration check, in ``editrain.config``
 errors of lower layers (``ValueError`` naming the option) become :class:`ConfigError` through
 :func:`as_config_error`. The type of a bool, integer or float option, wherever it is set (a
 config file, a config dataclass built in Python, ``init_mesh``'s sizes), is checked by
-:func:`plain_scalar`, so that one rule has one wording.
+:func:`plain_scalar`, so that one rule has one wording; a count's type and its least
+value by :func:`plain_count`.
 """
 
 from __future__ import annotations
@@ -113,6 +114,27 @@ def plain_scalar(value: Any, kind: type, option: str) -> Any:
         kind_name = f"{type(value).__module__}.{type(value).__qualname__}"
         hint = f" (a {kind_name}: pass a plain Python value, e.g. value.item())"
     raise ConfigError(f"{option}: expected {name}, got {value!r}{hint}")
+
+
+def plain_count(value: Any, option: str, least: int = 1) -> int:
+    """``value`` as the plain ``int`` a count option holds, at least ``least``, or a
+    :class:`ConfigError`: :func:`plain_scalar`'s type rule, then the range in the words
+    every count of the configuration uses, so that a size given to a Python entry point
+    (``init_mesh``, a pipeline stage, a model config) is refused as the config file's
+    option would be.
+
+    Args:
+        value: the count (numpy integers taken, stored as ``int``).
+        option: the option's dotted name, for the message.
+        least: the smallest count allowed.
+
+    Raises:
+        ConfigError: ``"OPTION: expected an integer, got VALUE"`` or ``"OPTION: must be >=
+            LEAST, got VALUE"``.
+    """
+    count = plain_scalar(value, int, option)
+    require(count >= least, option, f"must be >= {least}, got {count}")
+    return count
 
 
 @contextlib.contextmanager

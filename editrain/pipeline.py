@@ -41,6 +41,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from editrain.errors import plain_count, plain_scalar, require
 from editrain.models import Llama, causal_lm_loss
 from editrain.models.hf import HFCausalLM
 
@@ -84,15 +85,14 @@ def stage_layers(n_layers: int, pp_size: int) -> list[range]:
         ``pp_size`` ranges of block indices covering ``range(n_layers)`` in order, none empty.
 
     Raises:
-        ValueError: ``pp_size`` is not an integer from 1 to ``n_layers``.
+        ConfigError: (a ``ValueError``) ``pp_size`` is not an integer from 1 to
+            ``n_layers`` (numpy integers are taken, as ``init_mesh`` takes them).
     """
-    if isinstance(n_layers, bool) or not isinstance(n_layers, int) or n_layers < 1:
-        raise ValueError(f"n_layers must be a positive integer, got {n_layers!r}")
-    if (isinstance(pp_size, bool) or not isinstance(pp_size, int)
-            or not 1 <= pp_size <= n_layers):
-        raise ValueError(f"dist.pp_size must be an integer from 1 to the model's number of "
-                         f"layers ({n_layers}): every stage holds at least one block; "
-                         f"got {pp_size!r}")
+    n_layers = plain_count(n_layers, "n_layers")
+    pp_size = plain_count(pp_size, "dist.pp_size")
+    require(pp_size <= n_layers, "dist.pp_size",
+            f"must be at most the model's number of layers ({n_layers}): every stage "
+            f"holds at least one block; got {pp_size}")
     base, extra = divmod(n_layers, pp_size)
     runs, start = [], 0
     for stage in range(pp_size):
@@ -120,17 +120,15 @@ def check_microbatches(batch_size: int, n_microbatches: int, schedule: str,
 
     Raises:
         ValueError: an unknown schedule, a microbatch count that is not a positive divisor
-            of the batch size, fewer microbatches than stages under 1F1B, a microbatch
-            count interleaved 1F1B cannot split into rounds, or a ``stages_per_rank`` that
-            does not suit the schedule.
+            of the batch size (numpy integers are taken, as the config takes them; a
+            bool or float is refused as the config option refuses it), fewer microbatches
+            than stages under 1F1B, a microbatch count interleaved 1F1B cannot split into
+            rounds, or a ``stages_per_rank`` that does not suit the schedule.
     """
     if schedule not in SCHEDULES:
         raise ValueError(f"dist.pp_schedule must be one of {', '.join(SCHEDULES)}; "
                          f"got {schedule!r}")
-    if (isinstance(n_microbatches, bool) or not isinstance(n_microbatches, int)
-            or n_microbatches < 1):
-        raise ValueError(f"dist.pp_microbatches must be a positive integer, "
-                         f"got {n_microbatches!r}")
+    n_microbatches = plain_count(n_microbatches, "dist.pp_microbatches")
     if batch_size % n_microbatches:
         raise ValueError(f"dist.pp_microbatches ({n_microbatches}) must divide the batch "
                          f"size ({batch_size}): every microbatch has the same number of "
@@ -140,15 +138,17 @@ def check_microbatches(batch_size: int, n_microbatches: int, schedule: str,
                          f"dist.pp_size ({pp_size}), got {n_microbatches}; use more "
                          f"microbatches or dist.pp_schedule = 'gpipe'")
     interleaved = schedule == "interleaved-1f1b"
-    if (isinstance(stages_per_rank, bool) or not isinstance(stages_per_rank, int)
-            or stages_per_rank < (2 if interleaved else 1)
-            or (not interleaved and stages_per_rank != 1)):
-        raise ValueError(
-            f"dist.pp_stages_per_rank must be an integer >= 2 with dist.pp_schedule = "
-            f"'interleaved-1f1b' (each rank holds that many chunks of blocks), got "
-            f"{stages_per_rank!r}" if interleaved else
-            f"dist.pp_stages_per_rank = {stages_per_rank!r} needs dist.pp_schedule = "
-            f"'interleaved-1f1b' (gpipe and 1f1b run one stage per rank: 1)")
+    stages_per_rank = plain_scalar(stages_per_rank, int, "dist.pp_stages_per_rank")
+    if interleaved:
+        require(stages_per_rank >= 2, "dist.pp_stages_per_rank",
+                f"must be >= 2 with dist.pp_schedule = 'interleaved-1f1b' (each rank holds "
+                f"that many chunks of blocks), got {stages_per_rank}")
+    else:
+        plain_count(stages_per_rank, "dist.pp_stages_per_rank")
+        if stages_per_rank != 1:
+            raise ValueError(f"dist.pp_stages_per_rank = {stages_per_rank} needs "
+                             f"dist.pp_schedule = 'interleaved-1f1b' (gpipe and 1f1b run "
+                             f"one stage per rank: 1)")
     total = n_microbatches * accumulation
     rounds = max(1, total // pp_size)
     if interleaved and total % rounds:
@@ -169,17 +169,18 @@ class _Stage(nn.Module, ABC):
 
     def _place(self, n_layers: int, stage: int, pp_size: int, tied: bool,
                tied_option: str, stages_per_rank: int = 1) -> None:
-        v = stages_per_rank
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise ValueError(f"dist.pp_stages_per_rank must be a positive integer, got {v!r}")
-        if v > 1 and isinstance(pp_size, int) and not 1 <= pp_size * v <= n_layers:
+        # The sizes come from Python callers (``build_stage(model, info.stage, P)``): numpy
+        # integers are taken as init_mesh takes them, and stored as plain ints.
+        v = plain_count(stages_per_rank, "dist.pp_stages_per_rank")
+        pp_size = plain_count(pp_size, "dist.pp_size")
+        if v > 1 and pp_size * v > n_layers:
             raise ValueError(f"dist.pp_size x dist.pp_stages_per_rank ({pp_size} x {v}) must "
                              f"be at most the model's number of layers ({n_layers}): every "
                              f"chunk holds at least one block")
         runs = stage_layers(n_layers, pp_size * v)
-        if isinstance(stage, bool) or not isinstance(stage, int) or not 0 <= stage < pp_size:
-            raise ValueError(f"stage must be an integer from 0 to {pp_size - 1} "
-                             f"(dist.pp_size = {pp_size}), got {stage!r}")
+        stage = plain_scalar(stage, int, "stage")
+        require(0 <= stage < pp_size, "stage",
+                f"must be in [0, {pp_size - 1}] (dist.pp_size = {pp_size}), got {stage}")
         if tied and pp_size * v > 1:
             raise ValueError(f"dist.pp_size = {pp_size} needs untied embeddings "
                              f"({tied_option} = false): with tied embeddings the first and "
@@ -204,11 +205,10 @@ class _Stage(nn.Module, ABC):
 
     def _chunk_ends(self, chunk: int) -> tuple[bool, bool]:
         """Whether ``chunk`` is the pipeline's first (embeddings) and its last (head)."""
-        if isinstance(chunk, bool) or not isinstance(chunk, int) or not (
-                0 <= chunk < self.stages_per_rank):
-            raise ValueError(f"chunk must be an integer from 0 to "
-                             f"{self.stages_per_rank - 1} (dist.pp_stages_per_rank = "
-                             f"{self.stages_per_rank}), got {chunk!r}")
+        chunk = plain_scalar(chunk, int, "chunk")
+        require(0 <= chunk < self.stages_per_rank, "chunk",
+                f"must be in [0, {self.stages_per_rank - 1}] (dist.pp_stages_per_rank = "
+                f"{self.stages_per_rank}), got {chunk}")
         index = self.chunks[chunk]
         return index == 0, index == self.pp_size * self.stages_per_rank - 1
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from editrain.config import load_config
 from editrain.models import Llama, causal_lm_loss, preset_config
 from editrain.models.hf import HFCausalLM, transformers_available
 from editrain.pipeline import (
@@ -295,10 +296,47 @@ def test_stage_layers_splits_evenly_earlier_stages_first():
     assert stage_layers(6, 1) == [range(0, 6)]
 
 
-@pytest.mark.parametrize("pp_size", [0, 5, -1, 2.0, True])
-def test_stage_layers_refuses_a_bad_pp_size(pp_size):
-    with pytest.raises(ValueError, match=r"dist\.pp_size .*from 1 to .*\(4\)"):
+@pytest.mark.parametrize(("pp_size", "said"), [
+    (0, "must be >= 1, got 0"), (-1, "must be >= 1, got -1"),
+    (5, "must be at most the model's number of layers (4): every stage holds at least one "
+        "block; got 5"),
+    (2.0, "expected an integer, got 2.0"), (True, "expected an integer, got True")])
+def test_stage_layers_refuses_a_bad_pp_size(pp_size, said):
+    with pytest.raises(ValueError) as e:
         stage_layers(4, pp_size)
+    assert str(e.value) == f"dist.pp_size: {said}"
+
+
+@pytest.mark.parametrize(("option", "call"), [
+    ("dist.pp_size", lambda v: stage_layers(4, v)),
+    ("dist.pp_microbatches", lambda v: check_microbatches(4, v, "gpipe", 2)),
+    ("dist.pp_stages_per_rank", lambda v: check_microbatches(4, 2, INTERLEAVED, 2, v)),
+    ("dist.pp_size", lambda v: LlamaStage(Llama(_config(), seed=0), 0, v)),
+    ("dist.pp_stages_per_rank",
+     lambda v: LlamaStage(Llama(_config(), seed=0), 0, 2, stages_per_rank=v)),
+])
+def test_pipeline_sizes_take_numpy_integers_and_are_refused_as_the_options_are(option, call):
+    """The pipeline's sizes refused numpy integers ("dist.pp_microbatches must be a
+    positive integer, got np.int64(2)") that init_mesh and the config options take, and
+    worded a bool or float their own way; one check now (errors.plain_scalar), in the
+    words of the config option."""
+    np = pytest.importorskip("numpy")
+    call(np.int64(2))
+    call(np.int32(2))
+    for wrong in (True, 2.0, np.float64(2.0), "2"):
+        with pytest.raises(ValueError) as e:
+            call(wrong)
+        with pytest.raises(ValueError) as config:
+            load_config(None, {"dist": {option.split(".")[1]: wrong}})
+        assert str(e.value) == str(config.value)
+        assert str(e.value).startswith(f"{option}: expected an integer, got ")
+
+
+def test_a_stage_keeps_its_numpy_sizes_as_plain_ints():
+    np = pytest.importorskip("numpy")
+    stage = LlamaStage(Llama(_config(), seed=0), np.int64(1), np.int64(2),
+                       stages_per_rank=np.int64(1))
+    assert [type(x) for x in (stage.stage, stage.pp_size, stage.stages_per_rank)] == [int] * 3
 
 
 def test_stages_share_the_models_parameters_under_its_names():
@@ -335,7 +373,7 @@ def test_tied_embeddings_are_refused_for_several_stages():
 
 def test_a_stage_index_out_of_range_is_refused():
     model = Llama(_config(), seed=0)
-    with pytest.raises(ValueError, match=r"stage must be .* 0 to 1 \(dist\.pp_size = 2\)"):
+    with pytest.raises(ValueError, match=r"stage: must be in \[0, 1\] \(dist\.pp_size = 2\)"):
         LlamaStage(model, 2, 2)
 
 
@@ -347,7 +385,7 @@ def test_more_stages_than_layers_are_refused():
 
 @pytest.mark.parametrize(("batch", "n_mb", "schedule", "pp", "pattern"), [
     (4, 3, "gpipe", 2, r"dist\.pp_microbatches \(3\) must divide the batch size \(4\)"),
-    (4, 0, "gpipe", 2, r"dist\.pp_microbatches must be a positive integer"),
+    (4, 0, "gpipe", 2, r"dist\.pp_microbatches: must be >= 1, got 0"),
     (4, 1, "1f1b", 2, r"dist\.pp_schedule = '1f1b' needs dist\.pp_microbatches >= "
                       r"dist\.pp_size \(2\)"),
     (4, 2, "zb", 2, r"dist\.pp_schedule must be one of gpipe, 1f1b"),
@@ -443,7 +481,7 @@ def test_chunk_forward_enters_the_stages_forward_hooks():
 
 
 @pytest.mark.parametrize(("args", "pattern"), [
-    ((4, 2, "interleaved-1f1b", 2, 1), r"dist\.pp_stages_per_rank must be an integer >= 2 "
+    ((4, 2, "interleaved-1f1b", 2, 1), r"dist\.pp_stages_per_rank: must be >= 2 "
                                        r"with dist\.pp_schedule = 'interleaved-1f1b'"),
     ((4, 2, "1f1b", 2, 2), r"dist\.pp_stages_per_rank = 2 needs dist\.pp_schedule = "
                            r"'interleaved-1f1b'"),
@@ -469,6 +507,6 @@ def test_interleaved_needs_a_block_per_chunk_and_a_known_chunk():
                                          r"\(2 x 3\) must be at most .* layers \(4\)"):
         LlamaStage(Llama(_config(n_layers=4), seed=0), 0, 2, stages_per_rank=3)
     stage = LlamaStage(Llama(_config(n_layers=4), seed=0), 0, 2, stages_per_rank=2)
-    with pytest.raises(ValueError, match=r"chunk must be an integer from 0 to 1"):
+    with pytest.raises(ValueError, match=r"chunk: must be in \[0, 1\]"):
         stage(_batch(0)[0], chunk=2)
 
