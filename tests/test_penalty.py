@@ -242,6 +242,32 @@ def test_detector_validates_arguments(kwargs, name):
         DetectorBank(2, 2, **kwargs)
 
 
+@pytest.mark.parametrize(("kwargs", "said"), [
+    ({"warmup": -1}, "ewma_warmup_steps: must be >= 0, got -1"),
+    ({"warmup": 2.0}, "ewma_warmup_steps: expected an integer, got 2.0"),
+    ({"warmup": True}, "ewma_warmup_steps: expected an integer, got True"),
+    ({"alpha": "0.1"}, "ewma_alpha: expected a number, got '0.1'"),
+    ({"alpha": 1.5}, "ewma_alpha: must be in (0, 1], got 1.5"),
+    ({"threshold": math.inf}, "ewma_threshold: must be a finite number > 0, got inf"),
+])
+def test_detector_arguments_are_refused_in_the_words_of_every_option(kwargs, said):
+    """The detector checked its warm-up by hand ("ewma_warmup_steps must be an integer >=
+    0"), and a string alpha failed inside a comparison (TypeError); one check now
+    (errors.plain_scalar / plain_count), worded "OPTION: ..." as every option is."""
+    for make in (EWMADetector, lambda **kw: DetectorBank(2, 2, **kw)):
+        with pytest.raises(ValueError) as e:
+            make(**kwargs)
+        assert str(e.value) == said
+
+
+def test_detector_takes_numpy_scalars_as_plain_numbers():
+    np = pytest.importorskip("numpy")
+    args = (np.float32(0.5), np.int64(3), np.float32(2.0))
+    for det in (EWMADetector(*args), DetectorBank(1, 1, *args)):
+        assert (type(det.alpha), type(det.warmup), type(det.threshold)) == (float, int, float)
+    assert DetectorBank(1, 1, *args).detector(0, 0).warmup == 3
+
+
 def test_detector_update_rejects_non_finite():
     det = EWMADetector()
     for bad in (math.nan, math.inf):

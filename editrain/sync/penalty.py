@@ -26,12 +26,13 @@ Pieces:
 from __future__ import annotations
 
 import math
-import numbers
 from collections import deque
 from typing import Any, TypeVar
 
 import torch
 from torch import Tensor
+
+from editrain.errors import plain_count, plain_scalar, require
 
 __all__ = [
     "CLIP_EPS",
@@ -46,14 +47,18 @@ __all__ = [
 CLIP_EPS = 1e-6
 
 
-def _validate_detector_args(alpha: float, warmup: int, threshold: float) -> None:
-    # `not (a < x <= b)` also rejects NaN, which plain `x <= a` comparisons would let through.
-    if not (0.0 < alpha <= 1.0):
-        raise ValueError(f"ewma_alpha must be in (0, 1], got {alpha!r}")
-    if isinstance(warmup, bool) or not isinstance(warmup, numbers.Integral) or warmup < 0:
-        raise ValueError(f"ewma_warmup_steps must be an integer >= 0, got {warmup!r}")
-    if not (threshold > 0.0) or math.isinf(threshold):
-        raise ValueError(f"ewma_threshold must be a finite number > 0, got {threshold!r}")
+def _detector_args(alpha: Any, warmup: Any, threshold: Any) -> tuple[float, int, float]:
+    """The detector's settings as plain numbers, or a :class:`~editrain.errors.ConfigError`
+    (a ``ValueError``) in the words ``sync.ewma_*``'s checks use: the detector is built by
+    Python callers too, with numpy scalars (taken, as the config takes them)."""
+    alpha = plain_scalar(alpha, float, "ewma_alpha")
+    # `a < x <= b` is False for NaN, which a plain `x <= a` test would let through.
+    require(0.0 < alpha <= 1.0, "ewma_alpha", f"must be in (0, 1], got {alpha}")
+    warmup = plain_count(warmup, "ewma_warmup_steps", least=0)
+    threshold = plain_scalar(threshold, float, "ewma_threshold")
+    require(0.0 < threshold < math.inf, "ewma_threshold",
+            f"must be a finite number > 0, got {threshold}")
+    return alpha, warmup, threshold
 
 
 def _population_std(values: deque[float] | list[float]) -> float:
@@ -101,10 +106,7 @@ class EWMADetector:
     """
 
     def __init__(self, alpha: float = 0.02, warmup: int = 120, threshold: float = 3.0) -> None:
-        _validate_detector_args(alpha, warmup, threshold)
-        self.alpha = float(alpha)
-        self.warmup = int(warmup)
-        self.threshold = float(threshold)
+        self.alpha, self.warmup, self.threshold = _detector_args(alpha, warmup, threshold)
         self.mean = 0.0
         self.var = 0.0
         self.count = 0
@@ -268,10 +270,7 @@ class DetectorBank:
                 f"DetectorBank needs num_units >= 1 and num_replicas >= 1, "
                 f"got {num_units} and {num_replicas}"
             )
-        _validate_detector_args(alpha, warmup, threshold)
-        self.alpha = alpha
-        self.warmup = warmup
-        self.threshold = threshold
+        self.alpha, self.warmup, self.threshold = _detector_args(alpha, warmup, threshold)
         self.num_units = int(num_units)
         self.num_replicas = int(num_replicas)
         # Indexed [unit][replica].
