@@ -239,6 +239,39 @@ def test_config_validation(overrides, match):
         LlamaConfig(**base)
 
 
+@pytest.mark.parametrize(("overrides", "said"), [
+    (dict(n_layers=0), "n_layers: must be >= 1, got 0"),
+    (dict(dim=True), "dim: expected an integer, got True"),
+    (dict(dim=64.0), "dim: expected an integer, got 64.0"),
+    (dict(norm_eps=0.0), "norm_eps: must be > 0, got 0.0"),
+    (dict(init_std="0.02"), "init_std: expected a number, got '0.02'"),
+    (dict(tie_embeddings=1), "tie_embeddings: expected true or false, got 1"),
+])
+def test_config_fields_are_refused_in_the_words_of_every_option(overrides, said):
+    """LlamaConfig checked its fields by hand ("dim must be a positive integer, got 0"),
+    refusing numpy integers; one check now (errors.plain_scalar / plain_count), the
+    config file's option named as model.FIELD."""
+    with pytest.raises(ValueError) as e:
+        LlamaConfig(**{**PRESETS["tiny"], **overrides})
+    assert str(e.value) == said
+    if "n_layers" in overrides or "dim" in overrides:  # options of the config's [model]
+        from editrain.config import load_config
+        from editrain.config.model import model_config
+
+        with pytest.raises(ValueError) as e:
+            model_config(load_config(None, {"model": {"preset": "tiny", **overrides}}))
+        assert str(e.value) == f"model.{said}"
+
+
+def test_config_takes_numpy_scalars_as_plain_numbers():
+    np = pytest.importorskip("numpy")
+    cfg = preset_config("tiny", dim=np.int64(64), n_layers=np.int32(3),
+                        vocab_size=np.uint16(300), rope_theta=np.float32(5e5))
+    assert (cfg.dim, cfg.n_layers, cfg.vocab_size, cfg.rope_theta) == (64, 3, 300, 5e5)
+    assert [type(getattr(cfg, f)) for f in ("dim", "n_layers", "vocab_size", "rope_theta")
+            ] == [int, int, int, float]
+
+
 def test_unknown_preset_and_field():
     with pytest.raises(ValueError, match=r"unknown preset 'huge'.*tiny"):
         preset_config("huge")

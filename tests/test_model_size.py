@@ -283,7 +283,7 @@ def test_a_checkpoints_marker_is_checked_against_its_tensors():
                          tensors, Path("ck"), "sample")
     # a field the Llama does not have, a value or a RoPE scaling it refuses: one line
     for bad, said in (({"foo": 1}, "unexpected keyword argument 'foo'"),
-                      ({"n_heads": -1}, "n_heads must be a positive integer, got -1"),
+                      ({"n_heads": -1}, "n_heads: must be >= 1, got -1"),
                       ({"rope_scaling": {"factor": 2}}, "rope_scaling must hold exactly")):
         with pytest.raises(CheckpointError) as e:
             checkpoint_model({"model": {**fields, **bad}}, tensors, Path("ck"), "sample")

@@ -15,7 +15,7 @@ from __future__ import annotations
 from typing import Any
 
 from editrain.config.schema import Config, ModelSection
-from editrain.errors import as_config_error
+from editrain.errors import ConfigError, as_config_error
 from editrain.models.hf_dir import hf_int, read_config, special_tokens, tokenizer_file
 from editrain.models.hf_llama import is_llama_config, llama_config_from_hf
 from editrain.models.llama_config import LlamaConfig, preset_config
@@ -90,8 +90,11 @@ def section_model_config(model: ModelSection, vocab_size: int | None = None) -> 
     overrides = model.overrides()
     if vocab_size is not None:
         overrides["vocab_size"] = vocab_size
-    with as_config_error(prefix="model: "):
-        return preset_config(model.preset, **overrides)
+    with as_config_error(prefix="model: "):  # a combination: heads that do not divide dim
+        try:
+            return preset_config(model.preset, **overrides)
+        except ConfigError as e:  # one field's type or range, named by it: model.FIELD
+            raise ConfigError(f"model.{e}") from None
 
 
 def heads(cfg: Config) -> tuple[int, int]:

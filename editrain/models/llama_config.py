@@ -10,6 +10,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from editrain.errors import plain_count, plain_scalar, require
+
 ROPE_SCALING_KEYS = ("factor", "low_freq_factor", "high_freq_factor",
                      "original_max_position_embeddings")
 """The fields of Llama 3's RoPE scaling (``rope_type = "llama3"`` in a ``config.json``)."""
@@ -98,27 +100,20 @@ class LlamaConfig:
     """Standard deviation of the normal weight initialisation."""
 
     def __post_init__(self) -> None:
-        for name in (
-            "vocab_size",
-            "dim",
-            "n_layers",
-            "n_heads",
-            "n_kv_heads",
-            "ffn_hidden",
-            "max_seq_len",
-        ):
-            value = getattr(self, name)
-            # bool is a subclass of int; True as a width is always a mistake.
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        # Each field's type and range by the one check of every option (errors.plain_scalar:
+        # numpy scalars, as a shape computed with numpy gives them, are stored as plain
+        # numbers; True is no width, 64.0 no count), worded "FIELD: must be >= 1, got 0".
+        # A ConfigError names one field; the combinations below raise a plain ValueError.
+        for name in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden",
+                     "max_seq_len"):
+            setattr(self, name, plain_count(getattr(self, name), name))
         for name in ("rope_theta", "norm_eps", "init_std"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
-                raise ValueError(f"{name} must be a positive number, got {value!r}")
+            value = plain_scalar(getattr(self, name), float, name)
+            require(value > 0, name, f"must be > 0, got {value}")
+            setattr(self, name, value)
         if self.rope_scaling is not None:
             self.rope_scaling = check_rope_scaling(self.rope_scaling)
-        if not isinstance(self.tie_embeddings, bool):
-            raise ValueError(f"tie_embeddings must be a bool, got {self.tie_embeddings!r}")
+        self.tie_embeddings = plain_scalar(self.tie_embeddings, bool, "tie_embeddings")
         if self.dim % self.n_heads != 0:
             raise ValueError(f"dim ({self.dim}) must be divisible by n_heads ({self.n_heads})")
         if self.n_heads % self.n_kv_heads != 0:
