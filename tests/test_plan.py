@@ -261,13 +261,40 @@ def test_compute_from_flops_and_mfu():
     ({"nodes": 0}, "cluster.nodes: must be >= 1, got 0"),
     ({"stall_prob": 2.0}, "cluster.stall_prob: must be <= 1"),
     ({"latency_per": "x"}, "cluster.latency_per: must be one of hop, collective"),
-    ({"inter_node_gbps": "fast"}, "cluster.inter_node_gbps: must be a number"),
+    ({"inter_node_gbps": "fast"}, "cluster.inter_node_gbps: expected a number, got 'fast'"),
 ])
 def test_bad_cluster_names_the_field(change, message):
     with pytest.raises(ConfigError) as e:
         cluster(**change)
     assert str(e.value).startswith(message)
     assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize(("make", "option"), [
+    (lambda v: cluster(nodes=v), "cluster.nodes"),
+    (lambda v: ModelSpec(preset="tiny", seq_len=v), "model.seq_len"),
+    (lambda v: MethodSpec(H=v), "method.H"),
+])
+def test_plan_counts_take_numpy_integers_and_are_refused_in_the_options_words(make, option):
+    """The plan's counts refused numpy integers ("cluster.nodes: must be an integer, got
+    np.int64(2)") that the training config takes; one check now (errors.plain_count):
+    numpy integers stored as int, a bool or float refused in the config options' words."""
+    np = pytest.importorskip("numpy")
+    spec = make(np.int64(2))
+    assert type(getattr(spec, option.split(".")[1])) is int
+    for wrong, said in ((True, "expected an integer, got True"),
+                        (2.0, "expected an integer, got 2.0"), (0, "must be >= 1, got 0")):
+        with pytest.raises(ConfigError) as e:
+            make(wrong)
+        assert str(e.value) == f"{option}: {said}"
+
+
+def test_plan_numbers_take_numpy_floats_as_plain_floats():
+    np = pytest.importorskip("numpy")
+    c = cluster(inter_node_gbps=np.float32(10), straggler_spread=np.float64(0.25))
+    assert (type(c.inter_node_gbps), c.inter_node_gbps, c.straggler_spread) == (float, 10.0, 0.25)
+    with pytest.raises(ConfigError, match=r"^cluster.stall_s: expected a number, got True$"):
+        cluster(stall_s=True)
 
 
 def test_plan_file_errors(tmp_path):

@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from editrain.errors import ConfigError
+from editrain.errors import ConfigError, plain_count, plain_scalar
 from editrain.safe_io import parse_toml_scalar, read_toml
 from editrain.sync.methods import OUTER_SGD
 
@@ -56,12 +56,12 @@ def _fail(option: str, msg: str) -> ConfigError:
 
 
 def _number(value: Any, option: str) -> float:
-    """A finite real number (bools are not numbers here)."""
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise _fail(option, f"must be a number, got {value!r}")
-    if not math.isfinite(value):
+    """A finite real number as a plain ``float`` (the type checked as every option's is,
+    by :func:`~editrain.errors.plain_scalar`: numpy's numbers taken, bools not)."""
+    number = plain_scalar(value, float, option)
+    if not math.isfinite(number):
         raise _fail(option, f"must be finite, got {value!r}")
-    return float(value)
+    return number
 
 
 def _positive(value: Any, option: str) -> float:
@@ -87,11 +87,8 @@ block; the deepest models have about 10**2)."""
 
 
 def _count(value: Any, option: str, least: int = 1) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise _fail(option, f"must be an integer, got {value!r}")
-    if value < least:
-        raise _fail(option, f"must be >= {least}, got {value!r}")
-    return value
+    """A plain ``int`` of at least ``least`` (:func:`~editrain.errors.plain_count`)."""
+    return plain_count(value, option, least)
 
 
 def _choice(value: Any, option: str, allowed: tuple[str, ...]) -> str:
@@ -165,30 +162,32 @@ class Cluster:
     """Milliseconds a torchft quorum costs per sync round (``ft = true`` methods)."""
 
     def __post_init__(self) -> None:
-        _count(self.nodes, "cluster.nodes")
-        _count(self.gpus_per_node, "cluster.gpus_per_node")
+        self.nodes = _count(self.nodes, "cluster.nodes")
+        self.gpus_per_node = _count(self.gpus_per_node, "cluster.gpus_per_node")
         if self.nodes * self.gpus_per_node > MAX_GPUS:
             raise _fail("cluster.nodes", f"{self.nodes:,} nodes x {self.gpus_per_node:,} GPUs "
                         f"is more than the {MAX_GPUS:,} GPUs the planner models (it follows "
                         "every replica)")
-        _positive(self.inter_node_gbps, "cluster.inter_node_gbps")
-        _positive(self.intra_node_gbps, "cluster.intra_node_gbps")
-        _non_negative(self.inter_node_latency_ms, "cluster.inter_node_latency_ms")
-        _non_negative(self.intra_node_latency_us, "cluster.intra_node_latency_us")
-        _non_negative(self.step_overhead_s, "cluster.step_overhead_s")
+        self.inter_node_gbps = _positive(self.inter_node_gbps, "cluster.inter_node_gbps")
+        self.intra_node_gbps = _positive(self.intra_node_gbps, "cluster.intra_node_gbps")
+        self.inter_node_latency_ms = _non_negative(self.inter_node_latency_ms,
+                                                   "cluster.inter_node_latency_ms")
+        self.intra_node_latency_us = _non_negative(self.intra_node_latency_us,
+                                                   "cluster.intra_node_latency_us")
+        self.step_overhead_s = _non_negative(self.step_overhead_s, "cluster.step_overhead_s")
         _choice(self.latency_per, "cluster.latency_per", LATENCY_MODES)
-        _non_negative(self.straggler_spread, "cluster.straggler_spread")
-        p = _non_negative(self.stall_prob, "cluster.stall_prob")
+        self.straggler_spread = _non_negative(self.straggler_spread, "cluster.straggler_spread")
+        p = self.stall_prob = _non_negative(self.stall_prob, "cluster.stall_prob")
         if p > 1:
             raise _fail("cluster.stall_prob", f"must be <= 1, got {self.stall_prob!r}")
-        _non_negative(self.stall_s, "cluster.stall_s")
-        _non_negative(self.overlap_cpu_s, "cluster.overlap_cpu_s")
-        _non_negative(self.ft_quorum_ms, "cluster.ft_quorum_ms")
+        self.stall_s = _non_negative(self.stall_s, "cluster.stall_s")
+        self.overlap_cpu_s = _non_negative(self.overlap_cpu_s, "cluster.overlap_cpu_s")
+        self.ft_quorum_ms = _non_negative(self.ft_quorum_ms, "cluster.ft_quorum_ms")
         if self.gpu_memory_gb is not None:
-            _positive(self.gpu_memory_gb, "cluster.gpu_memory_gb")
+            self.gpu_memory_gb = _positive(self.gpu_memory_gb, "cluster.gpu_memory_gb")
         self._check_measured_job()
         if self.step_time_s is not None:
-            _positive(self.step_time_s, "cluster.step_time_s")
+            self.step_time_s = _positive(self.step_time_s, "cluster.step_time_s")
         else:
             if self.gpu_peak_tflops is None:
                 raise _fail("cluster.gpu_peak_tflops", "missing: give gpu_peak_tflops and "
@@ -197,9 +196,9 @@ class Cluster:
                 raise _fail("cluster.mfu", "missing: give mfu (with gpu_peak_tflops) or a "
                             "measured step_time_s")
         if self.gpu_peak_tflops is not None:
-            _positive(self.gpu_peak_tflops, "cluster.gpu_peak_tflops")
+            self.gpu_peak_tflops = _positive(self.gpu_peak_tflops, "cluster.gpu_peak_tflops")
         if self.mfu is not None:
-            m = _positive(self.mfu, "cluster.mfu")
+            m = self.mfu = _positive(self.mfu, "cluster.mfu")
             if m > 1:
                 raise _fail("cluster.mfu", f"must be <= 1 (a share of the peak), got {m!r}")
 
@@ -217,8 +216,8 @@ class Cluster:
             missing = "step_time_gpus" if given[0] == "step_time_flops" else "step_time_flops"
             raise _fail(f"cluster.{missing}", f"missing: give it with {given[0]} (the "
                         "measured job's FLOPs per step and GPUs per replica go together)")
-        _positive(self.step_time_flops, "cluster.step_time_flops")
-        _count(self.step_time_gpus, "cluster.step_time_gpus")
+        self.step_time_flops = _positive(self.step_time_flops, "cluster.step_time_flops")
+        self.step_time_gpus = _count(self.step_time_gpus, "cluster.step_time_gpus")
 
     @property
     def gpus(self) -> int:
@@ -305,7 +304,7 @@ class ModelSpec:
         for name in ("layers", "dim", "vocab_size", "heads", "kv_heads", "ffn_hidden",
                      "micro_batch"):
             if getattr(self, name) is not None:
-                _count(getattr(self, name), f"model.{name}")
+                setattr(self, name, _count(getattr(self, name), f"model.{name}"))
         if self.layers is not None and self.layers > MAX_LAYERS:
             raise _fail("model.layers", f"must be at most {MAX_LAYERS:,} (the plan follows "
                         f"every block's sync), got {self.layers:,}")
@@ -314,15 +313,15 @@ class ModelSpec:
         if self.hf_config is not None or self.init_from is not None:
             self._check_file_shape()
         if self.params is not None:
-            _positive(self.params, "model.params")
+            self.params = _positive(self.params, "model.params")
             if self.layers is None:
                 raise _fail("model.layers", "missing: params needs layers")
             for name in ("kv_heads", "ffn_hidden", "tie_embeddings"):
                 if getattr(self, name) is not None:
                     raise _fail(f"model.{name}", "overrides a preset's shape: give preset, "
                                 "or leave it out with params")
-        _count(self.seq_len, "model.seq_len")
-        _count(self.batch_size, "model.batch_size")
+        self.seq_len = _count(self.seq_len, "model.seq_len")
+        self.batch_size = _count(self.batch_size, "model.batch_size")
         _choice(self.dtype, "model.dtype", DTYPES)
 
     def _check_preset(self) -> None:
@@ -432,16 +431,16 @@ class MethodSpec:
     def __post_init__(self) -> None:
         p = "method"
         _choice(self.method, f"{p}.method", METHODS)
-        _count(self.H, f"{p}.H")
-        _count(self.fragments, f"{p}.fragments")
-        _count(self.overlap, f"{p}.overlap", least=0)
+        self.H = _count(self.H, f"{p}.H")
+        self.fragments = _count(self.fragments, f"{p}.fragments")
+        self.overlap = _count(self.overlap, f"{p}.overlap", least=0)
         _choice(self.codec, f"{p}.codec", CODECS)
-        _count(self.prefetch_depth, f"{p}.prefetch_depth", least=0)
-        _count(self.tp, f"{p}.tp")
+        self.prefetch_depth = _count(self.prefetch_depth, f"{p}.prefetch_depth", least=0)
+        self.tp = _count(self.tp, f"{p}.tp")
         if self.shard_size is not None:
-            _count(self.shard_size, f"{p}.shard_size")
+            self.shard_size = _count(self.shard_size, f"{p}.shard_size")
         if self.sync_time_s is not None:
-            _positive(self.sync_time_s, f"{p}.sync_time_s")
+            self.sync_time_s = _positive(self.sync_time_s, f"{p}.sync_time_s")
         self._check_pipeline()
         if self.fragments > self.H:
             raise _fail(f"{p}.fragments", f"must be <= H ({self.H}), got {self.fragments}")
@@ -463,10 +462,10 @@ class MethodSpec:
         a schedule it knows, chunks per rank that suit the schedule, and 1F1B's
         microbatches at least the stages."""
         p = "method"
-        _count(self.pp, f"{p}.pp")
+        self.pp = _count(self.pp, f"{p}.pp")
         _choice(self.pp_schedule, f"{p}.pp_schedule", PP_SCHEDULES)
-        _count(self.pp_microbatches, f"{p}.pp_microbatches", least=0)
-        _count(self.pp_stages_per_rank, f"{p}.pp_stages_per_rank")
+        self.pp_microbatches = _count(self.pp_microbatches, f"{p}.pp_microbatches", least=0)
+        self.pp_stages_per_rank = _count(self.pp_stages_per_rank, f"{p}.pp_stages_per_rank")
         v = self.pp_stages_per_rank
         if self.pp == 1:
             if v != 1 or self.pp_microbatches:
