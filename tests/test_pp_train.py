@@ -378,6 +378,28 @@ HF_BAD = {
 """``model.hf_config`` models that cannot be split into 2 stages."""
 
 
+@pytest.mark.parametrize("raw", ["true", "2.0", '"2"', "1e400", "-3", "null", "[2]"])
+def test_an_odd_layer_count_in_the_hf_config_is_refused_by_name(raw: str,
+                                                                 tmp_path: Path) -> None:
+    """num_hidden_layers is a field of a Hugging Face file, not an option: whatever JSON
+    value it holds (a bool, a float, a string, 1e400 read as inf, null, a list), splitting
+    the model into stages refuses it in one line naming the file and the field, never
+    with a crash inside the check."""
+    pytest.importorskip("transformers", reason="the hf extra is not installed")
+    from editrain.config import ConfigError, load_config
+
+    layers = f'"num_hidden_layers": {HF_LLAMA["num_hidden_layers"]}'
+    text = json.dumps(HF_LLAMA)
+    assert layers in text
+    path = tmp_path / "config.json"
+    path.write_text(text.replace(layers, f'"num_hidden_layers": {raw}'))
+    with pytest.raises(ConfigError) as e:
+        load_config(None, {"model": {"hf_config": str(path)},
+                           "dist": {"pp_size": 2, "nproc": 4, "shard_size": 1}})
+    assert str(e.value).startswith(f"model.hf_config: num_hidden_layers must be a positive "
+                                   f"integer in {path} to split the model into stages, got ")
+
+
 @pytest.mark.parametrize("name", ["tied", "1f1b", "ft_fail_rank", "interleaved_rounds",
                                   "interleaved_chunks",
                                   *sorted(HF_BAD)])
