@@ -293,7 +293,7 @@ def test_wrong_type_in_file(tmp_path):
 @pytest.mark.parametrize("value", ["0", "-1"])
 def test_non_positive_counts(option, value):
     msg = expect_error(option, argv=[f"--{option}={value}"])
-    assert "> 0" in msg
+    assert ">= 1" in msg
 
 
 @pytest.mark.parametrize("value", ["0", "-0.001", "0.0"])
@@ -901,3 +901,17 @@ def test_a_named_corpus_is_read_whole_unless_data_max_bytes_says_otherwise(tmp_p
     with pytest.raises(ConfigError, match="data.max_bytes: must be a number > 0, none or "
                                           "auto, got 'all'"):
         load_config(None, {"data": {"max_bytes": "all"}})
+
+
+@pytest.mark.parametrize(("option", "least"), [
+    ("train.steps", 1), ("train.batch_size", 1), ("train.seq_len", 1),
+    ("train.gradient_accumulation_steps", 1), ("train.eval_every", 1),
+    ("train.log_every", 1), ("dist.ft_min_replicas", 1), ("dist.pp_stages_per_rank", 1),
+    ("train.warmup_steps", 0), ("data.val_tokens", 0), ("dist.max_restarts", 0)])
+def test_every_count_of_the_run_config_is_worded_as_the_sync_configs(option, least):
+    """The run's counts said "train.steps: must be > 0, got 0" where the sync config's
+    and the Python API's (errors.plain_count) say "must be >= 1, got 0": one wording."""
+    section, name = option.split(".")
+    with pytest.raises(ConfigError) as e:
+        load_config(None, {section: {name: least - 1}})
+    assert str(e.value) == f"{option}: must be >= {least}, got {least - 1}"

@@ -52,7 +52,7 @@ def test_without_a_config_toml_the_defaults_stand(tmp_path):
 @pytest.mark.parametrize("text, said", [
     ("[train\nsteps = 1", "is not the TOML editrain writes"),
     ("x" * (2 << 20), "more than the 1048576 it can hold"),
-    ("[train]\nsteps = -3\n", "train.steps: must be > 0, got -3")])
+    ("[train]\nsteps = -3\n", "train.steps: must be >= 1, got -3")])
 def test_a_hostile_config_toml_is_one_line(tmp_path, text, said):
     run = tmp_path / "run"
     run.mkdir()

@@ -65,11 +65,11 @@ def cuda_device_count() -> int:
 
 
 def _counts(section: Any, prefix: str, names: tuple[str, ...], least: int = 1) -> None:
-    """Each of ``names`` is > 0 (``least=1``) or >= 0 (``least=0``)."""
+    """Each of ``names`` is at least ``least``, worded as every count of the configuration
+    and of the Python API (:func:`editrain.errors.plain_count`): ``must be >= 1, got 0``."""
     for name in names:
         value = getattr(section, name)
-        require(value >= least, f"{prefix}.{name}",
-                f"must be {'> 0' if least == 1 else '>= 0'}, got {value}")
+        require(value >= least, f"{prefix}.{name}", f"must be >= {least}, got {value}")
 
 
 def _one_of(value: Any, allowed: tuple[str, ...], option: str) -> None:
