@@ -188,6 +188,39 @@ def test_tokenizer_round_trip_and_eos():
     assert max(tok.encode("\U0001f600").ids) < 300
 
 
+@pytest.mark.parametrize(("option", "value"), [
+    ("vocab_size", 256), ("vocab_size", True), ("vocab_size", 300.0),
+    ("val_fraction", 0.5), ("val_fraction", "0.1"), ("val_tokens", -1),
+    ("val_tokens", True), ("split_seed", -1), ("split_seed", 2.0)])
+def test_data_options_are_refused_in_the_words_of_the_config(tmp_path, option, value):
+    """prepare_tokens checked its options by hand, in its own words ("data.val_tokens must
+    be an int >= 0"), took True as a count and failed on a string fraction with a bare
+    float() error; it now checks them as the configuration does (errors.plain_scalar),
+    and says what the config file's option would say."""
+    from editrain.config import load_config
+
+    with pytest.raises(ValueError) as called:
+        prepare_tokens("default", tmp_path, **{option: value})
+    with pytest.raises(ValueError) as configured:
+        load_config(None, {"data": {option: value}})
+    assert str(called.value) == str(configured.value)
+    assert str(called.value).startswith(f"data.{option}: ")
+
+
+def test_sequence_lengths_are_plain_counts():
+    tokens = np.arange(100, dtype=np.uint16)
+    assert type(SequenceStream(tokens, np.int64(4), 0, 1, seed=0).seq_len) is int
+    for wrong, said in ((2.5, "expected an integer, got 2.5"), (True, "expected an integer, "
+                        "got True"), (0, "must be >= 1, got 0")):
+        with pytest.raises(ValueError) as e:
+            SequenceStream(tokens, wrong, 0, 1, seed=0)
+        assert str(e.value) == f"train.seq_len: {said}"
+    with pytest.raises(ValueError, match=r"^batch_size: must be >= 1, got 0$"):
+        SequenceStream(tokens, 4, 0, 1, seed=0).next_batch(0)
+    with pytest.raises(ValueError, match=r"^data.vocab_size: expected an integer, got 300.0$"):
+        train_bpe_tokenizer(["abc"], 300.0)
+
+
 def test_tokenizer_errors(tmp_path):
     with pytest.raises(ValueError, match=r"data\.vocab_size"):
         train_bpe_tokenizer(["abc"], 256)

@@ -56,6 +56,7 @@ from pathlib import Path
 
 import numpy as np
 
+from editrain.errors import plain_count, plain_scalar, require
 from editrain.malloc import release_freed_memory
 from editrain.safe_io import Obj, read_json
 
@@ -88,7 +89,7 @@ from .split import (
     plan_splits,
 )
 from .tokenizer import (
-    MIN_VOCAB_SIZE,
+    check_vocab_size,
     eos_id,
     load_tokenizer,
     tokenizer_json_hash,
@@ -310,22 +311,23 @@ def check_data_options(path: str | list[str], text_field: str = "text",
                          ) from exc
 
 
+SEED_MAX = int(np.iinfo(np.int64).max)
+"""The largest ``data.split_seed``: numpy takes a seed as a non-negative int64."""
+
+
 def _validate(vocab_size: int, val_fraction: float, val_tokens: int, split_seed: int,
               tokenizer_path: str | None, eos: str) -> None:
-    # numpy integers are accepted too (configs are sometimes built from arrays).
-    if tokenizer_path is None and (
-        not isinstance(vocab_size, (int, np.integer)) or vocab_size < MIN_VOCAB_SIZE
-    ):
-        raise ValueError(
-            f"data.vocab_size must be an int >= {MIN_VOCAB_SIZE} "
-            f"(256 byte tokens + end-of-text), got {vocab_size!r}"
-        )
-    if not (0.0 < float(val_fraction) < 0.5):
-        raise ValueError(f"data.val_fraction must be in (0, 0.5), got {val_fraction!r}")
-    if not isinstance(val_tokens, (int, np.integer)) or val_tokens < 0:
-        raise ValueError(f"data.val_tokens must be an int >= 0, got {val_tokens!r}")
-    if not isinstance(split_seed, (int, np.integer)) or split_seed < 0:
-        raise ValueError(f"data.split_seed must be an int >= 0, got {split_seed!r}")
+    # Checked as the configuration checks the options, in its words (errors.plain_scalar:
+    # numpy integers are taken, as configs are sometimes built from arrays; bools are not).
+    if tokenizer_path is None:
+        check_vocab_size(vocab_size)
+    val_fraction = plain_scalar(val_fraction, float, "data.val_fraction")
+    require(0.0 < val_fraction < 0.5, "data.val_fraction",
+            f"must be in (0, 0.5), got {val_fraction}")
+    plain_count(val_tokens, "data.val_tokens", least=0)
+    split_seed = plain_scalar(split_seed, int, "data.split_seed")
+    require(0 <= split_seed <= SEED_MAX, "data.split_seed",
+            f"must be in [0, 2^63 - 1] ({SEED_MAX}), got {split_seed}")
     _check_eos(eos)
 
 

@@ -23,6 +23,8 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 
+from editrain.errors import plain_count
+
 if TYPE_CHECKING:  # imported where a batch is made: editrain.data loads without torch
     import torch
 
@@ -30,11 +32,10 @@ __all__ = ["EvalBatch", "SequenceStream", "check_batch_size", "eval_batches", "v
 
 
 def _num_windows(tokens: np.ndarray, seq_len: int) -> int:
-    if not isinstance(seq_len, (int, np.integer)) or seq_len < 1:
-        raise ValueError(f"train.seq_len must be a positive int, got {seq_len!r}")
+    seq_len = plain_count(seq_len, "train.seq_len")  # as the config option is checked
     if np.ndim(tokens) != 1:
         raise ValueError(f"tokens must be a 1-D array, got shape {np.shape(tokens)}")
-    return max(0, (len(tokens) - 1) // int(seq_len))
+    return max(0, (len(tokens) - 1) // seq_len)
 
 
 def _gather(tokens: np.ndarray, window_ids: np.ndarray, seq_len: int) -> torch.Tensor:
@@ -81,7 +82,7 @@ class SequenceStream:
     def __init__(self, tokens: np.ndarray, seq_len: int, rank: int, world_size: int, seed: int):
         _check_rank(rank, world_size)
         self.tokens = tokens
-        self.seq_len = int(seq_len)
+        self.seq_len = plain_count(seq_len, "train.seq_len")  # int(2.5) would be 2
         self.rank = int(rank)
         self.world_size = int(world_size)
         self.seed = int(seed)
@@ -171,8 +172,7 @@ class SequenceStream:
             ``torch.LongTensor`` of shape ``[batch_size, seq_len + 1]``; inputs
             are ``[:, :-1]`` and targets ``[:, 1:]``.
         """
-        if batch_size < 1:
-            raise ValueError(f"batch_size must be positive, got {batch_size}")
+        batch_size = plain_count(batch_size, "batch_size")
         return _gather(self.tokens, self.next_window_ids(batch_size), self.seq_len)
 
     # -- state -------------------------------------------------------------

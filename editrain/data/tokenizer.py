@@ -10,13 +10,17 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Iterable, Iterator
 from pathlib import Path
+from typing import Any
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+from editrain.errors import plain_scalar, require
 
 __all__ = [
     "EOS_TOKEN",
     "EOS_FALLBACK_TOKENS",
     "MIN_VOCAB_SIZE",
+    "check_vocab_size",
     "train_bpe_tokenizer",
     "load_tokenizer",
     "eos_id",
@@ -49,6 +53,20 @@ def _batched(docs: Iterable[str], size: int) -> Iterator[list[str]]:
         yield batch
 
 
+def check_vocab_size(vocab_size: Any) -> int:
+    """``data.vocab_size`` as a plain ``int`` of at least :data:`MIN_VOCAB_SIZE`, checked as
+    the configuration checks the option (:func:`editrain.errors.plain_scalar`: numpy
+    integers taken, a bool or float refused) and worded as it words it.
+
+    Raises:
+        ConfigError: (a ``ValueError``) naming ``data.vocab_size``.
+    """
+    vocab_size = plain_scalar(vocab_size, int, "data.vocab_size")
+    require(vocab_size >= MIN_VOCAB_SIZE, "data.vocab_size",
+            f"must be >= {MIN_VOCAB_SIZE} (256 bytes + end-of-text), got {vocab_size}")
+    return vocab_size
+
+
 def train_bpe_tokenizer(docs: Iterable[str], vocab_size: int) -> Tokenizer:
     """Train a byte-level BPE tokenizer on ``docs``.
 
@@ -69,10 +87,7 @@ def train_bpe_tokenizer(docs: Iterable[str], vocab_size: int) -> Tokenizer:
     Raises:
         ValueError: ``vocab_size`` is below 257 (message names ``data.vocab_size``).
     """
-    if vocab_size < MIN_VOCAB_SIZE:
-        raise ValueError(
-            f"data.vocab_size must be >= {MIN_VOCAB_SIZE} (256 bytes + {EOS_TOKEN}), got {vocab_size}"
-        )
+    vocab_size = check_vocab_size(vocab_size)
     tok = Tokenizer(models.BPE())
     # add_prefix_space=False keeps the round trip exact: with True, a leading
     # space would be invented in front of every text.
