@@ -96,7 +96,7 @@ class _Server:
             pid = self._receive(None)["pid"]
             done = self._receive(timeout)
             if done is None:  # as subprocess.run: kill it (and its workers), then raise
-                os.killpg(pid, signal.SIGKILL)
+                _kill_group(pid)
                 self._receive(None)
                 raise subprocess.TimeoutExpired(["editrain", *args], timeout)
             out = out_path.read_text(errors="replace")
@@ -141,6 +141,14 @@ def _server() -> Iterator[_Server]:
         _idle.append(server)
 
 
+def _kill_group(pid: int) -> None:
+    """Kill the command's process group (it and its workers) after its timeout; one that
+    ended between the timeout and the kill is gone already (a busy machine once turned a
+    timeout into a ProcessLookupError that hid it)."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(pid, signal.SIGKILL)
+
+
 def _run_subprocess(args: list[str], env: dict[str, str], cwd: Path, timeout: float,
                     merged: bool) -> subprocess.CompletedProcess:
     """The command as a new interpreter, in its own session (killed whole on a timeout)."""
@@ -158,7 +166,7 @@ def _run_subprocess(args: list[str], env: dict[str, str], cwd: Path, timeout: fl
         try:
             out, err = popen.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
-            os.killpg(popen.pid, signal.SIGKILL)
+            _kill_group(popen.pid)
             popen.communicate()
             raise
     proc = subprocess.CompletedProcess(popen.args, popen.returncode, out, err)
