@@ -807,10 +807,11 @@ def test_a_resume_with_no_step_left_is_refused_under_torchrun(run8, data_cache, 
     """The same resume as a torchrun job, whose workers editrain's launcher does not
     start: every rank refuses it before the run directory is claimed, metrics.jsonl, the
     checkpoint, config.toml and the run's record untouched (the claim rewrites the last
-    two: the next plain --resume would take the refused job's options). The refusal is
-    printed once or twice: torchrun stops the other rank as soon as one exits, so whether
-    rank 1 gets as far as its own check is a race (it lost it once in CI); what every rank
-    must not do, write before the check, the files' bytes show."""
+    two: the next plain --resume would take the refused job's options). Both ranks print
+    the refusal: rank 0 decides, rank 1 waits for its decision in torchrun's store, and
+    rank 0 exits only once rank 1 has read it. Before, each rank checked on its own and
+    torchrun stopped rank 1 as soon as rank 0 exited, so whether rank 1 printed it was a
+    race (it lost it once in CI)."""
     from tests.test_cli import tiny
 
     run = _copy_run(run8, tmp_path)
@@ -830,7 +831,7 @@ def test_a_resume_with_no_step_left_is_refused_under_torchrun(run8, data_cache, 
         capture_output=True, text=True, env=env, timeout=180)
     assert proc.returncode != 0, proc.stderr[-3000:]
     assert proc.stderr.count("train.steps: 8 is not beyond the checkpoint's step 8, so the "
-                             "resumed run would train nothing") in (1, 2), proc.stderr[-3000:]
+                             "resumed run would train nothing") == 2, proc.stderr[-3000:]
     assert {p: p.read_bytes() for p in before} == before
 
 
@@ -855,21 +856,26 @@ def test_a_refused_torchrun_job_is_refused_again_when_torchrun_restarts_it(
     directory holding another run is refused, and torchrun restarts it: the restart is
     refused the same way, and no file of the other run changes. Before, the restarted rank
     0 took the other run's record for its own job's claim (a restart skipped the check)
-    and trained into that run: its metrics, checkpoints and config.toml."""
+    and trained into that run: its metrics, checkpoints and config.toml.
+
+    Both ranks of each attempt print the refusal: rank 1 waits for rank 0's decision (the
+    directory's config.toml is there from the start) and shares its refusal. Before, rank
+    1 went on into its worker at once, and torchrun stopped it without a word once rank 0
+    was refused."""
     from tests.test_cli import tiny
 
     run = _copy_run(run8, tmp_path)
     before = _files(run)
     torchrun = Path(sys.executable).with_name("torchrun")
     proc = subprocess.run(
-        [str(torchrun), "--standalone", "--nproc-per-node", "1", "--max-restarts", "1",
+        [str(torchrun), "--standalone", "--nproc-per-node", "2", "--max-restarts", "1",
          "-m", "editrain", "train", *tiny(data_cache), "--shard-size", "1", "--method",
          "diloco", "--sync.local_sgd_sync_interval", "2", "--train.batch_size", "4",
          "--train.seq_len", "32", "--train.eval_tokens", "1024", "--quiet", "--steps", "4",
          "--checkpoint.every", "2", "--run-dir", str(run)],
         capture_output=True, text=True, env=_torchrun_env(), timeout=180)
     assert proc.returncode != 0, proc.stderr[-3000:]
-    assert proc.stderr.count(f"--run-dir: {run} already holds a run") == 2, \
+    assert proc.stderr.count(f"--run-dir: {run} already holds a run") == 4, \
         proc.stderr[-3000:]
     assert _files(run) == before
 

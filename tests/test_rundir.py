@@ -839,3 +839,133 @@ def test_without_torchruns_store_a_restart_keeps_a_torchrun_claim_and_says_so(
     prepare_run_dir(cfg_for(local), local)
     with pytest.raises(RunDirError, match=r"already holds a run"):
         join_as_rank0(local, restart=1, train={"steps": 7})
+
+
+# ------------------------------------------------- rank 0's decision, shared by every rank
+def ranked_job(run: Path, rank: int, restart: int = 0, **over):
+    """Rank ``rank``'s job of a plain torchrun job of two ranks."""
+    from editrain.launch.job import Job
+
+    return Job(cfg_for(run, **over), run, world=2, rank=rank, under_torchrun=True,
+               restart=restart)
+
+
+def join_in_thread(job) -> tuple:
+    """``RunDirClaim(job).join()`` in a thread of its own; returns the thread and the list
+    its error goes to."""
+    import threading
+
+    from editrain.launch.run_dir import RunDirClaim
+
+    errors: list = []
+
+    def join() -> None:
+        with RunDirClaim(job) as claim:
+            _catching(errors, claim.join)
+
+    thread = threading.Thread(target=join)
+    thread.start()
+    return thread, errors
+
+
+def test_the_other_ranks_wait_for_rank_0s_decision_and_share_its_refusal(
+        tmp_path, torchrun_store):
+    """The directory holds another run, so config.toml is there from the start: rank 1
+    waits for rank 0's decision all the same, and is refused as rank 0 is (same error,
+    same line). Before, rank 1 waited only for config.toml and went on at once, into its
+    worker, while rank 0 was still checking and then refused; torchrun killed rank 1
+    without a word (or, on another node, it hung in the process group's start). A
+    later attempt's rank 1 waits for that attempt's decision, not the refusal before it;
+    a claim lets it go on."""
+    run = tmp_path / "run"
+    prepare_run_dir(cfg_for(run, train={"steps": 8}), run)  # another run, config.toml
+    torchrun_store()
+    rank1, errors1 = join_in_thread(ranked_job(run, 1))
+    time.sleep(0.5)
+    assert rank1.is_alive(), errors1  # config.toml is there: it waits for rank 0
+    rank0, errors0 = join_in_thread(ranked_job(run, 0))
+    for thread in (rank0, rank1):
+        thread.join(timeout=20)
+        assert not thread.is_alive()
+    assert [type(e) for e in errors0 + errors1] == [RunDirError, RunDirError]
+    assert str(errors1[0]) == str(errors0[0])
+    assert re.match(r"--run-dir: \S+/run already holds a run", str(errors1[0]))
+
+    rank1, errors1 = join_in_thread(ranked_job(run, 1, restart=1))
+    time.sleep(0.5)
+    assert rank1.is_alive(), errors1  # attempt 0's refusal is not attempt 1's decision
+    rank0, errors0 = join_in_thread(ranked_job(run, 0, restart=1, overwrite=True))
+    for thread in (rank0, rank1):
+        thread.join(timeout=20)
+        assert not thread.is_alive()
+    assert not errors0 and not errors1, errors0 + errors1
+
+
+@pytest.mark.parametrize(("error", "raised", "line"), [
+    (FileNotFoundError("no file x"), FileNotFoundError, "no file x"),
+    (OSError(28, "No space left on device"), RunDirError,
+     r"--run-dir: rank 0 failed while it checked \S+ \(OSError: \[Errno 28\] No space "
+     r"left on device\); see its output"),
+])
+def test_any_failure_of_rank_0_ends_the_other_ranks(tmp_path, torchrun_store, error, raised,
+                                                    line):
+    """Rank 0 refused with a user's error: the other ranks raise the same (the same one
+    line); any other failure of rank 0 reaches them as a RunDirError naming it, rather than
+    a wait until they time out."""
+    from editrain.launch.torchrun_claim import LaunchStore
+
+    torchrun_store()
+    rank0, rank1 = LaunchStore.connect(), LaunchStore.connect()
+    rank0.refuse(3, error, readers=0)
+    with pytest.raises(raised, match=line):
+        rank1.decision(3, 1, 5, tmp_path)
+
+
+def test_without_torchruns_store_the_other_ranks_wait_for_config_toml(tmp_path, monkeypatch):
+    """Without torchrun's store the other ranks fall back to waiting for rank 0's
+    config.toml (and say so when it never comes)."""
+    from editrain.launch import run_dir
+
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "False")
+    monkeypatch.setattr(run_dir, "TORCHRUN_WAIT_S", 0.3)
+    run = tmp_path / "run"
+    run.mkdir()
+    with pytest.raises(RunDirError, match=r"rank 1 saw no config.toml from rank 0"):
+        run_dir.RunDirClaim(ranked_job(run, 1)).join()
+    prepare_run_dir(cfg_for(run), run)
+    run_dir.RunDirClaim(ranked_job(run, 1)).join()
+
+
+def test_a_torchrun_restart_rejoins_only_a_start_its_own_launch_joined(
+        tmp_path, torchrun_store, monkeypatch):
+    """Group 1's job (launch a) died in the run's start; a new launch b of group 1 is
+    refused before its group's earlier job is noted over (here the wait for the run's
+    lock timed out), and torchrun restarts b with options the run does not have: the
+    restart is checked, and refused. Before, it found group 1 in the start, not ended and
+    unlocked, took it for its own and rejoined the start unchecked. A restart of launch a
+    itself rejoins as before."""
+    from editrain.launch import run_dir
+
+    run = tmp_path / "run"
+    torchrun_store()
+    (group0,) = start_groups(run, 0)
+    launch_a = torchrun_store()
+    (group1,) = start_groups(run, 1)
+    group1.lock.release()  # group 1's job died: torchrun (launch a) may restart it
+
+    torchrun_store()  # launch b of group 1
+    monkeypatch.setattr(run_dir, "RUN_LOCK_WAIT_S", 0.2)
+    with rundir.RunLock(run), pytest.raises(RunDirError, match=r"in use by another"):
+        start_groups(run, 1)  # the run's lock is busy: refused before any note
+    assert rundir.in_current_start(rundir.read_record(run), 1)
+    with pytest.raises(RunDirError, match=r"train.steps: this group 7, the run "):
+        start_groups(run, 1, restart=1, train={"steps": 7})
+    history = rundir.read_record(run).history
+    assert len(history) == 1 and "steps = 7" not in (run / "config.toml").read_text()
+
+    (group1_b,) = start_groups(run, 1)  # b's restart with the run's options joins
+    group1_b.lock.release()
+    monkeypatch.setenv("MASTER_PORT", str(launch_a.port))
+    with pytest.raises(RunDirError, match=r"train.steps"):
+        start_groups(run, 1, restart=1, train={"steps": 7})  # a's place was taken by b
+    end_groups(run, [group0])

@@ -63,9 +63,10 @@ def run_local(cfg: Config, started_at: float | None = None) -> dict[str, Any]:
 
 
 def run_under_torchrun(cfg: Config, started_at: float | None = None) -> dict[str, Any]:
-    """Join a torchrun job: rank 0 claims the run directory, every rank trains, rank 0
-    plots (``started_at``: when this rank's command started, :attr:`Job.started_at`).
-    Returns this rank's summary."""
+    """Join a torchrun job: rank 0 claims the run directory (the other ranks wait for its
+    decision, and share its refusal), every rank trains, rank 0 plots (``started_at``:
+    when this rank's command started, :attr:`Job.started_at`). Returns this rank's
+    summary."""
     import_torch()
     from editrain.train import run_worker
 

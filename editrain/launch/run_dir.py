@@ -28,13 +28,23 @@ from editrain.config.applicability import drop_inapplicable
 from editrain.config.toml_io import RUN_CONFIG_MAX_BYTES
 from editrain.errors import RunDirError
 from editrain.launch.job import Job, resolved
-from editrain.launch.torchrun_claim import CLAIM_TOKEN, LaunchStore, own_claim, recorded_token
+from editrain.launch.torchrun_claim import (
+    CLAIM_TOKEN,
+    CLAIMED,
+    REJOINED,
+    LaunchStore,
+    group_token,
+    note_group_claim,
+    own_claim,
+    recorded_token,
+)
 from editrain.safe_io import read_bytes, read_toml_value, write_atomic
 
 log = logging.getLogger("editrain")
 
 TORCHRUN_WAIT_S = 120
-"""How long a torchrun rank other than 0 waits for rank 0 to claim the run directory."""
+"""How long a torchrun rank other than 0 waits for rank 0's decision about the run
+directory (a replica group's rank longer: :func:`decision_wait_s`)."""
 GROUP_RESTART_WAIT_S = 180
 """How long a torchrun job of a fault-tolerant run's replica group waits for the groups
 of the run's current start that have not ended and hold no lock (torchrun may be
@@ -45,6 +55,15 @@ RUN_LOCK_WAIT_S = 60
 """How long a torchrun job of a fault-tolerant run's replica group waits for the run's
 lock, which the other groups' jobs hold a moment each (to claim the run, to gather its
 summary) and editrain's own ``--ft`` launcher for its whole job."""
+
+
+def decision_wait_s(replica: int | None) -> float:
+    """How long a torchrun rank other than 0 waits for rank 0's decision: rank 0 of a
+    fault-tolerant run's replica group (``replica``) may first wait for the run's lock
+    (to rejoin, then to join) and for the groups torchrun may be restarting."""
+    if replica is None:
+        return TORCHRUN_WAIT_S
+    return TORCHRUN_WAIT_S + GROUP_RESTART_WAIT_S + 2 * RUN_LOCK_WAIT_S
 
 
 def resume_checkpoints(cfg: Config, replica: int | None = None) -> list[Path]:
@@ -85,7 +104,9 @@ def _refuse_nothing_left(cfg: Config, replica: int | None) -> None:
     ``config.toml`` and the record, and the next plain ``--resume`` would take the refused
     job's options; the workers would then evaluate again, write the checkpoint's step
     again and append its rows to the metrics a second time. (Editrain's own launcher
-    refuses it in its preflight, for every replica group of a ``--ft`` run.)
+    refuses it in its preflight, for every replica group of a ``--ft`` run.) Rank 0
+    checks it as part of its decision, which the other ranks share
+    (:meth:`RunDirClaim.join`); without torchrun's store each rank checks it on its own.
 
     A fault-tolerant torchrun job is one replica group (``replica``): it checks the
     checkpoint its trainer resumes, its own ``replica{r}``'s (the other groups are other
@@ -481,47 +502,79 @@ class RunDirClaim:
                                self.job.started_at, torchrun_claim=torchrun_claim)
 
     def join(self) -> None:
-        """Under torchrun: rank 0 holds the directory's lock for the job and claims it
-        (:meth:`_claim_as_rank0`: a restart by torchrun finds the directory as its launch
-        left it); every other rank waits for rank 0 to have written ``config.toml``,
-        which it writes last. A fault-tolerant run's replica group is a job of its own
+        """Under torchrun: rank 0 decides about the run directory for the attempt
+        (:meth:`_decide_as_rank0`) and tells the other ranks through torchrun's store;
+        they wait for its word (:meth:`_await_rank0`) before they act, and share its
+        refusal. A fault-tolerant run's replica group is a job of its own
         (:meth:`_join_run`)."""
+        launch = LaunchStore.connect()
+        if self.job.rank == 0:
+            self._decide_as_rank0(launch)
+        else:
+            self._await_rank0(launch)
+
+    def _decide_as_rank0(self, launch: LaunchStore) -> None:
+        """Rank 0: check and claim the directory (:meth:`_claim_as_rank0`), or for a
+        replica group join the run (:meth:`_join_run`), and publish the outcome for the
+        attempt's other ranks: went on, or the refusal (raised here too)."""
         job = self.job
         replica = torchrun_group(job)
-        if job.rank == 0 and replica is None:
-            self._claim_as_rank0()
-            return
-        if job.restart == 0:  # every rank, before rank 0 writes anything
-            _refuse_nothing_left(job.cfg, replica)
-        if job.rank != 0:
-            deadline = time.monotonic() + TORCHRUN_WAIT_S
-            while not (job.run_dir / "config.toml").exists():
-                if time.monotonic() > deadline:
-                    raise RunDirError(
-                        f"--run-dir: rank {job.rank} saw no config.toml from rank 0 in "
-                        f"{job.run_dir} within {TORCHRUN_WAIT_S} s: the run directory must "
-                        f"be on storage every node sees, at the same path")
-                time.sleep(0.1)
-            return
-        self._join_run(replica)
+        try:
+            decision = (self._claim_as_rank0(launch) if replica is None
+                        else self._join_run(replica, launch))
+        except Exception as e:
+            launch.refuse(job.restart, e, readers=job.world - 1)
+            raise
+        launch.decide(job.restart, decision)
 
-    def _claim_as_rank0(self) -> None:
+    def _await_rank0(self, launch: LaunchStore) -> None:
+        """A rank other than 0: wait for rank 0's decision for this attempt, and raise its
+        refusal. The run directory holds a run already when it is another run, this
+        launch's own (a restart), or one rank 0 is about to replace (``--overwrite``):
+        the rank must not go on while rank 0 may still refuse it, set a timeline aside
+        or remove the old run.
+
+        Without torchrun's store (:meth:`LaunchStore.connect`) the rank waits, as it did
+        before, only for rank 0's ``config.toml`` (rank 0 writes it last), having checked
+        its own ``--resume`` for a step left."""
+        job = self.job
+        replica = torchrun_group(job)
+        if launch.store is not None:
+            launch.decision(job.restart, job.rank, decision_wait_s(replica), job.run_dir)
+            return
+        if job.restart == 0:  # before rank 0 writes anything
+            _refuse_nothing_left(job.cfg, replica)
+        deadline = time.monotonic() + TORCHRUN_WAIT_S
+        while not (job.run_dir / CONFIG_FILE).exists():
+            if time.monotonic() > deadline:
+                raise RunDirError(
+                    f"--run-dir: rank {job.rank} saw no config.toml from rank 0 in "
+                    f"{job.run_dir} within {TORCHRUN_WAIT_S} s: the run directory must "
+                    f"be on storage every node sees, at the same path")
+            time.sleep(0.1)
+
+    def _claim_as_rank0(self, launch: LaunchStore) -> str:
         """Rank 0 of a plain torchrun job: checks and claims the directory, unless
         torchrun restarted the workers of the launch whose claim the directory holds
         (:meth:`_restarted_own_run`), which go on with it as it is. A restart of a refused
         attempt is checked again, as the first attempt was: it used to take the record
-        of the run it was refused for as its own launch's and train into that run."""
+        of the run it was refused for as its own launch's and train into that run.
+
+        Returns:
+            The decision (:data:`~editrain.launch.torchrun_claim.CLAIMED` or
+            :data:`~editrain.launch.torchrun_claim.REJOINED`).
+        """
         job = self.job
-        launch = LaunchStore.connect()
         if job.restart > 0:
             self.lock.acquire()
             if self._restarted_own_run(launch):
-                return
+                return REJOINED
         token = launch.mark(job.run_dir)  # before the checks: a refusal leaves it unclaimed
         _refuse_nothing_left(job.cfg, None)
         if not self.lock.held:
             self.lock.acquire()
         self.claim(token)
+        return CLAIMED
 
     def _restarted_own_run(self, launch: LaunchStore) -> bool:
         """Whether the run directory's latest claim is this launch's
@@ -532,15 +585,22 @@ class RunDirClaim:
         ``--overwrite`` remove it."""
         job = self.job
         recorded = recorded_token(rundir.read_record(job.run_dir))
+        return self._own(launch, recorded, f"the run in {job.run_dir}")
+
+    def _own(self, launch: LaunchStore, recorded: str | None, what: str) -> bool:
+        """Whether ``recorded`` (the record's token of the claim a restart would go on
+        with) is this launch's (:func:`editrain.launch.torchrun_claim.own_claim`); where
+        that cannot be told, True, with a warning naming ``what``."""
+        job = self.job
         own = own_claim(launch.latest(job.run_dir), recorded)
         if own is None:
-            log.warning("torchrun restart %d: the run in %s is taken as this launch's "
-                        "without a check: its record holds a torchrun launch's claim, and "
-                        "%s", job.restart, job.run_dir, launch.why_not or
+            log.warning("torchrun restart %d: %s is taken as this launch's without a "
+                        "check: its record holds a torchrun launch's claim, and %s",
+                        job.restart, what, launch.why_not or
                         "torchrun's store holds no token of this launch to compare it with")
         return own is not False
 
-    def _join_run(self, replica: int) -> None:
+    def _join_run(self, replica: int, launch: LaunchStore) -> str:
         """Rank 0 of a torchrun job of a fault-tolerant run's replica group ``replica``:
         the groups' jobs share the run directory, each owning its ``replica{r}/``.
 
@@ -550,24 +610,30 @@ class RunDirClaim:
         group claims the run directory as a local job does (record, ``config.toml``), and
         a group that starts while others train joins their start (:func:`join_run`),
         writing none of the run's files. A group that torchrun restarts rejoins the start
-        as it left it when it takes part in it and has not ended (:meth:`_rejoin`); a
-        restarted job of any other group (its first job was refused, or its start is over)
-        is checked as a new one is. While a group of the current start holds no lock and
+        as it left it when it takes part in it, has not ended and was joined by this
+        launch (:meth:`_rejoin`); a restarted job of any other group (its first job was
+        refused, or its start is over) is checked as a new one is. While a group of the current start holds no lock and
         has not ended, torchrun may be restarting it: a new group's job waits for it (up to
         :data:`GROUP_RESTART_WAIT_S`) and joins the start once it is back, rather than
-        claiming the run anew under a group that still trains."""
+        claiming the run anew under a group that still trains.
+
+        Returns:
+            The decision (:data:`~editrain.launch.torchrun_claim.CLAIMED`: claimed or
+            joined; :data:`~editrain.launch.torchrun_claim.REJOINED`).
+        """
         job = self.job
         self.lock = rundir.RunLock(job.run_dir, replica)
-        if job.restart > 0:
-            if self._rejoin(replica):
-                return
-            # Not a restart of a group that trains in the run: its first job was refused
-            # (torchrun restarts a refused job too), or its start is over. Checked as a
-            # first job is.
-            _refuse_nothing_left(job.cfg, replica)
+        if job.restart > 0 and self._rejoin(replica, launch):
+            return REJOINED
+        # A first job, or not a restart of this launch's group in the run's start (its
+        # first job was refused, torchrun restarts a refused job too; or its start is
+        # over): checked as a first job is. Its token is in the store before the checks:
+        # a refusal leaves one that no start holds.
+        token = launch.mark(job.run_dir)
+        _refuse_nothing_left(job.cfg, replica)
         deadline = time.monotonic() + GROUP_RESTART_WAIT_S
         waited = False
-        while not self._start_or_join(replica, time.monotonic() > deadline):
+        while not self._start_or_join(replica, time.monotonic() > deadline, token):
             if not waited and not job.cfg.quiet:
                 log.warning("replica group %d: waiting up to %d s for the other groups of "
                             "the run in %s, whose jobs have not ended and hold no lock "
@@ -577,24 +643,36 @@ class RunDirClaim:
                             job.run_dir)
             waited = True
             time.sleep(GROUP_POLL_S)
+        return CLAIMED
 
-    def _rejoin(self, replica: int) -> bool:
+    def _rejoin(self, replica: int, launch: LaunchStore) -> bool:
         """A job of group ``replica`` that torchrun restarted: when the group takes part
         in the run's current start and has not ended (:func:`editrain.rundir.in_current_start`),
-        the run is as the group left it and the job rejoins the start unchecked (True,
-        holding the group's lock); otherwise False."""
+        and this launch's rank 0 claimed or joined the start as the group (its token in
+        torchrun's store and in the start's line: :func:`group_token`), the run is as the
+        group left it and the job rejoins the start unchecked (True, holding the group's
+        lock); otherwise False. A launch refused before it joined (a refusal before
+        its group's earlier job was noted over: the wait for the run's lock, a
+        ``--resume`` with no step left) used to rejoin the start of the group's earlier
+        job, unchecked, when torchrun restarted it. Where the store cannot tell, the
+        job rejoins, with a warning (:meth:`_own`)."""
         job = self.job
         with rundir.RunLock(job.run_dir).acquire(wait_s=RUN_LOCK_WAIT_S):
-            if not rundir.in_current_start(rundir.read_record(job.run_dir), replica):
+            record = rundir.read_record(job.run_dir)
+            if not (rundir.in_current_start(record, replica) and self._own(
+                    launch, group_token(record, replica),
+                    f"replica group {replica}'s place in the start of the run in "
+                    f"{job.run_dir}")):
                 return False
             self.lock.acquire()
             return True
 
-    def _start_or_join(self, replica: int, waited_enough: bool) -> bool:
+    def _start_or_join(self, replica: int, waited_enough: bool, token: str) -> bool:
         """One look under the run's lock (see :meth:`_join_run`): join the start the
         other groups train in, or claim the run when none of the current start's groups
-        can come back (or ``waited_enough``); False (this group's lock released again)
-        to wait for them."""
+        can come back (or ``waited_enough``), keeping this launch's ``token`` for the
+        group in the start's line (:func:`note_group_claim`); False (this group's lock
+        released again) to wait for them."""
         job = self.job
         with rundir.RunLock(job.run_dir).acquire(wait_s=RUN_LOCK_WAIT_S) as run_lock:
             self.lock.acquire()  # refused if another job is this group
@@ -606,6 +684,7 @@ class RunDirClaim:
             rundir.note_group(job.run_dir, replica, ended=True)
             if rundir.running_groups(job.run_dir, but=replica):
                 join_run(job.cfg, job.run_dir, replica)
+                note_group_claim(job.run_dir, replica, token)
                 return True
             awaited = rundir.awaited_groups(job.run_dir, rundir.read_record(job.run_dir),
                                             but=replica)
@@ -614,6 +693,7 @@ class RunDirClaim:
                 # would remove what a group that is slow to restart still writes, is
                 # refused by the check (refuse_overwrite_of_awaited_groups).
                 prepare_run_dir(job.cfg, job.run_dir, run_lock, job.started_at, replica)
+                note_group_claim(job.run_dir, replica, token)
                 return True
             self.lock.release()
             return False

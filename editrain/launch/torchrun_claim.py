@@ -18,19 +18,27 @@ one.
 Rank 0 puts a fresh token under the run directory's key at each attempt that checks the
 directory, before the checks (a refused attempt leaves a token that no record holds),
 and its claim writes the same token in its history line (:data:`CLAIM_TOKEN`). A
-restart then compares the two (:func:`own_claim`).
+restart then compares the two (:func:`own_claim`). A torchrun job of a fault-tolerant
+run's replica group does the same for its group (:data:`GROUP_CLAIMS` of the start's
+line): its restart rejoins the start unchecked only when this launch joined it.
+
+The same store carries rank 0's decision about the run directory to the other ranks of
+the launch (:meth:`LaunchStore.decide`, :meth:`LaunchStore.decision`): they wait for it
+before they act, and share its refusal.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import time
 import uuid
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 from editrain import rundir
+from editrain.errors import CheckpointError, ConfigError, RunDirError
 
 log = logging.getLogger("editrain")
 
@@ -39,6 +47,28 @@ CLAIM_TOKEN = "torchrun_claim"
 claimed the run there (absent from a line of any other job)."""
 STORE_KEY = "editrain/run_dir_claim/"
 """The prefix of a run directory's key in torchrun's store (the resolved path follows)."""
+GROUP_CLAIMS = "torchrun_group_claims"
+"""The key of a torchrun ``--ft`` start's history line holding, by replica group, the
+token of the launch whose rank 0 claimed or joined the start as that group."""
+DECISION_KEY = "editrain/run_dir_decision/attempt_"
+"""The prefix of the key under which rank 0 of an attempt (``TORCHELASTIC_RESTART_COUNT``
+follows) puts its decision about the run directory. The attempt alone names it: one
+launch is one run directory, whose path may differ between nodes (its mount path)."""
+CLAIMED, REJOINED, REFUSED = "claimed", "rejoined", "refused"
+"""Rank 0's decisions: it checked and claimed (or joined) the run directory; it goes on
+with its launch's own run unchecked (a restart); it was refused (``refused TYPE:
+MESSAGE``), and so is every rank."""
+SHARED_REFUSALS = {cls.__name__: cls for cls in (RunDirError, ConfigError, CheckpointError,
+                                                 FileNotFoundError, ValueError)}
+"""The refusals another rank raises as rank 0 did (same type, same message: the command
+line prints the same one line, exit code 2); any other failure of rank 0 is raised as a
+:class:`RunDirError` naming it."""
+POLL_S = 0.05
+"""How often a rank looks for what it waits for in the store."""
+READ_WAIT_S = 10.0
+"""How long rank 0 of a refused attempt waits for the other ranks to have read its
+refusal before it exits: torchrun stops every worker of an attempt as soon as one exits,
+and a rank stopped before it read the refusal would end without a word."""
 STORE_TIMEOUT_S = 30
 """How long rank 0 tries to reach torchrun's store (the agent serves it before it
 starts the workers: a store that does not answer is one the process group cannot use
@@ -125,6 +155,77 @@ class LaunchStore:
         if self.store is not None:
             self.store.set(_key(run_dir), token)
         return token
+
+    def decide(self, attempt: int, decision: str) -> None:
+        """Rank 0: tell the other ranks of ``attempt`` its decision (:data:`CLAIMED`,
+        :data:`REJOINED`); nothing without a store."""
+        if self.store is not None:
+            self.store.set(_decision_key(attempt), decision)
+
+    def refuse(self, attempt: int, error: BaseException, readers: int) -> None:
+        """Rank 0: tell the other ranks of ``attempt`` that it was refused (``error``),
+        then wait, up to :data:`READ_WAIT_S`, for the ``readers`` other ranks to have
+        read it; nothing without a store."""
+        if self.store is None:
+            return
+        self.store.set(_decision_key(attempt), f"{REFUSED} {type(error).__name__}: {error}")
+        read = [f"{_decision_key(attempt)}/read/{rank}" for rank in range(1, readers + 1)]
+        deadline = time.monotonic() + READ_WAIT_S
+        while read and not self.store.check(read) and time.monotonic() < deadline:
+            time.sleep(POLL_S)
+
+    def decision(self, attempt: int, rank: int, wait_s: float, run_dir: Path) -> str:
+        """Another rank: wait for rank 0's decision about ``run_dir`` in ``attempt``
+        (:data:`CLAIMED` or :data:`REJOINED`, returned), up to ``wait_s``.
+
+        Raises:
+            RunDirError: no decision within ``wait_s``; or rank 0 was refused, raised as
+                rank 0's own error where it is one of :data:`SHARED_REFUSALS`.
+        """
+        key = _decision_key(attempt)
+        deadline = time.monotonic() + wait_s
+        while not self.store.check([key]):
+            if time.monotonic() > deadline:
+                raise RunDirError(
+                    f"--run-dir: rank {rank} had no decision from rank 0 about {run_dir} "
+                    f"within {wait_s:.0f} s (rank 0 checks and claims the run directory "
+                    "before any rank trains); see rank 0's output")
+            time.sleep(POLL_S)
+        said = self.store.get(key).decode("utf-8", "replace")
+        if not said.startswith(REFUSED + " "):
+            return said
+        self.store.set(f"{key}/read/{rank}", "1")
+        kind, _, message = said[len(REFUSED) + 1:].partition(": ")
+        if kind in SHARED_REFUSALS:
+            raise SHARED_REFUSALS[kind](message)
+        raise RunDirError(f"--run-dir: rank 0 failed while it checked {run_dir} "
+                          f"({kind}: {message}); see its output")
+
+
+def group_token(record: rundir.RunRecord | None, replica: int) -> str | None:
+    """The token of the launch whose rank 0 claimed or joined the run's current start
+    (:func:`editrain.rundir.current_start`) as group ``replica`` (:data:`GROUP_CLAIMS`),
+    if any."""
+    start = rundir.current_start(record) or {}
+    claims = start.get(GROUP_CLAIMS)
+    token = claims.get(str(replica)) if isinstance(claims, dict) else None
+    return token if isinstance(token, str) else None
+
+
+def note_group_claim(run_dir: Path, replica: int, token: str) -> None:
+    """Keep in the run's current start's line that the launch of ``token`` claimed or
+    joined it as group ``replica`` (:func:`group_token`). Call holding the run's lock."""
+    record = rundir.read_record(run_dir)
+    start = rundir.current_start(record)
+    if record is None or start is None:
+        return
+    claims = start.get(GROUP_CLAIMS)
+    start[GROUP_CLAIMS] = {**(claims if isinstance(claims, dict) else {}), str(replica): token}
+    rundir.write_record(run_dir, record)
+
+
+def _decision_key(attempt: int) -> str:
+    return f"{DECISION_KEY}{attempt}"
 
 
 def _key(run_dir: Path) -> str:
