@@ -1,5 +1,7 @@
-"""Pipeline stages in the job model: which units each stage holds, the schedule's bubble,
-the activations that cross the stages, the stages' memory and their cross-replica links.
+"""Pipeline stages in the job model.
+
+Which units each stage holds, the schedule's bubble, the activations that cross the
+stages, the stages' memory and their cross-replica links.
 
 A replica of ``pp`` stages is ``pp x shard_size x tp`` GPUs (training's ``dist.pp_size``,
 :mod:`editrain.pipeline`). Each stage holds contiguous runs of blocks split as the trainer
