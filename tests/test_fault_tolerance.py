@@ -290,23 +290,31 @@ def _plain_and_ft(tmp_path, cache, args: list[str]):
     return cache, plain, ft, summary
 
 
+FAIL_STEPS = 16
+"""Steps of :func:`_group_1_dies`'s run: syncs at 4, 8, 12 and 16."""
+
+
 def _group_1_dies(cache, run, args: list[str]) -> dict:
-    """``--ft`` for 60 steps with replica group 1 killed after step 6 and restarted at
-    once: it heals from group 0 and both end with one validation loss. Every step stalls
-    0.3 s so that group 0 still trains when group 1's processes are back (a restart takes
-    seconds on a busy 2-core machine). Returns the summary's groups."""
+    """``--ft`` for :data:`FAIL_STEPS` steps with replica group 1 killed after step 6 and
+    restarted at once: it heals from group 0 and both end with one validation loss. A
+    quorum needs both groups (``dist.ft_min_replicas 2``), so group 0 waits at its next
+    sync for group 1 to be back, however long the restart takes on a busy machine (its
+    collectives time out after ``dist.ft_timeout_s``); a survivor that trains on without
+    the dead group is test_cli_ft_run_survives_a_dead_replica_group's. Returns the
+    summary's groups."""
     import json
 
     from tests.test_checkpoint import train
 
-    train(cache, run, "--ft", *args, "--steps", "60", "--train.eval_every", "60",
-          "--sim.fail", "1@6", "--sim.fail_restart_s", "0", "--sim.random_stall", "1.0,0.3")
+    total = FAIL_STEPS
+    train(cache, run, "--ft", *args, "--steps", str(total), "--train.eval_every", str(total),
+          "--sim.fail", "1@6", "--sim.fail_restart_s", "0", "--dist.ft_min_replicas", "2")
     summary = json.loads((run / "summary.json").read_text())
     events = [(e["event"], e["replica"], e["attempt"]) for e in summary["events"]]
     assert ("died", 1, 0) in events and ("start", 1, 1) in events
     groups = summary["per_replica"]
-    assert groups["0"]["steps_run"] == 60 and groups["1"]["healed_at"] > 6
-    assert groups["1"]["steps_run"] == 60 - groups["1"]["healed_at"]
+    assert groups["0"]["steps_run"] == total and groups["1"]["healed_at"] > 6
+    assert groups["1"]["steps_run"] == total - groups["1"]["healed_at"]
     assert groups["0"]["final_val_loss"] == groups["1"]["final_val_loss"]
     return groups
 
@@ -454,14 +462,15 @@ def test_cli_ft_with_pipeline_stages(tmp_path, data_cache):
     groups = _group_1_dies(cache, fail, PP_FT)
     healed = groups["1"]["healed_at"]
     assert groups["0"]["healed_at"] is None
-    assert groups["0"]["num_syncs"] == groups["1"]["num_syncs"] == 15
+    assert groups["0"]["num_syncs"] == groups["1"]["num_syncs"] == FAIL_STEPS // 4
     # Both stages of the restarted group went on from the healed step.
     for stage in range(2):
         rows = (fail / "replica1" / "ranks" / f"rank{stage}.jsonl").read_text().splitlines()
         steps = [r["step"] for r in map(json.loads, rows) if "event" not in r]
-        assert steps[steps.index(healed + 1):] == list(range(healed + 1, 61)), steps
+        assert steps[steps.index(healed + 1):] == list(range(healed + 1, FAIL_STEPS + 1)), \
+            steps
     # One global model in both groups' final checkpoints, every stage's part of it.
-    last = "checkpoints/step_00000060"
+    last = f"checkpoints/step_{FAIL_STEPS:08d}"
     a, b = (_global_state(fail / f"replica{r}" / last) for r in range(2))
     assert sorted(a) == sorted(b)
     for part in ("tok_embeddings.weight", "layers.0.", "layers.1.", "output.weight"):
