@@ -77,6 +77,35 @@ def test_hf_config_validation(tmp_path):
     assert ok.model.hf_config == str(cfg)
 
 
+NO_BLOCKS = (r"describes a MambaForCausalLM, whose layers are in none of the places editrain "
+             r"looks for a causal LM's transformer blocks \(model.layers, transformer.h, "
+             r"model.decoder.layers, gpt_neox.layers, transformer.blocks\); editrain trains "
+             r"the architectures laid out that way \(Llama, Qwen2")
+
+
+@pytest.mark.parametrize("config, refusal", [
+    ({"model_type": "mamba", "vocab_size": 320, "hidden_size": 32, "num_hidden_layers": 2,
+      "state_size": 4}, NO_BLOCKS),
+    ({"model_type": "t5", "vocab_size": 320, "d_model": 32, "d_ff": 64, "num_layers": 2,
+      "num_heads": 4, "d_kv": 8}, r"describes no causal LM transformers can build \(.*T5Config"
+                                  r".*\); editrain trains the decoder-only models "
+                                  r"AutoModelForCausalLM builds$"),
+])
+def test_an_architecture_editrain_cannot_train_is_refused_before_launch(
+        tmp_path, config, refusal):
+    """A ``model.hf_config`` that transformers builds no causal LM from (T5), or whose model
+    keeps its layers where editrain finds no transformer blocks (Mamba's
+    ``backbone.layers``), is refused while the configuration is checked, in one line naming
+    the option and what editrain trains. Both passed validation; every rank then failed
+    once the corpus was tokenised (Mamba with find_blocks' advice for the Python API,
+    ``blocks=model.my_layers``, which the command line has no option for)."""
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(config))
+    with pytest.raises(ConfigError, match=f"^model.hf_config: {path} {refusal}") as e:
+        load_config(overrides={"model": {"hf_config": str(path)}})
+    assert "\n" not in str(e.value)
+
+
 @pytest.mark.slow
 def test_train_hf_llama_end_to_end(tmp_path):
     cfg = write_config(tmp_path / "config.json")

@@ -324,6 +324,15 @@ def test_bad_directories_are_refused_in_one_line(dirs, tmp_path):
     odd = _copy(dirs["qwen"], tmp_path / "odd")
     (odd / "config.json").write_text(json.dumps({**read_config(odd), "model_type": "nosuch"}))
     _refused(tmp_path, odd, "model.init_from: .*describes no causal LM")
+    # a causal LM whose layers are not transformer blocks where editrain looks (Mamba's
+    # backbone.layers): it was "no causal LM transformers can build", with the advice of the
+    # Python API (blocks=...)
+    mamba = tmp_path / "mamba"
+    transformers.MambaForCausalLM(transformers.MambaConfig(
+        vocab_size=320, hidden_size=32, num_hidden_layers=2, state_size=4)).save_pretrained(mamba)
+    _refused(tmp_path, mamba, f"^model.init_from: {mamba} describes a MambaForCausalLM, whose "
+             "layers are in none of the places editrain looks for a causal LM's transformer "
+             "blocks")
     with pytest.raises(ConfigError, match="remove model.dim"):
         load_config(overrides={"model": {"init_from": str(dirs["llama"]), "dim": 64}})
 

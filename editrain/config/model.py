@@ -136,17 +136,29 @@ def meta_model(cfg: Config) -> Any:
     import torch
 
     from editrain.models import Llama
-    from editrain.models.hf import HFCausalLM, read_hf_config
+    from editrain.models.hf import HFCausalLM
 
+    source = hf_source(cfg)
+    if source is not None:
+        return HFCausalLM(meta_hf_model(source))
     with torch.device("meta"):
-        source = hf_source(cfg)
-        if source is not None:
-            from transformers import AutoConfig, AutoModelForCausalLM  # optional dependency
-
-            data = dict(read_hf_config(source))
-            hf_config = AutoConfig.for_model(data.pop("model_type"), **data)
-            return HFCausalLM(AutoModelForCausalLM.from_config(hf_config))
         return Llama(model_config(cfg))
+
+
+def meta_hf_model(source: str) -> Any:
+    """The ``transformers`` model a Hugging Face ``config.json`` (or a model directory
+    holding one) describes, on the meta device, not yet wrapped by
+    :class:`~editrain.models.hf.HFCausalLM`: validation tells transformers' refusal of the
+    file apart from the adapter's (no transformer blocks where it looks for them)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM  # optional dependency
+
+    from editrain.models.hf import read_hf_config
+
+    data = dict(read_hf_config(source))
+    hf_config = AutoConfig.for_model(data.pop("model_type"), **data)
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(hf_config)
 
 
 def tokenizer_source(cfg: Config) -> tuple[str | None, str | None, str | None]:

@@ -25,6 +25,7 @@ from editrain.config.model import (
     heads,
     hf_source,
     init_llama,
+    meta_hf_model,
     meta_model,
     model_config,
     sync_units,
@@ -361,6 +362,33 @@ def _check_hf(cfg: Config) -> None:
             f"remove {', '.join('model.' + k for k in shape)}")
     with as_config_error(FileNotFoundError):
         check_hf_config(hf_source(cfg), cfg.train.seq_len, _hf_option(cfg))
+    if cfg.model.hf_config is not None:  # model.init_from's is built by _check_init_from
+        _hf_meta_model(cfg)
+
+
+def _hf_meta_model(cfg: Config) -> Any:
+    """The ``model.hf_config`` or ``model.init_from`` model of another architecture than
+    Llama on the meta device, before any process starts: an architecture editrain cannot
+    train is refused here in one line naming the option and what it trains, not in every
+    rank once the corpus is tokenised.
+
+    Raises:
+        ConfigError: transformers builds no causal LM from the file (an encoder-decoder
+            such as T5, an unknown ``model_type``), or the model keeps its layers where
+            :func:`editrain.units.find_blocks` does not look (Mamba's ``backbone.layers``,
+            BERT's ``bert.encoder.layer``): EDiT syncs block by block.
+    """
+    from editrain.models.hf import HFCausalLM
+
+    option, source = _hf_option(cfg), hf_source(cfg)
+    try:
+        hf_model = meta_hf_model(source)
+    except Exception as e:  # transformers' own refusal of a model_type or architecture
+        raise ConfigError(f"{option}: {source} describes no causal LM transformers can build "
+                          f"({str(e).splitlines()[0]}); editrain trains the decoder-only "
+                          f"models AutoModelForCausalLM builds") from None
+    with as_config_error():
+        return HFCausalLM.for_training(hf_model, f"{option}: {source}")
 
 
 def _hf_option(cfg: Config) -> str:
@@ -392,13 +420,7 @@ def _check_init_from(cfg: Config) -> None:
         require(importlib.util.find_spec("transformers") is not None, "model.init_from",
                 f"{m.init_from} is not a LlamaForCausalLM, and other architectures need the "
                 "transformers package: pip install 'editrain[hf]'")
-    try:
-        model = meta_model(cfg)
-    except ConfigError:
-        raise
-    except Exception as e:  # transformers' own refusal of a model_type or architecture
-        raise ConfigError(f"model.init_from: {m.init_from}/config.json describes no causal "
-                          f"LM transformers can build ({str(e).splitlines()[0]})") from None
+    model = meta_model(cfg) if llama else _hf_meta_model(cfg)
     expected = {n: tuple(p.shape) for n, p in hf_parameters(model).items()}
     with as_config_error():
         check_tensors(weights, expected)

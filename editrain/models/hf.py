@@ -19,7 +19,7 @@ from torch import Tensor, nn
 
 from editrain.models.hf_dir import hf_key
 from editrain.safe_io import read_json_value
-from editrain.units import find_blocks
+from editrain.units import BLOCK_PATHS, find_blocks
 
 INSTALL_HINT = "pip install 'editrain[hf]' (or pip install transformers)"
 
@@ -127,6 +127,30 @@ class HFCausalLM(nn.Module):
         super().__init__()
         self.hf = hf_model
         self._blocks = find_blocks(hf_model)
+
+    @classmethod
+    def for_training(cls, hf_model: nn.Module, where: str) -> HFCausalLM:
+        """The adapter around ``hf_model``, or why ``editrain train`` cannot train it.
+
+        Args:
+            hf_model: the model transformers built from a config.
+            where: the option and file it came from (``model.hf_config: PATH``).
+
+        Raises:
+            ValueError: one line starting with ``where``: the model keeps its layers in
+                none of :data:`~editrain.units.BLOCK_PATHS` (Mamba, BERT), where the
+                command line, unlike the Python API, cannot name them.
+        """
+        try:
+            return cls(hf_model)
+        except ValueError:
+            paths = ", ".join(BLOCK_PATHS[1:])  # the first, "layers", is editrain's Llama's
+            raise ValueError(
+                f"{where} describes a {type(hf_model).__name__}, whose layers are in none of "
+                f"the places editrain looks for a causal LM's transformer blocks ({paths}); "
+                f"editrain trains the architectures laid out that way (Llama, Qwen2, "
+                f"Mistral, Gemma, Phi-3, GPT-2, OPT, Falcon, GPT-NeoX...), syncing block by "
+                f"block") from None
 
     @property
     def config(self) -> Any:
