@@ -52,6 +52,7 @@ from editrain.models.hf_dir import (
 )
 from editrain.models.hf_llama import llama_config_to_hf, to_hf_name
 from editrain.models.hf_tokens import (
+    GENERATION_FILE,
     TOKEN_ID_KEYS,
     check_special_ids,
     config_special_ids,
@@ -96,7 +97,6 @@ RUN_TOKENIZER_DIR = "tokenizer"
 TOKENIZER_MAX_BYTES = 256 << 20
 """The largest tokenizer file an export copies (a large vocabulary's tokenizer.json is tens
 of MB)."""
-GENERATION_FILE = "generation_config.json"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    GENERATION_FILE)
 """What a run keeps of its tokenizer's model directory and an export writes beside the

@@ -1243,6 +1243,30 @@ def test_an_id_outside_the_vocabulary_is_refused_before_the_export_writes(
     assert {f.name: f.read_bytes() for f in out.iterdir()} == before
 
 
+def test_ids_an_export_would_refuse_are_refused_before_the_run_trains(dirs, tmp_path):
+    """The ids a run keeps for its export are checked while the configuration is: a
+    model.init_from config.json (or generation_config.json) naming an id past the model's
+    320 (GPT-2's 50256 in a smaller vocabulary), and a data.tokenizer directory naming a pad
+    token its tokenizer.json lacks, are refused in one line naming the option, the file and
+    the field. The run trained to the end, and export (or checkpoint.export_final) refused
+    it then."""
+    allowed = "not a token of the model's vocabulary (an id from 0 to 319"
+    for file, key in (("config.json", "bos_token_id"), ("generation_config.json",
+                                                        "eos_token_id")):
+        bad = _copy(dirs["qwen"], tmp_path / f"bad_{key}")
+        data = json.loads((bad / file).read_text())
+        (bad / file).write_text(json.dumps({**data, key: 50256}))
+        _refused(tmp_path, bad, re.escape(f"model.init_from: {bad / file}: {key} is 50256, "
+                                          f"{allowed}") + ".*; editrain export writes these "
+                 "ids for transformers to read, and would refuse them after training")
+    tok_dir = _copy(dirs["qwen"], tmp_path / "tok")
+    config = json.loads((tok_dir / "tokenizer_config.json").read_text())
+    (tok_dir / "tokenizer_config.json").write_text(json.dumps({**config, "pad_token": "<pad>"}))
+    _refused(tmp_path, dirs["llama"], re.escape(f"data.tokenizer: {tok_dir}: its tokenizer "
+                                                "files name the pad token '<pad>'"),
+             tokenizer=str(tok_dir))
+
+
 def test_an_export_into_what_editrain_keeps_for_a_run_is_refused(dirs, tmp_path):
     """OUT inside a checkpoint (which then held a directory: --resume refused the
     checkpoint, and rotation would delete the export with it), or inside a run's

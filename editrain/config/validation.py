@@ -19,6 +19,7 @@ from __future__ import annotations
 import importlib.util
 import os
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from editrain.config.model import (
@@ -53,6 +54,7 @@ from editrain.config.schema import (
 )
 from editrain.data import check_data_options
 from editrain.errors import ConfigError, as_config_error, require
+from editrain.models.hf_dir import hf_int
 from editrain.sim import check_replicas, parse_sim
 from editrain.sync.config import COMM_BACKENDS, check_finite
 from editrain.tracking import WANDB_MODES
@@ -256,7 +258,9 @@ def validate(cfg: Config) -> None:
             check_fault_tolerant(s.resolve(), 1)
     if hf_source(cfg) is not None:
         _check_hf(cfg)
-    else:
+    if tokenizer_source(cfg)[1] is not None:
+        _check_kept_ids(cfg)
+    if hf_source(cfg) is None:
         mcfg = model_config(cfg)
         how = (f"max_position_embeddings of the model.init_from directory "
                f"{cfg.model.init_from}; lower train.seq_len" if init_llama(cfg) else
@@ -389,6 +393,23 @@ def _hf_meta_model(cfg: Config) -> Any:
                           f"models AutoModelForCausalLM builds") from None
     with as_config_error():
         return HFCausalLM.for_training(hf_model, f"{option}: {source}")
+
+
+def _check_kept_ids(cfg: Config) -> None:
+    """The special-token ids the run keeps for ``editrain export`` (a ``model.init_from``
+    directory's own, a tokenizer directory's special tokens, a kept
+    ``generation_config.json``) are tokens of the model's vocabulary: a file that names one
+    past it (GPT-2's 50256 in a smaller vocabulary) is refused before the run trains, not by
+    the export after it (or by ``checkpoint.export_final`` at its end)."""
+    from editrain.models.hf import read_hf_config
+    from editrain.models.hf_tokens import check_kept_ids
+
+    tok_dir, init = tokenizer_source(cfg)[1], cfg.model.init_from
+    source = init if init is not None else cfg.model.hf_config
+    vocab = hf_int(read_hf_config(source), "vocab") if source is not None else 0
+    own = init is not None and Path(tok_dir).resolve() == Path(init).expanduser().resolve()
+    with as_config_error():
+        check_kept_ids(tok_dir, init, vocab, "model.init_from" if own else "data.tokenizer")
 
 
 def _hf_option(cfg: Config) -> str:

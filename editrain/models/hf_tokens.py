@@ -14,9 +14,14 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from editrain.models.hf_dir import special_tokens
+from editrain.models.hf_dir import read_config, special_tokens
+from editrain.safe_io import read_json_value
 
-__all__ = ["TOKEN_ID_KEYS", "check_special_ids", "config_special_ids", "tokenizer_special_ids"]
+__all__ = ["GENERATION_FILE", "TOKEN_ID_KEYS", "check_kept_ids", "check_special_ids",
+           "config_special_ids", "tokenizer_special_ids"]
+
+GENERATION_FILE = "generation_config.json"
+"""How a model generates (its end-of-text ids among its settings), beside ``config.json``."""
 
 TOKEN_ID_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id")
 """The special-token ids of a config, in ``config.json``'s and ``generation_config.json``'s
@@ -83,3 +88,59 @@ def check_special_ids(ids: Mapping[str, Any], vocab_size: int, where: str) -> No
         lists = ", or a non-empty list of such ids" if key == "eos_token_id" else ""
         raise ValueError(f"{where}: {key} is {value!r}, not a token of the model's vocabulary "
                          f"(an id from {ids_of}{lists}, or null)")
+
+
+def _same_dir(a: str | Path | None, b: str | Path | None) -> bool:
+    """Whether two paths name the same directory (neither None)."""
+    return (a is not None and b is not None
+            and Path(a).expanduser().resolve() == Path(b).expanduser().resolve())
+
+
+def check_kept_ids(tok_dir: str | Path | None, model_dir: str | Path | None,
+                   vocab_size: int, option: str) -> None:
+    """The special-token ids a run keeps for its export, checked before it trains: what
+    ``editrain export`` would refuse after the whole run (the directory's own ids where
+    the tokenizer is the ``model.init_from`` directory's, a ``generation_config.json``
+    kept as it is, the special tokens a tokenizer directory names), refused at once.
+
+    Args:
+        tok_dir: the directory the run's tokenizer comes from (``data.tokenizer``, or the
+            ``model.init_from`` directory); None: a ``tokenizer.json`` alone or a BPE
+            editrain trains, whose ids are the tokenizer's own.
+        model_dir: the ``model.init_from`` directory, or None.
+        vocab_size: the model's vocabulary (its embedding's rows).
+        option: the option that chose the files, which the message names first.
+
+    Raises:
+        ValueError: one line naming ``option``, the file, the field and what is allowed.
+    """
+    if tok_dir is None:
+        return
+    try:
+        _check_kept_ids(tok_dir, model_dir, vocab_size)
+    except ValueError as e:
+        raise ValueError(f"{option}: {e}; editrain export writes these ids for transformers "
+                         f"to read, and would refuse them after training: correct the "
+                         f"file") from None
+
+
+def _check_kept_ids(tok_dir: str | Path, model_dir: str | Path | None,
+                    vocab_size: int) -> None:
+    """:func:`check_kept_ids` without the option's name."""
+    if _same_dir(tok_dir, model_dir):
+        config = read_config(model_dir)
+        check_special_ids(config_special_ids(config), vocab_size,
+                          str(Path(model_dir) / "config.json"))
+    else:
+        tokenizer_special_ids(tok_dir)
+    # the generation config kept as it is: the model directory's, else the tokenizer's
+    # (one from a model directory beside another tokenizer takes that tokenizer's ids)
+    for where in (model_dir, tok_dir):
+        path = None if where is None else Path(where) / GENERATION_FILE
+        if path is not None and path.is_file():
+            if _same_dir(where, tok_dir):
+                value = read_json_value(path.read_bytes(), str(path), error=ValueError)
+                if not isinstance(value, dict):
+                    raise ValueError(f"{path} is not a JSON object")
+                check_special_ids(value, vocab_size, str(path))
+            return
