@@ -102,8 +102,6 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 """What a run keeps of its tokenizer's model directory and an export writes beside the
 weights: the tokenizer, and how the model generates (its end-of-text ids: Llama 3 names
 several there)."""
-DEFAULT_EOS = "<|endoftext|>"
-"""The end-of-text token of the BPE editrain trains (:mod:`editrain.data.tokenizer`)."""
 MODEL_IDS_FILE = "model_token_ids.json"
 """In ``RUN_DIR/tokenizer/`` where the run's tokenizer is its ``model.init_from``
 directory's: that directory's ``config.json`` special-token ids, which an export writes
@@ -183,8 +181,7 @@ def save_run_tokenizer(run_dir: str | Path, tokenizer_json: str | Path,
                 copied = True
     if not copied:
         write_atomic(out / "tokenizer_config.json", json.dumps(
-            {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": DEFAULT_EOS,
-             "bos_token": DEFAULT_EOS, "unk_token": DEFAULT_EOS}, indent=1) + "\n")
+            _tokenizer_config(Path(tokenizer_json)), indent=1) + "\n")
     for where in (model_dir, source_dir):
         if where is not None and (Path(where) / GENERATION_FILE).is_file():
             if _same_dir(where, source_dir):  # its ids name this tokenizer's tokens
@@ -194,6 +191,27 @@ def save_run_tokenizer(run_dir: str | Path, tokenizer_json: str | Path,
             break
     _record_model_ids(out, run_dir, source_dir, model_dir)
     return out
+
+
+def _tokenizer_config(tokenizer_json: Path) -> dict[str, str | None]:
+    """The ``tokenizer_config.json`` of a tokenizer that came without one (a BPE editrain
+    trained, a ``data.tokenizer`` file alone): its end-of-text token, the one the corpus
+    separated documents with (the first of
+    :data:`~editrain.data.tokenizer.EOS_FALLBACK_TOKENS` it holds: ``<|endoftext|>`` for
+    editrain's BPE, ``</s>`` for a Llama 2 tokenizer), also as its begin-of-text and
+    unknown token; ``null`` when it holds none of them, and for the pad token. Naming a
+    token the tokenizer lacks made every export of the run fail; leaving one out lets
+    transformers 5 put its own default there (``<|endoftext|>``), which it adds past the
+    vocabulary where the tokenizer lacks it."""
+    from tokenizers import Tokenizer
+
+    from editrain.data.tokenizer import EOS_FALLBACK_TOKENS
+
+    tok = Tokenizer.from_file(str(tokenizer_json))
+    eos = next((name for name in EOS_FALLBACK_TOKENS if tok.token_to_id(name) is not None),
+               None)
+    return {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": eos, "bos_token": eos,
+            "unk_token": eos, "pad_token": None}
 
 
 def _keep_generation_config(path: Path, out: Path, run_dir: str | Path) -> None:

@@ -1211,6 +1211,39 @@ def test_an_export_writes_null_for_a_special_token_the_tokenizer_lacks(dirs, tmp
     assert _in_vocabulary(tmp_path / "out")
 
 
+def test_a_tokenizer_file_alone_is_exported_with_its_own_end_of_text(dirs, tmp_path):
+    """A run whose data.tokenizer is a tokenizer.json alone, its end of text ``</s>`` (a
+    Llama 2 tokenizer's; the corpus separates documents with it): the export's tokenizer
+    and config name ``</s>`` and its id. The run kept a tokenizer_config.json naming
+    ``<|endoftext|>``, which this tokenizer lacks, and every export of the run was refused
+    ("its tokenizer files name the eos token '<|endoftext|>', which its tokenizer.json does
+    not hold"), with nothing the user could correct."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    from editrain.hf_checkpoint import export_checkpoint, save_run_tokenizer
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(dirs["corpus"].read_text().splitlines(), trainers.BpeTrainer(
+        vocab_size=300, special_tokens=["<s>", "</s>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok_file = tmp_path / "tokenizer.json"
+    tok.save(str(tok_file))
+    model_cfg = {k: v for k, v in read_config(dirs["qwen"]).items()
+                 if k != "transformers_version"}
+    run = tmp_path / "run"
+    _one_process_run(run, model_cfg, {"model": {"hf_config": str(dirs["qwen"])},
+                                      "data": {"tokenizer": str(tok_file)}})
+    save_run_tokenizer(run, tok_file, None, None)
+    export_checkpoint(run, tmp_path / "out")
+    eos = tok.token_to_id("</s>")
+    assert _special_ids(tmp_path / "out") == {"config": (eos, eos, None),
+                                              "generation": (eos, eos, None),
+                                              "tokenizer": (eos, eos, None)}
+    assert transformers.AutoTokenizer.from_pretrained(tmp_path / "out").eos_token == "</s>"
+
+
 @pytest.mark.parametrize("file, key, value, allowed", [
     ("model_token_ids.json", "eos_token_id", 320, "0 to 319, or a non-empty list"),
     ("model_token_ids.json", "eos_token_id", [0, 320], "0 to 319, or a non-empty list"),
