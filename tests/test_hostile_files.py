@@ -135,10 +135,12 @@ def _wandb_id(run: Path) -> None:
 
 
 def _run_tokenizer(run: Path) -> None:
+    from tokenizers import Tokenizer, models
+
     from editrain.hf_checkpoint import save_run_tokenizer
 
-    src = run.parent / "src-tokenizer.json"
-    src.write_text("{}")
+    src = run.parent / "src-tokenizer.json"  # read: its end of text names the run's
+    Tokenizer(models.WordLevel({"<|endoftext|>": 0}, unk_token="<|endoftext|>")).save(str(src))
     save_run_tokenizer(run, src, None)
 
 
