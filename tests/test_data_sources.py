@@ -677,8 +677,9 @@ def test_a_directory_of_record_shards_says_which_glob_names_them(tmp_path):
     with pytest.raises(ValueError) as e:
         parse_sources(str(tmp_path / "c4"))
     pattern = str(tmp_path / "c4" / "**" / "*.json.gz")
-    assert str(e.value).endswith(f"; it holds 3 .json.gz files: name them with a glob "
-                                 f"pattern, {pattern!r}")
+    notes = str(tmp_path / "c4" / "**" / "*.jsonl")
+    assert str(e.value).endswith(f"; it holds 3 .json.gz files, 1 .jsonl file: name them "
+                                 f"with glob patterns, {pattern!r}, {notes!r}")
     assert [d.text for d in iter_records(resolve_sources(pattern))] == ["doc 0", "doc 1",
                                                                         "doc 2"]
 
@@ -714,6 +715,33 @@ def test_a_directory_reads_its_compressed_text_and_says_what_it_leaves(tmp_path,
     (only / "x.txt").unlink()
     assert [doc.text for doc in iter_records(resolve_sources(str(only)))] == [
         "just compressed"]
+
+
+def test_a_directory_names_every_kind_of_record_file_it_leaves(tmp_path, caplog):
+    """Record files of several kinds beside a directory's text: the warning names each
+    kind with its count and glob, the most common first, and those globs read every record.
+    It named the most common kind only ('not the 2 .jsonl files'), and a user who took its
+    glob left the .jsonl.gz and .json files out of the corpus without a word."""
+    import logging
+
+    d = tmp_path / "kinds"
+    _write(d / "a.txt", "some text")
+    for name in ("r1.jsonl", "r2.jsonl", "r3.jsonl.gz", "r4.json"):
+        plain = d / name.removesuffix(".gz")
+        _write(plain, json.dumps({"text": name}))
+        if name.endswith(".gz"):
+            _compress(plain, ".gz")
+            plain.unlink()
+    with caplog.at_level(logging.WARNING, logger="editrain"):
+        resolve_sources(str(d))
+    globs = [str(d / "**" / f"*{suffix}") for suffix in (".jsonl", ".json", ".jsonl.gz")]
+    warned = [r.getMessage() for r in caplog.records if "stands for its text files" in
+              r.getMessage()]
+    assert warned == [f"data.path: {d} stands for its text files, not the 2 .jsonl files, "
+                      f"1 .json file, 1 .jsonl.gz file: name them with glob patterns, "
+                      f"{', '.join(repr(g) for g in globs)}, if they belong to the corpus too"]
+    assert sorted(doc.text for doc in iter_records(resolve_sources(globs))) == [
+        "r1.jsonl", "r2.jsonl", "r3.jsonl.gz", "r4.json"]
 
 
 def test_records_as_scraped_dumps_have_them(tmp_path, caplog):

@@ -374,9 +374,14 @@ def _records_hint(root: Path) -> str:
             kinds[suffix] = kinds.get(suffix, 0) + 1
     if not kinds:
         return ""
-    suffix, count = max(kinds.items(), key=lambda kv: kv[1])
-    return (f"; it holds {count} {suffix} file{'s' if count > 1 else ''}: name them with a "
-            f"glob pattern, {str(root / ('**/*' + suffix))!r}")
+    # every kind, the most common first: naming only that one left the others (a .jsonl
+    # beside .json.gz shards, a .parquet) out of the corpus the advice made
+    ordered = sorted(kinds.items(), key=lambda kv: (-kv[1], kv[0]))
+    held = ", ".join(f"{count} {suffix} file{'s' if count > 1 else ''}"
+                     for suffix, count in ordered)
+    globs = ", ".join(repr(str(root / ("**/*" + suffix))) for suffix, _ in ordered)
+    pattern = "a glob pattern" if len(ordered) == 1 else "glob patterns"
+    return f"; it holds {held}: name them with {pattern}, {globs}"
 
 
 _WARNED: set[str] = set()
