@@ -54,7 +54,7 @@ from editrain.config.schema import (
 )
 from editrain.data import check_data_options
 from editrain.errors import ConfigError, as_config_error, require
-from editrain.models.hf_dir import hf_int
+from editrain.models.hf_dir import hf_int, read_config
 from editrain.sim import check_replicas, parse_sim
 from editrain.sync.config import COMM_BACKENDS, check_finite
 from editrain.tracking import WANDB_MODES
@@ -401,12 +401,17 @@ def _check_kept_ids(cfg: Config) -> None:
     ``generation_config.json``) are tokens of the model's vocabulary: a file that names one
     past it (GPT-2's 50256 in a smaller vocabulary) is refused before the run trains, not by
     the export after it (or by ``checkpoint.export_final`` at its end)."""
-    from editrain.models.hf import read_hf_config
     from editrain.models.hf_tokens import check_kept_ids
 
     tok_dir, init = tokenizer_source(cfg)[1], cfg.model.init_from
-    source = init if init is not None else cfg.model.hf_config
-    vocab = hf_int(read_hf_config(source), "vocab") if source is not None else 0
+    if init is not None:
+        vocab = hf_int(read_config(init), "vocab")
+    elif cfg.model.hf_config is not None:  # torch, as _check_hf imported it already
+        from editrain.models.hf import read_hf_config
+
+        vocab = hf_int(read_hf_config(cfg.model.hf_config), "vocab")
+    else:  # editrain's Llama: its embedding is sized to the tokenizer (editrain data: no torch)
+        vocab = 0
     own = init is not None and Path(tok_dir).resolve() == Path(init).expanduser().resolve()
     with as_config_error():
         check_kept_ids(tok_dir, init, vocab, "model.init_from" if own else "data.tokenizer")
