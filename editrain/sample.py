@@ -73,7 +73,7 @@ def _hf_dir_model(path: Path) -> tuple[nn.Module, int]:
         fill_rope(model)
         max_len = cfg.max_seq_len
     else:
-        model = build_checked(lambda: HFCausalLM.from_config_dict(data, path=path), shapes,
+        model = build_checked(lambda: HFCausalLM.from_config_dict(data, path=path, option="sample"), shapes,
                               str(path), "sample")
         max_len = hf_int(data, "positions") or 2048
     load_hf_weights(model, path, weights)

@@ -333,6 +333,11 @@ def test_bad_directories_are_refused_in_one_line(dirs, tmp_path):
     _refused(tmp_path, mamba, f"^model.init_from: {mamba} describes a MambaForCausalLM, whose "
              "layers are in none of the places editrain looks for a causal LM's transformer "
              "blocks")
+    from editrain.sample import load_for_sampling  # and so is editrain sample DIR of it
+
+    with pytest.raises(ValueError, match=re.escape(f"sample: {mamba} describes a "
+                                                   "MambaForCausalLM, whose layers are in none")):
+        load_for_sampling(mamba)
     with pytest.raises(ConfigError, match="remove model.dim"):
         load_config(overrides={"model": {"init_from": str(dirs["llama"]), "dim": 64}})
 

@@ -392,7 +392,7 @@ def _hf_meta_model(cfg: Config) -> Any:
                           f"({str(e).splitlines()[0]}); editrain trains the decoder-only "
                           f"models AutoModelForCausalLM builds") from None
     with as_config_error():
-        return HFCausalLM.for_training(hf_model, f"{option}: {source}")
+        return HFCausalLM.checked(hf_model, f"{option}: {source}")
 
 
 def _check_kept_ids(cfg: Config) -> None:

@@ -129,12 +129,13 @@ class HFCausalLM(nn.Module):
         self._blocks = find_blocks(hf_model)
 
     @classmethod
-    def for_training(cls, hf_model: nn.Module, where: str) -> HFCausalLM:
-        """The adapter around ``hf_model``, or why ``editrain train`` cannot train it.
+    def checked(cls, hf_model: nn.Module, where: str) -> HFCausalLM:
+        """The adapter around ``hf_model``, or why editrain cannot train (or sample) it.
 
         Args:
             hf_model: the model transformers built from a config.
-            where: the option and file it came from (``model.hf_config: PATH``).
+            where: the option (or command) and file it came from
+                (``model.hf_config: PATH``, ``sample: DIR``).
 
         Raises:
             ValueError: one line starting with ``where``: the model keeps its layers in
@@ -191,9 +192,10 @@ class HFCausalLM(nn.Module):
 
     @classmethod
     def from_config_dict(cls, data: dict[str, Any], tokenizer_vocab_size: int | None = None,
-                         seed: int = 0, path: str | Path = "") -> HFCausalLM:
-        """:meth:`from_config_file` of a ``config.json``'s contents (``path`` names it in
-        messages)."""
+                         seed: int = 0, path: str | Path = "",
+                         option: str = "model.hf_config") -> HFCausalLM:
+        """:meth:`from_config_file` of a ``config.json``'s contents (``option`` and ``path``
+        name it in messages)."""
         try:
             from transformers import AutoConfig, AutoModelForCausalLM
         except ImportError as e:
@@ -210,7 +212,7 @@ class HFCausalLM(nn.Module):
             torch.manual_seed(seed)
             hf_model = AutoModelForCausalLM.from_config(hf_config)
         # Parameters (and so anchors) stay fp32; bf16 compute comes from FSDP2's policy.
-        return cls(hf_model.float())
+        return cls.checked(hf_model.float(), f"{option}: {path or 'the config'}")
 
 
 __all__ = [
