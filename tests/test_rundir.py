@@ -969,3 +969,51 @@ def test_a_torchrun_restart_rejoins_only_a_start_its_own_launch_joined(
     with pytest.raises(RunDirError, match=r"train.steps"):
         start_groups(run, 1, restart=1, train={"steps": 7})  # a's place was taken by b
     end_groups(run, [group0])
+
+
+@pytest.mark.parametrize("options", [{"overwrite": True}, {}])
+def test_a_restart_torch_elastic_did_not_count_never_replaces_its_launchs_run(
+        tmp_path, torchrun_store, options):
+    """torch elastic restarts the workers without counting a restart when the nodes that
+    take part change (a node joins an elastic job; on a job of several nodes, the nodes
+    whose own workers were healthy when another's failed): TORCHELASTIC_RESTART_COUNT is
+    then 0 again on that node, yet the launch's store holds the token of its own claim.
+    Such a rank 0 is refused, naming why, and the run is left as it is (torchrun's next
+    restart, a counted one, rejoins it and resumes its checkpoints). Before, it was
+    checked as a first attempt: with --overwrite it replaced its own launch's run,
+    checkpoints and all (without, it was refused as if another run were there)."""
+    run = tmp_path / "run"
+    torchrun_store()
+    join_as_rank0(run, train={"steps": 8})
+    (run / "checkpoints" / "step_4").mkdir(parents=True)
+    history = rundir.read_record(run).history
+    with pytest.raises(RunDirError, match=r"the run in \S+ was claimed by an earlier "
+                                          r"attempt of this very torchrun launch, yet "
+                                          r"TORCHELASTIC_RESTART_COUNT is 0"):
+        join_as_rank0(run, restart=0, train={"steps": 8}, **options)
+    assert rundir.read_record(run).history == history
+    assert (run / "checkpoints" / "step_4").is_dir()
+    join_as_rank0(run, restart=1, train={"steps": 8}, **options)  # counted: rejoins
+    assert rundir.read_record(run).history == history
+
+
+def test_a_groups_restart_torch_elastic_did_not_count_never_replaces_its_run(
+        tmp_path, torchrun_store):
+    """The same for a torchrun job of a fault-tolerant run's replica group: its launch
+    joined the start as the group, and its workers come back with
+    TORCHELASTIC_RESTART_COUNT 0. Refused, the group's checkpoints untouched; before, its
+    --overwrite claimed the run anew and removed them."""
+    run = tmp_path / "run"
+    torchrun_store()
+    (group0,) = start_groups(run, 0, replicas=1)
+    (run / "replica0" / "checkpoints" / "step_4").mkdir(parents=True)
+    group0.lock.release()  # its workers died
+    history = rundir.read_record(run).history
+    with pytest.raises(RunDirError, match=r"replica group 0's place in the start of the "
+                                          r"run in \S+ was claimed by an earlier attempt"):
+        start_groups(run, 0, replicas=1, overwrite=True)
+    assert rundir.read_record(run).history == history
+    assert (run / "replica0" / "checkpoints" / "step_4").is_dir()
+    (group0,) = start_groups(run, 0, restart=1, replicas=1, overwrite=True)  # rejoins
+    assert rundir.read_record(run).history == history
+    end_groups(run, [group0])

@@ -569,6 +569,10 @@ class RunDirClaim:
             self.lock.acquire()
             if self._restarted_own_run(launch):
                 return REJOINED
+        else:
+            self._refuse_an_uncounted_restart(
+                launch, recorded_token(rundir.read_record(job.run_dir)),
+                f"the run in {job.run_dir}")
         token = launch.mark(job.run_dir)  # before the checks: a refusal leaves it unclaimed
         _refuse_nothing_left(job.cfg, None)
         if not self.lock.held:
@@ -600,6 +604,28 @@ class RunDirClaim:
                         "torchrun's store holds no token of this launch to compare it with")
         return own is not False
 
+    def _refuse_an_uncounted_restart(self, launch: LaunchStore, recorded: str | None,
+                                     what: str) -> None:
+        """Refuse a first attempt (``TORCHELASTIC_RESTART_COUNT`` 0) whose launch's store
+        holds the token of ``recorded``, the claim a restart would go on with (``what``):
+        an earlier attempt of this very launch made it, and torch elastic restarted the
+        workers without counting a restart (the nodes taking part changed: a node joined,
+        or another node's workers failed while this node's were healthy). Checked as a
+        first attempt, it would be refused as another run, or with ``--overwrite`` remove
+        its own launch's run, checkpoints and all; gone on with, its workers would not
+        resume the run's checkpoints (they do only on a counted restart). The refusal is
+        a failure torch elastic counts: its next restart rejoins the run."""
+        job = self.job
+        if job.restart != 0 or own_claim(launch.latest(job.run_dir), recorded) is not True:
+            return
+        raise RunDirError(
+            f"--run-dir: {what} was claimed by an earlier attempt of this very torchrun "
+            "launch, yet TORCHELASTIC_RESTART_COUNT is 0: torch elastic restarted the "
+            "workers without counting a restart (the nodes taking part changed). They "
+            "would not resume its checkpoints, and checked as a new run it would be "
+            "refused or, with --overwrite, removed: it is left as it is. torchrun's next "
+            f"restart (--max-restarts) rejoins it; or resume it with --resume {job.run_dir}")
+
     def _join_run(self, replica: int, launch: LaunchStore) -> str:
         """Rank 0 of a torchrun job of a fault-tolerant run's replica group ``replica``:
         the groups' jobs share the run directory, each owning its ``replica{r}/``.
@@ -625,6 +651,11 @@ class RunDirClaim:
         self.lock = rundir.RunLock(job.run_dir, replica)
         if job.restart > 0 and self._rejoin(replica, launch):
             return REJOINED
+        record = rundir.read_record(job.run_dir)
+        self._refuse_an_uncounted_restart(
+            launch, group_token(record, replica) if rundir.in_current_start(record, replica)
+            else None, f"replica group {replica}'s place in the start of the run in "
+            f"{job.run_dir}")
         # A first job, or not a restart of this launch's group in the run's start (its
         # first job was refused, torchrun restarts a refused job too; or its start is
         # over): checked as a first job is. Its token is in the store before the checks:
