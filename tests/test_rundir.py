@@ -912,13 +912,17 @@ def test_any_failure_of_rank_0_ends_the_other_ranks(tmp_path, torchrun_store, er
     """Rank 0 refused with a user's error: the other ranks raise the same (the same one
     line); any other failure of rank 0 reaches them as a RunDirError naming it, rather than
     a wait until they time out."""
+    import threading
+
     from editrain.launch.torchrun_claim import LaunchStore
 
     torchrun_store()
     rank0, rank1 = LaunchStore.connect(), LaunchStore.connect()
-    rank0.refuse(3, error, readers=0)
+    refusing = threading.Thread(target=rank0.refuse, args=(error,), kwargs={"readers": 1})
+    refusing.start()
     with pytest.raises(raised, match=line):
-        rank1.decision(3, 1, 5, tmp_path)
+        rank1.decision(1, 5, tmp_path)
+    refusing.join(timeout=20)
 
 
 def test_without_torchruns_store_the_other_ranks_wait_for_config_toml(tmp_path, monkeypatch):
@@ -1017,3 +1021,33 @@ def test_a_groups_restart_torch_elastic_did_not_count_never_replaces_its_run(
     (group0,) = start_groups(run, 0, restart=1, replicas=1, overwrite=True)  # rejoins
     assert rundir.read_record(run).history == history
     end_groups(run, [group0])
+
+
+@pytest.mark.parametrize("rank1_restart", [0, 1])
+def test_the_other_ranks_wait_for_this_attempts_decision_whatever_their_restart_count(
+        tmp_path, torchrun_store, rank1_restart):
+    """An attempt torch elastic did not count (a change of the nodes taking part) has the
+    restart count of the attempt before it, and on a job of several nodes the counts
+    differ between nodes (a node whose workers failed counts, a node restarted as healthy
+    does not). Rank 1 waits for the decision of rank 0 of its own attempt all the same,
+    and shares its refusal. Before, the decision's key was the restart count: rank 1 went
+    on at once on the earlier attempt's 'claimed' (same count), or waited for a key rank 0
+    never wrote (another count) until it timed out."""
+    run = tmp_path / "run"
+    torchrun_store()
+    first = [join_in_thread(ranked_job(run, r)) for r in (1, 0)]
+    for thread, errors in first:
+        thread.join(timeout=20)
+        assert not thread.is_alive() and not errors, errors
+
+    rank1, errors1 = join_in_thread(ranked_job(run, 1, restart=rank1_restart,
+                                               overwrite=True))
+    time.sleep(0.5)
+    assert rank1.is_alive(), errors1  # no decision of this attempt yet
+    rank0, errors0 = join_in_thread(ranked_job(run, 0, restart=0, overwrite=True))
+    for thread in (rank0, rank1):
+        thread.join(timeout=20)
+        assert not thread.is_alive()
+    assert [type(e) for e in errors0 + errors1] == [RunDirError, RunDirError]
+    assert str(errors1[0]) == str(errors0[0])
+    assert "yet TORCHELASTIC_RESTART_COUNT is 0" in str(errors1[0])

@@ -519,13 +519,14 @@ class RunDirClaim:
         attempt's other ranks: went on, or the refusal (raised here too)."""
         job = self.job
         replica = torchrun_group(job)
+        launch.open_attempt(readers=job.world - 1)
         try:
             decision = (self._claim_as_rank0(launch) if replica is None
                         else self._join_run(replica, launch))
         except Exception as e:
-            launch.refuse(job.restart, e, readers=job.world - 1)
+            launch.refuse(e, readers=job.world - 1)
             raise
-        launch.decide(job.restart, decision)
+        launch.decide(decision, readers=job.world - 1)
 
     def _await_rank0(self, launch: LaunchStore) -> None:
         """A rank other than 0: wait for rank 0's decision for this attempt, and raise its
@@ -540,7 +541,7 @@ class RunDirClaim:
         job = self.job
         replica = torchrun_group(job)
         if launch.store is not None:
-            launch.decision(job.restart, job.rank, decision_wait_s(replica), job.run_dir)
+            launch.decision(job.rank, decision_wait_s(replica), job.run_dir)
             return
         if job.restart == 0:  # before rank 0 writes anything
             _refuse_nothing_left(job.cfg, replica)

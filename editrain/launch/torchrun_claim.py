@@ -24,7 +24,10 @@ line): its restart rejoins the start unchecked only when this launch joined it.
 
 The same store carries rank 0's decision about the run directory to the other ranks of
 the launch (:meth:`LaunchStore.decide`, :meth:`LaunchStore.decision`): they wait for it
-before they act, and share its refusal.
+before they act, and share its refusal. Each rank asks under its rank with a fresh id and
+rank 0 answers that id: an attempt is told from the one before it by its processes, not by
+``TORCHELASTIC_RESTART_COUNT``, which torch elastic leaves as it was when the nodes taking
+part change and which differs between nodes after a failure on one of them.
 """
 
 from __future__ import annotations
@@ -50,10 +53,15 @@ STORE_KEY = "editrain/run_dir_claim/"
 GROUP_CLAIMS = "torchrun_group_claims"
 """The key of a torchrun ``--ft`` start's history line holding, by replica group, the
 token of the launch whose rank 0 claimed or joined the start as that group."""
-DECISION_KEY = "editrain/run_dir_decision/attempt_"
-"""The prefix of the key under which rank 0 of an attempt (``TORCHELASTIC_RESTART_COUNT``
-follows) puts its decision about the run directory. The attempt alone names it: one
-launch is one run directory, whose path may differ between nodes (its mount path)."""
+ASK_KEY = "editrain/run_dir_decision/ask/"
+"""The prefix of the key under which a rank other than 0 (its rank follows) asks for
+rank 0's decision about the run directory, holding the fresh id its answer goes under
+(:data:`ANSWER_KEY`). Rank 0 removes the rank's key, an earlier attempt's ask, before it
+decides; the rank puts it again while it waits. No run directory in the key: one launch
+is one run directory, whose path may differ between nodes (its mount path)."""
+ANSWER_KEY = "editrain/run_dir_decision/answer/"
+"""The prefix of the key under which rank 0 answers an ask (its id follows) with its
+decision; ``/read`` after it: the asking rank read a refusal."""
 CLAIMED, REJOINED, REFUSED = "claimed", "rejoined", "refused"
 """Rank 0's decisions: it checked and claimed (or joined) the run directory; it goes on
 with its launch's own run unchecked (a restart); it was refused (``refused TYPE:
@@ -69,6 +77,9 @@ READ_WAIT_S = 10.0
 """How long rank 0 of a refused attempt waits for the other ranks to have read its
 refusal before it exits: torchrun stops every worker of an attempt as soon as one exits,
 and a rank stopped before it read the refusal would end without a word."""
+ANSWER_WAIT_S = 120.0
+"""How long rank 0 that went on waits for the other ranks' asks to answer them (as long
+as they wait for its decision: :data:`editrain.launch.run_dir.TORCHRUN_WAIT_S`)."""
 STORE_TIMEOUT_S = 30
 """How long rank 0 tries to reach torchrun's store (the agent serves it before it
 starts the workers: a store that does not answer is one the process group cannot use
@@ -156,45 +167,68 @@ class LaunchStore:
             self.store.set(_key(run_dir), token)
         return token
 
-    def decide(self, attempt: int, decision: str) -> None:
-        """Rank 0: tell the other ranks of ``attempt`` its decision (:data:`CLAIMED`,
-        :data:`REJOINED`); nothing without a store."""
+    def open_attempt(self, readers: int) -> None:
+        """Rank 0, first thing: remove the asks of ranks ``1..readers`` that an earlier
+        attempt left (its ranks are gone: torch elastic stops every worker before it
+        starts the next attempt's), so that every ask it answers is of this attempt; a
+        rank of this attempt that asked already asks again. Nothing without a store."""
         if self.store is not None:
-            self.store.set(_decision_key(attempt), decision)
+            for rank in range(1, readers + 1):
+                self.store.delete_key(_ask_key(rank))
 
-    def refuse(self, attempt: int, error: BaseException, readers: int) -> None:
-        """Rank 0: tell the other ranks of ``attempt`` that it was refused (``error``),
-        then wait, up to :data:`READ_WAIT_S`, for the ``readers`` other ranks to have
-        read it; nothing without a store."""
+    def decide(self, decision: str, readers: int) -> None:
+        """Rank 0: answer the ``readers`` other ranks of the attempt with its decision
+        (:data:`CLAIMED`, :data:`REJOINED`), waiting up to :data:`ANSWER_WAIT_S` for their
+        asks (a rank that never asks is not waited for longer: it has failed, or it
+        reached no store and waits for ``config.toml``); nothing without a store."""
+        self._answer(decision, readers, ANSWER_WAIT_S, until_read=False)
+
+    def refuse(self, error: BaseException, readers: int) -> None:
+        """Rank 0: answer the ``readers`` other ranks of the attempt that it was refused
+        (``error``), and wait, up to :data:`READ_WAIT_S` in all, for them to have read it;
+        nothing without a store."""
+        said = f"{REFUSED} {type(error).__name__}: {error}"
+        self._answer(said, readers, READ_WAIT_S, until_read=True)
+
+    def _answer(self, said: str, readers: int, wait_s: float, until_read: bool) -> None:
+        """Answer each ask of ranks ``1..readers`` with ``said`` as it comes, until every
+        rank has been answered (and, ``until_read``, has read it) or ``wait_s`` is over."""
         if self.store is None:
             return
-        self.store.set(_decision_key(attempt), f"{REFUSED} {type(error).__name__}: {error}")
-        read = [f"{_decision_key(attempt)}/read/{rank}" for rank in range(1, readers + 1)]
-        deadline = time.monotonic() + READ_WAIT_S
-        while read and not self.store.check(read) and time.monotonic() < deadline:
+        asked: dict[int, str] = {}
+        deadline = time.monotonic() + wait_s
+        while time.monotonic() < deadline:
+            for rank in range(1, readers + 1):
+                if rank not in asked and self.store.check([_ask_key(rank)]):
+                    asked[rank] = self.store.get(_ask_key(rank)).decode("utf-8", "replace")
+                    self.store.set(_answer_key(asked[rank]), said)
+            if len(asked) == readers and (not until_read or self.store.check(
+                    [f"{_answer_key(i)}/read" for i in asked.values()])):
+                return
             time.sleep(POLL_S)
 
-    def decision(self, attempt: int, rank: int, wait_s: float, run_dir: Path) -> str:
-        """Another rank: wait for rank 0's decision about ``run_dir`` in ``attempt``
-        (:data:`CLAIMED` or :data:`REJOINED`, returned), up to ``wait_s``.
+    def decision(self, rank: int, wait_s: float, run_dir: Path) -> str:
+        """Another rank: ask for rank 0's decision about ``run_dir`` in this attempt
+        (:data:`CLAIMED` or :data:`REJOINED`, returned), and wait up to ``wait_s``.
 
         Raises:
             RunDirError: no decision within ``wait_s``; or rank 0 was refused, raised as
                 rank 0's own error where it is one of :data:`SHARED_REFUSALS`.
         """
-        key = _decision_key(attempt)
+        ask = uuid.uuid4().hex
         deadline = time.monotonic() + wait_s
-        while not self.store.check([key]):
+        while not self.store.check([_answer_key(ask)]):
             if time.monotonic() > deadline:
                 raise RunDirError(
                     f"--run-dir: rank {rank} had no decision from rank 0 about {run_dir} "
                     f"within {wait_s:.0f} s (rank 0 checks and claims the run directory "
                     "before any rank trains); see rank 0's output")
+            self.store.set(_ask_key(rank), ask)  # again: rank 0 removes earlier asks
             time.sleep(POLL_S)
-        said = self.store.get(key).decode("utf-8", "replace")
+        said = self.store.get(_answer_key(ask)).decode("utf-8", "replace")
         if not said.startswith(REFUSED + " "):
             return said
-        self.store.set(f"{key}/read/{rank}", "1")
+        self.store.set(f"{_answer_key(ask)}/read", "1")
         kind, _, message = said[len(REFUSED) + 1:].partition(": ")
         if kind in SHARED_REFUSALS:
             raise SHARED_REFUSALS[kind](message)
@@ -224,8 +258,12 @@ def note_group_claim(run_dir: Path, replica: int, token: str) -> None:
     rundir.write_record(run_dir, record)
 
 
-def _decision_key(attempt: int) -> str:
-    return f"{DECISION_KEY}{attempt}"
+def _ask_key(rank: int) -> str:
+    return f"{ASK_KEY}{rank}"
+
+
+def _answer_key(ask: str) -> str:
+    return f"{ANSWER_KEY}{ask}"
 
 
 def _key(run_dir: Path) -> str:
