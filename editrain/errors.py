@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import numbers
 import re
+import sys
 from collections.abc import Iterator
 from typing import Any
 
@@ -104,11 +105,15 @@ def plain_scalar(value: Any, kind: type, option: str) -> Any:
 
     Raises:
         ConfigError: ``"OPTION: expected TYPE, got VALUE"``, with what to pass instead for
-            an array or tensor.
+            an array or tensor; for a float option, an integer too large for a float.
     """
     accepted, name = SCALAR_KINDS[kind]
     if isinstance(value, accepted) and (kind is bool or not isinstance(value, bool)):
-        return kind(value)
+        try:
+            return kind(value)
+        except OverflowError:  # a TOML or Python integer beyond any float (no bound)
+            raise ConfigError(f"{option}: expected {name} a float can hold (at most "
+                              f"{sys.float_info.max:g}), got {value!r}") from None
     hint = ""
     if hasattr(value, "item") and not isinstance(value, numbers.Number):  # tensor, array
         kind_name = f"{type(value).__module__}.{type(value).__qualname__}"

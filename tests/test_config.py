@@ -915,3 +915,24 @@ def test_every_count_of_the_run_config_is_worded_as_the_sync_configs(option, lea
     with pytest.raises(ConfigError) as e:
         load_config(None, {section: {name: least - 1}})
     assert str(e.value) == f"{option}: must be >= {least}, got {least - 1}"
+
+
+def test_an_integer_beyond_any_float_for_a_number_option_is_refused_by_name(tmp_path):
+    """A TOML integer has no bound: 400 nines for a float option (train.lr, a planner's
+    cluster number, a model's rope_theta) is refused naming the option, one ConfigError
+    line. Before, errors.plain_scalar's float() raised OverflowError, which the command
+    line does not report: `editrain train --config` ended in a traceback."""
+    from editrain.errors import ConfigError, plain_scalar
+    from editrain.models.llama_config import preset_config
+    from editrain.plan.inputs import Cluster
+
+    huge = int("9" * 400)
+    path = write(tmp_path, f"[train]\nlr = {huge}\n")
+    with pytest.raises(ConfigError, match=r"^train\.lr: expected a number a float can "
+                                          r"hold \(at most 1\.79\S+\), got 9{20}"):
+        load_config(path, {})
+    with pytest.raises(ConfigError, match=r"^cluster\.inter_node_gbps: expected a number"):
+        Cluster(nodes=1, gpus_per_node=8, inter_node_gbps=huge, step_time_s=1.0)
+    with pytest.raises(ConfigError, match=r"^rope_theta: expected a number"):
+        preset_config("tiny", rope_theta=huge)
+    assert plain_scalar(2**1000, float, "x") == float(2**1000)  # large, yet a float
