@@ -263,8 +263,8 @@ def current_rows(rows: Sequence[dict[str, Any]], resume_evaluations: bool = Fals
             if resume_evaluations and row.get("val_loss") is not None:
                 kept.append(row)
             continue
-        if "event" in row or "step" not in row:
-            continue
+        if "event" in row or not _is_step_number(row.get("step")):
+            continue  # (a hostile row's step, text or a list, compares with no step)
         if row.get("replayed"):
             resumed.replayed(row)
             continue
@@ -334,6 +334,13 @@ class _ResumePoint:
 
 def _is_step(value: Any) -> bool:
     """Whether ``value`` is a step number (an int, not a bool)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_step_number(value: Any) -> bool:
+    """Whether ``value`` is the step of a measurement row: a finite number, not a bool."""
+    if isinstance(value, float):
+        return math.isfinite(value)
     return isinstance(value, int) and not isinstance(value, bool)
 
 

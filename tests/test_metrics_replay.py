@@ -253,3 +253,30 @@ def test_a_run_resumed_after_dying_in_its_end_has_the_uninterrupted_history(
     assert len(finals) == 1 and finals[0].get(FILLS_GAP) is True
     assert finals[0]["val_loss"] == json.loads((died / "summary.json").read_text())[
         "final_val_loss"]
+
+
+def test_rows_whose_step_is_no_number_are_no_measurements(tmp_path) -> None:
+    """A hostile or damaged metrics.jsonl may hold a row whose step is text, a list, a
+    bool or null, a row marked to fill a gap among them. current_rows leaves them out (a
+    measurement row has a step number), so that the history a resumed job replays
+    (ReplayMarks) and every reader (editrain plot, summary, bench, plan --calibrate) reads
+    the rest. Before, comparing their steps raised TypeError: `editrain plot` ended in a
+    traceback, and so would the resumed trainer reading its history."""
+    import subprocess
+    import sys
+
+    good = [{"step": 1, "loss": 2.0}, {"step": 2, "loss": 1.5}]
+    hostile = [{"step": "x", "loss": 1.0}, {"step": [3], "loss": 1.0},
+               {"step": None, "loss": 1.0}, {"step": True, "loss": 1.0},
+               {"step": float("nan"), "loss": 1.0}, {"step": "y", FILLS_GAP: True},
+               {"step": {"a": 1}, FILLS_GAP: True}]
+    rows = [good[0], *hostile, good[1]]
+    assert current_rows(rows) == good
+    assert ReplayMarks(current_rows(rows)).until == 2
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    proc = subprocess.run([sys.executable, "-m", "editrain", "plot", str(run)],
+                          capture_output=True, text=True, timeout=120)
+    assert "Traceback" not in proc.stderr, proc.stderr[-2000:]
