@@ -499,14 +499,15 @@ def checkpoint_model(marker: Mapping[str, Any], tensors: Mapping[str, torch.Tens
     from editrain.models.llama import Llama
 
     llama, model_cfg = marker_model(marker)
+    # editrain's Llama checks its own fields first (a CheckpointError in the Llama's words)
+    cfg = _marker_llama(model_cfg, ckpt, command) if llama else None
     check_weights_match(model_cfg, tensors, f"{ckpt}/{MARKER}", option=command)
     shapes = {n: t.shape for n, t in tensors.items()}
 
     def own(model: nn.Module) -> dict[str, Any]:
         return dict(model.named_parameters())
 
-    if llama:
-        cfg = _marker_llama(model_cfg, ckpt, command)
+    if cfg is not None:
         return build_checked(lambda: Llama(cfg), shapes, str(ckpt), command, own,
                              real), cfg.max_seq_len
     model = build_checked(lambda: HFCausalLM.from_config_dict(model_cfg), shapes, str(ckpt),

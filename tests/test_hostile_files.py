@@ -771,7 +771,8 @@ def test_a_resumed_run_keeps_its_checkpoint_schedule(run8, data_cache, tmp_path)
 @pytest.mark.timeout(120)
 def test_a_marker_claiming_more_layers_than_its_weights_is_refused_before_a_build(
         run8, tmp_path):
-    """A checkpoint's marker edited to claim 10**9 layers: export and sample refuse it in
+    """A checkpoint's marker edited to claim 10**5 layers (the most a model's description may
+    give; 10**9 is refused by the reader of its numbers): export and sample refuse it in
     one line before they build the model it describes on the meta device (to find its tied
     parameters, or to check its shapes): a build takes about a millisecond a layer."""
     from editrain.config import ConfigError
@@ -781,7 +782,7 @@ def test_a_marker_claiming_more_layers_than_its_weights_is_refused_before_a_buil
     run = _copy_run(run8, tmp_path)
     ckpt = list_checkpoints(run)[-1]
     marker = json.loads((ckpt / "editrain.json").read_text())
-    marker["model"]["n_layers"] = 10**9
+    marker["model"]["n_layers"] = 10**5
     (ckpt / "editrain.json").write_text(json.dumps(marker))
     for command in (lambda: export_checkpoint(run, tmp_path / "out"),
                     lambda: load_for_sampling(run)):

@@ -3,7 +3,8 @@
 The counts are checked against real models (editrain's Llama exactly, transformers'
 architectures as lower bounds, both built on the meta device); the refusal against a given
 memory size, and end to end: ``editrain train`` with a shape of 10**8 layers, or a
-``model.init_from`` directory whose ``config.json`` claims 10**9 layers, ends in one line
+``model.init_from`` directory whose ``config.json`` claims 10**5 layers (the most a config
+may give; more is refused by the reader of its numbers), ends in one line
 with exit 2 within seconds, before the corpus is read or a run directory exists (both took
 more than 13 minutes without ending before).
 """
@@ -195,7 +196,7 @@ def test_a_config_json_claiming_more_layers_than_its_weights(tmp_path):
                                       max_position_embeddings=64)
     good = tmp_path / "good"
     transformers.LlamaForCausalLM(config).save_pretrained(good, max_shard_size="20KB")
-    for layers, name in ((10**9, "llama"), (3, "llama3")):
+    for layers, name in ((10**5, "llama"), (3, "llama3")):
         bad = tmp_path / name
         shutil.copytree(good, bad)
         data = json.loads((bad / "config.json").read_text())
@@ -206,7 +207,7 @@ def test_a_config_json_claiming_more_layers_than_its_weights(tmp_path):
             load_config(None, {"model": {"init_from": str(bad)}})
     err = _refused_fast(["--model.init_from", str(tmp_path / "llama")], tmp_path / "t",
                         "model.init_from: ")
-    assert "num_hidden_layers = 1,000,000,000" in err
+    assert "num_hidden_layers = 100,000" in err
 
 
 # ------------------------------------------------------------------- sample and export
@@ -245,11 +246,11 @@ def _edited(src: Path, dst: Path, **fields) -> Path:
 
 def test_sample_refuses_a_config_json_that_does_not_fit_its_weights(hf_dir, tmp_path,
                                                                    capsys):
-    deep = _edited(hf_dir, tmp_path / "deep", num_hidden_layers=10**9)
+    deep = _edited(hf_dir, tmp_path / "deep", num_hidden_layers=10**5)
     t0 = time.monotonic()
     code, _, err = _main(capsys, "sample", deep, "--prompt", "x")
     assert code == 2 and err.count("\n") == 1, err
-    assert "sample: " in err and "num_hidden_layers = 1,000,000,000, but its weights hold 2 " \
+    assert "sample: " in err and "num_hidden_layers = 100,000, but its weights hold 2 " \
         "layers" in err
     wide = _edited(hf_dir, tmp_path / "wide", intermediate_size=10**9)
     code, _, err = _main(capsys, "sample", wide, "--prompt", "x")
@@ -273,8 +274,8 @@ def test_a_checkpoints_marker_is_checked_against_its_tensors():
     model, window = checkpoint_model({"model": fields}, tensors, Path("ck"), "sample")
     assert window == mcfg.max_seq_len and model.state_dict().keys() >= tensors.keys()
     with pytest.raises(ConfigError, match=r"^export: ck/editrain.json has n_layers = "
-                                          r"1,000,000,000, but its weights hold 2 layers"):
-        checkpoint_model({"model": {**fields, "n_layers": 10**9}}, tensors, Path("ck"),
+                                          r"100,000, but its weights hold 2 layers"):
+        checkpoint_model({"model": {**fields, "n_layers": 10**5}}, tensors, Path("ck"),
                          "export", real=False)
     with pytest.raises(CheckpointError, match=r"^sample: ck: tensor 'tok_embeddings.weight' "
                                               r"has shape \[300, 64\], the model its "

@@ -31,7 +31,10 @@ def section_init_llama(model: ModelSection) -> bool:
     """:func:`init_llama` of a ``[model]`` section alone (the planner has no whole
     configuration)."""
     init = getattr(model, "init_from", None)  # duck-typed configurations lack it
-    return init is not None and is_llama_config(read_config(init))
+    if init is None:
+        return False
+    with as_config_error():  # a directory without a config.json, a field that is no number
+        return is_llama_config(read_config(init))
 
 
 def hf_source(cfg: Config) -> str | None:
@@ -178,4 +181,5 @@ def tokenizer_source(cfg: Config) -> tuple[str | None, str | None, str | None]:
     found = tokenizer_file(path)
     if found is None:
         return str(path), None, None
-    return str(found), str(path), special_tokens(path).get("eos")
+    with as_config_error():  # a special token named by something other than its text
+        return str(found), str(path), special_tokens(path).get("eos")

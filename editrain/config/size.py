@@ -34,8 +34,8 @@ import os
 from pathlib import Path
 from typing import Any
 
-from editrain.errors import ConfigError
-from editrain.models.hf_dir import hf_int, hf_key
+from editrain.errors import ConfigError, as_config_error
+from editrain.models.hf_dir import check_hf_numbers, hf_int, hf_key
 
 MIN_VOCAB = 257
 """The smallest vocabulary a run can have (a byte-level BPE: 256 bytes and end of text)."""
@@ -55,9 +55,14 @@ def llama_parameters(mcfg: Any) -> int:
             + (0 if mcfg.tie_embeddings else embedding))
 
 
-def hf_layers(data: dict[str, Any]) -> int:
-    """The layer count of a Hugging Face ``config.json`` (0 when it does not say)."""
-    return hf_int(data, "layers")
+def hf_layers(data: dict[str, Any], where: str = "config.json") -> int:
+    """The layer count of a Hugging Face ``config.json`` (0 when it does not say).
+
+    Raises:
+        ValueError: its layer count is no count (:func:`~editrain.models.hf_dir.hf_int`;
+            names ``where``).
+    """
+    return hf_int(data, "layers", where)
 
 
 def hf_parameters_at_least(data: dict[str, Any]) -> int:
@@ -210,9 +215,14 @@ def check_weights_match(data: dict[str, Any], names: Any, source: str,
         option: the option or command the message names.
 
     Raises:
-        ConfigError: naming ``option``, the file's field and both counts.
+        ConfigError: naming ``option``, the file's field and both counts; or a number of
+            the description that is none
+            (:func:`~editrain.models.hf_fields.check_hf_numbers`).
     """
-    layers, held = hf_layers(data), weight_layers(names)
+    with as_config_error():  # a checkpoint's marker: its numbers are read here first
+        check_hf_numbers(data, f"{option}: {source}")
+        layers = hf_layers(data, f"{option}: {source}")
+    held = weight_layers(names)
     if layers > held:
         key = hf_key(data, "layers")
         raise ConfigError(

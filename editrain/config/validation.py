@@ -234,7 +234,8 @@ def validate(cfg: Config) -> None:
         from editrain.models.hf import read_hf_config
         from editrain.models.tensor_parallel import HF_MODEL_TYPES
 
-        kind = read_hf_config(hf_source(cfg))["model_type"]
+        with as_config_error(FileNotFoundError):
+            kind = read_hf_config(hf_source(cfg))["model_type"]
         require(kind in HF_MODEL_TYPES, "dist.tp_size",
                 f"tensor parallelism splits Hugging Face models of the types editrain checks "
                 f"it on ({', '.join(HF_MODEL_TYPES)}), not {kind!r} of {_hf_option(cfg)} (its "

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from editrain.models.hf_dir import hf_key
+from editrain.models.hf_dir import check_hf_numbers, hf_key
 from editrain.safe_io import read_json_value
 from editrain.units import BLOCK_PATHS, find_blocks
 
@@ -54,7 +54,8 @@ def read_hf_config(path: str | Path) -> dict[str, Any]:
 
     Raises:
         FileNotFoundError: the file is missing.
-        ValueError: it is not a JSON object with a ``model_type``.
+        ValueError: it is not a JSON object with a ``model_type``, or a number editrain
+            reads from it is not one (:func:`~editrain.models.hf_dir.check_hf_numbers`).
     """
     p = config_path(path)
     try:
@@ -65,6 +66,7 @@ def read_hf_config(path: str | Path) -> dict[str, Any]:
     if not isinstance(data, dict) or not isinstance(data.get("model_type"), str):
         raise ValueError(f"model.hf_config: {p} has no \"model_type\" (e.g. \"llama\"); it must "
                          "be a Hugging Face config.json")
+    check_hf_numbers(data, f"model.hf_config: {p}")
     return data
 
 

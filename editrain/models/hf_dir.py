@@ -23,24 +23,47 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from editrain.models.hf_fields import (
+    HF_COUNT_MAX,
+    HF_FLAG_KEYS,
+    HF_KEYS,
+    HF_LAYERS_MAX,
+    HF_POSITIVE_KEYS,
+    check_hf_numbers,
+    hf_count,
+    hf_flag,
+    hf_int,
+    hf_key,
+    hf_object,
+    hf_positive,
+)
 from editrain.models.hf_llama import to_hf_name
-from editrain.safe_io import read_json_value
+from editrain.safe_io import quote, read_json_value
 
 if TYPE_CHECKING:  # annotations only: the file checks run without torch (editrain data)
     from torch import Tensor, nn
 
 __all__ = [
     "HEADER_LIMIT",
+    "HF_COUNT_MAX",
+    "HF_FLAG_KEYS",
     "HF_KEYS",
+    "HF_LAYERS_MAX",
+    "HF_POSITIVE_KEYS",
     "HUB_PREFIX",
     "INDEX_FILE",
     "SINGLE_FILE",
     "HFWeights",
     "TensorInfo",
+    "check_hf_numbers",
     "check_tensors",
+    "hf_count",
+    "hf_flag",
     "hf_int",
     "hf_key",
+    "hf_object",
     "hf_parameters",
+    "hf_positive",
     "hub_snapshot",
     "inspect_weights",
     "listed_files_only",
@@ -82,34 +105,6 @@ class HFWeights:
     tensors: dict[str, TensorInfo] = field(default_factory=dict)
 
 
-HF_KEYS = {"layers": ("num_hidden_layers", "n_layer", "num_layers", "n_layers"),
-           "hidden": ("hidden_size", "n_embd", "d_model"),
-           "vocab": ("vocab_size",),
-           "heads": ("num_attention_heads", "n_head", "num_heads", "n_heads"),
-           "kv_heads": ("num_key_value_heads", "num_kv_heads", "n_head_kv", "n_kv_heads"),
-           "positions": ("max_position_embeddings", "n_positions", "max_seq_len",
-                         "max_sequence_length", "n_ctx")}
-"""The names transformers' configs give the layer count, the width, the vocabulary, the
-query and key/value heads and the longest sequence (GPT-2's ``n_layer``, ``n_head``,
-``n_positions``...: what a config class's ``attribute_map`` maps the standard names to;
-``n_layers`` and ``n_heads``: editrain's Llama, as a checkpoint's marker writes it)."""
-
-
-def hf_key(data: dict[str, Any], kind: str) -> str | None:
-    """The first of ``HF_KEYS[kind]`` that ``data`` holds as a positive integer, or None."""
-    for key in HF_KEYS[kind]:
-        value = data.get(key)
-        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
-            return key
-    return None
-
-
-def hf_int(data: dict[str, Any], kind: str) -> int:
-    """The value of :func:`hf_key` in ``data``, else 0 (the config does not say)."""
-    key = hf_key(data, kind)
-    return 0 if key is None else data[key]
-
-
 def _fail(option: str, msg: str) -> ValueError:
     return ValueError(f"{option}: {msg}")
 
@@ -118,7 +113,8 @@ def read_config(path: str | Path, option: str = "model.init_from") -> dict[str, 
     """``DIR/config.json`` as a dict (with a ``model_type``).
 
     Raises:
-        ValueError: one line naming ``option``: no directory, no config, bad JSON.
+        ValueError: one line naming ``option``: no directory, no config, bad JSON, a
+            number editrain reads that is not one (:func:`check_hf_numbers`).
     """
     root = Path(path).expanduser()
     if not root.is_dir():
@@ -130,6 +126,7 @@ def read_config(path: str | Path, option: str = "model.init_from") -> dict[str, 
     data = _json(cfg, option)
     if not isinstance(data, dict) or not isinstance(data.get("model_type"), str):
         raise _fail(option, f"{cfg} has no \"model_type\"; it is not a Hugging Face config")
+    check_hf_numbers(data, f"{option}: {cfg}")
     return data
 
 
@@ -346,11 +343,17 @@ def tokenizer_file(path: str | Path) -> Path | None:
     return p if p.is_file() else None
 
 
-def _token_text(value: Any) -> str | None:
-    # tokenizer_config.json writes a special token as a string or as an AddedToken dict.
-    if isinstance(value, dict):
-        value = value.get("content")
-    return value if isinstance(value, str) and value else None
+def _token_text(data: dict[str, Any], key: str, where: Path) -> str | None:
+    """A special token's text as ``tokenizer_config.json`` / ``special_tokens_map.json``
+    write it: a string, or an AddedToken object whose ``content`` is one; None where the
+    field is absent, null or empty. Anything else (``5``, ``true``, ``["</s>"]``) is
+    refused, not skipped: skipped, the end of text would silently become another token."""
+    value = data.get(key)
+    text = value.get("content") if isinstance(value, dict) else value
+    if text is None or isinstance(text, str):
+        return text or None
+    raise ValueError(f"data.tokenizer: {where}: {key} is {quote(value)}; expected the "
+                     "token's text (a string, or an object whose \"content\" is one), or null")
 
 
 def special_tokens(path: str | Path) -> dict[str, str]:
@@ -358,7 +361,8 @@ def special_tokens(path: str | Path) -> dict[str, str]:
     names), from ``tokenizer_config.json``, else ``special_tokens_map.json``.
 
     Raises:
-        ValueError: one of the files is not valid JSON (names ``data.tokenizer``).
+        ValueError: one of the files is not valid JSON, or names a token by something
+            other than its text (names ``data.tokenizer``, the file and the field).
     """
     root = Path(path).expanduser()
     out: dict[str, str] = {}
@@ -370,7 +374,7 @@ def special_tokens(path: str | Path) -> dict[str, str]:
         if not isinstance(data, dict):
             raise ValueError(f"data.tokenizer: {f} is not a JSON object")
         for kind in ("eos", "bos", "pad"):
-            text = _token_text(data.get(f"{kind}_token"))
+            text = _token_text(data, f"{kind}_token", f)
             if text is not None:
                 out[kind] = text
     return out

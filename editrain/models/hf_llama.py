@@ -14,7 +14,16 @@ from __future__ import annotations
 import re
 from typing import Any
 
+from editrain.models.hf_fields import (
+    HF_COUNT_MAX,
+    HF_LAYERS_MAX,
+    hf_count,
+    hf_flag,
+    hf_object,
+    hf_positive,
+)
 from editrain.models.llama_config import ROPE_SCALING_KEYS, LlamaConfig, check_rope_scaling
+from editrain.safe_io import quote
 
 __all__ = [
     "LLAMA_ARCHITECTURE",
@@ -89,13 +98,29 @@ def from_hf_name(name: str) -> str:
 def is_llama_config(data: dict[str, Any]) -> bool:
     """Whether a ``config.json``'s contents describe a ``LlamaForCausalLM``."""
     archs = data.get("architectures") or [LLAMA_ARCHITECTURE]
-    return data.get("model_type") == "llama" and list(archs) == [LLAMA_ARCHITECTURE]
+    # a list by transformers' convention; any other value is no Llama's (transformers
+    # then judges the file), never a traceback here
+    return data.get("model_type") == "llama" and archs == [LLAMA_ARCHITECTURE]
 
 
-def _rope_theta(data: dict[str, Any]) -> float:
+def _rope_theta(data: dict[str, Any], params: dict[str, Any], where: str) -> float:
     # transformers 5 keeps it in rope_parameters, 4.x at the top level.
-    params = data.get("rope_parameters") or {}
-    return float(params.get("rope_theta", data.get("rope_theta", 10000.0)))
+    theta = hf_positive(params, "rope_theta", f"{where}: rope_parameters")
+    return theta or hf_positive(data, "rope_theta", where) or 10000.0
+
+
+def _rope_params(data: dict[str, Any], where: str) -> dict[str, Any]:
+    """``rope_parameters`` (transformers 5), else ``rope_scaling`` (4.x), else ``{}``."""
+    return (hf_object(data, "rope_parameters", where)
+            or hf_object(data, "rope_scaling", where))
+
+
+def _required(data: dict[str, Any], key: str, where: str, most: int = HF_COUNT_MAX) -> int:
+    """A count the Llama's shape cannot do without (:func:`hf_count`)."""
+    count = hf_count(data, key, where, most=most)
+    if count is None:
+        raise ValueError(f"{where}: no {key} field (an integer from 1 to {most:,})")
+    return count
 
 
 def llama_config_from_hf(data: dict[str, Any], where: str = "config.json") -> LlamaConfig:
@@ -103,7 +128,10 @@ def llama_config_from_hf(data: dict[str, Any], where: str = "config.json") -> Ll
 
     Only what editrain's Llama computes is accepted: SiLU, no attention or MLP bias, plain
     RoPE or Llama 3's scaling of it (``rope_type = "llama3"``), ``head_dim = hidden_size /
-    num_attention_heads``.
+    num_attention_heads``. Every number is read by the strict rules of
+    :mod:`editrain.models.hf_fields` (``true`` is no layer count, ``2.5`` no width, ``"4"``
+    no head count, ``1e400`` no epsilon); a field absent or ``null`` takes transformers'
+    default for a Llama (``num_key_value_heads``: ``num_attention_heads``).
 
     Args:
         data: the file's contents.
@@ -115,41 +143,41 @@ def llama_config_from_hf(data: dict[str, Any], where: str = "config.json") -> Ll
     def bad(field: str, why: str) -> ValueError:
         return ValueError(f"{where}: {field} {why}; editrain's Llama cannot load it")
 
-    if data.get("hidden_act", "silu") != "silu":
-        raise bad("hidden_act", f"is {data.get('hidden_act')!r}, not 'silu'")
+    act = data.get("hidden_act", "silu")
+    if act != "silu":
+        raise bad("hidden_act", f"is {quote(act)}, not 'silu'")
     for flag in ("attention_bias", "mlp_bias"):
-        if data.get(flag):
+        if hf_flag(data, flag, where):
             raise bad(flag, "is true")
-    params = data.get("rope_parameters") or data.get("rope_scaling") or {}
+    params = _rope_params(data, where)
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type not in ("default", "llama3"):
-        raise bad("rope_parameters", f"has rope_type {rope_type!r} (only the default RoPE "
-                  "and llama3's scaling of it)")
+        raise bad("rope_parameters", f"has rope_type {quote(rope_type)} (only the default "
+                  "RoPE and llama3's scaling of it)")
     scaling = None
     if rope_type == "llama3":
         try:
             scaling = check_rope_scaling({k: params.get(k) for k in ROPE_SCALING_KEYS})
         except ValueError as e:
             raise ValueError(f"{where}: rope_parameters (llama3): {e}") from None
+    heads = _required(data, "num_attention_heads", where)
+    shape = dict(vocab_size=_required(data, "vocab_size", where),
+                 dim=_required(data, "hidden_size", where),
+                 n_layers=_required(data, "num_hidden_layers", where, most=HF_LAYERS_MAX),
+                 n_heads=heads,
+                 n_kv_heads=hf_count(data, "num_key_value_heads", where) or heads,
+                 ffn_hidden=_required(data, "intermediate_size", where),
+                 max_seq_len=hf_count(data, "max_position_embeddings", where) or 2048)
     try:
-        heads = int(data["num_attention_heads"])
-        hidden = int(data["hidden_size"])
         cfg = LlamaConfig(
-            vocab_size=int(data["vocab_size"]), dim=hidden,
-            n_layers=int(data["num_hidden_layers"]), n_heads=heads,
-            n_kv_heads=int(data.get("num_key_value_heads") or heads),
-            ffn_hidden=int(data["intermediate_size"]),
-            max_seq_len=int(data.get("max_position_embeddings", 2048)),
-            rope_theta=_rope_theta(data), rope_scaling=scaling,
-            norm_eps=float(data.get("rms_norm_eps", 1e-6)),
-            tie_embeddings=bool(data.get("tie_word_embeddings", False)),
-            init_std=float(data.get("initializer_range", 0.02)))
-    except KeyError as e:
-        raise ValueError(f"{where}: no {e.args[0]} field") from None
-    except (TypeError, ValueError) as e:
+            **shape, rope_theta=_rope_theta(data, params, where), rope_scaling=scaling,
+            norm_eps=hf_positive(data, "rms_norm_eps", where) or 1e-6,
+            tie_embeddings=bool(hf_flag(data, "tie_word_embeddings", where)),
+            init_std=hf_positive(data, "initializer_range", where) or 0.02)
+    except ValueError as e:  # a combination: heads that do not divide the width
         raise ValueError(f"{where}: {e}") from None
-    head_dim = data.get("head_dim")
-    if head_dim is not None and int(head_dim) != cfg.head_dim:
+    head_dim = hf_count(data, "head_dim", where)
+    if head_dim is not None and head_dim != cfg.head_dim:
         raise bad("head_dim", f"is {head_dim}, not hidden_size / num_attention_heads = "
                   f"{cfg.head_dim}")
     return cfg

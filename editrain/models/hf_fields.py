@@ -1,0 +1,162 @@
+"""The numbers of a Hugging Face ``config.json``, each read by one strict rule.
+
+A model directory, a ``model.hf_config`` file, a checkpoint's description of its model are
+data a user hands over: a count must be a JSON integer in range (``true``, ``2.5``, ``2.0``,
+``"4"``, ``[4]``, ``-1``, ``10**30`` are refused, never coerced by ``int()``), a real number
+positive and finite (``1e400``, which JSON readers make infinite, is refused), a flag
+``true`` or ``false``; ``null`` is the field not given, as transformers reads it. Every
+refusal is one line naming the option, the file, the field, the value and what is allowed,
+raised as the file is read, before anything is built from it. No torch here: ``editrain
+data`` checks a configuration without importing it.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from editrain.safe_io import quote
+
+__all__ = ["HF_COUNT_MAX", "HF_FLAG_KEYS", "HF_KEYS", "HF_LAYERS_MAX", "HF_POSITIVE_KEYS",
+           "check_hf_numbers", "hf_count", "hf_flag", "hf_int", "hf_key", "hf_object",
+           "hf_positive"]
+
+HF_KEYS = {"layers": ("num_hidden_layers", "n_layer", "num_layers", "n_layers"),
+           "hidden": ("hidden_size", "n_embd", "d_model"),
+           "vocab": ("vocab_size",),
+           "heads": ("num_attention_heads", "n_head", "num_heads", "n_heads"),
+           "kv_heads": ("num_key_value_heads", "num_kv_heads", "n_head_kv", "n_kv_heads"),
+           "positions": ("max_position_embeddings", "n_positions", "max_seq_len",
+                         "max_sequence_length", "n_ctx")}
+"""The names transformers' configs give the layer count, the width, the vocabulary, the
+query and key/value heads and the longest sequence (GPT-2's ``n_layer``, ``n_head``,
+``n_positions``...: what a config class's ``attribute_map`` maps the standard names to;
+``n_layers`` and ``n_heads``: editrain's Llama, as a checkpoint's marker writes it)."""
+
+
+HF_COUNT_MAX = 2**31 - 1
+"""The largest count (width, vocabulary, heads, positions) a model's config may give: a
+tensor of such sizes stays within torch's 64-bit element counts (the largest real values,
+vocabularies of about 10**6 and windows of about 10**7, are far below), so that a hostile
+``10**30`` is refused here, not by an overflow deep inside a build."""
+HF_LAYERS_MAX = 10**5
+"""The most layers a model's config may give: transformers builds a model layer by layer,
+about a millisecond each even on the meta device, so a ``config.json`` without weights to
+compare with (``model.hf_config``) claiming ``10**30`` would never finish validating (the
+deepest models have about 10**2; :data:`editrain.plan.inputs.MAX_LAYERS` is the same)."""
+HF_POSITIVE_KEYS = ("rope_theta", "rms_norm_eps", "initializer_range")
+"""The real-valued fields editrain's Llama reads from a ``config.json`` (``rope_theta``
+also inside ``rope_parameters``): positive and finite, where given."""
+HF_FLAG_KEYS = ("tie_word_embeddings", "attention_bias", "mlp_bias")
+"""The true/false fields editrain reads from a ``config.json``, where given."""
+_NOT_GIVEN = "or null (not given)"
+
+
+def hf_count(data: dict[str, Any], key: str, where: str, least: int = 1,
+             most: int = HF_COUNT_MAX) -> int | None:
+    """``data[key]`` as a count: None where the field is absent or null; else it must be a
+    JSON integer from ``least`` to ``most``. A bool is no count (``true`` is not 1), and
+    neither is a float, not even ``2.0`` (transformers' own configs refuse it too) or a
+    string (``"4"``): a count is never coerced.
+
+    Raises:
+        ValueError: ``"WHERE: KEY is VALUE; expected an integer from LEAST to MOST, or
+            null (not given)"``.
+    """
+    value = data.get(key)
+    if value is None:
+        return None
+    if type(value) is not int or not least <= value <= most:
+        raise ValueError(f"{where}: {key} is {quote(value)}; expected an integer from "
+                         f"{least} to {most:,}, {_NOT_GIVEN}")
+    return value
+
+
+def hf_positive(data: dict[str, Any], key: str, where: str) -> float | None:
+    """``data[key]`` as a positive finite number (a JSON integer or fraction, never a
+    bool or a string; ``1e400``, which JSON readers make infinite, is refused), or None
+    where the field is absent or null.
+
+    Raises:
+        ValueError: one line naming ``where``, ``key``, the value and what is allowed.
+    """
+    value = data.get(key)
+    if value is None:
+        return None
+    if type(value) not in (int, float) or not 0 < value < math.inf:
+        raise ValueError(f"{where}: {key} is {quote(value)}; expected a positive finite "
+                         f"number, {_NOT_GIVEN}")
+    return float(value)
+
+
+def hf_flag(data: dict[str, Any], key: str, where: str) -> bool | None:
+    """``data[key]`` as ``true`` or ``false`` (``0``, ``1`` or ``"false"`` is no flag), or
+    None where the field is absent or null.
+
+    Raises:
+        ValueError: one line naming ``where``, ``key``, the value and what is allowed.
+    """
+    value = data.get(key)
+    if value is None or type(value) is bool:
+        return value
+    raise ValueError(f"{where}: {key} is {quote(value)}; expected true or false, {_NOT_GIVEN}")
+
+
+def hf_object(data: dict[str, Any], key: str, where: str) -> dict[str, Any]:
+    """``data[key]`` as a JSON object, ``{}`` where the field is absent or null.
+
+    Raises:
+        ValueError: one line naming ``where``, ``key``, the value and what is allowed.
+    """
+    value = data.get(key)
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise ValueError(f"{where}: {key} is {quote(value)}; expected a JSON object, "
+                         f"{_NOT_GIVEN}")
+    return value
+
+
+def check_hf_numbers(data: dict[str, Any], where: str) -> None:
+    """Every number of a ``config.json`` (or a checkpoint's description of its model) that
+    editrain reads, checked by one rule before anything is built from it: each spelling
+    of :data:`HF_KEYS`, ``intermediate_size`` and ``head_dim`` by :func:`hf_count` (layers
+    up to :data:`HF_LAYERS_MAX`), :data:`HF_POSITIVE_KEYS` by :func:`hf_positive`,
+    :data:`HF_FLAG_KEYS` by :func:`hf_flag`, and ``rope_parameters`` / ``rope_scaling``
+    must be objects.
+
+    Raises:
+        ValueError: one line naming ``where`` (the option and the file), the field, its
+            value and what is allowed.
+    """
+    for kind, keys in HF_KEYS.items():
+        for key in keys:
+            hf_count(data, key, where, most=HF_LAYERS_MAX if kind == "layers" else HF_COUNT_MAX)
+    for key in ("intermediate_size", "head_dim"):
+        hf_count(data, key, where)
+    for key in HF_POSITIVE_KEYS:
+        hf_positive(data, key, where)
+    for key in HF_FLAG_KEYS:
+        hf_flag(data, key, where)
+    for key in ("rope_parameters", "rope_scaling"):
+        hf_positive(hf_object(data, key, where), "rope_theta", f"{where}: {key}")
+
+
+def hf_key(data: dict[str, Any], kind: str) -> str | None:
+    """The first of ``HF_KEYS[kind]`` that ``data`` gives (a value other than null), or
+    None."""
+    return next((key for key in HF_KEYS[kind] if data.get(key) is not None), None)
+
+
+def hf_int(data: dict[str, Any], kind: str, where: str = "config.json") -> int:
+    """The count of ``kind`` (:data:`HF_KEYS`) that ``data`` gives, checked by
+    :func:`hf_count`, else 0 (the config does not say).
+
+    Raises:
+        ValueError: the field :func:`hf_key` finds is no count (names ``where``).
+    """
+    key = hf_key(data, kind)
+    if key is None:
+        return 0
+    return hf_count(data, key, where,
+                    most=HF_LAYERS_MAX if kind == "layers" else HF_COUNT_MAX) or 0

@@ -1,0 +1,226 @@
+"""The numbers of a Hugging Face model's files are read by one strict rule
+(editrain.models.hf_fields): every bad value of every field editrain reads, through every
+way a user hands over such a file (``model.init_from`` of a Llama and of another
+architecture, ``model.hf_config``, ``editrain sample DIR``, a tokenizer directory), is
+refused in one line naming the option, the file, the field and what is allowed, before
+any model is built. Nothing here trains: validation only.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import time
+from pathlib import Path
+
+import pytest
+
+from editrain.config import ConfigError, load_config
+
+transformers = pytest.importorskip(
+    "transformers", reason="the Hugging Face tests need the hf extra (pip install -e '.[hf]')")
+
+SHAPE = dict(vocab_size=320, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+HF_COUNT_MAX = 2**31 - 1
+"""The largest count a config may give (editrain.models.hf_fields.HF_COUNT_MAX)."""
+HF_LAYERS_MAX = 10**5
+"""The most layers a config may give (editrain.models.hf_fields.HF_LAYERS_MAX)."""
+BAD_COUNTS = ["true", "2.5", "2.0", '"4"', "[4]", "-1", "0", "1" + "0" * 30, "1e400", "NaN"]
+"""Written as text into the JSON: ``1e400`` is what JSON readers make infinite."""
+BAD_REALS = ["true", '"4"', "[4]", "-1", "0", "1e400", "NaN"]
+BAD_FLAGS = ["0", "1", '"false"', "[true]", "2.5"]
+
+
+@pytest.fixture(scope="module")
+def dirs(tmp_path_factory) -> dict[str, Path]:
+    """A tiny LlamaForCausalLM and Qwen2ForCausalLM directory with a tokenizer each."""
+    import torch
+
+    from editrain.data.tokenizer import train_bpe_tokenizer
+    from tests.test_examples import write_corpus
+
+    root = tmp_path_factory.mktemp("hfnum")
+    corpus = write_corpus(root / "corpus.txt", lines=200)
+    tok = train_bpe_tokenizer(corpus.read_text().splitlines(), 300)
+    torch.manual_seed(0)
+    out = {}
+    for name, cls, cfg_cls in [("llama", "LlamaForCausalLM", "LlamaConfig"),
+                               ("qwen", "Qwen2ForCausalLM", "Qwen2Config")]:
+        config = getattr(transformers, cfg_cls)(**SHAPE, tie_word_embeddings=False)
+        getattr(transformers, cls)(config).save_pretrained(root / name)
+        transformers.PreTrainedTokenizerFast(
+            tokenizer_object=tok, eos_token="<|endoftext|>",
+            bos_token="<|endoftext|>").save_pretrained(root / name)
+        out[name] = root / name
+    return out
+
+
+def _with(src: Path, dst: Path, file: str, field: str, text: str) -> Path:
+    """A copy of ``src`` whose ``file`` has ``field`` (``a.b``: inside object ``a``) set to
+    the JSON ``text`` exactly as written."""
+    shutil.copytree(src, dst)
+    data = json.loads((dst / file).read_text())
+    inner = data
+    *outer, last = field.split(".")
+    for key in outer:
+        inner = inner[key]
+    inner[last] = "@VALUE@"
+    (dst / file).write_text(json.dumps(data).replace('"@VALUE@"', text))
+    return dst
+
+
+def _validate(model: dict, tmp_path: Path) -> None:
+    load_config(overrides={"model": model, "data": {"cache_dir": str(tmp_path / "cache")}})
+
+
+def _refused(model: dict, tmp_path: Path, pattern: str) -> str:
+    """The refusal of a configuration: a ConfigError of one line matching ``pattern``."""
+    start = time.monotonic()
+    with pytest.raises(ConfigError) as e:
+        _validate(model, tmp_path)
+    message = str(e.value)
+    assert "\n" not in message
+    assert re.search(pattern, message), message
+    assert time.monotonic() - start < 30  # refused before any model is built layer by layer
+    return message
+
+
+def _count_refusal(option: str, file: Path, field: str, most: int = HF_COUNT_MAX) -> str:
+    return (f"^{re.escape(option)}: {re.escape(str(file))}: {field} is .*; expected an "
+            f"integer from 1 to {most:,}, or null \\(not given\\)$")
+
+
+COUNT_CASES = [
+    ("llama", "init_from", "num_hidden_layers"),
+    ("llama", "init_from", "hidden_size"),
+    ("llama", "init_from", "vocab_size"),
+    ("llama", "init_from", "num_attention_heads"),
+    ("llama", "init_from", "num_key_value_heads"),
+    ("llama", "init_from", "intermediate_size"),
+    ("llama", "init_from", "max_position_embeddings"),
+    ("llama", "init_from", "head_dim"),
+    ("qwen", "init_from", "num_hidden_layers"),
+    ("qwen", "init_from", "max_position_embeddings"),
+    ("qwen", "init_from", "vocab_size"),
+    ("qwen", "hf_config", "num_hidden_layers"),
+    ("qwen", "hf_config", "max_position_embeddings"),
+    ("qwen", "hf_config", "vocab_size"),
+    ("qwen", "hf_config", "n_positions"),  # another spelling of the same field (GPT-2's)
+]
+
+
+@pytest.mark.parametrize("text", BAD_COUNTS)
+@pytest.mark.parametrize(("arch", "option", "field"), COUNT_CASES,
+                         ids=["-".join(c) for c in COUNT_CASES])
+def test_a_count_that_is_no_count_is_refused_by_name(dirs, tmp_path, arch, option, field,
+                                                     text):
+    d = _with(dirs[arch], tmp_path / "m", "config.json", field, text)
+    source = str(d) if option == "init_from" else str(d / "config.json")
+    most = HF_LAYERS_MAX if field == "num_hidden_layers" else HF_COUNT_MAX
+    _refused({option: source}, tmp_path,
+             _count_refusal(f"model.{option}", d / "config.json", field, most))
+
+
+@pytest.mark.parametrize("text", BAD_REALS)
+@pytest.mark.parametrize("field", ["rms_norm_eps", "rope_theta", "initializer_range",
+                                   "rope_parameters.rope_theta"])
+def test_a_real_number_that_is_not_positive_and_finite_is_refused(dirs, tmp_path, field, text):
+    d = _with(dirs["llama"], tmp_path / "m", "config.json", field, text)
+    inner = f"{field.split('.')[0]}: " if "." in field else ""
+    key = field.split(".")[-1]
+    _refused({"init_from": str(d)}, tmp_path,
+             f"^model.init_from: {re.escape(str(d / 'config.json'))}: {inner}{key} is .*; "
+             "expected a positive finite number, or null \\(not given\\)$")
+
+
+@pytest.mark.parametrize("text", BAD_FLAGS)
+@pytest.mark.parametrize("arch", ["llama", "qwen"])
+def test_a_flag_that_is_not_true_or_false_is_refused(dirs, tmp_path, arch, text):
+    d = _with(dirs[arch], tmp_path / "m", "config.json", "tie_word_embeddings", text)
+    _refused({"init_from": str(d)}, tmp_path,
+             f"^model.init_from: {re.escape(str(d / 'config.json'))}: tie_word_embeddings "
+             "is .*; expected true or false, or null \\(not given\\)$")
+
+
+@pytest.mark.parametrize("text", ['"dynamic"', "[1]", "4"])
+def test_rope_parameters_that_are_no_object_are_refused(dirs, tmp_path, text):
+    d = _with(dirs["llama"], tmp_path / "m", "config.json", "rope_parameters", text)
+    _refused({"init_from": str(d)}, tmp_path,
+             f"^model.init_from: {re.escape(str(d / 'config.json'))}: rope_parameters is "
+             ".*; expected a JSON object")
+
+
+def test_fractions_and_nulls_that_transformers_reads_are_kept(dirs, tmp_path):
+    """What is accepted, on purpose: a real number may be any positive finite one (2.5 as
+    an epsilon is odd, not malformed), ``null`` is the field not given (a Llama's
+    ``num_key_value_heads`` is then its ``num_attention_heads``, ``head_dim`` the width by
+    the heads, as transformers reads them)."""
+    from editrain.config.model import model_config
+
+    d = _with(dirs["llama"], tmp_path / "m", "config.json", "rms_norm_eps", "2.5")
+    data = json.loads((d / "config.json").read_text())
+    data.update(head_dim=None, initializer_range=None)
+    (d / "config.json").write_text(json.dumps(data))
+    mcfg = model_config(load_config(overrides={"model": {"init_from": str(d)}}))
+    assert (mcfg.norm_eps, mcfg.init_std, mcfg.n_layers) == (2.5, 0.02, 2)
+
+
+def test_a_config_of_10_30_layers_is_refused_not_built(dirs, tmp_path):
+    """A ``model.hf_config`` has no weights to compare its layers with: 10**30 of them
+    (without the ``layer_types`` list transformers checks) made validation build the model
+    on the meta device layer by layer, and never finish."""
+    config = tmp_path / "config.json"
+    data = json.loads((dirs["qwen"] / "config.json").read_text())
+    data.pop("layer_types", None)
+    data["num_hidden_layers"] = 10**30
+    config.write_text(json.dumps(data))
+    _refused({"hf_config": str(config)}, tmp_path,
+             _count_refusal("model.hf_config", config, "num_hidden_layers", HF_LAYERS_MAX))
+
+
+@pytest.mark.parametrize("text", ["true", "2.5", "[4]", "-1", "1e400"])
+def test_editrain_sample_refuses_a_count_that_is_no_count(dirs, tmp_path, text):
+    from editrain.sample import load_for_sampling
+
+    for arch in ("llama", "qwen"):
+        d = _with(dirs[arch], tmp_path / arch, "config.json", "num_attention_heads", text)
+        with pytest.raises(ValueError) as e:
+            load_for_sampling(d)
+        assert re.fullmatch(_count_refusal("sample", d / "config.json",
+                                           "num_attention_heads"), str(e.value)), e.value
+
+
+@pytest.mark.parametrize("text", ["true", "2.5", "5", "[4]", '["</s>"]', "-1", "1e400"])
+@pytest.mark.parametrize("file", ["tokenizer_config.json", "special_tokens_map.json"])
+def test_a_special_token_named_by_no_text_is_refused_not_skipped(dirs, tmp_path, file, text):
+    """A tokenizer file names a special token by its text (or an object whose
+    ``content`` is it): a number there was skipped, and the end of text silently became
+    another token."""
+    src = dirs["llama"]
+    if file == "special_tokens_map.json":
+        src = tmp_path / "src"
+        shutil.copytree(dirs["llama"], src)
+        (src / file).write_text(json.dumps({"eos_token": "<|endoftext|>"}))
+    d = _with(src, tmp_path / "m", file, "eos_token", text)
+    _refused({"init_from": str(d)}, tmp_path,
+             f"^data.tokenizer: {re.escape(str(d / file))}: eos_token is .*; expected the "
+             "token's text")
+
+
+@pytest.mark.parametrize(("field", "value", "allowed"), [
+    *[("n_layers", v, "an integer from 1 to 100,000") for v in (True, 2.5, "4", [4], 10**30)],
+    ("n_heads", 10**30, "an integer from 1 to 2,147,483,647"),
+    ("rope_theta", float("inf"), "a positive finite number"),
+])
+def test_a_checkpoint_markers_numbers_are_read_by_the_same_rule(field, value, allowed):
+    """export and sample check a checkpoint's description of its model against its
+    weights before building it: its numbers first, by the rule of a config.json."""
+    from editrain.config.size import check_weights_match
+
+    model = {"n_layers": 2, "dim": 8, "n_heads": 2, field: value}
+    with pytest.raises(ConfigError, match=rf"^export: m/marker.json: {field} is .*; "
+                                          rf"expected {allowed}"):
+        check_weights_match(model, ["layers.0.w", "layers.1.w"], "m/marker.json",
+                            option="export")
