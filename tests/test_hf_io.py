@@ -1305,6 +1305,26 @@ def test_ids_an_export_would_refuse_are_refused_before_the_run_trains(dirs, tmp_
              tokenizer=str(tok_dir))
 
 
+def test_a_tokenizer_directorys_ids_are_checked_against_editrains_own_llama(dirs, tmp_path):
+    """editrain's Llama (a preset) with a data.tokenizer directory: its embedding has the
+    tokenizer's rows, and a generation_config.json there naming an id past them is refused
+    before the run trains. The check used a vocabulary of 0 for this model, so any
+    non-negative id (10**30 too) passed until the export refused it."""
+    tok_dir = _copy(dirs["qwen"], tmp_path / "tok")
+    config = json.loads((tok_dir / "generation_config.json").read_text())
+    (tok_dir / "generation_config.json").write_text(json.dumps({**config,
+                                                                 "eos_token_id": 50256}))
+    with pytest.raises(ConfigError, match=re.escape(
+            f"data.tokenizer: {tok_dir / 'generation_config.json'}: eos_token_id is 50256, "
+            "not a token of the model's vocabulary")) as e:
+        load_config(overrides={"data": {"tokenizer": str(tok_dir),
+                                        "cache_dir": str(tmp_path / "cache")}})
+    assert "\n" not in str(e.value)
+    (tok_dir / "generation_config.json").write_text(json.dumps(config))
+    load_config(overrides={"data": {"tokenizer": str(tok_dir),
+                                    "cache_dir": str(tmp_path / "cache")}})
+
+
 def test_an_export_into_what_editrain_keeps_for_a_run_is_refused(dirs, tmp_path):
     """OUT inside a checkpoint (which then held a directory: --resume refused the
     checkpoint, and rotation would delete the export with it), or inside a run's

@@ -411,8 +411,8 @@ def _check_kept_ids(cfg: Config) -> None:
         from editrain.models.hf import read_hf_config
 
         vocab = hf_int(read_hf_config(cfg.model.hf_config), "vocab")
-    else:  # editrain's Llama: its embedding is sized to the tokenizer (editrain data: no torch)
-        vocab = 0
+    else:  # editrain's Llama: its embedding is sized to the tokenizer (read without torch)
+        vocab = _tokenizer_vocab(cfg)[0]
     own = init is not None and Path(tok_dir).resolve() == Path(init).expanduser().resolve()
     with as_config_error():
         check_kept_ids(tok_dir, init, vocab, "model.init_from" if own else "data.tokenizer")
