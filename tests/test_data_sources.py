@@ -717,6 +717,34 @@ def test_a_directory_reads_its_compressed_text_and_says_what_it_leaves(tmp_path,
         "just compressed"]
 
 
+def test_record_files_another_entry_reads_are_not_warned_of(tmp_path, caplog):
+    """A directory beside a glob of its own record files: the records are read (the glob
+    names them), so the warning leaves them out; it warned of them as left out of the
+    corpus, and names only the kinds no entry reads."""
+    import logging
+
+    d = tmp_path / "both"
+    _write(d / "a.txt", "some text")
+    _write(d / "r.jsonl", json.dumps({"text": "a record"}))
+    _write(d / "s.json", json.dumps([{"text": "an array record"}]))
+    jsonl = str(d / "**" / "*.jsonl")
+    with caplog.at_level(logging.WARNING, logger="editrain"):
+        refs = resolve_sources([str(d), jsonl])
+    assert sorted(doc.text for doc in iter_records(refs)) == ["a record", "some text"]
+    warned = [r.getMessage() for r in caplog.records if "stands for its text files" in
+              r.getMessage()]
+    assert warned == [f"data.path: {d} stands for its text files, not the 1 .json file: "
+                      f"name them with a glob pattern, {str(d / '**' / '*.json')!r}, if "
+                      f"they belong to the corpus too"]
+    caplog.clear()
+    e = tmp_path / "read"
+    _write(e / "a.txt", "more text")
+    _write(e / "r.jsonl", json.dumps({"text": "another record"}))
+    with caplog.at_level(logging.WARNING, logger="editrain"):
+        resolve_sources([str(e), str(e / "**" / "*.jsonl")])
+    assert not [r for r in caplog.records if "stands for its text files" in r.getMessage()]
+
+
 def test_a_directory_names_every_kind_of_record_file_it_leaves(tmp_path, caplog):
     """Record files of several kinds beside a directory's text: the warning names each
     kind with its count and glob, the most common first, and those globs read every record.

@@ -363,11 +363,14 @@ def _json_is_list(path: Path) -> bool:
     return False
 
 
-def _records_hint(root: Path) -> str:
+def _records_hint(root: Path, named: frozenset[Path] = frozenset()) -> str:
     """How to name the record files a directory holds, if it holds any (a directory stands
-    for its text files; shards of records, C4's ``*.json.gz`` say, are named by a glob)."""
+    for its text files; shards of records, C4's ``*.json.gz`` say, are named by a glob),
+    less those another entry of ``data.path`` names (``named``)."""
     kinds: dict[str, int] = {}
     for _, p in _walk_files(root, None):
+        if p in named:
+            continue
         inner = inner_suffix(p)
         if inner in (".jsonl", ".json", ".parquet"):
             suffix = inner + (p.suffix.lower() if compression(p) else "")
@@ -391,6 +394,22 @@ _BOM = b"\xef\xbb\xbf"
 """UTF-8's byte order mark: not text where a file starts with it."""
 _SURROGATE = re.compile("[\ud800-\udfff]")
 """A UTF-16 surrogate left alone by a JSON escape (a pair is one character once parsed)."""
+
+
+def _warn_of_unread_records(refs: list[SourceRef]) -> None:
+    """Say (once per directory and process) which record files a directory entry holds
+    that no entry reads: a directory stands for its text files, and records beside them
+    are not dropped in silence. Those another entry names (a glob of the directory's
+    ``*.jsonl``, say) are read, and left out of the warning, which named them too."""
+    named = frozenset(r.path for r in refs if r.kind != "dir" and r.path is not None)
+    for ref in refs:
+        if ref.kind != "dir" or str(ref.path) in _WARNED:
+            continue
+        hint = _records_hint(ref.path, named)
+        if hint:
+            _WARNED.add(str(ref.path))
+            log.warning("data.path: %s stands for its text files%s, if they belong to the "
+                        "corpus too", ref.path, hint.replace("; it holds", ", not the"))
 
 
 def _check_dir_compressed(root: Path) -> None:
@@ -436,11 +455,6 @@ def _classify(entry: str, text_field: str) -> SourceRef:
                              f"extensions {', '.join(TEXT_EXTENSIONS)} (compressed or not), "
                              f"and it is not a save_to_disk directory{_records_hint(path)}")
         _check_dir_compressed(path)
-        hint = _records_hint(path)
-        if hint and str(path) not in _WARNED:  # said, not dropped in silence: records
-            _WARNED.add(str(path))            # beside the text are not read
-            log.warning("data.path: %s stands for its text files%s, if they belong to the "
-                        "corpus too", path, hint.replace("; it holds", ", not the"))
         return SourceRef("dir", path, text_field)
     suffix = inner_suffix(path)
     if compression(path):
@@ -506,6 +520,7 @@ def parse_sources(spec: str | Iterable[str], text_field: str = "text",
         raise ValueError(f"data.separator: must be non-empty text (or unset: a file is one "
                          f"document), got {separator!r}")
     refs = list(dict.fromkeys(_classify(entry, text_field) for entry in _expand(spec)))
+    _warn_of_unread_records(refs)
     if separator is not None:
         if not any(r.kind in _TEXT_KINDS for r in refs):
             raise ValueError(f"data.separator: cuts text files (a file or a directory of "
