@@ -248,19 +248,29 @@ class MeshInfo:
 
 
 def _attempt_store(timeout: timedelta) -> dist.Store | None:
-    """A store namespaced by restart attempt, under torch elastic's agent-hosted store.
+    """A store namespaced by the attempt, under torch elastic's agent-hosted store.
 
     After a worker failure torch elastic restarts every worker against the *same* agent
-    store; without a per-attempt namespace the new workers read the dead attempt's gloo
-    addresses and fail to connect. Returns None outside torch elastic.
+    store; without a namespace of its own the new attempt's workers read the dead
+    attempt's gloo addresses and fail to connect. The namespace is an id rank 0 makes for
+    the attempt and gives the others (:func:`editrain.agent_store.attempt_id`), waiting
+    as long as the process group does (``timeout``). It used to be
+    ``TORCHELASTIC_RESTART_COUNT``, which torch elastic leaves unchanged on a restart it
+    does not count (the nodes taking part changed) and which then differs between nodes:
+    ranks looked for each other in different namespaces, or read a dead attempt's
+    addresses under the same count, and the process group never formed. Returns None
+    outside torch elastic's agent store.
     """
     import torch.distributed as dist
 
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+    from editrain.agent_store import attempt_id, uses_agent_store
+
+    if not uses_agent_store():
         return None
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
                           is_master=False, timeout=timeout)
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    attempt = attempt_id(store, int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]),
+                         timeout)
     return dist.PrefixStore(f"editrain/attempt_{attempt}", store)
 
 

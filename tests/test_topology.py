@@ -395,3 +395,134 @@ def test_a_mesh_size_is_refused_in_the_words_of_the_config_option(make):
     for plain in (np.int64(2), np.uint8(2), np.int32(2)):
         assert type(Topology(8, plain).shard_size) is int
         assert type(load_config(None, {"dist": {"shard_size": plain}}).dist.shard_size) is int
+
+
+# ------------------------------------------------- one attempt's store namespace under torch elastic
+class PerThreadEnviron(dict):
+    """``os.environ`` with each thread's own overrides (a thread is one rank of a torchrun
+    attempt here, with its own ``RANK`` and ``TORCHELASTIC_RESTART_COUNT``)."""
+
+    def __init__(self, base) -> None:
+        import threading
+
+        super().__init__(base)
+        self.local = threading.local()
+
+    def own(self) -> dict:
+        return getattr(self.local, "env", {})
+
+    def __getitem__(self, key):
+        own = self.own()
+        return own[key] if key in own else super().__getitem__(key)
+
+    def __contains__(self, key) -> bool:
+        return key in self.own() or super().__contains__(key)
+
+    def get(self, key, default=None):
+        return self[key] if key in self else default
+
+
+@pytest.fixture
+def agent_store(monkeypatch):
+    """torch elastic's agent store as the workers see it (a TCPStore in this process), and
+    an environment whose RANK and restart count each thread sets for itself."""
+    import os
+
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    environ = PerThreadEnviron(os.environ)
+    environ.update(TORCHELASTIC_USE_AGENT_STORE="True", MASTER_ADDR="127.0.0.1",
+                   MASTER_PORT=str(server.port), WORLD_SIZE="3")
+    monkeypatch.setattr(os, "environ", environ)
+    yield server, environ
+
+
+def attempt_stores(environ, counts: dict[int, int], timeout_s: float = 20.0) -> dict:
+    """Each rank's (of ``counts``: rank -> its TORCHELASTIC_RESTART_COUNT) attempt store
+    (:func:`editrain.topology._attempt_store`), made in a thread of its own, the ranks
+    starting in the order given; an error in place of a rank's store."""
+    import threading
+    import time
+    from datetime import timedelta
+
+    from editrain.topology import _attempt_store
+
+    stores: dict = {}
+
+    def rank(r: int, count: int) -> None:
+        environ.local.env = {"RANK": str(r), "TORCHELASTIC_RESTART_COUNT": str(count)}
+        try:
+            stores[r] = _attempt_store(timedelta(seconds=timeout_s))
+        except Exception as e:  # (the test reads it)
+            stores[r] = e
+
+    threads = [threading.Thread(target=rank, args=item) for item in counts.items()]
+    for thread in threads:
+        thread.start()
+        time.sleep(0.1)
+    for thread in threads:
+        thread.join(timeout=timeout_s + 10)
+    return stores
+
+
+def same_namespace(stores: dict) -> bool:
+    """Whether a key rank 0 sets in its attempt store is read by every other rank in its."""
+    from datetime import timedelta
+
+    stores[0].set("rank0_was_here", "1")
+    for store in stores.values():
+        store.set_timeout(timedelta(seconds=1))
+        try:
+            store.get("rank0_was_here")
+        except dist.DistStoreError:
+            return False
+    return True
+
+
+def test_every_rank_of_an_attempt_shares_one_store_namespace_whatever_its_restart_count(
+        agent_store):
+    """torch elastic does not count a restart caused by a change of the nodes taking part,
+    so after one node's failure the nodes' TORCHELASTIC_RESTART_COUNT differ (the failing
+    node's agent counts, the healthy ones restart their workers uncounted). Every rank of
+    the attempt still finds the others' keys in one namespace, and a new one at each
+    attempt: the dead attempt's gloo keys are not read. Before, the namespace was the
+    count: rank 1 at count 1 and ranks 0 and 2 at count 0 looked in different namespaces
+    (the process group never formed), and an uncounted restart at the same count read the
+    dead attempt's keys."""
+    server, environ = agent_store
+    first = attempt_stores(environ, {0: 0, 1: 0, 2: 0})
+    assert all(isinstance(s, dist.Store) for s in first.values()), first
+    assert same_namespace(first)
+    first[1].set("gloo_address_of_a_dead_rank", "unreachable")
+
+    # rank 1's node failed (its count 1); ranks 0 and 2 were healthy there (count 0)
+    second = attempt_stores(environ, {1: 1, 0: 0, 2: 0})
+    assert all(isinstance(s, dist.Store) for s in second.values()), second
+    assert same_namespace(second)
+    for store in second.values():
+        assert not store.check(["gloo_address_of_a_dead_rank"])  # the dead attempt's
+
+    # an uncounted restart at the same counts as the attempt before
+    third = attempt_stores(environ, {2: 0, 0: 0, 1: 1})
+    assert not third[2].check(["rank0_was_here"])  # the second attempt's
+    assert same_namespace(third)
+
+
+def test_a_rank_that_never_asks_for_the_attempt_is_named_by_rank_0(agent_store):
+    """Rank 0 waits as long as the process group would for the others to ask for the
+    attempt's id, then names the ranks that did not (here rank 2 never started)."""
+    server, environ = agent_store
+    stores = attempt_stores(environ, {0: 0, 1: 0}, timeout_s=1.0)
+    assert isinstance(stores[1], dist.Store)
+    assert isinstance(stores[0], TimeoutError)
+    assert "rank(s) 2 did not ask for this attempt's id" in str(stores[0])
+
+
+def test_without_the_agent_store_the_process_group_keeps_its_own(monkeypatch):
+    """No TORCHELASTIC_USE_AGENT_STORE=True: nothing changes (init_process_group's own
+    store)."""
+    from datetime import timedelta
+
+    from editrain.topology import _attempt_store
+
+    monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE", raising=False)
+    assert _attempt_store(timedelta(seconds=1)) is None

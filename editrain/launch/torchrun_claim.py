@@ -24,23 +24,25 @@ line): its restart rejoins the start unchecked only when this launch joined it.
 
 The same store carries rank 0's decision about the run directory to the other ranks of
 the launch (:meth:`LaunchStore.decide`, :meth:`LaunchStore.decision`): they wait for it
-before they act, and share its refusal. Each rank asks under its rank with a fresh id and
-rank 0 answers that id: an attempt is told from the one before it by its processes, not by
+before they act, and share its refusal (:class:`editrain.agent_store.RankZeroWord`: an
+attempt is told from the one before it by its processes, not by
 ``TORCHELASTIC_RESTART_COUNT``, which torch elastic leaves as it was when the nodes taking
-part change and which differs between nodes after a failure on one of them.
+part change and which differs between nodes after a failure on one of them). The decision
+tells the trainer too whether this attempt goes on with its launch's run (resuming its
+latest checkpoint) or made a new claim (:meth:`LaunchStore.decision`).
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import time
 import uuid
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 from editrain import rundir
+from editrain.agent_store import RankZeroWord, uses_agent_store
 from editrain.errors import CheckpointError, ConfigError, RunDirError
 
 log = logging.getLogger("editrain")
@@ -53,15 +55,11 @@ STORE_KEY = "editrain/run_dir_claim/"
 GROUP_CLAIMS = "torchrun_group_claims"
 """The key of a torchrun ``--ft`` start's history line holding, by replica group, the
 token of the launch whose rank 0 claimed or joined the start as that group."""
-ASK_KEY = "editrain/run_dir_decision/ask/"
-"""The prefix of the key under which a rank other than 0 (its rank follows) asks for
-rank 0's decision about the run directory, holding the fresh id its answer goes under
-(:data:`ANSWER_KEY`). Rank 0 removes the rank's key, an earlier attempt's ask, before it
-decides; the rank puts it again while it waits. No run directory in the key: one launch
-is one run directory, whose path may differ between nodes (its mount path)."""
-ANSWER_KEY = "editrain/run_dir_decision/answer/"
-"""The prefix of the key under which rank 0 answers an ask (its id follows) with its
-decision; ``/read`` after it: the asking rank read a refusal."""
+DECISION_WORD = "editrain/run_dir_decision/"
+"""The prefix of the keys under which a rank other than 0 asks for rank 0's decision about
+the run directory and rank 0 answers it (:class:`editrain.agent_store.RankZeroWord`:
+``ask/RANK``, ``answer/ID``). No run directory in the keys: one launch is one run
+directory, whose path may differ between nodes (its mount path)."""
 CLAIMED, REJOINED, REFUSED = "claimed", "rejoined", "refused"
 """Rank 0's decisions: it checked and claimed (or joined) the run directory; it goes on
 with its launch's own run unchecked (a restart); it was refused (``refused TYPE:
@@ -71,8 +69,6 @@ SHARED_REFUSALS = {cls.__name__: cls for cls in (RunDirError, ConfigError, Check
 """The refusals another rank raises as rank 0 did (same type, same message: the command
 line prints the same one line, exit code 2); any other failure of rank 0 is raised as a
 :class:`RunDirError` naming it."""
-POLL_S = 0.05
-"""How often a rank looks for what it waits for in the store."""
 READ_WAIT_S = 10.0
 """How long rank 0 of a refused attempt waits for the other ranks to have read its
 refusal before it exits: torchrun stops every worker of an attempt as soon as one exits,
@@ -136,7 +132,7 @@ class LaunchStore:
         """The agent's store as the workers' environment names it; without one (etcd
         rendezvous, ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``: the workers' store is then
         rank 0's own, gone with each attempt), or where it does not answer, none."""
-        if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        if not uses_agent_store():
             return cls(None, "torchrun keeps no store for the workers "
                              "(TORCHELASTIC_USE_AGENT_STORE is not True)")
         host, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT", "")
@@ -169,43 +165,26 @@ class LaunchStore:
 
     def open_attempt(self, readers: int) -> None:
         """Rank 0, first thing: remove the asks of ranks ``1..readers`` that an earlier
-        attempt left (its ranks are gone: torch elastic stops every worker before it
-        starts the next attempt's), so that every ask it answers is of this attempt; a
-        rank of this attempt that asked already asks again. Nothing without a store."""
+        attempt left (:meth:`editrain.agent_store.RankZeroWord.open`), so that every ask
+        it answers is of this attempt. Nothing without a store."""
         if self.store is not None:
-            for rank in range(1, readers + 1):
-                self.store.delete_key(_ask_key(rank))
+            self._word().open(readers)
 
     def decide(self, decision: str, readers: int) -> None:
         """Rank 0: answer the ``readers`` other ranks of the attempt with its decision
         (:data:`CLAIMED`, :data:`REJOINED`), waiting up to :data:`ANSWER_WAIT_S` for their
         asks (a rank that never asks is not waited for longer: it has failed, or it
         reached no store and waits for ``config.toml``); nothing without a store."""
-        self._answer(decision, readers, ANSWER_WAIT_S, until_read=False)
+        if self.store is not None:
+            self._word().answer(decision, readers, ANSWER_WAIT_S)
 
     def refuse(self, error: BaseException, readers: int) -> None:
         """Rank 0: answer the ``readers`` other ranks of the attempt that it was refused
         (``error``), and wait, up to :data:`READ_WAIT_S` in all, for them to have read it;
         nothing without a store."""
-        said = f"{REFUSED} {type(error).__name__}: {error}"
-        self._answer(said, readers, READ_WAIT_S, until_read=True)
-
-    def _answer(self, said: str, readers: int, wait_s: float, until_read: bool) -> None:
-        """Answer each ask of ranks ``1..readers`` with ``said`` as it comes, until every
-        rank has been answered (and, ``until_read``, has read it) or ``wait_s`` is over."""
-        if self.store is None:
-            return
-        asked: dict[int, str] = {}
-        deadline = time.monotonic() + wait_s
-        while time.monotonic() < deadline:
-            for rank in range(1, readers + 1):
-                if rank not in asked and self.store.check([_ask_key(rank)]):
-                    asked[rank] = self.store.get(_ask_key(rank)).decode("utf-8", "replace")
-                    self.store.set(_answer_key(asked[rank]), said)
-            if len(asked) == readers and (not until_read or self.store.check(
-                    [f"{_answer_key(i)}/read" for i in asked.values()])):
-                return
-            time.sleep(POLL_S)
+        if self.store is not None:
+            said = f"{REFUSED} {type(error).__name__}: {error}"
+            self._word().answer(said, readers, READ_WAIT_S, until_read=True)
 
     def decision(self, rank: int, wait_s: float, run_dir: Path) -> str:
         """Another rank: ask for rank 0's decision about ``run_dir`` in this attempt
@@ -215,25 +194,22 @@ class LaunchStore:
             RunDirError: no decision within ``wait_s``; or rank 0 was refused, raised as
                 rank 0's own error where it is one of :data:`SHARED_REFUSALS`.
         """
-        ask = uuid.uuid4().hex
-        deadline = time.monotonic() + wait_s
-        while not self.store.check([_answer_key(ask)]):
-            if time.monotonic() > deadline:
-                raise RunDirError(
-                    f"--run-dir: rank {rank} had no decision from rank 0 about {run_dir} "
-                    f"within {wait_s:.0f} s (rank 0 checks and claims the run directory "
-                    "before any rank trains); see rank 0's output")
-            self.store.set(_ask_key(rank), ask)  # again: rank 0 removes earlier asks
-            time.sleep(POLL_S)
-        said = self.store.get(_answer_key(ask)).decode("utf-8", "replace")
+        said = self._word().ask(rank, wait_s)
+        if said is None:
+            raise RunDirError(
+                f"--run-dir: rank {rank} had no decision from rank 0 about {run_dir} "
+                f"within {wait_s:.0f} s (rank 0 checks and claims the run directory "
+                "before any rank trains); see rank 0's output")
         if not said.startswith(REFUSED + " "):
             return said
-        self.store.set(f"{_answer_key(ask)}/read", "1")
         kind, _, message = said[len(REFUSED) + 1:].partition(": ")
         if kind in SHARED_REFUSALS:
             raise SHARED_REFUSALS[kind](message)
         raise RunDirError(f"--run-dir: rank 0 failed while it checked {run_dir} "
                           f"({kind}: {message}); see its output")
+
+    def _word(self) -> RankZeroWord:
+        return RankZeroWord(self.store, DECISION_WORD)
 
 
 def group_token(record: rundir.RunRecord | None, replica: int) -> str | None:
@@ -256,14 +232,6 @@ def note_group_claim(run_dir: Path, replica: int, token: str) -> None:
     claims = start.get(GROUP_CLAIMS)
     start[GROUP_CLAIMS] = {**(claims if isinstance(claims, dict) else {}), str(replica): token}
     rundir.write_record(run_dir, record)
-
-
-def _ask_key(rank: int) -> str:
-    return f"{ASK_KEY}{rank}"
-
-
-def _answer_key(ask: str) -> str:
-    return f"{ANSWER_KEY}{ask}"
 
 
 def _key(run_dir: Path) -> str:
