@@ -79,11 +79,19 @@ class Trainer:
         run_dir: where metrics, config and checkpoints go (created by the launcher).
         data_entry: the token cache entry the launcher prepared (see
             :func:`editrain.corpus.prepare_data`); None: found from ``cfg.data``.
+        rejoined: under torchrun, rank 0's decision for this attempt (the same on every
+            rank, :meth:`editrain.launch.run_dir.RunDirClaim.join`): True, it goes on with
+            its launch's run, which resumes its latest checkpoint; False, a new claim,
+            which resumes ``--resume`` only. None: not told (the local launcher, torchrun
+            without its store): a restart torch elastic counted resumes
+            (:meth:`_checkpoint_to_resume`).
     """
 
-    def __init__(self, cfg: Config, run_dir: Path, data_entry: str | None = None) -> None:
+    def __init__(self, cfg: Config, run_dir: Path, data_entry: str | None = None,
+                 rejoined: bool | None = None) -> None:
         self.cfg, t = cfg, cfg.train
         self.run_dir = Path(run_dir)
+        self.rejoined = rejoined
         validate_world(cfg, int(os.environ.get("WORLD_SIZE", "1")))
         plan = parse_sim(cfg.sim)
         self.info = info = init_distributed(cfg, self.run_dir)  # every rank agreeing
@@ -486,20 +494,30 @@ class Trainer:
 
     # ------------------------------------------------------------------ checkpoints
     def _checkpoint_to_resume(self) -> Path | None:
-        """``--resume``, or after a worker restart the latest checkpoint of this run (that
-        job's own progress; ``--resume`` again where it has written none yet). In the
-        fault-tolerant mode each replica group resumes its own checkpoint
-        (``RUN_DIR/replica{r}``), and a group the launcher restarted reads nothing: it
-        heals from a live peer."""
+        """``--resume``, or when this attempt goes on with its run (a worker restart) the
+        latest checkpoint of this run (that job's own progress; ``--resume`` again where it
+        has written none yet). In the fault-tolerant mode each replica group resumes its
+        own checkpoint (``RUN_DIR/replica{r}``), and a group the launcher restarted reads
+        nothing: it heals from a live peer.
+
+        Whether the attempt goes on with its run is rank 0's decision where it was given
+        (:attr:`rejoined`, every rank of a torchrun attempt has the same), else
+        ``TORCHELASTIC_RESTART_COUNT > 0`` (the local launcher's restarts, one node's
+        count). Under torchrun the count used to decide on every rank: torch elastic does
+        not count a restart caused by a change of the nodes taking part, and after one
+        node's failure the other nodes' counts stay as they were, so some ranks resumed
+        the run's checkpoint while others started over: their collectives no longer
+        matched, and the job hung until the process group's timeout."""
         if self.ft and int(os.environ.get(ATTEMPT_ENV, "0")) > 0:
             return None
         restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-        found = list_checkpoints(self.run_dir) if int(restart) > 0 else []
+        goes_on = int(restart) > 0 if self.rejoined is None else self.rejoined
+        found = list_checkpoints(self.run_dir) if goes_on else []
         ckpt = found[-1] if found else None
         if ckpt is None and self.cfg.resume:
             ckpt = resolve_resume(replica_run_dir(self.cfg.resume, self.replica)
                                   if self.ft else self.cfg.resume)
-        if int(restart) > 0 and self.is_logger:
+        if goes_on and self.is_logger:
             log.warning("worker restart %s: %s", restart, f"resuming from {ckpt}"
                         if ckpt else "no checkpoint yet, starting over")
         return ckpt
@@ -796,8 +814,8 @@ def _logged_history(run_dir: Path) -> list[dict[str, Any]]:
         return []
 
 
-def run_worker(cfg: Config, run_dir: str | Path, data_entry: str | None = None
-               ) -> dict[str, Any]:
+def run_worker(cfg: Config, run_dir: str | Path, data_entry: str | None = None,
+               rejoined: bool | None = None) -> dict[str, Any]:
     """Entry point of one worker process (spawned by the launcher or by torchrun).
 
     The process is set up first (:func:`editrain.runtime.setup_process`: it dies with the
@@ -811,13 +829,16 @@ def run_worker(cfg: Config, run_dir: str | Path, data_entry: str | None = None
         run_dir: the run directory (prepared by the launcher).
         data_entry: the token cache entry the launcher prepared (None under torchrun:
             every rank finds it from ``cfg.data``).
+        rejoined: under torchrun, rank 0's decision for this attempt: it goes on with its
+            launch's run (True) or made a new claim (False); None: not told (see
+            :class:`Trainer`).
     """
     from editrain.spawn import errors_logged
 
     setup_process(cfg)
     with errors_logged(logs_dir(cfg, run_dir), int(os.environ.get("RANK", "0")),
                        int(os.environ.get("WORLD_SIZE", "1"))):
-        trainer = Trainer(cfg, Path(run_dir), data_entry)
+        trainer = Trainer(cfg, Path(run_dir), data_entry, rejoined)
         finished = False
         try:
             result = trainer.train()

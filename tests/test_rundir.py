@@ -1051,3 +1051,95 @@ def test_the_other_ranks_wait_for_this_attempts_decision_whatever_their_restart_
     assert [type(e) for e in errors0 + errors1] == [RunDirError, RunDirError]
     assert str(errors1[0]) == str(errors0[0])
     assert "yet TORCHELASTIC_RESTART_COUNT is 0" in str(errors1[0])
+
+
+def joined_attempt(run: Path, counts: dict[int, int], **over) -> dict[int, object]:
+    """One attempt of a two-rank torchrun job: each rank (of ``counts``: rank -> its
+    TORCHELASTIC_RESTART_COUNT) joins ``run`` in a thread of its own, in the order given;
+    returns what each rank's ``RunDirClaim.join()`` returned (or raised)."""
+    import threading
+
+    from editrain.launch.run_dir import RunDirClaim
+
+    joined: dict[int, object] = {}
+
+    def join(rank: int, restart: int) -> None:
+        with RunDirClaim(ranked_job(run, rank, restart=restart, **over)) as claim:
+            try:
+                joined[rank] = claim.join()
+            except Exception as e:  # the test's thread: reported by the test
+                joined[rank] = e
+
+    threads = [threading.Thread(target=join, args=item) for item in counts.items()]
+    for thread in threads:
+        thread.start()
+        time.sleep(0.2)
+    for thread in threads:
+        thread.join(timeout=20)
+        assert not thread.is_alive()
+    return joined
+
+
+def test_every_rank_resumes_as_rank_0_decided_whatever_its_restart_count(
+        tmp_path, torchrun_store, monkeypatch):
+    """Whether an attempt's workers resume the run's latest checkpoint is rank 0's decision
+    (RunDirClaim.join returns it on every rank, and the trainer follows it), not each
+    rank's TORCHELASTIC_RESTART_COUNT: after rank 0's node failed, its count is 1 and the
+    healthy node's is still 0 (torch elastic restarts its workers uncounted). Before, join
+    returned nothing and each trainer went by its own count: rank 0 resumed the run's
+    latest checkpoint, rank 1 started over. A new claim (the run replaced since) resumes
+    none on any rank, whatever its count; without torchrun's store nothing is decided
+    (None: every rank goes by its count, as before)."""
+    run = tmp_path / "run"
+    torchrun_store()
+    assert joined_attempt(run, {1: 0, 0: 0}) == {0: False, 1: False}  # the first claim
+    assert joined_attempt(run, {1: 0, 0: 1}) == {0: True, 1: True}  # rank 0's node failed
+    assert joined_attempt(run, {1: 1, 0: 1}) == {0: True, 1: True}
+
+    prepare_run_dir(cfg_for(run, overwrite=True, train={"steps": 7}), run)  # a local job
+    assert joined_attempt(run, {1: 1, 0: 1}, overwrite=True) == {0: False, 1: False}
+
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "False")
+    assert joined_attempt(run, {1: 1, 0: 1}) == {0: None, 1: None}
+
+
+def test_a_torchrun_worker_is_told_rank_0s_decision(tmp_path, monkeypatch):
+    """run_under_torchrun hands what RunDirClaim.join returned to the worker
+    (run_worker's ``rejoined``), which the trainer resumes by."""
+    import editrain.train
+    from editrain.launch import run_dir, run_under_torchrun
+
+    told: dict = {}
+    monkeypatch.setenv("RANK", "1")  # (rank 0 would plot the run)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    for decision in (True, False, None):
+        monkeypatch.setattr(run_dir.RunDirClaim, "join", lambda self, d=decision: d)
+        monkeypatch.setattr(editrain.train, "run_worker",
+                            lambda cfg, path, rejoined=None: told.update(rejoined=rejoined))
+        run_under_torchrun(cfg_for(tmp_path / "run"))
+        assert told == {"rejoined": decision}
+
+
+@pytest.mark.parametrize(("rejoined", "count", "resumed"), [
+    (True, 0, "step_8"),  # rank 0 rejoined; this rank's node restarted uncounted
+    (False, 1, None),     # rank 0 made a new claim: --resume only (none here)
+    (None, 1, "step_8"),  # not told (the local launcher): a counted restart resumes
+    (None, 0, None),
+])
+def test_the_trainer_resumes_the_runs_checkpoint_as_told(tmp_path, monkeypatch, rejoined,
+                                                         count, resumed):
+    """The trainer resumes the run's latest checkpoint when rank 0 rejoined the run
+    (``rejoined``), whatever this rank's TORCHELASTIC_RESTART_COUNT; only where it is not
+    told does the count decide. Before, the count decided on every rank."""
+    from editrain.train import Trainer
+
+    run = tmp_path / "run"
+    for step in (4, 8):
+        (run / rundir.CKPT_DIR / f"step_{step}").mkdir(parents=True)
+        (run / rundir.CKPT_DIR / f"step_{step}" / rundir.MARKER).write_text("{}")
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", str(count))
+    trainer = object.__new__(Trainer)  # (its resume choice alone: no process group)
+    trainer.cfg, trainer.run_dir, trainer.ft, trainer.replica = cfg_for(run), run, False, 0
+    trainer.is_logger, trainer.rejoined = True, rejoined
+    ckpt = trainer._checkpoint_to_resume()
+    assert (ckpt.name if ckpt else None) == resumed

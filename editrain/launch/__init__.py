@@ -72,8 +72,11 @@ def run_under_torchrun(cfg: Config, started_at: float | None = None) -> dict[str
 
     job = check_torchrun(cfg, started_at)
     with RunDirClaim(job) as run_dir:
-        run_dir.join()
-        summary = run_worker(job.cfg, str(job.run_dir))
+        # Rank 0's decision, the same on every rank: whether the workers resume the run's
+        # latest checkpoint (not each rank's TORCHELASTIC_RESTART_COUNT, which differs
+        # between nodes after one node's failure).
+        rejoined = run_dir.join()
+        summary = run_worker(job.cfg, str(job.run_dir), rejoined=rejoined)
     if job.rank == 0:
         summarise(job)
     return summary

@@ -501,22 +501,33 @@ class RunDirClaim:
         return prepare_run_dir(self.job.cfg, self.job.run_dir, self.lock,
                                self.job.started_at, torchrun_claim=torchrun_claim)
 
-    def join(self) -> None:
+    def join(self) -> bool | None:
         """Under torchrun: rank 0 decides about the run directory for the attempt
         (:meth:`_decide_as_rank0`) and tells the other ranks through torchrun's store;
         they wait for its word (:meth:`_await_rank0`) before they act, and share its
         refusal. A fault-tolerant run's replica group is a job of its own
-        (:meth:`_join_run`)."""
+        (:meth:`_join_run`).
+
+        Returns:
+            Whether this attempt goes on with its launch's run (rank 0's
+            :data:`~editrain.launch.torchrun_claim.REJOINED`: the trainer resumes the run's
+            latest checkpoint) or made a new claim (False: ``--resume`` only), the same on
+            every rank; None without torchrun's store, where the other ranks cannot have
+            rank 0's decision and every rank goes by its restart count, as before
+            (:class:`editrain.train.Trainer`).
+        """
         launch = LaunchStore.connect()
         if self.job.rank == 0:
-            self._decide_as_rank0(launch)
+            decision = self._decide_as_rank0(launch)
         else:
-            self._await_rank0(launch)
+            decision = self._await_rank0(launch)
+        return None if launch.store is None else decision == REJOINED
 
-    def _decide_as_rank0(self, launch: LaunchStore) -> None:
+    def _decide_as_rank0(self, launch: LaunchStore) -> str:
         """Rank 0: check and claim the directory (:meth:`_claim_as_rank0`), or for a
         replica group join the run (:meth:`_join_run`), and publish the outcome for the
-        attempt's other ranks: went on, or the refusal (raised here too)."""
+        attempt's other ranks: went on, or the refusal (raised here too). Returns the
+        decision."""
         job = self.job
         replica = torchrun_group(job)
         launch.open_attempt(readers=job.world - 1)
@@ -527,22 +538,22 @@ class RunDirClaim:
             launch.refuse(e, readers=job.world - 1)
             raise
         launch.decide(decision, readers=job.world - 1)
+        return decision
 
-    def _await_rank0(self, launch: LaunchStore) -> None:
-        """A rank other than 0: wait for rank 0's decision for this attempt, and raise its
-        refusal. The run directory holds a run already when it is another run, this
-        launch's own (a restart), or one rank 0 is about to replace (``--overwrite``):
+    def _await_rank0(self, launch: LaunchStore) -> str | None:
+        """A rank other than 0: wait for rank 0's decision for this attempt (returned), and
+        raise its refusal. The run directory holds a run already when it is another run,
+        this launch's own (a restart), or one rank 0 is about to replace (``--overwrite``):
         the rank must not go on while rank 0 may still refuse it, set a timeline aside
         or remove the old run.
 
         Without torchrun's store (:meth:`LaunchStore.connect`) the rank waits, as it did
         before, only for rank 0's ``config.toml`` (rank 0 writes it last), having checked
-        its own ``--resume`` for a step left."""
+        its own ``--resume`` for a step left; None: no decision."""
         job = self.job
         replica = torchrun_group(job)
         if launch.store is not None:
-            launch.decision(job.rank, decision_wait_s(replica), job.run_dir)
-            return
+            return launch.decision(job.rank, decision_wait_s(replica), job.run_dir)
         if job.restart == 0:  # before rank 0 writes anything
             _refuse_nothing_left(job.cfg, replica)
         deadline = time.monotonic() + TORCHRUN_WAIT_S
@@ -553,6 +564,7 @@ class RunDirClaim:
                     f"{job.run_dir} within {TORCHRUN_WAIT_S} s: the run directory must "
                     f"be on storage every node sees, at the same path")
             time.sleep(0.1)
+        return None
 
     def _claim_as_rank0(self, launch: LaunchStore) -> str:
         """Rank 0 of a plain torchrun job: checks and claims the directory, unless
@@ -613,18 +625,19 @@ class RunDirClaim:
         workers without counting a restart (the nodes taking part changed: a node joined,
         or another node's workers failed while this node's were healthy). Checked as a
         first attempt, it would be refused as another run, or with ``--overwrite`` remove
-        its own launch's run, checkpoints and all; gone on with, its workers would not
-        resume the run's checkpoints (they do only on a counted restart). The refusal is
-        a failure torch elastic counts: its next restart rejoins the run."""
+        its own launch's run, checkpoints and all. The refusal is a failure torch elastic
+        counts: its next restart rejoins the run. (Every rank's trainer now follows rank
+        0's decision, not its own count (:meth:`join`), so a rejoin at count 0 would
+        resume the run's checkpoints too; the refusal is kept as it was.)"""
         job = self.job
         if job.restart != 0 or own_claim(launch.latest(job.run_dir), recorded) is not True:
             return
         raise RunDirError(
             f"--run-dir: {what} was claimed by an earlier attempt of this very torchrun "
             "launch, yet TORCHELASTIC_RESTART_COUNT is 0: torch elastic restarted the "
-            "workers without counting a restart (the nodes taking part changed). They "
-            "would not resume its checkpoints, and checked as a new run it would be "
-            "refused or, with --overwrite, removed: it is left as it is. torchrun's next "
+            "workers without counting a restart (the nodes taking part changed). Checked "
+            "as a new run it would be refused or, with --overwrite, removed: it is left "
+            "as it is. torchrun's next "
             f"restart (--max-restarts) rejoins it; or resume it with --resume {job.run_dir}")
 
     def _join_run(self, replica: int, launch: LaunchStore) -> str:
