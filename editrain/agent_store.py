@@ -34,7 +34,15 @@ if TYPE_CHECKING:  # torch is imported where a store is reached
     import torch.distributed as dist
 
 POLL_S = 0.05
-"""How often a rank looks for what it waits for in the store."""
+"""How often rank 0 looks for the asks it answers, and how soon a waiting rank looks for
+its answer first (it then looks less often: :data:`ASK_BACKOFF`)."""
+ASK_BACKOFF = 1.5
+"""Each look of a waiting rank for its answer comes this many times later than the one
+before, up to :data:`ASK_POLL_MAX_S`: every rank of a job asks at once, and rank 0 may
+take a while (it checks and claims the run directory), so a fixed 50 ms poll of a few
+thousand ranks would put tens of thousands of requests a second on the agent's store."""
+ASK_POLL_MAX_S = 1.0
+"""The longest a waiting rank waits between two looks for its answer."""
 ATTEMPT_WORD = "editrain/attempt_id/"
 """The keys under which rank 0 gives the other ranks the id of their attempt
 (:func:`attempt_id`)."""
@@ -99,11 +107,13 @@ class RankZeroWord:
         ``wait_s`` for it; it is marked read once read. None: no answer in time."""
         ask = uuid.uuid4().hex
         deadline = time.monotonic() + wait_s
+        poll_s = POLL_S
         while not self.store.check([self.answer_key(ask)]):
             if time.monotonic() > deadline:
                 return None
             self.store.set(self.ask_key(rank), ask)  # again: rank 0 removes earlier asks
-            time.sleep(POLL_S)
+            time.sleep(poll_s)
+            poll_s = min(ASK_POLL_MAX_S, poll_s * ASK_BACKOFF)
         said = self.store.get(self.answer_key(ask)).decode("utf-8", "replace")
         self.store.set(f"{self.answer_key(ask)}/read", "1")
         return said
