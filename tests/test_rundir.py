@@ -736,13 +736,13 @@ def plain_torchrun_job(run: Path, restart: int = 0, **over):
     return Job(cfg_for(run, **over), run, world=1, under_torchrun=True, restart=restart)
 
 
-def join_as_rank0(run: Path, restart: int = 0, **over) -> None:
+def join_as_rank0(run: Path, restart: int = 0, **over) -> bool | None:
     """Rank 0 of a plain torchrun job joins ``run`` (its lock released on the way out, as
-    when the worker dies)."""
+    when the worker dies); returns its decision (``RunDirClaim.join``)."""
     from editrain.launch.run_dir import RunDirClaim
 
     with RunDirClaim(plain_torchrun_job(run, restart, **over)) as claim:
-        claim.join()
+        return claim.join()
 
 
 @pytest.fixture
@@ -807,7 +807,8 @@ def test_a_torchrun_restart_rejoins_only_its_own_launchs_claim(tmp_path, torchru
 def test_a_torchrun_restart_checks_a_run_that_another_job_claimed_since(
         tmp_path, torchrun_store):
     """A launch's workers died and another job claimed the directory meanwhile (a local
-    --overwrite): the restart is checked as a first attempt, and refused."""
+    --overwrite): the restart, counted or not, is checked as a first attempt, and
+    refused."""
     from editrain.launch.torchrun_claim import CLAIM_TOKEN
 
     run = tmp_path / "run"
@@ -815,8 +816,9 @@ def test_a_torchrun_restart_checks_a_run_that_another_job_claimed_since(
     join_as_rank0(run)
     prepare_run_dir(cfg_for(run, overwrite=True, train={"steps": 7}), run)
     assert CLAIM_TOKEN not in rundir.read_record(run).history[-1]
-    with pytest.raises(RunDirError, match=r"already holds a run"):
-        join_as_rank0(run, restart=1)
+    for restart in (1, 0):
+        with pytest.raises(RunDirError, match=r"already holds a run"):
+            join_as_rank0(run, restart=restart)
 
 
 def test_without_torchruns_store_a_restart_keeps_a_torchrun_claim_and_says_so(
@@ -850,18 +852,19 @@ def ranked_job(run: Path, rank: int, restart: int = 0, **over):
                restart=restart)
 
 
-def join_in_thread(job) -> tuple:
+def join_in_thread(job, decisions: list | None = None) -> tuple:
     """``RunDirClaim(job).join()`` in a thread of its own; returns the thread and the list
-    its error goes to."""
+    its error goes to (what join returned goes to ``decisions``, if given)."""
     import threading
 
     from editrain.launch.run_dir import RunDirClaim
 
     errors: list = []
+    returned = [] if decisions is None else decisions
 
     def join() -> None:
         with RunDirClaim(job) as claim:
-            _catching(errors, claim.join)
+            _catching(errors, lambda: returned.append(claim.join()))
 
     thread = threading.Thread(target=join)
     thread.start()
@@ -976,49 +979,48 @@ def test_a_torchrun_restart_rejoins_only_a_start_its_own_launch_joined(
 
 
 @pytest.mark.parametrize("options", [{"overwrite": True}, {}])
-def test_a_restart_torch_elastic_did_not_count_never_replaces_its_launchs_run(
-        tmp_path, torchrun_store, options):
+def test_a_restart_torch_elastic_did_not_count_rejoins_its_launchs_run(
+        tmp_path, torchrun_store, monkeypatch, options):
     """torch elastic restarts the workers without counting a restart when the nodes that
     take part change (a node joins an elastic job; on a job of several nodes, the nodes
     whose own workers were healthy when another's failed): TORCHELASTIC_RESTART_COUNT is
     then 0 again on that node, yet the launch's store holds the token of its own claim.
-    Such a rank 0 is refused, naming why, and the run is left as it is (torchrun's next
-    restart, a counted one, rejoins it and resumes its checkpoints). Before, it was
-    checked as a first attempt: with --overwrite it replaced its own launch's run,
-    checkpoints and all (without, it was refused as if another run were there)."""
+    Such a rank 0 rejoins its launch's run as it is (REJOINED: every rank resumes its
+    latest checkpoint), as a counted restart does. Before, it was refused, spending one of
+    torchrun's --max-restarts (and earlier still it was checked as a first attempt: with
+    --overwrite it replaced its own launch's run, checkpoints and all)."""
     run = tmp_path / "run"
     torchrun_store()
-    join_as_rank0(run, train={"steps": 8})
-    (run / "checkpoints" / "step_4").mkdir(parents=True)
+    assert join_as_rank0(run, train={"steps": 8}) is False  # the first claim
+    committed_checkpoints(run / rundir.CKPT_DIR, 4)
     history = rundir.read_record(run).history
-    with pytest.raises(RunDirError, match=r"the run in \S+ was claimed by an earlier "
-                                          r"attempt of this very torchrun launch, yet "
-                                          r"TORCHELASTIC_RESTART_COUNT is 0"):
-        join_as_rank0(run, restart=0, train={"steps": 8}, **options)
+    assert join_as_rank0(run, restart=0, train={"steps": 8}, **options) is True
     assert rundir.read_record(run).history == history
-    assert (run / "checkpoints" / "step_4").is_dir()
-    join_as_rank0(run, restart=1, train={"steps": 8}, **options)  # counted: rejoins
+    assert checkpoint_resumed(run, monkeypatch, rejoined=True, count=0) == "step_4"
+    assert join_as_rank0(run, restart=1, train={"steps": 8}, **options) is True  # counted
     assert rundir.read_record(run).history == history
 
 
-def test_a_groups_restart_torch_elastic_did_not_count_never_replaces_its_run(
-        tmp_path, torchrun_store):
+def test_a_groups_restart_torch_elastic_did_not_count_rejoins_its_start(
+        tmp_path, torchrun_store, monkeypatch):
     """The same for a torchrun job of a fault-tolerant run's replica group: its launch
     joined the start as the group, and its workers come back with
-    TORCHELASTIC_RESTART_COUNT 0. Refused, the group's checkpoints untouched; before, its
-    --overwrite claimed the run anew and removed them."""
+    TORCHELASTIC_RESTART_COUNT 0. The job rejoins the start (holding the group's lock, its
+    --overwrite not applied: the group's checkpoints stay, and it resumes the latest).
+    Before, it was refused, spending one of torchrun's --max-restarts."""
     run = tmp_path / "run"
     torchrun_store()
     (group0,) = start_groups(run, 0, replicas=1)
-    (run / "replica0" / "checkpoints" / "step_4").mkdir(parents=True)
+    committed_checkpoints(run / "replica0" / rundir.CKPT_DIR, 4)
     group0.lock.release()  # its workers died
     history = rundir.read_record(run).history
-    with pytest.raises(RunDirError, match=r"replica group 0's place in the start of the "
-                                          r"run in \S+ was claimed by an earlier attempt"):
-        start_groups(run, 0, replicas=1, overwrite=True)
+    (group0,) = start_groups(run, 0, replicas=1, overwrite=True)
+    assert group0.lock.held
     assert rundir.read_record(run).history == history
-    assert (run / "replica0" / "checkpoints" / "step_4").is_dir()
-    (group0,) = start_groups(run, 0, restart=1, replicas=1, overwrite=True)  # rejoins
+    assert checkpoint_resumed(run, monkeypatch, rejoined=True, count=0,
+                              ft=True) == "step_4"
+    group0.lock.release()
+    (group0,) = start_groups(run, 0, restart=1, replicas=1, overwrite=True)  # counted
     assert rundir.read_record(run).history == history
     end_groups(run, [group0])
 
@@ -1029,10 +1031,10 @@ def test_the_other_ranks_wait_for_this_attempts_decision_whatever_their_restart_
     """An attempt torch elastic did not count (a change of the nodes taking part) has the
     restart count of the attempt before it, and on a job of several nodes the counts
     differ between nodes (a node whose workers failed counts, a node restarted as healthy
-    does not). Rank 1 waits for the decision of rank 0 of its own attempt all the same,
-    and shares its refusal. Before, the decision's key was the restart count: rank 1 went
-    on at once on the earlier attempt's 'claimed' (same count), or waited for a key rank 0
-    never wrote (another count) until it timed out."""
+    does not). Rank 1 waits for the decision of rank 0 of its own attempt all the same
+    (here: rank 0 rejoined its launch's run). Before, the decision's key was the restart
+    count: rank 1 went on at once on the earlier attempt's 'claimed' (same count), or
+    waited for a key rank 0 never wrote (another count) until it timed out."""
     run = tmp_path / "run"
     torchrun_store()
     first = [join_in_thread(ranked_job(run, r)) for r in (1, 0)]
@@ -1040,17 +1042,18 @@ def test_the_other_ranks_wait_for_this_attempts_decision_whatever_their_restart_
         thread.join(timeout=20)
         assert not thread.is_alive() and not errors, errors
 
+    decisions: list = []
     rank1, errors1 = join_in_thread(ranked_job(run, 1, restart=rank1_restart,
-                                               overwrite=True))
+                                               overwrite=True), decisions)
     time.sleep(0.5)
     assert rank1.is_alive(), errors1  # no decision of this attempt yet
-    rank0, errors0 = join_in_thread(ranked_job(run, 0, restart=0, overwrite=True))
+    rank0, errors0 = join_in_thread(ranked_job(run, 0, restart=0, overwrite=True),
+                                    decisions)
     for thread in (rank0, rank1):
         thread.join(timeout=20)
         assert not thread.is_alive()
-    assert [type(e) for e in errors0 + errors1] == [RunDirError, RunDirError]
-    assert str(errors1[0]) == str(errors0[0])
-    assert "yet TORCHELASTIC_RESTART_COUNT is 0" in str(errors1[0])
+    assert not errors0 + errors1, errors0 + errors1
+    assert decisions == [True, True]  # this attempt's: rank 0 rejoined (uncounted)
 
 
 def joined_attempt(run: Path, counts: dict[int, int], **over) -> dict[int, object]:
@@ -1131,15 +1134,29 @@ def test_the_trainer_resumes_the_runs_checkpoint_as_told(tmp_path, monkeypatch, 
     """The trainer resumes the run's latest checkpoint when rank 0 rejoined the run
     (``rejoined``), whatever this rank's TORCHELASTIC_RESTART_COUNT; only where it is not
     told does the count decide. Before, the count decided on every rank."""
+    run = tmp_path / "run"
+    committed_checkpoints(run / rundir.CKPT_DIR, 4, 8)
+    assert checkpoint_resumed(run, monkeypatch, rejoined, count) == resumed
+
+
+def committed_checkpoints(ckpt_dir: Path, *steps: int) -> None:
+    """Committed (marked) checkpoint directories ``step_{s}`` in ``ckpt_dir``."""
+    for step in steps:
+        (ckpt_dir / f"step_{step}").mkdir(parents=True)
+        (ckpt_dir / f"step_{step}" / rundir.MARKER).write_text("{}")
+
+
+def checkpoint_resumed(run: Path, monkeypatch, rejoined: bool | None, count: int,
+                       ft: bool = False) -> str | None:
+    """The name of the checkpoint a trainer of ``run`` told ``rejoined`` at restart count
+    ``count`` resumes (replica group 0's own with ``ft``), or None."""
     from editrain.train import Trainer
 
-    run = tmp_path / "run"
-    for step in (4, 8):
-        (run / rundir.CKPT_DIR / f"step_{step}").mkdir(parents=True)
-        (run / rundir.CKPT_DIR / f"step_{step}" / rundir.MARKER).write_text("{}")
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", str(count))
+    monkeypatch.delenv("EDITRAIN_FT_ATTEMPT", raising=False)
     trainer = object.__new__(Trainer)  # (its resume choice alone: no process group)
-    trainer.cfg, trainer.run_dir, trainer.ft, trainer.replica = cfg_for(run), run, False, 0
+    trainer.cfg, trainer.ft, trainer.replica = cfg_for(run), ft, 0
+    trainer.run_dir = run / "replica0" if ft else run
     trainer.is_logger, trainer.rejoined = True, rejoined
     ckpt = trainer._checkpoint_to_resume()
-    assert (ckpt.name if ckpt else None) == resumed
+    return ckpt.name if ckpt else None

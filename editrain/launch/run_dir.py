@@ -578,20 +578,31 @@ class RunDirClaim:
             :data:`~editrain.launch.torchrun_claim.REJOINED`).
         """
         job = self.job
-        if job.restart > 0:
+        if self._is_restart(launch):
             self.lock.acquire()
             if self._restarted_own_run(launch):
                 return REJOINED
-        else:
-            self._refuse_an_uncounted_restart(
-                launch, recorded_token(rundir.read_record(job.run_dir)),
-                f"the run in {job.run_dir}")
         token = launch.mark(job.run_dir)  # before the checks: a refusal leaves it unclaimed
         _refuse_nothing_left(job.cfg, None)
         if not self.lock.held:
             self.lock.acquire()
         self.claim(token)
         return CLAIMED
+
+    def _is_restart(self, launch: LaunchStore) -> bool:
+        """Whether this attempt is a restart of its launch: torch elastic counted it
+        (``TORCHELASTIC_RESTART_COUNT`` above 0), or an earlier attempt of this launch put
+        its token for the run directory in torchrun's store. torch elastic does not count
+        a restart caused by a change of the nodes taking part (a node joined, or another
+        node's workers failed while this node's were healthy): the count is 0 again, and
+        the token alone tells it. Such an attempt used to be refused (a failure torch
+        elastic counts, spending one of ``--max-restarts``), as a rejoin at count 0 would
+        have resumed on some ranks only; every rank now resumes by rank 0's decision
+        (:meth:`join`), so it rejoins its launch's run as a counted restart does. Checked
+        as a first attempt, it would be refused as another run, or with ``--overwrite``
+        remove its own launch's run, checkpoints and all. Without a store (or a first
+        attempt) the count alone decides, as before."""
+        return self.job.restart > 0 or launch.latest(self.job.run_dir) is not None
 
     def _restarted_own_run(self, launch: LaunchStore) -> bool:
         """Whether the run directory's latest claim is this launch's
@@ -617,29 +628,6 @@ class RunDirClaim:
                         "torchrun's store holds no token of this launch to compare it with")
         return own is not False
 
-    def _refuse_an_uncounted_restart(self, launch: LaunchStore, recorded: str | None,
-                                     what: str) -> None:
-        """Refuse a first attempt (``TORCHELASTIC_RESTART_COUNT`` 0) whose launch's store
-        holds the token of ``recorded``, the claim a restart would go on with (``what``):
-        an earlier attempt of this very launch made it, and torch elastic restarted the
-        workers without counting a restart (the nodes taking part changed: a node joined,
-        or another node's workers failed while this node's were healthy). Checked as a
-        first attempt, it would be refused as another run, or with ``--overwrite`` remove
-        its own launch's run, checkpoints and all. The refusal is a failure torch elastic
-        counts: its next restart rejoins the run. (Every rank's trainer now follows rank
-        0's decision, not its own count (:meth:`join`), so a rejoin at count 0 would
-        resume the run's checkpoints too; the refusal is kept as it was.)"""
-        job = self.job
-        if job.restart != 0 or own_claim(launch.latest(job.run_dir), recorded) is not True:
-            return
-        raise RunDirError(
-            f"--run-dir: {what} was claimed by an earlier attempt of this very torchrun "
-            "launch, yet TORCHELASTIC_RESTART_COUNT is 0: torch elastic restarted the "
-            "workers without counting a restart (the nodes taking part changed). Checked "
-            "as a new run it would be refused or, with --overwrite, removed: it is left "
-            "as it is. torchrun's next "
-            f"restart (--max-restarts) rejoins it; or resume it with --resume {job.run_dir}")
-
     def _join_run(self, replica: int, launch: LaunchStore) -> str:
         """Rank 0 of a torchrun job of a fault-tolerant run's replica group ``replica``:
         the groups' jobs share the run directory, each owning its ``replica{r}/``.
@@ -649,11 +637,12 @@ class RunDirClaim:
         (:func:`editrain.rundir.current_start`): under the run's lock, a moment, the first
         group claims the run directory as a local job does (record, ``config.toml``), and
         a group that starts while others train joins their start (:func:`join_run`),
-        writing none of the run's files. A group that torchrun restarts rejoins the start
-        as it left it when it takes part in it, has not ended and was joined by this
-        launch (:meth:`_rejoin`); a restarted job of any other group (its first job was
-        refused, or its start is over) is checked as a new one is. While a group of the current start holds no lock and
-        has not ended, torchrun may be restarting it: a new group's job waits for it (up to
+        writing none of the run's files. A group that torchrun restarts, counted or not
+        (:meth:`_is_restart`), rejoins the start as it left it when it takes part in it,
+        has not ended and was joined by this launch (:meth:`_rejoin`); a restarted job of
+        any other group (its first job was refused, or its start is over) is checked as a
+        new one is. While a group of the current start holds no lock and has not ended,
+        torchrun may be restarting it: a new group's job waits for it (up to
         :data:`GROUP_RESTART_WAIT_S`) and joins the start once it is back, rather than
         claiming the run anew under a group that still trains.
 
@@ -663,13 +652,8 @@ class RunDirClaim:
         """
         job = self.job
         self.lock = rundir.RunLock(job.run_dir, replica)
-        if job.restart > 0 and self._rejoin(replica, launch):
+        if self._is_restart(launch) and self._rejoin(replica, launch):
             return REJOINED
-        record = rundir.read_record(job.run_dir)
-        self._refuse_an_uncounted_restart(
-            launch, group_token(record, replica) if rundir.in_current_start(record, replica)
-            else None, f"replica group {replica}'s place in the start of the run in "
-            f"{job.run_dir}")
         # A first job, or not a restart of this launch's group in the run's start (its
         # first job was refused, torchrun restarts a refused job too; or its start is
         # over): checked as a first job is. Its token is in the store before the checks:
