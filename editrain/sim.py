@@ -144,14 +144,13 @@ class SimPlan:
     fail: tuple[int, int, str] | None = None
     """(rank, step, "step" | "checkpoint"): where a worker dies on the first attempt."""
 
-    def maybe_fail(self, rank: int, step: int, phase: str) -> None:
+    def maybe_fail(self, rank: int, step: int, phase: str,
+                   rejoined: bool | None = None) -> None:
         """Exit this process abruptly (no cleanup, like a crash) if the plan says so.
-        Only on the first attempt, so that a restarted run can finish."""
-        import os
-
+        Only on the first attempt (:func:`first_attempt`), so that a restarted run can
+        finish."""
         if (self.fail is not None and self.fail == (rank, step, phase)
-                and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) == 0
-                and int(os.environ.get("EDITRAIN_FT_ATTEMPT", "0")) == 0):
+                and first_attempt(rejoined)):
             os._exit(17)
 
     def link_delay(self, nbytes: int) -> float:
@@ -373,6 +372,26 @@ class ComputeSlowdown:
         return extra
 
 
+def first_attempt(rejoined: bool | None) -> bool:
+    """Whether this worker's attempt is its job's first, for ``sim.fail``, which kills a
+    worker once.
+
+    A replica group the ``--ft`` launcher restarted (``EDITRAIN_FT_ATTEMPT`` above 0) is
+    not. Under torchrun, ``rejoined`` is rank 0's decision for the attempt (the trainer's,
+    the same on every rank): an attempt that went on with its launch's run is a restart,
+    whatever ``TORCHELASTIC_RESTART_COUNT`` says. torch elastic does not count a restart
+    caused by a change of the nodes taking part, and after one node's failure the healthy
+    nodes restart their workers at the count they had: going by the count, a worker of
+    such a node failed again at the same step, on every restart. Not told (None: the
+    local launcher's restarts, torchrun without its store), the count decides.
+    """
+    if int(os.environ.get("EDITRAIN_FT_ATTEMPT", "0")) > 0:
+        return False
+    if rejoined is not None:
+        return not rejoined
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) == 0
+
+
 class Simulation:
     """One replica's simulation plan as callbacks the training loop calls at fixed points.
 
@@ -393,13 +412,17 @@ class Simulation:
         seed: base seed of the stall draws.
         link_path: the state file of the replica's shared link (see
             :meth:`SimPlan.shared_link`).
+        rejoined: under torchrun, rank 0's decision for the attempt (the trainer's): an
+            attempt that went on with its run is a restart, where ``sim.fail`` does not
+            fire (:func:`first_attempt`); None: not told.
     """
 
     def __init__(self, plan: SimPlan, replica: int, offset: int, rank: int, seed: int,
-                 link_path: str | os.PathLike[str]) -> None:
+                 link_path: str | os.PathLike[str], rejoined: bool | None = None) -> None:
         self.plan = plan
         self.replica = replica
         self.rank = rank
+        self.rejoined = rejoined
         self.link = plan.shared_link(link_path)
         self.slowdown = ComputeSlowdown(plan, replica + offset, seed)
         self.engine: Any = None
@@ -421,12 +444,12 @@ class Simulation:
 
     def after_step(self, step: int) -> None:
         """``sim.fail``: die here if this rank is to fail once it has counted ``step``."""
-        self.plan.maybe_fail(self.rank, step, "step")
+        self.plan.maybe_fail(self.rank, step, "step", self.rejoined)
 
     def before_checkpoint_commit(self, step: int) -> None:
         """``sim.fail`` with ``:checkpoint``: die with the checkpoint of ``step`` written
         but not committed."""
-        self.plan.maybe_fail(self.rank, step, "checkpoint")
+        self.plan.maybe_fail(self.rank, step, "checkpoint", self.rejoined)
 
     def before_sync(self, sync_index: int) -> None:
         """Fault injection: scale this replica's pseudo-gradient before sync ``sync_index``."""

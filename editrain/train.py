@@ -133,7 +133,8 @@ class Trainer:
         materialise(cfg, self.model, info.device)
         # The simulated link is one FIFO per replica, shared by the replica's ranks.
         self.sim = Simulation(plan, self.replica, cfg.sim.replica_offset, self.global_rank,
-                              t.seed, self.run_dir / ".link" / f"replica{self.replica}.state")
+                              t.seed, self.run_dir / ".link" / f"replica{self.replica}.state",
+                              rejoined)
         # In the fault-tolerant mode this job is the replica group: a rank's place in it is
         # its rank (its (stage, shard, tp) position on the group's mesh, the same in every
         # group): it reduces with, and heals from, the rank in the same place of the others.

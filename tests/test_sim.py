@@ -455,6 +455,33 @@ def test_simulation_fails_once_at_its_rank_step_and_phase(monkeypatch, tmp_path)
     assert exits == [17]
 
 
+@pytest.mark.parametrize(("rejoined", "count", "ft_attempt", "fails"), [
+    (True, 0, 0, False),   # rank 0 rejoined its launch's run: a restart torch elastic
+                           # did not count on this node (a change of the nodes taking part)
+    (True, 1, 0, False),
+    (False, 0, 0, True),   # a new claim: this attempt's run starts here
+    (False, 1, 0, True),   # (a counted restart of an attempt refused before it trained)
+    (None, 0, 0, True),    # not told (the local launcher, torchrun without its store):
+    (None, 1, 0, False),   # the count decides, as before
+    (None, 0, 1, False),   # a replica group the --ft launcher restarted
+])
+def test_sim_fail_follows_the_attempt_not_the_restart_count(monkeypatch, tmp_path, rejoined,
+                                                            count, ft_attempt, fails):
+    """sim.fail fires in an attempt that did not go on with its run (rank 0's decision,
+    the trainer's ``rejoined``), whatever this node's TORCHELASTIC_RESTART_COUNT. Before,
+    it fired whenever the count was 0: a node whose workers torch elastic restarted
+    without counting (the healthy nodes after another node's failure, a node joining)
+    killed its worker again at the same step, on every such restart."""
+    exits: list[int] = []
+    monkeypatch.setattr(sim.os, "_exit", exits.append)
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", str(count))
+    monkeypatch.setenv("EDITRAIN_FT_ATTEMPT", str(ft_attempt))
+    s = Simulation(plan_of(fail="1@3"), 0, 0, rank=1, seed=0, link_path=tmp_path / "l",
+                   rejoined=rejoined)
+    s.after_step(3)
+    assert exits == ([17] if fails else [])
+
+
 # ---------------------------------------------------------------------------- ranges (#30)
 @pytest.mark.parametrize("text", ["1e999MB/s", "2e6GB/s", "1e16B/s",
                                   "0.5B/s", "1e-300MB/s", "1bit/s"])
