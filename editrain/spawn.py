@@ -412,9 +412,12 @@ def errors_logged(log_dir: Path, rank: int, world_size: int) -> Iterator[None]:
     try:
         yield
     except Exception as e:
-        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        # The count as torch elastic set it, named as such: it is not the attempt's number
+        # (a restart caused by a change of the nodes taking part is not counted, and after
+        # one node's failure the counts differ between nodes).
+        count = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
         header = (f"--- {time.strftime('%Y-%m-%d %H:%M:%S')} rank {rank} (pid {os.getpid()}, "
-                  f"attempt {attempt}): {type(e).__name__}\n")
+                  f"TORCHELASTIC_RESTART_COUNT {count}): {type(e).__name__}\n")
         try:
             from editrain.safe_io import make_dir, open_write
 

@@ -194,6 +194,21 @@ def test_a_worker_error_is_one_line_exit_2_with_the_traceback_in_logs(checkpoint
     assert (checkpointed / "logs" / f"rank{rank}.error.json").is_file()
 
 
+def test_a_worker_errors_log_names_the_restart_count_as_such(tmp_path, monkeypatch):
+    """The section header of ``rank{R}.log`` names TORCHELASTIC_RESTART_COUNT as what it
+    is, not as the attempt's number: torch elastic does not count a restart caused by a
+    change of the nodes taking part, and after one node's failure the counts differ
+    between nodes. Before, the header said 'attempt 0' for such a restart."""
+    from editrain.spawn import errors_logged
+
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
+    with pytest.raises(KeyError), errors_logged(tmp_path / "logs", 3, 1):
+        raise KeyError("boom")
+    header = (tmp_path / "logs" / "rank3.log").read_text().splitlines()[0]
+    assert header.endswith(", TORCHELASTIC_RESTART_COUNT 0): KeyError"), header
+    assert "attempt" not in header
+
+
 @pytest.mark.slow
 def test_a_worker_that_dies_is_named_with_its_exit_code(tmp_path, cache_dir):
     """``sim.fail`` ends rank 1 abruptly (``os._exit(17)``, like a crash): rank 0 then
