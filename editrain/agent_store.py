@@ -102,10 +102,30 @@ class RankZeroWord:
                 return [rank for rank in range(1, readers + 1) if rank not in asked]
             time.sleep(POLL_S)
 
-    def ask(self, rank: int, wait_s: float) -> str | None:
+    def asks(self, readers: int, wait_s: float) -> dict[int, str]:
+        """Rank 0, before it answers: what each of ranks ``1..readers`` sent with its ask
+        (:meth:`ask`'s ``sending``; "" where it sent nothing), waiting up to ``wait_s``
+        for their asks; a rank that did not ask in time is left out."""
+        sent: dict[int, str] = {}
+        deadline = time.monotonic() + wait_s
+        while len(sent) < readers and time.monotonic() <= deadline:
+            for rank in range(1, readers + 1):
+                if rank not in sent and self.store.check([self.ask_key(rank)]):
+                    ask = self.store.get(self.ask_key(rank)).decode("utf-8", "replace")
+                    key = self.sent_key(ask)
+                    sent[rank] = (self.store.get(key).decode("utf-8", "replace")
+                                  if self.store.check([key]) else "")
+            if len(sent) < readers:
+                time.sleep(POLL_S)
+        return sent
+
+    def ask(self, rank: int, wait_s: float, sending: str | None = None) -> str | None:
         """A rank other than 0: ask for rank 0's word of this attempt and wait up to
-        ``wait_s`` for it; it is marked read once read. None: no answer in time."""
+        ``wait_s`` for it; it is marked read once read. None: no answer in time.
+        ``sending``: what rank 0 may read with the ask (:meth:`asks`), put before it."""
         ask = uuid.uuid4().hex
+        if sending is not None:
+            self.store.set(self.sent_key(ask), sending)
         deadline = time.monotonic() + wait_s
         poll_s = POLL_S
         while not self.store.check([self.answer_key(ask)]):
@@ -121,6 +141,10 @@ class RankZeroWord:
     def ask_key(self, rank: int) -> str:
         """The key of rank ``rank``'s ask."""
         return f"{self.prefix}ask/{rank}"
+
+    def sent_key(self, ask: str) -> str:
+        """The key of what the ask ``ask`` sent to rank 0."""
+        return f"{self.prefix}sent/{ask}"
 
     def answer_key(self, ask: str) -> str:
         """The key of rank 0's answer to the ask ``ask``."""

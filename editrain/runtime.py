@@ -137,6 +137,28 @@ def _flat(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     return out
 
 
+def comparable_options(cfg: Any) -> dict[str, Any]:
+    """``cfg``'s options that every rank of a job must share (flat names), i.e. all but
+    :data:`PER_NODE_OPTIONS`."""
+    from editrain.config import to_dict
+
+    return {k: v for k, v in _flat(to_dict(cfg)).items() if k not in PER_NODE_OPTIONS}
+
+
+def refuse_other_options(rank: int, theirs: dict[str, Any], first: dict[str, Any]) -> None:
+    """Raise ConfigError naming the options (up to three, both values) where rank
+    ``rank``'s (``theirs``, :func:`comparable_options`) differ from rank 0's (``first``)."""
+    from editrain.errors import ConfigError
+
+    differ = sorted(k for k in first.keys() | theirs.keys() if first.get(k) != theirs.get(k))
+    if differ:
+        named = "; ".join(f"{k} = {theirs.get(k)!r} (rank 0: {first.get(k)!r})"
+                          for k in differ[:3])
+        more = f" and {len(differ) - 3} more" if len(differ) > 3 else ""
+        raise ConfigError(f"rank {rank} was given other options than rank 0: {named}"
+                          f"{more}; every node of a job must run the same ones")
+
+
 def check_ranks_agree(cfg: Any, run_dir: Any) -> None:
     """Every rank of the job runs the same options and sees the same run directory (a
     collective: every rank calls it once its process group is up).
@@ -162,23 +184,15 @@ def check_ranks_agree(cfg: Any, run_dir: Any) -> None:
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return
     flat = _flat(to_dict(cfg))
-    options = {k: v for k, v in flat.items() if k not in PER_NODE_OPTIONS}
     record = read_record(run_dir)
-    mine = {"options": options, "run": record.run_id if record else None,
+    mine = {"options": comparable_options(cfg), "run": record.run_id if record else None,
             "reads": {k: (flat.get(k), input_digest(flat.get(k)))
                       for k in NODE_PATH_OPTIONS}}
     everyone: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine)
     first = everyone[0]
     for rank, theirs in enumerate(everyone[1:], start=1):
-        differ = sorted(k for k in first["options"].keys() | theirs["options"].keys()
-                        if first["options"].get(k) != theirs["options"].get(k))
-        if differ:
-            named = "; ".join(f"{k} = {theirs['options'].get(k)!r} (rank 0: "
-                              f"{first['options'].get(k)!r})" for k in differ[:3])
-            more = f" and {len(differ) - 3} more" if len(differ) > 3 else ""
-            raise ConfigError(f"rank {rank} was given other options than rank 0: {named}"
-                              f"{more}; every node of a job must run the same ones")
+        refuse_other_options(rank, theirs["options"], first["options"])
         differ = [k for k in NODE_PATH_OPTIONS
                   if theirs["reads"][k][1] != first["reads"][k][1]]
         if differ:

@@ -894,7 +894,7 @@ def test_the_other_ranks_wait_for_rank_0s_decision_and_share_its_refusal(
     assert str(errors1[0]) == str(errors0[0])
     assert re.match(r"--run-dir: \S+/run already holds a run", str(errors1[0]))
 
-    rank1, errors1 = join_in_thread(ranked_job(run, 1, restart=1))
+    rank1, errors1 = join_in_thread(ranked_job(run, 1, restart=1, overwrite=True))
     time.sleep(0.5)
     assert rank1.is_alive(), errors1  # attempt 0's refusal is not attempt 1's decision
     rank0, errors0 = join_in_thread(ranked_job(run, 0, restart=1, overwrite=True))
@@ -1160,3 +1160,49 @@ def checkpoint_resumed(run: Path, monkeypatch, rejoined: bool | None, count: int
     trainer.is_logger, trainer.rejoined = True, rejoined
     ckpt = trainer._checkpoint_to_resume()
     return ckpt.name if ckpt else None
+
+
+def test_a_rank_given_other_options_is_refused_before_rank_0_writes_anything(
+        tmp_path, torchrun_store):
+    """Each rank sends rank 0 its options with its ask for the decision, and rank 0
+    compares them with its own before it checks or claims the run directory: a node
+    started with another --steps is refused on every rank, naming the option, and nothing
+    is written. Before, the options were compared once the process group was up, after
+    rank 0 had claimed the directory: config.toml and the record stayed behind, and the
+    corrected command was refused as "already holds a run"."""
+    from editrain.errors import ConfigError
+
+    run = tmp_path / "run"
+    torchrun_store()
+    joined = joined_attempt_options(run, {1: {"train": {"steps": 14}}, 0: {}})
+    assert [type(joined[r]) for r in (0, 1)] == [ConfigError, ConfigError]
+    assert str(joined[0]) == str(joined[1])
+    assert "train.steps = 14 (rank 0: 12)" in str(joined[1])
+    assert not run.exists()
+    assert joined_attempt_options(run, {1: {}, 0: {}}) == {0: False, 1: False}
+
+
+def joined_attempt_options(run: Path, options: dict[int, dict]) -> dict[int, object]:
+    """:func:`joined_attempt` with each rank's own options (rank -> options), every
+    rank at restart count 0."""
+    import threading
+
+    from editrain.launch.run_dir import RunDirClaim
+
+    joined: dict[int, object] = {}
+
+    def join(rank: int, over: dict) -> None:
+        with RunDirClaim(ranked_job(run, rank, **{"train": {"steps": 12}, **over})) as claim:
+            try:
+                joined[rank] = claim.join()
+            except Exception as e:  # the test's thread: reported by the test
+                joined[rank] = e
+
+    threads = [threading.Thread(target=join, args=item) for item in options.items()]
+    for thread in threads:
+        thread.start()
+        time.sleep(0.2)
+    for thread in threads:
+        thread.join(timeout=20)
+        assert not thread.is_alive()
+    return joined

@@ -16,6 +16,7 @@ the others join it (:meth:`RunDirClaim.join`).
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import time
@@ -55,6 +56,32 @@ RUN_LOCK_WAIT_S = 60
 """How long a torchrun job of a fault-tolerant run's replica group waits for the run's
 lock, which the other groups' jobs hold a moment each (to claim the run, to gather its
 summary) and editrain's own ``--ft`` launcher for its whole job."""
+
+
+def _options_word(cfg: Config) -> str:
+    """This rank's options that every rank must share, as it sends them to rank 0 with
+    its ask for the decision (JSON)."""
+    from editrain.runtime import comparable_options
+
+    return json.dumps(comparable_options(cfg), default=str, sort_keys=True)
+
+
+def _refuse_other_options(cfg: Config, sent: dict[int, str]) -> None:
+    """Rank 0 of a torchrun attempt, before it checks or writes anything in the run
+    directory: refuse (ConfigError, shared with every rank) the options another rank sent
+    (``sent``: rank -> :func:`_options_word`) where they differ from its own.
+
+    The same check after the process group is up
+    (:func:`editrain.runtime.check_ranks_agree`) came after rank 0 had claimed the run
+    directory: a node started with another ``--steps`` was refused on every rank, yet
+    left ``config.toml`` and the run's record behind, so the corrected command was then
+    refused too ("already holds a run"). It still runs, for ranks that reached no store."""
+    from editrain.runtime import refuse_other_options
+
+    mine = json.loads(_options_word(cfg))
+    for rank in sorted(sent):
+        if sent[rank]:
+            refuse_other_options(rank, json.loads(sent[rank]), mine)
 
 
 def decision_wait_s(replica: int | None) -> float:
@@ -532,6 +559,7 @@ class RunDirClaim:
         replica = torchrun_group(job)
         launch.open_attempt(readers=job.world - 1)
         try:
+            _refuse_other_options(job.cfg, launch.options_sent(readers=job.world - 1))
             decision = (self._claim_as_rank0(launch) if replica is None
                         else self._join_run(replica, launch))
         except Exception as e:
@@ -553,7 +581,8 @@ class RunDirClaim:
         job = self.job
         replica = torchrun_group(job)
         if launch.store is not None:
-            return launch.decision(job.rank, decision_wait_s(replica), job.run_dir)
+            return launch.decision(job.rank, decision_wait_s(replica), job.run_dir,
+                                   options=_options_word(job.cfg))
         if job.restart == 0:  # before rank 0 writes anything
             _refuse_nothing_left(job.cfg, replica)
         deadline = time.monotonic() + TORCHRUN_WAIT_S

@@ -186,15 +186,26 @@ class LaunchStore:
             said = f"{REFUSED} {type(error).__name__}: {error}"
             self._word().answer(said, readers, READ_WAIT_S, until_read=True)
 
-    def decision(self, rank: int, wait_s: float, run_dir: Path) -> str:
+    def options_sent(self, readers: int) -> dict[int, str]:
+        """Rank 0, before it checks the directory: the options each of the ``readers``
+        other ranks sent with its ask (:meth:`decision`), waiting for them as long as it
+        waits to answer them (:data:`ANSWER_WAIT_S`); empty without a store."""
+        if self.store is None:
+            return {}
+        return self._word().asks(readers, ANSWER_WAIT_S)
+
+    def decision(self, rank: int, wait_s: float, run_dir: Path,
+                 options: str | None = None) -> str:
         """Another rank: ask for rank 0's decision about ``run_dir`` in this attempt
-        (:data:`CLAIMED` or :data:`REJOINED`, returned), and wait up to ``wait_s``.
+        (:data:`CLAIMED` or :data:`REJOINED`, returned), and wait up to ``wait_s``;
+        ``options`` (this rank's, :func:`editrain.runtime.comparable_options`) go with the
+        ask for rank 0 to compare with its own before it claims anything.
 
         Raises:
             RunDirError: no decision within ``wait_s``; or rank 0 was refused, raised as
                 rank 0's own error where it is one of :data:`SHARED_REFUSALS`.
         """
-        said = self._word().ask(rank, wait_s)
+        said = self._word().ask(rank, wait_s, sending=options)
         if said is None:
             raise RunDirError(
                 f"--run-dir: rank {rank} had no decision from rank 0 about {run_dir} "
