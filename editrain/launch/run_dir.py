@@ -39,7 +39,7 @@ from editrain.launch.torchrun_claim import (
     own_claim,
     recorded_token,
 )
-from editrain.safe_io import read_bytes, read_toml_value, write_atomic
+from editrain.safe_io import read_bytes, read_json_value, read_toml_value, write_atomic
 
 log = logging.getLogger("editrain")
 
@@ -76,12 +76,16 @@ def _refuse_other_options(cfg: Config, sent: dict[int, str]) -> None:
     directory: a node started with another ``--steps`` was refused on every rank, yet
     left ``config.toml`` and the run's record behind, so the corrected command was then
     refused too ("already holds a run"). It still runs, for ranks that reached no store."""
+    from editrain.errors import ConfigError
     from editrain.runtime import refuse_other_options
 
-    mine = json.loads(_options_word(cfg))
+    # (read back as the other ranks' are: the same JSON types on both sides)
+    mine = read_json_value(_options_word(cfg), "rank 0's options", error=ConfigError)
     for rank in sorted(sent):
         if sent[rank]:
-            refuse_other_options(rank, json.loads(sent[rank]), mine)
+            refuse_other_options(rank, read_json_value(
+                sent[rank], f"the options rank {rank} sent through torchrun's store",
+                error=ConfigError), mine)
 
 
 def decision_wait_s(replica: int | None) -> float:
