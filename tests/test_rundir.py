@@ -14,6 +14,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -1060,20 +1061,27 @@ def joined_attempt(run: Path, counts: dict[int, int], **over) -> dict[int, objec
     """One attempt of a two-rank torchrun job: each rank (of ``counts``: rank -> its
     TORCHELASTIC_RESTART_COUNT) joins ``run`` in a thread of its own, in the order given;
     returns what each rank's ``RunDirClaim.join()`` returned (or raised)."""
+    return joined_jobs({rank: ranked_job(run, rank, restart=restart, **over)
+                        for rank, restart in counts.items()})
+
+
+def joined_jobs(jobs: dict[int, Any]) -> dict[int, object]:
+    """Each rank's job (rank -> job) joins its run directory in a thread of its own, in
+    the order given; what each ``RunDirClaim.join()`` returned (or raised)."""
     import threading
 
     from editrain.launch.run_dir import RunDirClaim
 
     joined: dict[int, object] = {}
 
-    def join(rank: int, restart: int) -> None:
-        with RunDirClaim(ranked_job(run, rank, restart=restart, **over)) as claim:
+    def join(rank: int, job: Any) -> None:
+        with RunDirClaim(job) as claim:
             try:
                 joined[rank] = claim.join()
             except Exception as e:  # the test's thread: reported by the test
                 joined[rank] = e
 
-    threads = [threading.Thread(target=join, args=item) for item in counts.items()]
+    threads = [threading.Thread(target=join, args=item) for item in jobs.items()]
     for thread in threads:
         thread.start()
         time.sleep(0.2)
@@ -1185,24 +1193,5 @@ def test_a_rank_given_other_options_is_refused_before_rank_0_writes_anything(
 def joined_attempt_options(run: Path, options: dict[int, dict]) -> dict[int, object]:
     """:func:`joined_attempt` with each rank's own options (rank -> options), every
     rank at restart count 0."""
-    import threading
-
-    from editrain.launch.run_dir import RunDirClaim
-
-    joined: dict[int, object] = {}
-
-    def join(rank: int, over: dict) -> None:
-        with RunDirClaim(ranked_job(run, rank, **{"train": {"steps": 12}, **over})) as claim:
-            try:
-                joined[rank] = claim.join()
-            except Exception as e:  # the test's thread: reported by the test
-                joined[rank] = e
-
-    threads = [threading.Thread(target=join, args=item) for item in options.items()]
-    for thread in threads:
-        thread.start()
-        time.sleep(0.2)
-    for thread in threads:
-        thread.join(timeout=20)
-        assert not thread.is_alive()
-    return joined
+    return joined_jobs({rank: ranked_job(run, rank, **{"train": {"steps": 12}, **over})
+                        for rank, over in options.items()})
