@@ -11,6 +11,7 @@ mesh dimension; ``editrain.edit``: the :class:`~editrain.sync.SyncEngine`), trai
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from editrain.bench.plots import pyplot, save_figure
@@ -32,17 +33,17 @@ VARIANTS: dict[str, dict[str, Any]] = {
 TEXT = prose("memory")
 
 
-def measure_rank(presets: list[str]) -> list[dict[str, Any]]:
-    """On every rank of an initialised process group (1 replica x world shards): build,
-    shard, sync once and count the outer state, for every preset and variant."""
+def measure_rank(rank: int, world: int, presets: list[str]) -> list[dict[str, Any]]:
+    """On every rank of an initialised process group (1 replica x ``world`` shards; called by
+    :func:`~editrain.spawn.run_ranks`): build, shard, sync once and count the outer state,
+    for every preset and variant."""
     import torch
 
     import editrain
     from editrain.models import Llama, causal_lm_loss, preset_config
     from editrain.sync.outer import local_view
 
-    info = editrain.init_mesh(shard_size=torch.distributed.get_world_size(), backend="gloo",
-                              device_type="cpu")
+    info = editrain.init_mesh(shard_size=world, backend="gloo", device_type="cpu")
     out = []
     for preset in presets:
         mcfg = preset_config(preset)
@@ -63,73 +64,61 @@ def measure_rank(presets: list[str]) -> list[dict[str, Any]]:
             engine.step()  # H = 1: the sync is due now (blocking, or armed for layer-wise)
             engine.finish()  # runs an armed layer-wise sync
             extra = engine.extra_memory()
-            syncs = engine.num_syncs
             local = sum(local_view(p).numel() * local_view(p).element_size()
                         for p in model.parameters())
-            total = sum(p.numel() * p.element_size() for p in model.parameters())
             offloaded = all(u.anchor is None or not u.cpu_offload or
                             u.anchor.device.type == "cpu" for u in engine.units)
-            engine.close()
             out.append({"preset": preset, "variant": variant, "extra": extra,
                         "extra_total": sum(extra.values()), "local_param_bytes": local,
-                        "model_param_bytes": total, "syncs": syncs,
-                        "anchors_on_cpu": offloaded})
+                        "model_param_bytes": sum(p.numel() * p.element_size()
+                                                 for p in model.parameters()),
+                        "syncs": engine.num_syncs, "anchors_on_cpu": offloaded})
+            engine.close()
             del engine, model, opt
     return out
 
 
-def _measure(rank: int, world: int, presets: list[str]) -> list[dict[str, Any]]:
-    """Spawned rank: :func:`measure_rank` (the signature :func:`run_ranks` calls)."""
-    return measure_rank(presets)
-
-
 def _spawn(world: int, presets: list[str]) -> list[list[dict[str, Any]]]:
-    """Run :func:`measure_rank` on ``world`` spawned processes; every rank's rows."""
-    return run_ranks(_measure, world, presets)
+    """Every rank's rows of :func:`measure_rank` on ``world`` spawned processes."""
+    return run_ranks(measure_rank, world, presets)
 
 
 def _results(ctx: Ctx) -> dict[str, Any]:
     """Every shard size's spawned measurement (a failed one keeps the others' numbers)."""
-    import time
-
-    bench, shard_sizes, presets = ctx.bench, ctx.shard_sizes, ctx.presets
+    bench, errors = ctx.bench, ctx.errors
     if bench.user_overrides:
         bench.log("note: training options from the command line do not apply here (no "
                   "training runs; the presets' own shapes are measured)")
     measured: dict[int, list[list[dict[str, Any]]]] = {}
-    errors = ctx.errors
-    for s in shard_sizes:
+    for s in ctx.shard_sizes:
         t0 = time.perf_counter()
         try:
-            measured[s] = _spawn(s, presets)
+            measured[s] = _spawn(s, ctx.presets)
             bench.log(f"shard size {s}: measured in {time.perf_counter() - t0:.1f} s")
         except Exception as e:  # keep the other shard sizes' numbers
             errors[s] = f"{type(e).__name__}: {e}"
             bench.log(f"shard size {s}: FAILED: {errors[s]}")
     results: dict[str, Any] = {}
-    for preset in presets:
-        full = _per_rank(measured.get(1), preset, "diloco")
-        results[preset] = {"full_copy_bytes": full["max"] if full else None, "by_shard": {}}
-        for s in shard_sizes:
-            if s not in measured:
-                results[preset]["by_shard"][str(s)] = {"error": errors.get(s)}
-                continue
-            d, e, o = (_per_rank(measured[s], preset, v) for v in VARIANTS)
-            expected = full["max"] / s if full else None
-            results[preset]["by_shard"][str(s)] = {
-                "ranks": s,
-                "editrain_diloco_bytes_per_rank": d["max"] if d else None,
-                "edit_bytes_per_rank": e["max"] if e else None,
-                "edit_bytes_per_rank_min": e["min"] if e else None,
-                "edit_cpu_offload_bytes_per_rank": o["max"] if o else None,
-                "edit_by_device": e["by_device"] if e else None,
-                "edit_cpu_offload_by_device": o["by_device"] if o else None,
-                "local_param_bytes": e["params"] if e else None,
-                "expected_full_over_s": expected,
-                "edit_over_expected": (e["max"] / expected) if e and expected else None,
-                "syncs": e["syncs"] if e else None,
-            }
+    for preset in ctx.presets:
+        full = _per_rank(measured.get(1), preset, "diloco").get("max")
+        by_shard = {str(s): _by_shard(measured[s], preset, full, s) if s in measured
+                    else {"error": errors.get(s)} for s in ctx.shard_sizes}
+        results[preset] = {"full_copy_bytes": full, "by_shard": by_shard}
     return results
+
+
+def _by_shard(measured: list[list[dict[str, Any]]], preset: str, full: int | None,
+              s: int) -> dict[str, Any]:
+    """The numbers of one preset at shard size ``s`` (``full``: the full copy's bytes)."""
+    d, e, o = (_per_rank(measured, preset, v) for v in VARIANTS)
+    expected = full / s if full else None
+    return {"ranks": s, "editrain_diloco_bytes_per_rank": d.get("max"),
+            "edit_bytes_per_rank": e.get("max"), "edit_bytes_per_rank_min": e.get("min"),
+            "edit_cpu_offload_bytes_per_rank": o.get("max"),
+            "edit_by_device": e.get("by_device"), "edit_cpu_offload_by_device": o.get("by_device"),
+            "local_param_bytes": e.get("params"), "expected_full_over_s": expected,
+            "edit_over_expected": e["max"] / expected if e and expected else None,
+            "syncs": e.get("syncs")}
 
 
 def _rows(ctx: Ctx) -> list[tuple[str, dict[str, Any]]]:
@@ -142,19 +131,14 @@ def _mib(key: str):
     return lambda row: fmt_bytes(row[1][key])
 
 
-NOTES = TEXT["notes"]
-"""How the numbers were measured (the record's notes)."""
-
-
 def _per_rank(measured: list[list[dict[str, Any]]] | None, preset: str,
-              variant: str) -> dict[str, Any] | None:
-    """Largest / smallest extra bytes over ranks of one preset and variant."""
-    if not measured:
-        return None
-    rows = [r for rank_rows in measured for r in rank_rows
+              variant: str) -> dict[str, Any]:
+    """Largest / smallest extra bytes over ranks of one preset and variant (empty when
+    not measured)."""
+    rows = [r for rank_rows in measured or [] for r in rank_rows
             if r["preset"] == preset and r["variant"] == variant]
     if not rows:
-        return None
+        return {}
     by_device: dict[str, int] = {}
     for r in rows:
         for k, v in r["extra"].items():
@@ -167,42 +151,39 @@ def _per_rank(measured: list[list[dict[str, Any]]] | None, preset: str,
 
 def _judge(ctx: Ctx) -> Verdict:
     """The target check (edit = full copy / S) and the findings."""
-    results, presets, shard_sizes = ctx.results, ctx.presets, ctx.shard_sizes
     checks, findings = [], []
-    for preset in presets:
-        for s in shard_sizes:
-            e = results[preset]["by_shard"].get(str(s), {})
-            r = e.get("edit_over_expected")
-            if r is not None:
-                checks.append((preset, s, r))
-            if e.get("edit_bytes_per_rank") and results[preset]["full_copy_bytes"]:
-                full = results[preset]["full_copy_bytes"]
+    for preset in ctx.presets:
+        full = ctx.results[preset]["full_copy_bytes"]
+        for s in ctx.shard_sizes:
+            e = ctx.results[preset]["by_shard"].get(str(s), {})
+            if e.get("edit_over_expected") is not None:
+                checks.append((preset, s, e["edit_over_expected"]))
+            edit = e.get("edit_bytes_per_rank")
+            if edit and full:
                 findings.append(fill(TEXT["finding"], preset=preset, s=s, full=fmt_bytes(full),
-                                     edit=fmt_bytes(e["edit_bytes_per_rank"]),
-                                     smaller=full / e["edit_bytes_per_rank"],
-                                     over_shard=e["edit_bytes_per_rank"]
-                                     / e["local_param_bytes"]))
+                                     edit=fmt_bytes(edit), smaller=full / edit,
+                                     over_shard=edit / e["local_param_bytes"]))
     met = all(abs(r - 1.0) <= 0.05 for _, _, r in checks) if checks else None
     detail = "; ".join(f"{p} S={s}: {r:.3f}" for p, s, r in checks) or "no measurements"
     return Verdict(targets=[{"name": TEXT["target"], "met": met, "detail": detail}],
                    findings=findings)
 
 
+def _mib_by_shard(by_shard: dict[str, Any], xs: list[int], key: str) -> list[float]:
+    """MiB of ``key`` at each shard size (NaN, a gap in the line, where not measured)."""
+    values = [by_shard.get(str(s), {}).get(key) for s in xs]
+    return [float("nan") if v is None else v / 2**20 for v in values]
+
+
 def _plot(ctx: Ctx):
     """MiB per rank against the shard size, one panel per preset."""
-    results, presets, shard_sizes = ctx.results, ctx.presets, ctx.shard_sizes
-    plt = pyplot()
-    fig, axes = plt.subplots(1, len(presets), figsize=(5 * len(presets), 4), squeeze=False)
+    xs, presets = list(ctx.shard_sizes), ctx.presets
+    fig, axes = pyplot().subplots(1, len(presets), figsize=(5 * len(presets), 4), squeeze=False)
     for ax, preset in zip(axes[0], presets):
-        full = results[preset]["full_copy_bytes"]
-        xs = list(shard_sizes)
-        edit = [results[preset]["by_shard"].get(str(s), {}).get("edit_bytes_per_rank")
-                for s in xs]
-        offload = [results[preset]["by_shard"].get(str(s), {}).get(
-            "edit_cpu_offload_bytes_per_rank") for s in xs]
-        ax.plot(xs, [float("nan") if v is None else v / 2**20 for v in edit], marker="o",
+        full, by_shard = ctx.results[preset]["full_copy_bytes"], ctx.results[preset]["by_shard"]
+        ax.plot(xs, _mib_by_shard(by_shard, xs, "edit_bytes_per_rank"), marker="o",
                 label="edit (sharded), on the parameters' device")
-        ax.plot(xs, [float("nan") if v is None else v / 2**20 for v in offload], marker="x",
+        ax.plot(xs, _mib_by_shard(by_shard, xs, "edit_cpu_offload_bytes_per_rank"), marker="x",
                 linestyle="none", markersize=9, label="edit + cpu_offload (offloaded)")
         if full:
             ax.plot(xs, [full / 2**20] * len(xs), linestyle="--", color="gray",
@@ -211,10 +192,8 @@ def _plot(ctx: Ctx):
                     label="full copy / S")
         ax.set_xscale("log", base=2)
         ax.set_xticks(xs, [str(s) for s in xs])
-        ax.set_xlabel("shard size S")
-        ax.set_ylabel("MiB per rank")
+        ax.set(xlabel="shard size S", ylabel="MiB per rank", title=preset)
         ax.set_ylim(bottom=0)
-        ax.set_title(preset)
         ax.grid(alpha=0.3)
     return save_figure(fig, ctx.bench.out_dir / "outer_state_per_rank.png")
 
@@ -226,12 +205,11 @@ SCENARIO = Scenario(
                          "presets": bench.pick(["tiny"], ["tiny", "small"], ["tiny", "small"]),
                          "errors": {}},
     runs=lambda ctx: [],  # no training runs: spawned process groups measure (``measure``)
-    measure=_results, judge=_judge, plots=[_plot], notes=lambda ctx: NOTES,
+    measure=_results, judge=_judge, plots=[_plot], notes=lambda ctx: TEXT["notes"],
     size_caveat=False, methods=lambda ctx: list(VARIANTS),
     tables=[Table("Outer state per rank", [
         ("preset", None), ("shard size S", "ranks"),
-        ("DiLoCo-style full copy (per rank)", lambda row: None if row[1]["full"] is None
-         else fmt_bytes(row[1]["full"])),
+        ("DiLoCo-style full copy (per rank)", _mib("full")),
         ("edit, on the parameters' device", _mib("edit_bytes_per_rank")),
         ("edit + cpu_offload, offloaded", _mib("edit_cpu_offload_bytes_per_rank")),
         ("editrain diloco (sharded too)", _mib("editrain_diloco_bytes_per_rank")),
