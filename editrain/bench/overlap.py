@@ -19,6 +19,8 @@ from editrain.bench.tables import cell, ms
 
 TEXT = prose("overlap")
 LINK = ("20MB/s", "5ms")
+SYNC_FIELDS = ("wait_s", "sync_time_s", "comm_time_s", "link_delay_s", "bytes_sent")
+"""The per-sync fields whose medians are measured (``median_<field>``)."""
 
 
 def _setup(bench: Any) -> dict[str, Any]:
@@ -53,35 +55,23 @@ def _notes(ctx: Ctx) -> list[str]:
 
 
 def _measure(run: Run) -> dict[str, Any]:
-    """Medians of the per-sync fields of one run (see the notes for which syncs)."""
-    if not run.ok:
-        keys = ("median_wait_s", "median_sync_time_s", "median_comm_time_s",
-                "median_link_delay_s", "median_bytes_sent", "sync_step_overhead_s",
-                "median_step_time_s")
-        return {**dict.fromkeys(keys), "syncs": 0,
-                "prefetch_depth": run.overrides.get("sync", {}).get("prefetch_depth"),
-                "error": run.error}
-    timed = run.timed_syncs()
-    last_step = run.rows[-1]["step"] if run.rows else None
-    timed = [(i, s) for i, s in timed if s.get("step") != last_step][1:]
-    sync_rows = {i for i, _ in timed}
-    all_sync_rows = {i for i, r in enumerate(run.rows) if "sync" in r}
-    plain = median(r["step_time_s"] for i, r in enumerate(run.rows)
-                   if i not in all_sync_rows and i >= 2)
-    sync_step = median(run.rows[i]["step_time_s"] for i in sync_rows)
-    return {
-        "median_wait_s": median(s.get("wait_s") for _, s in timed),
-        "median_sync_time_s": median(s.get("sync_time_s") for _, s in timed),
-        "median_comm_time_s": median(s.get("comm_time_s") for _, s in timed),
-        "median_link_delay_s": median(s.get("link_delay_s") for _, s in timed),
-        "median_bytes_sent": median(s.get("bytes_sent") for _, s in timed),
-        "sync_step_overhead_s": (sync_step - plain) if sync_step is not None
-        and plain is not None else None,
-        "median_step_time_s": plain,
-        "syncs": len(timed),
-        "prefetch_depth": run.config.get("sync", {}).get("prefetch_depth"),
-        "error": None,
-    }
+    """Medians of the per-sync fields of one run (None for a failed run).
+
+    The syncs that ran inside a training step, less the first (it also absorbs the
+    replicas' start-up skew) and the last (``finish()``'s, blocking for every method)."""
+    rows = run.rows if run.ok else []
+    last_step = rows[-1]["step"] if rows else None
+    timed = [(i, s) for i, s in run.timed_syncs() if s.get("step") != last_step][1:] \
+        if rows else []
+    with_sync = {i for i, r in enumerate(rows) if "sync" in r}
+    plain = median(r["step_time_s"] for i, r in enumerate(rows) if i not in with_sync and i >= 2)
+    sync_step = median(rows[i]["step_time_s"] for i, _ in timed)
+    options = run.config if run.ok else run.overrides
+    return {**{f"median_{key}": median(s.get(key) for _, s in timed) for key in SYNC_FIELDS},
+            "sync_step_overhead_s": sync_step - plain if sync_step is not None
+            and plain is not None else None,
+            "median_step_time_s": plain, "syncs": len(timed),
+            "prefetch_depth": options.get("sync", {}).get("prefetch_depth"), "error": run.error}
 
 
 def _unit_bytes(bench: Any, common: dict[str, Any]) -> dict[str, Any] | None:
