@@ -85,24 +85,16 @@ def _measure(clean: Run | None, bad: Run, corrupt_at: list[int],
     diffs = {s: b[s] - c[s] for s in b if s in c and s >= first}
     peak_step = max(diffs, key=diffs.get) if diffs else None
     peak = max(0.0, diffs[peak_step]) if peak_step is not None else None
-    jumps = []
-    for k in corrupt_at:
-        after, before = (k + 1) * interval, k * interval
-        if after in b and before in b:
-            jumps.append(b[after] - b[before])
-    excluded, units, false_alarms = 0, 0, 0
-    for s in bad.sync_entries():  # every round the detector judged, the end's included
-        if s.get("outlier") is None:
-            continue
-        flags = s["outlier"]
-        idx = s.get("sync")
-        for rep, row in enumerate(flags):
-            for f in row:
-                if idx in corrupt_at and rep == 1:
-                    units += 1
-                    excluded += bool(f)
-                else:
-                    false_alarms += bool(f)
+    jumps = [b[(k + 1) * interval] - b[k * interval] for k in corrupt_at
+             if (k + 1) * interval in b and k * interval in b]
+    excluded = units = false_alarms = 0
+    for entry in bad.sync_entries():  # every round the detector judged, the end's included
+        for replica, flags in enumerate(entry.get("outlier") or []):
+            if entry.get("sync") in corrupt_at and replica == 1:
+                units += len(flags)
+                excluded += sum(map(bool, flags))
+            else:
+                false_alarms += sum(map(bool, flags))
     return {
         "peak_increase": peak,
         "peak_relative": (peak / c[peak_step]) if peak is not None and c.get(peak_step)
