@@ -48,6 +48,8 @@ from editrain.metrics import read_jsonl
 
 TEXT = prose("faults")
 SYSTEMS = ("ft", "ft-fail", "plain", "restart-fail")
+FAILURES = (("ft-fail", "ft"), ("restart-fail", "plain"))
+"""Each failed run and the no-failure run of the same mode it is measured against."""
 REPLICAS = 2
 
 
@@ -103,23 +105,20 @@ def _tokens_per_rank_step(run: Run) -> int:
 def _ft_numbers(run: Run, fail_at: int | None, interval: int) -> dict[str, Any]:
     """Useful tokens, final loss and the dead replica's downtime of a ``--ft`` run."""
     s = run.summary
-    per_step = _tokens_per_rank_step(run)
-    useful = sum(g.get("tokens_processed", 0) for g in s.get("per_replica", {}).values())
+    groups = s.get("per_replica", {})
+    useful = sum(g.get("tokens_processed", 0) for g in groups.values())
     out: dict[str, Any] = {"final_val_loss": s.get("final_val_loss"),
-                           "heals": sum(g.get("healed_at") is not None
-                                        for g in s.get("per_replica", {}).values())}
+                           "heals": sum(g.get("healed_at") is not None for g in groups.values())}
     if fail_at is not None:
         # The dead attempt's steps up to its last sync are in the model; later ones died.
-        useful += (fail_at // interval) * interval * per_step
-        died = [e for e in s.get("events", []) if e["event"] == "died"]
-        joined = None
-        for r, _ in s.get("per_replica", {}).items():
-            path = run.run_dir / f"replica{r}" / "metrics.jsonl"
-            for row in read_jsonl(path) if path.is_file() else []:
-                if row.get("event") == "ft_join" and "unix_time" in row:
-                    joined = row["unix_time"]
-        if died and joined is not None:
-            out["downtime_s"] = joined - died[0]["unix_time"]
+        useful += (fail_at // interval) * interval * _tokens_per_rank_step(run)
+        died = [e["unix_time"] for e in s.get("events", []) if e["event"] == "died"]
+        paths = [run.run_dir / f"replica{r}" / "metrics.jsonl" for r in groups]
+        joins = [row["unix_time"] for path in paths if path.is_file()
+                 for row in read_jsonl(path)
+                 if row.get("event") == "ft_join" and "unix_time" in row]
+        if died and joins:  # the dead replica is the last group: its rejoin is read last
+            out["downtime_s"] = joins[-1] - died[0]
     out["useful_tokens"] = useful
     return out
 
@@ -189,7 +188,7 @@ def _measure(runs: dict[str, Run], fail_at: int, interval: int, ckpt_every: int
             nums["window_tokens"] = sum(by_replica.values())
             nums["window_tokens_by_replica"] = by_replica
         out[s] = nums
-    for failed, clean in (("ft-fail", "ft"), ("restart-fail", "plain")):
+    for failed, clean in FAILURES:
         a, b = out.get(failed, {}), out.get(clean, {})
         if "wall_s" in a and "wall_s" in b:
             a["time_lost_s"] = a["wall_s"] - b["wall_s"]
@@ -265,8 +264,7 @@ TABLES = [
         ("survivor's tokens lost in W (%)", _spread("survivor_window_loss", 100)),
         ("dead replica's tokens lost in W (%)", _spread("dead_window_loss", 100)),
         ("downtime (s)", _spread("downtime_s")), ("steps redone", _spread("redone_steps"))],
-        rows=lambda ctx: [("ft-fail", ctx.results, "ft"),
-                          ("restart-fail", ctx.results, "plain")]),
+        rows=lambda ctx: [(failed, ctx.results, clean) for failed, clean in FAILURES]),
 ]
 
 
