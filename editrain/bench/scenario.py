@@ -3,8 +3,9 @@
 A scenario module declares ``SCENARIO = Scenario(...)``: how it sizes itself
 (``setup``), its training runs (``runs``: a list of :class:`Job`, or, for runs that
 depend on earlier ones, a generator that yields a job, or a list of jobs to run at the
-same time, and is sent the finished run or runs, or :data:`WRITE`), what it measures from them
-(``measure``), its tables (:class:`Table`), its plots, its verdict (targets, findings, shortfalls, headline) and how it was measured (``notes``).
+same time, and is sent the finished run or runs, or :data:`WRITE`), what it measures
+from them (``measure``), its tables (:class:`Table`), its plots, its verdict (targets,
+findings, shortfalls, headline) and how it was measured (``notes``).
 :func:`execute` does the rest the same way for every scenario: check every run's options
 before the first starts, run the jobs (progress, time limits, ``--reuse``), derive the
 numbers, render the tables, draw the plots and write the record (``Bench.finish``).
@@ -71,9 +72,16 @@ class Table:
     def render(self, ctx: Ctx) -> tuple[str, str]:
         """``(title, markdown)`` of the table in the context's numbers."""
         items = self.rows(ctx) if self.rows else ctx.results.items()
-        body = [[_cell(row, how) for _, how in self.columns] for row in items]
+        body = [[self.cell(row, how) for _, how in self.columns] for row in items]
         title = self.title(ctx) if callable(self.title) else self.title
         return title, md_table([h for h, _ in self.columns], body)
+
+    @staticmethod
+    def cell(row: Any, how: str | Callable[[Any], Any] | None) -> Any:
+        """One cell of a row, as ``columns`` says (the row's name, a key or a function)."""
+        if how is None:
+            return row[0]
+        return row[1][how] if isinstance(how, str) else how(row)
 
 
 def differences(lead: str, what: str, rows: Callable[[Ctx], Iterable[Any]]) -> Table:
@@ -85,15 +93,6 @@ def differences(lead: str, what: str, rows: Callable[[Ctx], Iterable[Any]]) -> T
         (lead, lambda row: row[0]), (what, lambda row: f"{row[1]['a']} - {row[1]['b']}"),
         ("value", "difference"),
         ("beyond spread", lambda row: verdict_cell(row[1]["beyond_spread"]))], rows=rows)
-
-
-def _cell(row: Any, how: str | Callable[[Any], Any] | None) -> Any:
-    """One cell of a row (see :class:`Table`)."""
-    if how is None:
-        return row[0]
-    if isinstance(how, str):
-        return row[1][how]
-    return how(row)
 
 
 @dataclass
@@ -227,9 +226,9 @@ def _train(bench: Any, ctx: Ctx, job: Job | list[Job]) -> Any:
                                      for j in job])
         ctx.runs.update((r.label, r) for r in runs)
         return runs
-    run = ctx.runs[job.label] = (job.start(bench, job) if job.start else bench.train(
-        job.label, *job.layers, title=job.title, last=job.last))
-    return run
+    ctx.runs[job.label] = job.start(bench, job) if job.start else bench.train(
+        job.label, *job.layers, title=job.title, last=job.last)
+    return ctx.runs[job.label]
 
 
 @contextmanager
