@@ -75,8 +75,7 @@ def paired_differences(a: Iterable[Any], b: Iterable[Any]) -> dict[str, Any]:
         ``same_sign`` (whether every difference has the sign of the mean; None without
         differences).
     """
-    diffs = [x - y for x, y in zip(a, b)
-             if finite([x]) and finite([y])]
+    diffs = [x - y for x, y in zip(a, b) if finite([x]) and finite([y])]
     out = mean_std(diffs)
     out["values"] = diffs
     out["same_sign"] = (all((d > 0) == (out["mean"] > 0) and d != 0 for d in diffs)
@@ -95,20 +94,16 @@ def gap_to_sync(edit: list[float | None], sync: list[float | None]) -> dict[str,
             else None}
 
 
-def median_difference(a: dict[str, Any], b: dict[str, Any]) -> float | None:
-    """The difference of two spreads' medians (None when either has none)."""
-    if a.get("median") is None or b.get("median") is None:
-        return None
-    return a["median"] - b["median"]
-
-
 def compare(a: str, b: str, sa: dict[str, Any], sb: dict[str, Any], tolerance: float = 0.0,
             **labels: Any) -> dict[str, Any]:
     """A comparison record of two named spreads: ``a``, ``b``, the ``labels``, the
-    difference of the medians and whether it is beyond the spread (:func:`beyond_spread`)."""
-    return {"a": a, "b": b, **labels, "difference": median_difference(sa, sb),
+    difference of the medians (None when either has none) and whether it is beyond the
+    spread (:func:`beyond_spread`)."""
+    known = sa.get("median") is not None and sb.get("median") is not None
+    difference = sa["median"] - sb["median"] if known else None
+    return {"a": a, "b": b, **labels, "difference": difference,
             "beyond_spread": beyond_spread(sa, sb, tolerance)}
 
 
-__all__ = ["beyond_spread", "compare", "finite", "mean_std", "median", "median_difference",
-           "paired_differences", "spread"]
+__all__ = ["beyond_spread", "compare", "finite", "mean_std", "median", "paired_differences",
+           "spread"]
