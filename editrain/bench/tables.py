@@ -61,9 +61,7 @@ def verdict_cell(beyond: bool | None) -> str:
 
 def ratio(a: float | None, b: float | None) -> float | None:
     """``a / b`` when both are known and ``b`` is not zero."""
-    if a is None or b is None or b == 0:
-        return None
-    return a / b
+    return None if a is None or b is None or b == 0 else a / b
 
 
 def fmt_bytes(n: float | None) -> str:
