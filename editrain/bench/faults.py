@@ -91,10 +91,6 @@ def _results(ctx: Ctx) -> dict[str, Any]:
                        for i in range(ctx.bench.repeats)])
 
 
-def _notes(ctx: Ctx) -> list[str]:
-    return fill(TEXT["notes"], ctx=ctx, replicas=REPLICAS, dead=REPLICAS - 1)
-
-
 # ---------------------------------------------------------------------------- measures
 def _tokens_per_rank_step(run: Run) -> int:
     t = run.config.get("train", {})
@@ -316,7 +312,8 @@ def _headline(results: dict[str, Any]) -> list[str]:
 SCENARIO = Scenario(
     name="faults",
     description=TEXT["description"],
-    unavailable=_unavailable, setup=_setup, measure=_results, notes=_notes, tables=TABLES,
+    unavailable=_unavailable, setup=_setup, measure=_results, tables=TABLES,
+    notes=lambda ctx: fill(TEXT["notes"], ctx=ctx, replicas=REPLICAS, dead=REPLICAS - 1),
     runs=lambda ctx: [Job(repeat_label(s, rep), ctx.layers[s], title=f"{s} repeat {rep + 1}")
                       for rep in range(ctx.bench.repeats) for s in SYSTEMS],
     checks=lambda ctx: [(ctx.layers[s], None) for s in SYSTEMS],

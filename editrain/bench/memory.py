@@ -5,8 +5,9 @@ optimizer's state on every worker. editrain keeps both per FSDP2 shard, so a ran
 ``1 / S`` of them, and ``cpu_offload`` moves them off the accelerator. The numbers here are
 real allocations: each shard size is a spawned gloo process group in which the model is
 built with the public API a user calls (``editrain.parallelize``: FSDP2 on the ``"shard"``
-mesh dimension; ``editrain.edit``: the :class:`~editrain.sync.SyncEngine`), trained for one step and synced once; then
-``engine.extra_memory()`` counts the bytes of the anchor and outer-state tensors.
+mesh dimension; ``editrain.edit``: the :class:`~editrain.sync.SyncEngine`), trained for
+one step and synced once; then ``engine.extra_memory()`` counts the bytes of the anchor
+and outer-state tensors.
 """
 
 from __future__ import annotations
