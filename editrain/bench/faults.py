@@ -192,12 +192,10 @@ def _measure(runs: dict[str, Run], fail_at: int, interval: int, ckpt_every: int
         if a.get("window_tokens") and b.get("window_tokens"):
             a["window_loss"] = 1.0 - a["window_tokens"] / b["window_tokens"]
     ftf, clean = out.get("ft-fail", {}), out.get("ft", {})
-    if ftf.get("window_tokens_by_replica") and clean.get("window_tokens_by_replica"):
-        a, b = ftf["window_tokens_by_replica"], clean["window_tokens_by_replica"]
-        dead = REPLICAS - 1
-        if b.get(0) and b.get(dead):
-            ftf["survivor_window_loss"] = 1.0 - a.get(0, 0) / b[0]
-            ftf["dead_window_loss"] = 1.0 - a.get(dead, 0) / b[dead]
+    a, b = ftf.get("window_tokens_by_replica"), clean.get("window_tokens_by_replica") or {}
+    if a and b.get(0) and b.get(REPLICAS - 1):  # each replica against itself without failure
+        for who, replica in (("survivor", 0), ("dead", REPLICAS - 1)):
+            ftf[f"{who}_window_loss"] = 1.0 - a.get(replica, 0) / b[replica]
     if "downtime_s" in ftf and span > 0 and "ft" in windows:
         ftf["downtime_share"] = min(ftf["downtime_s"], span) / span / REPLICAS
         steps = int(clean["useful_tokens"] / REPLICAS / _tokens_per_rank_step(runs["ft"]))
