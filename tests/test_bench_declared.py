@@ -31,10 +31,15 @@ from editrain.config import load_config, to_dict
 
 GOLDEN = Path(__file__).parent / "golden" / "bench"
 SCENARIOS = ("optimizers", "spikes", "overlap", "convergence", "tune", "scale", "memory",
-             "default", "faults", "stragglers", "bandwidth", "peers", "batch", "data")
+             "default", "faults", "stragglers", "bandwidth", "peers", "batch", "data", "plan")
 """The scenarios whose whole pipeline runs on synthetic runs (memory's spawned
 measurement, default's read-back of the corpus split and data's corpora, builds and limit
-are made up too, by :data:`STAND_INS`; the others' smoke tests cover them)."""
+are made up too, by :data:`STAND_INS`; plan's runs are written out, :data:`RUN_FILES`;
+the others' smoke tests cover them)."""
+RUN_FILES = ("plan",)
+"""The scenarios that read their runs back from the run directories (``bench plan``
+calibrates the planner on them): :class:`FakeBench` writes each made-up run's
+``config.toml``, ``metrics.jsonl`` and rank logs there."""
 VOLATILE = ("elapsed_s", "started", "machine", "argv", "command")
 """Record fields that depend on when and where it ran."""
 
@@ -154,14 +159,28 @@ STAND_INS = {"memory": lambda: {"_spawn": fake_memory},
 name; ``data``'s also take ``os.cpu_count`` and ``os.getloadavg`` as 2 CPUs at 0.5)."""
 
 
+def write_fake_run(run: Run) -> None:
+    """The files of ``run``'s directory that the planner's calibration reads."""
+    from editrain.config.toml_io import dumps_toml
+
+    (run.run_dir / "ranks").mkdir(parents=True, exist_ok=True)
+    (run.run_dir / "config.toml").write_text(dumps_toml(run.config))
+    (run.run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in run.rows))
+    for rank, rows in run.ranks.items():
+        (run.run_dir / "ranks" / f"rank{rank}.jsonl").write_text(
+            "".join(json.dumps(r) + "\n" for r in rows))
+
+
 class FakeBench(Bench):
     """A :class:`Bench` whose training jobs are :func:`fake_run` answers."""
 
     def train(self, label, *layers, title=None, last=None):
         """Make up the run instead of training it."""
         options = self._run_options(self.out_dir / "runs" / label, layers, last)
-        return self.record_run(fake_run(label, self.out_dir / "runs" / label, options),
-                               None, title)
+        run = fake_run(label, self.out_dir / "runs" / label, options)
+        if self.scenario in RUN_FILES:
+            write_fake_run(run)
+        return self.record_run(run, None, title)
 
     def train_together(self, jobs):
         """Make up each run of a group started together."""
@@ -200,7 +219,8 @@ def run_fake(name: str, out: Path) -> dict[str, Any]:
         r.pop("run_dir", None)
     record["plot_digests"] = {p: hashlib.sha256((out / p).read_bytes()).hexdigest()
                               for p in record["plots"]}
-    return json.loads(json.dumps(record))
+    # plan's calibrations name their run directories, under this call's own folder
+    return json.loads(json.dumps(record).replace(str(out), "<out>"))
 
 
 @pytest.mark.parametrize("name", SCENARIOS)
