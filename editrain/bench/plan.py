@@ -11,7 +11,9 @@ waited for.
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
+from collections.abc import Callable
 from typing import Any
 
 from editrain.bench.measures import replica_stats, steady_throughput
@@ -19,55 +21,55 @@ from editrain.bench.options import timed_train
 from editrain.bench.prose import fill, prose
 from editrain.bench.runner import Bench
 from editrain.bench.runs import Run
-from editrain.bench.scenario import Ctx, Job, Scenario, Verdict, figure
-from editrain.bench.tables import cell, md_table, ms
+from editrain.bench.scenario import Ctx, Job, Scenario, Table, Verdict, figure
+from editrain.bench.tables import cell, ms
 
 TEXT = prose("plan")
 DESCRIPTION = TEXT["description"]
 CAL_LINK = ("5MB/s", "5ms")
+FAST_LINK = ("20MB/s", "5ms")
+SLOW_LINK = ("1MB/s", "5ms")
 STRAGGLER = {"straggler": ["1=2"]}
 STALL = {"random_stall": "0.1,0.2"}
+EDIT = {"method": "edit"}
+INT8 = {"method": "edit", "fragments": 4, "comm_dtype": "int8"}
 
 Spec = tuple[dict[str, Any], "tuple[str, str] | None", dict[str, Any]]
-CAL_FP32: Spec = ({"method": "edit"}, CAL_LINK, {})
-CAL_INT8: Spec = ({"method": "edit", "fragments": 4, "comm_dtype": "int8"}, CAL_LINK, {})
-CAL_STRAGGLER: Spec = ({"method": "edit"}, None, STRAGGLER)
-CAL_STALL: Spec = ({"method": "edit"}, None, STALL)
+"""A run: (sync options, (bandwidth, latency) or None for an unlimited link, sim options)."""
 # Per group, in the order they run: ("cal", label, spec) calibration runs and ("held",
-# label, spec) held-out runs; a run is (sync options, (bandwidth, latency) or None for an
-# unlimited link, sim options). A group's hardware is its calibration runs' (on this shared
+# label, spec) held-out runs. A group's hardware is its calibration runs' (on this shared
 # machine a replica that sleeps, a simulated straggler or stall, frees a core for the
 # other); every held-out run lies between two calibration runs, whose mean compute speed
 # it is predicted with (the machine's speed drifts), while the link is fitted on all of
 # the group's calibration runs.
 GROUPS: dict[str, list[tuple[str, str, Spec]]] = {
     "link": [
-        ("cal", "cal-edit-fp32", CAL_FP32),
-        ("held", "diloco-20MBs", ({"method": "diloco"}, ("20MB/s", "5ms"), {})),
-        ("held", "edit-1MBs", ({"method": "edit"}, ("1MB/s", "5ms"), {})),
-        ("cal", "cal-edit-P4-int8", CAL_INT8),
+        ("cal", "cal-edit-fp32", (EDIT, CAL_LINK, {})),
+        ("held", "diloco-20MBs", ({"method": "diloco"}, FAST_LINK, {})),
+        ("held", "edit-1MBs", (EDIT, SLOW_LINK, {})),
+        ("cal", "cal-edit-P4-int8", (INT8, CAL_LINK, {})),
         ("held", "edit-tau2-P4-int8-1MBs", ({"method": "edit", "overlap_steps": 2,
                                              "fragments": 4, "comm_dtype": "int8"},
-                                            ("1MB/s", "5ms"), {})),
+                                            SLOW_LINK, {})),
         ("held", "edit-tau4-P4-int4-5MBs", ({"method": "edit", "overlap_steps": 4,
                                              "fragments": 4, "comm_dtype": "int4"},
                                             CAL_LINK, {})),
-        ("held", "sync-20MBs", ({"method": "sync"}, ("20MB/s", "5ms"), {})),
-        ("cal", "cal-edit-fp32-again", CAL_FP32),
+        ("held", "sync-20MBs", ({"method": "sync"}, FAST_LINK, {})),
+        ("cal", "cal-edit-fp32-again", (EDIT, CAL_LINK, {})),
     ],
     "straggler": [
-        ("cal", "cal-edit-straggler2x", CAL_STRAGGLER),
+        ("cal", "cal-edit-straggler2x", (EDIT, None, STRAGGLER)),
         ("held", "aedit-straggler2x", ({"method": "aedit"}, None, STRAGGLER)),
         ("held", "aedit-nb-straggler2x", ({"method": "aedit", "overlap_steps": 2}, None,
                                           STRAGGLER)),
-        ("cal", "cal-edit-straggler2x-again", CAL_STRAGGLER),
+        ("cal", "cal-edit-straggler2x-again", (EDIT, None, STRAGGLER)),
     ],
     "stall": [
-        ("cal", "cal-edit-stalls", CAL_STALL),
+        ("cal", "cal-edit-stalls", (EDIT, None, STALL)),
         ("held", "sync-stalls", ({"method": "sync"}, None, STALL)),
         ("held", "diloco-H4-stalls", ({"method": "diloco", "local_sgd_sync_interval": 4},
                                       None, STALL)),
-        ("cal", "cal-edit-stalls-again", CAL_STALL),
+        ("cal", "cal-edit-stalls-again", (EDIT, None, STALL)),
     ],
 }
 TINY = {"link": ("cal-edit-fp32", "diloco-20MBs", "cal-edit-fp32-again"),
@@ -75,10 +77,11 @@ TINY = {"link": ("cal-edit-fp32", "diloco-20MBs", "cal-edit-fp32-again"),
 
 
 def _setup(bench: Bench) -> dict[str, Any]:
+    tiny = bench.mode == "tiny"
     return {"interval": bench.pick(8, 16, 16), "steps": bench.pick(24, 128, 256),
             "sync_steps": bench.pick(10, 32, 64), "skip": bench.pick(2, 4, 4), "done": {},
-            "groups": {g: [x for x in seq if bench.mode != "tiny" or x[1] in TINY[g]]
-                       for g, seq in GROUPS.items() if bench.mode != "tiny" or g in TINY},
+            "groups": {g: [x for x in seq if not tiny or x[1] in TINY[g]]
+                       for g, seq in GROUPS.items() if not tiny or g in TINY},
             # The tiny preset has three units when tied: too few for four fragments.
             "model": {} if bench.mode == "full" else {"model": {"tie_embeddings": False}}}
 
@@ -118,9 +121,7 @@ def _runs(ctx: Ctx):
 
 
 def _results(ctx: Ctx) -> dict[str, Any]:
-    results: dict[str, Any] = {"groups": {}}
-    held_rows: dict[str, dict[str, Any]] = {}
-    in_sample: dict[str, dict[str, Any]] = {}
+    results: dict[str, Any] = {"groups": {}, "held_out": {}, "in_sample": {}}
     machine = None  # the first group whose runs measured the machine's own communication
     for group, seq in ctx.groups.items():
         straggler = bool(seq[0][2][2].get("straggler"))
@@ -129,29 +130,32 @@ def _results(ctx: Ctx) -> dict[str, Any]:
             results["groups"][group] = {"error": "no calibration run finished"}
             continue
         whole, held, own = got
-        if machine is None and (whole.own_bandwidth_bytes_per_s or whole.own_latency_s):
+        if machine is None and _measured_own(whole):
             machine = whole
-        for row in [*held.values(), *own.values()]:
-            row["group"] = group
-        held_rows.update(held)
-        in_sample.update(own)
+        for key, rows in (("held_out", held), ("in_sample", own)):
+            for row in rows.values():
+                row["group"] = group
+            results[key].update(rows)
         results["groups"][group] = {"calibration": _calibration_record(whole),
                                     "straggler": straggler}
-    results["held_out"] = held_rows
-    results["in_sample"] = in_sample
-    if not any(e.get("ok") for e in held_rows.values()):
+    if not any(e.get("ok") for e in results["held_out"].values()):
         ctx.skipped = "skipped: no held-out run could be predicted"
     return results
 
 
-def _notes(ctx: Ctx) -> list[str]:
-    return fill(TEXT["notes"], ctx=ctx, preset=TEXT["preset_small" if ctx.bench.mode != "full"
-                                                   else "preset_full"])
+def _measured_own(cal: Any) -> bool:
+    """Whether a calibration's runs measured the machine's own communication cost."""
+    return bool(cal.own_bandwidth_bytes_per_s or cal.own_latency_s)
 
 
-def _verdict(ctx: Ctx) -> Verdict:
-    targets, findings, headline = _judge(ctx.results["held_out"])
-    return Verdict(targets=targets, findings=findings, headline=headline)
+def _own_from(cal: Any, source: Any) -> Any:
+    """``cal`` with the machine's own communication cost of ``source``."""
+    return dataclasses.replace(cal, own_bandwidth_bytes_per_s=source.own_bandwidth_bytes_per_s,
+                               own_latency_s=source.own_latency_s)
+
+
+def _link_name(link: tuple[str, str] | None) -> str:
+    return "+".join(link) if link else "unlimited"
 
 
 def group_rows(done: list[tuple[str, str, Spec, Run]], skip: int, straggler: bool,
@@ -172,18 +176,14 @@ def group_rows(done: list[tuple[str, str, Spec, Run]], skip: int, straggler: boo
         ``(calibration on all of the group's calibration runs, held-out rows, calibration
         runs' own rows)``, or None when no calibration run finished.
     """
-    import dataclasses
-
     from editrain.plan.calibrate import calibrate
 
     cal_runs = [(i, r) for i, (kind, _, _, r) in enumerate(done) if kind == "cal" and r.ok]
     if not cal_runs:
         return None
     whole = calibrate([r.run_dir for _, r in cal_runs], skip=skip)
-    if machine is not None and not (whole.own_bandwidth_bytes_per_s or whole.own_latency_s):
-        whole = dataclasses.replace(whole,
-                                    own_bandwidth_bytes_per_s=machine.own_bandwidth_bytes_per_s,
-                                    own_latency_s=machine.own_latency_s)
+    if machine is not None and not _measured_own(whole):
+        whole = _own_from(whole, machine)
     held: dict[str, Any] = {}
     own: dict[str, Any] = {}
     for i, (kind, label, (_sync, link, sim), r) in enumerate(done):
@@ -193,12 +193,9 @@ def group_rows(done: list[tuple[str, str, Spec, Run]], skip: int, straggler: boo
             [x for j, x in cal_runs if j < i][-1:] + [x for j, x in cal_runs if j > i][:1])
         out = held if kind == "held" else own
         if not r.ok or not near:
-            out[label] = {"ok": False, "error": r.error,
-                          "link": "+".join(link) if link else "unlimited"}
+            out[label] = {"ok": False, "error": r.error, "link": _link_name(link)}
             continue
-        local = calibrate([x.run_dir for x in near], skip=skip)
-        cal = dataclasses.replace(local, own_bandwidth_bytes_per_s=whole.own_bandwidth_bytes_per_s,
-                                  own_latency_s=whole.own_latency_s)
+        cal = _own_from(calibrate([x.run_dir for x in near], skip=skip), whole)
         out[label] = _compare(cal, r, link, sim, skip, straggler)
         out[label]["calibrated_on"] = [x.label for x in near]
     return whole, held, own
@@ -216,12 +213,9 @@ def _predict(cal: Any, run_dir: Any, link: tuple[str, str] | None, sim: dict[str
 
     method, model = read_config(run_dir)
     bw, lat = (parse_bandwidth(link[0]), parse_duration(link[1])) if link else (None, 0.0)
-    spread = cal.straggler_spread if straggler else 0.0
-    prob, seconds = 0.0, 0.0
-    if sim.get("random_stall"):
-        p, s = sim["random_stall"].split(",")
-        prob, seconds = float(p), float(s)
-    cluster = cal.cluster(**cal.with_link(bw, lat), straggler_spread=spread,
+    prob, seconds = map(float, (sim.get("random_stall") or "0,0").split(","))
+    cluster = cal.cluster(**cal.with_link(bw, lat),
+                          straggler_spread=cal.straggler_spread if straggler else 0.0,
                           stall_prob=prob, stall_s=seconds,
                           step_time_s=step_time_s or cal.step_time_s,
                           overlap_cpu_s=0.0 if step_time_s else cal.overlap_cpu_s)
@@ -231,20 +225,19 @@ def _predict(cal: Any, run_dir: Any, link: tuple[str, str] | None, sim: dict[str
 def _compare(cal: Any, run: Run, link: tuple[str, str] | None, sim: dict[str, Any],
              skip: int, straggler: bool = False) -> dict[str, Any]:
     """Predicted and measured numbers of one run."""
-    entry: dict[str, Any] = {"link": "+".join(link) if link else "unlimited", "sim": sim,
-                             "ok": run.ok, "error": run.error}
+    from editrain.plan.calibrate import read_run
+
+    entry: dict[str, Any] = {"link": _link_name(link), "sim": sim, "ok": run.ok,
+                             "error": run.error}
     if not run.ok:
         return entry
     pred = _predict(cal, run.run_dir, link, sim, straggler)
     window = steady_throughput(run, skip)
     utils = _window_utilisation(run, window, skip, pred.method.method == "aedit")
-    is_sync = pred.method.method == "sync"
-    wait = window.get("grad_sync_s_per_step" if is_sync else "wait_s_per_step")
+    wait = "grad_sync_s_per_step" if pred.method.method == "sync" else "wait_s_per_step"
     measured = {"tokens_per_s": window.get("tokens_per_s"),
                 "utilisation": statistics.fmean(utils) if utils else None,
-                "exposed_comm_s": wait, "step_time_s": window.get("step_time_s")}
-    from editrain.plan.calibrate import read_run
-
+                "exposed_comm_s": window.get(wait), "step_time_s": window.get("step_time_s")}
     own_compute = read_run(run.run_dir, skip).compute_s
     # A diagnostic, not the prediction: the same with this run's own mean compute per
     # step, i.e. the model's error without the machine's drift between runs.
@@ -292,81 +285,87 @@ def _window_utilisation(run: Run, window: dict[str, Any], skip: int,
     return out
 
 
+CALIBRATION_FIELDS = ("step_time_s", "step_overhead_s", "bandwidth_bytes_per_s", "latency_s",
+                      "own_bandwidth_bytes_per_s", "own_latency_s", "straggler_spread",
+                      "overlap_cpu_s", "overlap_fit", "residual_rms_s", "rounds")
+"""The fields of a calibration the record keeps (with the runs it was fitted on)."""
+
+
 def _calibration_record(cal: Any) -> dict[str, Any]:
-    return {"step_time_s": cal.step_time_s, "step_overhead_s": cal.step_overhead_s,
-            "bandwidth_bytes_per_s": cal.bandwidth_bytes_per_s, "latency_s": cal.latency_s,
-            "own_bandwidth_bytes_per_s": cal.own_bandwidth_bytes_per_s,
-            "own_latency_s": cal.own_latency_s, "straggler_spread": cal.straggler_spread,
-            "overlap_cpu_s": cal.overlap_cpu_s, "overlap_fit": cal.overlap_fit,
-            "residual_rms_s": cal.residual_rms_s, "rounds": cal.rounds,
+    return {**{key: getattr(cal, key) for key in CALIBRATION_FIELDS},
             "runs": [s.run_dir for s in cal.samples]}
 
 
-def _table(rows: dict[str, dict[str, Any]]) -> str:
-    out = []
-    for label, e in rows.items():
-        if not e.get("ok"):
-            out.append([label, e["link"], *[None] * 10])
-            continue
-        p, m = e["predicted"], e["measured"]
-        out.append([label, e["link"], p["tokens_per_s"], m["tokens_per_s"], e["tokens_ratio"],
-                    p["utilisation"], m["utilisation"], e["utilisation_diff"],
-                    ms(p["exposed_comm_s"]), ms(m["exposed_comm_s"]),
-                    f"{ms(e['compute_s']['calibrated']):.1f} / "
-                    f"{ms(e['compute_s']['measured']):.1f}",
-                    e["compute_matched"]["tokens_per_s"] / m["tokens_per_s"]
-                    if m["tokens_per_s"] else None])
-    return md_table(["run", "link", "tokens/s predicted", "measured", "ratio",
-                     "utilisation predicted", "measured", "difference",
-                     "exposed comm ms/step predicted", "measured",
-                     "compute ms/step predicted / this run (not used)",
-                     "ratio with this run's compute (diagnostic)"], out)
+def _at(*path: str, then: Callable[[Any], Any] = lambda v: v) -> Callable[[Any], Any]:
+    """A column's cell: the value at ``path`` in a ``(name, entry)`` row's entry, passed
+    through ``then``; empty for a run that failed."""
+    def get(row: tuple[str, dict[str, Any]]) -> Any:
+        value = row[1]
+        if not value.get("ok", True):
+            return None
+        for key in path:
+            value = value[key]
+        return then(value)
+    return get
 
 
-def _cal_table(groups: dict[str, Any]) -> str:
-    """Each group's calibration, as the record keeps it (groups without one left out)."""
-    rows = []
-    for group, entry in groups.items():
-        if "calibration" not in entry:
-            continue
-        cal = entry["calibration"]
-        own = cal["own_bandwidth_bytes_per_s"]
-        rows.append([group, ms(cal["step_time_s"]),
-                     f"{ms(cal['overlap_cpu_s']):.1f} ({cal['overlap_fit']})",
-                     ms(cal["step_overhead_s"]), cal["straggler_spread"],
-                     None if not cal["bandwidth_bytes_per_s"]
-                     else cal["bandwidth_bytes_per_s"] / 1e6,
-                     ms(cal["latency_s"]), None if not own else own / 1e6,
-                     ms(cal["own_latency_s"]), ms(cal["residual_rms_s"]), cal["rounds"]])
-    return md_table(["group", "compute ms/step (no round beside)",
-                     "ms per round beside the compute (fit)", "overhead ms/step",
-                     "straggler spread",
-                     "link MB/s (fit, simulated link included)", "latency ms/collective",
-                     "machine's own per-byte cost as MB/s", "machine's own ms/collective",
-                     "fit rms ms/round", "rounds fitted"], rows)
+def _matched_ratio(e: dict[str, Any]) -> float | None:
+    measured = e["measured"]["tokens_per_s"]
+    return e["compute_matched"]["tokens_per_s"] / measured if measured else None
+
+
+COMPARISON = [
+    ("run", None), ("link", "link"), ("tokens/s predicted", _at("predicted", "tokens_per_s")),
+    ("measured", _at("measured", "tokens_per_s")), ("ratio", _at("tokens_ratio")),
+    ("utilisation predicted", _at("predicted", "utilisation")),
+    ("measured", _at("measured", "utilisation")), ("difference", _at("utilisation_diff")),
+    ("exposed comm ms/step predicted", _at("predicted", "exposed_comm_s", then=ms)),
+    ("measured", _at("measured", "exposed_comm_s", then=ms)),
+    ("compute ms/step predicted / this run (not used)", _at("compute_s", then=lambda c: (
+        f"{ms(c['calibrated']):.1f} / {ms(c['measured']):.1f}"))),
+    ("ratio with this run's compute (diagnostic)", _at(then=_matched_ratio))]
+"""The columns of a table of predicted against measured, one row per run."""
+
+
+def _per_mb(v: float | None) -> float | None:
+    return v / 1e6 if v else None
+
+
+def _fitted(key: str, then: Callable[[Any], Any] = lambda v: v) -> Callable[[Any], Any]:
+    return _at("calibration", key, then=then)
+
+
+CALIBRATION_TABLE = Table("Calibration per group (all of its calibration runs)", [
+    ("group", None), ("compute ms/step (no round beside)", _fitted("step_time_s", ms)),
+    ("ms per round beside the compute (fit)", _at("calibration", then=lambda c: (
+        f"{ms(c['overlap_cpu_s']):.1f} ({c['overlap_fit']})"))),
+    ("overhead ms/step", _fitted("step_overhead_s", ms)),
+    ("straggler spread", _fitted("straggler_spread")),
+    ("link MB/s (fit, simulated link included)", _fitted("bandwidth_bytes_per_s", _per_mb)),
+    ("latency ms/collective", _fitted("latency_s", ms)),
+    ("machine's own per-byte cost as MB/s", _fitted("own_bandwidth_bytes_per_s", _per_mb)),
+    ("machine's own ms/collective", _fitted("own_latency_s", ms)),
+    ("fit rms ms/round", _fitted("residual_rms_s", ms)), ("rounds fitted", _fitted("rounds"))],
+    # groups without a calibration (none of their calibration runs finished) left out
+    rows=lambda ctx: [(g, e) for g, e in ctx.results["groups"].items() if "calibration" in e])
 
 
 def _judge(rows: dict[str, dict[str, Any]]) -> tuple[list[dict[str, Any]], list[str], list[str]]:
+    """Targets (medians over the held-out runs), findings and headline."""
     ok = {k: e for k, e in rows.items() if e.get("ok") and e.get("tokens_ratio")}
     errs = [abs(e["tokens_ratio"] - 1) for e in ok.values()]
     udiff = [abs(e["utilisation_diff"]) for e in ok.values()
              if e.get("utilisation_diff") is not None]
-    med_t = statistics.median(errs) if errs else None
-    med_u = statistics.median(udiff) if udiff else None
-    aims, said = TEXT["targets"], TEXT["findings"]
-    targets = [
-        {"name": aims["tokens"], "met": None if med_t is None else med_t <= 0.10,
-         "detail": fill(aims["tokens_detail"], med=cell(med_t), n=len(errs),
-                        worst=cell(max(errs) if errs else None))},
-        {"name": aims["utilisation"], "met": None if med_u is None else med_u <= 0.05,
-         "detail": fill(aims["utilisation_detail"], med=cell(med_u),
-                        worst=cell(max(udiff) if udiff else None))},
-    ]
+    aims, said, targets = TEXT["targets"], TEXT["findings"], []
+    for aim, errors, limit in (("tokens", errs, 0.10), ("utilisation", udiff, 0.05)):
+        med = statistics.median(errors) if errors else None
+        targets.append({"name": aims[aim], "met": None if med is None else med <= limit,
+                        "detail": fill(aims[f"{aim}_detail"], med=cell(med), n=len(errors),
+                                       worst=cell(max(errors) if errors else None))})
     findings = [fill(said["run"], k=k, e=e, predicted=cell(ms(e["predicted"]["exposed_comm_s"])),
                      measured=cell(ms(e["measured"]["exposed_comm_s"])))
                 for k, e in ok.items() if e["measured"]["utilisation"] is not None]
-    matched = [abs(e["compute_matched"]["tokens_per_s"] / e["measured"]["tokens_per_s"] - 1)
-               for e in ok.values() if e.get("compute_matched")]
+    matched = [abs(_matched_ratio(e) - 1) for e in ok.values() if e.get("compute_matched")]
     if matched:
         drift = [abs(e["compute_s"]["measured"] / e["compute_s"]["calibrated"] - 1)
                  for e in ok.values() if e.get("compute_s")]
@@ -377,9 +376,15 @@ def _judge(rows: dict[str, dict[str, Any]]) -> tuple[list[dict[str, Any]], list[
     if bad:
         findings.append(fill(said["off"], runs=", ".join(
             f"{k} ({ok[k]['tokens_ratio']:.3f}x)" for k in bad)))
-    headline = ([fill(TEXT["headline"], med_t=med_t, n=len(errs), worst=max(errs),
-                      med_u=cell(med_u), worst_u=cell(max(udiff)))] if errs and udiff else [])
+    headline = [fill(TEXT["headline"], med_t=statistics.median(errs), n=len(errs),
+                     worst=max(errs), med_u=cell(statistics.median(udiff)),
+                     worst_u=cell(max(udiff)))] if errs and udiff else []
     return targets, findings, headline
+
+
+def _verdict(ctx: Ctx) -> Verdict:
+    targets, findings, headline = _judge(ctx.results["held_out"])
+    return Verdict(targets=targets, findings=findings, headline=headline)
 
 
 def _plot(ctx: Ctx):
@@ -403,20 +408,19 @@ def _plot(ctx: Ctx):
 
 SCENARIO = Scenario(
     name="plan",
-    description=TEXT["description"],
-    setup=_setup, runs=_runs, measure=_results, judge=_verdict, notes=_notes,
-    plots=[_plot],
+    description=DESCRIPTION,
+    setup=_setup, runs=_runs, measure=_results, judge=_verdict, plots=[_plot],
+    notes=lambda ctx: fill(TEXT["notes"], ctx=ctx, preset=TEXT[
+        "preset_full" if ctx.bench.mode == "full" else "preset_small"]),
     checks=lambda ctx: [(_layers(ctx, {**sync, "local_sgd_sync_time": 1.0}
                                  if sync["method"] == "aedit" else sync, link, sim), None)
                         for seq in ctx.groups.values() for _, _, (sync, link, sim) in seq],
     planned=lambda ctx: sum(len(seq) for seq in ctx.groups.values()),
-    tables=[
-        lambda ctx: ("Predicted against measured, held-out settings",
-                     _table(ctx.results["held_out"])),
-        lambda ctx: ("Predicted against measured, the calibration runs themselves",
-                     _table(ctx.results["in_sample"])),
-        lambda ctx: ("Calibration per group (all of its calibration runs)",
-                     _cal_table(ctx.results["groups"]))],
+    tables=[Table("Predicted against measured, held-out settings", COMPARISON,
+                  rows=lambda ctx: ctx.results["held_out"].items()),
+            Table("Predicted against measured, the calibration runs themselves", COMPARISON,
+                  rows=lambda ctx: ctx.results["in_sample"].items()),
+            CALIBRATION_TABLE],
     settings=lambda ctx: {"sync_interval": ctx.interval, "steps": ctx.steps,
                           "sync_steps": ctx.sync_steps, "skip": ctx.skip,
                           "groups": {g: [f"{k} {label}" for k, label, _ in seq]
