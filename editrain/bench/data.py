@@ -43,7 +43,6 @@ from editrain.bench.runner import Bench
 from editrain.bench.scenario import WRITE, Ctx, Job, Scenario, Table, Verdict
 from editrain.bench.tables import fmt_bytes
 
-NAME = "data"
 TEXT = prose("data")
 DESCRIPTION = TEXT["description"]
 SPEED_TARGET = 1.5
@@ -222,6 +221,12 @@ print(sum(int(o) for o in outs))
 """
 
 
+def _measured(r: dict[str, Any], tokens: int, **more: Any) -> dict[str, Any]:
+    """A measure that succeeded: its ``tokens`` and what :func:`run_measured` timed."""
+    return {"ok": True, "tokens": tokens, "seconds": r["seconds"], "peak_rss": r["peak_rss"],
+            "tokens_per_s": tokens / r["seconds"], "cpu_seconds": r["cpu_seconds"], **more}
+
+
 def measure_limit(tokenizer: Path, corpus: Path, workers: int) -> dict[str, Any]:
     """The tokenizer's own speed over the corpus: ``workers`` single-threaded processes."""
     env = dict(os.environ, RAYON_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
@@ -229,10 +234,7 @@ def measure_limit(tokenizer: Path, corpus: Path, workers: int) -> dict[str, Any]
                       str(workers), _WORKER], env=env)
     if r["returncode"] != 0:
         return {"ok": False, "error": r["stderr"]}
-    tokens = int(r["stdout"].strip())
-    return {"ok": True, "tokens": tokens, "seconds": r["seconds"], "peak_rss": r["peak_rss"],
-            "tokens_per_s": tokens / r["seconds"], "workers": workers,
-            "cpu_seconds": r["cpu_seconds"]}
+    return _measured(r, int(r["stdout"].strip()), workers=workers)
 
 
 def fastest(runs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -267,11 +269,9 @@ def measure_build(corpus: Path, cache: Path, tokenizer: Path | None) -> dict[str
         shutil.rmtree(cache, ignore_errors=True)
     if info is None:
         return {"ok": False, "error": r["stderr"]}
-    tokens = info["train"]["tokens"] + info["val"]["tokens"]
-    return {"ok": True, "tokens": tokens, "seconds": r["seconds"], "peak_rss": r["peak_rss"],
-            "tokens_per_s": tokens / r["seconds"], "documents": info["documents"],
-            "build_seconds": build_s, "cpu_seconds": r["cpu_seconds"],
-            "train_tokens": info["train"]["tokens"], "val_tokens": info["val"]["tokens"]}
+    train, val = info["train"]["tokens"], info["val"]["tokens"]
+    return _measured(r, train + val, documents=info["documents"], build_seconds=build_s,
+                     train_tokens=train, val_tokens=val)
 
 
 def _seed_tokenizer(corpus: Path, out: Path) -> Path:
@@ -339,17 +339,15 @@ def _point(nbytes: int, rounds: dict[str, list[dict[str, Any]]]) -> dict[str, An
     point = {"bytes": nbytes, **{key: fastest(runs) for key, runs in rounds.items()},
              "rounds": ROUNDS, "load_average": os.getloadavg()}
     limit = point["limit"]
-    for key in ("given_tokenizer", "bpe"):
-        if limit["ok"] and point[key]["ok"]:
-            # Seconds the limit needs for the build's tokens.
-            at_limit = point[key]["tokens"] / limit["tokens_per_s"]
-            point[key]["time_vs_limit"] = point[key]["seconds"] / at_limit
-            point[key]["build_vs_limit"] = point[key]["build_seconds"] / at_limit
+    for build in (point["given_tokenizer"], point["bpe"]):
+        if limit["ok"] and build["ok"]:
+            at_limit = build["tokens"] / limit["tokens_per_s"]  # the limit's seconds for them
+            build["time_vs_limit"] = build["seconds"] / at_limit
+            build["build_vs_limit"] = build["build_seconds"] / at_limit
             # CPU seconds per token against the limit's: what the build costs beyond
             # encoding, whatever else ran on the machine meanwhile.
-            point[key]["cpu_vs_limit"] = (
-                point[key]["cpu_seconds"] / point[key]["tokens"]
-                / (limit["cpu_seconds"] / limit["tokens"]))
+            build["cpu_vs_limit"] = (build["cpu_seconds"] / build["tokens"]
+                                     / (limit["cpu_seconds"] / limit["tokens"]))
     return point
 
 
@@ -424,13 +422,8 @@ def _verdict(ctx: Ctx) -> Verdict:
     names = (("limit", "limit"), ("given", "given_tokenizer"), ("bpe", "bpe"))
     for p in points:
         verdict.findings.append(fill(TEXT["finding"], megabytes=p["bytes"] / 1e6, **{
-            k: p[key].get("seconds", float("nan")) for k, key in names}))
-        if p.get("rounds"):  # records since every measure has its rounds
-            verdict.findings[-1] += fill(TEXT["rounds"], **{
-                k: _round_times(p[key], p["rounds"]) for k, key in names})
-        elif "runs_seconds" in p["limit"]:  # records with the limit measured twice
-            verdict.findings[-1] += fill(TEXT["limit_runs"], runs=" and ".join(
-                "failed" if t is None else f"{t:.1f} s" for t in p["limit"]["runs_seconds"]))
+            k: p[key].get("seconds", float("nan")) for k, key in names}) + fill(
+            TEXT["rounds"], **{k: _round_times(p[key], p["rounds"]) for k, key in names}))
     return verdict
 
 
@@ -443,7 +436,7 @@ def _notes(ctx: Ctx) -> list[str]:
 
 
 SCENARIO = Scenario(
-    name=NAME, description=DESCRIPTION, setup=_setup, runs=_runs,
+    name="data", description=DESCRIPTION, setup=_setup, runs=_runs,
     measure=lambda ctx: {"points": ctx.points, "workers": ctx.workers},
     tables=[TABLE], judge=_verdict, notes=_notes,
     settings=lambda ctx: {"sizes": [p["bytes"] for p in ctx.points], "workers": ctx.workers,
