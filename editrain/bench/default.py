@@ -54,25 +54,28 @@ def _results(ctx: Ctx) -> dict[str, Any]:
 
 def _run_result(r: Any) -> dict[str, Any]:
     """One run's losses, sizes and times."""
-    result: dict[str, Any] = {
-        "ok": r.ok,
-        "error": r.error,
-        "initial_val_loss": r.initial_val_loss,
-        "final_val_loss": r.final_val_loss,
-        "val_tokens": r.summary.get("val_tokens"),
-        "initial_val_tokens": r.evals[0].get("val_tokens") if r.evals else None,
-        "tokens": r.summary.get("tokens"),
-        "steps": r.summary.get("steps"),
-        "wall_time_s": r.summary.get("wall_time_s"),
-        "train_time_s": r.summary.get("train_time_s"),
-        "launch_s": r.launch_s,
-        "eval_time_s": sum(e.get("eval_time_s") or 0.0 for e in r.evals),
-        "evaluations": len(r.evals),
-    }
-    train_s = result["train_time_s"]
-    result["tokens_per_s"] = (result["tokens"] / train_s if result["tokens"] and train_s
-                              else None)
-    return result
+    tokens, train_s = r.summary.get("tokens"), r.summary.get("train_time_s")
+    return {"ok": r.ok, "error": r.error, "initial_val_loss": r.initial_val_loss,
+            "final_val_loss": r.final_val_loss, "val_tokens": r.summary.get("val_tokens"),
+            "initial_val_tokens": r.evals[0].get("val_tokens") if r.evals else None,
+            "tokens": tokens, "steps": r.summary.get("steps"),
+            "wall_time_s": r.summary.get("wall_time_s"), "train_time_s": train_s,
+            "launch_s": r.launch_s,
+            "eval_time_s": sum(e.get("eval_time_s") or 0.0 for e in r.evals),
+            "evaluations": len(r.evals),
+            "tokens_per_s": tokens / train_s if tokens and train_s else None}
+
+
+def _split_facts(r: Any) -> dict[str, Any]:
+    """The split of the run's corpus, read back from its token cache (no tokenising)."""
+    from editrain.config import load_config
+    from editrain.corpus import describe_data, prepare_data
+
+    cfg = load_config(r.run_dir / "config.toml")
+    info = describe_data(prepare_data(cfg))
+    return {k: info[k] for k in ("documents", "split", "val_train_overlap", "overlap_window",
+                                 "tokenizer_trained_on")} | {
+        "train_tokens": info["train"]["tokens"], "val_tokens": info["val"]["tokens"]}
 
 
 def _headline(ctx: Ctx) -> Verdict:
@@ -109,15 +112,3 @@ SCENARIO = Scenario(
     methods=lambda ctx: ["edit", "sync"],
     notes=lambda ctx: fill(TEXT["notes"], cfg=Config()),
 )
-
-
-def _split_facts(r: Any) -> dict[str, Any]:
-    """The split of the run's corpus, read back from its token cache (no tokenising)."""
-    from editrain.config import load_config
-    from editrain.corpus import describe_data, prepare_data
-
-    cfg = load_config(r.run_dir / "config.toml")
-    info = describe_data(prepare_data(cfg))
-    return {k: info[k] for k in ("documents", "split", "val_train_overlap", "overlap_window",
-                                 "tokenizer_trained_on")} | {
-        "train_tokens": info["train"]["tokens"], "val_tokens": info["val"]["tokens"]}
