@@ -878,6 +878,21 @@ def test_bench_plan_judges_the_median_over_held_out_settings():
     assert [t["met"] for t in targets] == [False, False]
 
 
+def test_bench_plan_tables_keep_a_failed_run_and_leave_out_a_group_without_calibration():
+    """A run that failed keeps its row (its name and link, every number n/a); a group none
+    of whose calibration runs finished has no row in the calibration table. (The golden
+    record, tests/test_bench_declared.py, has neither: its made-up runs all finish.)"""
+    from editrain.bench.plan import SCENARIO
+    from editrain.bench.scenario import Ctx
+
+    failed = {"ok": False, "error": "boom", "link": "1MB/s+5ms"}
+    ctx = Ctx(results={"held_out": {"x": failed}, "in_sample": {},
+                       "groups": {"link": {"error": "no calibration run finished"}}})
+    held, in_sample, calibration = (table.render(ctx)[1] for table in SCENARIO.tables)
+    assert held.splitlines()[2] == "| x | 1MB/s+5ms |" + " n/a |" * 10
+    assert len(in_sample.splitlines()) == len(calibration.splitlines()) == 2  # no rows
+
+
 def test_bench_plan_utilisation_covers_the_throughput_window(tmp_path):
     from editrain.bench.plan import _window_utilisation
     from editrain.bench.runs import Run
