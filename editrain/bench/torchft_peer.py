@@ -2,53 +2,34 @@
 
 ``python -m editrain.bench.torchft_peer --spec SPEC.json`` trains replica ``replica`` of
 ``replicas`` in one process, in one training loop written once for both systems:
+``system = "torchft"`` (the default) wraps the inner optimizer in
+``torchft.local_sgd.DiLoCo`` around a ``torchft.Manager`` (gloo) joined to the lighthouse,
+the process set up as editrain's workers are (``editrain.malloc.keep_freed_memory``);
+``system = "library"`` runs editrain's ``diloco`` as a library user does:
+``editrain.init_mesh(shard_size=1)`` (from the ``torchrun`` variables),
+``editrain.parallelize``, ``editrain.edit``, ``engine.after_backward()``, ``engine.step()``.
+Everything else is what an ``editrain train`` run of ``diloco`` takes from the same
+options: the model, token cache, the replica's stream, inner optimizer and schedule,
+clipping, H and outer optimizer, ``threads`` intra-op threads; the validation loss is
+computed over editrain's windows (``editrain.data.eval_batches``) at the start and the end.
+It writes ``ranks/rank{R}.jsonl`` and ``replica{R}.json``, and on replica 0
+``metrics.jsonl`` and ``summary.json``, as the bench reads them from an editrain run.
 
-- ``system = "torchft"`` (the default): ``torchft.local_sgd.DiLoCo`` around a
-  ``torchft.Manager`` (gloo through ``torchft.process_group.ProcessGroupGloo``), joined to
-  the lighthouse at ``lighthouse``; the process is set up as editrain's workers are
-  (``editrain.malloc.keep_freed_memory``).
-- ``system = "library"``: editrain's ``diloco`` as a library user runs it:
-  ``editrain.init_mesh(shard_size=1)`` (from the ``torchrun`` variables ``RANK``,
-  ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``), ``editrain.parallelize``,
-  ``editrain.edit``, ``engine.after_backward()`` and ``engine.step()`` in this loop.
+SPEC.json holds ``options`` (nested training options), ``system``, ``replica``,
+``replicas``, ``lighthouse`` (torchft only), ``run_dir``, ``threads`` and ``timeout_s``
+(the collective and quorum timeout); torchft only, optional: streaming DiLoCo's
+``fragments``, ``fragment_sync_delay`` and ``fragment_update_alpha`` (see
+:func:`check_streaming`), and ``address``, where the others reach this replica's store and
+manager (default ``localhost``). The fragments are editrain's sync units strided as
+``sync.fragments`` strides them, one outer optimizer each, as editrain keeps one per unit.
 
-Everything else is editrain's, taken from the same configuration an ``editrain train`` run
-of ``diloco`` would use: the ``Llama`` of the preset and seed, the token cache, the
-replica's ``SequenceStream`` (rank = replica, world = replicas, the same seed), the inner
-optimizer and learning-rate schedule, gradient clipping, H
-(``sync.local_sgd_sync_interval``) and the outer optimizer of ``sync.resolve()``, with
-``threads`` intra-op threads. The validation loss is computed over the same windows as
-editrain's trainer (``editrain.data.eval_batches``), at the start and at the end.
-
-The run directory gets what the bench reads from an editrain run: ``ranks/rank{R}.jsonl``
-(every replica), and from replica 0 ``metrics.jsonl`` and ``summary.json``; each replica
-also writes ``replica{R}.json`` with its own final numbers.
-
-SPEC.json holds ``options`` (nested training options, as for ``load_config``),
-``system``, ``replica``, ``replicas``, ``lighthouse`` (address; torchft only),
-``run_dir``, ``threads`` and ``timeout_s`` (the collective and quorum timeout). torchft
-only, optional: ``fragments`` (streaming DiLoCo's fragments, default 1: plain DiLoCo),
-``fragment_sync_delay`` and ``fragment_update_alpha`` (default 0; see
-:func:`check_streaming`), and ``address``, the address at which the other replicas and
-the lighthouse reach this replica's store and manager (default ``localhost``: every
-replica on one host).
-
-Streaming DiLoCo's fragments are editrain's sync units (the root's parameters, every
-block; ``sync.split_root`` as configured), fragment ``f`` holding every ``F``-th unit from
-``f`` as editrain's ``sync.fragments`` does, each fragment with its own outer optimizer
-(as each of editrain's units has). torchft syncs one fragment every ``H / F`` steps, the
-fragment's all-reduce launched ``fragment_sync_delay`` steps before it is waited on.
-
-Without ``--spec`` the worker takes its spec from the command line (what
-``scripts/real_link.sh`` runs in each network namespace), the training options after
-``--`` as ``editrain train`` takes them::
+Without ``--spec`` the spec comes from the command line (``scripts/real_link.sh``), the
+training options after ``--``; ``--serve-lighthouse HOST:PORT --replicas N`` runs a
+lighthouse until it is killed::
 
     python -m editrain.bench.torchft_peer --replica 0 --replicas 2 \
         --lighthouse http://10.77.0.1:29556 --address 10.77.0.1 --run-dir DIR \
         --fragments 2 --delay 1 -- --method edit --steps 60 ...
-
-and ``--serve-lighthouse HOST:PORT --replicas N`` runs a lighthouse that serves there
-until it is killed.
 """
 
 from __future__ import annotations
@@ -67,19 +48,16 @@ import torch
 
 from editrain.metrics import MetricsWriter, RankLog, to_json
 
+SYSTEMS = {"torchft": "torchft-diloco", "library": "diloco-library"}
+"""The worker's ``system`` values and the method name its summary records."""
+STREAMING_KEYS = ("fragments", "fragment_sync_delay", "fragment_update_alpha")
+"""The spec's streaming DiLoCo options (torchft only)."""
+
 
 @torch.no_grad()
 def evaluate(model: torch.nn.Module, batches: list[Any]) -> dict[str, float]:
-    """Validation loss over ``batches`` (``EvalBatch`` list), weighted by targets, as
-    editrain's trainer computes it.
-
-    Args:
-        model: the model.
-        batches: the evaluation batches of ``editrain.data.eval_batches``.
-
-    Returns:
-        ``val_loss``, ``val_tokens`` and ``eval_time_s``.
-    """
+    """``val_loss`` (weighted by targets, as editrain's trainer computes it), ``val_tokens``
+    and ``eval_time_s`` over ``batches`` (``editrain.data.eval_batches``)."""
     from editrain.models import causal_lm_loss
 
     t0 = time.perf_counter()
@@ -87,8 +65,7 @@ def evaluate(model: torch.nn.Module, batches: list[Any]) -> dict[str, float]:
     total = torch.zeros(2, dtype=torch.float64)
     for batch in batches:
         x = batch.tokens
-        loss = causal_lm_loss(model(x[:, :-1]), x[:, 1:])
-        total[0] += loss.double() * batch.targets
+        total[0] += causal_lm_loss(model(x[:, :-1]), x[:, 1:]).double() * batch.targets
         total[1] += batch.targets
     model.train()
     return {"val_loss": float(total[0] / total[1]), "val_tokens": int(total[1]),
@@ -96,19 +73,10 @@ def evaluate(model: torch.nn.Module, batches: list[Any]) -> dict[str, float]:
 
 
 def check_streaming(spec: dict[str, Any], h: int) -> tuple[int, int, float]:
-    """The spec's streaming options, checked against H before any work.
-
-    torchft syncs one fragment every ``H / F`` steps, so ``F`` must divide H, and a
-    fragment's all-reduce must land before that fragment's next one: the delay is below
-    ``H / F``.
-
-    Args:
-        spec: the worker's spec (``fragments``, ``fragment_sync_delay``,
-            ``fragment_update_alpha``; absent: 1, 0, 0.0).
-        h: ``sync.local_sgd_sync_interval``.
-
-    Returns:
-        ``(fragments, fragment_sync_delay, fragment_update_alpha)``.
+    """The spec's ``(fragments, fragment_sync_delay, fragment_update_alpha)`` (absent: 1,
+    0, 0.0), checked against H before any work: torchft syncs one fragment every ``H / F``
+    steps, so ``F`` divides H, and a fragment's all-reduce must land before that
+    fragment's next one, so the delay is below ``H / F``.
 
     Raises:
         ValueError: one line naming the field and what is allowed.
@@ -129,18 +97,11 @@ def check_streaming(spec: dict[str, Any], h: int) -> tuple[int, int, float]:
 
 def model_fragments(model: torch.nn.Module, fragments: int,
                     split_root: bool) -> list[torch.nn.Module]:
-    """The model's parameters as ``fragments`` modules for torchft, matching editrain's
-    ``sync.fragments``: editrain's sync units (the root's parameters, then every unit
-    module in order), fragment ``f`` holding every ``fragments``-th unit from ``f``.
-
-    Args:
-        model: editrain's ``Llama`` (``blocks()`` gives its transformer blocks).
-        fragments: the number of fragments (1: the model itself).
-        split_root: ``sync.split_root`` (embeddings and output head as units of their own).
-
-    Returns:
-        One module per fragment; its parameters are the model's own (shared, not copied).
-    """
+    """The model's own parameters (shared, not copied) as ``fragments`` modules for
+    torchft, as editrain's ``sync.fragments`` groups them: editrain's sync units (the
+    root's parameters, then every unit module in order; ``split_root`` as
+    ``sync.split_root``), fragment ``f`` holding every ``fragments``-th unit from ``f``.
+    One fragment is the model itself."""
     from editrain.sync.setup import find_root_params, unit_modules
 
     if fragments == 1:
@@ -164,11 +125,37 @@ def model_fragments(model: torch.nn.Module, fragments: int,
     return out
 
 
-class _Torchft:
-    """torchft's DiLoCo around the inner optimizer: a ``Manager`` joined to the lighthouse;
-    ``inner.step()`` also syncs (quorum, all-reduce, outer step): the whole model every H
-    steps, or with streaming fragments one fragment every ``H / F`` steps, its all-reduce
-    started ``fragment_sync_delay`` steps ahead."""
+class _Peer:
+    """What the loop calls on either system: ``after_backward()`` after the backward,
+    ``step()`` for the inner step, inside which a sync runs every ``sync_every`` steps,
+    ``syncs()``, ``finish()`` after the last step and ``close()``."""
+
+    inner: torch.optim.Optimizer
+    sync_every: int
+
+    def __enter__(self) -> _Peer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        pass
+
+    def after_backward(self) -> None:
+        pass
+
+    def step(self) -> None:
+        self.inner.step()
+
+    def finish(self) -> None:
+        pass
+
+
+class _Torchft(_Peer):
+    """torchft's DiLoCo around the inner optimizer, a ``Manager`` joined to the lighthouse:
+    DiLoCo's post-step hook syncs (quorum, all-reduce, outer step) inside ``inner.step()``,
+    the whole model every H steps, or with streaming fragments one fragment every ``H / F``
+    steps, its all-reduce started ``fragment_sync_delay`` steps ahead. Nothing happens
+    between syncs, nor after the run: it ends on a sync (steps are a multiple of H; with
+    fragments, on the last fragment's, the others' H / F steps and more before)."""
 
     def __init__(self, spec: dict[str, Any], model: torch.nn.Module,
                  inner: torch.optim.Optimizer, sync: Any) -> None:
@@ -176,16 +163,13 @@ class _Torchft:
         from editrain.sync.outer import resolve_optimizer_class
 
         torchft = import_torchft()
-        Manager, ProcessGroupGloo = torchft.Manager, torchft.ProcessGroupGloo
         DiLoCo = import_torchft("torchft.local_sgd").DiLoCo
-
         h = sync.local_sgd_sync_interval
         fragments, delay, alpha = check_streaming(spec, h)
         self.sync_every = h // fragments
         timeout = timedelta(seconds=float(spec["timeout_s"]))
         outer_cls = resolve_optimizer_class(sync.outer_optim_class)
         parts = model_fragments(model, fragments, sync.split_root)
-        # One outer optimizer per fragment, as editrain keeps one per unit.
         outers = [outer_cls(part.parameters(), **(sync.outer_optim_kwargs or {}))
                   for part in parts]
         address = str(spec.get("address") or "localhost")
@@ -193,8 +177,8 @@ class _Torchft:
         # (it listens on every interface; ``address`` is where the others reach it).
         self.store = store = torch.distributed.TCPStore(address, 0, is_master=True,
                                                         wait_for_workers=False)
-        self.manager = Manager(
-            pg=ProcessGroupGloo(timeout=timeout),
+        self.manager = torchft.Manager(
+            pg=torchft.ProcessGroupGloo(timeout=timeout),
             load_state_dict=lambda sd: model.load_state_dict(sd["model"]),
             state_dict=lambda: {"model": model.state_dict()},
             min_replica_size=int(spec["replicas"]), use_async_quorum=False, init_sync=False,
@@ -216,30 +200,18 @@ class _Torchft:
     def __exit__(self, *exc: object) -> None:
         self.diloco.__exit__(*exc)
 
-    def after_backward(self) -> None:
-        """Nothing: torchft's DiLoCo has no gradient work between syncs."""
-
-    def step(self) -> None:
-        """The inner step; DiLoCo's post-step hook syncs every H steps, inside it."""
-        self.inner.step()
-
     def syncs(self) -> int:
-        """Committed syncs so far."""
         return int(self.manager.current_step())
 
-    def finish(self) -> None:
-        """Nothing: the run ends on a sync (steps are a multiple of H; with fragments, the
-        last fragment's, the others' H / F steps and more before)."""
-
     def close(self) -> None:
-        """Leave the quorum."""
         self.manager.shutdown(wait=False)
 
 
-class _Library:
-    """editrain's ``diloco`` through its public API in this loop (``editrain.edit``), as a
-    library user writes it: ``engine.after_backward()`` after the backward and
-    ``engine.step()`` after the inner step, which syncs every H steps."""
+class _Library(_Peer):
+    """editrain's ``diloco`` through its public API (``editrain.edit``), as a library user
+    writes it: ``engine.after_backward()``, then ``engine.step()`` after the inner step
+    (a sync every H steps); ``engine.finish()`` at the end puts every replica on the
+    global model (nothing to do after a sync)."""
 
     def __init__(self, model: torch.nn.Module, info: Any, inner: torch.optim.Optimizer,
                  sync: Any) -> None:
@@ -249,39 +221,22 @@ class _Library:
         self.engine = edit(model, info, sync)
         self.sync_every = int(sync.resolve().local_sgd_sync_interval)
 
-    def __enter__(self) -> _Library:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        pass
-
     def after_backward(self) -> None:
-        """The engine's gradient work (none in the local phase)."""
         self.engine.after_backward()
 
     def step(self) -> None:
-        """The inner step, then the engine's (a sync every H steps)."""
         self.inner.step()
         self.engine.step()
 
     def syncs(self) -> int:
-        """Syncs so far."""
         return int(self.engine.num_syncs)
 
     def finish(self) -> None:
-        """Every replica on the global model (nothing to do after a sync)."""
         self.engine.finish(force=True)
 
     def close(self) -> None:
-        """The engine's thread and hooks, then the process group."""
         self.engine.close()
         torch.distributed.destroy_process_group()
-
-
-SYSTEMS = {"torchft": "torchft-diloco", "library": "diloco-library"}
-"""The worker's ``system`` values and the method name its summary records."""
-STREAMING_KEYS = ("fragments", "fragment_sync_delay", "fragment_update_alpha")
-"""The spec's streaming DiLoCo options (torchft only)."""
 
 
 def method_name(system: str, streaming: dict[str, Any]) -> str:
@@ -293,16 +248,21 @@ def method_name(system: str, streaming: dict[str, Any]) -> str:
     return SYSTEMS[system]
 
 
+def _checked_streaming(spec: dict[str, Any], system: str, h: int) -> dict[str, Any]:
+    """The streaming options the summary records: torchft's, checked and completed; the
+    library's system takes none."""
+    streaming = {k: spec[k] for k in STREAMING_KEYS if k in spec}
+    if system == "torchft":
+        return dict(zip(STREAMING_KEYS, check_streaming(spec, h), strict=True))
+    if streaming:
+        raise ValueError(f"{', '.join(streaming)}: torchft's streaming DiLoCo options; "
+                         f"system {system!r} takes none")
+    return streaming
+
+
 def train_replica(spec: dict[str, Any]) -> dict[str, Any]:
-    """Train one replica group, with torchft's DiLoCo or editrain's public API, and write
-    its logs.
-
-    Args:
-        spec: see the module docstring.
-
-    Returns:
-        This replica's result (also written to ``replica{R}.json``).
-    """
+    """Train one replica group with the spec's system (see the module docstring), write
+    its logs and return its result (also written to ``replica{R}.json``)."""
     import editrain
     from editrain.config import load_config, model_config
     from editrain.corpus import prepare_data
@@ -323,14 +283,7 @@ def train_replica(spec: dict[str, Any]) -> dict[str, Any]:
     if t.steps % sync.local_sgd_sync_interval:
         raise ValueError(f"train.steps ({t.steps}) must be a multiple of H "
                          f"({sync.local_sgd_sync_interval}) so that the run ends on a sync")
-    streaming = {k: spec[k] for k in STREAMING_KEYS if k in spec}
-    if system == "torchft":
-        fragments, delay, alpha = check_streaming(spec, sync.local_sgd_sync_interval)
-        streaming = {"fragments": fragments, "fragment_sync_delay": delay,
-                     "fragment_update_alpha": alpha}
-    elif streaming:
-        raise ValueError(f"{', '.join(streaming)}: torchft's streaming DiLoCo options; "
-                         f"system {system!r} takes none")
+    streaming = _checked_streaming(spec, system, sync.local_sgd_sync_interval)
     info = None
     if system == "library":
         # What a user's process does first; it also sets malloc up (keep_freed_memory).
@@ -351,23 +304,24 @@ def train_replica(spec: dict[str, Any]) -> dict[str, Any]:
             else _Torchft(spec, model, inner, sync))
     rank_log = RankLog(run_dir, replica)
     metrics = MetricsWriter(run_dir, enabled=replica == 0, trackers=[])  # replica 0 logs
-    per_step = t.batch_size * t.seq_len * t.gradient_accumulation_steps
+    accumulate = t.gradient_accumulation_steps
+    per_step = t.batch_size * t.seq_len * accumulate
     initial = evaluate(model, val)
     metrics.write({"step": 0, "tokens": 0, **initial, "wall_time_s": 0.0})
     start = time.perf_counter()
     try:
         with peer:
-            for step in range(t.steps):
+            for step in range(1, t.steps + 1):
                 t0 = time.perf_counter()
                 for group in inner.param_groups:
-                    group["lr"] = lr_at(step, cfg)
+                    group["lr"] = lr_at(step - 1, cfg)
                 total = 0.0
                 inner.zero_grad(set_to_none=True)
-                for _ in range(t.gradient_accumulation_steps):
+                for _ in range(accumulate):
                     x = stream.next_batch(t.batch_size)
                     loss = causal_lm_loss(model(x[:, :-1]), x[:, 1:])
-                    (loss / t.gradient_accumulation_steps).backward()
-                    total += float(loss) / t.gradient_accumulation_steps
+                    (loss / accumulate).backward()
+                    total += float(loss) / accumulate
                 peer.after_backward()
                 if t.grad_clip > 0:
                     torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip)
@@ -375,23 +329,20 @@ def train_replica(spec: dict[str, Any]) -> dict[str, Any]:
                 t1 = time.perf_counter()
                 peer.step()  # every H steps the sync runs inside this call
                 opt_s = time.perf_counter() - t1
-                synced = (step + 1) % peer.sync_every == 0
+                synced = step % peer.sync_every == 0
                 step_time = time.perf_counter() - t0
                 sync_s = opt_s if synced else 0.0
-                wall = time.perf_counter() - start
-                rank_log.write({"rank": replica, "replica": replica, "shard": 0,
-                                "step": step + 1, "tokens": (step + 1) * per_step,
-                                "wall_time_s": wall, "step_time_s": step_time,
-                                "compute_s": step_time - sync_s, "sync_wait_s": sync_s,
+                times = {"wall_time_s": time.perf_counter() - start, "step_time_s": step_time,
+                         "compute_s": step_time - sync_s}
+                rank_log.write({"rank": replica, "replica": replica, "shard": 0, "step": step,
+                                "tokens": step * per_step, **times, "sync_wait_s": sync_s,
                                 "grad_sync_s": 0.0})
-                row: dict[str, Any] = {
-                    "step": step + 1, "tokens": (step + 1) * per_step * replicas,
-                    "loss": total, "lr": lr_at(step, cfg), "wall_time_s": wall,
-                    "step_time_s": step_time, "compute_s": step_time - sync_s}
+                row: dict[str, Any] = {"step": step, "tokens": step * per_step * replicas,
+                                       "loss": total, "lr": lr_at(step - 1, cfg), **times}
                 if synced:
                     # Blocking: (quorum,) all-reduce of the pseudo-gradients, outer step.
-                    row["sync"] = {"step": step + 1, "sync": syncs_before,
-                                   "wait_s": sync_s, "sync_time_s": sync_s,
+                    row["sync"] = {"step": step, "sync": syncs_before, "wait_s": sync_s,
+                                   "sync_time_s": sync_s,
                                    "committed": peer.syncs() > syncs_before}
                 metrics.write(row)
         train_s = time.perf_counter() - start
@@ -418,21 +369,12 @@ def train_replica(spec: dict[str, Any]) -> dict[str, Any]:
 
 
 def spec_from_args(args: argparse.Namespace, train_options: list[str]) -> dict[str, Any]:
-    """The worker's spec from its command line (see the module docstring).
-
-    Args:
-        args: the parsed ``--replica``, ``--replicas``, ``--lighthouse``, ``--address``,
-            ``--run-dir``, ``--fragments``, ``--delay``, ``--alpha``, ``--threads`` and
-            ``--timeout-s``.
-        train_options: ``editrain train``'s options (``--train.steps 60 ...``).
-
-    Returns:
-        The spec; ``threads`` defaults to what an editrain worker alone on this machine
-        takes (``editrain.spawn.worker_threads``).
+    """The worker's spec from its command line (see :func:`main`), every option checked
+    before any work; ``threads`` defaults to what an editrain worker alone on this
+    machine takes (``editrain.runtime.worker_threads``).
 
     Raises:
-        ConfigError / ValueError: a bad training option, or a bad streaming option (one
-            line naming it).
+        ConfigError / ValueError: a bad training or streaming option (one line naming it).
     """
     from editrain.config import load_config
     from editrain.config.overrides import parse_overrides
@@ -442,7 +384,7 @@ def spec_from_args(args: argparse.Namespace, train_options: list[str]) -> dict[s
     if rest:
         raise ValueError(f"unexpected argument(s) {' '.join(rest)}; training options look "
                          "like --train.steps 60")
-    cfg = load_config(None, options)  # every option checked before any work
+    cfg = load_config(None, options)
     spec = {"options": options, "system": "torchft", "replica": args.replica,
             "replicas": args.replicas, "lighthouse": args.lighthouse,
             "address": args.address, "run_dir": args.run_dir,
@@ -473,14 +415,8 @@ def serve_lighthouse(bind: str, replicas: int) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """Command-line entry point: ``--spec SPEC.json``, the spec's fields as options with the
-    training options after ``--``, or ``--serve-lighthouse HOST:PORT``.
-
-    Args:
-        argv: the arguments (default: ``sys.argv[1:]``).
-
-    Returns:
-        The exit status (0: trained and wrote its logs).
-    """
+    training options after ``--``, or ``--serve-lighthouse HOST:PORT``; returns 0 once the
+    replica trained and wrote its logs."""
     parser = argparse.ArgumentParser(description="one torchft DiLoCo replica group on "
                                                  "editrain's model and data")
     parser.add_argument("--spec", help="JSON file (see the module docstring)")
@@ -505,7 +441,7 @@ def main(argv: list[str] | None = None) -> int:
         cut = argv.index("--")
         argv, train_options = argv[:cut], argv[cut + 1:]
     args = parser.parse_args(argv)
-    # A run past its time limit gets SIGUSR1 first (peers._wait): every thread's stack
+    # A run past its time limit gets SIGUSR1 first (peers._timed_out): every thread's stack
     # goes to this process's log, so a hang shows where it is.
     faulthandler.register(signal.SIGUSR1, all_threads=True)
     if args.serve_lighthouse:
