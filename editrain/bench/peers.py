@@ -1,23 +1,19 @@
 """Peers: torchft's DiLoCo side by side with editrain's ``diloco`` and ``edit``.
 
 torchft (``pip install torchft``, or the ``peers`` extra) is driven for real: the scenario
-starts a torchft lighthouse on localhost and one worker process per replica group
-(:mod:`editrain.bench.torchft_peer`: a ``torchft.Manager`` over
-``torchft.process_group.ProcessGroupGloo`` and ``torchft.local_sgd.DiLoCo``), with a
-timeout so that a hang fails the run instead of blocking. The four systems train the same
-model (editrain's ``Llama``, same preset and seed), on the same data (editrain's token
-cache and per-replica streams, same seed), with the same H, inner AdamW settings and
-learning-rate schedule and the same outer optimizer (editrain's default for ``diloco``:
-Nesterov SGD, lr 0.7, momentum 0.9); 2 replicas x 1 process. editrain's ``diloco`` runs
-twice: through the command line (``editrain train``) and through the public library API
-in the same training loop as torchft's worker (``diloco-library``: ``init_mesh``,
-``parallelize``, ``edit``), so both ways of using editrain are measured. Every repeat runs
-the four in turn (interleaved). When torchft is not importable the scenario is skipped,
-with that reason in ``results.json``.
+starts a torchft lighthouse on localhost and one :mod:`editrain.bench.torchft_peer` worker
+process per replica group, with a timeout so that a hang fails the run instead of
+blocking. The four systems train the same model, data, H, inner and outer optimizer and
+schedule, 2 replicas x 1 process; editrain's ``diloco`` runs twice, through the command
+line and through the public library API in torchft's worker loop (``diloco-library``), so
+both ways of using editrain are measured. Every repeat runs the four in turn
+(interleaved). When torchft is not importable the scenario is skipped, with that reason in
+``results.json``.
 """
 
 from __future__ import annotations
 
+import importlib.metadata
 import importlib.util
 import json
 import os
@@ -35,7 +31,7 @@ from editrain.bench.options import timed_train
 from editrain.bench.prose import fill, prose
 from editrain.bench.runner import Bench, child_env, child_failure, repeat_label
 from editrain.bench.runs import Run, read_run
-from editrain.bench.scenario import Ctx, Job, Scenario, Verdict
+from editrain.bench.scenario import Ctx, Job, Scenario, Table, Verdict
 from editrain.bench.stats import compare, median, spread
 from editrain.bench.tables import md_table, spread_cell, verdict_cell
 from editrain.config import ConfigError
@@ -62,15 +58,9 @@ def torchft_version() -> str | None:
     if importlib.util.find_spec("torchft") is None:
         return None
     try:
-        from importlib.metadata import version
-
-        return version("torchft")
+        return importlib.metadata.version("torchft")
     except Exception:
         return "unknown"
-
-
-def _unavailable() -> str | None:
-    return None if torchft_version() is not None else TEXT["unavailable"]
 
 
 def _skipped_as(reason: str) -> dict[str, Any]:
@@ -81,6 +71,7 @@ def _skipped_as(reason: str) -> dict[str, Any]:
             "notes": [TEXT["skipped_note"]]}
 
 
+# --------------------------------------------------------------------------- the runs
 def _setup(bench: Bench) -> dict[str, Any]:
     steps = bench.pick(8, 96, 200)
     common = {"train": timed_train(steps),
@@ -115,43 +106,20 @@ def _runs(ctx: Ctx) -> list[Job]:
             for rep in range(ctx.bench.repeats) for system in SYSTEMS]
 
 
-def _measure(ctx: Ctx) -> dict[str, Any]:
-    results, ctx.errors = _results(
-        {s: [ctx.runs[repeat_label(s, rep)] for rep in range(ctx.bench.repeats)]
-         for s in SYSTEMS}, ctx.skip)
-    return results
-
-
-def _notes(ctx: Ctx) -> list[str]:
-    outer = ctx.cfg.sync.resolve()
-    return fill(TEXT["notes"], ctx=ctx, cfg=ctx.cfg, outer=outer,
-                outer_kwargs=json.dumps(outer.outer_optim_kwargs),
-                tiny=TEXT["tiny_validation"] if ctx.bench.mode == "tiny" else "")
-
-
 def run_torchft(bench: Bench, label: str, options: dict[str, Any], replicas: int,
                 threads: int, timeout_s: float, title: str, system: str = "torchft") -> Run:
-    """One run of :mod:`editrain.bench.torchft_peer` workers, one process per replica.
+    """One run of :mod:`editrain.bench.torchft_peer` workers, one process per replica
+    group, recorded on ``bench`` under ``runs/LABEL``: with ``system = "torchft"`` a
+    lighthouse runs here too; with ``"library"`` the workers are editrain's library path,
+    joined by the ``torchrun`` variables (a free loopback port).
 
-    With ``system = "torchft"`` a lighthouse runs here too and every worker is a torchft
-    replica group; with ``"library"`` the workers are editrain's library path, joined by
-    the ``torchrun`` variables (a free loopback port).
-
-    Args:
-        bench: the scenario's bench (the run is recorded there).
-        label: the run's label (its directory under ``runs/``).
-        options: the nested training options (those of editrain's ``diloco`` run).
-        replicas: replica groups (one process each).
-        threads: intra-op threads per worker.
-        timeout_s: the whole run's time limit; also the collective timeout.
-        title: the progress line's name of the run.
-        system: the worker's system, "torchft" or "library".
-
-    Returns:
-        The run read back like an editrain run; ``error`` set when a worker failed or the
-        time limit was hit (the workers are killed then). A torchft run that hits the time
-        limit is run once more from scratch; ``retried`` holds the first attempt's error
-        (the workers' stacks, dumped before the kill, are in its kept directory).
+    ``options`` are the nested training options (those of editrain's ``diloco`` run),
+    ``threads`` the intra-op threads per worker and ``timeout_s`` the whole run's time
+    limit, also the collective timeout. The run is read back like an editrain run;
+    ``error`` is set when a worker failed or the time limit was hit (the workers are
+    killed then). A torchft run that hits the time limit is run once more from scratch;
+    ``retried`` holds the first attempt's error (the workers' stacks, dumped before the
+    kill, are in its kept directory).
     """
     run_dir = bench.out_dir / "runs" / label
     load = load_average()
@@ -195,16 +163,16 @@ def _attempt(run_dir: Path, options: dict[str, Any], replicas: int, threads: int
         port = str(free_port())
         workers = []
         for r in range(replicas):
-            spec = {"options": options, "system": system, "replica": r,
-                    "replicas": replicas, "lighthouse": address, "run_dir": str(run_dir),
-                    "threads": threads, "timeout_s": timeout_s}
             spec_path = run_dir / f"spec{r}.json"
-            spec_path.write_text(json.dumps(spec, indent=1))
-            worker_env = dict(env, MASTER_ADDR="127.0.0.1", MASTER_PORT=port, RANK=str(r),
-                              WORLD_SIZE=str(replicas), LOCAL_RANK=str(r),
-                              LOCAL_WORLD_SIZE=str(replicas))
+            spec_path.write_text(json.dumps(
+                {"options": options, "system": system, "replica": r, "replicas": replicas,
+                 "lighthouse": address, "run_dir": str(run_dir), "threads": threads,
+                 "timeout_s": timeout_s}, indent=1))
+            torchrun = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "RANK": str(r),
+                        "WORLD_SIZE": str(replicas), "LOCAL_RANK": str(r),
+                        "LOCAL_WORLD_SIZE": str(replicas)}
             workers.append(_peer(["--spec", str(spec_path)], run_dir / f"worker{r}.log",
-                                 worker_env if system == "library" else env))
+                                 {**env, **torchrun} if system == "library" else env))
             procs.append(workers[-1])
         return _wait(workers, run_dir, timeout_s)
     except RuntimeError as e:  # the lighthouse did not come up
@@ -225,7 +193,7 @@ def _peer(args: list[str], log: Path, env: dict[str, str]) -> subprocess.Popen:
 
 
 def _lighthouse_address(log: Path, proc: subprocess.Popen, timeout_s: float) -> str:
-    """Wait for the lighthouse process to print its address (``lighthouse ready at ADDR``).
+    """The address the lighthouse process prints (``lighthouse ready at ADDR``).
 
     Raises:
         RuntimeError: it exited or did not answer within ``timeout_s`` (at most 2 min).
@@ -286,13 +254,17 @@ def _last_step(run_dir: Path, replica: int) -> int:
     return last
 
 
-def _results(runs: dict[str, list[Run]], skip: int) -> tuple[dict[str, Any], list[str]]:
-    """Every system's spreads, the comparisons and the measurement errors."""
+# ----------------------------------------------------------------------- the numbers
+def _measure(ctx: Ctx) -> dict[str, Any]:
+    """Every system's spreads over the repeats, the speed ratios and the comparisons; the
+    measurement errors go to ``ctx.errors``."""
     results: dict[str, Any] = {}
-    errors: list[str] = []
+    ctx.errors = []
+    runs = {s: [ctx.runs[repeat_label(s, rep)] for rep in range(ctx.bench.repeats)]
+            for s in SYSTEMS}
     for system, reps in runs.items():
-        windows, per_replica, found = over_repeats(reps, skip)
-        errors += [f"{system} repeat {k + 1}: {e}" for k, p in enumerate(found) for e in p]
+        windows, per_replica, found = over_repeats(reps, ctx.skip)
+        ctx.errors += [f"{system} repeat {k + 1}: {e}" for k, p in enumerate(found) for e in p]
         results[system] = {
             "final_val_loss": spread(r.final_val_loss for r in reps),
             "initial_val_loss": spread(r.initial_val_loss for r in reps),
@@ -303,65 +275,43 @@ def _results(runs: dict[str, list[Run]], skip: int) -> tuple[dict[str, Any], lis
             "windows": windows,
             **run_refs(reps),
         }
-    replica_losses = [_replica_final_losses(r) for r in runs["torchft-diloco"] if r.ok]
-    results["torchft-diloco"]["replica_final_val_loss"] = replica_losses
-    starts = [results[s]["initial_val_loss"]["median"] for s in runs]
+    results["torchft-diloco"]["replica_final_val_loss"] = [
+        _replica_final_losses(r) for r in runs["torchft-diloco"] if r.ok]
+    starts = [results[s]["initial_val_loss"]["median"] for s in SYSTEMS]
     gap = (max(starts) - min(starts)) if all(v is not None for v in starts) else None
     results["initial_val_loss_gap"] = gap
     if gap is not None and gap > SAME_START_TOLERANCE:
-        errors.append(fill(TEXT["different_start"], gap=gap))
+        ctx.errors.append(fill(TEXT["different_start"], gap=gap))
     results["speed_ratios"] = _speed_ratios(results)
     results["comparisons"] = [
         compare(a, b, results[a][metric], results[b][metric],
                 _tolerance(metric, results[b][metric]), metric=metric)
         for a, b in COMPARISONS for metric in ("final_val_loss", "tokens_per_s")]
-    return results, errors
+    return results
 
 
-def _target(results: dict[str, Any]) -> dict[str, Any]:
-    """editrain's diloco reproduces torchft's DiLoCo, through the command line and the
-    library API alike: equal final losses in every repeat."""
-    name = fill(TEXT["targets"]["same_loss"], tolerance=SAME_RESULT_TOLERANCE)
-    theirs = results["torchft-diloco"]["final_val_loss"]["values"]
-    gaps = []
-    for system in ("diloco", "diloco-library"):
-        ours = results[system]["final_val_loss"]["values"]
-        if not ours or len(ours) != len(theirs):
-            return {"name": name, "met": None, "detail": "a run failed"}
-        gaps += [abs(a - b) / abs(b) for a, b in zip(ours, theirs)]
-    return {"name": name, "met": max(gaps) <= SAME_RESULT_TOLERANCE,
-            "detail": f"largest relative difference {max(gaps):.2g}"}
-
-
-def _speed_target(results: dict[str, Any]) -> dict[str, Any]:
-    """editrain's diloco (command line and library) and edit train at least as fast as
-    torchft's DiLoCo (medians)."""
-    name = TEXT["targets"]["speed"]
-    ratios = results["speed_ratios"]
-    if any(r["median_ratio"] is None for r in ratios.values()):
-        return {"name": name, "met": None, "detail": "a run failed"}
-    return {"name": name, "met": all(r["median_ratio"] >= 1.0 for r in ratios.values()),
-            "detail": "; ".join(f"{s} {r['median_ratio']:.3f}x (paired repeats "
-                                f"{_range(r['paired'])})" for s, r in ratios.items())}
-
-
-def _range(values: list[float]) -> str:
-    """``min-max`` of ratios, or ``-`` when there are none."""
-    return f"{min(values):.3f}-{max(values):.3f}" if values else "-"
+def _replica_final_losses(run: Run) -> list[float]:
+    """The final validation loss each torchft replica computed (equal: the global model)."""
+    out = []
+    for path in sorted(run.run_dir.glob("replica*.json")):
+        value = json.loads(path.read_text()).get("final_val_loss")
+        if isinstance(value, int | float):
+            out.append(float(value))
+    return out
 
 
 def _speed_ratios(results: dict[str, Any]) -> dict[str, Any]:
     """tokens/s of editrain's systems over torchft DiLoCo's: the ratio of the medians, and
     the ratio within every repeat (the runs of one repeat run back to back)."""
-    ref = results["torchft-diloco"]["tokens_per_s"]
+    ref = results["torchft-diloco"]
     out = {}
     for system in ("diloco", "edit", "diloco-library"):
         mine = results[system]["tokens_per_s"]
         paired = [a["tokens_per_s"] / b["tokens_per_s"]
-                  for a, b in zip(results[system]["windows"], results["torchft-diloco"]["windows"])
+                  for a, b in zip(results[system]["windows"], ref["windows"])
                   if a.get("tokens_per_s") and b.get("tokens_per_s")]
-        ratio = (mine["median"] / ref["median"]
-                 if mine.get("median") and ref.get("median") else None)
+        ratio = (mine["median"] / ref["tokens_per_s"]["median"]
+                 if mine.get("median") and ref["tokens_per_s"].get("median") else None)
         out[system] = {"median_ratio": ratio, "paired": paired}
     return out
 
@@ -372,6 +322,33 @@ def _tolerance(metric: str, reference: dict[str, Any]) -> float:
     if metric != "final_val_loss" or reference.get("median") is None:
         return 0.0
     return 1e-6 * abs(reference["median"])
+
+
+def _range(values: list[float]) -> str:
+    """``min-max`` of ratios, or ``-`` when there are none."""
+    return f"{min(values):.3f}-{max(values):.3f}" if values else "-"
+
+
+# ----------------------------------------------------------------------- the verdict
+def _targets(results: dict[str, Any]) -> list[dict[str, Any]]:
+    """editrain's diloco ends at torchft DiLoCo's final loss in every repeat, through the
+    command line and the library API alike; editrain's diloco, edit and diloco-library
+    train at least as fast (medians)."""
+    same = {"name": fill(TEXT["targets"]["same_loss"], tolerance=SAME_RESULT_TOLERANCE),
+            "met": None, "detail": "a run failed"}
+    theirs = results["torchft-diloco"]["final_val_loss"]["values"]
+    ours = [results[s]["final_val_loss"]["values"] for s in ("diloco", "diloco-library")]
+    if all(mine and len(mine) == len(theirs) for mine in ours):
+        gap = max(abs(a - b) / abs(b) for mine in ours for a, b in zip(mine, theirs))
+        same.update(met=gap <= SAME_RESULT_TOLERANCE,
+                    detail=f"largest relative difference {gap:.2g}")
+    fast = {"name": TEXT["targets"]["speed"], "met": None, "detail": "a run failed"}
+    ratios = results["speed_ratios"]
+    if all(r["median_ratio"] is not None for r in ratios.values()):
+        fast.update(met=all(r["median_ratio"] >= 1.0 for r in ratios.values()),
+                    detail="; ".join(f"{s} {r['median_ratio']:.3f}x (paired repeats "
+                                     f"{_range(r['paired'])})" for s, r in ratios.items()))
+    return [same, fast]
 
 
 def _shortfalls(results: dict[str, Any]) -> list[str]:
@@ -392,42 +369,11 @@ def _shortfalls(results: dict[str, Any]) -> list[str]:
     return out
 
 
-def _replica_final_losses(run: Run) -> list[float]:
-    """The final validation loss each torchft replica computed (equal: the global model)."""
-    out = []
-    for path in sorted(run.run_dir.glob("replica*.json")):
-        value = json.loads(path.read_text()).get("final_val_loss")
-        if isinstance(value, int | float):
-            out.append(float(value))
-    return out
-
-
-def _table(results: dict[str, Any]) -> str:
-    """One row per system the record has (a record from before a system was added lacks
-    it)."""
-    rows = []
-    for s in [s for s in SYSTEMS if s in results]:
-        e = results[s]
-        rows.append([s, spread_cell(e["final_val_loss"]), spread_cell(e["initial_val_loss"]),
-                     spread_cell(e["tokens_per_s"]), e["num_syncs"], e["val_tokens"],
-                     "/".join(spread_cell(r["utilisation"]) for r in e["replicas"]) or None])
-    return md_table(["system", "final val loss", "initial val loss", "tokens/s", "syncs",
-                     "val tokens", "utilisation per replica"], rows)
-
-
-def _comparison_table(results: dict[str, Any]) -> str:
-    """Differences of medians and whether they exceed the spread."""
-    rows = [[f"{c['a']} - {c['b']}", c["metric"], c["difference"],
-             verdict_cell(c["beyond_spread"])] for c in results["comparisons"]]
-    return md_table(["pair", "metric", "difference (medians)", "beyond spread"], rows)
-
-
 def _findings(results: dict[str, Any], repeats: int, steps: int, h: int) -> list[str]:
     """Plain sentences from the numbers."""
     out, said = [], TEXT["findings"]
-    gap = results["initial_val_loss_gap"]
-    if gap is not None:
-        out.append(fill(said["same_start"], gap=gap))
+    if results["initial_val_loss_gap"] is not None:
+        out.append(fill(said["same_start"], gap=results["initial_val_loss_gap"]))
     syncs = results["torchft-diloco"]["num_syncs"]
     if syncs is not None:
         out.append(fill(said["syncs"], syncs=syncs, planned=steps // h))
@@ -453,20 +399,46 @@ def _headline(results: dict[str, Any], repeats: int) -> list[str]:
     return [fill(TEXT["headline"], repeats=repeats, parts=parts)]
 
 
+def _notes(ctx: Ctx) -> list[str]:
+    outer = ctx.cfg.sync.resolve()
+    return fill(TEXT["notes"], ctx=ctx, cfg=ctx.cfg, outer=outer,
+                outer_kwargs=json.dumps(outer.outer_optim_kwargs),
+                tiny=TEXT["tiny_validation"] if ctx.bench.mode == "tiny" else "")
+
+
+def _spread(key: str):
+    """A column's cell: ``spread_cell`` of the row entry's ``key``."""
+    return lambda row: spread_cell(row[1][key])
+
+
 SCENARIO = Scenario(
     name="peers",
     description=TEXT["description"],
-    unavailable=_unavailable, skipped_as=_skipped_as, setup=_setup, runs=_runs,
-    measure=_measure, notes=_notes, repeats=True, methods=lambda ctx: SYSTEMS,
+    unavailable=lambda: TEXT["unavailable"] if torchft_version() is None else None,
+    skipped_as=_skipped_as, setup=_setup, runs=_runs, measure=_measure, repeats=True,
+    methods=lambda ctx: SYSTEMS,
     checks=lambda ctx: [],  # setup checked every system's options (and the peer's limits)
-    tables=[lambda ctx: [("torchft DiLoCo and editrain", _table(ctx.results)),
-                         ("Differences against the spread of the repeats",
-                          _comparison_table(ctx.results))]],
+    tables=[
+        Table("torchft DiLoCo and editrain", [
+            ("system", None), ("final val loss", _spread("final_val_loss")),
+            ("initial val loss", _spread("initial_val_loss")),
+            ("tokens/s", _spread("tokens_per_s")), ("syncs", "num_syncs"),
+            ("val tokens", "val_tokens"),
+            ("utilisation per replica", lambda row: "/".join(
+                spread_cell(r["utilisation"]) for r in row[1]["replicas"]) or None)],
+            # a record from before a system was added has no row for it
+            rows=lambda ctx: [(s, ctx.results[s]) for s in SYSTEMS if s in ctx.results]),
+        Table("Differences against the spread of the repeats", [
+            ("pair", lambda c: f"{c['a']} - {c['b']}"), ("metric", lambda c: c["metric"]),
+            ("difference (medians)", lambda c: c["difference"]),
+            ("beyond spread", lambda c: verdict_cell(c["beyond_spread"]))],
+            rows=lambda ctx: ctx.results["comparisons"])],
     judge=lambda ctx: Verdict(
-        targets=[_target(ctx.results), _speed_target(ctx.results)],
+        targets=_targets(ctx.results),
         findings=_findings(ctx.results, ctx.bench.repeats, ctx.steps, ctx.h),
         shortfalls=_shortfalls(ctx.results), errors=ctx.errors,
         headline=_headline(ctx.results, ctx.bench.repeats)),
+    notes=_notes,
     settings=lambda ctx: {"steps": ctx.steps, "sync_interval": ctx.h,
                           "repeats": ctx.bench.repeats, "torchft": ctx.found,
                           "threads_per_process": ctx.threads, "timeout_s": ctx.timeout_s,
