@@ -1,12 +1,11 @@
 """Running a scenario's training jobs (progress, repeats, sizes) and writing its record.
 
-A scenario builds a :class:`Bench` and asks it for training runs; each run is a normal
-``editrain train --config RESULTS_DIR/runs/<label>.toml`` job in a child process (killed
-past a time limit, so a hang fails the run instead of blocking the scenario) with its run
-directory under ``RESULTS_DIR/runs/<label>``, so every run can be inspected, plotted
-(``editrain plot``) or resumed like any other. The scenario then derives its
-numbers from the runs (:mod:`editrain.bench.measures`, :mod:`editrain.bench.stats`) and
-hands them to :meth:`Bench.finish`, which writes ``results.json`` and ``table.md``.
+Each run is a normal ``editrain train --config RESULTS_DIR/runs/<label>.toml`` job in a
+child process (killed past a time limit, so a hang fails the run instead of blocking the
+scenario) with its run directory under ``RESULTS_DIR/runs/<label>``, so every run can be
+inspected, plotted (``editrain plot``) or resumed like any other. The scenario derives its
+numbers from the runs and hands them to :meth:`Bench.finish`, which writes ``results.json``
+and ``table.md``.
 
 Timed comparisons repeat every run :attr:`Bench.repeats` times, interleaved (A B C A B C
 ...), so that a change of the machine's speed during the scenario hits every method alike;
@@ -23,6 +22,7 @@ import sys
 import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
+from operator import attrgetter
 from pathlib import Path
 from typing import Any
 
@@ -58,8 +58,7 @@ def run_child(argv: list[str], log_path: Path, timeout_s: float) -> str | None:
             process it started) gets SIGTERM, then SIGKILL 10 s later.
 
     Returns:
-        None on exit status 0, else why it failed (status and last line of output, or the
-        time limit).
+        None on exit status 0, else why it failed (see :func:`child_failure`).
     """
     with open(log_path, "w") as log:
         proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=child_env(),
@@ -87,14 +86,13 @@ def child_failure(code: int, log_path: Path) -> str | None:
 
 def _kill_session(proc: subprocess.Popen) -> None:
     """SIGTERM the process group of ``proc`` (its session leader), SIGKILL if needed."""
-    for sig, grace in ((signal.SIGTERM, 10.0), (signal.SIGKILL, 10.0)):
+    for sig in (signal.SIGTERM, signal.SIGKILL):
         try:
             os.killpg(proc.pid, sig)
+            proc.wait(timeout=10.0)
+            return
         except ProcessLookupError:
-            break
-        try:
-            proc.wait(timeout=grace)
-            break
+            return
         except subprocess.TimeoutExpired:
             continue
 
@@ -102,6 +100,12 @@ def _kill_session(proc: subprocess.Popen) -> None:
 def repeat_label(label: str, repeat: int) -> str:
     """The label of repeat ``repeat`` of run ``label`` (``edit-r0``...)."""
     return f"{label}-r{repeat}"
+
+
+def _val_text(run: Run) -> str:
+    """The run's final validation loss for a progress line."""
+    val = run.final_val_loss
+    return "n/a" if val is None else f"{val:.4f}"
 
 
 class Bench:
@@ -121,16 +125,13 @@ class Bench:
     def __init__(self, scenario: str, mode: str, out_dir: Path,
                  user_overrides: dict[str, Any] | None = None, command: str = "",
                  flags: dict[str, Any] | None = None, started: float | None = None) -> None:
-        """Set up the results directory and record the machine."""
-        if mode not in MODES:
-            raise ValueError(f"unknown benchmark mode {mode!r}; allowed: {', '.join(MODES)}")
+        self.base = base_overrides(mode)  # refuses an unknown mode first
         self.scenario = scenario
         self.mode = mode
         self.out_dir = Path(out_dir)
         self.user_overrides = user_overrides or {}
         self.command = command
         self.flags = flags or {}
-        self.base = base_overrides(mode)
         self.machine = machine_info()
         now = time.time()
         self.started = now if started is None else started
@@ -148,7 +149,7 @@ class Bench:
     # ------------------------------------------------------------------ settings
     def pick(self, tiny: Any, quick: Any, full: Any) -> Any:
         """The value for this size."""
-        return {"tiny": tiny, "quick": quick, "full": full}[self.mode]
+        return (tiny, quick, full)[MODES.index(self.mode)]
 
     @property
     def repeats(self) -> int:
@@ -165,8 +166,7 @@ class Bench:
 
     def check(self, *layers: dict[str, Any] | None, last: dict[str, Any] | None = None) -> None:
         """Validate a run's options now (a typo must fail before the first run starts)."""
-        load_config(None, merge(self.options(*layers, last=last),
-                                {"run_dir": str(self.out_dir / "x")}))
+        load_config(None, self._run_options(self.out_dir / "x", layers, last))
 
     def config(self, *layers: dict[str, Any] | None) -> Any:
         """The validated configuration a run built from ``layers`` will have."""
@@ -174,10 +174,7 @@ class Bench:
 
     def setting(self, dotted: str, *layers: dict[str, Any] | None) -> Any:
         """The value option ``dotted`` will have in a run built from ``layers``."""
-        node: Any = self.config(*layers)
-        for part in dotted.split("."):
-            node = getattr(node, part)
-        return node
+        return attrgetter(dotted)(self.config(*layers))
 
     def log(self, text: str) -> None:
         """Progress line on stdout."""
@@ -209,42 +206,35 @@ class Bench:
         Raises:
             ConfigError: the options are invalid (checked before anything starts).
         """
-        if self.flags.get("reuse"):
-            reused = self._reused(label, layers, last)
-            if reused is not None:
-                self.runs[label] = reused
-                self.reused.append(label)
-                val = reused.final_val_loss
-                self.log(f"{self._run_number(len(self.runs))} {title or label} ... reused "
-                         f"(finished earlier with these options), val "
-                         f"{'n/a' if val is None else f'{val:.4f}'}")
-                return reused
-        job = self._prepare(label, layers, last)
-        load = load_average()
-        self.announce(title or label)
-        t0 = time.perf_counter()
-        error = run_child(*job[1:], self.run_timeout_s)
-        return self.record_run(read_run(label, job[0], self.options(*layers, last=last),
-                                        time.perf_counter() - t0, error), load, title)
+        title = title or label
+        if self.flags.get("reuse") and (run := self._reused(label, layers, last)) is not None:
+            self.runs[label] = run
+            self.reused.append(label)
+            self.log(f"{self._run_number(len(self.runs))} {title} ... reused (finished "
+                     f"earlier with these options), val {_val_text(run)}")
+            return run
+        return self._launch([(label, layers, last, title)], title)[0]
 
     def train_together(self, jobs: Sequence[tuple[str, tuple, dict[str, Any] | None, str]]
                        ) -> list[Run]:
         """Run several training jobs at the same time (each its own ``editrain train``),
-        e.g. replicas' solo runs that must share the machine as the replicas do.
+        e.g. replicas' solo runs that must share the machine as the replicas do: one
+        ``(label, layers, last, title)`` per job, as for :meth:`train`; the runs in order."""
+        return self._launch(jobs, " + ".join(title for *_, title in jobs) + " (at once)")
 
-        Args:
-            jobs: ``(label, layers, last, title)`` per job, as for :meth:`train`.
-
-        Returns:
-            The runs, in the order of ``jobs``.
-        """
+    def _launch(self, jobs: Sequence[tuple[str, tuple, dict[str, Any] | None, str]],
+                shown: str) -> list[Run]:
+        """Start ``(label, layers, last, title)`` jobs together, wait for all, keep them."""
         prepared = [self._prepare(label, layers, last) for label, layers, last, _ in jobs]
         load = load_average()
-        self.announce(" + ".join(title for *_, title in jobs) + " (at once)")
+        self.announce(shown)
         t0 = time.perf_counter()
-        with ThreadPoolExecutor(max_workers=len(jobs)) as pool:
-            errors = list(pool.map(lambda job: run_child(*job[1:], self.run_timeout_s),
-                                   prepared))
+        if len(prepared) == 1:  # in this thread, so that Ctrl-C kills the child at once
+            errors = [run_child(*prepared[0][1:], self.run_timeout_s)]
+        else:
+            with ThreadPoolExecutor(max_workers=len(prepared)) as pool:
+                errors = list(pool.map(lambda job: run_child(*job[1:], self.run_timeout_s),
+                                       prepared))
         elapsed = time.perf_counter() - t0
         return [self.record_run(read_run(label, job[0], self.options(*layers, last=last),
                                          elapsed, error), load, title)
@@ -252,6 +242,7 @@ class Bench:
 
     def _run_options(self, run_dir: Path, layers: tuple, last: dict[str, Any] | None
                      ) -> dict[str, Any]:
+        """The options a job's configuration file holds."""
         return merge(self.options(*layers, last=last), {"run_dir": str(run_dir),
                                                         "overwrite": True, "quiet": True})
 
@@ -269,20 +260,17 @@ class Bench:
         from editrain.config import to_dict
 
         run_dir = self.out_dir / "runs" / label
-        config_path = run_dir.parent / f"{label}.toml"
+        config_path, resolved_path = run_dir.parent / f"{label}.toml", run_dir / "config.toml"
         if not ((run_dir / "summary.json").is_file() and config_path.is_file()):
             return None
-        want_cfg = load_config(None, self._run_options(run_dir, layers, last))
-        want = to_dict(want_cfg)
+        want = load_config(None, self._run_options(run_dir, layers, last))
         try:
-            have = to_dict(load_config(config_path))
-            ran = load_config(run_dir / "config.toml") if (run_dir / "config.toml").is_file() \
-                else None
+            have = load_config(config_path)
+            ran = load_config(resolved_path) if resolved_path.is_file() else None
         except ConfigError:
             return None
-        if have != want:
-            return None
-        if ran is not None and asdict(ran.sync.resolve()) != asdict(want_cfg.sync.resolve()):
+        if to_dict(have) != to_dict(want) or (
+                ran is not None and asdict(ran.sync.resolve()) != asdict(want.sync.resolve())):
             return None
         run = read_run(label, run_dir, self.options(*layers, last=last))
         return run if run.ok else None
@@ -312,22 +300,16 @@ class Bench:
         self.log(f"{self._run_number(len(self.runs) + 1)} {title} ...")
 
     def record_run(self, run: Run, load: float | None = None, title: str | None = None) -> Run:
-        """Keep a finished run (also one started outside :meth:`train`) and log its result.
-
-        Args:
-            run: the run.
-            load: the load average just before it started.
-            title: what the progress line calls the run (default: its label).
-        """
+        """Keep a finished run (also one started outside :meth:`train`) and log its result;
+        ``load`` is the load average just before it started, ``title`` what the progress
+        line calls it (default: its label)."""
         run.load_before = load
         self.runs[run.label] = run
         self._run_seconds.append(run.launch_s)
         index = len(self.runs)
         text = f"{self._run_number(index)} {title or run.label} ... "
         if run.ok:
-            val = run.final_val_loss
-            text += (f"done in {run.launch_s:.0f} s, val "
-                     f"{'n/a' if val is None else f'{val:.4f}'}")
+            text += f"done in {run.launch_s:.0f} s, val {_val_text(run)}"
         else:
             text += f"FAILED after {run.launch_s:.0f} s: {run.error}"
         if self.planned_runs and index < self.planned_runs:
@@ -347,60 +329,41 @@ class Bench:
                errors: Sequence[str] = (), headline: Sequence[str] = (),
                repeats: int | None = None) -> dict[str, Any]:
         """Write ``results.json`` and ``table.md``; print the page; return the record (as
-        written: JSON-safe).
+        written: JSON-safe; the report needs nothing else).
+
+        The arguments are the record's fields: those that
+        :class:`~editrain.bench.scenario.Scenario` (``description``, ``settings``,
+        ``methods``, ``notes``, ``size_caveat``) and its
+        :class:`~editrain.bench.scenario.Verdict` (``targets``, ``findings``,
+        ``shortfalls``, ``headline``) describe, and:
 
         Args:
-            settings: what was run (sizes, intervals, links...), for the record.
-            methods: the compared methods / variants, in table order.
             results: the scenario's numbers.
-            tables: ``(title, markdown table)`` pairs (stored in the record, so that the
-                report needs nothing but ``results.json``).
+            tables: ``(title, markdown table)`` pairs.
             targets: ``{"name", "met" (True/False/None), "detail"}`` checks.
-            findings: plain sentences generated from the numbers.
-            notes: how the numbers were measured (definitions, caveats).
             plots: PNG files written into the results directory.
-            description: one paragraph: what the scenario measures.
             skipped: set when the scenario could not run at all (reason).
-            shortfalls: sentences about where editrain falls short (beyond unmet targets).
-            size_caveat: whether quick / tiny numbers differ in kind from the full size's
-                (the report then says so).
             errors: measurement errors (e.g. a fraction of a measured limit above 1): shown
                 loudly at the top of the page and of the report, never as a result.
-            headline: short sentences for the report's summary, generated from the numbers.
             repeats: interleaved repeats of the timed runs (None: not a timed scenario).
         """
         elapsed = time.perf_counter() - self._t0
         record: dict[str, Any] = {
-            "format": FORMAT,
-            "scenario": self.scenario,
-            "mode": self.mode,
-            "command": self.command,
-            "argv": sys.argv,
-            "machine": self.machine,
+            "format": FORMAT, "scenario": self.scenario, "mode": self.mode,
+            "command": self.command, "argv": sys.argv, "machine": self.machine,
             "started": time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(self.started)),
-            "elapsed_s": elapsed,
-            "description": description,
-            "settings": settings,
-            "base_options": self.base,
-            "user_overrides": self.user_overrides,
-            "methods": list(methods),
-            "repeats": repeats,
-            "results": results,
+            "elapsed_s": elapsed, "description": description, "settings": settings,
+            "base_options": self.base, "user_overrides": self.user_overrides,
+            "methods": list(methods), "repeats": repeats, "results": results,
             "tables": [{"title": t, "markdown": m} for t, m in tables],
-            "measurement_errors": list(errors),
-            "headline": list(headline),
-            "targets": list(targets),
-            "findings": list(findings),
-            "shortfalls": list(shortfalls),
-            "size_caveat": size_caveat,
-            "notes": list(notes),
+            "measurement_errors": list(errors), "headline": list(headline),
+            "targets": list(targets), "findings": list(findings),
+            "shortfalls": list(shortfalls), "size_caveat": size_caveat, "notes": list(notes),
             "plots": [p.name for p in plots],
-            "runs": {
-                label: {"run_dir": str(r.run_dir), "ok": r.ok, "error": r.error,
-                        "launch_s": r.launch_s, "load_before": r.load_before,
-                        "summary": r.summary, **({"retried": r.retried} if r.retried else {})}
-                for label, r in self.runs.items()
-            },
+            "runs": {label: {"run_dir": str(r.run_dir), "ok": r.ok, "error": r.error,
+                             "launch_s": r.launch_s, "load_before": r.load_before,
+                             "summary": r.summary, **({"retried": r.retried} if r.retried else {})}
+                     for label, r in self.runs.items()},
         }
         if self.reused:
             record["reused_runs"] = list(self.reused)
@@ -413,8 +376,7 @@ class Bench:
         if end_load is not None:
             record["machine"]["load_average_end"] = end_load
         record = clean_json(record)
-        page = write_record(self.out_dir, record)
-        print(page, flush=True)
+        print(write_record(self.out_dir, record), flush=True)
         for error in errors:
             self.log(f"MEASUREMENT ERROR: {error}")
         self.log(f"wrote {self.out_dir / 'results.json'}, {self.out_dir / 'table.md'}"
