@@ -50,26 +50,18 @@ VALUE_FLAGS = {"--seeds": int, "--repeats": int, "--path": str, "--readme": str,
 
 
 def base_overrides(mode: str) -> dict[str, Any]:
-    """Training options shared by every run of every scenario in ``mode``.
-
-    Args:
-        mode: ``tiny``, ``quick`` or ``full``.
-
-    Returns:
-        Nested option dict (``{"model": {...}, "train": {...}, ...}``).
-
-    Raises:
-        ValueError: an unknown mode.
-    """
+    """Training options shared by every run of every scenario in ``mode`` (``tiny``,
+    ``quick`` or ``full``), as a nested dict; ValueError for another mode."""
     if mode not in MODES:
         raise ValueError(f"unknown benchmark mode {mode!r}; allowed: {', '.join(MODES)}")
     small_data = {"max_bytes": 1_500_000, "vocab_size": 2048, "val_fraction": 0.03}
+    eval_tokens = 2048 if mode == "tiny" else 0
     return {
         "model": {"preset": "small" if mode == "full" else "tiny"},
-        "data": {} if mode == "full" else dict(small_data),
+        "data": {} if mode == "full" else small_data,
         # Evaluations cover the whole validation split, except at the smoke-test size.
-        "train": {"batch_size": 8, "seq_len": 64, "eval_tokens": 2048 if mode == "tiny" else 0,
-                  "final_eval_tokens": 2048 if mode == "tiny" else 0},
+        "train": {"batch_size": 8, "seq_len": 64, "eval_tokens": eval_tokens,
+                  "final_eval_tokens": eval_tokens},
         "dist": {"nproc": 2, "shard_size": 1},
         "checkpoint": {"final": False, "every": 0},
     }
@@ -83,14 +75,8 @@ def timed_train(steps: int) -> dict[str, Any]:
 
 
 def merge(*layers: dict[str, Any] | None) -> dict[str, Any]:
-    """Deep merge of nested option dicts; later layers win.
-
-    Args:
-        layers: option dicts (None is skipped).
-
-    Returns:
-        A new dict; the inputs are not changed.
-    """
+    """Deep merge of nested option dicts (None skipped); later layers win. A new dict: the
+    inputs are not changed."""
     out: dict[str, Any] = {}
     for layer in layers:
         for k, v in (layer or {}).items():
@@ -123,25 +109,19 @@ def split_extra(extra: Sequence[str]) -> tuple[dict[str, Any], dict[str, Any]]:
     """
     flags: dict[str, Any] = {}
     rest: list[str] = []
-    args = list(extra)
-    i = 0
-    while i < len(args):
-        arg = args[i]
+    args = iter(extra)
+    for arg in args:
         name, eq, value = arg.partition("=")
         if name in SIZE_FLAGS:
             flags[SIZE_FLAGS[name]] = True
         elif name in SWITCH_FLAGS and not eq:
             flags[SWITCH_FLAGS[name]] = True
         elif name in VALUE_FLAGS:
-            if not eq:
-                if i + 1 >= len(args):
-                    raise ConfigError(f"bench {name}: missing value")
-                i += 1
-                value = args[i]
+            if not eq and (value := next(args, None)) is None:
+                raise ConfigError(f"bench {name}: missing value")
             flags[name[2:]] = _flag_value(name, value)
         else:
             rest.append(arg)
-        i += 1
     overrides, positional = parse_overrides(rest)
     if positional:
         raise ConfigError(f"bench: unexpected argument(s) {' '.join(positional)}; training "
@@ -178,14 +158,8 @@ def _flag_value(name: str, value: str) -> Any:
 
 
 def command_line(scenario: str, quick: bool, out_dir: str | None, extra: Sequence[str]) -> str:
-    """The ``editrain bench`` command equivalent to a call of ``run_scenario``.
-
-    Args:
-        scenario: the scenario name.
-        quick: whether ``--quick`` was given.
-        out_dir: the ``--out`` directory (None: not given).
-        extra: the further arguments, as given.
-    """
+    """The ``editrain bench`` command equivalent to a call of ``run_scenario`` (``extra``:
+    the further arguments as given; ``out_dir`` None: no ``--out``)."""
     argv = ["editrain", "bench", scenario]
     if quick:
         argv.append("--quick")
