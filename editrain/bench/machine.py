@@ -20,14 +20,10 @@ def machine_info() -> dict[str, Any]:
     except (AttributeError, OSError):
         usable = os.cpu_count()
     info: dict[str, Any] = {
-        "cpu_count": os.cpu_count(),
-        "usable_cpus": usable,
-        "torch": torch.__version__,
-        "python": platform.python_version(),
-        "platform": platform.platform(),
+        "cpu_count": os.cpu_count(), "usable_cpus": usable, "torch": torch.__version__,
+        "python": platform.python_version(), "platform": platform.platform(),
         "processor": platform.processor() or platform.machine(),
-        "editrain": getattr(editrain, "__version__", "?"),
-        "cuda": torch.cuda.is_available(),
+        "editrain": getattr(editrain, "__version__", "?"), "cuda": torch.cuda.is_available(),
     }
     try:
         info["load_average"] = [round(x, 2) for x in os.getloadavg()]
@@ -50,26 +46,25 @@ def git_commit() -> str | None:
     (``+dirty`` when tracked files are modified; None outside a git checkout)."""
     import editrain
 
-    root = Path(editrain.__file__).resolve().parent.parent
+    root = str(Path(editrain.__file__).resolve().parent.parent)
+
+    def git(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run(["git", "-C", root, *args], capture_output=True, text=True,
+                              timeout=10, check=False)
+
     try:
-        out = subprocess.run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"],
-                             capture_output=True, text=True, timeout=10, check=False)
-        dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain",
-                                "--untracked-files=no"],
-                               capture_output=True, text=True, timeout=10, check=False)
+        head = git("rev-parse", "--short", "HEAD")
+        status = git("status", "--porcelain", "--untracked-files=no")
     except (OSError, subprocess.SubprocessError):
         return None
-    if out.returncode != 0:
+    if head.returncode != 0:
         return None
-    return out.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
+    return head.stdout.strip() + ("+dirty" if status.stdout.strip() else "")
 
 
 def describe_machine(m: dict[str, Any]) -> str:
-    """One line: CPUs, platform, torch, Python, commit, load average.
-
-    Args:
-        m: a record from :func:`machine_info`.
-    """
+    """One line: CPUs, platform, torch, Python, commit, load average (``m``: a record from
+    :func:`machine_info`)."""
     load = m.get("load_average")
     text = (f"{m.get('usable_cpus')} usable CPUs ({m.get('cpu_count')} total, "
             f"{m.get('processor')}), {m.get('platform')}, torch {m.get('torch')}, "
