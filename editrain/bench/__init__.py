@@ -99,10 +99,8 @@ def run_scenario(name: str, quick: bool = False, out_dir: str | None = None,
         out_dir: results directory (default ``bench_results/<scenario>``; for ``all`` and
             ``report`` the directory holding one sub-directory per scenario, default
             ``bench_results``).
-        extra: further command-line arguments: ``--tiny`` (smoke-test size), ``--full``
-            (the full size, also the default without ``--quick``), ``--seeds N``,
-            ``--repeats N``, ``--links A,B`` (bandwidth), ``--path FILE`` and ``--readme
-            FILE`` (report), and training
+        extra: further command-line arguments: bench flags (``--tiny``, ``--full``,
+            ``--seeds N``...; see :func:`~editrain.bench.options.split_extra`) and training
             options applied to every run (``--model.preset small``...).
         tiny: the smoke-test size (overrides ``quick``); also ``EDITRAIN_BENCH_TINY=1``.
 
@@ -112,6 +110,7 @@ def run_scenario(name: str, quick: bool = False, out_dir: str | None = None,
     """
     from editrain.bench.options import DEFAULT_ROOT, command_line, split_extra
     from editrain.bench.runner import Bench
+    from editrain.bench.scenario import execute
 
     extra = list(extra or [])
     flags, overrides = split_extra(extra)
@@ -130,49 +129,49 @@ def run_scenario(name: str, quick: bool = False, out_dir: str | None = None,
     if flags.get("methods") and name != "convergence":
         raise ConfigError(f"bench --methods picks variants of the convergence scenario; "
                           f"{name} runs all of its own")
-
     if name == "report":
-        from editrain.bench.report import (
-            check_readme,
-            scenario_dirs,
-            write_benchmarks_md,
-            write_readme_headline,
-        )
-
-        check_path("bench report --path", flags.get("path", "docs/benchmarks.md"), "out_file")
-        if flags.get("readme"):
-            check_path("bench report --readme", flags["readme"], "in_file")
-        dirs = scenario_dirs(root, SCENARIOS)
-        if not dirs:
-            raise ConfigError(f"bench report: no results.json under {root}/<scenario>/; run "
-                              "`editrain bench all` (or single scenarios) first")
-        if flags.get("readme"):
-            check_readme(flags["readme"])  # no markers: fail before writing anything
-        path = write_benchmarks_md(dirs, path=flags.get("path", "docs/benchmarks.md"))
-        print(f"wrote {path} from {len(dirs)} scenario(s)")
-        out_report: dict[str, Any] = {"path": str(path)}
-        if flags.get("readme"):
-            write_readme_headline(flags["readme"], dirs)
-            print(f"wrote the headline table of {flags['readme']}")
-            out_report["readme"] = flags["readme"]
-        return out_report
+        return _report(root, flags)
     if name == "all":
-        out: dict[str, Any] = {}
-        for scenario in SCENARIOS:
-            sub = None if out_dir is None else str(root / scenario)
-            out[scenario] = run_scenario(scenario, quick=quick, out_dir=sub, extra=extra,
-                                         tiny=tiny)
-        return out
-
+        return {scenario: run_scenario(scenario, quick=quick, extra=extra, tiny=tiny,
+                                       out_dir=None if out_dir is None else str(root / scenario))
+                for scenario in SCENARIOS}
     module = scenario_module(name)
     results_dir = Path(out_dir) if out_dir is not None else DEFAULT_ROOT / name
     shown = extra + (["--tiny"] if tiny and "--tiny" not in extra else [])
     bench = Bench(name, mode, results_dir, user_overrides=overrides,
                   command=command_line(name, quick, out_dir, shown), flags=flags)
     bench.log(f"{mode} size; results in {results_dir}")
-    from editrain.bench.scenario import execute
-
     return execute(module.SCENARIO, bench)
+
+
+def _report(root: Path, flags: dict[str, Any]) -> dict[str, Any]:
+    """``bench report``: ``docs/benchmarks.md`` (``--path``) and the headline of
+    ``--readme`` from the results under ``root``."""
+    from editrain.bench.report import (
+        check_readme,
+        scenario_dirs,
+        write_benchmarks_md,
+        write_readme_headline,
+    )
+
+    path, readme = flags.get("path", "docs/benchmarks.md"), flags.get("readme")
+    check_path("bench report --path", path, "out_file")
+    if readme:
+        check_path("bench report --readme", readme, "in_file")
+    dirs = scenario_dirs(root, SCENARIOS)
+    if not dirs:
+        raise ConfigError(f"bench report: no results.json under {root}/<scenario>/; run "
+                          "`editrain bench all` (or single scenarios) first")
+    if readme:
+        check_readme(readme)  # no markers: fail before writing anything
+    written = write_benchmarks_md(dirs, path=path)
+    print(f"wrote {written} from {len(dirs)} scenario(s)")
+    out: dict[str, Any] = {"path": str(written)}
+    if readme:
+        write_readme_headline(readme, dirs)
+        print(f"wrote the headline table of {readme}")
+        out["readme"] = readme
+    return out
 
 
 __all__ = ["REUSABLE", "SCENARIOS", "TINY_ENV", "run_scenario", "scenario_module"]
