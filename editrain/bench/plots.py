@@ -17,15 +17,8 @@ def pyplot():
 
 
 def save_figure(fig: Any, path: Path) -> Path:
-    """Save and close a figure (a legend on every axis that has labelled artists).
-
-    Args:
-        fig: the matplotlib figure.
-        path: the PNG to write.
-
-    Returns:
-        ``path``.
-    """
+    """Save ``fig`` as the PNG ``path`` and close it (a legend on every axis that has
+    labelled artists); returns ``path``."""
     for ax in fig.axes:
         if ax.get_legend_handles_labels()[0]:
             ax.legend(fontsize=8)

@@ -113,15 +113,9 @@ class Run:
         ``step_time_s`` and ``wall_time_s`` (entry ``step`` == row ``step``): such syncs
         are left out here.
         """
-        out = []
-        for i, r in enumerate(self.rows):
-            s = r.get("sync")
-            if not isinstance(s, dict):
-                continue
-            if self.layerwise and s.get("step") == r.get("step"):
-                continue
-            out.append((i, s))
-        return out
+        return [(i, r["sync"]) for i, r in enumerate(self.rows)
+                if isinstance(r.get("sync"), dict)
+                and not (self.layerwise and r["sync"].get("step") == r.get("step"))]
 
 
 def _round_index(entry: dict[str, Any]) -> float:
@@ -134,19 +128,8 @@ def _round_index(entry: dict[str, Any]) -> float:
 
 def read_run(label: str, run_dir: Path, overrides: dict[str, Any], launch_s: float = 0.0,
              error: str | None = None) -> Run:
-    """Load whatever a run directory holds into a :class:`Run`.
-
-    Args:
-        label: the run's name inside its scenario.
-        run_dir: the run directory.
-        overrides: the training options the run was started with (for the record).
-        launch_s: wall time of the launch call.
-        error: why the launch failed, if it did.
-
-    Returns:
-        The run; ``error`` is set when there is no ``summary.json``.
-    """
-
+    """Load whatever a run directory holds into a :class:`Run` (its fields: the arguments);
+    ``error`` is set when there is no ``summary.json``."""
     from editrain.metrics import current_rows, read_metrics
 
     run = Run(label=label, run_dir=run_dir, overrides=overrides, launch_s=launch_s, error=error)
