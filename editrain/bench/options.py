@@ -46,7 +46,11 @@ options are this invocation's, instead of running them again)."""
 
 VALUE_FLAGS = {"--seeds": int, "--repeats": int, "--path": str, "--readme": str,
                "--links": str, "--methods": str, "--shapes": str}
-"""Bench flags with a value, and the value's type (everything else is a training option)."""
+"""Bench flags with a value, and the value's type: ``--seeds N`` (convergence, optimizers),
+``--repeats N`` (timed scenarios), ``--links A,B`` (bandwidth: a subset of its links),
+``--methods A,B`` (convergence: a subset of its variants), ``--shapes A,B`` (scale, batch: a
+subset of the model shapes), ``--path FILE`` and ``--readme FILE`` (report). Everything else
+is a training option."""
 
 
 def base_overrides(mode: str) -> dict[str, Any]:
@@ -88,21 +92,9 @@ def merge(*layers: dict[str, Any] | None) -> dict[str, Any]:
 
 
 def split_extra(extra: Sequence[str]) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Split the command line's extra arguments into bench flags and training overrides.
-
-    Bench flags: ``--tiny`` and ``--full`` (sizes; no flag and no ``--quick`` means
-    full), ``--seeds N`` (convergence, optimizers), ``--repeats N`` (timed scenarios),
-    ``--links A,B`` (bandwidth: a subset of its links), ``--methods A,B`` (convergence: a
-    subset of its variants), ``--shapes A,B`` (scale, batch: a subset of the model shapes),
-    ``--reuse`` (convergence, tune, scale, batch), ``--path FILE`` and ``--readme
-    FILE`` (report). The rest must be training options
-    (``--section.key=value``), applied to every run.
-
-    Args:
-        extra: the arguments after ``editrain bench SCENARIO [--quick] [--out DIR]``.
-
-    Returns:
-        ``(flags, overrides)``.
+    """Split the arguments after ``editrain bench SCENARIO [--quick] [--out DIR]`` into
+    bench flags (:data:`SIZE_FLAGS`, :data:`SWITCH_FLAGS`, :data:`VALUE_FLAGS`) and the
+    training options applied to every run (``--section.key=value``): ``(flags, overrides)``.
 
     Raises:
         ConfigError: an argument that is neither, a missing value, or a count below 1.
