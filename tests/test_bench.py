@@ -813,6 +813,15 @@ def test_split_extra_and_merge():
     assert merge({"a": {"b": 1, "c": 2}}, {"a": {"c": 3}}, None) == {"a": {"b": 1, "c": 3}}
 
 
+@pytest.mark.parametrize("arg", ["--tiny=0", "--full=no", "--reuse=1", "--tiny="])
+def test_a_flag_without_a_value_refuses_one(arg):
+    """``--tiny=0`` once turned the tiny size on (the value was ignored) and ``--reuse=1``
+    was taken for a training option: a switch given a value is refused, naming it."""
+    name = arg.partition("=")[0]
+    with pytest.raises(ConfigError, match=f"bench {name}: takes no value"):
+        split_extra([arg])
+
+
 def test_repeats_per_size(tmp_path):
     """1 repeat tiny, 3 quick, 5 full; --repeats overrides."""
     sizes = {m: Bench("x", m, tmp_path / m).repeats for m in ("tiny", "quick", "full")}

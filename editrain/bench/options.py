@@ -97,17 +97,19 @@ def split_extra(extra: Sequence[str]) -> tuple[dict[str, Any], dict[str, Any]]:
     training options applied to every run (``--section.key=value``): ``(flags, overrides)``.
 
     Raises:
-        ConfigError: an argument that is neither, a missing value, or a count below 1.
+        ConfigError: an argument that is neither, a missing value, a value given to a flag
+            that takes none (``--tiny=0``), or a count below 1.
     """
     flags: dict[str, Any] = {}
     rest: list[str] = []
     args = iter(extra)
     for arg in args:
         name, eq, value = arg.partition("=")
-        if name in SIZE_FLAGS:
-            flags[SIZE_FLAGS[name]] = True
-        elif name in SWITCH_FLAGS and not eq:
-            flags[SWITCH_FLAGS[name]] = True
+        if name in SIZE_FLAGS or name in SWITCH_FLAGS:
+            if eq:  # `--tiny=0` must not turn the tiny size on
+                raise ConfigError(f"bench {name}: takes no value, got {arg!r}; leave it out "
+                                  f"or give it alone")
+            flags[SIZE_FLAGS.get(name) or SWITCH_FLAGS[name]] = True
         elif name in VALUE_FLAGS:
             if not eq and (value := next(args, None)) is None:
                 raise ConfigError(f"bench {name}: missing value")
