@@ -12,6 +12,11 @@ UTILISATION_TOLERANCE = 1e-6
 """Rounding slack when checking that a utilisation is at most 1."""
 
 
+def _total(items: list[dict[str, Any]], key: str) -> float:
+    """The sum of ``key`` over ``items`` (missing and non-finite values left out)."""
+    return sum(finite(x.get(key) for x in items))
+
+
 def steady_throughput(run: Run, skip: int = 3) -> dict[str, Any]:
     """Tokens per second of the whole cluster over the steady part of a run.
 
@@ -30,9 +35,9 @@ def steady_throughput(run: Run, skip: int = 3) -> dict[str, Any]:
 
     Returns:
         ``tokens_per_s``, ``seconds``, ``tokens``, ``from_step``, ``to_step``, ``steps``,
-        ``syncs`` and the per-step sums of the sync entries inside the window
-        (``wait_s``, ``comm_time_s``, ``link_delay_s``, ``sync_time_s``); empty when the
-        run has too few rows.
+        ``step_time_s``, ``syncs`` and the per-step sums of the sync entries and rows inside
+        the window (``wait_s_per_step``, ``compute_s_per_step``...); empty when the run
+        has too few rows.
     """
     rows = run.rows
     if len(rows) < 2:
@@ -51,22 +56,19 @@ def steady_throughput(run: Run, skip: int = 3) -> dict[str, Any]:
     seconds = rb[clock] - ra[clock]
     tokens = rb["tokens"] - ra["tokens"]
     steps = rb["step"] - ra["step"]
+    inside = [s for i, s in run.timed_syncs() if a < i <= b]
+    window = rows[a + 1:b + 1]
     out: dict[str, Any] = {
         "tokens_per_s": tokens / seconds if seconds > 0 else None,
         "seconds": seconds, "tokens": tokens, "from_step": ra["step"], "to_step": rb["step"],
         "steps": steps, "step_time_s": seconds / steps if steps else None,
-    }
-    inside = [s for i, s in run.timed_syncs() if a < i <= b]
-    out["syncs"] = len(inside)
-    for key in ("wait_s", "comm_time_s", "link_delay_s", "sync_time_s"):
-        total = sum(finite(s.get(key) for s in inside))
-        out[key + "_per_step"] = total / steps if steps else None
-    window = rows[a + 1:b + 1]
-    out["compute_s_per_step"] = (sum(finite(r.get("compute_s") for r in window)) / steps
-                                 if steps else None)
+        "syncs": len(inside)}
+    sums = {f"{key}_per_step": _total(inside, key)
+            for key in ("wait_s", "comm_time_s", "link_delay_s", "sync_time_s")}
+    sums["compute_s_per_step"] = _total(window, "compute_s")
     if any("grad_sync_s" in r for r in window):
-        out["grad_sync_s_per_step"] = sum(finite(r.get("grad_sync_s") for r in window)) / steps
-    return out
+        sums["grad_sync_s_per_step"] = _total(window, "grad_sync_s")
+    return out | {key: total / steps if steps else None for key, total in sums.items()}
 
 
 def rank_window(rows: list[dict[str, Any]], skip: int) -> dict[str, Any]:
@@ -96,16 +98,15 @@ def rank_window(rows: list[dict[str, Any]], skip: int) -> dict[str, Any]:
         a = 0
     first, last, window = rows[a], rows[-1], rows[a + 1:]
     seconds = last["wall_time_s"] - first["wall_time_s"]
-    compute = sum(finite(r.get("compute_s") for r in window))
-    stall = sum(finite(r.get("sim_stall_s") for r in window))
+    compute, stall = _total(window, "compute_s"), _total(window, "sim_stall_s")
     tokens = last.get("tokens", 0) - first.get("tokens", 0)
     return {
         "tokens_per_s": tokens / seconds if seconds > 0 else None,
         "utilisation": (compute + stall) / seconds if seconds > 0 else None,
         "seconds": seconds, "tokens": tokens, "steps": last["step"] - first["step"],
         "compute_s": compute, "stall_s": stall,
-        "sync_wait_s": sum(finite(r.get("sync_wait_s") for r in window)),
-        "grad_sync_s": sum(finite(r.get("grad_sync_s") for r in window)),
+        "sync_wait_s": _total(window, "sync_wait_s"),
+        "grad_sync_s": _total(window, "grad_sync_s"),
         "from_step": first["step"], "to_step": last["step"],
     }
 
@@ -122,10 +123,9 @@ def replica_stats(run: Run, skip: int = 3) -> list[dict[str, Any]]:
         skip: steps left out at the start.
 
     Returns:
-        One dict per replica, in replica order: ``replica``, ``ranks``, ``steps`` (this
-        replica's steps in the window), ``tokens_per_s``, ``utilisation``,
-        ``compute_s``, ``stall_s``, ``sync_wait_s``, ``seconds``; empty when the run has no
-        per-rank logs.
+        One dict per replica, in replica order: ``replica``, ``ranks``, ``tokens_per_s``,
+        ``utilisation``, ``max_rank_utilisation``, and its first rank's window (``steps``,
+        ``seconds``...); empty when the run has no per-rank logs.
     """
     out = []
     for replica, ranks in sorted(run.replicas().items()):
@@ -134,15 +134,14 @@ def replica_stats(run: Run, skip: int = 3) -> list[dict[str, Any]]:
             continue
         speeds = finite(w["tokens_per_s"] for w in windows)
         utils = finite(w["utilisation"] for w in windows)
+        first = {key: windows[0][key] for key in ("steps", "compute_s", "stall_s",
+                                                  "sync_wait_s", "seconds", "from_step",
+                                                  "to_step")}
         out.append({
-            "replica": replica, "ranks": ranks, "steps": windows[0]["steps"],
+            "replica": replica, "ranks": ranks, **first,
             "tokens_per_s": sum(speeds) if len(speeds) == len(windows) else None,
             "utilisation": sum(utils) / len(utils) if utils else None,
-            "max_rank_utilisation": max(utils) if utils else None,
-            "compute_s": windows[0]["compute_s"], "stall_s": windows[0]["stall_s"],
-            "sync_wait_s": windows[0]["sync_wait_s"], "seconds": windows[0]["seconds"],
-            "from_step": windows[0]["from_step"], "to_step": windows[0]["to_step"],
-        })
+            "max_rank_utilisation": max(utils) if utils else None})
     return out
 
 
@@ -192,13 +191,12 @@ def aedit_period(edit_run: Run | None, interval: int) -> float:
 
 def val_curve(run: Run) -> list[tuple[float, float, float]]:
     """``(tokens, wall_time_s, val_loss)`` of every evaluation, in token order."""
-    out = []
-    for r in run.evals:
-        v = r.get("val_loss")
-        if isinstance(v, int | float) and math.isfinite(v):
-            out.append((float(r.get("tokens", 0)), float(r.get("wall_time_s", 0.0)), float(v)))
-    return sorted(out)
+    return sorted((float(r.get("tokens", 0)), float(r.get("wall_time_s", 0.0)),
+                   float(r["val_loss"])) for r in run.evals
+                  if isinstance(r.get("val_loss"), int | float)
+                  and math.isfinite(r["val_loss"]))
 
 
-__all__ = ["UTILISATION_TOLERANCE", "aedit_period", "over_repeats", "rank_window", "replica_spreads",
-           "replica_stats", "run_refs", "steady_throughput", "utilisation_errors", "val_curve"]
+__all__ = ["UTILISATION_TOLERANCE", "aedit_period", "over_repeats", "rank_window",
+           "replica_spreads", "replica_stats", "run_refs", "steady_throughput",
+           "utilisation_errors", "val_curve"]
