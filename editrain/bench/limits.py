@@ -59,7 +59,7 @@ class SoloPlan:
     layers: dict[str, dict[str, Any]] = field(default_factory=dict)
     """Solo key -> the option layer that turns a compared run into that solo run."""
     labels: dict[str, str] = field(default_factory=dict)
-    """Solo key -> run label (``solo-replica1``, ``solo-replicas0+1``)."""
+    """Solo key -> run label (``solo-replica1``)."""
     sims: dict[str, dict[str, Any]] = field(default_factory=dict)
     """Solo key -> the ``sim`` options of the solo run (for the record)."""
 
@@ -109,74 +109,54 @@ def plan_solo_runs(cfg: Any, margin: float = 1.0) -> SoloPlan:
     replicas = cfg.dist.nproc // shard
     steps = math.ceil(margin * cfg.train.steps * replicas)  # any replica's share fits
     threads = cfg.dist.threads_per_proc or max(1, (os.cpu_count() or 1) // cfg.dist.nproc)
-    plan = SoloPlan(replica_keys=[])
-    for replica in range(replicas):
-        sim = solo_sim(cfg.sim, replica)
-        key = f"replica{replica}"
-        plan.replica_keys.append(key)
-        plan.sims[key] = sim
-        plan.labels[key] = f"solo-replica{replica}"
-        plan.layers[key] = {
-            "dist": {"nproc": shard, "shard_size": shard, "threads_per_proc": threads},
-            "sim": sim,
-            "sync": {"method": "edit", "local_sgd_sync_interval": steps + 1},
-            "train": {"steps": steps, "eval_every": steps},
-        }
-    return plan
-
-
-def solo_speed(run: Run, skip: int) -> dict[str, Any]:
-    """Tokens/s of one solo run and its replica's utilisation.
-
-    Args:
-        run: the solo run.
-        skip: steps left out at the start.
-
-    Returns:
-        ``tokens_per_s`` (from ``metrics.jsonl``, like the compared runs' throughput) and
-        ``utilisation`` (from the per-rank logs; None without them).
-    """
-    if not run.ok:
-        return {"tokens_per_s": None, "utilisation": None}
-    window = steady_throughput(run, skip)
-    reps = replica_stats(run, skip)
-    return {"tokens_per_s": window.get("tokens_per_s"),
-            "utilisation": reps[0]["utilisation"] if reps else None}
+    keys = [f"replica{replica}" for replica in range(replicas)]
+    sims = {key: solo_sim(cfg.sim, replica) for replica, key in enumerate(keys)}
+    layers = {key: {"dist": {"nproc": shard, "shard_size": shard, "threads_per_proc": threads},
+                    "sim": sims[key],
+                    "sync": {"method": "edit", "local_sgd_sync_interval": steps + 1},
+                    "train": {"steps": steps, "eval_every": steps}} for key in keys}
+    return SoloPlan(replica_keys=keys, layers=layers, sims=sims,
+                    labels={key: f"solo-{key}" for key in keys})
 
 
 def measured_limit(plan: SoloPlan, solo_runs: dict[str, Run], skip: int) -> dict[str, Any]:
-    """The limit of one repeat: the sum over replicas of their solo tokens/s.
+    """The limit of one round: the sum over replicas of their solo tokens/s (from
+    ``metrics.jsonl``, like the compared runs' throughput).
 
     Args:
         plan: the solo plan.
-        solo_runs: solo key -> that repeat's solo run.
+        solo_runs: solo key -> that round's solo run.
         skip: steps left out at the start.
 
     Returns:
-        ``tokens_per_s`` (None when a solo run failed) and ``per_replica`` (each replica's
-        solo tokens/s).
+        ``tokens_per_s`` (None when a solo run failed), ``per_replica`` (each replica's
+        solo tokens/s) and ``utilisation`` (solo label -> the solo replica's, from its
+        per-rank logs; None without them).
     """
-    speeds = {key: solo_speed(run, skip) for key, run in solo_runs.items()}
-    per_replica = [speeds[key]["tokens_per_s"] for key in plan.replica_keys]
+    speeds, utilisation = {}, {}
+    for key, run in solo_runs.items():
+        stats = replica_stats(run, skip) if run.ok else []
+        speeds[key] = steady_throughput(run, skip).get("tokens_per_s") if run.ok else None
+        utilisation[plan.labels[key]] = stats[0]["utilisation"] if stats else None
+    per_replica = [speeds[key] for key in plan.replica_keys]
     return {"tokens_per_s": _total(per_replica), "per_replica": per_replica,
-            "utilisation": {plan.labels[k]: s["utilisation"] for k, s in speeds.items()}}
+            "utilisation": utilisation}
 
 
 def solo_speed_over(run: Run, first: int, last: int) -> float | None:
     """A solo run's tokens/s (its ranks' sum) from the end of its step ``first`` to the end
     of step ``last`` (None when a rank lacks either step)."""
-    if not run.ok or not run.ranks:
+    if not run.ok:
         return None
-    total = 0.0
-    for rows in run.ranks.values():
-        span = [r for r in rows if first <= r["step"] <= last]
-        if not span or span[0]["step"] != first or span[-1]["step"] != last:
-            return None
-        speed = rank_window(span, skip=first).get("tokens_per_s")
-        if speed is None:
-            return None
-        total += speed
-    return total
+    return _total([_span_speed(rows, first, last) for rows in run.ranks.values()])
+
+
+def _span_speed(rows: list[dict[str, Any]], first: int, last: int) -> float | None:
+    """One rank's tokens/s from the end of step ``first`` to the end of step ``last``."""
+    span = [r for r in rows if first <= r["step"] <= last]
+    if not span or span[0]["step"] != first or span[-1]["step"] != last:
+        return None
+    return rank_window(span, skip=first).get("tokens_per_s")
 
 
 def matched_limit(plan: SoloPlan, solo_runs: dict[str, Run], run: Run,
@@ -196,18 +176,11 @@ def matched_limit(plan: SoloPlan, solo_runs: dict[str, Run], run: Run,
         ``per_replica`` (each replica's solo tokens/s over its steps) and ``steps`` (each
         replica's ``[first, last]``).
     """
-    per_replica: list[float | None] = []
-    steps: list[list[int] | None] = []
     stats = {s["replica"]: s for s in replica_stats(run, skip)} if run.ok else {}
-    for replica, key in enumerate(plan.replica_keys):
-        window = stats.get(replica)
-        if window is None:
-            per_replica.append(None)
-            steps.append(None)
-            continue
-        first, last = window["from_step"], window["to_step"]
-        steps.append([first, last])
-        per_replica.append(solo_speed_over(solo_runs[key], first, last))
+    windows = [stats.get(replica) for replica in range(len(plan.replica_keys))]
+    steps = [None if w is None else [w["from_step"], w["to_step"]] for w in windows]
+    per_replica = [None if span is None else solo_speed_over(solo_runs[key], *span)
+                   for key, span in zip(plan.replica_keys, steps)]
     return {"tokens_per_s": _total(per_replica), "per_replica": per_replica, "steps": steps}
 
 
@@ -228,12 +201,11 @@ def bracketed_limit(plan: SoloPlan, brackets: Sequence[dict[str, Run]], run: Run
         ``brackets`` (each bracket's limit) and ``drift`` (their range over their mean).
     """
     each = [matched_limit(plan, solos, run, skip) for solos in brackets]
-    per_replica = [None if _total(v) is None else _total(v) / len(v) for v in
-                   ([x["per_replica"][replica] for x in each]
-                    for replica in range(len(plan.replica_keys)))]
+    per_replica = [_mean([x["per_replica"][replica] for x in each])
+                   for replica in range(len(plan.replica_keys))]
     totals = [x["tokens_per_s"] for x in each]
-    drift = (None if _total(totals) is None
-             else (max(totals) - min(totals)) / (_total(totals) / len(totals)))
+    mean = _mean(totals)
+    drift = None if mean is None else (max(totals) - min(totals)) / mean
     return {"tokens_per_s": _total(per_replica), "per_replica": per_replica,
             "steps": each[0]["steps"] if each else [], "brackets": totals, "drift": drift}
 
@@ -243,5 +215,11 @@ def _total(values: Sequence[float | None]) -> float | None:
     return sum(values) if values and all(v is not None for v in values) else None
 
 
+def _mean(values: Sequence[float | None]) -> float | None:
+    """The mean of ``values``; None when there are none or one is missing."""
+    total = _total(values)
+    return None if total is None else total / len(values)
+
+
 __all__ = ["SoloPlan", "bracketed_limit", "matched_limit", "measured_limit", "plan_solo_runs",
-           "solo_sim", "solo_speed", "solo_speed_over"]
+           "solo_sim", "solo_speed_over"]
