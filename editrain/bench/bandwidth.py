@@ -21,20 +21,30 @@ from editrain.bench.plots import median_bars
 from editrain.bench.prose import fill, prose
 from editrain.bench.runner import Bench, repeat_label
 from editrain.bench.runs import Run
-from editrain.bench.scenario import Ctx, Job, Scenario, Verdict, differences, figure
+from editrain.bench.scenario import Ctx, Job, Scenario, Table, Verdict, differences, figure
 from editrain.bench.stats import compare, spread
-from editrain.bench.tables import cell, md_table, ms, ratio, spread_cell
+from editrain.bench.tables import cell, ms, ratio, spread_cell
 from editrain.config import ConfigError
 
 TEXT = prose("bandwidth")
+UNLIMITED = "unlimited"
+
+
+def link_name(bw: str | None, lat: str | None) -> str:
+    """``20MB/s+5ms`` or ``unlimited``."""
+    if bw is None and lat is None:
+        return UNLIMITED
+    return "+".join(x for x in (bw, lat) if x)
+
+
 STREAMING = {"overlap_steps": 4, "fragments": 4, "comm_dtype": "int8", "merge": "keep_local"}
 """The streaming settings of ``edit-streaming`` (the sweep shows the alternatives)."""
 SPARSE = {"comm_dtype": "topk2", "merge": "keep_local"}
-"""The settings of ``edit-sparse``, whose ``overlap_steps`` is ``H - 1`` (the most a round
-may stay in flight)."""
 SPARSE_EAGER = {"comm_dtype": "topk2", "merge": "eager"}
-"""The settings of ``edit-sparse-eager``, whose ``overlap_steps`` is ``H``: the whole round
-in flight, this replica's own share applied at once (docs/streaming.md section 3c)."""
+ROUND_OVERLAP = {"edit-sparse": -1, "edit-sparse-eager": 0}
+"""``overlap_steps`` of the sparse variants, relative to H: ``edit-sparse`` (H - 1) keeps
+its round in flight for all but one step of the next round; ``edit-sparse-eager`` (H) the
+whole round, this replica's own share applied at once (docs/streaming.md section 3c)."""
 VARIANTS: dict[str, dict[str, Any]] = {
     "sync": {"method": "sync"},
     "diloco": {"method": "diloco"},
@@ -44,12 +54,13 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "edit-sparse-eager": {"method": "edit", **SPARSE_EAGER},
 }
 """Each variant's sync options (the rows of the main table)."""
-SLOW_LINKS = (("1MB/s", "50ms"), ("0.25MB/s", "50ms"))
-"""The links of the sparse target (``edit-sparse`` >= 0.95x / 0.90x of its unlimited-link
-speed)."""
-SLOW_TARGETS = {"1MB/s+50ms": 0.95, "0.25MB/s+50ms": 0.90}
 METHODS = tuple(VARIANTS)
+SLOW_LINKS = (("1MB/s", "50ms"), ("0.25MB/s", "50ms"))
+SLOW_TARGETS = {"1MB/s+50ms": 0.95, "0.25MB/s+50ms": 0.90}
+"""The sparse target at the slow links: the best sparse variant keeps this share of its
+unlimited-link speed."""
 SWEEP_LINK = ("5MB/s", "5ms")
+SWEEP_NAME = link_name(*SWEEP_LINK)
 SWEEP: dict[str, dict[str, Any]] = {
     f"tau{t}-P{p}-{d}": {"method": "edit", "overlap_steps": t, "fragments": p, "comm_dtype": d}
     for t, p, d in ((0, 1, "int8"), (0, 4, "fp32"), (0, 4, "int8"), (4, 1, "fp32"),
@@ -58,12 +69,13 @@ SWEEP: dict[str, dict[str, Any]] = {
 }
 """Streaming alternatives run at :data:`SWEEP_LINK` only (``edit`` is tau0-P1-fp32 and
 ``edit-streaming`` tau4-P4-int8 of this grid)."""
-UNLIMITED = "unlimited"
-COMPARISONS = (("edit-sparse-eager", "edit-sparse"), ("edit-sparse", "edit-streaming"), ("edit-streaming", "edit"), ("edit-streaming", "sync"), ("edit", "diloco"),
+COMPARISONS = (("edit-sparse-eager", "edit-sparse"), ("edit-sparse", "edit-streaming"),
+               ("edit-streaming", "edit"), ("edit-streaming", "sync"), ("edit", "diloco"),
                ("edit", "sync"), ("diloco", "sync"))
 """Pairs whose tokens/s are compared against the spread of the repeats, at every link."""
 
 
+# ---- runs ---------------------------------------------------------------------------------
 def _links(bench: Bench) -> list[tuple[str | None, str | None]]:
     """The simulated links to sweep (bandwidth, latency); None: unlimited. ``--links``
     picks a subset by name.
@@ -84,19 +96,6 @@ def _links(bench: Bench) -> list[tuple[str | None, str | None]]:
     return [x for x in full if link_name(*x) in names]
 
 
-def _rotated(items: list[Any], by: int) -> list[Any]:
-    """``items`` rotated left by ``by`` places."""
-    k = by % len(items) if items else 0
-    return items[k:] + items[:k]
-
-
-def link_name(bw: str | None, lat: str | None) -> str:
-    """``20MB/s+5ms`` or ``unlimited``."""
-    if bw is None and lat is None:
-        return UNLIMITED
-    return "+".join(x for x in (bw, lat) if x)
-
-
 def _setup(bench: Bench) -> dict[str, Any]:
     interval = bench.pick(8, 32, 32)
     links = _links(bench)
@@ -111,27 +110,34 @@ def _setup(bench: Bench) -> dict[str, Any]:
             "model": {} if bench.mode == "full" else {"model": {"tie_embeddings": False}}}
 
 
-def _layers(ctx: Ctx, variant: dict[str, Any], steps: int | None, bw: str | None,
-            lat: str | None) -> list[dict]:
-    """The options of one run of a variant on a link (``steps`` None: the variant's)."""
-    if steps is None:
-        steps = ctx.sync_steps if variant["method"] == "sync" else ctx.local_steps
+def _layers(ctx: Ctx, name: str, variant: dict[str, Any],
+            link: tuple[str | None, str | None]) -> list[dict]:
+    """The options of one run of a variant on a link."""
+    steps = ctx.sync_steps if variant["method"] == "sync" else ctx.local_steps
     out: list[dict[str, Any]] = [
         {"train": timed_train(steps),
          "sync": dict(variant),
-         "sim": {"link_bandwidth": bw, "link_latency": lat}, **ctx.model}]
+         "sim": {"link_bandwidth": link[0], "link_latency": link[1]}, **ctx.model}]
     if variant["method"] != "sync":
         out.append({"sync": {"local_sgd_sync_interval": ctx.interval}})
-    if variant is VARIANTS["edit-sparse"]:
-        out.append({"sync": {"overlap_steps": ctx.interval - 1}})
-    if variant is VARIANTS["edit-sparse-eager"]:
-        out.append({"sync": {"overlap_steps": ctx.interval}})
+    if name in ROUND_OVERLAP:
+        out.append({"sync": {"overlap_steps": ctx.interval + ROUND_OVERLAP[name]}})
     return out
 
 
 def _ceiling(ctx: Ctx) -> list[dict]:
-    return [*_layers(ctx, VARIANTS["edit"], ctx.local_steps, None, None),
+    return [*_layers(ctx, "edit", VARIANTS["edit"], (None, None)),
             {"sync": {"local_sgd_sync_interval": ctx.local_steps + 1}}]
+
+
+def _rotated(items: list[Any], by: int) -> list[Any]:
+    """``items`` rotated left by ``by`` places."""
+    k = by % len(items) if items else 0
+    return items[k:] + items[:k]
+
+
+def _label(what: str, link: str) -> str:
+    return f"{what}-{link.replace('/', '')}"
 
 
 def _runs(ctx: Ctx) -> list[Job]:
@@ -143,57 +149,91 @@ def _runs(ctx: Ctx) -> list[Job]:
                         title=f"ceiling repeat {rep + 1}"))
         # The order of the links and of the methods rotates each repeat: a drift of the
         # machine's speed within a repeat then does not always land on the same link.
-        for (bw, lat), name in _rotated(list(zip(ctx.links, ctx.names)), rep):
-            for method, variant in _rotated(list(VARIANTS.items()), rep):
-                jobs.append(Job(repeat_label(f"{method}-{name.replace('/', '')}", rep),
-                                _layers(ctx, variant, None, bw, lat),
-                                title=f"{method} {name} repeat {rep + 1}"))
-            if (bw, lat) == SWEEP_LINK:
-                jobs += [Job(repeat_label(f"sweep-{label}-{name.replace('/', '')}", rep),
-                             _layers(ctx, variant, ctx.local_steps, bw, lat),
-                             title=f"{label} {name} repeat {rep + 1}")
-                         for label, variant in ctx.sweep.items()]
+        for link, where in _rotated(list(zip(ctx.links, ctx.names)), rep):
+            # (label prefix, name, sync options) of every run at this link
+            runs = [(name, name, sync) for name, sync in _rotated(list(VARIANTS.items()), rep)]
+            if link == SWEEP_LINK:
+                runs += [(f"sweep-{name}", name, sync) for name, sync in ctx.sweep.items()]
+            jobs += [Job(repeat_label(_label(prefix, where), rep),
+                         _layers(ctx, name, sync, link), title=f"{name} {where} repeat {rep + 1}")
+                     for prefix, name, sync in runs]
     return jobs
 
 
+# ---- measures -----------------------------------------------------------------------------
 def _repeats(ctx: Ctx, label: str) -> list[Run]:
     return [ctx.runs[repeat_label(label, rep)] for rep in range(ctx.bench.repeats)]
 
 
 def _results(ctx: Ctx) -> dict[str, Any]:
-    skip, names = ctx.skip, ctx.names
-    windows = over_repeats(_repeats(ctx, "ceiling"), skip)[0]
-    ceil_tps = [w.get("tokens_per_s") for w in windows]
-    ceil_step = [w.get("step_time_s") for w in windows]
-    results: dict[str, Any] = {"ceiling": {"tokens_per_s": spread(ceil_tps),
-                                           "step_time_s": spread(ceil_step),
-                                           "per_repeat": ceil_tps}}
-    errors: list[str] = []
+    ceiling = over_repeats(_repeats(ctx, "ceiling"), ctx.skip)[0]
+    ceiling_tps = [w.get("tokens_per_s") for w in ceiling]
+    results: dict[str, Any] = {"ceiling": {
+        "tokens_per_s": spread(ceiling_tps),
+        "step_time_s": spread(w.get("step_time_s") for w in ceiling),
+        "per_repeat": ceiling_tps}}
+    ctx.errors = []
+
+    def measured(method: str, label: str, what: str) -> dict[str, Any]:
+        """The entry of one setting; its utilisation errors go to ``ctx.errors``."""
+        entry, errors = _entry(method, _repeats(ctx, label), ctx.skip, ceiling)
+        ctx.errors += [f"{what}: {e}" for e in errors]
+        return entry
+
     for method in METHODS:
-        results[method] = {n: _entry(method, _repeats(ctx, f"{method}-{n.replace('/', '')}"),
-                                     skip, ceil_tps, ceil_step) for n in names}
-        for n, entry in results[method].items():
+        results[method] = {n: measured(method, _label(method, n), f"{method} {n}")
+                           for n in ctx.names}
+        for entry in results[method].values():
             entry["vs_unlimited"] = _kept(entry, results[method].get(UNLIMITED))
-            errors += [f"{method} {n}: {e}" for e in entry.pop("utilisation_errors")]
-    sweep_name = link_name(*SWEEP_LINK)
     edit_base = results["edit"].get(UNLIMITED)
-    results["sweep"] = {}
     for method in ("edit", "edit-streaming"):
-        if sweep_name in results[method]:
-            entry = results[method][sweep_name]
+        if SWEEP_NAME in results[method]:
+            entry = results[method][SWEEP_NAME]
             entry["vs_edit_unlimited"] = _kept(entry, edit_base)
-    for label, variant in ctx.sweep.items():
-        entry = _entry("edit", _repeats(ctx, f"sweep-{label}-{sweep_name.replace('/', '')}"),
-                       skip, ceil_tps, ceil_step)
-        errors += [f"{label}: {e}" for e in entry.pop("utilisation_errors")]
+    results["sweep"] = {}
+    for name, variant in ctx.sweep.items():
+        entry = measured("edit", _label(f"sweep-{name}", SWEEP_NAME), name)
         entry["options"] = {k: v for k, v in variant.items() if k != "method"}
         entry["vs_edit_unlimited"] = _kept(entry, edit_base)
-        results["sweep"][label] = entry
+        results["sweep"][name] = entry
     results["comparisons"] = {
         n: [compare(a, b, results[a][n]["tokens_per_s"], results[b][n]["tokens_per_s"])
-            for a, b in COMPARISONS] for n in names}
-    ctx.errors = errors
+            for a, b in COMPARISONS] for n in ctx.names}
     return results
+
+
+def _entry(method: str, runs: list[Run], skip: int,
+           ceiling: list[dict[str, Any]]) -> tuple[dict[str, Any], list[str]]:
+    """The numbers of one method on one link over its repeats (each against the ceiling's
+    window of the same repeat), and the utilisation errors of its runs."""
+    windows, per_replica, errors = over_repeats(runs, skip)
+    local_sgd = method != "sync"
+
+    def of(key: str) -> dict[str, Any]:
+        return spread(w.get(key) for w in windows)
+
+    steps = zip((w.get("step_time_s") for w in windows),
+                (c.get("step_time_s") for c in ceiling))
+    return {
+        "tokens_per_s": of("tokens_per_s"),
+        "step_time_s": of("step_time_s"),
+        "vs_ceiling": spread(ratio(w.get("tokens_per_s"), c.get("tokens_per_s"))
+                             for w, c in zip(windows, ceiling)),
+        "overhead_vs_ceiling_s_per_step": spread(
+            s - c for s, c in steps if s is not None and c is not None),
+        "wait_s_per_step": of("wait_s_per_step" if local_sgd else "grad_sync_s_per_step"),
+        "comm_time_s_per_step": of("comm_time_s_per_step") if local_sgd else None,
+        "link_delay_s_per_step": of("link_delay_s_per_step") if local_sgd else None,
+        "compute_s_per_step": of("compute_s_per_step"),
+        "exposed": spread(
+            w.get("wait_s_per_step") / w["comm_time_s_per_step"]
+            for w in windows if local_sgd and w.get("comm_time_s_per_step")
+            and w.get("wait_s_per_step") is not None),
+        "replicas": replica_spreads(per_replica),
+        "windows": windows,
+        "load_before": [r.load_before for r in runs],
+        **run_refs(runs),
+    }, [e for repeat in errors for e in repeat]
 
 
 def _kept(entry: dict[str, Any], base: dict[str, Any] | None) -> dict[str, Any]:
@@ -203,188 +243,150 @@ def _kept(entry: dict[str, Any], base: dict[str, Any] | None) -> dict[str, Any]:
                   for w, b in zip(entry["windows"], (base or {}).get("windows", [])))
 
 
-def _verdict(ctx: Ctx) -> Verdict:
-    results, names = ctx.results, ctx.names
-    targets, findings, shortfalls = _judge(results, names, ctx.interval)
-    above = [f"{m} {n} ({cell(_med(results[m][n]['vs_ceiling']))}x)" for m in METHODS
-             for n in names if (_med(results[m][n]["vs_ceiling"]) or 0) > 1.0]
-    if above:
-        findings.append(fill(TEXT["findings"]["above_ceiling"], above=", ".join(above)))
-    ceiling = results["ceiling"]["tokens_per_s"]
-    if ceiling["n"] >= 2 and ceiling["min"]:
-        drift = ceiling["max"] / ceiling["min"] - 1.0
-        if drift > 0.1:
-            findings.append(fill(TEXT["findings"]["ceiling_drift"], drift=drift))
-    return Verdict(targets=targets, findings=findings, shortfalls=shortfalls,
-                   errors=ctx.errors,
-                   headline=_headline(results, names, ctx.interval, ctx.bench.repeats))
+def _med(s: dict[str, Any] | None) -> float | None:
+    return None if not s else s.get("median")
 
 
-def _notes(ctx: Ctx) -> list[str]:
-    return fill(TEXT["notes"], ctx=ctx, preset=TEXT["preset_full" if ctx.bench.mode == "full"
-                                                   else "preset_small"],
-                ceiling_interval=ctx.local_steps + 1, sparse=_options_text(SPARSE),
-                sparse_overlap=ctx.interval - 1, sparse_eager=_options_text(SPARSE_EAGER),
-                streaming=_options_text(STREAMING), sweep_name=link_name(*SWEEP_LINK))
+# ---- tables -------------------------------------------------------------------------------
+def _spread(key: str, scale: float = 1.0):
+    """A column: the spread ``key`` of the row's entry (its last item)."""
+    return lambda row: spread_cell(row[-1].get(key), scale)
+
+
+def _main_rows(ctx: Ctx) -> list[tuple[str, str, dict[str, Any]]]:
+    """The ceiling, then one row per method and link (the methods the record has: one
+    from before a variant was added lacks it)."""
+    ceiling = {**ctx.results["ceiling"], "vs_ceiling": spread([1.0])}
+    return [("ceiling (no comm)", UNLIMITED, ceiling)] + [
+        (m, n, ctx.results[m][n]) for m in METHODS if m in ctx.results for n in ctx.names]
+
+
+def _sweep_rows(ctx: Ctx) -> list[tuple[str, dict[str, Any], dict[str, Any]]]:
+    """The streaming sweep's variants, after plain edit and edit-streaming for reference."""
+    results = ctx.results
+    return [("edit", {}, results["edit"][SWEEP_NAME]),
+            ("edit-streaming", STREAMING, results["edit-streaming"][SWEEP_NAME]),
+            *((name, e.get("options") or STREAMING, e) for name, e in results["sweep"].items())]
+
+
+def _utilisations(row: tuple) -> str | None:
+    """Each replica's median utilisation, ``0.93/0.88``."""
+    medians = [cell(r["utilisation"]["median"]) for r in row[-1].get("replicas", [])]
+    return "/".join(medians) or None
+
+
+MAIN_TABLE = Table("Throughput against link speed", [
+    ("method", None), ("link", lambda row: row[1]), ("tokens/s", _spread("tokens_per_s")),
+    ("x unlimited", _spread("vs_unlimited")), ("x ceiling", _spread("vs_ceiling")),
+    ("step ms", _spread("step_time_s", 1000)),
+    ("overhead vs ceiling ms/step", _spread("overhead_vs_ceiling_s_per_step", 1000)),
+    ("wait ms/step", _spread("wait_s_per_step", 1000)),
+    ("comm ms/step", _spread("comm_time_s_per_step", 1000)),
+    ("link delay ms/step", _spread("link_delay_s_per_step", 1000)),
+    ("utilisation per replica (median)", _utilisations)], rows=_main_rows)
+SWEEP_TABLE = Table(f"Streaming options at {SWEEP_NAME}", [
+    ("variant", None),
+    ("overlap_steps", lambda row: row[1].get("overlap_steps", 0)),
+    ("fragments", lambda row: row[1].get("fragments", 1)),
+    ("comm_dtype", lambda row: row[1].get("comm_dtype", "fp32")),
+    ("tokens/s", _spread("tokens_per_s")), ("x edit unlimited", _spread("vs_edit_unlimited")),
+    ("x ceiling", _spread("vs_ceiling")), ("wait ms/step", _spread("wait_s_per_step", 1000)),
+    ("comm ms/step", _spread("comm_time_s_per_step", 1000)),
+    ("exposed (wait / comm)", _spread("exposed"))], rows=_sweep_rows)
 
 
 def _sweep(ctx: Ctx) -> list[tuple[str, str]]:
     """The streaming sweep's table, when it ran."""
-    name = link_name(*SWEEP_LINK)
-    return ([(f"Streaming options at {name}", _sweep_table(ctx.results, name))]
-            if ctx.sweep and name in ctx.names else [])
+    return [SWEEP_TABLE.render(ctx)] if ctx.sweep and SWEEP_NAME in ctx.names else []
 
 
-def _entry(method: str, runs: list[Run], skip: int, ceil_tps: list[float | None],
-           ceil_step: list[float | None]) -> dict[str, Any]:
-    """The numbers of one method on one link, over its repeats."""
-    windows, per_replica, errors = over_repeats(runs, skip)
-    steps = [w.get("step_time_s") for w in windows]
-
-    def of(key: str) -> dict[str, Any]:
-        """The spread of a window field over the repeats."""
-        return spread(w.get(key) for w in windows)
-
-    return {
-        "tokens_per_s": of("tokens_per_s"),
-        "step_time_s": of("step_time_s"),
-        "vs_ceiling": spread(ratio(w.get("tokens_per_s"), c)
-                             for w, c in zip(windows, ceil_tps)),
-        "overhead_vs_ceiling_s_per_step": spread(
-            s - c for s, c in zip(steps, ceil_step) if s is not None and c is not None),
-        "wait_s_per_step": of("wait_s_per_step" if method != "sync"
-                              else "grad_sync_s_per_step"),
-        "comm_time_s_per_step": of("comm_time_s_per_step") if method != "sync" else None,
-        "link_delay_s_per_step": of("link_delay_s_per_step") if method != "sync" else None,
-        "compute_s_per_step": of("compute_s_per_step"),
-        "exposed": spread(
-            w.get("wait_s_per_step") / w["comm_time_s_per_step"]
-            for w in windows if method != "sync" and w.get("comm_time_s_per_step")
-            and w.get("wait_s_per_step") is not None),
-        "replicas": replica_spreads(per_replica),
-        "utilisation_errors": [e for repeat in errors for e in repeat],
-        "windows": windows,
-        "load_before": [r.load_before for r in runs],
-        **run_refs(runs),
-    }
+# ---- verdict ------------------------------------------------------------------------------
+def _verdict(ctx: Ctx) -> Verdict:
+    """edit's target, then streaming's and the sparse ones where their links ran (from
+    the medians), the findings, and the shortfalls (edit's last)."""
+    results, names = ctx.results, ctx.names
+    edit, edit_shortfalls = _edit_target(results, names, ctx.interval)
+    judged = []
+    if UNLIMITED in names:
+        judged = [_streaming_target(results)] if SWEEP_NAME in names else []
+        judged += [_sparse_target(results, n, floor) for n, floor in SLOW_TARGETS.items()
+                   if n in names]
+    return Verdict(targets=[edit] + [t for t, _ in judged], findings=_findings(results, names),
+                   shortfalls=[s for t, s in judged if t["met"] is False] + edit_shortfalls,
+                   errors=ctx.errors,
+                   headline=_headline(results, names, ctx.interval, ctx.bench.repeats))
 
 
-def _med(s: dict[str, Any] | None) -> float | None:
-    """The median of a spread (None for a missing one)."""
-    return None if not s else s.get("median")
+def _target(kind: str, met: bool | None, detail: str, **names: Any) -> tuple[dict, str]:
+    """A target check and the shortfall that says it is not met."""
+    return ({"name": fill(TEXT["targets"][kind], **names), "met": met, "detail": detail},
+            fill(TEXT["shortfalls"][kind], detail=detail, **names))
 
 
-def _table(results: dict[str, Any], names: list[str]) -> str:
-    """The Markdown table: one row per method and link, plus the ceiling (the methods the
-    record has: one from before a variant was added lacks it)."""
-    c = results["ceiling"]
-    rows: list[list[Any]] = [["ceiling (no comm)", UNLIMITED, spread_cell(c["tokens_per_s"]),
-                              None, "1", spread_cell(c["step_time_s"], 1000), None, None, None,
-                              None, None]]
-    for method in [m for m in METHODS if m in results]:
-        for name in names:
-            e = results[method][name]
-            util = "/".join(cell(r["utilisation"]["median"]) for r in e["replicas"]) or None
-            rows.append([method, name, spread_cell(e["tokens_per_s"]),
-                         spread_cell(e["vs_unlimited"]), spread_cell(e["vs_ceiling"]),
-                         spread_cell(e["step_time_s"], 1000),
-                         spread_cell(e["overhead_vs_ceiling_s_per_step"], 1000),
-                         spread_cell(e["wait_s_per_step"], 1000),
-                         spread_cell(e["comm_time_s_per_step"], 1000),
-                         spread_cell(e["link_delay_s_per_step"], 1000), util])
-    return md_table(["method", "link", "tokens/s", "x unlimited", "x ceiling", "step ms",
-                     "overhead vs ceiling ms/step", "wait ms/step", "comm ms/step",
-                     "link delay ms/step", "utilisation per replica (median)"], rows)
-
-
-def _options_text(options: dict[str, Any]) -> str:
-    """``overlap_steps 4, fragments 4, comm_dtype int8``."""
-    return ", ".join(f"{k} {v}" for k, v in options.items())
-
-
-def _sweep_table(results: dict[str, Any], link: str) -> str:
-    """The streaming sweep at one link, with plain edit and edit-streaming for reference."""
-    rows = []
-    entries = [("edit", results["edit"][link]), ("edit-streaming",
-                                                  results["edit-streaming"][link])]
-    entries += list(results["sweep"].items())
-    for label, e in entries:
-        opts = e.get("options") or ({} if label == "edit" else STREAMING)
-        rows.append([label, opts.get("overlap_steps", 0), opts.get("fragments", 1),
-                     opts.get("comm_dtype", "fp32"), spread_cell(e["tokens_per_s"]),
-                     spread_cell(e["vs_edit_unlimited"]),
-                     spread_cell(e["vs_ceiling"]), spread_cell(e["wait_s_per_step"], 1000),
-                     spread_cell(e["comm_time_s_per_step"], 1000), spread_cell(e["exposed"])])
-    return md_table(["variant", "overlap_steps", "fragments", "comm_dtype", "tokens/s",
-                     "x edit unlimited", "x ceiling", "wait ms/step", "comm ms/step",
-                     "exposed (wait / comm)"], rows)
-
-
-def _judge(results: dict[str, Any], names: list[str],
-           interval: int) -> tuple[list[dict[str, Any]], list[str], list[str]]:
-    """The target check, the findings and the shortfalls, from the medians."""
-    slow = [n for n in names if n != UNLIMITED]
-    checked = []
-    for n in slow:
-        s = _med(results["sync"][n]["vs_unlimited"])
-        e = _med(results["edit"][n]["vs_unlimited"])
-        if s is not None and s < 0.5:
-            checked.append((n, s, e))
+def _edit_target(results: dict[str, Any], names: list[str],
+                 interval: int) -> tuple[dict[str, Any], list[str]]:
+    """edit's target, checked at every link that slowed sync below 0.5x of its
+    unlimited-link speed, and a shortfall per such link where edit kept less than 0.9x."""
+    aims = TEXT["targets"]
+    kept = [(n, _med(results["sync"][n]["vs_unlimited"]), _med(results["edit"][n]["vs_unlimited"]))
+            for n in names if n != UNLIMITED]
+    checked = [(n, s, e) for n, s, e in kept if s is not None and s < 0.5]
     if UNLIMITED not in names:
-        met, detail = None, "no unlimited-link runs at this size"
+        met, detail = None, aims["edit_no_unlimited"]
     elif not checked:
-        met, detail = None, "no link slowed sync below 0.5x of its unlimited throughput"
+        met, detail = None, aims["edit_no_slow_link"]
     else:
         met = any(e is not None and e >= 0.9 for _, _, e in checked)
-        detail = "; ".join(f"{n}: sync {cell(s)}x, edit {cell(e)}x" for n, s, e in checked)
-    said, short, aims = TEXT["findings"], TEXT["shortfalls"], TEXT["targets"]
-    targets = [{"name": fill(aims["edit"], interval=interval), "met": met, "detail": detail}]
-    findings, shortfalls = [], []
-    link = link_name(*SWEEP_LINK)
-    if UNLIMITED in names and link in names:
-        st, sy = results["edit-streaming"][link], results["sync"][link]
-        keep, sync_keep, exposed = (_med(st["vs_unlimited"]), _med(sy["vs_unlimited"]),
-                                    _med(st["exposed"]))
-        ok = None if None in (keep, sync_keep) else (
-            keep >= 0.95 and sync_keep <= 0.3 and exposed is not None and exposed <= 0.1)
-        targets.append({
-            "name": fill(aims["streaming"], link=link), "met": ok,
-            "detail": fill(aims["streaming_detail"], kept=spread_cell(st["vs_unlimited"]),
-                           sync=spread_cell(sy["vs_unlimited"]),
-                           exposed=spread_cell(st["exposed"]))})
-        if ok is False:
-            shortfalls.append(fill(short["streaming"], link=link, detail=targets[-1]["detail"]))
-    for n, floor in SLOW_TARGETS.items():
-        if UNLIMITED not in names or n not in names:
-            continue
-        # The best sparse setting (the issue's target is for the best one).
-        best = max(("edit-sparse", "edit-sparse-eager"),
-                   key=lambda m: _med(results[m][n]["vs_unlimited"]) or 0.0)
-        sp = results[best][n]
-        keep, exposed = _med(sp["vs_unlimited"]), _med(sp["exposed"])
-        ok = None if keep is None else (keep >= floor and exposed is not None
-                                        and exposed <= 0.05)
-        targets.append({
-            "name": fill(aims["sparse"], floor=floor, n=n),
-            "met": ok,
-            "detail": f"{best} {spread_cell(sp['vs_unlimited'])}x, exposed "
-                      f"{spread_cell(sp['exposed'])}; "
-                      + ", ".join(f"{m} {spread_cell(results[m][n]['vs_unlimited'])}x"
-                                  for m in ("edit-sparse", "edit-sparse-eager",
-                                            "edit-streaming") if m != best)})
-        if ok is False:
-            shortfalls.append(fill(short["sparse"], link=n, detail=targets[-1]["detail"]))
-    for n, s, e in checked:
-        if e is None or e < 0.9:
-            shortfalls.append(fill(short["edit"], n=n, e=cell(e), s=cell(s)))
+        detail = "; ".join(fill(aims["edit_detail"], n=n, s=cell(s), e=cell(e))
+                           for n, s, e in checked)
+    shortfalls = [fill(TEXT["shortfalls"]["edit"], n=n, e=cell(e), s=cell(s))
+                  for n, s, e in checked if e is None or e < 0.9]
+    return {"name": fill(aims["edit"], interval=interval), "met": met,
+            "detail": detail}, shortfalls
+
+
+def _streaming_target(results: dict[str, Any]) -> tuple[dict[str, Any], str]:
+    """edit-streaming's target at the sweep's link, and its shortfall."""
+    st, sy = results["edit-streaming"][SWEEP_NAME], results["sync"][SWEEP_NAME]
+    keep, sync_keep, exposed = (_med(st["vs_unlimited"]), _med(sy["vs_unlimited"]),
+                                _med(st["exposed"]))
+    met = None if None in (keep, sync_keep) else (
+        keep >= 0.95 and sync_keep <= 0.3 and exposed is not None and exposed <= 0.1)
+    detail = fill(TEXT["targets"]["streaming_detail"], kept=spread_cell(st["vs_unlimited"]),
+                  sync=spread_cell(sy["vs_unlimited"]), exposed=spread_cell(st["exposed"]))
+    return _target("streaming", met, detail, link=SWEEP_NAME)
+
+
+def _sparse_target(results: dict[str, Any], n: str,
+                   floor: float) -> tuple[dict[str, Any], str]:
+    """The sparse target at slow link ``n``, judged on the best sparse variant (the issue's
+    target is for the best one), and its shortfall."""
+    best = max(("edit-sparse", "edit-sparse-eager"),
+               key=lambda m: _med(results[m][n]["vs_unlimited"]) or 0.0)
+    sp = results[best][n]
+    keep, exposed = _med(sp["vs_unlimited"]), _med(sp["exposed"])
+    met = None if keep is None else keep >= floor and exposed is not None and exposed <= 0.05
+    others = ", ".join(f"{m} {spread_cell(results[m][n]['vs_unlimited'])}x"
+                       for m in ("edit-sparse", "edit-sparse-eager", "edit-streaming")
+                       if m != best)
+    detail = fill(TEXT["targets"]["sparse_detail"], best=best, others=others,
+                  kept=spread_cell(sp["vs_unlimited"]), exposed=spread_cell(sp["exposed"]))
+    return _target("sparse", met, detail, link=n, floor=floor)
+
+
+def _findings(results: dict[str, Any], names: list[str]) -> list[str]:
+    """Every method's speed and the differences at every link; how much communication
+    the overlapping variants hid at the slowed links; what lies above the ceiling."""
+    said, findings = TEXT["findings"], []
+    slow = [n for n in names if n != UNLIMITED]
     for n in names:
-        parts = [f"{m} {spread_cell(results[m][n]['tokens_per_s'])} tok/s"
-                 f" ({cell(_med(results[m][n]['vs_ceiling']))}x ceiling)" for m in METHODS]
-        findings.append(f"{n}: " + ", ".join(parts) + ".")
-        for c in results["comparisons"][n]:
-            if c["beyond_spread"] is not None and c["difference"] is not None:
-                findings.append(fill(said["difference"], n=n, c=c,
-                                     where="beyond" if c["beyond_spread"] else "within"))
+        speeds = ", ".join(fill(said["speed"], m=m, ceiling=cell(_med(results[m][n]["vs_ceiling"])),
+                                tokens=spread_cell(results[m][n]["tokens_per_s"])) for m in METHODS)
+        findings.append(fill(said["speeds"], n=n, speeds=speeds))
+        findings += [fill(said["difference"], n=n, c=c,
+                          where="beyond" if c["beyond_spread"] else "within")
+                     for c in results["comparisons"][n]
+                     if c["beyond_spread"] is not None and c["difference"] is not None]
     for n in slow:
         for m in ("edit-streaming", "edit-sparse", "edit-sparse-eager"):
             st = results[m][n]
@@ -394,17 +396,25 @@ def _judge(results: dict[str, Any], names: list[str],
                                      comm=cell(ms(c)), hidden=max(0.0, 1 - w / c),
                                      kept=spread_cell(st["vs_unlimited"])))
     for n in slow:
-        e, d = results["edit"][n], results["diloco"][n]
-        ew, ec, dw = _med(e["wait_s_per_step"]), _med(e["comm_time_s_per_step"]), \
-            _med(d["wait_s_per_step"])
-        if ew is not None and dw is not None and ec:
-            hidden = 1.0 - ew / ec
-            findings.append(fill(said["edit_hidden"], n=n, wait=cell(ms(ew)),
-                                 comm=cell(ms(ec)), hidden=max(0.0, hidden),
-                                 blocks=cell(ms(dw))))
+        wait = _med(results["edit"][n]["wait_s_per_step"])
+        comm = _med(results["edit"][n]["comm_time_s_per_step"])
+        blocks = _med(results["diloco"][n]["wait_s_per_step"])
+        if wait is not None and blocks is not None and comm:
+            hidden = 1.0 - wait / comm
+            findings.append(fill(said["edit_hidden"], n=n, wait=cell(ms(wait)),
+                                 comm=cell(ms(comm)), hidden=max(0.0, hidden),
+                                 blocks=cell(ms(blocks))))
             if hidden < 0.5:
                 findings.append(fill(said["edit_exposed"], n=n, hidden=max(0.0, hidden)))
-    return targets, findings, shortfalls
+    above = [f"{m} {n} ({cell(_med(results[m][n]['vs_ceiling']))}x)" for m in METHODS
+             for n in names if (_med(results[m][n]["vs_ceiling"]) or 0) > 1.0]
+    if above:
+        findings.append(fill(said["above_ceiling"], above=", ".join(above)))
+    ceiling = results["ceiling"]["tokens_per_s"]
+    drift = ceiling["max"] / ceiling["min"] - 1.0 if ceiling["n"] >= 2 and ceiling["min"] else 0
+    if drift > 0.1:
+        findings.append(fill(said["ceiling_drift"], drift=drift))
+    return findings
 
 
 def _headline(results: dict[str, Any], names: list[str], interval: int,
@@ -419,6 +429,21 @@ def _headline(results: dict[str, Any], names: list[str], interval: int,
                  parts=parts)]
 
 
+def _notes(ctx: Ctx) -> list[str]:
+    return fill(TEXT["notes"], ctx=ctx, preset=TEXT["preset_full" if ctx.bench.mode == "full"
+                                                   else "preset_small"],
+                ceiling_interval=ctx.local_steps + 1, sparse=_options_text(SPARSE),
+                sparse_overlap=ctx.interval + ROUND_OVERLAP["edit-sparse"],
+                sparse_eager=_options_text(SPARSE_EAGER), streaming=_options_text(STREAMING),
+                sweep_name=SWEEP_NAME)
+
+
+def _options_text(options: dict[str, Any]) -> str:
+    """``overlap_steps 4, fragments 4, comm_dtype int8``."""
+    return ", ".join(f"{k} {v}" for k, v in options.items())
+
+
+# ---- plots --------------------------------------------------------------------------------
 def _plot_throughput(ctx: Ctx):
     """tokens/s against the link (median, min-max bars), one line per method."""
     results, names = ctx.results, ctx.names
@@ -450,11 +475,11 @@ def _plot_split(ctx: Ctx):
             step = ms(_med(e["step_time_s"])) or 0.0
             wait = ms(_med(e["wait_s_per_step"])) or 0.0
             other = max(0.0, step - base - wait)
-            ax.bar(i, base, color="#9bbbd4", label="compute (ceiling step)" if i == 0 else None)
-            ax.bar(i, wait, bottom=base, color="#d46a6a", label="waiting for sync" if i == 0
-                   else None)
-            ax.bar(i, other, bottom=base + wait, color="#e0c070",
-                   label="other" if i == 0 else None)
+            for height, bottom, color, label in (
+                    (base, None, "#9bbbd4", "compute (ceiling step)"),
+                    (wait, base, "#d46a6a", "waiting for sync"),
+                    (other, base + wait, "#e0c070", "other")):
+                ax.bar(i, height, bottom=bottom, color=color, label=label if i == 0 else None)
             comm = _med(e["comm_time_s_per_step"])
             if comm is not None:
                 ax.plot(i, ms(comm), "k^", label=None if comm_labelled
@@ -469,19 +494,19 @@ SCENARIO = Scenario(
     name="bandwidth",
     description=TEXT["description"],
     setup=_setup, runs=_runs, measure=_results, judge=_verdict, notes=_notes,
-    tables=[lambda ctx: ("Throughput against link speed", _table(ctx.results, ctx.names)),
-            differences("link", "tokens/s difference (medians)", lambda ctx: [
-                (n, c) for n in ctx.names for c in ctx.results["comparisons"][n]]), _sweep],
+    tables=[MAIN_TABLE, differences("link", "tokens/s difference (medians)", lambda ctx: [
+        (n, c) for n in ctx.names for c in ctx.results["comparisons"][n]]), _sweep],
     plots=[_plot_throughput, _plot_split], repeats=True,
     checks=lambda ctx: [(_ceiling(ctx), None)] + [
-        (_layers(ctx, variant, None, *ctx.links[-1]), None)
-        for variant in [*VARIANTS.values(), *ctx.sweep.values()]],
+        (_layers(ctx, name, variant, ctx.links[-1]), None)
+        for name, variant in [*VARIANTS.items(), *ctx.sweep.items()]],
     settings=lambda ctx: {
         "sync_interval": ctx.interval, "local_steps": ctx.local_steps,
         "sync_steps": ctx.sync_steps, "links": ctx.names, "skip_steps": ctx.skip,
         "repeats": ctx.bench.repeats, "streaming": STREAMING,
-        "sparse": {**SPARSE, "overlap_steps": ctx.interval - 1},
-        "sparse_eager": {**SPARSE_EAGER, "overlap_steps": ctx.interval},
+        "sparse": {**SPARSE, "overlap_steps": ctx.interval + ROUND_OVERLAP["edit-sparse"]},
+        "sparse_eager": {**SPARSE_EAGER,
+                         "overlap_steps": ctx.interval + ROUND_OVERLAP["edit-sparse-eager"]},
         "sweep": dict(ctx.sweep)},
     methods=lambda ctx: ("ceiling",) + METHODS,
 )
