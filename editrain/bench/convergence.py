@@ -1,11 +1,11 @@
 """Convergence: validation loss against tokens for every method at an equal token budget.
 
-Every method trains the same model on the same data with the same seeds and the same
-number of tokens; the tables give the mean +- std of the final validation loss over seeds
-and, per seed, the paired difference against ``diloco`` and ``sync``; the plot the
-validation loss against tokens (mean over seeds). The full size (``--full``, the default
-without ``--quick``) trains the tiny preset for 2,000 steps with 3 seeds: 15 runs, about an
-hour or more on 2 cores.
+Every method trains the same model on the same data with the same seeds and tokens; the
+tables give the final validation loss over seeds and, per seed, the paired difference
+against each of ``REFERENCES``; the plot the loss against tokens (mean over seeds).
+``bench scale`` and ``bench batch`` build their runs with :func:`variant_layers` (on the
+tiny preset scale's runs are this scenario's, so ``--reuse`` reads them back); the helpers
+of the paired comparison that tune, scale, batch and optimizers share are here too.
 """
 
 from __future__ import annotations
@@ -46,41 +46,68 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "edit-recipe": RECIPE_SYNC,
     "edit-recipe-h10": RECIPE_SYNC,
 }
-"""Each variant's sync options: the five methods, then streaming EDiT with either merge
-rule (docs/streaming.md section 3), with 4-bit pseudo-gradients, and the sparse 2-bit codec
-(docs/streaming.md section 4b) in the sync of the next forward (``edit-topk2``) and with the
-round in flight for ``H - 1`` steps (``edit-sparse``, bench bandwidth's setting), and the
-eager merge with the whole round in flight (``overlap_steps = H``, docs/streaming.md
-section 3c) in fp32 (``edit-eager``) and with the sparse codec (``edit-sparse-eager``);
-last, EDiT with the settings of ``bench tune``'s recipe (``edit-recipe``): outer SGD at lr 1
-without momentum, H = ``RECIPE_H`` and synchronous warm-up for the first quarter of
-the run (the recipe's inner learning rate is left out: sync shares it, and alone it moved
-the gap by 0.1%)."""
+"""Each variant's sync options (``overlap_steps`` and the recipe's H and warm-up are set per
+run by :func:`variant_layers`; the record's notes say what each variant is). The recipe's
+inner learning rate is left out: sync shares it, and alone it moved the gap by 0.1%."""
 RECIPE_H: dict[str, int] = {"edit-recipe": 20, "edit-recipe-h10": 10}
 """H of each recipe variant (20: the tuning study's best level; ``edit-recipe-h10``: syncs
 twice as often); the other variants use the scenario's H."""
 METHODS = tuple(VARIANTS)
 REFERENCES = ("diloco", "sync", "edit", "edit-streaming")
 """Methods every other method is compared with, seed by seed (those that ran)."""
+COMPARED = ("edit", "aedit", "aedit-nonblocking", *(m for m in METHODS if m.startswith("edit-")))
+"""The methods whose paired differences the findings spell out, in this order."""
+RECIPE_GAP = 0.02
+"""The recipe's target: EDiT within 2% of synchronous training's validation loss."""
+
+
+# -- The paired comparison over seeds, shared with tune, scale, batch and optimizers ------
+
+def seed_count(bench: Bench, tiny: int, quick: int, full: int) -> int:
+    """``--seeds N``, else the seeds of this size."""
+    return int(bench.flags.get("seeds") or bench.pick(tiny, quick, full))
+
+
+def seed_losses(runs: list[Any]) -> list[float | None]:
+    """Each run's final validation loss, None for a run that failed."""
+    return [r.final_val_loss if r.ok else None for r in runs]
+
+
+def per_seed(diff: dict[str, Any]) -> str | None:
+    """A table cell: the per-seed values of a paired difference, signed."""
+    return ", ".join(f"{v:+.4f}" for v in diff["values"]) or None
+
+
+def best_first(losses: dict[str, float]) -> str:
+    """``name loss`` pairs, lowest loss first."""
+    return ", ".join(f"{k} {losses[k]:.4f}" for k in sorted(losses, key=losses.get))
+
+
+def spread_columns(per_seed_key: str) -> list[tuple[str, Any]]:
+    """Table columns of a row's ``final_val_loss`` over seeds (a ``mean_std`` record): its
+    min, max and how many of the seeds (the list under ``per_seed_key``) finished."""
+    def loss(row: Any) -> dict[str, Any]:
+        return row[1]["final_val_loss"]
+
+    return [("min", lambda row: loss(row)["min"]), ("max", lambda row: loss(row)["max"]),
+            ("seeds ok", lambda row: f"{loss(row)['n']}/{len(row[1][per_seed_key])}")]
 
 
 def common_options(bench: Bench) -> tuple[dict[str, Any], int, int, int]:
     """The options every run of the scenario shares at this size, with the run length, the
     local-SGD methods' H and the evaluation interval: ``(options, steps, H, eval_every)``."""
-    steps = bench.pick(12, 120, 2000)
-    common = {"train": {"steps": steps, "eval_every": bench.pick(4, 10, 100),
+    steps, eval_every = bench.pick(12, 120, 2000), bench.pick(4, 10, 100)
+    common = {"train": {"steps": steps, "eval_every": eval_every,
                         "warmup_steps": bench.pick(2, 10, 100)},
               # The tiny preset at every size: a credible number of steps fits in an hour.
               "model": {"preset": "tiny"}}
-    return common, steps, bench.pick(4, 10, 50), common["train"]["eval_every"]
+    return common, steps, bench.pick(4, 10, 50), eval_every
 
 
 def variant_layers(method: str, seed: int, steps: int, interval: int) -> list[dict[str, Any]]:
     """The option layers of one variant's run (after the scenario's common options): the
     seed and the variant's sync options, the scenario's H for local SGD (``interval``), the
-    recipe's H and warm-up (a quarter of ``steps``); A-EDiT's period is the caller's.
-    ``bench scale`` builds its runs with this too, so that its runs on the tiny preset are
-    this scenario's (``--reuse`` reads them back)."""
+    recipe's H and warm-up (a quarter of ``steps``); A-EDiT's period is the caller's."""
     sync = dict(VARIANTS[method])
     if "fragments" in sync:
         sync["overlap_steps"] = max(1, interval // 8)
@@ -89,7 +116,7 @@ def variant_layers(method: str, seed: int, steps: int, interval: int) -> list[di
     if sync.get("merge") == "eager":
         sync["overlap_steps"] = interval  # a whole round in flight
     layers: list[dict[str, Any]] = [{"train": {"seed": seed}, "sync": sync}]
-    if VARIANTS[method]["method"] != "sync":
+    if sync["method"] != "sync":
         layers.append({"sync": {"local_sgd_sync_interval": interval}})
     if method in RECIPE_H:
         layers.append({"sync": {"local_sgd_sync_interval": RECIPE_H[method],
@@ -112,7 +139,7 @@ def chosen_variants(bench: Bench) -> list[str]:
 
 def _setup(bench: Bench) -> dict[str, Any]:
     common, steps, interval, eval_every = common_options(bench)
-    seeds, variants = int(bench.flags.get("seeds") or bench.pick(1, 1, 3)), chosen_variants(bench)
+    seeds, variants = seed_count(bench, 1, 1, 3), chosen_variants(bench)
     if bench.mode == "full":
         bench.log(fill(TEXT["full_size"], runs=seeds * len(variants), steps=steps,
                        variants=len(variants), seeds=seeds))
@@ -121,8 +148,7 @@ def _setup(bench: Bench) -> dict[str, Any]:
 
 
 def _runs(ctx: Ctx):
-    """Every variant of a seed before the next seed; A-EDiT's period from the seed's EDiT
-    run."""
+    """Every variant of a seed before the next seed; A-EDiT's period from that seed's EDiT."""
     for seed in range(ctx.seeds):
         edit_run = None
         for method in ctx.variants:
@@ -142,7 +168,7 @@ def _results(ctx: Ctx) -> dict[str, Any]:
     for method in ctx.variants:
         runs = [ctx.runs[f"{method}-seed{s}"] for s in range(ctx.seeds)]
         ok = [r for r in runs if r.ok]
-        wall = mean_std(r.summary.get("wall_time_s") for r in ok)
+        wall = mean_std(r.summary.get("wall_time_s") for r in ok)["mean"]
         tokens = ok[0].summary.get("tokens") if ok else None
         curve = _mean_curve([val_curve(r) for r in ok])
         results[method] = {
@@ -150,12 +176,10 @@ def _results(ctx: Ctx) -> dict[str, Any]:
             "final_val_loss_per_seed": [r.final_val_loss for r in runs],
             "initial_val_loss": median(r.initial_val_loss for r in ok),
             "val_tokens": ok[0].summary.get("val_tokens") if ok else None,
-            "tokens": tokens,
-            "wall_time_s": wall["mean"],
-            "tokens_per_s": (tokens / wall["mean"]) if tokens and wall["mean"] else None,
+            "tokens": tokens, "wall_time_s": wall,
+            "tokens_per_s": (tokens / wall) if tokens and wall else None,
             "num_syncs": median(r.summary.get("num_syncs") for r in ok),
-            "curve_tokens": [c[0] for c in curve],
-            "curve_val_loss": [c[1] for c in curve],
+            "curve_tokens": [c[0] for c in curve], "curve_val_loss": [c[1] for c in curve],
             "failed_seeds": [i for i, r in enumerate(runs) if not r.ok],
         }
     for method in ctx.variants:
@@ -164,6 +188,25 @@ def _results(ctx: Ctx) -> dict[str, Any]:
                 results[method]["final_val_loss_per_seed"],
                 results[ref]["final_val_loss_per_seed"])
     return results
+
+
+def _mean_curve(curves: list[list[tuple[float, float, float]]]) -> list[tuple[float, float]]:
+    """Mean validation loss over seeds on the first curve's token points."""
+    import numpy as np
+
+    curves = [c for c in curves if c]
+    if not curves:
+        return []
+    grid = np.array([c[0] for c in curves[0]])
+    mean = np.mean([np.interp(grid, [p[0] for p in c], [p[2] for p in c]) for c in curves], axis=0)
+    return [(float(x), float(y)) for x, y in zip(grid, mean)]
+
+
+def _paired(results: dict[str, Any], methods):
+    """``(method, reference, difference)`` of each of ``methods`` against each reference
+    that ran (a record from before a reference was added has no differences against it)."""
+    return [(m, ref, results[m][f"paired_vs_{ref}"]) for m in methods if m in results
+            for ref in REFERENCES if m != ref and f"paired_vs_{ref}" in results[m]]
 
 
 def _judge(ctx: Ctx) -> Verdict:
@@ -176,58 +219,65 @@ def _judge(ctx: Ctx) -> Verdict:
         shortfalls=[worse[m] for m in ("edit", "aedit") if m in worse])
 
 
-def _notes(ctx: Ctx) -> list[str]:
-    periods = f" ({', '.join(f'{p:.2f}' for p in ctx.periods)} s)" if ctx.periods else ""
-    return fill(TEXT["notes"], ctx=ctx, last_seed=ctx.seeds - 1, periods=periods,
-                tiny=TEXT["tiny_validation"] if ctx.bench.mode == "tiny" else "",
-                one_seed=TEXT["one_seed_note"] if ctx.seeds == 1 else "",
-                overlap=max(1, ctx.interval // 8), sparse_overlap=ctx.interval - 1,
-                streaming=", ".join(f"{k} {v}" for k, v in STREAMING.items()),
-                warmup=ctx.steps // 4, recipe_h=RECIPE_H["edit-recipe"])
+def _findings(results: dict[str, Any], seeds: int) -> tuple[list[str], dict[str, str]]:
+    """Plain sentences comparing the methods, generated from the numbers, and (method ->
+    sentence) those of the methods whose loss got worse while training went on."""
+    said = TEXT["findings"]
+    means = {m: r["final_val_loss"]["mean"] for m, r in results.items()
+             if r["final_val_loss"]["mean"] is not None}
+    out = [fill(said["best_first"], losses=best_first(means))] if means else []
+    for a, ref, d in _paired(results, COMPARED):
+        if d["mean"] is None:
+            continue
+        text = fill(said["compared"], a=a, ref=ref, size=abs(d["mean"]),
+                    verdict="better" if d["mean"] < 0 else "worse")
+        if seeds > 1:
+            text += fill(said["paired"], d=d, agree="every seed agrees" if d["same_sign"]
+                         else "the seeds disagree")
+        out.append(text + ".")
+    worse = {m: _got_worse(m, r) for m, r in results.items()}
+    worse = {m: text for m, text in worse.items() if text}
+    out += worse.values()
+    ref = (results.get("sync") or {}).get("tokens")
+    got = (results.get("aedit") or {}).get("tokens")
+    if ref and got and got != ref:
+        out.append(fill(said["aedit_tokens"], got=got, ref=ref, change=got / ref - 1))
+    if seeds == 1:
+        out.append(said["one_seed"])
+    return out, worse
 
 
-def _h(ctx: Ctx, method: str) -> str:
-    """The H column: 1 for sync, A-EDiT's time period, the recipe's H or the scenario's."""
-    if method == "sync":
-        return "1"
-    if method == "aedit" and ctx.periods:
-        return f"~{ctx.interval} (time: {ctx.periods[0]:.2f} s)"
-    return str(RECIPE_H.get(method, ctx.interval))
-
-
-def _stat(key: str):
-    return lambda row: row[1]["final_val_loss"][key]
-
-
-def _pairs(ctx: Ctx):
-    """Per method and reference that ran: ``(method, reference, difference, seeds > 1)``
-    (a record from before a reference was added has no differences against it)."""
-    return [(m, ref, ctx.results[m][f"paired_vs_{ref}"], ctx.seeds > 1) for m in ctx.results
-            for ref in REFERENCES
-            if m != ref and ref in ctx.results and f"paired_vs_{ref}" in ctx.results[m]]
+def _got_worse(method: str, result: dict[str, Any]) -> str | None:
+    """The finding that ``method``'s loss ended more than 0.02 above its best, or None."""
+    curve = list(zip(result["curve_tokens"], result["curve_val_loss"]))
+    if len(curve) < 3:
+        return None
+    best_tokens, best = min(curve, key=lambda p: p[1])
+    if curve[-1][1] <= best + 0.02:
+        return None
+    return fill(TEXT["findings"]["got_worse"], m=method, above=curve[-1][1] - best, best=best,
+                best_tokens=best_tokens)
 
 
 def _headline(results: dict[str, Any], seeds: int, steps: int) -> list[str]:
-    """The report's summary sentence: final losses and edit's paired differences."""
-    means = {m: results[m]["final_val_loss"] for m in results}
-    if any(v["mean"] is None for v in means.values()):
+    """The report's summary: the losses, the recipes' targets, streaming EDiT's gaps."""
+    if any(r["final_val_loss"]["mean"] is None for r in results.values()):
         return []
-    losses = ", ".join(f"{m} {mean_pm(means[m])}" for m in results)
+    losses = ", ".join(f"{m} {mean_pm(r['final_val_loss'])}" for m, r in results.items())
     e = results.get("edit") or {}
     pairs = "; ".join(f"edit - {ref} per seed {mean_pm(e[f'paired_vs_{ref}'])}"
                       for ref in ("diloco", "sync") if f"paired_vs_{ref}" in e)
     said = TEXT["headline"]
     out = [fill(said["losses"], steps=steps, seeds=seeds, losses=losses,
                 pairs=f"; {pairs}" if pairs else "")]
-    for variant in (v for v in RECIPE_H if v in results and "sync" in results):
+    for variant in RECIPE_H:
         t = recipe_target(results, variant)
         if t["met"] is not None:
             out.append(fill(said["recipe"], h=RECIPE_H[variant], detail=t["detail"]))
-    if "edit-streaming" in results and "edit" in results and "diloco" in results:
+    if all(m in results for m in ("edit-streaming", "edit", "diloco")):
         s = results["edit-streaming"]
         out.append(fill(said["streaming"], vs_edit=mean_pm(s["paired_vs_edit"]),
-                        streaming=", ".join(f"{k} {v}" for k, v in STREAMING.items()),
-                        vs_diloco=mean_pm(s["paired_vs_diloco"])))
+                        streaming=_streaming_text(), vs_diloco=mean_pm(s["paired_vs_diloco"])))
     return out
 
 
@@ -246,10 +296,6 @@ def _target(results: dict[str, Any], seeds: int) -> dict[str, Any]:
             "detail": fill(TEXT["targets"]["edit_detail"], pm=mean_pm(d), d=d, tol=tol)}
 
 
-RECIPE_GAP = 0.02
-"""The recipe's target: EDiT within 2% of synchronous training's validation loss."""
-
-
 def recipe_target(results: dict[str, Any], variant: str = "edit-recipe") -> dict[str, Any]:
     """``variant`` (a recipe variant) within ``RECIPE_GAP`` of sync's final validation loss
     (the mean of the per-seed paired differences, relative to sync's mean) and below
@@ -266,17 +312,27 @@ def recipe_target(results: dict[str, Any], variant: str = "edit-recipe") -> dict
                            vs_sync=mean_pm(vs_sync), vs_diloco=mean_pm(vs_diloco))}
 
 
-def _mean_curve(curves: list[list[tuple[float, float, float]]]) -> list[tuple[float, float]]:
-    """Mean validation loss over seeds on the first curve's token points."""
-    import numpy as np
+def _streaming_text() -> str:
+    return ", ".join(f"{k} {v}" for k, v in STREAMING.items())
 
-    curves = [c for c in curves if c]
-    if not curves:
-        return []
-    grid = np.array([c[0] for c in curves[0]])
-    ys = [np.interp(grid, [p[0] for p in c], [p[2] for p in c]) for c in curves]
-    mean = np.mean(ys, axis=0)
-    return [(float(x), float(y)) for x, y in zip(grid, mean)]
+
+def _notes(ctx: Ctx) -> list[str]:
+    periods = f" ({', '.join(f'{p:.2f}' for p in ctx.periods)} s)" if ctx.periods else ""
+    return fill(TEXT["notes"], ctx=ctx, last_seed=ctx.seeds - 1, periods=periods,
+                tiny=TEXT["tiny_validation"] if ctx.bench.mode == "tiny" else "",
+                one_seed=TEXT["one_seed_note"] if ctx.seeds == 1 else "",
+                overlap=max(1, ctx.interval // 8), sparse_overlap=ctx.interval - 1,
+                streaming=_streaming_text(), warmup=ctx.steps // 4,
+                recipe_h=RECIPE_H["edit-recipe"])
+
+
+def _h(ctx: Ctx, method: str) -> str:
+    """The H column: 1 for sync, A-EDiT's time period, the recipe's H or the scenario's."""
+    if method == "sync":
+        return "1"
+    if method == "aedit" and ctx.periods:
+        return f"~{ctx.interval} (time: {ctx.periods[0]:.2f} s)"
+    return str(RECIPE_H.get(method, ctx.interval))
 
 
 def _plot(ctx: Ctx):
@@ -290,48 +346,6 @@ def _plot(ctx: Ctx):
     return ctx.plot
 
 
-def _findings(results: dict[str, Any], seeds: int) -> tuple[list[str], dict[str, str]]:
-    """Plain sentences comparing the methods, generated from the numbers, and (method ->
-    sentence) those of the methods whose loss got worse while training went on."""
-    means = {m: r["final_val_loss"]["mean"] for m, r in results.items()
-             if r["final_val_loss"]["mean"] is not None}
-    out, said, worse = [], TEXT["findings"], {}
-    if means:
-        order = sorted(means, key=means.get)
-        out.append("Final validation loss, best first: "
-                   + ", ".join(f"{m} {means[m]:.4f}" for m in order) + ".")
-    for a in ("edit", "aedit", "aedit-nonblocking", "edit-streaming", "edit-streaming-blend",
-              "edit-streaming-int4", "edit-topk2", "edit-sparse", "edit-eager",
-              "edit-sparse-eager", "edit-recipe", "edit-recipe-h10"):
-        for ref in REFERENCES:
-            if a not in results or a == ref or ref not in results:
-                continue
-            d = results[a][f"paired_vs_{ref}"]
-            if d["mean"] is None:
-                continue
-            verdict = "better" if d["mean"] < 0 else "worse"
-            text = f"{a} is {abs(d['mean']):.4f} {verdict} than {ref}"
-            if seeds > 1:
-                text += fill(said["paired"], d=d, agree="every seed agrees" if d["same_sign"]
-                             else "the seeds disagree")
-            out.append(text + ".")
-    for m, r in results.items():
-        curve = list(zip(r["curve_tokens"], r["curve_val_loss"]))
-        if len(curve) >= 3:
-            best_tokens, best = min(curve, key=lambda p: p[1])
-            if curve[-1][1] > best + 0.02:
-                worse[m] = fill(said["got_worse"], m=m, above=curve[-1][1] - best, best=best,
-                                best_tokens=best_tokens)
-                out.append(worse[m])
-    ref = (results.get("sync") or {}).get("tokens")
-    got = (results.get("aedit") or {}).get("tokens")
-    if ref and got and got != ref:
-        out.append(fill(said["aedit_tokens"], got=got, ref=ref, change=got / ref - 1))
-    if seeds == 1:
-        out.append(said["one_seed"])
-    return out, worse
-
-
 SCENARIO = Scenario(
     name="convergence",
     description=TEXT["description"],
@@ -343,17 +357,15 @@ SCENARIO = Scenario(
         Table("Final validation loss at equal tokens", [
             ("method", None), ("H", lambda row: row[2]),
             ("final val loss (mean +- std)", lambda row: mean_pm(row[1]["final_val_loss"])),
-            ("min", _stat("min")), ("max", _stat("max")),
-            ("seeds ok", lambda row: f"{row[1]['final_val_loss']['n']}/"
-                                     f"{len(row[1]['final_val_loss_per_seed'])}"),
+            *spread_columns("final_val_loss_per_seed"),
             ("tokens", "tokens"), ("wall s (mean)", "wall_time_s"), ("syncs", "num_syncs")],
               rows=lambda ctx: [(m, e, _h(ctx, m)) for m, e in ctx.results.items()]),
         Table("Paired differences per seed (method - reference; negative: method better)", [
             ("method", lambda row: row[0]), ("vs", lambda row: row[1]),
             ("difference (mean +- std)", lambda row: mean_pm(row[2])),
-            ("per seed", lambda row: ", ".join(f"{v:+.4f}" for v in row[2]["values"]) or None),
+            ("per seed", lambda row: per_seed(row[2])),
             ("same sign", lambda row: row[2]["same_sign"] if row[3] else "n/a (1 seed)")],
-              rows=_pairs)],
+              rows=lambda ctx: [(*p, ctx.seeds > 1) for p in _paired(ctx.results, ctx.results)])],
     settings=lambda ctx: {"steps": ctx.steps, "sync_interval": ctx.interval,
                           "eval_every": ctx.eval_every, "seeds": ctx.seeds,
                           "aedit_sync_time_s": ctx.periods},
