@@ -1,24 +1,26 @@
 """Scale: EDiT's gap to synchronous training as the model grows, at equal tokens.
 
-``bench tune``'s recipe (``edit-recipe`` of ``bench convergence``: synchronous warm-up for
-the first quarter of the run, H = 20, outer SGD at lr 1 without momentum) against
-synchronous training on model shapes of growing size, each pair on the same data, tokens
-and seeds as ``bench convergence`` (the same run length, evaluation and options; on the
-tiny preset the runs are convergence's, so ``--reuse`` can read those back). The table
-gives, per shape, the parameters (and the share in the transformer blocks), tokens per
-parameter, both losses and the paired gap; the plot the gap against the parameters.
-
-Shapes: ``tiny`` (the preset: 0.6M parameters at the default 8,192-token vocabulary, 12%
-of them in the transformer blocks, the rest in the embedding), ``blocks`` (dim 128, 4
-blocks: 1.8M, 41% in the blocks) and ``small`` (the preset: 5.0M, 58% in the blocks; about 0.8 s per step on 2 cores, so not in
-the default set; ``--shapes tiny,blocks,small``).
+``bench tune``'s recipe (``edit-recipe`` of ``bench convergence``) against synchronous
+training on model shapes of growing size, each pair on the same data, tokens and seeds as
+``bench convergence`` (the same run length, evaluation and options; on the tiny preset the
+runs are convergence's, so ``--reuse`` can read those back). The table gives, per shape,
+the parameters (and the share in the transformer blocks), tokens per parameter, both
+losses and the paired gap; the plot the gap against the parameters.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from editrain.bench.convergence import RECIPE_GAP, RECIPE_H, common_options, variant_layers
+from editrain.bench.convergence import (
+    RECIPE_GAP,
+    RECIPE_H,
+    common_options,
+    per_seed,
+    seed_count,
+    seed_losses,
+    variant_layers,
+)
 from editrain.bench.options import pick_names
 from editrain.bench.prose import fill, prose
 from editrain.bench.runner import Bench
@@ -33,12 +35,15 @@ SHAPES: dict[str, dict[str, Any]] = {
     "blocks": {"preset": "tiny", **BLOCKS_SHAPE},
     "small": {"preset": "small"},
 }
-"""Model option layers of each shape, smallest first."""
+"""Model option layers of each shape, smallest first: at the default 8,192-token
+vocabulary ``tiny`` has 0.6M parameters (12% in the transformer blocks, the rest in the
+embedding), ``blocks`` 1.8M (41%) and ``small`` 5.0M (58%)."""
 DEFAULT_SHAPES = ("tiny", "blocks")
 """The shapes run without ``--shapes`` (``small`` takes about 27 min a run at the full
 size on 2 cores)."""
 RECIPE = "edit-recipe"
 """The convergence variant compared with sync."""
+METHODS = ("sync", RECIPE)
 
 
 def chosen_shapes(bench: Bench, allowed: tuple[str, ...] = tuple(SHAPES),
@@ -72,7 +77,7 @@ def parameter_counts(bench: Bench, *layers: dict[str, Any]) -> dict[str, int]:
 
 def _setup(bench: Bench) -> dict[str, Any]:
     common, steps, interval, _ = common_options(bench)
-    seeds, shapes = int(bench.flags.get("seeds") or bench.pick(1, 2, 3)), chosen_shapes(bench)
+    seeds, shapes = seed_count(bench, 1, 2, 3), chosen_shapes(bench)
     if bench.mode == "full":
         bench.log(fill(TEXT["full_size"], runs=len(shapes) * 2 * seeds, steps=steps,
                        shapes=len(shapes), seeds=seeds))
@@ -80,43 +85,21 @@ def _setup(bench: Bench) -> dict[str, Any]:
             "shapes": shapes}
 
 
-def _layers(ctx: Ctx, shape: str, method: str, seed: int) -> list[dict[str, Any]]:
-    return [ctx.common, *variant_layers(method, seed, ctx.steps, ctx.interval),
-            {"model": dict(SHAPES[shape])}]
+def _job(ctx: Ctx, shape: str, method: str, seed: int) -> Job:
+    return Job(f"{shape}-{method}-seed{seed}", [
+        ctx.common, *variant_layers(method, seed, ctx.steps, ctx.interval),
+        {"model": dict(SHAPES[shape])}], title=f"{shape} {method} seed {seed}")
 
 
 def _results(ctx: Ctx) -> dict[str, Any]:
     rows = []
     for shape in ctx.shapes:
-        runs = {m: [ctx.runs[f"{shape}-{m}-seed{s}"] for s in range(ctx.seeds)]
-                for m in ("sync", RECIPE)}
-        done = [r for s in range(ctx.seeds) for r in (runs["sync"][s], runs[RECIPE][s]) if r.ok]
-        rows.append(shape_row(shape, parameter_counts(ctx.bench, *_layers(ctx, shape, "sync", 0)),
+        runs = {m: [ctx.runs[f"{shape}-{m}-seed{s}"] for s in range(ctx.seeds)] for m in METHODS}
+        done = [r for pair in zip(*runs.values()) for r in pair if r.ok]
+        rows.append(shape_row(shape, parameter_counts(ctx.bench, *_job(ctx, shape, "sync", 0).layers),
                               done[-1].summary.get("tokens") if done else None,
-                              *[[r.final_val_loss if r.ok else None for r in runs[m]]
-                                for m in ("sync", RECIPE)]))
+                              *(seed_losses(runs[m]) for m in METHODS)))
     return {"shapes": rows}
-
-
-def _judge(ctx: Ctx) -> Verdict:
-    rows = ctx.results["shapes"]
-    findings = _findings(rows)
-    largest = next((r for r in reversed(rows) if r["relative_gap"] is not None), None)
-    target = {"name": fill(TEXT["target"]["name"], recipe=RECIPE, gap=RECIPE_GAP),
-              "met": None if largest is None else largest["relative_gap"] <= RECIPE_GAP,
-              "detail": "no shape finished" if largest is None else
-              f"{largest['shape']}: {percent(largest['relative_gap'])} ({mean_pm(largest['gap'])})"}
-    headline = ([fill(TEXT["headline"], ctx=ctx, shapes="; ".join(
-                     f"{r['shape']} ({r['params'] / 1e6:.1f}M parameters) "
-                     f"{percent(r['relative_gap'])}" for r in rows))]
-                if rows and all(r["relative_gap"] is not None for r in rows) else [])
-    return Verdict(targets=[target], findings=findings, headline=headline,
-                   shortfalls=[f for f in findings if "grows" in f])
-
-
-def _notes(ctx: Ctx) -> list[str]:
-    return fill(TEXT["notes"], ctx=ctx, recipe=RECIPE, warmup=ctx.steps // 4, h=RECIPE_H[RECIPE],
-                shapes="; ".join(f"{s} = {_shape_text(SHAPES[s])}" for s in ctx.shapes))
 
 
 def shape_row(shape: str, counts: dict[str, int], tokens: int | None,
@@ -128,6 +111,23 @@ def shape_row(shape: str, counts: dict[str, int], tokens: int | None,
             "tokens": tokens,
             "tokens_per_param": (tokens / counts["params"]) if tokens else None,
             **gap_to_sync(edit, sync), "sync_per_seed": sync, "edit_per_seed": edit}
+
+
+def _judge(ctx: Ctx) -> Verdict:
+    rows = ctx.results["shapes"]
+    done = [r for r in rows if r["relative_gap"] is not None]
+    largest = done[-1] if done else None
+    target = {"name": fill(TEXT["target"]["name"], recipe=RECIPE, gap=RECIPE_GAP),
+              "met": None if largest is None else largest["relative_gap"] <= RECIPE_GAP,
+              "detail": "no shape finished" if largest is None else
+              f"{largest['shape']}: {percent(largest['relative_gap'])} ({mean_pm(largest['gap'])})"}
+    headline = fill(TEXT["headline"], ctx=ctx, shapes="; ".join(
+        f"{r['shape']} ({r['params'] / 1e6:.1f}M parameters) {percent(r['relative_gap'])}"
+        for r in rows))
+    findings = _findings(rows)
+    return Verdict(targets=[target], findings=findings,
+                   headline=[headline] if rows and len(done) == len(rows) else [],
+                   shortfalls=[f for f in findings if "grows" in f])
 
 
 def _findings(rows: list[dict[str, Any]]) -> list[str]:
@@ -164,9 +164,9 @@ def _plot(ctx: Ctx):
         ax.plot([r["params"] for r in done], [100 * r["relative_gap"] for r in done], "o-",
                 label=f"{RECIPE} - sync (mean)")
         for r in done:
-            mean_sync = r["sync"]["mean"]
             ax.scatter([r["params"]] * len(r["gap"]["values"]),
-                       [100 * v / mean_sync for v in r["gap"]["values"]], s=12, color="grey")
+                       [100 * v / r["sync"]["mean"] for v in r["gap"]["values"]], s=12,
+                       color="grey")
             ax.annotate(r["shape"], (r["params"], 100 * r["relative_gap"]),
                         textcoords="offset points", xytext=(4, 4), fontsize=8)
         ax.axhline(100 * RECIPE_GAP, color="red", linestyle="--", linewidth=1,
@@ -178,12 +178,10 @@ def _plot(ctx: Ctx):
 SCENARIO = Scenario(
     name="scale",
     description=TEXT["description"],
-    setup=_setup, measure=_results, judge=_judge, notes=_notes, plots=[_plot],
+    setup=_setup, measure=_results, judge=_judge, plots=[_plot],
     # Smallest shape first: a cut-short invocation has the small shapes.
-    runs=lambda ctx: [Job(f"{shape}-{m}-seed{seed}", _layers(ctx, shape, m, seed),
-                          title=f"{shape} {m} seed {seed}")
-                      for shape in ctx.shapes for seed in range(ctx.seeds)
-                      for m in ("sync", RECIPE)],
+    runs=lambda ctx: [_job(ctx, shape, m, seed) for shape in ctx.shapes
+                      for seed in range(ctx.seeds) for m in METHODS],
     tables=[Table("Gap to synchronous training by model size", [
         ("shape", "shape"), ("parameters", "params"),
         ("in blocks", lambda r: f"{r[1]['block_share']:.0%}"),
@@ -193,10 +191,13 @@ SCENARIO = Scenario(
         (f"{RECIPE} (mean +- std)", lambda r: mean_pm(r[1]["edit"])),
         ("gap (paired)", lambda r: mean_pm(r[1]["gap"])),
         ("gap / sync", lambda r: percent(r[1]["relative_gap"])),
-        ("per seed", lambda r: ", ".join(f"{v:+.4f}" for v in r[1]["gap"]["values"]) or None)],
+        ("per seed", lambda r: per_seed(r[1]["gap"]))],
         rows=lambda ctx: [(None, r) for r in ctx.results["shapes"]])],
+    notes=lambda ctx: fill(TEXT["notes"], ctx=ctx, recipe=RECIPE, warmup=ctx.steps // 4,
+                           h=RECIPE_H[RECIPE], shapes="; ".join(
+                               f"{s} = {_shape_text(SHAPES[s])}" for s in ctx.shapes)),
     settings=lambda ctx: {"steps": ctx.steps, "seeds": ctx.seeds, "shapes": ctx.shapes,
                           "recipe_interval": RECIPE_H[RECIPE],
                           "warmup_sync_steps": ctx.steps // 4},
-    methods=lambda ctx: ("sync", RECIPE),
+    methods=lambda ctx: METHODS,
 )
