@@ -4,19 +4,14 @@
 tiny preset after 2,000 steps) as batch noise: 512 tokens per replica per step, where sync
 averages every step's gradients over both replicas. The DiLoCo scaling study (Charles et
 al. 2025) predicts that local SGD tolerates larger batches than data-parallel training, so
-the gap should shrink as the batch grows. This scenario tests it: per model shape and per
-tokens per replica per step (512, 2,048, 8,192: the batch size at the bench's sequence
-length), sync and the recipe (``bench convergence``'s ``edit-recipe``: synchronous warm-up
-for the first quarter of the run, H = 20 steps, outer SGD at lr 1 without momentum) train on
-the same tokens. H stays 20 *steps* at every batch (so H in tokens, and the tokens between
-syncs, grow with the batch: fewer syncs for the same tokens); H in tokens is reported.
+the gap should shrink as the batch grows. This scenario tests it: per model shape of
+``bench scale`` and per batch, sync and ``bench convergence``'s ``edit-recipe`` train on the
+same tokens, H staying 20 *steps* (fewer syncs for the same tokens at a larger batch).
 
 Each method's inner learning rate is tuned per batch on a short grid with the same budget
-for both (``LR_FACTORS`` times the square-root-scaled default, seed 0; where the best is at
-an edge of the grid, one more point beyond it, ``EXTEND`` times), and seeds 1.. run
-at each method's best rate; every seed is paired (same initial model and data order for
-both methods). The record is written after each phase (the grid, then each further seed),
-so a cut-short invocation leaves a usable partial study (``--reuse`` resumes it).
+for both (seed 0), and seeds 1.. run at each method's best rate, paired. The record is
+written after each phase (the grid, then each further seed), so a cut-short invocation
+leaves a usable partial study (``--reuse`` resumes it).
 """
 
 from __future__ import annotations
@@ -24,19 +19,16 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from editrain.bench.convergence import RECIPE_H, variant_layers
+from editrain.bench.convergence import RECIPE_GAP, RECIPE_H, seed_count, variant_layers
 from editrain.bench.prose import fill, prose
 from editrain.bench.runner import Bench
-from editrain.bench.scale import SHAPES
+from editrain.bench.scale import METHODS, RECIPE, SHAPES
 from editrain.bench.scale import chosen_shapes as scale_shapes
 from editrain.bench.scenario import WRITE, Ctx, Job, Scenario, Verdict, figure
 from editrain.bench.stats import gap_to_sync
 from editrain.bench.tables import md_table, mean_pm, percent
 
 TEXT = prose("batch")
-RECIPE = "edit-recipe"
-"""The convergence variant compared with sync."""
-METHODS = ("sync", RECIPE)
 BASE_TOKENS = 512
 """Tokens per replica per step of the bench's runs (batch 8 x sequence 64): the batch the
 learning-rate grid's centre is scaled from."""
@@ -49,7 +41,7 @@ EXTEND = 1
 """Points added beyond the grid's edge, one at a time, while a method's best rate is at an
 edge (half the lowest, twice the highest): the same rule for both methods, so that neither
 is compared at a rate the grid cut off."""
-WITHIN = 0.02
+WITHIN = RECIPE_GAP
 """The gap (relative to sync's loss) under which the recipe counts as matching sync."""
 BATCH_SHAPES = ("tiny", "blocks")
 """The model shapes of ``bench scale`` this scenario runs (``--shapes``)."""
@@ -94,7 +86,7 @@ def _setup(bench: Bench) -> dict[str, Any]:
     # grid[shape, tokens, method][lr] = seed 0's loss; losses[shape, tokens, method] = per
     # seed; info[shape, tokens, method] = the syncs and wall time of its last finished run
     return {"batches": batches, "per_run": per_run, "seq": seq, "grid": {}, "losses": {},
-            "info": {}, "seeds": int(bench.flags.get("seeds") or bench.pick(1, 3, 3)),
+            "info": {}, "seeds": seed_count(bench, 1, 3, 3),
             "shapes": chosen_shapes(bench), "seeds_done": 0}
 
 
@@ -256,16 +248,15 @@ def _settings(ctx: Ctx) -> dict[str, Any]:
 def _judge(ctx: Ctx) -> Verdict:
     rows = ctx.results["batches"]
     found = findings(rows)
+    complete = bool(rows) and all(r["relative_gap"] is not None for r in rows)
     target = {"name": fill(TEXT["target"], recipe=RECIPE, within=WITHIN),
-              "met": (None if not rows or any(r["relative_gap"] is None for r in rows)
-                      else any(r["relative_gap"] <= WITHIN for r in rows)),
+              "met": any(r["relative_gap"] <= WITHIN for r in rows) if complete else None,
               "detail": "; ".join(f"{r['shape']} {r['tokens_per_step']}: "
                                   f"{percent(r['relative_gap'])}" for r in rows)}
-    headline = ([fill(TEXT["headline"], seeds=ctx.seeds_done, rows="; ".join(
-                     f"{r['shape']} {r['tokens_per_step']:,} tok/step "
-                     f"{percent(r['relative_gap'])}" for r in rows))]
-                if rows and all(r["relative_gap"] is not None for r in rows) else [])
-    return Verdict(targets=[target], findings=found, headline=headline,
+    headline = fill(TEXT["headline"], seeds=ctx.seeds_done, rows="; ".join(
+        f"{r['shape']} {r['tokens_per_step']:,} tok/step {percent(r['relative_gap'])}"
+        for r in rows))
+    return Verdict(targets=[target], findings=found, headline=[headline] if complete else [],
                    shortfalls=[f for f in found if "does not shrink" in f])
 
 
