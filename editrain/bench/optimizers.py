@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from editrain.bench.convergence import best_first, seed_count, spread_columns
 from editrain.bench.prose import fill, prose
 from editrain.bench.scenario import Ctx, Job, Scenario, Table, Verdict
 from editrain.bench.stats import mean_std
@@ -25,7 +26,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
 
 def _setup(bench: Any) -> dict[str, Any]:
     steps = bench.pick(8, 150, 300)
-    return {"seeds": int(bench.flags.get("seeds") or bench.pick(1, 3, 3)), "steps": steps,
+    return {"seeds": seed_count(bench, 1, 3, 3), "steps": steps,
             "common": {"train": {"steps": steps, "lr": LR, "eval_every": max(1, steps // 5)},
                        "sync": {"method": "sync"}}}
 
@@ -33,30 +34,24 @@ def _setup(bench: Any) -> dict[str, Any]:
 def _measure(ctx: Ctx) -> dict[str, Any]:
     out = {}
     for name in VARIANTS:
-        rs = [ctx.runs[f"{name}-seed{s}"] for s in range(ctx.seeds)]
-        out[name] = {"final_val_loss": mean_std(r.final_val_loss for r in rs),
-                     "wall_time_s": mean_std(r.summary.get("wall_time_s") for r in rs if r.ok),
-                     "per_seed": [r.final_val_loss for r in rs]}
+        runs = [ctx.runs[f"{name}-seed{s}"] for s in range(ctx.seeds)]
+        out[name] = {"final_val_loss": mean_std(r.final_val_loss for r in runs),
+                     "wall_time_s": mean_std(r.summary.get("wall_time_s") for r in runs if r.ok),
+                     "per_seed": [r.final_val_loss for r in runs]}
     return out
 
 
 def _judge(ctx: Ctx) -> Verdict:
-    results = ctx.results
-    means = {k: v["final_val_loss"]["mean"] for k, v in results.items()
+    means = {k: v["final_val_loss"]["mean"] for k, v in ctx.results.items()
              if v["final_val_loss"]["mean"] is not None}
     findings, said = [], TEXT["findings"]
     if means:
         best = min(means, key=means.get)
-        findings.append(fill(said["lowest"], best=best, loss=means[best], all=", ".join(
-            f"{k} {v:.4f}" for k, v in sorted(means.items(), key=lambda kv: kv[1]))))
-    w, a = results["adamw+wsam"]["wall_time_s"]["mean"], results["adamw"]["wall_time_s"]["mean"]
-    if w and a:
-        findings.append(fill(said["wsam"], cost=w / a))
+        findings.append(fill(said["lowest"], best=best, loss=means[best], all=best_first(means)))
+    wsam, adamw = (ctx.results[k]["wall_time_s"]["mean"] for k in ("adamw+wsam", "adamw"))
+    if wsam and adamw:
+        findings.append(fill(said["wsam"], cost=wsam / adamw))
     return Verdict(findings=findings)
-
-
-def _loss(key: str):
-    return lambda row: row[1]["final_val_loss"][key]
 
 
 SCENARIO = Scenario(
@@ -67,13 +62,11 @@ SCENARIO = Scenario(
                       for name, v in VARIANTS.items() for s in range(ctx.seeds)],
     measure=_measure,
     tables=[Table("Final validation loss", [
-        ("optimizer", None), ("final val loss (mean)", _loss("mean")), ("std", _loss("std")),
-        ("min", _loss("min")), ("max", _loss("max")),
-        ("seeds ok", lambda row: f"{row[1]['final_val_loss']['n']}/{len(row[1]['per_seed'])}"),
+        ("optimizer", None),
+        ("final val loss (mean)", lambda row: row[1]["final_val_loss"]["mean"]),
+        ("std", lambda row: row[1]["final_val_loss"]["std"]), *spread_columns("per_seed"),
         ("wall s (mean)", lambda row: row[1]["wall_time_s"]["mean"])])],
     judge=_judge,
     settings=lambda ctx: {"steps": ctx.steps, "seeds": ctx.seeds, "lr": LR, "agd_lr": LR / 10},
     notes=lambda ctx: TEXT["notes"],
 )
-NAME = SCENARIO.name
-DESCRIPTION = SCENARIO.description
