@@ -23,7 +23,7 @@ from editrain.bench.runner import Bench, repeat_label
 from editrain.bench.runs import Run
 from editrain.bench.scenario import Ctx, Job, Scenario, Table, Verdict, differences, figure
 from editrain.bench.stats import compare, spread
-from editrain.bench.tables import cell, ms, ratio, spread_cell
+from editrain.bench.tables import cell, ms, ratio, spread_cell, spread_of
 from editrain.config import ConfigError
 
 TEXT = prose("bandwidth")
@@ -248,10 +248,6 @@ def _med(s: dict[str, Any] | None) -> float | None:
 
 
 # ---- tables -------------------------------------------------------------------------------
-def _spread(key: str, scale: float = 1.0):
-    """A column: the spread ``key`` of the row's entry (its last item)."""
-    return lambda row: spread_cell(row[-1].get(key), scale)
-
 
 def _main_rows(ctx: Ctx) -> list[tuple[str, str, dict[str, Any]]]:
     """The ceiling, then one row per method and link (the methods the record has: one
@@ -276,23 +272,23 @@ def _utilisations(row: tuple) -> str | None:
 
 
 MAIN_TABLE = Table("Throughput against link speed", [
-    ("method", None), ("link", lambda row: row[1]), ("tokens/s", _spread("tokens_per_s")),
-    ("x unlimited", _spread("vs_unlimited")), ("x ceiling", _spread("vs_ceiling")),
-    ("step ms", _spread("step_time_s", 1000)),
-    ("overhead vs ceiling ms/step", _spread("overhead_vs_ceiling_s_per_step", 1000)),
-    ("wait ms/step", _spread("wait_s_per_step", 1000)),
-    ("comm ms/step", _spread("comm_time_s_per_step", 1000)),
-    ("link delay ms/step", _spread("link_delay_s_per_step", 1000)),
+    ("method", None), ("link", lambda row: row[1]), ("tokens/s", spread_of("tokens_per_s")),
+    ("x unlimited", spread_of("vs_unlimited")), ("x ceiling", spread_of("vs_ceiling")),
+    ("step ms", spread_of("step_time_s", 1000)),
+    ("overhead vs ceiling ms/step", spread_of("overhead_vs_ceiling_s_per_step", 1000)),
+    ("wait ms/step", spread_of("wait_s_per_step", 1000)),
+    ("comm ms/step", spread_of("comm_time_s_per_step", 1000)),
+    ("link delay ms/step", spread_of("link_delay_s_per_step", 1000)),
     ("utilisation per replica (median)", _utilisations)], rows=_main_rows)
 SWEEP_TABLE = Table(f"Streaming options at {SWEEP_NAME}", [
     ("variant", None),
     ("overlap_steps", lambda row: row[1].get("overlap_steps", 0)),
     ("fragments", lambda row: row[1].get("fragments", 1)),
     ("comm_dtype", lambda row: row[1].get("comm_dtype", "fp32")),
-    ("tokens/s", _spread("tokens_per_s")), ("x edit unlimited", _spread("vs_edit_unlimited")),
-    ("x ceiling", _spread("vs_ceiling")), ("wait ms/step", _spread("wait_s_per_step", 1000)),
-    ("comm ms/step", _spread("comm_time_s_per_step", 1000)),
-    ("exposed (wait / comm)", _spread("exposed"))], rows=_sweep_rows)
+    ("tokens/s", spread_of("tokens_per_s")), ("x edit unlimited", spread_of("vs_edit_unlimited")),
+    ("x ceiling", spread_of("vs_ceiling")), ("wait ms/step", spread_of("wait_s_per_step", 1000)),
+    ("comm ms/step", spread_of("comm_time_s_per_step", 1000)),
+    ("exposed (wait / comm)", spread_of("exposed"))], rows=_sweep_rows)
 
 
 def _sweep(ctx: Ctx) -> list[tuple[str, str]]:

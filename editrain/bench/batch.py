@@ -19,7 +19,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from editrain.bench.convergence import RECIPE_GAP, RECIPE_H, seed_count, variant_layers
+from editrain.bench.convergence import RECIPE_GAP, RECIPE_H, variant_layers
+from editrain.bench.options import seed_count
 from editrain.bench.prose import fill, prose
 from editrain.bench.runner import Bench
 from editrain.bench.scale import METHODS, RECIPE, SHAPES

@@ -13,12 +13,12 @@ from __future__ import annotations
 from typing import Any
 
 from editrain.bench.measures import aedit_period, val_curve
-from editrain.bench.options import pick_names
+from editrain.bench.options import pick_names, seed_count
 from editrain.bench.prose import fill, prose
 from editrain.bench.runner import Bench
 from editrain.bench.scenario import Ctx, Job, Scenario, Table, Verdict, figure
 from editrain.bench.stats import mean_std, median, paired_differences
-from editrain.bench.tables import mean_pm
+from editrain.bench.tables import best_first, mean_pm, per_seed, spread_columns
 
 TEXT = prose("convergence")
 STREAMING = {"fragments": 3, "comm_dtype": "int8"}
@@ -59,38 +59,6 @@ COMPARED = ("edit", "aedit", "aedit-nonblocking", *(m for m in METHODS if m.star
 """The methods whose paired differences the findings spell out, in this order."""
 RECIPE_GAP = 0.02
 """The recipe's target: EDiT within 2% of synchronous training's validation loss."""
-
-
-# -- The paired comparison over seeds, shared with tune, scale, batch and optimizers ------
-
-def seed_count(bench: Bench, tiny: int, quick: int, full: int) -> int:
-    """``--seeds N``, else the seeds of this size."""
-    return int(bench.flags.get("seeds") or bench.pick(tiny, quick, full))
-
-
-def seed_losses(runs: list[Any]) -> list[float | None]:
-    """Each run's final validation loss, None for a run that failed."""
-    return [r.final_val_loss if r.ok else None for r in runs]
-
-
-def per_seed(diff: dict[str, Any]) -> str | None:
-    """A table cell: the per-seed values of a paired difference, signed."""
-    return ", ".join(f"{v:+.4f}" for v in diff["values"]) or None
-
-
-def best_first(losses: dict[str, float]) -> str:
-    """``name loss`` pairs, lowest loss first."""
-    return ", ".join(f"{k} {losses[k]:.4f}" for k in sorted(losses, key=losses.get))
-
-
-def spread_columns(per_seed_key: str) -> list[tuple[str, Any]]:
-    """Table columns of a row's ``final_val_loss`` over seeds (a ``mean_std`` record): its
-    min, max and how many of the seeds (the list under ``per_seed_key``) finished."""
-    def loss(row: Any) -> dict[str, Any]:
-        return row[1]["final_val_loss"]
-
-    return [("min", lambda row: loss(row)["min"]), ("max", lambda row: loss(row)["max"]),
-            ("seeds ok", lambda row: f"{loss(row)['n']}/{len(row[1][per_seed_key])}")]
 
 
 def common_options(bench: Bench) -> tuple[dict[str, Any], int, int, int]:

@@ -18,7 +18,7 @@ from typing import Any
 from editrain.bench.plots import pyplot, save_figure
 from editrain.bench.prose import fill, prose
 from editrain.bench.scenario import Ctx, Scenario, Table, Verdict
-from editrain.bench.tables import fmt_bytes
+from editrain.bench.tables import entry_cell, fmt_bytes
 from editrain.spawn import run_ranks
 from editrain.sync.methods import OUTER_SGD
 
@@ -128,9 +128,6 @@ def _rows(ctx: Ctx) -> list[tuple[str, dict[str, Any]]]:
             for e in ctx.results[p]["by_shard"].values() if "ranks" in e]
 
 
-def _mib(key: str):
-    return lambda row: fmt_bytes(row[1][key])
-
 
 def _per_rank(measured: list[list[dict[str, Any]]] | None, preset: str,
               variant: str) -> dict[str, Any]:
@@ -210,13 +207,13 @@ SCENARIO = Scenario(
     size_caveat=False, methods=lambda ctx: list(VARIANTS),
     tables=[Table("Outer state per rank", [
         ("preset", None), ("shard size S", "ranks"),
-        ("DiLoCo-style full copy (per rank)", _mib("full")),
-        ("edit, on the parameters' device", _mib("edit_bytes_per_rank")),
-        ("edit + cpu_offload, offloaded", _mib("edit_cpu_offload_bytes_per_rank")),
-        ("editrain diloco (sharded too)", _mib("editrain_diloco_bytes_per_rank")),
-        ("full copy / S", _mib("expected_full_over_s")),
+        ("DiLoCo-style full copy (per rank)", entry_cell("full", fmt_bytes)),
+        ("edit, on the parameters' device", entry_cell("edit_bytes_per_rank", fmt_bytes)),
+        ("edit + cpu_offload, offloaded", entry_cell("edit_cpu_offload_bytes_per_rank", fmt_bytes)),
+        ("editrain diloco (sharded too)", entry_cell("editrain_diloco_bytes_per_rank", fmt_bytes)),
+        ("full copy / S", entry_cell("expected_full_over_s", fmt_bytes)),
         ("edit / (full / S)", "edit_over_expected"),
-        ("parameter shard", _mib("local_param_bytes"))], rows=_rows)],
+        ("parameter shard", entry_cell("local_param_bytes", fmt_bytes))], rows=_rows)],
     settings=lambda ctx: {"shard_sizes": list(ctx.shard_sizes), "presets": ctx.presets,
                           "errors": ctx.errors},
 )

@@ -10,10 +10,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from editrain.bench.convergence import best_first, seed_count, spread_columns
+from editrain.bench.options import seed_count
 from editrain.bench.prose import fill, prose
 from editrain.bench.scenario import Ctx, Job, Scenario, Table, Verdict
 from editrain.bench.stats import mean_std
+from editrain.bench.tables import best_first, spread_columns
 
 TEXT = prose("optimizers")
 LR = 3e-3

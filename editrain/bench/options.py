@@ -123,6 +123,12 @@ def split_extra(extra: Sequence[str]) -> tuple[dict[str, Any], dict[str, Any]]:
     return flags, overrides
 
 
+def seed_count(bench: Any, tiny: int, quick: int, full: int) -> int:
+    """A scenario's seeds: ``--seeds N``, else ``tiny``, ``quick`` or ``full`` by the bench's
+    size (``bench``: the :class:`~editrain.bench.runner.Bench`)."""
+    return int(bench.flags.get("seeds") or bench.pick(tiny, quick, full))
+
+
 def pick_names(value: str, allowed: Sequence[str], flag: str, what: str) -> list[str]:
     """The names a comma-separated flag value picks, in ``allowed``'s order.
 
@@ -163,4 +169,4 @@ def command_line(scenario: str, quick: bool, out_dir: str | None, extra: Sequenc
 
 
 __all__ = ["DEFAULT_ROOT", "MODES", "REPEATS", "SIZE_FLAGS", "VALUE_FLAGS", "base_overrides",
-           "command_line", "merge", "pick_names", "split_extra", "timed_train"]
+           "command_line", "merge", "pick_names", "seed_count", "split_extra", "timed_train"]

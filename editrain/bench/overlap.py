@@ -15,7 +15,7 @@ from editrain.bench.prose import fill, prose
 from editrain.bench.runs import Run
 from editrain.bench.scenario import Ctx, Job, Scenario, Table, Verdict, figure
 from editrain.bench.stats import median
-from editrain.bench.tables import cell, ms
+from editrain.bench.tables import cell, entry_cell, ms
 
 TEXT = prose("overlap")
 LINK = ("20MB/s", "5ms")
@@ -135,9 +135,6 @@ def _plot(ctx: Ctx):
     return ctx.plot
 
 
-def _ms_of(key: str):
-    return lambda row: ms(row[1][key])
-
 
 SCENARIO = Scenario(
     name="overlap",
@@ -149,13 +146,13 @@ SCENARIO = Scenario(
         ("method", None),
         ("prefetch depth", lambda row: "blocking" if row[0] == "diloco"
          else row[1]["prefetch_depth"]),
-        ("wait ms (median)", _ms_of("median_wait_s")),
+        ("wait ms (median)", entry_cell("median_wait_s", ms)),
         ("wait / diloco blocking", "wait_vs_diloco"),
-        ("sync time ms", _ms_of("median_sync_time_s")),
-        ("comm ms", _ms_of("median_comm_time_s")),
-        ("link delay ms", _ms_of("median_link_delay_s")),
-        ("sync-step overhead ms", _ms_of("sync_step_overhead_s")),
-        ("plain step ms", _ms_of("median_step_time_s")), ("syncs", "syncs")])],
+        ("sync time ms", entry_cell("median_sync_time_s", ms)),
+        ("comm ms", entry_cell("median_comm_time_s", ms)),
+        ("link delay ms", entry_cell("median_link_delay_s", ms)),
+        ("sync-step overhead ms", entry_cell("sync_step_overhead_s", ms)),
+        ("plain step ms", entry_cell("median_step_time_s", ms)), ("syncs", "syncs")])],
     settings=lambda ctx: {"steps": ctx.steps, "sync_interval": ctx.interval,
                           "link": "+".join(LINK), "prefetch_depths": list(ctx.depths),
                           "units": ctx.units},

@@ -33,7 +33,7 @@ from editrain.bench.runner import Bench, child_env, child_failure, repeat_label
 from editrain.bench.runs import Run, read_run
 from editrain.bench.scenario import Ctx, Job, Scenario, Table, Verdict
 from editrain.bench.stats import compare, median, spread
-from editrain.bench.tables import md_table, spread_cell, verdict_cell
+from editrain.bench.tables import md_table, spread_cell, spread_of, verdict_cell
 from editrain.config import ConfigError
 
 TEXT = prose("peers")
@@ -406,10 +406,6 @@ def _notes(ctx: Ctx) -> list[str]:
                 tiny=TEXT["tiny_validation"] if ctx.bench.mode == "tiny" else "")
 
 
-def _spread(key: str):
-    """A column's cell: ``spread_cell`` of the row entry's ``key``."""
-    return lambda row: spread_cell(row[1][key])
-
 
 SCENARIO = Scenario(
     name="peers",
@@ -420,9 +416,9 @@ SCENARIO = Scenario(
     checks=lambda ctx: [],  # setup checked every system's options (and the peer's limits)
     tables=[
         Table("torchft DiLoCo and editrain", [
-            ("system", None), ("final val loss", _spread("final_val_loss")),
-            ("initial val loss", _spread("initial_val_loss")),
-            ("tokens/s", _spread("tokens_per_s")), ("syncs", "num_syncs"),
+            ("system", None), ("final val loss", spread_of("final_val_loss")),
+            ("initial val loss", spread_of("initial_val_loss")),
+            ("tokens/s", spread_of("tokens_per_s")), ("syncs", "num_syncs"),
             ("val tokens", "val_tokens"),
             ("utilisation per replica", lambda row: "/".join(
                 spread_cell(r["utilisation"]) for r in row[1]["replicas"]) or None)],

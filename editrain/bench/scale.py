@@ -12,21 +12,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from editrain.bench.convergence import (
-    RECIPE_GAP,
-    RECIPE_H,
-    common_options,
-    per_seed,
-    seed_count,
-    seed_losses,
-    variant_layers,
-)
-from editrain.bench.options import pick_names
+from editrain.bench.convergence import RECIPE_GAP, RECIPE_H, common_options, variant_layers
+from editrain.bench.options import pick_names, seed_count
 from editrain.bench.prose import fill, prose
 from editrain.bench.runner import Bench
 from editrain.bench.scenario import Ctx, Job, Scenario, Table, Verdict, figure
-from editrain.bench.stats import gap_to_sync
-from editrain.bench.tables import mean_pm, percent
+from editrain.bench.stats import gap_to_sync, seed_losses
+from editrain.bench.tables import mean_pm, per_seed, percent
 from editrain.bench.tune import BLOCKS_SHAPE
 
 TEXT = prose("scale")

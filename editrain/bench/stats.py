@@ -105,5 +105,10 @@ def compare(a: str, b: str, sa: dict[str, Any], sb: dict[str, Any], tolerance: f
             "beyond_spread": beyond_spread(sa, sb, tolerance)}
 
 
+def seed_losses(runs: list[Any]) -> list[float | None]:
+    """Each run's final validation loss over the seeds, None for a run that failed."""
+    return [r.final_val_loss if r.ok else None for r in runs]
+
+
 __all__ = ["beyond_spread", "compare", "finite", "mean_std", "median", "paired_differences",
-           "spread"]
+           "seed_losses", "spread"]

@@ -26,7 +26,7 @@ from editrain.bench.runner import Bench, repeat_label
 from editrain.bench.runs import Run
 from editrain.bench.scenario import Ctx, Job, Scenario, Table, Verdict, differences, figure
 from editrain.bench.stats import compare, median, spread
-from editrain.bench.tables import cell, ratio, spread_cell
+from editrain.bench.tables import cell, ratio, spread_cell, spread_of
 
 TEXT = prose("stragglers")
 METHODS = ("sync", "edit", "aedit", "aedit-nb")
@@ -263,9 +263,6 @@ def _replica_rows(ctx: Ctx) -> list[list[Any]]:
     return rows
 
 
-def _spread(key: str):
-    return lambda row: spread_cell(row[2][key])
-
 
 def _column(i: int):
     return lambda row: row[i]
@@ -273,11 +270,11 @@ def _column(i: int):
 
 TABLES = [
     Table("Throughput as a fraction of the measured limit", [
-        ("case", _column(0)), ("method", _column(1)), ("tokens/s", _spread("tokens_per_s")),
-        ("measured limit (solo speeds, same steps)", _spread("limit_tokens_per_s")),
-        ("limit drift (before vs after)", _spread("limit_drift")),
+        ("case", _column(0)), ("method", _column(1)), ("tokens/s", spread_of("tokens_per_s")),
+        ("measured limit (solo speeds, same steps)", spread_of("limit_tokens_per_s")),
+        ("limit drift (before vs after)", spread_of("limit_drift")),
         ("x limit", lambda row: _fraction_cell(row[2])),
-        ("final val loss", _spread("final_val_loss")), ("wall s", _spread("wall_time_s")),
+        ("final val loss", spread_of("final_val_loss")), ("wall s", spread_of("wall_time_s")),
         ("syncs", lambda row: row[2]["num_syncs"]),
         ("A-EDiT steps per replica (repeat 1)", lambda row: _steps_text(row[2]))],
         rows=lambda ctx: [(c, m, ctx.results[c][m]) for c in ctx.cases for m in METHODS]),

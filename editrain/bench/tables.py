@@ -94,5 +94,37 @@ def percent(x: float | None) -> str:
     return "n/a" if x is None else f"{100 * x:+.1f}%"
 
 
-__all__ = ["cell", "fmt_bytes", "md_table", "mean_pm", "ms", "percent", "ratio", "spread_cell",
-           "verdict_cell"]
+def spread_of(key: str, scale: float = 1.0):
+    """A :class:`~editrain.bench.scenario.Table` column: :func:`spread_cell` of ``key`` in
+    the row's entry (its last item), times ``scale``."""
+    return lambda row: spread_cell(row[-1].get(key), scale)
+
+
+def entry_cell(key: str, text: Any):
+    """A :class:`~editrain.bench.scenario.Table` column: ``text`` (e.g. :func:`fmt_bytes`)
+    of ``key`` in the row's entry (its last item)."""
+    return lambda row: text(row[-1][key])
+
+
+def per_seed(diff: dict[str, Any]) -> str | None:
+    """A table cell: the per-seed values of a paired difference, signed."""
+    return ", ".join(f"{v:+.4f}" for v in diff["values"]) or None
+
+
+def best_first(losses: dict[str, float]) -> str:
+    """``name loss`` pairs, lowest loss first."""
+    return ", ".join(f"{k} {losses[k]:.4f}" for k in sorted(losses, key=losses.get))
+
+
+def spread_columns(per_seed_key: str) -> list[tuple[str, Any]]:
+    """Table columns of a row's ``final_val_loss`` over seeds (a ``mean_std`` record): its
+    min, max and how many of the seeds (the list under ``per_seed_key``) finished."""
+    def loss(row: Any) -> dict[str, Any]:
+        return row[1]["final_val_loss"]
+
+    return [("min", lambda row: loss(row)["min"]), ("max", lambda row: loss(row)["max"]),
+            ("seeds ok", lambda row: f"{loss(row)['n']}/{len(row[1][per_seed_key])}")]
+
+
+__all__ = ["best_first", "cell", "entry_cell", "fmt_bytes", "md_table", "mean_pm", "ms", "per_seed",
+           "percent", "ratio", "spread_cell", "spread_columns", "spread_of", "verdict_cell"]

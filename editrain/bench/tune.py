@@ -13,13 +13,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from editrain.bench.convergence import per_seed, seed_count, seed_losses
+from editrain.bench.options import seed_count
 from editrain.bench.plots import pyplot, save_figure
 from editrain.bench.prose import fill, prose
 from editrain.bench.runner import Bench
 from editrain.bench.scenario import Ctx, Job, Scenario, Table, Verdict
-from editrain.bench.stats import gap_to_sync
-from editrain.bench.tables import percent
+from editrain.bench.stats import gap_to_sync, seed_losses
+from editrain.bench.tables import per_seed, percent
 
 TEXT = prose("tune")
 OUTER_LR = 0.7
