@@ -16,10 +16,19 @@ TABLE_FILE = "table.md"
 FORMAT = 2
 """Version of the record layout: 2 stores the tables, repeats and measurement errors."""
 
+RECORD_MAX_BYTES = 64 << 20
+"""The largest ``results.json`` read back (the committed ones are a few hundred KB)."""
+
 
 def target_word(met: bool | None) -> str:
     """``yes`` / ``no`` / ``not evaluated``."""
     return "not evaluated" if met is None else ("yes" if met else "no")
+
+
+def target_line(target: dict[str, Any], mark: str = "") -> str:
+    """``name: yes (detail)``, the word between ``mark``s (``**`` for bold)."""
+    detail = f" ({target['detail']})" if target.get("detail") else ""
+    return f"{target['name']}: {mark}{target_word(target.get('met'))}{mark}{detail}"
 
 
 def clean_json(v: Any) -> Any:
@@ -31,13 +40,7 @@ def clean_json(v: Any) -> Any:
         return {str(k): clean_json(x) for k, x in v.items()}
     if isinstance(v, list | tuple):
         return [clean_json(x) for x in v]
-    if isinstance(v, Path):
-        return str(v)
-    return v
-
-
-RECORD_MAX_BYTES = 64 << 20
-"""The largest ``results.json`` read back (the committed ones are a few hundred KB)."""
+    return str(v) if isinstance(v, Path) else v
 
 
 def load_record(results_dir: str | Path) -> dict[str, Any]:
@@ -84,14 +87,15 @@ def render_page(record: dict[str, Any]) -> str:
     Args:
         record: the scenario's record (as written to ``results.json``).
     """
+    runs = record.get("runs", {}).items()
     lines = [f"# Benchmark: {record['scenario']} ({record['mode']})", ""]
     if record.get("description"):
         lines += [record["description"], ""]
     machine = record.get("machine", {})
+    loads = machine.get("load_during_runs")
     lines += [f"Command: `{record.get('command', '?')}`", "",
               f"Machine: {describe_machine(machine)}", "",
               f"Elapsed: {record.get('elapsed_s', 0):.0f} s, started {record.get('started')}."]
-    loads = machine.get("load_during_runs")
     if loads:
         busy = loads[1] > 0.5 * (machine.get("usable_cpus") or 1)
         lines[-1] += (f" Load average (1 min) before each run: {loads[0]:.1f} to "
@@ -100,27 +104,22 @@ def render_page(record: dict[str, Any]) -> str:
     if record.get("repeats"):
         lines[-1] += (f" Timed runs repeated {record['repeats']} time(s), interleaved; "
                       "tables give the median and [min-max].")
-    lines.append("")
-    lines += error_lines(record)
+    lines += [""] + error_lines(record)
     if record.get("user_overrides"):
         lines += ["Options given on the command line (applied to every run, over the "
                   f"scenario's own): `{json.dumps(record['user_overrides'])}`", ""]
     if record.get("skipped"):
         lines += [f"**Skipped:** {record['skipped']}", ""]
     lines += tables_lines(record_tables(record), "##")
-    lines += bullets("## Targets", [f"{t['name']}: **{target_word(t.get('met'))}**"
-                                    + (f" ({t['detail']})" if t.get("detail") else "")
-                                    for t in record.get("targets", [])])
+    lines += bullets("## Targets", [target_line(t, "**") for t in record.get("targets", [])])
     lines += bullets("## Findings", record.get("findings", []))
     lines += bullets("## Shortfalls", record.get("shortfalls", []))
     lines += bullets("## How it was measured", record.get("notes", []))
     if record.get("plots"):
         lines += ["## Plots", ""] + [f"![{p}]({p})" for p in record["plots"]] + [""]
-    lines += bullets("## Failed runs", [f"`{label}`: {r.get('error')}"
-                                        for label, r in record.get("runs", {}).items()
+    lines += bullets("## Failed runs", [f"`{label}`: {r.get('error')}" for label, r in runs
                                         if not r.get("ok")])
-    lines += bullets("## Runs run again", [f"`{label}`: {error}"
-                                           for label, r in record.get("runs", {}).items()
+    lines += bullets("## Runs run again", [f"`{label}`: {error}" for label, r in runs
                                            for error in r.get("retried", [])])
     return "\n".join(lines)
 
@@ -143,5 +142,5 @@ def write_record(out_dir: Path, record: dict[str, Any]) -> str:
 
 
 __all__ = ["FORMAT", "RESULTS_FILE", "TABLE_FILE", "bullets", "clean_json", "error_lines",
-           "load_record", "record_tables", "render_page", "tables_lines", "target_word",
-           "write_record"]
+           "load_record", "record_tables", "render_page", "tables_lines", "target_line",
+           "target_word", "write_record"]
