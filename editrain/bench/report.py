@@ -18,18 +18,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from editrain.bench import results
 from editrain.bench.headline import is_stale, readme_headline, relative_link
 from editrain.bench.machine import describe_machine
 from editrain.bench.prose import fill, prose
-from editrain.bench.results import (
-    TABLE_FILE,
-    bullets,
-    error_lines,
-    load_record,
-    record_tables,
-    tables_lines,
-    target_word,
-)
 from editrain.bench.tables import md_table
 from editrain.config import ConfigError
 
@@ -38,25 +30,23 @@ HEADLINE_START = "<!-- bench-headline -->"
 HEADLINE_END = "<!-- /bench-headline -->"
 """The markers around the README's generated headline (table and plots)."""
 
-def load_result(results_dir: str | Path) -> tuple[dict[str, Any], str]:
-    """A scenario's ``results.json`` record and its ``table.md`` text ('' when absent).
 
-    Args:
-        results_dir: the scenario's results directory.
-    """
-    d = Path(results_dir)
-    table = (d / TABLE_FILE).read_text() if (d / TABLE_FILE).is_file() else ""
-    return load_record(d), table
+def load_result(results_dir: str | Path) -> tuple[dict[str, Any], str]:
+    """A scenario's ``results.json`` record and its ``table.md`` text ('' when absent)."""
+    table = Path(results_dir) / results.TABLE_FILE
+    return results.load_record(results_dir), table.read_text() if table.is_file() else ""
+
+
+def _skipped(record: dict[str, Any]) -> str:
+    return record["skipped"].removeprefix("skipped: ")
 
 
 def shows(record: dict[str, Any]) -> list[str]:
     """What the scenario shows: its description, then one line per finding."""
     if record.get("skipped"):
-        reason = record["skipped"].removeprefix("skipped: ")
-        return [f"Nothing: the scenario was skipped ({reason})."]
-    lines = [record.get("description", "").strip(), ""]
-    lines += [f"- {f}" for f in record.get("findings", [])]
-    return lines
+        return [f"Nothing: the scenario was skipped ({_skipped(record)})."]
+    return [record.get("description", "").strip(), ""] + [
+        f"- {f}" for f in record.get("findings", [])]
 
 
 def falls_short(record: dict[str, Any]) -> list[str]:
@@ -64,14 +54,12 @@ def falls_short(record: dict[str, Any]) -> list[str]:
     out = [f"Measurement error (not a result): {e}." for e in
            record.get("measurement_errors", [])]
     for t in record.get("targets", []):
-        if t.get("met") is False:
-            out.append(f"Target not met: {t['name']} ({t.get('detail', '')}).")
-        elif t.get("met") is None:
-            out.append(f"Target not evaluated: {t['name']} ({t.get('detail', '')}).")
+        if t.get("met") is False or t.get("met") is None:
+            state = "not met" if t.get("met") is False else "not evaluated"
+            out.append(f"Target {state}: {t['name']} ({t.get('detail', '')}).")
     out += record.get("shortfalls", [])
-    for label, r in record.get("runs", {}).items():
-        if not r.get("ok"):
-            out.append(f"Run `{label}` failed: {r.get('error')}.")
+    out += [f"Run `{label}` failed: {r.get('error')}." for label, r in
+            record.get("runs", {}).items() if not r.get("ok")]
     if record.get("mode") != "full" and record.get("size_caveat", True) \
             and not record.get("skipped"):
         out.append(fill(TEXT["size_caveat"], mode=record.get("mode")))
@@ -81,46 +69,50 @@ def falls_short(record: dict[str, Any]) -> list[str]:
 def in_short(record: dict[str, Any]) -> list[str]:
     """The scenario's lines in the page's summary: its headline sentences, or its targets."""
     if record.get("skipped"):
-        return [f"skipped ({record['skipped'].removeprefix('skipped: ')})"]
-    lines = [f"MEASUREMENT ERROR (not a result): {e}" for e in
-             record.get("measurement_errors", [])]
-    lines += list(record.get("headline", []))
-    if not record.get("headline"):
-        lines += [f"{t['name']}: {target_word(t.get('met'))}"
-                  + (f" ({t['detail']})" if t.get("detail") else "")
-                  for t in record.get("targets", [])]
-    return lines
+        return [f"skipped ({_skipped(record)})"]
+    errors = [f"MEASUREMENT ERROR (not a result): {e}" for e in
+              record.get("measurement_errors", [])]
+    targets = [results.target_line(t) for t in record.get("targets", [])]
+    return errors + (list(record.get("headline", [])) or targets)
+
+
+def _summary_row(record: dict[str, Any]) -> list[Any]:
+    """The scenario's row of the page's summary table."""
+    targets = record.get("targets", [])
+    met = sum(1 for t in targets if t.get("met") is True)
+    verdict = ("skipped" if record.get("skipped") else
+               ("measurement error" if record.get("measurement_errors") else
+                (f"{met}/{len(targets)} met" if targets else "no target")))
+    stale = "(old methodology, re-run pending) " if is_stale(record) else ""
+    return [f"[{record['scenario']}](#{record['scenario']})", record.get("mode"), verdict,
+            stale + ("<br>".join(in_short(record)) or "-"),
+            f"{record.get('elapsed_s', 0):.0f} s"]
 
 
 def _section(results_dir: Path, record: dict[str, Any], table_md: str,
              out_dir: Path) -> list[str]:
     """One scenario's section: command, machine, what it shows, shortfalls, its tables,
     how it was measured, plots."""
-    lines = [f"## {record['scenario']}", "",
-             f"Command: `{record.get('command', '?')}`", "",
+    repeats = (f", {record['repeats']} interleaved repeat(s) of every timed run"
+               if record.get("repeats") else "")
+    lines = [f"## {record['scenario']}", "", f"Command: `{record.get('command', '?')}`", "",
              f"Machine: {describe_machine(record.get('machine', {}))}; {record.get('mode')} "
              f"size, {record.get('elapsed_s', 0):.0f} s, started {record.get('started')}"
-             + (f", {record['repeats']} interleaved repeat(s) of every timed run"
-                if record.get("repeats") else "") + ".", ""]
-    lines += error_lines(record)
+             f"{repeats}.", ""]
+    lines += results.error_lines(record)
     if is_stale(record):
-        lines += [f"**Old methodology:** {STALE_NOTE}", ""]
+        lines += [f"**Old methodology:** {TEXT['stale']}", ""]
     lines += ["**What it shows.**", ""] + shows(record) + [""]
-    short = falls_short(record)
-    lines += bullets("**Where editrain falls short.**",
-                     short or ["Nothing measured here: every target was met."])
-    tables = record_tables(record)
+    lines += results.bullets("**Where editrain falls short.**", falls_short(record)
+                             or ["Nothing measured here: every target was met."])
+    tables = results.record_tables(record)
     if not tables and table_md:  # a format-1 record: its tables only exist in table.md
         tables = [("", "\n".join(x for x in table_md.splitlines() if x.startswith("|")))]
-    lines += tables_lines(tables, "###")
-    lines += bullets("### How it was measured", record.get("notes", []))
+    lines += results.tables_lines(tables, "###")
+    lines += results.bullets("### How it was measured", record.get("notes", []))
     for plot in record.get("plots", []):
         lines += [f"![{plot}]({relative_link(results_dir / plot, out_dir)})", ""]
     return lines
-
-
-STALE_NOTE = TEXT["stale"]
-"""What the report says of a record in the old (format 1) methodology."""
 
 
 def write_benchmarks_md(results_dirs: Sequence[str | Path],
@@ -138,30 +130,12 @@ def write_benchmarks_md(results_dirs: Sequence[str | Path],
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
     loaded = [(Path(d), *load_result(d)) for d in results_dirs]
-    summary_rows = []
-    for _d, record, _ in loaded:
-        targets = record.get("targets", [])
-        met = sum(1 for t in targets if t.get("met") is True)
-        summary_rows.append([
-            f"[{record['scenario']}](#{record['scenario']})", record.get("mode"),
-            "skipped" if record.get("skipped") else
-            ("measurement error" if record.get("measurement_errors") else
-             (f"{met}/{len(targets)} met" if targets else "no target")),
-            ("(old methodology, re-run pending) " if is_stale(record) else "")
-            + ("<br>".join(in_short(record)) or "-"),
-            f"{record.get('elapsed_s', 0):.0f} s",
-        ])
-    lines = [
-        "# Benchmarks",
-        "",
-        fill(TEXT["intro"], when=time.strftime("%Y-%m-%d %H:%M"), count=len(loaded),
-             plural="y" if len(loaded) == 1 else "ies"),
-        "",
-        "## In short",
-        "",
-        md_table(["scenario", "size", "targets", "result", "elapsed"], summary_rows).rstrip(),
-        "",
-    ]
+    summary = md_table(["scenario", "size", "targets", "result", "elapsed"],
+                       [_summary_row(record) for _, record, _ in loaded])
+    lines = ["# Benchmarks", "",
+             fill(TEXT["intro"], when=time.strftime("%Y-%m-%d %H:%M"), count=len(loaded),
+                  plural="y" if len(loaded) == 1 else "ies"),
+             "", "## In short", "", summary.rstrip(), ""]
     for d, record, table in loaded:
         lines += _section(d, record, table, out.parent)
     out.write_text("\n".join(lines).rstrip("\n") + "\n")
@@ -179,11 +153,8 @@ def scenario_dirs(root: str | Path, scenarios: Sequence[str]) -> list[Path]:
         scenarios: the scenario names, in order (``editrain.bench.SCENARIOS``).
     """
     base = Path(root)
-    dirs: list[Path] = []
-    for s in scenarios:
-        dirs += [d for d in [base / s, *sorted(base.glob(f"{s}-*"))]
-                 if (d / "results.json").is_file()]
-    return dirs
+    return [d for s in scenarios for d in [base / s, *sorted(base.glob(f"{s}-*"))]
+            if (d / results.RESULTS_FILE).is_file()]
 
 
 def replace_headline(text: str, headline: str, name: str = "README.md") -> str:
@@ -202,7 +173,7 @@ def replace_headline(text: str, headline: str, name: str = "README.md") -> str:
         raise ConfigError(fill(TEXT["markers"], name=name, start_marker=HEADLINE_START,
                                end_marker=HEADLINE_END, start=start, end=end))
     head, rest = text.split(HEADLINE_START, 1)
-    _, tail = rest.split(HEADLINE_END, 1)
+    tail = rest.split(HEADLINE_END, 1)[1]
     return f"{head}{HEADLINE_START}\n{headline.strip(chr(10))}\n{HEADLINE_END}{tail}"
 
 
@@ -222,7 +193,7 @@ def write_readme_headline(readme: str | Path, results_dirs: Sequence[str | Path]
     """
     path = Path(readme)
     text = check_readme(path)
-    headline = readme_headline([(Path(d), load_record(d)) for d in results_dirs],
+    headline = readme_headline([(Path(d), results.load_record(d)) for d in results_dirs],
                                base=path.parent)
     path.write_text(replace_headline(text, headline, path.name))
     return headline
