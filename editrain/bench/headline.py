@@ -8,6 +8,8 @@ from a ``results.json`` record, and every row links the records it was read from
 Only records of the current methodology (results format 2) are used; where a scenario has
 records of several sizes, the largest wins, as on the benchmarks page. A row whose record
 is missing is left out; a row whose measurement was flagged says so instead of a number.
+Each row kind's words are templates in ``text/headline.toml``; its function here picks
+the record and reads the values.
 """
 
 from __future__ import annotations
@@ -15,11 +17,12 @@ from __future__ import annotations
 import os
 import textwrap
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from editrain.bench.options import MODES
 from editrain.bench.prose import fill, prose
 from editrain.bench.tables import cell, fmt_bytes, spread_cell
 from editrain.config import ConfigError
@@ -39,7 +42,14 @@ table uses for that scenario."""
 COLUMNS = ("what is measured", "editrain", "baseline or peer", "conditions (source)")
 """The headline table's columns."""
 
-SIZES = {"tiny": 0, "quick": 1, "full": 2}
+CELLS = ("what", "editrain", "peer", "conditions")
+"""A row's text fields: each a template of its row kind in ``text/headline.toml``."""
+
+SIZES = {mode: rank for rank, mode in enumerate(MODES)}
+
+HIDDEN = (("edit-streaming", "streaming"), ("edit-eager", "eager"),
+          ("edit-sparse", "sparse 2-bit"))
+"""(convergence variant, name) of the variants that hide the communication."""
 
 
 @dataclass(frozen=True)
@@ -67,35 +77,31 @@ def is_stale(record: dict[str, Any]) -> bool:
 
 
 def _times(s: dict[str, Any] | None) -> str:
-    """A ratio's ``median [min-max]`` followed by ``x``."""
     return spread_cell(s) + "x"
 
 
 def _same(s: dict[str, Any]) -> str:
-    """A ``stats.spread`` whose repeats may all agree: the value once, and how many agreed;
-    the usual ``median [min-max]`` otherwise."""
+    """A spread whose repeats all agree as the value once and how many agreed."""
     if s.get("n", 0) >= 2 and cell(s["min"]) == cell(s["max"]):
         return f"{cell(s['median'])} (all {s['n']} repeats)"
     return spread_cell(s)
 
 
 def _percent(s: dict[str, Any]) -> str:
-    """A fraction's spread in percent, ``12.9% [-1.0% to 20.8%]`` (a dash would read as a
-    minus sign next to a negative bound)."""
+    """``12.9% [-1.0% to 20.8%]`` (a dash would read as a minus sign before a negative)."""
     if s.get("n", 0) < 2:
         return f"{100 * s['median']:.1f}%"
     return f"{100 * s['median']:.1f}% [{100 * s['min']:.1f}% to {100 * s['max']:.1f}%]"
 
 
 def _loss(stats: dict[str, Any]) -> str:
-    """A loss over seeds: ``mean +- std`` (3 decimals; the mean alone for one seed)."""
+    """A loss over seeds, ``mean +- std`` (the mean alone for one seed)."""
     if stats.get("n", 0) < 2:
         return f"{stats['mean']:.3f}"
     return f"{stats['mean']:.3f} +- {stats.get('std') or 0:.3f}"
 
 
 def _diff(stats: dict[str, Any]) -> str:
-    """A paired difference over seeds: ``+mean +- std``."""
     return f"{stats['mean']:+.3f} +- {stats.get('std') or 0:.3f}"
 
 
@@ -105,7 +111,6 @@ def _link(name: str) -> str:
 
 
 def _repeats(s: dict[str, Any]) -> str:
-    """``median [min-max] of N repeats`` or ``one run``."""
     n = s.get("n", 1) or 1
     return f"median [min-max] of {n} repeats" if n > 1 else "one run"
 
@@ -121,6 +126,11 @@ def _get(record: dict[str, Any], *keys: str) -> Any:
     for key in keys:
         value = value.get(key) if isinstance(value, dict) else None
     return value
+
+
+def _known(*stats: dict[str, Any] | None, key: str = "median") -> bool:
+    """Whether every one of ``stats`` has a ``key`` value."""
+    return all((s or {}).get(key) is not None for s in stats)
 
 
 class _Picker:
@@ -143,39 +153,41 @@ class _Picker:
         found = self.every(scenario, needs)
         return found[-1] if found else None
 
-    def row(self, what: str, editrain: str, peer: str, conditions: str,
-            sources: Sequence[Loaded]) -> HeadlineRow:
-        """A row read from ``sources`` (remembered for the machine line)."""
+    def figures(self, scenario: str, *paths: Sequence[str]) -> tuple[Loaded | None, list[Any]]:
+        """The last record of ``scenario`` whose results have each path's first key, and
+        the value at each path (all None without such a record)."""
+        got = self.last(scenario, [path[0] for path in paths])
+        return got, [_get(got[1], *path) if got else None for path in paths]
+
+    def row(self, said: dict[str, str], sources: Sequence[Loaded],
+            **values: Any) -> HeadlineRow:
+        """A row of ``said``'s templates filled with ``values``, read from ``sources``
+        (remembered for the machine line)."""
         self.used += [s for s in sources if all(s[0] != u[0] for u in self.used)]
-        return HeadlineRow(what, editrain, peer, conditions, tuple(d for d, _ in sources))
+        return HeadlineRow(*(fill(said[c], **values) for c in CELLS),
+                           tuple(d for d, _ in sources))
 
 
+# ---------------------------------------------------------------------- the rows, in order
 def _default_row(p: _Picker) -> list[HeadlineRow]:
     """The default ``editrain train`` run: validation loss before and after, and against
     the same run in synchronous mode at equal tokens (both wall times)."""
     got = p.last("default", ["default"])
     run = _get(got[1], "default") if got else None
-    if not got or not run or run.get("final_val_loss") is None:
+    if not run or run.get("final_val_loss") is None:
         return []
-    split = run.get("split") or {}
+    said, split, sync = TEXT["default"], run.get("split") or {}, _get(got[1], "sync") or {}
     overlap = split.get("val_train_overlap")
-    sync = _get(got[1], "sync") or {}
-    said = TEXT["default"]
-    peer = fill(said["before"], run=run)
-    if sync.get("final_val_loss") is not None and run.get("vs_sync") is not None:
-        peer = fill(said["sync"], sync=sync, run=run, before=peer)
-    return [p.row(
-        said["what"],
-        fill(said["ours"], run=run, seconds=run.get("launch_s", run.get("wall_time_s", 0))),
-        peer,
-        fill(said["conditions"], run=run, load=_load_text(got[1]), overlap="" if overlap is None
-             else fill(said["overlap"], overlap=overlap, window=split.get("overlap_window"))),
-        [got])]
+    synced = sync.get("final_val_loss") is not None and run.get("vs_sync") is not None
+    return [p.row(said, [got], run=run, seconds=run.get("launch_s", run.get("wall_time_s", 0)),
+                  synced=fill(said["synced"], sync=sync, run=run) if synced else "",
+                  load=_load_text(got[1]), overlap="" if overlap is None else fill(
+                      said["overlap"], overlap=overlap, window=split.get("overlap_window")))]
 
 
 def _load_text(record: dict[str, Any]) -> str:
-    """``; load average A-B at the runs' starts`` (wall times on a shared machine stretch
-    with it), or nothing when the record has no loads."""
+    """The load average at the runs' starts (wall times on a shared machine stretch with
+    it), or nothing when the record has no loads."""
     loads = (record.get("machine") or {}).get("load_during_runs")
     if not loads:
         return ""
@@ -183,181 +195,149 @@ def _load_text(record: dict[str, Any]) -> str:
     return fill(TEXT["load_one" if f"{lo:.1f}" == f"{hi:.1f}" else "load_range"], lo=lo, hi=hi)
 
 
-def _convergence_rows(p: _Picker) -> list[HeadlineRow]:
-    """Final validation loss at equal tokens: EDiT against DiLoCo and synchronous training,
-    EDiT with bench tune's recipe, and the variants that hide the communication."""
-    rows, said = [], TEXT["convergence"]
-    got = p.last("convergence", ["edit", "diloco", "sync"])
-    if got:
-        res, st = got[1]["results"], _settings(got[1])
-        vs_d, vs_s = res["edit"].get("paired_vs_diloco"), res["edit"].get("paired_vs_sync")
-        if vs_d and vs_s and vs_d.get("mean") is not None and vs_s.get("mean") is not None:
-            rows.append(p.row(
-                fill(said["what"], st=st), f"EDiT {_loss(res['edit']['final_val_loss'])}",
-                fill(said["peer"], diloco=_loss(res["diloco"]["final_val_loss"]),
-                     sync=_loss(res["sync"]["final_val_loss"])),
-                fill(said["conditions"], st=st, vs_diloco=_diff(vs_d), vs_sync=_diff(vs_s)),
-                [got]))
-    got = p.last("convergence", ["edit-recipe", "sync"])
-    if got:
-        res, st = got[1]["results"], _settings(got[1])
-        vs_s = res["edit-recipe"].get("paired_vs_sync") or {}
-        sync = res["sync"].get("final_val_loss") or {}
-        if vs_s.get("mean") is not None and sync.get("mean"):
-            sources, more = [got], ""
-            scale = p.last("scale", ["shapes"])
-            sized = [s for s in _get(scale[1], "shapes") or []
-                     if s.get("relative_gap") is not None] if scale else []
-            if len(sized) >= 2:  # a lone shape says nothing about size
-                sources.append(scale)
-                more = "; by model size " + ", ".join(
-                    f"{100 * s['relative_gap']:+.1f}% at {s['params'] / 1e6:.1f}M parameters"
-                    for s in sized)
-            rows.append(p.row(
-                fill(said["recipe_what"], st=st),
-                f"{_loss(res['edit-recipe']['final_val_loss'])} "
-                f"({100 * vs_s['mean'] / sync['mean']:+.1f}%)",
-                f"synchronous {_loss(sync)}",
-                fill(said["recipe_conditions"], st=st, vs_sync=_diff(vs_s), more=more), sources))
+def _convergence_row(p: _Picker) -> list[HeadlineRow]:
+    """Final validation loss at equal tokens: EDiT against DiLoCo and synchronous."""
+    got, (edit, diloco, sync, vs_diloco, vs_sync) = p.figures(
+        "convergence", ("edit", "final_val_loss"), ("diloco", "final_val_loss"),
+        ("sync", "final_val_loss"), ("edit", "paired_vs_diloco"), ("edit", "paired_vs_sync"))
+    if not _known(vs_diloco, vs_sync, key="mean"):
+        return []
+    return [p.row(TEXT["convergence"], [got], st=_settings(got[1]), edit=_loss(edit),
+                  diloco=_loss(diloco), sync=_loss(sync), vs_diloco=_diff(vs_diloco),
+                  vs_sync=_diff(vs_sync))]
+
+
+def _recipe_row(p: _Picker) -> list[HeadlineRow]:
+    """EDiT with bench tune's recipe against synchronous, and its gap by model size."""
+    got, (edit, vs_sync, sync) = p.figures("convergence", ("edit-recipe", "final_val_loss"),
+                                            ("edit-recipe", "paired_vs_sync"),
+                                            ("sync", "final_val_loss"))
+    if not _known(vs_sync, key="mean") or not (sync or {}).get("mean"):
+        return []
+    said, sources, more = TEXT["recipe"], [got], ""
+    scale = p.last("scale", ["shapes"])
+    sized = [s for s in _get(scale[1], "shapes") or []
+             if s.get("relative_gap") is not None] if scale else []
+    if len(sized) >= 2:  # a lone shape says nothing about size
+        sources.append(scale)
+        more = fill(said["by_size"], sizes=", ".join(
+            fill(said["size"], gap=100 * s["relative_gap"], params=s["params"] / 1e6)
+            for s in sized))
+    return [p.row(said, sources, st=_settings(got[1]), edit=_loss(edit), sync=_loss(sync),
+                  gap=100 * vs_sync["mean"] / sync["mean"], vs_sync=_diff(vs_sync), more=more)]
+
+
+def _hidden_row(p: _Picker) -> list[HeadlineRow]:
+    """The variants that hide the communication, each minus EDiT per seed."""
     got = p.last("convergence", ["edit", "edit-streaming", "edit-eager"]) or \
         p.last("convergence", ["edit", "edit-streaming"])
-    if got:
-        res, st = got[1]["results"], _settings(got[1])
-        parts = [f"{name} {_diff(res[v]['paired_vs_edit'])}" for v, name in (
-            ("edit-streaming", "streaming"), ("edit-eager", "eager"),
-            ("edit-sparse", "sparse 2-bit")) if (res.get(v) or {}).get("paired_vs_edit")]
-        if parts and (res["edit"].get("final_val_loss") or {}).get("mean") is not None:
-            rows.append(p.row(
-                fill(said["hidden_what"], st=st), "; ".join(parts),
-                f"EDiT {_loss(res['edit']['final_val_loss'])}",
-                fill(said["hidden_conditions"], st=st), [got]))
-    return rows
+    res = got[1]["results"] if got else {}
+    parts = [f"{name} {_diff(res[v]['paired_vs_edit'])}" for v, name in HIDDEN
+             if (res.get(v) or {}).get("paired_vs_edit")]
+    if not parts or not _known(res["edit"].get("final_val_loss"), key="mean"):
+        return []
+    return [p.row(TEXT["hidden"], [got], st=_settings(got[1]), parts="; ".join(parts),
+                  edit=_loss(res["edit"]["final_val_loss"]))]
 
 
 def _spikes_row(p: _Picker) -> list[HeadlineRow]:
     """Peak validation-loss rise with one replica's pseudo-gradient corrupted."""
-    got = p.last("spikes", ["diloco", "edit"])
-    if not got:
+    got, (diloco, edit) = p.figures("spikes", ("diloco", "peak_increase"),
+                                    ("edit", "peak_increase"))
+    if diloco is None or edit is None:
         return []
-    res, st = got[1]["results"], got[1].get("settings", {})
-    d, e = res["diloco"].get("peak_increase"), res["edit"].get("peak_increase")
-    if d is None or e is None:
-        return []
-    said = TEXT["spikes"]
-    return [p.row(
-        fill(said["what"], scale=st.get("scale", 0), syncs=len(st.get("corrupt_syncs", []))),
-        f"EDiT {cell(e)}", f"DiLoCo {cell(d)}", fill(said["conditions"], st=_settings(got[1])),
-        [got])]
+    st = _settings(got[1])
+    return [p.row(TEXT["spikes"], [got], st=st, scale=st.get("scale", 0),
+                  syncs=len(st.get("corrupt_syncs", [])), edit=cell(edit), diloco=cell(diloco))]
 
 
 def _straggler_row(p: _Picker) -> list[HeadlineRow]:
     """Throughput with one replica 2x slower, as a share of the measured limit."""
-    got = p.last("stragglers", ["straggler"])
-    case = _get(got[1], "straggler") if got else None
-    if not got or not case:
+    got, (case,) = p.figures("stragglers", ("straggler",))
+    if not case:
         return []
-    what = TEXT["stragglers"]["what"]
     if case.get("errors"):
-        return [p.row(what, "measurement error", "measurement error",
-                      TEXT["stragglers"]["flagged"], [got])]
-    nb = (case.get("aedit-nb") or {}).get("fraction_of_limit") or {}
-    blocking = (case.get("aedit") or {}).get("fraction_of_limit") or {}
-    ours, name = (nb, "A-EDiT (non-blocking)") if nb.get("median") is not None else \
-        (blocking, "A-EDiT")
-    sync = (case.get("sync") or {}).get("fraction_of_limit") or {}
-    if ours.get("median") is None or sync.get("median") is None:
+        return [p.row({**TEXT["stragglers"], **TEXT["stragglers"]["flagged"]}, [got])]
+    nb, blocking, sync = ((case.get(v) or {}).get("fraction_of_limit") or {}
+                          for v in ("aedit-nb", "aedit", "sync"))
+    ours, name = (nb, "A-EDiT (non-blocking)") if _known(nb) else (blocking, "A-EDiT")
+    if not _known(ours, sync):
         return []
-    return [p.row(what, f"{name} {_times(ours)}", f"synchronous {_times(sync)}",
-                  f"{_repeats(ours)}", [got])]
+    return [p.row(TEXT["stragglers"], [got], name=name, ours=_times(ours), sync=_times(sync),
+                  repeats=_repeats(ours))]
 
 
-def _link_rows(p: _Picker) -> list[HeadlineRow]:
-    """Throughput kept on slow links against an unlimited one: the simulated 5 MB/s link,
-    the sparse setting on the slower ones (every run of it: they disagree more than their
-    repeats' spread), and the real shaped link."""
-    rows = []
-    got = p.last("bandwidth", ["edit-streaming", "diloco", "sync"])
+def _simulated_link_row(p: _Picker) -> list[HeadlineRow]:
+    """Throughput kept on the simulated 5 MB/s link against an unlimited one."""
     link = "5MB/s+5ms"
-    if got:
-        res, st = got[1]["results"], got[1].get("settings", {})
-        kept = {v: (res[v].get(link) or {}).get("vs_unlimited") or {}
-                for v in ("edit-streaming", "diloco", "sync")}
-        if all(k.get("median") is not None for k in kept.values()):
-            rows.append(p.row(
-                fill(TEXT["links"]["simulated"], link=_link(link)),
-                f"streaming EDiT {_times(kept['edit-streaming'])}",
-                f"DiLoCo {_times(kept['diloco'])}; synchronous {_times(kept['sync'])}",
-                f"H = {st.get('sync_interval')}; "
-                f"{_repeats(kept['edit-streaming'])}", [got]))
+    got, (stream, diloco, sync) = p.figures(
+        "bandwidth", *((v, link, "vs_unlimited") for v in ("edit-streaming", "diloco", "sync")))
+    if not _known(stream, diloco, sync):
+        return []
+    return [p.row(TEXT["simulated_link"], [got], st=_settings(got[1]), link=_link(link),
+                  stream=_times(stream), diloco=_times(diloco), sync=_times(sync),
+                  repeats=_repeats(stream))]
+
+
+def _sparse_link_rows(p: _Picker) -> list[HeadlineRow]:
+    """The sparse setting on the slower simulated links: every run of it, since they
+    disagree more than their repeats' spread."""
+    rows, said = [], {**TEXT["simulated_link"], **TEXT["sparse_link"]}
     for link in ("1MB/s+50ms", "0.25MB/s+50ms"):
         runs = [(dr, _get(dr[1], "edit-sparse", link, "vs_unlimited"),
                  _get(dr[1], "diloco", link, "vs_unlimited"))
                 for dr in p.every("bandwidth", ["edit-sparse", "diloco"])]
-        runs = [(dr, s, d) for dr, s, d in runs if s and d and s.get("median") is not None
-                and d.get("median") is not None]
+        runs = [(dr, s, d) for dr, s, d in runs if _known(s, d)]
         if runs:
-            several = f" ({len(runs)} runs)" if len(runs) > 1 else ""
             rows.append(p.row(
-                fill(TEXT["links"]["simulated"], link=_link(link)),
-                "sparse 2-bit EDiT " + " / ".join(_times(s) for _, s, _ in runs) + several,
-                "DiLoCo " + " / ".join(_times(d) for _, _, d in runs),
-                f"H = {runs[0][0][1].get('settings', {}).get('sync_interval')}; "
-                f"{_repeats(runs[0][1])}", [dr for dr, _, _ in runs]))
-    got = p.last("real_link", ["sparse-topk2", "streaming-int8"])
-    if got:
-        st = got[1].get("settings", {})
-        sparse = _get(got[1], "sparse-topk2", "kept") or {}
-        stream = _get(got[1], "streaming-int8", "kept") or {}
-        if sparse.get("median") is not None and stream.get("median") is not None:
-            rows.append(p.row(
-                fill(TEXT["links"]["real"], rate=st.get("rate")),
-                f"sparse 2-bit EDiT {_times(sparse)}", f"int8 streaming EDiT {_times(stream)}",
-                f"{_repeats(sparse)}", [got]))
+                said, [dr for dr, _, _ in runs], st=_settings(runs[0][0][1]), link=_link(link),
+                sparse=" / ".join(_times(s) for _, s, _ in runs),
+                several=fill(said["several"], runs=len(runs)) if len(runs) > 1 else "",
+                diloco=" / ".join(_times(d) for _, _, d in runs), repeats=_repeats(runs[0][1])))
     return rows
 
 
-def _real_link_peer_rows(p: _Picker) -> list[HeadlineRow]:
-    """Over a real shaped link (network namespaces, tc), editrain's setting against
-    torchft's streaming DiLoCo measured in the same run (``scripts/real_link.sh`` with a
-    ``torchft-d<D>`` setting), one row per record, slowest link last: tokens/s kept
-    against each one's own unshaped run, and the final validation loss (equal tokens) on
-    the shaped link, for every editrain setting of the record and the peer's best delay
-    (most tokens/s kept)."""
+def _real_link_row(p: _Picker) -> list[HeadlineRow]:
+    """Throughput kept on a real shaped link: sparse against int8 streaming."""
+    got, (sparse, stream) = p.figures("real_link", ("sparse-topk2", "kept"),
+                                      ("streaming-int8", "kept"))
+    if not _known(sparse, stream):
+        return []
+    return [p.row(TEXT["real_link"], [got], st=_settings(got[1]), sparse=_times(sparse),
+                  stream=_times(stream), repeats=_repeats(sparse))]
+
+
+def _real_peer_rows(p: _Picker) -> list[HeadlineRow]:
+    """editrain's settings against torchft's streaming DiLoCo at its best delay (most tokens/s
+    kept), over a real shaped link in the same run (``scripts/real_link.sh`` with a
+    ``torchft-d<D>`` setting): tokens/s kept against each one's own unshaped run and the
+    final validation loss (equal tokens), one row per record, slowest link last."""
     found = []
     for d, r in p.every("real_link"):
-        res = r.get("results", {})
-        ours = [s for s in res if not s.startswith("torchft-")]
-        peers = [s for s in res if s.startswith("torchft-")
-                 and (_get(r, s, "kept") or {}).get("median") is not None]
-        ours = [s for s in ours if (_get(r, s, "kept") or {}).get("median") is not None]
-        if not ours or not peers:
-            continue
-        best = max(peers, key=lambda s: res[s]["kept"]["median"])
-        found.append(((d, r), ours, best))
+        kept = [s for s in r.get("results", {}) if _known(_get(r, s, "kept"))]
+        ours = [s for s in kept if not s.startswith("torchft-")]
+        peers = [s for s in kept if s.startswith("torchft-")]
+        if ours and peers:
+            found.append(((d, r), ours, max(peers, key=lambda s: _get(r, s, "kept", "median"))))
     rows = []
     for (d, r), ours, best in sorted(found, key=lambda f: -_rate_bits(f[0][1])):
-        st = _settings(r)
-        rows.append(p.row(
-            fill(TEXT["links"]["real_peer"], rate=st["rate"]),
-            "; ".join(_kept_and_loss(r, s, s) for s in ours),
-            _kept_and_loss(r, best, "torchft streaming DiLoCo, delay " + best.split("-d")[-1]),
-            fill(TEXT["links"]["real_peer_conditions"], st=st,
-                 repeats=_repeats(r["results"][ours[0]]["kept"])),
-            [(d, r)]))
+        rows.append(p.row(TEXT["real_peer"], [(d, r)], st=_settings(r),
+                          ours="; ".join(f"{s} {_kept_and_loss(r, s)}" for s in ours),
+                          delay=best.split("-d")[-1], peer=_kept_and_loss(r, best),
+                          repeats=_repeats(_get(r, ours[0], "kept"))))
     return rows
 
 
-def _kept_and_loss(record: dict[str, Any], name: str, label: str) -> str:
-    """``LABEL 0.98 [..]x, loss 6.5 [..]``: a real-link setting's tokens/s kept and its
-    final validation loss on the shaped link (left out where the record has none)."""
+def _kept_and_loss(record: dict[str, Any], name: str) -> str:
+    """A real-link setting's tokens/s kept, and its final validation loss on the shaped
+    link where the record has one."""
     loss = _get(record, name, record.get("settings", {}).get("rate"), "final_val_loss") or {}
-    return f"{label} {_times(record['results'][name]['kept'])}" + (
-        f", loss {_same(loss)}" if loss.get("median") is not None else "")
+    return _times(_get(record, name, "kept")) + (
+        fill(TEXT["real_peer"]["loss"], loss=_same(loss)) if _known(loss) else "")
 
 
 def _rate_bits(record: dict[str, Any]) -> float:
-    """A record's tc rate (``10mbit``, ``1mbit``, ``500kbit``) in bits per second; 0 when
-    it cannot be read."""
+    """A record's tc rate (``10mbit``, ``500kbit``) in bits per second; 0 if unreadable."""
     rate = str(record.get("settings", {}).get("rate", "")).lower()
     for unit, scale in (("gbit", 1e9), ("mbit", 1e6), ("kbit", 1e3), ("bit", 1.0)):
         if rate.endswith(unit):
@@ -370,45 +350,36 @@ def _rate_bits(record: dict[str, Any]) -> float:
 
 def _peers_rows(p: _Picker) -> list[HeadlineRow]:
     """editrain's DiLoCo against torchft's on the same model and data, one row per H
-    (largest first): final validation loss and tokens/s."""
-    rows = []
+    (largest first) at the largest size: final validation loss and tokens/s."""
     top = p.last("peers", ["diloco", "torchft-diloco"])
-    if not top:
-        return []
     same = [dr for dr in p.every("peers", ["diloco", "torchft-diloco"])
-            if dr[1].get("mode") == top[1].get("mode")]
+            if dr[1].get("mode") == top[1].get("mode")] if top else []
+    rows = []
     for d, r in sorted(same, key=lambda dr: -(dr[1].get("settings", {}).get("sync_interval")
                                               or 0)):
         ours, theirs = r["results"]["diloco"], r["results"]["torchft-diloco"]
-        target = next(iter(r.get("targets", [])), {})
-        speeds = [s.get("tokens_per_s") or {} for s in (ours, theirs)]
-        losses = [s.get("final_val_loss") or {} for s in (ours, theirs)]
-        if any(s.get("median") is None for s in speeds + losses):
+        speed, their_speed = (s.get("tokens_per_s") or {} for s in (ours, theirs))
+        loss, their_loss = (s.get("final_val_loss") or {} for s in (ours, theirs))
+        if not _known(speed, their_speed, loss, their_loss):
             continue
-        agree = (f"; loss {target['detail']}" if target.get("met") and target.get("detail")
-                 else "")
+        target = next(iter(r.get("targets", [])), {})
+        agree = target.get("met") and target.get("detail")
         rows.append(p.row(
-            fill(TEXT["peers"]["what"], h=r.get("settings", {}).get("sync_interval")),
-            f"{_same(losses[0])}; {spread_cell(speeds[0])} tok/s",
-            f"{_same(losses[1])}; {spread_cell(speeds[1])} tok/s",
-            f"same model and data; {_repeats(speeds[0])}{agree}", [(d, r)]))
+            TEXT["peers"], [(d, r)], st=_settings(r), loss=_same(loss),
+            their_loss=_same(their_loss), speed=spread_cell(speed),
+            their_speed=spread_cell(their_speed), repeats=_repeats(speed),
+            agree=fill(TEXT["peers"]["agree"], detail=target["detail"]) if agree else ""))
     return rows
 
 
 def _faults_row(p: _Picker) -> list[HeadlineRow]:
     """Useful tokens lost when one replica is killed: ``--ft`` against a restart."""
-    got = p.last("faults", ["ft-fail", "restart-fail"])
-    if not got:
+    got, (ft, restart) = p.figures("faults", ("ft-fail", "window_loss"),
+                                   ("restart-fail", "window_loss"))
+    if not _known(ft, restart):
         return []
-    st = _settings(got[1])
-    ft = _get(got[1], "ft-fail", "window_loss") or {}
-    restart = _get(got[1], "restart-fail", "window_loss") or {}
-    if ft.get("median") is None or restart.get("median") is None:
-        return []
-    said = TEXT["faults"]
-    return [p.row(fill(said["what"], st=st), f"--ft {_percent(ft)}",
-                  f"restart from a checkpoint {_percent(restart)}",
-                  fill(said["conditions"], st=st, repeats=_repeats(ft)), [got])]
+    return [p.row(TEXT["faults"], [got], st=_settings(got[1]), ft=_percent(ft),
+                  restart=_percent(restart), repeats=_repeats(ft))]
 
 
 def _data_row(p: _Picker) -> list[HeadlineRow]:
@@ -421,16 +392,19 @@ def _data_row(p: _Picker) -> list[HeadlineRow]:
         return []
     q = max(points, key=lambda q: q.get("bytes", 0))
     ours, limit = q["given_tokenizer"], q["limit"]
-    said = TEXT["data"]
     rounds = len(ours.get("runs_seconds") or [None])  # records before rounds: one build
-    runs = fill(said["rounds"], rounds=rounds) if rounds > 1 else _repeats({})
     return [p.row(
-        fill(said["what"], megabytes=q["bytes"] / 1e6),
-        f"{cell(ours['tokens_per_s'])}; {fmt_bytes(ours.get('peak_rss'))}",
-        fill(said["peer"], tokens_per_s=cell(limit["tokens_per_s"]),
-             peak=fmt_bytes(limit.get("peak_rss"))),
-        fill(said["conditions"], limit=defaultdict(lambda: None, limit),
-             ratio=cell(ours["time_vs_limit"]), runs=runs), [got])]
+        TEXT["data"], [got], megabytes=q["bytes"] / 1e6, tokens=cell(ours["tokens_per_s"]),
+        peak=fmt_bytes(ours.get("peak_rss")), limit_tokens=cell(limit["tokens_per_s"]),
+        limit_peak=fmt_bytes(limit.get("peak_rss")), limit=defaultdict(lambda: None, limit),
+        ratio=cell(ours["time_vs_limit"]),
+        runs=fill(TEXT["data"]["rounds"], rounds=rounds) if rounds > 1 else _repeats({}))]
+
+
+ROWS = (_default_row, _convergence_row, _recipe_row, _hidden_row, _spikes_row,
+        _straggler_row, _simulated_link_row, _sparse_link_rows, _real_link_row,
+        _real_peer_rows, _peers_rows, _faults_row, _data_row)
+"""The headline's row kinds, in the order of the table."""
 
 
 def headline_rows(loaded: Sequence[Loaded]) -> tuple[list[HeadlineRow], list[Loaded]]:
@@ -443,18 +417,32 @@ def headline_rows(loaded: Sequence[Loaded]) -> tuple[list[HeadlineRow], list[Loa
         The rows in the order of the table, and the records used.
     """
     p = _Picker(loaded)
-    rows = (_default_row(p) + _convergence_rows(p) + _spikes_row(p) + _straggler_row(p)
-            + _link_rows(p) + _real_link_peer_rows(p) + _peers_rows(p) + _faults_row(p)
-            + _data_row(p))
-    return rows, p.used
+    return [row for make in ROWS for row in make(p)], p.used
 
 
+# ---------------------------------------------------------------------- the Markdown
 def relative_link(target: Path, start: Path) -> str:
     """``target`` relative to ``start``, with forward slashes."""
     try:
         return Path(os.path.relpath(target.resolve(), start.resolve())).as_posix()
     except ValueError:  # another drive (Windows)
         return target.resolve().as_posix()
+
+
+def _md_line(cells: Iterable[str]) -> str:
+    return "| " + " | ".join(cells) + " |"
+
+
+def _table(head: Sequence[str], body: Iterable[Iterable[str]]) -> list[str]:
+    """A left-aligned Markdown table (md_table right-aligns numbers; these cells are
+    mostly words)."""
+    return [_md_line(head), "|" + "---|" * len(head)] + [_md_line(cells) for cells in body]
+
+
+def _links(row: HeadlineRow, base: Path) -> str:
+    """Links to the records a row was read from, relative to ``base``."""
+    return ", ".join(f"[{d.name}]({relative_link(d / 'results.json', base)})"
+                     for d in row.sources)
 
 
 def readme_headline(loaded: Sequence[Loaded], base: str | Path = ".") -> str:
@@ -473,29 +461,21 @@ def readme_headline(loaded: Sequence[Loaded], base: str | Path = ".") -> str:
     rows, used = headline_rows(loaded)
     if not rows:
         raise ConfigError(TEXT["no_rows"])
-    base = Path(base)
-    machine = used[0][1].get("machine", {})
+    base, machine = Path(base), used[0][1].get("machine", {})
     sizes = sorted({r.get("mode") for _, r in used} - {None}, key=lambda m: SIZES.get(m, 0))
-    # Left-aligned (md_table right-aligns numbers; these cells are mostly words).
-    table = "\n".join(
-        ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
-        + ["| " + " | ".join([row.what, row.editrain, row.peer, row.conditions + " (" + ", ".join(
-            f"[{d.name}]({relative_link(d / 'results.json', base)})" for d in row.sources)
-            + ")"]) + " |" for row in rows])
     intro = fill(TEXT["intro"], cpus=machine.get("usable_cpus", "?"),
                  kind="GPU" if machine.get("cuda") else "CPU", sizes="/".join(sizes))
-    lines = [textwrap.fill(intro, width=92, break_on_hyphens=False), "", table]
-    p = _Picker(loaded)
-    plots = []
+    lines = [textwrap.fill(intro, width=92, break_on_hyphens=False), ""] + _table(
+        COLUMNS, [[row.what, row.editrain, row.peer, f"{row.conditions} ({_links(row, base)})"]
+                  for row in rows])
+    p, plots = _Picker(loaded), []
     for scenario, name, caption in HEADLINE_PLOTS:
         got = next((dr for dr in used if dr[1].get("scenario") == scenario), None) \
             or p.last(scenario)
         if got and name in got[1].get("plots", []) and (got[0] / name).is_file():
             plots.append((caption, relative_link(got[0] / name, base)))
     if plots:
-        lines += ["", "| " + " | ".join(c for c, _ in plots) + " |",
-                  "|" + "---|" * len(plots),
-                  "| " + " | ".join(f"![{c}]({path})" for c, path in plots) + " |"]
+        lines += [""] + _table([c for c, _ in plots], [[f"![{c}]({path})" for c, path in plots]])
     return "\n".join(lines)
 
 
