@@ -16,7 +16,7 @@ from torch import nn
 
 from editrain.api import parallelize
 from editrain.config import model_config
-from editrain.config.model import builds_on_meta, hf_source
+from editrain.config.model import builds_on_meta, hf_option, hf_source
 from editrain.models import Llama
 from editrain.models.llama import fill_rope
 from editrain.sync import StepScheduleTrigger, SyncEngine
@@ -39,7 +39,7 @@ def build_model(cfg: Any, vocab_size: int, device: torch.device) -> nn.Module:
         from editrain.models.hf import HFCausalLM
 
         return HFCausalLM.from_config_file(source, tokenizer_vocab_size=vocab_size,
-                                           seed=seed).to(device)
+                                           seed=seed, option=hf_option(cfg)).to(device)
     return Llama(model_config(cfg, vocab_size=vocab_size), seed=seed).to(device)
 
 

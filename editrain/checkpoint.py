@@ -553,13 +553,13 @@ def run_meta(cfg: Any, vocab_size: int, topology: tuple[int, ...] | None = None,
     import dataclasses
 
     from editrain.config import model_config, to_dict
-    from editrain.config.model import hf_source
+    from editrain.config.model import hf_option, hf_source
     from editrain.config.size import hf_layers
     from editrain.models.hf import read_hf_config
 
     source = hf_source(cfg)
     if source:
-        model = dict(read_hf_config(source))
+        model = dict(read_hf_config(source, hf_option(cfg)))
         model.pop("transformers_version", None)
         num_units = hf_layers(model) + 1
     else:

@@ -224,3 +224,39 @@ def test_a_checkpoint_markers_numbers_are_read_by_the_same_rule(field, value, al
                                           rf"expected {allowed}"):
         check_weights_match(model, ["layers.0.w", "layers.1.w"], "m/marker.json",
                             option="export")
+
+
+def test_every_message_about_a_model_directorys_config_names_model_init_from(
+        dirs, tmp_path, monkeypatch):
+    """A ``model.init_from`` directory of another architecture than Llama is read by the
+    reader of ``model.hf_config`` files (:func:`editrain.models.hf.read_hf_config`), at
+    validation and again in every worker: each of its messages named ``model.hf_config``,
+    an option the user never set."""
+    import torch
+
+    from editrain.build import build_model
+    from editrain.models import hf
+    from editrain.models.hf import read_hf_config
+
+    model = {"init_from": str(dirs["qwen"])}
+    cfg = load_config(overrides={"model": model, "data": {"cache_dir": str(tmp_path / "c")}})
+    config = dirs["qwen"] / "config.json"
+    # a worker whose tokenizer has more ids than the model's embedding (vocab_size 320)
+    with pytest.raises(ValueError, match=rf"^model.init_from: vocab_size 320 in "
+                                         rf"{re.escape(str(dirs['qwen']))} is smaller"):
+        build_model(cfg, 1000, torch.device("cpu"))
+    # the file as every caller reads it, with the option it came from
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    with pytest.raises(FileNotFoundError, match=r"^model.init_from: file not found: "):
+        read_hf_config(bad, "model.init_from")
+    for text, said in [("{not json", "not valid JSON"), ("{}", 'has no "model_type"'),
+                       ('{"model_type": "qwen2", "vocab_size": 2.5}', "vocab_size is 2.5")]:
+        (bad / "config.json").write_text(text)
+        with pytest.raises(ValueError) as e:
+            read_hf_config(bad, "model.init_from")
+        assert str(e.value).startswith(f"model.init_from: {bad / 'config.json'}"), e.value
+        assert said in str(e.value)
+    monkeypatch.setattr(hf, "transformers_available", lambda: False)
+    _refused(model, tmp_path, r"^model.init_from needs the transformers package")
+    assert config.is_file()

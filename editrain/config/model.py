@@ -54,6 +54,18 @@ def section_hf_source(model: ModelSection) -> str | None:
     return None
 
 
+def hf_option(cfg: Config) -> str:
+    """The option :func:`hf_source` took the file from (``model.hf_config`` or
+    ``model.init_from``): every message about the file names the one the user set."""
+    return section_hf_option(cfg.model)
+
+
+def section_hf_option(model: ModelSection) -> str:
+    """:func:`hf_option` of a ``[model]`` section alone."""
+    return "model.hf_config" if getattr(model, "hf_config", None) is not None else \
+        "model.init_from"
+
+
 def builds_on_meta(cfg: Config) -> bool:
     """Whether the job's model starts on the meta device: editrain's Llama whose every
     weight comes from elsewhere, a ``model.init_from`` directory or the checkpoint
@@ -106,7 +118,7 @@ def heads(cfg: Config) -> tuple[int, int]:
     if source is not None:
         from editrain.models.hf import read_hf_config
 
-        data = read_hf_config(source)
+        data = read_hf_config(source, hf_option(cfg))
         q = hf_int(data, "heads") or 1
         return q, hf_int(data, "kv_heads") or q
     mcfg = model_config(cfg)
@@ -143,22 +155,23 @@ def meta_model(cfg: Config) -> Any:
 
     source = hf_source(cfg)
     if source is not None:
-        return HFCausalLM(meta_hf_model(source))
+        return HFCausalLM(meta_hf_model(source, hf_option(cfg)))
     with torch.device("meta"):
         return Llama(model_config(cfg))
 
 
-def meta_hf_model(source: str) -> Any:
+def meta_hf_model(source: str, option: str) -> Any:
     """The ``transformers`` model a Hugging Face ``config.json`` (or a model directory
     holding one) describes, on the meta device, not yet wrapped by
     :class:`~editrain.models.hf.HFCausalLM`: validation tells transformers' refusal of the
-    file apart from the adapter's (no transformer blocks where it looks for them)."""
+    file apart from the adapter's (no transformer blocks where it looks for them).
+    ``option``: where ``source`` came from (:func:`hf_option`), for messages."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM  # optional dependency
 
     from editrain.models.hf import read_hf_config
 
-    data = dict(read_hf_config(source))
+    data = dict(read_hf_config(source, option))
     hf_config = AutoConfig.for_model(data.pop("model_type"), **data)
     with torch.device("meta"):
         return AutoModelForCausalLM.from_config(hf_config)

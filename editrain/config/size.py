@@ -76,14 +76,14 @@ def hf_parameters_at_least(data: dict[str, Any]) -> int:
 def least_parameters(cfg: Any) -> tuple[int, str, int, int]:
     """``(parameters at least, the option that set the shape, RoPE table bytes, positions)``
     of the configured model (see the module's docstring)."""
-    from editrain.config.model import hf_source, model_config
+    from editrain.config.model import hf_option, hf_source, model_config
 
     source = hf_source(cfg)
     if source is not None:
         from editrain.models.hf import read_hf_config
 
-        option = "model.hf_config" if cfg.model.hf_config is not None else "model.init_from"
-        return hf_parameters_at_least(read_hf_config(source)), option, 0, 0
+        option = hf_option(cfg)
+        return hf_parameters_at_least(read_hf_config(source, option)), option, 0, 0
     if cfg.model.init_from is not None:
         mcfg, option = model_config(cfg), "model.init_from"
     else:

@@ -24,6 +24,7 @@ from typing import Any
 
 from editrain.config.model import (
     heads,
+    hf_option,
     hf_source,
     init_llama,
     meta_hf_model,
@@ -235,10 +236,10 @@ def validate(cfg: Config) -> None:
         from editrain.models.tensor_parallel import HF_MODEL_TYPES
 
         with as_config_error(FileNotFoundError):
-            kind = read_hf_config(hf_source(cfg))["model_type"]
+            kind = read_hf_config(hf_source(cfg), hf_option(cfg))["model_type"]
         require(kind in HF_MODEL_TYPES, "dist.tp_size",
                 f"tensor parallelism splits Hugging Face models of the types editrain checks "
-                f"it on ({', '.join(HF_MODEL_TYPES)}), not {kind!r} of {_hf_option(cfg)} (its "
+                f"it on ({', '.join(HF_MODEL_TYPES)}), not {kind!r} of {hf_option(cfg)} (its "
                 f"attention may reshape by the whole model's head count or norm across heads); "
                 f"train it with FSDP alone (dist.tp_size = 1)")
     if cfg.dist.tp_size > 1:
@@ -289,7 +290,7 @@ def _blocks(cfg: Config) -> int:
     from editrain.config.size import hf_layers
     from editrain.models.hf import read_hf_config
 
-    return hf_layers(read_hf_config(source))
+    return hf_layers(read_hf_config(source, hf_option(cfg)))
 
 
 def _check_pipeline(cfg: Config) -> None:
@@ -301,7 +302,7 @@ def _check_pipeline(cfg: Config) -> None:
     p = d.pp_size
     if hf_source(cfg) is not None:
         n_layers, tied = _hf_pipeline_shape(cfg)
-        tied_option = _hf_option(cfg)
+        tied_option = hf_option(cfg)
         tied_what = "tie_word_embeddings = false in the config file"
     else:
         mcfg = model_config(cfg)
@@ -341,12 +342,12 @@ def _hf_pipeline_shape(cfg: Config) -> tuple[int, bool]:
 
     _check_hf(cfg)  # the file, transformers, the sequence length: first
     source = hf_source(cfg)
-    data = read_hf_config(source)
+    data = read_hf_config(source, hf_option(cfg))
     with as_config_error():
         check_hf_pipeline(data["model_type"])
     n_layers = data.get("num_hidden_layers")
     require(isinstance(n_layers, int) and not isinstance(n_layers, bool) and n_layers >= 1,
-            _hf_option(cfg), f"num_hidden_layers must be a positive integer in "
+            hf_option(cfg), f"num_hidden_layers must be a positive integer in "
             f"{source} to split the model into stages, got {n_layers!r}")
     tied = data.get("tie_word_embeddings")
     if tied is None:
@@ -363,10 +364,10 @@ def _check_hf(cfg: Config) -> None:
     from editrain.models.hf import check_hf_config
 
     shape = sorted(cfg.model.overrides())
-    require(not shape, _hf_option(cfg), f"the model shape comes from the config file; "
+    require(not shape, hf_option(cfg), f"the model shape comes from the config file; "
             f"remove {', '.join('model.' + k for k in shape)}")
     with as_config_error(FileNotFoundError):
-        check_hf_config(hf_source(cfg), cfg.train.seq_len, _hf_option(cfg))
+        check_hf_config(hf_source(cfg), cfg.train.seq_len, hf_option(cfg))
     if cfg.model.hf_config is not None:  # model.init_from's is built by _check_init_from
         _hf_meta_model(cfg)
 
@@ -385,9 +386,9 @@ def _hf_meta_model(cfg: Config) -> Any:
     """
     from editrain.models.hf import HFCausalLM
 
-    option, source = _hf_option(cfg), hf_source(cfg)
+    option, source = hf_option(cfg), hf_source(cfg)
     try:
-        hf_model = meta_hf_model(source)
+        hf_model = meta_hf_model(source, option)
     except Exception as e:  # transformers' own refusal of a model_type or architecture
         raise ConfigError(f"{option}: {source} describes no causal LM transformers can build "
                           f"({str(e).splitlines()[0]}); editrain trains the decoder-only "
@@ -410,17 +411,12 @@ def _check_kept_ids(cfg: Config) -> None:
     elif cfg.model.hf_config is not None:  # torch, as _check_hf imported it already
         from editrain.models.hf import read_hf_config
 
-        vocab = hf_int(read_hf_config(cfg.model.hf_config), "vocab")
+        vocab = hf_int(read_hf_config(cfg.model.hf_config, "model.hf_config"), "vocab")
     else:  # editrain's Llama: its embedding is sized to the tokenizer (read without torch)
         vocab = _tokenizer_vocab(cfg)[0]
     own = init is not None and Path(tok_dir).resolve() == Path(init).expanduser().resolve()
     with as_config_error():
         check_kept_ids(tok_dir, init, vocab, "model.init_from" if own else "data.tokenizer")
-
-
-def _hf_option(cfg: Config) -> str:
-    """The option the Hugging Face config came from, for messages."""
-    return "model.hf_config" if cfg.model.hf_config is not None else "model.init_from"
 
 
 def _check_init_from(cfg: Config) -> None:

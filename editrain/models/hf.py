@@ -22,6 +22,11 @@ from editrain.safe_io import read_json_value
 from editrain.units import BLOCK_PATHS, find_blocks
 
 INSTALL_HINT = "pip install 'editrain[hf]' (or pip install transformers)"
+HF_CONFIG = "model.hf_config"
+"""The option a ``config.json`` comes from unless told otherwise: the Python API's calls
+(:meth:`HFCausalLM.from_config_file`) take a file as ``model.hf_config`` does. Callers that
+read a ``model.init_from`` directory's say so (``option``), so that every message names
+the option the user set."""
 
 
 def transformers_available() -> bool:
@@ -29,11 +34,12 @@ def transformers_available() -> bool:
     return importlib.util.find_spec("transformers") is not None
 
 
-def config_path(path: str | Path) -> Path:
+def config_path(path: str | Path, option: str = HF_CONFIG) -> Path:
     """The ``config.json`` named by ``path`` (the file itself, or a directory holding one).
 
     Args:
         path: a JSON file or a model directory.
+        option: where ``path`` came from, for the message (``model.init_from``...).
 
     Raises:
         FileNotFoundError: neither exists.
@@ -42,36 +48,38 @@ def config_path(path: str | Path) -> Path:
     if p.is_dir():
         p = p / "config.json"
     if not p.is_file():
-        raise FileNotFoundError(f"model.hf_config: file not found: {p}")
+        raise FileNotFoundError(f"{option}: file not found: {p}")
     return p
 
 
-def read_hf_config(path: str | Path) -> dict[str, Any]:
+def read_hf_config(path: str | Path, option: str = HF_CONFIG) -> dict[str, Any]:
     """The raw contents of a Hugging Face ``config.json`` (plain JSON, no transformers import).
 
     Args:
         path: the file, or a directory holding ``config.json``.
+        option: where ``path`` came from (``model.hf_config``, ``model.init_from``): every
+            message starts with it, then the file.
 
     Raises:
         FileNotFoundError: the file is missing.
         ValueError: it is not a JSON object with a ``model_type``, or a number editrain
             reads from it is not one (:func:`~editrain.models.hf_dir.check_hf_numbers`).
     """
-    p = config_path(path)
+    p = config_path(path, option)
     try:
         text = p.read_bytes()
     except OSError as e:
-        raise ValueError(f"model.hf_config: {p}: cannot read it ({e.strerror})") from None
-    data = read_json_value(text, f"model.hf_config: {p}", error=ValueError)
+        raise ValueError(f"{option}: {p}: cannot read it ({e.strerror})") from None
+    data = read_json_value(text, f"{option}: {p}", error=ValueError)
     if not isinstance(data, dict) or not isinstance(data.get("model_type"), str):
-        raise ValueError(f"model.hf_config: {p} has no \"model_type\" (e.g. \"llama\"); it must "
+        raise ValueError(f"{option}: {p} has no \"model_type\" (e.g. \"llama\"); it must "
                          "be a Hugging Face config.json")
-    check_hf_numbers(data, f"model.hf_config: {p}")
+    check_hf_numbers(data, f"{option}: {p}")
     return data
 
 
 def check_hf_config(path: str | Path, seq_len: int | None = None,
-                    option: str = "model.hf_config") -> None:
+                    option: str = HF_CONFIG) -> None:
     """Validate ``model.hf_config`` before any process starts (cheap: transformers is only
     looked up, not imported).
 
@@ -86,31 +94,33 @@ def check_hf_config(path: str | Path, seq_len: int | None = None,
         ValueError: bad JSON, no ``model_type``, a too-long ``seq_len``, or ``transformers``
             is not installed.
     """
-    data = read_hf_config(path)
+    data = read_hf_config(path, option)
     if not transformers_available():
-        raise ValueError(f"model.hf_config needs the transformers package: {INSTALL_HINT}")
+        raise ValueError(f"{option} needs the transformers package: {INSTALL_HINT}")
     key = hf_key(data, "positions")
     if seq_len is not None and key is not None and seq_len > data[key]:
         # a pretrained model's positions are what it learned: only a new model may have more
-        how = "raise it there or lower" if option == "model.hf_config" else "lower"
+        how = "raise it there or lower" if option == HF_CONFIG else "lower"
         raise ValueError(f"train.seq_len: {seq_len} exceeds {key} = {data[key]} of {option} "
                          f"{path} ({how} train.seq_len)")
 
 
-def check_vocab(hf_vocab_size: int, tokenizer_vocab_size: int, path: str | Path = "") -> None:
+def check_vocab(hf_vocab_size: int, tokenizer_vocab_size: int, path: str | Path = "",
+                option: str = HF_CONFIG) -> None:
     """The model's embedding table must cover every token id the tokenizer can produce.
 
     Args:
         hf_vocab_size: ``vocab_size`` of the Hugging Face config.
         tokenizer_vocab_size: the tokenizer's vocabulary size.
         path: the config file, for the message.
+        option: where the config came from, for the message.
 
     Raises:
         ValueError: the model's vocabulary is smaller than the tokenizer's.
     """
     if hf_vocab_size < tokenizer_vocab_size:
         raise ValueError(
-            f"model.hf_config: vocab_size {hf_vocab_size} in {path or 'the config'} is smaller "
+            f"{option}: vocab_size {hf_vocab_size} in {path or 'the config'} is smaller "
             f"than the tokenizer's vocabulary ({tokenizer_vocab_size}); set vocab_size to at "
             f"least {tokenizer_vocab_size}, or lower data.vocab_size"
         )
@@ -178,37 +188,40 @@ class HFCausalLM(nn.Module):
 
     @classmethod
     def from_config_file(cls, path: str | Path, tokenizer_vocab_size: int | None = None,
-                         seed: int = 0) -> HFCausalLM:
+                         seed: int = 0, option: str = HF_CONFIG) -> HFCausalLM:
         """Build a freshly initialised model from a ``config.json`` (identical on every rank).
 
         Args:
             path: the config file (or a directory holding ``config.json``).
             tokenizer_vocab_size: when given, checked against the config's ``vocab_size``.
             seed: seed of the initial weights; the global RNG state is left untouched.
+            option: where ``path`` came from (``model.init_from``...), named by every
+                message.
 
         Raises:
             ImportError: ``transformers`` is not installed.
             ValueError: a bad config, or a vocabulary smaller than the tokenizer's.
         """
-        return cls.from_config_dict(read_hf_config(path), tokenizer_vocab_size, seed, path)
+        return cls.from_config_dict(read_hf_config(path, option), tokenizer_vocab_size, seed,
+                                    path, option)
 
     @classmethod
     def from_config_dict(cls, data: dict[str, Any], tokenizer_vocab_size: int | None = None,
                          seed: int = 0, path: str | Path = "",
-                         option: str = "model.hf_config") -> HFCausalLM:
+                         option: str = HF_CONFIG) -> HFCausalLM:
         """:meth:`from_config_file` of a ``config.json``'s contents (``option`` and ``path``
         name it in messages)."""
         try:
             from transformers import AutoConfig, AutoModelForCausalLM
         except ImportError as e:
-            raise ImportError(f"model.hf_config needs the transformers package: "
+            raise ImportError(f"{option} needs the transformers package: "
                               f"{INSTALL_HINT}") from e
         data = dict(data)
         data.pop("transformers_version", None)
         model_type = data.pop("model_type")
         hf_config = AutoConfig.for_model(model_type, **data)
         if tokenizer_vocab_size is not None:
-            check_vocab(int(hf_config.vocab_size), tokenizer_vocab_size, path)
+            check_vocab(int(hf_config.vocab_size), tokenizer_vocab_size, path, option)
         # Every replica must start from the same weights: seed a private RNG fork.
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
@@ -219,6 +232,7 @@ class HFCausalLM(nn.Module):
 
 __all__ = [
     "HFCausalLM",
+    "HF_CONFIG",
     "INSTALL_HINT",
     "check_hf_config",
     "check_vocab",

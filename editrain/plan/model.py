@@ -126,15 +126,18 @@ def model_shape(spec: ModelSpec) -> Shape:
     """
     if spec.params is not None:
         return _counted_shape(spec)
-    from editrain.config.model import section_hf_source, section_model_config
+    from editrain.config.model import (
+        section_hf_option,
+        section_hf_source,
+        section_model_config,
+    )
 
     section = training_section(spec)
     with as_config_error():  # an init_from directory's config.json is read here
         source = section_hf_source(section)
     if source is None:  # editrain's Llama: a preset, or a Llama init_from directory
         return llama_shape(section_model_config(section, spec.vocab_size))
-    return _hf_shape(source, "model.hf_config" if spec.hf_config is not None
-                     else "model.init_from")
+    return _hf_shape(source, section_hf_option(section))
 
 
 HF_SHAPE_KEYS = ("hidden", "layers", "heads", "vocab")
@@ -151,7 +154,7 @@ def _hf_shape(source: str, option: str) -> Shape:
     from editrain.models.hf_dir import HF_KEYS, hf_int
 
     with as_config_error(FileNotFoundError):
-        data = read_hf_config(source)
+        data = read_hf_config(source, option)
     missing = [HF_KEYS[k][0] for k in HF_SHAPE_KEYS if not hf_int(data, k)]
     ffn = data.get("intermediate_size")
     if not isinstance(ffn, int) or isinstance(ffn, bool) or ffn <= 0:
