@@ -260,3 +260,62 @@ def test_every_message_about_a_model_directorys_config_names_model_init_from(
     monkeypatch.setattr(hf, "transformers_available", lambda: False)
     _refused(model, tmp_path, r"^model.init_from needs the transformers package")
     assert config.is_file()
+
+
+NULL_CASES = [
+    *[("qwen", option, field) for option in ("init_from", "hf_config")
+      for field in ("num_hidden_layers", "vocab_size", "hidden_size", "num_attention_heads",
+                    "intermediate_size", "max_position_embeddings", "initializer_range",
+                    "rms_norm_eps", "tie_word_embeddings")],
+    *[("llama", "hf_config", field) for field in ("num_hidden_layers", "vocab_size",
+                                                   "hidden_size", "max_position_embeddings")],
+    ("llama", "init_from", "num_hidden_layers"),  # editrain's own Llama reads the file
+    ("llama", "init_from", "vocab_size"),
+]
+NULL_ALLOWED = {"num_hidden_layers": f"an integer from 1 to {HF_LAYERS_MAX:,}",
+                "initializer_range": "a positive finite number",
+                "rms_norm_eps": "a positive finite number",
+                "tie_word_embeddings": "true or false"}
+
+
+@pytest.mark.parametrize(("arch", "option", "field"), NULL_CASES,
+                         ids=["-".join(c) for c in NULL_CASES])
+def test_a_null_the_config_class_requires_is_refused_by_name(dirs, tmp_path, arch, option,
+                                                             field):
+    """transformers' config classes pass a ``null`` field as None, which a field typed
+    ``int`` (``float``, ``bool``) refuses: it is no default. It was refused only as the
+    model was built, in transformers' words ("describes no causal LM transformers can
+    build (Validation error for field 'num_hidden_layers':)"); now in one line naming
+    the option, the file, the field and what is allowed, like every other bad number."""
+    d = _with(dirs[arch], tmp_path / "m", "config.json", field, "null")
+    source = str(d) if option == "init_from" else str(d / "config.json")
+    allowed = NULL_ALLOWED.get(field, f"an integer from 1 to {HF_COUNT_MAX:,}")
+    _refused({option: source}, tmp_path,
+             f"^model.{option}: {re.escape(str(d / 'config.json'))}: {field} is null, which "
+             f"(Llama|Qwen2)Config does not take; expected {re.escape(allowed)}$")
+
+
+@pytest.mark.parametrize(("arch", "field"), [("qwen", "sliding_window"),
+                                             ("qwen", "rope_parameters"),
+                                             ("qwen", "num_key_value_heads"),
+                                             ("llama", "head_dim"),
+                                             ("llama", "num_key_value_heads")])
+def test_a_null_the_config_class_takes_is_kept(dirs, tmp_path, arch, field):
+    """Fields transformers types as optional keep their ``null``: no sliding window, no
+    RoPE parameters, as many key/value heads as query heads, the width by the heads."""
+    d = _with(dirs[arch], tmp_path / "m", "config.json", field, "null")
+    _validate({"hf_config": str(d / "config.json")}, tmp_path)
+
+
+def test_what_each_config_class_requires_is_read_from_the_class():
+    """Which fields a null is refused in is each class's own typing, not a list of ours."""
+    from editrain.models.hf import required_fields
+
+    llama, qwen = required_fields("llama"), required_fields("qwen2")
+    gpt2, gemma = required_fields("gpt2"), required_fields("gemma")
+    assert llama[0] == "LlamaConfig" and "num_hidden_layers" in llama[1]
+    assert "head_dim" not in llama[1] and "num_key_value_heads" not in llama[1]
+    assert "sliding_window" not in qwen[1] and qwen[1]["max_position_embeddings"] == "an integer"
+    assert gemma[1]["head_dim"] == "an integer"  # optional for a Llama, not for a Gemma
+    assert gpt2[1]["n_embd"] == gpt2[1]["hidden_size"] == "an integer"  # attribute_map
+    assert required_fields("no-such-model") is None

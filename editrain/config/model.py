@@ -12,6 +12,7 @@ model code, inside the function.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 from editrain.config.schema import Config, ModelSection
@@ -101,7 +102,8 @@ def section_model_config(model: ModelSection, vocab_size: int | None = None) -> 
     if getattr(model, "init_from", None) is not None:
         with as_config_error():
             data = read_config(model.init_from)
-            return llama_config_from_hf(data, f"model.init_from {model.init_from}")
+            config = Path(model.init_from).expanduser() / "config.json"
+            return llama_config_from_hf(data, f"model.init_from: {config}")
     overrides = model.overrides()
     if vocab_size is not None:
         overrides["vocab_size"] = vocab_size

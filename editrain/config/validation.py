@@ -384,9 +384,12 @@ def _hf_meta_model(cfg: Config) -> Any:
             :func:`editrain.units.find_blocks` does not look (Mamba's ``backbone.layers``,
             BERT's ``bert.encoder.layer``): EDiT syncs block by block.
     """
-    from editrain.models.hf import HFCausalLM
+    from editrain.models.hf import HFCausalLM, check_required_fields, config_path, read_hf_config
 
     option, source = hf_option(cfg), hf_source(cfg)
+    with as_config_error(FileNotFoundError):  # a null transformers refuses: ours, one line
+        check_required_fields(read_hf_config(source, option),
+                              f"{option}: {config_path(source, option)}")
     try:
         hf_model = meta_hf_model(source, option)
     except Exception as e:  # transformers' own refusal of a model_type or architecture

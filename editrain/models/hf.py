@@ -10,6 +10,7 @@ blocks (found by :func:`editrain.units.find_blocks`, e.g. ``model.model.layers``
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 from pathlib import Path
 from typing import Any
@@ -18,6 +19,7 @@ import torch
 from torch import Tensor, nn
 
 from editrain.models.hf_dir import check_hf_numbers, hf_key
+from editrain.models.hf_fields import check_hf_nulls
 from editrain.safe_io import read_json_value
 from editrain.units import BLOCK_PATHS, find_blocks
 
@@ -76,6 +78,69 @@ def read_hf_config(path: str | Path, option: str = HF_CONFIG) -> dict[str, Any]:
                          "be a Hugging Face config.json")
     check_hf_numbers(data, f"{option}: {p}")
     return data
+
+
+NUMBER_TYPES = {"int": "an integer", "float": "a number", "bool": "true or false"}
+"""The annotations of a transformers config field that hold a number or a flag, and what
+a message says each allows."""
+
+
+def required_fields(model_type: str) -> tuple[str, dict[str, str]] | None:
+    """``(class name, {field: what it allows})`` of the fields the transformers config class
+    of ``model_type`` types as a number or a flag without None (``num_hidden_layers: int``,
+    not ``sliding_window: int | None``), with the other names its ``attribute_map`` gives
+    them (GPT-2's ``hidden_size`` for ``n_embd``); None where transformers has no such
+    model type (its own refusal follows, naming it).
+
+    Read from the class's dataclass fields, so that every architecture is judged by its
+    own class, not by a list of ours: ``head_dim`` is optional for a Llama, required for a
+    Gemma."""
+    from transformers import CONFIG_MAPPING  # optional dependency, checked by callers
+
+    if model_type not in CONFIG_MAPPING:
+        return None
+    cls = CONFIG_MAPPING[model_type]
+    if not dataclasses.is_dataclass(cls):
+        return None
+    required = {}
+    for field in dataclasses.fields(cls):
+        allowed = _number_without_null(field.type)
+        if allowed is not None:
+            required[field.name] = allowed
+    for alias, name in (getattr(cls, "attribute_map", None) or {}).items():
+        if name in required:
+            required[alias] = required[name]
+    return cls.__name__, required
+
+
+def _number_without_null(annotation: Any) -> str | None:
+    """What a field typed ``annotation`` allows where it is a number or a flag that admits
+    no None (``int``, ``float | int``), else None. transformers writes most annotations
+    as text (``"int | None"``), some as types: both are read as the text of a union."""
+    text = annotation.__name__ if isinstance(annotation, type) else str(annotation)
+    parts = [part.strip() for part in text.split("|")]
+    if any(part in ("None", "NoneType", "Any", "typing.Any") or part.startswith(
+            ("Optional", "typing.Optional")) for part in parts):
+        return None
+    kinds = [NUMBER_TYPES[part] for part in parts if part in NUMBER_TYPES]
+    return " or ".join(dict.fromkeys(kinds)) if kinds else None
+
+
+def check_required_fields(data: dict[str, Any], where: str) -> None:
+    """Refuse a ``null`` where the file's transformers config class requires a number or a
+    flag (:func:`~editrain.models.hf_fields.check_hf_nulls`, the fields of
+    :func:`required_fields`), before transformers builds anything from it.
+
+    Args:
+        data: the ``config.json``'s contents (with its ``model_type``).
+        where: the option and the file, for the message.
+
+    Raises:
+        ValueError: one line naming ``where``, the field and what is allowed.
+    """
+    found = required_fields(data["model_type"])
+    if found is not None:
+        check_hf_nulls(data, where, found[1], found[0])
 
 
 def check_hf_config(path: str | Path, seq_len: int | None = None,
@@ -216,6 +281,7 @@ class HFCausalLM(nn.Module):
         except ImportError as e:
             raise ImportError(f"{option} needs the transformers package: "
                               f"{INSTALL_HINT}") from e
+        check_required_fields(data, f"{option}: {path or 'the config'}")
         data = dict(data)
         data.pop("transformers_version", None)
         model_type = data.pop("model_type")
@@ -235,8 +301,10 @@ __all__ = [
     "HF_CONFIG",
     "INSTALL_HINT",
     "check_hf_config",
+    "check_required_fields",
     "check_vocab",
     "config_path",
     "read_hf_config",
+    "required_fields",
     "transformers_available",
 ]

@@ -4,7 +4,9 @@ A model directory, a ``model.hf_config`` file, a checkpoint's description of its
 data a user hands over: a count must be a JSON integer in range (``true``, ``2.5``, ``2.0``,
 ``"4"``, ``[4]``, ``-1``, ``10**30`` are refused, never coerced by ``int()``), a real number
 positive and finite (``1e400``, which JSON readers make infinite, is refused), a flag
-``true`` or ``false``; ``null`` is the field not given, as transformers reads it. Every
+``true`` or ``false``; ``null`` is the field not given, except where the model's
+transformers config class requires a value (:func:`check_hf_nulls`: a ``null``
+``num_hidden_layers`` is no default, it is a config transformers refuses). Every
 refusal is one line naming the option, the file, the field, the value and what is allowed,
 raised as the file is read, before anything is built from it. No torch here: ``editrain
 data`` checks a configuration without importing it.
@@ -18,7 +20,7 @@ from typing import Any
 from editrain.safe_io import quote
 
 __all__ = ["HF_COUNT_MAX", "HF_FLAG_KEYS", "HF_KEYS", "HF_LAYERS_MAX", "HF_POSITIVE_KEYS",
-           "check_hf_numbers", "hf_count", "hf_flag", "hf_int", "hf_key", "hf_object",
+           "check_hf_nulls", "check_hf_numbers", "hf_count", "hf_flag", "hf_int", "hf_key", "hf_object",
            "hf_positive"]
 
 HF_KEYS = {"layers": ("num_hidden_layers", "n_layer", "num_layers", "n_layers"),
@@ -140,6 +142,48 @@ def check_hf_numbers(data: dict[str, Any], where: str) -> None:
         hf_flag(data, key, where)
     for key in ("rope_parameters", "rope_scaling"):
         hf_positive(hf_object(data, key, where), "rope_theta", f"{where}: {key}")
+
+
+def check_hf_nulls(data: dict[str, Any], where: str, required: dict[str, str],
+                   owner: str) -> None:
+    """Refuse a ``null`` where the model's transformers config class requires a value.
+
+    transformers' config classes are strict dataclasses: a field absent from the file
+    takes the class's default, but a ``null`` one is passed as None, which a field typed
+    ``int`` refuses (``Qwen2Config``'s ``num_hidden_layers``), only once the model is
+    built, in transformers' own words. Fields the class types as optional
+    (``sliding_window``, ``num_key_value_heads``, ``rope_parameters``) keep their ``null``.
+
+    Args:
+        data: the file's contents.
+        where: the option and the file, for the message.
+        required: the fields (and the names the class's ``attribute_map`` gives them) the
+            class requires a number or flag for, each with what it is typed as
+            (``"an integer"``, ``"a number"``, ``"true or false"``).
+        owner: the class's name, for the message.
+
+    Raises:
+        ValueError: ``"WHERE: KEY is null, which OWNER does not take; expected ..."``, in
+            the words of :func:`hf_count` / :func:`hf_positive` / :func:`hf_flag` for the
+            fields editrain reads, in the class's type otherwise.
+    """
+    for key, typed in required.items():
+        if key in data and data[key] is None:
+            raise ValueError(f"{where}: {key} is null, which {owner} does not take; "
+                             f"expected {_allowed(key, typed)}")
+
+
+def _allowed(key: str, typed: str) -> str:
+    """What :func:`check_hf_numbers` allows in ``key`` (its null aside), or ``typed``."""
+    if key in HF_KEYS["layers"]:
+        return f"an integer from 1 to {HF_LAYERS_MAX:,}"
+    if key in ("intermediate_size", "head_dim") or any(key in keys for keys in HF_KEYS.values()):
+        return f"an integer from 1 to {HF_COUNT_MAX:,}"
+    if key in HF_POSITIVE_KEYS:
+        return "a positive finite number"
+    if key in HF_FLAG_KEYS:
+        return "true or false"
+    return typed
 
 
 def hf_key(data: dict[str, Any], kind: str) -> str | None:

@@ -116,8 +116,12 @@ def _rope_params(data: dict[str, Any], where: str) -> dict[str, Any]:
 
 
 def _required(data: dict[str, Any], key: str, where: str, most: int = HF_COUNT_MAX) -> int:
-    """A count the Llama's shape cannot do without (:func:`hf_count`)."""
+    """A count the Llama's shape cannot do without (:func:`hf_count`): a ``null`` one is
+    refused as such, as transformers' ``LlamaConfig`` refuses it (it is no default)."""
     count = hf_count(data, key, where, most=most)
+    if count is None and key in data:
+        raise ValueError(f"{where}: {key} is null, which LlamaConfig does not take; "
+                         f"expected an integer from 1 to {most:,}")
     if count is None:
         raise ValueError(f"{where}: no {key} field (an integer from 1 to {most:,})")
     return count
