@@ -519,8 +519,7 @@ class Trainer:
             ckpt = resolve_resume(replica_run_dir(self.cfg.resume, self.replica)
                                   if self.ft else self.cfg.resume)
         if goes_on and self.is_logger:
-            log.warning("worker restart %s: %s", restart, f"resuming from {ckpt}"
-                        if ckpt else "no checkpoint yet, starting over")
+            log.warning("%s", restart_line(int(restart), self.rejoined, ckpt))
         return ckpt
 
     def _meta(self) -> dict[str, Any]:
@@ -785,6 +784,28 @@ def times_said(run_s: float, job_s: float, resumed: bool, command_s: float | Non
     said = (f"{run_s:.1f} s training over the run's jobs, {job_s:.1f} s in this one"
             if resumed else f"{run_s:.1f} s training")
     return said + (f", {command_s:.1f} s end to end" if command_s is not None else "")
+
+
+def restart_line(restart_count: int, rejoined: bool | None, ckpt: Path | None) -> str:
+    """The log line of an attempt that goes on with its run: what happened, then what it
+    resumes.
+
+    Torch elastic counts the restarts it made (``TORCHELASTIC_RESTART_COUNT``), not the
+    one a change of the nodes taking part caused: such an attempt rejoins its launch's run
+    (rank 0's decision, ``rejoined``, from the launch's own token in torchrun's store)
+    with a count of 0, which "worker restart 0" misreported as no restart at all.
+
+    Args:
+        restart_count: ``TORCHELASTIC_RESTART_COUNT`` of this attempt.
+        rejoined: rank 0's decision under torchrun (True: it goes on with its launch's
+            run); None where none was given (the local launcher).
+        ckpt: the checkpoint it resumes, None where the run has written none yet.
+    """
+    what = f"resuming from {ckpt}" if ckpt else "no checkpoint yet, starting over"
+    if rejoined and restart_count == 0:
+        return (f"rejoining this launch's run after a restart torch elastic did not count "
+                f"(a change of the nodes taking part): {what}")
+    return f"worker restart {restart_count}: {what}"
 
 
 def replays_logged_rows(cfg: Config, exact: bool) -> bool:

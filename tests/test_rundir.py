@@ -1147,6 +1147,28 @@ def test_the_trainer_resumes_the_runs_checkpoint_as_told(tmp_path, monkeypatch, 
     assert checkpoint_resumed(run, monkeypatch, rejoined, count) == resumed
 
 
+@pytest.mark.parametrize(("rejoined", "count", "said"), [
+    (True, 0, "rejoining this launch's run after a restart torch elastic did not count "
+              "(a change of the nodes taking part): resuming from "),
+    (True, 2, "worker restart 2: resuming from "),
+    (None, 1, "worker restart 1: resuming from "),
+])
+def test_the_resume_line_says_what_restarted_the_attempt(tmp_path, monkeypatch, caplog,
+                                                         rejoined, count, said):
+    """An attempt that rejoins its launch's run after a restart torch elastic did not
+    count (a change of the nodes taking part) says so. Before, it logged "worker restart 0:
+    resuming from ...": a restart count of 0, as if nothing had restarted."""
+    import logging
+
+    run = tmp_path / "run"
+    committed_checkpoints(run / rundir.CKPT_DIR, 4, 8)
+    with caplog.at_level(logging.WARNING, logger="editrain"):
+        assert checkpoint_resumed(run, monkeypatch, rejoined, count) == "step_8"
+    lines = [r.getMessage() for r in caplog.records if r.name == "editrain"]
+    assert lines == [said + str(run / rundir.CKPT_DIR / "step_8")], lines
+    assert not any("worker restart 0" in line for line in lines)
+
+
 def committed_checkpoints(ckpt_dir: Path, *steps: int) -> None:
     """Committed (marked) checkpoint directories ``step_{s}`` in ``ckpt_dir``."""
     for step in steps:
