@@ -397,12 +397,17 @@ earlier job's rows at that step). Which rows are replays is told by what each ro
 records (:func:`computation_of`), not by its step alone (:class:`ReplayMarks`)."""
 
 
+EVALUATION_FIELDS = ("val_loss", "val_tokens", "eval_time_s")
+"""The fields an evaluation adds to a row (:meth:`editrain.evaluation.Evaluator.evaluate`):
+in a row of its own, or carried in the row of the step it was taken at."""
+
+
 def computation_of(row: dict[str, Any]) -> tuple[Any, ...]:
     """What a row of ``metrics.jsonl`` is the record of, the same in a replay of it: the
-    step's row (it has a loss; an evaluation or a round at that step rides in it), a round
-    in a row of its own (its index, and its fragment where it names one), an evaluation in
-    a row of its own (step 0's, the final one), at the row's step. Not the end's mark
-    (:data:`END`): a run an older editrain wrote lacks it."""
+    step's row (it has a loss; an evaluation or a round at that step rides in it, see
+    :func:`evaluation_of`), a round in a row of its own (its index, and its fragment where
+    it names one), an evaluation in a row of its own (step 0's, the final one), at the
+    row's step. Not the end's mark (:data:`END`): a run an older editrain wrote lacks it."""
     step = _plain(row.get("step"))
     if "loss" in row:
         return ("step", step)
@@ -410,8 +415,26 @@ def computation_of(row: dict[str, Any]) -> tuple[Any, ...]:
     if isinstance(sync, dict):
         return ("round", step, _plain(sync.get("sync")), _plain(sync.get("fragment")))
     if "val_loss" in row:
-        return ("evaluation", step)
+        return evaluation_of(row)
     return ("other", step)
+
+
+def evaluation_of(row: dict[str, Any]) -> tuple[Any, ...] | None:
+    """The evaluation a row records, in a row of its own or carried in its step's row: the
+    model at the row's step over ``val_tokens`` tokens (a periodic evaluation over
+    ``train.eval_tokens`` and the final one over ``train.final_eval_tokens`` at the same
+    step are two computations where those differ, one where they do not: the trainer
+    then takes one of them); None where the row carries none."""
+    if "val_loss" not in row:
+        return None
+    return ("evaluation", _plain(row.get("step")), _plain(row.get("val_tokens")))
+
+
+def _computations(row: dict[str, Any]) -> list[tuple[Any, ...]]:
+    """:func:`computation_of` of a row, then the evaluation its step's row carries."""
+    computation = computation_of(row)
+    carried = evaluation_of(row) if computation[0] == "step" else None
+    return [computation] if carried is None else [computation, carried]
 
 
 def _plain(value: Any) -> Any:
@@ -427,6 +450,13 @@ class ReplayMarks:
     replayed, so the rows the earlier job died before writing (a step's row after its
     round's own row, the final evaluation after the end's rounds) were in no current row.
 
+    An evaluation carried in a step's row is a computation of its own
+    (:func:`evaluation_of`): a job resumed with another ``train.eval_every`` evaluates at
+    steps the earlier job did not, and its replayed step's row carried that evaluation
+    into the rows readers leave out. Such a row is written as two (:meth:`mark`): the
+    step's row without the evaluation, a replay, and the evaluation in a row of its own
+    that fills the gap. The earlier job's evaluations stay in its rows, current.
+
     Args:
         history: the run's current rows when the job resumed (:func:`current_rows`).
     """
@@ -435,19 +465,51 @@ class ReplayMarks:
         steps = [r["step"] for r in history]
         self.until: int | None = max(steps) if steps else None
         """The last step of the history: the job's rows after it are its own."""
-        self._unmatched = Counter(computation_of(r) for r in history)
+        self._unmatched = Counter(c for r in history for c in _computations(r))
 
-    def mark(self, row: dict[str, Any]) -> None:
+    def mark(self, row: dict[str, Any]) -> list[dict[str, Any]]:
         """Mark ``row`` (a measurement row the job is about to write) where it is at or
-        before :attr:`until`; events and later rows are left as they are."""
+        before :attr:`until`; events and later rows are left as they are.
+
+        Returns:
+            The rows to write in its place: ``[row]``, marked; or, where ``row`` is a
+            replayed step's row carrying an evaluation the history lacks, the step's row
+            without it (marked replayed) and the evaluation's own row (marked
+            :data:`FILLS_GAP`), ``row`` itself left unmarked.
+        """
         if self.until is None or "event" in row or row.get("step", 0) > self.until:
-            return
-        computation = computation_of(row)
-        if self._unmatched[computation] > 0:
-            self._unmatched[computation] -= 1
-            row["replayed"] = True
-        else:
+            return [row]
+        computation, *carried = _computations(row)
+        if not self._take(computation):
             row[FILLS_GAP] = True
+            for evaluation in carried:  # (written with it: the history holds it now)
+                self._take(evaluation)
+            return [row]
+        if all(self._take(evaluation) for evaluation in carried):
+            row["replayed"] = True
+            return [row]
+        return _split_evaluation(row)
+
+    def _take(self, computation: tuple[Any, ...]) -> bool:
+        """Whether the history holds a row of ``computation`` not matched yet (then it is
+        matched)."""
+        if self._unmatched[computation] <= 0:
+            return False
+        self._unmatched[computation] -= 1
+        return True
+
+
+def _split_evaluation(row: dict[str, Any]) -> list[dict[str, Any]]:
+    """A replayed step's ``row`` and the evaluation it carries as two rows: the step's
+    row without the evaluation (``"replayed": true``), then the evaluation in a row of its
+    own (:data:`FILLS_GAP`), with the step's tokens and clocks, as step 0's evaluation
+    row is written."""
+    step_row = {k: v for k, v in row.items() if k not in EVALUATION_FIELDS}
+    step_row["replayed"] = True
+    evaluation = {k: row[k] for k in ("step", "tokens", *EVALUATION_FIELDS,
+                                      "wall_time_s", "train_time_s") if k in row}
+    evaluation[FILLS_GAP] = True
+    return [step_row, evaluation]
 
 
 JOB_START = "job_start"

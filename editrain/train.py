@@ -629,9 +629,11 @@ class Trainer:
 
     # ------------------------------------------------------------------ helpers
     def _write(self, row: dict[str, Any]) -> None:
-        if self.loop.replays is not None:  # a replay, or a row the earlier job did not write
-            self.loop.replays.mark(row)
-        self.metrics.write(row)
+        # a replay, a row the earlier job did not write, or a replay carrying an evaluation
+        # it did not take (another train.eval_every): two rows (ReplayMarks.mark)
+        rows = [row] if self.loop.replays is None else self.loop.replays.mark(row)
+        for each in rows:
+            self.metrics.write(each)
 
     def _wall(self) -> float:
         return self.loop.wall()

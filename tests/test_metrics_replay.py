@@ -173,7 +173,8 @@ def test_the_computation_of_a_row() -> None:
     assert computation_of(own) != computation_of({**own, "sync": {"sync": 1}})
     assert computation_of(end_round) == computation_of(
         {k: v for k, v in end_round.items() if k != END})
-    assert computation_of(final) == ("evaluation", 12)
+    assert computation_of(final) == ("evaluation", 12, None)  # (_rows writes no val_tokens)
+    assert computation_of({**final, "val_tokens": 2048}) == ("evaluation", 12, 2048)
     assert hash(computation_of({"step": [1], "sync": {"sync": {"a": [2]}}}))
 
 
@@ -187,6 +188,66 @@ def test_marks_leave_events_and_later_rows_alone() -> None:
     row = {"step": 1, "loss": 6.0}
     nothing.mark(row)
     assert row == {"step": 1, "loss": 6.0}
+
+
+def _evaluating(steps: range, evaluated: set[int], tokens: int = 1024) -> list[dict]:
+    """Step rows as the trainer writes them, unmarked, those of the steps ``evaluated``
+    carrying their evaluation (over ``tokens``)."""
+    return [{"step": s, "loss": 6.0 - s / 100,
+             **({"val_loss": 5.0 - s / 100, "val_tokens": tokens, "eval_time_s": 0.1}
+                if s in evaluated else {})} for s in steps]
+
+
+def _resumed_rows(earlier: list[dict], start: int, rows: list[dict]) -> list[dict]:
+    """:func:`_resumed` of rows given whole: what the trainer writes for each (the rows
+    :meth:`ReplayMarks.mark` returns)."""
+    marks = ReplayMarks(current_rows(earlier))
+    return [{"event": JOB_START, "step": start}, *[out for r in rows for out in marks.mark(r)]]
+
+
+def _evaluations(rows: list[dict]) -> list[tuple]:
+    return [(r["step"], r["val_loss"], r.get("val_tokens")) for r in current_rows(rows)
+            if "val_loss" in r]
+
+
+def test_a_resume_with_another_eval_every_keeps_every_evaluation() -> None:
+    """The first job evaluated every 3 steps and died after step 11; the job resumed from
+    step 8 evaluates every 2 (its first at 9, as the schedule it resumed said), replaying
+    steps 9-11. Its evaluation at 11 rode in a replayed step's row: it was in no current
+    row. Now the step's row is a replay without it and the evaluation a row of its own
+    that fills the gap; every evaluation the first job wrote stays current, and a later
+    job resumed the same way replays it instead of writing it again."""
+    first = [{"event": JOB_START, "step": 0}, {"step": 0, "val_loss": 5.0, "val_tokens": 1024},
+             *_evaluating(range(1, 12), {3, 6, 9})]
+    # its first evaluation at 9 (the checkpoint's next), then every 2 steps
+    resumed_rows = _evaluating(range(9, 13), {9, 11})
+    resumed = _resumed_rows(first, 8, resumed_rows)
+    marks = [(r["step"], "loss" in r, "val_loss" in r, r.get("replayed"), r.get(FILLS_GAP))
+             for r in resumed[1:]]
+    assert marks == [(9, True, True, True, None), (10, True, False, True, None),
+                     (11, True, False, True, None), (11, False, True, None, True),
+                     (12, True, False, None, None)]
+    rows = first + resumed
+    evaluations = _evaluations(rows)
+    assert [e[0] for e in evaluations] == [0, 3, 6, 9, 11]
+    assert evaluations[4] == (11, resumed_rows[2]["val_loss"], 1024)
+    assert all(r in current_rows(rows) for r in first[1:])  # nothing the first job wrote lost
+    assert [r["step"] for r in current_rows(rows) if "loss" in r] == list(range(1, 13))
+    again = _resumed_rows(rows, 8, [dict(r) for r in resumed_rows])
+    assert len(again) == 5 and all(r.get("replayed") for r in again[1:])  # 9-12, whole
+    assert _evaluations(rows + again) == evaluations
+
+
+def test_a_periodic_evaluation_is_not_the_final_one_over_other_tokens() -> None:
+    """The first job's end evaluated step 12 over train.final_eval_tokens; a job resumed
+    from step 8 with more steps evaluates step 12 periodically, over train.eval_tokens:
+    another computation, kept (the earlier end is not this history's), where the replay
+    of step 12 carried it out of every current row."""
+    first = [{"event": JOB_START, "step": 0}, *_evaluating(range(1, 13), {4, 8}),
+             {"step": 12, "val_loss": 4.0, "val_tokens": 2048, END: True}]
+    resumed = _resumed_rows(first, 8, _evaluating(range(9, 17), {12, 16}))
+    assert _evaluations(first + resumed) == [(4, 4.96, 1024), (8, 4.92, 1024),
+                                             (12, 4.88, 1024), (16, 4.84, 1024)]
 
 
 # ------------------------------------------------------------------ real runs
@@ -280,3 +341,28 @@ def test_rows_whose_step_is_no_number_are_no_measurements(tmp_path) -> None:
     proc = subprocess.run([sys.executable, "-m", "editrain", "plot", str(run)],
                           capture_output=True, text=True, timeout=120)
     assert "Traceback" not in proc.stderr, proc.stderr[-2000:]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_run_resumed_with_another_eval_every_keeps_both_jobs_evaluations(
+        cache: Path, tmp_path: Path) -> None:
+    """A run evaluating every 3 steps dies after step 12 (sim.fail), before its end;
+    resumed from its step-8 checkpoint with train.eval_every 2, the new job evaluates at 9
+    (due from the checkpoint) and at 11, a step the first job did not evaluate. Before,
+    that evaluation rode in step 11's replayed row, in no current row."""
+    from tests.test_checkpoint import train
+
+    run = tmp_path / "run"
+    args = ["--nproc", "2", "--shard-size", "1", "--steps", "12", "--checkpoint.every", "4",
+            "--method", "sync"]
+    out = train(cache, run, *args, "--train.eval_every", "3", "--sim.fail", "0@12",
+                check=False)
+    assert out.returncode != 0
+    first = [r for r in read_metrics(run) if "event" not in r]
+    assert [r["step"] for r in first if "val_loss" in r] == [0, 3, 6, 9]
+    train(cache, run, *args, "--train.eval_every", "2", "--resume", str(run))
+    current = current_rows(read_metrics(run))
+    assert [r["step"] for r in current if "val_loss" in r] == [0, 3, 6, 9, 11, 12]
+    assert all(r in current for r in first)  # nothing the first job wrote is lost
+    assert [r["step"] for r in current if "loss" in r] == list(range(1, 13))
