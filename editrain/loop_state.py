@@ -43,6 +43,16 @@ def next_after(due: int, point: float, every: int) -> int:
     return due + (int((point - due) // every) + 1) * every
 
 
+def first_due_after(point: float, every: int) -> int:
+    """The first multiple of ``every`` past ``point`` (0 when ``every`` is 0: never due):
+    where a run that always had this interval has its next evaluation or checkpoint after
+    ``point``. A new run's are due at ``every``, then each one ``every`` after the last
+    (:func:`next_after`), so whole multiples of the interval."""
+    if not every:
+        return 0
+    return (int(point // every) + 1) * every
+
+
 @dataclasses.dataclass
 class LoopState:
     """Where one rank's training loop is.
@@ -127,6 +137,17 @@ class LoopState:
         it were taken (by the run before a resume, or by the peers of a healed replica)."""
         self.next_eval = next_after(self.next_eval, point, eval_every)
         self.next_ckpt = next_after(self.next_ckpt, point, ckpt_every)
+
+    def reschedule(self, point: float, eval_every: int, ckpt_every: int) -> None:
+        """Due next: the first evaluation and checkpoint past ``point`` of a run with these
+        intervals (a resume's, at the checkpoint's progress). Not the saved ones advanced:
+        those follow the intervals the checkpoint was written with, so a job resumed with
+        another ``train.eval_every`` or ``checkpoint.every`` kept the old schedule's next
+        one (eval_every 3 -> 2 at step 8: evaluations at 9, 11, ... instead of 10, 12).
+        With the same intervals the two agree (the saved ones are multiples of them too),
+        so an exact resume goes on as the run without the stop."""
+        self.next_eval = first_due_after(point, eval_every)
+        self.next_ckpt = first_due_after(point, ckpt_every)
 
     def heal_state(self, step: int) -> dict[str, Any]:
         """What a healthy replica sends one that (re)joins, of the loop: ``step`` (the

@@ -619,13 +619,15 @@ class Trainer:
                 min(old_r, self.info.topo.num_replicas) - 1, self.loop.step)
 
     def _resume_schedule(self, marker: dict[str, Any]) -> None:
-        """The evaluations and checkpoints due after a resume: the schedule the run would
-        have had without the stop. The final save of a run does not advance them past its
-        own step (the loop's last evaluation and checkpoint are not taken), so they are
-        advanced past the checkpoint's progress here, with this run's intervals (A-EDiT's
-        real progress, not its rounded label: an evaluation due at 8 was not taken at 7.5)."""
-        self.loop.skip_due(checkpoint_progress(marker), self.cfg.train.eval_every,
-                           self.cfg.checkpoint.every)
+        """The evaluations and checkpoints due after a resume: those of a run with this
+        job's ``train.eval_every`` and ``checkpoint.every`` (multiples of each) after the
+        checkpoint's progress, whatever intervals the checkpoint was saved with; with the
+        same ones, the schedule the run would have had without the stop. Past the progress:
+        the final save of a run did not take its last evaluation and checkpoint, and
+        A-EDiT's real progress, not its rounded label, counts (an evaluation due at 8 was
+        not taken at 7.5)."""
+        self.loop.reschedule(checkpoint_progress(marker), self.cfg.train.eval_every,
+                             self.cfg.checkpoint.every)
 
     # ------------------------------------------------------------------ helpers
     def _write(self, row: dict[str, Any]) -> None:

@@ -11,7 +11,13 @@ import pytest
 
 from editrain.checkpoint import RANK_STATE_SCHEMA
 from editrain.errors import CheckpointError
-from editrain.loop_state import LOOP_STATE_SCHEMA, SAVED, LoopState, next_after
+from editrain.loop_state import (
+    LOOP_STATE_SCHEMA,
+    SAVED,
+    LoopState,
+    first_due_after,
+    next_after,
+)
 from editrain.metrics import ReplayMarks
 
 
@@ -103,6 +109,70 @@ def test_skip_due_is_next_after_for_both_schedules():
     assert (next_after(10, 25.5, 10), next_after(8, 25.5, 4)) == (30, 28)
     loop.skip_due(25.5, eval_every=0, ckpt_every=0)  # never (every 0): unchanged
     assert (loop.next_eval, loop.next_ckpt) == (30, 28)
+
+
+def _taken(loop: LoopState, points: list[float], eval_every: int, ckpt_every: int
+           ) -> tuple[list[float], list[float]]:
+    """The sync points at which the trainer's loop takes an evaluation and a checkpoint
+    (its rule: due at or before the point, then advanced past it by its interval)."""
+    evals, ckpts = [], []
+    for point in points:
+        if point >= loop.next_eval:
+            evals.append(point)
+            loop.next_eval = next_after(loop.next_eval, point, eval_every)
+        if ckpt_every and point >= loop.next_ckpt:
+            ckpts.append(point)
+            loop.next_ckpt = next_after(loop.next_ckpt, point, ckpt_every)
+    return evals, ckpts
+
+
+SYNC_POINTS = {
+    "every step (sync)": [float(p) for p in range(1, 41)],
+    "every 4 steps (local SGD)": [float(p) for p in range(4, 41, 4)],
+    "every 2.5 steps (A-EDiT, 2 replicas)": [2.5 * k for k in range(1, 17)],
+}
+
+
+@pytest.mark.parametrize("points", SYNC_POINTS.values(), ids=SYNC_POINTS)
+@pytest.mark.parametrize("old,new", [((3, 4), (2, 6)), ((2, 6), (3, 4)), ((5, 8), (5, 3)),
+                                     ((4, 0), (7, 5)), ((3, 4), (3, 4)), ((3, 8), (3, 8))])
+def test_a_resume_takes_what_a_new_run_with_its_intervals_takes_after_the_checkpoint(
+        points, old, new):
+    """A run saved at a checkpoint (its schedule advanced with ``old`` intervals, as the
+    loop does) and resumed with ``new`` ones evaluates and saves where a run with the new
+    ones from the start does after that point. Before, the saved schedule was only moved
+    past the checkpoint: eval_every 3 resumed at 8 with 2 evaluated at 9, 11, ... (a new
+    run: 10, 12, ...); checkpoint.every 4 -> 6 saved at 12, 16, ... (a new run: 12, 18)."""
+    at = points[len(points) // 2 - 1]  # the checkpoint, at a sync point
+    saved = LoopState(next_eval=old[0], next_ckpt=old[1])
+    _taken(saved, [p for p in points if p <= at], *old)
+    resumed = LoopState.from_dict({**saved.to_dict(), "step": int(at)})
+    resumed.reschedule(at, *new)
+    fresh = _taken(LoopState(next_eval=new[0], next_ckpt=new[1]), points, *new)
+    after = _taken(resumed, [p for p in points if p > at], *new)
+    assert after == tuple([p for p in each if p > at] for each in fresh)
+
+
+@pytest.mark.parametrize("points", SYNC_POINTS.values(), ids=SYNC_POINTS)
+@pytest.mark.parametrize("every", [(3, 4), (1, 1), (4, 0), (7, 10)])
+@pytest.mark.parametrize("final", [False, True])
+def test_with_the_same_intervals_a_resume_keeps_the_saved_schedule(points, every, final):
+    """An exact resume with unchanged options goes on as the run that never stopped: the
+    rescheduled next evaluation and checkpoint are the saved ones moved past the
+    checkpoint (what a resume did before), at every sync point, the final save's too (its
+    last ones not taken, ``final``)."""
+    for at in points[:-1]:
+        saved = LoopState(next_eval=every[0], next_ckpt=every[1])
+        _taken(saved, [p for p in points if p < at or (p == at and not final)], *every)
+        moved = LoopState(next_eval=saved.next_eval, next_ckpt=saved.next_ckpt)
+        moved.skip_due(at, *every)
+        saved.reschedule(at, *every)
+        assert (saved.next_eval, saved.next_ckpt) == (moved.next_eval, moved.next_ckpt), at
+
+
+def test_first_due_after_is_the_next_multiple_of_the_interval():
+    assert [first_due_after(p, 4) for p in (0, 3.5, 4, 7.5, 8, 8.0001)] == [4, 4, 8, 8, 12, 12]
+    assert first_due_after(12.5, 0) == 0  # never due (checkpoint.every 0: a new run's 0)
 
 
 def test_a_healed_replica_adopts_its_peers_schedule_and_step():

@@ -212,14 +212,16 @@ def _evaluations(rows: list[dict]) -> list[tuple]:
 
 def test_a_resume_with_another_eval_every_keeps_every_evaluation() -> None:
     """The first job evaluated every 3 steps and died after step 11; the job resumed from
-    step 8 evaluates every 2 (its first at 9, as the schedule it resumed said), replaying
+    step 8 evaluates every 2 (its first at 9, the checkpoint's next: an older editrain's
+    schedule, whose rows a resume still reads; now the first is at 10), replaying
     steps 9-11. Its evaluation at 11 rode in a replayed step's row: it was in no current
     row. Now the step's row is a replay without it and the evaluation a row of its own
     that fills the gap; every evaluation the first job wrote stays current, and a later
     job resumed the same way replays it instead of writing it again."""
     first = [{"event": JOB_START, "step": 0}, {"step": 0, "val_loss": 5.0, "val_tokens": 1024},
              *_evaluating(range(1, 12), {3, 6, 9})]
-    # its first evaluation at 9 (the checkpoint's next), then every 2 steps
+    # its first evaluation at 9 (the checkpoint's next, as an older editrain did), then
+    # every 2 steps
     resumed_rows = _evaluating(range(9, 13), {9, 11})
     resumed = _resumed_rows(first, 8, resumed_rows)
     marks = [(r["step"], "loss" in r, "val_loss" in r, r.get("replayed"), r.get(FILLS_GAP))
@@ -347,22 +349,28 @@ def test_rows_whose_step_is_no_number_are_no_measurements(tmp_path) -> None:
 @pytest.mark.timeout(300)
 def test_a_run_resumed_with_another_eval_every_keeps_both_jobs_evaluations(
         cache: Path, tmp_path: Path) -> None:
-    """A run evaluating every 3 steps dies after step 12 (sim.fail), before its end;
-    resumed from its step-8 checkpoint with train.eval_every 2, the new job evaluates at 9
-    (due from the checkpoint) and at 11, a step the first job did not evaluate. Before,
-    that evaluation rode in step 11's replayed row, in no current row."""
+    """A run evaluating every 3 steps and saving every 4 dies after step 12 (sim.fail),
+    before its end; resumed from its step-8 checkpoint with train.eval_every 2 and
+    checkpoint.every 3, the new job evaluates and saves where a run with those options
+    does after step 8: evaluations at 10, a step the first job did not evaluate, and 12
+    (the end's), a checkpoint at 9. Before, that evaluation rode in step 10's replayed row,
+    in no current row; and the job kept the old schedule's next ones (evaluations at 9 and
+    11, no checkpoint before the end's)."""
     from tests.test_checkpoint import train
 
     run = tmp_path / "run"
-    args = ["--nproc", "2", "--shard-size", "1", "--steps", "12", "--checkpoint.every", "4",
-            "--method", "sync"]
-    out = train(cache, run, *args, "--train.eval_every", "3", "--sim.fail", "0@12",
-                check=False)
+    args = ["--nproc", "2", "--shard-size", "1", "--steps", "12", "--method", "sync"]
+    out = train(cache, run, *args, "--train.eval_every", "3", "--checkpoint.every", "4",
+                "--sim.fail", "0@12", check=False)
     assert out.returncode != 0
     first = [r for r in read_metrics(run) if "event" not in r]
     assert [r["step"] for r in first if "val_loss" in r] == [0, 3, 6, 9]
-    train(cache, run, *args, "--train.eval_every", "2", "--resume", str(run))
-    current = current_rows(read_metrics(run))
-    assert [r["step"] for r in current if "val_loss" in r] == [0, 3, 6, 9, 11, 12]
+    train(cache, run, *args, "--train.eval_every", "2", "--checkpoint.every", "3",
+          "--resume", str(run))
+    rows = read_metrics(run)
+    current = current_rows(rows)
+    assert [r["step"] for r in current if "val_loss" in r] == [0, 3, 6, 9, 10, 12]
+    job = rows[max(i for i, r in enumerate(rows) if r.get("event") == JOB_START):]
+    assert [r["step"] for r in job if r.get("event") == "checkpoint"] == [9, 12]
     assert all(r in current for r in first)  # nothing the first job wrote is lost
     assert [r["step"] for r in current if "loss" in r] == list(range(1, 13))
