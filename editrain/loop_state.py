@@ -134,7 +134,8 @@ class LoopState:
 
     def skip_due(self, point: float, eval_every: int, ckpt_every: int) -> None:
         """Move the next evaluation and checkpoint past ``point``: those due at or before
-        it were taken (by the run before a resume, or by the peers of a healed replica)."""
+        it were taken (by the peers of a healed replica, whose schedule it adopted; a
+        resume takes its own job's intervals instead, :meth:`reschedule`)."""
         self.next_eval = next_after(self.next_eval, point, eval_every)
         self.next_ckpt = next_after(self.next_ckpt, point, ckpt_every)
 
