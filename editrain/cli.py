@@ -16,6 +16,7 @@ import threading
 import time
 from pathlib import Path
 
+from editrain.argv import CommandParser
 from editrain.config import ConfigError, describe_options, load_config, parse_overrides
 from editrain.config.inputs import check_path_options
 from editrain.config.schema import SEED_MAX
@@ -46,6 +47,9 @@ shorthands:
   --quiet             no progress bar      --overwrite     reuse a run directory
   --ft                dist.fault_tolerance=torchft: replicas as separate jobs that
                       survive a replica's death (pip install 'editrain[ft]')
+
+Options are written in full (no prefix stands for one); an option given twice keeps its
+last value, under any of its names (--steps 5 --train.steps=6: 6 steps).
 
 methods: sync, post_local_sgd, diloco, edit (default), aedit
 
@@ -217,6 +221,9 @@ def cmd_sample(args: argparse.Namespace, extra: list[str]) -> int:
 
 
 def cmd_options(args: argparse.Namespace, extra: list[str]) -> int:
+    if extra:  # `editrain options --train` lists every option, not train's: say so
+        raise ConfigError(f"options: unexpected argument(s) {' '.join(extra)}; it takes none "
+                          "(it lists every option)")
     for name, tp, default, doc in describe_options():
         print(f"--{name}  ({tp}, default {default!r})\n      {doc}")
     return 0
@@ -232,7 +239,9 @@ def cmd_bench(args: argparse.Namespace, extra: list[str]) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    # CommandParser: options written in full, each given once (editrain.argv); its
+    # sub-command parsers are CommandParsers too.
+    parser = CommandParser(
         prog="editrain",
         description="Communication-efficient LLM training with EDiT / A-EDiT local SGD on "
                     "FSDP2 (plus synchronous, Post-Local SGD and DiLoCo baselines).",

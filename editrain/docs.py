@@ -11,13 +11,13 @@ Regenerate it with::
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import sys
 import typing
 from pathlib import Path
 from typing import Any
 
+from editrain.argv import CommandParser
 from editrain.config import (
     Config,
     ConfigError,
@@ -153,6 +153,13 @@ def render_configuration() -> str:
         "implementation. A default of `none` on a `sync` option means the method decides: the",
         "per-method values are listed. *Methods* names the methods that read the option.",
         "",
+        "On the command line every option is written in full (no prefix stands for it:",
+        "`--over` is not `--overwrite`). An option given twice keeps its last value, under",
+        "any of its names (`--steps 5 --train.steps=6` trains 6 steps), so a script's defaults",
+        "can be followed by the user's own; a section given as a table (`--train={steps=6}`)",
+        "sets the options it names and keeps the others. A true-or-false option given on the",
+        "command line reads `true`/`false`, `yes`/`no` and `1`/`0` (any case).",
+        "",
         "Example files to start from, each loaded and checked by `tests/test_example_configs.py`:",
         "`examples/configs/default.toml` (every main option at its default),",
         "`slow_link.toml` (streaming EDiT over a simulated slow link), `very_slow_link.toml`",
@@ -240,7 +247,7 @@ def main(argv: list[str] | None = None) -> int:
     Returns:
         0 on success, 1 if ``--check`` found the file out of date.
     """
-    p = argparse.ArgumentParser(prog="python -m editrain.docs", description=__doc__.splitlines()[0])
+    p = CommandParser(prog="python -m editrain.docs", description=__doc__.splitlines()[0])
     p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="the page to write")
     p.add_argument("--check", action="store_true", help="only check that --out is up to date")
     args = p.parse_args(argv)

@@ -589,12 +589,19 @@ def worker_threads(cfg: Any, local_world: int | None = None) -> int:
         cfg: the run's configuration.
         local_world: the processes on this machine (default: ``LOCAL_WORLD_SIZE``, as a
             worker sees it; the local launcher passes its ``dist.nproc``).
+
+    Raises:
+        ConfigError: ``OMP_NUM_THREADS`` is set to something but a thread count.
     """
     if cfg.dist.threads_per_proc:
         return cfg.dist.threads_per_proc
-    omp = os.environ.get("OMP_NUM_THREADS", "").strip()
-    if omp.isdigit() and int(omp) > 0:
-        return int(omp)
+    from editrain.argv import env_count
+
+    # OpenMP's nested form (4,2) gives the outer level first: that is torch's intra-op
+    # count. Anything but a count is refused, not passed over for our own choice.
+    omp = env_count("OMP_NUM_THREADS", os.environ.get("OMP_NUM_THREADS", "").split(",")[0])
+    if omp is not None:
+        return omp
     if local_world is None:
         local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     return max(1, (os.cpu_count() or 1) // local_world)

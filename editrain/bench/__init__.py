@@ -62,10 +62,10 @@ the same way. The shared machinery, one job per module:
 from __future__ import annotations
 
 import importlib
-import os
 from pathlib import Path
 from typing import Any
 
+from editrain.argv import env_switch
 from editrain.config import ConfigError
 from editrain.paths import check_path
 
@@ -78,7 +78,8 @@ REUSABLE = ("convergence", "tune", "scale", "batch")
 their finished runs from an earlier invocation, e.g. one cut short."""
 
 TINY_ENV = "EDITRAIN_BENCH_TINY"
-"""Environment variable: set to 1 to run the smoke-test size (same as ``--tiny``)."""
+"""Environment variable: set to 1 to run the smoke-test size (same as ``--tiny``); 0 or
+unset: the size the command line picks (:func:`editrain.argv.env_switch`)."""
 
 
 def scenario_module(name: str):
@@ -114,7 +115,7 @@ def run_scenario(name: str, quick: bool = False, out_dir: str | None = None,
 
     extra = list(extra or [])
     flags, overrides = split_extra(extra)
-    tiny = tiny or bool(flags.get("tiny")) or os.environ.get(TINY_ENV, "") not in ("", "0")
+    tiny = tiny or bool(flags.get("tiny")) or env_switch(TINY_ENV)
     if flags.get("full") and (quick or tiny):
         raise ConfigError("bench: --full contradicts --quick / --tiny; give one size")
     mode = "tiny" if tiny else ("quick" if quick else "full")

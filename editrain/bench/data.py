@@ -74,7 +74,7 @@ def corpus_sizes(mode: str) -> list[int]:
     if given:
         try:
             sizes = [int(float(x)) for x in given.split(",")]
-        except ValueError:
+        except (ValueError, OverflowError):  # OverflowError: inf, 1e400
             sizes = []
         if not sizes or min(sizes) <= 0:
             raise ValueError(f"{SIZES_ENV}: comma-separated positive byte counts, e.g. "

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from editrain.config import ConfigError, parse_overrides
+from editrain.config.toml_io import check_option_names
 
 MODES = ("tiny", "quick", "full")
 """The benchmark sizes, smallest first."""
@@ -98,7 +99,8 @@ def split_extra(extra: Sequence[str]) -> tuple[dict[str, Any], dict[str, Any]]:
 
     Raises:
         ConfigError: an argument that is neither, a missing value, a value given to a flag
-            that takes none (``--tiny=0``), or a count below 1.
+            that takes none (``--tiny=0``), or a count below 1. A flag given twice keeps
+            its last value, as every option does (:mod:`editrain.argv`).
     """
     flags: dict[str, Any] = {}
     rest: list[str] = []
@@ -120,6 +122,9 @@ def split_extra(extra: Sequence[str]) -> tuple[dict[str, Any], dict[str, Any]]:
     if positional:
         raise ConfigError(f"bench: unexpected argument(s) {' '.join(positional)}; training "
                           "options look like --train.steps=100")
+    # Every run's options are checked before its run, but a misspelt option (a misspelt
+    # bench flag: `--repe 2`) must fail before the results directory is made.
+    check_option_names(overrides)
     return flags, overrides
 
 

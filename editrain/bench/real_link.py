@@ -20,6 +20,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from editrain.argv import CommandParser
 from editrain.bench.measures import steady_throughput
 from editrain.bench.peers import torchft_version
 from editrain.bench.prose import fill, prose
@@ -133,7 +134,7 @@ def _verdict(results: dict[str, Any], peers: list[str], args: argparse.Namespace
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Read the script's runs, write ``results.json`` / ``table.md`` into ``OUT``."""
-    p = argparse.ArgumentParser(prog="python -m editrain.bench.real_link",
+    p = CommandParser(prog="python -m editrain.bench.real_link",
                                 description=__doc__.splitlines()[0])
     p.add_argument("out", type=Path)
     p.add_argument("--rate", required=True)

@@ -46,6 +46,7 @@ from typing import Any
 
 import torch
 
+from editrain.argv import CommandParser
 from editrain.metrics import MetricsWriter, RankLog, to_json
 
 SYSTEMS = {"torchft": "torchft-diloco", "library": "diloco-library"}
@@ -417,7 +418,7 @@ def main(argv: list[str] | None = None) -> int:
     """Command-line entry point: ``--spec SPEC.json``, the spec's fields as options with the
     training options after ``--``, or ``--serve-lighthouse HOST:PORT``; returns 0 once the
     replica trained and wrote its logs."""
-    parser = argparse.ArgumentParser(description="one torchft DiLoCo replica group on "
+    parser = CommandParser(description="one torchft DiLoCo replica group on "
                                                  "editrain's model and data")
     parser.add_argument("--spec", help="JSON file (see the module docstring)")
     parser.add_argument("--serve-lighthouse", metavar="HOST:PORT",

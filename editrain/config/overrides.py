@@ -36,17 +36,30 @@ FLAGS: dict[str, str | tuple[str, Any]] = {
 """Flags without a value: the option they set to True, or (option, value)."""
 
 
-def _is_text_option(dotted: str) -> bool:
-    """Whether ``dotted`` names a string (or list-of-strings) option of :class:`Config`."""
+def _option_types(dotted: str) -> tuple[Any, ...]:
+    """The types ``dotted`` may hold (those of a union, or the one annotated); empty for a
+    name that is no option of :class:`Config`."""
     tp: Any = Config
     for part in dotted.split("."):
         if not dataclasses.is_dataclass(tp):
-            return False
+            return ()
         tp = typing.get_type_hints(tp).get(part)
-    args = (typing.get_args(tp) if typing.get_origin(tp) in (typing.Union, types.UnionType)
+    if tp is None:
+        return ()
+    return (typing.get_args(tp) if typing.get_origin(tp) in (typing.Union, types.UnionType)
             else (tp,))
+
+
+def _is_text_option(dotted: str) -> bool:
+    """Whether ``dotted`` names a string (or list-of-strings) option of :class:`Config`."""
+    args = _option_types(dotted)
     # a number or a word (data.max_bytes: 300000 or auto) takes the number as a number
     return any(a is str or a == list[str] for a in args) and int not in args
+
+
+def _is_bool_option(dotted: str) -> bool:
+    """Whether ``dotted`` names a true-or-false option of :class:`Config`."""
+    return bool in _option_types(dotted)
 
 
 def _is_option(dotted: str) -> bool:
@@ -66,21 +79,45 @@ def _looks_like_option(arg: str) -> bool:
 
 def _parse_value(dotted: str, text: str) -> Any:
     """A CLI value for option ``dotted``: TOML, except that a string option keeps the text as
-    typed (``--run-dir 2024-01-01`` or ``--sim.link_latency 0.005`` are not a date/number)."""
+    typed (``--run-dir 2024-01-01`` or ``--sim.link_latency 0.005`` are not a date/number),
+    and so does a true-or-false option: the configuration reads its words (true, yes, 1;
+    false, no, 0) alike, where TOML would make ``1`` a number that no bool takes."""
+    if _is_bool_option(dotted):
+        return text
     value = parse_scalar(text)
     if not isinstance(value, str | list) and _is_text_option(dotted):
         return text
     return value
 
 
+def _is_section(dotted: str) -> bool:
+    """Whether ``dotted`` names a section of :class:`Config` (``train``, ``sync.gta``)."""
+    return any(dataclasses.is_dataclass(a) for a in _option_types(dotted))
+
+
 def _set_path(raw: dict[str, Any], dotted: str, value: Any) -> None:
-    """Set ``raw[a][b][c] = value`` for ``dotted`` = ``a.b.c``."""
+    """Set ``raw[a][b][c] = value`` for ``dotted`` = ``a.b.c``; a table given to a section
+    is laid over what the section holds (see :func:`_lay_over`)."""
     parts = dotted.split(".")
     node = raw
     for p in parts[:-1]:
         node = node.setdefault(p, {})
         require(isinstance(node, dict), f"--{dotted}", f"{p} is not a section")
-    node[parts[-1]] = value
+    _lay_over(node, parts[-1], value, dotted)
+
+
+def _lay_over(node: dict[str, Any], key: str, value: Any, dotted: str) -> None:
+    """``node[key] = value``, except that a table given to a section (``--train={steps=6}``)
+    sets the options it names and keeps the others given before it, as every option given
+    twice keeps its last value: replacing the section dropped them without a word
+    (``--train.lr=0.1 --train={steps=6}`` trained at the default rate). A table given to
+    an option that holds one (``sync.outer_optim_kwargs``) replaces it."""
+    held = node.get(key)
+    if not (isinstance(value, dict) and isinstance(held, dict) and _is_section(dotted)):
+        node[key] = value
+        return
+    for name, inner in value.items():
+        _lay_over(held, name, inner, f"{dotted}.{name}")
 
 
 def parse_overrides(argv: list[str]) -> tuple[dict[str, Any], list[str]]:
@@ -90,6 +127,10 @@ def parse_overrides(argv: list[str]) -> tuple[dict[str, Any], list[str]]:
 
     Raises:
         ConfigError: an option without its value, or a value given to a fixed flag.
+
+    An option given twice (under any of its names: ``--steps``, ``--train.steps``) keeps
+    the last value; a section given as a table (``--train={steps=6}``) sets the options it
+    names and keeps those given before it (:mod:`editrain.argv`).
     """
     raw: dict[str, Any] = {}
     rest: list[str] = []
@@ -107,7 +148,7 @@ def parse_overrides(argv: list[str]) -> tuple[dict[str, Any], list[str]]:
             require(not eq, name, f"takes no value (it sets {path}={fixed})")
             continue
         if name in FLAGS:
-            _set_path(raw, FLAGS[name], True if not eq else parse_scalar(value))
+            _set_path(raw, FLAGS[name], True if not eq else _parse_value(FLAGS[name], value))
             continue
         dotted = SHORTHANDS.get(name, name[2:].replace("-", "_"))
         if not eq:

@@ -77,22 +77,48 @@ def _coerce(value: Any, tp: Any, option: str) -> Any:
 
 def _build(cls: type, raw: dict[str, Any], prefix: str) -> Any:
     """Instantiate dataclass ``cls`` from nested dict ``raw``, validating keys and types."""
-    fmap = {f.name: f for f in dataclasses.fields(cls)}
     hints = typing.get_type_hints(cls)
     kwargs: dict[str, Any] = {}
     for key, value in raw.items():
         option = f"{prefix}{key}"
-        if key not in fmap:
-            close = [k for k in fmap if k.startswith(key[:3])]
-            hint = f" (did you mean {', '.join(close)}?)" if close else ""
-            raise ConfigError(f"unknown option {option!r}{hint}; allowed in "
-                              f"[{prefix.rstrip('.') or 'top level'}]: {', '.join(fmap)}")
+        check_known_option(cls, key, prefix)
         tp = hints[key]
         value = _coerce(value, tp, option)
         if dataclasses.is_dataclass(tp) and isinstance(value, dict):
             value = _build(tp, value, option + ".")
         kwargs[key] = value
     return cls(**kwargs)  # SyncConfig and GTAConfig check themselves (ConfigError)
+
+
+def check_known_option(cls: type, key: str, prefix: str) -> None:
+    """Refuse ``key`` unless it is a field of dataclass ``cls`` (the section ``prefix``).
+
+    Raises:
+        ConfigError: ``unknown option 'PREFIXKEY'``, with the section's options.
+    """
+    names = [f.name for f in dataclasses.fields(cls)]
+    if key not in names:
+        close = [k for k in names if k.startswith(key[:3])]
+        hint = f" (did you mean {', '.join(close)}?)" if close else ""
+        raise ConfigError(f"unknown option {prefix + key!r}{hint}; allowed in "
+                          f"[{prefix.rstrip('.') or 'top level'}]: {', '.join(names)}")
+
+
+def check_option_names(raw: dict[str, Any], cls: type | None = None, prefix: str = "") -> None:
+    """Refuse a name in the nested options ``raw`` that is no option of ``cls`` (default
+    :class:`Config`), before its values are checked: for a caller that lays ``raw`` over
+    other options later (``editrain bench``), where a misspelt option must fail before
+    anything is written.
+
+    Raises:
+        ConfigError: as :func:`check_known_option`.
+    """
+    cls = Config if cls is None else cls
+    hints = typing.get_type_hints(cls)
+    for key, value in raw.items():
+        check_known_option(cls, key, prefix)
+        if dataclasses.is_dataclass(hints[key]) and isinstance(value, dict):
+            check_option_names(value, hints[key], f"{prefix}{key}.")
 
 
 def _merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:

@@ -28,6 +28,8 @@ from pathlib import Path
 
 import numpy as np
 
+from editrain.argv import env_count
+
 from . import encode_worker
 from .encode_worker import BEGINS, ENDS, read_exact, read_frame, write_frame
 
@@ -47,9 +49,9 @@ def pool_workers(cpus: int | None = None) -> int:
         cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (
             os.cpu_count() or 1)
     workers = max(1, cpus)
-    rayon = os.environ.get("RAYON_NUM_THREADS", "").strip()
-    if rayon.isdigit() and int(rayon) > 0:
-        workers = min(workers, int(rayon))
+    rayon = env_count("RAYON_NUM_THREADS")  # set to something else: refused, not passed over
+    if rayon is not None:
+        workers = min(workers, rayon)
     if os.environ.get("TOKENIZERS_PARALLELISM", "").strip().lower() in ("0", "false", "no",
                                                                          "off"):
         workers = 1

@@ -101,12 +101,14 @@ def cmd_plan(args: argparse.Namespace, extra: list[str]) -> int:
     from editrain.plan.inputs import PlanInputs, load_inputs
     from editrain.plan.model import model_shape, predict
 
+    # The options first: a misspelt option (`--tar 0.9`) leaves its value to PLAN.toml,
+    # and the option, not a file named 0.9, is what to report.
+    overrides = _overrides(extra)
     check_path("plan --out", args.out, "out_dir")  # every path before any work
     if args.config is not None:
         check_path("plan: PLAN.toml", args.config, "in_file")
     for d in args.calibrate or ():
         check_path("plan --calibrate", d, "in_dir")
-    overrides = _overrides(extra)
     out_dir = Path(args.out)
     record: dict[str, Any] = {}
     if args.calibrate:

@@ -1,0 +1,245 @@
+"""Hostile command lines: an argument that is accepted but means something other than what
+the user wrote is refused by name, exit status 2, before any work and with nothing written.
+
+The members of that class found by a sweep of every command (:mod:`editrain.argv` states
+the rules): an option abbreviated to a prefix (argparse's default read ``--conf`` as
+``--config`` and ``plan --tar`` as ``--target``), a command that ignored its arguments
+(``editrain options --bogus``), a misspelt bench option that made the results directory
+before failing, a section given as a table that dropped the options given before it
+(``--train.lr=0.1 --train={steps=6}``), booleans whose spellings were read differently on
+the command line (``--quiet=1`` refused, ``--quiet=yes`` taken), and environment variables
+read loosely (``EDITRAIN_BENCH_TINY=false`` turned the tiny size on; an
+``OMP_NUM_THREADS`` that is no number was passed over for editrain's own choice). An option
+given twice keeps its last value, under every spelling and in every command (documented).
+
+The commands run in-process (:func:`editrain.cli.main`) with the work itself replaced by a
+stub that fails the test: a refused command must never reach it.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from editrain import cli
+from editrain.argv import CommandParser, env_count, env_switch
+from editrain.config import ConfigError, load_config, parse_overrides
+
+
+class _WorkStarted(Exception):
+    """Raised by the stubs standing in for a command's work."""
+
+
+def _no_work(*args, **kwargs):
+    raise _WorkStarted("the command started its work")
+
+
+@pytest.fixture
+def no_work(monkeypatch, tmp_path):
+    """Every command's work replaced by :func:`_no_work`; the working directory empty."""
+    import editrain.bench.scenario
+    import editrain.corpus
+    import editrain.hf_checkpoint
+    import editrain.launch
+    import editrain.sample
+
+    for module, name in [(editrain.launch, "run_local"), (editrain.launch, "run_under_torchrun"),
+                         (editrain.corpus, "prepare_data"), (editrain.bench.scenario, "execute"),
+                         (editrain.hf_checkpoint, "export_checkpoint"),
+                         (editrain.sample, "load_for_sampling")]:
+        monkeypatch.setattr(module, name, _no_work)
+    for name in ("RANK", "WORLD_SIZE", "TORCHELASTIC_RUN_ID", "EDITRAIN_BENCH_TINY"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "ckpt").mkdir()
+    (tmp_path / "plan.toml").write_text(
+        '[cluster]\nnodes = 2\ngpus_per_node = 8\ninter_node_gbps = 10\n'
+        'gpu_peak_tflops = 300\nmfu = 0.4\n[model]\npreset = "1b"\n[[method]]\nname = "edit"\n')
+    return tmp_path
+
+
+def _run(argv: list[str], capsys) -> tuple[int, str]:
+    """``editrain ARGV`` in-process: its exit status and its last line of stderr."""
+    try:
+        code = cli.main(argv)
+    except SystemExit as e:  # argparse's own usage errors
+        code = e.code
+    err = capsys.readouterr().err.strip().splitlines()
+    return code, err[-1] if err else ""
+
+
+REFUSED = [
+    # an option abbreviated to a prefix: argparse took it for the option it starts
+    (["train", "--conf", "plan.toml"], "unknown option 'conf'"),
+    (["data", "--jso"], "--jso: unknown option"),
+    (["export", "ckpt", "out", "--rep", "2"], "export: unexpected argument(s) --rep 2"),
+    (["export", "ckpt", "out", "--max-shard=1GB"], "unexpected argument(s) --max-shard=1GB"),
+    (["sample", "ckpt", "--prompt", "a", "--max-new", "5"],
+     "sample: unexpected argument(s) --max-new 5"),
+    (["bench", "default", "--qui"], "--qui: unknown option"),
+    (["plan", "plan.toml", "--tar", "0.9"], "plan: unexpected argument '--tar'"),
+    (["plan", "plan.toml", "--no-pl"], "plan: unexpected argument '--no-pl'"),
+    (["data", "--config", "plan.toml", "--js"], "--js: unknown option"),
+    # a command that took arguments it ignored
+    (["options", "--bogus"], "options: unexpected argument(s) --bogus"),
+    (["options", "train"], "options: unexpected argument(s) train"),
+    # a misspelt bench option: refused before the results directory is made
+    (["bench", "default", "--tiny", "--repe", "2", "--out", "res"], "unknown option 'repe'"),
+    # a switch given a value
+    (["bench", "default", "--quick=0"], "argument --quick: ignored explicit argument '0'"),
+    (["bench", "default", "--tiny=0"], "bench --tiny: takes no value"),
+    (["train", "--ft=1"], "--ft: takes no value"),
+    (["train", "--quiet=on"], "quiet: expected true or false, got 'on'"),
+]
+
+
+@pytest.mark.parametrize("argv,message", REFUSED, ids=[" ".join(a) for a, _ in REFUSED])
+def test_a_command_line_that_would_mean_something_else_is_refused_by_name(
+        argv, message, no_work, capsys):
+    code, line = _run(argv, capsys)
+    assert code == 2, line
+    assert message in line
+    assert sorted(p.name for p in no_work.iterdir()) == ["ckpt", "plan.toml"]  # nothing written
+
+
+@pytest.mark.parametrize("text,value", [
+    ("--quiet=1", True), ("--quiet=0", False), ("--quiet=yes", True), ("--quiet=no", False),
+    ("--quiet=true", True), ("--quiet=False", False), ("--quiet", True),
+])
+def test_a_boolean_option_reads_its_spellings_alike(text, value):
+    """``--quiet=1`` was a TOML number, which no boolean takes, while ``--quiet=yes`` was
+    a word the configuration reads as true: every spelling the configuration reads is read
+    the same on the command line."""
+    assert load_config(None, parse_overrides([text])[0]).quiet is value
+
+
+def test_the_command_parser_refuses_prefixes(capsys):
+    parser = CommandParser(prog="p")
+    parser.add_argument("--rate")
+    sub = parser.add_subparsers(dest="command")
+    sub.add_parser("run").add_argument("--steps")
+    assert parser.parse_args(["--rate", "1"]).rate == "1"
+    for argv in (["--rat", "1"], ["run", "--ste", "1"]):
+        with pytest.raises(SystemExit) as e:
+            parser.parse_args(argv)
+        assert e.value.code == 2
+    assert "unrecognized arguments: --ste 1" in capsys.readouterr().err
+
+
+LAST_WINS = [
+    (["--steps", "5", "--steps", "6"], lambda c: c.train.steps, 6),
+    (["--steps", "5", "--train.steps=6"], lambda c: c.train.steps, 6),
+    (["--train.steps=6", "--steps", "5"], lambda c: c.train.steps, 5),
+    (["--quiet", "--quiet=false"], lambda c: c.quiet, False),
+    (["--ft", "--dist.fault_tolerance=none"], lambda c: c.dist.fault_tolerance, "none"),
+    # a section given as a table keeps the options given before it (it dropped them)
+    (["--train.lr=0.1", "--train={steps=6}"], lambda c: (c.train.lr, c.train.steps), (0.1, 6)),
+    (["--train={steps=6, lr=0.2}", "--train.lr=0.1"], lambda c: (c.train.lr, c.train.steps),
+     (0.1, 6)),
+    (["--sync.gta.reducer=gta", "--sync={gta={density=0.5}}"],
+     lambda c: (c.sync.gta.reducer, c.sync.gta.density), ("gta", 0.5)),
+    # a table given to an option that holds one replaces it, as any option's value does
+    (["--sync.outer_optim_kwargs={momentum=0.8}", "--sync.outer_optim_kwargs={lr=0.5}"],
+     lambda c: c.sync.outer_optim_kwargs, {"lr": 0.5}),
+]
+
+
+@pytest.mark.parametrize("argv,get,value", LAST_WINS, ids=[" ".join(a) for a, _, _ in LAST_WINS])
+def test_an_option_given_twice_keeps_its_last_value(argv, get, value):
+    assert get(load_config(None, parse_overrides(argv)[0])) == value
+
+
+def test_every_command_keeps_the_last_value_of_an_option_given_twice(no_work, capsys,
+                                                                     monkeypatch):
+    """argparse's options, bench flags and plan fields follow the same rule as training
+    options."""
+    from editrain.bench.options import split_extra
+    from editrain.plan.cli import _overrides
+
+    parser = cli.build_parser()
+    args, _ = parser.parse_known_args(["export", "a", "b", "--dtype", "float16", "--dtype",
+                                       "bfloat16"])
+    assert args.dtype == "bfloat16"
+    flags, overrides = split_extra(["--repeats", "2", "--repeats", "3", "--steps", "5",
+                                    "--train.steps", "6"])
+    assert flags == {"repeats": 3} and overrides == {"train": {"steps": 6}}
+    assert _overrides(["--cluster.nodes=2", "--cluster.nodes", "3"]) == {"cluster": {"nodes": 3}}
+
+
+def test_real_link_refuses_an_abbreviated_option(tmp_path, capsys):
+    """``--repe 1`` was read as ``--repeats 1``."""
+    from editrain.bench import real_link
+
+    with pytest.raises(SystemExit) as e:
+        real_link.main([str(tmp_path), "--rate", "1Gbit", "--repe", "1", "--settings", "x"])
+    assert e.value.code == 2
+    assert "required: --repeats" in capsys.readouterr().err  # --repe is not --repeats
+
+
+@pytest.mark.parametrize("text,mode", [("", "full"), ("0", "full"), ("false", "full"),
+                                       ("no", "full"), ("off", "full"), ("1", "tiny"),
+                                       ("true", "tiny"), ("YES", "tiny")])
+def test_editrain_bench_tiny_reads_false_as_false(text, mode, no_work, monkeypatch, capsys):
+    """``EDITRAIN_BENCH_TINY=false`` turned the tiny size on (any text but 0 did)."""
+    import editrain.bench.scenario
+
+    sizes = []
+    monkeypatch.setattr(editrain.bench.scenario, "execute",
+                        lambda scenario, bench: sizes.append(bench.mode) or {})
+    monkeypatch.setenv("EDITRAIN_BENCH_TINY", text)
+    assert _run(["bench", "default", "--out", "res"], capsys)[0] == 0
+    assert sizes == [mode]
+    assert env_switch("EDITRAIN_BENCH_TINY") is (mode == "tiny")
+
+
+def test_editrain_bench_tiny_junk_is_refused_before_the_bench_starts(no_work, monkeypatch,
+                                                                      capsys):
+    monkeypatch.setenv("EDITRAIN_BENCH_TINY", "maybe")
+    code, line = _run(["bench", "default", "--out", "res"], capsys)
+    assert code == 2 and "EDITRAIN_BENCH_TINY='maybe': expected 1 or 0" in line
+    assert not (no_work / "res").exists()
+
+
+@pytest.mark.parametrize("text", ["junk", "0", "-2", "1.5", "99999999999999999999", "٣"])
+def test_omp_num_threads_that_is_no_thread_count_is_refused_by_name(text, monkeypatch):
+    """Such a value was passed over for editrain's own thread count without a word."""
+    from editrain.spawn import worker_threads
+
+    monkeypatch.setenv("OMP_NUM_THREADS", text)
+    with pytest.raises(ConfigError, match="^OMP_NUM_THREADS=.*expected a whole number"):
+        worker_threads(load_config(None, {}), local_world=2)
+
+
+@pytest.mark.parametrize("text,threads", [("3", 3), (" 3 ", 3), ("4,2", 4)])
+def test_omp_num_threads_the_user_set_wins(text, threads, monkeypatch):
+    from editrain.spawn import worker_threads
+
+    monkeypatch.setenv("OMP_NUM_THREADS", text)
+    assert worker_threads(load_config(None, {}), local_world=2) == threads
+
+
+def test_an_empty_omp_num_threads_is_not_set(monkeypatch):
+    from editrain.spawn import worker_threads
+
+    monkeypatch.setenv("OMP_NUM_THREADS", "")
+    assert worker_threads(load_config(None, {}), local_world=1) >= 1
+
+
+def test_rayon_num_threads_junk_is_refused_by_name(monkeypatch):
+    from editrain.data.encode_pool import pool_workers
+
+    monkeypatch.setenv("RAYON_NUM_THREADS", "many")
+    with pytest.raises(ConfigError, match="^RAYON_NUM_THREADS='many'"):
+        pool_workers(cpus=4)
+    monkeypatch.setenv("RAYON_NUM_THREADS", "2")
+    assert pool_workers(cpus=4) == 2
+    assert env_count("RAYON_NUM_THREADS", "") is None
+
+
+@pytest.mark.parametrize("text", ["inf", "1e400", "nan", "5e6,", "0"])
+def test_bench_data_sizes_that_are_no_sizes_are_refused_by_name(text, monkeypatch):
+    """``inf`` ended in an OverflowError traceback."""
+    from editrain.bench.data import SIZES_ENV, corpus_sizes
+
+    monkeypatch.setenv(SIZES_ENV, text)
+    with pytest.raises(ValueError, match=f"^{SIZES_ENV}: comma-separated positive"):
+        corpus_sizes("tiny")
