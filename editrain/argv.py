@@ -78,4 +78,27 @@ def env_count(name: str, text: str | None = None) -> int | None:
     return int(text)
 
 
-__all__ = ["LARGEST_COUNT", "SWITCH_WORDS", "CommandParser", "env_count", "env_switch"]
+def env_int(name: str, default: int | None = None, minimum: int = 0) -> int:
+    """The whole number the environment variable ``name`` holds: a launcher's (torchrun's
+    ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_PORT``, ``TORCHELASTIC_RESTART_COUNT``,
+    editrain's own ``EDITRAIN_FT_*``), or ``default`` when it is unset or empty.
+
+    Raises:
+        ConfigError: naming the variable, for anything but a whole number from ``minimum``
+            to :data:`LARGEST_COUNT` (a bare ``int()`` said only "invalid literal"), or for
+            an unset variable without a default.
+    """
+    text = os.environ.get(name, "").strip()
+    if not text:
+        if default is None:
+            raise ConfigError(f"{name} is not set; the launcher (torchrun, editrain train) "
+                              f"sets it")
+        return default
+    if not (text.isascii() and text.isdigit() and minimum <= int(text) <= LARGEST_COUNT):
+        raise ConfigError(f"{name}={text[:40]!r}: expected a whole number from {minimum} to "
+                          f"{LARGEST_COUNT}")
+    return int(text)
+
+
+__all__ = ["LARGEST_COUNT", "SWITCH_WORDS", "CommandParser", "env_count", "env_int",
+           "env_switch"]

@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from editrain.argv import env_int
 from editrain.config import Config, ConfigError
 from editrain.sync.ft import LIGHTHOUSE_ENV, REPLICA_ENV
 
@@ -44,7 +45,7 @@ def ft_identity(cfg: Config, group_size: int) -> tuple[int, int]:
             raise ConfigError(f"dist.ft_replica_id: not set and ${REPLICA_ENV} is not in the "
                               f"environment; `editrain train --ft` sets it, under torchrun "
                               f"pass --dist.ft_replica_id")
-        replica = int(os.environ[REPLICA_ENV])
+        replica = env_int(REPLICA_ENV)
     if not 0 <= replica < replicas:
         raise ConfigError(f"dist.ft_replica_id: must be in 0..{replicas - 1} "
                           f"(dist.ft_replicas={replicas}), got {replica}")

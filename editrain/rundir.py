@@ -52,6 +52,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from editrain.argv import env_int
 from editrain.errors import CheckpointError, RunDirError
 from editrain.safe_io import (
     Int,
@@ -931,7 +932,7 @@ def logs_dir(cfg: Any, run_dir: str | Path) -> Path:
 
         replica = cfg.dist.ft_replica_id
         if replica < 0 and os.environ.get(REPLICA_ENV, "").isdigit():
-            replica = int(os.environ[REPLICA_ENV])
+            replica = env_int(REPLICA_ENV)
         if replica >= 0:
             base = base / f"replica{replica}"
     return base / LOGS

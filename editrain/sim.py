@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
 
+from editrain.argv import env_int
 from editrain.safe_io import make_dir, open_write
 
 _UNITS = {
@@ -385,11 +386,11 @@ def first_attempt(rejoined: bool | None) -> bool:
     such a node failed again at the same step, on every restart. Not told (None: the
     local launcher's restarts, torchrun without its store), the count decides.
     """
-    if int(os.environ.get("EDITRAIN_FT_ATTEMPT", "0")) > 0:
+    if env_int("EDITRAIN_FT_ATTEMPT", 0) > 0:
         return False
     if rejoined is not None:
         return not rejoined
-    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) == 0
+    return env_int("TORCHELASTIC_RESTART_COUNT", 0) == 0
 
 
 class Simulation:

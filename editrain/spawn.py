@@ -34,6 +34,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+from editrain.argv import env_int
+
 LOOPBACK = "127.0.0.1"
 
 USER_ERRORS = frozenset({"ConfigError", "RunDirError", "CheckpointError", "FileNotFoundError",
@@ -603,7 +605,7 @@ def worker_threads(cfg: Any, local_world: int | None = None) -> int:
     if omp is not None:
         return omp
     if local_world is None:
-        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        local_world = env_int("LOCAL_WORLD_SIZE", 1, minimum=1)
     return max(1, (os.cpu_count() or 1) // local_world)
 
 

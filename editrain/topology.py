@@ -25,6 +25,7 @@ from datetime import timedelta
 from typing import TYPE_CHECKING
 
 from editrain import malloc
+from editrain.argv import env_int
 from editrain.errors import plain_scalar
 
 if TYPE_CHECKING:  # torch is imported where a mesh is built: the launcher checks the
@@ -267,9 +268,9 @@ def _attempt_store(timeout: timedelta) -> dist.Store | None:
 
     if not uses_agent_store():
         return None
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], env_int("MASTER_PORT", minimum=1),
                           is_master=False, timeout=timeout)
-    attempt = attempt_id(store, int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]),
+    attempt = attempt_id(store, env_int("RANK"), env_int("WORLD_SIZE", minimum=1),
                          timeout)
     return dist.PrefixStore(f"editrain/attempt_{attempt}", store)
 
@@ -344,7 +345,7 @@ def _check_sizes_before_group(shard_size: int, tp_size: int, pp_size: int) -> No
         world = dist.get_world_size()
     else:
         try:
-            world = int(os.environ["WORLD_SIZE"])
+            world = env_int("WORLD_SIZE", minimum=1)
         except (KeyError, ValueError):
             return  # init_process_group reports a missing or malformed WORLD_SIZE itself
     Topology(world, shard_size, tp_size, pp_size)
@@ -368,14 +369,14 @@ def init_default_group(backend: str | None = None, device_type: str | None = Non
         timeout = timedelta(seconds=timeout_s)
         store = _attempt_store(timeout)
         extra = {} if store is None else {
-            "store": store, "rank": int(os.environ["RANK"]),
-            "world_size": int(os.environ["WORLD_SIZE"])}
+            "store": store, "rank": env_int("RANK"),
+            "world_size": env_int("WORLD_SIZE", minimum=1)}
         dist.init_process_group(backend=backend or default_backend(device_type),
                                 timeout=timeout, **extra)
     if device_type != "cuda":
         return torch.device(device_type)
     rank = dist.get_rank()
-    local_rank = int(os.environ.get("LOCAL_RANK", rank % max(1, torch.cuda.device_count())))
+    local_rank = env_int("LOCAL_RANK", rank % max(1, torch.cuda.device_count()))
     torch.cuda.set_device(local_rank)
     return torch.device("cuda", local_rank)
 

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from editrain.argv import env_int
 from editrain.batches import RankData
 from editrain.build import build_engine, build_model, materialise, shard_model
 from editrain.checkpoint import (
@@ -92,7 +93,7 @@ class Trainer:
         self.cfg, t = cfg, cfg.train
         self.run_dir = Path(run_dir)
         self.rejoined = rejoined
-        validate_world(cfg, int(os.environ.get("WORLD_SIZE", "1")))
+        validate_world(cfg, env_int("WORLD_SIZE", 1, minimum=1))
         plan = parse_sim(cfg.sim)
         self.info = info = init_distributed(cfg, self.run_dir)  # every rank agreeing
         # The fault-tolerant mode: this job is one replica group of several (its world is
@@ -509,7 +510,7 @@ class Trainer:
         node's failure the other nodes' counts stay as they were, so some ranks resumed
         the run's checkpoint while others started over: their collectives no longer
         matched, and the job hung until the process group's timeout."""
-        if self.ft and int(os.environ.get(ATTEMPT_ENV, "0")) > 0:
+        if self.ft and env_int(ATTEMPT_ENV, 0) > 0:
             return None
         restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
         goes_on = int(restart) > 0 if self.rejoined is None else self.rejoined
@@ -709,7 +710,7 @@ class Trainer:
         model, outer and inner optimizer state, step and data position from a peer)."""
         # A group the launcher restarted rejoins a running job (one peer to heal from is
         # enough); any other start, a resume included, waits for every replica group.
-        rejoining = int(os.environ.get(ATTEMPT_ENV, "0")) > 0
+        rejoining = env_int(ATTEMPT_ENV, 0) > 0
         self.engine.join(start_quorum=min(2, self.replicas) if rejoining else None,
                          timeout_s=max(600.0, 2 * self.cfg.dist.ft_join_timeout_s))
         syncs = self.engine.pop_sync_log()
@@ -862,8 +863,8 @@ def run_worker(cfg: Config, run_dir: str | Path, data_entry: str | None = None,
     from editrain.spawn import errors_logged
 
     setup_process(cfg)
-    with errors_logged(logs_dir(cfg, run_dir), int(os.environ.get("RANK", "0")),
-                       int(os.environ.get("WORLD_SIZE", "1"))):
+    with errors_logged(logs_dir(cfg, run_dir), env_int("RANK", 0),
+                       env_int("WORLD_SIZE", 1, minimum=1)):
         trainer = Trainer(cfg, Path(run_dir), data_entry, rejoined)
         finished = False
         try:

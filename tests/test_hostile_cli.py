@@ -18,10 +18,12 @@ stub that fails the test: a refused command must never reach it.
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from editrain import cli
-from editrain.argv import CommandParser, env_count, env_switch
+from editrain.argv import CommandParser, env_count, env_int, env_switch
 from editrain.config import ConfigError, load_config, parse_overrides
 
 
@@ -243,3 +245,32 @@ def test_bench_data_sizes_that_are_no_sizes_are_refused_by_name(text, monkeypatc
     monkeypatch.setenv(SIZES_ENV, text)
     with pytest.raises(ValueError, match=f"^{SIZES_ENV}: comma-separated positive"):
         corpus_sizes("tiny")
+
+
+@pytest.mark.parametrize("name,text", [("WORLD_SIZE", "two"), ("WORLD_SIZE", "0"),
+                                       ("RANK", "-1"), ("RANK", "1.0"),
+                                       ("TORCHELASTIC_RESTART_COUNT", "x")])
+def test_a_launcher_variable_that_is_no_whole_number_is_refused_by_name(name, text,
+                                                                       monkeypatch, tmp_path):
+    """torchrun's variables reach a worker's job check: junk there (a hand-made launch, a
+    wrapper script's typo) said only "invalid literal for int() with base 10"."""
+    from editrain.launch.job import check_torchrun
+
+    for var, value in (("WORLD_SIZE", "1"), ("RANK", "0"), ("TORCHELASTIC_RESTART_COUNT", "0"),
+                       (name, text)):
+        monkeypatch.setenv(var, value)
+    cfg = load_config(None, {"run_dir": str(tmp_path / "run"),
+                             "dist": {"nproc": 1, "shard_size": 1}})
+    with pytest.raises(ConfigError, match=rf"^{name}='{re.escape(text)}': expected a whole "
+                                          rf"number from"):
+        check_torchrun(cfg)
+
+
+def test_an_unset_launcher_variable_without_a_default_says_who_sets_it(monkeypatch):
+    monkeypatch.delenv("MASTER_PORT", raising=False)
+    with pytest.raises(ConfigError, match="MASTER_PORT is not set; the launcher"):
+        env_int("MASTER_PORT", minimum=1)
+    monkeypatch.setenv("MASTER_PORT", " 29500 ")
+    assert env_int("MASTER_PORT", minimum=1) == 29500
+    monkeypatch.setenv("RANK", "")
+    assert env_int("RANK", 0) == 0

@@ -17,11 +17,11 @@ a Hugging Face config) imports it inside, where it runs.
 from __future__ import annotations
 
 import importlib.util
-import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from editrain.argv import env_int
 from editrain.config.model import (
     heads,
     hf_option,
@@ -174,7 +174,7 @@ def check_dist(d: DistSection) -> None:
                                           ("comm_backend", d.comm_backend))
              if v in ("nccl", "cuda")]
     if needs:
-        local = int(os.environ.get("LOCAL_WORLD_SIZE", d.nproc))
+        local = env_int("LOCAL_WORLD_SIZE", d.nproc, minimum=1)
         have = cuda_device_count()
         require(have >= local, needs[0],
                 f"needs CUDA with one device per local process ({local}), but this machine "
@@ -484,7 +484,7 @@ def validate_world(cfg: Config, world_size: int) -> None:
     with as_config_error():  # the mesh's own rank arithmetic says what divides what
         topo = Topology(world_size, d.shard_size, d.tp_size, d.pp_size)
     # A model too large for this machine's memory, before a worker spends minutes on it.
-    check_fits(cfg, min(world_size, int(os.environ.get("LOCAL_WORLD_SIZE", world_size))))
+    check_fits(cfg, min(world_size, env_int("LOCAL_WORLD_SIZE", world_size, minimum=1)))
     # Replica indices in sim.* must exist (checked here, before any worker starts).
     replicas = topo.num_replicas
     if d.fault_tolerance == "torchft" and d.ft_replicas:

@@ -17,6 +17,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from editrain import rundir
+from editrain.argv import env_int
 from editrain.config import Config, validate_world
 from editrain.errors import ConfigError
 from editrain.spawn import worker_threads
@@ -117,8 +118,8 @@ def check_torchrun(cfg: Config, started_at: float | None = None) -> Job:
     run_id = os.environ.get("TORCHELASTIC_RUN_ID", "torchrun")
     run_dir = choose_run_dir(cfg, lambda: Path("runs") / run_id)
     cfg = dataclasses.replace(cfg, run_dir=str(run_dir))
-    world = int(os.environ["WORLD_SIZE"])
+    world = env_int("WORLD_SIZE", minimum=1)
     validate_world(cfg, world)
-    return Job(cfg, run_dir, world, rank=int(os.environ.get("RANK", "0")),
-               restart=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
+    return Job(cfg, run_dir, world, rank=env_int("RANK", 0),
+               restart=env_int("TORCHELASTIC_RESTART_COUNT", 0),
                under_torchrun=True, started_at=started_at)

@@ -35,6 +35,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import AllgatherOptions
 
+from editrain.argv import env_int
+
 log = logging.getLogger("editrain")
 
 LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"
@@ -155,7 +157,7 @@ class TorchftGroup:
             heartbeat_interval=timedelta(seconds=heartbeat_interval_s),
             rank=group_rank, world_size=group_size,
             store_addr=store_addr or os.environ["MASTER_ADDR"],
-            store_port=store_port or int(os.environ["MASTER_PORT"]),
+            store_port=store_port or env_int("MASTER_PORT", minimum=1),
             lighthouse_addr=lighthouse or os.environ.get(LIGHTHOUSE_ENV),
             replica_id=f"editrain_replica_{replica}",
             # Replicas start from one seed (the engine compares checksums at the start);
