@@ -8,6 +8,7 @@ any model is built. Nothing here trains: validation only.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import shutil
@@ -154,14 +155,16 @@ def test_rope_parameters_that_are_no_object_are_refused(dirs, tmp_path, text):
 
 def test_fractions_and_nulls_that_transformers_reads_are_kept(dirs, tmp_path):
     """What is accepted, on purpose: a real number may be any positive finite one (2.5 as
-    an epsilon is odd, not malformed), ``null`` is the field not given (a Llama's
-    ``num_key_value_heads`` is then its ``num_attention_heads``, ``head_dim`` the width by
-    the heads, as transformers reads them)."""
+    an epsilon is odd, not malformed), ``null`` is the field not given where the class
+    types it as optional (a Llama's ``head_dim`` is then the width by the heads, as
+    transformers reads it; a null ``initializer_range`` is no default, LlamaConfig refuses
+    it: test_a_null_the_config_class_requires_is_refused_by_name)."""
     from editrain.config.model import model_config
 
     d = _with(dirs["llama"], tmp_path / "m", "config.json", "rms_norm_eps", "2.5")
     data = json.loads((d / "config.json").read_text())
-    data.update(head_dim=None, initializer_range=None)
+    data.update(head_dim=None)
+    del data["initializer_range"]  # absent: the default
     (d / "config.json").write_text(json.dumps(data))
     mcfg = model_config(load_config(overrides={"model": {"init_from": str(d)}}))
     assert (mcfg.norm_eps, mcfg.init_std, mcfg.n_layers) == (2.5, 0.02, 2)
@@ -271,11 +274,16 @@ NULL_CASES = [
                                                    "hidden_size", "max_position_embeddings")],
     ("llama", "init_from", "num_hidden_layers"),  # editrain's own Llama reads the file
     ("llama", "init_from", "vocab_size"),
+    # ... and read these nulls as its own defaults, where transformers refuses them
+    *[("llama", "init_from", field) for field in ("max_position_embeddings", "rms_norm_eps",
+                                                  "initializer_range", "tie_word_embeddings",
+                                                  "is_causal", "use_cache")],
 ]
 NULL_ALLOWED = {"num_hidden_layers": f"an integer from 1 to {HF_LAYERS_MAX:,}",
                 "initializer_range": "a positive finite number",
                 "rms_norm_eps": "a positive finite number",
-                "tie_word_embeddings": "true or false"}
+                "tie_word_embeddings": "true or false", "is_causal": "true or false",
+                "use_cache": "true or false"}
 
 
 @pytest.mark.parametrize(("arch", "option", "field"), NULL_CASES,
@@ -319,3 +327,153 @@ def test_what_each_config_class_requires_is_read_from_the_class():
     assert gemma[1]["head_dim"] == "an integer"  # optional for a Llama, not for a Gemma
     assert gpt2[1]["n_embd"] == gpt2[1]["hidden_size"] == "an integer"  # attribute_map
     assert required_fields("no-such-model") is None
+
+
+# ------------------------------------------------- nulls in keys the config class does not declare
+FAMILY_SHAPES = {
+    **{family: dict(SHAPE, **extra) for family, extra in [
+        ("llama", {}), ("mistral", {}), ("mixtral", {}), ("qwen2", {}), ("qwen2_moe", {}),
+        ("qwen3", {"head_dim": 8}), ("gemma", {"head_dim": 8}), ("gemma2", {"head_dim": 8}),
+        ("phi", {}), ("phi3", {"pad_token_id": 0}), ("stablelm", {}), ("starcoder2", {}),
+        ("olmo2", {}), ("granite", {})]},
+    "gpt2": dict(vocab_size=320, n_embd=32, n_layer=2, n_head=4, n_positions=64),
+    "gptj": dict(vocab_size=320, n_embd=32, n_layer=2, n_head=4, n_positions=64, rotary_dim=4),
+    "falcon": dict(vocab_size=320, hidden_size=32, num_hidden_layers=2, num_attention_heads=4),
+    "bloom": dict(vocab_size=320, hidden_size=32, n_layer=2, n_head=4),
+    "opt": dict(vocab_size=320, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                ffn_dim=64, word_embed_proj_dim=32, max_position_embeddings=64),
+    "gpt_neox": dict(vocab_size=320, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                     intermediate_size=64, max_position_embeddings=64),
+    "mpt": dict(vocab_size=320, d_model=32, n_layers=2, n_heads=4, max_seq_len=64),
+}
+"""A tiny model of each architecture family that trains in editrain (each layout of
+:data:`editrain.units.BLOCK_PATHS`; the Llama-like ones by their most used variants)."""
+# (family, key) whose null transformers 5.24's modeling code reads past its default: a
+# plain ``getattr(config, key, default)`` (head_dim, is_causal) or a RoPE entry taken from
+# the key when rope_parameters does not give it (``None ** x``); is_causal is read by
+# every family's mask (masking_utils: ``not getattr(config, "is_causal", True)``).
+NULL_BREAKS = [
+    *[(family, "is_causal") for family in FAMILY_SHAPES],
+    *[(family, "head_dim") for family in ("falcon", "granite", "olmo2", "phi", "phi3",
+                                          "qwen2", "qwen2_moe")],
+    *[(family, "rope_theta") for family in ("falcon", "gemma", "gemma2", "granite", "llama",
+                                            "mistral", "mixtral", "olmo2", "phi", "phi3",
+                                            "qwen2", "qwen2_moe", "qwen3", "stablelm",
+                                            "starcoder2")],
+    *[(family, "partial_rotary_factor") for family in ("phi", "phi3", "stablelm")],
+    ("gpt_neox", "rotary_pct"), ("gpt_neox", "rotary_emb_base"),
+]
+# (family, key) whose null transformers reads as the default (``getattr(config, key, None)
+# or ...``), or never reads: kept, like an absent key.
+NULL_KEPT = [
+    *[(family, "head_dim") for family in ("gpt2", "gptj", "bloom", "opt", "gpt_neox", "mpt",
+                                          "starcoder2", "stablelm")],
+    ("qwen2", "attention_bias"), ("qwen2", "mlp_bias"), ("qwen2", "pretraining_tp"),
+    ("qwen2", "layer_norm_eps"), ("llama", "layer_norm_eps"), ("gpt2", "attention_bias"),
+    ("llama", "partial_rotary_factor"), ("qwen2", "partial_rotary_factor"),
+    ("gpt_neox", "rope_theta"), ("gpt2", "rope_theta"),
+]
+ROPE_ENTRY = {"rope_theta": "rope_theta", "partial_rotary_factor": "partial_rotary_factor",
+              "rotary_emb_base": "rope_theta", "rotary_pct": "partial_rotary_factor"}
+"""The keys a RoPE entry is taken from when ``rope_parameters`` does not give it."""
+NULL_BREAKS_ALLOWED = {"is_causal": "true or false", "rope_theta": "a positive finite number",
+                       "head_dim": f"an integer from 1 to {HF_COUNT_MAX:,}"}
+
+
+def _family_config(tmp_path: Path, family: str, key: str, rope_parameters: bool) -> Path:
+    """A ``config.json`` of ``family`` (written by transformers) with ``key`` null, with
+    or without ``rope_parameters`` (a transformers 4 file has none: ``rope_theta`` and
+    ``partial_rotary_factor`` are top-level keys there)."""
+    config = transformers.AutoConfig.for_model(family, **FAMILY_SHAPES[family])
+    data = json.loads(config.to_json_string())
+    if not rope_parameters:
+        data.pop("rope_parameters", None)
+    data[key] = None
+    path = tmp_path / f"{family}.json"
+    path.write_text(json.dumps(data))
+    return path
+
+
+@pytest.mark.parametrize(("family", "key"), NULL_BREAKS, ids=["-".join(c) for c in NULL_BREAKS])
+def test_a_null_transformers_reads_past_its_default_is_refused_by_name(tmp_path, family, key):
+    """A key the config class does not declare is kept as an attribute, null included, and
+    a null one defeats the default of the modeling code's ``getattr(config, key, default)``:
+    a Qwen2's ``head_dim: null`` ended in transformers' own "unsupported operand type(s)
+    for ** or pow(): 'NoneType' and 'float'", a null ``is_causal`` silently made every
+    family's attention see the future. Now refused like a null the class refuses."""
+    config = _family_config(tmp_path, family, key, rope_parameters=key not in ROPE_ENTRY)
+    owner = type(transformers.AutoConfig.for_model(family)).__name__
+    allowed = NULL_BREAKS_ALLOWED.get(key, "a number")
+    _refused({"hf_config": str(config)}, tmp_path,
+             f"^model.hf_config: {re.escape(str(config))}: {key} is null, which {owner} does "
+             f"not take; expected {re.escape(allowed)}$")
+
+
+@pytest.mark.parametrize(("family", "key"), [
+    *NULL_KEPT, *[(family, key) for family, key in NULL_BREAKS if key in ROPE_ENTRY]])
+def test_a_null_transformers_reads_as_its_default_is_kept(tmp_path, family, key):
+    """A null the modeling code reads as its default (``getattr(config, "head_dim", None)
+    or ...``), never reads, or a RoPE key's null where ``rope_parameters`` gives the entry."""
+    _validate({"hf_config": str(_family_config(tmp_path, family, key, rope_parameters=True))},
+              tmp_path)
+
+
+def test_the_nulls_refused_are_those_transformers_reads_past_its_default():
+    """The table of :data:`editrain.models.hf_fields.NULL_READ_PAST_DEFAULT` is
+    transformers' own behaviour: a tiny model of each family, built with the key null
+    and without it, fails or computes other logits (a padded batch: is_causal) exactly
+    where the table says."""
+    import torch
+
+    from editrain.models.hf_fields import nulls_read_past_default
+
+    transformers.logging.set_verbosity_error()
+    ids = torch.arange(8).unsqueeze(0)
+    mask = torch.ones_like(ids)
+    mask[0, 0] = 0
+
+    def logits(family: str, **extra) -> torch.Tensor:
+        config = transformers.AutoConfig.for_model(family, **FAMILY_SHAPES[family], **extra)
+        torch.manual_seed(0)
+        model = transformers.AutoModelForCausalLM.from_config(config)
+        return model(ids, attention_mask=mask).logits[0, 1:]
+
+    keys = sorted({key for _, key in NULL_BREAKS + NULL_KEPT})
+    for family in FAMILY_SHAPES:
+        expected = logits(family)
+        cls = transformers.CONFIG_MAPPING[family]
+        declared = {field.name for field in dataclasses.fields(cls)} | set(cls.attribute_map)
+        for key in set(keys) - declared:  # a declared key's null: the class's own typing
+            try:
+                breaks = not torch.allclose(logits(family, **{key: None}), expected)
+            except Exception:  # noqa: BLE001 - transformers' own refusal, of any kind
+                breaks = True
+            refused = key in nulls_read_past_default({"model_type": family, key: None})
+            assert refused == breaks, (family, key, breaks)
+
+
+def test_editrains_llama_reads_a_rope_theta_null_as_transformers_does(dirs, tmp_path):
+    """A Llama's RoPE base is ``rope_parameters.rope_theta``, else the top-level
+    ``rope_theta`` (a transformers 4 file): a null one there is ``None ** x`` in
+    transformers, not the default 10000 editrain's own reader took; kept where
+    ``rope_parameters`` gives it."""
+    from editrain.config.model import model_config
+
+    d = _with(dirs["llama"], tmp_path / "kept", "config.json", "rope_theta", "null")
+    mcfg = model_config(load_config(overrides={"model": {"init_from": str(d)}}))
+    assert mcfg.rope_theta == 10000.0
+    d = _with(dirs["llama"], tmp_path / "m", "config.json", "rope_parameters", "null")
+    data = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps({**data, "rope_theta": None}))
+    _refused({"init_from": str(d)}, tmp_path,
+             f"^model.init_from: {re.escape(str(d / 'config.json'))}: rope_theta is null, "
+             "which LlamaConfig does not take; expected a positive finite number$")
+
+
+def test_editrains_llama_refuses_the_nulls_llamaconfig_refuses():
+    """editrain's own Llama reader works without transformers, from its own list of the
+    fields LlamaConfig requires: the list is the class's."""
+    from editrain.models.hf import required_fields
+    from editrain.models.hf_llama import LLAMA_REQUIRED
+
+    assert LLAMA_REQUIRED == required_fields("llama")[1]

@@ -19,7 +19,7 @@ import torch
 from torch import Tensor, nn
 
 from editrain.models.hf_dir import check_hf_numbers, hf_key
-from editrain.models.hf_fields import check_hf_nulls
+from editrain.models.hf_fields import check_hf_nulls, nulls_read_past_default
 from editrain.safe_io import read_json_value
 from editrain.units import BLOCK_PATHS, find_blocks
 
@@ -129,7 +129,10 @@ def _number_without_null(annotation: Any) -> str | None:
 def check_required_fields(data: dict[str, Any], where: str) -> None:
     """Refuse a ``null`` where the file's transformers config class requires a number or a
     flag (:func:`~editrain.models.hf_fields.check_hf_nulls`, the fields of
-    :func:`required_fields`), before transformers builds anything from it.
+    :func:`required_fields`), or where its modeling code reads a key the class does not
+    declare past its default (:func:`~editrain.models.hf_fields.nulls_read_past_default`:
+    a Qwen2's ``head_dim``, every family's ``is_causal``), before transformers builds
+    anything from it.
 
     Args:
         data: the ``config.json``'s contents (with its ``model_type``).
@@ -140,7 +143,8 @@ def check_required_fields(data: dict[str, Any], where: str) -> None:
     """
     found = required_fields(data["model_type"])
     if found is not None:
-        check_hf_nulls(data, where, found[1], found[0])
+        owner, required = found
+        check_hf_nulls(data, where, {**required, **nulls_read_past_default(data)}, owner)
 
 
 def check_hf_config(path: str | Path, seq_len: int | None = None,

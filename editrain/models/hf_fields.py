@@ -15,13 +15,14 @@ data`` checks a configuration without importing it.
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, NamedTuple
 
 from editrain.safe_io import quote
 
 __all__ = ["HF_COUNT_MAX", "HF_FLAG_KEYS", "HF_KEYS", "HF_LAYERS_MAX", "HF_POSITIVE_KEYS",
-           "check_hf_nulls", "check_hf_numbers", "hf_count", "hf_flag", "hf_int", "hf_key", "hf_object",
-           "hf_positive"]
+           "NULL_READ_PAST_DEFAULT", "NullReadPastDefault", "check_hf_nulls", "check_hf_numbers",
+           "hf_count", "hf_flag", "hf_int", "hf_key", "hf_object", "hf_positive",
+           "nulls_read_past_default"]
 
 HF_KEYS = {"layers": ("num_hidden_layers", "n_layer", "num_layers", "n_layers"),
            "hidden": ("hidden_size", "n_embd", "d_model"),
@@ -52,6 +53,45 @@ also inside ``rope_parameters``): positive and finite, where given."""
 HF_FLAG_KEYS = ("tie_word_embeddings", "attention_bias", "mlp_bias")
 """The true/false fields editrain reads from a ``config.json``, where given."""
 _NOT_GIVEN = "or null (not given)"
+
+
+class NullReadPastDefault(NamedTuple):
+    """A key a config class does not declare, whose null transformers' modeling code reads
+    past its own default."""
+
+    allowed: str
+    """What the key holds (``"an integer"``, ``"a number"``, ``"true or false"``)."""
+    model_types: tuple[str, ...] | None
+    """The model types whose code reads it so; None: every model type."""
+    rope_entry: str | None = None
+    """The ``rope_parameters`` entry taken from the key where ``rope_parameters`` (or a
+    transformers 4 file's ``rope_scaling``) does not give it; where it does, the key is
+    never read and its null is harmless."""
+
+
+_ROPE_MODELS = ("falcon", "gemma", "gemma2", "granite", "llama", "mistral", "mixtral", "olmo2",
+                "phi", "phi3", "qwen2", "qwen2_moe", "qwen3", "stablelm", "starcoder2")
+NULL_READ_PAST_DEFAULT = {
+    "is_causal": NullReadPastDefault("true or false", None),
+    "head_dim": NullReadPastDefault("an integer", ("falcon", "granite", "olmo2", "phi", "phi3",
+                                                   "qwen2", "qwen2_moe")),
+    "rope_theta": NullReadPastDefault("a number", _ROPE_MODELS, "rope_theta"),
+    "partial_rotary_factor": NullReadPastDefault("a number", ("phi", "phi3", "stablelm"),
+                                                 "partial_rotary_factor"),
+    "rotary_pct": NullReadPastDefault("a number", ("gpt_neox",), "partial_rotary_factor"),
+    "rotary_emb_base": NullReadPastDefault("a number", ("gpt_neox",), "rope_theta"),
+}
+"""The keys (in a ``config.json``, undeclared by the model's config class, so kept as an
+attribute, null included) whose null transformers 5.24 reads past its own default, by
+model type. A key the class does not declare reaches the modeling code as an attribute:
+``getattr(config, "head_dim", None) or hidden_size // heads`` reads a None as the default,
+but ``getattr(config, "head_dim", hidden_size // heads)`` (a Qwen2's attention) returns the
+None itself, which ends in ``None ** x``; ``not getattr(config, "is_causal", True)`` (the
+mask of every family, ``masking_utils``) reads a None as "not causal", attention that sees
+the future; a RoPE base or fraction taken from the key where ``rope_parameters`` does not
+give it becomes None. A null read as the default (a GPT-2's ``head_dim``, a Llama's
+``partial_rotary_factor``, ``attention_bias`` where the class does not declare it) is kept.
+tests/test_hostile_hf_numbers.py checks the table against tiny models of each family."""
 
 
 def hf_count(data: dict[str, Any], key: str, where: str, least: int = 1,
@@ -171,6 +211,24 @@ def check_hf_nulls(data: dict[str, Any], where: str, required: dict[str, str],
         if key in data and data[key] is None:
             raise ValueError(f"{where}: {key} is null, which {owner} does not take; "
                              f"expected {_allowed(key, typed)}")
+
+
+def nulls_read_past_default(data: dict[str, Any]) -> dict[str, str]:
+    """The null keys of ``data`` (a ``config.json``'s contents, with its ``model_type``)
+    that :data:`NULL_READ_PAST_DEFAULT` says transformers reads past its default for that
+    model type, each with what it holds (the ``required`` of :func:`check_hf_nulls`)."""
+    rope = data.get("rope_scaling") or data.get("rope_parameters")  # transformers' order
+    rope = rope if isinstance(rope, dict) else {}
+    found = {}
+    for key, read in NULL_READ_PAST_DEFAULT.items():
+        if key not in data or data[key] is not None:
+            continue
+        if read.model_types is not None and data.get("model_type") not in read.model_types:
+            continue
+        if read.rope_entry is not None and rope.get(read.rope_entry) is not None:
+            continue
+        found[key] = read.allowed
+    return found
 
 
 def _allowed(key: str, typed: str) -> str:

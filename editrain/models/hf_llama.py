@@ -17,16 +17,19 @@ from typing import Any
 from editrain.models.hf_fields import (
     HF_COUNT_MAX,
     HF_LAYERS_MAX,
+    check_hf_nulls,
     hf_count,
     hf_flag,
     hf_object,
     hf_positive,
+    nulls_read_past_default,
 )
 from editrain.models.llama_config import ROPE_SCALING_KEYS, LlamaConfig, check_rope_scaling
 from editrain.safe_io import quote
 
 __all__ = [
     "LLAMA_ARCHITECTURE",
+    "LLAMA_REQUIRED",
     "from_hf_name",
     "is_llama_config",
     "llama_config_from_hf",
@@ -36,6 +39,19 @@ __all__ = [
 
 LLAMA_ARCHITECTURE = "LlamaForCausalLM"
 """The Hugging Face class whose checkpoints editrain's own Llama reads and writes."""
+_INTEGER, _NUMBER, _FLAG = "an integer", "a number", "true or false"
+LLAMA_REQUIRED = {
+    "vocab_size": _INTEGER, "hidden_size": _INTEGER, "intermediate_size": _INTEGER,
+    "num_hidden_layers": _INTEGER, "num_attention_heads": _INTEGER,
+    "max_position_embeddings": _INTEGER, "initializer_range": _NUMBER, "rms_norm_eps": _NUMBER,
+    "tie_word_embeddings": _FLAG, "attention_bias": _FLAG, "mlp_bias": _FLAG,
+    "use_cache": _FLAG, "is_encoder_decoder": _FLAG, "chunk_size_feed_forward": _INTEGER,
+}
+"""The fields transformers' ``LlamaConfig`` types as a number or a flag without None (what
+:func:`editrain.models.hf.required_fields` reads from the class; a test checks they are
+the same): editrain's own reader works without transformers, and refuses a ``null`` in
+them as the class does, so that one file means one thing to both (a null
+``max_position_embeddings`` is no default 2048 here when transformers refuses it)."""
 
 # editrain name inside a block -> Hugging Face name inside ``model.layers.<i>``.
 _BLOCK = {
@@ -116,13 +132,9 @@ def _rope_params(data: dict[str, Any], where: str) -> dict[str, Any]:
 
 
 def _required(data: dict[str, Any], key: str, where: str, most: int = HF_COUNT_MAX) -> int:
-    """A count the Llama's shape cannot do without (:func:`hf_count`): a ``null`` one is
-    refused as such, as transformers' ``LlamaConfig`` refuses it (it is no default)."""
+    """A count the Llama's shape cannot do without (:func:`hf_count`)."""
     count = hf_count(data, key, where, most=most)
-    if count is None and key in data:
-        raise ValueError(f"{where}: {key} is null, which LlamaConfig does not take; "
-                         f"expected an integer from 1 to {most:,}")
-    if count is None:
+    if count is None:  # absent: a null one is refused first (LLAMA_REQUIRED)
         raise ValueError(f"{where}: no {key} field (an integer from 1 to {most:,})")
     return count
 
@@ -135,7 +147,10 @@ def llama_config_from_hf(data: dict[str, Any], where: str = "config.json") -> Ll
     num_attention_heads``. Every number is read by the strict rules of
     :mod:`editrain.models.hf_fields` (``true`` is no layer count, ``2.5`` no width, ``"4"``
     no head count, ``1e400`` no epsilon); a field absent or ``null`` takes transformers'
-    default for a Llama (``num_key_value_heads``: ``num_attention_heads``).
+    default for a Llama (``num_key_value_heads``: ``num_attention_heads``), except where
+    ``LlamaConfig`` refuses a null (:data:`LLAMA_REQUIRED`) or reads it past its default
+    (:func:`~editrain.models.hf_fields.nulls_read_past_default`: ``is_causal``, a
+    ``rope_theta`` that ``rope_parameters`` does not give): refused as transformers would.
 
     Args:
         data: the file's contents.
@@ -147,6 +162,8 @@ def llama_config_from_hf(data: dict[str, Any], where: str = "config.json") -> Ll
     def bad(field: str, why: str) -> ValueError:
         return ValueError(f"{where}: {field} {why}; editrain's Llama cannot load it")
 
+    check_hf_nulls(data, where, {**LLAMA_REQUIRED, **nulls_read_past_default(data)},
+                   "LlamaConfig")
     act = data.get("hidden_act", "silu")
     if act != "silu":
         raise bad("hidden_act", f"is {quote(act)}, not 'silu'")
