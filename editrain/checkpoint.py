@@ -872,7 +872,8 @@ def check_compatible(marker: dict[str, Any], meta: dict[str, Any]) -> list[str]:
         meta: this run's :func:`run_meta`.
 
     Returns:
-        One line per problem, each naming the option.
+        One line per problem, each naming the option, each value spelled as the markers
+        hold it (JSON: ``null``, ``true``, ``"edit"``).
     """
     problems = []
     if marker.get("format", 1) not in READ_FORMATS:
@@ -882,7 +883,7 @@ def check_compatible(marker: dict[str, Any], meta: dict[str, Any]) -> list[str]:
     for key in ("method", "vocab_size", "num_units"):
         old, new = marker.get(key), meta.get(key)
         if old != new:
-            problems.append(f"{key}: checkpoint has {old!r}, this run has {new!r}")
+            problems.append(f"{key}: checkpoint has {quote(old)}, this run has {quote(new)}")
     for key, size_of, what in (("tp_size", _tp_size, "the tp size"),
                                ("pp_size", _pp_size, "the pipeline stages")):
         old = marker.get(key, size_of(marker.get("topology")))
@@ -904,8 +905,8 @@ def check_compatible(marker: dict[str, Any], meta: dict[str, Any]) -> list[str]:
     old_model, new_model = marker.get("model") or {}, meta.get("model") or {}
     for key in sorted(set(old_model) | set(new_model)):
         if old_model.get(key) != new_model.get(key):
-            problems.append(f"model.{key}: checkpoint has {old_model.get(key)!r}, "
-                            f"this run has {new_model.get(key)!r}")
+            problems.append(f"model.{key}: checkpoint has {quote(old_model.get(key))}, "
+                            f"this run has {quote(new_model.get(key))}")
     problems += _stream_problems(marker, meta)
     return problems
 

@@ -55,14 +55,43 @@ _WRITE_MODES = {
 
 
 def quote(value: Any, limit: int = QUOTE_CHARS) -> str:
-    """``repr(value)`` cut to ``limit`` characters (a refusal never echoes an unbounded
-    value: a 50 MB string in a file is quoted by its head and its length)."""
+    """``value`` as the JSON text that reads back as it (``true``, ``null``, ``"4"``, not
+    Python's ``True``, ``None``, ``'4'``: a refusal quotes what the file says), cut to
+    ``limit`` characters: a refusal never echoes an unbounded value (a 50 MB string in a
+    file is quoted by its head and its length, a long list by its length).
+
+    Every value this quotes was read from a JSON file (a model's ``config.json``, a
+    tokenizer's files, a checkpoint's marker, a token cache's ``meta.json``); a TOML or
+    command-line value is quoted in TOML's spelling instead
+    (:func:`editrain.config.toml_io.toml_value`, :func:`editrain.paths.shown`).
+    """
     if isinstance(value, str) and len(value) > limit:
-        return f"{value[:limit]!r}... ({len(value)} characters)"
-    if isinstance(value, (list, dict)) and len(value) > 8:
-        return f"a {'list' if isinstance(value, list) else 'object'} of {len(value)} entries"
-    text = repr(value)
+        return f"{_json_text(value[:limit])}... ({len(value)} characters)"
+    text = _json_text(value)
     return text if len(text) <= limit else text[:limit] + "..."
+
+
+_LONG = 8
+"""Most entries of a list or an object that :func:`quote` spells out."""
+
+
+def _json_text(value: Any) -> str:
+    """The JSON text of a parsed value (lists and objects of more than :data:`_LONG`
+    entries by their length). A float JSON readers made infinite (``1e400``) is spelled
+    ``1e+400``, which reads back as it; NaN, which no JSON number is, as ``NaN`` (what
+    Python's reader takes); what no JSON file holds (a caller's own object) by ``repr``."""
+    if isinstance(value, (list, tuple, dict)) and len(value) > _LONG:
+        return f"a {'object' if isinstance(value, dict) else 'list'} of {len(value)} entries"
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(_json_text(item) for item in value) + "]"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{_json_text(str(key))}: {_json_text(item)}"
+                               for key, item in value.items()) + "}"
+    if isinstance(value, float) and not math.isfinite(value):
+        return "NaN" if math.isnan(value) else ("1e+400" if value > 0 else "-1e+400")
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return json.dumps(value)  # ASCII, control characters escaped: one line
+    return repr(value)
 
 
 # ---------------------------------------------------------------------------- writing

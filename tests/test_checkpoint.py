@@ -299,7 +299,7 @@ def test_bad_resume_inputs_are_reported(cache: Path, tmp_path: Path, full_runs,
     # Every run below is refused before its workers start (in this process).
     out = train_here(cache, tmp_path / "b1", *common, "--method", "edit", "--resume", str(ckpt),
                      check=False)
-    assert out.returncode != 0 and "method: checkpoint has 'diloco'" in out.stderr
+    assert out.returncode != 0 and 'method: checkpoint has "diloco"' in out.stderr
 
     out = train_here(cache, tmp_path / "b2", *common, "--method", "diloco", "--model.dim", "32",
                      "--model.n_heads", "4", "--resume", str(ckpt), check=False)

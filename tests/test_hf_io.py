@@ -144,7 +144,7 @@ def test_config_map_both_ways(dirs):
         assert back[key] == data[key], key
     with pytest.raises(ValueError, match="hidden_act"):
         llama_config_from_hf({**data, "hidden_act": "gelu"})
-    with pytest.raises(ValueError, match="rope_type 'linear'"):
+    with pytest.raises(ValueError, match='rope_type "linear"'):
         llama_config_from_hf({**data, "rope_parameters": {"rope_type": "linear",
                                                           "factor": 2.0}})
 
@@ -191,7 +191,7 @@ def test_llama3_rope_scaling_is_computed_not_dropped(dirs):
                                          r"factor must exceed low_freq_factor"):
         llama_config_from_hf({**read_config(dirs["llama3_rope"]),
                               "rope_parameters": {**LLAMA3_ROPE, "high_freq_factor": 1.0}})
-    with pytest.raises(ValueError, match=r"rope_type 'yarn' \(only the default RoPE and "
+    with pytest.raises(ValueError, match=r'rope_type "yarn" \(only the default RoPE and '
                                          r"llama3's"):
         llama_config_from_hf({**read_config(dirs["llama3_rope"]),
                               "rope_parameters": {"rope_type": "yarn", "factor": 2.0}})
@@ -1275,8 +1275,8 @@ def test_an_id_outside_the_vocabulary_is_refused_before_the_export_writes(
     path.write_text(json.dumps({**json.loads(path.read_text()), key: value}))
     with pytest.raises(CheckpointError) as e:
         export_checkpoint(run, out)
-    assert str(e.value) == (f"export: {path}: {key} is {value!r}, not a token of the model's "
-                            f"vocabulary (an id from {allowed}" + (
+    assert str(e.value) == (f"export: {path}: {key} is {json.dumps(value)}, not a token of "
+                            f"the model's vocabulary (an id from {allowed}" + (
                                 " of such ids, or null)" if "list" in allowed else ")"))
     assert {f.name: f.read_bytes() for f in out.iterdir()} == before
 
@@ -1301,7 +1301,7 @@ def test_ids_an_export_would_refuse_are_refused_before_the_run_trains(dirs, tmp_
     config = json.loads((tok_dir / "tokenizer_config.json").read_text())
     (tok_dir / "tokenizer_config.json").write_text(json.dumps({**config, "pad_token": "<pad>"}))
     _refused(tmp_path, dirs["llama"], re.escape(f"data.tokenizer: {tok_dir}: its tokenizer "
-                                                "files name the pad token '<pad>'"),
+                                                "files name the pad token \"<pad>\""),
              tokenizer=str(tok_dir))
 
 
@@ -1366,7 +1366,7 @@ def test_a_special_token_the_tokenizer_lacks_is_refused(dirs, llama3_eos, tmp_pa
                                                                 "pad_token": "<pad>"}))
     _init_from_run(tmp_path / "run", llama3_eos, tok_dir)
     with pytest.raises(CheckpointError, match=r"^export: .*tokenizer: its tokenizer files "
-                                              r"name the pad token '<pad>', which its "
+                                              r'name the pad token "<pad>", which its '
                                               r"tokenizer.json does not hold; name a token "
                                               r"of its vocabulary$"):
         export_checkpoint(tmp_path / "run", tmp_path / "out")

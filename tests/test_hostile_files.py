@@ -25,6 +25,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -1088,3 +1089,27 @@ def test_check_files_refuses_another_engine_state_version(run8, tmp_path):
     _rewrite_engine_state(ckpt, lambda s: s.__setitem__("version", 1))
     with pytest.raises(CheckpointError, match="version 1; this editrain reads version 2"):
         check_files(ckpt)
+
+
+def test_a_checkpoints_values_are_quoted_as_its_marker_holds_them():
+    """A resume refused for a changed option quoted the marker's values in Python's
+    spelling (``checkpoint has None``, ``'diloco'``): the marker is JSON."""
+    from editrain.checkpoint import FORMAT, check_compatible
+
+    base = {"format": FORMAT, "vocab_size": 512, "num_units": 3}
+    old = dict(base, method="diloco", model={"n_kv_heads": None, "tie_embeddings": True})
+    new = dict(base, method="edit", model={"n_kv_heads": 2, "tie_embeddings": False})
+    assert check_compatible(old, new) == [
+        'method: checkpoint has "diloco", this run has "edit"',
+        "model.n_kv_heads: checkpoint has null, this run has 2",
+        "model.tie_embeddings: checkpoint has true, this run has false"]
+
+
+def test_a_json_files_value_is_quoted_as_json_by_its_schema(tmp_path):
+    from editrain.safe_io import Int, Obj, read_json
+
+    path = tmp_path / "state.json"
+    for text, found in (("true", "true"), ("null", "null"), ('"3"', '"3"'), ("1e400", "1e+400")):
+        path.write_text('{"step": ' + text + "}")
+        with pytest.raises(CheckpointError, match=rf"\(found {re.escape(found)}\)$"):
+            read_json(path, max_bytes=1000, schema=Obj({"step": Int()}))

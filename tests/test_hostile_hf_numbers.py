@@ -477,3 +477,73 @@ def test_editrains_llama_refuses_the_nulls_llamaconfig_refuses():
     from editrain.models.hf_llama import LLAMA_REQUIRED
 
     assert LLAMA_REQUIRED == required_fields("llama")[1]
+
+
+# ------------------------------------------------- a value read from JSON is quoted as JSON
+@pytest.mark.parametrize(("field", "text", "shown"), [
+    ("vocab_size", "true", "vocab_size is true;"),
+    ("num_hidden_layers", "false", "num_hidden_layers is false;"),
+    ("hidden_size", '"32"', 'hidden_size is "32";'),
+    ("hidden_size", "[32, null, true]", "hidden_size is [32, null, true];"),
+    ("hidden_size", "1e400", "hidden_size is 1e+400;"),
+    ("hidden_size", "-1e400", "hidden_size is -1e+400;"),
+    ("rms_norm_eps", '{"a": null}', 'rms_norm_eps is {"a": null};'),
+    ("tie_word_embeddings", '"false"', 'tie_word_embeddings is "false";'),
+    ("hidden_act", '"gelu"', 'hidden_act is "gelu", not "silu"'),
+    ("hidden_act", "null", 'hidden_act is null, not "silu"'),
+    ("rope_parameters.rope_type", '"linear"', 'has rope_type "linear" (only'),
+    ("rope_parameters.rope_type", "true", "has rope_type true (only"),
+])
+def test_a_value_read_from_a_json_file_is_quoted_as_json(dirs, tmp_path, field, text, shown):
+    """A message quoted a config.json's value in Python's spelling (``vocab_size is
+    True``, ``None``, ``'gelu'``, ``inf``): the file says ``true``, ``null``, ``"gelu"``,
+    and a number JSON readers make infinite is one no JSON text spells but as such."""
+    d = _with(dirs["llama"], tmp_path / "m", "config.json", field, text)
+    message = _refused({"init_from": str(d)}, tmp_path, "")
+    assert shown in message, message
+
+
+@pytest.mark.parametrize("file", ["tokenizer_config.json", "special_tokens_map.json"])
+def test_a_tokenizer_files_value_is_quoted_as_json(dirs, tmp_path, file):
+    src = tmp_path / "src"
+    shutil.copytree(dirs["llama"], src)
+    (src / "special_tokens_map.json").write_text(json.dumps({"eos_token": "<|endoftext|>"}))
+    d = _with(src, tmp_path / "m", file, "eos_token", '{"content": true}')
+    assert 'eos_token is {"content": true};' in _refused({"init_from": str(d)}, tmp_path, "")
+    from editrain.models.hf_tokens import check_special_ids, tokenizer_special_ids
+
+    d = _with(src, tmp_path / "n", "tokenizer_config.json", "eos_token", '"<nowhere>"')
+    with pytest.raises(ValueError, match='the eos token "<nowhere>", which'):
+        tokenizer_special_ids(d)
+    with pytest.raises(ValueError, match=r"^config.json: eos_token_id is \[true\], not a token"):
+        check_special_ids({"eos_token_id": [True]}, 320, "config.json")
+
+
+def test_a_llama3_rope_scaling_read_from_a_json_file_is_quoted_as_json(dirs, tmp_path):
+    """Llama 3's RoPE scaling entries of a config.json are read by the strict reader too
+    (``1e400`` was taken as an infinite factor, ``true`` was quoted ``True``)."""
+    scaling = {"rope_type": "llama3", "rope_theta": 500000.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 32}
+    for text, shown in (("true", "factor is true"), ("1e400", "factor is 1e+400")):
+        d = _with(dirs["llama"], tmp_path / text, "config.json", "rope_parameters", json.dumps(
+            {**scaling, "factor": "@"}).replace('"@"', text))
+        _refused({"init_from": str(d)}, tmp_path,
+                 f"^model.init_from: {re.escape(str(d / 'config.json'))}: rope_parameters: "
+                 f"{re.escape(shown)}; expected a positive finite number, or null "
+                 "\\(not given\\)$")
+
+
+def test_quote_spells_a_value_as_the_json_text_that_reads_back_as_it():
+    from editrain.safe_io import quote
+
+    for value, text in [(True, "true"), (False, "false"), (None, "null"), (2.5, "2.5"),
+                        (10**30, "1" + "0" * 30), (1e-05, "1e-05"), ("4", '"4"'),
+                        ('a "b"\n', '"a \\"b\\"\\n"'), ([1, None, "x"], '[1, null, "x"]'),
+                        ({"k": False}, '{"k": false}'), (float("inf"), "1e+400"),
+                        (float("-inf"), "-1e+400"), (float("nan"), "NaN")]:
+        assert quote(value) == text, value
+        if value == value:  # NaN: no JSON text reads back as it (Python's reader takes NaN)
+            assert json.loads(quote(value)) == value
+    assert quote("x" * 100) == '"' + "x" * 60 + '"... (100 characters)'
+    assert quote(list(range(20))) == "a list of 20 entries"
+    assert quote([list(range(20))]) == "[a list of 20 entries]"

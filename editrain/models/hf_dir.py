@@ -199,7 +199,7 @@ def read_safetensors_header(path: Path, option: str = "model.init_from"
         except (TypeError, KeyError, ValueError):
             raise _fail(option, f"{path} is corrupt (bad header entry for {name!r})") from None
         if dtype not in _DTYPE_BYTES or any(d < 0 for d in shape):
-            raise _fail(option, f"{path}: tensor {name!r} has dtype {dtype!r} and shape "
+            raise _fail(option, f"{path}: tensor {name!r} has dtype {quote(dtype)} and shape "
                         f"{shape}, which safetensors does not define")
         want = math.prod(shape) * _DTYPE_BYTES[dtype]
         if not 0 <= begin <= end <= data_size or end - begin != want:

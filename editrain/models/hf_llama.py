@@ -166,7 +166,7 @@ def llama_config_from_hf(data: dict[str, Any], where: str = "config.json") -> Ll
                    "LlamaConfig")
     act = data.get("hidden_act", "silu")
     if act != "silu":
-        raise bad("hidden_act", f"is {quote(act)}, not 'silu'")
+        raise bad("hidden_act", f"is {quote(act)}, not {quote('silu')}")
     for flag in ("attention_bias", "mlp_bias"):
         if hf_flag(data, flag, where):
             raise bad(flag, "is true")
@@ -177,6 +177,10 @@ def llama_config_from_hf(data: dict[str, Any], where: str = "config.json") -> Ll
                   "RoPE and llama3's scaling of it)")
     scaling = None
     if rope_type == "llama3":
+        for key in ROPE_SCALING_KEYS:  # each by the strict reader, the set as Llama 3's
+            if hf_positive(params, key, f"{where}: rope_parameters") is None:
+                raise bad(f"rope_parameters.{key}", "is null or not given (llama3's RoPE "
+                          "scaling needs it)")
         try:
             scaling = check_rope_scaling({k: params.get(k) for k in ROPE_SCALING_KEYS})
         except ValueError as e:

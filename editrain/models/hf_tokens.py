@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from editrain.models.hf_dir import read_config, special_tokens
-from editrain.safe_io import read_json_value
+from editrain.safe_io import quote, read_json_value
 
 __all__ = ["GENERATION_FILE", "TOKEN_ID_KEYS", "check_kept_ids", "check_special_ids",
            "config_special_ids", "tokenizer_special_ids"]
@@ -50,7 +50,7 @@ def tokenizer_special_ids(tok_dir: str | Path) -> dict[str, int | None]:
     for kind, text in special_tokens(tok_dir).items():
         tid = tok.token_to_id(text)
         if tid is None:
-            raise ValueError(f"{tok_dir}: its tokenizer files name the {kind} token {text!r}, "
+            raise ValueError(f"{tok_dir}: its tokenizer files name the {kind} token {quote(text)}, "
                              f"which its tokenizer.json does not hold; name a token of its "
                              f"vocabulary")
         ids[f"{kind}_token_id"] = int(tid)
@@ -86,7 +86,7 @@ def check_special_ids(ids: Mapping[str, Any], vocab_size: int, where: str) -> No
             continue
         ids_of = f"0 to {vocab_size - 1}" if vocab_size else "a non-negative integer"
         lists = ", or a non-empty list of such ids" if key == "eos_token_id" else ""
-        raise ValueError(f"{where}: {key} is {value!r}, not a token of the model's vocabulary "
+        raise ValueError(f"{where}: {key} is {quote(value)}, not a token of the model's vocabulary "
                          f"(an id from {ids_of}{lists}, or null)")
 
 
