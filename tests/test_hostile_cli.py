@@ -114,6 +114,27 @@ def test_a_boolean_option_reads_its_spellings_alike(text, value):
     assert load_config(None, parse_overrides([text])[0]).quiet is value
 
 
+def test_a_switch_turned_off_on_the_command_line_is_off_before_the_configuration_reads_it():
+    """Callers read the parsed options before the configuration does: ``editrain bench``
+    drops the options that do not apply to a run (``drop_inapplicable``) by them. A switch
+    turned off as ``--sync.skip_anomaly=false`` was kept as the text "false", which reads
+    as on there: the scenario's anomaly-detector options stayed on runs whose detector is
+    off, and every run was refused (``bench spikes --sync.skip_anomaly=false``)."""
+    from editrain.bench.options import merge, split_extra
+    from editrain.config.applicability import drop_inapplicable
+
+    for word in ("false", "no", "0"):
+        _, overrides = split_extra([f"--sync.skip_anomaly={word}"])
+        assert overrides == {"sync": {"skip_anomaly": False}}
+        raw = drop_inapplicable(merge({"sync": {"method": "edit", "ewma_alpha": 0.2}},
+                                      overrides))
+        assert "ewma_alpha" not in raw["sync"]
+        assert load_config(None, raw).sync.skip_anomaly is False
+    # a word no switch takes is still refused by the configuration, naming the option
+    with pytest.raises(ConfigError, match="quiet"):
+        load_config(None, parse_overrides(["--quiet=maybe"])[0])
+
+
 def test_the_command_parser_refuses_prefixes(capsys):
     parser = CommandParser(prog="p")
     parser.add_argument("--rate")

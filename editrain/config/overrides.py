@@ -14,7 +14,7 @@ import typing
 from typing import Any
 
 from editrain.config.schema import Config
-from editrain.config.toml_io import parse_scalar
+from editrain.config.toml_io import BOOL_WORDS, parse_scalar
 from editrain.errors import require
 
 SHORTHANDS = {
@@ -80,10 +80,13 @@ def _looks_like_option(arg: str) -> bool:
 def _parse_value(dotted: str, text: str) -> Any:
     """A CLI value for option ``dotted``: TOML, except that a string option keeps the text as
     typed (``--run-dir 2024-01-01`` or ``--sim.link_latency 0.005`` are not a date/number),
-    and so does a true-or-false option: the configuration reads its words (true, yes, 1;
-    false, no, 0) alike, where TOML would make ``1`` a number that no bool takes."""
+    and a true-or-false option reads its words (true, yes, 1; false, no, 0) alike, where
+    TOML would make ``1`` a number that no bool takes. The word becomes a bool here, not
+    later: callers read the options before the configuration does (``editrain bench``'s
+    ``drop_inapplicable``, where the text "false" would read as on). Any other text stays
+    text, for the configuration to refuse by name (``none``: unset, where that is allowed)."""
     if _is_bool_option(dotted):
-        return text
+        return BOOL_WORDS.get(text.lower(), text)
     value = parse_scalar(text)
     if not isinstance(value, str | list) and _is_text_option(dotted):
         return text

@@ -31,6 +31,10 @@ def parse_scalar(text: str) -> Any:
     return parse_toml_scalar(text)
 
 
+BOOL_WORDS = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}
+"""The words a true-or-false option reads (any case), from a file or the command line."""
+
+
 def _coerce(value: Any, tp: Any, option: str) -> Any:
     """Check/convert ``value`` against a field's annotated type."""
     origin = typing.get_origin(tp)
@@ -50,9 +54,9 @@ def _coerce(value: Any, tp: Any, option: str) -> Any:
         raise ConfigError(errors[0] if errors else f"{option}: bad value {value!r}")
     if tp is bool:
         if isinstance(value, str):
-            words = ("true", "false", "1", "0", "yes", "no")
-            require(value.lower() in words, option, f"expected true or false, got {value!r}")
-            return value.lower() in ("true", "1", "yes")
+            require(value.lower() in BOOL_WORDS, option,
+                    f"expected true or false, got {value!r}")
+            return BOOL_WORDS[value.lower()]
         require(isinstance(value, bool), option, f"expected true or false, got {value!r}")
         return value
     if tp is int or tp is float:  # overrides built in Python may hold numpy numbers
