@@ -258,6 +258,17 @@ def test_rayon_num_threads_junk_is_refused_by_name(monkeypatch):
     assert env_count("RAYON_NUM_THREADS", "") is None
 
 
+@pytest.mark.parametrize("text", ["0", " 0 ", "00"])
+def test_rayon_num_threads_0_is_rayons_own_default_not_refused(text, monkeypatch):
+    """Rayon (the tokenizer's threads) reads 0 as "one thread per CPU", its default, so a
+    job environment that sets it so is valid: it bounds nothing, as if unset."""
+    from editrain.data.encode_pool import pool_workers
+
+    monkeypatch.delenv("TOKENIZERS_PARALLELISM", raising=False)
+    monkeypatch.setenv("RAYON_NUM_THREADS", text)
+    assert pool_workers(cpus=4) == 4
+
+
 @pytest.mark.parametrize("text", ["inf", "1e400", "nan", "5e6,", "0"])
 def test_bench_data_sizes_that_are_no_sizes_are_refused_by_name(text, monkeypatch):
     """``inf`` ended in an OverflowError traceback."""

@@ -49,7 +49,11 @@ def pool_workers(cpus: int | None = None) -> int:
         cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (
             os.cpu_count() or 1)
     workers = max(1, cpus)
-    rayon = env_count("RAYON_NUM_THREADS")  # set to something else: refused, not passed over
+    text = os.environ.get("RAYON_NUM_THREADS", "").strip()
+    # 0 is rayon's own default (one thread per CPU): it bounds nothing, as if unset. Any
+    # other text but a count is refused, not passed over.
+    zero = text.isascii() and text.isdigit() and int(text) == 0
+    rayon = None if zero else env_count("RAYON_NUM_THREADS", text)
     if rayon is not None:
         workers = min(workers, rayon)
     if os.environ.get("TOKENIZERS_PARALLELISM", "").strip().lower() in ("0", "false", "no",
