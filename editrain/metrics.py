@@ -492,11 +492,23 @@ class ReplayMarks:
 
     def _take(self, computation: tuple[Any, ...]) -> bool:
         """Whether the history holds a row of ``computation`` not matched yet (then it is
-        matched)."""
+        matched). An evaluation is also matched by the history's evaluation at its step
+        that says no ``val_tokens``: an editrain before them wrote it, and the same
+        evaluation computed again now says its tokens."""
         if self._unmatched[computation] <= 0:
-            return False
+            computation = _without_tokens(computation)
+            if computation is None or self._unmatched[computation] <= 0:
+                return False
         self._unmatched[computation] -= 1
         return True
+
+
+def _without_tokens(computation: tuple[Any, ...]) -> tuple[Any, ...] | None:
+    """The :func:`evaluation_of` key of an evaluation whose row says no ``val_tokens`` (an
+    older editrain's) at ``computation``'s step; None for any other computation."""
+    if computation[0] != "evaluation" or computation[2] is None:
+        return None
+    return (*computation[:2], None)
 
 
 def _split_evaluation(row: dict[str, Any]) -> list[dict[str, Any]]:

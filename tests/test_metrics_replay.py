@@ -240,6 +240,20 @@ def test_a_resume_with_another_eval_every_keeps_every_evaluation() -> None:
     assert _evaluations(rows + again) == evaluations
 
 
+def test_an_evaluation_an_older_editrain_wrote_without_its_tokens_is_replayed() -> None:
+    """A run an editrain before val_tokens wrote (its evaluations say no token count) is
+    resumed from step 8 with the same train.eval_every: the replayed step 9 carries the
+    same evaluation, now with its tokens. It is a replay, whole, not a second evaluation
+    at step 9 in a row of its own."""
+    older = [{k: v for k, v in r.items() if k != "val_tokens"}
+             for r in _evaluating(range(1, 12), {3, 6, 9})]
+    first = [{"event": JOB_START, "step": 0}, {"step": 0, "val_loss": 5.0}, *older]
+    resumed = _resumed_rows(first, 8, _evaluating(range(9, 13), {9, 12}))
+    assert [(r["step"], r.get("replayed"), r.get(FILLS_GAP)) for r in resumed[1:]] == [
+        (9, True, None), (10, True, None), (11, True, None), (12, None, None)]
+    assert [e[0] for e in _evaluations(first + resumed)] == [0, 3, 6, 9, 12]
+
+
 def test_a_periodic_evaluation_is_not_the_final_one_over_other_tokens() -> None:
     """The first job's end evaluated step 12 over train.final_eval_tokens; a job resumed
     from step 8 with more steps evaluates step 12 periodically, over train.eval_tokens:
