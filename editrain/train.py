@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 import time
 from pathlib import Path
 from typing import Any
@@ -512,15 +511,15 @@ class Trainer:
         matched, and the job hung until the process group's timeout."""
         if self.ft and env_int(ATTEMPT_ENV, 0) > 0:
             return None
-        restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-        goes_on = int(restart) > 0 if self.rejoined is None else self.rejoined
+        restart = env_int("TORCHELASTIC_RESTART_COUNT", 0)
+        goes_on = restart > 0 if self.rejoined is None else self.rejoined
         found = list_checkpoints(self.run_dir) if goes_on else []
         ckpt = found[-1] if found else None
         if ckpt is None and self.cfg.resume:
             ckpt = resolve_resume(replica_run_dir(self.cfg.resume, self.replica)
                                   if self.ft else self.cfg.resume)
         if goes_on and self.is_logger:
-            log.warning("%s", restart_line(int(restart), self.rejoined, ckpt))
+            log.warning("%s", restart_line(restart, self.rejoined, ckpt))
         return ckpt
 
     def _meta(self) -> dict[str, Any]:
