@@ -592,7 +592,8 @@ class Trainer:
             set_rng_state(state["rng"])
             self.sim.load_state_dict(state["sim_rng"])
             if self.ft_group is not None and "ft_committed" in state:
-                self.ft_group.committed_syncs = int(state["ft_committed"])
+                # behind a group that trained on since the commit: it heals from one
+                self.ft_group.resume_behind(int(state["ft_committed"]))
             if self.is_logger:
                 log.warning("resumed exactly from %s at step %d", ckpt, self.loop.step)
             return

@@ -75,6 +75,26 @@ def ft_rank(rank: int, S: int, case: dict[str, Any], replica: int, R: int, light
                            "ledger": ledger})
             ledger = dict.fromkeys(ledger, 0)
 
+    # case["resume_commits"] = (replica, directory): that group's first attempt saves what
+    # the trainer's checkpoint at a sync holds after each of its commits; its restart
+    # resumes the last one, as a group that torchrun restarts does.
+    resumes = case.get("resume_commits")
+    saved = Path(resumes[1]) / f"replica{replica}_commit.pt" if resumes else None
+    if saved is not None and replica == resumes[0] and attempt:
+        state = torch.load(saved, weights_only=False)
+        model.load_state_dict(state["model"])
+        opt.load_state_dict(state["optimizer"])
+        engine.load_state_dict(state["engine"])
+        group.resume_behind(state["committed"])
+
+    def save_commit() -> None:
+        if saved is None or replica != resumes[0] or attempt:
+            return
+        torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(),
+                    "engine": engine.state_dict(), "committed": group.committed_syncs},
+                   saved.with_suffix(".tmp"))
+        saved.with_suffix(".tmp").replace(saved)
+
     engine.join(start_quorum=2 if attempt else None)
     record()
     steps_seen = [engine.global_step]
@@ -85,7 +105,9 @@ def ft_rank(rank: int, S: int, case: dict[str, Any], replica: int, R: int, light
     # steps, and it then has nobody left to heal from (the CLI's launcher stops such a
     # group; these tests are about the rejoin, so they wait for it).
     dead = (die or in_sync or (None,))[0]
-    awaiting = attempt == 0 and dead is not None and replica != dead
+    # (A lighthouse that needs every replica holds them at the sync until it is back.)
+    awaiting = (attempt == 0 and dead is not None and replica != dead
+                and case.get("min_replicas", 1) < R)
 
     def rejoined() -> bool:
         """A committed round with the dead replica after one without it."""
@@ -104,7 +126,10 @@ def ft_rank(rank: int, S: int, case: dict[str, Any], replica: int, R: int, light
         opt.step()
         opt.zero_grad()
         engine.step()
+        synced = len(rounds)
         record()
+        if len(rounds) > synced and rounds[-1]["committed"]:
+            save_commit()
         steps_seen.append(engine.global_step)
         if die is not None and attempt == 0 and replica == die[0] and engine.global_step == die[1]:
             os._exit(17)  # the whole group dies (S = 1), mid local phase

@@ -140,6 +140,44 @@ def test_a_replica_dies_the_others_keep_syncing_and_it_rejoins(tmp_path):
 
 
 @pytest.mark.timeout(300)
+def test_a_group_that_resumes_its_checkpoint_heals_from_one_that_trained_on(tmp_path):
+    """A group that torchrun restarts resumes its latest checkpoint (its state at its last
+    commit) while the others train on. Group 1 dies after step 13, its last commit at 10;
+    group 0's rounds without it fail (the run needs both groups) and it trains on to 20,
+    at the count of commits the checkpoint holds. torchft heals by that count only:
+    before, group 1 came back level with it, did not heal, and trained from step 10 with
+    its rounds paired with group 0's ten steps later, to the end (alone). Now it
+    counts itself one commit short, heals from group 0 at its first round, at group 0's
+    step, and both end on one model."""
+    sync = {**EDIT, "local_sgd_sync_interval": 10}
+    case = {"sync": sync, "steps": 30, "die": (1, 13), "min_replicas": 2,
+            "heartbeat_timeout_s": 1.5, "resume_commits": (1, str(tmp_path))}
+    outs = run_groups(2, 1, case, tmp_path)
+    survivor, back = outs[0][0], outs[1][0]
+    first = back["rounds"][0]
+    assert back["heals"] == 1 and first["healed"] and first["committed"]
+    assert back["steps_seen"][0] == first["global_step"] == 20
+    assert survivor["steps_seen"] == list(range(31))
+    for name, p in back["params"].items():
+        assert torch.equal(p, survivor["params"][name]), name
+
+
+def test_a_joining_replica_that_did_not_heal_votes_no_where_members_trained():
+    """A joining replica that did not heal holds its own count's commit; a member that
+    trained may hold another one at the same count (a live group that missed the commit
+    a resumed group's checkpoint holds), so the round is not committed there and the
+    joining replica heals at the next one. At a start (nobody trained) and after a heal
+    it commits."""
+    from editrain.sync.ft_round import unhealed_join_error
+
+    assert "heals at the next round" in unhealed_join_error(True, False, [True, False])
+    assert unhealed_join_error(True, False, [False, False]) is None  # a start, a resume
+    assert unhealed_join_error(True, True, [True, False]) is None  # healed from a peer
+    assert unhealed_join_error(False, False, [True, True]) is None  # a round of training
+    assert unhealed_join_error(True, False, None) is None  # no rendezvous
+
+
+@pytest.mark.timeout(300)
 def test_a_replica_dying_inside_a_sync_fails_that_round_on_every_survivor(tmp_path):
     """Replica 2 dies between the collectives of sync 3 (after the rendezvous and the first
     unit): the survivors' round fails and is applied by neither; they sync again without

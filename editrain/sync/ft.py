@@ -225,6 +225,21 @@ class TorchftGroup:
         self.manager.load_state_dict({"step": int(value),
                                       "batches_committed": self.manager.batches_committed()})
 
+    def resume_behind(self, saved: int) -> None:
+        """Take up the count of a checkpoint written after ``saved`` commits, as one
+        commit fewer: the checkpoint holds the global model of its last commit and no
+        local progress, while a group that kept training since that commit has the same
+        count and is many steps ahead (its job never stopped; its rounds since may have
+        failed, which count nothing). torchft heals by count only, so at an equal count
+        the resumed group would not heal: it would train on from its checkpoint's step,
+        syncing with the others at their later steps, to the end. One fewer makes it
+        heal from any group that holds the commit, at its first quorum; groups that all
+        resume from checkpoints keep their order (the older heal from the newer). A live
+        group that missed that very commit ends at the resumed group's count: the first
+        round (:meth:`~editrain.sync.ft_round.FaultTolerantSchedule.run`) sees it
+        contribute and does not commit, so the resumed group heals at the next one."""
+        self.committed_syncs = max(0, int(saved) - 1)
+
     # ------------------------------------------------------------------ collectives
     @property
     def size(self) -> int:

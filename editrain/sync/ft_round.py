@@ -51,6 +51,26 @@ if TYPE_CHECKING:
     from editrain.sync.view import EngineView
 
 
+def unhealed_join_error(joining: bool, healed: bool, contributes: list[bool] | None
+                        ) -> str | None:
+    """Why a joining replica must not commit this round, or None.
+
+    A replica that joins without healing holds the global model of its own count of
+    commits. Every member that trained since its last sync holds that count too
+    (torchft heals whoever is behind) but may hold another commit behind it: a group
+    that resumed a checkpoint counts itself one commit short
+    (:meth:`~editrain.sync.ft.TorchftGroup.resume_behind`), and a live group that
+    missed that very commit is then level with it. Applying the others' pseudo-gradients
+    to its own anchors would leave it on another model for the rest of the run. At a
+    start or a resume nobody has trained yet, and a replica behind the others heals, so
+    a joining replica that did not heal meets contributors only there: it votes no, is
+    then a commit behind, and heals at the next round."""
+    if joining and not healed and any(contributes or []):
+        return ("joining: members trained from a commit this replica may not hold; "
+                "it heals at the next round")
+    return None
+
+
 class FaultTolerantSchedule(BlockingSchedule):
     """Runs the engine's syncs as fault-tolerant rounds over a :class:`TorchftGroup`:
     blocking rounds of every unit when the trigger fires, or streaming fragments.
@@ -162,12 +182,14 @@ class FaultTolerantSchedule(BlockingSchedule):
                 ``sync.min_total_global_steps`` (unless not ``allow_skip``).
             units / fragment: streaming: the fragment's units (default: all).
         """
+        joining = not contribute
         rnd, quorum, contribute, error = self._begin(contribute, units, fragment)
         try:
             if error is None:
                 self._wait(rnd, self.engine.comm.submit(
                     self._jobs, rnd, contribute, elapsed, allow_skip, stats=rnd.comm,
                     cause="rounds"))
+                error = unhealed_join_error(joining, quorum.healed, rnd.contributes)
             if start_quorum and len(rnd.members or []) < start_quorum:
                 error = (f"joining: waiting for {start_quorum} replicas in the quorum, "
                          f"{len(rnd.members or [])} present")
