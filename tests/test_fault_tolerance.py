@@ -177,6 +177,48 @@ def test_a_joining_replica_that_did_not_heal_votes_no_where_members_trained():
     assert unhealed_join_error(True, False, None) is None  # no rendezvous
 
 
+def test_torchft_python_logs_are_warnings_unless_the_user_set_them():
+    """Under torchrun a group's worker is ``editrain train`` itself, whose logging is at
+    info: torchft's Python loggers printed four lines a sync on every rank (the quorum's
+    reconfiguration, the commit vote) and, on a torch without NCCL, a warning about flight
+    recorder traces at every new quorum. torchft is imported with its loggers at
+    warnings, without that note; a level the user set on the ``torchft`` logger wins."""
+    import logging
+
+    from editrain.sync.ft import FLIGHT_RECORDER_NOTE, import_torchft
+
+    base, manager = logging.getLogger("torchft"), logging.getLogger("torchft.manager")
+    root = logging.getLogger()
+    saved = base.level, list(manager.filters), root.level
+    shown: list[str] = []
+
+    class Catch(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            shown.append(record.getMessage())
+
+    catch = Catch(level=logging.DEBUG)
+    manager.addHandler(catch)
+    try:
+        root.setLevel(logging.INFO)  # as `editrain train` sets it
+        base.setLevel(logging.NOTSET)  # as a process that never imported torchft has it
+        manager.filters.clear()
+        import_torchft("torchft.manager")
+        manager.info("should_commit=True enough_replicas=True, errored=None")
+        manager.warning(f"[r/0 - step 3] {FLIGHT_RECORDER_NOTE} so traces will be incorrect.")
+        manager.warning("got exception in recovery")
+        assert shown == ["got exception in recovery"]
+        base.setLevel(logging.INFO)  # the user's
+        import_torchft("torchft.manager")
+        manager.info("should_commit=True")
+        assert shown[-1] == "should_commit=True" and base.level == logging.INFO
+        assert len(manager.filters) == 1  # not one more per import
+    finally:
+        manager.removeHandler(catch)
+        base.setLevel(saved[0])
+        manager.filters[:] = saved[1]
+        root.setLevel(saved[2])
+
+
 @pytest.mark.timeout(300)
 def test_a_replica_dying_inside_a_sync_fails_that_round_on_every_survivor(tmp_path):
     """Replica 2 dies between the collectives of sync 3 (after the rendezvous and the first

@@ -62,11 +62,35 @@ class Quorum:
     """This replica was behind and has just loaded the global state from a peer."""
 
 
+FLIGHT_RECORDER_NOTE = "Unable to reset NCCL flight recorder recording"
+"""The start of the warning torchft's manager logs at every new quorum where torch has no
+NCCL flight recorder (a CPU build), where there are no NCCL traces to be incorrect."""
+
+
+class _WithoutFlightRecorderNote(logging.Filter):
+    """Drops :data:`FLIGHT_RECORDER_NOTE` (a torch with the recorder never logs it)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return FLIGHT_RECORDER_NOTE not in record.getMessage()
+
+
 def _torchft_logs_warnings() -> None:
     """torchft's servers (Rust) log every quorum at info, three lines a sync, unless
     ``RUST_LOG`` says otherwise: warnings only, but what the user set wins. Read once, when
-    torchft is first imported, so this comes before every import of it."""
+    torchft is first imported, so this comes before every import of it.
+
+    Its Python loggers (``torchft.*``) log at info too, four lines a sync on every rank
+    (the quorum's reconfiguration, the commit vote): they log at warnings unless the user
+    set the ``torchft`` logger's level. Editrain's own launcher runs its workers at
+    warnings anyway; under torchrun the worker is ``editrain train`` itself, whose lines
+    are info, so torchft's were printed too."""
     os.environ.setdefault("RUST_LOG", "warn")
+    torchft_log = logging.getLogger("torchft")
+    if torchft_log.level == logging.NOTSET:
+        torchft_log.setLevel(logging.WARNING)
+    manager_log = logging.getLogger("torchft.manager")
+    if not any(isinstance(f, _WithoutFlightRecorderNote) for f in manager_log.filters):
+        manager_log.addFilter(_WithoutFlightRecorderNote())
 
 
 def import_torchft(module: str = "torchft") -> ModuleType:
