@@ -315,6 +315,24 @@ def test_a_null_the_config_class_takes_is_kept(dirs, tmp_path, arch, field):
     _validate({"hf_config": str(d / "config.json")}, tmp_path)
 
 
+BASE_NULL_CASES = [(arch, option, field)
+                   for arch, option in (("llama", "hf_config"), ("llama", "init_from"),
+                                        ("qwen", "hf_config"))
+                   for field in ("chunk_size_feed_forward", "is_encoder_decoder")]
+
+
+@pytest.mark.parametrize(("arch", "option", "field"), BASE_NULL_CASES,
+                         ids=["-".join(c) for c in BASE_NULL_CASES])
+def test_a_null_in_a_field_pretrainedconfig_types_but_takes_is_kept(dirs, tmp_path, arch,
+                                                                     option, field):
+    """``PretrainedConfig`` types ``chunk_size_feed_forward`` as ``int`` and
+    ``is_encoder_decoder`` as ``bool``, yet transformers 5.24 takes their ``null`` (every
+    family builds with it): they were refused as LlamaConfig/Qwen2Config "does not take"
+    them, by editrain's own Llama reader too. What a class requires is what it refuses."""
+    d = _with(dirs[arch], tmp_path / "m", "config.json", field, "null")
+    _validate({option: str(d) if option == "init_from" else str(d / "config.json")}, tmp_path)
+
+
 def test_what_each_config_class_requires_is_read_from_the_class():
     """Which fields a null is refused in is each class's own typing, not a list of ours."""
     from editrain.models.hf import required_fields

@@ -11,6 +11,7 @@ blocks (found by :func:`editrain.units.find_blocks`, e.g. ``model.model.layers``
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib.util
 from pathlib import Path
 from typing import Any
@@ -85,16 +86,22 @@ NUMBER_TYPES = {"int": "an integer", "float": "a number", "bool": "true or false
 a message says each allows."""
 
 
+@functools.cache
 def required_fields(model_type: str) -> tuple[str, dict[str, str]] | None:
     """``(class name, {field: what it allows})`` of the fields the transformers config class
     of ``model_type`` types as a number or a flag without None (``num_hidden_layers: int``,
-    not ``sliding_window: int | None``), with the other names its ``attribute_map`` gives
-    them (GPT-2's ``hidden_size`` for ``n_embd``); None where transformers has no such
+    not ``sliding_window: int | None``) and refuses a None in, with the other names its
+    ``attribute_map`` gives them (GPT-2's ``hidden_size`` for ``n_embd``: a null there
+    lands in the field the model is built from); None where transformers has no such
     model type (its own refusal follows, naming it).
 
     Read from the class's dataclass fields, so that every architecture is judged by its
     own class, not by a list of ours: ``head_dim`` is optional for a Llama, required for a
-    Gemma."""
+    Gemma. The typing alone says too much: fields the class inherits from
+    ``PretrainedConfig`` are typed ``int`` or ``bool`` (``chunk_size_feed_forward``,
+    ``is_encoder_decoder``) yet transformers 5.24 takes their None and builds the model,
+    so a field counts only where building the class with it None fails
+    (:func:`_refuses_null`). Cached: one class is asked once per process."""
     from transformers import CONFIG_MAPPING  # optional dependency, checked by callers
 
     if model_type not in CONFIG_MAPPING:
@@ -105,12 +112,27 @@ def required_fields(model_type: str) -> tuple[str, dict[str, str]] | None:
     required = {}
     for field in dataclasses.fields(cls):
         allowed = _number_without_null(field.type)
-        if allowed is not None:
+        if allowed is not None and _refuses_null(cls, field.name):
             required[field.name] = allowed
     for alias, name in (getattr(cls, "attribute_map", None) or {}).items():
         if name in required:
             required[alias] = required[name]
     return cls.__name__, required
+
+
+def _refuses_null(cls: type, name: str) -> bool:
+    """Whether the transformers config class ``cls`` refuses ``name=None`` (as a
+    ``config.json``'s ``null`` reaches it). A class that cannot be built from its defaults
+    alone cannot be asked: its typing is taken at its word."""
+    try:
+        cls()
+    except Exception:  # noqa: BLE001 - any failure: the question cannot be asked
+        return True
+    try:
+        cls(**{name: None})
+    except Exception:  # noqa: BLE001 - transformers' refusal (a validation or type error)
+        return True
+    return False
 
 
 def _number_without_null(annotation: Any) -> str | None:

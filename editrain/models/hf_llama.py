@@ -45,11 +45,12 @@ LLAMA_REQUIRED = {
     "num_hidden_layers": _INTEGER, "num_attention_heads": _INTEGER,
     "max_position_embeddings": _INTEGER, "initializer_range": _NUMBER, "rms_norm_eps": _NUMBER,
     "tie_word_embeddings": _FLAG, "attention_bias": _FLAG, "mlp_bias": _FLAG,
-    "use_cache": _FLAG, "is_encoder_decoder": _FLAG, "chunk_size_feed_forward": _INTEGER,
+    "use_cache": _FLAG,
 }
-"""The fields transformers' ``LlamaConfig`` types as a number or a flag without None (what
-:func:`editrain.models.hf.required_fields` reads from the class; a test checks they are
-the same): editrain's own reader works without transformers, and refuses a ``null`` in
+"""The fields transformers' ``LlamaConfig`` types as a number or a flag without None and
+refuses a None in (what :func:`editrain.models.hf.required_fields` reads from the class; a
+test checks they are the same; ``chunk_size_feed_forward`` and ``is_encoder_decoder``,
+typed so by ``PretrainedConfig``, take a None): editrain's own reader works without transformers, and refuses a ``null`` in
 them as the class does, so that one file means one thing to both (a null
 ``max_position_embeddings`` is no default 2048 here when transformers refuses it)."""
 
