@@ -34,7 +34,7 @@ from typing import IO, Any
 
 from editrain.errors import CheckpointError, RunDirError
 
-__all__ = ["MAX_DEPTH", "QUOTE_CHARS", "Bool", "Field", "Int", "List", "Num", "Obj", "Str",
+__all__ = ["MAX_DEPTH", "QUOTE_CHARS", "Bool", "Field", "Int", "List", "Map", "Num", "Obj", "Str",
            "check_no_links", "make_dir", "open_write", "quote", "read_bytes", "read_json",
            "parse_toml_scalar", "read_json_value", "read_toml", "read_toml_value", "regular_size",
            "write_atomic"]
@@ -555,6 +555,25 @@ class Obj(Field):
                 schema.check(v, where, prefix + name, error)
             elif self.closed:
                 raise error(f"{where}: unexpected field {quote(prefix + name)}")
+
+
+class Map(Field):
+    """A JSON object used as a table (its keys are data: a corpus's kinds, a file's
+    names): at most ``max_len`` keys, each value fitting ``value``."""
+
+    def __init__(self, value: Field, max_len: int = 1 << 16, nullable: bool = False) -> None:
+        super().__init__(nullable)
+        self.value, self.max_len = value, max_len
+
+    def problem(self, value: Any) -> str | None:
+        if not isinstance(value, dict) or len(value) > self.max_len:
+            return f"a JSON object of at most {self.max_len} entries is expected"
+        return None
+
+    def check_inside(self, value: Any, where: str, field: str, error: type[Exception]) -> None:
+        prefix = f"{field}." if field else ""
+        for name, v in value.items():
+            self.value.check(v, where, prefix + name, error)
 
 
 def cut_partial_line(path: str | Path, *, root: str | Path | None = None) -> None:

@@ -1083,6 +1083,65 @@ def test_the_token_cache_detects_bytes_changed_in_place(run8, data_cache, tmp_pa
     assert open_prepared(copy_dir) is None  # built before checksums: rebuilt, not trusted
 
 
+_META_DROP = object()
+META_CASES = [
+    *[("vocab_size", v) for v in (True, 2.7, "12", -1, 2**40, None, _META_DROP)],
+    *[("train_tokens", v) for v in (True, 2.7, "12", 0, -5, [4])],
+    ("val_tokens", 1.0),
+    *[("dtype", v) for v in ("object", ">i8", "V16", "U3", "uint32", "int16", 7)],
+    *[("eos_id", v) for v in (True, 1.0, "0", 10**9, -1)],
+    ("documents", 2.5), ("groups", True), ("val_documents", "3"),
+    ("val_train_overlap_32", "0.5"), ("val_train_overlap_32", 7),
+    ("kinds", {"train": {"py": {"documents": True, "bytes": 1}}}),
+    ("kinds", {"val": {"py": {"documents": 1, "bytes": 2.5}}}),
+    ("checksums", {"train.bin": 5, "val.bin": "x", "tokenizer.json": None}),
+]
+
+
+@pytest.mark.parametrize(("field", "value"), META_CASES,
+                         ids=[f"{f}={v!r}"[:40] for f, v in META_CASES])
+def test_the_token_cache_reads_its_meta_json_strictly(run8, data_cache, tmp_path, field, value):
+    """A ``meta.json`` of this format was read with ``int()`` and ``np.dtype()``: a JSON
+    ``true`` became a vocabulary of 1, ``2.7`` tokens 2, ``"12"`` 12, and any dtype numpy
+    knows (``object``, ``>i8``) was memory-mapped. Each field is checked by its JSON
+    type and range (the dtype the one a build writes for the vocabulary), and a bad one is
+    refused in one line naming the file and the field, before anything is read."""
+    from editrain.data.dataset import open_prepared
+
+    entry = next(p for p in data_cache.iterdir()
+                 if p.is_dir() and (p / "meta.json").is_file())
+    copy_dir = tmp_path / entry.name
+    shutil.copytree(entry, copy_dir)
+    meta = json.loads((copy_dir / "meta.json").read_text())
+    if value is _META_DROP:
+        del meta[field]
+    else:
+        meta[field] = value
+    (copy_dir / "meta.json").write_text(json.dumps(meta))
+    with pytest.raises(ValueError) as info:
+        open_prepared(copy_dir)
+    msg = str(info.value)
+    assert "\n" not in msg and msg.startswith(f"data.cache_dir: {copy_dir / 'meta.json'}: "), msg
+    assert f"'{field}" in msg and "to rebuild it" in msg, msg
+
+
+@pytest.mark.parametrize("fmt", [4.0, True, "4", None])
+def test_a_token_cache_of_no_format_of_ours_is_rebuilt(run8, data_cache, tmp_path, fmt):
+    """``format`` was compared with ``!=``: ``4.0`` passed as format 4. Only the integer
+    is this editrain's format; any other is another format's entry, rebuilt."""
+    from editrain.data.dataset import FORMAT_VERSION, open_prepared
+
+    assert FORMAT_VERSION == 4
+    entry = next(p for p in data_cache.iterdir()
+                 if p.is_dir() and (p / "meta.json").is_file())
+    copy_dir = tmp_path / entry.name
+    shutil.copytree(entry, copy_dir)
+    meta = json.loads((copy_dir / "meta.json").read_text())
+    meta["format"] = fmt
+    (copy_dir / "meta.json").write_text(json.dumps(meta))
+    assert open_prepared(copy_dir) is None
+
+
 def test_check_files_refuses_another_engine_state_version(run8, tmp_path):
     run = _copy_run(run8, tmp_path)
     ckpt = list_checkpoints(run)[-1]

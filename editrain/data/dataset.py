@@ -58,7 +58,7 @@ import numpy as np
 
 from editrain.errors import plain_count, plain_scalar, require
 from editrain.malloc import release_freed_memory
-from editrain.safe_io import Obj, read_json
+from editrain.safe_io import Int, Map, Num, Obj, Str, quote, read_json
 
 from .encode_worker import edges, template_ids
 from .overlap import window_overlap
@@ -443,21 +443,77 @@ def open_prepared(entry: str | Path) -> TokenData | None:
     return _open_entry(Path(entry), reused=True)
 
 
+_SIZE = Int(0, 2**53)
+_KIND_COUNTS = Map(Obj({"documents": _SIZE, "bytes": _SIZE}, required=("documents", "bytes")))
+META_SCHEMA = Obj({
+    "format": Int(0, 1 << 20),
+    "dtype": Str(16), "vocab_size": Int(1, 2**32), "eos_id": Int(0, 2**32 - 1, nullable=True),
+    "train_tokens": Int(1, 2**53), "val_tokens": Int(1, 2**53),
+    "checksums": Obj({name: Str(64, ok=lambda v: re.fullmatch("[0-9a-f]{64}", v) is not None,
+                                expect="a SHA-256 in hex is expected")
+                      for name in CHECKSUM_FILES}, required=CHECKSUM_FILES),
+    "tokenizer": Str(16), "tokenizer_trained_on": Str(16, nullable=True),
+    "split": Str(16), "documents": Int(0, 2**53, nullable=True),
+    "groups": Int(0, 2**53, nullable=True), "val_documents": Int(0, 2**53, nullable=True),
+    f"val_train_overlap_{OVERLAP_WINDOW}": Num(0.0, 1.0),
+    "kinds": Obj({"duplicates_dropped": _SIZE, "train": _KIND_COUNTS, "val": _KIND_COUNTS}),
+}, required=("format", "dtype", "vocab_size", "eos_id", "train_tokens", "val_tokens",
+             "checksums"))
+"""What a cache entry's ``meta.json`` must hold where editrain reads it (the entry's
+arrays, ``editrain data``'s description): every count an integer in range (never a bool,
+a float or a string: ``int()`` made ``true`` 1 and ``2.7`` 2), the dtype the one
+:func:`token_dtype` gives for the vocabulary (``np.dtype`` of the file's text took any
+dtype numpy knows: ``object``, ``>i8``), the end-of-text id inside the vocabulary."""
+
+
+def _check_meta(meta: dict, meta_path: Path) -> None:
+    """Refuse a ``meta.json`` of this format that is not what a build writes
+    (:data:`META_SCHEMA`), in one line naming the file and the field, before anything is
+    read from the entry: an entry's files are data anyone with write access to the cache
+    can change.
+
+    Raises:
+        ValueError: ``data.cache_dir: FILE: field 'NAME': ...; delete DIR to rebuild it``.
+    """
+    fix = f"; delete {meta_path.parent} to rebuild it"
+    try:
+        META_SCHEMA.check(meta, str(meta_path), "", ValueError)
+    except ValueError as e:
+        raise ValueError(f"data.cache_dir: {e}{fix}") from None
+    expected = token_dtype(meta["vocab_size"]).name
+    if meta["dtype"] != expected:
+        raise ValueError(f"data.cache_dir: {meta_path}: field 'dtype': {expected} is expected "
+                         f"for a vocabulary of {meta['vocab_size']} (found "
+                         f"{quote(meta['dtype'])}){fix}")
+    if meta["eos_id"] is not None and meta["eos_id"] >= meta["vocab_size"]:
+        raise ValueError(f"data.cache_dir: {meta_path}: field 'eos_id': an id below the "
+                         f"vocabulary size {meta['vocab_size']} is expected (found "
+                         f"{meta['eos_id']}){fix}")
+
+
 def _open_entry(entry: Path, reused: bool) -> TokenData | None:
-    """Memory-map a complete entry, or return None if it is missing or broken."""
+    """Memory-map a complete entry, or return None if it is missing, incomplete or of
+    another format (it is then rebuilt).
+
+    Raises:
+        ValueError: a ``meta.json`` of this format that is not what a build writes
+            (:func:`_check_meta`), or files that changed since (checksums, ids).
+    """
     meta_path = entry / "meta.json"
     try:
         meta = read_json(meta_path, max_bytes=META_MAX_BYTES, schema=Obj(), error=ValueError,
                          what="token cache meta.json")
     except ValueError:
         return None
-    if meta.get("format") != FORMAT_VERSION or not isinstance(meta.get("checksums"), dict):
+    if type(meta.get("format")) is not int or meta["format"] != FORMAT_VERSION \
+            or not isinstance(meta.get("checksums"), dict):
         return None  # another format, or built before checksums were recorded: rebuilt
-    dtype = np.dtype(meta["dtype"])
+    _check_meta(meta, meta_path)
+    dtype = token_dtype(meta["vocab_size"])
     arrays = {}
     for split in ("train", "val"):
         path = entry / f"{split}.bin"
-        n = int(meta[f"{split}_tokens"])
+        n = meta[f"{split}_tokens"]
         # A size mismatch means the files were touched after meta.json was
         # written; treat the entry as incomplete so it gets rebuilt.
         if n <= 0 or not path.is_file() or path.stat().st_size != n * dtype.itemsize:
@@ -471,14 +527,14 @@ def _open_entry(entry: Path, reused: bool) -> TokenData | None:
         for split, tokens in arrays.items():
             # Plain reads: a scan of the memory map would leave the file resident.
             with TokenFile(entry / f"{split}.bin", dtype, len(tokens)) as ids:
-                check_token_ids(ids, int(meta["vocab_size"]), entry / f"{split}.bin")
+                check_token_ids(ids, meta["vocab_size"], entry / f"{split}.bin")
     return TokenData(
         train=arrays["train"],
         val=arrays["val"],
-        vocab_size=int(meta["vocab_size"]),
+        vocab_size=meta["vocab_size"],
         tokenizer_path=tok_path,
         cache_dir=entry,
-        eos_id=None if meta["eos_id"] is None else int(meta["eos_id"]),
+        eos_id=meta["eos_id"],
         reused=reused,
         meta=meta,
     )
