@@ -322,6 +322,27 @@ def test_parse_method():
         "edit H=64 P=4 tau=1 int8"
 
 
+@pytest.mark.parametrize(("spec", "got"), [
+    ("edit:H=5,,fragments=2", "an empty entry"), ("edit:H=5,", "an empty entry"),
+    ("edit:", "an empty entry"), ("edit:H=5, ,fragments=2", "an empty entry"),
+    ("edit:H=", "entry 'H='"), ("edit:=5", "entry '=5'"), ("edit:H", "entry 'H'"),
+    ("edit:H=5,fragments", "entry 'fragments'"), ("edit: = ", "entry '='"),
+])
+def test_a_malformed_method_spec_is_refused_naming_it(spec, got):
+    """``--method edit:H=5,,fragments=2`` skipped the empty entry without a word, ``H=``
+    and ``=5`` reached MethodSpec as a text H and a field named ''."""
+    with pytest.raises(ConfigError) as info:
+        parse_method(spec)
+    assert str(info.value) == (f"method: {spec!r}: expected NAME:key=value,key=value (every "
+                               f"entry a key and its value), got {got}")
+
+
+def test_a_method_spec_key_given_twice_keeps_its_last_value():
+    """The command line's rule (editrain/argv.py): the last value stands."""
+    assert parse_method("edit:H=5,H=6") == {"method": "edit", "H": 6}
+    assert parse_method("edit") == {"method": "edit"}
+
+
 def test_model_that_does_not_fit_names_the_field():
     c = cluster(gpu_memory_gb=16.0, nodes=1, gpus_per_node=8)
     m = ModelSpec(preset="7b", batch_size=8, seq_len=2048)

@@ -563,20 +563,32 @@ def _build(cls: type, data: dict[str, Any], section: str) -> Any:
 def parse_method(spec: str) -> dict[str, Any]:
     """A method setting from the command line: ``edit``, ``edit:H=64,fragments=4,codec=int8``.
 
+    Every entry after the colon is ``key=value`` with both sides given: an empty entry
+    (``H=5,,fragments=2``, a trailing comma), a missing key (``=5``) or value (``H=``) is
+    refused naming the spec, never skipped. A key given twice keeps its last value, as an
+    option given twice does (:mod:`editrain.argv`).
+
     Args:
         spec: the method name, then optional ``key=value`` pairs after a colon.
 
     Returns:
         The fields of a :class:`MethodSpec` (values parsed as TOML scalars, bare words as
         strings).
+
+    Raises:
+        ConfigError: ``"method: SPEC: ..."`` naming the malformed entry.
     """
-    name, _, rest = spec.partition(":")
+    name, colon, rest = spec.partition(":")
     out: dict[str, Any] = {"method": name.strip()}
-    for item in filter(None, (x.strip() for x in rest.split(","))):
-        key, eq, value = item.partition("=")
-        if not eq:
-            raise _fail("method", f"expected key=value in {spec!r}, got {item!r}")
-        out[key.strip()] = parse_scalar(value.strip())
+    if not colon:
+        return out
+    for item in (x.strip() for x in rest.split(",")):
+        key, eq, value = (part.strip() for part in item.partition("="))
+        if not (eq and key and value):
+            got = f"entry {item!r}" if item else "an empty entry"
+            raise _fail("method", f"{spec!r}: expected NAME:key=value,key=value (every "
+                                  f"entry a key and its value), got {got}")
+        out[key] = parse_scalar(value)
     return out
 
 
