@@ -193,6 +193,36 @@ def test_inline_table_option():
     assert cfg.sync.outer_optim_kwargs == {"lr": 0.5}
 
 
+@pytest.mark.parametrize(("table", "dotted", "read"), [
+    ("--model={preset='tiny', tie_embeddings=1}", "--model.tie_embeddings=1",
+     lambda c: c.model.tie_embeddings),
+    ("--model={preset='tiny', tie_embeddings=0}", "--model.tie_embeddings=0",
+     lambda c: c.model.tie_embeddings),
+    ("--model={preset='tiny', tie_embeddings='yes'}", "--model.tie_embeddings=yes",
+     lambda c: c.model.tie_embeddings),
+    ("--sync={cpu_offload=1}", "--sync.cpu_offload=1", lambda c: c.sync.cpu_offload),
+    ("--sync={gta={reducer='gta', normalize=0}}", "--sync.gta.normalize=0",
+     lambda c: c.sync.gta.normalize),
+    ("--sync.gta={reducer='gta', normalize=1}", "--sync.gta.normalize=1",
+     lambda c: c.sync.gta.normalize),
+])
+def test_a_sections_table_reads_a_flag_as_its_dotted_option_does(table, dotted, read):
+    """``--model.tie_embeddings=1`` was taken (a flag's words 1/0, yes/no) while
+    ``--model={tie_embeddings=1}`` was refused ("expected true or false, got 1"): one
+    command line, one rule for both spellings."""
+    given = ["--model.preset=tiny"] * ("preset" in table) + [
+        "--sync.gta.reducer=gta"] * ("gta" in table)
+    assert read(cli(table)) is read(cli(*given, dotted))
+
+
+@pytest.mark.parametrize("argv", [["--model={tie_embeddings=2}"], ["--model.tie_embeddings=2"],
+                                  ["--sync={gta={normalize=1.0}}"]])
+def test_a_flag_that_is_no_word_is_refused_in_either_spelling(argv):
+    with pytest.raises(ConfigError, match=r"^(model\.tie_embeddings|sync\.gta\.normalize): "
+                                          r"expected true or false"):
+        cli(*argv)
+
+
 def test_nested_section_option():
     cfg = cli("--sync.gta.density=0.5", "--sync.gta.reducer", "gta")
     assert isinstance(cfg.sync.gta, GTAConfig)

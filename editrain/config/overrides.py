@@ -90,7 +90,25 @@ def _parse_value(dotted: str, text: str) -> Any:
     value = parse_scalar(text)
     if not isinstance(value, str | list) and _is_text_option(dotted):
         return text
+    if isinstance(value, dict) and _is_section(dotted):
+        return _table_words(dotted, value)
     return value
+
+
+def _table_words(dotted: str, table: dict[str, Any]) -> dict[str, Any]:
+    """A section's inline table from the command line (``--model={tie_embeddings=1}``)
+    read by the rule of its dotted options (``--model.tie_embeddings=1``): a true-or-false
+    option's ``1`` / ``0``, a number in TOML, is its word. One command line, one rule: the
+    table refused what the dotted option took. Nested sections are read alike."""
+    out: dict[str, Any] = {}
+    for key, value in table.items():
+        inner = f"{dotted}.{key}"
+        if isinstance(value, dict) and _is_section(inner):
+            value = _table_words(inner, value)
+        elif type(value) is int and _is_bool_option(inner):
+            value = BOOL_WORDS.get(str(value), value)
+        out[key] = value
+    return out
 
 
 def _is_section(dotted: str) -> bool:
