@@ -742,6 +742,41 @@ def test_calibration_of_a_resumed_run_reads_its_latest_job_only(tmp_path):
         .model.vocab_size == 310
 
 
+CONFIG_EDITS = [
+    ("nproc = 2", "nproc = true", "dist.nproc: expected an integer, got True"),
+    ("shard_size = 1", "shard_size = 1.5", "dist.shard_size: expected an integer, got 1.5"),
+    ("fragments = 2", "fragments = true", "sync.fragments: expected an integer, got True"),
+    ("local_sgd_sync_interval = 4", 'local_sgd_sync_interval = "4"',
+     "sync.local_sgd_sync_interval: expected an integer, got '4'"),
+    ("overlap_steps = 1", "overlap_steps = 1.9",
+     "sync.overlap_steps: expected an integer, got 1.9"),
+    ("batch_size = 8", "batch_size = 8.5", "train.batch_size: expected an integer, got 8.5"),
+    ("seq_len = 64", "seq_len = -64", "train.seq_len: must be >= 1, got -64"),
+    ("overlap_steps = 1", 'overlap_steps = 1\nerror_feedback = "false"',
+     "sync.error_feedback: expected true or false, got 'false'"),
+    ("overlap_steps = 1", "overlap_steps = 1\ncpu_offload = 1",
+     "sync.cpu_offload: expected true or false, got 1"),
+    ('preset = "tiny"', 'preset = "tiny"\ntie_embeddings = "yes"',
+     "model.tie_embeddings: expected true or false, got 'yes'"),
+]
+
+
+@pytest.mark.parametrize(("old", "new", "why"), CONFIG_EDITS,
+                         ids=[new.split("\n")[-1] for _, new, _ in CONFIG_EDITS])
+def test_calibrate_reads_a_runs_config_toml_strictly(tmp_path, old, new, why):
+    """``plan --calibrate`` read a run's config.toml with ``int()`` and ``bool()``: a
+    ``true`` count was 1, ``1.5`` shards 1, ``"4"`` rounds of 4 steps, the text "false"
+    error feedback on. Each is refused, naming the file and the option."""
+    run = tmp_path / "run"
+    write_synthetic_run(run)
+    text = (run / "config.toml").read_text()
+    assert old in text
+    (run / "config.toml").write_text(text.replace(old, new, 1))
+    with pytest.raises(ConfigError) as info:
+        calibrate([run])
+    assert str(info.value) == f"plan: {run / 'config.toml'}: {why}"
+
+
 def test_calibrate_rejects_a_non_run(tmp_path):
     with pytest.raises(ConfigError, match="not a run directory"):
         calibrate([tmp_path])

@@ -43,7 +43,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from editrain.errors import ConfigError
+from editrain.errors import ConfigError, plain_count, plain_scalar
 from editrain.metrics import (
     current_rows,
     latest_job,
@@ -222,11 +222,31 @@ def _get(cfg: dict[str, Any], section: str, key: str, default: Any) -> Any:
     return default if v == "none" else v
 
 
+def _option_count(cfg: dict[str, Any], section: str, key: str, default: int,
+                  least: int = 1) -> int:
+    """``[section] key`` of a run's ``config.toml`` as the count training read: a TOML
+    integer of at least ``least`` (``true``, ``2.5``, ``"4"`` are refused naming the
+    option, never coerced by ``int()``: the run directory is a file anyone may have
+    edited)."""
+    return plain_count(_get(cfg, section, key, default), f"{section}.{key}", least)
+
+
+def _flag(cfg: dict[str, Any], section: str, key: str, default: bool | None) -> bool | None:
+    """``[section] key`` of a run's ``config.toml`` as true or false (None where unset and
+    ``default`` is None); a number or a string is refused naming the option (``bool()``
+    made the text "false" true)."""
+    value = _get(cfg, section, key, default)
+    return None if value is None else plain_scalar(value, bool, f"{section}.{key}")
+
+
 def _replicas(cfg: dict[str, Any]) -> int:
-    S = int(_get(cfg, "dist", "shard_size", 1))
-    tp = int(_get(cfg, "dist", "tp_size", 1))
-    per_replica = S * tp * int(_get(cfg, "dist", "pp_size", 1) or 1)
-    return max(1, int(_get(cfg, "dist", "nproc", per_replica)) // per_replica)
+    per_replica = (_option_count(cfg, "dist", "shard_size", 1) * _option_count(cfg, "dist", "tp_size", 1)
+                   * _option_count(cfg, "dist", "pp_size", 1))
+    return max(1, _nproc(cfg, per_replica) // per_replica)
+
+
+def _nproc(cfg: dict[str, Any], default: int) -> int:
+    return _option_count(cfg, "dist", "nproc", default)
 
 
 def read_config(run_dir: str | Path) -> tuple[MethodSpec, ModelSpec]:
@@ -339,29 +359,31 @@ def _read_toml(path: Path) -> dict[str, Any]:
 
 def _settings(cfg: dict[str, Any]) -> tuple[MethodSpec, ModelSpec]:
     """The :class:`MethodSpec` and :class:`ModelSpec` of a run's resolved configuration."""
-    S = int(_get(cfg, "dist", "shard_size", 1))
-    tp = int(_get(cfg, "dist", "tp_size", 1))
+    S = _option_count(cfg, "dist", "shard_size", 1)
+    tp = _option_count(cfg, "dist", "tp_size", 1)
     sync = cfg.get("sync", {})
     method_name = sync.get("method", "edit")
+    sync_time = _get(cfg, "sync", "local_sgd_sync_time", None)
     method = MethodSpec(
-        method=method_name, H=int(_get(cfg, "sync", "local_sgd_sync_interval", 32) or 32),
-        fragments=int(sync.get("fragments", 1)), overlap=int(sync.get("overlap_steps", 0)),
+        method=method_name, H=_option_count(cfg, "sync", "local_sgd_sync_interval", 32),
+        fragments=_option_count(cfg, "sync", "fragments", 1),
+        overlap=_option_count(cfg, "sync", "overlap_steps", 0, least=0),
         eager=sync.get("merge") == "eager",
         codec=sync.get("comm_dtype", "fp32") if method_name not in (
             "sync", "post_local_sgd") else "fp32",
-        error_feedback=bool(sync.get("error_feedback", True)),
-        cpu_offload=bool(sync.get("cpu_offload", False)),
-        layerwise=_bool(sync.get("layerwise", method_name in ("edit", "aedit"))),
-        sync_time_s=float(sync["local_sgd_sync_time"]) if method_name == "aedit"
-        and isinstance(sync.get("local_sgd_sync_time"), int | float) else None,
+        error_feedback=_flag(cfg, "sync", "error_feedback", True),
+        cpu_offload=_flag(cfg, "sync", "cpu_offload", False),
+        layerwise=_flag(cfg, "sync", "layerwise", method_name in ("edit", "aedit")),
+        sync_time_s=plain_scalar(sync_time, float, "sync.local_sgd_sync_time")
+        if method_name == "aedit" and sync_time is not None else None,
         shard_size=S, tp=tp, ft=_get(cfg, "dist", "fault_tolerance", "none") == "torchft",
         **_pipeline_settings(cfg))
     train = cfg.get("train", {})
     model = ModelSpec(
         **_model_source(cfg),
-        seq_len=int(train.get("seq_len", 64)),
-        batch_size=int(train.get("batch_size", 8)) * S
-        * int(train.get("gradient_accumulation_steps", 1)),
+        seq_len=_option_count(cfg, "train", "seq_len", 64),
+        batch_size=_option_count(cfg, "train", "batch_size", 8) * S
+        * _option_count(cfg, "train", "gradient_accumulation_steps", 1),
         dtype=train.get("precision", "fp32") if train.get("precision") in ("fp32", "bf16")
         else "fp32")
 
@@ -371,12 +393,12 @@ def _settings(cfg: dict[str, Any]) -> tuple[MethodSpec, ModelSpec]:
 def _pipeline_settings(cfg: dict[str, Any]) -> dict[str, Any]:
     """The :class:`MethodSpec` pipeline fields of a run's ``[dist]`` section (none without
     stages: training ignores the others then)."""
-    pp = int(_get(cfg, "dist", "pp_size", 1) or 1)
+    pp = _option_count(cfg, "dist", "pp_size", 1)
     if pp == 1:
         return {}
     return {"pp": pp, "pp_schedule": _get(cfg, "dist", "pp_schedule", "1f1b"),
-            "pp_microbatches": int(_get(cfg, "dist", "pp_microbatches", 0)),
-            "pp_stages_per_rank": int(_get(cfg, "dist", "pp_stages_per_rank", 1))}
+            "pp_microbatches": _option_count(cfg, "dist", "pp_microbatches", 0, least=0),
+            "pp_stages_per_rank": _option_count(cfg, "dist", "pp_stages_per_rank", 1)}
 
 
 def _model_source(cfg: dict[str, Any]) -> dict[str, Any]:
@@ -388,7 +410,7 @@ def _model_source(cfg: dict[str, Any]) -> dict[str, Any]:
     if any(v is not None for v in files.values()):
         return files
     shape = {name: _get(cfg, "model", option, None) for name, option in SHAPE_FIELDS.items()}
-    shape["tie_embeddings"] = _opt_bool(shape["tie_embeddings"])
+    shape["tie_embeddings"] = _flag(cfg, "model", "tie_embeddings", None)
     return {"preset": _get(cfg, "model", "preset", "small"),
             "vocab_size": _get(cfg, "data", "vocab_size", None), **shape}
 
@@ -409,11 +431,15 @@ def read_run(run_dir: str | Path, skip: int = 4) -> RunSample:
                           "and config.toml)")
     cfg = _read_toml(d / "config.toml")
     method, model = read_config(d)
-    S, replicas = method.shard_size or 1, _replicas(cfg)
-    # the rank files are keyed by global rank: the job's processes (tp peers and the
-    # pipeline's stages included)
-    start, rows, ranks = job_rows(d, int(_get(cfg, "dist", "nproc",
-                                              replicas * method.pp * S * method.tp)))
+    S = method.shard_size or 1
+    try:
+        replicas = _replicas(cfg)
+        # the rank files are keyed by global rank: the job's processes (tp peers and the
+        # pipeline's stages included)
+        world = _nproc(cfg, replicas * method.pp * S * method.tp)
+    except ConfigError as e:
+        raise ConfigError(f"plan: {d / 'config.toml'}: {e}") from None
+    start, rows, ranks = job_rows(d, world)
     # Every round of the job: those a step's row carries and those with a row of their
     # own (completed by finish() after the last step), each with the step it launched at.
     rounds = [(launch_step(r), r["sync"]) for r in rows if isinstance(r.get("sync"), dict)]
@@ -544,16 +570,6 @@ def peer_lag_s(clocks: dict[int, dict[int, float]], step: int) -> float:
     if mine is None or not others:
         return 0.0
     return max(0.0, max(others) - mine)
-
-
-def _bool(v: Any) -> bool:
-    return v is True or (isinstance(v, str) and v.lower() == "true")
-
-
-def _opt_bool(v: Any) -> bool | None:
-    if v is None:
-        return None
-    return _bool(v)
 
 
 def fit_link(rounds: list[tuple[float, float, float]], latency_s: float | None = None
