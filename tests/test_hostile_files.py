@@ -533,6 +533,38 @@ def test_model_directory_json_nested_too_deep_is_one_line(tmp_path):
         inspect_weights(tmp_path)
 
 
+@pytest.mark.parametrize("entry", [
+    {"dtype": "F32", "shape": [True, 2], "data_offsets": [0, 8]},
+    {"dtype": "F32", "shape": [2.7, 1], "data_offsets": [0, 8]},
+    {"dtype": "F32", "shape": ["2", 1], "data_offsets": [0, 8]},
+    {"dtype": "F32", "shape": [2, 1], "data_offsets": ["0", 8]},
+    {"dtype": "F32", "shape": [2, 1], "data_offsets": [0.0, 8]},
+    {"dtype": "F32", "shape": [2, 1], "data_offsets": [0, 8, 9]},
+    {"dtype": "F32", "shape": "21", "data_offsets": [0, 8]},
+    {"dtype": ["F32"], "shape": [2, 1], "data_offsets": [0, 8]},
+    [1, 2],
+])
+def test_a_safetensors_header_is_read_strictly(tmp_path, entry):
+    """A tensor's shape and byte range were read with ``int()``: a dimension of ``true``
+    was 1, ``2.7`` 2, ``"2"`` 2, an offset ``"0"`` 0, and a list as the dtype ended in a
+    TypeError. Each is refused in one line naming the option, the file and the tensor."""
+    import struct
+
+    from editrain.models.hf_dir import read_safetensors_header
+
+    header = json.dumps({"w": entry}).encode()
+    path = tmp_path / "model.safetensors"
+    path.write_bytes(struct.pack("<Q", len(header)) + header + bytes(8))
+    with pytest.raises(ValueError) as info:
+        read_safetensors_header(path)
+    msg = str(info.value)
+    assert "\n" not in msg and msg.startswith(f"model.init_from: {path}"), msg
+    assert "'w'" in msg, msg
+    good = json.dumps({"w": {"dtype": "F32", "shape": [2, 1], "data_offsets": [0, 8]}}).encode()
+    path.write_bytes(struct.pack("<Q", len(good)) + good + bytes(8))
+    assert read_safetensors_header(path)["w"].shape == (2, 1)
+
+
 # ---------------------------------------------------------------------------- classes 2, 3
 MARKER = {"format": 3, "step": 8, "topology": [2, 1], "num_units": 3, "method": "diloco",
           "seq_len": 32, "config": {"checkpoint": {"every": 4}, "train": {"eval_every": 4}}}

@@ -162,6 +162,11 @@ def _trusted_roots(root: Path) -> list[Path]:
     return trusted
 
 
+def _integers(value: Any) -> bool:
+    """Whether ``value`` is a list of JSON integers (never a bool, a float or a string)."""
+    return isinstance(value, list) and all(type(v) is int for v in value)
+
+
 def read_safetensors_header(path: Path, option: str = "model.init_from"
                             ) -> dict[str, TensorInfo]:
     """The tensors a safetensors file holds, from its header, each checked against the file.
@@ -193,12 +198,16 @@ def read_safetensors_header(path: Path, option: str = "model.init_from"
     for name, entry in header.items():
         if name == "__metadata__":
             continue
-        try:
-            dtype, shape = entry["dtype"], [int(d) for d in entry["shape"]]
-            begin, end = (int(x) for x in entry["data_offsets"])
-        except (TypeError, KeyError, ValueError):
-            raise _fail(option, f"{path} is corrupt (bad header entry for {name!r})") from None
-        if dtype not in _DTYPE_BYTES or any(d < 0 for d in shape):
+        # Sizes and offsets as the header writes them, JSON integers: int() made a
+        # dimension of true 1, of 2.7 2 and of "12" 12 (and an offset of "0" 0).
+        if not (isinstance(entry, dict) and _integers(entry.get("shape"))
+                and _integers(entry.get("data_offsets")) and len(entry["data_offsets"]) == 2):
+            raise _fail(option, f"{path} is corrupt (bad header entry for {name!r}: its shape "
+                        f"and data_offsets must be lists of JSON integers, found "
+                        f"{quote(entry)})")
+        dtype, shape = entry.get("dtype"), list(entry["shape"])
+        begin, end = entry["data_offsets"]
+        if not isinstance(dtype, str) or dtype not in _DTYPE_BYTES or any(d < 0 for d in shape):
             raise _fail(option, f"{path}: tensor {name!r} has dtype {quote(dtype)} and shape "
                         f"{shape}, which safetensors does not define")
         want = math.prod(shape) * _DTYPE_BYTES[dtype]
