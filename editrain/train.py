@@ -391,9 +391,14 @@ class Trainer:
         """Before the first step: the start line, the first quorum (fault-tolerant), the
         initial (or elastic-resume) evaluation; returns the validation loss (NaN if none)."""
         self._log_start()
-        if self.ft:
-            self._ft_join()
+        joined = self._ft_join() if self.ft else None
+        # The job's start first, then what its join did: readers take the start event as
+        # the boundary of a job's rows (editrain.metrics.latest_job, current_rows), so the
+        # join's row belongs after it. Its step is where this job's rows are numbered
+        # from: a replica that healed took the peers' step in the join.
         self._mark_job_start()
+        if joined is not None:
+            self._write(joined)
         if self.loop.healed_at is not None:
             return float("nan")  # joined a running job: its curve goes on from the peers'
         if self.loop.resumed_from is None:
@@ -705,9 +710,14 @@ class Trainer:
             self.ft_group.shutdown()
 
     # ------------------------------------------------------------------ fault tolerance
-    def _ft_join(self) -> None:
+    def _ft_join(self) -> dict[str, Any] | None:
         """Take part in the first quorum; a replica that restarts heals there (the global
-        model, outer and inner optimizer state, step and data position from a peer)."""
+        model, outer and inner optimizer state, step and data position from a peer).
+
+        Returns:
+            The ``ft_join`` event row of a replica that healed, for the logging rank to
+            write after the job's start (:meth:`_begin`); None otherwise.
+        """
         # A group the launcher restarted rejoins a running job (one peer to heal from is
         # enough); any other start, a resume included, waits for every replica group.
         rejoining = env_int(ATTEMPT_ENV, 0) > 0
@@ -715,16 +725,16 @@ class Trainer:
                          timeout_s=max(600.0, 2 * self.cfg.dist.ft_join_timeout_s))
         syncs = self.engine.pop_sync_log()
         if self.loop.healed_at is None:
-            return
+            return None
         # Evaluations and checkpoints the peers already took are not repeated here.
         self.loop.skip_due(self.loop.step, self.cfg.train.eval_every, self.cfg.checkpoint.every)
-        if self.is_logger:
-            log.warning("replica %d joined the running job at step %d (healed from a peer)",
-                        self.replica, self.loop.step)
-            self._write({"event": "ft_join", "step": self.loop.step, "tokens": self._tokens(),
-                         "replica": self.replica, "wall_time_s": self._wall(),
-                         "unix_time": time.time(),
-                         "sync": syncs[-1] if syncs else None})
+        if not self.is_logger:
+            return None
+        log.warning("replica %d joined the running job at step %d (healed from a peer)",
+                    self.replica, self.loop.step)
+        return {"event": "ft_join", "step": self.loop.step, "tokens": self._tokens(),
+                "replica": self.replica, "wall_time_s": self._wall(),
+                "unix_time": time.time(), "sync": syncs[-1] if syncs else None}
 
     def _ft_state(self) -> dict[str, Any]:
         """The trainer's share of what a healing replica receives (see ``_ft_join``)."""

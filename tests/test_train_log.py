@@ -76,3 +76,49 @@ def test_the_done_lines_times_say_what_they_count() -> None:
     assert times_said(0.24, 0.24, False, None) == "0.2 s training"
     assert times_said(1.32, 0.41, True, 9.8) == \
         "1.3 s training over the run's jobs, 0.4 s in this one, 9.8 s end to end"
+
+
+def test_a_healed_replica_writes_its_job_start_before_its_ft_join_row() -> None:
+    """A replica group that heals in its first quorum (it restarted while the others
+    trained on) starts its rows in metrics.jsonl with the job's start event, then the
+    ``ft_join`` event, both at the step it healed to. Readers take the job's start as the
+    boundary of its rows (editrain.metrics.latest_job); before, the join's row was written
+    first and counted among the earlier job's rows."""
+    from types import SimpleNamespace
+
+    from editrain.metrics import JOB_START, latest_job
+    from editrain.train import Trainer
+
+    written: list[dict] = []
+    trainer = Trainer.__new__(Trainer)  # (its parts faked: no model, no process group)
+
+    class Loop(SimpleNamespace):
+        def skip_due(self, *args) -> None:
+            pass
+
+        def wall(self) -> float:
+            return 1.5
+
+    class Engine:
+        def join(self, start_quorum, timeout_s) -> bool:
+            loop.step, loop.healed_at = 12, 12  # healed: the peers' step
+            return True
+
+        def pop_sync_log(self) -> list[dict]:
+            return [{"sync": 4, "committed": True, "healed": True}]
+
+    loop = Loop(step=0, healed_at=None, replays=None)
+    trainer.__dict__.update(
+        loop=loop, engine=Engine(), ft=True, is_logger=True, replica=2, replicas=3,
+        cfg=SimpleNamespace(dist=SimpleNamespace(ft_join_timeout_s=60.0),
+                            train=SimpleNamespace(eval_every=0),
+                            checkpoint=SimpleNamespace(every=0)),
+        rank_log=SimpleNamespace(write=lambda row: None),
+        metrics=SimpleNamespace(write=written.append))
+    trainer._log_start = lambda: None
+    trainer._tokens = lambda: 3072
+    val = trainer._begin()
+    assert val != val  # NaN: a healed replica's curve goes on from the peers'
+    assert [(r.get("event"), r["step"]) for r in written] == [(JOB_START, 12), ("ft_join", 12)]
+    assert written[1]["sync"]["sync"] == 4 and written[1]["replica"] == 2
+    assert latest_job(written) == (12, [written[1]])
