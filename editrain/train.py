@@ -750,8 +750,19 @@ class Trainer:
 
 
 def sync_summary(entry: dict[str, Any]) -> str:
-    """One compact log line for a finished sync (the full record is in metrics.jsonl)."""
-    head = f"sync {entry['sync']}"
+    """One compact log line for a finished sync (the full record is in metrics.jsonl).
+
+    A fault-tolerant round (it says whether it was ``committed``) that synced nothing is
+    no sync: one that did not commit, or the closing round where nobody trained since
+    the last, is said to be a round, so the lines that say "sync" are the syncs that
+    happened (``num_syncs``). Each is numbered by its index, as in metrics.jsonl."""
+    committed = entry.get("committed")
+    if committed is False:
+        head = f"round {entry['sync']} not committed"
+    elif committed and not entry.get("units"):
+        head = f"round {entry['sync']} (nothing to sync)"
+    else:
+        head = f"sync {entry['sync']}"
     # A streaming round names its fragment; a delayed one its launch (the rounds the end
     # forces on a streaming run run at once: a fragment and no launch step).
     where = [f"fragment {entry['fragment']}"] if "fragment" in entry else []
@@ -775,6 +786,8 @@ def sync_summary(entry: dict[str, Any]) -> str:
     clip = [c for c in entry.get("clip", []) if c == c]  # drop NaN (skipped units)
     if clip and min(clip) < 1.0:
         parts.append(f"clipped {sum(c < 1.0 for c in clip)} units (min x{min(clip):.2f})")
+    if entry.get("error"):
+        parts.append(f"error: {entry['error']}")
     return "; ".join(parts)
 
 

@@ -36,6 +36,22 @@ def test_sync_summary_names_a_fragment_and_a_launch_where_the_round_has_them() -
         "sync 4 (launched @step 11) @step 12: ")
 
 
+def test_sync_summary_says_a_fault_tolerant_round_that_synced_nothing_is_no_sync() -> None:
+    """With --ft the log has a line for every round, the ones that did not commit and the
+    closing one where nobody trained included: only the rounds that synced say "sync", so
+    the lines that do count the syncs that happened; the others name their round index
+    (metrics.jsonl's) and a failure its error."""
+    base = {"step": 8, "wait_s": 0.0, "comm_time_s": 0.001, "bytes_sent": 0}
+    assert sync_summary({**base, "sync": 3, "committed": True, "units": 3}).startswith(
+        "sync 3 @step 8: ")
+    failed = sync_summary({**base, "sync": 4, "committed": False, "units": 3,
+                           "error": "cross-replica all-reduce failed"})
+    assert failed.startswith("round 4 not committed @step 8: ")
+    assert failed.endswith("; error: cross-replica all-reduce failed")
+    assert sync_summary({**base, "sync": 5, "committed": True, "units": 0}).startswith(
+        "round 5 (nothing to sync) @step 8: ")
+
+
 def test_metrics_rows_are_flushed_at_once_and_fsynced_rarely(tmp_path, monkeypatch) -> None:
     """Every row reaches the file at once (a killed worker loses at most the row it was
     writing), but fsync runs at most every fsync_every_s and on close, not at every step."""

@@ -196,7 +196,16 @@ class FaultTolerantSchedule(BlockingSchedule):
                 self.group.report_error(RuntimeError(error))  # every member votes no
         except QuorumError as exc:
             error = str(exc).splitlines()[0][:200]
-        return self._end(rnd, quorum, error)
+        committed = self._end(rnd, quorum, error)
+        if joining and not committed:
+            # A join's attempts are one round, numbered by the attempt that commits: the
+            # attempts before it (a quorum short of the others, tried every 0.2 s while a
+            # group waits for them, dozens under torchrun) are not rounds of the run, and
+            # the trainer logs none of them (its sync lines and metrics.jsonl start after
+            # the join). Each used to take an index, so a run's first sync was numbered by
+            # how long its groups waited for each other ("sync 74").
+            self.engine.counters.next_index = rnd.index
+        return committed
 
     def _wait(self, rnd: SyncRound, jobs: Future) -> None:
         """Wait for the round's jobs on the training thread, counted as a plain round's
