@@ -438,6 +438,37 @@ def test_a_torchrun_restart_of_a_group_whose_start_ended_is_checked_again(tmp_pa
     assert start["ft_groups"] == [0, 1] and start["ft_groups_ended"] == [0, 1]
 
 
+def test_a_group_started_after_the_others_finished_the_run_is_told_at_once(tmp_path):
+    """Group 1's job died at its step 4; group 0 trained on alone and finished the run
+    (its final checkpoint at train.steps 6, its job ended). torchrun's restart of group 1,
+    or a new job of it with --resume RUN, has no group left to meet in its first quorum:
+    it is refused at once, naming the step the run ended at. Before, it waited out the
+    quorum timeout (600 s), failed, and torchrun restarted it to wait again. With a larger
+    --train.steps the other group may be resumed too, and with an older checkpoint of its
+    own named a new timeline begins: those still start (and wait for the others)."""
+    run = tmp_path / "run"
+    steps = {"train": {"steps": 6}}
+    group0, group1 = start_groups(run, 0, 1, **steps)
+    group_ckpt(run, 0, 6)
+    for step in (2, 4):
+        group_ckpt(run, 1, step)
+    group1.lock.release()  # group 1's job died (torchrun restarts it)
+    end_groups(run, [group0])  # group 0 finished the run
+    ended = (r"--dist.ft_replica_id: the run in \S+/run has ended at step 6: replica "
+             r"group\(s\) 0 finished it \(train.steps 6; their latest checkpoints: group 0 "
+             r"step 6\) .* nothing to rejoin")
+    with pytest.raises(RunDirError, match=ended):
+        start_groups(run, 1, restart=1, **steps)  # torchrun's restart
+    with pytest.raises(RunDirError, match=ended):
+        start_groups(run, 1, resume=str(run), **steps)  # a new job, --resume RUN
+    record = rundir.read_record(run)  # nothing claimed; group 1's earlier job noted over
+    assert len(record.history) == 1 and record.history[0]["ft_groups_ended"] == [0, 1]
+    end_groups(run, start_groups(run, 1, resume=str(run / "replica1" / "checkpoints" /
+                                                     "step_00000002"), **steps))
+    end_groups(run, start_groups(run, 1, resume=str(run), train={"steps": 8}))
+    assert len(rundir.read_record(run).history) == 3
+
+
 def test_a_group_that_will_not_be_started_again_is_dropped_by_moving_its_directory(
         tmp_path, monkeypatch):
     """A run of three torchrun groups, all killed, is started again with two: group 2 of

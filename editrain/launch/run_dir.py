@@ -152,6 +152,49 @@ def _refuse_nothing_left(cfg: Config, replica: int | None) -> None:
         refuse_no_steps_left(ckpt, cfg)
 
 
+def ended_run_problem(cfg: Config, run_dir: Path, replica: int) -> str | None:
+    """Why replica group ``replica`` (a torchrun job of a fault-tolerant run) has nothing
+    to rejoin in ``run_dir``, or None.
+
+    A group trains only once it has met every other group in its first quorum (a start, a
+    resume, a torchrun restart alike: :meth:`~editrain.sync.edit.SyncEngine.join`). Where
+    every other group's job is over (none holds its lock) and its latest checkpoint leaves
+    no step under this job's ``train.steps`` (its final one: it finished the run), none of
+    them can come back to meet it: such a group used to wait out the quorum timeout
+    (600 s), fail, and be restarted by torchrun to wait again. A group whose directory
+    or checkpoints are missing, or that has steps left, may yet be started again: the
+    group waits for it as before. So does a job whose ``--resume`` names a checkpoint of
+    its own other than its latest: that starts a new timeline, which the other groups
+    may join from checkpoints of their own. Call holding the run's lock.
+    """
+    from editrain.checkpoint import steps_left_problem
+
+    groups = [g for g in range(_groups(cfg)) if g != replica]
+    if not groups or rundir.running_groups(run_dir, but=replica):
+        return None
+    own = rundir.list_checkpoints(run_dir / f"replica{replica}")
+    if own and any(ckpt.resolve() != own[-1].resolve()
+                   for ckpt in resume_checkpoints(cfg, replica)):
+        return None
+    ends = {}
+    for g in groups:
+        latest = rundir.list_checkpoints(run_dir / f"replica{g}")
+        if not latest:
+            return None
+        marker = rundir.read_marker(latest[-1])
+        if steps_left_problem(marker, cfg) is None:
+            return None
+        ends[g] = marker["step"]
+    last = max(ends.values())
+    return (f"--dist.ft_replica_id: the run in {run_dir} has ended at step {last}: replica "
+            f"group(s) {', '.join(map(str, groups))} finished it (train.steps "
+            f"{cfg.train.steps}; their latest checkpoints: "
+            f"{', '.join(f'group {g} step {s}' for g, s in ends.items())}) and their jobs "
+            f"are over, so replica group {replica} has no group to meet in its first "
+            f"quorum: nothing to rejoin. To train on, resume every group with a larger "
+            f"--train.steps (--resume {run_dir})")
+
+
 def check_run_dir(cfg: Config, run_dir: Path, replica: int | None = None) -> rundir.Claim:
     """Whether this job may use ``run_dir`` (:func:`editrain.rundir.check`): a directory
     holding a run is refused unless this job resumes that same run or ``--overwrite`` is
@@ -726,6 +769,8 @@ class RunDirClaim:
                     f"replica group {replica}'s place in the start of the run in "
                     f"{job.run_dir}")):
                 return False
+            if ended_run_problem(job.cfg, job.run_dir, replica):
+                return False  # checked as a new job, and refused (_start_or_join)
             self.lock.acquire()
             return True
 
@@ -744,6 +789,9 @@ class RunDirClaim:
             # unchecked as a member that has not ended (_rejoin). A job that passes joins
             # or claims the start as a member again.
             rundir.note_group(job.run_dir, replica, ended=True)
+            ended = ended_run_problem(job.cfg, job.run_dir, replica)
+            if ended:
+                raise RunDirError(ended)
             if rundir.running_groups(job.run_dir, but=replica):
                 join_run(job.cfg, job.run_dir, replica)
                 note_group_claim(job.run_dir, replica, token)
