@@ -338,10 +338,12 @@ def _is_step(value: Any) -> bool:
 
 
 def _is_step_number(value: Any) -> bool:
-    """Whether ``value`` is the step of a measurement row: a finite number, not a bool."""
+    """Whether ``value`` is the step of a measurement row: a finite number >= 0, not a
+    bool (a negative step, which editrain never writes, would read as a later job going
+    back before every step and drop the history)."""
     if isinstance(value, float):
-        return math.isfinite(value)
-    return isinstance(value, int) and not isinstance(value, bool)
+        return math.isfinite(value) and value >= 0
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 def _left_by_a_later_job(kept: list[dict[str, Any]], start: int, first: int
@@ -566,8 +568,10 @@ def read_rank_steps(run_dir: str | Path, latest_job_only: bool = False
     """The per-rank step rows of a run directory (``ranks/rank{RANK}.jsonl``), cleaned.
 
     Reads the files with :func:`read_rank_logs` and keeps the step rows: rows
-    without a ``step`` and a ``wall_time_s`` (events) and replayed rows of a resumed run
-    are left out, and a later attempt's rows replace an earlier one's (:func:`latest_rows`).
+    without a ``step`` and a ``wall_time_s`` (events), rows whose step is no number >= 0
+    (a string, a bool, NaN: no measurement, as in :func:`current_rows`) and replayed rows
+    of a resumed run are left out, and a later attempt's rows replace an earlier one's
+    (:func:`latest_rows`).
 
     Args:
         run_dir: the run directory.
@@ -584,10 +588,18 @@ def read_rank_steps(run_dir: str | Path, latest_job_only: bool = False
         if latest_job_only:
             job = latest_job(raw)
             raw = job[1] if job is not None else []
-        rows = [r for r in raw if isinstance(r, dict) and "step" in r and "wall_time_s" in r
-                and "event" not in r and not r.get("replayed")]
-        out[int(rows[0].get("rank", rank)) if rows else rank] = latest_rows(rows)
+        rows = [r for r in raw if isinstance(r, dict) and _is_step_number(r.get("step"))
+                and "wall_time_s" in r and "event" not in r and not r.get("replayed")]
+        out[_rank_of(rows, rank)] = latest_rows(rows)
     return out
+
+
+def _rank_of(rows: list[dict[str, Any]], file_rank: int) -> int:
+    """The rank a rank file's rows say they are (their first row's ``rank``), else the
+    file name's: a ``rank`` that is no integer >= 0 (``true``, ``"1"``, 1.5) is no rank
+    (``int()`` made those 1)."""
+    said = rows[0].get("rank") if rows else None
+    return said if _is_step(said) and said >= 0 else file_rank
 
 
 def latest_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -70,3 +70,31 @@ def test_fault_tolerant_summary_is_strict_json(tmp_path: Path):
     summarise_groups(tmp_path, 2, [], 1.0)
     data = strict_loads((tmp_path / "summary.json").read_text())
     assert data["final_val_loss"] is None and data["steps"] == 4
+
+
+@pytest.mark.parametrize("step", ["5", True, -1, float("nan"), float("inf"), [5], None])
+def test_a_rank_row_whose_step_is_no_step_is_no_measurement(tmp_path, step):
+    """A rank file's row whose ``step`` is no number >= 0 is left out, as
+    ``current_rows`` leaves out such a row of ``metrics.jsonl``; before, a string step
+    ended in a TypeError when the rows were ordered, and a ``rank`` of ``"1"`` or ``true``
+    was taken as rank 1 by ``int()``."""
+    from editrain.metrics import current_rows, read_rank_steps
+
+    (tmp_path / "ranks").mkdir()
+    rows = [{"rank": 0, "step": s, "wall_time_s": float(s)} for s in (1, 2, 3)]
+    hostile = [rows[0], {"rank": 0, "step": step, "wall_time_s": 9.0}, *rows[1:]]
+    (tmp_path / "ranks" / "rank0.jsonl").write_text(
+        "".join(json.dumps(r) + "\n" for r in hostile))
+    assert read_rank_steps(tmp_path) == {0: rows}
+    assert current_rows([{**r, "loss": 1.0} for r in hostile]) == \
+        [{**r, "loss": 1.0} for r in rows]
+
+
+@pytest.mark.parametrize("rank", ["1", True, 1.5, -1])
+def test_a_rank_rows_rank_that_is_no_rank_leaves_the_files_own(tmp_path, rank):
+    from editrain.metrics import read_rank_steps
+
+    (tmp_path / "ranks").mkdir()
+    (tmp_path / "ranks" / "rank0.jsonl").write_text(
+        json.dumps({"rank": rank, "step": 1, "wall_time_s": 1.0}) + "\n")
+    assert list(read_rank_steps(tmp_path)) == [0]

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 
 import pytest
 
@@ -1018,3 +1019,68 @@ def test_calibrate_refuses_runs_of_different_jobs(tmp_path):
     same = tmp_path / "d"
     write_synthetic_run(same, simulated=False)  # another link: still one job
     assert len(calibrate([tmp_path / "a", same]).samples) == 2
+
+
+HOSTILE_NUMBERS = (True, "1", math.nan, math.inf, -1)
+"""Values no field of a metrics row the calibration reads may hold: a bool (``float(True)``
+was 1), a string (``float("1")`` parsed it), NaN and infinity, a negative."""
+HOSTILE_FIELDS = (
+    # (file, row index, path to the field, bad values beyond HOSTILE_NUMBERS)
+    ("metrics", 9, ("sync", "bytes_sent"), (2.5,)),
+    ("metrics", 9, ("sync", "comm_time_s"), ()),
+    ("metrics", 9, ("sync", "link_delay_s"), ()),
+    ("metrics", 9, ("sync", "sync_collectives"), (2.5,)),
+    ("metrics", 9, ("sync", "launch_step"), (9.5,)),
+    ("metrics", 9, ("sync", "step"), (9.5,)),
+    ("metrics", 9, ("step",), (10.5,)),
+    ("metrics", 10, ("compute_s",), ()),
+    ("metrics", 10, ("sync_wait_s",), ()),
+    ("metrics", 10, ("grad_sync_s",), ()),
+    ("metrics", 10, ("train_time_s",), ()),
+    ("rank1", 12, ("compute_s",), ()),
+    ("rank1", 12, ("replica",), (1.5,)),
+    ("rank1", 12, ("sim_stall_s",), ()),
+    ("rank1", 12, ("unix_time",), ()),
+    ("rank1", 12, ("step",), (13.5,)),
+)
+
+
+def _hostile_cases():
+    for file, index, path, extra in HOSTILE_FIELDS:
+        for value in (*HOSTILE_NUMBERS, *extra):
+            yield pytest.param(file, index, path, value, id=f"{file}-{'.'.join(path)}-{value!r}")
+
+
+@pytest.mark.parametrize("file,index,path,value", list(_hostile_cases()))
+def test_calibration_skips_a_row_whose_field_is_not_what_editrain_writes(
+        tmp_path, file, index, path, value):
+    """A row of ``metrics.jsonl`` or a rank's file whose field the calibration reads holds
+    what editrain never writes (a bool, a string, NaN, infinity, a negative time, a float
+    count or step) is skipped as no measurement, as the other readers of those files skip
+    a row they cannot read: the calibration is that of the run without the row. Before,
+    ``float()`` / ``int()`` took ``true`` as 1, parsed ``"1"``, truncated a step of 9.5,
+    and let NaN, infinity and negative seconds into the fit (or crashed on a string)."""
+    source, hostile, without = (tmp_path / n for n in ("source", "hostile", "without"))
+    write_synthetic_run(source, own_latency_s=0.001, own_bandwidth=8e6)
+    for rank in (0, 1):  # every rank's clock and stall, as the trainer logs them
+        log = source / "ranks" / f"rank{rank}.jsonl"
+        lines = [json.loads(x) for x in log.read_text().splitlines()]
+        log.write_text("".join(json.dumps({**x, "sim_stall_s": 0.0, "unix_time": 1e9
+                                           + x["wall_time_s"]}) + "\n" for x in lines))
+    shutil.copytree(source, hostile)
+    shutil.copytree(source, without)
+    name = "metrics.jsonl" if file == "metrics" else f"ranks/{file}.jsonl"
+    rows = [json.loads(x) for x in (source / name).read_text().splitlines()]
+    target = rows[index]
+    for key in path[:-1]:
+        target = target[key]
+    assert path[-1] in target or path[-1] in ("launch_step",)
+    target[path[-1]] = value
+    (hostile / name).write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (without / name).write_text("".join(json.dumps(r) + "\n" for i, r in enumerate(rows)
+                                        if i != index))
+    got, want = calibrate([hostile]).samples[0], calibrate([without]).samples[0]
+    assert got.syncs == want.syncs
+    assert (got.compute_s, got.overhead_s, got.factors, got.quiet_compute_s) == \
+        (want.compute_s, want.overhead_s, want.factors, want.quiet_compute_s)
+    assert all(math.isfinite(x) and x >= 0 for s in got.syncs for x in s)

@@ -54,7 +54,7 @@ from editrain.metrics import (
 from editrain.plan.inputs import GBIT, SHAPE_FIELDS, Cluster, MethodSpec, ModelSpec
 from editrain.plan.model import model_shape, step_flops
 from editrain.rundir import list_checkpoints, read_marker
-from editrain.safe_io import Obj, read_json, read_toml
+from editrain.safe_io import Int, Num, Obj, read_json, read_toml
 
 
 @dataclass
@@ -346,6 +346,47 @@ def job_rows(run_dir: Path, world: int
     return start, rows, ranks
 
 
+_SECONDS = Num(nullable=True)
+"""A duration a row logs: a finite JSON number >= 0 (``null``: not measured, as
+:func:`editrain.metrics.to_json` writes a NaN)."""
+ROUND_SCHEMA = Obj({
+    "step": Int(), "launch_step": Int(), "comm_time_s": _SECONDS,
+    "link_delay_s": _SECONDS, "bytes_sent": Int(nullable=True),
+    "sync_collectives": Int(nullable=True)})
+"""The fields of a row's ``sync`` entry the calibration reads, as editrain writes them."""
+ROW_SCHEMA = Obj({
+    "step": Int(), "replica": Int(hi=1 << 20), "compute_s": _SECONDS,
+    "sim_stall_s": _SECONDS, "sync_wait_s": _SECONDS, "grad_sync_s": _SECONDS,
+    "wall_time_s": Num(), "train_time_s": Num(), "unix_time": Num(nullable=True),
+    "sync": Obj(ROUND_SCHEMA.fields, nullable=True)})
+"""The fields of a row of ``metrics.jsonl`` or of a rank's file that the calibration
+reads, as editrain writes them (other fields are not looked at)."""
+
+
+def measured_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The rows of ``rows`` whose every field the calibration reads is what editrain
+    writes there (:data:`ROW_SCHEMA`: steps and counts JSON integers, seconds finite
+    numbers >= 0, a bool or a string never a number).
+
+    A row with another value (``true``, ``"0.1"``, NaN, a negative time, a step of 9.5)
+    is skipped as no measurement, not refused: every reader of these files skips a row it
+    cannot read (:func:`editrain.metrics.read_jsonl` a line that is no JSON object,
+    :func:`editrain.metrics.current_rows` a step that is no number, the benchmarks' and
+    plots' readers a loss that is no finite number), since the file is a log a killed
+    writer or a hand may have left anything in. The fit from the rows left is still one
+    of measured rows; a run left with too few steps is refused as a short run is.
+    Before, ``float()`` and ``int()`` took ``true`` as 1, parsed ``"0.1"``, truncated a
+    step and let NaN and negative seconds into the fit."""
+    kept = []
+    for row in rows:
+        try:
+            ROW_SCHEMA.check(row, "row", "", ValueError)
+        except ValueError:
+            continue
+        kept.append(row)
+    return kept
+
+
 CONFIG_MAX_BYTES = 4 << 20
 """The largest ``config.toml`` of a run directory read (a few kilobytes are written)."""
 
@@ -440,6 +481,8 @@ def read_run(run_dir: str | Path, skip: int = 4) -> RunSample:
     except ConfigError as e:
         raise ConfigError(f"plan: {d / 'config.toml'}: {e}") from None
     start, rows, ranks = job_rows(d, world)
+    rows = measured_rows(rows)
+    ranks = {rank: measured_rows(got) for rank, got in ranks.items()}
     # Every round of the job: those a step's row carries and those with a row of their
     # own (completed by finish() after the last step), each with the step it launched at.
     rounds = [(launch_step(r), r["sync"]) for r in rows if isinstance(r.get("sync"), dict)]
@@ -464,15 +507,15 @@ def read_run(run_dir: str | Path, skip: int = 4) -> RunSample:
         # its own first steps: a rank's file counts its replica's steps (A-EDiT's apart)
         own_first = got[0]["step"] - 1 + skip if got else first
         for r in got:
-            if isinstance(r.get("unix_time"), int | float):
+            if r.get("unix_time") is not None:
                 clocks.setdefault(rank, {})[r["step"]] = r["unix_time"]
-            if r["step"] > own_first and isinstance(r.get("compute_s"), int | float):
+            if r["step"] > own_first and r.get("compute_s") is not None:
                 c = r["compute_s"]
-                per_replica.setdefault(int(r.get("replica", 0)), []).append(
+                per_replica.setdefault(r.get("replica", 0), []).append(
                     (c, c + (r.get("sim_stall_s") or 0.0), r["step"]))
     if not per_replica:
         per_replica = {0: [(r["compute_s"], r["compute_s"], r["step"]) for r in window
-                           if "compute_s" in r]}
+                           if r.get("compute_s") is not None]}
     means = sorted((statistics.fmean(b for _, b, _ in v), statistics.fmean(c for c, _, _ in v),
                     [(k, c) for c, _, k in v]) for v in per_replica.values() if v)
     # The fastest replica's own compute (its random stalls, if any, are the model's to add).
@@ -505,7 +548,7 @@ def read_run(run_dir: str | Path, skip: int = 4) -> RunSample:
     # other stages' rounds share at the same time: they fit no link (docs/planning.md).
     for i, (k, s) in enumerate(rounds if method.pp == 1 else []):
         if s.get("comm_time_s") is not None and s.get("bytes_sent") is not None:
-            delay = float(s.get("link_delay_s") or 0.0)
+            delay = s.get("link_delay_s") or 0.0
             # The logging rank (rank 0) waits inside the round's first collective for the
             # ranks that launched it later; that is no cost of the link or the machine.
             # (A-EDiT's replicas count their steps apart: no common step to compare.)
@@ -514,8 +557,8 @@ def read_run(run_dir: str | Path, skip: int = 4) -> RunSample:
             # together.
             late = 0.0 if method.method == "aedit" or i in at_end[1:] else peer_lag_s(
                 clocks, k)
-            syncs.append((float(s.get("sync_collectives") or 1), float(s["bytes_sent"]) * S,
-                          max(delay, float(s["comm_time_s"]) - late)))
+            syncs.append((float(s.get("sync_collectives") or 1), float(s["bytes_sent"] * S),
+                          max(delay, s["comm_time_s"] - late)))
             delays.append(delay)
     return RunSample(str(d), method, model, replicas, S, fastest, overhead,
                      [m / fastest for m in medians], syncs, delays, dict(cfg.get("sim", {})),
@@ -532,13 +575,15 @@ def launch_step(row: dict[str, Any]) -> int:
     round launched at its entry's ``step``: a layer-wise round runs in the next forward
     (its row is that step's), a blocking one at that boundary, and those
     ``finish(force=True)`` runs after the last step there (the last step's clock: each
-    rank gets there after it)."""
+    rank gets there after it).
+
+    ``row`` is one :func:`measured_rows` kept: its steps are JSON integers (a float step
+    is no step of editrain's: ``int()`` truncated one)."""
     entry = row["sync"]
     for key in ("launch_step", "step"):
-        value = entry.get(key)
-        if isinstance(value, int | float) and not isinstance(value, bool):
-            return int(value)
-    return int(row["step"])
+        if key in entry:
+            return entry[key]
+    return row["step"]
 
 
 def _launched_by_the_end(rows: list[dict[str, Any]]) -> list[int]:
@@ -739,4 +784,4 @@ def pipeline_factor(sample: RunSample) -> float:
 
 
 __all__ = ["Calibration", "RunSample", "calibrate", "fit_compute", "fit_link", "job_rows",
-           "launch_step", "peer_lag_s", "read_config", "read_run", "run_vocab_size"]
+           "launch_step", "measured_rows", "peer_lag_s", "read_config", "read_run", "run_vocab_size"]
