@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 import os
 import re
 import shutil
@@ -1204,3 +1205,79 @@ def test_a_json_files_value_is_quoted_as_json_by_its_schema(tmp_path):
         path.write_text('{"step": ' + text + "}")
         with pytest.raises(CheckpointError, match=rf"\(found {re.escape(found)}\)$"):
             read_json(path, max_bytes=1000, schema=Obj({"step": Int()}))
+
+
+def _valid_record() -> dict:
+    """A benchmark record with every field the report and the headline read."""
+    return {"format": 2, "scenario": "spikes", "mode": "quick", "command": "editrain bench",
+            "started": "2026-01-01 00:00:00", "elapsed_s": 12.5, "repeats": None,
+            "description": "d", "size_caveat": True, "skipped": "skipped: why",
+            "tables": [{"title": "t", "markdown": "| a |"}], "measurement_errors": ["e"],
+            "targets": [{"name": "n", "met": None, "detail": "x"}], "findings": ["f"],
+            "shortfalls": ["s"], "notes": ["n"], "plots": ["p.png"], "headline": ["h"],
+            "runs": {"edit": {"ok": False, "error": "died", "retried": ["once"]}},
+            "machine": {"usable_cpus": 2, "cpu_count": 4, "cuda": False,
+                        "git_commit": None, "load_average": [0.5, 0.4, 0.3],
+                        "load_during_runs": [0.5, 1.5]},
+            "settings": {"rate": "10mbit", "sync_interval": 8, "scale": 20.0,
+                         "corrupt_syncs": [8, 12]},
+            "results": {"edit": {"peak_increase": 0.1}}, "user_overrides": {}}
+
+
+BAD_RECORD_FIELDS = (
+    # (field, bad value, the field the refusal names)
+    ("format", "2", "format"), ("format", True, "format"), ("format", 2.0, "format"),
+    ("format", 0, "format"), ("scenario", 5, "scenario"), ("mode", ["quick"], "mode"),
+    ("elapsed_s", "12", "elapsed_s"), ("elapsed_s", math.nan, "elapsed_s"),
+    ("elapsed_s", -1, "elapsed_s"), ("elapsed_s", True, "elapsed_s"),
+    ("repeats", "3", "repeats"), ("repeats", 2.5, "repeats"), ("skipped", True, "skipped"),
+    ("size_caveat", "false", "size_caveat"), ("command", ["x"], "command"),
+    ("tables", [{"title": 1, "markdown": ""}], "tables[0].title"),
+    ("tables", {"a": 1}, "tables"),
+    ("targets", [{"name": "x", "met": "yes"}], "targets[0].met"),
+    ("targets", [{"met": True}], "targets[0].name"),
+    ("findings", [1], "findings[0]"), ("notes", "text", "notes"), ("plots", [None], "plots[0]"),
+    ("headline", [True], "headline[0]"), ("measurement_errors", [{}], "measurement_errors[0]"),
+    ("runs", {"a": {"ok": "true"}}, "runs.a.ok"), ("runs", {"a": []}, "runs.a"),
+    ("machine", {"usable_cpus": "4"}, "machine.usable_cpus"),
+    ("machine", {"load_during_runs": [1, "2"]}, "machine.load_during_runs[1]"),
+    ("machine", {"load_during_runs": [1]}, "machine.load_during_runs"),
+    ("machine", {"load_average": [math.nan]}, "machine.load_average[0]"),
+    ("machine", {"cuda": 1}, "machine.cuda"),
+    ("settings", {"rate": 10}, "settings.rate"),
+    ("settings", {"sync_interval": "8"}, "settings.sync_interval"),
+    ("results", [], "results"),
+)
+
+
+@pytest.mark.parametrize("field,value,named", BAD_RECORD_FIELDS,
+                         ids=[f"{f}-{v!r}" for f, v, _ in BAD_RECORD_FIELDS])
+def test_a_benchmark_records_fields_are_read_strictly(tmp_path, field, value, named):
+    """``results.json`` is read against RESULTS_SCHEMA: a field the report or the headline
+    reads that holds what no benchmark writes is refused in one line naming the file and
+    the field. Before, it was read with an empty schema: ``int("2")`` made a format of
+    ``"2"`` current, a string ``elapsed_s`` or a bool ``skipped`` crashed the page deep in
+    its formatting."""
+    from editrain.bench.results import RESULTS_FILE, load_record
+
+    (tmp_path / RESULTS_FILE).write_text(json.dumps(_valid_record()))
+    assert load_record(tmp_path) == _valid_record()
+    (tmp_path / RESULTS_FILE).write_text(json.dumps({**_valid_record(), field: value}))
+    with pytest.raises(ValueError) as got:
+        load_record(tmp_path)
+    message = str(got.value)
+    assert "\n" not in message and message.startswith(f"{tmp_path / RESULTS_FILE}: field "
+                                                      f"'{named}'"), message
+
+
+@pytest.mark.parametrize("rate,bits", [("10mbit", 1e7), ("500kbit", 5e5), ("1.5gbit", 1.5e9),
+                                       ("64bit", 64.0), ("10MBIT", 1e7), ("nanmbit", 0.0),
+                                       ("infmbit", 0.0), ("1_0mbit", 0.0), ("-5mbit", 0.0),
+                                       (" 10mbit", 0.0), ("1e3kbit", 0.0), ("mbit", 0.0)])
+def test_a_records_tc_rate_is_read_as_tc_writes_it(rate, bits):
+    """A record's ``settings.rate`` is a tc rate (digits, an optional fraction, a unit);
+    ``float()`` also read ``nan``, ``inf``, ``1_0`` and a sign, which ordered the real-link
+    rows by NaN or infinity."""
+    from editrain.bench.headline import _rate_bits
+
+    assert _rate_bits({"settings": {"rate": rate}}) == bits

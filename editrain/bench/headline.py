@@ -15,6 +15,7 @@ the record and reads the values.
 from __future__ import annotations
 
 import os
+import re
 import textwrap
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
@@ -72,8 +73,9 @@ class HeadlineRow:
 
 
 def is_stale(record: dict[str, Any]) -> bool:
-    """Whether ``record`` predates results format 2 (the old methodology)."""
-    return int(record.get("format", 1)) < 2
+    """Whether ``record`` predates results format 2 (the old methodology); its format is
+    an integer (:data:`editrain.bench.results.RESULTS_SCHEMA`), 1 where it has none."""
+    return record.get("format", 1) < 2
 
 
 def _times(s: dict[str, Any] | None) -> str:
@@ -337,15 +339,17 @@ def _kept_and_loss(record: dict[str, Any], name: str) -> str:
 
 
 def _rate_bits(record: dict[str, Any]) -> float:
-    """A record's tc rate (``10mbit``, ``500kbit``) in bits per second; 0 if unreadable."""
-    rate = str(record.get("settings", {}).get("rate", "")).lower()
-    for unit, scale in (("gbit", 1e9), ("mbit", 1e6), ("kbit", 1e3), ("bit", 1.0)):
-        if rate.endswith(unit):
-            try:
-                return float(rate[: -len(unit)]) * scale
-            except ValueError:
-                return 0.0
-    return 0.0
+    """A record's tc rate (``10mbit``, ``500kbit``, ``1.5gbit``) in bits per second; 0 if
+    it is no such rate. Read as tc writes one, digits and an optional fraction before the
+    unit: ``float()`` also read ``nan``, ``inf``, ``1_0`` and a sign, and a NaN rate made
+    the rows' order depend on where it stood."""
+    got = TC_RATE.fullmatch(str(record.get("settings", {}).get("rate", "")).lower())
+    return float(got[1]) * TC_UNITS[got[2]] if got else 0.0
+
+
+TC_UNITS = {"gbit": 1e9, "mbit": 1e6, "kbit": 1e3, "bit": 1.0}
+"""The tc rate units a real-link record's ``settings.rate`` is written in, in bits/s."""
+TC_RATE = re.compile(r"([0-9]+(?:\.[0-9]+)?)(gbit|mbit|kbit|bit)")
 
 
 def _peers_rows(p: _Picker) -> list[HeadlineRow]:

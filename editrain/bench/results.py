@@ -9,7 +9,7 @@ from typing import Any
 
 from editrain.bench.machine import describe_machine
 from editrain.metrics import to_json
-from editrain.safe_io import Obj, read_json
+from editrain.safe_io import Bool, Int, List, Map, Num, Obj, Str, read_json
 
 RESULTS_FILE = "results.json"
 TABLE_FILE = "table.md"
@@ -18,6 +18,36 @@ FORMAT = 2
 
 RECORD_MAX_BYTES = 64 << 20
 """The largest ``results.json`` read back (the committed ones are a few hundred KB)."""
+
+
+_TEXT = Str(max_len=1 << 20)
+"""A sentence or a Markdown block of a record (a table of many rows is tens of KB)."""
+_TEXTS = List(_TEXT)
+RESULTS_SCHEMA = Obj({
+    "format": Int(lo=1, hi=1 << 20), "scenario": Str(max_len=200), "mode": Str(max_len=200),
+    "command": _TEXT, "description": _TEXT, "started": Str(nullable=True),
+    "elapsed_s": Num(), "repeats": Int(nullable=True), "skipped": Str(max_len=1 << 16),
+    "size_caveat": Bool(),
+    "tables": List(Obj({"title": _TEXT, "markdown": _TEXT})),
+    "targets": List(Obj({"name": _TEXT, "met": Bool(nullable=True),
+                         "detail": Str(max_len=1 << 20, nullable=True)}, required=("name",))),
+    "measurement_errors": _TEXTS, "headline": _TEXTS, "findings": _TEXTS,
+    "shortfalls": _TEXTS, "notes": _TEXTS, "plots": List(Str(max_len=1024)),
+    "runs": Map(Obj({"ok": Bool(), "error": Str(max_len=1 << 20, nullable=True),
+                     "retried": _TEXTS})),
+    "machine": Obj({"usable_cpus": Int(nullable=True), "cpu_count": Int(nullable=True),
+                    "cuda": Bool(), "git_commit": Str(nullable=True),
+                    "load_average": List(Num(), nullable=True),
+                    "load_during_runs": List(Num(), length=2)}),
+    "settings": Obj({"rate": Str(max_len=64), "sync_interval": Int(nullable=True)}),
+    "results": Obj(),
+}, required=("scenario", "mode"))
+"""The fields of ``results.json`` that the page, the report and the README's headline
+read, as :meth:`editrain.bench.runner.Bench.finish` writes them (``null`` where it writes
+one; other fields, and a scenario's own ``results``, are not looked at here). A record is
+a file anyone can edit or hand over: a format of ``"2"`` was made current by ``int()``, a
+string ``elapsed_s`` or a bool ``skipped`` failed deep in the page's formatting; each is
+refused when read, in one line naming the file and the field."""
 
 
 def target_word(met: bool | None) -> str:
@@ -51,10 +81,11 @@ def load_record(results_dir: str | Path) -> dict[str, Any]:
 
     Raises:
         ValueError: the file is missing, a link, larger than :data:`RECORD_MAX_BYTES`, not
-            JSON or not a JSON object (one line naming it).
+            JSON, or not an object of :data:`RESULTS_SCHEMA` (one line naming it and the
+            field).
     """
     return read_json(Path(results_dir) / RESULTS_FILE, max_bytes=RECORD_MAX_BYTES,
-                     schema=Obj(), error=ValueError, what="benchmark results")
+                     schema=RESULTS_SCHEMA, error=ValueError, what="benchmark results")
 
 
 def record_tables(record: dict[str, Any]) -> list[tuple[str, str]]:
@@ -141,6 +172,6 @@ def write_record(out_dir: Path, record: dict[str, Any]) -> str:
     return page
 
 
-__all__ = ["FORMAT", "RESULTS_FILE", "TABLE_FILE", "bullets", "clean_json", "error_lines",
+__all__ = ["FORMAT", "RESULTS_FILE", "RESULTS_SCHEMA", "TABLE_FILE", "bullets", "clean_json", "error_lines",
            "load_record", "record_tables", "render_page", "tables_lines", "target_line",
            "target_word", "write_record"]
