@@ -1068,3 +1068,55 @@ def test_reuse_reads_back_finished_runs_with_the_same_options(tmp_path, capsys):
     assert split_extra(["--reuse"])[0] == {"reuse": True}
     with pytest.raises(ConfigError, match="--reuse reads back finished runs"):
         run_scenario("bandwidth", out_dir=str(tmp_path / "bw"), extra=["--tiny", "--reuse"])
+
+
+HOSTILE_EVALUATION_VALUES = (True, "1", math.nan, math.inf, [1])
+"""Values no evaluation row's step, tokens, time or loss holds as editrain writes it."""
+
+
+EVALUATION_CASES = [(field, value) for field in ("step", "tokens", "wall_time_s", "val_loss")
+                    for value in (*HOSTILE_EVALUATION_VALUES,
+                                  *(() if field == "val_loss" else (-1,)),  # a loss may be < 0
+                                  *((8.5,) if field == "step" else ()))]  # others: fractions
+
+
+@pytest.mark.parametrize("field,value", EVALUATION_CASES,
+                         ids=[f"{f}-{v!r}" for f, v in EVALUATION_CASES])
+def test_an_evaluation_row_whose_field_is_wrong_is_no_measurement(tmp_path, field, value):
+    """The benchmarks' readers of evaluation rows (the spikes' losses by step, every
+    scenario's validation curve) leave out a row whose field they read is no JSON number
+    of its range, as the calibration and ``current_rows`` do: the result is that of the
+    run without the row. Before, ``int()`` made a step of 8.5 step 8, ``float()`` took
+    ``true`` as 1 and parsed ``"1"``, and NaN and infinity reached the numbers."""
+    from editrain.bench.measures import val_curve
+    from editrain.bench.spikes import _evals_by_step
+
+    rows = [{"step": s, "tokens": 64 * s, "wall_time_s": 0.5 * s, "val_loss": 5.0 - s / 10}
+            for s in (0, 4, 8, 12)]
+    hostile = [dict(r) for r in rows]
+    hostile[2][field] = value
+    run, without = (Run("r", tmp_path, {}, evals=e, summary={"ok": 1})
+                    for e in (hostile, rows[:2] + rows[3:]))
+    if field in ("step", "val_loss"):
+        assert _evals_by_step(run) == _evals_by_step(without)
+    if field != "step":
+        assert val_curve(run) == val_curve(without)
+
+
+@pytest.mark.parametrize("option,value", [("batch_size", True), ("batch_size", "8"),
+                                          ("seq_len", 64.5), ("seq_len", 0),
+                                          ("gradient_accumulation_steps", False),
+                                          ("batch_size", None)])
+def test_the_faults_tokens_per_step_are_read_strictly(tmp_path, option, value):
+    """The faults scenario's tokens per rank step come from the run's ``config.toml`` read
+    as training reads it: ``int()`` of the product took ``true`` as 1, ``"8"`` repeated a
+    string and a missing batch of 0 divided by zero later; now one line names the file
+    and the option."""
+    from editrain.bench.faults import _tokens_per_rank_step
+    from editrain.errors import ConfigError
+
+    train = {"batch_size": 8, "seq_len": 64, "gradient_accumulation_steps": 2}
+    assert _tokens_per_rank_step(Run("r", tmp_path, {}, config={"train": train})) == 1024
+    bad = {k: v for k, v in {**train, option: value}.items() if v is not None}
+    with pytest.raises(ConfigError, match=rf"config.toml: train.{option}: "):
+        _tokens_per_rank_step(Run("r", tmp_path, {}, config={"train": bad}))

@@ -44,6 +44,7 @@ from editrain.bench.runs import Run
 from editrain.bench.scenario import Ctx, Job, Scenario, Table, Verdict
 from editrain.bench.stats import spread
 from editrain.bench.tables import spread_cell
+from editrain.errors import ConfigError, plain_count
 from editrain.metrics import read_jsonl
 
 TEXT = prose("faults")
@@ -93,9 +94,18 @@ def _results(ctx: Ctx) -> dict[str, Any]:
 
 # ---------------------------------------------------------------------------- measures
 def _tokens_per_rank_step(run: Run) -> int:
+    """Tokens one rank trains on per step, from the run's resolved ``config.toml``: each
+    option a TOML integer >= 1 as training read it, else refused naming the option and
+    the file (``int()`` of the product took ``true`` as 1 and truncated a float; a missing
+    batch of 0 divided by zero in the measures)."""
     t = run.config.get("train", {})
-    return int(t.get("batch_size", 0) * t.get("seq_len", 0)
-               * t.get("gradient_accumulation_steps", 1))
+    try:
+        return (plain_count(t.get("batch_size"), "train.batch_size")
+                * plain_count(t.get("seq_len"), "train.seq_len")
+                * plain_count(t.get("gradient_accumulation_steps", 1),
+                              "train.gradient_accumulation_steps"))
+    except ConfigError as e:
+        raise ConfigError(f"bench faults: {run.run_dir / 'config.toml'}: {e}") from None
 
 
 def _ft_numbers(run: Run, fail_at: int | None, interval: int) -> dict[str, Any]:

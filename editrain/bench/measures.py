@@ -6,7 +6,7 @@ import math
 from typing import Any
 
 from editrain.bench.runs import Run
-from editrain.bench.stats import finite, median, spread
+from editrain.bench.stats import finite, measured, median, spread
 
 UTILISATION_TOLERANCE = 1e-6
 """Rounding slack when checking that a utilisation is at most 1."""
@@ -190,11 +190,14 @@ def aedit_period(edit_run: Run | None, interval: int) -> float:
 
 
 def val_curve(run: Run) -> list[tuple[float, float, float]]:
-    """``(tokens, wall_time_s, val_loss)`` of every evaluation, in token order."""
-    return sorted((float(r.get("tokens", 0)), float(r.get("wall_time_s", 0.0)),
-                   float(r["val_loss"])) for r in run.evals
-                  if isinstance(r.get("val_loss"), int | float)
-                  and math.isfinite(r["val_loss"]))
+    """``(tokens, wall_time_s, val_loss)`` of every evaluation, in token order (tokens and
+    time 0 where the row has none). An evaluation whose loss is no finite number, or whose
+    tokens or time is there but no finite number >= 0, is no measurement and left out
+    (:func:`editrain.bench.stats.measured`: ``float()`` took ``true`` as 1 and parsed
+    ``"512"``; a bool loss passed as a number)."""
+    points = [(measured(r.get("tokens", 0)), measured(r.get("wall_time_s", 0.0)),
+               measured(r.get("val_loss"), -math.inf)) for r in run.evals]
+    return sorted(p for p in points if None not in p)
 
 
 __all__ = ["UTILISATION_TOLERANCE", "aedit_period", "over_repeats", "rank_window",

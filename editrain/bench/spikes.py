@@ -9,11 +9,13 @@ penalty part is switched off in turn to see what it contributes.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from editrain.bench.prose import fill, prose
 from editrain.bench.runs import Run
 from editrain.bench.scenario import Ctx, Job, Scenario, Table, Verdict, figure
+from editrain.bench.stats import measured
 from editrain.bench.tables import cell
 
 TEXT = prose("spikes")
@@ -70,11 +72,15 @@ def _notes(ctx: Ctx) -> list[str]:
 
 
 def _evals_by_step(run: Run | None) -> dict[int, float]:
-    """Validation loss by step of a run (empty for a missing or failed run)."""
+    """Validation loss by step of a run (empty for a missing or failed run); an
+    evaluation whose step is no integer >= 0 or whose loss is no finite number is no
+    measurement (:func:`editrain.bench.stats.measured`; ``int()`` made a step of 9.5 step
+    9, ``float()`` a loss of ``true`` 1)."""
     if run is None or not run.ok:
         return {}
-    return {int(r["step"]): float(r["val_loss"]) for r in run.evals
-            if r.get("val_loss") is not None and "step" in r}
+    return {r["step"]: measured(r["val_loss"], -math.inf) for r in run.evals
+            if type(r.get("step")) is int and r["step"] >= 0
+            and measured(r.get("val_loss"), -math.inf) is not None}
 
 
 def _measure(clean: Run | None, bad: Run, corrupt_at: list[int],

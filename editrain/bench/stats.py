@@ -14,6 +14,17 @@ def finite(values: Iterable[Any]) -> list[float]:
             and math.isfinite(v)]
 
 
+def measured(value: Any, least: float = 0.0) -> float | None:
+    """``value`` as a measurement read back from a run's rows: a JSON number (never a bool
+    or a string), finite and at least ``least``; None for anything else, which the readers
+    take as no measurement (a row they skip), as every reader of ``metrics.jsonl`` does
+    with a row it cannot read (:func:`editrain.metrics.current_rows`). ``float()`` took
+    ``true`` as 1 and parsed ``"0.5"``."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    return float(value) if math.isfinite(value) and value >= least else None
+
+
 def median(values: Iterable[Any]) -> float | None:
     """Median of the finite values (None when there are none)."""
     xs = finite(values)
@@ -110,5 +121,5 @@ def seed_losses(runs: list[Any]) -> list[float | None]:
     return [r.final_val_loss if r.ok else None for r in runs]
 
 
-__all__ = ["beyond_spread", "compare", "finite", "mean_std", "median", "paired_differences",
-           "seed_losses", "spread"]
+__all__ = ["beyond_spread", "compare", "finite", "mean_std", "measured", "median",
+           "paired_differences", "seed_losses", "spread"]
