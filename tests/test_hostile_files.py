@@ -1132,7 +1132,8 @@ META_CASES = [
 
 
 @pytest.mark.parametrize(("field", "value"), META_CASES,
-                         ids=[f"{f}={v!r}"[:40] for f, v in META_CASES])
+                         ids=[f"{f} missing" if v is _META_DROP else f"{f}={v!r}"[:40]
+                              for f, v in META_CASES])
 def test_the_token_cache_reads_its_meta_json_strictly(run8, data_cache, tmp_path, field, value):
     """A ``meta.json`` of this format was read with ``int()`` and ``np.dtype()``: a JSON
     ``true`` became a vocabulary of 1, ``2.7`` tokens 2, ``"12"`` 12, and any dtype numpy
