@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -132,11 +133,20 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log):
     return ModuleScheduling(config, log)
 
 
+_ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
+"""An object's default repr in a test id (``<object object at 0x7f...>``): another address
+in every process, so two pytest-xdist workers collect different tests."""
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Mark ``slow`` every test whose own ``@pytest.mark.timeout(N)`` exceeds the suite's
     ``timeout`` (120 s): it says itself that it is slow (the benchmark smoke tests). In a
     pytest-xdist worker, put the tests of :data:`SPREAD_MODULES` first (every worker sorts
     alike, so their collections still agree), so that they are handed out first."""
+    unstable = [item.nodeid for item in items if _ADDRESS.search(item.nodeid)]
+    if unstable:  # each xdist worker would name it otherwise, and the run fails to start
+        raise pytest.UsageError("test ids that hold an object's address (give the "
+                                "parametrization ids=): " + ", ".join(unstable[:5]))
     if hasattr(config, "workerinput"):
         items.sort(key=lambda item: item.path.name not in SPREAD_MODULES)  # stable
     try:
