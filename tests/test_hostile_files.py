@@ -1282,3 +1282,32 @@ def test_a_records_tc_rate_is_read_as_tc_writes_it(rate, bits):
     from editrain.bench.headline import _rate_bits
 
     assert _rate_bits({"settings": {"rate": rate}}) == bits
+
+
+BAD_STATISTICS = (
+    ({"edit": {"tokens_per_s": {"median": [1], "min": 1.0, "max": 2.0, "n": 2}}},
+     "results.edit.tokens_per_s.median"),
+    ({"edit": {"loss": {"mean": {"a": 1}, "std": 0.1, "n": 3}}}, "results.edit.loss.mean"),
+    ({"edit": {"loss": {"mean": 1.0, "std": True, "n": 3}}}, "results.edit.loss.std"),
+    ({"rows": [{"x": {"median": 1.0, "min": "0.5", "max": 2.0}}]}, "results.rows[0].x.min"),
+    ({"edit": {"tokens_per_s": {"median": 1.0, "n": 2.5}}}, "results.edit.tokens_per_s.n"),
+    ({"edit": {"tokens_per_s": {"median": 1.0, "n": -1}}}, "results.edit.tokens_per_s.n"),
+)
+"""A statistic of a scenario's own ``results`` that is no number: the page's and the
+headline's arithmetic (``median * scale``, ``min < x``) failed with a TypeError on each."""
+
+
+@pytest.mark.parametrize("results,named", BAD_STATISTICS,
+                         ids=[named for _, named in BAD_STATISTICS])
+def test_a_records_statistics_are_numbers(tmp_path, results, named):
+    from editrain.bench.results import RESULTS_FILE, load_record
+
+    good = {**_valid_record(), "results": {"edit": {"tokens_per_s": {
+        "median": 1.5, "min": 1.0, "max": None, "n": 2}, "loss": {"mean": 4.0, "std": 0.0,
+                                                                  "n": 1}}}}
+    (tmp_path / RESULTS_FILE).write_text(json.dumps(good))
+    assert load_record(tmp_path) == good
+    (tmp_path / RESULTS_FILE).write_text(json.dumps({**_valid_record(), "results": results}))
+    with pytest.raises(ValueError) as got:
+        load_record(tmp_path)
+    assert str(got.value).startswith(f"{tmp_path / RESULTS_FILE}: field '{named}'"), got.value

@@ -9,7 +9,7 @@ from typing import Any
 
 from editrain.bench.machine import describe_machine
 from editrain.metrics import to_json
-from editrain.safe_io import Bool, Int, List, Map, Num, Obj, Str, read_json
+from editrain.safe_io import Bool, Int, List, Map, Num, Obj, Str, quote, read_json
 
 RESULTS_FILE = "results.json"
 TABLE_FILE = "table.md"
@@ -73,6 +73,36 @@ def clean_json(v: Any) -> Any:
     return str(v) if isinstance(v, Path) else v
 
 
+STATISTICS = ("median", "mean", "min", "max", "std")
+"""The fields of a statistic in a scenario's ``results`` (``stats.spread``, ``mean_std``):
+a number or null wherever they stand, with ``n`` (how many values) a count."""
+
+
+def _check_statistics(value: Any, where: str, path: str) -> None:
+    """Refuse a statistic of a record's ``results`` that is no number (see
+    :data:`STATISTICS`): the schema leaves a scenario's own results open, and the page
+    and the headline multiply and compare them (a list for a median failed there with a
+    TypeError)."""
+    if isinstance(value, list):
+        for i, item in enumerate(value):
+            _check_statistics(item, where, f"{path}[{i}]")
+        return
+    if not isinstance(value, dict):
+        return
+    for key, item in value.items():
+        field = f"{path}.{key}"
+        if key in STATISTICS and item is not None and (
+                isinstance(item, bool) or not isinstance(item, int | float)
+                or not math.isfinite(item)):
+            raise ValueError(f"{where}: field {field!r}: a finite number or null is expected "
+                             f"(found {quote(item)})")
+        if key == "n" and item is not None and (isinstance(item, bool) or
+                                                not isinstance(item, int) or item < 0):
+            raise ValueError(f"{where}: field {field!r}: a count of values is expected "
+                             f"(found {quote(item)})")
+        _check_statistics(item, where, field)
+
+
 def load_record(results_dir: str | Path) -> dict[str, Any]:
     """A scenario's ``results.json`` record.
 
@@ -81,11 +111,14 @@ def load_record(results_dir: str | Path) -> dict[str, Any]:
 
     Raises:
         ValueError: the file is missing, a link, larger than :data:`RECORD_MAX_BYTES`, not
-            JSON, or not an object of :data:`RESULTS_SCHEMA` (one line naming it and the
-            field).
+            JSON, not an object of :data:`RESULTS_SCHEMA`, or a statistic of its
+            ``results`` no number (one line naming it and the field).
     """
-    return read_json(Path(results_dir) / RESULTS_FILE, max_bytes=RECORD_MAX_BYTES,
-                     schema=RESULTS_SCHEMA, error=ValueError, what="benchmark results")
+    path = Path(results_dir) / RESULTS_FILE
+    record = read_json(path, max_bytes=RECORD_MAX_BYTES, schema=RESULTS_SCHEMA,
+                       error=ValueError, what="benchmark results")
+    _check_statistics(record.get("results"), str(path), "results")
+    return record
 
 
 def record_tables(record: dict[str, Any]) -> list[tuple[str, str]]:
