@@ -23,6 +23,7 @@ from editrain.checkpoint import MARKER, list_checkpoints, resolve_resume, rotate
 from editrain.config import load_config
 from editrain.errors import RunDirError
 from editrain.launch.run_dir import check_run_dir, prepare_run_dir
+from tests.rank_threads import each_rank_in_a_thread
 from tests.test_cli import editrain, error_line, explain, tiny
 
 
@@ -1099,26 +1100,14 @@ def joined_attempt(run: Path, counts: dict[int, int], **over) -> dict[int, objec
 def joined_jobs(jobs: dict[int, Any]) -> dict[int, object]:
     """Each rank's job (rank -> job) joins its run directory in a thread of its own, in
     the order given; what each ``RunDirClaim.join()`` returned (or raised)."""
-    import threading
-
     from editrain.launch.run_dir import RunDirClaim
 
-    joined: dict[int, object] = {}
-
-    def join(rank: int, job: Any) -> None:
+    def join(rank: int, job: Any) -> object:
         with RunDirClaim(job) as claim:
-            try:
-                joined[rank] = claim.join()
-            except Exception as e:  # the test's thread: reported by the test
-                joined[rank] = e
+            return claim.join()
 
-    threads = [threading.Thread(target=join, args=item) for item in jobs.items()]
-    for thread in threads:
-        thread.start()
-        time.sleep(0.2)
-    for thread in threads:
-        thread.join(timeout=20)
-        assert not thread.is_alive()
+    joined, finished = each_rank_in_a_thread(join, jobs, stagger_s=0.2, timeout_s=20)
+    assert finished
     return joined
 
 

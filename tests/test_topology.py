@@ -10,6 +10,7 @@ from editrain.config import load_config
 from editrain.errors import ConfigError
 from editrain.spawn import run_ranks
 from editrain.topology import SHARD_DIM, SYNC_DIM, Topology, init_mesh, topology_of
+from tests.rank_threads import each_rank_in_a_thread
 
 
 # ---------------------------------------------------------------------------- pure arithmetic
@@ -440,27 +441,15 @@ def attempt_stores(environ, counts: dict[int, int], timeout_s: float = 20.0) -> 
     """Each rank's (of ``counts``: rank -> its TORCHELASTIC_RESTART_COUNT) attempt store
     (:func:`editrain.topology._attempt_store`), made in a thread of its own, the ranks
     starting in the order given; an error in place of a rank's store."""
-    import threading
-    import time
     from datetime import timedelta
 
     from editrain.topology import _attempt_store
 
-    stores: dict = {}
-
-    def rank(r: int, count: int) -> None:
+    def rank(r: int, count: int) -> object:
         environ.local.env = {"RANK": str(r), "TORCHELASTIC_RESTART_COUNT": str(count)}
-        try:
-            stores[r] = _attempt_store(timedelta(seconds=timeout_s))
-        except Exception as e:  # (the test reads it)
-            stores[r] = e
+        return _attempt_store(timedelta(seconds=timeout_s))
 
-    threads = [threading.Thread(target=rank, args=item) for item in counts.items()]
-    for thread in threads:
-        thread.start()
-        time.sleep(0.1)
-    for thread in threads:
-        thread.join(timeout=timeout_s + 10)
+    stores, _ = each_rank_in_a_thread(rank, counts, stagger_s=0.1, timeout_s=timeout_s + 10)
     return stores
 
 
