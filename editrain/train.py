@@ -665,9 +665,9 @@ class Trainer:
         topo, mem, d = self.info.topo, self.engine.extra_memory(), self.cfg.dist
         chunks = f", {d.pp_stages_per_rank} chunks per rank" if d.pp_stages_per_rank > 1 else ""
         log.warning(
-            "editrain: %s on %d replicas x %s%d shards%s (%s, %s%s); model %s with %.2fM "
+            "editrain: %s on %s x %s%d shards%s (%s, %s%s); model %s with %.2fM "
             "parameters; outer state per rank: %s",
-            self.cfg.sync.method, self.replicas,
+            self.cfg.sync.method, f"{self.replicas} replica{'' if self.replicas == 1 else 's'}",
             f"{topo.pp_size} stages ({d.pp_schedule}, {d.microbatches} microbatches{chunks})"
             f" x " if self.pp else "",
             topo.shard_size,
@@ -678,6 +678,9 @@ class Trainer:
             self.num_params / 1e6,
             ", ".join(f"{k} {v / 2**20:.2f} MiB" for k, v in mem.items()) or "none yet",
         )
+        note = one_replica_note(self.cfg.sync.method, self.replicas, self.ft)
+        if note:
+            log.warning(note)
 
     def _mark_job_start(self) -> None:
         """The first row of this job in this rank's file (and ``metrics.jsonl``): its rows
@@ -747,6 +750,29 @@ class Trainer:
         self.data.adopt(sd["data"])  # the peer's position, our share
         load_local_optimizer_state(self.optimizer, sd["optimizer"])
         self.loop.healed_at = self.loop.step
+
+
+def one_replica_note(method: str, replicas: int, ft: bool) -> str | None:
+    """The warning of a local-SGD run that has one replica, or None.
+
+    ``--method edit --nproc 2`` is one replica of two FSDP shards at the default
+    ``dist.shard_size`` of 2, not two replicas: its syncs have no other replica's progress
+    to average, and only apply the outer optimizer to this replica's own. That is a valid
+    run (a baseline, a smoke test), but rarely the one meant, and nothing else in its output
+    says so.
+
+    Args:
+        method: ``sync.method``.
+        replicas: the run's replicas (with ``--ft``, its replica groups).
+        ft: whether the run is fault-tolerant (its groups are ``dist.ft_replicas``).
+    """
+    if replicas != 1 or method == "sync":
+        return None
+    more = ("set dist.ft_replicas (or dist.nproc) for more groups" if ft else
+            "a replica is pp_size x shard_size x tp_size ranks of dist.nproc: "
+            "--shard-size 1 makes every rank one")
+    return (f"sync.method = {method!r} on one replica: its syncs have no other replica to "
+            f"average with and only apply the outer optimizer to its own progress ({more})")
 
 
 def sync_summary(entry: dict[str, Any]) -> str:

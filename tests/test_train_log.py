@@ -1,7 +1,9 @@
 """The compact per-sync log line, how metrics.jsonl reaches the disk, and when the loop
 evaluates and checkpoints next."""
 
-from editrain.train import next_after, sync_summary, times_said
+import pytest
+
+from editrain.train import next_after, one_replica_note, sync_summary, times_said
 
 
 def test_sync_summary_names_weights_outliers_and_clipping() -> None:
@@ -138,3 +140,15 @@ def test_a_healed_replica_writes_its_job_start_before_its_ft_join_row() -> None:
     assert [(r.get("event"), r["step"]) for r in written] == [(JOB_START, 12), ("ft_join", 12)]
     assert written[1]["sync"]["sync"] == 4 and written[1]["replica"] == 2
     assert latest_job(written) == (12, [written[1]])
+
+
+@pytest.mark.parametrize("method", ["post_local_sgd", "diloco", "edit", "aedit"])
+def test_a_local_sgd_method_on_one_replica_is_said(method) -> None:
+    """``--method edit --nproc 2`` at the default shard size is one replica of two shards:
+    its syncs average nothing, which nothing in the output said before."""
+    note = one_replica_note(method, 1, ft=False)
+    assert note is not None and f"sync.method = {method!r} on one replica" in note
+    assert "--shard-size 1" in note
+    assert "dist.ft_replicas" in one_replica_note(method, 1, ft=True)
+    assert one_replica_note(method, 2, ft=False) is None
+    assert one_replica_note("sync", 1, ft=False) is None  # synchronous: nothing is expected
