@@ -215,6 +215,25 @@ def test_a_sections_table_reads_a_flag_as_its_dotted_option_does(table, dotted, 
     assert read(cli(table)) is read(cli(*given, dotted))
 
 
+@pytest.mark.parametrize(("arg", "reason"), [
+    ("--model={tie_embeddings=yes}", "Invalid value (at line 1, column 17)"),
+    ("--model={n_layers=2", "Unclosed inline table"),
+    ("--model={n_layers=2, n_layers=3}", "Duplicate inline table key 'n_layers'"),
+    ("--sync.outer_optim_kwargs={lr=fast}", "Invalid value (at line 1, column 5)"),
+    ("--sync={gta={normalize=no}}", "Invalid value"),
+])
+def test_an_inline_table_that_is_no_toml_says_why(arg, reason):
+    """Inside braces, values are TOML, so the command line's ``yes`` or an unquoted word
+    is not one: the table is read as text. The message said only "expected a table, got
+    '{tie_embeddings=yes}'", which looks like one; it now gives TOML's reason, at the
+    column of what the user wrote, and what a value there can be."""
+    option = arg[2:].split("=")[0]
+    with pytest.raises(ConfigError) as e:
+        cli(arg)
+    assert str(e.value).startswith(f"{option}: ") and "is not a TOML inline table" in str(e.value)
+    assert reason in str(e.value) and "true or false" in str(e.value)
+
+
 @pytest.mark.parametrize("argv", [["--model={tie_embeddings=2}"], ["--model.tie_embeddings=2"],
                                   ["--sync={gta={normalize=1.0}}"]])
 def test_a_flag_that_is_no_word_is_refused_in_either_spelling(argv):

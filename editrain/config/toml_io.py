@@ -10,6 +10,7 @@ every key and type checked against the schema, and validates the result.
 from __future__ import annotations
 
 import dataclasses
+import re
 import types
 import typing
 from pathlib import Path
@@ -70,6 +71,9 @@ def _coerce(value: Any, tp: Any, option: str) -> Any:
             value = [v if item is str else parse_scalar(v) for v in value.split(",") if v]
         require(isinstance(value, list), option, f"expected a list, got {value!r}")
         return [_coerce(v, item, option) for v in value]
+    if (origin is dict or dataclasses.is_dataclass(tp)) and isinstance(value, str) \
+            and value.lstrip().startswith("{"):
+        raise ConfigError(f"{option}: {_not_a_table(value)}")
     if origin is dict:
         require(isinstance(value, dict), option,
                 f"expected a table such as {{lr = 0.7}}, got {value!r}")
@@ -77,6 +81,25 @@ def _coerce(value: Any, tp: Any, option: str) -> Any:
     if dataclasses.is_dataclass(tp):
         require(isinstance(value, dict), option, f"expected a table, got {value!r}")
     return value
+
+
+def _not_a_table(text: str) -> str:
+    """Why ``text``, written as an inline table on the command line, is not one: the TOML
+    parser's reason, at a column of ``text`` (not of the line it was parsed in). A command
+    line's ``yes`` or an unquoted word is fine as a whole value (``--model.tie_embeddings
+    yes``) but not inside a table, where the value is TOML; before, the message only said
+    that a table was expected, and showed one."""
+    from editrain.safe_io import read_toml_value
+
+    prefix = "v = "
+    try:
+        read_toml_value(prefix + text, "value", error=ConfigError)
+    except ConfigError as e:
+        reason = str(e).removeprefix("value: not valid TOML (").removesuffix(")")
+        reason = re.sub(r"column (\d+)", lambda m: f"column {int(m[1]) - len(prefix)}", reason)
+        return (f"{text!r} is not a TOML inline table ({reason}); inside braces, values are "
+                f"TOML: true or false, numbers, quoted text")
+    return f"expected a table, got {text!r}"  # parses: as a table it would not be text
 
 
 def _build(cls: type, raw: dict[str, Any], prefix: str) -> Any:
