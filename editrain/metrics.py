@@ -32,9 +32,17 @@ from typing import Any
 
 from editrain.errors import RunDirError
 from editrain.safe_io import (
+    Field,
+    Int,
+    List,
+    Map,
+    Num,
+    Obj,
+    Str,
     cut_partial_line,
     make_dir,
     open_write,
+    read_json,
     read_json_value,
     regular_size,
 )
@@ -222,6 +230,67 @@ def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
     if not path.is_file():
         raise FileNotFoundError(f"{path}: no metrics file (is {run_dir} a run directory?)")
     return read_jsonl(path)
+
+
+SUMMARY_FILE = "summary.json"
+SUMMARY_MAX_BYTES = 16 << 20
+"""The largest ``summary.json`` read back (a few kilobytes are written)."""
+
+_SECONDS = Num()
+"""A duration or a clock of a summary: a finite JSON number >= 0."""
+RUN_SUMMARY_FIELDS: dict[str, Field] = {
+    "steps": Int(), "tokens": Int(), "final_val_loss": Num(nullable=True),
+    "val_tokens": Int(), "wall_time_s": _SECONDS, "train_time_s": Num(-1e18),
+    "num_syncs": Int(), "num_params": Int(), "vocab_size": Int(nullable=True),
+    "method": Str(), "replicas": Int(), "shard_size": Int(), "tp_size": Int(),
+    "pp_size": Int(), "steps_run": Int(), "tokens_processed": Int(), "replica": Int(),
+    "healed_at": Int(nullable=True), "failed_syncs": Int(),
+    "cross_replica_bytes": Map(Num())}
+"""The fields of a trainer's ``summary.json`` (:meth:`editrain.train.Trainer._summary`), as
+it writes them: counts JSON integers, times finite numbers (``train_time_s``, a difference
+of two clocks, may round below 0), a NaN loss ``null``."""
+GROUP_SUMMARY_SCHEMA = Obj(RUN_SUMMARY_FIELDS, required=("steps", "final_val_loss"))
+"""A fault-tolerant run's replica group's own ``summary.json`` (a trainer's, which always
+holds its steps and final loss: the run's summary takes them)."""
+LAUNCH_EVENT_SCHEMA = Obj({"event": Str(), "replica": Int(), "attempt": Int(),
+                           "exit_code": Int(-(1 << 31), 1 << 31), "time_s": _SECONDS,
+                           "unix_time": _SECONDS}, required=("event",))
+"""What the fault-tolerant launcher saw of a group (:class:`editrain.launch.ft` ``events``:
+start, died, stopped_late; a stop has no ``unix_time``)."""
+SUMMARY_SCHEMA = Obj({**RUN_SUMMARY_FIELDS, "fault_tolerance": Str(),
+                      "finished_replicas": Int(), "events": List(LAUNCH_EVENT_SCHEMA),
+                      "per_replica": Map(GROUP_SUMMARY_SCHEMA)})
+"""A run's ``summary.json``: a trainer's (:data:`RUN_SUMMARY_FIELDS`), or a fault-tolerant
+run's, which adds the launcher's events and every group's own summary by its index. Other
+fields (an older or newer editrain's, a peer's) are not looked at."""
+
+
+def read_summary(run_dir: str | Path, *, error: type[Exception] = ValueError,
+                 schema: Obj = SUMMARY_SCHEMA) -> dict[str, Any]:
+    """A run's ``summary.json``, read against ``schema``: a field a reader does arithmetic
+    on that holds what editrain never writes there (``true`` tokens, a string time, an
+    event without its name) is refused in one line naming the file and the field, not
+    summed into a result or raised as a TypeError or KeyError deep in a reader.
+
+    Args:
+        run_dir: the run directory (or a replica group's).
+        error: the exception type to raise.
+        schema: what the file must be (:data:`GROUP_SUMMARY_SCHEMA` for a group's).
+
+    Raises:
+        ``error``: the file is unreadable, not JSON, or a field does not fit.
+    """
+    return read_json(Path(run_dir) / SUMMARY_FILE, max_bytes=SUMMARY_MAX_BYTES,
+                     schema=schema, error=error, what="run summary")
+
+
+def replica_of(rows: Sequence[dict[str, Any]], default: int) -> int:
+    """The replica a rank's rows say they belong to (their first row's ``replica``), else
+    ``default``: a ``replica`` that is no integer >= 0 (``true``, ``2.7``, ``"1"``, a list)
+    is no replica, as a ``rank`` that is none leaves the file's own (:func:`_rank_of`);
+    ``int()`` took ``true`` as replica 1, truncated 2.7 and crashed on a list."""
+    said = rows[0].get("replica") if rows else None
+    return said if _is_step(said) and said >= 0 else default
 
 
 def current_rows(rows: Sequence[dict[str, Any]], resume_evaluations: bool = False

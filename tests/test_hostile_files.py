@@ -1311,3 +1311,165 @@ def test_a_records_statistics_are_numbers(tmp_path, results, named):
     with pytest.raises(ValueError) as got:
         load_record(tmp_path)
     assert str(got.value).startswith(f"{tmp_path / RESULTS_FILE}: field '{named}'"), got.value
+
+
+def _ft_summary() -> dict:
+    """A fault-tolerant run's ``summary.json`` as the launcher writes it (two groups, the
+    second died once and healed)."""
+    group = {"steps": 12, "tokens": 240, "final_val_loss": 5.0, "wall_time_s": 2.0,
+             "tokens_processed": 120, "healed_at": None, "cross_replica_bytes": {"total": 8}}
+    return {"fault_tolerance": "torchft", "replicas": 2, "finished_replicas": 2,
+            "wall_time_s": 2.5, "tokens_processed": 240, "final_val_loss": 5.0, "steps": 12,
+            "vocab_size": None,
+            "events": [{"event": "start", "replica": 1, "attempt": 0, "time_s": 0.1,
+                        "unix_time": 1000.0},
+                       {"event": "died", "replica": 1, "attempt": 0, "exit_code": -9,
+                        "time_s": 0.7, "unix_time": 1000.6},
+                       {"event": "stopped_late", "replica": 1, "attempt": 1, "time_s": 2.0}],
+            "per_replica": {"0": group, "1": {**group, "healed_at": 10}}}
+
+
+BAD_SUMMARY_FIELDS = (
+    ("per_replica.1.tokens_processed", "120"), ("per_replica.1.tokens_processed", True),
+    ("per_replica.1.steps", None), ("per_replica.0.cross_replica_bytes.total", "8"),
+    ("events[1].unix_time", "late"), ("events[1].unix_time", math.nan),
+    ("events[1].event", None), ("events[0]", "died"), ("steps", True), ("steps", 12.5),
+    ("wall_time_s", "2.5"), ("final_val_loss", [5.0]), ("per_replica", [1]),
+)
+"""A field of a run's ``summary.json`` the benchmarks and the launcher do arithmetic on,
+holding what editrain never writes there (``None``: the field missing)."""
+
+
+def _set_field(record: dict, dotted: str, value) -> None:
+    """Set (``None``: delete) the field ``dotted`` (``a.b``, ``a[1].b``) of ``record``."""
+    *path, last = [k for k in re.split(r"[.\[\]]+", dotted) if k]
+    where = record
+    for key in path:
+        where = where[int(key)] if isinstance(where, list) else where[key]
+    key = int(last) if isinstance(where, list) else last
+    if value is None:
+        del where[key]
+    else:
+        where[key] = value
+
+
+@pytest.mark.parametrize("field,value", BAD_SUMMARY_FIELDS,
+                         ids=[f"{f}-{v!r}" for f, v in BAD_SUMMARY_FIELDS])
+def test_a_run_summarys_fields_are_read_strictly(tmp_path, field, value):
+    """``summary.json`` is read against ``metrics.SUMMARY_SCHEMA`` by the benchmarks (as
+    ``results.json`` is against its schema): a field that holds what no editrain writes is
+    refused in one line naming the file and the field. Before, ``json.loads`` took it
+    whole: the faults scenario summed a string ``tokens_processed`` (a TypeError) or a
+    ``true`` one (as 1 token), and an event without its name or time was a KeyError."""
+    from editrain.bench.runs import read_run
+
+    (tmp_path / "summary.json").write_text(json.dumps(_ft_summary()))
+    assert read_run("r", tmp_path, {}).summary == _ft_summary()
+    summary = _ft_summary()
+    _set_field(summary, field, value)
+    (tmp_path / "summary.json").write_text(json.dumps(summary))
+    with pytest.raises(ValueError) as got:
+        read_run("r", tmp_path, {})
+    message = str(got.value)
+    assert "\n" not in message and message.startswith(
+        f"{tmp_path / 'summary.json'}: field '{field}'"), message
+
+
+def test_a_replica_groups_summary_is_read_strictly(tmp_path):
+    """The fault-tolerant launcher's summary of its groups: a group's missing ``steps``
+    (a KeyError) or string ``tokens_processed`` (a TypeError in the sum) is refused naming
+    the group's file and the field."""
+    from editrain.launch.ft import summarise_groups
+
+    for r in (0, 1):
+        (tmp_path / f"replica{r}").mkdir()
+        (tmp_path / f"replica{r}" / "summary.json").write_text(json.dumps(
+            _ft_summary()["per_replica"][str(r)]))
+    assert summarise_groups(tmp_path, 2, [])["tokens_processed"] == 240
+    for field, value in (("steps", None), ("tokens_processed", "120")):
+        group = _ft_summary()["per_replica"]["1"]
+        _set_field(group, field, value)
+        (tmp_path / "replica1" / "summary.json").write_text(json.dumps(group))
+        with pytest.raises(RunDirError, match=rf"^{re.escape(str(tmp_path))}/replica1/"
+                                              rf"summary.json: field '{field}'"):
+            summarise_groups(tmp_path, 2, [])
+
+
+HOSTILE_REPLICAS = (True, False, 2.7, "1", [1], -1, None, math.nan)
+"""A rank row's ``replica`` that is no replica index (JSON's ``true``, a fraction, text,
+a list, a negative, ``null``, NaN)."""
+
+
+@pytest.mark.parametrize("value", HOSTILE_REPLICAS, ids=[repr(v) for v in HOSTILE_REPLICAS])
+def test_a_rank_rows_replica_that_is_no_replica_leaves_the_ranks_own(tmp_path, value):
+    """``Run.replicas`` took ``int()`` of a rank's ``replica``: ``true`` made rank 3
+    replica 1, 2.7 replica 2, ``"1"`` was parsed, a list was a TypeError. Such a value is
+    no replica, as a ``rank`` that is none leaves the file's own: the rank is its own
+    replica, as one whose rows say none."""
+    from editrain.bench.faults import _window
+    from editrain.bench.runs import Run
+
+    rows = {rank: [{"rank": rank, "replica": rank // 2, "step": 1, "unix_time": 10.0,
+                    "step_time_s": 0.1, "wall_time_s": 0.1}] for rank in range(4)}
+    assert Run("r", tmp_path, {}, ranks=rows).replicas() == {0: [0, 1], 1: [2, 3]}
+    rows[3][0]["replica"] = value
+    assert Run("r", tmp_path, {}, ranks=rows).replicas() == {0: [0, 1], 1: [2], 3: [3]}
+    # The faults scenario's window reads the same field from the rank files.
+    for rank, got in rows.items():
+        path = tmp_path / f"replica{rank // 2}" / "ranks" / f"rank{rank}.jsonl"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("".join(json.dumps(r) + "\n" for r in got))
+    assert sorted(_window(Run("r", tmp_path, {}), 0)[1]) == [0, 1]
+
+
+HOSTILE_STEP_ROWS = (
+    {"step": "3", "unix_time": 10.3, "step_time_s": 0.1},
+    {"step": True, "unix_time": 10.3, "step_time_s": 0.1},
+    {"unix_time": 10.3, "step_time_s": 0.1},
+    {"step": 3, "unix_time": 10.3},
+    {"step": 3, "unix_time": "10.3", "step_time_s": 0.1},
+    {"step": 3, "unix_time": 10.3, "step_time_s": [0.1]},
+    {"step": 3, "unix_time": math.nan, "step_time_s": 0.1},
+    {"step": 3, "unix_time": 10.3, "step_time_s": True},
+)
+"""A rank row of the faults scenario's window with a field it reads that editrain never
+writes so (a string step crashed the attempts' order, a missing one or a missing step time
+was a KeyError, a string clock a TypeError, ``true`` a step time of 1 s)."""
+
+
+@pytest.mark.parametrize("bad", HOSTILE_STEP_ROWS, ids=[repr(r) for r in HOSTILE_STEP_ROWS])
+def test_a_faults_rank_row_that_cannot_be_read_is_no_measurement(tmp_path, bad):
+    """The faults scenario's window and downtime skip a row they cannot read (as the
+    metrics readers do): the result is that of the run without it."""
+    from editrain.bench.faults import _ft_numbers, _window
+    from editrain.bench.runs import Run
+
+    rows = [{"rank": 0, "replica": 0, "step": s, "unix_time": 10.0 + s / 10,
+             "step_time_s": 0.1} for s in (1, 2, 3, 4)]
+    path = tmp_path / "ranks" / "rank0.jsonl"
+    path.parent.mkdir()
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    want = _window(Run("r", tmp_path, {}), 0)
+    path.write_text("".join(json.dumps(r) + "\n" for r in [*rows[:2], bad, *rows[2:]]))
+    assert _window(Run("r", tmp_path, {}), 0) == want
+    # The dead group's ft_join row: a clock that is no number is no rejoin time.
+    summary = _ft_summary()
+    (tmp_path / "replica1").mkdir()
+    joins = [{"event": "ft_join", "step": 10, "unix_time": bad.get("unix_time", "x")},
+             {"event": "ft_join", "step": 10, "unix_time": 1001.0}]
+    if isinstance(joins[0]["unix_time"], float) and math.isfinite(joins[0]["unix_time"]):
+        joins[0]["unix_time"] = True  # (a row whose clock is good: make it bad)
+    (tmp_path / "replica1" / "metrics.jsonl").write_text(
+        "".join(json.dumps(r) + "\n" for r in joins[::-1]))
+    config = {"train": {"batch_size": 2, "seq_len": 5}}
+    got = _ft_numbers(Run("r", tmp_path, {}, summary=summary, config=config), 6, 4)
+    assert got["downtime_s"] == pytest.approx(0.4)
+
+
+def test_a_trained_runs_summary_fits_its_schema(run8):
+    """What the trainer writes to ``summary.json`` is what the strict reader takes (the
+    schema is of the writer's fields: a mismatch would refuse every benchmark run)."""
+    from editrain.bench.runs import read_run
+
+    run = read_run("run8", run8, {})
+    assert run.ok and run.summary["steps"] == 8 and run.replicas() == {0: [0], 1: [1]}

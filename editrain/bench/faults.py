@@ -42,10 +42,10 @@ from editrain.bench.prose import fill, prose
 from editrain.bench.runner import Bench, repeat_label
 from editrain.bench.runs import Run
 from editrain.bench.scenario import Ctx, Job, Scenario, Table, Verdict
-from editrain.bench.stats import spread
+from editrain.bench.stats import measured, spread
 from editrain.bench.tables import spread_cell
 from editrain.errors import ConfigError, plain_count
-from editrain.metrics import read_jsonl
+from editrain.metrics import read_jsonl, replica_of
 
 TEXT = prose("faults")
 SYSTEMS = ("ft", "ft-fail", "plain", "restart-fail")
@@ -109,7 +109,13 @@ def _tokens_per_rank_step(run: Run) -> int:
 
 
 def _ft_numbers(run: Run, fail_at: int | None, interval: int) -> dict[str, Any]:
-    """Useful tokens, final loss and the dead replica's downtime of a ``--ft`` run."""
+    """Useful tokens, final loss and the dead replica's downtime of a ``--ft`` run.
+
+    The summary's fields were checked when it was read (:func:`editrain.bench.runs.read_run`
+    against :data:`editrain.metrics.SUMMARY_SCHEMA`: a group's ``tokens_processed`` an
+    integer, an event named, its ``unix_time`` a number where it has one); an ``ft_join``
+    row whose ``unix_time`` is no number is skipped, as the metrics readers skip a row they
+    cannot read."""
     s = run.summary
     groups = s.get("per_replica", {})
     useful = sum(g.get("tokens_processed", 0) for g in groups.values())
@@ -118,11 +124,12 @@ def _ft_numbers(run: Run, fail_at: int | None, interval: int) -> dict[str, Any]:
     if fail_at is not None:
         # The dead attempt's steps up to its last sync are in the model; later ones died.
         useful += (fail_at // interval) * interval * _tokens_per_rank_step(run)
-        died = [e["unix_time"] for e in s.get("events", []) if e["event"] == "died"]
+        died = [e["unix_time"] for e in s.get("events", [])
+                if e.get("event") == "died" and "unix_time" in e]
         paths = [run.run_dir / f"replica{r}" / "metrics.jsonl" for r in groups]
-        joins = [row["unix_time"] for path in paths if path.is_file()
-                 for row in read_jsonl(path)
-                 if row.get("event") == "ft_join" and "unix_time" in row]
+        joins = [measured(row.get("unix_time")) for path in paths if path.is_file()
+                 for row in read_jsonl(path) if row.get("event") == "ft_join"]
+        joins = [t for t in joins if t is not None]
         if died and joins:  # the dead replica is the last group: its rejoin is read last
             out["downtime_s"] = joins[-1] - died[0]
     out["useful_tokens"] = useful
@@ -131,10 +138,20 @@ def _ft_numbers(run: Run, fail_at: int | None, interval: int) -> dict[str, Any]:
 
 def _rank_logs(run: Run) -> list[list[dict[str, Any]]]:
     """Every rank's step rows in file order (both attempts), from either layout; event rows
-    (the bytes by cause at the end of a rank's log) left out."""
+    (the bytes by cause at the end of a rank's log) left out, and so is a row whose step
+    is no number >= 0 or whose ``unix_time`` or ``step_time_s`` is no finite number >= 0
+    (no measurement, as :func:`editrain.metrics.read_rank_steps` skips it: a string step
+    crashed the attempts' order with a TypeError, a missing step time with a KeyError)."""
     paths = sorted(run.run_dir.glob("replica*/ranks/rank*.jsonl")) or \
         sorted(run.run_dir.glob("ranks/rank*.jsonl"))
-    return [[r for r in read_jsonl(p) if "event" not in r] for p in paths]
+    return [[r for r in read_jsonl(p) if _is_timed_step(r)] for p in paths]
+
+
+def _is_timed_step(row: dict[str, Any]) -> bool:
+    """Whether ``row`` is a step row the window reads: its step, clock and step time."""
+    return ("event" not in row and measured(row.get("step")) is not None
+            and measured(row.get("unix_time")) is not None
+            and measured(row.get("step_time_s")) is not None)
 
 
 def _useful_rows(rows: list[dict[str, Any]], cutoff: int) -> list[dict[str, Any]]:
@@ -154,14 +171,13 @@ def _useful_rows(rows: list[dict[str, Any]], cutoff: int) -> list[dict[str, Any]
 def _window(run: Run, cutoff: int) -> tuple[list[float], dict[int, list[float]]]:
     """The times, from the run's first step, at which each rank finished its budget (its
     last row), and per replica the times of its ranks' useful step rows."""
-    logs = [[r for r in rows if "unix_time" in r] for rows in _rank_logs(run)]
-    logs = [rows for rows in logs if rows]
+    logs = [rows for rows in _rank_logs(run) if rows]
     if not logs:
         return [], {}
     start = min(rows[0]["unix_time"] - rows[0]["step_time_s"] for rows in logs)
     times: dict[int, list[float]] = {}
     for rows in logs:
-        times.setdefault(int(rows[0].get("replica", 0)), []).extend(
+        times.setdefault(replica_of(rows, 0), []).extend(
             r["unix_time"] - start for r in _useful_rows(rows, cutoff))
     return [rows[-1]["unix_time"] - start for rows in logs], times
 
@@ -182,7 +198,7 @@ def _measure(runs: dict[str, Run], fail_at: int, interval: int, ckpt_every: int
         nums = (_ft_numbers(run, fail_at if s == "ft-fail" else None, interval)
                 if s.startswith("ft") else
                 {"final_val_loss": run.summary.get("final_val_loss"),
-                 "useful_tokens": int(run.summary.get("steps", 0)) * REPLICAS
+                 "useful_tokens": run.summary.get("steps", 0) * REPLICAS
                  * _tokens_per_rank_step(run)})
         nums["wall_s"] = run.launch_s
         nums["useful_tokens_per_s"] = nums["useful_tokens"] / run.launch_s

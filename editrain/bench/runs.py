@@ -16,13 +16,12 @@ reads a run as the benchmarks do; they are re-exported here.
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from editrain.metrics import latest_rows, read_rank_steps
+from editrain.metrics import latest_rows, read_rank_steps, read_summary, replica_of
 from editrain.safe_io import read_toml_value
 
 
@@ -83,11 +82,12 @@ class Run:
         return None
 
     def replicas(self) -> dict[int, list[int]]:
-        """Replica index -> the ranks that logged for it (from the per-rank files)."""
+        """Replica index -> the ranks that logged for it (from the per-rank files); a rank
+        whose rows say no replica, or one that is no integer >= 0, is its own
+        (:func:`editrain.metrics.replica_of`)."""
         out: dict[int, list[int]] = {}
         for rank, rows in sorted(self.ranks.items()):
-            replica = rows[0].get("replica", rank) if rows else rank
-            out.setdefault(int(replica), []).append(rank)
+            out.setdefault(replica_of(rows, rank), []).append(rank)
         return out
 
     def sync_entries(self) -> list[dict[str, Any]]:
@@ -129,7 +129,13 @@ def _round_index(entry: dict[str, Any]) -> float:
 def read_run(label: str, run_dir: Path, overrides: dict[str, Any], launch_s: float = 0.0,
              error: str | None = None) -> Run:
     """Load whatever a run directory holds into a :class:`Run` (its fields: the arguments);
-    ``error`` is set when there is no ``summary.json``."""
+    ``error`` is set when there is no ``summary.json``.
+
+    Raises:
+        ValueError: ``summary.json`` or ``config.toml`` is not what editrain writes (one
+            line naming the file and the field: :data:`editrain.metrics.SUMMARY_SCHEMA`),
+            as the record of the results is refused (:func:`editrain.bench.results.load_record`).
+    """
     from editrain.metrics import current_rows, read_metrics
 
     run = Run(label=label, run_dir=run_dir, overrides=overrides, launch_s=launch_s, error=error)
@@ -142,7 +148,7 @@ def read_run(label: str, run_dir: Path, overrides: dict[str, Any], launch_s: flo
         run.evals = [r for r in rows if r.get("val_loss") is not None]
     run.ranks = read_rank_steps(run_dir)
     if (run_dir / "summary.json").is_file():
-        run.summary = json.loads((run_dir / "summary.json").read_text())
+        run.summary = read_summary(run_dir)
     if (run_dir / "config.toml").is_file():
         run.config = read_toml_value((run_dir / "config.toml").read_text(),
                                      str(run_dir / "config.toml"), error=ValueError)

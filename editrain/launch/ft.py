@@ -20,7 +20,7 @@ from editrain.config import Config
 from editrain.launch.elastic import run_elastic, start_worker_server
 from editrain.launch.job import Job
 from editrain.rundir import logs_dir
-from editrain.safe_io import Obj, read_json, write_atomic
+from editrain.safe_io import write_atomic
 from editrain.spawn import (
     LOOPBACK,
     USER_ERRORS,
@@ -265,10 +265,6 @@ class ReplicaGroups:
                 p.kill()
 
 
-SUMMARY_MAX_BYTES = 16 << 20
-"""The largest replica group's ``summary.json`` read back (a few kilobytes are written)."""
-
-
 def summarise_groups(run_dir: Path, replicas: int, events: list[dict[str, Any]],
                      wall_s: float | None = None) -> dict[str, Any]:
     """The run's summary from every replica group's own ``summary.json`` (also written to
@@ -281,12 +277,16 @@ def summarise_groups(run_dir: Path, replicas: int, events: list[dict[str, Any]],
         wall_s: the run's wall time; None (the groups are torchrun jobs, nobody timed the
             run): the longest group's.
     """
+    from editrain.metrics import GROUP_SUMMARY_SCHEMA, read_summary
+
     groups = {}
     for r in range(replicas):
         path = run_dir / f"replica{r}" / "summary.json"
         if os.path.lexists(path):
-            groups[r] = read_json(path, max_bytes=SUMMARY_MAX_BYTES, schema=Obj(),
-                                  error=rundir.RunDirError, what="replica group's summary")
+            # a group's counts read as numbers, its steps and loss there (they were summed
+            # and indexed unchecked: a string there was a TypeError, a missing one a KeyError)
+            groups[r] = read_summary(path.parent, error=rundir.RunDirError,
+                                     schema=GROUP_SUMMARY_SCHEMA)
     finished = [g for g in groups.values()]
     if wall_s is None:
         wall_s = max((g.get("wall_time_s", 0.0) for g in finished), default=0.0)

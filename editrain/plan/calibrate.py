@@ -50,11 +50,12 @@ from editrain.metrics import (
     latest_job_start,
     read_jsonl,
     read_rank_steps,
+    read_summary,
 )
 from editrain.plan.inputs import GBIT, SHAPE_FIELDS, Cluster, MethodSpec, ModelSpec
 from editrain.plan.model import model_shape, step_flops
 from editrain.rundir import list_checkpoints, read_marker
-from editrain.safe_io import Int, Num, Obj, read_json, read_toml
+from editrain.safe_io import Int, Num, Obj, read_toml
 
 
 @dataclass
@@ -275,8 +276,6 @@ def read_config(run_dir: str | Path) -> tuple[MethodSpec, ModelSpec]:
     return method, dataclasses.replace(model, vocab_size=run_vocab_size(run_dir, cfg))
 
 
-SUMMARY_MAX_BYTES = 16 << 20
-"""The largest ``summary.json`` of a run directory read (a few kilobytes are written)."""
 
 
 def run_vocab_size(run_dir: str | Path, cfg: dict[str, Any]) -> int | None:
@@ -294,8 +293,7 @@ def run_vocab_size(run_dir: str | Path, cfg: dict[str, Any]) -> int | None:
     """
     d = Path(run_dir)
     if (d / "summary.json").is_file():
-        summary = read_json(d / "summary.json", max_bytes=SUMMARY_MAX_BYTES, schema=Obj(),
-                            error=ConfigError, what="run summary")
+        summary = read_summary(d, error=ConfigError)  # editrain.metrics.SUMMARY_SCHEMA
         if _count(summary.get("vocab_size")):
             return summary["vocab_size"]
     found = list_checkpoints(d)
