@@ -12,6 +12,8 @@ value by :func:`plain_count`.
 from __future__ import annotations
 
 import contextlib
+import json
+import math
 import numbers
 import re
 import sys
@@ -73,6 +75,38 @@ def require(cond: bool, option: str, allowed: str) -> None:
         raise ConfigError(f"{option}: {allowed}")
 
 
+def spelled(value: Any) -> str:
+    """``value`` as a configuration file writes it, for a message that refuses it: TOML's
+    spelling (``true``, ``"x"``, ``2.5``, ``inf``, ``[1, 2]``, ``{lr = 0.7}``), which is
+    also JSON's for all but a table and a non-finite number, and ``null`` for ``None``
+    (TOML has none; a Python caller reads it as well as a JSON one). Python's own spelling
+    (``True``, ``'x'``, ``None``) named a value the user of a file never wrote. An object
+    no file holds (a numpy scalar, a tensor: a Python caller's) keeps its ``repr``."""
+    if value is None:
+        return "null"
+    if type(value) is bool:
+        return "true" if value else "false"
+    if type(value) is int:
+        return str(value)
+    if type(value) is float:
+        return repr(value) if math.isfinite(value) or math.isnan(value) else (
+            "inf" if value > 0 else "-inf")
+    if type(value) is str:
+        return json.dumps(value)  # escaped as TOML's basic strings are: one line
+    if type(value) in (list, tuple):
+        return "[" + ", ".join(spelled(item) for item in value) + "]"
+    if type(value) is dict:
+        return "{" + ", ".join(f"{_spelled_key(key)} = {spelled(item)}"
+                               for key, item in value.items()) + "}"
+    return repr(value)
+
+
+def _spelled_key(key: Any) -> str:
+    """A table's key as TOML writes it: bare where it may be, else quoted."""
+    text = str(key)
+    return text if text and re.fullmatch(r"[A-Za-z0-9_-]+", text) else json.dumps(text)
+
+
 SCALAR_KINDS: dict[type, tuple[type, str]] = {
     bool: (bool, "true or false"),
     int: (numbers.Integral, "an integer"),
@@ -104,8 +138,9 @@ def plain_scalar(value: Any, kind: type, option: str) -> Any:
         option: the option's dotted name, for the message.
 
     Raises:
-        ConfigError: ``"OPTION: expected TYPE, got VALUE"``, with what to pass instead for
-            an array or tensor; for a float option, an integer too large for a float.
+        ConfigError: ``"OPTION: expected TYPE, got VALUE"`` (VALUE as a file writes it:
+            :func:`spelled`), with what to pass instead for an array or tensor; for a float
+            option, an integer too large for a float.
     """
     accepted, name = SCALAR_KINDS[kind]
     if isinstance(value, accepted) and (kind is bool or not isinstance(value, bool)):
@@ -113,12 +148,12 @@ def plain_scalar(value: Any, kind: type, option: str) -> Any:
             return kind(value)
         except OverflowError:  # a TOML or Python integer beyond any float (no bound)
             raise ConfigError(f"{option}: expected {name} a float can hold (at most "
-                              f"{sys.float_info.max:g}), got {value!r}") from None
+                              f"{sys.float_info.max:g}), got {spelled(value)}") from None
     hint = ""
     if hasattr(value, "item") and not isinstance(value, numbers.Number):  # tensor, array
         kind_name = f"{type(value).__module__}.{type(value).__qualname__}"
         hint = f" (a {kind_name}: pass a plain Python value, e.g. value.item())"
-    raise ConfigError(f"{option}: expected {name}, got {value!r}{hint}")
+    raise ConfigError(f"{option}: expected {name}, got {spelled(value)}{hint}")
 
 
 def plain_count(value: Any, option: str, least: int = 1) -> int:

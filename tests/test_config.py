@@ -111,7 +111,7 @@ def test_overrides_built_in_python_take_numpy_numbers_as_plain_ones():
     assert type(cfg.train.steps) is int and cfg.train.steps == 50
     assert type(cfg.train.lr) is float and cfg.train.lr == 0.5
     assert type(cfg.sync.local_sgd_sync_interval) is int
-    with pytest.raises(ConfigError, match=r"^train.steps: expected an integer, got True$"):
+    with pytest.raises(ConfigError, match=r"^train.steps: expected an integer, got true$"):
         load_config(None, {"train": {"steps": True}})
 
 

@@ -211,7 +211,7 @@ def test_sequence_lengths_are_plain_counts():
     tokens = np.arange(100, dtype=np.uint16)
     assert type(SequenceStream(tokens, np.int64(4), 0, 1, seed=0).seq_len) is int
     for wrong, said in ((2.5, "expected an integer, got 2.5"), (True, "expected an integer, "
-                        "got True"), (0, "must be >= 1, got 0")):
+                        "got true"), (0, "must be >= 1, got 0")):
         with pytest.raises(ValueError) as e:
             SequenceStream(tokens, wrong, 0, 1, seed=0)
         assert str(e.value) == f"train.seq_len: {said}"

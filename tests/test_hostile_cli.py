@@ -90,7 +90,7 @@ REFUSED = [
     (["bench", "default", "--quick=0"], "argument --quick: ignored explicit argument '0'"),
     (["bench", "default", "--tiny=0"], "bench --tiny: takes no value"),
     (["train", "--ft=1"], "--ft: takes no value"),
-    (["train", "--quiet=on"], "quiet: expected true or false, got 'on'"),
+    (["train", "--quiet=on"], 'quiet: expected true or false, got "on"'),
 ]
 
 

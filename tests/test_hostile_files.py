@@ -490,7 +490,7 @@ def test_an_error_message_never_echoes_an_unbounded_value(capsys):
     assert main(["train", "--train.steps", value]) == 2
     err = capsys.readouterr().err
     assert err == (f"editrain: error: train.steps: expected an integer, got "
-                   f"'{value[:LONGEST_WORD - 11]}... (50002 characters)\n")
+                   f"\"{value[:LONGEST_WORD - 11]}... (50002 characters)\n")
     assert main(["train", "--data.path", value]) == 2  # an OSError's own text: a path
     assert len(capsys.readouterr().err) < LONGEST_WORD + 200
     for text in ("a" * 50_000, "b " * 50_000, "c" * LONGEST_WORD, "d" * (LONGEST_WORD + 1),

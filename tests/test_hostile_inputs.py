@@ -309,6 +309,49 @@ def test_any_shape_is_accepted_or_refused_by_name(raw):
         assert "\n" not in str(e) and str(e).split(":")[0], e
 
 
+VALUES_AS_WRITTEN = (
+    ("[train]\nsteps = true", "train.steps: expected an integer, got true"),
+    ("[train]\nsteps = false", "train.steps: expected an integer, got false"),
+    ('[train]\nsteps = "8"', 'train.steps: expected an integer, got "8"'),
+    ("[train]\nsteps = 2.5", "train.steps: expected an integer, got 2.5"),
+    ("[train]\nsteps = inf", "train.steps: expected an integer, got inf"),
+    ("[train]\nsteps = [1, true]", "train.steps: expected an integer, got [1, true]"),
+    ("[train]\nlr = \"it's\"", 'train.lr: expected a number, got "it\'s"'),
+    ("[train]\nlr = {a = 1}", "train.lr: expected a number, got {a = 1}"),
+    ('[sync]\nlayerwise = "on"', 'sync.layerwise: expected true or false, got "on"'),
+    ("[sync]\nlayerwise = 1", "sync.layerwise: expected true or false, got 1"),
+    ("[data]\ntext_field = true", "data.text_field: expected a string, got true"),
+    ("[sync]\nouter_optim_kwargs = [1]",
+     "sync.outer_optim_kwargs: expected a table such as {lr = 0.7}, got [1]"),
+)
+"""A config file's value that its option refuses, and the message: the value as the file
+wrote it (TOML's ``true``, ``"8"``, ``inf``, ``{a = 1}``), not as Python prints it
+(``True``, ``'8'``, ``{'a': 1}``), which the user of a file never wrote."""
+
+
+@pytest.mark.parametrize("text,said", VALUES_AS_WRITTEN, ids=[t for t, _ in VALUES_AS_WRITTEN])
+def test_a_refused_config_value_is_quoted_as_the_file_wrote_it(tmp_path, text, said):
+    path = tmp_path / "run.toml"
+    path.write_text(text + "\n")
+    with pytest.raises(ConfigError) as got:
+        load_config(str(path))
+    assert str(got.value) == said
+
+
+def test_a_refused_python_value_is_quoted_as_a_file_would_write_it():
+    """The Python API's values take the same spelling (a bool ``true``, a string in double
+    quotes, ``None`` JSON's ``null``); an object no file holds keeps its ``repr``."""
+    np = pytest.importorskip("numpy")
+    from editrain.errors import plain_scalar
+
+    for value, said in ((True, "true"), ("8", '"8"'), (None, "null"), ([None], "[null]"),
+                        (float("nan"), "nan"), (-float("inf"), "-inf"),
+                        (np.float64(2.5), repr(np.float64(2.5)))):
+        with pytest.raises(ConfigError) as got:
+            plain_scalar(value, int, "train.steps")
+        assert str(got.value) == f"train.steps: expected an integer, got {said}"
+
+
 def test_array_of_tables_file_is_refused(tmp_path):
     for text, option in (("[[train]]\nsteps = 3\n", "train"),
                          ("[[sync.gta]]\ndensity = 0.5\n", "sync.gta"),

@@ -241,10 +241,10 @@ def test_config_validation(overrides, match):
 
 @pytest.mark.parametrize(("overrides", "said"), [
     (dict(n_layers=0), "n_layers: must be >= 1, got 0"),
-    (dict(dim=True), "dim: expected an integer, got True"),
+    (dict(dim=True), "dim: expected an integer, got true"),
     (dict(dim=64.0), "dim: expected an integer, got 64.0"),
     (dict(norm_eps=0.0), "norm_eps: must be > 0, got 0.0"),
-    (dict(init_std="0.02"), "init_std: expected a number, got '0.02'"),
+    (dict(init_std="0.02"), 'init_std: expected a number, got "0.02"'),
     (dict(tie_embeddings=1), "tie_embeddings: expected true or false, got 1"),
 ])
 def test_config_fields_are_refused_in_the_words_of_every_option(overrides, said):

@@ -245,8 +245,8 @@ def test_detector_validates_arguments(kwargs, name):
 @pytest.mark.parametrize(("kwargs", "said"), [
     ({"warmup": -1}, "ewma_warmup_steps: must be >= 0, got -1"),
     ({"warmup": 2.0}, "ewma_warmup_steps: expected an integer, got 2.0"),
-    ({"warmup": True}, "ewma_warmup_steps: expected an integer, got True"),
-    ({"alpha": "0.1"}, "ewma_alpha: expected a number, got '0.1'"),
+    ({"warmup": True}, "ewma_warmup_steps: expected an integer, got true"),
+    ({"alpha": "0.1"}, 'ewma_alpha: expected a number, got "0.1"'),
     ({"alpha": 1.5}, "ewma_alpha: must be in (0, 1], got 1.5"),
     ({"threshold": math.inf}, "ewma_threshold: must be a finite number > 0, got inf"),
 ])

@@ -300,7 +300,7 @@ def test_stage_layers_splits_evenly_earlier_stages_first():
     (0, "must be >= 1, got 0"), (-1, "must be >= 1, got -1"),
     (5, "must be at most the model's number of layers (4): every stage holds at least one "
         "block; got 5"),
-    (2.0, "expected an integer, got 2.0"), (True, "expected an integer, got True")])
+    (2.0, "expected an integer, got 2.0"), (True, "expected an integer, got true")])
 def test_stage_layers_refuses_a_bad_pp_size(pp_size, said):
     with pytest.raises(ValueError) as e:
         stage_layers(4, pp_size)

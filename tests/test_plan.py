@@ -262,7 +262,7 @@ def test_compute_from_flops_and_mfu():
     ({"nodes": 0}, "cluster.nodes: must be >= 1, got 0"),
     ({"stall_prob": 2.0}, "cluster.stall_prob: must be <= 1"),
     ({"latency_per": "x"}, "cluster.latency_per: must be one of hop, collective"),
-    ({"inter_node_gbps": "fast"}, "cluster.inter_node_gbps: expected a number, got 'fast'"),
+    ({"inter_node_gbps": "fast"}, 'cluster.inter_node_gbps: expected a number, got "fast"'),
 ])
 def test_bad_cluster_names_the_field(change, message):
     with pytest.raises(ConfigError) as e:
@@ -283,7 +283,7 @@ def test_plan_counts_take_numpy_integers_and_are_refused_in_the_options_words(ma
     np = pytest.importorskip("numpy")
     spec = make(np.int64(2))
     assert type(getattr(spec, option.split(".")[1])) is int
-    for wrong, said in ((True, "expected an integer, got True"),
+    for wrong, said in ((True, "expected an integer, got true"),
                         (2.0, "expected an integer, got 2.0"), (0, "must be >= 1, got 0")):
         with pytest.raises(ConfigError) as e:
             make(wrong)
@@ -294,7 +294,7 @@ def test_plan_numbers_take_numpy_floats_as_plain_floats():
     np = pytest.importorskip("numpy")
     c = cluster(inter_node_gbps=np.float32(10), straggler_spread=np.float64(0.25))
     assert (type(c.inter_node_gbps), c.inter_node_gbps, c.straggler_spread) == (float, 10.0, 0.25)
-    with pytest.raises(ConfigError, match=r"^cluster.stall_s: expected a number, got True$"):
+    with pytest.raises(ConfigError, match=r"^cluster.stall_s: expected a number, got true$"):
         cluster(stall_s=True)
 
 
@@ -744,21 +744,21 @@ def test_calibration_of_a_resumed_run_reads_its_latest_job_only(tmp_path):
 
 
 CONFIG_EDITS = [
-    ("nproc = 2", "nproc = true", "dist.nproc: expected an integer, got True"),
+    ("nproc = 2", "nproc = true", "dist.nproc: expected an integer, got true"),
     ("shard_size = 1", "shard_size = 1.5", "dist.shard_size: expected an integer, got 1.5"),
-    ("fragments = 2", "fragments = true", "sync.fragments: expected an integer, got True"),
+    ("fragments = 2", "fragments = true", "sync.fragments: expected an integer, got true"),
     ("local_sgd_sync_interval = 4", 'local_sgd_sync_interval = "4"',
-     "sync.local_sgd_sync_interval: expected an integer, got '4'"),
+     'sync.local_sgd_sync_interval: expected an integer, got "4"'),
     ("overlap_steps = 1", "overlap_steps = 1.9",
      "sync.overlap_steps: expected an integer, got 1.9"),
     ("batch_size = 8", "batch_size = 8.5", "train.batch_size: expected an integer, got 8.5"),
     ("seq_len = 64", "seq_len = -64", "train.seq_len: must be >= 1, got -64"),
     ("overlap_steps = 1", 'overlap_steps = 1\nerror_feedback = "false"',
-     "sync.error_feedback: expected true or false, got 'false'"),
+     'sync.error_feedback: expected true or false, got "false"'),
     ("overlap_steps = 1", "overlap_steps = 1\ncpu_offload = 1",
      "sync.cpu_offload: expected true or false, got 1"),
     ('preset = "tiny"', 'preset = "tiny"\ntie_embeddings = "yes"',
-     "model.tie_embeddings: expected true or false, got 'yes'"),
+     'model.tie_embeddings: expected true or false, got "yes"'),
 ]
 
 

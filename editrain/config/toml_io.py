@@ -20,7 +20,7 @@ from editrain.config.applicability import check_applicable, drop_inapplicable
 from editrain.config.inputs import check_list_options, check_text_options, resolve_hub_models
 from editrain.config.schema import SECTIONS, Config
 from editrain.config.validation import validate
-from editrain.errors import ConfigError, plain_scalar, require
+from editrain.errors import ConfigError, plain_scalar, require, spelled
 from editrain.paths import check_path, shown
 
 
@@ -52,34 +52,34 @@ def _coerce(value: Any, tp: Any, option: str) -> Any:
                 return _coerce(value, a, option)
             except ConfigError as e:
                 errors.append(str(e))
-        raise ConfigError(errors[0] if errors else f"{option}: bad value {value!r}")
+        raise ConfigError(errors[0] if errors else f"{option}: bad value {spelled(value)}")
     if tp is bool:
         if isinstance(value, str):
             require(value.lower() in BOOL_WORDS, option,
-                    f"expected true or false, got {value!r}")
+                    f"expected true or false, got {spelled(value)}")
             return BOOL_WORDS[value.lower()]
-        require(isinstance(value, bool), option, f"expected true or false, got {value!r}")
+        require(isinstance(value, bool), option, f"expected true or false, got {spelled(value)}")
         return value
     if tp is int or tp is float:  # overrides built in Python may hold numpy numbers
         return plain_scalar(value, tp, option)
     if tp is str:
-        require(isinstance(value, str), option, f"expected a string, got {value!r}")
+        require(isinstance(value, str), option, f"expected a string, got {spelled(value)}")
         return value
     if origin is list:
         (item,) = typing.get_args(tp)
         if isinstance(value, str):  # "a,b" from the command line; items typed like values
             value = [v if item is str else parse_scalar(v) for v in value.split(",") if v]
-        require(isinstance(value, list), option, f"expected a list, got {value!r}")
+        require(isinstance(value, list), option, f"expected a list, got {spelled(value)}")
         return [_coerce(v, item, option) for v in value]
     if (origin is dict or dataclasses.is_dataclass(tp)) and isinstance(value, str) \
             and value.lstrip().startswith("{"):
         raise ConfigError(f"{option}: {_not_a_table(value)}")
     if origin is dict:
         require(isinstance(value, dict), option,
-                f"expected a table such as {{lr = 0.7}}, got {value!r}")
+                f"expected a table such as {{lr = 0.7}}, got {spelled(value)}")
         return dict(value)
     if dataclasses.is_dataclass(tp):
-        require(isinstance(value, dict), option, f"expected a table, got {value!r}")
+        require(isinstance(value, dict), option, f"expected a table, got {spelled(value)}")
     return value
 
 
