@@ -14,7 +14,9 @@
 * An environment variable editrain reads is read strictly too (:func:`env_switch`,
   :func:`env_count`): ``EDITRAIN_BENCH_TINY=false`` used to turn the tiny size on (any
   text but ``0`` did), and an ``OMP_NUM_THREADS`` that was no number was passed over for
-  editrain's own choice without a word. Unset or empty is "not set"; anything else is a
+  editrain's own choice without a word. A variable is read at the start of the commands
+  that use it (:func:`rayon_threads` by ``editrain data`` and ``editrain train``), not
+  first deep inside their work. Unset or empty is "not set"; anything else is a
   value or an error naming the variable.
 """
 
@@ -78,6 +80,31 @@ def env_count(name: str, text: str | None = None) -> int | None:
     return int(text)
 
 
+RAYON_THREADS = "RAYON_NUM_THREADS"
+"""The tokenizer's (rayon's) thread count, which bounds a token cache build's encoder
+processes (:func:`editrain.data.encode_pool.pool_workers`)."""
+
+
+def rayon_threads() -> int | None:
+    """The bound :data:`RAYON_THREADS` puts on a token cache build's encoders; None where it
+    bounds nothing: unset, empty or 0 (rayon's own default, a thread per CPU).
+
+    The commands that may build a cache (``editrain data``, ``editrain train``) read it at
+    their start, as ``OMP_NUM_THREADS`` is read by the job's check, so that junk is refused
+    before any work: read only by the build, it was refused minutes into a build (after
+    the corpus was read and the tokenizer trained).
+
+    Raises:
+        ConfigError: naming the variable, for anything but a whole number from 0 to
+            :data:`LARGEST_COUNT`.
+    """
+    text = os.environ.get(RAYON_THREADS, "").strip()
+    if text and not (text.isascii() and text.isdigit() and int(text) <= LARGEST_COUNT):
+        raise ConfigError(f"{RAYON_THREADS}={text[:40]!r}: expected a whole number from 0 "
+                          f"(rayon's default: a thread per CPU) to {LARGEST_COUNT}, or unset")
+    return int(text) if text and int(text) > 0 else None
+
+
 def env_int(name: str, default: int | None = None, minimum: int = 0) -> int:
     """The whole number the environment variable ``name`` holds: a launcher's (torchrun's
     ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_PORT``, ``TORCHELASTIC_RESTART_COUNT``,
@@ -100,5 +127,5 @@ def env_int(name: str, default: int | None = None, minimum: int = 0) -> int:
     return int(text)
 
 
-__all__ = ["LARGEST_COUNT", "SWITCH_WORDS", "CommandParser", "env_count", "env_int",
-           "env_switch"]
+__all__ = ["LARGEST_COUNT", "RAYON_THREADS", "SWITCH_WORDS", "CommandParser", "env_count",
+           "env_int", "env_switch", "rayon_threads"]

@@ -16,7 +16,7 @@ import threading
 import time
 from pathlib import Path
 
-from editrain.argv import CommandParser
+from editrain.argv import CommandParser, rayon_threads
 from editrain.config import ConfigError, describe_options, load_config, parse_overrides
 from editrain.config.inputs import check_path_options
 from editrain.config.schema import SEED_MAX
@@ -111,6 +111,7 @@ def cmd_data(args: argparse.Namespace, extra: list[str]) -> int:
 
     from editrain.corpus import describe_data, format_data, prepare_data
 
+    rayon_threads()  # a build's encoders read it: junk refused before any work
     cfg = config_from_args(args, extra, "data")
     if args.json:
         logging.getLogger().setLevel(logging.WARNING)  # stdout carries the JSON only

@@ -23,7 +23,7 @@ import re
 import pytest
 
 from editrain import cli
-from editrain.argv import CommandParser, env_count, env_int, env_switch
+from editrain.argv import CommandParser, env_count, env_int, env_switch, rayon_threads
 from editrain.config import ConfigError, load_config, parse_overrides
 
 
@@ -267,6 +267,42 @@ def test_rayon_num_threads_0_is_rayons_own_default_not_refused(text, monkeypatch
     monkeypatch.delenv("TOKENIZERS_PARALLELISM", raising=False)
     monkeypatch.setenv("RAYON_NUM_THREADS", text)
     assert pool_workers(cpus=4) == 4
+
+
+RAYON_JUNK = ["many", "-1", "1.5", "2,2", "\u0663", "99999999999999999999"]
+"""``RAYON_NUM_THREADS`` values that are no thread count (0 is rayon's default: taken)."""
+
+
+@pytest.mark.parametrize("text", RAYON_JUNK)
+def test_rayon_num_threads_junk_is_refused_when_editrain_data_starts(text, no_work,
+                                                                   monkeypatch, capsys):
+    """Read only by a token cache build, junk there was refused minutes into the build
+    (after the corpus was read and a tokenizer trained); ``editrain data`` now refuses it
+    at its start, as every environment variable of :mod:`editrain.argv`."""
+    monkeypatch.setenv("RAYON_NUM_THREADS", text)
+    code, line = _run(["data"], capsys)
+    assert code == 2 and f"RAYON_NUM_THREADS={text!r}: expected a whole number" in line, line
+
+
+@pytest.mark.parametrize("text", RAYON_JUNK)
+def test_rayon_num_threads_junk_is_refused_by_the_train_jobs_check(text, monkeypatch,
+                                                                  tmp_path):
+    """``editrain train``'s data stage may build the cache: its job check (local or under
+    torchrun, where OMP_NUM_THREADS and the launcher's variables are read) refuses junk
+    before the run directory or any process is touched."""
+    from editrain.launch.job import check_local, check_torchrun
+
+    cfg = load_config(None, {"run_dir": str(tmp_path / "run"),
+                             "dist": {"nproc": 1, "shard_size": 1}})
+    for var, value in (("WORLD_SIZE", "1"), ("RANK", "0"), ("TORCHELASTIC_RESTART_COUNT", "0"),
+                       ("RAYON_NUM_THREADS", text)):
+        monkeypatch.setenv(var, value)
+    for check in (check_local, check_torchrun):
+        with pytest.raises(ConfigError, match=rf"^RAYON_NUM_THREADS={re.escape(repr(text))}: "):
+            check(cfg)
+    assert not (tmp_path / "run").exists()
+    monkeypatch.setenv("RAYON_NUM_THREADS", "0")
+    assert rayon_threads() is None and check_local(cfg).world == 1
 
 
 @pytest.mark.parametrize("text", ["inf", "1e400", "nan", "5e6,", "0"])

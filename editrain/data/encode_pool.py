@@ -28,7 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
-from editrain.argv import env_count
+from editrain.argv import rayon_threads
 
 from . import encode_worker
 from .encode_worker import BEGINS, ENDS, read_exact, read_frame, write_frame
@@ -49,11 +49,7 @@ def pool_workers(cpus: int | None = None) -> int:
         cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (
             os.cpu_count() or 1)
     workers = max(1, cpus)
-    text = os.environ.get("RAYON_NUM_THREADS", "").strip()
-    # 0 is rayon's own default (one thread per CPU): it bounds nothing, as if unset. Any
-    # other text but a count is refused, not passed over.
-    zero = text.isascii() and text.isdigit() and int(text) == 0
-    rayon = None if zero else env_count("RAYON_NUM_THREADS", text)
+    rayon = rayon_threads()  # (0 bounds nothing; junk is refused, not passed over)
     if rayon is not None:
         workers = min(workers, rayon)
     if os.environ.get("TOKENIZERS_PARALLELISM", "").strip().lower() in ("0", "false", "no",

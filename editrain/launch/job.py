@@ -17,7 +17,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from editrain import rundir
-from editrain.argv import env_int
+from editrain.argv import env_int, rayon_threads
 from editrain.config import Config, validate_world
 from editrain.errors import ConfigError
 from editrain.spawn import worker_threads
@@ -94,6 +94,7 @@ def check_local(cfg: Config, started_at: float | None = None) -> Job:
     nproc = cfg.dist.nproc
     validate_world(cfg, nproc)
     run_dir = choose_run_dir(cfg, default_run_dir)
+    rayon_threads()  # the data stage may build the token cache: junk refused before it
     # The user's OMP_NUM_THREADS stands (see editrain.spawn.worker_threads).
     return Job(dataclasses.replace(cfg, run_dir=str(run_dir)), run_dir, nproc,
                threads=worker_threads(cfg, local_world=nproc), started_at=started_at)
@@ -120,6 +121,7 @@ def check_torchrun(cfg: Config, started_at: float | None = None) -> Job:
     cfg = dataclasses.replace(cfg, run_dir=str(run_dir))
     world = env_int("WORLD_SIZE", minimum=1)
     validate_world(cfg, world)
+    rayon_threads()  # every rank's data stage may build the token cache
     return Job(cfg, run_dir, world, rank=env_int("RANK", 0),
                restart=env_int("TORCHELASTIC_RESTART_COUNT", 0),
                under_torchrun=True, started_at=started_at)
