@@ -328,6 +328,9 @@ def test_cli_ft_run_survives_a_dead_replica_group(tmp_path, data_cache):
           "--checkpoint.export_final", "true")
     summary = json.loads((run / "summary.json").read_text())
     assert summary["finished_replicas"] == 3
+    from editrain.metrics import read_summary  # what the launcher wrote, the strict reader takes
+
+    assert read_summary(run) == summary
     events = [(e["event"], e["replica"], e["attempt"]) for e in summary["events"]]
     assert ("died", 2, 0) in events and ("start", 2, 1) in events
     groups = summary["per_replica"]
