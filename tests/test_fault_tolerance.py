@@ -266,6 +266,56 @@ def test_torchft_python_logs_are_warnings_unless_the_user_set_them():
         root.setLevel(saved[2])
 
 
+def test_torchft_record_loggers_print_no_blank_lines_unless_the_user_set_them():
+    """torchft's manager logs an empty message at info on its record loggers
+    (``torchft_quorums`` at every new quorum, ``torchft_commits`` at every commit vote:
+    structured fields for its OpenTelemetry handler). Under torchrun, whose worker is
+    ``editrain train`` with its root logger at info, each attempt of a group's first
+    quorum printed two blank lines on stderr. They no longer reach the root logger's
+    handlers; a handler on the logger itself (torchft's own, with TORCHFT_USE_OTEL) still
+    has them, and a level the user set on the logger keeps them going to the root."""
+    import logging
+
+    from editrain.sync.ft import TORCHFT_RECORD_LOGGERS, import_torchft
+
+    root = logging.getLogger()
+    records = [logging.getLogger(name) for name in TORCHFT_RECORD_LOGGERS]
+    saved = root.level, [(r.level, r.propagate) for r in records]
+
+    class Catch(logging.Handler):
+        def __init__(self) -> None:
+            super().__init__(level=logging.DEBUG)
+            self.seen: list[str] = []
+
+        def emit(self, record: logging.LogRecord) -> None:
+            self.seen.append(record.name)
+
+    printed, own = Catch(), Catch()
+    root.addHandler(printed)
+    records[0].addHandler(own)
+    try:
+        root.setLevel(logging.INFO)  # as `editrain train` sets it
+        for r in records:  # as a process that never imported torchft has them
+            r.setLevel(logging.NOTSET)
+            r.propagate = True
+        import_torchft("torchft.manager")
+        for r in records:
+            r.info("", extra={"quorum_id": 1, "step": 0})
+        assert printed.seen == [] and own.seen == ["torchft_quorums"]
+        records[1].setLevel(logging.INFO)  # the user's
+        records[1].propagate = True
+        import_torchft("torchft.manager")
+        records[1].info("", extra={"step": 1})
+        assert printed.seen == ["torchft_commits"]
+    finally:
+        root.removeHandler(printed)
+        records[0].removeHandler(own)
+        root.setLevel(saved[0])
+        for r, (level, propagate) in zip(records, saved[1]):
+            r.setLevel(level)
+            r.propagate = propagate
+
+
 @pytest.mark.timeout(300)
 def test_a_replica_dying_inside_a_sync_fails_that_round_on_every_survivor(tmp_path):
     """Replica 2 dies between the collectives of sync 3 (after the rendezvous and the first

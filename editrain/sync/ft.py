@@ -67,6 +67,13 @@ FLIGHT_RECORDER_NOTE = "Unable to reset NCCL flight recorder recording"
 NCCL flight recorder (a CPU build), where there are no NCCL traces to be incorrect."""
 
 
+TORCHFT_RECORD_LOGGERS = ("torchft_quorums", "torchft_commits")
+"""torchft's loggers of structured records: its manager logs an empty message at info on
+each of them, its fields in ``extra``, at every new quorum and every commit vote, for the
+OpenTelemetry handler torchft attaches to them itself (``TORCHFT_USE_OTEL``). Through
+the root logger's plain-text handler each was a blank line."""
+
+
 class _WithoutFlightRecorderNote(logging.Filter):
     """Drops :data:`FLIGHT_RECORDER_NOTE` (a torch with the recorder never logs it)."""
 
@@ -83,11 +90,21 @@ def _torchft_logs_warnings() -> None:
     (the quorum's reconfiguration, the commit vote): they log at warnings unless the user
     set the ``torchft`` logger's level. Editrain's own launcher runs its workers at
     warnings anyway; under torchrun the worker is ``editrain train`` itself, whose lines
-    are info, so torchft's were printed too."""
+    are info, so torchft's were printed too.
+
+    Its record loggers (:data:`TORCHFT_RECORD_LOGGERS`, outside ``torchft.*``) printed two
+    blank lines on stderr at every attempt of a group's first quorum under torchrun:
+    their records stay with the handlers on those loggers themselves (torchft's
+    OpenTelemetry one), and no longer reach the root logger's, unless the user set their
+    level. Nothing but those empty records is logged there."""
     os.environ.setdefault("RUST_LOG", "warn")
     torchft_log = logging.getLogger("torchft")
     if torchft_log.level == logging.NOTSET:
         torchft_log.setLevel(logging.WARNING)
+    for name in TORCHFT_RECORD_LOGGERS:
+        records = logging.getLogger(name)
+        if records.level == logging.NOTSET:
+            records.propagate = False
     manager_log = logging.getLogger("torchft.manager")
     if not any(isinstance(f, _WithoutFlightRecorderNote) for f in manager_log.filters):
         manager_log.addFilter(_WithoutFlightRecorderNote())
