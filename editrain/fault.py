@@ -3,6 +3,8 @@
 * who this job is: :func:`ft_identity` (replica group id and count), and where its
   replica group writes (:func:`replica_run_dir`);
 * its cross-replica group: :func:`make_group`;
+* while its replica group waits in its first quorum, whether the run ended meanwhile:
+  :class:`RunEndWatch`;
 * what a healing replica receives from a healthy one besides the engine's state: the
   trainer's step, data position and the inner optimizer's state, as local tensors
   (:func:`local_optimizer_state` / :func:`load_local_optimizer_state`).
@@ -17,13 +19,17 @@ The algorithm side (quorum, all-or-nothing rounds, healing of the engine) lives 
 from __future__ import annotations
 
 import os
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from editrain.argv import env_int
 from editrain.config import Config, ConfigError
+from editrain.errors import RunDirError
 from editrain.sync.ft import LIGHTHOUSE_ENV, REPLICA_ENV
 
 ATTEMPT_ENV = "EDITRAIN_FT_ATTEMPT"
@@ -69,6 +75,60 @@ def make_group(cfg: Config, replica: int, replicas: int, group_rank: int, group_
                         min_replicas=d.ft_min_replicas, timeout_s=d.ft_timeout_s,
                         quorum_timeout_s=max(600.0, 2 * d.ft_join_timeout_s),
                         heartbeat_interval_s=d.ft_heartbeat_interval_s)
+
+
+class RunEndWatch:
+    """Ends the first quorum of a replica group (a torchrun job of a fault-tolerant run)
+    that waits for groups which will never come: every other group finished the run while
+    it waited. The start-up check refuses such a group at once
+    (:func:`editrain.launch.run_dir.ended_run_problem`), but a group that was already
+    waiting when the last other group ended waited out the quorum timeout (600 s): the
+    lighthouse forms a quorum of this group alone at every attempt, and nothing in it says
+    that the others are gone for good.
+
+    Called on every rank after each failed attempt of the join
+    (:meth:`editrain.sync.ft_round.FaultTolerantSchedule.join`). Rank 0 looks at the run
+    directory (``look``, the start-up check's own evidence, under the run's lock) at most
+    every ``interval_s``, not at every attempt (a few a second); every rank takes its
+    answer over the group's default process group (on the device torch picks for its
+    backend: the CPU for gloo, this rank's GPU for NCCL), so that the group's ranks stop
+    together, a look that could not be made (the run's lock not had in time) included.
+
+    Args:
+        look: why the run ended for this group, or None: rank 0's look; the other ranks'
+            (whose answer is not used) need not look at all.
+        interval_s: the least time between two looks.
+    """
+
+    def __init__(self, look: Callable[[], str | None], interval_s: float = 1.0) -> None:
+        self.look = look
+        self.interval_s = interval_s
+        self._next_look = 0.0
+
+    def __call__(self) -> None:
+        """Raise where rank 0 found the run ended.
+
+        Raises:
+            RunDirError: the start-up check's refusal (or the look's own), the same on
+                every rank.
+        """
+        problem = self._rank0_look()
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            shared = [problem]
+            dist.broadcast_object_list(shared, src=0)
+            problem = shared[0]
+        if problem:
+            raise RunDirError(problem)
+
+    def _rank0_look(self) -> str | None:
+        now = time.monotonic()
+        if now < self._next_look:
+            return None
+        self._next_look = now + self.interval_s
+        try:
+            return self.look()
+        except RunDirError as e:
+            return str(e)
 
 
 # ---------------------------------------------------------------------------- state

@@ -767,6 +767,12 @@ the run first, then each group that joined it (:func:`join_start`)."""
 FT_ENDED = "ft_groups_ended"
 """The key of that line listing those of its groups whose job is over: it ended (its rank
 0 returned), or a new job of the group started since (:func:`note_group`)."""
+FT_FINISHED = "ft_groups_finished"
+"""The key of that line mapping each of its groups whose job finished the run (trained to
+the end of its budget; its rank 0 returned) to that budget, ``train.steps``. It is the
+evidence that the group has nothing left to train, which its checkpoints may not give: a
+run that saves none, or none at its last step. A new job of the group that takes part in
+the start again clears it (:func:`note_group`)."""
 
 
 def current_start(record: RunRecord | None) -> dict[str, Any] | None:
@@ -813,27 +819,50 @@ def in_current_start(record: RunRecord | None, replica: int) -> bool:
             and replica not in (start.get(FT_ENDED) or []))
 
 
-def note_group(run_dir: Path, replica: int, *, ended: bool) -> None:
+def note_group(run_dir: Path, replica: int, *, ended: bool,
+               finished_steps: int | None = None) -> None:
     """Note in the current start's line (:func:`current_start`) that group ``replica``'s
     job takes part in it, or with ``ended`` that it is over (its job ended, or a new job of
-    the group is starting). Nothing for a run whose latest job is no such start. Call
-    holding the run's lock."""
+    the group is starting); with ``finished_steps`` too, that its job finished the run
+    trained to that ``train.steps`` (:data:`FT_FINISHED`). A job that takes part clears
+    what an earlier job of the group finished: it may not. Nothing for a run whose latest
+    job is no such start. Call holding the run's lock."""
     record = read_record(run_dir)
     start = current_start(record)
     if record is None or start is None:
         return
     members, over = list(start[FT_GROUPS]), list(start.get(FT_ENDED) or [])
+    finished = dict(finished_groups(record))
     if ended:
-        if replica not in members or replica in over:
+        if replica not in members or (replica in over and finished_steps is None):
             return
-        over.append(replica)
+        over += [] if replica in over else [replica]
+        if finished_steps is not None:
+            finished[replica] = int(finished_steps)
     else:
         if replica in members and replica not in over:
             return
         members += [] if replica in members else [replica]
         over = [g for g in over if g != replica]
+        finished.pop(replica, None)
     start[FT_GROUPS], start[FT_ENDED] = members, sorted(over)
+    if finished or FT_FINISHED in start:
+        start[FT_FINISHED] = {str(g): s for g, s in sorted(finished.items())}
     write_record(run_dir, record)
+
+
+def finished_groups(record: RunRecord | None) -> dict[int, int]:
+    """The groups of the run's current start whose job finished the run, each with the
+    ``train.steps`` it trained to (:data:`FT_FINISHED`); empty where there is no such start
+    or a record of an older editrain holds none. An entry that is not a group's index and
+    a whole number of steps is left out (the record is a file users may edit)."""
+    start = current_start(record)
+    entries = start.get(FT_FINISHED) if start is not None else None
+    if not isinstance(entries, dict):
+        return {}
+    return {int(g): s for g, s in entries.items()
+            if isinstance(g, str) and g.isascii() and g.isdigit() and isinstance(s, int)
+            and not isinstance(s, bool)}
 
 
 def join_start(c: Claim, replica: int) -> list[Path]:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +40,7 @@ from editrain.corpus import prepare_data
 from editrain.evaluation import Evaluator
 from editrain.fault import (
     ATTEMPT_ENV,
+    RunEndWatch,
     ft_identity,
     load_local_optimizer_state,
     local_optimizer_state,
@@ -85,10 +87,15 @@ class Trainer:
             which resumes ``--resume`` only. None: not told (the local launcher, torchrun
             without its store): a restart torch elastic counted resumes
             (:meth:`_checkpoint_to_resume`).
+        run_ended: a torchrun job of a fault-tolerant run's replica group: why the run
+            ended for the group, looked at while it waits in its first quorum
+            (:class:`~editrain.fault.RunEndWatch`; from
+            :func:`editrain.launch.run_dir.ended_run_watch`); None: not looked at.
     """
 
     def __init__(self, cfg: Config, run_dir: Path, data_entry: str | None = None,
-                 rejoined: bool | None = None) -> None:
+                 rejoined: bool | None = None,
+                 run_ended: Callable[[], str | None] | None = None) -> None:
         self.cfg, t = cfg, cfg.train
         self.run_dir = Path(run_dir)
         self.rejoined = rejoined
@@ -140,6 +147,8 @@ class Trainer:
         # group): it reduces with, and heals from, the rank in the same place of the others.
         self.ft_group = (make_group(cfg, self.replica, self.replicas, info.rank,
                                     info.topo.replica_size) if self.ft else None)
+        self.run_end_watch = (RunEndWatch(run_ended)
+                              if self.ft and run_ended is not None else None)
         self.engine = build_engine(cfg, self.model, info, blocks, link_delay=self.sim.link,
                                    before_sync=self.sim.sync_hook, cross_replica=self.ft_group)
         self.sim.attach(self.engine)
@@ -725,7 +734,8 @@ class Trainer:
         # enough); any other start, a resume included, waits for every replica group.
         rejoining = env_int(ATTEMPT_ENV, 0) > 0
         self.engine.join(start_quorum=min(2, self.replicas) if rejoining else None,
-                         timeout_s=max(600.0, 2 * self.cfg.dist.ft_join_timeout_s))
+                         timeout_s=max(600.0, 2 * self.cfg.dist.ft_join_timeout_s),
+                         between_attempts=self.run_end_watch)
         syncs = self.engine.pop_sync_log()
         if self.loop.healed_at is None:
             return None
@@ -891,7 +901,8 @@ def _logged_history(run_dir: Path) -> list[dict[str, Any]]:
 
 
 def run_worker(cfg: Config, run_dir: str | Path, data_entry: str | None = None,
-               rejoined: bool | None = None) -> dict[str, Any]:
+               rejoined: bool | None = None,
+               run_ended: Callable[[], str | None] | None = None) -> dict[str, Any]:
     """Entry point of one worker process (spawned by the launcher or by torchrun).
 
     The process is set up first (:func:`editrain.runtime.setup_process`: it dies with the
@@ -908,13 +919,15 @@ def run_worker(cfg: Config, run_dir: str | Path, data_entry: str | None = None,
         rejoined: under torchrun, rank 0's decision for this attempt: it goes on with its
             launch's run (True) or made a new claim (False); None: not told (see
             :class:`Trainer`).
+        run_ended: a torchrun replica group's look at whether the run ended while it
+            waits in its first quorum (see :class:`Trainer`).
     """
     from editrain.spawn import errors_logged
 
     setup_process(cfg)
     with errors_logged(logs_dir(cfg, run_dir), env_int("RANK", 0),
                        env_int("WORLD_SIZE", 1, minimum=1)):
-        trainer = Trainer(cfg, Path(run_dir), data_entry, rejoined)
+        trainer = Trainer(cfg, Path(run_dir), data_entry, rejoined, run_ended)
         finished = False
         try:
             result = trainer.train()

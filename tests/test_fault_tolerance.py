@@ -224,6 +224,124 @@ def test_the_attempts_of_a_join_take_one_round_index():
     assert counters.next_index == 5
 
 
+def test_a_join_ends_when_what_runs_between_its_attempts_raises():
+    """A group waiting in its first quorum looks, between its attempts, at whether the
+    run ended (the trainer's RunEndWatch): its error ends the join at once, on the attempt
+    it came after, instead of after the join's timeout (600 s under torchrun). It runs
+    after every attempt that did not commit, and never after one that did."""
+    from types import SimpleNamespace
+
+    from editrain.errors import RunDirError
+    from editrain.sync.clock import SyncClock
+    from editrain.sync.config import SyncConfig
+    from editrain.sync.ft import QuorumError
+    from editrain.sync.ft_round import FaultTolerantSchedule
+    from editrain.sync.rounds import Rounds
+    from editrain.sync.view import Counters
+
+    class Group:  # the lighthouse forms no quorum with the others
+        committed_syncs = 0
+
+        def begin(self):
+            raise QuorumError("torchft quorum failed: timed out")
+
+        def report_error(self, exc: Exception) -> None:
+            pass
+
+        def commit(self) -> bool:
+            return False
+
+    looks: list[int] = []
+
+    def between_attempts() -> None:
+        looks.append(sched.failed_rounds)
+        if len(looks) == 3:
+            raise RunDirError("the run has ended at step 6")
+
+    counters = Counters()
+    rounds = Rounds(SyncConfig(**EDIT), units=[], fragments=[[]], model=None, comm=None,
+                    reduction=SimpleNamespace(num_replicas=2),
+                    clock=SyncClock(None, torch.device("cpu"), 0), progress=None,
+                    counters=counters, losses=SimpleNamespace(take=lambda: None),
+                    before_sync=None, replica=1)
+    sched = FaultTolerantSchedule.__new__(FaultTolerantSchedule)  # (no engine needed)
+    sched.engine = SimpleNamespace(counters=counters, units=[], open_round=rounds.open_round,
+                                   close_round=rounds.close_round)
+    sched.group, sched.streaming, sched.members, sched.failed_rounds = Group(), None, None, 0
+    with pytest.raises(RunDirError, match="has ended at step 6"):
+        sched.join(2, timeout_s=60, between_attempts=between_attempts)
+    assert looks == [1, 2, 3] and sched.failed_rounds == 3
+    sched.run = lambda contribute, start_quorum: True  # a join whose first attempt commits
+    looks.clear()
+    assert sched.join(2, timeout_s=60, between_attempts=between_attempts)
+    assert looks == []
+
+
+def _watch_rank(rank: int, world: int, ends_at: int) -> list[list[str | None]]:
+    """One rank of a replica group between the attempts of its join, twice: rank 0 finds
+    the run ended at its look ``ends_at``, then cannot look at all there (the run's lock
+    not had in time); the other ranks look at nothing."""
+    from editrain.errors import RunDirError
+    from editrain.fault import RunEndWatch
+
+    def watched(problem_at_end) -> list[str | None]:
+        looks = iter(range(1, 100))
+
+        def look() -> str | None:
+            return problem_at_end() if rank == 0 and next(looks) == ends_at else None
+
+        watch = RunEndWatch(look, interval_s=0.0)
+        seen: list[str | None] = []
+        for _ in range(ends_at + 1):
+            try:
+                watch()
+                seen.append(None)
+            except RunDirError as e:
+                seen.append(str(e))
+                break
+        return seen
+
+    def lock_not_had() -> str:
+        raise RunDirError("--run-dir: the run's lock is in use")
+
+    return [watched(lambda: "the run has ended"), watched(lock_not_had)]
+
+
+def test_every_rank_of_a_group_stops_its_join_on_rank_0s_look():
+    """Only rank 0 of a replica group looks at the run directory; every rank takes its
+    answer (over the group's default process group), so they stop the join together,
+    with its message, on the same attempt; a look rank 0 could not make stops them too,
+    instead of leaving the others waiting for its answer."""
+    from editrain.spawn import run_ranks
+
+    outs = run_ranks(_watch_rank, 2, 3)
+    assert outs == [[[None, None, "the run has ended"],
+                     [None, None, "--run-dir: the run's lock is in use"]]] * 2
+
+
+def test_rank_0_looks_at_the_run_at_most_once_an_interval():
+    """The attempts of a join come a few a second; rank 0 looks at the run directory (under
+    the run's lock) at most once an interval, and what it finds there ends the join."""
+    import time
+
+    from editrain.errors import RunDirError
+    from editrain.fault import RunEndWatch
+
+    looks: list[float] = []
+
+    def look() -> None:
+        looks.append(time.monotonic())
+        return None
+
+    watch = RunEndWatch(look, interval_s=60.0)
+    for _ in range(5):
+        watch()
+    assert len(looks) == 1  # the first call looked; the next ones within the interval not
+    watch = RunEndWatch(lambda: "the run has ended", interval_s=60.0)
+    with pytest.raises(RunDirError, match="the run has ended"):
+        watch()
+
+
 def test_torchft_python_logs_are_warnings_unless_the_user_set_them():
     """Under torchrun a group's worker is ``editrain train`` itself, whose logging is at
     info: torchft's Python loggers printed four lines a sync on every rank (the quorum's
@@ -965,6 +1083,80 @@ def test_cli_ft_replica_groups_under_torchrun_share_one_run_directory(tmp_path, 
         assert summary["per_replica"][str(r)]["steps_run"] == 2
     record = json.loads((run / "editrain-run.json").read_text())
     assert len(record["history"]) == 2 and record["history"][1]["from_step"] == 4
+
+
+@pytest.mark.timeout(300)
+def test_cli_ft_group_waiting_in_its_first_quorum_stops_once_the_others_finished(
+        tmp_path, data_cache):
+    """Group 1, a torchrun job, joins the run while group 0's job holds it (its rank 0
+    claimed the run, here in this process) and waits in its first quorum for group 0,
+    which then finishes the run: its lock released, its end noted. The run saves no
+    checkpoint (checkpoint.final false). Group 1 stops within seconds, refused as a group
+    started after the end is (exit 2, "has ended at step 2"), naming group 0's end. Before,
+    it waited out the quorum timeout (600 s): only the start-up check looked, and only at
+    checkpoints. Not quiet (info, as `editrain train` logs under torchrun): its stderr
+    has no blank line (before, torchft's record loggers printed two at every attempt of
+    the quorum, a few a second)."""
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    from editrain import rundir
+    from editrain.config import load_config
+    from editrain.config.overrides import parse_overrides
+    from editrain.launch.job import Job
+    from editrain.launch.run_dir import RunDirClaim
+    from editrain.sync.ft import start_lighthouse
+    from tests.test_checkpoint import _base_args
+
+    run = tmp_path / "run"
+    lighthouse = start_lighthouse(1, 30.0, 5.0)
+
+    def group(r: int) -> list[str]:
+        return [*(a for a in _base_args(data_cache) if a != "--quiet"), "--ft",
+                "--shard-size", "1", "--sync.local_sgd_sync_interval", "2", "--steps", "2",
+                "--checkpoint.final", "false", "--dist.ft_replicas", "2",
+                "--dist.ft_replica_id", str(r), "--dist.ft_lighthouse",
+                lighthouse.address(), "--run-dir", str(run)]
+
+    group0 = RunDirClaim(Job(load_config(None, parse_overrides(group(0))[0]), run, world=1,
+                             under_torchrun=True))
+    group0.join()  # its rank 0 claims the run and holds its group's lock
+    errors, proc = tmp_path / "group1.err", None
+    try:
+        with open(errors, "w") as err:
+            proc = subprocess.Popen(
+                [str(Path(sys.executable).with_name("torchrun")), "--standalone",
+                 "--nproc-per-node", "1", "-m", "editrain", "train", *group(1)],
+                stdout=subprocess.DEVNULL, stderr=err, env=_torchrun_group_env())
+        deadline = time.monotonic() + 120
+        while "this is replica 1" not in errors.read_text():  # its trainer's start line
+            assert proc.poll() is None, errors.read_text()[-3000:]
+            assert time.monotonic() < deadline, "group 1 did not start"
+            time.sleep(0.2)
+        time.sleep(2)  # attempts of its first quorum: the lighthouse has group 1 alone
+        assert proc.poll() is None, errors.read_text()[-3000:]
+        group0.lock.release()  # group 0's job finished the run (launch.summarise)
+        with rundir.RunLock(run).acquire(wait_s=10):
+            rundir.note_group(run, 0, ended=True, finished_steps=2)
+        finished = time.monotonic()
+        proc.wait(timeout=30)
+        took = time.monotonic() - finished
+    finally:
+        if proc is not None and proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        lighthouse.shutdown()
+    stderr = errors.read_text()
+    assert proc.returncode != 0 and took < 20, (took, stderr[-3000:])
+    assert (f"editrain: error: --dist.ft_replica_id: the run in {run} has ended at step 2: "
+            "replica group(s) 0 finished it (train.steps 2; where they ended: group 0 step "
+            "2 (its job finished the run; no checkpoint of that step))") in stderr, \
+        stderr[-3000:]
+    assert "exitcode  : 2" in stderr
+    assert [line for line in stderr.splitlines() if not line.strip()] == [], stderr[:3000]
+    assert not (run / "replica1" / "checkpoints").exists()
 
 
 def test_an_error_of_one_stage_drops_the_round_on_every_stage_of_its_group():

@@ -149,6 +149,16 @@ def end_groups(run: Path, claims: list) -> None:
             rundir.note_group(run, claim.lock.replica, ended=True)
 
 
+def finish_groups(run: Path, claims: list, steps: int) -> None:
+    """The groups' jobs finish the run, trained to ``steps``, as rank 0 ends them
+    (launch.summarise after its workers returned): lock released, end noted, with the
+    steps it finished."""
+    for claim in claims:
+        claim.lock.release()
+        with rundir.RunLock(run):
+            rundir.note_group(run, claim.lock.replica, ended=True, finished_steps=steps)
+
+
 def test_a_torchrun_group_that_claims_the_run_first_sets_aside_no_other_groups_checkpoint(
         tmp_path):
     """Each replica group started by torchrun resumes its own checkpoint: the one that
@@ -468,6 +478,81 @@ def test_a_group_started_after_the_others_finished_the_run_is_told_at_once(tmp_p
                                                      "step_00000002"), **steps))
     end_groups(run, start_groups(run, 1, resume=str(run), train={"steps": 8}))
     assert len(rundir.read_record(run).history) == 3
+
+
+def test_a_group_started_after_the_others_finished_a_run_without_checkpoints_is_told(
+        tmp_path):
+    """As above, where the run saves no checkpoint (or none at its last step): group 0
+    finished the run (its job returned, which its end notes with the steps it trained to)
+    and group 1's job had died. Group 1 started again is refused at once, naming where
+    group 0 ended. Before, only a checkpoint at train.steps told that a group had
+    finished: without one the group waited out the quorum timeout (600 s). A group whose
+    job ended without finishing the run (a new job of it was refused), or a job with a
+    larger --train.steps, is not told so."""
+    run = tmp_path / "run"
+    steps = {"train": {"steps": 6}}
+    group0, group1 = start_groups(run, 0, 1, **steps)
+    group1.lock.release()  # group 1's job died
+    finish_groups(run, [group0], steps=6)
+    ended = (r"--dist.ft_replica_id: the run in \S+/run has ended at step 6: replica "
+             r"group\(s\) 0 finished it \(train.steps 6; where they ended: group 0 step 6 "
+             r"\(its job finished the run; no checkpoint of that step\)\) .* nothing to "
+             r"rejoin")
+    with pytest.raises(RunDirError, match=ended):
+        start_groups(run, 1, restart=1, **steps)  # torchrun's restart
+    group_ckpt(run, 0, 4)  # its latest checkpoint is not at the end: the end still counts
+    with pytest.raises(RunDirError, match=ended):
+        start_groups(run, 1, **steps)  # a new job
+    with pytest.raises(RunDirError) as larger:
+        start_groups(run, 1, train={"steps": 8})
+    assert "has ended" not in str(larger.value)
+    assert rundir.finished_groups(rundir.read_record(run)) == {0: 6}
+
+
+def test_only_rank_0_of_a_torchrun_group_looks_at_the_runs_end(tmp_path):
+    """While a torchrun group waits in its first quorum its rank 0 looks at the run
+    directory with the start-up check (nothing while another group trains; the refusal
+    once every other group finished the run); its other ranks look at nothing (they take
+    rank 0's answer), and a job that is no such group has nothing to look at."""
+    import dataclasses
+
+    from editrain.launch.job import Job
+    from editrain.launch.run_dir import ended_run_watch
+
+    run = tmp_path / "run"
+    steps = {"train": {"steps": 6}}
+    group0, group1 = start_groups(run, 0, 1, **steps)
+    job = group_job(run, 1, **steps)
+    look, other_rank = ended_run_watch(job), ended_run_watch(dataclasses.replace(job, rank=1))
+    assert look() is None  # group 0 trains
+    finish_groups(run, [group0], steps=6)
+    assert re.match(r"--dist.ft_replica_id: the run in \S+ has ended at step 6", look())
+    assert other_rank() is None
+    assert ended_run_watch(Job(cfg_for(run), run, world=1, under_torchrun=True)) is None
+    end_groups(run, [group1])
+
+
+def test_a_group_that_did_not_finish_the_run_is_not_taken_as_finished(tmp_path):
+    """A group's job that ended without finishing the run (its new job was started, and
+    noted the earlier one over) is no evidence that the run ended; a new job of a group
+    that finished takes part in the start again, and clears its end: it may not finish."""
+    run = tmp_path / "run"
+    group0, group1 = start_groups(run, 0, 1)
+    group1.lock.release()  # group 1's job died
+    end_groups(run, [group0])  # ended, not finished (no steps noted)
+    with pytest.raises(RunDirError) as refused:
+        start_groups(run, 1)
+    assert "has ended" not in str(refused.value)
+    assert rundir.finished_groups(rundir.read_record(run)) == {}
+    run2 = tmp_path / "run2"
+    group0, group1 = start_groups(run2, 0, 1)
+    finish_groups(run2, [group0], steps=4)
+    assert rundir.finished_groups(rundir.read_record(run2)) == {0: 4}
+    with rundir.RunLock(run2):
+        rundir.note_group(run2, 0, ended=False)  # a new job of group 0 joins the start
+    assert rundir.finished_groups(rundir.read_record(run2)) == {}
+    assert rundir.in_current_start(rundir.read_record(run2), 0)
+    end_groups(run2, [group1])
 
 
 def test_a_group_that_will_not_be_started_again_is_dropped_by_moving_its_directory(
@@ -1136,7 +1221,8 @@ def test_every_rank_resumes_as_rank_0_decided_whatever_its_restart_count(
 
 def test_a_torchrun_worker_is_told_rank_0s_decision(tmp_path, monkeypatch):
     """run_under_torchrun hands what RunDirClaim.join returned to the worker
-    (run_worker's ``rejoined``), which the trainer resumes by."""
+    (run_worker's ``rejoined``), which the trainer resumes by; a job that is no replica
+    group of a fault-tolerant run gets no look at the run's end (``run_ended``)."""
     import editrain.train
     from editrain.launch import run_dir, run_under_torchrun
 
@@ -1146,9 +1232,10 @@ def test_a_torchrun_worker_is_told_rank_0s_decision(tmp_path, monkeypatch):
     for decision in (True, False, None):
         monkeypatch.setattr(run_dir.RunDirClaim, "join", lambda self, d=decision: d)
         monkeypatch.setattr(editrain.train, "run_worker",
-                            lambda cfg, path, rejoined=None: told.update(rejoined=rejoined))
+                            lambda cfg, path, rejoined=None, run_ended=None: told.update(
+                                rejoined=rejoined, watched=run_ended is not None))
         run_under_torchrun(cfg_for(tmp_path / "run"))
-        assert told == {"rejoined": decision}
+        assert told == {"rejoined": decision, "watched": False}
 
 
 @pytest.mark.parametrize(("rejoined", "count", "resumed"), [

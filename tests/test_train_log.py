@@ -118,7 +118,7 @@ def test_a_healed_replica_writes_its_job_start_before_its_ft_join_row() -> None:
             return 1.5
 
     class Engine:
-        def join(self, start_quorum, timeout_s) -> bool:
+        def join(self, start_quorum, timeout_s, between_attempts=None) -> bool:
             loop.step, loop.healed_at = 12, 12  # healed: the peers' step
             return True
 
@@ -128,6 +128,7 @@ def test_a_healed_replica_writes_its_job_start_before_its_ft_join_row() -> None:
     loop = Loop(step=0, healed_at=None, replays=None)
     trainer.__dict__.update(
         loop=loop, engine=Engine(), ft=True, is_logger=True, replica=2, replicas=3,
+        run_end_watch=None,
         cfg=SimpleNamespace(dist=SimpleNamespace(ft_join_timeout_s=60.0),
                             train=SimpleNamespace(eval_every=0),
                             checkpoint=SimpleNamespace(every=0)),

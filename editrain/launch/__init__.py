@@ -30,7 +30,7 @@ from typing import Any
 from editrain.config import Config
 from editrain.launch.data import prepare_job_data
 from editrain.launch.job import Job, check_local, check_torchrun
-from editrain.launch.run_dir import RunDirClaim
+from editrain.launch.run_dir import RunDirClaim, ended_run_watch
 from editrain.spawn import import_torch, start_worker_server, stop_worker_server
 
 log = logging.getLogger("editrain")
@@ -76,7 +76,8 @@ def run_under_torchrun(cfg: Config, started_at: float | None = None) -> dict[str
         # latest checkpoint (not each rank's TORCHELASTIC_RESTART_COUNT, which differs
         # between nodes after one node's failure).
         rejoined = run_dir.join()
-        summary = run_worker(job.cfg, str(job.run_dir), rejoined=rejoined)
+        summary = run_worker(job.cfg, str(job.run_dir), rejoined=rejoined,
+                             run_ended=ended_run_watch(job))
     if job.rank == 0:
         summarise(job)
     return summary
@@ -129,9 +130,12 @@ def summarise(job: Job) -> None:
         from editrain.launch.run_dir import RUN_LOCK_WAIT_S
 
         with rundir.RunLock(job.run_dir).acquire(wait_s=RUN_LOCK_WAIT_S):
-            # This group's job is over: a group that starts now need not wait for it
-            # (editrain.launch.run_dir.RunDirClaim.join).
-            rundir.note_group(job.run_dir, ft_identity(job.cfg, job.world)[0], ended=True)
+            # This group's job is over, and it finished the run (its workers returned): a
+            # group that starts now need not wait for it (editrain.launch.run_dir.
+            # RunDirClaim.join), nor one waiting in its first quorum, once every other
+            # group has finished too, even where no checkpoint says so (ended_run_problem).
+            rundir.note_group(job.run_dir, ft_identity(job.cfg, job.world)[0], ended=True,
+                              finished_steps=job.cfg.train.steps)
             summarise_groups(job.run_dir, _group_count(job), events=[])
             plot_runs(_groups_with_metrics(job), job.run_dir)
         return

@@ -20,6 +20,7 @@ import json
 import logging
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -158,17 +159,16 @@ def ended_run_problem(cfg: Config, run_dir: Path, replica: int) -> str | None:
 
     A group trains only once it has met every other group in its first quorum (a start, a
     resume, a torchrun restart alike: :meth:`~editrain.sync.edit.SyncEngine.join`). Where
-    every other group's job is over (none holds its lock) and its latest checkpoint leaves
-    no step under this job's ``train.steps`` (its final one: it finished the run), none of
-    them can come back to meet it: such a group used to wait out the quorum timeout
-    (600 s), fail, and be restarted by torchrun to wait again. A group whose directory
-    or checkpoints are missing, or that has steps left, may yet be started again: the
-    group waits for it as before. So does a job whose ``--resume`` names a checkpoint of
-    its own other than its latest: that starts a new timeline, which the other groups
-    may join from checkpoints of their own. Call holding the run's lock.
+    every other group's job is over (none holds its lock) and it finished the run under
+    this job's ``train.steps`` (:func:`_finished_at`), none of them can come back to meet
+    it: such a group used to wait out the quorum timeout (600 s), fail, and be restarted
+    by torchrun to wait again. A group with steps left, or that may yet be started again,
+    is waited for as before. So is every group where this job's ``--resume`` names a
+    checkpoint of its own other than its latest: that starts a new timeline, which the
+    other groups may join from checkpoints of their own. Looked at when a group's job
+    starts and, by one waiting in its first quorum, while it waits
+    (:func:`ended_run_watch`). Call holding the run's lock.
     """
-    from editrain.checkpoint import steps_left_problem
-
     groups = [g for g in range(_groups(cfg)) if g != replica]
     if not groups or rundir.running_groups(run_dir, but=replica):
         return None
@@ -176,23 +176,75 @@ def ended_run_problem(cfg: Config, run_dir: Path, replica: int) -> str | None:
     if own and any(ckpt.resolve() != own[-1].resolve()
                    for ckpt in resume_checkpoints(cfg, replica)):
         return None
+    finished = rundir.finished_groups(rundir.read_record(run_dir))
     ends = {}
     for g in groups:
-        latest = rundir.list_checkpoints(run_dir / f"replica{g}")
-        if not latest:
+        end = _finished_at(cfg, run_dir, g, finished.get(g))
+        if end is None:
             return None
-        marker = rundir.read_marker(latest[-1])
-        if steps_left_problem(marker, cfg) is None:
-            return None
-        ends[g] = marker["step"]
-    last = max(ends.values())
+        ends[g] = end
+    last = max(step for step, _ in ends.values())
     return (f"--dist.ft_replica_id: the run in {run_dir} has ended at step {last}: replica "
             f"group(s) {', '.join(map(str, groups))} finished it (train.steps "
-            f"{cfg.train.steps}; their latest checkpoints: "
-            f"{', '.join(f'group {g} step {s}' for g, s in ends.items())}) and their jobs "
-            f"are over, so replica group {replica} has no group to meet in its first "
-            f"quorum: nothing to rejoin. To train on, resume every group with a larger "
-            f"--train.steps (--resume {run_dir})")
+            f"{cfg.train.steps}; {_ends_said(ends)}) and their jobs are over, so replica "
+            f"group {replica} has no group to meet in its first quorum: nothing to rejoin. "
+            f"To train on, resume every group with a larger --train.steps "
+            f"(--resume {run_dir})")
+
+
+def ended_run_watch(job: Job) -> Callable[[], str | None] | None:
+    """What a torchrun job of a fault-tolerant run's replica group looks at while it waits
+    in its first quorum (:class:`editrain.fault.RunEndWatch`): on rank 0, whether the run
+    ended for its group (:func:`ended_run_problem`, under the run's lock, as at the
+    group's start); on the other ranks nothing (they take rank 0's answer). None for any
+    other job: only such a group waits for jobs of other groups that may all end first."""
+    replica = torchrun_group(job)
+    if replica is None:
+        return None
+    if job.rank != 0:
+        return _nothing_seen
+
+    def look() -> str | None:
+        with rundir.RunLock(job.run_dir).acquire(wait_s=RUN_LOCK_WAIT_S):
+            return ended_run_problem(job.cfg, job.run_dir, replica)
+
+    return look
+
+
+def _nothing_seen() -> None:
+    """The look of a rank that does not look (:func:`ended_run_watch`)."""
+    return None
+
+
+def _finished_at(cfg: Config, run_dir: Path, group: int, finished_steps: int | None
+                 ) -> tuple[int, bool] | None:
+    """Where ``group`` finished the run with no step left under this job's
+    ``train.steps``, and whether its latest checkpoint says so; None where it may have
+    steps left. Its latest checkpoint at the end is the evidence that outlives every
+    start; a run that saves no checkpoint (or none at its last step) has its job's end,
+    ``finished_steps``, noted in the run's current start
+    (:func:`editrain.rundir.finished_groups`)."""
+    from editrain.checkpoint import steps_left_problem
+
+    latest = rundir.list_checkpoints(run_dir / f"replica{group}")
+    if latest:
+        marker = rundir.read_marker(latest[-1])
+        if steps_left_problem(marker, cfg) is not None:
+            return marker["step"], True
+    if finished_steps is not None and finished_steps >= cfg.train.steps:
+        return finished_steps, False
+    return None
+
+
+def _ends_said(ends: dict[int, tuple[int, bool]]) -> str:
+    """The evidence of each group's end, for :func:`ended_run_problem`'s message."""
+    if all(by_checkpoint for _, by_checkpoint in ends.values()):
+        return "their latest checkpoints: " + ", ".join(
+            f"group {g} step {step}" for g, (step, _) in ends.items())
+    return "where they ended: " + ", ".join(
+        f"group {g} step {step} ("
+        + ("its latest checkpoint" if by_checkpoint else "its job finished the run; no "
+           "checkpoint of that step") + ")" for g, (step, by_checkpoint) in ends.items())
 
 
 def check_run_dir(cfg: Config, run_dir: Path, replica: int | None = None) -> rundir.Claim:

@@ -410,17 +410,17 @@ class SyncEngine:
         self.buffers.due |= force  # the end: the buffers agree too, whatever ran
         self.buffers.sync_if_due()
 
-    def join(self, start_quorum: int | None = None, timeout_s: float = 600.0) -> bool:
-        """The fault-tolerant mode: take part in the quorum before training (every replica
-        at its start, and a replica that restarted). A replica behind the others heals
-        there: it receives the global state from a healthy peer and holds the global model
-        afterwards. The first round needs ``start_quorum`` replicas (default: all, for a
-        start or a resume; a replica rejoining a running job passes 2). Returns True once
-        joined; False without fault tolerance."""
+    def join(self, start_quorum: int | None = None, timeout_s: float = 600.0,
+             between_attempts: Callable[[], None] | None = None) -> bool:
+        """The fault-tolerant mode: take part in the quorum before training (at a start, a
+        resume, a restart); a replica behind the others heals there from a healthy peer. The
+        first round needs ``start_quorum`` replicas (default: all; a replica rejoining a
+        running job passes 2); ``between_attempts`` runs on every rank after each failed
+        attempt and ends the join by raising. True once joined; False without torchft."""
         if self.ft is None:
             return False
-        need = self.num_replicas if start_quorum is None else start_quorum
-        return self.ft.join(need, timeout_s)
+        return self.ft.join(self.num_replicas if start_quorum is None else start_quorum,
+                            timeout_s, between_attempts)
 
     closed = _flag("_closed", "Whether :meth:`close` has run (the model may then get a "
                    "new engine; a second live one is refused).")

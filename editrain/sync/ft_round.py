@@ -37,6 +37,7 @@ the vote.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
@@ -150,16 +151,25 @@ class FaultTolerantSchedule(BlockingSchedule):
         eng.clock.restart()
         self.heals += 1
 
-    def join(self, start_quorum: int, timeout_s: float = 600.0) -> bool:
+    def join(self, start_quorum: int, timeout_s: float = 600.0,
+             between_attempts: Callable[[], None] | None = None) -> bool:
         """Join the job: rounds without a contribution until one commits, which needs
         ``start_quorum`` replicas in the quorum. At a start or a resume that is every
         replica, so replicas that start at different speeds begin together instead of the
         first ones training alone (a lighthouse that has seen no quorum yet forms one from
         whoever is there) and the others healing from them, or worse, two halves training
         apart. A replica that rejoins a running job needs one peer (it heals from it in
-        that round)."""
+        that round).
+
+        ``between_attempts`` runs on every rank after each attempt that did not commit
+        (every rank of the replica has the same attempts: the commit vote is the group's)
+        and ends the join by raising: the trainer's look for a run whose other groups all
+        finished while this one waits (:class:`editrain.fault.RunEndWatch`), which no
+        quorum would ever tell."""
         deadline = time.monotonic() + timeout_s
         while not self.run(contribute=False, start_quorum=start_quorum):
+            if between_attempts is not None:
+                between_attempts()
             if time.monotonic() > deadline:
                 raise QuorumError(f"no quorum of {start_quorum} replicas within "
                                   f"{timeout_s:.0f} s (dist.ft_join_timeout_s); are all "
