@@ -32,6 +32,7 @@ from typing import Any
 
 from editrain.errors import RunDirError
 from editrain.safe_io import (
+    Bool,
     Field,
     Int,
     List,
@@ -282,6 +283,68 @@ def read_summary(run_dir: str | Path, *, error: type[Exception] = ValueError,
     """
     return read_json(Path(run_dir) / SUMMARY_FILE, max_bytes=SUMMARY_MAX_BYTES,
                      schema=schema, error=error, what="run summary")
+
+
+_ROW_SECONDS = Num(nullable=True)
+"""A duration a row logs: a finite JSON number >= 0 (``null``: not measured, as
+:func:`to_json` writes a NaN)."""
+_LOSS = Num(-1e18, nullable=True)
+"""A loss a row logs: a finite JSON number (``null``: a NaN loss)."""
+ROUND_FIELDS: dict[str, Field] = {
+    "step": Int(), "launch_step": Int(), "wait_s": _ROW_SECONDS,
+    "sync_time_s": _ROW_SECONDS, "rendezvous_wait_s": _ROW_SECONDS,
+    "comm_time_s": _ROW_SECONDS, "link_delay_s": _ROW_SECONDS,
+    "bytes_sent": Int(nullable=True), "sync_collectives": Int(nullable=True),
+    "replica_steps": List(Num()), "outlier": List(List(Bool()))}
+"""The fields of a row's ``sync`` entry that readers compute with, as the engine writes
+them (:meth:`editrain.sync.round.Round.log_entry`): steps and counts integers, times
+finite seconds, each replica's steps a number, the penalty's outlier flags a list of
+true/false per replica."""
+ROW_FIELDS: dict[str, Field] = {
+    "step": Int(), "tokens": Int(), "loss": _LOSS, "val_loss": _LOSS, "val_tokens": Int(),
+    "eval_time_s": _ROW_SECONDS, "wall_time_s": Num(), "train_time_s": Num(),
+    "unix_time": Num(nullable=True), "step_time_s": _ROW_SECONDS, "compute_s": _ROW_SECONDS,
+    "sim_stall_s": _ROW_SECONDS, "sync_wait_s": _ROW_SECONDS, "grad_sync_s": _ROW_SECONDS,
+    "sync": Obj(ROUND_FIELDS, nullable=True)}
+"""The fields of a row of ``metrics.jsonl`` or of a rank's file that readers compute with
+(the benchmarks' windows, ``plan --calibrate``'s fit), as the trainer writes them
+(:meth:`editrain.train.Trainer._step_row`). A row's ``replica`` is not here: a rank's
+replica that is none is the rank's own (:func:`replica_of`), not a reason to skip its
+rows."""
+ROW_SCHEMA = Obj(ROW_FIELDS)
+"""A measurement row (:func:`measured_rows`): every field of :data:`ROW_FIELDS` it has is
+what editrain writes there; other fields are not looked at."""
+
+
+def is_measured(row: dict[str, Any], schema: Obj = ROW_SCHEMA) -> bool:
+    """Whether every field of ``row`` that ``schema`` names is what editrain writes there
+    (:func:`measured_rows`)."""
+    try:
+        schema.check(row, "row", "", ValueError)
+    except ValueError:
+        return False
+    return True
+
+
+def measured_rows(rows: Sequence[dict[str, Any]], schema: Obj = ROW_SCHEMA
+                  ) -> list[dict[str, Any]]:
+    """The rows of ``rows`` whose every field a reader computes with is what editrain
+    writes there (``schema``, :data:`ROW_SCHEMA` by default: steps and counts JSON
+    integers, seconds finite numbers >= 0, a bool or a string never a number).
+
+    A row with another value (``true`` tokens, ``"0.1"`` seconds, NaN, a negative time, a
+    step of 9.5, a sync entry that is no object) is skipped as no measurement, not
+    refused: every reader of these files skips a row it cannot read (:func:`read_jsonl` a
+    line that is no JSON object, :func:`current_rows` a step that is no number), since
+    the file is a log a killed writer or a hand may have left anything in. Before, the
+    benchmarks subtracted a string's tokens (a TypeError), counted ``true`` as 1 token or
+    second, and ``plan --calibrate``'s ``float()`` parsed ``"0.1"``.
+
+    Args:
+        rows: rows as read (in any order: the order is kept).
+        schema: what a row must fit (``plan --calibrate`` adds its ``replica``).
+    """
+    return [row for row in rows if is_measured(row, schema)]
 
 
 def replica_of(rows: Sequence[dict[str, Any]], default: int) -> int:

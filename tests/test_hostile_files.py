@@ -1466,6 +1466,126 @@ def test_a_faults_rank_row_that_cannot_be_read_is_no_measurement(tmp_path, bad):
     assert got["downtime_s"] == pytest.approx(0.4)
 
 
+def _bench_run_rows() -> tuple[list[dict], dict[int, list[dict]]]:
+    """The rows of a two-replica run of 8 steps as the trainer writes them: step 0's
+    evaluation, a step's row per step (a round every 2 steps, with each replica's steps
+    and the penalty's outlier flags), the final evaluation; each rank's own rows."""
+    metrics = [{"step": 0, "tokens": 0, "val_loss": 6.0, "val_tokens": 1024,
+                "eval_time_s": 0.2, "wall_time_s": 0.0}]
+    ranks: dict[int, list[dict]] = {0: [], 1: []}
+    for step in range(1, 9):
+        t = 0.1 * step
+        row = {"step": step, "tokens": 64 * step, "loss": 5.0 - step / 10, "lr": 1e-3,
+               "step_time_s": 0.1, "wall_time_s": t + 0.2, "train_time_s": t,
+               "compute_s": 0.08, "sync_wait_s": 0.01, "grad_sync_s": 0.0,
+               "sim_stall_s": 0.005 * (step % 3)}
+        if step % 2 == 0:
+            row["sync"] = {"sync": step // 2 - 1, "step": step, "wait_s": 0.01 * step,
+                           "sync_time_s": 0.02, "rendezvous_wait_s": 0.0,
+                           "comm_time_s": 0.015, "link_delay_s": 0.0, "bytes_sent": 4096,
+                           "sync_collectives": 2, "replica_steps": [2.0, 2.0],
+                           "outlier": [[False, False], [False, step == 4]]}
+        metrics.append(row)
+        for rank in (0, 1):
+            ranks[rank].append({"rank": rank, "replica": rank, "shard": 0, "step": step,
+                                "unix_time": 1000 + t, "tokens": 32 * step, "loss": 5.0,
+                                "wall_time_s": t + 0.2, "step_time_s": 0.1,
+                                "compute_s": 0.08 + 0.001 * step * rank, "sync_wait_s": 0.01,
+                                "grad_sync_s": 0.0, "sim_stall_s": 0.002 * step})
+    metrics.append({"step": 8, "tokens": 512, "val_loss": 4.0, "val_tokens": 1024,
+                    "eval_time_s": 0.2, "wall_time_s": 1.2, "end": True})
+    return metrics, ranks
+
+
+def _write_bench_run(run_dir: Path, metrics: list[dict], ranks: dict[int, list[dict]]):
+    """A run directory holding ``metrics`` and ``ranks`` and a finished run's summary."""
+    (run_dir / "ranks").mkdir(parents=True, exist_ok=True)
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in metrics))
+    for rank, rows in ranks.items():
+        (run_dir / "ranks" / f"rank{rank}.jsonl").write_text(
+            "".join(json.dumps(r) + "\n" for r in rows))
+    (run_dir / "summary.json").write_text(json.dumps(
+        {"steps": 8, "tokens": 512, "final_val_loss": 4.0, "wall_time_s": 1.2,
+         "train_time_s": 0.8}))
+
+
+def _bench_measures(run_dir: Path) -> dict:
+    """What the benchmarks' scenarios measure on the run in ``run_dir``."""
+    from editrain.bench import default, overlap, plan, spikes, stragglers
+    from editrain.bench.limits import _span_speed
+    from editrain.bench.measures import aedit_period, replica_stats, steady_throughput, val_curve
+    from editrain.bench.runs import read_run
+
+    run = read_run("r", run_dir, {})
+    window = steady_throughput(run, 1)
+    return {"window": window, "replicas": replica_stats(run, 1),
+            "aedit_period": aedit_period(run, 4), "overlap": overlap._measure(run),
+            "replica_steps": stragglers._replica_steps(run),
+            "spikes": spikes._measure(run, run, [1], 2), "default": default._run_result(run),
+            "utilisation": plan._window_utilisation(run, window, 1, False),
+            "limit": [_span_speed(rows, 2, 8) for rows in run.ranks.values()],
+            "val_curve": val_curve(run)}
+
+
+HOSTILE_BENCH_ROWS = (
+    ("metrics", 8, "tokens", "512"), ("metrics", 8, "tokens", True),
+    ("metrics", 8, "tokens", 2.5), ("metrics", 8, "train_time_s", "0.8"),
+    ("metrics", 8, "train_time_s", True), ("metrics", 6, "train_time_s", -1.0),
+    ("metrics", 7, "step_time_s", "0.1"), ("metrics", 7, "sim_stall_s", True),
+    ("metrics", 5, "compute_s", -0.08), ("metrics", 5, "loss", "4.5"),
+    ("metrics", 4, "sync", "round 1"), ("metrics", 4, "sync.wait_s", "0.04"),
+    ("metrics", 4, "sync.replica_steps", ["2", 2.0]),
+    ("metrics", 4, "sync.outlier", [True, False]),
+    ("evaluation", 0, "eval_time_s", "0.2"), ("evaluation", 0, "val_tokens", "1024"),
+    ("evaluation", 8, "val_loss", True),
+    ("rank", 8, "wall_time_s", "1.0"), ("rank", 8, "wall_time_s", True),
+    ("rank", 8, "tokens", "256"), ("rank", 5, "compute_s", "0.09"),
+    ("rank", 5, "sim_stall_s", True), ("rank", 5, "step", 5.5),
+)
+"""A row of a run the benchmarks read, one of whose fields holds what editrain never writes
+there: ``(file, step, field, value)``, ``metrics`` a step's row of ``metrics.jsonl``,
+``evaluation`` an evaluation's row of its own, ``rank`` rank 1's row (a string's tokens or
+clock was a TypeError in the throughput window or the per-rank window, ``true`` counted as
+1 token or second, a list of flags that are no lists a TypeError in the spikes' count)."""
+
+
+@pytest.mark.parametrize("where,step,field,value", HOSTILE_BENCH_ROWS,
+                         ids=[f"{w}{s}-{f}-{v!r}" for w, s, f, v in HOSTILE_BENCH_ROWS])
+def test_a_bench_row_that_cannot_be_read_is_no_measurement(tmp_path, where, step, field,
+                                                           value):
+    """The benchmarks read a run's rows against one schema (``metrics.ROW_SCHEMA``, where
+    ``bench.runs.read_run`` reads them): a row whose field is not what editrain writes is
+    skipped, as the metrics readers skip a row they cannot read, so every scenario's
+    numbers are those of the run without that row. Before, the throughput window
+    subtracted a string's tokens, the per-rank window a string's clock (TypeErrors) and
+    ``true`` counted as 1."""
+    metrics, ranks = _bench_run_rows()
+    rows = ranks[1] if where == "rank" else metrics
+    at = next(i for i, r in enumerate(rows) if r["step"] == step
+              and ("loss" in r or where != "metrics") and ("loss" not in r or where != "evaluation"))
+    _write_bench_run(tmp_path / "without", metrics if where == "rank" else
+                     [*metrics[:at], *metrics[at + 1:]],
+                     {**ranks, 1: [*ranks[1][:at], *ranks[1][at + 1:]]} if where == "rank"
+                     else ranks)
+    want = _bench_measures(tmp_path / "without")
+    _set_field(rows[at], field, value)
+    _write_bench_run(tmp_path / "run", metrics, ranks)
+    assert _bench_measures(tmp_path / "run") == want
+
+
+def test_a_trained_runs_rows_fit_the_row_schema(run8):
+    """What the trainer writes to ``metrics.jsonl`` and the rank files is what the
+    benchmarks and ``plan --calibrate`` measure (a mismatch would leave every row out)."""
+    from editrain.metrics import current_rows, measured_rows, read_metrics, read_rank_steps
+    from editrain.plan.calibrate import ROW_SCHEMA
+
+    rows = current_rows(read_metrics(run8))
+    ranks = read_rank_steps(run8)
+    assert len(rows) > 8 and any("sync" in r for r in rows) and len(ranks) == 2
+    for got in (rows, *ranks.values()):
+        assert measured_rows(got) == got and measured_rows(got, ROW_SCHEMA) == got
+
+
 def test_a_trained_runs_summary_fits_its_schema(run8):
     """What the trainer writes to ``summary.json`` is what the strict reader takes (the
     schema is of the writer's fields: a mismatch would refuse every benchmark run)."""

@@ -45,7 +45,7 @@ from editrain.bench.scenario import Ctx, Job, Scenario, Table, Verdict
 from editrain.bench.stats import measured, spread
 from editrain.bench.tables import spread_cell
 from editrain.errors import ConfigError, plain_count
-from editrain.metrics import read_jsonl, replica_of
+from editrain.metrics import is_measured, read_jsonl, replica_of
 
 TEXT = prose("faults")
 SYSTEMS = ("ft", "ft-fail", "plain", "restart-fail")
@@ -138,20 +138,25 @@ def _ft_numbers(run: Run, fail_at: int | None, interval: int) -> dict[str, Any]:
 
 def _rank_logs(run: Run) -> list[list[dict[str, Any]]]:
     """Every rank's step rows in file order (both attempts), from either layout; event rows
-    (the bytes by cause at the end of a rank's log) left out, and so is a row whose step
-    is no number >= 0 or whose ``unix_time`` or ``step_time_s`` is no finite number >= 0
-    (no measurement, as :func:`editrain.metrics.read_rank_steps` skips it: a string step
+    (the bytes by cause at the end of a rank's log) left out, and so is a row that does
+    not fit :data:`editrain.metrics.ROW_SCHEMA` (a step that is no integer >= 0, a
+    ``unix_time`` or ``step_time_s`` that is no finite number >= 0) or lacks one of the
+    three (no measurement, as :func:`editrain.bench.runs.read_run` skips it: a string step
     crashed the attempts' order with a TypeError, a missing step time with a KeyError)."""
     paths = sorted(run.run_dir.glob("replica*/ranks/rank*.jsonl")) or \
         sorted(run.run_dir.glob("ranks/rank*.jsonl"))
     return [[r for r in read_jsonl(p) if _is_timed_step(r)] for p in paths]
 
 
+TIMED_STEP_KEYS = ("step", "unix_time", "step_time_s")
+"""What a rank's row holds for the faults window to place its step in time."""
+
+
 def _is_timed_step(row: dict[str, Any]) -> bool:
-    """Whether ``row`` is a step row the window reads: its step, clock and step time."""
-    return ("event" not in row and measured(row.get("step")) is not None
-            and measured(row.get("unix_time")) is not None
-            and measured(row.get("step_time_s")) is not None)
+    """Whether ``row`` is a step row the window reads: a measurement
+    (:func:`editrain.metrics.is_measured`) with its step, clock and step time."""
+    return ("event" not in row and all(row.get(key) is not None for key in TIMED_STEP_KEYS)
+            and is_measured(row))
 
 
 def _useful_rows(rows: list[dict[str, Any]], cutoff: int) -> list[dict[str, Any]]:

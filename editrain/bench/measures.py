@@ -184,9 +184,16 @@ def aedit_period(edit_run: Run | None, interval: int) -> float:
     step without a finished EDiT run)."""
     step = None
     if edit_run is not None and edit_run.ok:
-        step = median(r.get("step_time_s", 0.0) - r.get("sim_stall_s", 0.0)
-                      for r in edit_run.rows if "sync" not in r)
+        step = median(_compute_time(r) for r in edit_run.rows if "sync" not in r)
     return round(max(0.2, interval * (step or 0.1)), 3)
+
+
+def _compute_time(row: dict[str, Any]) -> float | None:
+    """A step row's time less its simulated stall (None where it says no step time: the
+    rows were read against :data:`editrain.metrics.ROW_SCHEMA`, so a time is a number or
+    ``null``)."""
+    step = row.get("step_time_s")
+    return None if step is None else step - (row.get("sim_stall_s") or 0.0)
 
 
 def val_curve(run: Run) -> list[tuple[float, float, float]]:

@@ -64,8 +64,9 @@ def _measure(run: Run) -> dict[str, Any]:
     timed = [(i, s) for i, s in run.timed_syncs() if s.get("step") != last_step][1:] \
         if rows else []
     with_sync = {i for i, r in enumerate(rows) if "sync" in r}
-    plain = median(r["step_time_s"] for i, r in enumerate(rows) if i not in with_sync and i >= 2)
-    sync_step = median(rows[i]["step_time_s"] for i, _ in timed)
+    plain = median(r.get("step_time_s") for i, r in enumerate(rows)
+                   if i not in with_sync and i >= 2)
+    sync_step = median(rows[i].get("step_time_s") for i, _ in timed)
     options = run.config if run.ok else run.overrides
     return {**{f"median_{key}": median(s.get(key) for _, s in timed) for key in SYNC_FIELDS},
             "sync_step_overhead_s": sync_step - plain if sync_step is not None

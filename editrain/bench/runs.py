@@ -21,8 +21,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from editrain.metrics import latest_rows, read_rank_steps, read_summary, replica_of
+from editrain.metrics import (
+    latest_rows,
+    measured_rows,
+    read_rank_steps,
+    read_summary,
+    replica_of,
+)
 from editrain.safe_io import read_toml_value
+
+STEP_ROW_KEYS = ("step", "tokens", "wall_time_s")
+"""What a step's row of ``metrics.jsonl`` (one with a training loss) holds for the
+throughput window to time it (every row the trainer writes has them)."""
 
 
 @dataclass
@@ -131,6 +141,13 @@ def read_run(label: str, run_dir: Path, overrides: dict[str, Any], launch_s: flo
     """Load whatever a run directory holds into a :class:`Run` (its fields: the arguments);
     ``error`` is set when there is no ``summary.json``.
 
+    The rows of ``metrics.jsonl`` and of the rank files are read against one schema
+    (:func:`editrain.metrics.measured_rows`, :data:`editrain.metrics.ROW_SCHEMA`): a row
+    whose tokens, clock, seconds or sync entry is not what editrain writes (``"512"``
+    tokens, a ``true`` time, a list of outlier flags that are no lists) is no measurement
+    and left out, so every scenario computes with numbers only. Before, the throughput
+    window subtracted a string's tokens (a TypeError) and counted ``true`` as 1.
+
     Raises:
         ValueError: ``summary.json`` or ``config.toml`` is not what editrain writes (one
             line naming the file and the field: :data:`editrain.metrics.SUMMARY_SCHEMA`),
@@ -140,13 +157,14 @@ def read_run(label: str, run_dir: Path, overrides: dict[str, Any], launch_s: flo
 
     run = Run(label=label, run_dir=run_dir, overrides=overrides, launch_s=launch_s, error=error)
     if (run_dir / "metrics.jsonl").is_file():
-        rows = current_rows(read_metrics(run_dir))
-        run.rows = sorted((r for r in rows if r.get("loss") is not None and "step" in r),
+        rows = measured_rows(current_rows(read_metrics(run_dir)))
+        run.rows = sorted((r for r in rows if r.get("loss") is not None
+                           and all(key in r for key in STEP_ROW_KEYS)),
                           key=lambda r: r["step"])
         run.sync_rows = [r for r in rows if r.get("loss") is None
                          and isinstance(r.get("sync"), dict)]
         run.evals = [r for r in rows if r.get("val_loss") is not None]
-    run.ranks = read_rank_steps(run_dir)
+    run.ranks = {rank: measured_rows(rows) for rank, rows in read_rank_steps(run_dir).items()}
     if (run_dir / "summary.json").is_file():
         run.summary = read_summary(run_dir)
     if (run_dir / "config.toml").is_file():

@@ -45,9 +45,11 @@ from typing import Any
 
 from editrain.errors import ConfigError, plain_count, plain_scalar
 from editrain.metrics import (
+    ROW_FIELDS,
     current_rows,
     latest_job,
     latest_job_start,
+    measured_rows,
     read_jsonl,
     read_rank_steps,
     read_summary,
@@ -55,7 +57,7 @@ from editrain.metrics import (
 from editrain.plan.inputs import GBIT, SHAPE_FIELDS, Cluster, MethodSpec, ModelSpec
 from editrain.plan.model import model_shape, step_flops
 from editrain.rundir import list_checkpoints, read_marker
-from editrain.safe_io import Int, Num, Obj, read_toml
+from editrain.safe_io import Int, Obj, read_toml
 
 
 @dataclass
@@ -344,45 +346,10 @@ def job_rows(run_dir: Path, world: int
     return start, rows, ranks
 
 
-_SECONDS = Num(nullable=True)
-"""A duration a row logs: a finite JSON number >= 0 (``null``: not measured, as
-:func:`editrain.metrics.to_json` writes a NaN)."""
-ROUND_SCHEMA = Obj({
-    "step": Int(), "launch_step": Int(), "comm_time_s": _SECONDS,
-    "link_delay_s": _SECONDS, "bytes_sent": Int(nullable=True),
-    "sync_collectives": Int(nullable=True)})
-"""The fields of a row's ``sync`` entry the calibration reads, as editrain writes them."""
-ROW_SCHEMA = Obj({
-    "step": Int(), "replica": Int(hi=1 << 20), "compute_s": _SECONDS,
-    "sim_stall_s": _SECONDS, "sync_wait_s": _SECONDS, "grad_sync_s": _SECONDS,
-    "wall_time_s": Num(), "train_time_s": Num(), "unix_time": Num(nullable=True),
-    "sync": Obj(ROUND_SCHEMA.fields, nullable=True)})
-"""The fields of a row of ``metrics.jsonl`` or of a rank's file that the calibration
-reads, as editrain writes them (other fields are not looked at)."""
-
-
-def measured_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The rows of ``rows`` whose every field the calibration reads is what editrain
-    writes there (:data:`ROW_SCHEMA`: steps and counts JSON integers, seconds finite
-    numbers >= 0, a bool or a string never a number).
-
-    A row with another value (``true``, ``"0.1"``, NaN, a negative time, a step of 9.5)
-    is skipped as no measurement, not refused: every reader of these files skips a row it
-    cannot read (:func:`editrain.metrics.read_jsonl` a line that is no JSON object,
-    :func:`editrain.metrics.current_rows` a step that is no number, the benchmarks' and
-    plots' readers a loss that is no finite number), since the file is a log a killed
-    writer or a hand may have left anything in. The fit from the rows left is still one
-    of measured rows; a run left with too few steps is refused as a short run is.
-    Before, ``float()`` and ``int()`` took ``true`` as 1, parsed ``"0.1"``, truncated a
-    step and let NaN and negative seconds into the fit."""
-    kept = []
-    for row in rows:
-        try:
-            ROW_SCHEMA.check(row, "row", "", ValueError)
-        except ValueError:
-            continue
-        kept.append(row)
-    return kept
+ROW_SCHEMA = Obj({**ROW_FIELDS, "replica": Int(hi=1 << 20)})
+"""The rows the calibration measures (:func:`editrain.metrics.measured_rows`): every field
+a reader of a run's rows computes with (:data:`editrain.metrics.ROW_FIELDS`, as the
+benchmarks read them), and a rank's ``replica``, by which its compute is grouped."""
 
 
 CONFIG_MAX_BYTES = 4 << 20
@@ -479,8 +446,8 @@ def read_run(run_dir: str | Path, skip: int = 4) -> RunSample:
     except ConfigError as e:
         raise ConfigError(f"plan: {d / 'config.toml'}: {e}") from None
     start, rows, ranks = job_rows(d, world)
-    rows = measured_rows(rows)
-    ranks = {rank: measured_rows(got) for rank, got in ranks.items()}
+    rows = measured_rows(rows, ROW_SCHEMA)
+    ranks = {rank: measured_rows(got, ROW_SCHEMA) for rank, got in ranks.items()}
     # Every round of the job: those a step's row carries and those with a row of their
     # own (completed by finish() after the last step), each with the step it launched at.
     rounds = [(launch_step(r), r["sync"]) for r in rows if isinstance(r.get("sync"), dict)]
