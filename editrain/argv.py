@@ -26,7 +26,7 @@ import argparse
 import os
 from typing import Any
 
-from editrain.errors import ConfigError
+from editrain.errors import ConfigError, spelled_env
 
 
 class CommandParser(argparse.ArgumentParser):
@@ -58,7 +58,7 @@ def env_switch(name: str) -> bool:
     if not text:
         return False
     if text.lower() not in SWITCH_WORDS:
-        raise ConfigError(f"{name}={text!r}: expected 1 or 0 (also true/false, yes/no, "
+        raise ConfigError(f"{spelled_env(name, text)}: expected 1 or 0 (also true/false, yes/no, "
                           f"on/off), or unset")
     return SWITCH_WORDS[text.lower()]
 
@@ -75,7 +75,7 @@ def env_count(name: str, text: str | None = None) -> int | None:
     if not text:
         return None
     if not (text.isascii() and text.isdigit() and 1 <= int(text) <= LARGEST_COUNT):
-        raise ConfigError(f"{name}={text[:40]!r}: expected a whole number from 1 to "
+        raise ConfigError(f"{spelled_env(name, text)}: expected a whole number from 1 to "
                           f"{LARGEST_COUNT}, or unset")
     return int(text)
 
@@ -100,7 +100,7 @@ def rayon_threads() -> int | None:
     """
     text = os.environ.get(RAYON_THREADS, "").strip()
     if text and not (text.isascii() and text.isdigit() and int(text) <= LARGEST_COUNT):
-        raise ConfigError(f"{RAYON_THREADS}={text[:40]!r}: expected a whole number from 0 "
+        raise ConfigError(f"{spelled_env(RAYON_THREADS, text)}: expected a whole number from 0 "
                           f"(rayon's default: a thread per CPU) to {LARGEST_COUNT}, or unset")
     return int(text) if text and int(text) > 0 else None
 
@@ -122,7 +122,7 @@ def env_int(name: str, default: int | None = None, minimum: int = 0) -> int:
                               f"sets it")
         return default
     if not (text.isascii() and text.isdigit() and minimum <= int(text) <= LARGEST_COUNT):
-        raise ConfigError(f"{name}={text[:40]!r}: expected a whole number from {minimum} to "
+        raise ConfigError(f"{spelled_env(name, text)}: expected a whole number from {minimum} to "
                           f"{LARGEST_COUNT}")
     return int(text)
 

@@ -16,6 +16,7 @@ import json
 import math
 import numbers
 import re
+import shlex
 import sys
 from collections.abc import Iterator
 from typing import Any
@@ -105,6 +106,27 @@ def _spelled_key(key: Any) -> str:
     """A table's key as TOML writes it: bare where it may be, else quoted."""
     text = str(key)
     return text if text and re.fullmatch(r"[A-Za-z0-9_-]+", text) else json.dumps(text)
+
+
+def spelled_option(section: str, key: Any) -> str:
+    """The option ``key`` of the section ``section`` (dotted, ``"sync."``; ``""`` at the top
+    level) as TOML writes a dotted key and the command line takes it after ``--``:
+    ``sync.link_bandwith``, with a key that cannot be bare quoted (``sync."a b"``), so that
+    a message names the option as the user wrote it (Python's ``'sync.a b'`` was neither)."""
+    return section + _spelled_key(key)
+
+
+def spelled_env(name: str, text: str, limit: int = 40) -> str:
+    """The environment variable ``name`` set to ``text`` as a shell sets it, for a message
+    that refuses it: ``RAYON_NUM_THREADS=many``, quoted only where the shell needs it
+    (``OMP_NUM_THREADS='2 4'``), a control character escaped as bash's ``$'...'`` writes it
+    (one line); at most ``limit`` characters of the value. Python's ``'many'`` quoted a
+    word the user never quoted."""
+    text = text[:limit]
+    if text.isprintable():
+        return f"{name}={shlex.quote(text)}"
+    escaped = text.encode("unicode_escape").decode("ascii").replace("'", "\\'")
+    return f"{name}=$'{escaped}'"
 
 
 SCALAR_KINDS: dict[type, tuple[type, str]] = {

@@ -41,9 +41,10 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from editrain.errors import plain_count, plain_scalar, require
+from editrain.errors import plain_count, plain_scalar, require, spelled
 from editrain.models import Llama, causal_lm_loss
 from editrain.models.hf import HFCausalLM
+from editrain.safe_io import quote
 
 __all__ = [
     "HF_PIPELINE_TYPES",
@@ -127,7 +128,7 @@ def check_microbatches(batch_size: int, n_microbatches: int, schedule: str,
     """
     if schedule not in SCHEDULES:
         raise ValueError(f"dist.pp_schedule must be one of {', '.join(SCHEDULES)}; "
-                         f"got {schedule!r}")
+                         f"got {spelled(schedule)}")
     n_microbatches = plain_count(n_microbatches, "dist.pp_microbatches")
     if batch_size % n_microbatches:
         raise ValueError(f"dist.pp_microbatches ({n_microbatches}) must divide the batch "
@@ -483,7 +484,7 @@ def check_hf_pipeline(model_type: str) -> None:
     if model_type not in HF_PIPELINE_TYPES:
         raise ValueError(f"dist.pp_size > 1 splits model.hf_config models of model_type "
                          f"{', '.join(HF_PIPELINE_TYPES)}; this config has "
-                         f"model_type {model_type!r} (use dist.pp_size = 1)")
+                         f"model_type {quote(model_type)} (use dist.pp_size = 1)")
 
 
 def build_stage(model: nn.Module, stage: int, pp_size: int,

@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from editrain.argv import env_int
+from editrain.errors import spelled
 from editrain.safe_io import make_dir, open_write
 
 _UNITS = {
@@ -63,14 +64,14 @@ MAX_INDEX = 2**63 - 1
 
 
 def _err(option: str, value: Any, allowed: str) -> ValueError:
-    return ValueError(f"sim.{option}: cannot parse {value!r}; expected {allowed}")
+    return ValueError(f"sim.{option}: cannot parse {spelled(value)}; expected {allowed}")
 
 
 def _index(text: str, option: str, spec: str) -> int:
     """An integer field of a spec (replica, rank, step, sync), at most :data:`MAX_INDEX`."""
     value = int(text)
     if value > MAX_INDEX:
-        raise ValueError(f"sim.{option}: {value} in {spec!r} is too large (at most 2^63 - 1)")
+        raise ValueError(f"sim.{option}: {value} in {spelled(spec)} is too large (at most 2^63 - 1)")
     return value
 
 
@@ -90,7 +91,7 @@ def parse_bandwidth(text: str) -> float:
         raise _err("link_bandwidth", text, "a positive rate such as 100MB/s, 1Gbit/s, 500kB/s")
     rate = float(m.group(1)) * _UNITS[m.group(2).lower()]
     if not MIN_BANDWIDTH <= rate <= MAX_BANDWIDTH:  # also inf (1e999MB/s)
-        raise ValueError(f"sim.link_bandwidth: {text.strip()!r} is out of range; allowed "
+        raise ValueError(f"sim.link_bandwidth: {spelled(text.strip())} is out of range; allowed "
                          f"from 1B/s (8bit/s) to 1e15B/s (1PB/s)")
     return rate
 
@@ -110,7 +111,7 @@ def parse_duration(text: str, option: str = "link_latency") -> float:
         raise _err(option, text, "a duration such as 5ms, 0.2s, 300us")
     seconds = float(m.group(1)) * _TIME_UNITS[m.group(2) or "s"]
     if not seconds <= MAX_SECONDS:  # also inf (1e999s)
-        raise ValueError(f"sim.{option}: {text.strip()!r} is out of range; allowed from 0 "
+        raise ValueError(f"sim.{option}: {spelled(text.strip())} is out of range; allowed from 0 "
                          f"to {MAX_SECONDS:g} s")
     return seconds
 
@@ -290,7 +291,7 @@ def parse_sim(sim: Any) -> SimPlan:
                        "REPLICA=FACTOR@FROM-TO, e.g. 1=2 or 0=3@100-200")
         factor = float(m.group(2))
         if not factor <= MAX_FACTOR:  # also inf (1e999)
-            raise ValueError(f"sim.straggler: factor {m.group(2)} in {spec.strip()!r} is out "
+            raise ValueError(f"sim.straggler: factor {m.group(2)} in {spelled(spec.strip())} is out "
                              f"of range; allowed from 1 to {MAX_FACTOR:g}")
         start = _index(m.group(3), "straggler", spec) if m.group(3) else 0
         stop = _index(m.group(4), "straggler", spec) if m.group(4) else None
@@ -317,7 +318,7 @@ def parse_sim(sim: Any) -> SimPlan:
                        "e.g. 1@20 or 1@20:50")
         scale = float(m.group(3) or 30.0)
         if not abs(scale) <= MAX_SCALE:  # also inf (1e999)
-            raise ValueError(f"sim.corrupt_replica: scale {m.group(3)} in {spec.strip()!r} is "
+            raise ValueError(f"sim.corrupt_replica: scale {m.group(3)} in {spelled(spec.strip())} is "
                              f"out of range; allowed from -{MAX_SCALE:g} to {MAX_SCALE:g}")
         plan.corrupt[_index(m.group(2), "corrupt_replica", spec)] = (
             _index(m.group(1), "corrupt_replica", spec), scale)

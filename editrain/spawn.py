@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from editrain.argv import env_int
+from editrain.errors import spelled_env
 
 LOOPBACK = "127.0.0.1"
 
@@ -550,7 +551,7 @@ def worker_start_method() -> str:
         return "forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else "spawn"
     if method not in START_METHODS or method not in multiprocessing.get_all_start_methods():
         allowed = [m for m in START_METHODS if m in multiprocessing.get_all_start_methods()]
-        raise LaunchError(f"{START_METHOD_ENV}={method!r} is not a start method editrain "
+        raise LaunchError(f"{spelled_env(START_METHOD_ENV, method)} is not a start method editrain "
                           f"can use here; allowed: {', '.join(allowed)}", exit_code=2)
     return method
 

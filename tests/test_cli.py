@@ -432,7 +432,7 @@ def bad_input_cases(tmp: Path) -> dict[str, tuple[list[str], list[str]]]:
                                 ["sync.ewma_threshold", "finite"]),
         # the outer optimizer: an Optimizer subclass, its keyword arguments checked by torch
         "outer_function": (["--sync.outer_optim_class=os.system"],
-                           ["sync.outer_optim_class", "refused 'os.system'", "torch.optim"]),
+                           ["sync.outer_optim_class", 'refused "os.system"', "torch.optim"]),
         "outer_not_optimizer": (["--sync.outer_optim_class=collections:OrderedDict"],
                                 ["sync.outer_optim_class", "refused", "Python API"]),
         "outer_unknown": (["--sync.outer_optim_class=torch.optim.NoSuchOptimizer"],

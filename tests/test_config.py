@@ -948,7 +948,7 @@ def test_a_named_corpus_is_read_whole_unless_data_max_bytes_says_otherwise(tmp_p
         assert corpus_bytes(load_config(None, {"data": data}).data) == cap, data
     assert load_config(None, {}).data.max_bytes == "auto"
     with pytest.raises(ConfigError, match="data.max_bytes: must be a number > 0, none or "
-                                          "auto, got 'all'"):
+                                          "auto, got \"all\""):
         load_config(None, {"data": {"max_bytes": "all"}})
 
 

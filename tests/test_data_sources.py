@@ -358,7 +358,7 @@ def test_eos_none_needs_no_end_of_text_token(tmp_path):
     tok = _tokenizer_without_eos(tmp_path / "tokenizer.json", texts)
     kw = dict(tokenizer_path=str(tok), val_fraction=0.2, val_tokens=64, progress=False)
     for policy in ("append", "prepend"):
-        with pytest.raises(ValueError, match=rf"^data\.eos: '{policy}' puts an end-of-text "
+        with pytest.raises(ValueError, match=rf"^data\.eos: \"{policy}\" puts an end-of-text "
                                              r"token .*data\.tokenizer has no end-of-text "
                                              r".*allowed: append, prepend, none\)$"):
             prepare_tokens(str(corpus), tmp_path / "cache", eos=policy, **kw)

@@ -19,6 +19,7 @@ stub that fails the test: a refused command must never reach it.
 from __future__ import annotations
 
 import re
+import shlex
 
 import pytest
 
@@ -71,7 +72,7 @@ def _run(argv: list[str], capsys) -> tuple[int, str]:
 
 REFUSED = [
     # an option abbreviated to a prefix: argparse took it for the option it starts
-    (["train", "--conf", "plan.toml"], "unknown option 'conf'"),
+    (["train", "--conf", "plan.toml"], "unknown option conf;"),
     (["data", "--jso"], "--jso: unknown option"),
     (["export", "ckpt", "out", "--rep", "2"], "export: unexpected argument(s) --rep 2"),
     (["export", "ckpt", "out", "--max-shard=1GB"], "unexpected argument(s) --max-shard=1GB"),
@@ -85,7 +86,7 @@ REFUSED = [
     (["options", "--bogus"], "options: unexpected argument(s) --bogus"),
     (["options", "train"], "options: unexpected argument(s) train"),
     # a misspelt bench option: refused before the results directory is made
-    (["bench", "default", "--tiny", "--repe", "2", "--out", "res"], "unknown option 'repe'"),
+    (["bench", "default", "--tiny", "--repe", "2", "--out", "res"], "unknown option repe;"),
     # a switch given a value
     (["bench", "default", "--quick=0"], "argument --quick: ignored explicit argument '0'"),
     (["bench", "default", "--tiny=0"], "bench --tiny: takes no value"),
@@ -218,7 +219,7 @@ def test_editrain_bench_tiny_junk_is_refused_before_the_bench_starts(no_work, mo
                                                                       capsys):
     monkeypatch.setenv("EDITRAIN_BENCH_TINY", "maybe")
     code, line = _run(["bench", "default", "--out", "res"], capsys)
-    assert code == 2 and "EDITRAIN_BENCH_TINY='maybe': expected 1 or 0" in line
+    assert code == 2 and "EDITRAIN_BENCH_TINY=maybe: expected 1 or 0" in line
     assert not (no_work / "res").exists()
 
 
@@ -251,11 +252,27 @@ def test_rayon_num_threads_junk_is_refused_by_name(monkeypatch):
     from editrain.data.encode_pool import pool_workers
 
     monkeypatch.setenv("RAYON_NUM_THREADS", "many")
-    with pytest.raises(ConfigError, match="^RAYON_NUM_THREADS='many'"):
+    with pytest.raises(ConfigError, match="^RAYON_NUM_THREADS=many: "):
         pool_workers(cpus=4)
     monkeypatch.setenv("RAYON_NUM_THREADS", "2")
     assert pool_workers(cpus=4) == 2
     assert env_count("RAYON_NUM_THREADS", "") is None
+
+
+ENV_AS_SET = (("many", "RAYON_NUM_THREADS=many"), ("-1", "RAYON_NUM_THREADS=-1"),
+              ("2 4", "RAYON_NUM_THREADS='2 4'"), ("it's", "RAYON_NUM_THREADS='it'\"'\"'s'"),
+              ("1\t2", "RAYON_NUM_THREADS=$'1\\t2'"))
+"""An environment variable's value that is refused, and how the message names it: as a
+shell sets it (quoted only where the shell needs it, a control character as bash's
+``$'...'`` escapes it, on one line), not as Python prints a string (``'many'``)."""
+
+
+@pytest.mark.parametrize("text,said", ENV_AS_SET, ids=[t for t, _ in ENV_AS_SET])
+def test_a_refused_environment_variable_is_named_as_a_shell_sets_it(text, said, monkeypatch):
+    monkeypatch.setenv("RAYON_NUM_THREADS", text)
+    with pytest.raises(ConfigError) as got:
+        rayon_threads()
+    assert str(got.value).startswith(f"{said}: expected a whole number from 0 "), got.value
 
 
 @pytest.mark.parametrize("text", ["0", " 0 ", "00"])
@@ -281,7 +298,7 @@ def test_rayon_num_threads_junk_is_refused_when_editrain_data_starts(text, no_wo
     at its start, as every environment variable of :mod:`editrain.argv`."""
     monkeypatch.setenv("RAYON_NUM_THREADS", text)
     code, line = _run(["data"], capsys)
-    assert code == 2 and f"RAYON_NUM_THREADS={text!r}: expected a whole number" in line, line
+    assert code == 2 and f"RAYON_NUM_THREADS={shlex.quote(text)}: expected a whole number" in line, line
 
 
 @pytest.mark.parametrize("text", RAYON_JUNK)
@@ -298,7 +315,7 @@ def test_rayon_num_threads_junk_is_refused_by_the_train_jobs_check(text, monkeyp
                        ("RAYON_NUM_THREADS", text)):
         monkeypatch.setenv(var, value)
     for check in (check_local, check_torchrun):
-        with pytest.raises(ConfigError, match=rf"^RAYON_NUM_THREADS={re.escape(repr(text))}: "):
+        with pytest.raises(ConfigError, match=rf"^RAYON_NUM_THREADS={re.escape(shlex.quote(text))}: "):
             check(cfg)
     assert not (tmp_path / "run").exists()
     monkeypatch.setenv("RAYON_NUM_THREADS", "0")
@@ -329,7 +346,7 @@ def test_a_launcher_variable_that_is_no_whole_number_is_refused_by_name(name, te
         monkeypatch.setenv(var, value)
     cfg = load_config(None, {"run_dir": str(tmp_path / "run"),
                              "dist": {"nproc": 1, "shard_size": 1}})
-    with pytest.raises(ConfigError, match=rf"^{name}='{re.escape(text)}': expected a whole "
+    with pytest.raises(ConfigError, match=rf"^{name}={re.escape(text)}: expected a whole "
                                           rf"number from"):
         check_torchrun(cfg)
 

@@ -338,6 +338,61 @@ def test_a_refused_config_value_is_quoted_as_the_file_wrote_it(tmp_path, text, s
     assert str(got.value) == said
 
 
+CHOICES_AS_WRITTEN = (
+    ('[train]\nprecision = "fp8"', 'train.precision: allowed: fp32, bf16; got "fp8"'),
+    ('[dist]\npp_size = 2\npp_schedule = "zigzag"', 'dist.pp_schedule: allowed: 1f1b, gpipe, '
+     'interleaved-1f1b; got "zigzag"'),
+    ('[model]\npreset = "huge"', 'model.preset: unknown preset "huge"; allowed: '),
+    ('[sync]\nmethod = "fedavg"', 'sync.method: unknown method "fedavg"; allowed: '),
+    ('[sync]\ncomm_dtype = "fp8"', 'sync.comm_dtype: unknown dtype "fp8"; allowed: '),
+    ('[sync]\nmerge = "avg"', 'sync.merge: unknown rule "avg"; allowed: '),
+    ('[sync.gta]\nreducer = "sum"', 'sync.gta.reducer: unknown reducer "sum"; allowed: '),
+    ('[sync.gta]\nconsensus_method = "most"',
+     'sync.gta.consensus_method: unknown method "most"; allowed: '),
+    ('[sync]\ntopk_k = 8', 'sync.topk_k: applies to the sparse codecs (sync.comm_dtype = '
+     'topk2 or topk1), but comm_dtype is "fp32": leave it unset'),
+    ('[sync]\nmerge_alpha = 0.5\noverlap_steps = 1', 'sync.merge_alpha: is the share of the '
+     'local parameters in merge = "blend", but the merge is "keep_local": '),
+    ('[sync]\nouter_optim_class = "os.system"', 'sync.outer_optim_class: refused "os.system" '),
+    ('[sync]\nouter_optim_class = "torch.optim.Nope"',
+     'sync.outer_optim_class: unknown optimizer "torch.optim.Nope"; '),
+    ("[sync]\nouter_optim_kwargs = {lr = -1}",
+     "sync.outer_optim_kwargs: SGD rejects {lr = -1}: "),
+    ('[sync]\nmethod = "diloco"\nprefetch_depth = 2', "sync.prefetch_depth: applies only where "
+     "sync.method = post_local_sgd or diloco or edit or aedit and sync.layerwise is on (rounds "
+     "synced unit by unit in the forward) (here sync.layerwise is false for "),
+    ('[sync]\nmethod = "diloco"\nlocal_sgd_sync_time = 1.0', "sync.local_sgd_sync_time: applies "
+     "only where sync.method = aedit and sim.step_schedule is unset (the wall-clock trigger it "
+     'replaces) (here sync.method is "diloco"); '),
+    ('[data]\neos = "maybe"', "data.eos: must be one of append, prepend, none (end-of-text token "
+     'after every document, before it, or no separator), got "maybe"'),
+    ('[data]\nmax_bytes = "all"', 'data.max_bytes: must be a number > 0, none or auto, got "all"'),
+    ('[sim]\nstraggler = ["1:2"]', 'sim.straggler: cannot parse "1:2"; expected '),
+    ('[sim]\nstraggler = ["1=2", "1=3"]', 'sim.straggler: entries "1=2" and "1=3" both slow '),
+    ('[sim]\ncorrupt_replica = ["1@2", "0@2"]',
+     'sim.corrupt_replica: entries "1@2" and "0@2" both corrupt sync 2'),
+    ('[sim]\nlink_latency = "1e999s"', 'sim.link_latency: "1e999s" is out of range; '),
+    ('[sim]\nlink_bandwidth = "1e999MB/s"', 'sim.link_bandwidth: "1e999MB/s" is out of range; '),
+    ('[train]\nsteps = 10\n[sim]\nfail = "0@1000"', "sim.fail: step 1000 never comes: STEP must "
+     "be in [1, train.steps = 10] (the worker dies after that step), got \"0@1000\""),
+    ('[sim]\nlink_bandwith = "1MB/s"', "unknown option sim.link_bandwith (did you mean "),
+    ('[sync]\n"link bandwidth" = 1', 'unknown option sync."link bandwidth"; allowed in [sync]: '),
+)
+"""A config file's choice, text option or option name that is refused, and the start of
+the message: the value as the file wrote it (``"fp8"``, a table ``{lr = -1}``, a key
+``sync."link bandwidth"`` as a dotted TOML key), not as Python prints it (``'fp8'``,
+``{'lr': -1}``, ``'sync.link bandwidth'``)."""
+
+
+@pytest.mark.parametrize("text,said", CHOICES_AS_WRITTEN, ids=[t for t, _ in CHOICES_AS_WRITTEN])
+def test_a_refused_choice_or_name_is_quoted_as_the_file_wrote_it(tmp_path, text, said):
+    path = tmp_path / "run.toml"
+    path.write_text(text + "\n")
+    with pytest.raises(ConfigError) as got:
+        load_config(str(path))
+    assert str(got.value).startswith(said), str(got.value)
+
+
 def test_a_refused_python_value_is_quoted_as_a_file_would_write_it():
     """The Python API's values take the same spelling (a bool ``true``, a string in double
     quotes, ``None`` JSON's ``null``); an object no file holds keeps its ``repr``."""

@@ -514,7 +514,7 @@ def test_worker_start_method_follows_the_environment(monkeypatch):
     monkeypatch.setenv(START_METHOD_ENV, "spawn")
     assert worker_start_method() == "spawn"
     monkeypatch.setenv(START_METHOD_ENV, "fork")
-    with pytest.raises(LaunchError, match=f"{START_METHOD_ENV}='fork'.*allowed: forkserver, "
+    with pytest.raises(LaunchError, match=f"{START_METHOD_ENV}=fork .*allowed: forkserver, "
                                           "spawn") as e:
         worker_start_method()
     assert e.value.exit_code == 2

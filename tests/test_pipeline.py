@@ -281,7 +281,7 @@ def test_hf_tied_embeddings_and_other_model_types_are_refused():
         HFStage(_hf(tie_word_embeddings=True), 0, 2)
     HFStage(_hf(tie_word_embeddings=True), 0, 1)  # one stage: the whole model
     with pytest.raises(ValueError, match=r"model_type llama, mistral, qwen2, qwen3; .*"
-                                         r"'gpt2' \(use dist\.pp_size = 1\)"):
+                                         r'"gpt2" \(use dist\.pp_size = 1\)'):
         check_hf_pipeline("gpt2")
     with pytest.raises(TypeError, match=r"editrain's Llama or a Hugging Face model"):
         build_stage(torch.nn.Linear(2, 2), 0, 2)

@@ -97,7 +97,7 @@ def test_streaming_options_are_validated(kwargs, option):
 def test_merge_alpha_is_accepted_where_it_blends():
     assert SyncConfig(merge="blend", merge_alpha=0.5, overlap_steps=1).merge_alpha == 0.5
     assert SyncConfig(merge="blend", merge_alpha=0.0).merge_alpha == 0.0  # theta <- A
-    with pytest.raises(ValueError, match="the merge is 'keep_local'"):
+    with pytest.raises(ValueError, match="the merge is \"keep_local\""):
         SyncConfig(merge_alpha=0.5, overlap_steps=1)
     with pytest.raises(ValueError, match="with overlap_steps = 0"):
         SyncConfig(merge="blend", merge_alpha=0.5)

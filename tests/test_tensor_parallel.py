@@ -126,7 +126,7 @@ def test_every_hugging_face_type_tp_accepts_runs_split_as_whole(tmp_path):
             assert isinstance(out[kind], float) and out[kind] < GRAD_TOL, (kind, out[kind])
         assert isinstance(out["olmo2"], str) or out["olmo2"] > 1e-3, out["olmo2"]
     with pytest.raises(ConfigError, match=r"dist.tp_size: tensor parallelism splits Hugging "
-                                          r"Face models of the types .* not 'olmo2' of "
+                                          r'Face models of the types .* not "olmo2" of '
                                           r"model.hf_config"):
         load_config(None, {"model": {"hf_config": configs["olmo2"]},
                            "dist": {"nproc": 2, "shard_size": 1, "tp_size": 2}})

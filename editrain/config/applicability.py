@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from editrain.config.schema import SECTIONS, Config
-from editrain.errors import require
+from editrain.errors import require, spelled
 from editrain.sync.config import METHODS, GTAConfig
 from editrain.sync.methods import METHOD_DEFAULTS, SYNC_OPTION_METHODS
 
@@ -48,7 +48,7 @@ def _methods(names: tuple[str, ...]) -> Rule:
         return ALWAYS
     return Rule(lambda cfg: cfg.sync.method in names,
                 f"sync.method = {' or '.join(names)}",
-                lambda cfg: f"sync.method is {cfg.sync.method!r}")
+                lambda cfg: f"sync.method is {spelled(cfg.sync.method)}")
 
 
 def _when(option: str, values: tuple[Any, ...]) -> Rule:
@@ -60,7 +60,7 @@ def _when(option: str, values: tuple[Any, ...]) -> Rule:
 
     return Rule(lambda cfg: get(cfg) in values,
                 f"{option} = {' or '.join(str(v) for v in values)}",
-                lambda cfg: f"{option} is {get(cfg)!r}")
+                lambda cfg: f"{option} is {spelled(get(cfg))}")
 
 
 def _both(first: Rule, then: Rule) -> Rule:
@@ -82,7 +82,7 @@ def _sync_on(key: str, why: str) -> Rule:
     """Applies where the run's ``sync.<key>`` (resolved per method) is on; ``why``: what
     it switches on."""
     return Rule(lambda cfg: bool(_sync_value(cfg, key)), f"sync.{key} is on ({why})",
-                lambda cfg: f"sync.{key} is {_sync_value(cfg, key)!r} for sync.method = "
+                lambda cfg: f"sync.{key} is {spelled(_sync_value(cfg, key))} for sync.method = "
                             f"{cfg.sync.method}")
 
 
@@ -122,7 +122,7 @@ _DEPENDS_ON = {
     "local_sgd_sync_time": Rule(
         lambda cfg: not cfg.sim.step_schedule,
         "sim.step_schedule is unset (the wall-clock trigger it replaces)",
-        lambda cfg: f"sim.step_schedule is {list(cfg.sim.step_schedule)!r}: replicas sync "
+        lambda cfg: f"sim.step_schedule is {spelled(list(cfg.sim.step_schedule))}: replicas sync "
                     f"after fixed step counts, never on the clock"),
 }
 """``sync`` options that also depend on another option's value (set or the method's

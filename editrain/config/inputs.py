@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from editrain.config.schema import Config
-from editrain.errors import as_config_error, require
+from editrain.errors import as_config_error, require, spelled
 from editrain.paths import check_path, check_path_text, check_text, shown
 from editrain.sim import parse_sim
 
@@ -114,15 +114,16 @@ def check_list_options(cfg: Config) -> None:
             a_end = float("inf") if a.stop is None else a.stop
             b_end = float("inf") if b.stop is None else b.stop
             require(a.replica != b.replica or a.start >= b_end or b.start >= a_end,
-                    "sim.straggler", f"entries {s.straggler[j]!r} and {s.straggler[i]!r} "
+                    "sim.straggler",
+                    f"entries {spelled(s.straggler[j])} and {spelled(s.straggler[i])} "
                     f"both slow replica {a.replica} over the same steps; give each replica "
                     f"one factor per range of steps")
     seen: dict[int, str] = {}
     for spec in s.corrupt_replica:
         sync = int(spec.strip().split("@")[1].split(":")[0])
         require(sync not in seen, "sim.corrupt_replica",
-                f"entries {seen.get(sync)!r} and {spec!r} both corrupt sync {sync}; one "
-                f"replica per sync")
+                f"entries {spelled(seen.get(sync))} and {spelled(spec)} both corrupt sync "
+                f"{sync}; one replica per sync")
         seen[sync] = spec
     if isinstance(cfg.data.path, list):
         seen: list[tuple[int, str, Path | None]] = []

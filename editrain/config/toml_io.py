@@ -20,7 +20,7 @@ from editrain.config.applicability import check_applicable, drop_inapplicable
 from editrain.config.inputs import check_list_options, check_text_options, resolve_hub_models
 from editrain.config.schema import SECTIONS, Config
 from editrain.config.validation import validate
-from editrain.errors import ConfigError, plain_scalar, require, spelled
+from editrain.errors import ConfigError, plain_scalar, require, spelled, spelled_option
 from editrain.paths import check_path, shown
 
 
@@ -97,9 +97,9 @@ def _not_a_table(text: str) -> str:
     except ConfigError as e:
         reason = str(e).removeprefix("value: not valid TOML (").removesuffix(")")
         reason = re.sub(r"column (\d+)", lambda m: f"column {int(m[1]) - len(prefix)}", reason)
-        return (f"{text!r} is not a TOML inline table ({reason}); inside braces, values are "
+        return (f"{spelled(text)} is not a TOML inline table ({reason}); inside braces, values are "
                 f"TOML: true or false, numbers, quoted text")
-    return f"expected a table, got {text!r}"  # parses: as a table it would not be text
+    return f"expected a table, got {spelled(text)}"  # parses: as a table it would not be text
 
 
 def _build(cls: type, raw: dict[str, Any], prefix: str) -> Any:
@@ -121,13 +121,14 @@ def check_known_option(cls: type, key: str, prefix: str) -> None:
     """Refuse ``key`` unless it is a field of dataclass ``cls`` (the section ``prefix``).
 
     Raises:
-        ConfigError: ``unknown option 'PREFIXKEY'``, with the section's options.
+        ConfigError: ``unknown option PREFIX.KEY`` (as TOML writes a dotted key:
+            :func:`editrain.errors.spelled_option`), with the section's options.
     """
     names = [f.name for f in dataclasses.fields(cls)]
     if key not in names:
         close = [k for k in names if k.startswith(key[:3])]
         hint = f" (did you mean {', '.join(close)}?)" if close else ""
-        raise ConfigError(f"unknown option {prefix + key!r}{hint}; allowed in "
+        raise ConfigError(f"unknown option {spelled_option(prefix, key)}{hint}; allowed in "
                           f"[{prefix.rstrip('.') or 'top level'}]: {', '.join(names)}")
 
 

@@ -54,8 +54,9 @@ from editrain.config.schema import (
     TrainSection,
 )
 from editrain.data import check_data_options
-from editrain.errors import ConfigError, as_config_error, require
+from editrain.errors import ConfigError, as_config_error, require, spelled
 from editrain.models.hf_dir import hf_int, read_config
+from editrain.safe_io import quote
 from editrain.sim import check_replicas, parse_sim
 from editrain.sync.config import COMM_BACKENDS, check_finite
 from editrain.tracking import WANDB_MODES
@@ -77,7 +78,7 @@ def _counts(section: Any, prefix: str, names: tuple[str, ...], least: int = 1) -
 
 
 def _one_of(value: Any, allowed: tuple[str, ...], option: str) -> None:
-    require(value in allowed, option, f"allowed: {', '.join(allowed)}; got {value!r}")
+    require(value in allowed, option, f"allowed: {', '.join(allowed)}; got {spelled(value)}")
 
 
 def _seed(value: int, option: str) -> None:
@@ -89,7 +90,7 @@ def _seed(value: int, option: str) -> None:
 def check_model(m: ModelSection) -> None:
     """The preset exists (shape overrides are checked with the preset's config)."""
     require(m.preset in PRESETS, "model.preset",
-            f"unknown preset {m.preset!r}; allowed: {', '.join(PRESETS)}")
+            f"unknown preset {spelled(m.preset)}; allowed: {', '.join(PRESETS)}")
 
 
 def check_data(d: DataSection) -> None:
@@ -104,7 +105,7 @@ def check_data(d: DataSection) -> None:
     _seed(d.split_seed, "data.split_seed")
     if isinstance(d.max_bytes, str):
         require(d.max_bytes == "auto", "data.max_bytes",
-                f"must be a number > 0, none or auto, got {d.max_bytes!r}")
+                f"must be a number > 0, none or auto, got {spelled(d.max_bytes)}")
     elif d.max_bytes is not None:
         require(d.max_bytes > 0, "data.max_bytes", f"must be > 0, got {d.max_bytes}")
 
@@ -126,7 +127,7 @@ def check_train(t: TrainSection) -> None:
     _one_of(t.wandb, WANDB_MODES, "train.wandb")
     if t.wandb != "off":
         require(importlib.util.find_spec("wandb") is not None, "train.wandb",
-                f"{t.wandb!r} needs the wandb package: pip install 'editrain[wandb]'")
+                f"{spelled(t.wandb)} needs the wandb package: pip install 'editrain[wandb]'")
         require(bool(t.wandb_project.strip()), "train.wandb_project", "must not be empty")
 
 
@@ -228,7 +229,7 @@ def validate(cfg: Config) -> None:
     if fail is not None:
         require(1 <= fail[1] <= t.steps, "sim.fail",
                 f"step {fail[1]} never comes: STEP must be in [1, train.steps = {t.steps}] "
-                f"(the worker dies after that step), got {cfg.sim.fail!r}")
+                f"(the worker dies after that step), got {spelled(cfg.sim.fail)}")
     if cfg.model.init_from is not None:  # first: the checks below read its config.json
         _check_init_from(cfg)
     if cfg.dist.tp_size > 1 and hf_source(cfg) is not None:
@@ -239,7 +240,7 @@ def validate(cfg: Config) -> None:
             kind = read_hf_config(hf_source(cfg), hf_option(cfg))["model_type"]
         require(kind in HF_MODEL_TYPES, "dist.tp_size",
                 f"tensor parallelism splits Hugging Face models of the types editrain checks "
-                f"it on ({', '.join(HF_MODEL_TYPES)}), not {kind!r} of {hf_option(cfg)} (its "
+                f"it on ({', '.join(HF_MODEL_TYPES)}), not {quote(kind)} of {hf_option(cfg)} (its "
                 f"attention may reshape by the whole model's head count or norm across heads); "
                 f"train it with FSDP alone (dist.tp_size = 1)")
     if cfg.dist.tp_size > 1:
@@ -315,7 +316,7 @@ def _check_pipeline(cfg: Config) -> None:
             f"dist.pp_size = {p} needs untied embeddings ({tied_what}): "
             f"the first and last stage would share the embedding matrix")
     require(cfg.optim.sam in (None, "none"), "optim.sam",
-            f"{cfg.optim.sam!r} is not supported with pipeline stages (dist.pp_size = {p}): "
+            f"{spelled(cfg.optim.sam)} is not supported with pipeline stages (dist.pp_size = {p}): "
             f"its closure would run the pipeline twice per step; use optim.sam = none")
     from editrain.pipeline import check_microbatches
 
@@ -348,7 +349,7 @@ def _hf_pipeline_shape(cfg: Config) -> tuple[int, bool]:
     n_layers = data.get("num_hidden_layers")
     require(isinstance(n_layers, int) and not isinstance(n_layers, bool) and n_layers >= 1,
             hf_option(cfg), f"num_hidden_layers must be a positive integer in "
-            f"{source} to split the model into stages, got {n_layers!r}")
+            f"{source} to split the model into stages, got {quote(n_layers)}")
     tied = data.get("tie_word_embeddings")
     if tied is None:
         from transformers import AutoConfig  # optional dependency, checked by _check_hf
@@ -498,4 +499,4 @@ def validate_world(cfg: Config, world_size: int) -> None:
         require(plan.fail[0] < data_ranks, "sim.fail",
                 f"rank {plan.fail[0]} does not exist: RANK is a data rank, replica x "
                 f"dist.shard_size + shard, from 0 to {data_ranks - 1} ({replicas} replicas x "
-                f"{d.shard_size} shards), got {cfg.sim.fail!r}")
+                f"{d.shard_size} shards), got {spelled(cfg.sim.fail)}")

@@ -56,7 +56,7 @@ from pathlib import Path
 
 import numpy as np
 
-from editrain.errors import plain_count, plain_scalar, require
+from editrain.errors import plain_count, plain_scalar, require, spelled
 from editrain.malloc import release_freed_memory
 from editrain.safe_io import Int, Map, Num, Obj, Str, quote, read_json
 
@@ -254,7 +254,7 @@ class TokenData:
 def _check_eos(eos: str) -> None:
     if eos not in EOS_POLICIES:
         raise ValueError(f"data.eos: must be one of {', '.join(EOS_POLICIES)} (end-of-text "
-                         f"token after every document, before it, or no separator), got {eos!r}")
+                         f"token after every document, before it, or no separator), got {spelled(eos)}")
 
 
 def separator_id(tok, eos_token: str | None, policy: str) -> int | None:
@@ -274,7 +274,7 @@ def separator_id(tok, eos_token: str | None, policy: str) -> int | None:
         if policy not in ("append", "prepend"):
             return None
         raise ValueError(
-            f"data.eos: {policy!r} puts an end-of-text token between documents, and {exc}; "
+            f"data.eos: {spelled(policy)} puts an end-of-text token between documents, and {exc}; "
             f"or set data.eos to none (documents concatenated without a separator; allowed: "
             f"{', '.join(EOS_POLICIES)})") from None
 

@@ -17,7 +17,7 @@ import typing
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
-from editrain.errors import SCALAR_KINDS, as_config_error, plain_scalar, require
+from editrain.errors import SCALAR_KINDS, as_config_error, plain_scalar, require, spelled
 from editrain.sync import codecs as sparse_codec
 from editrain.sync.methods import METHOD_DEFAULTS, OUTER_SGD, PLAIN_SGD
 
@@ -184,13 +184,14 @@ class GTAConfig:
         check_finite(self, "sync.gta")
         if self.reducer is not None:
             require(self.reducer in REDUCERS, "sync.gta.reducer",
-                    f"unknown reducer {self.reducer!r}; allowed: none, {', '.join(REDUCERS)}")
+                    f"unknown reducer {spelled(self.reducer)}; allowed: none, "
+                    f"{', '.join(REDUCERS)}")
         require(self.consensus_method in CONSENSUS, "sync.gta.consensus_method",
-                f"unknown method {self.consensus_method!r}; allowed: {', '.join(CONSENSUS)}")
+                f"unknown method {spelled(self.consensus_method)}; allowed: {', '.join(CONSENSUS)}")
         if self.sparsification_method is not None:
             require(self.sparsification_method in SPARSIFICATION,
                     "sync.gta.sparsification_method",
-                    f"unknown method {self.sparsification_method!r}; allowed: none, "
+                    f"unknown method {spelled(self.sparsification_method)}; allowed: none, "
                     f"{', '.join(SPARSIFICATION)}")
         require(0.0 < self.density <= 1.0, "sync.gta.density",
                 f"must be in (0, 1], got {self.density}")
@@ -290,7 +291,7 @@ class SyncConfig:
         self.outer_optim_kwargs = plain_numbers(self.outer_optim_kwargs)
         check_finite(self, "sync")
         require(self.method in METHODS, "sync.method",
-                f"unknown method {self.method!r}; allowed: {', '.join(METHODS)}")
+                f"unknown method {spelled(self.method)}; allowed: {', '.join(METHODS)}")
         if self.local_sgd_sync_interval is not None:
             require(self.local_sgd_sync_interval >= 1, "sync.local_sgd_sync_interval",
                     f"must be >= 1, got {self.local_sgd_sync_interval}")
@@ -349,20 +350,20 @@ class SyncConfig:
                 f"must be >= 0, got {self.overlap_steps}")
         require(self.fragments >= 1, "sync.fragments", f"must be >= 1, got {self.fragments}")
         require(self.merge in MERGES, "sync.merge",
-                f"unknown rule {self.merge!r}; allowed: {', '.join(MERGES)}")
+                f"unknown rule {spelled(self.merge)}; allowed: {', '.join(MERGES)}")
         require(isinstance(self.merge_alpha, (int, float)) and 0.0 <= self.merge_alpha <= 1.0,
-                "sync.merge_alpha", f"must be in [0, 1], got {self.merge_alpha!r}")
+                "sync.merge_alpha", f"must be in [0, 1], got {spelled(self.merge_alpha)}")
         if self.merge_alpha:
             # Only a delayed merge blends; anywhere else alpha would be silently ignored.
             require(self.merge == "blend", "sync.merge_alpha",
-                    f"is the share of the local parameters in merge = 'blend', but the merge "
-                    f"is {self.merge!r}: set sync.merge = 'blend' or merge_alpha = 0")
+                    f"is the share of the local parameters in merge = \"blend\", but the merge "
+                    f"is {spelled(self.merge)}: set sync.merge = \"blend\" or merge_alpha = 0")
             require(self.overlap_steps > 0, "sync.merge_alpha",
                     f"blends a delayed merge (sync.overlap_steps > 0); with overlap_steps = 0 "
                     f"the round's global model is taken as it is: set overlap_steps >= 1 or "
                     f"merge_alpha = 0, got merge_alpha = {self.merge_alpha}")
         require(self.comm_dtype in COMM_DTYPES, "sync.comm_dtype",
-                f"unknown dtype {self.comm_dtype!r}; allowed: {', '.join(COMM_DTYPES)}")
+                f"unknown dtype {spelled(self.comm_dtype)}; allowed: {', '.join(COMM_DTYPES)}")
         streaming = self.overlap_steps > 0 or self.fragments > 1
         # Checked here, at construction, not in resolve(): before any data or run directory.
         h = self.local_sgd_sync_interval or METHOD_DEFAULTS[self.method].get(
@@ -402,7 +403,7 @@ class SyncConfig:
         if self.comm_dtype != "fp32":
             require(self.gta.reducer in (None, "linear"), "sync.comm_dtype",
                     f"{self.comm_dtype} needs the linear reducer (sync.gta.reducer = "
-                    f"{self.gta.reducer!r} sends fp32 only)")
+                    f"{spelled(self.gta.reducer)} sends fp32 only)")
         self._check_codec()
 
     def _check_codec(self) -> None:
@@ -415,7 +416,7 @@ class SyncConfig:
                 continue
             require(sparse, f"sync.{name}",
                     f"applies to the sparse codecs (sync.comm_dtype = topk2 or topk1), but "
-                    f"comm_dtype is {self.comm_dtype!r}: leave it unset")
+                    f"comm_dtype is {spelled(self.comm_dtype)}: leave it unset")
             require(value >= 1, f"sync.{name}", f"must be >= 1, got {value}")
         require(self.sparse_k <= self.sparse_chunk, "sync.topk_k",
                 f"must be <= sync.topk_chunk ({self.sparse_chunk}), got {self.sparse_k}")
@@ -423,7 +424,7 @@ class SyncConfig:
             require(isinstance(self.error_decay, (int, float))
                     and not isinstance(self.error_decay, bool)
                     and 0.0 < self.error_decay <= 1.0, "sync.error_decay",
-                    f"must be in (0, 1], got {self.error_decay!r}")
+                    f"must be in (0, 1], got {spelled(self.error_decay)}")
             require(self.comm_dtype != "fp32" and self.error_feedback, "sync.error_decay",
                     "decays the error feedback of a quantised or sparse comm_dtype (with "
                     "sync.error_feedback = true); it would be ignored here: leave it unset")

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from editrain.errors import spelled
 from editrain.sync.methods import NESTEROV_SGD
 
 OuterFactory = Callable[[list[torch.Tensor]], torch.optim.Optimizer]
@@ -65,7 +66,7 @@ def resolve_optimizer_class(name: str | type | None) -> type | None:
     if _DOTTED.fullmatch(path) and not any(module_name == m or module_name.startswith(m + ".")
                                            for m in OPTIMIZER_MODULES):
         raise ValueError(
-            f"sync.outer_optim_class: refused {name!r} (a name never imports a module "
+            f"sync.outer_optim_class: refused {spelled(name)} (a name never imports a module "
             f"outside {' and '.join(OPTIMIZER_MODULES)}); allowed: none, "
             f"{', '.join(_OUTER_NAMES)} or a class of {' or '.join(OPTIMIZER_MODULES)} "
             f"(e.g. torch.optim.RMSprop); pass another optimizer class itself through the "
@@ -78,7 +79,7 @@ def resolve_optimizer_class(name: str | type | None) -> type | None:
             cls = None
     if not isinstance(cls, type) or not issubclass(cls, torch.optim.Optimizer):
         raise ValueError(
-            f"sync.outer_optim_class: unknown optimizer {name!r}; allowed: none, "
+            f"sync.outer_optim_class: unknown optimizer {spelled(name)}; allowed: none, "
             f"{', '.join(_OUTER_NAMES)} or a torch.optim.Optimizer subclass of "
             f"{' or '.join(OPTIMIZER_MODULES)} as package.module.Class or package.module:Class"
         )
@@ -120,7 +121,7 @@ def check_outer(cls: type | None, kwargs: dict[str, Any]) -> None:
     try:
         cls([torch.zeros(1, requires_grad=True)], **kwargs)
     except (TypeError, ValueError) as e:
-        raise ValueError(f"sync.outer_optim_kwargs: {cls.__name__} rejects {kwargs}: {e}"
+        raise ValueError(f"sync.outer_optim_kwargs: {cls.__name__} rejects {spelled(kwargs)}: {e}"
                          ) from None
 
 
