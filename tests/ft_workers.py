@@ -149,30 +149,39 @@ def _group_main(S: int, case: dict[str, Any], replica: int, R: int, lighthouse: 
                 attempt: int, out_dir: str) -> None:
     from editrain.spawn import run_ranks
 
-    # A first attempt's ranks fork from this group process (it has imported torch and run
-    # no operation yet); a restart spawns them, see run_groups.
-    outs = run_ranks(ft_rank, S, case, replica, R, lighthouse, attempt,
-                     start_method="fork" if attempt == 0 else "spawn")
+    # The ranks fork from this group process (it has imported torch and run no operation
+    # yet), a restart's too: run_groups holds a restart back past the heartbeat timeout.
+    outs = run_ranks(ft_rank, S, case, replica, R, lighthouse, attempt, start_method="fork")
     torch.save(outs, Path(out_dir) / f"replica{replica}_attempt{attempt}.pt")
 
 
+RESTART_AFTER_HEARTBEATS = 2.0
+"""A dead group is started again this many lighthouse heartbeat timeouts after its death."""
+
+
 def run_groups(R: int, S: int, case: dict[str, Any], out_dir: Path,
-               restart_delay_s: float = 0.0, timeout_s: float = 240.0) -> dict[int, list]:
+               restart_delay_s: float | None = None, timeout_s: float = 240.0
+               ) -> dict[int, list]:
     """Run ``R`` replica groups of ``S`` ranks, each its own process tree, around one
     lighthouse in this process; a group that dies is started again (attempt 1) after
-    ``restart_delay_s``. Returns ``{replica: per-rank results of its last attempt}``."""
+    ``restart_delay_s`` (default: :data:`RESTART_AFTER_HEARTBEATS` heartbeat timeouts).
+    Returns ``{replica: per-rank results of its last attempt}``."""
     from editrain.spawn import START_METHOD_ENV
     from editrain.sync.ft import start_lighthouse
 
+    heartbeat_timeout_s = case.get("heartbeat_timeout_s", 2.0)
     lighthouse = start_lighthouse(min_replicas=case.get("min_replicas", 1),
                                   join_timeout_s=case.get("join_timeout_s", 60.0),
-                                  heartbeat_timeout_s=case.get("heartbeat_timeout_s", 2.0))
-    # First attempts start at once (never "fork" here: this process runs the lighthouse's
-    # threads). A restart is spawned: it then takes seconds to start (it imports torch
-    # twice), longer than the lighthouse's heartbeat timeout, as a real restart does; one
-    # back within the timeout is not what these tests are about.
+                                  heartbeat_timeout_s=heartbeat_timeout_s)
+    # Groups start from the suite's fork server (never "fork" here: this process runs the
+    # lighthouse's threads). A restart is held back past the lighthouse's heartbeat timeout,
+    # as a real restart takes seconds: the lighthouse has seen the group die, and the
+    # survivors have synced without it, before it is back (one back within the timeout is
+    # not what these tests are about). It was spawned, which took as long by importing
+    # torch twice: a few CPU seconds and a restart time that depended on the load.
+    if restart_delay_s is None:
+        restart_delay_s = RESTART_AFTER_HEARTBEATS * heartbeat_timeout_s
     ctx = mp.get_context(os.environ.get(START_METHOD_ENV) or "spawn")
-    restart_ctx = mp.get_context("spawn")
     procs: dict[int, Any] = {}
     attempts = dict.fromkeys(range(R), 0)
     try:
@@ -186,7 +195,7 @@ def run_groups(R: int, S: int, case: dict[str, Any], out_dir: Path,
                 if not p.is_alive() and p.exitcode != 0 and attempts[r] == 0:
                     time.sleep(restart_delay_s)
                     attempts[r] = 1
-                    procs[r] = restart_ctx.Process(target=_group_main, args=(
+                    procs[r] = ctx.Process(target=_group_main, args=(
                         S, case, r, R, lighthouse.address(), 1, str(out_dir)))
                     procs[r].start()
                     break

@@ -110,7 +110,7 @@ def test_a_replica_dies_the_others_keep_syncing_and_it_rejoins(tmp_path):
     never restart and never go back a step; they sync as a quorum of 2 while it is gone;
     the restarted replica heals from a peer in its first round and holds the survivors'
     global model after it; every replica ends on one model."""
-    case = {"sync": EDIT, "steps": 40, "die": (2, 5), "step_sleep": 0.25,
+    case = {"sync": EDIT, "steps": 40, "die": (2, 5), "step_sleep": 0.05,
             "heartbeat_timeout_s": 1.5}
     outs = run_groups(3, 1, case, tmp_path)
     survivors = [outs[0][0], outs[1][0]]
@@ -440,7 +440,7 @@ def test_a_replica_dying_inside_a_sync_fails_that_round_on_every_survivor(tmp_pa
     unit): the survivors' round fails and is applied by neither; they sync again without
     it at the next interval and end on one model with the restarted replica."""
     case = {"sync": {**EDIT, "clip_pseudo_grad": 0.0}, "steps": 30, "die_in_sync": (2, 3, 3),
-            "step_sleep": 0.25, "heartbeat_timeout_s": 1.5}
+            "step_sleep": 0.05, "heartbeat_timeout_s": 1.5}
     outs = run_groups(3, 1, case, tmp_path)
     survivors = [outs[0][0], outs[1][0]]
     failed_at = set()
@@ -866,7 +866,7 @@ def test_streaming_round_in_flight_when_a_replica_dies(tmp_path):
     the background reductions of a delayed round; the survivors drop that round at its
     merge (their local models stay), go on syncing, and all three end on one model."""
     sync = {**EDIT, "local_sgd_sync_interval": 4, "fragments": 2, "overlap_steps": 1}
-    case = {"sync": sync, "steps": 40, "die_in_sync": (2, 3, 3), "step_sleep": 0.25,
+    case = {"sync": sync, "steps": 40, "die_in_sync": (2, 3, 3), "step_sleep": 0.05,
             "heartbeat_timeout_s": 1.5}
     outs = run_groups(3, 1, case, tmp_path)
     for r in (0, 1):
