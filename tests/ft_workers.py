@@ -14,6 +14,24 @@ import torch
 from tests.reference import batch, loss_on, make_inner, make_model
 
 
+def rejoined(rounds: list[dict[str, Any]], dead: int) -> bool:
+    """Whether replica ``dead`` is back: a committed round with it after a round without it
+    that came after it had joined. The join's attempts before every group was there (a
+    quorum of the groups started first, not committed) say nothing about a death: counted,
+    a survivor took the join itself for the rejoin and ended at its last step, however
+    long the restart still took."""
+    joined = gone = False
+    for e in rounds:
+        present = dead in (e["members"] or [])
+        if present and e["committed"]:
+            if gone:
+                return True
+            joined = True
+        elif joined and not present:
+            gone = True
+    return False
+
+
 def ft_rank(rank: int, S: int, case: dict[str, Any], replica: int, R: int, lighthouse: str,
             attempt: int) -> dict[str, Any]:
     """One rank of replica group ``replica``: train ``case["steps"]`` steps with the engine
@@ -109,17 +127,7 @@ def ft_rank(rank: int, S: int, case: dict[str, Any], replica: int, R: int, light
     awaiting = (attempt == 0 and dead is not None and replica != dead
                 and case.get("min_replicas", 1) < R)
 
-    def rejoined() -> bool:
-        """A committed round with the dead replica after one without it."""
-        gone = False
-        for e in rounds:
-            if dead not in (e["members"] or []):
-                gone = True
-            elif gone and e["committed"]:
-                return True
-        return False
-
-    while engine.global_step < total or (awaiting and not rejoined()
+    while engine.global_step < total or (awaiting and not rejoined(rounds, dead)
                                          and engine.global_step < total + 2000):
         step = engine.global_step
         loss_on(model, batch(replica * S + rank, step, 0)).backward()

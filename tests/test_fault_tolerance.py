@@ -162,6 +162,25 @@ def test_a_group_that_resumes_its_checkpoint_heals_from_one_that_trained_on(tmp_
         assert torch.equal(p, survivor["params"][name]), name
 
 
+def test_the_survivors_wait_for_the_rejoin_not_for_the_join():
+    """The survivors of a death train on until the restarted group has rejoined
+    (tests/ft_workers.py): a join whose first attempt formed a quorum of the groups started
+    first (replica 2 not yet there, not committed) is not a rejoin. Counted as one, the
+    survivors of test_a_replica_dying_inside_a_sync ended at their last step before the
+    restart was back, and the restarted group waited alone until run_groups timed out."""
+    from tests.ft_workers import rejoined
+
+    def e(members, committed=True):
+        return {"members": members, "committed": committed}
+
+    join = [e([0, 1], committed=False), e([0, 1, 2])]
+    assert not rejoined(join + [e([0, 1, 2])], dead=2)
+    assert not rejoined(join + [e([0, 1, 2], committed=False), e(None, committed=False),
+                                e([0, 1])], dead=2)  # died in a round, gone since
+    assert rejoined(join + [e([0, 1]), e([0, 1, 2])], dead=2)
+    assert not rejoined(join + [e([0, 1]), e([0, 1, 2], committed=False)], dead=2)
+
+
 def test_a_joining_replica_that_did_not_heal_votes_no_where_members_trained():
     """A joining replica that did not heal holds its own count's commit; a member that
     trained may hold another one at the same count (a live group that missed the commit
