@@ -92,7 +92,7 @@ class RunEndWatch:
     every ``interval_s``, not at every attempt (a few a second); every rank takes its
     answer over the group's default process group (on the device torch picks for its
     backend: the CPU for gloo, this rank's GPU for NCCL), so that the group's ranks stop
-    together, a look that could not be made (the run's lock not had in time) included.
+    together, a look that raised (an unreadable run record) included.
 
     Args:
         look: why the run ended for this group, or None: rank 0's look; the other ranks'

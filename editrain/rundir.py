@@ -260,6 +260,20 @@ class RunLock:
                 replica groups of a torchrun ``--ft`` run take the run's lock in turn, a
                 moment each, to write the run's shared files.
         """
+        holder = self.try_acquire(wait_s)
+        if holder is not None:
+            raise RunDirError(self._refusal(holder))
+        return self
+
+    def try_acquire(self, wait_s: float = 0.0) -> str | None:
+        """Take the lock as :meth:`acquire` does, but where another job holds it for all of
+        ``wait_s`` return what that job wrote in it (its pid and host) instead of raising:
+        a caller that can try again later tells that moment's state from a lock that
+        cannot be taken at all (a link, not a regular file), which still raises.
+
+        Returns:
+            None once this object holds the lock, else the holder.
+        """
         import fcntl
 
         make_dir(self.path.parent, root=self.path.parent)  # the run directory: may be a link
@@ -285,13 +299,13 @@ class RunLock:
                     continue
                 holder = os.pread(fd, 4096, 0).decode("utf-8", "replace").strip() or "unknown"
                 os.close(fd)
-                raise RunDirError(self._refusal(holder)) from None
+                return holder
         os.set_inheritable(fd, False)
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}, since "
                       f"{time.strftime('%Y-%m-%d %H:%M:%S')}\n".encode(), 0)
         self._fd = fd
-        return self
+        return None
 
     def _refusal(self, holder: str) -> str:
         run_dir = self.path.parent

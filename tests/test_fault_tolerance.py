@@ -298,8 +298,8 @@ def test_a_join_ends_when_what_runs_between_its_attempts_raises():
 
 def _watch_rank(rank: int, world: int, ends_at: int) -> list[list[str | None]]:
     """One rank of a replica group between the attempts of its join, twice: rank 0 finds
-    the run ended at its look ``ends_at``, then cannot look at all there (the run's lock
-    not had in time); the other ranks look at nothing."""
+    the run ended at its look ``ends_at``, then its look raises there (the run record
+    unreadable); the other ranks look at nothing."""
     from editrain.errors import RunDirError
     from editrain.fault import RunEndWatch
 
@@ -320,22 +320,23 @@ def _watch_rank(rank: int, world: int, ends_at: int) -> list[list[str | None]]:
                 break
         return seen
 
-    def lock_not_had() -> str:
-        raise RunDirError("--run-dir: the run's lock is in use")
+    def record_unreadable() -> str:
+        raise RunDirError("--run-dir: the run record is not JSON")
 
-    return [watched(lambda: "the run has ended"), watched(lock_not_had)]
+    return [watched(lambda: "the run has ended"), watched(record_unreadable)]
 
 
 def test_every_rank_of_a_group_stops_its_join_on_rank_0s_look():
     """Only rank 0 of a replica group looks at the run directory; every rank takes its
     answer (over the group's default process group), so they stop the join together,
-    with its message, on the same attempt; a look rank 0 could not make stops them too,
-    instead of leaving the others waiting for its answer."""
+    with its message, on the same attempt; a look of rank 0 that raised stops them too,
+    instead of leaving the others waiting for its answer (a busy run lock does not raise:
+    tests/test_rundir.py)."""
     from editrain.spawn import run_ranks
 
     outs = run_ranks(_watch_rank, 2, 3)
     assert outs == [[[None, None, "the run has ended"],
-                     [None, None, "--run-dir: the run's lock is in use"]]] * 2
+                     [None, None, "--run-dir: the run record is not JSON"]]] * 2
 
 
 def test_rank_0_looks_at_the_run_at_most_once_an_interval():

@@ -532,6 +532,33 @@ def test_only_rank_0_of_a_torchrun_group_looks_at_the_runs_end(tmp_path):
     end_groups(run, [group1])
 
 
+def test_a_look_at_the_runs_end_that_finds_the_run_busy_looks_again_later(tmp_path,
+                                                                          monkeypatch):
+    """Rank 0's look between the attempts of a group's first quorum finds the run's lock
+    held by another job (a group claiming or joining the start, one gathering the run's
+    summary): it says nothing this time, at once, and looks again at its next attempt.
+    Before, it waited for the lock as long as a start does (60 s, the group's other ranks
+    idle in the broadcast meanwhile) and then ended the group's job with the lock's
+    refusal, though the group was waiting for groups that may well still come."""
+    import time
+
+    from editrain.launch import run_dir as run_dir_module
+    from editrain.launch.run_dir import ended_run_watch
+
+    monkeypatch.setattr(run_dir_module, "RUN_LOCK_WAIT_S", 0.2)  # a start's wait, shortened
+    run = tmp_path / "run"
+    steps = {"train": {"steps": 6}}
+    group0, group1 = start_groups(run, 0, 1, **steps)
+    look = ended_run_watch(group_job(run, 1, **steps))
+    finish_groups(run, [group0], steps=6)
+    with rundir.RunLock(run):  # another job holds the run's lock
+        t0 = time.monotonic()
+        assert look() is None
+        assert time.monotonic() - t0 < 5
+    assert re.match(r"--dist.ft_replica_id: the run in \S+ has ended at step 6", look())
+    end_groups(run, [group1])
+
+
 def test_a_group_that_did_not_finish_the_run_is_not_taken_as_finished(tmp_path):
     """A group's job that ended without finishing the run (its new job was started, and
     noted the earlier one over) is no evidence that the run ended; a new job of a group

@@ -192,12 +192,24 @@ def ended_run_problem(cfg: Config, run_dir: Path, replica: int) -> str | None:
             f"(--resume {run_dir})")
 
 
+LOOK_LOCK_WAIT_S = 1.0
+"""How long rank 0's look at the run's end (:func:`ended_run_watch`) waits for the run's
+lock: it looks again at a later attempt, and the group's other ranks wait for its answer."""
+
+
 def ended_run_watch(job: Job) -> Callable[[], str | None] | None:
     """What a torchrun job of a fault-tolerant run's replica group looks at while it waits
     in its first quorum (:class:`editrain.fault.RunEndWatch`): on rank 0, whether the run
     ended for its group (:func:`ended_run_problem`, under the run's lock, as at the
     group's start); on the other ranks nothing (they take rank 0's answer). None for any
-    other job: only such a group waits for jobs of other groups that may all end first."""
+    other job: only such a group waits for jobs of other groups that may all end first.
+
+    A look that finds the run's lock held by another job (:meth:`~editrain.rundir.
+    RunLock.try_acquire`: a group claiming or joining the start, one gathering the run's
+    summary) says nothing this time, after :data:`LOOK_LOCK_WAIT_S`, and the group goes on
+    waiting: a busy lock is no sign that the run ended. It used to wait the start's
+    :data:`RUN_LOCK_WAIT_S` for it, the group's other ranks idle in the broadcast, and
+    then end the group's job with the lock's refusal."""
     replica = torchrun_group(job)
     if replica is None:
         return None
@@ -205,7 +217,10 @@ def ended_run_watch(job: Job) -> Callable[[], str | None] | None:
         return _nothing_seen
 
     def look() -> str | None:
-        with rundir.RunLock(job.run_dir).acquire(wait_s=RUN_LOCK_WAIT_S):
+        lock = rundir.RunLock(job.run_dir)
+        if lock.try_acquire(wait_s=LOOK_LOCK_WAIT_S) is not None:
+            return None
+        with lock:
             return ended_run_problem(job.cfg, job.run_dir, replica)
 
     return look
