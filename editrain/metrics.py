@@ -239,8 +239,26 @@ SUMMARY_MAX_BYTES = 16 << 20
 
 _SECONDS = Num()
 """A duration or a clock of a summary: a finite JSON number >= 0."""
+
+
+class _SummaryLoss(Num):
+    """A summary's loss: a finite number >= 0, ``null`` where the run has none (a NaN,
+    as :func:`to_json` writes it), or JSON's ``NaN``, as an editrain before strict JSON
+    output wrote that same absence (``json.dumps``): its run directories are resumed,
+    benchmarked and calibrated from as they were before the schema. Infinities and
+    anything but a number are still refused."""
+
+    def __init__(self) -> None:
+        super().__init__(nullable=True)
+
+    def problem(self, value: Any) -> str | None:
+        if type(value) is float and math.isnan(value):
+            return None
+        return super().problem(value)
+
+
 RUN_SUMMARY_FIELDS: dict[str, Field] = {
-    "steps": Int(), "tokens": Int(), "final_val_loss": Num(nullable=True),
+    "steps": Int(), "tokens": Int(), "final_val_loss": _SummaryLoss(),
     "val_tokens": Int(), "wall_time_s": _SECONDS, "train_time_s": Num(-1e18),
     "num_syncs": Int(), "num_params": Int(), "vocab_size": Int(nullable=True),
     "method": Str(), "replicas": Int(), "shard_size": Int(), "tp_size": Int(),
@@ -249,7 +267,8 @@ RUN_SUMMARY_FIELDS: dict[str, Field] = {
     "cross_replica_bytes": Map(Num())}
 """The fields of a trainer's ``summary.json`` (:meth:`editrain.train.Trainer._summary`), as
 it writes them: counts JSON integers, times finite numbers (``train_time_s``, a difference
-of two clocks, may round below 0), a NaN loss ``null``."""
+of two clocks, may round below 0), a NaN loss ``null`` (an older editrain's ``NaN`` is
+read too: :class:`_SummaryLoss`)."""
 GROUP_SUMMARY_SCHEMA = Obj(RUN_SUMMARY_FIELDS, required=("steps", "final_val_loss"))
 """A fault-tolerant run's replica group's own ``summary.json`` (a trainer's, which always
 holds its steps and final loss: the run's summary takes them)."""

@@ -1395,6 +1395,36 @@ def test_a_replica_groups_summary_is_read_strictly(tmp_path):
             summarise_groups(tmp_path, 2, [])
 
 
+def test_a_summary_an_older_editrain_wrote_with_a_nan_loss_is_read(tmp_path):
+    """An editrain before strict JSON output (3bbf73e) wrote a loss the run did not have
+    as JSON's ``NaN`` (a resume whose budget was already done, a diverged run, a
+    fault-tolerant run no group finished), where one now writes ``null``. Its run
+    directory is read as it was before the summary schema: by the benchmarks, by the
+    fault-tolerant launcher (a group of a resumed run that has not rewritten its own
+    summary yet) and by ``plan --calibrate``, which were refused ("field 'final_val_loss':
+    a finite number ... expected") though ``null`` is taken and the field means the same."""
+    from editrain.bench.runs import read_run
+    from editrain.launch.ft import summarise_groups
+    from editrain.plan.calibrate import run_vocab_size
+
+    summary = _ft_summary()
+    summary["final_val_loss"] = summary["per_replica"]["1"]["final_val_loss"] = math.nan
+    summary["vocab_size"] = 347
+    text = json.dumps(summary, indent=1)
+    assert '"final_val_loss": NaN' in text  # as json.dumps wrote it
+    (tmp_path / "summary.json").write_text(text)
+    assert math.isnan(read_run("r", tmp_path, {}).summary["final_val_loss"])
+    assert run_vocab_size(tmp_path, {}) == 347
+    for r, group in summary["per_replica"].items():
+        (tmp_path / f"replica{r}").mkdir()
+        (tmp_path / f"replica{r}" / "summary.json").write_text(json.dumps(group))
+    assert summarise_groups(tmp_path, 2, [])["tokens_processed"] == 240
+    with pytest.raises(ValueError, match="field 'final_val_loss'"):  # still a number or none
+        summary["final_val_loss"] = math.inf
+        (tmp_path / "summary.json").write_text(json.dumps(summary))
+        read_run("r", tmp_path, {})
+
+
 HOSTILE_REPLICAS = (True, False, 2.7, "1", [1], -1, None, math.nan)
 """A rank row's ``replica`` that is no replica index (JSON's ``true``, a fraction, text,
 a list, a negative, ``null``, NaN)."""
