@@ -33,7 +33,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from editrain.checkpoint import saved_tensors
-from editrain.errors import CheckpointError
+from editrain.errors import CheckpointError, spelled
 from editrain.sync.config import GTAConfig, SyncConfig, check_types
 from editrain.sync.edit import EDiT, SyncEngine
 from editrain.sync.outer import resolve_optimizer_class
@@ -252,7 +252,7 @@ def parallelize(
         )
     else:
         raise ValueError(f"precision: allowed fp32, bf16 or a MixedPrecisionPolicy; "
-                         f"got {precision!r}")
+                         f"got {spelled(precision)}")
     found = find_blocks(model, blocks)
     device_mesh = _device_mesh(mesh)
     names = device_mesh.mesh_dim_names or ()

@@ -21,8 +21,8 @@ from editrain.config import ConfigError, describe_options, load_config, parse_ov
 from editrain.config.inputs import check_path_options
 from editrain.config.schema import SEED_MAX
 from editrain.config.toml_io import load_resumed_config
-from editrain.errors import CheckpointError, bounded
-from editrain.paths import check_path
+from editrain.errors import CheckpointError, bounded, spelled
+from editrain.paths import check_path, shown
 from editrain.spawn import (
     Interrupted,
     LaunchError,
@@ -170,9 +170,18 @@ def parse_size(text: str, option: str) -> int:
     unit = m.group(2).lower() if m else None
     size = Fraction(m.group(1)) * _SIZE_UNITS[unit] if m and unit in _SIZE_UNITS else 0
     if size < 1:
-        raise ConfigError(f"{option}: {text!r} is not a size of at least 1 byte (a number and "
+        raise ConfigError(f"{option}: {spelled(text)} is not a size of at least 1 byte (a number and "
                           f"B, KB, MB, GB, TB, KiB, MiB, GiB or TiB: 5GB, 500MiB)")
     return int(size)
+
+
+def _os_error_line(e: OSError) -> str:
+    """An ``OSError`` that reached :func:`main` as one line: the file it names spelled as
+    every message spells a path (:func:`editrain.paths.shown`), then what went wrong."""
+    name = e.filename
+    if not name or not isinstance(name, str | bytes | os.PathLike):
+        return str(e)
+    return f"{shown(os.fsdecode(name))}: {e.strerror or e}"
 
 
 def cmd_export(args: argparse.Namespace, extra: list[str]) -> int:
@@ -415,8 +424,7 @@ def _report(e: BaseException, stop_signal: int | None) -> int:
         print(f"editrain: error: {bounded(str(e))}", file=sys.stderr)
         return 2
     if isinstance(e, OSError):  # a path the checks could not foresee (a full disk ...)
-        print("editrain: error: " + bounded(f"{e.filename!r}: {e.strerror or e}" if e.filename
-                                            else str(e)), file=sys.stderr)
+        print(f"editrain: error: {bounded(_os_error_line(e))}", file=sys.stderr)
         return 2
     if isinstance(e, LaunchError):
         print(f"editrain: error: {bounded(str(e))}", file=sys.stderr)

@@ -12,7 +12,6 @@ value by :func:`plain_count`.
 from __future__ import annotations
 
 import contextlib
-import json
 import math
 import numbers
 import re
@@ -93,7 +92,7 @@ def spelled(value: Any) -> str:
         return repr(value) if math.isfinite(value) or math.isnan(value) else (
             "inf" if value > 0 else "-inf")
     if type(value) is str:
-        return json.dumps(value)  # escaped as TOML's basic strings are: one line
+        return spelled_text(value)
     if type(value) in (list, tuple):
         return "[" + ", ".join(spelled(item) for item in value) + "]"
     if type(value) is dict:
@@ -102,10 +101,48 @@ def spelled(value: Any) -> str:
     return repr(value)
 
 
+_TEXT_ESCAPES = {'"': '\\"', "\\": "\\\\", "\b": "\\b", "\t": "\\t", "\n": "\\n",
+                 "\f": "\\f", "\r": "\\r"}
+"""The characters a TOML basic string writes with a short escape."""
+_NEEDS_A_LOOK = re.compile(r'["\\\x00-\x1f\x7f-\uffff\U00010000-\U0010ffff]')
+"""A character :func:`spelled_text` may escape: a quote, a backslash, a control character,
+or any character beyond ASCII (kept when printable); plain ASCII is copied as it is, so a
+long text is spelled at the speed of ``re.sub``."""
+
+
+def _escaped(match: re.Match[str]) -> str:
+    char = match.group()
+    if char in _TEXT_ESCAPES:
+        return _TEXT_ESCAPES[char]
+    if char.isprintable():  # a letter, a digit, a symbol of any script: as it is
+        return char
+    code = ord(char)
+    return f"\\u{code:04x}" if code <= 0xFFFF else f"\\U{code:08x}"
+
+
+def spelled_text(text: str) -> str:
+    r"""``text`` as a TOML basic string, for a message that names it: in double quotes,
+    ``"`` and ``\`` escaped, and every character Python does not print (a control
+    character, a line or paragraph separator, a space other than U+0020, a format
+    character, a lone surrogate) as its escape (``\n``, ``\t``, ``\u00a0``), so that
+    the message stays one line and two texts that look alike (a no-break space, a trailing
+    tab) are told apart. A printable character of any script is kept as it is: a
+    directory named in Greek or Japanese reads as its name, not as a row of ``\uXXXX``.
+
+    This is the spelling of every text a user gave, a string option's value and a path
+    alike (:func:`editrain.paths.shown`): it is what a TOML file writes (``data.path =
+    "/corpora/my text"`` pastes into one), and pasted into a shell it is the same text
+    wherever it holds no ``$``, backquote or ``!``, since the shell's double quotes undo
+    ``\"`` and ``\\`` as TOML's do. A shell's own quoting was not taken: its
+    ``'it'"'"'s'`` is no TOML, and an unquoted word is none either.
+    """
+    return '"' + _NEEDS_A_LOOK.sub(_escaped, text) + '"'
+
+
 def _spelled_key(key: Any) -> str:
     """A table's key as TOML writes it: bare where it may be, else quoted."""
     text = str(key)
-    return text if text and re.fullmatch(r"[A-Za-z0-9_-]+", text) else json.dumps(text)
+    return text if text and re.fullmatch(r"[A-Za-z0-9_-]+", text) else spelled_text(text)
 
 
 def spelled_option(section: str, key: Any) -> str:

@@ -38,7 +38,7 @@ from editrain.checkpoint import (
     open_checkpoint,
     saved_tensors,
 )
-from editrain.errors import CheckpointError, RunDirError
+from editrain.errors import CheckpointError, RunDirError, spelled
 from editrain.models.hf_dir import (
     INDEX_FILE,
     SINGLE_FILE,
@@ -136,7 +136,7 @@ def load_hf_weights(model: nn.Module, path: str | Path, weights: HFWeights | Non
         info = weights.tensors.get(name)
         if info is None or tuple(info.shape) != tuple(p.shape):
             found = "no such tensor" if info is None else f"shape {list(info.shape)}"
-            raise ValueError(f"model.init_from: {path} has {found} for {name!r}, the model "
+            raise ValueError(f"model.init_from: {path} has {found} for {spelled(name)}, the model "
                              f"needs {list(p.shape)}")
     # The values are the parameters themselves (detached views of the same storage, and
     # for a DTensor its local shard): DCP copies each rank's slices straight into them.
@@ -437,7 +437,7 @@ def model_weights(ckpt: Path, replica: int | None = None, command: str = "export
     aliases = _marker_aliases(marker, ckpt, command)
     missing = sorted(set(live) - set(keys) - set(aliases)) if anchors and live else []
     if missing:
-        raise CheckpointError(f"{command}: {ckpt} has no global copy of {missing[0]!r}")
+        raise CheckpointError(f"{command}: {ckpt} has no global copy of {spelled(missing[0])}")
     keys = {name: key for name, key in keys.items() if name not in aliases}
     sizes = metadata.state_dict_metadata
     meta = {name: torch.empty(tuple(sizes[key].size), dtype=sizes[key].properties.dtype,
@@ -478,7 +478,7 @@ def build_checked(make: Callable[[], nn.Module], shapes: Mapping[str, Any], wher
     for name, p in (names or hf_parameters)(meta).items():
         have = shapes.get(name)
         if have is not None and tuple(have) != tuple(p.shape):
-            raise CheckpointError(f"{command}: {where}: tensor {name!r} has shape "
+            raise CheckpointError(f"{command}: {where}: tensor {spelled(name)} has shape "
                                   f"{list(have)}, the model its description builds needs "
                                   f"{list(p.shape)}")
     return make() if real else meta
@@ -768,7 +768,7 @@ def export_checkpoint(path: str | Path, out: str | Path, replica: int | None = N
             ``out`` that holds other files.
     """
     if dtype not in EXPORT_DTYPES:
-        raise CheckpointError(f"export --dtype: {dtype!r} is not one of "
+        raise CheckpointError(f"export --dtype: {spelled(dtype)} is not one of "
                               f"{', '.join(EXPORT_DTYPES)}")
     ckpt, replica = find_checkpoint(path, replica=replica)
     marker = open_checkpoint(ckpt)  # regular files only, no link, bounded marker

@@ -21,22 +21,36 @@ import os
 import stat
 from pathlib import Path
 
-from editrain.errors import ConfigError
+from editrain.errors import ConfigError, spelled_text
 
 KINDS = ("out_dir", "in_dir", "in_file", "in_path", "out_file")
 """What a path option names: ``out_dir`` a directory editrain creates or writes into,
 ``in_dir`` an existing directory it reads, ``in_file`` an existing regular file it reads,
 ``in_path`` either of those two, ``out_file`` a regular file it creates or replaces."""
 
-SHOWN = 120
-"""Characters of a refused value shown in the message (a refusal stays one short line)."""
+SHOWN = 500
+"""Characters of a path or refused text shown in a message: a path of a deep file system
+is a few hundred characters and is shown whole, so that it can be copied from the message;
+a longer text (a megabyte given as ``--run-dir``) is cut to its head and its length."""
 
 
 def shown(text: str) -> str:
-    """``text`` as a message shows it: ``repr`` (control characters escaped, so the message
-    stays one line), cut to :data:`SHOWN` characters."""
-    r = repr(text)
-    return r if len(r) <= SHOWN else r[:SHOWN - 5] + "...'" + f" ({len(text)} characters)"
+    """``text``, a path or a path option's value, as every message spells it: a TOML
+    basic string (:func:`editrain.errors.spelled_text`), the spelling of every other text
+    a user gave, cut to :data:`SHOWN` characters.
+
+    One rule whether the path came from the command line or a file: always in double
+    quotes, so that a path with spaces, or one that ends in a space, is one delimited
+    word; control characters and other characters that do not print escaped (``\\n``,
+    ``\\u00a0``), so that the message stays one line (the reason this once was Python's
+    ``repr``, whose ``'...'`` is neither TOML nor what a shell reads back for a path
+    holding a quote); printable characters of any script as they are. The result pastes
+    into a TOML file as it is, and into a shell wherever the path holds no ``$``,
+    backquote or ``!``.
+    """
+    if len(text) <= SHOWN:
+        return spelled_text(text)
+    return f"{spelled_text(text[:SHOWN])}... ({len(text)} characters)"
 
 
 def check_text(option: str, text: str) -> None:

@@ -148,11 +148,11 @@ def comparable_options(cfg: Any) -> dict[str, Any]:
 def refuse_other_options(rank: int, theirs: dict[str, Any], first: dict[str, Any]) -> None:
     """Raise ConfigError naming the options (up to three, both values) where rank
     ``rank``'s (``theirs``, :func:`comparable_options`) differ from rank 0's (``first``)."""
-    from editrain.errors import ConfigError
+    from editrain.errors import ConfigError, spelled
 
     differ = sorted(k for k in first.keys() | theirs.keys() if first.get(k) != theirs.get(k))
     if differ:
-        named = "; ".join(f"{k} = {theirs.get(k)!r} (rank 0: {first.get(k)!r})"
+        named = "; ".join(f"{k} = {spelled(theirs.get(k))} (rank 0: {spelled(first.get(k))})"
                           for k in differ[:3])
         more = f" and {len(differ) - 3} more" if len(differ) > 3 else ""
         raise ConfigError(f"rank {rank} was given other options than rank 0: {named}"

@@ -61,9 +61,10 @@ def quote(value: Any, limit: int = QUOTE_CHARS) -> str:
     file is quoted by its head and its length, a long list by its length).
 
     Every value this quotes was read from a JSON file (a model's ``config.json``, a
-    tokenizer's files, a checkpoint's marker, a token cache's ``meta.json``); a TOML or
-    command-line value is quoted in TOML's spelling instead
-    (:func:`editrain.config.toml_io.toml_value`, :func:`editrain.paths.shown`).
+    tokenizer's files, a checkpoint's marker, a token cache's ``meta.json``); a value of a
+    TOML file or the command line is quoted in TOML's spelling instead
+    (:func:`editrain.errors.spelled`; a path by :func:`editrain.paths.shown`, a TOML
+    basic string too).
     """
     if isinstance(value, str) and len(value) > limit:
         return f"{_json_text(value[:limit])}... ({len(value)} characters)"

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 
 from editrain import malloc
 from editrain.argv import env_int
-from editrain.errors import plain_scalar
+from editrain.errors import plain_scalar, spelled
 
 if TYPE_CHECKING:  # torch is imported where a mesh is built: the launcher checks the
     # topology (Topology) before it imports torch (see editrain.launch)
@@ -78,7 +78,7 @@ class Topology:
             what = (f"the world size {self.world_size}" if self.tp_size == 1 else
                     f"world size / dist.tp_size = {per_tp}")
             raise ValueError(
-                f"dist.pp_size={self.pp_size!r} must divide {what}; "
+                f"dist.pp_size={spelled(self.pp_size)} must divide {what}; "
                 f"allowed values: {_divisors(per_tp)}")
         per_stage = per_tp // self.pp_size
         if self.shard_size < 1 or per_stage % self.shard_size != 0:

@@ -37,6 +37,7 @@ from editrain.checkpoint import (
 from editrain.config import Config, to_dict, validate_world
 from editrain.config.model import tokenizer_source
 from editrain.corpus import prepare_data
+from editrain.errors import spelled
 from editrain.evaluation import Evaluator
 from editrain.fault import (
     ATTEMPT_ENV,
@@ -781,7 +782,7 @@ def one_replica_note(method: str, replicas: int, ft: bool) -> str | None:
     more = ("set dist.ft_replicas (or dist.nproc) for more groups" if ft else
             "a replica is pp_size x shard_size x tp_size ranks of dist.nproc: "
             "--shard-size 1 makes every rank one")
-    return (f"sync.method = {method!r} on one replica: its syncs have no other replica to "
+    return (f"sync.method = {spelled(method)} on one replica: its syncs have no other replica to "
             f"average with and only apply the outer optimizer to its own progress ({more})")
 
 

@@ -195,7 +195,7 @@ def test_elastic_resume_changes_topology(cache: Path, tmp_path: Path, full_runs)
                     *run_args("edit")[topo:])
         assert "elastic resume" in out.stderr + out.stdout
         # one replica of edit is said, as a slip more often than a choice
-        assert ("sync.method = 'edit' on one replica" in out.stderr + out.stdout) == \
+        assert ('sync.method = "edit" on one replica' in out.stderr + out.stdout) == \
             (nproc == "2")
         resume_row = next(r for r in rows(dst) if r.get("event") == "elastic_resume")
         # The global model is carried over exactly: same validation loss up to reduction order.

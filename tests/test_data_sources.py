@@ -32,6 +32,7 @@ from editrain.data import (
 )
 from editrain.data.progress import BuildProgress
 from editrain.data.sources import Document
+from editrain.paths import shown
 
 ROOT = Path(__file__).resolve().parents[1]
 WORDS = ("alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron "
@@ -149,21 +150,21 @@ def test_a_record_nested_too_deep_is_one_line_not_a_recursion_error(tmp_path, ki
 
 def test_missing_text_field_names_option_source_and_fields(tmp_path, hf_datasets):
     jsonl = _write(tmp_path / "x.jsonl", json.dumps({"body": "a", "id": 1}) + "\n")
-    with pytest.raises(ValueError, match=r"^data\.text_field: .*x\.jsonl:1.*'text'.*body, id"):
+    with pytest.raises(ValueError, match=r'^data\.text_field: .*x\.jsonl:1.*"text".*body, id'):
         resolve_sources(str(jsonl))  # found when resolving, before any tokenisation
     listed = _write(tmp_path / "x.json", json.dumps([{"body": "a"}]))
-    with pytest.raises(ValueError, match=r"^data\.text_field: .*x\.json\[0\].*'text'.*body"):
+    with pytest.raises(ValueError, match=r'^data\.text_field: .*x\.json\[0\].*"text".*body'):
         resolve_sources(str(listed))
     parquet = tmp_path / "x.parquet"
     hf_datasets.Dataset.from_dict({"body": ["a"], "n": [1]}).to_parquet(str(parquet))
-    with pytest.raises(ValueError, match=r"^data\.text_field: .*x\.parquet.*'text'.*body, n"):
+    with pytest.raises(ValueError, match=r'^data\.text_field: .*x\.parquet.*"text".*body, n'):
         resolve_sources(str(parquet))
     saved = tmp_path / "saved"
     hf_datasets.Dataset.from_dict({"body": ["a"], "n": [1]}).save_to_disk(str(saved))
-    with pytest.raises(ValueError, match=r"^data\.text_field: .*saved has no column 'text'; "
+    with pytest.raises(ValueError, match=r'^data\.text_field: .*saved" has no column "text"; '
                                          r"its columns: body, n"):
         resolve_sources(str(saved))
-    with pytest.raises(ValueError, match=r"^data\.text_field: column 'n' .*not text"):
+    with pytest.raises(ValueError, match=r'^data\.text_field: column "n" .*not text'):
         resolve_sources(str(saved), text_field="n")
     # The right field reads every kind.
     refs = resolve_sources([str(jsonl), str(listed), str(parquet), str(saved)], text_field="body")
@@ -211,7 +212,7 @@ def test_saved_dataset_dict_split(tmp_path, hf_datasets):
     docs = list(iter_records([val]))
     assert [(d.text, d.name) for d in docs] == [("v0", f"{path}@validation:0")]
     assert source_fingerprint([train]) != source_fingerprint([val])
-    with pytest.raises(ValueError, match=r"^data\.path: .*no split 'test'; its splits: "
+    with pytest.raises(ValueError, match=r'^data\.path: .*no split "test"; its splits: '
                                          r"train, validation"):
         resolve_sources(f"{path}@test")
     hf_datasets.Dataset.from_dict({"text": ["x"]}).save_to_disk(str(tmp_path / "single"))
@@ -272,7 +273,7 @@ def test_hf_spec_loads_a_local_dataset_offline(tmp_path, monkeypatch, hf_dataset
     assert source_fingerprint([ref]) == before
     _write(local / "train.jsonl", json.dumps({"text": "other"}) + "\n")
     assert source_fingerprint([ref]) != before
-    with pytest.raises(ValueError, match=r"^data\.text_field: hf:.*@train has no column 'body'"):
+    with pytest.raises(ValueError, match=r'^data\.text_field: "hf:.*@train" has no column "body"'):
         resolve_sources(f"hf:{local}", text_field="body")
 
 
@@ -610,15 +611,15 @@ def test_a_damaged_or_unreadable_compressed_file_is_one_line(tmp_path, monkeypat
     cut = tmp_path / "cut.jsonl.gz"
     cut.write_bytes(whole[: len(whole) // 2])
     refs = resolve_sources(str(cut))  # its first record is intact
-    with pytest.raises(ValueError, match=r"^data.path: .*cut.jsonl.gz' is not a complete gzip "
+    with pytest.raises(ValueError, match=r'^data.path: .*cut.jsonl.gz" is not a complete gzip '
                                          r"file \(.+\)$"):
         list(iter_records(refs))
     fake = _write(tmp_path / "fake.txt.gz", "not gzip at all")
-    with pytest.raises(ValueError, match=r"^data.path: .*fake.txt.gz' is not a complete gzip"):
+    with pytest.raises(ValueError, match=r'^data.path: .*fake.txt.gz" is not a complete gzip'):
         list(iter_records(resolve_sources(str(fake))))
     ids = tmp_path / "ids.bin.gz"
     ids.write_bytes(gzip.compress(b"\0\1"))
-    with pytest.raises(ValueError, match=r"^data.path: .*ids.bin.gz': a compressed file is read "
+    with pytest.raises(ValueError, match=r'^data.path: .*ids.bin.gz": a compressed file is read '
                                          r"as .* and that is \.bin; decompress it$"):
         parse_sources(str(ids))
     # a file read whole is bounded by what it decompresses to, not by its size on disk
@@ -633,7 +634,7 @@ def test_a_damaged_or_unreadable_compressed_file_is_one_line(tmp_path, monkeypat
     monkeypatch.setitem(sys.modules, "zstandard", None)
     zst = tmp_path / "c.jsonl.zst"
     zst.write_bytes(b"\x28\xb5\x2f\xfd")
-    with pytest.raises(ImportError, match=r"^data.path: reading .zst files \('.*c.jsonl.zst'\) "
+    with pytest.raises(ImportError, match=r'^data.path: reading .zst files \(".*c.jsonl.zst"\) '
                                           r"needs the zstandard package; install it with pip "
                                           r'install "editrain\[zstd\]"$'):
         parse_sources(str(zst))
@@ -654,7 +655,7 @@ def test_a_missing_decompressor_is_refused_for_every_file_a_path_names(tmp_path,
     monkeypatch.setitem(sys.modules, module, None)  # as if it were not installed
     want = (r'the zstandard package; install it with pip install "editrain\[zstd\]"'
             if module == "zstandard" else r"Python's lzma module")
-    message = rf"^data\.path: reading \{suffix} files \({re.escape(repr(str(zipped)))}\) needs {want}"
+    message = rf"^data\.path: reading \{suffix} files \({re.escape(shown(str(zipped)))}\) needs {want}"
     for spec in (str(corpus), str(tmp_path / "corp*"), [str(corpus / "a0.txt"), str(corpus)]):
         with pytest.raises(ImportError, match=message):
             parse_sources(spec)
@@ -679,7 +680,7 @@ def test_a_directory_of_record_shards_says_which_glob_names_them(tmp_path):
     pattern = str(tmp_path / "c4" / "**" / "*.json.gz")
     notes = str(tmp_path / "c4" / "**" / "*.jsonl")
     assert str(e.value).endswith(f"; it holds 3 .json.gz files, 1 .jsonl file: name them "
-                                 f"with glob patterns, {pattern!r}, {notes!r}")
+                                 f"with glob patterns, {shown(pattern)}, {shown(notes)}")
     assert [d.text for d in iter_records(resolve_sources(pattern))] == ["doc 0", "doc 1",
                                                                         "doc 2"]
 
@@ -707,7 +708,7 @@ def test_a_directory_reads_its_compressed_text_and_says_what_it_leaves(tmp_path,
     warned = [r.getMessage() for r in caplog.records if "stands for its text files" in
               r.getMessage()]
     assert warned == [f"data.path: {d} stands for its text files, not the 1 .jsonl file: "
-                      f"name them with a glob pattern, {str(d / '**' / '*.jsonl')!r}, if "
+                      f"name them with a glob pattern, {shown(str(d / '**' / '*.jsonl'))}, if "
                       f"they belong to the corpus too"]
     only = tmp_path / "only"
     _write(only / "x.txt", "just compressed")
@@ -734,7 +735,7 @@ def test_record_files_another_entry_reads_are_not_warned_of(tmp_path, caplog):
     warned = [r.getMessage() for r in caplog.records if "stands for its text files" in
               r.getMessage()]
     assert warned == [f"data.path: {d} stands for its text files, not the 1 .json file: "
-                      f"name them with a glob pattern, {str(d / '**' / '*.json')!r}, if "
+                      f"name them with a glob pattern, {shown(str(d / '**' / '*.json'))}, if "
                       f"they belong to the corpus too"]
     caplog.clear()
     e = tmp_path / "read"
@@ -767,7 +768,7 @@ def test_a_directory_names_every_kind_of_record_file_it_leaves(tmp_path, caplog)
               r.getMessage()]
     assert warned == [f"data.path: {d} stands for its text files, not the 2 .jsonl files, "
                       f"1 .json file, 1 .jsonl.gz file: name them with glob patterns, "
-                      f"{', '.join(repr(g) for g in globs)}, if they belong to the corpus too"]
+                      f"{', '.join(shown(g) for g in globs)}, if they belong to the corpus too"]
     assert sorted(doc.text for doc in iter_records(resolve_sources(globs))) == [
         "r1.jsonl", "r2.jsonl", "r3.jsonl.gz", "r4.json"]
 

@@ -116,7 +116,7 @@ def test_bad_token_columns_are_refused_in_one_line(tmp_path, tokenizer):
                               text_field="input_ids", **kw)
 
     missing = _parquet(tmp_path / "other.parquet", _rows(20), column="ids")
-    with pytest.raises(ValueError, match=r"^data\.text_field: .*no column 'input_ids'.*ids"):
+    with pytest.raises(ValueError, match=r'^data\.text_field: .*no column "input_ids".*ids'):
         build(missing, tokenizer_path=str(tokenizer))
     text = tmp_path / "text.parquet"
     pq.write_table(pa.table({"input_ids": ["a", "b"]}), text)

@@ -301,13 +301,13 @@ def test_bad_directories_are_refused_in_one_line(dirs, tmp_path):
     shards = _copy(dirs["llama_sharded"], tmp_path / "shards")
     victim = sorted(shards.glob("model-*.safetensors"))[0]
     victim.unlink()
-    _refused(tmp_path, shards, f"names the shard '{victim.name}', which is not a "
+    _refused(tmp_path, shards, f'names the shard "{victim.name}", which is not a '
              "safetensors file")
     # shape: config.json says another width than the weights have
     wide = _copy(dirs["llama"], tmp_path / "wide")
     data = read_config(wide)
     (wide / "config.json").write_text(json.dumps({**data, "intermediate_size": 96}))
-    _refused(tmp_path, wide, "tensor 'model.layers.0.mlp.gate_proj.weight' .* has shape "
+    _refused(tmp_path, wide, 'tensor "model.layers.0.mlp.gate_proj.weight" .* has shape '
              r"\[64, 32\], the model of its config.json needs \[96, 32\]")
     # vocabulary: a BPE of 8192 ids does not fit an embedding of 320 rows
     bare = tmp_path / "bare"
@@ -384,10 +384,10 @@ def test_only_the_files_the_index_names_are_weights(dirs, tmp_path, monkeypatch)
     moved = next(k for k, v in names["weight_map"].items() if v == files[-1])
     for case, weight_map, match in (
             ("elsewhere", {**names["weight_map"], moved: files[0]},
-             f"{files[-1]} holds '{moved}', which model.safetensors.index.json places in "
+             f"{files[-1]} holds \"{moved}\", which model.safetensors.index.json places in "
              f"{files[0]}"),
             ("unlisted", {k: v for k, v in names["weight_map"].items() if k != moved},
-             f"{files[-1]} holds '{moved}', which model.safetensors.index.json does not list")):
+             f"{files[-1]} holds \"{moved}\", which model.safetensors.index.json does not list")):
         bad = _copy(dirs["llama_sharded"], tmp_path / case)
         (bad / "model.safetensors.index.json").write_text(
             json.dumps({**names, "weight_map": weight_map}))
@@ -397,7 +397,7 @@ def test_only_the_files_the_index_names_are_weights(dirs, tmp_path, monkeypatch)
     rest = {k: t for k, t in _file(lost / files[-1]).items() if k != moved}
     save_file(rest, lost / files[-1], metadata={"format": "pt"})
     _refused(tmp_path, lost, f"model.init_from: model.safetensors.index.json places "
-             f"'{moved}' in {files[-1]}, which does not hold it")
+             f'"{moved}" in {files[-1]}, which does not hold it')
 
 
 def test_the_hubs_layout_of_a_converted_architecture_is_refused_with_the_way_out(
@@ -415,8 +415,8 @@ def test_the_hubs_layout_of_a_converted_architecture_is_refused_with_the_way_out
     hub = tmp_path / "neox"
     transformers.GPTNeoXForCausalLM(config).save_pretrained(hub)
     assert "embed_out.weight" in file_tensors(hub)
-    _refused(tmp_path, hub, r"has no tensor 'lm_head.weight', .* but 1 it has no parameter "
-             r"for \('embed_out.weight', ...\): the hub's layout .* safetensors.torch.save_model")
+    _refused(tmp_path, hub, r'has no tensor "lm_head.weight", .* but 1 it has no parameter '
+             r"for \(\"embed_out.weight\", ...\): the hub's layout .* safetensors.torch.save_model")
     new = tmp_path / "converted"
     new.mkdir()
     save_model(transformers.AutoModelForCausalLM.from_pretrained(hub), new / "model.safetensors")
@@ -505,7 +505,7 @@ def test_hf_ids_name_models_of_the_hub_cache_where_the_user_keeps_it(dirs, tmp_p
     for spec, said in (("hf:me/other", "me/other is not in the Hugging Face cache "
                         f"({hub}, set by HF_HOME or HF_HUB_CACHE)"),
                        ("hf:me/tiny@v2", "me/tiny@v2 is not in the Hugging Face cache"),
-                       ("hf:not a repo", "'hf:not a repo' is not hf:ORG/NAME[@REVISION]")):
+                       ("hf:not a repo", '"hf:not a repo" is not hf:ORG/NAME[@REVISION]')):
         out = run_cli(["data", "--model.init_from", spec, "--data.path", str(dirs["corpus"]),
                        "--data.cache_dir", str(cache)], env=env)
         assert out.returncode == 2 and out.stderr.count("\n") == 1, out.stderr
@@ -680,7 +680,7 @@ def test_round_trip_is_bitwise(trained, dirs, name, tmp_path):
     """HF -> editrain's Llama (or the adapter), sharded 2 x 2 through DCP -> anchors in a
     checkpoint -> HF: the same bytes; so is one replica's export (``--replica 1``). A tied
     head (one tensor in the directory, two names in the model) was refused by the global
-    model's export ("no global copy of 'hf.lm_head.weight'")."""
+    model's export ('no global copy of "hf.lm_head.weight"')."""
     from editrain.hf_checkpoint import export_checkpoint
 
     run = trained["still" if name == "llama" else f"still_{name}"]
@@ -838,7 +838,7 @@ def test_export_and_sample_from_the_cli(trained, tmp_path, capsys, monkeypatch):
     torch.testing.assert_close(_global_logits(run, x), theirs, rtol=RTOL, atol=ATOL)
     code, _, err = _main(capsys, "export", run, tmp_path / "none", "--max-shard-size", "0.5B")
     assert code == 2 and err.strip().endswith(
-        "export --max-shard-size: '0.5B' is not a size of at least 1 byte (a number and B, KB, "
+        'export --max-shard-size: "0.5B" is not a size of at least 1 byte (a number and B, KB, '
         "MB, GB, TB, KiB, MiB, GiB or TiB: 5GB, 500MiB)") and not (tmp_path / "none").exists()
     # sample: greedy is the argmax chain of the global model, from the checkpoint and from
     # the export alike

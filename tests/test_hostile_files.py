@@ -436,7 +436,7 @@ def test_toml_nested_too_deep_is_one_line_everywhere(tmp_path, capsys):
     deep = tmp_path / "deep.toml"
     deep.write_text(DEEP_TOML)
     said = "not TOML editrain reads: nested deeper than 64 levels"
-    with pytest.raises(ConfigError, match=f"^--config: .*deep.toml'?: {said}$"):
+    with pytest.raises(ConfigError, match=f"^--config: .*deep.toml\"?: {said}$"):
         load_config(deep)
     with pytest.raises(ConfigError, match=f"^plan: .*deep.toml: {said}$"):
         load_inputs(deep)
@@ -560,7 +560,7 @@ def test_a_safetensors_header_is_read_strictly(tmp_path, entry):
         read_safetensors_header(path)
     msg = str(info.value)
     assert "\n" not in msg and msg.startswith(f"model.init_from: {path}"), msg
-    assert "'w'" in msg, msg
+    assert '"w"' in msg, msg
     good = json.dumps({"w": {"dtype": "F32", "shape": [2, 1], "data_offsets": [0, 8]}}).encode()
     path.write_bytes(struct.pack("<Q", len(good)) + good + bytes(8))
     assert read_safetensors_header(path)["w"].shape == (2, 1)

@@ -659,3 +659,123 @@ def test_options_laid_over_every_method_keep_only_what_applies(method):
     assert kept == {o for o in given if o in ("sync.method", "train.steps")
                     or _expected(o, f"method={method}")}
     load_config(None, out)
+
+
+# ------------------------------------------------- a path and a text, as the user wrote them
+PATHS_AS_WRITTEN = (
+    ("my run", '"{base}/my run"'),
+    ("it's", '"{base}/it\'s"'),
+    ('say "hi"', '"{base}/say \\"hi\\""'),
+    ("back\\slash", '"{base}/back\\\\slash"'),
+    ("caf\u00e9 \u65e5\u672c", '"{base}/caf\u00e9 \u65e5\u672c"'),
+    ("no\u00a0break", '"{base}/no\\u00a0break"'),
+    ("trailing ", '"{base}/trailing "'),
+)
+"""A file name and how a message names the path: a TOML basic string (what ``data.path =``
+in a file writes), with a printable character of any script as it is and one that does not
+print (a no-break space) escaped. Python's ``repr`` wrote ``'.../back\\\\slash'``, which
+TOML (a literal string) and a shell read back with two backslashes, and ``'...\\xa0...'``
+in a spelling no user types; ``it's`` was already in double quotes (pinned)."""
+
+
+@pytest.mark.parametrize("name,said", PATHS_AS_WRITTEN, ids=[n for n, _ in PATHS_AS_WRITTEN])
+def test_a_path_is_named_as_a_toml_file_writes_it(tmp_path, name, said):
+    from editrain.data import resolve_sources
+
+    base = str(tmp_path)
+    shown = said.format(base=base)
+    assert tomllib.loads(f"p = {shown}\n")["p"] == f"{base}/{name}"  # pastes into TOML
+    with pytest.raises(ConfigError) as got:
+        load_config(f"{base}/{name}")
+    assert str(got.value) == f"--config: file not found: {shown}"
+    with pytest.raises(FileNotFoundError) as got:
+        resolve_sources(f"{base}/{name}")
+    assert str(got.value) == f"data.path: {shown} does not exist"
+    (tmp_path / name).write_text("")
+    with pytest.raises(ConfigError) as got:
+        check_path("--run-dir", f"{base}/{name}", "out_dir")
+    assert str(got.value) == f"--run-dir: {shown} must be a directory (editrain writes into " \
+                             "it), but it is a regular file"
+
+
+def test_a_path_with_a_control_character_is_refused_on_one_line_it_pastes_from():
+    """The refusal of a newline or DEL in a path names the path on one line, escaped as a
+    TOML basic string escapes it (DEL too, which JSON's spelling left raw)."""
+    for text, shown in (("a\nb", '"a\\nb"'), ("a\tb", '"a\\tb"'), ("a\x7fb", '"a\\u007fb"')):
+        with pytest.raises(ConfigError) as got:
+            check_path("--run-dir", text, "out_dir")
+        code = f"U+{ord(text[1]):04X}"
+        assert str(got.value) == (f"--run-dir: a path may not hold control characters (found "
+                                  f"{code} in {shown})")
+        assert tomllib.loads(f"p = {shown}\n")["p"] == text
+    with pytest.raises(ConfigError) as got:
+        load_config(None, {"train": {"precision": "f\x7fp8"}})
+    assert str(got.value).endswith('got "f\\u007fp8"'), str(got.value)
+
+
+def test_a_long_path_is_shown_whole_up_to_a_bound():
+    """A path of a deep file system (a few hundred characters) is shown whole, so that it
+    can be copied from the message; ``repr`` cut it at 120."""
+    from editrain.paths import SHOWN, shown
+
+    deep = "/data/" + "/".join(["a_directory_of_some_depth"] * 12) + "/corpus.txt"
+    assert 120 < len(deep) <= SHOWN and shown(deep) == f'"{deep}"'
+    assert shown("x" * (SHOWN + 1)) == f'"{"x" * SHOWN}"... ({SHOWN + 1} characters)'
+
+
+def _refusal(call: typing.Callable[[], object]) -> str:
+    with pytest.raises((ValueError, TypeError)) as got:
+        call()
+    return str(got.value)
+
+
+def _cases() -> list[tuple[str, typing.Callable[[], object], str]]:
+    """Refusals of a value a config file, the command line or a file gave, reached through
+    the functions that check it last (the configuration's own checks name most of them
+    first), and the words that name the value."""
+    import torch
+
+    from editrain.data import resolve_sources
+    from editrain.optim import build_optimizer, wrap_sam
+    from editrain.plan.inputs import Cluster, parse_method
+    from editrain.sync.reducers import GTAReducer, build_reducer
+
+    params = [torch.nn.Parameter(torch.zeros(1))]
+    return [
+        ("optim", lambda: build_optimizer("lion", params),
+         'optimizer name must be one of adamw, agd, sgd, got "lion"'),
+        ("sam", lambda: wrap_sam("sam", torch.optim.SGD(params, lr=0.1)),
+         'SAM wrapper name must be null or one of none, wsam, got "sam"'),
+        ("reducer", lambda: build_reducer("sum"),
+         'reducer must be null or one of linear, mean, gta, got "sum"'),
+        ("reducer-options", lambda: build_reducer("mean", density=0.5),
+         'options density only apply to reducer = "gta", but reducer = "mean"; set '
+         'reducer = "gta" or remove them'),
+        ("consensus", lambda: GTAReducer(consensus_method="most"),
+         'consensus_method must be one of sum, count, got "most"'),
+        ("sparsification", lambda: GTAReducer(sparsification_method="top"),
+         'sparsification_method must be null or one of magnitude, random, rescaled_random, '
+         'got "top"'),
+        ("density", lambda: GTAReducer(density=0.5),
+         "density = 0.5 has no effect without a sparsification_method"),
+        ("plan-choice", lambda: Cluster(nodes=2, gpus_per_node=1, inter_node_gbps=8.0,
+                                       step_time_s=0.1, latency_per="ring"),
+         'cluster.latency_per: must be one of hop, collective, got "ring"'),
+        ("plan-method", lambda: parse_method("edit:H"),
+         'method: "edit:H": expected NAME:key=value,key=value (every entry a key and its '
+         'value), got entry "H"'),
+        ("text-field", lambda: resolve_sources("default", text_field=""),
+         'data.text_field: must be a non-empty string naming the field (.jsonl/.json) or '
+         'column (.parquet, Hugging Face datasets) that holds the text, got ""'),
+        ("hf-spec", lambda: resolve_sources("hf:a b"),
+         'data.path: "hf:a b" is not a Hugging Face dataset spec'),
+    ]
+
+
+def test_a_value_refused_past_the_configuration_checks_is_quoted_as_written():
+    """The refusals below the configuration's checks (the optimizer and reducer builders,
+    the planner's file and ``--method``, the data sources) quoted with ``repr``: ``got
+    'lion'``, ``reducer='mean'``, a list of choices as ``['adamw', 'agd', 'sgd']``."""
+    for name, call, said in _cases():
+        message = _refusal(call)
+        assert said in message and "'" not in message.replace("it's", ""), (name, message)

@@ -326,15 +326,15 @@ def test_parse_method():
 @pytest.mark.parametrize(("spec", "got"), [
     ("edit:H=5,,fragments=2", "an empty entry"), ("edit:H=5,", "an empty entry"),
     ("edit:", "an empty entry"), ("edit:H=5, ,fragments=2", "an empty entry"),
-    ("edit:H=", "entry 'H='"), ("edit:=5", "entry '=5'"), ("edit:H", "entry 'H'"),
-    ("edit:H=5,fragments", "entry 'fragments'"), ("edit: = ", "entry '='"),
+    ("edit:H=", 'entry "H="'), ("edit:=5", 'entry "=5"'), ("edit:H", 'entry "H"'),
+    ("edit:H=5,fragments", 'entry "fragments"'), ("edit: = ", 'entry "="'),
 ])
 def test_a_malformed_method_spec_is_refused_naming_it(spec, got):
     """``--method edit:H=5,,fragments=2`` skipped the empty entry without a word, ``H=``
     and ``=5`` reached MethodSpec as a text H and a field named ''."""
     with pytest.raises(ConfigError) as info:
         parse_method(spec)
-    assert str(info.value) == (f"method: {spec!r}: expected NAME:key=value,key=value (every "
+    assert str(info.value) == (f"method: \"{spec}\": expected NAME:key=value,key=value (every "
                                f"entry a key and its value), got {got}")
 
 

@@ -666,7 +666,7 @@ def test_gta_validation(kwargs, name):
 def test_build_reducer_validation():
     with pytest.raises(ValueError, match="reducer"):
         build_reducer("ties")
-    with pytest.raises(ValueError, match="reducer='gta'"):
+    with pytest.raises(ValueError, match='reducer = "gta"'):
         build_reducer("mean", sparsification_method="magnitude", density=0.5)
     with pytest.raises(TypeError, match="dencity"):
         build_reducer("gta", dencity=0.5)

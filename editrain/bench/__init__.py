@@ -67,6 +67,7 @@ from typing import Any
 
 from editrain.argv import env_switch
 from editrain.config import ConfigError
+from editrain.errors import spelled
 from editrain.paths import check_path
 
 SCENARIOS = ("default", "convergence", "tune", "scale", "batch", "bandwidth", "stragglers", "spikes",
@@ -85,7 +86,7 @@ unset: the size the command line picks (:func:`editrain.argv.env_switch`)."""
 def scenario_module(name: str):
     """The module implementing scenario ``name``."""
     if name not in SCENARIOS:
-        raise ConfigError(f"bench: unknown scenario {name!r}; allowed: "
+        raise ConfigError(f"bench: unknown scenario {spelled(name)}; allowed: "
                           f"{', '.join(SCENARIOS)}, all, report")
     return importlib.import_module(f"editrain.bench.{name}")
 

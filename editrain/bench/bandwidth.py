@@ -91,7 +91,7 @@ def _links(bench: Bench) -> list[tuple[str | None, str | None]]:
         return links
     names = pick_names(chosen, [link_name(*x) for x in full], "--links", "link")
     if UNLIMITED not in names:
-        raise ConfigError(f"bench --links: include {UNLIMITED!r}; every ratio divides by "
+        raise ConfigError(f"bench --links: include {UNLIMITED}; every ratio divides by "
                           "the unlimited-link run")
     return [x for x in full if link_name(*x) in names]
 

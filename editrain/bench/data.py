@@ -42,6 +42,7 @@ from editrain.bench.prose import fill, prose
 from editrain.bench.runner import Bench
 from editrain.bench.scenario import WRITE, Ctx, Job, Scenario, Table, Verdict
 from editrain.bench.tables import fmt_bytes
+from editrain.errors import spelled_env
 
 TEXT = prose("data")
 DESCRIPTION = TEXT["description"]
@@ -77,8 +78,8 @@ def corpus_sizes(mode: str) -> list[int]:
         except (ValueError, OverflowError):  # OverflowError: inf, 1e400
             sizes = []
         if not sizes or min(sizes) <= 0:
-            raise ValueError(f"{SIZES_ENV}: comma-separated positive byte counts, e.g. "
-                             f"5e6,40e6; got {given!r}")
+            raise ValueError(f"{spelled_env(SIZES_ENV, given)}: expected comma-separated "
+                             f"positive byte counts, e.g. 5e6,40e6")
         return sizes
     return {"tiny": [300_000, 900_000], "quick": [20_000_000, 150_000_000],
             "full": [20_000_000, 150_000_000, 1_000_000_000]}[mode]

@@ -26,6 +26,7 @@ from typing import Any
 
 from editrain.config import ConfigError, parse_overrides
 from editrain.config.toml_io import check_option_names
+from editrain.errors import spelled
 
 MODES = ("tiny", "quick", "full")
 """The benchmark sizes, smallest first."""
@@ -58,7 +59,7 @@ def base_overrides(mode: str) -> dict[str, Any]:
     """Training options shared by every run of every scenario in ``mode`` (``tiny``,
     ``quick`` or ``full``), as a nested dict; ValueError for another mode."""
     if mode not in MODES:
-        raise ValueError(f"unknown benchmark mode {mode!r}; allowed: {', '.join(MODES)}")
+        raise ValueError(f"unknown benchmark mode {spelled(mode)}; allowed: {', '.join(MODES)}")
     small_data = {"max_bytes": 1_500_000, "vocab_size": 2048, "val_fraction": 0.03}
     eval_tokens = 2048 if mode == "tiny" else 0
     return {
@@ -109,7 +110,7 @@ def split_extra(extra: Sequence[str]) -> tuple[dict[str, Any], dict[str, Any]]:
         name, eq, value = arg.partition("=")
         if name in SIZE_FLAGS or name in SWITCH_FLAGS:
             if eq:  # `--tiny=0` must not turn the tiny size on
-                raise ConfigError(f"bench {name}: takes no value, got {arg!r}; leave it out "
+                raise ConfigError(f"bench {name}: takes no value, got {spelled(arg)}; leave it out "
                                   f"or give it alone")
             flags[SIZE_FLAGS.get(name) or SWITCH_FLAGS[name]] = True
         elif name in VALUE_FLAGS:
@@ -156,7 +157,7 @@ def _flag_value(name: str, value: str) -> Any:
     try:
         number = int(value)
     except ValueError:
-        raise ConfigError(f"bench {name}: expected an integer, got {value!r}") from None
+        raise ConfigError(f"bench {name}: expected an integer, got {spelled(value)}") from None
     if number < 1:
         raise ConfigError(f"bench {name}: must be >= 1, got {number}")
     return number

@@ -23,6 +23,8 @@ from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import IO
 
+from editrain.paths import shown
+
 from .optional import require
 
 __all__ = ["COMPRESSIONS", "WHOLE_MAX_BYTES", "check_compressed", "compression",
@@ -67,7 +69,7 @@ def _reader(kind: str, path: Path, load: bool = True):
     is only looked up; see :func:`~editrain.data.optional.require`)."""
     module, extra = _READERS[kind]
     suffix = next(s for s, k in COMPRESSIONS.items() if k == kind)
-    purpose = f"reading {suffix} files ({str(path)!r})"
+    purpose = f"reading {suffix} files ({shown(str(path))})"
     if extra is not None:
         return require(module, extra, purpose, load=load)
     try:
@@ -115,7 +117,7 @@ def open_binary(path: Path) -> Iterator[IO[bytes]]:
         try:
             yield fh
         except _errors() as e:  # raised by a read of the body: the data is damaged
-            raise ValueError(f"data.path: {str(path)!r} is not a complete {kind} file "
+            raise ValueError(f"data.path: {shown(str(path))} is not a complete {kind} file "
                              f"({str(e)[:120] or type(e).__name__})") from None
 
 
@@ -134,7 +136,7 @@ def read_whole(path: Path) -> bytes:
             chunks.append(chunk)
             size += len(chunk)
     if size > WHOLE_MAX_BYTES:
-        raise ValueError(f"data.path: {str(path)!r} decompresses to more than "
+        raise ValueError(f"data.path: {shown(str(path))} decompresses to more than "
                          f"{WHOLE_MAX_BYTES} bytes, read whole as one document or list; "
                          "cut it into documents with data.separator, or use JSON Lines")
     return b"".join(chunks)

@@ -58,6 +58,7 @@ import numpy as np
 
 from editrain.errors import plain_count, plain_scalar, require, spelled
 from editrain.malloc import release_freed_memory
+from editrain.paths import shown
 from editrain.safe_io import Int, Map, Num, Obj, Str, quote, read_json
 
 from .encode_worker import edges, template_ids
@@ -1299,8 +1300,8 @@ def _build_token_entry(entry: Path, ref, source_spec, tokenizer_path: str,
         size = flat.stat().st_size // dtype.itemsize
         if size < 2:
             flat.unlink()
-            raise ValueError(f"data.path: {ref.label} holds {size} token id(s) in column "
-                             f"{ref.text_field!r}: too few to split into training and "
+            raise ValueError(f"data.path: {shown(ref.label)} holds {size} token id(s) in column "
+                             f"{spelled(ref.text_field)}: too few to split into training and "
                              f"validation")
         n_val = tail_split(size, split["val_fraction"], split["val_tokens"], MAX_VAL_SHARE)
         _say_short_validation(n_val, split["val_tokens"])
@@ -1463,7 +1464,7 @@ def prepare_tokens(
     pretokenized = refs[0].kind in ("tokens", "token_rows")
     if pretokenized:
         if tokenizer_path is None:
-            raise ValueError(f"data.tokenizer: the pre-tokenised corpus {refs[0].label!r} needs "
+            raise ValueError(f"data.tokenizer: the pre-tokenised corpus {shown(refs[0].label)} needs "
                              f"the tokenizer.json its ids come from (its vocabulary and EOS "
                              f"id); set data.tokenizer")
         # Nothing is read as text: the cap does not apply, nor the separator policy to

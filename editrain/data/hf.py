@@ -23,6 +23,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from editrain.errors import spelled
+from editrain.paths import shown
 from editrain.safe_io import read_json_value
 
 from .optional import require
@@ -82,7 +84,7 @@ def parse_hf_spec(entry: str) -> tuple[str, str | None, str]:
     name, colon, config = rest.partition(":")
     if not name or (colon and not config) or (at and not split) or any(
             c.isspace() for c in body):
-        raise ValueError(f"data.path: {entry!r} is not a Hugging Face dataset spec; write "
+        raise ValueError(f"data.path: {shown(entry)} is not a Hugging Face dataset spec; write "
                          f"{_HF_SPEC_FORMS} (e.g. hf:roneneldan/TinyStories@train)")
     return name, config or None, split
 
@@ -120,22 +122,22 @@ def check_saved_split(path: Path, kind: str, split: str | None) -> str | None:
     """
     if kind == "dataset":
         if split is not None:
-            raise ValueError(f"data.path: {str(path)!r} holds a single saved Dataset, which "
+            raise ValueError(f"data.path: {shown(str(path))} holds a single saved Dataset, which "
                              f"has no splits; drop '@{split}'")
         return None
     try:
         text = (path / _DICT_FILE).read_bytes()
     except OSError as exc:
-        raise ValueError(f"data.path: {str(path / _DICT_FILE)!r} is unreadable ({exc})") from exc
+        raise ValueError(f"data.path: {shown(str(path / _DICT_FILE))} is unreadable ({exc})") from exc
     info = read_json_value(text, f"data.path: {path / _DICT_FILE}", error=ValueError)
     splits = info.get("splits") if isinstance(info, dict) else None
     if not isinstance(splits, list):
-        raise ValueError(f"data.path: {str(path / _DICT_FILE)!r} is unreadable (no list of "
+        raise ValueError(f"data.path: {shown(str(path / _DICT_FILE))} is unreadable (no list of "
                          "splits)")
     split = DEFAULT_SPLIT if split is None else split
     if split not in splits:
-        raise ValueError(f"data.path: the saved DatasetDict {str(path)!r} has no split "
-                         f"{split!r}; its splits: {', '.join(splits)} (choose with DIR@SPLIT)")
+        raise ValueError(f"data.path: the saved DatasetDict {shown(str(path))} has no split "
+                         f"{spelled(split)}; its splits: {', '.join(splits)} (choose with DIR@SPLIT)")
     return split
 
 
@@ -188,10 +190,10 @@ def check_text_column(ds: Any, field: str, label: str) -> None:
     """
     features = ds.features
     if field not in features:
-        raise ValueError(f"data.text_field: {label} has no column {field!r}; its columns: "
+        raise ValueError(f"data.text_field: {shown(label)} has no column {spelled(field)}; its columns: "
                          f"{', '.join(features) or 'none'}")
     if getattr(features[field], "dtype", None) not in ("string", "large_string"):
-        raise ValueError(f"data.text_field: column {field!r} of {label} holds "
+        raise ValueError(f"data.text_field: column {spelled(field)} of {shown(label)} holds "
                          f"{features[field]}, not text; its columns: {', '.join(features)}")
 
 

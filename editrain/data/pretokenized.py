@@ -25,6 +25,8 @@ from pathlib import Path
 
 import numpy as np
 
+from editrain.paths import shown
+
 from .optional import require
 
 __all__ = ["BIN_DTYPE", "NANOGPT_SPLITS", "TOKEN_SUFFIXES", "TokenFile", "copy_checked",
@@ -120,22 +122,22 @@ def open_tokens(path: Path) -> np.ndarray:
         try:
             arr = np.load(path, mmap_mode="r", allow_pickle=False)
         except (ValueError, OSError) as exc:
-            raise ValueError(f"data.path: {str(path)!r} is not a readable .npy array of "
+            raise ValueError(f"data.path: {shown(str(path))} is not a readable .npy array of "
                              f"token ids ({exc})") from exc
         if arr.ndim != 1 or arr.dtype.kind not in "iu":
-            raise ValueError(f"data.path: {str(path)!r} holds a {arr.ndim}-D {arr.dtype} "
+            raise ValueError(f"data.path: {shown(str(path))} holds a {arr.ndim}-D {arr.dtype} "
                              f"array; a pre-tokenised .npy must be a 1-D array of integer "
                              f"token ids")
     else:
         size = path.stat().st_size
         if size % BIN_DTYPE.itemsize:
-            raise ValueError(f"data.path: {str(path)!r} has {size} bytes, not a whole number "
+            raise ValueError(f"data.path: {shown(str(path))} has {size} bytes, not a whole number "
                              f"of uint16 token ids (a .bin is nanoGPT's flat uint16 file; "
                              f"other dtypes go in a .npy)")
         arr = (np.memmap(path, dtype=BIN_DTYPE, mode="r") if size
                else np.zeros(0, dtype=BIN_DTYPE))
     if len(arr) == 0:
-        raise ValueError(f"data.path: {str(path)!r} holds no token ids")
+        raise ValueError(f"data.path: {shown(str(path))} holds no token ids")
     return arr
 
 
@@ -201,7 +203,7 @@ def write_checked(chunk: np.ndarray, out, dtype: np.dtype, vocab_size: int,
     low, high = int(chunk.min()), int(chunk.max())
     if low < 0 or high >= vocab_size:
         bad = low if low < 0 else high
-        raise ValueError(f"data.path: {str(name)!r} holds token id {bad}, outside the "
+        raise ValueError(f"data.path: {shown(str(name))} holds token id {bad}, outside the "
                          f"tokenizer's vocabulary [0, {vocab_size}) (data.tokenizer: "
                          f"the ids must come from it)")
     chunk.astype(dtype, copy=False).tofile(out)

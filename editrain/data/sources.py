@@ -38,6 +38,8 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from editrain.errors import spelled
+from editrain.paths import shown
 from editrain.safe_io import read_json_value
 
 from .compressed import (
@@ -332,7 +334,7 @@ def _expand(spec: str | os.PathLike | Iterable[str]) -> list[str]:
     elif isinstance(spec, Iterable):
         entries = list(spec)
     else:
-        raise ValueError(f"data.path: must be a string or a list of strings, got {spec!r}")
+        raise ValueError(f"data.path: must be a string or a list of strings, got {spelled(spec)}")
     if not entries:
         raise ValueError("data.path: empty; give 'default' or at least one file, directory, "
                          "glob pattern or hf: dataset")
@@ -341,13 +343,13 @@ def _expand(spec: str | os.PathLike | Iterable[str]) -> list[str]:
         if isinstance(entry, os.PathLike):
             entry = os.fspath(entry)
         if not isinstance(entry, str) or not entry.strip():
-            raise ValueError(f"data.path: entries must be non-empty strings, got {entry!r}")
+            raise ValueError(f"data.path: entries must be non-empty strings, got {spelled(entry)}")
         if not _is_glob(entry):
             out.append(entry)
             continue
         matches = sorted(glob.glob(os.path.expanduser(entry), recursive=True))
         if not matches:
-            raise ValueError(f"data.path: the glob pattern {entry!r} matches no file or "
+            raise ValueError(f"data.path: the glob pattern {shown(entry)} matches no file or "
                              f"directory")
         out.extend(matches)
     return out
@@ -382,7 +384,7 @@ def _records_hint(root: Path, named: frozenset[Path] = frozenset()) -> str:
     ordered = sorted(kinds.items(), key=lambda kv: (-kv[1], kv[0]))
     held = ", ".join(f"{count} {suffix} file{'s' if count > 1 else ''}"
                      for suffix, count in ordered)
-    globs = ", ".join(repr(str(root / ("**/*" + suffix))) for suffix, _ in ordered)
+    globs = ", ".join(shown(str(root / ("**/*" + suffix))) for suffix, _ in ordered)
     pattern = "a glob pattern" if len(ordered) == 1 else "glob patterns"
     return f"; it holds {held}: name them with {pattern}, {globs}"
 
@@ -446,12 +448,12 @@ def _classify(entry: str, text_field: str) -> SourceRef:
                          text_field, split=check_saved_split(path, saved, split))
     if split is not None or not path.exists():
         hint = " ('@SPLIT' only follows a save_to_disk directory)" if split is not None else ""
-        raise FileNotFoundError(f"data.path: {str(full)!r} does not exist{hint}")
+        raise FileNotFoundError(f"data.path: {shown(str(full))} does not exist{hint}")
     if is_token_dir(path):
         return SourceRef("tokens", path, text_field)
     if path.is_dir():
         if next(_walk_files(path, DIR_EXTENSIONS), None) is None:
-            raise ValueError(f"data.path: {str(path)!r} contains no text: no files with "
+            raise ValueError(f"data.path: {shown(str(path))} contains no text: no files with "
                              f"extensions {', '.join(TEXT_EXTENSIONS)} (compressed or not), "
                              f"and it is not a save_to_disk directory{_records_hint(path)}")
         _check_dir_compressed(path)
@@ -459,7 +461,7 @@ def _classify(entry: str, text_field: str) -> SourceRef:
     suffix = inner_suffix(path)
     if compression(path):
         if suffix not in (*TEXT_EXTENSIONS, ".jsonl", ".json"):
-            raise ValueError(f"data.path: {str(path)!r}: a compressed file is read as what "
+            raise ValueError(f"data.path: {shown(str(path))}: a compressed file is read as what "
                              f"its name says without {path.suffix} (text, .jsonl or .json), "
                              f"and that is {suffix or 'no extension'}; decompress it")
         check_compressed(path)
@@ -477,7 +479,7 @@ def _classify(entry: str, text_field: str) -> SourceRef:
         _require_pyarrow(load=False)
         return SourceRef("token_rows" if text_field == TOKEN_COLUMN else "parquet", path,
                          text_field)
-    raise ValueError(f"data.path: {str(path)!r} is not a supported source (extension "
+    raise ValueError(f"data.path: {shown(str(path))} is not a supported source (extension "
                      f"{suffix or 'none'}); supported: {'; '.join(SUPPORTED_SOURCES)}")
 
 
@@ -515,10 +517,10 @@ def parse_sources(spec: str | Iterable[str], text_field: str = "text",
     if not isinstance(text_field, str) or not text_field:
         raise ValueError(f"data.text_field: must be a non-empty string naming the field "
                          f"(.jsonl/.json) or column (.parquet, Hugging Face datasets) that "
-                         f"holds the text, got {text_field!r}")
+                         f"holds the text, got {spelled(text_field)}")
     if separator is not None and (not isinstance(separator, str) or not separator):
         raise ValueError(f"data.separator: must be non-empty text (or unset: a file is one "
-                         f"document), got {separator!r}")
+                         f"document), got {spelled(separator)}")
     refs = list(dict.fromkeys(_classify(entry, text_field) for entry in _expand(spec)))
     _warn_of_unread_records(refs)
     if separator is not None:
@@ -530,7 +532,7 @@ def parse_sources(spec: str | Iterable[str], text_field: str = "text",
                 for r in refs]
     tokens = [r for r in refs if r.kind in ("tokens", "token_rows")]
     if tokens and len(refs) > 1:
-        raise ValueError(f"data.path: the pre-tokenised corpus {tokens[0].label!r} must be the "
+        raise ValueError(f"data.path: the pre-tokenised corpus {shown(tokens[0].label)} must be the "
                          f"only entry (its ids cannot be mixed with text or another token "
                          f"file); got {len(refs)} entries")
     return refs
@@ -580,7 +582,7 @@ def _read_text_file(path: Path) -> str:
         return read_whole(path).decode("utf-8-sig")
     except UnicodeDecodeError as exc:
         # Strict on user data: silently replacing bytes would train on garbage.
-        raise ValueError(f"data.path: {str(path)!r} is not valid UTF-8 ({exc})") from exc
+        raise ValueError(f"data.path: {shown(str(path))} is not valid UTF-8 ({exc})") from exc
 
 
 def _separated_texts(path: Path, separator: str) -> Iterator[str]:
@@ -606,7 +608,7 @@ def _separated_texts(path: Path, separator: str) -> Iterator[str]:
                 try:
                     text = buf[:end].decode("utf-8")
                 except UnicodeDecodeError as exc:
-                    raise ValueError(f"data.path: {str(path)!r} is not valid UTF-8 at "
+                    raise ValueError(f"data.path: {shown(str(path))} is not valid UTF-8 at "
                                      f"byte {offset + exc.start}") from None
                 if text.strip():
                     yield text
@@ -643,7 +645,7 @@ def _record_text(record: object, field: str, where: str) -> object:
         raise ValueError(f"data.path: {where}: expected a JSON object, got "
                          f"{type(record).__name__}")
     if field not in record:
-        raise ValueError(f"data.text_field: {where}: the JSON object has no {field!r} field; "
+        raise ValueError(f"data.text_field: {where}: the JSON object has no {spelled(field)} field; "
                          f"its fields: {', '.join(record) or 'none'}")
     text = record[field]
     if isinstance(text, str) and _SURROGATE.search(text):
@@ -695,7 +697,7 @@ def _parquet_rows(path: Path, field: str) -> Iterator[tuple[int, object]]:
     pf = pq.ParquetFile(path)
     names = pf.schema_arrow.names
     if field not in names:
-        raise ValueError(f"data.text_field: {path} has no column {field!r}; its columns: "
+        raise ValueError(f"data.text_field: {shown(str(path))} has no column {spelled(field)}; its columns: "
                          f"{', '.join(names) or 'none'}")
     # Small record batches of one column keep memory bounded for files larger than RAM.
     row = 0
@@ -732,12 +734,12 @@ def token_row_batches(ref: SourceRef) -> Iterator:
         schema_type = (pf.schema_arrow.field(ref.text_field).type
                        if ref.text_field in names else None)
     if batches is None:
-        raise ValueError(f"data.text_field: {ref.label} has no column {ref.text_field!r} (a "
+        raise ValueError(f"data.text_field: {shown(ref.label)} has no column {spelled(ref.text_field)} (a "
                          f"pre-tokenised dataset's token ids); its columns: "
                          f"{', '.join(names) or 'none'}")
     item = getattr(schema_type, "value_type", None)
     if item is None or not (str(item).startswith("int") or str(item).startswith("uint")):
-        raise ValueError(f"data.text_field: column {ref.text_field!r} of {ref.label} holds "
+        raise ValueError(f"data.text_field: column {spelled(ref.text_field)} of {shown(ref.label)} holds "
                          f"{schema_type}, not lists of integer token ids")
     yield from batches
 
@@ -784,7 +786,7 @@ def _ref_documents(ref: SourceRef) -> Iterator[Document]:
         for row, text in _rows(ref):
             name = f"{label}:{row}"
             if not isinstance(text, str):
-                raise ValueError(f"data.text_field: {name}: {ref.text_field!r} holds "
+                raise ValueError(f"data.text_field: {name}: {spelled(ref.text_field)} holds "
                                  f"{type(text).__name__}, not text")
             first = row - row % block
             family = name if block == 1 else f"{label}:rows {first}-{first + block - 1}"

@@ -15,6 +15,7 @@ from typing import Any
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from editrain.errors import plain_scalar, require
+from editrain.paths import shown
 
 __all__ = [
     "EOS_TOKEN",
@@ -119,13 +120,13 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
     p = Path(path).expanduser()
     if not p.is_file():
         raise FileNotFoundError(
-            f"data.tokenizer: {str(p)!r} does not exist (expected a tokenizer.json file)"
+            f"data.tokenizer: {shown(str(p))} does not exist (expected a tokenizer.json file)"
         )
     try:
         return Tokenizer.from_file(str(p))
     except Exception as exc:  # the Rust side raises a bare Exception on bad JSON
         raise ValueError(
-            f"data.tokenizer: {str(p)!r} is not a valid tokenizer.json ({exc})"
+            f"data.tokenizer: {shown(str(p))} is not a valid tokenizer.json ({exc})"
         ) from exc
 
 

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from editrain.errors import spelled
 from editrain.models.hf_fields import (
     HF_COUNT_MAX,
     HF_FLAG_KEYS,
@@ -107,6 +108,13 @@ class HFWeights:
 
 def _fail(option: str, msg: str) -> ValueError:
     return ValueError(f"{option}: {msg}")
+
+
+def _named(name: str) -> str:
+    """A tensor's or shard's name, as the JSON its file holds spells it (a safetensors
+    header, ``model.safetensors.index.json``), whole: the longest a hub model has is well
+    under the bound."""
+    return quote(name, limit=300)
 
 
 def read_config(path: str | Path, option: str = "model.init_from") -> dict[str, Any]:
@@ -202,24 +210,24 @@ def read_safetensors_header(path: Path, option: str = "model.init_from"
         # dimension of true 1, of 2.7 2 and of "12" 12 (and an offset of "0" 0).
         if not (isinstance(entry, dict) and _integers(entry.get("shape"))
                 and _integers(entry.get("data_offsets")) and len(entry["data_offsets"]) == 2):
-            raise _fail(option, f"{path} is corrupt (bad header entry for {name!r}: its shape "
+            raise _fail(option, f"{path} is corrupt (bad header entry for {_named(name)}: its shape "
                         f"and data_offsets must be lists of JSON integers, found "
                         f"{quote(entry)})")
         dtype, shape = entry.get("dtype"), list(entry["shape"])
         begin, end = entry["data_offsets"]
         if not isinstance(dtype, str) or dtype not in _DTYPE_BYTES or any(d < 0 for d in shape):
-            raise _fail(option, f"{path}: tensor {name!r} has dtype {quote(dtype)} and shape "
+            raise _fail(option, f"{path}: tensor {_named(name)} has dtype {quote(dtype)} and shape "
                         f"{shape}, which safetensors does not define")
         want = math.prod(shape) * _DTYPE_BYTES[dtype]
         if not 0 <= begin <= end <= data_size or end - begin != want:
-            raise _fail(option, f"{path} is truncated or corrupt (tensor {name!r} at bytes "
+            raise _fail(option, f"{path} is truncated or corrupt (tensor {_named(name)} at bytes "
                         f"{begin}..{end} of {data_size}, needs {want})")
         spans.append((begin, end, name))
         out[name] = TensorInfo(dtype, tuple(shape), path.name)
     spans.sort()
     for (_, end_a, a), (begin_b, _, b) in zip(spans, spans[1:]):
         if begin_b < end_a:
-            raise _fail(option, f"{path} is corrupt (tensors {a!r} and {b!r} overlap)")
+            raise _fail(option, f"{path} is corrupt (tensors {_named(a)} and {_named(b)} overlap)")
     return out
 
 
@@ -263,19 +271,19 @@ def inspect_weights(path: str | Path, option: str = "model.init_from") -> HFWeig
         real = _inside(root, root / name, option)
         for tname, info in read_safetensors_header(real, option).items():
             if tname in weights.tensors:
-                raise _fail(option, f"tensor {tname!r} is in both {weights.tensors[tname].file}"
+                raise _fail(option, f"tensor {_named(tname)} is in both {weights.tensors[tname].file}"
                             f" and {name}")
             if weight_map is not None and tname not in weight_map:
-                raise _fail(option, f"{name} holds {tname!r}, which {INDEX_FILE} does not "
+                raise _fail(option, f"{name} holds {_named(tname)}, which {INDEX_FILE} does not "
                             "list")
             if weight_map is not None and weight_map[tname] != name:
-                raise _fail(option, f"{name} holds {tname!r}, which {INDEX_FILE} places in "
+                raise _fail(option, f"{name} holds {_named(tname)}, which {INDEX_FILE} places in "
                             f"{weight_map[tname]}")
             weights.tensors[tname] = TensorInfo(info.dtype, info.shape, name)
     if weight_map is not None:
         missing = sorted(set(weight_map) - set(weights.tensors))
         if missing:
-            raise _fail(option, f"{INDEX_FILE} places {missing[0]!r} in "
+            raise _fail(option, f"{INDEX_FILE} places {_named(missing[0])} in "
                         f"{weight_map[missing[0]]}, which does not hold it")
     return weights
 
@@ -288,7 +296,7 @@ def _shard_name(root: Path, name: Any, index: Path, option: str) -> str:
     plain = posixpath.normpath(name) if isinstance(name, str) else None
     if (plain is None or "/" in plain or not plain.endswith(".safetensors")
             or not (root / plain).is_file()):
-        raise _fail(option, f"{index} names the shard {name!r}, which is not a safetensors "
+        raise _fail(option, f"{index} names the shard {_named(name)}, which is not a safetensors "
                     f"file of {root}")
     return plain
 
@@ -334,7 +342,7 @@ def hub_snapshot(spec: str, option: str) -> str:
     try:
         validate_repo_id(repo)
     except Exception as e:  # HFValidationError (its module moved between versions)
-        raise _fail(option, f"{spec!r} is not hf:ORG/NAME[@REVISION] "
+        raise _fail(option, f"{spelled(spec)} is not hf:ORG/NAME[@REVISION] "
                     f"({str(e).splitlines()[0][:200]})") from None
     try:
         return snapshot_download(repo, revision=revision or None, local_files_only=True)
@@ -423,20 +431,20 @@ def check_tensors(weights: HFWeights, expected: dict[str, tuple[int, ...]],
         if info is None and extra:
             # e.g. GPT-NeoX's embed_out (lm_head now), Mixtral's per-expert w1/w2/w3 (one
             # fused tensor now): transformers converts such files as it loads them
-            raise _fail(option, f"{root} has no tensor {name!r}, which the model of its "
+            raise _fail(option, f"{root} has no tensor {_named(name)}, which the model of its "
                         f"config.json needs, but {len(extra)} it has no parameter for "
-                        f"({extra[0]!r}, ...): the hub's layout of this architecture, which "
+                        f"({_named(extra[0])}, ...): the hub's layout of this architecture, which "
                         "transformers renames or merges as it loads it, while editrain reads "
                         "the model's own names; convert it once: load it with transformers "
                         "and write NEW/model.safetensors with safetensors.torch.save_model, "
                         "beside copies of its config.json and tokenizer files")
         if info is None:
-            raise _fail(option, f"{root} has no tensor {name!r}, which the model of its "
+            raise _fail(option, f"{root} has no tensor {_named(name)}, which the model of its "
                         "config.json needs")
         if tuple(info.shape) != tuple(shape):
-            raise _fail(option, f"tensor {name!r} in {root}/{info.file} has shape "
+            raise _fail(option, f"tensor {_named(name)} in {root}/{info.file} has shape "
                         f"{list(info.shape)}, the model of its config.json needs "
                         f"{list(shape)} (a shape or vocabulary mismatch)")
     if extra:
-        raise _fail(option, f"{root} holds the tensor {extra[0]!r}, which the model of its "
+        raise _fail(option, f"{root} holds the tensor {_named(extra[0])}, which the model of its "
                     "config.json has no parameter for")

@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from editrain.errors import plain_count, plain_scalar, require
+from editrain.errors import plain_count, plain_scalar, require, spelled
 
 ROPE_SCALING_KEYS = ("factor", "low_freq_factor", "high_freq_factor",
                      "original_max_position_embeddings")
@@ -26,12 +26,12 @@ def check_rope_scaling(scaling: object) -> dict[str, float]:
     """
     if not isinstance(scaling, dict) or set(scaling) != set(ROPE_SCALING_KEYS):
         raise ValueError(f"rope_scaling must hold exactly {', '.join(ROPE_SCALING_KEYS)}, got "
-                         f"{sorted(scaling) if isinstance(scaling, dict) else scaling!r}")
+                         f"{spelled(sorted(scaling) if isinstance(scaling, dict) else scaling)}")
     out = {}
     for key in ROPE_SCALING_KEYS:
         value = scaling[key]
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-            raise ValueError(f"rope_scaling.{key} must be a positive number, got {value!r}")
+            raise ValueError(f"rope_scaling.{key} must be a positive number, got {spelled(value)}")
         out[key] = float(value)
     length = out["original_max_position_embeddings"]
     if length != int(length):
@@ -216,7 +216,7 @@ def preset_config(name: str, **overrides) -> LlamaConfig:
     """
     if name not in PRESETS:
         known = ", ".join(sorted(PRESETS))
-        raise ValueError(f"unknown preset {name!r}; known presets: {known}")
+        raise ValueError(f"unknown preset {spelled(name)}; known presets: {known}")
     valid = {f.name for f in dataclasses.fields(LlamaConfig)}
     unknown = sorted(set(overrides) - valid)
     if unknown:

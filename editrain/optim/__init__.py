@@ -12,6 +12,7 @@ from typing import Any
 import torch
 from torch.optim import Optimizer
 
+from editrain.errors import spelled
 from editrain.optim.agd import AGD
 from editrain.optim.wsam import WSAM, WeightedSAM
 
@@ -53,7 +54,8 @@ def build_optimizer(name: str, params: Iterable[Any], **kwargs: Any) -> Optimize
     """
     key = name.lower() if isinstance(name, str) else name
     if key not in OPTIMIZERS:
-        raise ValueError(f"optimizer name must be one of {sorted(OPTIMIZERS)}, got {name!r}")
+        raise ValueError(f"optimizer name must be one of {', '.join(sorted(OPTIMIZERS))}, "
+                         f"got {spelled(name)}")
     return OPTIMIZERS[key](params, **kwargs)
 
 
@@ -76,7 +78,7 @@ def wrap_sam(name: str | None, optimizer: Optimizer, **kwargs: Any) -> Optimizer
     key = "none" if name is None else (name.lower() if isinstance(name, str) else name)
     if key not in SAM_WRAPPERS:
         raise ValueError(
-            f"SAM wrapper name must be None or one of {list(SAM_WRAPPERS)}, got {name!r}"
+            f"SAM wrapper name must be null or one of {', '.join(SAM_WRAPPERS)}, got {spelled(name)}"
         )
     if key == "none":
         if kwargs:

@@ -27,6 +27,8 @@ from typing import Any
 import torch
 from torch.optim import Optimizer
 
+from editrain.errors import spelled
+
 __all__ = ["AGD"]
 
 
@@ -42,7 +44,7 @@ def _validate_agd_group(group: dict[str, Any]) -> None:
         raise ValueError(f"lr must be >= 0, got {lr}")
     betas = group["betas"]
     if len(betas) != 2:
-        raise ValueError(f"betas must be a pair (beta1, beta2), got {betas!r}")
+        raise ValueError(f"betas must be a pair (beta1, beta2), got {spelled(betas)}")
     for index, beta in enumerate(betas):
         if not 0.0 <= beta < 1.0:
             raise ValueError(f"betas[{index}] must be in [0, 1), got {beta}")

@@ -43,7 +43,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from editrain.errors import ConfigError, plain_count, plain_scalar
+from editrain.errors import ConfigError, plain_count, plain_scalar, spelled
 from editrain.metrics import (
     ROW_FIELDS,
     current_rows,
@@ -664,7 +664,7 @@ def _check_one_job(samples: list[RunSample]) -> None:
     want = dataclasses.asdict(first.model)
     for s in samples[1:]:
         got = dataclasses.asdict(s.model)
-        diff = [f"model.{k} {want[k]!r} vs {got[k]!r}" for k in want if want[k] != got[k]]
+        diff = [f"model.{k} {spelled(want[k])} vs {spelled(got[k])}" for k in want if want[k] != got[k]]
         for name, a, b in (("shard_size", first.shard_size, s.shard_size),
                            ("tp", first.method.tp, s.method.tp),
                            ("pipeline", _pipeline_of(first.method),

@@ -10,7 +10,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from editrain.errors import ConfigError
+from editrain.errors import ConfigError, spelled
 from editrain.paths import check_path
 
 PLAN_HELP = """\
@@ -85,7 +85,7 @@ def _overrides(extra: list[str]) -> dict[str, dict[str, Any]]:
         name, eq, value = arg.partition("=")
         section, dot, key = name.removeprefix("--").partition(".")
         if not arg.startswith("--") or not dot or section not in ("cluster", "model"):
-            raise ConfigError(f"plan: unexpected argument {arg!r}; options look like "
+            raise ConfigError(f"plan: unexpected argument {spelled(arg)}; options look like "
                               "--cluster.inter_node_gbps=10 or --model.preset=7b")
         if not eq:
             if i >= len(extra):

@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from editrain.errors import ConfigError, plain_count, plain_scalar
+from editrain.errors import ConfigError, plain_count, plain_scalar, spelled
 from editrain.safe_io import parse_toml_scalar, read_toml
 from editrain.sync.methods import OUTER_SGD
 
@@ -60,21 +60,21 @@ def _number(value: Any, option: str) -> float:
     by :func:`~editrain.errors.plain_scalar`: numpy's numbers taken, bools not)."""
     number = plain_scalar(value, float, option)
     if not math.isfinite(number):
-        raise _fail(option, f"must be finite, got {value!r}")
+        raise _fail(option, f"must be finite, got {spelled(value)}")
     return number
 
 
 def _positive(value: Any, option: str) -> float:
     v = _number(value, option)
     if v <= 0:
-        raise _fail(option, f"must be > 0, got {value!r}")
+        raise _fail(option, f"must be > 0, got {spelled(value)}")
     return v
 
 
 def _non_negative(value: Any, option: str) -> float:
     v = _number(value, option)
     if v < 0:
-        raise _fail(option, f"must be >= 0, got {value!r}")
+        raise _fail(option, f"must be >= 0, got {spelled(value)}")
     return v
 
 
@@ -93,7 +93,7 @@ def _count(value: Any, option: str, least: int = 1) -> int:
 
 def _choice(value: Any, option: str, allowed: tuple[str, ...]) -> str:
     if value not in allowed:
-        raise _fail(option, f"must be one of {', '.join(allowed)}, got {value!r}")
+        raise _fail(option, f"must be one of {', '.join(allowed)}, got {spelled(value)}")
     return value
 
 
@@ -179,7 +179,7 @@ class Cluster:
         self.straggler_spread = _non_negative(self.straggler_spread, "cluster.straggler_spread")
         p = self.stall_prob = _non_negative(self.stall_prob, "cluster.stall_prob")
         if p > 1:
-            raise _fail("cluster.stall_prob", f"must be <= 1, got {self.stall_prob!r}")
+            raise _fail("cluster.stall_prob", f"must be <= 1, got {spelled(self.stall_prob)}")
         self.stall_s = _non_negative(self.stall_s, "cluster.stall_s")
         self.overlap_cpu_s = _non_negative(self.overlap_cpu_s, "cluster.overlap_cpu_s")
         self.ft_quorum_ms = _non_negative(self.ft_quorum_ms, "cluster.ft_quorum_ms")
@@ -200,7 +200,7 @@ class Cluster:
         if self.mfu is not None:
             m = self.mfu = _positive(self.mfu, "cluster.mfu")
             if m > 1:
-                raise _fail("cluster.mfu", f"must be <= 1 (a share of the peak), got {m!r}")
+                raise _fail("cluster.mfu", f"must be <= 1 (a share of the peak), got {spelled(m)}")
 
     def _check_measured_job(self) -> None:
         """``step_time_flops`` and ``step_time_gpus`` come together and with the
@@ -543,7 +543,7 @@ class MethodSpec:
 def _build(cls: type, data: dict[str, Any], section: str) -> Any:
     """``cls(**data)`` with unknown keys named (one line)."""
     if not isinstance(data, dict):
-        raise _fail(section, f"must be a table, got {data!r}")
+        raise _fail(section, f"must be a table, got {spelled(data)}")
     names = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(data) - names)
     if unknown:
@@ -585,8 +585,8 @@ def parse_method(spec: str) -> dict[str, Any]:
     for item in (x.strip() for x in rest.split(",")):
         key, eq, value = (part.strip() for part in item.partition("="))
         if not (eq and key and value):
-            got = f"entry {item!r}" if item else "an empty entry"
-            raise _fail("method", f"{spec!r}: expected NAME:key=value,key=value (every "
+            got = f"entry {spelled(item)}" if item else "an empty entry"
+            raise _fail("method", f"{spelled(spec)}: expected NAME:key=value,key=value (every "
                                   f"entry a key and its value), got {got}")
         out[key] = parse_scalar(value)
     return out

@@ -36,6 +36,7 @@ from typing import Protocol, runtime_checkable
 import torch
 from torch import Tensor
 
+from editrain.errors import spelled
 from editrain.sync.sparse import index_bits, largest_positions, pack_bits, unpack_bits
 
 __all__ = [
@@ -110,7 +111,7 @@ class Reducer(Protocol):
 def _check_weight(weight: float) -> float:
     weight = float(weight)
     if not math.isfinite(weight) or weight < 0.0:
-        raise ValueError(f"replica weight must be finite and >= 0, got {weight!r}")
+        raise ValueError(f"replica weight must be finite and >= 0, got {spelled(weight)}")
     return weight
 
 
@@ -312,23 +313,23 @@ class GTAReducer:
     ) -> None:
         if consensus_method not in CONSENSUS_METHODS:
             raise ValueError(
-                f"consensus_method must be one of {list(CONSENSUS_METHODS)}, "
-                f"got {consensus_method!r}"
+                f"consensus_method must be one of {', '.join(CONSENSUS_METHODS)}, "
+                f"got {spelled(consensus_method)}"
             )
         if sparsification_method not in SPARSIFICATION_METHODS:
             raise ValueError(
-                f"sparsification_method must be one of {list(SPARSIFICATION_METHODS)}, "
-                f"got {sparsification_method!r}"
+                f"sparsification_method must be null or one of "
+                f"{', '.join(SPARSIFICATION_METHODS[1:])}, got {spelled(sparsification_method)}"
             )
         if isinstance(density, bool) or not isinstance(density, numbers.Real):  # numpy too
-            raise ValueError(f"density must be a number in (0, 1], got {density!r}")
+            raise ValueError(f"density must be a number in (0, 1], got {spelled(density)}")
         if not (0.0 < density <= 1.0):
-            raise ValueError(f"density must be in (0, 1], got {density!r}")
+            raise ValueError(f"density must be in (0, 1], got {spelled(density)}")
         if sparsification_method is None and density != 1.0:
             # Silently ignoring a density the user set would hide a config mistake.
             raise ValueError(
-                f"density={density!r} has no effect without a sparsification_method; "
-                f"set sparsification_method to one of {list(SPARSIFICATION_METHODS[1:])} "
+                f"density = {spelled(density)} has no effect without a sparsification_method; "
+                f"set sparsification_method to one of {', '.join(SPARSIFICATION_METHODS[1:])} "
                 f"or density to 1.0"
             )
         self.consensus_method = consensus_method
@@ -531,10 +532,11 @@ def build_reducer(reducer: str | None, **gta_kwargs: object) -> Reducer:
         )
         if ignored:
             raise ValueError(
-                f"options {ignored} only apply to reducer='gta', but reducer={reducer!r}; "
-                f"set reducer='gta' or remove them"
+                f"options {', '.join(ignored)} only apply to reducer = \"gta\", but reducer = "
+                f"{spelled(reducer)}; set reducer = \"gta\" or remove them"
             )
         return MeanReducer()
     if reducer == "gta":
         return GTAReducer(**gta_kwargs)  # type: ignore[arg-type]
-    raise ValueError(f"reducer must be one of {list(REDUCERS)}, got {reducer!r}")
+    raise ValueError(f"reducer must be null or one of {', '.join(REDUCERS[1:])}, "
+                     f"got {spelled(reducer)}")

@@ -20,6 +20,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
+from editrain.errors import spelled
 from editrain.sync.config import COMM_BACKENDS, SyncConfig
 from editrain.sync.outer import SyncUnit, copies_in_replica, resolve_optimizer_class
 from editrain.sync.triggers import IntervalTrigger, SyncTrigger, TimeTrigger
@@ -97,7 +98,7 @@ def comm_group_backend(choice: str) -> str | None:
     """The backend of the engine's private groups for ``comm_backend`` (None: the default
     process group's)."""
     if choice not in COMM_BACKENDS:
-        raise ValueError(f"comm_backend: allowed {', '.join(COMM_BACKENDS)}; got {choice!r}")
+        raise ValueError(f"comm_backend: allowed {', '.join(COMM_BACKENDS)}; got {spelled(choice)}")
     if choice == "default":
         return None
     return "gloo" if choice == "auto" else choice
