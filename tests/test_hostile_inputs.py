@@ -321,6 +321,10 @@ VALUES_AS_WRITTEN = (
     ('[sync]\nlayerwise = "on"', 'sync.layerwise: expected true or false, got "on"'),
     ("[sync]\nlayerwise = 1", "sync.layerwise: expected true or false, got 1"),
     ("[data]\ntext_field = true", "data.text_field: expected a string, got true"),
+    ('[data]\ntext_field = ["données"]',
+     'data.text_field: expected a string, got ["données"]'),
+    ('[data]\ntext_field = ["a\\u2028b\\u007f"]',
+     'data.text_field: expected a string, got ["a\\u2028b\\u007f"]'),
     ("[sync]\nouter_optim_kwargs = [1]",
      "sync.outer_optim_kwargs: expected a table such as {lr = 0.7}, got [1]"),
 )
