@@ -327,7 +327,7 @@ BAD = {
                      ["sim.fail", "rank 3 does not exist", "from 0 to 2",
                       "3 replicas x 1 shards"]),
     "wsam": (["--nproc", "4", "--shard-size", "1", "--dist.pp_size", "2", *UNTIED,
-              "--optim.sam", "wsam"], ["optim.sam", "'wsam'", "pipeline stages"]),
+              "--optim.sam", "wsam"], ["optim.sam", '"wsam"', "pipeline stages"]),
     # interleaved 1F1B
     "interleaved_chunks": (["--nproc", "4", "--shard-size", "1", "--dist.pp_size", "2",
                             *UNTIED, "--model.n_layers", "4",
@@ -371,7 +371,7 @@ HF_BAD = {
                 ["model.hf_config", "dist.pp_size = 2", "untied",
                  "tie_word_embeddings = false"]),
     "hf_type": ({"model_type": "gpt2"},
-                ["dist.pp_size > 1", "model_type llama, mistral, qwen2, qwen3", "'gpt2'"]),
+                ["dist.pp_size > 1", "model_type llama, mistral, qwen2, qwen3", '"gpt2"']),
     "hf_layers": ({"num_hidden_layers": 1},
                   ["dist.pp_size", "number of layers (1)", "got 2"]),
 }
