@@ -108,7 +108,7 @@ def test_jsonl_source(tmp_path):
 def test_jsonl_missing_field_names_line(tmp_path):
     path = tmp_path / "bad.jsonl"
     path.write_text('{"text": "ok"}\n{"content": "no text"}\n', encoding="utf-8")
-    with pytest.raises(ValueError, match=r"bad\.jsonl:2:.*'text'"):
+    with pytest.raises(ValueError, match=r'bad\.jsonl:2:.*"text"'):
         list(iter_documents(resolve_sources(str(path))))
 
 

@@ -273,7 +273,7 @@ def test_config_takes_numpy_scalars_as_plain_numbers():
 
 
 def test_unknown_preset_and_field():
-    with pytest.raises(ValueError, match=r"unknown preset 'huge'.*tiny"):
+    with pytest.raises(ValueError, match=r'unknown preset "huge".*tiny'):
         preset_config("huge")
     with pytest.raises(ValueError, match=r"dimm"):
         preset_config("tiny", dimm=3)
