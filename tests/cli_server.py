@@ -19,7 +19,6 @@ it is as clean as a new interpreter.
 from __future__ import annotations
 
 import importlib
-import importlib.util
 import json
 import os
 import resource
@@ -34,11 +33,6 @@ PRELOAD = ("editrain.train", "editrain.launch", "editrain.plan.cli", "editrain.m
            "torch._dynamo", "torch.distributed.launcher.api", "matplotlib.pyplot")
 """What a command imports as it runs (the launcher, its workers, the plots; torch imports
 ``torch._dynamo`` at the first optimizer a process builds, 2.5 s of CPU): imported once."""
-HF_PRELOAD = ("transformers", "transformers.models.auto.modeling_auto",
-              "transformers.models.llama.modeling_llama", "transformers.masking_utils")
-"""What a run of a Hugging Face model (``model.hf_config``, ``model.init_from``) imports in
-its launcher and in every worker (about 1 CPU s a process; test_pp_train's two Hugging Face
-tests took 26 s before, 16 s after); imported once where the hf extra is installed."""
 
 
 def _run_command(request: dict, channels: tuple[int, int]) -> int:
@@ -134,9 +128,6 @@ def serve() -> None:
     os.environ.setdefault("MPLBACKEND", "Agg")
     for name in PRELOAD:
         importlib.import_module(name)
-    if importlib.util.find_spec("transformers") is not None:
-        for name in HF_PRELOAD:
-            importlib.import_module(name)
     # The protocol gets its own descriptors; 0 and 1 become the commands' to replace.
     requests = os.fdopen(os.dup(0), "r")
     answers = os.dup(1)
