@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from editrain.spawn import free_port, run_ranks
+from editrain.spawn import run_ranks
 
 ROOT = Path(__file__).resolve().parents[1]
 API_DOC = ROOT / "docs" / "api.md"
@@ -253,28 +253,30 @@ def pp_example(rank: int, blocks: dict[str, str]) -> dict[str, Any]:
     return out
 
 
-def loop_example(rank: int, blocks: dict[str, str], port: int) -> dict[str, Any]:
+def loop_example(rank: int, blocks: dict[str, str], store: str) -> dict[str, Any]:
     """The first block, whole: it ends by destroying the default process group; the
-    worker then joins a new one on ``port`` for :func:`run_ranks`' own end."""
+    worker then joins a new one through the file ``store`` for :func:`run_ranks`' own end
+    (a file, not a port picked when the test started: minutes later, another process of the
+    suite had taken that port, EADDRINUSE)."""
     ns = run(blocks["loop"], user_namespace(rank, batches=token_batches(rank, range(12))))
     out = {"group_destroyed": not dist.is_initialized(), "closed": ns["engine"].closed,
            "syncs": ns["engine"].num_syncs, "shard": ns["info"].shard,
            "params": local_params(ns["model"])}
     if not dist.is_initialized():
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+        dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank,
                                 world_size=4)
     return out
 
 
-def _worker(rank: int, world: int, workdir: str, port: int) -> dict[str, Any]:
+def _worker(rank: int, world: int, workdir: str) -> dict[str, Any]:
     os.chdir(workdir)  # the DDP block writes ckpt/rank{rank}.pt where it runs
-    blocks = doc_blocks()
+    blocks = doc_blocks()  # the loop block runs last: it ends the process group
     return {"ddp": ddp_example(rank, blocks),
             "reference": reference_example(rank, blocks),
             "dcp": dcp_example(rank, blocks, str(Path(workdir) / "dcp")),
             "tp": tp_example(rank, blocks),
             "pp": pp_example(rank, blocks),
-            "loop": loop_example(rank, blocks, port)}  # last: it ends the process group
+            "loop": loop_example(rank, blocks, str(Path(workdir) / "rejoin.store"))}
 
 
 # ----------------------------------------------------------------------------- the test
@@ -286,7 +288,7 @@ def test_every_python_block_of_the_api_doc_is_run():
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
-    return run_ranks(_worker, 4, str(tmp_path_factory.mktemp("api-doc")), free_port())
+    return run_ranks(_worker, 4, str(tmp_path_factory.mktemp("api-doc")))
 
 
 def test_ddp_example_resumes_bitwise(results):
