@@ -68,6 +68,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from editrain.errors import CheckpointError
+from editrain.paths import shown
 from editrain.rundir import checkpoint_progress, list_checkpoints, replica_groups
 from editrain.rundir import read_marker as _read_marker_file
 from editrain.safe_io import (
@@ -129,15 +130,16 @@ def resolve_resume(path: str | Path) -> Path:
         found = list_checkpoints(p)
         if found:
             return found[-1]
-        raise CheckpointError(f"--resume: {p} has no complete checkpoint in {p / CKPT_DIR}")
+        raise CheckpointError(f"--resume: {shown(p)} has no complete checkpoint in "
+                              f"{shown(p / CKPT_DIR)}")
     if p.is_dir() and p.name.startswith("step_"):
-        raise CheckpointError(f"--resume: {p} is incomplete (no {MARKER}); it was not "
+        raise CheckpointError(f"--resume: {shown(p)} is incomplete (no {MARKER}); it was not "
                               "finished and cannot be used")
     if any((g / CKPT_DIR).is_dir() for g in replica_groups(p)):
-        raise CheckpointError(f"--resume: {p} is a --ft run (each replica group's checkpoints "
-                              "are in replica*/checkpoints/): resume it with --ft")
-    raise CheckpointError(f"--resume: {p} is neither a run directory with checkpoints nor a "
-                          "checkpoint directory")
+        raise CheckpointError(f"--resume: {shown(p)} is a --ft run (each replica group's "
+                              "checkpoints are in replica*/checkpoints/): resume it with --ft")
+    raise CheckpointError(f"--resume: {shown(p)} is neither a run directory with checkpoints "
+                          "nor a checkpoint directory")
 
 
 def rank_file(ckpt: Path, rank: int) -> Path:
@@ -649,8 +651,8 @@ def refuse_no_steps_left(ckpt: Path, cfg: Any) -> None:
 
 def _incompatible(ckpt: Path, problems: list[str]) -> CheckpointError:
     if len(problems) == 1:
-        return CheckpointError(f"cannot resume from {ckpt}: {problems[0]}")
-    return CheckpointError(f"cannot resume from {ckpt}:\n  " + "\n  ".join(problems))
+        return CheckpointError(f"cannot resume from {shown(ckpt)}: {problems[0]}")
+    return CheckpointError(f"cannot resume from {shown(ckpt)}:\n  " + "\n  ".join(problems))
 
 
 def _decodable(marker: dict[str, Any]) -> Callable[[str], bool] | None:
@@ -667,7 +669,7 @@ def _check_items(ckpt: Path, marker: dict[str, Any], metadata: Metadata) -> None
     for fqn, item in metadata.state_dict_metadata.items():
         if isinstance(item, BytesStorageMetadata) and not decodable(fqn):
             raise CheckpointError(
-                f"{ckpt / '.metadata'}: refusing non-tensor item {fqn}: editrain's format "
+                f"{shown(ckpt / '.metadata')}: refusing non-tensor item {fqn}: editrain's format "
                 f"{marker.get('format', 1)} checkpoints hold tensors only there, and reading "
                 "it would unpickle it")
     check_storage(ckpt, metadata)
@@ -758,23 +760,23 @@ def _read_rank_json(path: Path, fmt: int, marker: Mapping[str, Any]) -> dict[str
     try:
         state = read_json(path, max_bytes=rank_json_cap(marker), schema=Obj(),
                           what="rank state")
-    except CheckpointError as e:
-        where, _, why = str(e).partition(": ")
-        raise CheckpointError(f"{where}: missing or corrupt rank state: {why}") from None
+    except CheckpointError as e:  # read_json's refusal, which names the file first
+        why = str(e).removeprefix(f"{shown(path)}: ")
+        raise CheckpointError(f"{shown(path)}: missing or corrupt rank state: {why}") from None
     if fmt >= 3:
         try:
             optim = from_typed_json(state[OPTIM_KEY])
             if not isinstance(optim, dict) or not isinstance(optim.get("param_groups"), list):
                 raise ValueError("no param_groups")
         except (KeyError, ValueError, TypeError, RecursionError) as e:
-            raise CheckpointError(f"{path}: corrupt rank state: its {OPTIM_KEY!r} entry (the "
+            raise CheckpointError(f"{shown(path)}: corrupt rank state: its {OPTIM_KEY!r} entry (the "
                                   f"optimizer's param_groups) is missing or malformed "
                                   f"({quote(str(e))})") from None
         state[OPTIM_KEY] = optim
-    RANK_STATE_SCHEMA.check(state, str(path), "", CheckpointError)
+    RANK_STATE_SCHEMA.check(state, shown(path), "", CheckpointError)
     problem = _rank_state_problem(state, marker)
     if problem:
-        raise CheckpointError(f"{path}: {problem}")
+        raise CheckpointError(f"{shown(path)}: {problem}")
     return state
 
 
@@ -828,7 +830,7 @@ def _check_engine_states(ckpt: Path, marker: Mapping[str, Any], metadata: Metada
         state = read_plain_state(read_tensor_item(ckpt, metadata, fqn, cap), m.group(1))
         if state["version"] != ENGINE_STATE_VERSION:
             raise CheckpointError(
-                f"{ckpt / '.metadata'}: item {fqn}: the sync engine's state is version "
+                f"{shown(ckpt / '.metadata')}: item {fqn}: the sync engine's state is version "
                 f"{state['version']}; this editrain reads version {ENGINE_STATE_VERSION}")
 
 
@@ -1003,10 +1005,10 @@ def load_checkpoint(ckpt: Path, *, model: torch.nn.Module, optimizer: torch.opti
         failure = first_failure(e)
         if isinstance(failure, CheckpointError):
             raise CheckpointError(str(failure)) from None
-        raise CheckpointError(f"{ckpt}: cannot read checkpoint data: {failure!r}") from e
+        raise CheckpointError(f"{shown(ckpt)}: cannot read checkpoint data: {failure!r}") from e
     except Exception as e:
         # Corrupt or truncated files: say so, never continue silently.
-        raise CheckpointError(f"{ckpt}: cannot read checkpoint data: {e!r}") from e
+        raise CheckpointError(f"{shown(ckpt)}: cannot read checkpoint data: {e!r}") from e
     optim = state[f"replica{src}"]["optim"]
     if fmt >= 3:
         optim = _merge_optim(optim, own[OPTIM_KEY])
@@ -1018,8 +1020,8 @@ def load_checkpoint(ckpt: Path, *, model: torch.nn.Module, optimizer: torch.opti
         # shares them again. The state is the one just loaded, so nothing else changes.
         optimizer.load_state_dict(_base(optimizer).state_dict())
     if engine.load_state_dict(state[ENGINE_KEY]) != (not same):
-        raise CheckpointError(f"{ckpt}: the engine state and the marker disagree on the "
-                              "topology that saved the checkpoint")
+        raise CheckpointError(f"{shown(ckpt)}: the engine state and the marker disagree on "
+                              "the topology that saved the checkpoint")
     if not same:
         return None, marker
     own.pop(OPTIM_KEY, None)

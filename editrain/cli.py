@@ -135,7 +135,7 @@ def cmd_plot(args: argparse.Namespace, extra: list[str]) -> int:
         # A fault-tolerant run's replica groups keep their metrics apart: one curve each.
         groups = [g for g in replica_groups(d) if (g / "metrics.jsonl").is_file()]
         if not (d / "metrics.jsonl").is_file() and not groups:
-            raise ConfigError(f"plot: {d} holds no metrics.jsonl (nor replica*/metrics.jsonl, "
+            raise ConfigError(f"plot: {shown(d)} holds no metrics.jsonl (nor replica*/metrics.jsonl, "
                               "a fault-tolerant run's)")
         runs += [d] if (d / "metrics.jsonl").is_file() else groups
     drawn = [r for r in runs if has_losses(r)]

@@ -59,6 +59,7 @@ from editrain.models.hf_tokens import (
     tokenizer_special_ids,
 )
 from editrain.models.llama import LlamaConfig
+from editrain.paths import shown
 from editrain.rundir import RECORD, RUN_FILES, group_index, replica_groups
 from editrain.safe_io import (
     List,
@@ -136,7 +137,7 @@ def load_hf_weights(model: nn.Module, path: str | Path, weights: HFWeights | Non
         info = weights.tensors.get(name)
         if info is None or tuple(info.shape) != tuple(p.shape):
             found = "no such tensor" if info is None else f"shape {list(info.shape)}"
-            raise ValueError(f"model.init_from: {path} has {found} for {spelled(name)}, the model "
+            raise ValueError(f"model.init_from: {shown(path)} has {found} for {spelled(name)}, the model "
                              f"needs {list(p.shape)}")
     # The values are the parameters themselves (detached views of the same storage, and
     # for a DTensor its local shard): DCP copies each rank's slices straight into them.
@@ -223,9 +224,9 @@ def _keep_generation_config(path: Path, out: Path, run_dir: str | Path) -> None:
     tokens. Where its tokenizer is the run's, the file is kept as it is (Llama 3 Instruct's
     list of end-of-text ids included)."""
     data = read_bytes(path, CONFIG_MAX_BYTES, what="generation config")
-    value = read_json_value(data, str(path), error=ValueError)
+    value = read_json_value(data, shown(path), error=ValueError)
     if not isinstance(value, dict):
-        raise ValueError(f"{path} is not a JSON object")
+        raise ValueError(f"{shown(path)} is not a JSON object")
     try:
         ids = tokenizer_special_ids(out)
     except ValueError:
@@ -289,15 +290,15 @@ def find_checkpoint(path: str | Path, option: str = "export", replica: int | Non
     if replica is not None and groups:
         if not groups.get(replica):
             have = ", ".join(str(r) for r, c in groups.items() if c) or "none"
-            raise CheckpointError(f"{option} --replica: {p} is a fault-tolerant run whose "
+            raise CheckpointError(f"{option} --replica: {shown(p)} is a fault-tolerant run whose "
                                   f"replica group {replica} has no checkpoint (groups with "
                                   f"checkpoints: {have})")
         return groups[replica][-1], 0
     latest = [c[-1] for c in groups.values() if c]  # in group order: max keeps the first
     if latest:
         return max(latest, key=lambda c: int(c.name[len("step_"):])), None
-    raise CheckpointError(f"{option}: {p} is neither a complete checkpoint (with {MARKER}) nor "
-                          f"a run directory with one in {CKPT_DIR}/ (or in replica*/{CKPT_DIR}/, "
+    raise CheckpointError(f"{option}: {shown(p)} is neither a complete checkpoint (with {MARKER}) "
+                          f"nor a run directory with one in {CKPT_DIR}/ (or in replica*/{CKPT_DIR}/, "
                           f"a fault-tolerant run's)")
 
 
@@ -312,7 +313,7 @@ def _marker_llama(model_cfg: Mapping[str, Any], ckpt: Path, command: str) -> Lla
     try:
         return LlamaConfig(**model_cfg)
     except (TypeError, ValueError) as e:
-        raise CheckpointError(f"{command}: {ckpt}/{MARKER}: its model is not one editrain's "
+        raise CheckpointError(f"{command}: {shown(ckpt / MARKER)}: its model is not one editrain's "
                               f"Llama can be ({e})") from None
 
 
@@ -384,7 +385,7 @@ class ModelWeights:
                          planner=SafeLoadPlanner(), no_dist=True)
         except (Exception, dcp.CheckpointException) as e:  # corrupt or truncated files
             failure = first_failure(e)
-            raise CheckpointError(f"{self.command}: cannot read {self.ckpt}: "
+            raise CheckpointError(f"{self.command}: cannot read {shown(self.ckpt)}: "
                                   f"{one_line(repr(failure))} (damaged or cut short)") from None
         return {n: state[self.keys[n]] for n in names}
 
@@ -430,14 +431,14 @@ def model_weights(ckpt: Path, replica: int | None = None, command: str = "export
         hint = "" if group is None else (
             f"; a replica group of a fault-tolerant run holds its own replica as replica 0: "
             f"name the run's directory with --replica {group} for this one")
-        raise CheckpointError(f"{command} --replica: {ckpt} holds no replica {replica} "
+        raise CheckpointError(f"{command} --replica: {shown(ckpt)} holds no replica {replica} "
                               f"(it holds {', '.join(saved) or 'none'}){hint}")
     # the model read: before a model is built from the marker to find its tied parameters
-    check_weights_match(marker_model(marker)[1], keys, f"{ckpt}/{MARKER}", option=command)
+    check_weights_match(marker_model(marker)[1], keys, shown(ckpt / MARKER), option=command)
     aliases = _marker_aliases(marker, ckpt, command)
     missing = sorted(set(live) - set(keys) - set(aliases)) if anchors and live else []
     if missing:
-        raise CheckpointError(f"{command}: {ckpt} has no global copy of {spelled(missing[0])}")
+        raise CheckpointError(f"{command}: {shown(ckpt)} has no global copy of {spelled(missing[0])}")
     keys = {name: key for name, key in keys.items() if name not in aliases}
     sizes = metadata.state_dict_metadata
     meta = {name: torch.empty(tuple(sizes[key].size), dtype=sizes[key].properties.dtype,
@@ -464,7 +465,8 @@ def build_checked(make: Callable[[], nn.Module], shapes: Mapping[str, Any], wher
     Args:
         make: builds the model.
         shapes: the weights' tensor name -> shape.
-        where: the weights, for the message.
+        where: the weights, for the message, as :func:`editrain.paths.shown` spells
+            them.
         command: the command the message names.
         names: a model's parameters under the weights' names (default:
             :func:`~editrain.models.hf_dir.hf_parameters`, Hugging Face names).
@@ -501,16 +503,16 @@ def checkpoint_model(marker: Mapping[str, Any], tensors: Mapping[str, torch.Tens
     llama, model_cfg = marker_model(marker)
     # editrain's Llama checks its own fields first (a CheckpointError in the Llama's words)
     cfg = _marker_llama(model_cfg, ckpt, command) if llama else None
-    check_weights_match(model_cfg, tensors, f"{ckpt}/{MARKER}", option=command)
+    check_weights_match(model_cfg, tensors, shown(ckpt / MARKER), option=command)
     shapes = {n: t.shape for n, t in tensors.items()}
 
     def own(model: nn.Module) -> dict[str, Any]:
         return dict(model.named_parameters())
 
     if cfg is not None:
-        return build_checked(lambda: Llama(cfg), shapes, str(ckpt), command, own,
+        return build_checked(lambda: Llama(cfg), shapes, shown(ckpt), command, own,
                              real), cfg.max_seq_len
-    model = build_checked(lambda: HFCausalLM.from_config_dict(model_cfg), shapes, str(ckpt),
+    model = build_checked(lambda: HFCausalLM.from_config_dict(model_cfg), shapes, shown(ckpt),
                           command, own, real)
     return model, hf_int(model_cfg, "positions") or 2048
 
@@ -608,29 +610,30 @@ def _check_out_place(out: Path) -> None:
     target = out.resolve()
     for inner, outer in zip([target, *target.parents], target.parents, strict=False):
         if inner != target and (inner / MARKER).is_file():
-            raise CheckpointError(f"export: OUT {out} lies inside the checkpoint {inner}, "
+            raise CheckpointError(f"export: OUT {shown(out)} lies inside the checkpoint "
+                                  f"{shown(inner)}, "
                                   "which then no longer resumes (and rotation deletes); "
                                   "choose a directory outside the run's checkpoints")
         if inner.name in RUN_FILES and ((outer / CKPT_DIR).is_dir()
                                         or (outer / RECORD).is_file()) \
                 and not (inner == target and inner.name == EXPORT_DIR):
-            raise CheckpointError(f"export: OUT {out} lies in {inner}, which editrain keeps "
-                                  f"for the run in {outer} (--overwrite deletes its files, or "
+            raise CheckpointError(f"export: OUT {shown(out)} lies in {shown(inner)}, which editrain "
+                                  f"keeps for the run in {shown(outer)} (--overwrite deletes its files, or "
                                   f"is refused while it holds others); choose another "
-                                  f"directory, e.g. {outer / EXPORT_DIR}")
+                                  f"directory, e.g. {shown(outer / EXPORT_DIR)}")
 
 
 def _prepare_out(out: Path) -> list[str]:
     """``out`` empty, absent (then made), or an earlier export, whose files are returned
     (names inside ``out`` only); nothing is removed yet."""
     if out.exists() and not out.is_dir():
-        raise CheckpointError(f"export: {out} exists and is not a directory")
+        raise CheckpointError(f"export: {shown(out)} exists and is not a directory")
     if not out.exists() or not any(out.iterdir()):
         out.mkdir(parents=True, exist_ok=True)
         return []
     record = out / EXPORT_RECORD
     if not os.path.lexists(record):
-        raise CheckpointError(f"export: {out} is not empty and is not an earlier export (no "
+        raise CheckpointError(f"export: {shown(out)} is not empty and is not an earlier export (no "
                               f"{EXPORT_RECORD}); choose an empty or new directory")
     files = read_json(record, max_bytes=1 << 20, what="export record",
                       schema=Obj({"files": List(Str(255), 1 << 16)}, required=("files",)),
@@ -718,9 +721,9 @@ def _generation_config(tok_dir: Path, vocab_size: int) -> bytes:
     """
     path = tok_dir / GENERATION_FILE
     data = read_bytes(path, CONFIG_MAX_BYTES, what="generation config")
-    value = read_json_value(data, str(path), error=CheckpointError)
+    value = read_json_value(data, shown(path), error=CheckpointError)
     if not isinstance(value, dict):
-        raise CheckpointError(f"export: {path} is not a JSON object")
+        raise CheckpointError(f"export: {shown(path)} is not a JSON object")
     try:
         check_special_ids(value, vocab_size, str(path))
     except ValueError as e:

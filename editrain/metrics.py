@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from editrain.errors import RunDirError
+from editrain.paths import shown
 from editrain.safe_io import (
     Bool,
     Field,
@@ -229,7 +230,8 @@ def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
     """All rows of a run's ``metrics.jsonl`` (a truncated last line is ignored)."""
     path = Path(run_dir) / METRICS_FILE
     if not path.is_file():
-        raise FileNotFoundError(f"{path}: no metrics file (is {run_dir} a run directory?)")
+        raise FileNotFoundError(f"{shown(path)}: no metrics file (is {shown(run_dir)} a run "
+                                "directory?)")
     return read_jsonl(path)
 
 
@@ -785,7 +787,7 @@ def _label(run_dir: Path) -> str:
         from editrain.safe_io import read_toml
 
         try:  # only the legend needs it: a file that is not a run's leaves the method out
-            sync = read_toml(cfg, max_bytes=CONFIG_MAX_BYTES, where=str(cfg),
+            sync = read_toml(cfg, max_bytes=CONFIG_MAX_BYTES, where=shown(cfg),
                              error=ValueError).get("sync")
         except ValueError:
             sync = None

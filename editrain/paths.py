@@ -34,7 +34,7 @@ is a few hundred characters and is shown whole, so that it can be copied from th
 a longer text (a megabyte given as ``--run-dir``) is cut to its head and its length."""
 
 
-def shown(text: str) -> str:
+def shown(text: str | os.PathLike[str]) -> str:
     """``text``, a path or a path option's value, as every message spells it: a TOML
     basic string (:func:`editrain.errors.spelled_text`), the spelling of every other text
     a user gave, cut to :data:`SHOWN` characters.
@@ -47,7 +47,12 @@ def shown(text: str) -> str:
     holding a quote); printable characters of any script as they are. The result pastes
     into a TOML file as it is, and into a shell wherever the path holds no ``$``,
     backquote or ``!``.
+
+    Every refusal that names a path spells it here, also where the path is the subject
+    (``"/runs/a b": not a checkpoint``): a path is never shown bare, where a space, a colon
+    or a newline in it would make the message ambiguous or break it over lines.
     """
+    text = os.fspath(text)
     if len(text) <= SHOWN:
         return spelled_text(text)
     return f"{spelled_text(text[:SHOWN])}... ({len(text)} characters)"

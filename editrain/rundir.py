@@ -54,6 +54,7 @@ from typing import Any
 
 from editrain.argv import env_int
 from editrain.errors import CheckpointError, RunDirError
+from editrain.paths import shown
 from editrain.safe_io import (
     Int,
     List,
@@ -282,11 +283,11 @@ class RunLock:
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK,
                          0o644)
         except OSError as e:
-            raise RunDirError(f"--run-dir: cannot open the lock {self.path} ({e.strerror}; "
+            raise RunDirError(f"--run-dir: cannot open the lock {shown(self.path)} ({e.strerror}; "
                               "editrain never follows a link there)") from None
         if not stat.S_ISREG(os.fstat(fd).st_mode):
             os.close(fd)
-            raise RunDirError(f"--run-dir: {self.path} is not a regular file; it is "
+            raise RunDirError(f"--run-dir: {shown(self.path)} is not a regular file; it is "
                               "editrain's lock of the run directory (move it away)")
         deadline = time.monotonic() + wait_s
         while True:
@@ -310,9 +311,10 @@ class RunLock:
     def _refusal(self, holder: str) -> str:
         run_dir = self.path.parent
         if self.replica is None:
-            return (f"--run-dir: {run_dir} is in use by another editrain job ({holder}); "
+            return (f"--run-dir: {shown(run_dir)} is in use by another editrain job ({holder}); "
                     "wait for it to end or choose another directory")
-        return (f"--dist.ft_replica_id: replica group {self.replica} of {run_dir} is in use "
+        return (f"--dist.ft_replica_id: replica group {self.replica} of {shown(run_dir)} is in "
+                f"use "
                 f"by another editrain job ({holder}); wait for it to end, or start this job "
                 "as another replica group")
 
@@ -404,7 +406,7 @@ def _kind(path: Path) -> str:
 def _children(path: Path) -> list[Path]:
     children = sorted(path.iterdir())
     if len(children) > _WALK_LIMIT:
-        raise RunDirError(f"--overwrite: {path} holds {len(children)} entries, more than "
+        raise RunDirError(f"--overwrite: {shown(path)} holds {len(children)} entries, more than "
                           "editrain writes there; move it away first")
     return children
 
@@ -558,14 +560,14 @@ def read_marker(ckpt: Path) -> dict[str, Any]:
             naming the file and the field).
     """
     if Path(ckpt).is_symlink():
-        raise CheckpointError(f"{ckpt}: the checkpoint directory is a symbolic link; editrain "
-                              "reads a checkpoint only where it lies (give the directory the "
-                              "link points to)")
+        raise CheckpointError(f"{shown(ckpt)}: the checkpoint directory is a symbolic link; "
+                              "editrain reads a checkpoint only where it lies (give the "
+                              "directory the link points to)")
     marker = read_json(Path(ckpt) / MARKER, max_bytes=MARKER_MAX_BYTES, schema=MARKER_SCHEMA,
                        what="checkpoint marker")
     topology = marker.get("topology")
     if topology is not None and not 2 <= len(topology) <= 4:
-        raise CheckpointError(f"{Path(ckpt) / MARKER}: field 'topology': 2 to 4 sizes are "
+        raise CheckpointError(f"{shown(Path(ckpt) / MARKER)}: field 'topology': 2 to 4 sizes are "
                               f"expected (found {len(topology)})")
     return marker
 
@@ -603,7 +605,7 @@ def check(run_dir: Path, *, overwrite: bool, resume: list[Path], join: bool = Fa
     if join:
         overwrite = False
         if record is None:
-            raise RunDirError(f"--run-dir: {run_dir} has no run record ({RECORD}), though "
+            raise RunDirError(f"--run-dir: {shown(run_dir)} has no run record ({RECORD}), though "
                               "replica groups of a fault-tolerant run train there; start "
                               "this group once they have ended, or in another directory")
     same_run = join and not resume
@@ -617,14 +619,14 @@ def check(run_dir: Path, *, overwrite: bool, resume: list[Path], join: bool = Fa
             same_run = all(_inside(c, run_dir) for c in resume)
     if same_run and overwrite:  # it was ignored without a word
         if any(_inside(c, run_dir) for c in resume):
-            raise RunDirError(f"--overwrite: {run_dir} holds the run --resume continues, and "
+            raise RunDirError(f"--overwrite: {shown(run_dir)} holds the run --resume continues, and "
                               f"overwriting it would remove the checkpoint resumed; drop "
                               f"--overwrite to continue the run there, or resume into "
                               f"another directory")
         same_run = False  # a checkpoint from elsewhere: the directory is replaced as asked
     if join and not same_run:
-        raise RunDirError(f"--resume: {resume[0]} is a checkpoint of another run than the one "
-                          f"the replica groups training in {run_dir} continue; resume this "
+        raise RunDirError(f"--resume: {shown(resume[0])} is a checkpoint of another run than the "
+                          f"one the replica groups training in {shown(run_dir)} continue; resume this "
                           "group from the run's own checkpoint (--resume RUN_DIR), or start "
                           "it once they have ended")
     if existing and not same_run and not overwrite:
@@ -633,7 +635,7 @@ def check(run_dir: Path, *, overwrite: bool, resume: list[Path], join: bool = Fa
                "--overwrite to replace it" if resume else
                "choose another directory, resume it with --resume, or pass --overwrite to "
                "replace it")
-        raise RunDirError(f"--run-dir: {run_dir} already holds {what} "
+        raise RunDirError(f"--run-dir: {shown(run_dir)} already holds {what} "
                           f"({', '.join(existing)}); {how}")
     replace = bool(existing) and not same_run
     if not replace:
@@ -642,22 +644,22 @@ def check(run_dir: Path, *, overwrite: bool, resume: list[Path], join: bool = Fa
         for name in existing:
             link = first_link(run_dir / name)
             if link is not None:
-                raise RunDirError(f"--run-dir: {link} is a symbolic link; editrain writes "
+                raise RunDirError(f"--run-dir: {shown(link)} is a symbolic link; editrain writes "
                                   "only regular files and directories in a run directory and "
                                   "never follows a link (remove it, or choose another "
                                   "directory)")
     if replace:
         if any(_inside(c, run_dir) for c in resume):
-            raise RunDirError(f"--overwrite: {run_dir} would be replaced, but the checkpoint "
-                              f"to resume ({resume[0]}) lies inside it; resume into another "
+            raise RunDirError(f"--overwrite: {shown(run_dir)} would be replaced, but the "
+                              f"checkpoint to resume ({shown(resume[0])}) lies inside it; resume into another "
                               "directory")
         _, foreign = removable(run_dir, record)
         if foreign:
             found = [foreign_entry(run_dir / n) for n in foreign]
-            where = ", ".join(str(p.relative_to(run_dir)) for p in found
+            where = ", ".join(shown(p.relative_to(run_dir)) for p in found
                               if p is not None and p != run_dir / p.name)
             raise RunDirError(
-                f"--overwrite: {run_dir} holds {', '.join(foreign)} with files editrain did "
+                f"--overwrite: {shown(run_dir)} holds {', '.join(foreign)} with files editrain did "
                 f"not write{f' ({where})' if where else ''}; move them away first (editrain "
                 "removes only what it wrote)")
     return Claim(run_dir, record, existing, replace, list(resume), marker)
@@ -893,7 +895,7 @@ def join_start(c: Claim, replica: int) -> list[Path]:
     """
     record = c.record
     if record is None:  # check(join=True) refuses it first
-        raise RunDirError(f"--run-dir: {c.run_dir} has no run record to join")
+        raise RunDirError(f"--run-dir: {shown(c.run_dir)} has no run record to join")
     moved: list[Path] = []
     if c.resume:
         marker = c.resume_marker or {}

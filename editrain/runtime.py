@@ -179,6 +179,7 @@ def check_ranks_agree(cfg: Any, run_dir: Any) -> None:
 
     from editrain.config import to_dict
     from editrain.errors import ConfigError, RunDirError
+    from editrain.paths import shown
     from editrain.rundir import read_record
 
     if not dist.is_initialized() or dist.get_world_size() == 1:
@@ -197,12 +198,13 @@ def check_ranks_agree(cfg: Any, run_dir: Any) -> None:
                   if theirs["reads"][k][1] != first["reads"][k][1]]
         if differ:
             option = differ[0]
+            there, here = (shown(str(r["reads"][option][0])) for r in (theirs, first))
             raise ConfigError(
                 f"rank {rank} reads other files than rank 0 for {option} (there "
-                f"{theirs['reads'][option][0]}, rank 0: {first['reads'][option][0]}): its "
+                f"{there}, rank 0: {here}): its "
                 f"path may differ between nodes, what it holds may not (another revision "
                 f"of a hub model, a tokenizer or weights changed on one node)")
         if theirs["run"] != first["run"]:
             raise RunDirError(f"rank {rank} does not see the run directory rank 0 claimed "
-                              f"({run_dir}: run {first['run']}, there {theirs['run']}): it "
+                              f"({shown(run_dir)}: run {first['run']}, there {theirs['run']}): it "
                               f"must be on storage every node sees, at the same path")

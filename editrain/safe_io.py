@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from editrain.errors import CheckpointError, RunDirError
+from editrain.paths import shown
 
 __all__ = ["MAX_DEPTH", "QUOTE_CHARS", "Bool", "Field", "Int", "List", "Map", "Num", "Obj", "Str",
            "check_no_links", "make_dir", "open_write", "quote", "read_bytes", "read_json",
@@ -132,7 +133,7 @@ def check_no_links(path: str | Path, root: str | Path | None = None) -> None:
     path = Path(path)
     for p in _below(path, Path(root) if root is not None else None):
         if _is_link(p):
-            raise RunDirError(f"{p}: is a symbolic link; editrain writes only regular files "
+            raise RunDirError(f"{shown(p)}: is a symbolic link; editrain writes only regular files "
                               "and directories there and never follows a link (remove it)")
 
 
@@ -163,14 +164,14 @@ def make_dir(path: str | Path, root: str | Path | None = None) -> Path:
         except FileExistsError:
             pass
         except OSError as e:
-            raise RunDirError(f"{p}: cannot create the directory ({e.strerror})") from None
+            raise RunDirError(f"{shown(p)}: cannot create the directory ({e.strerror})") from None
         mode = os.lstat(p).st_mode
         if stat.S_ISLNK(mode):
-            raise RunDirError(f"{p}: is a symbolic link; editrain writes only into "
+            raise RunDirError(f"{shown(p)}: is a symbolic link; editrain writes only into "
                               "directories it finds or creates there, never through a link "
                               "(remove it)")
         if not stat.S_ISDIR(mode):
-            raise RunDirError(f"{p}: is not a directory; editrain writes a directory there "
+            raise RunDirError(f"{shown(p)}: is not a directory; editrain writes a directory there "
                               "(move it away)")
     return path
 
@@ -199,12 +200,12 @@ def open_write(path: str | Path, mode: str = "w", *, root: str | Path | None = N
         fd = os.open(path, flags, perm)
     except OSError as e:
         if _is_link(path):
-            raise RunDirError(f"{path}: is a symbolic link; editrain writes only regular "
+            raise RunDirError(f"{shown(path)}: is a symbolic link; editrain writes only regular "
                               "files there and never follows a link (remove it)") from None
-        raise RunDirError(f"{path}: cannot open for writing ({e.strerror})") from None
+        raise RunDirError(f"{shown(path)}: cannot open for writing ({e.strerror})") from None
     if not stat.S_ISREG(os.fstat(fd).st_mode):
         os.close(fd)
-        raise RunDirError(f"{path}: is not a regular file; editrain writes a regular file "
+        raise RunDirError(f"{shown(path)}: is not a regular file; editrain writes a regular file "
                           "there (move it away)")
     os.set_blocking(fd, True)
     pymode = {"w": "w", "a": "a", "r+": "r+", "a+": "a+", "c+": "r+"}[mode] + (
@@ -251,12 +252,12 @@ def regular_size(path: str | Path, *, error: type[Exception] = CheckpointError,
     try:
         st = os.lstat(path)
     except OSError as e:
-        raise error(f"{path}: cannot read the {what} ({e.strerror})") from None
+        raise error(f"{shown(path)}: cannot read the {what} ({e.strerror})") from None
     if stat.S_ISLNK(st.st_mode):
-        raise error(f"{path}: the {what} is a symbolic link; editrain reads only regular "
+        raise error(f"{shown(path)}: the {what} is a symbolic link; editrain reads only regular "
                     "files there")
     if not stat.S_ISREG(st.st_mode):
-        raise error(f"{path}: the {what} is not a regular file")
+        raise error(f"{shown(path)}: the {what} is not a regular file")
     return st.st_size
 
 
@@ -276,15 +277,15 @@ def read_bytes(path: str | Path, max_bytes: int, *, error: type[Exception] = Che
                      | getattr(os, "O_CLOEXEC", 0))
     except OSError as e:
         if _is_link(Path(path)):
-            raise error(f"{path}: the {what} is a symbolic link; editrain reads only "
+            raise error(f"{shown(path)}: the {what} is a symbolic link; editrain reads only "
                         "regular files there") from None
-        raise error(f"{path}: cannot read the {what} ({e.strerror})") from None
+        raise error(f"{shown(path)}: cannot read the {what} ({e.strerror})") from None
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
-            raise error(f"{path}: the {what} is not a regular file")
+            raise error(f"{shown(path)}: the {what} is not a regular file")
         if st.st_size > max_bytes:
-            raise error(f"{path}: the {what} has {st.st_size} bytes, more than the "
+            raise error(f"{shown(path)}: the {what} has {st.st_size} bytes, more than the "
                         f"{max_bytes} it can hold; refusing to read it")
         chunks, left = [], st.st_size
         while left > 0:
@@ -294,7 +295,7 @@ def read_bytes(path: str | Path, max_bytes: int, *, error: type[Exception] = Che
             chunks.append(chunk)
             left -= len(chunk)
         if os.read(fd, 1):  # grew while read: not what fstat said
-            raise error(f"{path}: the {what} changed while it was read")
+            raise error(f"{shown(path)}: the {what} changed while it was read")
         return b"".join(chunks)
     finally:
         os.close(fd)
@@ -413,9 +414,10 @@ def read_json(path: str | Path, *, max_bytes: int, schema: Field | None = None,
         ``error``: one line naming the file (and the field) and what is wrong.
     """
     data = read_bytes(path, max_bytes, error=error, what=what)
-    value = read_json_value(data, str(path), error=error)
+    where = shown(path)
+    value = read_json_value(data, where, error=error)
     if schema is not None:
-        schema.check(value, str(path), "", error)
+        schema.check(value, where, "", error)
     return value
 
 

@@ -44,6 +44,7 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import LoadItemType
 
 from editrain.errors import CheckpointError
+from editrain.paths import shown
 from editrain.safe_io import read_bytes, regular_size
 
 __all__ = ["METADATA_CLASSES", "SafeFileSystemReader", "SafeLoadPlanner", "check_storage",
@@ -114,13 +115,13 @@ def read_metadata(ckpt: str | Path, max_bytes: int = METADATA_MAX_BYTES) -> Meta
     try:
         metadata = _MetadataUnpickler(io.BytesIO(data)).load()
     except CheckpointError as e:
-        raise CheckpointError(f"{path}: {e}") from None
+        raise CheckpointError(f"{shown(path)}: {e}") from None
     except Exception as e:  # truncated or garbled pickle: any of a dozen exception types
-        raise CheckpointError(f"{path}: corrupt checkpoint metadata ({type(e).__name__}: "
+        raise CheckpointError(f"{shown(path)}: corrupt checkpoint metadata ({type(e).__name__}: "
                               f"{e})") from None
     problem = _metadata_problem(metadata)
     if problem:
-        raise CheckpointError(f"{path}: not DCP metadata as editrain reads it: {problem}")
+        raise CheckpointError(f"{shown(path)}: not DCP metadata as editrain reads it: {problem}")
     return metadata
 
 
@@ -193,7 +194,7 @@ def check_storage(ckpt: str | Path, metadata: Metadata) -> None:
                   [MetadataIndex(fqn, chunk.offsets) for chunk in item.chunks])
         for index in wanted:
             if index not in stored:
-                raise CheckpointError(f"{ckpt / METADATA_FILE}: cannot read checkpoint data: "
+                raise CheckpointError(f"{shown(ckpt / METADATA_FILE)}: cannot read checkpoint data: "
                                       f"item {fqn} has no storage entry")
     sizes: dict[str, int] = {}
     for index, info in metadata.storage_data.items():
@@ -205,12 +206,12 @@ def check_storage(ckpt: str | Path, metadata: Metadata) -> None:
                            if os.path.lexists(path) else -1)
         size = sizes[name]
         if size < 0:
-            raise CheckpointError(f"{ckpt / name}: cannot read checkpoint data: the file is "
-                                  f"missing (it holds {index.fqn})")
+            raise CheckpointError(f"{shown(ckpt / name)}: cannot read checkpoint data: the file "
+                                  f"is missing (it holds {index.fqn})")
         end = info.offset + info.length
         if end > size:
-            raise CheckpointError(f"{ckpt / name}: cannot read checkpoint data: the file is "
-                                  f"truncated ({size} bytes; {index.fqn} is stored at bytes "
+            raise CheckpointError(f"{shown(ckpt / name)}: cannot read checkpoint data: the file "
+                                  f"is truncated ({size} bytes; {index.fqn} is stored at bytes "
                                   f"{info.offset}..{end})")
 
 
@@ -268,7 +269,7 @@ def read_bytes_item(ckpt: str | Path, metadata: Metadata, fqn: str) -> Any:
             file).
     """
     path, data = _read_stored(ckpt, metadata, MetadataIndex(fqn))
-    return decode_plain(data, f"{path}: item {fqn}")
+    return decode_plain(data, f"{shown(path)}: item {fqn}")
 
 
 def _read_stored(ckpt: str | Path, metadata: Metadata, index: MetadataIndex,
@@ -276,18 +277,19 @@ def _read_stored(ckpt: str | Path, metadata: Metadata, index: MetadataIndex,
     """The file and the bytes of one stored item (``max_bytes``: refused unread if more)."""
     info = metadata.storage_data.get(index)
     if info is None:
-        raise CheckpointError(f"{Path(ckpt) / METADATA_FILE}: item {index.fqn} has no "
+        raise CheckpointError(f"{shown(Path(ckpt) / METADATA_FILE)}: item {index.fqn} has no "
                               "storage entry")
     path = Path(ckpt) / info.relative_path
     if max_bytes is not None and info.length > max_bytes:
-        raise CheckpointError(f"{path}: item {index.fqn} takes {info.length} bytes, more "
+        raise CheckpointError(f"{shown(path)}: item {index.fqn} takes {info.length} bytes, more "
                               f"than the {max_bytes} it may hold")
     try:
         with open(path, "rb") as f:
             f.seek(info.offset)
             return path, f.read(info.length)
     except OSError as e:
-        raise CheckpointError(f"{path}: cannot read checkpoint data: {e}") from None
+        raise CheckpointError(f"{shown(path)}: cannot read checkpoint data "
+                              f"({e.strerror or e})") from None
 
 
 def read_tensor_item(ckpt: str | Path, metadata: Metadata, fqn: str,
@@ -309,18 +311,18 @@ def read_tensor_item(ckpt: str | Path, metadata: Metadata, fqn: str,
     """
     item = metadata.state_dict_metadata.get(fqn)
     if not isinstance(item, TensorStorageMetadata) or len(item.chunks) != 1:
-        raise CheckpointError(f"{Path(ckpt) / METADATA_FILE}: item {fqn} is not a tensor "
+        raise CheckpointError(f"{shown(Path(ckpt) / METADATA_FILE)}: item {fqn} is not a tensor "
                               "saved whole by one rank")
     path, data = _read_stored(ckpt, metadata, MetadataIndex(fqn, item.chunks[0].offsets),
                               max_bytes)
     try:
         tensor = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
     except Exception as e:  # noqa: BLE001 - any decoding failure is a corrupt file
-        raise CheckpointError(f"{path}: item {fqn} does not decode as a tensor "
+        raise CheckpointError(f"{shown(path)}: item {fqn} does not decode as a tensor "
                               f"({type(e).__name__})") from None
     if (not isinstance(tensor, torch.Tensor) or tensor.dtype != item.properties.dtype
             or tuple(tensor.shape) != tuple(item.size)):
-        raise CheckpointError(f"{path}: item {fqn} is not the tensor its metadata describes")
+        raise CheckpointError(f"{shown(path)}: item {fqn} is not the tensor its metadata describes")
     return tensor
 
 
@@ -346,7 +348,7 @@ class SafeFileSystemReader(FileSystemReader):
                 writes one global ``.metadata``.
         """
         if kwargs.get("rank") is not None:
-            raise CheckpointError(f"{self._dir}: no per-rank metadata is read")
+            raise CheckpointError(f"{shown(self._dir)}: no per-rank metadata is read")
         metadata = read_metadata(self._dir, self._max_metadata)
         if metadata.storage_meta is None:
             metadata.storage_meta = StorageMeta()
@@ -364,7 +366,7 @@ class SafeFileSystemReader(FileSystemReader):
         if not isinstance(planner, SafeLoadPlanner):
             for item in plan.items:
                 if item.type == LoadItemType.BYTE_IO:
-                    raise CheckpointError(f"{self._dir}: refusing non-tensor item "
+                    raise CheckpointError(f"{shown(self._dir)}: refusing non-tensor item "
                                           f"{item.storage_index.fqn} (only a SafeLoadPlanner "
                                           "may decode one)")
         return super().read_data(plan, planner)

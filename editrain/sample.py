@@ -45,6 +45,7 @@ from editrain.models.hf_dir import (
 )
 from editrain.models.hf_llama import is_llama_config, llama_config_from_hf
 from editrain.models.llama import KVCache, Llama, fill_rope
+from editrain.paths import shown
 
 __all__ = ["Loaded", "continuation", "generate", "load_for_sampling"]
 
@@ -63,18 +64,18 @@ class Loaded:
 def _hf_dir_model(path: Path) -> tuple[nn.Module, int]:
     data = read_config(path, option="sample")
     weights = inspect_weights(path, option="sample")
-    check_weights_match(data, weights.tensors, f"{path}/config.json", option="sample")
+    check_weights_match(data, weights.tensors, shown(path / "config.json"), option="sample")
     shapes = {n: t.shape for n, t in weights.tensors.items()}
     if is_llama_config(data):
-        cfg = llama_config_from_hf(data, f"sample: {path}/config.json")
+        cfg = llama_config_from_hf(data, f"sample: {shown(path / 'config.json')}")
         # every weight comes from the directory: no seeded build first
-        model: nn.Module = build_checked(lambda: Llama(cfg), shapes, str(path), "sample",
+        model: nn.Module = build_checked(lambda: Llama(cfg), shapes, shown(path), "sample",
                                          real=False).to_empty(device="cpu")
         fill_rope(model)
         max_len = cfg.max_seq_len
     else:
         model = build_checked(lambda: HFCausalLM.from_config_dict(data, path=path, option="sample"), shapes,
-                              str(path), "sample")
+                              shown(path), "sample")
         max_len = hf_int(data, "positions") or 2048
     load_hf_weights(model, path, weights)
     return model, max_len
@@ -94,7 +95,7 @@ def _checkpoint_model(path: Path, replica: int | None) -> tuple[nn.Module, int, 
     # Hugging Face model's head); every tensor of the checkpoint must land on a parameter.
     missing, unexpected = model.load_state_dict(tensors, strict=False, assign=llama)
     if unexpected or set(missing) - set(tied_aliases(model)):
-        raise ValueError(f"sample: {ckpt} does not fit its own model: missing {missing[:3]}, "
+        raise ValueError(f"sample: {shown(ckpt)} does not fit its own model: missing {missing[:3]}, "
                          f"unexpected {unexpected[:3]}")
     if llama:
         fill_rope(model, "cpu")
@@ -123,7 +124,7 @@ def load_for_sampling(path: str | Path, replica: int | None = None) -> Loaded:
         model, max_len, tok_dir, source = _checkpoint_model(p, replica)
     tok_path = tokenizer_file(tok_dir)
     if tok_path is None:
-        raise ValueError(f"sample: no tokenizer.json in {tok_dir}")
+        raise ValueError(f"sample: no tokenizer.json in {shown(tok_dir)}")
     tokenizer = Tokenizer.from_file(str(tok_path))
     eos_text = special_tokens(tok_dir).get("eos")
     eos = tokenizer.token_to_id(eos_text) if eos_text else None

@@ -140,7 +140,7 @@ def test_a_record_nested_too_deep_is_one_line_not_a_recursion_error(tmp_path, ki
             continue
         with pytest.raises(ValueError) as e:  # when the sources are checked, or read
             list(iter_records(resolve_sources([str(path)])))
-        where = f"{path}:4" if kind == "jsonl" else str(path)
+        where = f"{shown(path)}:4" if kind == "jsonl" else shown(path)
         assert str(e.value) == (f"data.path: {where}: not JSON editrain reads: nested deeper "
                                 "than 256 levels")
 
@@ -150,10 +150,10 @@ def test_a_record_nested_too_deep_is_one_line_not_a_recursion_error(tmp_path, ki
 
 def test_missing_text_field_names_option_source_and_fields(tmp_path, hf_datasets):
     jsonl = _write(tmp_path / "x.jsonl", json.dumps({"body": "a", "id": 1}) + "\n")
-    with pytest.raises(ValueError, match=r'^data\.text_field: .*x\.jsonl:1.*"text".*body, id'):
+    with pytest.raises(ValueError, match=r'^data\.text_field: .*x\.jsonl":1.*"text".*body, id'):
         resolve_sources(str(jsonl))  # found when resolving, before any tokenisation
     listed = _write(tmp_path / "x.json", json.dumps([{"body": "a"}]))
-    with pytest.raises(ValueError, match=r'^data\.text_field: .*x\.json\[0\].*"text".*body'):
+    with pytest.raises(ValueError, match=r'^data\.text_field: .*x\.json"\[0\].*"text".*body'):
         resolve_sources(str(listed))
     parquet = tmp_path / "x.parquet"
     hf_datasets.Dataset.from_dict({"body": ["a"], "n": [1]}).to_parquet(str(parquet))
@@ -290,7 +290,7 @@ def test_hf_dataset_not_cached_offline_is_a_one_line_error(tmp_path):
     assert proc.returncode == 2, proc.stderr
     assert "Traceback" not in proc.stderr
     line = proc.stderr.strip().splitlines()[-1]
-    assert line.startswith("editrain: error: data.path: cannot load hf:nobody/not-cached:cfg@train")
+    assert line.startswith('editrain: error: data.path: cannot load "hf:nobody/not-cached:cfg@train"')
     assert str(tmp_path / "hf-home") in line  # where the cache was looked for
 
 

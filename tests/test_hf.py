@@ -101,7 +101,7 @@ def test_an_architecture_editrain_cannot_train_is_refused_before_launch(
     ``blocks=model.my_layers``, which the command line has no option for)."""
     path = tmp_path / "config.json"
     path.write_text(json.dumps(config))
-    with pytest.raises(ConfigError, match=f"^model.hf_config: {path} {refusal}") as e:
+    with pytest.raises(ConfigError, match=f"^model.hf_config: \"{path}\" {refusal}") as e:
         load_config(overrides={"model": {"hf_config": str(path)}})
     assert "\n" not in str(e.value)
 

@@ -34,6 +34,7 @@ from editrain.models.hf_llama import (
     llama_config_to_hf,
     to_hf_name,
 )
+from editrain.paths import shown
 from editrain.spawn import run_ranks
 from tests.cli import run_cli
 from tests.hf_io_workers import MESHES, load_worker
@@ -271,7 +272,7 @@ def big_tokenizer(tmp: Path) -> Path:
 def test_bad_directories_are_refused_in_one_line(dirs, tmp_path):
     ok = load_config(overrides={"model": {"init_from": str(dirs["llama"])}})
     assert ok.model.init_from == str(dirs["llama"])
-    _refused(tmp_path, tmp_path / "missing", "model.init_from: .*missing is not a directory")
+    _refused(tmp_path, tmp_path / "missing", "model.init_from: .*missing\" is not a directory")
     empty = tmp_path / "empty"
     empty.mkdir()
     _refused(tmp_path, empty, "model.init_from: .*has no config.json")
@@ -279,19 +280,19 @@ def test_bad_directories_are_refused_in_one_line(dirs, tmp_path):
     _refused(tmp_path, empty, "model.init_from: .*has no weights")
     # a pickle is never loaded, whatever it holds
     (empty / "pytorch_model.bin").write_bytes(b"not even read")
-    _refused(tmp_path, empty, "pytorch_model.bin, a pickle-based weight file .* never loads")
+    _refused(tmp_path, empty, "pytorch_model.bin\", a pickle-based weight file .* never loads")
     # a weight file that is a link out of the directory
     linked = tmp_path / "linked"
     linked.mkdir()
     for f in ("config.json", "tokenizer.json", "tokenizer_config.json"):
         (linked / f).write_bytes((dirs["llama"] / f).read_bytes())
     (linked / "model.safetensors").symlink_to(dirs["llama"] / "model.safetensors")
-    _refused(tmp_path, linked, "model.safetensors is a link to .*, outside")
+    _refused(tmp_path, linked, "model.safetensors\" is a link to .*, outside")
     # truncated, and a header length beyond the file
     cut = _copy(dirs["llama"], tmp_path / "cut")
     blob = (cut / "model.safetensors").read_bytes()
     (cut / "model.safetensors").write_bytes(blob[:-100])
-    _refused(tmp_path, cut, "model.init_from: .*model.safetensors is truncated or corrupt "
+    _refused(tmp_path, cut, "model.init_from: .*model.safetensors\" is truncated or corrupt "
              r"\(tensor")
     (cut / "model.safetensors").write_bytes(struct.pack("<Q", 2**40) + blob[8:])
     _refused(tmp_path, cut, "truncated or corrupt \\(header of 1099511627776 bytes")
@@ -314,7 +315,7 @@ def test_bad_directories_are_refused_in_one_line(dirs, tmp_path):
     bare.mkdir()
     for f in ("config.json", "model.safetensors"):
         (bare / f).write_bytes((dirs["llama"] / f).read_bytes())
-    _refused(tmp_path, bare, "model.init_from: .*bare has no tokenizer.json, and a new "
+    _refused(tmp_path, bare, "model.init_from: .*bare\" has no tokenizer.json, and a new "
              "tokenizer's ids would mean nothing to its weights: name the model's tokenizer "
              "with data.tokenizer")
     # a tokenizer of more ids than the embedding has rows
@@ -330,12 +331,12 @@ def test_bad_directories_are_refused_in_one_line(dirs, tmp_path):
     mamba = tmp_path / "mamba"
     transformers.MambaForCausalLM(transformers.MambaConfig(
         vocab_size=320, hidden_size=32, num_hidden_layers=2, state_size=4)).save_pretrained(mamba)
-    _refused(tmp_path, mamba, f"^model.init_from: {mamba} describes a MambaForCausalLM, whose "
+    _refused(tmp_path, mamba, f"^model.init_from: {shown(mamba)} describes a MambaForCausalLM, whose "
              "layers are in none of the places editrain looks for a causal LM's transformer "
              "blocks")
     from editrain.sample import load_for_sampling  # and so is editrain sample DIR of it
 
-    with pytest.raises(ValueError, match=re.escape(f"sample: {mamba} describes a "
+    with pytest.raises(ValueError, match=re.escape(f"sample: {shown(mamba)} describes a "
                                                    "MambaForCausalLM, whose layers are in none")):
         load_for_sampling(mamba)
     with pytest.raises(ConfigError, match="remove model.dim"):
@@ -384,10 +385,10 @@ def test_only_the_files_the_index_names_are_weights(dirs, tmp_path, monkeypatch)
     moved = next(k for k, v in names["weight_map"].items() if v == files[-1])
     for case, weight_map, match in (
             ("elsewhere", {**names["weight_map"], moved: files[0]},
-             f"{files[-1]} holds \"{moved}\", which model.safetensors.index.json places in "
-             f"{files[0]}"),
+             f"\"{files[-1]}\" holds \"{moved}\", which model.safetensors.index.json places in "
+             f"\"{files[0]}\""),
             ("unlisted", {k: v for k, v in names["weight_map"].items() if k != moved},
-             f"{files[-1]} holds \"{moved}\", which model.safetensors.index.json does not list")):
+             f"\"{files[-1]}\" holds \"{moved}\", which model.safetensors.index.json does not list")):
         bad = _copy(dirs["llama_sharded"], tmp_path / case)
         (bad / "model.safetensors.index.json").write_text(
             json.dumps({**names, "weight_map": weight_map}))
@@ -397,7 +398,7 @@ def test_only_the_files_the_index_names_are_weights(dirs, tmp_path, monkeypatch)
     rest = {k: t for k, t in _file(lost / files[-1]).items() if k != moved}
     save_file(rest, lost / files[-1], metadata={"format": "pt"})
     _refused(tmp_path, lost, f"model.init_from: model.safetensors.index.json places "
-             f'"{moved}" in {files[-1]}, which does not hold it')
+             f'"{moved}" in "{files[-1]}", which does not hold it')
 
 
 def test_the_hubs_layout_of_a_converted_architecture_is_refused_with_the_way_out(
@@ -476,12 +477,12 @@ def test_a_snapshot_of_the_hub_cache_is_a_model_directory(dirs, tmp_path):
     victim = sorted(snap.glob("model-*.safetensors"))[0]
     victim.unlink()
     victim.symlink_to(dirs["llama_sharded"] / victim.name)
-    _refused(tmp_path, snap, f"{victim.name} is a link to .*, outside .*{REVISION} \\(and not "
+    _refused(tmp_path, snap, f"{victim.name}\" is a link to .*, outside .*{REVISION}\" \\(and not "
              "into its Hugging Face cache's blobs/\\)")
     # the same links without the cache's layout (no models--ORG--NAME above snapshots/)
     plain = tmp_path / "plain"
     shutil.copytree(tmp_path / "llama" / "models--me--tiny", plain, symlinks=True)
-    _refused(tmp_path, plain / "snapshots" / REVISION, "model.safetensors is a link to .*"
+    _refused(tmp_path, plain / "snapshots" / REVISION, "model.safetensors\" is a link to .*"
              "outside")
 
 
@@ -503,7 +504,7 @@ def test_hf_ids_name_models_of_the_hub_cache_where_the_user_keeps_it(dirs, tmp_p
     by_path = run_cli([*sample[:1], str(snap), *sample[1:]], env=env)
     assert by_id.returncode == 0 and by_id.stdout == by_path.stdout, by_id.stderr
     for spec, said in (("hf:me/other", "me/other is not in the Hugging Face cache "
-                        f"({hub}, set by HF_HOME or HF_HUB_CACHE)"),
+                        f"({shown(hub)}, set by HF_HOME or HF_HUB_CACHE)"),
                        ("hf:me/tiny@v2", "me/tiny@v2 is not in the Hugging Face cache"),
                        ("hf:not a repo", '"hf:not a repo" is not hf:ORG/NAME[@REVISION]')):
         out = run_cli(["data", "--model.init_from", spec, "--data.path", str(dirs["corpus"]),
@@ -996,7 +997,7 @@ def test_a_fault_tolerant_runs_directory_names_its_checkpoints(tmp_path):
                                               r"checkpoint \(groups with checkpoints: 0, 1\)$"):
         find_checkpoint(run, "sample", replica=2)
     (tmp_path / "empty").mkdir()
-    with pytest.raises(CheckpointError, match=r"^export: .*empty is neither a complete "
+    with pytest.raises(CheckpointError, match=r"^export: .*empty\" is neither a complete "
                                               r"checkpoint .* a fault-tolerant run's\)$"):
         find_checkpoint(tmp_path / "empty")
 
@@ -1275,7 +1276,7 @@ def test_an_id_outside_the_vocabulary_is_refused_before_the_export_writes(
     path.write_text(json.dumps({**json.loads(path.read_text()), key: value}))
     with pytest.raises(CheckpointError) as e:
         export_checkpoint(run, out)
-    assert str(e.value) == (f"export: {path}: {key} is {json.dumps(value)}, not a token of "
+    assert str(e.value) == (f"export: {shown(path)}: {key} is {json.dumps(value)}, not a token of "
                             f"the model's vocabulary (an id from {allowed}" + (
                                 " of such ids, or null)" if "list" in allowed else ")"))
     assert {f.name: f.read_bytes() for f in out.iterdir()} == before
@@ -1294,13 +1295,13 @@ def test_ids_an_export_would_refuse_are_refused_before_the_run_trains(dirs, tmp_
         bad = _copy(dirs["qwen"], tmp_path / f"bad_{key}")
         data = json.loads((bad / file).read_text())
         (bad / file).write_text(json.dumps({**data, key: 50256}))
-        _refused(tmp_path, bad, re.escape(f"model.init_from: {bad / file}: {key} is 50256, "
+        _refused(tmp_path, bad, re.escape(f"model.init_from: {shown(bad / file)}: {key} is 50256, "
                                           f"{allowed}") + ".*; editrain export writes these "
                  "ids for transformers to read, and would refuse them after training")
     tok_dir = _copy(dirs["qwen"], tmp_path / "tok")
     config = json.loads((tok_dir / "tokenizer_config.json").read_text())
     (tok_dir / "tokenizer_config.json").write_text(json.dumps({**config, "pad_token": "<pad>"}))
-    _refused(tmp_path, dirs["llama"], re.escape(f"data.tokenizer: {tok_dir}: its tokenizer "
+    _refused(tmp_path, dirs["llama"], re.escape(f"data.tokenizer: {shown(tok_dir)}: its tokenizer "
                                                 "files name the pad token \"<pad>\""),
              tokenizer=str(tok_dir))
 
@@ -1315,7 +1316,7 @@ def test_a_tokenizer_directorys_ids_are_checked_against_editrains_own_llama(dirs
     (tok_dir / "generation_config.json").write_text(json.dumps({**config,
                                                                  "eos_token_id": 50256}))
     with pytest.raises(ConfigError, match=re.escape(
-            f"data.tokenizer: {tok_dir / 'generation_config.json'}: eos_token_id is 50256, "
+            f"data.tokenizer: {shown(tok_dir / 'generation_config.json')}: eos_token_id is 50256, "
             "not a token of the model's vocabulary")) as e:
         load_config(overrides={"data": {"tokenizer": str(tok_dir),
                                         "cache_dir": str(tmp_path / "cache")}})
@@ -1339,11 +1340,12 @@ def test_an_export_into_what_editrain_keeps_for_a_run_is_refused(dirs, tmp_path)
     _init_from_run(run, dirs["llama"], dirs["llama"])
     ckpt = run / "checkpoints" / "step_00000001"
     files = sorted(p.name for p in ckpt.iterdir())
-    for out, inside in [(ckpt / "hf", f"lies inside the checkpoint {ckpt}"),
-                        (run / "checkpoints" / "hf", f"lies in {run / 'checkpoints'}"),
-                        (run / "tokenizer" / "hf", f"lies in {run / 'tokenizer'}"),
-                        (run / "export" / "hf", f"lies in {run / 'export'}")]:
-        with pytest.raises(CheckpointError, match=re.escape(f"export: OUT {out} {inside}")) as e:
+    for out, inside in [(ckpt / "hf", f"lies inside the checkpoint {shown(ckpt)}"),
+                        (run / "checkpoints" / "hf", f"lies in {shown(run / 'checkpoints')}"),
+                        (run / "tokenizer" / "hf", f"lies in {shown(run / 'tokenizer')}"),
+                        (run / "export" / "hf", f"lies in {shown(run / 'export')}")]:
+        with pytest.raises(CheckpointError,
+                           match=re.escape(f"export: OUT {shown(out)} {inside}")) as e:
             export_checkpoint(run, out)
         assert "\n" not in str(e.value) and not out.exists()
     assert sorted(p.name for p in ckpt.iterdir()) == files
@@ -1365,7 +1367,7 @@ def test_a_special_token_the_tokenizer_lacks_is_refused(dirs, llama3_eos, tmp_pa
     (tok_dir / "tokenizer_config.json").write_text(json.dumps({**config,
                                                                 "pad_token": "<pad>"}))
     _init_from_run(tmp_path / "run", llama3_eos, tok_dir)
-    with pytest.raises(CheckpointError, match=r"^export: .*tokenizer: its tokenizer files "
+    with pytest.raises(CheckpointError, match=r"^export: .*tokenizer\": its tokenizer files "
                                               r'name the pad token "<pad>", which its '
                                               r"tokenizer.json does not hold; name a token "
                                               r"of its vocabulary$"):

@@ -48,6 +48,7 @@ from editrain.checkpoint import (
 )
 from editrain.errors import CheckpointError, ConfigError, RunDirError
 from editrain.metrics import MetricsWriter, RankLog, plot_runs, read_jsonl
+from editrain.paths import shown
 from editrain.safe_io import (
     check_no_links,
     cut_partial_line,
@@ -200,7 +201,7 @@ def test_the_example_metrics_link_is_refused_by_resume_before_any_work(tmp_path)
     ckpt.mkdir(parents=True)
     rec = rundir.read_record(run)
     (ckpt / "editrain.json").write_text(json.dumps({"step": 4, "run_id": rec.run_id}))
-    with pytest.raises(RunDirError, match="metrics.jsonl is a symbolic link"):
+    with pytest.raises(RunDirError, match="metrics.jsonl\" is a symbolic link"):
         rundir.check(run, overwrite=False, resume=[ckpt])
     _untouched(victim, outside_dir)
 
@@ -438,14 +439,14 @@ def test_toml_nested_too_deep_is_one_line_everywhere(tmp_path, capsys):
     said = "not TOML editrain reads: nested deeper than 64 levels"
     with pytest.raises(ConfigError, match=f"^--config: .*deep.toml\"?: {said}$"):
         load_config(deep)
-    with pytest.raises(ConfigError, match=f"^plan: .*deep.toml: {said}$"):
+    with pytest.raises(ConfigError, match=f"^plan: .*deep.toml\": {said}$"):
         load_inputs(deep)
     run = tmp_path / "run"
     run.mkdir()
     (run / "config.toml").write_text(DEEP_TOML)
     with pytest.raises(ConfigError, match=f"^--resume: .*: {said}; give the run's options"):
         load_resumed_config(str(run), {})
-    with pytest.raises(ConfigError, match=f"^plan: .*config.toml: {said}$"):
+    with pytest.raises(ConfigError, match=f"^plan: .*config.toml\": {said}$"):
         read_config(run)
     # a command-line value nested that deep is a string, refused by the option's type
     assert parse_scalar("[" * 5000 + "]" * 5000) == "[" * 5000 + "]" * 5000
@@ -472,7 +473,7 @@ def test_a_config_file_is_read_bounded_and_a_link_to_it_followed(tmp_path):
     assert load_config(tmp_path / "link.toml").train.steps == 7
     with open(tmp_path / "big.toml", "wb") as f:
         f.truncate(CONFIG_MAX_BYTES + 1)
-    with pytest.raises(ConfigError, match="^--config: .*big.toml: the configuration has "):
+    with pytest.raises(ConfigError, match="^--config: .*big.toml\": the configuration has "):
         load_config(tmp_path / "big.toml")
 
 
@@ -514,14 +515,14 @@ def test_model_directory_json_nested_too_deep_is_one_line(tmp_path):
     for read, option in ((read_config, "model.init_from"), (read_hf_config, "model.hf_config")):
         with pytest.raises(ValueError) as e:
             read(tmp_path)
-        assert str(e.value) == (f"{option}: {tmp_path / 'config.json'}: not JSON editrain "
+        assert str(e.value) == (f"{option}: {shown(tmp_path / 'config.json')}: not JSON editrain "
                                 "reads: nested deeper than 64 levels")
     (tmp_path / "tokenizer_config.json").write_text(deep)
-    with pytest.raises(ValueError, match=r"^data.tokenizer: .*tokenizer_config.json: not JSON "
+    with pytest.raises(ValueError, match=r"^data.tokenizer: .*tokenizer_config.json\": not JSON "
                                          r"editrain reads: nested deeper"):
         special_tokens(tmp_path)
     (tmp_path / "model.safetensors.index.json").write_text(deep)
-    with pytest.raises(ValueError, match=r"^model.init_from: .*index.json: not JSON editrain "
+    with pytest.raises(ValueError, match=r"^model.init_from: .*index.json\": not JSON editrain "
                                          r"reads: nested deeper"):
         inspect_weights(tmp_path)
     import struct
@@ -529,7 +530,7 @@ def test_model_directory_json_nested_too_deep_is_one_line(tmp_path):
     header = deep.encode()
     (tmp_path / "model.safetensors.index.json").unlink()
     (tmp_path / "model.safetensors").write_bytes(struct.pack("<Q", len(header)) + header)
-    with pytest.raises(ValueError, match=r"^model.init_from: .*model.safetensors is corrupt "
+    with pytest.raises(ValueError, match=r"^model.init_from: .*model.safetensors\" is corrupt "
                                          r"\(its safetensors header: .*nested deeper"):
         inspect_weights(tmp_path)
 
@@ -559,7 +560,7 @@ def test_a_safetensors_header_is_read_strictly(tmp_path, entry):
     with pytest.raises(ValueError) as info:
         read_safetensors_header(path)
     msg = str(info.value)
-    assert "\n" not in msg and msg.startswith(f"model.init_from: {path}"), msg
+    assert "\n" not in msg and msg.startswith(f"model.init_from: {shown(path)}"), msg
     assert '"w"' in msg, msg
     good = json.dumps({"w": {"dtype": "F32", "shape": [2, 1], "data_offsets": [0, 8]}}).encode()
     path.write_bytes(struct.pack("<Q", len(good)) + good + bytes(8))
@@ -820,7 +821,7 @@ def test_a_marker_claiming_more_layers_than_its_weights_is_refused_before_a_buil
     (ckpt / "editrain.json").write_text(json.dumps(marker))
     for command in (lambda: export_checkpoint(run, tmp_path / "out"),
                     lambda: load_for_sampling(run)):
-        with pytest.raises(ConfigError, match=r"editrain.json has n_layers = .*, but its "
+        with pytest.raises(ConfigError, match=r"editrain.json\" has n_layers = .*, but its "
                                               r"weights hold 2 layers") as e:
             command()
         assert "\n" not in str(e.value)
@@ -912,7 +913,7 @@ def test_a_refused_torchrun_job_is_refused_again_when_torchrun_restarts_it(
          "--checkpoint.every", "2", "--run-dir", str(run)],
         capture_output=True, text=True, env=_torchrun_env(), timeout=180)
     assert proc.returncode != 0, proc.stderr[-3000:]
-    assert proc.stderr.count(f"--run-dir: {run} already holds a run") == 4, \
+    assert proc.stderr.count(f"--run-dir: {shown(run)} already holds a run") == 4, \
         proc.stderr[-3000:]
     assert _files(run) == before
 
@@ -983,13 +984,13 @@ def test_hostile_checkpoints_and_run_dirs_end_in_one_line_before_any_worker(
     elif damage == "metrics_link":
         (run / "metrics.jsonl").unlink()
         (run / "metrics.jsonl").symlink_to(victim)
-        expect = "metrics.jsonl is a symbolic link"
+        expect = "metrics.jsonl\" is a symbolic link"
     elif damage.endswith("_dir_link") and damage != "step_dir_link":
         name = damage[:-len("_dir_link")]
         moved = tmp_path / f"{name}-elsewhere"
         shutil.move(str(run / name), moved)
         (run / name).symlink_to(moved, target_is_directory=True)
-        expect = f"{name} is a symbolic link"
+        expect = f"{name}\" is a symbolic link"
     elif damage == "step_dir_link":
         moved = tmp_path / "elsewhere"
         shutil.move(str(ckpt), moved)
@@ -1108,7 +1109,7 @@ def test_the_token_cache_detects_bytes_changed_in_place(run8, data_cache, tmp_pa
     tokens[mid:mid + 4] = (tokens[mid:mid + 4].astype(np.int64) + 1) % meta["vocab_size"]
     tokens.tofile(train)  # same size, every id in range
     assert train.stat().st_size == (entry / "train.bin").stat().st_size
-    with pytest.raises(ValueError, match=r"train\.bin is corrupted \(its checksum"):
+    with pytest.raises(ValueError, match=r"train\.bin\" is corrupted \(its checksum"):
         open_prepared(copy_dir)
     stale = copy.deepcopy(meta)
     del stale["checksums"]
@@ -1155,7 +1156,7 @@ def test_the_token_cache_reads_its_meta_json_strictly(run8, data_cache, tmp_path
     with pytest.raises(ValueError) as info:
         open_prepared(copy_dir)
     msg = str(info.value)
-    assert "\n" not in msg and msg.startswith(f"data.cache_dir: {copy_dir / 'meta.json'}: "), msg
+    assert "\n" not in msg and msg.startswith(f"data.cache_dir: {shown(copy_dir / 'meta.json')}: "), msg
     assert f"'{field}" in msg and "to rebuild it" in msg, msg
 
 
@@ -1267,7 +1268,7 @@ def test_a_benchmark_records_fields_are_read_strictly(tmp_path, field, value, na
     with pytest.raises(ValueError) as got:
         load_record(tmp_path)
     message = str(got.value)
-    assert "\n" not in message and message.startswith(f"{tmp_path / RESULTS_FILE}: field "
+    assert "\n" not in message and message.startswith(f"{shown(tmp_path / RESULTS_FILE)}: field "
                                                       f"'{named}'"), message
 
 
@@ -1310,7 +1311,7 @@ def test_a_records_statistics_are_numbers(tmp_path, results, named):
     (tmp_path / RESULTS_FILE).write_text(json.dumps({**_valid_record(), "results": results}))
     with pytest.raises(ValueError) as got:
         load_record(tmp_path)
-    assert str(got.value).startswith(f"{tmp_path / RESULTS_FILE}: field '{named}'"), got.value
+    assert str(got.value).startswith(f"{shown(tmp_path / RESULTS_FILE)}: field '{named}'"), got.value
 
 
 def _ft_summary() -> dict:
@@ -1372,7 +1373,7 @@ def test_a_run_summarys_fields_are_read_strictly(tmp_path, field, value):
         read_run("r", tmp_path, {})
     message = str(got.value)
     assert "\n" not in message and message.startswith(
-        f"{tmp_path / 'summary.json'}: field '{field}'"), message
+        f"{shown(tmp_path / 'summary.json')}: field '{field}'"), message
 
 
 def test_a_replica_groups_summary_is_read_strictly(tmp_path):
@@ -1390,8 +1391,8 @@ def test_a_replica_groups_summary_is_read_strictly(tmp_path):
         group = _ft_summary()["per_replica"]["1"]
         _set_field(group, field, value)
         (tmp_path / "replica1" / "summary.json").write_text(json.dumps(group))
-        with pytest.raises(RunDirError, match=rf"^{re.escape(str(tmp_path))}/replica1/"
-                                              rf"summary.json: field '{field}'"):
+        with pytest.raises(RunDirError, match=rf"^{re.escape(shown(tmp_path / 'replica1' / 'summary.json'))}: "
+                                              rf"field '{field}'"):
             summarise_groups(tmp_path, 2, [])
 
 

@@ -25,6 +25,7 @@ from editrain.config import Config, ConfigError, dumps_toml, load_config, to_dic
 from editrain.config.applicability import ALWAYS, APPLIES, check_applicable, option_names
 from editrain.config.inputs import PATH_OPTIONS, SHOWN_AS, check_text_options
 from editrain.config.toml_io import toml_key, toml_string
+from editrain.errors import CheckpointError, RunDirError
 from editrain.metrics import to_json
 from editrain.paths import KINDS, check_path
 from editrain.sync.config import METHODS
@@ -783,3 +784,98 @@ def test_a_value_refused_past_the_configuration_checks_is_quoted_as_written():
     for name, call, said in _cases():
         message = _refusal(call)
         assert said in message and "'" not in message.replace("it's", ""), (name, message)
+
+
+# ------------------------------------------- a path named in a refusal: always paths.shown
+AWKWARD_NAMES = ("my run", "a: b", "line\nbreak", "tab\tand\x7fdel")
+"""Directory names a message once showed bare: a space (where does the path end?), a
+colon (which ``:`` ends the path in ``PATH: problem``?), a newline (the message is no
+longer one line) and other control characters (they reach the terminal raw)."""
+
+
+def _path_refusals() -> list[tuple[str, typing.Callable[[Path], object],
+                                   typing.Callable[[Path], Path], str]]:
+    """``(case, call, path named, how)``: a refusal reached with a directory ``d`` of an
+    awkward name, the path it names, and where: ``subject`` (``"PATH": problem``, after any
+    option) or ``inside`` (anywhere in the message)."""
+    from editrain.checkpoint import resolve_resume
+    from editrain.data import resolve_sources
+    from editrain.hf_checkpoint import _prepare_out
+    from editrain.metrics import read_metrics
+    from editrain.models.hf import read_hf_config
+    from editrain.models.hf_dir import inspect_weights, read_config
+    from editrain.rundir import MARKER, RunLock, check, read_marker
+
+    def held_twice(d: Path) -> None:
+        first = RunLock(d).acquire()
+        try:
+            RunLock(d).acquire()
+        finally:
+            first.release()
+
+    def run_dir_with_a_run(d: Path) -> None:
+        (d / "metrics.jsonl").write_text("")
+        check(d, overwrite=False, resume=[])
+
+    def corrupt_marker(d: Path) -> None:
+        (d / MARKER).write_text("{")
+        read_marker(d)
+
+    def export_over_a_file(d: Path) -> None:
+        (d / "out").write_text("")
+        _prepare_out(d / "out")
+
+    def export_over_other_files(d: Path) -> None:
+        (d / "out").mkdir()
+        (d / "out" / "mine.txt").write_text("")
+        _prepare_out(d / "out")
+
+    def record_without_text(d: Path) -> None:
+        (d / "docs.jsonl").write_text('{"body": "x"}\n')
+        resolve_sources(str(d / "docs.jsonl"))
+
+    def bad_hf_config(d: Path) -> None:
+        (d / "config.json").write_text("{")
+        read_hf_config(d)
+
+    def no_weights(d: Path) -> None:
+        (d / "config.json").write_text('{"model_type": "llama"}')
+        inspect_weights(d)
+
+    return [
+        ("resume-not-a-checkpoint", resolve_resume, lambda d: d, "inside"),
+        ("checkpoint-without-marker", read_marker, lambda d: d / MARKER, "subject"),
+        ("checkpoint-corrupt-marker", corrupt_marker, lambda d: d / MARKER, "subject"),
+        ("run-dir-held", held_twice, lambda d: d, "inside"),
+        ("run-dir-holds-a-run", run_dir_with_a_run, lambda d: d, "inside"),
+        ("export-over-a-file", export_over_a_file, lambda d: d / "out", "inside"),
+        ("export-over-other-files", export_over_other_files, lambda d: d / "out", "inside"),
+        ("hf-dir-without-config", read_config, lambda d: d, "inside"),
+        ("hf-dir-bad-config", bad_hf_config, lambda d: d / "config.json", "subject"),
+        ("hf-dir-without-weights", no_weights, lambda d: d, "inside"),
+        ("data-record-without-text", record_without_text, lambda d: d / "docs.jsonl",
+         "subject"),
+        ("metrics-missing", read_metrics, lambda d: d / "metrics.jsonl", "subject"),
+    ]
+
+
+@pytest.mark.parametrize("name", AWKWARD_NAMES, ids=["space", "colon", "newline", "control"])
+@pytest.mark.parametrize("case", [c[0] for c in _path_refusals()])
+def test_a_refusal_names_its_path_as_paths_shown_spells_it_on_one_line(tmp_path, name, case):
+    """Every refusal that names a path spells it with :func:`editrain.paths.shown` (a TOML
+    basic string: quoted, a newline escaped), the subject of ``PATH: problem`` too: before,
+    a checkpoint, run, export, model and data directory was named bare, so ``my run: ...``
+    read as two words and a name with a newline broke the message over two lines."""
+    from editrain.paths import shown
+
+    _, call, named, how = next(c for c in _path_refusals() if c[0] == case)
+    d = tmp_path / name
+    d.mkdir()
+    with pytest.raises((ValueError, OSError, CheckpointError, RunDirError)) as got:
+        call(d)
+    message = str(got.value)
+    assert "\n" not in message and "\t" not in message and "\x7f" not in message, message
+    spelled = shown(str(named(d)))
+    assert spelled in message, message
+    if how == "subject":  # after the option it names, if any, and before a line: ":1"
+        assert re.match(rf"([\w.-]+: )?{re.escape(spelled)}(:\d+)?: ", message), message

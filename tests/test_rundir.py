@@ -296,11 +296,11 @@ def test_a_joining_torchrun_group_is_checked_as_a_claim_is(tmp_path):
     run = tmp_path / "run"
     (group0,) = start_groups(run, 0)
     with pytest.raises(RunDirError, match=r"--resume: .*other/replica1/checkpoints/"
-                                          r"step_00000020 is a checkpoint of another run"):
+                                          r"step_00000020\" is a checkpoint of another run"):
         start_groups(run, 1, resume=str(other))
     (run / "replica1").mkdir()
     (run / "replica1" / "metrics.jsonl").symlink_to(tmp_path / "elsewhere")
-    with pytest.raises(RunDirError, match=r"replica1/metrics.jsonl is a symbolic link"):
+    with pytest.raises(RunDirError, match=r"replica1/metrics.jsonl\" is a symbolic link"):
         start_groups(run, 1)
     assert len(rundir.read_record(run).history) == 1
     end_groups(run, [group0])
@@ -359,7 +359,7 @@ def test_a_joining_group_may_read_its_inputs_elsewhere_but_not_other_ones(tmp_pa
     (group0,) = start_groups(run, 0, **inputs(hf_config("a", 2), "corpus-a.txt"))
     (group1,) = start_groups(run, 1, **inputs(hf_config("b", 2), "corpus-b.txt"))
     group1.lock.release()
-    with pytest.raises(RunDirError, match=r"this group's model.hf_config \(\S+/c\) "
+    with pytest.raises(RunDirError, match=r"this group's model.hf_config \(\S+/c\"\) "
                                           r"holds other files"):
         start_groups(run, 1, **inputs(hf_config("c", 3), "corpus-b.txt"))
     end_groups(run, [group0])
@@ -374,7 +374,7 @@ def test_a_joining_group_must_resume_a_checkpoint_of_the_first_groups_train_spli
     group_ckpt(run, 0, 4, train_data=split)
     group_ckpt(run, 1, 4, train_data={**split, "sha256": "b" * 64})
     (group0,) = start_groups(run, 0, resume=str(run))
-    with pytest.raises(RunDirError, match=r"--resume: \S+/replica1/checkpoints/step_00000004 "
+    with pytest.raises(RunDirError, match=r"--resume: \S+/replica1/checkpoints/step_00000004\" "
                                           r"was trained on another train split"):
         start_groups(run, 1, resume=str(run))
     end_groups(run, [group0])
@@ -395,7 +395,7 @@ def test_a_local_overwrite_is_refused_while_a_torchrun_group_may_be_restarting(t
     end_groups(run, [group1])
     ft = {"fault_tolerance": "torchft", "shard_size": 1, "nproc": 2}
     refusal = (r"--overwrite: replica group\(s\) 0 of the run in \S+ have not ended and hold "
-               r"no lock .* move its directory out of the run directory \(\S+/run/replica0\)")
+               r"no lock .* move its directory out of the run directory \(\S+/run/replica0\"\)")
     for cfg in (cfg_for(run, dist=ft, overwrite=True), cfg_for(run, overwrite=True)):
         with rundir.RunLock(run) as lock:
             with pytest.raises(RunDirError, match=refusal):
@@ -422,7 +422,7 @@ def test_a_torchrun_restart_of_a_refused_group_is_checked_again(tmp_path):
     (group0,) = start_groups(run, 0)
     for restart in (0, 1):
         with pytest.raises(RunDirError, match=r"--resume: \S+/other/replica1/checkpoints/"
-                                              r"step_00000020 is a checkpoint of another run"):
+                                              r"step_00000020\" is a checkpoint of another run"):
             start_groups(run, 1, restart=restart, resume=str(other))
     assert rundir.read_record(run).history[-1]["ft_groups"] == [0]
     group0.lock.release()  # group 0's rank 0 died: torchrun restarts it
@@ -442,7 +442,7 @@ def test_a_torchrun_restart_of_a_group_whose_start_ended_is_checked_again(tmp_pa
     end_groups(run, start_groups(run, 0, 1))
     group_ckpt(run, 0, 20)
     for restart in (0, 1):
-        with pytest.raises(RunDirError, match=r"--run-dir: \S+/run already holds a run "
+        with pytest.raises(RunDirError, match=r"--run-dir: \S+/run\" already holds a run "
                                               r"\(config.toml, replica0\)"):
             start_groups(run, 0, restart=restart, train={"steps": 7})
     start = rundir.current_start(rundir.read_record(run))
@@ -465,7 +465,7 @@ def test_a_group_started_after_the_others_finished_the_run_is_told_at_once(tmp_p
         group_ckpt(run, 1, step)
     group1.lock.release()  # group 1's job died (torchrun restarts it)
     end_groups(run, [group0])  # group 0 finished the run
-    ended = (r"--dist.ft_replica_id: the run in \S+/run has ended at step 6: replica "
+    ended = (r"--dist.ft_replica_id: the run in \S+/run\" has ended at step 6: replica "
              r"group\(s\) 0 finished it \(train.steps 6; their latest checkpoints: group 0 "
              r"step 6\) .* nothing to rejoin")
     with pytest.raises(RunDirError, match=ended):
@@ -494,7 +494,7 @@ def test_a_group_started_after_the_others_finished_a_run_without_checkpoints_is_
     group0, group1 = start_groups(run, 0, 1, **steps)
     group1.lock.release()  # group 1's job died
     finish_groups(run, [group0], steps=6)
-    ended = (r"--dist.ft_replica_id: the run in \S+/run has ended at step 6: replica "
+    ended = (r"--dist.ft_replica_id: the run in \S+/run\" has ended at step 6: replica "
              r"group\(s\) 0 finished it \(train.steps 6; where they ended: group 0 step 6 "
              r"\(its job finished the run; no checkpoint of that step\)\) .* nothing to "
              r"rejoin")
@@ -624,7 +624,7 @@ def test_a_group_that_will_not_be_started_again_is_dropped_by_moving_its_directo
     claims, errors = start_two()
     assert len(errors) == 2 and all(re.match(
         r"--overwrite: replica group\(s\) 2 of the run in \S+ have not ended .* move its "
-        r"directory out of the run directory \(\S+/run/replica2\): a group without one is "
+        r"directory out of the run directory \(\S+/run/replica2\"\): a group without one is "
         r"not awaited", str(e)) for e in errors), errors
     assert all((run / f"replica{r}" / "checkpoints" / "step_00000010").is_dir()
                for r in range(3))
@@ -1037,7 +1037,7 @@ def test_the_other_ranks_wait_for_rank_0s_decision_and_share_its_refusal(
         assert not thread.is_alive()
     assert [type(e) for e in errors0 + errors1] == [RunDirError, RunDirError]
     assert str(errors1[0]) == str(errors0[0])
-    assert re.match(r"--run-dir: \S+/run already holds a run", str(errors1[0]))
+    assert re.match(r"--run-dir: \S+/run\" already holds a run", str(errors1[0]))
 
     rank1, errors1 = join_in_thread(ranked_job(run, 1, restart=1, overwrite=True))
     time.sleep(0.5)

@@ -69,6 +69,7 @@ from editrain.argv import env_switch
 from editrain.config import ConfigError
 from editrain.errors import spelled
 from editrain.paths import check_path
+from editrain.paths import shown as shown_path
 
 SCENARIOS = ("default", "convergence", "tune", "scale", "batch", "bandwidth", "stragglers", "spikes",
              "memory", "overlap", "optimizers", "peers", "faults", "plan", "data")
@@ -162,8 +163,9 @@ def _report(root: Path, flags: dict[str, Any]) -> dict[str, Any]:
         check_path("bench report --readme", readme, "in_file")
     dirs = scenario_dirs(root, SCENARIOS)
     if not dirs:
-        raise ConfigError(f"bench report: no results.json under {root}/<scenario>/; run "
-                          "`editrain bench all` (or single scenarios) first")
+        raise ConfigError(f"bench report: no results.json under "
+                          f"{shown_path(Path(root) / '<scenario>')}; run `editrain bench all` "
+                          "(or single scenarios) first")
     if readme:
         check_readme(readme)  # no markers: fail before writing anything
     written = write_benchmarks_md(dirs, path=path)

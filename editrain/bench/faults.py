@@ -46,6 +46,7 @@ from editrain.bench.stats import measured, spread
 from editrain.bench.tables import spread_cell
 from editrain.errors import ConfigError, plain_count
 from editrain.metrics import is_measured, read_jsonl, replica_of
+from editrain.paths import shown
 
 TEXT = prose("faults")
 SYSTEMS = ("ft", "ft-fail", "plain", "restart-fail")
@@ -105,7 +106,7 @@ def _tokens_per_rank_step(run: Run) -> int:
                 * plain_count(t.get("gradient_accumulation_steps", 1),
                               "train.gradient_accumulation_steps"))
     except ConfigError as e:
-        raise ConfigError(f"bench faults: {run.run_dir / 'config.toml'}: {e}") from None
+        raise ConfigError(f"bench faults: {shown(run.run_dir / 'config.toml')}: {e}") from None
 
 
 def _ft_numbers(run: Run, fail_at: int | None, interval: int) -> dict[str, Any]:

@@ -35,6 +35,7 @@ from editrain.bench.scenario import Ctx, Job, Scenario, Table, Verdict
 from editrain.bench.stats import compare, median, spread
 from editrain.bench.tables import md_table, spread_cell, spread_of, verdict_cell
 from editrain.config import ConfigError
+from editrain.paths import shown
 
 TEXT = prose("peers")
 SYSTEMS = ("torchft-diloco", "diloco", "edit", "diloco-library")
@@ -205,7 +206,7 @@ def _lighthouse_address(log: Path, proc: subprocess.Popen, timeout_s: float) -> 
             return ready[0].removeprefix("lighthouse ready at ").strip()
         if proc.poll() is not None:
             raise RuntimeError(f"the torchft lighthouse exited with status {proc.returncode} "
-                               f"(see {log})")
+                               f"(see {shown(log)})")
         time.sleep(0.1)
     raise RuntimeError("the torchft lighthouse did not start within "
                        f"{min(timeout_s, 120.0):.0f} s")

@@ -9,6 +9,7 @@ from typing import Any
 
 from editrain.bench.machine import describe_machine
 from editrain.metrics import to_json
+from editrain.paths import shown
 from editrain.safe_io import Bool, Int, List, Map, Num, Obj, Str, quote, read_json
 
 RESULTS_FILE = "results.json"
@@ -117,7 +118,7 @@ def load_record(results_dir: str | Path) -> dict[str, Any]:
     path = Path(results_dir) / RESULTS_FILE
     record = read_json(path, max_bytes=RECORD_MAX_BYTES, schema=RESULTS_SCHEMA,
                        error=ValueError, what="benchmark results")
-    _check_statistics(record.get("results"), str(path), "results")
+    _check_statistics(record.get("results"), shown(path), "results")
     return record
 
 

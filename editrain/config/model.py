@@ -20,6 +20,7 @@ from editrain.errors import ConfigError, as_config_error
 from editrain.models.hf_dir import hf_int, read_config, special_tokens, tokenizer_file
 from editrain.models.hf_llama import is_llama_config, llama_config_from_hf
 from editrain.models.llama_config import LlamaConfig, preset_config
+from editrain.paths import shown
 
 
 def init_llama(cfg: Config) -> bool:
@@ -103,7 +104,7 @@ def section_model_config(model: ModelSection, vocab_size: int | None = None) -> 
         with as_config_error():
             data = read_config(model.init_from)
             config = Path(model.init_from).expanduser() / "config.json"
-            return llama_config_from_hf(data, f"model.init_from: {config}")
+            return llama_config_from_hf(data, f"model.init_from: {shown(config)}")
     overrides = model.overrides()
     if vocab_size is not None:
         overrides["vocab_size"] = vocab_size

@@ -211,7 +211,8 @@ def check_weights_match(data: dict[str, Any], names: Any, source: str,
     Args:
         data: the description (Hugging Face names, or editrain's Llama's ``n_layers``).
         names: the names of the tensors the weights hold.
-        source: the file ``data`` was read from, for the message.
+        source: the file ``data`` was read from, for the message, as
+            :func:`editrain.paths.shown` spells it.
         option: the option or command the message names.
 
     Raises:

@@ -56,6 +56,7 @@ from editrain.config.schema import (
 from editrain.data import check_data_options
 from editrain.errors import ConfigError, as_config_error, require, spelled
 from editrain.models.hf_dir import hf_int, read_config
+from editrain.paths import shown
 from editrain.safe_io import quote
 from editrain.sim import check_replicas, parse_sim
 from editrain.sync.config import COMM_BACKENDS, check_finite
@@ -266,7 +267,7 @@ def validate(cfg: Config) -> None:
     if hf_source(cfg) is None:
         mcfg = model_config(cfg)
         how = (f"max_position_embeddings of the model.init_from directory "
-               f"{cfg.model.init_from}; lower train.seq_len" if init_llama(cfg) else
+               f"{shown(cfg.model.init_from)}; lower train.seq_len" if init_llama(cfg) else
                "raise model.max_seq_len or lower train.seq_len")
         require(t.seq_len <= mcfg.max_seq_len, "train.seq_len",
                 f"{t.seq_len} exceeds the model's maximum sequence length {mcfg.max_seq_len} "
@@ -349,7 +350,7 @@ def _hf_pipeline_shape(cfg: Config) -> tuple[int, bool]:
     n_layers = data.get("num_hidden_layers")
     require(isinstance(n_layers, int) and not isinstance(n_layers, bool) and n_layers >= 1,
             hf_option(cfg), f"num_hidden_layers must be a positive integer in "
-            f"{source} to split the model into stages, got {quote(n_layers)}")
+            f"{shown(source)} to split the model into stages, got {quote(n_layers)}")
     tied = data.get("tie_word_embeddings")
     if tied is None:
         from transformers import AutoConfig  # optional dependency, checked by _check_hf
@@ -390,15 +391,15 @@ def _hf_meta_model(cfg: Config) -> Any:
     option, source = hf_option(cfg), hf_source(cfg)
     with as_config_error(FileNotFoundError):  # a null transformers refuses: ours, one line
         check_required_fields(read_hf_config(source, option),
-                              f"{option}: {config_path(source, option)}")
+                              f"{option}: {shown(config_path(source, option))}")
     try:
         hf_model = meta_hf_model(source, option)
     except Exception as e:  # transformers' own refusal of a model_type or architecture
-        raise ConfigError(f"{option}: {source} describes no causal LM transformers can build "
+        raise ConfigError(f"{option}: {shown(source)} describes no causal LM transformers can build "
                           f"({str(e).splitlines()[0]}); editrain trains the decoder-only "
                           f"models AutoModelForCausalLM builds") from None
     with as_config_error():
-        return HFCausalLM.checked(hf_model, f"{option}: {source}")
+        return HFCausalLM.checked(hf_model, f"{option}: {shown(source)}")
 
 
 def _check_kept_ids(cfg: Config) -> None:
@@ -442,10 +443,10 @@ def _check_init_from(cfg: Config) -> None:
         # Before the model is built from the file: a config.json that claims more layers
         # than its weights hold (10**9) would take hours to build on the meta device.
         check_weights_match(read_config(m.init_from), weights.tensors,
-                            f"{m.init_from}/config.json")
+                            shown(Path(m.init_from) / "config.json"))
     if not llama:
         require(importlib.util.find_spec("transformers") is not None, "model.init_from",
-                f"{m.init_from} is not a LlamaForCausalLM, and other architectures need the "
+                f"{shown(m.init_from)} is not a LlamaForCausalLM, and other architectures need the "
                 "transformers package: pip install 'editrain[hf]'")
     model = meta_model(cfg) if llama else _hf_meta_model(cfg)
     expected = {n: tuple(p.shape) for n, p in hf_parameters(model).items()}
@@ -454,13 +455,13 @@ def _check_init_from(cfg: Config) -> None:
     # Without the model's tokenizer the run would train a new BPE, whose ids mean nothing
     # to the pretrained embedding.
     require(tokenizer_source(cfg)[0] is not None, "model.init_from",
-            f"{m.init_from} has no tokenizer.json, and a new tokenizer's ids would mean "
+            f"{shown(m.init_from)} has no tokenizer.json, and a new tokenizer's ids would mean "
             f"nothing to its weights: name the model's tokenizer with data.tokenizer (its "
             f"tokenizer.json, its model directory or hf:ORG/NAME)")
     vocab = int(model.config.vocab_size)
     tok_vocab, option = _tokenizer_vocab(cfg)
     require(tok_vocab <= vocab, option, f"the tokenizer has {tok_vocab} ids, more than the "
-            f"embedding of model.init_from {m.init_from} has rows ({vocab})")
+            f"embedding of model.init_from {shown(m.init_from)} has rows ({vocab})")
 
 
 def _tokenizer_vocab(cfg: Config) -> tuple[int, str]:

@@ -386,8 +386,9 @@ def check_token_ids(tokens: np.ndarray, vocab_size: int, path: Path) -> None:
               default=0)
     if top >= vocab_size:
         raise ValueError(
-            f"data.cache_dir: the token cache file {path} is corrupted (token id {top} >= "
-            f"vocabulary size {vocab_size}); delete {path.parent} to rebuild it")
+            f"data.cache_dir: the token cache file {shown(path)} is corrupted (token id "
+            f"{top} >= vocabulary size {vocab_size}); delete {shown(path.parent)} to rebuild "
+            f"it")
 
 
 CHECKSUM_CHUNK = 8 << 20
@@ -429,9 +430,9 @@ def verify_checksums(entry: str | Path, meta: dict) -> None:
         path = Path(entry) / name
         if not isinstance(recorded, dict) or recorded.get(name) != file_checksum(path):
             raise ValueError(
-                f"data.cache_dir: the token cache file {path} is corrupted (its checksum "
-                f"differs from the one meta.json recorded at build time); delete "
-                f"{path.parent} to rebuild it")
+                f"data.cache_dir: the token cache file {shown(path)} is corrupted (its "
+                f"checksum differs from the one meta.json recorded at build time); delete "
+                f"{shown(path.parent)} to rebuild it")
 
 
 def open_prepared(entry: str | Path) -> TokenData | None:
@@ -476,18 +477,18 @@ def _check_meta(meta: dict, meta_path: Path) -> None:
     Raises:
         ValueError: ``data.cache_dir: FILE: field 'NAME': ...; delete DIR to rebuild it``.
     """
-    fix = f"; delete {meta_path.parent} to rebuild it"
+    fix = f"; delete {shown(meta_path.parent)} to rebuild it"
     try:
-        META_SCHEMA.check(meta, str(meta_path), "", ValueError)
+        META_SCHEMA.check(meta, shown(meta_path), "", ValueError)
     except ValueError as e:
         raise ValueError(f"data.cache_dir: {e}{fix}") from None
     expected = token_dtype(meta["vocab_size"]).name
     if meta["dtype"] != expected:
-        raise ValueError(f"data.cache_dir: {meta_path}: field 'dtype': {expected} is expected "
+        raise ValueError(f"data.cache_dir: {shown(meta_path)}: field 'dtype': {expected} is expected "
                          f"for a vocabulary of {meta['vocab_size']} (found "
                          f"{quote(meta['dtype'])}){fix}")
     if meta["eos_id"] is not None and meta["eos_id"] >= meta["vocab_size"]:
-        raise ValueError(f"data.cache_dir: {meta_path}: field 'eos_id': an id below the "
+        raise ValueError(f"data.cache_dir: {shown(meta_path)}: field 'eos_id': an id below the "
                          f"vocabulary size {meta['vocab_size']} is expected (found "
                          f"{meta['eos_id']}){fix}")
 
@@ -1530,5 +1531,5 @@ def prepare_tokens(
             fcntl.flock(lock.fileno(), fcntl.LOCK_UN)
     data = _open_entry(entry, reused=False)
     if data is None:  # pragma: no cover - would mean the file system lost our writes
-        raise RuntimeError(f"token cache entry {entry} is incomplete right after building it")
+        raise RuntimeError(f"token cache entry {shown(entry)} is incomplete right after building it")
     return data

@@ -129,7 +129,7 @@ def check_saved_split(path: Path, kind: str, split: str | None) -> str | None:
         text = (path / _DICT_FILE).read_bytes()
     except OSError as exc:
         raise ValueError(f"data.path: {shown(str(path / _DICT_FILE))} is unreadable ({exc})") from exc
-    info = read_json_value(text, f"data.path: {path / _DICT_FILE}", error=ValueError)
+    info = read_json_value(text, f"data.path: {shown(path / _DICT_FILE)}", error=ValueError)
     splits = info.get("splits") if isinstance(info, dict) else None
     if not isinstance(splits, list):
         raise ValueError(f"data.path: {shown(str(path / _DICT_FILE))} is unreadable (no list of "
@@ -176,9 +176,9 @@ def load_hf(label: str, *, name: str | None = None, config: str | None = None,
         reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
         where = ("" if saved is not None else
                  f"; hf: datasets come from the Hugging Face cache "
-                 f"({datasets.config.HF_DATASETS_CACHE}, set by HF_HOME or HF_DATASETS_CACHE) "
+                 f"({shown(datasets.config.HF_DATASETS_CACHE)}, set by HF_HOME or HF_DATASETS_CACHE) "
                  f"or are downloaded when the Hub is reachable")
-        raise ValueError(f"data.path: cannot load {label} ({type(exc).__name__}: {reason}){where}"
+        raise ValueError(f"data.path: cannot load {shown(label)} ({type(exc).__name__}: {reason}){where}"
                          ) from exc
 
 

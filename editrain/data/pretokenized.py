@@ -84,7 +84,7 @@ class TokenFile:
         while got < size:  # pread may return fewer bytes than asked (never past the end)
             n = os.preadv(self._fd, [view[got:]], offset + got)
             if n == 0:
-                raise OSError(f"{self.path}: shorter than {self._len} ids")
+                raise OSError(f"{shown(self.path)}: shorter than {self._len} ids")
             got += n
         return np.frombuffer(data, dtype=self.dtype)
 

@@ -639,8 +639,10 @@ def _dir_family(rel: str) -> str:
     return parent if parent else rel
 
 
-def _record_text(record: object, field: str, where: str) -> object:
-    """The ``field`` of one JSON record (its type is checked by the caller)."""
+def _record_text(record: object, field: str, file: Path, at: str) -> object:
+    """The ``field`` of one JSON record (its type is checked by the caller); ``at`` is
+    where the record is in ``file`` (``:LINE`` or ``[INDEX]``)."""
+    where = f"{shown(file)}{at}"
     if not isinstance(record, dict):
         raise ValueError(f"data.path: {where}: expected a JSON object, got "
                          f"{type(record).__name__}")
@@ -652,11 +654,10 @@ def _record_text(record: object, field: str, where: str) -> object:
         # JSON may escape half of a UTF-16 pair alone (\ud800), which no UTF-8 text holds:
         # it stopped the build at the encoder without saying where. Replaced, as invalid
         # bytes are by a decoder that replaces them, and said once a file.
-        file = where.rsplit(":", 1)[0].rsplit("[", 1)[0]
-        if file not in _WARNED:
-            _WARNED.add(file)
+        if str(file) not in _WARNED:
+            _WARNED.add(str(file))
             log.warning("data.path: %s: a lone UTF-16 surrogate escape (%r) replaced by "
-                        "U+FFFD (and any others in this file)", where,
+                        "U+FFFD (and any others in this file)", f"{file}{at}",
                         _SURROGATE.search(text).group())
         text = _SURROGATE.sub("\ufffd", text)
     return text
@@ -669,9 +670,9 @@ def _jsonl_rows(path: Path, field: str) -> Iterator[tuple[int, object]]:
         for lineno, line in enumerate(fh, start=1):
             if not line.strip():
                 continue  # tolerate blank lines, common at the end of files
-            record = read_json_value(line, f"data.path: {path}:{lineno}", error=ValueError,
+            record = read_json_value(line, f"data.path: {shown(path)}:{lineno}", error=ValueError,
                                      max_depth=RECORD_DEPTH)
-            text = _record_text(record, field, f"{path}:{lineno}")
+            text = _record_text(record, field, path, f":{lineno}")
             if text is not None:  # a null text is left out, as in .parquet and datasets
                 yield lineno, text
 
@@ -681,12 +682,13 @@ def _json_rows(path: Path, field: str) -> Iterator[tuple[int, object]]:
     whole: corpora larger than memory belong in JSON Lines."""
     whole = read_whole(path)
     records = read_json_value(whole[len(_BOM):] if whole.startswith(_BOM) else whole,
-                              f"data.path: {path}", error=ValueError, max_depth=RECORD_DEPTH)
+                              f"data.path: {shown(path)}", error=ValueError,
+                              max_depth=RECORD_DEPTH)
     if not isinstance(records, list):
-        raise ValueError(f"data.path: {path}: expected a JSON list of records, got "
+        raise ValueError(f"data.path: {shown(path)}: expected a JSON list of records, got "
                          f"{type(records).__name__}")
     for index, record in enumerate(records):
-        text = _record_text(record, field, f"{path}[{index}]")
+        text = _record_text(record, field, path, f"[{index}]")
         if text is not None:  # a null text is left out, as in .parquet and datasets
             yield index, text
 
@@ -786,7 +788,7 @@ def _ref_documents(ref: SourceRef) -> Iterator[Document]:
         for row, text in _rows(ref):
             name = f"{label}:{row}"
             if not isinstance(text, str):
-                raise ValueError(f"data.text_field: {name}: {spelled(ref.text_field)} holds "
+                raise ValueError(f"data.text_field: {shown(label)}:{row}: {spelled(ref.text_field)} holds "
                                  f"{type(text).__name__}, not text")
             first = row - row % block
             family = name if block == 1 else f"{label}:rows {first}-{first + block - 1}"
@@ -844,7 +846,7 @@ def iter_records(refs: list[SourceRef], max_bytes: int | None = None) -> Iterato
         if capped:
             break
     if count == 0:
-        names = ", ".join(r.label for r in refs)
+        names = ", ".join(shown(r.label) for r in refs)
         raise ValueError(f"data.path: {names} contains no text")
 
 

@@ -23,6 +23,7 @@ from typing import Any
 from torch.distributed.elastic.multiprocessing import LogsDest, LogsSpecs
 
 from editrain.config import Config
+from editrain.paths import shown
 from editrain.rundir import logs_dir
 from editrain.safe_io import check_no_links, make_dir
 from editrain.spawn import (
@@ -157,15 +158,15 @@ def describe_failure(reported: tuple[int, Any] | None, error_files: dict[int, Pa
             rank = next(iter(errors))
     if rank is None:
         return LaunchError(f"a worker died without a Python error (torch elastic's log: "
-                           f"{logs / LAUNCHER_LOG})")
+                           f"{shown(logs / LAUNCHER_LOG)})")
     if rank in errors:
         name, message = errors[rank]
         where = logs / f"rank{rank}.log"
         where = where if where.exists() else error_files[rank]
         if name in USER_ERRORS:
-            return LaunchError(f"rank {rank}: {one_line(message)} (traceback: {where})", 2)
+            return LaunchError(f"rank {rank}: {one_line(message)} (traceback: {shown(where)})", 2)
         what = f"{name}: {message}" if name else message
-        return LaunchError(f"rank {rank} failed: {one_line(what)} (traceback: {where})")
+        return LaunchError(f"rank {rank} failed: {one_line(what)} (traceback: {shown(where)})")
     failure = reported[1] if reported else None
     code = getattr(failure, "exitcode", None)
     if isinstance(code, int) and code < 0:
@@ -176,7 +177,7 @@ def describe_failure(reported: tuple[int, Any] | None, error_files: dict[int, Pa
     else:
         how = f"exited with code {code}"
     return LaunchError(f"rank {rank} {how} without a Python error (torch elastic's log: "
-                       f"{logs / LAUNCHER_LOG})")
+                       f"{shown(logs / LAUNCHER_LOG)})")
 
 
 def _address_in_use(e: BaseException) -> bool:

@@ -19,6 +19,7 @@ from editrain import rundir
 from editrain.config import Config
 from editrain.launch.elastic import run_elastic, start_worker_server
 from editrain.launch.job import Job
+from editrain.paths import shown
 from editrain.rundir import logs_dir
 from editrain.safe_io import write_atomic
 from editrain.spawn import (
@@ -91,7 +92,7 @@ def _group_main(cfg: Config, replica: int, attempt: int, lighthouse: str,
         name = type(e).__name__
         what = str(e) if name in USER_ERRORS else f"{name}: {e}"
         line = (f"rank 0: {one_line(what)} (traceback: "
-                f"{logs_dir(cfg, cfg.run_dir) / 'rank0.log'})")
+                f"{shown(logs_dir(cfg, cfg.run_dir) / 'rank0.log')})")
         code = 2 if name in USER_ERRORS else 1
     print(f"editrain: replica group {replica} failed: {line}", file=sys.stderr, flush=True)
     sys.exit(code)
@@ -143,7 +144,7 @@ def run_ft(job: Job, data_entry: str | None = None) -> dict[str, Any]:
     if not summary["finished_replicas"]:
         codes = [e["exit_code"] for e in groups.events if e["event"] == "died"]
         raise LaunchError("every replica group failed (each one's reason is above; the "
-                          f"tracebacks are in {job.run_dir}/replica*/logs/); nothing "
+                          f"tracebacks are in {shown(job.run_dir / 'replica*' / 'logs')}); nothing "
                           "finished", 2 if codes and all(c == 2 for c in codes) else 1)
     if job.cfg.checkpoint.export_final:  # the global model, which every group holds
         from editrain.hf_checkpoint import export_checkpoint

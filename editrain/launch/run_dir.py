@@ -40,6 +40,7 @@ from editrain.launch.torchrun_claim import (
     own_claim,
     recorded_token,
 )
+from editrain.paths import shown
 from editrain.safe_io import read_bytes, read_json_value, read_toml_value, write_atomic
 
 log = logging.getLogger("editrain")
@@ -184,12 +185,12 @@ def ended_run_problem(cfg: Config, run_dir: Path, replica: int) -> str | None:
             return None
         ends[g] = end
     last = max(step for step, _ in ends.values())
-    return (f"--dist.ft_replica_id: the run in {run_dir} has ended at step {last}: replica "
+    return (f"--dist.ft_replica_id: the run in {shown(run_dir)} has ended at step {last}: replica "
             f"group(s) {', '.join(map(str, groups))} finished it (train.steps "
             f"{cfg.train.steps}; {_ends_said(ends)}) and their jobs are over, so replica "
             f"group {replica} has no group to meet in its first quorum: nothing to rejoin. "
             f"To train on, resume every group with a larger --train.steps "
-            f"(--resume {run_dir})")
+            f"(--resume {shown(run_dir)})")
 
 
 LOOK_LOCK_WAIT_S = 1.0
@@ -278,7 +279,7 @@ def check_run_dir(cfg: Config, run_dir: Path, replica: int | None = None) -> run
     running = rundir.running_groups(run_dir, but=replica)
     if running:
         raise RunDirError(
-            f"--run-dir: {run_dir} is in use by the torchrun job(s) of replica group(s) "
+            f"--run-dir: {shown(run_dir)} is in use by the torchrun job(s) of replica group(s) "
             f"{', '.join(map(str, running))} of a fault-tolerant run; wait for them to end, "
             "or choose another directory")
     checked = rundir.check(run_dir, overwrite=cfg.overwrite,
@@ -306,10 +307,10 @@ def refuse_overwrite_of_awaited_groups(run_dir: Path, record: rundir.RunRecord |
     awaited = rundir.awaited_groups(run_dir, record, but=replica)
     if not awaited:
         return
-    dirs = ", ".join(str(run_dir / f"replica{g}") for g in awaited)
+    dirs = ", ".join(shown(run_dir / f"replica{g}") for g in awaited)
     raise RunDirError(
         f"--overwrite: replica group(s) {', '.join(map(str, awaited))} of the run in "
-        f"{run_dir} have not ended and hold no lock (torchrun may be restarting them, or "
+        f"{shown(run_dir)} have not ended and hold no lock (torchrun may be restarting them, or "
         f"their jobs died), and --overwrite would remove what they write; start every group "
         f"of the run again together, or, for a group that will not be started again (fewer "
         f"groups now, its machine gone), move its directory out of the run directory "
@@ -452,16 +453,16 @@ def refuse_other_inputs(cfg: Config, run_dir: Path, checked: rundir.Claim) -> No
         for name, digest in input_digests(cfg).items():
             if name in theirs and theirs[name] != digest:
                 raise RunDirError(
-                    f"--run-dir: this group's {name} ({flat.get(name)}) holds other "
-                    f"files than the first group's of the run in {run_dir}; its path may "
+                    f"--run-dir: this group's {name} ({shown(str(flat.get(name)))}) holds other "
+                    f"files than the first group's of the run in {shown(run_dir)}; its path may "
                     "differ between machines, what it holds may not")
     split = start.get(TRAIN_DATA)
     mine = (checked.resume_marker or {}).get("train_data")
     if isinstance(split, dict) and isinstance(mine, dict) and split != mine:
         raise RunDirError(
-            f"--resume: {checked.resume[0]} was trained on another train split "
+            f"--resume: {shown(checked.resume[0])} was trained on another train split "
             f"({mine.get('tokens')} tokens) than the checkpoint the first group of the run "
-            f"in {run_dir} resumed ({split.get('tokens')} tokens; another data.path, "
+            f"in {shown(run_dir)} resumed ({split.get('tokens')} tokens; another data.path, "
             "data.tokenizer or split setting): every group must read the same token stream")
 
 
@@ -513,14 +514,14 @@ def refuse_other_options(cfg: Config, run_dir: Path) -> None:
     """
     run = kept_config(run_dir / CONFIG_FILE)
     if run is None:
-        raise RunDirError(f"--run-dir: {run_dir} has no {CONFIG_FILE}, though replica groups "
+        raise RunDirError(f"--run-dir: {shown(run_dir)} has no {CONFIG_FILE}, though replica groups "
                           "of a fault-tolerant run train there; start this group once they "
                           "have ended, or in another directory")
     try:
         theirs = _options(read_toml_value(run.decode("utf-8", "replace"), CONFIG_FILE,
                                           error=ValueError))
     except ValueError as e:
-        raise RunDirError(f"--run-dir: {run_dir / CONFIG_FILE} cannot be read as the "
+        raise RunDirError(f"--run-dir: {shown(run_dir / CONFIG_FILE)} cannot be read as the "
                           f"run's configuration ({e})") from None
     ours = _options(read_toml_value(config_text(cfg, run_dir), CONFIG_FILE, error=ValueError))
     differ = [name for name in sorted(theirs.keys() | ours.keys())
@@ -529,7 +530,7 @@ def refuse_other_options(cfg: Config, run_dir: Path) -> None:
         said = "; ".join(f"{name}: this group {_shown(ours.get(name))}, the run "
                          f"{_shown(theirs.get(name))}" for name in differ)
         raise RunDirError(
-            f"--run-dir: {run_dir} holds a fault-tolerant run whose replica groups train "
+            f"--run-dir: {shown(run_dir)} holds a fault-tolerant run whose replica groups train "
             f"there with other options than this group's ({said}); start every group with "
             f"the run's options (only {', '.join(GROUP_OPTIONS)} may differ)")
 
@@ -704,7 +705,7 @@ class RunDirClaim:
             if time.monotonic() > deadline:
                 raise RunDirError(
                     f"--run-dir: rank {job.rank} saw no config.toml from rank 0 in "
-                    f"{job.run_dir} within {TORCHRUN_WAIT_S} s: the run directory must "
+                    f"{shown(job.run_dir)} within {TORCHRUN_WAIT_S} s: the run directory must "
                     f"be on storage every node sees, at the same path")
             time.sleep(0.1)
         return None

@@ -44,6 +44,7 @@ from typing import Any
 from editrain import rundir
 from editrain.agent_store import RankZeroWord, uses_agent_store
 from editrain.errors import CheckpointError, ConfigError, RunDirError
+from editrain.paths import shown
 
 log = logging.getLogger("editrain")
 
@@ -208,7 +209,7 @@ class LaunchStore:
         said = self._word().ask(rank, wait_s, sending=options)
         if said is None:
             raise RunDirError(
-                f"--run-dir: rank {rank} had no decision from rank 0 about {run_dir} "
+                f"--run-dir: rank {rank} had no decision from rank 0 about {shown(run_dir)} "
                 f"within {wait_s:.0f} s (rank 0 checks and claims the run directory "
                 "before any rank trains); see rank 0's output")
         if not said.startswith(REFUSED + " "):
@@ -216,7 +217,7 @@ class LaunchStore:
         kind, _, message = said[len(REFUSED) + 1:].partition(": ")
         if kind in SHARED_REFUSALS:
             raise SHARED_REFUSALS[kind](message)
-        raise RunDirError(f"--run-dir: rank 0 failed while it checked {run_dir} "
+        raise RunDirError(f"--run-dir: rank 0 failed while it checked {shown(run_dir)} "
                           f"({kind}: {message}); see its output")
 
     def _word(self) -> RankZeroWord:

@@ -21,6 +21,7 @@ from torch import Tensor, nn
 
 from editrain.models.hf_dir import check_hf_numbers, hf_key
 from editrain.models.hf_fields import check_hf_nulls, nulls_read_past_default
+from editrain.paths import shown
 from editrain.safe_io import read_json_value
 from editrain.units import BLOCK_PATHS, find_blocks
 
@@ -51,7 +52,7 @@ def config_path(path: str | Path, option: str = HF_CONFIG) -> Path:
     if p.is_dir():
         p = p / "config.json"
     if not p.is_file():
-        raise FileNotFoundError(f"{option}: file not found: {p}")
+        raise FileNotFoundError(f"{option}: file not found: {shown(p)}")
     return p
 
 
@@ -72,12 +73,12 @@ def read_hf_config(path: str | Path, option: str = HF_CONFIG) -> dict[str, Any]:
     try:
         text = p.read_bytes()
     except OSError as e:
-        raise ValueError(f"{option}: {p}: cannot read it ({e.strerror})") from None
-    data = read_json_value(text, f"{option}: {p}", error=ValueError)
+        raise ValueError(f"{option}: {shown(p)}: cannot read it ({e.strerror})") from None
+    data = read_json_value(text, f"{option}: {shown(p)}", error=ValueError)
     if not isinstance(data, dict) or not isinstance(data.get("model_type"), str):
-        raise ValueError(f"{option}: {p} has no \"model_type\" (e.g. \"llama\"); it must "
+        raise ValueError(f"{option}: {shown(p)} has no \"model_type\" (e.g. \"llama\"); it must "
                          "be a Hugging Face config.json")
-    check_hf_numbers(data, f"{option}: {p}")
+    check_hf_numbers(data, f"{option}: {shown(p)}")
     return data
 
 
@@ -193,7 +194,7 @@ def check_hf_config(path: str | Path, seq_len: int | None = None,
         # a pretrained model's positions are what it learned: only a new model may have more
         how = "raise it there or lower" if option == HF_CONFIG else "lower"
         raise ValueError(f"train.seq_len: {seq_len} exceeds {key} = {data[key]} of {option} "
-                         f"{path} ({how} train.seq_len)")
+                         f"{shown(path)} ({how} train.seq_len)")
 
 
 def check_vocab(hf_vocab_size: int, tokenizer_vocab_size: int, path: str | Path = "",
@@ -211,8 +212,9 @@ def check_vocab(hf_vocab_size: int, tokenizer_vocab_size: int, path: str | Path 
     """
     if hf_vocab_size < tokenizer_vocab_size:
         raise ValueError(
-            f"{option}: vocab_size {hf_vocab_size} in {path or 'the config'} is smaller "
-            f"than the tokenizer's vocabulary ({tokenizer_vocab_size}); set vocab_size to at "
+            f"{option}: vocab_size {hf_vocab_size} in {shown(path) if path else 'the config'} "
+            f"is smaller than the tokenizer's vocabulary ({tokenizer_vocab_size}); set "
+            f"vocab_size to at "
             f"least {tokenizer_vocab_size}, or lower data.vocab_size"
         )
 
@@ -307,7 +309,7 @@ class HFCausalLM(nn.Module):
         except ImportError as e:
             raise ImportError(f"{option} needs the transformers package: "
                               f"{INSTALL_HINT}") from e
-        check_required_fields(data, f"{option}: {path or 'the config'}")
+        check_required_fields(data, f"{option}: {shown(path) if path else 'the config'}")
         data = dict(data)
         data.pop("transformers_version", None)
         model_type = data.pop("model_type")
@@ -319,7 +321,8 @@ class HFCausalLM(nn.Module):
             torch.manual_seed(seed)
             hf_model = AutoModelForCausalLM.from_config(hf_config)
         # Parameters (and so anchors) stay fp32; bf16 compute comes from FSDP2's policy.
-        return cls.checked(hf_model.float(), f"{option}: {path or 'the config'}")
+        return cls.checked(hf_model.float(),
+                           f"{option}: {shown(path) if path else 'the config'}")
 
 
 __all__ = [

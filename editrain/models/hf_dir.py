@@ -39,6 +39,7 @@ from editrain.models.hf_fields import (
     hf_positive,
 )
 from editrain.models.hf_llama import to_hf_name
+from editrain.paths import shown
 from editrain.safe_io import quote, read_json_value
 
 if TYPE_CHECKING:  # annotations only: the file checks run without torch (editrain data)
@@ -126,15 +127,15 @@ def read_config(path: str | Path, option: str = "model.init_from") -> dict[str, 
     """
     root = Path(path).expanduser()
     if not root.is_dir():
-        raise _fail(option, f"{root} is not a directory (expected a Hugging Face model "
+        raise _fail(option, f"{shown(root)} is not a directory (expected a Hugging Face model "
                     "directory with config.json and *.safetensors)")
     cfg = root / "config.json"
     if not cfg.is_file():
-        raise _fail(option, f"{root} has no config.json")
+        raise _fail(option, f"{shown(root)} has no config.json")
     data = _json(cfg, option)
     if not isinstance(data, dict) or not isinstance(data.get("model_type"), str):
-        raise _fail(option, f"{cfg} has no \"model_type\"; it is not a Hugging Face config")
-    check_hf_numbers(data, f"{option}: {cfg}")
+        raise _fail(option, f"{shown(cfg)} has no \"model_type\"; it is not a Hugging Face config")
+    check_hf_numbers(data, f"{option}: {shown(cfg)}")
     return data
 
 
@@ -144,8 +145,8 @@ def _json(path: Path, option: str) -> Any:
     try:
         text = path.read_bytes()
     except OSError as e:
-        raise _fail(option, f"{path}: cannot read it ({e.strerror})") from None
-    return read_json_value(text, f"{option}: {path}", error=ValueError)
+        raise _fail(option, f"{shown(path)}: cannot read it ({e.strerror})") from None
+    return read_json_value(text, f"{option}: {shown(path)}", error=ValueError)
 
 
 def _inside(root: Path, p: Path, option: str) -> Path:
@@ -153,7 +154,7 @@ def _inside(root: Path, p: Path, option: str) -> Path:
     for base in _trusted_roots(root):
         if real == base or base in real.parents:
             return real
-    raise _fail(option, f"{p} is a link to {real}, outside {root} (and not into its Hugging "
+    raise _fail(option, f"{shown(p)} is a link to {shown(real)}, outside {shown(root)} (and not into its Hugging "
                 "Face cache's blobs/); copy the file into the directory")
 
 
@@ -188,18 +189,18 @@ def read_safetensors_header(path: Path, option: str = "model.init_from"
     with path.open("rb") as f:
         head = f.read(8)
         if len(head) < 8:
-            raise _fail(option, f"{path} is truncated ({size} bytes, no safetensors header)")
+            raise _fail(option, f"{shown(path)} is truncated ({size} bytes, no safetensors header)")
         (n,) = struct.unpack("<Q", head)
         if n > HEADER_LIMIT or 8 + n > size:
-            raise _fail(option, f"{path} is truncated or corrupt (header of {n} bytes in a "
+            raise _fail(option, f"{shown(path)} is truncated or corrupt (header of {n} bytes in a "
                         f"file of {size})")
         raw = f.read(n)
     try:
-        header = read_json_value(raw, str(path), error=ValueError)
+        header = read_json_value(raw, "header", error=ValueError)
     except ValueError as e:
-        raise _fail(option, f"{path} is corrupt (its safetensors header: {e})") from None
+        raise _fail(option, f"{shown(path)} is corrupt (its safetensors {e})") from None
     if not isinstance(header, dict):
-        raise _fail(option, f"{path} is corrupt (its safetensors header is not an object)")
+        raise _fail(option, f"{shown(path)} is corrupt (its safetensors header is not an object)")
     data_size = size - 8 - n
     out: dict[str, TensorInfo] = {}
     spans = []
@@ -210,24 +211,24 @@ def read_safetensors_header(path: Path, option: str = "model.init_from"
         # dimension of true 1, of 2.7 2 and of "12" 12 (and an offset of "0" 0).
         if not (isinstance(entry, dict) and _integers(entry.get("shape"))
                 and _integers(entry.get("data_offsets")) and len(entry["data_offsets"]) == 2):
-            raise _fail(option, f"{path} is corrupt (bad header entry for {_named(name)}: its shape "
+            raise _fail(option, f"{shown(path)} is corrupt (bad header entry for {_named(name)}: its shape "
                         f"and data_offsets must be lists of JSON integers, found "
                         f"{quote(entry)})")
         dtype, shape = entry.get("dtype"), list(entry["shape"])
         begin, end = entry["data_offsets"]
         if not isinstance(dtype, str) or dtype not in _DTYPE_BYTES or any(d < 0 for d in shape):
-            raise _fail(option, f"{path}: tensor {_named(name)} has dtype {quote(dtype)} and shape "
+            raise _fail(option, f"{shown(path)}: tensor {_named(name)} has dtype {quote(dtype)} and shape "
                         f"{shape}, which safetensors does not define")
         want = math.prod(shape) * _DTYPE_BYTES[dtype]
         if not 0 <= begin <= end <= data_size or end - begin != want:
-            raise _fail(option, f"{path} is truncated or corrupt (tensor {_named(name)} at bytes "
+            raise _fail(option, f"{shown(path)} is truncated or corrupt (tensor {_named(name)} at bytes "
                         f"{begin}..{end} of {data_size}, needs {want})")
         spans.append((begin, end, name))
         out[name] = TensorInfo(dtype, tuple(shape), path.name)
     spans.sort()
     for (_, end_a, a), (begin_b, _, b) in zip(spans, spans[1:]):
         if begin_b < end_a:
-            raise _fail(option, f"{path} is corrupt (tensors {_named(a)} and {_named(b)} overlap)")
+            raise _fail(option, f"{shown(path)} is corrupt (tensors {_named(a)} and {_named(b)} overlap)")
     return out
 
 
@@ -253,38 +254,38 @@ def inspect_weights(path: str | Path, option: str = "model.init_from") -> HFWeig
         data = _json(index, option)
         weight_map = data.get("weight_map") if isinstance(data, dict) else None
         if not isinstance(weight_map, dict):
-            raise _fail(option, f"{index} is not a safetensors index (no weight_map)")
+            raise _fail(option, f"{shown(index)} is not a safetensors index (no weight_map)")
         weight_map = {tname: _shard_name(root, name, index, option)
                       for tname, name in weight_map.items()}
         files = sorted(set(weight_map.values()))
     else:
         pickles = sorted(p.name for p in root.iterdir() if p.suffix in PICKLE_SUFFIXES)
         if pickles:
-            raise _fail(option, f"{root} has only {pickles[0]}, a pickle-based weight file "
+            raise _fail(option, f"{shown(root)} has only {shown(pickles[0])}, a pickle-based weight file "
                         "that could run code when loaded, so editrain never loads one; "
                         "convert it to safetensors (save_pretrained(..., "
                         "safe_serialization=True))")
-        raise _fail(option, f"{root} has no weights ({SINGLE_FILE} or {INDEX_FILE} with "
+        raise _fail(option, f"{shown(root)} has no weights ({SINGLE_FILE} or {INDEX_FILE} with "
                     "its shards)")
     weights = HFWeights(root, files)
     for name in files:
         real = _inside(root, root / name, option)
         for tname, info in read_safetensors_header(real, option).items():
             if tname in weights.tensors:
-                raise _fail(option, f"tensor {_named(tname)} is in both {weights.tensors[tname].file}"
-                            f" and {name}")
+                raise _fail(option, f"tensor {_named(tname)} is in both "
+                            f"{shown(weights.tensors[tname].file)} and {shown(name)}")
             if weight_map is not None and tname not in weight_map:
-                raise _fail(option, f"{name} holds {_named(tname)}, which {INDEX_FILE} does not "
+                raise _fail(option, f"{shown(name)} holds {_named(tname)}, which {INDEX_FILE} does not "
                             "list")
             if weight_map is not None and weight_map[tname] != name:
-                raise _fail(option, f"{name} holds {_named(tname)}, which {INDEX_FILE} places in "
-                            f"{weight_map[tname]}")
+                raise _fail(option, f"{shown(name)} holds {_named(tname)}, which {INDEX_FILE} places in "
+                            f"{shown(weight_map[tname])}")
             weights.tensors[tname] = TensorInfo(info.dtype, info.shape, name)
     if weight_map is not None:
         missing = sorted(set(weight_map) - set(weights.tensors))
         if missing:
             raise _fail(option, f"{INDEX_FILE} places {_named(missing[0])} in "
-                        f"{weight_map[missing[0]]}, which does not hold it")
+                        f"{shown(weight_map[missing[0]])}, which does not hold it")
     return weights
 
 
@@ -296,8 +297,8 @@ def _shard_name(root: Path, name: Any, index: Path, option: str) -> str:
     plain = posixpath.normpath(name) if isinstance(name, str) else None
     if (plain is None or "/" in plain or not plain.endswith(".safetensors")
             or not (root / plain).is_file()):
-        raise _fail(option, f"{index} names the shard {_named(name)}, which is not a safetensors "
-                    f"file of {root}")
+        raise _fail(option, f"{shown(index)} names the shard {_named(name)}, which is not a safetensors "
+                    f"file of {shown(root)}")
     return plain
 
 
@@ -337,7 +338,7 @@ def hub_snapshot(spec: str, option: str) -> str:
         from huggingface_hub import constants, snapshot_download
         from huggingface_hub.utils import validate_repo_id
     except ImportError:  # tokenizers depends on it; a broken install may still lack it
-        raise _fail(option, f"{spec} needs the huggingface_hub package (pip install "
+        raise _fail(option, f"{spelled(spec)} needs the huggingface_hub package (pip install "
                     "huggingface_hub)") from None
     try:
         validate_repo_id(repo)
@@ -349,7 +350,7 @@ def hub_snapshot(spec: str, option: str) -> str:
     except Exception:  # LocalEntryNotFoundError, RevisionNotFoundError...
         at = f"@{revision}" if revision else ""
         raise _fail(option, f"{repo}{at} is not in the Hugging Face cache "
-                    f"({constants.HF_HUB_CACHE}, set by HF_HOME or HF_HUB_CACHE); editrain "
+                    f"({shown(constants.HF_HUB_CACHE)}, set by HF_HOME or HF_HUB_CACHE); editrain "
                     f"never downloads: fetch it first (hf download {repo}"
                     f"{f' --revision {revision}' if revision else ''})") from None
 
@@ -369,7 +370,7 @@ def _token_text(data: dict[str, Any], key: str, where: Path) -> str | None:
     text = value.get("content") if isinstance(value, dict) else value
     if text is None or isinstance(text, str):
         return text or None
-    raise ValueError(f"data.tokenizer: {where}: {key} is {quote(value)}; expected the "
+    raise ValueError(f"data.tokenizer: {shown(where)}: {key} is {quote(value)}; expected the "
                      "token's text (a string, or an object whose \"content\" is one), or null")
 
 
@@ -389,7 +390,7 @@ def special_tokens(path: str | Path) -> dict[str, str]:
             continue
         data = _json(f, "data.tokenizer")
         if not isinstance(data, dict):
-            raise ValueError(f"data.tokenizer: {f} is not a JSON object")
+            raise ValueError(f"data.tokenizer: {shown(f)} is not a JSON object")
         for kind in ("eos", "bos", "pad"):
             text = _token_text(data, f"{kind}_token", f)
             if text is not None:
@@ -431,20 +432,20 @@ def check_tensors(weights: HFWeights, expected: dict[str, tuple[int, ...]],
         if info is None and extra:
             # e.g. GPT-NeoX's embed_out (lm_head now), Mixtral's per-expert w1/w2/w3 (one
             # fused tensor now): transformers converts such files as it loads them
-            raise _fail(option, f"{root} has no tensor {_named(name)}, which the model of its "
-                        f"config.json needs, but {len(extra)} it has no parameter for "
+            raise _fail(option, f"{shown(root)} has no tensor {_named(name)}, which the model of "
+                        f"its config.json needs, but {len(extra)} it has no parameter for "
                         f"({_named(extra[0])}, ...): the hub's layout of this architecture, which "
                         "transformers renames or merges as it loads it, while editrain reads "
                         "the model's own names; convert it once: load it with transformers "
                         "and write NEW/model.safetensors with safetensors.torch.save_model, "
                         "beside copies of its config.json and tokenizer files")
         if info is None:
-            raise _fail(option, f"{root} has no tensor {_named(name)}, which the model of its "
-                        "config.json needs")
+            raise _fail(option, f"{shown(root)} has no tensor {_named(name)}, which the model of "
+                        "its config.json needs")
         if tuple(info.shape) != tuple(shape):
-            raise _fail(option, f"tensor {_named(name)} in {root}/{info.file} has shape "
+            raise _fail(option, f"tensor {_named(name)} in {shown(root / info.file)} has shape "
                         f"{list(info.shape)}, the model of its config.json needs "
                         f"{list(shape)} (a shape or vocabulary mismatch)")
     if extra:
-        raise _fail(option, f"{root} holds the tensor {_named(extra[0])}, which the model of its "
+        raise _fail(option, f"{shown(root)} holds the tensor {_named(extra[0])}, which the model of its "
                     "config.json has no parameter for")

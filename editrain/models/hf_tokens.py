@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from editrain.models.hf_dir import read_config, special_tokens
+from editrain.paths import shown
 from editrain.safe_io import quote, read_json_value
 
 __all__ = ["GENERATION_FILE", "TOKEN_ID_KEYS", "check_kept_ids", "check_special_ids",
@@ -50,7 +51,7 @@ def tokenizer_special_ids(tok_dir: str | Path) -> dict[str, int | None]:
     for kind, text in special_tokens(tok_dir).items():
         tid = tok.token_to_id(text)
         if tid is None:
-            raise ValueError(f"{tok_dir}: its tokenizer files name the {kind} token {quote(text)}, "
+            raise ValueError(f"{shown(tok_dir)}: its tokenizer files name the {kind} token {quote(text)}, "
                              f"which its tokenizer.json does not hold; name a token of its "
                              f"vocabulary")
         ids[f"{kind}_token_id"] = int(tid)
@@ -64,7 +65,7 @@ def _is_id(value: Any, vocab_size: int) -> bool:
     return value >= 0 and (not vocab_size or value < vocab_size)
 
 
-def check_special_ids(ids: Mapping[str, Any], vocab_size: int, where: str) -> None:
+def check_special_ids(ids: Mapping[str, Any], vocab_size: int, where: str | Path) -> None:
     """Every id of ``ids`` is ``null`` or a token of the model's vocabulary (a non-empty
     list of them for ``eos_token_id``, as Llama 3 names several).
 
@@ -72,7 +73,8 @@ def check_special_ids(ids: Mapping[str, Any], vocab_size: int, where: str) -> No
         ids: :data:`TOKEN_ID_KEYS` (or some of them) -> the value to write.
         vocab_size: the model's vocabulary (its embedding's rows); 0: not known, then an
             id is only checked to be a non-negative integer.
-        where: the file the ids came from, for the message.
+        where: the file the ids came from, for the message (spelled by
+            :func:`editrain.paths.shown`).
 
     Raises:
         ValueError: one line naming ``where``, the field, its value and what is allowed.
@@ -86,7 +88,8 @@ def check_special_ids(ids: Mapping[str, Any], vocab_size: int, where: str) -> No
             continue
         ids_of = f"0 to {vocab_size - 1}" if vocab_size else "a non-negative integer"
         lists = ", or a non-empty list of such ids" if key == "eos_token_id" else ""
-        raise ValueError(f"{where}: {key} is {quote(value)}, not a token of the model's vocabulary "
+        raise ValueError(f"{shown(where)}: {key} is {quote(value)}, not a token of the model's "
+                         "vocabulary "
                          f"(an id from {ids_of}{lists}, or null)")
 
 
@@ -139,8 +142,8 @@ def _check_kept_ids(tok_dir: str | Path, model_dir: str | Path | None,
         path = None if where is None else Path(where) / GENERATION_FILE
         if path is not None and path.is_file():
             if _same_dir(where, tok_dir):
-                value = read_json_value(path.read_bytes(), str(path), error=ValueError)
+                value = read_json_value(path.read_bytes(), shown(path), error=ValueError)
                 if not isinstance(value, dict):
-                    raise ValueError(f"{path} is not a JSON object")
+                    raise ValueError(f"{shown(path)} is not a JSON object")
                 check_special_ids(value, vocab_size, str(path))
             return

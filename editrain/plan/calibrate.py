@@ -54,6 +54,7 @@ from editrain.metrics import (
     read_rank_steps,
     read_summary,
 )
+from editrain.paths import shown
 from editrain.plan.inputs import GBIT, SHAPE_FIELDS, Cluster, MethodSpec, ModelSpec
 from editrain.plan.model import model_shape, step_flops
 from editrain.rundir import list_checkpoints, read_marker
@@ -267,12 +268,12 @@ def read_config(run_dir: str | Path) -> tuple[MethodSpec, ModelSpec]:
     """
     path = Path(run_dir) / "config.toml"
     if not path.is_file():
-        raise ConfigError(f"plan: {run_dir} holds no config.toml")
+        raise ConfigError(f"plan: {shown(run_dir)} holds no config.toml")
     cfg = _read_toml(path)
     try:
         method, model = _settings(cfg)
     except ConfigError as e:  # e.g. a model.hf_config moved since, or relative elsewhere
-        raise ConfigError(f"plan: {path}: {e}") from None
+        raise ConfigError(f"plan: {shown(path)}: {e}") from None
     if model.preset is None:  # the model's vocabulary is its config.json's
         return method, model
     return method, dataclasses.replace(model, vocab_size=run_vocab_size(run_dir, cfg))
@@ -359,7 +360,7 @@ CONFIG_MAX_BYTES = 4 << 20
 def _read_toml(path: Path) -> dict[str, Any]:
     """A run's ``config.toml``: a regular file within :data:`CONFIG_MAX_BYTES` (a link is
     not followed), parsed; one :class:`ConfigError` line naming it otherwise."""
-    return read_toml(path, max_bytes=CONFIG_MAX_BYTES, where=f"plan: {path}", option="plan",
+    return read_toml(path, max_bytes=CONFIG_MAX_BYTES, where=f"plan: {shown(path)}", option="plan",
                      error=ConfigError, what="run configuration")
 
 
@@ -433,7 +434,7 @@ def read_run(run_dir: str | Path, skip: int = 4) -> RunSample:
     """
     d = Path(run_dir)
     if not (d / "metrics.jsonl").is_file() or not (d / "config.toml").is_file():
-        raise ConfigError(f"plan --calibrate: {d} is not a run directory (no metrics.jsonl "
+        raise ConfigError(f"plan --calibrate: {shown(d)} is not a run directory (no metrics.jsonl "
                           "and config.toml)")
     cfg = _read_toml(d / "config.toml")
     method, model = read_config(d)
@@ -457,7 +458,7 @@ def read_run(run_dir: str | Path, skip: int = 4) -> RunSample:
     window = [r for r in rows if r["step"] > first]
     if len(window) < 2:
         job = f" in its latest job (after step {start})" if start else ""
-        raise ConfigError(f"plan --calibrate: {d} has {len(rows)} steps{job}; it needs more "
+        raise ConfigError(f"plan --calibrate: {shown(d)} has {len(rows)} steps{job}; it needs more "
                           f"than {skip + 2}")
 
     # Per-replica compute from the per-rank logs (the global rows are one replica's).
@@ -673,7 +674,8 @@ def _check_one_job(samples: list[RunSample]) -> None:
                 diff.append(f"{name} {a} vs {b}")
         if diff:
             raise ConfigError(
-                f"plan --calibrate: {s.run_dir} ran another job than {first.run_dir} ("
+                f"plan --calibrate: {shown(s.run_dir)} ran another job than "
+                f"{shown(first.run_dir)} ("
                 + ", ".join(diff) + "): calibrate from runs of one model, batch and replica "
                 "layout, pipeline included (their methods, links and stragglers may "
                 "differ)")
@@ -744,7 +746,7 @@ def pipeline_factor(sample: RunSample) -> float:
     try:
         pipe = check_pipeline(shape, sample.model, method, lay)
     except ConfigError as e:
-        raise ConfigError(f"plan --calibrate: {sample.run_dir}: {e}") from None
+        raise ConfigError(f"plan --calibrate: {shown(sample.run_dir)}: {e}") from None
     return schedule_factor(shape, sample.model, pipe)
 
 

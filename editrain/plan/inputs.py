@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from editrain.errors import ConfigError, plain_count, plain_scalar, spelled
+from editrain.paths import shown
 from editrain.safe_io import parse_toml_scalar, read_toml
 from editrain.sync.methods import OUTER_SGD
 
@@ -337,9 +338,9 @@ class ModelSpec:
         (training refuses them too: the model is the file's)."""
         option = "hf_config" if self.hf_config is not None else "init_from"
         if self.hf_config is not None and not Path(self.hf_config).exists():
-            raise _fail("model.hf_config", f"file not found: {self.hf_config}")
+            raise _fail("model.hf_config", f"file not found: {shown(self.hf_config)}")
         if self.init_from is not None and not Path(self.init_from).is_dir():
-            raise _fail("model.init_from", f"not a directory: {self.init_from}")
+            raise _fail("model.init_from", f"not a directory: {shown(self.init_from)}")
         for name in (*SHAPE_FIELDS, "vocab_size"):
             if getattr(self, name) is not None:
                 raise _fail(f"model.{name}", f"the model's shape comes from model.{option} "
@@ -627,9 +628,9 @@ def load_inputs(path: str | Path | None = None, overrides: dict[str, dict[str, A
     if path is not None:
         p = Path(path)
         if not p.is_file():
-            raise ConfigError(f"plan: file not found: {p}")
+            raise ConfigError(f"plan: file not found: {shown(p)}")
         # the user's file: a link to it is followed (their choice), its size bounded
-        data = read_toml(p, max_bytes=PLAN_MAX_BYTES, where=f"plan: {p}", option="plan",
+        data = read_toml(p, max_bytes=PLAN_MAX_BYTES, where=f"plan: {shown(p)}", option="plan",
                          error=ConfigError, what="plan configuration", follow=True)
     unknown = sorted(set(data) - {"cluster", "model", "method"})
     if unknown:

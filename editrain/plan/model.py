@@ -26,6 +26,7 @@ from functools import lru_cache
 from typing import Any
 
 from editrain.errors import ConfigError, as_config_error
+from editrain.paths import shown
 from editrain.plan import pipeline
 from editrain.plan.inputs import Cluster, MethodSpec, ModelSpec, training_section
 from editrain.sync import codecs
@@ -160,7 +161,7 @@ def _hf_shape(source: str, option: str) -> Shape:
     if not isinstance(ffn, int) or isinstance(ffn, bool) or ffn <= 0:
         missing.append("intermediate_size")
     if missing:
-        raise ConfigError(f"{option}: {source} gives no positive {missing[0]}; the plan "
+        raise ConfigError(f"{option}: {shown(source)} gives no positive {missing[0]}; the plan "
                           "reads a llama-like config.json (hidden_size, num_hidden_layers, "
                           "num_attention_heads, intermediate_size, vocab_size)")
     dim, heads = hf_int(data, "hidden"), hf_int(data, "heads")
