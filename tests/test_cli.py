@@ -20,6 +20,7 @@ from editrain import cli
 from editrain.config import ConfigError, describe_options, load_config
 from editrain.data import prepare_tokens
 from editrain.metrics import read_rank_logs
+from editrain.paths import shown
 from tests.cli import MODE_ENV, run_cli
 
 BIN = Path(sys.executable).with_name("editrain")
@@ -654,7 +655,7 @@ def test_corrupted_token_cache_is_refused_before_any_worker(tmp_path, capsys, no
     assert code == 2, err
     line = error_line(err)
     for w in ("data.cache_dir", str(train_bin), "corrupted", "checksum",
-              f"delete {data.cache_dir}"):
+              f"delete {shown(data.cache_dir)}"):
         assert w in line, (w, err)
     assert not run_dir.exists()
 

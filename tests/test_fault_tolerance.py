@@ -988,8 +988,8 @@ def test_cli_ft_resume_with_no_step_left_is_refused_before_anything_is_written(
              "--dist.ft_timeout_s", "5", "--run-dir", str(run), "--resume", str(run)],
             capture_output=True, text=True, env=env, timeout=150)
         assert proc.returncode != 0, proc.stderr[-3000:]
-        assert proc.stderr.count(f"cannot resume from {run}/replica{r}/checkpoints/"
-                                 f"step_00000008: {refusal}") == 1, proc.stderr[-3000:]
+        assert proc.stderr.count(f"cannot resume from \"{run}/replica{r}/checkpoints/"
+                                 f"step_00000008\": {refusal}") == 1, proc.stderr[-3000:]
         assert _run_files(run) == before, r
 
 
@@ -1055,7 +1055,7 @@ def test_cli_ft_replica_groups_under_torchrun_share_one_run_directory(tmp_path, 
             time.sleep(0.2)
         again = run_job(0, "--steps", "4")
         assert again.returncode != 0
-        assert (f"--dist.ft_replica_id: replica group 0 of {run} is in use by another "
+        assert (f"--dist.ft_replica_id: replica group 0 of \"{run}\" is in use by another "
                 "editrain job") in again.stderr, again.stderr[-3000:]
         other = run_job(1, "--steps", "6")
         assert other.returncode != 0

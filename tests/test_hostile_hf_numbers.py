@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from editrain.config import ConfigError, load_config
+from editrain.paths import shown as shown_path
 
 transformers = pytest.importorskip(
     "transformers", reason="the Hugging Face tests need the hf extra (pip install -e '.[hf]')")
@@ -89,7 +90,7 @@ def _refused(model: dict, tmp_path: Path, pattern: str) -> str:
 
 
 def _count_refusal(option: str, file: Path, field: str, most: int = HF_COUNT_MAX) -> str:
-    return (f"^{re.escape(option)}: {re.escape(str(file))}: {field} is .*; expected an "
+    return (f"^{re.escape(option)}: {re.escape(shown_path(file))}: {field} is .*; expected an "
             f"integer from 1 to {most:,}, or null \\(not given\\)$")
 
 
@@ -132,7 +133,7 @@ def test_a_real_number_that_is_not_positive_and_finite_is_refused(dirs, tmp_path
     inner = f"{field.split('.')[0]}: " if "." in field else ""
     key = field.split(".")[-1]
     _refused({"init_from": str(d)}, tmp_path,
-             f"^model.init_from: {re.escape(str(d / 'config.json'))}: {inner}{key} is .*; "
+             f"^model.init_from: {re.escape(shown_path(d / 'config.json'))}: {inner}{key} is .*; "
              "expected a positive finite number, or null \\(not given\\)$")
 
 
@@ -141,7 +142,7 @@ def test_a_real_number_that_is_not_positive_and_finite_is_refused(dirs, tmp_path
 def test_a_flag_that_is_not_true_or_false_is_refused(dirs, tmp_path, arch, text):
     d = _with(dirs[arch], tmp_path / "m", "config.json", "tie_word_embeddings", text)
     _refused({"init_from": str(d)}, tmp_path,
-             f"^model.init_from: {re.escape(str(d / 'config.json'))}: tie_word_embeddings "
+             f"^model.init_from: {re.escape(shown_path(d / 'config.json'))}: tie_word_embeddings "
              "is .*; expected true or false, or null \\(not given\\)$")
 
 
@@ -149,7 +150,7 @@ def test_a_flag_that_is_not_true_or_false_is_refused(dirs, tmp_path, arch, text)
 def test_rope_parameters_that_are_no_object_are_refused(dirs, tmp_path, text):
     d = _with(dirs["llama"], tmp_path / "m", "config.json", "rope_parameters", text)
     _refused({"init_from": str(d)}, tmp_path,
-             f"^model.init_from: {re.escape(str(d / 'config.json'))}: rope_parameters is "
+             f"^model.init_from: {re.escape(shown_path(d / 'config.json'))}: rope_parameters is "
              ".*; expected a JSON object")
 
 
@@ -208,7 +209,7 @@ def test_a_special_token_named_by_no_text_is_refused_not_skipped(dirs, tmp_path,
         (src / file).write_text(json.dumps({"eos_token": "<|endoftext|>"}))
     d = _with(src, tmp_path / "m", file, "eos_token", text)
     _refused({"init_from": str(d)}, tmp_path,
-             f"^data.tokenizer: {re.escape(str(d / file))}: eos_token is .*; expected the "
+             f"^data.tokenizer: {re.escape(shown_path(d / file))}: eos_token is .*; expected the "
              "token's text")
 
 
@@ -246,7 +247,7 @@ def test_every_message_about_a_model_directorys_config_names_model_init_from(
     config = dirs["qwen"] / "config.json"
     # a worker whose tokenizer has more ids than the model's embedding (vocab_size 320)
     with pytest.raises(ValueError, match=rf"^model.init_from: vocab_size 320 in "
-                                         rf"{re.escape(str(dirs['qwen']))} is smaller"):
+                                         rf"{re.escape(shown_path(dirs['qwen']))} is smaller"):
         build_model(cfg, 1000, torch.device("cpu"))
     # the file as every caller reads it, with the option it came from
     bad = tmp_path / "bad"
@@ -258,7 +259,7 @@ def test_every_message_about_a_model_directorys_config_names_model_init_from(
         (bad / "config.json").write_text(text)
         with pytest.raises(ValueError) as e:
             read_hf_config(bad, "model.init_from")
-        assert str(e.value).startswith(f"model.init_from: {bad / 'config.json'}"), e.value
+        assert str(e.value).startswith(f"model.init_from: \"{bad / 'config.json'}\""), e.value
         assert said in str(e.value)
     monkeypatch.setattr(hf, "transformers_available", lambda: False)
     _refused(model, tmp_path, r"^model.init_from needs the transformers package")
@@ -299,7 +300,7 @@ def test_a_null_the_config_class_requires_is_refused_by_name(dirs, tmp_path, arc
     source = str(d) if option == "init_from" else str(d / "config.json")
     allowed = NULL_ALLOWED.get(field, f"an integer from 1 to {HF_COUNT_MAX:,}")
     _refused({option: source}, tmp_path,
-             f"^model.{option}: {re.escape(str(d / 'config.json'))}: {field} is null, which "
+             f"^model.{option}: {re.escape(shown_path(d / 'config.json'))}: {field} is null, which "
              f"(Llama|Qwen2)Config does not take; expected {re.escape(allowed)}$")
 
 
@@ -423,7 +424,7 @@ def test_a_null_transformers_reads_past_its_default_is_refused_by_name(tmp_path,
     owner = type(transformers.AutoConfig.for_model(family)).__name__
     allowed = NULL_BREAKS_ALLOWED.get(key, "a number")
     _refused({"hf_config": str(config)}, tmp_path,
-             f"^model.hf_config: {re.escape(str(config))}: {key} is null, which {owner} does "
+             f"^model.hf_config: {re.escape(shown_path(config))}: {key} is null, which {owner} does "
              f"not take; expected {re.escape(allowed)}$")
 
 
@@ -484,7 +485,7 @@ def test_editrains_llama_reads_a_rope_theta_null_as_transformers_does(dirs, tmp_
     data = json.loads((d / "config.json").read_text())
     (d / "config.json").write_text(json.dumps({**data, "rope_theta": None}))
     _refused({"init_from": str(d)}, tmp_path,
-             f"^model.init_from: {re.escape(str(d / 'config.json'))}: rope_theta is null, "
+             f"^model.init_from: {re.escape(shown_path(d / 'config.json'))}: rope_theta is null, "
              "which LlamaConfig does not take; expected a positive finite number$")
 
 
@@ -533,7 +534,7 @@ def test_a_tokenizer_files_value_is_quoted_as_json(dirs, tmp_path, file):
     d = _with(src, tmp_path / "n", "tokenizer_config.json", "eos_token", '"<nowhere>"')
     with pytest.raises(ValueError, match='the eos token "<nowhere>", which'):
         tokenizer_special_ids(d)
-    with pytest.raises(ValueError, match=r"^config.json: eos_token_id is \[true\], not a token"):
+    with pytest.raises(ValueError, match=r"^\"config.json\": eos_token_id is \[true\], not a token"):
         check_special_ids({"eos_token_id": [True]}, 320, "config.json")
 
 
@@ -546,7 +547,7 @@ def test_a_llama3_rope_scaling_read_from_a_json_file_is_quoted_as_json(dirs, tmp
         d = _with(dirs["llama"], tmp_path / text, "config.json", "rope_parameters", json.dumps(
             {**scaling, "factor": "@"}).replace('"@"', text))
         _refused({"init_from": str(d)}, tmp_path,
-                 f"^model.init_from: {re.escape(str(d / 'config.json'))}: rope_parameters: "
+                 f"^model.init_from: {re.escape(shown_path(d / 'config.json'))}: rope_parameters: "
                  f"{re.escape(shown)}; expected a positive finite number, or null "
                  "\\(not given\\)$")
 

@@ -20,6 +20,7 @@ import pytest
 
 from editrain import cli
 from editrain.launch import elastic
+from editrain.paths import shown
 from editrain.spawn import (
     LOOPBACK,
     START_METHOD_ENV,
@@ -184,10 +185,11 @@ def test_a_worker_error_is_one_line_exit_2_with_the_traceback_in_logs(checkpoint
                        "--resume", str(checkpointed), timeout=120)
     assert proc.returncode == 2, explain(proc)
     line = one_error_line(proc.stderr)
-    assert "cannot read checkpoint data" in line and str(ckpt) in line, line
+    assert "cannot read checkpoint data" in line and shown(ckpt) in line, line
     assert len(proc.stderr.strip().splitlines()) <= 2, proc.stderr
     rank = int(line.split("rank ", 1)[1].split(":", 1)[0])
-    log = Path(line.rsplit("(traceback: ", 1)[1].rstrip(")"))
+    log = Path(line.rsplit("(traceback: ", 1)[1].rstrip(")").strip('"'))
+    assert line.endswith(f"(traceback: {shown(log)})"), line
     assert log == checkpointed / "logs" / f"rank{rank}.log", line
     text = log.read_text()
     assert "Traceback (most recent call last)" in text and "CheckpointError" in text
@@ -416,9 +418,9 @@ def test_the_line_prefers_an_editrain_error_over_a_lost_peer(tmp_path):
     reported = (0, SimpleNamespace(exitcode=1))
     e = elastic.describe_failure(reported, files, tmp_path)
     assert e.exit_code == 2
-    assert str(e) == f"rank 1: step_2: cannot read its data (traceback: {files[1]})"
+    assert str(e) == f"rank 1: step_2: cannot read its data (traceback: {shown(files[1])})"
     (tmp_path / "rank1.log").write_text("Traceback ...")
-    assert f"(traceback: {tmp_path / 'rank1.log'})" in str(
+    assert f"(traceback: {shown(tmp_path / 'rank1.log')})" in str(
         elastic.describe_failure(reported, files, tmp_path))
 
 
@@ -618,7 +620,7 @@ def test_every_rank_runs_rank_0s_options_in_rank_0s_run_directory(case, tmp_path
     elif case == "tokenizer":
         assert got[0] == got[1] == (
             f"ConfigError: rank 1 reads other files than rank 0 for data.tokenizer (there "
-            f"{tmp_path}/node1/tokenizer.json, rank 0: {tmp_path}/node0/tokenizer.json): "
+            f"\"{tmp_path}/node1/tokenizer.json\", rank 0: \"{tmp_path}/node0/tokenizer.json\"): "
             "its path may differ between nodes, what it holds may not (another revision "
             "of a hub model, a tokenizer or weights changed on one node)")
     else:

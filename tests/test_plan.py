@@ -775,7 +775,7 @@ def test_calibrate_reads_a_runs_config_toml_strictly(tmp_path, old, new, why):
     (run / "config.toml").write_text(text.replace(old, new, 1))
     with pytest.raises(ConfigError) as info:
         calibrate([run])
-    assert str(info.value) == f"plan: {run / 'config.toml'}: {why}"
+    assert str(info.value) == f"plan: \"{run / 'config.toml'}\": {why}"
 
 
 def test_calibrate_rejects_a_non_run(tmp_path):
@@ -1011,7 +1011,7 @@ def test_calibrate_refuses_runs_of_different_jobs(tmp_path):
     b.write_text(b.read_text().replace("batch_size = 8", "batch_size = 16"))
     c.write_text(c.read_text().replace("nproc = 2\nshard_size = 1",
                                        "nproc = 4\nshard_size = 2"))
-    with pytest.raises(ConfigError, match=r"b ran another job than .*a \(model.batch_size 8 "
+    with pytest.raises(ConfigError, match=r"b\" ran another job than .*a\" \(model.batch_size 8 "
                                           r"vs 16\): calibrate from runs of one model"):
         calibrate([tmp_path / "a", tmp_path / "b"])
     with pytest.raises(ConfigError, match=r"shard_size 1 vs 2\)"):

@@ -294,7 +294,7 @@ def test_a_config_toml_that_cannot_be_kept_is_refused_before_any_work(tmp_path):
     (run / "config.toml").write_text("# " + "x" * (2 << 20) + "\n")
     before = (run / "editrain-run.json").read_text()
     cfg = load_config(None, {"run_dir": str(run), "resume": str(run)})
-    with pytest.raises(RunDirError, match=r"config\.toml: the run's configuration has .* "
+    with pytest.raises(RunDirError, match=r"config\.toml\": the run's configuration has .* "
                                           r"move it away first"):
         check_run_dir(cfg, run)
     with pytest.raises(RunDirError, match="cannot be kept in the run record"):

@@ -445,7 +445,7 @@ def read_run(run_dir: str | Path, skip: int = 4) -> RunSample:
         # pipeline's stages included)
         world = _nproc(cfg, replicas * method.pp * S * method.tp)
     except ConfigError as e:
-        raise ConfigError(f"plan: {d / 'config.toml'}: {e}") from None
+        raise ConfigError(f"plan: {shown(d / 'config.toml')}: {e}") from None
     start, rows, ranks = job_rows(d, world)
     rows = measured_rows(rows, ROW_SCHEMA)
     ranks = {rank: measured_rows(got, ROW_SCHEMA) for rank, got in ranks.items()}
