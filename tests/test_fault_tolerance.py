@@ -196,13 +196,10 @@ def test_a_joining_replica_that_did_not_heal_votes_no_where_members_trained():
     assert unhealed_join_error(True, False, None) is None  # no rendezvous
 
 
-def test_the_attempts_of_a_join_take_one_round_index():
-    """A group waits in its first round until every group is in the quorum; under torchrun
-    the groups start apart, and it tries every 0.2 s. Each failed attempt used to take a
-    round index, so the run's first sync was printed (and logged in metrics.jsonl) as
-    "sync 74" after a wait of 8 s. The attempts are one round: the index stays where it
-    was until one commits. The engine's own book-keeping (Rounds) closes the attempts;
-    only the torchft group is faked, its quorum never formed."""
+def _schedule_without_quorum(counters):
+    """A fault-tolerant schedule of replica 1 (of 2) whose torchft group never forms a
+    quorum with the others: the engine's own book-keeping (Rounds) closes its attempts,
+    only the group is faked. Returns the schedule and its rounds."""
     from types import SimpleNamespace
 
     from editrain.sync.clock import SyncClock
@@ -210,9 +207,8 @@ def test_the_attempts_of_a_join_take_one_round_index():
     from editrain.sync.ft import QuorumError
     from editrain.sync.ft_round import FaultTolerantSchedule
     from editrain.sync.rounds import Rounds
-    from editrain.sync.view import Counters
 
-    class Group:  # the lighthouse has no quorum with the others yet
+    class Group:  # the lighthouse has no quorum with the others
         committed_syncs = 0
 
         def begin(self):
@@ -224,7 +220,6 @@ def test_the_attempts_of_a_join_take_one_round_index():
         def commit(self) -> bool:
             return False
 
-    counters = Counters(next_index=5)  # (as a resumed group's)
     rounds = Rounds(SyncConfig(**EDIT), units=[], fragments=[[]], model=None, comm=None,
                     reduction=SimpleNamespace(num_replicas=2),
                     clock=SyncClock(None, torch.device("cpu"), 0), progress=None,
@@ -234,6 +229,21 @@ def test_the_attempts_of_a_join_take_one_round_index():
     sched.engine = SimpleNamespace(counters=counters, units=[], open_round=rounds.open_round,
                                    close_round=rounds.close_round)
     sched.group, sched.streaming, sched.members, sched.failed_rounds = Group(), None, None, 0
+    return sched, rounds
+
+
+def test_the_attempts_of_a_join_take_one_round_index():
+    """A group waits in its first round until every group is in the quorum; under torchrun
+    the groups start apart, and it tries every 0.2 s. Each failed attempt used to take a
+    round index, so the run's first sync was printed (and logged in metrics.jsonl) as
+    "sync 74" after a wait of 8 s. The attempts are one round: the index stays where it
+    was until one commits. The engine's own book-keeping (Rounds) closes the attempts;
+    only the torchft group is faked, its quorum never formed."""
+    from editrain.sync.ft import QuorumError
+    from editrain.sync.view import Counters
+
+    counters = Counters(next_index=5)  # (as a resumed group's)
+    sched, rounds = _schedule_without_quorum(counters)
     with pytest.raises(QuorumError, match="no quorum of 2 replicas within 1 s"):
         sched.join(2, timeout_s=0.6)
     attempts = rounds.sync_log
@@ -248,27 +258,8 @@ def test_a_join_ends_when_what_runs_between_its_attempts_raises():
     run ended (the trainer's RunEndWatch): its error ends the join at once, on the attempt
     it came after, instead of after the join's timeout (600 s under torchrun). It runs
     after every attempt that did not commit, and never after one that did."""
-    from types import SimpleNamespace
-
     from editrain.errors import RunDirError
-    from editrain.sync.clock import SyncClock
-    from editrain.sync.config import SyncConfig
-    from editrain.sync.ft import QuorumError
-    from editrain.sync.ft_round import FaultTolerantSchedule
-    from editrain.sync.rounds import Rounds
     from editrain.sync.view import Counters
-
-    class Group:  # the lighthouse forms no quorum with the others
-        committed_syncs = 0
-
-        def begin(self):
-            raise QuorumError("torchft quorum failed: timed out")
-
-        def report_error(self, exc: Exception) -> None:
-            pass
-
-        def commit(self) -> bool:
-            return False
 
     looks: list[int] = []
 
@@ -277,16 +268,7 @@ def test_a_join_ends_when_what_runs_between_its_attempts_raises():
         if len(looks) == 3:
             raise RunDirError("the run has ended at step 6")
 
-    counters = Counters()
-    rounds = Rounds(SyncConfig(**EDIT), units=[], fragments=[[]], model=None, comm=None,
-                    reduction=SimpleNamespace(num_replicas=2),
-                    clock=SyncClock(None, torch.device("cpu"), 0), progress=None,
-                    counters=counters, losses=SimpleNamespace(take=lambda: None),
-                    before_sync=None, replica=1)
-    sched = FaultTolerantSchedule.__new__(FaultTolerantSchedule)  # (no engine needed)
-    sched.engine = SimpleNamespace(counters=counters, units=[], open_round=rounds.open_round,
-                                   close_round=rounds.close_round)
-    sched.group, sched.streaming, sched.members, sched.failed_rounds = Group(), None, None, 0
+    sched, _ = _schedule_without_quorum(Counters())
     with pytest.raises(RunDirError, match="has ended at step 6"):
         sched.join(2, timeout_s=60, between_attempts=between_attempts)
     assert looks == [1, 2, 3] and sched.failed_rounds == 3

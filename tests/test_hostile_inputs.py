@@ -336,11 +336,16 @@ wrote it (TOML's ``true``, ``"8"``, ``inf``, ``{a = 1}``), not as Python prints 
 
 @pytest.mark.parametrize("text,said", VALUES_AS_WRITTEN, ids=[t for t, _ in VALUES_AS_WRITTEN])
 def test_a_refused_config_value_is_quoted_as_the_file_wrote_it(tmp_path, text, said):
+    assert _refusal_of(tmp_path, text) == said
+
+
+def _refusal_of(tmp_path, text: str) -> str:
+    """The message of the ConfigError that a config file holding ``text`` is refused with."""
     path = tmp_path / "run.toml"
     path.write_text(text + "\n")
     with pytest.raises(ConfigError) as got:
         load_config(str(path))
-    assert str(got.value) == said
+    return str(got.value)
 
 
 CHOICES_AS_WRITTEN = (
@@ -391,11 +396,8 @@ the message: the value as the file wrote it (``"fp8"``, a table ``{lr = -1}``, a
 
 @pytest.mark.parametrize("text,said", CHOICES_AS_WRITTEN, ids=[t for t, _ in CHOICES_AS_WRITTEN])
 def test_a_refused_choice_or_name_is_quoted_as_the_file_wrote_it(tmp_path, text, said):
-    path = tmp_path / "run.toml"
-    path.write_text(text + "\n")
-    with pytest.raises(ConfigError) as got:
-        load_config(str(path))
-    assert str(got.value).startswith(said), str(got.value)
+    message = _refusal_of(tmp_path, text)
+    assert message.startswith(said), message
 
 
 def test_a_refused_python_value_is_quoted_as_a_file_would_write_it():
