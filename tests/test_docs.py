@@ -59,3 +59,24 @@ def test_api_md_covers_the_public_api():
     text = (ROOT / "docs" / "api.md").read_text()
     missing = [n for n in editrain.__all__ if n != "__version__" and f"`{n}" not in text]
     assert not missing, f"docs/api.md does not mention: {missing}"
+
+
+REFUSAL = re.compile(r"`(--[a-z][\w.-]*: [^`]*)`")
+"""A refusal the pages quote: an option, a colon, the message (an inline code span, which
+may run over a line break)."""
+BARE_PLACEHOLDER = re.compile(r'(?<!["\w/])(DIR|RUN_DIR|CKPT|PATH|FILE|OUT)(?![\w/"])')
+"""A path placeholder written bare, where editrain quotes the path (``"DIR"``)."""
+
+
+def test_a_refusal_quoted_in_the_docs_names_its_path_as_editrain_writes_it():
+    """Every refusal names a path as :func:`editrain.paths.shown` spells it, in double
+    quotes (``--run-dir: "DIR" is in use ...``); a page that quotes one writes its path
+    placeholder so too. Three refusals of the run directory (a group started after the
+    run ended, a replica group's lock held, a rank waiting for rank 0) were still quoted
+    with a bare DIR after 9668aa8 had quoted the path in the code."""
+    bare = []
+    for page in (ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))):
+        for span in REFUSAL.findall(page.read_text()):
+            bare += [f"{page.name}: `{' '.join(span.split())}`"
+                     for _ in BARE_PLACEHOLDER.finditer(span)]
+    assert bare == [], bare
