@@ -1118,5 +1118,5 @@ def test_the_faults_tokens_per_step_are_read_strictly(tmp_path, option, value):
     train = {"batch_size": 8, "seq_len": 64, "gradient_accumulation_steps": 2}
     assert _tokens_per_rank_step(Run("r", tmp_path, {}, config={"train": train})) == 1024
     bad = {k: v for k, v in {**train, option: value}.items() if v is not None}
-    with pytest.raises(ConfigError, match=rf"config.toml: train.{option}: "):
+    with pytest.raises(ConfigError, match=rf"config.toml\": train.{option}: "):
         _tokens_per_rank_step(Run("r", tmp_path, {}, config={"train": bad}))

@@ -108,7 +108,7 @@ def test_jsonl_source(tmp_path):
 def test_jsonl_missing_field_names_line(tmp_path):
     path = tmp_path / "bad.jsonl"
     path.write_text('{"text": "ok"}\n{"content": "no text"}\n', encoding="utf-8")
-    with pytest.raises(ValueError, match=r'bad\.jsonl:2:.*"text"'):
+    with pytest.raises(ValueError, match=r'bad\.jsonl":2:.*"text"'):
         list(iter_documents(resolve_sources(str(path))))
 
 
@@ -761,7 +761,7 @@ def test_corrupted_entry_of_equal_size_is_refused(tmp_path):
         prepare_tokens("default", tmp_path, vocab_size=300, max_bytes=60_000)
     msg = str(info.value)
     for words in ("data.cache_dir", str(path), "corrupted", "checksum",
-                  f"delete {path.parent}"):
+                  f'delete "{path.parent}"'):
         assert words in msg, (words, msg)
 
 

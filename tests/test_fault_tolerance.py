@@ -1152,7 +1152,7 @@ def test_cli_ft_group_waiting_in_its_first_quorum_stops_once_the_others_finished
         lighthouse.shutdown()
     stderr = errors.read_text()
     assert proc.returncode != 0 and took < 20, (took, stderr[-3000:])
-    assert (f"editrain: error: --dist.ft_replica_id: the run in {run} has ended at step 2: "
+    assert (f"editrain: error: --dist.ft_replica_id: the run in \"{run}\" has ended at step 2: "
             "replica group(s) 0 finished it (train.steps 2; where they ended: group 0 step "
             "2 (its job finished the run; no checkpoint of that step))") in stderr, \
         stderr[-3000:]

@@ -201,7 +201,7 @@ def test_a_config_json_claiming_more_layers_than_its_weights(tmp_path):
         shutil.copytree(good, bad)
         data = json.loads((bad / "config.json").read_text())
         (bad / "config.json").write_text(json.dumps({**data, "num_hidden_layers": layers}))
-        with pytest.raises(ConfigError, match=rf"model.init_from: .*config.json has "
+        with pytest.raises(ConfigError, match=rf"model.init_from: .*config.json\" has "
                                               rf"num_hidden_layers = {layers:,}, but its "
                                               r"weights hold 2 layers"):
             load_config(None, {"model": {"init_from": str(bad)}})
@@ -273,11 +273,11 @@ def test_a_checkpoints_marker_is_checked_against_its_tensors():
                                             "tie_embeddings")}
     model, window = checkpoint_model({"model": fields}, tensors, Path("ck"), "sample")
     assert window == mcfg.max_seq_len and model.state_dict().keys() >= tensors.keys()
-    with pytest.raises(ConfigError, match=r"^export: ck/editrain.json has n_layers = "
+    with pytest.raises(ConfigError, match=r'^export: "ck/editrain.json" has n_layers = '
                                           r"100,000, but its weights hold 2 layers"):
         checkpoint_model({"model": {**fields, "n_layers": 10**5}}, tensors, Path("ck"),
                          "export", real=False)
-    with pytest.raises(CheckpointError, match=r'^sample: ck: tensor "tok_embeddings.weight" '
+    with pytest.raises(CheckpointError, match=r'^sample: "ck": tensor "tok_embeddings.weight" '
                                               r"has shape \[300, 64\], the model its "
                                               r"description builds needs \[300, 4096\]"):
         checkpoint_model({"model": {**fields, "dim": 4096, "n_heads": 64, "n_kv_heads": 64}},
@@ -288,7 +288,7 @@ def test_a_checkpoints_marker_is_checked_against_its_tensors():
                       ({"rope_scaling": {"factor": 2}}, "rope_scaling must hold exactly")):
         with pytest.raises(CheckpointError) as e:
             checkpoint_model({"model": {**fields, **bad}}, tensors, Path("ck"), "sample")
-        assert str(e.value).startswith("sample: ck/editrain.json: its model is not one "
+        assert str(e.value).startswith('sample: "ck/editrain.json": its model is not one '
                                        "editrain's Llama can be (") and said in str(e.value)
 
 

@@ -399,7 +399,7 @@ def test_an_odd_layer_count_in_the_hf_config_is_refused_by_name(raw: str,
         load_config(None, {"model": {"hf_config": str(path)},
                            "dist": {"pp_size": 2, "nproc": 4, "shard_size": 1}})
     message = str(e.value)
-    assert message.startswith(f"model.hf_config: {path}") and "\n" not in message, message
+    assert message.startswith(f"model.hf_config: \"{path}\": ") and "\n" not in message, message
     assert "num_hidden_layers" in message, message
 
 
