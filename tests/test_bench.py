@@ -908,6 +908,21 @@ def test_report_assembles_tables_from_results_json(tmp_path):
     assert text.isascii()
 
 
+def test_report_without_results_names_where_it_looked(tmp_path):
+    """``bench report`` with no results quotes the directory it looked in; the pattern of
+    what it looked for stays out of the quotes (``"ROOT/<scenario>"`` read as a directory
+    named ``<scenario>``)."""
+    from editrain.bench import _report
+    from editrain.errors import ConfigError
+    from editrain.paths import shown
+
+    root = tmp_path / "my results"
+    root.mkdir()
+    with pytest.raises(ConfigError) as e:
+        _report(root, {"path": str(tmp_path / "benchmarks.md")})
+    assert str(e.value) == (f"bench report: no <scenario>/results.json under {shown(root)}; "
+                            "run `editrain bench all` (or single scenarios) first")
+
 def test_report_flags_measurement_errors(tmp_path):
     """A measurement error is stated as such at the top and in its section."""
     from editrain.bench.report import write_benchmarks_md

@@ -410,6 +410,20 @@ def error_file(path: Path, name: str, message: str) -> Path:
     return path
 
 
+def test_every_group_failing_quotes_the_run_directory_not_the_logs_pattern(tmp_path):
+    """The run directory is quoted as every path is, the pattern of the groups' log
+    directories after it is not: quoted whole (``"RUN/replica*/logs"``, as 9668aa8 wrote
+    it) the glob read as one directory named ``replica*``, and a shell would not expand
+    it. The exit code is 2 only where every group died of an error editrain reported."""
+    from editrain.launch.ft import every_group_failed
+
+    run = tmp_path / "my run"
+    e = every_group_failed(run, [2, 2])
+    assert str(e) == ("every replica group failed (each one's reason is above; the "
+                      f"tracebacks are in {shown(run)}/replica*/logs/); nothing finished")
+    assert e.exit_code == 2
+    assert every_group_failed(run, [2, 1]).exit_code == every_group_failed(run, []).exit_code == 1
+
 def test_the_line_prefers_an_editrain_error_over_a_lost_peer(tmp_path):
     files = {0: error_file(tmp_path / "rank0.error.json", "RuntimeError",
                            "Connection closed by peer"),

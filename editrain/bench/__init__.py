@@ -163,9 +163,9 @@ def _report(root: Path, flags: dict[str, Any]) -> dict[str, Any]:
         check_path("bench report --readme", readme, "in_file")
     dirs = scenario_dirs(root, SCENARIOS)
     if not dirs:
-        raise ConfigError(f"bench report: no results.json under "
-                          f"{shown_path(Path(root) / '<scenario>')}; run `editrain bench all` "
-                          "(or single scenarios) first")
+        raise ConfigError(f"bench report: no <scenario>/results.json under "
+                          f"{shown_path(root)}; run `editrain bench all` (or single "
+                          "scenarios) first")
     if readme:
         check_readme(readme)  # no markers: fail before writing anything
     written = write_benchmarks_md(dirs, path=path)

@@ -98,6 +98,17 @@ def _group_main(cfg: Config, replica: int, attempt: int, lighthouse: str,
     sys.exit(code)
 
 
+def every_group_failed(run_dir: Path, codes: list[int]) -> LaunchError:
+    """The launcher's refusal when no replica group finished: exit code 2 where every
+    group died of an error editrain reported, 1 otherwise. The run directory is quoted
+    (:func:`editrain.paths.shown`), the pattern of the groups' log directories after it is
+    not: in quotes, ``replica*`` would read as a directory of that name, and a shell would
+    not expand it."""
+    return LaunchError("every replica group failed (each one's reason is above; the "
+                       f"tracebacks are in {shown(run_dir)}/replica*/logs/); nothing "
+                       "finished", 2 if codes and all(c == 2 for c in codes) else 1)
+
+
 def run_ft(job: Job, data_entry: str | None = None) -> dict[str, Any]:
     """``editrain train --ft``: a lighthouse here, one process tree per replica group, a
     group that dies started again (after ``sim.fail_restart_s``) as long as the others
@@ -143,9 +154,7 @@ def run_ft(job: Job, data_entry: str | None = None) -> dict[str, Any]:
                                time.perf_counter() - groups.t0)
     if not summary["finished_replicas"]:
         codes = [e["exit_code"] for e in groups.events if e["event"] == "died"]
-        raise LaunchError("every replica group failed (each one's reason is above; the "
-                          f"tracebacks are in {shown(job.run_dir / 'replica*' / 'logs')}); nothing "
-                          "finished", 2 if codes and all(c == 2 for c in codes) else 1)
+        raise every_group_failed(job.run_dir, codes)
     if job.cfg.checkpoint.export_final:  # the global model, which every group holds
         from editrain.hf_checkpoint import export_checkpoint
 
