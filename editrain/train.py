@@ -780,8 +780,8 @@ def one_replica_note(method: str, replicas: int, ft: bool) -> str | None:
     if replicas != 1 or method == "sync":
         return None
     more = ("set dist.ft_replicas (or dist.nproc) for more groups" if ft else
-            "a replica is pp_size x shard_size x tp_size ranks of dist.nproc: "
-            "--shard-size 1 makes every rank one")
+            "a replica is dist.pp_size x shard_size x tp_size of the dist.nproc ranks: "
+            "a smaller --shard-size or a larger --nproc makes more")
     return (f"sync.method = {spelled(method)} on one replica: its syncs have no other replica to "
             f"average with and only apply the outer optimizer to its own progress ({more})")
 
