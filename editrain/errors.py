@@ -157,13 +157,15 @@ def spelled_env(name: str, text: str, limit: int = 40) -> str:
     """The environment variable ``name`` set to ``text`` as a shell sets it, for a message
     that refuses it: ``RAYON_NUM_THREADS=many``, quoted only where the shell needs it
     (``OMP_NUM_THREADS='2 4'``), a control character escaped as bash's ``$'...'`` writes it
-    (one line); at most ``limit`` characters of the value. Python's ``'many'`` quoted a
-    word the user never quoted."""
+    (one line); at most ``limit`` characters of the value, a longer one followed by its
+    length (``RAYON_NUM_THREADS=999...9... (50 characters)``: cut without a word, it read
+    as the whole value). Python's ``'many'`` quoted a word the user never quoted."""
+    cut = f"... ({len(text)} characters)" if len(text) > limit else ""
     text = text[:limit]
     if text.isprintable():
-        return f"{name}={shlex.quote(text)}"
+        return f"{name}={shlex.quote(text)}{cut}"
     escaped = text.encode("unicode_escape").decode("ascii").replace("'", "\\'")
-    return f"{name}=$'{escaped}'"
+    return f"{name}=$'{escaped}'{cut}"
 
 
 SCALAR_KINDS: dict[type, tuple[type, str]] = {

@@ -261,7 +261,8 @@ def test_rayon_num_threads_junk_is_refused_by_name(monkeypatch):
 
 ENV_AS_SET = (("many", "RAYON_NUM_THREADS=many"), ("-1", "RAYON_NUM_THREADS=-1"),
               ("2 4", "RAYON_NUM_THREADS='2 4'"), ("it's", "RAYON_NUM_THREADS='it'\"'\"'s'"),
-              ("1\t2", "RAYON_NUM_THREADS=$'1\\t2'"))
+              ("1\t2", "RAYON_NUM_THREADS=$'1\\t2'"),
+              ("9" * 50, "RAYON_NUM_THREADS=" + "9" * 40 + "... (50 characters)"))
 """An environment variable's value that is refused, and how the message names it: as a
 shell sets it (quoted only where the shell needs it, a control character as bash's
 ``$'...'`` escapes it, on one line), not as Python prints a string (``'many'``)."""
