@@ -1265,6 +1265,39 @@ def test_a_torchrun_worker_is_told_rank_0s_decision(tmp_path, monkeypatch):
         assert told == {"rejoined": decision, "watched": False}
 
 
+def test_a_torchrun_group_notes_its_end_while_it_holds_its_lock(tmp_path, monkeypatch):
+    """Rank 0 of a replica group's torchrun job summarises the run (and notes there that
+    the group finished it) before it lets go of the group's lock. Before, it let go first:
+    a new job of the same group could start in between, join the run, and then be noted
+    as finished by the old job's summary."""
+    import editrain.launch
+    import editrain.train
+    from editrain.launch import run_dir, run_under_torchrun
+
+    run = tmp_path / "run"
+    job = group_job(run, 0)
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+
+    def join(self):  # what _join_run leaves: the group's lock held for the job
+        self.lock = rundir.RunLock(run, 0).acquire()
+
+    held: list[bool] = []
+
+    def summarise(_job):
+        other_job = rundir.RunLock(run, 0)  # a new job of group 0 trying to start
+        held.append(other_job.try_acquire() is not None)
+        if not held[-1]:
+            other_job.release()
+
+    monkeypatch.setattr(run_dir.RunDirClaim, "join", join)
+    monkeypatch.setattr(editrain.train, "run_worker", lambda *a, **k: {})
+    monkeypatch.setattr(editrain.launch, "summarise", summarise)
+    run_under_torchrun(job.cfg)
+    assert held == [True]
+    assert rundir.RunLock(run, 0).try_acquire() is None  # released at the job's end
+
+
 @pytest.mark.parametrize(("rejoined", "count", "resumed"), [
     (True, 0, "step_8"),  # rank 0 rejoined; this rank's node restarted uncounted
     (False, 1, None),     # rank 0 made a new claim: --resume only (none here)

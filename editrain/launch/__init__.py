@@ -66,7 +66,12 @@ def run_under_torchrun(cfg: Config, started_at: float | None = None) -> dict[str
     """Join a torchrun job: rank 0 claims the run directory (the other ranks wait for its
     decision, and share its refusal), every rank trains, rank 0 plots (``started_at``:
     when this rank's command started, :attr:`Job.started_at`). Returns this rank's
-    summary."""
+    summary.
+
+    Rank 0 summarises while the job still holds its lock: a replica group of a
+    fault-tolerant run notes there that it finished the run (:func:`summarise`), and a new
+    job of the same group that started between the release and the note was taken as
+    finished after it had joined the run."""
     import_torch()
     from editrain.train import run_worker
 
@@ -78,8 +83,8 @@ def run_under_torchrun(cfg: Config, started_at: float | None = None) -> dict[str
         rejoined = run_dir.join()
         summary = run_worker(job.cfg, str(job.run_dir), rejoined=rejoined,
                              run_ended=ended_run_watch(job))
-    if job.rank == 0:
-        summarise(job)
+        if job.rank == 0:
+            summarise(job)
     return summary
 
 
