@@ -63,20 +63,25 @@ def env_switch(name: str) -> bool:
     return SWITCH_WORDS[text.lower()]
 
 
-def env_count(name: str, text: str | None = None) -> int | None:
-    """The positive count the environment variable ``name`` gives (``text``: its value,
-    default read from the environment); None when it is unset or empty.
+def env_count(name: str, text: str | None = None, least: int = 1,
+              least_means: str = "") -> int | None:
+    """The count the environment variable ``name`` gives (``text``: its value, default
+    read from the environment); None when it is unset or empty.
+
+    Args:
+        least: the smallest count taken (0 where a variable reads 0 as "the default").
+        least_means: what ``least`` means, for the message (e.g. `` (rayon's default)``).
 
     Raises:
-        ConfigError: naming the variable, for anything but a whole number from 1 to
-            :data:`LARGEST_COUNT`.
+        ConfigError: naming the variable, for anything but a whole number from ``least``
+            to :data:`LARGEST_COUNT`.
     """
     text = (os.environ.get(name, "") if text is None else text).strip()
     if not text:
         return None
-    if not (text.isascii() and text.isdigit() and 1 <= int(text) <= LARGEST_COUNT):
-        raise ConfigError(f"{spelled_env(name, text)}: expected a whole number from 1 to "
-                          f"{LARGEST_COUNT}, or unset")
+    if not (text.isascii() and text.isdigit() and least <= int(text) <= LARGEST_COUNT):
+        raise ConfigError(f"{spelled_env(name, text)}: expected a whole number from "
+                          f"{least}{least_means} to {LARGEST_COUNT}, or unset")
     return int(text)
 
 
@@ -98,11 +103,9 @@ def rayon_threads() -> int | None:
         ConfigError: naming the variable, for anything but a whole number from 0 to
             :data:`LARGEST_COUNT`.
     """
-    text = os.environ.get(RAYON_THREADS, "").strip()
-    if text and not (text.isascii() and text.isdigit() and int(text) <= LARGEST_COUNT):
-        raise ConfigError(f"{spelled_env(RAYON_THREADS, text)}: expected a whole number from 0 "
-                          f"(rayon's default: a thread per CPU) to {LARGEST_COUNT}, or unset")
-    return int(text) if text and int(text) > 0 else None
+    count = env_count(RAYON_THREADS, least=0,
+                      least_means=" (rayon's default: a thread per CPU)")
+    return count or None
 
 
 def env_int(name: str, default: int | None = None, minimum: int = 0) -> int:

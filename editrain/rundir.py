@@ -314,8 +314,7 @@ class RunLock:
             return (f"--run-dir: {shown(run_dir)} is in use by another editrain job ({holder}); "
                     "wait for it to end or choose another directory")
         return (f"--dist.ft_replica_id: replica group {self.replica} of {shown(run_dir)} is in "
-                f"use "
-                f"by another editrain job ({holder}); wait for it to end, or start this job "
+                f"use by another editrain job ({holder}); wait for it to end, or start this job "
                 "as another replica group")
 
     def release(self) -> None:
